@@ -1,0 +1,190 @@
+"""Typed launchers of the spec_* kernels, and the burst driver that issues rounds with them.
+
+A round, in stream order: [seed_gather] → draft chain → assemble_verify → verify trunk →
+accept → commit → rollback. The driver owns nothing model-specific: the caller hands it its
+draft chain and verify trunk as callables that queue work on the engine's stream.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from .buffer import DeviceBuffer
+from .cache import Cache
+from .errors import CapacityError
+from .graph import Graph
+from .module import Launch
+from .round_stream import StreamBufs
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+MODES = ("readback", "stream", "graph")
+
+
+class SpecKernels:
+    """The five round-stream kernels of ptx/spec_stream.ptx (loaded once per engine).
+
+    `prepare_*` validates the buffers and returns a prepared launch to keep and call every
+    round; the plain methods launch once.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.module = engine.load_ptx("spec_stream")
+
+    def _launch(self, name: str, types: list[str], *values: object, threads: int = 1) -> Launch:
+        block = min(max(32, threads), 256)
+        grid = min((threads + block - 1) // block, 1024)
+        return self.module.kernel(name).prepare(types, grid, block).set(*values)
+
+    def prepare_seed_gather(self, rows_d: DeviceBuffer, row_words: int, bufs: StreamBufs,
+                            out_d: DeviceBuffer) -> Launch:
+        _words("rows_d", rows_d)
+        _words("out_d", out_d)
+        if row_words < 1 or rows_d.len % row_words or out_d.len < row_words:
+            raise ValueError(f"rows_d ({rows_d.len} words) must hold whole rows of {row_words} words "
+                             f"and out_d ({out_d.len}) one row")
+        return self._launch("spec_seed_gather", ["ptr", "u32", "u32", "ptr", "ptr"],
+                            rows_d, rows_d.len // row_words, row_words, bufs.acc_d, out_d, threads=row_words)
+
+    def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: DeviceBuffer) -> Launch:
+        _words("draft_d", draft_d, at_least=bufs.k)
+        return self._launch("spec_assemble_verify", ["ptr", "ptr", "u32", "ptr", "ptr", "ptr"],
+                            bufs.pend_d, draft_d, bufs.k, bufs.vtok_d, bufs.pos_ctr, bufs.pos_start_d,
+                            threads=bufs.k + 1)
+
+    def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: DeviceBuffer) -> Launch:
+        _words("pred_d", pred_d, at_least=bufs.k + 1)
+        return self._launch("spec_accept_greedy_dc", ["ptr", "ptr", "u32", "ptr", "ptr", "ptr", "ptr"],
+                            bufs.vtok_d, pred_d, bufs.k, bufs.brk_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d)
+
+    def prepare_ring_commit(self, bufs: StreamBufs) -> Launch:
+        return self._launch("spec_ring_commit", ["ptr"] * 6 + ["u32", "u32"],
+                            bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
+                            bufs.ring_cap, bufs.k)
+
+    def prepare_rollback(self, table_d: DeviceBuffer, bufs: StreamBufs) -> Launch:
+        if table_d.dtype != np.uint64:
+            raise ValueError(f"a pointer table is a u64 buffer, not {table_d!r}")
+        return self._launch("spec_rollback_stream", ["ptr", "u32", "ptr", "ptr"],
+                            table_d, table_d.len, bufs.pos_start_d, bufs.ctl_d, threads=table_d.len)
+
+    def seed_gather(self, rows_d: DeviceBuffer, row_words: int, bufs: StreamBufs, out_d: DeviceBuffer) -> None:
+        self.prepare_seed_gather(rows_d, row_words, bufs, out_d)()
+
+    def assemble_verify(self, bufs: StreamBufs, draft_d: DeviceBuffer) -> None:
+        self.prepare_assemble_verify(bufs, draft_d)()
+
+    def accept_greedy(self, bufs: StreamBufs, pred_d: DeviceBuffer) -> None:
+        self.prepare_accept_greedy(bufs, pred_d)()
+
+    def ring_commit(self, bufs: StreamBufs) -> None:
+        self.prepare_ring_commit(bufs)()
+
+    def rollback(self, table_d: DeviceBuffer, bufs: StreamBufs) -> None:
+        self.prepare_rollback(table_d, bufs)()
+
+
+def _words(name: str, buf: DeviceBuffer, at_least: int = 1) -> None:
+    if buf.dtype.itemsize != 4 or buf.len < at_least:
+        raise ValueError(f"{name} must be a 32-bit buffer of at least {at_least} elements, not {buf!r}")
+
+
+class RoundStream:
+    """Issues rounds onto the engine's stream and generates with one readback per burst.
+
+    Three ways to run the same rounds, for comparison and for embedding:
+    "readback" — one round, then read tokens and the done flag back: the loop an engine would
+    write without round-stream; "stream" — M rounds issued from Python, one readback;
+    "graph" — the M rounds and the readback captured once as a CUDA graph and replayed.
+    """
+
+    def __init__(self, spec: SpecKernels, bufs: StreamBufs, *, draft_chain: Callable[[], None],
+                 verify_trunk: Callable[[], None], draft_d: DeviceBuffer, pred_d: DeviceBuffer,
+                 rollback_tables: Sequence[DeviceBuffer], caches: Sequence[Cache],
+                 seed_gather: Launch | None = None):
+        if not rollback_tables:
+            raise ValueError("rollback needs at least one pointer table (pos_ctr last in the last one)")
+        self.engine = spec.engine
+        self.bufs = bufs
+        self.caches = list(caches)
+        self._round: list[Callable[[], None]] = [
+            *([seed_gather] if seed_gather is not None else []),
+            draft_chain,
+            spec.prepare_assemble_verify(bufs, draft_d),
+            verify_trunk,
+            spec.prepare_accept_greedy(bufs, pred_d),
+            spec.prepare_ring_commit(bufs),
+            *(spec.prepare_rollback(table, bufs) for table in rollback_tables),
+        ]
+        self._graph: Graph | None = None
+        self.rounds = 0
+
+    def issue_round(self) -> None:
+        for step in self._round:
+            step()
+        self.rounds += 1
+
+    def issue_burst(self) -> None:
+        for _ in range(self.bufs.m_rounds):
+            self.issue_round()
+
+    def burst(self) -> np.ndarray:
+        """Issue M rounds and drain the ring: the committed tokens, with one readback."""
+        self.issue_burst()
+        tokens = self.bufs.drain_ring(self.engine)
+        self.engine.set_u32(self.bufs.ring_d, 0, 0)
+        return tokens
+
+    @property
+    def graph(self) -> Graph:
+        """M rounds, the ring and ctl copies to pinned memory and the ring reset, as one graph."""
+        if self._graph is None:
+            self._graph = Graph(self.engine, self._issue_burst_and_readback)
+        return self._graph
+
+    def _issue_burst_and_readback(self) -> None:
+        rounds = self.rounds
+        self.issue_burst()
+        self.bufs.queue_readback(self.engine)
+        self.rounds = rounds  # capture issues nothing to the GPU
+
+    def check_capacity(self, position: int, rounds: int) -> None:
+        """Raise CapacityError unless every KV cache can take rounds·(k+1) entries past position."""
+        need = position + rounds * (self.bufs.k + 1)
+        for i, cache in enumerate(self.caches):
+            if cache.capacity is not None and need > cache.capacity:
+                raise CapacityError(
+                    f"KV cache {i} holds {cache.capacity} entries but the next burst of {rounds} rounds "
+                    f"at k={self.bufs.k} may write up to {need} (position {position}): use a larger "
+                    f"cache, fewer rounds per burst or a token budget")
+
+    def generate(self, start_pos: int, max_new_tokens: int, *, eos: int | None = None,
+                 mode: str = "graph") -> np.ndarray:
+        """Generate until EOS or max_new_tokens (the device's token budget).
+
+        `start_pos` is pos_ctr after prefill (tokens whose KV is committed); the host tracks
+        the position from the tokens it reads back, so checking capacity costs no readback.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        self.bufs.set_stop(self.engine, eos, max_new_tokens)
+        rounds = 1 if mode == "readback" else self.bufs.m_rounds
+        burst = {"readback": self.issue_round, "stream": self.issue_burst, "graph": self._launch_graph}[mode]
+        out: list[np.ndarray] = []
+        generated, done = 0, max_new_tokens == 0
+        while not done:
+            self.check_capacity(start_pos + generated, rounds)
+            burst()
+            if mode != "graph":
+                self.bufs.queue_readback(self.engine)
+            tokens, done = self.bufs.collect(self.engine)
+            out.append(tokens)
+            generated += len(tokens)
+        return np.concatenate(out) if out else np.zeros(0, np.uint32)
+
+    def _launch_graph(self) -> None:
+        self.graph.launch()
+        self.rounds += self.bufs.m_rounds

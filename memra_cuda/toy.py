@@ -1,0 +1,311 @@
+"""The toy language model: its definition in numpy, and the same model on the GPU.
+
+A deterministic model whose next token depends on every KV entry, so a wrong rollback or a
+wrong position changes the output (DESIGN.md, "Toy language model"). The numpy half is the
+oracle: `target_greedy` is what any correct speculative decoder must reproduce, and
+`speculative_generate` runs the round-stream loop on numpy buffers through `reference.py`.
+`ToyLM` is the same model as ptx/toy_lm.cu kernels, wired to a RoundStream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from . import reference as ref
+from .cache import Cache
+from .round_stream import kv_len_ptr_table
+from .spec import RoundStream, SpecKernels
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .round_stream import StreamBufs
+
+M32 = 0xFFFFFFFF
+BLOCK = 256  # toy_lm.cu's block size; verify handles k + 1 <= BLOCK tokens
+
+
+def fmix(h: int) -> int:
+    h &= M32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & M32
+    return h ^ (h >> 16)
+
+
+def fmix_array(h: np.ndarray) -> np.ndarray:
+    """fmix over a u32 array (in u64, masked, so nothing overflows)."""
+    h = h.astype(np.uint64)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & M32
+    return (h ^ (h >> 16)).astype(np.uint32)
+
+
+def salt(layer: int) -> int:
+    return fmix(0x27D4EB2F * (layer + 1))
+
+
+@dataclass(frozen=True)
+class ToyModel:
+    """The toy's parameters: target layers `kv_mask` (True: the layer has a KV cache), the
+    draft's error rate `noise_ppm` and its confidence floor `p_min`."""
+
+    seed: int = 1
+    vocab: int = 32000
+    kv_mask: tuple[bool, ...] = (True, True, False, True)
+    noise_ppm: int = 100_000
+    p_min: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.kv_mask) <= 32:
+            raise ValueError(f"the toy has 1 to 32 target layers, not {len(self.kv_mask)}")
+        if not 0 <= self.seed <= M32 or not 1 <= self.vocab <= M32:
+            raise ValueError("seed must be a u32 and vocab a positive u32")
+        if not 0 <= self.noise_ppm <= 1_000_000:
+            raise ValueError(f"noise_ppm must be in [0, 1e6], not {self.noise_ppm}")
+
+    def embed(self, token: int, pos: int) -> int:
+        return fmix(token * 0x9E3779B1 + pos * 0x85EBCA77 + self.seed)
+
+    @property
+    def kv_bits(self) -> int:
+        return sum(1 << layer for layer, has_kv in enumerate(self.kv_mask) if has_kv)
+
+    @property
+    def break_below(self) -> int:
+        """Draft confidences q/1000 below p_min, counted: a break is `q < break_below`, so the
+        kernel compares integers exactly as numpy does."""
+        return int(np.count_nonzero(np.arange(1000) / 1000 < self.p_min))
+
+    def predict(self, history: int, token: int, pos: int) -> int:
+        """The target's token after `token` at `pos`; `history` is the wrapping sum of every KV
+        layer's entries before pos."""
+        e = self.embed(token, pos)
+        total = history
+        for layer, has_kv in enumerate(self.kv_mask):
+            total += fmix(e ^ salt(layer)) if has_kv else fmix(token ^ salt(layer))
+        return fmix(self.seed ^ (total & M32)) % self.vocab
+
+    def kv_entries(self, token: int, pos: int) -> int:
+        """Sum over the KV layers of the entries token-at-pos appends."""
+        e = self.embed(token, pos)
+        return sum(fmix(e ^ salt(layer)) for layer, has_kv in enumerate(self.kv_mask) if has_kv) & M32
+
+    def draft_noisy(self, pos: int) -> bool:
+        return fmix(((pos * 0x9E3779B1) & M32) ^ self.seed ^ 0x5BD1E995) % 1_000_000 < self.noise_ppm
+
+    def draft_breaks(self, pos: int) -> bool:
+        return fmix(pos ^ self.seed ^ 0x68E31DA4) % 1000 < self.break_below
+
+
+def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
+                  eos: int | None = None) -> list[int]:
+    """The target's own greedy continuation: the output speculative decoding must equal."""
+    history = 0
+    for pos, token in enumerate(prompt[:-1]):
+        history = (history + model.kv_entries(token, pos)) & M32
+    token, pos, out = int(prompt[-1]), len(prompt) - 1, []
+    while len(out) < max_new_tokens:
+        nxt = model.predict(history, token, pos)
+        history = (history + model.kv_entries(token, pos)) & M32
+        out.append(nxt)
+        if nxt == eos:
+            break
+        token, pos = nxt, pos + 1
+    return out
+
+
+class NumpyRoundStream:
+    """Round-stream on numpy buffers: the toy's draft and verify, and reference.py for the rest.
+
+    Same buffers, same round order, same clamps as on the GPU; the draft's KV stores
+    E(t, j) and it recomputes the target's sums from them, as toy_lm.cu does.
+    """
+
+    def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int):
+        self.model, self.k, self.m, self.capacity = model, k, m_rounds, capacity
+        self.ring_cap = m_rounds * (k + 1)
+        u32 = lambda n: np.zeros(n, np.uint32)  # noqa: E731
+        self.vtok, self.brk, self.pend, self.last_pred = u32(k + 1), u32(2), u32(1), u32(1)
+        self.ring, self.acc, self.draft, self.pred = u32(self.ring_cap + 1), u32(2), u32(max(k, 1)), u32(k + 1)
+        self.pos_ctr, self.pos_start = np.zeros(1, np.int32), np.zeros(1, np.int32)
+        self.ctl = np.array([-1, -1, 0, 0], np.int32)
+        self.tgt = [np.zeros(capacity, np.uint32) if kv else None for kv in model.kv_mask]
+        self.tgt_len = [np.zeros(1, np.int32) if kv else None for kv in model.kv_mask]
+        self.draft_kv, self.draft_len = np.zeros(capacity, np.uint32), np.zeros(1, np.int32)
+
+    def prefill(self, prompt: Sequence[int]) -> int:
+        n = len(prompt) - 1
+        for j, token in enumerate(prompt[:-1]):
+            e = self.model.embed(token, j)
+            self.draft_kv[j] = e
+            for layer, data in enumerate(self.tgt):
+                if data is not None:
+                    data[j] = fmix(e ^ salt(layer))
+        for length in [*self.tgt_len, self.draft_len, self.pos_ctr]:
+            if length is not None:
+                length[0] = n
+        self.pend[0] = prompt[-1]
+        return n
+
+    def draft_step(self, step: int) -> None:
+        model, p = self.model, int(self.pos_ctr[0]) + step
+        t = int(self.pend[0] if step == 0 else self.draft[step - 1])
+        if step < self.k:
+            history = sum(int(fmix_array(self.draft_kv[:p] ^ np.uint32(salt(layer))).sum(dtype=np.uint64))
+                          for layer, kv in enumerate(model.kv_mask) if kv)
+            pred = model.predict(history & M32, t, p)
+            self.draft[step] = (pred + 1) % model.vocab if model.draft_noisy(p) else pred
+            if model.draft_breaks(p) and self.brk[0] == 0:
+                self.brk[0] = step + 1
+        self.draft_kv[p] = model.embed(t, p)
+        self.draft_len[0] = p + 1
+
+    def verify(self) -> None:
+        model, pos = self.model, int(self.pos_start[0])
+        history = sum(int(data[:pos].sum(dtype=np.uint64)) for data in self.tgt if data is not None) & M32
+        for i, t in enumerate(int(x) for x in self.vtok):
+            self.pred[i] = model.predict(history, t, pos + i)
+            history = (history + model.kv_entries(t, pos + i)) & M32
+            e = model.embed(t, pos + i)
+            for layer, data in enumerate(self.tgt):
+                if data is not None:
+                    data[pos + i] = fmix(e ^ salt(layer))
+        for length in self.tgt_len:
+            if length is not None:
+                length[0] = pos + self.k + 1
+
+    def round(self) -> None:
+        for step in range(self.k + 1):
+            self.draft_step(step)
+        ref.spec_assemble_verify(self.pend, self.draft, self.k, self.vtok, self.pos_ctr, self.pos_start)
+        self.verify()
+        ref.spec_accept_greedy_dc(self.vtok, self.pred, self.k, self.brk, self.acc, self.last_pred, self.ctl)
+        ref.spec_ring_commit(self.vtok, self.acc, self.last_pred, self.ctl, self.pend, self.ring,
+                             self.ring_cap, self.k)
+        ref.spec_rollback_stream([*self.tgt_len, self.draft_len, self.pos_ctr], self.pos_start, self.ctl)
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+        pos = self.prefill(prompt)
+        self.ctl[:] = [-1 if eos is None else eos, max_new_tokens, 0, 0]
+        out: list[int] = []
+        while not self.ctl[ref.DONE]:
+            if pos + len(out) + self.ring_cap > self.capacity:
+                raise ValueError("numpy round stream: cache too small for the next burst")
+            for _ in range(self.m):
+                self.round()
+            out += [int(t) for t in self.ring[1:1 + int(self.ring[0])]]
+            self.ring[0] = 0
+        return out
+
+
+def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new_tokens: int,
+                         eos: int | None = None, m_rounds: int = 4) -> list[int]:
+    """The whole speculative loop in numpy (see NumpyRoundStream)."""
+    capacity = len(prompt) + max_new_tokens + (m_rounds + 1) * (k + 1)
+    return NumpyRoundStream(model, k, m_rounds, capacity).generate(prompt, max_new_tokens, eos)
+
+
+@dataclass(frozen=True)
+class ToyCost:
+    """Bytes of "weights" the verify trunk and each draft step stream from device memory, so
+    the toy can stand in for a real model's memory-bound forward pass."""
+
+    verify_bytes: int = 0
+    draft_bytes: int = 0
+
+
+# An 8B target and a 0.5B draft in bf16, memory-bound: their weights, read once per forward pass.
+COST_8B_05B = ToyCost(verify_bytes=16 * 10**9, draft_bytes=1 * 10**9)
+
+
+class ToyLM:
+    """The toy on the GPU: target and draft KV caches, the kernels, and their wiring."""
+
+    def __init__(self, engine: Engine, model: ToyModel, capacity: int, cost: ToyCost = ToyCost()):
+        self.engine, self.model, self.capacity, self.cost = engine, model, int(capacity), cost
+        self.module = engine.load_ptx("toy_lm")
+        self.target = Cache.allocate(engine, model.kv_mask, capacity)
+        self.draft = Cache.allocate(engine, [True], capacity)
+        layers = self.target.kv
+        self.data_table = engine.htod_u64([0 if kv is None else kv.data_d.ptr for kv in layers])
+        self.len_table = engine.htod_u64([0 if kv is None else kv.len_d.ptr for kv in layers])
+        weight_bytes = max(cost.verify_bytes, cost.draft_bytes)
+        self.weights = engine.alloc(np.uint8, weight_bytes, zeroed=True) if weight_bytes else None
+        self.sink = engine.alloc_u32_zeroed(1)
+
+    def prefill(self, bufs: StreamBufs, prompt: Sequence[int]) -> int:
+        """Fill both caches with the prompt but its last token, which becomes pending; reset
+        the burst state. Returns the start position (len(prompt) - 1)."""
+        n = len(prompt) - 1
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a cache of {self.capacity}")
+        engine, draft = self.engine, self.draft.kv[0]
+        if n:
+            tokens = engine.htod_u32(prompt[:-1])
+            self.module.kernel("toy_prefill").prepare(
+                ["ptr", "u32", "ptr", "ptr", "u32", "ptr", "ptr", "u32"], grid=(n + BLOCK - 1) // BLOCK,
+                block=BLOCK)(tokens, n, self.data_table, self.len_table, len(self.model.kv_mask),
+                             draft.data_d, draft.len_d, self.model.seed)
+        else:
+            for kv in [*self.target.kv, draft]:
+                if kv is not None:
+                    engine.set_u32(kv.len_d, 0, 0)
+        engine.copy_htod(bufs.pend_d, [prompt[-1]])
+        engine.copy_htod(bufs.pos_ctr, [n])
+        for buf in (bufs.ring_d, bufs.brk_d, bufs.acc_d):
+            engine.memset(buf, 0)
+        return n
+
+    def _stream(self, nbytes: int) -> list:
+        if not nbytes:
+            return []
+        n_vec = nbytes // 16
+        return [self.module.kernel("toy_stream_weights").prepare(["ptr", "u64", "ptr"], grid=132 * 4, block=512)
+                .set(self.weights, n_vec, self.sink)]
+
+    def draft_steps(self, bufs: StreamBufs, draft_d) -> list:
+        """The k+1 launches of one draft chain (each after its share of weight streaming)."""
+        m, draft = self.model, self.draft.kv[0]
+        kernel = self.module.kernel("toy_draft_step")
+        types = ["u32", "u32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32", "u32", "u32", "u32"]
+        steps = []
+        for step in range(bufs.k + 1):
+            steps += self._stream(self.cost.draft_bytes)
+            steps.append(kernel.prepare(types, block=BLOCK).set(
+                step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr, bufs.brk_d, draft.data_d, draft.len_d,
+                self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below))
+        return steps
+
+    def verify_steps(self, bufs: StreamBufs, pred_d) -> list:
+        m = self.model
+        verify = self.module.kernel("toy_verify").prepare(
+            ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32"], block=BLOCK).set(
+            bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred_d, self.data_table, self.len_table,
+            len(m.kv_mask), self.capacity, m.seed, m.vocab)
+        return [*self._stream(self.cost.verify_bytes), verify]
+
+    def round_stream(self, spec: SpecKernels, bufs: StreamBufs) -> RoundStream:
+        """A RoundStream driving this model: rollback walks one table over target and draft
+        layers with pos_ctr last."""
+        if bufs.k + 1 > BLOCK:
+            raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
+        engine = self.engine
+        draft_d = engine.alloc_u32_zeroed(max(bufs.k, 1))
+        pred_d = engine.alloc_u32_zeroed(bufs.k + 1)
+        drafts, verifies = self.draft_steps(bufs, draft_d), self.verify_steps(bufs, pred_d)
+        table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr)
+        return RoundStream(spec, bufs, draft_chain=_chain(drafts), verify_trunk=_chain(verifies),
+                           draft_d=draft_d, pred_d=pred_d, rollback_tables=[table],
+                           caches=[self.target, self.draft])
+
+
+def _chain(launches: list):
+    def issue() -> None:
+        for launch in launches:
+            launch()
+    return issue

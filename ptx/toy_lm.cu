@@ -1,0 +1,143 @@
+// The toy language model (DESIGN.md, "Toy language model"), mirrored by memra_cuda/toy.py.
+//
+// Its next token depends on every KV entry, so a wrong rollback or position changes the output,
+// and its work is spread over a block so a round costs little more than its launches: it exists
+// to expose the round-stream machinery's overhead. All arithmetic is u32 and wraps; the sums over
+// layers and entries are therefore one block-wide reduction each. KV appends are clamped to the
+// cache capacity: garbage positions produce garbage tokens, never a write outside a buffer.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define BLOCK 256  // every block-wide kernel is launched with this many threads
+
+__device__ __forceinline__ u32 fmix(u32 h) {
+    h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
+    return h;
+}
+__device__ __forceinline__ u32 embed(u32 t, u32 j, u32 seed) { return fmix(t * 0x9E3779B1u + j * 0x85EBCA77u + seed); }
+__device__ __forceinline__ u32 salt(u32 l) { return fmix(0x27d4eb2fu * (l + 1)); }
+
+// Wrapping sum of one value per thread over the block; every thread gets the total.
+__device__ u32 block_sum(u32 v) {
+    __shared__ u32 warp_sums[BLOCK / 32];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
+    __syncthreads();
+    u32 total = 0;
+    for (int w = 0; w < BLOCK / 32; ++w) total += warp_sums[w];
+    __syncthreads();
+    return total;
+}
+
+// Entries t_0..t_{n-1} into every target KV layer and the draft's layer; lengths become n.
+extern "C" __global__ void toy_prefill(const u32* tokens, u32 n, const u64* tgt_data, const u64* tgt_len,
+                                       u32 n_layers, u32* draft_data, int* draft_len, u32 seed) {
+    for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+        const u32 e = embed(tokens[j], j, seed);
+        draft_data[j] = e;
+        for (u32 l = 0; l < n_layers; ++l)
+            if (tgt_data[l]) ((u32*)tgt_data[l])[j] = fmix(e ^ salt(l));
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        *draft_len = (int)n;
+        for (u32 l = 0; l < n_layers; ++l)
+            if (tgt_len[l]) *(int*)tgt_len[l] = (int)n;
+    }
+}
+
+// Draft step `step` of k+1: consume the token at p = pos_ctr + step (pend, then the drafts),
+// append its KV; for step < k also predict draft[step] and flag a p-min break.
+extern "C" __global__ void toy_draft_step(u32 step, u32 k, const u32* pend_d, u32* draft_d, const int* pos_ctr,
+                                          u32* brk_d, u32* draft_data, int* draft_len, u32 capacity,
+                                          u32 kv_mask, u32 n_layers, u32 seed, u32 vocab, u32 noise_ppm,
+                                          u32 break_below) {
+    const u32 p = (u32)(pos_ctr[0] + (int)step);
+    const u32 t = step == 0 ? pend_d[0] : draft_d[step - 1];
+    const u32 e = embed(t, p, seed);
+    if (p >= capacity) {  // no room (or a garbage position): predict nothing, write nothing
+        if (threadIdx.x == 0 && step < k) draft_d[step] = 0;
+        return;
+    }
+    if (step < k) {
+        u32 part = 0;
+        for (u32 l = 0; l < n_layers; ++l) {
+            if (!((kv_mask >> l) & 1u)) continue;
+            const u32 s = salt(l);
+            for (u32 j = threadIdx.x; j < p; j += blockDim.x) part += fmix(draft_data[j] ^ s);
+        }
+        const u32 history = block_sum(part);
+        if (threadIdx.x == 0) {
+            u32 total = history;
+            for (u32 l = 0; l < n_layers; ++l)
+                total += ((kv_mask >> l) & 1u) ? fmix(e ^ salt(l)) : fmix(t ^ salt(l));
+            u32 pred = fmix(seed ^ total) % vocab;
+            if (fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm) pred = (pred + 1) % vocab;
+            draft_d[step] = pred;
+            if (fmix(p ^ seed ^ 0x68e31da4u) % 1000u < break_below && brk_d[0] == 0) brk_d[0] = step + 1;
+        }
+    }
+    if (threadIdx.x == 0) {  // after the reads above: entries [0, p) are never written here
+        draft_data[p] = e;
+        *draft_len = (int)(p + 1);
+    }
+}
+
+// Verify trunk: the k+1 tokens of vtok at positions pos_start.., causal; appends their KV to
+// every target layer and writes pred[i], the target's token after vtok[i]. k + 1 <= BLOCK.
+extern "C" __global__ void toy_verify(const u32* vtok_d, u32 k1, const int* pos_start_d, u32* pred_d,
+                                      const u64* tgt_data, const u64* tgt_len, u32 n_layers, u32 capacity,
+                                      u32 seed, u32 vocab) {
+    __shared__ u32 fresh[BLOCK];  // sum of token i's new KV entries over the layers
+    __shared__ u32 local[BLOCK];  // token i's contribution from layers without KV
+    const u32 pos = (u32)pos_start_d[0];
+    if (pos >= capacity) {
+        if (threadIdx.x < k1) pred_d[threadIdx.x] = 0;
+        return;
+    }
+    u32 part = 0;
+    for (u32 l = 0; l < n_layers; ++l) {
+        const u32* data = (const u32*)tgt_data[l];
+        if (data)
+            for (u32 j = threadIdx.x; j < pos; j += blockDim.x) part += data[j];
+    }
+    const u32 history = block_sum(part);
+    const u32 i = threadIdx.x;
+    if (i < k1) {
+        const u32 t = vtok_d[i], e = embed(t, pos + i, seed);
+        u32 f = 0, g = 0;
+        for (u32 l = 0; l < n_layers; ++l) {
+            u32* data = (u32*)tgt_data[l];
+            if (data) {
+                const u32 entry = fmix(e ^ salt(l));
+                f += entry;
+                if (pos + i < capacity) data[pos + i] = entry;
+            } else {
+                g += fmix(t ^ salt(l));
+            }
+        }
+        fresh[i] = f;
+        local[i] = g;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 running = history;
+        for (u32 j = 0; j < k1; ++j) {
+            running += fresh[j];
+            pred_d[j] = fmix(seed ^ (running + local[j])) % vocab;
+        }
+        const int len = (int)min(pos + k1, capacity);
+        for (u32 l = 0; l < n_layers; ++l)
+            if (tgt_len[l]) *(int*)tgt_len[l] = len;
+    }
+}
+
+// The model-cost knob: read n_vec 16-byte words of "weights", as a memory-bound model layer would.
+extern "C" __global__ void toy_stream_weights(const uint4* __restrict__ weights, u64 n_vec, u32* sink) {
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n_vec; i += (u64)gridDim.x * blockDim.x) {
+        const uint4 w = __ldg(weights + i);
+        acc.x ^= w.x; acc.y ^= w.y; acc.z ^= w.z; acc.w ^= w.w;
+    }
+    if ((acc.x & acc.y & acc.z & acc.w) == 0xffffffffu) sink[0] = acc.x;  // keeps the loads alive
+}
