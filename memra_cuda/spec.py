@@ -120,7 +120,8 @@ class RoundStream:
             *(spec.prepare_rollback(table, bufs) for table in rollback_tables),
         ]
         self._graph: Graph | None = None
-        self.rounds = 0
+        self.rounds = 0  # rounds issued to the GPU
+        self.bursts = 0  # host readbacks generate() waited for
 
     def issue_round(self) -> None:
         for step in self._round:
@@ -168,23 +169,33 @@ class RoundStream:
         `start_pos` is pos_ctr after prefill (tokens whose KV is committed); the host tracks
         the position from the tokens it reads back, so checking capacity costs no readback.
         """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        self.rounds_per_step(mode)  # validates the mode before anything is queued
         self.bufs.set_stop(self.engine, eos, max_new_tokens)
-        rounds = 1 if mode == "readback" else self.bufs.m_rounds
-        burst = {"readback": self.issue_round, "stream": self.issue_burst, "graph": self._launch_graph}[mode]
         out: list[np.ndarray] = []
         generated, done = 0, max_new_tokens == 0
         while not done:
-            self.check_capacity(start_pos + generated, rounds)
-            burst()
-            if mode != "graph":
-                self.bufs.queue_readback(self.engine)
-            tokens, done = self.bufs.collect(self.engine)
+            tokens, done = self.step(mode, start_pos + generated)
             out.append(tokens)
             generated += len(tokens)
         return np.concatenate(out) if out else np.zeros(0, np.uint32)
 
-    def _launch_graph(self) -> None:
-        self.graph.launch()
-        self.rounds += self.bufs.m_rounds
+    def rounds_per_step(self, mode: str) -> int:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        return 1 if mode == "readback" else self.bufs.m_rounds
+
+    def step(self, mode: str, position: int) -> tuple[np.ndarray, bool]:
+        """One burst (one round in "readback" mode) from `position`, and its one readback:
+        (committed tokens, done)."""
+        self.check_capacity(position, self.rounds_per_step(mode))
+        if mode == "graph":
+            self.graph.launch()
+            self.rounds += self.bufs.m_rounds
+        elif mode == "stream":
+            self.issue_burst()
+            self.bufs.queue_readback(self.engine)
+        else:
+            self.issue_round()
+            self.bufs.queue_readback(self.engine)
+        self.bursts += 1
+        return self.bufs.collect(self.engine)

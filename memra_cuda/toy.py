@@ -19,6 +19,7 @@ from .round_stream import kv_len_ptr_table
 from .spec import RoundStream, SpecKernels
 
 if TYPE_CHECKING:
+    from .buffer import DeviceBuffer
     from .engine import Engine
     from .round_stream import StreamBufs
 
@@ -137,6 +138,7 @@ class NumpyRoundStream:
         self.tgt = [np.zeros(capacity, np.uint32) if kv else None for kv in model.kv_mask]
         self.tgt_len = [np.zeros(1, np.int32) if kv else None for kv in model.kv_mask]
         self.draft_kv, self.draft_len = np.zeros(capacity, np.uint32), np.zeros(1, np.int32)
+        self.rounds = 0
 
     def prefill(self, prompt: Sequence[int]) -> int:
         n = len(prompt) - 1
@@ -188,6 +190,7 @@ class NumpyRoundStream:
         ref.spec_ring_commit(self.vtok, self.acc, self.last_pred, self.ctl, self.pend, self.ring,
                              self.ring_cap, self.k)
         ref.spec_rollback_stream([*self.tgt_len, self.draft_len, self.pos_ctr], self.pos_start, self.ctl)
+        self.rounds += 1
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
         pos = self.prefill(prompt)
@@ -226,7 +229,10 @@ COST_8B_05B = ToyCost(verify_bytes=16 * 10**9, draft_bytes=1 * 10**9)
 class ToyLM:
     """The toy on the GPU: target and draft KV caches, the kernels, and their wiring."""
 
-    def __init__(self, engine: Engine, model: ToyModel, capacity: int, cost: ToyCost = ToyCost()):
+    def __init__(self, engine: Engine, model: ToyModel, capacity: int, cost: ToyCost = ToyCost(),
+                 weights: DeviceBuffer | None = None):
+        """`weights`: a buffer to stream for the cost knob, shareable between models (one is
+        allocated when the cost needs it and none is given)."""
         self.engine, self.model, self.capacity, self.cost = engine, model, int(capacity), cost
         self.module = engine.load_ptx("toy_lm")
         self.target = Cache.allocate(engine, model.kv_mask, capacity)
@@ -235,7 +241,11 @@ class ToyLM:
         self.data_table = engine.htod_u64([0 if kv is None else kv.data_d.ptr for kv in layers])
         self.len_table = engine.htod_u64([0 if kv is None else kv.len_d.ptr for kv in layers])
         weight_bytes = max(cost.verify_bytes, cost.draft_bytes)
-        self.weights = engine.alloc(np.uint8, weight_bytes, zeroed=True) if weight_bytes else None
+        if weights is not None and weights.nbytes < weight_bytes:
+            raise ValueError(f"the cost streams {weight_bytes} bytes but weights hold {weights.nbytes}")
+        if weights is None and weight_bytes:
+            weights = engine.alloc(np.uint8, weight_bytes, zeroed=True)
+        self.weights = weights
         self.sink = engine.alloc_u32_zeroed(1)
 
     def prefill(self, bufs: StreamBufs, prompt: Sequence[int]) -> int:
