@@ -39,6 +39,7 @@ class Row:
     mode: str
     us_per_round: float
     tokens_per_s: float
+    readbacks_per_burst: float
     readbacks_per_token: float
     acceptance: float | None
     speedup: float = 1.0
@@ -95,35 +96,41 @@ def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict:
 
 def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str, k: int,
             m_rounds: int, mode: str, rounds: int) -> Row:
-    """Generate for `rounds` rounds (after one warm-up step that also captures the graph)."""
-    floor_rounds = rounds if mode == "graph" else 0
-    capacity = len(PROMPT) + (m_rounds + rounds + floor_rounds + m_rounds) * (k + 1)
+    """Generate for `rounds` rounds after one warm-up step (which also captures the graph); in
+    graph mode, then replay the same steps again from the same prompt for the device floor."""
+    capacity = len(PROMPT) + (m_rounds + rounds + m_rounds) * (k + 1)
     lm = ToyLM(engine, MODEL, capacity, cost, weights)
     bufs = StreamBufs(engine, k, m_rounds)
     stream = lm.round_stream(spec, bufs)
-    position = lm.prefill(bufs, PROMPT)
-    bufs.set_stop(engine, budget=NO_STOP)
-    position += len(stream.step(mode, position)[0])  # warm-up: JIT, capture, caches
-    rounds0, readbacks0, tokens = stream.rounds, engine.readbacks, 0
+    position = start(engine, lm, bufs, stream, mode)
+    rounds0, readbacks0, bursts0, tokens = stream.rounds, engine.readbacks, stream.bursts, 0
     t0 = time.perf_counter()
     while stream.rounds - rounds0 < rounds:
         new, _ = stream.step(mode, position)
         tokens += len(new)
         position += len(new)
     wall = time.perf_counter() - t0
-    done_rounds, readbacks = stream.rounds - rounds0, engine.readbacks - readbacks0
+    done_rounds, bursts = stream.rounds - rounds0, stream.bursts - bursts0
     row = Row(name, k, None if mode == "readback" else m_rounds, mode, wall / done_rounds * 1e6,
-              tokens / wall, readbacks / tokens, (tokens - done_rounds) / (done_rounds * k) if k else None)
-    if floor_rounds:
-        row.floor_us_per_round = device_floor(engine, stream, position, floor_rounds)
+              tokens / wall, (engine.readbacks - readbacks0) / bursts,
+              (engine.readbacks - readbacks0) / tokens, (tokens - done_rounds) / (done_rounds * k) if k else None)
+    if mode == "graph":
+        start(engine, lm, bufs, stream, mode)
+        row.floor_us_per_round = device_floor(engine, stream, bursts) * 1e3 / done_rounds
     bufs.free()
     return row
 
 
-def device_floor(engine: Engine, stream: RoundStream, position: int, rounds: int) -> float:
-    """µs per round of graph replays queued back to back, timed on the device."""
-    replays = max(1, rounds // stream.bufs.m_rounds)
-    stream.check_capacity(position, replays * stream.bufs.m_rounds)
+def start(engine: Engine, lm: ToyLM, bufs: StreamBufs, stream: RoundStream, mode: str) -> int:
+    """Prefill, lift the stop rule, and take one untimed warm-up step (JIT, capture, caches)."""
+    position = lm.prefill(bufs, PROMPT)
+    bufs.set_stop(engine, budget=NO_STOP)
+    return position + len(stream.step(mode, position)[0])
+
+
+def device_floor(engine: Engine, stream: RoundStream, replays: int) -> float:
+    """Milliseconds of `replays` graph replays queued back to back, timed on the device: the
+    same rounds as the timed run, with no host in the loop."""
     events = EventPair(engine)
     events.record(0)
     for _ in range(replays):
@@ -131,7 +138,7 @@ def device_floor(engine: Engine, stream: RoundStream, position: int, rounds: int
     events.record(1)
     ms = events.elapsed_ms()
     events.destroy()
-    return ms * 1e3 / (replays * stream.bufs.m_rounds)
+    return ms
 
 
 def bench_rounds(engine: Engine, quick: bool) -> list[Row]:
@@ -146,6 +153,7 @@ def bench_rounds(engine: Engine, quick: bool) -> list[Row]:
             base = measure(engine, spec, cost, weights, name, k, 1, "readback", rounds)
             base.floor_us_per_round = measure(engine, spec, cost, weights, name, k, 1, "graph", rounds).floor_us_per_round
             rows.append(base)
+            print(format_row(base), flush=True)
             for m_rounds in MS:
                 for mode in ("stream", "graph"):
                     row = measure(engine, spec, cost, weights, name, k, m_rounds, mode, max(rounds, m_rounds))
@@ -157,7 +165,7 @@ def bench_rounds(engine: Engine, quick: bool) -> list[Row]:
     return rows
 
 
-HEADER = (f"{'model':8} {'k':>2} {'M':>3} {'mode':9} {'us/round':>9} {'tokens/s':>10} "
+HEADER = (f"{'model':8} {'k':>2} {'M':>3} {'mode':9} {'us/round':>9} {'tokens/s':>10} {'rb/burst':>8} "
           f"{'rb/token':>8} {'accept':>6} {'speedup':>7} {'floor us':>9} {'/floor':>6}")
 
 
@@ -167,7 +175,7 @@ def format_row(r: Row) -> str:
     accept = f"{r.acceptance:6.2f}" if r.acceptance is not None else f"{'-':>6}"
     m = f"{r.m_rounds:3d}" if r.m_rounds else f"{'-':>3}"
     return (f"{r.model:8} {r.k:2d} {m} {r.mode:9} {r.us_per_round:9.1f} {r.tokens_per_s:10.0f} "
-            f"{r.readbacks_per_token:8.4f} {accept} {r.speedup:6.2f}x {floor} {ratio}")
+            f"{r.readbacks_per_burst:8.3f} {r.readbacks_per_token:8.4f} {accept} {r.speedup:6.2f}x {floor} {ratio}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ class Graph:
             raise
         graph = call("cuStreamEndCapture", engine.stream)
         try:
-            self.handle = call("cuGraphInstantiateWithFlags", graph, 0)
+            self.handle = call("cuGraphInstantiate", graph, 0)
         finally:
             call("cuGraphDestroy", graph)
         self._finalizer = weakref.finalize(self, ctx.finalize, "cuGraphExecDestroy", self.handle)

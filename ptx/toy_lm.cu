@@ -9,7 +9,7 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#define BLOCK 256  // every block-wide kernel is launched with this many threads
+#define BLOCK 1024  // every block-wide kernel is launched with this many threads
 
 __device__ __forceinline__ u32 fmix(u32 h) {
     h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
@@ -48,7 +48,7 @@ extern "C" __global__ void toy_prefill(const u32* tokens, u32 n, const u64* tgt_
 
 // Draft step `step` of k+1: consume the token at p = pos_ctr + step (pend, then the drafts),
 // append its KV; for step < k also predict draft[step] and flag a p-min break.
-extern "C" __global__ void toy_draft_step(u32 step, u32 k, const u32* pend_d, u32* draft_d, const int* pos_ctr,
+extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(u32 step, u32 k, const u32* pend_d, u32* draft_d, const int* pos_ctr,
                                           u32* brk_d, u32* draft_data, int* draft_len, u32 capacity,
                                           u32 kv_mask, u32 n_layers, u32 seed, u32 vocab, u32 noise_ppm,
                                           u32 break_below) {
@@ -60,11 +60,18 @@ extern "C" __global__ void toy_draft_step(u32 step, u32 k, const u32* pend_d, u3
         return;
     }
     if (step < k) {
+        __shared__ u32 salts[32];  // the KV layers' salts, packed
+        __shared__ u32 n_kv;
+        if (threadIdx.x == 0) {
+            n_kv = 0;
+            for (u32 l = 0; l < n_layers; ++l)
+                if ((kv_mask >> l) & 1u) salts[n_kv++] = salt(l);
+        }
+        __syncthreads();
         u32 part = 0;
-        for (u32 l = 0; l < n_layers; ++l) {
-            if (!((kv_mask >> l) & 1u)) continue;
-            const u32 s = salt(l);
-            for (u32 j = threadIdx.x; j < p; j += blockDim.x) part += fmix(draft_data[j] ^ s);
+        for (u32 j = threadIdx.x; j < p; j += blockDim.x) {  // one load per entry, all layers
+            const u32 entry = draft_data[j];
+            for (u32 l = 0; l < n_kv; ++l) part += fmix(entry ^ salts[l]);
         }
         const u32 history = block_sum(part);
         if (threadIdx.x == 0) {
@@ -85,7 +92,7 @@ extern "C" __global__ void toy_draft_step(u32 step, u32 k, const u32* pend_d, u3
 
 // Verify trunk: the k+1 tokens of vtok at positions pos_start.., causal; appends their KV to
 // every target layer and writes pred[i], the target's token after vtok[i]. k + 1 <= BLOCK.
-extern "C" __global__ void toy_verify(const u32* vtok_d, u32 k1, const int* pos_start_d, u32* pred_d,
+extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(const u32* vtok_d, u32 k1, const int* pos_start_d, u32* pred_d,
                                       const u64* tgt_data, const u64* tgt_len, u32 n_layers, u32 capacity,
                                       u32 seed, u32 vocab) {
     __shared__ u32 fresh[BLOCK];  // sum of token i's new KV entries over the layers

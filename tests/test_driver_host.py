@@ -1,0 +1,281 @@
+"""The driver layer's host-side logic, which must hold on every CI machine, GPU or not.
+
+Nothing here reaches the driver: check() is fed hand-made result tuples, KernelArgs packs into
+host memory, and DeviceBuffers wrap made-up foreign pointers (never dereferenced) so their
+lifetime rules can be exercised without a device.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+from cuda.bindings.driver import CUresult
+
+from memra_cuda import CudaError, CudaUnavailable, DeviceBuffer, Engine, KernelArgs
+from memra_cuda.errors import check
+from memra_cuda.module import packaged_ptx
+
+# A made-up device address: wrap() only stores it, so it never has to be valid.
+FAKE_PTR = 0x1000
+
+
+def fake_buffer(length: int = 100, dtype=np.uint32) -> DeviceBuffer:
+    return DeviceBuffer.wrap(FAKE_PTR, dtype, length)
+
+
+# -- check() ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "result, expected",
+    [((CUresult.CUDA_SUCCESS,), None),
+     ((CUresult.CUDA_SUCCESS, 5), 5),
+     ((CUresult.CUDA_SUCCESS, 1, "two"), (1, "two"))],
+    ids=["no-value", "one-value", "two-values"],
+)
+def test_check_unwraps_success(result, expected):
+    assert check(result, "cuSomething") == expected
+
+
+def test_check_raises_cuda_error_naming_code_and_call():
+    with pytest.raises(CudaError) as caught:
+        check((CUresult.CUDA_ERROR_INVALID_VALUE, 7), "cuMemAlloc")
+    err = caught.value
+    assert err.name == "CUDA_ERROR_INVALID_VALUE"
+    assert err.code == int(CUresult.CUDA_ERROR_INVALID_VALUE)
+    assert err.call == "cuMemAlloc"
+    assert "CUDA_ERROR_INVALID_VALUE" in str(err) and "cuMemAlloc" in str(err)
+    # Callers that only know "something went wrong at run time" still catch it.
+    assert isinstance(err, RuntimeError)
+
+
+# -- no driver ----------------------------------------------------------------------------
+
+
+def test_engine_without_driver_raises_one_clear_line():
+    try:
+        eng = Engine()
+    except CudaUnavailable as exc:
+        err = exc
+    else:
+        eng.close()
+        pytest.skip("a CUDA driver and GPU are present here, so Engine() succeeds")
+    message = str(err)
+    assert "\n" not in message, "CudaUnavailable must be one sentence, not a loader traceback"
+    assert "driver" in message.lower()
+    assert isinstance(err, CudaError) and err.name == "CUDA_UNAVAILABLE"
+
+
+# -- KernelArgs ---------------------------------------------------------------------------
+
+# The kernel ABI: each argument is stored little-endian in its C type, one 8-byte slot each.
+# Spelled out here (not read from the module) so a wrong mapping there cannot go unnoticed.
+ABI = {"ptr": "<u8", "u32": "<u4", "i32": "<i4", "u64": "<u8", "i64": "<i8", "f32": "<f4", "f64": "<f8"}
+
+
+def slot_bytes(args: KernelArgs, i: int) -> bytes:
+    return args.storage.view(np.uint8)[8 * i: 8 * i + 8].tobytes()
+
+
+def expected_slot(kind: str, value) -> bytes:
+    """What the driver must read for `value`: its bytes, zero-padded to the 8-byte slot."""
+    if isinstance(value, DeviceBuffer):
+        value = value.ptr
+    return np.array(value, dtype=ABI[kind]).tobytes().ljust(8, b"\0")
+
+
+def assert_packed(args: KernelArgs, values) -> None:
+    base = args.storage.ctypes.data
+    for i, (kind, value) in enumerate(zip(args.types, values)):
+        assert int(args.table[i]) == base + 8 * i, f"table entry {i} does not point at slot {i}"
+        assert slot_bytes(args, i) == expected_slot(kind, value), f"slot {i} ({kind})"
+    assert args.pointer == args.table.ctypes.data
+
+
+def test_kernel_args_pack_each_type_little_endian():
+    types = ["ptr", "u32", "i32", "u64", "f32", "i64", "f64"]
+    args = KernelArgs(types)
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4)
+    first = (buf, 0xDEADBEEF, -5, 2**64 - 1, 1.5, -(2**63), -0.25)
+    args.set(*first)
+    assert_packed(args, first)
+    assert args.buffers[0] is buf and args.buffers[1:] == [None] * (len(types) - 1)
+
+    # Values are updated in place: the table (what the driver was given) must not move.
+    table_before = args.table.copy()
+    second = (0x2000, 0, 2**31 - 1, 0, -3.0e38, 2**63 - 1, 1e300)
+    args.set(*second)
+    assert_packed(args, second)
+    assert np.array_equal(args.table, table_before)
+    assert args.buffers[0] is None, "an int pointer must release the previous buffer"
+
+
+def test_kernel_args_keep_buffer_arguments_alive():
+    args = KernelArgs(["ptr"])
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4)
+    alive = weakref.ref(buf)
+    args.set(buf)
+    del buf
+    gc.collect()
+    assert alive() is args.buffers[0] is not None
+
+
+def test_kernel_args_accept_numpy_integer_pointer():
+    args = KernelArgs(["ptr"])
+    args.set(np.uint64(0xABCDEF))
+    assert slot_bytes(args, 0) == expected_slot("ptr", 0xABCDEF)
+
+
+def test_kernel_args_wrong_arity_is_type_error():
+    args = KernelArgs(["ptr", "u32"])
+    with pytest.raises(TypeError):
+        args.set(FAKE_PTR)
+    with pytest.raises(TypeError):
+        args.set(FAKE_PTR, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "kind, value",
+    [("u32", -1), ("u32", 2**32), ("i32", 2**31), ("i32", -(2**31) - 1), ("u64", -1), ("u64", 2**64),
+     ("ptr", -1)],
+)
+def test_kernel_args_out_of_range_is_value_error_naming_the_index(kind, value):
+    # The bad value sits at index 1, after a valid one, so the message must name the right slot.
+    args = KernelArgs(["u32", kind])
+    with pytest.raises(ValueError, match="argument 1"):
+        args.set(0, value)
+
+
+@pytest.mark.parametrize(
+    "kind, value",
+    [("u32", np.uint64(2**40)), ("ptr", np.int64(-1)), ("u32", 2.5)],
+    ids=["numpy-u64-into-u32", "numpy-negative-ptr", "float-into-u32"],
+)
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="library bug: KernelArgs.set casts numpy scalars and floats with C "
+                          "semantics (wrap/truncate) instead of refusing them")
+def test_kernel_args_refuse_numpy_scalars_and_floats_that_do_not_fit(kind, value):
+    args = KernelArgs([kind])
+    try:
+        args.set(value)
+    except ValueError:
+        return
+    raise AssertionError(f"{value!r} was stored as {slot_bytes(args, 0).hex()} in a {kind} slot")
+
+
+def test_kernel_args_unknown_type_name():
+    with pytest.raises(ValueError, match="u8"):
+        KernelArgs(["ptr", "u8"])
+
+
+@pytest.mark.parametrize("value", ["0x1000", 1.0, None], ids=["str", "float", "none"])
+def test_kernel_args_pointer_must_be_buffer_or_int(value):
+    with pytest.raises(TypeError, match="argument 0"):
+        KernelArgs(["ptr"]).set(value)
+
+
+def test_kernel_args_refuse_a_freed_buffer():
+    buf = fake_buffer()
+    buf.free()
+    with pytest.raises(ValueError, match="after free"):
+        KernelArgs(["ptr"]).set(buf)
+
+
+# -- DeviceBuffer lifetime (foreign pointers, no driver) ----------------------------------
+
+
+def test_wrapped_buffer_basics():
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.float64, 10)
+    assert (buf.ptr, buf.len, len(buf), buf.nbytes, buf.dtype) == (FAKE_PTR, 10, 10, 80, np.float64)
+    assert not buf.owns_memory and not buf.freed
+    assert buf.engine is None
+
+
+@pytest.mark.parametrize("ptr, length", [(0, 4), (FAKE_PTR, 0), (FAKE_PTR, -1)],
+                         ids=["null", "empty", "negative"])
+def test_wrap_refuses_null_and_empty(ptr, length):
+    with pytest.raises(ValueError):
+        DeviceBuffer.wrap(ptr, np.uint32, length)
+
+
+@pytest.mark.parametrize("start, count", [(0, 100), (99, 1), (0, 1), (37, 20)])
+def test_view_pointer_arithmetic(start, count):
+    view = fake_buffer(100).view(start, count)
+    assert view.ptr == FAKE_PTR + 4 * start
+    assert (view.len, view.nbytes, view.dtype) == (count, 4 * count, np.uint32)
+    assert not view.owns_memory
+
+
+@pytest.mark.parametrize("start, count", [(-1, 2), (0, 0), (0, 101), (100, 1), (97, 4)])
+def test_view_bounds(start, count):
+    with pytest.raises(ValueError):
+        fake_buffer(100).view(start, count)
+
+
+def test_view_of_view_is_relative_to_the_first_view():
+    outer = fake_buffer(100, np.uint16).view(10, 50)
+    inner = outer.view(5, 10)
+    assert inner.ptr == FAKE_PTR + 2 * (10 + 5)
+    inner.view(9, 1)
+    with pytest.raises(ValueError):
+        outer.view(45, 6)  # inside the parent, but past the end of the view
+
+
+def assert_unusable(buf: DeviceBuffer) -> None:
+    assert buf.freed
+    with pytest.raises(ValueError, match="after free"):
+        buf.ptr
+    with pytest.raises(ValueError, match="after free"):
+        buf.__cuda_array_interface__
+    assert "freed" in repr(buf)
+
+
+def test_free_makes_buffer_and_its_views_unusable():
+    parent = fake_buffer()
+    view = parent.view(2, 3)
+    inner = view.view(1, 1)
+    parent.free()
+    for buf in (parent, view, inner):
+        assert_unusable(buf)
+    with pytest.raises(ValueError):
+        parent.view(0, 1)
+    parent.free()  # idempotent
+
+
+def test_freeing_a_view_leaves_the_parent_alone():
+    parent = fake_buffer()
+    view = parent.view(2, 3)
+    view.free()
+    view.free()
+    assert_unusable(view)
+    assert parent.ptr == FAKE_PTR and not parent.freed
+
+
+def test_with_block_frees():
+    with fake_buffer() as buf:
+        assert buf.ptr == FAKE_PTR
+    assert_unusable(buf)
+
+
+def test_cuda_array_interface_without_engine():
+    buf = fake_buffer(7)
+    assert buf.__cuda_array_interface__ == {
+        "shape": (7,), "typestr": "<u4", "data": (FAKE_PTR, False), "strides": None, "version": 3}
+    assert "stream" not in buf.view(1, 2).__cuda_array_interface__
+    assert DeviceBuffer.wrap(FAKE_PTR, np.float16, 1).__cuda_array_interface__["typestr"] == "<f2"
+
+
+# -- packaged PTX -------------------------------------------------------------------------
+
+
+def test_packaged_ptx_is_the_committed_text():
+    text = packaged_ptx("probe")
+    assert text.startswith("//")  # the NVVM header comments come first
+    assert ".version" in text and ".entry probe_increment" in text
+
+
+def test_packaged_ptx_unknown_name():
+    with pytest.raises(FileNotFoundError, match="no_such_module"):
+        packaged_ptx("no_such_module")
