@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import operator
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +88,7 @@ class DeviceBuffer:
     def free(self) -> None:
         """Free the memory (owning buffers) or drop the borrow (views, foreign); idempotent."""
         self._released = True
+        self._keepalive = None
         if self._finalizer is not None:
             self._finalizer()
 
@@ -138,3 +140,31 @@ class PinnedBuffer:
 
     def free(self) -> None:
         self._finalizer()
+
+
+def exact_int(value: Any, dtype: Any) -> int:
+    """`value` as a Python int that `dtype` holds exactly: floats and out-of-range values are
+    refused instead of being truncated or wrapped (whatever numpy's casting rules)."""
+    dtype = np.dtype(dtype)
+    if isinstance(value, (float, np.floating)):
+        raise ValueError(f"{value!r} is not an integer ({dtype.name} expected)")
+    number = operator.index(value)
+    info = np.iinfo(dtype)
+    if not info.min <= number <= info.max:
+        raise ValueError(f"{value!r} is outside the range of {dtype.name}")
+    return number
+
+
+def exact_array(values: Any, dtype: Any) -> np.ndarray:
+    """`values` as a flat `dtype` array, refusing any value the conversion would change."""
+    dtype = np.dtype(dtype)
+    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
+    if arr.dtype == dtype or dtype.kind not in "iu":
+        return arr.astype(dtype, copy=False).reshape(-1)
+    if arr.dtype.kind in "iub":
+        if arr.size:
+            exact_int(int(arr.min()), dtype), exact_int(int(arr.max()), dtype)
+        return arr.astype(dtype).reshape(-1)
+    if not isinstance(values, np.ndarray):  # Python ints past int64 arrive as float64 or object
+        return np.array([exact_int(v, dtype) for v in np.array(values, dtype=object).reshape(-1)], dtype)
+    raise ValueError(f"{arr.dtype.name} values given for a {dtype.name} buffer")

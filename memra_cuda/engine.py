@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .buffer import DeviceBuffer, PinnedBuffer
+from .buffer import DeviceBuffer, PinnedBuffer, exact_array, exact_int
 from .context import PrimaryContext
 from .errors import call, driver
 
@@ -43,7 +43,7 @@ class Engine:
 
     def activate(self, force: bool = False) -> PrimaryContext:
         """Make this engine's context current (force: even if we believe it already is)."""
-        if self.closed:
+        if not self._finalizer.alive:
             raise ValueError("Engine is closed")
         self.ctx.make_current(force)
         return self.ctx
@@ -87,23 +87,23 @@ class Engine:
     # -- host to device -------------------------------------------------------------------
     def htod(self, values: Any, dtype: Any = None) -> DeviceBuffer:
         """A new device buffer holding `values` (queued on the stream)."""
-        host = np.ascontiguousarray(values, dtype=dtype).reshape(-1)
+        host = np.ascontiguousarray(values if dtype is None else exact_array(values, dtype)).reshape(-1)
         buf = self.alloc(host.dtype, host.size)
         self.copy_htod(buf, host)
         return buf
 
     def htod_u32(self, values: Any) -> DeviceBuffer:
-        return self.htod(_exact(values, np.uint32))
+        return self.htod(values, np.uint32)
 
     def htod_i32(self, values: Any) -> DeviceBuffer:
-        return self.htod(_exact(values, np.int32))
+        return self.htod(values, np.int32)
 
     def htod_u64(self, values: Any) -> DeviceBuffer:
-        return self.htod(_exact(values, np.uint64))
+        return self.htod(values, np.uint64)
 
     def copy_htod(self, dst: DeviceBuffer, values: Any, start: int = 0) -> None:
         """Write `values` into dst[start:start+len(values)], converted to dst's dtype."""
-        host = np.ascontiguousarray(_exact(values, dst.dtype)).reshape(-1)
+        host = np.ascontiguousarray(exact_array(values, dst.dtype))
         if not 0 <= start or start + host.size > dst.len:
             raise ValueError(f"writing {host.size} elements at {start} overruns a buffer of {dst.len}")
         if host.size:
@@ -117,31 +117,35 @@ class Engine:
             raise ValueError(f"set_u32 needs a 32-bit buffer, not {buf.dtype.name}")
         if not 0 <= index < buf.len:
             raise ValueError(f"index {index} is outside a buffer of {buf.len}")
-        if not -(1 << 31) <= value < (1 << 32):
-            raise ValueError(f"{value} does not fit in 32 bits")
+        value = exact_int(value, buf.dtype if buf.dtype.kind in "iu" else np.uint32)
+        ptr = buf.ptr + 4 * index
         self.activate()
-        call("cuMemsetD32Async", buf.ptr + 4 * index, value & 0xFFFFFFFF, 1, self.stream)
+        call("cuMemsetD32Async", ptr, value & 0xFFFFFFFF, 1, self.stream)
 
     def memset(self, buf: DeviceBuffer, value: int) -> None:
-        """Fill a buffer of 8-, 16- or 32-bit elements (or any buffer with 0)."""
-        self.activate()
-        size = buf.dtype.itemsize
-        if value == 0 or size == 1:
-            call("cuMemsetD8Async", buf.ptr, value & 0xFF, buf.nbytes, self.stream)
-        elif size == 2:
-            call("cuMemsetD16Async", buf.ptr, value & 0xFFFF, buf.len, self.stream)
-        elif size == 4:
-            call("cuMemsetD32Async", buf.ptr, value & 0xFFFFFFFF, buf.len, self.stream)
-        else:
+        """Fill an integer buffer of 8-, 16- or 32-bit elements with `value` (any buffer with 0)."""
+        size, ptr = buf.dtype.itemsize, buf.ptr
+        if value != 0 and (size > 4 or buf.dtype.kind not in "iu"):
             raise ValueError(f"memset of {buf.dtype.name} elements supports only 0")
+        bits = exact_int(value, buf.dtype) & ((1 << 8 * size) - 1) if value else 0
+        self.activate()
+        if value == 0 or size == 1:
+            call("cuMemsetD8Async", ptr, bits, buf.nbytes, self.stream)
+        elif size == 2:
+            call("cuMemsetD16Async", ptr, bits, buf.len, self.stream)
+        else:
+            call("cuMemsetD32Async", ptr, bits, buf.len, self.stream)
 
     # -- device to host -------------------------------------------------------------------
     def dtoh(self, buf: DeviceBuffer, dtype: Any = None) -> np.ndarray:
-        """Wait for the stream and copy `buf` back (one readback), viewed as `dtype` if given."""
+        """Wait for the stream and copy `buf` back (one readback), as `dtype` of the same size
+        (u32 of an i32 buffer, say) if given."""
+        ptr = buf.ptr
+        if dtype is not None and np.dtype(dtype).itemsize != buf.dtype.itemsize:
+            raise ValueError(f"cannot read {buf!r} as {np.dtype(dtype).name}")
         self._no_capture("dtoh")
         out = np.empty(buf.len, buf.dtype)
-        self.activate()
-        call("cuMemcpyDtoHAsync", out, buf.ptr, buf.nbytes, self.stream)
+        call("cuMemcpyDtoHAsync", out, ptr, buf.nbytes, self.stream)
         call("cuStreamSynchronize", self.stream)
         self.readbacks += 1
         return out if dtype is None else out.view(dtype)
@@ -183,6 +187,7 @@ class Engine:
         return status != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
     def _no_capture(self, what: str) -> None:
+        """Refuse a host wait during capture (also makes the context current)."""
         if self.capturing:
             raise RuntimeError(f"{what} waits for the GPU, which cannot happen inside a graph capture")
 
@@ -197,18 +202,3 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine(device={self.device}{', closed' if self.closed else ''})"
-
-
-def _exact(values: Any, dtype: Any) -> np.ndarray:
-    """`values` as `dtype`, refusing values that would wrap or truncate."""
-    dtype = np.dtype(dtype)
-    arr = np.asarray(values)
-    if arr.dtype == dtype:
-        return arr
-    if arr.size and arr.dtype.kind in "iub" and dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        if int(arr.min()) < info.min or int(arr.max()) > info.max:
-            raise ValueError(f"values outside the range of {dtype.name}: [{arr.min()}, {arr.max()}]")
-    elif arr.size and arr.dtype.kind == "f" and dtype.kind in "iu":
-        raise ValueError(f"floating-point values given for a {dtype.name} buffer")
-    return arr.astype(dtype)

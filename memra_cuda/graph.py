@@ -14,12 +14,15 @@ class Graph:
     """The work `issue` put on the engine's stream, captured once and replayable.
 
     Whatever the captured kernels read through pointers is read at replay time, which is why
-    round-stream keeps every per-round value on the device: the graph replays unchanged.
+    round-stream keeps every per-round value on the device: the graph replays unchanged. The
+    graph holds on to `issue`, and through it to the launches and buffers it captured, so
+    none of that memory is collected while the graph can still replay into it.
     """
 
     def __init__(self, engine: Engine, issue: Callable[[], None]):
         drv = driver()
         self.engine = engine
+        self._issue = issue
         ctx = engine.activate()
         mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         call("cuStreamBeginCapture", engine.stream, mode)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .buffer import DeviceBuffer
+from .buffer import DeviceBuffer, exact_int
 from .errors import CudaError, call, driver, error
 
 if TYPE_CHECKING:
@@ -58,18 +58,30 @@ class KernelArgs:
         self.buffers: list[DeviceBuffer | None] = [None] * len(self.types)
 
     def set(self, *values: Any) -> None:
+        """Store new values; all are checked before any is written, so a refused call leaves
+        the previous arguments whole."""
         if len(values) != len(self.types):
             raise TypeError(f"kernel takes {len(self.types)} arguments {self.types}, got {len(values)}")
-        for i, (slot, kind, value) in enumerate(zip(self._slots, self.types, values)):
-            self.buffers[i] = value if isinstance(value, DeviceBuffer) else None
-            if isinstance(value, DeviceBuffer):
-                value = value.ptr
-            elif kind == "ptr" and not isinstance(value, (int, np.integer)):
-                raise TypeError(f"argument {i} is a device pointer: pass a DeviceBuffer or an int")
-            try:
-                slot[0] = value
-            except (OverflowError, ValueError, TypeError) as exc:
-                raise ValueError(f"argument {i} ({kind}) cannot hold {value!r}") from exc
+        checked = [self._convert(i, kind, value) for i, (kind, value) in enumerate(zip(self.types, values))]
+        for i, (slot, value) in enumerate(zip(self._slots, checked)):
+            slot[0] = value
+            self.buffers[i] = values[i] if isinstance(values[i], DeviceBuffer) else None
+
+    @staticmethod
+    def _convert(i: int, kind: str, value: Any) -> int | float:
+        if isinstance(value, DeviceBuffer):
+            if kind not in ("ptr", "u64"):
+                raise TypeError(f"argument {i} is {kind}, not a device pointer")
+            return value.ptr
+        if kind == "ptr" and not isinstance(value, (int, np.integer)):
+            raise TypeError(f"argument {i} is a device pointer: pass a DeviceBuffer or an int, not {value!r}")
+        dtype = ARG_TYPES[kind]
+        try:
+            return float(value) if dtype.kind == "f" else exact_int(value, dtype)
+        except TypeError as exc:
+            raise TypeError(f"argument {i} ({kind}) cannot take {value!r}") from exc
+        except ValueError as exc:
+            raise ValueError(f"argument {i} ({kind}): {exc}") from exc
 
 
 class Launch:
@@ -80,7 +92,7 @@ class Launch:
         engine = kernel.module.engine
         self.kernel = kernel
         self.args = KernelArgs(types)
-        self._ctx = engine.ctx
+        self._activate = engine.activate
         self._launch = driver().cuLaunchKernel
         self._argv = (kernel.handle, *_dim3(grid, "grid"), *_dim3(block, "block"), int(shared),
                       engine.stream, self.args.pointer, 0)
@@ -93,7 +105,7 @@ class Launch:
         """Launch on the engine's stream, first storing `values` if any are given."""
         if values:
             self.args.set(*values)
-        self._ctx.make_current()
+        self._activate()
         (err,) = self._launch(*self._argv)
         if err:
             raise error(err, f"cuLaunchKernel({self.kernel.name})")
@@ -127,6 +139,7 @@ class Module:
 
     def __init__(self, engine: Engine, ptx: str | bytes):
         image = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+        image = image[:-1] if image.endswith(b"\0") else image
         if b"\0" in image:
             raise ValueError("the PTX image contains a NUL byte before its end")
         self.engine = engine

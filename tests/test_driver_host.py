@@ -153,9 +153,6 @@ def test_kernel_args_out_of_range_is_value_error_naming_the_index(kind, value):
     [("u32", np.uint64(2**40)), ("ptr", np.int64(-1)), ("u32", 2.5)],
     ids=["numpy-u64-into-u32", "numpy-negative-ptr", "float-into-u32"],
 )
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="library bug: KernelArgs.set casts numpy scalars and floats with C "
-                          "semantics (wrap/truncate) instead of refusing them")
 def test_kernel_args_refuse_numpy_scalars_and_floats_that_do_not_fit(kind, value):
     args = KernelArgs([kind])
     try:

@@ -23,8 +23,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from memra_cuda import (Cache, DeviceBuffer, KVLayer, SpecKernels, StreamBufs, kv_len_ptr_table,
-                        kv_len_ptr_table_range)
+from memra_cuda import Cache, DeviceBuffer, SpecKernels, StreamBufs, kv_len_ptr_table, kv_len_ptr_table_range
 from memra_cuda import reference as ref
 from memra_cuda.reference import BUDGET, DONE, EOS, KEEP
 
@@ -138,12 +137,12 @@ SEED_CONFIGS = [(k, row_words) for k in KS for row_words in (1, 5, 300)]
 @pytest.mark.parametrize("k,row_words", SEED_CONFIGS)
 def test_seed_gather_matches_reference(engine, spec, k, row_words):
     n_rows = k + 1  # the verify rows of one round
-    rig = Rig(engine, k, rows=engine.alloc_u32_zeroed(n_rows * row_words),
-              out=engine.alloc_u32_zeroed(row_words + 2))  # two words past the row must stay
-    launch = spec.prepare_seed_gather(rig.device["rows"], row_words, rig.bufs, rig.device["out"])
+    rig = Rig(engine, k, rows_d=engine.alloc_u32_zeroed(n_rows * row_words),
+              out_d=engine.alloc_u32_zeroed(row_words + 2))  # two words past the row must stay
+    launch = spec.prepare_seed_gather(rig.device["rows_d"], row_words, rig.bufs, rig.device["out_d"])
 
     def reference(s):
-        ref.spec_seed_gather(s["rows"], n_rows, row_words, s["acc_d"], s["out"])
+        ref.spec_seed_gather(s["rows_d"], n_rows, row_words, s["acc_d"], s["out_d"])
 
     for rng, where in cases("seed_gather", (k, row_words), len(SEED_CONFIGS)):
         state = rig.random_state(rng)
@@ -181,11 +180,11 @@ ASSEMBLE_KS = KS + (300,)  # 300: k + 1 threads need two blocks
 
 @pytest.mark.parametrize("k", ASSEMBLE_KS)
 def test_assemble_verify_matches_reference(engine, spec, k):
-    rig = Rig(engine, k, draft=engine.alloc_u32_zeroed(max(k, 1)))  # exactly k drafts (one at k=0)
-    launch = spec.prepare_assemble_verify(rig.bufs, rig.device["draft"])
+    rig = Rig(engine, k, draft_d=engine.alloc_u32_zeroed(max(k, 1)))  # exactly k drafts (one at k=0)
+    launch = spec.prepare_assemble_verify(rig.bufs, rig.device["draft_d"])
 
     def reference(s):
-        ref.spec_assemble_verify(s["pend_d"], s["draft"], k, s["vtok_d"], s["pos_ctr"], s["pos_start_d"])
+        ref.spec_assemble_verify(s["pend_d"], s["draft_d"], k, s["vtok_d"], s["pos_ctr"], s["pos_start_d"])
 
     for rng, where in cases("assemble_verify", (k,), len(ASSEMBLE_KS)):
         state = rig.random_state(rng)
@@ -211,17 +210,15 @@ def accept_inputs(rng: np.random.Generator, k: int, s: dict[str, np.ndarray]) ->
 
 @pytest.mark.parametrize("k", KS)
 def test_accept_greedy_matches_reference(engine, spec, k):
-    rig = Rig(engine, k, pred=engine.alloc_u32_zeroed(k + 1))  # exactly k + 1 predictions
-    launch = spec.prepare_accept_greedy(rig.bufs, rig.device["pred"])
+    rig = Rig(engine, k, pred_d=engine.alloc_u32_zeroed(k + 1))  # exactly k + 1 predictions
+    launch = spec.prepare_accept_greedy(rig.bufs, rig.device["pred_d"])
 
     def reference(s):
-        ref.spec_accept_greedy_dc(s["vtok_d"], s["pred"], k, s["brk_d"], s["acc_d"], s["last_pred_d"], s["ctl_d"])
+        ref.spec_accept_greedy_dc(s["vtok_d"], s["pred_d"], k, s["brk_d"], s["acc_d"], s["last_pred_d"], s["ctl_d"])
 
     for rng, where in cases("accept_greedy_dc", (k,), len(KS)):
         state = rig.random_state(rng)
-        state["pred_d"] = state.pop("pred")  # accept_inputs names it as the round does
         accept_inputs(rng, k, state)
-        state["pred"] = state.pop("pred_d")
         rig.check(launch, state, reference, where)
 
 
@@ -272,13 +269,13 @@ def test_rollback_matches_reference(engine, spec, n_ptrs):
     """Tables of null pointers, pointers into a target array (repeats allowed) and pos_ctr."""
     k = 4
     n_targets = n_ptrs + 3
-    rig = Rig(engine, k, table=engine.alloc(np.uint64, n_ptrs), targets=engine.alloc_i32_zeroed(n_targets))
-    launch = spec.prepare_rollback(rig.device["table"], rig.bufs)
+    rig = Rig(engine, k, table_d=engine.alloc(np.uint64, n_ptrs), targets=engine.alloc_i32_zeroed(n_targets))
+    launch = spec.prepare_rollback(rig.device["table_d"], rig.bufs)
     targets_ptr, pos_ctr_ptr = rig.device["targets"].ptr, rig.bufs.pos_ctr.ptr
 
     def reference(s):
         lengths = []
-        for p in (int(p) for p in s["table"]):
+        for p in (int(p) for p in s["table_d"]):
             if p == 0:
                 lengths.append(None)
             elif p == pos_ctr_ptr:
@@ -294,7 +291,7 @@ def test_rollback_matches_reference(engine, spec, n_ptrs):
         words = np.uint64(targets_ptr) + np.uint64(4) * rng.integers(0, n_targets, n_ptrs).astype(np.uint64)
         words[kind == 0] = 0
         words[kind == 1] = pos_ctr_ptr
-        state["table"] = words
+        state["table_d"] = words
         state["pos_start_d"][0] = position(rng)
         state["ctl_d"][KEEP] = pick(rng, [0, 1, k + 1, int(rng.integers(0, k + 2)), -1, 2**31 - 1, -2**31,
                                           int(rng.integers(-2**31, 2**31))])
@@ -312,11 +309,12 @@ def test_rollback_touches_exactly_the_nonzero_pointers(engine, spec, n_slots, po
     target = 3 * np.arange(n_slots) + 1
     live = np.arange(n_slots) % 3 != 2
     table = np.where(live, np.uint64(words.ptr) + np.uint64(4) * target.astype(np.uint64), np.uint64(0))
-    assert table[0] == words.view(1, 1).ptr, "the pointer arithmetic must agree with DeviceBuffer.view"
+    assert int(table[0]) == words.view(1, 1).ptr, "the pointer arithmetic must agree with DeviceBuffer.view"
     bufs = StreamBufs(engine, 4, 1)
     engine.copy_htod(bufs.pos_start_d, [pos_start])
     engine.copy_htod(bufs.ctl_d, [-1, -1, 0, keep])
-    spec.rollback(engine.htod_u64(table), bufs)
+    table_d = engine.htod_u64(table)  # held until the readback, like every buffer with queued work
+    spec.rollback(table_d, bufs)
     want = np.full(3 * n_slots, SENTINEL, np.int32)
     want[target[live]] = length
     got = engine.dtoh(words)
@@ -338,6 +336,7 @@ def test_ring_fills_to_capacity_and_never_past(engine, spec, k, m):
     assert (bufs.ring_cap, bufs.ring_d.len) == (cap, cap + 1), "StreamBufs sizes the ring m*(k+1)+1"
     guarded = engine.alloc(np.uint32, cap + 4)  # [guard, count, cap token slots, guard, guard]
     engine.memset(guarded, SENTINEL)
+    allocated_ring = bufs.ring_d  # held: its zeroing memset may still be queued
     bufs.ring_d = guarded.view(1, cap + 1)
     engine.set_u32(bufs.ring_d, 0, 0)
     bufs.set_stop(engine)  # no EOS, no budget
@@ -363,6 +362,7 @@ def test_ring_fills_to_capacity_and_never_past(engine, spec, k, m):
         assert engine.dtoh(bufs.pend_d).tolist() == [bonus], f"{where}: the bonus becomes the pending token"
         assert engine.dtoh(bufs.ctl_d).tolist() == [-1, -1, 0, k + 1], f"{where}: ctl_d (not done, keep k+1)"
     assert bufs.drain_ring(engine).tolist() == committed[:cap], f"k={k} m={m}: drain_ring"
+    allocated_ring.free()
 
 
 # -- pointer tables --------------------------------------------------------------------------
