@@ -27,8 +27,10 @@ ptx: $(VENV)/.installed
 gpu-test:
 	MEMRA_REQUIRE_GPU=1 PYTHONPATH=. $(RUNPY) -m pytest -m gpu
 
+# Under memcheck every launch is slow: fewer random cases (MEMRA_CASES) cover the same branches.
 sanitize:
-	MEMRA_REQUIRE_GPU=1 PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 1 \
+	MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-200} PYTHONPATH=. \
+		compute-sanitizer --tool memcheck --error-exitcode 1 \
 		$(RUNPY) -m pytest -q -m gpu tests/test_round_stream_gpu.py
 
 demo:
