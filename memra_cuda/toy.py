@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .round_stream import StreamBufs
 
 M32 = 0xFFFFFFFF
-BLOCK = 1024  # toy_lm.cu's block size; verify handles k + 1 <= BLOCK tokens
+BLOCK = 512  # toy_lm.cu's block size; verify handles k + 1 <= BLOCK tokens
 
 
 def fmix(h: int) -> int:

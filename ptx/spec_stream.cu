@@ -28,17 +28,28 @@ extern "C" __global__ void spec_assemble_verify(const u32* pend_d, const u32* dr
 }
 
 // 3. Greedy acceptance: the longest prefix of drafts the target agrees with, cut at a p-min break.
+//    One warp: lanes compare 32 positions at once, so the round pays one load latency, not k.
 extern "C" __global__ void spec_accept_greedy_dc(const u32* vtok_d, const u32* pred_d, u32 k,
                                                  u32* brk_d, u32* acc_d, u32* last_pred_d, int* ctl_d) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+    const u32 lane = threadIdx.x;
     const u32 brk = brk_d[0];
-    if (ctl_d[2] != 0) {
+    const int done = ctl_d[2];
+    const u32 limit = brk ? min(k, brk - 1) : k;
+    u32 n = limit;
+    for (u32 base = 0; base < limit; base += 32) {
+        const u32 i = base + lane;
+        const u32 misses = __ballot_sync(0xffffffffu, i < limit && vtok_d[1 + i] != pred_d[i]);
+        if (misses) {
+            n = base + __ffs(misses) - 1;
+            break;
+        }
+    }
+    if (lane != 0) return;
+    if (done != 0) {
         acc_d[0] = 0;
         ctl_d[3] = 0;
     } else {
-        const u32 limit = brk ? min(k, brk - 1) : k;
-        u32 n = 0;
-        while (n < limit && vtok_d[1 + n] == pred_d[n]) ++n;
         acc_d[0] = n;
         acc_d[1] += n;
         last_pred_d[0] = pred_d[n];
@@ -50,30 +61,43 @@ extern "C" __global__ void spec_accept_greedy_dc(const u32* vtok_d, const u32* p
 
 // 4. Commit the accepted drafts and the bonus token to the ring, applying EOS and the budget.
 //    k bounds the accept count read from acc_d (the contract's arguments, plus this bound).
+//    One warp: lanes load 32 tokens at once; every lane then walks them in the same order
+//    (the state is uniform across the warp) and lane 0 stores.
 extern "C" __global__ void spec_ring_commit(const u32* vtok_d, const u32* acc_d, const u32* last_pred_d,
                                             int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap, u32 k) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
-    if (ctl_d[2] != 0) return;
-    const int eos = ctl_d[0];
+    if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+    const u32 lane = threadIdx.x;
+    const int done_at_entry = ctl_d[2], eos = ctl_d[0];
+    int budget = ctl_d[1];
     const u32 n = min(acc_d[0], k);
     const u32 bonus = last_pred_d[0];
-    int budget = ctl_d[1];
-    int done = 0;
     u32 count = min(ring_d[0], ring_cap);
-    for (u32 i = 0; i <= n && !done; ++i) {
-        if (budget == 0) {
-            done = 1;
-            break;
+    if (done_at_entry != 0) return;
+    int done = 0;
+    for (u32 base = 0; base <= n && !done; base += 32) {
+        const u32 i = base + lane;
+        const u32 mine = i < n ? vtok_d[1 + i] : bonus;
+        for (u32 j = 0; j < 32 && base + j <= n; ++j) {
+            const u32 tok = __shfl_sync(0xffffffffu, mine, j);
+            if (budget == 0) {
+                done = 1;
+                break;
+            }
+            if (count < ring_cap) {
+                if (lane == 0) ring_d[1 + count] = tok;
+                ++count;
+            }
+            if (budget > 0) --budget;
+            done = (eos >= 0 && tok == (u32)eos) || budget == 0;
+            if (done) break;
         }
-        const u32 tok = i < n ? vtok_d[1 + i] : bonus;
-        if (count < ring_cap) ring_d[1 + count++] = tok;
-        if (budget > 0) --budget;
-        done = (eos >= 0 && tok == (u32)eos) || budget == 0;
     }
-    ring_d[0] = count;
-    ctl_d[1] = budget;
-    ctl_d[2] = done;
-    pend_d[0] = bonus;
+    if (lane == 0) {
+        ring_d[0] = count;
+        ctl_d[1] = budget;
+        ctl_d[2] = done;
+        pend_d[0] = bonus;
+    }
 }
 
 // 5. Roll every KV length in the table (and pos_ctr, when it is last) back to what was kept.

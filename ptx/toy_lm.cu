@@ -9,7 +9,7 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#define BLOCK 1024  // every block-wide kernel is launched with this many threads
+#define BLOCK 512  // every block-wide kernel is launched with this many threads
 
 __device__ __forceinline__ u32 fmix(u32 h) {
     h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
@@ -46,38 +46,47 @@ extern "C" __global__ void toy_prefill(const u32* tokens, u32 n, const u64* tgt_
     }
 }
 
+// Per-layer constants every thread needs: the salts, and each layer's KV data pointer.
+// Computed by one thread per layer (n_layers <= 32), so nobody walks the layers alone.
+struct Layers {
+    u32 salt[32];
+    u32* data[32];
+};
+
+__device__ void load_layers(Layers& layers, u32 n_layers, const u64* tgt_data) {
+    if (threadIdx.x < n_layers) {
+        layers.salt[threadIdx.x] = salt(threadIdx.x);
+        layers.data[threadIdx.x] = tgt_data ? (u32*)tgt_data[threadIdx.x] : 0;
+    }
+    __syncthreads();
+}
+
 // Draft step `step` of k+1: consume the token at p = pos_ctr + step (pend, then the drafts),
 // append its KV; for step < k also predict draft[step] and flag a p-min break.
-extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(u32 step, u32 k, const u32* pend_d, u32* draft_d, const int* pos_ctr,
-                                          u32* brk_d, u32* draft_data, int* draft_len, u32 capacity,
-                                          u32 kv_mask, u32 n_layers, u32 seed, u32 vocab, u32 noise_ppm,
-                                          u32 break_below) {
+extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
+        u32 step, u32 k, const u32* pend_d, u32* draft_d, const int* pos_ctr, u32* brk_d, u32* draft_data,
+        int* draft_len, u32 capacity, u32 kv_mask, u32 n_layers, u32 seed, u32 vocab, u32 noise_ppm,
+        u32 break_below) {
+    __shared__ Layers layers;
     const u32 p = (u32)(pos_ctr[0] + (int)step);
     const u32 t = step == 0 ? pend_d[0] : draft_d[step - 1];
-    const u32 e = embed(t, p, seed);
+    load_layers(layers, n_layers, 0);
     if (p >= capacity) {  // no room (or a garbage position): predict nothing, write nothing
         if (threadIdx.x == 0 && step < k) draft_d[step] = 0;
         return;
     }
+    const u32 e = embed(t, p, seed);
     if (step < k) {
-        __shared__ u32 salts[32];  // the KV layers' salts, packed
-        __shared__ u32 n_kv;
-        if (threadIdx.x == 0) {
-            n_kv = 0;
-            for (u32 l = 0; l < n_layers; ++l)
-                if ((kv_mask >> l) & 1u) salts[n_kv++] = salt(l);
-        }
-        __syncthreads();
         u32 part = 0;
         for (u32 j = threadIdx.x; j < p; j += blockDim.x) {  // one load per entry, all layers
             const u32 entry = draft_data[j];
-            for (u32 l = 0; l < n_kv; ++l) part += fmix(entry ^ salts[l]);
-        }
-        const u32 history = block_sum(part);
-        if (threadIdx.x == 0) {
-            u32 total = history;
             for (u32 l = 0; l < n_layers; ++l)
-                total += ((kv_mask >> l) & 1u) ? fmix(e ^ salt(l)) : fmix(t ^ salt(l));
+                if ((kv_mask >> l) & 1u) part += fmix(entry ^ layers.salt[l]);
+        }
+        if (threadIdx.x < n_layers)  // this position's own term of layer threadIdx.x
+            part += fmix(((kv_mask >> threadIdx.x) & 1u ? e : t) ^ layers.salt[threadIdx.x]);
+        const u32 total = block_sum(part);
+        if (threadIdx.x == 0) {
             u32 pred = fmix(seed ^ total) % vocab;
             if (fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm) pred = (pred + 1) % vocab;
             draft_d[step] = pred;
@@ -92,51 +101,55 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(u32 step, u32
 
 // Verify trunk: the k+1 tokens of vtok at positions pos_start.., causal; appends their KV to
 // every target layer and writes pred[i], the target's token after vtok[i]. k + 1 <= BLOCK.
-extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(const u32* vtok_d, u32 k1, const int* pos_start_d, u32* pred_d,
-                                      const u64* tgt_data, const u64* tgt_len, u32 n_layers, u32 capacity,
-                                      u32 seed, u32 vocab) {
-    __shared__ u32 fresh[BLOCK];  // sum of token i's new KV entries over the layers
-    __shared__ u32 local[BLOCK];  // token i's contribution from layers without KV
+extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
+        const u32* vtok_d, u32 k1, const int* pos_start_d, u32* pred_d, const u64* tgt_data, const u64* tgt_len,
+        u32 n_layers, u32 capacity, u32 seed, u32 vocab) {
+    __shared__ Layers layers;
+    __shared__ u32 fresh[BLOCK];  // token i's new KV entries, summed over the layers
+    __shared__ u32 local[BLOCK];  // token i's terms from layers without KV
     const u32 pos = (u32)pos_start_d[0];
+    const u32 i = threadIdx.x;
+    const u32 t = i < k1 ? vtok_d[i] : 0;
+    load_layers(layers, n_layers, tgt_data);
     if (pos >= capacity) {
-        if (threadIdx.x < k1) pred_d[threadIdx.x] = 0;
+        if (i < k1) pred_d[i] = 0;
         return;
     }
     u32 part = 0;
-    for (u32 l = 0; l < n_layers; ++l) {
-        const u32* data = (const u32*)tgt_data[l];
-        if (data)
-            for (u32 j = threadIdx.x; j < pos; j += blockDim.x) part += data[j];
-    }
-    const u32 history = block_sum(part);
-    const u32 i = threadIdx.x;
+    for (u32 l = 0; l < n_layers; ++l)
+        if (layers.data[l])
+            for (u32 j = threadIdx.x; j < pos; j += blockDim.x) part += layers.data[l][j];
     if (i < k1) {
-        const u32 t = vtok_d[i], e = embed(t, pos + i, seed);
+        const u32 e = embed(t, pos + i, seed);
         u32 f = 0, g = 0;
         for (u32 l = 0; l < n_layers; ++l) {
-            u32* data = (u32*)tgt_data[l];
-            if (data) {
-                const u32 entry = fmix(e ^ salt(l));
+            if (layers.data[l]) {
+                const u32 entry = fmix(e ^ layers.salt[l]);
                 f += entry;
-                if (pos + i < capacity) data[pos + i] = entry;
+                if (pos + i < capacity) layers.data[l][pos + i] = entry;
             } else {
-                g += fmix(t ^ salt(l));
+                g += fmix(t ^ layers.salt[l]);
             }
         }
         fresh[i] = f;
         local[i] = g;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 running = history;
-        for (u32 j = 0; j < k1; ++j) {
-            running += fresh[j];
-            pred_d[j] = fmix(seed ^ (running + local[j])) % vocab;
+    const u32 history = block_sum(part);  // its barriers also publish fresh[] and local[]
+    if (threadIdx.x < 32) {  // warp 0: a running sum over the tokens, 32 at a time
+        u32 carry = history;
+        for (u32 base = 0; base < k1; base += 32) {
+            const u32 j = base + threadIdx.x;
+            u32 run = j < k1 ? fresh[j] : 0;
+            for (u32 o = 1; o < 32; o <<= 1) {
+                const u32 up = __shfl_up_sync(0xffffffffu, run, o);
+                if (threadIdx.x >= o) run += up;
+            }
+            if (j < k1) pred_d[j] = fmix(seed ^ (carry + run + local[j])) % vocab;
+            carry += __shfl_sync(0xffffffffu, run, 31);
         }
-        const int len = (int)min(pos + k1, capacity);
-        for (u32 l = 0; l < n_layers; ++l)
-            if (tgt_len[l]) *(int*)tgt_len[l] = len;
     }
+    if (threadIdx.x < n_layers && tgt_len[threadIdx.x])
+        *(int*)tgt_len[threadIdx.x] = (int)min(pos + k1, capacity);
 }
 
 // The model-cost knob: read n_vec 16-byte words of "weights", as a memory-bound model layer would.
