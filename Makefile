@@ -31,7 +31,7 @@ gpu-test:
 sanitize:
 	MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-200} PYTHONPATH=. \
 		compute-sanitizer --tool memcheck --error-exitcode 1 \
-		$(RUNPY) -m pytest -q -m gpu tests/test_round_stream_gpu.py
+		$(RUNPY) -m pytest -q -m gpu tests/test_round_stream_gpu.py tests/test_spec_gpu.py
 
 demo:
 	PYTHONPATH=. $(RUNPY) -m memra_cuda

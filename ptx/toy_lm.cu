@@ -68,6 +68,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         int* draft_len, u32 capacity, u32 kv_mask, u32 n_layers, u32 seed, u32 vocab, u32 noise_ppm,
         u32 break_below) {
     __shared__ Layers layers;
+    const bool lead = threadIdx.x == 0 && step < k;
+    const u32 brk = lead ? brk_d[0] : 0;  // loaded up front: its latency overlaps the rest
     const u32 p = (u32)(pos_ctr[0] + (int)step);
     const u32 t = step == 0 ? pend_d[0] : draft_d[step - 1];
     load_layers(layers, n_layers, 0);
@@ -85,12 +87,13 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         }
         if (threadIdx.x < n_layers)  // this position's own term of layer threadIdx.x
             part += fmix(((kv_mask >> threadIdx.x) & 1u ? e : t) ^ layers.salt[threadIdx.x]);
+        const bool noisy = lead && fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm;
+        const bool breaks = lead && fmix(p ^ seed ^ 0x68e31da4u) % 1000u < break_below && brk == 0;
         const u32 total = block_sum(part);
-        if (threadIdx.x == 0) {
-            u32 pred = fmix(seed ^ total) % vocab;
-            if (fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm) pred = (pred + 1) % vocab;
-            draft_d[step] = pred;
-            if (fmix(p ^ seed ^ 0x68e31da4u) % 1000u < break_below && brk_d[0] == 0) brk_d[0] = step + 1;
+        if (lead) {
+            const u32 pred = fmix(seed ^ total) % vocab;
+            draft_d[step] = noisy ? (pred + 1) % vocab : pred;
+            if (breaks) brk_d[0] = step + 1;
         }
     }
     if (threadIdx.x == 0) {  // after the reads above: entries [0, p) are never written here
