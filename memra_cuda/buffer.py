@@ -162,8 +162,8 @@ def exact_array(values: Any, dtype: Any) -> np.ndarray:
     if arr.dtype == dtype or dtype.kind not in "iu":
         return arr.astype(dtype, copy=False).reshape(-1)
     if arr.dtype.kind in "iub":
-        if arr.size:
-            exact_int(int(arr.min()), dtype), exact_int(int(arr.max()), dtype)
+        for extreme in (arr.min(), arr.max()) if arr.size else ():
+            exact_int(int(extreme), dtype)
         return arr.astype(dtype).reshape(-1)
     if not isinstance(values, np.ndarray):  # Python ints past int64 arrive as float64 or object
         return np.array([exact_int(v, dtype) for v in np.array(values, dtype=object).reshape(-1)], dtype)

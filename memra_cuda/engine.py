@@ -3,7 +3,7 @@ how often the host waited on the GPU."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +36,12 @@ class Engine:
     @property
     def device(self) -> int:
         return self.ctx.device
+
+    @property
+    def multiprocessors(self) -> int:
+        """Streaming multiprocessors on the device: how wide a grid-wide kernel should be."""
+        attr = driver().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        return int(call("cuDeviceGetAttribute", attr, self.ctx.cu_device))
 
     @property
     def closed(self) -> bool:

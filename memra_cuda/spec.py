@@ -132,13 +132,6 @@ class RoundStream:
         for _ in range(self.bufs.m_rounds):
             self.issue_round()
 
-    def burst(self) -> np.ndarray:
-        """Issue M rounds and drain the ring: the committed tokens, with one readback."""
-        self.issue_burst()
-        tokens = self.bufs.drain_ring(self.engine)
-        self.engine.set_u32(self.bufs.ring_d, 0, 0)
-        return tokens
-
     @property
     def graph(self) -> Graph:
         """M rounds, the ring and ctl copies to pinned memory and the ring reset, as one graph."""

@@ -9,7 +9,7 @@ oracle: `target_greedy` is what any correct speculative decoder must reproduce, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from .spec import RoundStream, SpecKernels
 if TYPE_CHECKING:
     from .buffer import DeviceBuffer
     from .engine import Engine
+    from .module import Launch
     from .round_stream import StreamBufs
 
 M32 = 0xFFFFFFFF
@@ -250,7 +251,8 @@ class ToyLM:
 
     def prefill(self, bufs: StreamBufs, prompt: Sequence[int]) -> int:
         """Fill both caches with the prompt but its last token, which becomes pending; reset
-        the burst state. Returns the start position (len(prompt) - 1)."""
+        the ring and counters (the stop rule is generate's). Returns the start position,
+        len(prompt) - 1."""
         n = len(prompt) - 1
         if not 0 <= n <= self.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a cache of {self.capacity}")
@@ -271,33 +273,35 @@ class ToyLM:
             engine.memset(buf, 0)
         return n
 
-    def _stream(self, nbytes: int) -> list:
+    def _weight_reads(self, nbytes: int) -> list[Launch]:
+        """The cost knob: a grid-wide pass over `nbytes` of weights (nothing when 0)."""
         if not nbytes:
             return []
-        n_vec = nbytes // 16
-        return [self.module.kernel("toy_stream_weights").prepare(["ptr", "u64", "ptr"], grid=132 * 4, block=512)
-                .set(self.weights, n_vec, self.sink)]
+        grid = 4 * self.engine.multiprocessors
+        return [self.module.kernel("toy_stream_weights").prepare(["ptr", "u64", "ptr"], grid=grid, block=512)
+                .set(self.weights, nbytes // 16, self.sink)]
 
-    def draft_steps(self, bufs: StreamBufs, draft_d) -> list:
+    def draft_steps(self, bufs: StreamBufs, draft_d: DeviceBuffer) -> list[Launch]:
         """The k+1 launches of one draft chain (each after its share of weight streaming)."""
         m, draft = self.model, self.draft.kv[0]
         kernel = self.module.kernel("toy_draft_step")
         types = ["u32", "u32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32", "u32", "u32", "u32"]
         steps = []
         for step in range(bufs.k + 1):
-            steps += self._stream(self.cost.draft_bytes)
+            steps += self._weight_reads(self.cost.draft_bytes)
             steps.append(kernel.prepare(types, block=BLOCK).set(
                 step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr, bufs.brk_d, draft.data_d, draft.len_d,
                 self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below))
         return steps
 
-    def verify_steps(self, bufs: StreamBufs, pred_d) -> list:
+    def verify_steps(self, bufs: StreamBufs, pred_d: DeviceBuffer) -> list[Launch]:
+        """The verify trunk: its weight reads, then k+1 tokens through the target."""
         m = self.model
         verify = self.module.kernel("toy_verify").prepare(
             ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32"], block=BLOCK).set(
             bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred_d, self.data_table, self.len_table,
             len(m.kv_mask), self.capacity, m.seed, m.vocab)
-        return [*self._stream(self.cost.verify_bytes), verify]
+        return [*self._weight_reads(self.cost.verify_bytes), verify]
 
     def round_stream(self, spec: SpecKernels, bufs: StreamBufs) -> RoundStream:
         """A RoundStream driving this model: rollback walks one table over target and draft
@@ -314,7 +318,7 @@ class ToyLM:
                            caches=[self.target, self.draft])
 
 
-def _chain(launches: list):
+def _chain(launches: list[Launch]) -> Callable[[], None]:
     def issue() -> None:
         for launch in launches:
             launch()
