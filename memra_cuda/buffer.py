@@ -132,11 +132,11 @@ class PinnedBuffer:
     def nbytes(self) -> int:
         return self.len * self.dtype.itemsize
 
-    def read(self, start: int = 0, count: int | None = None) -> np.ndarray:
+    def read(self) -> np.ndarray:
+        """A copy of the contents (wait for the copies into it first)."""
         if not self._finalizer.alive:
             raise ValueError("PinnedBuffer used after free")
-        stop = self.len if count is None else start + count
-        return self._array[start:stop].copy()
+        return self._array.copy()
 
     def free(self) -> None:
         self._finalizer()
