@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -535,3 +539,29 @@ def test_cuda_array_interface_names_the_engine_stream(engine):
         "shape": (6,), "typestr": "<f4", "data": (buf.ptr, False), "strides": None, "version": 3,
         "stream": engine.stream_handle}
     assert buf.view(2, 3).__cuda_array_interface__["stream"] == engine.stream_handle
+
+
+SHUTDOWN_SCRIPT = """
+from memra_cuda import Engine, Graph
+engine = Engine()
+buf = engine.htod_u32(range(10))
+window = buf.view(2, 3)
+launch = engine.load_ptx("probe").kernel("probe_increment").prepare(["ptr", "u32"], grid=1, block=32).set(buf, 10)
+graph = Graph(engine, launch)
+graph.launch()
+other = Engine()
+outlives = other.alloc_u32_zeroed(4)  # a buffer whose engine is closed before exit
+other.close()
+cycle = [buf, graph]
+cycle.append(cycle)  # left for the collector to meet at interpreter exit
+"""
+
+
+def test_interpreter_exit_with_live_objects_is_clean(engine):
+    """Buffers, a view, a graph, a module and a closed engine's buffer all alive at exit: the
+    finalisers run in a safe order and none fails (a failing one would log to stderr)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert (run.returncode, run.stderr) == (0, "")
