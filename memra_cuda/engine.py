@@ -10,6 +10,7 @@ import numpy as np
 from .buffer import DeviceBuffer, PinnedBuffer, exact_array, exact_int
 from .context import PrimaryContext
 from .errors import call, driver
+from .module import Module, packaged_ptx
 
 
 class Engine:
@@ -31,7 +32,7 @@ class Engine:
         self._finalizer = weakref.finalize(self, self.ctx.finalize, "cuStreamDestroy", self.stream)
         self.readbacks = 0
         self.syncs = 0
-        self._modules: dict[str, Any] = {}
+        self._modules: dict[str, Module] = {}
 
     @property
     def device(self) -> int:
@@ -198,10 +199,8 @@ class Engine:
             raise RuntimeError(f"{what} waits for the GPU, which cannot happen inside a graph capture")
 
     # -- modules --------------------------------------------------------------------------
-    def load_ptx(self, name: str) -> Any:
+    def load_ptx(self, name: str) -> Module:
         """The module built from ptx/<name>.cu, loaded once per engine."""
-        from .module import Module, packaged_ptx
-
         if name not in self._modules:
             self._modules[name] = Module(self, packaged_ptx(name))
         return self._modules[name]

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from memra_cuda import CapacityError, SpecKernels, StreamBufs, toy
-from memra_cuda.spec import MODES
+from memra_cuda import CapacityError, SpecKernels, StreamBufs, kv_len_ptr_table, toy
+from memra_cuda.spec import MODES, RoundStream
 
 pytestmark = pytest.mark.gpu
 
@@ -159,3 +159,34 @@ def test_prompt_longer_than_the_cache_is_refused(engine, spec):
     lm = toy.ToyLM(engine, toy.ToyModel(), capacity=8)
     with pytest.raises(ValueError, match="does not fit"):
         lm.prefill(StreamBufs(engine, 2, 2), list(range(20)))
+
+
+def test_seed_gather_hands_the_draft_the_row_behind_the_bonus(engine, spec):
+    """Wired by hand as an engine would (the toy's launches, our tables), with seed_gather
+    reading rows of pred_d: each round's gather must deliver the verify row that produced
+    the token now pending, i.e. the pending token itself."""
+    model = toy.ToyModel(seed=13, noise_ppm=300_000)
+    lm = toy.ToyLM(engine, model, capacity=256)
+    bufs = StreamBufs(engine, k=3, m_rounds=1)
+    draft_d, pred_d, seed_d = (engine.alloc_u32_zeroed(n) for n in (3, 4, 1))
+    drafts, verifies = lm.draft_steps(bufs, draft_d), lm.verify_steps(bufs, pred_d)
+    stream = RoundStream(
+        spec, bufs, draft_chain=lambda: [step() for step in drafts],
+        verify_trunk=lambda: [step() for step in verifies], draft_d=draft_d, pred_d=pred_d,
+        rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr)],
+        caches=[lm.target, lm.draft], seed_gather=spec.prepare_seed_gather(pred_d, 1, bufs, seed_d))
+    lm.prefill(bufs, [1, 2, 3])
+    bufs.set_stop(engine)
+    committed: list[int] = []
+
+    def round_and_drain() -> None:
+        stream.issue_round()
+        committed.extend(bufs.drain_ring(engine).tolist())
+        engine.set_u32(bufs.ring_d, 0, 0)
+
+    round_and_drain()  # nothing verified yet for the first gather to read
+    for round_ in range(20):
+        pending = int(engine.dtoh(bufs.pend_d)[0])
+        round_and_drain()
+        assert int(engine.dtoh(seed_d)[0]) == pending, f"round {round_}"
+    assert committed == toy.target_greedy(model, [1, 2, 3], len(committed))
