@@ -2,10 +2,11 @@
 
 1. Launch overhead: a prepared 1-argument launch against the bare cuLaunchKernel binding call.
 2. Rounds: the readback loop (one round, read back, repeat) against round-stream (M rounds,
-   one readback) and round-stream replayed as a CUDA graph, over k and M, for the bare toy
-   model and for the toy made to cost what an 8B target with a 0.5B draft costs (the bytes of
-   their bf16 weights streamed per verify and per draft step). The floor is the device-only time
-   of the same round: graph replays back to back, timed with events, no host in the loop.
+   one readback), round-stream replayed as a CUDA graph, and graph replays overlapped with
+   the readback, over k and M, for the bare toy model and for the toy made to cost what an 8B
+   target with a 0.5B draft costs (the bytes of their bf16 weights streamed per verify and per
+   draft step). Every run generates the same tokens from the same prompt. The floor is the
+   device-only time of the same rounds: graph replays back to back, timed with events.
 
     python -m memra_cuda.bench [--json PATH] [--only launch|rounds] [--quick]
 """
@@ -19,7 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from .engine import Engine
-from .errors import CudaUnavailable, call, driver
+from .errors import CudaUnavailable, driver
+from .event import Event
 from .round_stream import StreamBufs
 from .spec import RoundStream, SpecKernels
 from .toy import COST_8B_05B, ToyCost, ToyLM, ToyModel
@@ -28,7 +30,6 @@ KS = (0, 2, 4, 8)
 MS = (1, 4, 16, 64)
 MODEL = ToyModel(seed=2024, noise_ppm=100_000, p_min=0.05)
 PROMPT = list(range(1, 17))
-NO_STOP = 2**31 - 1  # token budget that no benchmark run reaches
 
 
 @dataclass
@@ -44,26 +45,6 @@ class Row:
     acceptance: float | None
     speedup: float = 1.0
     floor_us_per_round: float | None = None
-
-
-class EventPair:
-    """Two CUDA events on the engine's stream: device time between two points of the queue."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        engine.activate()
-        self.events = [call("cuEventCreate", 0) for _ in range(2)]
-
-    def record(self, which: int) -> None:
-        call("cuEventRecord", self.events[which], self.engine.stream)
-
-    def elapsed_ms(self) -> float:
-        call("cuEventSynchronize", self.events[1])
-        return float(call("cuEventElapsedTime", self.events[0], self.events[1]))
-
-    def destroy(self) -> None:
-        for event in self.events:
-            call("cuEventDestroy", event)
 
 
 def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict:
@@ -95,69 +76,62 @@ def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict:
 
 
 def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str, k: int,
-            m_rounds: int, mode: str, rounds: int) -> Row:
-    """Generate for `rounds` rounds after one warm-up step (which also captures the graph); in
-    graph mode, then replay the same steps again from the same prompt for the device floor."""
-    capacity = len(PROMPT) + (m_rounds + rounds + m_rounds) * (k + 1)
+            m_rounds: int, mode: str, tokens: int) -> Row:
+    """Generate `tokens` tokens from PROMPT after an untimed warm-up generation (JIT, graph
+    capture); for graph mode, then replay as many bursts again from the same prompt, back to
+    back and timed on the device, for the floor."""
+    capacity = len(PROMPT) + tokens + 2 * m_rounds * (k + 1)  # overlap wants a second burst of room
     lm = ToyLM(engine, MODEL, capacity, cost, weights)
     bufs = StreamBufs(engine, k, m_rounds)
     stream = lm.round_stream(spec, bufs)
-    position = start(engine, lm, bufs, stream, mode)
-    rounds0, readbacks0, bursts0, tokens = stream.rounds, engine.readbacks, stream.bursts, 0
+    stream.generate(lm.prefill(bufs, PROMPT), min(tokens, m_rounds * (k + 1)), mode=mode)
+    start = lm.prefill(bufs, PROMPT)
+    rounds0, bursts0, readbacks0 = stream.rounds, stream.bursts, engine.readbacks
     t0 = time.perf_counter()
-    while stream.rounds - rounds0 < rounds:
-        new, _ = stream.step(mode, position)
-        tokens += len(new)
-        position += len(new)
+    made = len(stream.generate(start, tokens, mode=mode))
+    engine.synchronize()  # overlap leaves a burst running past the stop: its time counts too
     wall = time.perf_counter() - t0
-    done_rounds, bursts = stream.rounds - rounds0, stream.bursts - bursts0
-    row = Row(name, k, None if mode == "readback" else m_rounds, mode, wall / done_rounds * 1e6,
-              tokens / wall, (engine.readbacks - readbacks0) / bursts,
-              (engine.readbacks - readbacks0) / tokens, (tokens - done_rounds) / (done_rounds * k) if k else None)
+    bursts, readbacks = stream.bursts - bursts0, engine.readbacks - readbacks0
+    rounds = stream.rounds - rounds0  # rounds issued, those after the stop included
+    accepted = int(engine.dtoh(bufs.acc_d)[1])  # prefill zeroed it; rounds after the stop add nothing
+    row = Row(name, k, None if mode == "readback" else m_rounds, mode, wall / rounds * 1e6, made / wall,
+              readbacks / bursts, readbacks / made, accepted / (k * (made - accepted)) if k else None)
     if mode == "graph":
-        start(engine, lm, bufs, stream, mode)
-        row.floor_us_per_round = device_floor(engine, stream, bursts) * 1e3 / done_rounds
+        lm.prefill(bufs, PROMPT)
+        bufs.set_stop(engine, budget=tokens)
+        row.floor_us_per_round = device_floor(engine, stream, bursts) * 1e3 / rounds
     bufs.free()
     return row
 
 
-def start(engine: Engine, lm: ToyLM, bufs: StreamBufs, stream: RoundStream, mode: str) -> int:
-    """Prefill, lift the stop rule, and take one untimed warm-up step (JIT, capture, caches)."""
-    position = lm.prefill(bufs, PROMPT)
-    bufs.set_stop(engine, budget=NO_STOP)
-    return position + len(stream.step(mode, position)[0])
-
-
 def device_floor(engine: Engine, stream: RoundStream, replays: int) -> float:
-    """Milliseconds of `replays` graph replays queued back to back, timed on the device: the
-    same rounds as the timed run, with no host in the loop."""
-    events = EventPair(engine)
-    events.record(0)
+    """Milliseconds of `replays` graph replays queued back to back, timed on the device."""
+    start, end = Event(engine), Event(engine)
+    start.record()
     for _ in range(replays):
         stream.graph.launch()
-    events.record(1)
-    ms = events.elapsed_ms()
-    events.destroy()
-    return ms
+    end.record()
+    return end.elapsed_ms(start)
 
 
 def bench_rounds(engine: Engine, quick: bool) -> list[Row]:
     spec = SpecKernels(engine)
     rows: list[Row] = []
-    settings = [("bare", ToyCost(), 512 if not quick else 128),
-                ("8B/0.5B", COST_8B_05B, 16 if not quick else 4)]
-    for name, cost, rounds in settings:
+    settings = [("bare", ToyCost(), 1536 if not quick else 256),
+                ("8B/0.5B", COST_8B_05B, 96 if not quick else 24)]
+    for name, cost, tokens in settings:
         nbytes = max(cost.verify_bytes, cost.draft_bytes)
         weights = engine.alloc("u1", nbytes, zeroed=True) if nbytes else None
         for k in KS:
-            base = measure(engine, spec, cost, weights, name, k, 1, "readback", rounds)
-            base.floor_us_per_round = measure(engine, spec, cost, weights, name, k, 1, "graph", rounds).floor_us_per_round
+            base = measure(engine, spec, cost, weights, name, k, 1, "readback", tokens)
             rows.append(base)
             print(format_row(base), flush=True)
             for m_rounds in MS:
-                for mode in ("stream", "graph"):
-                    row = measure(engine, spec, cost, weights, name, k, m_rounds, mode, max(rounds, m_rounds))
+                for mode in ("stream", "graph", "overlap"):
+                    row = measure(engine, spec, cost, weights, name, k, m_rounds, mode, tokens)
                     row.speedup = base.us_per_round / row.us_per_round
+                    if m_rounds == 1 and mode == "graph":  # the same round's floor, for the loop too
+                        base.floor_us_per_round = row.floor_us_per_round
                     rows.append(row)
                     print(format_row(row), flush=True)
         if weights is not None:

@@ -10,6 +10,7 @@ import numpy as np
 from .buffer import DeviceBuffer, PinnedBuffer, exact_array, exact_int
 from .context import PrimaryContext
 from .errors import call, driver
+from .event import Event
 from .module import Module, packaged_ptx
 
 
@@ -173,11 +174,16 @@ class Engine:
         self.activate()
         call("cuMemcpyDtoHAsync", dst.ptr + start * dst.dtype.itemsize, src.ptr, src.nbytes, self.stream)
 
-    def finish_readback(self) -> None:
-        """Wait for queued copies into pinned memory: one readback, however many copies."""
+    def finish_readback(self, event: Event | None = None) -> None:
+        """Wait for queued copies into pinned memory: one readback, however many copies.
+
+        With `event` (recorded after the copies) only that far: work queued behind it runs on.
+        """
         self._no_capture("finish_readback")
-        self.activate()
-        call("cuStreamSynchronize", self.stream)
+        if event is None:
+            call("cuStreamSynchronize", self.stream)
+        else:
+            event.synchronize()
         self.readbacks += 1
 
     def synchronize(self) -> None:

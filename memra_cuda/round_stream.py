@@ -15,6 +15,7 @@ from .reference import DONE
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .event import Event
 
 
 class StreamBufs:
@@ -36,7 +37,8 @@ class StreamBufs:
         self.ring_d = engine.alloc_u32_zeroed(self.ring_cap + 1)
         self.acc_d = engine.alloc_u32_zeroed(2)
         self.ctl_d = engine.htod_i32([-1, -1, 0, 0])
-        self._host = engine.pinned(np.uint32, self.ring_d.len + self.ctl_d.len)
+        # Two slots, so one burst's readback can be read while the next burst writes the other.
+        self._host = [engine.pinned(np.uint32, self.ring_d.len + self.ctl_d.len) for _ in range(2)]
 
     def set_stop(self, engine: Engine, eos: int | None = None, budget: int | None = None) -> None:
         """The stop rule of the next generation (None: no EOS / no budget); clears `done`."""
@@ -50,16 +52,17 @@ class StreamBufs:
         """The committed tokens in order: one readback. The caller zeroes ring_d[0] after."""
         return _ring_tokens(engine.dtoh(self.ring_d), self.ring_cap)
 
-    def queue_readback(self, engine: Engine) -> None:
-        """Queue ring and ctl copies into pinned memory, then reset the ring (capturable)."""
-        engine.copy_dtoh_async(self._host, self.ring_d)
-        engine.copy_dtoh_async(self._host, self.ctl_d, start=self.ring_d.len)
+    def queue_readback(self, engine: Engine, slot: int = 0) -> None:
+        """Queue ring and ctl copies into pinned slot 0 or 1, then reset the ring (capturable)."""
+        engine.copy_dtoh_async(self._host[slot], self.ring_d)
+        engine.copy_dtoh_async(self._host[slot], self.ctl_d, start=self.ring_d.len)
         engine.set_u32(self.ring_d, 0, 0)
 
-    def collect(self, engine: Engine) -> tuple[np.ndarray, bool]:
-        """Wait for queue_readback's copies (one readback): (tokens, done)."""
-        engine.finish_readback()
-        host = self._host.read()
+    def collect(self, engine: Engine, slot: int = 0, event: Event | None = None) -> tuple[np.ndarray, bool]:
+        """Wait for queue_readback's copies into `slot` (one readback; only up to `event`, if
+        given): (tokens, done)."""
+        engine.finish_readback(event)
+        host = self._host[slot].read()
         ctl = host[self.ring_d.len:].view(np.int32)
         return _ring_tokens(host[:self.ring_d.len], self.ring_cap), bool(ctl[DONE])
 
@@ -67,9 +70,8 @@ class StreamBufs:
         return {name: buf for name, buf in vars(self).items() if isinstance(buf, DeviceBuffer)}
 
     def free(self) -> None:
-        for buf in self.buffers().values():
+        for buf in [*self.buffers().values(), *self._host]:
             buf.free()
-        self._host.free()
 
 
 def _ring_tokens(ring: np.ndarray, ring_cap: int) -> np.ndarray:

@@ -6,6 +6,7 @@ draft chain and verify trunk as callables that queue work on the engine's stream
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
@@ -13,6 +14,7 @@ import numpy as np
 from .buffer import DeviceBuffer
 from .cache import Cache
 from .errors import CapacityError
+from .event import Event
 from .graph import Graph
 from .module import Launch
 from .round_stream import StreamBufs
@@ -20,7 +22,7 @@ from .round_stream import StreamBufs
 if TYPE_CHECKING:
     from .engine import Engine
 
-MODES = ("readback", "stream", "graph")
+MODES = ("readback", "stream", "graph", "overlap")
 
 
 class SpecKernels:
@@ -95,10 +97,12 @@ def _words(name: str, buf: DeviceBuffer, at_least: int = 1) -> None:
 class RoundStream:
     """Issues rounds onto the engine's stream and generates with one readback per burst.
 
-    Three ways to run the same rounds, for comparison and for embedding:
+    Four ways to run the same rounds, for comparison and for embedding:
     "readback" — one round, then read tokens and the done flag back: the loop an engine would
     write without round-stream; "stream" — M rounds issued from Python, one readback;
-    "graph" — the M rounds and the readback captured once as a CUDA graph and replayed.
+    "graph" — the M rounds and the readback captured once as a CUDA graph and replayed;
+    "overlap" — graph replays two deep: the next burst is queued before the last one is read,
+    so the GPU never waits for the host. A burst that runs after the stop has no effect.
     """
 
     def __init__(self, spec: SpecKernels, bufs: StreamBufs, *, draft_chain: Callable[[], None],
@@ -119,7 +123,8 @@ class RoundStream:
             spec.prepare_ring_commit(bufs),
             *(spec.prepare_rollback(table, bufs) for table in rollback_tables),
         ]
-        self._graph: Graph | None = None
+        self._graphs: list[Graph | None] = [None, None]  # one per pinned readback slot
+        self._events: list[Event] = []
         self.rounds = 0  # rounds issued to the GPU
         self.bursts = 0  # host readbacks generate() waited for
 
@@ -134,26 +139,34 @@ class RoundStream:
 
     @property
     def graph(self) -> Graph:
-        """M rounds, the ring and ctl copies to pinned memory and the ring reset, as one graph."""
-        if self._graph is None:
-            self._graph = Graph(self.engine, self._issue_burst_and_readback)
-        return self._graph
+        """M rounds, the ring and ctl copies to pinned slot 0 and the ring reset, as one graph."""
+        return self.graph_for(0)
 
-    def _issue_burst_and_readback(self) -> None:
+    def graph_for(self, slot: int) -> Graph:
+        """The burst graph whose readback lands in pinned slot `slot` (0 or 1), captured once."""
+        if self._graphs[slot] is None:
+            self._graphs[slot] = Graph(self.engine, functools.partial(self._issue_burst_and_readback, slot))
+        return self._graphs[slot]
+
+    def _issue_burst_and_readback(self, slot: int) -> None:
         rounds = self.rounds
         self.issue_burst()
-        self.bufs.queue_readback(self.engine)
+        self.bufs.queue_readback(self.engine, slot)
         self.rounds = rounds  # capture issues nothing to the GPU
+
+    def fits(self, position: int, rounds: int) -> bool:
+        """Whether every KV cache can take rounds·(k+1) more entries past `position`."""
+        need = position + rounds * (self.bufs.k + 1)
+        return all(c.capacity is None or need <= c.capacity for c in self.caches)
 
     def check_capacity(self, position: int, rounds: int) -> None:
         """Raise CapacityError unless every KV cache can take rounds·(k+1) entries past position."""
-        need = position + rounds * (self.bufs.k + 1)
-        for i, cache in enumerate(self.caches):
-            if cache.capacity is not None and need > cache.capacity:
-                raise CapacityError(
-                    f"KV cache {i} holds {cache.capacity} entries but the next burst of {rounds} rounds "
-                    f"at k={self.bufs.k} may write up to {need} (position {position}): use a larger "
-                    f"cache, fewer rounds per burst or a token budget")
+        if not self.fits(position, rounds):
+            capacity = min(c.capacity for c in self.caches if c.capacity is not None)
+            raise CapacityError(
+                f"KV cache of {capacity} entries cannot take the next burst: {rounds} rounds at "
+                f"k={self.bufs.k} may write up to {position + rounds * (self.bufs.k + 1)} (position "
+                f"{position}): use a larger cache, fewer rounds per burst or a token budget")
 
     def generate(self, start_pos: int, max_new_tokens: int, *, eos: int | None = None,
                  mode: str = "graph") -> np.ndarray:
@@ -164,13 +177,48 @@ class RoundStream:
         """
         self.rounds_per_step(mode)  # validates the mode before anything is queued
         self.bufs.set_stop(self.engine, eos, max_new_tokens)
+        if max_new_tokens == 0:
+            return np.zeros(0, np.uint32)
+        if mode == "overlap":
+            return self._generate_overlapped(start_pos)
         out: list[np.ndarray] = []
-        generated, done = 0, max_new_tokens == 0
+        generated, done = 0, False
         while not done:
             tokens, done = self.step(mode, start_pos + generated)
             out.append(tokens)
             generated += len(tokens)
-        return np.concatenate(out) if out else np.zeros(0, np.uint32)
+        return np.concatenate(out)
+
+    def _generate_overlapped(self, start_pos: int) -> np.ndarray:
+        """Bursts two deep. The next burst is queued only if the caches have room for it
+        behind the one in flight (whose tokens the host has not seen yet); otherwise the host
+        first reads, then checks against the position it now knows, which raises if even
+        that burst does not fit."""
+        if not self._events:
+            self._events = [Event(self.engine), Event(self.engine)]
+        m, burst = self.bufs.m_rounds, self.bufs.m_rounds * (self.bufs.k + 1)
+        out: list[np.ndarray] = []
+        generated, slot = 0, 0
+        self._queue_graph(slot, start_pos)
+        while True:
+            ahead = self.fits(start_pos + generated + burst, m)
+            if ahead:
+                self._queue_graph(1 - slot, start_pos + generated + burst)
+            tokens, done = self.bufs.collect(self.engine, slot, self._events[slot])
+            self.bursts += 1
+            out.append(tokens)
+            generated += len(tokens)
+            if done:
+                return np.concatenate(out)
+            if not ahead:
+                self._queue_graph(1 - slot, start_pos + generated)
+            slot = 1 - slot
+
+    def _queue_graph(self, slot: int, position: int) -> None:
+        self.check_capacity(position, self.bufs.m_rounds)
+        self.graph_for(slot).launch()
+        self._events[slot].record()
+        self.rounds += self.bufs.m_rounds
 
     def rounds_per_step(self, mode: str) -> int:
         if mode not in MODES:
@@ -179,7 +227,9 @@ class RoundStream:
 
     def step(self, mode: str, position: int) -> tuple[np.ndarray, bool]:
         """One burst (one round in "readback" mode) from `position`, and its one readback:
-        (committed tokens, done)."""
+        (committed tokens, done). Overlapped bursts only run inside generate()."""
+        if mode == "overlap":
+            raise ValueError('"overlap" keeps two bursts in flight: use generate()')
         self.check_capacity(position, self.rounds_per_step(mode))
         if mode == "graph":
             self.graph.launch()

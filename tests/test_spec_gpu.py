@@ -61,7 +61,7 @@ def test_layers_without_kv(engine, spec, kv_mask):
     assert got == toy.target_greedy(model, [5, 6, 7], 90)
 
 
-@pytest.mark.parametrize("mode", ["stream", "graph"])
+@pytest.mark.parametrize("mode", ["stream", "graph", "overlap"])
 def test_one_readback_per_burst(engine, spec, mode):
     model = toy.ToyModel(seed=11, noise_ppm=150_000, p_min=0.05)
     k, m_rounds, max_new = 4, 8, 300
