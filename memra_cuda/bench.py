@@ -128,7 +128,8 @@ def bench_rounds(engine: Engine, quick: bool) -> list[Row]:
             print(format_row(base), flush=True)
             for m_rounds in MS:
                 for mode in ("stream", "graph", "overlap"):
-                    row = measure(engine, spec, cost, weights, name, k, m_rounds, mode, tokens)
+                    row = measure(engine, spec, cost, weights, name, k, m_rounds, mode,
+                                  max(tokens, 4 * m_rounds * (k + 1)))  # 4 bursts at least
                     row.speedup = base.us_per_round / row.us_per_round
                     if m_rounds == 1 and mode == "graph":  # the same round's floor, for the loop too
                         base.floor_us_per_round = row.floor_us_per_round

@@ -180,7 +180,7 @@ class RoundStream:
         if max_new_tokens == 0:
             return np.zeros(0, np.uint32)
         if mode == "overlap":
-            return self._generate_overlapped(start_pos)
+            return self._generate_overlapped(start_pos, max_new_tokens)
         out: list[np.ndarray] = []
         generated, done = 0, False
         while not done:
@@ -189,11 +189,13 @@ class RoundStream:
             generated += len(tokens)
         return np.concatenate(out)
 
-    def _generate_overlapped(self, start_pos: int) -> np.ndarray:
-        """Bursts two deep. The next burst is queued only if the caches have room for it
-        behind the one in flight (whose tokens the host has not seen yet); otherwise the host
-        first reads, then checks against the position it now knows, which raises if even
-        that burst does not fit."""
+    def _generate_overlapped(self, start_pos: int, max_new_tokens: int) -> np.ndarray:
+        """Bursts two deep. The next burst is queued ahead only when it may be needed (a burst
+        commits at least M tokens unless it stops, so one that will spend the budget is left
+        alone) and the caches have room for it behind the one in flight, whose tokens the host
+        has not seen; otherwise the host reads first, then checks the position it now knows,
+        which raises if even that burst does not fit. Only an EOS stop leaves a burst queued
+        for nothing (it has no effect)."""
         if not self._events:
             self._events = [Event(self.engine), Event(self.engine)]
         m, burst = self.bufs.m_rounds, self.bufs.m_rounds * (self.bufs.k + 1)
@@ -201,7 +203,7 @@ class RoundStream:
         generated, slot = 0, 0
         self._queue_graph(slot, start_pos)
         while True:
-            ahead = self.fits(start_pos + generated + burst, m)
+            ahead = generated + m < max_new_tokens and self.fits(start_pos + generated + burst, m)
             if ahead:
                 self._queue_graph(1 - slot, start_pos + generated + burst)
             tokens, done = self.bufs.collect(self.engine, slot, self._events[slot])
