@@ -190,20 +190,21 @@ class RoundStream:
         return np.concatenate(out)
 
     def _generate_overlapped(self, start_pos: int, max_new_tokens: int) -> np.ndarray:
-        """Bursts two deep. The next burst is queued ahead only when it may be needed (a burst
-        commits at least M tokens unless it stops, so one that will spend the budget is left
-        alone) and the caches have room for it behind the one in flight, whose tokens the host
-        has not seen; otherwise the host reads first, then checks the position it now knows,
-        which raises if even that burst does not fit. Only an EOS stop leaves a burst queued
-        for nothing (it has no effect)."""
+        """Bursts two deep. The next burst is queued ahead only when it looks needed and the
+        caches have room for it behind the one in flight, whose tokens the host has not seen.
+        "Needed": the burst in flight would leave budget over if it committed as few tokens as
+        the leanest burst so far (at least M: a round that does not stop commits one or more),
+        so a budget stop rarely leaves a burst queued for nothing, and never one with effect.
+        Otherwise the host reads first, then checks the position it now knows, which raises if
+        even that burst does not fit."""
         if not self._events:
             self._events = [Event(self.engine), Event(self.engine)]
         m, burst = self.bufs.m_rounds, self.bufs.m_rounds * (self.bufs.k + 1)
         out: list[np.ndarray] = []
-        generated, slot = 0, 0
+        generated, slot, leanest = 0, 0, m
         self._queue_graph(slot, start_pos)
         while True:
-            ahead = generated + m < max_new_tokens and self.fits(start_pos + generated + burst, m)
+            ahead = generated + leanest < max_new_tokens and self.fits(start_pos + generated + burst, m)
             if ahead:
                 self._queue_graph(1 - slot, start_pos + generated + burst)
             tokens, done = self.bufs.collect(self.engine, slot, self._events[slot])
@@ -212,6 +213,7 @@ class RoundStream:
             generated += len(tokens)
             if done:
                 return np.concatenate(out)
+            leanest = len(tokens) if len(out) == 1 else min(leanest, len(tokens))
             if not ahead:
                 self._queue_graph(1 - slot, start_pos + generated)
             slot = 1 - slot
