@@ -12,7 +12,7 @@ import time
 from .engine import Engine
 from .errors import CudaUnavailable
 from .round_stream import StreamBufs
-from .spec import MODES, SpecKernels
+from .spec import MODES, SpecKernels, kv_capacity
 from .toy import ToyLM, ToyModel, target_greedy
 
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memra_cuda: {exc}", file=sys.stderr)
         return 2
     with engine:
-        capacity = len(args.prompt) + args.tokens + args.m_rounds * (args.k + 1)
+        capacity = kv_capacity(len(args.prompt), args.tokens, args.k, args.m_rounds, args.mode == "overlap")
         lm = ToyLM(engine, model, capacity)
         bufs = StreamBufs(engine, args.k, args.m_rounds)
         stream = lm.round_stream(SpecKernels(engine), bufs)
@@ -43,14 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         tokens = stream.generate(start, args.tokens, eos=args.eos, mode=args.mode).tolist()
         seconds = time.perf_counter() - t0
         readbacks = engine.readbacks - readbacks0
-        accepted = int(engine.dtoh(bufs.acc_d)[1])
+        accepted, drafted = bufs.drafts_accepted(engine, len(tokens))
     want = target_greedy(model, args.prompt, args.tokens, args.eos)
-    rounds = len(tokens) - accepted  # every round commits its accepted drafts plus one token
     print(f"prompt     {args.prompt}")
     print(f"generated  {len(tokens)} tokens: {tokens[:24]}{' ...' if len(tokens) > 24 else ''}")
     print(f"mode       {args.mode}, k={args.k}, M={args.m_rounds}")
     if args.k:
-        print(f"acceptance {accepted / (rounds * args.k):.1%} of drafted tokens ({accepted} of {rounds * args.k})")
+        print(f"acceptance {accepted / drafted:.1%} of drafted tokens ({accepted} of {drafted})")
     print(f"readbacks  {readbacks} ({len(tokens) / max(readbacks, 1):.1f} tokens per host readback)")
     print(f"speed      {len(tokens) / seconds:,.0f} tokens/s")
     print(f"matches the target's greedy output: {'yes' if tokens == want else 'NO'}")

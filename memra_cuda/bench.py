@@ -23,7 +23,7 @@ from .engine import Engine
 from .errors import CudaUnavailable, driver
 from .event import Event
 from .round_stream import StreamBufs
-from .spec import RoundStream, SpecKernels
+from .spec import RoundStream, SpecKernels, kv_capacity
 from .toy import COST_8B_05B, ToyCost, ToyLM, ToyModel
 
 KS = (0, 2, 4, 8)
@@ -80,8 +80,7 @@ def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str
     """Generate `tokens` tokens from PROMPT after an untimed warm-up generation (JIT, graph
     capture); for graph mode, then replay as many bursts again from the same prompt, back to
     back and timed on the device, for the floor."""
-    capacity = len(PROMPT) + tokens + 2 * m_rounds * (k + 1)  # overlap wants a second burst of room
-    lm = ToyLM(engine, MODEL, capacity, cost, weights)
+    lm = ToyLM(engine, MODEL, kv_capacity(len(PROMPT), tokens, k, m_rounds, overlap=True), cost, weights)
     bufs = StreamBufs(engine, k, m_rounds)
     stream = lm.round_stream(spec, bufs)
     stream.generate(lm.prefill(bufs, PROMPT), min(tokens, m_rounds * (k + 1)), mode=mode)
@@ -93,9 +92,9 @@ def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str
     wall = time.perf_counter() - t0
     bursts, readbacks = stream.bursts - bursts0, engine.readbacks - readbacks0
     rounds = stream.rounds - rounds0  # rounds issued, those after the stop included
-    accepted = int(engine.dtoh(bufs.acc_d)[1])  # prefill zeroed it; rounds after the stop add nothing
+    accepted, drafted = bufs.drafts_accepted(engine, made)
     row = Row(name, k, None if mode == "readback" else m_rounds, mode, wall / rounds * 1e6, made / wall,
-              readbacks / bursts, readbacks / made, accepted / (k * (made - accepted)) if k else None)
+              readbacks / bursts, readbacks / made, accepted / drafted if k else None)
     if mode == "graph":
         lm.prefill(bufs, PROMPT)
         bufs.set_stop(engine, budget=tokens)

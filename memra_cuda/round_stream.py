@@ -66,6 +66,15 @@ class StreamBufs:
         ctl = host[self.ring_d.len:].view(np.int32)
         return _ring_tokens(host[:self.ring_d.len], self.ring_cap), bool(ctl[DONE])
 
+    def drafts_accepted(self, engine: Engine, committed: int) -> tuple[int, int]:
+        """(accepted, drafted) since prefill, for `committed` tokens generated (one readback).
+
+        Every round commits its accepted drafts plus one token, so the rounds that ran before
+        the stop number committed - accepted, and each drafted k tokens.
+        """
+        accepted = int(engine.dtoh(self.acc_d)[1])
+        return accepted, self.k * (committed - accepted)
+
     def buffers(self) -> dict[str, DeviceBuffer]:
         return {name: buf for name, buf in vars(self).items() if isinstance(buf, DeviceBuffer)}
 

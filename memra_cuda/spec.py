@@ -25,6 +25,22 @@ if TYPE_CHECKING:
 MODES = ("readback", "stream", "graph", "overlap")
 
 
+def chain(launches: Sequence[Callable[[], None]]) -> Callable[[], None]:
+    """One callable issuing `launches` in order: a draft chain or verify trunk from its kernels."""
+    steps = tuple(launches)
+
+    def issue() -> None:
+        for step in steps:
+            step()
+    return issue
+
+
+def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, overlap: bool = False) -> int:
+    """KV entries a cache needs so generate() never raises CapacityError for this request:
+    the prompt, the tokens, and one burst of room past them (two for "overlap" to run ahead)."""
+    return prompt_len + max_new_tokens + (2 if overlap else 1) * m_rounds * (k + 1)
+
+
 class SpecKernels:
     """The five round-stream kernels of ptx/spec_stream.ptx (loaded once per engine).
 
@@ -125,13 +141,12 @@ class RoundStream:
         ]
         self._graphs: list[Graph | None] = [None, None]  # one per pinned readback slot
         self._events: list[Event] = []
-        self.rounds = 0  # rounds issued to the GPU
-        self.bursts = 0  # host readbacks generate() waited for
+        self.rounds = 0  # rounds step()/generate() sent to the GPU
+        self.bursts = 0  # host readbacks they waited for
 
     def issue_round(self) -> None:
         for step in self._round:
             step()
-        self.rounds += 1
 
     def issue_burst(self) -> None:
         for _ in range(self.bufs.m_rounds):
@@ -149,10 +164,8 @@ class RoundStream:
         return self._graphs[slot]
 
     def _issue_burst_and_readback(self, slot: int) -> None:
-        rounds = self.rounds
         self.issue_burst()
         self.bufs.queue_readback(self.engine, slot)
-        self.rounds = rounds  # capture issues nothing to the GPU
 
     def fits(self, position: int, rounds: int) -> bool:
         """Whether every KV cache can take rounds·(k+1) more entries past `position`."""
@@ -234,15 +247,16 @@ class RoundStream:
         (committed tokens, done). Overlapped bursts only run inside generate()."""
         if mode == "overlap":
             raise ValueError('"overlap" keeps two bursts in flight: use generate()')
-        self.check_capacity(position, self.rounds_per_step(mode))
+        rounds = self.rounds_per_step(mode)
+        self.check_capacity(position, rounds)
         if mode == "graph":
             self.graph.launch()
-            self.rounds += self.bufs.m_rounds
         elif mode == "stream":
             self.issue_burst()
             self.bufs.queue_readback(self.engine)
         else:
             self.issue_round()
             self.bufs.queue_readback(self.engine)
+        self.rounds += rounds
         self.bursts += 1
         return self.bufs.collect(self.engine)

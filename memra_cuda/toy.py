@@ -9,14 +9,14 @@ oracle: `target_greedy` is what any correct speculative decoder must reproduce, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from . import reference as ref
 from .cache import Cache
 from .round_stream import kv_len_ptr_table
-from .spec import RoundStream, SpecKernels
+from .spec import RoundStream, SpecKernels, chain, kv_capacity
 
 if TYPE_CHECKING:
     from .buffer import DeviceBuffer
@@ -210,7 +210,7 @@ class NumpyRoundStream:
 def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new_tokens: int,
                          eos: int | None = None, m_rounds: int = 4) -> list[int]:
     """The whole speculative loop in numpy (see NumpyRoundStream)."""
-    capacity = len(prompt) + max_new_tokens + (m_rounds + 1) * (k + 1)
+    capacity = kv_capacity(len(prompt), max_new_tokens, k, m_rounds)
     return NumpyRoundStream(model, k, m_rounds, capacity).generate(prompt, max_new_tokens, eos)
 
 
@@ -286,9 +286,9 @@ class ToyLM:
         m, draft = self.model, self.draft.kv[0]
         kernel = self.module.kernel("toy_draft_step")
         types = ["u32", "u32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32", "u32", "u32", "u32"]
-        steps = []
+        steps, reads = [], self._weight_reads(self.cost.draft_bytes)
         for step in range(bufs.k + 1):
-            steps += self._weight_reads(self.cost.draft_bytes)
+            steps += reads
             steps.append(kernel.prepare(types, block=BLOCK).set(
                 step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr, bufs.brk_d, draft.data_d, draft.len_d,
                 self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below))
@@ -313,13 +313,6 @@ class ToyLM:
         pred_d = engine.alloc_u32_zeroed(bufs.k + 1)
         drafts, verifies = self.draft_steps(bufs, draft_d), self.verify_steps(bufs, pred_d)
         table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr)
-        return RoundStream(spec, bufs, draft_chain=_chain(drafts), verify_trunk=_chain(verifies),
+        return RoundStream(spec, bufs, draft_chain=chain(drafts), verify_trunk=chain(verifies),
                            draft_d=draft_d, pred_d=pred_d, rollback_tables=[table],
                            caches=[self.target, self.draft])
-
-
-def _chain(launches: list[Launch]) -> Callable[[], None]:
-    def issue() -> None:
-        for launch in launches:
-            launch()
-    return issue

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from memra_cuda import CapacityError, SpecKernels, StreamBufs, kv_len_ptr_table, toy
-from memra_cuda.spec import MODES, RoundStream
+from memra_cuda.spec import MODES, RoundStream, chain, kv_capacity
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ def setup(engine, spec, model, prompt, k, m_rounds, capacity):
 
 
 def generate(engine, spec, model, prompt, k, m_rounds, max_new, eos=None, mode="graph"):
-    capacity = len(prompt) + max_new + m_rounds * (k + 1)
+    capacity = kv_capacity(len(prompt), max_new, k, m_rounds)  # overlap then also runs without room ahead
     lm, bufs, stream, start = setup(engine, spec, model, prompt, k, m_rounds, capacity)
     return stream.generate(start, max_new, eos=eos, mode=mode).tolist(), stream
 
@@ -65,7 +65,7 @@ def test_layers_without_kv(engine, spec, kv_mask):
 def test_one_readback_per_burst(engine, spec, mode):
     model = toy.ToyModel(seed=11, noise_ppm=150_000, p_min=0.05)
     k, m_rounds, max_new = 4, 8, 300
-    capacity = 3 + max_new + m_rounds * (k + 1)
+    capacity = kv_capacity(3, max_new, k, m_rounds)
     lm, bufs, stream, start = setup(engine, spec, model, [1, 2, 3], k, m_rounds, capacity)
     before = engine.readbacks
     got = stream.generate(start, max_new, mode=mode).tolist()
@@ -171,8 +171,7 @@ def test_seed_gather_hands_the_draft_the_row_behind_the_bonus(engine, spec):
     draft_d, pred_d, seed_d = (engine.alloc_u32_zeroed(n) for n in (3, 4, 1))
     drafts, verifies = lm.draft_steps(bufs, draft_d), lm.verify_steps(bufs, pred_d)
     stream = RoundStream(
-        spec, bufs, draft_chain=lambda: [step() for step in drafts],
-        verify_trunk=lambda: [step() for step in verifies], draft_d=draft_d, pred_d=pred_d,
+        spec, bufs, draft_chain=chain(drafts), verify_trunk=chain(verifies), draft_d=draft_d, pred_d=pred_d,
         rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr)],
         caches=[lm.target, lm.draft], seed_gather=spec.prepare_seed_gather(pred_d, 1, bufs, seed_d))
     lm.prefill(bufs, [1, 2, 3])
