@@ -145,7 +145,8 @@ HEADER = (f"{'model':8} {'k':>2} {'M':>3} {'mode':9} {'us/round':>9} {'tokens/s'
 
 def format_row(r: Row) -> str:
     floor = f"{r.floor_us_per_round:9.1f}" if r.floor_us_per_round else f"{'-':>9}"
-    ratio = f"{r.us_per_round / r.floor_us_per_round:6.3f}" if r.floor_us_per_round and r.mode == "graph" else f"{'-':>6}"
+    graph_floor = r.floor_us_per_round if r.mode == "graph" else None
+    ratio = f"{r.us_per_round / graph_floor:6.3f}" if graph_floor else f"{'-':>6}"
     accept = f"{r.acceptance:6.2f}" if r.acceptance is not None else f"{'-':>6}"
     m = f"{r.m_rounds:3d}" if r.m_rounds else f"{'-':>3}"
     return (f"{r.model:8} {r.k:2d} {m} {r.mode:9} {r.us_per_round:9.1f} {r.tokens_per_s:10.0f} "

@@ -285,7 +285,7 @@ class ToyLM:
         """The k+1 launches of one draft chain (each after its share of weight streaming)."""
         m, draft = self.model, self.draft.kv[0]
         kernel = self.module.kernel("toy_draft_step")
-        types = ["u32", "u32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32", "u32", "u32", "u32"]
+        types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7]
         steps, reads = [], self._weight_reads(self.cost.draft_bytes)
         for step in range(bufs.k + 1):
             steps += reads
