@@ -9,11 +9,12 @@ import argparse
 import sys
 import time
 
-from .engine import Engine
-from .errors import CudaUnavailable
-from .round_stream import StreamBufs
-from .spec import MODES, SpecKernels, kv_capacity
-from .toy import ToyLM, ToyModel, target_greedy
+from .driver.engine import Engine
+from .driver.errors import CudaUnavailable
+from .bufs import StreamBufs
+from .kernels import SpecKernels
+from .stream import MODES, kv_capacity
+from .models.toy import ToyLM, ToyModel, target_greedy
 
 
 def main(argv: list[str] | None = None) -> int:

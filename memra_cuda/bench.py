@@ -19,12 +19,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .engine import Engine
-from .errors import CudaUnavailable, driver
-from .event import Event
-from .round_stream import StreamBufs
-from .spec import RoundStream, SpecKernels, kv_capacity
-from .toy import COST_8B_05B, ToyCost, ToyLM, ToyModel
+from .driver.engine import Engine
+from .driver.errors import CudaUnavailable, driver
+from .driver.event import Event
+from .bufs import StreamBufs
+from .kernels import SpecKernels
+from .stream import RoundStream, kv_capacity
+from .models.toy import COST_8B_05B, ToyCost, ToyLM, ToyModel
 
 KS = (0, 2, 4, 8)
 MS = (1, 4, 16, 64)

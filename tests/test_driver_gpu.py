@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from memra_cuda import CudaError, DeviceBuffer, Engine, Graph
-from memra_cuda.errors import call, driver
-from memra_cuda.module import Module
+from memra_cuda.driver.errors import call, driver
+from memra_cuda.driver.module import Module
 
 pytestmark = pytest.mark.gpu
 

@@ -14,8 +14,10 @@ import pytest
 from cuda.bindings.driver import CUresult
 
 from memra_cuda import CudaError, CudaUnavailable, DeviceBuffer, Engine, KernelArgs
-from memra_cuda.errors import check
-from memra_cuda.module import packaged_ptx
+from memra_cuda.driver import Handle, as_buffer
+from memra_cuda.driver.buffer import exact_array
+from memra_cuda.driver.errors import check
+from memra_cuda.driver.module import packaged_ptx
 
 # A made-up device address: wrap() only stores it, so it never has to be valid.
 FAKE_PTR = 0x1000
@@ -276,3 +278,133 @@ def test_packaged_ptx_is_the_committed_text():
 def test_packaged_ptx_unknown_name():
     with pytest.raises(FileNotFoundError, match="no_such_module"):
         packaged_ptx("no_such_module")
+
+
+# -- what device memory can hold, and constructor arguments --------------------------------
+
+
+@pytest.mark.parametrize("dtype", [object, "U4", "S4", np.complex64, np.complex128, ">u4", np.longdouble, "V8"])
+def test_device_buffers_refuse_element_types_the_device_cannot_hold(dtype):
+    with pytest.raises(ValueError, match="element type"):
+        DeviceBuffer.wrap(FAKE_PTR, dtype, 4)
+
+
+@pytest.mark.parametrize("values", [np.array([1, "x"], dtype=object), np.array(["12"]), np.array([1 + 2j]), ["1"]],
+                         ids=["object", "unicode", "complex", "str-list"])
+@pytest.mark.parametrize("dtype", [np.uint32, np.float32])
+def test_exact_array_refuses_what_is_not_numbers(values, dtype):
+    with pytest.raises((ValueError, TypeError)):
+        exact_array(values, dtype)
+
+
+def test_exact_array_converts_big_python_ints_exactly():
+    assert exact_array([1, 2**63, 2**64 - 1], np.uint64).tolist() == [1, 2**63, 2**64 - 1]
+    with pytest.raises(ValueError):
+        exact_array([1.5], np.uint32)
+
+
+@pytest.mark.parametrize("ptr, length, kind", [(0, 4, ValueError), (FAKE_PTR, -5, ValueError), (0, -5, ValueError),
+                                               (1.5, 4, TypeError), (FAKE_PTR, 2.0, TypeError),
+                                               (2**64 - 8, 4, ValueError)],
+                         ids=["null", "negative", "null-negative", "float-ptr", "float-length", "past-2**64"])
+def test_device_buffer_constructor_validates(ptr, length, kind):
+    with pytest.raises(kind):
+        DeviceBuffer(ptr, np.uint32, length)
+
+
+@pytest.mark.parametrize("start, count", [(1.5, 2), (1, 2.0), ("1", 2)])
+def test_view_refuses_non_integers(start, count):
+    with pytest.raises(TypeError):
+        fake_buffer(10).view(start, count)
+    assert fake_buffer(10).view(np.int64(1), np.uint8(2)).ptr == FAKE_PTR + 4
+
+
+@pytest.mark.parametrize("value, kind", [("1.5", TypeError), (None, TypeError), (True, TypeError),
+                                         (1e39, ValueError), (-1e39, ValueError)])
+def test_float_arguments_take_numbers_in_range(value, kind):
+    with pytest.raises(kind, match="argument 0"):
+        KernelArgs(["f32"]).set(value)
+
+
+@pytest.mark.parametrize("value", [1.5, 3, np.float64(2.5), np.int32(-4), float("inf"), float("nan")])
+def test_float_arguments_accept_numbers(value):
+    args = KernelArgs(["f32"])
+    args.set(value)
+    assert slot_bytes(args, 0)[:4] == np.array(value, np.float32).tobytes()
+
+
+# -- dependents: freeing a handle poisons what holds its address ---------------------------
+
+
+class Holder(Handle):
+    """A stand-in for a launch, graph or table: something that copied an address."""
+
+    def __repr__(self) -> str:
+        return "Holder"
+
+
+def test_free_poisons_dependents_with_the_freed_buffers_name():
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4)
+    buf.label = "ring_d"
+    holder = Holder()
+    buf.depend(holder)
+    holder._usable()
+    buf.free()
+    with pytest.raises(ValueError, match=r"Holder refuses to run: it holds the address of DeviceBuffer\(ring_d u32\[4\]"):
+        holder._usable()
+
+
+def test_freeing_a_parent_poisons_dependents_of_its_views_and_chains_on():
+    parent = fake_buffer()
+    view = parent.view(3, 2)
+    first, second = Holder(), Holder()
+    view.depend(first)
+    first.depend(second)  # a table bound into a launch, say
+    parent.free()
+    for holder in (first, second):
+        with pytest.raises(ValueError, match="which was freed"):
+            holder._usable()
+
+
+def test_dependents_are_held_weakly_and_notified_once():
+    buf = fake_buffer()
+    holder = Holder()
+    alive = weakref.ref(holder)
+    buf.depend(holder)
+    del holder
+    gc.collect()
+    assert alive() is None, "a buffer must not keep what depends on it alive"
+    buf.free()
+    buf.free()
+
+
+def test_freeing_a_view_leaves_dependents_of_the_parent_alone():
+    parent = fake_buffer()
+    holder = Holder()
+    parent.depend(holder)
+    parent.view(0, 1).free()
+    holder._usable()
+
+
+# -- adopting __cuda_array_interface__ objects (what needs no driver) ------------------------
+
+
+class FakeArray:
+    def __init__(self, **iface):
+        self.__cuda_array_interface__ = {"shape": (4,), "typestr": "<u4", "data": (FAKE_PTR, False),
+                                         "version": 3, **iface}
+
+
+@pytest.mark.parametrize("iface", [{"shape": (4, 2), "strides": (4, 16)}, {"shape": (0,)}, {"typestr": "<c8"},
+                                   {"mask": object()}, {"shape": (2, 3), "strides": (8, 8)}],
+                         ids=["transposed", "empty", "complex", "masked", "gapped"])
+def test_from_cuda_array_refuses_before_asking_the_driver(iface):
+    with pytest.raises(ValueError):
+        DeviceBuffer.from_cuda_array(FakeArray(**iface))
+
+
+def test_as_buffer_names_what_it_cannot_adopt():
+    with pytest.raises(TypeError, match="draft_d must be a DeviceBuffer"):
+        as_buffer(np.zeros(3, np.uint32), "draft_d")
+    buf = fake_buffer()
+    assert as_buffer(buf) is buf

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memra_cuda import toy
+from memra_cuda.models import toy
 
 models = st.builds(
     toy.ToyModel,

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from memra_cuda import CapacityError, SpecKernels, StreamBufs, kv_len_ptr_table, toy
-from memra_cuda.spec import MODES, RoundStream, chain, kv_capacity
+from memra_cuda import MODES, CapacityError, RoundStream, SpecKernels, StreamBufs, chain, kv_capacity, kv_len_ptr_table
+from memra_cuda.models import toy
 
 pytestmark = pytest.mark.gpu
 
@@ -87,7 +87,7 @@ def test_perfect_draft_bursts_are_exactly_counted(engine, spec):
 
 def _device_state(engine, lm, bufs):
     state = {name: engine.dtoh(getattr(bufs, name)).tolist()
-             for name in ("pos_ctr", "pend_d", "last_pred_d", "brk_d")}
+             for name in ("pos_ctr_d", "pend_d", "last_pred_d", "brk_d")}
     state["acc_d[1]"] = int(engine.dtoh(bufs.acc_d)[1])  # acc_d[0] is this round's count: 0 once done
     state["ctl_d[:3]"] = engine.dtoh(bufs.ctl_d)[:3].tolist()  # ctl_d[3], this round's keep: 0 once done
     lengths = lm.target.lengths(engine) + lm.draft.lengths(engine)
@@ -100,7 +100,7 @@ def _device_state(engine, lm, bufs):
 def _numpy_state(stream):
     lengths = [None if n is None else int(n[0]) for n in stream.tgt_len] + [int(stream.draft_len[0])]
     layers = stream.tgt + [stream.draft_kv]
-    return {"pos_ctr": stream.pos_ctr.tolist(), "pend_d": stream.pend.tolist(),
+    return {"pos_ctr_d": stream.pos_ctr.tolist(), "pend_d": stream.pend.tolist(),
             "last_pred_d": stream.last_pred.tolist(), "acc_d[1]": int(stream.acc[1]), "brk_d": stream.brk.tolist(),
             "ctl_d[:3]": stream.ctl[:3].tolist(), "kv_len": lengths,
             "kv": [None if kv is None else kv[:n].tolist() for kv, n in zip(layers, lengths)]}
@@ -172,8 +172,8 @@ def test_seed_gather_hands_the_draft_the_row_behind_the_bonus(engine, spec):
     drafts, verifies = lm.draft_steps(bufs, draft_d), lm.verify_steps(bufs, pred_d)
     stream = RoundStream(
         spec, bufs, draft_chain=chain(drafts), verify_trunk=chain(verifies), draft_d=draft_d, pred_d=pred_d,
-        rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr)],
-        caches=[lm.target, lm.draft], seed_gather=spec.prepare_seed_gather(pred_d, 1, bufs, seed_d))
+        rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)],
+        seed_gather=spec.prepare_seed_gather(pred_d, 1, bufs, seed_d))
     lm.prefill(bufs, [1, 2, 3])
     bufs.set_stop(engine)
     committed: list[int] = []

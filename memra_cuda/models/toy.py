@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from . import reference as ref
-from .cache import Cache
-from .round_stream import kv_len_ptr_table
-from .spec import RoundStream, SpecKernels, chain, kv_capacity
+from .. import reference as ref
+from ..stream import RoundStream, chain, kv_capacity
+from ..tables import Cache, PointerTable, kv_len_ptr_table
 
 if TYPE_CHECKING:
-    from .buffer import DeviceBuffer
-    from .engine import Engine
-    from .module import Launch
-    from .round_stream import StreamBufs
+    from ..bufs import StreamBufs
+    from ..driver.buffer import DeviceBuffer
+    from ..driver.engine import Engine
+    from ..driver.module import Launch
+    from ..kernels import SpecKernels
 
 M32 = 0xFFFFFFFF
 BLOCK = 512  # toy_lm.cu's block size; verify handles k + 1 <= BLOCK tokens
@@ -239,38 +239,37 @@ class ToyLM:
         self.target = Cache.allocate(engine, model.kv_mask, capacity)
         self.draft = Cache.allocate(engine, [True], capacity)
         layers = self.target.kv
-        self.data_table = engine.htod_u64([0 if kv is None else kv.data_d.ptr for kv in layers])
-        self.len_table = engine.htod_u64([0 if kv is None else kv.len_d.ptr for kv in layers])
+        self.data_ptrs_d = PointerTable(engine, [None if kv is None else kv.data_d for kv in layers], label="toy data")
+        self.len_ptrs_d = PointerTable(engine, [None if kv is None else kv.len_d for kv in layers], label="toy lengths")
         weight_bytes = max(cost.verify_bytes, cost.draft_bytes)
         if weights is not None and weights.nbytes < weight_bytes:
             raise ValueError(f"the cost streams {weight_bytes} bytes but weights hold {weights.nbytes}")
         if weights is None and weight_bytes:
-            weights = engine.alloc(np.uint8, weight_bytes, zeroed=True)
-        self.weights = weights
-        self.sink = engine.alloc_u32_zeroed(1)
+            weights = engine.alloc(np.uint8, weight_bytes, zeroed=True, label="toy weights")
+        self.weights_d = weights
+        self.sink_d = engine.alloc_u32_zeroed(1, label="toy sink")
+        # The prompt's home on the device: it outlives the prefill kernel that reads it.
+        self.prompt_d = engine.alloc_u32_zeroed(self.capacity, label="toy prompt")
 
     def prefill(self, bufs: StreamBufs, prompt: Sequence[int]) -> int:
-        """Fill both caches with the prompt but its last token, which becomes pending; reset
-        the ring and counters (the stop rule is generate's). Returns the start position,
-        len(prompt) - 1."""
+        """Fill both caches with the prompt but its last token, which becomes pending, and
+        reset the request's buffers (bufs.reset; the stop rule is generate's). Returns the
+        start position, len(prompt) - 1."""
         n = len(prompt) - 1
         if not 0 <= n <= self.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a cache of {self.capacity}")
         engine, draft = self.engine, self.draft.kv[0]
+        bufs.reset(engine, prompt[-1], n)
         if n:
-            tokens = engine.htod_u32(prompt[:-1])
+            engine.copy_htod(self.prompt_d, prompt[:-1])
             self.module.kernel("toy_prefill").prepare(
                 ["ptr", "u32", "ptr", "ptr", "u32", "ptr", "ptr", "u32"], grid=(n + BLOCK - 1) // BLOCK,
-                block=BLOCK)(tokens, n, self.data_table, self.len_table, len(self.model.kv_mask),
+                block=BLOCK)(self.prompt_d, n, self.data_ptrs_d, self.len_ptrs_d, len(self.model.kv_mask),
                              draft.data_d, draft.len_d, self.model.seed)
         else:
             for kv in [*self.target.kv, draft]:
                 if kv is not None:
                     engine.set_u32(kv.len_d, 0, 0)
-        engine.copy_htod(bufs.pend_d, [prompt[-1]])
-        engine.copy_htod(bufs.pos_ctr, [n])
-        for buf in (bufs.ring_d, bufs.brk_d, bufs.acc_d):
-            engine.memset(buf, 0)
         return n
 
     def _weight_reads(self, nbytes: int) -> list[Launch]:
@@ -279,7 +278,7 @@ class ToyLM:
             return []
         grid = 4 * self.engine.multiprocessors
         return [self.module.kernel("toy_stream_weights").prepare(["ptr", "u64", "ptr"], grid=grid, block=512)
-                .set(self.weights, nbytes // 16, self.sink)]
+                .set(self.weights_d, nbytes // 16, self.sink_d)]
 
     def draft_steps(self, bufs: StreamBufs, draft_d: DeviceBuffer) -> list[Launch]:
         """The k+1 launches of one draft chain (each after its share of weight streaming)."""
@@ -290,7 +289,7 @@ class ToyLM:
         for step in range(bufs.k + 1):
             steps += reads
             steps.append(kernel.prepare(types, block=BLOCK).set(
-                step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr, bufs.brk_d, draft.data_d, draft.len_d,
+                step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr_d, bufs.brk_d, draft.data_d, draft.len_d,
                 self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below))
         return steps
 
@@ -299,7 +298,7 @@ class ToyLM:
         m = self.model
         verify = self.module.kernel("toy_verify").prepare(
             ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32"], block=BLOCK).set(
-            bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred_d, self.data_table, self.len_table,
+            bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred_d, self.data_ptrs_d, self.len_ptrs_d,
             len(m.kv_mask), self.capacity, m.seed, m.vocab)
         return [*self._weight_reads(self.cost.verify_bytes), verify]
 
@@ -312,7 +311,6 @@ class ToyLM:
         draft_d = engine.alloc_u32_zeroed(max(bufs.k, 1))
         pred_d = engine.alloc_u32_zeroed(bufs.k + 1)
         drafts, verifies = self.draft_steps(bufs, draft_d), self.verify_steps(bufs, pred_d)
-        table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr)
+        table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)
         return RoundStream(spec, bufs, draft_chain=chain(drafts), verify_trunk=chain(verifies),
-                           draft_d=draft_d, pred_d=pred_d, rollback_tables=[table],
-                           caches=[self.target, self.draft])
+                           draft_d=draft_d, pred_d=pred_d, rollback_tables=[table])

@@ -1,4 +1,4 @@
-"""Typed launchers of the spec_* kernels, and the burst driver that issues rounds with them.
+"""RoundStream: the burst driver that issues rounds onto the engine's stream.
 
 A round, in stream order: [seed_gather] → draft chain → assemble_verify → verify trunk →
 accept → commit → rollback. The driver owns nothing model-specific: the caller hands it its
@@ -7,22 +7,25 @@ draft chain and verify trunk as callables that queue work on the engine's stream
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from .buffer import DeviceBuffer
-from .cache import Cache
-from .errors import CapacityError
-from .event import Event
-from .graph import Graph
-from .module import Launch
-from .round_stream import StreamBufs
+from .driver.buffer import as_index
+from .driver.event import Event
+from .driver.graph import Capture, Graph
+from .driver.module import Launch
+from .tables import PointerTable
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .bufs import StreamBufs
+    from .kernels import SpecKernels
 
 MODES = ("readback", "stream", "graph", "overlap")
+
+
+class CapacityError(ValueError):
+    """A KV cache cannot hold the entries the next burst may append."""
 
 
 def chain(launches: Sequence[Callable[[], None]]) -> Callable[[], None]:
@@ -41,73 +44,12 @@ def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, ove
     return prompt_len + max_new_tokens + (2 if overlap else 1) * m_rounds * (k + 1)
 
 
-class SpecKernels:
-    """The five round-stream kernels of ptx/spec_stream.ptx (loaded once per engine).
-
-    `prepare_*` validates the buffers and returns a prepared launch to keep and call every
-    round; the plain methods launch once.
-    """
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.module = engine.load_ptx("spec_stream")
-
-    def _launch(self, name: str, types: list[str], *values: object, threads: int = 1) -> Launch:
-        block = min(max(32, threads), 256)
-        grid = min((threads + block - 1) // block, 1024)
-        return self.module.kernel(name).prepare(types, grid, block).set(*values)
-
-    def prepare_seed_gather(self, rows_d: DeviceBuffer, row_words: int, bufs: StreamBufs,
-                            out_d: DeviceBuffer) -> Launch:
-        _words("rows_d", rows_d)
-        _words("out_d", out_d)
-        if row_words < 1 or rows_d.len % row_words or out_d.len < row_words:
-            raise ValueError(f"rows_d ({rows_d.len} words) must hold whole rows of {row_words} words "
-                             f"and out_d ({out_d.len}) one row")
-        return self._launch("spec_seed_gather", ["ptr", "u32", "u32", "ptr", "ptr"],
-                            rows_d, rows_d.len // row_words, row_words, bufs.acc_d, out_d, threads=row_words)
-
-    def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: DeviceBuffer) -> Launch:
-        _words("draft_d", draft_d, at_least=bufs.k)
-        return self._launch("spec_assemble_verify", ["ptr", "ptr", "u32", "ptr", "ptr", "ptr"],
-                            bufs.pend_d, draft_d, bufs.k, bufs.vtok_d, bufs.pos_ctr, bufs.pos_start_d,
-                            threads=bufs.k + 1)
-
-    def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: DeviceBuffer) -> Launch:
-        _words("pred_d", pred_d, at_least=bufs.k + 1)
-        return self._launch("spec_accept_greedy_dc", ["ptr", "ptr", "u32", "ptr", "ptr", "ptr", "ptr"],
-                            bufs.vtok_d, pred_d, bufs.k, bufs.brk_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d)
-
-    def prepare_ring_commit(self, bufs: StreamBufs) -> Launch:
-        return self._launch("spec_ring_commit", ["ptr"] * 6 + ["u32", "u32"],
-                            bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
-                            bufs.ring_cap, bufs.k)
-
-    def prepare_rollback(self, table_d: DeviceBuffer, bufs: StreamBufs) -> Launch:
-        if table_d.dtype != np.uint64:
-            raise ValueError(f"a pointer table is a u64 buffer, not {table_d!r}")
-        return self._launch("spec_rollback_stream", ["ptr", "u32", "ptr", "ptr"],
-                            table_d, table_d.len, bufs.pos_start_d, bufs.ctl_d, threads=table_d.len)
-
-    def seed_gather(self, rows_d: DeviceBuffer, row_words: int, bufs: StreamBufs, out_d: DeviceBuffer) -> None:
-        self.prepare_seed_gather(rows_d, row_words, bufs, out_d)()
-
-    def assemble_verify(self, bufs: StreamBufs, draft_d: DeviceBuffer) -> None:
-        self.prepare_assemble_verify(bufs, draft_d)()
-
-    def accept_greedy(self, bufs: StreamBufs, pred_d: DeviceBuffer) -> None:
-        self.prepare_accept_greedy(bufs, pred_d)()
-
-    def ring_commit(self, bufs: StreamBufs) -> None:
-        self.prepare_ring_commit(bufs)()
-
-    def rollback(self, table_d: DeviceBuffer, bufs: StreamBufs) -> None:
-        self.prepare_rollback(table_d, bufs)()
-
-
-def _words(name: str, buf: DeviceBuffer, at_least: int = 1) -> None:
-    if buf.dtype.itemsize != 4 or buf.len < at_least:
-        raise ValueError(f"{name} must be a 32-bit buffer of at least {at_least} elements, not {buf!r}")
+def _count(value: Any, what: str) -> int:
+    """A non-negative i32 count or position, checked before anything is queued."""
+    number = as_index(value, what)
+    if not 0 <= number < 2**31:
+        raise ValueError(f"{what} must be in [0, 2**31), not {value}")
+    return number
 
 
 class RoundStream:
@@ -119,17 +61,31 @@ class RoundStream:
     "graph" — the M rounds and the readback captured once as a CUDA graph and replayed;
     "overlap" — graph replays two deep: the next burst is queued before the last one is read,
     so the GPU never waits for the host. A burst that runs after the stop has no effect.
+
+    `rollback_tables` are PointerTables (kv_len_ptr_table and friends): one of them must hold
+    `bufs.pos_ctr_d`, which is how the position advances, and together they say how many KV
+    entries the caches hold, so every burst is checked against that capacity before it is
+    issued. `capture` says how graphs are captured (default: the driver's stream capture).
     """
 
     def __init__(self, spec: SpecKernels, bufs: StreamBufs, *, draft_chain: Callable[[], None],
-                 verify_trunk: Callable[[], None], draft_d: DeviceBuffer, pred_d: DeviceBuffer,
-                 rollback_tables: Sequence[DeviceBuffer], caches: Sequence[Cache],
-                 seed_gather: Launch | None = None):
-        if not rollback_tables:
-            raise ValueError("rollback needs at least one pointer table (pos_ctr last in the last one)")
+                 verify_trunk: Callable[[], None], draft_d: Any, pred_d: Any,
+                 rollback_tables: Sequence[PointerTable], seed_gather: Launch | None = None,
+                 capture: Capture | None = None):
+        tables = list(rollback_tables)
+        if not tables:
+            raise ValueError("rollback needs at least one pointer table (one of them holding bufs.pos_ctr_d)")
+        for table in tables:
+            if not isinstance(table, PointerTable):
+                raise TypeError(f"rollback tables must be PointerTables (kv_len_ptr_table builds them), not {table!r}")
+        if not any(table.holds(bufs.pos_ctr_d) for table in tables):
+            raise ValueError("no rollback table holds bufs.pos_ctr_d, so the position would never advance: "
+                             "pass pos_ctr=bufs.pos_ctr_d to kv_len_ptr_table")
+        capacities = [table.capacity for table in tables if table.capacity is not None]
+        self.capacity: int | None = min(capacities) if capacities else None
         self.engine = spec.engine
         self.bufs = bufs
-        self.caches = list(caches)
+        self._capture = capture
         self._round: list[Callable[[], None]] = [
             *([seed_gather] if seed_gather is not None else []),
             draft_chain,
@@ -137,7 +93,7 @@ class RoundStream:
             verify_trunk,
             spec.prepare_accept_greedy(bufs, pred_d),
             spec.prepare_ring_commit(bufs),
-            *(spec.prepare_rollback(table, bufs) for table in rollback_tables),
+            *(spec.prepare_rollback(table, bufs) for table in tables),
         ]
         self._graphs: list[Graph | None] = [None, None]  # one per pinned readback slot
         self._events: list[Event] = []
@@ -160,7 +116,8 @@ class RoundStream:
     def graph_for(self, slot: int) -> Graph:
         """The burst graph whose readback lands in pinned slot `slot` (0 or 1), captured once."""
         if self._graphs[slot] is None:
-            self._graphs[slot] = Graph(self.engine, functools.partial(self._issue_burst_and_readback, slot))
+            self._graphs[slot] = Graph(self.engine, functools.partial(self._issue_burst_and_readback, slot),
+                                       capture=self._capture)
         return self._graphs[slot]
 
     def _issue_burst_and_readback(self, slot: int) -> None:
@@ -169,15 +126,13 @@ class RoundStream:
 
     def fits(self, position: int, rounds: int) -> bool:
         """Whether every KV cache can take rounds·(k+1) more entries past `position`."""
-        need = position + rounds * (self.bufs.k + 1)
-        return all(c.capacity is None or need <= c.capacity for c in self.caches)
+        return self.capacity is None or position + rounds * (self.bufs.k + 1) <= self.capacity
 
     def check_capacity(self, position: int, rounds: int) -> None:
         """Raise CapacityError unless every KV cache can take rounds·(k+1) entries past position."""
         if not self.fits(position, rounds):
-            capacity = min(c.capacity for c in self.caches if c.capacity is not None)
             raise CapacityError(
-                f"KV cache of {capacity} entries cannot take the next burst: {rounds} rounds at "
+                f"KV cache of {self.capacity} entries cannot take the next burst: {rounds} rounds at "
                 f"k={self.bufs.k} may write up to {position + rounds * (self.bufs.k + 1)} (position "
                 f"{position}): use a larger cache, fewer rounds per burst or a token budget")
 
@@ -187,8 +142,13 @@ class RoundStream:
 
         `start_pos` is pos_ctr after prefill (tokens whose KV is committed); the host tracks
         the position from the tokens it reads back, so checking capacity costs no readback.
+        Every argument is checked before anything is queued.
         """
-        self.rounds_per_step(mode)  # validates the mode before anything is queued
+        rounds = self.rounds_per_step(mode)
+        start_pos = _count(start_pos, "start_pos")
+        max_new_tokens = _count(max_new_tokens, "max_new_tokens")
+        if max_new_tokens:
+            self.check_capacity(start_pos, rounds)
         self.bufs.set_stop(self.engine, eos, max_new_tokens)
         if max_new_tokens == 0:
             return np.zeros(0, np.uint32)
@@ -248,7 +208,7 @@ class RoundStream:
         if mode == "overlap":
             raise ValueError('"overlap" keeps two bursts in flight: use generate()')
         rounds = self.rounds_per_step(mode)
-        self.check_capacity(position, rounds)
+        self.check_capacity(_count(position, "position"), rounds)
         if mode == "graph":
             self.graph.launch()
         elif mode == "stream":

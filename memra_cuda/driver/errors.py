@@ -1,4 +1,4 @@
-"""Errors, and the one place where every driver call is checked.
+"""Errors, and the one place where a driver result becomes a value or an exception.
 
 The driver module is loaded lazily, on the first call that needs it, so that importing
 memra_cuda (and running everything that needs no GPU) works on a machine without a driver.
@@ -28,9 +28,40 @@ class CudaUnavailable(CudaError):
         RuntimeError.__init__(self, reason)
 
 
-class CapacityError(ValueError):
-    """A KV cache cannot hold the entries the next burst may append."""
+class CudaFault(CudaError):
+    """A kernel faulted, and the fault is sticky: the device's context is unusable until the
+    process restarts (as in PyTorch). `name` is the fault's code, whichever call reported it;
+    every later call on that device raises this again without reaching the driver."""
 
+    def __init__(self, first: CudaError, device: int, call: str | None = None):
+        self.first = first
+        self.device = device
+        self.code, self.name, self.message = first.code, first.name, first.message
+        self.call = call or first.call
+        if call is None:
+            text = (f"{first}\nA kernel fault is sticky: the CUDA context of device {device} is unusable "
+                    f"until the process restarts")
+        else:
+            text = (f"{call} refused: device {device} faulted earlier ({first.name}: {first.message}, reported "
+                    f"by {first.call}); its CUDA context is unusable until the process restarts")
+        RuntimeError.__init__(self, text)
+
+    def again(self, call: str) -> CudaFault:
+        """The error for a later call on the faulted device."""
+        return CudaFault(self.first, self.device, call)
+
+
+class CaptureError(RuntimeError):
+    """Work that a CUDA graph cannot hold was asked for during a stream capture."""
+
+
+# Errors after which the context cannot be used again (the CUDA programming guide's sticky
+# errors): every later call would fail with them, named after whatever call came next.
+STICKY = frozenset({
+    "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+    "CUDA_ERROR_INVALID_PC", "CUDA_ERROR_ASSERT", "CUDA_ERROR_LAUNCH_TIMEOUT", "CUDA_ERROR_ECC_UNCORRECTABLE",
+})
 
 _driver: ModuleType | None = None
 
@@ -77,15 +108,21 @@ def error(err: Any, call: str, detail: str = "") -> CudaError:
     return CudaError(int(err), _name(err), message, call)
 
 
-def check(result: tuple, call: str) -> Any:
-    """Unwrap a binding's `(CUresult, *values)`: None, the one value, or the tuple of values."""
-    if result[0]:
-        raise error(result[0], call)
+def values(result: tuple) -> Any:
+    """A successful binding result's values: None, the one value, or the tuple of values."""
     if len(result) == 1:
         return None
     return result[1] if len(result) == 2 else result[1:]
 
 
+def check(result: tuple, call: str) -> Any:
+    """Unwrap a binding's `(CUresult, *values)`, raising CudaError on failure."""
+    if result[0]:
+        raise error(result[0], call)
+    return values(result)
+
+
 def call(name: str, *args: Any) -> Any:
-    """Call the driver function `name` and check it, so failures name the call."""
+    """Call the driver function `name` and check it, so failures name the call. For calls that
+    belong to no context yet; everything else goes through PrimaryContext.call."""
     return check(getattr(driver(), name)(*args), name)

@@ -23,7 +23,8 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from memra_cuda import Cache, DeviceBuffer, SpecKernels, StreamBufs, kv_len_ptr_table, kv_len_ptr_table_range
+from memra_cuda import (Cache, DeviceBuffer, PointerTable, SpecKernels, StreamBufs, kv_len_ptr_table,
+                        kv_len_ptr_table_range)
 from memra_cuda import reference as ref
 from memra_cuda.reference import BUDGET, DONE, EOS, KEEP
 
@@ -184,11 +185,11 @@ def test_assemble_verify_matches_reference(engine, spec, k):
     launch = spec.prepare_assemble_verify(rig.bufs, rig.device["draft_d"])
 
     def reference(s):
-        ref.spec_assemble_verify(s["pend_d"], s["draft_d"], k, s["vtok_d"], s["pos_ctr"], s["pos_start_d"])
+        ref.spec_assemble_verify(s["pend_d"], s["draft_d"], k, s["vtok_d"], s["pos_ctr_d"], s["pos_start_d"])
 
     for rng, where in cases("assemble_verify", (k,), len(ASSEMBLE_KS)):
         state = rig.random_state(rng)
-        state["pos_ctr"][0] = position(rng)
+        state["pos_ctr_d"][0] = position(rng)
         rig.check(launch, state, reference, where)
 
 
@@ -266,35 +267,28 @@ ROLLBACK_SIZES = (1, 2, 7, 64, 300)  # 300: two blocks
 
 @pytest.mark.parametrize("n_ptrs", ROLLBACK_SIZES)
 def test_rollback_matches_reference(engine, spec, n_ptrs):
-    """Tables of null pointers, pointers into a target array (repeats allowed) and pos_ctr."""
+    """Tables of null entries, words of a target array (repeats allowed) and pos_ctr_d, each a
+    PointerTable built per case (so the launch is prepared per case too)."""
     k = 4
     n_targets = n_ptrs + 3
-    rig = Rig(engine, k, table_d=engine.alloc(np.uint64, n_ptrs), targets=engine.alloc_i32_zeroed(n_targets))
-    launch = spec.prepare_rollback(rig.device["table_d"], rig.bufs)
-    targets_ptr, pos_ctr_ptr = rig.device["targets"].ptr, rig.bufs.pos_ctr.ptr
-
-    def reference(s):
-        lengths = []
-        for p in (int(p) for p in s["table_d"]):
-            if p == 0:
-                lengths.append(None)
-            elif p == pos_ctr_ptr:
-                lengths.append(s["pos_ctr"])
-            else:
-                index = (p - targets_ptr) // 4
-                lengths.append(s["targets"][index:index + 1])
-        ref.spec_rollback_stream(lengths, s["pos_start_d"], s["ctl_d"])
+    rig = Rig(engine, k, targets=engine.alloc_i32_zeroed(n_targets))
+    words = [rig.device["targets"].view(i, 1) for i in range(n_targets)]
 
     for rng, where in cases("rollback_stream", (n_ptrs,), len(ROLLBACK_SIZES)):
         state = rig.random_state(rng)
-        kind = rng.choice(3, n_ptrs, p=[0.25, 0.1, 0.65])  # null, pos_ctr, a target word
-        words = np.uint64(targets_ptr) + np.uint64(4) * rng.integers(0, n_targets, n_ptrs).astype(np.uint64)
-        words[kind == 0] = 0
-        words[kind == 1] = pos_ctr_ptr
-        state["table_d"] = words
+        kind = rng.choice(3, n_ptrs, p=[0.25, 0.1, 0.65])  # null, pos_ctr_d, a target word
+        index = rng.integers(0, n_targets, n_ptrs)
+        entries = [None if c == 0 else rig.bufs.pos_ctr_d if c == 1 else words[i] for c, i in zip(kind, index)]
+        launch = spec.prepare_rollback(PointerTable(engine, entries), rig.bufs)
         state["pos_start_d"][0] = position(rng)
         state["ctl_d"][KEEP] = pick(rng, [0, 1, k + 1, int(rng.integers(0, k + 2)), -1, 2**31 - 1, -2**31,
                                           int(rng.integers(-2**31, 2**31))])
+
+        def reference(s, kind=kind, index=index):
+            lengths = [None if c == 0 else s["pos_ctr_d"] if c == 1 else s["targets"][i:i + 1]
+                       for c, i in zip(kind, index)]
+            ref.spec_rollback_stream(lengths, s["pos_start_d"], s["ctl_d"])
+
         rig.check(launch, state, reference, where)
 
 
@@ -308,13 +302,13 @@ def test_rollback_touches_exactly_the_nonzero_pointers(engine, spec, n_slots, po
     engine.copy_htod(words, np.full(3 * n_slots, SENTINEL, np.int32))
     target = 3 * np.arange(n_slots) + 1
     live = np.arange(n_slots) % 3 != 2
-    table = np.where(live, np.uint64(words.ptr) + np.uint64(4) * target.astype(np.uint64), np.uint64(0))
-    assert int(table[0]) == words.view(1, 1).ptr, "the pointer arithmetic must agree with DeviceBuffer.view"
+    table = PointerTable(engine, [words.view(int(t), 1) if alive else None for t, alive in zip(target, live)])
+    want_words = np.where(live, np.uint64(words.ptr) + np.uint64(4) * target.astype(np.uint64), np.uint64(0))
+    assert np.array_equal(engine.dtoh_u64(table), want_words), "the table holds each view's address, 0 for None"
     bufs = StreamBufs(engine, 4, 1)
     engine.copy_htod(bufs.pos_start_d, [pos_start])
     engine.copy_htod(bufs.ctl_d, [-1, -1, 0, keep])
-    table_d = engine.htod_u64(table)  # held until the readback, like every buffer with queued work
-    spec.rollback(table_d, bufs)
+    spec.rollback(table, bufs)
     want = np.full(3 * n_slots, SENTINEL, np.int32)
     want[target[live]] = length
     got = engine.dtoh(words)
@@ -411,9 +405,9 @@ def test_kv_len_ptr_table_range_outside_the_cache_is_a_value_error(engine, cache
 def test_rollback_through_cache_tables_sets_every_length_and_pos_ctr(engine, spec, cache):
     """The tables drive a real rollback: whole-cache, then split as two pipeline stages would."""
     bufs = StreamBufs(engine, 4, 1)
-    whole = [kv_len_ptr_table(engine, cache, bufs.pos_ctr)]
+    whole = [kv_len_ptr_table(engine, cache, bufs.pos_ctr_d)]
     stages = [kv_len_ptr_table_range(engine, cache, range(0, 2)),
-              kv_len_ptr_table_range(engine, cache, range(2, 5), bufs.pos_ctr)]
+              kv_len_ptr_table_range(engine, cache, range(2, 5), bufs.pos_ctr_d)]
     for tables, pos_start, keep in [(whole, 17, 3), (stages, 40, 1)]:
         engine.copy_htod(bufs.pos_start_d, [pos_start])
         engine.copy_htod(bufs.ctl_d, [-1, -1, 0, keep])
@@ -421,4 +415,4 @@ def test_rollback_through_cache_tables_sets_every_length_and_pos_ctr(engine, spe
             spec.rollback(table, bufs)
         length = pos_start + keep
         assert cache.lengths(engine) == [length if has else None for has in KV_MASK], f"{len(tables)} table(s)"
-        assert engine.dtoh(bufs.pos_ctr).tolist() == [length], f"{len(tables)} table(s): pos_ctr"
+        assert engine.dtoh(bufs.pos_ctr_d).tolist() == [length], f"{len(tables)} table(s): pos_ctr_d"

@@ -1,0 +1,47 @@
+"""CUDA events: a point in the stream the host can wait for, or time the device against."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import driver
+from .handle import Handle
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class Event(Handle):
+    """An owned event on an engine's stream, destroyed exactly once like a buffer.
+
+    Waiting on an event instead of the stream lets the host collect one burst while the next
+    one is already running behind it; `Engine.wait(event)` joins another stream to it without
+    the host. A destroyed event's handle can be reused by the driver for the next event, so
+    every use after free is refused here.
+    """
+
+    def __init__(self, engine: Engine, *, timing: bool = True):
+        self.engine = engine
+        ctx = engine.activate()
+        flags = 0 if timing else int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        self.handle = ctx.call("cuEventCreate", flags)
+        self._own(ctx, "cuEventDestroy", self.handle)
+
+    def record(self) -> None:
+        """Mark the current end of the engine's stream."""
+        self._usable()
+        self.engine.activate().call("cuEventRecord", self.handle, self.engine.stream)
+
+    def synchronize(self) -> None:
+        """Wait until the stream has reached the last record()."""
+        self._usable()
+        self.engine.activate().call("cuEventSynchronize", self.handle)
+
+    def elapsed_ms(self, start: Event) -> float:
+        """Device milliseconds from `start` to this event (both recorded, this one waited for)."""
+        start._usable()
+        self.synchronize()
+        return float(self.engine.ctx.call("cuEventElapsedTime", start.handle, self.handle))
+
+    def __repr__(self) -> str:
+        return f"Event({'freed' if self.freed else int(self.handle)})"
+

@@ -1,0 +1,87 @@
+"""Stream capture into an executable CUDA graph, owned like a buffer."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from .errors import CaptureError, driver
+from .handle import Handle
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+# capture(engine, issue) -> (executable graph, owner): runs issue() while engine.stream is being
+# captured and returns the instantiated graph. With owner None the Graph destroys the
+# executable itself; otherwise `owner` (a framework's graph object, say) destroys it, and the
+# Graph keeps the owner alive for as long as it may replay.
+Capture = Callable[["Engine", Callable[[], None]], "tuple[Any, Any]"]
+
+
+def stream_capture(engine: Engine, issue: Callable[[], None]) -> tuple[Any, None]:
+    """The driver's own capture: cuStreamBeginCapture (this thread only) → issue → instantiate."""
+    drv = driver()
+    ctx = engine.activate()
+    ctx.call("cuStreamBeginCapture", engine.stream, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    try:
+        issue()
+    except BaseException:
+        err, broken = drv.cuStreamEndCapture(engine.stream)
+        if not err and broken is not None:
+            drv.cuGraphDestroy(broken)
+        raise
+    graph = ctx.call("cuStreamEndCapture", engine.stream)
+    try:
+        return ctx.call("cuGraphInstantiate", graph, 0), None
+    finally:
+        ctx.call("cuGraphDestroy", graph)
+
+
+class Graph(Handle):
+    """The work `issue` put on the engine's stream, captured once and replayable.
+
+    Whatever the captured kernels read through pointers is read at replay time, which is why
+    round-stream keeps every per-round value on the device: the graph replays unchanged. The
+    addresses themselves are fixed at capture, so the graph holds every buffer, pinned buffer
+    and module that the captured launches and copies named at that moment (not the launches:
+    a launch re-bound after capture still leaves the graph its old buffers). If one of them is
+    freed explicitly, the graph refuses to replay, naming it.
+
+    `capture` says how the stream is captured (see Capture): by default the driver's own
+    capture; `memra_cuda.torch.capture` captures through `torch.cuda.graph`, so that PyTorch's
+    allocator knows memory used inside the capture belongs to the graph.
+    """
+
+    def __init__(self, engine: Engine, issue: Callable[[], None], *, capture: Capture | None = None):
+        self.engine = engine
+        self._held: dict[int, Handle] = {}
+        self._owner: Any = None
+        ctx = engine.activate()
+        if engine.capturing_graph is not None:
+            raise CaptureError("a graph is already being captured on this engine's stream")
+        engine.capturing_graph = self
+        try:
+            self.handle, self._owner = (capture or stream_capture)(engine, issue)
+        finally:
+            engine.capturing_graph = None
+        if self._owner is None:
+            self._own(ctx, "cuGraphExecDestroy", self.handle)
+
+    def hold(self, *handles: Handle | None) -> None:
+        """Keep `handles` alive with the graph and refuse to replay if one is freed (called by
+        launches and copies while they are being captured)."""
+        for handle in handles:
+            if handle is not None and id(handle) not in self._held:
+                self._held[id(handle)] = handle
+                handle.depend(self)
+
+    def launch(self) -> None:
+        if self._refusal is not None:
+            raise ValueError(self._refusal)
+        self.engine.activate().call("cuGraphLaunch", self.handle, self.engine.stream)
+
+    def free(self) -> None:
+        super().free()
+        self._owner = None
+        self._held.clear()
+
+    def __repr__(self) -> str:
+        return f"Graph({len(self._held)} handles held{', freed' if self.freed else ''})"

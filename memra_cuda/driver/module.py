@@ -1,0 +1,258 @@
+"""PTX modules, kernels, and prepared launches (PyCUDA's prepared calls, cudarc's LaunchArgs).
+
+A prepared launch declares its argument types once and keeps their storage and the `void**`
+table the driver reads in one place; launching it again is a single cuLaunchKernel call on a
+prebuilt argument tuple, so per-launch Python work stays near the bare binding's cost.
+
+Thread safety: modules and kernels may be shared between threads. A Launch may not: its
+argument store is written by set() and read by the driver at the next launch, so two threads
+setting and launching the same Launch would launch each other's arguments. Give each thread
+its own Launch (kernel.prepare() is cheap).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from .buffer import DeviceBuffer, as_buffer, exact_int
+from .errors import CudaError, driver
+from .handle import Handle
+
+if TYPE_CHECKING:
+    from .context import PrimaryContext
+    from .engine import Engine
+
+_PTX_DIRS = (Path(__file__).parent.parent / "ptx", Path(__file__).parent.parent.parent / "ptx")
+
+# "ptr" is a device pointer: a DeviceBuffer, a __cuda_array_interface__ object, or an int (an
+# address the caller vouches for: nothing can hold its memory).
+ARG_TYPES = {"ptr": np.dtype(np.uint64), "u32": np.dtype(np.uint32), "i32": np.dtype(np.int32),
+             "u64": np.dtype(np.uint64), "i64": np.dtype(np.int64), "f32": np.dtype(np.float32),
+             "f64": np.dtype(np.float64)}
+
+
+def packaged_ptx(name: str) -> str:
+    """The committed ptx/<name>.ptx, from an installed package or a source checkout."""
+    for folder in _PTX_DIRS:
+        path = folder / f"{name}.ptx"
+        if path.is_file():
+            return path.read_text()
+    raise FileNotFoundError(f"no {name}.ptx in {' or '.join(str(d) for d in _PTX_DIRS)}")
+
+
+class KernelArgs:
+    """Storage for one launch's arguments: an 8-byte slot each, and the pointer table to them.
+
+    Only the values change between launches; the table (`pointer`, what cuLaunchKernel's
+    kernelParams receives) is built once. `buffers` holds the buffer passed in each slot, so
+    the memory stays alive as long as the arguments name it. With `engine`, a buffer that
+    belongs to another engine is refused: its work is ordered by another stream.
+    """
+
+    def __init__(self, types: Sequence[str], engine: Engine | None = None):
+        unknown = [t for t in types if t not in ARG_TYPES]
+        if unknown:
+            raise ValueError(f"unknown argument type(s) {unknown}; use one of {sorted(ARG_TYPES)}")
+        self.types = tuple(types)
+        self.engine = engine
+        self.storage = np.zeros(max(1, len(types)), np.uint64)
+        raw = self.storage.view(np.uint8)
+        self._slots = [raw[8 * i: 8 * i + ARG_TYPES[t].itemsize].view(ARG_TYPES[t])
+                       for i, t in enumerate(self.types)]
+        base = self.storage.ctypes.data
+        self.table = np.array([base + 8 * i for i in range(len(types))] or [0], np.uint64)
+        self.pointer = int(self.table.ctypes.data)
+        self.buffers: list[DeviceBuffer | None] = [None] * len(self.types)
+
+    def set(self, *values: Any) -> None:
+        """Store new values; all are checked before any is written, so a refused call leaves
+        the previous arguments whole."""
+        if len(values) != len(self.types):
+            raise TypeError(f"kernel takes {len(self.types)} arguments {self.types}, got {len(values)}")
+        buffers = [self._buffer(i, kind, value) for i, (kind, value) in enumerate(zip(self.types, values))]
+        checked = [self._convert(i, kind, value if buf is None else buf)
+                   for i, (kind, value, buf) in enumerate(zip(self.types, values, buffers))]
+        for slot, value in zip(self._slots, checked):
+            slot[0] = value
+        self.buffers = buffers
+
+    def _buffer(self, i: int, kind: str, value: Any) -> DeviceBuffer | None:
+        if not (isinstance(value, DeviceBuffer) or hasattr(value, "__cuda_array_interface__")):
+            return None
+        if kind not in ("ptr", "u64"):
+            raise TypeError(f"argument {i} is {kind}, not a device pointer")
+        buf = as_buffer(value, f"argument {i}", self.engine)
+        if self.engine is not None:
+            self.engine.check_owns(buf, f"argument {i}")
+        return buf
+
+    @staticmethod
+    def _convert(i: int, kind: str, value: Any) -> int | float:
+        if isinstance(value, DeviceBuffer):
+            return value.ptr
+        dtype = ARG_TYPES[kind]
+        if kind == "ptr" and not isinstance(value, (int, np.integer)):
+            raise TypeError(f"argument {i} is a device pointer: pass a DeviceBuffer, an array with "
+                            f"__cuda_array_interface__ or an int, not {value!r}")
+        if dtype.kind == "f":
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"argument {i} ({kind}) must be a number, not {value!r}")
+            number = float(value)
+            if math.isfinite(number) and abs(number) > float(np.finfo(dtype).max):
+                raise ValueError(f"argument {i} ({kind}): {value!r} is outside the range of {dtype.name}")
+            return number
+        try:
+            return exact_int(value, dtype)
+        except TypeError as exc:
+            raise TypeError(f"argument {i} ({kind}) cannot take {value!r}") from exc
+        except ValueError as exc:
+            raise ValueError(f"argument {i} ({kind}): {exc}") from exc
+
+
+class Launch(Handle):
+    """A kernel bound to a grid, a block, the engine's stream and reusable argument storage.
+
+    It holds the buffers its arguments name; if one of them is freed explicitly, or the
+    module is unloaded, the launch refuses to run (ValueError naming what was freed) until
+    set() gives it live arguments again. Until the first set() it refuses too: a kernel with
+    zeroed pointer arguments would fault. A Graph that captures the launch holds the buffers
+    of that moment, so re-binding the launch later cannot strand the graph.
+    """
+
+    def __init__(self, kernel: Kernel, types: Sequence[str], grid: int | Sequence[int],
+                 block: int | Sequence[int], shared: int = 0):
+        module = kernel.module
+        module._usable()
+        engine = module.engine
+        self.kernel = kernel
+        self.engine = engine
+        self.args = KernelArgs(types, engine)
+        kernel.check_signature(self.args.types)
+        if self.args.types:
+            self._refusal = f"{kernel.name} has no arguments yet: call set(...) before launching it"
+        self._activate = engine.activate
+        self._launch = driver().cuLaunchKernel
+        self._argv = (kernel.handle, *_dim3(grid, "grid"), *_dim3(block, "block"), int(shared),
+                      engine.stream, self.args.pointer, 0)
+        module.depend(self)
+
+    def set(self, *values: Any) -> Launch:
+        self.args.set(*values)
+        for buf in self.args.buffers:
+            if buf is not None:
+                buf.depend(self)
+        if not self.kernel.module.freed:
+            self._refusal = None
+        return self
+
+    def __call__(self, *values: Any) -> None:
+        """Launch on the engine's stream, first storing `values` if any are given."""
+        if values:
+            self.set(*values)
+        if self._refusal is not None:
+            raise ValueError(self._refusal)
+        self._activate()
+        (err,) = self._launch(*self._argv)
+        if err:
+            raise self.engine.ctx.failure(err, f"cuLaunchKernel({self.kernel.name})")
+        if self.engine.capturing_graph is not None:
+            self.engine.capturing_graph.hold(self.kernel.module, *self.args.buffers)
+
+    def _poison(self, source: Handle, reason: str) -> None:
+        if source is self.kernel.module or any(b is not None and b.names(source) for b in self.args.buffers):
+            super()._poison(source, reason)
+
+    def __repr__(self) -> str:
+        return f"Launch({self.kernel.name})"
+
+
+class Kernel:
+    """One function of a loaded module."""
+
+    def __init__(self, module: Module, name: str):
+        self.module = module
+        self.name = name
+        try:
+            self.handle = module.engine.ctx.call("cuModuleGetFunction", module.handle, name.encode())
+        except CudaError as exc:
+            raise ValueError(f"the module has no kernel named {name!r}") from exc
+
+    def prepare(self, types: Sequence[str], grid: int | Sequence[int] = 1,
+                block: int | Sequence[int] = 1, shared: int = 0) -> Launch:
+        return Launch(self, types, grid, block, shared)
+
+    @functools.cached_property
+    def param_sizes(self) -> tuple[int, ...] | None:
+        """The kernel's parameter sizes in bytes, from cuFuncGetParamCount/cuFuncGetParamInfo,
+        or None where the driver or the binding is too old to tell (before CUDA 12.8)."""
+        drv = driver()
+        try:
+            err, count = drv.cuFuncGetParamCount(self.handle)
+            infos = [] if err else [drv.cuFuncGetParamInfo(self.handle, i) for i in range(int(count))]
+        except Exception:  # noqa: BLE001 - no such binding, or a driver without the entry point
+            return None
+        if err or any(info[0] for info in infos):
+            return None
+        return tuple(int(size) for _err, _offset, size in infos)
+
+    def check_signature(self, types: Sequence[str]) -> None:
+        """ValueError unless `types` match the kernel's parameters, where the driver can say."""
+        sizes = self.param_sizes
+        declared = tuple(ARG_TYPES[t].itemsize for t in types)
+        if sizes is not None and sizes != declared:
+            raise ValueError(f"{self.name} takes {len(sizes)} parameter(s) of {list(sizes)} bytes, but "
+                             f"{list(types)} declares {list(declared)}")
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name})"
+
+
+class Module(Handle):
+    """A PTX image JIT-compiled into the engine's context.
+
+    Freed (unloaded) once, by free() or when the last kernel, launch or graph using it is
+    gone; at interpreter exit the context takes its modules with it. Launches of an unloaded
+    module refuse to run.
+    """
+
+    def __init__(self, engine: Engine, ptx: str | bytes):
+        image = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+        image = image[:-1] if image.endswith(b"\0") else image
+        if b"\0" in image:
+            raise ValueError("the PTX image contains a NUL byte before its end")
+        self.engine = engine
+        self._kernels: dict[str, Kernel] = {}
+        ctx = engine.activate()
+        self.handle = _load(ctx, image + b"\0")
+        self._own(ctx, "cuModuleUnload", self.handle, at_exit=False)
+
+    def kernel(self, name: str) -> Kernel:
+        self._usable()
+        if name not in self._kernels:
+            self._kernels[name] = Kernel(self, name)
+        return self._kernels[name]
+
+    def __repr__(self) -> str:
+        return f"Module({', '.join(self._kernels) or 'no kernels fetched'}{', unloaded' if self.freed else ''})"
+
+
+def _load(ctx: PrimaryContext, image: bytes) -> Any:
+    drv = driver()
+    log = bytearray(16384)
+    opts = [drv.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, drv.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
+    err, handle = drv.cuModuleLoadDataEx(image, len(opts), opts, [log, len(log)])
+    if err:
+        jit_log = bytes(log).split(b"\0", 1)[0].decode(errors="replace").strip()
+        raise ctx.failure(err, "cuModuleLoadDataEx", detail=f"JIT log:\n{jit_log}" if jit_log else "")
+    return handle
+
+
+def _dim3(dims: int | Sequence[int], what: str) -> tuple[int, int, int]:
+    d = (int(dims),) if isinstance(dims, (int, np.integer)) else tuple(int(x) for x in dims)
+    if not 1 <= len(d) <= 3 or min(d) < 1:
+        raise ValueError(f"{what} must be 1 to 3 positive sizes, not {dims!r}")
+    return d + (1,) * (3 - len(d))

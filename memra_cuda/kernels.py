@@ -1,0 +1,98 @@
+"""SpecKernels: typed launchers of the five spec_* kernels of ptx/spec_stream.cu.
+
+The kernels clamp every count they read from device memory; the launchers check everything
+the host knows (buffer types and sizes, the engine they belong to, that a rollback table
+holds what it names) before anything is queued.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .driver.buffer import DeviceBuffer, as_index
+from .driver.module import Launch
+from .tables import PointerTable
+
+if TYPE_CHECKING:
+    from .bufs import StreamBufs
+    from .driver.engine import Engine
+
+
+class SpecKernels:
+    """The five round-stream kernels of ptx/spec_stream.ptx (loaded once per engine).
+
+    `prepare_*` validates the buffers and returns a prepared launch to keep and call every
+    round; the plain methods launch once. Buffers may be DeviceBuffers or
+    __cuda_array_interface__ objects of this engine's device.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.module = engine.load_ptx("spec_stream")
+
+    def _launch(self, name: str, types: list[str], *values: object, threads: int = 1) -> Launch:
+        block = min(max(32, threads), 256)
+        grid = min((threads + block - 1) // block, 1024)
+        return self.module.kernel(name).prepare(types, grid, block).set(*values)
+
+    def prepare_seed_gather(self, rows_d: Any, row_words: int, bufs: StreamBufs, out_d: Any) -> Launch:
+        rows_d, out_d = self._words("rows_d", rows_d), self._words("out_d", out_d)
+        row_words = as_index(row_words, "row_words")
+        if row_words < 1 or rows_d.len % row_words or out_d.len < row_words:
+            raise ValueError(f"rows_d ({rows_d.len} words) must hold whole rows of {row_words} words "
+                             f"and out_d ({out_d.len}) one row")
+        return self._launch("spec_seed_gather", ["ptr", "u32", "u32", "ptr", "ptr"],
+                            rows_d, rows_d.len // row_words, row_words, bufs.acc_d, out_d, threads=row_words)
+
+    def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: Any) -> Launch:
+        draft_d = self._tokens("draft_d", draft_d, at_least=bufs.k)
+        return self._launch("spec_assemble_verify", ["ptr", "ptr", "u32", "ptr", "ptr", "ptr"],
+                            bufs.pend_d, draft_d, bufs.k, bufs.vtok_d, bufs.pos_ctr_d, bufs.pos_start_d,
+                            threads=bufs.k + 1)
+
+    def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: Any) -> Launch:
+        pred_d = self._tokens("pred_d", pred_d, at_least=bufs.k + 1)
+        return self._launch("spec_accept_greedy_dc", ["ptr", "ptr", "u32", "ptr", "ptr", "ptr", "ptr"],
+                            bufs.vtok_d, pred_d, bufs.k, bufs.brk_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d)
+
+    def prepare_ring_commit(self, bufs: StreamBufs) -> Launch:
+        return self._launch("spec_ring_commit", ["ptr"] * 6 + ["u32", "u32"],
+                            bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
+                            bufs.ring_cap, bufs.k)
+
+    def prepare_rollback(self, table_d: PointerTable, bufs: StreamBufs) -> Launch:
+        if not isinstance(table_d, PointerTable):
+            raise TypeError(f"a rollback table must be a PointerTable (kv_len_ptr_table builds one), which holds "
+                            f"the lengths it names; not {table_d!r}")
+        return self._launch("spec_rollback_stream", ["ptr", "u32", "ptr", "ptr"],
+                            table_d, table_d.len, bufs.pos_start_d, bufs.ctl_d, threads=table_d.len)
+
+    def seed_gather(self, rows_d: Any, row_words: int, bufs: StreamBufs, out_d: Any) -> None:
+        self.prepare_seed_gather(rows_d, row_words, bufs, out_d)()
+
+    def assemble_verify(self, bufs: StreamBufs, draft_d: Any) -> None:
+        self.prepare_assemble_verify(bufs, draft_d)()
+
+    def accept_greedy(self, bufs: StreamBufs, pred_d: Any) -> None:
+        self.prepare_accept_greedy(bufs, pred_d)()
+
+    def ring_commit(self, bufs: StreamBufs) -> None:
+        self.prepare_ring_commit(bufs)()
+
+    def rollback(self, table_d: PointerTable, bufs: StreamBufs) -> None:
+        self.prepare_rollback(table_d, bufs)()
+
+    def _words(self, name: str, obj: Any) -> DeviceBuffer:
+        """A buffer of 32-bit words of any kind (rows of hidden states, say)."""
+        buf = self.engine.buffer(obj, name)
+        if buf.dtype.itemsize != 4:
+            raise ValueError(f"{name} must be a buffer of 32-bit words, not {buf!r}")
+        return buf
+
+    def _tokens(self, name: str, obj: Any, at_least: int) -> DeviceBuffer:
+        """A buffer of at least `at_least` 32-bit integer token ids."""
+        buf = self.engine.buffer(obj, name)
+        if buf.dtype.kind not in "iu" or buf.dtype.itemsize != 4 or buf.len < at_least:
+            raise ValueError(f"{name} must be a 32-bit integer buffer of at least {at_least} tokens, "
+                             f"not {buf!r}")
+        return buf
+

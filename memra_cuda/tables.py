@@ -1,0 +1,132 @@
+"""KV caches as the round-stream kernels see them, and the pointer tables that name them.
+
+Rollback walks a table of device addresses that lives in device memory, so no launch-time
+check can see what it points at. The table carries that check itself (PointerTable): it holds
+the buffers it names, knows the capacity of the KV layers behind them, and refuses to be used
+once one of them is freed.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from .driver.buffer import DeviceBuffer, as_index, as_buffer
+
+if TYPE_CHECKING:
+    from .driver.engine import Engine
+
+
+class KVLayer:
+    """One layer's KV storage: `data_d` of `capacity` entries and its length `len_d` (i32[1]).
+
+    Only `len_d` matters to round-stream (rollback rewrites it); `data_d` belongs to the model.
+    Either may be a DeviceBuffer or a __cuda_array_interface__ object (a torch tensor).
+    """
+
+    def __init__(self, len_d: Any, capacity: int, data_d: Any = None):
+        len_d = as_buffer(len_d, "len_d")
+        if len_d.dtype != np.int32 or len_d.len != 1:
+            raise ValueError(f"a KV length must be an i32[1] device buffer, not {len_d!r}")
+        self.len_d = len_d
+        self.capacity = as_index(capacity, "capacity")
+        if self.capacity < 1:
+            raise ValueError(f"a KV layer needs a positive capacity, not {capacity}")
+        self.data_d = None if data_d is None else as_buffer(data_d, "data_d")
+
+    @classmethod
+    def allocate(cls, engine: Engine, capacity: int, width: int = 1, dtype: Any = np.uint32) -> KVLayer:
+        """A zero-length layer of `capacity` entries of `width` elements each."""
+        if capacity < 1 or width < 1:
+            raise ValueError(f"a KV layer needs a positive capacity and width, not {capacity}, {width}")
+        return cls(engine.alloc_i32_zeroed(1, label="len_d"), capacity,
+                   engine.alloc(dtype, capacity * width, zeroed=True, label="data_d"))
+
+
+class Cache:
+    """A model's KV layers in order; None stands for a layer without KV (linear attention,
+    KV shared with another layer)."""
+
+    def __init__(self, kv: Sequence[KVLayer | None]):
+        self.kv = list(kv)
+
+    @classmethod
+    def allocate(cls, engine: Engine, kv_mask: Sequence[bool], capacity: int, width: int = 1) -> Cache:
+        return cls([KVLayer.allocate(engine, capacity, width) if has_kv else None for has_kv in kv_mask])
+
+    def __len__(self) -> int:
+        return len(self.kv)
+
+    def __add__(self, other: Cache) -> Cache:
+        """Both caches' layers in one: one pointer table can then roll back target and draft."""
+        return Cache(self.kv + other.kv)
+
+    @property
+    def capacity(self) -> int | None:
+        """Entries every layer can hold (None for a cache without KV)."""
+        caps = [layer.capacity for layer in self.kv if layer is not None]
+        return min(caps) if caps else None
+
+    def lengths(self, engine: Engine) -> list[int | None]:
+        """Each layer's length, read back (one readback per layer: for tests and debugging)."""
+        return [None if layer is None else int(engine.dtoh(layer.len_d)[0]) for layer in self.kv]
+
+
+class PointerTable(DeviceBuffer):
+    """A u64 device array of the addresses of `targets` (0 for None), which it holds.
+
+    For kernels that read addresses from device memory: rollback's KV lengths, a model's
+    per-layer data. Freeing a target explicitly poisons the table: its `ptr` (and so every
+    launch or graph bound to it) refuses with a ValueError naming the target. `capacity` is
+    the fewest entries any KV layer behind the table holds (None: no KV layer), which is how
+    RoundStream knows how far a burst may go.
+    """
+
+    def __init__(self, engine: Engine, targets: Sequence[Any], *, capacity: int | None = None,
+                 label: str = "pointer table"):
+        held = tuple(None if t is None else engine.buffer(t, f"table entry {i}") for i, t in enumerate(targets))
+        if not held:
+            raise ValueError("a pointer table needs at least one entry")
+        words = np.array([0 if t is None else t.ptr for t in held], np.uint64)
+        ctx = engine.activate()
+        ptr = int(ctx.call("cuMemAlloc", words.nbytes))
+        super().__init__(ptr, np.uint64, len(words), engine=engine, label=label)
+        self._own(ctx, "cuMemFree", ptr)
+        engine.copy_htod(self, words)
+        self.targets = held
+        self.capacity = capacity
+        for target in held:
+            if target is not None:
+                target.depend(self)
+
+    def holds(self, buf: DeviceBuffer) -> bool:
+        return any(t is buf for t in self.targets)
+
+
+def _length_targets(layers: Sequence[KVLayer | None], pos_ctr: Any) -> list[DeviceBuffer | None]:
+    targets: list[DeviceBuffer | None] = [None if layer is None else layer.len_d for layer in layers]
+    if pos_ctr is not None:
+        pos_ctr = as_buffer(pos_ctr, "pos_ctr")
+        if pos_ctr.dtype != np.int32:
+            raise ValueError(f"pos_ctr must be an i32 buffer, not {pos_ctr!r}")
+        targets.append(pos_ctr)
+    return targets
+
+
+def kv_len_ptr_table(engine: Engine, cache: Cache, pos_ctr: Any = None) -> PointerTable:
+    """Every layer's length pointer (and pos_ctr's, last), for rollback."""
+    return PointerTable(engine, _length_targets(cache.kv, pos_ctr), capacity=cache.capacity, label="kv lengths")
+
+
+def kv_len_ptr_table_range(engine: Engine, cache: Cache, layers: range | tuple[int, int],
+                           pos_ctr: Any = None) -> PointerTable:
+    """The table for the layers [start, stop) one pipeline stage owns, so a rollback launched
+    on that stage's device never touches another device's memory."""
+    start, stop = (layers.start, layers.stop) if isinstance(layers, range) else layers
+    if isinstance(layers, range) and layers.step != 1:
+        raise ValueError(f"layer range must be contiguous, not {layers}")
+    if not 0 <= start <= stop <= len(cache.kv):
+        raise ValueError(f"layers [{start}, {stop}) are outside a cache of {len(cache.kv)} layers")
+    part = Cache(cache.kv[start:stop])
+    return PointerTable(engine, _length_targets(part.kv, pos_ctr), capacity=part.capacity,
+                        label=f"kv lengths of layers [{start}, {stop})")
