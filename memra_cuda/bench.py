@@ -7,17 +7,24 @@
    target with a 0.5B draft costs (the bytes of their bf16 weights streamed per verify and per
    draft step). Every run generates the same tokens from the same prompt. The floor is the
    device-only time of the same rounds: graph replays back to back, timed with events.
+3. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
+   examples/torch_llama.py at two sizes, decoded by Hugging Face generate, by its assisted
+   generation with the same draft, by plain greedy with each step a torch.cuda.graph, and by
+   round-stream in readback, graph and overlap modes; then the ideal speculative speedup over
+   graphed greedy, tau / (1 + (k+1) c), and how much of it the graph mode reaches.
 
-    python -m memra_cuda.bench [--json PATH] [--only launch|rounds] [--quick]
+    python -m memra_cuda.bench [--json PATH] [--only launch|rounds|torch] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable, driver
@@ -154,10 +161,99 @@ def format_row(r: Row) -> str:
             f"{r.readbacks_per_burst:8.3f} {r.readbacks_per_token:8.4f} {accept} {r.speedup:6.2f}x {floor} {ratio}")
 
 
+TORCH_K, TORCH_M = 4, 16
+
+
+def _example():
+    """examples/torch_llama.py, from the source checkout the bench runs in."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "torch_llama.py"
+    spec = importlib.util.spec_from_file_location("torch_llama", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tokens_per_s(run, tokens: int) -> tuple[float, list[int]]:
+    """tokens/s of run(tokens) after one untimed warm-up run (graph capture, first loads)."""
+    import torch
+    run(tokens)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = run(tokens)
+    torch.cuda.synchronize()
+    return len(out) / (time.perf_counter() - t0), out
+
+
+def _step_ms(stack, replays: int = 200) -> float:
+    """Device milliseconds of one T=1 step of `stack`, captured as a graph and replayed."""
+    import torch
+    token = torch.zeros(1, dtype=torch.long, device="cuda")
+    position = torch.full((1,), 8, dtype=torch.long, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        stack.greedy(token, position)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            stack.greedy(token, position)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def bench_torch(quick: bool) -> list[dict]:
+    llama = _example()
+    rows: list[dict] = []
+    print(f"{'size':6} {'method':22} {'tokens/s':>9} {'accept':>6} {'vs greedy':>9} {'vs HF assisted':>14}")
+    for size in ("small", "large"):
+        tokens = 64 if quick else 256
+        model = llama.build_model(size)
+        capacity = llama.capacity_for(len(llama.PROMPT), tokens, TORCH_K, TORCH_M)
+        draft = llama.draft_model(model)
+        spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity)
+        greedy = llama.GraphedGreedy(model, capacity)
+        methods = {
+            "HF generate": (lambda n: llama.hf_greedy(model, llama.PROMPT, n), None),
+            "HF assisted": (lambda n: llama.hf_greedy(model, llama.PROMPT, n, assistant=draft, k=TORCH_K), None),
+            "greedy, torch graph": (lambda n: greedy.generate(llama.PROMPT, n), None),
+        }
+        for mode in ("readback", "graph", "overlap"):
+            methods[f"round-stream {mode}"] = (lambda n, mode=mode: spec.generate(llama.PROMPT, n, mode=mode), spec)
+        measured = {}
+        for name, (run, speculative) in methods.items():
+            rate, out = _tokens_per_s(run, tokens)
+            measured[name] = row = dict(size=size, method=name, tokens_per_s=rate, acceptance=None)
+            if speculative is not None:
+                accepted, drafted = speculative.bufs.drafts_accepted(speculative.engine, len(out))
+                row.update(acceptance=accepted / drafted, tokens_per_round=len(out) * TORCH_K / drafted)
+        for row in measured.values():
+            row["vs_greedy"] = row["tokens_per_s"] / measured["greedy, torch graph"]["tokens_per_s"]
+            row["vs_hf_assisted"] = row["tokens_per_s"] / measured["HF assisted"]["tokens_per_s"]
+            accept = f"{row['acceptance']:6.2f}" if row["acceptance"] is not None else f"{'-':>6}"
+            print(f"{size:6} {row['method']:22} {row['tokens_per_s']:9.0f} {accept} {row['vs_greedy']:8.2f}x "
+                  f"{row['vs_hf_assisted']:13.2f}x", flush=True)
+            rows.append(row)
+        graph = measured["round-stream graph"]
+        tau = graph["tokens_per_round"]
+        c = _step_ms(spec.draft) / _step_ms(spec.target)
+        ideal = tau / (1 + (TORCH_K + 1) * c)
+        reached = graph["vs_greedy"] / ideal
+        print(f"{size:6} ideal speedup over graphed greedy: tau={tau:.2f} tokens/round, c={c:.3f} "
+              f"(draft step / target step) -> {ideal:.2f}x; graph mode reaches {graph['vs_greedy']:.2f}x "
+              f"= {reached:.0%} of it", flush=True)
+        rows.append(dict(size=size, method="ideal", tau=tau, c=c, ideal=ideal, reached=reached))
+        del model, draft, spec, greedy
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memra_cuda.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--only", choices=["launch", "rounds"], help="run one part")
+    parser.add_argument("--only", choices=["launch", "rounds", "torch"],
+                        help="run one part (torch runs only when asked for)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for figures)")
     args = parser.parse_args(argv)
     try:
@@ -178,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{HEADER}")
         for r in rows:
             print(format_row(r))
+    if args.only == "torch":
+        report["torch"] = bench_torch(args.quick)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

@@ -45,13 +45,13 @@ class SpecKernels:
 
     def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: Any) -> Launch:
         draft_d = self._tokens("draft_d", draft_d, at_least=bufs.k)
-        return self._launch("spec_assemble_verify", ["ptr", "ptr", "u32", "ptr", "ptr", "ptr"],
+        return self._launch(_width("spec_assemble_verify", draft_d), ["ptr", "ptr", "u32", "ptr", "ptr", "ptr"],
                             bufs.pend_d, draft_d, bufs.k, bufs.vtok_d, bufs.pos_ctr_d, bufs.pos_start_d,
                             threads=bufs.k + 1)
 
     def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: Any) -> Launch:
         pred_d = self._tokens("pred_d", pred_d, at_least=bufs.k + 1)
-        return self._launch("spec_accept_greedy_dc", ["ptr", "ptr", "u32", "ptr", "ptr", "ptr", "ptr"],
+        return self._launch(_width("spec_accept_greedy_dc", pred_d), ["ptr", "ptr", "u32", "ptr", "ptr", "ptr", "ptr"],
                             bufs.vtok_d, pred_d, bufs.k, bufs.brk_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d)
 
     def prepare_ring_commit(self, bufs: StreamBufs) -> Launch:
@@ -89,10 +89,15 @@ class SpecKernels:
         return buf
 
     def _tokens(self, name: str, obj: Any, at_least: int) -> DeviceBuffer:
-        """A buffer of at least `at_least` 32-bit integer token ids."""
+        """A buffer of at least `at_least` token ids, 32- or 64-bit integers (ids < 2**31)."""
         buf = self.engine.buffer(obj, name)
-        if buf.dtype.kind not in "iu" or buf.dtype.itemsize != 4 or buf.len < at_least:
-            raise ValueError(f"{name} must be a 32-bit integer buffer of at least {at_least} tokens, "
+        if buf.dtype.kind not in "iu" or buf.dtype.itemsize not in (4, 8) or buf.len < at_least:
+            raise ValueError(f"{name} must be a 32- or 64-bit integer buffer of at least {at_least} tokens, "
                              f"not {buf!r}")
         return buf
+
+
+def _width(kernel: str, tokens: DeviceBuffer) -> str:
+    """The kernel that reads `tokens` at their width (spec_stream.cu: <name>, <name>_t64)."""
+    return kernel if tokens.dtype.itemsize == 4 else f"{kernel}_t64"
 

@@ -3,6 +3,8 @@
 One function per kernel, named after it, taking the same buffers as numpy arrays (u32 buffers
 as uint32, i32 buffers as int32) and updating them in place exactly as the kernel does,
 clamps included. It is the oracle of the GPU tests and the plainest statement of the contracts.
+Token buffers the model writes (draft, pred) may be 32- or 64-bit: ids are < 2**31, and the
+kernels read the low 32 bits of a 64-bit word (`ids`).
 """
 from __future__ import annotations
 
@@ -10,6 +12,11 @@ import numpy as np
 
 # ctl_d slots
 EOS, BUDGET, DONE, KEEP = range(4)
+
+
+def ids(tokens: np.ndarray) -> np.ndarray:
+    """Token ids as the kernels read them: the low 32 bits of each word."""
+    return tokens.astype(np.uint32)
 
 
 def spec_seed_gather(rows: np.ndarray, n_rows: int, row_words: int, acc: np.ndarray,
@@ -25,7 +32,7 @@ def spec_assemble_verify(pend: np.ndarray, draft: np.ndarray, k: int, vtok: np.n
                          pos_ctr: np.ndarray, pos_start: np.ndarray) -> None:
     """vtok = [pending token, draft_0 .. draft_{k-1}]; the round starts at pos_ctr."""
     vtok[0] = pend[0]
-    vtok[1:k + 1] = draft[:k]
+    vtok[1:k + 1] = ids(draft[:k])
     pos_start[0] = pos_ctr[0]
 
 
@@ -38,6 +45,7 @@ def spec_accept_greedy_dc(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.nd
     entries (the pending token and n drafts) survive the round. Once done, nothing is kept.
     """
     b = int(brk[0])
+    pred = ids(pred)
     if ctl[DONE] != 0:
         acc[0] = 0
         ctl[KEEP] = 0

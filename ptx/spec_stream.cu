@@ -20,17 +20,33 @@ extern "C" __global__ void spec_seed_gather(const u32* rows, u32 n_rows, u32 row
     GRID_STRIDE(i, row_words) out[i] = row[i];
 }
 
+// Token buffers the model writes (draft_d, pred_d) hold 32- or 64-bit ids (PyTorch's argmax
+// gives int64); ids are < 2**31, so either reads as the same u32. Each kernel that reads one
+// comes in both widths: <name> for 32 bits, <name>_t64 for 64.
+
 // 2. Verify input = pending token then the k drafts; remember where the round started.
+template <typename Tok>
+__device__ void assemble_verify(const u32* pend_d, const Tok* draft_d, u32 k, u32* vtok_d, const int* pos_ctr,
+                                int* pos_start_d) {
+    GRID_STRIDE(i, k + 1) vtok_d[i] = i == 0 ? pend_d[0] : (u32)draft_d[i - 1];
+    if (blockIdx.x == 0 && threadIdx.x == 0) pos_start_d[0] = pos_ctr[0];
+}
+
 extern "C" __global__ void spec_assemble_verify(const u32* pend_d, const u32* draft_d, u32 k,
                                                 u32* vtok_d, const int* pos_ctr, int* pos_start_d) {
-    GRID_STRIDE(i, k + 1) vtok_d[i] = i == 0 ? pend_d[0] : draft_d[i - 1];
-    if (blockIdx.x == 0 && threadIdx.x == 0) pos_start_d[0] = pos_ctr[0];
+    assemble_verify(pend_d, draft_d, k, vtok_d, pos_ctr, pos_start_d);
+}
+
+extern "C" __global__ void spec_assemble_verify_t64(const u32* pend_d, const u64* draft_d, u32 k,
+                                                    u32* vtok_d, const int* pos_ctr, int* pos_start_d) {
+    assemble_verify(pend_d, draft_d, k, vtok_d, pos_ctr, pos_start_d);
 }
 
 // 3. Greedy acceptance: the longest prefix of drafts the target agrees with, cut at a p-min break.
 //    One warp: lanes compare 32 positions at once, so the round pays one load latency, not k.
-extern "C" __global__ void spec_accept_greedy_dc(const u32* vtok_d, const u32* pred_d, u32 k,
-                                                 u32* brk_d, u32* acc_d, u32* last_pred_d, int* ctl_d) {
+template <typename Tok>
+__device__ void accept_greedy(const u32* vtok_d, const Tok* pred_d, u32 k, u32* brk_d, u32* acc_d,
+                              u32* last_pred_d, int* ctl_d) {
     if (blockIdx.x != 0 || threadIdx.x >= 32) return;
     const u32 lane = threadIdx.x;
     const u32 brk = brk_d[0];
@@ -39,7 +55,7 @@ extern "C" __global__ void spec_accept_greedy_dc(const u32* vtok_d, const u32* p
     u32 n = limit;
     for (u32 base = 0; base < limit; base += 32) {
         const u32 i = base + lane;
-        const u32 misses = __ballot_sync(0xffffffffu, i < limit && vtok_d[1 + i] != pred_d[i]);
+        const u32 misses = __ballot_sync(0xffffffffu, i < limit && vtok_d[1 + i] != (u32)pred_d[i]);
         if (misses) {
             n = base + __ffs(misses) - 1;
             break;
@@ -52,11 +68,21 @@ extern "C" __global__ void spec_accept_greedy_dc(const u32* vtok_d, const u32* p
     } else {
         acc_d[0] = n;
         acc_d[1] += n;
-        last_pred_d[0] = pred_d[n];
+        last_pred_d[0] = (u32)pred_d[n];
         ctl_d[3] = (int)(n + 1);
         if (brk) brk_d[1] += 1;
     }
     brk_d[0] = 0;
+}
+
+extern "C" __global__ void spec_accept_greedy_dc(const u32* vtok_d, const u32* pred_d, u32 k, u32* brk_d,
+                                                 u32* acc_d, u32* last_pred_d, int* ctl_d) {
+    accept_greedy(vtok_d, pred_d, k, brk_d, acc_d, last_pred_d, ctl_d);
+}
+
+extern "C" __global__ void spec_accept_greedy_dc_t64(const u32* vtok_d, const u64* pred_d, u32 k, u32* brk_d,
+                                                     u32* acc_d, u32* last_pred_d, int* ctl_d) {
+    accept_greedy(vtok_d, pred_d, k, brk_d, acc_d, last_pred_d, ctl_d);
 }
 
 // 4. Commit the accepted drafts and the bonus token to the ring, applying EOS and the budget.

@@ -179,15 +179,21 @@ def test_seed_gather_copies_the_bonus_row_and_nothing_past_it(engine, spec, row_
 ASSEMBLE_KS = KS + (300,)  # 300: k + 1 threads need two blocks
 
 
+# Token buffers the model writes come as u32 (the toy) or int64 (PyTorch's argmax).
+TOKEN_DTYPES = {32: np.uint32, 64: np.int64}  # bits: dtype
+
+
+@pytest.mark.parametrize("width", list(TOKEN_DTYPES))
 @pytest.mark.parametrize("k", ASSEMBLE_KS)
-def test_assemble_verify_matches_reference(engine, spec, k):
-    rig = Rig(engine, k, draft_d=engine.alloc_u32_zeroed(max(k, 1)))  # exactly k drafts (one at k=0)
+def test_assemble_verify_matches_reference(engine, spec, k, width):
+    # exactly k drafts (one at k=0); random 64-bit words: only their low 32 bits are ids
+    rig = Rig(engine, k, draft_d=engine.alloc(TOKEN_DTYPES[width], max(k, 1), zeroed=True))
     launch = spec.prepare_assemble_verify(rig.bufs, rig.device["draft_d"])
 
     def reference(s):
         ref.spec_assemble_verify(s["pend_d"], s["draft_d"], k, s["vtok_d"], s["pos_ctr_d"], s["pos_start_d"])
 
-    for rng, where in cases("assemble_verify", (k,), len(ASSEMBLE_KS)):
+    for rng, where in cases("assemble_verify", (k, width), 2 * len(ASSEMBLE_KS)):
         state = rig.random_state(rng)
         state["pos_ctr_d"][0] = position(rng)
         rig.check(launch, state, reference, where)
@@ -203,21 +209,24 @@ def accept_inputs(rng: np.random.Generator, k: int, s: dict[str, np.ndarray]) ->
     agree = int(rng.integers(0, k + 1))
     pred[:agree] = vtok[1:1 + agree]
     s["vtok_d"][:], s["pred_d"][:] = vtok, pred
+    if s["pred_d"].dtype.itemsize == 8 and rng.random() < 0.3:  # garbage above the 32 bits of an id
+        s["pred_d"][:] += rng.integers(1, 2**31, k + 1) << 32
     s["brk_d"][0] = edge_count(rng, k + 1) if rng.random() < 0.5 else 0
     s["brk_d"][1] = pick(rng, [0, 2**32 - 1, int(s["brk_d"][1])])
     s["acc_d"][1] = pick(rng, [0, 2**32 - 1, 2**32 - 1 - k // 2, int(s["acc_d"][1])])
     s["ctl_d"][DONE] = done_flag(rng)
 
 
+@pytest.mark.parametrize("width", list(TOKEN_DTYPES))
 @pytest.mark.parametrize("k", KS)
-def test_accept_greedy_matches_reference(engine, spec, k):
-    rig = Rig(engine, k, pred_d=engine.alloc_u32_zeroed(k + 1))  # exactly k + 1 predictions
+def test_accept_greedy_matches_reference(engine, spec, k, width):
+    rig = Rig(engine, k, pred_d=engine.alloc(TOKEN_DTYPES[width], k + 1, zeroed=True))  # exactly k + 1
     launch = spec.prepare_accept_greedy(rig.bufs, rig.device["pred_d"])
 
     def reference(s):
         ref.spec_accept_greedy_dc(s["vtok_d"], s["pred_d"], k, s["brk_d"], s["acc_d"], s["last_pred_d"], s["ctl_d"])
 
-    for rng, where in cases("accept_greedy_dc", (k,), len(KS)):
+    for rng, where in cases("accept_greedy_dc", (k, width), 2 * len(KS)):
         state = rig.random_state(rng)
         accept_inputs(rng, k, state)
         rig.check(launch, state, reference, where)

@@ -293,3 +293,17 @@ def test_rollback_wraps_around_like_i32():
     assert rollback(2**31 - 2, 5, [i32(0)]) == [[-2**31 + 3]]
     assert rollback(-2**31, -1, [i32(0)]) == [[2**31 - 1]]
     assert rollback(-5, 3, [i32(0)]) == [[-2]]
+
+
+def test_64_bit_token_buffers_are_read_as_their_low_32_bits():
+    """PyTorch's argmax writes int64 ids: the kernels read the low word, so garbage above it
+    neither breaks an agreement nor leaks into the bonus token."""
+    vtok = np.array([9, 5, 6, 7], np.uint32)
+    pred = np.array([5 + (3 << 32), 6, 8 + (1 << 40), 11], np.int64)
+    brk, acc, last, ctl = np.zeros(2, np.uint32), np.zeros(2, np.uint32), np.zeros(1, np.uint32), np.array([-1, -1, 0, 0], np.int32)
+    ref.spec_accept_greedy_dc(vtok, pred, 3, brk, acc, last, ctl)
+    assert (acc[0], last[0], ctl[ref.KEEP]) == (2, 8, 3)
+    out = np.zeros(4, np.uint32)
+    ref.spec_assemble_verify(np.array([1], np.uint32), np.array([2 + (7 << 32), -1], np.int64), 2, out,
+                             np.array([0], np.int32), np.array([0], np.int32))
+    assert out[:3].tolist() == [1, 2, 2**32 - 1]

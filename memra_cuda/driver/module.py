@@ -187,17 +187,28 @@ class Kernel:
 
     @functools.cached_property
     def param_sizes(self) -> tuple[int, ...] | None:
-        """The kernel's parameter sizes in bytes, from cuFuncGetParamCount/cuFuncGetParamInfo,
-        or None where the driver or the binding is too old to tell (before CUDA 12.8)."""
+        """The kernel's parameter sizes in bytes, from cuFuncGetParamInfo (CUDA 12.4+), or None
+        where the driver or the binding cannot tell."""
         drv = driver()
         try:
+            count = self._param_count(drv)
+            sizes: list[int] = []
+            while count is None or len(sizes) < count:
+                err, _offset, size = drv.cuFuncGetParamInfo(self.handle, len(sizes))
+                if err:  # past the last parameter, when the count is unknown
+                    return tuple(sizes) if count is None and err == drv.CUresult.CUDA_ERROR_INVALID_VALUE else None
+                sizes.append(int(size))
+            return tuple(sizes)
+        except Exception:  # noqa: BLE001 - a binding or driver without cuFuncGetParamInfo
+            return None
+
+    def _param_count(self, drv: Any) -> int | None:
+        """cuFuncGetParamCount (CUDA 12.8+ bindings and drivers), or None where it is missing."""
+        try:
             err, count = drv.cuFuncGetParamCount(self.handle)
-            infos = [] if err else [drv.cuFuncGetParamInfo(self.handle, i) for i in range(int(count))]
-        except Exception:  # noqa: BLE001 - no such binding, or a driver without the entry point
+        except Exception:  # noqa: BLE001 - an older binding or driver
             return None
-        if err or any(info[0] for info in infos):
-            return None
-        return tuple(int(size) for _err, _offset, size in infos)
+        return None if err else int(count)
 
     def check_signature(self, types: Sequence[str]) -> None:
         """ValueError unless `types` match the kernel's parameters, where the driver can say."""

@@ -1,0 +1,190 @@
+"""Embedded in PyTorch: a borrowed stream orders memra's kernels with torch's ops, tensors are
+taken wherever buffers are, a capture through the adapter keeps torch's allocator away from
+the graph's memory, and a real transformer (examples/torch_llama.py) decodes through
+round-stream to exactly Hugging Face's own greedy output.
+
+Skipped with the reason where torch (or transformers, for the example) is not installed; the
+core package and `make test` never import them.
+"""
+from __future__ import annotations
+
+import gc
+import importlib.util
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memra_cuda import MODES, DeviceBuffer, Engine, Event, Graph, KVLayer
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+memra_torch = pytest.importorskip("memra_cuda.torch")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torch_llama.py"
+
+
+@pytest.fixture
+def side_stream(engine):
+    """A non-default torch stream, current for the test (graph capture needs one)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        yield stream
+
+
+def increment(engine: Engine, n: int):
+    return engine.load_ptx("probe").kernel("probe_increment").prepare(["ptr", "u32"], grid=-(-n // 128), block=128)
+
+
+def slow_values(n: int) -> torch.Tensor:
+    """int32 values 0..n-1, produced behind a large matmul, so work that does not wait for
+    them runs first."""
+    a = torch.randn(4096, 4096, device="cuda")
+    big = a @ a @ a
+    return (big[0, :n] * 0).to(torch.int32) + torch.arange(n, device="cuda", dtype=torch.int32)
+
+
+# -- streams ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("default_stream", [False, True], ids=["side-stream", "default-stream"])
+def test_engine_on_torchs_stream_needs_no_synchronisation(engine, default_stream):
+    stream = torch.cuda.default_stream() if default_stream else torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        shared = memra_torch.engine()
+        assert shared.borrowed and shared.stream_handle == stream.cuda_stream
+        for _ in range(3):
+            x = slow_values(1000)
+            increment(shared, 1000)(x, 1000)  # the tensor itself as the argument
+            assert x.cpu().tolist() == list(range(1, 1001))
+        shared.close()
+        torch.ones(1, device="cuda").cpu()  # the borrowed stream outlives the engine
+
+
+def test_engine_wait_joins_a_torch_stream_and_an_event(engine, side_stream):
+    x = slow_values(1000)
+    engine.wait(side_stream)  # engine's own stream after everything queued on torch's
+    increment(engine, 1000)(x, 1000)
+    done = Event(engine)
+    done.record()
+    with Engine(engine.device, stream=side_stream.cuda_stream) as other:
+        other.wait(done)  # torch's stream after memra's increment, through the event
+        y = x * 2
+        assert y.cpu().tolist() == [2 * i for i in range(1, 1001)]
+
+
+# -- tensors where buffers are taken ----------------------------------------------------------
+
+def test_tensors_are_adopted_kept_alive_and_checked(engine):
+    t = torch.arange(10, dtype=torch.int64, device="cuda")
+    alive = weakref.ref(t)
+    buf = DeviceBuffer.from_cuda_array(t)
+    del t
+    gc.collect()
+    assert alive() is not None and buf.dtype == np.int64 and buf.len == 10 and not buf.owns_memory
+    assert engine.dtoh(buf).tolist() == list(range(10))
+    buf.free()
+    gc.collect()
+    assert alive() is None, "freeing the adopted buffer lets go of the tensor"
+
+    square = torch.zeros(4, 4, device="cuda")
+    with pytest.raises(ValueError, match="not contiguous"):
+        DeviceBuffer.from_cuda_array(square.t())
+    assert DeviceBuffer.from_cuda_array(square[1]).len == 4  # a row is contiguous
+    with pytest.raises(TypeError, match="__cuda_array_interface__"):
+        engine.dtoh(torch.zeros(3))  # host tensors have no such interface
+    host = np.zeros(4, np.uint32)
+
+    class HostArray:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<u4", "data": (host.ctypes.data, False),
+                                    "version": 2}
+    with pytest.raises(ValueError, match="device memory"):
+        DeviceBuffer.from_cuda_array(HostArray())
+
+
+def test_tensors_in_copies_kv_layers_and_back(engine):
+    shared = memra_torch.engine()  # torch's current stream: copies and torch ops in one order
+    lengths = torch.zeros(3, dtype=torch.int32, device="cuda")
+    layer = KVLayer(lengths[1:2], capacity=8)
+    shared.copy_htod(layer.len_d, [5])
+    shared.set_u32(lengths, 2, 9)
+    assert lengths.cpu().tolist() == [0, 5, 9]
+    with pytest.raises(ValueError, match="i32\\[1\\]"):
+        KVLayer(lengths, capacity=8)
+    ids = shared.htod_u32([7, 8, 2**31 - 1])
+    view = memra_torch.tensor(ids, torch.int32)
+    assert view.tolist() == [7, 8, 2**31 - 1]
+    view[0] = 1
+    assert shared.dtoh_u32(ids).tolist() == [1, 8, 2**31 - 1]
+    with pytest.raises(ValueError, match="cannot be read as"):
+        memra_torch.tensor(ids, torch.int64)
+
+
+# -- capture through torch ----------------------------------------------------------------------
+
+def test_replays_of_an_adapter_capture_leave_later_tensors_untouched(engine, side_stream):
+    shared = memra_torch.engine()
+    x = torch.arange(4096, dtype=torch.int32, device="cuda")
+    out = torch.zeros_like(x)
+    bump = increment(shared, 4096)
+
+    def issue():
+        scratch = x * 3  # torch allocates inside the capture: the graph's own memory
+        scratch = scratch + 1
+        bump(scratch, 4096)
+        out.copy_(scratch)
+
+    graph = Graph(shared, issue, capture=memra_torch.capture)
+    later = [torch.full((int(n),), i, dtype=torch.int32, device="cuda")
+             for i, n in enumerate(np.random.default_rng(3).integers(1, 20000, 288))]
+    for _ in range(5):
+        graph.launch()
+    assert out.cpu().tolist() == (torch.arange(4096) * 3 + 2).tolist()
+    damaged = [i for i, t in enumerate(later) if not bool((t == i).all())]
+    assert damaged == [], f"replays overwrote {len(damaged)} of {len(later)} tensors allocated after capture"
+    graph.free()
+
+
+def test_adapter_capture_refuses_the_default_stream(engine):
+    with torch.cuda.stream(torch.cuda.default_stream()):
+        shared = memra_torch.engine()
+        with pytest.raises(RuntimeError, match="default stream cannot be captured"):
+            Graph(shared, lambda: None, capture=memra_torch.capture)
+
+
+# -- a real transformer -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama():
+    pytest.importorskip("transformers", reason="the example needs transformers")
+    spec = importlib.util.spec_from_file_location("torch_llama", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def decoder(engine, llama):
+    model = llama.build_model("small")
+    tokens = 256
+    spec = llama.SpeculativeLlama(model, k=4, m_rounds=16, capacity=llama.capacity_for(len(llama.PROMPT), tokens, 4, 16))
+    want = llama.hf_greedy(model, llama.PROMPT, tokens)
+    return llama, model, spec, want
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_example_equals_hugging_face_greedy(decoder, mode):
+    llama, model, spec, want = decoder
+    got = spec.generate(llama.PROMPT, len(want), mode=mode)
+    assert got == want, f"{mode}: first difference at token {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+    assert 0.0 < spec.acceptance(len(got)) < 1.0, "the draft must agree often, but not always"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_example_stops_at_eos_like_hugging_face(decoder, mode):
+    llama, model, spec, want = decoder
+    eos = want[100]
+    expected = llama.hf_greedy(model, llama.PROMPT, len(want), eos=eos)
+    assert expected[-1] == eos and len(expected) <= 101
+    assert spec.generate(llama.PROMPT, len(want), eos=eos, mode=mode) == expected
