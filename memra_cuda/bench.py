@@ -184,11 +184,12 @@ def _tokens_per_s(run, tokens: int) -> tuple[float, list[int]]:
     return len(out) / (time.perf_counter() - t0), out
 
 
-def _step_ms(stack, replays: int = 200) -> float:
-    """Device milliseconds of one T=1 step of `stack`, captured as a graph and replayed."""
+def _step_ms(stack, tokens: int = 1, replays: int = 200) -> float:
+    """Device milliseconds of one step of `stack` over `tokens` tokens, captured as a graph
+    and replayed."""
     import torch
-    token = torch.zeros(1, dtype=torch.long, device="cuda")
-    position = torch.full((1,), 8, dtype=torch.long, device="cuda")
+    token = torch.zeros(tokens, dtype=torch.long, device="cuda")
+    position = torch.arange(8, 8 + tokens, device="cuda")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         stack.greedy(token, position)
@@ -238,13 +239,17 @@ def bench_torch(quick: bool) -> list[dict]:
             rows.append(row)
         graph = measured["round-stream graph"]
         tau = graph["tokens_per_round"]
-        c = _step_ms(spec.draft) / _step_ms(spec.target)
+        target_ms = _step_ms(spec.target)
+        c = _step_ms(spec.draft) / target_ms
+        v = _step_ms(spec.target, TORCH_K + 1) / target_ms  # the formula takes a verify for one step
         ideal = tau / (1 + (TORCH_K + 1) * c)
         reached = graph["vs_greedy"] / ideal
         print(f"{size:6} ideal speedup over graphed greedy: tau={tau:.2f} tokens/round, c={c:.3f} "
               f"(draft step / target step) -> {ideal:.2f}x; graph mode reaches {graph['vs_greedy']:.2f}x "
               f"= {reached:.0%} of it", flush=True)
-        rows.append(dict(size=size, method="ideal", tau=tau, c=c, ideal=ideal, reached=reached))
+        print(f"{size:6} a verify of k+1={TORCH_K + 1} tokens takes v={v:.2f} one-token target steps; "
+              f"tau / (v + (k+1) c) = {tau / (v + (TORCH_K + 1) * c):.2f}x", flush=True)
+        rows.append(dict(size=size, method="ideal", tau=tau, c=c, v=v, ideal=ideal, reached=reached))
         del model, draft, spec, greedy
     return rows
 

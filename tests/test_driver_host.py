@@ -350,7 +350,7 @@ def test_free_poisons_dependents_with_the_freed_buffers_name():
     buf.depend(holder)
     holder._usable()
     buf.free()
-    with pytest.raises(ValueError, match=r"Holder refuses to run: it holds the address of DeviceBuffer\(ring_d u32\[4\]"):
+    with pytest.raises(ValueError, match=r"Holder refuses to run: it uses DeviceBuffer\(ring_d u32\[4\]"):
         holder._usable()
 
 

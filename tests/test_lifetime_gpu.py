@@ -83,6 +83,19 @@ def test_launch_refuses_after_its_buffer_is_freed_until_rebound(engine):
     assert engine.dtoh_u32(fresh).tolist() == [1] * 4
 
 
+def test_launches_of_a_closed_engine_refuse_to_run(engine):
+    """A closed engine's stream is destroyed, and the driver may hand its handle to the next
+    stream: a launch prepared on it must not reach the driver."""
+    with Engine() as closing:
+        buf = closing.alloc_u32_zeroed(4)
+        launch = increment(closing, 4).set(buf, 4)
+        launch()
+    with pytest.raises(ValueError, match="Engine"):
+        launch()
+    with pytest.raises(ValueError, match="Engine"):
+        launch(buf, 4)
+
+
 def test_launch_before_any_arguments_is_refused(engine):
     with pytest.raises(ValueError, match="no arguments yet"):
         increment(engine, 4)()

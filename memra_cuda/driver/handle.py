@@ -72,9 +72,10 @@ class Handle:
             dependent._poison(self, reason)
 
     def _poison(self, source: Handle, reason: str) -> None:
-        """`source`, whose address this handle holds, is gone: refuse to run from now on."""
+        """`source`, which this handle uses (its address, its stream), is gone: refuse to run
+        from now on."""
         if self._refusal is None:
-            self._refusal = f"{type(self).__name__} refuses to run: it holds the address of {reason}"
+            self._refusal = f"{type(self).__name__} refuses to run: it uses {reason}"
             self._notify(reason)
 
     def _usable(self) -> None:

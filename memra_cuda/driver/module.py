@@ -116,11 +116,12 @@ class KernelArgs:
 class Launch(Handle):
     """A kernel bound to a grid, a block, the engine's stream and reusable argument storage.
 
-    It holds the buffers its arguments name; if one of them is freed explicitly, or the
-    module is unloaded, the launch refuses to run (ValueError naming what was freed) until
-    set() gives it live arguments again. Until the first set() it refuses too: a kernel with
-    zeroed pointer arguments would fault. A Graph that captures the launch holds the buffers
-    of that moment, so re-binding the launch later cannot strand the graph.
+    It holds the buffers its arguments name; if one of them is freed explicitly, the launch
+    refuses to run (ValueError naming what was freed) until set() gives it live arguments
+    again; if the module is unloaded or the engine closed (its stream destroyed), for good.
+    Until the first set() it refuses too: a kernel with zeroed pointer arguments would fault.
+    A Graph that captures the launch holds the buffers of that moment, so re-binding the
+    launch later cannot strand the graph. All of it is one attribute test per launch.
     """
 
     def __init__(self, kernel: Kernel, types: Sequence[str], grid: int | Sequence[int],
@@ -134,18 +135,19 @@ class Launch(Handle):
         kernel.check_signature(self.args.types)
         if self.args.types:
             self._refusal = f"{kernel.name} has no arguments yet: call set(...) before launching it"
-        self._activate = engine.activate
+        self._make_current = engine.activate().make_current
         self._launch = driver().cuLaunchKernel
         self._argv = (kernel.handle, *_dim3(grid, "grid"), *_dim3(block, "block"), int(shared),
                       engine.stream, self.args.pointer, 0)
         module.depend(self)
+        engine.depend(self)
 
     def set(self, *values: Any) -> Launch:
         self.args.set(*values)
         for buf in self.args.buffers:
             if buf is not None:
                 buf.depend(self)
-        if not self.kernel.module.freed:
+        if not (self.kernel.module.freed or self.engine.closed):
             self._refusal = None
         return self
 
@@ -155,7 +157,7 @@ class Launch(Handle):
             self.set(*values)
         if self._refusal is not None:
             raise ValueError(self._refusal)
-        self._activate()
+        self._make_current()
         (err,) = self._launch(*self._argv)
         if err:
             raise self.engine.ctx.failure(err, f"cuLaunchKernel({self.kernel.name})")
@@ -163,7 +165,8 @@ class Launch(Handle):
             self.engine.capturing_graph.hold(self.kernel.module, *self.args.buffers)
 
     def _poison(self, source: Handle, reason: str) -> None:
-        if source is self.kernel.module or any(b is not None and b.names(source) for b in self.args.buffers):
+        if source in (self.kernel.module, self.engine) or any(b is not None and b.names(source)
+                                                              for b in self.args.buffers):
             super()._poison(source, reason)
 
     def __repr__(self) -> str:
