@@ -9,12 +9,12 @@ import argparse
 import sys
 import time
 
+from .bufs import StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable
-from .bufs import StreamBufs
 from .kernels import SpecKernels
-from .stream import MODES, kv_capacity
 from .models.toy import ToyLM, ToyModel, target_greedy
+from .stream import MODES, kv_capacity
 
 
 def main(argv: list[str] | None = None) -> int:

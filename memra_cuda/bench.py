@@ -26,13 +26,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .bufs import StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable, driver
 from .driver.event import Event
-from .bufs import StreamBufs
 from .kernels import SpecKernels
-from .stream import RoundStream, kv_capacity
 from .models.toy import COST_8B_05B, ToyCost, ToyLM, ToyModel
+from .stream import RoundStream, kv_capacity
 
 KS = (0, 2, 4, 8)
 MS = (1, 4, 16, 64)
@@ -250,7 +250,6 @@ def bench_torch(quick: bool) -> list[dict]:
         print(f"{size:6} a verify of k+1={TORCH_K + 1} tokens takes v={v:.2f} one-token target steps; "
               f"tau / (v + (k+1) c) = {tau / (v + (TORCH_K + 1) * c):.2f}x", flush=True)
         rows.append(dict(size=size, method="ideal", tau=tau, c=c, v=v, ideal=ideal, reached=reached))
-        del model, draft, spec, greedy
     return rows
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .driver.buffer import DeviceBuffer, as_index, as_buffer
+from .driver.buffer import DeviceBuffer, as_buffer, as_index
 
 if TYPE_CHECKING:
     from .driver.engine import Engine

@@ -300,7 +300,8 @@ def test_64_bit_token_buffers_are_read_as_their_low_32_bits():
     neither breaks an agreement nor leaks into the bonus token."""
     vtok = np.array([9, 5, 6, 7], np.uint32)
     pred = np.array([5 + (3 << 32), 6, 8 + (1 << 40), 11], np.int64)
-    brk, acc, last, ctl = np.zeros(2, np.uint32), np.zeros(2, np.uint32), np.zeros(1, np.uint32), np.array([-1, -1, 0, 0], np.int32)
+    brk, acc, last = np.zeros(2, np.uint32), np.zeros(2, np.uint32), np.zeros(1, np.uint32)
+    ctl = np.array([-1, -1, 0, 0], np.int32)
     ref.spec_accept_greedy_dc(vtok, pred, 3, brk, acc, last, ctl)
     assert (acc[0], last[0], ctl[ref.KEEP]) == (2, 8, 3)
     out = np.zeros(4, np.uint32)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .buffer import DeviceBuffer, PinnedBuffer, as_index, as_buffer, exact_array, exact_int
+from .buffer import DeviceBuffer, PinnedBuffer, as_buffer, as_index, exact_array, exact_int
 from .context import PrimaryContext
 from .errors import CaptureError, driver
 from .event import Event
