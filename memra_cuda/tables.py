@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .driver.buffer import DeviceBuffer, as_buffer, as_index
+from .driver.buffer import DeviceBuffer, as_buffer, as_index, device_allocation
 
 if TYPE_CHECKING:
     from .driver.engine import Engine
@@ -88,8 +88,7 @@ class PointerTable(DeviceBuffer):
         if not held:
             raise ValueError("a pointer table needs at least one entry")
         words = np.array([0 if t is None else t.ptr for t in held], np.uint64)
-        ctx = engine.activate()
-        ptr = int(ctx.call("cuMemAlloc", words.nbytes))
+        ctx, ptr = device_allocation(engine, words.nbytes)
         super().__init__(ptr, np.uint64, len(words), engine=engine, label=label)
         self._own(ctx, "cuMemFree", ptr)
         engine.copy_htod(self, words)

@@ -199,14 +199,15 @@ def test_burst_graph_refuses_to_replay_after_its_buffers_are_freed(engine, spec,
 
 # -- 4. captures never see pageable host memory ---------------------------------------------
 
-@pytest.mark.parametrize("what", ["copy_htod", "htod", "set_stop", "reset"])
+@pytest.mark.parametrize("what", ["copy_htod", "htod", "set_stop", "reset", "pointer table"])
 def test_host_to_device_copy_inside_a_capture_is_refused(engine, what):
     buf = engine.htod_u32([5, 6, 7])
     bufs = StreamBufs(engine, 1, 1)
     uploads = {"copy_htod": lambda: engine.copy_htod(buf, [1, 2, 3]),
                "htod": lambda: engine.htod_u32([1, 2, 3]),
                "set_stop": lambda: bufs.set_stop(engine, eos=3, budget=9),
-               "reset": lambda: bufs.reset(engine, 1, 2)}
+               "reset": lambda: bufs.reset(engine, 1, 2),
+               "pointer table": lambda: PointerTable(engine, [buf])}
     with pytest.raises(CaptureError, match="pageable host memory|cannot be allocated inside a graph capture"):
         Graph(engine, uploads[what])
     assert not engine.capturing

@@ -16,6 +16,7 @@ from .errors import CaptureError, call, driver
 from .handle import Handle
 
 if TYPE_CHECKING:
+    from .context import PrimaryContext
     from .engine import Engine
 
 
@@ -57,9 +58,7 @@ class DeviceBuffer(Handle):
         dtype, length = device_dtype(dtype), as_index(length, "length")
         if length < 1:
             raise ValueError(f"a device buffer needs at least one element, not {length}")
-        _no_alloc_in_capture(engine, "device memory")
-        ctx = engine.activate()
-        ptr = int(ctx.call("cuMemAlloc", length * dtype.itemsize))
+        ctx, ptr = device_allocation(engine, length * dtype.itemsize)
         buf = cls(ptr, dtype, length, engine=engine, label=label)
         buf._own(ctx, "cuMemFree", ptr)
         return buf
@@ -272,6 +271,14 @@ def as_index(value: Any, what: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an integer, not {value!r}") from None
+
+
+def device_allocation(engine: Engine, nbytes: int) -> tuple[PrimaryContext, int]:
+    """A fresh cuMemAlloc of `nbytes` on the engine's device, and the context that must free it
+    (the caller takes ownership with Handle._own). Refused inside a capture."""
+    _no_alloc_in_capture(engine, "device memory")
+    ctx = engine.activate()
+    return ctx, int(ctx.call("cuMemAlloc", nbytes))
 
 
 def _no_alloc_in_capture(engine: Engine, what: str) -> None:
