@@ -7,13 +7,16 @@
    target with a 0.5B draft costs (the bytes of their bf16 weights streamed per verify and per
    draft step). Every run generates the same tokens from the same prompt. The floor is the
    device-only time of the same rounds: graph replays back to back, timed with events.
-3. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
+3. Batches: the bare toy at k=4, M=16 decoding B requests (their own prompts, the same
+   budget) as one batched graph, against the same B requests decoded one after another by a
+   single-sequence graph: tokens/s of each, and host readbacks per burst.
+4. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
    examples/torch_llama.py at two sizes, decoded by Hugging Face generate, by its assisted
    generation with the same draft, by plain greedy with each step a torch.cuda.graph, and by
    round-stream in readback, graph and overlap modes; then the ideal speculative speedup over
    graphed greedy, tau / (1 + (k+1) c), and how much of it the graph mode reaches.
 
-    python -m memra_cuda.bench [--json PATH] [--only launch|rounds|torch] [--quick]
+    python -m memra_cuda.bench [--json PATH] [--only launch|rounds|batch|torch] [--quick]
 """
 from __future__ import annotations
 
@@ -161,6 +164,51 @@ def format_row(r: Row) -> str:
             f"{r.readbacks_per_burst:8.3f} {r.readbacks_per_token:8.4f} {accept} {r.speedup:6.2f}x {floor} {ratio}")
 
 
+BATCH_K, BATCH_M = 4, 16
+BATCHES = (1, 8, 32, 128)
+
+
+def batch_prompts(batch: int) -> list[list[int]]:
+    """B different prompts of different lengths (8 to 23 tokens)."""
+    return [[(7 * b + i) % MODEL.vocab for i in range(8 + b % 16)] for b in range(batch)]
+
+
+def bench_batch(engine: Engine, quick: bool) -> list[dict]:
+    """Batched graph vs one-after-another single-sequence graphs, same requests, same tokens."""
+    spec = SpecKernels(engine)
+    tokens = 64 if quick else 256
+    capacity = kv_capacity(24, tokens, BATCH_K, BATCH_M, batch=max(BATCHES))
+    single_lm = ToyLM(engine, MODEL, capacity)
+    single_bufs = StreamBufs(engine, BATCH_K, BATCH_M)
+    single = single_lm.round_stream(spec, single_bufs)
+    single.generate(single_lm.prefill(single_bufs, PROMPT), tokens)  # warm-up: capture
+    rows = []
+    print(f"{'B':>4} {'batched tok/s':>13} {'one-by-one tok/s':>16} {'speedup':>8} {'rb/burst':>8} {'us/burst':>9}")
+    for batch in BATCHES:
+        prompts = batch_prompts(batch)
+        lm = ToyLM(engine, MODEL, capacity, batch=batch)
+        bufs = StreamBufs(engine, BATCH_K, BATCH_M, batch=batch)
+        stream = lm.round_stream(spec, bufs)
+        stream.generate_batch([lm.prefill_row(bufs, b, p) for b, p in enumerate(prompts)], tokens)  # warm-up
+        starts = [lm.prefill_row(bufs, b, p) for b, p in enumerate(prompts)]
+        bursts0, readbacks0 = stream.bursts, engine.readbacks
+        t0 = time.perf_counter()
+        made = sum(len(out) for out in stream.generate_batch(starts, tokens))
+        batched_s = time.perf_counter() - t0
+        bursts, readbacks = stream.bursts - bursts0, engine.readbacks - readbacks0
+        t0 = time.perf_counter()
+        made_single = sum(len(single.generate(single_lm.prefill(single_bufs, p), tokens)) for p in prompts)
+        single_s = time.perf_counter() - t0
+        row = dict(batch=batch, batched_tokens_per_s=made / batched_s, single_tokens_per_s=made_single / single_s,
+                   readbacks_per_burst=readbacks / bursts, us_per_burst=batched_s / bursts * 1e6)
+        row["speedup"] = row["batched_tokens_per_s"] / row["single_tokens_per_s"]
+        rows.append(row)
+        print(f"{batch:4d} {row['batched_tokens_per_s']:13.0f} {row['single_tokens_per_s']:16.0f} "
+              f"{row['speedup']:7.2f}x {row['readbacks_per_burst']:8.3f} {row['us_per_burst']:9.1f}", flush=True)
+        bufs.free()
+    return rows
+
+
 TORCH_K, TORCH_M = 4, 16
 
 
@@ -256,7 +304,7 @@ def bench_torch(quick: bool) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memra_cuda.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--only", choices=["launch", "rounds", "torch"],
+    parser.add_argument("--only", choices=["launch", "rounds", "batch", "torch"],
                         help="run one part (torch runs only when asked for)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for figures)")
     args = parser.parse_args(argv)
@@ -278,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{HEADER}")
         for r in rows:
             print(format_row(r))
+    if args.only in (None, "batch"):
+        print(f"\nbatches: bare toy, k={BATCH_K}, M={BATCH_M}, graph mode, each request its own prompt")
+        report["batch"] = bench_batch(engine, args.quick)
     if args.only == "torch":
         report["torch"] = bench_torch(args.quick)
     if args.json:

@@ -1,12 +1,14 @@
 """SpecKernels: typed launchers of the five spec_* kernels of ptx/spec_stream.cu.
 
 The kernels clamp every count they read from device memory; the launchers check everything
-the host knows (buffer types and sizes, the engine they belong to, that a rollback table
-holds what it names) before anything is queued.
+the host knows (buffer types and sizes for the batch, the engine they belong to, that a
+rollback table holds what it names and has one length per row) before anything is queued.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from .driver.buffer import DeviceBuffer, as_index
 from .driver.module import Launch
@@ -22,49 +24,61 @@ class SpecKernels:
 
     `prepare_*` validates the buffers and returns a prepared launch to keep and call every
     round; the plain methods launch once. Buffers may be DeviceBuffers or
-    __cuda_array_interface__ objects of this engine's device.
+    __cuda_array_interface__ objects of this engine's device. Every launch serves all
+    `bufs.batch` rows, so a buffer the model writes holds B rows (see `batch_rows`).
     """
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.module = engine.load_ptx("spec_stream")
 
-    def _launch(self, name: str, types: list[str], *values: object, threads: int = 1) -> Launch:
+    def _launch(self, name: str, types: list[str], *values: object, threads: int = 1, rows: int = 1) -> Launch:
+        """`threads` spread over a 1-D grid; `rows` > 1 gives each row its own grid row (y)."""
         block = min(max(32, threads), 256)
         grid = min((threads + block - 1) // block, 1024)
-        return self.module.kernel(name).prepare(types, grid, block).set(*values)
+        return self.module.kernel(name).prepare(types, (grid, rows) if rows > 1 else grid, block).set(*values)
 
     def prepare_seed_gather(self, rows_d: Any, row_words: int, bufs: StreamBufs, out_d: Any) -> Launch:
+        """rows_d holds [B][n_rows][row_words] words (n_rows = rows_d.len // (B·row_words)),
+        out_d [B][row_words]."""
         rows_d, out_d = self._words("rows_d", rows_d), self._words("out_d", out_d)
-        row_words = as_index(row_words, "row_words")
-        if row_words < 1 or rows_d.len % row_words or out_d.len < row_words:
-            raise ValueError(f"rows_d ({rows_d.len} words) must hold whole rows of {row_words} words "
-                             f"and out_d ({out_d.len}) one row")
-        return self._launch("spec_seed_gather", ["ptr", "u32", "u32", "ptr", "ptr"],
-                            rows_d, rows_d.len // row_words, row_words, bufs.acc_d, out_d, threads=row_words)
+        row_words, batch = as_index(row_words, "row_words"), bufs.batch
+        if row_words < 1 or rows_d.len % (batch * row_words):
+            raise ValueError(f"rows_d ({rows_d.len} words) must hold {batch} sequences of whole rows of "
+                             f"{row_words} words")
+        out_d = batch_rows("out_d", out_d, batch, row_words)
+        return self._launch("spec_seed_gather", ["ptr", "u32", "u32", "u32", "ptr", "ptr"],
+                            rows_d, rows_d.len // (batch * row_words), row_words, batch, bufs.acc_d, out_d,
+                            threads=row_words, rows=batch)
 
     def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: Any) -> Launch:
-        draft_d = self._tokens("draft_d", draft_d, at_least=bufs.k)
-        return self._launch(_width("spec_assemble_verify", draft_d), ["ptr", "ptr", "u32", "ptr", "ptr", "ptr"],
-                            bufs.pend_d, draft_d, bufs.k, bufs.vtok_d, bufs.pos_ctr_d, bufs.pos_start_d,
-                            threads=bufs.k + 1)
+        draft_d = batch_rows("draft_d", self._tokens("draft_d", draft_d), bufs.batch, max(bufs.k, 1), bufs.k)
+        return self._launch(_width("spec_assemble_verify", draft_d), ["ptr", "ptr", "u32", "u32", "ptr", "ptr", "ptr"],
+                            bufs.pend_d, draft_d, bufs.k, bufs.batch, bufs.vtok_d, bufs.pos_ctr_d, bufs.pos_start_d,
+                            threads=bufs.batch * (bufs.k + 1))
 
     def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: Any) -> Launch:
-        pred_d = self._tokens("pred_d", pred_d, at_least=bufs.k + 1)
-        return self._launch(_width("spec_accept_greedy_dc", pred_d), ["ptr", "ptr", "u32", "ptr", "ptr", "ptr", "ptr"],
-                            bufs.vtok_d, pred_d, bufs.k, bufs.brk_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d)
+        pred_d = batch_rows("pred_d", self._tokens("pred_d", pred_d), bufs.batch, bufs.k + 1)
+        return self._launch(_width("spec_accept_greedy_dc", pred_d), ["ptr", "ptr", "u32", "u32", *["ptr"] * 4],
+                            bufs.vtok_d, pred_d, bufs.k, bufs.batch, bufs.brk_d, bufs.acc_d, bufs.last_pred_d,
+                            bufs.ctl_d, threads=32 * bufs.batch)
 
     def prepare_ring_commit(self, bufs: StreamBufs) -> Launch:
-        return self._launch("spec_ring_commit", ["ptr"] * 6 + ["u32", "u32"],
+        return self._launch("spec_ring_commit", ["ptr"] * 6 + ["u32", "u32", "u32"],
                             bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
-                            bufs.ring_cap, bufs.k)
+                            bufs.ring_cap, bufs.k, bufs.batch, threads=32 * bufs.batch)
 
     def prepare_rollback(self, table_d: PointerTable, bufs: StreamBufs) -> Launch:
         if not isinstance(table_d, PointerTable):
             raise TypeError(f"a rollback table must be a PointerTable (kv_len_ptr_table builds one), which holds "
                             f"the lengths it names; not {table_d!r}")
-        return self._launch("spec_rollback_stream", ["ptr", "u32", "ptr", "ptr"],
-                            table_d, table_d.len, bufs.pos_start_d, bufs.ctl_d, threads=table_d.len)
+        wrong = [t for t in table_d.targets if t is not None and (t.dtype != np.int32 or t.len != bufs.batch)]
+        if wrong:
+            raise ValueError(f"a rollback table for a batch of {bufs.batch} must name i32[{bufs.batch}] lengths "
+                             f"(one per sequence), not {wrong[0]!r}")
+        return self._launch("spec_rollback_stream", ["ptr", "u32", "u32", "ptr", "ptr"],
+                            table_d, table_d.len, bufs.batch, bufs.pos_start_d, bufs.ctl_d,
+                            threads=table_d.len * bufs.batch)
 
     def seed_gather(self, rows_d: Any, row_words: int, bufs: StreamBufs, out_d: Any) -> None:
         self.prepare_seed_gather(rows_d, row_words, bufs, out_d)()
@@ -88,13 +102,23 @@ class SpecKernels:
             raise ValueError(f"{name} must be a buffer of 32-bit words, not {buf!r}")
         return buf
 
-    def _tokens(self, name: str, obj: Any, at_least: int) -> DeviceBuffer:
-        """A buffer of at least `at_least` token ids, 32- or 64-bit integers (ids < 2**31)."""
+    def _tokens(self, name: str, obj: Any) -> DeviceBuffer:
+        """A buffer of token ids, 32- or 64-bit integers (ids < 2**31)."""
         buf = self.engine.buffer(obj, name)
-        if buf.dtype.kind not in "iu" or buf.dtype.itemsize not in (4, 8) or buf.len < at_least:
-            raise ValueError(f"{name} must be a 32- or 64-bit integer buffer of at least {at_least} tokens, "
-                             f"not {buf!r}")
+        if buf.dtype.kind not in "iu" or buf.dtype.itemsize not in (4, 8):
+            raise ValueError(f"{name} must be a buffer of 32- or 64-bit integer tokens, not {buf!r}")
         return buf
+
+
+def batch_rows(name: str, buf: DeviceBuffer, batch: int, row: int, single: int | None = None) -> DeviceBuffer:
+    """`buf`, checked to hold `batch` rows of `row` elements, row b at b·row (DESIGN.md's batched
+    layout). One sequence needs only its `single` (default `row`) elements, and may have more;
+    a batch's buffer must be exactly B rows long, since any other length means another layout."""
+    need = row if single is None else single
+    if batch == 1 and buf.len >= need or batch > 1 and buf.len == batch * row:
+        return buf
+    want = f"at least {need}" if batch == 1 else f"exactly {batch} x {row} = {batch * row}"
+    raise ValueError(f"{name} must hold {want} elements for a batch of {batch}, not {buf!r}")
 
 
 def _width(kernel: str, tokens: DeviceBuffer) -> str:

@@ -1,8 +1,9 @@
 """RoundStream: the burst driver that issues rounds onto the engine's stream.
 
 A round, in stream order: [seed_gather] → draft chain → assemble_verify → verify trunk →
-accept → commit → rollback. The driver owns nothing model-specific: the caller hands it its
-draft chain and verify trunk as callables that queue work on the engine's stream.
+accept → commit → rollback, for every sequence of the batch at once. The driver owns nothing
+model-specific: the caller hands it its draft chain and verify trunk as callables that queue
+work on the engine's stream.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from .driver.buffer import as_index
+from .bufs import Readback, per_row
 from .driver.event import Event
 from .driver.graph import Capture, Graph
 from .driver.module import Launch
@@ -38,18 +39,12 @@ def chain(launches: Sequence[Callable[[], None]]) -> Callable[[], None]:
     return issue
 
 
-def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, overlap: bool = False) -> int:
-    """KV entries a cache needs so generate() never raises CapacityError for this request:
-    the prompt, the tokens, and one burst of room past them (two for "overlap" to run ahead)."""
-    return prompt_len + max_new_tokens + (2 if overlap else 1) * m_rounds * (k + 1)
-
-
-def _count(value: Any, what: str) -> int:
-    """A non-negative i32 count or position, checked before anything is queued."""
-    number = as_index(value, what)
-    if not 0 <= number < 2**31:
-        raise ValueError(f"{what} must be in [0, 2**31), not {value}")
-    return number
+def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, overlap: bool = False,
+                batch: int = 1) -> int:
+    """KV entries a cache needs (per sequence) so generate() never raises CapacityError for
+    this request: the prompt, the tokens, and one burst of room past them (two for "overlap"
+    to run ahead); in a batch, one round more, for the rounds a finished row sits out."""
+    return prompt_len + max_new_tokens + (2 if overlap else 1) * m_rounds * (k + 1) + (k + 1 if batch > 1 else 0)
 
 
 class RoundStream:
@@ -61,11 +56,15 @@ class RoundStream:
     "graph" — the M rounds and the readback captured once as a CUDA graph and replayed;
     "overlap" — graph replays two deep: the next burst is queued before the last one is read,
     so the GPU never waits for the host. A burst that runs after the stop has no effect.
+    Every mode runs all `bufs.batch` rows with one readback per burst; a row that is done sits
+    the rounds out (its position frozen) while the others go on.
 
     `rollback_tables` are PointerTables (kv_len_ptr_table and friends): one of them must hold
     `bufs.pos_ctr_d`, which is how the position advances, and together they say how many KV
     entries the caches hold, so every burst is checked against that capacity before it is
-    issued. `capture` says how graphs are captured (default: the driver's stream capture).
+    issued: a live row needs room for the burst, and in a batch for one round more, which it
+    may sit out done at its final position while other rows finish. `capture` says how graphs
+    are captured (default: the driver's stream capture).
     """
 
     def __init__(self, spec: SpecKernels, bufs: StreamBufs, *, draft_chain: Callable[[], None],
@@ -99,6 +98,7 @@ class RoundStream:
         self._events: list[Event] = []
         self.rounds = 0  # rounds step()/generate() sent to the GPU
         self.bursts = 0  # host readbacks they waited for
+        self._idle_room = bufs.k + 1 if bufs.batch > 1 else 0
 
     def issue_round(self) -> None:
         for step in self._round:
@@ -124,75 +124,120 @@ class RoundStream:
         self.issue_burst()
         self.bufs.queue_readback(self.engine, slot)
 
-    def fits(self, position: int, rounds: int) -> bool:
-        """Whether every KV cache can take rounds·(k+1) more entries past `position`."""
-        return self.capacity is None or position + rounds * (self.bufs.k + 1) <= self.capacity
+    def fits(self, rounds: int, ahead: int = 0, positions: np.ndarray | None = None,
+             done: np.ndarray | None = None) -> bool:
+        """Whether the next `rounds` rounds fit every row's KV cache (see check_capacity)."""
+        return not self._short_rows(rounds, ahead, positions, done).size
 
-    def check_capacity(self, position: int, rounds: int) -> None:
-        """Raise CapacityError unless every KV cache can take rounds·(k+1) entries past position."""
-        if not self.fits(position, rounds):
+    def check_capacity(self, rounds: int, ahead: int = 0, positions: np.ndarray | None = None,
+                       done: np.ndarray | None = None) -> None:
+        """Raise CapacityError unless every KV cache can take the next `rounds` rounds: a live
+        row's rounds·(k+1) entries past its position (plus the idle round of a batch), a done
+        row's k+1 scratch entries at its frozen one. Positions and done flags default to the
+        host's knowledge (bufs.positions, bufs.done); `ahead` bounds how far the bursts still
+        in flight may have moved them."""
+        short = self._short_rows(rounds, ahead, positions, done)
+        if short.size:
+            b = int(short[0])
+            position = (self.bufs.positions if positions is None else positions)[b]
             raise CapacityError(
                 f"KV cache of {self.capacity} entries cannot take the next burst: {rounds} rounds at "
-                f"k={self.bufs.k} may write up to {position + rounds * (self.bufs.k + 1)} (position "
-                f"{position}): use a larger cache, fewer rounds per burst or a token budget")
+                f"k={self.bufs.k} may write up to {self._reach(rounds, ahead, positions, done)[b]} (row {b} at "
+                f"position {position}): use a larger cache, fewer rounds per burst or a token budget")
+
+    def _reach(self, rounds: int, ahead: int, positions: np.ndarray | None, done: np.ndarray | None) -> np.ndarray:
+        positions = self.bufs.positions if positions is None else positions
+        done = self.bufs.done if done is None else done
+        k1 = self.bufs.k + 1
+        return positions + ahead + np.where(done, k1, rounds * k1 + self._idle_room)
+
+    def _short_rows(self, rounds: int, ahead: int, positions: np.ndarray | None,
+                    done: np.ndarray | None) -> np.ndarray:
+        if self.capacity is None:
+            return np.zeros(0, np.int64)
+        return np.flatnonzero(self._reach(rounds, ahead, positions, done) > self.capacity)
 
     def generate(self, start_pos: int, max_new_tokens: int, *, eos: int | None = None,
                  mode: str = "graph") -> np.ndarray:
-        """Generate until EOS or max_new_tokens (the device's token budget).
+        """Generate one sequence (a batch of 1) until EOS or max_new_tokens (the device's token
+        budget): generate_batch for a single row."""
+        if self.bufs.batch != 1:
+            raise ValueError(f"generate() serves a batch of 1; these buffers hold {self.bufs.batch}: "
+                             f"use generate_batch")
+        return self.generate_batch([start_pos], [max_new_tokens], eos=eos, mode=mode)[0]
 
-        `start_pos` is pos_ctr after prefill (tokens whose KV is committed); the host tracks
-        the position from the tokens it reads back, so checking capacity costs no readback.
-        Every argument is checked before anything is queued.
+    def generate_batch(self, start_pos: Sequence[int], max_new_tokens: int | Sequence[int], *,
+                       eos: int | None | Sequence[int | None] = None, mode: str = "graph") -> list[np.ndarray]:
+        """Generate every row of the batch until its EOS or its max_new_tokens (the device's
+        token budget per row); returns each row's tokens.
+
+        `start_pos[b]` is row b's pos_ctr after its prefill (tokens whose KV is committed);
+        `max_new_tokens` and `eos` are one value for all rows or one per row. Bursts go on while
+        any row is live; each readback tells the host every row's position, so checking
+        capacity costs no extra readback. Every argument is checked before anything is queued.
         """
+        batch = self.bufs.batch
         rounds = self.rounds_per_step(mode)
-        start_pos = _count(start_pos, "start_pos")
-        max_new_tokens = _count(max_new_tokens, "max_new_tokens")
-        if max_new_tokens:
-            self.check_capacity(start_pos, rounds)
-        self.bufs.set_stop(self.engine, eos, max_new_tokens)
-        if max_new_tokens == 0:
-            return np.zeros(0, np.uint32)
+        if not isinstance(start_pos, (list, tuple, np.ndarray)):
+            raise TypeError(f"start_pos must hold one position per row, not {start_pos!r}")
+        positions = np.array(per_row(start_pos, batch, "start_pos", optional=False), np.int64)
+        budgets = np.array(per_row(max_new_tokens, batch, "max_new_tokens", optional=False), np.int64)
+        stops = per_row(eos, batch, "eos")
+        if budgets.any():
+            self.check_capacity(rounds, positions=positions, done=budgets == 0)
+        self.bufs.set_stop(self.engine, stops, budgets.tolist())
+        self.bufs.positions = positions
+        out: list[list[np.ndarray]] = [[] for _ in range(batch)]
         if mode == "overlap":
-            return self._generate_overlapped(start_pos, max_new_tokens)
-        out: list[np.ndarray] = []
-        generated, done = 0, False
-        while not done:
-            tokens, done = self.step(mode, start_pos + generated)
-            out.append(tokens)
-            generated += len(tokens)
-        return np.concatenate(out)
+            self._generate_overlapped(budgets, out)
+        else:
+            while not self.bufs.done.all():
+                self._append(self.step(mode), out)
+        return [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in out]
 
-    def _generate_overlapped(self, start_pos: int, max_new_tokens: int) -> np.ndarray:
+    @staticmethod
+    def _append(readback: Readback, out: list[list[np.ndarray]]) -> np.ndarray:
+        """Each row's tokens onto its list; returns how many each row got."""
+        for row, tokens in zip(out, readback.tokens):
+            row.append(tokens)
+        return np.array([len(tokens) for tokens in readback.tokens], np.int64)
+
+    def _generate_overlapped(self, budgets: np.ndarray, out: list[list[np.ndarray]]) -> None:
         """Bursts two deep. The next burst is queued ahead only when it looks needed and the
         caches have room for it behind the one in flight, whose tokens the host has not seen.
-        "Needed": the burst in flight would leave budget over if it committed as few tokens as
-        the leanest burst so far (at least M: a round that does not stop commits one or more),
-        so a budget stop rarely leaves a burst queued for nothing, and never one with effect.
-        Otherwise the host reads first, then checks the position it now knows, which raises if
-        even that burst does not fit."""
+        "Needed": some live row's burst in flight would leave budget over if it committed as
+        few tokens as that row's leanest burst so far (at least M: a round that does not stop
+        commits one or more), so a budget stop rarely leaves a burst queued for nothing, and
+        never one with effect. Otherwise the host reads first, then checks the positions it
+        now knows, which raises if even that burst does not fit."""
         if not self._events:
             self._events = [Event(self.engine), Event(self.engine)]
         m, burst = self.bufs.m_rounds, self.bufs.m_rounds * (self.bufs.k + 1)
-        out: list[np.ndarray] = []
-        generated, slot, leanest = 0, 0, m
-        self._queue_graph(slot, start_pos)
+        generated = np.zeros(self.bufs.batch, np.int64)
+        leanest = np.full(self.bufs.batch, m, np.int64)
+        slot, first = 0, True
+        self._queue_graph(slot, ahead=0)
         while True:
-            ahead = generated + leanest < max_new_tokens and self.fits(start_pos + generated + burst, m)
+            needed = bool(np.any(~self.bufs.done & (generated + leanest < budgets)))
+            ahead = needed and self.fits(m, ahead=burst)
             if ahead:
-                self._queue_graph(1 - slot, start_pos + generated + burst)
-            tokens, done = self.bufs.collect(self.engine, slot, self._events[slot])
+                self._queue_graph(1 - slot, ahead=burst)
+            live = ~self.bufs.done
+            readback = self.bufs.collect(self.engine, slot, self._events[slot])
             self.bursts += 1
-            out.append(tokens)
-            generated += len(tokens)
-            if done:
-                return np.concatenate(out)
-            leanest = len(tokens) if len(out) == 1 else min(leanest, len(tokens))
+            got = self._append(readback, out)
+            generated += got
+            if readback.done.all():
+                return
+            going = live & ~readback.done
+            leanest[going] = got[going] if first else np.minimum(leanest[going], got[going])
+            first = False
             if not ahead:
-                self._queue_graph(1 - slot, start_pos + generated)
+                self._queue_graph(1 - slot, ahead=0)
             slot = 1 - slot
 
-    def _queue_graph(self, slot: int, position: int) -> None:
-        self.check_capacity(position, self.bufs.m_rounds)
+    def _queue_graph(self, slot: int, ahead: int) -> None:
+        self.check_capacity(self.bufs.m_rounds, ahead)
         self.graph_for(slot).launch()
         self._events[slot].record()
         self.rounds += self.bufs.m_rounds
@@ -202,13 +247,17 @@ class RoundStream:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         return 1 if mode == "readback" else self.bufs.m_rounds
 
-    def step(self, mode: str, position: int) -> tuple[np.ndarray, bool]:
-        """One burst (one round in "readback" mode) from `position`, and its one readback:
-        (committed tokens, done). Overlapped bursts only run inside generate()."""
+    def step(self, mode: str = "graph") -> Readback:
+        """One burst (one round in "readback" mode) of every row, and its one readback.
+
+        The unit of continuous batching: between steps, bufs.reset_row and set_stop_row start a
+        new request in a slot, and the next step runs it with the others. Capacity is checked
+        from the positions the last readback (or reset) gave. Overlapped bursts only run inside
+        generate()."""
         if mode == "overlap":
             raise ValueError('"overlap" keeps two bursts in flight: use generate()')
         rounds = self.rounds_per_step(mode)
-        self.check_capacity(_count(position, "position"), rounds)
+        self.check_capacity(rounds)
         if mode == "graph":
             self.graph.launch()
         elif mode == "stream":

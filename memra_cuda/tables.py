@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 
 class KVLayer:
-    """One layer's KV storage: `data_d` of `capacity` entries and its length `len_d` (i32[1]).
+    """One layer's KV storage: `data_d` of `capacity` entries per sequence and its lengths
+    `len_d`, i32[B]: one per sequence of the batch (B = 1 for one sequence).
 
     Only `len_d` matters to round-stream (rollback rewrites it); `data_d` belongs to the model.
     Either may be a DeviceBuffer or a __cuda_array_interface__ object (a torch tensor).
@@ -26,21 +27,28 @@ class KVLayer:
 
     def __init__(self, len_d: Any, capacity: int, data_d: Any = None):
         len_d = as_buffer(len_d, "len_d")
-        if len_d.dtype != np.int32 or len_d.len != 1:
-            raise ValueError(f"a KV length must be an i32[1] device buffer, not {len_d!r}")
+        if len_d.dtype != np.int32:
+            raise ValueError(f"KV lengths must be an i32[B] device buffer (one per sequence), not {len_d!r}")
         self.len_d = len_d
         self.capacity = as_index(capacity, "capacity")
         if self.capacity < 1:
             raise ValueError(f"a KV layer needs a positive capacity, not {capacity}")
         self.data_d = None if data_d is None else as_buffer(data_d, "data_d")
 
+    @property
+    def batch(self) -> int:
+        return self.len_d.len
+
     @classmethod
-    def allocate(cls, engine: Engine, capacity: int, width: int = 1, dtype: Any = np.uint32) -> KVLayer:
-        """A zero-length layer of `capacity` entries of `width` elements each."""
-        if capacity < 1 or width < 1:
-            raise ValueError(f"a KV layer needs a positive capacity and width, not {capacity}, {width}")
-        return cls(engine.alloc_i32_zeroed(1, label="len_d"), capacity,
-                   engine.alloc(dtype, capacity * width, zeroed=True, label="data_d"))
+    def allocate(cls, engine: Engine, capacity: int, width: int = 1, dtype: Any = np.uint32,
+                 batch: int = 1) -> KVLayer:
+        """A zero-length layer of `capacity` entries of `width` elements for each of `batch`
+        sequences: data_d is [batch][capacity][width]."""
+        if capacity < 1 or width < 1 or batch < 1:
+            raise ValueError(f"a KV layer needs a positive capacity, width and batch, not {capacity}, {width}, "
+                             f"{batch}")
+        return cls(engine.alloc_i32_zeroed(batch, label="len_d"), capacity,
+                   engine.alloc(dtype, batch * capacity * width, zeroed=True, label="data_d"))
 
 
 class Cache:
@@ -51,8 +59,10 @@ class Cache:
         self.kv = list(kv)
 
     @classmethod
-    def allocate(cls, engine: Engine, kv_mask: Sequence[bool], capacity: int, width: int = 1) -> Cache:
-        return cls([KVLayer.allocate(engine, capacity, width) if has_kv else None for has_kv in kv_mask])
+    def allocate(cls, engine: Engine, kv_mask: Sequence[bool], capacity: int, width: int = 1,
+                 batch: int = 1) -> Cache:
+        return cls([KVLayer.allocate(engine, capacity, width, batch=batch) if has_kv else None
+                    for has_kv in kv_mask])
 
     def __len__(self) -> int:
         return len(self.kv)
@@ -67,9 +77,10 @@ class Cache:
         caps = [layer.capacity for layer in self.kv if layer is not None]
         return min(caps) if caps else None
 
-    def lengths(self, engine: Engine) -> list[int | None]:
-        """Each layer's length, read back (one readback per layer: for tests and debugging)."""
-        return [None if layer is None else int(engine.dtoh(layer.len_d)[0]) for layer in self.kv]
+    def lengths(self, engine: Engine, row: int = 0) -> list[int | None]:
+        """Each layer's length for sequence `row`, read back (one readback per layer: for tests
+        and debugging)."""
+        return [None if layer is None else int(engine.dtoh(layer.len_d)[row]) for layer in self.kv]
 
 
 class PointerTable(DeviceBuffer):
@@ -102,19 +113,25 @@ class PointerTable(DeviceBuffer):
         return any(t is buf for t in self.targets)
 
 
-def _length_targets(layers: Sequence[KVLayer | None], pos_ctr: Any) -> list[DeviceBuffer | None]:
+def _length_table(engine: Engine, layers: Sequence[KVLayer | None], pos_ctr: Any, label: str) -> PointerTable:
+    """The rollback table of `layers` (and pos_ctr, last): every length an i32[B] of one B."""
     targets: list[DeviceBuffer | None] = [None if layer is None else layer.len_d for layer in layers]
     if pos_ctr is not None:
         pos_ctr = as_buffer(pos_ctr, "pos_ctr")
         if pos_ctr.dtype != np.int32:
             raise ValueError(f"pos_ctr must be an i32 buffer, not {pos_ctr!r}")
         targets.append(pos_ctr)
-    return targets
+    batches = {target.len for target in targets if target is not None}
+    if len(batches) > 1:
+        raise ValueError(f"{label}: every length must be an i32[B] of the same batch B, not "
+                         f"{[target for target in targets if target is not None]}")
+    capacities = [layer.capacity for layer in layers if layer is not None]
+    return PointerTable(engine, targets, capacity=min(capacities) if capacities else None, label=label)
 
 
 def kv_len_ptr_table(engine: Engine, cache: Cache, pos_ctr: Any = None) -> PointerTable:
     """Every layer's length pointer (and pos_ctr's, last), for rollback."""
-    return PointerTable(engine, _length_targets(cache.kv, pos_ctr), capacity=cache.capacity, label="kv lengths")
+    return _length_table(engine, cache.kv, pos_ctr, "kv lengths")
 
 
 def kv_len_ptr_table_range(engine: Engine, cache: Cache, layers: range | tuple[int, int],
@@ -126,6 +143,4 @@ def kv_len_ptr_table_range(engine: Engine, cache: Cache, layers: range | tuple[i
         raise ValueError(f"layer range must be contiguous, not {layers}")
     if not 0 <= start <= stop <= len(cache.kv):
         raise ValueError(f"layers [{start}, {stop}) are outside a cache of {len(cache.kv)} layers")
-    part = Cache(cache.kv[start:stop])
-    return PointerTable(engine, _length_targets(part.kv, pos_ctr), capacity=part.capacity,
-                        label=f"kv lengths of layers [{start}, {stop})")
+    return _length_table(engine, cache.kv[start:stop], pos_ctr, f"kv lengths of layers [{start}, {stop})")

@@ -1,61 +1,81 @@
 // Round-stream speculative decoding: the five per-round kernels (DESIGN.md, "Kernel contracts").
 //
-// Every kernel serves one sequence and takes only device pointers and launch-time constants, so
-// a captured graph replays unchanged while the values it reads move on the device. Whatever the
-// device memory holds (a garbage accept count, ring count or break marker), no kernel reads or
-// writes outside its buffers: counts are clamped to the sizes the launcher passes.
+// Every kernel takes B, the sequences of the batch, and applies its single-sequence contract to
+// each row of its row-major buffers (row b of a buffer of row length n starts at b * n). It takes
+// only device pointers and launch-time constants, so a captured graph replays unchanged while the
+// values it reads move on the device. Whatever the device memory holds (a garbage accept count,
+// ring count or break marker), no kernel reads or writes outside its buffers: counts are clamped
+// to the sizes the launcher passes.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #define GRID_STRIDE(i, n) \
-    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += gridDim.x * blockDim.x)
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+// The warp kernels (accept, commit) give each row one warp; a block holds WARPS_PER_BLOCK rows.
+#define WARP_ROW(b, B) \
+    const u32 b = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; \
+    if (b >= (B)) return;
 
 // 1. The verify hidden row that produced the bonus token, for EAGLE/MTP-style drafts.
-extern "C" __global__ void spec_seed_gather(const u32* rows, u32 n_rows, u32 row_words,
+//    rows is [B][n_rows][row_words], out [B][row_words]; blockIdx.y is the row.
+extern "C" __global__ void spec_seed_gather(const u32* rows, u32 n_rows, u32 row_words, u32 B,
                                             const u32* acc_d, u32* out) {
-    if (n_rows == 0) return;
-    const u32 r = min(acc_d[0], n_rows - 1);
-    const u32* row = rows + (u64)r * row_words;
-    GRID_STRIDE(i, row_words) out[i] = row[i];
+    const u32 b = blockIdx.y;
+    if (n_rows == 0 || b >= B) return;
+    const u32 r = min(acc_d[2 * b], n_rows - 1);
+    const u32* row = rows + ((u64)b * n_rows + r) * row_words;
+    u32* dst = out + (u64)b * row_words;
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < row_words; i += gridDim.x * blockDim.x) dst[i] = row[i];
 }
 
 // Token buffers the model writes (draft_d, pred_d) hold 32- or 64-bit ids (PyTorch's argmax
 // gives int64); ids are < 2**31, so either reads as the same u32. Each kernel that reads one
-// comes in both widths: <name> for 32 bits, <name>_t64 for 64.
+// comes in both widths: <name> for 32 bits, <name>_t64 for 64. Rows of draft_d are max(k, 1)
+// tokens apart, rows of pred_d k + 1.
 
 // 2. Verify input = pending token then the k drafts; remember where the round started.
 template <typename Tok>
-__device__ void assemble_verify(const u32* pend_d, const Tok* draft_d, u32 k, u32* vtok_d, const int* pos_ctr,
-                                int* pos_start_d) {
-    GRID_STRIDE(i, k + 1) vtok_d[i] = i == 0 ? pend_d[0] : (u32)draft_d[i - 1];
-    if (blockIdx.x == 0 && threadIdx.x == 0) pos_start_d[0] = pos_ctr[0];
+__device__ void assemble_verify(const u32* pend_d, const Tok* draft_d, u32 k, u32 B, u32* vtok_d,
+                                const int* pos_ctr, int* pos_start_d) {
+    const u32 k1 = k + 1, stride = max(k, 1u);
+    GRID_STRIDE(i, (u64)B * k1) {
+        const u32 b = (u32)(i / k1), j = (u32)(i % k1);
+        vtok_d[i] = j == 0 ? pend_d[b] : (u32)draft_d[(u64)b * stride + j - 1];
+        if (j == 0) pos_start_d[b] = pos_ctr[b];
+    }
 }
 
-extern "C" __global__ void spec_assemble_verify(const u32* pend_d, const u32* draft_d, u32 k,
+extern "C" __global__ void spec_assemble_verify(const u32* pend_d, const u32* draft_d, u32 k, u32 B,
                                                 u32* vtok_d, const int* pos_ctr, int* pos_start_d) {
-    assemble_verify(pend_d, draft_d, k, vtok_d, pos_ctr, pos_start_d);
+    assemble_verify(pend_d, draft_d, k, B, vtok_d, pos_ctr, pos_start_d);
 }
 
-extern "C" __global__ void spec_assemble_verify_t64(const u32* pend_d, const u64* draft_d, u32 k,
+extern "C" __global__ void spec_assemble_verify_t64(const u32* pend_d, const u64* draft_d, u32 k, u32 B,
                                                     u32* vtok_d, const int* pos_ctr, int* pos_start_d) {
-    assemble_verify(pend_d, draft_d, k, vtok_d, pos_ctr, pos_start_d);
+    assemble_verify(pend_d, draft_d, k, B, vtok_d, pos_ctr, pos_start_d);
 }
 
 // 3. Greedy acceptance: the longest prefix of drafts the target agrees with, cut at a p-min break.
-//    One warp: lanes compare 32 positions at once, so the round pays one load latency, not k.
+//    One warp a row: lanes compare 32 positions at once, so the round pays one load latency, not k.
 template <typename Tok>
-__device__ void accept_greedy(const u32* vtok_d, const Tok* pred_d, u32 k, u32* brk_d, u32* acc_d,
+__device__ void accept_greedy(const u32* vtok_d, const Tok* pred_d, u32 k, u32 B, u32* brk_d, u32* acc_d,
                               u32* last_pred_d, int* ctl_d) {
-    if (blockIdx.x != 0 || threadIdx.x >= 32) return;
-    const u32 lane = threadIdx.x;
-    const u32 brk = brk_d[0];
-    const int done = ctl_d[2];
+    WARP_ROW(b, B)
+    const u32 lane = threadIdx.x & 31;
+    const u32* vtok = vtok_d + (u64)b * (k + 1);
+    const Tok* pred = pred_d + (u64)b * (k + 1);
+    u32* brk_row = brk_d + 2 * b;
+    u32* acc = acc_d + 2 * b;
+    int* ctl = ctl_d + 4 * b;
+    const u32 brk = brk_row[0];
+    const int done = ctl[2];
     const u32 limit = brk ? min(k, brk - 1) : k;
     u32 n = limit;
     for (u32 base = 0; base < limit; base += 32) {
         const u32 i = base + lane;
-        const u32 misses = __ballot_sync(0xffffffffu, i < limit && vtok_d[1 + i] != (u32)pred_d[i]);
+        const u32 misses = __ballot_sync(0xffffffffu, i < limit && vtok[1 + i] != (u32)pred[i]);
         if (misses) {
             n = base + __ffs(misses) - 1;
             break;
@@ -63,46 +83,49 @@ __device__ void accept_greedy(const u32* vtok_d, const Tok* pred_d, u32 k, u32* 
     }
     if (lane != 0) return;
     if (done != 0) {
-        acc_d[0] = 0;
-        ctl_d[3] = 0;
+        acc[0] = 0;
+        ctl[3] = 0;
     } else {
-        acc_d[0] = n;
-        acc_d[1] += n;
-        last_pred_d[0] = (u32)pred_d[n];
-        ctl_d[3] = (int)(n + 1);
-        if (brk) brk_d[1] += 1;
+        acc[0] = n;
+        acc[1] += n;
+        last_pred_d[b] = (u32)pred[n];
+        ctl[3] = (int)(n + 1);
+        if (brk) brk_row[1] += 1;
     }
-    brk_d[0] = 0;
+    brk_row[0] = 0;
 }
 
-extern "C" __global__ void spec_accept_greedy_dc(const u32* vtok_d, const u32* pred_d, u32 k, u32* brk_d,
+extern "C" __global__ void spec_accept_greedy_dc(const u32* vtok_d, const u32* pred_d, u32 k, u32 B, u32* brk_d,
                                                  u32* acc_d, u32* last_pred_d, int* ctl_d) {
-    accept_greedy(vtok_d, pred_d, k, brk_d, acc_d, last_pred_d, ctl_d);
+    accept_greedy(vtok_d, pred_d, k, B, brk_d, acc_d, last_pred_d, ctl_d);
 }
 
-extern "C" __global__ void spec_accept_greedy_dc_t64(const u32* vtok_d, const u64* pred_d, u32 k, u32* brk_d,
-                                                     u32* acc_d, u32* last_pred_d, int* ctl_d) {
-    accept_greedy(vtok_d, pred_d, k, brk_d, acc_d, last_pred_d, ctl_d);
+extern "C" __global__ void spec_accept_greedy_dc_t64(const u32* vtok_d, const u64* pred_d, u32 k, u32 B,
+                                                     u32* brk_d, u32* acc_d, u32* last_pred_d, int* ctl_d) {
+    accept_greedy(vtok_d, pred_d, k, B, brk_d, acc_d, last_pred_d, ctl_d);
 }
 
 // 4. Commit the accepted drafts and the bonus token to the ring, applying EOS and the budget.
 //    k bounds the accept count read from acc_d (the contract's arguments, plus this bound).
-//    One warp: lanes load 32 tokens at once; every lane then walks them in the same order
-//    (the state is uniform across the warp) and lane 0 stores.
+//    One warp a row: lanes load 32 tokens at once; every lane then walks them in the same order
+//    (the state is uniform across the warp) and lane 0 stores. Ring rows are ring_cap + 1 long.
 extern "C" __global__ void spec_ring_commit(const u32* vtok_d, const u32* acc_d, const u32* last_pred_d,
-                                            int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap, u32 k) {
-    if (blockIdx.x != 0 || threadIdx.x >= 32) return;
-    const u32 lane = threadIdx.x;
-    const int done_at_entry = ctl_d[2], eos = ctl_d[0];
-    int budget = ctl_d[1];
-    const u32 n = min(acc_d[0], k);
-    const u32 bonus = last_pred_d[0];
-    u32 count = min(ring_d[0], ring_cap);
+                                            int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap, u32 k, u32 B) {
+    WARP_ROW(b, B)
+    const u32 lane = threadIdx.x & 31;
+    const u32* vtok = vtok_d + (u64)b * (k + 1);
+    int* ctl = ctl_d + 4 * b;
+    u32* ring = ring_d + (u64)b * (ring_cap + 1);
+    const int done_at_entry = ctl[2], eos = ctl[0];
+    int budget = ctl[1];
+    const u32 n = min(acc_d[2 * b], k);
+    const u32 bonus = last_pred_d[b];
+    u32 count = min(ring[0], ring_cap);
     if (done_at_entry != 0) return;
     int done = 0;
     for (u32 base = 0; base <= n && !done; base += 32) {
         const u32 i = base + lane;
-        const u32 mine = i < n ? vtok_d[1 + i] : bonus;
+        const u32 mine = i < n ? vtok[1 + i] : bonus;
         for (u32 j = 0; j < 32 && base + j <= n; ++j) {
             const u32 tok = __shfl_sync(0xffffffffu, mine, j);
             if (budget == 0) {
@@ -110,7 +133,7 @@ extern "C" __global__ void spec_ring_commit(const u32* vtok_d, const u32* acc_d,
                 break;
             }
             if (count < ring_cap) {
-                if (lane == 0) ring_d[1 + count] = tok;
+                if (lane == 0) ring[1 + count] = tok;
                 ++count;
             }
             if (budget > 0) --budget;
@@ -119,19 +142,20 @@ extern "C" __global__ void spec_ring_commit(const u32* vtok_d, const u32* acc_d,
         }
     }
     if (lane == 0) {
-        ring_d[0] = count;
-        ctl_d[1] = budget;
-        ctl_d[2] = done;
-        pend_d[0] = bonus;
+        ring[0] = count;
+        ctl[1] = budget;
+        ctl[2] = done;
+        pend_d[b] = bonus;
     }
 }
 
-// 5. Roll every KV length in the table (and pos_ctr, when it is last) back to what was kept.
-extern "C" __global__ void spec_rollback_stream(const u64* len_ptrs, u32 n_ptrs,
+// 5. Roll every KV length in the table (and pos_ctr, when it is last) back to what was kept:
+//    each non-zero entry points at an i32[B], whose element b becomes row b's pos_start + keep.
+extern "C" __global__ void spec_rollback_stream(const u64* len_ptrs, u32 n_ptrs, u32 B,
                                                 const int* pos_start_d, const int* ctl_d) {
-    const int len = (int)((u32)pos_start_d[0] + (u32)ctl_d[3]);  // wraps, as in the reference
-    GRID_STRIDE(i, n_ptrs) {
-        int* p = (int*)len_ptrs[i];
-        if (p) *p = len;
+    GRID_STRIDE(i, (u64)n_ptrs * B) {
+        const u32 entry = (u32)(i / B), b = (u32)(i % B);
+        int* p = (int*)len_ptrs[entry];
+        if (p) p[b] = (int)((u32)pos_start_d[b] + (u32)ctl_d[4 * b + 3]);  // wraps, as in the reference
     }
 }

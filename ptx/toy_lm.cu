@@ -1,4 +1,8 @@
-// The toy language model (DESIGN.md, "Toy language model"), mirrored by memra_cuda/toy.py.
+// The toy language model (DESIGN.md, "Toy language model"), mirrored by memra_cuda/models/toy.py.
+//
+// Batched as the round-stream buffers are (DESIGN.md, "Batched round-stream"): the draft step and
+// the verify run one block per sequence (blockIdx.x is the row), every KV layer holds `capacity`
+// entries per row ([B][capacity]) and one length per row (i32[B]).
 //
 // Its next token depends on every KV entry, so a wrong rollback or position changes the output,
 // and its work is spread over a block so a round costs little more than its launches: it exists
@@ -30,19 +34,21 @@ __device__ u32 block_sum(u32 v) {
     return total;
 }
 
-// Entries t_0..t_{n-1} into every target KV layer and the draft's layer; lengths become n.
-extern "C" __global__ void toy_prefill(const u32* tokens, u32 n, const u64* tgt_data, const u64* tgt_len,
-                                       u32 n_layers, u32* draft_data, int* draft_len, u32 seed) {
+// Row `row`'s entries t_0..t_{n-1} into every target KV layer and the draft's layer; its
+// lengths become n (n <= capacity, checked by the launcher).
+extern "C" __global__ void toy_prefill(const u32* tokens, u32 n, u32 row, u32 capacity, const u64* tgt_data,
+                                       const u64* tgt_len, u32 n_layers, u32* draft_data, int* draft_len, u32 seed) {
+    const u64 base = (u64)row * capacity;
     for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
         const u32 e = embed(tokens[j], j, seed);
-        draft_data[j] = e;
+        draft_data[base + j] = e;
         for (u32 l = 0; l < n_layers; ++l)
-            if (tgt_data[l]) ((u32*)tgt_data[l])[j] = fmix(e ^ salt(l));
+            if (tgt_data[l]) ((u32*)tgt_data[l])[base + j] = fmix(e ^ salt(l));
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        *draft_len = (int)n;
+        draft_len[row] = (int)n;
         for (u32 l = 0; l < n_layers; ++l)
-            if (tgt_len[l]) *(int*)tgt_len[l] = (int)n;
+            if (tgt_len[l]) ((int*)tgt_len[l])[row] = (int)n;
     }
 }
 
@@ -53,26 +59,36 @@ struct Layers {
     u32* data[32];
 };
 
-__device__ void load_layers(Layers& layers, u32 n_layers, const u64* tgt_data) {
+// `row_base` offsets each layer's data to this block's row.
+__device__ void load_layers(Layers& layers, u32 n_layers, const u64* tgt_data, u64 row_base) {
     if (threadIdx.x < n_layers) {
         layers.salt[threadIdx.x] = salt(threadIdx.x);
-        layers.data[threadIdx.x] = tgt_data ? (u32*)tgt_data[threadIdx.x] : 0;
+        const u64 data = tgt_data ? tgt_data[threadIdx.x] : 0;
+        layers.data[threadIdx.x] = data ? (u32*)data + row_base : 0;
     }
     __syncthreads();
 }
 
-// Draft step `step` of k+1: consume the token at p = pos_ctr + step (pend, then the drafts),
-// append its KV; for step < k also predict draft[step] and flag a p-min break.
+// Draft step `step` of k+1 for row blockIdx.x: consume the token at p = pos_ctr + step (pend,
+// then the drafts), append its KV; for step < k also predict draft[step] and flag a p-min break.
+// Rows of draft_d are max(k, 1) tokens apart.
 extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         u32 step, u32 k, const u32* pend_d, u32* draft_d, const int* pos_ctr, u32* brk_d, u32* draft_data,
         int* draft_len, u32 capacity, u32 kv_mask, u32 n_layers, u32 seed, u32 vocab, u32 noise_ppm,
         u32 break_below) {
     __shared__ Layers layers;
+    const u32 b = blockIdx.x;
+    pend_d += b;
+    draft_d += (u64)b * max(k, 1u);
+    pos_ctr += b;
+    brk_d += 2 * b;
+    draft_data += (u64)b * capacity;
+    draft_len += b;
     const bool lead = threadIdx.x == 0 && step < k;
     const u32 brk = lead ? brk_d[0] : 0;  // loaded up front: its latency overlaps the rest
     const u32 p = (u32)(pos_ctr[0] + (int)step);
     const u32 t = step == 0 ? pend_d[0] : draft_d[step - 1];
-    load_layers(layers, n_layers, 0);
+    load_layers(layers, n_layers, 0, 0);
     if (p >= capacity) {  // no room (or a garbage position): predict nothing, write nothing
         if (threadIdx.x == 0 && step < k) draft_d[step] = 0;
         return;
@@ -102,18 +118,21 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
     }
 }
 
-// Verify trunk: the k+1 tokens of vtok at positions pos_start.., causal; appends their KV to
-// every target layer and writes pred[i], the target's token after vtok[i]. k + 1 <= BLOCK.
+// Verify trunk of row blockIdx.x: the k+1 tokens of vtok at positions pos_start.., causal; appends
+// their KV to every target layer and writes pred[i], the target's token after vtok[i]. k+1 <= BLOCK.
 extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
         const u32* vtok_d, u32 k1, const int* pos_start_d, u32* pred_d, const u64* tgt_data, const u64* tgt_len,
         u32 n_layers, u32 capacity, u32 seed, u32 vocab) {
     __shared__ Layers layers;
     __shared__ u32 fresh[BLOCK];  // token i's new KV entries, summed over the layers
     __shared__ u32 local[BLOCK];  // token i's terms from layers without KV
-    const u32 pos = (u32)pos_start_d[0];
+    const u32 b = blockIdx.x;
+    vtok_d += (u64)b * k1;
+    pred_d += (u64)b * k1;
+    const u32 pos = (u32)pos_start_d[b];
     const u32 i = threadIdx.x;
     const u32 t = i < k1 ? vtok_d[i] : 0;
-    load_layers(layers, n_layers, tgt_data);
+    load_layers(layers, n_layers, tgt_data, (u64)b * capacity);
     if (pos >= capacity) {
         if (i < k1) pred_d[i] = 0;
         return;
@@ -152,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
         }
     }
     if (threadIdx.x < n_layers && tgt_len[threadIdx.x])
-        *(int*)tgt_len[threadIdx.x] = (int)min(pos + k1, capacity);
+        ((int*)tgt_len[threadIdx.x])[b] = (int)min(pos + k1, capacity);
 }
 
 // The model-cost knob: read n_vec 16-byte words of "weights", as a memory-bound model layer would.

@@ -10,6 +10,10 @@ reference run on host copies, so a stray write shows up as a difference. Separat
 allocations keep compute-sanitizer's bounds exact (`make sanitize`); guard words around views
 catch overruns in the targeted tests below.
 
+Every kernel runs batched too (B = 3 and 32, DESIGN.md's row-major layout): each row gets
+its own adversarial values and the batched reference is applied, so a row that reads or
+writes another row's words shows up as a difference.
+
 MEMRA_CASES (default 2000 per kernel, spread over its configurations) lets the sanitizer run
 use fewer; MEMRA_SEED varies the inputs. A failure names the kernel, the configuration and
 the per-case seed, so the case can be replayed alone.
@@ -34,6 +38,7 @@ CASES = int(os.environ.get("MEMRA_CASES", "2000"))
 SEED = int(os.environ.get("MEMRA_SEED", "0"))
 KS = (0, 1, 4, 8)
 RING_ROUNDS = (1, 3)
+BATCHES = (1, 3, 32)
 SENTINEL = 0x5A5A5A5A  # fits both u32 and i32 buffers
 # Past one launch's threads (1024 blocks of 256): the kernel's grid-stride loop must cover it.
 PAST_ONE_GRID = 1024 * 256 + 3
@@ -99,21 +104,28 @@ def show(words: np.ndarray) -> str:
 # -- the harness -----------------------------------------------------------------------------
 
 class Rig:
-    """One StreamBufs of (k, m) plus a kernel's extra buffers, allocated once.
+    """One StreamBufs of (k, m, batch) plus a kernel's extra buffers, allocated once.
 
     `check` is one case: write every buffer from `state` (host arrays by buffer name), launch,
     read every buffer back and compare it whole with `reference` applied to a host copy.
     Buffers the kernel is not given are in the compare too, to show it wrote nothing else.
     """
 
-    def __init__(self, engine, k: int, m: int = 1, **extra: DeviceBuffer):
+    def __init__(self, engine, k: int, m: int = 1, batch: int = 1, **extra: DeviceBuffer):
         self.engine = engine
-        self.bufs = StreamBufs(engine, k, m)
+        self.batch = batch
+        self.bufs = StreamBufs(engine, k, m, batch)
         self.device = {**self.bufs.buffers(), **extra}
 
     def random_state(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Random contents for every buffer: what the kernel must neither depend on nor touch."""
         return {name: random_words(rng, buf.dtype, buf.len) for name, buf in self.device.items()}
+
+    def rows(self, state: dict[str, np.ndarray], *names: str) -> Iterator[dict[str, np.ndarray]]:
+        """Per row of the batch, views of `names` in `state` (row b of a buffer of B·n words is
+        words [b·n, (b+1)·n)): the single-sequence input makers then fill each row."""
+        for b in range(self.batch):
+            yield {name: state[name].reshape(self.batch, -1)[b] for name in names}
 
     def check(self, launch: Callable[[], None], state: dict[str, np.ndarray],
               reference: Callable[[dict[str, np.ndarray]], None], where: str) -> None:
@@ -132,22 +144,24 @@ class Rig:
 
 # -- 1. seed_gather --------------------------------------------------------------------------
 
-SEED_CONFIGS = [(k, row_words) for k in KS for row_words in (1, 5, 300)]
+SEED_CONFIGS = [(k, row_words, batch) for k in KS for row_words in (1, 5, 300) for batch in BATCHES]
 
 
-@pytest.mark.parametrize("k,row_words", SEED_CONFIGS)
-def test_seed_gather_matches_reference(engine, spec, k, row_words):
+@pytest.mark.parametrize("k,row_words,batch", SEED_CONFIGS)
+def test_seed_gather_matches_reference(engine, spec, k, row_words, batch):
     n_rows = k + 1  # the verify rows of one round
-    rig = Rig(engine, k, rows_d=engine.alloc_u32_zeroed(n_rows * row_words),
-              out_d=engine.alloc_u32_zeroed(row_words + 2))  # two words past the row must stay
+    out_words = row_words + 2 if batch == 1 else batch * row_words  # one sequence: two guard words
+    rig = Rig(engine, k, batch=batch, rows_d=engine.alloc_u32_zeroed(batch * n_rows * row_words),
+              out_d=engine.alloc_u32_zeroed(out_words))
     launch = spec.prepare_seed_gather(rig.device["rows_d"], row_words, rig.bufs, rig.device["out_d"])
 
     def reference(s):
-        ref.spec_seed_gather(s["rows_d"], n_rows, row_words, s["acc_d"], s["out_d"])
+        ref.spec_seed_gather(s["rows_d"], n_rows, row_words, s["acc_d"], s["out_d"], batch)
 
-    for rng, where in cases("seed_gather", (k, row_words), len(SEED_CONFIGS)):
+    for rng, where in cases("seed_gather", (k, row_words, batch), len(SEED_CONFIGS)):
         state = rig.random_state(rng)
-        state["acc_d"][0] = edge_count(rng, n_rows - 1)
+        for row in rig.rows(state, "acc_d"):
+            row["acc_d"][0] = edge_count(rng, n_rows - 1)
         rig.check(launch, state, reference, where)
 
 
@@ -183,19 +197,21 @@ ASSEMBLE_KS = KS + (300,)  # 300: k + 1 threads need two blocks
 TOKEN_DTYPES = {32: np.uint32, 64: np.int64}  # bits: dtype
 
 
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("width", list(TOKEN_DTYPES))
 @pytest.mark.parametrize("k", ASSEMBLE_KS)
-def test_assemble_verify_matches_reference(engine, spec, k, width):
-    # exactly k drafts (one at k=0); random 64-bit words: only their low 32 bits are ids
-    rig = Rig(engine, k, draft_d=engine.alloc(TOKEN_DTYPES[width], max(k, 1), zeroed=True))
+def test_assemble_verify_matches_reference(engine, spec, k, width, batch):
+    # exactly k drafts a row (one at k=0); random 64-bit words: only their low 32 bits are ids
+    rig = Rig(engine, k, batch=batch, draft_d=engine.alloc(TOKEN_DTYPES[width], batch * max(k, 1), zeroed=True))
     launch = spec.prepare_assemble_verify(rig.bufs, rig.device["draft_d"])
 
     def reference(s):
-        ref.spec_assemble_verify(s["pend_d"], s["draft_d"], k, s["vtok_d"], s["pos_ctr_d"], s["pos_start_d"])
+        ref.spec_assemble_verify(s["pend_d"], s["draft_d"], k, s["vtok_d"], s["pos_ctr_d"], s["pos_start_d"], batch)
 
-    for rng, where in cases("assemble_verify", (k, width), 2 * len(ASSEMBLE_KS)):
+    for rng, where in cases("assemble_verify", (k, width, batch), 2 * len(ASSEMBLE_KS) * len(BATCHES)):
         state = rig.random_state(rng)
-        state["pos_ctr_d"][0] = position(rng)
+        for row in rig.rows(state, "pos_ctr_d"):
+            row["pos_ctr_d"][0] = position(rng)
         rig.check(launch, state, reference, where)
 
 
@@ -217,18 +233,21 @@ def accept_inputs(rng: np.random.Generator, k: int, s: dict[str, np.ndarray]) ->
     s["ctl_d"][DONE] = done_flag(rng)
 
 
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("width", list(TOKEN_DTYPES))
 @pytest.mark.parametrize("k", KS)
-def test_accept_greedy_matches_reference(engine, spec, k, width):
-    rig = Rig(engine, k, pred_d=engine.alloc(TOKEN_DTYPES[width], k + 1, zeroed=True))  # exactly k + 1
+def test_accept_greedy_matches_reference(engine, spec, k, width, batch):
+    rig = Rig(engine, k, batch=batch, pred_d=engine.alloc(TOKEN_DTYPES[width], batch * (k + 1), zeroed=True))
     launch = spec.prepare_accept_greedy(rig.bufs, rig.device["pred_d"])
 
     def reference(s):
-        ref.spec_accept_greedy_dc(s["vtok_d"], s["pred_d"], k, s["brk_d"], s["acc_d"], s["last_pred_d"], s["ctl_d"])
+        ref.spec_accept_greedy_dc(s["vtok_d"], s["pred_d"], k, s["brk_d"], s["acc_d"], s["last_pred_d"], s["ctl_d"],
+                                  batch)
 
-    for rng, where in cases("accept_greedy_dc", (k, width), 2 * len(KS)):
+    for rng, where in cases("accept_greedy_dc", (k, width, batch), 2 * len(KS) * len(BATCHES)):
         state = rig.random_state(rng)
-        accept_inputs(rng, k, state)
+        for row in rig.rows(state, "vtok_d", "pred_d", "brk_d", "acc_d", "ctl_d"):
+            accept_inputs(rng, k, row)
         rig.check(launch, state, reference, where)
 
 
@@ -250,53 +269,55 @@ def commit_inputs(rng: np.random.Generator, k: int, ring_cap: int, s: dict[str, 
     s["ctl_d"][DONE] = done_flag(rng)
 
 
-COMMIT_CONFIGS = [(k, m) for k in KS for m in RING_ROUNDS]
+COMMIT_CONFIGS = [(k, m, batch) for k in KS for m in RING_ROUNDS for batch in BATCHES]
 
 
-@pytest.mark.parametrize("k,m", COMMIT_CONFIGS)
-def test_ring_commit_matches_reference(engine, spec, k, m):
-    rig = Rig(engine, k, m)
+@pytest.mark.parametrize("k,m,batch", COMMIT_CONFIGS)
+def test_ring_commit_matches_reference(engine, spec, k, m, batch):
+    rig = Rig(engine, k, m, batch)
     ring_cap = rig.bufs.ring_cap
     launch = spec.prepare_ring_commit(rig.bufs)
 
     def reference(s):
         ref.spec_ring_commit(s["vtok_d"], s["acc_d"], s["last_pred_d"], s["ctl_d"], s["pend_d"], s["ring_d"],
-                             ring_cap, k)
+                             ring_cap, k, batch)
 
-    for rng, where in cases("ring_commit", (k, m), len(COMMIT_CONFIGS)):
+    for rng, where in cases("ring_commit", (k, m, batch), len(COMMIT_CONFIGS)):
         state = rig.random_state(rng)
-        commit_inputs(rng, k, ring_cap, state)
+        for row in rig.rows(state, "vtok_d", "last_pred_d", "acc_d", "ring_d", "ctl_d"):
+            commit_inputs(rng, k, ring_cap, row)
         rig.check(launch, state, reference, where)
 
 
 # -- 5. rollback_stream ----------------------------------------------------------------------
 
-ROLLBACK_SIZES = (1, 2, 7, 64, 300)  # 300: two blocks
+ROLLBACK_CONFIGS = [(n_ptrs, batch) for n_ptrs in (1, 2, 7, 64, 300) for batch in BATCHES]  # 300: two blocks
 
 
-@pytest.mark.parametrize("n_ptrs", ROLLBACK_SIZES)
-def test_rollback_matches_reference(engine, spec, n_ptrs):
-    """Tables of null entries, words of a target array (repeats allowed) and pos_ctr_d, each a
-    PointerTable built per case (so the launch is prepared per case too)."""
+@pytest.mark.parametrize("n_ptrs,batch", ROLLBACK_CONFIGS)
+def test_rollback_matches_reference(engine, spec, n_ptrs, batch):
+    """Tables of null entries, i32[B] windows of a target array (repeats allowed) and pos_ctr_d,
+    each a PointerTable built per case (so the launch is prepared per case too)."""
     k = 4
     n_targets = n_ptrs + 3
-    rig = Rig(engine, k, targets=engine.alloc_i32_zeroed(n_targets))
-    words = [rig.device["targets"].view(i, 1) for i in range(n_targets)]
+    rig = Rig(engine, k, batch=batch, targets=engine.alloc_i32_zeroed(n_targets * batch))
+    windows = [rig.device["targets"].view(i * batch, batch) for i in range(n_targets)]
 
-    for rng, where in cases("rollback_stream", (n_ptrs,), len(ROLLBACK_SIZES)):
+    for rng, where in cases("rollback_stream", (n_ptrs, batch), len(ROLLBACK_CONFIGS)):
         state = rig.random_state(rng)
-        kind = rng.choice(3, n_ptrs, p=[0.25, 0.1, 0.65])  # null, pos_ctr_d, a target word
+        kind = rng.choice(3, n_ptrs, p=[0.25, 0.1, 0.65])  # null, pos_ctr_d, a target window
         index = rng.integers(0, n_targets, n_ptrs)
-        entries = [None if c == 0 else rig.bufs.pos_ctr_d if c == 1 else words[i] for c, i in zip(kind, index)]
+        entries = [None if c == 0 else rig.bufs.pos_ctr_d if c == 1 else windows[i] for c, i in zip(kind, index)]
         launch = spec.prepare_rollback(PointerTable(engine, entries), rig.bufs)
-        state["pos_start_d"][0] = position(rng)
-        state["ctl_d"][KEEP] = pick(rng, [0, 1, k + 1, int(rng.integers(0, k + 2)), -1, 2**31 - 1, -2**31,
-                                          int(rng.integers(-2**31, 2**31))])
+        for row in rig.rows(state, "pos_start_d", "ctl_d"):
+            row["pos_start_d"][0] = position(rng)
+            row["ctl_d"][KEEP] = pick(rng, [0, 1, k + 1, int(rng.integers(0, k + 2)), -1, 2**31 - 1, -2**31,
+                                            int(rng.integers(-2**31, 2**31))])
 
         def reference(s, kind=kind, index=index):
-            lengths = [None if c == 0 else s["pos_ctr_d"] if c == 1 else s["targets"][i:i + 1]
+            lengths = [None if c == 0 else s["pos_ctr_d"] if c == 1 else s["targets"][i * batch:(i + 1) * batch]
                        for c, i in zip(kind, index)]
-            ref.spec_rollback_stream(lengths, s["pos_start_d"], s["ctl_d"])
+            ref.spec_rollback_stream(lengths, s["pos_start_d"], s["ctl_d"], batch)
 
         rig.check(launch, state, reference, where)
 

@@ -110,8 +110,9 @@ def test_tensors_in_copies_kv_layers_and_back(engine):
     shared.copy_htod(layer.len_d, [5])
     shared.set_u32(lengths, 2, 9)
     assert lengths.cpu().tolist() == [0, 5, 9]
-    with pytest.raises(ValueError, match="i32\\[1\\]"):
-        KVLayer(lengths, capacity=8)
+    assert KVLayer(lengths, capacity=8).batch == 3  # one length per sequence of a batch of 3
+    with pytest.raises(ValueError, match="i32\\[B\\]"):
+        KVLayer(lengths.to(torch.int64), capacity=8)
     ids = shared.htod_u32([7, 8, 2**31 - 1])
     view = memra_torch.tensor(ids, torch.int32)
     assert view.tolist() == [7, 8, 2**31 - 1]

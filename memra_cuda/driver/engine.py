@@ -186,17 +186,23 @@ class Engine(Handle):
             offset = start * dst.dtype.itemsize
             self.ctx.call("cuMemcpyHtoDAsync", dst.ptr + offset, host, host.nbytes, self.stream)
 
-    def set_u32(self, buf: Any, index: int, value: int) -> None:
-        """Set one 32-bit word on the stream (a memset node when captured)."""
+    def set_u32(self, buf: Any, index: int, value: int, *, every: int = 0) -> None:
+        """Set the 32-bit word at `index`, and with `every` > 0 each `every`-th word after it
+        (one column of a row-major table: every ring count of a batch), as one memset (a memset
+        node when captured)."""
         buf = self.buffer(buf)
         if buf.dtype.itemsize != 4:
             raise ValueError(f"set_u32 needs a 32-bit buffer, not {buf.dtype.name}")
-        index = as_index(index, "index")
-        if not 0 <= index < buf.len:
-            raise ValueError(f"index {index} is outside a buffer of {buf.len}")
+        index, every = as_index(index, "index"), as_index(every, "every")
+        if not 0 <= index < buf.len or every < 0:
+            raise ValueError(f"index {index} (every {every}) is outside a buffer of {buf.len}")
         value = exact_int(value, buf.dtype if buf.dtype.kind in "iu" else np.uint32)
-        ptr = buf.ptr + 4 * index
-        self.activate().call("cuMemsetD32Async", ptr, value & 0xFFFFFFFF, 1, self.stream)
+        ptr, ctx = buf.ptr + 4 * index, self.activate()
+        if every:
+            words = (buf.len - index + every - 1) // every
+            ctx.call("cuMemsetD2D32Async", ptr, 4 * every, value & 0xFFFFFFFF, 1, words, self.stream)
+        else:
+            ctx.call("cuMemsetD32Async", ptr, value & 0xFFFFFFFF, 1, self.stream)
         self._uses(buf)
 
     def memset(self, buf: Any, value: int) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from .. import reference as ref
+from ..kernels import batch_rows
 from ..stream import RoundStream, chain, kv_capacity
 from ..tables import Cache, PointerTable, kv_len_ptr_table
 
@@ -228,16 +229,19 @@ COST_8B_05B = ToyCost(verify_bytes=16 * 10**9, draft_bytes=1 * 10**9)
 
 
 class ToyLM:
-    """The toy on the GPU: target and draft KV caches, the kernels, and their wiring."""
+    """The toy on the GPU for `batch` sequences: target and draft KV caches ([B][capacity]
+    entries per layer, i32[B] lengths), the kernels, and their wiring. Each row has its own
+    prompt, position and caches; the weights (the cost knob) are read once for the batch."""
 
     def __init__(self, engine: Engine, model: ToyModel, capacity: int, cost: ToyCost = ToyCost(),
-                 weights: DeviceBuffer | None = None):
+                 weights: DeviceBuffer | None = None, batch: int = 1):
         """`weights`: a buffer to stream for the cost knob, shareable between models (one is
         allocated when the cost needs it and none is given)."""
         self.engine, self.model, self.capacity, self.cost = engine, model, int(capacity), cost
+        self.batch = int(batch)
         self.module = engine.load_ptx("toy_lm")
-        self.target = Cache.allocate(engine, model.kv_mask, capacity)
-        self.draft = Cache.allocate(engine, [True], capacity)
+        self.target = Cache.allocate(engine, model.kv_mask, capacity, batch=self.batch)
+        self.draft = Cache.allocate(engine, [True], capacity, batch=self.batch)
         layers = self.target.kv
         self.data_ptrs_d = PointerTable(engine, [None if kv is None else kv.data_d for kv in layers], label="toy data")
         self.len_ptrs_d = PointerTable(engine, [None if kv is None else kv.len_d for kv in layers], label="toy lengths")
@@ -254,23 +258,36 @@ class ToyLM:
     def prefill(self, bufs: StreamBufs, prompt: Sequence[int]) -> int:
         """Fill both caches with the prompt but its last token, which becomes pending, and
         reset the request's buffers (bufs.reset; the stop rule is generate's). Returns the
-        start position, len(prompt) - 1."""
+        start position, len(prompt) - 1. For one sequence; a batch fills its rows with
+        prefill_row."""
+        if self.batch != 1:
+            raise ValueError(f"prefill() fills a batch of 1; this model holds {self.batch}: use prefill_row")
+        return self.prefill_row(bufs, 0, prompt)
+
+    def prefill_row(self, bufs: StreamBufs, row: int, prompt: Sequence[int]) -> int:
+        """prefill() for the sequence in slot `row` (bufs.reset_row), leaving the other rows
+        alone: a new request joins between bursts. Returns its start position."""
         n = len(prompt) - 1
         if not 0 <= n <= self.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a cache of {self.capacity}")
+        self._check_batch(bufs)
         engine, draft = self.engine, self.draft.kv[0]
-        bufs.reset(engine, prompt[-1], n)
+        bufs.reset_row(engine, row, prompt[-1], n)
         if n:
             engine.copy_htod(self.prompt_d, prompt[:-1])
             self.module.kernel("toy_prefill").prepare(
-                ["ptr", "u32", "ptr", "ptr", "u32", "ptr", "ptr", "u32"], grid=(n + BLOCK - 1) // BLOCK,
-                block=BLOCK)(self.prompt_d, n, self.data_ptrs_d, self.len_ptrs_d, len(self.model.kv_mask),
-                             draft.data_d, draft.len_d, self.model.seed)
+                ["ptr", "u32", "u32", "u32", "ptr", "ptr", "u32", "ptr", "ptr", "u32"], grid=(n + BLOCK - 1) // BLOCK,
+                block=BLOCK)(self.prompt_d, n, row, self.capacity, self.data_ptrs_d, self.len_ptrs_d,
+                             len(self.model.kv_mask), draft.data_d, draft.len_d, self.model.seed)
         else:
             for kv in [*self.target.kv, draft]:
                 if kv is not None:
-                    engine.set_u32(kv.len_d, 0, 0)
+                    engine.set_u32(kv.len_d, row, 0)
         return n
+
+    def _check_batch(self, bufs: StreamBufs) -> None:
+        if bufs.batch != self.batch:
+            raise ValueError(f"buffers for a batch of {bufs.batch} do not fit a toy model of {self.batch} rows")
 
     def _weight_reads(self, nbytes: int) -> list[Launch]:
         """The cost knob: a grid-wide pass over `nbytes` of weights (nothing when 0)."""
@@ -282,22 +299,26 @@ class ToyLM:
 
     def draft_steps(self, bufs: StreamBufs, draft_d: DeviceBuffer) -> list[Launch]:
         """The k+1 launches of one draft chain (each after its share of weight streaming)."""
+        self._check_batch(bufs)
+        draft_d = batch_rows("draft_d", self.engine.buffer(draft_d, "draft_d"), self.batch, max(bufs.k, 1), bufs.k)
         m, draft = self.model, self.draft.kv[0]
         kernel = self.module.kernel("toy_draft_step")
         types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7]
         steps, reads = [], self._weight_reads(self.cost.draft_bytes)
         for step in range(bufs.k + 1):
             steps += reads
-            steps.append(kernel.prepare(types, block=BLOCK).set(
+            steps.append(kernel.prepare(types, grid=self.batch, block=BLOCK).set(
                 step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr_d, bufs.brk_d, draft.data_d, draft.len_d,
                 self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below))
         return steps
 
     def verify_steps(self, bufs: StreamBufs, pred_d: DeviceBuffer) -> list[Launch]:
         """The verify trunk: its weight reads, then k+1 tokens through the target."""
+        self._check_batch(bufs)
+        pred_d = batch_rows("pred_d", self.engine.buffer(pred_d, "pred_d"), self.batch, bufs.k + 1)
         m = self.model
         verify = self.module.kernel("toy_verify").prepare(
-            ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32"], block=BLOCK).set(
+            ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32"], grid=self.batch, block=BLOCK).set(
             bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred_d, self.data_ptrs_d, self.len_ptrs_d,
             len(m.kv_mask), self.capacity, m.seed, m.vocab)
         return [*self._weight_reads(self.cost.verify_bytes), verify]
@@ -307,9 +328,10 @@ class ToyLM:
         layers with pos_ctr last."""
         if bufs.k + 1 > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
+        self._check_batch(bufs)
         engine = self.engine
-        draft_d = engine.alloc_u32_zeroed(max(bufs.k, 1))
-        pred_d = engine.alloc_u32_zeroed(bufs.k + 1)
+        draft_d = engine.alloc_u32_zeroed(bufs.batch * max(bufs.k, 1), label="draft_d")
+        pred_d = engine.alloc_u32_zeroed(bufs.batch * (bufs.k + 1), label="pred_d")
         drafts, verifies = self.draft_steps(bufs, draft_d), self.verify_steps(bufs, pred_d)
         table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)
         return RoundStream(spec, bufs, draft_chain=chain(drafts), verify_trunk=chain(verifies),
