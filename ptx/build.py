@@ -3,7 +3,8 @@
 NVRTC 12.0 writes PTX ISA 8.0 for sm_80, which every CUDA 12 and CUDA 13 driver can JIT; nvcc 13
 writes ISA 9.0, which CUDA 12 drivers refuse. The library is driven
 through ctypes (cuda-python's nvrtc binding targets CUDA 13), and the output depends only on the
-sources: the program name is the bare file name and no option carries a path or line info.
+sources: the program name is the bare file name, the headers a source includes (every ptx/*.cuh)
+reach NVRTC in memory under their bare file names, and no option carries a path or line info.
 
     python ptx/build.py              rewrite ptx/<name>.ptx where its content changed
     python ptx/build.py --out DIR    write the PTX into DIR instead
@@ -96,10 +97,14 @@ def _read(prog: _PROGRAM, get_size: Callable[..., int], get: Callable[..., int])
 
 
 def compile_cu(path: Path) -> str:
-    """Return the PTX NVRTC 12.0 makes of the CUDA source at `path`."""
+    """Return the PTX NVRTC 12.0 makes of the CUDA source at `path`; `#include "<name>.cuh"`
+    finds the header of that name beside it."""
     lib = _nvrtc()
     prog = _PROGRAM()
-    lib.nvrtcCreateProgram(ctypes.byref(prog), path.read_bytes(), path.name.encode(), 0, None, None)
+    headers = sorted(path.parent.glob("*.cuh"))
+    contents = (ctypes.c_char_p * len(headers))(*(header.read_bytes() for header in headers))
+    names = (ctypes.c_char_p * len(headers))(*(header.name.encode() for header in headers))
+    lib.nvrtcCreateProgram(ctypes.byref(prog), path.read_bytes(), path.name.encode(), len(headers), contents, names)
     try:
         options = (ctypes.c_char_p * len(OPTIONS))(*(option.encode() for option in OPTIONS))
         try:

@@ -308,3 +308,42 @@ def test_64_bit_token_buffers_are_read_as_their_low_32_bits():
     ref.spec_assemble_verify(np.array([1], np.uint32), np.array([2 + (7 << 32), -1], np.int64), 2, out,
                              np.array([0], np.int32), np.array([0], np.int32))
     assert out[:3].tolist() == [1, 2, 2**32 - 1]
+
+
+# -- batches: every contract applied to each row alone ------------------------------------------
+
+def test_a_batched_call_equals_one_call_per_row():
+    """Three rows in different states (one done, one with a break, one whose ring is full):
+    the batched forms give, word for word, what the single-sequence forms give row by row."""
+    k, ring_cap, batch = 3, 8, 3
+    rng = np.random.default_rng(5)
+    state = {
+        "vtok": rng.integers(0, 3, batch * (k + 1)).astype(np.uint32),
+        "pred": rng.integers(0, 3, batch * (k + 1)).astype(np.uint32),
+        "draft": rng.integers(0, 3, batch * k).astype(np.uint32),
+        "brk": u32(0, 0, 2, 7, 0, 0), "acc": u32(1, 0, 2, 9, 3, 1), "last": u32(4, 5, 6), "pend": u32(1, 2, 3),
+        "ctl": np.concatenate([ctl(), ctl(eos=1, done=1), ctl(budget=2)]),
+        "ring": np.concatenate([u32(0, *[0] * ring_cap), u32(2, 7, 7, *[0] * 6), u32(ring_cap, *range(ring_cap))]),
+        "pos": i32(4, 9, 2**31 - 1), "start": i32(0, 0, 0), "len": i32(1, 2, 3),
+    }
+
+    def run(s: dict, rows: int, b: int = 0) -> None:
+        """One round's kernels over `rows` rows starting at row b (rows = 1: row b alone)."""
+        def view(name: str, n: int) -> np.ndarray:
+            return s[name][b * n:(b + rows) * n]
+        ref.spec_assemble_verify(view("pend", 1), view("draft", k), k, view("vtok", k + 1), view("pos", 1),
+                                 view("start", 1), rows)
+        ref.spec_accept_greedy_dc(view("vtok", k + 1), view("pred", k + 1), k, view("brk", 2), view("acc", 2),
+                                  view("last", 1), view("ctl", 4), rows)
+        ref.spec_ring_commit(view("vtok", k + 1), view("acc", 2), view("last", 1), view("ctl", 4), view("pend", 1),
+                             view("ring", ring_cap + 1), ring_cap, k, rows)
+        ref.spec_rollback_stream([view("len", 1), None, view("pos", 1)], view("start", 1), view("ctl", 4), rows)
+
+    batched = {name: words.copy() for name, words in state.items()}
+    run(batched, batch)
+    single = {name: words.copy() for name, words in state.items()}
+    for b in range(batch):
+        run(single, 1, b)
+    for name in state:
+        assert batched[name].tolist() == single[name].tolist(), name
+    assert batched["ctl"][ref.DONE::4].tolist()[1] == 1 and batched["ring"][1 + ring_cap] == 2, "done row inert"
