@@ -1,4 +1,5 @@
-"""SpecKernels: typed launchers of the five spec_* kernels of ptx/spec_stream.cu.
+"""SpecKernels: typed launchers of the five spec_* kernels of ptx/spec_stream.cu, and of
+stochastic acceptance (ptx/spec_sample.cu, launched from sampling.py).
 
 The kernels clamp every count they read from device memory; the launchers check everything
 the host knows (buffer types and sizes for the batch, the engine they belong to, that a
@@ -12,6 +13,7 @@ import numpy as np
 
 from .driver.buffer import DeviceBuffer, as_index
 from .driver.module import Launch
+from .sampling import prepare_accept_sample
 from .tables import PointerTable
 
 if TYPE_CHECKING:
@@ -80,6 +82,10 @@ class SpecKernels:
                             table_d, table_d.len, bufs.batch, bufs.pos_start_d, bufs.ctl_d,
                             threads=table_d.len * bufs.batch)
 
+    def prepare_accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int) -> Launch:
+        """Stochastic acceptance (contract 6, ptx/spec_sample.ptx): see sampling.py."""
+        return prepare_accept_sample(self, bufs, p_d, q_d, seed_d, vocab)
+
     def seed_gather(self, rows_d: Any, row_words: int, bufs: StreamBufs, out_d: Any) -> None:
         self.prepare_seed_gather(rows_d, row_words, bufs, out_d)()
 
@@ -94,6 +100,9 @@ class SpecKernels:
 
     def rollback(self, table_d: PointerTable, bufs: StreamBufs) -> None:
         self.prepare_rollback(table_d, bufs)()
+
+    def accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int) -> None:
+        self.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)()
 
     def _words(self, name: str, obj: Any) -> DeviceBuffer:
         """A buffer of 32-bit words of any kind (rows of hidden states, say)."""

@@ -1,6 +1,6 @@
 """The executable specification of ptx/spec_stream.cu, in numpy.
 
-One function per kernel, named after it, taking the same buffers as numpy arrays (u32 buffers
+One function per kernel of ptx/spec_stream.cu and ptx/spec_sample.cu, named after it, taking the same buffers as numpy arrays (u32 buffers
 as uint32, i32 buffers as int32) and updating them in place exactly as the kernel does,
 clamps included. It is the oracle of the GPU tests and the plainest statement of the contracts.
 Each takes `batch` (B, default 1) as its kernel does: every buffer then holds B rows, row-major
@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Iterator
 
 import numpy as np
+
+from .philox import uniform
 
 # ctl_d slots
 EOS, BUDGET, DONE, KEEP = range(4)
@@ -140,8 +142,6 @@ def spec_rollback_stream(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray,
 
 
 # -- 6. spec_accept_sample (ptx/spec_sample.cu): stochastic acceptance ------------------------
-
-from .philox import uniform  # noqa: E402 - appended with contract 6; belongs with the imports at the top
 
 PURPOSE_ACCEPT, PURPOSE_SAMPLE, PURPOSE_DRAFT = range(3)  # U's purpose word: the draws never coincide
 NO_MASS_TOKEN = 0  # the bonus of a row whose p[n] has no positive weight: a caller's bug, never a fault

@@ -58,3 +58,13 @@ def test_ptxas_assembles_without_spills(image, arch):
     kernels = re.findall(r"Compiling entry function '(\w+)'", run.stderr)
     assert usage and len(usage) == len(kernels), run.stderr
     assert all(row == ("0", "0", "0") for row in usage), f"{image.name} on {arch}: local memory used\n{run.stderr}"
+
+
+def test_sampling_launcher_uses_the_geometry_spec_sample_was_written_for():
+    """spec_accept_sample's block reduction and launch bounds assume blockDim.x == THREADS, and a
+    block covers THREADS * PER_THREAD entries per pass: memra_cuda.sampling must launch it so."""
+    from memra_cuda import sampling
+
+    source = (PTX_DIR / "spec_sample.cu").read_text()
+    defines = {name: int(value) for name, value in re.findall(r"^#define (THREADS|PER_THREAD) (\d+)", source, re.M)}
+    assert defines == {"THREADS": sampling.THREADS, "PER_THREAD": sampling.PER_THREAD}

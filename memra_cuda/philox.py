@@ -1,0 +1,58 @@
+"""Philox4x32-10 in numpy, and the uniform draw U of DESIGN.md's "Stochastic acceptance".
+
+The numpy twin of ptx/philox.cuh: the sampling reference draws exactly the numbers the kernels
+draw, so a kernel's sampled token can be checked, not just its histogram. Philox is counter-based
+(Salmon et al., SC'11; Random123, cuRAND): a draw is a pure function of (counter, key), so every
+draw is addressed by what it is for (seed, absolute position, vocabulary index, purpose) and no
+generator state exists to carry between rounds, bursts or batch slots.
+
+Everything is vectorised: arguments broadcast like numpy arrays. Words are held in uint64 so the
+product of two 32-bit words is exact, and masked back to 32 bits.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+MULTIPLIERS = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
+WEYL = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))  # the key schedule's increments
+ROUNDS = 10
+_MASK = np.uint64(0xFFFFFFFF)
+_32 = np.uint64(32)
+
+
+def words(values: Any) -> np.ndarray:
+    """Integers as uint64, wrapping like a cast to an unsigned 64-bit word (-1 is 2**64 - 1).
+
+    Floats and booleans are refused: a silently truncated float would be a different draw."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"Philox counters, keys and seeds are integers, not {array.dtype} ({values!r})")
+    return array.astype(np.uint64)
+
+
+def philox4x32_10(counter: tuple[Any, Any, Any, Any], key: tuple[Any, Any]) -> tuple[np.ndarray, ...]:
+    """The four uint32 output words of Philox4x32-10 for `counter` (4 words) under `key` (2 words).
+
+    Each word may be an array; all broadcast together. Words are taken modulo 2**32.
+    """
+    c0, c1, c2, c3, k0, k1 = (w & _MASK for w in np.broadcast_arrays(*(words(w) for w in (*counter, *key))))
+    for r in range(ROUNDS):
+        if r:
+            k0, k1 = (k0 + WEYL[0]) & _MASK, (k1 + WEYL[1]) & _MASK
+        p0, p1 = c0 * MULTIPLIERS[0], c2 * MULTIPLIERS[1]
+        c0, c1, c2, c3 = (p1 >> _32) ^ c1 ^ k0, p1 & _MASK, (p0 >> _32) ^ c3 ^ k1, p0 & _MASK
+    return tuple(w.astype(np.uint32) for w in (c0, c1, c2, c3))
+
+
+def uniform(seed: Any, position: Any, j: Any, purpose: Any) -> np.ndarray:
+    """U(seed, position, j, purpose) = ((x0 >> 8) + 0.5) * 2**-24 as float64 (exact), x0 the first
+    word of counter (j, position, purpose, 0) under key (seed & 0xffffffff, seed >> 32).
+
+    U lies in [2**-25, 1 - 2**-25], so -ln U is finite and positive. Positions are taken modulo
+    2**32, as the kernels' u32 arithmetic wraps them. Arguments broadcast.
+    """
+    seed = words(seed)
+    x0 = philox4x32_10((j, position, purpose, 0), (seed & _MASK, seed >> _32))[0]
+    return ((x0 >> 8).astype(np.float64) + 0.5) * 2.0**-24
