@@ -10,13 +10,19 @@
 3. Batches: the bare toy at k=4, M=16 decoding B requests (their own prompts, the same
    budget) as one batched graph, against the same B requests decoded one after another by a
    single-sequence graph: tokens/s of each, and host readbacks per burst.
-4. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
+4. Sampling: greedy against stochastic acceptance (the toy's sampling mode), bare toy, k=4,
+   M=16, V = 32 000 and 152 000: time per round and acceptance rate; then the device time of
+   spec_accept_sample alone (a graph of launches, timed with events) at B = 1 and 32.
+5. Pipeline (two GPUs): the toy split into two stages on two devices (models/pipeline.py)
+   against the same model on one, k=4, M=16, bare and as 8B/0.5B with the verify's weights
+   split between the stages: time per round of each, in stream and graph mode.
+6. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
    examples/torch_llama.py at two sizes, decoded by Hugging Face generate, by its assisted
    generation with the same draft, by plain greedy with each step a torch.cuda.graph, and by
    round-stream in readback, graph and overlap modes; then the ideal speculative speedup over
    graphed greedy, tau / (1 + (k+1) c), and how much of it the graph mode reaches.
 
-    python -m memra_cuda.bench [--json PATH] [--only launch|rounds|batch|torch] [--quick]
+    python -m memra_cuda.bench [--json PATH] [--only launch|rounds|batch|sampling|pipeline|torch] [--quick]
 """
 from __future__ import annotations
 
@@ -29,12 +35,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .bufs import StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable, driver
 from .driver.event import Event
 from .kernels import SpecKernels
-from .models.toy import COST_8B_05B, ToyCost, ToyLM, ToyModel
+from .driver.graph import Graph
+from .models.toy import COST_8B_05B, ToyCost, ToyLM, ToyModel, ToySampling
 from .stream import RoundStream, kv_capacity
 
 KS = (0, 2, 4, 8)
@@ -66,6 +75,7 @@ def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict:
     kernel = engine.load_ptx("probe").kernel("probe_touch")
     target = engine.alloc_u32_zeroed(1)
     prepared = kernel.prepare(["ptr"], grid=1, block=32).set(target)
+    engine.ctx.make_current()  # the bare calls need it; the prepared launch checks it per call
     bare, f, stream, params = driver().cuLaunchKernel, kernel.handle, engine.stream, prepared.args.pointer
     samples: dict[str, list[float]] = {"bare": [], "prepared": []}
     for _ in range(trials):
@@ -87,11 +97,13 @@ def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict:
 
 
 def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str, k: int,
-            m_rounds: int, mode: str, tokens: int) -> Row:
+            m_rounds: int, mode: str, tokens: int, model: ToyModel = MODEL,
+            sampling: ToySampling | None = None) -> Row:
     """Generate `tokens` tokens from PROMPT after an untimed warm-up generation (JIT, graph
     capture); for graph mode, then replay as many bursts again from the same prompt, back to
     back and timed on the device, for the floor."""
-    lm = ToyLM(engine, MODEL, kv_capacity(len(PROMPT), tokens, k, m_rounds, overlap=True), cost, weights)
+    lm = ToyLM(engine, model, kv_capacity(len(PROMPT), tokens, k, m_rounds, overlap=True), cost, weights,
+               sampling=sampling)
     bufs = StreamBufs(engine, k, m_rounds)
     stream = lm.round_stream(spec, bufs)
     stream.generate(lm.prefill(bufs, PROMPT), min(tokens, m_rounds * (k + 1)), mode=mode)
@@ -209,6 +221,101 @@ def bench_batch(engine: Engine, quick: bool) -> list[dict]:
     return rows
 
 
+SAMPLE_VOCABS = (32_000, 152_000)
+
+
+def bench_sampling(engine: Engine, quick: bool) -> dict:
+    """Greedy and sampling rounds of the bare toy (graph mode), then the acceptance kernel alone."""
+    spec = SpecKernels(engine)
+    tokens = 256 if quick else 1024
+    rounds = []
+    print(f"{'V':>7} {'rule':8} {'us/round':>9} {'accept':>6} {'vs greedy':>9}")
+    for vocab in SAMPLE_VOCABS:
+        model = ToyModel(seed=2024, vocab=vocab, noise_ppm=100_000, p_min=0.05)
+        greedy = measure(engine, spec, ToyCost(), None, "bare", BATCH_K, BATCH_M, "graph", tokens, model)
+        sampled = measure(engine, spec, ToyCost(), None, "bare", BATCH_K, BATCH_M, "graph", tokens, model,
+                          ToySampling())
+        for rule, row in (("greedy", greedy), ("sampling", sampled)):
+            ratio = row.us_per_round / greedy.us_per_round
+            rounds.append(dict(vocab=vocab, rule=rule, us_per_round=row.us_per_round, acceptance=row.acceptance,
+                               vs_greedy=ratio))
+            print(f"{vocab:7d} {rule:8} {row.us_per_round:9.1f} {row.acceptance:6.2f} {ratio:8.2f}x", flush=True)
+    alone = []
+    print(f"\n{'V':>7} {'B':>3} {'accept_sample alone, device us':>31}")
+    for vocab in SAMPLE_VOCABS:
+        for batch in (1, 32):
+            alone.append(dict(vocab=vocab, batch=batch, us=acceptance_us(engine, spec, vocab, batch)))
+            print(f"{vocab:7d} {batch:3d} {alone[-1]['us']:31.2f}", flush=True)
+    return {"rounds": rounds, "acceptance_alone": alone}
+
+
+def acceptance_us(engine: Engine, spec: SpecKernels, vocab: int, batch: int, launches: int = 100,
+                  replays: int = 20) -> float:
+    """Device microseconds of one spec_accept_sample over B rows of V, k=4: a graph of
+    `launches` launches (live rows, random distributions) replayed and timed with events."""
+    k, rng = BATCH_K, np.random.default_rng(0)
+    bufs = StreamBufs(engine, k, 1, batch)
+    p = rng.random((batch, k + 1, vocab), np.float32)
+    q = rng.random((batch, k, vocab), np.float32)
+    p_d, q_d = engine.htod(p / p.sum(-1, keepdims=True)), engine.htod(q / q.sum(-1, keepdims=True))
+    seed_d = engine.htod(np.arange(batch, dtype=np.uint64))
+    engine.copy_htod(bufs.vtok_d, rng.integers(0, vocab, batch * (k + 1)))
+    launch = spec.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)
+    graph = Graph(engine, lambda: [launch() for _ in range(launches)])
+    graph.launch()
+    start, end = Event(engine), Event(engine)
+    start.record()
+    for _ in range(replays):
+        graph.launch()
+    end.record()
+    us = end.elapsed_ms(start) * 1e3 / (replays * launches)
+    graph.free()
+    bufs.free()
+    return us
+
+
+def _us_per_round(engine: Engine, stream: RoundStream, prefill, tokens: int, mode: str) -> float:
+    """Microseconds per round of generating `tokens` after `prefill()` (which returns the start
+    positions), after one untimed warm-up generation (capture)."""
+    stream.generate_batch(prefill(), tokens, mode=mode)
+    starts = prefill()
+    rounds0 = stream.rounds
+    t0 = time.perf_counter()
+    stream.generate_batch(starts, tokens, mode=mode)
+    engine.synchronize()
+    return (time.perf_counter() - t0) / (stream.rounds - rounds0) * 1e6
+
+
+def bench_pipeline(engine: Engine, quick: bool) -> list[dict]:
+    """One GPU against two pipeline stages on two, the same rounds and tokens."""
+    from .models.pipeline import ToyPipeline
+    if driver().cuDeviceGetCount()[1] < 2:
+        print("pipeline: skipped, needs two GPUs")
+        return []
+    second = Engine(1)
+    tokens, k, m_rounds = (64 if quick else 512), BATCH_K, BATCH_M
+    capacity = kv_capacity(len(PROMPT), tokens, k, m_rounds)
+    split = len(MODEL.kv_mask) // 2
+    rows = []
+    print(f"{'model':8} {'mode':7} {'one GPU us/round':>16} {'two stages us/round':>19} {'ratio':>6}")
+    for name, cost in (("bare", ToyCost()), ("8B/0.5B", COST_8B_05B)):
+        half = ToyCost(verify_bytes=cost.verify_bytes // 2, draft_bytes=cost.draft_bytes)
+        lm = ToyLM(engine, MODEL, capacity, cost)
+        bufs = StreamBufs(engine, k, m_rounds)
+        single = lm.round_stream(SpecKernels(engine), bufs)
+        pipe = ToyPipeline([engine, second], MODEL, capacity, split, k, m_rounds,
+                           costs=(half, ToyCost(verify_bytes=cost.verify_bytes // 2)))
+        piped = pipe.round_stream()
+        for mode in ("stream", "graph"):
+            one = _us_per_round(engine, single, lambda: [lm.prefill(bufs, PROMPT)], tokens, mode)
+            two = _us_per_round(second, piped, lambda: [pipe.prefill_row(0, PROMPT)], tokens, mode)
+            rows.append(dict(model=name, mode=mode, one_gpu_us_per_round=one, two_stage_us_per_round=two))
+            print(f"{name:8} {mode:7} {one:16.1f} {two:19.1f} {two / one:6.2f}", flush=True)
+        bufs.free()
+    second.close()
+    return rows
+
+
 TORCH_K, TORCH_M = 4, 16
 
 
@@ -304,7 +411,7 @@ def bench_torch(quick: bool) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memra_cuda.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--only", choices=["launch", "rounds", "batch", "torch"],
+    parser.add_argument("--only", choices=["launch", "rounds", "batch", "sampling", "pipeline", "torch"],
                         help="run one part (torch runs only when asked for)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for figures)")
     args = parser.parse_args(argv)
@@ -329,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "batch"):
         print(f"\nbatches: bare toy, k={BATCH_K}, M={BATCH_M}, graph mode, each request its own prompt")
         report["batch"] = bench_batch(engine, args.quick)
+    if args.only in (None, "sampling"):
+        print(f"\nsampling: bare toy, k={BATCH_K}, M={BATCH_M}, graph mode; then the acceptance kernel alone")
+        report["sampling"] = bench_sampling(engine, args.quick)
+    if args.only in (None, "pipeline"):
+        print(f"\npipeline: the toy split at layer {len(MODEL.kv_mask) // 2} over two GPUs, k={BATCH_K}, M={BATCH_M}")
+        report["pipeline"] = bench_pipeline(engine, args.quick)
     if args.only == "torch":
         report["torch"] = bench_torch(args.quick)
     if args.json:

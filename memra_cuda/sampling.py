@@ -7,6 +7,7 @@ exception here rather than a kernel reading past the rows it was meant to read.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,9 +19,21 @@ if TYPE_CHECKING:
     from .bufs import StreamBufs
     from .kernels import SpecKernels
 
+@dataclass(frozen=True)
+class Sampling:
+    """What RoundStream needs to accept stochastically instead of greedily: the buffers the
+    model writes every round (p_d, q_d: see prepare_accept_sample), the requests' seeds and
+    the vocabulary size."""
+
+    p_d: Any
+    q_d: Any
+    seed_d: Any
+    vocab: int
+
+
 # spec_sample.cu's THREADS and PER_THREAD: a block races THREADS * PER_THREAD entries of V per pass.
 THREADS = 256
-PER_THREAD = 4
+PER_THREAD = 2
 _TYPES = ["ptr", "ptr", "ptr", "u32", "u32", "u32"] + ["ptr"] * 7
 
 
@@ -48,7 +61,7 @@ def prepare_accept_sample(spec: SpecKernels, bufs: StreamBufs, p_d: Any, q_d: An
         engine.buffer(getattr(bufs, name), name)
         for name in ("vtok_d", "brk_d", "acc_d", "last_pred_d", "ctl_d", "pos_start_d"))
     module = engine.load_ptx("spec_sample")  # once per engine: Engine.load_ptx keeps it
-    scratch = engine.alloc(np.uint64, 3 * rows, zeroed=True, label="spec_accept_sample scratch")
+    scratch = engine.alloc(np.uint64, 2 * rows, zeroed=True, label="spec_accept_sample scratch")
     blocks_per_row = -(-vocab // (THREADS * PER_THREAD))
     return module.kernel("spec_accept_sample").prepare(_TYPES, (blocks_per_row, rows), THREADS).set(
         vtok_d, p_d, q_d, vocab, k, rows, brk_d, acc_d, last_pred_d, ctl_d, pos_start_d, seed_d, scratch)

@@ -20,6 +20,8 @@ from .tables import PointerTable
 
 if TYPE_CHECKING:
     from .bufs import StreamBufs
+    from .sampling import Sampling
+    from .driver.engine import Engine
     from .kernels import SpecKernels
 
 MODES = ("readback", "stream", "graph", "overlap")
@@ -59,18 +61,31 @@ class RoundStream:
     Every mode runs all `bufs.batch` rows with one readback per burst; a row that is done sits
     the rounds out (its position frozen) while the others go on.
 
+    The acceptance rule is greedy, from the target's predictions the verify writes to `pred_d`,
+    or stochastic (`sampling`: the probabilities the draft chain and verify write, and the
+    requests' seeds); give one of the two.
+
     `rollback_tables` are PointerTables (kv_len_ptr_table and friends): one of them must hold
     `bufs.pos_ctr_d`, which is how the position advances, and together they say how many KV
     entries the caches hold, so every burst is checked against that capacity before it is
     issued: a live row needs room for the burst, and in a batch for one round more, which it
     may sit out done at its final position while other rows finish. `capture` says how graphs
     are captured (default: the driver's stream capture).
+
+    A pipeline of stages on several engines (models/pipeline.py) runs its rounds here too:
+    `bufs` and the kernels are the last stage's; the callables fork to the other stages'
+    streams and join back with events, `round_tail` queues what follows this stage's rollback
+    (the accept state sent back, the other stages' rollbacks), `stages` names the other engines
+    (their work joins the burst graph) and `capacity` the fewest entries their caches hold.
     """
 
     def __init__(self, spec: SpecKernels, bufs: StreamBufs, *, draft_chain: Callable[[], None],
-                 verify_trunk: Callable[[], None], draft_d: Any, pred_d: Any,
+                 verify_trunk: Callable[[], None], draft_d: Any, pred_d: Any = None, sampling: Sampling | None = None,
                  rollback_tables: Sequence[PointerTable], seed_gather: Launch | None = None,
-                 capture: Capture | None = None):
+                 capture: Capture | None = None, round_tail: Callable[[], None] | None = None,
+                 stages: Sequence[Engine] = (), capacity: int | None = None):
+        if (pred_d is None) == (sampling is None):
+            raise ValueError("give pred_d (greedy acceptance) or sampling (stochastic acceptance), not both or neither")
         tables = list(rollback_tables)
         if not tables:
             raise ValueError("rollback needs at least one pointer table (one of them holding bufs.pos_ctr_d)")
@@ -80,7 +95,7 @@ class RoundStream:
         if not any(table.holds(bufs.pos_ctr_d) for table in tables):
             raise ValueError("no rollback table holds bufs.pos_ctr_d, so the position would never advance: "
                              "pass pos_ctr=bufs.pos_ctr_d to kv_len_ptr_table")
-        capacities = [table.capacity for table in tables if table.capacity is not None]
+        capacities = [c for c in (capacity, *(table.capacity for table in tables)) if c is not None]
         self.capacity: int | None = min(capacities) if capacities else None
         self.engine = spec.engine
         self.bufs = bufs
@@ -90,10 +105,13 @@ class RoundStream:
             draft_chain,
             spec.prepare_assemble_verify(bufs, draft_d),
             verify_trunk,
-            spec.prepare_accept_greedy(bufs, pred_d),
+            spec.prepare_accept_greedy(bufs, pred_d) if sampling is None else
+            spec.prepare_accept_sample(bufs, sampling.p_d, sampling.q_d, sampling.seed_d, sampling.vocab),
             spec.prepare_ring_commit(bufs),
             *(spec.prepare_rollback(table, bufs) for table in tables),
+            *([round_tail] if round_tail is not None else []),
         ]
+        self._stages = tuple(stages)
         self._graphs: list[Graph | None] = [None, None]  # one per pinned readback slot
         self._events: list[Event] = []
         self.rounds = 0  # rounds step()/generate() sent to the GPU
@@ -117,7 +135,7 @@ class RoundStream:
         """The burst graph whose readback lands in pinned slot `slot` (0 or 1), captured once."""
         if self._graphs[slot] is None:
             self._graphs[slot] = Graph(self.engine, functools.partial(self._issue_burst_and_readback, slot),
-                                       capture=self._capture)
+                                       capture=self._capture, joined=self._stages)
         return self._graphs[slot]
 
     def _issue_burst_and_readback(self, slot: int) -> None:

@@ -8,25 +8,36 @@
 // NO_MASS_TOKEN when p[n] is empty too. acc, last_pred, keep and brk then follow the greedy contract.
 //
 // The race over V is spread over gridDim.x blocks per row: each block recomputes n (k loads), races
-// its slice for both the residual and p[n] (they share the draws E_v), and folds its best race keys
-// into the row's scratch with atomicMax. The last block of the row to finish (a fence, then a
-// wrapping atomicInc of the row's counter) settles the row and zeroes its scratch, so the next
-// launch, or the next replay of a captured graph, starts clean.
+// its slice for both the residual and p[n] (they share the draws E_v), and folds its best race key
+// into the row's scratch with atomicMax. One key serves both races: a residual key carries the top
+// bit (a score's f32 bits never do), so the row's largest key is the residual's winner whenever
+// the residual has weight, and p[n]'s otherwise. The last block of the row to finish (a releasing
+// and acquiring atomicInc of the row's counter, which wraps back to 0) settles the row and zeroes
+// its scratch, so the next launch, or the next replay of a captured graph, starts clean.
 //
 // Whatever the device values (garbage brk, acc or ctl, draft ids >= V, NaN, negative or infinite
 // probabilities), nothing is read or written outside the buffers: a draft id >= V has probability 0
 // and is never used as an index, and row n of q is read only when n < limit <= k.
 //
 // Layout: vtok u32[B][k+1], p f32[B][k+1][V], q f32[B][max(k,1)][V], brk u32[B][2], acc u32[B][2],
-// last_pred u32[B], ctl i32[B][4], pos_start i32[B], seed u64[B]; scratch u64[B][3], zero at the
-// first launch: [0] the best race key over the residual (over p[n] itself when no draft was rejected:
-// q counts as 0 there), [1] the best over p[n], [2] (low word) the blocks of the row that finished.
+// last_pred u32[B], ctl i32[B][4], pos_start i32[B], seed u64[B]; scratch u64[B][2], zero at the
+// first launch: [0] the row's best race key (over the residual, or p[n] itself when no draft was
+// rejected: q counts as 0 there), [1] (low word) the blocks of the row that finished.
 
 #include "philox.cuh"
 
 #define THREADS 256    // block size the launcher uses (memra_cuda/sampling.py)
-#define PER_THREAD 4   // vocabulary entries per thread per pass; the launcher sizes gridDim.x with it
+#define PER_THREAD 2   // vocabulary entries per thread per pass; the launcher sizes gridDim.x with it
 #define NO_MASS_TOKEN 0u
+#define RESIDUAL_KEY (1ull << 63)  // marks a key of the residual race, which outranks p[n]'s
+
+// atomicInc with release and acquire semantics at GPU scope: the keys this block folded in are
+// visible before its count, and the block that counts last sees every block's keys.
+__device__ __forceinline__ u32 atomic_inc_acq_rel(u32* address, u32 limit) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(address), "r"(limit) : "memory");
+    return old;
+}
 
 // A probability as the contract reads it: NaN and negative values are 0.
 __device__ __forceinline__ float prob(float x) { return x > 0.f ? x : 0.f; }
@@ -87,7 +98,7 @@ spec_accept_sample(const u32* vtok_d, const float* p_d, const float* q_d, u32 V,
 
     // The race over this block's slices of V: one draw E_v per entry serves both weight rows. The
     // slice's loads go out first, so their latency hides behind the Philox rounds.
-    u64 best_residual = 0, best_p = 0;
+    u64 best = 0;
     if (s_live) {
         const u32 row = s_n;
         const bool residual = row < s_limit;
@@ -108,28 +119,23 @@ spec_accept_sample(const u32* vtok_d, const float* p_d, const float* q_d, u32 V,
                 const u32 v = (u32)(base + j * THREADS);
                 if (pv[j] > 0.f) {  // else neither row has weight here: no draw needed
                     const float inv_e = __fdividef(1.f, philox_exponential(seed, a, v, PURPOSE_SAMPLE));
-                    best_p = race_max(best_p, race_key(pv[j], inv_e, v));
-                    best_residual = race_max(best_residual, race_key(prob(pv[j] - qv[j]), inv_e, v));
+                    const u64 residual_key = race_key(prob(pv[j] - qv[j]), inv_e, v);
+                    best = race_max(best, residual_key ? residual_key | RESIDUAL_KEY : race_key(pv[j], inv_e, v));
                 }
             }
         }
     }
-    best_residual = block_race_max<THREADS>(best_residual);
-    best_p = block_race_max<THREADS>(best_p);
+    best = block_race_max<THREADS>(best);
     if (threadIdx.x != 0) return;
 
-    u64* slot = scratch + 3 * (u64)b;
-    if (best_residual) atomicMax(&slot[0], best_residual);
-    if (best_p) atomicMax(&slot[1], best_p);
-    __threadfence();
-    if (atomicInc((u32*)&slot[2], gridDim.x - 1) != gridDim.x - 1) return;  // wraps to 0 for the next launch
+    u64* slot = scratch + 2 * (u64)b;
+    if (best) atomicMax(&slot[0], best);
+    if (atomic_inc_acq_rel((u32*)&slot[1], gridDim.x - 1) != gridDim.x - 1) return;  // wraps to 0
 
-    // The row's last block: every other block's keys are in, and every block has read brk and ctl.
-    __threadfence();
-    best_residual = atomicExch(&slot[0], 0ull);
-    best_p = atomicExch(&slot[1], 0ull);
+    // The row's last block: every other block's key is in, and every block has read brk and ctl.
+    best = atomicExch(&slot[0], 0ull);
     if (live) {
-        const u32 token = best_residual ? race_token(best_residual) : best_p ? race_token(best_p) : NO_MASS_TOKEN;
+        const u32 token = best ? race_token(best) : NO_MASS_TOKEN;
         acc_d[2 * b] = n;
         acc_d[2 * b + 1] = acc_total + n;
         last_pred_d[b] = token;

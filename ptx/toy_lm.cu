@@ -4,14 +4,18 @@
 // the verify run one block per sequence (blockIdx.x is the row), every KV layer holds `capacity`
 // entries per row ([B][capacity]) and one length per row (i32[B]).
 //
+// A pipeline stage holds the target layers [layer0, layer0 + n_layers) of the model ("Pipeline
+// stages on several GPUs"): salts use the absolute layer index, and the verify of a stage that
+// is not the last passes on its partial sums over layers (one u32 per token: the activation)
+// instead of predictions; the next stage adds them to its own.
+//
 // Its next token depends on every KV entry, so a wrong rollback or position changes the output,
 // and its work is spread over a block so a round costs little more than its launches: it exists
 // to expose the round-stream machinery's overhead. All arithmetic is u32 and wraps; the sums over
 // layers and entries are therefore one block-wide reduction each. KV appends are clamped to the
 // cache capacity: garbage positions produce garbage tokens, never a write outside a buffer.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
+#include "philox.cuh"
 
 #define BLOCK 512  // every block-wide kernel is launched with this many threads
 
@@ -21,6 +25,31 @@ __device__ __forceinline__ u32 fmix(u32 h) {
 }
 __device__ __forceinline__ u32 embed(u32 t, u32 j, u32 seed) { return fmix(t * 0x9E3779B1u + j * 0x85EBCA77u + seed); }
 __device__ __forceinline__ u32 salt(u32 l) { return fmix(0x27d4eb2fu * (l + 1)); }
+
+// Sampling mode (DESIGN.md, "Stochastic acceptance"): the next-token distribution at hash state h
+// is a mixture, `floor` on every token plus weight c[j] on candidate j = fmix(h ^ j * 0x27d4eb2f) %
+// vocab, whose first is the greedy token fmix(h) % vocab. The host sets floor = eps / vocab and
+// c = (1 - eps) softmax(-j / temperature), so the weights sum to one without a pass over V.
+#define CANDIDATES 4
+
+struct Mixture {
+    u32 token[CANDIDATES];
+    float weight[CANDIDATES];
+    float floor;
+};
+
+__device__ __forceinline__ Mixture mixture(u32 h, u32 vocab, float floor, float c0, float c1, float c2, float c3) {
+    Mixture m = {{0, 0, 0, 0}, {c0, c1, c2, c3}, floor};
+    for (u32 j = 0; j < CANDIDATES; ++j) m.token[j] = fmix(h ^ j * 0x27d4eb2fu) % vocab;
+    return m;
+}
+
+__device__ __forceinline__ float mixture_prob(const Mixture& m, u32 v) {
+    float p = m.floor;
+    for (u32 j = 0; j < CANDIDATES; ++j)
+        if (v == m.token[j]) p += m.weight[j];
+    return p;
+}
 
 // Wrapping sum of one value per thread over the block; every thread gets the total.
 __device__ u32 block_sum(u32 v) {
@@ -34,19 +63,21 @@ __device__ u32 block_sum(u32 v) {
     return total;
 }
 
-// Row `row`'s entries t_0..t_{n-1} into every target KV layer and the draft's layer; its
-// lengths become n (n <= capacity, checked by the launcher).
+// Row `row`'s entries t_0..t_{n-1} into every target KV layer and the draft's layer (if this
+// stage has the draft: draft_data non-null); its lengths become n (n <= capacity, checked by the
+// launcher).
 extern "C" __global__ void toy_prefill(const u32* tokens, u32 n, u32 row, u32 capacity, const u64* tgt_data,
-                                       const u64* tgt_len, u32 n_layers, u32* draft_data, int* draft_len, u32 seed) {
+                                       const u64* tgt_len, u32 n_layers, u32 layer0, u32* draft_data, int* draft_len,
+                                       u32 seed) {
     const u64 base = (u64)row * capacity;
     for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
         const u32 e = embed(tokens[j], j, seed);
-        draft_data[base + j] = e;
+        if (draft_data) draft_data[base + j] = e;
         for (u32 l = 0; l < n_layers; ++l)
-            if (tgt_data[l]) ((u32*)tgt_data[l])[base + j] = fmix(e ^ salt(l));
+            if (tgt_data[l]) ((u32*)tgt_data[l])[base + j] = fmix(e ^ salt(layer0 + l));
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        draft_len[row] = (int)n;
+        if (draft_len) draft_len[row] = (int)n;
         for (u32 l = 0; l < n_layers; ++l)
             if (tgt_len[l]) ((int*)tgt_len[l])[row] = (int)n;
     }
@@ -59,10 +90,11 @@ struct Layers {
     u32* data[32];
 };
 
-// `row_base` offsets each layer's data to this block's row.
-__device__ void load_layers(Layers& layers, u32 n_layers, const u64* tgt_data, u64 row_base) {
+// Layer i of the table is the model's layer layer0 + i; `row_base` offsets each layer's data to
+// this block's row.
+__device__ void load_layers(Layers& layers, u32 n_layers, u32 layer0, const u64* tgt_data, u64 row_base) {
     if (threadIdx.x < n_layers) {
-        layers.salt[threadIdx.x] = salt(threadIdx.x);
+        layers.salt[threadIdx.x] = salt(layer0 + threadIdx.x);
         const u64 data = tgt_data ? tgt_data[threadIdx.x] : 0;
         layers.data[threadIdx.x] = data ? (u32*)data + row_base : 0;
     }
@@ -71,11 +103,13 @@ __device__ void load_layers(Layers& layers, u32 n_layers, const u64* tgt_data, u
 
 // Draft step `step` of k+1 for row blockIdx.x: consume the token at p = pos_ctr + step (pend,
 // then the drafts), append its KV; for step < k also predict draft[step] and flag a p-min break.
-// Rows of draft_d are max(k, 1) tokens apart.
+// Rows of draft_d are max(k, 1) tokens apart. With q_d (sampling mode), the draft writes its
+// distribution to q_d[b][step][0..vocab) (the mixture at its hash state; a noisy position hashes
+// differently) and samples draft[step] from it by the race keyed by (seed_d[b], p + 1, purpose 2).
 extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         u32 step, u32 k, const u32* pend_d, u32* draft_d, const int* pos_ctr, u32* brk_d, u32* draft_data,
         int* draft_len, u32 capacity, u32 kv_mask, u32 n_layers, u32 seed, u32 vocab, u32 noise_ppm,
-        u32 break_below) {
+        u32 break_below, const u64* seed_d, float* q_d, float floor, float c0, float c1, float c2, float c3) {
     __shared__ Layers layers;
     const u32 b = blockIdx.x;
     pend_d += b;
@@ -88,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
     const u32 brk = lead ? brk_d[0] : 0;  // loaded up front: its latency overlaps the rest
     const u32 p = (u32)(pos_ctr[0] + (int)step);
     const u32 t = step == 0 ? pend_d[0] : draft_d[step - 1];
-    load_layers(layers, n_layers, 0, 0);
+    load_layers(layers, n_layers, 0, 0, 0);
     if (p >= capacity) {  // no room (or a garbage position): predict nothing, write nothing
         if (threadIdx.x == 0 && step < k) draft_d[step] = 0;
         return;
@@ -103,12 +137,28 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         }
         if (threadIdx.x < n_layers)  // this position's own term of layer threadIdx.x
             part += fmix(((kv_mask >> threadIdx.x) & 1u ? e : t) ^ layers.salt[threadIdx.x]);
-        const bool noisy = lead && fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm;
+        const bool noisy = fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm;
         const bool breaks = lead && fmix(p ^ seed ^ 0x68e31da4u) % 1000u < break_below && brk == 0;
         const u32 total = block_sum(part);
-        if (lead) {
+        u32 token;
+        if (q_d) {  // every thread: a slice of the vocabulary each, then one race over the block
+            const Mixture m = mixture(seed ^ total ^ (noisy ? 0x5bd1e995u : 0u), vocab, floor, c0, c1, c2, c3);
+            const u64 request = seed_d[b];
+            float* q = q_d + ((u64)b * max(k, 1u) + step) * vocab;
+            u64 best = 0;
+            for (u32 v = threadIdx.x; v < vocab; v += BLOCK) {
+                const float w = mixture_prob(m, v);
+                q[v] = w;
+                best = race_max(best, race_key(w, 1.0f / philox_exponential(request, p + 1, v, PURPOSE_DRAFT), v));
+            }
+            best = block_race_max<BLOCK>(best);
+            token = best ? race_token(best) : 0;
+        } else {
             const u32 pred = fmix(seed ^ total) % vocab;
-            draft_d[step] = noisy ? (pred + 1) % vocab : pred;
+            token = noisy ? (pred + 1) % vocab : pred;
+        }
+        if (lead) {
+            draft_d[step] = token;
             if (breaks) brk_d[0] = step + 1;
         }
     }
@@ -120,21 +170,24 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
 
 // Verify trunk of row blockIdx.x: the k+1 tokens of vtok at positions pos_start.., causal; appends
 // their KV to every target layer and writes pred[i], the target's token after vtok[i]. k+1 <= BLOCK.
+// In a pipeline, partial_in (if non-null) holds the earlier stages' sums for each token, and a
+// stage that is not the last writes its sums (partial_in's included) to partial_out, not pred.
 extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
         const u32* vtok_d, u32 k1, const int* pos_start_d, u32* pred_d, const u64* tgt_data, const u64* tgt_len,
-        u32 n_layers, u32 capacity, u32 seed, u32 vocab) {
+        u32 n_layers, u32 capacity, u32 seed, u32 vocab, u32 layer0, const u32* partial_in, u32* partial_out) {
     __shared__ Layers layers;
     __shared__ u32 fresh[BLOCK];  // token i's new KV entries, summed over the layers
-    __shared__ u32 local[BLOCK];  // token i's terms from layers without KV
+    __shared__ u32 local[BLOCK];  // token i's terms from layers without KV, and the earlier stages' sums
     const u32 b = blockIdx.x;
     vtok_d += (u64)b * k1;
-    pred_d += (u64)b * k1;
+    u32* out = partial_out ? partial_out + (u64)b * k1 : pred_d + (u64)b * k1;
     const u32 pos = (u32)pos_start_d[b];
     const u32 i = threadIdx.x;
     const u32 t = i < k1 ? vtok_d[i] : 0;
-    load_layers(layers, n_layers, tgt_data, (u64)b * capacity);
+    const u32 before = partial_in && i < k1 ? partial_in[(u64)b * k1 + i] : 0;
+    load_layers(layers, n_layers, layer0, tgt_data, (u64)b * capacity);
     if (pos >= capacity) {
-        if (i < k1) pred_d[i] = 0;
+        if (i < k1) out[i] = 0;
         return;
     }
     u32 part = 0;
@@ -154,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
             }
         }
         fresh[i] = f;
-        local[i] = g;
+        local[i] = g + before;
     }
     const u32 history = block_sum(part);  // its barriers also publish fresh[] and local[]
     if (threadIdx.x < 32) {  // warp 0: a running sum over the tokens, 32 at a time
@@ -166,12 +219,26 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
                 const u32 up = __shfl_up_sync(0xffffffffu, run, o);
                 if (threadIdx.x >= o) run += up;
             }
-            if (j < k1) pred_d[j] = fmix(seed ^ (carry + run + local[j])) % vocab;
+            if (j < k1) {
+                const u32 total = carry + run + local[j];
+                out[j] = partial_out ? total : fmix(seed ^ total) % vocab;
+            }
             carry += __shfl_sync(0xffffffffu, run, 31);
         }
     }
     if (threadIdx.x < n_layers && tgt_len[threadIdx.x])
         ((int*)tgt_len[threadIdx.x])[b] = (int)min(pos + k1, capacity);
+}
+
+// Sampling mode's verify: the target's distribution p[r][0..vocab) at each of rows = B(k+1) verify
+// positions, from the sums toy_verify wrote to partial_out (row r of `totals`); blockIdx.y is r.
+extern "C" __global__ void toy_probs(const u32* totals, u32 rows, u32 seed, u32 vocab, float floor, float c0,
+                                     float c1, float c2, float c3, float* p_d) {
+    const u32 r = blockIdx.y;
+    if (r >= rows) return;
+    const Mixture m = mixture(seed ^ totals[r], vocab, floor, c0, c1, c2, c3);
+    float* p = p_d + (u64)r * vocab;
+    for (u32 v = blockIdx.x * blockDim.x + threadIdx.x; v < vocab; v += gridDim.x * blockDim.x) p[v] = mixture_prob(m, v);
 }
 
 // The model-cost knob: read n_vec 16-byte words of "weights", as a memory-bound model layer would.

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from memra_cuda import CudaError, DeviceBuffer, Engine, Graph
-from memra_cuda.driver.errors import call, driver
+from memra_cuda.driver.buffer import _device_of
+from memra_cuda.driver.errors import call
 from memra_cuda.driver.module import Module
 
 pytestmark = pytest.mark.gpu
@@ -476,8 +477,25 @@ def test_module_refuses_interior_nul(engine, image):
 
 
 def device_of(buf: DeviceBuffer) -> int:
-    attribute = driver().CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
-    return int(call("cuPointerGetAttribute", attribute, buf.ptr))
+    """The device whose context owns the memory (see buffer._device_of)."""
+    return _device_of(buf.ptr)
+
+
+def test_calls_on_another_device_leave_the_current_context_alone(engine):
+    """A thread on device 0 (PyTorch's current device, say) uses an engine on device 1: its
+    memory, copies and launches land on device 1, and device 0 stays current throughout."""
+    if call("cuDeviceGetCount") < 2:
+        pytest.skip("needs 2 CUDA devices")
+    other = Engine(1)
+    try:
+        engine.ctx.make_current()
+        buf = other.htod_u32([1, 2, 3])
+        increment(other, 3)(buf, 3)
+        assert other.dtoh_u32(buf).tolist() == [2, 3, 4]
+        assert device_of(buf) == 1
+        assert int(call("cuCtxGetCurrent")) == engine.ctx.address
+    finally:
+        other.close()
 
 
 @pytest.mark.parametrize("devices", [(0, 0), (0, 1)], ids=["same-device", "two-devices"])

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 CASES = int(os.environ.get("MEMRA_CASES", "2000"))
 SEED = int(os.environ.get("MEMRA_SEED", "0"))
 NEAR_TIE = 1e-5
-# 3000: three blocks per row, the last one partial; 152 000: a real vocabulary (149 blocks per row)
+# 3000: six blocks per row, the last one partial; 152 000: a real vocabulary (297 blocks per row)
 CONFIGS = [(B, V, k) for B in (1, 3, 32) for V in (1, 7, 1000, 3000) for k in (0, 1, 4)]
 BIG_CONFIGS = [(B, 152_000, k) for B in (1, 32) for k in (0, 1, 4)]
 NAN, INF = float("nan"), float("inf")
@@ -185,7 +185,7 @@ def test_accept_sample_matches_reference_on_a_real_vocabulary(engine, spec, B, V
 
 
 def test_captured_launch_replays_on_the_scratch_it_left_zeroed(engine, spec):
-    """A graph of one launch (149 blocks per row, so the rows' last-block hand-off and the scratch
+    """A graph of one launch (297 blocks per row, so the rows' last-block hand-off and the scratch
     reset matter), replayed on new state each time."""
     rig = Rig(engine, spec, 3, 152_000, 2)
     graph = Graph(engine, rig.launch)

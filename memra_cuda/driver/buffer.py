@@ -305,4 +305,15 @@ def _device_of(ptr: int) -> int:
         raise ValueError(f"{ptr:#x} is not device memory the driver knows") from None
     if int(kind) != int(driver().CUmemorytype.CU_MEMORYTYPE_DEVICE):
         raise ValueError(f"{ptr:#x} is host memory, not device memory")
-    return int(call("cuPointerGetAttribute", attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr))
+    # The device of the context that owns the memory: DEVICE_ORDINAL answers 0 for device 1's
+    # memory (seen with cuda-bindings 13.3 on two H200s); memory no context owns (virtual memory
+    # management) has only the ordinal to go by.
+    ctx = call("cuPointerGetAttribute", attr.CU_POINTER_ATTRIBUTE_CONTEXT, ptr)
+    if not int(ctx):
+        return int(call("cuPointerGetAttribute", attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr))
+    drv = driver()
+    call("cuCtxPushCurrent", ctx)
+    try:
+        return int(call("cuCtxGetDevice"))
+    finally:
+        drv.cuCtxPopCurrent()

@@ -9,8 +9,12 @@ where a sticky fault is recognised and remembered: after an illegal address or a
 launch, every later call on that device raises the same CudaFault, and cleanup skips the
 driver instead of failing (or hanging) on a context that is gone.
 
-Thread safety: a PrimaryContext may be shared by any number of threads. Which context is
-current is a per-thread driver state; each thread switches on its first call.
+Which context is current is per-thread driver state that other libraries share (PyTorch's
+current device is the current context's). So no call here changes it for the caller: a call
+on a context that is not current pushes it for that call alone and pops it after. A thread on
+the right context (one device, the common case) pays one cuCtxGetCurrent per call; engines on
+two devices in one thread each get their own context, whatever anyone switched to in between.
+Thread safety: a PrimaryContext may be shared by any number of threads.
 """
 from __future__ import annotations
 
@@ -22,11 +26,6 @@ from typing import Any
 from .errors import STICKY, CudaError, CudaFault, call, driver, error, values
 
 log = logging.getLogger("memra_cuda")
-
-# The context this library last made current on each thread. Switching costs a driver call,
-# so it is skipped when the thread is already on the right context; code that switches contexts
-# behind our back (another library on another device) should call Engine.activate(force=True).
-_current = threading.local()
 
 # One PrimaryContext per device while anything holds it: a fault seen by one engine is then
 # known to every engine on that device.
@@ -53,19 +52,49 @@ class PrimaryContext:
         self.fault: CudaFault | None = None
         self.cu_device = call("cuDeviceGet", device)
         self.handle = call("cuDevicePrimaryCtxRetain", self.cu_device)
+        self.address = int(self.handle)
         weakref.finalize(self, _release_primary, self.cu_device, device)
 
-    def make_current(self, force: bool = False) -> None:
-        ref = getattr(_current, "ref", None)
-        if force or ref is None or ref() is not self:
-            self.call("cuCtxSetCurrent", self.handle)
-            _current.ref = weakref.ref(self)  # weak: the marker must not keep the context alive
+    def make_current(self) -> None:
+        """Leave this context current on the calling thread (for code that calls the driver
+        itself, such as the bench's bare launches; memra's own calls do not need it). Not
+        through call(), whose push and pop would undo it."""
+        if self.fault is not None:
+            raise self.fault.again("cuCtxSetCurrent")
+        (err,) = driver().cuCtxSetCurrent(self.handle)
+        if err:
+            raise self.failure(err, "cuCtxSetCurrent")
+
+    def adopt_thread(self) -> None:
+        """Make this context current if the thread has none (no one else's choice to disturb),
+        so later calls from this thread find it current and need not push it."""
+        err, current = driver().cuCtxGetCurrent()
+        if not err and int(current) == 0:
+            self.make_current()
+
+    def push(self) -> bool:
+        """Push this context unless it is already current; whether it was pushed (then the
+        caller pops it with cuCtxPopCurrent once its call is made)."""
+        drv = driver()
+        err, current = drv.cuCtxGetCurrent()
+        if not err and int(current) == self.address:
+            return False
+        (err,) = drv.cuCtxPushCurrent(self.handle)
+        if err:
+            raise self.failure(err, "cuCtxPushCurrent")
+        return True
 
     def call(self, name: str, *args: Any) -> Any:
-        """Call the driver function `name` in this context's name; failures name the call."""
+        """Call the driver function `name` with this context current; failures name the call."""
         if self.fault is not None:
             raise self.fault.again(name)
-        result = getattr(driver(), name)(*args)
+        drv = driver()
+        pushed = self.push()
+        try:
+            result = getattr(drv, name)(*args)
+        finally:
+            if pushed:
+                drv.cuCtxPopCurrent()
         if result[0]:
             raise self.failure(result[0], name)
         return values(result)
@@ -81,7 +110,7 @@ class PrimaryContext:
         return self.fault.again(call)
 
     def finalize(self, name: str, *args: Any) -> None:
-        """Run a destroy/free call with this context pushed, from any thread, never raising.
+        """Run a destroy/free call in this context, from any thread, never raising.
 
         Finalisers run from the garbage collector or at interpreter exit, where an exception
         has nowhere to go: failures are logged instead. After a fault nothing is released: the
@@ -90,14 +119,7 @@ class PrimaryContext:
         if self.fault is not None:
             return
         try:
-            drv = driver()
-            (err, *_) = drv.cuCtxPushCurrent(self.handle)
-            if err:
-                raise error(err, "cuCtxPushCurrent")
-            try:
-                self.call(name, *args)
-            finally:
-                drv.cuCtxPopCurrent()
+            self.call(name, *args)
         except CudaFault:
             log.debug("memra_cuda: %s skipped: device %d has faulted", name, self.device)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise

@@ -9,7 +9,7 @@ import numpy as np
 
 from .buffer import DeviceBuffer, PinnedBuffer, as_buffer, as_index, exact_array, exact_int
 from .context import PrimaryContext
-from .errors import CaptureError, driver
+from .errors import CaptureError, CudaError, driver
 from .event import Event
 from .handle import Handle
 from .module import Module, packaged_ptx
@@ -41,12 +41,13 @@ class Engine(Handle):
 
     def __init__(self, device: int = 0, stream: Any = None):
         self.ctx = PrimaryContext.of(as_index(device, "device"))
-        self.ctx.make_current()
+        self.ctx.adopt_thread()
         self.readbacks = 0
         self.syncs = 0
         self.capturing_graph: Graph | None = None  # set by Graph while it captures this stream
         self._modules: dict[str, Module] = {}
         self._join: Event | None = None
+        self._peers: set[int] = set()  # devices this context has peer access to
         if stream is None:
             flags = driver().CUstream_flags.CU_STREAM_NON_BLOCKING
             self.stream = self.ctx.call("cuStreamCreate", flags)
@@ -82,11 +83,11 @@ class Engine(Handle):
     def closed(self) -> bool:
         return self._freed
 
-    def activate(self, force: bool = False) -> PrimaryContext:
-        """Make this engine's context current (force: even if we believe it already is)."""
+    def activate(self) -> PrimaryContext:
+        """This engine's context, for a driver call made in it (ValueError once closed).
+        PrimaryContext.call makes it current for that call alone."""
         if self._freed:
             raise ValueError("Engine is closed")
-        self.ctx.make_current(force)
         return self.ctx
 
     # -- lifetime -------------------------------------------------------------------------
@@ -220,6 +221,30 @@ class Engine(Handle):
         else:
             ctx.call("cuMemsetD32Async", ptr, bits, buf.len, self.stream)
         self._uses(buf)
+
+    def copy_to_peer(self, dst: DeviceBuffer, src: Any) -> None:
+        """Queue src → dst on this engine's stream, where dst is memory of another engine, on
+        this device or another (a pipeline stage's activations or accept state; capturable).
+        The other engine must order its use of dst after this stream (engine.wait on an Event
+        recorded after the copy); peer access between the devices is enabled on first use."""
+        src = self.buffer(src, "src")
+        if not isinstance(dst, DeviceBuffer) or dst.engine is None:
+            raise ValueError(f"dst must be a DeviceBuffer of an engine, not {dst!r}")
+        if dst.dtype.itemsize != src.dtype.itemsize or dst.len != src.len:
+            raise ValueError(f"copying {src!r} to {dst!r}: sizes differ")
+        ctx = self.activate()
+        peer = dst.engine.ctx
+        if peer is not ctx and peer.device not in self._peers:
+            try:
+                ctx.call("cuCtxEnablePeerAccess", peer.handle, 0)
+            except CudaError as exc:
+                if exc.name != "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED":
+                    raise
+            self._peers.add(peer.device)
+        # Unified addressing names both devices' memory; unlike cuMemcpyPeerAsync, this copy
+        # can be captured into a graph.
+        ctx.call("cuMemcpyAsync", dst.ptr, src.ptr, src.nbytes, self.stream)
+        self._uses(dst, src)
 
     # -- device to host -------------------------------------------------------------------
     def dtoh(self, buf: Any, dtype: Any = None) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Stream capture into an executable CUDA graph, owned like a buffer."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import CaptureError, driver
 from .handle import Handle
@@ -47,21 +47,28 @@ class Graph(Handle):
 
     `capture` says how the stream is captured (see Capture): by default the driver's own
     capture; `memra_cuda.torch.capture` captures through `torch.cuda.graph`, so that PyTorch's
-    allocator knows memory used inside the capture belongs to the graph.
+    allocator knows memory used inside the capture belongs to the graph. `joined` are other
+    engines (pipeline stages, on other devices too) whose streams `issue` forks from and joins
+    back to the engine's stream with events: their work is in the graph, and the graph holds
+    what it names as well.
     """
 
-    def __init__(self, engine: Engine, issue: Callable[[], None], *, capture: Capture | None = None):
+    def __init__(self, engine: Engine, issue: Callable[[], None], *, capture: Capture | None = None,
+                 joined: Sequence[Engine] = ()):
         self.engine = engine
         self._held: dict[int, Handle] = {}
         self._owner: Any = None
         ctx = engine.activate()
-        if engine.capturing_graph is not None:
-            raise CaptureError("a graph is already being captured on this engine's stream")
-        engine.capturing_graph = self
+        engines = [engine, *(e for e in joined if e is not engine)]
+        if any(e.capturing_graph is not None for e in engines):
+            raise CaptureError("a graph is already being captured on one of these engines' streams")
+        for e in engines:
+            e.capturing_graph = self
         try:
             self.handle, self._owner = (capture or stream_capture)(engine, issue)
         finally:
-            engine.capturing_graph = None
+            for e in engines:
+                e.capturing_graph = None
         if self._owner is None:
             self._own(ctx, "cuGraphExecDestroy", self.handle)
 

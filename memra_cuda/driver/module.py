@@ -135,7 +135,8 @@ class Launch(Handle):
         kernel.check_signature(self.args.types)
         if self.args.types:
             self._refusal = f"{kernel.name} has no arguments yet: call set(...) before launching it"
-        self._make_current = engine.activate().make_current
+        self._push = engine.activate().push
+        self._pop = driver().cuCtxPopCurrent
         self._launch = driver().cuLaunchKernel
         self._argv = (kernel.handle, *_dim3(grid, "grid"), *_dim3(block, "block"), int(shared),
                       engine.stream, self.args.pointer, 0)
@@ -157,8 +158,10 @@ class Launch(Handle):
             self.set(*values)
         if self._refusal is not None:
             raise ValueError(self._refusal)
-        self._make_current()
+        pushed = self._push()
         (err,) = self._launch(*self._argv)
+        if pushed:
+            self._pop()
         if err:
             raise self.engine.ctx.failure(err, f"cuLaunchKernel({self.kernel.name})")
         if self.engine.capturing_graph is not None:
@@ -258,7 +261,12 @@ def _load(ctx: PrimaryContext, image: bytes) -> Any:
     drv = driver()
     log = bytearray(16384)
     opts = [drv.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, drv.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
-    err, handle = drv.cuModuleLoadDataEx(image, len(opts), opts, [log, len(log)])
+    pushed = ctx.push()
+    try:
+        err, handle = drv.cuModuleLoadDataEx(image, len(opts), opts, [log, len(log)])
+    finally:
+        if pushed:
+            drv.cuCtxPopCurrent()
     if err:
         jit_log = bytes(log).split(b"\0", 1)[0].decode(errors="replace").strip()
         raise ctx.failure(err, "cuModuleLoadDataEx", detail=f"JIT log:\n{jit_log}" if jit_log else "")

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import reference as ref
 from ..kernels import batch_rows
+from ..sampling import Sampling
 from ..stream import RoundStream, chain, kv_capacity
 from ..tables import Cache, PointerTable, kv_len_ptr_table
 
@@ -84,14 +85,22 @@ class ToyModel:
         kernel compares integers exactly as numpy does."""
         return int(np.count_nonzero(np.arange(1000) / 1000 < self.p_min))
 
-    def predict(self, history: int, token: int, pos: int) -> int:
-        """The target's token after `token` at `pos`; `history` is the wrapping sum of every KV
-        layer's entries before pos."""
+    def state(self, history: int, token: int, pos: int) -> int:
+        """The target's hash state after `token` at `pos` (`history`: the wrapping sum of every
+        KV layer's entries before pos); its greedy token is fmix(state) % vocab."""
         e = self.embed(token, pos)
         total = history
         for layer, has_kv in enumerate(self.kv_mask):
             total += fmix(e ^ salt(layer)) if has_kv else fmix(token ^ salt(layer))
-        return fmix(self.seed ^ (total & M32)) % self.vocab
+        return self.seed ^ (total & M32)
+
+    def predict(self, history: int, token: int, pos: int) -> int:
+        """The target's greedy token after `token` at `pos`."""
+        return fmix(self.state(history, token, pos)) % self.vocab
+
+    def candidates(self, state: int) -> list[int]:
+        """Sampling mode's four candidate tokens at a hash state (toy_lm.cu's mixture)."""
+        return [fmix(state ^ ((j * 0x27D4EB2F) & M32)) % self.vocab for j in range(4)]
 
     def kv_entries(self, token: int, pos: int) -> int:
         """Sum over the KV layers of the entries token-at-pos appends."""
@@ -216,6 +225,40 @@ def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new
 
 
 @dataclass(frozen=True)
+class ToySampling:
+    """The toy's sampling mode (toy_lm.cu, "Sampling mode"): at each position the target's
+    distribution puts `floor` of its mass evenly on the vocabulary and the rest on four
+    candidate tokens (the first is the greedy token) weighted softmax(-j / temperature); the
+    draft's is the same mixture with its own temperature and floor, at the draft's hash state
+    (which differs at its noisy positions). Temperature 0 and floor 0 make the target greedy."""
+
+    temperature: float = 1.0
+    floor: float = 0.05
+    draft_temperature: float = 1.0
+    draft_floor: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "floor", "draft_temperature", "draft_floor"):
+            value = getattr(self, name)
+            if not (value >= 0 and (value <= 1 or "temperature" in name)):
+                raise ValueError(f"{name} must be >= 0 (a floor at most 1), not {value}")
+
+    @staticmethod
+    def weights(vocab: int, temperature: float, floor: float) -> tuple[float, ...]:
+        """(floor / vocab, c_0 .. c_3) as the kernels take them (f32 values)."""
+        j = np.arange(4)
+        c = np.exp(-j / temperature) if temperature > 0 else (j == 0).astype(float)
+        c = (1 - floor) * c / c.sum()
+        return tuple(float(np.float32(w)) for w in (floor / vocab, *c))
+
+    def target(self, vocab: int) -> tuple[float, ...]:
+        return self.weights(vocab, self.temperature, self.floor)
+
+    def draft(self, vocab: int) -> tuple[float, ...]:
+        return self.weights(vocab, self.draft_temperature, self.draft_floor)
+
+
+@dataclass(frozen=True)
 class ToyCost:
     """Bytes of "weights" the verify trunk and each draft step stream from device memory, so
     the toy can stand in for a real model's memory-bound forward pass."""
@@ -231,17 +274,29 @@ COST_8B_05B = ToyCost(verify_bytes=16 * 10**9, draft_bytes=1 * 10**9)
 class ToyLM:
     """The toy on the GPU for `batch` sequences: target and draft KV caches ([B][capacity]
     entries per layer, i32[B] lengths), the kernels, and their wiring. Each row has its own
-    prompt, position and caches; the weights (the cost knob) are read once for the batch."""
+    prompt, position and caches; the weights (the cost knob) are read once for the batch.
+
+    A pipeline stage (models/pipeline.py) holds only the target layers `layers` of the model,
+    and the draft only if `with_draft`; its verify passes partial sums on to the next stage.
+    With `sampling`, the draft samples its tokens, the verify writes the target's probabilities
+    and the round accepts stochastically (spec_accept_sample), each row with its request's seed.
+    """
 
     def __init__(self, engine: Engine, model: ToyModel, capacity: int, cost: ToyCost = ToyCost(),
-                 weights: DeviceBuffer | None = None, batch: int = 1):
+                 weights: DeviceBuffer | None = None, batch: int = 1, layers: range | None = None,
+                 with_draft: bool = True, sampling: ToySampling | None = None):
         """`weights`: a buffer to stream for the cost knob, shareable between models (one is
         allocated when the cost needs it and none is given)."""
         self.engine, self.model, self.capacity, self.cost = engine, model, int(capacity), cost
         self.batch = int(batch)
+        self.layers = range(len(model.kv_mask)) if layers is None else layers
+        if not (self.layers.step == 1 and 0 <= self.layers.start < self.layers.stop <= len(model.kv_mask)):
+            raise ValueError(f"a stage holds a contiguous, non-empty range of the model's {len(model.kv_mask)} "
+                             f"layers, not {layers}")
         self.module = engine.load_ptx("toy_lm")
-        self.target = Cache.allocate(engine, model.kv_mask, capacity, batch=self.batch)
-        self.draft = Cache.allocate(engine, [True], capacity, batch=self.batch)
+        self.target = Cache.allocate(engine, model.kv_mask[self.layers.start:self.layers.stop], capacity,
+                                     batch=self.batch)
+        self.draft = Cache.allocate(engine, [True] if with_draft else [], capacity, batch=self.batch)
         layers = self.target.kv
         self.data_ptrs_d = PointerTable(engine, [None if kv is None else kv.data_d for kv in layers], label="toy data")
         self.len_ptrs_d = PointerTable(engine, [None if kv is None else kv.len_d for kv in layers], label="toy lengths")
@@ -254,33 +309,40 @@ class ToyLM:
         self.sink_d = engine.alloc_u32_zeroed(1, label="toy sink")
         # The prompt's home on the device: it outlives the prefill kernel that reads it.
         self.prompt_d = engine.alloc_u32_zeroed(self.capacity, label="toy prompt")
+        self.sampling = sampling
+        self.seed_d = engine.alloc(np.uint64, self.batch, zeroed=True, label="request seeds") if sampling else None
 
-    def prefill(self, bufs: StreamBufs, prompt: Sequence[int]) -> int:
+    def prefill(self, bufs: StreamBufs, prompt: Sequence[int], seed: int = 0) -> int:
         """Fill both caches with the prompt but its last token, which becomes pending, and
         reset the request's buffers (bufs.reset; the stop rule is generate's). Returns the
         start position, len(prompt) - 1. For one sequence; a batch fills its rows with
         prefill_row."""
         if self.batch != 1:
             raise ValueError(f"prefill() fills a batch of 1; this model holds {self.batch}: use prefill_row")
-        return self.prefill_row(bufs, 0, prompt)
+        return self.prefill_row(bufs, 0, prompt, seed)
 
-    def prefill_row(self, bufs: StreamBufs, row: int, prompt: Sequence[int]) -> int:
+    def prefill_row(self, bufs: StreamBufs, row: int, prompt: Sequence[int], seed: int = 0) -> int:
         """prefill() for the sequence in slot `row` (bufs.reset_row), leaving the other rows
-        alone: a new request joins between bursts. Returns its start position."""
+        alone: a new request joins between bursts. `seed` is the request's (sampling mode): its
+        tokens depend on it alone. Returns its start position."""
         n = len(prompt) - 1
         if not 0 <= n <= self.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a cache of {self.capacity}")
         self._check_batch(bufs)
-        engine, draft = self.engine, self.draft.kv[0]
+        engine = self.engine
         bufs.reset_row(engine, row, prompt[-1], n)
+        if self.seed_d is not None:
+            engine.copy_htod(self.seed_d, [seed], start=row)
         if n:
             engine.copy_htod(self.prompt_d, prompt[:-1])
+            draft = self.draft.kv[0] if self.draft.kv else None
             self.module.kernel("toy_prefill").prepare(
-                ["ptr", "u32", "u32", "u32", "ptr", "ptr", "u32", "ptr", "ptr", "u32"], grid=(n + BLOCK - 1) // BLOCK,
-                block=BLOCK)(self.prompt_d, n, row, self.capacity, self.data_ptrs_d, self.len_ptrs_d,
-                             len(self.model.kv_mask), draft.data_d, draft.len_d, self.model.seed)
+                ["ptr", "u32", "u32", "u32", "ptr", "ptr", "u32", "u32", "ptr", "ptr", "u32"],
+                grid=(n + BLOCK - 1) // BLOCK, block=BLOCK)(
+                self.prompt_d, n, row, self.capacity, self.data_ptrs_d, self.len_ptrs_d, len(self.layers),
+                self.layers.start, draft.data_d if draft else 0, draft.len_d if draft else 0, self.model.seed)
         else:
-            for kv in [*self.target.kv, draft]:
+            for kv in [*self.target.kv, *self.draft.kv]:
                 if kv is not None:
                     engine.set_u32(kv.len_d, row, 0)
         return n
@@ -297,30 +359,41 @@ class ToyLM:
         return [self.module.kernel("toy_stream_weights").prepare(["ptr", "u64", "ptr"], grid=grid, block=512)
                 .set(self.weights_d, nbytes // 16, self.sink_d)]
 
-    def draft_steps(self, bufs: StreamBufs, draft_d: DeviceBuffer) -> list[Launch]:
-        """The k+1 launches of one draft chain (each after its share of weight streaming)."""
+    def draft_steps(self, bufs: StreamBufs, draft_d: DeviceBuffer, q_d: DeviceBuffer | None = None) -> list[Launch]:
+        """The k+1 launches of one draft chain (each after its share of weight streaming); in
+        sampling mode they write the draft's probabilities to q_d, [B][max(k, 1)][vocab]."""
         self._check_batch(bufs)
         draft_d = batch_rows("draft_d", self.engine.buffer(draft_d, "draft_d"), self.batch, max(bufs.k, 1), bufs.k)
+        if not self.draft.kv:
+            raise ValueError("this pipeline stage holds no draft: the stage that has it runs the draft chain")
         m, draft = self.model, self.draft.kv[0]
         kernel = self.module.kernel("toy_draft_step")
-        types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7]
+        types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7, "ptr", "ptr", *["f32"] * 5]
+        sampled = (self.seed_d, q_d, *self.sampling.draft(m.vocab)) if q_d is not None else (0, 0, *[0.0] * 5)
         steps, reads = [], self._weight_reads(self.cost.draft_bytes)
         for step in range(bufs.k + 1):
             steps += reads
             steps.append(kernel.prepare(types, grid=self.batch, block=BLOCK).set(
                 step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr_d, bufs.brk_d, draft.data_d, draft.len_d,
-                self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below))
+                self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below, *sampled))
         return steps
 
-    def verify_steps(self, bufs: StreamBufs, pred_d: DeviceBuffer) -> list[Launch]:
-        """The verify trunk: its weight reads, then k+1 tokens through the target."""
+    def verify_steps(self, bufs: StreamBufs, pred_d: DeviceBuffer | None, partial_in: DeviceBuffer | None = None,
+                     partial_out: DeviceBuffer | None = None) -> list[Launch]:
+        """The verify trunk: its weight reads, then k+1 tokens through this model's target
+        layers. A pipeline stage adds the earlier stages' sums (`partial_in`) and, unless it is
+        the last, writes its own to `partial_out` instead of predictions to `pred_d`: each one
+        u32 per token, [B][k+1]."""
         self._check_batch(bufs)
-        pred_d = batch_rows("pred_d", self.engine.buffer(pred_d, "pred_d"), self.batch, bufs.k + 1)
+        out = [batch_rows(name, self.engine.buffer(buf, name), self.batch, bufs.k + 1) if buf is not None else 0
+               for name, buf in (("pred_d", pred_d), ("partial_in", partial_in), ("partial_out", partial_out))]
+        if (pred_d is None) == (partial_out is None):
+            raise ValueError("a verify writes either predictions (pred_d) or partial sums (partial_out)")
         m = self.model
         verify = self.module.kernel("toy_verify").prepare(
-            ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32"], grid=self.batch, block=BLOCK).set(
-            bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred_d, self.data_ptrs_d, self.len_ptrs_d,
-            len(m.kv_mask), self.capacity, m.seed, m.vocab)
+            ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", *["u32"] * 5, "ptr", "ptr"], grid=self.batch, block=BLOCK).set(
+            bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, out[0], self.data_ptrs_d, self.len_ptrs_d,
+            len(self.layers), self.capacity, m.seed, m.vocab, self.layers.start, out[1], out[2])
         return [*self._weight_reads(self.cost.verify_bytes), verify]
 
     def round_stream(self, spec: SpecKernels, bufs: StreamBufs) -> RoundStream:
@@ -331,8 +404,22 @@ class ToyLM:
         self._check_batch(bufs)
         engine = self.engine
         draft_d = engine.alloc_u32_zeroed(bufs.batch * max(bufs.k, 1), label="draft_d")
-        pred_d = engine.alloc_u32_zeroed(bufs.batch * (bufs.k + 1), label="pred_d")
-        drafts, verifies = self.draft_steps(bufs, draft_d), self.verify_steps(bufs, pred_d)
         table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)
-        return RoundStream(spec, bufs, draft_chain=chain(drafts), verify_trunk=chain(verifies),
-                           draft_d=draft_d, pred_d=pred_d, rollback_tables=[table])
+        if self.sampling is None:
+            pred_d = engine.alloc_u32_zeroed(bufs.batch * (bufs.k + 1), label="pred_d")
+            return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d)),
+                               verify_trunk=chain(self.verify_steps(bufs, pred_d)), draft_d=draft_d, pred_d=pred_d,
+                               rollback_tables=[table])
+        vocab, rows = self.model.vocab, bufs.batch * (bufs.k + 1)
+        if rows > 65535:
+            raise ValueError(f"the toy's sampling verify gives each of B(k+1) = {rows} positions a grid row: "
+                             "at most 65535")
+        q_d = engine.alloc(np.float32, bufs.batch * max(bufs.k, 1) * vocab, zeroed=True, label="q_d")
+        p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="p_d")
+        totals_d = engine.alloc_u32_zeroed(rows, label="verify sums")
+        probs = self.module.kernel("toy_probs").prepare(
+            ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows), block=256).set(
+            totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
+        return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d, q_d)),
+                           verify_trunk=chain([*self.verify_steps(bufs, None, partial_out=totals_d), probs]),
+                           draft_d=draft_d, sampling=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table])
