@@ -1,6 +1,6 @@
-"""The executable specification of ptx/spec_stream.cu, in numpy.
+"""The executable specification of ptx/spec_stream.cu and ptx/spec_sample.cu, in numpy.
 
-One function per kernel of ptx/spec_stream.cu and ptx/spec_sample.cu, named after it, taking the same buffers as numpy arrays (u32 buffers
+One function per kernel, named after it, taking the same buffers as numpy arrays (u32 buffers
 as uint32, i32 buffers as int32) and updating them in place exactly as the kernel does,
 clamps included. It is the oracle of the GPU tests and the plainest statement of the contracts.
 Each takes `batch` (B, default 1) as its kernel does: every buffer then holds B rows, row-major

@@ -238,7 +238,8 @@ extern "C" __global__ void toy_probs(const u32* totals, u32 rows, u32 seed, u32 
     if (r >= rows) return;
     const Mixture m = mixture(seed ^ totals[r], vocab, floor, c0, c1, c2, c3);
     float* p = p_d + (u64)r * vocab;
-    for (u32 v = blockIdx.x * blockDim.x + threadIdx.x; v < vocab; v += gridDim.x * blockDim.x) p[v] = mixture_prob(m, v);
+    for (u32 v = blockIdx.x * blockDim.x + threadIdx.x; v < vocab; v += gridDim.x * blockDim.x)
+        p[v] = mixture_prob(m, v);
 }
 
 // The model-cost knob: read n_vec 16-byte words of "weights", as a memory-bound model layer would.

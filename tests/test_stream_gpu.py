@@ -41,7 +41,8 @@ def random_cases(count, seed):
                              noise_ppm=int(rng.choice([0, 50_000, 300_000, 1_000_000])),
                              p_min=float(rng.choice([0.0, 0.1, 0.5])))
         prompt = [int(t) for t in rng.integers(0, model.vocab, int(rng.integers(1, 40)))]
-        yield case, model, prompt, int(rng.choice([0, 1, 2, 4, 8])), int(rng.choice([1, 3, 16])), int(rng.integers(1, 120))
+        k, m_rounds = int(rng.choice([0, 1, 2, 4, 8])), int(rng.choice([1, 3, 16]))
+        yield case, model, prompt, k, m_rounds, int(rng.integers(1, 120))
 
 
 @pytest.mark.parametrize("mode", MODES)
