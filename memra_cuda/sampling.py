@@ -62,7 +62,10 @@ def prepare_accept_sample(spec: SpecKernels, bufs: StreamBufs, p_d: Any, q_d: An
         for name in ("vtok_d", "brk_d", "acc_d", "last_pred_d", "ctl_d", "pos_start_d"))
     module = engine.load_ptx("spec_sample")  # once per engine: Engine.load_ptx keeps it
     scratch = engine.alloc(np.uint64, 2 * rows, zeroed=True, label="spec_accept_sample scratch")
-    blocks_per_row = -(-vocab // (THREADS * PER_THREAD))
+    # A block per THREADS·PER_THREAD entries, but not more blocks than fill the GPU a few times
+    # over: a large batch would only queue them and pile atomics on each row's scratch. The
+    # kernel's grid-stride loop covers V with any count.
+    blocks_per_row = max(1, min(-(-vocab // (THREADS * PER_THREAD)), 16 * engine.multiprocessors // rows))
     return module.kernel("spec_accept_sample").prepare(_TYPES, (blocks_per_row, rows), THREADS).set(
         vtok_d, p_d, q_d, vocab, k, rows, brk_d, acc_d, last_pred_d, ctl_d, pos_start_d, seed_d, scratch)
 
