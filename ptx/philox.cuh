@@ -80,3 +80,22 @@ __device__ __forceinline__ u64 block_race_max(u64 key) {
     __syncthreads();
     return key;
 }
+
+// atomicInc with release and acquire semantics at GPU scope: the keys a block folded in are
+// visible before its count, and the block that counts last sees every block's keys.
+__device__ __forceinline__ u32 atomic_inc_acq_rel(u32* address, u32 limit) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(address), "r"(limit) : "memory");
+    return old;
+}
+
+// A race spread over gridDim.x blocks per row: thread 0 of each block folds the block's best key
+// into the row's slot (u64[2]: the best key, then the count of blocks done). True in the row's last
+// block, which gets the row's best key in *winner; the slot is left zeroed (the count wraps), so
+// the next launch, or the next replay of a captured graph, starts clean.
+__device__ __forceinline__ bool race_settle(u64 best, u64* slot, u64* winner) {
+    if (best) atomicMax(&slot[0], best);
+    if (atomic_inc_acq_rel((u32*)&slot[1], gridDim.x - 1) != gridDim.x - 1) return false;
+    *winner = atomicExch(&slot[0], 0ull);
+    return true;
+}

@@ -31,14 +31,6 @@
 #define NO_MASS_TOKEN 0u
 #define RESIDUAL_KEY (1ull << 63)  // marks a key of the residual race, which outranks p[n]'s
 
-// atomicInc with release and acquire semantics at GPU scope: the keys this block folded in are
-// visible before its count, and the block that counts last sees every block's keys.
-__device__ __forceinline__ u32 atomic_inc_acq_rel(u32* address, u32 limit) {
-    u32 old;
-    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(old) : "l"(address), "r"(limit) : "memory");
-    return old;
-}
-
 // A probability as the contract reads it: NaN and negative values are 0.
 __device__ __forceinline__ float prob(float x) { return x > 0.f ? x : 0.f; }
 
@@ -128,12 +120,9 @@ spec_accept_sample(const u32* vtok_d, const float* p_d, const float* q_d, u32 V,
     best = block_race_max<THREADS>(best);
     if (threadIdx.x != 0) return;
 
-    u64* slot = scratch + 2 * (u64)b;
-    if (best) atomicMax(&slot[0], best);
-    if (atomic_inc_acq_rel((u32*)&slot[1], gridDim.x - 1) != gridDim.x - 1) return;  // wraps to 0
+    if (!race_settle(best, scratch + 2 * (u64)b, &best)) return;
 
     // The row's last block: every other block's key is in, and every block has read brk and ctl.
-    best = atomicExch(&slot[0], 0ull);
     if (live) {
         const u32 token = best ? race_token(best) : NO_MASS_TOKEN;
         acc_d[2 * b] = n;

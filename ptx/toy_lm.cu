@@ -103,13 +103,13 @@ __device__ void load_layers(Layers& layers, u32 n_layers, u32 layer0, const u64*
 
 // Draft step `step` of k+1 for row blockIdx.x: consume the token at p = pos_ctr + step (pend,
 // then the drafts), append its KV; for step < k also predict draft[step] and flag a p-min break.
-// Rows of draft_d are max(k, 1) tokens apart. With q_d (sampling mode), the draft writes its
-// distribution to q_d[b][step][0..vocab) (the mixture at its hash state; a noisy position hashes
-// differently) and samples draft[step] from it by the race keyed by (seed_d[b], p + 1, purpose 2).
+// Rows of draft_d are max(k, 1) tokens apart. With state_d (sampling mode) the step leaves the
+// draft's hash state there instead (a noisy position hashes differently), and toy_draft_sample
+// draws draft[step] from the mixture at it.
 extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         u32 step, u32 k, const u32* pend_d, u32* draft_d, const int* pos_ctr, u32* brk_d, u32* draft_data,
         int* draft_len, u32 capacity, u32 kv_mask, u32 n_layers, u32 seed, u32 vocab, u32 noise_ppm,
-        u32 break_below, const u64* seed_d, float* q_d, float floor, float c0, float c1, float c2, float c3) {
+        u32 break_below, u32* state_d) {
     __shared__ Layers layers;
     const u32 b = blockIdx.x;
     pend_d += b;
@@ -140,25 +140,12 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         const bool noisy = fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm;
         const bool breaks = lead && fmix(p ^ seed ^ 0x68e31da4u) % 1000u < break_below && brk == 0;
         const u32 total = block_sum(part);
-        u32 token;
-        if (q_d) {  // every thread: a slice of the vocabulary each, then one race over the block
-            const Mixture m = mixture(seed ^ total ^ (noisy ? 0x5bd1e995u : 0u), vocab, floor, c0, c1, c2, c3);
-            const u64 request = seed_d[b];
-            float* q = q_d + ((u64)b * max(k, 1u) + step) * vocab;
-            u64 best = 0;
-            for (u32 v = threadIdx.x; v < vocab; v += BLOCK) {
-                const float w = mixture_prob(m, v);
-                q[v] = w;
-                best = race_max(best, race_key(w, 1.0f / philox_exponential(request, p + 1, v, PURPOSE_DRAFT), v));
-            }
-            best = block_race_max<BLOCK>(best);
-            token = best ? race_token(best) : 0;
-        } else {
-            const u32 pred = fmix(seed ^ total) % vocab;
-            token = noisy ? (pred + 1) % vocab : pred;
-        }
         if (lead) {
-            draft_d[step] = token;
+            const u32 pred = fmix(seed ^ total) % vocab;
+            if (state_d)
+                state_d[b] = seed ^ total ^ (noisy ? 0x5bd1e995u : 0u);
+            else
+                draft_d[step] = noisy ? (pred + 1) % vocab : pred;
             if (breaks) brk_d[0] = step + 1;
         }
     }
@@ -228,6 +215,31 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
     }
     if (threadIdx.x < n_layers && tgt_len[threadIdx.x])
         ((int*)tgt_len[threadIdx.x])[b] = (int)min(pos + k1, capacity);
+}
+
+// Sampling mode's draft token `step` (< k) of row blockIdx.y, after its toy_draft_step: the draft's
+// distribution at the state it left goes to q_d[b][step][0..vocab), and draft[step] is drawn from
+// it by the race keyed by (seed_d[b], p + 1, purpose 2), p = pos_ctr + step the position the step
+// consumed. The vocabulary is spread over gridDim.x blocks of SAMPLE_BLOCK threads; scratch holds
+// one race slot (u64[2]) per row.
+#define SAMPLE_BLOCK 256
+extern "C" __global__ void __launch_bounds__(SAMPLE_BLOCK) toy_draft_sample(
+        u32 step, u32 k, const u32* state_d, const int* pos_ctr, u32* draft_d, float* q_d, const u64* seed_d,
+        u32 vocab, float floor, float c0, float c1, float c2, float c3, u64* scratch) {
+    const u32 b = blockIdx.y;
+    const Mixture m = mixture(state_d[b], vocab, floor, c0, c1, c2, c3);
+    const u64 request = seed_d[b];
+    const u32 a = (u32)(pos_ctr[b] + (int)step) + 1u;
+    float* q = q_d + ((u64)b * max(k, 1u) + step) * vocab;
+    u64 best = 0;
+    for (u32 v = blockIdx.x * SAMPLE_BLOCK + threadIdx.x; v < vocab; v += gridDim.x * SAMPLE_BLOCK) {
+        const float w = mixture_prob(m, v);
+        q[v] = w;
+        best = race_max(best, race_key(w, 1.0f / philox_exponential(request, a, v, PURPOSE_DRAFT), v));
+    }
+    best = block_race_max<SAMPLE_BLOCK>(best);
+    if (threadIdx.x == 0 && race_settle(best, scratch + 2 * (u64)b, &best))
+        draft_d[(u64)b * max(k, 1u) + step] = best ? race_token(best) : 0;
 }
 
 // Sampling mode's verify: the target's distribution p[r][0..vocab) at each of rows = B(k+1) verify

@@ -60,11 +60,17 @@ def test_ptxas_assembles_without_spills(image, arch):
     assert all(row == ("0", "0", "0") for row in usage), f"{image.name} on {arch}: local memory used\n{run.stderr}"
 
 
-def test_sampling_launcher_uses_the_geometry_spec_sample_was_written_for():
-    """spec_accept_sample's block reduction and launch bounds assume blockDim.x == THREADS, and a
-    block covers THREADS * PER_THREAD entries per pass: memra_cuda.sampling must launch it so."""
-    from memra_cuda import sampling
+def defines(source: str, *names: str) -> dict[str, int]:
+    text = (PTX_DIR / source).read_text()
+    return {name: int(value) for name, value in re.findall(rf"^#define ({'|'.join(names)}) (\d+)", text, re.M)}
 
-    source = (PTX_DIR / "spec_sample.cu").read_text()
-    defines = {name: int(value) for name, value in re.findall(r"^#define (THREADS|PER_THREAD) (\d+)", source, re.M)}
-    assert defines == {"THREADS": sampling.THREADS, "PER_THREAD": sampling.PER_THREAD}
+
+def test_launchers_use_the_block_sizes_the_kernels_were_written_for():
+    """Block reductions and launch bounds assume blockDim.x is the source's block size, and a
+    sampling block covers THREADS * PER_THREAD entries per pass: the launchers must agree."""
+    from memra_cuda import sampling
+    from memra_cuda.models import toy
+
+    assert defines("spec_sample.cu", "THREADS", "PER_THREAD") == {"THREADS": sampling.THREADS,
+                                                                  "PER_THREAD": sampling.PER_THREAD}
+    assert defines("toy_lm.cu", "BLOCK", "SAMPLE_BLOCK") == {"BLOCK": toy.BLOCK, "SAMPLE_BLOCK": toy.SAMPLE_BLOCK}

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 M32 = 0xFFFFFFFF
 BLOCK = 512  # toy_lm.cu's block size; verify handles k + 1 <= BLOCK tokens
+SAMPLE_BLOCK = 256  # toy_lm.cu's SAMPLE_BLOCK, the block of toy_draft_sample
 
 
 def fmix(h: int) -> int:
@@ -361,22 +362,37 @@ class ToyLM:
 
     def draft_steps(self, bufs: StreamBufs, draft_d: DeviceBuffer, q_d: DeviceBuffer | None = None) -> list[Launch]:
         """The k+1 launches of one draft chain (each after its share of weight streaming); in
-        sampling mode they write the draft's probabilities to q_d, [B][max(k, 1)][vocab]."""
+        sampling mode each of the first k is followed by its draw, which writes the draft's
+        probabilities to q_d, [B][max(k, 1)][vocab]."""
         self._check_batch(bufs)
         draft_d = batch_rows("draft_d", self.engine.buffer(draft_d, "draft_d"), self.batch, max(bufs.k, 1), bufs.k)
         if not self.draft.kv:
             raise ValueError("this pipeline stage holds no draft: the stage that has it runs the draft chain")
-        m, draft = self.model, self.draft.kv[0]
+        m, draft, engine = self.model, self.draft.kv[0], self.engine
         kernel = self.module.kernel("toy_draft_step")
-        types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7, "ptr", "ptr", *["f32"] * 5]
-        sampled = (self.seed_d, q_d, *self.sampling.draft(m.vocab)) if q_d is not None else (0, 0, *[0.0] * 5)
+        types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7, "ptr"]
+        state_d = engine.alloc_u32_zeroed(self.batch, label="draft states") if q_d is not None else None
         steps, reads = [], self._weight_reads(self.cost.draft_bytes)
         for step in range(bufs.k + 1):
             steps += reads
             steps.append(kernel.prepare(types, grid=self.batch, block=BLOCK).set(
                 step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr_d, bufs.brk_d, draft.data_d, draft.len_d,
-                self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below, *sampled))
+                self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below,
+                0 if state_d is None else state_d))
+            if state_d is not None and step < bufs.k:
+                steps.append(self._draft_sample(bufs, step, state_d, draft_d, q_d))
         return steps
+
+    def _draft_sample(self, bufs: StreamBufs, step: int, state_d: DeviceBuffer, draft_d: DeviceBuffer,
+                      q_d: DeviceBuffer) -> Launch:
+        """Sampling mode: draft token `step` drawn over the vocabulary by many blocks a row."""
+        vocab, engine = self.model.vocab, self.engine
+        blocks = max(1, min(-(-vocab // SAMPLE_BLOCK), 16 * engine.multiprocessors // self.batch))
+        scratch = engine.alloc(np.uint64, 2 * self.batch, zeroed=True, label="draft race scratch")
+        return self.module.kernel("toy_draft_sample").prepare(
+            ["u32", "u32", *["ptr"] * 5, "u32", *["f32"] * 5, "ptr"], grid=(blocks, self.batch),
+            block=SAMPLE_BLOCK).set(step, bufs.k, state_d, bufs.pos_ctr_d, draft_d, q_d, self.seed_d, vocab,
+                                    *self.sampling.draft(vocab), scratch)
 
     def verify_steps(self, bufs: StreamBufs, pred_d: DeviceBuffer | None, partial_in: DeviceBuffer | None = None,
                      partial_out: DeviceBuffer | None = None) -> list[Launch]:
