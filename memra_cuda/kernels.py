@@ -82,7 +82,8 @@ class SpecKernels:
                             table_d, table_d.len, bufs.batch, bufs.pos_start_d, bufs.ctl_d,
                             threads=table_d.len * bufs.batch)
 
-    def prepare_accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int) -> Launch:
+    def prepare_accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any,
+                              vocab: int | None = None) -> Launch:
         """Stochastic acceptance (contract 6, ptx/spec_sample.ptx): see sampling.py."""
         return prepare_accept_sample(self, bufs, p_d, q_d, seed_d, vocab)
 
@@ -101,7 +102,7 @@ class SpecKernels:
     def rollback(self, table_d: PointerTable, bufs: StreamBufs) -> None:
         self.prepare_rollback(table_d, bufs)()
 
-    def accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int) -> None:
+    def accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int | None = None) -> None:
         self.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)()
 
     def _words(self, name: str, obj: Any) -> DeviceBuffer:

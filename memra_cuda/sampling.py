@@ -38,22 +38,25 @@ _TYPES = ["ptr", "ptr", "ptr", "u32", "u32", "u32"] + ["ptr"] * 7
 
 
 def prepare_accept_sample(spec: SpecKernels, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any,
-                          vocab: int) -> Launch:
+                          vocab: int | None = None) -> Launch:
     """A prepared launch of spec_accept_sample over bufs' B rows, to keep and call every round.
 
     p_d: float32 [B][k+1][V], the target's probabilities at the k+1 verify positions; q_d: float32
     [B][max(k,1)][V], the draft's at its k positions; seed_d: [B] 64-bit seeds (uint64, or int64
-    for frameworks without unsigned types: the kernel reads the bits). Sizes must be exact: V is
-    given, not derived, so a p_d holding rows of another vocabulary cannot pass as a longer one.
+    for frameworks without unsigned types: the kernel reads the bits). Sizes must be exact. Give
+    V (`vocab`) where you can: derived from p_d (DESIGN.md's four-argument call), a p_d of the
+    wrong length passes whenever q_d happens to fit the same wrong V.
 
     Allocates the kernel's scratch (zeroed; every launch leaves it zeroed again), so call it
     before capturing a graph: the launch itself is capturable and replays unchanged.
     """
     engine = spec.engine
+    k, rows = bufs.k, bufs.batch  # rows <= 65535, gridDim.y's cap: StreamBufs holds no more
+    if vocab is None:
+        vocab = engine.buffer(p_d, "p_d").len // (rows * (k + 1))
     vocab = as_index(vocab, "vocab")
     if not 0 < vocab < 2**31:
         raise ValueError(f"vocab (V) must be in [1, 2**31), not {vocab}")
-    k, rows = bufs.k, bufs.batch  # rows <= 65535, gridDim.y's cap: StreamBufs holds no more
     p_d = _exact(engine.buffer(p_d, "p_d"), "p_d", ("f32",), (rows, k + 1, vocab))
     q_d = _exact(engine.buffer(q_d, "q_d"), "q_d", ("f32",), (rows, max(k, 1), vocab))
     seed_d = _exact(engine.buffer(seed_d, "seed_d"), "seed_d", ("u64", "i64"), (rows,))

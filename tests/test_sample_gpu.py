@@ -177,6 +177,14 @@ def test_accept_sample_matches_reference(engine, spec, B, V, k):
         rig.run(random_state(rng, rig), where)
 
 
+def test_the_four_argument_call_derives_the_vocabulary_from_p(engine, spec):
+    """DESIGN.md's spec.prepare_accept_sample(bufs, p_d, q_d, seed_d): V = len(p_d) / (B (k+1))."""
+    rig = Rig(engine, spec, 3, 7, 2)
+    launch = spec.prepare_accept_sample(rig.bufs, rig.device["p_d"], rig.device["q_d"], rig.device["seed_d"])
+    for rng, where in cases("accept_sample, V derived", (3, 7, 2), 20):
+        rig.run(random_state(rng, rig), where, launch=launch)
+
+
 @pytest.mark.parametrize("B,V,k", BIG_CONFIGS)
 def test_accept_sample_matches_reference_on_a_real_vocabulary(engine, spec, B, V, k):
     rig = Rig(engine, spec, B, V, k)
