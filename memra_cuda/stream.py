@@ -206,11 +206,11 @@ class RoundStream:
         self.bufs.set_stop(self.engine, stops, budgets.tolist())
         self.bufs.positions = positions
         out: list[list[np.ndarray]] = [[] for _ in range(batch)]
-        if mode == "overlap":
-            self._generate_overlapped(budgets, out)
-        else:
+        if mode != "overlap":
             while not self.bufs.done.all():
                 self._append(self.step(mode), out)
+        elif not self.bufs.done.all():  # rows with nothing to generate need no burst
+            self._generate_overlapped(budgets, out)
         return [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in out]
 
     @staticmethod
