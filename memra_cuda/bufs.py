@@ -108,11 +108,10 @@ class StreamBufs:
         n, first = len(rows), rows.start
         engine.copy_htod(self.pend_d, np.full(n, pending), start=first)
         engine.copy_htod(self.pos_ctr_d, np.full(n, position), start=first)
-        engine.copy_htod(self.ctl_d, np.tile([-1, -1, 0, 0], n), start=4 * first)
+        self._set_stop(engine, rows, None, None)  # no stop rule, not done, keep 0
         for buf, row in ((self.ring_d, self.ring_cap + 1), (self.brk_d, 2), (self.acc_d, 2)):
             engine.copy_htod(buf, np.zeros(n * row, np.uint32), start=row * first)
         self.positions[rows.start:rows.stop] = position
-        self.done[rows.start:rows.stop] = False
 
     def _set_stop(self, engine: Engine, rows: range, eos: Any, budget: Any) -> None:
         eos, budget = per_row(eos, len(rows), "eos"), per_row(budget, len(rows), "budget")

@@ -69,10 +69,7 @@ def test_the_first_token_is_distributed_as_the_target_says(engine, spec, k):
     rows, prompt = 4000, [3, 1, 4]
     got = run(engine, spec, model, SAMPLING, [prompt] * rows, list(range(rows)), 1, k=k, m_rounds=1)
     first = np.array([tokens[0] for tokens in got])
-    history = 0
-    for pos, token in enumerate(prompt[:-1]):
-        history = (history + model.kv_entries(token, pos)) & toy.M32
-    state = model.state(history, prompt[-1], len(prompt) - 1)
+    state = model.state(model.history(prompt[:-1]), prompt[-1], len(prompt) - 1)
     floor, *weights = SAMPLING.target(model.vocab)
     p = np.full(model.vocab, floor)
     for token, weight in zip(model.candidates(state), weights):

@@ -108,6 +108,13 @@ class ToyModel:
         e = self.embed(token, pos)
         return sum(fmix(e ^ salt(layer)) for layer, has_kv in enumerate(self.kv_mask) if has_kv) & M32
 
+    def history(self, tokens: Sequence[int]) -> int:
+        """The wrapping sum of every KV layer's entries for `tokens` at positions 0.. (a prefill)."""
+        total = 0
+        for pos, token in enumerate(tokens):
+            total = (total + self.kv_entries(token, pos)) & M32
+        return total
+
     def draft_noisy(self, pos: int) -> bool:
         return fmix(((pos * 0x9E3779B1) & M32) ^ self.seed ^ 0x5BD1E995) % 1_000_000 < self.noise_ppm
 
@@ -118,9 +125,7 @@ class ToyModel:
 def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
                   eos: int | None = None) -> list[int]:
     """The target's own greedy continuation: the output speculative decoding must equal."""
-    history = 0
-    for pos, token in enumerate(prompt[:-1]):
-        history = (history + model.kv_entries(token, pos)) & M32
+    history = model.history(prompt[:-1])
     token, pos, out = int(prompt[-1]), len(prompt) - 1, []
     while len(out) < max_new_tokens:
         nxt = model.predict(history, token, pos)
@@ -401,15 +406,16 @@ class ToyLM:
         the last, writes its own to `partial_out` instead of predictions to `pred_d`: each one
         u32 per token, [B][k+1]."""
         self._check_batch(bufs)
-        out = [batch_rows(name, self.engine.buffer(buf, name), self.batch, bufs.k + 1) if buf is not None else 0
-               for name, buf in (("pred_d", pred_d), ("partial_in", partial_in), ("partial_out", partial_out))]
         if (pred_d is None) == (partial_out is None):
             raise ValueError("a verify writes either predictions (pred_d) or partial sums (partial_out)")
+        pred, before, after = (  # 0: a null pointer, for the kernel
+            batch_rows(name, self.engine.buffer(buf, name), self.batch, bufs.k + 1) if buf is not None else 0
+            for name, buf in (("pred_d", pred_d), ("partial_in", partial_in), ("partial_out", partial_out)))
         m = self.model
         verify = self.module.kernel("toy_verify").prepare(
             ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", *["u32"] * 5, "ptr", "ptr"], grid=self.batch, block=BLOCK).set(
-            bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, out[0], self.data_ptrs_d, self.len_ptrs_d,
-            len(self.layers), self.capacity, m.seed, m.vocab, self.layers.start, out[1], out[2])
+            bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred, self.data_ptrs_d, self.len_ptrs_d,
+            len(self.layers), self.capacity, m.seed, m.vocab, self.layers.start, before, after)
         return [*self._weight_reads(self.cost.verify_bytes), verify]
 
     def round_stream(self, spec: SpecKernels, bufs: StreamBufs) -> RoundStream:
