@@ -17,15 +17,17 @@ draft, and plain greedy decoding captured with torch.cuda.graph.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memra_cuda import Cache, KVLayer, RoundStream, SpecKernels, StreamBufs, kv_capacity, kv_len_ptr_table
 from memra_cuda import torch as memra_torch
+from memra_cuda.reference import DONE
 
 SIZES = {  # the issue's prototype model, and one about 16 times its parameters
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -94,6 +96,14 @@ class StaticKV:
     def cache(self) -> Cache:
         return Cache([KVLayer(self.lengths[i:i + 1], self.capacity) for i in range(len(self.lengths))])
 
+    def copy_from(self, other: StaticKV) -> None:
+        """`other`'s first layers, entries and lengths (what a stack of those same layers would
+        compute over the same tokens)."""
+        n = len(self.lengths)
+        self.k.copy_(other.k[:n])
+        self.v.copy_(other.v[:n])
+        self.lengths.copy_(other.lengths[:n])
+
 
 class Stack:
     """Embeddings, the first `n_layers` decoder layers, final norm and head of a Llama, run
@@ -111,9 +121,16 @@ class Stack:
         # recomputing them, a dozen fewer kernels per step.
         dummy = torch.zeros(1, 1, 1, dtype=model.dtype, device="cuda")
         self.cos, self.sin = model.model.rotary_emb(dummy, self.slots[None])
+        self.prompt = torch.zeros(capacity, dtype=torch.long, device="cuda")
+        self.prefills: dict[int, torch.cuda.CUDAGraph] = {}  # prompt length bucket -> its graph
 
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The next token after each of `tokens`."""
         return self.model.lm_head(self.append(tokens, positions)).argmax(-1)
+
+    def greedy_last(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The next token after the last of `tokens` (the head runs on one row)."""
+        return self.model.lm_head(self.append(tokens, positions)[-1:]).argmax(-1)
 
     def append(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         inner = self.model.model
@@ -131,21 +148,40 @@ class Stack:
         return inner.norm(hidden)[0]
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        """The prompt's KV at positions 0.. (lengths become len(tokens))."""
-        if tokens:
-            self.append(torch.tensor(tokens, device="cuda"), torch.arange(len(tokens), device="cuda"))
-        else:
-            self.kv.lengths.zero_()
+        """The prompt's KV at positions 0.. (lengths become len(tokens)).
+
+        Run eagerly, a short prompt's prefill is mostly the host launching a few hundred
+        kernels (10 ms here, against 1 ms on the GPU), so it is a graph, captured once for every
+        power-of-two length. The padding's entries, past the prompt, are rewritten before any
+        position reads them."""
+        n = len(tokens)
+        if n > self.kv.capacity:
+            raise ValueError(f"a prompt of {n} tokens does not fit a cache of {self.kv.capacity}")
+        if n:
+            bucket = min(1 << (n - 1).bit_length(), self.kv.capacity)
+            self.prompt[:n].copy_(torch.tensor(tokens))
+            if bucket not in self.prefills:
+                self.append(self.prompt[:bucket], self.slots[:bucket])  # torch's lazy set-up, off the graph
+                self.prefills[bucket] = graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.append(self.prompt[:bucket], self.slots[:bucket])
+            self.prefills[bucket].replay()
+        self.kv.lengths.fill_(n)
 
 
 class SpeculativeLlama:
     """Target and draft Stacks wired to a RoundStream on one torch stream.
 
-    The draft chain runs k+1 draft steps from the pending token at pos_ctr (the last one only
-    appends the last draft's KV); the verify trunk runs the target over vtok at pos_start.
-    Both run on the engine's stream whichever stream the caller is on, write int64 ids
-    (argmax's own type) straight into the token buffers round-stream reads, and read every
-    position from round-stream's device buffers.
+    The draft chain runs k draft steps from the pending token at pos_ctr; the verify trunk runs
+    the target over vtok at pos_start. Both run on the engine's stream whichever stream the
+    caller is on, write int64 ids (argmax's own type) straight into the token buffers
+    round-stream reads, and read every position from round-stream's device buffers.
+
+    The draft's KV of the last draft token is missing after a round that accepted every draft.
+    Instead of a (k+1)-th draft step for it every round (README: the model's side), the
+    first step appends the token behind the pending one along with it: vtok_d[acc_d[0]] at
+    pos_ctr - 1, which is that draft or, in any other round, a token whose entry it rewrites
+    unchanged. A step over two tokens costs little more than over one.
     """
 
     def __init__(self, model: LlamaForCausalLM, *, k: int = 4, m_rounds: int = 16, capacity: int = 1024,
@@ -161,6 +197,8 @@ class SpeculativeLlama:
             self.pos_ctr = memra_torch.tensor(self.bufs.pos_ctr_d)
             self.pos_start = memra_torch.tensor(self.bufs.pos_start_d)
             self.vtok = memra_torch.tensor(self.bufs.vtok_d, torch.int32)
+            self.accepted = memra_torch.tensor(self.bufs.acc_d, torch.int32)[:1]  # drafts accepted last round
+            self.done = memra_torch.tensor(self.bufs.ctl_d)[DONE:DONE + 1]
             self.draft_d = torch.zeros(max(k, 1), dtype=torch.long, device="cuda")
             self.pred_d = torch.zeros(k + 1, dtype=torch.long, device="cuda")
             self.steps = torch.arange(k + 1, device="cuda")
@@ -175,23 +213,42 @@ class SpeculativeLlama:
             self.rounds.issue_round()
 
     def draft_chain(self) -> None:
+        if not self.k:
+            return  # nothing to draft, and no draft KV is ever read
         with torch.cuda.stream(self.stream):
-            token, positions = self.pend, self.pos_ctr.long() + self.steps
-            for step in range(self.k):
+            positions = self.pos_ctr.long() + self.steps
+            # No token behind the pending one to append: at position 0, or when the row is done
+            # (its entries stay as they are). Then the pending token fills both rows.
+            lone = (self.done != 0) | (positions[:1] == 0)
+            behind = torch.where(lone, self.pend, torch.index_select(self.vtok, 0, self.accepted))
+            token = self.draft.greedy_last(torch.cat([behind, self.pend]),
+                                           torch.cat([positions[:1] - 1 + lone, positions[:1]]))
+            self.draft_d[:1].copy_(token)
+            for step in range(1, self.k):
                 token = self.draft.greedy(token, positions[step:step + 1])
                 self.draft_d[step:step + 1].copy_(token)
-            self.draft.append(token, positions[self.k:])  # the last draft's KV: no prediction
 
     def verify_trunk(self) -> None:
         with torch.cuda.stream(self.stream):
-            self.pred_d.copy_(self.target.greedy(self.vtok, self.pos_start + self.steps))
+            self.pred_d.copy_(self.verify(self.vtok, self.pos_start + self.steps))
+
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The target's next token after each of the k+1 tokens. Its GEMMs have k+1 rows, a
+        shape cuBLAS's own fp32 kernels serve at twice a one-row GEMV's time; cuBLASLt's
+        kernels take a verify of 5 tokens from 1.18 to 1.10 target steps (H200, small model)."""
+        with blas("cublaslt"):
+            return self.target.greedy(tokens, positions)
 
     def prefill(self, prompt: Sequence[int]) -> int:
-        """Both caches take the prompt but its last token, which becomes pending."""
+        """Both caches take the prompt but its last token, which becomes pending. reset zeroes
+        acc_d, so the first draft step reads vtok_d[0] as the token behind the pending one:
+        the prompt's last but one."""
         with torch.cuda.stream(self.stream):
             self.target.prefill(prompt[:-1])
-            self.draft.prefill(prompt[:-1])
+            self.draft.kv.copy_from(self.target.kv)  # the draft's layers are the target's first
             self.bufs.reset(self.engine, prompt[-1], len(prompt) - 1)
+            if len(prompt) > 1:
+                self.vtok[:1].fill_(prompt[-2])
         return len(prompt) - 1
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, eos: int | None = None,
@@ -203,6 +260,17 @@ class SpeculativeLlama:
     def acceptance(self, committed: int) -> float:
         accepted, drafted = self.bufs.drafts_accepted(self.engine, committed)
         return accepted / drafted if drafted else 1.0
+
+
+@contextlib.contextmanager
+def blas(library: str) -> Iterator[None]:
+    """torch's preferred BLAS library ("cublas", "cublaslt") for the kernels issued inside."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def capacity_for(prompt_len: int, tokens: int, k: int, m_rounds: int) -> int:

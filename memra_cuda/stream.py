@@ -41,6 +41,48 @@ def chain(launches: Sequence[Callable[[], None]]) -> Callable[[], None]:
     return issue
 
 
+class Pace:
+    """How many rounds the next burst of a generation runs.
+
+    A burst past every stop still runs all its rounds (to no effect), and a round of a real
+    model costs far more than a readback, so the last burst of a request should be no longer
+    than the request needs: each live row is expected to need its budget left over the tokens
+    a round has committed for it so far (one, before its first readback: no round commits
+    fewer), and the burst runs the most any row needs, at most M. A row that commits fewer
+    than expected costs one short burst more; one that stops at an EOS cannot be foreseen.
+    """
+
+    def __init__(self, budgets: np.ndarray, m_rounds: int):
+        self.budgets = np.asarray(budgets, np.int64)
+        self.m_rounds = m_rounds
+        self.generated = np.zeros_like(self.budgets)
+        self._rounds = np.zeros_like(self.budgets)  # rounds each row ran live, start to end
+        self._leanest = np.ones(self.budgets.shape)  # fewest tokens per round one of its bursts gave
+
+    def rounds(self, live: np.ndarray, in_flight: int = 0) -> int:
+        """Rounds for the next burst of the `live` rows, queued behind `in_flight` rounds whose
+        tokens the host has not seen yet."""
+        rate = self.generated / np.maximum(self._rounds, 1)
+        rate = np.where(self._rounds > 0, rate, 1.0)
+        left = self.budgets - self.generated - rate * in_flight
+        need = np.ceil(left[live] / rate[live])
+        return int(np.clip(need.max(initial=1), 1, self.m_rounds))
+
+    def needed(self, live: np.ndarray, in_flight: int) -> bool:
+        """Whether some live row may have budget left after `in_flight` rounds, if they commit
+        as few tokens a round as that row's leanest burst so far."""
+        return bool(np.any(live & (self.generated + self._leanest * in_flight < self.budgets)))
+
+    def record(self, rounds: int, got: np.ndarray, stayed_live: np.ndarray) -> None:
+        """A burst of `rounds` rounds committed `got` tokens per row; `stayed_live` rows ran it
+        whole (a row that stopped inside it says nothing of its rate)."""
+        rate = got / rounds
+        first = stayed_live & (self._rounds == 0)
+        self._leanest = np.where(first, rate, np.where(stayed_live, np.minimum(self._leanest, rate), self._leanest))
+        self.generated += got
+        self._rounds[stayed_live] += rounds
+
+
 def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, overlap: bool = False,
                 batch: int = 1) -> int:
     """KV entries a cache needs (per sequence) so generate() never raises CapacityError for
@@ -112,7 +154,7 @@ class RoundStream:
             *([round_tail] if round_tail is not None else []),
         ]
         self._stages = tuple(stages)
-        self._graphs: list[Graph | None] = [None, None]  # one per pinned readback slot
+        self._graphs: dict[tuple[int, int], Graph] = {}  # (pinned readback slot, rounds) -> burst graph
         self._events: list[Event] = []
         self.rounds = 0  # rounds step()/generate() sent to the GPU
         self.bursts = 0  # host readbacks they waited for
@@ -122,8 +164,8 @@ class RoundStream:
         for step in self._round:
             step()
 
-    def issue_burst(self) -> None:
-        for _ in range(self.bufs.m_rounds):
+    def issue_burst(self, rounds: int | None = None) -> None:
+        for _ in range(self.bufs.m_rounds if rounds is None else rounds):
             self.issue_round()
 
     @property
@@ -131,15 +173,18 @@ class RoundStream:
         """M rounds, the ring and ctl copies to pinned slot 0 and the ring reset, as one graph."""
         return self.graph_for(0)
 
-    def graph_for(self, slot: int) -> Graph:
-        """The burst graph whose readback lands in pinned slot `slot` (0 or 1), captured once."""
-        if self._graphs[slot] is None:
-            self._graphs[slot] = Graph(self.engine, functools.partial(self._issue_burst_and_readback, slot),
-                                       capture=self._capture, joined=self._stages)
-        return self._graphs[slot]
+    def graph_for(self, slot: int, rounds: int | None = None) -> Graph:
+        """The burst graph of `rounds` rounds (default M) whose readback lands in pinned slot
+        `slot` (0 or 1), captured the first time it is asked for: a request's last, shorter
+        burst costs one capture per length, once."""
+        rounds = self._burst_rounds(rounds)
+        if (slot, rounds) not in self._graphs:
+            issue = functools.partial(self._issue_burst_and_readback, slot, rounds)
+            self._graphs[slot, rounds] = Graph(self.engine, issue, capture=self._capture, joined=self._stages)
+        return self._graphs[slot, rounds]
 
-    def _issue_burst_and_readback(self, slot: int) -> None:
-        self.issue_burst()
+    def _issue_burst_and_readback(self, slot: int, rounds: int) -> None:
+        self.issue_burst(rounds)
         self.bufs.queue_readback(self.engine, slot)
 
     def fits(self, rounds: int, ahead: int = 0, positions: np.ndarray | None = None,
@@ -191,8 +236,9 @@ class RoundStream:
 
         `start_pos[b]` is row b's pos_ctr after its prefill (tokens whose KV is committed);
         `max_new_tokens` and `eos` are one value for all rows or one per row. Bursts go on while
-        any row is live; each readback tells the host every row's position, so checking
-        capacity costs no extra readback. Every argument is checked before anything is queued.
+        any row is live, each as long as Pace expects the live rows to need (at most M); each
+        readback tells the host every row's position, so checking capacity costs no extra
+        readback. Every argument is checked before anything is queued.
         """
         batch = self.bufs.batch
         rounds = self.rounds_per_step(mode)
@@ -206,11 +252,15 @@ class RoundStream:
         self.bufs.set_stop(self.engine, stops, budgets.tolist())
         self.bufs.positions = positions
         out: list[list[np.ndarray]] = [[] for _ in range(batch)]
-        if mode != "overlap":
+        pace = Pace(budgets, rounds)
+        if mode == "overlap":
+            if not self.bufs.done.all():  # rows with nothing to generate need no burst
+                self._generate_overlapped(pace, out)
+        else:
             while not self.bufs.done.all():
-                self._append(self.step(mode), out)
-        elif not self.bufs.done.all():  # rows with nothing to generate need no burst
-            self._generate_overlapped(budgets, out)
+                live, burst = ~self.bufs.done, pace.rounds(~self.bufs.done)
+                readback = self.step(mode, burst)
+                pace.record(burst, self._append(readback, out), live & ~readback.done)
         return [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in out]
 
     @staticmethod
@@ -220,66 +270,75 @@ class RoundStream:
             row.append(tokens)
         return np.array([len(tokens) for tokens in readback.tokens], np.int64)
 
-    def _generate_overlapped(self, budgets: np.ndarray, out: list[list[np.ndarray]]) -> None:
+    def _generate_overlapped(self, pace: Pace, out: list[list[np.ndarray]]) -> None:
         """Bursts two deep. The next burst is queued ahead only when it looks needed and the
         caches have room for it behind the one in flight, whose tokens the host has not seen.
-        "Needed": some live row's burst in flight would leave budget over if it committed as
-        few tokens as that row's leanest burst so far (at least M: a round that does not stop
-        commits one or more), so a budget stop rarely leaves a burst queued for nothing, and
-        never one with effect. Otherwise the host reads first, then checks the positions it
-        now knows, which raises if even that burst does not fit."""
+        "Needed" (Pace.needed): some live row may have budget left even if the burst in flight
+        commits as few tokens a round as that row's leanest burst so far, so a budget stop
+        rarely leaves a burst queued for nothing, and never one with effect. Otherwise the host
+        reads first, then checks the positions it now knows, which raises if even that burst
+        does not fit. Each burst is as long as Pace expects the rows to need."""
         if not self._events:
             self._events = [Event(self.engine), Event(self.engine)]
-        m, burst = self.bufs.m_rounds, self.bufs.m_rounds * (self.bufs.k + 1)
-        generated = np.zeros(self.bufs.batch, np.int64)
-        leanest = np.full(self.bufs.batch, m, np.int64)
-        slot, first = 0, True
-        self._queue_graph(slot, ahead=0)
+        k1 = self.bufs.k + 1
+        slot, flight = 0, pace.rounds(~self.bufs.done)
+        self._queue_graph(slot, flight, ahead=0)
         while True:
-            needed = bool(np.any(~self.bufs.done & (generated + leanest < budgets)))
-            ahead = needed and self.fits(m, ahead=burst)
-            if ahead:
-                self._queue_graph(1 - slot, ahead=burst)
             live = ~self.bufs.done
+            queued = 0
+            if pace.needed(live, flight):
+                queued = pace.rounds(live, in_flight=flight)
+                if self.fits(queued, ahead=flight * k1):
+                    self._queue_graph(1 - slot, queued, ahead=flight * k1)
+                else:
+                    queued = 0
             readback = self.bufs.collect(self.engine, slot, self._events[slot])
             self.bursts += 1
-            got = self._append(readback, out)
-            generated += got
+            pace.record(flight, self._append(readback, out), live & ~readback.done)
             if readback.done.all():
                 return
-            going = live & ~readback.done
-            leanest[going] = got[going] if first else np.minimum(leanest[going], got[going])
-            first = False
-            if not ahead:
-                self._queue_graph(1 - slot, ahead=0)
-            slot = 1 - slot
+            if not queued:
+                queued = pace.rounds(~readback.done)
+                self._queue_graph(1 - slot, queued, ahead=0)
+            slot, flight = 1 - slot, queued
 
-    def _queue_graph(self, slot: int, ahead: int) -> None:
-        self.check_capacity(self.bufs.m_rounds, ahead)
-        self.graph_for(slot).launch()
+    def _queue_graph(self, slot: int, rounds: int, ahead: int) -> None:
+        self.check_capacity(rounds, ahead)
+        self.graph_for(slot, rounds).launch()
         self._events[slot].record()
-        self.rounds += self.bufs.m_rounds
+        self.rounds += rounds
 
     def rounds_per_step(self, mode: str) -> int:
+        """The most rounds one step of `mode` runs: one for "readback", else M."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         return 1 if mode == "readback" else self.bufs.m_rounds
 
-    def step(self, mode: str = "graph") -> Readback:
+    def _burst_rounds(self, rounds: int | None, most: int | None = None) -> int:
+        most = self.bufs.m_rounds if most is None else most
+        if rounds is None:
+            return most
+        if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or not 1 <= rounds <= most:
+            raise ValueError(f"rounds must be an int from 1 to {most}, not {rounds!r}")
+        return int(rounds)
+
+    def step(self, mode: str = "graph", rounds: int | None = None) -> Readback:
         """One burst (one round in "readback" mode) of every row, and its one readback.
 
         The unit of continuous batching: between steps, bufs.reset_row and set_stop_row start a
-        new request in a slot, and the next step runs it with the others. Capacity is checked
-        from the positions the last readback (or reset) gave. Overlapped bursts only run inside
+        new request in a slot, and the next step runs it with the others. `rounds` (1 to M,
+        default M) shortens a burst that would otherwise run past every row's stop: each
+        length is its own graph, captured on first use. Capacity is checked from the
+        positions the last readback (or reset) gave. Overlapped bursts only run inside
         generate()."""
         if mode == "overlap":
             raise ValueError('"overlap" keeps two bursts in flight: use generate()')
-        rounds = self.rounds_per_step(mode)
+        rounds = self._burst_rounds(rounds, self.rounds_per_step(mode))
         self.check_capacity(rounds)
         if mode == "graph":
-            self.graph.launch()
+            self.graph_for(0, rounds).launch()
         elif mode == "stream":
-            self.issue_burst()
+            self.issue_burst(rounds)
             self.bufs.queue_readback(self.engine)
         else:
             self.issue_round()

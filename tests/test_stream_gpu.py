@@ -75,15 +75,33 @@ def test_one_readback_per_burst(engine, spec, mode):
     assert 1 <= stream.bursts <= math.ceil(max_new / m_rounds)  # every round commits >= 1 token
 
 
-def test_perfect_draft_bursts_are_exactly_counted(engine, spec):
-    """With a draft that is always right each round commits k+1 tokens, so the burst count is
-    known in advance: N / (M (k+1)), rounded up."""
+@pytest.mark.parametrize("mode", ["stream", "graph", "overlap"])
+def test_perfect_draft_bursts_and_rounds_are_exactly_counted(engine, spec, mode):
+    """With a draft that is always right each round commits k+1 tokens, so the counts are known
+    in advance: N / (M (k+1)) bursts and N / (k+1) rounds, rounded up. The rounds say the last
+    burst was cut to what the budget still needed (a whole burst would run 6 rounds more)."""
     model = toy.ToyModel(seed=5, noise_ppm=0, p_min=0.0)
     k, m_rounds, max_new = 3, 16, 1000
     before = engine.readbacks
-    got, stream = generate(engine, spec, model, [9], k, m_rounds, max_new, mode="graph")
+    got, stream = generate(engine, spec, model, [9], k, m_rounds, max_new, mode=mode)
     assert got == toy.target_greedy(model, [9], max_new)
     assert stream.bursts == engine.readbacks - before == math.ceil(max_new / (m_rounds * (k + 1)))
+    assert stream.rounds == math.ceil(max_new / (k + 1))
+
+
+def test_step_rounds_are_checked_and_each_length_is_its_own_graph(engine, spec):
+    model = toy.ToyModel(seed=8, noise_ppm=100_000)
+    lm, bufs, stream, start = setup(engine, spec, model, [3, 1, 4], k=2, m_rounds=4, capacity=512)
+    for mode, rounds in (("graph", 0), ("graph", 5), ("stream", True), ("readback", 2), ("graph", 2.0)):
+        with pytest.raises(ValueError, match="rounds must be an int from 1 to"):
+            stream.step(mode, rounds)
+    assert stream.rounds == stream.bursts == 0
+    bufs.set_stop(engine, budget=40)
+    got = list(stream.step("graph", 3).tokens[0])
+    assert stream.rounds == 3 and stream.graph_for(0, 3) is not stream.graph
+    while not bufs.done.all():
+        got += list(stream.step("graph").tokens[0])
+    assert got == toy.target_greedy(model, [3, 1, 4], 40)
 
 
 def _device_state(engine, lm, bufs):

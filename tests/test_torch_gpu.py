@@ -191,3 +191,24 @@ def test_example_stops_at_eos_like_hugging_face(decoder, mode):
     expected = llama.hf_greedy(model, llama.PROMPT, len(want), eos=eos)
     assert expected[-1] == eos and len(expected) <= 101
     assert spec.generate(llama.PROMPT, len(want), eos=eos, mode=mode) == expected
+
+
+def test_example_draft_cache_holds_every_committed_token(decoder):
+    """The output is right whatever the draft's cache holds (the target verifies every draft),
+    so look at the cache itself: after a generation its entries at every committed position
+    equal a fresh prefill of the same tokens. The entry of a round's last draft, when all k
+    were accepted, is appended by the next round's first step: had it been skipped, the stale
+    entry of a rejected draft, or none, would be there."""
+    llama, model, spec, want = decoder
+    got = spec.generate(llama.PROMPT, 200, mode="graph")
+    assert spec.acceptance(len(got)) > 0.5, "too few rounds accept every draft to tell"
+    committed = min(int(spec.bufs.positions[0]), len(llama.PROMPT) + len(got) - 1)
+    fresh = llama.Stack(model, 1, spec.draft.kv.capacity)
+    fresh.prefill((list(llama.PROMPT) + got)[:committed])
+    for mine, theirs in ((spec.draft.kv.k, fresh.kv.k), (spec.draft.kv.v, fresh.kv.v)):
+        torch.testing.assert_close(mine[..., :committed, :], theirs[..., :committed, :], atol=1e-4, rtol=1e-4)
+
+
+def test_example_prompt_of_one_token(decoder):
+    llama, model, spec, _ = decoder
+    assert spec.generate([1], 64, mode="graph") == llama.hf_greedy(model, [1], 64)

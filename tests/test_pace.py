@@ -1,0 +1,53 @@
+"""Pace, the length of a generation's next burst: no longer than the live rows are expected to
+need, so a request's last burst does not run rounds past every stop (on the host, no GPU)."""
+from __future__ import annotations
+
+import numpy as np
+
+from memra_cuda.stream import Pace
+
+LIVE = np.array([True])
+
+
+def test_before_any_readback_a_burst_is_no_longer_than_the_budget():
+    assert Pace(np.array([5]), 16).rounds(LIVE) == 5  # every round commits at least one token
+    assert Pace(np.array([100]), 16).rounds(LIVE) == 16
+    assert Pace(np.array([5, 3]), 16).rounds(np.array([True, True])) == 5
+
+
+def test_the_last_burst_is_cut_to_the_rounds_the_budget_still_needs():
+    pace = Pace(np.array([100]), 16)
+    pace.record(16, np.array([64]), LIVE)  # four tokens a round
+    assert pace.rounds(LIVE) == 9  # 36 tokens left: nine rounds of four
+    pace.record(9, np.array([30]), LIVE)  # a leaner burst: the mean falls to 94/25 a round
+    assert pace.rounds(LIVE) == 2
+
+
+def test_done_rows_are_not_waited_for():
+    pace = Pace(np.array([1000, 10]), 16)
+    assert pace.rounds(np.array([False, True])) == 10
+    assert pace.rounds(np.array([True, False])) == 16
+
+
+def test_a_row_that_stopped_inside_a_burst_says_nothing_of_its_rate():
+    pace = Pace(np.array([1000, 1000]), 16)
+    pace.record(16, np.array([80, 3]), np.array([True, False]))  # row 1 hit its EOS at once
+    assert pace.rounds(np.array([True, True])) == 16  # row 1's rate is still the guaranteed one
+    assert pace.generated.tolist() == [80, 3]
+
+
+def test_a_burst_queued_behind_one_in_flight_counts_that_ones_expected_tokens():
+    pace = Pace(np.array([100]), 16)
+    pace.record(16, np.array([64]), LIVE)
+    assert pace.rounds(LIVE, in_flight=5) == 4  # 36 - 5 * 4 = 16 tokens left
+    assert pace.rounds(LIVE, in_flight=16) == 1  # expected to finish: the shortest burst
+
+
+def test_a_burst_ahead_is_needed_while_the_leanest_rate_leaves_budget_over():
+    pace = Pace(np.array([100]), 16)
+    assert pace.needed(LIVE, in_flight=16)  # one token a round: 84 left over
+    pace.record(16, np.array([64]), LIVE)
+    pace.record(4, np.array([8]), LIVE)  # leanest burst: two tokens a round
+    assert pace.needed(LIVE, in_flight=13)  # 72 + 26 < 100
+    assert not pace.needed(LIVE, in_flight=14)
+    assert not pace.needed(np.array([False]), in_flight=1)
