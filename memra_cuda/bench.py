@@ -20,7 +20,9 @@
    examples/torch_llama.py at two sizes, decoded by Hugging Face generate, by its assisted
    generation with the same draft, by plain greedy with each step a torch.cuda.graph, and by
    round-stream in readback, graph and overlap modes; then the ideal speculative speedup over
-   graphed greedy, tau / (1 + (k+1) c), and how much of it the graph mode reaches.
+   graphed greedy, tau / (1 + (k+1) c), and how much of it the graph mode reaches, and the
+   same for the work the example's round does (a verify of k+1 tokens, a draft step over two
+   tokens and k-1 over one).
 
     python -m memra_cuda.bench [--json PATH] [--only launch|rounds|batch|sampling|pipeline|torch] [--quick]
 """

@@ -421,6 +421,38 @@ def test_graph_replays_captured_launches(engine):
         graph.launch()
 
 
+def test_garbage_collected_during_capture_is_freed_after_it(engine, caplog):
+    """A collection inside a capture would free device memory there, which CUDA refuses and
+    which breaks the capture: the collector waits until the graph is captured."""
+    n = 64
+    buf = engine.htod_u32(np.zeros(n, np.uint32))
+    launch = increment(engine, n).set(buf, n)
+    spare = [engine.alloc_u32_zeroed(n) for _ in range(3)]
+    freed = [weakref.ref(b) for b in spare]
+
+    def issue():
+        launch()
+        cycle = [spare.pop()]
+        cycle.append(cycle)  # garbage now, with device memory only the collector frees
+        del cycle
+        [[] for _ in range(1000)]  # allocations: with threshold 1, collections
+        launch()
+
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(1)
+    try:
+        graphs = [Graph(engine, issue) for _ in range(3)]
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    assert [ref() for ref in freed] == [None] * 3, "collected once the capture was over"
+    for graph in graphs:
+        graph.launch()
+    assert_same(engine.dtoh_u32(buf), np.full(n, 6, np.uint32))
+    no_cleanup_warnings(caplog)
+
+
 HOST_WAITS = {
     "dtoh": lambda engine, buf: engine.dtoh(buf),
     "dtoh_u32": lambda engine, buf: engine.dtoh_u32(buf),

@@ -1,6 +1,7 @@
 """Stream capture into an executable CUDA graph, owned like a buffer."""
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .errors import CaptureError, driver
@@ -51,6 +52,10 @@ class Graph(Handle):
     engines (pipeline stages, on other devices too) whose streams `issue` forks from and joins
     back to the engine's stream with events: their work is in the graph, and the graph holds
     what it names as well.
+
+    Python's garbage collector is held off while the stream is captured: a collection there
+    would free unreachable buffers (or a framework's graphs), and a free during capture is an
+    error that invalidates the capture. What it would have freed is freed after.
     """
 
     def __init__(self, engine: Engine, issue: Callable[[], None], *, capture: Capture | None = None,
@@ -64,9 +69,13 @@ class Graph(Handle):
             raise CaptureError("a graph is already being captured on one of these engines' streams")
         for e in engines:
             e.capturing_graph = self
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             self.handle, self._owner = (capture or stream_capture)(engine, issue)
         finally:
+            if collecting:
+                gc.enable()
             for e in engines:
                 e.capturing_graph = None
         if self._owner is None:
