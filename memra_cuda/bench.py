@@ -101,14 +101,15 @@ def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict:
 def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str, k: int,
             m_rounds: int, mode: str, tokens: int, model: ToyModel = MODEL,
             sampling: ToySampling | None = None) -> Row:
-    """Generate `tokens` tokens from PROMPT after an untimed warm-up generation (JIT, graph
-    capture); for graph mode, then replay as many bursts again from the same prompt, back to
-    back and timed on the device, for the floor."""
+    """Generate `tokens` tokens from PROMPT after the same generation untimed (JIT, and the
+    capture of every graph it replays, paced last bursts too); for graph mode, then replay as
+    many M-round bursts again from the same prompt, back to back and timed on the device, for
+    the floor."""
     lm = ToyLM(engine, model, kv_capacity(len(PROMPT), tokens, k, m_rounds, overlap=True), cost, weights,
                sampling=sampling)
     bufs = StreamBufs(engine, k, m_rounds)
     stream = lm.round_stream(spec, bufs)
-    stream.generate(lm.prefill(bufs, PROMPT), min(tokens, m_rounds * (k + 1)), mode=mode)
+    stream.generate(lm.prefill(bufs, PROMPT), tokens, mode=mode)
     start = lm.prefill(bufs, PROMPT)
     rounds0, bursts0, readbacks0 = stream.rounds, stream.bursts, engine.readbacks
     t0 = time.perf_counter()

@@ -48,13 +48,16 @@ class Pace:
     model costs far more than a readback, so the last burst of a request should be no longer
     than the request needs: each live row is expected to need its budget left over the tokens
     a round has committed for it so far (one, before its first readback: no round commits
-    fewer), and the burst runs the most any row needs, at most M. A row that commits fewer
-    than expected costs one short burst more; one that stops at an EOS cannot be foreseen.
+    fewer), and the burst runs the most any row needs, rounded down to a power of two (so a
+    stream captures at most log2(M) graphs more), at most M. A burst that falls short costs
+    one short burst more; a row that stops at an EOS cannot be foreseen. With `cut` False
+    every burst runs M rounds: where a round costs less than a readback, a short burst more
+    costs more than the rounds a cut saves.
     """
 
-    def __init__(self, budgets: np.ndarray, m_rounds: int):
+    def __init__(self, budgets: np.ndarray, m_rounds: int, cut: bool = True):
         self.budgets = np.asarray(budgets, np.int64)
-        self.m_rounds = m_rounds
+        self.m_rounds, self.cut = m_rounds, cut
         self.generated = np.zeros_like(self.budgets)
         self._rounds = np.zeros_like(self.budgets)  # rounds each row ran live, start to end
         self._leanest = np.ones(self.budgets.shape)  # fewest tokens per round one of its bursts gave
@@ -62,11 +65,13 @@ class Pace:
     def rounds(self, live: np.ndarray, in_flight: int = 0) -> int:
         """Rounds for the next burst of the `live` rows, queued behind `in_flight` rounds whose
         tokens the host has not seen yet."""
+        if not self.cut:
+            return self.m_rounds
         rate = self.generated / np.maximum(self._rounds, 1)
         rate = np.where(self._rounds > 0, rate, 1.0)
         left = self.budgets - self.generated - rate * in_flight
-        need = np.ceil(left[live] / rate[live])
-        return int(np.clip(need.max(initial=1), 1, self.m_rounds))
+        need = int(np.ceil(left[live] / rate[live]).max(initial=1))
+        return self.m_rounds if need >= self.m_rounds else 1 << (max(need, 1).bit_length() - 1)
 
     def needed(self, live: np.ndarray, in_flight: int) -> bool:
         """Whether some live row may have budget left after `in_flight` rounds, if they commit
@@ -112,7 +117,9 @@ class RoundStream:
     entries the caches hold, so every burst is checked against that capacity before it is
     issued: a live row needs room for the burst, and in a batch for one round more, which it
     may sit out done at its final position while other rows finish. `capture` says how graphs
-    are captured (default: the driver's stream capture).
+    are captured (default: the driver's stream capture). `pace` (Pace) cuts a generation's
+    bursts to the rounds its rows are expected to need: right wherever a round costs more than
+    a host readback (~0.1-0.2 ms: any real model); turn it off for rounds cheaper than that.
 
     A pipeline of stages on several engines (models/pipeline.py) runs its rounds here too:
     `bufs` and the kernels are the last stage's; the callables fork to the other stages'
@@ -125,7 +132,7 @@ class RoundStream:
                  verify_trunk: Callable[[], None], draft_d: Any, pred_d: Any = None, sampling: Sampling | None = None,
                  rollback_tables: Sequence[PointerTable], seed_gather: Launch | None = None,
                  capture: Capture | None = None, round_tail: Callable[[], None] | None = None,
-                 stages: Sequence[Engine] = (), capacity: int | None = None):
+                 stages: Sequence[Engine] = (), capacity: int | None = None, pace: bool = True):
         if (pred_d is None) == (sampling is None):
             raise ValueError("give pred_d (greedy acceptance) or sampling (stochastic acceptance), not both or neither")
         tables = list(rollback_tables)
@@ -141,6 +148,7 @@ class RoundStream:
         self.capacity: int | None = min(capacities) if capacities else None
         self.engine = spec.engine
         self.bufs = bufs
+        self.pace = pace
         self._capture = capture
         self._round: list[Callable[[], None]] = [
             *([seed_gather] if seed_gather is not None else []),
@@ -236,7 +244,8 @@ class RoundStream:
 
         `start_pos[b]` is row b's pos_ctr after its prefill (tokens whose KV is committed);
         `max_new_tokens` and `eos` are one value for all rows or one per row. Bursts go on while
-        any row is live, each as long as Pace expects the live rows to need (at most M); each
+        any row is live, each as long as Pace expects the live rows to need (at most M, where
+        `pace` is on); each
         readback tells the host every row's position, so checking capacity costs no extra
         readback. Every argument is checked before anything is queued.
         """
@@ -252,7 +261,7 @@ class RoundStream:
         self.bufs.set_stop(self.engine, stops, budgets.tolist())
         self.bufs.positions = positions
         out: list[list[np.ndarray]] = [[] for _ in range(batch)]
-        pace = Pace(budgets, rounds)
+        pace = Pace(budgets, rounds, cut=self.pace)
         if mode == "overlap":
             if not self.bufs.done.all():  # rows with nothing to generate need no burst
                 self._generate_overlapped(pace, out)

@@ -10,23 +10,34 @@ LIVE = np.array([True])
 
 
 def test_before_any_readback_a_burst_is_no_longer_than_the_budget():
-    assert Pace(np.array([5]), 16).rounds(LIVE) == 5  # every round commits at least one token
+    assert Pace(np.array([5]), 16).rounds(LIVE) == 4  # every round commits at least one token
     assert Pace(np.array([100]), 16).rounds(LIVE) == 16
-    assert Pace(np.array([5, 3]), 16).rounds(np.array([True, True])) == 5
+    assert Pace(np.array([8, 3]), 16).rounds(np.array([True, True])) == 8
 
 
-def test_the_last_burst_is_cut_to_the_rounds_the_budget_still_needs():
+def test_the_last_burst_is_cut_to_a_power_of_two_of_the_rounds_still_needed():
     pace = Pace(np.array([100]), 16)
     pace.record(16, np.array([64]), LIVE)  # four tokens a round
-    assert pace.rounds(LIVE) == 9  # 36 tokens left: nine rounds of four
-    pace.record(9, np.array([30]), LIVE)  # a leaner burst: the mean falls to 94/25 a round
+    assert pace.rounds(LIVE) == 8  # 36 tokens left: nine rounds of four
+    pace.record(8, np.array([30]), LIVE)  # a leaner burst: the mean falls to 94/24 a round
     assert pace.rounds(LIVE) == 2
+
+
+def test_lengths_are_powers_of_two_or_m():
+    assert [Pace(np.array([n]), 12).rounds(LIVE) for n in (1, 2, 3, 7, 8, 11, 12, 13)] == [1, 2, 2, 4, 8, 8, 12, 12]
 
 
 def test_done_rows_are_not_waited_for():
     pace = Pace(np.array([1000, 10]), 16)
-    assert pace.rounds(np.array([False, True])) == 10
+    assert pace.rounds(np.array([False, True])) == 8
     assert pace.rounds(np.array([True, False])) == 16
+
+
+def test_without_cuts_every_burst_is_m_rounds():
+    pace = Pace(np.array([5]), 16, cut=False)
+    assert pace.rounds(LIVE) == 16
+    pace.record(16, np.array([5]), LIVE)
+    assert pace.rounds(LIVE, in_flight=3) == 16
 
 
 def test_a_row_that_stopped_inside_a_burst_says_nothing_of_its_rate():

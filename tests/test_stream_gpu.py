@@ -75,18 +75,25 @@ def test_one_readback_per_burst(engine, spec, mode):
     assert 1 <= stream.bursts <= math.ceil(max_new / m_rounds)  # every round commits >= 1 token
 
 
+@pytest.mark.parametrize("pace", [False, True])
 @pytest.mark.parametrize("mode", ["stream", "graph", "overlap"])
-def test_perfect_draft_bursts_and_rounds_are_exactly_counted(engine, spec, mode):
+def test_perfect_draft_bursts_and_rounds_are_exactly_counted(engine, spec, mode, pace):
     """With a draft that is always right each round commits k+1 tokens, so the counts are known
-    in advance: N / (M (k+1)) bursts and N / (k+1) rounds, rounded up. The rounds say the last
-    burst was cut to what the budget still needed (a whole burst would run 6 rounds more)."""
+    in advance. Unpaced: N / (M (k+1)) bursts of M rounds, rounded up. Paced: N / (k+1) rounds,
+    the last 10 as bursts of 8 and 2 (powers of two), not one burst of 16."""
     model = toy.ToyModel(seed=5, noise_ppm=0, p_min=0.0)
     k, m_rounds, max_new = 3, 16, 1000
+    lm, bufs, stream, start = setup(engine, spec, model, [9], k, m_rounds, kv_capacity(1, max_new, k, m_rounds))
+    stream.pace = pace
     before = engine.readbacks
-    got, stream = generate(engine, spec, model, [9], k, m_rounds, max_new, mode=mode)
-    assert got == toy.target_greedy(model, [9], max_new)
-    assert stream.bursts == engine.readbacks - before == math.ceil(max_new / (m_rounds * (k + 1)))
-    assert stream.rounds == math.ceil(max_new / (k + 1))
+    assert stream.generate(start, max_new, mode=mode).tolist() == toy.target_greedy(model, [9], max_new)
+    full, tail = divmod(max_new, m_rounds * (k + 1))
+    if pace:
+        assert stream.rounds == max_new // (k + 1) == full * m_rounds + 8 + 2
+        assert stream.bursts == engine.readbacks - before == full + 2
+    else:
+        assert stream.rounds == (full + 1) * m_rounds
+        assert stream.bursts == engine.readbacks - before == full + 1
 
 
 def test_step_rounds_are_checked_and_each_length_is_its_own_graph(engine, spec):

@@ -95,4 +95,4 @@ class ToyPipeline:
         return RoundStream(self.spec[1], b1, draft_chain=draft_chain,
                            verify_trunk=chain(s1.verify_steps(b1, pred_d, partial_in=partials[1])),
                            draft_d=drafts[1], pred_d=pred_d, rollback_tables=[table1], round_tail=round_tail,
-                           stages=[e0], capacity=self.cache.capacity)
+                           stages=[e0], capacity=self.cache.capacity, pace=any(s.cost.paced for s in self.stages))

@@ -272,6 +272,13 @@ class ToyCost:
     verify_bytes: int = 0
     draft_bytes: int = 0
 
+    @property
+    def paced(self) -> bool:
+        """Whether bursts should be paced (RoundStream's `pace`): a toy that streams weights
+        stands in for a real model, whose rounds cost more than a readback; the bare toy's
+        rounds (~20 us) cost less."""
+        return bool(self.verify_bytes or self.draft_bytes)
+
 
 # An 8B target and a 0.5B draft in bf16, memory-bound: their weights, read once per forward pass.
 COST_8B_05B = ToyCost(verify_bytes=16 * 10**9, draft_bytes=1 * 10**9)
@@ -431,7 +438,7 @@ class ToyLM:
             pred_d = engine.alloc_u32_zeroed(bufs.batch * (bufs.k + 1), label="pred_d")
             return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d)),
                                verify_trunk=chain(self.verify_steps(bufs, pred_d)), draft_d=draft_d, pred_d=pred_d,
-                               rollback_tables=[table])
+                               rollback_tables=[table], pace=self.cost.paced)
         vocab, rows = self.model.vocab, bufs.batch * (bufs.k + 1)
         if rows > 65535:
             raise ValueError(f"the toy's sampling verify gives each of B(k+1) = {rows} positions a grid row: "
@@ -444,4 +451,5 @@ class ToyLM:
             totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
         return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d, q_d)),
                            verify_trunk=chain([*self.verify_steps(bufs, None, partial_out=totals_d), probs]),
-                           draft_d=draft_d, sampling=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table])
+                           draft_d=draft_d, sampling=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table],
+                           pace=self.cost.paced)
