@@ -67,8 +67,7 @@ class Pace:
         tokens the host has not seen yet."""
         if not self.cut:
             return self.m_rounds
-        rate = self.generated / np.maximum(self._rounds, 1)
-        rate = np.where(self._rounds > 0, rate, 1.0)
+        rate = np.where(self._rounds > 0, self.generated / np.maximum(self._rounds, 1), 1.0)
         left = self.budgets - self.generated - rate * in_flight
         need = int(np.ceil(left[live] / rate[live]).max(initial=1))
         return self.m_rounds if need >= self.m_rounds else 1 << (max(need, 1).bit_length() - 1)
@@ -245,9 +244,8 @@ class RoundStream:
         `start_pos[b]` is row b's pos_ctr after its prefill (tokens whose KV is committed);
         `max_new_tokens` and `eos` are one value for all rows or one per row. Bursts go on while
         any row is live, each as long as Pace expects the live rows to need (at most M, where
-        `pace` is on); each
-        readback tells the host every row's position, so checking capacity costs no extra
-        readback. Every argument is checked before anything is queued.
+        `pace` is on); each readback tells the host every row's position, so checking capacity
+        costs no extra readback. Every argument is checked before anything is queued.
         """
         batch = self.bufs.batch
         rounds = self.rounds_per_step(mode)
@@ -267,7 +265,8 @@ class RoundStream:
                 self._generate_overlapped(pace, out)
         else:
             while not self.bufs.done.all():
-                live, burst = ~self.bufs.done, pace.rounds(~self.bufs.done)
+                live = ~self.bufs.done
+                burst = pace.rounds(live)
                 readback = self.step(mode, burst)
                 pace.record(burst, self._append(readback, out), live & ~readback.done)
         return [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in out]
