@@ -25,9 +25,9 @@ from typing import Iterator, Sequence
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memra_cuda import Cache, KVLayer, RoundStream, SpecKernels, StreamBufs, kv_capacity, kv_len_ptr_table
+from memra_cuda import Cache, Greedy, KVLayer, RoundStream, SpecKernels, StreamBufs, kv_capacity, kv_len_ptr_table
 from memra_cuda import torch as memra_torch
-from memra_cuda.reference import DONE
+from memra_cuda.layout import CTL_DONE
 
 SIZES = {  # the prototype model, and one about 16 times its parameters
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -198,14 +198,14 @@ class SpeculativeLlama:
             self.pos_start = memra_torch.tensor(self.bufs.pos_start_d)
             self.vtok = memra_torch.tensor(self.bufs.vtok_d, torch.int32)
             self.accepted = memra_torch.tensor(self.bufs.acc_d, torch.int32)[:1]  # drafts accepted last round
-            self.done = memra_torch.tensor(self.bufs.ctl_d)[DONE:DONE + 1]
+            self.done = memra_torch.tensor(self.bufs.ctl_d)[CTL_DONE:CTL_DONE + 1]
             self.draft_d = torch.zeros(max(k, 1), dtype=torch.long, device="cuda")
             self.pred_d = torch.zeros(k + 1, dtype=torch.long, device="cuda")
             self.steps = torch.arange(k + 1, device="cuda")
             table = kv_len_ptr_table(self.engine, self.target.kv.cache() + self.draft.kv.cache(),
                                      pos_ctr=self.bufs.pos_ctr_d)
             self.rounds = RoundStream(SpecKernels(self.engine), self.bufs, draft_chain=self.draft_chain,
-                                      verify_trunk=self.verify_trunk, draft_d=self.draft_d, pred_d=self.pred_d,
+                                      verify_trunk=self.verify_trunk, draft_d=self.draft_d, acceptance=Greedy(self.pred_d),
                                       rollback_tables=[table], capture=memra_torch.capture)
             # One eager round, so torch's lazy set-up (library handles, workspaces) happens before
             # any capture; the next prefill resets everything it touched.

@@ -5,17 +5,17 @@ decoding (M rounds of draft + verify on one stream, one host readback per burst)
 is built on it; models (`memra_cuda.models.toy`) and the PyTorch adapter (`memra_cuda.torch`,
 optional) sit at the edge.
 """
+from .acceptance import Greedy, Sampling
 from .bufs import Readback, StreamBufs, drain_ring
 from .driver import (CaptureError, CudaError, CudaFault, CudaUnavailable, DeviceBuffer, Engine, Event, Graph,
-                     Kernel, KernelArgs, Launch, Module, PinnedBuffer)
+                     Kernel, KernelArgs, Launch, Module, PinnedBuffer, Prepared, Stream)
 from .kernels import SpecKernels
-from .sampling import Sampling
-from .stream import MODES, CapacityError, RoundStream, chain, kv_capacity
-from .tables import Cache, KVLayer, PointerTable, kv_len_ptr_table, kv_len_ptr_table_range
+from .stream import MODES, CapacityError, Mode, RoundStream, Stages, chain, kv_capacity
+from .tables import UNCHECKED, Cache, KVLayer, PointerTable, kv_len_ptr_table, kv_len_ptr_table_range
 
 __all__ = [
-    "CapacityError", "CaptureError", "CudaError", "CudaFault", "CudaUnavailable", "Engine", "DeviceBuffer",
-    "PinnedBuffer", "Event", "Graph", "Module", "Kernel", "KernelArgs", "Launch", "Cache", "KVLayer",
-    "PointerTable", "StreamBufs", "Readback", "drain_ring", "kv_len_ptr_table", "kv_len_ptr_table_range",
-    "SpecKernels", "Sampling", "RoundStream", "MODES", "chain", "kv_capacity",
+    "CapacityError", "CaptureError", "CudaError", "CudaFault", "CudaUnavailable", "Stream", "Engine", "DeviceBuffer",
+    "PinnedBuffer", "Event", "Graph", "Module", "Kernel", "KernelArgs", "Launch", "Prepared", "Cache", "KVLayer",
+    "PointerTable", "UNCHECKED", "StreamBufs", "Readback", "drain_ring", "kv_len_ptr_table", "kv_len_ptr_table_range",
+    "SpecKernels", "Greedy", "Sampling", "RoundStream", "Mode", "MODES", "Stages", "chain", "kv_capacity",
 ]

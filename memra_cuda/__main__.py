@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     model = ToyModel(seed=7, noise_ppm=100_000, p_min=0.05)
     try:
         engine = Engine()
-    except CudaUnavailable as exc:
-        print(f"memra_cuda: {exc}", file=sys.stderr)
+    except CudaUnavailable as exc:  # no driver or no GPU: one line, no traceback
+        print(f"memra_cuda: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     with engine:
         capacity = kv_capacity(len(args.prompt), args.tokens, args.k, args.m_rounds, args.mode == "overlap")

@@ -1,6 +1,8 @@
 """`make bench`: what round-stream buys, measured on the GPU in one run.
 
-1. Launch overhead: a prepared 1-argument launch against the bare cuLaunchKernel binding call.
+1. Launch overhead: a prepared 1-argument launch against the bare cuLaunchKernel binding call;
+   then the host path: µs per round of the readback loop and of graph mode, each beside its
+   device floor (bench_host_path).
 2. Rounds: the readback loop (one round, read back, repeat) against round-stream (M rounds,
    one readback), round-stream replayed as a CUDA graph, and graph replays overlapped with
    the readback, over k and M, for the bare toy model and for the toy made to cost what an 8B
@@ -24,7 +26,7 @@
    same for the work the example's round does (a verify of k+1 tokens, a draft step over two
    tokens and k-1 over one).
 
-    python -m memra_cuda.bench [--json PATH] [--only launch|rounds|batch|sampling|pipeline|torch] [--quick]
+    python -m memra_cuda.bench [--json PATH] [--only launch|host|rounds|batch|sampling|pipeline|torch] [--quick]
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict:
     Batches stay short of the driver's launch queue so both sides time the host, not the GPU.
     """
     kernel = engine.load_ptx("probe").kernel("probe_touch")
-    target = engine.alloc_u32_zeroed(1)
+    target = engine.zeros(np.uint32, 1)
     prepared = kernel.prepare(["ptr"], grid=1, block=32).set(target)
     engine.ctx.make_current()  # the bare calls need it; the prepared launch checks it per call
     bare, f, stream, params = driver().cuLaunchKernel, kernel.handle, engine.stream, prepared.args.pointer
@@ -129,15 +131,49 @@ def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str
     return row
 
 
-def device_floor(engine: Engine, stream: RoundStream, replays: int) -> float:
-    """Milliseconds of `replays` replays of the M-round burst graph queued back to back, timed
-    on the device."""
+def device_floor(engine: Engine, stream: RoundStream, replays: int, rounds: int | None = None) -> float:
+    """Milliseconds of `replays` replays of the burst graph of `rounds` rounds (default M) queued
+    back to back, timed on the device."""
+    graph = stream.graph_for(0, rounds)
     start, end = Event(engine), Event(engine)
     start.record()
     for _ in range(replays):
-        stream.graph.launch()
+        graph.launch()
     end.record()
     return end.elapsed_ms(start)
+
+
+HOST_K, HOST_M, HOST_TOKENS = 4, 16, 512
+
+
+def bench_host_path(engine: Engine, quick: bool) -> dict:
+    """What the host adds to a round: the same 512-token bare-toy generation (k=4, M=16, pace
+    off) in the readback loop and in graph mode, median of 7 (3 with --quick), each beside its
+    device floor: the same rounds replayed as graphs back to back (one-round graphs for the
+    loop, M-round ones for graph mode). The bare toy's round is so cheap that the loop's host
+    work shows whole; graph mode should sit on its floor."""
+    spec, out = SpecKernels(engine), {}
+    for mode, rounds in (("readback", 1), ("graph", HOST_M)):
+        lm = ToyLM(engine, MODEL, kv_capacity(len(PROMPT), HOST_TOKENS, HOST_K, HOST_M, overlap=True))
+        bufs = StreamBufs(engine, HOST_K, HOST_M)
+        stream = lm.round_stream(spec, bufs)
+        stream.pace = False
+        tokens = stream.generate(lm.prefill(bufs, PROMPT), HOST_TOKENS, mode=mode).tolist()
+        walls = []
+        for _ in range(3 if quick else 7):
+            start, rounds0 = lm.prefill(bufs, PROMPT), stream.rounds
+            t0 = time.perf_counter()
+            got = stream.generate(start, HOST_TOKENS, mode=mode)
+            engine.synchronize()
+            walls.append((time.perf_counter() - t0) / (stream.rounds - rounds0))
+            assert got.tolist() == tokens, "the host-path generations differ"
+        replays = (stream.rounds - rounds0) // rounds
+        lm.prefill(bufs, PROMPT)
+        bufs.set_stop(engine, budget=HOST_TOKENS)
+        floor = device_floor(engine, stream, replays, rounds) * 1e3 / (replays * rounds)
+        out[mode] = dict(us_per_round=statistics.median(walls) * 1e6, floor_us_per_round=floor)
+        bufs.free()
+    return out
 
 
 def bench_rounds(engine: Engine, quick: bool) -> list[Row]:
@@ -324,8 +360,12 @@ TORCH_K, TORCH_M = 4, 16
 
 
 def _example():
-    """examples/torch_llama.py, from the source checkout the bench runs in."""
+    """examples/torch_llama.py, from the source checkout the bench runs in. An installed package
+    has no examples/: say so in one line, not a traceback."""
     path = Path(__file__).resolve().parents[1] / "examples" / "torch_llama.py"
+    if not path.is_file():
+        raise SystemExit("memra_cuda.bench: the PyTorch example is examples/torch_llama.py of the source "
+                         "repository, not part of the installed package: run `make bench-torch` from a checkout")
     spec = importlib.util.spec_from_file_location("torch_llama", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -421,7 +461,7 @@ def bench_torch(quick: bool) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memra_cuda.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--only", choices=["launch", "rounds", "batch", "sampling", "pipeline", "torch"],
+    parser.add_argument("--only", choices=["launch", "host", "rounds", "batch", "sampling", "pipeline", "torch"],
                         help="run one part (torch runs only when asked for)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for figures)")
     args = parser.parse_args(argv)
@@ -436,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
         lo = report["launch"]
         print(f"launch overhead: bare cuLaunchKernel {lo['bare_us']:.2f} us, prepared Launch "
               f"{lo['prepared_us']:.2f} us, ratio {lo['ratio']:.3f}")
+    if args.only in (None, "host"):
+        report["host"] = bench_host_path(engine, args.quick)
+        print(f"host path: bare toy, k={HOST_K}, M={HOST_M}, {HOST_TOKENS} tokens, pace off: " + ", ".join(
+            f"{mode} {r['us_per_round']:.1f} us/round (device floor {r['floor_us_per_round']:.1f}, "
+            f"{r['us_per_round'] / r['floor_us_per_round']:.2f}x)" for mode, r in report["host"].items()), flush=True)
     if args.only in (None, "rounds"):
         print(f"toy model {MODEL}\n{HEADER}", flush=True)
         rows = bench_rounds(engine, args.quick)

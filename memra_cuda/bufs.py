@@ -9,14 +9,16 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 
-from .driver.buffer import DeviceBuffer, as_index
-from .reference import DONE
+from .driver.buffer import DeviceBuffer
+from .driver.values import as_index
+from .layout import (ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT,
+                     RING_TOKENS)
 
 if TYPE_CHECKING:
     from .driver.engine import Engine
     from .driver.event import Event
 
-MAX_BATCH = 65535  # kernels give each sequence a grid row (y), which CUDA caps at 65535
+MAX_BATCH = 65535  # some kernels give each sequence a grid row (y), which CUDA caps at 65535
 
 
 class Readback(NamedTuple):
@@ -29,18 +31,21 @@ class Readback(NamedTuple):
 
 
 class StreamBufs:
-    """All device state of the round stream of `batch` sequences (DESIGN.md's tables), plus a
-    pinned mirror of the rings, ctl_d and pos_ctr_d for readbacks issued inside a graph.
+    """All device state of the round stream of `batch` sequences (docs/buffers.md), plus two
+    pinned slots that the rings, ctl_d and pos_ctr_d are read back into, inside a graph too.
 
     Every field is row-major with one row per sequence (B = 1 is the single-sequence layout).
     Rows are independent: a row whose done flag is set is inert, so a vacant slot is a done
     row, and reset_row / set_stop_row start a new request in a slot between bursts without
-    recapturing any graph. Every device buffer field ends in `_d`; `pos_ctr` is DESIGN.md's
-    name for `pos_ctr_d`. free() frees them all, and every graph captured over them then
-    refuses to replay.
+    recapturing any graph. Every device buffer field ends in `_d`; `pos_ctr` is the docs' name
+    for `pos_ctr_d`. The fields are windows of one allocation, the rings, ctl rows and
+    positions side by side, so a burst's readback is one copy, prepared once with the memset
+    that empties the rings after it. free() frees them all, and every graph captured over
+    them then refuses to replay.
 
-    `positions` and `done` are what the host knows of each row: set by reset/set_stop, then
-    by every readback (collect), so the driver checks capacity without an extra readback.
+    `positions` and `done` are what the host knows of each row (read-only arrays): set by
+    reset/set_stop, then by every readback (collect), so the driver checks capacity without
+    an extra readback; `committed` how many tokens each row's ring held at the last readback.
     """
 
     def __init__(self, engine: Engine, k: int, m_rounds: int, batch: int = 1):
@@ -51,20 +56,29 @@ class StreamBufs:
             raise ValueError(f"batch must be 1 to {MAX_BATCH} sequences, not {batch}")
         self.k, self.m_rounds, self.batch = k, m_rounds, batch
         self.ring_cap = m_rounds * (k + 1)
-        self.vtok_d = engine.alloc_u32_zeroed(batch * (k + 1), label="vtok_d")
-        self.brk_d = engine.alloc_u32_zeroed(batch * 2, label="brk_d")
-        self.pend_d = engine.alloc_u32_zeroed(batch, label="pend_d")
-        self.last_pred_d = engine.alloc_u32_zeroed(batch, label="last_pred_d")
-        self.pos_ctr_d = engine.alloc_i32_zeroed(batch, label="pos_ctr_d")
-        self.pos_start_d = engine.alloc_i32_zeroed(batch, label="pos_start_d")
-        self.ring_d = engine.alloc_u32_zeroed(batch * (self.ring_cap + 1), label="ring_d")
-        self.acc_d = engine.alloc_u32_zeroed(batch * 2, label="acc_d")
-        self.ctl_d = engine.htod(np.tile(np.int32([-1, -1, 0, 0]), batch), label="ctl_d")
+        ring_row = RING_TOKENS + self.ring_cap
+        fields = (("ring_d", np.uint32, ring_row), ("ctl_d", np.int32, CTL_WORDS), ("pos_ctr_d", np.int32, 1),
+                  ("vtok_d", np.uint32, k + 1), ("brk_d", np.uint32, BRK_WORDS), ("pend_d", np.uint32, 1),
+                  ("last_pred_d", np.uint32, 1), ("pos_start_d", np.int32, 1), ("acc_d", np.uint32, ACC_WORDS))
+        self._arena = engine.zeros(np.uint32, batch * sum(row for _, _, row in fields), label="round-stream state")
+        start = 0
+        for name, dtype, row in fields:
+            setattr(self, name, self._arena.view(start, batch * row, dtype, label=name))
+            start += batch * row
+        ctl = np.zeros((batch, CTL_WORDS), np.int32)
+        ctl[:, [CTL_EOS, CTL_BUDGET]] = -1  # no EOS, no budget
+        engine.copy_htod(self.ctl_d, ctl.reshape(-1))
         # Two slots, so one burst's readback can be read while the next burst writes the other.
-        words = self.ring_d.len + self.ctl_d.len + self.pos_ctr_d.len
-        self._host = [engine.pinned(np.uint32, words, label=f"readback slot {i}") for i in range(2)]
-        self.positions = np.zeros(batch, np.int64)
-        self.done = np.zeros(batch, bool)
+        self._ring_row, self._rings_end = ring_row, self.ring_d.len
+        self._ctl_end = self.ring_d.len + self.ctl_d.len
+        self._words = self._ctl_end + self.pos_ctr_d.len  # rings, ctl rows, positions: side by side
+        self._engine = engine
+        self._host = [engine.pinned(np.uint32, self._words, label=f"readback slot {i}") for i in range(2)]
+        self._readback = [engine.prepare_dtoh(host, self._arena.view(0, self._words)) for host in self._host]
+        self._empty_rings = engine.prepare_set_u32(self.ring_d, RING_COUNT, 0, every=ring_row)
+        self.positions = _frozen(np.zeros(batch, np.int64))
+        self.done = _frozen(np.zeros(batch, bool))
+        self.committed: list[int] = [0] * batch
 
     @property
     def pos_ctr(self) -> DeviceBuffer:
@@ -77,6 +91,13 @@ class StreamBufs:
         rule is lifted (set_stop sets the next one); captured graphs stay valid. The model's KV
         lengths are the model's to set (to `position`)."""
         self._reset(engine, range(self.batch), pending, position)
+
+    def set_positions(self, positions: np.ndarray) -> None:
+        """What the host knows of every row's position, before a generation's first burst."""
+        positions = np.array(positions, np.int64).reshape(-1)
+        if positions.size != self.batch:
+            raise ValueError(f"need one position per row ({self.batch}), not {positions.size}")
+        self.positions = _frozen(positions)
 
     def reset_row(self, engine: Engine, row: int, pending: int, position: int) -> None:
         """reset() for the one sequence in slot `row`; the other rows are untouched, so a new
@@ -109,15 +130,18 @@ class StreamBufs:
         engine.copy_htod(self.pend_d, np.full(n, pending), start=first)
         engine.copy_htod(self.pos_ctr_d, np.full(n, position), start=first)
         self._set_stop(engine, rows, None, None)  # no stop rule, not done, keep 0
-        for buf, row in ((self.ring_d, self.ring_cap + 1), (self.brk_d, 2), (self.acc_d, 2)):
+        for buf, row in ((self.ring_d, RING_TOKENS + self.ring_cap), (self.brk_d, BRK_WORDS), (self.acc_d, ACC_WORDS)):
             engine.copy_htod(buf, np.zeros(n * row, np.uint32), start=row * first)
-        self.positions[rows.start:rows.stop] = position
+        self.positions = _frozen(_replaced(self.positions, rows, position))
 
     def _set_stop(self, engine: Engine, rows: range, eos: Any, budget: Any) -> None:
         eos, budget = per_row(eos, len(rows), "eos"), per_row(budget, len(rows), "budget")
-        ctl = np.array([[-1 if e is None else e, -1 if n is None else n, int(n == 0), 0] for e, n in zip(eos, budget)])
-        engine.copy_htod(self.ctl_d, ctl.reshape(-1), start=4 * rows.start)
-        self.done[rows.start:rows.stop] = ctl[:, DONE] != 0
+        ctl = np.zeros((len(rows), CTL_WORDS), np.int64)
+        ctl[:, CTL_EOS] = [-1 if e is None else e for e in eos]
+        ctl[:, CTL_BUDGET] = [-1 if n is None else n for n in budget]
+        ctl[:, CTL_DONE] = [n == 0 for n in budget]
+        engine.copy_htod(self.ctl_d, ctl.reshape(-1), start=CTL_WORDS * rows.start)
+        self.done = _frozen(_replaced(self.done, rows, ctl[:, CTL_DONE] != 0))
 
     def drain_ring(self, engine: Engine, row: int = 0) -> np.ndarray:
         """The tokens committed to row `row`'s ring, in order: one readback. The caller zeroes
@@ -127,25 +151,39 @@ class StreamBufs:
         return _ring_tokens(engine.dtoh(self.ring_d.view(row * stride, stride)), self.ring_cap)
 
     def queue_readback(self, engine: Engine, slot: int = 0) -> None:
-        """Queue the rings, ctl rows and positions into pinned slot 0 or 1, then zero every
-        ring's count (all capturable)."""
-        start = 0
-        for buf in (self.ring_d, self.ctl_d, self.pos_ctr_d):
-            engine.copy_dtoh_async(self._host[slot], buf, start=start)
-            start += buf.len
-        engine.set_u32(self.ring_d, 0, 0, every=self.ring_cap + 1)
+        """Queue the rings, ctl rows and positions into pinned slot 0 or 1 (one copy), then
+        zero every ring's count (one memset); both capturable, both checked when prepared."""
+        self._check_engine(engine)
+        self._readback[slot]()
+        self._empty_rings()
 
     def collect(self, engine: Engine, slot: int = 0, event: Event | None = None) -> Readback:
-        """Wait for queue_readback's copies into `slot` (one readback for all rows; only up
-        to `event`, if given), and learn each row's done flag and position from them."""
+        """Wait for queue_readback's copy into `slot` (one readback for all rows; only up to
+        `event`, if given), and learn each row's done flag, position and tokens from it."""
+        return self.readback(self.receive(engine, slot, event))
+
+    def receive(self, engine: Engine, slot: int = 0, event: Event | None = None) -> np.ndarray:
+        """collect()'s first half: wait, take the slot's words (a copy: the slot is free for the
+        next burst at once), and learn `done`, `positions` and `committed` from them; the
+        tokens are readback()'s. A driver decides its next burst from this and launches it
+        before it takes the tokens apart."""
+        self._check_engine(engine)
         engine.finish_readback(event)
         host = self._host[slot].read()
-        rings, ctl, positions = np.split(host, [self.ring_d.len, self.ring_d.len + self.ctl_d.len])
-        stride = self.ring_cap + 1
-        tokens = [_ring_tokens(rings[b * stride:(b + 1) * stride], self.ring_cap) for b in range(self.batch)]
-        self.done = ctl.view(np.int32)[DONE::4] != 0
-        self.positions = positions.view(np.int32).astype(np.int64)
-        return Readback(tokens, self.done.copy(), self.positions.copy())
+        self.committed = np.minimum(host[RING_COUNT:self._rings_end:self._ring_row], self.ring_cap).tolist()
+        self.done = _frozen(host[self._rings_end + CTL_DONE:self._ctl_end:CTL_WORDS] != 0)
+        self.positions = _frozen(host[self._ctl_end:].view(np.int32).astype(np.int64))
+        return host
+
+    def readback(self, host: np.ndarray) -> Readback:
+        """The Readback of the words receive() returned: each row's tokens, done flag, position."""
+        rings = host[:self._rings_end].reshape(self.batch, self._ring_row)
+        tokens = [rings[b, RING_TOKENS:RING_TOKENS + n] for b, n in enumerate(self.committed)]
+        return Readback(tokens, self.done, self.positions)
+
+    def _check_engine(self, engine: Engine) -> None:
+        if engine is not self._engine:
+            raise ValueError(f"these buffers belong to {self._engine!r}, not {engine!r}")
 
     def drafts_accepted(self, engine: Engine, committed: int | Sequence[int]) -> tuple[int, int]:
         """(accepted, drafted) over every row since its request began, for `committed` tokens
@@ -157,14 +195,15 @@ class StreamBufs:
         committed = np.asarray(committed, np.int64).reshape(-1)
         if committed.size != self.batch:
             raise ValueError(f"need one committed count per row ({self.batch}), not {committed.size}")
-        accepted = engine.dtoh(self.acc_d)[1::2].astype(np.int64)
+        accepted = engine.dtoh(self.acc_d)[ACC_TOTAL::ACC_WORDS].astype(np.int64)
         return int(accepted.sum()), self.k * int((committed - accepted).sum())
 
     def buffers(self) -> dict[str, DeviceBuffer]:
-        return {name: buf for name, buf in vars(self).items() if isinstance(buf, DeviceBuffer)}
+        """The device fields by name (windows of one allocation)."""
+        return {name: buf for name, buf in vars(self).items() if isinstance(buf, DeviceBuffer) and name[0] != "_"}
 
     def free(self) -> None:
-        for buf in [*self.buffers().values(), *self._host]:
+        for buf in [*self.buffers().values(), self._arena, *self._host]:
             buf.free()
 
 
@@ -185,7 +224,21 @@ def per_row(values: Any, rows: int, what: str, optional: bool = True) -> list[in
 
 
 def _ring_tokens(ring: np.ndarray, ring_cap: int) -> np.ndarray:
-    return ring[1:1 + min(int(ring[0]), ring_cap)].astype(np.uint32)
+    return ring[RING_TOKENS:RING_TOKENS + min(int(ring[RING_COUNT]), ring_cap)].astype(np.uint32)
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    """`array`, read-only: the host's knowledge of the rows is handed out, never copied, so no
+    caller may change it."""
+    array.flags.writeable = False
+    return array
+
+
+def _replaced(array: np.ndarray, rows: range, value: Any) -> np.ndarray:
+    """A copy of `array` with `rows` set to `value`."""
+    out = array.copy()
+    out[rows.start:rows.stop] = value
+    return out
 
 
 def drain_ring(bufs: StreamBufs, engine: Engine) -> np.ndarray:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .driver.buffer import DeviceBuffer, as_index
+from .driver.buffer import DeviceBuffer
+from .driver.values import as_index
 from .driver.module import Launch
 from .sampling import prepare_accept_sample
 from .tables import PointerTable
@@ -85,7 +86,7 @@ class SpecKernels:
     def prepare_accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any,
                               vocab: int | None = None) -> Launch:
         """Stochastic acceptance (contract 6, ptx/spec_sample.ptx): see sampling.py."""
-        return prepare_accept_sample(self, bufs, p_d, q_d, seed_d, vocab)
+        return prepare_accept_sample(self.engine, bufs, p_d, q_d, seed_d, vocab)
 
     def seed_gather(self, rows_d: Any, row_words: int, bufs: StreamBufs, out_d: Any) -> None:
         self.prepare_seed_gather(rows_d, row_words, bufs, out_d)()
@@ -121,8 +122,8 @@ class SpecKernels:
 
 
 def batch_rows(name: str, buf: DeviceBuffer, batch: int, row: int, single: int | None = None) -> DeviceBuffer:
-    """`buf`, checked to hold `batch` rows of `row` elements, row b at b·row (DESIGN.md's batched
-    layout). One sequence needs only its `single` (default `row`) elements, and may have more;
+    """`buf`, checked to hold `batch` rows of `row` elements, row b at b·row (docs/buffers.md,
+    "Batched layout"). One sequence needs only its `single` (default `row`) elements, and may have more;
     a batch's buffer must be exactly B rows long, since any other length means another layout."""
     need = row if single is None else single
     if batch == 1 and buf.len >= need or batch > 1 and buf.len == batch * row:

@@ -1,4 +1,4 @@
-"""Philox4x32-10 in numpy, and the uniform draw U of DESIGN.md's "Stochastic acceptance".
+"""Philox4x32-10 in numpy, and the uniform draw U of docs/sampling.md ("Random numbers").
 
 The numpy twin of ptx/philox.cuh: the sampling reference draws exactly the numbers the kernels
 draw, so a kernel's sampled token can be checked, not just its histogram. Philox is counter-based
@@ -46,13 +46,21 @@ def philox4x32_10(counter: tuple[Any, Any, Any, Any], key: tuple[Any, Any]) -> t
     return tuple(w.astype(np.uint32) for w in (c0, c1, c2, c3))
 
 
-def uniform(seed: Any, position: Any, j: Any, purpose: Any) -> np.ndarray:
-    """U(seed, position, j, purpose) = ((x0 >> 8) + 0.5) * 2**-24 as float64 (exact), x0 the first
-    word of counter (j, position, purpose, 0) under key (seed & 0xffffffff, seed >> 32).
+def uniform_of_word(x0: Any) -> np.ndarray:
+    """U of a Philox word x0: ((x0 >> 9) + 0.5) * 2**-23 as float64, exact.
 
-    U lies in [2**-25, 1 - 2**-25], so -ln U is finite and positive. Positions are taken modulo
+    23 bits, so that U is exact in float32 too and lies in [2**-24, 1 - 2**-24] there as in float64:
+    with 24 bits the top cell's centre, 1 - 2**-25, rounds to 1.0 in float32, and a kernel that
+    accepts a draft iff U * q < p in float32 would reject one with p = q."""
+    return ((words(x0) >> np.uint64(9)).astype(np.float64) + 0.5) * 2.0**-23
+
+
+def uniform(seed: Any, position: Any, j: Any, purpose: Any) -> np.ndarray:
+    """U(seed, position, j, purpose) = uniform_of_word(x0), x0 the first word of counter
+    (j, position, purpose, 0) under key (seed & 0xffffffff, seed >> 32).
+
+    U lies in [2**-24, 1 - 2**-24], so -ln U is finite and positive. Positions are taken modulo
     2**32, as the kernels' u32 arithmetic wraps them. Arguments broadcast.
     """
     seed = words(seed)
-    x0 = philox4x32_10((j, position, purpose, 0), (seed & _MASK, seed >> _32))[0]
-    return ((x0 >> 8).astype(np.float64) + 0.5) * 2.0**-24
+    return uniform_of_word(philox4x32_10((j, position, purpose, 0), (seed & _MASK, seed >> _32))[0])

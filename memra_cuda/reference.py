@@ -4,9 +4,9 @@ One function per kernel, named after it, taking the same buffers as numpy arrays
 as uint32, i32 buffers as int32) and updating them in place exactly as the kernel does,
 clamps included. It is the oracle of the GPU tests and the plainest statement of the contracts.
 Each takes `batch` (B, default 1) as its kernel does: every buffer then holds B rows, row-major
-(DESIGN.md, "Batched round-stream"), and the single-sequence contract applies to each row alone.
+(docs/buffers.md, "Batched layout"), and the single-sequence contract applies to each row alone.
 Token buffers the model writes (draft, pred) may be 32- or 64-bit: ids are < 2**31, and the
-kernels read the low 32 bits of a 64-bit word (`ids`).
+kernels read the low 32 bits of a 64-bit word (`ids`). Rows are laid out as memra_cuda.layout says.
 """
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from typing import Iterator
 
 import numpy as np
 
+from .layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MARK, BRK_WORDS, CTL_BUDGET, CTL_DONE,
+                     CTL_EOS, CTL_KEEP, CTL_WORDS, RING_COUNT, RING_TOKENS)
 from .philox import uniform
 
-# ctl_d slots
-EOS, BUDGET, DONE, KEEP = range(4)
+# ctl_d's words by the short names the tests and models/toy.py index it with
+EOS, BUDGET, DONE, KEEP = CTL_EOS, CTL_BUDGET, CTL_DONE, CTL_KEEP
 
 
 def ids(tokens: np.ndarray) -> np.ndarray:
@@ -34,12 +36,12 @@ def row_views(batch: int, *buffers: tuple[np.ndarray, int]) -> Iterator[tuple[np
 
 def spec_seed_gather(rows: np.ndarray, n_rows: int, row_words: int, acc: np.ndarray,
                      out: np.ndarray, batch: int = 1) -> None:
-    """out = the verify row of the bonus token (row acc[0], clamped to the last row).
+    """out = the verify row of the bonus token (row acc[ACC_ROUND], clamped to the last row).
     Batched: rows is [B][n_rows][row_words], out [B][row_words]."""
     if n_rows == 0:
         return
-    for rows_b, acc_b, out_b in row_views(batch, (rows, n_rows * row_words), (acc, 2), (out, row_words)):
-        r = min(int(acc_b[0]), n_rows - 1)
+    for rows_b, acc_b, out_b in row_views(batch, (rows, n_rows * row_words), (acc, ACC_WORDS), (out, row_words)):
+        r = min(int(acc_b[ACC_ROUND]), n_rows - 1)
         out_b[:row_words] = rows_b[r * row_words:(r + 1) * row_words]
 
 
@@ -58,34 +60,34 @@ def spec_accept_greedy_dc(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.nd
                           acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray, batch: int = 1) -> None:
     """Accept the longest prefix of drafts equal to the target's predictions.
 
-    A p-min break at draft i (brk[0] = i + 1) caps acceptance at i drafts. The target's
+    A p-min break at draft i (brk[BRK_MARK] = i + 1) caps acceptance at i drafts. The target's
     prediction after the last accepted token becomes the bonus (last_pred); keep = n + 1 KV
     entries (the pending token and n drafts) survive the round. Once done, nothing is kept.
     """
     for vtok, pred, brk, acc, last_pred, ctl in row_views(
-            batch, (vtok, k + 1), (pred, k + 1), (brk, 2), (acc, 2), (last_pred, 1), (ctl, 4)):
+            batch, (vtok, k + 1), (pred, k + 1), (brk, BRK_WORDS), (acc, ACC_WORDS), (last_pred, 1), (ctl, CTL_WORDS)):
         _accept_greedy_row(vtok, pred, k, brk, acc, last_pred, ctl)
 
 
 def _accept_greedy_row(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.ndarray, acc: np.ndarray,
                        last_pred: np.ndarray, ctl: np.ndarray) -> None:
-    b = int(brk[0])
+    b = int(brk[BRK_MARK])
     pred = ids(pred)
-    if ctl[DONE] != 0:
-        acc[0] = 0
-        ctl[KEEP] = 0
+    if ctl[CTL_DONE] != 0:
+        acc[ACC_ROUND] = 0
+        ctl[CTL_KEEP] = 0
     else:
         limit = min(k, b - 1) if b else k
         n = 0
         while n < limit and vtok[1 + n] == pred[n]:
             n += 1
-        acc[0] = n
-        acc[1] = (int(acc[1]) + n) & 0xFFFFFFFF
+        acc[ACC_ROUND] = n
+        acc[ACC_TOTAL] = (int(acc[ACC_TOTAL]) + n) & 0xFFFFFFFF
         last_pred[0] = pred[n]
-        ctl[KEEP] = n + 1
+        ctl[CTL_KEEP] = n + 1
         if b:
-            brk[1] = (int(brk[1]) + 1) & 0xFFFFFFFF
-    brk[0] = 0
+            brk[BRK_COUNT] = (int(brk[BRK_COUNT]) + 1) & 0xFFFFFFFF
+    brk[BRK_MARK] = 0
 
 
 def spec_ring_commit(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray,
@@ -97,34 +99,35 @@ def spec_ring_commit(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, c
     becomes the pending token whatever happened.
     """
     for vtok, acc, last_pred, ctl, pend, ring in row_views(
-            batch, (vtok, k + 1), (acc, 2), (last_pred, 1), (ctl, 4), (pend, 1), (ring, ring_cap + 1)):
+            batch, (vtok, k + 1), (acc, ACC_WORDS), (last_pred, 1), (ctl, CTL_WORDS), (pend, 1),
+            (ring, RING_TOKENS + ring_cap)):
         _ring_commit_row(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k)
 
 
 def _ring_commit_row(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray,
                      pend: np.ndarray, ring: np.ndarray, ring_cap: int, k: int) -> None:
-    if ctl[DONE] != 0:
+    if ctl[CTL_DONE] != 0:
         return
-    eos, budget = int(ctl[EOS]), int(ctl[BUDGET])
-    n = min(int(acc[0]), k)
+    eos, budget = int(ctl[CTL_EOS]), int(ctl[CTL_BUDGET])
+    n = min(int(acc[ACC_ROUND]), k)
     bonus = int(last_pred[0])
-    count = min(int(ring[0]), ring_cap)
+    count = min(int(ring[RING_COUNT]), ring_cap)
     done = False
     for tok in [int(t) for t in vtok[1:1 + n]] + [bonus]:
         if budget == 0:
             done = True
             break
         if count < ring_cap:
-            ring[1 + count] = tok
+            ring[RING_TOKENS + count] = tok
             count += 1
         if budget > 0:
             budget -= 1
         done = (eos >= 0 and tok == eos) or budget == 0
         if done:
             break
-    ring[0] = count
-    ctl[BUDGET] = budget
-    ctl[DONE] = int(done)
+    ring[RING_COUNT] = count
+    ctl[CTL_BUDGET] = budget
+    ctl[CTL_DONE] = int(done)
     pend[0] = bonus
 
 
@@ -135,7 +138,7 @@ def spec_rollback_stream(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray,
     batched, entry b of each becomes row b's pos_start + keep.
     """
     for b in range(batch):
-        value = (int(pos_start[b]) + int(ctl[4 * b + KEEP]) + 2**31) % 2**32 - 2**31  # i32 wrap-around
+        value = (int(pos_start[b]) + int(ctl[CTL_WORDS * b + CTL_KEEP]) + 2**31) % 2**32 - 2**31  # i32 wrap-around
         for length in len_ptrs:
             if length is not None:
                 length[b] = value
@@ -202,16 +205,16 @@ def spec_accept_sample(vtok: np.ndarray, p: np.ndarray, q: np.ndarray, V: int, k
     last_pred, keep and brk follow greedy's contract; a done row changes only acc[0], keep and brk[0].
     """
     for vtok, p, q, brk, acc, last_pred, ctl, pos_start, seed in row_views(
-            batch, (vtok, k + 1), (p, (k + 1) * V), (q, max(k, 1) * V), (brk, 2), (acc, 2), (last_pred, 1),
-            (ctl, 4), (pos_start, 1), (seed, 1)):
-        n, token = (0, NO_MASS_TOKEN) if ctl[DONE] != 0 else _sample_verdict(vtok, p, q, V, k, brk, pos_start, seed)
+            batch, (vtok, k + 1), (p, (k + 1) * V), (q, max(k, 1) * V), (brk, BRK_WORDS), (acc, ACC_WORDS),
+            (last_pred, 1), (ctl, CTL_WORDS), (pos_start, 1), (seed, 1)):
+        n, token = (0, NO_MASS_TOKEN) if ctl[CTL_DONE] != 0 else _sample_verdict(vtok, p, q, V, k, brk, pos_start, seed)
         _settle_row(n, token, k, brk, acc, last_pred, ctl)
 
 
 def _sample_verdict(vtok: np.ndarray, p: np.ndarray, q: np.ndarray, V: int, k: int, brk: np.ndarray,
                     pos_start: np.ndarray, seed: np.ndarray) -> tuple[int, int]:
     """(n drafts accepted, the bonus token) of one live row."""
-    b = int(brk[0])
+    b = int(brk[BRK_MARK])
     limit = min(k, b - 1) if b else k
     p, q = p.reshape(k + 1, V), q.reshape(max(k, 1), V)
     first = int(pos_start[0]) + 1  # draft 0's absolute position; U wraps it to 32 bits, as the kernel

@@ -1,4 +1,5 @@
-"""The typed launcher of stochastic acceptance (contract 6, ptx/spec_sample.cu).
+"""The typed launcher of stochastic acceptance (contract 6, ptx/spec_sample.cu; the rule itself,
+as RoundStream takes it, is acceptance.Sampling).
 
 Like SpecKernels' launchers, it checks everything the host knows (dtypes, exact sizes, the engine
 the buffers belong to, the vocabulary) before anything is queued, so a wrong buffer is a clear
@@ -7,28 +8,17 @@ exception here rather than a kernel reading past the rows it was meant to read.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .driver.buffer import DeviceBuffer, as_index, short_name
+from .driver.buffer import DeviceBuffer
+from .driver.values import as_index, short_name
 from .driver.module import Launch
 
 if TYPE_CHECKING:
     from .bufs import StreamBufs
-    from .kernels import SpecKernels
-
-@dataclass(frozen=True)
-class Sampling:
-    """What RoundStream needs to accept stochastically instead of greedily: the buffers the
-    model writes every round (p_d, q_d: see prepare_accept_sample), the requests' seeds and
-    the vocabulary size."""
-
-    p_d: Any
-    q_d: Any
-    seed_d: Any
-    vocab: int
+    from .driver.engine import Engine
 
 
 # spec_sample.cu's THREADS and PER_THREAD: a block races THREADS * PER_THREAD entries of V per pass.
@@ -37,20 +27,19 @@ PER_THREAD = 2
 _TYPES = ["ptr", "ptr", "ptr", "u32", "u32", "u32"] + ["ptr"] * 7
 
 
-def prepare_accept_sample(spec: SpecKernels, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any,
+def prepare_accept_sample(engine: Engine, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any,
                           vocab: int | None = None) -> Launch:
     """A prepared launch of spec_accept_sample over bufs' B rows, to keep and call every round.
 
     p_d: float32 [B][k+1][V], the target's probabilities at the k+1 verify positions; q_d: float32
     [B][max(k,1)][V], the draft's at its k positions; seed_d: [B] 64-bit seeds (uint64, or int64
     for frameworks without unsigned types: the kernel reads the bits). Sizes must be exact. Give
-    V (`vocab`) where you can: derived from p_d (DESIGN.md's four-argument call), a p_d of the
+    V (`vocab`) where you can: derived from p_d (the four-argument call of docs/kernels.md, "Launchers"), a p_d of the
     wrong length passes whenever q_d happens to fit the same wrong V.
 
     Allocates the kernel's scratch (zeroed; every launch leaves it zeroed again), so call it
     before capturing a graph: the launch itself is capturable and replays unchanged.
     """
-    engine = spec.engine
     k, rows = bufs.k, bufs.batch  # rows <= 65535, gridDim.y's cap: StreamBufs holds no more
     if vocab is None:
         vocab = engine.buffer(p_d, "p_d").len // (rows * (k + 1))

@@ -7,11 +7,15 @@ work on the engine's stream.
 """
 from __future__ import annotations
 
+import enum
 import functools
+import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from .acceptance import Greedy, Sampling
 from .bufs import Readback, per_row
 from .driver.event import Event
 from .driver.graph import Capture, Graph
@@ -19,12 +23,50 @@ from .driver.module import Launch
 from .tables import PointerTable
 
 if TYPE_CHECKING:
+    from .acceptance import Acceptance
     from .bufs import StreamBufs
-    from .sampling import Sampling
     from .driver.engine import Engine
     from .kernels import SpecKernels
 
-MODES = ("readback", "stream", "graph", "overlap")
+
+class Mode(str, enum.Enum):
+    """How a RoundStream runs its rounds (the strings are accepted wherever a Mode is).
+
+    READBACK: one round, then read tokens and done flags back: the loop an engine would write
+    without round-stream. STREAM: M rounds issued from Python, one readback. GRAPH: the M rounds
+    and the readback captured once as a CUDA graph and replayed. OVERLAP: graph replays two
+    deep, the next burst queued before the last one is read, so the GPU never waits for the host.
+    """
+
+    READBACK = "readback"
+    STREAM = "stream"
+    GRAPH = "graph"
+    OVERLAP = "overlap"
+
+
+MODES = tuple(mode.value for mode in Mode)
+_MODE_OF = {mode.value: mode for mode in Mode}  # a Mode is a str: it finds itself here too
+
+
+def as_mode(mode: Mode | str) -> Mode:
+    """`mode` as a Mode, ValueError naming the choices."""
+    try:
+        return _MODE_OF[mode]
+    except (KeyError, TypeError):
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}") from None
+
+
+@dataclass(frozen=True)
+class Stages:
+    """What a pipeline of stages on several engines (models/pipeline.py) adds to a round:
+    `engines`, the other stages' engines, whose streams the callables fork to and join back
+    from (their work joins the burst graph); `round_tail`, queued after this stage's rollback
+    (the accept state sent back, the other stages' rollbacks); `capacity`, the fewest KV
+    entries the other stages' caches hold."""
+
+    engines: Sequence[Engine]
+    round_tail: Callable[[], None] | None = None
+    capacity: int | None = None
 
 
 class CapacityError(ValueError):
@@ -65,12 +107,16 @@ class Pace:
     def rounds(self, live: np.ndarray, in_flight: int = 0) -> int:
         """Rounds for the next burst of the `live` rows, queued behind `in_flight` rounds whose
         tokens the host has not seen yet."""
-        if not self.cut:
+        if not self.cut or self.m_rounds == 1:
             return self.m_rounds
         rate = np.where(self._rounds > 0, self.generated / np.maximum(self._rounds, 1), 1.0)
-        left = self.budgets - self.generated - rate * in_flight
-        need = int(np.ceil(left[live] / rate[live]).max(initial=1))
-        return self.m_rounds if need >= self.m_rounds else 1 << (max(need, 1).bit_length() - 1)
+        left = (self.budgets - self.generated - rate * in_flight)[live]
+        # A row that has committed nothing in the rounds it ran gives no rate to divide by: it
+        # may need any number of rounds, so it gets the whole M.
+        need = np.divide(left, rate[live], out=np.full(left.shape, np.inf), where=rate[live] > 0).max(initial=1)
+        if need >= self.m_rounds:
+            return self.m_rounds
+        return 1 << (max(int(np.ceil(need)), 1).bit_length() - 1)
 
     def needed(self, live: np.ndarray, in_flight: int) -> bool:
         """Whether some live row may have budget left after `in_flight` rounds, if they commit
@@ -98,69 +144,68 @@ def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, ove
 class RoundStream:
     """Issues rounds onto the engine's stream and generates with one readback per burst.
 
-    Four ways to run the same rounds, for comparison and for embedding:
-    "readback" — one round, then read tokens and the done flag back: the loop an engine would
-    write without round-stream; "stream" — M rounds issued from Python, one readback;
-    "graph" — the M rounds and the readback captured once as a CUDA graph and replayed;
-    "overlap" — graph replays two deep: the next burst is queued before the last one is read,
-    so the GPU never waits for the host. A burst that runs after the stop has no effect.
-    Every mode runs all `bufs.batch` rows with one readback per burst; a row that is done sits
-    the rounds out (its position frozen) while the others go on.
+    A round, in stream order: [seed_gather] → draft chain → assemble_verify → verify trunk →
+    accept → commit → rollback, for every row of the batch at once (docs/round-stream.md). The
+    model's side is two callables that queue work on the engine's stream (`draft_chain`,
+    `verify_trunk`, writing `draft_d` and what `acceptance` reads; docs/model-side.md).
+    `acceptance` is the rule: Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab).
 
-    The acceptance rule is greedy, from the target's predictions the verify writes to `pred_d`,
-    or stochastic (`sampling`: the probabilities the draft chain and verify write, and the
-    requests' seeds); give one of the two.
+    Four modes run the same rounds (Mode); a row that is done sits the rounds out (its
+    position frozen) while the others go on, and a burst that runs after every stop has no
+    effect. `rollback_tables` are PointerTables (kv_len_ptr_table and friends): one of them
+    must hold `bufs.pos_ctr_d`, which is how the position advances, and every one that names
+    KV lengths must know their capacity (or say capacity=UNCHECKED), so every burst is checked
+    against it before it is issued: a live row needs room for the burst, and in a batch for one
+    round more, which it may sit out done at its final position while other rows finish.
+    `capture` says how graphs are captured (default: the driver's stream capture). `pace` cuts
+    a generation's bursts to the rounds its rows are expected to need (Pace): right wherever a
+    round costs more than a host readback (~0.1-0.2 ms: any real model); turn it off for
+    rounds cheaper than that. `stages` (Stages) is for pipelines of stages on several GPUs.
 
-    `rollback_tables` are PointerTables (kv_len_ptr_table and friends): one of them must hold
-    `bufs.pos_ctr_d`, which is how the position advances, and together they say how many KV
-    entries the caches hold, so every burst is checked against that capacity before it is
-    issued: a live row needs room for the burst, and in a batch for one round more, which it
-    may sit out done at its final position while other rows finish. `capture` says how graphs
-    are captured (default: the driver's stream capture). `pace` (Pace) cuts a generation's
-    bursts to the rounds its rows are expected to need: right wherever a round costs more than
-    a host readback (~0.1-0.2 ms: any real model); turn it off for rounds cheaper than that.
-
-    A pipeline of stages on several engines (models/pipeline.py) runs its rounds here too:
-    `bufs` and the kernels are the last stage's; the callables fork to the other stages'
-    streams and join back with events, `round_tail` queues what follows this stage's rollback
-    (the accept state sent back, the other stages' rollbacks), `stages` names the other engines
-    (their work joins the burst graph) and `capacity` the fewest entries their caches hold.
+    Everything is checked when the stream is built, and before each burst on the host from what
+    the last readback said (one reduction in the common case): the rounds themselves are
+    prepared launches and copies, issued at the cost of the bare bindings.
     """
 
     def __init__(self, spec: SpecKernels, bufs: StreamBufs, *, draft_chain: Callable[[], None],
-                 verify_trunk: Callable[[], None], draft_d: Any, pred_d: Any = None, sampling: Sampling | None = None,
+                 verify_trunk: Callable[[], None], draft_d: Any, acceptance: Acceptance | None = None,
                  rollback_tables: Sequence[PointerTable], seed_gather: Launch | None = None,
-                 capture: Capture | None = None, round_tail: Callable[[], None] | None = None,
-                 stages: Sequence[Engine] = (), capacity: int | None = None, pace: bool = True):
-        if (pred_d is None) == (sampling is None):
-            raise ValueError("give pred_d (greedy acceptance) or sampling (stochastic acceptance), not both or neither")
+                 capture: Capture | None = None, pace: bool = True, stages: Stages | None = None, **deprecated: Any):
+        acceptance, stages = _deprecated_arguments(acceptance, stages, deprecated)
+        if not isinstance(acceptance, (Greedy, Sampling)):
+            raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), not {acceptance!r}")
         tables = list(rollback_tables)
         if not tables:
             raise ValueError("rollback needs at least one pointer table (one of them holding bufs.pos_ctr_d)")
         for table in tables:
             if not isinstance(table, PointerTable):
                 raise TypeError(f"rollback tables must be PointerTables (kv_len_ptr_table builds them), not {table!r}")
+            if table.capacity is None and any(t is not None and t is not bufs.pos_ctr_d for t in table.targets):
+                raise ValueError(f"rollback table {table!r} names KV lengths but not their capacity, so no burst "
+                                 "could be checked against it: build it with kv_len_ptr_table, or give "
+                                 "PointerTable(..., capacity=entries), or capacity=UNCHECKED to go unchecked")
         if not any(table.holds(bufs.pos_ctr_d) for table in tables):
             raise ValueError("no rollback table holds bufs.pos_ctr_d, so the position would never advance: "
                              "pass pos_ctr=bufs.pos_ctr_d to kv_len_ptr_table")
-        capacities = [c for c in (capacity, *(table.capacity for table in tables)) if c is not None]
+        stages = stages or Stages(())
+        capacities = [c for c in (stages.capacity, *(table.capacity for table in tables)) if type(c) is int]
         self.capacity: int | None = min(capacities) if capacities else None
         self.engine = spec.engine
         self.bufs = bufs
+        self.acceptance = acceptance
         self.pace = pace
         self._capture = capture
-        self._round: list[Callable[[], None]] = [
+        self._round: tuple[Callable[[], None], ...] = (
             *([seed_gather] if seed_gather is not None else []),
             draft_chain,
             spec.prepare_assemble_verify(bufs, draft_d),
             verify_trunk,
-            spec.prepare_accept_greedy(bufs, pred_d) if sampling is None else
-            spec.prepare_accept_sample(bufs, sampling.p_d, sampling.q_d, sampling.seed_d, sampling.vocab),
+            acceptance.prepare(spec, bufs),
             spec.prepare_ring_commit(bufs),
             *(spec.prepare_rollback(table, bufs) for table in tables),
-            *([round_tail] if round_tail is not None else []),
-        ]
-        self._stages = tuple(stages)
+            *([stages.round_tail] if stages.round_tail is not None else []),
+        )
+        self._stages = tuple(stages.engines)
         self._graphs: dict[tuple[int, int], Graph] = {}  # (pinned readback slot, rounds) -> burst graph
         self._events: list[Event] = []
         self.rounds = 0  # rounds step()/generate() sent to the GPU
@@ -168,12 +213,21 @@ class RoundStream:
         self._idle_room = bufs.k + 1 if bufs.batch > 1 else 0
 
     def issue_round(self) -> None:
-        for step in self._round:
-            step()
+        """Queue one round (no readback), checked against the caches' capacity first."""
+        self.issue_burst(1)
 
     def issue_burst(self, rounds: int | None = None) -> None:
-        for _ in range(self.bufs.m_rounds if rounds is None else rounds):
-            self.issue_round()
+        """Queue `rounds` rounds (1 to M, default M; no readback): the ring holds M rounds'
+        tokens, so more would drop tokens. Checked against the caches' capacity first, from the
+        positions the last readback (or reset) gave."""
+        rounds = self._burst_rounds(rounds)
+        self.check_capacity(rounds)
+        self._issue(rounds)
+
+    def _issue(self, rounds: int) -> None:
+        for _ in range(rounds):
+            for step in self._round:
+                step()
 
     @property
     def graph(self) -> Graph:
@@ -191,7 +245,7 @@ class RoundStream:
         return self._graphs[slot, rounds]
 
     def _issue_burst_and_readback(self, slot: int, rounds: int) -> None:
-        self.issue_burst(rounds)
+        self._issue(rounds)
         self.bufs.queue_readback(self.engine, slot)
 
     def fits(self, rounds: int, ahead: int = 0, positions: np.ndarray | None = None,
@@ -224,11 +278,16 @@ class RoundStream:
     def _short_rows(self, rounds: int, ahead: int, positions: np.ndarray | None,
                     done: np.ndarray | None) -> np.ndarray:
         if self.capacity is None:
-            return np.zeros(0, np.int64)
+            return _NO_ROWS
+        # No row reaches past the furthest position plus a live row's burst: one reduction
+        # clears the common case, and only a burst near the limit looks at every row.
+        furthest = int((self.bufs.positions if positions is None else positions).max())
+        if furthest + ahead + rounds * (self.bufs.k + 1) + self._idle_room <= self.capacity:
+            return _NO_ROWS
         return np.flatnonzero(self._reach(rounds, ahead, positions, done) > self.capacity)
 
     def generate(self, start_pos: int, max_new_tokens: int, *, eos: int | None = None,
-                 mode: str = "graph") -> np.ndarray:
+                 mode: Mode | str = Mode.GRAPH) -> np.ndarray:
         """Generate one sequence (a batch of 1) until EOS or max_new_tokens (the device's token
         budget): generate_batch for a single row."""
         if self.bufs.batch != 1:
@@ -237,7 +296,8 @@ class RoundStream:
         return self.generate_batch([start_pos], [max_new_tokens], eos=eos, mode=mode)[0]
 
     def generate_batch(self, start_pos: Sequence[int], max_new_tokens: int | Sequence[int], *,
-                       eos: int | None | Sequence[int | None] = None, mode: str = "graph") -> list[np.ndarray]:
+                       eos: int | None | Sequence[int | None] = None,
+                       mode: Mode | str = Mode.GRAPH) -> list[np.ndarray]:
         """Generate every row of the batch until its EOS or its max_new_tokens (the device's
         token budget per row); returns each row's tokens.
 
@@ -248,6 +308,7 @@ class RoundStream:
         costs no extra readback. Every argument is checked before anything is queued.
         """
         batch = self.bufs.batch
+        mode = as_mode(mode)
         rounds = self.rounds_per_step(mode)
         if not isinstance(start_pos, (list, tuple, np.ndarray)):
             raise TypeError(f"start_pos must hold one position per row, not {start_pos!r}")
@@ -257,26 +318,36 @@ class RoundStream:
         if budgets.any():
             self.check_capacity(rounds, positions=positions, done=budgets == 0)
         self.bufs.set_stop(self.engine, stops, budgets.tolist())
-        self.bufs.positions = positions
+        self.bufs.set_positions(positions)
         out: list[list[np.ndarray]] = [[] for _ in range(batch)]
-        pace = Pace(budgets, rounds, cut=self.pace)
-        if mode == "overlap":
+        if mode is Mode.OVERLAP:
             if not self.bufs.done.all():  # rows with nothing to generate need no burst
-                self._generate_overlapped(pace, out)
-        else:
+                self._generate_overlapped(Pace(budgets, rounds, cut=self.pace), out)
+        elif self.pace and rounds > 1:
+            pace = Pace(budgets, rounds)
             while not self.bufs.done.all():
                 live = ~self.bufs.done
                 burst = pace.rounds(live)
                 readback = self.step(mode, burst)
-                pace.record(burst, self._append(readback, out), live & ~readback.done)
+                self._append(readback, out)
+                pace.record(burst, np.array(self.bufs.committed), live & ~readback.done)
+        elif not self.bufs.done.all():  # every burst as long as the mode runs: nothing to pace
+            self._queue(mode, rounds)
+            while True:
+                host = self._receive(0, None, rounds)
+                more = not self.bufs.done.all()
+                if more:  # the next burst runs while this one's tokens are taken apart
+                    self._queue(mode, rounds)
+                self._append(self.bufs.readback(host), out)
+                if not more:
+                    break
         return [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in out]
 
     @staticmethod
-    def _append(readback: Readback, out: list[list[np.ndarray]]) -> np.ndarray:
-        """Each row's tokens onto its list; returns how many each row got."""
+    def _append(readback: Readback, out: list[list[np.ndarray]]) -> None:
+        """Each row's tokens onto its list."""
         for row, tokens in zip(out, readback.tokens):
             row.append(tokens)
-        return np.array([len(tokens) for tokens in readback.tokens], np.int64)
 
     def _generate_overlapped(self, pace: Pace, out: list[list[np.ndarray]]) -> None:
         """Bursts two deep. The next burst is queued ahead only when it looks needed and the
@@ -300,9 +371,10 @@ class RoundStream:
                     self._queue_graph(1 - slot, queued, ahead=flight * k1)
                 else:
                     queued = 0
-            readback = self.bufs.collect(self.engine, slot, self._events[slot])
+            readback = self.bufs.readback(self._receive(slot, self._events[slot], flight))
             self.bursts += 1
-            pace.record(flight, self._append(readback, out), live & ~readback.done)
+            self._append(readback, out)
+            pace.record(flight, np.array(self.bufs.committed), live & ~readback.done)
             if readback.done.all():
                 return
             if not queued:
@@ -316,11 +388,9 @@ class RoundStream:
         self._events[slot].record()
         self.rounds += rounds
 
-    def rounds_per_step(self, mode: str) -> int:
+    def rounds_per_step(self, mode: Mode | str) -> int:
         """The most rounds one step of `mode` runs: one for "readback", else M."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-        return 1 if mode == "readback" else self.bufs.m_rounds
+        return 1 if as_mode(mode) is Mode.READBACK else self.bufs.m_rounds
 
     def _burst_rounds(self, rounds: int | None, most: int | None = None) -> int:
         most = self.bufs.m_rounds if most is None else most
@@ -330,27 +400,68 @@ class RoundStream:
             raise ValueError(f"rounds must be an int from 1 to {most}, not {rounds!r}")
         return int(rounds)
 
-    def step(self, mode: str = "graph", rounds: int | None = None) -> Readback:
+    def step(self, mode: Mode | str = Mode.GRAPH, rounds: int | None = None) -> Readback:
         """One burst (one round in "readback" mode) of every row, and its one readback.
 
         The unit of continuous batching: between steps, bufs.reset_row and set_stop_row start a
         new request in a slot, and the next step runs it with the others. `rounds` (1 to M,
         default M) shortens a burst that would otherwise run past every row's stop: each
-        length is its own graph, captured on first use. Capacity is checked from the
-        positions the last readback (or reset) gave. Overlapped bursts only run inside
-        generate()."""
-        if mode == "overlap":
+        length is its own graph, captured on first use (or up front with graph_for). Capacity
+        is checked from the positions the last readback (or reset) gave. Overlapped bursts
+        only run inside generate()."""
+        mode = as_mode(mode)
+        if mode is Mode.OVERLAP:
             raise ValueError('"overlap" keeps two bursts in flight: use generate()')
-        rounds = self._burst_rounds(rounds, self.rounds_per_step(mode))
+        rounds = self._burst_rounds(rounds, 1 if mode is Mode.READBACK else self.bufs.m_rounds)
+        self._queue(mode, rounds)
+        return self.bufs.readback(self._receive(0, None, rounds))
+
+    def _queue(self, mode: Mode, rounds: int) -> None:
+        """Check a burst of `rounds` rounds against the caches, then queue it and its readback
+        into pinned slot 0 (replay its graph, in graph mode)."""
         self.check_capacity(rounds)
-        if mode == "graph":
-            self.graph_for(0, rounds).launch()
-        elif mode == "stream":
-            self.issue_burst(rounds)
-            self.bufs.queue_readback(self.engine)
+        if mode is Mode.GRAPH:
+            (self._graphs.get((0, rounds)) or self.graph_for(0, rounds)).launch()
         else:
-            self.issue_round()
+            self._issue(rounds)
             self.bufs.queue_readback(self.engine)
         self.rounds += rounds
         self.bursts += 1
-        return self.bufs.collect(self.engine)
+
+    def _receive(self, slot: int, event: Event | None, rounds: int) -> np.ndarray:
+        """bufs.receive of a burst of `rounds` rounds, refusing one in which a row that was live
+        throughout committed nothing: every live round commits a token, so such a row is one no
+        kernel served, and a generation waiting for it would never end."""
+        done_before = self.bufs.done
+        host = self.bufs.receive(self.engine, slot, event)
+        if 0 in self.bufs.committed:
+            committed = np.array(self.bufs.committed)
+            stalled = np.flatnonzero(~done_before & ~self.bufs.done & (committed == 0))
+            if stalled.size:
+                raise RuntimeError(f"{stalled.size} live row(s) of {self.bufs.batch} (row {stalled[0]} first) "
+                                   f"committed no token in a burst of {rounds} round(s): their rounds did not run")
+        return host
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+
+
+def _deprecated_arguments(acceptance: Acceptance | None, stages: Stages | Sequence[Engine] | None,
+                          given: dict[str, Any]) -> tuple[Acceptance | None, Stages | None]:
+    """The acceptance rule and stages from the keywords of the first releases (pred_d=,
+    sampling=; stages= a list of engines with round_tail= and capacity=), with a warning."""
+    unknown = set(given) - {"pred_d", "sampling", "round_tail", "capacity"}
+    if unknown:
+        raise TypeError(f"RoundStream got unexpected keyword argument(s) {sorted(unknown)}")
+    if not given and not isinstance(stages, (list, tuple)):
+        return acceptance, stages
+    warnings.warn("RoundStream(pred_d=..., sampling=..., round_tail=..., capacity=..., stages=[engines]) is "
+                  "deprecated: pass acceptance=Greedy(pred_d) or Sampling(...), and stages=Stages(engines, "
+                  "round_tail, capacity)", DeprecationWarning, stacklevel=3)
+    pred_d, sampling = given.get("pred_d"), given.get("sampling")
+    if (acceptance is not None) + (pred_d is not None) + (sampling is not None) != 1:
+        raise ValueError("give one acceptance rule: acceptance=Greedy(pred_d) or acceptance=Sampling(...)")
+    acceptance = acceptance or (Greedy(pred_d) if pred_d is not None else sampling)
+    if isinstance(stages, Stages):
+        return acceptance, stages
+    return acceptance, Stages(tuple(stages or ()), given.get("round_tail"), given.get("capacity"))

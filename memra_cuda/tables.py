@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .driver.buffer import DeviceBuffer, as_buffer, as_index, device_allocation
+from .driver.buffer import DeviceBuffer, as_buffer, device_allocation
+from .driver.values import as_index
 
 if TYPE_CHECKING:
     from .driver.engine import Engine
@@ -47,7 +48,7 @@ class KVLayer:
         if capacity < 1 or width < 1 or batch < 1:
             raise ValueError(f"a KV layer needs a positive capacity, width and batch, not {capacity}, {width}, "
                              f"{batch}")
-        return cls(engine.alloc_i32_zeroed(batch, label="len_d"), capacity,
+        return cls(engine.zeros(np.int32, batch, label="len_d"), capacity,
                    engine.alloc(dtype, batch * capacity * width, zeroed=True, label="data_d"))
 
 
@@ -83,18 +84,34 @@ class Cache:
         return [None if layer is None else int(engine.dtoh(layer.len_d)[row]) for layer in self.kv]
 
 
+class Unchecked:
+    """The capacity of a rollback table whose KV capacity the caller chose not to give: asked
+    for by name (`capacity=UNCHECKED`), never by omission."""
+
+    def __repr__(self) -> str:
+        return "UNCHECKED"
+
+
+UNCHECKED = Unchecked()
+
+
 class PointerTable(DeviceBuffer):
     """A u64 device array of the addresses of `targets` (0 for None), which it holds.
 
     For kernels that read addresses from device memory: rollback's KV lengths, a model's
     per-layer data. Freeing a target explicitly poisons the table: its `ptr` (and so every
-    launch or graph bound to it) refuses with a ValueError naming the target. `capacity` is
-    the fewest entries any KV layer behind the table holds (None: no KV layer), which is how
-    RoundStream knows how far a burst may go.
+    launch or graph bound to it) refuses with a ValueError naming the target.
+
+    `capacity` is the fewest entries any KV layer behind the table holds, which is how
+    RoundStream knows how far a burst may go; None where the table names no KV lengths (a
+    model's data pointers; pos_ctr alone). A rollback table over KV lengths must give it:
+    RoundStream refuses one that does not, unless it says `capacity=UNCHECKED`.
     """
 
-    def __init__(self, engine: Engine, targets: Sequence[Any], *, capacity: int | None = None,
+    def __init__(self, engine: Engine, targets: Sequence[Any], *, capacity: int | Unchecked | None = None,
                  label: str = "pointer table"):
+        if not (capacity is None or capacity is UNCHECKED or as_index(capacity, "capacity") >= 1):
+            raise ValueError(f"capacity must be a positive number of KV entries, None or UNCHECKED, not {capacity}")
         held = tuple(None if t is None else engine.buffer(t, f"table entry {i}") for i, t in enumerate(targets))
         if not held:
             raise ValueError("a pointer table needs at least one entry")

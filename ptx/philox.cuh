@@ -1,4 +1,4 @@
-// Philox4x32-10 and the draws of stochastic acceptance (DESIGN.md, "Stochastic acceptance"),
+// Philox4x32-10 and the draws of stochastic acceptance (docs/sampling.md, "Random numbers"),
 // mirrored by memra_cuda/philox.py and memra_cuda/reference.py.
 //
 // Philox is counter-based: a draw is a pure function of (counter, key), so every draw is addressed
@@ -28,25 +28,27 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
     return ctr;
 }
 
-// The top 24 bits of the first word of counter (j, a, purpose, 0) under key (seed lo, seed hi):
-// U(seed, a, j, purpose) = (m + 0.5) * 2^-24.
+// The top 23 bits of the first word of counter (j, a, purpose, 0) under key (seed lo, seed hi):
+// U(seed, a, j, purpose) = (m + 0.5) * 2^-23.
 __device__ __forceinline__ u32 philox_mantissa(u64 seed, u32 a, u32 j, u32 purpose) {
-    return philox4x32_10(make_uint4(j, a, purpose, 0u), make_uint2((u32)seed, (u32)(seed >> 32))).x >> 8;
+    return philox4x32_10(make_uint4(j, a, purpose, 0u), make_uint2((u32)seed, (u32)(seed >> 32))).x >> 9;
 }
 
-// U in f32: the exact value rounded to nearest, as numpy's float32(U). Exact for m < 2^23; above,
-// the + 0.5f rounds once (m = 2^24 - 1 gives 1.0f) and the scaling by 2^-24 is exact.
+// U in f32, exact: m + 0.5 needs 24 significant bits, which f32 has, and the scaling by 2^-23 is
+// exact. So U < 1 in f32 as in the contract (with 24 bits the top m rounded to 1.0f, and a draft
+// with p = q, accepted iff U * q < p, was rejected).
 __device__ __forceinline__ float philox_uniform(u64 seed, u32 a, u32 j, u32 purpose) {
-    return ((float)philox_mantissa(seed, a, j, purpose) + 0.5f) * 0x1p-24f;
+    return ((float)philox_mantissa(seed, a, j, purpose) + 0.5f) * 0x1p-23f;
 }
 
 // E = -ln U of the same draw, for the exponential race, to a few ulp over the whole range. The
-// smallest E win races, and they come from U near 1, where a rounded U would lose them (or give
-// E = 0): there E = -log1p(-(1 - U)), and 1 - U = (2^24 - 1 - m + 0.5) * 2^-24 is exact.
+// smallest E win races, and they come from U near 1, where __logf's error (small in absolute terms,
+// not relative ones) would swamp them: there E = -log1p(-(1 - U)), and 1 - U = (2^23 - 1 - m + 0.5)
+// * 2^-23 is exact.
 __device__ __forceinline__ float philox_exponential(u64 seed, u32 a, u32 j, u32 purpose) {
     const u32 m = philox_mantissa(seed, a, j, purpose);
-    const bool low = m < (1u << 23);
-    const float s = ((float)(low ? m : 0xFFFFFFu - m) + 0.5f) * 0x1p-24f;  // U below 1/2, else 1 - U
+    const bool low = m < (1u << 22);
+    const float s = ((float)(low ? m : 0x7FFFFFu - m) + 0.5f) * 0x1p-23f;  // U below 1/2, else 1 - U
     return low ? -__logf(s) : -log1pf(-s);
 }
 

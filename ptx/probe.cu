@@ -10,3 +10,12 @@ extern "C" __global__ void probe_increment(unsigned* x, unsigned n) {
 extern "C" __global__ void probe_touch(unsigned* x) {
     if (threadIdx.x == 0) x[0] += 1u;
 }
+
+// Busy for `cycles` clock cycles, then x[0] += 1: work that is still running when the host looks,
+// for tests of what must wait for queued work (a borrowed buffer's free, joined streams).
+extern "C" __global__ void probe_spin(unsigned* x, unsigned long long cycles) {
+    const long long start = clock64();
+    while ((unsigned long long)(clock64() - start) < cycles) {
+    }
+    if (threadIdx.x == 0) x[0] += 1u;
+}

@@ -1,4 +1,4 @@
-// 6. Stochastic acceptance (DESIGN.md, "Stochastic acceptance"), for B rows; mirrored by
+// 6. Stochastic acceptance (docs/kernels.md, "6. spec_accept_sample"), for B rows; mirrored by
 //    memra_cuda/reference.py's spec_accept_sample.
 //
 // Row b (blockIdx.y): draft x = vtok[1+i] at absolute position a = pos_start + 1 + i is accepted
@@ -19,11 +19,12 @@
 // probabilities), nothing is read or written outside the buffers: a draft id >= V has probability 0
 // and is never used as an index, and row n of q is read only when n < limit <= k.
 //
-// Layout: vtok u32[B][k+1], p f32[B][k+1][V], q f32[B][max(k,1)][V], brk u32[B][2], acc u32[B][2],
-// last_pred u32[B], ctl i32[B][4], pos_start i32[B], seed u64[B]; scratch u64[B][2], zero at the
+// Layout: vtok u32[B][k+1], p f32[B][k+1][V], q f32[B][max(k,1)][V], brk, acc and ctl rows as
+// ptx/layout.cuh says, last_pred u32[B], pos_start i32[B], seed u64[B]; scratch u64[B][2], zero at the
 // first launch: [0] the row's best race key (over the residual, or p[n] itself when no draft was
 // rejected: q counts as 0 there), [1] (low word) the blocks of the row that finished.
 
+#include "layout.cuh"
 #include "philox.cuh"
 
 #define THREADS 256    // block size the launcher uses (memra_cuda/sampling.py)
@@ -63,11 +64,11 @@ spec_accept_sample(const u32* vtok_d, const float* p_d, const float* q_d, u32 V,
     int live = 0;
     if (threadIdx.x < 32) {
         u32 x = threadIdx.x < k ? vtok[1 + threadIdx.x] : 0u;
-        brk = brk_d[2 * b];
-        live = ctl_d[4 * b + 2] == 0;
+        brk = brk_d[BRK_WORDS * b + BRK_MARK];
+        live = ctl_d[CTL_WORDS * b + CTL_DONE] == 0;
         if (threadIdx.x == 0) {
-            acc_total = acc_d[2 * b + 1];
-            brk_total = brk_d[2 * b + 1];
+            acc_total = acc_d[ACC_WORDS * b + ACC_TOTAL];
+            brk_total = brk_d[BRK_WORDS * b + BRK_COUNT];
         }
         limit = brk ? min(k, brk - 1) : k;
         n = limit;
@@ -123,16 +124,19 @@ spec_accept_sample(const u32* vtok_d, const float* p_d, const float* q_d, u32 V,
     if (!race_settle(best, scratch + 2 * (u64)b, &best)) return;
 
     // The row's last block: every other block's key is in, and every block has read brk and ctl.
+    u32* acc = acc_d + ACC_WORDS * b;
+    u32* brk_row = brk_d + BRK_WORDS * b;
+    int* ctl = ctl_d + CTL_WORDS * b;
     if (live) {
         const u32 token = best ? race_token(best) : NO_MASS_TOKEN;
-        acc_d[2 * b] = n;
-        acc_d[2 * b + 1] = acc_total + n;
+        acc[ACC_ROUND] = n;
+        acc[ACC_TOTAL] = acc_total + n;
         last_pred_d[b] = token;
-        ctl_d[4 * b + 3] = (int)(n + 1);
-        if (brk) brk_d[2 * b + 1] = brk_total + 1;
+        ctl[CTL_KEEP] = (int)(n + 1);
+        if (brk) brk_row[BRK_COUNT] = brk_total + 1;
     } else {
-        acc_d[2 * b] = 0;
-        ctl_d[4 * b + 3] = 0;
+        acc[ACC_ROUND] = 0;
+        ctl[CTL_KEEP] = 0;
     }
-    brk_d[2 * b] = 0;
+    brk_row[BRK_MARK] = 0;
 }

@@ -1,11 +1,13 @@
-// Round-stream speculative decoding: the five per-round kernels (DESIGN.md, "Kernel contracts").
+// Round-stream speculative decoding: the five per-round kernels (docs/kernels.md, "Kernel contracts").
 //
 // Every kernel takes B, the sequences of the batch, and applies its single-sequence contract to
 // each row of its row-major buffers (row b of a buffer of row length n starts at b * n). It takes
 // only device pointers and launch-time constants, so a captured graph replays unchanged while the
 // values it reads move on the device. Whatever the device memory holds (a garbage accept count,
 // ring count or break marker), no kernel reads or writes outside its buffers: counts are clamped
-// to the sizes the launcher passes.
+// to the sizes the launcher passes. Rows are laid out as ptx/layout.cuh says.
+
+#include "layout.cuh"
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -13,10 +15,12 @@ typedef unsigned long long u64;
 #define GRID_STRIDE(i, n) \
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
-// The warp kernels (accept, commit) give each row one warp; a block holds WARPS_PER_BLOCK rows.
-#define WARP_ROW(b, B) \
-    const u32 b = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; \
-    if (b >= (B)) return;
+// The warp kernels (accept, commit) serve a row with a whole warp: warp w of the grid takes rows
+// w, w + (the grid's warps), ..., so any grid covers any B (the launcher caps the grid at 1024
+// blocks). blockDim.x is a multiple of 32, so a warp's lanes walk the same rows together and every
+// ballot and shuffle of a row's body has all 32 of them.
+#define WARP_STRIDE(b, B) \
+    for (u64 b = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / 32; b < (B); b += (u64)gridDim.x * blockDim.x / 32)
 
 // 1. The verify hidden row that produced the bonus token, for EAGLE/MTP-style drafts.
 //    rows is [B][n_rows][row_words], out [B][row_words]; blockIdx.y is the row.
@@ -24,7 +28,7 @@ extern "C" __global__ void spec_seed_gather(const u32* rows, u32 n_rows, u32 row
                                             const u32* acc_d, u32* out) {
     const u32 b = blockIdx.y;
     if (n_rows == 0 || b >= B) return;
-    const u32 r = min(acc_d[2 * b], n_rows - 1);
+    const u32 r = min(acc_d[ACC_WORDS * b + ACC_ROUND], n_rows - 1);
     const u32* row = rows + ((u64)b * n_rows + r) * row_words;
     u32* dst = out + (u64)b * row_words;
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < row_words; i += gridDim.x * blockDim.x) dst[i] = row[i];
@@ -60,17 +64,16 @@ extern "C" __global__ void spec_assemble_verify_t64(const u32* pend_d, const u64
 // 3. Greedy acceptance: the longest prefix of drafts the target agrees with, cut at a p-min break.
 //    One warp a row: lanes compare 32 positions at once, so the round pays one load latency, not k.
 template <typename Tok>
-__device__ void accept_greedy(const u32* vtok_d, const Tok* pred_d, u32 k, u32 B, u32* brk_d, u32* acc_d,
-                              u32* last_pred_d, int* ctl_d) {
-    WARP_ROW(b, B)
+__device__ void accept_greedy_row(u32 b, const u32* vtok_d, const Tok* pred_d, u32 k, u32* brk_d, u32* acc_d,
+                                  u32* last_pred_d, int* ctl_d) {
     const u32 lane = threadIdx.x & 31;
     const u32* vtok = vtok_d + (u64)b * (k + 1);
     const Tok* pred = pred_d + (u64)b * (k + 1);
-    u32* brk_row = brk_d + 2 * b;
-    u32* acc = acc_d + 2 * b;
-    int* ctl = ctl_d + 4 * b;
-    const u32 brk = brk_row[0];
-    const int done = ctl[2];
+    u32* brk_row = brk_d + BRK_WORDS * b;
+    u32* acc = acc_d + ACC_WORDS * b;
+    int* ctl = ctl_d + CTL_WORDS * b;
+    const u32 brk = brk_row[BRK_MARK];
+    const int done = ctl[CTL_DONE];
     const u32 limit = brk ? min(k, brk - 1) : k;
     u32 n = limit;
     for (u32 base = 0; base < limit; base += 32) {
@@ -83,16 +86,22 @@ __device__ void accept_greedy(const u32* vtok_d, const Tok* pred_d, u32 k, u32 B
     }
     if (lane != 0) return;
     if (done != 0) {
-        acc[0] = 0;
-        ctl[3] = 0;
+        acc[ACC_ROUND] = 0;
+        ctl[CTL_KEEP] = 0;
     } else {
-        acc[0] = n;
-        acc[1] += n;
+        acc[ACC_ROUND] = n;
+        acc[ACC_TOTAL] += n;
         last_pred_d[b] = (u32)pred[n];
-        ctl[3] = (int)(n + 1);
-        if (brk) brk_row[1] += 1;
+        ctl[CTL_KEEP] = (int)(n + 1);
+        if (brk) brk_row[BRK_COUNT] += 1;
     }
-    brk_row[0] = 0;
+    brk_row[BRK_MARK] = 0;
+}
+
+template <typename Tok>
+__device__ void accept_greedy(const u32* vtok_d, const Tok* pred_d, u32 k, u32 B, u32* brk_d, u32* acc_d,
+                              u32* last_pred_d, int* ctl_d) {
+    WARP_STRIDE(b, B) accept_greedy_row((u32)b, vtok_d, pred_d, k, brk_d, acc_d, last_pred_d, ctl_d);
 }
 
 extern "C" __global__ void spec_accept_greedy_dc(const u32* vtok_d, const u32* pred_d, u32 k, u32 B, u32* brk_d,
@@ -108,20 +117,19 @@ extern "C" __global__ void spec_accept_greedy_dc_t64(const u32* vtok_d, const u6
 // 4. Commit the accepted drafts and the bonus token to the ring, applying EOS and the budget.
 //    k bounds the accept count read from acc_d (the contract's arguments, plus this bound).
 //    One warp a row: lanes load 32 tokens at once; every lane then walks them in the same order
-//    (the state is uniform across the warp) and lane 0 stores. Ring rows are ring_cap + 1 long.
-extern "C" __global__ void spec_ring_commit(const u32* vtok_d, const u32* acc_d, const u32* last_pred_d,
-                                            int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap, u32 k, u32 B) {
-    WARP_ROW(b, B)
+//    (the state is uniform across the warp) and lane 0 stores. Ring rows are RING_TOKENS + ring_cap long.
+__device__ void ring_commit_row(u32 b, const u32* vtok_d, const u32* acc_d, const u32* last_pred_d, int* ctl_d,
+                                u32* pend_d, u32* ring_d, u32 ring_cap, u32 k) {
     const u32 lane = threadIdx.x & 31;
     const u32* vtok = vtok_d + (u64)b * (k + 1);
-    int* ctl = ctl_d + 4 * b;
-    u32* ring = ring_d + (u64)b * (ring_cap + 1);
-    const int done_at_entry = ctl[2], eos = ctl[0];
-    int budget = ctl[1];
-    const u32 n = min(acc_d[2 * b], k);
+    int* ctl = ctl_d + CTL_WORDS * b;
+    u32* ring = ring_d + (u64)b * (RING_TOKENS + ring_cap);
+    const int done_at_entry = ctl[CTL_DONE], eos = ctl[CTL_EOS];
+    int budget = ctl[CTL_BUDGET];
+    const u32 n = min(acc_d[ACC_WORDS * b + ACC_ROUND], k);
     const u32 bonus = last_pred_d[b];
-    u32 count = min(ring[0], ring_cap);
-    if (done_at_entry != 0) return;
+    u32 count = min(ring[RING_COUNT], ring_cap);
+    if (done_at_entry != 0) return;  // the whole warp: every lane read the same flag
     int done = 0;
     for (u32 base = 0; base <= n && !done; base += 32) {
         const u32 i = base + lane;
@@ -133,7 +141,7 @@ extern "C" __global__ void spec_ring_commit(const u32* vtok_d, const u32* acc_d,
                 break;
             }
             if (count < ring_cap) {
-                if (lane == 0) ring[1 + count] = tok;
+                if (lane == 0) ring[RING_TOKENS + count] = tok;
                 ++count;
             }
             if (budget > 0) --budget;
@@ -142,11 +150,16 @@ extern "C" __global__ void spec_ring_commit(const u32* vtok_d, const u32* acc_d,
         }
     }
     if (lane == 0) {
-        ring[0] = count;
-        ctl[1] = budget;
-        ctl[2] = done;
+        ring[RING_COUNT] = count;
+        ctl[CTL_BUDGET] = budget;
+        ctl[CTL_DONE] = done;
         pend_d[b] = bonus;
     }
+}
+
+extern "C" __global__ void spec_ring_commit(const u32* vtok_d, const u32* acc_d, const u32* last_pred_d,
+                                            int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap, u32 k, u32 B) {
+    WARP_STRIDE(b, B) ring_commit_row((u32)b, vtok_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, k);
 }
 
 // 5. Roll every KV length in the table (and pos_ctr, when it is last) back to what was kept:
@@ -156,6 +169,6 @@ extern "C" __global__ void spec_rollback_stream(const u64* len_ptrs, u32 n_ptrs,
     GRID_STRIDE(i, (u64)n_ptrs * B) {
         const u32 entry = (u32)(i / B), b = (u32)(i % B);
         int* p = (int*)len_ptrs[entry];
-        if (p) p[b] = (int)((u32)pos_start_d[b] + (u32)ctl_d[4 * b + 3]);  // wraps, as in the reference
+        if (p) p[b] = (int)((u32)pos_start_d[b] + (u32)ctl_d[CTL_WORDS * b + CTL_KEEP]);  // wraps, as the reference
     }
 }

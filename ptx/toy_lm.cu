@@ -1,6 +1,6 @@
-// The toy language model (DESIGN.md, "Toy language model"), mirrored by memra_cuda/models/toy.py.
+// The toy language model (docs/toy-model.md, "Definition"), mirrored by memra_cuda/models/toy.py.
 //
-// Batched as the round-stream buffers are (DESIGN.md, "Batched round-stream"): the draft step and
+// Batched as the round-stream buffers are (docs/buffers.md, "Batched layout"): the draft step and
 // the verify run one block per sequence (blockIdx.x is the row), every KV layer holds `capacity`
 // entries per row ([B][capacity]) and one length per row (i32[B]).
 //
@@ -15,6 +15,7 @@
 // layers and entries are therefore one block-wide reduction each. KV appends are clamped to the
 // cache capacity: garbage positions produce garbage tokens, never a write outside a buffer.
 
+#include "layout.cuh"
 #include "philox.cuh"
 
 #define BLOCK 512  // every block-wide kernel is launched with this many threads
@@ -26,7 +27,7 @@ __device__ __forceinline__ u32 fmix(u32 h) {
 __device__ __forceinline__ u32 embed(u32 t, u32 j, u32 seed) { return fmix(t * 0x9E3779B1u + j * 0x85EBCA77u + seed); }
 __device__ __forceinline__ u32 salt(u32 l) { return fmix(0x27d4eb2fu * (l + 1)); }
 
-// Sampling mode (DESIGN.md, "Stochastic acceptance"): the next-token distribution at hash state h
+// Sampling mode (docs/toy-model.md, "Sampling mode"): the next-token distribution at hash state h
 // is a mixture, `floor` on every token plus weight c[j] on candidate j = fmix(h ^ j * 0x27d4eb2f) %
 // vocab, whose first is the greedy token fmix(h) % vocab. The host sets floor = eps / vocab and
 // c = (1 - eps) softmax(-j / temperature), so the weights sum to one without a pass over V.
@@ -115,11 +116,11 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
     pend_d += b;
     draft_d += (u64)b * max(k, 1u);
     pos_ctr += b;
-    brk_d += 2 * b;
+    brk_d += BRK_WORDS * b;
     draft_data += (u64)b * capacity;
     draft_len += b;
     const bool lead = threadIdx.x == 0 && step < k;
-    const u32 brk = lead ? brk_d[0] : 0;  // loaded up front: its latency overlaps the rest
+    const u32 brk = lead ? brk_d[BRK_MARK] : 0;  // loaded up front: its latency overlaps the rest
     const u32 p = (u32)(pos_ctr[0] + (int)step);
     const u32 t = step == 0 ? pend_d[0] : draft_d[step - 1];
     load_layers(layers, n_layers, 0, 0, 0);
@@ -146,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
                 state_d[b] = seed ^ total ^ (noisy ? 0x5bd1e995u : 0u);
             else
                 draft_d[step] = noisy ? (pred + 1) % vocab : pred;
-            if (breaks) brk_d[0] = step + 1;
+            if (breaks) brk_d[BRK_MARK] = step + 1;
         }
     }
     if (threadIdx.x == 0) {  // after the reads above: entries [0, p) are never written here

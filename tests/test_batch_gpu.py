@@ -1,8 +1,8 @@
 """Batched round-stream end to end on the GPU: B toy sequences per burst, each row's output
 equal to that row's own target greedy output whatever the other rows do (different prompts,
-lengths, EOS and budgets), in every mode, with one readback per burst for all rows; a slot
-refilled mid-generation (continuous batching); bad batch input refused before anything is
-queued."""
+lengths, EOS and budgets), in every mode, with one readback per burst for all rows, and in
+batches of up to MAX_BATCH rows; a slot refilled mid-generation (continuous batching); bad batch
+input refused before anything is queued."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +10,7 @@ import pytest
 
 from memra_cuda import (MODES, Cache, CapacityError, SpecKernels, StreamBufs, kv_capacity, kv_len_ptr_table)
 from memra_cuda import reference as ref
+from memra_cuda.bufs import MAX_BATCH
 from memra_cuda.models import toy
 
 pytestmark = pytest.mark.gpu
@@ -54,6 +55,23 @@ def test_every_row_equals_its_own_greedy_output(engine, spec, mode, batch, k, m_
         want = toy.target_greedy(MODEL, prompt, budget, stop)
         assert got[b].tolist() == want, f"row {b} of {batch} (prompt {len(prompt)}, budget {budget}, eos {stop})"
     assert engine.readbacks - before == stream.bursts, "one readback per burst for all rows"
+
+
+@pytest.mark.parametrize("batch", [1024 * 8 + 1, pytest.param(MAX_BATCH, marks=pytest.mark.large)])
+def test_every_row_of_a_large_batch_equals_its_own_greedy_output(engine, spec, batch):
+    """More rows than the warps of the largest grid the launcher makes for accept and commit (1024
+    blocks of 8, a warp a row): row b's prompt is the (b % 97)-th, of 1 to 7 tokens, and its budget
+    b % 5 + 1, so neighbouring rows differ and every row must commit. The oracle runs once for each of
+    the 485 distinct requests."""
+    k, m_rounds, distinct = 2, 2, 97
+    prompts = [[(31 * r + 7 * j) % MODEL.vocab for j in range(1 + r % 7)] for r in range(distinct)]
+    budgets = [b % 5 + 1 for b in range(batch)]
+    want = {(r, n): toy.target_greedy(MODEL, prompts[r], n) for r in range(distinct) for n in set(budgets)}
+    lm, bufs, stream = batched(engine, spec, batch, k, m_rounds, kv_capacity(7, 5, k, m_rounds, batch=batch))
+    starts = [lm.prefill_row(bufs, b, prompts[b % distinct]) for b in range(batch)]
+    got = stream.generate_batch(starts, budgets, mode="graph")
+    for b in range(batch):
+        assert got[b].tolist() == want[b % distinct, budgets[b]], f"row {b} of {batch}"
 
 
 def test_rows_do_not_depend_on_each_other(engine, spec):
@@ -163,9 +181,9 @@ def test_bad_batch_input_is_refused_before_anything_is_queued(engine, spec):
         with pytest.raises(ValueError, match="outside a batch of 3|row"):
             bufs.set_stop_row(engine, bad, budget=3)
     with pytest.raises(ValueError, match="exactly 3 x 5"):
-        spec.prepare_accept_greedy(bufs, engine.alloc_u32_zeroed(5))  # one sequence's predictions
+        spec.prepare_accept_greedy(bufs, engine.zeros(np.uint32, 5))  # one sequence's predictions
     with pytest.raises(ValueError, match="exactly 3 x 4"):
-        spec.prepare_assemble_verify(bufs, engine.alloc_u32_zeroed(4 * 3 + 1))
+        spec.prepare_assemble_verify(bufs, engine.zeros(np.uint32, 4 * 3 + 1))
     single = Cache.allocate(engine, (True, False), capacity=16)  # i32[1] lengths
     with pytest.raises(ValueError, match=r"i32\[3\]"):
         spec.prepare_rollback(kv_len_ptr_table(engine, single), bufs)

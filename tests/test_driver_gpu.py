@@ -116,7 +116,7 @@ def test_typed_round_trip(engine, name):
 
 def test_htod_u64_python_list_spanning_the_int64_boundary(engine):
     values = [1, 2**63, 2**64 - 1]
-    assert_same(engine.dtoh_u64(engine.htod_u64(values)), np.array(values, np.uint64))
+    assert_same(engine.dtoh(engine.htod(values, np.uint64), np.uint64), np.array(values, np.uint64))
 
 
 @pytest.mark.parametrize(
@@ -130,18 +130,18 @@ def test_typed_htod_refuses_values_that_do_not_fit(engine, name, values):
 
 
 def test_copy_htod_at_offset(engine):
-    buf = engine.alloc_u32_zeroed(10)
+    buf = engine.zeros(np.uint32, 10)
     engine.copy_htod(buf, [7, 8, 9], start=4)
     engine.copy_htod(buf, [5, 6, 7], start=7)  # exactly up to the end
-    assert_same(engine.dtoh_u32(buf), np.array([0, 0, 0, 0, 7, 8, 9, 5, 6, 7], np.uint32))
+    assert_same(engine.dtoh(buf, np.uint32), np.array([0, 0, 0, 0, 7, 8, 9, 5, 6, 7], np.uint32))
 
 
 @pytest.mark.parametrize("start, count", [(8, 3), (0, 11), (-1, 1)])
 def test_copy_htod_overrun(engine, start, count):
-    buf = engine.alloc_u32_zeroed(10)
+    buf = engine.zeros(np.uint32, 10)
     with pytest.raises(ValueError):
         engine.copy_htod(buf, np.ones(count, np.uint32), start=start)
-    assert_same(engine.dtoh_u32(buf), np.zeros(10, np.uint32))
+    assert_same(engine.dtoh(buf, np.uint32), np.zeros(10, np.uint32))
 
 
 # -- zeroed allocations, set_u32, memset ----------------------------------------------------
@@ -157,13 +157,13 @@ def test_zeroed_allocations(engine, method, dtype):
 
 
 def test_set_u32(engine):
-    buf = engine.alloc_u32_zeroed(8)
+    buf = engine.zeros(np.uint32, 8)
     engine.set_u32(buf, 3, 0xDEADBEEF)
     engine.set_u32(buf, 7, 0xFFFFFFFF)
-    assert_same(engine.dtoh_u32(buf), np.array([0, 0, 0, 0xDEADBEEF, 0, 0, 0, 0xFFFFFFFF], np.uint32))
-    signed = engine.alloc_i32_zeroed(2)
+    assert_same(engine.dtoh(buf, np.uint32), np.array([0, 0, 0, 0xDEADBEEF, 0, 0, 0, 0xFFFFFFFF], np.uint32))
+    signed = engine.zeros(np.int32, 2)
     engine.set_u32(signed, 1, -5)
-    assert_same(engine.dtoh_i32(signed), np.array([0, -5], np.int32))
+    assert_same(engine.dtoh(signed, np.int32), np.array([0, -5], np.int32))
 
 
 @pytest.mark.parametrize(
@@ -202,22 +202,22 @@ def test_memset_of_wide_elements_only_zero(engine, dtype):
 
 def test_views_read_and_write_the_parent(engine):
     expected = np.arange(16, dtype=np.uint32)
-    parent = engine.htod_u32(expected)
+    parent = engine.htod(expected, np.uint32)
     view = parent.view(4, 8)
     engine.copy_htod(view, [100, 101, 102, 103], start=2)
     expected[6:10] = [100, 101, 102, 103]
     engine.set_u32(view, 0, 7)
     expected[4] = 7
-    assert_same(engine.dtoh_u32(parent), expected)
-    assert_same(engine.dtoh_u32(view), expected[4:12])
-    assert_same(engine.dtoh_u32(view.view(1, 3)), expected[5:8])
+    assert_same(engine.dtoh(parent, np.uint32), expected)
+    assert_same(engine.dtoh(view, np.uint32), expected[4:12])
+    assert_same(engine.dtoh(view.view(1, 3), np.uint32), expected[5:8])
     with pytest.raises(ValueError):  # bounded by the view, not by the parent
         engine.copy_htod(view, np.zeros(9, np.uint32))
 
 
 def test_foreign_pointer_borrows_without_freeing(engine):
     original = np.random.default_rng(11).integers(0, 2**32, 64, dtype=np.uint32)
-    owner = engine.htod_u32(original)
+    owner = engine.htod(original, np.uint32)
     owner_alive = weakref.ref(owner)
     foreign = DeviceBuffer.wrap(owner.ptr, np.uint32, len(owner), engine=engine, keepalive=owner)
     assert not foreign.owns_memory and owner.owns_memory
@@ -225,7 +225,7 @@ def test_foreign_pointer_borrows_without_freeing(engine):
     gc.collect()
     assert owner_alive() is not None, "keepalive must hold the memory's owner"
 
-    assert_same(engine.dtoh_u32(foreign), original)
+    assert_same(engine.dtoh(foreign, np.uint32), original)
     engine.copy_htod(foreign, [1, 2, 3], start=10)
     expected = original.copy()
     expected[10:13] = [1, 2, 3]
@@ -235,7 +235,7 @@ def test_foreign_pointer_borrows_without_freeing(engine):
     with pytest.raises(ValueError):
         foreign.ptr
     assert not owner.freed
-    assert_same(engine.dtoh_u32(owner), expected)  # the memory outlived the wrapper
+    assert_same(engine.dtoh(owner, np.uint32), expected)  # the memory outlived the wrapper
 
 
 # -- use after free, double free, alloc/free cycles ----------------------------------------
@@ -327,13 +327,13 @@ def test_alloc_free_cycles_return_all_memory(engine, caplog):
 
 def test_readbacks_and_syncs_are_counted_exactly(engine):
     start = counters(engine)
-    buf = engine.htod_u32([1, 2, 3])
+    buf = engine.htod([1, 2, 3], np.uint32)
     engine.copy_htod(buf, [4], start=0)
     increment(engine, 3)(buf, 3)
     assert counters(engine) == start, "uploads and launches must not count as waits"
     engine.dtoh(buf)
     assert counters(engine) == (start[0] + 1, start[1])
-    engine.dtoh_u32(buf)
+    engine.dtoh(buf, np.uint32)
     assert counters(engine) == (start[0] + 2, start[1])
     engine.synchronize()
     assert counters(engine) == (start[0] + 2, start[1] + 1)
@@ -349,25 +349,25 @@ def test_probe_increment_kernel(engine):
     n = 1000
     launch = increment(engine, n)
     first = random_u32(rng, n)
-    buf = engine.htod_u32(first)
+    buf = engine.htod(first, np.uint32)
     launch(buf, n)
-    assert_same(engine.dtoh_u32(buf), plus(first, 1))
+    assert_same(engine.dtoh(buf, np.uint32), plus(first, 1))
 
     second = random_u32(rng, n)
-    other = engine.htod_u32(second)
+    other = engine.htod(second, np.uint32)
     launch(other, n)  # new values in the same prepared storage
     assert launch.args.buffers[0] is other
-    assert_same(engine.dtoh_u32(other), plus(second, 1))
-    assert_same(engine.dtoh_u32(buf), plus(first, 1))
+    assert_same(engine.dtoh(other, np.uint32), plus(second, 1))
+    assert_same(engine.dtoh(buf, np.uint32), plus(first, 1))
 
     launch(buf, 500)  # n bounds the work, whatever the grid
     expected = plus(first, 1)
     expected[:500] = plus(expected[:500], 1)
-    assert_same(engine.dtoh_u32(buf), expected)
+    assert_same(engine.dtoh(buf, np.uint32), expected)
 
     engine.copy_htod(buf, second)
     launch.set(buf, n)()  # set once, launch with what is stored
-    assert_same(engine.dtoh_u32(buf), plus(second, 1))
+    assert_same(engine.dtoh(buf, np.uint32), plus(second, 1))
 
 
 def test_modules_and_kernels_are_loaded_once(engine):
@@ -384,10 +384,10 @@ def test_launch_refuses_bad_shapes_and_arity(engine):
         kernel.prepare(["ptr", "u32"], grid=0, block=BLOCK)
     with pytest.raises(ValueError):
         kernel.prepare(["ptr", "u32"], grid=(1, 1, 1, 1), block=BLOCK)
-    buf = engine.alloc_u32_zeroed(4)
+    buf = engine.zeros(np.uint32, 4)
     with pytest.raises(TypeError):
         increment(engine, 4)(buf)
-    assert_same(engine.dtoh_u32(buf), np.zeros(4, np.uint32))
+    assert_same(engine.dtoh(buf, np.uint32), np.zeros(4, np.uint32))
 
 
 # -- graphs -------------------------------------------------------------------------------
@@ -396,7 +396,7 @@ def test_launch_refuses_bad_shapes_and_arity(engine):
 def test_graph_replays_captured_launches(engine):
     n = 1000
     values = random_u32(np.random.default_rng(13), n)
-    buf = engine.htod_u32(values)
+    buf = engine.htod(values, np.uint32)
     launch = increment(engine, n).set(buf, n)
 
     def issue():
@@ -405,15 +405,15 @@ def test_graph_replays_captured_launches(engine):
 
     graph = Graph(engine, issue)
     engine.synchronize()
-    assert_same(engine.dtoh_u32(buf), values)  # capture records, it does not run
+    assert_same(engine.dtoh(buf, np.uint32), values)  # capture records, it does not run
     graph.launch()
     graph.launch()
-    assert_same(engine.dtoh_u32(buf), plus(values, 6))
+    assert_same(engine.dtoh(buf, np.uint32), plus(values, 6))
 
     # Kernels read memory when replayed, not when captured.
     engine.copy_htod(buf, values)
     graph.launch()
-    assert_same(engine.dtoh_u32(buf), plus(values, 3))
+    assert_same(engine.dtoh(buf, np.uint32), plus(values, 3))
 
     graph.free()
     graph.free()
@@ -425,9 +425,9 @@ def test_garbage_collected_during_capture_is_freed_after_it(engine, caplog):
     """A collection inside a capture would free device memory there, which CUDA refuses and
     which breaks the capture: the collector waits until the graph is captured."""
     n = 64
-    buf = engine.htod_u32(np.zeros(n, np.uint32))
+    buf = engine.htod(np.zeros(n, np.uint32), np.uint32)
     launch = increment(engine, n).set(buf, n)
-    spare = [engine.alloc_u32_zeroed(n) for _ in range(3)]
+    spare = [engine.zeros(np.uint32, n) for _ in range(3)]
     freed = [weakref.ref(b) for b in spare]
 
     def issue():
@@ -449,13 +449,13 @@ def test_garbage_collected_during_capture_is_freed_after_it(engine, caplog):
     assert [ref() for ref in freed] == [None] * 3, "collected once the capture was over"
     for graph in graphs:
         graph.launch()
-    assert_same(engine.dtoh_u32(buf), np.full(n, 6, np.uint32))
+    assert_same(engine.dtoh(buf, np.uint32), np.full(n, 6, np.uint32))
     no_cleanup_warnings(caplog)
 
 
 HOST_WAITS = {
     "dtoh": lambda engine, buf: engine.dtoh(buf),
-    "dtoh_u32": lambda engine, buf: engine.dtoh_u32(buf),
+    "dtoh_u32": lambda engine, buf: engine.dtoh(buf, np.uint32),
     "synchronize": lambda engine, buf: engine.synchronize(),
     "finish_readback": lambda engine, buf: engine.finish_readback(),
 }
@@ -465,7 +465,7 @@ HOST_WAITS = {
 def test_host_wait_inside_capture_is_refused_and_capture_abandoned(engine, wait):
     n = 256
     values = random_u32(np.random.default_rng(17), n)
-    buf = engine.htod_u32(values)
+    buf = engine.htod(values, np.uint32)
     launch = increment(engine, n)
     start = counters(engine)
 
@@ -478,9 +478,9 @@ def test_host_wait_inside_capture_is_refused_and_capture_abandoned(engine, wait)
     assert counters(engine) == start
     assert not engine.capturing
     # The captured launch was thrown away with the graph: it never ran. The engine still works.
-    assert_same(engine.dtoh_u32(buf), values)
+    assert_same(engine.dtoh(buf, np.uint32), values)
     launch(buf, n)
-    assert_same(engine.dtoh_u32(buf), plus(values, 1))
+    assert_same(engine.dtoh(buf, np.uint32), plus(values, 1))
 
 
 # -- modules ------------------------------------------------------------------------------
@@ -521,9 +521,9 @@ def test_calls_on_another_device_leave_the_current_context_alone(engine):
     other = Engine(1)
     try:
         engine.ctx.make_current()
-        buf = other.htod_u32([1, 2, 3])
+        buf = other.htod([1, 2, 3], np.uint32)
         increment(other, 3)(buf, 3)
-        assert other.dtoh_u32(buf).tolist() == [2, 3, 4]
+        assert other.dtoh(buf, np.uint32).tolist() == [2, 3, 4]
         assert device_of(buf) == 1
         assert int(call("cuCtxGetCurrent")) == engine.ctx.address
     finally:
@@ -539,23 +539,23 @@ def test_engines_share_one_thread(engine, caplog, devices):
     engines = [Engine(d) for d in devices]
     try:
         values = [random_u32(rng, n) for _ in engines]
-        bufs = [e.htod_u32(v) for e, v in zip(engines, values)]
+        bufs = [e.htod(v, np.uint32) for e, v in zip(engines, values)]
         launches = [increment(e, n) for e in engines]
         for _ in range(3):  # alternate: every call must switch to its own engine's context
             for launch, buf in zip(launches, bufs):
                 launch(buf, n)
         for e, buf, v in zip(engines, bufs, values):
             assert device_of(buf) == e.device
-            assert_same(e.dtoh_u32(buf), plus(v, 3))
+            assert_same(e.dtoh(buf, np.uint32), plus(v, 3))
 
         first, second = engines
         first.close()
         assert first.closed
         with pytest.raises(ValueError, match="closed"):
-            first.dtoh_u32(bufs[0])
+            first.dtoh(bufs[0], np.uint32)
         launches[1](bufs[1], n)
-        assert_same(second.dtoh_u32(bufs[1]), plus(values[1], 4))
-        assert_same(engine.dtoh_u32(engine.htod_u32([5, 6])), np.array([5, 6], np.uint32))
+        assert_same(second.dtoh(bufs[1], np.uint32), plus(values[1], 4))
+        assert_same(engine.dtoh(engine.htod([5, 6], np.uint32), np.uint32), np.array([5, 6], np.uint32))
 
         # The closed engine's buffer still holds its context, so freeing it must succeed.
         with caplog.at_level(logging.WARNING, logger="memra_cuda"):
@@ -575,7 +575,7 @@ def test_engine_on_missing_device(engine):
 def test_engine_as_context_manager(engine):
     with Engine(engine.device) as e:
         assert not e.closed
-        assert_same(e.dtoh_u32(e.htod_u32([1, 2, 3])), np.array([1, 2, 3], np.uint32))
+        assert_same(e.dtoh(e.htod([1, 2, 3], np.uint32), np.uint32), np.array([1, 2, 3], np.uint32))
     assert e.closed
     with pytest.raises(ValueError, match="closed"):
         e.alloc(np.uint32, 1)
@@ -592,15 +592,16 @@ def test_cuda_array_interface_names_the_engine_stream(engine):
 
 
 SHUTDOWN_SCRIPT = """
+import numpy as np
 from memra_cuda import Engine, Graph
 engine = Engine()
-buf = engine.htod_u32(range(10))
+buf = engine.htod(range(10), np.uint32)
 window = buf.view(2, 3)
 launch = engine.load_ptx("probe").kernel("probe_increment").prepare(["ptr", "u32"], grid=1, block=32).set(buf, 10)
 graph = Graph(engine, launch)
 graph.launch()
 other = Engine()
-outlives = other.alloc_u32_zeroed(4)  # a buffer whose engine is closed before exit
+outlives = other.zeros(np.uint32, 4)  # a buffer whose engine is closed before exit
 other.close()
 cycle = [buf, graph]
 cycle.append(cycle)  # left for the collector to meet at interpreter exit
@@ -615,3 +616,15 @@ def test_interpreter_exit_with_live_objects_is_clean(engine):
     run = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT], capture_output=True, text=True,
                          timeout=120, env=env)
     assert (run.returncode, run.stderr) == (0, "")
+
+
+def test_typed_copies_of_the_first_releases_still_work_with_a_warning(engine):
+    with pytest.warns(DeprecationWarning, match=r"Engine.htod\(\.\.\., uint32\)"):
+        buf = engine.htod_u32([1, 2, 3])
+    with pytest.warns(DeprecationWarning, match="Engine.dtoh"):
+        assert engine.dtoh_u32(buf).tolist() == [1, 2, 3]
+    with pytest.warns(DeprecationWarning, match="Engine.zeros"):
+        zeros = engine.alloc_i32_zeroed(2)
+    assert zeros.dtype == np.int32 and engine.dtoh(zeros).tolist() == [0, 0]
+    with pytest.raises(AttributeError, match="htod_f32"):
+        engine.htod_f32([1.0])

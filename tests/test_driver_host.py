@@ -15,7 +15,7 @@ from cuda.bindings.driver import CUresult
 
 from memra_cuda import CudaError, CudaUnavailable, DeviceBuffer, Engine, KernelArgs
 from memra_cuda.driver import Handle, as_buffer
-from memra_cuda.driver.buffer import exact_array
+from memra_cuda.driver.values import exact_array
 from memra_cuda.driver.errors import check
 from memra_cuda.driver.module import packaged_ptx
 
@@ -408,3 +408,18 @@ def test_as_buffer_names_what_it_cannot_adopt():
         as_buffer(np.zeros(3, np.uint32), "draft_d")
     buf = fake_buffer()
     assert as_buffer(buf) is buf
+
+
+def test_the_collector_stays_off_until_the_last_of_overlapping_captures_ends():
+    """Captures on two engines from two threads overlap: the first to end must not turn the
+    garbage collector back on under the other (a collection there can free memory the other
+    capture's graph addresses, which invalidates it)."""
+    from memra_cuda.driver.graph import _collector_held
+    assert gc.isenabled()
+    first, second = _collector_held(), _collector_held()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled(), "the collector came back on while a capture was still running"
+    second.__exit__(None, None, None)
+    assert gc.isenabled()

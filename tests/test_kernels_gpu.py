@@ -10,9 +10,10 @@ reference run on host copies, so a stray write shows up as a difference. Separat
 allocations keep compute-sanitizer's bounds exact (`make sanitize`); guard words around views
 catch overruns in the targeted tests below.
 
-Every kernel runs batched too (B = 3 and 32, DESIGN.md's row-major layout): each row gets
+Every kernel runs batched too (B = 3 and 32, docs/buffers.md, "Batched layout"): each row gets
 its own adversarial values and the batched reference is applied, so a row that reads or
-writes another row's words shows up as a difference.
+writes another row's words shows up as a difference. The warp kernels (accept, commit) also
+run on more rows than the largest grid the launcher makes has warps, up to MAX_BATCH.
 
 MEMRA_CASES (default 2000 per kernel, spread over its configurations) lets the sanitizer run
 use fewer; MEMRA_SEED varies the inputs. A failure names the kernel, the configuration and
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Callable, Iterator
+from itertools import islice
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pytest
@@ -30,6 +32,7 @@ import pytest
 from memra_cuda import (Cache, DeviceBuffer, PointerTable, SpecKernels, StreamBufs, kv_len_ptr_table,
                         kv_len_ptr_table_range)
 from memra_cuda import reference as ref
+from memra_cuda.bufs import MAX_BATCH
 from memra_cuda.reference import BUDGET, DONE, EOS, KEEP
 
 pytestmark = pytest.mark.gpu
@@ -42,6 +45,10 @@ BATCHES = (1, 3, 32)
 SENTINEL = 0x5A5A5A5A  # fits both u32 and i32 buffers
 # Past one launch's threads (1024 blocks of 256): the kernel's grid-stride loop must cover it.
 PAST_ONE_GRID = 1024 * 256 + 3
+# Past one launch's warps (1024 blocks of 8), one a row in accept and commit: each warp strides on to
+# further rows. A batch of B rows is B cases at once, so these run LARGE_CASES cases.
+LARGE_BATCHES = (1024 * 8 + 1, MAX_BATCH)
+LARGE_CASES = 2
 
 # Token sources: ids below a vocabulary size (1-3: drafts nearly always agree), or a palette
 # of edge ids (0xFFFFFFFF is (u32)-1, which must never match "no EOS").
@@ -151,8 +158,8 @@ SEED_CONFIGS = [(k, row_words, batch) for k in KS for row_words in (1, 5, 300) f
 def test_seed_gather_matches_reference(engine, spec, k, row_words, batch):
     n_rows = k + 1  # the verify rows of one round
     out_words = row_words + 2 if batch == 1 else batch * row_words  # one sequence: two guard words
-    rig = Rig(engine, k, batch=batch, rows_d=engine.alloc_u32_zeroed(batch * n_rows * row_words),
-              out_d=engine.alloc_u32_zeroed(out_words))
+    rig = Rig(engine, k, batch=batch, rows_d=engine.zeros(np.uint32, batch * n_rows * row_words),
+              out_d=engine.zeros(np.uint32, out_words))
     launch = spec.prepare_seed_gather(rig.device["rows_d"], row_words, rig.bufs, rig.device["out_d"])
 
     def reference(s):
@@ -174,8 +181,8 @@ def test_seed_gather_copies_the_bonus_row_and_nothing_past_it(engine, spec, row_
     bufs = StreamBufs(engine, n_rows - 1, 1)
     rows = ((np.arange(1, n_rows + 1, dtype=np.uint32)[:, None] << 24)
             | np.arange(row_words, dtype=np.uint32)).reshape(-1)
-    rows_d = engine.htod_u32(rows)
-    out_d = engine.alloc_u32_zeroed(row_words + 1)
+    rows_d = engine.htod(rows, np.uint32)
+    out_d = engine.zeros(np.uint32, row_words + 1)
     launch = spec.prepare_seed_gather(rows_d, row_words, bufs, out_d)
     for acc, row in [(0, 0), (1, 1), (4, 4), (5, 4), (6, 4), (2**31, 4), (2**32 - 1, 4)]:
         engine.copy_htod(out_d, np.full(row_words + 1, SENTINEL, np.uint32))
@@ -233,10 +240,9 @@ def accept_inputs(rng: np.random.Generator, k: int, s: dict[str, np.ndarray]) ->
     s["ctl_d"][DONE] = done_flag(rng)
 
 
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("width", list(TOKEN_DTYPES))
-@pytest.mark.parametrize("k", KS)
-def test_accept_greedy_matches_reference(engine, spec, k, width, batch):
+def check_accept_greedy(engine, spec, k: int, width: int, batch: int,
+                        runs: Iterable[tuple[np.random.Generator, str]]) -> None:
+    """accept_greedy_dc against the reference on each of `runs` (from `cases`), every row drawn anew."""
     rig = Rig(engine, k, batch=batch, pred_d=engine.alloc(TOKEN_DTYPES[width], batch * (k + 1), zeroed=True))
     launch = spec.prepare_accept_greedy(rig.bufs, rig.device["pred_d"])
 
@@ -244,11 +250,28 @@ def test_accept_greedy_matches_reference(engine, spec, k, width, batch):
         ref.spec_accept_greedy_dc(s["vtok_d"], s["pred_d"], k, s["brk_d"], s["acc_d"], s["last_pred_d"], s["ctl_d"],
                                   batch)
 
-    for rng, where in cases("accept_greedy_dc", (k, width, batch), 2 * len(KS) * len(BATCHES)):
+    for rng, where in runs:
         state = rig.random_state(rng)
         for row in rig.rows(state, "vtok_d", "pred_d", "brk_d", "acc_d", "ctl_d"):
             accept_inputs(rng, k, row)
         rig.check(launch, state, reference, where)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("width", list(TOKEN_DTYPES))
+@pytest.mark.parametrize("k", KS)
+def test_accept_greedy_matches_reference(engine, spec, k, width, batch):
+    check_accept_greedy(engine, spec, k, width, batch,
+                        cases("accept_greedy_dc", (k, width, batch), 2 * len(KS) * len(BATCHES)))
+
+
+@pytest.mark.parametrize("batch", LARGE_BATCHES)
+@pytest.mark.parametrize("width", list(TOKEN_DTYPES))
+def test_accept_greedy_serves_every_row_of_a_large_batch(engine, spec, width, batch):
+    """Every row, done or not, has its acc, keep and brk written, so a row no warp served differs."""
+    k = 4
+    check_accept_greedy(engine, spec, k, width, batch,
+                        islice(cases("accept_greedy_dc", (k, width, batch), 1), LARGE_CASES))
 
 
 # -- 4. ring_commit --------------------------------------------------------------------------
@@ -272,8 +295,10 @@ def commit_inputs(rng: np.random.Generator, k: int, ring_cap: int, s: dict[str, 
 COMMIT_CONFIGS = [(k, m, batch) for k in KS for m in RING_ROUNDS for batch in BATCHES]
 
 
-@pytest.mark.parametrize("k,m,batch", COMMIT_CONFIGS)
-def test_ring_commit_matches_reference(engine, spec, k, m, batch):
+def check_ring_commit(engine, spec, k: int, m: int, batch: int, runs: Iterable[tuple[np.random.Generator, str]],
+                      live: tuple[int, ...] = ()) -> None:
+    """ring_commit against the reference on each of `runs` (from `cases`), every row drawn anew; the
+    rows `live` are never done (a done row is left as it is, so it cannot show whether it was served)."""
     rig = Rig(engine, k, m, batch)
     ring_cap = rig.bufs.ring_cap
     launch = spec.prepare_ring_commit(rig.bufs)
@@ -282,11 +307,25 @@ def test_ring_commit_matches_reference(engine, spec, k, m, batch):
         ref.spec_ring_commit(s["vtok_d"], s["acc_d"], s["last_pred_d"], s["ctl_d"], s["pend_d"], s["ring_d"],
                              ring_cap, k, batch)
 
-    for rng, where in cases("ring_commit", (k, m, batch), len(COMMIT_CONFIGS)):
+    for rng, where in runs:
         state = rig.random_state(rng)
         for row in rig.rows(state, "vtok_d", "last_pred_d", "acc_d", "ring_d", "ctl_d"):
             commit_inputs(rng, k, ring_cap, row)
+        state["ctl_d"].reshape(batch, -1)[list(live), DONE] = 0
         rig.check(launch, state, reference, where)
+
+
+@pytest.mark.parametrize("k,m,batch", COMMIT_CONFIGS)
+def test_ring_commit_matches_reference(engine, spec, k, m, batch):
+    check_ring_commit(engine, spec, k, m, batch, cases("ring_commit", (k, m, batch), len(COMMIT_CONFIGS)))
+
+
+@pytest.mark.parametrize("batch", LARGE_BATCHES)
+def test_ring_commit_serves_every_row_of_a_large_batch(engine, spec, batch):
+    """The last row is live: it sets its pending token, ring count and done flag, or differs."""
+    k, m = 4, 3
+    check_ring_commit(engine, spec, k, m, batch, islice(cases("ring_commit", (k, m, batch), 1), LARGE_CASES),
+                      live=(batch - 1,))
 
 
 # -- 5. rollback_stream ----------------------------------------------------------------------
@@ -300,7 +339,7 @@ def test_rollback_matches_reference(engine, spec, n_ptrs, batch):
     each a PointerTable built per case (so the launch is prepared per case too)."""
     k = 4
     n_targets = n_ptrs + 3
-    rig = Rig(engine, k, batch=batch, targets=engine.alloc_i32_zeroed(n_targets * batch))
+    rig = Rig(engine, k, batch=batch, targets=engine.zeros(np.int32, n_targets * batch))
     windows = [rig.device["targets"].view(i * batch, batch) for i in range(n_targets)]
 
     for rng, where in cases("rollback_stream", (n_ptrs, batch), len(ROLLBACK_CONFIGS)):
@@ -334,7 +373,7 @@ def test_rollback_touches_exactly_the_nonzero_pointers(engine, spec, n_slots, po
     live = np.arange(n_slots) % 3 != 2
     table = PointerTable(engine, [words.view(int(t), 1) if alive else None for t, alive in zip(target, live)])
     want_words = np.where(live, np.uint64(words.ptr) + np.uint64(4) * target.astype(np.uint64), np.uint64(0))
-    assert np.array_equal(engine.dtoh_u64(table), want_words), "the table holds each view's address, 0 for None"
+    assert np.array_equal(engine.dtoh(table, np.uint64), want_words), "the table holds each view's address, 0 for None"
     bufs = StreamBufs(engine, 4, 1)
     engine.copy_htod(bufs.pos_start_d, [pos_start])
     engine.copy_htod(bufs.ctl_d, [-1, -1, 0, keep])
@@ -364,7 +403,7 @@ def test_ring_fills_to_capacity_and_never_past(engine, spec, k, m):
     bufs.ring_d = guarded.view(1, cap + 1)
     engine.set_u32(bufs.ring_d, 0, 0)
     bufs.set_stop(engine)  # no EOS, no budget
-    draft_d, pred_d = engine.alloc_u32_zeroed(max(k, 1)), engine.alloc_u32_zeroed(k + 1)
+    draft_d, pred_d = engine.zeros(np.uint32, max(k, 1)), engine.zeros(np.uint32, k + 1)
     round_steps = [spec.prepare_assemble_verify(bufs, draft_d), spec.prepare_accept_greedy(bufs, pred_d),
                    spec.prepare_ring_commit(bufs)]
     committed = []
@@ -405,31 +444,31 @@ def len_ptrs(cache: Cache, layers: range) -> list[int]:
 
 
 def test_kv_len_ptr_table_holds_each_length_pointer_then_pos_ctr(engine, cache):
-    pos_ctr = engine.alloc_i32_zeroed(1)
+    pos_ctr = engine.zeros(np.int32, 1)
     table = kv_len_ptr_table(engine, cache, pos_ctr)
     assert (table.dtype, table.len) == (np.dtype(np.uint64), 6)
-    assert engine.dtoh_u64(table).tolist() == len_ptrs(cache, range(5)) + [pos_ctr.ptr]
-    assert [w == 0 for w in engine.dtoh_u64(table).tolist()[:5]] == [not has for has in KV_MASK]
+    assert engine.dtoh(table, np.uint64).tolist() == len_ptrs(cache, range(5)) + [pos_ctr.ptr]
+    assert [w == 0 for w in engine.dtoh(table, np.uint64).tolist()[:5]] == [not has for has in KV_MASK]
 
 
 def test_kv_len_ptr_table_without_pos_ctr_has_no_extra_entry(engine, cache):
     table = kv_len_ptr_table(engine, cache)
-    assert engine.dtoh_u64(table).tolist() == len_ptrs(cache, range(5))
+    assert engine.dtoh(table, np.uint64).tolist() == len_ptrs(cache, range(5))
 
 
 def test_kv_len_ptr_table_range_takes_only_its_layers(engine, cache):
-    pos_ctr = engine.alloc_i32_zeroed(1)
-    assert (engine.dtoh_u64(kv_len_ptr_table_range(engine, cache, range(1, 4), pos_ctr)).tolist()
+    pos_ctr = engine.zeros(np.int32, 1)
+    assert (engine.dtoh(kv_len_ptr_table_range(engine, cache, range(1, 4), pos_ctr), np.uint64).tolist()
             == len_ptrs(cache, range(1, 4)) + [pos_ctr.ptr])
-    assert engine.dtoh_u64(kv_len_ptr_table_range(engine, cache, (2, 5))).tolist() == len_ptrs(cache, range(2, 5))
-    assert (engine.dtoh_u64(kv_len_ptr_table_range(engine, cache, range(0, 5), pos_ctr)).tolist()
-            == engine.dtoh_u64(kv_len_ptr_table(engine, cache, pos_ctr)).tolist())
+    assert engine.dtoh(kv_len_ptr_table_range(engine, cache, (2, 5)), np.uint64).tolist() == len_ptrs(cache, range(2, 5))
+    assert (engine.dtoh(kv_len_ptr_table_range(engine, cache, range(0, 5), pos_ctr), np.uint64).tolist()
+            == engine.dtoh(kv_len_ptr_table(engine, cache, pos_ctr), np.uint64).tolist())
 
 
 @pytest.mark.parametrize("layers", [range(0, 6), range(4, 6), (5, 6), range(-1, 2), (3, 2)], ids=str)
 def test_kv_len_ptr_table_range_outside_the_cache_is_a_value_error(engine, cache, layers):
     with pytest.raises(ValueError):
-        kv_len_ptr_table_range(engine, cache, layers, engine.alloc_i32_zeroed(1))
+        kv_len_ptr_table_range(engine, cache, layers, engine.zeros(np.int32, 1))
 
 
 def test_rollback_through_cache_tables_sets_every_length_and_pos_ctr(engine, spec, cache):

@@ -21,7 +21,7 @@ import pytest
 
 from memra_cuda import (CapacityError, CaptureError, DeviceBuffer, Engine, Event, Graph, KernelArgs, PointerTable,
                         RoundStream, SpecKernels, StreamBufs, kv_capacity, kv_len_ptr_table)
-from memra_cuda.models import toy
+from memra_cuda.models import toy, toy_reference
 from memra_cuda.tables import Cache
 
 pytestmark = pytest.mark.gpu
@@ -47,47 +47,47 @@ def run_script(script: str) -> subprocess.CompletedProcess:
 # -- 1. launches and graphs hold the buffers they captured ---------------------------------
 
 def test_graph_keeps_the_buffer_it_captured_after_the_launch_is_rebound(engine):
-    old = engine.htod_u32([10, 20, 30, 40])
+    old = engine.htod([10, 20, 30, 40], np.uint32)
     launch = increment(engine, 4).set(old, 4)
     graph = Graph(engine, launch)
-    new = engine.htod_u32([1, 2, 3, 4])
+    new = engine.htod([1, 2, 3, 4], np.uint32)
     launch.set(new, 4)
     old_alive = weakref.ref(old)
     del old
     gc.collect()
     assert old_alive() is not None, "the graph must hold the buffer it captured"
-    bystander = engine.htod_u32(np.full(4, 7, np.uint32))  # may take the address a freed buffer had
+    bystander = engine.htod(np.full(4, 7, np.uint32), np.uint32)  # may take the address a freed buffer had
     graph.launch()
-    assert engine.dtoh_u32(old_alive()).tolist() == [11, 21, 31, 41]
-    assert engine.dtoh_u32(new).tolist() == [1, 2, 3, 4]
-    assert engine.dtoh_u32(bystander).tolist() == [7] * 4
+    assert engine.dtoh(old_alive(), np.uint32).tolist() == [11, 21, 31, 41]
+    assert engine.dtoh(new, np.uint32).tolist() == [1, 2, 3, 4]
+    assert engine.dtoh(bystander, np.uint32).tolist() == [7] * 4
 
     old_alive().free()
     with pytest.raises(ValueError, match=r"Graph refuses to run.*u32\[4\].*which was freed"):
         graph.launch()
     launch()  # the launch itself is bound to `new`, which is alive
-    assert engine.dtoh_u32(new).tolist() == [2, 3, 4, 5]
+    assert engine.dtoh(new, np.uint32).tolist() == [2, 3, 4, 5]
 
 
 def test_launch_refuses_after_its_buffer_is_freed_until_rebound(engine):
-    buf = engine.alloc_u32_zeroed(4, label="victim")
+    buf = engine.zeros(np.uint32, 4, label="victim")
     launch = increment(engine, 4).set(buf, 4)
     launch()
     buf.free()
-    bystander = engine.htod_u32(np.full(4, 9, np.uint32))
+    bystander = engine.htod(np.full(4, 9, np.uint32), np.uint32)
     with pytest.raises(ValueError, match="victim"):
         launch()
-    assert engine.dtoh_u32(bystander).tolist() == [9] * 4
-    fresh = engine.alloc_u32_zeroed(4)
+    assert engine.dtoh(bystander, np.uint32).tolist() == [9] * 4
+    fresh = engine.zeros(np.uint32, 4)
     launch(fresh, 4)
-    assert engine.dtoh_u32(fresh).tolist() == [1] * 4
+    assert engine.dtoh(fresh, np.uint32).tolist() == [1] * 4
 
 
 def test_launches_of_a_closed_engine_refuse_to_run(engine):
     """A closed engine's stream is destroyed, and the driver may hand its handle to the next
     stream: a launch prepared on it must not reach the driver."""
     with Engine() as closing:
-        buf = closing.alloc_u32_zeroed(4)
+        buf = closing.zeros(np.uint32, 4)
         launch = increment(closing, 4).set(buf, 4)
         launch()
     with pytest.raises(ValueError, match="Engine"):
@@ -102,7 +102,7 @@ def test_launch_before_any_arguments_is_refused(engine):
 
 
 def test_freeing_a_view_or_its_parent_poisons_a_launch_bound_to_the_view(engine):
-    parent = engine.alloc_u32_zeroed(8, label="parent")
+    parent = engine.zeros(np.uint32, 8, label="parent")
     launch = increment(engine, 2).set(parent.view(2, 2), 2)
     launch()
     parent.free()
@@ -112,7 +112,7 @@ def test_freeing_a_view_or_its_parent_poisons_a_launch_bound_to_the_view(engine)
 
 def test_unloaded_module_refuses_its_launches_and_graphs_and_is_reloaded(engine):
     module = engine.load_ptx("probe")
-    buf = engine.alloc_u32_zeroed(4)
+    buf = engine.zeros(np.uint32, 4)
     launch = module.kernel("probe_increment").prepare(["ptr", "u32"], grid=1, block=32).set(buf, 4)
     graph = Graph(engine, launch)
     module.free()
@@ -125,7 +125,7 @@ def test_unloaded_module_refuses_its_launches_and_graphs_and_is_reloaded(engine)
     reloaded = engine.load_ptx("probe")
     assert reloaded is not module
     increment(engine, 4)(buf, 4)
-    assert engine.dtoh_u32(buf).tolist() == [1] * 4
+    assert engine.dtoh(buf, np.uint32).tolist() == [1] * 4
 
 
 # -- 2. pointer tables hold what they point at ---------------------------------------------
@@ -139,7 +139,7 @@ def test_pointer_table_outlives_its_cache_and_refuses_once_a_length_is_freed(eng
     del cache, lengths
     gc.collect()
     assert all(ref() is not None for ref in alive), "the table must hold the lengths it names"
-    bystanders = [engine.htod_i32([1234]) for _ in range(8)]
+    bystanders = [engine.htod([1234], np.int32) for _ in range(8)]
     engine.copy_htod(bufs.pos_start_d, [5])
     engine.copy_htod(bufs.ctl_d, [-1, -1, 0, 2])
     spec.rollback(table, bufs)
@@ -157,7 +157,7 @@ def test_pointer_table_outlives_its_cache_and_refuses_once_a_length_is_freed(eng
 def test_rollback_refuses_a_bare_u64_buffer(engine, spec):
     bufs = StreamBufs(engine, 2, 1)
     with pytest.raises(TypeError, match="PointerTable"):
-        spec.rollback(engine.htod_u64([bufs.pos_ctr_d.ptr]), bufs)
+        spec.rollback(engine.htod([bufs.pos_ctr_d.ptr], np.uint64), bufs)
 
 
 def test_toy_tables_hold_the_layers(engine):
@@ -170,7 +170,7 @@ def test_toy_tables_hold_the_layers(engine):
 
 def test_copy_into_freed_pinned_memory_is_refused(engine):
     pinned = engine.pinned(np.uint32, 4)
-    src = engine.htod_u32([1, 2, 3, 4])
+    src = engine.htod([1, 2, 3, 4], np.uint32)
     pinned.free()
     with pytest.raises(ValueError, match="after free"):
         engine.copy_dtoh_async(pinned, src)
@@ -201,10 +201,10 @@ def test_burst_graph_refuses_to_replay_after_its_buffers_are_freed(engine, spec,
 
 @pytest.mark.parametrize("what", ["copy_htod", "htod", "set_stop", "reset", "pointer table"])
 def test_host_to_device_copy_inside_a_capture_is_refused(engine, what):
-    buf = engine.htod_u32([5, 6, 7])
+    buf = engine.htod([5, 6, 7], np.uint32)
     bufs = StreamBufs(engine, 1, 1)
     uploads = {"copy_htod": lambda: engine.copy_htod(buf, [1, 2, 3]),
-               "htod": lambda: engine.htod_u32([1, 2, 3]),
+               "htod": lambda: engine.htod([1, 2, 3], np.uint32),
                "set_stop": lambda: bufs.set_stop(engine, eos=3, budget=9),
                "reset": lambda: bufs.reset(engine, 1, 2),
                "pointer table": lambda: PointerTable(engine, [buf])}
@@ -212,11 +212,11 @@ def test_host_to_device_copy_inside_a_capture_is_refused(engine, what):
         Graph(engine, uploads[what])
     assert not engine.capturing
     engine.copy_htod(buf, [1, 2, 3])  # the engine still works, outside the capture
-    assert engine.dtoh_u32(buf).tolist() == [1, 2, 3]
+    assert engine.dtoh(buf, np.uint32).tolist() == [1, 2, 3]
 
 
 def test_set_u32_and_readback_copies_are_captured(engine):
-    buf = engine.alloc_u32_zeroed(2)
+    buf = engine.zeros(np.uint32, 2)
     pinned = engine.pinned(np.uint32, 2)
     graph = Graph(engine, lambda: (engine.set_u32(buf, 1, 77), engine.copy_dtoh_async(pinned, buf)))
     graph.launch()
@@ -260,12 +260,12 @@ def test_capacity_comes_from_the_rollback_tables(engine, spec):
 def test_round_stream_refuses_tables_without_the_position_and_bare_tables(engine, spec):
     lm = toy.ToyLM(engine, toy.ToyModel(), capacity=64)
     bufs = StreamBufs(engine, 2, 2)
-    draft_d, pred_d = engine.alloc_u32_zeroed(2), engine.alloc_u32_zeroed(3)
+    draft_d, pred_d = engine.zeros(np.uint32, 2), engine.zeros(np.uint32, 3)
     wiring = dict(draft_chain=lambda: None, verify_trunk=lambda: None, draft_d=draft_d, pred_d=pred_d)
     with pytest.raises(ValueError, match="pos_ctr_d"):
         RoundStream(spec, bufs, rollback_tables=[kv_len_ptr_table(engine, lm.target)], **wiring)
     with pytest.raises(TypeError, match="PointerTable"):
-        RoundStream(spec, bufs, rollback_tables=[engine.htod_u64([bufs.pos_ctr_d.ptr])], **wiring)
+        RoundStream(spec, bufs, rollback_tables=[engine.htod([bufs.pos_ctr_d.ptr], np.uint64)], **wiring)
     with pytest.raises(TypeError):
         RoundStream(spec, bufs, rollback_tables=[kv_len_ptr_table(engine, lm.target, bufs.pos_ctr_d)], caches=[],
                     **wiring)
@@ -279,7 +279,7 @@ BAD_INPUT = {
     "htod complex": (ValueError, lambda e: e.htod(np.array([1 + 2j]))),
     "alloc object": (ValueError, lambda e: e.alloc(object, 4)),
     "copy complex into f32": (ValueError, lambda e: e.copy_htod(e.alloc(np.float32, 1), np.array([1j]))),
-    "view 1.5": (TypeError, lambda e: e.alloc_u32_zeroed(4).view(1.5, 2)),
+    "view 1.5": (TypeError, lambda e: e.zeros(np.uint32, 4).view(1.5, 2)),
     "negative length": (ValueError, lambda e: DeviceBuffer(0, np.uint32, -5)),
     "negative length at an address": (ValueError, lambda e: DeviceBuffer(0x1000, np.uint32, -5)),
     "f32 argument from a string": (TypeError, lambda e: KernelArgs(["f32"]).set("1.5")),
@@ -308,8 +308,8 @@ def test_float_buffers_are_not_token_buffers(engine, spec):
 
 def test_buffers_of_another_engine_are_refused(engine, spec):
     with Engine(engine.device) as other:
-        foreign = other.alloc_u32_zeroed(4, label="other's")
-        mine = engine.alloc_u32_zeroed(4)
+        foreign = other.zeros(np.uint32, 4, label="other's")
+        mine = engine.zeros(np.uint32, 4)
         for use in (lambda: increment(engine, 4)(foreign, 4),
                     lambda: engine.dtoh(foreign),
                     lambda: engine.copy_htod(foreign, [1]),
@@ -319,7 +319,7 @@ def test_buffers_of_another_engine_are_refused(engine, spec):
                     lambda: spec.prepare_accept_greedy(StreamBufs(other, 2, 1), mine)):
             with pytest.raises(ValueError, match="belongs to|pinned memory of"):
                 use()
-        assert other.dtoh_u32(foreign).tolist() == [0] * 4
+        assert other.dtoh(foreign, np.uint32).tolist() == [0] * 4
 
 
 @pytest.mark.parametrize("kwargs, kind", [
@@ -346,7 +346,7 @@ FAULT_SCRIPT = """
 import logging, numpy as np
 from memra_cuda import CudaFault, Engine
 engine = Engine()
-buf = engine.htod_u32([1, 2, 3])
+buf = engine.htod([1, 2, 3], np.uint32)
 view = buf.view(1, 1)
 pinned = engine.pinned(np.uint32, 3)
 launch = engine.load_ptx("probe").kernel("probe_increment").prepare(["ptr", "u32"], grid=1, block=32)
@@ -357,8 +357,8 @@ except CudaFault as exc:
     first = exc
 assert first.name == "CUDA_ERROR_ILLEGAL_ADDRESS", first
 assert "unusable until the process restarts" in str(first), first
-for call in (lambda: engine.htod_u32([1]), lambda: engine.dtoh(buf), lambda: launch(buf, 3),
-             lambda: Engine(engine.device).alloc_u32_zeroed(1)):
+for call in (lambda: engine.htod([1], np.uint32), lambda: engine.dtoh(buf), lambda: launch(buf, 3),
+             lambda: Engine(engine.device).zeros(np.uint32, 1)):
     try:
         call()
     except CudaFault as exc:
@@ -395,7 +395,7 @@ def test_prefill_back_to_back_without_waiting(engine):
     prompts = [[int(t) for t in rng.integers(0, model.vocab, n)] for n in (3000, 1, 700, 2049)]
     for prompt in prompts:
         lm.prefill(bufs, prompt)
-    mirror = toy.NumpyRoundStream(model, 2, 2, capacity=4096)
+    mirror = toy_reference.NumpyRoundStream(model, 2, 2, capacity=4096)
     n = mirror.prefill(prompts[-1])
     for layer, (kv, want) in enumerate(zip(lm.target.kv, mirror.tgt)):
         if kv is not None:
@@ -414,8 +414,8 @@ def test_eight_threads_allocate_copy_and_free_on_one_engine(engine):
         try:
             for _ in range(200):
                 values = rng.integers(0, 2**32, int(rng.integers(1, 5000)), dtype=np.uint32)
-                with engine.htod_u32(values) as buf:
-                    assert np.array_equal(engine.dtoh_u32(buf), values)
+                with engine.htod(values, np.uint32) as buf:
+                    assert np.array_equal(engine.dtoh(buf, np.uint32), values)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 

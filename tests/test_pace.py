@@ -62,3 +62,17 @@ def test_a_burst_ahead_is_needed_while_the_leanest_rate_leaves_budget_over():
     assert pace.needed(LIVE, in_flight=13)  # 72 + 26 < 100
     assert not pace.needed(LIVE, in_flight=14)
     assert not pace.needed(np.array([False]), in_flight=1)
+
+
+def test_a_live_row_that_committed_nothing_may_need_the_whole_burst():
+    """A rate of zero tokens a round gives nothing to divide by: the row may need any number
+    of rounds, so the burst runs all M (it once raised OverflowError dividing by zero)."""
+    pace = Pace(np.array([10, 10]), 8)
+    pace.record(4, np.array([0, 8]), np.array([True, True]))
+    assert pace.rounds(np.array([True, True])) == 8
+    assert pace.rounds(np.array([False, True])) == 1  # row 1: 2 tokens a round, 2 left
+
+
+def test_one_round_a_step_is_never_paced():
+    pace = Pace(np.array([10]), 1)
+    assert pace.rounds(LIVE) == 1

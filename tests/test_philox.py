@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memra_cuda.philox import philox4x32_10, uniform
+from memra_cuda.philox import philox4x32_10, uniform, uniform_of_word
 
 # (counter, key, output) from Random123's kat_vectors, philox4x32_10.
 KNOWN_ANSWERS = [
@@ -44,13 +44,23 @@ def test_words_wrap_to_32_bits_and_floats_are_refused():
         philox4x32_10((0.0, 0, 0, 0), (0, 0))
 
 
-def test_uniform_is_the_first_word_in_24_bits_centred_in_its_cell():
+def test_uniform_is_the_first_word_in_23_bits_centred_in_its_cell():
     # key (0, 0), counter (0, 0, 0, 0): x0 = 0x6627e8d5
-    assert uniform(0, 0, 0, 0) == ((0x6627E8D5 >> 8) + 0.5) * 2.0**-24
+    assert uniform(0, 0, 0, 0) == ((0x6627E8D5 >> 9) + 0.5) * 2.0**-23
     # counter (j, position, purpose, 0) and key (seed lo, seed hi)
     seed, position, j, purpose = 0x299F31D0A4093822, 0x85A308D3, 0x243F6A88, 0x13198A2E
     x0 = int(philox4x32_10((j, position, purpose, 0), (seed & 0xFFFFFFFF, seed >> 32))[0])
-    assert uniform(seed, position, j, purpose) == ((x0 >> 8) + 0.5) * 2.0**-24
+    assert uniform(seed, position, j, purpose) == ((x0 >> 9) + 0.5) * 2.0**-23 == uniform_of_word(x0)
+
+
+def test_the_largest_uniform_is_below_one_in_float32_too():
+    """The top word gives 1 - 2**-24 exactly, which float32 holds, so U * q < p accepts a draft with
+    p = q at every draw. With 24 bits U's top value was 1 - 2**-25, which float32 rounds to 1.0: such
+    a draft was rejected (test_reference_sample.TOP_CELL_DRAWS)."""
+    top = uniform_of_word(np.uint32(0xFFFFFFFF))
+    assert top == 1 - 2.0**-24
+    assert np.float32(top) == top and np.float32(top) < 1
+    assert uniform_of_word(0) == 2.0**-24
 
 
 def test_uniform_takes_seed_as_64_bits_and_position_as_32():
@@ -62,14 +72,13 @@ def test_uniform_takes_seed_as_64_bits_and_position_as_32():
 
 
 def test_uniform_range_and_cells():
-    """Strictly inside (0, 1), so -ln U is finite and positive: float64 on the 2**-24 grid offset by
-    half a cell, about uniform over 250 000 draws. In float32 the top cell rounds to 1, which is why
-    the kernels take E = -ln U near U = 1 from 1 - U."""
+    """Strictly inside (0, 1), so -ln U is finite and positive: float64 on the 2**-23 grid offset by
+    half a cell, exact in float32 (the kernels' U), about uniform over 250 000 draws."""
     u = uniform(np.uint64(0x123456789ABCDEF), np.arange(500)[:, None], np.arange(500), 1)
     assert u.dtype == np.float64 and u.shape == (500, 500)
-    assert (u >= 2.0**-25).all() and (u <= 1 - 2.0**-25).all()
-    cells = u * 2**24 - 0.5
+    assert (u >= 2.0**-24).all() and (u <= 1 - 2.0**-24).all()
+    cells = u * 2**23 - 0.5
     assert np.array_equal(cells, np.round(cells))
+    assert np.array_equal(u.astype(np.float32), u)
     assert abs(u.mean() - 0.5) < 0.003
     assert np.allclose(np.histogram(u, bins=10, range=(0, 1))[0], 25_000, rtol=0.03)
-    assert np.float32((2**24 - 1 + 0.5) * 2.0**-24) == 1

@@ -1,5 +1,6 @@
 """The committed PTX: rebuilt from its sources on every run, loadable by CUDA 12 drivers
-(ISA <= 8.0, sm_80), and assembled by ptxas without local-memory spills."""
+(ISA <= 8.0, sm_80), and assembled by ptxas without local-memory spills; and the constants the
+sources share with Python (buffer layouts, block sizes, draw purposes) equal on both sides."""
 from __future__ import annotations
 
 import importlib.util
@@ -61,8 +62,10 @@ def test_ptxas_assembles_without_spills(image, arch):
 
 
 def defines(source: str, *names: str) -> dict[str, int]:
+    """The integer #defines of `source` named `names` (every one, where no names are given)."""
     text = (PTX_DIR / source).read_text()
-    return {name: int(value) for name, value in re.findall(rf"^#define ({'|'.join(names)}) (\d+)", text, re.M)}
+    pattern = "|".join(names) or r"\w+"
+    return {name: int(value) for name, value in re.findall(rf"^#define ({pattern}) (\d+)", text, re.M)}
 
 
 def test_launchers_use_the_block_sizes_the_kernels_were_written_for():
@@ -74,3 +77,21 @@ def test_launchers_use_the_block_sizes_the_kernels_were_written_for():
     assert defines("spec_sample.cu", "THREADS", "PER_THREAD") == {"THREADS": sampling.THREADS,
                                                                   "PER_THREAD": sampling.PER_THREAD}
     assert defines("toy_lm.cu", "BLOCK", "SAMPLE_BLOCK") == {"BLOCK": toy.BLOCK, "SAMPLE_BLOCK": toy.SAMPLE_BLOCK}
+
+
+def test_buffer_layouts_have_one_value_in_python_and_cuda():
+    """memra_cuda.layout and ptx/layout.cuh name the same words of ctl, brk, acc and ring rows with
+    the same values: StreamBufs and the reference index the rows the kernels write."""
+    from memra_cuda import layout
+
+    assert defines("layout.cuh") == {name: value for name, value in vars(layout).items() if name.isupper()}
+
+
+def test_the_reference_draws_and_settles_with_the_kernels_constants():
+    """Philox's purpose words (philox.cuh) and the bonus of a row without mass (spec_sample.cu)."""
+    from memra_cuda import reference as ref
+
+    purposes = re.findall(r"\b(PURPOSE_\w+) = (\d+)", (PTX_DIR / "philox.cuh").read_text())
+    assert {name: int(value) for name, value in purposes} == {
+        name: getattr(ref, name) for name in ("PURPOSE_ACCEPT", "PURPOSE_SAMPLE", "PURPOSE_DRAFT")}
+    assert defines("spec_sample.cu", "NO_MASS_TOKEN") == {"NO_MASS_TOKEN": ref.NO_MASS_TOKEN}

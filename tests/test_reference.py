@@ -2,7 +2,7 @@
 
 The reference is the oracle the GPU tests compare the kernels against, so its own behaviour is
 pinned here by expected values written out by hand, one small test per branch of each contract
-(DESIGN.md, "Round-stream: kernel contracts"). Runs on CPU in every CI run.
+(docs/kernels.md, "Kernel contracts"). Runs on CPU in every CI run.
 """
 from __future__ import annotations
 

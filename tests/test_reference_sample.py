@@ -220,6 +220,21 @@ def test_acceptance_draws_u_at_each_drafts_absolute_position(pos_start):
         assert sample(p=p, q=q, pos_start=pos_start, seed=seed)["acc"][0] == n, f"seed {seed}, u {u}"
 
 
+# (seed, absolute position) whose acceptance draw U(seed, position, 0, 0) is the largest U there is,
+# 1 - 2**-24: with 24 bits it was 1 - 2**-25, 1.0 in float32, and these rejected drafts with p = q
+# on the H200.
+TOP_CELL_DRAWS = [(11264, 8), (46, 342)]
+
+
+@pytest.mark.parametrize("seed,position", TOP_CELL_DRAWS)
+def test_drafts_with_p_equal_to_q_are_accepted_even_at_the_largest_draw(seed, position):
+    """U < 1 in float32 too, so U * q < p holds where p = q: all k drafts are accepted, the first at
+    the position whose draw is the largest U."""
+    assert np.float32(uniform(seed, position, 0, ref.PURPOSE_ACCEPT)) == np.float32(1 - 2.0**-24) < 1
+    law = (0.1, 0.2, 0.3, 0.4)
+    assert sample(p=(law,) * 4, q=(law,) * 3, vtok=(50, 3, 1, 3), pos_start=position - 1, seed=seed)["acc"] == [3, 103]
+
+
 def test_residual_sampling_never_picks_a_token_where_p_is_not_above_q():
     """p = (0.1, 0.4, 0.2, 0.3), q = (0.4, 0.1, 0.3, 0.2): only tokens 1 and 3 have p > q. Over 300
     seeds, every bonus after a rejected first draft is one of them, both occur, and the accepted

@@ -24,8 +24,7 @@ import pytest
 from memra_cuda import Graph, SpecKernels, StreamBufs
 from memra_cuda import reference as ref
 from memra_cuda.reference import DONE
-from memra_cuda.sampling import prepare_accept_sample
-from test_reference_sample import CLOSE, FAR, ROWS, TARGET, assert_distributed_as, theorem_rows
+from test_reference_sample import CLOSE, FAR, ROWS, TARGET, TOP_CELL_DRAWS, assert_distributed_as, theorem_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -119,8 +118,8 @@ class Rig:
         self.device = {**self.bufs.buffers(), "p_d": engine.alloc(np.float32, rows * (k + 1) * vocab),
                        "q_d": engine.alloc(np.float32, rows * max(k, 1) * vocab),
                        "seed_d": engine.alloc(np.uint64, rows)}
-        self.launch = prepare_accept_sample(spec, self.bufs, self.device["p_d"], self.device["q_d"],
-                                            self.device["seed_d"], vocab)
+        self.launch = spec.prepare_accept_sample(self.bufs, self.device["p_d"], self.device["q_d"],
+                                                 self.device["seed_d"], vocab)
 
     def run(self, state: dict[str, np.ndarray], where: str, launch=None) -> None:
         """Write every buffer, launch (or `launch`, a graph's), read every buffer and check it."""
@@ -178,7 +177,7 @@ def test_accept_sample_matches_reference(engine, spec, B, V, k):
 
 
 def test_the_four_argument_call_derives_the_vocabulary_from_p(engine, spec):
-    """DESIGN.md's spec.prepare_accept_sample(bufs, p_d, q_d, seed_d): V = len(p_d) / (B (k+1))."""
+    """docs/kernels.md's ("Launchers") spec.prepare_accept_sample(bufs, p_d, q_d, seed_d): V = len(p_d) / (B (k+1))."""
     rig = Rig(engine, spec, 3, 7, 2)
     launch = spec.prepare_accept_sample(rig.bufs, rig.device["p_d"], rig.device["q_d"], rig.device["seed_d"])
     for rng, where in cases("accept_sample, V derived", (3, 7, 2), 20):
@@ -199,6 +198,23 @@ def test_captured_launch_replays_on_the_scratch_it_left_zeroed(engine, spec):
     graph = Graph(engine, rig.launch)
     for rng, where in cases("accept_sample graph", (3, 152_000, 2), 4):
         rig.run(random_state(rng, rig), where, launch=graph.launch)
+
+
+def test_a_draft_with_p_equal_to_q_is_accepted_at_the_largest_draw(engine, spec):
+    """One row per (seed, position) of test_reference_sample.TOP_CELL_DRAWS, whose draft sits where
+    U(seed, position, 0, 0) is the largest U: with p = q, U * q < p in f32 holds only while U < 1 in
+    f32, so the draft is accepted (with 24-bit draws the kernel rejected it), as the reference says."""
+    rows, vocab, k = len(TOP_CELL_DRAWS), 4, 1
+    law = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
+    rig = Rig(engine, spec, rows, vocab, k)
+    state = {name: np.zeros(buf.len, buf.dtype) for name, buf in rig.device.items()}
+    state["vtok_d"][:] = np.tile(np.uint32([0, 3]), rows)
+    state["p_d"][:], state["q_d"][:] = np.tile(law, rows * (k + 1)), np.tile(law, rows * k)
+    state["ctl_d"][:] = np.tile(np.int32([-1, -1, 0, 0]), rows)
+    state["pos_start_d"][:] = [position - 1 for _, position in TOP_CELL_DRAWS]
+    state["seed_d"][:] = [seed for seed, _ in TOP_CELL_DRAWS]
+    rig.run(state, "p = q at the largest draws")
+    assert engine.dtoh(rig.bufs.acc_d).tolist() == [k, k] * rows, "every draft accepted"
 
 
 # -- the theorem -----------------------------------------------------------------------------
@@ -224,7 +240,7 @@ def test_committed_tokens_are_distributed_as_the_target_in_one_launch(engine, sp
               **{name: engine.alloc(state[name].dtype, state[name].size) for name in ("p_d", "q_d", "seed_d")}}
     for name, buf in device.items():
         engine.copy_htod(buf, state[name])
-    prepare_accept_sample(spec, bufs, device["p_d"], device["q_d"], device["seed_d"], len(TARGET))()
+    spec.prepare_accept_sample(bufs, device["p_d"], device["q_d"], device["seed_d"], len(TARGET))()
     got = {name: engine.dtoh(buf) for name, buf in device.items()}
     accepted, bonus = got["acc_d"][0::2], got["last_pred_d"]
     tokens = np.where(accepted > 0, rows["vtok"][:, 1], bonus) if k else bonus
@@ -271,12 +287,12 @@ def test_bad_input_is_refused_before_anything_is_queued(engine, spec, monkeypatc
     for method in ("alloc", "memset", "load_ptx"):
         monkeypatch.setattr(engine, method, forbidden)
     with pytest.raises(ValueError, match=name):
-        prepare_accept_sample(spec, bufs, **args)
+        spec.prepare_accept_sample(bufs, **args)
 
 
 def test_the_valid_call_the_refusals_vary_prepares_and_survives_garbage(engine, spec):
     """The refusals are about what they name: the same call with GOOD buffers prepares, and
     launches on whatever the fresh buffers hold."""
     bufs, args = small_call(engine, GOOD)
-    prepare_accept_sample(spec, bufs, **args)()
+    spec.prepare_accept_sample(bufs, **args)()
     engine.synchronize()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from memra_cuda import MODES, CapacityError, RoundStream, SpecKernels, StreamBufs, chain, kv_capacity, kv_len_ptr_table
-from memra_cuda.models import toy
+from memra_cuda.models import toy, toy_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -142,7 +142,7 @@ def test_stop_mid_burst_leaves_later_rounds_without_effect(engine, spec, stop, m
     prompt, k, m_rounds = [4, 8, 15, 16, 23, 42], 3, 16
     full = toy.target_greedy(model, prompt, 200)
     eos, budget = (full[25], 200) if stop == "eos" else (None, 27)
-    mirror = toy.NumpyRoundStream(model, k, 1, capacity=512)
+    mirror = toy_reference.NumpyRoundStream(model, k, 1, capacity=512)
     want = mirror.generate(prompt, budget, eos)
     lm, bufs, stream, start = setup(engine, spec, model, prompt, k, m_rounds, capacity=512)
     got = stream.generate(start, budget, eos=eos, mode=mode).tolist()
@@ -194,7 +194,7 @@ def test_seed_gather_hands_the_draft_the_row_behind_the_bonus(engine, spec):
     model = toy.ToyModel(seed=13, noise_ppm=300_000)
     lm = toy.ToyLM(engine, model, capacity=256)
     bufs = StreamBufs(engine, k=3, m_rounds=1)
-    draft_d, pred_d, seed_d = (engine.alloc_u32_zeroed(n) for n in (3, 4, 1))
+    draft_d, pred_d, seed_d = (engine.zeros(np.uint32, n) for n in (3, 4, 1))
     drafts, verifies = lm.draft_steps(bufs, draft_d), lm.verify_steps(bufs, pred_d)
     stream = RoundStream(
         spec, bufs, draft_chain=chain(drafts), verify_trunk=chain(verifies), draft_d=draft_d, pred_d=pred_d,

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memra_cuda.models import toy
+from memra_cuda.models import toy, toy_reference
 
 models = st.builds(
     toy.ToyModel,
@@ -26,7 +26,7 @@ def test_numpy_speculative_loop_equals_target_greedy(model, data, k, m_rounds, m
     want = toy.target_greedy(model, prompt, max_new)
     eos = data.draw(st.one_of(st.none(), st.sampled_from(want or [0]), st.integers(0, model.vocab - 1)), label="eos")
     want = toy.target_greedy(model, prompt, max_new, eos)
-    assert toy.speculative_generate(model, prompt, k, max_new, eos, m_rounds) == want
+    assert toy_reference.speculative_generate(model, prompt, k, max_new, eos, m_rounds) == want
 
 
 def test_every_kv_entry_matters():
@@ -39,7 +39,7 @@ def test_every_kv_entry_matters():
 
 
 def test_perfect_draft_accepts_everything():
-    stream = toy.NumpyRoundStream(toy.ToyModel(noise_ppm=0, p_min=0.0), k=4, m_rounds=2, capacity=256)
+    stream = toy_reference.NumpyRoundStream(toy.ToyModel(noise_ppm=0, p_min=0.0), k=4, m_rounds=2, capacity=256)
     out = stream.generate([1, 2, 3], max_new_tokens=40)
     rounds = 40 // 5
     assert len(out) == 40 and int(stream.acc[1]) == 4 * rounds and int(stream.brk[1]) == 0

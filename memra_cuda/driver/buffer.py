@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import ctypes
 import math
-import operator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import CaptureError, call, driver
+from .values import as_index, device_dtype, short_name
 from .handle import Handle
 
 if TYPE_CHECKING:
     from .context import PrimaryContext
-    from .engine import Engine
+    from .stream import Stream
 
 
 class DeviceBuffer(Handle):
@@ -34,7 +34,7 @@ class DeviceBuffer(Handle):
     memory, which any engine on `device` may use); `label` names the buffer in messages.
     """
 
-    def __init__(self, ptr: int, dtype: Any, length: int, *, engine: Engine | None = None,
+    def __init__(self, ptr: int, dtype: Any, length: int, *, engine: Stream | None = None,
                  base: DeviceBuffer | None = None, keepalive: Any = None, device: int | None = None,
                  label: str | None = None):
         ptr, length = as_index(ptr, "ptr"), as_index(length, "length")
@@ -54,7 +54,7 @@ class DeviceBuffer(Handle):
         self._keepalive = keepalive
 
     @classmethod
-    def allocate(cls, engine: Engine, dtype: Any, length: int, *, label: str | None = None) -> DeviceBuffer:
+    def allocate(cls, engine: Stream, dtype: Any, length: int, *, label: str | None = None) -> DeviceBuffer:
         dtype, length = device_dtype(dtype), as_index(length, "length")
         if length < 1:
             raise ValueError(f"a device buffer needs at least one element, not {length}")
@@ -64,14 +64,14 @@ class DeviceBuffer(Handle):
         return buf
 
     @classmethod
-    def wrap(cls, ptr: int, dtype: Any, length: int, *, engine: Engine | None = None,
+    def wrap(cls, ptr: int, dtype: Any, length: int, *, engine: Stream | None = None,
              keepalive: Any = None) -> DeviceBuffer:
         """Borrow memory allocated elsewhere: never freed here. Prefer from_cuda_array, which
         reads the type and size from the owner and keeps it alive."""
         return cls(ptr, dtype, length, engine=engine, keepalive=keepalive)
 
     @classmethod
-    def from_cuda_array(cls, obj: Any, engine: Engine | None = None) -> DeviceBuffer:
+    def from_cuda_array(cls, obj: Any, engine: Stream | None = None) -> DeviceBuffer:
         """Adopt a contiguous `__cuda_array_interface__` object (v2/v3: a PyTorch tensor, a
         CuPy array) without owning it, keeping `obj` alive.
 
@@ -98,7 +98,7 @@ class DeviceBuffer(Handle):
         buf = cls(ptr, dtype, count, keepalive=obj, device=device)
         stream = iface.get("stream")
         if engine is not None and stream is not None:
-            engine.wait(stream)
+            engine.wait_stream(stream)
         return buf
 
     @property
@@ -124,13 +124,17 @@ class DeviceBuffer(Handle):
     def __len__(self) -> int:
         return self.len
 
-    def view(self, start: int, count: int) -> DeviceBuffer:
-        """A non-owning window [start, start+count) that keeps this buffer alive."""
+    def view(self, start: int, count: int, dtype: Any = None, *, label: str | None = None) -> DeviceBuffer:
+        """A non-owning window [start, start+count) that keeps this buffer alive, read as
+        `dtype` of the same size if given (i32 fields inside a u32 arena, say)."""
         start, count = as_index(start, "start"), as_index(count, "count")
         if not (0 <= start and 1 <= count and start + count <= self.len):
             raise ValueError(f"view [{start}, {start + count}) is outside a buffer of {self.len}")
-        return DeviceBuffer(self.ptr + start * self.dtype.itemsize, self.dtype, count, engine=self.engine,
-                            base=self._base or self, device=self.device, label=self.label)
+        dtype = self.dtype if dtype is None else device_dtype(dtype)
+        if dtype.itemsize != self.dtype.itemsize:
+            raise ValueError(f"a view of {self!r} cannot read {dtype.name}: elements of another size")
+        return DeviceBuffer(self.ptr + start * self.dtype.itemsize, dtype, count, engine=self.engine,
+                            base=self._base or self, device=self.device, label=label or self.label)
 
     def depend(self, dependent: Handle) -> None:
         """A dependent of a view also depends on the memory's owner."""
@@ -143,7 +147,16 @@ class DeviceBuffer(Handle):
         return handle is self or handle is self._base
 
     def free(self) -> None:
-        """Free the memory (owning buffers) or drop the borrow (views, foreign); idempotent."""
+        """Free the memory (owning buffers) or drop the borrow (views, foreign); idempotent.
+
+        Borrowed memory goes back to its owner (a framework's allocator may hand it out again
+        at once), so work already queued on it must finish first: the streams of everything
+        that holds its address (launches, graphs, tables) are waited for before the borrow is
+        dropped."""
+        if self._keepalive is not None and not self._freed:
+            for stream in {id(d.engine): d.engine for d in self._dependents or () if hasattr(d, "engine")}.values():
+                if not stream.closed and stream.ctx.fault is None and stream.capture_hold is None:
+                    stream.synchronize()
         self._keepalive = None
         super().free()
 
@@ -168,7 +181,7 @@ class PinnedBuffer(Handle):
     Reads hand out copies, so no numpy array can outlive the memory it would point into.
     """
 
-    def __init__(self, engine: Engine, dtype: Any, length: int, *, label: str | None = None):
+    def __init__(self, engine: Stream, dtype: Any, length: int, *, label: str | None = None):
         self.dtype = device_dtype(dtype)
         self.len = as_index(length, "length")
         if self.len < 1:
@@ -203,7 +216,7 @@ class PinnedBuffer(Handle):
         return f"PinnedBuffer({label}{short_name(self.dtype)}[{self.len}]{' freed' if self.freed else ''})"
 
 
-def as_buffer(obj: Any, what: str = "buffer", engine: Engine | None = None) -> DeviceBuffer:
+def as_buffer(obj: Any, what: str = "buffer", engine: Stream | None = None) -> DeviceBuffer:
     """`obj` as a DeviceBuffer: itself, or adopted through `__cuda_array_interface__`."""
     if isinstance(obj, DeviceBuffer):
         return obj
@@ -213,67 +226,17 @@ def as_buffer(obj: Any, what: str = "buffer", engine: Engine | None = None) -> D
                     f"not {type(obj).__name__}")
 
 
-def device_dtype(dtype: Any) -> np.dtype:
-    """`dtype` if device memory can hold it: bool, integers and floats of 1 to 8 bytes, in the
-    machine's byte order (objects, strings and complex numbers have no meaning there)."""
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"{dtype!r} is not a dtype") from exc
-    if dt.kind not in "biuf" or dt.itemsize not in (1, 2, 4, 8) or not dt.isnative:
-        raise ValueError(f"{dt} cannot be the element type of device memory: use a bool, an integer or a "
-                         "float of 1, 2, 4 or 8 bytes in native byte order")
-    return dt
 
 
-def short_name(dtype: np.dtype) -> str:
-    """u32, i64, f16, bool: how DESIGN.md writes element types."""
-    return "bool" if dtype.kind == "b" else f"{dtype.kind}{8 * dtype.itemsize}"
 
 
-def exact_int(value: Any, dtype: Any) -> int:
-    """`value` as a Python int that `dtype` holds exactly: floats and out-of-range values are
-    refused instead of being truncated or wrapped (whatever numpy's casting rules)."""
-    dtype = np.dtype(dtype)
-    if isinstance(value, (float, np.floating)):
-        raise ValueError(f"{value!r} is not an integer ({dtype.name} expected)")
-    number = as_index(value, f"a {dtype.name} value")
-    info = np.iinfo(dtype)
-    if not info.min <= number <= info.max:
-        raise ValueError(f"{value!r} is outside the range of {dtype.name}")
-    return number
 
 
-def exact_array(values: Any, dtype: Any) -> np.ndarray:
-    """`values` as a flat `dtype` array, refusing any value the conversion would change and
-    anything that is not numbers (objects, strings, complex)."""
-    dtype = np.dtype(dtype)
-    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
-    if arr.dtype == dtype:
-        return arr.reshape(-1)
-    if arr.dtype.kind in "fO" and not isinstance(values, np.ndarray) and dtype.kind in "iu":
-        # Python ints past int64 arrive as float64 or objects: convert them one by one, exactly.
-        return np.array([exact_int(v, dtype) for v in np.array(values, dtype=object).reshape(-1)], dtype)
-    if arr.dtype.kind not in "biuf":
-        raise ValueError(f"{arr.dtype} values cannot be copied to device memory (numbers only)")
-    if dtype.kind not in "iu":
-        return arr.astype(dtype).reshape(-1)
-    if arr.dtype.kind == "f":
-        raise ValueError(f"{arr.dtype.name} values given for a {dtype.name} buffer")
-    for extreme in (arr.min(), arr.max()) if arr.size else ():
-        exact_int(int(extreme), dtype)
-    return arr.astype(dtype).reshape(-1)
 
 
-def as_index(value: Any, what: str) -> int:
-    """`value` as an int (ints and numpy integers, never floats), TypeError naming `what`."""
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, not {value!r}") from None
 
 
-def device_allocation(engine: Engine, nbytes: int) -> tuple[PrimaryContext, int]:
+def device_allocation(engine: Stream, nbytes: int) -> tuple[PrimaryContext, int]:
     """A fresh cuMemAlloc of `nbytes` on the engine's device, and the context that must free it
     (the caller takes ownership with Handle._own). Refused inside a capture."""
     _no_alloc_in_capture(engine, "device memory")
@@ -281,8 +244,11 @@ def device_allocation(engine: Engine, nbytes: int) -> tuple[PrimaryContext, int]
     return ctx, int(ctx.call("cuMemAlloc", nbytes))
 
 
-def _no_alloc_in_capture(engine: Engine, what: str) -> None:
-    if engine.capturing_graph is not None:
+def _no_alloc_in_capture(engine: Stream, what: str) -> None:
+    """Refused while the stream is captured, by memra's Graph or anyone else's (torch.cuda.graph):
+    the driver forbids it in most capture modes, and where it allows it, the graph would address
+    memory it does not own. Allocation is never on the per-round path, so the check is free."""
+    if engine.capture_hold is not None or engine.capturing:
         raise CaptureError(f"{what} cannot be allocated inside a graph capture (the driver forbids it while "
                            "the stream is captured): allocate before capturing")
 

@@ -21,16 +21,18 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from .errors import STICKY, CudaError, CudaFault, call, driver, error, values
 
 log = logging.getLogger("memra_cuda")
 
-# One PrimaryContext per device while anything holds it: a fault seen by one engine is then
-# known to every engine on that device.
+# One PrimaryContext per device while anything holds it, so a fault seen by one engine is known
+# to every engine on that device; and the first fault of each device for the life of the
+# process, so an engine made after every other one is gone still knows its device is lost.
 _live: weakref.WeakValueDictionary[int, PrimaryContext] = weakref.WeakValueDictionary()
 _live_lock = threading.Lock()
+_faults: dict[int, CudaFault] = {}
 
 
 class PrimaryContext:
@@ -49,10 +51,12 @@ class PrimaryContext:
         if not 0 <= device < count:
             raise ValueError(f"device {device} does not exist: this machine has {count} CUDA device(s)")
         self.device = device
-        self.fault: CudaFault | None = None
+        self.fault: CudaFault | None = _faults.get(device)
         self.cu_device = call("cuDeviceGet", device)
         self.handle = call("cuDevicePrimaryCtxRetain", self.cu_device)
         self.address = int(self.handle)
+        drv = driver()
+        self._get_current, self._push, self._pop = drv.cuCtxGetCurrent, drv.cuCtxPushCurrent, drv.cuCtxPopCurrent
         weakref.finalize(self, _release_primary, self.cu_device, device)
 
     def make_current(self) -> None:
@@ -75,29 +79,38 @@ class PrimaryContext:
     def push(self) -> bool:
         """Push this context unless it is already current; whether it was pushed (then the
         caller pops it with cuCtxPopCurrent once its call is made)."""
-        drv = driver()
-        err, current = drv.cuCtxGetCurrent()
+        err, current = self._get_current()
         if not err and int(current) == self.address:
             return False
-        (err,) = drv.cuCtxPushCurrent(self.handle)
+        (err,) = self._push(self.handle)
         if err:
             raise self.failure(err, "cuCtxPushCurrent")
         return True
 
     def call(self, name: str, *args: Any) -> Any:
         """Call the driver function `name` with this context current; failures name the call."""
+        return values(self.run(getattr(driver(), name), name, args))
+
+    def run(self, fn: Callable[..., tuple], name: str, args: tuple) -> tuple:
+        """`fn(*args)` (a driver binding) with this context current, its result checked: the
+        path of every call memra makes, prepared ones included. A faulted device refuses
+        before the driver is reached; the context is popped whatever the binding raises."""
         if self.fault is not None:
             raise self.fault.again(name)
-        drv = driver()
-        pushed = self.push()
-        try:
-            result = getattr(drv, name)(*args)
-        finally:
-            if pushed:
-                drv.cuCtxPopCurrent()
+        err, current = self._get_current()
+        if not err and int(current) == self.address:
+            result = fn(*args)
+        else:
+            (err,) = self._push(self.handle)
+            if err:
+                raise self.failure(err, "cuCtxPushCurrent")
+            try:
+                result = fn(*args)
+            finally:
+                self._pop()
         if result[0]:
             raise self.failure(result[0], name)
-        return values(result)
+        return result
 
     def failure(self, err: Any, call: str, detail: str = "") -> CudaError:
         """The exception for a failed call, remembering the first sticky fault."""
@@ -105,7 +118,7 @@ class PrimaryContext:
         if exc.name not in STICKY:
             return exc
         if self.fault is None:
-            self.fault = CudaFault(exc, self.device)
+            self.fault = _faults.setdefault(self.device, CudaFault(exc, self.device))
             return self.fault
         return self.fault.again(call)
 

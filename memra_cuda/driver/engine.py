@@ -1,126 +1,61 @@
-"""Engine: one device's primary context, one stream, copies and the counters that prove
-how often the host waited on the GPU."""
+"""Engine: a Stream with memory, copies and modules on top, the facade engines embed.
+
+The typed copies of the first releases (htod_u32, dtoh_i32, alloc_u32_zeroed, ...) are the
+generic ones with a dtype: they still work, with a DeprecationWarning naming the call to use.
+"""
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any
+import functools
+import warnings
+from typing import Any
 
 import numpy as np
 
-from .buffer import DeviceBuffer, PinnedBuffer, as_buffer, as_index, exact_array, exact_int
-from .context import PrimaryContext
+from .buffer import DeviceBuffer, PinnedBuffer, as_buffer
+from .call import Prepared
 from .errors import CaptureError, CudaError, driver
 from .event import Event
-from .handle import Handle
 from .module import Module, packaged_ptx
+from .stream import Stream
+from .values import as_index, exact_array, exact_int
 
-if TYPE_CHECKING:
-    from .graph import Graph
+# The typed wrappers the first releases had: name -> (generic method, dtype).
+_TYPED = {f"{verb}_{t}": (verb, dtype) for verb in ("htod", "dtoh")
+          for t, dtype in (("u32", np.uint32), ("i32", np.int32), ("u64", np.uint64))}
+_TYPED.update({"alloc_u32_zeroed": ("zeros", np.uint32), "alloc_i32_zeroed": ("zeros", np.int32)})
 
-log = logging.getLogger("memra_cuda")
 
+class Engine(Stream):
+    """Driver-level access to one GPU: its primary context, one stream (see Stream), device
+    memory, copies and the PTX modules loaded into the context.
 
-class Engine(Handle):
-    """Driver-level access to one GPU.
-
-    Every call makes the engine's context current first, so engines on several devices can be
-    used from one thread. All work goes onto one stream: stream order is the only ordering the
-    round-stream machinery relies on. The stream is the engine's own (non-blocking), or one
-    borrowed from the embedding framework (`stream=`: an int handle, a CUstream, or an object
-    with `cuda_stream` such as a torch.cuda.Stream), which is never destroyed here; `wait()`
-    joins another stream or an event without the host.
-
-    `readbacks` counts device-to-host transfers the host waited for and `syncs` explicit
-    stream synchronisations, so "one readback per burst" can be asserted rather than believed.
-
-    Thread safety: an engine may be shared between threads for allocation, copies and frees
-    (the counters are then approximate); its stream orders their work in the order the calls
-    reach the driver. A capture belongs to the thread that runs it: do not queue work on the
-    engine from other threads while a Graph is being captured.
+    Every call makes the engine's context current for that call alone, so engines on several
+    devices can be used from one thread. Copies that the per-round path repeats can be
+    prepared once (prepare_dtoh, prepare_set_u32) and issued at the cost of the bare binding.
     """
 
     def __init__(self, device: int = 0, stream: Any = None):
-        self.ctx = PrimaryContext.of(as_index(device, "device"))
-        self.ctx.adopt_thread()
-        self.readbacks = 0
-        self.syncs = 0
-        self.capturing_graph: Graph | None = None  # set by Graph while it captures this stream
+        super().__init__(device, stream)
         self._modules: dict[str, Module] = {}
-        self._join: Event | None = None
         self._peers: set[int] = set()  # devices this context has peer access to
-        if stream is None:
-            flags = driver().CUstream_flags.CU_STREAM_NON_BLOCKING
-            self.stream = self.ctx.call("cuStreamCreate", flags)
-            self._own(self.ctx, "cuStreamDestroy", self.stream)
-        else:
-            self.stream = as_stream(stream)
-            self._check_stream_context()
-        self.stream_handle = int(self.stream)
 
-    def _check_stream_context(self) -> None:
-        if int(self.stream) in (0, 1, 2):  # the legacy and per-thread default streams: any context
-            return
-        owner = self.ctx.call("cuStreamGetCtx", self.stream)
-        if int(owner) != int(self.ctx.handle):
-            raise ValueError(f"stream {int(self.stream):#x} belongs to another context than device {self.device}'s")
-
-    @property
-    def device(self) -> int:
-        return self.ctx.device
-
-    @property
-    def borrowed(self) -> bool:
-        """Whether the stream belongs to someone else (and is never destroyed here)."""
-        return self._finalizer is None
-
-    @property
-    def multiprocessors(self) -> int:
-        """Streaming multiprocessors on the device: how wide a grid-wide kernel should be."""
-        attr = driver().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-        return int(self.ctx.call("cuDeviceGetAttribute", attr, self.ctx.cu_device))
-
-    @property
-    def closed(self) -> bool:
-        return self._freed
-
-    def activate(self) -> PrimaryContext:
-        """This engine's context, for a driver call made in it (ValueError once closed).
-        PrimaryContext.call makes it current for that call alone."""
-        if self._freed:
-            raise ValueError("Engine is closed")
-        return self.ctx
-
-    # -- lifetime -------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish queued work and release the stream (an owned one); buffers still alive keep
-        the context. Never raises: after a fault, or if the last work fails, it logs and
-        releases what it can."""
-        if self._freed:
-            return
-        if self.ctx.fault is None:
-            try:
-                self.synchronize()
-            except Exception as exc:  # noqa: BLE001 - close() is cleanup: report, go on
-                log.warning("memra_cuda: closing %r: %s", self, exc)
-        super().free()
+        super().close()
         self._modules.clear()
-
-    def free(self) -> None:
-        self.close()
 
     def __enter__(self) -> Engine:
         return self
 
-    # -- buffers ----------------------------------------------------------------------------
-    def check_owns(self, buf: DeviceBuffer, what: str = "buffer") -> None:
-        """ValueError unless work on `buf` may be queued on this engine's stream: the buffer
-        is this engine's, or foreign memory on this device."""
-        if buf.engine is not None and buf.engine is not self:
-            raise ValueError(f"{what} {buf!r} belongs to {buf.engine!r}, not {self!r}: its work is ordered "
-                             "by that engine's stream")
-        if buf.device is not None and buf.device != self.device:
-            raise ValueError(f"{what} {buf!r} is memory of device {buf.device}, not of {self!r}")
+    def __getattr__(self, name: str) -> Any:
+        if name in _TYPED:
+            verb, dtype = _TYPED[name]
+            warnings.warn(f"Engine.{name} is deprecated: use Engine.{verb}(..., {np.dtype(dtype).name})",
+                          DeprecationWarning, stacklevel=2)
+            method = getattr(self, verb)
+            return functools.partial(method, dtype) if verb == "zeros" else _with_dtype(method, dtype)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    # -- buffers ----------------------------------------------------------------------------
     def buffer(self, obj: Any, what: str = "buffer") -> DeviceBuffer:
         """`obj` (a DeviceBuffer or a __cuda_array_interface__ object) as a buffer this engine
         may use, refusing memory of another engine or device."""
@@ -134,11 +69,9 @@ class Engine(Handle):
             self.memset(buf, 0)
         return buf
 
-    def alloc_u32_zeroed(self, length: int, *, label: str | None = None) -> DeviceBuffer:
-        return self.alloc(np.uint32, length, zeroed=True, label=label)
-
-    def alloc_i32_zeroed(self, length: int, *, label: str | None = None) -> DeviceBuffer:
-        return self.alloc(np.int32, length, zeroed=True, label=label)
+    def zeros(self, dtype: Any, length: int, *, label: str | None = None) -> DeviceBuffer:
+        """A new buffer of `length` zeros."""
+        return self.alloc(dtype, length, zeroed=True, label=label)
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory."""
@@ -148,11 +81,6 @@ class Engine(Handle):
     def pinned(self, dtype: Any, length: int, *, label: str | None = None) -> PinnedBuffer:
         return PinnedBuffer(self, dtype, length, label=label)
 
-    def _uses(self, *handles: Handle) -> None:
-        """Queued work names `handles`: a graph being captured must hold them."""
-        if self.capturing_graph is not None:
-            self.capturing_graph.hold(*handles)
-
     # -- host to device -------------------------------------------------------------------
     def htod(self, values: Any, dtype: Any = None, *, label: str | None = None) -> DeviceBuffer:
         """A new device buffer holding `values` (queued on the stream)."""
@@ -160,15 +88,6 @@ class Engine(Handle):
         buf = self.alloc(host.dtype, host.size, label=label)
         self.copy_htod(buf, host)
         return buf
-
-    def htod_u32(self, values: Any) -> DeviceBuffer:
-        return self.htod(values, np.uint32)
-
-    def htod_i32(self, values: Any) -> DeviceBuffer:
-        return self.htod(values, np.int32)
-
-    def htod_u64(self, values: Any) -> DeviceBuffer:
-        return self.htod(values, np.uint64)
 
     def copy_htod(self, dst: Any, values: Any, start: int = 0) -> None:
         """Write `values` into dst[start:start+len(values)], converted to dst's dtype.
@@ -182,7 +101,7 @@ class Engine(Handle):
         if not 0 <= start or start + host.size > dst.len:
             raise ValueError(f"writing {host.size} elements at {start} overruns a buffer of {dst.len}")
         if host.size:
-            self._no_capture("copy_htod", "reads pageable host memory, which a graph would read again at "
+            self.no_capture("copy_htod", "reads pageable host memory, which a graph would read again at "
                                           "every replay after it is gone")
             offset = start * dst.dtype.itemsize
             self.ctx.call("cuMemcpyHtoDAsync", dst.ptr + offset, host, host.nbytes, self.stream)
@@ -191,20 +110,23 @@ class Engine(Handle):
         """Set the 32-bit word at `index`, and with `every` > 0 each `every`-th word after it
         (one column of a row-major table: every ring count of a batch), as one memset (a memset
         node when captured)."""
+        self.prepare_set_u32(buf, index, value, every=every)()
+
+    def prepare_set_u32(self, buf: Any, index: int, value: int, *, every: int = 0) -> Prepared:
+        """set_u32, checked once, to issue again and again (see Prepared)."""
         buf = self.buffer(buf)
         if buf.dtype.itemsize != 4:
             raise ValueError(f"set_u32 needs a 32-bit buffer, not {buf.dtype.name}")
         index, every = as_index(index, "index"), as_index(every, "every")
         if not 0 <= index < buf.len or every < 0:
             raise ValueError(f"index {index} (every {every}) is outside a buffer of {buf.len}")
-        value = exact_int(value, buf.dtype if buf.dtype.kind in "iu" else np.uint32)
-        ptr, ctx = buf.ptr + 4 * index, self.activate()
+        bits = exact_int(value, buf.dtype if buf.dtype.kind in "iu" else np.uint32) & 0xFFFFFFFF
+        ptr, drv = buf.ptr + 4 * index, driver()
         if every:
             words = (buf.len - index + every - 1) // every
-            ctx.call("cuMemsetD2D32Async", ptr, 4 * every, value & 0xFFFFFFFF, 1, words, self.stream)
-        else:
-            ctx.call("cuMemsetD32Async", ptr, value & 0xFFFFFFFF, 1, self.stream)
-        self._uses(buf)
+            return Prepared(self, drv.cuMemsetD2D32Async, "cuMemsetD2D32Async",
+                            (ptr, 4 * every, bits, 1, words, self.stream), (buf,))
+        return Prepared(self, drv.cuMemsetD32Async, "cuMemsetD32Async", (ptr, bits, 1, self.stream), (buf,))
 
     def memset(self, buf: Any, value: int) -> None:
         """Fill an integer buffer of 8-, 16- or 32-bit elements with `value` (any buffer with 0)."""
@@ -254,79 +176,54 @@ class Engine(Handle):
         ptr = buf.ptr
         if dtype is not None and np.dtype(dtype).itemsize != buf.dtype.itemsize:
             raise ValueError(f"cannot read {buf!r} as {np.dtype(dtype).name}")
-        self._no_capture("dtoh", "waits for the GPU")
+        self.no_capture("dtoh", "waits for the GPU")
         out = np.empty(buf.len, buf.dtype)
         self.ctx.call("cuMemcpyDtoHAsync", out, ptr, buf.nbytes, self.stream)
-        self.ctx.call("cuStreamSynchronize", self.stream)
+        self._wait_host()
         self.readbacks += 1
         return out if dtype is None else out.view(dtype)
 
-    def dtoh_u32(self, buf: Any) -> np.ndarray:
-        return self.dtoh(buf, np.uint32)
-
-    def dtoh_i32(self, buf: Any) -> np.ndarray:
-        return self.dtoh(buf, np.int32)
-
-    def dtoh_u64(self, buf: Any) -> np.ndarray:
-        return self.dtoh(buf, np.uint64)
-
     def copy_dtoh_async(self, dst: PinnedBuffer, src: Any, start: int = 0) -> None:
         """Queue src → dst[start:] without waiting (capturable); finish_readback() waits."""
+        self.prepare_dtoh(dst, src, start)()
+
+    def prepare_dtoh(self, dst: PinnedBuffer, src: Any, start: int = 0) -> Prepared:
+        """copy_dtoh_async, checked once, to issue again and again (see Prepared): the one
+        readback copy of every burst."""
         src = self.buffer(src, "src")
         if not isinstance(dst, PinnedBuffer) or dst.engine is not self:
             raise ValueError(f"dst must be pinned memory of {self!r}, not {dst!r}")
         start = as_index(start, "start")
         if src.dtype.itemsize != dst.dtype.itemsize or start < 0 or start + src.len > dst.len:
             raise ValueError(f"{src!r} does not fit pinned {dst.dtype.name}[{dst.len}] at {start}")
-        self.activate().call("cuMemcpyDtoHAsync", dst.ptr + start * dst.dtype.itemsize, src.ptr, src.nbytes,
-                             self.stream)
-        self._uses(dst, src)
+        argv = (dst.ptr + start * dst.dtype.itemsize, src.ptr, src.nbytes, self.stream)
+        return Prepared(self, driver().cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync", argv, (dst, src))
 
     def finish_readback(self, event: Event | None = None) -> None:
         """Wait for queued copies into pinned memory: one readback, however many copies.
 
         With `event` (recorded after the copies) only that far: work queued behind it runs on.
+        A wait inside a capture is a CaptureError (memra's capture is refused here; a
+        framework's, by the driver, whose refusal is reported as such).
         """
-        self._no_capture("finish_readback", "waits for the GPU")
+        if self.capture_hold is not None:
+            raise CaptureError("finish_readback waits for the GPU: it cannot happen inside a graph capture")
         if event is None:
-            self.ctx.call("cuStreamSynchronize", self.stream)
+            self._wait_host()
         else:
             event.synchronize()
         self.readbacks += 1
-
-    def synchronize(self) -> None:
-        self._no_capture("synchronize", "waits for the GPU")
-        self.ctx.call("cuStreamSynchronize", self.stream)
-        self.syncs += 1
 
     # -- ordering against other streams ----------------------------------------------------
     def wait(self, other: Any) -> None:
         """Order this engine's stream after `other` without the host: after an Event's last
         record(), or after everything queued so far on another stream (a handle, a CUstream
-        or an object with `cuda_stream`)."""
-        ctx = self.activate()
+        or an object with `cuda_stream`; see Stream.wait_stream)."""
         if isinstance(other, Event):
             other._usable()
-            ctx.call("cuStreamWaitEvent", self.stream, other.handle, 0)
-            return
-        stream = as_stream(other)
-        if _same_stream(int(stream), self.stream_handle):
-            return
-        if self._join is None:
-            self._join = Event(self, timing=False)
-        ctx.call("cuEventRecord", self._join.handle, stream)
-        ctx.call("cuStreamWaitEvent", self.stream, self._join.handle, 0)
-
-    @property
-    def capturing(self) -> bool:
-        """Whether the stream is being captured into a graph (host waits are illegal then)."""
-        status = self.activate().call("cuStreamIsCapturing", self.stream)
-        return status != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
-
-    def _no_capture(self, what: str, why: str) -> None:
-        """Refuse work a graph cannot hold during capture (also makes the context current)."""
-        if self.capturing:
-            raise CaptureError(f"{what} {why}: it cannot happen inside a graph capture")
+            self.activate().call("cuStreamWaitEvent", self.stream, other.handle, 0)
+        else:
+            self.wait_stream(other)
 
     # -- modules --------------------------------------------------------------------------
     def load_ptx(self, name: str) -> Module:
@@ -336,22 +233,8 @@ class Engine(Handle):
             module = self._modules[name] = Module(self, packaged_ptx(name))
         return module
 
-    def __repr__(self) -> str:
-        return f"Engine(device={self.device}{', closed' if self.closed else ''})"
 
 
-def as_stream(stream: Any) -> Any:
-    """A CUstream from an int handle, a CUstream, or an object with `cuda_stream` (PyTorch)."""
-    drv = driver()
-    if isinstance(stream, drv.CUstream):
-        return stream
-    handle = getattr(stream, "cuda_stream", stream)
-    try:
-        return drv.CUstream(as_index(handle, "stream"))
-    except TypeError:
-        raise TypeError(f"a stream must be an int handle, a CUstream or have `cuda_stream`, not {stream!r}") from None
-
-
-def _same_stream(a: int, b: int) -> bool:
-    """0 and 1 both name the legacy default stream."""
-    return (a or 1) == (b or 1)
+def _with_dtype(method: Any, dtype: Any) -> Any:
+    """`method(x)` as `method(x, dtype)`: a deprecated typed copy in terms of the generic one."""
+    return lambda values: method(values, dtype)

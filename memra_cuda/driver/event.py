@@ -7,7 +7,7 @@ from .errors import driver
 from .handle import Handle
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .stream import Stream
 
 
 class Event(Handle):
@@ -19,7 +19,7 @@ class Event(Handle):
     every use after free is refused here.
     """
 
-    def __init__(self, engine: Engine, *, timing: bool = True):
+    def __init__(self, engine: Stream, *, timing: bool = True):
         self.engine = engine
         ctx = engine.activate()
         flags = 0 if timing else int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING)

@@ -1,23 +1,25 @@
 """Stream capture into an executable CUDA graph, owned like a buffer."""
 from __future__ import annotations
 
+import contextlib
 import gc
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from .errors import CaptureError, driver
 from .handle import Handle
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .stream import Stream
 
 # capture(engine, issue) -> (executable graph, owner): runs issue() while engine.stream is being
 # captured and returns the instantiated graph. With owner None the Graph destroys the
 # executable itself; otherwise `owner` (a framework's graph object, say) destroys it, and the
 # Graph keeps the owner alive for as long as it may replay.
-Capture = Callable[["Engine", Callable[[], None]], "tuple[Any, Any]"]
+Capture = Callable[["Stream", Callable[[], None]], "tuple[Any, Any]"]
 
 
-def stream_capture(engine: Engine, issue: Callable[[], None]) -> tuple[Any, None]:
+def stream_capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, None]:
     """The driver's own capture: cuStreamBeginCapture (this thread only) → issue → instantiate."""
     drv = driver()
     ctx = engine.activate()
@@ -58,26 +60,25 @@ class Graph(Handle):
     error that invalidates the capture. What it would have freed is freed after.
     """
 
-    def __init__(self, engine: Engine, issue: Callable[[], None], *, capture: Capture | None = None,
-                 joined: Sequence[Engine] = ()):
+    def __init__(self, engine: Stream, issue: Callable[[], None], *, capture: Capture | None = None,
+                 joined: Sequence[Stream] = ()):
         self.engine = engine
         self._held: dict[int, Handle] = {}
         self._owner: Any = None
         ctx = engine.activate()
         engines = [engine, *(e for e in joined if e is not engine)]
-        if any(e.capturing_graph is not None for e in engines):
+        if any(e.capture_hold is not None for e in engines):
             raise CaptureError("a graph is already being captured on one of these engines' streams")
         for e in engines:
-            e.capturing_graph = self
-        collecting = gc.isenabled()
-        gc.disable()
+            e.capture_hold = self.hold
         try:
-            self.handle, self._owner = (capture or stream_capture)(engine, issue)
+            with _collector_held():
+                self.handle, self._owner = (capture or stream_capture)(engine, issue)
         finally:
-            if collecting:
-                gc.enable()
             for e in engines:
-                e.capturing_graph = None
+                e.capture_hold = None
+        self._launch, self._argv = driver().cuGraphLaunch, (self.handle, engine.stream)
+        engine.depend(self)  # a closed engine's stream may be reused: the graph refuses then
         if self._owner is None:
             self._own(ctx, "cuGraphExecDestroy", self.handle)
 
@@ -90,9 +91,10 @@ class Graph(Handle):
                 handle.depend(self)
 
     def launch(self) -> None:
+        """Replay on the engine's stream: what was checked at capture is not checked again."""
         if self._refusal is not None:
             raise ValueError(self._refusal)
-        self.engine.activate().call("cuGraphLaunch", self.handle, self.engine.stream)
+        self.engine.ctx.run(self._launch, "cuGraphLaunch", self._argv)
 
     def free(self) -> None:
         super().free()
@@ -101,3 +103,28 @@ class Graph(Handle):
 
     def __repr__(self) -> str:
         return f"Graph({len(self._held)} handles held{', freed' if self.freed else ''})"
+
+
+_captures = 0  # captures in progress, in any thread
+_captures_lock = threading.Lock()
+_collector_was_on = False
+
+
+@contextlib.contextmanager
+def _collector_held() -> Iterator[None]:
+    """Python's garbage collector off while any thread captures: the first capture to begin
+    turns it off, the last to end restores it (a process-wide switch, so a per-capture
+    save-and-restore would let one thread turn it back on under another's capture)."""
+    global _captures, _collector_was_on
+    with _captures_lock:
+        if _captures == 0:
+            _collector_was_on = gc.isenabled()
+            gc.disable()
+        _captures += 1
+    try:
+        yield
+    finally:
+        with _captures_lock:
+            _captures -= 1
+            if _captures == 0 and _collector_was_on:
+                gc.enable()

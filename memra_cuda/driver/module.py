@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .buffer import DeviceBuffer, as_buffer, exact_int
+from .buffer import DeviceBuffer, as_buffer
+from .call import Prepared
 from .errors import CudaError, driver
 from .handle import Handle
+from .values import exact_int
 
 if TYPE_CHECKING:
     from .context import PrimaryContext
-    from .engine import Engine
+    from .stream import Stream
 
 _PTX_DIRS = (Path(__file__).parent.parent / "ptx", Path(__file__).parent.parent.parent / "ptx")
 
@@ -53,7 +55,7 @@ class KernelArgs:
     belongs to another engine is refused: its work is ordered by another stream.
     """
 
-    def __init__(self, types: Sequence[str], engine: Engine | None = None):
+    def __init__(self, types: Sequence[str], engine: Stream | None = None):
         unknown = [t for t in types if t not in ARG_TYPES]
         if unknown:
             raise ValueError(f"unknown argument type(s) {unknown}; use one of {sorted(ARG_TYPES)}")
@@ -113,7 +115,7 @@ class KernelArgs:
             raise ValueError(f"argument {i} ({kind}): {exc}") from exc
 
 
-class Launch(Handle):
+class Launch(Prepared):
     """A kernel bound to a grid, a block, the engine's stream and reusable argument storage.
 
     It holds the buffers its arguments name; if one of them is freed explicitly, the launch
@@ -121,7 +123,7 @@ class Launch(Handle):
     again; if the module is unloaded or the engine closed (its stream destroyed), for good.
     Until the first set() it refuses too: a kernel with zeroed pointer arguments would fault.
     A Graph that captures the launch holds the buffers of that moment, so re-binding the
-    launch later cannot strand the graph. All of it is one attribute test per launch.
+    launch later cannot strand the graph.
     """
 
     def __init__(self, kernel: Kernel, types: Sequence[str], grid: int | Sequence[int],
@@ -130,42 +132,20 @@ class Launch(Handle):
         module._usable()
         engine = module.engine
         self.kernel = kernel
-        self.engine = engine
         self.args = KernelArgs(types, engine)
         kernel.check_signature(self.args.types)
+        argv = (kernel.handle, *_dim3(grid, "grid"), *_dim3(block, "block"), int(shared), engine.stream,
+                self.args.pointer, 0)
+        super().__init__(engine, driver().cuLaunchKernel, f"cuLaunchKernel({kernel.name})", argv, (module,))
         if self.args.types:
             self._refusal = f"{kernel.name} has no arguments yet: call set(...) before launching it"
-        self._push = engine.activate().push
-        self._pop = driver().cuCtxPopCurrent
-        self._launch = driver().cuLaunchKernel
-        self._argv = (kernel.handle, *_dim3(grid, "grid"), *_dim3(block, "block"), int(shared),
-                      engine.stream, self.args.pointer, 0)
-        module.depend(self)
-        engine.depend(self)
 
     def set(self, *values: Any) -> Launch:
         self.args.set(*values)
-        for buf in self.args.buffers:
-            if buf is not None:
-                buf.depend(self)
+        self._bind((self.kernel.module, *self.args.buffers))
         if not (self.kernel.module.freed or self.engine.closed):
             self._refusal = None
         return self
-
-    def __call__(self, *values: Any) -> None:
-        """Launch on the engine's stream, first storing `values` if any are given."""
-        if values:
-            self.set(*values)
-        if self._refusal is not None:
-            raise ValueError(self._refusal)
-        pushed = self._push()
-        (err,) = self._launch(*self._argv)
-        if pushed:
-            self._pop()
-        if err:
-            raise self.engine.ctx.failure(err, f"cuLaunchKernel({self.kernel.name})")
-        if self.engine.capturing_graph is not None:
-            self.engine.capturing_graph.hold(self.kernel.module, *self.args.buffers)
 
     def _poison(self, source: Handle, reason: str) -> None:
         if source in (self.kernel.module, self.engine) or any(b is not None and b.names(source)
@@ -236,7 +216,7 @@ class Module(Handle):
     module refuse to run.
     """
 
-    def __init__(self, engine: Engine, ptx: str | bytes):
+    def __init__(self, engine: Stream, ptx: str | bytes):
         image = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
         image = image[:-1] if image.endswith(b"\0") else image
         if b"\0" in image:

@@ -1,4 +1,4 @@
-"""The toy model as two pipeline stages on two engines (DESIGN.md, "Pipeline stages on several
+"""The toy model as two pipeline stages on two engines (docs/pipeline.md, "Pipeline stages on several
 GPUs").
 
 Stage 0 holds the target layers [0, split) and the draft; stage 1 holds [split, L) and runs
@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
+from ..acceptance import Greedy
 from ..bufs import StreamBufs
 from ..driver.event import Event
 from ..kernels import SpecKernels
-from ..stream import RoundStream, chain
+from ..stream import RoundStream, Stages, chain
 from ..tables import Cache, kv_len_ptr_table_range
 from .toy import ToyCost, ToyLM, ToyModel
 
@@ -62,10 +65,10 @@ class ToyPipeline:
         back), with stage 0's work forked off and joined back by events in every round."""
         (e0, e1), (s0, s1), (b0, b1) = self.engines, self.stages, self.bufs
         batch, k = b1.batch, b1.k
-        drafts = [e.alloc_u32_zeroed(batch * max(k, 1), label=f"draft_d stage {i}") for i, e in enumerate(self.engines)]
-        partials = [e.alloc_u32_zeroed(batch * (k + 1), label=f"partial sums stage {i}")
+        drafts = [e.zeros(np.uint32, batch * max(k, 1), label=f"draft_d stage {i}") for i, e in enumerate(self.engines)]
+        partials = [e.zeros(np.uint32, batch * (k + 1), label=f"partial sums stage {i}")
                     for i, e in enumerate(self.engines)]
-        pred_d = e1.alloc_u32_zeroed(batch * (k + 1), label="pred_d")
+        pred_d = e1.zeros(np.uint32, batch * (k + 1), label="pred_d")
         fork, forward, back, join = Event(e1, timing=False), Event(e0, timing=False), Event(e1, timing=False), \
             Event(e0, timing=False)
         stage0 = chain([*s0.draft_steps(b0, drafts[0]), self.spec[0].prepare_assemble_verify(b0, drafts[0]),
@@ -94,5 +97,6 @@ class ToyPipeline:
 
         return RoundStream(self.spec[1], b1, draft_chain=draft_chain,
                            verify_trunk=chain(s1.verify_steps(b1, pred_d, partial_in=partials[1])),
-                           draft_d=drafts[1], pred_d=pred_d, rollback_tables=[table1], round_tail=round_tail,
-                           stages=[e0], capacity=self.cache.capacity, pace=any(s.cost.paced for s in self.stages))
+                           draft_d=drafts[1], acceptance=Greedy(pred_d), rollback_tables=[table1],
+                           stages=Stages([e0], round_tail, self.cache.capacity),
+                           pace=any(s.cost.paced for s in self.stages))

@@ -1,9 +1,9 @@
 """The toy language model: its definition in numpy, and the same model on the GPU.
 
 A deterministic model whose next token depends on every KV entry, so a wrong rollback or a
-wrong position changes the output (DESIGN.md, "Toy language model"). The numpy half is the
-oracle: `target_greedy` is what any correct speculative decoder must reproduce, and
-`speculative_generate` runs the round-stream loop on numpy buffers through `reference.py`.
+wrong position changes the output (docs/toy-model.md, "Definition"). The numpy half is the
+oracle: `target_greedy` is what any correct speculative decoder must reproduce (toy_reference.py runs
+the whole round-stream loop on numpy buffers, for the tests).
 `ToyLM` is the same model as ptx/toy_lm.cu kernels, wired to a RoundStream.
 """
 from __future__ import annotations
@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .. import reference as ref
+from ..acceptance import Greedy, Sampling
 from ..kernels import batch_rows
-from ..sampling import Sampling
-from ..stream import RoundStream, chain, kv_capacity
+from ..stream import RoundStream, chain
 from ..tables import Cache, PointerTable, kv_len_ptr_table
 
 if TYPE_CHECKING:
@@ -137,99 +136,6 @@ def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
     return out
 
 
-class NumpyRoundStream:
-    """Round-stream on numpy buffers: the toy's draft and verify, and reference.py for the rest.
-
-    Same buffers, same round order, same clamps as on the GPU; the draft's KV stores
-    E(t, j) and it recomputes the target's sums from them, as toy_lm.cu does.
-    """
-
-    def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int):
-        self.model, self.k, self.m, self.capacity = model, k, m_rounds, capacity
-        self.ring_cap = m_rounds * (k + 1)
-        u32 = lambda n: np.zeros(n, np.uint32)  # noqa: E731
-        self.vtok, self.brk, self.pend, self.last_pred = u32(k + 1), u32(2), u32(1), u32(1)
-        self.ring, self.acc, self.draft, self.pred = u32(self.ring_cap + 1), u32(2), u32(max(k, 1)), u32(k + 1)
-        self.pos_ctr, self.pos_start = np.zeros(1, np.int32), np.zeros(1, np.int32)
-        self.ctl = np.array([-1, -1, 0, 0], np.int32)
-        self.tgt = [np.zeros(capacity, np.uint32) if kv else None for kv in model.kv_mask]
-        self.tgt_len = [np.zeros(1, np.int32) if kv else None for kv in model.kv_mask]
-        self.draft_kv, self.draft_len = np.zeros(capacity, np.uint32), np.zeros(1, np.int32)
-        self.rounds = 0
-
-    def prefill(self, prompt: Sequence[int]) -> int:
-        n = len(prompt) - 1
-        for j, token in enumerate(prompt[:-1]):
-            e = self.model.embed(token, j)
-            self.draft_kv[j] = e
-            for layer, data in enumerate(self.tgt):
-                if data is not None:
-                    data[j] = fmix(e ^ salt(layer))
-        for length in [*self.tgt_len, self.draft_len, self.pos_ctr]:
-            if length is not None:
-                length[0] = n
-        self.pend[0] = prompt[-1]
-        return n
-
-    def draft_step(self, step: int) -> None:
-        model, p = self.model, int(self.pos_ctr[0]) + step
-        t = int(self.pend[0] if step == 0 else self.draft[step - 1])
-        if step < self.k:
-            history = sum(int(fmix_array(self.draft_kv[:p] ^ np.uint32(salt(layer))).sum(dtype=np.uint64))
-                          for layer, kv in enumerate(model.kv_mask) if kv)
-            pred = model.predict(history & M32, t, p)
-            self.draft[step] = (pred + 1) % model.vocab if model.draft_noisy(p) else pred
-            if model.draft_breaks(p) and self.brk[0] == 0:
-                self.brk[0] = step + 1
-        self.draft_kv[p] = model.embed(t, p)
-        self.draft_len[0] = p + 1
-
-    def verify(self) -> None:
-        model, pos = self.model, int(self.pos_start[0])
-        history = sum(int(data[:pos].sum(dtype=np.uint64)) for data in self.tgt if data is not None) & M32
-        for i, t in enumerate(int(x) for x in self.vtok):
-            self.pred[i] = model.predict(history, t, pos + i)
-            history = (history + model.kv_entries(t, pos + i)) & M32
-            e = model.embed(t, pos + i)
-            for layer, data in enumerate(self.tgt):
-                if data is not None:
-                    data[pos + i] = fmix(e ^ salt(layer))
-        for length in self.tgt_len:
-            if length is not None:
-                length[0] = pos + self.k + 1
-
-    def round(self) -> None:
-        for step in range(self.k + 1):
-            self.draft_step(step)
-        ref.spec_assemble_verify(self.pend, self.draft, self.k, self.vtok, self.pos_ctr, self.pos_start)
-        self.verify()
-        ref.spec_accept_greedy_dc(self.vtok, self.pred, self.k, self.brk, self.acc, self.last_pred, self.ctl)
-        ref.spec_ring_commit(self.vtok, self.acc, self.last_pred, self.ctl, self.pend, self.ring,
-                             self.ring_cap, self.k)
-        ref.spec_rollback_stream([*self.tgt_len, self.draft_len, self.pos_ctr], self.pos_start, self.ctl)
-        self.rounds += 1
-
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
-        pos = self.prefill(prompt)
-        self.ctl[:] = [-1 if eos is None else eos, max_new_tokens, 0, 0]
-        out: list[int] = []
-        while not self.ctl[ref.DONE]:
-            if pos + len(out) + self.ring_cap > self.capacity:
-                raise ValueError("numpy round stream: cache too small for the next burst")
-            for _ in range(self.m):
-                self.round()
-            out += [int(t) for t in self.ring[1:1 + int(self.ring[0])]]
-            self.ring[0] = 0
-        return out
-
-
-def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new_tokens: int,
-                         eos: int | None = None, m_rounds: int = 4) -> list[int]:
-    """The whole speculative loop in numpy (see NumpyRoundStream)."""
-    capacity = kv_capacity(len(prompt), max_new_tokens, k, m_rounds)
-    return NumpyRoundStream(model, k, m_rounds, capacity).generate(prompt, max_new_tokens, eos)
-
-
 @dataclass(frozen=True)
 class ToySampling:
     """The toy's sampling mode (toy_lm.cu, "Sampling mode"): at each position the target's
@@ -319,9 +225,9 @@ class ToyLM:
         if weights is None and weight_bytes:
             weights = engine.alloc(np.uint8, weight_bytes, zeroed=True, label="toy weights")
         self.weights_d = weights
-        self.sink_d = engine.alloc_u32_zeroed(1, label="toy sink")
+        self.sink_d = engine.zeros(np.uint32, 1, label="toy sink")
         # The prompt's home on the device: it outlives the prefill kernel that reads it.
-        self.prompt_d = engine.alloc_u32_zeroed(self.capacity, label="toy prompt")
+        self.prompt_d = engine.zeros(np.uint32, self.capacity, label="toy prompt")
         self.sampling = sampling
         self.seed_d = engine.alloc(np.uint64, self.batch, zeroed=True, label="request seeds") if sampling else None
 
@@ -383,7 +289,7 @@ class ToyLM:
         m, draft, engine = self.model, self.draft.kv[0], self.engine
         kernel = self.module.kernel("toy_draft_step")
         types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7, "ptr"]
-        state_d = engine.alloc_u32_zeroed(self.batch, label="draft states") if q_d is not None else None
+        state_d = engine.zeros(np.uint32, self.batch, label="draft states") if q_d is not None else None
         steps, reads = [], self._weight_reads(self.cost.draft_bytes)
         for step in range(bufs.k + 1):
             steps += reads
@@ -432,12 +338,12 @@ class ToyLM:
             raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
         self._check_batch(bufs)
         engine = self.engine
-        draft_d = engine.alloc_u32_zeroed(bufs.batch * max(bufs.k, 1), label="draft_d")
+        draft_d = engine.zeros(np.uint32, bufs.batch * max(bufs.k, 1), label="draft_d")
         table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)
         if self.sampling is None:
-            pred_d = engine.alloc_u32_zeroed(bufs.batch * (bufs.k + 1), label="pred_d")
+            pred_d = engine.zeros(np.uint32, bufs.batch * (bufs.k + 1), label="pred_d")
             return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d)),
-                               verify_trunk=chain(self.verify_steps(bufs, pred_d)), draft_d=draft_d, pred_d=pred_d,
+                               verify_trunk=chain(self.verify_steps(bufs, pred_d)), draft_d=draft_d, acceptance=Greedy(pred_d),
                                rollback_tables=[table], pace=self.cost.paced)
         vocab, rows = self.model.vocab, bufs.batch * (bufs.k + 1)
         if rows > 65535:
@@ -445,11 +351,11 @@ class ToyLM:
                              "at most 65535")
         q_d = engine.alloc(np.float32, bufs.batch * max(bufs.k, 1) * vocab, zeroed=True, label="q_d")
         p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="p_d")
-        totals_d = engine.alloc_u32_zeroed(rows, label="verify sums")
+        totals_d = engine.zeros(np.uint32, rows, label="verify sums")
         probs = self.module.kernel("toy_probs").prepare(
             ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows), block=256).set(
             totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
         return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d, q_d)),
                            verify_trunk=chain([*self.verify_steps(bufs, None, partial_out=totals_d), probs]),
-                           draft_d=draft_d, sampling=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table],
+                           draft_d=draft_d, acceptance=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table],
                            pace=self.cost.paced)

@@ -1,0 +1,46 @@
+"""The acceptance rule of a round, as one object a RoundStream is given.
+
+Greedy acceptance keeps the drafts the target's own argmax agrees with; stochastic acceptance
+keeps each draft with probability min(1, p/q) and samples the token after the last kept one
+from the residual, so the committed tokens are distributed exactly as the target's sampling
+(docs/sampling.md). Each rule names the buffers the model writes every round and knows which
+kernel judges them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    from .bufs import StreamBufs
+    from .driver.module import Launch
+    from .kernels import SpecKernels
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """Accept the longest prefix of drafts equal to the target's predictions: `pred_d`, the
+    verify's next-token ids at the k+1 positions ([B][k+1], 32- or 64-bit integers)."""
+
+    pred_d: Any
+
+    def prepare(self, spec: SpecKernels, bufs: StreamBufs) -> Launch:
+        return spec.prepare_accept_greedy(bufs, self.pred_d)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Accept stochastically: `p_d` the target's probabilities at the k+1 verify positions
+    (f32 [B][k+1][vocab]), `q_d` the draft's at its k positions (f32 [B][max(k,1)][vocab]),
+    `seed_d` each request's seed (u64 or i64 [B]), `vocab` the vocabulary size."""
+
+    p_d: Any
+    q_d: Any
+    seed_d: Any
+    vocab: int
+
+    def prepare(self, spec: SpecKernels, bufs: StreamBufs) -> Launch:
+        return spec.prepare_accept_sample(bufs, self.p_d, self.q_d, self.seed_d, self.vocab)
+
+
+Acceptance = Union[Greedy, Sampling]

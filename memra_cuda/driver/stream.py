@@ -1,0 +1,189 @@
+"""Stream: one device's primary context and one CUDA stream, the ground every buffer, module,
+launch, event and graph stands on (an Engine is a Stream with copies and modules on top).
+
+Stream order is the only ordering round-stream relies on, so everything queued here goes onto
+this one stream. The stream is the Stream's own (non-blocking, destroyed once) or borrowed
+from an embedding framework (`stream=`: an int handle, a CUstream, or an object with
+`cuda_stream` such as a torch.cuda.Stream); a borrowed one is never destroyed here, and the
+object it came from is kept alive with it, so the handle cannot be recycled under us.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from .context import PrimaryContext
+from .errors import CaptureError, CudaError, driver
+from .handle import Handle
+from .values import as_index
+
+log = logging.getLogger("memra_cuda")
+
+# Errors with which the driver refuses a host wait inside a capture: synchronize() reports them
+# as CaptureError (checked on failure, so a wait costs nothing more than the wait).
+_CAPTURE_ERRORS = frozenset({"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+                             "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT", "CUDA_ERROR_CAPTURED_EVENT"})
+
+
+class Stream(Handle):
+    """A context and a stream to queue work on; the counters prove how often the host waited.
+
+    `readbacks` counts device-to-host transfers the host waited for and `syncs` explicit
+    stream synchronisations, so "one readback per burst" can be asserted rather than believed.
+    `capture_hold` is set while a Graph captures this stream: whatever queues work naming a
+    handle passes it there, so the graph holds the memory its nodes address.
+
+    Thread safety: a Stream may be shared between threads for allocation, copies and frees
+    (the counters are then approximate); the stream orders their work in the order the calls
+    reach the driver. A capture belongs to the thread that runs it: do not queue work on the
+    stream from other threads while a Graph is being captured.
+    """
+
+    def __init__(self, device: int = 0, stream: Any = None):
+        self.ctx = PrimaryContext.of(as_index(device, "device"))
+        self.ctx.adopt_thread()
+        self.readbacks = 0
+        self.syncs = 0
+        self.capture_hold: Callable[..., None] | None = None
+        self._stream_owner: Any = None
+        if stream is None:
+            flags = driver().CUstream_flags.CU_STREAM_NON_BLOCKING
+            self.stream = self.ctx.call("cuStreamCreate", flags)
+            self._own(self.ctx, "cuStreamDestroy", self.stream)
+        else:
+            self.stream = as_stream(stream)
+            self._check_stream_context()
+            if not isinstance(stream, (int, driver().CUstream)):
+                self._stream_owner = stream  # its owner destroys the stream when it goes
+        self.stream_handle = int(self.stream)
+        self._synchronize = driver().cuStreamSynchronize
+
+    def _check_stream_context(self) -> None:
+        if int(self.stream) in (0, 1, 2):  # the legacy and per-thread default streams: any context
+            return
+        owner = self.ctx.call("cuStreamGetCtx", self.stream)
+        if int(owner) != int(self.ctx.handle):
+            raise ValueError(f"stream {int(self.stream):#x} belongs to another context than device {self.device}'s")
+
+    @property
+    def device(self) -> int:
+        return self.ctx.device
+
+    @property
+    def borrowed(self) -> bool:
+        """Whether the stream belongs to someone else (and is never destroyed here)."""
+        return self._finalizer is None
+
+    @property
+    def multiprocessors(self) -> int:
+        """Streaming multiprocessors on the device: how wide a grid-wide kernel should be."""
+        attr = driver().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        return int(self.ctx.call("cuDeviceGetAttribute", attr, self.ctx.cu_device))
+
+    @property
+    def closed(self) -> bool:
+        return self._freed
+
+    def activate(self) -> PrimaryContext:
+        """This stream's context, for a driver call made in it (ValueError once closed).
+        PrimaryContext.call makes it current for that call alone."""
+        if self._freed:
+            raise ValueError(f"{self!r} is closed")
+        return self.ctx
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish queued work and release the stream (an owned one); buffers still alive keep
+        the context. Never raises: after a fault, or if the last work fails, it logs and
+        releases what it can."""
+        if self._freed:
+            return
+        if self.ctx.fault is None:
+            try:
+                self.synchronize()
+            except Exception as exc:  # noqa: BLE001 - close() is cleanup: report, go on
+                log.warning("memra_cuda: closing %r: %s", self, exc)
+        super().free()
+        self._stream_owner = None
+
+    def free(self) -> None:
+        self.close()
+
+    # -- what may be queued here ----------------------------------------------------------
+    def check_owns(self, buf: Any, what: str = "buffer") -> None:
+        """ValueError unless work on `buf` (a DeviceBuffer) may be queued on this stream: the
+        buffer is this stream's, or foreign memory on this device."""
+        if buf.engine is not None and buf.engine is not self:
+            raise ValueError(f"{what} {buf!r} belongs to {buf.engine!r}, not {self!r}: its work is ordered "
+                             "by that engine's stream")
+        if buf.device is not None and buf.device != self.device:
+            raise ValueError(f"{what} {buf!r} is memory of device {buf.device}, not of {self!r}")
+
+    def _uses(self, *handles: Handle) -> None:
+        """Queued work names `handles`: a graph being captured must hold them."""
+        if self.capture_hold is not None:
+            self.capture_hold(*handles)
+
+    @property
+    def capturing(self) -> bool:
+        """Whether the stream is being captured into a graph, by memra or anyone else."""
+        status = self.activate().call("cuStreamIsCapturing", self.stream)
+        return status != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+    def no_capture(self, what: str, why: str) -> None:
+        """CaptureError if the stream is being captured (by memra's Graph or a framework's):
+        for work a graph cannot hold, refused before anything is queued."""
+        if self.capture_hold is not None or self.capturing:
+            raise CaptureError(f"{what} {why}: it cannot happen inside a graph capture")
+
+    # -- waiting --------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait on the host until the stream has run everything queued so far."""
+        self._wait_host()
+        self.syncs += 1
+
+    def _wait_host(self) -> None:
+        if self._freed:
+            raise ValueError(f"{self!r} is closed")
+        try:
+            self.ctx.run(self._synchronize, "cuStreamSynchronize", (self.stream,))
+        except CudaError as exc:
+            if exc.name in _CAPTURE_ERRORS:
+                raise CaptureError("a host wait cannot happen inside a graph capture (the driver refused it and "
+                                   "invalidated the capture)") from exc
+            raise
+
+    def wait_stream(self, other: Any) -> None:
+        """Order this stream after everything queued so far on `other` (a handle, a CUstream or
+        an object with `cuda_stream`), without the host. Each call records its own event, so
+        waits from several threads never wait on each other's record."""
+        handle = as_stream(other)
+        if _same_stream(int(handle), self.stream_handle):
+            return
+        ctx = self.activate()
+        event = ctx.call("cuEventCreate", int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        try:
+            ctx.call("cuEventRecord", event, handle)
+            ctx.call("cuStreamWaitEvent", self.stream, event, 0)
+        finally:
+            ctx.call("cuEventDestroy", event)  # released once the wait is satisfied
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device}{', closed' if self.closed else ''})"
+
+
+def as_stream(stream: Any) -> Any:
+    """A CUstream from an int handle, a CUstream, or an object with `cuda_stream` (PyTorch)."""
+    drv = driver()
+    if isinstance(stream, drv.CUstream):
+        return stream
+    handle = getattr(stream, "cuda_stream", stream)
+    try:
+        return drv.CUstream(as_index(handle, "stream"))
+    except TypeError:
+        raise TypeError(f"a stream must be an int handle, a CUstream or have `cuda_stream`, not {stream!r}") from None
+
+
+def _same_stream(a: int, b: int) -> bool:
+    """0 and 1 both name the legacy default stream."""
+    return (a or 1) == (b or 1)

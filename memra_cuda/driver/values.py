@@ -1,0 +1,70 @@
+"""Host values checked before they reach the driver: element types device memory can hold, and
+integers and arrays converted exactly (a float, an out-of-range or a wrapped value is refused,
+never truncated), so a wrong argument is an exception here rather than a kernel reading past
+its buffer."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+
+def device_dtype(dtype: Any) -> np.dtype:
+    """`dtype` if device memory can hold it: bool, integers and floats of 1 to 8 bytes, in the
+    machine's byte order (objects, strings and complex numbers have no meaning there)."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"{dtype!r} is not a dtype") from exc
+    if dt.kind not in "biuf" or dt.itemsize not in (1, 2, 4, 8) or not dt.isnative:
+        raise ValueError(f"{dt} cannot be the element type of device memory: use a bool, an integer or a "
+                         "float of 1, 2, 4 or 8 bytes in native byte order")
+    return dt
+
+
+def short_name(dtype: np.dtype) -> str:
+    """u32, i64, f16, bool: how docs/README.md ("Notation") writes element types."""
+    return "bool" if dtype.kind == "b" else f"{dtype.kind}{8 * dtype.itemsize}"
+
+
+def exact_int(value: Any, dtype: Any) -> int:
+    """`value` as a Python int that `dtype` holds exactly: floats and out-of-range values are
+    refused instead of being truncated or wrapped (whatever numpy's casting rules)."""
+    dtype = np.dtype(dtype)
+    if isinstance(value, (float, np.floating)):
+        raise ValueError(f"{value!r} is not an integer ({dtype.name} expected)")
+    number = as_index(value, f"a {dtype.name} value")
+    info = np.iinfo(dtype)
+    if not info.min <= number <= info.max:
+        raise ValueError(f"{value!r} is outside the range of {dtype.name}")
+    return number
+
+
+def exact_array(values: Any, dtype: Any) -> np.ndarray:
+    """`values` as a flat `dtype` array, refusing any value the conversion would change and
+    anything that is not numbers (objects, strings, complex)."""
+    dtype = np.dtype(dtype)
+    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
+    if arr.dtype == dtype:
+        return arr.reshape(-1)
+    if arr.dtype.kind in "fO" and not isinstance(values, np.ndarray) and dtype.kind in "iu":
+        # Python ints past int64 arrive as float64 or objects: convert them one by one, exactly.
+        return np.array([exact_int(v, dtype) for v in np.array(values, dtype=object).reshape(-1)], dtype)
+    if arr.dtype.kind not in "biuf":
+        raise ValueError(f"{arr.dtype} values cannot be copied to device memory (numbers only)")
+    if dtype.kind not in "iu":
+        return arr.astype(dtype).reshape(-1)
+    if arr.dtype.kind == "f":
+        raise ValueError(f"{arr.dtype.name} values given for a {dtype.name} buffer")
+    for extreme in (arr.min(), arr.max()) if arr.size else ():
+        exact_int(int(extreme), dtype)
+    return arr.astype(dtype).reshape(-1)
+
+
+def as_index(value: Any, what: str) -> int:
+    """`value` as an int (ints and numpy integers, never floats), TypeError naming `what`."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {value!r}") from None

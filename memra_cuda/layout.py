@@ -1,0 +1,31 @@
+"""The row layouts of the round-stream buffers, the one Python statement of ptx/layout.cuh.
+
+The kernels and the host index the same words: StreamBufs writes the stop rule into ctl_d and
+reads done flags and rings back, the numpy reference (the tests' oracle) updates every row as a
+kernel does. Both sides take the word indices from here and ptx/layout.cuh, whose values
+tests/test_ptx.py checks against these, so they cannot drift apart; production code needs no
+import of the reference for them. Row b of a buffer of W words per row starts at word b * W. This
+module imports nothing from the package, so anything may import it.
+"""
+from __future__ import annotations
+
+# ctl_d, i32[B][CTL_WORDS]: the stop rule and the round's verdict.
+CTL_EOS = 0  # the EOS id, or negative for none
+CTL_BUDGET = 1  # tokens still to commit; negative: unlimited
+CTL_DONE = 2  # non-zero once the row stopped
+CTL_KEEP = 3  # KV entries of the round that survive it (rollback)
+CTL_WORDS = 4
+
+# brk_d, u32[B][BRK_WORDS]: the draft's p-min break (i + 1 at draft i, 0: none), and breaks counted.
+BRK_MARK = 0
+BRK_COUNT = 1
+BRK_WORDS = 2
+
+# acc_d, u32[B][ACC_WORDS]: the drafts accepted this round, and in total (wrapping).
+ACC_ROUND = 0
+ACC_TOTAL = 1
+ACC_WORDS = 2
+
+# ring_d, u32[B][RING_TOKENS + ring_cap]: the count of committed tokens, then the tokens.
+RING_COUNT = 0
+RING_TOKENS = 1

@@ -1,0 +1,26 @@
+// The row layouts of the round-stream buffers that Python reads and writes too: StreamBufs,
+// the numpy reference and the readback index them with memra_cuda/layout.py's names, which hold
+// these values (tests/test_ptx.py checks the two agree). Row b of a buffer of W words per row
+// starts at word b * W.
+#pragma once
+
+// ctl_d, i32[B][CTL_WORDS]: the stop rule and the round's verdict.
+#define CTL_EOS 0     // the EOS id, or negative for none
+#define CTL_BUDGET 1  // tokens still to commit; negative: unlimited
+#define CTL_DONE 2    // non-zero once the row stopped
+#define CTL_KEEP 3    // KV entries of the round that survive it (rollback)
+#define CTL_WORDS 4
+
+// brk_d, u32[B][BRK_WORDS]: the draft's p-min break (i + 1 at draft i, 0: none), and breaks counted.
+#define BRK_MARK 0
+#define BRK_COUNT 1
+#define BRK_WORDS 2
+
+// acc_d, u32[B][ACC_WORDS]: the drafts accepted this round, and in total (wrapping).
+#define ACC_ROUND 0
+#define ACC_TOTAL 1
+#define ACC_WORDS 2
+
+// ring_d, u32[B][RING_TOKENS + ring_cap]: the count of committed tokens, then the tokens.
+#define RING_COUNT 0
+#define RING_TOKENS 1

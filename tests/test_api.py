@@ -1,0 +1,48 @@
+"""The public surface that needs no GPU: modes as an enum that still takes the strings, and the
+deprecation path of the keywords and typed copies of the first releases."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import memra_cuda
+from memra_cuda import MODES, Greedy, Mode, Sampling, Stages
+from memra_cuda.stream import _deprecated_arguments, as_mode
+
+
+def test_modes_are_an_enum_that_takes_the_strings():
+    assert MODES == ("readback", "stream", "graph", "overlap")
+    for name in MODES:
+        assert as_mode(name) is Mode(name) and as_mode(Mode(name)) is Mode(name)
+        assert Mode(name) == name  # a Mode is the string it names
+    for bad in ("Graph", "", None, 3):
+        with pytest.raises(ValueError, match="mode must be one of"):
+            as_mode(bad)
+
+
+def test_the_first_releases_keywords_map_to_one_acceptance_rule_with_a_warning():
+    pred, sampling, tail = object(), Sampling(1, 2, 3, 4), lambda: None
+    with pytest.warns(DeprecationWarning, match="acceptance=Greedy"):
+        assert _deprecated_arguments(None, None, {"pred_d": pred}) == (Greedy(pred), Stages(()))
+    with pytest.warns(DeprecationWarning):
+        assert _deprecated_arguments(None, None, {"sampling": sampling})[0] is sampling
+    with pytest.warns(DeprecationWarning):
+        got = _deprecated_arguments(Greedy(pred), ["stage"], {"round_tail": tail, "capacity": 9})
+    assert got == (Greedy(pred), Stages(("stage",), tail, 9))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="one acceptance rule"):
+        _deprecated_arguments(Greedy(pred), None, {"pred_d": pred})
+    with pytest.raises(TypeError, match="caches"):
+        _deprecated_arguments(Greedy(pred), None, {"caches": []})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _deprecated_arguments(Greedy(pred), Stages(()), {}) == (Greedy(pred), Stages(()))
+
+
+def test_public_names_are_exported():
+    for name in ("Engine", "Stream", "DeviceBuffer", "Graph", "Cache", "KVLayer", "StreamBufs", "drain_ring",
+                 "kv_len_ptr_table", "kv_len_ptr_table_range", "SpecKernels", "RoundStream", "kv_capacity",
+                 "MODES", "Mode", "Greedy", "Sampling", "Stages", "UNCHECKED", "CudaError", "CudaUnavailable"):
+        assert name in memra_cuda.__all__ and hasattr(memra_cuda, name), name
+    assert np.dtype(np.uint32)  # numpy is the only other runtime dependency
