@@ -211,6 +211,7 @@ class RoundStream:
         self.rounds = 0  # rounds step()/generate() sent to the GPU
         self.bursts = 0  # host readbacks they waited for
         self._idle_room = bufs.k + 1 if bufs.batch > 1 else 0
+        self._unread, self._unread_since = 0, bufs.positions  # issue_burst's rounds since a readback
 
     def issue_round(self) -> None:
         """Queue one round (no readback), checked against the caches' capacity first."""
@@ -219,10 +220,13 @@ class RoundStream:
     def issue_burst(self, rounds: int | None = None) -> None:
         """Queue `rounds` rounds (1 to M, default M; no readback): the ring holds M rounds'
         tokens, so more would drop tokens. Checked against the caches' capacity first, from the
-        positions the last readback (or reset) gave."""
+        positions the last readback (or reset) gave, moved on by the rounds issued here since."""
         rounds = self._burst_rounds(rounds)
-        self.check_capacity(rounds)
+        if self._unread_since is not self.bufs.positions:  # a readback or reset since: known again
+            self._unread_since, self._unread = self.bufs.positions, 0
+        self.check_capacity(rounds, ahead=self._unread * (self.bufs.k + 1))
         self._issue(rounds)
+        self._unread += rounds
 
     def _issue(self, rounds: int) -> None:
         for _ in range(rounds):

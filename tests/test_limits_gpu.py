@@ -79,7 +79,9 @@ def test_issue_burst_refuses_more_than_m_rounds_and_a_burst_that_does_not_fit(en
     with pytest.raises(CapacityError, match="24 entries"):
         stream.issue_burst(4)  # 9 + 4 rounds of 5 > 24
     stream.issue_burst(2)  # 9 + 10 fits
-    stream.issue_round()
+    stream.issue_round()  # 9 + 10 + 5 fits, just
+    with pytest.raises(CapacityError, match="24 entries"):
+        stream.issue_round()  # the rounds issued since the readback count: 9 + 15 + 5 > 24
     bufs.queue_readback(engine)
     got = np.concatenate(bufs.collect(engine).tokens)
     assert got.tolist() == toy.target_greedy(lm.model, list(range(10)), len(got))
@@ -135,10 +137,13 @@ def test_allocation_is_refused_under_a_capture_that_is_not_memras(engine):
             engine.alloc(np.uint32, 4)
         with pytest.raises(CaptureError, match="allocated inside a graph capture"):
             engine.pinned(np.uint32, 4)
+        with pytest.raises(CaptureError, match="host wait"):
+            engine.finish_readback()  # the driver refuses it (and ends the capture's use)
     finally:
-        graph = ctx.call("cuStreamEndCapture", engine.stream)
-        if graph is not None and int(graph):
-            ctx.call("cuGraphDestroy", graph)
+        engine.ctx.make_current()
+        err, graph = drv.cuStreamEndCapture(engine.stream)  # invalidated by the refused wait
+        if not err and graph is not None and int(graph):
+            drv.cuGraphDestroy(graph)
     engine.synchronize()
 
 
