@@ -122,7 +122,7 @@ def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str
     rounds = stream.rounds - rounds0  # rounds issued, those after the stop included
     accepted, drafted = bufs.drafts_accepted(engine, made)
     row = Row(name, k, None if mode == "readback" else m_rounds, mode, wall / rounds * 1e6, made / wall,
-              readbacks / bursts, readbacks / made, accepted / drafted if k else None)
+              readbacks / bursts, readbacks / made, accepted / drafted if drafted else None)
     if mode == "graph":
         lm.prefill(bufs, PROMPT)
         bufs.set_stop(engine, budget=tokens)
