@@ -205,8 +205,9 @@ class SpeculativeLlama:
             table = kv_len_ptr_table(self.engine, self.target.kv.cache() + self.draft.kv.cache(),
                                      pos_ctr=self.bufs.pos_ctr_d)
             self.rounds = RoundStream(SpecKernels(self.engine), self.bufs, draft_chain=self.draft_chain,
-                                      verify_trunk=self.verify_trunk, draft_d=self.draft_d, acceptance=Greedy(self.pred_d),
-                                      rollback_tables=[table], capture=memra_torch.capture)
+                                      verify_trunk=self.verify_trunk, draft_d=self.draft_d,
+                                      acceptance=Greedy(self.pred_d), rollback_tables=[table],
+                                      capture=memra_torch.capture)
             # One eager round, so torch's lazy set-up (library handles, workspaces) happens before
             # any capture; the next prefill resets everything it touched.
             self.prefill([0, 0])

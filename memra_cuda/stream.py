@@ -173,7 +173,8 @@ class RoundStream:
                  capture: Capture | None = None, pace: bool = True, stages: Stages | None = None, **deprecated: Any):
         acceptance, stages = _deprecated_arguments(acceptance, stages, deprecated)
         if not isinstance(acceptance, (Greedy, Sampling)):
-            raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), not {acceptance!r}")
+            raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
+                            f"not {acceptance!r}")
         tables = list(rollback_tables)
         if not tables:
             raise ValueError("rollback needs at least one pointer table (one of them holding bufs.pos_ctr_d)")

@@ -460,7 +460,8 @@ def test_kv_len_ptr_table_range_takes_only_its_layers(engine, cache):
     pos_ctr = engine.zeros(np.int32, 1)
     assert (engine.dtoh(kv_len_ptr_table_range(engine, cache, range(1, 4), pos_ctr), np.uint64).tolist()
             == len_ptrs(cache, range(1, 4)) + [pos_ctr.ptr])
-    assert engine.dtoh(kv_len_ptr_table_range(engine, cache, (2, 5)), np.uint64).tolist() == len_ptrs(cache, range(2, 5))
+    assert (engine.dtoh(kv_len_ptr_table_range(engine, cache, (2, 5)), np.uint64).tolist()
+            == len_ptrs(cache, range(2, 5)))
     assert (engine.dtoh(kv_len_ptr_table_range(engine, cache, range(0, 5), pos_ctr), np.uint64).tolist()
             == engine.dtoh(kv_len_ptr_table(engine, cache, pos_ctr), np.uint64).tolist())
 

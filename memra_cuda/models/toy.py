@@ -343,8 +343,8 @@ class ToyLM:
         if self.sampling is None:
             pred_d = engine.zeros(np.uint32, bufs.batch * (bufs.k + 1), label="pred_d")
             return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d)),
-                               verify_trunk=chain(self.verify_steps(bufs, pred_d)), draft_d=draft_d, acceptance=Greedy(pred_d),
-                               rollback_tables=[table], pace=self.cost.paced)
+                               verify_trunk=chain(self.verify_steps(bufs, pred_d)), draft_d=draft_d,
+                               acceptance=Greedy(pred_d), rollback_tables=[table], pace=self.cost.paced)
         vocab, rows = self.model.vocab, bufs.batch * (bufs.k + 1)
         if rows > 65535:
             raise ValueError(f"the toy's sampling verify gives each of B(k+1) = {rows} positions a grid row: "
