@@ -162,6 +162,12 @@ class RoundStream:
     round costs more than a host readback (~0.1-0.2 ms: any real model); turn it off for
     rounds cheaper than that. `stages` (Stages) is for pipelines of stages on several GPUs.
 
+    Torch-backed rounds (the engine borrows a torch stream, or draft_d or the acceptance
+    buffers are tensors) are made safe without being told (memra_cuda.torch): the callables run
+    with the engine's stream current in torch, and graphs are captured through torch.cuda.graph
+    (unless `capture` says otherwise) and replayed through it. capture_graphs() captures every
+    burst length up front.
+
     Everything is checked when the stream is built, and before each burst on the host from what
     the last readback said (one reduction in the common case): the rounds themselves are
     prepared launches and copies, issued at the cost of the bare bindings.
@@ -189,6 +195,10 @@ class RoundStream:
             raise ValueError("no rollback table holds bufs.pos_ctr_d, so the position would never advance: "
                              "pass pos_ctr=bufs.pos_ctr_d to kv_len_ptr_table")
         stages = stages or Stages(())
+        scope = None
+        if _torch_in_play(spec.engine, draft_d, *vars(acceptance).values()):
+            from . import torch as adapter  # only once torch objects are in play
+            capture, scope = capture or adapter.capture, adapter.stream_scope
         capacities = [c for c in (stages.capacity, *(table.capacity for table in tables)) if type(c) is int]
         self.capacity: int | None = min(capacities) if capacities else None
         self.engine = spec.engine
@@ -196,6 +206,7 @@ class RoundStream:
         self.acceptance = acceptance
         self.pace = pace
         self._capture = capture
+        self._scope = scope  # a framework's "this stream is current" around the model's work
         self._round: tuple[Callable[[], None], ...] = (
             *([seed_gather] if seed_gather is not None else []),
             draft_chain,
@@ -230,6 +241,13 @@ class RoundStream:
         self._unread += rounds
 
     def _issue(self, rounds: int) -> None:
+        if self._scope is not None:
+            with self._scope(self.engine):
+                self._issue_rounds(rounds)
+        else:
+            self._issue_rounds(rounds)
+
+    def _issue_rounds(self, rounds: int) -> None:
         for _ in range(rounds):
             for step in self._round:
                 step()
@@ -248,6 +266,26 @@ class RoundStream:
             issue = functools.partial(self._issue_burst_and_readback, slot, rounds)
             self._graphs[slot, rounds] = Graph(self.engine, issue, capture=self._capture, joined=self._stages)
         return self._graphs[slot, rounds]
+
+    def capture_graphs(self, lengths: Sequence[int] | None = None, slots: Sequence[int] = (0,)) -> None:
+        """Capture the burst graphs of `lengths` rounds (default: every length pacing may ask
+        for, the powers of two below M and M) reading back into `slots` (0 for step and graph
+        mode; 0 and 1 for overlap) now, before any request: a capture through a framework (torch
+        synchronises the device and empties its cache for each) then never stalls a server
+        mid-generation."""
+        if lengths is None:
+            lengths = [1 << i for i in range(self.bufs.m_rounds.bit_length()) if 1 << i < self.bufs.m_rounds]
+            lengths.append(self.bufs.m_rounds)
+        for slot in slots:
+            if slot not in (0, 1):
+                raise ValueError(f"a readback slot is 0 or 1, not {slot!r}")
+            for rounds in lengths:
+                self.graph_for(slot, rounds)
+
+    @property
+    def graphs(self) -> tuple[tuple[int, int], ...]:
+        """The (readback slot, rounds) of every burst graph captured so far."""
+        return tuple(sorted(self._graphs))
 
     def _issue_burst_and_readback(self, slot: int, rounds: int) -> None:
         self._issue(rounds)
@@ -449,6 +487,12 @@ class RoundStream:
 
 
 _NO_ROWS = np.zeros(0, np.int64)
+
+
+def _torch_in_play(engine: Engine, *objects: Any) -> bool:
+    """Whether the engine borrows a torch stream or a model buffer is a tensor (checked by the
+    objects' module, so that torch is imported only where it is already in use)."""
+    return any(type(obj).__module__.split(".")[0] == "torch" for obj in (engine.stream_owner, *objects))
 
 
 def _deprecated_arguments(acceptance: Acceptance | None, stages: Stages | Sequence[Engine] | None,

@@ -1,36 +1,49 @@
-"""memra_cuda inside a PyTorch engine (optional: needs `torch`; nothing else imports this).
+"""memra_cuda inside a PyTorch engine (optional: needs `torch`; the core imports this module only
+once it meets torch objects).
 
-Three things make the embedding correct rather than merely possible:
+What a user forgets must not give wrong tokens or overwrite tensors, so a RoundStream whose
+engine borrows a torch stream, or whose model buffers are tensors, is *torch-backed* and gets
+all of this without being told (docs/torch.md):
 
-- **One stream.** `engine()` borrows torch's current stream, so memra's kernels and the
-  model's torch ops are ordered by the stream itself, with no synchronisation in between.
-  Graph capture needs a stream other than the default one: create the engine inside
-  `with torch.cuda.stream(torch.cuda.Stream()):`.
-- **Shared memory.** `buffer(tensor)` adopts a tensor without copying (any API that takes a
-  buffer takes a tensor too); `tensor(buf)` is the other direction, a tensor on memra's memory.
-- **Capture torch knows about.** `capture` records a round-stream burst through
-  `torch.cuda.graph` with a private memory pool kept alive with the graph, so torch's
-  allocator never hands the graph's scratch memory to tensors allocated later: pass
-  `capture=memra_cuda.torch.capture` to `Graph` or `RoundStream`.
+- **One stream.** The draft chain and verify trunk run with the engine's stream as torch's
+  current stream (stream_scope), so their torch ops and memra's kernels are ordered by the
+  stream itself, with no synchronisation in between and no wrapping of each callable.
+- **Capture torch knows about.** Bursts are captured through `torch.cuda.graph` with a private
+  memory pool kept alive with the graph (capture), so torch's allocator never hands the graph's
+  scratch memory to tensors allocated later.
+- **Random numbers that move on.** A captured burst replays through `CUDAGraph.replay`, which
+  advances torch's random-number offsets, so `torch.rand` in a burst draws new numbers at
+  every launch.
+
+`engine()` borrows torch's current stream; `buffer(tensor)` adopts a tensor without copying
+(any API that takes a buffer takes a tensor too); `tensor(buf)` is the other direction.
+Graph capture needs a stream other than the default one: create the engine inside
+`with torch.cuda.stream(torch.cuda.Stream()):`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .driver.buffer import DeviceBuffer
 from .driver.engine import Engine
 from .driver.errors import CaptureError, driver
+from .driver.stream import Stream
 
 _TYPESTR = {torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4",
             torch.int64: "<i8", torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8"}
+# The unsigned types torch has had since 2.3 (tensor() without a dtype returns them).
+_TYPESTR.update({getattr(torch, name): code for name, code in (("uint16", "<u2"), ("uint32", "<u4"),
+                                                                 ("uint64", "<u8")) if hasattr(torch, name)})
 
 
 def engine(stream: torch.cuda.Stream | None = None) -> Engine:
-    """An Engine on `stream` (default: torch's current stream), borrowed and never destroyed."""
+    """An Engine on `stream` (default: torch's current stream), borrowed and never destroyed;
+    the stream object is kept alive with the engine."""
     stream = stream if stream is not None else torch.cuda.current_stream()
-    return Engine(stream.device.index, stream=stream.cuda_stream)
+    return Engine(stream.device.index, stream=stream)
 
 
 def buffer(tensor: torch.Tensor) -> DeviceBuffer:
@@ -57,15 +70,39 @@ def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.as_tensor(source, device=torch.device("cuda", buf.device))
 
 
-def capture(engine: Engine, issue: Callable[[], None]) -> tuple[Any, Any]:
+def _torch_stream(engine: Stream) -> torch.cuda.ExternalStream:
+    return torch.cuda.ExternalStream(engine.stream_handle, device=torch.device("cuda", engine.device))
+
+
+@contextlib.contextmanager
+def stream_scope(engine: Stream) -> Iterator[None]:
+    """The engine's stream as torch's current stream: torch ops queued inside are ordered with
+    memra's kernels by the stream alone."""
+    with torch.cuda.stream(_torch_stream(engine)):
+        yield
+
+
+class _TorchGraph:
+    """What a memra Graph keeps of a capture through torch: the CUDAGraph and its memory pool
+    (alive as long as the graph may replay), and the replay that advances torch's RNG."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.ExternalStream):
+        self.graph, self.pool, self.stream = graph, pool, stream
+
+    def replay(self) -> None:
+        with torch.cuda.stream(self.stream):
+            self.graph.replay()
+
+
+def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
     """A `Capture` (see memra_cuda.driver.graph) through `torch.cuda.graph` on the engine's
-    stream, with a private memory pool. The torch graph owns the executable graph; the
-    memra Graph keeps it, and with it the pool, alive."""
+    stream, with a private memory pool. The torch graph owns the executable graph and replays
+    it (CUDAGraph.replay, so the random-number offsets move on); the memra Graph keeps it, and
+    with it the pool, alive."""
     if engine.stream_handle in (0, 1, 2):
         raise CaptureError("the default stream cannot be captured: create the engine inside "
                            "`with torch.cuda.stream(torch.cuda.Stream()):`")
-    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
-    stream = torch.cuda.ExternalStream(engine.stream_handle, device=torch.device("cuda", engine.device))
+    graph, pool, stream = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle(), _torch_stream(engine)
     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         issue()
-    return driver().CUgraphExec(int(graph.raw_cuda_graph_exec())), (graph, pool)
+    return driver().CUgraphExec(int(graph.raw_cuda_graph_exec())), _TorchGraph(graph, pool, stream)

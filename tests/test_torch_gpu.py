@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memra_cuda import MODES, DeviceBuffer, Engine, Event, Graph, KVLayer
+from memra_cuda import (MODES, Cache, DeviceBuffer, Engine, Event, Graph, Greedy, KVLayer, RoundStream,
+                        SpecKernels, StreamBufs, kv_len_ptr_table)
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
 memra_torch = pytest.importorskip("memra_cuda.torch")
@@ -212,3 +213,107 @@ def test_example_draft_cache_holds_every_committed_token(decoder):
 def test_example_prompt_of_one_token(decoder):
     llama, model, spec, _ = decoder
     assert spec.generate([1], 64, mode="graph") == llama.hf_greedy(model, [1], 64)
+
+
+# -- safe by default: what a user forgets must not give wrong tokens or overwrite tensors ------
+
+VOCAB = 1000
+
+
+def counted(pending: int, n: int) -> list[int]:
+    return [(pending + i) % VOCAB for i in range(1, n + 1)]
+
+
+class Counting:
+    """A torch model whose next token is the last + 1 (mod VOCAB), draft and target alike, so
+    the tokens after pending t are t+1, t+2, ... Each step allocates temporaries and puts a
+    matmul before its write: work ordered on the wrong stream reads stale tokens, and memory
+    torch hands out during a capture is in use at every replay. Nothing here wraps the
+    callables in a stream or passes a capture: the adapter's defaults must do it."""
+
+    def __init__(self, engine: Engine, k: int = 3, m_rounds: int = 4):
+        self.engine, self.k = engine, k
+        self.bufs = StreamBufs(engine, k, m_rounds)
+        self.pend = memra_torch.tensor(self.bufs.pend_d, torch.int32)
+        self.vtok = memra_torch.tensor(self.bufs.vtok_d, torch.int32)
+        self.draft_d = torch.zeros(max(k, 1), dtype=torch.int64, device="cuda")
+        self.pred_d = torch.zeros(k + 1, dtype=torch.int64, device="cuda")
+        table = kv_len_ptr_table(engine, Cache([]), pos_ctr=self.bufs.pos_ctr_d)
+        self.rounds = RoundStream(SpecKernels(engine), self.bufs, draft_chain=self.draft_chain,
+                                  verify_trunk=self.verify_trunk, draft_d=self.draft_d,
+                                  acceptance=Greedy(self.pred_d), rollback_tables=[table])
+        torch.cuda.synchronize()  # the tensors made on torch's current stream are ready for the engine's
+
+    @staticmethod
+    def slow_zero() -> torch.Tensor:
+        a = torch.ones(2048, 2048, device="cuda")
+        return (a @ a)[0, :1].long() * 0
+
+    def draft_chain(self) -> None:
+        token = self.pend[:1].long()
+        for i in range(self.k):
+            token = (token + 1 + self.slow_zero()) % VOCAB
+            self.draft_d[i:i + 1].copy_(token)
+
+    def verify_trunk(self) -> None:
+        self.pred_d.copy_((self.vtok.long() + 1 + self.slow_zero()) % VOCAB)
+
+    def generate(self, pending: int, n: int, mode: str) -> list[int]:
+        self.bufs.reset(self.engine, pending, 0)
+        return self.rounds.generate(0, n, mode=mode).tolist()
+
+
+@pytest.mark.parametrize("mode", ["readback", "stream"])
+def test_callables_run_on_the_engines_stream_without_being_wrapped(engine, mode):
+    """The engine borrows one stream while torch's current stream is another (neither the
+    legacy default stream, which would order them implicitly): the callables' torch ops must
+    still be ordered with memra's kernels (eager modes: wrong tokens otherwise)."""
+    with torch.cuda.stream(torch.cuda.Stream()):
+        shared = memra_torch.engine(torch.cuda.Stream())
+        assert torch.cuda.current_stream().cuda_stream != shared.stream_handle
+        model = Counting(shared)
+        assert model.generate(7, 40, mode) == counted(7, 40)
+
+
+def test_torch_backed_graphs_keep_torchs_allocator_away_without_being_told(engine, side_stream):
+    """No capture= given: the burst graph must still be captured through torch, so tensors
+    allocated after it never share memory with the temporaries the graph writes at every replay."""
+    model = Counting(memra_torch.engine())
+    assert model.generate(3, 24, "readback") == counted(3, 24)  # torch's cache now holds such blocks
+    assert model.generate(3, 24, "graph") == counted(3, 24)  # the capture
+    later = [torch.full((2048, 2048), float(i), device="cuda") for i in range(8)]
+    later_ids = [torch.full((1,), i, dtype=torch.int64, device="cuda") for i in range(64)]
+    for _ in range(3):
+        assert model.generate(3, 24, "graph") == counted(3, 24)
+    torch.cuda.synchronize()
+    assert all(bool((t == i).all()) for i, t in enumerate(later)), "a replay wrote into a later tensor"
+    assert [int(t) for t in later_ids] == list(range(64)), "a replay wrote into a later tensor"
+
+
+def test_a_captured_burst_draws_new_random_numbers_at_every_launch(engine, side_stream):
+    shared = memra_torch.engine()
+    out = torch.zeros(4, device="cuda")
+    graph = Graph(shared, lambda: out.copy_(torch.rand(4, device="cuda")), capture=memra_torch.capture)
+    draws = []
+    for _ in range(3):
+        graph.launch()
+        shared.synchronize()
+        draws.append(tuple(out.tolist()))
+    assert len(set(draws)) == 3, f"the replays drew the same numbers: {draws}"
+
+
+def test_every_burst_length_is_captured_up_front(engine, side_stream):
+    model = Counting(memra_torch.engine(), k=3, m_rounds=8)  # paced: bursts of 1, 2, 4 or 8 rounds
+    model.rounds.capture_graphs()
+    lengths = ((0, 1), (0, 2), (0, 4), (0, 8))
+    assert model.rounds.graphs == lengths
+    assert model.generate(5, 37, "graph") == counted(5, 37)
+    assert model.rounds.graphs == lengths, "a length was captured mid-generation"
+
+
+def test_tensor_of_a_buffer_as_any_type_of_its_size(engine):
+    ids = engine.htod([7, 2**32 - 1], np.uint32)
+    assert memra_torch.tensor(ids).dtype == torch.uint32
+    same = memra_torch.tensor(ids, torch.uint32)
+    assert same.dtype == torch.uint32 and same.data_ptr() == ids.ptr
+    assert memra_torch.tensor(ids, torch.int32).cpu().tolist() == [7, -1]

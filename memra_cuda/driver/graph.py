@@ -15,7 +15,9 @@ if TYPE_CHECKING:
 # capture(engine, issue) -> (executable graph, owner): runs issue() while engine.stream is being
 # captured and returns the instantiated graph. With owner None the Graph destroys the
 # executable itself; otherwise `owner` (a framework's graph object, say) destroys it, and the
-# Graph keeps the owner alive for as long as it may replay.
+# Graph keeps the owner alive for as long as it may replay. An owner with a `replay()` method
+# replays the graph itself (on the engine's stream): a framework may have state to advance at
+# every launch, such as PyTorch's random-number offsets.
 Capture = Callable[["Stream", Callable[[], None]], "tuple[Any, Any]"]
 
 
@@ -78,6 +80,7 @@ class Graph(Handle):
             for e in engines:
                 e.capture_hold = None
         self._launch, self._argv = driver().cuGraphLaunch, (self.handle, engine.stream)
+        self._replay = getattr(self._owner, "replay", None)
         engine.depend(self)  # a closed engine's stream may be reused: the graph refuses then
         if self._owner is None:
             self._own(ctx, "cuGraphExecDestroy", self.handle)
@@ -94,11 +97,14 @@ class Graph(Handle):
         """Replay on the engine's stream: what was checked at capture is not checked again."""
         if self._refusal is not None:
             raise ValueError(self._refusal)
-        self.engine.ctx.run(self._launch, "cuGraphLaunch", self._argv)
+        if self._replay is not None:
+            self._replay()
+        else:
+            self.engine.ctx.run(self._launch, "cuGraphLaunch", self._argv)
 
     def free(self) -> None:
         super().free()
-        self._owner = None
+        self._owner = self._replay = None
         self._held.clear()
 
     def __repr__(self) -> str:

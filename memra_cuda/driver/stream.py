@@ -70,6 +70,12 @@ class Stream(Handle):
         return self.ctx.device
 
     @property
+    def stream_owner(self) -> Any:
+        """The object a borrowed stream came from (a torch.cuda.Stream, say), kept alive while
+        the stream is used; None for an owned stream or one given as a bare handle."""
+        return self._stream_owner
+
+    @property
     def borrowed(self) -> bool:
         """Whether the stream belongs to someone else (and is never destroyed here)."""
         return self._finalizer is None
