@@ -30,6 +30,16 @@ class Readback(NamedTuple):
     positions: np.ndarray
 
 
+class Received(NamedTuple):
+    """What receive() took from a readback slot: the words (a copy), and per row the tokens its
+    ring holds, its done flag and its position; readback() takes the tokens apart."""
+
+    words: np.ndarray
+    committed: list[int]
+    done: np.ndarray
+    positions: np.ndarray
+
+
 class StreamBufs:
     """All device state of the round stream of `batch` sequences (docs/buffers.md), plus two
     pinned slots that the rings, ctl_d and pos_ctr_d are read back into, inside a graph too.
@@ -45,7 +55,8 @@ class StreamBufs:
 
     `positions` and `done` are what the host knows of each row (read-only arrays): set by
     reset/set_stop, then by every readback (collect), so the driver checks capacity without
-    an extra readback; `committed` how many tokens each row's ring held at the last readback.
+    an extra readback; `committed` how many tokens each row's ring held at the last readback;
+    `epoch` counts the readbacks and whole resets, after which the host knows every row anew.
     """
 
     def __init__(self, engine: Engine, k: int, m_rounds: int, batch: int = 1):
@@ -74,11 +85,12 @@ class StreamBufs:
         self._words = self._ctl_end + self.pos_ctr_d.len  # rings, ctl rows, positions: side by side
         self._engine = engine
         self._host = [engine.pinned(np.uint32, self._words, label=f"readback slot {i}") for i in range(2)]
-        self._readback = [engine.prepare_dtoh(host, self._arena.view(0, self._words)) for host in self._host]
+        self._readback_copies = [engine.prepare_dtoh(host, self._arena.view(0, self._words)) for host in self._host]
         self._empty_rings = engine.prepare_set_u32(self.ring_d, RING_COUNT, 0, every=ring_row)
         self.positions = _frozen(np.zeros(batch, np.int64))
         self.done = _frozen(np.zeros(batch, bool))
         self.committed: list[int] = [0] * batch
+        self.epoch = 0  # how often the host learnt every row's position anew (readbacks, resets)
 
     @property
     def pos_ctr(self) -> DeviceBuffer:
@@ -91,6 +103,7 @@ class StreamBufs:
         rule is lifted (set_stop sets the next one); captured graphs stay valid. The model's KV
         lengths are the model's to set (to `position`)."""
         self._reset(engine, range(self.batch), pending, position)
+        self.epoch += 1
 
     def set_positions(self, positions: np.ndarray) -> None:
         """What the host knows of every row's position, before a generation's first burst."""
@@ -154,7 +167,7 @@ class StreamBufs:
         """Queue the rings, ctl rows and positions into pinned slot 0 or 1 (one copy), then
         zero every ring's count (one memset); both capturable, both checked when prepared."""
         self._check_engine(engine)
-        self._readback[slot]()
+        self._readback_copies[slot]()
         self._empty_rings()
 
     def collect(self, engine: Engine, slot: int = 0, event: Event | None = None) -> Readback:
@@ -162,24 +175,25 @@ class StreamBufs:
         `event`, if given), and learn each row's done flag, position and tokens from it."""
         return self.readback(self.receive(engine, slot, event))
 
-    def receive(self, engine: Engine, slot: int = 0, event: Event | None = None) -> np.ndarray:
+    def receive(self, engine: Engine, slot: int = 0, event: Event | None = None) -> Received:
         """collect()'s first half: wait, take the slot's words (a copy: the slot is free for the
         next burst at once), and learn `done`, `positions` and `committed` from them; the
-        tokens are readback()'s. A driver decides its next burst from this and launches it
+        tokens are readback()'s. A driver decides its next burst from this and queues it
         before it takes the tokens apart."""
         self._check_engine(engine)
         engine.finish_readback(event)
-        host = self._host[slot].read()
-        self.committed = np.minimum(host[RING_COUNT:self._rings_end:self._ring_row], self.ring_cap).tolist()
-        self.done = _frozen(host[self._rings_end + CTL_DONE:self._ctl_end:CTL_WORDS] != 0)
-        self.positions = _frozen(host[self._ctl_end:].view(np.int32).astype(np.int64))
-        return host
+        words = self._host[slot].read()
+        self.committed = np.minimum(words[RING_COUNT:self._rings_end:self._ring_row], self.ring_cap).tolist()
+        self.done = _frozen(words[self._rings_end + CTL_DONE:self._ctl_end:CTL_WORDS] != 0)
+        self.positions = _frozen(words[self._ctl_end:].view(np.int32).astype(np.int64))
+        self.epoch += 1
+        return Received(words, self.committed, self.done, self.positions)
 
-    def readback(self, host: np.ndarray) -> Readback:
-        """The Readback of the words receive() returned: each row's tokens, done flag, position."""
-        rings = host[:self._rings_end].reshape(self.batch, self._ring_row)
-        tokens = [rings[b, RING_TOKENS:RING_TOKENS + n] for b, n in enumerate(self.committed)]
-        return Readback(tokens, self.done, self.positions)
+    def readback(self, received: Received) -> Readback:
+        """The Readback of what receive() took: each row's tokens, done flag and position."""
+        rings = received.words[:self._rings_end].reshape(self.batch, self._ring_row)
+        tokens = [rings[b, RING_TOKENS:RING_TOKENS + n] for b, n in enumerate(received.committed)]
+        return Readback(tokens, received.done, received.positions)
 
     def _check_engine(self, engine: Engine) -> None:
         if engine is not self._engine:

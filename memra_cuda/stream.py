@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from .acceptance import Greedy, Sampling
-from .bufs import Readback, per_row
+from .bufs import Readback, Received, per_row
 from .driver.event import Event
 from .driver.graph import Capture, Graph
 from .driver.module import Launch
-from .tables import PointerTable
+from .driver.values import as_index
+from .tables import UNCHECKED, PointerTable, Unchecked
 
 if TYPE_CHECKING:
     from .acceptance import Acceptance
@@ -66,7 +67,14 @@ class Stages:
 
     engines: Sequence[Engine]
     round_tail: Callable[[], None] | None = None
-    capacity: int | None = None
+    capacity: int | Unchecked | None = None
+
+    def __post_init__(self) -> None:
+        if (self.engines or self.round_tail is not None) and self.capacity is None:
+            raise ValueError("Stages must say how many KV entries the other stages' caches hold (capacity=), "
+                             "or capacity=UNCHECKED: their rollback runs in round_tail, out of the check's sight")
+        if self.capacity is not None and self.capacity is not UNCHECKED:
+            object.__setattr__(self, "capacity", as_index(self.capacity, "capacity"))
 
 
 class CapacityError(ValueError):
@@ -199,7 +207,8 @@ class RoundStream:
         if _torch_in_play(spec.engine, draft_d, *vars(acceptance).values()):
             from . import torch as adapter  # only once torch objects are in play
             capture, scope = capture or adapter.capture, adapter.stream_scope
-        capacities = [c for c in (stages.capacity, *(table.capacity for table in tables)) if type(c) is int]
+        capacities = [c for c in (stages.capacity, *(table.capacity for table in tables))
+                      if c is not None and c is not UNCHECKED]
         self.capacity: int | None = min(capacities) if capacities else None
         self.engine = spec.engine
         self.bufs = bufs
@@ -223,7 +232,7 @@ class RoundStream:
         self.rounds = 0  # rounds step()/generate() sent to the GPU
         self.bursts = 0  # host readbacks they waited for
         self._idle_room = bufs.k + 1 if bufs.batch > 1 else 0
-        self._unread, self._unread_since = 0, bufs.positions  # issue_burst's rounds since a readback
+        self._unread, self._unread_epoch = 0, bufs.epoch  # issue_burst's rounds since a readback
 
     def issue_round(self) -> None:
         """Queue one round (no readback), checked against the caches' capacity first."""
@@ -234,11 +243,20 @@ class RoundStream:
         tokens, so more would drop tokens. Checked against the caches' capacity first, from the
         positions the last readback (or reset) gave, moved on by the rounds issued here since."""
         rounds = self._burst_rounds(rounds)
-        if self._unread_since is not self.bufs.positions:  # a readback or reset since: known again
-            self._unread_since, self._unread = self.bufs.positions, 0
-        self.check_capacity(rounds, ahead=self._unread * (self.bufs.k + 1))
+        self.check_capacity(rounds, ahead=self._unread_rounds(rounds) * (self.bufs.k + 1))
         self._issue(rounds)
         self._unread += rounds
+
+    def _unread_rounds(self, rounds: int) -> int:
+        """The rounds issue_burst queued since the host last learnt the rows (a readback or a
+        reset), checked to leave the ring room for `rounds` more: it holds M rounds' tokens,
+        and a commit past it drops tokens while still spending the budget."""
+        if self._unread_epoch != self.bufs.epoch:
+            self._unread, self._unread_epoch = 0, self.bufs.epoch
+        if self._unread + rounds > self.bufs.m_rounds:
+            raise ValueError(f"{self._unread} round(s) were issued since the last readback: {rounds} more would "
+                             f"overrun the ring, which holds M={self.bufs.m_rounds} rounds' tokens; read back first")
+        return self._unread
 
     def _issue(self, rounds: int) -> None:
         if self._scope is not None:
@@ -377,11 +395,11 @@ class RoundStream:
         elif not self.bufs.done.all():  # every burst as long as the mode runs: nothing to pace
             self._queue(mode, rounds)
             while True:
-                host = self._receive(0, None, rounds)
-                more = not self.bufs.done.all()
+                received = self._receive(0, None, rounds)
+                more = not received.done.all()
                 if more:  # the next burst runs while this one's tokens are taken apart
                     self._queue(mode, rounds)
-                self._append(self.bufs.readback(host), out)
+                self._append(self.bufs.readback(received), out)
                 if not more:
                     break
         return [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in out]
@@ -404,17 +422,19 @@ class RoundStream:
             self._events = [Event(self.engine), Event(self.engine)]
         k1 = self.bufs.k + 1
         slot, flight = 0, pace.rounds(~self.bufs.done)
-        self._queue_graph(slot, flight, ahead=0)
+        unseen = self._unread_rounds(flight) * k1  # issue_burst's rounds before the first readback
+        self._queue_graph(slot, flight, ahead=unseen)
         while True:
             live = ~self.bufs.done
             queued = 0
             if pace.needed(live, flight):
                 queued = pace.rounds(live, in_flight=flight)
-                if self.fits(queued, ahead=flight * k1):
-                    self._queue_graph(1 - slot, queued, ahead=flight * k1)
+                if self.fits(queued, ahead=unseen + flight * k1):
+                    self._queue_graph(1 - slot, queued, ahead=unseen + flight * k1)
                 else:
                     queued = 0
             readback = self.bufs.readback(self._receive(slot, self._events[slot], flight))
+            unseen = 0
             self.bursts += 1
             self._append(readback, out)
             pace.record(flight, np.array(self.bufs.committed), live & ~readback.done)
@@ -462,7 +482,7 @@ class RoundStream:
     def _queue(self, mode: Mode, rounds: int) -> None:
         """Check a burst of `rounds` rounds against the caches, then queue it and its readback
         into pinned slot 0 (replay its graph, in graph mode)."""
-        self.check_capacity(rounds)
+        self.check_capacity(rounds, ahead=self._unread_rounds(rounds) * (self.bufs.k + 1))
         if mode is Mode.GRAPH:
             (self._graphs.get((0, rounds)) or self.graph_for(0, rounds)).launch()
         else:
@@ -471,19 +491,19 @@ class RoundStream:
         self.rounds += rounds
         self.bursts += 1
 
-    def _receive(self, slot: int, event: Event | None, rounds: int) -> np.ndarray:
+    def _receive(self, slot: int, event: Event | None, rounds: int) -> Received:
         """bufs.receive of a burst of `rounds` rounds, refusing one in which a row that was live
         throughout committed nothing: every live round commits a token, so such a row is one no
         kernel served, and a generation waiting for it would never end."""
         done_before = self.bufs.done
-        host = self.bufs.receive(self.engine, slot, event)
-        if 0 in self.bufs.committed:
-            committed = np.array(self.bufs.committed)
-            stalled = np.flatnonzero(~done_before & ~self.bufs.done & (committed == 0))
+        received = self.bufs.receive(self.engine, slot, event)
+        if 0 in received.committed:
+            committed = np.array(received.committed)
+            stalled = np.flatnonzero(~done_before & ~received.done & (committed == 0))
             if stalled.size:
                 raise RuntimeError(f"{stalled.size} live row(s) of {self.bufs.batch} (row {stalled[0]} first) "
                                    f"committed no token in a burst of {rounds} round(s): their rounds did not run")
-        return host
+        return received
 
 
 _NO_ROWS = np.zeros(0, np.int64)

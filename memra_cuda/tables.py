@@ -110,8 +110,10 @@ class PointerTable(DeviceBuffer):
 
     def __init__(self, engine: Engine, targets: Sequence[Any], *, capacity: int | Unchecked | None = None,
                  label: str = "pointer table"):
-        if not (capacity is None or capacity is UNCHECKED or as_index(capacity, "capacity") >= 1):
-            raise ValueError(f"capacity must be a positive number of KV entries, None or UNCHECKED, not {capacity}")
+        if not (capacity is None or capacity is UNCHECKED):
+            capacity = as_index(capacity, "capacity")
+            if capacity < 1:
+                raise ValueError(f"capacity must be a positive number of KV entries, None or UNCHECKED, not {capacity}")
         held = tuple(None if t is None else engine.buffer(t, f"table entry {i}") for i, t in enumerate(targets))
         if not held:
             raise ValueError("a pointer table needs at least one entry")

@@ -40,6 +40,18 @@ def test_the_first_releases_keywords_map_to_one_acceptance_rule_with_a_warning()
         assert _deprecated_arguments(Greedy(pred), Stages(()), {}) == (Greedy(pred), Stages(()))
 
 
+def test_pipeline_stages_name_the_capacity_of_their_caches():
+    """The other stages roll back in round_tail, out of the capacity check's sight: their
+    capacity is given, or UNCHECKED by name, never left out."""
+    with pytest.raises(ValueError, match="capacity"):
+        Stages(["stage"])
+    with pytest.raises(ValueError, match="capacity"):
+        Stages((), round_tail=lambda: None)
+    assert Stages(["stage"], capacity=memra_cuda.UNCHECKED).capacity is memra_cuda.UNCHECKED
+    assert type(Stages(["stage"], capacity=np.int64(64)).capacity) is int
+    assert Stages(()).capacity is None
+
+
 def test_public_names_are_exported():
     for name in ("Engine", "Stream", "DeviceBuffer", "Graph", "Cache", "KVLayer", "StreamBufs", "drain_ring",
                  "kv_len_ptr_table", "kv_len_ptr_table_range", "SpecKernels", "RoundStream", "kv_capacity",

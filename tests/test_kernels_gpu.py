@@ -6,9 +6,9 @@ EOS ids that are -1, a draft or the bonus, positions at the i32 limits, and tiny
 so drafts agree with predictions and accepts run long. Buffers are allocated and each launch
 prepared once per configuration; per case EVERY buffer of the burst (not just the kernel's) is
 written, the kernel launched, every buffer read back and compared word for word with the
-reference run on host copies, so a stray write shows up as a difference. Separate
-allocations keep compute-sanitizer's bounds exact (`make sanitize`); guard words around views
-catch overruns in the targeted tests below.
+reference run on host copies, so a stray write shows up as a difference, also into the next
+field of StreamBufs' one allocation, where compute-sanitizer (`make sanitize`) cannot see a
+bound; guard words around views catch overruns in the targeted tests below.
 
 Every kernel runs batched too (B = 3 and 32, docs/buffers.md, "Batched layout"): each row gets
 its own adversarial values and the batched reference is applied, so a row that reads or

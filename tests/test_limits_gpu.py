@@ -87,6 +87,29 @@ def test_issue_burst_refuses_more_than_m_rounds_and_a_burst_that_does_not_fit(en
     assert got.tolist() == toy.target_greedy(lm.model, list(range(10)), len(got))
 
 
+def test_rounds_issued_since_a_readback_never_overrun_the_ring(engine, spec):
+    """The ring holds M rounds' tokens: two bursts of M without a readback, or a burst and
+    then a step, would drop tokens while the budget is spent, whatever the caches' room."""
+    lm = toy.ToyLM(engine, toy.ToyModel(seed=8), capacity=4096)
+    bufs = StreamBufs(engine, 2, 4)
+    stream = lm.round_stream(spec, bufs)
+    lm.prefill(bufs, [1, 2, 3])
+    stream.issue_burst(4)
+    with pytest.raises(ValueError, match="overrun the ring"):
+        stream.issue_burst(4)
+    with pytest.raises(ValueError, match="overrun the ring"):
+        stream.issue_round()
+    for mode in ("readback", "graph"):
+        with pytest.raises(ValueError, match="overrun the ring"):
+            stream.step(mode)
+    bufs.queue_readback(engine)
+    first = np.concatenate(bufs.collect(engine).tokens).tolist()  # the readback makes room again
+    stream.issue_burst(4)
+    bufs.queue_readback(engine)
+    second = np.concatenate(bufs.collect(engine).tokens).tolist()
+    assert first + second == toy.target_greedy(lm.model, [1, 2, 3], len(first) + len(second))
+
+
 # -- 7. concurrent waits each wait on their own record --------------------------------------
 
 def test_concurrent_waits_never_wait_on_each_others_record(engine, monkeypatch):
@@ -197,6 +220,14 @@ def test_freeing_a_borrowed_buffer_waits_for_the_work_queued_on_it(engine):
     buf.free()  # the owner may hand the memory out at once: nothing queued may still use it
     assert not stream_busy(engine), "free() dropped the borrow while a kernel still used the memory"
 
+    flag, foreign = engine.zeros(np.uint32, 1), ForeignMemory(engine, 4)
+    buf = DeviceBuffer.from_cuda_array(foreign)
+    spin(engine, flag)()
+    engine.memset(buf, 0)  # no launch names it: a memset queued behind the spin
+    assert stream_busy(engine)
+    buf.free()
+    assert not stream_busy(engine), "free() dropped the borrow while a memset on it was still queued"
+
 
 # -- 8 and 10. a fault refuses before the driver, and is remembered for the process ---------
 
@@ -221,6 +252,8 @@ try:
     launch()
 except RuntimeError:
     pass
+else:
+    raise AssertionError("the binding's exception did not come through")
 err, current = drv.cuCtxGetCurrent()
 assert int(current) == 0, "a failed launch left its context pushed"
 launch._fn = real
@@ -276,7 +309,7 @@ def test_a_live_row_that_commits_nothing_in_a_burst_raises_instead_of_hanging(en
     stream = RoundStream(spec, bufs, draft_chain=chain(lm.draft_steps(bufs, draft_d)),
                          verify_trunk=chain(lm.verify_steps(bufs, pred_d)), draft_d=draft_d,
                          acceptance=Greedy(pred_d), rollback_tables=[table],
-                         stages=Stages((), round_tail=engine.prepare_set_u32(bufs.ring_d, 0, 0)))
+                         stages=Stages((), engine.prepare_set_u32(bufs.ring_d, 0, 0), UNCHECKED))
     for mode in ("readback", "graph"):
         with pytest.raises(RuntimeError, match="committed no token"):
             stream.generate(lm.prefill(bufs, [1, 2, 3]), 50, mode=mode)

@@ -71,8 +71,3 @@ def test_a_live_row_that_committed_nothing_may_need_the_whole_burst():
     pace.record(4, np.array([0, 8]), np.array([True, True]))
     assert pace.rounds(np.array([True, True])) == 8
     assert pace.rounds(np.array([False, True])) == 1  # row 1: 2 tokens a round, 2 left
-
-
-def test_one_round_a_step_is_never_paced():
-    pace = Pace(np.array([10]), 1)
-    assert pace.rounds(LIVE) == 1

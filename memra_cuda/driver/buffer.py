@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,6 +53,7 @@ class DeviceBuffer(Handle):
         self.label = label
         self._base = base
         self._keepalive = keepalive
+        self._streams: weakref.WeakSet | None = None  # streams that queued work on borrowed memory
 
     @classmethod
     def allocate(cls, engine: Stream, dtype: Any, length: int, *, label: str | None = None) -> DeviceBuffer:
@@ -142,6 +144,15 @@ class DeviceBuffer(Handle):
         if self._base is not None:
             self._base.depend(dependent)
 
+    def queued_on(self, stream: Stream) -> None:
+        """Work on this memory was queued on `stream` (a copy, a memset): if the memory is
+        borrowed, free() waits for that stream before giving it back."""
+        owner = self._base or self
+        if owner._keepalive is not None:
+            if owner._streams is None:
+                owner._streams = weakref.WeakSet()
+            owner._streams.add(stream)
+
     def names(self, handle: Handle) -> bool:
         """Whether freeing `handle` frees this buffer's memory."""
         return handle is self or handle is self._base
@@ -154,7 +165,8 @@ class DeviceBuffer(Handle):
         that holds its address (launches, graphs, tables) are waited for before the borrow is
         dropped."""
         if self._keepalive is not None and not self._freed:
-            for stream in {id(d.engine): d.engine for d in self._dependents or () if hasattr(d, "engine")}.values():
+            users = [d.engine for d in self._dependents or () if hasattr(d, "engine")] + list(self._streams or ())
+            for stream in {id(s): s for s in users}.values():
                 if not stream.closed and stream.ctx.fault is None and stream.capture_hold is None:
                     stream.synchronize()
         self._keepalive = None
@@ -224,16 +236,6 @@ def as_buffer(obj: Any, what: str = "buffer", engine: Stream | None = None) -> D
         return DeviceBuffer.from_cuda_array(obj, engine)
     raise TypeError(f"{what} must be a DeviceBuffer or an object with __cuda_array_interface__, "
                     f"not {type(obj).__name__}")
-
-
-
-
-
-
-
-
-
-
 
 
 def device_allocation(engine: Stream, nbytes: int) -> tuple[PrimaryContext, int]:

@@ -11,7 +11,8 @@ driver instead of failing (or hanging) on a context that is gone.
 
 Which context is current is per-thread driver state that other libraries share (PyTorch's
 current device is the current context's). So no call here changes it for the caller: a call
-on a context that is not current pushes it for that call alone and pops it after. A thread on
+on a context that is not current pushes it for that call alone and pops it after. (An Engine
+made on a thread with no current context leaves its own current there: adopt_thread.) A thread on
 the right context (one device, the common case) pays one cuCtxGetCurrent per call; engines on
 two devices in one thread each get their own context, whatever anyone switched to in between.
 Thread safety: a PrimaryContext may be shared by any number of threads.
@@ -75,17 +76,6 @@ class PrimaryContext:
         err, current = driver().cuCtxGetCurrent()
         if not err and int(current) == 0:
             self.make_current()
-
-    def push(self) -> bool:
-        """Push this context unless it is already current; whether it was pushed (then the
-        caller pops it with cuCtxPopCurrent once its call is made)."""
-        err, current = self._get_current()
-        if not err and int(current) == self.address:
-            return False
-        (err,) = self._push(self.handle)
-        if err:
-            raise self.failure(err, "cuCtxPushCurrent")
-        return True
 
     def call(self, name: str, *args: Any) -> Any:
         """Call the driver function `name` with this context current; failures name the call."""

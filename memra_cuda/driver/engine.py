@@ -61,6 +61,7 @@ class Engine(Stream):
         may use, refusing memory of another engine or device."""
         buf = as_buffer(obj, what, self)
         self.check_owns(buf, what)
+        buf.queued_on(self)
         return buf
 
     def alloc(self, dtype: Any, length: int, zeroed: bool = False, *, label: str | None = None) -> DeviceBuffer:

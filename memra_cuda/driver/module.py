@@ -20,7 +20,7 @@ import numpy as np
 
 from .buffer import DeviceBuffer, as_buffer
 from .call import Prepared
-from .errors import CudaError, driver
+from .errors import CudaError, CudaFault, driver
 from .handle import Handle
 from .values import exact_int
 
@@ -238,19 +238,19 @@ class Module(Handle):
 
 
 def _load(ctx: PrimaryContext, image: bytes) -> Any:
+    """cuModuleLoadDataEx in the context; a failure carries the JIT's own log."""
     drv = driver()
     log = bytearray(16384)
     opts = [drv.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, drv.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
-    pushed = ctx.push()
     try:
-        err, handle = drv.cuModuleLoadDataEx(image, len(opts), opts, [log, len(log)])
-    finally:
-        if pushed:
-            drv.cuCtxPopCurrent()
-    if err:
+        return ctx.run(drv.cuModuleLoadDataEx, "cuModuleLoadDataEx", (image, len(opts), opts, [log, len(log)]))[1]
+    except CudaFault:
+        raise
+    except CudaError as exc:
         jit_log = bytes(log).split(b"\0", 1)[0].decode(errors="replace").strip()
-        raise ctx.failure(err, "cuModuleLoadDataEx", detail=f"JIT log:\n{jit_log}" if jit_log else "")
-    return handle
+        if not jit_log:
+            raise
+        raise CudaError(exc.code, exc.name, f"{exc.message}\nJIT log:\n{jit_log}", exc.call) from None
 
 
 def _dim3(dims: int | Sequence[int], what: str) -> tuple[int, int, int]:

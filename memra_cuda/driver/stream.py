@@ -145,6 +145,8 @@ class Stream(Handle):
     # -- waiting --------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait on the host until the stream has run everything queued so far."""
+        if self.capture_hold is not None:
+            raise CaptureError("synchronize waits for the GPU: it cannot happen inside a graph capture")
         self._wait_host()
         self.syncs += 1
 
