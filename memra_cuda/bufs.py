@@ -56,7 +56,8 @@ class StreamBufs:
     `positions` and `done` are what the host knows of each row (read-only arrays): set by
     reset/set_stop, then by every readback (collect), so the driver checks capacity without
     an extra readback; `committed` how many tokens each row's ring held at the last readback;
-    `epoch` counts the readbacks and whole resets, after which the host knows every row anew.
+    `epoch` counts the readbacks and whole resets, after which the host knows every row anew,
+    and `rings_emptied` the readbacks queued and whole resets, after which every ring is empty.
     """
 
     def __init__(self, engine: Engine, k: int, m_rounds: int, batch: int = 1):
@@ -91,6 +92,7 @@ class StreamBufs:
         self.done = _frozen(np.zeros(batch, bool))
         self.committed: list[int] = [0] * batch
         self.epoch = 0  # how often the host learnt every row's position anew (readbacks, resets)
+        self.rings_emptied = 0  # how often every ring was emptied (readbacks queued, resets)
 
     @property
     def pos_ctr(self) -> DeviceBuffer:
@@ -103,7 +105,6 @@ class StreamBufs:
         rule is lifted (set_stop sets the next one); captured graphs stay valid. The model's KV
         lengths are the model's to set (to `position`)."""
         self._reset(engine, range(self.batch), pending, position)
-        self.epoch += 1
 
     def set_positions(self, positions: np.ndarray) -> None:
         """What the host knows of every row's position, before a generation's first burst."""
@@ -146,6 +147,9 @@ class StreamBufs:
         for buf, row in ((self.ring_d, RING_TOKENS + self.ring_cap), (self.brk_d, BRK_WORDS), (self.acc_d, ACC_WORDS)):
             engine.copy_htod(buf, np.zeros(n * row, np.uint32), start=row * first)
         self.positions = _frozen(_replaced(self.positions, rows, position))
+        if len(rows) == self.batch:  # every row reset: positions known, rings empty
+            self.epoch += 1
+            self.rings_emptied += 1
 
     def _set_stop(self, engine: Engine, rows: range, eos: Any, budget: Any) -> None:
         eos, budget = per_row(eos, len(rows), "eos"), per_row(budget, len(rows), "budget")
@@ -157,11 +161,15 @@ class StreamBufs:
         self.done = _frozen(_replaced(self.done, rows, ctl[:, CTL_DONE] != 0))
 
     def drain_ring(self, engine: Engine, row: int = 0) -> np.ndarray:
-        """The tokens committed to row `row`'s ring, in order: one readback. The caller zeroes
-        the row's count (its first word) after."""
+        """The tokens committed to row `row`'s ring, in order (one readback), and the row's ring
+        emptied for the rounds to come (its count zeroed on the stream)."""
         self._rows(row)
-        stride = self.ring_cap + 1
-        return _ring_tokens(engine.dtoh(self.ring_d.view(row * stride, stride)), self.ring_cap)
+        stride = RING_TOKENS + self.ring_cap
+        tokens = _ring_tokens(engine.dtoh(self.ring_d.view(row * stride, stride)), self.ring_cap)
+        engine.set_u32(self.ring_d, row * stride + RING_COUNT, 0)
+        if self.batch == 1:
+            self.rings_emptied += 1
+        return tokens
 
     def queue_readback(self, engine: Engine, slot: int = 0) -> None:
         """Queue the rings, ctl rows and positions into pinned slot 0 or 1 (one copy), then
@@ -169,6 +177,8 @@ class StreamBufs:
         self._check_engine(engine)
         self._readback_copies[slot]()
         self._empty_rings()
+        if engine.capture_hold is None:  # queued now, not recorded into a graph for later
+            self.rings_emptied += 1
 
     def collect(self, engine: Engine, slot: int = 0, event: Event | None = None) -> Readback:
         """Wait for queue_readback's copy into `slot` (one readback for all rows; only up to

@@ -232,7 +232,9 @@ class RoundStream:
         self.rounds = 0  # rounds step()/generate() sent to the GPU
         self.bursts = 0  # host readbacks they waited for
         self._idle_room = bufs.k + 1 if bufs.batch > 1 else 0
-        self._unread, self._unread_epoch = 0, bufs.epoch  # issue_burst's rounds since a readback
+        # issue_burst's rounds since the host last learnt the positions / the rings were emptied
+        self._unseen, self._unseen_mark = 0, bufs.epoch
+        self._in_ring, self._ring_mark = 0, bufs.rings_emptied
 
     def issue_round(self) -> None:
         """Queue one round (no readback), checked against the caches' capacity first."""
@@ -245,18 +247,24 @@ class RoundStream:
         rounds = self._burst_rounds(rounds)
         self.check_capacity(rounds, ahead=self._unread_rounds(rounds) * (self.bufs.k + 1))
         self._issue(rounds)
-        self._unread += rounds
+        self._unseen += rounds
+        self._in_ring += rounds
 
     def _unread_rounds(self, rounds: int) -> int:
-        """The rounds issue_burst queued since the host last learnt the rows (a readback or a
-        reset), checked to leave the ring room for `rounds` more: it holds M rounds' tokens,
-        and a commit past it drops tokens while still spending the budget."""
-        if self._unread_epoch != self.bufs.epoch:
-            self._unread, self._unread_epoch = 0, self.bufs.epoch
-        if self._unread + rounds > self.bufs.m_rounds:
-            raise ValueError(f"{self._unread} round(s) were issued since the last readback: {rounds} more would "
-                             f"overrun the ring, which holds M={self.bufs.m_rounds} rounds' tokens; read back first")
-        return self._unread
+        """The rounds issue_burst queued since the host last learnt the positions (a readback
+        or a reset): how far they may have moved. Checked first that the ring has room for
+        `rounds` more beside those committed since it was last emptied (a readback queued,
+        drain_ring, a reset): it holds M rounds' tokens, and a commit past it drops tokens
+        while still spending the budget."""
+        bufs = self.bufs
+        if self._unseen_mark != bufs.epoch:
+            self._unseen, self._unseen_mark = 0, bufs.epoch
+        if self._ring_mark != bufs.rings_emptied:
+            self._in_ring, self._ring_mark = 0, bufs.rings_emptied
+        if self._in_ring + rounds > bufs.m_rounds:
+            raise ValueError(f"{self._in_ring} round(s) were issued since the ring was last read: {rounds} more "
+                             f"would overrun the ring, which holds M={bufs.m_rounds} rounds' tokens; read back first")
+        return self._unseen
 
     def _issue(self, rounds: int) -> None:
         if self._scope is not None:
