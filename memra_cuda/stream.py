@@ -115,7 +115,7 @@ class Pace:
     def rounds(self, live: np.ndarray, in_flight: int = 0) -> int:
         """Rounds for the next burst of the `live` rows, queued behind `in_flight` rounds whose
         tokens the host has not seen yet."""
-        if not self.cut or self.m_rounds == 1:
+        if not self.cut:
             return self.m_rounds
         rate = np.where(self._rounds > 0, self.generated / np.maximum(self._rounds, 1), 1.0)
         left = (self.budgets - self.generated - rate * in_flight)[live]
@@ -245,12 +245,12 @@ class RoundStream:
         tokens, so more would drop tokens. Checked against the caches' capacity first, from the
         positions the last readback (or reset) gave, moved on by the rounds issued here since."""
         rounds = self._burst_rounds(rounds)
-        self.check_capacity(rounds, ahead=self._unread_rounds(rounds) * (self.bufs.k + 1))
+        self.check_capacity(rounds, ahead=self._unseen_rounds(rounds) * (self.bufs.k + 1))
         self._issue(rounds)
         self._unseen += rounds
         self._in_ring += rounds
 
-    def _unread_rounds(self, rounds: int) -> int:
+    def _unseen_rounds(self, rounds: int) -> int:
         """The rounds issue_burst queued since the host last learnt the positions (a readback
         or a reset): how far they may have moved. Checked first that the ring has room for
         `rounds` more beside those committed since it was last emptied (a readback queued,
@@ -430,7 +430,7 @@ class RoundStream:
             self._events = [Event(self.engine), Event(self.engine)]
         k1 = self.bufs.k + 1
         slot, flight = 0, pace.rounds(~self.bufs.done)
-        unseen = self._unread_rounds(flight) * k1  # issue_burst's rounds before the first readback
+        unseen = self._unseen_rounds(flight) * k1  # issue_burst's rounds before the first readback
         self._queue_graph(slot, flight, ahead=unseen)
         while True:
             live = ~self.bufs.done
@@ -490,7 +490,7 @@ class RoundStream:
     def _queue(self, mode: Mode, rounds: int) -> None:
         """Check a burst of `rounds` rounds against the caches, then queue it and its readback
         into pinned slot 0 (replay its graph, in graph mode)."""
-        self.check_capacity(rounds, ahead=self._unread_rounds(rounds) * (self.bufs.k + 1))
+        self.check_capacity(rounds, ahead=self._unseen_rounds(rounds) * (self.bufs.k + 1))
         if mode is Mode.GRAPH:
             (self._graphs.get((0, rounds)) or self.graph_for(0, rounds)).launch()
         else:
