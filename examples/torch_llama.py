@@ -1,33 +1,40 @@
 """A real transformer decoding through round-stream: a Llama-architecture model from
-`transformers` with a self-speculative draft, greedy, on one PyTorch stream.
+`transformers` with a self-speculative draft, serving a batch of requests on one PyTorch stream,
+greedy or sampled, whole batches at once or continuously as requests come and go.
 
 The model is built from a config with random weights (nothing is downloaded). Its draft is
 honestly part of it: the same embeddings, first decoder layer(s), final norm and head; the
 target's remaining layers have their residual contributions (o_proj, down_proj) scaled down,
-so the draft agrees with the target often but not always. Both keep a static KV cache whose
-per-layer lengths are device int32 tensors registered with round-stream as KVLayers, and every
-position they use is read on the device, so a whole burst of rounds can be captured.
+so the draft agrees with the target often but not always. Both keep a static KV cache of B rows
+whose per-layer lengths are device int32 tensors registered with round-stream as KVLayers, and
+every position they use is read on the device, per row, so a whole burst of rounds over the
+whole batch can be captured.
 
-    PYTHONPATH=. python examples/torch_llama.py [--size small|large] [--tokens 256] [--k 4]
-                                                [--m-rounds 16] [--mode graph] [--eos ID]
+    PYTHONPATH=. python examples/torch_llama.py [--size small|large] [--batch 8] [--tokens 256]
+        [--k 4] [--m-rounds 16] [--mode graph] [--eos ID] [--temperature T --top-k K --top-p P]
 
 `make bench-torch` times it against Hugging Face generate, assisted generation with the same
-draft, and plain greedy decoding captured with torch.cuda.graph.
+draft, and plain greedy decoding captured with torch.cuda.graph, one request and batches.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
+import math
 import sys
-from typing import Iterator, Sequence
+import time
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memra_cuda import Cache, Greedy, KVLayer, RoundStream, SpecKernels, StreamBufs, kv_capacity, kv_len_ptr_table
+from memra_cuda import (Cache, Greedy, KVLayer, RoundStream, Sampling, SpecKernels, StreamBufs, kv_capacity,
+                        kv_len_ptr_table)
 from memra_cuda import torch as memra_torch
-from memra_cuda.layout import CTL_DONE
+from memra_cuda.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
 
 SIZES = {  # the issue's prototype model, and one about 16 times its parameters
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -38,9 +45,19 @@ SIZES = {  # the issue's prototype model, and one about 16 times its parameters
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]
 
 
+def prompts(batch: int, seed: int = 0, shortest: int = 2, longest: int = 40) -> list[list[int]]:
+    """`batch` prompts of different lengths (from `shortest` to `longest` tokens), each starting
+    with BOS: requests as a server sees them."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(shortest, longest + 1, (batch,), generator=gen).tolist()
+    return [[1] + torch.randint(2, 32000, (n - 1,), generator=gen).tolist() for n in lengths]
+
+
 def build_model(size: str = "small", *, draft_layers: int = 1, residual_scale: float = 0.01,
-                seed: int = 0) -> LlamaForCausalLM:
-    """A random-weight Llama of `size` on the GPU, with layers past the draft's scaled down."""
+                logit_scale: float = 1.0, seed: int = 0) -> LlamaForCausalLM:
+    """A random-weight Llama of `size` on the GPU, with layers past the draft's scaled down.
+    `logit_scale` multiplies the head's weights: random ones give logits so flat that sampling
+    is near uniform; a scale of a few makes the sampled law peaked, as a trained model's is."""
     shape = dict(SIZES[size])
     dtype = shape.pop("dtype")
     config = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
@@ -52,7 +69,8 @@ def build_model(size: str = "small", *, draft_layers: int = 1, residual_scale: f
         for layer in model.model.layers[draft_layers:]:
             layer.self_attn.o_proj.weight.mul_(residual_scale)
             layer.mlp.down_proj.weight.mul_(residual_scale)
-    model = model.to(dtype).eval()
+        model.lm_head.weight.mul_(logit_scale)
+    model = model.to(dtype).eval().requires_grad_(False)  # inference: no autograd graph kept alive by the caches
     model.generation_config.eos_token_id = None  # greedy runs to the budget unless an EOS is asked for
     model.generation_config.pad_token_id = 0
     return model
@@ -71,194 +89,353 @@ def draft_model(model: LlamaForCausalLM, draft_layers: int = 1) -> LlamaForCausa
     return draft.eval()
 
 
-class StaticKV:
-    """K and V for `n_layers` layers at fixed addresses, written at device positions.
+@dataclass(frozen=True)
+class SamplingParams:
+    """Temperature, then top-k (0: off), then top-p (1: off), as Hugging Face's logits
+    processors apply them; probs() turns logits into the f32 probabilities round-stream's
+    stochastic acceptance reads, on the device."""
 
-    Hugging Face's attention calls update(k, v, layer) with the new entries; they land at
-    `positions` (set by the caller for this forward) and the whole cache comes back, masked by
-    the caller. `lengths` (int32, one per layer) counts each layer's entries: round-stream's
-    rollback rewrites them, which is all it takes to forget rejected drafts.
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (greedy is sampling=None), not {self.temperature}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0, not {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float() / self.temperature
+        if self.top_k:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        if self.top_p < 1:  # drop the least likely tokens whose mass together is at most 1 - top_p
+            ascending, order = logits.sort(dim=-1)
+            drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
+            drop[..., -1] = False  # the likeliest token always stays
+            logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+        return logits.softmax(-1)
+
+
+class StaticKV:
+    """K and V of `batch` rows for `n_layers` layers at fixed addresses, written at per-row
+    device positions.
+
+    Hugging Face's attention calls update(k, v, layer) with the new entries of the rows in the
+    forward (`rows`, or every row where None); they land at `positions` ([rows][tokens], set by
+    the caller for this forward) and the rows' whole caches come back, masked by the caller.
+    `lengths` (int32 [layers][B]) counts each row's entries per layer: round-stream's rollback
+    rewrites them, which is all it takes to forget rejected drafts.
     """
 
-    def __init__(self, config: LlamaConfig, n_layers: int, capacity: int, dtype: torch.dtype):
-        heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
-        self.k = torch.zeros(n_layers, 1, heads, capacity, dim, dtype=dtype, device="cuda")
+    def __init__(self, config: LlamaConfig, n_layers: int, batch: int, capacity: int, dtype: torch.dtype):
+        heads = config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.k = torch.zeros(n_layers, batch, heads, capacity, dim, dtype=dtype, device="cuda")
         self.v = torch.zeros_like(self.k)
-        self.lengths = torch.zeros(n_layers, dtype=torch.int32, device="cuda")
+        self.lengths = torch.zeros(n_layers, batch, dtype=torch.int32, device="cuda")
         self.capacity = capacity
-        self.positions = torch.zeros(1, dtype=torch.long, device="cuda")
+        self.rows: torch.Tensor | None = None
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+        self._every_row = torch.arange(batch, device="cuda")[:, None]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):
-        self.k[layer].index_copy_(2, self.positions, key)
-        self.v[layer].index_copy_(2, self.positions, value)
-        return self.k[layer], self.v[layer]
+        rows = self._every_row if self.rows is None else self.rows[:, None]
+        self.k[layer][rows, :, self.positions] = key.transpose(1, 2)
+        self.v[layer][rows, :, self.positions] = value.transpose(1, 2)
+        if self.rows is None:
+            return self.k[layer], self.v[layer]
+        return self.k[layer].index_select(0, self.rows), self.v[layer].index_select(0, self.rows)
 
     def cache(self) -> Cache:
-        return Cache([KVLayer(self.lengths[i:i + 1], self.capacity) for i in range(len(self.lengths))])
+        return Cache([KVLayer(self.lengths[i], self.capacity) for i in range(len(self.lengths))])
 
-    def copy_from(self, other: StaticKV) -> None:
-        """`other`'s first layers, entries and lengths (what a stack of those same layers would
-        compute over the same tokens)."""
+    def copy_rows(self, other: StaticKV, rows: torch.Tensor) -> None:
+        """`other`'s first layers' entries and lengths in `rows` (what a stack of those same
+        layers computes over the same tokens)."""
         n = len(self.lengths)
-        self.k.copy_(other.k[:n])
-        self.v.copy_(other.v[:n])
-        self.lengths.copy_(other.lengths[:n])
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            mine.index_copy_(1, rows, theirs[:n].index_select(1, rows))
+        self.lengths.index_copy_(1, rows, other.lengths[:n].index_select(1, rows))
 
 
 class Stack:
     """Embeddings, the first `n_layers` decoder layers, final norm and head of a Llama, run
-    over a StaticKV at positions held on the device: append(tokens, positions) adds the
-    tokens' KV and returns their last hidden states; greedy() also applies the head and
-    returns the next-token ids. No value is read on the host."""
+    over a StaticKV of `batch` rows at positions held on the device: append(tokens, positions)
+    adds the tokens' KV ([rows][tokens] each) and returns their last hidden states; logits()
+    also applies the head. No value is read on the host."""
 
-    def __init__(self, model: LlamaForCausalLM, n_layers: int, capacity: int):
+    def __init__(self, model: LlamaForCausalLM, n_layers: int, capacity: int, batch: int = 1):
         self.model = model
         self.layers = model.model.layers[:n_layers]
-        self.kv = StaticKV(model.config, n_layers, capacity, model.dtype)
+        self.batch = batch
+        self.kv = StaticKV(model.config, n_layers, batch, capacity, model.dtype)
         self.slots = torch.arange(capacity, device="cuda")
         # The rotary embedding of every position, computed once by the model's own module (the
-        # same numbers it computes per call): a step then gathers two rows instead of
-        # recomputing them, a dozen fewer kernels per step.
+        # same numbers it computes per call): a step then gathers rows instead of recomputing
+        # them, a dozen fewer kernels per step.
         dummy = torch.zeros(1, 1, 1, dtype=model.dtype, device="cuda")
-        self.cos, self.sin = model.model.rotary_emb(dummy, self.slots[None])
-        self.prompt = torch.zeros(capacity, dtype=torch.long, device="cuda")
+        self.cos, self.sin = (t[0] for t in model.model.rotary_emb(dummy, self.slots[None]))
+        self.prompt = torch.zeros(1, capacity, dtype=torch.long, device="cuda")  # one row's prefill
+        self.prompt_row = torch.zeros(1, dtype=torch.long, device="cuda")
         self.prefills: dict[int, torch.cuda.CUDAGraph] = {}  # prompt length bucket -> its graph
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """The head's logits after each of `tokens` ([B][T] at `positions`), or after the last
+        of each row's (the head then runs on one token a row)."""
+        hidden = self.append(tokens, positions)
+        return self.model.lm_head(hidden[:, -1:] if last else hidden)
 
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The next token after each of `tokens`."""
-        return self.model.lm_head(self.append(tokens, positions)).argmax(-1)
+        return self.logits(tokens, positions).argmax(-1)
 
-    def greedy_last(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The next token after the last of `tokens` (the head runs on one row)."""
-        return self.model.lm_head(self.append(tokens, positions)[-1:]).argmax(-1)
-
-    def append(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens` and `positions` are [rows][T]; rows (a device index) are the cache rows
+        they belong to, every row where None."""
         inner = self.model.model
         positions = positions.long().clamp(0, self.kv.capacity - 1)  # a garbage position never writes outside
-        hidden = inner.embed_tokens(tokens.long())[None]
-        position_ids = positions[None]
-        rope = self.cos[:, positions], self.sin[:, positions]
-        mask = (self.slots[None, :] <= positions[:, None])[None, None]  # causal over the absolute positions
-        self.kv.positions = positions
+        hidden = inner.embed_tokens(tokens.long())
+        rope = self.cos[positions], self.sin[positions]
+        mask = (self.slots <= positions[..., None])[:, None]  # causal over each row's absolute positions
+        self.kv.rows, self.kv.positions = rows, positions
         for layer in self.layers:
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=self.kv,
-                        use_cache=True, cache_position=positions, position_embeddings=rope)
+            out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.kv,
+                        use_cache=True, cache_position=positions[0], position_embeddings=rope)
             hidden = out[0] if isinstance(out, tuple) else out
-        self.kv.lengths.copy_((positions[-1] + 1).to(torch.int32).expand_as(self.kv.lengths))
-        return inner.norm(hidden)[0]
+        return inner.norm(hidden)
 
-    def prefill(self, tokens: Sequence[int]) -> None:
-        """The prompt's KV at positions 0.. (lengths become len(tokens)).
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Each prompt's KV at positions 0.. of its row (lengths become the prompt's).
 
-        Run eagerly, a short prompt's prefill is mostly the host launching a few hundred
-        kernels (10 ms here, against 1 ms on the GPU), so it is a graph, captured once for every
-        power-of-two length. The padding's entries, past the prompt, are rewritten before any
-        position reads them."""
-        n = len(tokens)
-        if n > self.kv.capacity:
-            raise ValueError(f"a prompt of {n} tokens does not fit a cache of {self.kv.capacity}")
-        if n:
-            bucket = min(1 << (n - 1).bit_length(), self.kv.capacity)
-            self.prompt[:n].copy_(torch.tensor(tokens))
-            if bucket not in self.prefills:
-                self.append(self.prompt[:bucket], self.slots[:bucket])  # torch's lazy set-up, off the graph
-                self.prefills[bucket] = graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self.append(self.prompt[:bucket], self.slots[:bucket])
-            self.prefills[bucket].replay()
-        self.kv.lengths.fill_(n)
+        One row is a graph, captured once for every power-of-two length: run eagerly, a short
+        prompt's prefill is mostly the host launching a few hundred kernels (10 ms here, against
+        1 ms on the GPU), and continuous batching prefills one row at a time. Several rows run
+        eagerly, padded to the longest. A padding's entries, past its prompt, are rewritten
+        before any position reads them."""
+        lengths = [len(prompt) for prompt in prompts]
+        if max(lengths, default=0) > self.kv.capacity:
+            raise ValueError(f"a prompt of {max(lengths)} tokens does not fit a cache of {self.kv.capacity}")
+        index = torch.tensor(list(rows), device="cuda")
+        if len(rows) == 1 and lengths[0]:
+            self.prompt[0, :lengths[0]].copy_(torch.tensor(prompts[0]), non_blocking=True)
+            self.prompt_row.copy_(index)
+            self._prefill_graph(lengths[0]).replay()
+        elif max(lengths, default=0):
+            width = max(lengths)
+            padded = torch.tensor([list(prompt) + [0] * (width - len(prompt)) for prompt in prompts])
+            self.append(padded.cuda(), self.slots[:width].expand(len(rows), width), index)
+        self.kv.lengths[:, index] = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+    def _prefill_graph(self, length: int) -> torch.cuda.CUDAGraph:
+        bucket = min(1 << (length - 1).bit_length(), self.kv.capacity)
+        if bucket not in self.prefills:
+            self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row)  # lazy set-up, off the graph
+            self.prefills[bucket] = graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row)
+        return self.prefills[bucket]
+
+    def capture_prefills(self) -> None:
+        """Every one-row prefill graph, now (a capture synchronises the device: not mid-serving)."""
+        length = 1
+        while length <= self.kv.capacity:
+            self._prefill_graph(length)
+            length *= 2
+
+
+class Request(NamedTuple):
+    """A request for generate_batch's slots or serve's queue (seed: sampling's)."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    eos: int | None = None
+    seed: int = 0
+
+
+class Served(NamedTuple):
+    """A request's tokens, and the seconds from the start of serve() to its last token."""
+
+    tokens: list[int]
+    latency: float
 
 
 class SpeculativeLlama:
-    """Target and draft Stacks wired to a RoundStream on one torch stream.
+    """Target and draft Stacks of `batch` rows wired to a RoundStream on one torch stream.
 
-    The draft chain runs k draft steps from the pending token at pos_ctr; the verify trunk runs
-    the target over vtok at pos_start. Both run on the engine's stream whichever stream the
-    caller is on, write int64 ids (argmax's own type) straight into the token buffers
-    round-stream reads, and read every position from round-stream's device buffers.
+    The draft chain runs k draft steps from each row's pending token at its pos_ctr; the verify
+    trunk runs the target over vtok at pos_start. Both read every position from round-stream's
+    device buffers and write straight into the buffers it reads: greedy, int64 ids (argmax's
+    own type) to draft_d and pred_d; with `sampling`, the target's probabilities to p_d, the
+    draft's (`draft_sampling`, default the same) to q_d, and each draft token drawn from them by
+    round-stream's position-keyed race (spec_draft_sample), so a request's tokens depend on its
+    seed alone. The RoundStream is torch-backed, so the callables need no stream of their own.
 
     The draft's KV of the last draft token is missing after a round that accepted every draft.
-    Instead of a (k+1)-th draft step for it every round (README: the model's side), the
-    first step appends the token behind the pending one along with it: vtok_d[acc_d[0]] at
-    pos_ctr - 1, which is that draft or, in any other round, a token whose entry it rewrites
-    unchanged. A step over two tokens costs little more than over one.
+    Instead of a (k+1)-th draft step for it every round (docs: the model's side), the first step
+    appends the token behind the pending one along with it: vtok_d[acc_d[0]] at pos_ctr - 1,
+    which is that draft or, in any other round, a token whose entry it rewrites unchanged. A step
+    over two tokens costs little more than over one.
     """
 
     def __init__(self, model: LlamaForCausalLM, *, k: int = 4, m_rounds: int = 16, capacity: int = 1024,
-                 draft_layers: int = 1):
-        self.model, self.k = model, k
+                 batch: int = 1, draft_layers: int = 1, sampling: SamplingParams | None = None,
+                 draft_sampling: SamplingParams | None = None):
+        if k < 1:
+            raise ValueError(f"the example drafts k >= 1 tokens a round, not {k}")
+        self.model, self.k, self.batch = model, k, batch
+        self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
         self.stream = torch.cuda.Stream()
         with torch.cuda.stream(self.stream):
             self.engine = memra_torch.engine()
-            self.target = Stack(model, model.config.num_hidden_layers, capacity)
-            self.draft = Stack(model, draft_layers, capacity)
-            self.bufs = StreamBufs(self.engine, k, m_rounds)
-            self.pend = memra_torch.tensor(self.bufs.pend_d, torch.int32)
-            self.pos_ctr = memra_torch.tensor(self.bufs.pos_ctr_d)
-            self.pos_start = memra_torch.tensor(self.bufs.pos_start_d)
-            self.vtok = memra_torch.tensor(self.bufs.vtok_d, torch.int32)
-            self.accepted = memra_torch.tensor(self.bufs.acc_d, torch.int32)[:1]  # drafts accepted last round
-            self.done = memra_torch.tensor(self.bufs.ctl_d)[CTL_DONE:CTL_DONE + 1]
-            self.draft_d = torch.zeros(max(k, 1), dtype=torch.long, device="cuda")
-            self.pred_d = torch.zeros(k + 1, dtype=torch.long, device="cuda")
+            self.target = Stack(model, model.config.num_hidden_layers, capacity, batch)
+            self.draft = Stack(model, draft_layers, capacity, batch)
+            self.bufs = bufs = StreamBufs(self.engine, k, m_rounds, batch)
+            self.pend = memra_torch.tensor(bufs.pend_d, torch.int32)[:, None]
+            self.pos_ctr = memra_torch.tensor(bufs.pos_ctr_d)[:, None]
+            self.pos_start = memra_torch.tensor(bufs.pos_start_d)[:, None]
+            self.vtok = memra_torch.tensor(bufs.vtok_d, torch.int32).view(batch, k + 1)
+            self.accepted = memra_torch.tensor(bufs.acc_d, torch.int32).view(batch, ACC_WORDS)[:, ACC_ROUND:ACC_ROUND + 1]
+            self.done = memra_torch.tensor(bufs.ctl_d).view(batch, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
+            self.draft_d = torch.zeros(batch, k, dtype=torch.long, device="cuda")
             self.steps = torch.arange(k + 1, device="cuda")
+            spec = SpecKernels(self.engine)
+            vocab = model.config.vocab_size
+            if sampling is None:
+                self.pred_d = torch.zeros(batch, k + 1, dtype=torch.long, device="cuda")
+                acceptance = Greedy(self.pred_d)
+            else:
+                self.p_d = torch.zeros(batch, k + 1, vocab, device="cuda")
+                self.q_d = torch.zeros(batch, k, vocab, device="cuda")
+                self.seed_d = torch.zeros(batch, dtype=torch.int64, device="cuda")
+                self.draws = [spec.prepare_draft_sample(bufs, self.q_d, self.seed_d, self.draft_d, step, vocab)
+                              for step in range(k)]
+                acceptance = Sampling(self.p_d, self.q_d, self.seed_d, vocab)
             table = kv_len_ptr_table(self.engine, self.target.kv.cache() + self.draft.kv.cache(),
-                                     pos_ctr=self.bufs.pos_ctr_d)
-            self.rounds = RoundStream(SpecKernels(self.engine), self.bufs, draft_chain=self.draft_chain,
-                                      verify_trunk=self.verify_trunk, draft_d=self.draft_d,
-                                      acceptance=Greedy(self.pred_d), rollback_tables=[table],
-                                      capture=memra_torch.capture)
+                                     pos_ctr=bufs.pos_ctr_d)
+            self.rounds = RoundStream(spec, bufs, draft_chain=self.draft_chain, verify_trunk=self.verify_trunk,
+                                      draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table])
             # One eager round, so torch's lazy set-up (library handles, workspaces) happens before
-            # any capture; the next prefill resets everything it touched.
-            self.prefill([0, 0])
-            self.rounds.issue_round()
+            # any capture; the next prefill resets everything it touched. Then every slot is vacant.
+            self.prefill(range(batch), [[0, 0]] * batch)
+            self.rounds.step("readback")
+            bufs.set_stop(self.engine, budget=0)
 
     def draft_chain(self) -> None:
-        if not self.k:
-            return  # nothing to draft, and no draft KV is ever read
-        with torch.cuda.stream(self.stream):
-            positions = self.pos_ctr.long() + self.steps
-            # No token behind the pending one to append: at position 0, or when the row is done
-            # (its entries stay as they are). Then the pending token fills both rows.
-            lone = (self.done != 0) | (positions[:1] == 0)
-            behind = torch.where(lone, self.pend, torch.index_select(self.vtok, 0, self.accepted))
-            token = self.draft.greedy_last(torch.cat([behind, self.pend]),
-                                           torch.cat([positions[:1] - 1 + lone, positions[:1]]))
-            self.draft_d[:1].copy_(token)
-            for step in range(1, self.k):
-                token = self.draft.greedy(token, positions[step:step + 1])
-                self.draft_d[step:step + 1].copy_(token)
+        positions = self.pos_ctr.long() + self.steps  # [B][k+1]: where each draft step's input sits
+        # No token behind the pending one to append: at position 0, or when the row is done
+        # (its entries stay as they are). Then the pending token fills both columns.
+        lone = (self.done != 0) | (positions[:, :1] == 0)
+        behind = torch.where(lone, self.pend, self.vtok.gather(1, self.accepted.long().clamp(0, self.k)))
+        token = self._draft_token(0, self.draft.logits(torch.cat([behind, self.pend], 1),
+                                                       torch.cat([positions[:, :1] - 1 + lone.long(),
+                                                                  positions[:, :1]], 1), last=True))
+        for step in range(1, self.k):
+            token = self._draft_token(step, self.draft.logits(token, positions[:, step:step + 1]))
+
+    def _draft_token(self, step: int, logits: torch.Tensor) -> torch.Tensor:
+        """Draft token `step` of every row ([B][1]) from the draft's logits there."""
+        if self.sampling is None:
+            self.draft_d[:, step:step + 1].copy_(logits.argmax(-1))
+        else:
+            self.q_d[:, step].copy_(self.draft_sampling.probs(logits[:, 0]))
+            self.draws[step]()
+        return self.draft_d[:, step:step + 1]
 
     def verify_trunk(self) -> None:
-        with torch.cuda.stream(self.stream):
-            self.pred_d.copy_(self.verify(self.vtok, self.pos_start + self.steps))
+        logits = self.verify(self.vtok, self.pos_start.long() + self.steps)
+        if self.sampling is None:
+            self.pred_d.copy_(logits.argmax(-1))
+        else:
+            self.p_d.copy_(self.sampling.probs(logits))
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The target's next token after each of the k+1 tokens. Its GEMMs have k+1 rows, a
-        shape cuBLAS's own fp32 kernels serve at twice a one-row GEMV's time; cuBLASLt's
-        kernels take a verify of 5 tokens from 1.18 to 1.10 target steps (H200, small model)."""
+        """The target's logits after each of the k+1 tokens of every row. Its GEMMs have
+        B(k+1) rows, a shape cuBLAS's own fp32 kernels serve at twice a one-row GEMV's time;
+        cuBLASLt's kernels take a verify of 5 tokens from 1.18 to 1.10 target steps (H200,
+        small model)."""
         with blas("cublaslt"):
-            return self.target.greedy(tokens, positions)
+            return self.target.logits(tokens, positions)
 
-    def prefill(self, prompt: Sequence[int]) -> int:
-        """Both caches take the prompt but its last token, which becomes pending. reset zeroes
-        acc_d, so the first draft step reads vtok_d[0] as the token behind the pending one:
-        the prompt's last but one."""
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+                seeds: Sequence[int] | None = None) -> list[int]:
+        """Both caches of each row take its prompt but the last token, which becomes pending;
+        `seeds` are the rows' requests' (sampling). reset zeroes acc_d, so the first draft step
+        reads vtok_d[0] as the token behind the pending one: the prompt's last but one. Returns
+        the rows' start positions."""
+        rows = list(rows)
+        if any(not prompt for prompt in prompts) or len(prompts) != len(rows):
+            raise ValueError(f"need one prompt of at least one token for each of the {len(rows)} rows")
+        starts = [len(prompt) - 1 for prompt in prompts]
         with torch.cuda.stream(self.stream):
-            self.target.prefill(prompt[:-1])
-            self.draft.kv.copy_from(self.target.kv)  # the draft's layers are the target's first
-            self.bufs.reset(self.engine, prompt[-1], len(prompt) - 1)
-            if len(prompt) > 1:
-                self.vtok[:1].fill_(prompt[-2])
-        return len(prompt) - 1
+            index = torch.tensor(rows, device="cuda")
+            self.target.prefill(rows, [prompt[:-1] for prompt in prompts])
+            self.draft.kv.copy_rows(self.target.kv, index)
+            pending = [int(prompt[-1]) for prompt in prompts]
+            if rows == list(range(self.batch)):
+                self.bufs.reset(self.engine, pending, starts)
+            else:
+                for row, token, start in zip(rows, pending, starts):
+                    self.bufs.reset_row(self.engine, row, token, start)
+            behind = torch.tensor([prompt[-2] if len(prompt) > 1 else 0 for prompt in prompts], device="cuda")
+            self.vtok[index, 0] = behind.to(torch.int32)
+            if self.sampling is not None:
+                self.seed_d[index] = torch.tensor(list(seeds or [0] * len(rows)), device="cuda")
+        return starts
+
+    def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:
+        """Every graph the modes may replay, and every one-row prefill graph, captured now:
+        through torch a capture synchronises the device, which a server must not do mid-request."""
+        with torch.cuda.stream(self.stream):
+            self.target.capture_prefills()
+            self.rounds.capture_graphs(slots=(0, 1) if "overlap" in modes else (0,))
+
+    def generate_batch(self, requests: Sequence[Request], mode: str = "graph") -> list[list[int]]:
+        """One request per row, all started together and generated until each stops."""
+        if len(requests) != self.batch:
+            raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
+        starts = self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests])
+        with torch.cuda.stream(self.stream):
+            out = self.rounds.generate_batch(starts, [r.max_new_tokens for r in requests],
+                                             eos=[r.eos for r in requests], mode=mode)
+        return [tokens.tolist() for tokens in out]
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, eos: int | None = None,
-                 mode: str = "graph") -> list[int]:
-        start = self.prefill(prompt)
-        with torch.cuda.stream(self.stream):
-            return self.rounds.generate(start, max_new_tokens, eos=eos, mode=mode).tolist()
+                 mode: str = "graph", seed: int = 0) -> list[int]:
+        return self.generate_batch([Request(prompt, max_new_tokens, eos, seed)], mode)[0]
 
-    def acceptance(self, committed: int) -> float:
+    def serve(self, requests: Sequence[Request], mode: str = "graph") -> list[Served]:
+        """Continuous batching: the requests, queued in order, through the batch's slots. A
+        slot is filled (prefill, reset_row, set_stop_row) as soon as its request stops, between
+        bursts, and every step runs all slots; no graph is recaptured."""
+        queue = collections.deque(enumerate(requests))
+        slots: list[int | None] = [None] * self.batch
+        tokens: list[list[int]] = [[] for _ in range(self.batch)]
+        out: list[Served | None] = [None] * len(requests)
+        self.bufs.set_stop(self.engine, budget=0)
+        begun = time.perf_counter()
+        while queue or any(slot is not None for slot in slots):
+            for row in range(self.batch):
+                if slots[row] is None and queue:
+                    slots[row], request = queue.popleft()
+                    tokens[row] = []
+                    self.prefill([row], [request.prompt], [request.seed])
+                    self.bufs.set_stop_row(self.engine, row, request.eos, request.max_new_tokens)
+            with torch.cuda.stream(self.stream):
+                readback = self.rounds.step(mode)
+            for row, slot in enumerate(slots):
+                if slot is None:
+                    continue
+                tokens[row] += readback.tokens[row].tolist()
+                if readback.done[row]:
+                    out[slot] = Served(tokens[row], time.perf_counter() - begun)
+                    slots[row] = None
+        return out
+
+    def acceptance(self, committed: int | Sequence[int]) -> float:
         accepted, drafted = self.bufs.drafts_accepted(self.engine, committed)
         return accepted / drafted if drafted else 1.0
 
@@ -274,81 +451,116 @@ def blas(library: str) -> Iterator[None]:
         torch.backends.cuda.preferred_blas_library(before)
 
 
-def capacity_for(prompt_len: int, tokens: int, k: int, m_rounds: int) -> int:
-    return kv_capacity(prompt_len, tokens, k, m_rounds, overlap=True)
+def capacity_for(prompt_len: int, tokens: int, k: int, m_rounds: int, batch: int = 1) -> int:
+    return kv_capacity(prompt_len, tokens, k, m_rounds, overlap=True, batch=batch)
 
 
-def hf_greedy(model: LlamaForCausalLM, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None,
-              assistant: LlamaForCausalLM | None = None, k: int = 4) -> list[int]:
-    """Hugging Face's own greedy decoding (assisted by `assistant`, k tokens at a time, if given)."""
-    ids = torch.tensor([list(prompt)], device="cuda")
-    extra = {}
+def hf_generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                eos: int | None = None, sampling: SamplingParams | None = None,
+                assistant: LlamaForCausalLM | None = None, k: int = 4) -> list[list[int]]:
+    """Hugging Face's own decoding of a batch (prompts left-padded; greedy, or `sampling` from
+    torch's generator), assisted by `assistant`, k tokens at a time, if given. Each row's
+    tokens stop at its EOS."""
+    width = max(len(prompt) for prompt in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device="cuda")
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    extra: dict = {}
     if assistant is not None:
         config = assistant.generation_config
         config.num_assistant_tokens, config.num_assistant_tokens_schedule = k, "constant"
         config.assistant_confidence_threshold = 0.0
         extra["assistant_model"] = assistant
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=0, do_sample=False, eos_token_id=eos, pad_token_id=0, **extra)
-    return out[0, len(prompt):].tolist()
+    if sampling is not None:
+        extra.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    else:
+        extra.update(do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                         eos_token_id=eos, pad_token_id=0, **extra)[:, width:].tolist()
+    return [row[:row.index(eos) + 1] if eos in row else row for row in out]
+
+
+def hf_greedy(model: LlamaForCausalLM, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None,
+              assistant: LlamaForCausalLM | None = None, k: int = 4) -> list[int]:
+    """Hugging Face's greedy decoding of one prompt."""
+    return hf_generate(model, [prompt], max_new_tokens, eos, assistant=assistant, k=k)[0]
 
 
 class GraphedGreedy:
-    """Plain greedy decoding, one token per step, the step captured once with torch.cuda.graph
-    and replayed; the host reads each token back (as an engine streaming tokens would)."""
+    """Plain greedy decoding of a batch, one token a row per step, the step captured once with
+    torch.cuda.graph and replayed; the host reads each step's tokens back (as an engine
+    streaming tokens would) and stops when every row has its budget or its EOS."""
 
-    def __init__(self, model: LlamaForCausalLM, capacity: int):
+    def __init__(self, model: LlamaForCausalLM, capacity: int, batch: int = 1):
         self.stream = torch.cuda.Stream()
-        self.stack = Stack(model, model.config.num_hidden_layers, capacity)
-        self.token = torch.zeros(1, dtype=torch.long, device="cuda")
-        self.position = torch.zeros(1, dtype=torch.long, device="cuda")
+        self.batch = batch
+        self.stack = Stack(model, model.config.num_hidden_layers, capacity, batch)
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+        self.position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def _step(self) -> None:
         self.token.copy_(self.stack.greedy(self.token, self.position))
         self.position.add_(1)
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    def _start(self, requests: Sequence[Request]) -> None:
+        self.stack.prefill(range(self.batch), [r.prompt[:-1] for r in requests])
+        self.token.copy_(torch.tensor([[r.prompt[-1]] for r in requests]))
+        self.position.copy_(torch.tensor([[len(r.prompt) - 1] for r in requests]))
+
+    def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
         with torch.cuda.stream(self.stream):
-            self.stack.prefill(prompt[:-1])
-            self.token.fill_(prompt[-1])
-            self.position.fill_(len(prompt) - 1)
+            self._start(requests)
             if self.graph is None:
                 self._step()  # warm-up off the graph, then undo it
-                self.position.fill_(len(prompt) - 1)
-                self.token.fill_(prompt[-1])
+                self._start(requests)
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph, stream=self.stream):
                     self._step()
-            out: list[int] = []
-            while len(out) < max_new_tokens:
+            out: list[list[int]] = [[] for _ in requests]
+            live = set(range(self.batch))
+            while live:
                 self.graph.replay()
-                out.append(int(self.token.item()))
-                if out[-1] == eos:
-                    break
+                step = self.token[:, 0].tolist()
+                for row in list(live):
+                    out[row].append(step[row])
+                    if step[row] == requests[row].eos or len(out[row]) == requests[row].max_new_tokens:
+                        live.discard(row)
             return out
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+        return self.generate_batch([Request(prompt, max_new_tokens, eos)])[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--m-rounds", type=int, default=16)
     parser.add_argument("--mode", choices=["readback", "stream", "graph", "overlap"], default="graph")
     parser.add_argument("--eos", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None, help="sample (default: greedy)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args(argv)
     model = build_model(args.size)
-    spec = SpeculativeLlama(model, k=args.k, m_rounds=args.m_rounds,
-                            capacity=capacity_for(len(PROMPT), args.tokens, args.k, args.m_rounds))
-    got = spec.generate(PROMPT, args.tokens, eos=args.eos, mode=args.mode)
-    print(f"{args.size} model, k={args.k}, M={args.m_rounds}, {args.mode}: {len(got)} tokens, "
-          f"acceptance {spec.acceptance(len(got)):.2f}")
-    print(got[:32], "..." if len(got) > 32 else "")
-    if model.dtype == torch.float32:
-        want = hf_greedy(model, PROMPT, args.tokens, args.eos)
-        print(f"equals Hugging Face greedy: {'yes' if got == want else 'NO'}")
-        return 0 if got == want else 1
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature else None
+    batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
+    requests = [Request(prompt, args.tokens, args.eos, seed) for seed, prompt in enumerate(batch)]
+    capacity = capacity_for(max(len(p) for p in batch), args.tokens, args.k, args.m_rounds, args.batch)
+    spec = SpeculativeLlama(model, k=args.k, m_rounds=args.m_rounds, capacity=capacity, batch=args.batch,
+                            sampling=sampling)
+    got = spec.generate_batch(requests, args.mode)
+    print(f"{args.size} model, B={args.batch}, k={args.k}, M={args.m_rounds}, {args.mode}, "
+          f"{'greedy' if sampling is None else sampling}: {sum(map(len, got))} tokens, "
+          f"acceptance {spec.acceptance([len(row) for row in got]):.2f}")
+    print(got[0][:32], "..." if len(got[0]) > 32 else "")
+    if model.dtype == torch.float32 and sampling is None:
+        want = [hf_greedy(model, r.prompt, r.max_new_tokens, r.eos) for r in requests]
+        same = got == want
+        print(f"every row equals Hugging Face greedy on its own prompt: {'yes' if same else 'NO'}")
+        return 0 if same else 1
     return 0
 
 

@@ -19,25 +19,18 @@
    against the same model on one, k=4, M=16, bare and as 8B/0.5B with the verify's weights
    split between the stages: time per round of each, in stream and graph mode.
 6. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
-   examples/torch_llama.py at two sizes, decoded by Hugging Face generate, by its assisted
-   generation with the same draft, by plain greedy with each step a torch.cuda.graph, and by
-   round-stream in readback, graph and overlap modes; then the ideal speculative speedup over
-   graphed greedy, tau / (1 + (k+1) c), and how much of it the graph mode reaches, and the
-   same for the work the example's round does (a verify of k+1 tokens, a draft step over two
-   tokens and k-1 over one).
+   examples/torch_llama.py, one request, batches and continuous batching (bench_torch.py).
 
     python -m memra_cuda.bench [--json PATH] [--only launch|host|rounds|batch|sampling|pipeline|torch] [--quick]
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -356,108 +349,6 @@ def bench_pipeline(engine: Engine, quick: bool) -> list[dict]:
     return rows
 
 
-TORCH_K, TORCH_M = 4, 16
-
-
-def _example():
-    """examples/torch_llama.py, from the source checkout the bench runs in. An installed package
-    has no examples/: say so in one line, not a traceback."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "torch_llama.py"
-    if not path.is_file():
-        raise SystemExit("memra_cuda.bench: the PyTorch example is examples/torch_llama.py of the source "
-                         "repository, not part of the installed package: run `make bench-torch` from a checkout")
-    spec = importlib.util.spec_from_file_location("torch_llama", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _tokens_per_s(run, tokens: int) -> tuple[float, list[int]]:
-    """tokens/s of run(tokens) after one untimed warm-up run (graph capture, first loads)."""
-    import torch
-    run(tokens)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = run(tokens)
-    torch.cuda.synchronize()
-    return len(out) / (time.perf_counter() - t0), out
-
-
-def _step_ms(step, tokens: int = 1, replays: int = 200) -> float:
-    """Device milliseconds of step(tokens, positions) over `tokens` tokens, captured as a
-    graph and replayed."""
-    import torch
-    token = torch.zeros(tokens, dtype=torch.long, device="cuda")
-    position = torch.arange(8, 8 + tokens, device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        step(token, position)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step(token, position)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-    return start.elapsed_time(end) / replays
-
-
-def bench_torch(quick: bool) -> list[dict]:
-    llama = _example()
-    rows: list[dict] = []
-    print(f"{'size':6} {'method':22} {'tokens/s':>9} {'accept':>6} {'vs greedy':>9} {'vs HF assisted':>14}")
-    for size in ("small", "large"):
-        tokens = 64 if quick else 256
-        model = llama.build_model(size)
-        capacity = llama.capacity_for(len(llama.PROMPT), tokens, TORCH_K, TORCH_M)
-        draft = llama.draft_model(model)
-        spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity)
-        greedy = llama.GraphedGreedy(model, capacity)
-        methods = {
-            "HF generate": (lambda n: llama.hf_greedy(model, llama.PROMPT, n), None),
-            "HF assisted": (lambda n: llama.hf_greedy(model, llama.PROMPT, n, assistant=draft, k=TORCH_K), None),
-            "greedy, torch graph": (lambda n: greedy.generate(llama.PROMPT, n), None),
-        }
-        for mode in ("readback", "graph", "overlap"):
-            methods[f"round-stream {mode}"] = (lambda n, mode=mode: spec.generate(llama.PROMPT, n, mode=mode), spec)
-        measured = {}
-        for name, (run, speculative) in methods.items():
-            rate, out = _tokens_per_s(run, tokens)
-            measured[name] = row = dict(size=size, method=name, tokens_per_s=rate, acceptance=None)
-            if speculative is not None:
-                accepted, drafted = speculative.bufs.drafts_accepted(speculative.engine, len(out))
-                row.update(acceptance=accepted / drafted, tokens_per_round=len(out) * TORCH_K / drafted)
-        for row in measured.values():
-            row["vs_greedy"] = row["tokens_per_s"] / measured["greedy, torch graph"]["tokens_per_s"]
-            row["vs_hf_assisted"] = row["tokens_per_s"] / measured["HF assisted"]["tokens_per_s"]
-            accept = f"{row['acceptance']:6.2f}" if row["acceptance"] is not None else f"{'-':>6}"
-            print(f"{size:6} {row['method']:22} {row['tokens_per_s']:9.0f} {accept} {row['vs_greedy']:8.2f}x "
-                  f"{row['vs_hf_assisted']:13.2f}x", flush=True)
-            rows.append(row)
-        graph = measured["round-stream graph"]
-        tau = graph["tokens_per_round"]
-        target_ms = _step_ms(spec.target.greedy)
-        c = _step_ms(spec.draft.greedy) / target_ms
-        v = _step_ms(spec.verify, TORCH_K + 1) / target_ms  # the formula takes a verify for one step
-        c2 = _step_ms(spec.draft.greedy_last, 2) / target_ms
-        ideal = tau / (1 + (TORCH_K + 1) * c)
-        reached = graph["vs_greedy"] / ideal
-        print(f"{size:6} ideal speedup over graphed greedy: tau={tau:.2f} tokens/round, c={c:.3f} "
-              f"(draft step / target step) -> {ideal:.2f}x; graph mode reaches {graph['vs_greedy']:.2f}x "
-              f"= {reached:.0%} of it", flush=True)
-        # The example's round does other work than the formula counts: its draft chain folds the
-        # (k+1)-th step into the first one (two tokens), and its verify runs k+1 tokens at once.
-        own = tau / (v + c2 + (TORCH_K - 1) * c)
-        print(f"{size:6} the example's round: a verify of k+1={TORCH_K + 1} tokens (v={v:.2f} target steps), "
-              f"a draft step over 2 tokens (c2={c2:.3f}) and k-1 over one: tau / (v + c2 + (k-1) c) = "
-              f"{own:.2f}x; graph mode reaches {graph['vs_greedy'] / own:.0%} of it", flush=True)
-        rows.append(dict(size=size, method="ideal", tau=tau, c=c, c2=c2, v=v, ideal=ideal, reached=reached,
-                         round_ideal=own, round_reached=graph["vs_greedy"] / own))
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memra_cuda.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
@@ -498,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\npipeline: the toy split at layer {len(MODEL.kv_mask) // 2} over two GPUs, k={BATCH_K}, M={BATCH_M}")
         report["pipeline"] = bench_pipeline(engine, args.quick)
     if args.only == "torch":
+        from .bench_torch import bench_torch  # torch and transformers only where asked for
         report["torch"] = bench_torch(args.quick)
     if args.json:
         with open(args.json, "w") as fh:

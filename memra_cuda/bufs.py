@@ -98,12 +98,13 @@ class StreamBufs:
     def pos_ctr(self) -> DeviceBuffer:
         return self.pos_ctr_d
 
-    def reset(self, engine: Engine, pending: int, position: int) -> None:
-        """Start a new request on these buffers (every row, for a batch): `pending` is the last
-        prompt token (its KV not yet computed), `position` the KV entries already committed
-        (the prompt but its last token). Ring, counters, done and keep are cleared and the stop
-        rule is lifted (set_stop sets the next one); captured graphs stay valid. The model's KV
-        lengths are the model's to set (to `position`)."""
+    def reset(self, engine: Engine, pending: int | Sequence[int], position: int | Sequence[int]) -> None:
+        """Start a new request on these buffers (in every row, for a batch): `pending` is the
+        last prompt token (its KV not yet computed), `position` the KV entries already committed
+        (the prompt but its last token), each one value for all rows or one per row. Ring,
+        counters, done and keep are cleared and the stop rule is lifted (set_stop sets the next
+        one); captured graphs stay valid. The model's KV lengths are the model's to set (to
+        `position`)."""
         self._reset(engine, range(self.batch), pending, position)
 
     def set_positions(self, positions: np.ndarray) -> None:
@@ -135,14 +136,12 @@ class StreamBufs:
             raise ValueError(f"row {row} is outside a batch of {self.batch}")
         return range(row, row + 1)
 
-    def _reset(self, engine: Engine, rows: range, pending: int, position: int) -> None:
-        if not 0 <= as_index(pending, "pending") < 2**31:
-            raise ValueError(f"pending must be a token id in [0, 2**31), not {pending}")
-        if not 0 <= as_index(position, "position") < 2**31:
-            raise ValueError(f"position must be in [0, 2**31), not {position}")
+    def _reset(self, engine: Engine, rows: range, pending: Any, position: Any) -> None:
         n, first = len(rows), rows.start
-        engine.copy_htod(self.pend_d, np.full(n, pending), start=first)
-        engine.copy_htod(self.pos_ctr_d, np.full(n, position), start=first)
+        pending = np.array(per_row(pending, n, "pending", optional=False), np.int64)
+        position = np.array(per_row(position, n, "position", optional=False), np.int64)
+        engine.copy_htod(self.pend_d, pending, start=first)
+        engine.copy_htod(self.pos_ctr_d, position, start=first)
         self._set_stop(engine, rows, None, None)  # no stop rule, not done, keep 0
         for buf, row in ((self.ring_d, RING_TOKENS + self.ring_cap), (self.brk_d, BRK_WORDS), (self.acc_d, ACC_WORDS)):
             engine.copy_htod(buf, np.zeros(n * row, np.uint32), start=row * first)

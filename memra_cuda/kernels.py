@@ -14,7 +14,7 @@ import numpy as np
 from .driver.buffer import DeviceBuffer
 from .driver.values import as_index
 from .driver.module import Launch
-from .sampling import prepare_accept_sample
+from .sampling import prepare_accept_sample, prepare_draft_sample
 from .tables import PointerTable
 
 if TYPE_CHECKING:
@@ -89,6 +89,12 @@ class SpecKernels:
         """Stochastic acceptance (contract 6, ptx/spec_sample.ptx): see sampling.py."""
         return prepare_accept_sample(self.engine, bufs, p_d, q_d, seed_d, vocab)
 
+    def prepare_draft_sample(self, bufs: StreamBufs, q_d: Any, seed_d: Any, draft_d: Any, step: int,
+                             vocab: int) -> Launch:
+        """The draft's position-keyed draw of token `step` (contract 7, ptx/spec_sample.ptx): see
+        sampling.py."""
+        return prepare_draft_sample(self.engine, bufs, q_d, seed_d, draft_d, step, vocab)
+
     def seed_gather(self, rows_d: Any, row_words: int, bufs: StreamBufs, out_d: Any) -> None:
         self.prepare_seed_gather(rows_d, row_words, bufs, out_d)()
 
@@ -106,6 +112,9 @@ class SpecKernels:
 
     def accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int | None = None) -> None:
         self.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)()
+
+    def draft_sample(self, bufs: StreamBufs, q_d: Any, seed_d: Any, draft_d: Any, step: int, vocab: int) -> None:
+        self.prepare_draft_sample(bufs, q_d, seed_d, draft_d, step, vocab)()
 
     def _words(self, name: str, obj: Any) -> DeviceBuffer:
         """A buffer of 32-bit words of any kind (rows of hidden states, say)."""

@@ -96,7 +96,9 @@ def spec_ring_commit(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, c
 
     Budget 0 means done before the token; otherwise the token goes in (if the ring has room),
     a positive budget counts down, and EOS or a spent budget means done after it. The bonus
-    becomes the pending token whatever happened.
+    becomes the pending token whatever happened. A stop inside the drafts (t <= n tokens
+    committed) takes n + 1 - max(t, 1) off the accepted total, so that it counts only the
+    drafts committed before the round's last token, and committed - accepted counts rounds.
     """
     for vtok, acc, last_pred, ctl, pend, ring in row_views(
             batch, (vtok, k + 1), (acc, ACC_WORDS), (last_pred, 1), (ctl, CTL_WORDS), (pend, 1),
@@ -112,7 +114,7 @@ def _ring_commit_row(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, c
     n = min(int(acc[ACC_ROUND]), k)
     bonus = int(last_pred[0])
     count = min(int(ring[RING_COUNT]), ring_cap)
-    done = False
+    done, walked = False, 0
     for tok in [int(t) for t in vtok[1:1 + n]] + [bonus]:
         if budget == 0:
             done = True
@@ -120,11 +122,14 @@ def _ring_commit_row(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, c
         if count < ring_cap:
             ring[RING_TOKENS + count] = tok
             count += 1
+        walked += 1
         if budget > 0:
             budget -= 1
         done = (eos >= 0 and tok == eos) or budget == 0
         if done:
             break
+    if walked <= n:
+        acc[ACC_TOTAL] = (int(acc[ACC_TOTAL]) - (n + 1 - max(walked, 1))) % 2**32
     ring[RING_COUNT] = count
     ctl[CTL_BUDGET] = budget
     ctl[CTL_DONE] = int(done)
@@ -239,3 +244,17 @@ def _settle_row(n: int, token: int, k: int, brk: np.ndarray, acc: np.ndarray, la
     pred = np.zeros(k + 1, np.uint32)
     pred[:n], pred[n] = _STAND_IN, token
     _accept_greedy_row(stand_in, pred, k, brk, acc, last_pred, ctl)
+
+
+# -- 7. spec_draft_sample (ptx/spec_sample.cu): the draft's position-keyed draw ---------------
+
+def spec_draft_sample(step: int, k: int, V: int, q: np.ndarray, pos_ctr: np.ndarray, seed: np.ndarray,
+                      draft: np.ndarray, batch: int = 1) -> None:
+    """Draft token `step` of each row raced over q[b][step] (float32 [B][max(k,1)][V]) with
+    purpose 2 at the absolute position it will sit at, pos_ctr + step + 1, into draft[b][step]
+    ([B][max(k,1)]); 0 where q's row has no positive weight (contract 7)."""
+    rows = max(k, 1)
+    for q, pos_ctr, seed, draft in row_views(batch, (q, rows * V), (pos_ctr, 1), (seed, 1), (draft, rows)):
+        token = sample_race(probabilities(q.reshape(rows, V)[step]), seed[0], int(pos_ctr[0]) + step + 1,
+                            PURPOSE_DRAFT)
+        draft[step] = max(token, 0)

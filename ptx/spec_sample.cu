@@ -140,3 +140,46 @@ spec_accept_sample(const u32* vtok_d, const float* p_d, const float* q_d, u32 V,
     }
     brk_row[BRK_MARK] = 0;
 }
+
+// 7. The draft's draw (docs/kernels.md, "7. spec_draft_sample"), for B rows; mirrored by
+//    memra_cuda/reference.py's spec_draft_sample.
+//
+// Row b (blockIdx.y): draft token `step` (< max(k, 1)) is raced over the draft's probabilities
+// q[b][step][0..V) with purpose 2 at the absolute position it will sit at, a = pos_ctr[b] + step + 1,
+// and written to draft[b][step] (0 when q's row has no positive weight). Keyed by position and seed
+// alone, a request's drafts (and so its tokens) do not depend on its slot, the batch, M or the mode.
+// The race is spread over gridDim.x blocks per row, settled as spec_accept_sample settles its own:
+// scratch u64[B][2], zero at the first launch and left zero by every launch.
+template <typename Tok>
+__device__ __forceinline__ void draft_sample(u32 step, u32 k, u32 V, u32 B, const float* q_d, const int* pos_ctr_d,
+                                             const u64* seed_d, Tok* draft_d, u64* scratch) {
+    const u32 b = blockIdx.y;
+    if (b >= B) return;
+    const u32 rows = max(k, 1u);
+    const u32 row = min(step, rows - 1);  // clamped: a step past the chain redraws the last row, in bounds
+    const float* q = q_d + ((u64)b * rows + row) * V;
+    const u64 seed = seed_d[b];
+    const u32 a = (u32)pos_ctr_d[b] + row + 1u;
+    u64 best = 0;
+    for (u64 v = (u64)blockIdx.x * THREADS + threadIdx.x; v < V; v += (u64)gridDim.x * THREADS) {
+        const float w = prob(q[v]);
+        if (w > 0.f)
+            best = race_max(best, race_key(w, __fdividef(1.f, philox_exponential(seed, a, (u32)v, PURPOSE_DRAFT)),
+                                           (u32)v));
+    }
+    best = block_race_max<THREADS>(best);
+    if (threadIdx.x == 0 && race_settle(best, scratch + 2 * (u64)b, &best))
+        draft_d[(u64)b * rows + row] = (Tok)(best ? race_token(best) : 0u);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+spec_draft_sample(u32 step, u32 k, u32 V, u32 B, const float* q_d, const int* pos_ctr_d, const u64* seed_d,
+                  u32* draft_d, u64* scratch) {
+    draft_sample(step, k, V, B, q_d, pos_ctr_d, seed_d, draft_d, scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+spec_draft_sample_t64(u32 step, u32 k, u32 V, u32 B, const float* q_d, const int* pos_ctr_d, const u64* seed_d,
+                      u64* draft_d, u64* scratch) {
+    draft_sample(step, k, V, B, q_d, pos_ctr_d, seed_d, draft_d, scratch);
+}

@@ -118,7 +118,7 @@ extern "C" __global__ void spec_accept_greedy_dc_t64(const u32* vtok_d, const u6
 //    k bounds the accept count read from acc_d (the contract's arguments, plus this bound).
 //    One warp a row: lanes load 32 tokens at once; every lane then walks them in the same order
 //    (the state is uniform across the warp) and lane 0 stores. Ring rows are RING_TOKENS + ring_cap long.
-__device__ void ring_commit_row(u32 b, const u32* vtok_d, const u32* acc_d, const u32* last_pred_d, int* ctl_d,
+__device__ void ring_commit_row(u32 b, const u32* vtok_d, u32* acc_d, const u32* last_pred_d, int* ctl_d,
                                 u32* pend_d, u32* ring_d, u32 ring_cap, u32 k) {
     const u32 lane = threadIdx.x & 31;
     const u32* vtok = vtok_d + (u64)b * (k + 1);
@@ -131,6 +131,7 @@ __device__ void ring_commit_row(u32 b, const u32* vtok_d, const u32* acc_d, cons
     u32 count = min(ring[RING_COUNT], ring_cap);
     if (done_at_entry != 0) return;  // the whole warp: every lane read the same flag
     int done = 0;
+    u32 walked = 0;  // tokens committed this round (the ring may have had room for fewer)
     for (u32 base = 0; base <= n && !done; base += 32) {
         const u32 i = base + lane;
         const u32 mine = i < n ? vtok[1 + i] : bonus;
@@ -144,12 +145,16 @@ __device__ void ring_commit_row(u32 b, const u32* vtok_d, const u32* acc_d, cons
                 if (lane == 0) ring[RING_TOKENS + count] = tok;
                 ++count;
             }
+            ++walked;
             if (budget > 0) --budget;
             done = (eos >= 0 && tok == (u32)eos) || budget == 0;
             if (done) break;
         }
     }
     if (lane == 0) {
+        // A stop inside the drafts commits fewer than n + 1 tokens: the total counts only the
+        // drafts it committed before the last, so committed - accepted still counts the rounds.
+        if (walked <= n) acc_d[ACC_WORDS * b + ACC_TOTAL] -= n + 1 - max(walked, 1u);
         ring[RING_COUNT] = count;
         ctl[CTL_BUDGET] = budget;
         ctl[CTL_DONE] = done;
@@ -157,7 +162,7 @@ __device__ void ring_commit_row(u32 b, const u32* vtok_d, const u32* acc_d, cons
     }
 }
 
-extern "C" __global__ void spec_ring_commit(const u32* vtok_d, const u32* acc_d, const u32* last_pred_d,
+extern "C" __global__ void spec_ring_commit(const u32* vtok_d, u32* acc_d, const u32* last_pred_d,
                                             int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap, u32 k, u32 B) {
     WARP_STRIDE(b, B) ring_commit_row((u32)b, vtok_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, k);
 }

@@ -169,13 +169,16 @@ def test_accept_any_nonzero_done_flag_is_done():
 
 # k = 3: vtok is the pending token 50, then drafts 21, 22, 23. The bonus (last_pred) is 30.
 def commit(n: int, bonus: int = 30, eos: int = -1, budget: int = -1, done: int = 0,
-           ring: tuple = (0,), ring_cap: int = 6, pend: int = 5) -> dict:
+           ring: tuple = (0,), ring_cap: int = 6, pend: int = 5, accepted: bool = False) -> dict:
     """Commit with accept count n into a ring of ring_cap slots (plus the count) that starts as
-    `ring` then zeros; return every buffer the commit may write, as lists."""
+    `ring` then zeros; return every buffer the commit may write, as lists (acc_d's too, if
+    `accepted`: its total starts at 100 + n, as the accept kernel left it)."""
     ring_words = np.zeros(ring_cap + 1, np.uint32)
     ring_words[:len(ring)] = ring
     state = dict(ring=ring_words, ctl=ctl(eos, budget, done, keep=4), pend=u32(pend))
-    ref.spec_ring_commit(u32(50, 21, 22, 23), u32(n, 0), u32(bonus), state["ctl"], state["pend"],
+    if accepted:
+        state["acc"] = u32(n, (100 + n) % 2**32)
+    ref.spec_ring_commit(u32(50, 21, 22, 23), state.get("acc", u32(n, 0)), u32(bonus), state["ctl"], state["pend"],
                          state["ring"], ring_cap, 3)
     return {name: words.tolist() for name, words in state.items()}
 
@@ -203,6 +206,16 @@ def test_commit_appends_after_the_tokens_already_in_the_ring():
 
 def test_commit_eos_in_the_middle_stops_after_it():
     assert commit(3, eos=22) == dict(ring=[2, 21, 22, 0, 0, 0, 0], ctl=[22, -1, 1, 4], pend=[30])
+
+
+def test_commit_stopped_inside_the_drafts_counts_only_those_before_its_last_token():
+    """An EOS at draft 2 of 3 accepted: 2 tokens committed, 1 draft counted (100 + 1), so that
+    committed - accepted still counts this as one round; a spent budget the same way."""
+    assert commit(3, eos=22, accepted=True)["acc"] == [3, 101]
+    assert commit(3, budget=1, accepted=True)["acc"] == [3, 100]
+    assert commit(3, budget=0, accepted=True)["acc"] == [3, 100], "nothing committed: no draft counted"
+    assert commit(3, accepted=True)["acc"] == [3, 103], "a whole round counts every draft"
+    assert commit(2, eos=30, accepted=True)["acc"] == [2, 102], "a stop at the bonus cuts no draft"
 
 
 def test_commit_eos_as_the_bonus():

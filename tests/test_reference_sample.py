@@ -41,10 +41,50 @@ def chi_square(tokens: np.ndarray, law: np.ndarray) -> float:
     return float(np.sum((counts - expected) ** 2 / expected))
 
 
+def chi2_critical(df: int) -> float:
+    """The upper 0.001 point for `df` degrees of freedom: the table where it has one, else
+    Wilson and Hilferty's cube-root approximation (within 1% from df = 5 up, and above)."""
+    if df in CHI2_999:
+        return CHI2_999[df]
+    z = 3.090232  # the standard normal's upper 0.001 point
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
 def assert_distributed_as(tokens: np.ndarray, law: np.ndarray, what: str) -> None:
-    """Chi-square goodness of fit at significance 0.001 (df = len(law) - 1, from CHI2_999)."""
-    stat, critical = chi_square(tokens, law), CHI2_999[len(law) - 1]
-    assert stat < critical, f"{what}: chi-square {stat:.1f} >= {critical} ({len(tokens)} draws)"
+    """Chi-square goodness of fit at significance 0.001 (df = len(law) - 1)."""
+    stat, critical = chi_square(tokens, law), chi2_critical(len(law) - 1)
+    assert stat < critical, f"{what}: chi-square {stat:.1f} >= {critical:.1f} ({len(tokens)} draws)"
+
+
+def cells(law: np.ndarray, draws: int, least: float = 50) -> np.ndarray:
+    """A cell index for each entry of `law` (a vocabulary's probabilities): entries taken from
+    the likeliest down, each cell closed once `draws` would fill it with `least` expected
+    counts, the rest joined to the last; so a chi-square over a large vocabulary has full cells."""
+    law = np.asarray(law, np.float64)
+    index, cell, mass = np.empty(len(law), np.int64), 0, 0.0
+    for entry in np.argsort(-law, kind="stable"):
+        index[entry] = cell
+        mass += law[entry]
+        if mass * draws >= least:
+            cell, mass = cell + 1, 0.0
+    if mass * draws < least and cell:  # a short last cell joins the one before
+        index[index == cell] = cell - 1
+    return index
+
+
+def test_chi2_critical_meets_the_table():
+    assert chi2_critical(5) == 20.515
+    for df, value in ((10, 29.588), (30, 59.703), (100, 149.449)):  # standard tables
+        assert value <= chi2_critical(df) < 1.01 * value
+
+
+def test_cells_are_full_and_cover_the_law():
+    law = np.random.default_rng(3).random(1000) ** 8
+    law /= law.sum()
+    index = cells(law, 20_000)
+    mass = np.bincount(index, weights=law)
+    assert index.min() == 0 and (np.diff(np.unique(index)) == 1).all()
+    assert (mass * 20_000 >= 50).all() and abs(mass.sum() - 1) < 1e-12
 
 
 # -- sample_race -----------------------------------------------------------------------------
@@ -338,3 +378,26 @@ def test_the_chi_square_test_sees_the_far_drafts_own_law():
     """The power behind the theorem's test: committing the far drafts unjudged fails it."""
     rows = theorem_rows(FAR, 1, ROWS, np.random.default_rng(5))
     assert chi_square(rows["vtok"][:, 1], TARGET) > 100 * CHI2_999[len(TARGET) - 1]
+
+
+# -- spec_draft_sample (contract 7) ----------------------------------------------------------
+
+def test_draft_sample_draws_the_only_token_with_weight_into_its_step():
+    k, V = 3, 4
+    q = f32([0, 0, 0, 0], [0, 0, 0.5, 0], [0, 0, 0, 0])
+    draft = np.array([9, 9, 9], np.uint32)
+    ref.spec_draft_sample(1, k, V, q, np.array([7], np.int32), np.array([5], np.uint64), draft)
+    assert draft.tolist() == [9, 2, 9]
+    ref.spec_draft_sample(0, k, V, q, np.array([7], np.int32), np.array([5], np.uint64), draft)
+    assert draft.tolist() == [0, 2, 9], "a row without weight draws 0"
+
+
+def test_draft_sample_races_at_the_position_of_the_token_it_drafts():
+    """Draft `step` of a row at pos_ctr p sits at p + step + 1: the race is purpose 2 there."""
+    k, V = 2, 50
+    q = np.random.default_rng(1).random((2, k, V)).astype(np.float32)
+    pos, seed = np.array([10, 20], np.int32), np.array([3, 4], np.uint64)
+    draft = np.zeros(2 * k, np.int64)
+    ref.spec_draft_sample(1, k, V, q.reshape(-1), pos, seed, draft, batch=2)
+    for b in range(2):
+        assert draft[b * k + 1] == ref.sample_race(q[b, 1], seed[b], int(pos[b]) + 2, ref.PURPOSE_DRAFT)

@@ -9,9 +9,7 @@ core package and `make test` never import them.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,8 +21,6 @@ torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_c
 memra_torch = pytest.importorskip("memra_cuda.torch")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torch_llama.py"
 
 
 @pytest.fixture
@@ -158,15 +154,6 @@ def test_adapter_capture_refuses_the_default_stream(engine):
 # -- a real transformer -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def llama():
-    pytest.importorskip("transformers", reason="the example needs transformers")
-    spec = importlib.util.spec_from_file_location("torch_llama", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
 def decoder(engine, llama):
     model = llama.build_model("small")
     tokens = 256
@@ -205,7 +192,7 @@ def test_example_draft_cache_holds_every_committed_token(decoder):
     assert spec.acceptance(len(got)) > 0.5, "too few rounds accept every draft to tell"
     committed = min(int(spec.bufs.positions[0]), len(llama.PROMPT) + len(got) - 1)
     fresh = llama.Stack(model, 1, spec.draft.kv.capacity)
-    fresh.prefill((list(llama.PROMPT) + got)[:committed])
+    fresh.prefill([0], [(list(llama.PROMPT) + got)[:committed]])
     for mine, theirs in ((spec.draft.kv.k, fresh.kv.k), (spec.draft.kv.v, fresh.kv.v)):
         torch.testing.assert_close(mine[..., :committed, :], theirs[..., :committed, :], atol=1e-4, rtol=1e-4)
 
