@@ -411,6 +411,12 @@ class SpeculativeLlama:
         """Continuous batching: the requests, queued in order, through the batch's slots. A
         slot is filled (prefill, reset_row, set_stop_row) as soon as its request stops, between
         bursts, and every step runs all slots; no graph is recaptured."""
+        rounds, capacity = self.rounds.rounds_per_step(mode), self.target.kv.capacity
+        for i, request in enumerate(requests):  # refused before anything runs, not mid-serving
+            need = kv_capacity(len(request.prompt), request.max_new_tokens, self.k, rounds, batch=self.batch)
+            if need > capacity:
+                raise ValueError(f"request {i} ({len(request.prompt)} prompt tokens, {request.max_new_tokens} new) "
+                                 f"needs a KV cache of {need} entries in {mode} mode; these hold {capacity}")
         queue = collections.deque(enumerate(requests))
         slots: list[int | None] = [None] * self.batch
         tokens: list[list[int]] = [[] for _ in range(self.batch)]
@@ -487,12 +493,13 @@ def hf_greedy(model: LlamaForCausalLM, prompt: Sequence[int], max_new_tokens: in
 
 class GraphedGreedy:
     """Plain greedy decoding of a batch, one token a row per step, the step captured once with
-    torch.cuda.graph and replayed; the host reads each step's tokens back (as an engine
-    streaming tokens would) and stops when every row has its budget or its EOS."""
+    torch.cuda.graph and replayed (or, with `eager`, run op by op: the loop an engine writes
+    first); the host reads each step's tokens back (as an engine streaming tokens would) and
+    stops when every row has its budget or its EOS."""
 
-    def __init__(self, model: LlamaForCausalLM, capacity: int, batch: int = 1):
+    def __init__(self, model: LlamaForCausalLM, capacity: int, batch: int = 1, eager: bool = False):
         self.stream = torch.cuda.Stream()
-        self.batch = batch
+        self.batch, self.eager = batch, eager
         self.stack = Stack(model, model.config.num_hidden_layers, capacity, batch)
         self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
         self.position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
@@ -510,16 +517,19 @@ class GraphedGreedy:
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
         with torch.cuda.stream(self.stream):
             self._start(requests)
-            if self.graph is None:
+            if self.graph is None and not self.eager:
                 self._step()  # warm-up off the graph, then undo it
                 self._start(requests)
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph, stream=self.stream):
                     self._step()
             out: list[list[int]] = [[] for _ in requests]
-            live = set(range(self.batch))
+            live = {row for row, request in enumerate(requests) if request.max_new_tokens > 0}
             while live:
-                self.graph.replay()
+                if self.graph is None:
+                    self._step()
+                else:
+                    self.graph.replay()
                 step = self.token[:, 0].tolist()
                 for row in list(live):
                     out[row].append(step[row])

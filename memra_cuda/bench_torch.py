@@ -1,7 +1,7 @@
 """`make bench-torch`: round-stream on a real transformer (examples/torch_llama.py), in one run.
 
 1. One request, at two sizes (fp32 small, bf16 large): Hugging Face generate, its assisted
-   generation with the same draft, plain greedy with each step a torch.cuda.graph, and
+   generation with the same draft, plain greedy run eagerly and with each step a torch.cuda.graph, and
    round-stream in readback, graph and overlap modes; then the ideal speculative speedup over
    graphed greedy, tau / (1 + (k+1) c), and how much of it graph mode reaches, and the same for
    the work the example's round does (a verify of k+1 tokens, a draft step over two tokens and
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 TORCH_K, TORCH_M = 4, 16
-BATCHES = (1, 8, 32, 128)
+BATCHES = (1, 8, 32, 128, 512)
 SERVED, SLOTS = 64, 8
 
 
@@ -91,9 +91,11 @@ def bench_one_request(llama: Any, quick: bool) -> list[dict]:
         draft = llama.draft_model(model)
         spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity)
         greedy = llama.GraphedGreedy(model, capacity)
+        eager = llama.GraphedGreedy(model, capacity, eager=True)
         methods = {
             "HF generate": (lambda n: llama.hf_greedy(model, llama.PROMPT, n), None),
             "HF assisted": (lambda n: llama.hf_greedy(model, llama.PROMPT, n, assistant=draft, k=TORCH_K), None),
+            "greedy, eager loop": (lambda n: eager.generate(llama.PROMPT, n), None),
             "greedy, torch graph": (lambda n: greedy.generate(llama.PROMPT, n), None),
         }
         for mode in ("readback", "graph", "overlap"):

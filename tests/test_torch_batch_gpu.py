@@ -63,10 +63,11 @@ def test_every_row_of_a_batch_equals_hugging_face_on_its_own_prompt(batch8, mode
     assert 0.5 < spec.acceptance([len(row) for row in got]) < 1.0
 
 
-def test_batched_graphed_greedy_equals_hugging_face_too(llama, small, batch8):
-    """The bench's batched baseline computes what it claims to."""
+@pytest.mark.parametrize("eager", [False, True], ids=["graphed", "eager"])
+def test_batched_plain_greedy_equals_hugging_face_too(llama, small, batch8, eager):
+    """The bench's batched baselines compute what they claim to."""
     _, requests, want = batch8
-    greedy = llama.GraphedGreedy(small, batch8[0].target.kv.capacity, batch=8)
+    greedy = llama.GraphedGreedy(small, batch8[0].target.kv.capacity, batch=8, eager=eager)
     assert greedy.generate_batch(requests) == want
 
 
@@ -156,6 +157,16 @@ def test_continuous_batching_gives_each_request_its_single_request_output(llama,
         want = alone.generate(request.prompt, request.max_new_tokens, eos=request.eos)
         assert result.tokens == want, f"request {i}: first difference at {first_difference(result.tokens, want)}"
     assert all(r.latency > 0 for r in served)
+
+
+def test_serve_refuses_a_request_its_caches_cannot_hold_before_anything_runs(llama, small):
+    server = llama.SpeculativeLlama(small, k=K, m_rounds=M, capacity=llama.capacity_for(10, 20, K, M, batch=2),
+                                    batch=2)
+    fits = llama.Request([1, 2, 3], 20)
+    with pytest.raises(ValueError, match="request 1"):
+        server.serve([fits, llama.Request([1] * 10, 200)])
+    assert server.rounds.rounds == 1, "a step ran before the refusal"  # the constructor's warm-up round
+    assert server.serve([fits])[0].tokens == server.generate_batch([fits, fits])[0]
 
 
 def test_continuous_batching_samples_each_request_as_it_would_alone(llama, peaked):
