@@ -6,7 +6,7 @@
    graphed greedy, tau / (1 + (k+1) c), and how much of it graph mode reaches, and the same for
    the work the example's round does (a verify of k+1 tokens, a draft step over two tokens and
    k-1 over one).
-2. Batches, B in BATCHES, prompts of 2 to 40 tokens: tokens/s of Hugging Face generate
+2. Batches, B in BATCHES (per size), prompts of 2 to 40 tokens: tokens/s of Hugging Face generate
    (left-padded; greedy and sampling), of batched greedy with each step a torch graph, and of
    round-stream graph mode (greedy and sampling at T = 1), with acceptance and the ratio to
    batched graphed greedy.
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 TORCH_K, TORCH_M = 4, 16
-BATCHES = (1, 8, 32, 128, 512)
+BATCHES = {"small": (1, 8, 32, 128, 512), "large": (1, 8, 32, 128)}
 SERVED, SLOTS = 64, 8
 
 
@@ -142,7 +142,7 @@ def bench_batches(llama: Any, quick: bool) -> list[dict]:
     print(f"{'size':6} {'B':>4} {'method':30} {'tokens/s':>9} {'accept':>6} {'vs batched graphed greedy':>26}")
     for size in ("small", "large"):
         model = llama.build_model(size)
-        for batch in BATCHES:
+        for batch in BATCHES[size]:
             prompts = llama.prompts(batch, seed=batch)
             requests = [llama.Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
             capacity = llama.capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
