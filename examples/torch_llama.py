@@ -233,7 +233,8 @@ class Stack:
     def _prefill_graph(self, length: int) -> torch.cuda.CUDAGraph:
         bucket = min(1 << (length - 1).bit_length(), self.kv.capacity)
         if bucket not in self.prefills:
-            self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row)  # lazy set-up, off the graph
+            # torch's lazy set-up off the graph
+            self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row)
             self.prefills[bucket] = graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row)
@@ -298,7 +299,8 @@ class SpeculativeLlama:
             self.pos_ctr = memra_torch.tensor(bufs.pos_ctr_d)[:, None]
             self.pos_start = memra_torch.tensor(bufs.pos_start_d)[:, None]
             self.vtok = memra_torch.tensor(bufs.vtok_d, torch.int32).view(batch, k + 1)
-            self.accepted = memra_torch.tensor(bufs.acc_d, torch.int32).view(batch, ACC_WORDS)[:, ACC_ROUND:ACC_ROUND + 1]
+            acc = memra_torch.tensor(bufs.acc_d, torch.int32).view(batch, ACC_WORDS)
+            self.accepted = acc[:, ACC_ROUND:ACC_ROUND + 1]  # drafts accepted last round
             self.done = memra_torch.tensor(bufs.ctl_d).view(batch, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
             self.draft_d = torch.zeros(batch, k, dtype=torch.long, device="cuda")
             self.steps = torch.arange(k + 1, device="cuda")

@@ -187,7 +187,8 @@ def bench_serving(llama: Any, quick: bool) -> list[dict]:
     capacity = llama.capacity_for(40, 192, TORCH_K, TORCH_M, SLOTS)
     server = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=SLOTS)
     server.capture()
-    alone = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=llama.capacity_for(40, 192, TORCH_K, TORCH_M))
+    alone = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M,
+                                   capacity=llama.capacity_for(40, 192, TORCH_K, TORCH_M))
     alone.capture()
     greedy = llama.GraphedGreedy(model, capacity)
 
@@ -210,10 +211,10 @@ def bench_serving(llama: Any, quick: bool) -> list[dict]:
     for name, run in methods.items():
         seconds, served = _timed(run)
         latencies = sorted(s.latency for s in served)
+        p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
         row = dict(method=name, tokens_per_s=sum(len(s.tokens) for s in served) / seconds,
-                   p50_s=statistics.median(latencies), p99_s=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-                   total_s=seconds)
-        print(f"{name:34} {row['tokens_per_s']:9.0f} {row['p50_s']:13.3f} {row['p99_s']:13.3f} {seconds:8.2f}", flush=True)
+                   p50_s=statistics.median(latencies), p99_s=p99, total_s=seconds)
+        print(f"{name:34} {row['tokens_per_s']:9.0f} {row['p50_s']:13.3f} {p99:13.3f} {seconds:8.2f}", flush=True)
         rows.append(row)
     return rows
 
