@@ -8,6 +8,7 @@ exception here rather than a kernel reading past the rows it was meant to read.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -95,3 +96,14 @@ def _exact(buf: DeviceBuffer, name: str, dtypes: tuple[str, ...], shape: tuple[i
         want = " or ".join(f"{dtype}{''.join(f'[{n}]' for n in shape)}" for dtype in dtypes)
         raise ValueError(f"{name} must be {want} ({length} elements), not {buf!r}")
     return buf
+
+
+def __getattr__(name: str) -> Any:
+    """`memra_cuda.sampling.Sampling`, the first releases' home of the rule, still found (with a
+    warning): it lives in acceptance.py, which imports nothing from here at import time."""
+    if name == "Sampling":
+        from .acceptance import Sampling
+        warnings.warn("memra_cuda.sampling.Sampling moved: import Sampling from memra_cuda (or memra_cuda.acceptance)",
+                      DeprecationWarning, stacklevel=2)
+        return Sampling
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

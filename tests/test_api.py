@@ -58,3 +58,12 @@ def test_public_names_are_exported():
                  "MODES", "Mode", "Greedy", "Sampling", "Stages", "UNCHECKED", "CudaError", "CudaUnavailable"):
         assert name in memra_cuda.__all__ and hasattr(memra_cuda, name), name
     assert np.dtype(np.uint32)  # numpy is the only other runtime dependency
+
+
+def test_the_first_releases_home_of_sampling_still_finds_it_with_a_warning():
+    from memra_cuda import sampling
+
+    with pytest.warns(DeprecationWarning, match="moved"):
+        assert sampling.Sampling is Sampling
+    with pytest.raises(AttributeError, match="Greedy"):
+        sampling.Greedy
