@@ -10,7 +10,7 @@ whose per-layer lengths are device int32 tensors registered with round-stream as
 every position they use is read on the device, per row, so a whole burst of rounds over the
 whole batch can be captured.
 
-    PYTHONPATH=. python examples/torch_llama.py [--size small|large] [--batch 8] [--tokens 256]
+    PYTHONPATH=. python examples/torch_llama.py [--size small|large] [--batch B] [--tokens 256]
         [--k 4] [--m-rounds 16] [--mode graph] [--eos ID] [--temperature T --top-k K --top-p P]
 
 `make bench-torch` times it against Hugging Face generate, assisted generation with the same
@@ -31,10 +31,11 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memra_cuda import (Cache, Greedy, KVLayer, RoundStream, Sampling, SpecKernels, StreamBufs, kv_capacity,
+from memra_cuda import (Cache, Greedy, KVLayer, Mode, RoundStream, Sampling, SpecKernels, StreamBufs, kv_capacity,
                         kv_len_ptr_table)
 from memra_cuda import torch as memra_torch
 from memra_cuda.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
+from memra_cuda.stream import as_mode
 
 SIZES = {  # the issue's prototype model, and one about 16 times its parameters
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -165,7 +166,7 @@ class StaticKV:
 class Stack:
     """Embeddings, the first `n_layers` decoder layers, final norm and head of a Llama, run
     over a StaticKV of `batch` rows at positions held on the device: append(tokens, positions)
-    adds the tokens' KV ([rows][tokens] each) and returns their last hidden states; logits()
+    adds the tokens' KV ([rows][tokens] each) and returns their final hidden states; logits()
     also applies the head. No value is read on the host."""
 
     def __init__(self, model: LlamaForCausalLM, n_layers: int, capacity: int, batch: int = 1):
@@ -241,11 +242,13 @@ class Stack:
         return self.prefills[bucket]
 
     def capture_prefills(self) -> None:
-        """Every one-row prefill graph, now (a capture synchronises the device: not mid-serving)."""
+        """Every one-row prefill graph, now: a capture synchronises the device, so not while
+        serving, and the eager warm-up before each writes scratch entries into a row."""
         length = 1
-        while length <= self.kv.capacity:
+        while length < self.kv.capacity:
             self._prefill_graph(length)
             length *= 2
+        self._prefill_graph(self.kv.capacity)  # the last bucket, the capacity itself
 
 
 class Request(NamedTuple):
@@ -389,8 +392,9 @@ class SpeculativeLlama:
         return starts
 
     def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:
-        """Every graph the modes may replay, and every one-row prefill graph, captured now:
-        through torch a capture synchronises the device, which a server must not do mid-request."""
+        """Every graph the modes may replay, and every one-row prefill graph, captured now,
+        before any request: through torch a capture synchronises the device, which a server
+        must not do mid-request."""
         with torch.cuda.stream(self.stream):
             self.target.capture_prefills()
             self.rounds.capture_graphs(slots=(0, 1) if "overlap" in modes else (0,))
@@ -413,6 +417,8 @@ class SpeculativeLlama:
         """Continuous batching: the requests, queued in order, through the batch's slots. A
         slot is filled (prefill, reset_row, set_stop_row) as soon as its request stops, between
         bursts, and every step runs all slots; no graph is recaptured."""
+        if as_mode(mode) is Mode.OVERLAP:
+            raise ValueError('serve() steps one burst at a time: "overlap" keeps two in flight (generate_batch)')
         rounds, capacity = self.rounds.rounds_per_step(mode), self.target.kv.capacity
         for i, request in enumerate(requests):  # refused before anything runs, not mid-serving
             need = kv_capacity(len(request.prompt), request.max_new_tokens, self.k, rounds, batch=self.batch)
@@ -557,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args(argv)
     model = build_model(args.size)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature else None
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature is not None else None
     batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
     requests = [Request(prompt, args.tokens, args.eos, seed) for seed, prompt in enumerate(batch)]
     capacity = capacity_for(max(len(p) for p in batch), args.tokens, args.k, args.m_rounds, args.batch)

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 
 class SpecKernels:
-    """The six round-stream kernels: five of ptx/spec_stream.ptx (loaded once per engine) and
-    stochastic acceptance (ptx/spec_sample.ptx, through sampling.py).
+    """The seven round-stream kernels: five of ptx/spec_stream.ptx (loaded once per engine),
+    stochastic acceptance and the draft's draw (ptx/spec_sample.ptx, through sampling.py).
 
     `prepare_*` validates the buffers and returns a prepared launch to keep and call every
     round; the plain methods launch once. Buffers may be DeviceBuffers or

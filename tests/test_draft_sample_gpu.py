@@ -62,10 +62,14 @@ class Rig:
         ref.spec_draft_sample(step, self.k, self.vocab, state["q"], state["pos"], state["seed"], want, self.rows)
         other = np.arange(got.size) % self.k != step
         assert (got[other] == want[other]).all(), f"{where}: a word other than draft[b][{step}] changed"
-        for b in np.flatnonzero(got != want):
+        for i in np.flatnonzero(got != want):
+            b = i // self.k
             w = ref.probabilities(state["q"].reshape(self.rows, self.k, self.vocab)[b, step])
             scores = ref.race_scores(w, state["seed"][b], int(state["pos"][b]) + step + 1, ref.PURPOSE_DRAFT)
-            token, expected = int(got[b * self.k + step]), int(want[b * self.k + step])
+            token, expected = int(got[i]), int(want[i])
+            # No weight (every score -inf: the token is 0) and infinite weights (ties to the
+            # smallest id) leave no near tie: only the reference's token is right there.
+            assert np.isfinite(scores[expected]), f"{where}, row {b}: drew {token}, the reference {expected}"
             assert token < self.vocab and scores[token] >= scores[expected] * (1 - NEAR_TIE), (
                 f"{where}, row {b}: drew {token}, the reference {expected}")
 
