@@ -55,11 +55,12 @@ def prompts(batch: int, seed: int = 0, shortest: int = 2, longest: int = 40) -> 
 
 
 def build_model(size: str = "small", *, draft_layers: int = 1, residual_scale: float = 0.01,
-                logit_scale: float = 1.0, seed: int = 0) -> LlamaForCausalLM:
+                logit_scale: float = 1.0, head_dim: int | None = None, seed: int = 0) -> LlamaForCausalLM:
     """A random-weight Llama of `size` on the GPU, with layers past the draft's scaled down.
     `logit_scale` multiplies the head's weights: random ones give logits so flat that sampling
-    is near uniform; a scale of a few makes the sampled law peaked, as a trained model's is."""
-    shape = dict(SIZES[size])
+    is near uniform; a scale of a few makes the sampled law peaked, as a trained model's is.
+    `head_dim` sets a head size other than hidden_size / heads, as some configs do."""
+    shape = dict(SIZES[size], **({"head_dim": head_dim} if head_dim else {}))
     dtype = shape.pop("dtype")
     config = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
                          tie_word_embeddings=False, attn_implementation="sdpa", **shape)
@@ -404,9 +405,8 @@ class SpeculativeLlama:
         if len(requests) != self.batch:
             raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
         starts = self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests])
-        with torch.cuda.stream(self.stream):
-            out = self.rounds.generate_batch(starts, [r.max_new_tokens for r in requests],
-                                             eos=[r.eos for r in requests], mode=mode)
+        out = self.rounds.generate_batch(starts, [r.max_new_tokens for r in requests],
+                                         eos=[r.eos for r in requests], mode=mode)
         return [tokens.tolist() for tokens in out]
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, eos: int | None = None,
@@ -438,8 +438,7 @@ class SpeculativeLlama:
                     tokens[row] = []
                     self.prefill([row], [request.prompt], [request.seed])
                     self.bufs.set_stop_row(self.engine, row, request.eos, request.max_new_tokens)
-            with torch.cuda.stream(self.stream):
-                readback = self.rounds.step(mode)
+            readback = self.rounds.step(mode)
             for row, slot in enumerate(slots):
                 if slot is None:
                     continue

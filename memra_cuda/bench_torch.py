@@ -30,7 +30,7 @@ BATCHES = {"small": (1, 8, 32, 128, 512), "large": (1, 8, 32, 128)}
 SERVED, SLOTS = 64, 8
 
 
-def _example() -> Any:
+def load_example() -> Any:
     """examples/torch_llama.py, from the source checkout the bench runs in. An installed package
     has no examples/: say so in one line, not a traceback."""
     path = Path(__file__).resolve().parents[1] / "examples" / "torch_llama.py"
@@ -220,6 +220,6 @@ def bench_serving(llama: Any, quick: bool) -> list[dict]:
 
 
 def bench_torch(quick: bool) -> dict[str, list[dict]]:
-    llama = _example()
+    llama = load_example()
     return dict(one_request=bench_one_request(llama, quick), batches=bench_batches(llama, quick),
                 serving=bench_serving(llama, quick))

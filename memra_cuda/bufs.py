@@ -143,7 +143,7 @@ class StreamBufs:
         engine.copy_htod(self.pend_d, pending, start=first)
         engine.copy_htod(self.pos_ctr_d, position, start=first)
         self._set_stop(engine, rows, None, None)  # no stop rule, not done, keep 0
-        for buf, row in ((self.ring_d, RING_TOKENS + self.ring_cap), (self.brk_d, BRK_WORDS), (self.acc_d, ACC_WORDS)):
+        for buf, row in ((self.ring_d, self._ring_row), (self.brk_d, BRK_WORDS), (self.acc_d, ACC_WORDS)):
             engine.copy_htod(buf, np.zeros(n * row, np.uint32), start=row * first)
         self.positions = _frozen(_replaced(self.positions, rows, position))
         if len(rows) == self.batch:  # every row reset: positions known, rings empty
@@ -163,7 +163,7 @@ class StreamBufs:
         """The tokens committed to row `row`'s ring, in order (one readback), and the row's ring
         emptied for the rounds to come (its count zeroed on the stream)."""
         self._rows(row)
-        stride = RING_TOKENS + self.ring_cap
+        stride = self._ring_row
         tokens = _ring_tokens(engine.dtoh(self.ring_d.view(row * stride, stride)), self.ring_cap)
         engine.set_u32(self.ring_d, row * stride + RING_COUNT, 0)
         if self.batch == 1:

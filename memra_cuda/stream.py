@@ -206,7 +206,7 @@ class RoundStream:
         scope = None
         if _torch_in_play(spec.engine, draft_d, *vars(acceptance).values()):
             from . import torch as adapter  # only once torch objects are in play
-            capture, scope = capture or adapter.capture, adapter.stream_scope
+            capture, scope = capture or adapter.capture, adapter.stream_scope(spec.engine)
         capacities = [c for c in (stages.capacity, *(table.capacity for table in tables))
                       if c is not None and c is not UNCHECKED]
         self.capacity: int | None = min(capacities) if capacities else None
@@ -245,10 +245,20 @@ class RoundStream:
         tokens, so more would drop tokens. Checked against the caches' capacity first, from the
         positions the last readback (or reset) gave, moved on by the rounds issued here since."""
         rounds = self._burst_rounds(rounds)
-        self.check_capacity(rounds, ahead=self._unseen_rounds(rounds) * (self.bufs.k + 1))
+        self._check_burst(rounds)
         self._issue(rounds)
         self._unseen += rounds
         self._in_ring += rounds
+
+    def _check_burst(self, rounds: int) -> None:
+        """check_capacity for a burst of `rounds` queued now, behind the rounds issue_burst
+        queued since the host last learnt the positions (and the ring's room for it)."""
+        self.check_capacity(rounds, ahead=self._unseen_rounds(rounds) * (self.bufs.k + 1))
+
+    def _rings_read(self) -> None:
+        """A burst and its readback are queued: after it every ring is empty, whether the
+        readback was queued now or replays inside a graph (which bufs cannot see)."""
+        self._in_ring, self._ring_mark = 0, self.bufs.rings_emptied
 
     def _unseen_rounds(self, rounds: int) -> int:
         """The rounds issue_burst queued since the host last learnt the positions (a readback
@@ -268,7 +278,7 @@ class RoundStream:
 
     def _issue(self, rounds: int) -> None:
         if self._scope is not None:
-            with self._scope(self.engine):
+            with self._scope():
                 self._issue_rounds(rounds)
         else:
             self._issue_rounds(rounds)
@@ -456,6 +466,7 @@ class RoundStream:
     def _queue_graph(self, slot: int, rounds: int, ahead: int) -> None:
         self.check_capacity(rounds, ahead)
         self.graph_for(slot, rounds).launch()
+        self._rings_read()
         self._events[slot].record()
         self.rounds += rounds
 
@@ -483,19 +494,20 @@ class RoundStream:
         mode = as_mode(mode)
         if mode is Mode.OVERLAP:
             raise ValueError('"overlap" keeps two bursts in flight: use generate()')
-        rounds = self._burst_rounds(rounds, 1 if mode is Mode.READBACK else self.bufs.m_rounds)
+        rounds = self._burst_rounds(rounds, self.rounds_per_step(mode))
         self._queue(mode, rounds)
         return self.bufs.readback(self._receive(0, None, rounds))
 
     def _queue(self, mode: Mode, rounds: int) -> None:
         """Check a burst of `rounds` rounds against the caches, then queue it and its readback
         into pinned slot 0 (replay its graph, in graph mode)."""
-        self.check_capacity(rounds, ahead=self._unseen_rounds(rounds) * (self.bufs.k + 1))
-        if mode is Mode.GRAPH:
+        self._check_burst(rounds)
+        if mode is Mode.GRAPH:  # the captured graph straight from the dict: graph_for validates again
             (self._graphs.get((0, rounds)) or self.graph_for(0, rounds)).launch()
         else:
             self._issue(rounds)
             self.bufs.queue_readback(self.engine)
+        self._rings_read()
         self.rounds += rounds
         self.bursts += 1
 

@@ -22,8 +22,7 @@ Graph capture needs a stream other than the default one: create the engine insid
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -74,12 +73,12 @@ def _torch_stream(engine: Stream) -> torch.cuda.ExternalStream:
     return torch.cuda.ExternalStream(engine.stream_handle, device=torch.device("cuda", engine.device))
 
 
-@contextlib.contextmanager
-def stream_scope(engine: Stream) -> Iterator[None]:
-    """The engine's stream as torch's current stream: torch ops queued inside are ordered with
-    memra's kernels by the stream alone."""
-    with torch.cuda.stream(_torch_stream(engine)):
-        yield
+def stream_scope(engine: Stream) -> Callable[[], ContextManager[Any]]:
+    """A scope to enter around the model's work: the engine's stream as torch's current stream,
+    so torch ops queued inside are ordered with memra's kernels by the stream alone. torch's
+    view of the stream is made once, here, not at every burst."""
+    stream = _torch_stream(engine)
+    return lambda: torch.cuda.stream(stream)
 
 
 class _TorchGraph:

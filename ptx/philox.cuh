@@ -101,3 +101,23 @@ __device__ __forceinline__ bool race_settle(u64 best, u64* slot, u64* winner) {
     *winner = atomicExch(&slot[0], 0ull);
     return true;
 }
+
+// A draw from the weights weight(v), v < V, by the race at position `a` for `purpose`, spread over
+// gridDim.x blocks of BLOCK threads per row (every thread of the block calls it; `slot` is the
+// row's race slot, as race_settle takes it). True in the row's last block only, with the winner in
+// *token (0 when no weight is positive). Draws that sample a whole vocabulary (the draft's own,
+// kernel 7 and the toy's) share it, so they cannot drift.
+template <u32 BLOCK, typename Weight>
+__device__ __forceinline__ bool race_draw(Weight weight, u32 V, u64 seed, u32 a, u32 purpose, u64* slot,
+                                          u32* token) {
+    u64 best = 0;
+    for (u64 v = (u64)blockIdx.x * BLOCK + threadIdx.x; v < V; v += (u64)gridDim.x * BLOCK) {
+        const float w = weight((u32)v);
+        if (w > 0.f)
+            best = race_max(best, race_key(w, __fdividef(1.f, philox_exponential(seed, a, (u32)v, purpose)), (u32)v));
+    }
+    best = block_race_max<BLOCK>(best);
+    if (threadIdx.x != 0 || !race_settle(best, slot, &best)) return false;
+    *token = best ? race_token(best) : 0u;
+    return true;
+}

@@ -158,18 +158,10 @@ __device__ __forceinline__ void draft_sample(u32 step, u32 k, u32 V, u32 B, cons
     const u32 rows = max(k, 1u);
     const u32 row = min(step, rows - 1);  // clamped: a step past the chain redraws the last row, in bounds
     const float* q = q_d + ((u64)b * rows + row) * V;
-    const u64 seed = seed_d[b];
-    const u32 a = (u32)pos_ctr_d[b] + row + 1u;
-    u64 best = 0;
-    for (u64 v = (u64)blockIdx.x * THREADS + threadIdx.x; v < V; v += (u64)gridDim.x * THREADS) {
-        const float w = prob(q[v]);
-        if (w > 0.f)
-            best = race_max(best, race_key(w, __fdividef(1.f, philox_exponential(seed, a, (u32)v, PURPOSE_DRAFT)),
-                                           (u32)v));
-    }
-    best = block_race_max<THREADS>(best);
-    if (threadIdx.x == 0 && race_settle(best, scratch + 2 * (u64)b, &best))
-        draft_d[(u64)b * rows + row] = (Tok)(best ? race_token(best) : 0u);
+    u32 token;
+    if (race_draw<THREADS>([q](u32 v) { return prob(q[v]); }, V, seed_d[b], (u32)pos_ctr_d[b] + row + 1u,
+                           PURPOSE_DRAFT, scratch + 2 * (u64)b, &token))
+        draft_d[(u64)b * rows + row] = (Tok)token;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)

@@ -229,18 +229,16 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_BLOCK) toy_draft_sample(
         u32 vocab, float floor, float c0, float c1, float c2, float c3, u64* scratch) {
     const u32 b = blockIdx.y;
     const Mixture m = mixture(state_d[b], vocab, floor, c0, c1, c2, c3);
-    const u64 request = seed_d[b];
-    const u32 a = (u32)(pos_ctr[b] + (int)step) + 1u;
     float* q = q_d + ((u64)b * max(k, 1u) + step) * vocab;
-    u64 best = 0;
-    for (u32 v = blockIdx.x * SAMPLE_BLOCK + threadIdx.x; v < vocab; v += gridDim.x * SAMPLE_BLOCK) {
+    const auto weight = [&m, q](u32 v) {  // the draft's law, stored in q_d as it is raced
         const float w = mixture_prob(m, v);
         q[v] = w;
-        best = race_max(best, race_key(w, 1.0f / philox_exponential(request, a, v, PURPOSE_DRAFT), v));
-    }
-    best = block_race_max<SAMPLE_BLOCK>(best);
-    if (threadIdx.x == 0 && race_settle(best, scratch + 2 * (u64)b, &best))
-        draft_d[(u64)b * max(k, 1u) + step] = best ? race_token(best) : 0;
+        return w;
+    };
+    u32 token;
+    if (race_draw<SAMPLE_BLOCK>(weight, vocab, seed_d[b], (u32)(pos_ctr[b] + (int)step) + 1u, PURPOSE_DRAFT,
+                                scratch + 2 * (u64)b, &token))
+        draft_d[(u64)b * max(k, 1u) + step] = token;
 }
 
 // Sampling mode's verify: the target's distribution p[r][0..vocab) at each of rows = B(k+1) verify

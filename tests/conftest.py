@@ -3,10 +3,7 @@ with the driver's reason where there is no GPU, or fails them under MEMRA_REQUIR
 `make gpu-test`, so a machine that lost its GPU cannot pass for a green GPU run)."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -31,9 +28,5 @@ def llama():
     is missing (imported only here, so the core suite never needs them)."""
     pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
     pytest.importorskip("transformers", reason="the example needs transformers")
-    path = Path(__file__).resolve().parents[1] / "examples" / "torch_llama.py"
-    spec = importlib.util.spec_from_file_location("torch_llama", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    from memra_cuda.bench_torch import load_example
+    return load_example()

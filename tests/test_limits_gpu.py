@@ -110,6 +110,20 @@ def test_rounds_issued_since_a_readback_never_overrun_the_ring(engine, spec):
     assert first + second == toy.target_greedy(lm.model, [1, 2, 3], len(first) + len(second))
 
 
+@pytest.mark.parametrize("mode", ["graph", "stream"])
+def test_a_burst_with_its_readback_leaves_the_ring_empty_for_the_next(engine, spec, mode):
+    """After issue_burst's rounds, a step's own readback (replayed inside its graph, where bufs
+    cannot count it) empties the ring: the next whole burst fits, and every token arrives."""
+    lm = toy.ToyLM(engine, toy.ToyModel(seed=8), capacity=4096)
+    bufs = StreamBufs(engine, 2, 4)
+    stream = lm.round_stream(spec, bufs)
+    lm.prefill(bufs, [1, 2, 3])
+    stream.issue_burst(1)
+    tokens = np.concatenate(stream.step(mode, 1).tokens).tolist()
+    tokens += np.concatenate(stream.step(mode).tokens).tolist()
+    assert tokens == toy.target_greedy(lm.model, [1, 2, 3], len(tokens))
+
+
 # -- 7. concurrent waits each wait on their own record --------------------------------------
 
 def test_concurrent_waits_never_wait_on_each_others_record(engine, monkeypatch):

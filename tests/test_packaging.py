@@ -104,6 +104,6 @@ def test_bench_torch_without_the_source_tree_says_what_it_needs():
     from memra_cuda import bench_torch  # imports neither torch nor transformers until it runs
 
     with pytest.raises(SystemExit) as exit_:
-        bench_torch._example()
+        bench_torch.load_example()
     message = str(exit_.value.code)
     assert len(message.splitlines()) == 1 and "examples/torch_llama.py" in message and "make bench-torch" in message

@@ -71,6 +71,16 @@ def test_batched_plain_greedy_equals_hugging_face_too(llama, small, batch8, eage
     assert greedy.generate_batch(requests) == want
 
 
+def test_a_head_size_other_than_hidden_over_heads_decodes_like_hugging_face(llama):
+    """The KV cache takes config.head_dim (32 here, where hidden_size / heads is 64)."""
+    model = llama.build_model("small", head_dim=32)
+    capacity = llama.capacity_for(len(llama.PROMPT), 64, K, M, batch=2)
+    spec = llama.SpeculativeLlama(model, k=K, m_rounds=M, capacity=capacity, batch=2)
+    assert spec.target.kv.k.shape[-1] == 32
+    request = llama.Request(llama.PROMPT, 64)
+    assert spec.generate_batch([request, request])[1] == llama.hf_greedy(model, llama.PROMPT, 64)
+
+
 # -- sampling -----------------------------------------------------------------------------------
 
 SAMPLING_REQUESTS = [(prompt_seed, 100 + prompt_seed) for prompt_seed in range(6)]

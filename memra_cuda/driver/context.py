@@ -102,9 +102,9 @@ class PrimaryContext:
             raise self.failure(result[0], name)
         return result
 
-    def failure(self, err: Any, call: str, detail: str = "") -> CudaError:
+    def failure(self, err: Any, call: str) -> CudaError:
         """The exception for a failed call, remembering the first sticky fault."""
-        exc = error(err, call, detail)
+        exc = error(err, call)
         if exc.name not in STICKY:
             return exc
         if self.fault is None:

@@ -52,7 +52,7 @@ class Engine(Stream):
             warnings.warn(f"Engine.{name} is deprecated: use Engine.{verb}(..., {np.dtype(dtype).name})",
                           DeprecationWarning, stacklevel=2)
             method = getattr(self, verb)
-            return functools.partial(method, dtype) if verb == "zeros" else _with_dtype(method, dtype)
+            return functools.partial(method, dtype) if verb == "zeros" else functools.partial(method, dtype=dtype)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- buffers ----------------------------------------------------------------------------
@@ -233,9 +233,3 @@ class Engine(Stream):
         if module is None or module.freed:
             module = self._modules[name] = Module(self, packaged_ptx(name))
         return module
-
-
-
-def _with_dtype(method: Any, dtype: Any) -> Any:
-    """`method(x)` as `method(x, dtype)`: a deprecated typed copy in terms of the generic one."""
-    return lambda values: method(values, dtype)

@@ -96,15 +96,13 @@ def _name(err: Any) -> str:
     return getattr(err, "name", None) or f"CUresult {int(err)}"
 
 
-def error(err: Any, call: str, detail: str = "") -> CudaError:
-    """The CudaError for a failed call: the code's name, the driver's own words, any detail."""
+def error(err: Any, call: str) -> CudaError:
+    """The CudaError for a failed call: the code's name and the driver's own words."""
     message = "no description from the driver"
     if _driver is not None:
         res, text = _driver.cuGetErrorString(err)
         if not res and text:
             message = text.decode() if isinstance(text, bytes) else str(text)
-    if detail:
-        message += "\n" + detail
     return CudaError(int(err), _name(err), message, call)
 
 

@@ -151,10 +151,8 @@ class Stream(Handle):
         self.syncs += 1
 
     def _wait_host(self) -> None:
-        if self._freed:
-            raise ValueError(f"{self!r} is closed")
         try:
-            self.ctx.run(self._synchronize, "cuStreamSynchronize", (self.stream,))
+            self.activate().run(self._synchronize, "cuStreamSynchronize", (self.stream,))
         except CudaError as exc:
             if exc.name in _CAPTURE_ERRORS:
                 raise CaptureError("a host wait cannot happen inside a graph capture (the driver refused it and "
