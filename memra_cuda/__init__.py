@@ -7,8 +7,9 @@ optional) sit at the edge.
 """
 from .acceptance import Greedy, Sampling
 from .bufs import Readback, StreamBufs, drain_ring
+from .device_loop import Landed, RoundCapError
 from .driver import (CaptureError, CudaError, CudaFault, CudaUnavailable, DeviceBuffer, Engine, Event, Graph,
-                     Kernel, KernelArgs, Launch, Module, PinnedBuffer, Prepared, Stream)
+                     Kernel, KernelArgs, Launch, LoopUnsupported, MappedBuffer, Module, PinnedBuffer, Prepared, Stream)
 from .kernels import SpecKernels
 from .stream import MODES, CapacityError, Mode, RoundStream, Stages, chain, kv_capacity
 from .tables import UNCHECKED, Cache, KVLayer, PointerTable, kv_len_ptr_table, kv_len_ptr_table_range
@@ -18,4 +19,5 @@ __all__ = [
     "PinnedBuffer", "Event", "Graph", "Module", "Kernel", "KernelArgs", "Launch", "Prepared", "Cache", "KVLayer",
     "PointerTable", "UNCHECKED", "StreamBufs", "Readback", "drain_ring", "kv_len_ptr_table", "kv_len_ptr_table_range",
     "SpecKernels", "Greedy", "Sampling", "RoundStream", "Mode", "MODES", "Stages", "chain", "kv_capacity",
+    "MappedBuffer", "LoopUnsupported", "Landed", "RoundCapError",
 ]

@@ -18,10 +18,13 @@
 5. Pipeline (two GPUs): the toy split into two stages on two devices (models/pipeline.py)
    against the same model on one, k=4, M=16, bare and as 8B/0.5B with the verify's weights
    split between the stages: time per round of each, in stream and graph mode.
-6. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
+6. Device mode (bench_device.py): one launch per generation, tokens streamed through mapped
+   memory, against graph (paced and unpaced) and overlap, bare toy and 8B/0.5B, B = 1 and 32:
+   tokens/s, host CPU, and the delay from a token's commit to the host seeing it.
+7. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
    examples/torch_llama.py, one request, batches and continuous batching (bench_torch.py).
 
-    python -m memra_cuda.bench [--json PATH] [--only launch|host|rounds|batch|sampling|pipeline|torch] [--quick]
+    python -m memra_cuda.bench [--json PATH] [--only launch|host|rounds|batch|sampling|pipeline|device|torch] [--quick]
 """
 from __future__ import annotations
 
@@ -352,7 +355,8 @@ def bench_pipeline(engine: Engine, quick: bool) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memra_cuda.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--only", choices=["launch", "host", "rounds", "batch", "sampling", "pipeline", "torch"],
+    parser.add_argument("--only", choices=["launch", "host", "rounds", "batch", "sampling", "pipeline", "device",
+                                           "torch"],
                         help="run one part (torch runs only when asked for)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for figures)")
     args = parser.parse_args(argv)
@@ -388,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "pipeline"):
         print(f"\npipeline: the toy split at layer {len(MODEL.kv_mask) // 2} over two GPUs, k={BATCH_K}, M={BATCH_M}")
         report["pipeline"] = bench_pipeline(engine, args.quick)
+    if args.only in (None, "device"):
+        from .bench_device import bench_device, summary
+        print("\ndevice mode: k=4, M=16, each row its own prompt; against the host-driven modes")
+        report["device"] = bench_device(engine, args.quick)
+        print(summary(report["device"]))
     if args.only == "torch":
         from .bench_torch import bench_torch  # torch and transformers only where asked for
         report["torch"] = bench_torch(args.quick)

@@ -2,7 +2,7 @@
 
 1. One request, at two sizes (fp32 small, bf16 large): Hugging Face generate, its assisted
    generation with the same draft, plain greedy run eagerly and with each step a torch.cuda.graph, and
-   round-stream in readback, graph and overlap modes; then the ideal speculative speedup over
+   round-stream in readback, graph, overlap and device modes; then the ideal speculative speedup over
    graphed greedy, tau / (1 + (k+1) c), and how much of it graph mode reaches, and the same for
    the work the example's round does (a verify of k+1 tokens, a draft step over two tokens and
    k-1 over one).
@@ -98,7 +98,7 @@ def bench_one_request(llama: Any, quick: bool) -> list[dict]:
             "greedy, eager loop": (lambda n: eager.generate(llama.PROMPT, n), None),
             "greedy, torch graph": (lambda n: greedy.generate(llama.PROMPT, n), None),
         }
-        for mode in ("readback", "graph", "overlap"):
+        for mode in ("readback", "graph", "overlap", "device"):
             methods[f"round-stream {mode}"] = (lambda n, mode=mode: spec.generate(llama.PROMPT, n, mode=mode), spec)
         measured = {}
         for name, (run, speculative) in methods.items():

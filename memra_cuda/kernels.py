@@ -72,6 +72,21 @@ class SpecKernels:
                             bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
                             bufs.ring_cap, bufs.k, bufs.batch, threads=32 * bufs.batch)
 
+    def prepare_ring_commit_publish(self, bufs: StreamBufs, published_d: DeviceBuffer, count_d: DeviceBuffer,
+                                    tokens_d: DeviceBuffer, stamps_d: DeviceBuffer, cap: int) -> Launch:
+        """Kernel 4, then the round's tokens published to a mapped token stream (device mode):
+        `published_d` u32[B] counts what each row published; count_d u32[B], tokens_d and
+        stamps_d u32[B][cap] are the stream's mapped words (device_loop.TokenStream)."""
+        cap, batch = as_index(cap, "cap"), bufs.batch
+        for name, buf, words in (("published_d", published_d, batch), ("count_d", count_d, batch),
+                                 ("tokens_d", tokens_d, batch * cap), ("stamps_d", stamps_d, batch * cap)):
+            if buf.dtype != np.uint32 or buf.len != words:
+                raise ValueError(f"{name} must be u32[{words}] for a batch of {batch}, not {buf!r}")
+        return self._launch("spec_ring_commit_publish", ["ptr"] * 6 + ["u32"] * 3 + ["ptr"] * 4 + ["u32"],
+                            bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
+                            bufs.ring_cap, bufs.k, batch, published_d, count_d, tokens_d, stamps_d, cap,
+                            threads=32 * batch)
+
     def prepare_rollback(self, table_d: PointerTable, bufs: StreamBufs) -> Launch:
         if not isinstance(table_d, PointerTable):
             raise TypeError(f"a rollback table must be a PointerTable (kv_len_ptr_table builds one), which holds "

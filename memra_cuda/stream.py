@@ -7,16 +7,18 @@ work on the engine's stream.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from .acceptance import Greedy, Sampling
 from .bufs import Readback, Received, per_row
+from .device_loop import DeviceLoop, Landed, LoopUnsupported, RoundCapError
 from .driver.event import Event
 from .driver.graph import Capture, Graph
 from .driver.module import Launch
@@ -37,12 +39,15 @@ class Mode(str, enum.Enum):
     without round-stream. STREAM: M rounds issued from Python, one readback. GRAPH: the M rounds
     and the readback captured once as a CUDA graph and replayed. OVERLAP: graph replays two
     deep, the next burst queued before the last one is read, so the GPU never waits for the host.
+    DEVICE: one graph launch generates until every row is done, the rounds in conditional WHILE
+    nodes, the tokens streamed to the host as they commit (device_loop.py; CUDA 12.4+).
     """
 
     READBACK = "readback"
     STREAM = "stream"
     GRAPH = "graph"
     OVERLAP = "overlap"
+    DEVICE = "device"
 
 
 MODES = tuple(mode.value for mode in Mode)
@@ -211,21 +216,27 @@ class RoundStream:
                       if c is not None and c is not UNCHECKED]
         self.capacity: int | None = min(capacities) if capacities else None
         self.engine = spec.engine
+        self.spec = spec
         self.bufs = bufs
         self.acceptance = acceptance
         self.pace = pace
         self._capture = capture
         self._scope = scope  # a framework's "this stream is current" around the model's work
-        self._round: tuple[Callable[[], None], ...] = (
+        before_commit = (
             *([seed_gather] if seed_gather is not None else []),
             draft_chain,
             spec.prepare_assemble_verify(bufs, draft_d),
             verify_trunk,
             acceptance.prepare(spec, bufs),
+        )
+        self._round: tuple[Callable[[], None], ...] = (
+            *before_commit,
             spec.prepare_ring_commit(bufs),
             *(spec.prepare_rollback(table, bufs) for table in tables),
             *([stages.round_tail] if stages.round_tail is not None else []),
         )
+        self._commit_at = len(before_commit)
+        self._device: DeviceLoop | None = None
         self._stages = tuple(stages.engines)
         self._graphs: dict[tuple[int, int], Graph] = {}  # (pinned readback slot, rounds) -> burst graph
         self._events: list[Event] = []
@@ -287,6 +298,31 @@ class RoundStream:
         for _ in range(rounds):
             for step in self._round:
                 step()
+
+    def round_steps(self, commit: Callable[[], None] | None = None) -> tuple[Callable[[], None], ...]:
+        """The round's steps in stream order, the commit (kernel 4) replaced by `commit` if given."""
+        if commit is None:
+            return self._round
+        return (*self._round[:self._commit_at], commit, *self._round[self._commit_at + 1:])
+
+    def scoped(self, issue: Callable[[int], Any]) -> Callable[[int], None]:
+        """`issue`, run inside the framework's stream scope (torch-backed rounds) if there is one."""
+        if self._scope is None:
+            return issue
+        scope = self._scope
+
+        def scoped_issue(rounds: int) -> None:
+            with scope():
+                issue(rounds)
+        return scoped_issue
+
+    def capture_scope(self) -> tuple[Callable[[], Any], Any]:
+        """What a capture built from the driver (the device loop) must run inside, and what its
+        graph must keep alive: for torch-backed rounds, a private memory pool (memra_cuda.torch)."""
+        if self._scope is None:
+            return contextlib.nullcontext, None
+        from . import torch as adapter
+        return adapter.private_pool(self.engine)
 
     @property
     def graph(self) -> Graph:
@@ -389,16 +425,19 @@ class RoundStream:
         batch = self.bufs.batch
         mode = as_mode(mode)
         rounds = self.rounds_per_step(mode)
-        if not isinstance(start_pos, (list, tuple, np.ndarray)):
-            raise TypeError(f"start_pos must hold one position per row, not {start_pos!r}")
-        positions = np.array(per_row(start_pos, batch, "start_pos", optional=False), np.int64)
+        positions = self._start_positions(start_pos)
         budgets = np.array(per_row(max_new_tokens, batch, "max_new_tokens", optional=False), np.int64)
         stops = per_row(eos, batch, "eos")
+        out: list[list[np.ndarray]] = [[] for _ in range(batch)]
+        if mode is Mode.DEVICE:
+            for landed in self.stream(positions, budgets.tolist(), eos=stops):
+                for row, tokens in zip(out, landed.tokens):
+                    row.append(tokens)
+            return [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in out]
         if budgets.any():
             self.check_capacity(rounds, positions=positions, done=budgets == 0)
         self.bufs.set_stop(self.engine, stops, budgets.tolist())
         self.bufs.set_positions(positions)
-        out: list[list[np.ndarray]] = [[] for _ in range(batch)]
         if mode is Mode.OVERLAP:
             if not self.bufs.done.all():  # rows with nothing to generate need no burst
                 self._generate_overlapped(Pace(budgets, rounds, cut=self.pace), out)
@@ -421,6 +460,96 @@ class RoundStream:
                 if not more:
                     break
         return [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in out]
+
+    def _start_positions(self, start_pos: Sequence[int]) -> np.ndarray:
+        if not isinstance(start_pos, (list, tuple, np.ndarray)):
+            raise TypeError(f"start_pos must hold one position per row, not {start_pos!r}")
+        return np.array(per_row(list(start_pos), self.bufs.batch, "start_pos", optional=False), np.int64)
+
+    @property
+    def device_loop(self) -> DeviceLoop:
+        """Device mode's loop graph and token stream, made on first use (LoopUnsupported where
+        the driver has no conditional WHILE nodes, or for pipeline stages)."""
+        if self._device is None:
+            if self._stages:
+                raise LoopUnsupported("device mode cannot run pipeline stages: a conditional node's body holds "
+                                      "the work of one context, and the stages' streams join through events, "
+                                      "which a body cannot hold; use graph or overlap mode")
+            self._device = DeviceLoop(self)
+        return self._device
+
+    def stream(self, start_pos: Sequence[int], max_new_tokens: int | None | Sequence[int | None], *,
+               eos: int | None | Sequence[int | None] = None, max_rounds: int | None = None) -> Iterator[Landed]:
+        """Generate every row in device mode, yielding the tokens as they reach the host.
+
+        One graph launch runs the rounds until every row is done (its EOS or its budget) or
+        `max_rounds` rounds have run (default: the largest budget, which no row can outlast,
+        since every live round commits a token; required where a row has no budget). Each
+        Landed holds, per row, the tokens committed since the last one (device_loop.Landed);
+        the host sleeps between looks and never synchronises the stream until the loop ends.
+        Everything is checked before the launch: the arguments, and the KV caches' room for the
+        whole generation. A loop stopped by the cap with rows still live raises RoundCapError
+        (holding the tokens) after the last tokens are yielded; the buffers stay usable. A
+        consumer that stops iterating early waits for the loop to end.
+        """
+        batch, k1 = self.bufs.batch, self.bufs.k + 1
+        positions = self._start_positions(start_pos)
+        budgets = per_row(max_new_tokens, batch, "max_new_tokens")
+        stops = per_row(eos, batch, "eos")
+        if max_rounds is None:
+            if None in budgets:
+                raise ValueError("a row without a token budget needs a round cap: pass max_rounds")
+            max_rounds = max(budgets)
+        elif isinstance(max_rounds, bool) or not isinstance(max_rounds, (int, np.integer)) \
+                or not 1 <= max_rounds < 2**31:
+            raise ValueError(f"max_rounds must be an int from 1 to 2**31 - 1, not {max_rounds!r}")
+        most = np.array([max_rounds * k1 if n is None else min(n, max_rounds * k1) for n in budgets], np.int64)
+        done = most == 0
+        self._check_loop_capacity(positions, most, done)
+        loop = self.device_loop
+        loop.prepare(max(int(most.max()), 1))
+        self.bufs.set_stop(self.engine, stops, budgets)
+        self.bufs.set_positions(positions)
+        if done.all():
+            return
+        loop.launch(max(int(max_rounds), 1))
+        self._rings_read()
+        got: list[list[np.ndarray]] = [[] for _ in range(batch)]
+        finished = False
+        try:
+            for landed in loop.follow():
+                for row, tokens in zip(got, landed.tokens):
+                    row.append(tokens)
+                yield landed
+            done, ran = loop.finish()
+            finished = True
+        finally:
+            if not finished:
+                loop.finish()
+        self.rounds += ran
+        self.bursts += 1
+        if not done.all():
+            live = np.flatnonzero(~done)
+            raise RoundCapError(f"the device loop stopped at its cap of {max_rounds} rounds with {live.size} row(s) "
+                                f"still live (row {live[0]} first): raise max_rounds or give every row a budget",
+                                [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in got])
+
+    def _check_loop_capacity(self, positions: np.ndarray, most: np.ndarray, done: np.ndarray) -> None:
+        """CapacityError unless every KV cache has room for the whole device loop: a row that
+        commits `most` tokens starts its last round at most most - 1 past its position and
+        writes k+1 entries there; where rows sit out rounds done (a batch, or passes of several
+        rounds), the round that stopped it may have kept k+1, and k+1 scratch entries follow."""
+        if self.capacity is None:
+            return
+        k1 = self.bufs.k + 1
+        idle = k1 if self.bufs.batch > 1 or self.bufs.m_rounds > 1 else 0
+        reach = positions + np.where(done, k1, most + k1 - 1 + idle)
+        short = np.flatnonzero(reach > self.capacity)
+        if short.size:
+            b = int(short[0])
+            raise CapacityError(f"KV cache of {self.capacity} entries cannot take the device loop: row {b} at "
+                                f"position {positions[b]} may write up to {reach[b]} ({most[b]} tokens at k={k1 - 1}); "
+                                "use a larger cache or a smaller budget or max_rounds")
 
     @staticmethod
     def _append(readback: Readback, out: list[list[np.ndarray]]) -> None:
@@ -471,7 +600,8 @@ class RoundStream:
         self.rounds += rounds
 
     def rounds_per_step(self, mode: Mode | str) -> int:
-        """The most rounds one step of `mode` runs: one for "readback", else M."""
+        """The most rounds one step of `mode` runs: one for "readback", else M (a device loop
+        runs its passes M rounds at a time)."""
         return 1 if as_mode(mode) is Mode.READBACK else self.bufs.m_rounds
 
     def _burst_rounds(self, rounds: int | None, most: int | None = None) -> int:
@@ -494,6 +624,8 @@ class RoundStream:
         mode = as_mode(mode)
         if mode is Mode.OVERLAP:
             raise ValueError('"overlap" keeps two bursts in flight: use generate()')
+        if mode is Mode.DEVICE:
+            raise ValueError('"device" generates until every row is done, in one launch: use generate() or stream()')
         rounds = self._burst_rounds(rounds, self.rounds_per_step(mode))
         self._queue(mode, rounds)
         return self.bufs.readback(self._receive(0, None, rounds))

@@ -22,7 +22,8 @@ Graph capture needs a stream other than the default one: create the engine insid
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -79,6 +80,35 @@ def stream_scope(engine: Stream) -> Callable[[], ContextManager[Any]]:
     view of the stream is made once, here, not at every burst."""
     stream = _torch_stream(engine)
     return lambda: torch.cuda.stream(stream)
+
+
+def private_pool(engine: Stream) -> tuple[Callable[[], ContextManager[Any]], Any]:
+    """For a graph memra builds from the driver (device mode's loop, which torch.cuda.graph
+    cannot capture): a scope that sends torch's allocations to a private memory pool while the
+    graph is captured, and the pool, which the graph keeps alive, so no tensor allocated later
+    is given the graph's memory. In the scope, torch's random-number generator must not move:
+    a loop replays its body with the offsets of the capture at every pass, so the same numbers
+    would come back (memra's position-keyed draws are what device mode samples with)."""
+    pool = torch.cuda.MemPool()
+    generator = torch.cuda.default_generators[engine.device]
+
+    refusal = ("torch drew random numbers inside a device-mode loop, whose passes replay the capture's "
+               "random-number offsets: every pass would draw the same numbers. Draw with memra's position-keyed "
+               "kernels (sampling.prepare_draft_sample), or use graph mode, which advances them at every launch")
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        offset = generator.get_offset()
+        try:
+            with torch.cuda.use_mem_pool(pool, device=engine.device):
+                yield
+        except RuntimeError as exc:  # torch refuses a draw in a capture it did not begin
+            if "generator" in str(exc):
+                raise CaptureError(refusal) from exc
+            raise
+        if generator.get_offset() != offset:
+            raise CaptureError(refusal)
+    return scope, pool
 
 
 class _TorchGraph:

@@ -1,4 +1,4 @@
-// Two tiny kernels for the driver layer's own tests and the launch-overhead measurement.
+// Tiny kernels for the driver layer's own tests and the bench's measurements.
 
 // x[i] += 1 for i < n.
 extern "C" __global__ void probe_increment(unsigned* x, unsigned n) {
@@ -18,4 +18,20 @@ extern "C" __global__ void probe_spin(unsigned* x, unsigned long long cycles) {
     while ((unsigned long long)(clock64() - start) < cycles) {
     }
     if (threadIdx.x == 0) x[0] += 1u;
+}
+
+// The device's clock against the host's: flag is mapped host memory, u32 [go, answered, waiting].
+// The kernel says it is waiting, spins until the host says go, stores %globaltimer (ns) and
+// answers; the host's time halfway between go and the answer is the same instant, to within half
+// the round trip (~1.2 µs on the H200).
+extern "C" __global__ void probe_clock(volatile unsigned* flag, volatile unsigned long long* device_ns) {
+    flag[2] = 1u;
+    __threadfence_system();
+    while (flag[0] == 0u) {
+    }
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    device_ns[0] = t;
+    __threadfence_system();
+    flag[1] = 1u;
 }

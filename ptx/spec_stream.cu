@@ -167,6 +167,46 @@ extern "C" __global__ void spec_ring_commit(const u32* vtok_d, u32* acc_d, const
     WARP_STRIDE(b, B) ring_commit_row((u32)b, vtok_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, k);
 }
 
+// 4'. Commit as kernel 4, then publish the round's tokens to the host while the loop runs
+//     (device-resident generation, docs/round-stream.md "Device mode"): lane 0 appends them to
+//     the row's stream in mapped pinned memory, with a %globaltimer stamp (low 32 bits) each,
+//     then __threadfence_system(), then the row's published count, so a host that reads the
+//     count sees every token below it. The ring is emptied for the next round; pub_d[b] counts
+//     what row b published, and writes past out_cap are dropped (the host sizes the stream
+//     for the budget).
+__device__ __forceinline__ u32 global_time_lo() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return (u32)t;
+}
+
+__device__ void publish_row(u32 b, u32* ring, u32 ring_cap, u32* pub_d, volatile u32* out_count,
+                            u32* out_tokens, u32* out_stamps, u32 out_cap) {
+    const u32 n = min(ring[RING_COUNT], ring_cap);
+    if (n == 0) return;
+    const u32 base = min(pub_d[b], out_cap), end = min(base + n, out_cap), stamp = global_time_lo();
+    for (u32 i = base; i < end; ++i) {
+        out_tokens[(u64)b * out_cap + i] = ring[RING_TOKENS + i - base];
+        out_stamps[(u64)b * out_cap + i] = stamp;
+    }
+    __threadfence_system();
+    out_count[b] = end;
+    pub_d[b] = end;
+    ring[RING_COUNT] = 0;
+}
+
+extern "C" __global__ void spec_ring_commit_publish(const u32* vtok_d, u32* acc_d, const u32* last_pred_d,
+                                                    int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap, u32 k,
+                                                    u32 B, u32* pub_d, u32* out_count, u32* out_tokens,
+                                                    u32* out_stamps, u32 out_cap) {
+    WARP_STRIDE(b, B) {
+        ring_commit_row((u32)b, vtok_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, k);
+        if ((threadIdx.x & 31) == 0)  // the lane that stored the row's ring publishes it
+            publish_row((u32)b, ring_d + b * (RING_TOKENS + ring_cap), ring_cap, pub_d, out_count, out_tokens,
+                        out_stamps, out_cap);
+    }
+}
+
 // 5. Roll every KV length in the table (and pos_ctr, when it is last) back to what was kept:
 //    each non-zero entry points at an i32[B], whose element b becomes row b's pos_start + keep.
 extern "C" __global__ void spec_rollback_stream(const u64* len_ptrs, u32 n_ptrs, u32 B,

@@ -13,7 +13,7 @@ from memra_cuda.stream import _deprecated_arguments, as_mode
 
 
 def test_modes_are_an_enum_that_takes_the_strings():
-    assert MODES == ("readback", "stream", "graph", "overlap")
+    assert MODES == ("readback", "stream", "graph", "overlap", "device")
     for name in MODES:
         assert as_mode(name) is Mode(name) and as_mode(Mode(name)) is Mode(name)
         assert Mode(name) == name  # a Mode is the string it names

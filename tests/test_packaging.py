@@ -55,7 +55,7 @@ def test_packaged_ptx_is_the_committed_ptx_from_the_installed_package():
     from memra_cuda.driver.module import packaged_ptx
 
     committed = sorted(path.stem for path in (REPO / "ptx").glob("*.ptx"))
-    assert {"spec_stream", "spec_sample", "toy_lm", "probe"} <= set(committed)
+    assert {"spec_stream", "spec_sample", "device_loop", "toy_lm", "probe"} <= set(committed)
     installed = sorted(path.stem for path in (PACKAGE / "ptx").glob("*.ptx"))
     assert installed == committed, f"{PACKAGE / 'ptx'} holds {installed}, ptx/ holds {committed}"
     for name in committed:

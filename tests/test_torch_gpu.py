@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 import pytest
 
-from memra_cuda import (MODES, Cache, DeviceBuffer, Engine, Event, Graph, Greedy, KVLayer, RoundStream,
+from memra_cuda import (MODES, Cache, CaptureError, DeviceBuffer, Engine, Event, Graph, Greedy, KVLayer, RoundStream,
                         SpecKernels, StreamBufs, kv_len_ptr_table)
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
@@ -262,16 +262,18 @@ def test_callables_run_on_the_engines_stream_without_being_wrapped(engine, mode)
         assert model.generate(7, 40, mode) == counted(7, 40)
 
 
-def test_torch_backed_graphs_keep_torchs_allocator_away_without_being_told(engine, side_stream):
-    """No capture= given: the burst graph must still be captured through torch, so tensors
-    allocated after it never share memory with the temporaries the graph writes at every replay."""
+@pytest.mark.parametrize("mode", ["graph", "device"])
+def test_torch_backed_graphs_keep_torchs_allocator_away_without_being_told(engine, side_stream, mode):
+    """No capture= given: the burst graph (device mode's loop) must still be captured with
+    torch's allocator told, so tensors allocated after it never share memory with the
+    temporaries the graph writes at every replay."""
     model = Counting(memra_torch.engine())
     assert model.generate(3, 24, "readback") == counted(3, 24)  # torch's cache now holds such blocks
-    assert model.generate(3, 24, "graph") == counted(3, 24)  # the capture
+    assert model.generate(3, 24, mode) == counted(3, 24)  # the capture
     later = [torch.full((2048, 2048), float(i), device="cuda") for i in range(8)]
     later_ids = [torch.full((1,), i, dtype=torch.int64, device="cuda") for i in range(64)]
     for _ in range(3):
-        assert model.generate(3, 24, "graph") == counted(3, 24)
+        assert model.generate(3, 24, mode) == counted(3, 24)
     torch.cuda.synchronize()
     assert all(bool((t == i).all()) for i, t in enumerate(later)), "a replay wrote into a later tensor"
     assert [int(t) for t in later_ids] == list(range(64)), "a replay wrote into a later tensor"
@@ -287,6 +289,23 @@ def test_a_captured_burst_draws_new_random_numbers_at_every_launch(engine, side_
         shared.synchronize()
         draws.append(tuple(out.tolist()))
     assert len(set(draws)) == 3, f"the replays drew the same numbers: {draws}"
+
+
+class Noisy(Counting):
+    """Counting, with torch's random numbers drawn in the draft chain."""
+
+    def draft_chain(self) -> None:
+        super().draft_chain()
+        self.noise = torch.rand(4, device="cuda")
+
+
+def test_device_mode_refuses_torchs_random_numbers(engine, side_stream):
+    """A WHILE loop replays its body with the offsets of the capture: torch.rand would draw the
+    same numbers at every pass, so capturing it is refused, and the other modes still run."""
+    model = Noisy(memra_torch.engine())
+    with pytest.raises(CaptureError, match="random numbers"):
+        model.generate(3, 24, "device")
+    assert model.generate(3, 24, "graph") == counted(3, 24)
 
 
 def test_every_burst_length_is_captured_up_front(engine, side_stream):

@@ -1,17 +1,17 @@
 """The general driver layer: contexts, engines, owned buffers, modules, launches, graphs and
 events over `cuda.bindings.driver`. It knows nothing of round-stream, which is built on it."""
-from .buffer import DeviceBuffer, PinnedBuffer, as_buffer
+from .buffer import DeviceBuffer, MappedBuffer, PinnedBuffer, as_buffer
 from .call import Prepared
 from .engine import Engine
 from .errors import CaptureError, CudaError, CudaFault, CudaUnavailable
 from .event import Event
-from .graph import Capture, Graph, stream_capture
+from .graph import Capture, Graph, LoopBuilder, LoopUnsupported, loops, stream_capture
 from .handle import Handle
 from .module import Kernel, KernelArgs, Launch, Module
 from .stream import Stream
 
 __all__ = [
     "Capture", "CaptureError", "CudaError", "CudaFault", "CudaUnavailable", "DeviceBuffer", "Engine", "Event",
-    "Graph", "Handle", "Kernel", "KernelArgs", "Launch", "Module", "PinnedBuffer", "Prepared", "Stream", "as_buffer",
-    "stream_capture",
+    "Graph", "Handle", "Kernel", "KernelArgs", "Launch", "LoopBuilder", "LoopUnsupported", "MappedBuffer", "Module",
+    "PinnedBuffer", "Prepared", "Stream", "as_buffer", "loops", "stream_capture",
 ]

@@ -193,6 +193,8 @@ class PinnedBuffer(Handle):
     Reads hand out copies, so no numpy array can outlive the memory it would point into.
     """
 
+    _flags = 0  # cuMemHostAlloc's
+
     def __init__(self, engine: Stream, dtype: Any, length: int, *, label: str | None = None):
         self.dtype = device_dtype(dtype)
         self.len = as_index(length, "length")
@@ -202,7 +204,7 @@ class PinnedBuffer(Handle):
         self.label = label
         _no_alloc_in_capture(engine, "pinned memory")
         ctx = engine.activate()
-        self._ptr = int(ctx.call("cuMemHostAlloc", self.nbytes, 0))
+        self._ptr = int(ctx.call("cuMemHostAlloc", self.nbytes, self._flags))
         self._own(ctx, "cuMemFreeHost", self._ptr)
         self._array = np.frombuffer((ctypes.c_char * self.nbytes).from_address(self._ptr), self.dtype)
 
@@ -226,6 +228,32 @@ class PinnedBuffer(Handle):
     def __repr__(self) -> str:
         label = f"{self.label} " if self.label else ""
         return f"PinnedBuffer({label}{short_name(self.dtype)}[{self.len}]{' freed' if self.freed else ''})"
+
+
+class MappedBuffer(PinnedBuffer):
+    """Pinned host memory that kernels write directly (mapped into the device's address space):
+    how the device hands the host tokens while a graph is still running, with no copy and no
+    stream synchronise.
+
+    `device` is the memory as a DeviceBuffer for kernel arguments, which keeps this buffer
+    alive and is poisoned with everything that holds it when this buffer is freed. `live` is
+    the host's view of the memory itself, not a copy: what a kernel wrote is there as soon as
+    it is visible, so read a count before the words it publishes.
+    """
+
+    _flags = 2  # CU_MEMHOSTALLOC_DEVICEMAP
+
+    def __init__(self, engine: Stream, dtype: Any, length: int, *, label: str | None = None):
+        super().__init__(engine, dtype, length, label=label)
+        address = int(engine.activate().call("cuMemHostGetDevicePointer", self._ptr, 0))
+        self.device = DeviceBuffer(address, self.dtype, self.len, engine=engine, keepalive=self,
+                                   label=label and f"{label} (mapped)")
+        self.depend(self.device)
+        self.live = self._array
+
+    def free(self) -> None:
+        self.live = None
+        super().free()
 
 
 def as_buffer(obj: Any, what: str = "buffer", engine: Stream | None = None) -> DeviceBuffer:

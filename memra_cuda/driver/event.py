@@ -36,6 +36,18 @@ class Event(Handle):
         self._usable()
         self.engine.activate().call("cuEventSynchronize", self.handle)
 
+    def query(self) -> bool:
+        """Whether the stream has reached the last record(), without waiting."""
+        self._usable()
+        drv = driver()
+        ctx = self.engine.activate()
+        (err,) = drv.cuEventQuery(self.handle)  # NOT_READY is an answer, not a failure
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        if err:
+            raise ctx.failure(err, "cuEventQuery")
+        return True
+
     def elapsed_ms(self, start: Event) -> float:
         """Device milliseconds from `start` to this event (both recorded, this one waited for)."""
         start._usable()

@@ -40,6 +40,99 @@ def stream_capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, None
         ctx.call("cuGraphDestroy", graph)
 
 
+class LoopUnsupported(RuntimeError):
+    """The driver or the binding has no conditional WHILE nodes (CUDA 12.4 and later have)."""
+
+
+LOOP_REQUIREMENT = ("device-resident loops need conditional WHILE graph nodes: a CUDA 12.4+ driver and "
+                    "cuda-bindings with cuGraphConditionalHandleCreate and cuStreamBeginCaptureToGraph")
+
+
+def check_loops(engine: Stream) -> None:
+    """LoopUnsupported naming the requirement unless this driver and binding build WHILE nodes."""
+    drv = driver()
+    have = all(hasattr(drv, name) for name in ("cuGraphConditionalHandleCreate", "cuStreamBeginCaptureToGraph",
+                                                "cuGraphAddNode", "cuStreamGetCaptureInfo"))
+    version = int(engine.activate().call("cuDriverGetVersion"))
+    if not have or version < 12040:
+        raise LoopUnsupported(f"{LOOP_REQUIREMENT}; this is driver {version // 1000}.{version % 1000 // 10}"
+                              + ("" if have else " with a binding that lacks them"))
+
+
+class LoopBuilder:
+    """Builds a graph of straight segments and conditional WHILE loops, in order, every part
+    captured from the engine's own stream (cuStreamBeginCaptureToGraph), so prepared launches
+    bound to that stream capture as they are. Used inside a Graph's capture (see `loops`).
+
+    handle() makes a loop's condition, to give the kernels that set it (cudaGraphSetConditional)
+    before they are captured; issue() captures work after everything so far; loop() adds a
+    WHILE node on a handle after everything so far, its body captured from `body`, which runs
+    as long as the last kernel to set the condition set it non-zero (it starts at 0: a kernel
+    issued before the loop decides whether the body runs at all).
+    """
+
+    def __init__(self, engine: Stream):
+        self.engine, self.ctx = engine, engine.activate()
+        self.graph = self.ctx.call("cuGraphCreate", 0)
+        self._after: list[Any] = []  # the nodes the next part depends on
+        self._handles: dict[int, Any] = {}
+
+    def handle(self) -> int:
+        handle = self.ctx.call("cuGraphConditionalHandleCreate", self.graph, self.ctx.handle, 0, 0)
+        self._handles[int(handle)] = handle
+        return int(handle)
+
+    def issue(self, work: Callable[[], None]) -> None:
+        self._after = self._capture_into(self.graph, self._after, work, sinks=True)
+
+    def loop(self, handle: int, body: Callable[[], None]) -> None:
+        drv = driver()
+        params = drv.CUgraphNodeParams()
+        params.type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        params.conditional.handle = self._handles[handle]
+        params.conditional.type = drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
+        params.conditional.size = 1
+        params.conditional.ctx = self.ctx.handle
+        node = self.ctx.call("cuGraphAddNode", self.graph, self._after, None, len(self._after), params)
+        self._capture_into(params.conditional.phGraph_out[0], [], body, sinks=False)
+        self._after = [node]
+
+    def _capture_into(self, graph: Any, after: list[Any], work: Callable[[], None], sinks: bool) -> list[Any]:
+        drv, stream = driver(), self.engine.stream
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        self.ctx.call("cuStreamBeginCaptureToGraph", stream, graph, after or None, None, len(after), mode)
+        try:
+            work()
+            if sinks:  # (status, id, graph, nodes, [edge data,] count): the nodes the next part follows
+                info = self.ctx.call("cuStreamGetCaptureInfo", stream)
+                after = list(info[3])[:int(info[-1])]
+        except BaseException:
+            drv.cuStreamEndCapture(stream)
+            raise
+        self.ctx.call("cuStreamEndCapture", stream)
+        return after
+
+    def instantiate(self) -> Any:
+        try:
+            return self.ctx.call("cuGraphInstantiate", self.graph, 0)
+        finally:
+            self.ctx.call("cuGraphDestroy", self.graph)
+
+
+def loops(build: Callable[[LoopBuilder], None]) -> Capture:
+    """A Capture that builds its graph with `build(LoopBuilder)` instead of capturing `issue`."""
+    def capture(engine: Stream, _issue: Callable[[], None]) -> tuple[Any, None]:
+        check_loops(engine)
+        builder = LoopBuilder(engine)
+        try:
+            build(builder)
+        except BaseException:
+            driver().cuGraphDestroy(builder.graph)
+            raise
+        return builder.instantiate(), None
+    return capture
+
+
 class Graph(Handle):
     """The work `issue` put on the engine's stream, captured once and replayable.
 
@@ -63,10 +156,11 @@ class Graph(Handle):
     """
 
     def __init__(self, engine: Stream, issue: Callable[[], None], *, capture: Capture | None = None,
-                 joined: Sequence[Stream] = ()):
+                 joined: Sequence[Stream] = (), keep: Any = None):
         self.engine = engine
         self._held: dict[int, Handle] = {}
         self._owner: Any = None
+        self._keep = keep  # what the graph's memory needs alive (a framework's memory pool)
         ctx = engine.activate()
         engines = [engine, *(e for e in joined if e is not engine)]
         if any(e.capture_hold is not None for e in engines):
@@ -104,7 +198,7 @@ class Graph(Handle):
 
     def free(self) -> None:
         super().free()
-        self._owner = self._replay = None
+        self._owner = self._replay = self._keep = None
         self._held.clear()
 
     def __repr__(self) -> str:

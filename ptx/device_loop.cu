@@ -1,0 +1,47 @@
+// The decider of device-resident generation (docs/round-stream.md, "Device mode"): the kernel
+// that ends every pass of a conditional WHILE node running the rounds, and the one before each
+// loop. It sets the loop's condition on the device, so the host is out of the loop.
+//
+// cudaGraphSetConditional is declared here, not included: NVRTC has no declaration of its own,
+// and the driver links the call when it loads the PTX (no relocatable code, no cudadevrt). It
+// needs a driver with conditional graph nodes (CUDA 12.4+), which is why this kernel has a
+// module of its own: spec_stream.ptx stays loadable everywhere.
+#include "layout.cuh"
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+extern "C" __device__ void cudaGraphSetConditional(u64 handle, unsigned int value);
+
+// loop_d is u32[2]: the rounds run so far in this launch, and the most it may run (the cap,
+// written by the host before the launch). `start` begins the count at 0; `ran` adds the rounds
+// of the pass that just ended; the published count goes to rounds_out (mapped host memory).
+//
+// The loop runs another pass of `body` rounds while some row is live and the cap leaves room
+// for the whole pass. `paced` (device-side pacing, as Pace on the host) asks more: that some
+// live row is expected to need `body` rounds more, at the tokens per round it committed in
+// this loop so far (pub_d: its tokens; acc_d's total: the drafts among them), or at one before
+// it committed any. A row with no budget always may. One block.
+extern "C" __global__ void spec_loop_decide(const int* ctl_d, const u32* pub_d, const u32* acc_d, u32 B,
+                                            u32* loop_d, volatile u32* rounds_out, u64 handle, u32 ran,
+                                            u32 body, u32 paced, u32 start) {
+    int live = 0, long_way = 0;
+    for (u32 b = threadIdx.x; b < B; b += blockDim.x) {
+        const int* ctl = ctl_d + CTL_WORDS * b;
+        if (ctl[CTL_DONE] != 0) continue;
+        live = 1;
+        const int budget = ctl[CTL_BUDGET];
+        const u64 got = pub_d[b], accepted = acc_d[ACC_WORDS * b + ACC_TOTAL];
+        const u64 rounds = got > accepted ? got - accepted : 0;  // rounds that committed `got`
+        long_way |= budget < 0 || (rounds ? (u64)budget * rounds >= (u64)body * got : (u32)budget >= body);
+    }
+    live = __syncthreads_or(live);
+    long_way = __syncthreads_or(long_way);
+    if (threadIdx.x == 0) {
+        const u32 rounds = (start ? 0u : loop_d[0]) + ran;
+        const int go = (paced ? long_way : live) && rounds + body <= loop_d[1];
+        loop_d[0] = rounds;
+        *rounds_out = rounds;
+        cudaGraphSetConditional(handle, go ? 1u : 0u);
+    }
+}
