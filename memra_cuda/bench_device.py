@@ -22,7 +22,7 @@ from .stream import kv_capacity
 
 MODEL = ToyModel(seed=2024, noise_ppm=100_000, p_min=0.05)
 K, M = 4, 16
-MODES = (("graph", True), ("graph", False), ("overlap", True), ("device", True), ("device spin", True))
+RUNS = (("graph", True), ("graph", False), ("overlap", True), ("device", True), ("device spin", True))  # mode, pace
 
 
 def clock_offset(engine: Engine, trials: int = 40) -> int:
@@ -91,7 +91,7 @@ def bench_device(engine: Engine, quick: bool) -> list[dict]:
             bufs = StreamBufs(engine, K, M, batch)
             stream = lm.round_stream(spec, bufs)
             found = {}
-            for mode, pace in MODES:
+            for mode, pace in RUNS:
                 stream.pace = pace
                 _run(lm, bufs, stream, prompts, tokens, mode)  # warm-up: JIT, captures
                 runs = [_run(lm, bufs, stream, prompts, tokens, mode) for _ in range(3)]

@@ -106,7 +106,8 @@ def bench_one_request(llama: Any, quick: bool) -> list[dict]:
             measured[name] = row = dict(size=size, method=name, tokens_per_s=rate, acceptance=None)
             if speculative is not None:
                 accepted, drafted = speculative.bufs.drafts_accepted(speculative.engine, len(out))
-                row.update(acceptance=accepted / drafted, tokens_per_round=len(out) * TORCH_K / drafted)
+                if drafted:  # a budget the first round meets drafts nothing to count
+                    row.update(acceptance=accepted / drafted, tokens_per_round=len(out) * TORCH_K / drafted)
         for row in measured.values():
             row["vs_greedy"] = row["tokens_per_s"] / measured["greedy, torch graph"]["tokens_per_s"]
             row["vs_hf_assisted"] = row["tokens_per_s"] / measured["HF assisted"]["tokens_per_s"]
@@ -137,42 +138,47 @@ def bench_one_request(llama: Any, quick: bool) -> list[dict]:
 def bench_batches(llama: Any, quick: bool) -> list[dict]:
     """Section 2: every method on the same B requests, tokens/s over all rows."""
     rows: list[dict] = []
-    tokens, sampling = (32 if quick else 128), llama.SamplingParams(1.0)
+    tokens = 32 if quick else 128
     print(f"\nbatches: k={TORCH_K}, M={TORCH_M}, {tokens} tokens a row, prompts of 2 to 40 tokens; sampling at T=1")
     print(f"{'size':6} {'B':>4} {'method':30} {'tokens/s':>9} {'accept':>6} {'vs batched graphed greedy':>26}")
     for size in ("small", "large"):
         model = llama.build_model(size)
         for batch in BATCHES[size]:
-            prompts = llama.prompts(batch, seed=batch)
-            requests = [llama.Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
-            capacity = llama.capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
-            greedy = llama.GraphedGreedy(model, capacity, batch)
-            spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch)
-            sampler = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch,
-                                             sampling=sampling)
-            methods = {
-                "HF generate, greedy": (lambda: llama.hf_generate(model, prompts, tokens), None),
-                "HF generate, sampling": (lambda: llama.hf_generate(model, prompts, tokens, sampling=sampling), None),
-                "batched greedy, torch graph": (lambda: greedy.generate_batch(requests), None),
-                "round-stream graph, greedy": (lambda: spec.generate_batch(requests), spec),
-                "round-stream graph, sampling": (lambda: sampler.generate_batch(requests), sampler),
-            }
-            measured = {}
-            for name, (run, speculative) in methods.items():
-                seconds, out = _timed(run)
-                count = sum(map(len, out))
-                measured[name] = row = dict(size=size, batch=batch, method=name, tokens_per_s=count / seconds,
-                                            acceptance=None)
-                if speculative is not None:
-                    row["acceptance"] = speculative.acceptance([len(r) for r in out])
-            for row in measured.values():
-                row["vs_batched_greedy"] = row["tokens_per_s"] / measured["batched greedy, torch graph"]["tokens_per_s"]
-                accept = f"{row['acceptance']:6.2f}" if row["acceptance"] is not None else f"{'-':>6}"
-                print(f"{size:6} {batch:4} {row['method']:30} {row['tokens_per_s']:9.0f} {accept} "
-                      f"{row['vs_batched_greedy']:25.2f}x", flush=True)
-                rows.append(row)
-            del greedy, spec, sampler
+            rows += _bench_batch(llama, model, size, batch, tokens)
     return rows
+
+
+def _bench_batch(llama: Any, model: Any, size: str, batch: int, tokens: int) -> list[dict]:
+    """One size and B of section 2 (its caches and graphs go when it returns)."""
+    sampling = llama.SamplingParams(1.0)
+    prompts = llama.prompts(batch, seed=batch)
+    requests = [llama.Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
+    capacity = llama.capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
+    greedy = llama.GraphedGreedy(model, capacity, batch)
+    spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch)
+    sampler = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                                     sampling=sampling)
+    methods = {
+        "HF generate, greedy": (lambda: llama.hf_generate(model, prompts, tokens), None),
+        "HF generate, sampling": (lambda: llama.hf_generate(model, prompts, tokens, sampling=sampling), None),
+        "batched greedy, torch graph": (lambda: greedy.generate_batch(requests), None),
+        "round-stream graph, greedy": (lambda: spec.generate_batch(requests), spec),
+        "round-stream graph, sampling": (lambda: sampler.generate_batch(requests), sampler),
+    }
+    measured = {}
+    for name, (run, speculative) in methods.items():
+        seconds, out = _timed(run)
+        count = sum(map(len, out))
+        measured[name] = row = dict(size=size, batch=batch, method=name, tokens_per_s=count / seconds,
+                                    acceptance=None)
+        if speculative is not None:
+            row["acceptance"] = speculative.acceptance([len(r) for r in out])
+    for row in measured.values():
+        row["vs_batched_greedy"] = row["tokens_per_s"] / measured["batched greedy, torch graph"]["tokens_per_s"]
+        accept = f"{row['acceptance']:6.2f}" if row["acceptance"] is not None else f"{'-':>6}"
+        print(f"{size:6} {batch:4} {row['method']:30} {row['tokens_per_s']:9.0f} {accept} "
+              f"{row['vs_batched_greedy']:25.2f}x", flush=True)
+    return list(measured.values())
 
 
 def bench_serving(llama: Any, quick: bool) -> list[dict]:

@@ -15,33 +15,19 @@ import contextlib
 import ctypes
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from .driver.buffer import MappedBuffer
 from .driver.event import Event
-from .driver.graph import Graph, LoopBuilder, LoopUnsupported, check_loops, loops
+from .driver.graph import Capture, Graph, LoopBuilder, LoopUnsupported, check_loops
 
 if TYPE_CHECKING:
     from .bufs import StreamBufs
-    from .driver.engine import Engine
     from .kernels import SpecKernels
 
-
-class Rounds(Protocol):
-    """What the loop takes of its RoundStream (stream.py imports this module, not the reverse)."""
-
-    engine: Engine
-    spec: SpecKernels
-    bufs: StreamBufs
-    pace: bool
-
-    def round_steps(self, commit: Callable[[], None] | None = None) -> tuple[Callable[[], None], ...]: ...
-
-    def scoped(self, issue: Callable[[int], Any]) -> Callable[[int], None]: ...
-
-    def capture_scope(self) -> tuple[Callable[[], Any], Any]: ...
+Step = Callable[[], None]
 
 
 class RoundCapError(RuntimeError):
@@ -65,60 +51,62 @@ class Landed(NamedTuple):
 
 
 class TokenStream:
-    """The mapped words the rounds publish into, one row per sequence: the rounds the loop has
-    run, then each row's published count, its tokens and their stamps (u32[B][cap] each). The
-    device writes tokens and stamps, then __threadfence_system(), then the count, so the host
-    reads a count first and may then read every token below it."""
+    """The mapped words the rounds publish into, one row per sequence: each row's published
+    count, then its tokens and their stamps (u32[B][cap] each). The device writes tokens and
+    stamps, then __threadfence_system(), then the count, so the host reads a count first and may
+    then read every token below it."""
 
     def __init__(self, engine: Any, batch: int, cap: int):
         self.batch, self.cap = batch, cap
-        self._memory = MappedBuffer(engine, np.uint32, 1 + batch * (1 + 2 * cap), label="token stream")
-        words, device = self._memory.live, self._memory.device
-        self.rounds_d = device.view(0, 1)
-        self.count_d = device.view(1, batch)
-        self.tokens_d = device.view(1 + batch, batch * cap)
-        self.stamps_d = device.view(1 + batch + batch * cap, batch * cap)
-        self._rounds = words[0:1]
-        self._counts = words[1:1 + batch]
-        self._tokens = words[1 + batch:1 + batch + batch * cap].reshape(batch, cap)
-        self._stamps = words[1 + batch + batch * cap:].reshape(batch, cap)
-        self.seen = np.zeros(batch, np.int64)  # what the host has taken of each row
-        self._seen_bytes = np.zeros(batch, np.uint32).tobytes()
+        self._memory = MappedBuffer(engine, np.uint32, batch * (1 + 2 * cap), label="token stream")
+        device = self._memory.device
+        self.count_d = device.view(0, batch)
+        self.tokens_d = device.view(batch, batch * cap)
+        self.stamps_d = device.view(batch + batch * cap, batch * cap)
+        self._views(self._memory.live)
+        self.seen = np.zeros(batch, np.uint32)  # what the host has taken of each row
+
+    def _views(self, words: np.ndarray | None) -> None:
+        """The host's views of the words (None once freed: no view outlives the memory)."""
+        batch, cap = self.batch, self.cap
+        self._counts = None if words is None else words[:batch]
+        self._tokens = None if words is None else words[batch:batch + batch * cap].reshape(batch, cap)
+        self._stamps = None if words is None else words[batch + batch * cap:].reshape(batch, cap)
 
     def clear(self) -> None:
         """Zero the counts before a launch (the loop before it has finished)."""
-        self._memory.live[:1 + self.batch] = 0
+        self._counts[:] = 0
         self.seen[:] = 0
-        self._seen_bytes = np.zeros(self.batch, np.uint32).tobytes()
 
     def take(self, running: bool) -> Landed | None:
         """The tokens published since the last take, or None if there are none."""
         counts = self._counts.copy()  # the counts first: every token below them is written
-        if counts.tobytes() == self._seen_bytes:
+        if counts.tobytes() == self.seen.tobytes():
             return None
-        self._seen_bytes = counts.tobytes()
         seen_ns = time.perf_counter_ns()
         low, high = int(self.seen.min()), int(counts.max())  # one copy of the new columns for all rows
         tokens, stamps = self._tokens[:, low:high].copy(), self._stamps[:, low:high].copy()
         rows = [slice(int(a) - low, int(b) - low) for a, b in zip(self.seen, counts)]
         landed = Landed([tokens[b, r] for b, r in enumerate(rows)], [stamps[b, r] for b, r in enumerate(rows)],
                         seen_ns, running)
-        self.seen = counts.astype(np.int64)
+        self.seen = counts
         return landed
 
-    @property
-    def rounds(self) -> int:
-        """The rounds the last loop ran (read after it ended)."""
-        return int(self._rounds[0])
-
     def free(self) -> None:
+        self._views(None)
         self._memory.free()
 
 
 class DeviceLoop:
-    """The device mode of a RoundStream: its loop graph (captured once per stream size) and the
-    host's side of the token stream. RoundStream.stream and generate_batch(mode="device") use
-    it; it is not built by hand."""
+    """The device mode of a RoundStream: its loop graph (captured once per stream size and
+    pacing) and the host's side of the token stream. RoundStream.stream and
+    generate_batch(mode="device") use it; it is not built by hand.
+
+    It is given the round's steps around the commit (`before`, `after`), which it issues with
+    its own publishing commit between them inside `scope` (a framework's stream scope), and
+    `capture`, what builds a graph of loops (driver.graph.loops, or the torch adapter's): it
+    holds no reference to its RoundStream.
+    """
 
     # The host sleeps between looks at the stream: until the next commit is due, less EARLY_S
     # for the sleep's own lateness, and at least MIN_SLEEP_S. With `spin` set it looks again at
@@ -126,41 +114,52 @@ class DeviceLoop:
     MIN_SLEEP_S = 50e-6
     EARLY_S = 15e-6
 
-    def __init__(self, rounds: Rounds):
-        check_loops(rounds.engine)
-        self.rounds = rounds
-        engine, bufs = rounds.engine, rounds.bufs
+    def __init__(self, spec: SpecKernels, bufs: StreamBufs, before: Sequence[Step], after: Sequence[Step],
+                 scope: Callable[[], Any], capture: Callable[[Callable[[LoopBuilder], None]], Capture]):
+        engine = spec.engine
+        check_loops(engine)  # before the decider's module, which an older driver cannot load
+        self.engine, self.spec, self.bufs = engine, spec, bufs
+        self._before, self._after, self._scope, self._loops = tuple(before), tuple(after), scope, capture
         self._decide = engine.load_ptx("device_loop").kernel("spec_loop_decide").prepare(
-            ["ptr", "ptr", "ptr", "u32", "ptr", "ptr", "u64", "u32", "u32", "u32", "u32"], 1, 256)
-        self.published_d = engine.zeros(np.uint32, bufs.batch, label="published tokens")
-        self.loop_d = engine.zeros(np.uint32, 2, label="loop rounds and cap")
+            ["ptr", "ptr", "ptr", "u32", "ptr", "u64", "u32", "u32", "u32"], 1, 256)
+        # The cap, the rounds run, then each row's published tokens: one memset zeroes all but the cap.
+        self._state_d = engine.zeros(np.uint32, 2 + bufs.batch, label="device loop state")
+        self._ran = engine.pinned(np.uint32, 1, label="device loop rounds")
         self._stream: TokenStream | None = None
         self._graph: Graph | None = None
+        self._paced: bool | None = None
         self._event = Event(engine)
-        self.captures = 0  # loop graphs captured (one per stream size)
+        self.captures = 0  # loop graphs captured
+        self.running = False  # launched, and finish() not yet called
         self.spin = False
 
-    def prepare(self, cap: int) -> None:
-        """Capture the loop for a token stream of `cap` tokens per row, unless one at least
-        that large is captured already; the stream holds the next power of two, so a server's
-        requests capture it a few times at most (call it up front with the largest budget to
-        capture it once)."""
-        if self._graph is not None and self._stream is not None and self._stream.cap >= cap:
+    def prepare(self, cap: int, paced: bool) -> None:
+        """Capture the loop for a token stream of `cap` tokens per row and the given pacing,
+        unless one that large with that pacing is captured already. The stream holds the next
+        power of two, so a server's requests capture it a few times at most (call this up front
+        with the largest budget to capture it once). A failed capture leaves the last loop."""
+        cap = 1 << (max(cap, 1) - 1).bit_length()
+        if self._graph is not None and self._stream.cap >= cap and self._paced == paced:
             return
-        if self._stream is not None:
+        stream = TokenStream(self.engine, self.bufs.batch, max(cap, self._stream.cap if self._stream else 0))
+        try:
+            graph = self._capture(stream, paced)
+        except BaseException:
+            stream.free()
+            raise
+        if self._graph is not None:
             self._graph.free()
             self._stream.free()
-        self._stream = TokenStream(self.rounds.engine, self.rounds.bufs.batch, 1 << (max(cap, 1) - 1).bit_length())
-        self._graph = self._capture(self._stream)
+        self._stream, self._graph, self._paced = stream, graph, paced
         self.captures += 1
 
     def launch(self, max_rounds: int) -> None:
         """Clear the stream, set the round cap and launch the loop (prepare first)."""
-        engine = self.rounds.engine
         self._stream.clear()
-        engine.set_u32(self.loop_d, 1, max_rounds)
+        self.engine.set_u32(self._state_d, 0, max_rounds)
         self._graph.launch()
         self._event.record()
+        self.running = True
 
     def follow(self) -> Iterator[Landed]:
         """Each batch of tokens as the host finds them published, until the loop has ended and
@@ -176,14 +175,9 @@ class DeviceLoop:
         row, newest_seen = 0, None  # the row whose stamps time the rounds, and its newest one
         with _fine_timer():
             while True:
-                landed = stream.take(running=True)
-                if landed is None:
-                    if event.query():  # the loop ended: its last tokens were published before
-                        landed = stream.take(running=False)
-                        if landed is not None:
-                            yield landed
-                        return
-                else:
+                ended = event.query()  # before the look: a loop that has ended published everything
+                landed = stream.take(running=not ended)
+                if landed is not None:
                     if landed.stamps[row].size == 0:  # the row followed so far is done: take another
                         row = max(range(stream.batch), key=lambda b: landed.stamps[b].size)
                         newest_seen = None
@@ -197,6 +191,8 @@ class DeviceLoop:
                     newest_seen = newest
                     due_ns = newest + lag_ns + round_ns  # host time, low 32 bits
                     yield landed
+                if ended:
+                    return
                 if self.spin:
                     time.sleep(0)
                     continue
@@ -204,49 +200,48 @@ class DeviceLoop:
                 time.sleep(max(wait_s, self.MIN_SLEEP_S))
 
     def finish(self) -> tuple[np.ndarray, int]:
-        """After follow(): the final readback's done flags, and the rounds the loop ran."""
-        bufs = self.rounds.bufs
-        received = bufs.receive(self.rounds.engine, 0, self._event)
-        return received.done, self._stream.rounds
+        """Wait for the loop: the final readback's done flags, and the rounds it ran."""
+        received = self.bufs.receive(self.engine, 0, self._event)
+        self.running = False
+        return received.done, int(self._ran.read()[0])
 
-    def _capture(self, stream: TokenStream) -> Graph:
-        rs, bufs, engine = self.rounds, self.rounds.bufs, self.rounds.engine
-        publish = rs.spec.prepare_ring_commit_publish(bufs, self.published_d, stream.count_d, stream.tokens_d,
-                                                      stream.stamps_d, stream.cap)
-        round_steps = rs.round_steps(commit=publish)
-        issue_rounds = rs.scoped(lambda n: [step() for _ in range(n) for step in round_steps])
-        m = bufs.m_rounds
+    def _capture(self, stream: TokenStream, paced: bool) -> Graph:
+        engine, bufs, state = self.engine, self.bufs, self._state_d
+        published = state.view(2, bufs.batch)
+        publish = self.spec.prepare_ring_commit_publish(bufs, published, stream.count_d, stream.tokens_d,
+                                                        stream.stamps_d, stream.cap)
+        steps = (*self._before, publish, *self._after)
         decide = self._decide
 
-        def decider(handle: int, ran: int, body: int, paced: bool, start: bool = False) -> Callable[[], None]:
+        def decider(handle: Any, ran: int, body: int) -> Step:
             def issue() -> None:  # bound now, captured at once: the graph keeps these values
-                decide.set(bufs.ctl_d, self.published_d, bufs.acc_d, bufs.batch, self.loop_d, stream.rounds_d,
-                           handle, ran, body, int(paced), int(start))
+                decide.set(bufs.ctl_d, published, bufs.acc_d, bufs.batch, state, int(handle), ran, body,
+                           int(paced and body > 1))
                 decide()
             return issue
 
-        def rounds_then(n: int, decide_pass: Callable[[], None]) -> Callable[[], None]:
+        def rounds_then(n: int, decide_pass: Step) -> Step:
             def issue() -> None:
-                issue_rounds(n)
+                with self._scope():
+                    for _ in range(n):
+                        for step in steps:
+                            step()
                 decide_pass()
             return issue
 
+        def read_back() -> None:  # the rows' done flags and positions, and the rounds run
+            bufs.queue_readback(engine, 0)
+            engine.copy_dtoh_async(self._ran, state.view(1, 1))
+
         def build(graph: LoopBuilder) -> None:
-            graph.issue(lambda: engine.memset(self.published_d, 0))
-            for i, body in enumerate(_pass_lengths(m, rs.pace)):
-                handle, paced = graph.handle(), rs.pace and body > 1
-                graph.issue(decider(handle, 0, body, paced, start=i == 0))
-                graph.loop(handle, rounds_then(body, decider(handle, body, body, paced)))
-            graph.issue(lambda: bufs.queue_readback(engine, 0))
+            graph.issue(lambda: engine.memset(state.view(1, 1 + bufs.batch), 0))
+            for body in _pass_lengths(bufs.m_rounds, paced):
+                handle = graph.handle()
+                graph.issue(decider(handle, 0, body))
+                graph.loop(handle, rounds_then(body, decider(handle, body, body)))
+            graph.issue(read_back)
 
-        scope, keep = rs.capture_scope()
-        with scope():
-            return Graph(engine, lambda: None, capture=loops(build), keep=keep)
-
-    def free(self) -> None:
-        for handle in (self._graph, self._stream, self.published_d, self.loop_d, self._event):
-            if handle is not None:
-                handle.free()
+        return Graph(engine, lambda: None, capture=self._loops(build))
 
 
 def _signed(ns: int) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 from .driver.buffer import DeviceBuffer
 from .driver.values import as_index
 from .driver.module import Launch
-from .sampling import prepare_accept_sample, prepare_draft_sample
+from .sampling import _exact, prepare_accept_sample, prepare_draft_sample
 from .tables import PointerTable
 
 if TYPE_CHECKING:
@@ -78,10 +78,9 @@ class SpecKernels:
         `published_d` u32[B] counts what each row published; count_d u32[B], tokens_d and
         stamps_d u32[B][cap] are the stream's mapped words (device_loop.TokenStream)."""
         cap, batch = as_index(cap, "cap"), bufs.batch
-        for name, buf, words in (("published_d", published_d, batch), ("count_d", count_d, batch),
-                                 ("tokens_d", tokens_d, batch * cap), ("stamps_d", stamps_d, batch * cap)):
-            if buf.dtype != np.uint32 or buf.len != words:
-                raise ValueError(f"{name} must be u32[{words}] for a batch of {batch}, not {buf!r}")
+        for name, buf, shape in (("published_d", published_d, (batch,)), ("count_d", count_d, (batch,)),
+                                 ("tokens_d", tokens_d, (batch, cap)), ("stamps_d", stamps_d, (batch, cap))):
+            _exact(self.engine.buffer(buf, name), name, ("u32",), shape)
         return self._launch("spec_ring_commit_publish", ["ptr"] * 6 + ["u32"] * 3 + ["ptr"] * 4 + ["u32"],
                             bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
                             bufs.ring_cap, bufs.k, batch, published_d, count_d, tokens_d, stamps_d, cap,

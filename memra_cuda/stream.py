@@ -18,9 +18,10 @@ import numpy as np
 
 from .acceptance import Greedy, Sampling
 from .bufs import Readback, Received, per_row
-from .device_loop import DeviceLoop, Landed, LoopUnsupported, RoundCapError
+from .device_loop import DeviceLoop, Landed, RoundCapError
+from .driver.buffer import DeviceBuffer
 from .driver.event import Event
-from .driver.graph import Capture, Graph
+from .driver.graph import Capture, Graph, LoopUnsupported, loops
 from .driver.module import Launch
 from .driver.values import as_index
 from .tables import UNCHECKED, PointerTable, Unchecked
@@ -117,6 +118,11 @@ class Pace:
         self._rounds = np.zeros_like(self.budgets)  # rounds each row ran live, start to end
         self._leanest = np.ones(self.budgets.shape)  # fewest tokens per round one of its bursts gave
 
+    @staticmethod
+    def lengths(m_rounds: int) -> list[int]:
+        """Every burst length rounds() may ask for: the powers of two below M, and M."""
+        return [1 << i for i in range(m_rounds.bit_length()) if 1 << i < m_rounds] + [m_rounds]
+
     def rounds(self, live: np.ndarray, in_flight: int = 0) -> int:
         """Rounds for the next burst of the `live` rows, queued behind `in_flight` rounds whose
         tokens the host has not seen yet."""
@@ -208,10 +214,12 @@ class RoundStream:
             raise ValueError("no rollback table holds bufs.pos_ctr_d, so the position would never advance: "
                              "pass pos_ctr=bufs.pos_ctr_d to kv_len_ptr_table")
         stages = stages or Stages(())
-        scope = None
-        if _torch_in_play(spec.engine, draft_d, *vars(acceptance).values()):
+        scope: Callable[[], Any] = contextlib.nullcontext
+        loop_capture = loops
+        if _torch_in_play(spec.engine, draft_d, *vars(acceptance).values(), *tables):
             from . import torch as adapter  # only once torch objects are in play
             capture, scope = capture or adapter.capture, adapter.stream_scope(spec.engine)
+            loop_capture = adapter.loop_capture
         capacities = [c for c in (stages.capacity, *(table.capacity for table in tables))
                       if c is not None and c is not UNCHECKED]
         self.capacity: int | None = min(capacities) if capacities else None
@@ -220,24 +228,25 @@ class RoundStream:
         self.bufs = bufs
         self.acceptance = acceptance
         self.pace = pace
-        self._capture = capture
+        self._capture, self._loop_capture = capture, loop_capture
         self._scope = scope  # a framework's "this stream is current" around the model's work
-        before_commit = (
+        # A round, in stream order: these steps, kernel 4, then the rollbacks (device mode puts
+        # its publishing commit in kernel 4's place).
+        self._before_commit = (
             *([seed_gather] if seed_gather is not None else []),
             draft_chain,
             spec.prepare_assemble_verify(bufs, draft_d),
             verify_trunk,
             acceptance.prepare(spec, bufs),
         )
-        self._round: tuple[Callable[[], None], ...] = (
-            *before_commit,
-            spec.prepare_ring_commit(bufs),
+        self._after_commit = (
             *(spec.prepare_rollback(table, bufs) for table in tables),
             *([stages.round_tail] if stages.round_tail is not None else []),
         )
-        self._commit_at = len(before_commit)
+        self._round = (*self._before_commit, spec.prepare_ring_commit(bufs), *self._after_commit)
         self._device: DeviceLoop | None = None
         self._stages = tuple(stages.engines)
+        self._pipelined = bool(self._stages) or stages.round_tail is not None
         self._graphs: dict[tuple[int, int], Graph] = {}  # (pinned readback slot, rounds) -> burst graph
         self._events: list[Event] = []
         self.rounds = 0  # rounds step()/generate() sent to the GPU
@@ -255,6 +264,7 @@ class RoundStream:
         """Queue `rounds` rounds (1 to M, default M; no readback): the ring holds M rounds'
         tokens, so more would drop tokens. Checked against the caches' capacity first, from the
         positions the last readback (or reset) gave, moved on by the rounds issued here since."""
+        self._check_idle()
         rounds = self._burst_rounds(rounds)
         self._check_burst(rounds)
         self._issue(rounds)
@@ -288,41 +298,10 @@ class RoundStream:
         return self._unseen
 
     def _issue(self, rounds: int) -> None:
-        if self._scope is not None:
-            with self._scope():
-                self._issue_rounds(rounds)
-        else:
-            self._issue_rounds(rounds)
-
-    def _issue_rounds(self, rounds: int) -> None:
-        for _ in range(rounds):
-            for step in self._round:
-                step()
-
-    def round_steps(self, commit: Callable[[], None] | None = None) -> tuple[Callable[[], None], ...]:
-        """The round's steps in stream order, the commit (kernel 4) replaced by `commit` if given."""
-        if commit is None:
-            return self._round
-        return (*self._round[:self._commit_at], commit, *self._round[self._commit_at + 1:])
-
-    def scoped(self, issue: Callable[[int], Any]) -> Callable[[int], None]:
-        """`issue`, run inside the framework's stream scope (torch-backed rounds) if there is one."""
-        if self._scope is None:
-            return issue
-        scope = self._scope
-
-        def scoped_issue(rounds: int) -> None:
-            with scope():
-                issue(rounds)
-        return scoped_issue
-
-    def capture_scope(self) -> tuple[Callable[[], Any], Any]:
-        """What a capture built from the driver (the device loop) must run inside, and what its
-        graph must keep alive: for torch-backed rounds, a private memory pool (memra_cuda.torch)."""
-        if self._scope is None:
-            return contextlib.nullcontext, None
-        from . import torch as adapter
-        return adapter.private_pool(self.engine)
+        with self._scope():
+            for _ in range(rounds):
+                for step in self._round:
+                    step()
 
     @property
     def graph(self) -> Graph:
@@ -346,8 +325,7 @@ class RoundStream:
         synchronises the device and empties its cache for each) then never stalls a server
         mid-generation."""
         if lengths is None:
-            lengths = [1 << i for i in range(self.bufs.m_rounds.bit_length()) if 1 << i < self.bufs.m_rounds]
-            lengths.append(self.bufs.m_rounds)
+            lengths = Pace.lengths(self.bufs.m_rounds)
         for slot in slots:
             if slot not in (0, 1):
                 raise ValueError(f"a readback slot is 0 or 1, not {slot!r}")
@@ -422,6 +400,7 @@ class RoundStream:
         `pace` is on); each readback tells the host every row's position, so checking capacity
         costs no extra readback. Every argument is checked before anything is queued.
         """
+        self._check_idle()
         batch = self.bufs.batch
         mode = as_mode(mode)
         rounds = self.rounds_per_step(mode)
@@ -471,27 +450,38 @@ class RoundStream:
         """Device mode's loop graph and token stream, made on first use (LoopUnsupported where
         the driver has no conditional WHILE nodes, or for pipeline stages)."""
         if self._device is None:
-            if self._stages:
+            if self._pipelined:
                 raise LoopUnsupported("device mode cannot run pipeline stages: a conditional node's body holds "
                                       "the work of one context, and the stages' streams join through events, "
                                       "which a body cannot hold; use graph or overlap mode")
-            self._device = DeviceLoop(self)
+            self._device = DeviceLoop(self.spec, self.bufs, self._before_commit, self._after_commit, self._scope,
+                                      self._loop_capture)
         return self._device
+
+    def _check_idle(self) -> None:
+        """ValueError while a device loop runs: it owns the buffers until its stream is read to
+        the end (or closed)."""
+        if self._device is not None and self._device.running:
+            raise ValueError("a device-mode loop is still running on these buffers: read its stream to the end "
+                             "or close() it first")
 
     def stream(self, start_pos: Sequence[int], max_new_tokens: int | None | Sequence[int | None], *,
                eos: int | None | Sequence[int | None] = None, max_rounds: int | None = None) -> Iterator[Landed]:
-        """Generate every row in device mode, yielding the tokens as they reach the host.
+        """Generate every row in device mode; the returned iterator yields the tokens as they
+        reach the host.
 
         One graph launch runs the rounds until every row is done (its EOS or its budget) or
         `max_rounds` rounds have run (default: the largest budget, which no row can outlast,
         since every live round commits a token; required where a row has no budget). Each
         Landed holds, per row, the tokens committed since the last one (device_loop.Landed);
         the host sleeps between looks and never synchronises the stream until the loop ends.
-        Everything is checked before the launch: the arguments, and the KV caches' room for the
-        whole generation. A loop stopped by the cap with rows still live raises RoundCapError
-        (holding the tokens) after the last tokens are yielded; the buffers stay usable. A
-        consumer that stops iterating early waits for the loop to end.
+        Everything is checked here, before the launch: the arguments, and the KV caches' room
+        for the whole generation. A loop stopped by the cap with rows still live raises
+        RoundCapError (holding the tokens) after the last tokens are yielded; the buffers stay
+        usable. Until the iterator is read to the end or closed, the buffers are the loop's:
+        other generation on them is refused.
         """
+        self._check_idle()
         batch, k1 = self.bufs.batch, self.bufs.k + 1
         positions = self._start_positions(start_pos)
         budgets = per_row(max_new_tokens, batch, "max_new_tokens")
@@ -500,34 +490,35 @@ class RoundStream:
             if None in budgets:
                 raise ValueError("a row without a token budget needs a round cap: pass max_rounds")
             max_rounds = max(budgets)
-        elif isinstance(max_rounds, bool) or not isinstance(max_rounds, (int, np.integer)) \
-                or not 1 <= max_rounds < 2**31:
-            raise ValueError(f"max_rounds must be an int from 1 to 2**31 - 1, not {max_rounds!r}")
+        else:
+            max_rounds = _count(max_rounds, "max_rounds", 2**31 - 1)
         most = np.array([max_rounds * k1 if n is None else min(n, max_rounds * k1) for n in budgets], np.int64)
         done = most == 0
         self._check_loop_capacity(positions, most, done)
         loop = self.device_loop
-        loop.prepare(max(int(most.max()), 1))
+        if not done.all():
+            loop.prepare(int(most.max()), self.pace)
         self.bufs.set_stop(self.engine, stops, budgets)
         self.bufs.set_positions(positions)
         if done.all():
-            return
-        loop.launch(max(int(max_rounds), 1))
+            return iter(())
+        loop.launch(max_rounds)
         self._rings_read()
-        got: list[list[np.ndarray]] = [[] for _ in range(batch)]
-        finished = False
+        return self._follow(loop, max_rounds)
+
+    def _follow(self, loop: DeviceLoop, max_rounds: int) -> Iterator[Landed]:
+        """stream()'s iterator: the loop's tokens as they land, then its end (closed early, it
+        waits for the loop)."""
+        got: list[list[np.ndarray]] = [[] for _ in range(self.bufs.batch)]
         try:
             for landed in loop.follow():
                 for row, tokens in zip(got, landed.tokens):
                     row.append(tokens)
                 yield landed
-            done, ran = loop.finish()
-            finished = True
         finally:
-            if not finished:
-                loop.finish()
-        self.rounds += ran
-        self.bursts += 1
+            done, ran = loop.finish()
+            self.rounds += ran
+            self.bursts += 1
         if not done.all():
             live = np.flatnonzero(~done)
             raise RoundCapError(f"the device loop stopped at its cap of {max_rounds} rounds with {live.size} row(s) "
@@ -606,11 +597,7 @@ class RoundStream:
 
     def _burst_rounds(self, rounds: int | None, most: int | None = None) -> int:
         most = self.bufs.m_rounds if most is None else most
-        if rounds is None:
-            return most
-        if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or not 1 <= rounds <= most:
-            raise ValueError(f"rounds must be an int from 1 to {most}, not {rounds!r}")
-        return int(rounds)
+        return most if rounds is None else _count(rounds, "rounds", most)
 
     def step(self, mode: Mode | str = Mode.GRAPH, rounds: int | None = None) -> Readback:
         """One burst (one round in "readback" mode) of every row, and its one readback.
@@ -626,6 +613,7 @@ class RoundStream:
             raise ValueError('"overlap" keeps two bursts in flight: use generate()')
         if mode is Mode.DEVICE:
             raise ValueError('"device" generates until every row is done, in one launch: use generate() or stream()')
+        self._check_idle()
         rounds = self._burst_rounds(rounds, self.rounds_per_step(mode))
         self._queue(mode, rounds)
         return self.bufs.readback(self._receive(0, None, rounds))
@@ -661,10 +649,22 @@ class RoundStream:
 _NO_ROWS = np.zeros(0, np.int64)
 
 
+def _count(value: Any, name: str, most: int) -> int:
+    """`value` as an int from 1 to `most`, or ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= most:
+        raise ValueError(f"{name} must be an int from 1 to {most}, not {value!r}")
+    return int(value)
+
+
 def _torch_in_play(engine: Engine, *objects: Any) -> bool:
-    """Whether the engine borrows a torch stream or a model buffer is a tensor (checked by the
-    objects' module, so that torch is imported only where it is already in use)."""
-    return any(type(obj).__module__.split(".")[0] == "torch" for obj in (engine.stream_owner, *objects))
+    """Whether the engine borrows a torch stream, or a model buffer is a tensor or a buffer
+    adopted from one (memra_torch.buffer), or a rollback table names such lengths (checked by
+    the objects' module, so that torch is imported only where it is already in use)."""
+    found = [engine.stream_owner]
+    for obj in objects:
+        for buf in obj.targets if isinstance(obj, PointerTable) else (obj,):
+            found += [buf, buf.foreign] if isinstance(buf, DeviceBuffer) else [buf]
+    return any(type(obj).__module__.split(".")[0] == "torch" for obj in found)
 
 
 def _deprecated_arguments(acceptance: Acceptance | None, stages: Stages | Sequence[Engine] | None,

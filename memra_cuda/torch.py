@@ -22,14 +22,15 @@ Graph capture needs a stream other than the default one: create the engine insid
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, ContextManager, Iterator
+import weakref
+from typing import Any, Callable, ContextManager
 
 import torch
 
 from .driver.buffer import DeviceBuffer
 from .driver.engine import Engine
 from .driver.errors import CaptureError, driver
+from .driver.graph import Capture, LoopBuilder, loops
 from .driver.stream import Stream
 
 _TYPESTR = {torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4",
@@ -55,8 +56,7 @@ class _Alias:
     """The `__cuda_array_interface__` of a buffer, reinterpreted as another element type."""
 
     def __init__(self, buf: DeviceBuffer, dtype: torch.dtype):
-        size = torch.empty(0, dtype=dtype).element_size()
-        if dtype not in _TYPESTR or size != buf.dtype.itemsize:
+        if dtype not in _TYPESTR or dtype.itemsize != buf.dtype.itemsize:
             raise ValueError(f"{buf!r} cannot be read as {dtype}: elements of {buf.dtype.itemsize} bytes")
         self.buf = buf  # torch keeps this object, and so the buffer, alive with the tensor
         self.__cuda_array_interface__ = {**buf.__cuda_array_interface__, "typestr": _TYPESTR[dtype]}
@@ -82,41 +82,52 @@ def stream_scope(engine: Stream) -> Callable[[], ContextManager[Any]]:
     return lambda: torch.cuda.stream(stream)
 
 
-def private_pool(engine: Stream) -> tuple[Callable[[], ContextManager[Any]], Any]:
-    """For a graph memra builds from the driver (device mode's loop, which torch.cuda.graph
-    cannot capture): a scope that sends torch's allocations to a private memory pool while the
-    graph is captured, and the pool, which the graph keeps alive, so no tensor allocated later
-    is given the graph's memory. In the scope, torch's random-number generator must not move:
-    a loop replays its body with the offsets of the capture at every pass, so the same numbers
-    would come back (memra's position-keyed draws are what device mode samples with)."""
-    pool = torch.cuda.MemPool()
-    generator = torch.cuda.default_generators[engine.device]
+_RNG_REFUSAL = ("torch drew random numbers inside a device-mode loop, whose passes replay the capture's "
+                "random-number offsets: every pass would draw the same numbers. Draw with memra's position-keyed "
+                "kernels (sampling.prepare_draft_sample), or use graph mode, which advances them at every launch")
 
-    refusal = ("torch drew random numbers inside a device-mode loop, whose passes replay the capture's "
-               "random-number offsets: every pass would draw the same numbers. Draw with memra's position-keyed "
-               "kernels (sampling.prepare_draft_sample), or use graph mode, which advances them at every launch")
 
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
+def loop_capture(build: Callable[[LoopBuilder], None]) -> Capture:
+    """driver.graph.loops(build) for torch-backed rounds (device mode's loop, which
+    torch.cuda.graph cannot build): torch's allocations during the capture go to a private
+    memory pool that the graph keeps until it is destroyed, so no tensor allocated later is
+    given the loop's memory. torch's random-number generator must not move inside: a loop
+    replays its body with the capture's offsets at every pass, so the same numbers would come
+    back (device mode samples with memra's position-keyed draws)."""
+    def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
+        pool, generator = torch.cuda.MemPool(), torch.cuda.default_generators[engine.device]
         offset = generator.get_offset()
         try:
             with torch.cuda.use_mem_pool(pool, device=engine.device):
-                yield
+                graph, _ = loops(build)(engine, issue)
         except RuntimeError as exc:  # torch refuses a draw in a capture it did not begin
             if "generator" in str(exc):
-                raise CaptureError(refusal) from exc
+                raise CaptureError(_RNG_REFUSAL) from exc
             raise
+        owner = _PooledGraph(engine, graph, pool)
         if generator.get_offset() != offset:
-            raise CaptureError(refusal)
-    return scope, pool
+            del owner  # destroys the graph
+            raise CaptureError(_RNG_REFUSAL)
+        return graph, owner
+    return capture
+
+
+class _PooledGraph:
+    """Owns an executable graph memra built and the torch memory pool its kernels use: the graph
+    is destroyed first, then the pool goes."""
+
+    def __init__(self, engine: Stream, graph: Any, pool: Any):
+        self.pool = pool
+        weakref.finalize(self, engine.ctx.finalize, "cuGraphExecDestroy", graph)
 
 
 class _TorchGraph:
-    """What a memra Graph keeps of a capture through torch: the CUDAGraph and its memory pool
-    (alive as long as the graph may replay), and the replay that advances torch's RNG."""
+    """What a memra Graph keeps of a capture through torch: the CUDAGraph, which holds its
+    private memory pool as long as the graph may replay, and the replay that advances torch's
+    RNG."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.ExternalStream):
-        self.graph, self.pool, self.stream = graph, pool, stream
+    def __init__(self, graph: torch.cuda.CUDAGraph, stream: torch.cuda.ExternalStream):
+        self.graph, self.stream = graph, stream
 
     def replay(self) -> None:
         with torch.cuda.stream(self.stream):
@@ -125,13 +136,13 @@ class _TorchGraph:
 
 def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
     """A `Capture` (see memra_cuda.driver.graph) through `torch.cuda.graph` on the engine's
-    stream, with a private memory pool. The torch graph owns the executable graph and replays
-    it (CUDAGraph.replay, so the random-number offsets move on); the memra Graph keeps it, and
-    with it the pool, alive."""
+    stream, with the private memory pool torch gives a graph. The torch graph owns the
+    executable graph and replays it (CUDAGraph.replay, so the random-number offsets move on);
+    the memra Graph keeps it, and with it the pool, alive."""
     if engine.stream_handle in (0, 1, 2):
         raise CaptureError("the default stream cannot be captured: create the engine inside "
                            "`with torch.cuda.stream(torch.cuda.Stream()):`")
-    graph, pool, stream = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle(), _torch_stream(engine)
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+    graph, stream = torch.cuda.CUDAGraph(), _torch_stream(engine)
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         issue()
-    return driver().CUgraphExec(int(graph.raw_cuda_graph_exec())), _TorchGraph(graph, pool, stream)
+    return driver().CUgraphExec(int(graph.raw_cuda_graph_exec())), _TorchGraph(graph, stream)

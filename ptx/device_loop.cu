@@ -13,18 +13,18 @@ typedef unsigned long long u64;
 
 extern "C" __device__ void cudaGraphSetConditional(u64 handle, unsigned int value);
 
-// loop_d is u32[2]: the rounds run so far in this launch, and the most it may run (the cap,
-// written by the host before the launch). `start` begins the count at 0; `ran` adds the rounds
-// of the pass that just ended; the published count goes to rounds_out (mapped host memory).
+// loop_d is u32[2]: the most rounds this launch may run (the cap, written by the host before
+// the launch), then the rounds run so far (zeroed by the launch's first node); `ran` adds the
+// rounds of the pass that just ended (0 before a loop).
 //
 // The loop runs another pass of `body` rounds while some row is live and the cap leaves room
 // for the whole pass. `paced` (device-side pacing, as Pace on the host) asks more: that some
-// live row is expected to need `body` rounds more, at the tokens per round it committed in
-// this loop so far (pub_d: its tokens; acc_d's total: the drafts among them), or at one before
-// it committed any. A row with no budget always may. One block.
+// live row is expected to need `body` rounds more, at the tokens per round it committed so far
+// (pub_d: its tokens in this launch; acc_d's total: its accepted drafts since its reset, so
+// the estimate is exact for a request that starts with the launch), or at one before it
+// committed any. A row with no budget always may. One block.
 extern "C" __global__ void spec_loop_decide(const int* ctl_d, const u32* pub_d, const u32* acc_d, u32 B,
-                                            u32* loop_d, volatile u32* rounds_out, u64 handle, u32 ran,
-                                            u32 body, u32 paced, u32 start) {
+                                            u32* loop_d, u64 handle, u32 ran, u32 body, u32 paced) {
     int live = 0, long_way = 0;
     for (u32 b = threadIdx.x; b < B; b += blockDim.x) {
         const int* ctl = ctl_d + CTL_WORDS * b;
@@ -38,10 +38,8 @@ extern "C" __global__ void spec_loop_decide(const int* ctl_d, const u32* pub_d, 
     live = __syncthreads_or(live);
     long_way = __syncthreads_or(long_way);
     if (threadIdx.x == 0) {
-        const u32 rounds = (start ? 0u : loop_d[0]) + ran;
-        const int go = (paced ? long_way : live) && rounds + body <= loop_d[1];
-        loop_d[0] = rounds;
-        *rounds_out = rounds;
-        cudaGraphSetConditional(handle, go ? 1u : 0u);
+        const u32 rounds = loop_d[1] + ran;
+        loop_d[1] = rounds;
+        cudaGraphSetConditional(handle, (paced ? long_way : live) && rounds + body <= loop_d[0] ? 1u : 0u);
     }
 }

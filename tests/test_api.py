@@ -67,3 +67,25 @@ def test_the_first_releases_home_of_sampling_still_finds_it_with_a_warning():
         assert sampling.Sampling is Sampling
     with pytest.raises(AttributeError, match="Greedy"):
         sampling.Greedy
+
+
+def test_rounds_are_torch_backed_whatever_form_the_tensors_take():
+    """Issue 18, cases 1 and 2: a stream is made safe when torch is in play, also where the model's
+    buffers reach it as DeviceBuffers adopted from tensors (memra_torch.buffer), not only as
+    tensors. (A stand-in class from a module named torch: no torch needed here.)"""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from memra_cuda import DeviceBuffer
+    from memra_cuda.stream import _torch_in_play
+
+    Tensor = type("Tensor", (), {"__module__": "torch"})
+    engine = SimpleNamespace(stream_owner=None)
+    adopted = DeviceBuffer.wrap(0x10000, np.uint32, 8, keepalive=Tensor())
+    plain = DeviceBuffer.wrap(0x10000, np.uint32, 8)
+    assert _torch_in_play(engine, Tensor())
+    assert _torch_in_play(engine, plain, adopted)
+    assert _torch_in_play(engine, plain, adopted.view(2, 4))
+    assert not _torch_in_play(engine, plain)
+    assert _torch_in_play(SimpleNamespace(stream_owner=Tensor()), plain)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import memra_cuda
 
 PACKAGE = Path(memra_cuda.__file__).resolve().parent
@@ -66,3 +68,19 @@ def test_the_import_graph_is_read_at_all():
     graph = module_imports()
     assert "memra_cuda.driver.buffer" in graph["memra_cuda.bufs"]
     assert "memra_cuda.reference" in graph["memra_cuda.models.toy_reference"]
+
+
+def test_the_example_reads_the_stream_state_through_the_library_not_the_oracle():
+    """examples/torch_llama.py learns a row's done flag from StreamBufs (issue 18, case 5), not
+    from the numpy reference's layout; skipped where the package is installed without it."""
+    example = PACKAGE.parent / "examples" / "torch_llama.py"
+    if not example.is_file():
+        pytest.skip("examples/ is part of the source checkout, not the installed package")
+    imported = set()
+    for node in ast.walk(ast.parse(example.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    assert "memra_cuda.reference" not in imported and "memra_cuda" in {m.split(".")[0] for m in imported}

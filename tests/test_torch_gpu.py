@@ -163,6 +163,16 @@ def decoder(engine, llama):
     return llama, model, spec, want
 
 
+def test_example_keeps_no_autograd_graph_in_its_caches(decoder):
+    """Issue 18, case 5: the example's readback mode ran at 179 tok/s against 403 for a plain
+    loop, its KV writes recording autograd history through weights that required grad."""
+    llama, model, spec, want = decoder
+    assert not any(p.requires_grad for p in model.parameters())
+    spec.generate(llama.PROMPT, 16, mode="readback")
+    for stack in (spec.target, spec.draft):
+        assert stack.kv.k.grad_fn is None and not stack.kv.k.requires_grad
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_example_equals_hugging_face_greedy(decoder, mode):
     llama, model, spec, want = decoder
@@ -303,8 +313,9 @@ def test_device_mode_refuses_torchs_random_numbers(engine, side_stream):
     """A WHILE loop replays its body with the offsets of the capture: torch.rand would draw the
     same numbers at every pass, so capturing it is refused, and the other modes still run."""
     model = Noisy(memra_torch.engine())
-    with pytest.raises(CaptureError, match="random numbers"):
-        model.generate(3, 24, "device")
+    for _ in range(2):  # a refused capture leaves no half-built loop behind
+        with pytest.raises(CaptureError, match="random numbers"):
+            model.generate(3, 24, "device")
     assert model.generate(3, 24, "graph") == counted(3, 24)
 
 

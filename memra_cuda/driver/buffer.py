@@ -123,6 +123,11 @@ class DeviceBuffer(Handle):
     def owns_memory(self) -> bool:
         return self._finalizer is not None
 
+    @property
+    def foreign(self) -> Any:
+        """The object whose memory this is and which it keeps alive (a tensor, say), or None."""
+        return (self._base or self)._keepalive
+
     def __len__(self) -> int:
         return self.len
 
@@ -235,7 +240,7 @@ class MappedBuffer(PinnedBuffer):
     how the device hands the host tokens while a graph is still running, with no copy and no
     stream synchronise.
 
-    `device` is the memory as a DeviceBuffer for kernel arguments, which keeps this buffer
+    `device` gives the memory as a DeviceBuffer for kernel arguments, which keeps this buffer
     alive and is poisoned with everything that holds it when this buffer is freed. `live` is
     the host's view of the memory itself, not a copy: what a kernel wrote is there as soon as
     it is visible, so read a count before the words it publishes.
@@ -245,11 +250,18 @@ class MappedBuffer(PinnedBuffer):
 
     def __init__(self, engine: Stream, dtype: Any, length: int, *, label: str | None = None):
         super().__init__(engine, dtype, length, label=label)
-        address = int(engine.activate().call("cuMemHostGetDevicePointer", self._ptr, 0))
-        self.device = DeviceBuffer(address, self.dtype, self.len, engine=engine, keepalive=self,
-                                   label=label and f"{label} (mapped)")
-        self.depend(self.device)
+        self._address = int(engine.activate().call("cuMemHostGetDevicePointer", self._ptr, 0))
         self.live = self._array
+
+    @property
+    def device(self) -> DeviceBuffer:
+        """A new DeviceBuffer on the memory; it keeps this buffer alive (this one does not keep
+        it: no cycle for the collector to break at some random moment)."""
+        self._usable()
+        view = DeviceBuffer(self._address, self.dtype, self.len, engine=self.engine, keepalive=self,
+                            label=self.label and f"{self.label} (mapped)")
+        self.depend(view)
+        return view
 
     def free(self) -> None:
         self.live = None

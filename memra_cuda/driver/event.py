@@ -41,6 +41,8 @@ class Event(Handle):
         self._usable()
         drv = driver()
         ctx = self.engine.activate()
+        if ctx.fault is not None:
+            raise ctx.fault.again("cuEventQuery")
         (err,) = drv.cuEventQuery(self.handle)  # NOT_READY is an answer, not a failure
         if err == drv.CUresult.CUDA_ERROR_NOT_READY:
             return False

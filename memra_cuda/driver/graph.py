@@ -67,33 +67,34 @@ class LoopBuilder:
     handle() makes a loop's condition, to give the kernels that set it (cudaGraphSetConditional)
     before they are captured; issue() captures work after everything so far; loop() adds a
     WHILE node on a handle after everything so far, its body captured from `body`, which runs
-    as long as the last kernel to set the condition set it non-zero (it starts at 0: a kernel
-    issued before the loop decides whether the body runs at all).
+    as long as the last kernel to set the condition set it non-zero. The condition has no
+    default value at launch: a kernel issued before the loop must set it, deciding whether the
+    body runs at all.
     """
 
     def __init__(self, engine: Stream):
         self.engine, self.ctx = engine, engine.activate()
         self.graph = self.ctx.call("cuGraphCreate", 0)
         self._after: list[Any] = []  # the nodes the next part depends on
-        self._handles: dict[int, Any] = {}
 
-    def handle(self) -> int:
-        handle = self.ctx.call("cuGraphConditionalHandleCreate", self.graph, self.ctx.handle, 0, 0)
-        self._handles[int(handle)] = handle
-        return int(handle)
+    def handle(self) -> Any:
+        """A CUgraphConditionalHandle; a kernel takes int(handle) as a u64."""
+        return self.ctx.call("cuGraphConditionalHandleCreate", self.graph, self.ctx.handle, 0, 0)
 
     def issue(self, work: Callable[[], None]) -> None:
         self._after = self._capture_into(self.graph, self._after, work, sinks=True)
 
-    def loop(self, handle: int, body: Callable[[], None]) -> None:
+    def loop(self, handle: Any, body: Callable[[], None]) -> None:
         drv = driver()
         params = drv.CUgraphNodeParams()
         params.type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-        params.conditional.handle = self._handles[handle]
+        params.conditional.handle = handle
         params.conditional.type = drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
         params.conditional.size = 1
         params.conditional.ctx = self.ctx.handle
-        node = self.ctx.call("cuGraphAddNode", self.graph, self._after, None, len(self._after), params)
+        # The form with edge data: cuGraphAddNode_v2 in the CUDA 12 bindings, cuGraphAddNode in 13.
+        add = "cuGraphAddNode_v2" if hasattr(drv, "cuGraphAddNode_v2") else "cuGraphAddNode"
+        node = self.ctx.call(add, self.graph, self._after, None, len(self._after), params)
         self._capture_into(params.conditional.phGraph_out[0], [], body, sinks=False)
         self._after = [node]
 
@@ -156,11 +157,10 @@ class Graph(Handle):
     """
 
     def __init__(self, engine: Stream, issue: Callable[[], None], *, capture: Capture | None = None,
-                 joined: Sequence[Stream] = (), keep: Any = None):
+                 joined: Sequence[Stream] = ()):
         self.engine = engine
         self._held: dict[int, Handle] = {}
         self._owner: Any = None
-        self._keep = keep  # what the graph's memory needs alive (a framework's memory pool)
         ctx = engine.activate()
         engines = [engine, *(e for e in joined if e is not engine)]
         if any(e.capture_hold is not None for e in engines):
@@ -198,7 +198,7 @@ class Graph(Handle):
 
     def free(self) -> None:
         super().free()
-        self._owner = self._replay = self._keep = None
+        self._owner = self._replay = None
         self._held.clear()
 
     def __repr__(self) -> str:
