@@ -51,32 +51,42 @@ class Landed(NamedTuple):
 
 
 class TokenStream:
-    """The mapped words the rounds publish into, one row per sequence: each row's published
-    count, then its tokens and their stamps (u32[B][cap] each). The device writes tokens and
-    stamps, then __threadfence_system(), then the count, so the host reads a count first and may
-    then read every token below it."""
+    """The mapped words the rounds publish into: a word the loop's last node sets once it has
+    ended, then one row per sequence: each row's published count, then its tokens and their
+    stamps (u32[B][cap] each). The device writes tokens and stamps, then
+    __threadfence_system(), then the count, so the host reads a count first and may then read
+    every token below it. The host learns that the loop ended from the memory too, with no
+    driver call while it runs (a cuEventQuery there crashed the host under compute-sanitizer's
+    racecheck)."""
 
     def __init__(self, engine: Any, batch: int, cap: int):
         self.batch, self.cap = batch, cap
-        self._memory = MappedBuffer(engine, np.uint32, batch * (1 + 2 * cap), label="token stream")
+        self._memory = MappedBuffer(engine, np.uint32, 1 + batch * (1 + 2 * cap), label="token stream")
         device = self._memory.device
-        self.count_d = device.view(0, batch)
-        self.tokens_d = device.view(batch, batch * cap)
-        self.stamps_d = device.view(batch + batch * cap, batch * cap)
+        self.ended_d = device.view(0, 1)
+        self.count_d = device.view(1, batch)
+        self.tokens_d = device.view(1 + batch, batch * cap)
+        self.stamps_d = device.view(1 + batch + batch * cap, batch * cap)
         self._views(self._memory.live)
         self.seen = np.zeros(batch, np.uint32)  # what the host has taken of each row
 
     def _views(self, words: np.ndarray | None) -> None:
         """The host's views of the words (None once freed: no view outlives the memory)."""
         batch, cap = self.batch, self.cap
-        self._counts = None if words is None else words[:batch]
-        self._tokens = None if words is None else words[batch:batch + batch * cap].reshape(batch, cap)
-        self._stamps = None if words is None else words[batch + batch * cap:].reshape(batch, cap)
+        self._head = None if words is None else words[:1 + batch]
+        self._counts = None if words is None else words[1:1 + batch]
+        self._tokens = None if words is None else words[1 + batch:1 + batch + batch * cap].reshape(batch, cap)
+        self._stamps = None if words is None else words[1 + batch + batch * cap:].reshape(batch, cap)
 
     def clear(self) -> None:
-        """Zero the counts before a launch (the loop before it has finished)."""
-        self._counts[:] = 0
+        """Zero the ended word and the counts before a launch (the loop before it has finished)."""
+        self._head[:] = 0
         self.seen[:] = 0
+
+    @property
+    def ended(self) -> bool:
+        """Whether the loop's last node has run (read before the counts: all is published)."""
+        return bool(self._head[0])
 
     def take(self, running: bool) -> Landed | None:
         """The tokens published since the last take, or None if there are none."""
@@ -169,13 +179,13 @@ class DeviceLoop:
         smallest (seen - stamp) so far stands for the offset between them (low by the shortest
         delay seen), and one row's newest stamp against the one of the last look, over the
         rounds between (its distinct new stamps), for a round."""
-        stream, event = self._stream, self._event
+        stream = self._stream
         round_ns, due_ns = 0, 0
         lag_ns: int | None = None
         row, newest_seen = 0, None  # the row whose stamps time the rounds, and its newest one
         with _fine_timer():
             while True:
-                ended = event.query()  # before the look: a loop that has ended published everything
+                ended = stream.ended  # before the look: a loop that has ended published everything
                 landed = stream.take(running=not ended)
                 if landed is not None:
                     if landed.stamps[row].size == 0:  # the row followed so far is done: take another
@@ -229,9 +239,10 @@ class DeviceLoop:
                 decide_pass()
             return issue
 
-        def read_back() -> None:  # the rows' done flags and positions, and the rounds run
+        def read_back() -> None:  # the rows' done flags and positions, the rounds run, then "ended"
             bufs.queue_readback(engine, 0)
             engine.copy_dtoh_async(self._ran, state.view(1, 1))
+            engine.set_u32(stream.ended_d, 0, 1)
 
         def build(graph: LoopBuilder) -> None:
             graph.issue(lambda: engine.memset(state.view(1, 1 + bufs.batch), 0))
