@@ -7,7 +7,7 @@ VPY    := $(VENV)/bin/python
 # machine).
 RUNPY  := $(if $(wildcard $(VPY)),$(VPY),$(PYTHON))
 
-.PHONY: test gpu-test sanitize demo bench bench-torch ptx clean
+.PHONY: test gpu-test sanitize racecheck demo bench bench-torch ptx clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,18 @@ sanitize:
 		compute-sanitizer --tool memcheck --target-processes application-only --report-api-errors no \
 			--error-exitcode 1 \
 		$(RUNPY) -m pytest -q -m "gpu and not torch and not large"
+
+# Shared-memory races (racecheck) in every kernel launched alone, and in the token stream's
+# protocol inside a WHILE loop (kernel 4' on a branch, the decider, a host following the mapped
+# stream). The full device loop is left out: racecheck crashes the host process inside
+# cuEventSynchronize whenever kernel 4 (spec_ring_commit) runs in a conditional node's body,
+# with no hazard reported (docs/round-stream.md, "Checking device mode").
+racecheck:
+	MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-50} PYTHONPATH=. \
+		compute-sanitizer --tool racecheck --target-processes application-only --report-api-errors no \
+			--error-exitcode 1 \
+		$(RUNPY) -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_sample_gpu.py tests/test_draft_sample_gpu.py \
+			tests/test_device_loop_gpu.py -k "not device_loop_gpu or ring_protocol or publish"
 
 demo:
 	PYTHONPATH=. $(RUNPY) -m memra_cuda

@@ -2,9 +2,9 @@
 one graph launch generates until every row is done, and the committed tokens streamed to the
 host through mapped pinned memory while it runs (docs/round-stream.md, "Device mode").
 
-The host launches once and then only watches: each round's commit also publishes the row's
-tokens (spec_ring_commit_publish), and a decider kernel after every pass (spec_loop_decide)
-ends the loop when every row is done or the round cap is reached. Pacing moves to the device:
+The host launches once and then only watches: each round's tokens are published on a branch of
+the graph beside the next round (spec_ring_publish), and a decider kernel after every pass
+(spec_loop_decide) ends the loop when every row is done or the round cap is reached. Pacing moves to the device:
 loops of M-round passes while some live row is expected to need M rounds more, then of
 shorter ones (powers of four) and single rounds to the end, so the tail wastes few rounds and
 the long middle pays the per-pass cost once per M rounds.
@@ -15,13 +15,14 @@ import contextlib
 import ctypes
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from .driver.buffer import MappedBuffer
 from .driver.event import Event
-from .driver.graph import Capture, Graph, LoopBuilder, LoopUnsupported, check_loops
+from .driver.graph import Capture, Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join
+from .layout import HEAD_ENDED, HEAD_WORDS
 
 if TYPE_CHECKING:
     from .bufs import StreamBufs
@@ -39,68 +40,183 @@ class RoundCapError(RuntimeError):
         self.tokens = tokens
 
 
-class Landed(NamedTuple):
-    """Tokens the host found published since it last looked, per row (empty where none), with
-    the device's %globaltimer (ns, low 32 bits) at each one's commit; when the host took them
-    (time.perf_counter_ns), and whether the loop was still running then."""
+class Landed:
+    """Tokens the host found published since it last looked: row b's are `tokens[b]` (empty
+    where none), with the device's %globaltimer (ns, low 32 bits) at their publishing, right
+    after their commit, in `stamps[b]`; `counts[b]` of them, `total` in all. `seen_ns` is when
+    the host took them (time.perf_counter_ns), and `running` whether the loop was still running
+    then.
 
-    tokens: list[np.ndarray]
-    stamps: list[np.ndarray]
-    seen_ns: int
-    running: bool
+    A look only reads the counts: the tokens and stamps are copied out of the token stream when
+    first asked for, so the host pays for what it reads, not per look. They stay there until the
+    stream's next launch; asked for after it, a Landed raises instead of answering with another
+    request's tokens."""
+
+    __slots__ = ("start", "end", "seen_ns", "running", "_stream", "_launch", "_tokens", "_stamps")
+
+    def __init__(self, stream: TokenStream, start: list[int], end: list[int], seen_ns: int, running: bool):
+        self.start, self.end = start, end  # each row's published count before and after
+        self.seen_ns, self.running = seen_ns, running
+        self._stream, self._launch = stream, stream.launches
+        self._tokens: list[np.ndarray] | None = None
+        self._stamps: list[np.ndarray] | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.end) - sum(self.start)
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.subtract(self.end, self.start)
+
+    @property
+    def tokens(self) -> list[np.ndarray]:
+        if self._tokens is None:
+            self._tokens = self._stream.rows("tokens", self._launch, self.start, self.end)
+        return self._tokens
+
+    @property
+    def stamps(self) -> list[np.ndarray]:
+        if self._stamps is None:
+            self._stamps = self._stream.rows("stamps", self._launch, self.start, self.end)
+        return self._stamps
+
+    def __repr__(self) -> str:
+        return f"Landed({self.total} tokens over {len(self.start)} rows, running={self.running})"
 
 
 class TokenStream:
-    """The mapped words the rounds publish into: a word the loop's last node sets once it has
-    ended, then one row per sequence: each row's published count, then its tokens and their
-    stamps (u32[B][cap] each). The device writes tokens and stamps, then
+    """The mapped words the rounds publish into (ptx/layout.cuh's HEAD_*): a head, whose words
+    say that the loop's last node has run, how many publishes there have been and the newest
+    one's stamp; then one row per sequence: each row's published count, then its tokens and
+    their stamps (u32[B][cap] each). The device writes tokens and stamps, then
     __threadfence_system(), then the count, so the host reads a count first and may then read
     every token below it. The host learns that the loop ended from the memory too, with no
     driver call while it runs (a cuEventQuery there crashed the host under compute-sanitizer's
     racecheck)."""
 
+    # The host looks for tokens when the rounds are due to commit them, but at most every
+    # LOOK_S: on the H200's host a look costs 6-15 µs of CPU (its sleep alone ~5 µs), so looks
+    # every three rounds of the bare toy hold the delay near a round and cost about a quarter
+    # of a core; every 150 µs, a tenth (docs/round-stream.md, "How the host waits"). It
+    # wakes EARLY_S before the commit for the sleep's own lateness; a look that finds nothing
+    # looks again RETRY_S later (before the first round is timed, twice as late each time, up
+    # to 1 ms).
+    LOOK_S = 60e-6
+    EARLY_S = 5e-6
+    RETRY_S = 10e-6
+
     def __init__(self, engine: Any, batch: int, cap: int):
         self.batch, self.cap = batch, cap
-        self._memory = MappedBuffer(engine, np.uint32, 1 + batch * (1 + 2 * cap), label="token stream")
+        self.looks = self.empty_looks = 0  # the last follow()'s looks, and those that found nothing
+        rows = HEAD_WORDS + batch
+        self._memory = MappedBuffer(engine, np.uint32, rows + 2 * batch * cap, label="token stream")
         device = self._memory.device
-        self.ended_d = device.view(0, 1)
-        self.count_d = device.view(1, batch)
-        self.tokens_d = device.view(1 + batch, batch * cap)
-        self.stamps_d = device.view(1 + batch + batch * cap, batch * cap)
+        self.head_d = device.view(0, HEAD_WORDS)
+        self.count_d = device.view(HEAD_WORDS, batch)
+        self.tokens_d = device.view(rows, batch * cap)
+        self.stamps_d = device.view(rows + batch * cap, batch * cap)
         self._views(self._memory.live)
-        self.seen = np.zeros(batch, np.uint32)  # what the host has taken of each row
+        self.launches = 0  # clear()s: which launch's tokens the stream holds
+        self.clear()  # pinned memory comes uninitialised
 
     def _views(self, words: np.ndarray | None) -> None:
         """The host's views of the words (None once freed: no view outlives the memory)."""
-        batch, cap = self.batch, self.cap
-        self._head = None if words is None else words[:1 + batch]
-        self._counts = None if words is None else words[1:1 + batch]
-        self._tokens = None if words is None else words[1 + batch:1 + batch + batch * cap].reshape(batch, cap)
-        self._stamps = None if words is None else words[1 + batch + batch * cap:].reshape(batch, cap)
+        batch, cap, rows = self.batch, self.cap, HEAD_WORDS + self.batch
+        self._head = None if words is None else words[:HEAD_WORDS]
+        self._counts = None if words is None else words[HEAD_WORDS:rows]
+        self._tokens = None if words is None else words[rows:rows + batch * cap].reshape(batch, cap)
+        self._stamps = None if words is None else words[rows + batch * cap:].reshape(batch, cap)
 
     def clear(self) -> None:
-        """Zero the ended word and the counts before a launch (the loop before it has finished)."""
+        """Zero the head and the counts before a launch (the loop before it has finished)."""
         self._head[:] = 0
-        self.seen[:] = 0
+        self._counts[:] = 0
+        self.seen = [0] * self.batch
+        self.launches += 1
 
-    @property
-    def ended(self) -> bool:
-        """Whether the loop's last node has run (read before the counts: all is published)."""
-        return bool(self._head[0])
+    def head(self) -> list[int]:
+        """The head's words, read in order (HEAD_ENDED, HEAD_SEQ, HEAD_STAMP): the loop had ended
+        before the publishes were counted, which were counted before the stamp was read, and a
+        count read after them all covers at least what they say."""
+        return self._head.tolist()
 
-    def take(self, running: bool) -> Landed | None:
-        """The tokens published since the last take, or None if there are none."""
-        counts = self._counts.copy()  # the counts first: every token below them is written
-        if counts.tobytes() == self.seen.tobytes():
+    def take(self, seen_ns: int, running: bool) -> Landed | None:
+        """What was published since the last take, or None if nothing was."""
+        end = self._counts.tolist()  # the counts first: every token below them is written
+        start = self.seen
+        if end == start:
             return None
-        seen_ns = time.perf_counter_ns()
-        low, high = int(self.seen.min()), int(counts.max())  # one copy of the new columns for all rows
-        tokens, stamps = self._tokens[:, low:high].copy(), self._stamps[:, low:high].copy()
-        rows = [slice(int(a) - low, int(b) - low) for a, b in zip(self.seen, counts)]
-        landed = Landed([tokens[b, r] for b, r in enumerate(rows)], [stamps[b, r] for b, r in enumerate(rows)],
-                        seen_ns, running)
-        self.seen = counts
-        return landed
+        self.seen = end
+        return Landed(self, start, end, seen_ns, running)
+
+    def rows(self, what: str, launch: int, start: list[int], end: list[int]) -> list[np.ndarray]:
+        """Copies of each row's `what` ("tokens" or "stamps") from start[b] to end[b], published
+        by launch number `launch`: ValueError once the stream is cleared for another."""
+        if launch != self.launches or self._tokens is None:
+            raise ValueError(f"these {what} were published by an earlier launch of the device loop, whose token "
+                             "stream has been reused (or freed) since: take them before the next request")
+        block = self._tokens if what == "tokens" else self._stamps
+        return [block[b, a:e].copy() for b, (a, e) in enumerate(zip(start, end))]
+
+    def follow(self, spin: bool = False, look_s: float = LOOK_S) -> Iterator[Landed]:
+        """Each batch of tokens as the host finds them published, until the loop has ended (the
+        head says so) and its last tokens are taken. The host sleeps between looks, at the
+        moments rounds are due to commit, but at most every `look_s` (LOOK_S), unless `spin`.
+
+        When is the next commit due? The head's stamp is device time, the host's clock another:
+        the smallest (seen - stamp) so far stands for the offset between them (low by the
+        shortest delay seen); the stamps of two looks over the publishes between them give a
+        round. The host then sleeps until the first round due `look_s` or more after this look,
+        less EARLY_S."""
+        clock, sleep = time.perf_counter_ns, time.sleep
+        look_ns, early_ns, retry_s = int(look_s * 1e9), int(self.EARLY_S * 1e9), self.RETRY_S
+        seq_seen, stamp_seen, round_ns, lag_ns = 0, 0, 0, None
+        retry = retry_s  # the wait after an empty look
+        # prompt: this look comes a short retry after an empty one; trusted: a prompt look has
+        # set the lag to aim by; creep: how much earlier than that lag to aim until one has.
+        prompt, trusted, creep = False, False, 0
+        self.looks = self.empty_looks = 0
+        with _fine_timer():
+            while True:
+                ended, seq, stamp, _ = self.head()  # the loop ended before this: all is published
+                self.looks += 1
+                if seq == seq_seen and not ended:  # early: again soon (backing off while no round is timed)
+                    self.empty_looks += 1
+                    prompt = retry <= retry_s
+                    wait_s, retry = retry, (retry_s if round_ns else min(2 * retry, 1e-3))
+                else:
+                    retry = retry_s
+                    now = clock()
+                    landed = self.take(now, running=not ended)
+                    lag = (now - stamp) & MASK32
+                    if seq_seen and seq > seq_seen:
+                        round_ns = max(_signed(stamp - stamp_seen) // (seq - seq_seen), 0)
+                    seq_seen, stamp_seen = seq, stamp
+                    # The delay a look sees is the offset of the clocks plus how late it came. A
+                    # look a retry after an empty one came within a retry of the publish: its
+                    # delay is the one to aim by. Until one has, each look aims earlier (by a
+                    # sixteenth of a round, doubling), so a first publish seen late after a long
+                    # backoff does not keep every later look as late.
+                    if prompt:
+                        lag_ns, trusted, creep = lag, True, 0
+                    else:
+                        lag_ns = lag if lag_ns is None or _signed(lag - lag_ns) < 0 else lag_ns
+                        if not trusted and round_ns:
+                            creep = min(max(2 * creep, round_ns // 16), round_ns // 2)
+                    prompt = False
+                    if landed is not None:
+                        yield landed
+                    if ended:
+                        return
+                    ahead = -(-look_ns // round_ns) if round_ns else 1
+                    due = stamp + lag_ns - creep + ahead * round_ns - early_ns  # host time, low 32 bits
+                    wait_s = _signed(due - clock()) * 1e-9
+                sleep(0 if spin else max(wait_s, retry_s))
+
+    def tokens(self) -> list[np.ndarray]:
+        """Every row's tokens published since the launch (copies)."""
+        return [self._tokens[b, :n].copy() for b, n in enumerate(self._counts.tolist())]
 
     def free(self) -> None:
         self._views(None)
@@ -113,16 +229,15 @@ class DeviceLoop:
     generate_batch(mode="device") use it; it is not built by hand.
 
     It is given the round's steps around the commit (`before`, `after`), which it issues with
-    its own publishing commit between them inside `scope` (a framework's stream scope), and
-    `capture`, what builds a graph of loops (driver.graph.loops, or the torch adapter's): it
-    holds no reference to its RoundStream.
-    """
+    kernel 4 between them inside `scope` (a framework's stream scope), and `capture`, what
+    builds a graph of loops (driver.graph.loops, or the torch adapter's): it holds no reference
+    to its RoundStream.
 
-    # The host sleeps between looks at the stream: until the next commit is due, less EARLY_S
-    # for the sleep's own lateness, and at least MIN_SLEEP_S. With `spin` set it looks again at
-    # once instead (yielding the GIL): the lowest delay, at a whole core (docs/round-stream.md).
-    MIN_SLEEP_S = 50e-6
-    EARLY_S = 15e-6
+    Each round's tokens are published by kernel 4' on a branch of the graph (driver.graph.branch)
+    beside the next round's draft and verify, joined before that round's commit (which refills
+    the ring it empties): no round waits for writes to host memory, which take longer the
+    deeper the host's cores sleep.
+    """
 
     def __init__(self, spec: SpecKernels, bufs: StreamBufs, before: Sequence[Step], after: Sequence[Step],
                  scope: Callable[[], Any], capture: Callable[[Callable[[LoopBuilder], None]], Capture]):
@@ -130,10 +245,12 @@ class DeviceLoop:
         check_loops(engine)  # before the decider's module, which an older driver cannot load
         self.engine, self.spec, self.bufs = engine, spec, bufs
         self._before, self._after, self._scope, self._loops = tuple(before), tuple(after), scope, capture
+        self._commit = spec.prepare_ring_commit(bufs)
         self._decide = engine.load_ptx("device_loop").kernel("spec_loop_decide").prepare(
             ["ptr", "ptr", "ptr", "u32", "ptr", "u64", "u32", "u32", "u32"], 1, 256)
-        # The cap, the rounds run, then each row's published tokens: one memset zeroes all but the cap.
-        self._state_d = engine.zeros(np.uint32, 2 + bufs.batch, label="device loop state")
+        # The cap, the rounds run, the publishes, then each row's published tokens: one memset
+        # zeroes all but the cap.
+        self._state_d = engine.zeros(np.uint32, 3 + bufs.batch, label="device loop state")
         self._ran = engine.pinned(np.uint32, 1, label="device loop rounds")
         self._stream: TokenStream | None = None
         self._graph: Graph | None = None
@@ -141,7 +258,8 @@ class DeviceLoop:
         self._event = Event(engine)
         self.captures = 0  # loop graphs captured
         self.running = False  # launched, and finish() not yet called
-        self.spin = False
+        self.spin = False  # follow() spins instead of sleeping between looks
+        self.look_s = TokenStream.LOOK_S  # and looks at most this often
 
     def prepare(self, cap: int, paced: bool) -> None:
         """Capture the loop for a token stream of `cap` tokens per row and the given pacing,
@@ -172,42 +290,14 @@ class DeviceLoop:
         self.running = True
 
     def follow(self) -> Iterator[Landed]:
-        """Each batch of tokens as the host finds them published, until the loop has ended and
-        its last tokens are taken; the host sleeps between looks unless `spin` is set.
+        """Each batch of tokens as the host finds them published (TokenStream.follow), until the
+        loop has ended and its last tokens are taken."""
+        return self._stream.follow(self.spin, self.look_s)
 
-        When is the next commit due? Stamps are device time, the host's clock another: the
-        smallest (seen - stamp) so far stands for the offset between them (low by the shortest
-        delay seen), and one row's newest stamp against the one of the last look, over the
-        rounds between (its distinct new stamps), for a round."""
-        stream = self._stream
-        round_ns, due_ns = 0, 0
-        lag_ns: int | None = None
-        row, newest_seen = 0, None  # the row whose stamps time the rounds, and its newest one
-        with _fine_timer():
-            while True:
-                ended = stream.ended  # before the look: a loop that has ended published everything
-                landed = stream.take(running=not ended)
-                if landed is not None:
-                    if landed.stamps[row].size == 0:  # the row followed so far is done: take another
-                        row = max(range(stream.batch), key=lambda b: landed.stamps[b].size)
-                        newest_seen = None
-                    stamps = landed.stamps[row].tolist()
-                    newest = stamps[-1]
-                    lag = (landed.seen_ns - newest) % 2**32
-                    if lag_ns is None or _signed(lag - lag_ns) < 0:
-                        lag_ns = lag
-                    if newest_seen is not None:  # rounds since the row's last look: its new stamps
-                        round_ns = ((newest - newest_seen) % 2**32) // len(set(stamps))
-                    newest_seen = newest
-                    due_ns = newest + lag_ns + round_ns  # host time, low 32 bits
-                    yield landed
-                if ended:
-                    return
-                if self.spin:
-                    time.sleep(0)
-                    continue
-                wait_s = 0.0 if lag_ns is None else _signed(due_ns - time.perf_counter_ns()) * 1e-9 - self.EARLY_S
-                time.sleep(max(wait_s, self.MIN_SLEEP_S))
+    @property
+    def looks(self) -> tuple[int, int]:
+        """The last follow()'s looks at the token stream, and how many of them found nothing."""
+        return (self._stream.looks, self._stream.empty_looks) if self._stream else (0, 0)
 
     def finish(self) -> tuple[np.ndarray, int]:
         """Wait for the loop: the final readback's done flags, and the rounds it ran."""
@@ -215,13 +305,16 @@ class DeviceLoop:
         self.running = False
         return received.done, int(self._ran.read()[0])
 
+    def tokens(self) -> list[np.ndarray]:
+        """Every row's tokens from the last launch (after finish)."""
+        return self._stream.tokens()
+
     def _capture(self, stream: TokenStream, paced: bool) -> Graph:
         engine, bufs, state = self.engine, self.bufs, self._state_d
-        published = state.view(2, bufs.batch)
-        publish = self.spec.prepare_ring_commit_publish(bufs, published, stream.count_d, stream.tokens_d,
-                                                        stream.stamps_d, stream.cap)
-        steps = (*self._before, publish, *self._after)
-        decide = self._decide
+        published = state.view(3, bufs.batch)
+        publish = self.spec.prepare_ring_publish(bufs, published, state.view(2, 1), stream.head_d, stream.count_d,
+                                                 stream.tokens_d, stream.stamps_d, stream.cap)
+        decide, commit = self._decide, self._commit
 
         def decider(handle: Any, ran: int, body: int) -> Step:
             def issue() -> None:  # bound now, captured at once: the graph keeps these values
@@ -232,20 +325,28 @@ class DeviceLoop:
 
         def rounds_then(n: int, decide_pass: Step) -> Step:
             def issue() -> None:
+                published_last = None  # the branch publishing the round before
                 with self._scope():
                     for _ in range(n):
-                        for step in steps:
+                        for step in self._before:
                             step()
+                        if published_last is not None:
+                            join(engine, published_last)
+                        commit()
+                        published_last = branch(publish)
+                        for step in self._after:
+                            step()
+                join(engine, published_last)  # the decider reads what was published
                 decide_pass()
             return issue
 
         def read_back() -> None:  # the rows' done flags and positions, the rounds run, then "ended"
             bufs.queue_readback(engine, 0)
             engine.copy_dtoh_async(self._ran, state.view(1, 1))
-            engine.set_u32(stream.ended_d, 0, 1)
+            engine.set_u32(stream.head_d, HEAD_ENDED, 1)
 
         def build(graph: LoopBuilder) -> None:
-            graph.issue(lambda: engine.memset(state.view(1, 1 + bufs.batch), 0))
+            graph.issue(lambda: engine.memset(state.view(1, 2 + bufs.batch), 0))
             for body in _pass_lengths(bufs.m_rounds, paced):
                 handle = graph.handle()
                 graph.issue(decider(handle, 0, body))
@@ -253,6 +354,9 @@ class DeviceLoop:
             graph.issue(read_back)
 
         return Graph(engine, lambda: None, capture=self._loops(build))
+
+
+MASK32 = 2**32 - 1
 
 
 def _signed(ns: int) -> int:

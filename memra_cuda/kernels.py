@@ -1,9 +1,10 @@
-"""SpecKernels: typed launchers of the five spec_* kernels of ptx/spec_stream.cu, and of
-stochastic acceptance (ptx/spec_sample.cu, launched from sampling.py).
+"""SpecKernels: typed launchers of the spec_* kernels of ptx/spec_stream.cu (the round's
+bookkeeping and the rollback of recurrent state), and of stochastic acceptance
+(ptx/spec_sample.cu, launched from sampling.py).
 
 The kernels clamp every count they read from device memory; the launchers check everything
 the host knows (buffer types and sizes for the batch, the engine they belong to, that a
-rollback table holds what it names and has one length per row) before anything is queued.
+rollback table holds what it names and has one length or state per row) before anything is queued.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import numpy as np
 from .driver.buffer import DeviceBuffer
 from .driver.values import as_index
 from .driver.module import Launch
+from .layout import HEAD_WORDS
 from .sampling import _exact, prepare_accept_sample, prepare_draft_sample
-from .tables import PointerTable
+from .tables import PointerTable, StateTable
 
 if TYPE_CHECKING:
     from .bufs import StreamBufs
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class SpecKernels:
-    """The seven round-stream kernels: five of ptx/spec_stream.ptx (loaded once per engine),
+    """The nine round-stream kernels: seven of ptx/spec_stream.ptx (loaded once per engine),
     stochastic acceptance and the draft's draw (ptx/spec_sample.ptx, through sampling.py).
 
     `prepare_*` validates the buffers and returns a prepared launch to keep and call every
@@ -72,19 +74,22 @@ class SpecKernels:
                             bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
                             bufs.ring_cap, bufs.k, bufs.batch, threads=32 * bufs.batch)
 
-    def prepare_ring_commit_publish(self, bufs: StreamBufs, published_d: DeviceBuffer, count_d: DeviceBuffer,
-                                    tokens_d: DeviceBuffer, stamps_d: DeviceBuffer, cap: int) -> Launch:
-        """Kernel 4, then the round's tokens published to a mapped token stream (device mode):
-        `published_d` u32[B] counts what each row published; count_d u32[B], tokens_d and
-        stamps_d u32[B][cap] are the stream's mapped words (device_loop.TokenStream)."""
+    def prepare_ring_publish(self, bufs: StreamBufs, published_d: DeviceBuffer, seq_d: DeviceBuffer,
+                             head_d: DeviceBuffer, count_d: DeviceBuffer, tokens_d: DeviceBuffer,
+                             stamps_d: DeviceBuffer, cap: int) -> Launch:
+        """Kernel 4': the rings published to a mapped token stream (device mode): `published_d`
+        u32[B] counts what each row published, `seq_d` u32[1] the publishes; head_d
+        u32[HEAD_WORDS], count_d u32[B], tokens_d and stamps_d u32[B][cap] are the stream's
+        mapped words (device_loop.TokenStream). One block: the head is written once every row
+        is out."""
         cap, batch = as_index(cap, "cap"), bufs.batch
-        for name, buf, shape in (("published_d", published_d, (batch,)), ("count_d", count_d, (batch,)),
+        for name, buf, shape in (("published_d", published_d, (batch,)), ("seq_d", seq_d, (1,)),
+                                 ("head_d", head_d, (HEAD_WORDS,)), ("count_d", count_d, (batch,)),
                                  ("tokens_d", tokens_d, (batch, cap)), ("stamps_d", stamps_d, (batch, cap))):
             _exact(self.engine.buffer(buf, name), name, ("u32",), shape)
-        return self._launch("spec_ring_commit_publish", ["ptr"] * 6 + ["u32"] * 3 + ["ptr"] * 4 + ["u32"],
-                            bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
-                            bufs.ring_cap, bufs.k, batch, published_d, count_d, tokens_d, stamps_d, cap,
-                            threads=32 * batch)
+        return self.module.kernel("spec_ring_publish").prepare(
+            ["ptr", "u32", "u32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "u32"], 1, min(-(-batch // 32) * 32, 1024)).set(
+            bufs.ring_d, bufs.ring_cap, batch, published_d, seq_d, head_d, count_d, tokens_d, stamps_d, cap)
 
     def prepare_rollback(self, table_d: PointerTable, bufs: StreamBufs) -> Launch:
         if not isinstance(table_d, PointerTable):
@@ -97,6 +102,35 @@ class SpecKernels:
         return self._launch("spec_rollback_stream", ["ptr", "u32", "u32", "ptr", "ptr"],
                             table_d, table_d.len, bufs.batch, bufs.pos_start_d, bufs.ctl_d,
                             threads=table_d.len * bufs.batch)
+
+    def prepare_state_copy(self, table: StateTable, bufs: StreamBufs) -> Launch:
+        """Kernel 8: each row's live recurrent state becomes its kept slot (keep - 1), by copy.
+        `table` comes from state_copy_table; its layers must be of this batch and k."""
+        if not isinstance(table, StateTable):
+            raise TypeError(f"a state copy table must be a StateTable (state_copy_table builds one), not {table!r}")
+        if table.batch not in (None, bufs.batch) or table.k not in (None, bufs.k):
+            raise ValueError(f"{table.label}: its layers hold B={table.batch} rows of k+1={table.k + 1} slots, but "
+                             f"the round has B={bufs.batch} and k={bufs.k}")
+        # x: the (layer, row) pairs; y: blocks over one row's words, so a single wide state still
+        # spreads over the GPU; at most 1024 blocks in all, as _launch.
+        words = max((layer.row_words for layer in table.layers if layer is not None), default=1)
+        block = min(-(-words // 32) * 32, 256)
+        pairs = min(len(table.layers) * bufs.batch, 1024)
+        grid = (pairs, min(-(-words // block), max(1, 1024 // pairs)))
+        return self.module.kernel("spec_state_copy").prepare(["ptr", "u32", "u32", "u32", "ptr"], grid, block).set(
+            table, len(table.layers), bufs.batch, bufs.k, bufs.ctl_d)
+
+    def prepare_state_flip(self, table: PointerTable, bufs: StreamBufs) -> Launch:
+        """Kernel 9: each row's state index moves to the kept slot of the bank the verify wrote.
+        `table` comes from state_flip_table: u32[B] indices of this batch."""
+        if not isinstance(table, PointerTable):
+            raise TypeError(f"a state flip table must be a PointerTable (state_flip_table builds one), not {table!r}")
+        wrong = [t for t in table.targets if t is not None and (t.dtype != np.uint32 or t.len != bufs.batch)]
+        if wrong:
+            raise ValueError(f"a state flip table for a batch of {bufs.batch} must name u32[{bufs.batch}] indices "
+                             f"(one per sequence), not {wrong[0]!r}")
+        return self._launch("spec_state_flip", ["ptr", "u32", "u32", "u32", "ptr"],
+                            table, table.len, bufs.batch, bufs.k, bufs.ctl_d, threads=table.len * bufs.batch)
 
     def prepare_accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any,
                               vocab: int | None = None) -> Launch:
@@ -123,6 +157,12 @@ class SpecKernels:
 
     def rollback(self, table_d: PointerTable, bufs: StreamBufs) -> None:
         self.prepare_rollback(table_d, bufs)()
+
+    def state_copy(self, table: StateTable, bufs: StreamBufs) -> None:
+        self.prepare_state_copy(table, bufs)()
+
+    def state_flip(self, table: PointerTable, bufs: StreamBufs) -> None:
+        self.prepare_state_flip(table, bufs)()
 
     def accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int | None = None) -> None:
         self.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)()

@@ -29,3 +29,11 @@ ACC_WORDS = 2
 # ring_d, u32[B][RING_TOKENS + ring_cap]: the count of committed tokens, then the tokens.
 RING_COUNT = 0
 RING_TOKENS = 1
+
+# The head of device mode's token stream (mapped pinned memory, device_loop.TokenStream): a word
+# the loop's last node sets once it has ended, the publishes so far, and the newest one's stamp;
+# each row's published count, then the tokens and their stamps follow it.
+HEAD_ENDED = 0
+HEAD_SEQ = 1
+HEAD_STAMP = 2
+HEAD_WORDS = 4

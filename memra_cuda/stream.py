@@ -409,10 +409,9 @@ class RoundStream:
         stops = per_row(eos, batch, "eos")
         out: list[list[np.ndarray]] = [[] for _ in range(batch)]
         if mode is Mode.DEVICE:
-            for landed in self.stream(positions, budgets.tolist(), eos=stops):
-                for row, tokens in zip(out, landed.tokens):
-                    row.append(tokens)
-            return [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in out]
+            for _ in self.stream(positions, budgets.tolist(), eos=stops):
+                pass  # the tokens stay in the token stream until the next launch
+            return self.device_loop.tokens() if budgets.any() else [np.zeros(0, np.uint32) for _ in range(batch)]
         if budgets.any():
             self.check_capacity(rounds, positions=positions, done=budgets == 0)
         self.bufs.set_stop(self.engine, stops, budgets.tolist())
@@ -509,12 +508,8 @@ class RoundStream:
     def _follow(self, loop: DeviceLoop, max_rounds: int) -> Iterator[Landed]:
         """stream()'s iterator: the loop's tokens as they land, then its end (closed early, it
         waits for the loop)."""
-        got: list[list[np.ndarray]] = [[] for _ in range(self.bufs.batch)]
         try:
-            for landed in loop.follow():
-                for row, tokens in zip(got, landed.tokens):
-                    row.append(tokens)
-                yield landed
+            yield from loop.follow()
         finally:
             done, ran = loop.finish()
             self.rounds += ran
@@ -523,7 +518,7 @@ class RoundStream:
             live = np.flatnonzero(~done)
             raise RoundCapError(f"the device loop stopped at its cap of {max_rounds} rounds with {live.size} row(s) "
                                 f"still live (row {live[0]} first): raise max_rounds or give every row a budget",
-                                [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in got])
+                                loop.tokens())
 
     def _check_loop_capacity(self, positions: np.ndarray, most: np.ndarray, done: np.ndarray) -> None:
         """CapacityError unless every KV cache has room for the whole device loop: a row that

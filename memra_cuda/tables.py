@@ -1,9 +1,9 @@
-"""KV caches as the round-stream kernels see them, and the pointer tables that name them.
+"""KV caches and recurrent state as the round-stream kernels see them, and the tables that name them.
 
 Rollback walks a table of device addresses that lives in device memory, so no launch-time
-check can see what it points at. The table carries that check itself (PointerTable): it holds
-the buffers it names, knows the capacity of the KV layers behind them, and refuses to be used
-once one of them is freed.
+check can see what it points at. The table carries that check itself (AddressTable): it holds
+the buffers it names and refuses to be used once one of them is freed; a PointerTable also
+knows the capacity of the KV layers behind it.
 """
 from __future__ import annotations
 
@@ -95,12 +95,34 @@ class Unchecked:
 UNCHECKED = Unchecked()
 
 
-class PointerTable(DeviceBuffer):
+class AddressTable(DeviceBuffer):
+    """A u64 device array of `words`, among them the addresses of `targets`, which it holds.
+
+    For kernels that read addresses from device memory. Freeing a target explicitly poisons the
+    table: its `ptr` (and so every launch or graph bound to it) refuses with a ValueError naming
+    the target. `targets` are buffers the engine may use (Engine.buffer), None where the table
+    names nothing.
+    """
+
+    def __init__(self, engine: Engine, words: np.ndarray, targets: tuple[DeviceBuffer | None, ...], label: str):
+        ctx, ptr = device_allocation(engine, words.nbytes)
+        super().__init__(ptr, np.uint64, len(words), engine=engine, label=label)
+        self._own(ctx, "cuMemFree", ptr)
+        engine.copy_htod(self, words)
+        self.targets = targets
+        for target in targets:
+            if target is not None:
+                target.depend(self)
+
+    def holds(self, buf: DeviceBuffer) -> bool:
+        return any(t is buf for t in self.targets)
+
+
+class PointerTable(AddressTable):
     """A u64 device array of the addresses of `targets` (0 for None), which it holds.
 
     For kernels that read addresses from device memory: rollback's KV lengths, a model's
-    per-layer data. Freeing a target explicitly poisons the table: its `ptr` (and so every
-    launch or graph bound to it) refuses with a ValueError naming the target.
+    per-layer data, the state indices of FLIP rollback (state_flip_table).
 
     `capacity` is the fewest entries any KV layer behind the table holds, which is how
     RoundStream knows how far a burst may go; None where the table names no KV lengths (a
@@ -117,19 +139,8 @@ class PointerTable(DeviceBuffer):
         held = tuple(None if t is None else engine.buffer(t, f"table entry {i}") for i, t in enumerate(targets))
         if not held:
             raise ValueError("a pointer table needs at least one entry")
-        words = np.array([0 if t is None else t.ptr for t in held], np.uint64)
-        ctx, ptr = device_allocation(engine, words.nbytes)
-        super().__init__(ptr, np.uint64, len(words), engine=engine, label=label)
-        self._own(ctx, "cuMemFree", ptr)
-        engine.copy_htod(self, words)
-        self.targets = held
+        super().__init__(engine, np.array([0 if t is None else t.ptr for t in held], np.uint64), held, label)
         self.capacity = capacity
-        for target in held:
-            if target is not None:
-                target.depend(self)
-
-    def holds(self, buf: DeviceBuffer) -> bool:
-        return any(t is buf for t in self.targets)
 
 
 def _length_table(engine: Engine, layers: Sequence[KVLayer | None], pos_ctr: Any, label: str) -> PointerTable:
@@ -157,9 +168,114 @@ def kv_len_ptr_table_range(engine: Engine, cache: Cache, layers: range | tuple[i
                            pos_ctr: Any = None) -> PointerTable:
     """The table for the layers [start, stop) one pipeline stage owns, so a rollback launched
     on that stage's device never touches another device's memory."""
+    start, stop = _layer_range(layers, len(cache.kv))
+    return _length_table(engine, cache.kv[start:stop], pos_ctr, f"kv lengths of layers [{start}, {stop})")
+
+
+def _layer_range(layers: range | tuple[int, int], count: int) -> tuple[int, int]:
+    """(start, stop) of the contiguous layers [start, stop) of a model of `count` layers."""
     start, stop = (layers.start, layers.stop) if isinstance(layers, range) else layers
     if isinstance(layers, range) and layers.step != 1:
         raise ValueError(f"layer range must be contiguous, not {layers}")
-    if not 0 <= start <= stop <= len(cache.kv):
-        raise ValueError(f"layers [{start}, {stop}) are outside a cache of {len(cache.kv)} layers")
-    return _length_table(engine, cache.kv[start:stop], pos_ctr, f"kv lengths of layers [{start}, {stop})")
+    if not 0 <= start <= stop <= count:
+        raise ValueError(f"layers [{start}, {stop}) are outside a model of {count} layers")
+    return start, stop
+
+
+class StateLayer:
+    """One layer's recurrent state (Mamba, gated delta nets, linear attention) for rollback by
+    copy: `live_d` [B][row_words], the state the model reads, and `slots_d` [B][k+1][row_words],
+    where the verify writes the state after each of its k + 1 tokens (slot i after token i).
+
+    A state cannot be rolled back by a length, so rollback copies the kept slot over the live
+    state (spec_state_copy). Elements are 32-bit words of one 4-byte type (f32 state, say):
+    the kernel copies words. Either buffer may be a DeviceBuffer or a __cuda_array_interface__
+    object (a torch tensor).
+    """
+
+    def __init__(self, live_d: Any, slots_d: Any, row_words: int, k: int):
+        self.live_d, self.slots_d = as_buffer(live_d, "live_d"), as_buffer(slots_d, "slots_d")
+        self.row_words, self.k = as_index(row_words, "row_words"), as_index(k, "k")
+        if self.row_words < 1 or self.k < 0:
+            raise ValueError(f"a state layer needs row_words >= 1 and k >= 0, not {row_words} and {k}")
+        if self.live_d.dtype.itemsize != 4 or self.slots_d.dtype != self.live_d.dtype:
+            raise ValueError(f"live_d and slots_d must hold 32-bit words of one type, not {self.live_d!r} and "
+                             f"{self.slots_d!r}")
+        if self.live_d.len % self.row_words:
+            raise ValueError(f"live_d must be [B][{self.row_words}], not {self.live_d!r}")
+        want = self.batch * (self.k + 1) * self.row_words
+        if self.slots_d.len != want:
+            raise ValueError(f"slots_d must be [{self.batch}][{self.k + 1}][{self.row_words}] = {want} words "
+                             f"(k + 1 slots a row), not {self.slots_d!r}")
+
+    @property
+    def batch(self) -> int:
+        return self.live_d.len // self.row_words
+
+
+class StateTable(AddressTable):
+    """The table spec_state_copy reads: per layer the record (live address, slots address,
+    row_words), zeros for None (a layer without state), holding every buffer it names.
+
+    `batch` and `k` are those of every layer (None where every entry is None): the launcher
+    checks them against the StreamBufs it rolls back.
+    """
+
+    def __init__(self, engine: Engine, layers: Sequence[StateLayer | None], label: str):
+        self.layers = tuple(layers)
+        if not self.layers:
+            raise ValueError("a state table needs at least one entry")
+        shapes = {(layer.batch, layer.k) for layer in self.layers if layer is not None}
+        if len(shapes) > 1:
+            raise ValueError(f"{label}: every layer must have the same batch B and k, not (B, k) in {sorted(shapes)}")
+        self.batch, self.k = shapes.pop() if shapes else (None, None)
+        words = np.zeros((len(self.layers), 3), np.uint64)
+        held: list[DeviceBuffer | None] = []
+        for i, layer in enumerate(self.layers):
+            if layer is None:
+                held += [None, None]
+                continue
+            live = engine.buffer(layer.live_d, f"layer {i} live_d")
+            slots = engine.buffer(layer.slots_d, f"layer {i} slots_d")
+            words[i] = live.ptr, slots.ptr, layer.row_words
+            held += [live, slots]
+        _disjoint(held, label)
+        super().__init__(engine, words.reshape(-1), tuple(held), label)
+
+
+def state_copy_table(engine: Engine, layers: Sequence[StateLayer | None]) -> StateTable:
+    """The COPY rollback table of a model's layers in order (None: a layer without state)."""
+    return StateTable(engine, layers, "recurrent state")
+
+
+def state_copy_table_range(engine: Engine, layers: Sequence[StateLayer | None],
+                           stage: range | tuple[int, int]) -> StateTable:
+    """The table for the layers [start, stop) one pipeline stage owns, so a rollback launched
+    on that stage's device never touches another device's memory."""
+    start, stop = _layer_range(stage, len(layers))
+    return StateTable(engine, layers[start:stop], f"recurrent state of layers [{start}, {stop})")
+
+
+def state_flip_table(engine: Engine, indices: Sequence[Any]) -> PointerTable:
+    """The FLIP rollback table (spec_state_flip): per model, the u32[B] slot index its stateful
+    layers read their live state at (None: skip), all of one B.
+
+    One index a model, not a layer: a model's layers share keep, so they flip together. u32
+    only: a KV rollback table (i32 lengths) and this one can then never stand in for each other.
+    """
+    buffers = [None if idx is None else as_buffer(idx, f"index {i}") for i, idx in enumerate(indices)]
+    present = [buf for buf in buffers if buf is not None]
+    if any(buf.dtype != np.uint32 for buf in present) or len({buf.len for buf in present}) > 1:
+        raise ValueError(f"state indices must be u32[B] buffers of one batch B, not {present}")
+    _disjoint(present, "state indices")
+    return PointerTable(engine, buffers, label="state indices")
+
+
+def _disjoint(buffers: Sequence[DeviceBuffer | None], label: str) -> None:
+    """Refuse a state table whose buffers overlap: each is written by its own entry's threads, so
+    shared memory would race (and an index flipped twice would undo its own rollback)."""
+    spans = sorted(((buf.ptr, buf.ptr + buf.nbytes, buf) for buf in buffers if buf is not None), key=lambda s: s[0])
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{label}: {first!r} and {second!r} overlap; every buffer of a state table must "
+                             f"have its own memory")

@@ -24,3 +24,11 @@
 // ring_d, u32[B][RING_TOKENS + ring_cap]: the count of committed tokens, then the tokens.
 #define RING_COUNT 0
 #define RING_TOKENS 1
+
+// The head of device mode's token stream (mapped pinned memory, device_loop.TokenStream): a word
+// the loop's last node sets once it has ended, the publishes so far, and the newest one's stamp;
+// each row's published count, then the tokens and their stamps follow it.
+#define HEAD_ENDED 0
+#define HEAD_SEQ 1
+#define HEAD_STAMP 2
+#define HEAD_WORDS 4

@@ -1,4 +1,4 @@
-// Round-stream speculative decoding: the five per-round kernels (docs/kernels.md, "Kernel contracts").
+// Round-stream speculative decoding: the per-round kernels (docs/kernels.md, "Kernel contracts").
 //
 // Every kernel takes B, the sequences of the batch, and applies its single-sequence contract to
 // each row of its row-major buffers (row b of a buffer of row length n starts at b * n). It takes
@@ -167,43 +167,51 @@ extern "C" __global__ void spec_ring_commit(const u32* vtok_d, u32* acc_d, const
     WARP_STRIDE(b, B) ring_commit_row((u32)b, vtok_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, k);
 }
 
-// 4'. Commit as kernel 4, then publish the round's tokens to the host while the loop runs
-//     (device-resident generation, docs/round-stream.md "Device mode"): lane 0 appends them to
-//     the row's stream in mapped pinned memory, with a %globaltimer stamp (low 32 bits) each,
-//     then __threadfence_system(), then the row's published count, so a host that reads the
-//     count sees every token below it. The ring is emptied for the next round; pub_d[b] counts
-//     what row b published, and writes past out_cap are dropped (the host sizes the stream
-//     for the budget).
+// 4'. Publish the round's committed tokens to the host while the loop runs (device-resident
+//     generation, docs/round-stream.md "Device mode"). A branch of the loop graph beside the
+//     next round's draft and verify, joined before its commit, so the round never waits for
+//     host memory: each row's ring is appended to the row's stream in mapped pinned memory,
+//     each token with a %globaltimer stamp (low 32 bits), then __threadfence_system(), then
+//     the row's published count, so a host that reads a count sees every token below it. The
+//     ring is emptied for the next commit; pub_d[b] counts what row b published, and writes past
+//     out_cap are dropped (the host sizes the stream for the budget). Then, once every row is
+//     out, the stream's head: the publish's stamp, a fence, and the number of publishes so far
+//     (seq_d), what the host watches between looks. One block.
 __device__ __forceinline__ u32 global_time_lo() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return (u32)t;
 }
 
-__device__ void publish_row(u32 b, u32* ring, u32 ring_cap, u32* pub_d, volatile u32* out_count,
-                            u32* out_tokens, u32* out_stamps, u32 out_cap) {
-    const u32 n = min(ring[RING_COUNT], ring_cap);
-    if (n == 0) return;
-    const u32 base = min(pub_d[b], out_cap), end = min(base + n, out_cap), stamp = global_time_lo();
-    for (u32 i = base; i < end; ++i) {
-        out_tokens[(u64)b * out_cap + i] = ring[RING_TOKENS + i - base];
-        out_stamps[(u64)b * out_cap + i] = stamp;
+extern "C" __global__ void spec_ring_publish(u32* ring_d, u32 ring_cap, u32 B, u32* pub_d, u32* seq_d,
+                                             volatile u32* out_head, volatile u32* out_count, u32* out_tokens,
+                                             u32* out_stamps, u32 out_cap) {
+    const u32 stamp = global_time_lo();
+    for (u32 b = threadIdx.x; b < B; b += blockDim.x) {
+        const u32* ring = ring_d + (u64)b * (RING_TOKENS + ring_cap);
+        const u32 base = min(pub_d[b], out_cap), end = min(base + min(ring[RING_COUNT], ring_cap), out_cap);
+        for (u32 i = base; i < end; ++i) {
+            out_tokens[(u64)b * out_cap + i] = ring[RING_TOKENS + i - base];
+            out_stamps[(u64)b * out_cap + i] = stamp;
+        }
     }
-    __threadfence_system();
-    out_count[b] = end;
-    pub_d[b] = end;
-    ring[RING_COUNT] = 0;
-}
-
-extern "C" __global__ void spec_ring_commit_publish(const u32* vtok_d, u32* acc_d, const u32* last_pred_d,
-                                                    int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap, u32 k,
-                                                    u32 B, u32* pub_d, u32* out_count, u32* out_tokens,
-                                                    u32* out_stamps, u32 out_cap) {
-    WARP_STRIDE(b, B) {
-        ring_commit_row((u32)b, vtok_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, k);
-        if ((threadIdx.x & 31) == 0)  // the lane that stored the row's ring publishes it
-            publish_row((u32)b, ring_d + b * (RING_TOKENS + ring_cap), ring_cap, pub_d, out_count, out_tokens,
-                        out_stamps, out_cap);
+    __threadfence_system();  // this thread's tokens, before any of its counts
+    for (u32 b = threadIdx.x; b < B; b += blockDim.x) {
+        u32* ring = ring_d + (u64)b * (RING_TOKENS + ring_cap);
+        const u32 n = min(ring[RING_COUNT], ring_cap);
+        if (n == 0) continue;
+        const u32 end = min(min(pub_d[b], out_cap) + n, out_cap);
+        out_count[b] = end;
+        pub_d[b] = end;
+        ring[RING_COUNT] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 seq = *seq_d + 1;
+        *seq_d = seq;
+        out_head[HEAD_STAMP] = stamp;
+        __threadfence_system();
+        out_head[HEAD_SEQ] = seq;
     }
 }
 
@@ -215,5 +223,42 @@ extern "C" __global__ void spec_rollback_stream(const u64* len_ptrs, u32 n_ptrs,
         const u32 entry = (u32)(i / B), b = (u32)(i % B);
         int* p = (int*)len_ptrs[entry];
         if (p) p[b] = (int)((u32)pos_start_d[b] + (u32)ctl_d[CTL_WORDS * b + CTL_KEEP]);  // wraps, as the reference
+    }
+}
+
+// Recurrent state (hybrid models): a layer whose state cannot be rolled back by a length keeps
+// the state after each of the round's k + 1 verify tokens in a slot; rollback makes the state
+// after the last kept token, slot keep - 1, the live one. keep is read as u32 and clamped to
+// k + 1; keep 0 (a done row) changes nothing.
+__device__ __forceinline__ u32 kept_states(const int* ctl_d, u32 b, u32 k) {
+    return min((u32)ctl_d[CTL_WORDS * b + CTL_KEEP], k + 1);
+}
+
+// 8. Roll back by copy: table holds n_entries records of 3 words, (live, slots, row_words), live
+//    [B][row_words] and slots [B][k+1][row_words] 32-bit words, a zero live address standing for a
+//    layer without state. Row b's live state becomes its slot keep - 1. blockIdx.x strides over
+//    the (entry, row) pairs, blockIdx.y and the threads over the row's words.
+extern "C" __global__ void spec_state_copy(const u64* table, u32 n_entries, u32 B, u32 k, const int* ctl_d) {
+    for (u64 pair = blockIdx.x; pair < (u64)n_entries * B; pair += gridDim.x) {
+        const u32 entry = (u32)(pair / B), b = (u32)(pair % B), keep = kept_states(ctl_d, b, k);
+        u32* live = (u32*)table[3 * (u64)entry];
+        if (!live || keep == 0) continue;
+        const u64 row_words = table[3 * (u64)entry + 2];
+        const u32* src = (const u32*)table[3 * (u64)entry + 1] + ((u64)b * (k + 1) + keep - 1) * row_words;
+        u32* dst = live + (u64)b * row_words;
+        for (u64 i = blockIdx.y * (u64)blockDim.x + threadIdx.x; i < row_words; i += (u64)gridDim.y * blockDim.x)
+            dst[i] = src[i];
+    }
+}
+
+// 9. Roll back by flipping a slot index (no copy): each non-zero entry of idx_ptrs points at a
+//    u32[B], the slot of 2(k+1), two banks of k+1, that row b's model reads as its live state; the
+//    verify wrote its k+1 states to the other bank. Row b's index becomes that bank's slot keep - 1;
+//    a garbage index (>= 2(k+1)) counts as bank 1, so the new one is always in range.
+extern "C" __global__ void spec_state_flip(const u64* idx_ptrs, u32 n_ptrs, u32 B, u32 k, const int* ctl_d) {
+    GRID_STRIDE(i, (u64)n_ptrs * B) {
+        const u32 entry = (u32)(i / B), b = (u32)(i % B), keep = kept_states(ctl_d, b, k);
+        u32* idx = (u32*)idx_ptrs[entry];
+        if (idx && keep) idx[b] = (1 - min(idx[b] / (k + 1), 1u)) * (k + 1) + keep - 1;
     }
 }

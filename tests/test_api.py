@@ -55,7 +55,8 @@ def test_pipeline_stages_name_the_capacity_of_their_caches():
 def test_public_names_are_exported():
     for name in ("Engine", "Stream", "DeviceBuffer", "Graph", "Cache", "KVLayer", "StreamBufs", "drain_ring",
                  "kv_len_ptr_table", "kv_len_ptr_table_range", "SpecKernels", "RoundStream", "kv_capacity",
-                 "MODES", "Mode", "Greedy", "Sampling", "Stages", "UNCHECKED", "CudaError", "CudaUnavailable"):
+                 "MODES", "Mode", "Greedy", "Sampling", "Stages", "UNCHECKED", "CudaError", "CudaUnavailable",
+                 "StateLayer", "StateTable", "state_copy_table", "state_copy_table_range", "state_flip_table"):
         assert name in memra_cuda.__all__ and hasattr(memra_cuda, name), name
     assert np.dtype(np.uint32)  # numpy is the only other runtime dependency
 

@@ -207,3 +207,125 @@ def test_pipeline_stages_are_refused(engine, spec):
     with pytest.raises(LoopUnsupported, match="pipeline stages"):
         rounds.generate(start, 20, mode="device")
     assert rounds.generate(start, 20, mode="graph").tolist() == toy.target_greedy(MODEL, [1, 2, 3], 20)
+
+
+def test_publish_appends_each_ring_to_its_row_and_empties_it(engine, spec):
+    """Kernel 4' alone: every row's ring goes after what the row published before, stamped with
+    one time per publish; the counts move on, the rings are emptied, the head counts the
+    publishes; a row whose stream is full keeps only what fits (nothing past out_cap)."""
+    from memra_cuda.device_loop import TokenStream
+    from memra_cuda.layout import RING_COUNT, RING_TOKENS
+
+    batch, cap = 3, 8
+    bufs = StreamBufs(engine, 3, 2, batch)
+    out = TokenStream(engine, batch, cap)
+    state = engine.zeros(np.uint32, 1 + batch)
+    publish = spec.prepare_ring_publish(bufs, state.view(1, batch), state.view(0, 1), out.head_d, out.count_d,
+                                        out.tokens_d, out.stamps_d, cap)
+    width = RING_TOKENS + bufs.ring_cap
+
+    def fill(rows):
+        ring = np.zeros((batch, width), np.uint32)
+        for b, tokens in enumerate(rows):
+            ring[b, RING_COUNT], ring[b, RING_TOKENS:RING_TOKENS + len(tokens)] = len(tokens), tokens
+        engine.copy_htod(bufs.ring_d, ring.ravel())
+
+    fill([[11, 12, 13], [], [31, 32, 33, 34, 35]])
+    publish()
+    engine.synchronize()
+    first = out.take(0, running=False)
+    assert [t.tolist() for t in first.tokens] == [[11, 12, 13], [], [31, 32, 33, 34, 35]]
+    ended, publishes, stamp, _ = out.head()
+    assert first.counts.tolist() == [3, 0, 5] and first.total == 8 and (ended, publishes) == (0, 1)
+    assert set(np.concatenate(first.stamps).tolist()) == {stamp}
+    fill([[14], [21, 22], [36, 37, 38, 39]])  # row 2 has room for three more
+    publish()
+    engine.synchronize()
+    second = out.take(0, running=False)
+    assert [t.tolist() for t in second.tokens] == [[14], [21, 22], [36, 37, 38]]
+    assert [t.tolist() for t in out.tokens()] == [[11, 12, 13, 14], [21, 22], [31, 32, 33, 34, 35, 36, 37, 38]]
+    assert out.head()[1] == 2 and second.stamps[2][0] == out.head()[2] != stamp
+    assert engine.dtoh(bufs.ring_d).reshape(batch, width)[:, RING_COUNT].tolist() == [0, 0, 0]
+    assert engine.dtoh(state).tolist() == [2, 4, 2, 8]
+    assert out.take(0, running=False) is None, "nothing new: nothing taken"
+    out.free()
+
+
+def test_a_branch_is_only_added_to_a_capture(engine, spec):
+    bufs = StreamBufs(engine, 2, 2)
+    with pytest.raises(driver_graph.CaptureError, match="not capturing"):
+        driver_graph.branch(spec.prepare_ring_commit(bufs))
+
+
+def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec):
+    """The token stream's protocol alone, as `make racecheck` checks it: inside a WHILE loop the
+    rings are filled (by memsets, standing in for a commit) and published by kernel 4' on a
+    branch joined before the next fill, the decider ends the loop after `passes`, and the host
+    follows the mapped stream while it runs: every pass's tokens arrive, in order, with stamps
+    that never go back, and the head counts every publish."""
+    from memra_cuda.device_loop import TokenStream
+    from memra_cuda.driver.graph import Graph, branch, join, loops
+    from memra_cuda.layout import CTL_BUDGET, CTL_EOS, CTL_WORDS, HEAD_ENDED, RING_COUNT, RING_TOKENS
+
+    batch, passes = 2, 64
+    bufs = StreamBufs(engine, 3, 1, batch)
+    out = TokenStream(engine, batch, 2 * passes)
+    state = engine.zeros(np.uint32, 1 + batch)  # publishes, then each row's published tokens
+    loop_d = engine.htod([passes, 0], np.uint32)
+    row = np.zeros(CTL_WORDS, np.int32)
+    row[CTL_EOS] = row[CTL_BUDGET] = -1  # live rows without an EOS or a budget
+    ctl = engine.htod(np.tile(row, batch), np.int32)
+    acc = engine.zeros(np.uint32, 2 * batch)
+    decide = engine.load_ptx("device_loop").kernel("spec_loop_decide").prepare(
+        ["ptr", "ptr", "ptr", "u32", "ptr", "u64", "u32", "u32", "u32"], 1, 256)
+    publish = spec.prepare_ring_publish(bufs, state.view(1, batch), state.view(0, 1), out.head_d, out.count_d,
+                                        out.tokens_d, out.stamps_d, out.cap)
+    width = RING_TOKENS + bufs.ring_cap
+
+    def decider(handle, ran):
+        def issue():
+            decide.set(ctl, state.view(1, batch), acc, batch, loop_d, int(handle), ran, 1, 0)
+            decide()
+        return issue
+
+    def build(graph):
+        handle = graph.handle()
+        graph.issue(decider(handle, 0))
+
+        def body():
+            for b in range(batch):  # row b commits b + 1 tokens a round, each 10 * (b + 1)
+                engine.set_u32(bufs.ring_d, b * width + RING_COUNT, b + 1)
+                for i in range(b + 1):
+                    engine.set_u32(bufs.ring_d, b * width + RING_TOKENS + i, 10 * (b + 1))
+            join(engine, branch(publish))
+            decider(handle, 1)()
+        graph.loop(handle, body)
+        graph.issue(lambda: engine.set_u32(out.head_d, HEAD_ENDED, 1))
+
+    loop = Graph(engine, lambda: None, capture=loops(build))
+    out.clear()
+    loop.launch()
+    landed = list(out.follow())
+    engine.synchronize()
+    assert out.head()[:2] == [1, passes]
+    for b in range(batch):
+        assert np.concatenate([piece.tokens[b] for piece in landed]).tolist() == [10 * (b + 1)] * (b + 1) * passes
+        stamps = np.concatenate([piece.stamps[b] for piece in landed]).astype(np.int64)
+        assert np.all((np.diff(stamps) % 2**32) < 2**31), "a stamp went back"
+    assert len(landed) >= 2 and landed[0].running, "the host saw nothing while the loop ran"
+    loop.free()
+    out.free()
+
+
+def test_tokens_are_taken_from_the_stream_until_its_next_launch(engine, spec):
+    """A Landed copies its tokens when first asked; asked after the next device launch on the
+    same buffers, it refuses rather than answer with the next request's tokens."""
+    lm, bufs, stream = setup(engine, spec, 1, budget=40)
+    prompt = [6, 2, 8]
+    landed = list(stream.stream(prefill(lm, bufs, [prompt]), [40]))
+    read, unread = landed[0], landed[-1]
+    assert read.tokens[0].size == read.total and sum(piece.total for piece in landed) == 40
+    stream.generate(prefill(lm, bufs, [prompt])[0], 40, mode="device")
+    assert read.tokens[0].size == read.total, "a Landed read before keeps its copy"
+    with pytest.raises(ValueError, match="earlier launch"):
+        unread.stamps

@@ -10,6 +10,7 @@ from .errors import CaptureError, driver
 from .handle import Handle
 
 if TYPE_CHECKING:
+    from .module import Launch
     from .stream import Stream
 
 # capture(engine, issue) -> (executable graph, owner): runs issue() while engine.stream is being
@@ -118,6 +119,27 @@ class LoopBuilder:
             return self.ctx.call("cuGraphInstantiate", self.graph, 0)
         finally:
             self.ctx.call("cuGraphDestroy", self.graph)
+
+
+def branch(launch: Launch) -> Any:
+    """Capture `launch` as a branch off the end of its engine's stream: a kernel node after the
+    work captured so far, which the stream's next work does not wait for, until join(). Device
+    mode publishes tokens this way, beside the next round instead of in its path."""
+    engine = launch.engine
+    info = engine.activate().call("cuStreamGetCaptureInfo", engine.stream)
+    if info[0] != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        raise CaptureError("a branch is added to a graph being captured: the stream is not capturing")
+    return launch.add_node(info[2], list(info[3])[:int(info[-1])])
+
+
+def join(engine: Stream, node: Any) -> None:
+    """Make the next work captured on the engine's stream wait for `node` (a branch) as well."""
+    drv = driver()
+    add = int(drv.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_ADD_CAPTURE_DEPENDENCIES)
+    # The form with edge data: _v2 in the CUDA 12 bindings, the plain name in 13.
+    name = "cuStreamUpdateCaptureDependencies_v2" if hasattr(drv, "cuStreamUpdateCaptureDependencies_v2") \
+        else "cuStreamUpdateCaptureDependencies"
+    engine.activate().call(name, engine.stream, [node], None, 1, add)
 
 
 def loops(build: Callable[[LoopBuilder], None]) -> Capture:

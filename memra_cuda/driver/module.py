@@ -147,6 +147,19 @@ class Launch(Prepared):
             self._refusal = None
         return self
 
+    def add_node(self, graph: Any, after: Sequence[Any]) -> Any:
+        """Add this launch, with its arguments now, to `graph` as a kernel node after the nodes
+        `after` (graph.branch: work beside a capture); a Graph being captured holds what it names."""
+        if self._refusal is not None:
+            raise ValueError(self._refusal)
+        func, gx, gy, gz, bx, by, bz, shared, _stream, params, _extra = self._argv
+        node = driver().CUDA_KERNEL_NODE_PARAMS()
+        node.func, node.sharedMemBytes, node.kernelParams = func, shared, params
+        node.gridDimX, node.gridDimY, node.gridDimZ, node.blockDimX, node.blockDimY, node.blockDimZ = gx, gy, gz, bx, by, bz
+        added = self._ctx.call("cuGraphAddKernelNode", graph, list(after), len(after), node)
+        self.engine._uses(*self._holds)
+        return added
+
     def _poison(self, source: Handle, reason: str) -> None:
         if source in (self.kernel.module, self.engine) or any(b is not None and b.names(source)
                                                               for b in self.args.buffers):
