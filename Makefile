@@ -70,7 +70,7 @@ racecheck:
 	MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-50} PYTHONPATH=. \
 		compute-sanitizer --tool racecheck --target-processes application-only --report-api-errors no \
 			--error-exitcode 1 \
-		$(RUNPY) -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_sample_gpu.py tests/test_draft_sample_gpu.py \
+		$(RUNPY) -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_sample_gpu.py tests/test_draft_sample_gpu.py tests/test_state_gpu.py \
 			tests/test_device_loop_gpu.py -k "not device_loop_gpu or ring_protocol or publish"
 
 demo:

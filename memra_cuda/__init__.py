@@ -12,7 +12,7 @@ from .driver import (CaptureError, CudaError, CudaFault, CudaUnavailable, Device
                      Kernel, KernelArgs, Launch, LoopUnsupported, MappedBuffer, Module, PinnedBuffer, Prepared, Stream)
 from .kernels import SpecKernels
 from .stream import MODES, CapacityError, Mode, RoundStream, Stages, chain, kv_capacity
-from .tables import (UNCHECKED, AddressTable, Cache, KVLayer, PointerTable, StateLayer, StateTable, kv_len_ptr_table,
+from .tables import (UNCHECKED, Cache, KVLayer, PointerTable, StateLayer, StateTable, kv_len_ptr_table,
                      kv_len_ptr_table_range, state_copy_table, state_copy_table_range, state_flip_table)
 
 __all__ = [
@@ -20,6 +20,6 @@ __all__ = [
     "PinnedBuffer", "Event", "Graph", "Module", "Kernel", "KernelArgs", "Launch", "Prepared", "Cache", "KVLayer",
     "PointerTable", "UNCHECKED", "StreamBufs", "Readback", "drain_ring", "kv_len_ptr_table", "kv_len_ptr_table_range",
     "SpecKernels", "Greedy", "Sampling", "RoundStream", "Mode", "MODES", "Stages", "chain", "kv_capacity",
-    "MappedBuffer", "LoopUnsupported", "Landed", "RoundCapError", "AddressTable", "StateLayer", "StateTable",
+    "MappedBuffer", "LoopUnsupported", "Landed", "RoundCapError", "StateLayer", "StateTable",
     "state_copy_table", "state_copy_table_range", "state_flip_table",
 ]

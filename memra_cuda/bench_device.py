@@ -27,7 +27,7 @@ MODEL = ToyModel(seed=2024, noise_ppm=100_000, p_min=0.05)
 K, M = 4, 16
 RUNS = (("graph", True), ("graph", False), ("overlap", True), ("device", True), ("device lean", True),
         ("device spin", True))  # mode, pace
-LEAN_LOOK_S = 150e-6  # "device lean": the host looks at most every 150 µs (a tenth of a core here)
+LEAN_LOOK_S = 150e-6  # "device lean": the host aims its looks 150 µs apart or more
 
 
 def clock_offset(engine: Engine, trials: int = 40) -> int:
@@ -78,19 +78,17 @@ def _run(lm: ToyLM, bufs: StreamBufs, stream, prompts, tokens: int, mode: str) -
     else:
         made = sum(row.size for row in stream.generate_batch(starts, tokens, mode=mode))
     lm.engine.synchronize()  # overlap leaves a burst running past the stop: its time counts too
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    delay, setup = np.zeros(0), (setup if device else None)
-    if device:  # seen - (stamp - offset), stamps being the low 32 bits of device time
+    wall, cpu, rounds = time.perf_counter() - t0, time.process_time() - c0, stream.rounds - rounds0
+    figures = dict(tokens_per_s=made / wall, cpu_s_per_1k=cpu / made * 1e3, cpu_share=cpu / wall,
+                   us_per_round=wall / rounds * 1e6, made=made, looks_per_round=None, empty_looks=None,
+                   setup_cpu_us=None, delay_p50_us=None, delay_p99_us=None)
+    if device:  # delay: seen - (stamp - offset), stamps being the low 32 bits of device time
         delay = np.concatenate([(piece.seen_ns + offset - s.astype(np.int64)) % 2**32
                                 for piece in landed for s in piece.stamps]) / 1e3
-    loop = stream.device_loop if device else None
-    return dict(tokens_per_s=made / wall, cpu_s_per_1k=cpu / made * 1e3, cpu_share=cpu / wall,
-                us_per_round=wall / (stream.rounds - rounds0) * 1e6, made=made,
-                looks_per_round=loop.looks[0] / (stream.rounds - rounds0) if device else None,
-                empty_looks=loop.looks[1] / max(loop.looks[0], 1) if device else None,
-                setup_cpu_us=setup * 1e6 if device else None,
-                delay_p50_us=float(np.median(delay)) if delay.size else None,
-                delay_p99_us=float(np.percentile(delay, 99)) if delay.size else None)
+        looks, empty = loop.looks
+        figures.update(looks_per_round=looks / rounds, empty_looks=empty / max(looks, 1), setup_cpu_us=setup * 1e6,
+                       delay_p50_us=float(np.median(delay)), delay_p99_us=float(np.percentile(delay, 99)))
+    return figures
 
 
 def bench_device(engine: Engine, quick: bool) -> list[dict]:

@@ -22,13 +22,17 @@ import numpy as np
 from .driver.buffer import MappedBuffer
 from .driver.event import Event
 from .driver.graph import Capture, Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join
-from .layout import HEAD_ENDED, HEAD_WORDS
+from .layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
 
 if TYPE_CHECKING:
     from .bufs import StreamBufs
     from .kernels import SpecKernels
 
 Step = Callable[[], None]
+
+
+RUNNING = ("a device-mode loop is still running on these buffers: read its stream to the end or close() it "
+           "first")
 
 
 class RoundCapError(RuntimeError):
@@ -92,19 +96,20 @@ class TokenStream:
     their stamps (u32[B][cap] each). The device writes tokens and stamps, then
     __threadfence_system(), then the count, so the host reads a count first and may then read
     every token below it. The host learns that the loop ended from the memory too, with no
-    driver call while it runs (a cuEventQuery there crashed the host under compute-sanitizer's
-    racecheck)."""
+    driver call per look."""
 
-    # The host looks for tokens when the rounds are due to commit them, but at most every
-    # LOOK_S: on the H200's host a look costs 6-15 µs of CPU (its sleep alone ~5 µs), so looks
-    # every three rounds of the bare toy hold the delay near a round and cost about a quarter
-    # of a core; every 150 µs, a tenth (docs/round-stream.md, "How the host waits"). It
+    # The host looks for tokens when the rounds are due to commit them, aiming LOOK_S or more
+    # past the last publish it saw: on the H200's host a look costs 6-15 µs of CPU (its sleep
+    # alone ~5 µs), so looks every three rounds of the bare toy hold the delay near a round and
+    # cost a sixth to a third of a core; every 150 µs, a tenth to a sixth (docs/round-stream.md,
+    # "How the host waits"). It
     # wakes EARLY_S before the commit for the sleep's own lateness; a look that finds nothing
     # looks again RETRY_S later (before the first round is timed, twice as late each time, up
     # to 1 ms).
     LOOK_S = 60e-6
     EARLY_S = 5e-6
     RETRY_S = 10e-6
+    STALL_S = 10e-3  # nothing landed for this long: ask the driver whether the device faulted
 
     def __init__(self, engine: Any, batch: int, cap: int):
         self.batch, self.cap = batch, cap
@@ -159,18 +164,23 @@ class TokenStream:
         block = self._tokens if what == "tokens" else self._stamps
         return [block[b, a:e].copy() for b, (a, e) in enumerate(zip(start, end))]
 
-    def follow(self, spin: bool = False, look_s: float = LOOK_S) -> Iterator[Landed]:
+    def follow(self, spin: bool = False, look_s: float = LOOK_S,
+               check: Callable[[], object] | None = None) -> Iterator[Landed]:
         """Each batch of tokens as the host finds them published, until the loop has ended (the
         head says so) and its last tokens are taken. The host sleeps between looks, at the
-        moments rounds are due to commit, but at most every `look_s` (LOOK_S), unless `spin`.
+        moments rounds are due to commit, aiming `look_s` (LOOK_S) or more past the last publish
+        it saw, unless `spin`. `check` (raising if the device faulted) is called whenever
+        nothing has landed for STALL_S: a loop that faulted never sets its last word.
 
         When is the next commit due? The head's stamp is device time, the host's clock another:
-        the smallest (seen - stamp) so far stands for the offset between them (low by the
-        shortest delay seen); the stamps of two looks over the publishes between them give a
-        round. The host then sleeps until the first round due `look_s` or more after this look,
-        less EARLY_S."""
+        the delay a look sees (seen - stamp) is their offset plus the look's lateness; the stamps
+        of two looks over the publishes between them give a round. The host sleeps until the
+        first round due `look_s` or more after the last publish, less EARLY_S, aiming by the
+        delay of a look that came a retry after an empty one (late by at most a retry), and
+        before one has, by the smallest delay seen less a growing margin."""
         clock, sleep = time.perf_counter_ns, time.sleep
         look_ns, early_ns, retry_s = int(look_s * 1e9), int(self.EARLY_S * 1e9), self.RETRY_S
+        stall_ns, landed_ns = int(self.STALL_S * 1e9), clock()
         seq_seen, stamp_seen, round_ns, lag_ns = 0, 0, 0, None
         retry = retry_s  # the wait after an empty look
         # prompt: this look comes a short retry after an empty one; trusted: a prompt look has
@@ -179,15 +189,19 @@ class TokenStream:
         self.looks = self.empty_looks = 0
         with _fine_timer():
             while True:
-                ended, seq, stamp, _ = self.head()  # the loop ended before this: all is published
+                head = self.head()  # the loop ended before this: all is published
+                ended, seq, stamp = head[HEAD_ENDED], head[HEAD_SEQ], head[HEAD_STAMP]
                 self.looks += 1
                 if seq == seq_seen and not ended:  # early: again soon (backing off while no round is timed)
                     self.empty_looks += 1
                     prompt = retry <= retry_s
                     wait_s, retry = retry, (retry_s if round_ns else min(2 * retry, 1e-3))
+                    if check is not None and clock() - landed_ns > stall_ns:
+                        check()
+                        landed_ns = clock()
                 else:
                     retry = retry_s
-                    now = clock()
+                    now = landed_ns = clock()
                     landed = self.take(now, running=not ended)
                     lag = (now - stamp) & MASK32
                     if seq_seen and seq > seq_seen:
@@ -228,10 +242,9 @@ class DeviceLoop:
     pacing) and the host's side of the token stream. RoundStream.stream and
     generate_batch(mode="device") use it; it is not built by hand.
 
-    It is given the round's steps around the commit (`before`, `after`), which it issues with
-    kernel 4 between them inside `scope` (a framework's stream scope), and `capture`, what
-    builds a graph of loops (driver.graph.loops, or the torch adapter's): it holds no reference
-    to its RoundStream.
+    It is given the round's steps (`before` the commit, kernel 4's `commit`, `after` it), which
+    it issues inside `scope` (a framework's stream scope), and `capture`, what builds a graph of
+    loops (driver.graph.loops, or the torch adapter's): it holds no reference to its RoundStream.
 
     Each round's tokens are published by kernel 4' on a branch of the graph (driver.graph.branch)
     beside the next round's draft and verify, joined before that round's commit (which refills
@@ -239,13 +252,14 @@ class DeviceLoop:
     deeper the host's cores sleep.
     """
 
-    def __init__(self, spec: SpecKernels, bufs: StreamBufs, before: Sequence[Step], after: Sequence[Step],
-                 scope: Callable[[], Any], capture: Callable[[Callable[[LoopBuilder], None]], Capture]):
+    def __init__(self, spec: SpecKernels, bufs: StreamBufs, before: Sequence[Step], commit: Step,
+                 after: Sequence[Step], scope: Callable[[], Any],
+                 capture: Callable[[Callable[[LoopBuilder], None]], Capture]):
         engine = spec.engine
         check_loops(engine)  # before the decider's module, which an older driver cannot load
         self.engine, self.spec, self.bufs = engine, spec, bufs
-        self._before, self._after, self._scope, self._loops = tuple(before), tuple(after), scope, capture
-        self._commit = spec.prepare_ring_commit(bufs)
+        self._before, self._commit, self._after = tuple(before), commit, tuple(after)
+        self._scope, self._loops = scope, capture
         self._decide = engine.load_ptx("device_loop").kernel("spec_loop_decide").prepare(
             ["ptr", "ptr", "ptr", "u32", "ptr", "u64", "u32", "u32", "u32"], 1, 256)
         # The cap, the rounds run, the publishes, then each row's published tokens: one memset
@@ -259,13 +273,16 @@ class DeviceLoop:
         self.captures = 0  # loop graphs captured
         self.running = False  # launched, and finish() not yet called
         self.spin = False  # follow() spins instead of sleeping between looks
-        self.look_s = TokenStream.LOOK_S  # and looks at most this often
+        self.look_s = TokenStream.LOOK_S  # and aims its looks this far apart at least
 
     def prepare(self, cap: int, paced: bool) -> None:
         """Capture the loop for a token stream of `cap` tokens per row and the given pacing,
         unless one that large with that pacing is captured already. The stream holds the next
         power of two, so a server's requests capture it a few times at most (call this up front
-        with the largest budget to capture it once). A failed capture leaves the last loop."""
+        with the largest budget to capture it once). A failed capture leaves the last loop; a
+        running one is never replaced (ValueError)."""
+        if self.running:
+            raise ValueError(RUNNING)
         cap = 1 << (max(cap, 1) - 1).bit_length()
         if self._graph is not None and self._stream.cap >= cap and self._paced == paced:
             return
@@ -291,8 +308,9 @@ class DeviceLoop:
 
     def follow(self) -> Iterator[Landed]:
         """Each batch of tokens as the host finds them published (TokenStream.follow), until the
-        loop has ended and its last tokens are taken."""
-        return self._stream.follow(self.spin, self.look_s)
+        loop has ended and its last tokens are taken; a faulted device raises instead of being
+        waited for (the loop's event is asked when nothing has landed for a while)."""
+        return self._stream.follow(self.spin, self.look_s, check=self._event.query)
 
     @property
     def looks(self) -> tuple[int, int]:
@@ -300,9 +318,12 @@ class DeviceLoop:
         return (self._stream.looks, self._stream.empty_looks) if self._stream else (0, 0)
 
     def finish(self) -> tuple[np.ndarray, int]:
-        """Wait for the loop: the final readback's done flags, and the rounds it ran."""
-        received = self.bufs.receive(self.engine, 0, self._event)
-        self.running = False
+        """Wait for the loop: the final readback's done flags, and the rounds it ran. The
+        buffers are free again even if the wait fails (a fault)."""
+        try:
+            received = self.bufs.receive(self.engine, 0, self._event)
+        finally:
+            self.running = False
         return received.done, int(self._ran.read()[0])
 
     def tokens(self) -> list[np.ndarray]:
@@ -401,4 +422,4 @@ def _prctl() -> Any:
     return prctl
 
 
-__all__ = ["DeviceLoop", "Landed", "LoopUnsupported", "RoundCapError", "TokenStream"]
+__all__ = ["DeviceLoop", "Landed", "LoopUnsupported", "RUNNING", "RoundCapError", "TokenStream"]

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 class SpecKernels:
     """The nine round-stream kernels: seven of ptx/spec_stream.ptx (loaded once per engine),
-    stochastic acceptance and the draft's draw (ptx/spec_sample.ptx, through sampling.py).
+    stochastic acceptance and the draft's draw (ptx/spec_sample.ptx, through sampling.py); and
+    device mode's publish (4', spec_stream.ptx too).
 
     `prepare_*` validates the buffers and returns a prepared launch to keep and call every
     round; the plain methods launch once. Buffers may be DeviceBuffers or
@@ -80,15 +81,16 @@ class SpecKernels:
         """Kernel 4': the rings published to a mapped token stream (device mode): `published_d`
         u32[B] counts what each row published, `seq_d` u32[1] the publishes; head_d
         u32[HEAD_WORDS], count_d u32[B], tokens_d and stamps_d u32[B][cap] are the stream's
-        mapped words (device_loop.TokenStream). One block: the head is written once every row
-        is out."""
+        mapped words (device_loop.TokenStream). One block, so the head is written once every
+        row is out: of 1024 threads, the rows striding over them (a block of one warp, inside a
+        loop, crashed compute-sanitizer's racecheck)."""
         cap, batch = as_index(cap, "cap"), bufs.batch
         for name, buf, shape in (("published_d", published_d, (batch,)), ("seq_d", seq_d, (1,)),
                                  ("head_d", head_d, (HEAD_WORDS,)), ("count_d", count_d, (batch,)),
                                  ("tokens_d", tokens_d, (batch, cap)), ("stamps_d", stamps_d, (batch, cap))):
             _exact(self.engine.buffer(buf, name), name, ("u32",), shape)
         return self.module.kernel("spec_ring_publish").prepare(
-            ["ptr", "u32", "u32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "u32"], 1, min(-(-batch // 32) * 32, 1024)).set(
+            ["ptr", "u32", "u32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "u32"], 1, 1024).set(
             bufs.ring_d, bufs.ring_cap, batch, published_d, seq_d, head_d, count_d, tokens_d, stamps_d, cap)
 
     def prepare_rollback(self, table_d: PointerTable, bufs: StreamBufs) -> Launch:

@@ -36,4 +36,4 @@ RING_TOKENS = 1
 HEAD_ENDED = 0
 HEAD_SEQ = 1
 HEAD_STAMP = 2
-HEAD_WORDS = 4
+HEAD_WORDS = 4  # one word of padding: the counts start 16 bytes in

@@ -263,10 +263,13 @@ def spec_draft_sample(step: int, k: int, V: int, q: np.ndarray, pos_ctr: np.ndar
 
 # -- 8, 9. spec_state_copy, spec_state_flip: recurrent state ---------------------------------
 
-def kept_states(ctl: np.ndarray, b: int, k: int) -> int:
-    """Row b's keep as the state kernels read it: as u32, clamped to the k + 1 verify states
-    (0 for a done row: nothing to roll back)."""
-    return min(int(ctl[CTL_WORDS * b + CTL_KEEP]) % 2**32, k + 1)
+def kept_states(ctl: np.ndarray, k: int, batch: int) -> Iterator[tuple[int, int]]:
+    """(b, keep) for every row with a state to roll back, keep read as the state kernels read
+    it: as u32, clamped to the k + 1 verify states (a done row's 0 rolls nothing back)."""
+    for b in range(batch):
+        keep = min(int(ctl[CTL_WORDS * b + CTL_KEEP]) % 2**32, k + 1)
+        if keep:
+            yield b, keep
 
 
 def spec_state_copy(table: list, k: int, ctl: np.ndarray, batch: int = 1) -> None:
@@ -277,15 +280,9 @@ def spec_state_copy(table: list, k: int, ctl: np.ndarray, batch: int = 1) -> Non
     The table holds per layer (live, slots, row_words), the arrays standing for the device
     pointers, or None for a layer without state.
     """
-    for b in range(batch):
-        keep = kept_states(ctl, b, k)
-        if keep == 0:
-            continue
-        for entry in table:
-            if entry is not None:
-                live, slots, row_words = entry
-                src = (b * (k + 1) + keep - 1) * row_words
-                live[b * row_words:(b + 1) * row_words] = slots[src:src + row_words]
+    for b, keep in kept_states(ctl, k, batch):
+        for live, slots, row_words in filter(None, table):
+            live.reshape(batch, row_words)[b] = slots.reshape(batch, k + 1, row_words)[b, keep - 1]
 
 
 def spec_state_flip(idx_ptrs: list, k: int, ctl: np.ndarray, batch: int = 1) -> None:
@@ -293,11 +290,7 @@ def spec_state_flip(idx_ptrs: list, k: int, ctl: np.ndarray, batch: int = 1) -> 
     slot keep - 1 of the bank of k + 1 slots the verify wrote, the one idx is not in:
     idx = (1 - bank) * (k + 1) + keep - 1 with bank = min(idx // (k + 1), 1), so a garbage
     idx counts as bank 1 and the new one is in range. keep 0 leaves idx as it is."""
-    for b in range(batch):
-        keep = kept_states(ctl, b, k)
-        if keep == 0:
-            continue
-        for idx in idx_ptrs:
-            if idx is not None:
-                bank = min(int(idx[b]) // (k + 1), 1)
-                idx[b] = (1 - bank) * (k + 1) + keep - 1
+    for b, keep in kept_states(ctl, k, batch):
+        for idx in filter(lambda idx: idx is not None, idx_ptrs):
+            bank = min(int(idx[b]) // (k + 1), 1)
+            idx[b] = (1 - bank) * (k + 1) + keep - 1

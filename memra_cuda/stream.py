@@ -18,7 +18,7 @@ import numpy as np
 
 from .acceptance import Greedy, Sampling
 from .bufs import Readback, Received, per_row
-from .device_loop import DeviceLoop, Landed, RoundCapError
+from .device_loop import RUNNING, DeviceLoop, Landed, RoundCapError
 from .driver.buffer import DeviceBuffer
 from .driver.event import Event
 from .driver.graph import Capture, Graph, LoopUnsupported, loops
@@ -230,8 +230,8 @@ class RoundStream:
         self.pace = pace
         self._capture, self._loop_capture = capture, loop_capture
         self._scope = scope  # a framework's "this stream is current" around the model's work
-        # A round, in stream order: these steps, kernel 4, then the rollbacks (device mode puts
-        # its publishing commit in kernel 4's place).
+        # A round, in stream order: these steps, kernel 4, then the rollbacks (device mode
+        # publishes each commit on a branch beside the next round).
         self._before_commit = (
             *([seed_gather] if seed_gather is not None else []),
             draft_chain,
@@ -243,7 +243,8 @@ class RoundStream:
             *(spec.prepare_rollback(table, bufs) for table in tables),
             *([stages.round_tail] if stages.round_tail is not None else []),
         )
-        self._round = (*self._before_commit, spec.prepare_ring_commit(bufs), *self._after_commit)
+        self._commit = spec.prepare_ring_commit(bufs)
+        self._round = (*self._before_commit, self._commit, *self._after_commit)
         self._device: DeviceLoop | None = None
         self._stages = tuple(stages.engines)
         self._pipelined = bool(self._stages) or stages.round_tail is not None
@@ -453,16 +454,15 @@ class RoundStream:
                 raise LoopUnsupported("device mode cannot run pipeline stages: a conditional node's body holds "
                                       "the work of one context, and the stages' streams join through events, "
                                       "which a body cannot hold; use graph or overlap mode")
-            self._device = DeviceLoop(self.spec, self.bufs, self._before_commit, self._after_commit, self._scope,
-                                      self._loop_capture)
+            self._device = DeviceLoop(self.spec, self.bufs, self._before_commit, self._commit, self._after_commit,
+                                      self._scope, self._loop_capture)
         return self._device
 
     def _check_idle(self) -> None:
         """ValueError while a device loop runs: it owns the buffers until its stream is read to
         the end (or closed)."""
         if self._device is not None and self._device.running:
-            raise ValueError("a device-mode loop is still running on these buffers: read its stream to the end "
-                             "or close() it first")
+            raise ValueError(RUNNING)
 
     def stream(self, start_pos: Sequence[int], max_new_tokens: int | None | Sequence[int | None], *,
                eos: int | None | Sequence[int | None] = None, max_rounds: int | None = None) -> Iterator[Landed]:
@@ -477,7 +477,7 @@ class RoundStream:
         Everything is checked here, before the launch: the arguments, and the KV caches' room
         for the whole generation. A loop stopped by the cap with rows still live raises
         RoundCapError (holding the tokens) after the last tokens are yielded; the buffers stay
-        usable. Until the iterator is read to the end or closed, the buffers are the loop's:
+        usable. Until the iterator is read to the end, closed or dropped, the buffers are the loop's:
         other generation on them is refused.
         """
         self._check_idle()
@@ -503,22 +503,7 @@ class RoundStream:
             return iter(())
         loop.launch(max_rounds)
         self._rings_read()
-        return self._follow(loop, max_rounds)
-
-    def _follow(self, loop: DeviceLoop, max_rounds: int) -> Iterator[Landed]:
-        """stream()'s iterator: the loop's tokens as they land, then its end (closed early, it
-        waits for the loop)."""
-        try:
-            yield from loop.follow()
-        finally:
-            done, ran = loop.finish()
-            self.rounds += ran
-            self.bursts += 1
-        if not done.all():
-            live = np.flatnonzero(~done)
-            raise RoundCapError(f"the device loop stopped at its cap of {max_rounds} rounds with {live.size} row(s) "
-                                f"still live (row {live[0]} first): raise max_rounds or give every row a budget",
-                                loop.tokens())
+        return _Following(self, loop, max_rounds)
 
     def _check_loop_capacity(self, positions: np.ndarray, most: np.ndarray, done: np.ndarray) -> None:
         """CapacityError unless every KV cache has room for the whole device loop: a row that
@@ -639,6 +624,47 @@ class RoundStream:
                 raise RuntimeError(f"{stalled.size} live row(s) of {self.bufs.batch} (row {stalled[0]} first) "
                                    f"committed no token in a burst of {rounds} round(s): their rounds did not run")
         return received
+
+
+class _Following(Iterator[Landed]):
+    """stream()'s iterator: the loop's tokens as they land, then its end: the rounds it ran are
+    counted, and a loop the cap stopped raises RoundCapError. Closed (or dropped) before the end,
+    started or not, it waits for the loop, so the buffers are free again."""
+
+    def __init__(self, rounds: RoundStream, loop: DeviceLoop, max_rounds: int):
+        self._rounds, self._loop, self._max_rounds = rounds, loop, max_rounds
+        self._landed: Iterator[Landed] | None = loop.follow()
+
+    def __next__(self) -> Landed:
+        if self._landed is None:
+            raise StopIteration
+        try:
+            return next(self._landed)
+        except StopIteration:
+            self._end(check_cap=True)
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):  # the loop's failure is the news, not the wait's
+                self._end(check_cap=False)
+            raise
+
+    def close(self) -> None:
+        if self._landed is not None:
+            self._end(check_cap=False)
+
+    __del__ = close
+
+    def _end(self, check_cap: bool) -> None:
+        landed, self._landed = self._landed, None
+        landed.close()  # a follow() still running restores the thread's timer slack
+        done, ran = self._loop.finish()
+        self._rounds.rounds += ran
+        self._rounds.bursts += 1
+        if check_cap and not done.all():
+            live = np.flatnonzero(~done)
+            raise RoundCapError(f"the device loop stopped at its cap of {self._max_rounds} rounds with {live.size} "
+                                f"row(s) still live (row {live[0]} first): raise max_rounds or give every row a "
+                                "budget", self._loop.tokens())
 
 
 _NO_ROWS = np.zeros(0, np.int64)

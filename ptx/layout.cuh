@@ -31,4 +31,4 @@
 #define HEAD_ENDED 0
 #define HEAD_SEQ 1
 #define HEAD_STAMP 2
-#define HEAD_WORDS 4
+#define HEAD_WORDS 4  // one word of padding: the counts start 16 bytes in

@@ -205,6 +205,7 @@ extern "C" __global__ void spec_ring_publish(u32* ring_d, u32 ring_cap, u32 B, u
         pub_d[b] = end;
         ring[RING_COUNT] = 0;
     }
+    __threadfence_system();  // every count before the head says the publish is out
     __syncthreads();
     if (threadIdx.x == 0) {
         const u32 seq = *seq_d + 1;

@@ -154,6 +154,64 @@ def test_the_buffers_are_the_loops_until_its_stream_is_read_or_closed(engine, sp
     assert [row.tolist() for row in got] == [toy.target_greedy(MODEL, p, n) for p, n in zip(prompts, [40, 30])]
 
 
+def test_a_stream_closed_or_dropped_before_its_first_token_frees_the_buffers(engine, spec):
+    """The loop is launched at the call, so an iterator never read still owns the buffers until
+    it is closed or dropped, which waits for the loop; and the loop is never recaptured under a
+    running stream."""
+    lm, bufs, stream = setup(engine, spec, 2, k=3, m_rounds=4)
+    prompts = [[5, 6, 7], [9]]
+    want = [toy.target_greedy(MODEL, p, n) for p, n in zip(prompts, [40, 30])]
+    following = stream.stream(prefill(lm, bufs, prompts), [40, 30])
+    with pytest.raises(ValueError, match="device-mode loop is still running"):
+        stream.device_loop.prepare(4096, True)
+    rounds = stream.rounds
+    following.close()
+    assert stream.rounds > rounds, "closing waited for the loop and counted its rounds"
+    assert [t.tolist() for t in stream.device_loop.tokens()] == want
+    following = stream.stream(prefill(lm, bufs, prompts), [40, 30])
+    del following
+    got = stream.generate_batch(prefill(lm, bufs, prompts), [40, 30], mode="device")
+    assert [row.tolist() for row in got] == want
+
+
+FAULT_IN_LOOP = """
+import numpy as np
+from memra_cuda import CudaFault, Engine, Greedy, RoundStream, SpecKernels, StreamBufs, chain, kv_capacity
+from memra_cuda import kv_len_ptr_table
+from memra_cuda.models import toy
+engine = Engine()
+spec = SpecKernels(engine)
+k, m_rounds = 2, 4
+lm = toy.ToyLM(engine, toy.ToyModel(seed=33, vocab=60), kv_capacity(8, 40, k, m_rounds))
+bufs = StreamBufs(engine, k, m_rounds)
+draft_d, pred_d = engine.zeros(np.uint32, k), engine.zeros(np.uint32, k + 1)
+fault = engine.load_ptx("probe").kernel("probe_increment").prepare(["ptr", "u32"], grid=1, block=32).set(0x10, 1)
+rounds = RoundStream(spec, bufs, draft_chain=chain([*lm.draft_steps(bufs, draft_d), fault]),
+                     verify_trunk=chain(lm.verify_steps(bufs, pred_d)), draft_d=draft_d, acceptance=Greedy(pred_d),
+                     rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)])
+start = lm.prefill(bufs, [1, 2, 3])
+try:
+    list(rounds.stream([start], [40]))
+except CudaFault as exc:
+    print("raised", exc.name)
+"""
+
+
+def test_a_fault_inside_the_loop_raises_instead_of_hanging_the_host(engine):
+    """A loop that faults never sets its last word: the host, finding nothing for a while, asks
+    the driver and raises the fault (in a fresh interpreter: the fault is sticky)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", FAULT_IN_LOOP], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "raised CUDA_ERROR_ILLEGAL_ADDRESS", run.stdout + run.stderr
+
+
 def test_device_mode_refuses_what_it_cannot_serve_before_queuing(engine, spec):
     lm, bufs, stream = setup(engine, spec, 2, k=4, m_rounds=4, budget=20)
     starts = prefill(lm, bufs, [[1, 2], [3]])
@@ -281,6 +339,7 @@ def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec
     publish = spec.prepare_ring_publish(bufs, state.view(1, batch), state.view(0, 1), out.head_d, out.count_d,
                                         out.tokens_d, out.stamps_d, out.cap)
     width = RING_TOKENS + bufs.ring_cap
+    beside = engine.zeros(np.uint32, 1)
 
     def decider(handle, ran):
         def issue():
@@ -297,7 +356,9 @@ def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec
                 engine.set_u32(bufs.ring_d, b * width + RING_COUNT, b + 1)
                 for i in range(b + 1):
                     engine.set_u32(bufs.ring_d, b * width + RING_TOKENS + i, 10 * (b + 1))
-            join(engine, branch(publish))
+            published = branch(publish)
+            engine.set_u32(beside, 0, 1)  # the next round's work, on the stream's path beside the branch
+            join(engine, published)
             decider(handle, 1)()
         graph.loop(handle, body)
         graph.issue(lambda: engine.set_u32(out.head_d, HEAD_ENDED, 1))

@@ -9,7 +9,8 @@ import pytest
 
 from memra_cuda import DeviceBuffer, StateLayer
 from memra_cuda import reference as ref
-from memra_cuda.reference import DONE, KEEP
+from memra_cuda.layout import CTL_WORDS
+from memra_cuda.reference import BUDGET, DONE, EOS, KEEP
 
 # Keeps past k + 1, read as u32, clamp to k + 1: garbage and negative alike.
 GARBAGE_KEEPS = (2**31 - 1, -1, -2**31)
@@ -17,8 +18,8 @@ GARBAGE_KEEPS = (2**31 - 1, -1, -2**31)
 
 def ctl_rows(*keeps: int, done: tuple[int, ...] = ()) -> np.ndarray:
     """ctl_d of one row per keep (no EOS, no budget); the rows `done` have their done flag set."""
-    ctl = np.zeros((len(keeps), 4), np.int32)
-    ctl[:, :2] = -1
+    ctl = np.zeros((len(keeps), CTL_WORDS), np.int32)
+    ctl[:, EOS] = ctl[:, BUDGET] = -1
     ctl[:, KEEP] = keeps
     ctl[list(done), DONE] = 1
     return ctl.reshape(-1)

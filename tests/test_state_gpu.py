@@ -23,13 +23,12 @@ from memra_cuda import (Cache, PointerTable, SpecKernels, StateLayer, StateTable
                         state_copy_table, state_copy_table_range, state_flip_table)
 from memra_cuda import reference as ref
 from memra_cuda.reference import DONE, KEEP
-from test_kernels_gpu import PAST_ONE_GRID, SENTINEL, Rig, cases, pick
+from test_kernels_gpu import BATCHES, LARGE_CASES, PAST_ONE_GRID, SENTINEL, Rig, cases, pick
 from test_state import ctl_rows
 
 pytestmark = pytest.mark.gpu
 
 KS = (0, 1, 4)
-BATCHES = (1, 3, 32)
 CONFIGS = [(k, batch) for k in KS for batch in BATCHES]
 GUARD = 2  # words before and after every live state, slot array and index window
 # One table's layers: None has no state; 33 is past a warp, 300 past the 256-thread block (two
@@ -37,7 +36,6 @@ GUARD = 2  # words before and after every live state, slot array and index windo
 WIDTHS = (1, None, 33, 300, None, 7)
 INDEX_ENTRIES = (True, False, True, True)  # a flip table's entries; False: null
 TYPES = (np.uint32, np.float32, np.int32)  # any 4-byte words: the arenas are compared as u32
-LARGE_CASES = 2
 
 
 @pytest.fixture(scope="module")
@@ -268,9 +266,9 @@ def test_launchers_refuse_tables_of_another_round_or_kind(engine, spec):
     lengths = kv_len_ptr_table(engine, Cache.allocate(engine, (True,), capacity=8, batch=3), bufs.pos_ctr_d)
     spec.prepare_state_copy(copy_table, bufs)
     spec.prepare_state_flip(flip_table, bufs)
-    for other in (StreamBufs(engine, 2, 1, 2), StreamBufs(engine, 1, 1, 3), StreamBufs(engine, 3, 1, 3)):
-        with pytest.raises(ValueError, match="B=3"):
-            spec.prepare_state_copy(copy_table, other)
+    for (k, batch), named in (((2, 2), "B=2 and k=2"), ((1, 3), "B=3 and k=1"), ((3, 3), "B=3 and k=3")):
+        with pytest.raises(ValueError, match=f"the round has {named}"):
+            spec.prepare_state_copy(copy_table, StreamBufs(engine, k, 1, batch))
     with pytest.raises(ValueError, match=r"u32\[2\]"):
         spec.prepare_state_flip(flip_table, StreamBufs(engine, 2, 1, 2))
     for table in (flip_table, lengths):

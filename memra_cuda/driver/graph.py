@@ -93,9 +93,7 @@ class LoopBuilder:
         params.conditional.type = drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
         params.conditional.size = 1
         params.conditional.ctx = self.ctx.handle
-        # The form with edge data: cuGraphAddNode_v2 in the CUDA 12 bindings, cuGraphAddNode in 13.
-        add = "cuGraphAddNode_v2" if hasattr(drv, "cuGraphAddNode_v2") else "cuGraphAddNode"
-        node = self.ctx.call(add, self.graph, self._after, None, len(self._after), params)
+        node = self.ctx.call(_with_edges("cuGraphAddNode"), self.graph, self._after, None, len(self._after), params)
         self._capture_into(params.conditional.phGraph_out[0], [], body, sinks=False)
         self._after = [node]
 
@@ -105,9 +103,8 @@ class LoopBuilder:
         self.ctx.call("cuStreamBeginCaptureToGraph", stream, graph, after or None, None, len(after), mode)
         try:
             work()
-            if sinks:  # (status, id, graph, nodes, [edge data,] count): the nodes the next part follows
-                info = self.ctx.call("cuStreamGetCaptureInfo", stream)
-                after = list(info[3])[:int(info[-1])]
+            if sinks:  # the nodes the next part follows
+                after = _capture_end(self.engine)[1]
         except BaseException:
             drv.cuStreamEndCapture(stream)
             raise
@@ -125,21 +122,32 @@ def branch(launch: Launch) -> Any:
     """Capture `launch` as a branch off the end of its engine's stream: a kernel node after the
     work captured so far, which the stream's next work does not wait for, until join(). Device
     mode publishes tokens this way, beside the next round instead of in its path."""
-    engine = launch.engine
-    info = engine.activate().call("cuStreamGetCaptureInfo", engine.stream)
-    if info[0] != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+    graph, after = _capture_end(launch.engine)
+    if graph is None:
         raise CaptureError("a branch is added to a graph being captured: the stream is not capturing")
-    return launch.add_node(info[2], list(info[3])[:int(info[-1])])
+    return launch.add_node(graph, after)
 
 
 def join(engine: Stream, node: Any) -> None:
     """Make the next work captured on the engine's stream wait for `node` (a branch) as well."""
-    drv = driver()
-    add = int(drv.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_ADD_CAPTURE_DEPENDENCIES)
-    # The form with edge data: _v2 in the CUDA 12 bindings, the plain name in 13.
-    name = "cuStreamUpdateCaptureDependencies_v2" if hasattr(drv, "cuStreamUpdateCaptureDependencies_v2") \
-        else "cuStreamUpdateCaptureDependencies"
-    engine.activate().call(name, engine.stream, [node], None, 1, add)
+    add = int(driver().CUstreamUpdateCaptureDependencies_flags.CU_STREAM_ADD_CAPTURE_DEPENDENCIES)
+    engine.activate().call(_with_edges("cuStreamUpdateCaptureDependencies"), engine.stream, [node], None, 1, add)
+
+
+def _capture_end(engine: Stream) -> tuple[Any, list[Any]]:
+    """The graph being captured on the engine's stream (None if it is not capturing) and the
+    nodes its next captured work will follow: cuStreamGetCaptureInfo's (status, id, graph,
+    nodes, [edge data,] count)."""
+    info = engine.activate().call("cuStreamGetCaptureInfo", engine.stream)
+    if info[0] != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        return None, []
+    return info[2], list(info[3])[:int(info[-1])]
+
+
+def _with_edges(name: str) -> str:
+    """The form of a graph call that takes edge data: <name>_v2 in the CUDA 12 bindings, <name>
+    itself in 13."""
+    return f"{name}_v2" if hasattr(driver(), f"{name}_v2") else name
 
 
 def loops(build: Callable[[LoopBuilder], None]) -> Capture:
