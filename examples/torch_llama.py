@@ -10,11 +10,19 @@ whose per-layer lengths are device int32 tensors registered with round-stream as
 every position they use is read on the device, per row, so a whole burst of rounds over the
 whole batch can be captured.
 
+Its hybrid variant (`--hybrid`, build_model(recurrent_layers=HYBRID)) has a few of the target's
+layers a gated linear recurrence instead of attention (RecurrentLayer), whose state of heads ×
+d_k × d_v a row the verify leaves in slots after each of its k+1 tokens and round-stream rolls
+back in the same round, by copy or by flipping an index (`--state copy|flip`); its reference is
+its own plain greedy decoding (GraphedGreedy), as Hugging Face cannot run the layer.
+
     PYTHONPATH=. python examples/torch_llama.py [--size small|large] [--batch B] [--tokens 256]
         [--k 4] [--m-rounds 16] [--mode graph] [--eos ID] [--temperature T --top-k K --top-p P]
+        [--hybrid [--state copy|flip]]
 
 `make bench-torch` times it against Hugging Face generate, assisted generation with the same
-draft, and plain greedy decoding captured with torch.cuda.graph, one request and batches.
+draft, and plain greedy decoding captured with torch.cuda.graph, one request and batches, and
+the hybrid variant against its own graphed plain greedy.
 """
 from __future__ import annotations
 
@@ -22,17 +30,20 @@ import argparse
 import collections
 import contextlib
 import copy
+import functools
 import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memra_cuda import (Cache, Greedy, KVLayer, Mode, RoundStream, Sampling, SpecKernels, StreamBufs, kv_capacity,
-                        kv_len_ptr_table)
+from memra_cuda import (MODES, Cache, Engine, Greedy, KVLayer, Mode, RoundStream, Sampling, SpecKernels,
+                        StateIndexTable, StateLayer, StateTable, StreamBufs, kv_capacity, kv_len_ptr_table,
+                        state_copy_table, state_flip_table)
 from memra_cuda import torch as memra_torch
 from memra_cuda.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
 from memra_cuda.stream import as_mode
@@ -44,6 +55,8 @@ SIZES = {  # the issue's prototype model, and one about 16 times its parameters
                   num_key_value_heads=8, dtype=torch.bfloat16),
 }
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]
+HYBRID = (2, 5)  # the hybrid variant's recurrent layers: the target's, past the draft's
+GATE_BIAS = 3.0  # sigmoid(3) = 0.95: a recurrent state remembers about the last twenty tokens
 
 
 def prompts(batch: int, seed: int = 0, shortest: int = 2, longest: int = 40) -> list[list[int]]:
@@ -55,11 +68,19 @@ def prompts(batch: int, seed: int = 0, shortest: int = 2, longest: int = 40) -> 
 
 
 def build_model(size: str = "small", *, draft_layers: int = 1, residual_scale: float = 0.01,
-                logit_scale: float = 1.0, head_dim: int | None = None, seed: int = 0) -> LlamaForCausalLM:
+                logit_scale: float = 1.0, head_dim: int | None = None, recurrent_layers: Sequence[int] = (),
+                seed: int = 0) -> LlamaForCausalLM:
     """A random-weight Llama of `size` on the GPU, with layers past the draft's scaled down.
     `logit_scale` multiplies the head's weights: random ones give logits so flat that sampling
     is near uniform; a scale of a few makes the sampled law peaked, as a trained model's is.
-    `head_dim` sets a head size other than hidden_size / heads, as some configs do."""
+    `head_dim` sets a head size other than hidden_size / heads, as some configs do.
+    `recurrent_layers` (the hybrid variant: HYBRID) become RecurrentLayers, scaled down alike;
+    Hugging Face's own forward cannot run them, the example's Stack can."""
+    count = SIZES[size]["num_hidden_layers"]
+    if any(not draft_layers <= i < count for i in recurrent_layers):
+        raise ValueError(f"recurrent layers must be among layers {draft_layers}..{count - 1}, past the draft's "
+                         f"{draft_layers}: the draft stays attention (it folds its last step, docs/model-side.md), "
+                         f"not {tuple(recurrent_layers)}")
     shape = dict(SIZES[size], **({"head_dim": head_dim} if head_dim else {}))
     dtype = shape.pop("dtype")
     config = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
@@ -67,11 +88,13 @@ def build_model(size: str = "small", *, draft_layers: int = 1, residual_scale: f
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers[draft_layers:]:
-            layer.self_attn.o_proj.weight.mul_(residual_scale)
-            layer.mlp.down_proj.weight.mul_(residual_scale)
-        model.lm_head.weight.mul_(logit_scale)
+        with torch.no_grad():
+            for layer in model.model.layers[draft_layers:]:
+                layer.self_attn.o_proj.weight.mul_(residual_scale)
+                layer.mlp.down_proj.weight.mul_(residual_scale)
+            model.lm_head.weight.mul_(logit_scale)
+            for i in recurrent_layers:
+                model.model.layers[i] = RecurrentLayer(model.model.layers[i], config, residual_scale)
     model = model.to(dtype).eval().requires_grad_(False)  # inference: no autograd graph kept alive by the caches
     model.generation_config.eos_token_id = None  # greedy runs to the budget unless an EOS is asked for
     model.generation_config.pad_token_id = 0
@@ -122,6 +145,161 @@ class SamplingParams:
         return logits.softmax(-1)
 
 
+def head_size(config: LlamaConfig) -> int:
+    """The config's head_dim where it has one, else hidden_size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RecurrentLayer(torch.nn.Module):
+    """A decoder layer whose attention is a gated linear recurrence (random weights), between the
+    Llama layer's own norms and MLP. Per head, with x_t the normed input:
+
+        g_t = sigmoid(w_g x_t + b_g),   S_t = g_t S_{t-1} + k_t^T v_t,   o_t = q_t S_t / sqrt(d_k)
+
+    with q, k (d_k) and v (d_v = d_k) projections of x_t, S a d_k × d_v matrix (heads × d_k × d_v
+    a row, fp32 whatever the model's dtype) and o_t, over the heads, through an output
+    projection scaled down like the other layers past the draft's. A module of its own rather
+    than a replaced attention: Stack hands it the state in and takes the states out, which no
+    transformers decoder layer would pass along.
+    """
+
+    def __init__(self, layer: torch.nn.Module, config: LlamaConfig, out_scale: float):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.mlp = layer.mlp
+        self.heads, self.d_k, self.d_v = config.num_attention_heads, head_size(config), head_size(config)
+        hidden, std = config.hidden_size, config.initializer_range
+        self.q_proj = torch.nn.Linear(hidden, self.heads * self.d_k, bias=False)
+        self.k_proj = torch.nn.Linear(hidden, self.heads * self.d_k, bias=False)
+        self.v_proj = torch.nn.Linear(hidden, self.heads * self.d_v, bias=False)
+        self.gate = torch.nn.Linear(hidden, self.heads)
+        self.o_proj = torch.nn.Linear(self.heads * self.d_v, hidden, bias=False)
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.gate):
+            torch.nn.init.normal_(linear.weight, std=std)
+        torch.nn.init.constant_(self.gate.bias, GATE_BIAS)
+        torch.nn.init.normal_(self.o_proj.weight, std=std * out_scale)
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return self.heads, self.d_k, self.d_v
+
+    def forward(self, hidden: torch.Tensor, state: torch.Tensor,
+                store: Callable[[int, torch.Tensor], None] | None = None,
+                active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden` is [R][T][hidden_size], R rows of T tokens; `state` [R][heads][d_k][d_v] the
+        rows' state before the first token, only read. Token by token, as a decoder steps, so
+        the state after every token exists: `store(t, state)` takes the one after token t. Where
+        `active` [R][T] is False a row's state stays as it was (a prefill's padding). Returns the
+        layer's output and the state after the last token."""
+        x = self.input_layernorm(hidden)
+        rows, tokens, _ = x.shape
+        q = (self.q_proj(x).float() * self.d_k ** -0.5).view(rows, tokens, self.heads, 1, self.d_k)
+        k = self.k_proj(x).float().view(rows, tokens, self.heads, self.d_k, 1)
+        v = self.v_proj(x).float().view(rows, tokens, self.heads, 1, self.d_v)
+        g = torch.sigmoid(self.gate(x).float()).view(rows, tokens, self.heads, 1, 1)
+        out = []
+        for t in range(tokens):
+            after = g[:, t] * state + k[:, t] * v[:, t]
+            state = after if active is None else torch.where(active[:, t, None, None, None], after, state)
+            if store is not None:
+                store(t, state)
+            out.append(q[:, t] @ state)  # [R][heads][1][d_v]
+        mixed = torch.stack(out, 1).view(rows, tokens, self.heads * self.d_v).to(hidden.dtype)
+        hidden = hidden + self.o_proj(mixed)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), state
+
+
+class LiveState:
+    """The state of a Stack's recurrent layers for plain decoding (GraphedGreedy): `live`
+    [layers][B][heads][d_k][d_v], which every forward reads and leaves, in place, as the state
+    after its last token.
+
+    The interface every strategy gives Stack: begin() before a forward over every row, which
+    reads each layer's state with read() and hands the state after each token to store();
+    reset() and set_prompt() for a new request. Every tensor stays at its address, so graphs
+    captured over them stay valid.
+    """
+
+    def __init__(self, layers: int, batch: int, shape: tuple[int, int, int]):
+        self.live = torch.zeros(layers, batch, *shape, device="cuda")
+
+    def begin(self) -> None:
+        """Work done once a forward for all its layers (FlipState's slot numbers)."""
+
+    def read(self, layer: int) -> torch.Tensor:
+        return self.live[layer]
+
+    def store(self, layer: int, token: int, state: torch.Tensor) -> None:
+        self.live[layer].copy_(state)
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Zero state for a new request in each of `rows`: a prompt of one token runs no prefill
+        forward to set it."""
+        self.live[:, rows] = 0
+
+    def set_prompt(self, layer: int, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """Each of `rows` starts from `state` (its prompt's, [rows][...])."""
+        self.live[layer].index_copy_(0, rows, state)
+
+
+class CopyState(LiveState):
+    """Rollback by copy (docs/model-side.md, "Recurrent state"): the live state as LiveState's,
+    and `slots` [layers][B][k+1][...]. A forward over every row (the verify) reads live and
+    writes the state after its token i to slot i, never live, so a rejected draft's state never
+    reaches it; round-stream's rollback copies slot keep - 1 over live."""
+
+    def __init__(self, layers: int, batch: int, shape: tuple[int, int, int], k: int):
+        super().__init__(layers, batch, shape)
+        self.k = k
+        self.slots = torch.zeros(layers, batch, k + 1, *shape, device="cuda")
+
+    def store(self, layer: int, token: int, state: torch.Tensor) -> None:
+        self.slots[layer, :, token].copy_(state)
+
+    def table(self, engine: Engine) -> StateTable:
+        words = self.live[0, 0].numel()
+        return state_copy_table(engine, [StateLayer(live, slots, words, self.k)
+                                         for live, slots in zip(self.live, self.slots)])
+
+
+class FlipState:
+    """Rollback by flipping an index: `slots` [layers][B][2(k+1)][...], two banks of k + 1, and
+    one u32[B] slot index for the model (`index_d`, round-stream's; `index`, its int32 view).
+    With bank = min(idx / (k+1), 1), a forward over every row reads slot bank·(k+1) + idx % (k+1)
+    and writes the state after its token i to slot (1 - bank)·(k+1) + i, in the other bank, so
+    the slot it read is never written; round-stream's rollback points idx at the kept slot, and
+    nothing is copied. A prompt's state goes to slot 0, idx 0."""
+
+    def __init__(self, layers: int, batch: int, shape: tuple[int, int, int], k: int, engine: Engine):
+        self.k = k
+        self.slots = torch.zeros(layers, batch, 2 * (k + 1), *shape, device="cuda")
+        self.index_d = engine.zeros(np.uint32, batch, label="state slot index")
+        self.index = memra_torch.tensor(self.index_d, torch.int32)
+        self.rows = torch.arange(batch, device="cuda")
+
+    def begin(self) -> None:
+        index = self.index.long() % 2**32  # the u32 the rollback kernel reads, garbage included
+        bank = (index // (self.k + 1)).clamp(max=1)
+        self.reading = bank * (self.k + 1) + index % (self.k + 1)
+        self.writing = (1 - bank) * (self.k + 1)
+
+    def read(self, layer: int) -> torch.Tensor:
+        return self.slots[layer, self.rows, self.reading]
+
+    def store(self, layer: int, token: int, state: torch.Tensor) -> None:
+        self.slots[layer, self.rows, self.writing + token] = state
+
+    def reset(self, rows: torch.Tensor) -> None:
+        self.slots[:, rows, 0] = 0
+        self.index[rows] = 0
+
+    def set_prompt(self, layer: int, rows: torch.Tensor, state: torch.Tensor) -> None:
+        self.slots[layer, rows, 0] = state
+
+    def table(self, engine: Engine) -> StateIndexTable:
+        return state_flip_table(engine, [self.index_d])
+
+
 class StaticKV:
     """K and V of `batch` rows for `n_layers` layers at fixed addresses, written at per-row
     device positions.
@@ -135,8 +313,7 @@ class StaticKV:
 
     def __init__(self, config: LlamaConfig, n_layers: int, batch: int, capacity: int, dtype: torch.dtype):
         heads = config.num_key_value_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.k = torch.zeros(n_layers, batch, heads, capacity, dim, dtype=dtype, device="cuda")
+        self.k = torch.zeros(n_layers, batch, heads, capacity, head_size(config), dtype=dtype, device="cuda")
         self.v = torch.zeros_like(self.k)
         self.lengths = torch.zeros(n_layers, batch, dtype=torch.int32, device="cuda")
         self.capacity = capacity
@@ -168,13 +345,20 @@ class Stack:
     """Embeddings, the first `n_layers` decoder layers, final norm and head of a Llama, run
     over a StaticKV of `batch` rows at positions held on the device: append(tokens, positions)
     adds the tokens' KV ([rows][tokens] each) and returns their final hidden states; logits()
-    also applies the head. No value is read on the host."""
+    also applies the head. No value is read on the host.
 
-    def __init__(self, model: LlamaForCausalLM, n_layers: int, capacity: int, batch: int = 1):
+    Its RecurrentLayers (a hybrid model's) keep their state in `state`, made by
+    `state(layers, batch, (heads, d_k, d_v))`: LiveState for plain decoding, CopyState or
+    FlipState for round-stream (None without such layers)."""
+
+    def __init__(self, model: LlamaForCausalLM, n_layers: int, capacity: int, batch: int = 1,
+                 state: Callable[[int, int, tuple[int, int, int]], LiveState | FlipState] = LiveState):
         self.model = model
         self.layers = model.model.layers[:n_layers]
         self.batch = batch
         self.kv = StaticKV(model.config, n_layers, batch, capacity, model.dtype)
+        recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentLayer)]
+        self.state = state(len(recurrent), batch, recurrent[0].state_shape) if recurrent else None
         self.slots = torch.arange(capacity, device="cuda")
         # The rotary embedding of every position, computed once by the model's own module (the
         # same numbers it computes per call): a step then gathers rows instead of recomputing
@@ -183,6 +367,7 @@ class Stack:
         self.cos, self.sin = (t[0] for t in model.model.rotary_emb(dummy, self.slots[None]))
         self.prompt = torch.zeros(1, capacity, dtype=torch.long, device="cuda")  # one row's prefill
         self.prompt_row = torch.zeros(1, dtype=torch.long, device="cuda")
+        self.prompt_len = torch.zeros(1, dtype=torch.long, device="cuda")
         self.prefills: dict[int, torch.cuda.CUDAGraph] = {}  # prompt length bucket -> its graph
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False) -> torch.Tensor:
@@ -195,23 +380,43 @@ class Stack:
         """The next token after each of `tokens`."""
         return self.logits(tokens, positions).argmax(-1)
 
-    def append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
         """`tokens` and `positions` are [rows][T]; rows (a device index) are the cache rows
-        they belong to, every row where None."""
+        they belong to, every row where None.
+
+        A prefill gives `lengths` ([rows]: each row's prompt tokens, the rest padding): its
+        recurrent layers start from zero and leave each row's state after its last prompt token
+        as the row's live state. Any other forward runs over every row, its recurrent layers
+        from the rows' live state, handing the state after each token to `state` (a verify's
+        go to slots, for round-stream to roll back)."""
         inner = self.model.model
         positions = positions.long().clamp(0, self.kv.capacity - 1)  # a garbage position never writes outside
         hidden = inner.embed_tokens(tokens.long())
         rope = self.cos[positions], self.sin[positions]
         mask = (self.slots <= positions[..., None])[:, None]  # causal over each row's absolute positions
         self.kv.rows, self.kv.positions = rows, positions
+        if self.state is not None and lengths is None:
+            self.state.begin()
+        n = 0  # recurrent layers so far
         for layer in self.layers:
+            if isinstance(layer, RecurrentLayer):
+                if lengths is None:
+                    hidden, _ = layer(hidden, self.state.read(n), functools.partial(self.state.store, n))
+                else:
+                    start = torch.zeros(hidden.shape[0], *layer.state_shape, device="cuda")
+                    hidden, prompt = layer(hidden, start, active=self.slots[:hidden.shape[1]] < lengths[:, None])
+                    self.state.set_prompt(n, rows, prompt)
+                n += 1
+                continue
             out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.kv,
                         use_cache=True, cache_position=positions[0], position_embeddings=rope)
             hidden = out[0] if isinstance(out, tuple) else out
         return inner.norm(hidden)
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """Each prompt's KV at positions 0.. of its row (lengths become the prompt's).
+        """Each prompt's KV at positions 0.. of its row (lengths become the prompt's), and its
+        recurrent layers' state after it live.
 
         One row is a graph, captured once for every power-of-two length: run eagerly, a short
         prompt's prefill is mostly the host launching a few hundred kernels (10 ms here, against
@@ -222,24 +427,28 @@ class Stack:
         if max(lengths, default=0) > self.kv.capacity:
             raise ValueError(f"a prompt of {max(lengths)} tokens does not fit a cache of {self.kv.capacity}")
         index = torch.tensor(list(rows), device="cuda")
+        if self.state is not None:
+            self.state.reset(index)
         if len(rows) == 1 and lengths[0]:
             self.prompt[0, :lengths[0]].copy_(torch.tensor(prompts[0]), non_blocking=True)
             self.prompt_row.copy_(index)
+            self.prompt_len.fill_(lengths[0])
             self._prefill_graph(lengths[0]).replay()
         elif max(lengths, default=0):
             width = max(lengths)
             padded = torch.tensor([list(prompt) + [0] * (width - len(prompt)) for prompt in prompts])
-            self.append(padded.cuda(), self.slots[:width].expand(len(rows), width), index)
+            self.append(padded.cuda(), self.slots[:width].expand(len(rows), width), index,
+                        torch.tensor(lengths, device="cuda"))
         self.kv.lengths[:, index] = torch.tensor(lengths, dtype=torch.int32, device="cuda")
 
     def _prefill_graph(self, length: int) -> torch.cuda.CUDAGraph:
         bucket = min(1 << (length - 1).bit_length(), self.kv.capacity)
         if bucket not in self.prefills:
             # torch's lazy set-up off the graph
-            self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row)
+            self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, self.prompt_len)
             self.prefills[bucket] = graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row)
+                self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, self.prompt_len)
         return self.prefills[bucket]
 
     def capture_prefills(self) -> None:
@@ -284,19 +493,34 @@ class SpeculativeLlama:
     appends the token behind the pending one along with it: vtok_d[acc_d[0]] at pos_ctr - 1,
     which is that draft or, in any other round, a token whose entry it rewrites unchanged. A step
     over two tokens costs little more than over one.
+
+    A hybrid target's recurrent state is rolled back by `state`: "copy" (CopyState) or "flip"
+    (FlipState), its table passed to RoundStream's state_tables, which rolls it back every round
+    after the KV lengths. The draft must be attention only: the fold above steps over the token
+    behind the pending one again in most rounds, which rewrites a KV entry unchanged but would
+    take a token into a recurrent state twice. `roll_back_state=False` leaves the table out, for
+    the test that shows the tokens then go wrong.
     """
 
     def __init__(self, model: LlamaForCausalLM, *, k: int = 4, m_rounds: int = 16, capacity: int = 1024,
                  batch: int = 1, draft_layers: int = 1, sampling: SamplingParams | None = None,
-                 draft_sampling: SamplingParams | None = None):
+                 draft_sampling: SamplingParams | None = None, state: str = "copy", roll_back_state: bool = True):
         if k < 1:
             raise ValueError(f"the example drafts k >= 1 tokens a round, not {k}")
+        if state not in ("copy", "flip"):
+            raise ValueError(f'state is rolled back by "copy" or "flip", not {state!r}')
+        if any(isinstance(layer, RecurrentLayer) for layer in model.model.layers[:draft_layers]):
+            raise ValueError(f"the draft's {draft_layers} layer(s) must be attention: its chain folds the last draft "
+                             "step into the next round's first (docs/model-side.md), which a recurrent layer's state "
+                             "cannot take; put recurrent layers past the draft's")
         self.model, self.k, self.batch = model, k, batch
         self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
         self.stream = torch.cuda.Stream()
         with torch.cuda.stream(self.stream):
             self.engine = memra_torch.engine()
-            self.target = Stack(model, model.config.num_hidden_layers, capacity, batch)
+            strategy = (functools.partial(CopyState, k=k) if state == "copy" else
+                        functools.partial(FlipState, k=k, engine=self.engine))
+            self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy)
             self.draft = Stack(model, draft_layers, capacity, batch)
             self.bufs = bufs = StreamBufs(self.engine, k, m_rounds, batch)
             self.pend = memra_torch.tensor(bufs.pend_d, torch.int32)[:, None]
@@ -322,8 +546,10 @@ class SpeculativeLlama:
                 acceptance = Sampling(self.p_d, self.q_d, self.seed_d, vocab)
             table = kv_len_ptr_table(self.engine, self.target.kv.cache() + self.draft.kv.cache(),
                                      pos_ctr=bufs.pos_ctr_d)
+            rolled = self.target.state is not None and roll_back_state
             self.rounds = RoundStream(spec, bufs, draft_chain=self.draft_chain, verify_trunk=self.verify_trunk,
-                                      draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table])
+                                      draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table],
+                                      state_tables=[self.target.state.table(self.engine)] if rolled else [])
             # One eager round, so torch's lazy set-up (library handles, workspaces) happens before
             # any capture; the next prefill resets everything it touched. Then every slot is vacant.
             self.prefill(range(batch), [[0, 0]] * batch)
@@ -555,28 +781,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--m-rounds", type=int, default=16)
-    parser.add_argument("--mode", choices=["readback", "stream", "graph", "overlap"], default="graph")
+    parser.add_argument("--mode", choices=MODES, default="graph")
     parser.add_argument("--eos", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None, help="sample (default: greedy)")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--hybrid", action="store_true",
+                        help=f"layers {HYBRID} a gated linear recurrence, checked against its plain greedy decoding")
+    parser.add_argument("--state", choices=["copy", "flip"], default="copy", help="the hybrid's state rollback")
     args = parser.parse_args(argv)
-    model = build_model(args.size)
+    model = build_model(args.size, recurrent_layers=HYBRID if args.hybrid else ())
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature is not None else None
     batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
     requests = [Request(prompt, args.tokens, args.eos, seed) for seed, prompt in enumerate(batch)]
     capacity = capacity_for(max(len(p) for p in batch), args.tokens, args.k, args.m_rounds, args.batch)
     spec = SpeculativeLlama(model, k=args.k, m_rounds=args.m_rounds, capacity=capacity, batch=args.batch,
-                            sampling=sampling)
+                            sampling=sampling, state=args.state)
     got = spec.generate_batch(requests, args.mode)
-    print(f"{args.size} model, B={args.batch}, k={args.k}, M={args.m_rounds}, {args.mode}, "
+    hybrid = f"hybrid (layers {HYBRID} recurrent, state by {args.state}), " if args.hybrid else ""
+    print(f"{args.size} model, {hybrid}B={args.batch}, k={args.k}, M={args.m_rounds}, {args.mode}, "
           f"{'greedy' if sampling is None else sampling}: {sum(map(len, got))} tokens, "
           f"acceptance {spec.acceptance([len(row) for row in got]):.2f}")
     print(got[0][:32], "..." if len(got[0]) > 32 else "")
     if model.dtype == torch.float32 and sampling is None:
-        want = [hf_greedy(model, r.prompt, r.max_new_tokens, r.eos) for r in requests]
+        if args.hybrid:  # Hugging Face cannot run the recurrent layers
+            want = GraphedGreedy(model, capacity, args.batch).generate_batch(requests)
+            reference = "its own plain greedy decoding"
+        else:
+            want = [hf_greedy(model, r.prompt, r.max_new_tokens, r.eos) for r in requests]
+            reference = "Hugging Face greedy on its own prompt"
         same = got == want
-        print(f"every row equals Hugging Face greedy on its own prompt: {'yes' if same else 'NO'}")
+        print(f"every row equals {reference}: {'yes' if same else 'NO'}")
         return 0 if same else 1
     return 0
 

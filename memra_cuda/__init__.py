@@ -12,14 +12,15 @@ from .driver import (CaptureError, CudaError, CudaFault, CudaUnavailable, Device
                      Kernel, KernelArgs, Launch, LoopUnsupported, MappedBuffer, Module, PinnedBuffer, Prepared, Stream)
 from .kernels import SpecKernels
 from .stream import MODES, CapacityError, Mode, RoundStream, Stages, chain, kv_capacity
-from .tables import (UNCHECKED, Cache, KVLayer, PointerTable, StateLayer, StateTable, kv_len_ptr_table,
-                     kv_len_ptr_table_range, state_copy_table, state_copy_table_range, state_flip_table)
+from .tables import (UNCHECKED, Cache, KVLayer, PointerTable, StateIndexTable, StateLayer, StateTable,
+                     kv_len_ptr_table, kv_len_ptr_table_range, state_copy_table, state_copy_table_range,
+                     state_flip_table)
 
 __all__ = [
     "CapacityError", "CaptureError", "CudaError", "CudaFault", "CudaUnavailable", "Stream", "Engine", "DeviceBuffer",
     "PinnedBuffer", "Event", "Graph", "Module", "Kernel", "KernelArgs", "Launch", "Prepared", "Cache", "KVLayer",
     "PointerTable", "UNCHECKED", "StreamBufs", "Readback", "drain_ring", "kv_len_ptr_table", "kv_len_ptr_table_range",
     "SpecKernels", "Greedy", "Sampling", "RoundStream", "Mode", "MODES", "Stages", "chain", "kv_capacity",
-    "MappedBuffer", "LoopUnsupported", "Landed", "RoundCapError", "StateLayer", "StateTable",
+    "MappedBuffer", "LoopUnsupported", "Landed", "RoundCapError", "StateLayer", "StateTable", "StateIndexTable",
     "state_copy_table", "state_copy_table_range", "state_flip_table",
 ]

@@ -21,10 +21,15 @@
 6. Device mode (bench_device.py): one launch per generation, tokens streamed through mapped
    memory, against graph (paced and unpaced) and overlap, bare toy and 8B/0.5B, B = 1 and 32:
    tokens/s, host CPU, and the delay from a token's commit to the host seeing it.
-7. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
-   examples/torch_llama.py, one request, batches and continuous batching (bench_torch.py).
+7. Recurrent state (bench_state.py): the device time of rolling back a hybrid model's state
+   by copy and by flipping an index, over state sizes and batches, beside the time of writing
+   the snapshots they roll back to.
+8. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
+   examples/torch_llama.py, one request, batches and continuous batching, and its hybrid
+   variant (bench_torch.py).
 
-    python -m memra_cuda.bench [--json PATH] [--only launch|host|rounds|batch|sampling|pipeline|device|torch] [--quick]
+    python -m memra_cuda.bench [--json PATH] [--only launch|host|rounds|batch|sampling|pipeline|device|state|torch]
+        [--quick]
 """
 from __future__ import annotations
 
@@ -37,12 +42,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .bench_state import bench_state, device_us, replay_ms
 from .bufs import StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable, driver
-from .driver.event import Event
 from .kernels import SpecKernels
-from .driver.graph import Graph
 from .models.toy import COST_8B_05B, ToyCost, ToyLM, ToyModel, ToySampling
 from .stream import RoundStream, kv_capacity
 
@@ -130,13 +134,7 @@ def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str
 def device_floor(engine: Engine, stream: RoundStream, replays: int, rounds: int | None = None) -> float:
     """Milliseconds of `replays` replays of the burst graph of `rounds` rounds (default M) queued
     back to back, timed on the device."""
-    graph = stream.graph_for(0, rounds)
-    start, end = Event(engine), Event(engine)
-    start.record()
-    for _ in range(replays):
-        graph.launch()
-    end.record()
-    return end.elapsed_ms(start)
+    return replay_ms(engine, stream.graph_for(0, rounds), replays)
 
 
 HOST_K, HOST_M, HOST_TOKENS = 4, 16, 512
@@ -296,16 +294,7 @@ def acceptance_us(engine: Engine, spec: SpecKernels, vocab: int, batch: int, lau
     p_d, q_d = engine.htod(p / p.sum(-1, keepdims=True)), engine.htod(q / q.sum(-1, keepdims=True))
     seed_d = engine.htod(np.arange(batch, dtype=np.uint64))
     engine.copy_htod(bufs.vtok_d, rng.integers(0, vocab, batch * (k + 1)))
-    launch = spec.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)
-    graph = Graph(engine, lambda: [launch() for _ in range(launches)])
-    graph.launch()
-    start, end = Event(engine), Event(engine)
-    start.record()
-    for _ in range(replays):
-        graph.launch()
-    end.record()
-    us = end.elapsed_ms(start) * 1e3 / (replays * launches)
-    graph.free()
+    us = device_us(engine, spec.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab), launches, replays)
     bufs.free()
     return us
 
@@ -356,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memra_cuda.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--only", choices=["launch", "host", "rounds", "batch", "sampling", "pipeline", "device",
-                                           "torch"],
+                                           "state", "torch"],
                         help="run one part (torch runs only when asked for)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for figures)")
     args = parser.parse_args(argv)
@@ -397,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\ndevice mode: k=4, M=16, each row its own prompt; against the host-driven modes")
         report["device"] = bench_device(engine, args.quick)
         print(summary(report["device"]))
+    if args.only in (None, "state"):
+        report["state"] = bench_state(engine, args.quick)
     if args.only == "torch":
         from .bench_torch import bench_torch  # torch and transformers only where asked for
         report["torch"] = bench_torch(args.quick)

@@ -1,4 +1,4 @@
-"""`make bench`, part 7: device-resident generation against the host-driven modes.
+"""`make bench`, part 6: device-resident generation against the host-driven modes.
 
 The bare toy and the 8B/0.5B stand-in, B = 1 and 32, k = 4, M = 16, each row its own prompt:
 graph mode paced and unpaced, overlap, and device mode (one launch, device-side pacing,

@@ -13,21 +13,30 @@
 3. Continuous batching: 64 requests of mixed prompt and output lengths through 8 slots
    (SpeculativeLlama.serve), tokens/s and p50/p99 request latency (all arrive at once), against
    the same requests one at a time through round-stream and through graphed greedy.
+4. Hybrid: the small model with layers HYBRID a gated linear recurrence, B in HYBRID_BATCHES,
+   its state rolled back by copy and by flip, round-stream graph and overlap modes against the
+   same model's plain greedy with each step a torch graph, and whether the tokens are its.
 
 Needs torch and transformers, and the source checkout (the example is not in the wheel).
+
+    PYTHONPATH=. python -m memra_cuda.bench_torch [--quick] [one_request|batches|serving|hybrid ...]
+
+runs some sections alone (`make bench-torch` runs them all).
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 TORCH_K, TORCH_M = 4, 16
 BATCHES = {"small": (1, 8, 32, 128, 512), "large": (1, 8, 32, 128)}
 SERVED, SLOTS = 64, 8
+HYBRID_BATCHES = (1, 8)
 
 
 def load_example() -> Any:
@@ -225,7 +234,63 @@ def bench_serving(llama: Any, quick: bool) -> list[dict]:
     return rows
 
 
-def bench_torch(quick: bool) -> dict[str, list[dict]]:
+def bench_hybrid(llama: Any, quick: bool) -> list[dict]:
+    """Section 4: the hybrid model against its own graphed plain greedy, tokens/s over all rows."""
+    tokens = 64 if quick else 256
+    model = llama.build_model("small", recurrent_layers=llama.HYBRID)
+    print(f"\nhybrid: small model, layers {llama.HYBRID} a gated linear recurrence, k={TORCH_K}, M={TORCH_M}, "
+          f"{tokens} tokens a row")
+    print(f"{'B':>4} {'method':28} {'tokens/s':>9} {'accept':>6} {'vs graphed greedy':>18} {'same tokens':>11}")
+    rows: list[dict] = []
+    for batch in HYBRID_BATCHES:
+        rows += _bench_hybrid_batch(llama, model, batch, tokens)
+    return rows
+
+
+def _bench_hybrid_batch(llama: Any, model: Any, batch: int, tokens: int) -> list[dict]:
+    """One B of section 4 (its caches, states and graphs go when it returns)."""
+    prompts = [llama.PROMPT] if batch == 1 else llama.prompts(batch, seed=batch)
+    requests = [llama.Request(prompt, tokens) for prompt in prompts]
+    capacity = llama.capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
+    greedy = llama.GraphedGreedy(model, capacity, batch)
+    methods: dict[str, tuple[Callable[[], Any], Any]] = {
+        "plain greedy, torch graph": (lambda: greedy.generate_batch(requests), None)}
+    for state in ("copy", "flip"):
+        spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch, state=state)
+        for mode in ("graph", "overlap"):
+            methods[f"round-stream {mode}, {state}"] = (
+                lambda spec=spec, mode=mode: spec.generate_batch(requests, mode), spec)
+    measured, outputs = {}, {}
+    for name, (run, speculative) in methods.items():
+        seconds, outputs[name] = _timed(run)
+        measured[name] = row = dict(batch=batch, method=name, tokens_per_s=sum(map(len, outputs[name])) / seconds,
+                                    acceptance=None)
+        if speculative is not None:
+            row["acceptance"] = speculative.acceptance([len(r) for r in outputs[name]])
+    reference = "plain greedy, torch graph"
+    for name, row in measured.items():
+        row["vs_graphed_greedy"] = row["tokens_per_s"] / measured[reference]["tokens_per_s"]
+        row["same_tokens"] = outputs[name] == outputs[reference]
+        accept = f"{row['acceptance']:6.2f}" if row["acceptance"] is not None else f"{'-':>6}"
+        print(f"{batch:4} {row['method']:28} {row['tokens_per_s']:9.0f} {accept} {row['vs_graphed_greedy']:17.2f}x "
+              f"{'yes' if row['same_tokens'] else 'NO':>11}", flush=True)
+    return list(measured.values())
+
+
+SECTIONS = {"one_request": bench_one_request, "batches": bench_batches, "serving": bench_serving,
+            "hybrid": bench_hybrid}
+
+
+def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS)) -> dict[str, list[dict]]:
     llama = load_example()
-    return dict(one_request=bench_one_request(llama, quick), batches=bench_batches(llama, quick),
-                serving=bench_serving(llama, quick))
+    return {name: SECTIONS[name](llama, quick) for name in sections}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="round-stream on examples/torch_llama.py, some sections alone")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)} (default: all)")
+    args = parser.parse_args()
+    if set(args.sections) - set(SECTIONS):
+        parser.error(f"sections are {', '.join(SECTIONS)}, not {', '.join(sorted(set(args.sections) - set(SECTIONS)))}")
+    bench_torch(args.quick, args.sections or tuple(SECTIONS))

@@ -17,7 +17,7 @@ from .driver.values import as_index
 from .driver.module import Launch
 from .layout import HEAD_WORDS
 from .sampling import _exact, prepare_accept_sample, prepare_draft_sample
-from .tables import PointerTable, StateTable
+from .tables import PointerTable, StateIndexTable, StateTable
 
 if TYPE_CHECKING:
     from .bufs import StreamBufs
@@ -122,12 +122,13 @@ class SpecKernels:
         return self.module.kernel("spec_state_copy").prepare(["ptr", "u32", "u32", "u32", "ptr"], grid, block).set(
             table, len(table.layers), bufs.batch, bufs.k, bufs.ctl_d)
 
-    def prepare_state_flip(self, table: PointerTable, bufs: StreamBufs) -> Launch:
+    def prepare_state_flip(self, table: StateIndexTable, bufs: StreamBufs) -> Launch:
         """Kernel 9: each row's state index moves to the kept slot of the bank the verify wrote.
         `table` comes from state_flip_table: u32[B] indices of this batch."""
-        if not isinstance(table, PointerTable):
-            raise TypeError(f"a state flip table must be a PointerTable (state_flip_table builds one), not {table!r}")
-        wrong = [t for t in table.targets if t is not None and (t.dtype != np.uint32 or t.len != bufs.batch)]
+        if not isinstance(table, StateIndexTable):
+            raise TypeError(f"a state flip table must be a StateIndexTable (state_flip_table builds one), not "
+                            f"{table!r}")
+        wrong = [t for t in table.targets if t is not None and t.len != bufs.batch]
         if wrong:
             raise ValueError(f"a state flip table for a batch of {bufs.batch} must name u32[{bufs.batch}] indices "
                              f"(one per sequence), not {wrong[0]!r}")
@@ -163,7 +164,7 @@ class SpecKernels:
     def state_copy(self, table: StateTable, bufs: StreamBufs) -> None:
         self.prepare_state_copy(table, bufs)()
 
-    def state_flip(self, table: PointerTable, bufs: StreamBufs) -> None:
+    def state_flip(self, table: StateIndexTable, bufs: StreamBufs) -> None:
         self.prepare_state_flip(table, bufs)()
 
     def accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int | None = None) -> None:

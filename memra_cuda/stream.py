@@ -24,7 +24,7 @@ from .driver.event import Event
 from .driver.graph import Capture, Graph, LoopUnsupported, loops
 from .driver.module import Launch
 from .driver.values import as_index
-from .tables import UNCHECKED, PointerTable, Unchecked
+from .tables import UNCHECKED, AddressTable, PointerTable, StateIndexTable, StateTable, Unchecked
 
 if TYPE_CHECKING:
     from .acceptance import Acceptance
@@ -164,7 +164,8 @@ class RoundStream:
     """Issues rounds onto the engine's stream and generates with one readback per burst.
 
     A round, in stream order: [seed_gather] → draft chain → assemble_verify → verify trunk →
-    accept → commit → rollback, for every row of the batch at once (docs/round-stream.md). The
+    accept → commit → rollback [→ state rollback], for every row of the batch at once
+    (docs/round-stream.md). The
     model's side is two callables that queue work on the engine's stream (`draft_chain`,
     `verify_trunk`, writing `draft_d` and what `acceptance` reads; docs/model-side.md).
     `acceptance` is the rule: Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab).
@@ -176,6 +177,10 @@ class RoundStream:
     KV lengths must know their capacity (or say capacity=UNCHECKED), so every burst is checked
     against it before it is issued: a live row needs room for the burst, and in a batch for one
     round more, which it may sit out done at its final position while other rows finish.
+    `state_tables` roll back the recurrent state of a hybrid model's layers (and its draft's),
+    each round after the KV lengths: a StateTable (state_copy_table) by copying the kept
+    snapshot over the live state, a StateIndexTable (state_flip_table) by pointing the rows'
+    slot indices at it (docs/model-side.md, "Recurrent state").
     `capture` says how graphs are captured (default: the driver's stream capture). `pace` cuts
     a generation's bursts to the rounds its rows are expected to need (Pace): right wherever a
     round costs more than a host readback (~0.1-0.2 ms: any real model); turn it off for
@@ -194,8 +199,9 @@ class RoundStream:
 
     def __init__(self, spec: SpecKernels, bufs: StreamBufs, *, draft_chain: Callable[[], None],
                  verify_trunk: Callable[[], None], draft_d: Any, acceptance: Acceptance | None = None,
-                 rollback_tables: Sequence[PointerTable], seed_gather: Launch | None = None,
-                 capture: Capture | None = None, pace: bool = True, stages: Stages | None = None, **deprecated: Any):
+                 rollback_tables: Sequence[PointerTable], state_tables: Sequence[StateTable | StateIndexTable] = (),
+                 seed_gather: Launch | None = None, capture: Capture | None = None, pace: bool = True,
+                 stages: Stages | None = None, **deprecated: Any):
         acceptance, stages = _deprecated_arguments(acceptance, stages, deprecated)
         if not isinstance(acceptance, (Greedy, Sampling)):
             raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
@@ -204,8 +210,9 @@ class RoundStream:
         if not tables:
             raise ValueError("rollback needs at least one pointer table (one of them holding bufs.pos_ctr_d)")
         for table in tables:
-            if not isinstance(table, PointerTable):
-                raise TypeError(f"rollback tables must be PointerTables (kv_len_ptr_table builds them), not {table!r}")
+            if not isinstance(table, PointerTable) or isinstance(table, StateIndexTable):
+                raise TypeError(f"rollback tables must be PointerTables of KV lengths (kv_len_ptr_table builds them; "
+                                f"state tables go in state_tables), not {table!r}")
             if table.capacity is None and any(t is not None and t is not bufs.pos_ctr_d for t in table.targets):
                 raise ValueError(f"rollback table {table!r} names KV lengths but not their capacity, so no burst "
                                  "could be checked against it: build it with kv_len_ptr_table, or give "
@@ -213,10 +220,15 @@ class RoundStream:
         if not any(table.holds(bufs.pos_ctr_d) for table in tables):
             raise ValueError("no rollback table holds bufs.pos_ctr_d, so the position would never advance: "
                              "pass pos_ctr=bufs.pos_ctr_d to kv_len_ptr_table")
+        states = list(state_tables)
+        for table in states:
+            if not isinstance(table, (StateTable, StateIndexTable)):
+                raise TypeError(f"state tables must be StateTables (state_copy_table) or StateIndexTables "
+                                f"(state_flip_table), not {table!r}")
         stages = stages or Stages(())
         scope: Callable[[], Any] = contextlib.nullcontext
         loop_capture = loops
-        if _torch_in_play(spec.engine, draft_d, *vars(acceptance).values(), *tables):
+        if _torch_in_play(spec.engine, draft_d, *vars(acceptance).values(), *tables, *states):
             from . import torch as adapter  # only once torch objects are in play
             capture, scope = capture or adapter.capture, adapter.stream_scope(spec.engine)
             loop_capture = adapter.loop_capture
@@ -230,8 +242,8 @@ class RoundStream:
         self.pace = pace
         self._capture, self._loop_capture = capture, loop_capture
         self._scope = scope  # a framework's "this stream is current" around the model's work
-        # A round, in stream order: these steps, kernel 4, then the rollbacks (device mode
-        # publishes each commit on a branch beside the next round).
+        # A round, in stream order: these steps, kernel 4, then the rollbacks, of KV lengths and
+        # of recurrent state (device mode publishes each commit on a branch beside the next round).
         self._before_commit = (
             *([seed_gather] if seed_gather is not None else []),
             draft_chain,
@@ -241,6 +253,8 @@ class RoundStream:
         )
         self._after_commit = (
             *(spec.prepare_rollback(table, bufs) for table in tables),
+            *(spec.prepare_state_copy(table, bufs) if isinstance(table, StateTable) else
+              spec.prepare_state_flip(table, bufs) for table in states),
             *([stages.round_tail] if stages.round_tail is not None else []),
         )
         self._commit = spec.prepare_ring_commit(bufs)
@@ -679,11 +693,11 @@ def _count(value: Any, name: str, most: int) -> int:
 
 def _torch_in_play(engine: Engine, *objects: Any) -> bool:
     """Whether the engine borrows a torch stream, or a model buffer is a tensor or a buffer
-    adopted from one (memra_torch.buffer), or a rollback table names such lengths (checked by
-    the objects' module, so that torch is imported only where it is already in use)."""
+    adopted from one (memra_torch.buffer), or a rollback or state table names such memory
+    (checked by the objects' module, so that torch is imported only where it is already in use)."""
     found = [engine.stream_owner]
     for obj in objects:
-        for buf in obj.targets if isinstance(obj, PointerTable) else (obj,):
+        for buf in obj.targets if isinstance(obj, AddressTable) else (obj,):
             found += [buf, buf.foreign] if isinstance(buf, DeviceBuffer) else [buf]
     return any(type(obj).__module__.split(".")[0] == "torch" for obj in found)
 

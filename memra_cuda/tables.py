@@ -256,7 +256,13 @@ def state_copy_table_range(engine: Engine, layers: Sequence[StateLayer | None],
     return StateTable(engine, layers[start:stop], f"recurrent state of layers [{start}, {stop})")
 
 
-def state_flip_table(engine: Engine, indices: Sequence[Any]) -> PointerTable:
+class StateIndexTable(PointerTable):
+    """The FLIP rollback table (spec_state_flip): the addresses of u32[B] slot indices, one per
+    model (state_flip_table). A type of its own, so a RoundStream knows which rollback a state
+    table asks for, and a KV length table is never taken for one."""
+
+
+def state_flip_table(engine: Engine, indices: Sequence[Any]) -> StateIndexTable:
     """The FLIP rollback table (spec_state_flip): per model, the u32[B] slot index its stateful
     layers read their live state at (None: skip), all of one B.
 
@@ -268,7 +274,7 @@ def state_flip_table(engine: Engine, indices: Sequence[Any]) -> PointerTable:
     if any(buf.dtype != np.uint32 for buf in present) or len({buf.len for buf in present}) > 1:
         raise ValueError(f"state indices must be u32[B] buffers of one batch B, not {present}")
     _disjoint(present, "state indices")
-    return PointerTable(engine, buffers, label="state indices")
+    return StateIndexTable(engine, buffers, label="state indices")
 
 
 def _disjoint(buffers: Sequence[DeviceBuffer | None], label: str) -> None:

@@ -9,11 +9,17 @@
 // is not the last passes on its partial sums over layers (one u32 per token: the activation)
 // instead of predictions; the next stage adds them to its own.
 //
-// Its next token depends on every KV entry, so a wrong rollback or position changes the output,
-// and its work is spread over a block so a round costs little more than its launches: it exists
-// to expose the round-stream machinery's overhead. All arithmetic is u32 and wraps; the sums over
-// layers and entries are therefore one block-wide reduction each. KV appends are clamped to the
-// cache capacity: garbage positions produce garbage tokens, never a write outside a buffer.
+// Its next token depends on every KV entry and every word of recurrent state, so a wrong rollback
+// or position changes the output, and its work is spread over a block so a round costs little more
+// than its launches: it exists to expose the round-stream machinery's overhead. All arithmetic is
+// u32 and wraps; the sums over layers and entries are therefore one block-wide reduction each. KV
+// appends are clamped to the cache capacity: garbage positions produce garbage tokens, never a write
+// outside a buffer.
+//
+// Recurrent layers (the bits of rec_mask) are rolled back by state (docs/model-side.md, "Recurrent
+// state"): each model (target, draft) finds its states through address tables, per recurrent layer
+// r its slots and, rolled back by copy, its live state (see StateRow). Word w of layer r is thread
+// r * words + w's sequential chain, so n_rec * words <= BLOCK (ToyLM checks).
 
 #include "layout.cuh"
 #include "philox.cuh"
@@ -52,6 +58,33 @@ __device__ __forceinline__ float mixture_prob(const Mixture& m, u32 v) {
     return p;
 }
 
+// Word w of a recurrent layer (salt `layer_salt`) after the token of embedding e.
+__device__ __forceinline__ u32 recur(u32 s, u32 e, u32 layer_salt, u32 w) { return fmix(s + fmix(e ^ layer_salt) + w); }
+
+// The index of the r-th set bit of mask (r < popc(mask)): recurrent layer r's place among the layers.
+__device__ __forceinline__ u32 nth_bit(u32 mask, u32 r) {
+    for (; r; --r) mask &= mask - 1;
+    return __ffs(mask) - 1;
+}
+
+// Where row b of recurrent layer r reads its state and writes the round's. slots[r] holds
+// [B][n_slots][words]. Rolled back by copy (idx null): n_slots = k + 1, the state is live[r]
+// ([B][words]) and the round writes slots 0..k. By flip (idx non-null, one u32 a row for the
+// model): n_slots = 2(k + 1), the state is slot idx[b] and the round writes the other bank, with
+// kernel 9's bank rule, so a garbage idx still reads and writes inside the row's slots.
+struct StateRow {
+    const u32* from;  // the state the round starts from
+    u32* to;          // slot 0 of the bank the round writes: slot i (after token i) at to + i * words
+};
+
+__device__ __forceinline__ StateRow state_row(const u64* live, const u64* slots, const u32* idx, u32 r, u32 b,
+                                              u32 k1, u32 words) {
+    if (!idx) return {(const u32*)live[r] + (u64)b * words, (u32*)slots[r] + (u64)b * k1 * words};
+    u32* row = (u32*)slots[r] + (u64)b * 2 * k1 * words;
+    const u32 at = idx[b], bank = min(at / k1, 1u);
+    return {row + (u64)(bank * k1 + at % k1) * words, row + (u64)(1 - bank) * k1 * words};
+}
+
 // Wrapping sum of one value per thread over the block; every thread gets the total.
 __device__ u32 block_sum(u32 v) {
     __shared__ u32 warp_sums[BLOCK / 32];
@@ -84,6 +117,23 @@ extern "C" __global__ void toy_prefill(const u32* tokens, u32 n, u32 row, u32 ca
     }
 }
 
+// One model's recurrent states of row `row` after the prompt but its last token, t_0..t_{n-1} (from
+// zero), where the first round reads them: live[r] (copy), or slot 0 with idx[row] = 0 (flip). One
+// block; the prefill of the target and of the draft (its own copy) are a launch each.
+extern "C" __global__ void __launch_bounds__(BLOCK) toy_prefill_state(
+        const u32* tokens, u32 n, u32 row, const u64* live, const u64* slots, u32* idx, u32 rec_mask, u32 words,
+        u32 k1, u32 seed) {
+    const u32 r = threadIdx.x / words, w = threadIdx.x % words;
+    if (r < __popc(rec_mask)) {
+        const u32 layer_salt = salt(nth_bit(rec_mask, r));
+        u32 s = 0;
+        for (u32 j = 0; j < n; ++j) s = recur(s, embed(tokens[j], j, seed), layer_salt, w);
+        u32* state = idx ? (u32*)slots[r] + (u64)row * 2 * k1 * words : (u32*)live[r] + (u64)row * words;
+        state[w] = s;
+    }
+    if (idx && threadIdx.x == 0) idx[row] = 0;
+}
+
 // Per-layer constants every thread needs: the salts, and each layer's KV data pointer.
 // Computed by one thread per layer (n_layers <= 32), so nobody walks the layers alone.
 struct Layers {
@@ -103,14 +153,16 @@ __device__ void load_layers(Layers& layers, u32 n_layers, u32 layer0, const u64*
 }
 
 // Draft step `step` of k+1 for row blockIdx.x: consume the token at p = pos_ctr + step (pend,
-// then the drafts), append its KV; for step < k also predict draft[step] and flag a p-min break.
-// Rows of draft_d are max(k, 1) tokens apart. With state_d (sampling mode) the step leaves the
-// draft's hash state there instead (a noisy position hashes differently), and toy_draft_sample
-// draws draft[step] from the mixture at it.
+// then the drafts), append its KV and move its copy of the target's recurrent states on (from the
+// round's state at step 0, else from slot step - 1, into slot step); for step < k also predict
+// draft[step] and flag a p-min break. Rows of draft_d are max(k, 1) tokens apart. With state_d
+// (sampling mode) the step leaves the draft's hash state there instead (a noisy position hashes
+// differently), and toy_draft_sample draws draft[step] from the mixture at it.
 extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         u32 step, u32 k, const u32* pend_d, u32* draft_d, const int* pos_ctr, u32* brk_d, u32* draft_data,
         int* draft_len, u32 capacity, u32 kv_mask, u32 n_layers, u32 seed, u32 vocab, u32 noise_ppm,
-        u32 break_below, u32* state_d) {
+        u32 break_below, u32* state_d, const u64* st_live, const u64* st_slots, const u32* st_idx, u32 rec_mask,
+        u32 words) {
     __shared__ Layers layers;
     const u32 b = blockIdx.x;
     pend_d += b;
@@ -129,14 +181,21 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         return;
     }
     const u32 e = embed(t, p, seed);
+    u32 part = 0;
+    if (threadIdx.x < __popc(rec_mask) * words) {  // word w of recurrent layer r: its term at p
+        const u32 r = threadIdx.x / words, w = threadIdx.x % words;
+        const StateRow row = state_row(st_live, st_slots, st_idx, r, b, k + 1, words);
+        const u32 prev = step == 0 ? row.from[w] : row.to[(step - 1) * words + w];
+        part = recur(prev, e, layers.salt[nth_bit(rec_mask, r)], w);
+        row.to[step * words + w] = part;
+    }
     if (step < k) {
-        u32 part = 0;
         for (u32 j = threadIdx.x; j < p; j += blockDim.x) {  // one load per entry, all layers
             const u32 entry = draft_data[j];
             for (u32 l = 0; l < n_layers; ++l)
                 if ((kv_mask >> l) & 1u) part += fmix(entry ^ layers.salt[l]);
         }
-        if (threadIdx.x < n_layers)  // this position's own term of layer threadIdx.x
+        if (threadIdx.x < n_layers && !((rec_mask >> threadIdx.x) & 1u))  // this position's term of a layer
             part += fmix(((kv_mask >> threadIdx.x) & 1u ? e : t) ^ layers.salt[threadIdx.x]);
         const bool noisy = fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm;
         const bool breaks = lead && fmix(p ^ seed ^ 0x68e31da4u) % 1000u < break_below && brk == 0;
@@ -157,15 +216,18 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
 }
 
 // Verify trunk of row blockIdx.x: the k+1 tokens of vtok at positions pos_start.., causal; appends
-// their KV to every target layer and writes pred[i], the target's token after vtok[i]. k+1 <= BLOCK.
+// their KV to every target layer, runs every recurrent layer through them (the state after token i
+// to slot i), and writes pred[i], the target's token after vtok[i]. k+1 <= BLOCK.
 // In a pipeline, partial_in (if non-null) holds the earlier stages' sums for each token, and a
 // stage that is not the last writes its sums (partial_in's included) to partial_out, not pred.
 extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
         const u32* vtok_d, u32 k1, const int* pos_start_d, u32* pred_d, const u64* tgt_data, const u64* tgt_len,
-        u32 n_layers, u32 capacity, u32 seed, u32 vocab, u32 layer0, const u32* partial_in, u32* partial_out) {
+        u32 n_layers, u32 capacity, u32 seed, u32 vocab, u32 layer0, const u32* partial_in, u32* partial_out,
+        const u64* st_live, const u64* st_slots, const u32* st_idx, u32 rec_mask, u32 words) {
     __shared__ Layers layers;
     __shared__ u32 fresh[BLOCK];  // token i's new KV entries, summed over the layers
     __shared__ u32 local[BLOCK];  // token i's terms from layers without KV, and the earlier stages' sums
+    __shared__ u32 recurrent[BLOCK];  // token i's recurrent terms, summed over layers and words
     const u32 b = blockIdx.x;
     vtok_d += (u64)b * k1;
     u32* out = partial_out ? partial_out + (u64)b * k1 : pred_d + (u64)b * k1;
@@ -173,6 +235,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
     const u32 i = threadIdx.x;
     const u32 t = i < k1 ? vtok_d[i] : 0;
     const u32 before = partial_in && i < k1 ? partial_in[(u64)b * k1 + i] : 0;
+    if (i < k1) recurrent[i] = 0;  // published by load_layers' barrier, before any term is added
     load_layers(layers, n_layers, layer0, tgt_data, (u64)b * capacity);
     if (pos >= capacity) {
         if (i < k1) out[i] = 0;
@@ -190,14 +253,24 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
                 const u32 entry = fmix(e ^ layers.salt[l]);
                 f += entry;
                 if (pos + i < capacity) layers.data[l][pos + i] = entry;
-            } else {
+            } else if (!((rec_mask >> l) & 1u)) {
                 g += fmix(t ^ layers.salt[l]);
             }
         }
         fresh[i] = f;
         local[i] = g + before;
     }
-    const u32 history = block_sum(part);  // its barriers also publish fresh[] and local[]
+    if (i < __popc(rec_mask) * words) {  // word w of recurrent layer r through the tokens, in order
+        const u32 r = i / words, w = i % words, layer_salt = layers.salt[nth_bit(rec_mask, r)];
+        const StateRow row = state_row(st_live, st_slots, st_idx, r, b, k1, words);
+        u32 s = row.from[w];
+        for (u32 j = 0; j < k1; ++j) {
+            s = recur(s, embed(vtok_d[j], pos + j, seed), layer_salt, w);
+            row.to[j * words + w] = s;
+            atomicAdd(&recurrent[j], s);
+        }
+    }
+    const u32 history = block_sum(part);  // its barriers also publish fresh[], local[] and recurrent[]
     if (threadIdx.x < 32) {  // warp 0: a running sum over the tokens, 32 at a time
         u32 carry = history;
         for (u32 base = 0; base < k1; base += 32) {
@@ -208,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
                 if (threadIdx.x >= o) run += up;
             }
             if (j < k1) {
-                const u32 total = carry + run + local[j];
+                const u32 total = carry + run + local[j] + recurrent[j];
                 out[j] = partial_out ? total : fmix(seed ^ total) % vocab;
             }
             carry += __shfl_sync(0xffffffffu, run, 31);

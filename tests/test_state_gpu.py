@@ -19,8 +19,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import pytest
 
-from memra_cuda import (Cache, PointerTable, SpecKernels, StateLayer, StateTable, StreamBufs, kv_len_ptr_table,
-                        state_copy_table, state_copy_table_range, state_flip_table)
+from memra_cuda import (Cache, Greedy, RoundStream, SpecKernels, StateIndexTable, StateLayer, StateTable, StreamBufs,
+                        kv_len_ptr_table, state_copy_table, state_copy_table_range, state_flip_table)
 from memra_cuda import reference as ref
 from memra_cuda.reference import DONE, KEEP
 from test_kernels_gpu import BATCHES, LARGE_CASES, PAST_ONE_GRID, SENTINEL, Rig, cases, pick
@@ -274,10 +274,9 @@ def test_launchers_refuse_tables_of_another_round_or_kind(engine, spec):
     for table in (flip_table, lengths):
         with pytest.raises(TypeError, match="StateTable"):
             spec.prepare_state_copy(table, bufs)
-    with pytest.raises(TypeError, match="PointerTable"):
-        spec.prepare_state_flip(copy_table, bufs)
-    with pytest.raises(ValueError, match="u32"):
-        spec.prepare_state_flip(lengths, bufs)
+    for table in (copy_table, lengths):
+        with pytest.raises(TypeError, match="StateIndexTable"):
+            spec.prepare_state_flip(table, bufs)
     with pytest.raises(ValueError, match="i32"):
         spec.prepare_rollback(flip_table, bufs)
     with pytest.raises(TypeError, match="PointerTable"):
@@ -299,4 +298,26 @@ def test_freeing_a_state_buffer_poisons_its_table_and_launches(engine, spec):
                       (lambda: flip_table.ptr, "idx")):
         with pytest.raises(ValueError, match=name):
             use()
-    assert isinstance(flip_table, PointerTable) and flip_table.capacity is None
+    assert isinstance(flip_table, StateIndexTable) and flip_table.capacity is None
+
+
+def test_round_stream_takes_state_tables_of_either_kind_and_refuses_the_rest(engine, spec):
+    """state_tables= is where the state rollback goes, checked when the stream is built: a KV
+    length table there, a state index table among the rollback tables, or a state table of
+    another batch, refused before any round is queued."""
+    bufs = StreamBufs(engine, 2, 1, 3)
+    lengths = kv_len_ptr_table(engine, Cache.allocate(engine, (True,), capacity=8, batch=3), bufs.pos_ctr_d)
+    copy_table = state_copy_table(engine, state_layers(engine, 3, 2, (5, None)))
+    flip_table = state_flip_table(engine, [engine.zeros(np.uint32, 3)])
+    draft_d, pred_d = engine.zeros(np.uint32, 3 * 2), engine.zeros(np.uint32, 3 * 3)
+    wiring = dict(draft_chain=lambda: None, verify_trunk=lambda: None, draft_d=draft_d, acceptance=Greedy(pred_d))
+    rounds = RoundStream(spec, bufs, rollback_tables=[lengths], state_tables=[copy_table, flip_table], **wiring)
+    assert [launch.kernel.name for launch in rounds._after_commit] == [
+        "spec_rollback_stream", "spec_state_copy", "spec_state_flip"]
+    with pytest.raises(TypeError, match="state_copy_table"):
+        RoundStream(spec, bufs, rollback_tables=[lengths], state_tables=[lengths], **wiring)
+    with pytest.raises(TypeError, match="state tables go in state_tables"):
+        RoundStream(spec, bufs, rollback_tables=[lengths, flip_table], **wiring)
+    with pytest.raises(ValueError, match="the round has B=3"):
+        RoundStream(spec, bufs, rollback_tables=[lengths],
+                    state_tables=[state_copy_table(engine, state_layers(engine, 2, 2, (5,)))], **wiring)

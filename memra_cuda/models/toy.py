@@ -1,9 +1,10 @@
 """The toy language model: its definition in numpy, and the same model on the GPU.
 
-A deterministic model whose next token depends on every KV entry, so a wrong rollback or a
-wrong position changes the output (docs/toy-model.md, "Definition"). The numpy half is the
-oracle: `target_greedy` is what any correct speculative decoder must reproduce (toy_reference.py runs
-the whole round-stream loop on numpy buffers, for the tests).
+A deterministic model whose next token depends on every KV entry and every word of recurrent
+state, so a wrong rollback or a wrong position changes the output (docs/toy-model.md,
+"Definition"). The numpy half is the oracle: `target_greedy` is what any correct speculative
+decoder must reproduce (toy_reference.py runs the whole round-stream loop on numpy buffers, for
+the tests).
 `ToyLM` is the same model as ptx/toy_lm.cu kernels, wired to a RoundStream.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 from ..acceptance import Greedy, Sampling
 from ..kernels import batch_rows
 from ..stream import RoundStream, chain
-from ..tables import Cache, PointerTable, kv_len_ptr_table
+from ..tables import (Cache, PointerTable, StateIndexTable, StateLayer, StateTable, kv_len_ptr_table, state_copy_table,
+                      state_flip_table)
 
 if TYPE_CHECKING:
     from ..bufs import StreamBufs
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 M32 = 0xFFFFFFFF
 BLOCK = 512  # toy_lm.cu's block size; verify handles k + 1 <= BLOCK tokens
 SAMPLE_BLOCK = 256  # toy_lm.cu's SAMPLE_BLOCK, the block of toy_draft_sample
+STATE_ROLLBACKS = ("copy", "flip")  # how recurrent state rolls back: kernel 8 or kernel 9
 
 
 def fmix(h: int) -> int:
@@ -53,9 +56,15 @@ def salt(layer: int) -> int:
     return fmix(0x27D4EB2F * (layer + 1))
 
 
+def live_slot(idx: int | np.ndarray, k: int) -> int | np.ndarray:
+    """The slot a FLIP index names, by kernel 9's bank rule: a garbage index still names a slot."""
+    return np.minimum(idx // (k + 1), 1) * (k + 1) + idx % (k + 1)
+
+
 @dataclass(frozen=True)
 class ToyModel:
-    """The toy's parameters: target layers `kv_mask` (True: the layer has a KV cache), the
+    """The toy's parameters: target layers `kv_mask` (True: the layer has a KV cache) and
+    `rec_mask` (True: a recurrent layer, of `state_words` u32 of state; empty: none), the
     draft's error rate `noise_ppm` and its confidence floor `p_min`."""
 
     seed: int = 1
@@ -63,6 +72,8 @@ class ToyModel:
     kv_mask: tuple[bool, ...] = (True, True, False, True)
     noise_ppm: int = 100_000
     p_min: float = 0.0
+    rec_mask: tuple[bool, ...] = ()
+    state_words: int = 4
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.kv_mask) <= 32:
@@ -71,6 +82,14 @@ class ToyModel:
             raise ValueError("seed must be a u32 and vocab a positive u32")
         if not 0 <= self.noise_ppm <= 1_000_000:
             raise ValueError(f"noise_ppm must be in [0, 1e6], not {self.noise_ppm}")
+        if self.rec_mask and len(self.rec_mask) != len(self.kv_mask):
+            raise ValueError(f"rec_mask must be empty or name each of the {len(self.kv_mask)} layers, not "
+                             f"{len(self.rec_mask)}")
+        both = [layer for layer in self.rec_layers if self.kv_mask[layer]]
+        if both:
+            raise ValueError(f"layer {both[0]} cannot keep both a KV cache and a recurrent state")
+        if not 1 <= self.state_words <= BLOCK:  # the kernels give a layer's words one block
+            raise ValueError(f"state_words must be in [1, {BLOCK}], not {self.state_words}")
 
     def embed(self, token: int, pos: int) -> int:
         return fmix(token * 0x9E3779B1 + pos * 0x85EBCA77 + self.seed)
@@ -80,23 +99,51 @@ class ToyModel:
         return sum(1 << layer for layer, has_kv in enumerate(self.kv_mask) if has_kv)
 
     @property
+    def rec_layers(self) -> tuple[int, ...]:
+        """The recurrent layers, in order."""
+        return tuple(layer for layer, rec in enumerate(self.rec_mask) if rec)
+
+    @property
+    def rec_bits(self) -> int:
+        return sum(1 << layer for layer in self.rec_layers)
+
+    def recur(self, states: np.ndarray, token: int, pos: int) -> np.ndarray:
+        """The recurrent layers' states, u32[len(rec_layers)][state_words], after `token` at
+        `pos`: s[w] <- fmix(s[w] + fmix(E(token, pos) ^ salt(l)) + w) in each layer l. The one
+        recurrence of the numpy half (prefill, draft and verify all step through it)."""
+        e = self.embed(token, pos)
+        drive = fmix_array(np.array([e ^ salt(layer) for layer in self.rec_layers], np.uint32))
+        words = np.arange(self.state_words, dtype=np.uint64)
+        return fmix_array((states.astype(np.uint64) + drive[:, None] + words) & M32)
+
+    def rec_states(self, tokens: Sequence[int]) -> np.ndarray:
+        """The recurrent states after `tokens` at positions 0.. (a prefill), from zero."""
+        states = np.zeros((len(self.rec_layers), self.state_words), np.uint32)
+        for pos, token in enumerate(tokens):
+            states = self.recur(states, token, pos)
+        return states
+
+    @property
     def break_below(self) -> int:
         """Draft confidences q/1000 below p_min, counted: a break is `q < break_below`, so the
         kernel compares integers exactly as numpy does."""
         return int(np.count_nonzero(np.arange(1000) / 1000 < self.p_min))
 
-    def state(self, history: int, token: int, pos: int) -> int:
+    def state(self, history: int, token: int, pos: int, states: np.ndarray | None = None) -> int:
         """The target's hash state after `token` at `pos` (`history`: the wrapping sum of every
-        KV layer's entries before pos); its greedy token is fmix(state) % vocab."""
+        KV layer's entries before pos; `states`: the recurrent layers' states after the token,
+        as recur() leaves them); its greedy token is fmix(state) % vocab."""
         e = self.embed(token, pos)
-        total = history
+        total = history if states is None else history + int(states.sum(dtype=np.uint64))
+        recurrent = set(self.rec_layers)
         for layer, has_kv in enumerate(self.kv_mask):
-            total += fmix(e ^ salt(layer)) if has_kv else fmix(token ^ salt(layer))
+            if layer not in recurrent:
+                total += fmix(e ^ salt(layer)) if has_kv else fmix(token ^ salt(layer))
         return self.seed ^ (total & M32)
 
-    def predict(self, history: int, token: int, pos: int) -> int:
+    def predict(self, history: int, token: int, pos: int, states: np.ndarray | None = None) -> int:
         """The target's greedy token after `token` at `pos`."""
-        return fmix(self.state(history, token, pos)) % self.vocab
+        return fmix(self.state(history, token, pos, states)) % self.vocab
 
     def candidates(self, state: int) -> list[int]:
         """Sampling mode's four candidate tokens at a hash state (toy_lm.cu's mixture)."""
@@ -124,10 +171,11 @@ class ToyModel:
 def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
                   eos: int | None = None) -> list[int]:
     """The target's own greedy continuation: the output speculative decoding must equal."""
-    history = model.history(prompt[:-1])
+    history, states = model.history(prompt[:-1]), model.rec_states(prompt[:-1])
     token, pos, out = int(prompt[-1]), len(prompt) - 1, []
     while len(out) < max_new_tokens:
-        nxt = model.predict(history, token, pos)
+        states = model.recur(states, token, pos)
+        nxt = model.predict(history, token, pos, states)
         history = (history + model.kv_entries(token, pos)) & M32
         out.append(nxt)
         if nxt == eos:
@@ -190,20 +238,62 @@ class ToyCost:
 COST_8B_05B = ToyCost(verify_bytes=16 * 10**9, draft_bytes=1 * 10**9)
 
 
+class ToyStates:
+    """One model's recurrent states on the GPU (the target's, or the draft's copy of them) for
+    `batch` rows, laid out for rollback by `strategy`: per recurrent layer, slots [B][k+1][W] and
+    a live state [B][W] ("copy"), or slots [B][2(k+1)][W] and the model's one slot index idx_d,
+    u32[B] ("flip"). The kernels find them through address tables of the recurrent layers."""
+
+    def __init__(self, engine: Engine, model: ToyModel, batch: int, k: int, strategy: str, label: str):
+        self.rec_mask, self.k, self.words, self.flip = model.rec_mask, k, model.state_words, strategy == "flip"
+        n_slots = (2 if self.flip else 1) * (k + 1)
+        self.slots = [engine.zeros(np.uint32, batch * n_slots * self.words, label=f"{label} state slots {layer}")
+                      for layer in model.rec_layers]
+        self.live = [] if self.flip else [engine.zeros(np.uint32, batch * self.words, label=f"{label} state {layer}")
+                                          for layer in model.rec_layers]
+        self.idx_d = engine.zeros(np.uint32, batch, label=f"{label} state index") if self.flip else None
+        self.slots_d = PointerTable(engine, self.slots, label=f"{label} state slots")
+        self.live_d = None if self.flip else PointerTable(engine, self.live, label=f"{label} states")
+
+    def kernel_args(self) -> tuple[DeviceBuffer | int, ...]:
+        """The kernels' (live table, slots table, index): 0 for what the strategy lacks."""
+        return (0 if self.live_d is None else self.live_d, self.slots_d, 0 if self.idx_d is None else self.idx_d)
+
+    def layers(self) -> list[StateLayer | None]:
+        """The model's layers as state_copy_table takes them (None: no recurrent state)."""
+        layers = iter(StateLayer(live, slots, self.words, self.k) for live, slots in zip(self.live, self.slots))
+        return [next(layers) if rec else None for rec in self.rec_mask]
+
+    def read(self, engine: Engine) -> np.ndarray:
+        """The states the next round reads, [B][recurrent layers][W], read back (for tests)."""
+        if not self.flip:
+            return np.stack([engine.dtoh(live).reshape(-1, self.words) for live in self.live], axis=1)
+        idx = engine.dtoh(self.idx_d).astype(np.int64)
+        rows = np.arange(idx.size)
+        return np.stack([engine.dtoh(slots).reshape(idx.size, -1, self.words)[rows, live_slot(idx, self.k)]
+                         for slots in self.slots], axis=1)
+
+
 class ToyLM:
     """The toy on the GPU for `batch` sequences: target and draft KV caches ([B][capacity]
-    entries per layer, i32[B] lengths), the kernels, and their wiring. Each row has its own
-    prompt, position and caches; the weights (the cost knob) are read once for the batch.
+    entries per layer, i32[B] lengths), recurrent states, the kernels, and their wiring. Each
+    row has its own prompt, position, caches and states; the weights (the cost knob) are read
+    once for the batch.
 
     A pipeline stage (models/pipeline.py) holds only the target layers `layers` of the model,
     and the draft only if `with_draft`; its verify passes partial sums on to the next stage.
     With `sampling`, the draft samples its tokens, the verify writes the target's probabilities
     and the round accepts stochastically (spec_accept_sample), each row with its request's seed.
+
+    A model with recurrent layers rolls their state back by `state`, "copy" (kernel 8) or
+    "flip" (kernel 9), the target's and the draft's alike (ToyStates). Their slots depend on k,
+    so they are allocated for the StreamBufs this model first meets, and a round of another k
+    is refused.
     """
 
     def __init__(self, engine: Engine, model: ToyModel, capacity: int, cost: ToyCost = ToyCost(),
                  weights: DeviceBuffer | None = None, batch: int = 1, layers: range | None = None,
-                 with_draft: bool = True, sampling: ToySampling | None = None):
+                 with_draft: bool = True, sampling: ToySampling | None = None, state: str = "copy"):
         """`weights`: a buffer to stream for the cost knob, shareable between models (one is
         allocated when the cost needs it and none is given)."""
         self.engine, self.model, self.capacity, self.cost = engine, model, int(capacity), cost
@@ -212,6 +302,16 @@ class ToyLM:
         if not (self.layers.step == 1 and 0 <= self.layers.start < self.layers.stop <= len(model.kv_mask)):
             raise ValueError(f"a stage holds a contiguous, non-empty range of the model's {len(model.kv_mask)} "
                              f"layers, not {layers}")
+        if state not in STATE_ROLLBACKS:
+            raise ValueError(f"state must be one of {STATE_ROLLBACKS}, not {state!r}")
+        if model.rec_layers and (self.layers != range(len(model.kv_mask)) or not with_draft):
+            raise ValueError("the toy's pipeline stages cannot roll back recurrent state: a model with recurrent "
+                             "layers runs whole (layers=None, with_draft=True)")
+        if len(model.rec_layers) * model.state_words > BLOCK:
+            raise ValueError(f"the toy's kernels give every recurrent word a thread of one block: "
+                             f"{len(model.rec_layers)} layers x {model.state_words} words is more than {BLOCK}")
+        self.state = state
+        self.states: tuple[ToyStates, ToyStates] | None = None  # the target's and the draft's, once k is known
         self.module = engine.load_ptx("toy_lm")
         self.target = Cache.allocate(engine, model.kv_mask[self.layers.start:self.layers.stop], capacity,
                                      batch=self.batch)
@@ -248,6 +348,7 @@ class ToyLM:
         if not 0 <= n <= self.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a cache of {self.capacity}")
         self._check_batch(bufs)
+        states = self._states(bufs)
         engine = self.engine
         bufs.reset_row(engine, row, prompt[-1], n)
         if self.seed_d is not None:
@@ -264,7 +365,50 @@ class ToyLM:
             for kv in [*self.target.kv, *self.draft.kv]:
                 if kv is not None:
                     engine.set_u32(kv.len_d, row, 0)
+        if states is not None:  # the target's states and the draft's copy, a launch each
+            prefill_state = self.module.kernel("toy_prefill_state").prepare(
+                ["ptr", "u32", "u32", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32"], grid=1, block=BLOCK)
+            for model_states in states:
+                prefill_state(self.prompt_d, n, row, *model_states.kernel_args(), self.model.rec_bits,
+                              self.model.state_words, bufs.k + 1, self.model.seed)
         return n
+
+    def _states(self, bufs: StreamBufs) -> tuple[ToyStates, ToyStates] | None:
+        """The target's and the draft's recurrent states (None without recurrent layers),
+        allocated for the k of the first StreamBufs they meet."""
+        if not self.model.rec_layers:
+            return None
+        if self.states is None:
+            self.states = (ToyStates(self.engine, self.model, self.batch, bufs.k, self.state, "target"),
+                           ToyStates(self.engine, self.model, self.batch, bufs.k, self.state, "draft"))
+        elif self.states[0].k != bufs.k:
+            raise ValueError(f"this toy's recurrent states hold the k + 1 = {self.states[0].k + 1} slots of the "
+                             f"rounds it first met, not those of k = {bufs.k}: make another ToyLM")
+        return self.states
+
+    def _state_args(self, bufs: StreamBufs, which: int) -> tuple[DeviceBuffer | int, ...]:
+        """A round kernel's recurrent-state arguments for the target (`which` 0) or the draft
+        (1): that model's tables and index (nulls without recurrent layers), the recurrent
+        layers' bits and their words."""
+        states = self._states(bufs)
+        return (*(states[which].kernel_args() if states else (0, 0, 0)), self.model.rec_bits, self.model.state_words)
+
+    def state_tables(self, bufs: StreamBufs) -> list[StateTable | StateIndexTable]:
+        """RoundStream's state_tables for this model: one table over the target's and the
+        draft's recurrent states (none without recurrent layers)."""
+        states = self._states(bufs)
+        if states is None:
+            return []
+        if self.state == "flip":
+            return [state_flip_table(self.engine, [model_states.idx_d for model_states in states])]
+        return [state_copy_table(self.engine, [layer for model_states in states for layer in model_states.layers()])]
+
+    def live_states(self) -> tuple[np.ndarray, np.ndarray]:
+        """The target's and the draft's recurrent states the next round reads, each
+        [B][recurrent layers][W], read back (for tests and debugging)."""
+        if self.states is None:
+            raise ValueError("no recurrent states: the model has no recurrent layers, or no StreamBufs met yet")
+        return self.states[0].read(self.engine), self.states[1].read(self.engine)
 
     def _check_batch(self, bufs: StreamBufs) -> None:
         if bufs.batch != self.batch:
@@ -288,15 +432,15 @@ class ToyLM:
             raise ValueError("this pipeline stage holds no draft: the stage that has it runs the draft chain")
         m, draft, engine = self.model, self.draft.kv[0], self.engine
         kernel = self.module.kernel("toy_draft_step")
-        types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7, "ptr"]
-        state_d = engine.zeros(np.uint32, self.batch, label="draft states") if q_d is not None else None
+        types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7, *["ptr"] * 4, "u32", "u32"]
+        state_d = engine.zeros(np.uint32, self.batch, label="draft hash states") if q_d is not None else None
         steps, reads = [], self._weight_reads(self.cost.draft_bytes)
         for step in range(bufs.k + 1):
             steps += reads
             steps.append(kernel.prepare(types, grid=self.batch, block=BLOCK).set(
                 step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr_d, bufs.brk_d, draft.data_d, draft.len_d,
                 self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below,
-                0 if state_d is None else state_d))
+                0 if state_d is None else state_d, *self._state_args(bufs, 1)))
             if state_d is not None and step < bufs.k:
                 steps.append(self._draft_sample(bufs, step, state_d, draft_d, q_d))
         return steps
@@ -326,25 +470,29 @@ class ToyLM:
             for name, buf in (("pred_d", pred_d), ("partial_in", partial_in), ("partial_out", partial_out)))
         m = self.model
         verify = self.module.kernel("toy_verify").prepare(
-            ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", *["u32"] * 5, "ptr", "ptr"], grid=self.batch, block=BLOCK).set(
+            ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", *["u32"] * 5, *["ptr"] * 5, "u32", "u32"], grid=self.batch,
+            block=BLOCK).set(
             bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred, self.data_ptrs_d, self.len_ptrs_d,
-            len(self.layers), self.capacity, m.seed, m.vocab, self.layers.start, before, after)
+            len(self.layers), self.capacity, m.seed, m.vocab, self.layers.start, before, after,
+            *self._state_args(bufs, 0))
         return [*self._weight_reads(self.cost.verify_bytes), verify]
 
     def round_stream(self, spec: SpecKernels, bufs: StreamBufs) -> RoundStream:
         """A RoundStream driving this model: rollback walks one table over target and draft
-        layers with pos_ctr last."""
+        layers with pos_ctr last, then one over their recurrent states (state_tables)."""
         if bufs.k + 1 > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
         self._check_batch(bufs)
         engine = self.engine
         draft_d = engine.zeros(np.uint32, bufs.batch * max(bufs.k, 1), label="draft_d")
         table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)
+        state_tables = self.state_tables(bufs)
         if self.sampling is None:
             pred_d = engine.zeros(np.uint32, bufs.batch * (bufs.k + 1), label="pred_d")
             return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d)),
                                verify_trunk=chain(self.verify_steps(bufs, pred_d)), draft_d=draft_d,
-                               acceptance=Greedy(pred_d), rollback_tables=[table], pace=self.cost.paced)
+                               acceptance=Greedy(pred_d), rollback_tables=[table], state_tables=state_tables,
+                               pace=self.cost.paced)
         vocab, rows = self.model.vocab, bufs.batch * (bufs.k + 1)
         if rows > 65535:
             raise ValueError(f"the toy's sampling verify gives each of B(k+1) = {rows} positions a grid row: "
@@ -358,4 +506,4 @@ class ToyLM:
         return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d, q_d)),
                            verify_trunk=chain([*self.verify_steps(bufs, None, partial_out=totals_d), probs]),
                            draft_d=draft_d, acceptance=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table],
-                           pace=self.cost.paced)
+                           state_tables=state_tables, pace=self.cost.paced)

@@ -10,17 +10,69 @@ import numpy as np
 from .. import reference as ref
 from ..layout import CTL_DONE
 from ..stream import kv_capacity
-from .toy import M32, ToyModel, fmix, fmix_array, salt
+from .toy import M32, STATE_ROLLBACKS, ToyModel, fmix, fmix_array, live_slot, salt
+
+
+class NumpyStates:
+    """One model's recurrent states laid out as ToyLM lays them out, for one sequence: per
+    recurrent layer a live state of `state_words` and k + 1 slots (COPY), or 2(k + 1) slots and
+    the model's one slot index (FLIP; docs/model-side.md, "Recurrent state")."""
+
+    def __init__(self, model: ToyModel, k: int, strategy: str):
+        if strategy not in STATE_ROLLBACKS:
+            raise ValueError(f"strategy must be one of {STATE_ROLLBACKS}, not {strategy!r}")
+        self.k, self.words, self.flip = k, model.state_words, strategy == "flip"
+        layers = len(model.rec_layers)
+        self.slots = [np.zeros(((2 if self.flip else 1) * (k + 1), self.words), np.uint32) for _ in range(layers)]
+        self.live_state = [np.zeros(self.words, np.uint32) for _ in range(0 if self.flip else layers)]
+        self.idx = np.zeros(1, np.uint32)
+
+    def live(self) -> np.ndarray:
+        """The state the next round reads, [layers][words]: the live state, or slot idx (by
+        kernel 9's bank rule)."""
+        if not self.flip:
+            return self._rows(self.live_state)
+        return self._rows([slots[live_slot(int(self.idx[0]), self.k)] for slots in self.slots])
+
+    def slot(self, i: int) -> np.ndarray:
+        """Slot i of the bank this round writes (COPY: its only one), [layers][words]."""
+        return self._rows([slots[self._written() + i] for slots in self.slots])
+
+    def write(self, i: int, states: np.ndarray) -> None:
+        for slots, state in zip(self.slots, states):
+            slots[self._written() + i] = state
+
+    def start(self, states: np.ndarray) -> None:
+        """A new request's state: live (COPY), or slot 0 with idx 0 (FLIP)."""
+        self.idx[0] = 0
+        for layer, state in enumerate(states):
+            (self.slots[layer][0] if self.flip else self.live_state[layer])[:] = state
+
+    def roll_back(self, ctl: np.ndarray) -> None:
+        """Kernel 8 or 9 on this model's states, as ToyLM's state table has them."""
+        if self.flip:
+            ref.spec_state_flip([self.idx], self.k, ctl)
+        else:
+            ref.spec_state_copy([(live, slots, self.words) for live, slots in zip(self.live_state, self.slots)],
+                                self.k, ctl)
+
+    def _written(self) -> int:
+        """The first slot of the bank this round writes: the other one than idx's (FLIP)."""
+        return (1 - live_slot(int(self.idx[0]), self.k) // (self.k + 1)) * (self.k + 1) if self.flip else 0
+
+    def _rows(self, rows: list[np.ndarray]) -> np.ndarray:
+        return np.array(rows, np.uint32).reshape(len(self.slots), self.words)
 
 
 class NumpyRoundStream:
     """Round-stream on numpy buffers: the toy's draft and verify, and reference.py for the rest.
 
     Same buffers, same round order, same clamps as on the GPU; the draft's KV stores
-    E(t, j) and it recomputes the target's sums from them, as toy_lm.cu does.
+    E(t, j) and it recomputes the target's sums from them, as toy_lm.cu does, and it keeps its
+    own copy of the target's recurrent states, rolled back as the target's are (`strategy`).
     """
 
-    def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int):
+    def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int, strategy: str = "copy"):
         self.model, self.k, self.m, self.capacity = model, k, m_rounds, capacity
         self.ring_cap = m_rounds * (k + 1)
         u32 = lambda n: np.zeros(n, np.uint32)  # noqa: E731
@@ -31,6 +83,7 @@ class NumpyRoundStream:
         self.tgt = [np.zeros(capacity, np.uint32) if kv else None for kv in model.kv_mask]
         self.tgt_len = [np.zeros(1, np.int32) if kv else None for kv in model.kv_mask]
         self.draft_kv, self.draft_len = np.zeros(capacity, np.uint32), np.zeros(1, np.int32)
+        self.tgt_states, self.draft_states = NumpyStates(model, k, strategy), NumpyStates(model, k, strategy)
         self.rounds = 0
 
     def prefill(self, prompt: Sequence[int]) -> int:
@@ -44,16 +97,21 @@ class NumpyRoundStream:
         for length in [*self.tgt_len, self.draft_len, self.pos_ctr]:
             if length is not None:
                 length[0] = n
+        states = self.model.rec_states(prompt[:-1])
+        self.tgt_states.start(states)
+        self.draft_states.start(states)
         self.pend[0] = prompt[-1]
         return n
 
     def draft_step(self, step: int) -> None:
         model, p = self.model, int(self.pos_ctr[0]) + step
         t = int(self.pend[0] if step == 0 else self.draft[step - 1])
+        states = model.recur(self.draft_states.live() if step == 0 else self.draft_states.slot(step - 1), t, p)
+        self.draft_states.write(step, states)
         if step < self.k:
             history = sum(int(fmix_array(self.draft_kv[:p] ^ np.uint32(salt(layer))).sum(dtype=np.uint64))
                           for layer, kv in enumerate(model.kv_mask) if kv)
-            pred = model.predict(history & M32, t, p)
+            pred = model.predict(history & M32, t, p, states)
             self.draft[step] = (pred + 1) % model.vocab if model.draft_noisy(p) else pred
             if model.draft_breaks(p) and self.brk[0] == 0:
                 self.brk[0] = step + 1
@@ -63,8 +121,11 @@ class NumpyRoundStream:
     def verify(self) -> None:
         model, pos = self.model, int(self.pos_start[0])
         history = sum(int(data[:pos].sum(dtype=np.uint64)) for data in self.tgt if data is not None) & M32
+        states = self.tgt_states.live()
         for i, t in enumerate(int(x) for x in self.vtok):
-            self.pred[i] = model.predict(history, t, pos + i)
+            states = model.recur(states, t, pos + i)
+            self.tgt_states.write(i, states)
+            self.pred[i] = model.predict(history, t, pos + i, states)
             history = (history + model.kv_entries(t, pos + i)) & M32
             e = model.embed(t, pos + i)
             for layer, data in enumerate(self.tgt):
@@ -83,7 +144,13 @@ class NumpyRoundStream:
         ref.spec_ring_commit(self.vtok, self.acc, self.last_pred, self.ctl, self.pend, self.ring,
                              self.ring_cap, self.k)
         ref.spec_rollback_stream([*self.tgt_len, self.draft_len, self.pos_ctr], self.pos_start, self.ctl)
+        self.roll_back_states()
         self.rounds += 1
+
+    def roll_back_states(self) -> None:
+        """After the KV rollback, as RoundStream's state tables: the target's and the draft's."""
+        self.tgt_states.roll_back(self.ctl)
+        self.draft_states.roll_back(self.ctl)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
         pos = self.prefill(prompt)
@@ -100,7 +167,7 @@ class NumpyRoundStream:
 
 
 def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new_tokens: int,
-                         eos: int | None = None, m_rounds: int = 4) -> list[int]:
+                         eos: int | None = None, m_rounds: int = 4, strategy: str = "copy") -> list[int]:
     """The whole speculative loop in numpy (see NumpyRoundStream)."""
     capacity = kv_capacity(len(prompt), max_new_tokens, k, m_rounds)
-    return NumpyRoundStream(model, k, m_rounds, capacity).generate(prompt, max_new_tokens, eos)
+    return NumpyRoundStream(model, k, m_rounds, capacity, strategy).generate(prompt, max_new_tokens, eos)
