@@ -13,12 +13,13 @@ whole batch can be captured.
 Its hybrid variant (`--hybrid`, build_model(recurrent_layers=HYBRID)) has a few of the target's
 layers a gated linear recurrence instead of attention (RecurrentLayer), whose state of heads ×
 d_k × d_v a row the verify leaves in slots after each of its k+1 tokens and round-stream rolls
-back in the same round, by copy or by flipping an index (`--state copy|flip`); its reference is
-its own plain greedy decoding (GraphedGreedy), as Hugging Face cannot run the layer.
+back in the same round, by copy or by flipping an index (`--state-rollback copy|flip`); its
+reference is its own plain greedy decoding (GraphedGreedy), as Hugging Face cannot run the
+layer.
 
     PYTHONPATH=. python examples/torch_llama.py [--size small|large] [--batch B] [--tokens 256]
         [--k 4] [--m-rounds 16] [--mode graph] [--eos ID] [--temperature T --top-k K --top-p P]
-        [--hybrid [--state copy|flip]]
+        [--hybrid [--state-rollback copy|flip]]
 
 `make bench-torch` times it against Hugging Face generate, assisted generation with the same
 draft, and plain greedy decoding captured with torch.cuda.graph, one request and batches, and
@@ -224,7 +225,7 @@ class LiveState:
         self.live = torch.zeros(layers, batch, *shape, device="cuda")
 
     def begin(self) -> None:
-        """Work done once a forward for all its layers (FlipState's slot numbers)."""
+        """Per-forward set-up shared by every layer (FlipState works out its slots once here)."""
 
     def read(self, layer: int) -> torch.Tensor:
         return self.live[layer]
@@ -281,13 +282,13 @@ class FlipState:
         index = self.index.long() % 2**32  # the u32 the rollback kernel reads, garbage included
         bank = (index // (self.k + 1)).clamp(max=1)
         self.reading = bank * (self.k + 1) + index % (self.k + 1)
-        self.writing = (1 - bank) * (self.k + 1)
+        self.writing = (1 - bank)[:, None] * (self.k + 1) + torch.arange(self.k + 1, device="cuda")  # [B][k+1]
 
     def read(self, layer: int) -> torch.Tensor:
         return self.slots[layer, self.rows, self.reading]
 
     def store(self, layer: int, token: int, state: torch.Tensor) -> None:
-        self.slots[layer, self.rows, self.writing + token] = state
+        self.slots[layer, self.rows, self.writing[:, token]] = state
 
     def reset(self, rows: torch.Tensor) -> None:
         self.slots[:, rows, 0] = 0
@@ -427,33 +428,36 @@ class Stack:
         if max(lengths, default=0) > self.kv.capacity:
             raise ValueError(f"a prompt of {max(lengths)} tokens does not fit a cache of {self.kv.capacity}")
         index = torch.tensor(list(rows), device="cuda")
+        counts = torch.tensor(lengths, dtype=torch.int32, device="cuda")
         if self.state is not None:
             self.state.reset(index)
         if len(rows) == 1 and lengths[0]:
             self.prompt[0, :lengths[0]].copy_(torch.tensor(prompts[0]), non_blocking=True)
             self.prompt_row.copy_(index)
-            self.prompt_len.fill_(lengths[0])
+            self.prompt_len.copy_(counts)
             self._prefill_graph(lengths[0]).replay()
         elif max(lengths, default=0):
             width = max(lengths)
             padded = torch.tensor([list(prompt) + [0] * (width - len(prompt)) for prompt in prompts])
             self.append(padded.cuda(), self.slots[:width].expand(len(rows), width), index,
-                        torch.tensor(lengths, device="cuda"))
-        self.kv.lengths[:, index] = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+                        counts if self.state is not None else None)
+        self.kv.lengths[:, index] = counts
 
     def _prefill_graph(self, length: int) -> torch.cuda.CUDAGraph:
         bucket = min(1 << (length - 1).bit_length(), self.kv.capacity)
         if bucket not in self.prefills:
+            lengths = self.prompt_len if self.state is not None else None  # the recurrence skips the padding
             # torch's lazy set-up off the graph
-            self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, self.prompt_len)
+            self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, lengths)
             self.prefills[bucket] = graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, self.prompt_len)
+                self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, lengths)
         return self.prefills[bucket]
 
     def capture_prefills(self) -> None:
         """Every one-row prefill graph, now: a capture synchronises the device, so not while
-        serving, and the eager warm-up before each writes scratch entries into a row."""
+        serving, and the eager warm-up before each writes scratch entries (and recurrent state)
+        into a row."""
         length = 1
         while length < self.kv.capacity:
             self._prefill_graph(length)
@@ -494,21 +498,20 @@ class SpeculativeLlama:
     which is that draft or, in any other round, a token whose entry it rewrites unchanged. A step
     over two tokens costs little more than over one.
 
-    A hybrid target's recurrent state is rolled back by `state`: "copy" (CopyState) or "flip"
-    (FlipState), its table passed to RoundStream's state_tables, which rolls it back every round
-    after the KV lengths. The draft must be attention only: the fold above steps over the token
-    behind the pending one again in most rounds, which rewrites a KV entry unchanged but would
-    take a token into a recurrent state twice. `roll_back_state=False` leaves the table out, for
-    the test that shows the tokens then go wrong.
+    A hybrid target's recurrent state is rolled back by `state_rollback`: "copy" (CopyState) or
+    "flip" (FlipState), its table passed to RoundStream's state_tables (state_tables()), which
+    rolls it back every round after the KV lengths. The draft must be attention only: the fold
+    above steps over the token behind the pending one again in most rounds, which rewrites a KV
+    entry unchanged but would take a token into a recurrent state twice.
     """
 
     def __init__(self, model: LlamaForCausalLM, *, k: int = 4, m_rounds: int = 16, capacity: int = 1024,
                  batch: int = 1, draft_layers: int = 1, sampling: SamplingParams | None = None,
-                 draft_sampling: SamplingParams | None = None, state: str = "copy", roll_back_state: bool = True):
+                 draft_sampling: SamplingParams | None = None, state_rollback: str = "copy"):
         if k < 1:
             raise ValueError(f"the example drafts k >= 1 tokens a round, not {k}")
-        if state not in ("copy", "flip"):
-            raise ValueError(f'state is rolled back by "copy" or "flip", not {state!r}')
+        if state_rollback not in ("copy", "flip"):
+            raise ValueError(f'state_rollback is "copy" or "flip", not {state_rollback!r}')
         if any(isinstance(layer, RecurrentLayer) for layer in model.model.layers[:draft_layers]):
             raise ValueError(f"the draft's {draft_layers} layer(s) must be attention: its chain folds the last draft "
                              "step into the next round's first (docs/model-side.md), which a recurrent layer's state "
@@ -518,7 +521,7 @@ class SpeculativeLlama:
         self.stream = torch.cuda.Stream()
         with torch.cuda.stream(self.stream):
             self.engine = memra_torch.engine()
-            strategy = (functools.partial(CopyState, k=k) if state == "copy" else
+            strategy = (functools.partial(CopyState, k=k) if state_rollback == "copy" else
                         functools.partial(FlipState, k=k, engine=self.engine))
             self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy)
             self.draft = Stack(model, draft_layers, capacity, batch)
@@ -546,15 +549,19 @@ class SpeculativeLlama:
                 acceptance = Sampling(self.p_d, self.q_d, self.seed_d, vocab)
             table = kv_len_ptr_table(self.engine, self.target.kv.cache() + self.draft.kv.cache(),
                                      pos_ctr=bufs.pos_ctr_d)
-            rolled = self.target.state is not None and roll_back_state
             self.rounds = RoundStream(spec, bufs, draft_chain=self.draft_chain, verify_trunk=self.verify_trunk,
                                       draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table],
-                                      state_tables=[self.target.state.table(self.engine)] if rolled else [])
+                                      state_tables=self.state_tables())
             # One eager round, so torch's lazy set-up (library handles, workspaces) happens before
             # any capture; the next prefill resets everything it touched. Then every slot is vacant.
             self.prefill(range(batch), [[0, 0]] * batch)
             self.rounds.step("readback")
             bufs.set_stop(self.engine, budget=0)
+
+    def state_tables(self) -> list[StateTable | StateIndexTable]:
+        """RoundStream's state_tables: the hybrid target's one table (none for a pure-attention
+        model, nor for the draft, which is attention only)."""
+        return [] if self.target.state is None else [self.target.state.table(self.engine)]
 
     def draft_chain(self) -> None:
         positions = self.pos_ctr.long() + self.steps  # [B][k+1]: where each draft step's input sits
@@ -788,17 +795,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--hybrid", action="store_true",
                         help=f"layers {HYBRID} a gated linear recurrence, checked against its plain greedy decoding")
-    parser.add_argument("--state", choices=["copy", "flip"], default="copy", help="the hybrid's state rollback")
+    parser.add_argument("--state-rollback", choices=["copy", "flip"], default="copy",
+                        help="how the hybrid's recurrent state is rolled back")
     args = parser.parse_args(argv)
+    if args.state_rollback != "copy" and not args.hybrid:
+        parser.error("--state-rollback is for the model with recurrent layers: add --hybrid")
     model = build_model(args.size, recurrent_layers=HYBRID if args.hybrid else ())
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature is not None else None
     batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
     requests = [Request(prompt, args.tokens, args.eos, seed) for seed, prompt in enumerate(batch)]
     capacity = capacity_for(max(len(p) for p in batch), args.tokens, args.k, args.m_rounds, args.batch)
     spec = SpeculativeLlama(model, k=args.k, m_rounds=args.m_rounds, capacity=capacity, batch=args.batch,
-                            sampling=sampling, state=args.state)
+                            sampling=sampling, state_rollback=args.state_rollback)
     got = spec.generate_batch(requests, args.mode)
-    hybrid = f"hybrid (layers {HYBRID} recurrent, state by {args.state}), " if args.hybrid else ""
+    hybrid = f"hybrid (layers {HYBRID} recurrent, state by {args.state_rollback}), " if args.hybrid else ""
     print(f"{args.size} model, {hybrid}B={args.batch}, k={args.k}, M={args.m_rounds}, {args.mode}, "
           f"{'greedy' if sampling is None else sampling}: {sum(map(len, got))} tokens, "
           f"acceptance {spec.acceptance([len(row) for row in got]):.2f}")

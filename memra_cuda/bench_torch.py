@@ -256,7 +256,8 @@ def _bench_hybrid_batch(llama: Any, model: Any, batch: int, tokens: int) -> list
     methods: dict[str, tuple[Callable[[], Any], Any]] = {
         "plain greedy, torch graph": (lambda: greedy.generate_batch(requests), None)}
     for state in ("copy", "flip"):
-        spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch, state=state)
+        spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                                      state_rollback=state)
         for mode in ("graph", "overlap"):
             methods[f"round-stream {mode}, {state}"] = (
                 lambda spec=spec, mode=mode: spec.generate_batch(requests, mode), spec)

@@ -24,7 +24,8 @@ from .driver.event import Event
 from .driver.graph import Capture, Graph, LoopUnsupported, loops
 from .driver.module import Launch
 from .driver.values import as_index
-from .tables import UNCHECKED, AddressTable, PointerTable, StateIndexTable, StateTable, Unchecked
+from .tables import (UNCHECKED, AddressTable, PointerTable, StateIndexTable, StateTable, Unchecked,
+                     state_targets_disjoint)
 
 if TYPE_CHECKING:
     from .acceptance import Acceptance
@@ -165,9 +166,9 @@ class RoundStream:
 
     A round, in stream order: [seed_gather] → draft chain → assemble_verify → verify trunk →
     accept → commit → rollback [→ state rollback], for every row of the batch at once
-    (docs/round-stream.md). The
-    model's side is two callables that queue work on the engine's stream (`draft_chain`,
-    `verify_trunk`, writing `draft_d` and what `acceptance` reads; docs/model-side.md).
+    (docs/round-stream.md). The model's side is two callables that queue work on the engine's
+    stream (`draft_chain`, `verify_trunk`, writing `draft_d` and what `acceptance` reads;
+    docs/model-side.md).
     `acceptance` is the rule: Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab).
 
     Four modes run the same rounds (Mode); a row that is done sits the rounds out (its
@@ -220,11 +221,14 @@ class RoundStream:
         if not any(table.holds(bufs.pos_ctr_d) for table in tables):
             raise ValueError("no rollback table holds bufs.pos_ctr_d, so the position would never advance: "
                              "pass pos_ctr=bufs.pos_ctr_d to kv_len_ptr_table")
+        if isinstance(state_tables, AddressTable):
+            raise TypeError(f"state_tables is a list of tables, not one table: [{state_tables!r}]")
         states = list(state_tables)
         for table in states:
             if not isinstance(table, (StateTable, StateIndexTable)):
                 raise TypeError(f"state tables must be StateTables (state_copy_table) or StateIndexTables "
                                 f"(state_flip_table), not {table!r}")
+        state_targets_disjoint(states)
         stages = stages or Stages(())
         scope: Callable[[], Any] = contextlib.nullcontext
         loop_capture = loops

@@ -257,24 +257,32 @@ def state_copy_table_range(engine: Engine, layers: Sequence[StateLayer | None],
 
 
 class StateIndexTable(PointerTable):
-    """The FLIP rollback table (spec_state_flip): the addresses of u32[B] slot indices, one per
-    model (state_flip_table). A type of its own, so a RoundStream knows which rollback a state
-    table asks for, and a KV length table is never taken for one."""
-
-
-def state_flip_table(engine: Engine, indices: Sequence[Any]) -> StateIndexTable:
     """The FLIP rollback table (spec_state_flip): per model, the u32[B] slot index its stateful
     layers read their live state at (None: skip), all of one B.
 
-    One index a model, not a layer: a model's layers share keep, so they flip together. u32
-    only: a KV rollback table (i32 lengths) and this one can then never stand in for each other.
+    One index a model, not a layer: a model's layers share keep, so they flip together. A type
+    of its own, so a RoundStream knows which rollback a state table asks for; u32 only, so a KV
+    length table (i32) and this one never stand in for each other.
     """
-    buffers = [None if idx is None else as_buffer(idx, f"index {i}") for i, idx in enumerate(indices)]
-    present = [buf for buf in buffers if buf is not None]
-    if any(buf.dtype != np.uint32 for buf in present) or len({buf.len for buf in present}) > 1:
-        raise ValueError(f"state indices must be u32[B] buffers of one batch B, not {present}")
-    _disjoint(present, "state indices")
-    return StateIndexTable(engine, buffers, label="state indices")
+
+    def __init__(self, engine: Engine, indices: Sequence[Any], label: str = "state indices"):
+        buffers = [None if idx is None else as_buffer(idx, f"index {i}") for i, idx in enumerate(indices)]
+        present = [buf for buf in buffers if buf is not None]
+        if any(buf.dtype != np.uint32 for buf in present) or len({buf.len for buf in present}) > 1:
+            raise ValueError(f"state indices must be u32[B] buffers of one batch B, not {present}")
+        _disjoint(present, label)
+        super().__init__(engine, buffers, label=label)
+
+
+def state_flip_table(engine: Engine, indices: Sequence[Any]) -> StateIndexTable:
+    """The FLIP rollback table of one index per model (StateIndexTable)."""
+    return StateIndexTable(engine, indices)
+
+
+def state_targets_disjoint(tables: Sequence[AddressTable]) -> None:
+    """Refuse state tables that name the same memory twice: a round would roll it back twice,
+    and a second flip undoes the first (a copy of another table's slot wins at random)."""
+    _disjoint([target for table in tables for target in table.targets], "state tables")
 
 
 def _disjoint(buffers: Sequence[DeviceBuffer | None], label: str) -> None:

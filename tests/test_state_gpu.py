@@ -316,8 +316,22 @@ def test_round_stream_takes_state_tables_of_either_kind_and_refuses_the_rest(eng
         "spec_rollback_stream", "spec_state_copy", "spec_state_flip"]
     with pytest.raises(TypeError, match="state_copy_table"):
         RoundStream(spec, bufs, rollback_tables=[lengths], state_tables=[lengths], **wiring)
-    with pytest.raises(TypeError, match="state tables go in state_tables"):
-        RoundStream(spec, bufs, rollback_tables=[lengths, flip_table], **wiring)
+    for table in (flip_table, copy_table):
+        with pytest.raises(TypeError, match="state tables go in state_tables"):
+            RoundStream(spec, bufs, rollback_tables=[lengths, table], **wiring)
+    with pytest.raises(TypeError, match="a list of tables"):
+        RoundStream(spec, bufs, rollback_tables=[lengths], state_tables=flip_table, **wiring)
     with pytest.raises(ValueError, match="the round has B=3"):
         RoundStream(spec, bufs, rollback_tables=[lengths],
                     state_tables=[state_copy_table(engine, state_layers(engine, 2, 2, (5,)))], **wiring)
+    with pytest.raises(ValueError, match=r"u32\[3\]"):
+        RoundStream(spec, bufs, rollback_tables=[lengths],
+                    state_tables=[state_flip_table(engine, [engine.zeros(np.uint32, 2)])], **wiring)
+    # Memory named twice would be rolled back twice a round, and a second flip undoes the first.
+    index = flip_table.targets[0]
+    for twice in ([flip_table, flip_table], [flip_table, state_flip_table(engine, [None, index])],
+                  [copy_table, state_copy_table(engine, [copy_table.layers[0]])]):
+        with pytest.raises(ValueError, match="overlap"):
+            RoundStream(spec, bufs, rollback_tables=[lengths], state_tables=twice, **wiring)
+    with pytest.raises(ValueError, match=r"u32\[B\]"):  # however it is built
+        StateIndexTable(engine, [engine.zeros(np.int32, 3)])

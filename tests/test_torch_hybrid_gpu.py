@@ -1,10 +1,11 @@
 """The hybrid variant of the PyTorch example (examples/torch_llama.py, issue 20): the target's
 layers HYBRID a gated linear recurrence whose state round-stream rolls back every round, by copy
 or by flipping an index. Its output equals its own plain greedy decoding (GraphedGreedy: Hugging
-Face cannot run the layer) token for token over 256 tokens, fp32, in every mode, for one request
-and for a batch of 8 with different budgets and EOS stops; after a generation the state is the
-committed tokens' own; and without the state's rollback the tokens go wrong. Skipped with the
-reason where torch or transformers is missing.
+Face cannot run the layer) token for token over 256 tokens, fp32, in every mode, both rollbacks,
+for one request and for a batch of 8 with different budgets, EOS stops and a one-token prompt,
+and served continuously; after a generation the state is the committed tokens' own; and without
+the state's rollback the tokens go wrong. Skipped with the reason where torch or transformers is
+missing.
 """
 from __future__ import annotations
 
@@ -20,9 +21,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 K, M, TOKENS = 4, 16, 256
 BUDGETS = {1: [TOKENS], 8: [256, 64, 256, 200, 256, 128, 256, 96]}
 EOS_ROWS = {1: {}, 8: {2: 100, 5: 30}}  # row -> the index in its own output of the token it stops at
-# Copy in every mode; flip in the modes that replay graphs (its index arithmetic captured).
-CASES = ([("copy", batch, mode) for batch in BUDGETS for mode in MODES]
-         + [("flip", batch, mode) for batch in BUDGETS for mode in ("graph", "device")])
+ROLLBACKS = ("copy", "flip")
+CASES = [(state, batch, mode) for state in ROLLBACKS for batch in BUDGETS for mode in MODES]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def batches(llama, hybrid):
     64 to 256, two rows stopped by an EOS from their own output."""
     out = {}
     for batch, budgets in BUDGETS.items():
-        prompts = [llama.PROMPT] if batch == 1 else llama.prompts(batch, seed=7)
+        prompts = [llama.PROMPT] if batch == 1 else [[1], *llama.prompts(batch - 1, seed=7)]  # [1]: no prefill
         capacity = llama.capacity_for(max(map(len, prompts)), TOKENS, K, M, batch)
         greedy = llama.GraphedGreedy(hybrid, capacity, batch)
         longer = greedy.generate_batch([llama.Request(p, n + K) for p, n in zip(prompts, budgets)])
@@ -57,7 +57,7 @@ def decoders(llama, hybrid, batches):
     def get(state: str, batch: int):
         if (state, batch) not in made:
             made[state, batch] = llama.SpeculativeLlama(hybrid, k=K, m_rounds=M, capacity=batches[batch][3],
-                                                        batch=batch, state=state)
+                                                        batch=batch, state_rollback=state)
         return made[state, batch]
     return get
 
@@ -82,7 +82,7 @@ def test_hybrid_equals_its_own_plain_greedy(decoders, batches, state, batch, mod
             "no row stopped at its EOS before its budget"
 
 
-@pytest.mark.parametrize("state", ["copy", "flip"])
+@pytest.mark.parametrize("state", ROLLBACKS)
 def test_after_a_generation_the_state_is_the_committed_tokens_own(llama, hybrid, decoders, batches, state):
     """The rolled-back state itself: after a batch (rows done at different rounds, two by EOS,
     sitting rounds out), each row's live state equals the plain decoder's prefill of the tokens
@@ -104,11 +104,34 @@ def test_after_a_generation_the_state_is_the_committed_tokens_own(llama, hybrid,
     torch.testing.assert_close(mine, fresh.state.live, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("state", ROLLBACKS)
+def test_served_requests_equal_their_own_plain_greedy(llama, hybrid, state):
+    """Continuous batching: a row's state is prefilled anew while the other rows are mid-request
+    (one-row prefill graphs of several lengths, a one-token prompt among them), and each request
+    equals its plain greedy decoding alone."""
+    lengths, budgets = (1, 7, 23, 3, 40, 12, 2, 31), (40, 80, 24, 64, 48, 80, 32, 56)
+    prompts = [[1]] + [(p + [5] * 40)[:n] for p, n in zip(llama.prompts(len(lengths) - 1, seed=11), lengths[1:])]
+    requests = [llama.Request(prompt, n) for prompt, n in zip(prompts, budgets)]
+    capacity = llama.capacity_for(max(lengths), max(budgets), K, M, batch=4)
+    alone = llama.GraphedGreedy(hybrid, capacity)
+    want = [alone.generate(r.prompt, r.max_new_tokens) for r in requests]
+    spec = llama.SpeculativeLlama(hybrid, k=K, m_rounds=M, capacity=capacity, batch=4, state_rollback=state)
+    served = spec.serve(requests, "graph")
+    for i, (done, theirs) in enumerate(zip(served, want)):
+        assert done.tokens == theirs, f"request {i}: first difference at token {first_difference(done.tokens, theirs)}"
+
+
 def test_without_the_state_rollback_the_tokens_go_wrong(llama, hybrid, batches):
     """The recurrent state matters: the same decoder with its state tables left out (the state
     stays the prompt's) gives other tokens."""
+
+    class Unrolled(llama.SpeculativeLlama):
+        def state_tables(self) -> list:
+            return []
+
     requests, want, _, capacity = batches[1]
-    spec = llama.SpeculativeLlama(hybrid, k=K, m_rounds=M, capacity=capacity, roll_back_state=False)
+    spec = Unrolled(hybrid, k=K, m_rounds=M, capacity=capacity)
+    assert spec.rounds._after_commit[-1].kernel.name == "spec_rollback_stream"  # no state rollback queued
     assert spec.generate_batch(requests, "graph") != want
 
 

@@ -42,6 +42,34 @@ def test_numpy_speculative_loop_equals_target_greedy(model, data, k, m_rounds, m
     assert toy_reference.speculative_generate(model, prompt, k, max_new, eos, m_rounds, strategy) == want
 
 
+def test_every_kv_entry_matters():
+    """A single changed history entry changes the prediction: the property that makes a wrong
+    rollback or position visible in the output."""
+    model = toy.ToyModel(vocab=2**32 - 1)
+    base = model.predict(history=12345, token=7, pos=10)
+    assert all(model.predict(12345 ^ (1 << bit), 7, 10) != base for bit in range(32))
+    assert model.predict(12345, 7, 11) != base
+
+
+def test_perfect_draft_accepts_everything():
+    stream = toy_reference.NumpyRoundStream(toy.ToyModel(noise_ppm=0, p_min=0.0), k=4, m_rounds=2, capacity=256)
+    out = stream.generate([1, 2, 3], max_new_tokens=40)
+    rounds = 40 // 5
+    assert len(out) == 40 and int(stream.acc[1]) == 4 * rounds and int(stream.brk[1]) == 0
+
+
+def test_break_threshold_agrees_with_float_comparison():
+    for p_min in [0.0, 0.001, 0.3, 0.5, 0.7, 0.999, 1.0, 2.0]:
+        below = toy.ToyModel(p_min=p_min).break_below
+        assert all((q < below) == (q / 1000 < p_min) for q in range(1000))
+
+
+def test_fmix_matches_the_scalar_definition():
+    values = np.array([0, 1, 0xDEADBEEF, 2**32 - 1], np.uint32)
+    assert [int(v) for v in toy.fmix_array(values)] == [toy.fmix(int(v)) for v in values]
+    assert toy.fmix(0) == 0
+
+
 def hybrid(noise_ppm: int, **fields) -> toy.ToyModel:
     return replace(HYBRID, noise_ppm=noise_ppm, **fields)
 
@@ -64,7 +92,7 @@ def test_recurrent_layers_roll_back_to_the_kept_tokens(strategy, k, noise_ppm):
     for prompt in PROMPTS:
         full = toy.target_greedy(model, prompt, 60)
         for eos in (None, full[len(full) // 2]):
-            stream = toy_reference.NumpyRoundStream(model, k, 3, capacity=256, strategy=strategy)
+            stream = toy_reference.NumpyRoundStream(model, k, 3, capacity=256, state_rollback=strategy)
             out, kept = generated(stream, prompt, 60, eos)
             assert out == toy.target_greedy(model, prompt, 60, eos), f"prompt {prompt}, eos {eos}"
             want = model.rec_states(kept)
@@ -112,7 +140,7 @@ def test_a_skipped_state_rollback_changes_the_tokens(strategy, k):
     """Proof that the tests above can fail: without its state rollback the target's tokens go wrong."""
     model = hybrid(100_000)
     for prompt in PROMPTS:
-        out = NoStateRollback(model, k, 3, capacity=256, strategy=strategy).generate(prompt, 40)
+        out = NoStateRollback(model, k, 3, capacity=256, state_rollback=strategy).generate(prompt, 40)
         assert out != toy.target_greedy(model, prompt, 40), f"prompt {prompt}"
 
 
@@ -122,8 +150,8 @@ def test_a_skipped_draft_state_rollback_costs_rounds(strategy):
     the draft, reading stale states, is rarely right, so the same request takes more rounds."""
     model, k = hybrid(0, p_min=0.0), 4
     for prompt in PROMPTS:
-        right = toy_reference.NumpyRoundStream(model, k, 1, capacity=256, strategy=strategy)
-        stale = NoDraftStateRollback(model, k, 1, capacity=256, strategy=strategy)
+        right = toy_reference.NumpyRoundStream(model, k, 1, capacity=256, state_rollback=strategy)
+        stale = NoDraftStateRollback(model, k, 1, capacity=256, state_rollback=strategy)
         want = toy.target_greedy(model, prompt, 60)
         assert right.generate(prompt, 60) == stale.generate(prompt, 60) == want
         assert right.rounds == 60 // (k + 1), "a perfect draft: every draft accepted"
@@ -138,8 +166,8 @@ def test_models_refuse_ill_formed_recurrent_layers():
     for words in (0, toy.BLOCK + 1):
         with pytest.raises(ValueError, match="state_words"):
             toy.ToyModel(kv_mask=(False,), rec_mask=(True,), state_words=words)
-    with pytest.raises(ValueError, match="strategy must be one of"):
-        toy_reference.NumpyRoundStream(HYBRID, 2, 1, 64, strategy="swap")
+    with pytest.raises(ValueError, match="state_rollback must be one of"):
+        toy_reference.NumpyRoundStream(HYBRID, 2, 1, 64, state_rollback="swap")
 
 
 def test_the_flip_index_names_a_slot_whatever_its_value():

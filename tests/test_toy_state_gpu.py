@@ -48,7 +48,7 @@ class Hybrid:
 
     def __init__(self, engine, spec, model, state, batch, k, m_rounds, budget=80, mode="graph"):
         capacity = kv_capacity(MAX_PROMPT, budget, k, m_rounds, overlap=mode == "overlap", batch=batch)
-        self.lm = toy.ToyLM(engine, model, capacity, batch=batch, state=state)
+        self.lm = toy.ToyLM(engine, model, capacity, batch=batch, state_rollback=state)
         self.bufs = StreamBufs(engine, k, m_rounds, batch)
         self.stream = self.lm.round_stream(spec, self.bufs)
 
@@ -151,7 +151,7 @@ def test_sampling_mode_at_temperature_zero_is_greedy(engine, spec):
     prompts, budgets, eos = requests(MODEL, 4, seed=3)
     for state in toy.STATE_ROLLBACKS:
         lm = toy.ToyLM(engine, MODEL, kv_capacity(MAX_PROMPT, 80, 4, 4, batch=4), batch=4, sampling=sampling,
-                       state=state)
+                       state_rollback=state)
         bufs = StreamBufs(engine, 4, 4, 4)
         stream = lm.round_stream(spec, bufs)
         starts = [lm.prefill_row(bufs, b, prompt, seed=b) for b, prompt in enumerate(prompts)]
@@ -160,8 +160,8 @@ def test_sampling_mode_at_temperature_zero_is_greedy(engine, spec):
 
 
 def test_what_the_toy_cannot_run_is_refused(engine, spec):
-    with pytest.raises(ValueError, match="state must be one of"):
-        toy.ToyLM(engine, MODEL, 64, state="swap")
+    with pytest.raises(ValueError, match="state_rollback must be one of"):
+        toy.ToyLM(engine, MODEL, 64, state_rollback="swap")
     with pytest.raises(ValueError, match="pipeline stages cannot roll back recurrent state"):
         toy.ToyLM(engine, MODEL, 64, layers=range(0, 2))
     with pytest.raises(ValueError, match="pipeline stages cannot roll back recurrent state"):

@@ -133,6 +133,8 @@ class ToyModel:
         """The target's hash state after `token` at `pos` (`history`: the wrapping sum of every
         KV layer's entries before pos; `states`: the recurrent layers' states after the token,
         as recur() leaves them); its greedy token is fmix(state) % vocab."""
+        if states is None and self.rec_layers:
+            raise ValueError("a model with recurrent layers needs their states after the token (recur())")
         e = self.embed(token, pos)
         total = history if states is None else history + int(states.sum(dtype=np.uint64))
         recurrent = set(self.rec_layers)
@@ -261,7 +263,7 @@ class ToyStates:
 
     def layers(self) -> list[StateLayer | None]:
         """The model's layers as state_copy_table takes them (None: no recurrent state)."""
-        layers = iter(StateLayer(live, slots, self.words, self.k) for live, slots in zip(self.live, self.slots))
+        layers = (StateLayer(live, slots, self.words, self.k) for live, slots in zip(self.live, self.slots))
         return [next(layers) if rec else None for rec in self.rec_mask]
 
     def read(self, engine: Engine) -> np.ndarray:
@@ -285,7 +287,7 @@ class ToyLM:
     With `sampling`, the draft samples its tokens, the verify writes the target's probabilities
     and the round accepts stochastically (spec_accept_sample), each row with its request's seed.
 
-    A model with recurrent layers rolls their state back by `state`, "copy" (kernel 8) or
+    A model with recurrent layers rolls their state back by `state_rollback`, "copy" (kernel 8) or
     "flip" (kernel 9), the target's and the draft's alike (ToyStates). Their slots depend on k,
     so they are allocated for the StreamBufs this model first meets, and a round of another k
     is refused.
@@ -293,7 +295,7 @@ class ToyLM:
 
     def __init__(self, engine: Engine, model: ToyModel, capacity: int, cost: ToyCost = ToyCost(),
                  weights: DeviceBuffer | None = None, batch: int = 1, layers: range | None = None,
-                 with_draft: bool = True, sampling: ToySampling | None = None, state: str = "copy"):
+                 with_draft: bool = True, sampling: ToySampling | None = None, state_rollback: str = "copy"):
         """`weights`: a buffer to stream for the cost knob, shareable between models (one is
         allocated when the cost needs it and none is given)."""
         self.engine, self.model, self.capacity, self.cost = engine, model, int(capacity), cost
@@ -302,15 +304,15 @@ class ToyLM:
         if not (self.layers.step == 1 and 0 <= self.layers.start < self.layers.stop <= len(model.kv_mask)):
             raise ValueError(f"a stage holds a contiguous, non-empty range of the model's {len(model.kv_mask)} "
                              f"layers, not {layers}")
-        if state not in STATE_ROLLBACKS:
-            raise ValueError(f"state must be one of {STATE_ROLLBACKS}, not {state!r}")
+        if state_rollback not in STATE_ROLLBACKS:
+            raise ValueError(f"state_rollback must be one of {STATE_ROLLBACKS}, not {state_rollback!r}")
         if model.rec_layers and (self.layers != range(len(model.kv_mask)) or not with_draft):
             raise ValueError("the toy's pipeline stages cannot roll back recurrent state: a model with recurrent "
                              "layers runs whole (layers=None, with_draft=True)")
         if len(model.rec_layers) * model.state_words > BLOCK:
             raise ValueError(f"the toy's kernels give every recurrent word a thread of one block: "
                              f"{len(model.rec_layers)} layers x {model.state_words} words is more than {BLOCK}")
-        self.state = state
+        self.state_rollback = state_rollback
         self.states: tuple[ToyStates, ToyStates] | None = None  # the target's and the draft's, once k is known
         self.module = engine.load_ptx("toy_lm")
         self.target = Cache.allocate(engine, model.kv_mask[self.layers.start:self.layers.stop], capacity,
@@ -379,8 +381,8 @@ class ToyLM:
         if not self.model.rec_layers:
             return None
         if self.states is None:
-            self.states = (ToyStates(self.engine, self.model, self.batch, bufs.k, self.state, "target"),
-                           ToyStates(self.engine, self.model, self.batch, bufs.k, self.state, "draft"))
+            self.states = (ToyStates(self.engine, self.model, self.batch, bufs.k, self.state_rollback, "target"),
+                           ToyStates(self.engine, self.model, self.batch, bufs.k, self.state_rollback, "draft"))
         elif self.states[0].k != bufs.k:
             raise ValueError(f"this toy's recurrent states hold the k + 1 = {self.states[0].k + 1} slots of the "
                              f"rounds it first met, not those of k = {bufs.k}: make another ToyLM")
@@ -399,7 +401,7 @@ class ToyLM:
         states = self._states(bufs)
         if states is None:
             return []
-        if self.state == "flip":
+        if self.state_rollback == "flip":
             return [state_flip_table(self.engine, [model_states.idx_d for model_states in states])]
         return [state_copy_table(self.engine, [layer for model_states in states for layer in model_states.layers()])]
 

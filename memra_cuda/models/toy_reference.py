@@ -18,10 +18,10 @@ class NumpyStates:
     recurrent layer a live state of `state_words` and k + 1 slots (COPY), or 2(k + 1) slots and
     the model's one slot index (FLIP; docs/model-side.md, "Recurrent state")."""
 
-    def __init__(self, model: ToyModel, k: int, strategy: str):
-        if strategy not in STATE_ROLLBACKS:
-            raise ValueError(f"strategy must be one of {STATE_ROLLBACKS}, not {strategy!r}")
-        self.k, self.words, self.flip = k, model.state_words, strategy == "flip"
+    def __init__(self, model: ToyModel, k: int, state_rollback: str):
+        if state_rollback not in STATE_ROLLBACKS:
+            raise ValueError(f"state_rollback must be one of {STATE_ROLLBACKS}, not {state_rollback!r}")
+        self.k, self.words, self.flip = k, model.state_words, state_rollback == "flip"
         layers = len(model.rec_layers)
         self.slots = [np.zeros(((2 if self.flip else 1) * (k + 1), self.words), np.uint32) for _ in range(layers)]
         self.live_state = [np.zeros(self.words, np.uint32) for _ in range(0 if self.flip else layers)]
@@ -69,10 +69,10 @@ class NumpyRoundStream:
 
     Same buffers, same round order, same clamps as on the GPU; the draft's KV stores
     E(t, j) and it recomputes the target's sums from them, as toy_lm.cu does, and it keeps its
-    own copy of the target's recurrent states, rolled back as the target's are (`strategy`).
+    own copy of the target's recurrent states, rolled back as the target's are (`state_rollback`).
     """
 
-    def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int, strategy: str = "copy"):
+    def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int, state_rollback: str = "copy"):
         self.model, self.k, self.m, self.capacity = model, k, m_rounds, capacity
         self.ring_cap = m_rounds * (k + 1)
         u32 = lambda n: np.zeros(n, np.uint32)  # noqa: E731
@@ -83,7 +83,8 @@ class NumpyRoundStream:
         self.tgt = [np.zeros(capacity, np.uint32) if kv else None for kv in model.kv_mask]
         self.tgt_len = [np.zeros(1, np.int32) if kv else None for kv in model.kv_mask]
         self.draft_kv, self.draft_len = np.zeros(capacity, np.uint32), np.zeros(1, np.int32)
-        self.tgt_states, self.draft_states = NumpyStates(model, k, strategy), NumpyStates(model, k, strategy)
+        self.tgt_states = NumpyStates(model, k, state_rollback)
+        self.draft_states = NumpyStates(model, k, state_rollback)
         self.rounds = 0
 
     def prefill(self, prompt: Sequence[int]) -> int:
@@ -167,7 +168,7 @@ class NumpyRoundStream:
 
 
 def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new_tokens: int,
-                         eos: int | None = None, m_rounds: int = 4, strategy: str = "copy") -> list[int]:
+                         eos: int | None = None, m_rounds: int = 4, state_rollback: str = "copy") -> list[int]:
     """The whole speculative loop in numpy (see NumpyRoundStream)."""
     capacity = kv_capacity(len(prompt), max_new_tokens, k, m_rounds)
-    return NumpyRoundStream(model, k, m_rounds, capacity, strategy).generate(prompt, max_new_tokens, eos)
+    return NumpyRoundStream(model, k, m_rounds, capacity, state_rollback).generate(prompt, max_new_tokens, eos)
