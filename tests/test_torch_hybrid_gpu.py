@@ -3,9 +3,9 @@ layers HYBRID a gated linear recurrence whose state round-stream rolls back ever
 or by flipping an index. Its output equals its own plain greedy decoding (GraphedGreedy: Hugging
 Face cannot run the layer) token for token over 256 tokens, fp32, in every mode, both rollbacks,
 for one request and for a batch of 8 with different budgets, EOS stops and a one-token prompt,
-and served continuously; after a generation the state is the committed tokens' own; and without
-the state's rollback the tokens go wrong. Skipped with the reason where torch or transformers is
-missing.
+and served continuously; sampled, a request's tokens are the same in every mode; after a
+generation the state is the committed tokens' own; and without the state's rollback the tokens
+go wrong. Skipped with the reason where torch or transformers is missing.
 """
 from __future__ import annotations
 
@@ -119,6 +119,23 @@ def test_served_requests_equal_their_own_plain_greedy(llama, hybrid, state):
     served = spec.serve(requests, "graph")
     for i, (done, theirs) in enumerate(zip(served, want)):
         assert done.tokens == theirs, f"request {i}: first difference at token {first_difference(done.tokens, theirs)}"
+
+
+@pytest.mark.parametrize("state", ROLLBACKS)
+def test_sampled_tokens_are_the_same_in_every_mode(llama, hybrid, state):
+    """Sampling through the hybrid: the draws are keyed by seed and position, so a request's
+    tokens are the same whatever the mode runs its rounds, as long as every rejected draft's
+    state is rolled back out (acceptance below one: some were)."""
+    prompts = [llama.PROMPT, [1, 300, 17]]
+    requests = [llama.Request(prompt, 64, None, seed) for seed, prompt in enumerate(prompts, 3)]
+    capacity = llama.capacity_for(max(map(len, prompts)), 64, K, M, batch=2)
+    spec = llama.SpeculativeLlama(hybrid, k=K, m_rounds=M, capacity=capacity, batch=2, state_rollback=state,
+                                  sampling=llama.SamplingParams(temperature=0.5))
+    runs = {mode: generate(spec, requests, mode) for mode in ("readback", "graph", "device")}
+    for mode, got in runs.items():
+        for row, (mine, theirs) in enumerate(zip(got, runs["readback"])):
+            assert mine == theirs, f"{mode}, row {row}: first difference at token {first_difference(mine, theirs)}"
+    assert 0.0 < spec.acceptance([len(row) for row in runs["device"]]) < 1.0
 
 
 def test_without_the_state_rollback_the_tokens_go_wrong(llama, hybrid, batches):
