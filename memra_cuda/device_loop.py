@@ -101,11 +101,10 @@ class TokenStream:
     # The host looks for tokens when the rounds are due to commit them, aiming LOOK_S or more
     # past the last publish it saw: on the H200's host a look costs 6-15 µs of CPU (its sleep
     # alone ~5 µs), so looks every three rounds of the bare toy hold the delay near a round and
-    # cost a sixth to a third of a core; every 150 µs, a tenth to a sixth (docs/round-stream.md,
-    # "How the host waits"). It
-    # wakes EARLY_S before the commit for the sleep's own lateness; a look that finds nothing
-    # looks again RETRY_S later (before the first round is timed, twice as late each time, up
-    # to 1 ms).
+    # cost a sixth to a third of a core; every 150 µs, a tenth to a fifth (docs/round-stream.md,
+    # "How the host waits"). It wakes EARLY_S before the commit for the sleep's own lateness;
+    # a look that comes early (it finds nothing, or not yet the publish it was aimed at) looks
+    # again RETRY_S later (before the first round is timed, twice as late each time, up to 1 ms).
     LOOK_S = 60e-6
     EARLY_S = 5e-6
     RETRY_S = 10e-6
@@ -176,16 +175,18 @@ class TokenStream:
         the delay a look sees (seen - stamp) is their offset plus the look's lateness; the stamps
         of two looks over the publishes between them give a round. The host sleeps until the
         first round due `look_s` or more after the last publish, less EARLY_S, aiming by the
-        delay of a look that came a retry after an empty one (late by at most a retry), and
-        before one has, by the smallest delay seen less a growing margin."""
+        delay of a look that came a retry after an early one (one that found nothing, or not yet
+        the publish it was aimed at: late by at most a retry), and before one has, by the
+        smallest delay seen less a growing margin."""
         clock, sleep = time.perf_counter_ns, time.sleep
         look_ns, early_ns, retry_s = int(look_s * 1e9), int(self.EARLY_S * 1e9), self.RETRY_S
         stall_ns, landed_ns = int(self.STALL_S * 1e9), clock()
         seq_seen, stamp_seen, round_ns, lag_ns = 0, 0, 0, None
         retry = retry_s  # the wait after an empty look
-        # prompt: this look comes a short retry after an empty one; trusted: a prompt look has
-        # set the lag to aim by; creep: how much earlier than that lag to aim until one has.
-        prompt, trusted, creep = False, False, 0
+        # prompt: this look comes a short retry after one that came before the publish it was
+        # aimed at (aimed: that publish's number); trusted: a prompt look has set the lag to aim
+        # by; creep: how much earlier than that lag to aim until one has.
+        prompt, trusted, creep, aimed = False, False, 0, 0
         self.looks = self.empty_looks = 0
         with _fine_timer():
             while True:
@@ -208,7 +209,7 @@ class TokenStream:
                         round_ns = max(_signed(stamp - stamp_seen) // (seq - seq_seen), 0)
                     seq_seen, stamp_seen = seq, stamp
                     # The delay a look sees is the offset of the clocks plus how late it came. A
-                    # look a retry after an empty one came within a retry of the publish: its
+                    # look a retry after an early one came within a retry of the publish: its
                     # delay is the one to aim by. Until one has, each look aims earlier (by a
                     # sixteenth of a round, doubling), so a first publish seen late after a long
                     # backoff does not keep every later look as late.
@@ -218,14 +219,21 @@ class TokenStream:
                         lag_ns = lag if lag_ns is None or _signed(lag - lag_ns) < 0 else lag_ns
                         if not trusted and round_ns:
                             creep = min(max(2 * creep, round_ns // 16), round_ns // 2)
-                    prompt = False
+                    # A look that came before the publish it was aimed at (it found the one
+                    # before) looks again a retry later, and that look's delay is trusted: else
+                    # a host aiming early would take each early look's publish for its aim and
+                    # look every ahead - 1 rounds, more often than look_s.
+                    prompt = bool(round_ns) and seq < aimed
                     if landed is not None:
                         yield landed
                     if ended:
                         return
-                    ahead = -(-look_ns // round_ns) if round_ns else 1
-                    due = stamp + lag_ns - creep + ahead * round_ns - early_ns  # host time, low 32 bits
-                    wait_s = _signed(due - clock()) * 1e-9
+                    if prompt:
+                        wait_s = retry_s
+                    else:
+                        ahead = -(-look_ns // round_ns) if round_ns else 1
+                        due = stamp + lag_ns - creep + ahead * round_ns - early_ns  # host time, low 32 bits
+                        wait_s, aimed = _signed(due - clock()) * 1e-9, seq + ahead
                 sleep(0 if spin else max(wait_s, retry_s))
 
     def tokens(self) -> list[np.ndarray]:
