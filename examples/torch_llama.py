@@ -268,8 +268,10 @@ class FlipState:
     one u32[B] slot index for the model (`index_d`, round-stream's; `index`, its int32 view).
     With bank = min(idx / (k+1), 1), a forward over every row reads slot bank·(k+1) + idx % (k+1)
     and writes the state after its token i to slot (1 - bank)·(k+1) + i, in the other bank, so
-    the slot it read is never written; round-stream's rollback points idx at the kept slot, and
-    nothing is copied. A prompt's state goes to slot 0, idx 0."""
+    the slot it read is never written; round-stream's rollback points idx at the kept slot and
+    copies nothing. (The verify here still gathers each row's slot into a tensor of its own, as
+    much as COPY's rollback moves: a kernel that took the index itself would not, which is where
+    FLIP saves; `make bench-torch` times this example's.) A prompt's state goes to slot 0, idx 0."""
 
     def __init__(self, layers: int, batch: int, shape: tuple[int, int, int], k: int, engine: Engine):
         self.k = k

@@ -39,13 +39,15 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 
-from .bench_state import bench_state, device_us, replay_ms
 from .bufs import StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable, driver
+from .driver.event import Event
+from .driver.graph import Graph
 from .kernels import SpecKernels
 from .models.toy import COST_8B_05B, ToyCost, ToyLM, ToyModel, ToySampling
 from .stream import RoundStream, kv_capacity
@@ -129,6 +131,26 @@ def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str
         row.floor_us_per_round = device_floor(engine, stream, bursts) * 1e3 / (bursts * m_rounds)
     bufs.free()
     return row
+
+
+def replay_ms(engine: Engine, graph: Graph, replays: int) -> float:
+    """Milliseconds of `replays` replays of `graph` queued back to back, timed on the device."""
+    start, end = Event(engine), Event(engine)
+    start.record()
+    for _ in range(replays):
+        graph.launch()
+    end.record()
+    return end.elapsed_ms(start)
+
+
+def device_us(engine: Engine, step: Callable[[], None], launches: int = 50, replays: int = 10) -> float:
+    """Device microseconds of one `step`: a graph of `launches` of them, replayed `replays`
+    times after a warm-up."""
+    graph = Graph(engine, lambda: [step() for _ in range(launches)])
+    graph.launch()
+    us = replay_ms(engine, graph, replays) * 1e3 / (replays * launches)
+    graph.free()
+    return us
 
 
 def device_floor(engine: Engine, stream: RoundStream, replays: int, rounds: int | None = None) -> float:
@@ -387,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         report["device"] = bench_device(engine, args.quick)
         print(summary(report["device"]))
     if args.only in (None, "state"):
+        from .bench_state import bench_state
         report["state"] = bench_state(engine, args.quick)
     if args.only == "torch":
         from .bench_torch import bench_torch  # torch and transformers only where asked for

@@ -15,15 +15,15 @@ import time
 
 import numpy as np
 
+from .bench import MODEL
 from .bufs import StreamBufs
 from .device_loop import TokenStream
 from .driver.buffer import MappedBuffer
 from .driver.engine import Engine
 from .kernels import SpecKernels
-from .models.toy import COST_8B_05B, ToyCost, ToyLM, ToyModel
+from .models.toy import COST_8B_05B, ToyCost, ToyLM
 from .stream import kv_capacity
 
-MODEL = ToyModel(seed=2024, noise_ppm=100_000, p_min=0.05)
 K, M = 4, 16
 RUNS = (("graph", True), ("graph", False), ("overlap", True), ("device", True), ("device lean", True),
         ("device spin", True))  # mode, pace

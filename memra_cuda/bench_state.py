@@ -11,14 +11,11 @@ timed with events.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 
+from .bench import device_us
 from .bufs import StreamBufs
 from .driver.engine import Engine
-from .driver.event import Event
-from .driver.graph import Graph
 from .kernels import SpecKernels
 from .layout import CTL_KEEP, CTL_WORDS
 from .tables import StateLayer, state_copy_table, state_flip_table
@@ -26,26 +23,6 @@ from .tables import StateLayer, state_copy_table, state_flip_table
 K, LAYERS, KEEP = 4, 4, 3
 ROW_BYTES = (4 << 10, 32 << 10, 128 << 10, 1 << 20)  # per row and layer: 128 KiB is 8 heads of 64 x 64 f32
 BATCHES = (1, 8, 32)
-
-
-def replay_ms(engine: Engine, graph: Graph, replays: int) -> float:
-    """Milliseconds of `replays` replays of `graph` queued back to back, timed on the device."""
-    start, end = Event(engine), Event(engine)
-    start.record()
-    for _ in range(replays):
-        graph.launch()
-    end.record()
-    return end.elapsed_ms(start)
-
-
-def device_us(engine: Engine, step: Callable[[], None], launches: int = 50, replays: int = 10) -> float:
-    """Device microseconds of one `step`: a graph of `launches` of them, replayed `replays`
-    times after a warm-up."""
-    graph = Graph(engine, lambda: [step() for _ in range(launches)])
-    graph.launch()
-    us = replay_ms(engine, graph, replays) * 1e3 / (replays * launches)
-    graph.free()
-    return us
 
 
 def _rollbacks(engine: Engine, spec: SpecKernels, batch: int, row_words: int) -> dict[str, float]:
@@ -91,4 +68,4 @@ def bench_state(engine: Engine, quick: bool) -> list[dict]:
     return rows
 
 
-__all__ = ["bench_state", "device_us", "replay_ms"]
+__all__ = ["bench_state"]

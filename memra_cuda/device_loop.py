@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
@@ -178,7 +179,7 @@ class TokenStream:
         delay of a look that came a retry after an early one (one that found nothing, or not yet
         the publish it was aimed at: late by at most a retry), and before one has, by the
         smallest delay seen less a growing margin."""
-        clock, sleep = time.perf_counter_ns, time.sleep
+        clock, sleep = _clock, _sleep
         look_ns, early_ns, retry_s = int(look_s * 1e9), int(self.EARLY_S * 1e9), self.RETRY_S
         stall_ns, landed_ns = int(self.STALL_S * 1e9), clock()
         seq_seen, stamp_seen, round_ns, lag_ns = 0, 0, 0, None
@@ -223,7 +224,7 @@ class TokenStream:
                     # before) looks again a retry later, and that look's delay is trusted: else
                     # a host aiming early would take each early look's publish for its aim and
                     # look every ahead - 1 rounds, more often than look_s.
-                    prompt = bool(round_ns) and seq < aimed
+                    prompt = seq < aimed
                     if landed is not None:
                         yield landed
                     if ended:
@@ -238,7 +239,7 @@ class TokenStream:
 
     def tokens(self) -> list[np.ndarray]:
         """Every row's tokens published since the launch (copies)."""
-        return [self._tokens[b, :n].copy() for b, n in enumerate(self._counts.tolist())]
+        return self.rows("tokens", self.launches, [0] * self.batch, self._counts.tolist())
 
     def free(self) -> None:
         self._views(None)
@@ -386,6 +387,7 @@ class DeviceLoop:
 
 
 MASK32 = 2**32 - 1
+_clock, _sleep = time.perf_counter_ns, time.sleep  # the host's clock and sleep while it follows
 
 
 def _signed(ns: int) -> int:
@@ -418,6 +420,7 @@ def _fine_timer() -> Iterator[None]:
         prctl(29, before, 0, 0, 0)
 
 
+@functools.cache
 def _prctl() -> Any:
     if not sys.platform.startswith("linux"):
         return None

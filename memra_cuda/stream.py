@@ -1,9 +1,9 @@
 """RoundStream: the burst driver that issues rounds onto the engine's stream.
 
 A round, in stream order: [seed_gather] → draft chain → assemble_verify → verify trunk →
-accept → commit → rollback, for every sequence of the batch at once. The driver owns nothing
-model-specific: the caller hands it its draft chain and verify trunk as callables that queue
-work on the engine's stream.
+accept → commit → rollback [→ state rollback], for every sequence of the batch at once. The
+driver owns nothing model-specific: the caller hands it its draft chain and verify trunk as
+callables that queue work on the engine's stream.
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from .driver.buffer import DeviceBuffer
 from .driver.event import Event
 from .driver.graph import Capture, Graph, LoopUnsupported, loops
 from .driver.module import Launch
-from .driver.values import as_index
-from .tables import (UNCHECKED, AddressTable, PointerTable, StateIndexTable, StateTable, Unchecked,
+from .tables import (UNCHECKED, AddressTable, PointerTable, StateIndexTable, StateTable, Unchecked, kv_entries,
                      state_targets_disjoint)
 
 if TYPE_CHECKING:
@@ -80,8 +79,7 @@ class Stages:
         if (self.engines or self.round_tail is not None) and self.capacity is None:
             raise ValueError("Stages must say how many KV entries the other stages' caches hold (capacity=), "
                              "or capacity=UNCHECKED: their rollback runs in round_tail, out of the check's sight")
-        if self.capacity is not None and self.capacity is not UNCHECKED:
-            object.__setattr__(self, "capacity", as_index(self.capacity, "capacity"))
+        object.__setattr__(self, "capacity", kv_entries(self.capacity))
 
 
 class CapacityError(ValueError):
@@ -171,7 +169,7 @@ class RoundStream:
     docs/model-side.md).
     `acceptance` is the rule: Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab).
 
-    Four modes run the same rounds (Mode); a row that is done sits the rounds out (its
+    Five modes run the same rounds (Mode); a row that is done sits the rounds out (its
     position frozen) while the others go on, and a burst that runs after every stop has no
     effect. `rollback_tables` are PointerTables (kv_len_ptr_table and friends): one of them
     must hold `bufs.pos_ctr_d`, which is how the position advances, and every one that names

@@ -95,6 +95,17 @@ class Unchecked:
 UNCHECKED = Unchecked()
 
 
+def kv_entries(capacity: Any) -> int | Unchecked | None:
+    """A stated KV capacity: a positive number of entries, None (no KV named) or UNCHECKED, else
+    ValueError; where a table or a pipeline's other stages say how far a burst may go."""
+    if capacity is None or capacity is UNCHECKED:
+        return capacity
+    capacity = as_index(capacity, "capacity")
+    if capacity < 1:
+        raise ValueError(f"capacity must be a positive number of KV entries, None or UNCHECKED, not {capacity}")
+    return capacity
+
+
 class AddressTable(DeviceBuffer):
     """A u64 device array of `words`, among them the addresses of `targets`, which it holds.
 
@@ -132,10 +143,7 @@ class PointerTable(AddressTable):
 
     def __init__(self, engine: Engine, targets: Sequence[Any], *, capacity: int | Unchecked | None = None,
                  label: str = "pointer table"):
-        if not (capacity is None or capacity is UNCHECKED):
-            capacity = as_index(capacity, "capacity")
-            if capacity < 1:
-                raise ValueError(f"capacity must be a positive number of KV entries, None or UNCHECKED, not {capacity}")
+        capacity = kv_entries(capacity)
         held = tuple(None if t is None else engine.buffer(t, f"table entry {i}") for i, t in enumerate(targets))
         if not held:
             raise ValueError("a pointer table needs at least one entry")

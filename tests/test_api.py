@@ -49,6 +49,9 @@ def test_pipeline_stages_name_the_capacity_of_their_caches():
         Stages((), round_tail=lambda: None)
     assert Stages(["stage"], capacity=memra_cuda.UNCHECKED).capacity is memra_cuda.UNCHECKED
     assert type(Stages(["stage"], capacity=np.int64(64)).capacity) is int
+    for bad in (0, -5):  # the rule of a table's capacity: a burst could never be checked against these
+        with pytest.raises(ValueError, match="positive number of KV entries"):
+            Stages(["stage"], capacity=bad)
     assert Stages(()).capacity is None
 
 
@@ -75,8 +78,6 @@ def test_rounds_are_torch_backed_whatever_form_the_tensors_take():
     buffers reach it as DeviceBuffers adopted from tensors (memra_torch.buffer), not only as
     tensors. (A stand-in class from a module named torch: no torch needed here.)"""
     from types import SimpleNamespace
-
-    import numpy as np
 
     from memra_cuda import DeviceBuffer
     from memra_cuda.stream import _torch_in_play

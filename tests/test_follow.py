@@ -90,8 +90,8 @@ class Device:
 
     def follow(self, monkeypatch: pytest.MonkeyPatch, **kwargs):
         """The stream's follow() on this device's clock (kwargs: spin, look_s)."""
-        monkeypatch.setattr(device_loop.time, "perf_counter_ns", self.clock)
-        monkeypatch.setattr(device_loop.time, "sleep", self.sleep)
+        monkeypatch.setattr(device_loop, "_clock", self.clock)
+        monkeypatch.setattr(device_loop, "_sleep", self.sleep)
         monkeypatch.setattr(device_loop, "_fine_timer", contextlib.nullcontext)  # no prctl
         return self.stream.follow(check=self.check, **kwargs)
 
@@ -154,6 +154,22 @@ def test_every_token_is_yielded_once_in_order_with_its_stamp(monkeypatch):
     assert [piece.running for piece in landed] == [True] * (len(landed) - 1) + [False]
     assert device.looks[-2] < device.commits[-1] <= device.looks[-1]
     assert device.stream.looks == len(device.looks) and not device.checks
+    assert [row.tolist() for row in device.stream.tokens()] == [tokens for tokens, _ in published]
+
+
+def test_a_landed_answers_until_the_stream_is_cleared_for_the_next_launch(monkeypatch):
+    """A Landed copies its tokens out of the stream when first asked: after the stream's next
+    launch it refuses rather than answer with another request's tokens, and what it copied
+    before stays its own."""
+    device = Device(20)
+    landed = list(device.follow(monkeypatch))
+    kept = landed[0].tokens
+    device.stream.clear()  # the next launch
+    with pytest.raises(ValueError, match="earlier launch"):
+        landed[-1].stamps
+    assert landed[0].tokens is kept
+    for row, (tokens, _) in zip(kept, device.published_rows()):
+        assert row.tolist() == tokens[:row.size]
 
 
 def test_rounds_of_20us_are_seen_within_a_round_plus_20us_looking_every_three_rounds(monkeypatch):
@@ -250,3 +266,31 @@ def test_a_slow_healthy_device_is_asked_about_every_stall_s_and_followed_to_the_
     spans = np.diff([START, *device.checks])
     assert np.all((spans > STALL_NS) & (spans <= STALL_NS + 1_100_000))
     assert sum(piece.total for piece in landed) == device.per_round.sum()
+    waits = np.diff([look for look in device.looks if look < device.commits[0]])
+    assert waits.max() <= 1_000_000 + WAKE_NS, "the backoff is capped at 1 ms"
+
+
+def test_the_timer_slack_is_fine_while_following_and_restored_after(monkeypatch):
+    """Linux sleeps the thread's timer slack (50 µs by default) past what was asked: while the
+    host follows, 1 µs; after, what it was, also for a stream closed before its end."""
+    prctl = device_loop._prctl()
+    if prctl is None:
+        pytest.skip("no prctl here (not Linux)")
+    before = prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+    device = Device(20)
+    monkeypatch.setattr(device_loop, "_clock", device.clock)
+    monkeypatch.setattr(device_loop, "_sleep", device.sleep)
+    following = device.stream.follow()
+    next(following)
+    assert prctl(30, 0, 0, 0, 0) == 1000
+    following.close()
+    assert prctl(30, 0, 0, 0, 0) == before
+
+
+@pytest.mark.parametrize("m_rounds, paced, lengths", [
+    (16, True, [16, 4, 1]), (64, True, [64, 16, 4, 1]), (16, False, [16, 1]), (2, True, [2, 1]),
+    (1, True, [1]), (1, False, [1])])
+def test_device_mode_passes_are_m_then_powers_of_four_then_one(m_rounds, paced, lengths):
+    """The loops of one launch: M-round passes, then (paced) every power of four below M, then
+    single rounds, which end a generation the cap cuts inside a longer pass."""
+    assert device_loop._pass_lengths(m_rounds, paced) == lengths

@@ -71,3 +71,18 @@ def test_a_live_row_that_committed_nothing_may_need_the_whole_burst():
     pace.record(4, np.array([0, 8]), np.array([True, True]))
     assert pace.rounds(np.array([True, True])) == 8
     assert pace.rounds(np.array([False, True])) == 1  # row 1: 2 tokens a round, 2 left
+
+
+def test_every_length_rounds_asks_for_is_one_capture_graphs_makes():
+    """capture_graphs() captures Pace.lengths(M) up front: a burst of any other length would
+    capture mid-request, which through torch synchronises the device."""
+    rng = np.random.default_rng(0)
+    for m_rounds in (1, 4, 5, 12, 16, 64):
+        lengths = set(Pace.lengths(m_rounds))
+        for _ in range(200):
+            budgets = rng.integers(1, 300, 3)
+            pace = Pace(budgets, m_rounds)
+            pace.record(m_rounds, rng.integers(m_rounds, 5 * m_rounds, 3), np.array([True] * 3))
+            live = rng.random(3) < 0.7
+            assert pace.rounds(live, in_flight=int(rng.integers(0, m_rounds + 1))) in lengths
+            assert Pace(budgets, m_rounds).rounds(live) in lengths

@@ -190,3 +190,20 @@ def test_state_layer_refuses_wrong_sizes_and_types(live, slots, row_words, k, ma
 def test_state_layer_refuses_what_is_not_a_buffer():
     with pytest.raises(TypeError, match="live_d"):
         StateLayer(np.zeros(4, np.uint32), words(8), 1, 1)
+
+
+def test_state_tables_naming_the_same_memory_are_refused_together():
+    """RoundStream's check across its state tables (no GPU: it reads only what the tables
+    hold): memory named twice would be rolled back twice a round, and a second flip undoes the
+    first; tables of memory of their own pass."""
+    from types import SimpleNamespace
+
+    from memra_cuda.tables import state_targets_disjoint
+
+    index, other = words(4, at=0x10000), words(4, at=0x20000)
+    inside = DeviceBuffer.wrap(0x10008, np.uint32, 1)  # a word of `index`
+    table = SimpleNamespace(targets=(index, None))
+    state_targets_disjoint([table, SimpleNamespace(targets=(None, other))])
+    for second in ((index,), (inside,)):
+        with pytest.raises(ValueError, match="overlap"):
+            state_targets_disjoint([table, SimpleNamespace(targets=second)])

@@ -25,7 +25,7 @@ models = st.lists(st.sampled_from(KINDS), min_size=1, max_size=6).flatmap(lambda
     p_min=st.sampled_from([0.0, 0.05, 0.3, 0.999, 1.0]),
 ))
 
-# The GPU tests' hybrid model: KV, recurrent and KV layers in turn.
+# A hybrid model: KV, recurrent and KV layers in turn (test_toy_state_gpu.py runs it on the GPU).
 HYBRID = toy.ToyModel(seed=41, vocab=50, kv_mask=(True, False, True, False, True),
                       rec_mask=(False, True, False, True, False), noise_ppm=100_000, p_min=0.1)
 PROMPTS = ([7], [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2])
@@ -168,6 +168,8 @@ def test_models_refuse_ill_formed_recurrent_layers():
             toy.ToyModel(kv_mask=(False,), rec_mask=(True,), state_words=words)
     with pytest.raises(ValueError, match="state_rollback must be one of"):
         toy_reference.NumpyRoundStream(HYBRID, 2, 1, 64, state_rollback="swap")
+    with pytest.raises(ValueError, match="needs their states"):  # else predict() would leave them out
+        HYBRID.predict(0, 1, 0)
 
 
 def test_the_flip_index_names_a_slot_whatever_its_value():

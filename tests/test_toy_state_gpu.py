@@ -15,11 +15,11 @@ import pytest
 from memra_cuda import MODES, LoopUnsupported, SpecKernels, StreamBufs, kv_capacity
 from memra_cuda.layout import ACC_TOTAL, ACC_WORDS
 from memra_cuda.models import toy, toy_reference
+from test_toy import HYBRID
 
 pytestmark = pytest.mark.gpu
 
-MODEL = toy.ToyModel(seed=41, vocab=50, kv_mask=(True, False, True, False, True),
-                     rec_mask=(False, True, False, True, False), noise_ppm=150_000, p_min=0.1)
+MODEL = replace(HYBRID, noise_ppm=150_000)
 WIDE = replace(MODEL, state_words=96)  # past a warp: a layer's words span several
 MAX_PROMPT = 30
 

@@ -111,6 +111,8 @@ class ToyModel:
         """The recurrent layers' states, u32[len(rec_layers)][state_words], after `token` at
         `pos`: s[w] <- fmix(s[w] + fmix(E(token, pos) ^ salt(l)) + w) in each layer l. The one
         recurrence of the numpy half (prefill, draft and verify all step through it)."""
+        if not self.rec_layers:
+            return states
         e = self.embed(token, pos)
         drive = fmix_array(np.array([e ^ salt(layer) for layer in self.rec_layers], np.uint32))
         words = np.arange(self.state_words, dtype=np.uint64)
