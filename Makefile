@@ -1,13 +1,24 @@
-# `make test` needs only python3 and the package registry; `make gpu-test`, `make demo` and
-# `make bench` run with whatever python3 already has (the GPU machine installs nothing).
+# `make test` needs only python3 and the package registry. The targets that run the tree
+# (demo, bench, gpu-test, sanitize, racecheck) take their python from tools/pick-python: the
+# in-tree .venv where it has memra_cuda's dependencies, else the system python3 where it has them
+# (the GPU machine, which reaches no package index: nothing is installed there), else a .venv
+# made then with `pip install -e .` (needs the package index).
 PYTHON ?= python3
 VENV   ?= .venv
 VPY    := $(VENV)/bin/python
-# Prefer the in-tree virtualenv (`make ptx` makes it); fall back to the system python3 (the GPU
-# machine).
-RUNPY  := $(if $(wildcard $(VPY)),$(VPY),$(PYTHON))
+export PYTHON VENV
 
-.PHONY: test gpu-test sanitize racecheck demo bench bench-torch ptx clean
+# At a recipe's start: "$$py" is the python that runs the tree (`test`: with pytest and hypothesis).
+PICK      = py=$$(sh tools/pick-python) || exit 1;
+PICK_TEST = py=$$(sh tools/pick-python test) || exit 1;
+
+# The CUDA 12 bindings, as wheels carried to the GPU machine (it reaches no package index): the
+# last cuda-bindings 12 release, the cuda-pathfinder it imports (~=1.1), numpy 1.26 (the last
+# before 2), all for CPython 3.12 on manylinux x86_64.
+WHEELS12 := cuda-bindings==12.9.4 cuda-pathfinder==1.9.1 numpy==1.26.4
+SITE12   ?= /tmp/site12
+
+.PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch ptx clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,29 +35,68 @@ $(VENV)/.installed: pyproject.toml | $(VPY)
 # test_ptx.py still rebuilds ptx/ from the tree with the extra's NVRTC. Every run gets its own
 # directory (runs may overlap), removed at the end unless KEEP_TEST_DIR=1. MEMRA_TEST_INSTALLED
 # makes tests/test_packaging.py fail, not skip, on a package imported from the tree. No
-# bytecode or pytest cache: the run writes nothing into the tree.
+# bytecode, pytest or ruff cache: the run writes nothing into the tree.
+# Quiet where all is well: a step's output (venv, pip) is shown only when it fails; ruff (the
+# extra's, configured in pyproject.toml) lints the tree first, and the suite runs whatever it
+# finds; either failing fails the target. pytest -q: no header, no file-by-file progress; skips
+# come as one line per reason (tests/conftest.py).
 test:
 	@set -eu; \
 	dir=$$(mktemp -d "$${TMPDIR:-/tmp}/memra-cuda-test.XXXXXX"); \
 	[ -n "$(KEEP_TEST_DIR)" ] || trap 'rm -rf "$$dir"' EXIT; \
 	echo "make test: the wheel, its virtualenv and the pytest run are in $$dir"; \
-	$(PYTHON) -m venv "$$dir/venv"; \
+	quiet() { "$$@" >"$$dir/step.log" 2>&1 || { cat "$$dir/step.log"; echo "make test: failed: $$*" >&2; exit 1; }; }; \
+	quiet $(PYTHON) -m venv "$$dir/venv"; \
 	py="$$dir/venv/bin/python"; \
-	"$$py" -m pip install -q --upgrade pip; \
-	"$$py" -m pip wheel -q --no-deps -w "$$dir/dist" .; \
-	"$$py" -m pip install -q "$$(echo "$$dir"/dist/memra_cuda-*.whl)[test]"; \
+	quiet "$$py" -m pip install --upgrade pip; \
+	quiet "$$py" -m pip wheel --no-deps -w "$$dir/dist" .; \
+	quiet "$$py" -m pip install "$$(echo "$$dir"/dist/memra_cuda-*.whl)[test]"; \
+	lint=0; "$$py" -m ruff check --no-cache --output-format concise memra_cuda tests examples ptx/build.py || lint=$$?; \
 	cd "$$dir"; \
 	"$$py" -c "import memra_cuda, memra_cuda.models.toy, memra_cuda.driver"; \
-	MEMRA_TEST_INSTALLED=1 PYTHONDONTWRITEBYTECODE=1 "$$py" -m pytest -p no:cacheprovider \
-		-c "$(CURDIR)/pyproject.toml" --rootdir "$(CURDIR)" "$(CURDIR)/tests"
+	suite=0; MEMRA_TEST_INSTALLED=1 PYTHONDONTWRITEBYTECODE=1 "$$py" -m pytest -q -p no:cacheprovider \
+		-c "$(CURDIR)/pyproject.toml" --rootdir "$(CURDIR)" "$(CURDIR)/tests" || suite=$$?; \
+	[ $$lint = 0 ] || echo "make test: ruff check found the violations listed above (ruff check --fix mends most)"; \
+	[ $$lint = 0 ] && [ $$suite = 0 ]
 
 ptx: $(VENV)/.installed
 	$(VPY) ptx/build.py
 
 # MEMRA_REQUIRE_GPU turns "no driver" from a skip into a failure: on the GPU machine a skipped
-# suite must not pass for a green one.
+# suite must not pass for a green one. PYTEST_ARGS: more of pytest's arguments (files, -k, -x).
 gpu-test:
-	MEMRA_REQUIRE_GPU=1 PYTHONPATH=. $(RUNPY) -m pytest -m gpu
+	$(PICK_TEST) MEMRA_REQUIRE_GPU=1 PYTHONPATH=. "$$py" -m pytest -m gpu $(PYTEST_ARGS)
+
+# The GPU suite again on the CUDA 12 bindings and numpy 1.26 (what a CUDA 12 driver's user
+# installs), from the wheels of .whl12/ (`make wheels-cuda12`, where the index is reachable;
+# carry .whl12/ to the GPU machine), installed apart in $(SITE12) and put ahead of the system's
+# packages; the system python3 (3.12 there) has the rest: pytest, hypothesis. Not the PyTorch
+# tests (`make gpu-test` runs them): the machine's torch stack is built for numpy 2 (transformers
+# imports scipy, which needs np.long) and cannot import with numpy 1.26 ahead of it.
+gpu-test-cuda12:
+	@set -eu; \
+	ls .whl12/*.whl >/dev/null 2>&1 || { echo "gpu-test-cuda12: no wheels in .whl12/: run \`make wheels-cuda12\` where the package index is reachable, and bring .whl12/ here" >&2; exit 1; }; \
+	rm -rf "$(SITE12)"; \
+	$(PYTHON) -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --target "$(SITE12)" \
+		.whl12/*.whl; \
+	PYTHONPATH="$(SITE12):." $(PYTHON) -c 'import sys, cuda.bindings, numpy; \
+		b, n = cuda.bindings.__version__, numpy.__version__; \
+		print(f"gpu-test-cuda12: cuda.bindings {b} ({cuda.bindings.__path__[0]}), numpy {n} ({numpy.__path__[0]})"); \
+		sys.exit(0 if b.startswith("12.") and n.startswith("1.26.") else \
+			f"gpu-test-cuda12: wanted cuda.bindings 12.x and numpy 1.26, imported {b} and {n}")'; \
+	echo "MEMRA_REQUIRE_GPU=1 PYTHONPATH=$(SITE12):. $(PYTHON) -m pytest -m 'gpu and not torch' $(PYTEST_ARGS)"; \
+	MEMRA_REQUIRE_GPU=1 PYTHONPATH="$(SITE12):." $(PYTHON) -m pytest -m "gpu and not torch" $(PYTEST_ARGS)
+
+# Downloads the wheels of $(WHEELS12) into .whl12/ (ignored by git, never committed), replacing
+# what was there only once every one has come.
+wheels-cuda12:
+	@set -eu; \
+	tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/memra-cuda-whl12.XXXXXX"); trap 'rm -rf "$$tmp"' EXIT; \
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d "$$tmp" $(WHEELS12); \
+	rm -rf .whl12; mkdir .whl12; mv "$$tmp"/*.whl .whl12/; \
+	ls -1 .whl12; du -sh .whl12
 
 # The GPU suite under memcheck, but for the PyTorch tests (hours of torch's own kernels under
 # memcheck; memra's kernels they use are covered by the kernel tests). Every launch is slow
@@ -56,10 +106,10 @@ gpu-test:
 # assert on it. The largest batch end to end (`large`) is left out: its kernels are checked at
 # that size by the kernel tests.
 sanitize:
-	MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-200} PYTHONPATH=. \
+	$(PICK_TEST) MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-200} PYTHONPATH=. \
 		compute-sanitizer --tool memcheck --target-processes application-only --report-api-errors no \
 			--error-exitcode 1 \
-		$(RUNPY) -m pytest -q -m "gpu and not torch and not large"
+		"$$py" -m pytest -q -m "gpu and not torch and not large"
 
 # Shared-memory races (racecheck) in every kernel launched alone, and in the token stream's
 # protocol inside a WHILE loop (kernel 4' on a branch, the decider, a host following the mapped
@@ -67,22 +117,22 @@ sanitize:
 # cuEventSynchronize whenever kernel 4 (spec_ring_commit) runs in a conditional node's body,
 # with no hazard reported (docs/round-stream.md, "Checking device mode").
 racecheck:
-	MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-50} PYTHONPATH=. \
+	$(PICK_TEST) MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-50} PYTHONPATH=. \
 		compute-sanitizer --tool racecheck --target-processes application-only --report-api-errors no \
 			--error-exitcode 1 \
-		$(RUNPY) -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_sample_gpu.py tests/test_draft_sample_gpu.py tests/test_state_gpu.py \
+		"$$py" -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_sample_gpu.py tests/test_draft_sample_gpu.py tests/test_state_gpu.py \
 			tests/test_device_loop_gpu.py -k "not device_loop_gpu or ring_protocol or publish"
 
 demo:
-	PYTHONPATH=. $(RUNPY) -m memra_cuda
+	@$(PICK) PYTHONPATH=. "$$py" -m memra_cuda
 
 bench:
-	PYTHONPATH=. $(RUNPY) -m memra_cuda.bench $(BENCH_ARGS)
+	$(PICK) PYTHONPATH=. "$$py" -m memra_cuda.bench $(BENCH_ARGS)
 
 # Needs torch and transformers (the GPU machine has both): Hugging Face, graphed greedy and
 # round-stream on the Llama of examples/torch_llama.py.
 bench-torch:
-	PYTHONPATH=. $(RUNPY) -m memra_cuda.bench --only torch $(BENCH_ARGS)
+	$(PICK) PYTHONPATH=. "$$py" -m memra_cuda.bench --only torch $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -35,8 +35,9 @@ import functools
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -551,14 +552,14 @@ class SpeculativeLlama:
                 acceptance = Sampling(self.p_d, self.q_d, self.seed_d, vocab)
             table = kv_len_ptr_table(self.engine, self.target.kv.cache() + self.draft.kv.cache(),
                                      pos_ctr=bufs.pos_ctr_d)
-            self.rounds = RoundStream(spec, bufs, draft_chain=self.draft_chain, verify_trunk=self.verify_trunk,
+            self.rounds = RoundStream(bufs, kernels=spec, draft_chain=self.draft_chain, verify_trunk=self.verify_trunk,
                                       draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table],
                                       state_tables=self.state_tables())
             # One eager round, so torch's lazy set-up (library handles, workspaces) happens before
             # any capture; the next prefill resets everything it touched. Then every slot is vacant.
             self.prefill(range(batch), [[0, 0]] * batch)
             self.rounds.step("readback")
-            bufs.set_stop(self.engine, budget=0)
+            bufs.set_stop(budget=0)
 
     def state_tables(self) -> list[StateTable | StateIndexTable]:
         """RoundStream's state_tables: the hybrid target's one table (none for a pure-attention
@@ -617,10 +618,10 @@ class SpeculativeLlama:
             self.draft.kv.copy_rows(self.target.kv, index)
             pending = [int(prompt[-1]) for prompt in prompts]
             if rows == list(range(self.batch)):
-                self.bufs.reset(self.engine, pending, starts)
+                self.bufs.reset(pending, starts)
             else:
                 for row, token, start in zip(rows, pending, starts):
-                    self.bufs.reset_row(self.engine, row, token, start)
+                    self.bufs.reset_row(row, token, start)
             behind = torch.tensor([prompt[-2] if len(prompt) > 1 else 0 for prompt in prompts], device="cuda")
             self.vtok[index, 0] = behind.to(torch.int32)
             if self.sampling is not None:
@@ -639,8 +640,8 @@ class SpeculativeLlama:
         """One request per row, all started together and generated until each stops."""
         if len(requests) != self.batch:
             raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
-        starts = self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests])
-        out = self.rounds.generate_batch(starts, [r.max_new_tokens for r in requests],
+        self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests])
+        out = self.rounds.generate_batch([r.max_new_tokens for r in requests],
                                          eos=[r.eos for r in requests], mode=mode)
         return [tokens.tolist() for tokens in out]
 
@@ -664,7 +665,7 @@ class SpeculativeLlama:
         slots: list[int | None] = [None] * self.batch
         tokens: list[list[int]] = [[] for _ in range(self.batch)]
         out: list[Served | None] = [None] * len(requests)
-        self.bufs.set_stop(self.engine, budget=0)
+        self.bufs.set_stop(budget=0)
         begun = time.perf_counter()
         while queue or any(slot is not None for slot in slots):
             for row in range(self.batch):
@@ -672,7 +673,7 @@ class SpeculativeLlama:
                     slots[row], request = queue.popleft()
                     tokens[row] = []
                     self.prefill([row], [request.prompt], [request.seed])
-                    self.bufs.set_stop_row(self.engine, row, request.eos, request.max_new_tokens)
+                    self.bufs.set_stop_row(row, request.eos, request.max_new_tokens)
             readback = self.rounds.step(mode)
             for row, slot in enumerate(slots):
                 if slot is None:
@@ -684,7 +685,7 @@ class SpeculativeLlama:
         return out
 
     def acceptance(self, committed: int | Sequence[int]) -> float:
-        accepted, drafted = self.bufs.drafts_accepted(self.engine, committed)
+        accepted, drafted = self.bufs.drafts_accepted(committed)
         return accepted / drafted if drafted else 1.0
 
 

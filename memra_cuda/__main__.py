@@ -12,9 +12,9 @@ import time
 from .bufs import StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable
-from .kernels import SpecKernels
 from .models.toy import ToyLM, ToyModel, target_greedy
-from .stream import MODES, kv_capacity
+from .capacity import kv_capacity
+from .stream import MODES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,15 +36,16 @@ def main(argv: list[str] | None = None) -> int:
         capacity = kv_capacity(len(args.prompt), args.tokens, args.k, args.m_rounds, args.mode == "overlap")
         lm = ToyLM(engine, model, capacity)
         bufs = StreamBufs(engine, args.k, args.m_rounds)
-        stream = lm.round_stream(SpecKernels(engine), bufs)
-        stream.generate(lm.prefill(bufs, args.prompt), args.tokens, eos=args.eos, mode=args.mode)  # warm-up
-        start = lm.prefill(bufs, args.prompt)  # also zeroes the acceptance counters
+        stream = lm.round_stream(bufs)
+        lm.prefill(bufs, args.prompt)
+        stream.generate(args.tokens, eos=args.eos, mode=args.mode)  # warm-up
+        lm.prefill(bufs, args.prompt)  # also zeroes the acceptance counters
         readbacks0 = engine.readbacks
         t0 = time.perf_counter()
-        tokens = stream.generate(start, args.tokens, eos=args.eos, mode=args.mode).tolist()
+        tokens = stream.generate(args.tokens, eos=args.eos, mode=args.mode).tolist()
         seconds = time.perf_counter() - t0
         readbacks = engine.readbacks - readbacks0
-        accepted, drafted = bufs.drafts_accepted(engine, len(tokens))
+        accepted, drafted = bufs.drafts_accepted(len(tokens))
     want = target_greedy(model, args.prompt, args.tokens, args.eos)
     print(f"prompt     {args.prompt}")
     print(f"generated  {len(tokens)} tokens: {tokens[:24]}{' ...' if len(tokens) > 24 else ''}")

@@ -3,18 +3,13 @@
 Greedy acceptance keeps the drafts the target's own argmax agrees with; stochastic acceptance
 keeps each draft with probability min(1, p/q) and samples the token after the last kept one
 from the residual, so the committed tokens are distributed exactly as the target's sampling
-(docs/sampling.md). Each rule names the buffers the model writes every round and knows which
-kernel judges them.
+(docs/sampling.md). Each rule names the buffers the model writes every round; the kernel that
+judges it is SpecKernels.prepare_accept's choice, so a rule is plain data.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
-
-if TYPE_CHECKING:
-    from .bufs import StreamBufs
-    from .driver.module import Launch
-    from .kernels import SpecKernels
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,9 +18,6 @@ class Greedy:
     verify's next-token ids at the k+1 positions ([B][k+1], 32- or 64-bit integers)."""
 
     pred_d: Any
-
-    def prepare(self, spec: SpecKernels, bufs: StreamBufs) -> Launch:
-        return spec.prepare_accept_greedy(bufs, self.pred_d)
 
 
 @dataclass(frozen=True)
@@ -39,8 +31,5 @@ class Sampling:
     seed_d: Any
     vocab: int
 
-    def prepare(self, spec: SpecKernels, bufs: StreamBufs) -> Launch:
-        return spec.prepare_accept_sample(bufs, self.p_d, self.q_d, self.seed_d, self.vocab)
 
-
-Acceptance = Union[Greedy, Sampling]
+Acceptance = Greedy | Sampling

@@ -39,23 +39,22 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import numpy as np
 
+from .bench_common import MODEL, PROMPT, device_us, replay_ms
+from .bench_device import bench_device, summary
+from .bench_state import bench_state
 from .bufs import StreamBufs
+from .capacity import kv_capacity
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable, driver
-from .driver.event import Event
-from .driver.graph import Graph
 from .kernels import SpecKernels
 from .models.toy import COST_8B_05B, ToyCost, ToyLM, ToyModel, ToySampling
-from .stream import RoundStream, kv_capacity
+from .stream import RoundStream
 
 KS = (0, 2, 4, 8)
 MS = (1, 4, 16, 64)
-MODEL = ToyModel(seed=2024, noise_ppm=100_000, p_min=0.05)
-PROMPT = list(range(1, 17))
 
 
 @dataclass
@@ -112,45 +111,26 @@ def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str
     lm = ToyLM(engine, model, kv_capacity(len(PROMPT), tokens, k, m_rounds, overlap=True), cost, weights,
                sampling=sampling)
     bufs = StreamBufs(engine, k, m_rounds)
-    stream = lm.round_stream(spec, bufs)
-    stream.generate(lm.prefill(bufs, PROMPT), tokens, mode=mode)
-    start = lm.prefill(bufs, PROMPT)
+    stream = lm.round_stream(bufs, kernels=spec)
+    lm.prefill(bufs, PROMPT)
+    stream.generate(tokens, mode=mode)
+    lm.prefill(bufs, PROMPT)
     rounds0, bursts0, readbacks0 = stream.rounds, stream.bursts, engine.readbacks
     t0 = time.perf_counter()
-    made = len(stream.generate(start, tokens, mode=mode))
+    made = len(stream.generate(tokens, mode=mode))
     engine.synchronize()  # overlap leaves a burst running past the stop: its time counts too
     wall = time.perf_counter() - t0
     bursts, readbacks = stream.bursts - bursts0, engine.readbacks - readbacks0
     rounds = stream.rounds - rounds0  # rounds issued, those after the stop included
-    accepted, drafted = bufs.drafts_accepted(engine, made)
+    accepted, drafted = bufs.drafts_accepted(made)
     row = Row(name, k, None if mode == "readback" else m_rounds, mode, wall / rounds * 1e6, made / wall,
               readbacks / bursts, readbacks / made, accepted / drafted if drafted else None)
     if mode == "graph":
         lm.prefill(bufs, PROMPT)
-        bufs.set_stop(engine, budget=tokens)
+        bufs.set_stop(budget=tokens)
         row.floor_us_per_round = device_floor(engine, stream, bursts) * 1e3 / (bursts * m_rounds)
     bufs.free()
     return row
-
-
-def replay_ms(engine: Engine, graph: Graph, replays: int) -> float:
-    """Milliseconds of `replays` replays of `graph` queued back to back, timed on the device."""
-    start, end = Event(engine), Event(engine)
-    start.record()
-    for _ in range(replays):
-        graph.launch()
-    end.record()
-    return end.elapsed_ms(start)
-
-
-def device_us(engine: Engine, step: Callable[[], None], launches: int = 50, replays: int = 10) -> float:
-    """Device microseconds of one `step`: a graph of `launches` of them, replayed `replays`
-    times after a warm-up."""
-    graph = Graph(engine, lambda: [step() for _ in range(launches)])
-    graph.launch()
-    us = replay_ms(engine, graph, replays) * 1e3 / (replays * launches)
-    graph.free()
-    return us
 
 
 def device_floor(engine: Engine, stream: RoundStream, replays: int, rounds: int | None = None) -> float:
@@ -172,20 +152,22 @@ def bench_host_path(engine: Engine, quick: bool) -> dict:
     for mode, rounds in (("readback", 1), ("graph", HOST_M)):
         lm = ToyLM(engine, MODEL, kv_capacity(len(PROMPT), HOST_TOKENS, HOST_K, HOST_M, overlap=True))
         bufs = StreamBufs(engine, HOST_K, HOST_M)
-        stream = lm.round_stream(spec, bufs)
+        stream = lm.round_stream(bufs, kernels=spec)
         stream.pace = False
-        tokens = stream.generate(lm.prefill(bufs, PROMPT), HOST_TOKENS, mode=mode).tolist()
+        lm.prefill(bufs, PROMPT)
+        tokens = stream.generate(HOST_TOKENS, mode=mode).tolist()
         walls = []
         for _ in range(3 if quick else 7):
-            start, rounds0 = lm.prefill(bufs, PROMPT), stream.rounds
+            lm.prefill(bufs, PROMPT)
+            rounds0 = stream.rounds
             t0 = time.perf_counter()
-            got = stream.generate(start, HOST_TOKENS, mode=mode)
+            got = stream.generate(HOST_TOKENS, mode=mode)
             engine.synchronize()
             walls.append((time.perf_counter() - t0) / (stream.rounds - rounds0))
             assert got.tolist() == tokens, "the host-path generations differ"
         replays = (stream.rounds - rounds0) // rounds
         lm.prefill(bufs, PROMPT)
-        bufs.set_stop(engine, budget=HOST_TOKENS)
+        bufs.set_stop(budget=HOST_TOKENS)
         floor = device_floor(engine, stream, replays, rounds) * 1e3 / (replays * rounds)
         out[mode] = dict(us_per_round=statistics.median(walls) * 1e6, floor_us_per_round=floor)
         bufs.free()
@@ -205,7 +187,7 @@ def bench_rounds(engine: Engine, quick: bool) -> list[Row]:
             rows.append(base)
             print(format_row(base), flush=True)
             for m_rounds in MS:
-                for mode in ("stream", "graph", "overlap"):
+                for mode in ("eager", "graph", "overlap"):
                     row = measure(engine, spec, cost, weights, name, k, m_rounds, mode,
                                   max(tokens, 4 * m_rounds * (k + 1)))  # 4 bursts at least
                     row.speedup = base.us_per_round / row.us_per_round
@@ -248,24 +230,31 @@ def bench_batch(engine: Engine, quick: bool) -> list[dict]:
     capacity = kv_capacity(24, tokens, BATCH_K, BATCH_M, batch=max(BATCHES))
     single_lm = ToyLM(engine, MODEL, capacity)
     single_bufs = StreamBufs(engine, BATCH_K, BATCH_M)
-    single = single_lm.round_stream(spec, single_bufs)
-    single.generate(single_lm.prefill(single_bufs, PROMPT), tokens)  # warm-up: capture
+    single = single_lm.round_stream(single_bufs, kernels=spec)
+    single_lm.prefill(single_bufs, PROMPT)
+    single.generate(tokens)  # warm-up: capture
     rows = []
     print(f"{'B':>4} {'batched tok/s':>13} {'one-by-one tok/s':>16} {'speedup':>8} {'rb/burst':>8} {'us/burst':>9}")
     for batch in BATCHES:
         prompts = batch_prompts(batch)
         lm = ToyLM(engine, MODEL, capacity, batch=batch)
         bufs = StreamBufs(engine, BATCH_K, BATCH_M, batch=batch)
-        stream = lm.round_stream(spec, bufs)
-        stream.generate_batch([lm.prefill_row(bufs, b, p) for b, p in enumerate(prompts)], tokens)  # warm-up
-        starts = [lm.prefill_row(bufs, b, p) for b, p in enumerate(prompts)]
+        stream = lm.round_stream(bufs, kernels=spec)
+        for b, p in enumerate(prompts):
+            lm.prefill_row(bufs, b, p)
+        stream.generate_batch(tokens)  # warm-up
+        for b, p in enumerate(prompts):
+            lm.prefill_row(bufs, b, p)
         bursts0, readbacks0 = stream.bursts, engine.readbacks
         t0 = time.perf_counter()
-        made = sum(len(out) for out in stream.generate_batch(starts, tokens))
+        made = sum(len(out) for out in stream.generate_batch(tokens))
         batched_s = time.perf_counter() - t0
         bursts, readbacks = stream.bursts - bursts0, engine.readbacks - readbacks0
         t0 = time.perf_counter()
-        made_single = sum(len(single.generate(single_lm.prefill(single_bufs, p), tokens)) for p in prompts)
+        made_single = 0
+        for p in prompts:
+            single_lm.prefill(single_bufs, p)
+            made_single += len(single.generate(tokens))
         single_s = time.perf_counter() - t0
         row = dict(batch=batch, batched_tokens_per_s=made / batched_s, single_tokens_per_s=made_single / single_s,
                    readbacks_per_burst=readbacks / bursts, us_per_burst=batched_s / bursts * 1e6)
@@ -322,13 +311,14 @@ def acceptance_us(engine: Engine, spec: SpecKernels, vocab: int, batch: int, lau
 
 
 def _us_per_round(engine: Engine, stream: RoundStream, prefill, tokens: int, mode: str) -> float:
-    """Microseconds per round of generating `tokens` after `prefill()` (which returns the start
-    positions), after one untimed warm-up generation (capture)."""
-    stream.generate_batch(prefill(), tokens, mode=mode)
-    starts = prefill()
+    """Microseconds per round of generating `tokens` after `prefill()`, after one untimed warm-up
+    generation (capture)."""
+    prefill()
+    stream.generate_batch(tokens, mode=mode)
+    prefill()
     rounds0 = stream.rounds
     t0 = time.perf_counter()
-    stream.generate_batch(starts, tokens, mode=mode)
+    stream.generate_batch(tokens, mode=mode)
     engine.synchronize()
     return (time.perf_counter() - t0) / (stream.rounds - rounds0) * 1e6
 
@@ -349,13 +339,13 @@ def bench_pipeline(engine: Engine, quick: bool) -> list[dict]:
         half = ToyCost(verify_bytes=cost.verify_bytes // 2, draft_bytes=cost.draft_bytes)
         lm = ToyLM(engine, MODEL, capacity, cost)
         bufs = StreamBufs(engine, k, m_rounds)
-        single = lm.round_stream(SpecKernels(engine), bufs)
+        single = lm.round_stream(bufs)
         pipe = ToyPipeline([engine, second], MODEL, capacity, split, k, m_rounds,
                            costs=(half, ToyCost(verify_bytes=cost.verify_bytes // 2)))
         piped = pipe.round_stream()
-        for mode in ("stream", "graph"):
-            one = _us_per_round(engine, single, lambda: [lm.prefill(bufs, PROMPT)], tokens, mode)
-            two = _us_per_round(second, piped, lambda: [pipe.prefill_row(0, PROMPT)], tokens, mode)
+        for mode in ("eager", "graph"):
+            one = _us_per_round(engine, single, lambda: lm.prefill(bufs, PROMPT), tokens, mode)
+            two = _us_per_round(second, piped, lambda: pipe.prefill_row(0, PROMPT), tokens, mode)
             rows.append(dict(model=name, mode=mode, one_gpu_us_per_round=one, two_stage_us_per_round=two))
             print(f"{name:8} {mode:7} {one:16.1f} {two:19.1f} {two / one:6.2f}", flush=True)
         bufs.free()
@@ -404,12 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\npipeline: the toy split at layer {len(MODEL.kv_mask) // 2} over two GPUs, k={BATCH_K}, M={BATCH_M}")
         report["pipeline"] = bench_pipeline(engine, args.quick)
     if args.only in (None, "device"):
-        from .bench_device import bench_device, summary
         print("\ndevice mode: k=4, M=16, each row its own prompt; against the host-driven modes")
         report["device"] = bench_device(engine, args.quick)
         print(summary(report["device"]))
     if args.only in (None, "state"):
-        from .bench_state import bench_state
         report["state"] = bench_state(engine, args.quick)
     if args.only == "torch":
         from .bench_torch import bench_torch  # torch and transformers only where asked for

@@ -5,9 +5,9 @@ graph mode paced and unpaced, overlap, and device mode (one launch, device-side 
 tokens streamed through mapped memory), its host sleeping between looks (at most every 60 µs,
 and every 150 µs: "lean") and spinning. For each: tokens/s, the host's CPU seconds per 1 000
 tokens and as a share of the wall time (process time: a host blocked in a stream synchronise
-spins; device mode's consumer counts the tokens of each look), and for device mode the delay from a token's publishing (its
-%globaltimer stamp, right after its commit) to the host seeing it, against one round plus
-20 µs. Medians of 3 timed runs after a warm-up.
+spins; device mode's consumer counts the tokens of each look), and for device mode the delay
+from a token's publishing (its %globaltimer stamp, right after its commit) to the host seeing
+it, against one round plus 20 µs. Medians of 3 timed runs after a warm-up.
 """
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import time
 
 import numpy as np
 
-from .bench import MODEL
+from .bench_common import MODEL
 from .bufs import StreamBufs
-from .device_loop import TokenStream
+from .capacity import kv_capacity
+from .device_loop import TokenFeed
 from .driver.buffer import MappedBuffer
 from .driver.engine import Engine
 from .kernels import SpecKernels
 from .models.toy import COST_8B_05B, ToyCost, ToyLM
-from .stream import kv_capacity
 
 K, M = 4, 16
 RUNS = (("graph", True), ("graph", False), ("overlap", True), ("device", True), ("device lean", True),
@@ -61,22 +61,23 @@ def _prompts(batch: int) -> list[list[int]]:
 
 
 def _run(lm: ToyLM, bufs: StreamBufs, stream, prompts, tokens: int, mode: str) -> dict:
-    starts = [lm.prefill_row(bufs, b, p) for b, p in enumerate(prompts)]
+    for b, p in enumerate(prompts):
+        lm.prefill_row(bufs, b, p)
     device = mode.startswith("device")
     offset = clock_offset(lm.engine) if device else 0  # the clocks drift apart by µs a second: anew
     rounds0 = stream.rounds
     c0, t0 = time.process_time(), time.perf_counter()
     if device:  # what a consumer does with the tokens here: count them, and keep them
         loop = stream.device_loop
-        loop.spin, loop.look_s = mode == "device spin", LEAN_LOOK_S if mode == "device lean" else TokenStream.LOOK_S
+        loop.spin, loop.look_s = mode == "device spin", LEAN_LOOK_S if mode == "device lean" else TokenFeed.LOOK_S
         landed, made = [], 0
-        following = stream.stream(starts, tokens)
+        following = stream.follow(tokens)
         setup = time.process_time() - c0
         for piece in following:
             made += piece.total
             landed.append(piece)
     else:
-        made = sum(row.size for row in stream.generate_batch(starts, tokens, mode=mode))
+        made = sum(row.size for row in stream.generate_batch(tokens, mode=mode))
     lm.engine.synchronize()  # overlap leaves a burst running past the stop: its time counts too
     wall, cpu, rounds = time.perf_counter() - t0, time.process_time() - c0, stream.rounds - rounds0
     figures = dict(tokens_per_s=made / wall, cpu_s_per_1k=cpu / made * 1e3, cpu_share=cpu / wall,
@@ -96,12 +97,13 @@ def bench_device(engine: Engine, quick: bool) -> list[dict]:
     rows = []
     print(f"{'model':8} {'B':>3} {'mode':14} {'tokens/s':>10} {'vs best':>7} {'us/round':>9} {'CPU s/1k tok':>12} "
           f"{'CPU/wall':>8} {'delay p50 us':>12} {'p99 us':>8} {'round+20':>8} {'looks/round':>11} {'empty':>6}")
-    for name, cost, tokens in (("bare", ToyCost(), 256 if quick else 2048), ("8B/0.5B", COST_8B_05B, 24 if quick else 96)):
+    settings = (("bare", ToyCost(), 256 if quick else 2048), ("8B/0.5B", COST_8B_05B, 24 if quick else 96))
+    for name, cost, tokens in settings:
         for batch in (1, 32):
             prompts = _prompts(batch)
             lm = ToyLM(engine, MODEL, kv_capacity(16, tokens, K, M, overlap=True, batch=batch), cost, batch=batch)
             bufs = StreamBufs(engine, K, M, batch)
-            stream = lm.round_stream(spec, bufs)
+            stream = lm.round_stream(bufs, kernels=spec)
             found = {}
             for mode, pace in RUNS:
                 stream.pace = pace
@@ -130,7 +132,8 @@ def summary(rows: list[dict]) -> str:
     """The device rows, one line each: the done-when figures."""
     return "\n".join(f"{r['mode']}, {r['model']} B={r['batch']}: {r['vs_best_host_mode']:.2f}x the best host mode, "
                      f"host CPU {r['cpu_share']:.0%} of wall, commit-to-host delay p50 {r['delay_p50_us']:.1f} us "
-                     f"(one round + 20 us = {r['us_per_round'] + 20:.1f})" for r in rows if r["mode"] in ("device", "device lean"))
+                     f"(one round + 20 us = {r['us_per_round'] + 20:.1f})"
+                     for r in rows if r["mode"] in ("device", "device lean"))
 
 
 __all__ = ["bench_device", "clock_offset", "summary"]

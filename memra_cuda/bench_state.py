@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bench import device_us
+from .bench_common import device_us
 from .bufs import StreamBufs
 from .driver.engine import Engine
 from .kernels import SpecKernels
@@ -33,8 +33,8 @@ def _rollbacks(engine: Engine, spec: SpecKernels, batch: int, row_words: int) ->
     layers = [StateLayer(engine.alloc(np.float32, batch * row_words, label="live"),
                          engine.alloc(np.float32, batch * (K + 1) * row_words, label="slots"), row_words, K)
               for _ in range(LAYERS)]
-    copy = spec.prepare_state_copy(state_copy_table(engine, layers), bufs)
-    flip = spec.prepare_state_flip(state_flip_table(engine, [engine.zeros(np.uint32, batch)]), bufs)
+    copy = spec.prepare_state_copy(bufs, state_copy_table(engine, layers))
+    flip = spec.prepare_state_flip(bufs, state_flip_table(engine, [engine.zeros(np.uint32, batch)]))
 
     def snapshots() -> None:
         for layer in layers:

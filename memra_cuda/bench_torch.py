@@ -30,8 +30,9 @@ import importlib.util
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 TORCH_K, TORCH_M = 4, 16
 BATCHES = {"small": (1, 8, 32, 128, 512), "large": (1, 8, 32, 128)}
@@ -114,7 +115,7 @@ def bench_one_request(llama: Any, quick: bool) -> list[dict]:
             rate, out = _tokens_per_s(run, tokens)
             measured[name] = row = dict(size=size, method=name, tokens_per_s=rate, acceptance=None)
             if speculative is not None:
-                accepted, drafted = speculative.bufs.drafts_accepted(speculative.engine, len(out))
+                accepted, drafted = speculative.bufs.drafts_accepted(len(out))
                 if drafted:  # a budget the first round meets drafts nothing to count
                     row.update(acceptance=accepted / drafted, tokens_per_round=len(out) * TORCH_K / drafted)
         for row in measured.values():

@@ -5,11 +5,15 @@ rounds without looking, and a graph captured over them replays unchanged.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+import functools
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .driver.buffer import DeviceBuffer
+from .driver.stream import Stream
 from .driver.values import as_index
 from .layout import (ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT,
                      RING_TOKENS)
@@ -21,23 +25,57 @@ if TYPE_CHECKING:
 MAX_BATCH = 65535  # some kernels give each sequence a grid row (y), which CUDA caps at 65535
 
 
-class Readback(NamedTuple):
-    """One burst's readback, per row: the tokens committed, whether the row is done, and its
-    position (pos_ctr) when the burst ended."""
+class Readback:
+    """One burst's readback, per row: `done`, its position (pos_ctr) when the burst ended,
+    `committed`, how many tokens its ring held, and `tokens`, those tokens. The words are a copy
+    of the pinned slot, so the slot is free for the next burst at once; the tokens are taken
+    apart when first asked for, so a driver can decide its next burst from the flags and queue
+    it first. Unpacks as (tokens, done, positions), as the named tuple of the first releases."""
 
-    tokens: list[np.ndarray]
-    done: np.ndarray
-    positions: np.ndarray
+    __slots__ = ("done", "positions", "committed", "_words", "_ring_row", "_tokens")
+
+    def __init__(self, words: np.ndarray, ring_row: int, committed: list[int], done: np.ndarray,
+                 positions: np.ndarray):
+        self.done, self.positions, self.committed = done, positions, committed
+        self._words, self._ring_row = words, ring_row
+        self._tokens: list[np.ndarray] | None = None
+
+    @property
+    def tokens(self) -> list[np.ndarray]:
+        if self._tokens is None:
+            rings = self._words[:len(self.committed) * self._ring_row].reshape(len(self.committed), self._ring_row)
+            self._tokens = [rings[b, RING_TOKENS:RING_TOKENS + n] for b, n in enumerate(self.committed)]
+        return self._tokens
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.tokens, self.done, self.positions))
+
+    def __repr__(self) -> str:
+        return f"Readback({sum(self.committed)} tokens over {len(self.committed)} rows, {int(self.done.sum())} done)"
 
 
-class Received(NamedTuple):
-    """What receive() took from a readback slot: the words (a copy), and per row the tokens its
-    ring holds, its done flag and its position; readback() takes the tokens apart."""
+class BuffersHeld(ValueError):
+    """The buffers are held by work still running on them (a device loop): nothing else may
+    queue on them, reset them or read them back until it lets go."""
 
-    words: np.ndarray
-    committed: list[int]
-    done: np.ndarray
-    positions: np.ndarray
+
+def _own_engine(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The first releases passed the engine to every method; the buffers hold it now. An engine
+    given first (or as engine=) still works, with a DeprecationWarning, if it is theirs."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: StreamBufs, *args: Any, **kwargs: Any) -> Any:
+        engine = kwargs.pop("engine", None)
+        if engine is None and args and isinstance(args[0], Stream):
+            engine, args = args[0], args[1:]
+        if engine is not None:
+            warnings.warn(f"StreamBufs.{name}(engine, ...) is deprecated: the buffers use their own engine, drop "
+                          "the argument", DeprecationWarning, stacklevel=2)
+            if engine is not self.engine:
+                raise ValueError(f"these buffers belong to {self.engine!r}, not {engine!r}")
+        return method(self, *args, **kwargs)
+    return call
 
 
 class StreamBufs:
@@ -51,13 +89,14 @@ class StreamBufs:
     for `pos_ctr_d`. The fields are windows of one allocation, the rings, ctl rows and
     positions side by side, so a burst's readback is one copy, prepared once with the memset
     that empties the rings after it. free() frees them all, and every graph captured over
-    them then refuses to replay.
+    them then refuses to replay. The buffers belong to `engine`, whose stream orders all work
+    on them: no method takes another.
 
-    `positions` and `done` are what the host knows of each row (read-only arrays): set by
-    reset/set_stop, then by every readback (collect), so the driver checks capacity without
-    an extra readback; `committed` how many tokens each row's ring held at the last readback;
-    `epoch` counts the readbacks and whole resets, after which the host knows every row anew,
-    and `rings_emptied` the readbacks queued and whole resets, after which every ring is empty.
+    What the host knows of the rows, kept here so that every driver over these buffers sees
+    the same: `positions` and `done` (read-only arrays), set by reset/set_stop, then by every
+    readback (receive); `committed`, how many tokens each ring held at the last readback; and
+    the ledger of what the host has not seen (`unseen_rounds`, `ring_rounds`; see queued()).
+    `holder` is whoever holds the buffers (a running device loop), refusing everyone else.
     """
 
     def __init__(self, engine: Engine, k: int, m_rounds: int, batch: int = 1):
@@ -66,6 +105,7 @@ class StreamBufs:
             raise ValueError(f"need k >= 0 draft tokens and m_rounds >= 1, not k={k}, m_rounds={m_rounds}")
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch must be 1 to {MAX_BATCH} sequences, not {batch}")
+        self.engine = engine
         self.k, self.m_rounds, self.batch = k, m_rounds, batch
         self.ring_cap = m_rounds * (k + 1)
         ring_row = RING_TOKENS + self.ring_cap
@@ -84,51 +124,92 @@ class StreamBufs:
         self._ring_row, self._rings_end = ring_row, self.ring_d.len
         self._ctl_end = self.ring_d.len + self.ctl_d.len
         self._words = self._ctl_end + self.pos_ctr_d.len  # rings, ctl rows, positions: side by side
-        self._engine = engine
         self._host = [engine.pinned(np.uint32, self._words, label=f"readback slot {i}") for i in range(2)]
         self._readback_copies = [engine.prepare_dtoh(host, self._arena.view(0, self._words)) for host in self._host]
         self._empty_rings = engine.prepare_set_u32(self.ring_d, RING_COUNT, 0, every=ring_row)
         self.positions = _frozen(np.zeros(batch, np.int64))
         self.done = _frozen(np.zeros(batch, bool))
         self.committed: list[int] = [0] * batch
-        self.epoch = 0  # how often the host learnt every row's position anew (readbacks, resets)
-        self.rings_emptied = 0  # how often every ring was emptied (readbacks queued, resets)
+        # The ledger: rounds queued in all, those the last received readback covers, those each
+        # slot's pending readback will cover; rounds committed into the rings since they were
+        # last emptied.
+        self._queued, self._learnt, self._covers = 0, 0, [0, 0]
+        self.ring_rounds = 0
+        self.holder: object | None = None
+        self._held_why = ""
 
     @property
     def pos_ctr(self) -> DeviceBuffer:
         return self.pos_ctr_d
 
-    def reset(self, engine: Engine, pending: int | Sequence[int], position: int | Sequence[int]) -> None:
+    # -- the ledger and the holder -----------------------------------------------------------
+    @property
+    def unseen_rounds(self) -> int:
+        """Rounds queued since the ones the last readback (or whole reset) covers: how far the
+        rows may have moved past the positions the host knows."""
+        return self._queued - self._learnt
+
+    def queued(self, rounds: int, readback: int | None = None) -> None:
+        """`rounds` rounds were queued on these buffers, and after them (readback = a slot) a
+        readback into that pinned slot, which empties the rings: whoever queues rounds says so
+        here (a graph's replay too, whose readback this object cannot see), so that every
+        driver checks capacity and the rings' room against the same ledger."""
+        self._queued += rounds
+        self.ring_rounds += rounds
+        if readback is not None:
+            self._covers[readback] = self._queued
+            self.ring_rounds = 0
+
+    def hold(self, holder: object, why: str) -> None:
+        """Give the buffers to `holder` (a device loop, from its launch until it is finished):
+        everything else on them is refused with BuffersHeld saying `why`, until release()."""
+        if self.holder is not None and self.holder is not holder:
+            raise BuffersHeld(self._held_why)
+        self.holder, self._held_why = holder, why
+
+    def release(self, holder: object) -> None:
+        if self.holder is holder:
+            self.holder = None
+
+    def check_free(self, rounds: int = 0) -> None:
+        """BuffersHeld while someone holds the buffers (see hold); ValueError if `rounds` more
+        rounds would overrun the rings, which hold M rounds' tokens until a readback (a commit
+        past them drops tokens while still spending the budget)."""
+        if self.holder is not None:
+            raise BuffersHeld(self._held_why)
+        if self.ring_rounds + rounds > self.m_rounds:
+            raise ValueError(f"{self.ring_rounds} round(s) were issued since the ring was last read: {rounds} more "
+                             f"would overrun the ring, which holds M={self.m_rounds} rounds' tokens; read back first")
+
+    # -- requests ------------------------------------------------------------------------------
+    @_own_engine
+    def reset(self, pending: int | Sequence[int], position: int | Sequence[int]) -> None:
         """Start a new request on these buffers (in every row, for a batch): `pending` is the
         last prompt token (its KV not yet computed), `position` the KV entries already committed
         (the prompt but its last token), each one value for all rows or one per row. Ring,
         counters, done and keep are cleared and the stop rule is lifted (set_stop sets the next
         one); captured graphs stay valid. The model's KV lengths are the model's to set (to
-        `position`)."""
-        self._reset(engine, range(self.batch), pending, position)
+        `position`). The next generation starts here."""
+        self._reset(range(self.batch), pending, position)
 
-    def set_positions(self, positions: np.ndarray) -> None:
-        """What the host knows of every row's position, before a generation's first burst."""
-        positions = np.array(positions, np.int64).reshape(-1)
-        if positions.size != self.batch:
-            raise ValueError(f"need one position per row ({self.batch}), not {positions.size}")
-        self.positions = _frozen(positions)
-
-    def reset_row(self, engine: Engine, row: int, pending: int, position: int) -> None:
+    @_own_engine
+    def reset_row(self, row: int, pending: int, position: int) -> None:
         """reset() for the one sequence in slot `row`; the other rows are untouched, so a new
         request can join a running batch between bursts (continuous batching)."""
-        self._reset(engine, self._rows(row), pending, position)
+        self._reset(self._rows(row), pending, position)
 
-    def set_stop(self, engine: Engine, eos: int | None | Sequence[int | None] = None,
+    @_own_engine
+    def set_stop(self, eos: int | None | Sequence[int | None] = None,
                  budget: int | None | Sequence[int | None] = None) -> None:
         """The stop rule of the next generation (None: no EOS / no budget), one for every row or
         a sequence of one per row; clears `done`, but where the budget is 0: nothing to
         generate, so that row is done at once."""
-        self._set_stop(engine, range(self.batch), eos, budget)
+        self._set_stop(range(self.batch), eos, budget)
 
-    def set_stop_row(self, engine: Engine, row: int, eos: int | None = None, budget: int | None = None) -> None:
+    @_own_engine
+    def set_stop_row(self, row: int, eos: int | None = None, budget: int | None = None) -> None:
         """set_stop() for slot `row` alone. A budget of 0 parks the slot: a done row is inert."""
-        self._set_stop(engine, self._rows(row), eos, budget)
+        self._set_stop(self._rows(row), eos, budget)
 
     def _rows(self, row: int) -> range:
         row = as_index(row, "row")
@@ -136,79 +217,83 @@ class StreamBufs:
             raise ValueError(f"row {row} is outside a batch of {self.batch}")
         return range(row, row + 1)
 
-    def _reset(self, engine: Engine, rows: range, pending: Any, position: Any) -> None:
-        n, first = len(rows), rows.start
+    def _reset(self, rows: range, pending: Any, position: Any) -> None:
+        self.check_free()
+        n, first, engine = len(rows), rows.start, self.engine
         pending = np.array(per_row(pending, n, "pending", optional=False), np.int64)
         position = np.array(per_row(position, n, "position", optional=False), np.int64)
         engine.copy_htod(self.pend_d, pending, start=first)
         engine.copy_htod(self.pos_ctr_d, position, start=first)
-        self._set_stop(engine, rows, None, None)  # no stop rule, not done, keep 0
+        self._set_stop(rows, None, None)  # no stop rule, not done, keep 0
         for buf, row in ((self.ring_d, self._ring_row), (self.brk_d, BRK_WORDS), (self.acc_d, ACC_WORDS)):
             engine.copy_htod(buf, np.zeros(n * row, np.uint32), start=row * first)
         self.positions = _frozen(_replaced(self.positions, rows, position))
         if len(rows) == self.batch:  # every row reset: positions known, rings empty
-            self.epoch += 1
-            self.rings_emptied += 1
+            self._learnt = self._queued
+            self.ring_rounds = 0
 
-    def _set_stop(self, engine: Engine, rows: range, eos: Any, budget: Any) -> None:
+    def _set_stop(self, rows: range, eos: Any, budget: Any) -> None:
+        self.check_free()
         eos, budget = per_row(eos, len(rows), "eos"), per_row(budget, len(rows), "budget")
         ctl = np.zeros((len(rows), CTL_WORDS), np.int64)
         ctl[:, CTL_EOS] = [-1 if e is None else e for e in eos]
         ctl[:, CTL_BUDGET] = [-1 if n is None else n for n in budget]
         ctl[:, CTL_DONE] = [n == 0 for n in budget]
-        engine.copy_htod(self.ctl_d, ctl.reshape(-1), start=CTL_WORDS * rows.start)
+        self.engine.copy_htod(self.ctl_d, ctl.reshape(-1), start=CTL_WORDS * rows.start)
         self.done = _frozen(_replaced(self.done, rows, ctl[:, CTL_DONE] != 0))
 
-    def drain_ring(self, engine: Engine, row: int = 0) -> np.ndarray:
+    # -- reading back --------------------------------------------------------------------------
+    @_own_engine
+    def drain_ring(self, row: int = 0) -> np.ndarray:
         """The tokens committed to row `row`'s ring, in order (one readback), and the row's ring
         emptied for the rounds to come (its count zeroed on the stream)."""
         self._rows(row)
-        stride = self._ring_row
+        self.check_free()
+        stride, engine = self._ring_row, self.engine
         tokens = _ring_tokens(engine.dtoh(self.ring_d.view(row * stride, stride)), self.ring_cap)
         engine.set_u32(self.ring_d, row * stride + RING_COUNT, 0)
         if self.batch == 1:
-            self.rings_emptied += 1
+            self.ring_rounds = 0
         return tokens
 
-    def queue_readback(self, engine: Engine, slot: int = 0) -> None:
+    @_own_engine
+    def queue_readback(self, slot: int = 0) -> None:
         """Queue the rings, ctl rows and positions into pinned slot 0 or 1 (one copy), then
-        zero every ring's count (one memset); both capturable, both checked when prepared."""
-        self._check_engine(engine)
+        zero every ring's count (one memset); both capturable, both checked when prepared.
+        Queued now (not recorded into a graph), it goes into the ledger at once."""
+        self.check_free()
         self._readback_copies[slot]()
         self._empty_rings()
-        if engine.capture_hold is None:  # queued now, not recorded into a graph for later
-            self.rings_emptied += 1
+        if self.engine.capture_hold is None:
+            self.queued(0, readback=slot)
 
-    def collect(self, engine: Engine, slot: int = 0, event: Event | None = None) -> Readback:
-        """Wait for queue_readback's copy into `slot` (one readback for all rows; only up to
-        `event`, if given), and learn each row's done flag, position and tokens from it."""
-        return self.readback(self.receive(engine, slot, event))
-
-    def receive(self, engine: Engine, slot: int = 0, event: Event | None = None) -> Received:
-        """collect()'s first half: wait, take the slot's words (a copy: the slot is free for the
-        next burst at once), and learn `done`, `positions` and `committed` from them; the
-        tokens are readback()'s. A driver decides its next burst from this and queues it
-        before it takes the tokens apart."""
-        self._check_engine(engine)
-        engine.finish_readback(event)
+    @_own_engine
+    def receive(self, slot: int = 0, event: Event | None = None) -> Readback:
+        """Wait for the readback queued into `slot` (one readback for all rows; only up to
+        `event`, if given), and learn each row's done flag, position and ring count from it."""
+        self.check_free()
+        self.engine.finish_readback(event)
         words = self._host[slot].read()
         self.committed = np.minimum(words[RING_COUNT:self._rings_end:self._ring_row], self.ring_cap).tolist()
         self.done = _frozen(words[self._rings_end + CTL_DONE:self._ctl_end:CTL_WORDS] != 0)
         self.positions = _frozen(words[self._ctl_end:].view(np.int32).astype(np.int64))
-        self.epoch += 1
-        return Received(words, self.committed, self.done, self.positions)
+        self._learnt = max(self._learnt, self._covers[slot])
+        return Readback(words, self._ring_row, self.committed, self.done, self.positions)
 
-    def readback(self, received: Received) -> Readback:
-        """The Readback of what receive() took: each row's tokens, done flag and position."""
-        rings = received.words[:self._rings_end].reshape(self.batch, self._ring_row)
-        tokens = [rings[b, RING_TOKENS:RING_TOKENS + n] for b, n in enumerate(received.committed)]
-        return Readback(tokens, received.done, received.positions)
+    def collect(self, *args: Any, **kwargs: Any) -> Readback:
+        """receive(), under its name of the first releases (deprecated)."""
+        warnings.warn("StreamBufs.collect is deprecated: use receive(slot, event)", DeprecationWarning, stacklevel=2)
+        return self.receive(*args, **kwargs)
 
-    def _check_engine(self, engine: Engine) -> None:
-        if engine is not self._engine:
-            raise ValueError(f"these buffers belong to {self._engine!r}, not {engine!r}")
+    def readback(self, received: Readback) -> Readback:
+        """The first releases' second half of receive(); a Readback takes its tokens apart
+        itself now (deprecated)."""
+        warnings.warn("StreamBufs.readback is deprecated: receive() returns the Readback", DeprecationWarning,
+                      stacklevel=2)
+        return received
 
-    def drafts_accepted(self, engine: Engine, committed: int | Sequence[int]) -> tuple[int, int]:
+    @_own_engine
+    def drafts_accepted(self, committed: int | Sequence[int]) -> tuple[int, int]:
         """(accepted, drafted) over every row since its request began, for `committed` tokens
         generated (per row, for a batch): one readback.
 
@@ -218,7 +303,8 @@ class StreamBufs:
         committed = np.asarray(committed, np.int64).reshape(-1)
         if committed.size != self.batch:
             raise ValueError(f"need one committed count per row ({self.batch}), not {committed.size}")
-        accepted = engine.dtoh(self.acc_d)[ACC_TOTAL::ACC_WORDS].astype(np.int64)
+        self.check_free()
+        accepted = self.engine.dtoh(self.acc_d)[ACC_TOTAL::ACC_WORDS].astype(np.int64)
         return int(accepted.sum()), self.k * int((committed - accepted).sum())
 
     def buffers(self) -> dict[str, DeviceBuffer]:
@@ -264,5 +350,9 @@ def _replaced(array: np.ndarray, rows: range, value: Any) -> np.ndarray:
     return out
 
 
-def drain_ring(bufs: StreamBufs, engine: Engine) -> np.ndarray:
-    return bufs.drain_ring(engine)
+def drain_ring(bufs: StreamBufs, engine: Engine | None = None) -> np.ndarray:
+    """bufs.drain_ring() of row 0, the form of the first releases (the engine, if given, must be
+    the buffers')."""
+    if engine is not None and engine is not bufs.engine:
+        raise ValueError(f"these buffers belong to {bufs.engine!r}, not {engine!r}")
+    return bufs.drain_ring()

@@ -16,24 +16,26 @@ import ctypes
 import functools
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .driver.buffer import MappedBuffer
 from .driver.event import Event
-from .driver.graph import Capture, Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join
+from .driver.graph import Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join
 from .layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
+from .pace import pass_lengths
 
 if TYPE_CHECKING:
-    from .bufs import StreamBufs
-    from .kernels import SpecKernels
+    from .round import Round
 
 Step = Callable[[], None]
 
 
-RUNNING = ("a device-mode loop is still running on these buffers: read its stream to the end or close() it "
-           "first")
+RUNNING = ("a device-mode loop is still running on these buffers: read its tokens to the end (follow()) or "
+           "close() them first")
 
 
 class RoundCapError(RuntimeError):
@@ -52,17 +54,17 @@ class Landed:
     the host took them (time.perf_counter_ns), and `running` whether the loop was still running
     then.
 
-    A look only reads the counts: the tokens and stamps are copied out of the token stream when
+    A look only reads the counts: the tokens and stamps are copied out of the token feed when
     first asked for, so the host pays for what it reads, not per look. They stay there until the
-    stream's next launch; asked for after it, a Landed raises instead of answering with another
+    feed's next launch; asked for after it, a Landed raises instead of answering with another
     request's tokens."""
 
-    __slots__ = ("start", "end", "seen_ns", "running", "_stream", "_launch", "_tokens", "_stamps")
+    __slots__ = ("start", "end", "seen_ns", "running", "_feed", "_launch", "_tokens", "_stamps")
 
-    def __init__(self, stream: TokenStream, start: list[int], end: list[int], seen_ns: int, running: bool):
+    def __init__(self, feed: TokenFeed, start: list[int], end: list[int], seen_ns: int, running: bool):
         self.start, self.end = start, end  # each row's published count before and after
         self.seen_ns, self.running = seen_ns, running
-        self._stream, self._launch = stream, stream.launches
+        self._feed, self._launch = feed, feed.launches
         self._tokens: list[np.ndarray] | None = None
         self._stamps: list[np.ndarray] | None = None
 
@@ -77,20 +79,20 @@ class Landed:
     @property
     def tokens(self) -> list[np.ndarray]:
         if self._tokens is None:
-            self._tokens = self._stream.rows("tokens", self._launch, self.start, self.end)
+            self._tokens = self._feed.rows("tokens", self._launch, self.start, self.end)
         return self._tokens
 
     @property
     def stamps(self) -> list[np.ndarray]:
         if self._stamps is None:
-            self._stamps = self._stream.rows("stamps", self._launch, self.start, self.end)
+            self._stamps = self._feed.rows("stamps", self._launch, self.start, self.end)
         return self._stamps
 
     def __repr__(self) -> str:
         return f"Landed({self.total} tokens over {len(self.start)} rows, running={self.running})"
 
 
-class TokenStream:
+class TokenFeed:
     """The mapped words the rounds publish into (ptx/layout.cuh's HEAD_*): a head, whose words
     say that the loop's last node has run, how many publishes there have been and the newest
     one's stamp; then one row per sequence: each row's published count, then its tokens and
@@ -115,14 +117,14 @@ class TokenStream:
         self.batch, self.cap = batch, cap
         self.looks = self.empty_looks = 0  # the last follow()'s looks, and those that found nothing
         rows = HEAD_WORDS + batch
-        self._memory = MappedBuffer(engine, np.uint32, rows + 2 * batch * cap, label="token stream")
+        self._memory = MappedBuffer(engine, np.uint32, rows + 2 * batch * cap, label="token feed")
         device = self._memory.device
         self.head_d = device.view(0, HEAD_WORDS)
         self.count_d = device.view(HEAD_WORDS, batch)
         self.tokens_d = device.view(rows, batch * cap)
         self.stamps_d = device.view(rows + batch * cap, batch * cap)
         self._views(self._memory.live)
-        self.launches = 0  # clear()s: which launch's tokens the stream holds
+        self.launches = 0  # clear()s: which launch's tokens the feed holds
         self.clear()  # pinned memory comes uninitialised
 
     def _views(self, words: np.ndarray | None) -> None:
@@ -157,10 +159,10 @@ class TokenStream:
 
     def rows(self, what: str, launch: int, start: list[int], end: list[int]) -> list[np.ndarray]:
         """Copies of each row's `what` ("tokens" or "stamps") from start[b] to end[b], published
-        by launch number `launch`: ValueError once the stream is cleared for another."""
+        by launch number `launch`: ValueError once the feed is cleared for another."""
         if launch != self.launches or self._tokens is None:
             raise ValueError(f"these {what} were published by an earlier launch of the device loop, whose token "
-                             "stream has been reused (or freed) since: take them before the next request")
+                             "feed has been reused (or freed) since: take them before the next request")
         block = self._tokens if what == "tokens" else self._stamps
         return [block[b, a:e].copy() for b, (a, e) in enumerate(zip(start, end))]
 
@@ -247,13 +249,15 @@ class TokenStream:
 
 
 class DeviceLoop:
-    """The device mode of a RoundStream: its loop graph (captured once per stream size and
-    pacing) and the host's side of the token stream. RoundStream.stream and
+    """The device mode of a RoundStream: its loop graph (captured once per feed size and
+    pacing) and the host's side of the token feed. RoundStream.follow and
     generate_batch(mode="device") use it; it is not built by hand.
 
-    It is given the round's steps (`before` the commit, kernel 4's `commit`, `after` it), which
-    it issues inside `scope` (a framework's stream scope), and `capture`, what builds a graph of
-    loops (driver.graph.loops, or the torch adapter's): it holds no reference to its RoundStream.
+    It takes its rounds from `round` (a Round: the steps before the commit, kernel 4's commit and
+    the steps after it, issued inside the round's scope and captured by its loop_capture); it
+    holds no reference to any RoundStream. From launch to finish it holds the round's buffers
+    (StreamBufs.hold): no other loop, burst, reset or readback may use them meanwhile, whichever
+    RoundStream asks.
 
     Each round's tokens are published by kernel 4' on a branch of the graph (driver.graph.branch)
     beside the next round's draft and verify, joined before that round's commit (which refills
@@ -261,90 +265,102 @@ class DeviceLoop:
     deeper the host's cores sleep.
     """
 
-    def __init__(self, spec: SpecKernels, bufs: StreamBufs, before: Sequence[Step], commit: Step,
-                 after: Sequence[Step], scope: Callable[[], Any],
-                 capture: Callable[[Callable[[LoopBuilder], None]], Capture]):
-        engine = spec.engine
+    def __init__(self, round: Round):
+        engine, bufs = round.engine, round.bufs
+        if round.pipelined:
+            raise LoopUnsupported("device mode cannot run pipeline stages: a conditional node's body holds the work "
+                                  "of one context, and the stages' streams join through events, which a body cannot "
+                                  "hold; use graph or overlap mode")
         check_loops(engine)  # before the decider's module, which an older driver cannot load
-        self.engine, self.spec, self.bufs = engine, spec, bufs
-        self._before, self._commit, self._after = tuple(before), commit, tuple(after)
-        self._scope, self._loops = scope, capture
+        self.engine, self.round, self.bufs = engine, round, bufs
         self._decide = engine.load_ptx("device_loop").kernel("spec_loop_decide").prepare(
             ["ptr", "ptr", "ptr", "u32", "ptr", "u64", "u32", "u32", "u32"], 1, 256)
         # The cap, the rounds run, the publishes, then each row's published tokens: one memset
         # zeroes all but the cap.
         self._state_d = engine.zeros(np.uint32, 3 + bufs.batch, label="device loop state")
         self._ran = engine.pinned(np.uint32, 1, label="device loop rounds")
-        self._stream: TokenStream | None = None
+        self._feed: TokenFeed | None = None
         self._graph: Graph | None = None
         self._paced: bool | None = None
         self._event = Event(engine)
         self.captures = 0  # loop graphs captured
-        self.running = False  # launched, and finish() not yet called
         self.spin = False  # follow() spins instead of sleeping between looks
-        self.look_s = TokenStream.LOOK_S  # and aims its looks this far apart at least
+        self.look_s = TokenFeed.LOOK_S  # and aims its looks this far apart at least
+
+    @property
+    def running(self) -> bool:
+        """Launched, and finish() not yet called: the loop holds the buffers."""
+        return self.bufs.holder is self
 
     def prepare(self, cap: int, paced: bool) -> None:
-        """Capture the loop for a token stream of `cap` tokens per row and the given pacing,
-        unless one that large with that pacing is captured already. The stream holds the next
+        """Capture the loop for a token feed of `cap` tokens per row and the given pacing,
+        unless one that large with that pacing is captured already. The feed holds the next
         power of two, so a server's requests capture it a few times at most (call this up front
         with the largest budget to capture it once). A failed capture leaves the last loop; a
-        running one is never replaced (ValueError)."""
-        if self.running:
-            raise ValueError(RUNNING)
+        running one is never replaced (BuffersHeld)."""
+        self.bufs.check_free()
         cap = 1 << (max(cap, 1) - 1).bit_length()
-        if self._graph is not None and self._stream.cap >= cap and self._paced == paced:
+        if self._graph is not None and self._feed.cap >= cap and self._paced == paced:
             return
-        stream = TokenStream(self.engine, self.bufs.batch, max(cap, self._stream.cap if self._stream else 0))
+        feed = TokenFeed(self.engine, self.bufs.batch, max(cap, self._feed.cap if self._feed else 0))
         try:
-            graph = self._capture(stream, paced)
+            graph = self._capture(feed, paced)
         except BaseException:
-            stream.free()
+            feed.free()
             raise
         if self._graph is not None:
             self._graph.free()
-            self._stream.free()
-        self._stream, self._graph, self._paced = stream, graph, paced
+            self._feed.free()
+        self._feed, self._graph, self._paced = feed, graph, paced
         self.captures += 1
 
     def launch(self, max_rounds: int) -> None:
-        """Clear the stream, set the round cap and launch the loop (prepare first)."""
-        self._stream.clear()
+        """Take the buffers, clear the feed, set the round cap and launch the loop (prepare
+        first); its readback, at the end, covers every round it runs."""
+        self.bufs.hold(self, RUNNING)
+        self._feed.clear()
         self.engine.set_u32(self._state_d, 0, max_rounds)
         self._graph.launch()
         self._event.record()
-        self.running = True
+        self.bufs.queued(0, readback=0)
+
+    def skip(self) -> None:
+        """A generation with nothing to generate launches nothing: the feed is cleared, so
+        tokens() and every Landed of the last launch say so rather than repeat its tokens."""
+        self.bufs.check_free()
+        if self._feed is not None:
+            self._feed.clear()
 
     def follow(self) -> Iterator[Landed]:
-        """Each batch of tokens as the host finds them published (TokenStream.follow), until the
+        """Each batch of tokens as the host finds them published (TokenFeed.follow), until the
         loop has ended and its last tokens are taken; a faulted device raises instead of being
         waited for (the loop's event is asked when nothing has landed for a while)."""
-        return self._stream.follow(self.spin, self.look_s, check=self._event.query)
+        return self._feed.follow(self.spin, self.look_s, check=self._event.query)
 
     @property
     def looks(self) -> tuple[int, int]:
-        """The last follow()'s looks at the token stream, and how many of them found nothing."""
-        return (self._stream.looks, self._stream.empty_looks) if self._stream else (0, 0)
+        """The last follow()'s looks at the token feed, and how many of them found nothing."""
+        return (self._feed.looks, self._feed.empty_looks) if self._feed else (0, 0)
 
     def finish(self) -> tuple[np.ndarray, int]:
         """Wait for the loop: the final readback's done flags, and the rounds it ran. The
         buffers are free again even if the wait fails (a fault)."""
-        try:
-            received = self.bufs.receive(self.engine, 0, self._event)
-        finally:
-            self.running = False
+        self.bufs.release(self)
+        received = self.bufs.receive(0, self._event)
         return received.done, int(self._ran.read()[0])
 
     def tokens(self) -> list[np.ndarray]:
-        """Every row's tokens from the last launch (after finish)."""
-        return self._stream.tokens()
+        """Every row's tokens from the last launch (after finish); none after a skip()."""
+        if self._feed is None:
+            return [np.zeros(0, np.uint32) for _ in range(self.bufs.batch)]
+        return self._feed.tokens()
 
-    def _capture(self, stream: TokenStream, paced: bool) -> Graph:
-        engine, bufs, state = self.engine, self.bufs, self._state_d
+    def _capture(self, feed: TokenFeed, paced: bool) -> Graph:
+        engine, bufs, state, rounds = self.engine, self.bufs, self._state_d, self.round
         published = state.view(3, bufs.batch)
-        publish = self.spec.prepare_ring_publish(bufs, published, state.view(2, 1), stream.head_d, stream.count_d,
-                                                 stream.tokens_d, stream.stamps_d, stream.cap)
-        decide, commit = self._decide, self._commit
+        publish = rounds.kernels.prepare_ring_publish(bufs, published, state.view(2, 1), feed.head_d, feed.count_d,
+                                                      feed.tokens_d, feed.stamps_d, feed.cap)
+        decide, commit, before, after = self._decide, rounds.commit, rounds.before_commit, rounds.after_commit
 
         def decider(handle: Any, ran: int, body: int) -> Step:
             def issue() -> None:  # bound now, captured at once: the graph keeps these values
@@ -356,34 +372,34 @@ class DeviceLoop:
         def rounds_then(n: int, decide_pass: Step) -> Step:
             def issue() -> None:
                 published_last = None  # the branch publishing the round before
-                with self._scope():
+                with rounds.scope():
                     for _ in range(n):
-                        for step in self._before:
+                        for step in before:
                             step()
                         if published_last is not None:
                             join(engine, published_last)
                         commit()
                         published_last = branch(publish)
-                        for step in self._after:
+                        for step in after:
                             step()
                 join(engine, published_last)  # the decider reads what was published
                 decide_pass()
             return issue
 
         def read_back() -> None:  # the rows' done flags and positions, the rounds run, then "ended"
-            bufs.queue_readback(engine, 0)
+            bufs.queue_readback(0)
             engine.copy_dtoh_async(self._ran, state.view(1, 1))
-            engine.set_u32(stream.head_d, HEAD_ENDED, 1)
+            engine.set_u32(feed.head_d, HEAD_ENDED, 1)
 
         def build(graph: LoopBuilder) -> None:
             graph.issue(lambda: engine.memset(state.view(1, 2 + bufs.batch), 0))
-            for body in _pass_lengths(bufs.m_rounds, paced):
+            for body in pass_lengths(bufs.m_rounds, paced):
                 handle = graph.handle()
                 graph.issue(decider(handle, 0, body))
                 graph.loop(handle, rounds_then(body, decider(handle, body, body)))
             graph.issue(read_back)
 
-        return Graph(engine, lambda: None, capture=self._loops(build))
+        return Graph(engine, lambda: None, capture=rounds.loop_capture(build))
 
 
 MASK32 = 2**32 - 1
@@ -393,15 +409,6 @@ _clock, _sleep = time.perf_counter_ns, time.sleep  # the host's clock and sleep 
 def _signed(ns: int) -> int:
     """A difference of two low-32-bit nanosecond times, as the signed span it stands for."""
     return (ns + 2**31) % 2**32 - 2**31
-
-
-def _pass_lengths(m_rounds: int, pace: bool) -> list[int]:
-    """The rounds a pass runs, loop by loop: M, then (paced) every power of four below it, then
-    one, which also ends a generation the round cap cuts inside a longer pass."""
-    lengths = [m_rounds]
-    if pace:
-        lengths += [4**i for i in range((m_rounds - 1).bit_length() // 2, 0, -1) if 4**i < m_rounds]
-    return lengths + [1] if m_rounds > 1 else lengths
 
 
 @contextlib.contextmanager
@@ -433,4 +440,12 @@ def _prctl() -> Any:
     return prctl
 
 
-__all__ = ["DeviceLoop", "Landed", "LoopUnsupported", "RUNNING", "RoundCapError", "TokenStream"]
+def __getattr__(name: str) -> Any:
+    """`TokenStream`, the first releases' name of the TokenFeed, still found (with a warning)."""
+    if name == "TokenStream":
+        warnings.warn("memra_cuda.device_loop.TokenStream is TokenFeed now", DeprecationWarning, stacklevel=2)
+        return TokenFeed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["DeviceLoop", "Landed", "LoopUnsupported", "RUNNING", "RoundCapError", "TokenFeed"]

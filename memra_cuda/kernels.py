@@ -8,20 +8,42 @@ rollback table holds what it names and has one length or state per row) before a
 """
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .acceptance import Acceptance, Greedy, Sampling
+from .bufs import StreamBufs
 from .driver.buffer import DeviceBuffer
-from .driver.values import as_index
 from .driver.module import Launch
+from .driver.values import as_index
 from .layout import HEAD_WORDS
 from .sampling import _exact, prepare_accept_sample, prepare_draft_sample
 from .tables import PointerTable, StateIndexTable, StateTable
 
 if TYPE_CHECKING:
-    from .bufs import StreamBufs
     from .driver.engine import Engine
+
+
+def _bufs_first(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Every launcher takes the StreamBufs first; the first releases put them second or third
+    in a few (seed_gather, rollback, state_copy, state_flip): that order still works, with a
+    DeprecationWarning."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: SpecKernels, *args: Any, **kwargs: Any) -> Any:
+        if args and not isinstance(args[0], StreamBufs):
+            at = next((i for i, arg in enumerate(args) if isinstance(arg, StreamBufs)), None)
+            if at is not None:
+                warnings.warn(f"SpecKernels.{name} takes bufs first now: {name}(bufs, ...)", DeprecationWarning,
+                              stacklevel=2)
+                args = (args[at], *args[:at], *args[at + 1:])
+        return method(self, *args, **kwargs)
+    return call
 
 
 class SpecKernels:
@@ -45,7 +67,8 @@ class SpecKernels:
         grid = min((threads + block - 1) // block, 1024)
         return self.module.kernel(name).prepare(types, (grid, rows) if rows > 1 else grid, block).set(*values)
 
-    def prepare_seed_gather(self, rows_d: Any, row_words: int, bufs: StreamBufs, out_d: Any) -> Launch:
+    @_bufs_first
+    def prepare_seed_gather(self, bufs: StreamBufs, rows_d: Any, row_words: int, out_d: Any) -> Launch:
         """rows_d holds [B][n_rows][row_words] words (n_rows = rows_d.len // (B·row_words)),
         out_d [B][row_words]."""
         rows_d, out_d = self._words("rows_d", rows_d), self._words("out_d", out_d)
@@ -81,7 +104,7 @@ class SpecKernels:
         """Kernel 4': the rings published to a mapped token stream (device mode): `published_d`
         u32[B] counts what each row published, `seq_d` u32[1] the publishes; head_d
         u32[HEAD_WORDS], count_d u32[B], tokens_d and stamps_d u32[B][cap] are the stream's
-        mapped words (device_loop.TokenStream). One block, so the head is written once every
+        mapped words (device_loop.TokenFeed). One block, so the head is written once every
         row is out: of 1024 threads, the rows striding over them (a block of one warp, inside a
         loop, crashed compute-sanitizer's racecheck)."""
         cap, batch = as_index(cap, "cap"), bufs.batch
@@ -93,7 +116,16 @@ class SpecKernels:
             ["ptr", "u32", "u32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "u32"], 1, 1024).set(
             bufs.ring_d, bufs.ring_cap, batch, published_d, seq_d, head_d, count_d, tokens_d, stamps_d, cap)
 
-    def prepare_rollback(self, table_d: PointerTable, bufs: StreamBufs) -> Launch:
+    def prepare_accept(self, bufs: StreamBufs, rule: Acceptance) -> Launch:
+        """The kernel that judges `rule` (Greedy: contract 3; Sampling: contract 6)."""
+        if isinstance(rule, Greedy):
+            return self.prepare_accept_greedy(bufs, rule.pred_d)
+        if isinstance(rule, Sampling):
+            return self.prepare_accept_sample(bufs, rule.p_d, rule.q_d, rule.seed_d, rule.vocab)
+        raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), not {rule!r}")
+
+    @_bufs_first
+    def prepare_rollback(self, bufs: StreamBufs, table_d: PointerTable) -> Launch:
         if not isinstance(table_d, PointerTable):
             raise TypeError(f"a rollback table must be a PointerTable (kv_len_ptr_table builds one), which holds "
                             f"the lengths it names; not {table_d!r}")
@@ -105,7 +137,8 @@ class SpecKernels:
                             table_d, table_d.len, bufs.batch, bufs.pos_start_d, bufs.ctl_d,
                             threads=table_d.len * bufs.batch)
 
-    def prepare_state_copy(self, table: StateTable, bufs: StreamBufs) -> Launch:
+    @_bufs_first
+    def prepare_state_copy(self, bufs: StreamBufs, table: StateTable) -> Launch:
         """Kernel 8: each row's live recurrent state becomes its kept slot (keep - 1), by copy.
         `table` comes from state_copy_table; its layers must be of this batch and k."""
         if not isinstance(table, StateTable):
@@ -122,7 +155,8 @@ class SpecKernels:
         return self.module.kernel("spec_state_copy").prepare(["ptr", "u32", "u32", "u32", "ptr"], grid, block).set(
             table, len(table.layers), bufs.batch, bufs.k, bufs.ctl_d)
 
-    def prepare_state_flip(self, table: StateIndexTable, bufs: StreamBufs) -> Launch:
+    @_bufs_first
+    def prepare_state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> Launch:
         """Kernel 9: each row's state index moves to the kept slot of the bank the verify wrote.
         `table` comes from state_flip_table: u32[B] indices of this batch."""
         if not isinstance(table, StateIndexTable):
@@ -146,8 +180,9 @@ class SpecKernels:
         sampling.py."""
         return prepare_draft_sample(self.engine, bufs, q_d, seed_d, draft_d, step, vocab)
 
-    def seed_gather(self, rows_d: Any, row_words: int, bufs: StreamBufs, out_d: Any) -> None:
-        self.prepare_seed_gather(rows_d, row_words, bufs, out_d)()
+    @_bufs_first
+    def seed_gather(self, bufs: StreamBufs, rows_d: Any, row_words: int, out_d: Any) -> None:
+        self.prepare_seed_gather(bufs, rows_d, row_words, out_d)()
 
     def assemble_verify(self, bufs: StreamBufs, draft_d: Any) -> None:
         self.prepare_assemble_verify(bufs, draft_d)()
@@ -158,14 +193,17 @@ class SpecKernels:
     def ring_commit(self, bufs: StreamBufs) -> None:
         self.prepare_ring_commit(bufs)()
 
-    def rollback(self, table_d: PointerTable, bufs: StreamBufs) -> None:
-        self.prepare_rollback(table_d, bufs)()
+    @_bufs_first
+    def rollback(self, bufs: StreamBufs, table_d: PointerTable) -> None:
+        self.prepare_rollback(bufs, table_d)()
 
-    def state_copy(self, table: StateTable, bufs: StreamBufs) -> None:
-        self.prepare_state_copy(table, bufs)()
+    @_bufs_first
+    def state_copy(self, bufs: StreamBufs, table: StateTable) -> None:
+        self.prepare_state_copy(bufs, table)()
 
-    def state_flip(self, table: StateIndexTable, bufs: StreamBufs) -> None:
-        self.prepare_state_flip(table, bufs)()
+    @_bufs_first
+    def state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> None:
+        self.prepare_state_flip(bufs, table)()
 
     def accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int | None = None) -> None:
         self.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)()

@@ -10,7 +10,7 @@ kernels read the low 32 bits of a 64-bit word (`ids`). Rows are laid out as memr
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

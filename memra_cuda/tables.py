@@ -7,10 +7,12 @@ knows the capacity of the KV layers behind it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .capacity import Unchecked, kv_entries
 from .driver.buffer import DeviceBuffer, as_buffer, device_allocation
 from .driver.values import as_index
 
@@ -82,28 +84,6 @@ class Cache:
         """Each layer's length for sequence `row`, read back (one readback per layer: for tests
         and debugging)."""
         return [None if layer is None else int(engine.dtoh(layer.len_d)[row]) for layer in self.kv]
-
-
-class Unchecked:
-    """The capacity of a rollback table whose KV capacity the caller chose not to give: asked
-    for by name (`capacity=UNCHECKED`), never by omission."""
-
-    def __repr__(self) -> str:
-        return "UNCHECKED"
-
-
-UNCHECKED = Unchecked()
-
-
-def kv_entries(capacity: Any) -> int | Unchecked | None:
-    """A stated KV capacity: a positive number of entries, None (no KV named) or UNCHECKED, else
-    ValueError; where a table or a pipeline's other stages say how far a burst may go."""
-    if capacity is None or capacity is UNCHECKED:
-        return capacity
-    capacity = as_index(capacity, "capacity")
-    if capacity < 1:
-        raise ValueError(f"capacity must be a positive number of KV entries, None or UNCHECKED, not {capacity}")
-    return capacity
 
 
 class AddressTable(DeviceBuffer):
@@ -301,3 +281,15 @@ def _disjoint(buffers: Sequence[DeviceBuffer | None], label: str) -> None:
         if start < end:
             raise ValueError(f"{label}: {first!r} and {second!r} overlap; every buffer of a state table must "
                              f"have its own memory")
+
+
+def __getattr__(name: str) -> Any:
+    """`UNCHECKED`, which lived here in the first releases, still found (with a warning)."""
+    if name == "UNCHECKED":
+        import warnings
+
+        from .capacity import UNCHECKED
+        warnings.warn("memra_cuda.tables.UNCHECKED moved: import it from memra_cuda (or memra_cuda.capacity)",
+                      DeprecationWarning, stacklevel=2)
+        return UNCHECKED
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,8 +22,10 @@ Graph capture needs a stream other than the default one: create the engine insid
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -74,7 +76,7 @@ def _torch_stream(engine: Stream) -> torch.cuda.ExternalStream:
     return torch.cuda.ExternalStream(engine.stream_handle, device=torch.device("cuda", engine.device))
 
 
-def stream_scope(engine: Stream) -> Callable[[], ContextManager[Any]]:
+def stream_scope(engine: Stream) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """A scope to enter around the model's work: the engine's stream as torch's current stream,
     so torch ops queued inside are ordered with memra's kernels by the stream alone. torch's
     view of the stream is made once, here, not at every burst."""

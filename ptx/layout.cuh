@@ -25,7 +25,7 @@
 #define RING_COUNT 0
 #define RING_TOKENS 1
 
-// The head of device mode's token stream (mapped pinned memory, device_loop.TokenStream): a word
+// The head of device mode's token feed (mapped pinned memory, device_loop.TokenFeed): a word
 // the loop's last node sets once it has ended, the publishes so far, and the newest one's stamp;
 // each row's published count, then the tokens and their stamps follow it.
 #define HEAD_ENDED 0

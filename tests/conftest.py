@@ -1,9 +1,14 @@
 """Shared fixtures. GPU tests are marked `gpu` and take the `engine` fixture, which skips them
 with the driver's reason where there is no GPU, or fails them under MEMRA_REQUIRE_GPU=1 (set by
-`make gpu-test`, so a machine that lost its GPU cannot pass for a green GPU run)."""
+`make gpu-test`, so a machine that lost its GPU cannot pass for a green GPU run).
+
+Skips are summarised at the end as one line per distinct reason with its count (pyproject's
+addopts report failures and errors in full, `-rfE`, not each skip): without a GPU, hundreds of
+tests skip for the same reason. `-rs` (or `-ra`) lists them one by one instead."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 
@@ -30,3 +35,21 @@ def llama():
     pytest.importorskip("transformers", reason="the example needs transformers")
     from memra_cuda.bench_torch import load_example
     return load_example()
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return " ".join(reason.removeprefix("Skipped: ").split())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line per distinct skip reason, most frequent first, unless the skips were asked for one
+    by one (-rs, -ra)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped or "s" in terminalreporter.reportchars:
+        return
+    reasons = Counter(_skip_reason(report) for report in skipped)
+    terminalreporter.write_sep("=", f"{len(skipped)} skipped, by reason")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"SKIPPED {count}: {reason}")

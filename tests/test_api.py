@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import memra_cuda
-from memra_cuda import MODES, Greedy, Mode, Sampling, Stages
-from memra_cuda.stream import _deprecated_arguments, as_mode
+from memra_cuda import MODES, Mode, Sampling, Stages
+from memra_cuda.stream import _stages, as_mode
 
 
 def test_modes_are_an_enum_that_takes_the_strings():
-    assert MODES == ("readback", "stream", "graph", "overlap", "device")
+    assert MODES == ("readback", "eager", "graph", "overlap", "device")
     for name in MODES:
         assert as_mode(name) is Mode(name) and as_mode(Mode(name)) is Mode(name)
         assert Mode(name) == name  # a Mode is the string it names
@@ -22,22 +22,36 @@ def test_modes_are_an_enum_that_takes_the_strings():
             as_mode(bad)
 
 
-def test_the_first_releases_keywords_map_to_one_acceptance_rule_with_a_warning():
-    pred, sampling, tail = object(), Sampling(1, 2, 3, 4), lambda: None
-    with pytest.warns(DeprecationWarning, match="acceptance=Greedy"):
-        assert _deprecated_arguments(None, None, {"pred_d": pred}) == (Greedy(pred), Stages(()))
-    with pytest.warns(DeprecationWarning):
-        assert _deprecated_arguments(None, None, {"sampling": sampling})[0] is sampling
-    with pytest.warns(DeprecationWarning):
-        got = _deprecated_arguments(Greedy(pred), ["stage"], {"round_tail": tail, "capacity": 9})
-    assert got == (Greedy(pred), Stages(("stage",), tail, 9))
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="one acceptance rule"):
-        _deprecated_arguments(Greedy(pred), None, {"pred_d": pred})
-    with pytest.raises(TypeError, match="caches"):
-        _deprecated_arguments(Greedy(pred), None, {"caches": []})
+def test_the_first_releases_name_of_eager_mode_still_works_with_a_warning():
+    with pytest.warns(DeprecationWarning, match='"eager"'):
+        assert as_mode("stream") is Mode.EAGER
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _deprecated_arguments(Greedy(pred), Stages(()), {}) == (Greedy(pred), Stages(()))
+        assert as_mode("eager") is Mode.EAGER
+
+
+def test_the_first_releases_stage_keywords_map_to_stages_with_a_warning():
+    tail = lambda: None  # noqa: E731
+    with pytest.warns(DeprecationWarning, match="Stages"):
+        assert _stages(["stage"], tail, 9) == Stages(("stage",), tail, 9)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="not both"):
+        _stages(Stages(()), tail, 9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _stages(Stages(()), None, None) == Stages(())
+        assert _stages(None, None, None) is None
+
+
+def test_the_constructor_shows_acceptance_required_and_the_old_keywords_by_name():
+    """help(RoundStream): what a user chooses, `acceptance` among the required keywords; the
+    deprecated keywords named, nothing hidden in **kwargs."""
+    import inspect
+
+    params = inspect.signature(memra_cuda.RoundStream).parameters
+    assert params["acceptance"].default is inspect.Parameter.empty
+    assert params["acceptance"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert {"round_tail", "capacity", "kernels"} <= set(params)
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def test_pipeline_stages_name_the_capacity_of_their_caches():
@@ -80,7 +94,7 @@ def test_rounds_are_torch_backed_whatever_form_the_tensors_take():
     from types import SimpleNamespace
 
     from memra_cuda import DeviceBuffer
-    from memra_cuda.stream import _torch_in_play
+    from memra_cuda.round import _torch_in_play
 
     Tensor = type("Tensor", (), {"__module__": "torch"})
     engine = SimpleNamespace(stream_owner=None)

@@ -39,7 +39,7 @@ def requests(batch: int, seed: int, max_budget: int = 90):
 def batched(engine, spec, batch, k, m_rounds, capacity):
     lm = toy.ToyLM(engine, MODEL, capacity, batch=batch)
     bufs = StreamBufs(engine, k, m_rounds, batch=batch)
-    return lm, bufs, lm.round_stream(spec, bufs)
+    return lm, bufs, lm.round_stream(bufs, kernels=spec)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -48,9 +48,10 @@ def test_every_row_equals_its_own_greedy_output(engine, spec, mode, batch, k, m_
     prompts, budgets, eos = requests(batch, seed=batch * 100 + k * 10 + m_rounds)
     capacity = kv_capacity(40, max(budgets), k, m_rounds, overlap=mode == "overlap", batch=batch)
     lm, bufs, stream = batched(engine, spec, batch, k, m_rounds, capacity)
-    starts = [lm.prefill_row(bufs, b, prompt) for b, prompt in enumerate(prompts)]
+    for b, prompt in enumerate(prompts):
+        lm.prefill_row(bufs, b, prompt)
     before = engine.readbacks
-    got = stream.generate_batch(starts, budgets, eos=eos, mode=mode)
+    got = stream.generate_batch(budgets, eos=eos, mode=mode)
     for b, (prompt, budget, stop) in enumerate(zip(prompts, budgets, eos)):
         want = toy.target_greedy(MODEL, prompt, budget, stop)
         assert got[b].tolist() == want, f"row {b} of {batch} (prompt {len(prompt)}, budget {budget}, eos {stop})"
@@ -68,8 +69,9 @@ def test_every_row_of_a_large_batch_equals_its_own_greedy_output(engine, spec, b
     budgets = [b % 5 + 1 for b in range(batch)]
     want = {(r, n): toy.target_greedy(MODEL, prompts[r], n) for r in range(distinct) for n in set(budgets)}
     lm, bufs, stream = batched(engine, spec, batch, k, m_rounds, kv_capacity(7, 5, k, m_rounds, batch=batch))
-    starts = [lm.prefill_row(bufs, b, prompts[b % distinct]) for b in range(batch)]
-    got = stream.generate_batch(starts, budgets, mode="graph")
+    for b in range(batch):
+        lm.prefill_row(bufs, b, prompts[b % distinct])
+    got = stream.generate_batch(budgets, mode="graph")
     for b in range(batch):
         assert got[b].tolist() == want[b % distinct, budgets[b]], f"row {b} of {batch}"
 
@@ -82,8 +84,9 @@ def test_rows_do_not_depend_on_each_other(engine, spec):
     prompt = [3, 1, 4, 1, 5]
     outputs = []
     for neighbours in ([[9], [2, 6]], [[7] * 30, [8, 8, 8]]):
-        starts = [lm.prefill_row(bufs, b, p) for b, p in enumerate([prompt, *neighbours])]
-        outputs.append(stream.generate_batch(starts, [budget, 5, 60], mode="graph")[0].tolist())
+        for b, p in enumerate([prompt, *neighbours]):
+            lm.prefill_row(bufs, b, p)
+        outputs.append(stream.generate_batch([budget, 5, 60], mode="graph")[0].tolist())
     assert outputs[0] == outputs[1] == toy.target_greedy(MODEL, prompt, budget)
 
 
@@ -98,7 +101,7 @@ def test_a_slot_refilled_mid_generation(engine, spec):
     later = ([4, 4, 2, 9], 60)
     for b, (prompt, budget) in first.items():
         lm.prefill_row(bufs, b, prompt)
-        bufs.set_stop_row(engine, b, budget=budget)
+        bufs.set_stop_row(b, budget=budget)
     out = {b: [] for b in first}
     refilled, new_out = False, []
     graph = stream.graph
@@ -108,7 +111,7 @@ def test_a_slot_refilled_mid_generation(engine, spec):
             (new_out if refilled and b == 1 else out[b]).extend(readback.tokens[b].tolist())
         if readback.done[1] and not refilled:
             lm.prefill_row(bufs, 1, later[0])
-            bufs.set_stop_row(engine, 1, budget=later[1])
+            bufs.set_stop_row(1, budget=later[1])
             refilled = True
             assert not readback.done[0] and not readback.done[2], "rows 0 and 2 still have budget"
     assert stream.graph is graph
@@ -123,7 +126,7 @@ def test_vacant_and_parked_slots_stay_inert(engine, spec):
     k, m_rounds = 2, 4
     lm, bufs, stream = batched(engine, spec, 4, k, m_rounds, kv_capacity(10, 50, k, m_rounds, batch=4))
     starts = [lm.prefill_row(bufs, b, [b + 1] * (b + 2)) for b in range(4)]
-    got = stream.generate_batch(starts, [0, 50, 0, 0], mode="stream")
+    got = stream.generate_batch([0, 50, 0, 0], mode="eager")
     assert [len(t) for t in got] == [0, 50, 0, 0]
     assert got[1].tolist() == toy.target_greedy(MODEL, [2, 2, 2], 50)
     positions = engine.dtoh(bufs.pos_ctr_d).tolist()
@@ -151,7 +154,7 @@ def test_rollback_of_mixed_layers_per_row(engine, spec, batch):
                 engine.copy_htod(layer.len_d, values)
         engine.copy_htod(bufs.pos_start_d, pos_start)
         engine.copy_htod(bufs.ctl_d, ctl)
-        spec.rollback(table, bufs)
+        spec.rollback(bufs, table)
         want_pos = np.zeros(batch, np.int32)
         ref.spec_rollback_stream([*lengths, want_pos], pos_start, ctl, batch)
         for layer, want in zip(cache.kv, lengths):
@@ -165,9 +168,10 @@ def test_capacity_is_checked_per_row(engine, spec):
     sit out) while the others have: CapacityError names that row, and nothing is queued."""
     k, m_rounds = 4, 4
     lm, bufs, stream = batched(engine, spec, 3, k, m_rounds, capacity=50)
-    starts = [lm.prefill_row(bufs, b, p) for b, p in enumerate([[1], [2] * 30, [3]])]
+    for b, p in enumerate([[1], [2] * 30, [3]]):
+        lm.prefill_row(bufs, b, p)
     with pytest.raises(CapacityError, match="row 1 at position 29"):
-        stream.generate_batch(starts, 100, mode="graph")
+        stream.generate_batch(100, mode="graph")
     assert stream.rounds == 0
 
 
@@ -177,30 +181,30 @@ def test_bad_batch_input_is_refused_before_anything_is_queued(engine, spec):
     bufs = StreamBufs(engine, 4, 4, batch=3)
     for bad in (-1, 3, 2**40):
         with pytest.raises(ValueError, match="outside a batch of 3|row"):
-            bufs.reset_row(engine, bad, 1, 2)
+            bufs.reset_row(bad, 1, 2)
         with pytest.raises(ValueError, match="outside a batch of 3|row"):
-            bufs.set_stop_row(engine, bad, budget=3)
+            bufs.set_stop_row(bad, budget=3)
     with pytest.raises(ValueError, match="exactly 3 x 5"):
         spec.prepare_accept_greedy(bufs, engine.zeros(np.uint32, 5))  # one sequence's predictions
     with pytest.raises(ValueError, match="exactly 3 x 4"):
         spec.prepare_assemble_verify(bufs, engine.zeros(np.uint32, 4 * 3 + 1))
     single = Cache.allocate(engine, (True, False), capacity=16)  # i32[1] lengths
     with pytest.raises(ValueError, match=r"i32\[3\]"):
-        spec.prepare_rollback(kv_len_ptr_table(engine, single), bufs)
+        spec.prepare_rollback(bufs, kv_len_ptr_table(engine, single))
     with pytest.raises(ValueError, match="same batch"):
         kv_len_ptr_table(engine, single, bufs.pos_ctr_d)
     lm = toy.ToyLM(engine, MODEL, 64, batch=2)
     with pytest.raises(ValueError, match="batch of 3"):
-        lm.round_stream(spec, bufs)
+        lm.round_stream(bufs, kernels=spec)
     lm3 = toy.ToyLM(engine, MODEL, 64, batch=3)
-    stream = lm3.round_stream(spec, bufs)
+    stream = lm3.round_stream(bufs, kernels=spec)
     with pytest.raises(ValueError, match="one value per row"):
-        stream.generate_batch([1, 2], 10)
+        stream.generate_batch([10, 10])  # two budgets for three rows
     with pytest.raises(ValueError, match="batch of 1"):
-        stream.generate(1, 10)
+        stream.generate(10)
     with pytest.raises(ValueError, match="prefill_row"):
         lm3.prefill(bufs, [1, 2])
     before = engine.dtoh(bufs.ctl_d).tolist()
     with pytest.raises(ValueError, match=r"max_new_tokens"):
-        stream.generate_batch([1, 1, 1], [5, -1, 5])
+        stream.generate_batch([5, -1, 5])
     assert engine.dtoh(bufs.ctl_d).tolist() == before, "nothing was queued"

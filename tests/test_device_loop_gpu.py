@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memra_cuda import (UNCHECKED, CapacityError, Greedy, LoopUnsupported, RoundCapError, RoundStream, SpecKernels,
-                        Stages, StreamBufs, chain, kv_capacity, kv_len_ptr_table)
+from memra_cuda import (UNCHECKED, BuffersHeld, CapacityError, Greedy, LoopUnsupported, RoundCapError, RoundStream,
+                        SpecKernels, Stages, StreamBufs, chain, kv_capacity, kv_len_ptr_table)
 from memra_cuda.driver import graph as driver_graph
 from memra_cuda.models import toy
 
@@ -43,7 +43,7 @@ def setup(engine, spec, batch, k=4, m_rounds=8, budget=120, sampling=None, cost=
     lm = toy.ToyLM(engine, MODEL, kv_capacity(30, budget, k, m_rounds, batch=batch), cost, batch=batch,
                    sampling=sampling)
     bufs = StreamBufs(engine, k, m_rounds, batch)
-    return lm, bufs, lm.round_stream(spec, bufs)
+    return lm, bufs, lm.round_stream(bufs, kernels=spec)
 
 
 def prefill(lm, bufs, prompts, seeds=None):
@@ -61,12 +61,14 @@ def test_device_mode_equals_graph_mode_and_reuses_its_loop(engine, spec, batch, 
     for request in range(2):  # the second request on the same buffers, without recapture
         prompts, budgets, eos = requests(batch, seed=10 * batch + request)
         seeds = [1000 * request + b for b in range(batch)]
-        want = stream.generate_batch(prefill(lm, bufs, prompts, seeds), budgets, eos=eos, mode="graph")
+        prefill(lm, bufs, prompts, seeds)
+        want = stream.generate_batch(budgets, eos=eos, mode="graph")
         if not sampled:
             for b in range(batch):
                 assert want[b].tolist() == toy.target_greedy(MODEL, prompts[b], budgets[b], eos[b]), f"row {b}"
         bursts = stream.bursts
-        got = stream.generate_batch(prefill(lm, bufs, prompts, seeds), budgets, eos=eos, mode="device")
+        prefill(lm, bufs, prompts, seeds)
+        got = stream.generate_batch(budgets, eos=eos, mode="device")
         for b in range(batch):
             assert got[b].tolist() == want[b].tolist(), f"request {request}, row {b} of {batch}"
         assert stream.bursts == bursts + 1, "one launch, one readback"
@@ -78,9 +80,11 @@ def test_streamed_tokens_are_the_final_tokens_in_order(engine, spec):
     batch = 8
     prompts, budgets, eos = requests(batch, seed=3)
     lm, bufs, stream = setup(engine, spec, batch)
-    want = stream.generate_batch(prefill(lm, bufs, prompts), budgets, eos=eos, mode="graph")
+    prefill(lm, bufs, prompts)
+    want = stream.generate_batch(budgets, eos=eos, mode="graph")
     pieces = [[] for _ in range(batch)]
-    for landed in stream.stream(prefill(lm, bufs, prompts), budgets, eos=eos):
+    prefill(lm, bufs, prompts)
+    for landed in stream.follow(budgets, eos=eos):
         for b in range(batch):
             assert landed.tokens[b].size == landed.stamps[b].size
             pieces[b].extend(landed.tokens[b].tolist())
@@ -94,7 +98,8 @@ def test_tokens_reach_the_host_while_a_slow_loop_runs(engine, spec):
     loop ends, in several looks, each a round or so after the last."""
     lm, bufs, stream = setup(engine, spec, 1, cost=toy.COST_8B_05B, budget=60)
     prompt = [3, 1, 4, 1, 5]
-    landed = list(stream.stream(prefill(lm, bufs, [prompt]), [60]))
+    prefill(lm, bufs, [prompt])
+    landed = list(stream.follow([60]))
     early = [piece for piece in landed if piece.running]
     assert len(early) >= 3, f"{len(early)} of {len(landed)} looks found tokens before the loop ended"
     seen_early = sum(piece.tokens[0].size for piece in early)
@@ -108,14 +113,17 @@ def test_the_round_cap_stops_a_loop_that_would_not_end(engine, spec):
     lm, bufs, stream = setup(engine, spec, 2, k=3, m_rounds=4)
     prompts = [[5, 6, 7], [9]]
     want = [toy.target_greedy(MODEL, prompt, 100) for prompt in prompts]
+    prefill(lm, bufs, prompts)
     with pytest.raises(RoundCapError, match="cap of 7 rounds with 1 row") as caught:
-        list(stream.stream(prefill(lm, bufs, prompts), [None, 4], max_rounds=7))
+        list(stream.follow([None, 4], max_rounds=7))
     assert 7 <= len(caught.value.tokens[0]) <= 7 * 4
     assert caught.value.tokens[0].tolist() == want[0][:len(caught.value.tokens[0])]
     assert caught.value.tokens[1].tolist() == want[1][:4]
-    got = stream.generate_batch(prefill(lm, bufs, prompts), [50, 20], mode="device")
+    prefill(lm, bufs, prompts)
+    got = stream.generate_batch([50, 20], mode="device")
     assert [row.tolist() for row in got] == [want[0][:50], want[1][:20]]
-    got = stream.generate_batch(prefill(lm, bufs, prompts), [30, 10], mode="graph")
+    prefill(lm, bufs, prompts)
+    got = stream.generate_batch([30, 10], mode="graph")
     assert [row.tolist() for row in got] == [want[0][:30], want[1][:10]]
 
 
@@ -125,13 +133,15 @@ def test_a_change_of_pace_recaptures_the_loop(engine, spec):
     prompt, budget = [2, 7, 1, 8], 100
     want = toy.target_greedy(MODEL, prompt, budget)
     before = stream.rounds
-    assert stream.generate(prefill(lm, bufs, [prompt])[0], budget, mode="readback").tolist() == want
+    prefill(lm, bufs, [prompt])
+    assert stream.generate(budget, mode="readback").tolist() == want
     needed = stream.rounds - before  # the readback loop runs exactly the rounds the request needs
     rounds = []
     for pace in (False, True, False):
         stream.pace = pace
         before = stream.rounds
-        assert stream.generate(prefill(lm, bufs, [prompt])[0], budget, mode="device").tolist() == want
+        prefill(lm, bufs, [prompt])
+        assert stream.generate(budget, mode="device").tolist() == want
         rounds.append(stream.rounds - before)
     assert stream.device_loop.captures == 3
     whole = -(-needed // 16) * 16  # unpaced: passes of M rounds, but the cap (the budget) cut in singles
@@ -142,15 +152,17 @@ def test_a_change_of_pace_recaptures_the_loop(engine, spec):
 def test_the_buffers_are_the_loops_until_its_stream_is_read_or_closed(engine, spec):
     lm, bufs, stream = setup(engine, spec, 2, k=3, m_rounds=4)
     prompts = [[5, 6, 7], [9]]
-    following = stream.stream(prefill(lm, bufs, prompts), [40, 30])
+    prefill(lm, bufs, prompts)
+    following = stream.follow([40, 30])
     first = next(following)
-    with pytest.raises(ValueError, match="device-mode loop is still running"):
-        stream.generate_batch([3, 1], [5, 5], mode="graph")
-    with pytest.raises(ValueError, match="device-mode loop is still running"):
-        stream.stream([3, 1], [5, 5])
+    with pytest.raises(BuffersHeld, match="device-mode loop is still running"):
+        stream.generate_batch([5, 5], mode="graph")
+    with pytest.raises(BuffersHeld, match="device-mode loop is still running"):
+        stream.follow([5, 5])
     following.close()  # waits for the loop
     assert bufs.done.all() and len(first.tokens) == 2
-    got = stream.generate_batch(prefill(lm, bufs, prompts), [40, 30], mode="device")
+    prefill(lm, bufs, prompts)
+    got = stream.generate_batch([40, 30], mode="device")
     assert [row.tolist() for row in got] == [toy.target_greedy(MODEL, p, n) for p, n in zip(prompts, [40, 30])]
 
 
@@ -161,16 +173,19 @@ def test_a_stream_closed_or_dropped_before_its_first_token_frees_the_buffers(eng
     lm, bufs, stream = setup(engine, spec, 2, k=3, m_rounds=4)
     prompts = [[5, 6, 7], [9]]
     want = [toy.target_greedy(MODEL, p, n) for p, n in zip(prompts, [40, 30])]
-    following = stream.stream(prefill(lm, bufs, prompts), [40, 30])
-    with pytest.raises(ValueError, match="device-mode loop is still running"):
+    prefill(lm, bufs, prompts)
+    following = stream.follow([40, 30])
+    with pytest.raises(BuffersHeld, match="device-mode loop is still running"):
         stream.device_loop.prepare(4096, True)
     rounds = stream.rounds
     following.close()
     assert stream.rounds > rounds, "closing waited for the loop and counted its rounds"
     assert [t.tolist() for t in stream.device_loop.tokens()] == want
-    following = stream.stream(prefill(lm, bufs, prompts), [40, 30])
+    prefill(lm, bufs, prompts)
+    following = stream.follow([40, 30])
     del following
-    got = stream.generate_batch(prefill(lm, bufs, prompts), [40, 30], mode="device")
+    prefill(lm, bufs, prompts)
+    got = stream.generate_batch([40, 30], mode="device")
     assert [row.tolist() for row in got] == want
 
 
@@ -186,12 +201,12 @@ lm = toy.ToyLM(engine, toy.ToyModel(seed=33, vocab=60), kv_capacity(8, 40, k, m_
 bufs = StreamBufs(engine, k, m_rounds)
 draft_d, pred_d = engine.zeros(np.uint32, k), engine.zeros(np.uint32, k + 1)
 fault = engine.load_ptx("probe").kernel("probe_increment").prepare(["ptr", "u32"], grid=1, block=32).set(0x10, 1)
-rounds = RoundStream(spec, bufs, draft_chain=chain([*lm.draft_steps(bufs, draft_d), fault]),
+rounds = RoundStream(bufs, kernels=spec, draft_chain=chain([*lm.draft_steps(bufs, draft_d), fault]),
                      verify_trunk=chain(lm.verify_steps(bufs, pred_d)), draft_d=draft_d, acceptance=Greedy(pred_d),
                      rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)])
-start = lm.prefill(bufs, [1, 2, 3])
+lm.prefill(bufs, [1, 2, 3])
 try:
-    list(rounds.stream([start], [40]))
+    list(rounds.follow([40]))
 except CudaFault as exc:
     print("raised", exc.name)
 """
@@ -214,19 +229,19 @@ def test_a_fault_inside_the_loop_raises_instead_of_hanging_the_host(engine):
 
 def test_device_mode_refuses_what_it_cannot_serve_before_queuing(engine, spec):
     lm, bufs, stream = setup(engine, spec, 2, k=4, m_rounds=4, budget=20)
-    starts = prefill(lm, bufs, [[1, 2], [3]])
+    prefill(lm, bufs, [[1, 2], [3]])
     readbacks = engine.readbacks
     with pytest.raises(ValueError, match="needs a round cap"):
-        stream.stream(starts, [None, 5])  # refused at the call, not at the first token
+        stream.follow([None, 5])  # refused at the call, not at the first token
     with pytest.raises(ValueError, match="max_rounds must be an int"):
-        stream.stream(starts, [5, 5], max_rounds=0)
+        stream.follow([5, 5], max_rounds=0)
     with pytest.raises(CapacityError, match="cannot take the device loop"):
-        stream.generate_batch(starts, [20, 200], mode="device")
+        stream.generate_batch([20, 200], mode="device")
     with pytest.raises(ValueError, match='"device" generates until every row is done'):
         stream.step("device")
     assert stream.rounds == stream.bursts == 0 and engine.readbacks == readbacks, "a refused request queued rounds"
     assert stream.device_loop.captures == 0, "a refused request captured a loop"
-    got = stream.generate_batch(starts, [20, 0], mode="device")
+    got = stream.generate_batch([20, 0], mode="device")
     assert got[0].tolist() == toy.target_greedy(MODEL, [1, 2], 20) and got[1].size == 0
 
 
@@ -242,13 +257,13 @@ def test_a_driver_without_while_nodes_is_named_and_the_other_modes_run(engine, s
             return getattr(real, name)
 
     lm, bufs, stream = setup(engine, spec, 1, budget=30)
-    start = prefill(lm, bufs, [[4, 4, 2]])[0]
+    prefill(lm, bufs, [[4, 4, 2]])
     monkeypatch.setattr(driver_graph, "driver", Older)
     with pytest.raises(LoopUnsupported, match="CUDA 12.4"):
-        stream.generate(start, 30, mode="device")
+        stream.generate(30, mode="device")
     monkeypatch.undo()
     assert stream.rounds == 0
-    assert stream.generate(start, 30, mode="graph").tolist() == toy.target_greedy(MODEL, [4, 4, 2], 30)
+    assert stream.generate(30, mode="graph").tolist() == toy.target_greedy(MODEL, [4, 4, 2], 30)
 
 
 def test_pipeline_stages_are_refused(engine, spec):
@@ -257,26 +272,26 @@ def test_pipeline_stages_are_refused(engine, spec):
     lm = toy.ToyLM(engine, MODEL, kv_capacity(8, 20, k, m_rounds))
     bufs = StreamBufs(engine, k, m_rounds)
     draft_d, pred_d = engine.zeros(np.uint32, k), engine.zeros(np.uint32, k + 1)
-    rounds = RoundStream(spec, bufs, draft_chain=chain(lm.draft_steps(bufs, draft_d)),
+    rounds = RoundStream(bufs, kernels=spec, draft_chain=chain(lm.draft_steps(bufs, draft_d)),
                          verify_trunk=chain(lm.verify_steps(bufs, pred_d)), draft_d=draft_d, acceptance=Greedy(pred_d),
                          rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)],
                          stages=Stages((), round_tail=lambda: None, capacity=UNCHECKED))
-    start = lm.prefill(bufs, [1, 2, 3])
+    lm.prefill(bufs, [1, 2, 3])
     with pytest.raises(LoopUnsupported, match="pipeline stages"):
-        rounds.generate(start, 20, mode="device")
-    assert rounds.generate(start, 20, mode="graph").tolist() == toy.target_greedy(MODEL, [1, 2, 3], 20)
+        rounds.generate(20, mode="device")
+    assert rounds.generate(20, mode="graph").tolist() == toy.target_greedy(MODEL, [1, 2, 3], 20)
 
 
 def test_publish_appends_each_ring_to_its_row_and_empties_it(engine, spec):
     """Kernel 4' alone: every row's ring goes after what the row published before, stamped with
     one time per publish; the counts move on, the rings are emptied, the head counts the
-    publishes; a row whose stream is full keeps only what fits (nothing past out_cap)."""
-    from memra_cuda.device_loop import TokenStream
+    publishes; a row whose feed is full keeps only what fits (nothing past out_cap)."""
+    from memra_cuda.device_loop import TokenFeed
     from memra_cuda.layout import RING_COUNT, RING_TOKENS
 
     batch, cap = 3, 8
     bufs = StreamBufs(engine, 3, 2, batch)
-    out = TokenStream(engine, batch, cap)
+    out = TokenFeed(engine, batch, cap)
     state = engine.zeros(np.uint32, 1 + batch)
     publish = spec.prepare_ring_publish(bufs, state.view(1, batch), state.view(0, 1), out.head_d, out.count_d,
                                         out.tokens_d, out.stamps_d, cap)
@@ -316,18 +331,18 @@ def test_a_branch_is_only_added_to_a_capture(engine, spec):
 
 
 def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec):
-    """The token stream's protocol alone, as `make racecheck` checks it: inside a WHILE loop the
+    """The token feed's protocol alone, as `make racecheck` checks it: inside a WHILE loop the
     rings are filled (by memsets, standing in for a commit) and published by kernel 4' on a
     branch joined before the next fill, the decider ends the loop after `passes`, and the host
-    follows the mapped stream while it runs: every pass's tokens arrive, in order, with stamps
+    follows the mapped feed while it runs: every pass's tokens arrive, in order, with stamps
     that never go back, and the head counts every publish."""
-    from memra_cuda.device_loop import TokenStream
+    from memra_cuda.device_loop import TokenFeed
     from memra_cuda.driver.graph import Graph, branch, join, loops
     from memra_cuda.layout import CTL_BUDGET, CTL_EOS, CTL_WORDS, HEAD_ENDED, RING_COUNT, RING_TOKENS
 
     batch, passes = 2, 64
     bufs = StreamBufs(engine, 3, 1, batch)
-    out = TokenStream(engine, batch, 2 * passes)
+    out = TokenFeed(engine, batch, 2 * passes)
     state = engine.zeros(np.uint32, 1 + batch)  # publishes, then each row's published tokens
     loop_d = engine.htod([passes, 0], np.uint32)
     row = np.zeros(CTL_WORDS, np.int32)
@@ -383,10 +398,12 @@ def test_tokens_are_taken_from_the_stream_until_its_next_launch(engine, spec):
     same buffers, it refuses rather than answer with the next request's tokens."""
     lm, bufs, stream = setup(engine, spec, 1, budget=40)
     prompt = [6, 2, 8]
-    landed = list(stream.stream(prefill(lm, bufs, [prompt]), [40]))
+    prefill(lm, bufs, [prompt])
+    landed = list(stream.follow([40]))
     read, unread = landed[0], landed[-1]
     assert read.tokens[0].size == read.total and sum(piece.total for piece in landed) == 40
-    stream.generate(prefill(lm, bufs, [prompt])[0], 40, mode="device")
+    prefill(lm, bufs, [prompt])
+    stream.generate(40, mode="device")
     assert read.tokens[0].size == read.total, "a Landed read before keeps its copy"
     with pytest.raises(ValueError, match="earlier launch"):
         unread.stamps

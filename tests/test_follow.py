@@ -1,4 +1,4 @@
-"""TokenStream.follow(), the host's side of device mode, against a simulated device on a fake
+"""TokenFeed.follow(), the host's side of device mode, against a simulated device on a fake
 clock (on the host, no GPU): the host's waiting is tested on every CI, where a GPU run could only
 show it through timings that vary with the machine (docs/round-stream.md, "How the host waits").
 
@@ -17,8 +17,8 @@ import contextlib
 import numpy as np
 import pytest
 
-from memra_cuda import device_loop
-from memra_cuda.device_loop import MASK32, TokenStream
+from memra_cuda import device_loop, pace
+from memra_cuda.device_loop import MASK32, TokenFeed
 from memra_cuda.layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
 
 BATCH = 3
@@ -26,7 +26,7 @@ ROUND_NS = 20_000  # the bare toy's rounds
 WAKE_NS = 6_000  # how late a sleep wakes past what it asked for
 OFFSET = 123_456_789  # device clock minus host clock
 START = 1000 * 2**32 - OFFSET - 2_000_000  # host clock at the start: the device's stamps wrap 2 ms in
-STALL_NS = int(TokenStream.STALL_S * 1e9)
+STALL_NS = int(TokenFeed.STALL_S * 1e9)
 HORIZON_NS = 10**9  # a host still waiting this long after the last round would hang: fail instead
 
 
@@ -35,7 +35,7 @@ class Faulted(Exception):
 
 
 class Device:
-    """A device loop of `rounds` rounds publishing into a TokenStream over plain host memory,
+    """A device loop of `rounds` rounds publishing into a TokenFeed over plain host memory,
     and the host's clock and sleep, which run it: each call moves the fake time on, then
     publishes every round that has committed by then. `looks` records when the host read the
     head, `sleeps` what it asked to sleep, `checks` when it asked whether the device faulted
@@ -59,12 +59,12 @@ class Device:
         self.head, self.counts = words[:HEAD_WORDS], words[HEAD_WORDS:rows]
         self.tokens = words[rows:rows + BATCH * cap].reshape(BATCH, cap)
         self.stamps = words[rows + BATCH * cap:].reshape(BATCH, cap)
-        self.stream = TokenStream.__new__(TokenStream)  # __init__ would map device memory
-        self.stream.batch, self.stream.cap = BATCH, cap
-        self.stream.looks = self.stream.empty_looks = self.stream.launches = 0
-        self.stream._views(words)
-        self.stream.clear()
-        self._read_head, self.stream.head = self.stream.head, self._look
+        self.feed = TokenFeed.__new__(TokenFeed)  # __init__ would map device memory
+        self.feed.batch, self.feed.cap = BATCH, cap
+        self.feed.looks = self.feed.empty_looks = self.feed.launches = 0
+        self.feed._views(words)
+        self.feed.clear()
+        self._read_head, self.feed.head = self.feed.head, self._look
 
     def _look(self) -> list[int]:
         self.looks.append(self.now)
@@ -89,11 +89,11 @@ class Device:
             raise Faulted
 
     def follow(self, monkeypatch: pytest.MonkeyPatch, **kwargs):
-        """The stream's follow() on this device's clock (kwargs: spin, look_s)."""
+        """The feed's follow() on this device's clock (kwargs: spin, look_s)."""
         monkeypatch.setattr(device_loop, "_clock", self.clock)
         monkeypatch.setattr(device_loop, "_sleep", self.sleep)
         monkeypatch.setattr(device_loop, "_fine_timer", contextlib.nullcontext)  # no prctl
-        return self.stream.follow(check=self.check, **kwargs)
+        return self.feed.follow(check=self.check, **kwargs)
 
     def _publish(self) -> None:
         while self.published < len(self.commits) and self.commits[self.published] <= self.now:
@@ -153,18 +153,18 @@ def test_every_token_is_yielded_once_in_order_with_its_stamp(monkeypatch):
     assert all(piece.counts.tolist() == [len(row) for row in piece.tokens] for piece in landed)
     assert [piece.running for piece in landed] == [True] * (len(landed) - 1) + [False]
     assert device.looks[-2] < device.commits[-1] <= device.looks[-1]
-    assert device.stream.looks == len(device.looks) and not device.checks
-    assert [row.tolist() for row in device.stream.tokens()] == [tokens for tokens, _ in published]
+    assert device.feed.looks == len(device.looks) and not device.checks
+    assert [row.tolist() for row in device.feed.tokens()] == [tokens for tokens, _ in published]
 
 
-def test_a_landed_answers_until_the_stream_is_cleared_for_the_next_launch(monkeypatch):
-    """A Landed copies its tokens out of the stream when first asked: after the stream's next
+def test_a_landed_answers_until_the_feed_is_cleared_for_the_next_launch(monkeypatch):
+    """A Landed copies its tokens out of the feed when first asked: after the feed's next
     launch it refuses rather than answer with another request's tokens, and what it copied
     before stays its own."""
     device = Device(20)
     landed = list(device.follow(monkeypatch))
     kept = landed[0].tokens
-    device.stream.clear()  # the next launch
+    device.feed.clear()  # the next launch
     with pytest.raises(ValueError, match="earlier launch"):
         landed[-1].stamps
     assert landed[0].tokens is kept
@@ -179,9 +179,9 @@ def test_rounds_of_20us_are_seen_within_a_round_plus_20us_looking_every_three_ro
     device = Device(300)
     landed = list(device.follow(monkeypatch, look_s=60e-6))
     assert np.median(device.delays(landed)) <= ROUND_NS + 20_000
-    assert 0.28 <= device.stream.looks / 300 <= 0.4
+    assert 0.28 <= device.feed.looks / 300 <= 0.4
     assert 60_000 <= device.steady_gap() < 60_000 + ROUND_NS
-    assert device.stream.empty_looks <= 0.1 * device.stream.looks
+    assert device.feed.empty_looks <= 0.1 * device.feed.looks
     assert not device.checks, "asked about a fault while rounds flowed"
 
 
@@ -209,7 +209,7 @@ def test_after_a_first_publish_seen_late_looks_at_millisecond_rounds_converge_on
     assert device.delays(landed).max() > 300_000, "the first publishes were not seen late"
     assert np.median(device.delays(landed, after_round=10)) <= 20_000
     assert device.steady_gap() == 1_000_000
-    assert device.stream.looks <= 1.5 * 100
+    assert device.feed.looks <= 1.5 * 100
 
 
 def test_after_a_long_first_round_the_looks_are_still_look_s_apart(monkeypatch):
@@ -229,7 +229,7 @@ def test_a_longer_look_s_looks_less_often_and_sees_tokens_later(monkeypatch):
     device = Device(300)
     landed = list(device.follow(monkeypatch, look_s=150e-6))
     assert 150_000 <= device.steady_gap() < 150_000 + ROUND_NS
-    assert 1 / 10 <= device.stream.looks / 300 <= 1 / 6
+    assert 1 / 10 <= device.feed.looks / 300 <= 1 / 6
     assert ROUND_NS + 20_000 < np.median(device.delays(landed)) <= 75_000 + ROUND_NS + 20_000
 
 
@@ -272,7 +272,7 @@ def test_a_slow_healthy_device_is_asked_about_every_stall_s_and_followed_to_the_
 
 def test_the_timer_slack_is_fine_while_following_and_restored_after(monkeypatch):
     """Linux sleeps the thread's timer slack (50 µs by default) past what was asked: while the
-    host follows, 1 µs; after, what it was, also for a stream closed before its end."""
+    host follows, 1 µs; after, what it was, also for a follow() closed before its end."""
     prctl = device_loop._prctl()
     if prctl is None:
         pytest.skip("no prctl here (not Linux)")
@@ -280,7 +280,7 @@ def test_the_timer_slack_is_fine_while_following_and_restored_after(monkeypatch)
     device = Device(20)
     monkeypatch.setattr(device_loop, "_clock", device.clock)
     monkeypatch.setattr(device_loop, "_sleep", device.sleep)
-    following = device.stream.follow()
+    following = device.feed.follow()
     next(following)
     assert prctl(30, 0, 0, 0, 0) == 1000
     following.close()
@@ -293,4 +293,4 @@ def test_the_timer_slack_is_fine_while_following_and_restored_after(monkeypatch)
 def test_device_mode_passes_are_m_then_powers_of_four_then_one(m_rounds, paced, lengths):
     """The loops of one launch: M-round passes, then (paced) every power of four below M, then
     single rounds, which end a generation the cap cuts inside a longer pass."""
-    assert device_loop._pass_lengths(m_rounds, paced) == lengths
+    assert pace.pass_lengths(m_rounds, paced) == lengths

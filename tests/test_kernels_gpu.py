@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pytest
@@ -160,7 +160,7 @@ def test_seed_gather_matches_reference(engine, spec, k, row_words, batch):
     out_words = row_words + 2 if batch == 1 else batch * row_words  # one sequence: two guard words
     rig = Rig(engine, k, batch=batch, rows_d=engine.zeros(np.uint32, batch * n_rows * row_words),
               out_d=engine.zeros(np.uint32, out_words))
-    launch = spec.prepare_seed_gather(rig.device["rows_d"], row_words, rig.bufs, rig.device["out_d"])
+    launch = spec.prepare_seed_gather(rig.bufs, rig.device["rows_d"], row_words, rig.device["out_d"])
 
     def reference(s):
         ref.spec_seed_gather(s["rows_d"], n_rows, row_words, s["acc_d"], s["out_d"], batch)
@@ -183,7 +183,7 @@ def test_seed_gather_copies_the_bonus_row_and_nothing_past_it(engine, spec, row_
             | np.arange(row_words, dtype=np.uint32)).reshape(-1)
     rows_d = engine.htod(rows, np.uint32)
     out_d = engine.zeros(np.uint32, row_words + 1)
-    launch = spec.prepare_seed_gather(rows_d, row_words, bufs, out_d)
+    launch = spec.prepare_seed_gather(bufs, rows_d, row_words, out_d)
     for acc, row in [(0, 0), (1, 1), (4, 4), (5, 4), (6, 4), (2**31, 4), (2**32 - 1, 4)]:
         engine.copy_htod(out_d, np.full(row_words + 1, SENTINEL, np.uint32))
         engine.copy_htod(bufs.acc_d, [acc, 3])
@@ -347,7 +347,7 @@ def test_rollback_matches_reference(engine, spec, n_ptrs, batch):
         kind = rng.choice(3, n_ptrs, p=[0.25, 0.1, 0.65])  # null, pos_ctr_d, a target window
         index = rng.integers(0, n_targets, n_ptrs)
         entries = [None if c == 0 else rig.bufs.pos_ctr_d if c == 1 else windows[i] for c, i in zip(kind, index)]
-        launch = spec.prepare_rollback(PointerTable(engine, entries), rig.bufs)
+        launch = spec.prepare_rollback(rig.bufs, PointerTable(engine, entries))
         for row in rig.rows(state, "pos_start_d", "ctl_d"):
             row["pos_start_d"][0] = position(rng)
             row["ctl_d"][KEEP] = pick(rng, [0, 1, k + 1, int(rng.integers(0, k + 2)), -1, 2**31 - 1, -2**31,
@@ -377,7 +377,7 @@ def test_rollback_touches_exactly_the_nonzero_pointers(engine, spec, n_slots, po
     bufs = StreamBufs(engine, 4, 1)
     engine.copy_htod(bufs.pos_start_d, [pos_start])
     engine.copy_htod(bufs.ctl_d, [-1, -1, 0, keep])
-    spec.rollback(table, bufs)
+    spec.rollback(bufs, table)
     want = np.full(3 * n_slots, SENTINEL, np.int32)
     want[target[live]] = length
     got = engine.dtoh(words)
@@ -402,7 +402,7 @@ def test_ring_fills_to_capacity_and_never_past(engine, spec, k, m):
     allocated_ring = bufs.ring_d  # held: its zeroing memset may still be queued
     bufs.ring_d = guarded.view(1, cap + 1)
     engine.set_u32(bufs.ring_d, 0, 0)
-    bufs.set_stop(engine)  # no EOS, no budget
+    bufs.set_stop()  # no EOS, no budget
     draft_d, pred_d = engine.zeros(np.uint32, max(k, 1)), engine.zeros(np.uint32, k + 1)
     round_steps = [spec.prepare_assemble_verify(bufs, draft_d), spec.prepare_accept_greedy(bufs, pred_d),
                    spec.prepare_ring_commit(bufs)]
@@ -424,7 +424,7 @@ def test_ring_fills_to_capacity_and_never_past(engine, spec, k, m):
         assert engine.dtoh(bufs.acc_d).tolist() == [k, (r + 1) * k], f"{where}: acc_d"
         assert engine.dtoh(bufs.pend_d).tolist() == [bonus], f"{where}: the bonus becomes the pending token"
         assert engine.dtoh(bufs.ctl_d).tolist() == [-1, -1, 0, k + 1], f"{where}: ctl_d (not done, keep k+1)"
-    assert bufs.drain_ring(engine).tolist() == committed[:cap], f"k={k} m={m}: drain_ring"
+    assert bufs.drain_ring().tolist() == committed[:cap], f"k={k} m={m}: drain_ring"
     allocated_ring.free()
 
 
@@ -482,7 +482,7 @@ def test_rollback_through_cache_tables_sets_every_length_and_pos_ctr(engine, spe
         engine.copy_htod(bufs.pos_start_d, [pos_start])
         engine.copy_htod(bufs.ctl_d, [-1, -1, 0, keep])
         for table in tables:
-            spec.rollback(table, bufs)
+            spec.rollback(bufs, table)
         length = pos_start + keep
         assert cache.lengths(engine) == [length if has else None for has in KV_MASK], f"{len(tables)} table(s)"
         assert engine.dtoh(bufs.pos_ctr_d).tolist() == [length], f"{len(tables)} table(s): pos_ctr_d"

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memra_cuda import (CapacityError, CaptureError, DeviceBuffer, Engine, Event, Graph, KernelArgs, PointerTable,
-                        RoundStream, SpecKernels, StreamBufs, kv_capacity, kv_len_ptr_table)
+from memra_cuda import (CapacityError, CaptureError, DeviceBuffer, Engine, Event, Graph, Greedy, KernelArgs,
+                        PointerTable, RoundStream, SpecKernels, StreamBufs, kv_capacity, kv_len_ptr_table)
 from memra_cuda.models import toy, toy_reference
 from memra_cuda.tables import Cache
 
@@ -142,13 +142,13 @@ def test_pointer_table_outlives_its_cache_and_refuses_once_a_length_is_freed(eng
     bystanders = [engine.htod([1234], np.int32) for _ in range(8)]
     engine.copy_htod(bufs.pos_start_d, [5])
     engine.copy_htod(bufs.ctl_d, [-1, -1, 0, 2])
-    spec.rollback(table, bufs)
+    spec.rollback(bufs, table)
     assert [int(engine.dtoh(ref())[0]) for ref in alive] == [7, 7]
     assert [int(engine.dtoh(b)[0]) for b in bystanders] == [1234] * 8
 
-    launch = spec.prepare_rollback(table, bufs)
+    launch = spec.prepare_rollback(bufs, table)
     alive[0]().free()
-    for use in (lambda: spec.rollback(table, bufs), launch, lambda: table.ptr):
+    for use in (lambda: spec.rollback(bufs, table), launch, lambda: table.ptr):
         with pytest.raises(ValueError, match="len_d"):
             use()
     assert [int(engine.dtoh(b)[0]) for b in bystanders] == [1234] * 8
@@ -157,7 +157,7 @@ def test_pointer_table_outlives_its_cache_and_refuses_once_a_length_is_freed(eng
 def test_rollback_refuses_a_bare_u64_buffer(engine, spec):
     bufs = StreamBufs(engine, 2, 1)
     with pytest.raises(TypeError, match="PointerTable"):
-        spec.rollback(engine.htod([bufs.pos_ctr_d.ptr], np.uint64), bufs)
+        spec.rollback(bufs, engine.htod([bufs.pos_ctr_d.ptr], np.uint64))
 
 
 def test_toy_tables_hold_the_layers(engine):
@@ -185,14 +185,15 @@ def test_burst_graph_refuses_to_replay_after_its_buffers_are_freed(engine, spec,
     model = toy.ToyModel(seed=3)
     lm = toy.ToyLM(engine, model, kv_capacity(3, 40, 2, 4, overlap=True))
     bufs = StreamBufs(engine, 2, 4)
-    stream = lm.round_stream(spec, bufs)
-    got = stream.generate(lm.prefill(bufs, [1, 2, 3]), 20, mode=mode).tolist()
+    stream = lm.round_stream(bufs, kernels=spec)
+    lm.prefill(bufs, [1, 2, 3])
+    got = stream.generate(20, mode=mode).tolist()
     assert got == toy.target_greedy(model, [1, 2, 3], 20)
-    start = lm.prefill(bufs, [1, 2, 3])
+    lm.prefill(bufs, [1, 2, 3])
     engine.synchronize()
     bufs.free()
     with pytest.raises(ValueError, match="which was freed|after free"):
-        stream.generate(start, 20, mode=mode)
+        stream.generate(20, mode=mode)
     with pytest.raises(ValueError, match="ring_d|readback slot|vtok_d|pend_d|brk_d|acc_d|ctl_d|pos_"):
         stream.graph.launch()
 
@@ -205,8 +206,8 @@ def test_host_to_device_copy_inside_a_capture_is_refused(engine, what):
     bufs = StreamBufs(engine, 1, 1)
     uploads = {"copy_htod": lambda: engine.copy_htod(buf, [1, 2, 3]),
                "htod": lambda: engine.htod([1, 2, 3], np.uint32),
-               "set_stop": lambda: bufs.set_stop(engine, eos=3, budget=9),
-               "reset": lambda: bufs.reset(engine, 1, 2),
+               "set_stop": lambda: bufs.set_stop(eos=3, budget=9),
+               "reset": lambda: bufs.reset(1, 2),
                "pointer table": lambda: PointerTable(engine, [buf])}
     with pytest.raises(CaptureError, match="pageable host memory|cannot be allocated inside a graph capture"):
         Graph(engine, uploads[what])
@@ -245,14 +246,16 @@ def test_capacity_comes_from_the_rollback_tables(engine, spec):
     model = toy.ToyModel(seed=9)
     lm = toy.ToyLM(engine, model, capacity=24)
     bufs = StreamBufs(engine, 4, 4)
-    stream = lm.round_stream(spec, bufs)
+    stream = lm.round_stream(bufs, kernels=spec)
     assert stream.capacity == 24
     rounds, readbacks = stream.rounds, engine.readbacks
+    lm.prefill(bufs, list(range(10)))
     with pytest.raises(CapacityError, match="24 entries"):
-        stream.generate(lm.prefill(bufs, list(range(10))), 100)  # 9 + one burst of 20 > 24
+        stream.generate(100)  # 9 + one burst of 20 > 24
     assert (stream.rounds, engine.readbacks) == (rounds, readbacks)
+    lm.prefill(bufs, [1, 2, 3])
     with pytest.raises(CapacityError, match="24 entries"):
-        stream.generate(lm.prefill(bufs, [1, 2, 3]), 100)  # the first burst fits, a later one not
+        stream.generate(100)  # the first burst fits, a later one not
     lengths = lm.target.lengths(engine) + lm.draft.lengths(engine)
     assert all(n is None or n <= 24 for n in lengths), lengths
 
@@ -261,13 +264,14 @@ def test_round_stream_refuses_tables_without_the_position_and_bare_tables(engine
     lm = toy.ToyLM(engine, toy.ToyModel(), capacity=64)
     bufs = StreamBufs(engine, 2, 2)
     draft_d, pred_d = engine.zeros(np.uint32, 2), engine.zeros(np.uint32, 3)
-    wiring = dict(draft_chain=lambda: None, verify_trunk=lambda: None, draft_d=draft_d, pred_d=pred_d)
+    wiring = dict(kernels=spec, draft_chain=lambda: None, verify_trunk=lambda: None, draft_d=draft_d,
+                  acceptance=Greedy(pred_d))
     with pytest.raises(ValueError, match="pos_ctr_d"):
-        RoundStream(spec, bufs, rollback_tables=[kv_len_ptr_table(engine, lm.target)], **wiring)
+        RoundStream(bufs, rollback_tables=[kv_len_ptr_table(engine, lm.target)], **wiring)
     with pytest.raises(TypeError, match="PointerTable"):
-        RoundStream(spec, bufs, rollback_tables=[engine.htod([bufs.pos_ctr_d.ptr], np.uint64)], **wiring)
+        RoundStream(bufs, rollback_tables=[engine.htod([bufs.pos_ctr_d.ptr], np.uint64)], **wiring)
     with pytest.raises(TypeError):
-        RoundStream(spec, bufs, rollback_tables=[kv_len_ptr_table(engine, lm.target, bufs.pos_ctr_d)], caches=[],
+        RoundStream(bufs, rollback_tables=[kv_len_ptr_table(engine, lm.target, bufs.pos_ctr_d)], caches=[],
                     **wiring)
 
 
@@ -328,15 +332,20 @@ def test_buffers_of_another_engine_are_refused(engine, spec):
     (dict(max_new_tokens=5, start_pos=-1), ValueError), (dict(max_new_tokens=5, eos=-3), ValueError),
     (dict(max_new_tokens=5, mode="fast"), ValueError)])
 def test_generate_checks_its_arguments_before_queueing(engine, spec, kwargs, kind):
+    """The start position is the reset's now (generate starts where bufs.reset left the row):
+    a bad one is refused there, before generate is reached."""
     lm = toy.ToyLM(engine, toy.ToyModel(), capacity=128)
     bufs = StreamBufs(engine, 2, 2)
-    stream = lm.round_stream(spec, bufs)
-    start = lm.prefill(bufs, [1, 2])
+    stream = lm.round_stream(bufs, kernels=spec)
+    lm.prefill(bufs, [1, 2])
     engine.synchronize()
-    args = {"start_pos": start, **kwargs}
+    args = dict(kwargs)
+    start = args.pop("start_pos", None)
     before = stream.rounds, engine.readbacks
     with pytest.raises(kind):
-        stream.generate(args.pop("start_pos"), args.pop("max_new_tokens"), **args)
+        if start is not None:
+            bufs.reset(2, start)
+        stream.generate(args.pop("max_new_tokens"), **args)
     assert (stream.rounds, engine.readbacks) == before
 
 

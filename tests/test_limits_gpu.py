@@ -57,14 +57,16 @@ def test_hand_built_rollback_table_must_name_its_capacity(engine, spec):
     wiring = dict(draft_chain=chain(lm.draft_steps(bufs, draft_d)),
                   verify_trunk=chain(lm.verify_steps(bufs, pred_d)), draft_d=draft_d, acceptance=Greedy(pred_d))
     with pytest.raises(ValueError, match="capacity"):
-        RoundStream(spec, bufs, rollback_tables=[PointerTable(engine, lengths)], **wiring)
+        RoundStream(bufs, kernels=spec, rollback_tables=[PointerTable(engine, lengths)], **wiring)
     with pytest.raises(ValueError, match="capacity"):
         PointerTable(engine, lengths, capacity=0)
-    assert RoundStream(spec, bufs, rollback_tables=[PointerTable(engine, lengths, capacity=UNCHECKED)],
+    assert RoundStream(bufs, kernels=spec, rollback_tables=[PointerTable(engine, lengths, capacity=UNCHECKED)],
                        **wiring).capacity is None
-    checked = RoundStream(spec, bufs, rollback_tables=[PointerTable(engine, lengths, capacity=24)], **wiring)
+    checked = RoundStream(bufs, kernels=spec, rollback_tables=[PointerTable(engine, lengths, capacity=24)],
+                          **wiring)
+    lm.prefill(bufs, list(range(10)))
     with pytest.raises(CapacityError, match="24 entries"):
-        checked.generate(lm.prefill(bufs, list(range(10))), 100)  # 9 + one burst of 20 > 24
+        checked.generate(100)  # 9 + one burst of 20 > 24
 
 
 # -- 5. the public issue_round / issue_burst check capacity and the ring's M rounds ---------
@@ -72,7 +74,7 @@ def test_hand_built_rollback_table_must_name_its_capacity(engine, spec):
 def test_issue_burst_refuses_more_than_m_rounds_and_a_burst_that_does_not_fit(engine, spec):
     lm = toy.ToyLM(engine, toy.ToyModel(seed=6), capacity=24)
     bufs = StreamBufs(engine, 4, 4)
-    stream = lm.round_stream(spec, bufs)
+    stream = lm.round_stream(bufs, kernels=spec)
     lm.prefill(bufs, list(range(10)))  # position 9
     with pytest.raises(ValueError, match="rounds must be an int from 1 to 4"):
         stream.issue_burst(8)  # twice the ring: its commits would drop tokens
@@ -82,8 +84,8 @@ def test_issue_burst_refuses_more_than_m_rounds_and_a_burst_that_does_not_fit(en
     stream.issue_round()  # 9 + 10 + 5 fits, just
     with pytest.raises(CapacityError, match="24 entries"):
         stream.issue_round()  # the rounds issued since the readback count: 9 + 15 + 5 > 24
-    bufs.queue_readback(engine)
-    got = np.concatenate(bufs.collect(engine).tokens)
+    bufs.queue_readback()
+    got = np.concatenate(bufs.receive().tokens)
     assert got.tolist() == toy.target_greedy(lm.model, list(range(10)), len(got))
 
 
@@ -92,7 +94,7 @@ def test_rounds_issued_since_a_readback_never_overrun_the_ring(engine, spec):
     then a step, would drop tokens while the budget is spent, whatever the caches' room."""
     lm = toy.ToyLM(engine, toy.ToyModel(seed=8), capacity=4096)
     bufs = StreamBufs(engine, 2, 4)
-    stream = lm.round_stream(spec, bufs)
+    stream = lm.round_stream(bufs, kernels=spec)
     lm.prefill(bufs, [1, 2, 3])
     stream.issue_burst(4)
     with pytest.raises(ValueError, match="overrun the ring"):
@@ -102,21 +104,21 @@ def test_rounds_issued_since_a_readback_never_overrun_the_ring(engine, spec):
     for mode in ("readback", "graph"):
         with pytest.raises(ValueError, match="overrun the ring"):
             stream.step(mode)
-    bufs.queue_readback(engine)
-    first = np.concatenate(bufs.collect(engine).tokens).tolist()  # the readback makes room again
+    bufs.queue_readback()
+    first = np.concatenate(bufs.receive().tokens).tolist()  # the readback makes room again
     stream.issue_burst(4)
-    bufs.queue_readback(engine)
-    second = np.concatenate(bufs.collect(engine).tokens).tolist()
+    bufs.queue_readback()
+    second = np.concatenate(bufs.receive().tokens).tolist()
     assert first + second == toy.target_greedy(lm.model, [1, 2, 3], len(first) + len(second))
 
 
-@pytest.mark.parametrize("mode", ["graph", "stream"])
+@pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_a_burst_with_its_readback_leaves_the_ring_empty_for_the_next(engine, spec, mode):
     """After issue_burst's rounds, a step's own readback (replayed inside its graph, where bufs
     cannot count it) empties the ring: the next whole burst fits, and every token arrives."""
     lm = toy.ToyLM(engine, toy.ToyModel(seed=8), capacity=4096)
     bufs = StreamBufs(engine, 2, 4)
-    stream = lm.round_stream(spec, bufs)
+    stream = lm.round_stream(bufs, kernels=spec)
     lm.prefill(bufs, [1, 2, 3])
     stream.issue_burst(1)
     tokens = np.concatenate(stream.step(mode, 1).tokens).tolist()
@@ -320,10 +322,11 @@ def test_a_live_row_that_commits_nothing_in_a_burst_raises_instead_of_hanging(en
     bufs = StreamBufs(engine, 2, 4)
     draft_d, pred_d = engine.zeros(np.uint32, 2), engine.zeros(np.uint32, 3)
     table = kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)
-    stream = RoundStream(spec, bufs, draft_chain=chain(lm.draft_steps(bufs, draft_d)),
+    stream = RoundStream(bufs, kernels=spec, draft_chain=chain(lm.draft_steps(bufs, draft_d)),
                          verify_trunk=chain(lm.verify_steps(bufs, pred_d)), draft_d=draft_d,
                          acceptance=Greedy(pred_d), rollback_tables=[table],
                          stages=Stages((), engine.prepare_set_u32(bufs.ring_d, 0, 0), UNCHECKED))
     for mode in ("readback", "graph"):
+        lm.prefill(bufs, [1, 2, 3])
         with pytest.raises(RuntimeError, match="committed no token"):
-            stream.generate(lm.prefill(bufs, [1, 2, 3]), 50, mode=mode)
+            stream.generate(50, mode=mode)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memra_cuda.stream import Pace
+from memra_cuda.pace import Pace
 
 LIVE = np.array([True])
 

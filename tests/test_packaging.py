@@ -107,3 +107,23 @@ def test_bench_torch_without_the_source_tree_says_what_it_needs():
         bench_torch.load_example()
     message = str(exit_.value.code)
     assert len(message.splitlines()) == 1 and "examples/torch_llama.py" in message and "make bench-torch" in message
+
+
+def test_metadata_says_what_a_user_trusts():
+    """One version (memra_cuda.__version__, which the wheel's metadata reads), the Apache-2.0
+    licence as a PEP 639 expression with its text, the py.typed marker, and the CUDA bindings
+    bounded above."""
+    from importlib.metadata import distribution
+
+    dist = distribution("memra_cuda")
+    meta = dist.metadata
+    assert dist.version == memra_cuda.__version__, (dist.version, memra_cuda.__version__)
+    assert meta["License-Expression"] == "Apache-2.0", meta["License-Expression"]
+    licence = [f for f in dist.files if f.name == "LICENSE"]
+    assert licence and "Apache License" in licence[0].read_text()
+    assert licence[0].read_text() == (REPO / "LICENSE").read_text()
+    assert (PACKAGE / "py.typed").is_file()
+    assert "Typing :: Typed" in meta.get_all("Classifier")
+    requires = meta.get_all("Requires-Dist")
+    assert any(r.startswith("cuda-python") and "<14" in r for r in requires), requires
+    assert {"nvrtc", "test", "torch"} <= set(meta.get_all("Provides-Extra"))

@@ -33,8 +33,8 @@ def test_committed_ptx_is_what_its_source_builds(source):
     build = _build_script()
     try:
         fresh = build.compile_cu(source)
-    except build.BuildError as exc:
-        if "not found" in str(exc):
+    except build.NvrtcUnavailable as exc:
+        if exc.found is None:  # no NVRTC here; another release of it is a failure
             pytest.skip(f"cannot rebuild PTX here: {exc}")
         raise
     assert source.with_suffix(".ptx").read_text() == fresh, f"run `make ptx`: {source.name} changed"

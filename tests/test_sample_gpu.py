@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest

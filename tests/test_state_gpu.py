@@ -13,8 +13,8 @@ stride, hand-worked values between sentinels, and what the tables and launchers 
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from itertools import islice
-from typing import Iterable, Sequence
 
 import numpy as np
 import pytest
@@ -83,7 +83,7 @@ def check_state_copy(engine, spec, k: int, batch: int, widths: Sequence[int | No
         arena, dtype = rig.device[f"layer{i}"], TYPES[i % len(TYPES)]
         layers.append(StateLayer(arena.view(live.start, live.stop - live.start, dtype),
                                  arena.view(slots.start, slots.stop - slots.start, dtype), w, k))
-    launch = spec.prepare_state_copy(state_copy_table(engine, layers), rig.bufs)
+    launch = spec.prepare_state_copy(rig.bufs, state_copy_table(engine, layers))
 
     def reference(s):
         table = [None if w is None else (*(s[f"layer{i}"][span] for span in spans(batch, k, w)), w)
@@ -129,7 +129,7 @@ def test_state_copy_writes_the_kept_slot_between_sentinels(engine, spec, row_wor
     arena = engine.htod(words, np.uint32)
     layer = StateLayer(arena.view(live.start, batch * row_words), arena.view(slot_span.start, slots.size), row_words, k)
     engine.copy_htod(bufs.ctl_d, ctl_of(keeps))
-    spec.state_copy(state_copy_table(engine, [None, layer]), bufs)
+    spec.state_copy(bufs, state_copy_table(engine, [None, layer]))
     want = words.copy()
     for row, keep in enumerate(keeps):
         if keep:
@@ -157,7 +157,7 @@ def check_state_flip(engine, spec, k: int, batch: int, entries: Sequence[bool],
     arena = rig.device["indices"]
     table = state_flip_table(engine, [arena.view(window(j, batch).start, batch) if live else None
                                       for j, live in enumerate(entries)])
-    launch = spec.prepare_state_flip(table, rig.bufs)
+    launch = spec.prepare_state_flip(rig.bufs, table)
 
     def reference(s):
         ref.spec_state_flip([s["indices"][window(j, batch)] if live else None for j, live in enumerate(entries)],
@@ -202,7 +202,7 @@ def test_state_flip_by_hand_between_sentinels(engine, spec):
     words[window(0, batch)] = [idx for idx, _, _ in rows]
     arena = engine.htod(words, np.uint32)
     engine.copy_htod(bufs.ctl_d, ctl_of([keep for _, keep, _ in rows]))
-    spec.state_flip(state_flip_table(engine, [arena.view(window(0, batch).start, batch), None]), bufs)
+    spec.state_flip(bufs, state_flip_table(engine, [arena.view(window(0, batch).start, batch), None]))
     want = words.copy()
     want[window(0, batch)] = [new for _, _, new in rows]
     assert engine.dtoh(arena).tolist() == want.tolist()
@@ -264,23 +264,23 @@ def test_launchers_refuse_tables_of_another_round_or_kind(engine, spec):
     copy_table = state_copy_table(engine, state_layers(engine, 3, 2, (5, None)))
     flip_table = state_flip_table(engine, [engine.zeros(np.uint32, 3)])
     lengths = kv_len_ptr_table(engine, Cache.allocate(engine, (True,), capacity=8, batch=3), bufs.pos_ctr_d)
-    spec.prepare_state_copy(copy_table, bufs)
-    spec.prepare_state_flip(flip_table, bufs)
+    spec.prepare_state_copy(bufs, copy_table)
+    spec.prepare_state_flip(bufs, flip_table)
     for (k, batch), named in (((2, 2), "B=2 and k=2"), ((1, 3), "B=3 and k=1"), ((3, 3), "B=3 and k=3")):
         with pytest.raises(ValueError, match=f"the round has {named}"):
-            spec.prepare_state_copy(copy_table, StreamBufs(engine, k, 1, batch))
+            spec.prepare_state_copy(StreamBufs(engine, k, 1, batch), copy_table)
     with pytest.raises(ValueError, match=r"u32\[2\]"):
-        spec.prepare_state_flip(flip_table, StreamBufs(engine, 2, 1, 2))
+        spec.prepare_state_flip(StreamBufs(engine, 2, 1, 2), flip_table)
     for table in (flip_table, lengths):
         with pytest.raises(TypeError, match="StateTable"):
-            spec.prepare_state_copy(table, bufs)
+            spec.prepare_state_copy(bufs, table)
     for table in (copy_table, lengths):
         with pytest.raises(TypeError, match="StateIndexTable"):
-            spec.prepare_state_flip(table, bufs)
+            spec.prepare_state_flip(bufs, table)
     with pytest.raises(ValueError, match="i32"):
-        spec.prepare_rollback(flip_table, bufs)
+        spec.prepare_rollback(bufs, flip_table)
     with pytest.raises(TypeError, match="PointerTable"):
-        spec.prepare_rollback(copy_table, bufs)
+        spec.prepare_rollback(bufs, copy_table)
 
 
 def test_freeing_a_state_buffer_poisons_its_table_and_launches(engine, spec):
@@ -288,7 +288,7 @@ def test_freeing_a_state_buffer_poisons_its_table_and_launches(engine, spec):
     live, slots, idx = (engine.zeros(np.uint32, n, label=name) for n, name in ((4, "live"), (8, "slots"), (1, "idx")))
     copy_table = state_copy_table(engine, [StateLayer(live, slots, 4, 1)])
     flip_table = state_flip_table(engine, [idx])
-    launches = [spec.prepare_state_copy(copy_table, bufs), spec.prepare_state_flip(flip_table, bufs)]
+    launches = [spec.prepare_state_copy(bufs, copy_table), spec.prepare_state_flip(bufs, flip_table)]
     for launch in launches:
         launch()
     engine.synchronize()
@@ -311,27 +311,28 @@ def test_round_stream_takes_state_tables_of_either_kind_and_refuses_the_rest(eng
     flip_table = state_flip_table(engine, [engine.zeros(np.uint32, 3)])
     draft_d, pred_d = engine.zeros(np.uint32, 3 * 2), engine.zeros(np.uint32, 3 * 3)
     wiring = dict(draft_chain=lambda: None, verify_trunk=lambda: None, draft_d=draft_d, acceptance=Greedy(pred_d))
-    rounds = RoundStream(spec, bufs, rollback_tables=[lengths], state_tables=[copy_table, flip_table], **wiring)
-    assert [launch.kernel.name for launch in rounds._after_commit] == [
+    rounds = RoundStream(bufs, kernels=spec, rollback_tables=[lengths], state_tables=[copy_table, flip_table],
+                         **wiring)
+    assert [launch.kernel.name for launch in rounds.round.after_commit] == [
         "spec_rollback_stream", "spec_state_copy", "spec_state_flip"]
     with pytest.raises(TypeError, match="state_copy_table"):
-        RoundStream(spec, bufs, rollback_tables=[lengths], state_tables=[lengths], **wiring)
+        RoundStream(bufs, kernels=spec, rollback_tables=[lengths], state_tables=[lengths], **wiring)
     for table in (flip_table, copy_table):
         with pytest.raises(TypeError, match="state tables go in state_tables"):
-            RoundStream(spec, bufs, rollback_tables=[lengths, table], **wiring)
+            RoundStream(bufs, kernels=spec, rollback_tables=[lengths, table], **wiring)
     with pytest.raises(TypeError, match="a list of tables"):
-        RoundStream(spec, bufs, rollback_tables=[lengths], state_tables=flip_table, **wiring)
+        RoundStream(bufs, kernels=spec, rollback_tables=[lengths], state_tables=flip_table, **wiring)
     with pytest.raises(ValueError, match="the round has B=3"):
-        RoundStream(spec, bufs, rollback_tables=[lengths],
+        RoundStream(bufs, kernels=spec, rollback_tables=[lengths],
                     state_tables=[state_copy_table(engine, state_layers(engine, 2, 2, (5,)))], **wiring)
     with pytest.raises(ValueError, match=r"u32\[3\]"):
-        RoundStream(spec, bufs, rollback_tables=[lengths],
+        RoundStream(bufs, kernels=spec, rollback_tables=[lengths],
                     state_tables=[state_flip_table(engine, [engine.zeros(np.uint32, 2)])], **wiring)
     # Memory named twice would be rolled back twice a round, and a second flip undoes the first.
     index = flip_table.targets[0]
     for twice in ([flip_table, flip_table], [flip_table, state_flip_table(engine, [None, index])],
                   [copy_table, state_copy_table(engine, [copy_table.layers[0]])]):
         with pytest.raises(ValueError, match="overlap"):
-            RoundStream(spec, bufs, rollback_tables=[lengths], state_tables=twice, **wiring)
+            RoundStream(bufs, kernels=spec, rollback_tables=[lengths], state_tables=twice, **wiring)
     with pytest.raises(ValueError, match=r"u32\[B\]"):  # however it is built
         StateIndexTable(engine, [engine.zeros(np.int32, 3)])

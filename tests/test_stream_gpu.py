@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from memra_cuda import MODES, CapacityError, RoundStream, SpecKernels, StreamBufs, chain, kv_capacity, kv_len_ptr_table
+from memra_cuda import (MODES, CapacityError, Greedy, RoundStream, SpecKernels, StreamBufs, chain, kv_capacity,
+                        kv_len_ptr_table)
 from memra_cuda.models import toy, toy_reference
 
 pytestmark = pytest.mark.gpu
@@ -22,14 +23,14 @@ def spec(engine):
 def setup(engine, spec, model, prompt, k, m_rounds, capacity):
     lm = toy.ToyLM(engine, model, capacity)
     bufs = StreamBufs(engine, k, m_rounds)
-    stream = lm.round_stream(spec, bufs)
+    stream = lm.round_stream(bufs, kernels=spec)
     return lm, bufs, stream, lm.prefill(bufs, prompt)
 
 
 def generate(engine, spec, model, prompt, k, m_rounds, max_new, eos=None, mode="graph"):
     capacity = kv_capacity(len(prompt), max_new, k, m_rounds)  # overlap then also runs without room ahead
     lm, bufs, stream, start = setup(engine, spec, model, prompt, k, m_rounds, capacity)
-    return stream.generate(start, max_new, eos=eos, mode=mode).tolist(), stream
+    return stream.generate(max_new, eos=eos, mode=mode).tolist(), stream
 
 
 def random_cases(count, seed):
@@ -62,21 +63,21 @@ def test_layers_without_kv(engine, spec, kv_mask):
     assert got == toy.target_greedy(model, [5, 6, 7], 90)
 
 
-@pytest.mark.parametrize("mode", ["stream", "graph", "overlap"])
+@pytest.mark.parametrize("mode", ["eager", "graph", "overlap"])
 def test_one_readback_per_burst(engine, spec, mode):
     model = toy.ToyModel(seed=11, noise_ppm=150_000, p_min=0.05)
     k, m_rounds, max_new = 4, 8, 300
     capacity = kv_capacity(3, max_new, k, m_rounds)
     lm, bufs, stream, start = setup(engine, spec, model, [1, 2, 3], k, m_rounds, capacity)
     before = engine.readbacks
-    got = stream.generate(start, max_new, mode=mode).tolist()
+    got = stream.generate(max_new, mode=mode).tolist()
     assert got == toy.target_greedy(model, [1, 2, 3], max_new)
     assert engine.readbacks - before == stream.bursts
     assert 1 <= stream.bursts <= math.ceil(max_new / m_rounds)  # every round commits >= 1 token
 
 
 @pytest.mark.parametrize("pace", [False, True])
-@pytest.mark.parametrize("mode", ["stream", "graph", "overlap"])
+@pytest.mark.parametrize("mode", ["eager", "graph", "overlap"])
 def test_perfect_draft_bursts_and_rounds_are_exactly_counted(engine, spec, mode, pace):
     """With a draft that is always right each round commits k+1 tokens, so the counts are known
     in advance. Unpaced: N / (M (k+1)) bursts of M rounds, rounded up. Paced: N / (k+1) rounds,
@@ -86,7 +87,7 @@ def test_perfect_draft_bursts_and_rounds_are_exactly_counted(engine, spec, mode,
     lm, bufs, stream, start = setup(engine, spec, model, [9], k, m_rounds, kv_capacity(1, max_new, k, m_rounds))
     stream.pace = pace
     before = engine.readbacks
-    assert stream.generate(start, max_new, mode=mode).tolist() == toy.target_greedy(model, [9], max_new)
+    assert stream.generate(max_new, mode=mode).tolist() == toy.target_greedy(model, [9], max_new)
     full, tail = divmod(max_new, m_rounds * (k + 1))
     if pace:
         assert stream.rounds == max_new // (k + 1) == full * m_rounds + 8 + 2
@@ -99,11 +100,11 @@ def test_perfect_draft_bursts_and_rounds_are_exactly_counted(engine, spec, mode,
 def test_step_rounds_are_checked_and_each_length_is_its_own_graph(engine, spec):
     model = toy.ToyModel(seed=8, noise_ppm=100_000)
     lm, bufs, stream, start = setup(engine, spec, model, [3, 1, 4], k=2, m_rounds=4, capacity=512)
-    for mode, rounds in (("graph", 0), ("graph", 5), ("stream", True), ("readback", 2), ("graph", 2.0)):
+    for mode, rounds in (("graph", 0), ("graph", 5), ("eager", True), ("readback", 2), ("graph", 2.0)):
         with pytest.raises(ValueError, match="rounds must be an int from 1 to"):
             stream.step(mode, rounds)
     assert stream.rounds == stream.bursts == 0
-    bufs.set_stop(engine, budget=40)
+    bufs.set_stop(budget=40)
     got = list(stream.step("graph", 3).tokens[0])
     assert stream.rounds == 3 and stream.graph_for(0, 3) is not stream.graph
     while not bufs.done.all():
@@ -145,7 +146,7 @@ def test_stop_mid_burst_leaves_later_rounds_without_effect(engine, spec, stop, m
     mirror = toy_reference.NumpyRoundStream(model, k, 1, capacity=512)
     want = mirror.generate(prompt, budget, eos)
     lm, bufs, stream, start = setup(engine, spec, model, prompt, k, m_rounds, capacity=512)
-    got = stream.generate(start, budget, eos=eos, mode=mode).tolist()
+    got = stream.generate(budget, eos=eos, mode=mode).tolist()
     assert got == want == toy.target_greedy(model, prompt, budget, eos)
     if mode == "readback":
         assert stream.rounds == mirror.rounds
@@ -163,10 +164,10 @@ def test_graph_replays_for_a_second_generation(engine, spec):
     """The graph is captured once; a new prefill and stop rule are all a new request needs."""
     model = toy.ToyModel(seed=8, noise_ppm=100_000)
     lm, bufs, stream, start = setup(engine, spec, model, [3, 1, 4], k=4, m_rounds=4, capacity=512)
-    first = stream.generate(start, 60).tolist()
+    first = stream.generate(60).tolist()
     graph = stream.graph
-    start = lm.prefill(bufs, [2, 7, 1, 8, 2, 8])
-    second = stream.generate(start, 70).tolist()
+    lm.prefill(bufs, [2, 7, 1, 8, 2, 8])
+    second = stream.generate(70).tolist()
     assert stream.graph is graph
     assert first == toy.target_greedy(model, [3, 1, 4], 60)
     assert second == toy.target_greedy(model, [2, 7, 1, 8, 2, 8], 70)
@@ -177,7 +178,7 @@ def test_capacity_error_before_the_burst_is_issued(engine, spec):
     lm, bufs, stream, start = setup(engine, spec, model, list(range(10)), k=4, m_rounds=8, capacity=40)
     readbacks, rounds = engine.readbacks, stream.rounds
     with pytest.raises(CapacityError, match="KV cache"):
-        stream.generate(start, 1000)
+        stream.generate(1000)
     assert (engine.readbacks, stream.rounds) == (readbacks, rounds)
 
 
@@ -197,16 +198,17 @@ def test_seed_gather_hands_the_draft_the_row_behind_the_bonus(engine, spec):
     draft_d, pred_d, seed_d = (engine.zeros(np.uint32, n) for n in (3, 4, 1))
     drafts, verifies = lm.draft_steps(bufs, draft_d), lm.verify_steps(bufs, pred_d)
     stream = RoundStream(
-        spec, bufs, draft_chain=chain(drafts), verify_trunk=chain(verifies), draft_d=draft_d, pred_d=pred_d,
+        bufs, kernels=spec, draft_chain=chain(drafts), verify_trunk=chain(verifies), draft_d=draft_d,
+        acceptance=Greedy(pred_d),
         rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)],
-        seed_gather=spec.prepare_seed_gather(pred_d, 1, bufs, seed_d))
+        seed_gather=spec.prepare_seed_gather(bufs, pred_d, 1, seed_d))
     lm.prefill(bufs, [1, 2, 3])
-    bufs.set_stop(engine)
+    bufs.set_stop()
     committed: list[int] = []
 
     def round_and_drain() -> None:
         stream.issue_round()
-        committed.extend(bufs.drain_ring(engine).tolist())
+        committed.extend(bufs.drain_ring().tolist())
         engine.set_u32(bufs.ring_d, 0, 0)
 
     round_and_drain()  # nothing verified yet for the first gather to read

@@ -105,7 +105,7 @@ def test_a_request_samples_the_same_tokens_whatever_its_slot_batch_m_and_mode(ll
     every = list(range(len(SAMPLING_REQUESTS)))
     runs = {
         "B=6, M=16, graph": sampled(llama, peaked, 6, 16, "graph", every, params),
-        "B=3, M=4, stream, slots reversed": sampled(llama, peaked, 3, 4, "stream", every[::-1], params),
+        "B=3, M=4, eager, slots reversed": sampled(llama, peaked, 3, 4, "eager", every[::-1], params),
         "B=2, M=8, overlap, shuffled": sampled(llama, peaked, 2, 8, "overlap", [4, 1, 5, 0, 3, 2], params),
         "B=1, readback": sampled(llama, peaked, 1, 1, "readback", every, params),
     }

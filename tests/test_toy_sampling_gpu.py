@@ -27,9 +27,10 @@ def run(engine, spec, model, sampling, prompts, seeds, budget, k=4, m_rounds=4, 
     lm = toy.ToyLM(engine, model, kv_capacity(20, budget, k, m_rounds, overlap=True, batch=batch), batch=batch,
                    sampling=sampling)
     bufs = StreamBufs(engine, k, m_rounds, batch)
-    stream = lm.round_stream(spec, bufs)
-    starts = [lm.prefill_row(bufs, row, prompt, seed) for row, (prompt, seed) in enumerate(zip(prompts, seeds))]
-    out = [tokens.tolist() for tokens in stream.generate_batch(starts, budget, eos=eos, mode=mode)]
+    stream = lm.round_stream(bufs, kernels=spec)
+    for row, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        lm.prefill_row(bufs, row, prompt, seed)
+    out = [tokens.tolist() for tokens in stream.generate_batch(budget, eos=eos, mode=mode)]
     return out
 
 

@@ -50,12 +50,13 @@ class Hybrid:
         capacity = kv_capacity(MAX_PROMPT, budget, k, m_rounds, overlap=mode == "overlap", batch=batch)
         self.lm = toy.ToyLM(engine, model, capacity, batch=batch, state_rollback=state)
         self.bufs = StreamBufs(engine, k, m_rounds, batch)
-        self.stream = self.lm.round_stream(spec, self.bufs)
+        self.stream = self.lm.round_stream(self.bufs, kernels=spec)
 
     def generate(self, prompts, budgets, eos, mode="graph") -> list[list[int]]:
-        starts = [self.lm.prefill_row(self.bufs, b, prompt) for b, prompt in enumerate(prompts)]
+        for b, prompt in enumerate(prompts):
+            self.lm.prefill_row(self.bufs, b, prompt)
         try:
-            got = self.stream.generate_batch(starts, budgets, eos=eos, mode=mode)
+            got = self.stream.generate_batch(budgets, eos=eos, mode=mode)
         except LoopUnsupported as exc:  # device mode on a driver without conditional WHILE nodes
             pytest.skip(str(exc))
         return [tokens.tolist() for tokens in got]
@@ -153,9 +154,10 @@ def test_sampling_mode_at_temperature_zero_is_greedy(engine, spec):
         lm = toy.ToyLM(engine, MODEL, kv_capacity(MAX_PROMPT, 80, 4, 4, batch=4), batch=4, sampling=sampling,
                        state_rollback=state)
         bufs = StreamBufs(engine, 4, 4, 4)
-        stream = lm.round_stream(spec, bufs)
-        starts = [lm.prefill_row(bufs, b, prompt, seed=b) for b, prompt in enumerate(prompts)]
-        got = [tokens.tolist() for tokens in stream.generate_batch(starts, budgets, eos=eos, mode="graph")]
+        stream = lm.round_stream(bufs, kernels=spec)
+        for b, prompt in enumerate(prompts):
+            lm.prefill_row(bufs, b, prompt, seed=b)
+        got = [tokens.tolist() for tokens in stream.generate_batch(budgets, eos=eos, mode="graph")]
         assert_greedy(MODEL, got, prompts, budgets, eos, f"sampling, {state}")
 
 
@@ -171,7 +173,7 @@ def test_what_the_toy_cannot_run_is_refused(engine, spec):
     lm = toy.ToyLM(engine, MODEL, 64)
     with pytest.raises(ValueError, match="no recurrent states"):
         lm.live_states()
-    lm.round_stream(spec, StreamBufs(engine, 4, 2))
+    lm.round_stream(StreamBufs(engine, 4, 2), kernels=spec)
     with pytest.raises(ValueError, match="k = 2"):
         lm.prefill(StreamBufs(engine, 2, 2), [1, 2, 3])
     with pytest.raises(ValueError, match="no recurrent states"):

@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import STICKY, CudaError, CudaFault, call, driver, error, values
 

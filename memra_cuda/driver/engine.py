@@ -218,8 +218,8 @@ class Engine(Stream):
     # -- ordering against other streams ----------------------------------------------------
     def wait(self, other: Any) -> None:
         """Order this engine's stream after `other` without the host: after an Event's last
-        record(), or after everything queued so far on another stream (a handle, a CUstream
-        or an object with `cuda_stream`; see Stream.wait_stream)."""
+        record(), or after everything queued so far on another stream (a handle, a CUstream,
+        an object speaking __cuda_stream__ or one with `cuda_stream`; see Stream.wait_stream)."""
         if isinstance(other, Event):
             other._usable()
             self.activate().call("cuStreamWaitEvent", self.stream, other.handle, 0)

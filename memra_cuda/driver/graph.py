@@ -4,7 +4,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import CaptureError, driver
 from .handle import Handle
@@ -93,14 +94,15 @@ class LoopBuilder:
         params.conditional.type = drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
         params.conditional.size = 1
         params.conditional.ctx = self.ctx.handle
-        node = self.ctx.call(_with_edges("cuGraphAddNode"), self.graph, self._after, None, len(self._after), params)
+        node = self.ctx.call(_with_edges("cuGraphAddNode"), self.graph, self._after, _edges(self._after),
+                             len(self._after), params)
         self._capture_into(params.conditional.phGraph_out[0], [], body, sinks=False)
         self._after = [node]
 
     def _capture_into(self, graph: Any, after: list[Any], work: Callable[[], None], sinks: bool) -> list[Any]:
         drv, stream = driver(), self.engine.stream
         mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        self.ctx.call("cuStreamBeginCaptureToGraph", stream, graph, after or None, None, len(after), mode)
+        self.ctx.call("cuStreamBeginCaptureToGraph", stream, graph, after or None, _edges(after), len(after), mode)
         try:
             work()
             if sinks:  # the nodes the next part follows
@@ -131,7 +133,8 @@ def branch(launch: Launch) -> Any:
 def join(engine: Stream, node: Any) -> None:
     """Make the next work captured on the engine's stream wait for `node` (a branch) as well."""
     add = int(driver().CUstreamUpdateCaptureDependencies_flags.CU_STREAM_ADD_CAPTURE_DEPENDENCIES)
-    engine.activate().call(_with_edges("cuStreamUpdateCaptureDependencies"), engine.stream, [node], None, 1, add)
+    engine.activate().call(_with_edges("cuStreamUpdateCaptureDependencies"), engine.stream, [node], _edges([node]), 1,
+                           add)
 
 
 def _capture_end(engine: Stream) -> tuple[Any, list[Any]]:
@@ -142,6 +145,13 @@ def _capture_end(engine: Stream) -> tuple[Any, list[Any]]:
     if info[0] != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
         return None, []
     return info[2], list(info[3])[:int(info[-1])]
+
+
+def _edges(nodes: Sequence[Any]) -> list[Any] | None:
+    """Edge data for dependencies on `nodes`: a default (zeroed) edge each. CUDA 13's bindings
+    take None for default edges; CUDA 12's check that the list is as long as the dependencies
+    ("List is too small: 0 < 1") even though the driver would take NULL."""
+    return [driver().CUgraphEdgeData() for _ in nodes] or None
 
 
 def _with_edges(name: str) -> str:

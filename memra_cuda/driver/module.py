@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -155,7 +156,8 @@ class Launch(Prepared):
         func, gx, gy, gz, bx, by, bz, shared, _stream, params, _extra = self._argv
         node = driver().CUDA_KERNEL_NODE_PARAMS()
         node.func, node.sharedMemBytes, node.kernelParams = func, shared, params
-        node.gridDimX, node.gridDimY, node.gridDimZ, node.blockDimX, node.blockDimY, node.blockDimZ = gx, gy, gz, bx, by, bz
+        node.gridDimX, node.gridDimY, node.gridDimZ = gx, gy, gz
+        node.blockDimX, node.blockDimY, node.blockDimZ = bx, by, bz
         added = self._ctx.call("cuGraphAddKernelNode", graph, list(after), len(after), node)
         self.engine._uses(*self._holds)
         return added

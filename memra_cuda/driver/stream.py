@@ -3,14 +3,16 @@ launch, event and graph stands on (an Engine is a Stream with copies and modules
 
 Stream order is the only ordering round-stream relies on, so everything queued here goes onto
 this one stream. The stream is the Stream's own (non-blocking, destroyed once) or borrowed
-from an embedding framework (`stream=`: an int handle, a CUstream, or an object with
-`cuda_stream` such as a torch.cuda.Stream); a borrowed one is never destroyed here, and the
-object it came from is kept alive with it, so the handle cannot be recycled under us.
+from an embedding framework (`stream=`: an int handle, a CUstream, an object speaking the CUDA
+stream protocol `__cuda_stream__`, or one with `cuda_stream` such as a torch.cuda.Stream); a
+borrowed one is never destroyed here, and the object it came from is kept alive with it, so
+the handle cannot be recycled under us.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .context import PrimaryContext
 from .errors import CaptureError, CudaError, driver
@@ -160,8 +162,8 @@ class Stream(Handle):
             raise
 
     def wait_stream(self, other: Any) -> None:
-        """Order this stream after everything queued so far on `other` (a handle, a CUstream or
-        an object with `cuda_stream`), without the host. Each call records its own event, so
+        """Order this stream after everything queued so far on `other` (anything as_stream
+        takes), without the host. Each call records its own event, so
         waits from several threads never wait on each other's record."""
         handle = as_stream(other)
         if _same_stream(int(handle), self.stream_handle):
@@ -179,15 +181,27 @@ class Stream(Handle):
 
 
 def as_stream(stream: Any) -> Any:
-    """A CUstream from an int handle, a CUstream, or an object with `cuda_stream` (PyTorch)."""
+    """A CUstream from a CUstream or anything handle_of takes."""
     drv = driver()
-    if isinstance(stream, drv.CUstream):
-        return stream
-    handle = getattr(stream, "cuda_stream", stream)
+    return stream if isinstance(stream, drv.CUstream) else drv.CUstream(handle_of(stream))
+
+
+def handle_of(stream: Any) -> int:
+    """The raw handle of a stream given as an int, by the CUDA stream protocol
+    (`__cuda_stream__()` -> (0, handle): cuda.core, CuPy and others), or by `cuda_stream`
+    (PyTorch); TypeError naming the forms otherwise."""
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is not None:
+        given = protocol()
+        if not (isinstance(given, tuple) and len(given) == 2 and given[0] == 0):
+            raise TypeError(f"{stream!r}.__cuda_stream__() must return (0, handle), the protocol's version 0, "
+                            f"not {given!r}")
+        stream = given[1]
     try:
-        return drv.CUstream(as_index(handle, "stream"))
+        return as_index(getattr(stream, "cuda_stream", stream), "stream")
     except TypeError:
-        raise TypeError(f"a stream must be an int handle, a CUstream or have `cuda_stream`, not {stream!r}") from None
+        raise TypeError(f"a stream must be an int handle, a CUstream, speak __cuda_stream__ or have `cuda_stream`, "
+                        f"not {stream!r}") from None
 
 
 def _same_stream(a: int, b: int) -> bool:

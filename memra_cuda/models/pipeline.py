@@ -16,7 +16,8 @@ burst graph captured on stage 1's stream takes stage 0's work with it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,7 +25,8 @@ from ..acceptance import Greedy
 from ..bufs import StreamBufs
 from ..driver.event import Event
 from ..kernels import SpecKernels
-from ..stream import RoundStream, Stages, chain
+from ..round import Stages, chain
+from ..stream import RoundStream
 from ..tables import Cache, kv_len_ptr_table_range
 from .toy import ToyCost, ToyLM, ToyModel
 
@@ -74,7 +76,7 @@ class ToyPipeline:
         stage0 = chain([*s0.draft_steps(b0, drafts[0]), self.spec[0].prepare_assemble_verify(b0, drafts[0]),
                         *s0.verify_steps(b0, None, partial_out=partials[0])])
         rollback0 = self.spec[0].prepare_rollback(
-            kv_len_ptr_table_range(e0, self.cache, range(0, 1 + self.split), b0.pos_ctr_d), b0)
+            b0, kv_len_ptr_table_range(e0, self.cache, range(0, 1 + self.split), b0.pos_ctr_d))
         table1 = kv_len_ptr_table_range(e1, self.cache, range(1 + self.split, len(self.cache)), b1.pos_ctr_d)
 
         def draft_chain() -> None:
@@ -95,7 +97,7 @@ class ToyPipeline:
             join.record()
             e1.wait(join)
 
-        return RoundStream(self.spec[1], b1, draft_chain=draft_chain,
+        return RoundStream(b1, kernels=self.spec[1], draft_chain=draft_chain,
                            verify_trunk=chain(s1.verify_steps(b1, pred_d, partial_in=partials[1])),
                            draft_d=drafts[1], acceptance=Greedy(pred_d), rollback_tables=[table1],
                            stages=Stages([e0], round_tail, self.cache.capacity),

@@ -9,14 +9,17 @@ the tests).
 """
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..acceptance import Greedy, Sampling
 from ..kernels import batch_rows
-from ..stream import RoundStream, chain
+from ..round import chain
+from ..stream import RoundStream
 from ..tables import (Cache, PointerTable, StateIndexTable, StateLayer, StateTable, kv_len_ptr_table, state_copy_table,
                       state_flip_table)
 
@@ -354,7 +357,7 @@ class ToyLM:
         self._check_batch(bufs)
         states = self._states(bufs)
         engine = self.engine
-        bufs.reset_row(engine, row, prompt[-1], n)
+        bufs.reset_row(row, prompt[-1], n)
         if self.seed_d is not None:
             engine.copy_htod(self.seed_d, [seed], start=row)
         if n:
@@ -481,9 +484,15 @@ class ToyLM:
             *self._state_args(bufs, 0))
         return [*self._weight_reads(self.cost.verify_bytes), verify]
 
-    def round_stream(self, spec: SpecKernels, bufs: StreamBufs) -> RoundStream:
+    def round_stream(self, bufs: StreamBufs, _bufs_of_0_1: StreamBufs | None = None, /, *,
+                     kernels: SpecKernels | None = None) -> RoundStream:
         """A RoundStream driving this model: rollback walks one table over target and draft
-        layers with pos_ctr last, then one over their recurrent states (state_tables)."""
+        layers with pos_ctr last, then one over their recurrent states (state_tables).
+        (round_stream(kernels, bufs), the first releases' form, warns.)"""
+        if _bufs_of_0_1 is not None:
+            warnings.warn("ToyLM.round_stream(kernels, bufs) is deprecated: round_stream(bufs, kernels=kernels)",
+                          DeprecationWarning, stacklevel=2)
+            kernels, bufs = bufs, _bufs_of_0_1
         if bufs.k + 1 > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
         self._check_batch(bufs)
@@ -493,7 +502,7 @@ class ToyLM:
         state_tables = self.state_tables(bufs)
         if self.sampling is None:
             pred_d = engine.zeros(np.uint32, bufs.batch * (bufs.k + 1), label="pred_d")
-            return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d)),
+            return RoundStream(bufs, kernels=kernels, draft_chain=chain(self.draft_steps(bufs, draft_d)),
                                verify_trunk=chain(self.verify_steps(bufs, pred_d)), draft_d=draft_d,
                                acceptance=Greedy(pred_d), rollback_tables=[table], state_tables=state_tables,
                                pace=self.cost.paced)
@@ -507,7 +516,7 @@ class ToyLM:
         probs = self.module.kernel("toy_probs").prepare(
             ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows), block=256).set(
             totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
-        return RoundStream(spec, bufs, draft_chain=chain(self.draft_steps(bufs, draft_d, q_d)),
+        return RoundStream(bufs, kernels=kernels, draft_chain=chain(self.draft_steps(bufs, draft_d, q_d)),
                            verify_trunk=chain([*self.verify_steps(bufs, None, partial_out=totals_d), probs]),
                            draft_d=draft_d, acceptance=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table],
                            state_tables=state_tables, pace=self.cost.paced)

@@ -3,13 +3,13 @@ the end-to-end tests (memra_cuda.reference is the tests' oracle; no production c
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from .. import reference as ref
 from ..layout import CTL_DONE
-from ..stream import kv_capacity
+from ..capacity import kv_capacity
 from .toy import M32, STATE_ROLLBACKS, ToyModel, fmix, fmix_array, live_slot, salt
 
 

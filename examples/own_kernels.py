@@ -1,0 +1,106 @@
+"""A first token of your own model: your CUDA C, compiled with memra_cuda.compile, decoded
+speculatively through RoundStream in graph mode and checked against its own greedy decoding.
+
+A tiny model with a KV cache: the token after t at position p hashes a table row (the
+"weights"), p and the cache's last entry; the draft is the same model, wrong at a quarter of
+the positions. A wrong position or rollback changes the output. docs/model-side.md is the contract.
+
+    pip install 'memra_cuda[nvrtc]'     # NVRTC 12.0, for memra_cuda.compile
+    python examples/own_kernels.py      # exit 0 on a match, 1 otherwise (or without a GPU)
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import memra_cuda
+from memra_cuda import Cache, Engine, Greedy, KVLayer, Module, RoundStream, StreamBufs, kv_capacity, kv_len_ptr_table
+
+SOURCE = r"""
+typedef unsigned int u32;
+__device__ u32 fmix(u32 h) { h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; return h ^ (h >> 16); }
+
+// k + 1 tokens of row b at positions pos[b] + i, one thread a row. Each reads the last of its
+// cache's entries [0, len), appends itself (clamped to the capacity) and predicts the next token.
+// The verify (draft = 0) reads vtok (in) and writes pred[0..k]; the draft chain reads pend (in),
+// then its own guesses, and writes draft[0..k): its last step only appends.
+extern "C" __global__ void model(u32 draft, u32 vocab, u32 k, u32 cap, const u32* table, const u32* in,
+                                 const int* pos, u32* out, u32* kv, int* len) {
+    const u32 b = blockIdx.x;
+    in += draft ? b : b * (k + 1);
+    out += draft ? b * max(k, 1u) : b * (k + 1);
+    kv += (size_t)b * cap;
+    u32 t = in[0], p = pos[b], n = len[b];
+    for (u32 i = 0; i <= k; ++i, ++p) {
+        const u32 last = n > 0 && n <= cap ? kv[n - 1] : 0;
+        if (p < cap) kv[p] = t;
+        n = p + 1;
+        u32 next = fmix(table[t % vocab] ^ p ^ last * 0x9e3779b1u) % vocab;
+        if (draft && fmix(p ^ 0x5bd1e995u) % 4 == 0) next = (next + 1) % vocab;  // the draft errs
+        if (!draft || i < k) out[i] = next;
+        if (i < k) t = draft ? next : in[i + 1];
+    }
+    len[b] = min(n, cap);
+}
+"""
+VOCAB, PROMPT = 1000, [17, 423, 9, 871]
+TABLE = np.random.default_rng(7).integers(0, 2**32, VOCAB, dtype=np.uint32)
+
+
+def fmix(h: int) -> int:
+    for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        h = ((h ^ (h >> shift)) * mul) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def greedy(prompt: list[int], new_tokens: int) -> list[int]:
+    """The target's own greedy decoding, a token at a time on the host."""
+    tokens = list(prompt)
+    for p in range(len(prompt) - 1, len(prompt) - 1 + new_tokens):
+        last = tokens[p - 1] if p else 0
+        tokens.append(fmix(int(TABLE[tokens[p]]) ^ p ^ (last * 0x9E3779B1 & 0xFFFFFFFF)) % VOCAB)
+    return tokens[len(prompt):]
+
+
+def decode(engine: Engine, prompt: list[int], new_tokens: int, k: int, m_rounds: int,
+           mode: str = "graph") -> tuple[list[int], str]:
+    """`new_tokens` tokens after `prompt`, decoded speculatively; and a line on how it went."""
+    module = Module(engine, memra_cuda.compile(SOURCE, name="model.cu"))  # PTX ISA 8.0: CUDA 12 and 13 drivers
+    capacity, table_d = kv_capacity(len(prompt), new_tokens, k, m_rounds, mode == "overlap"), engine.htod(TABLE)
+    target, draft = KVLayer.allocate(engine, capacity), KVLayer.allocate(engine, capacity)
+    bufs = StreamBufs(engine, k, m_rounds)
+    draft_d, pred_d = engine.zeros(np.uint32, max(k, 1)), engine.zeros(np.uint32, k + 1)
+
+    def run(is_draft: int, tokens, position, out, kv: KVLayer):  # one launch: a draft chain or a verify trunk
+        return module.kernel("model").prepare(["u32"] * 4 + ["ptr"] * 6, grid=bufs.batch).set(
+            is_draft, VOCAB, k, capacity, table_d, tokens, position, out, kv.data_d, kv.len_d)
+
+    rounds = RoundStream(bufs, draft_chain=run(1, bufs.pend_d, bufs.pos_ctr_d, draft_d, draft),
+                         verify_trunk=run(0, bufs.vtok_d, bufs.pos_start_d, pred_d, target),
+                         draft_d=draft_d, acceptance=Greedy(pred_d),
+                         rollback_tables=[kv_len_ptr_table(engine, Cache([target, draft]), pos_ctr=bufs.pos_ctr_d)])
+    for kv in (target, draft):  # prefill: the prompt but its last token into both caches
+        engine.copy_htod(kv.data_d, prompt[:-1])
+        engine.copy_htod(kv.len_d, [len(prompt) - 1])
+    bufs.reset(prompt[-1], len(prompt) - 1)  # the last prompt token is pending, at that position
+    tokens = rounds.generate(new_tokens, mode=mode).tolist()
+    accepted, drafted = bufs.drafts_accepted(len(tokens))
+    return tokens, (f"k={k} M={m_rounds} {mode}: {len(tokens)} tokens in {rounds.rounds} rounds and "
+                    f"{rounds.bursts} readbacks, {accepted} of {drafted} drafts accepted")
+
+
+def main() -> int:
+    try:
+        with Engine() as engine:
+            tokens, summary = decode(engine, PROMPT, 64, k=4, m_rounds=8)
+    except (memra_cuda.CudaUnavailable, memra_cuda.NvrtcUnavailable) as exc:  # no GPU or NVRTC: one line
+        print(f"own_kernels: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    matches = tokens == greedy(PROMPT, 64)
+    print(f"{summary}\nfirst tokens {tokens[:10]}\nmatches its own greedy decoding: {'yes' if matches else 'NO'}")
+    return 0 if matches else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

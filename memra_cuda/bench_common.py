@@ -1,0 +1,40 @@
+"""What every part of `make bench` shares: the toy model and prompt the parts decode, and the
+device timing of graphs (replays queued back to back, timed with events).
+
+bench.py runs the parts and imports the others (bench_device, bench_state); they take what they
+share from here, not from bench.py, so no bench module imports another in a circle.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .driver.engine import Engine
+from .driver.event import Event
+from .driver.graph import Graph
+from .models.toy import ToyModel
+
+MODEL = ToyModel(seed=2024, noise_ppm=100_000, p_min=0.05)
+PROMPT = list(range(1, 17))
+
+
+def replay_ms(engine: Engine, graph: Graph, replays: int) -> float:
+    """Milliseconds of `replays` replays of `graph` queued back to back, timed on the device."""
+    start, end = Event(engine), Event(engine)
+    start.record()
+    for _ in range(replays):
+        graph.launch()
+    end.record()
+    return end.elapsed_ms(start)
+
+
+def device_us(engine: Engine, step: Callable[[], None], launches: int = 50, replays: int = 10) -> float:
+    """Device microseconds of one `step`: a graph of `launches` of them, replayed `replays`
+    times after a warm-up."""
+    graph = Graph(engine, lambda: [step() for _ in range(launches)])
+    graph.launch()
+    us = replay_ms(engine, graph, replays) * 1e3 / (replays * launches)
+    graph.free()
+    return us
+
+
+__all__ = ["MODEL", "PROMPT", "device_us", "replay_ms"]

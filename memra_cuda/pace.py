@@ -1,0 +1,72 @@
+"""Pacing: how many rounds the next burst runs, on the host and inside a device loop.
+
+A burst past every stop still runs all its rounds (to no effect), and a round of a real model
+costs far more than a readback, so the last burst of a request should be no longer than the
+request needs; where a round costs less than a readback, a short burst more costs more than
+the rounds a cut saves, and pacing is turned off.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class Pace:
+    """How many rounds the next burst of a generation runs.
+
+    Each live row is expected to need its budget left over the tokens a round has committed
+    for it so far (one, before its first readback: no round commits fewer), and the burst runs
+    the most any row needs, rounded down to a power of two (so a stream captures at most
+    log2(M) graphs more), at most M. A burst that falls short costs one short burst more; a
+    row that stops at an EOS cannot be foreseen. With `cut` False every burst runs M rounds.
+    """
+
+    def __init__(self, budgets: np.ndarray, m_rounds: int, cut: bool = True):
+        self.budgets = np.asarray(budgets, np.int64)
+        self.m_rounds, self.cut = m_rounds, cut
+        self.generated = np.zeros_like(self.budgets)
+        self._rounds = np.zeros_like(self.budgets)  # rounds each row ran live, start to end
+        self._leanest = np.ones(self.budgets.shape)  # fewest tokens per round one of its bursts gave
+
+    @staticmethod
+    def lengths(m_rounds: int) -> list[int]:
+        """Every burst length rounds() may ask for: the powers of two below M, and M."""
+        return [1 << i for i in range(m_rounds.bit_length()) if 1 << i < m_rounds] + [m_rounds]
+
+    def rounds(self, live: np.ndarray, in_flight: int = 0) -> int:
+        """Rounds for the next burst of the `live` rows, queued behind `in_flight` rounds whose
+        tokens the host has not seen yet."""
+        if not self.cut:
+            return self.m_rounds
+        rate = np.where(self._rounds > 0, self.generated / np.maximum(self._rounds, 1), 1.0)
+        left = (self.budgets - self.generated - rate * in_flight)[live]
+        # A row that has committed nothing in the rounds it ran gives no rate to divide by: it
+        # may need any number of rounds, so it gets the whole M.
+        need = np.divide(left, rate[live], out=np.full(left.shape, np.inf), where=rate[live] > 0).max(initial=1)
+        if need >= self.m_rounds:
+            return self.m_rounds
+        return 1 << (max(int(np.ceil(need)), 1).bit_length() - 1)
+
+    def needed(self, live: np.ndarray, in_flight: int) -> bool:
+        """Whether some live row may have budget left after `in_flight` rounds, if they commit
+        as few tokens a round as that row's leanest burst so far."""
+        return bool(np.any(live & (self.generated + self._leanest * in_flight < self.budgets)))
+
+    def record(self, rounds: int, got: np.ndarray, stayed_live: np.ndarray) -> None:
+        """A burst of `rounds` rounds committed `got` tokens per row; `stayed_live` rows ran it
+        whole (a row that stopped inside it says nothing of its rate)."""
+        rate = got / rounds
+        first = stayed_live & (self._rounds == 0)
+        self._leanest = np.where(first, rate, np.where(stayed_live, np.minimum(self._leanest, rate), self._leanest))
+        self.generated += got
+        self._rounds[stayed_live] += rounds
+
+
+def pass_lengths(m_rounds: int, paced: bool) -> list[int]:
+    """The rounds a device loop's pass runs, loop by loop: M while some live row is expected to
+    need M rounds more, then (paced) every power of four below it, then one, which also ends a
+    generation the round cap cuts inside a longer pass. The tail wastes few rounds, and the long
+    middle pays the per-pass cost once per M rounds."""
+    lengths = [m_rounds]
+    if paced:
+        lengths += [4**i for i in range((m_rounds - 1).bit_length() // 2, 0, -1) if 4**i < m_rounds]
+    return lengths + [1] if m_rounds > 1 else lengths

@@ -1,0 +1,129 @@
+"""StreamBufs' host-side bookkeeping, on CPU: the ledger of rounds the host has not seen (what
+the capacity check adds to the positions it knows, and the rings' room), who holds the
+buffers, the engine argument of the first releases, the Readback; and the streams an Engine
+may borrow (the CUDA stream protocol). No device memory is touched: the buffers are built
+without their allocation (__new__), the host logic alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import BuffersHeld, Readback, StreamBufs
+from memra_cuda.bufs import _own_engine
+from memra_cuda.driver.stream import Stream, handle_of
+
+
+def host_bufs(m_rounds: int = 4) -> StreamBufs:
+    """The host half of a StreamBufs: its ledger and holder, no device memory."""
+    bufs = StreamBufs.__new__(StreamBufs)
+    bufs.m_rounds, bufs.engine = m_rounds, object()
+    bufs._queued, bufs._learnt, bufs._covers, bufs.ring_rounds = 0, 0, [0, 0], 0
+    bufs.holder, bufs._held_why = None, ""
+    return bufs
+
+
+def test_the_ledger_counts_rounds_until_a_readback_that_covers_them_is_received():
+    bufs = host_bufs()
+    bufs.queued(2)  # issue_burst: no readback
+    bufs.queued(1)
+    assert bufs.unseen_rounds == 3 and bufs.ring_rounds == 3
+    bufs.queued(0, readback=0)  # a readback queued after them empties the rings...
+    assert bufs.ring_rounds == 0 and bufs.unseen_rounds == 3  # ...but the host sees them only once it is received
+    bufs.queued(4, readback=1)  # overlap: the next burst in flight, its readback into the other slot
+    assert bufs.unseen_rounds == 7
+    bufs._learnt = max(bufs._learnt, bufs._covers[0])  # what receive(0) learns
+    assert bufs.unseen_rounds == 4, "the burst in flight behind the received one is still unseen"
+    bufs._learnt = max(bufs._learnt, bufs._covers[1])
+    assert bufs.unseen_rounds == 0
+    bufs._learnt = max(bufs._learnt, bufs._covers[0])  # a slot received twice learns nothing new
+    assert bufs.unseen_rounds == 0
+
+
+def test_the_rings_hold_m_rounds_until_a_readback():
+    bufs = host_bufs(m_rounds=4)
+    bufs.check_free(4)
+    bufs.queued(3)
+    bufs.check_free(1)
+    with pytest.raises(ValueError, match="3 round.*1 more.*2 more|overrun the ring"):
+        bufs.check_free(2)
+    bufs.queued(0, readback=0)
+    bufs.check_free(4)
+
+
+def test_the_buffers_have_one_holder_at_a_time():
+    bufs, loop, other = host_bufs(), object(), object()
+    bufs.hold(loop, "a device-mode loop is still running on these buffers")
+    bufs.hold(loop, "a device-mode loop is still running on these buffers")  # the holder may say so twice
+    with pytest.raises(BuffersHeld, match="still running") as refused:
+        bufs.hold(other, "a second loop")
+    assert isinstance(refused.value, ValueError)
+    with pytest.raises(BuffersHeld):
+        bufs.check_free()
+    bufs.release(other)  # only the holder lets go
+    assert bufs.holder is loop
+    bufs.release(loop)
+    bufs.check_free()
+    bufs.hold(other, "now")
+    assert bufs.holder is other
+
+
+class Named(Stream):
+    """A Stream without its context: what the methods are given, not what they use."""
+
+    def __repr__(self) -> str:
+        return "Stream(stand-in)"
+
+
+def test_an_engine_given_to_the_methods_of_the_first_releases_warns_and_must_be_theirs():
+    calls = []
+
+    class Bufs:
+        engine = Named.__new__(Named)
+
+        @_own_engine
+        def set_stop(self, eos=None, budget=None):
+            calls.append((eos, budget))
+
+    bufs = Bufs()
+    bufs.set_stop(3, budget=5)
+    with pytest.warns(DeprecationWarning, match=r"StreamBufs.set_stop\(engine, \.\.\.\) is deprecated"):
+        bufs.set_stop(Bufs.engine, 3, budget=5)
+    with pytest.warns(DeprecationWarning):
+        bufs.set_stop(engine=Bufs.engine, eos=3, budget=5)
+    assert calls == [(3, 5)] * 3
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="these buffers belong to"):
+        bufs.set_stop(Named.__new__(Named), 3)
+    assert len(calls) == 3
+
+
+def test_a_readback_takes_its_tokens_apart_when_asked_and_unpacks_as_before():
+    ring_row = 4  # count, then 3 tokens
+    words = np.array([2, 11, 12, 0, 0, 0, 0, 0, 3, 31, 32, 33], np.uint32)
+    done, positions = np.array([False, True, False]), np.array([5, 6, 7])
+    readback = Readback(words, ring_row, [2, 0, 3], done, positions)
+    assert readback._tokens is None, "tokens taken apart before anyone asked"
+    assert [t.tolist() for t in readback.tokens] == [[11, 12], [], [31, 32, 33]]
+    tokens, got_done, got_positions = readback
+    assert tokens is readback.tokens and got_done is done and got_positions is positions
+    assert "5 tokens over 3 rows, 1 done" in repr(readback)
+
+
+class ProtocolStream:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __cuda_stream__(self):
+        return self.answer
+
+
+def test_a_stream_is_taken_in_every_form_an_engine_author_has_one():
+    """An int, `.cuda_stream` (torch), and the CUDA stream protocol (cuda.core, CuPy): the same
+    handle, whatever the form; a protocol answer of another version refused (finding 5)."""
+    forms = [0x1234, np.uint64(0x1234), type("Torch", (), {"cuda_stream": 0x1234})(), ProtocolStream((0, 0x1234))]
+    assert [handle_of(form) for form in forms] == [0x1234] * 4
+    for bad in ((1, 0x1234), 0x1234, (0,)):
+        with pytest.raises(TypeError, match=r"__cuda_stream__\(\) must return \(0, handle\)"):
+            handle_of(ProtocolStream(bad))
+    for bad in ("stream 7", ProtocolStream((0, "7"))):
+        with pytest.raises(TypeError, match="__cuda_stream__"):
+            handle_of(bad)
