@@ -74,10 +74,9 @@ class Round:
       says otherwise), so what a user forgets cannot give wrong tokens (memra_cuda.torch).
 
     A kind of round gives `before_commit`, which composes the steps up to acceptance once all this
-    is checked; the commit (kernel 4) and
-    the rollbacks after it are the same for every kind. `steps` is one whole round, `issue(R)`
-    queues R of them, and device mode publishes each commit on a branch beside the next round,
-    so it takes the three parts apart.
+    is checked; the commit (kernel 4) and the rollbacks after it are the same for every kind.
+    `steps` is one whole round, `issue(R)` queues R of them, and device mode publishes each
+    commit on a branch beside the next round, so it takes the three parts apart.
     """
 
     def __init__(self, bufs: StreamBufs, kernels: SpecKernels, before_commit: Callable[[], Sequence[Step]], *,
