@@ -104,12 +104,12 @@ wheels-cuda12:
 # checked: the subprocess tests include one that faults on purpose. Failed API calls are not counted: every one becomes a
 # Python exception, and the tests that provoke them on purpose (bad PTX, a missing kernel)
 # assert on it. The largest batch end to end (`large`) is left out: its kernels are checked at
-# that size by the kernel tests.
+# that size by the kernel tests. PYTEST_ARGS (files, -k) narrows the run, for sanitize and racecheck.
 sanitize:
 	$(PICK_TEST) MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-200} PYTHONPATH=. \
 		compute-sanitizer --tool memcheck --target-processes application-only --report-api-errors no \
 			--error-exitcode 1 \
-		"$$py" -m pytest -q -m "gpu and not torch and not large"
+		"$$py" -m pytest -q -m "gpu and not torch and not large" $(PYTEST_ARGS)
 
 # Shared-memory races (racecheck) in every kernel launched alone, and in the token stream's
 # protocol inside a WHILE loop (kernel 4' on a branch, the decider, a host following the mapped
@@ -121,7 +121,8 @@ racecheck:
 		compute-sanitizer --tool racecheck --target-processes application-only --report-api-errors no \
 			--error-exitcode 1 \
 		"$$py" -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_sample_gpu.py tests/test_draft_sample_gpu.py tests/test_state_gpu.py \
-			tests/test_device_loop_gpu.py -k "not device_loop_gpu or ring_protocol or publish"
+			tests/test_tree_kernels_gpu.py tests/test_device_loop_gpu.py -k "not device_loop_gpu or ring_protocol or publish" \
+			$(PYTEST_ARGS)
 
 demo:
 	@$(PICK) PYTHONPATH=. "$$py" -m memra_cuda

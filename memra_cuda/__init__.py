@@ -2,8 +2,8 @@
 decoding (M rounds of draft + verify on one stream, one host readback per burst).
 
 `memra_cuda.driver` is the general driver layer; round-stream (tables, bufs, kernels, capacity,
-pace, round, stream) is built on it; models (`memra_cuda.models.toy`) and the PyTorch adapter (`memra_cuda.torch`,
-optional) sit at the edge.
+pace, round, stream; for trees, tree and tree_kernels) is built on it; models
+(`memra_cuda.models.toy`) and the PyTorch adapter (`memra_cuda.torch`, optional) sit at the edge.
 """
 from .acceptance import Greedy, Sampling
 from .bufs import BuffersHeld, Readback, StreamBufs, drain_ring
@@ -13,11 +13,13 @@ from .device_loop import Landed, RoundCapError
 from .driver import (CaptureError, CudaError, CudaFault, CudaUnavailable, DeviceBuffer, Engine, Event, Graph,
                      Kernel, KernelArgs, Launch, LoopUnsupported, MappedBuffer, Module, PinnedBuffer, Prepared, Stream)
 from .kernels import SpecKernels
-from .round import ChainRound, Round, Stages, chain
+from .round import ChainRound, Round, Stages, TreeRound, chain
 from .stream import MODES, Mode, RoundStream
-from .tables import (Cache, KVLayer, PointerTable, StateIndexTable, StateLayer, StateTable,
-                     kv_len_ptr_table, kv_len_ptr_table_range, state_copy_table, state_copy_table_range,
-                     state_flip_table)
+from .tables import (Cache, KVData, KVDataTable, KVLayer, PointerTable, StateIndexTable, StateLayer, StateTable,
+                     kv_data_table, kv_len_ptr_table, kv_len_ptr_table_range, state_copy_table,
+                     state_copy_table_range, state_flip_table)
+from .tree import Candidates, DynamicTree, TreeBufs, TreeShape
+from .tree_kernels import TreeKernels
 
 __version__ = "0.2.0"  # the one place the version lives: pyproject.toml reads it (tool.hatch.version)
 
@@ -29,4 +31,6 @@ __all__ = [
     "MappedBuffer", "LoopUnsupported", "Landed", "RoundCapError", "StateLayer", "StateTable", "StateIndexTable",
     "state_copy_table", "state_copy_table_range", "state_flip_table",
     "compile", "CompileError", "NvrtcUnavailable", "BuffersHeld", "Round", "ChainRound",
+    "TreeRound", "TreeShape", "DynamicTree", "TreeBufs", "Candidates", "TreeKernels", "KVData", "KVDataTable",
+    "kv_data_table",
 ]

@@ -24,11 +24,15 @@
 7. Recurrent state (bench_state.py): the device time of rolling back a hybrid model's state
    by copy and by flipping an index, over state sizes and batches, beside the time of writing
    the snapshots they roll back to.
-8. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
+8. Trees (bench_tree.py): tokens per round and tokens/s of the best chain against the best static
+   and dynamic tree, bare toy and 8B/0.5B, B = 1 and 32; the tree accepts alone against the HBM
+   floor for their bytes.
+9. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
    examples/torch_llama.py, one request, batches and continuous batching, and its hybrid
    variant (bench_torch.py).
 
-    python -m memra_cuda.bench [--json PATH] [--only launch|host|rounds|batch|sampling|pipeline|device|state|torch]
+    python -m memra_cuda.bench [--json PATH]
+        [--only launch|host|rounds|batch|sampling|pipeline|device|state|tree|torch]
         [--quick]
 """
 from __future__ import annotations
@@ -42,9 +46,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .bench_common import MODEL, PROMPT, device_us, replay_ms
+from .bench_common import MODEL, PROMPT, batch_prompts, device_us, replay_ms
 from .bench_device import bench_device, summary
 from .bench_state import bench_state
+from .bench_tree import bench_tree
 from .bufs import StreamBufs
 from .capacity import kv_capacity
 from .driver.engine import Engine
@@ -218,11 +223,6 @@ BATCH_K, BATCH_M = 4, 16
 BATCHES = (1, 8, 32, 128)
 
 
-def batch_prompts(batch: int) -> list[list[int]]:
-    """B different prompts of different lengths (8 to 23 tokens)."""
-    return [[(7 * b + i) % MODEL.vocab for i in range(8 + b % 16)] for b in range(batch)]
-
-
 def bench_batch(engine: Engine, quick: bool) -> list[dict]:
     """Batched graph vs one-after-another single-sequence graphs, same requests, same tokens."""
     spec = SpecKernels(engine)
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m memra_cuda.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--only", choices=["launch", "host", "rounds", "batch", "sampling", "pipeline", "device",
-                                           "state", "torch"],
+                                           "state", "tree", "torch"],
                         help="run one part (torch runs only when asked for)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for figures)")
     args = parser.parse_args(argv)
@@ -399,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(report["device"]))
     if args.only in (None, "state"):
         report["state"] = bench_state(engine, args.quick)
+    if args.only in (None, "tree"):
+        report["tree"] = bench_tree(engine, args.quick)
     if args.only == "torch":
         from .bench_torch import bench_torch  # torch and transformers only where asked for
         report["torch"] = bench_torch(args.quick)

@@ -17,6 +17,11 @@ MODEL = ToyModel(seed=2024, noise_ppm=100_000, p_min=0.05)
 PROMPT = list(range(1, 17))
 
 
+def batch_prompts(batch: int) -> list[list[int]]:
+    """B different prompts of different lengths (8 to 23 tokens)."""
+    return [[(7 * b + i) % MODEL.vocab for i in range(8 + b % 16)] for b in range(batch)]
+
+
 def replay_ms(engine: Engine, graph: Graph, replays: int) -> float:
     """Milliseconds of `replays` replays of `graph` queued back to back, timed on the device."""
     start, end = Event(engine), Event(engine)
@@ -37,4 +42,4 @@ def device_us(engine: Engine, step: Callable[[], None], launches: int = 50, repl
     return us
 
 
-__all__ = ["MODEL", "PROMPT", "device_us", "replay_ms"]
+__all__ = ["MODEL", "PROMPT", "batch_prompts", "device_us", "replay_ms"]

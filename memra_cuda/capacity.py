@@ -46,11 +46,15 @@ def kv_entries(capacity: Any) -> int | Unchecked | None:
 
 
 def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, overlap: bool = False,
-                batch: int = 1) -> int:
+                batch: int = 1, width: int | None = None) -> int:
     """KV entries a cache needs (per sequence) so generate() never raises CapacityError for
     this request: the prompt, the tokens, and one burst of room past them (two for "overlap"
-    to run ahead); in a batch, one round more, for the rounds a finished row sits out."""
-    return prompt_len + max_new_tokens + (2 if overlap else 1) * m_rounds * (k + 1) + (k + 1 if batch > 1 else 0)
+    to run ahead); in a batch, one round more, for the rounds a finished row sits out. `width`
+    is what a round writes past its position (a tree's T + 1 slots; a chain's k + 1)."""
+    k1 = k + 1
+    width = k1 if width is None else width
+    bursts = (2 if overlap else 1) * m_rounds * k1
+    return prompt_len + max_new_tokens + bursts + width - k1 + (width if batch > 1 else 0)
 
 
 _NO_ROWS = np.zeros(0, np.int64)
@@ -59,36 +63,44 @@ _NO_ROWS = np.zeros(0, np.int64)
 @dataclass(frozen=True)
 class Capacity:
     """The room of a round's caches: `entries`, the fewest KV entries any cache behind the
-    round holds per row (None: nothing to check), for rounds of k drafts over `batch` rows in
-    bursts of at most `m_rounds`.
+    round holds per row (None: nothing to check), for rounds that advance a row at most k+1
+    positions and write `width` entries past it (a chain: k+1; a tree: its T+1 slots), over
+    `batch` rows in bursts of at most `m_rounds`.
 
-    A live row needs room for rounds·(k+1) entries past its position, plus k+1 more in a batch
-    (a round it may sit out done at its final position while other rows finish); a done row
-    needs the k+1 scratch entries at its frozen position. `ahead` is how many rounds queued
-    before this burst the host has not seen yet: they may have moved every row that far.
+    A live row needs room for (rounds-1)·(k+1) + width entries past its position, plus k+1 more
+    in a batch (a round it may sit out done at its final position while other rows finish); a
+    done row needs the `width` scratch entries at its frozen position. `ahead` is how many rounds
+    queued before this burst the host has not seen yet: they may have moved every row that far.
     """
 
     entries: int | None
     k: int
     batch: int
     m_rounds: int
+    width: int = 0  # 0: k + 1
+
+    def __post_init__(self) -> None:
+        if not self.width:
+            object.__setattr__(self, "width", self.k + 1)
 
     @classmethod
-    def of(cls, capacities: Iterable[int | Unchecked | None], k: int, batch: int, m_rounds: int) -> Capacity:
+    def of(cls, capacities: Iterable[int | Unchecked | None], k: int, batch: int, m_rounds: int,
+           width: int = 0) -> Capacity:
         """The rule for caches of the given capacities (None and UNCHECKED say nothing)."""
         known = [c for c in capacities if c is not None and c is not UNCHECKED]
-        return cls(min(known) if known else None, k, batch, m_rounds)
+        return cls(min(known) if known else None, k, batch, m_rounds, width)
 
     @property
-    def _idle(self) -> int:
-        """The round a finished row of a batch may sit out at its final position."""
-        return self.k + 1 if self.batch > 1 else 0
+    def _live(self) -> int:
+        """Past the furthest start of a burst's last round: its writes, and in a batch the k+1
+        it may move more before sitting a round out there."""
+        return self.width + (self.k + 1 if self.batch > 1 else 0)
 
     def burst_reach(self, positions: np.ndarray, done: np.ndarray, rounds: int, ahead: int = 0) -> np.ndarray:
         """Per row, the furthest entry a burst of `rounds` rounds may write, behind `ahead`
         unseen rounds."""
         k1 = self.k + 1
-        return positions + ahead * k1 + np.where(done, k1, rounds * k1 + self._idle)
+        return positions + ahead * k1 + np.where(done, self.width, (rounds - 1) * k1 + self._live)
 
     def burst_short(self, positions: np.ndarray, done: np.ndarray, rounds: int, ahead: int = 0) -> np.ndarray:
         """The rows a burst of `rounds` rounds (behind `ahead` unseen ones) would overrun. No row
@@ -96,7 +108,7 @@ class Capacity:
         common case, and only a burst near the limit looks at every row."""
         if self.entries is None:
             return _NO_ROWS
-        if int(positions.max()) + (ahead + rounds) * (self.k + 1) + self._idle <= self.entries:
+        if int(positions.max()) + (ahead + rounds - 1) * (self.k + 1) + self._live <= self.entries:
             return _NO_ROWS
         return np.flatnonzero(self.burst_reach(positions, done, rounds, ahead) > self.entries)
 
@@ -114,12 +126,12 @@ class Capacity:
     def loop_reach(self, positions: np.ndarray, most: np.ndarray, done: np.ndarray, ahead: int = 0) -> np.ndarray:
         """Per row, the furthest entry a device loop may write for a row that commits at most
         `most` tokens (behind `ahead` unseen rounds): its last round starts at most most - 1 past
-        its position and writes k+1 entries there; where rows sit out rounds done (a batch, or
-        passes of several rounds), the round that stopped it may have kept k+1, and k+1 scratch
-        entries follow."""
+        its position and writes `width` entries there; where rows sit out rounds done (a batch,
+        or passes of several rounds), the round that stopped it may have kept k+1, and `width`
+        scratch entries follow."""
         k1 = self.k + 1
         idle = k1 if self.batch > 1 or self.m_rounds > 1 else 0
-        return positions + ahead * k1 + np.where(done, k1, most + k1 - 1 + idle)
+        return positions + ahead * k1 + np.where(done, self.width, most - 1 + self.width + idle)
 
     def check_loop(self, positions: np.ndarray, most: np.ndarray, done: np.ndarray, ahead: int = 0) -> None:
         """CapacityError unless every cache has room for the whole device loop."""

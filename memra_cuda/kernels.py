@@ -62,10 +62,7 @@ class SpecKernels:
         self.module = engine.load_ptx("spec_stream")
 
     def _launch(self, name: str, types: list[str], *values: object, threads: int = 1, rows: int = 1) -> Launch:
-        """`threads` spread over a 1-D grid; `rows` > 1 gives each row its own grid row (y)."""
-        block = min(max(32, threads), 256)
-        grid = min((threads + block - 1) // block, 1024)
-        return self.module.kernel(name).prepare(types, (grid, rows) if rows > 1 else grid, block).set(*values)
+        return spread(self.module, name, types, values, threads, rows)
 
     @_bufs_first
     def prepare_seed_gather(self, bufs: StreamBufs, rows_d: Any, row_words: int, out_d: Any) -> Launch:
@@ -146,12 +143,7 @@ class SpecKernels:
         if table.batch not in (None, bufs.batch) or table.k not in (None, bufs.k):
             raise ValueError(f"{table.label}: its layers hold B={table.batch} rows of k+1={table.k + 1} slots, but "
                              f"the round has B={bufs.batch} and k={bufs.k}")
-        # x: the (layer, row) pairs; y: blocks over one row's words, so a single wide state still
-        # spreads over the GPU; at most 1024 blocks in all, as _launch.
-        words = max((layer.row_words for layer in table.layers if layer is not None), default=1)
-        block = min(-(-words // 32) * 32, 256)
-        pairs = min(len(table.layers) * bufs.batch, 1024)
-        grid = (pairs, min(-(-words // block), max(1, 1024 // pairs)))
+        grid, block = state_copy_grid(table, bufs.batch)
         return self.module.kernel("spec_state_copy").prepare(["ptr", "u32", "u32", "u32", "ptr"], grid, block).set(
             table, len(table.layers), bufs.batch, bufs.k, bufs.ctl_d)
 
@@ -159,13 +151,7 @@ class SpecKernels:
     def prepare_state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> Launch:
         """Kernel 9: each row's state index moves to the kept slot of the bank the verify wrote.
         `table` comes from state_flip_table: u32[B] indices of this batch."""
-        if not isinstance(table, StateIndexTable):
-            raise TypeError(f"a state flip table must be a StateIndexTable (state_flip_table builds one), not "
-                            f"{table!r}")
-        wrong = [t for t in table.targets if t is not None and t.len != bufs.batch]
-        if wrong:
-            raise ValueError(f"a state flip table for a batch of {bufs.batch} must name u32[{bufs.batch}] indices "
-                             f"(one per sequence), not {wrong[0]!r}")
+        check_flip_table(table, bufs.batch)
         return self._launch("spec_state_flip", ["ptr", "u32", "u32", "u32", "ptr"],
                             table, table.len, bufs.batch, bufs.k, bufs.ctl_d, threads=table.len * bufs.batch)
 
@@ -224,6 +210,34 @@ class SpecKernels:
         if buf.dtype.kind not in "iu" or buf.dtype.itemsize not in (4, 8):
             raise ValueError(f"{name} must be a buffer of 32- or 64-bit integer tokens, not {buf!r}")
         return buf
+
+
+def spread(module: Any, name: str, types: list[str], values: tuple[object, ...], threads: int = 1,
+           rows: int = 1) -> Launch:
+    """A prepared launch of `threads` spread over a 1-D grid of at most 1024 blocks (the kernels
+    stride over what is left); `rows` > 1 gives each row its own grid row (y)."""
+    block = min(max(32, threads), 256)
+    grid = min((threads + block - 1) // block, 1024)
+    return module.kernel(name).prepare(types, (grid, rows) if rows > 1 else grid, block).set(*values)
+
+
+def check_flip_table(table: StateIndexTable, batch: int) -> None:
+    """A FLIP rollback table (kernels 9, 17) names u32[B] indices, one per sequence."""
+    if not isinstance(table, StateIndexTable):
+        raise TypeError(f"a state flip table must be a StateIndexTable (state_flip_table builds one), not {table!r}")
+    wrong = [t for t in table.targets if t is not None and t.len != batch]
+    if wrong:
+        raise ValueError(f"a state flip table for a batch of {batch} must name u32[{batch}] indices (one per "
+                         f"sequence), not {wrong[0]!r}")
+
+
+def state_copy_grid(table: StateTable, batch: int) -> tuple[tuple[int, int], int]:
+    """The grid of a state copy (kernels 8, 16): x the (layer, row) pairs, y blocks over one
+    row's words, so a single wide state still spreads over the GPU; 1024 blocks at most."""
+    words = max((layer.row_words for layer in table.layers if layer is not None), default=1)
+    block = min(-(-words // 32) * 32, 256)
+    pairs = min(len(table.layers) * batch, 1024)
+    return (pairs, min(-(-words // block), max(1, 1024 // pairs))), block
 
 
 def batch_rows(name: str, buf: DeviceBuffer, batch: int, row: int, single: int | None = None) -> DeviceBuffer:

@@ -55,12 +55,13 @@ def uniform_of_word(x0: Any) -> np.ndarray:
     return ((words(x0) >> np.uint64(9)).astype(np.float64) + 0.5) * 2.0**-23
 
 
-def uniform(seed: Any, position: Any, j: Any, purpose: Any) -> np.ndarray:
-    """U(seed, position, j, purpose) = uniform_of_word(x0), x0 the first word of counter
-    (j, position, purpose, 0) under key (seed & 0xffffffff, seed >> 32).
+def uniform(seed: Any, position: Any, j: Any, purpose: Any, node: Any = 0) -> np.ndarray:
+    """U(seed, position, j, purpose, node) = uniform_of_word(x0), x0 the first word of counter
+    (j, position, purpose, node) under key (seed & 0xffffffff, seed >> 32). `node` tells apart
+    the draws of one position for different nodes of a tree; a chain's draws have node 0.
 
     U lies in [2**-24, 1 - 2**-24], so -ln U is finite and positive. Positions are taken modulo
     2**32, as the kernels' u32 arithmetic wraps them. Arguments broadcast.
     """
     seed = words(seed)
-    return uniform_of_word(philox4x32_10((j, position, purpose, 0), (seed & _MASK, seed >> _32))[0])
+    return uniform_of_word(philox4x32_10((j, position, purpose, node), (seed & _MASK, seed >> _32))[0])

@@ -162,17 +162,17 @@ def probabilities(x: np.ndarray) -> np.ndarray:
     return np.where(x > 0, x, np.float32(0))
 
 
-def race_scores(w: np.ndarray, seed, position, purpose: int) -> np.ndarray:
-    """The exponential race's float64 scores w[v] / E_v, E_v = -ln U(seed, position, v, purpose), over
+def race_scores(w: np.ndarray, seed, position, purpose: int, node=0) -> np.ndarray:
+    """The exponential race's float64 scores w[v] / E_v, E_v = -ln U(seed, position, v, purpose, node), over
     the last axis of w (leading axes are rows; seed and position broadcast against them); -inf where
     w[v] is not positive (zero, negative, NaN), so such an entry never wins."""
     w = np.asarray(w, np.float64)
     e = -np.log(uniform(np.asarray(seed)[..., None], np.asarray(position)[..., None], np.arange(w.shape[-1]),
-                        purpose))
+                        purpose, np.asarray(node)[..., None]))
     return np.where(w > 0, w / e, -np.inf)
 
 
-def sample_race(w: np.ndarray, seed, position, purpose: int) -> int:
+def sample_race(w: np.ndarray, seed, position, purpose: int, node: int = 0) -> int:
     """The token drawn from unnormalised weights w at an absolute position: argmax over w[v] > 0 of
     w[v] / E_v, ties to the smallest v. With E_v independent Exp(1), v wins with probability
     w[v] / sum(w), so no normalisation, prefix sum or second pass over V is needed, and a kernel
@@ -180,7 +180,7 @@ def sample_race(w: np.ndarray, seed, position, purpose: int) -> int:
 
     -1 when no weight is positive. spec_accept_sample then races p[n] instead of an empty residual,
     and commits NO_MASS_TOKEN when p[n] is empty too; a draft must give its own rows weight."""
-    scores = race_scores(w, seed, position, purpose)
+    scores = race_scores(w, seed, position, purpose, node)
     best = int(np.argmax(scores))
     return best if scores[best] > -np.inf else -1
 

@@ -5,8 +5,8 @@ rollback of the KV lengths [→ rollback of recurrent state] [→ the other pipe
 tail], for every row of the batch at once. A Round checks what it is given (tables, stages),
 decides how the model's work is scoped and captured (torch-backed or not), and issues R rounds;
 it knows nothing of modes, which are RoundStream's (stream.py), nor of models, whose work
-reaches it as callables. ChainRound verifies a chain of k drafts; a tree of drafts is a second
-kind of the same thing.
+reaches it as callables. ChainRound verifies a chain of k drafts; TreeRound a tree of drafts
+(docs/trees.md), the second kind of the same thing.
 """
 from __future__ import annotations
 
@@ -19,14 +19,16 @@ from .acceptance import Greedy, Sampling
 from .capacity import UNCHECKED, Capacity, Unchecked, kv_entries
 from .driver.buffer import DeviceBuffer
 from .driver.graph import Capture, loops
-from .tables import AddressTable, PointerTable, StateIndexTable, StateTable, state_targets_disjoint
+from .kernels import SpecKernels
+from .tables import AddressTable, KVDataTable, PointerTable, StateIndexTable, StateTable, state_targets_disjoint
+from .tree import Candidates, TreeBufs
+from .tree_kernels import SampledCandidates, TreeKernels
 
 if TYPE_CHECKING:
     from .acceptance import Acceptance
     from .bufs import StreamBufs
     from .driver.engine import Engine
     from .driver.module import Launch
-    from .kernels import SpecKernels
 
 Step = Callable[[], None]
 
@@ -74,22 +76,26 @@ class Round:
       says otherwise), so what a user forgets cannot give wrong tokens (memra_cuda.torch).
 
     A kind of round gives `before_commit`, which composes the steps up to acceptance once all this
-    is checked; the commit (kernel 4) and the rollbacks after it are the same for every kind.
+    is checked, and `width`, the KV entries a round writes past its position (default k + 1); the
+    commit (kernel 4) and the rollbacks after it are the same for every kind, but for which
+    slot of recurrent state is kept (_roll_back_state).
     `steps` is one whole round, `issue(R)` queues R of them, and device mode publishes each
     commit on a branch beside the next round, so it takes the three parts apart.
     """
 
+    acceptance: Acceptance
+
     def __init__(self, bufs: StreamBufs, kernels: SpecKernels, before_commit: Callable[[], Sequence[Step]], *,
                  model_buffers: Sequence[Any], rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable], capture: Capture | None,
-                 stages: Stages | None):
+                 stages: Stages | None, width: int = 0):
         if kernels.engine is not bufs.engine:
             raise ValueError(f"the kernels belong to {kernels.engine!r}, the buffers to {bufs.engine!r}")
         tables, states = _kv_tables(bufs, rollback_tables), _state_tables(state_tables)
         stages = stages or Stages(())
         self.bufs, self.kernels, self.engine = bufs, kernels, bufs.engine
         self.capacity = Capacity.of((stages.capacity, *(table.capacity for table in tables)), bufs.k, bufs.batch,
-                                    bufs.m_rounds)
+                                    bufs.m_rounds, width)
         self.scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self.capture, self.loop_capture = capture, loops
         if _torch_in_play(self.engine, *model_buffers, *tables, *states):
@@ -102,11 +108,16 @@ class Round:
         self.commit = kernels.prepare_ring_commit(bufs)
         self.after_commit = (
             *(kernels.prepare_rollback(bufs, table) for table in tables),
-            *(kernels.prepare_state_copy(bufs, table) if isinstance(table, StateTable) else
-              kernels.prepare_state_flip(bufs, table) for table in states),
+            *(self._roll_back_state(table) for table in states),
             *([stages.round_tail] if stages.round_tail is not None else []),
         )
         self.steps = (*self.before_commit, self.commit, *self.after_commit)
+
+    def _roll_back_state(self, table: StateTable | StateIndexTable) -> Step:
+        """The live state after the round's kept tokens: a chain's slot keep - 1 (kernels 8, 9)."""
+        if isinstance(table, StateTable):
+            return self.kernels.prepare_state_copy(self.bufs, table)
+        return self.kernels.prepare_state_flip(self.bufs, table)
 
     def issue(self, rounds: int) -> None:
         """Queue `rounds` rounds on the engine's stream (inside the model's scope)."""
@@ -185,3 +196,85 @@ def _torch_in_play(engine: Engine, *objects: Any) -> bool:
         for buf in obj.targets if isinstance(obj, AddressTable) else (obj,):
             found += [buf, buf.foreign] if isinstance(buf, DeviceBuffer) else [buf]
     return any(type(obj).__module__.split(".")[0] == "torch" for obj in found)
+
+
+class TreeRound(Round):
+    """A round that verifies a tree of drafts (docs/trees.md): `tree_bufs` (TreeBufs over these
+    StreamBufs, whose k is the tree's depth D) holds the nodes. The model gives `draft_levels`,
+    D + 1 steps, step d processing the nodes of level d (steps 0..D-1 also write what their
+    children are made of: greedy, `candidates`, the K best tokens and log-probabilities of each
+    node; sampling, Sampling's q_d, [B][T+1][V]), and `verify_tree`, which scores all T + 1 nodes
+    under the ancestor mask into Greedy's pred_d ([B][T+1]) or Sampling's p_d ([B][T+1][V]).
+    Between the levels the layer grows the tree (kernels 11, 12); after the verify it accepts
+    (13 or 14) and moves the accepted path's KV to consecutive slots: in the layers of `kv_data`
+    (a KVDataTable, kernel 15) and by `compact`, the model's own callable for a cache the table
+    cannot describe (paged), which reads tree_bufs.path_d and bufs.acc_d. Recurrent state keeps
+    a slot per node (StateLayer(..., k=T)); the path's last node's slot becomes the live one.
+    """
+
+    def __init__(self, bufs: StreamBufs, tree_bufs: TreeBufs, kernels: SpecKernels | None = None, *,
+                 draft_levels: Sequence[Step], verify_tree: Step, acceptance: Acceptance,
+                 candidates: Candidates | None = None, rollback_tables: Sequence[PointerTable],
+                 kv_data: KVDataTable | None = None, compact: Step | None = None,
+                 state_tables: Sequence[StateTable | StateIndexTable] = (), capture: Capture | None = None,
+                 stages: Stages | None = None):
+        if not isinstance(tree_bufs, TreeBufs) or tree_bufs.bufs is not bufs:
+            raise ValueError(f"tree_bufs must be TreeBufs(bufs, tree) over these StreamBufs, not {tree_bufs!r}")
+        tree, levels = tree_bufs.tree, list(draft_levels)
+        if len(levels) != tree.depth + 1 or not all(callable(step) for step in levels):
+            raise ValueError(f"a tree of depth {tree.depth} takes {tree.depth + 1} draft levels (callables, level 0 "
+                             f"the root), not {len(levels)}")
+        if isinstance(acceptance, Greedy):
+            if not isinstance(candidates, Candidates):
+                raise TypeError("a greedy tree round needs the draft's candidates=Candidates(tok_d, logp_d)")
+        elif isinstance(acceptance, Sampling):
+            if candidates is not None:
+                raise ValueError("a sampled tree draws its own children from q_d: candidates= is for greedy trees")
+            tree.check_sampled()
+        else:
+            raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), not "
+                            f"{acceptance!r}")
+        if kv_data is None and compact is None:
+            raise ValueError("a tree round must move the accepted path's KV: give kv_data=kv_data_table(...) or "
+                             "compact= (a model without KV: compact=lambda: None)")
+        kernels = kernels or SpecKernels(bufs.engine)
+        trees = TreeKernels(bufs.engine)
+        self.acceptance, self.tree_bufs, self.tree_kernels = acceptance, tree_bufs, trees
+
+        def before_commit() -> list[Step]:
+            steps: list[Step] = [trees.prepare_begin(bufs, tree_bufs)]
+            if isinstance(acceptance, Sampling):
+                drawn = SampledCandidates(bufs.engine, bufs.batch, tree_bufs.nodes, tree.draws)
+                vocab = _vocab(acceptance, bufs, tree_bufs)
+                for level in range(1, tree.depth + 1):
+                    steps += [levels[level - 1],
+                              trees.prepare_draw(bufs, tree_bufs, level, acceptance.q_d, acceptance.seed_d, vocab,
+                                                 drawn),
+                              trees.prepare_grow(bufs, tree_bufs, level, drawn.tok_d, drawn.logq_d, drawn.sel_d)]
+                accept = trees.prepare_accept_sample(bufs, tree_bufs, acceptance.p_d, acceptance.q_d,
+                                                     acceptance.seed_d, vocab)
+            else:
+                for level in range(1, tree.depth + 1):
+                    steps += [levels[level - 1],
+                              trees.prepare_grow(bufs, tree_bufs, level, candidates.tok_d, candidates.logp_d)]
+                accept = trees.prepare_accept_greedy(bufs, tree_bufs, acceptance.pred_d)
+            steps += [levels[-1], verify_tree, accept]
+            if kv_data is not None:
+                steps.append(trees.prepare_compact(bufs, tree_bufs, kv_data))
+            return [*steps, *([compact] if compact is not None else [])]
+        model_buffers = (*vars(acceptance).values(), *(vars(candidates).values() if candidates else ()))
+        super().__init__(bufs, kernels, before_commit, model_buffers=model_buffers, rollback_tables=rollback_tables,
+                         state_tables=state_tables, capture=capture, stages=stages, width=tree_bufs.nodes)
+
+    def _roll_back_state(self, table: StateTable | StateIndexTable) -> Step:
+        """The live state after the path's last node: its slot of T + 1 (kernels 16, 17)."""
+        if isinstance(table, StateTable):
+            return self.tree_kernels.prepare_state_copy(self.bufs, self.tree_bufs, table)
+        return self.tree_kernels.prepare_state_flip(self.bufs, self.tree_bufs, table)
+
+
+def _vocab(rule: Sampling, bufs: StreamBufs, tree_bufs: TreeBufs) -> int:
+    """Sampling's vocabulary, or the one its p_d holds for a row of T + 1 nodes."""
+    if rule.vocab is not None:
+        return rule.vocab
+    return bufs.engine.buffer(rule.p_d, "p_d").len // (bufs.batch * tree_bufs.nodes)

@@ -23,7 +23,7 @@ from .driver.event import Event
 from .driver.graph import Capture, Graph
 from .kernels import SpecKernels
 from .pace import Pace
-from .round import ChainRound, Stages, Step
+from .round import ChainRound, Round, Stages, Step
 
 if TYPE_CHECKING:
     from .acceptance import Acceptance
@@ -71,13 +71,10 @@ def as_mode(mode: Mode | str) -> Mode:
 class RoundStream:
     """Generates with one readback per burst of rounds, in five modes (Mode), from one Round.
 
-    A round (round.py; docs/round-stream.md): [seed_gather] → `draft_chain` → assemble →
-    `verify_trunk` → accept by `acceptance` (Greedy(pred_d) or Sampling(p_d, q_d, seed_d,
-    vocab)) → commit → rollback of `rollback_tables` (one holding bufs.pos_ctr_d) [→ of
-    `state_tables`], for every row of `bufs` at once; the callables queue the model's work on
-    the engine's stream (docs/model-side.md). Everything is checked here, before anything is
-    queued, and each burst against the caches' capacity from what the last readback said (one
-    reduction in the common case): the rounds themselves are prepared launches and copies.
+    The round is the ChainRound built here from the model's callables and buffers (round.py;
+    docs/round-stream.md, docs/model-side.md), or any Round given to RoundStream.of (a TreeRound:
+    docs/trees.md). Everything is checked before anything is queued, and each burst against the
+    caches' capacity from what the last readback said (one reduction in the common case).
 
     A done row sits the rounds out (its position frozen) while the others go on. A generation
     starts where the last bufs.reset / reset_row (or readback) left every row. `pace` cuts a
@@ -85,9 +82,9 @@ class RoundStream:
     round costs more than a host readback (~0.1-0.2 ms: any real model); off for cheaper ones.
     `capture` says how graphs are captured (default: the driver's stream capture; torch-backed
     rounds capture through torch without being told). `stages` (Stages) is for pipelines on
-    several GPUs. `kernels` (SpecKernels) is built when not given.
-    `round_tail=` and `capacity=` (with `stages=` a list of engines) are the first releases'
-    form of Stages, accepted with a DeprecationWarning, as is RoundStream(kernels, bufs, ...).
+    several GPUs; `kernels` (SpecKernels) is built when not given. `round_tail=` and `capacity=`
+    (with `stages=` a list of engines) are the first releases' form of Stages, accepted with a
+    DeprecationWarning, as is RoundStream(kernels, bufs, ...).
     """
 
     def __init__(self, bufs: StreamBufs, _bufs_of_0_1: StreamBufs | None = None, /, *, draft_chain: Step,
@@ -99,18 +96,26 @@ class RoundStream:
             warnings.warn("RoundStream(kernels, bufs, ...) is deprecated: RoundStream(bufs, ..., kernels=kernels)",
                           DeprecationWarning, stacklevel=2)
             kernels, bufs = bufs, _bufs_of_0_1
-        self.round = ChainRound(bufs, kernels or SpecKernels(bufs.engine), draft_chain=draft_chain,
-                                verify_trunk=verify_trunk, draft_d=draft_d, acceptance=acceptance,
-                                rollback_tables=rollback_tables, state_tables=state_tables, seed_gather=seed_gather,
-                                capture=capture, stages=_stages(stages, round_tail, capacity))
-        self.bufs, self.engine, self.kernels = bufs, bufs.engine, self.round.kernels
-        self.acceptance = acceptance
-        self.pace = pace
+        self._start(ChainRound(bufs, kernels or SpecKernels(bufs.engine), draft_chain=draft_chain,
+                               verify_trunk=verify_trunk, draft_d=draft_d, acceptance=acceptance,
+                               rollback_tables=rollback_tables, state_tables=state_tables, seed_gather=seed_gather,
+                               capture=capture, stages=_stages(stages, round_tail, capacity)), pace)
+
+    @classmethod
+    def of(cls, round: Round, *, pace: bool = True) -> RoundStream:
+        """The modes over a Round built by hand: a TreeRound, say (docs/trees.md)."""
+        (stream := cls.__new__(cls))._start(round, pace)
+        return stream
+
+    def _start(self, round: Round, pace: bool) -> None:
+        if not isinstance(round, Round):
+            raise TypeError(f"RoundStream.of takes a Round (ChainRound, TreeRound), not {round!r}")
+        self.round, self.bufs, self.engine, self.kernels = round, round.bufs, round.engine, round.kernels
+        self.acceptance, self.pace = round.acceptance, pace
         self._graphs: dict[tuple[int, int], Graph] = {}  # (pinned readback slot, rounds) -> burst graph
         self._events: list[Event] = []
         self._device: DeviceLoop | None = None
-        self.rounds = 0  # rounds sent to the GPU
-        self.bursts = 0  # host readbacks they waited for
+        self.rounds = self.bursts = 0  # rounds sent to the GPU, host readbacks they waited for
 
     @property
     def capacity(self) -> int | None:
@@ -181,8 +186,7 @@ class RoundStream:
         if (slot, rounds) not in self._graphs:
             self.bufs.check_free()  # a running loop's buffers are not captured over either
             issue = functools.partial(self._burst_and_readback, slot, rounds)
-            self._graphs[slot, rounds] = Graph(self.engine, issue, capture=self.round.capture,
-                                               joined=self.round.joined)
+            self._graphs[slot, rounds] = Graph(self.engine, issue, capture=self.round.capture, joined=self.round.joined)
         return self._graphs[slot, rounds]
 
     def _burst_and_readback(self, slot: int, rounds: int) -> None:
@@ -208,8 +212,7 @@ class RoundStream:
 
     # -- generating --------------------------------------------------------------------------
     def rounds_per_step(self, mode: Mode | str) -> int:
-        """The most rounds one step of `mode` runs: one for "readback", else M (a device loop
-        runs its passes M rounds at a time)."""
+        """The most rounds one step of `mode` runs: one for "readback", else M (device mode: a pass)."""
         return 1 if as_mode(mode) is Mode.READBACK else self.bufs.m_rounds
 
     def step(self, mode: Mode | str = Mode.GRAPH, rounds: int | None = None) -> Readback:

@@ -170,6 +170,90 @@ def _layer_range(layers: range | tuple[int, int], count: int) -> tuple[int, int]
     return start, stop
 
 
+class KVData:
+    """Where one layer's K and V entries live, for the tree round's compaction (kernel 15): `k_d`
+    and `v_d` (None for a layer of one buffer: the toy's, MLA's latent), each row of the batch
+    `row_stride` bytes apart, each position `pos_stride` bytes apart, `nbytes` of one entry at one
+    position (all multiples of 4: the kernel moves 32-bit words), `capacity` positions in each of
+    `batch` rows. Either buffer may be a DeviceBuffer or a __cuda_array_interface__ object (a
+    torch tensor); each must hold the bytes this layout reaches."""
+
+    def __init__(self, k_d: Any, v_d: Any = None, *, row_stride: int, pos_stride: int, nbytes: int, capacity: int,
+                 batch: int):
+        self.batch = as_index(batch, "batch")
+        self.k_d = as_buffer(k_d, "k_d")
+        self.v_d = None if v_d is None else as_buffer(v_d, "v_d")
+        self.row_stride, self.pos_stride = as_index(row_stride, "row_stride"), as_index(pos_stride, "pos_stride")
+        self.nbytes, self.capacity = as_index(nbytes, "nbytes"), as_index(capacity, "capacity")
+        words = (self.row_stride, self.pos_stride, self.nbytes)
+        if min(self.nbytes, self.capacity, self.batch) < 1 or any(x % 4 for x in words):
+            raise ValueError(f"KV data moves in 32-bit words: strides and nbytes must be multiples of 4 and nbytes, "
+                             f"capacity positive, not row_stride={row_stride}, pos_stride={pos_stride}, "
+                             f"nbytes={nbytes}, capacity={capacity}")
+        if self.pos_stride < self.nbytes:
+            raise ValueError(f"positions {pos_stride} bytes apart cannot hold entries of {nbytes} bytes")
+        extent = (self.batch - 1) * self.row_stride + (self.capacity - 1) * self.pos_stride + self.nbytes
+        for buf in filter(None, (self.k_d, self.v_d)):
+            if buf.ptr % 4:
+                raise ValueError(f"{buf!r} is not 4-byte aligned: the compaction moves 32-bit words")
+            if buf.nbytes < extent:
+                raise ValueError(f"{buf!r} holds {buf.nbytes} bytes, but {self.batch} rows of {self.capacity} "
+                                 f"positions ({row_stride} and {pos_stride} bytes apart) reach {extent}")
+
+    @classmethod
+    def from_layer(cls, layer: KVLayer) -> KVData:
+        """A KVLayer's data_d as [B][capacity][width] elements of 4 or 8 bytes, one buffer."""
+        if layer.data_d is None:
+            raise ValueError(f"{layer!r} has no data_d to compact")
+        data, batch = layer.data_d, layer.batch
+        if data.nbytes % (batch * layer.capacity):
+            raise ValueError(f"data_d ({data.nbytes} bytes) is not [{batch}][{layer.capacity}][width]")
+        entry = data.nbytes // (batch * layer.capacity)
+        return cls(data, row_stride=layer.capacity * entry, pos_stride=entry, nbytes=entry, capacity=layer.capacity,
+                   batch=batch)
+
+
+class KVDataTable(AddressTable):
+    """The table kernel 15 reads: per layer the record (K address, V address, row stride,
+    position stride, bytes, capacity), zeros for None (a layer without KV), holding every buffer
+    it names; every layer of one batch B (`batch`)."""
+
+    RECORD = 6
+
+    def __init__(self, engine: Engine, layers: Sequence[KVData | None], label: str = "kv data"):
+        self.layers = tuple(layers)
+        if not self.layers:
+            raise ValueError("a KV data table needs at least one entry")
+        for i, layer in enumerate(self.layers):
+            if layer is not None and not isinstance(layer, KVData):
+                raise TypeError(f"kv data entry {i} must be a KVData (or None), not {layer!r}")
+        batches = {layer.batch for layer in self.layers if layer is not None}
+        if len(batches) > 1:
+            raise ValueError(f"{label}: every layer must hold the same batch B, not {sorted(batches)}")
+        self.batch = batches.pop() if batches else None
+        words = np.zeros((len(self.layers), self.RECORD), np.uint64)
+        held: list[DeviceBuffer | None] = []
+        for i, layer in enumerate(self.layers):
+            if layer is None:
+                held += [None, None]
+                continue
+            bufs = [None if buf is None else engine.buffer(buf, f"layer {i} KV") for buf in (layer.k_d, layer.v_d)]
+            words[i] = (bufs[0].ptr, 0 if bufs[1] is None else bufs[1].ptr, layer.row_stride, layer.pos_stride,
+                        layer.nbytes, layer.capacity)
+            held += bufs
+        super().__init__(engine, words.reshape(-1), tuple(held), label)
+
+    @property
+    def capacity(self) -> int | None:
+        caps = [layer.capacity for layer in self.layers if layer is not None]
+        return min(caps) if caps else None
+
+
+def kv_data_table(engine: Engine, layers: Sequence[KVData | None]) -> KVDataTable:
+    """The compaction table of a model's KV layers in order (None: a layer without KV)."""
+    return KVDataTable(engine, layers)
+
+
 class StateLayer:
     """One layer's recurrent state (Mamba, gated delta nets, linear attention) for rollback by
     copy: `live_d` [B][row_words], the state the model reads, and `slots_d` [B][k+1][row_words],

@@ -32,3 +32,11 @@
 #define HEAD_SEQ 1
 #define HEAD_STAMP 2
 #define HEAD_WORDS 4  // one word of padding: the counts start 16 bytes in
+
+// Trees (docs/trees.md): node 0's parent, the rank of a void node (never accepted), and the
+// limits the tree kernels are written for: nodes a tree may have (8 mask words of 32 bits), and
+// draws a sampled node may have drawn for its children.
+#define ROOT_PARENT 4294967295u  // 0xFFFFFFFF
+#define VOID_RANK 4294967295u    // 0xFFFFFFFF
+#define MAX_TREE_NODES 256
+#define MAX_TREE_DRAWS 8

@@ -28,25 +28,26 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
     return ctr;
 }
 
-// The top 23 bits of the first word of counter (j, a, purpose, 0) under key (seed lo, seed hi):
-// U(seed, a, j, purpose) = (m + 0.5) * 2^-23.
-__device__ __forceinline__ u32 philox_mantissa(u64 seed, u32 a, u32 j, u32 purpose) {
-    return philox4x32_10(make_uint4(j, a, purpose, 0u), make_uint2((u32)seed, (u32)(seed >> 32))).x >> 9;
+// The top 23 bits of the first word of counter (j, a, purpose, node) under key (seed lo, seed hi):
+// U(seed, a, j, purpose, node) = (m + 0.5) * 2^-23. `node` tells apart the draws of one position
+// for different nodes of a tree (docs/sampling.md, "Trees"); a chain's draws have node 0.
+__device__ __forceinline__ u32 philox_mantissa(u64 seed, u32 a, u32 j, u32 purpose, u32 node = 0u) {
+    return philox4x32_10(make_uint4(j, a, purpose, node), make_uint2((u32)seed, (u32)(seed >> 32))).x >> 9;
 }
 
 // U in f32, exact: m + 0.5 needs 24 significant bits, which f32 has, and the scaling by 2^-23 is
 // exact. So U < 1 in f32 as in the contract (with 24 bits the top m rounded to 1.0f, and a draft
 // with p = q, accepted iff U * q < p, was rejected).
-__device__ __forceinline__ float philox_uniform(u64 seed, u32 a, u32 j, u32 purpose) {
-    return ((float)philox_mantissa(seed, a, j, purpose) + 0.5f) * 0x1p-23f;
+__device__ __forceinline__ float philox_uniform(u64 seed, u32 a, u32 j, u32 purpose, u32 node = 0u) {
+    return ((float)philox_mantissa(seed, a, j, purpose, node) + 0.5f) * 0x1p-23f;
 }
 
 // E = -ln U of the same draw, for the exponential race, to a few ulp over the whole range. The
 // smallest E win races, and they come from U near 1, where __logf's error (small in absolute terms,
 // not relative ones) would swamp them: there E = -log1p(-(1 - U)), and 1 - U = (2^23 - 1 - m + 0.5)
 // * 2^-23 is exact.
-__device__ __forceinline__ float philox_exponential(u64 seed, u32 a, u32 j, u32 purpose) {
-    const u32 m = philox_mantissa(seed, a, j, purpose);
+__device__ __forceinline__ float philox_exponential(u64 seed, u32 a, u32 j, u32 purpose, u32 node = 0u) {
+    const u32 m = philox_mantissa(seed, a, j, purpose, node);
     const bool low = m < (1u << 22);
     const float s = ((float)(low ? m : 0x7FFFFFu - m) + 0.5f) * 0x1p-23f;  // U below 1/2, else 1 - U
     return low ? -__logf(s) : -log1pf(-s);

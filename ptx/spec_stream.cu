@@ -8,9 +8,7 @@
 // to the sizes the launcher passes. Rows are laid out as ptx/layout.cuh says.
 
 #include "layout.cuh"
-
-typedef unsigned int u32;
-typedef unsigned long long u64;
+#include "state.cuh"
 
 #define GRID_STRIDE(i, n) \
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
@@ -227,39 +225,23 @@ extern "C" __global__ void spec_rollback_stream(const u64* len_ptrs, u32 n_ptrs,
     }
 }
 
-// Recurrent state (hybrid models): a layer whose state cannot be rolled back by a length keeps
-// the state after each of the round's k + 1 verify tokens in a slot; rollback makes the state
-// after the last kept token, slot keep - 1, the live one. keep is read as u32 and clamped to
-// k + 1; keep 0 (a done row) changes nothing.
-__device__ __forceinline__ u32 kept_states(const int* ctl_d, u32 b, u32 k) {
-    return min((u32)ctl_d[CTL_WORDS * b + CTL_KEEP], k + 1);
-}
+// Recurrent state (hybrid models, ptx/state.cuh): the verify keeps the state after each of the
+// round's k + 1 tokens in a slot; rollback makes the state after the last kept token, slot
+// keep - 1, the live one. keep is read as u32 and clamped to k + 1; keep 0 (a done row) changes
+// nothing (its slot is k + 1, past the bank).
+struct KeptSlot {
+    const int* ctl_d;
+    u32 k;
+    __device__ u32 operator()(u32 b) const { return min((u32)ctl_d[CTL_WORDS * b + CTL_KEEP], k + 1) - 1u; }
+};
 
-// 8. Roll back by copy: table holds n_entries records of 3 words, (live, slots, row_words), live
-//    [B][row_words] and slots [B][k+1][row_words] 32-bit words, a zero live address standing for a
-//    layer without state. Row b's live state becomes its slot keep - 1. blockIdx.x strides over
-//    the (entry, row) pairs, blockIdx.y and the threads over the row's words.
+// 8. Roll back by copy: table holds n_entries records (live, slots, row_words), slots [B][k+1][row_words].
 extern "C" __global__ void spec_state_copy(const u64* table, u32 n_entries, u32 B, u32 k, const int* ctl_d) {
-    for (u64 pair = blockIdx.x; pair < (u64)n_entries * B; pair += gridDim.x) {
-        const u32 entry = (u32)(pair / B), b = (u32)(pair % B), keep = kept_states(ctl_d, b, k);
-        u32* live = (u32*)table[3 * (u64)entry];
-        if (!live || keep == 0) continue;
-        const u64 row_words = table[3 * (u64)entry + 2];
-        const u32* src = (const u32*)table[3 * (u64)entry + 1] + ((u64)b * (k + 1) + keep - 1) * row_words;
-        u32* dst = live + (u64)b * row_words;
-        for (u64 i = blockIdx.y * (u64)blockDim.x + threadIdx.x; i < row_words; i += (u64)gridDim.y * blockDim.x)
-            dst[i] = src[i];
-    }
+    state_copy_rows(table, n_entries, B, k + 1, KeptSlot{ctl_d, k});
 }
 
 // 9. Roll back by flipping a slot index (no copy): each non-zero entry of idx_ptrs points at a
-//    u32[B], the slot of 2(k+1), two banks of k+1, that row b's model reads as its live state; the
-//    verify wrote its k+1 states to the other bank. Row b's index becomes that bank's slot keep - 1;
-//    a garbage index (>= 2(k+1)) counts as bank 1, so the new one is always in range.
+//    u32[B] index into 2(k+1) slots, two banks of k+1.
 extern "C" __global__ void spec_state_flip(const u64* idx_ptrs, u32 n_ptrs, u32 B, u32 k, const int* ctl_d) {
-    GRID_STRIDE(i, (u64)n_ptrs * B) {
-        const u32 entry = (u32)(i / B), b = (u32)(i % B), keep = kept_states(ctl_d, b, k);
-        u32* idx = (u32*)idx_ptrs[entry];
-        if (idx && keep) idx[b] = (1 - min(idx[b] / (k + 1), 1u)) * (k + 1) + keep - 1;
-    }
+    state_flip_rows(idx_ptrs, n_ptrs, B, k + 1, KeptSlot{ctl_d, k});
 }

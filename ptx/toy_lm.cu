@@ -152,6 +152,15 @@ __device__ void load_layers(Layers& layers, u32 n_layers, u32 layer0, const u64*
     __syncthreads();
 }
 
+// This thread's share of the target's history: every KV layer's entries [0, pos) of the row.
+__device__ __forceinline__ u32 history_part(const Layers& layers, u32 n_layers, u32 pos) {
+    u32 part = 0;
+    for (u32 l = 0; l < n_layers; ++l)
+        if (layers.data[l])
+            for (u32 j = threadIdx.x; j < pos; j += blockDim.x) part += layers.data[l][j];
+    return part;
+}
+
 // Draft step `step` of k+1 for row blockIdx.x: consume the token at p = pos_ctr + step (pend,
 // then the drafts), append its KV and move its copy of the target's recurrent states on (from the
 // round's state at step 0, else from slot step - 1, into slot step); for step < k also predict
@@ -241,10 +250,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_verify(
         if (i < k1) out[i] = 0;
         return;
     }
-    u32 part = 0;
-    for (u32 l = 0; l < n_layers; ++l)
-        if (layers.data[l])
-            for (u32 j = threadIdx.x; j < pos; j += blockDim.x) part += layers.data[l][j];
+    u32 part = history_part(layers, n_layers, pos);
     if (i < k1) {
         const u32 e = embed(t, pos + i, seed);
         u32 f = 0, g = 0;
@@ -334,4 +340,213 @@ extern "C" __global__ void toy_stream_weights(const uint4* __restrict__ weights,
         acc.x ^= w.x; acc.y ^= w.y; acc.z ^= w.z; acc.w ^= w.w;
     }
     if ((acc.x & acc.y & acc.z & acc.w) == 0xffffffffu) sink[0] = acc.x;  // keeps the loads alive
+}
+
+// ---- Trees (docs/trees.md; docs/toy-model.md, "Trees") -------------------------------------------
+// The tree buffers are TreeBufs' (memra_cuda/tree.py), row b at b * t1 (masks at b * t1 * mask_words):
+// node i's token, parent, position (pos_start + depth) and ancestor mask. Both kernels run one block
+// per row, node i of the launch on thread i (a level's nodes from thread 0), t1 <= MAX_TREE_NODES.
+// The recurrent states have t1 slots a bank (StateRow with k1 = t1): node i's state after its token,
+// moved on from its parent's slot (node 0, or a node whose parent is not before it: from the round's
+// state).
+
+// The set bits j < limit of node i's ancestor mask (its own bit i excluded): f(j) for each.
+template <typename F>
+__device__ __forceinline__ void for_ancestors(const u32* mask, u32 mask_words, u32 i, u32 limit, F f) {
+    for (u32 w = 0; w < mask_words; ++w) {
+        u32 bits = mask[w];
+        if (w == i / 32) bits &= ~(1u << (i % 32));
+        while (bits) {
+            const u32 j = w * 32 + __ffs(bits) - 1;
+            bits &= bits - 1;
+            if (j < limit) f(j);
+        }
+    }
+}
+
+// Draft level [start, stop) of the tree (a launch a level, one block a row). Each node i appends
+// its draft entry E(t_i, p_i) at slot pos_start + i (clamped to the capacity) and moves the draft's
+// copy of the recurrent states on from its parent's slot into slot i. Unless `last` (level D), it
+// also computes what toy_draft_step computes for the same history: total_i over the committed
+// entries [0, pos_start), the entries of its ancestors (mask bits of earlier levels, at slots
+// pos_start + a), its own per-layer terms and its recurrent words, and from it (greedy) its
+// `cands` candidates, best first, into cand_tok / cand_logp ([B][t1][cands]), or (sampling: hash_d
+// non-null) the draft's hash state h_i into hash_d[b][i], for toy_tree_probs.
+extern "C" __global__ void __launch_bounds__(BLOCK) toy_tree_draft(
+        u32 start, u32 stop, u32 last, u32 t1, u32 mask_words, u32 cands, const u32* tok_d, const u32* parent_d,
+        const int* pos_d, const u32* mask_d, const int* pos_start_d, u32* cand_tok, float* cand_logp, u32* hash_d,
+        u32* draft_data, int* draft_len, u32 capacity, u32 kv_mask, u32 n_layers, u32 seed, u32 vocab,
+        u32 noise_ppm, u32 spread, const u64* st_live, const u64* st_slots, const u32* st_idx, u32 rec_mask,
+        u32 words) {
+    __shared__ Layers layers;
+    __shared__ u32 ancestor[MAX_TREE_NODES];   // the entries of node a (an earlier level), over the KV layers
+    __shared__ u32 recurrent[MAX_TREE_NODES];  // node start + n's recurrent words, summed
+    const u32 b = blockIdx.x;
+    t1 = min(t1, (u32)MAX_TREE_NODES);
+    stop = min(stop, t1);
+    start = min(start, stop);
+    const u32 n_level = stop - start, n = threadIdx.x, i = start + n;
+    tok_d += (u64)b * t1;
+    parent_d += (u64)b * t1;
+    pos_d += (u64)b * t1;
+    mask_d += (u64)b * t1 * mask_words;
+    draft_data += (u64)b * capacity;
+    const u32 pos = (u32)pos_start_d[b];
+    if (n < n_level) recurrent[n] = 0;  // published by load_layers' barrier, before any word is added
+    load_layers(layers, n_layers, 0, 0, 0);
+    if (pos >= capacity) {  // no room (or a garbage position): nothing written but void candidates
+        if (!last && n < n_level) {
+            if (hash_d) hash_d[(u64)b * t1 + i] = 0;
+            else
+                for (u32 j = 0; j < cands; ++j) {
+                    cand_tok[((u64)b * t1 + i) * cands + j] = 0;
+                    cand_logp[((u64)b * t1 + i) * cands + j] = -__int_as_float(0x7f800000);
+                }
+        }
+        return;
+    }
+    const u32 t = n < n_level ? tok_d[i] : 0, p = n < n_level ? (u32)pos_d[i] : 0;
+    const u32 e = embed(t, p, seed);
+    if (threadIdx.x < __popc(rec_mask) * words) {  // word w of recurrent layer r through the level's nodes
+        const u32 r = threadIdx.x / words, w = threadIdx.x % words, layer_salt = layers.salt[nth_bit(rec_mask, r)];
+        const StateRow row = state_row(st_live, st_slots, st_idx, r, b, t1, words);
+        for (u32 c = start; c < stop; ++c) {
+            const u32 par = parent_d[c];
+            const u32 prev = par < start ? row.to[(u64)par * words + w] : row.from[w];
+            const u32 s = recur(prev, embed(tok_d[c], (u32)pos_d[c], seed), layer_salt, w);
+            row.to[(u64)c * words + w] = s;
+            if (!last) atomicAdd(&recurrent[c - start], s);
+        }
+    }
+    if (!last) {
+        u32 part = 0;
+        for (u32 j = threadIdx.x; j < pos; j += blockDim.x) {  // the committed entries, one load each
+            const u32 entry = draft_data[j];
+            for (u32 l = 0; l < n_layers; ++l)
+                if ((kv_mask >> l) & 1u) part += fmix(entry ^ layers.salt[l]);
+        }
+        if (threadIdx.x < start) {  // the earlier levels' entries, read back from the cache
+            u32 sum = 0;
+            if (pos + threadIdx.x < capacity) {
+                const u32 entry = draft_data[pos + threadIdx.x];
+                for (u32 l = 0; l < n_layers; ++l)
+                    if ((kv_mask >> l) & 1u) sum += fmix(entry ^ layers.salt[l]);
+            }
+            ancestor[threadIdx.x] = sum;
+        }
+        const u32 history = block_sum(part);  // its barriers also publish ancestor[] and recurrent[]
+        if (n < n_level) {
+            u32 total = history + recurrent[n];
+            for_ancestors(mask_d + (u64)i * mask_words, mask_words, i, start, [&](u32 a) { total += ancestor[a]; });
+            for (u32 l = 0; l < n_layers; ++l)
+                if (!((rec_mask >> l) & 1u)) total += fmix(((kv_mask >> l) & 1u ? e : t) ^ layers.salt[l]);
+            const bool noisy = fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm;
+            if (hash_d) {
+                hash_d[(u64)b * t1 + i] = seed ^ total ^ (noisy ? 0x5bd1e995u : 0u);
+            } else {
+                const u32 pred = fmix(seed ^ total) % vocab;
+                const u32 rho = noisy ? 1u + fmix(total ^ 0x1b873593u) % spread : 0u;  // pred's rank (0: none)
+                const u32 gap = 500u + fmix(total ^ 0x2545f491u) % 2000u;
+                u32* tok = cand_tok + ((u64)b * t1 + i) * cands;
+                float* logp = cand_logp + ((u64)b * t1 + i) * cands;
+                for (u32 j = 0; j < cands; ++j) {
+                    u32 c;
+                    if (j == 0) {
+                        c = noisy ? (pred + 1) % vocab : pred;
+                    } else if (j == rho) {
+                        c = pred;
+                    } else {
+                        c = fmix(total ^ ((j + 1) * 0x27d4eb2fu)) % vocab;
+                        if (c == pred) c = (pred + 2) % vocab;
+                    }
+                    tok[j] = c;
+                    logp[j] = -(float)(j * gap) / 1000.0f;
+                }
+            }
+        }
+    }
+    if (n < n_level && pos + i < capacity) draft_data[pos + i] = e;  // after the reads: slots before this level's
+    if (threadIdx.x == 0) draft_len[b] = (int)min(pos + stop, capacity);
+}
+
+// Sampling mode's draft distributions of level [start, stop): q_d[b][i][0..vocab) = the draft's
+// mixture at the hash state toy_tree_draft left in hash_d[b][i] (toy_draft_sample's weights).
+// blockIdx.y is b * (stop - start) + (i - start); the vocabulary is spread over gridDim.x blocks.
+extern "C" __global__ void toy_tree_probs(const u32* hash_d, u32 t1, u32 start, u32 stop, u32 batch, u32 vocab,
+                                          float floor, float c0, float c1, float c2, float c3, float* q_d) {
+    const u32 n_level = stop - start;
+    if (stop > t1 || start >= stop || blockIdx.y >= batch * n_level) return;
+    const u32 b = blockIdx.y / n_level, i = start + blockIdx.y % n_level;
+    const Mixture m = mixture(hash_d[(u64)b * t1 + i], vocab, floor, c0, c1, c2, c3);
+    float* q = q_d + ((u64)b * t1 + i) * vocab;
+    for (u32 v = blockIdx.x * blockDim.x + threadIdx.x; v < vocab; v += gridDim.x * blockDim.x)
+        q[v] = mixture_prob(m, v);
+}
+
+// The tree verify of row blockIdx.x: every node i at once, attending to the committed entries
+// [0, pos_start) and to its ancestors (the bits of its mask but its own): total_i = history + the
+// ancestors' fresh entries + its own terms of layers without KV + its recurrent words (each
+// recurrent layer moved on from its parent's slot into slot i). Writes every KV layer's entry of
+// node i at slot pos_start + i (clamped to the capacity), lengths min(pos_start + t1, capacity),
+// and pred_d[b][i] = fmix(seed ^ total_i) % vocab, or (sampling: totals_d non-null) total_i to
+// totals_d[b][i] for toy_probs.
+extern "C" __global__ void __launch_bounds__(BLOCK) toy_tree_verify(
+        u32 t1, u32 mask_words, const u32* tok_d, const u32* parent_d, const int* pos_d, const u32* mask_d,
+        const int* pos_start_d, u32* pred_d, u32* totals_d, const u64* tgt_data, const u64* tgt_len, u32 n_layers,
+        u32 capacity, u32 seed, u32 vocab, const u64* st_live, const u64* st_slots, const u32* st_idx,
+        u32 rec_mask, u32 words) {
+    __shared__ Layers layers;
+    __shared__ u32 fresh[MAX_TREE_NODES];      // node i's new KV entries, summed over the layers
+    __shared__ u32 local[MAX_TREE_NODES];      // node i's terms from layers without KV
+    __shared__ u32 recurrent[MAX_TREE_NODES];  // node i's recurrent words, summed over layers and words
+    const u32 b = blockIdx.x, i = threadIdx.x;
+    t1 = min(t1, (u32)MAX_TREE_NODES);
+    tok_d += (u64)b * t1;
+    parent_d += (u64)b * t1;
+    pos_d += (u64)b * t1;
+    mask_d += (u64)b * t1 * mask_words;
+    u32* out = totals_d ? totals_d + (u64)b * t1 : pred_d + (u64)b * t1;
+    const u32 pos = (u32)pos_start_d[b];
+    if (i < t1) recurrent[i] = 0;  // published by load_layers' barrier, before any term is added
+    load_layers(layers, n_layers, 0, tgt_data, (u64)b * capacity);
+    if (pos >= capacity) {
+        if (i < t1) out[i] = 0;
+        return;
+    }
+    u32 part = history_part(layers, n_layers, pos);
+    const u32 t = i < t1 ? tok_d[i] : 0;
+    if (i < t1) {
+        const u32 e = embed(t, (u32)pos_d[i], seed);
+        u32 f = 0, g = 0;
+        for (u32 l = 0; l < n_layers; ++l) {
+            if (layers.data[l]) {
+                const u32 entry = fmix(e ^ layers.salt[l]);
+                f += entry;
+                if (pos + i < capacity) layers.data[l][pos + i] = entry;  // slots past the reads above
+            } else if (!((rec_mask >> l) & 1u)) {
+                g += fmix(t ^ layers.salt[l]);
+            }
+        }
+        fresh[i] = f;
+        local[i] = g;
+    }
+    if (i < __popc(rec_mask) * words) {  // word w of recurrent layer r through the nodes, parents first
+        const u32 r = i / words, w = i % words, layer_salt = layers.salt[nth_bit(rec_mask, r)];
+        const StateRow row = state_row(st_live, st_slots, st_idx, r, b, t1, words);
+        for (u32 c = 0; c < t1; ++c) {
+            const u32 par = parent_d[c];
+            const u32 prev = par < c ? row.to[(u64)par * words + w] : row.from[w];
+            const u32 s = recur(prev, embed(tok_d[c], (u32)pos_d[c], seed), layer_salt, w);
+            row.to[(u64)c * words + w] = s;
+            atomicAdd(&recurrent[c], s);
+        }
+    }
+    const u32 history = block_sum(part);  // its barriers also publish fresh[], local[] and recurrent[]
+    if (i < t1) {
+        u32 total = history + local[i] + recurrent[i] + fresh[i];
+        for_ancestors(mask_d + (u64)i * mask_words, mask_words, i, t1, [&](u32 a) { total += fresh[a]; });
+        out[i] = totals_d ? total : fmix(seed ^ total) % vocab;
+    }
+    if (threadIdx.x < n_layers && tgt_len[threadIdx.x])
+        ((int*)tgt_len[threadIdx.x])[b] = (int)min(pos + t1, capacity);
 }

@@ -23,15 +23,17 @@ def spec(engine):
     return SpecKernels(engine)
 
 
-def requests(batch: int, seed: int, max_budget: int = 90):
-    """Per row: a prompt of 1 to 40 tokens, a budget of 0 to max_budget, and for every third row
-    an EOS taken from the middle of its greedy output (so it stops early)."""
+def requests(batch: int, seed: int, max_budget: int = 90, *, model: toy.ToyModel = MODEL, max_prompt: int = 40):
+    """Per row: a prompt of 1 to max_prompt tokens, a budget of 0 to max_budget (max_budget in
+    every fifth row), and for every third row an EOS taken from the middle of its greedy output
+    (so it stops early)."""
     rng = np.random.default_rng(seed)
-    prompts = [[int(t) for t in rng.integers(0, MODEL.vocab, int(rng.integers(1, 41)))] for _ in range(batch)]
+    prompts = [[int(t) for t in rng.integers(0, model.vocab, int(rng.integers(1, max_prompt + 1)))]
+               for _ in range(batch)]
     budgets = [int(rng.integers(0, max_budget + 1)) if b % 5 else max_budget for b in range(batch)]
     eos = []
     for b, (prompt, budget) in enumerate(zip(prompts, budgets)):
-        full = toy.target_greedy(MODEL, prompt, budget)
+        full = toy.target_greedy(model, prompt, budget)
         eos.append(full[len(full) // 2] if b % 3 == 0 and full else None)
     return prompts, budgets, eos
 

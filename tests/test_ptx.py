@@ -77,6 +77,10 @@ def test_launchers_use_the_block_sizes_the_kernels_were_written_for():
     assert defines("spec_sample.cu", "THREADS", "PER_THREAD") == {"THREADS": sampling.THREADS,
                                                                   "PER_THREAD": sampling.PER_THREAD}
     assert defines("toy_lm.cu", "BLOCK", "SAMPLE_BLOCK") == {"BLOCK": toy.BLOCK, "SAMPLE_BLOCK": toy.SAMPLE_BLOCK}
+    from memra_cuda import tree_kernels as tk
+    assert defines("spec_tree.cu", "TREE_THREADS", "MAX_OFFERS", "JUDGED_WORDS", "PASS_PER_THREAD") == {
+        "TREE_THREADS": tk.THREADS, "MAX_OFFERS": tk.MAX_OFFERS, "JUDGED_WORDS": tk.JUDGED_WORDS,
+        "PASS_PER_THREAD": tk.PASS_PER_THREAD}
 
 
 def test_buffer_layouts_have_one_value_in_python_and_cuda():
@@ -95,3 +99,4 @@ def test_the_reference_draws_and_settles_with_the_kernels_constants():
     assert {name: int(value) for name, value in purposes} == {
         name: getattr(ref, name) for name in ("PURPOSE_ACCEPT", "PURPOSE_SAMPLE", "PURPOSE_DRAFT")}
     assert defines("spec_sample.cu", "NO_MASS_TOKEN") == {"NO_MASS_TOKEN": ref.NO_MASS_TOKEN}
+    assert defines("spec_tree.cu", "NO_MASS_TOKEN") == {"NO_MASS_TOKEN": ref.NO_MASS_TOKEN}

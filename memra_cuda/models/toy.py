@@ -5,7 +5,8 @@ state, so a wrong rollback or a wrong position changes the output (docs/toy-mode
 "Definition"). The numpy half is the oracle: `target_greedy` is what any correct speculative
 decoder must reproduce (toy_reference.py runs the whole round-stream loop on numpy buffers, for
 the tests).
-`ToyLM` is the same model as ptx/toy_lm.cu kernels, wired to a RoundStream.
+`ToyLM` is the same model as ptx/toy_lm.cu kernels, wired to a RoundStream of chain or tree
+rounds.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from ..acceptance import Greedy, Sampling
 from ..kernels import batch_rows
 from ..round import chain
 from ..stream import RoundStream
-from ..tables import (Cache, PointerTable, StateIndexTable, StateLayer, StateTable, kv_len_ptr_table, state_copy_table,
-                      state_flip_table)
+from ..tables import (Cache, KVData, PointerTable, StateIndexTable, StateLayer, StateTable, kv_data_table,
+                      kv_len_ptr_table, state_copy_table, state_flip_table)
 
 if TYPE_CHECKING:
     from ..bufs import StreamBufs
+    from ..tree import Tree, TreeBufs
     from ..driver.buffer import DeviceBuffer
     from ..driver.engine import Engine
     from ..driver.module import Launch
@@ -34,6 +36,7 @@ M32 = 0xFFFFFFFF
 BLOCK = 512  # toy_lm.cu's block size; verify handles k + 1 <= BLOCK tokens
 SAMPLE_BLOCK = 256  # toy_lm.cu's SAMPLE_BLOCK, the block of toy_draft_sample
 STATE_ROLLBACKS = ("copy", "flip")  # how recurrent state rolls back: kernel 8 or kernel 9
+MAX_CANDIDATES = 32  # a tree draft node's candidates (toy_tree_draft's K)
 
 
 def fmix(h: int) -> int:
@@ -68,7 +71,8 @@ def live_slot(idx: int | np.ndarray, k: int) -> int | np.ndarray:
 class ToyModel:
     """The toy's parameters: target layers `kv_mask` (True: the layer has a KV cache) and
     `rec_mask` (True: a recurrent layer, of `state_words` u32 of state; empty: none), the
-    draft's error rate `noise_ppm` and its confidence floor `p_min`."""
+    draft's error rate `noise_ppm` and its confidence floor `p_min`. In a tree, the draft ranks
+    the target's token 1 to `tree_spread` at a noisy position (docs/toy-model.md, "Trees")."""
 
     seed: int = 1
     vocab: int = 32000
@@ -77,6 +81,7 @@ class ToyModel:
     p_min: float = 0.0
     rec_mask: tuple[bool, ...] = ()
     state_words: int = 4
+    tree_spread: int = 3
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.kv_mask) <= 32:
@@ -93,6 +98,8 @@ class ToyModel:
             raise ValueError(f"layer {both[0]} cannot keep both a KV cache and a recurrent state")
         if not 1 <= self.state_words <= BLOCK:  # the kernels give a layer's words one block
             raise ValueError(f"state_words must be in [1, {BLOCK}], not {self.state_words}")
+        if not 1 <= self.tree_spread <= M32:
+            raise ValueError(f"tree_spread must be a positive u32, not {self.tree_spread}")
 
     def embed(self, token: int, pos: int) -> int:
         return fmix(token * 0x9E3779B1 + pos * 0x85EBCA77 + self.seed)
@@ -174,6 +181,34 @@ class ToyModel:
     def draft_breaks(self, pos: int) -> bool:
         return fmix(pos ^ self.seed ^ 0x68E31DA4) % 1000 < self.break_below
 
+    def draft_hash(self, total: int, pos: int) -> int:
+        """The draft's hash state for the sum `total` at `pos` (toy_draft_step's state_d; a tree
+        draft's hash_d): the target's, seed ^ total, told apart at a noisy position."""
+        return self.seed ^ (total & M32) ^ (0x5BD1E995 if self.draft_noisy(pos) else 0)
+
+    def tree_candidates(self, total: int, pos: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """A tree draft node's `k` candidates, best first (toy_tree_draft): tokens u32[k] and
+        log-probabilities f32[k], for the sum `total` toy_draft_step would hash at `pos`. Rank 0
+        is the chain's draft; at a noisy position the target's token pred sits at rank
+        rho = 1 + fmix(total ^ 0x1b873593) % tree_spread (absent if rho >= k); the other ranks
+        are decoys, never pred. logp_j = -(j * gap) / 1000 (f32), gap in [500, 2500)."""
+        total &= M32
+        pred = fmix(self.seed ^ total) % self.vocab
+        noisy = self.draft_noisy(pos)
+        rho = 1 + fmix(total ^ 0x1B873593) % self.tree_spread if noisy else 0
+        gap = 500 + fmix(total ^ 0x2545F491) % 2000
+        tokens = np.zeros(k, np.uint32)
+        for j in range(k):
+            if j == 0:
+                tokens[j] = (pred + 1) % self.vocab if noisy else pred
+            elif j == rho:
+                tokens[j] = pred
+            else:
+                decoy = fmix(total ^ (((j + 1) * 0x27D4EB2F) & M32)) % self.vocab
+                tokens[j] = (pred + 2) % self.vocab if decoy == pred else decoy
+        logp = np.array([np.float32(-float(j * gap)) / np.float32(1000.0) for j in range(k)], np.float32)
+        return tokens, logp
+
 
 def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
                   eos: int | None = None) -> list[int]:
@@ -249,7 +284,8 @@ class ToyStates:
     """One model's recurrent states on the GPU (the target's, or the draft's copy of them) for
     `batch` rows, laid out for rollback by `strategy`: per recurrent layer, slots [B][k+1][W] and
     a live state [B][W] ("copy"), or slots [B][2(k+1)][W] and the model's one slot index idx_d,
-    u32[B] ("flip"). The kernels find them through address tables of the recurrent layers."""
+    u32[B] ("flip"); for a tree of T + 1 nodes k is T (a slot a node). The kernels find them
+    through address tables of the recurrent layers."""
 
     def __init__(self, engine: Engine, model: ToyModel, batch: int, k: int, strategy: str, label: str):
         self.rec_mask, self.k, self.words, self.flip = model.rec_mask, k, model.state_words, strategy == "flip"
@@ -296,6 +332,10 @@ class ToyLM:
     "flip" (kernel 9), the target's and the draft's alike (ToyStates). Their slots depend on k,
     so they are allocated for the StreamBufs this model first meets, and a round of another k
     is refused.
+
+    `tree_round_stream` runs tree rounds (docs/trees.md; docs/toy-model.md, "Trees"): the draft a
+    level at a time (toy_tree_draft), the verify of every node under its ancestor mask
+    (toy_tree_verify), recurrent states with a slot a node (kernels 16, 17 roll them back).
     """
 
     def __init__(self, engine: Engine, model: ToyModel, capacity: int, cost: ToyCost = ToyCost(),
@@ -337,6 +377,7 @@ class ToyLM:
         self.prompt_d = engine.zeros(np.uint32, self.capacity, label="toy prompt")
         self.sampling = sampling
         self.seed_d = engine.alloc(np.uint64, self.batch, zeroed=True, label="request seeds") if sampling else None
+        self.tree: Tree | None = None  # the tree of tree_round_stream, once built
 
     def prefill(self, bufs: StreamBufs, prompt: Sequence[int], seed: int = 0) -> int:
         """Fill both caches with the prompt but its last token, which becomes pending, and
@@ -355,7 +396,7 @@ class ToyLM:
         if not 0 <= n <= self.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a cache of {self.capacity}")
         self._check_batch(bufs)
-        states = self._states(bufs)
+        states = self._states(bufs, self._prefill_k(bufs))
         engine = self.engine
         bufs.reset_row(row, prompt[-1], n)
         if self.seed_d is not None:
@@ -377,33 +418,41 @@ class ToyLM:
                 ["ptr", "u32", "u32", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32"], grid=1, block=BLOCK)
             for model_states in states:
                 prefill_state(self.prompt_d, n, row, *model_states.kernel_args(), self.model.rec_bits,
-                              self.model.state_words, bufs.k + 1, self.model.seed)
+                              self.model.state_words, model_states.k + 1, self.model.seed)
         return n
 
-    def _states(self, bufs: StreamBufs) -> tuple[ToyStates, ToyStates] | None:
+    def _states(self, bufs: StreamBufs, k: int | None = None) -> tuple[ToyStates, ToyStates] | None:
         """The target's and the draft's recurrent states (None without recurrent layers),
-        allocated for the k of the first StreamBufs they meet."""
+        allocated for the k of the first StreamBufs they meet; `k` says another number of slots
+        (a tree's T + 1 slots: k = T)."""
         if not self.model.rec_layers:
             return None
+        k = bufs.k if k is None else k
         if self.states is None:
-            self.states = (ToyStates(self.engine, self.model, self.batch, bufs.k, self.state_rollback, "target"),
-                           ToyStates(self.engine, self.model, self.batch, bufs.k, self.state_rollback, "draft"))
-        elif self.states[0].k != bufs.k:
+            self.states = (ToyStates(self.engine, self.model, self.batch, k, self.state_rollback, "target"),
+                           ToyStates(self.engine, self.model, self.batch, k, self.state_rollback, "draft"))
+        elif self.states[0].k != k:
             raise ValueError(f"this toy's recurrent states hold the k + 1 = {self.states[0].k + 1} slots of the "
-                             f"rounds it first met, not those of k = {bufs.k}: make another ToyLM")
+                             f"rounds it first met, not those of k = {k}: make another ToyLM")
         return self.states
 
-    def _state_args(self, bufs: StreamBufs, which: int) -> tuple[DeviceBuffer | int, ...]:
+    def _prefill_k(self, bufs: StreamBufs) -> int:
+        """The slots' k a prefill of `bufs` lays the states out for: the tree's T where this
+        model's tree round runs on buffers of that depth, else bufs.k."""
+        tree = self.tree
+        return tree.nodes - 1 if tree is not None and bufs.k == tree.depth else bufs.k
+
+    def _state_args(self, bufs: StreamBufs, which: int, k: int | None = None) -> tuple[DeviceBuffer | int, ...]:
         """A round kernel's recurrent-state arguments for the target (`which` 0) or the draft
         (1): that model's tables and index (nulls without recurrent layers), the recurrent
-        layers' bits and their words."""
-        states = self._states(bufs)
+        layers' bits and their words (`k`: as _states)."""
+        states = self._states(bufs, k)
         return (*(states[which].kernel_args() if states else (0, 0, 0)), self.model.rec_bits, self.model.state_words)
 
-    def state_tables(self, bufs: StreamBufs) -> list[StateTable | StateIndexTable]:
+    def state_tables(self, bufs: StreamBufs, k: int | None = None) -> list[StateTable | StateIndexTable]:
         """RoundStream's state_tables for this model: one table over the target's and the
-        draft's recurrent states (none without recurrent layers)."""
-        states = self._states(bufs)
+        draft's recurrent states (none without recurrent layers; `k`: as _states)."""
+        states = self._states(bufs, k)
         if states is None:
             return []
         if self.state_rollback == "flip":
@@ -520,3 +569,115 @@ class ToyLM:
                            verify_trunk=chain([*self.verify_steps(bufs, None, partial_out=totals_d), probs]),
                            draft_d=draft_d, acceptance=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table],
                            state_tables=state_tables, pace=self.cost.paced)
+
+
+    def tree_draft_levels(self, bufs: StreamBufs, nodes: TreeBufs, *, cand_tok_d: DeviceBuffer | None = None,
+                          cand_logp_d: DeviceBuffer | None = None, candidates: int = 8,
+                          hash_d: DeviceBuffer | None = None, q_d: DeviceBuffer | None = None) -> list[list[Launch]]:
+        """The D + 1 steps of a tree draft, each a list of launches: the cost knob's weight reads,
+        then toy_tree_draft over the level's nodes; greedy, levels 0..D-1 write `candidates`
+        candidates a node to cand_tok_d / cand_logp_d ([B][T+1][K]); sampling (hash_d [B][T+1],
+        q_d f32 [B][T+1][V] given), their hash states, then toy_tree_probs writes the level's q rows."""
+        m, t1, batch = self.model, nodes.nodes, self.batch
+        draft = self.draft.kv[0]
+        kernel = self.module.kernel("toy_tree_draft")
+        types = [*["u32"] * 6, *["ptr"] * 10, *["u32"] * 7, *["ptr"] * 3, "u32", "u32"]
+        reads = self._weight_reads(self.cost.draft_bytes)
+        sampled = hash_d is not None
+        states = self._state_args(bufs, 1, t1 - 1)
+        steps = []
+        for d, (start, stop) in enumerate(nodes.levels):
+            last = d == nodes.depth
+            level = [*reads, kernel.prepare(types, grid=batch, block=BLOCK).set(
+                start, stop, int(last), t1, nodes.words, 0 if sampled else candidates, nodes.tok_d, nodes.parent_d,
+                nodes.pos_d, nodes.mask_d, bufs.pos_start_d, 0 if sampled else cand_tok_d,
+                0 if sampled else cand_logp_d, hash_d if sampled else 0, draft.data_d, draft.len_d, self.capacity,
+                m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.tree_spread, *states)]
+            if sampled and not last:
+                rows = batch * (stop - start)
+                if rows > 65535:
+                    raise ValueError(f"the toy's tree draft gives each of B x {stop - start} nodes of level {d} a grid "
+                                     f"row: {rows} is more than 65535")
+                grid = (min(-(-m.vocab // 256), 64), rows)
+                level.append(self.module.kernel("toy_tree_probs").prepare(
+                    ["ptr", *["u32"] * 5, *["f32"] * 5, "ptr"], grid=grid, block=256).set(
+                    hash_d, t1, start, stop, batch, m.vocab, *self.sampling.draft(m.vocab), q_d))
+            steps.append(level)
+        return steps
+
+    def tree_verify_steps(self, bufs: StreamBufs, nodes: TreeBufs, *, pred_d: DeviceBuffer | None = None,
+                          totals_d: DeviceBuffer | None = None) -> list[Launch]:
+        """The tree verify: its weight reads, then toy_tree_verify over every node, writing the
+        target's predictions (pred_d, [B][T+1]) or its sums (totals_d, [B][T+1], for toy_probs)."""
+        m, t1 = self.model, nodes.nodes
+        verify = self.module.kernel("toy_tree_verify").prepare(
+            ["u32", "u32", *["ptr"] * 9, *["u32"] * 4, *["ptr"] * 3, "u32", "u32"], grid=self.batch, block=BLOCK).set(
+            t1, nodes.words, nodes.tok_d, nodes.parent_d, nodes.pos_d, nodes.mask_d, bufs.pos_start_d,
+            0 if pred_d is None else pred_d, 0 if totals_d is None else totals_d, self.data_ptrs_d, self.len_ptrs_d,
+            len(self.layers), self.capacity, m.seed, m.vocab, *self._state_args(bufs, 0, t1 - 1))
+        return [*self._weight_reads(self.cost.verify_bytes), verify]
+
+    def tree_round_stream(self, bufs: StreamBufs, tree: Tree, *, candidates: int = 8,
+                          kernels: SpecKernels | None = None) -> RoundStream:
+        """A RoundStream of tree rounds (docs/trees.md) driving this model: TreeBufs(bufs, tree), the
+        draft's D + 1 levels (toy_tree_draft, candidates=K of them a node, or in sampling mode the
+        draft's q rows), the verify of every node under its ancestor mask (toy_tree_verify, and
+        toy_probs in sampling mode), Greedy(pred_d) with Candidates, or Sampling(p_d, q_d, seed_d,
+        vocab); one rollback table over target and draft layers with pos_ctr last, the KV data of
+        every layer for the compaction, and the recurrent states with T + 1 slots a bank. bufs.k must
+        be the tree's depth; a model with recurrent layers lays its states out for the tree, so build
+        this stream before the first prefill. The round's tree buffers: stream.round.tree_bufs."""
+        from ..round import TreeRound
+        from ..tree import Candidates, DynamicTree, TreeBufs, TreeShape
+
+        if not isinstance(tree, (TreeShape, DynamicTree)):
+            raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
+        if bufs.k != tree.depth:
+            raise ValueError(f"a tree of depth {tree.depth} runs on StreamBufs of k = {tree.depth}, not k = {bufs.k}")
+        if self.layers != range(len(self.model.kv_mask)) or not self.draft.kv:
+            raise ValueError("the toy's tree rounds run the whole model: a pipeline stage (layers=, with_draft=False) "
+                             "has no tree verify")
+        if tree.nodes > BLOCK:
+            raise ValueError(f"the toy verifies at most {BLOCK} tree nodes a round, not {tree.nodes}")
+        candidates = int(candidates)
+        if not 1 <= candidates <= MAX_CANDIDATES:
+            raise ValueError(f"the toy's tree draft offers 1 to {MAX_CANDIDATES} candidates a node, not {candidates}")
+        if self.sampling is None and tree.draws > candidates:
+            raise ValueError(f"the tree asks for {tree.draws} candidates a node, but the draft offers {candidates}")
+        if self.sampling is not None:
+            tree.check_sampled()
+        self._check_batch(bufs)
+        self._states(bufs, tree.nodes - 1)  # refused if the states were laid out for other rounds
+        self.tree = tree
+        engine, t1, batch, vocab = self.engine, tree.nodes, bufs.batch, self.model.vocab
+        nodes = TreeBufs(bufs, tree)
+        table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)
+        kv_data = kv_data_table(engine, [None if kv is None else KVData.from_layer(kv)
+                                         for kv in [*self.target.kv, *self.draft.kv]])
+        state_tables = self.state_tables(bufs, t1 - 1)
+        common = dict(rollback_tables=[table], kv_data=kv_data, state_tables=state_tables, kernels=kernels)
+        if self.sampling is None:
+            cand_tok_d = engine.zeros(np.uint32, batch * t1 * candidates, label="tree candidates")
+            cand_logp_d = engine.alloc(np.float32, batch * t1 * candidates, zeroed=True, label="tree candidate logp")
+            pred_d = engine.zeros(np.uint32, batch * t1, label="tree pred_d")
+            levels = self.tree_draft_levels(bufs, nodes, cand_tok_d=cand_tok_d, cand_logp_d=cand_logp_d,
+                                            candidates=candidates)
+            verify = chain(self.tree_verify_steps(bufs, nodes, pred_d=pred_d))
+            rnd = TreeRound(bufs, nodes, draft_levels=[chain(level) for level in levels], verify_tree=verify,
+                            acceptance=Greedy(pred_d), candidates=Candidates(cand_tok_d, cand_logp_d), **common)
+            return RoundStream.of(rnd, pace=self.cost.paced)
+        rows = batch * t1
+        if rows > 65535:
+            raise ValueError(f"the toy's sampling verify gives each of B(T+1) = {rows} nodes a grid row: at most 65535")
+        hash_d = engine.zeros(np.uint32, rows, label="tree draft hash states")
+        q_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="tree q_d")
+        p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="tree p_d")
+        totals_d = engine.zeros(np.uint32, rows, label="tree verify sums")
+        probs = self.module.kernel("toy_probs").prepare(
+            ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows), block=256).set(
+            totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
+        levels = self.tree_draft_levels(bufs, nodes, hash_d=hash_d, q_d=q_d)
+        rnd = TreeRound(bufs, nodes, draft_levels=[chain(level) for level in levels],
+                        verify_tree=chain([*self.tree_verify_steps(bufs, nodes, totals_d=totals_d), probs]),
+                        acceptance=Sampling(p_d, q_d, self.seed_d, vocab), **common)
+        return RoundStream.of(rnd, pace=self.cost.paced)

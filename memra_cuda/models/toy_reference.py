@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import reference as ref
-from ..layout import CTL_DONE
+from .. import reference_tree as ref_tree
+from ..layout import CTL_DONE, ROOT_PARENT
 from ..capacity import kv_capacity
 from .toy import M32, STATE_ROLLBACKS, ToyModel, fmix, fmix_array, live_slot, salt
 
@@ -55,6 +56,15 @@ class NumpyStates:
         else:
             ref.spec_state_copy([(live, slots, self.words) for live, slots in zip(self.live_state, self.slots)],
                                 self.k, ctl)
+
+    def roll_back_tree(self, t: ref_tree.TreeArrays, ctl: np.ndarray) -> None:
+        """Kernel 16 or 17 on this model's states (a tree's: k + 1 = T + 1 slots a bank), the
+        kept slot the accepted path's last node."""
+        if self.flip:
+            ref_tree.spec_tree_state_flip([self.idx], self.k + 1, t, ctl, t.depth_max)
+        else:
+            table = [(live, slots, self.words) for live, slots in zip(self.live_state, self.slots)]
+            ref_tree.spec_tree_state_copy(table, self.k + 1, t, ctl, t.depth_max)
 
     def _written(self) -> int:
         """The first slot of the bank this round writes: the other one than idx's (FLIP)."""
@@ -153,12 +163,16 @@ class NumpyRoundStream:
         self.tgt_states.roll_back(self.ctl)
         self.draft_states.roll_back(self.ctl)
 
+    def burst_room(self, pos: int) -> int:
+        """How far the next burst may write, from the position `pos` (the check generate makes)."""
+        return pos + self.ring_cap
+
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
         pos = self.prefill(prompt)
         self.ctl[:] = [-1 if eos is None else eos, max_new_tokens, 0, 0]
         out: list[int] = []
         while not self.ctl[CTL_DONE]:
-            if pos + len(out) + self.ring_cap > self.capacity:
+            if self.burst_room(pos + len(out)) > self.capacity:
                 raise ValueError("numpy round stream: cache too small for the next burst")
             for _ in range(self.m):
                 self.round()
@@ -172,3 +186,130 @@ def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new
     """The whole speculative loop in numpy (see NumpyRoundStream)."""
     capacity = kv_capacity(len(prompt), max_new_tokens, k, m_rounds)
     return NumpyRoundStream(model, k, m_rounds, capacity, state_rollback).generate(prompt, max_new_tokens, eos)
+
+
+class NumpyTreeRoundStream(NumpyRoundStream):
+    """The tree round (docs/trees.md) on numpy buffers for one sequence, greedy: the toy's tree
+    draft and verify (docs/toy-model.md, "Trees") and memra_cuda.reference_tree for the layer's
+    kernels (begin, grow, accept, compact, state copy or flip), memra_cuda.reference for the
+    commit and the rollback; the recurrent states have T + 1 slots a bank. `tree` is a TreeShape
+    or a DynamicTree; the round's k is its depth D; `candidates` is K, each node's candidates."""
+
+    def __init__(self, model: ToyModel, tree, m_rounds: int, capacity: int, candidates: int = 8,
+                 state_rollback: str = "copy"):
+        super().__init__(model, tree.depth, m_rounds, capacity, state_rollback)
+        self.tree, self.K, self.T1 = tree, int(candidates), tree.nodes
+        self.levels = list(tree.levels)
+        self.t = ref_tree.TreeArrays.zeros(self.T1, tree.depth, 1)
+        self.cand_tok = np.zeros(self.T1 * self.K, np.uint32)
+        self.cand_logp = np.zeros(self.T1 * self.K, np.float32)
+        self.pred = np.zeros(self.T1, np.uint32)
+        self.tgt_states = NumpyStates(model, self.T1 - 1, state_rollback)
+        self.draft_states = NumpyStates(model, self.T1 - 1, state_rollback)
+        if tree.dynamic:
+            self.grow_args = dict(width=tree.width, branch=tree.branch)
+        else:
+            self.grow_args = dict(shape_parent=np.array([ROOT_PARENT, *tree.parent[1:]], np.uint32),
+                                  shape_rank=np.array(tree.rank, np.uint32))
+        self.accepted: list[int] = []  # the drafts each live round accepted
+
+    def _node_states(self, states: NumpyStates, c: int, parent: int, before: int) -> np.ndarray:
+        """Node c's recurrent states: its parent's slot moved on by its token (from the round's
+        state where the parent is not before `before`: node 0, or garbage)."""
+        r = self.t.row(0)
+        prev = states.slot(parent) if parent < before else states.live()
+        new = self.model.recur(prev, int(r.tok[c]), int(r.pos[c]))
+        states.write(c, new)
+        return new
+
+    def _kv_sum(self, entry: int) -> int:
+        """A draft entry's terms over the target's KV layers."""
+        return sum(fmix(entry ^ salt(layer)) for layer, kv in enumerate(self.model.kv_mask) if kv) & M32
+
+    def draft_level(self, d: int) -> None:
+        """toy_tree_draft of level d: the level's KV and states; below D, its candidates."""
+        model, r, K = self.model, self.t.row(0), self.K
+        start, stop = self.levels[d]
+        last, pos = d == self.k, int(self.pos_start[0]) % 2**32
+        toks, logps = self.cand_tok.reshape(self.T1, K), self.cand_logp.reshape(self.T1, K)
+        if pos >= self.capacity:
+            if not last:
+                toks[start:stop], logps[start:stop] = 0, -np.inf
+            return
+        states = [self._node_states(self.draft_states, c, int(r.parent[c]), start) for c in range(start, stop)]
+        if not last:
+            history = sum(int(fmix_array(self.draft_kv[:pos] ^ np.uint32(salt(layer))).sum(dtype=np.uint64))
+                          for layer, kv in enumerate(model.kv_mask) if kv)
+            ancestor = [self._kv_sum(int(self.draft_kv[pos + a])) if pos + a < self.capacity else 0
+                        for a in range(start)]
+            for c, node_states in zip(range(start, stop), states):
+                above = history + sum(ancestor[a] for a in ref_tree.mask_bits(r.mask[c]) if a < start)
+                t, p = int(r.tok[c]), int(r.pos[c]) % 2**32
+                total = model.state(above & M32, t, p, node_states if model.rec_layers else None) ^ model.seed
+                toks[c], logps[c] = model.tree_candidates(total, p, K)
+        for c in range(start, stop):
+            if pos + c < self.capacity:
+                self.draft_kv[pos + c] = model.embed(int(r.tok[c]), int(r.pos[c]) % 2**32)
+        self.draft_len[0] = min(pos + stop, self.capacity)
+
+    def verify(self) -> None:
+        """toy_tree_verify: every node under its ancestor mask, its entries at pos_start + i."""
+        model, r, T1 = self.model, self.t.row(0), self.T1
+        pos = int(self.pos_start[0]) % 2**32
+        if pos >= self.capacity:
+            self.pred[:] = 0
+            return
+        history = sum(int(data[:pos].sum(dtype=np.uint64)) for data in self.tgt if data is not None)
+        fresh = [model.kv_entries(int(r.tok[c]), int(r.pos[c]) % 2**32) for c in range(T1)]
+        for c in range(T1):
+            node_states = self._node_states(self.tgt_states, c, int(r.parent[c]), c)
+            above = history + sum(fresh[a] for a in ref_tree.mask_bits(r.mask[c]) if a != c and a < T1)
+            t, p = int(r.tok[c]), int(r.pos[c]) % 2**32
+            self.pred[c] = model.predict(above & M32, t, p, node_states if model.rec_layers else None)
+        for c in range(T1):
+            if pos + c < self.capacity:
+                e = model.embed(int(r.tok[c]), int(r.pos[c]) % 2**32)
+                for layer, data in enumerate(self.tgt):
+                    if data is not None:
+                        data[pos + c] = fmix(e ^ salt(layer))
+        for length in self.tgt_len:
+            if length is not None:
+                length[0] = min(pos + T1, self.capacity)
+
+    def compact_table(self) -> list:
+        """spec_tree_compact's table: every target KV layer, then the draft's, one word a position."""
+        return [(data, None, self.capacity, 1, 1, self.capacity) for data in [*self.tgt, self.draft_kv]
+                if data is not None]
+
+    def round(self) -> None:
+        k, t = self.k, self.t
+        ref_tree.spec_tree_begin(t, self.pend, self.pos_ctr, self.pos_start, self.vtok, k)
+        for d in range(k):
+            self.draft_level(d)
+            ref_tree.spec_tree_grow(t, d + 1, self.levels, self.cand_tok, self.cand_logp, self.cand_logp, self.K,
+                                    self.pos_start, **self.grow_args)
+        self.draft_level(k)
+        self.verify()
+        ref_tree.spec_tree_accept_greedy(t, self.pred, k, self.vtok, self.brk, self.acc, self.last_pred, self.ctl)
+        if not self.ctl[CTL_DONE]:
+            self.accepted.append(int(self.acc[0]))
+        ref_tree.spec_tree_compact(self.compact_table(), t, self.acc, self.pos_start, self.ctl, k)
+        ref.spec_ring_commit(self.vtok, self.acc, self.last_pred, self.ctl, self.pend, self.ring, self.ring_cap, k)
+        ref.spec_rollback_stream([*self.tgt_len, self.draft_len, self.pos_ctr], self.pos_start, self.ctl)
+        self.tgt_states.roll_back_tree(t, self.ctl)
+        self.draft_states.roll_back_tree(t, self.ctl)
+        self.rounds += 1
+
+    def burst_room(self, pos: int) -> int:
+        """The furthest entry the next burst may write past the cache: its last round starts at
+        most (M - 1)(D + 1) past the position and writes T + 1 slots."""
+        return pos + (self.m - 1) * (self.k + 1) + self.T1
+
+
+def tree_speculative_generate(model: ToyModel, prompt: Sequence[int], tree, max_new_tokens: int,
+                              eos: int | None = None, m_rounds: int = 4, candidates: int = 8,
+                              state_rollback: str = "copy") -> list[int]:
+    """The whole tree speculative loop in numpy (see NumpyTreeRoundStream)."""
+    capacity = kv_capacity(len(prompt), max_new_tokens, tree.depth, m_rounds, width=tree.nodes)
+    stream = NumpyTreeRoundStream(model, tree, m_rounds, capacity, candidates, state_rollback)
+    return stream.generate(prompt, max_new_tokens, eos)

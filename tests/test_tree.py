@@ -1,0 +1,109 @@
+"""Tree shapes on the host (memra_cuda/tree.py) and the capacity rule for trees: what is refused
+before anything is queued, and the level order every tree kernel and model relies on. CPU only."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import DynamicTree, TreeShape, kv_capacity
+from memra_cuda.capacity import Capacity
+from memra_cuda.layout import MAX_TREE_DRAWS, MAX_TREE_NODES
+
+
+def test_choices_become_level_order_with_parents_before_children():
+    tree = TreeShape.from_choices([[1, 0], [0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    assert tree.parent == (-1, 0, 0, 1, 1, 2, 3)
+    assert tree.rank == (0, 0, 1, 0, 1, 0, 0)
+    assert tree.depths == (0, 1, 1, 2, 2, 2, 3)
+    assert tree.levels == ((0, 1), (1, 3), (3, 6), (6, 7))
+    assert (tree.nodes, tree.depth, tree.draws) == (7, 3, 2)
+
+
+def test_parents_in_any_topological_order_are_reordered_by_level():
+    tree = TreeShape.from_parents([-1, 0, 1, 0, 2, 3])  # 0 -> 1 -> 2 -> 4, 0 -> 3 -> 5
+    assert tree.parent == (-1, 0, 0, 1, 2, 3)  # old nodes 0, 1, 3, 2, 5, 4
+    assert tree.rank == (0, 0, 1, 0, 0, 0)
+    assert tree.depths == (0, 1, 1, 2, 2, 3)
+
+
+def test_a_chain_is_a_tree_of_one_branch():
+    tree = TreeShape.chain(4)
+    assert tree.parent == (-1, 0, 1, 2, 3) and tree.rank == (0,) * 5 and tree.depth == 4
+    assert tree.levels == tuple((d, d + 1) for d in range(5))
+
+
+@pytest.mark.parametrize("parents,why", [
+    ([-1, 1], "not before it"), ([-1, 0, 3, 0], "not before it"), ([0, 0], "root"), ([-1, -2], "not before it")])
+def test_a_parent_not_before_its_child_is_refused(parents, why):
+    with pytest.raises(ValueError, match=why):
+        TreeShape.from_parents(parents)
+
+
+def test_out_of_level_order_and_duplicate_ranks_are_refused_when_given_directly():
+    with pytest.raises(ValueError, match="level order"):
+        TreeShape((-1, 0, 1, 0), (0, 0, 0, 1))
+    with pytest.raises(ValueError, match="distinct"):
+        TreeShape((-1, 0, 0), (0, 1, 1))
+
+
+@pytest.mark.parametrize("choices,why", [([[0, 0]], "prefix"), ([[0], [0]], "distinct"), ([[]], "non-empty")])
+def test_bad_choices_are_refused(choices, why):
+    with pytest.raises(ValueError, match=why):
+        TreeShape.from_choices(choices)
+
+
+def test_the_mask_width_is_the_limit_at_the_limit_and_past_it():
+    assert TreeShape.chain(MAX_TREE_NODES - 1).nodes == MAX_TREE_NODES
+    with pytest.raises(ValueError, match="mask"):
+        TreeShape.chain(MAX_TREE_NODES)
+    assert DynamicTree(depth=5, width=51, branch=2).nodes == MAX_TREE_NODES
+    with pytest.raises(ValueError, match="mask"):
+        DynamicTree(depth=5, width=52, branch=2)
+
+
+def test_a_sampled_tree_uses_its_first_draws():
+    TreeShape.from_choices([[0], [1], [0, 0]]).check_sampled()
+    with pytest.raises(ValueError, match="without gaps"):
+        TreeShape.from_choices([[0], [2]]).check_sampled()
+    TreeShape.from_choices([[r] for r in range(MAX_TREE_DRAWS)]).check_sampled()
+    with pytest.raises(ValueError, match="at most"):
+        TreeShape.from_choices([[r] for r in range(MAX_TREE_DRAWS + 1)]).check_sampled()
+    DynamicTree(2, 4, MAX_TREE_DRAWS).check_sampled()
+    with pytest.raises(ValueError, match="at most"):
+        DynamicTree(2, 4, MAX_TREE_DRAWS + 1).check_sampled()
+
+
+def test_a_dynamic_tree_has_levels_of_its_width():
+    tree = DynamicTree(depth=3, width=4, branch=2)
+    assert tree.nodes == 13 and tree.levels == ((0, 1), (1, 5), (5, 9), (9, 13))
+    for name in ("depth", "width", "branch"):
+        with pytest.raises(ValueError, match=name):
+            DynamicTree(**{"depth": 1, "width": 1, "branch": 1, name: 0})
+
+
+def test_a_tree_round_needs_room_for_its_slots_past_the_position_at_the_limit():
+    """A tree of depth D writes T + 1 slots past a row's position and moves it D + 1 at most:
+    a burst of R rounds reaches position + (R - 1)(D + 1) + T + 1 (a batch: D + 1 more)."""
+    D, T1, M = 3, 17, 4
+    for batch in (1, 4):
+        rule = Capacity(None, D, batch, M, width=T1)
+        reach = 100 + (M - 1) * (D + 1) + T1 + (D + 1 if batch > 1 else 0)
+        positions, done = np.full(batch, 100), np.zeros(batch, bool)
+        assert int(rule.burst_reach(positions, done, M).max()) == reach
+        Capacity(reach, D, batch, M, width=T1).check_burst(positions, done, M)
+        with pytest.raises(ValueError, match="cannot take"):
+            Capacity(reach - 1, D, batch, M, width=T1).check_burst(positions, done, M)
+        done[:] = True
+        assert int(rule.burst_reach(positions, done, M).max()) == 100 + T1
+    assert Capacity(10, 4, 1, 2).width == 5  # a chain writes k + 1
+
+
+def test_kv_capacity_of_a_tree_covers_a_generation():
+    D, T1, M, prompt, new = 4, 33, 8, 20, 100
+    for batch, overlap in ((1, False), (8, True)):
+        entries = kv_capacity(prompt, new, D, M, overlap=overlap, batch=batch, width=T1)
+        rule = Capacity(entries, D, batch, M, width=T1)
+        # the worst burst: from the furthest position a live row can be at, behind a burst in flight
+        positions = np.full(batch, prompt - 1 + new - 1)
+        rule.check_burst(positions, np.zeros(batch, bool), M, ahead=M if overlap else 0)
+    assert kv_capacity(prompt, new, D, M) == kv_capacity(prompt, new, D, M, width=D + 1)
