@@ -104,7 +104,10 @@ wheels-cuda12:
 # checked: the subprocess tests include one that faults on purpose. Failed API calls are not counted: every one becomes a
 # Python exception, and the tests that provoke them on purpose (bad PTX, a missing kernel)
 # assert on it. The largest batch end to end (`large`) is left out: its kernels are checked at
-# that size by the kernel tests. PYTEST_ARGS (files, -k) narrows the run, for sanitize and racecheck.
+# that size by the kernel tests. PYTEST_ARGS (files, -k) narrows the run, for sanitize and racecheck:
+# the whole suite takes over ten minutes under memcheck, so on a machine that runs a command ten
+# minutes at most, run it in two parts, PYTEST_ARGS="--ignore-glob='tests/test_t[or]*_gpu.py'"
+# (all but the toy's and the trees' files) and PYTEST_ARGS="tests/test_toy_*_gpu.py tests/test_tree_*_gpu.py".
 sanitize:
 	$(PICK_TEST) MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-200} PYTHONPATH=. \
 		compute-sanitizer --tool memcheck --target-processes application-only --report-api-errors no \

@@ -1,4 +1,4 @@
-"""`make bench`, part 9: trees against chains (docs/trees.md).
+"""`make bench`, part 8: trees against chains (docs/trees.md).
 
 1. The toy, bare and as 8B/0.5B (its verify and each draft level streaming those models'
    weights), B = 1 and 32, graph mode, each row its own prompt: tokens per round and tokens/s of
@@ -150,7 +150,7 @@ def bench_tree_accept(engine: Engine, quick: bool) -> list[dict]:
                 nbytes = batch * tree.nodes * ACCEPT_VOCAB * 8
                 weights = engine.alloc(np.uint8, nbytes, zeroed=True)
                 lm.weights_d = weights
-                floor = device_us(engine, lm._weight_reads(nbytes)[0], launches=20)
+                floor = device_us(engine, lm.weight_reads(nbytes)[0], launches=20)
                 weights.free()
                 rule = "sampling" if sampled else "greedy"
                 rows.append(dict(rule=rule, size=size, batch=batch, vocab=ACCEPT_VOCAB, us=us, floor_us=floor))

@@ -1,12 +1,13 @@
 """The capacity rule: how far the rounds a host queues may write into the KV caches.
 
-A round writes k+1 entries past a row's position before rollback takes back the rejected
-ones, and the host knows the positions only as of its last readback, so every check is a
-bound: a live row may write a whole burst of rounds past its known position, plus whatever
-the rounds still in flight may have added, and a row may sit out rounds done at its final
-position while others finish, writing its k+1 scratch entries there. The rule is written once,
-here, in numpy alone, for each way rounds are queued: a burst, a burst behind another one in
-flight (overlap), and a device loop's whole budget; kv_capacity sizes a cache by the same rule.
+A round writes k+1 entries past a row's position (a tree round its T+1 slots: the round's
+`width`) before rollback takes back the rejected ones, and the host knows the positions only as
+of its last readback, so every check is a bound: a live row may write a whole burst of rounds
+past its known position, plus whatever the rounds still in flight may have added, and a row may
+sit out rounds done at its final position while others finish, writing its scratch entries
+there. The rule is written once, here, in numpy alone, for each way rounds are queued: a burst,
+a burst behind another one in flight (overlap), and a device loop's whole budget; kv_capacity
+sizes a cache by the same rule.
 """
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, ove
     """KV entries a cache needs (per sequence) so generate() never raises CapacityError for
     this request: the prompt, the tokens, and one burst of room past them (two for "overlap"
     to run ahead); in a batch, one round more, for the rounds a finished row sits out. `width`
-    is what a round writes past its position (a tree's T + 1 slots; a chain's k + 1)."""
+    is what a round writes past its position (a tree's T + 1 slots; a chain's k + 1); a batch's
+    idle round is counted at `width` too, which a tree's rule does not need all of (Capacity
+    counts k + 1 there): a few entries a row more than the least, for one formula."""
     k1 = k + 1
     width = k1 if width is None else width
     bursts = (2 if overlap else 1) * m_rounds * k1
@@ -77,15 +80,15 @@ class Capacity:
     k: int
     batch: int
     m_rounds: int
-    width: int = 0  # 0: k + 1
+    width: int | None = None  # None: k + 1, a chain's
 
     def __post_init__(self) -> None:
-        if not self.width:
+        if self.width is None:
             object.__setattr__(self, "width", self.k + 1)
 
     @classmethod
     def of(cls, capacities: Iterable[int | Unchecked | None], k: int, batch: int, m_rounds: int,
-           width: int = 0) -> Capacity:
+           width: int | None = None) -> Capacity:
         """The rule for caches of the given capacities (None and UNCHECKED say nothing)."""
         known = [c for c in capacities if c is not None and c is not UNCHECKED]
         return cls(min(known) if known else None, k, batch, m_rounds, width)

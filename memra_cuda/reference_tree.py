@@ -26,9 +26,17 @@ from .layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_MARK, BRK_WORDS, CTL_D
                      MAX_TREE_DRAWS, ROOT_PARENT, VOID_RANK)
 from .philox import uniform
 from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, ids, kept_states,
-                        probabilities, race_scores, row_views, sample_race)
+                        race_scores, row_views, sample_race)
+from .reference import probabilities as chain_probabilities
 
 _U32 = 0xFFFFFFFF
+
+
+def probabilities(x: np.ndarray) -> np.ndarray:
+    """x as float32 with NaN, negative and infinite entries 0: how the tree kernels read a
+    probability (the chain's keep +inf; a tree's residual would make NaN of it)."""
+    x = chain_probabilities(x)
+    return np.where(np.isinf(x), np.float32(0), x)
 _NEG_INF = np.float32(-np.inf)
 
 

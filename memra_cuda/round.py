@@ -76,7 +76,8 @@ class Round:
       says otherwise), so what a user forgets cannot give wrong tokens (memra_cuda.torch).
 
     A kind of round gives `before_commit`, which composes the steps up to acceptance once all this
-    is checked, and `width`, the KV entries a round writes past its position (default k + 1); the
+    is checked, `width`, the KV entries a round writes past its position (default k + 1), and the
+    `capacities` of any other caches its steps write (the KV a tree round compacts); the
     commit (kernel 4) and the rollbacks after it are the same for every kind, but for which
     slot of recurrent state is kept (_roll_back_state).
     `steps` is one whole round, `issue(R)` queues R of them, and device mode publishes each
@@ -88,14 +89,14 @@ class Round:
     def __init__(self, bufs: StreamBufs, kernels: SpecKernels, before_commit: Callable[[], Sequence[Step]], *,
                  model_buffers: Sequence[Any], rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable], capture: Capture | None,
-                 stages: Stages | None, width: int = 0):
+                 stages: Stages | None, width: int | None = None, capacities: Sequence[int | None] = ()):
         if kernels.engine is not bufs.engine:
             raise ValueError(f"the kernels belong to {kernels.engine!r}, the buffers to {bufs.engine!r}")
         tables, states = _kv_tables(bufs, rollback_tables), _state_tables(state_tables)
         stages = stages or Stages(())
         self.bufs, self.kernels, self.engine = bufs, kernels, bufs.engine
-        self.capacity = Capacity.of((stages.capacity, *(table.capacity for table in tables)), bufs.k, bufs.batch,
-                                    bufs.m_rounds, width)
+        self.capacity = Capacity.of((stages.capacity, *capacities, *(table.capacity for table in tables)), bufs.k,
+                                    bufs.batch, bufs.m_rounds, width)
         self.scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         self.capture, self.loop_capture = capture, loops
         if _torch_in_play(self.engine, *model_buffers, *tables, *states):
@@ -224,6 +225,9 @@ class TreeRound(Round):
         if len(levels) != tree.depth + 1 or not all(callable(step) for step in levels):
             raise ValueError(f"a tree of depth {tree.depth} takes {tree.depth + 1} draft levels (callables, level 0 "
                              f"the root), not {len(levels)}")
+        for name, step in (("verify_tree", verify_tree), ("compact", compact)):
+            if step is not None and not callable(step):
+                raise TypeError(f"{name} must be a callable that queues the model's work, not {step!r}")
         if isinstance(acceptance, Greedy):
             if not isinstance(candidates, Candidates):
                 raise TypeError("a greedy tree round needs the draft's candidates=Candidates(tok_d, logp_d)")
@@ -264,7 +268,8 @@ class TreeRound(Round):
             return [*steps, *([compact] if compact is not None else [])]
         model_buffers = (*vars(acceptance).values(), *(vars(candidates).values() if candidates else ()))
         super().__init__(bufs, kernels, before_commit, model_buffers=model_buffers, rollback_tables=rollback_tables,
-                         state_tables=state_tables, capture=capture, stages=stages, width=tree_bufs.nodes)
+                         state_tables=state_tables, capture=capture, stages=stages, width=tree_bufs.nodes,
+                         capacities=(kv_data.capacity if kv_data is not None else None,))
 
     def _roll_back_state(self, table: StateTable | StateIndexTable) -> Step:
         """The live state after the path's last node: its slot of T + 1 (kernels 16, 17)."""

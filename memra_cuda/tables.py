@@ -192,6 +192,13 @@ class KVData:
                              f"nbytes={nbytes}, capacity={capacity}")
         if self.pos_stride < self.nbytes:
             raise ValueError(f"positions {pos_stride} bytes apart cannot hold entries of {nbytes} bytes")
+        row_bytes = (self.capacity - 1) * self.pos_stride + self.nbytes  # a row's entries, rows apart
+        side_by_side = self.row_stride >= self.nbytes and \
+            self.pos_stride >= (self.batch - 1) * self.row_stride + self.nbytes  # or a position's rows, positions apart
+        if self.batch > 1 and self.row_stride < row_bytes and not side_by_side:
+            raise ValueError(f"rows {row_stride} bytes apart overlap: {capacity} positions {pos_stride} bytes apart "
+                             f"reach {row_bytes} bytes, and every entry needs its own bytes (the compaction moves "
+                             "the rows at once)")
         extent = (self.batch - 1) * self.row_stride + (self.capacity - 1) * self.pos_stride + self.nbytes
         for buf in filter(None, (self.k_d, self.v_d)):
             if buf.ptr % 4:

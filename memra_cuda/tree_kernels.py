@@ -80,7 +80,12 @@ class TreeKernels:
         """Kernel 12: level `level`'s children drawn from q_d (f32 [B][T+1][V]) into `out`."""
         args = self._tree(bufs, tree)
         level = _level(tree, level)
+        tree.tree.check_sampled()
         q_d, seed_d, vocab = self._laws(bufs, tree, q_d, seed_d, vocab)
+        if not isinstance(out, SampledCandidates) or out.tok_d.engine is not self.engine or \
+                out.rows != bufs.batch * tree.nodes or out.draws < tree.tree.draws:
+            raise ValueError(f"out must be SampledCandidates(engine, {bufs.batch}, {tree.nodes}, draws) of this engine "
+                             f"with draws >= {tree.tree.draws}, not {out!r}")
         prev_start, prev_stop = tree.levels[level - 1]
         parents = prev_stop - prev_start
         slices = max(1, min(-(-vocab // (4 * THREADS)), 16 * self.engine.multiprocessors // (bufs.batch * parents), 64))
@@ -106,6 +111,7 @@ class TreeKernels:
         first child, then each rejection's residual mass is summed over many blocks a node and
         the next child tested; each row walks to its stop node and races the bonus there."""
         args = self._tree(bufs, tree)
+        tree.tree.check_sampled()
         p_d, _, _ = self._laws(bufs, tree, p_d, seed_d, vocab, "p_d")
         q_d, seed_d, vocab = self._laws(bufs, tree, q_d, seed_d, vocab)
         engine, batch, nodes = self.engine, bufs.batch, tree.nodes
@@ -201,11 +207,14 @@ class SampledCandidates:
     """The layer's own candidates of a sampled tree: `draws` per node, drawn by kernel 12 and
     placed by kernel 11 (tokens, their log q, and the log of the j-th largest q)."""
 
+    def __repr__(self) -> str:
+        return f"SampledCandidates({self.rows} rows of {self.draws} draws)"
+
     def __init__(self, engine: Engine, batch: int, nodes: int, draws: int):
         if not 1 <= draws <= MAX_TREE_DRAWS:
             raise ValueError(f"a sampled node draws 1 to {MAX_TREE_DRAWS} children, not {draws}")
         n = batch * nodes * draws
-        self.draws = draws
+        self.rows, self.draws = batch * nodes, draws
         self.tok_d = engine.zeros(np.uint32, n, label="tree draws")
         self.logq_d = engine.alloc(np.float32, n, zeroed=True, label="tree draws' log q")
         self.sel_d = engine.alloc(np.float32, n, zeroed=True, label="tree draws' selection")

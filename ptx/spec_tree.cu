@@ -47,6 +47,7 @@ __device__ __forceinline__ float tree_prob(float x) { return x > 0.f && x < __in
 __device__ __forceinline__ bool is_finite(float x) { return x - x == 0.f; }
 
 // 10. Node 0 is the pending token at pos_start = pos_ctr; vtok[0] too (the commit reads vtok[1..]).
+//     Rows of vtok are k + 1 = D + 1 words: TreeBufs gives a tree only buffers whose k is its depth.
 extern "C" __global__ void spec_tree_begin(u32* tree, u32 T1, u32 W, u32 D, u32 B, const u32* pend_d,
                                            const int* pos_ctr, int* pos_start_d, u32* vtok_d) {
     for (u32 b = blockIdx.x * blockDim.x + threadIdx.x; b < B; b += gridDim.x * blockDim.x) {

@@ -107,3 +107,26 @@ def test_kv_capacity_of_a_tree_covers_a_generation():
         positions = np.full(batch, prompt - 1 + new - 1)
         rule.check_burst(positions, np.zeros(batch, bool), M, ahead=M if overlap else 0)
     assert kv_capacity(prompt, new, D, M) == kv_capacity(prompt, new, D, M, width=D + 1)
+
+
+FAKE_PTR = 0x7F0000000000  # a device address no buffer of these tests is ever read at
+
+
+def test_kv_data_refuses_what_the_compaction_cannot_move():
+    """Entries move as 32-bit words, each (row, position) in bytes of its own: checked when the
+    layout is described, with no driver (DeviceBuffer.wrap names memory without touching it)."""
+    from memra_cuda import DeviceBuffer, KVData
+
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint8, 2 * 10 * 16)
+    KVData(buf, row_stride=160, pos_stride=16, nbytes=16, capacity=10, batch=2)  # [B][capacity][16 bytes]
+    KVData(buf, row_stride=16, pos_stride=32, nbytes=16, capacity=10, batch=2)  # [capacity][B][16 bytes]
+    for bad, match in ((dict(nbytes=6, pos_stride=8, row_stride=80), "multiples of 4"),
+                       (dict(pos_stride=8), "cannot hold"),
+                       (dict(row_stride=80), "overlap"),
+                       (dict(row_stride=0), "overlap"),
+                       (dict(row_stride=176, capacity=11), "reach")):
+        with pytest.raises(ValueError, match=match):
+            KVData(buf, **{**dict(row_stride=160, pos_stride=16, nbytes=16, capacity=10, batch=2), **bad})
+    with pytest.raises(ValueError, match="aligned"):
+        KVData(DeviceBuffer.wrap(FAKE_PTR + 2, np.uint8, 400), row_stride=160, pos_stride=16, nbytes=16, capacity=10,
+               batch=2)

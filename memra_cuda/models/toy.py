@@ -19,14 +19,15 @@ import numpy as np
 
 from ..acceptance import Greedy, Sampling
 from ..kernels import batch_rows
-from ..round import chain
+from ..round import TreeRound, chain
 from ..stream import RoundStream
 from ..tables import (Cache, KVData, PointerTable, StateIndexTable, StateLayer, StateTable, kv_data_table,
                       kv_len_ptr_table, state_copy_table, state_flip_table)
+from ..tree import Candidates, DynamicTree, TreeBufs, TreeShape
 
 if TYPE_CHECKING:
     from ..bufs import StreamBufs
-    from ..tree import Tree, TreeBufs
+    from ..tree import Tree
     from ..driver.buffer import DeviceBuffer
     from ..driver.engine import Engine
     from ..driver.module import Launch
@@ -470,7 +471,7 @@ class ToyLM:
         if bufs.batch != self.batch:
             raise ValueError(f"buffers for a batch of {bufs.batch} do not fit a toy model of {self.batch} rows")
 
-    def _weight_reads(self, nbytes: int) -> list[Launch]:
+    def weight_reads(self, nbytes: int) -> list[Launch]:
         """The cost knob: a grid-wide pass over `nbytes` of weights (nothing when 0)."""
         if not nbytes:
             return []
@@ -490,7 +491,7 @@ class ToyLM:
         kernel = self.module.kernel("toy_draft_step")
         types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7, *["ptr"] * 4, "u32", "u32"]
         state_d = engine.zeros(np.uint32, self.batch, label="draft hash states") if q_d is not None else None
-        steps, reads = [], self._weight_reads(self.cost.draft_bytes)
+        steps, reads = [], self.weight_reads(self.cost.draft_bytes)
         for step in range(bufs.k + 1):
             steps += reads
             steps.append(kernel.prepare(types, grid=self.batch, block=BLOCK).set(
@@ -531,7 +532,7 @@ class ToyLM:
             bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred, self.data_ptrs_d, self.len_ptrs_d,
             len(self.layers), self.capacity, m.seed, m.vocab, self.layers.start, before, after,
             *self._state_args(bufs, 0))
-        return [*self._weight_reads(self.cost.verify_bytes), verify]
+        return [*self.weight_reads(self.cost.verify_bytes), verify]
 
     def round_stream(self, bufs: StreamBufs, _bufs_of_0_1: StreamBufs | None = None, /, *,
                      kernels: SpecKernels | None = None) -> RoundStream:
@@ -570,7 +571,6 @@ class ToyLM:
                            draft_d=draft_d, acceptance=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table],
                            state_tables=state_tables, pace=self.cost.paced)
 
-
     def tree_draft_levels(self, bufs: StreamBufs, nodes: TreeBufs, *, cand_tok_d: DeviceBuffer | None = None,
                           cand_logp_d: DeviceBuffer | None = None, candidates: int = 8,
                           hash_d: DeviceBuffer | None = None, q_d: DeviceBuffer | None = None) -> list[list[Launch]]:
@@ -582,7 +582,7 @@ class ToyLM:
         draft = self.draft.kv[0]
         kernel = self.module.kernel("toy_tree_draft")
         types = [*["u32"] * 6, *["ptr"] * 10, *["u32"] * 7, *["ptr"] * 3, "u32", "u32"]
-        reads = self._weight_reads(self.cost.draft_bytes)
+        reads = self.weight_reads(self.cost.draft_bytes)
         sampled = hash_d is not None
         states = self._state_args(bufs, 1, t1 - 1)
         steps = []
@@ -615,7 +615,7 @@ class ToyLM:
             t1, nodes.words, nodes.tok_d, nodes.parent_d, nodes.pos_d, nodes.mask_d, bufs.pos_start_d,
             0 if pred_d is None else pred_d, 0 if totals_d is None else totals_d, self.data_ptrs_d, self.len_ptrs_d,
             len(self.layers), self.capacity, m.seed, m.vocab, *self._state_args(bufs, 0, t1 - 1))
-        return [*self._weight_reads(self.cost.verify_bytes), verify]
+        return [*self.weight_reads(self.cost.verify_bytes), verify]
 
     def tree_round_stream(self, bufs: StreamBufs, tree: Tree, *, candidates: int = 8,
                           kernels: SpecKernels | None = None) -> RoundStream:
@@ -627,9 +627,6 @@ class ToyLM:
         every layer for the compaction, and the recurrent states with T + 1 slots a bank. bufs.k must
         be the tree's depth; a model with recurrent layers lays its states out for the tree, so build
         this stream before the first prefill. The round's tree buffers: stream.round.tree_bufs."""
-        from ..round import TreeRound
-        from ..tree import Candidates, DynamicTree, TreeBufs, TreeShape
-
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
         if bufs.k != tree.depth:
@@ -648,7 +645,6 @@ class ToyLM:
             tree.check_sampled()
         self._check_batch(bufs)
         self._states(bufs, tree.nodes - 1)  # refused if the states were laid out for other rounds
-        self.tree = tree
         engine, t1, batch, vocab = self.engine, tree.nodes, bufs.batch, self.model.vocab
         nodes = TreeBufs(bufs, tree)
         table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)
@@ -665,19 +661,22 @@ class ToyLM:
             verify = chain(self.tree_verify_steps(bufs, nodes, pred_d=pred_d))
             rnd = TreeRound(bufs, nodes, draft_levels=[chain(level) for level in levels], verify_tree=verify,
                             acceptance=Greedy(pred_d), candidates=Candidates(cand_tok_d, cand_logp_d), **common)
-            return RoundStream.of(rnd, pace=self.cost.paced)
-        rows = batch * t1
-        if rows > 65535:
-            raise ValueError(f"the toy's sampling verify gives each of B(T+1) = {rows} nodes a grid row: at most 65535")
-        hash_d = engine.zeros(np.uint32, rows, label="tree draft hash states")
-        q_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="tree q_d")
-        p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="tree p_d")
-        totals_d = engine.zeros(np.uint32, rows, label="tree verify sums")
-        probs = self.module.kernel("toy_probs").prepare(
-            ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows), block=256).set(
-            totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
-        levels = self.tree_draft_levels(bufs, nodes, hash_d=hash_d, q_d=q_d)
-        rnd = TreeRound(bufs, nodes, draft_levels=[chain(level) for level in levels],
-                        verify_tree=chain([*self.tree_verify_steps(bufs, nodes, totals_d=totals_d), probs]),
-                        acceptance=Sampling(p_d, q_d, self.seed_d, vocab), **common)
+        else:
+            rows = batch * t1
+            if rows > 65535:
+                raise ValueError(f"the toy's sampling verify gives each of B(T+1) = {rows} nodes a grid row: at most "
+                                 "65535")
+            hash_d = engine.zeros(np.uint32, rows, label="tree draft hash states")
+            q_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="tree q_d")
+            p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="tree p_d")
+            totals_d = engine.zeros(np.uint32, rows, label="tree verify sums")
+            probs = self.module.kernel("toy_probs").prepare(
+                ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows),
+                block=256).set(totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
+            levels = self.tree_draft_levels(bufs, nodes, hash_d=hash_d, q_d=q_d)
+            rnd = TreeRound(bufs, nodes, draft_levels=[chain(level) for level in levels],
+                            verify_tree=chain([*self.tree_verify_steps(bufs, nodes, totals_d=totals_d), probs]),
+                            acceptance=Sampling(p_d, q_d, self.seed_d, vocab), **common)
+        self.tree = tree  # prefills lay the states out for it from now on
         return RoundStream.of(rnd, pace=self.cost.paced)
+
