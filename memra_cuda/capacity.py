@@ -46,20 +46,6 @@ def kv_entries(capacity: Any) -> int | Unchecked | None:
     return capacity
 
 
-def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, overlap: bool = False,
-                batch: int = 1, width: int | None = None) -> int:
-    """KV entries a cache needs (per sequence) so generate() never raises CapacityError for
-    this request: the prompt, the tokens, and one burst of room past them (two for "overlap"
-    to run ahead); in a batch, one round more, for the rounds a finished row sits out. `width`
-    is what a round writes past its position (a tree's T + 1 slots; a chain's k + 1); a batch's
-    idle round is counted at `width` too, which a tree's rule does not need all of (Capacity
-    counts k + 1 there): a few entries a row more than the least, for one formula."""
-    k1 = k + 1
-    width = k1 if width is None else width
-    bursts = (2 if overlap else 1) * m_rounds * k1
-    return prompt_len + max_new_tokens + bursts + width - k1 + (width if batch > 1 else 0)
-
-
 _NO_ROWS = np.zeros(0, np.int64)
 
 
@@ -147,3 +133,16 @@ class Capacity:
             raise CapacityError(f"KV cache of {self.entries} entries cannot take the device loop: row {b} at "
                                 f"position {positions[b]} may write up to {reach[b]} ({most[b]} tokens at k={self.k}); "
                                 "use a larger cache or a smaller budget or max_rounds")
+
+
+def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, overlap: bool = False,
+                batch: int = 1, width: int | None = None) -> int:
+    """KV entries a cache needs (per sequence) so generate() never raises CapacityError for
+    this request: the rule's reach (Capacity.burst_reach) of a burst of M rounds, behind one more
+    in flight for "overlap", from position prompt_len + max_new_tokens (two past the furthest a
+    live row can start one from). `width` is what a round writes past its position (a tree's
+    T + 1 slots; default a chain's k + 1)."""
+    rule = Capacity(None, k, batch, m_rounds, width)
+    reach = rule.burst_reach(np.array([prompt_len + max_new_tokens]), np.zeros(1, bool), m_rounds,
+                             m_rounds if overlap else 0)
+    return int(reach[0])

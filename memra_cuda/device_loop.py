@@ -16,7 +16,6 @@ import ctypes
 import functools
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from .driver.buffer import MappedBuffer
 from .driver.event import Event
 from .driver.graph import Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join
 from .layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
+from .moved import moved
 from .pace import pass_lengths
 
 if TYPE_CHECKING:
@@ -440,12 +440,7 @@ def _prctl() -> Any:
     return prctl
 
 
-def __getattr__(name: str) -> Any:
-    """`TokenStream`, the first releases' name of the TokenFeed, still found (with a warning)."""
-    if name == "TokenStream":
-        warnings.warn("memra_cuda.device_loop.TokenStream is TokenFeed now", DeprecationWarning, stacklevel=2)
-        return TokenFeed
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+# TokenStream, the first releases' name of the TokenFeed.
+__getattr__ = moved(__name__, {"TokenStream": "device_loop.TokenFeed"})
 
 __all__ = ["DeviceLoop", "Landed", "LoopUnsupported", "RUNNING", "RoundCapError", "TokenFeed"]

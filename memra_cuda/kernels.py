@@ -79,14 +79,16 @@ class SpecKernels:
                             threads=row_words, rows=batch)
 
     def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: Any) -> Launch:
-        draft_d = batch_rows("draft_d", self._tokens("draft_d", draft_d), bufs.batch, max(bufs.k, 1), bufs.k)
-        return self._launch(_width("spec_assemble_verify", draft_d), ["ptr", "ptr", "u32", "u32", "ptr", "ptr", "ptr"],
-                            bufs.pend_d, draft_d, bufs.k, bufs.batch, bufs.vtok_d, bufs.pos_ctr_d, bufs.pos_start_d,
+        draft_d = token_buffer(self.engine, "draft_d", draft_d)
+        draft_d = batch_rows("draft_d", draft_d, bufs.batch, max(bufs.k, 1), bufs.k)
+        return self._launch(width_kernel("spec_assemble_verify", draft_d),
+                            ["ptr", "ptr", "u32", "u32", "ptr", "ptr", "ptr"], bufs.pend_d, draft_d, bufs.k,
+                            bufs.batch, bufs.vtok_d, bufs.pos_ctr_d, bufs.pos_start_d,
                             threads=bufs.batch * (bufs.k + 1))
 
     def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: Any) -> Launch:
-        pred_d = batch_rows("pred_d", self._tokens("pred_d", pred_d), bufs.batch, bufs.k + 1)
-        return self._launch(_width("spec_accept_greedy_dc", pred_d), ["ptr", "ptr", "u32", "u32", *["ptr"] * 4],
+        pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, bufs.k + 1)
+        return self._launch(width_kernel("spec_accept_greedy_dc", pred_d), ["ptr", "ptr", "u32", "u32", *["ptr"] * 4],
                             bufs.vtok_d, pred_d, bufs.k, bufs.batch, bufs.brk_d, bufs.acc_d, bufs.last_pred_d,
                             bufs.ctl_d, threads=32 * bufs.batch)
 
@@ -204,13 +206,6 @@ class SpecKernels:
             raise ValueError(f"{name} must be a buffer of 32-bit words, not {buf!r}")
         return buf
 
-    def _tokens(self, name: str, obj: Any) -> DeviceBuffer:
-        """A buffer of token ids, 32- or 64-bit integers (ids < 2**31)."""
-        buf = self.engine.buffer(obj, name)
-        if buf.dtype.kind not in "iu" or buf.dtype.itemsize not in (4, 8):
-            raise ValueError(f"{name} must be a buffer of 32- or 64-bit integer tokens, not {buf!r}")
-        return buf
-
 
 def spread(module: Any, name: str, types: list[str], values: tuple[object, ...], threads: int = 1,
            rows: int = 1) -> Launch:
@@ -251,7 +246,16 @@ def batch_rows(name: str, buf: DeviceBuffer, batch: int, row: int, single: int |
     raise ValueError(f"{name} must hold {want} elements for a batch of {batch}, not {buf!r}")
 
 
-def _width(kernel: str, tokens: DeviceBuffer) -> str:
-    """The kernel that reads `tokens` at their width (spec_stream.cu: <name>, <name>_t64)."""
+def token_buffer(engine: Engine, name: str, obj: Any) -> DeviceBuffer:
+    """`obj` as a buffer of token ids, 32- or 64-bit integers (ids < 2**31): what every kernel
+    that reads a model's tokens takes, at either width (width_kernel)."""
+    buf = engine.buffer(obj, name)
+    if buf.dtype.kind not in "iu" or buf.dtype.itemsize not in (4, 8):
+        raise ValueError(f"{name} must be a buffer of 32- or 64-bit integer tokens, not {buf!r}")
+    return buf
+
+
+def width_kernel(kernel: str, tokens: DeviceBuffer) -> str:
+    """The kernel that reads `tokens` at their width (<name>, <name>_t64)."""
     return kernel if tokens.dtype.itemsize == 4 else f"{kernel}_t64"
 

@@ -8,7 +8,6 @@ exception here rather than a kernel reading past the rows it was meant to read.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,6 +15,7 @@ import numpy as np
 from .driver.buffer import DeviceBuffer
 from .driver.values import as_index, short_name
 from .driver.module import Launch
+from .moved import moved
 
 if TYPE_CHECKING:
     from .bufs import StreamBufs
@@ -98,12 +98,5 @@ def _exact(buf: DeviceBuffer, name: str, dtypes: tuple[str, ...], shape: tuple[i
     return buf
 
 
-def __getattr__(name: str) -> Any:
-    """`memra_cuda.sampling.Sampling`, the first releases' home of the rule, still found (with a
-    warning): it lives in acceptance.py, which imports nothing from here at import time."""
-    if name == "Sampling":
-        from .acceptance import Sampling
-        warnings.warn("memra_cuda.sampling.Sampling moved: import Sampling from memra_cuda (or memra_cuda.acceptance)",
-                      DeprecationWarning, stacklevel=2)
-        return Sampling
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# memra_cuda.sampling.Sampling, the first releases' home of the rule (it lives in acceptance.py).
+__getattr__ = moved(__name__, {"Sampling": "acceptance.Sampling"})

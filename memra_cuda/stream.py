@@ -22,6 +22,7 @@ from .device_loop import DeviceLoop, Landed, RoundCapError
 from .driver.event import Event
 from .driver.graph import Capture, Graph
 from .kernels import SpecKernels
+from .moved import moved
 from .pace import Pace
 from .round import ChainRound, Round, Stages, Step
 
@@ -470,16 +471,7 @@ def _stages(stages: Stages | Sequence[Engine] | None, round_tail: Step | None, c
     return Stages(tuple(stages or ()), round_tail, capacity)
 
 
-# (Pace and Stages need no entry: this module imports them, so they are found without a warning.)
-_MOVED = {"kv_capacity": "capacity", "CapacityError": "capacity", "chain": "round"}
-
-
-def __getattr__(name: str) -> Any:
-    """The names that lived here in the first releases, still found (with a warning)."""
-    if name in _MOVED:
-        import importlib
-
-        warnings.warn(f"memra_cuda.stream.{name} moved: import it from memra_cuda (or memra_cuda.{_MOVED[name]})",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(f"memra_cuda.{_MOVED[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The names that lived here in the first releases (Pace and Stages need no entry: this module
+# imports them, so they are found without a warning).
+__getattr__ = moved(__name__, {"kv_capacity": "capacity.kv_capacity", "CapacityError": "capacity.CapacityError",
+                               "chain": "round.chain"})

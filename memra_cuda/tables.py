@@ -15,6 +15,7 @@ import numpy as np
 from .capacity import Unchecked, kv_entries
 from .driver.buffer import DeviceBuffer, as_buffer, device_allocation
 from .driver.values import as_index
+from .moved import moved
 
 if TYPE_CHECKING:
     from .driver.engine import Engine
@@ -374,13 +375,5 @@ def _disjoint(buffers: Sequence[DeviceBuffer | None], label: str) -> None:
                              f"have its own memory")
 
 
-def __getattr__(name: str) -> Any:
-    """`UNCHECKED`, which lived here in the first releases, still found (with a warning)."""
-    if name == "UNCHECKED":
-        import warnings
-
-        from .capacity import UNCHECKED
-        warnings.warn("memra_cuda.tables.UNCHECKED moved: import it from memra_cuda (or memra_cuda.capacity)",
-                      DeprecationWarning, stacklevel=2)
-        return UNCHECKED
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# UNCHECKED lived here in the first releases.
+__getattr__ = moved(__name__, {"UNCHECKED": "capacity.UNCHECKED"})

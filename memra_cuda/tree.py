@@ -31,8 +31,6 @@ class TreeShape:
     parent: tuple[int, ...]
     rank: tuple[int, ...]
 
-    dynamic = False
-
     def __post_init__(self) -> None:
         if len(self.parent) != len(self.rank) or not self.parent or self.parent[0] != -1:
             raise ValueError("a tree's parent and rank name every node, node 0 (the root, parent -1) first")
@@ -137,8 +135,6 @@ class DynamicTree:
     depth: int
     width: int
     branch: int
-
-    dynamic = True
 
     def __post_init__(self) -> None:
         for name in ("depth", "width", "branch"):

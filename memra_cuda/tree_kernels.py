@@ -13,7 +13,7 @@ import numpy as np
 from .driver.buffer import DeviceBuffer
 from .driver.module import Launch
 from .driver.values import as_index
-from .kernels import batch_rows, check_flip_table, spread, state_copy_grid
+from .kernels import batch_rows, check_flip_table, spread, state_copy_grid, token_buffer, width_kernel
 from .layout import MAX_TREE_DRAWS
 from .sampling import _exact
 from .tables import KVDataTable, StateIndexTable, StateTable
@@ -69,8 +69,7 @@ class TreeKernels:
                                  f"nodes x branch {branch}")
         elif shape.draws > K:
             raise ValueError(f"the tree asks for candidates up to rank {shape.draws - 1}, but the draft offers K = {K}")
-        name = "spec_tree_grow" if tok_d.dtype.itemsize == 4 else "spec_tree_grow_t64"
-        return self.module.kernel(name).prepare(
+        return self.module.kernel(width_kernel("spec_tree_grow", tok_d)).prepare(
             [*_TREE, *["u32"] * 5, "ptr", "ptr", "ptr", "u32", "ptr", "u32", "ptr"], min(bufs.batch, 1024), THREADS
         ).set(*args, level, prev_start, prev_stop, start, stop, tok_d, logq_d, sel_d, K,
               0 if tree.shape_d is None else tree.shape_d, branch, bufs.pos_start_d)
@@ -100,9 +99,9 @@ class TreeKernels:
     def prepare_accept_greedy(self, bufs: StreamBufs, tree: TreeBufs, pred_d: Any) -> Launch:
         """Kernel 13: the deepest path the target's predictions (pred_d, [B][T+1]) agree with."""
         args = self._tree(bufs, tree)
-        pred_d = batch_rows("pred_d", _tokens(self.engine, "pred_d", pred_d), bufs.batch, tree.nodes)
-        name = "spec_tree_accept_greedy" if pred_d.dtype.itemsize == 4 else "spec_tree_accept_greedy_t64"
-        return self.module.kernel(name).prepare([*_TREE, *["ptr"] * 6], min(bufs.batch, 4096), 32).set(
+        pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, tree.nodes)
+        return self.module.kernel(width_kernel("spec_tree_accept_greedy", pred_d)).prepare(
+            [*_TREE, *["ptr"] * 6], min(bufs.batch, 4096), 32).set(
             *args, pred_d, bufs.vtok_d, bufs.brk_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d)
 
     def prepare_accept_sample(self, bufs: StreamBufs, tree: TreeBufs, p_d: Any, q_d: Any, seed_d: Any,
@@ -186,7 +185,7 @@ class TreeKernels:
         K = logq.len // rows
         logq = _exact(logq, "candidates' logp_d", ("f32",), (bufs.batch, tree.nodes, K))
         sel = _exact(self.engine.buffer(sel_d, "sel_d"), "sel_d", ("f32",), (bufs.batch, tree.nodes, K))
-        tok = _tokens(self.engine, "candidates' tok_d", tok_d)
+        tok = token_buffer(self.engine, "candidates' tok_d", tok_d)
         if tok.len != rows * K:
             raise ValueError(f"candidates' tok_d must hold [{bufs.batch}][{tree.nodes}][{K}] tokens, as logp_d does, "
                              f"not {tok!r}")
@@ -207,9 +206,6 @@ class SampledCandidates:
     """The layer's own candidates of a sampled tree: `draws` per node, drawn by kernel 12 and
     placed by kernel 11 (tokens, their log q, and the log of the j-th largest q)."""
 
-    def __repr__(self) -> str:
-        return f"SampledCandidates({self.rows} rows of {self.draws} draws)"
-
     def __init__(self, engine: Engine, batch: int, nodes: int, draws: int):
         if not 1 <= draws <= MAX_TREE_DRAWS:
             raise ValueError(f"a sampled node draws 1 to {MAX_TREE_DRAWS} children, not {draws}")
@@ -219,19 +215,15 @@ class SampledCandidates:
         self.logq_d = engine.alloc(np.float32, n, zeroed=True, label="tree draws' log q")
         self.sel_d = engine.alloc(np.float32, n, zeroed=True, label="tree draws' selection")
 
+    def __repr__(self) -> str:
+        return f"SampledCandidates({self.rows} rows of {self.draws} draws)"
+
 
 def _level(tree: TreeBufs, level: int) -> int:
     level = as_index(level, "level")
     if not 1 <= level <= tree.depth:
         raise ValueError(f"a tree of depth {tree.depth} grows levels 1 to {tree.depth}, not {level}")
     return level
-
-
-def _tokens(engine: Engine, name: str, obj: Any) -> DeviceBuffer:
-    buf = engine.buffer(obj, name)
-    if buf.dtype.kind not in "iu" or buf.dtype.itemsize not in (4, 8):
-        raise ValueError(f"{name} must be a buffer of 32- or 64-bit integer tokens, not {buf!r}")
-    return buf
 
 
 __all__ = ["SampledCandidates", "TreeKernels"]

@@ -87,6 +87,44 @@ def test_the_first_releases_home_of_sampling_still_finds_it_with_a_warning():
         sampling.Greedy
 
 
+@pytest.mark.parametrize("module,old,new", [
+    ("stream", "kv_capacity", "capacity.kv_capacity"), ("stream", "CapacityError", "capacity.CapacityError"),
+    ("stream", "chain", "round.chain"), ("tables", "UNCHECKED", "capacity.UNCHECKED"),
+    ("device_loop", "TokenStream", "device_loop.TokenFeed"), ("sampling", "Sampling", "acceptance.Sampling")])
+def test_the_first_releases_names_are_found_where_they_were_with_a_warning(module, old, new):
+    import importlib
+
+    home, _, name = new.rpartition(".")
+    with pytest.warns(DeprecationWarning, match=old):
+        found = getattr(importlib.import_module(f"memra_cuda.{module}"), old)
+    assert found is getattr(importlib.import_module(f"memra_cuda.{home}"), name)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        getattr(importlib.import_module(f"memra_cuda.{module}"), "no_such_name")
+
+
+def test_a_round_refuses_kernels_of_another_engine_and_a_lone_table_before_any_device_work():
+    """Round's first checks need no device: kernels must be the buffers' engine's, and
+    rollback_tables is a list of tables, not one (an AddressTable of no device memory)."""
+    from types import SimpleNamespace
+
+    from memra_cuda.round import Round, _kv_tables
+    from memra_cuda.tables import AddressTable
+
+    bufs = SimpleNamespace(engine=object())
+    with pytest.raises(ValueError, match="kernels belong to"):
+        Round(bufs, SimpleNamespace(engine=object()), lambda: (), model_buffers=(), rollback_tables=[],
+              state_tables=(), capture=None, stages=None)
+    class Lone(AddressTable):
+        def __init__(self) -> None:  # names no memory: nothing to allocate
+            pass
+
+        def __repr__(self) -> str:
+            return "Lone()"
+
+    with pytest.raises(TypeError, match=r"list of tables, not one table: \[Lone\(\)\]"):
+        _kv_tables(bufs, Lone())
+
+
 def test_rounds_are_torch_backed_whatever_form_the_tensors_take():
     """Issue 18, cases 1 and 2: a stream is made safe when torch is in play, also where the model's
     buffers reach it as DeviceBuffers adopted from tensors (memra_torch.buffer), not only as

@@ -136,7 +136,8 @@ def test_a_second_stream_cannot_use_buffers_another_streams_loop_holds(engine):
     for refused in (lambda: second.follow(10), lambda: second.step("graph"), lambda: second.generate(10),
                     lambda: second.issue_burst(1), lambda: bufs.reset(1, 2), lambda: bufs.set_stop(budget=1),
                     lambda: bufs.drain_ring(), lambda: bufs.receive(), lambda: bufs.drafts_accepted(1),
-                    lambda: first.generate(10, mode="graph")):
+                    lambda: first.generate(10, mode="graph"), lambda: second.graph_for(0),
+                    lambda: second.capture_graphs()):
         with pytest.raises(BuffersHeld, match="device-mode loop is still running"):
             refused()
     assert second.rounds == queued and bufs.holder is first.device_loop

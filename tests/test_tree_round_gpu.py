@@ -11,6 +11,7 @@ from memra_cuda import (Candidates, CapacityError, Greedy, KVData, RoundStream, 
 from memra_cuda.layout import ACC_ROUND, ACC_WORDS
 from memra_cuda.models import toy
 from memra_cuda.tables import Cache
+from memra_cuda.tree_kernels import SampledCandidates
 
 pytestmark = pytest.mark.gpu
 
@@ -61,10 +62,34 @@ def test_a_valid_round_prepares(engine, spec):
     (dict(kv_data=None), ValueError, "compact"),
     (dict(acceptance="greedy"), TypeError, "acceptance"),
     (dict(rollback_tables=[]), ValueError, "rollback"),
+    (dict(verify_tree="verify"), TypeError, "verify_tree"),
+    (dict(compact=42), TypeError, "compact"),
 ])
 def test_a_round_missing_what_it_needs_is_refused(engine, spec, change, error, match):
     with pytest.raises(error, match=match):
         Model(engine).round(spec=spec, **change)
+
+
+def test_the_compacted_caches_bound_the_rounds_too(engine, spec):
+    """A KV data layer smaller than the caches the rollback table names bounds every burst: its
+    moves past its capacity would be skipped, leaving stale entries."""
+    model = Model(engine)
+    assert model.round(spec=spec).capacity.entries == 64
+    small = Cache.allocate(engine, [True], 40, batch=B)
+    kv = kv_data_table(engine, [KVData.from_layer(model.cache.kv[0]), KVData.from_layer(small.kv[0])])
+    assert model.round(spec=spec, kv_data=kv).capacity.entries == 40
+
+
+def test_the_draw_refuses_candidates_of_another_tree(engine):
+    model = Model(engine)
+    nodes, kernels = TreeBufs(model.bufs, TREE), TreeKernels(engine)
+    for wrong in (SampledCandidates(engine, B, TREE.nodes + 1, TREE.draws),
+                  SampledCandidates(engine, B, TREE.nodes, TREE.draws - 1), "candidates"):
+        with pytest.raises(ValueError, match="SampledCandidates"):
+            kernels.prepare_draw(model.bufs, nodes, 1, model.q_d, model.seed_d, V, wrong)
+    gapped = StreamBufs(engine, GAPPED.depth, 2, batch=B)
+    with pytest.raises(ValueError, match="without gaps"):
+        kernels.prepare_draw(gapped, TreeBufs(gapped, GAPPED), 1, model.q_d, model.seed_d, V, None)
 
 
 def test_buffers_that_do_not_fit_the_tree_are_refused(engine, spec):

@@ -11,6 +11,7 @@ from .. import reference as ref
 from .. import reference_tree as ref_tree
 from ..layout import CTL_DONE, ROOT_PARENT
 from ..capacity import kv_capacity
+from ..tree import DynamicTree
 from .toy import M32, STATE_ROLLBACKS, ToyModel, fmix, fmix_array, live_slot, salt
 
 
@@ -206,7 +207,7 @@ class NumpyTreeRoundStream(NumpyRoundStream):
         self.pred = np.zeros(self.T1, np.uint32)
         self.tgt_states = NumpyStates(model, self.T1 - 1, state_rollback)
         self.draft_states = NumpyStates(model, self.T1 - 1, state_rollback)
-        if tree.dynamic:
+        if isinstance(tree, DynamicTree):
             self.grow_args = dict(width=tree.width, branch=tree.branch)
         else:
             self.grow_args = dict(shape_parent=np.array([ROOT_PARENT, *tree.parent[1:]], np.uint32),
