@@ -134,7 +134,9 @@ bench:
 	$(PICK) PYTHONPATH=. "$$py" -m memra_cuda.bench $(BENCH_ARGS)
 
 # Needs torch and transformers (the GPU machine has both): Hugging Face, graphed greedy and
-# round-stream on the Llama of examples/torch_llama.py.
+# round-stream on the Llama of examples/torch_llama.py, and its trees section chains against the
+# trees of examples/torch_tree.py; BENCH_ARGS="--json PATH" also writes its picture, PATH's .png
+# (with matplotlib, the plot extra).
 bench-torch:
 	$(PICK) PYTHONPATH=. "$$py" -m memra_cuda.bench --only torch $(BENCH_ARGS)
 

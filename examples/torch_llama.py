@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memra_cuda import (MODES, Cache, Engine, Greedy, KVLayer, Mode, RoundStream, Sampling, SpecKernels,
+from memra_cuda import (MODES, Cache, Engine, Greedy, KVData, KVLayer, Mode, RoundStream, Sampling, SpecKernels,
                         StateIndexTable, StateLayer, StateTable, StreamBufs, kv_capacity, kv_len_ptr_table,
                         state_copy_table, state_flip_table)
 from memra_cuda import torch as memra_torch
@@ -187,22 +187,33 @@ class RecurrentLayer(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, state: torch.Tensor,
                 store: Callable[[int, torch.Tensor], None] | None = None,
-                active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                active: torch.Tensor | None = None,
+                parents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden` is [R][T][hidden_size], R rows of T tokens; `state` [R][heads][d_k][d_v] the
         rows' state before the first token, only read. Token by token, as a decoder steps, so
         the state after every token exists: `store(t, state)` takes the one after token t. Where
-        `active` [R][T] is False a row's state stays as it was (a prefill's padding). Returns the
-        layer's output and the state after the last token."""
+        `active` [R][T] is False a row's state stays as it was (a prefill's padding). The tokens
+        are a tree's nodes where `parents` [R][T] is given: token t >= 1 steps from the state
+        after its parent (an earlier token; a garbage parent is clamped to one), token 0 from
+        `state`. Returns the layer's output and the state after the last token."""
         x = self.input_layernorm(hidden)
         rows, tokens, _ = x.shape
         q = (self.q_proj(x).float() * self.d_k ** -0.5).view(rows, tokens, self.heads, 1, self.d_k)
         k = self.k_proj(x).float().view(rows, tokens, self.heads, self.d_k, 1)
         v = self.v_proj(x).float().view(rows, tokens, self.heads, 1, self.d_v)
         g = torch.sigmoid(self.gate(x).float()).view(rows, tokens, self.heads, 1, 1)
+        if parents is not None:
+            every = torch.arange(rows, device=x.device)
+            parents = parents.long()
+            after_node = torch.empty(rows, tokens, *state.shape[1:], device=x.device)
         out = []
         for t in range(tokens):
+            if parents is not None and t:
+                state = after_node[every, parents[:, t].clamp(0, t - 1)]
             after = g[:, t] * state + k[:, t] * v[:, t]
             state = after if active is None else torch.where(active[:, t, None, None, None], after, state)
+            if parents is not None:
+                after_node[:, t] = state
             if store is not None:
                 store(t, state)
             out.append(q[:, t] @ state)  # [R][heads][1][d_v]
@@ -336,6 +347,21 @@ class StaticKV:
     def cache(self) -> Cache:
         return Cache([KVLayer(self.lengths[i], self.capacity) for i in range(len(self.lengths))])
 
+    def data(self) -> list[KVData]:
+        """Where the entries live, for a tree round's compaction (kernel 15): one record a layer
+        and KV head, as this cache keeps a head's positions together ([B][heads][capacity][d]).
+        A record's buffers are contiguous views from its head's first entry on, so each holds
+        the tensor it names."""
+        layers, batch, heads, capacity, dim = self.k.shape
+        size = self.k.element_size()
+        entry = dim * size
+        words = dim * size // 4  # as int32: torch gives bfloat16 tensors no __cuda_array_interface__
+        flat_k, flat_v = (kv.view(torch.int32).view(layers, -1) for kv in (self.k, self.v))
+        return [KVData(flat_k[layer, head * capacity * words:], flat_v[layer, head * capacity * words:],
+                       row_stride=heads * capacity * entry, pos_stride=entry, nbytes=entry, capacity=capacity,
+                       batch=batch)
+                for layer in range(layers) for head in range(heads)]
+
     def copy_rows(self, other: StaticKV, rows: torch.Tensor) -> None:
         """`other`'s first layers' entries and lengths in `rows` (what a stack of those same
         layers computes over the same tokens)."""
@@ -374,10 +400,12 @@ class Stack:
         self.prompt_len = torch.zeros(1, dtype=torch.long, device="cuda")
         self.prefills: dict[int, torch.cuda.CUDAGraph] = {}  # prompt length bucket -> its graph
 
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, **tree: torch.Tensor
+               ) -> torch.Tensor:
         """The head's logits after each of `tokens` ([B][T] at `positions`), or after the last
-        of each row's (the head then runs on one token a row)."""
-        hidden = self.append(tokens, positions)
+        of each row's (the head then runs on one token a row). `tree`: append's slots, mask
+        and parents, for a tree's nodes."""
+        hidden = self.append(tokens, positions, **tree)
         return self.model.lm_head(hidden[:, -1:] if last else hidden)
 
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -385,7 +413,8 @@ class Stack:
         return self.logits(tokens, positions).argmax(-1)
 
     def append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
-               lengths: torch.Tensor | None = None) -> torch.Tensor:
+               lengths: torch.Tensor | None = None, *, slots: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None, parents: torch.Tensor | None = None) -> torch.Tensor:
         """`tokens` and `positions` are [rows][T]; rows (a device index) are the cache rows
         they belong to, every row where None.
 
@@ -393,20 +422,30 @@ class Stack:
         recurrent layers start from zero and leave each row's state after its last prompt token
         as the row's live state. Any other forward runs over every row, its recurrent layers
         from the rows' live state, handing the state after each token to `state` (a verify's
-        go to slots, for round-stream to roll back)."""
+        go to slots, for round-stream to roll back).
+
+        A tree's nodes (torch_tree.py) sit at `positions` (their depth past the root, for RoPE)
+        but their K/V go to `slots` ([rows][T], the root's position plus the node's index), each
+        attends where `mask` ([rows][1][T][capacity], True: attend) says, and a recurrent layer
+        steps each node from its parent's state (`parents`, [rows][T]). Otherwise the slots are
+        the positions and the mask causal."""
         inner = self.model.model
-        positions = positions.long().clamp(0, self.kv.capacity - 1)  # a garbage position never writes outside
+        top = self.kv.capacity - 1
+        positions = positions.long().clamp(0, top)  # a garbage position never writes outside
+        slots = positions if slots is None else slots.long().clamp(0, top)
         hidden = inner.embed_tokens(tokens.long())
         rope = self.cos[positions], self.sin[positions]
-        mask = (self.slots <= positions[..., None])[:, None]  # causal over each row's absolute positions
-        self.kv.rows, self.kv.positions = rows, positions
+        if mask is None:
+            mask = (self.slots <= positions[..., None])[:, None]  # causal over each row's absolute positions
+        self.kv.rows, self.kv.positions = rows, slots
         if self.state is not None and lengths is None:
             self.state.begin()
         n = 0  # recurrent layers so far
         for layer in self.layers:
             if isinstance(layer, RecurrentLayer):
                 if lengths is None:
-                    hidden, _ = layer(hidden, self.state.read(n), functools.partial(self.state.store, n))
+                    hidden, _ = layer(hidden, self.state.read(n), functools.partial(self.state.store, n),
+                                      parents=parents)
                 else:
                     start = torch.zeros(hidden.shape[0], *layer.state_shape, device="cuda")
                     hidden, prompt = layer(hidden, start, active=self.slots[:hidden.shape[1]] < lengths[:, None])
@@ -414,7 +453,7 @@ class Stack:
                 n += 1
                 continue
             out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.kv,
-                        use_cache=True, cache_position=positions[0], position_embeddings=rope)
+                        use_cache=True, cache_position=slots[0], position_embeddings=rope)
             hidden = out[0] if isinstance(out, tuple) else out
         return inner.norm(hidden)
 
@@ -484,7 +523,124 @@ class Served(NamedTuple):
     latency: float
 
 
-class SpeculativeLlama:
+class RoundDecoder:
+    """What the example's speculative decoders share, the chain's (SpeculativeLlama) and the
+    tree's (torch_tree.TreeLlama): target and draft Stacks of `batch` rows (`target`, `draft`)
+    wired to a RoundStream (`rounds`, over StreamBufs `bufs` of k) on one torch stream, and what
+    a user does with them: prefill rows, capture the graphs, generate a batch, serve a queue.
+    A subclass builds those and sets `width`, what a round writes past its position (a tree's
+    T + 1; None for a chain's k + 1), `sampling` and, sampling, `seed_d` ([B] int64)."""
+
+    width: int | None = None
+
+    def _warm_up(self) -> None:
+        """One eager round, so torch's lazy set-up (library handles, workspaces) happens before
+        any capture; the next prefill resets everything it touched. Then every slot is vacant."""
+        self.prefill(range(self.batch), [[0, 0]] * self.batch)
+        self.rounds.step("readback")
+        self.bufs.set_stop(budget=0)
+
+    def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
+        """What a subclass sets for the rows `index` once their prompts are in."""
+
+    def state_tables(self) -> list[StateTable | StateIndexTable]:
+        """RoundStream's state_tables: the hybrid target's one table (none for a pure-attention
+        model, nor for the draft, which is attention only)."""
+        return [] if self.target.state is None else [self.target.state.table(self.engine)]
+
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+                seeds: Sequence[int] | None = None) -> list[int]:
+        """Both caches of each row take its prompt but the last token, which becomes pending;
+        `seeds` are the rows' requests' (sampling). Returns the rows' start positions."""
+        rows = list(rows)
+        if any(not prompt for prompt in prompts) or len(prompts) != len(rows):
+            raise ValueError(f"need one prompt of at least one token for each of the {len(rows)} rows")
+        starts = [len(prompt) - 1 for prompt in prompts]
+        with torch.cuda.stream(self.stream):
+            index = torch.tensor(rows, device="cuda")
+            self.target.prefill(rows, [prompt[:-1] for prompt in prompts])
+            self.draft.kv.copy_rows(self.target.kv, index)
+            pending = [int(prompt[-1]) for prompt in prompts]
+            if rows == list(range(self.batch)):
+                self.bufs.reset(pending, starts)
+            else:
+                for row, token, start in zip(rows, pending, starts):
+                    self.bufs.reset_row(row, token, start)
+            self._prefilled(index, prompts)
+            if self.sampling is not None:
+                self.seed_d[index] = torch.tensor(list(seeds or [0] * len(rows)), device="cuda")
+        return starts
+
+    def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:
+        """Every graph the modes may replay, and every one-row prefill graph, captured now,
+        before any request: through torch a capture synchronises the device, which a server
+        must not do mid-request."""
+        with torch.cuda.stream(self.stream):
+            self.target.capture_prefills()
+            self.rounds.capture_graphs(slots=(0, 1) if "overlap" in modes else (0,))
+
+    def generate_batch(self, requests: Sequence[Request], mode: str = "graph") -> list[list[int]]:
+        """One request per row, all started together and generated until each stops."""
+        if len(requests) != self.batch:
+            raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
+        self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests])
+        out = self.rounds.generate_batch([r.max_new_tokens for r in requests],
+                                         eos=[r.eos for r in requests], mode=mode)
+        return [tokens.tolist() for tokens in out]
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, eos: int | None = None,
+                 mode: str = "graph", seed: int = 0) -> list[int]:
+        return self.generate_batch([Request(prompt, max_new_tokens, eos, seed)], mode)[0]
+
+    def serve(self, requests: Sequence[Request], mode: str = "graph") -> list[Served]:
+        """Continuous batching: the requests, queued in order, through the batch's slots. A
+        slot is filled (prefill, reset_row, set_stop_row) as soon as its request stops, between
+        bursts, and every step runs all slots; no graph is recaptured."""
+        if as_mode(mode) is Mode.OVERLAP:
+            raise ValueError('serve() steps one burst at a time: "overlap" keeps two in flight (generate_batch)')
+        rounds, capacity = self.rounds.rounds_per_step(mode), self.target.kv.capacity
+        for i, request in enumerate(requests):  # refused before anything runs, not mid-serving
+            need = kv_capacity(len(request.prompt), request.max_new_tokens, self.k, rounds, batch=self.batch,
+                               width=self.width)
+            if need > capacity:
+                raise ValueError(f"request {i} ({len(request.prompt)} prompt tokens, {request.max_new_tokens} new) "
+                                 f"needs a KV cache of {need} entries in {mode} mode; these hold {capacity}")
+        queue = collections.deque(enumerate(requests))
+        slots: list[int | None] = [None] * self.batch
+        tokens: list[list[int]] = [[] for _ in range(self.batch)]
+        out: list[Served | None] = [None] * len(requests)
+        self.bufs.set_stop(budget=0)
+        begun = time.perf_counter()
+        while queue or any(slot is not None for slot in slots):
+            for row in range(self.batch):
+                if slots[row] is None and queue:
+                    slots[row], request = queue.popleft()
+                    tokens[row] = []
+                    self.prefill([row], [request.prompt], [request.seed])
+                    self.bufs.set_stop_row(row, request.eos, request.max_new_tokens)
+            readback = self.rounds.step(mode)
+            for row, slot in enumerate(slots):
+                if slot is None:
+                    continue
+                tokens[row] += readback.tokens[row].tolist()
+                if readback.done[row]:
+                    out[slot] = Served(tokens[row], time.perf_counter() - begun)
+                    slots[row] = None
+        return out
+
+    def acceptance(self, committed: int | Sequence[int]) -> float:
+        accepted, drafted = self.bufs.drafts_accepted(committed)
+        return accepted / drafted if drafted else 1.0
+
+    def tokens_per_round(self, committed: int | Sequence[int]) -> float:
+        """Tokens committed per row-round of the last generation (`committed` its tokens a row):
+        each round drafted k and committed its accepted drafts and one more."""
+        accepted, drafted = self.bufs.drafts_accepted(committed)
+        rounds = drafted / self.k
+        return (accepted + rounds) / rounds if rounds else 1.0
+
+
+class SpeculativeLlama(RoundDecoder):
     """Target and draft Stacks of `batch` rows wired to a RoundStream on one torch stream.
 
     The draft chain runs k draft steps from each row's pending token at its pos_ctr; the verify
@@ -555,16 +711,7 @@ class SpeculativeLlama:
             self.rounds = RoundStream(bufs, kernels=spec, draft_chain=self.draft_chain, verify_trunk=self.verify_trunk,
                                       draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table],
                                       state_tables=self.state_tables())
-            # One eager round, so torch's lazy set-up (library handles, workspaces) happens before
-            # any capture; the next prefill resets everything it touched. Then every slot is vacant.
-            self.prefill(range(batch), [[0, 0]] * batch)
-            self.rounds.step("readback")
-            bufs.set_stop(budget=0)
-
-    def state_tables(self) -> list[StateTable | StateIndexTable]:
-        """RoundStream's state_tables: the hybrid target's one table (none for a pure-attention
-        model, nor for the draft, which is attention only)."""
-        return [] if self.target.state is None else [self.target.state.table(self.engine)]
+            self._warm_up()
 
     def draft_chain(self) -> None:
         positions = self.pos_ctr.long() + self.steps  # [B][k+1]: where each draft step's input sits
@@ -602,91 +749,11 @@ class SpeculativeLlama:
         with blas("cublaslt"):
             return self.target.logits(tokens, positions)
 
-    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
-                seeds: Sequence[int] | None = None) -> list[int]:
-        """Both caches of each row take its prompt but the last token, which becomes pending;
-        `seeds` are the rows' requests' (sampling). reset zeroes acc_d, so the first draft step
-        reads vtok_d[0] as the token behind the pending one: the prompt's last but one. Returns
-        the rows' start positions."""
-        rows = list(rows)
-        if any(not prompt for prompt in prompts) or len(prompts) != len(rows):
-            raise ValueError(f"need one prompt of at least one token for each of the {len(rows)} rows")
-        starts = [len(prompt) - 1 for prompt in prompts]
-        with torch.cuda.stream(self.stream):
-            index = torch.tensor(rows, device="cuda")
-            self.target.prefill(rows, [prompt[:-1] for prompt in prompts])
-            self.draft.kv.copy_rows(self.target.kv, index)
-            pending = [int(prompt[-1]) for prompt in prompts]
-            if rows == list(range(self.batch)):
-                self.bufs.reset(pending, starts)
-            else:
-                for row, token, start in zip(rows, pending, starts):
-                    self.bufs.reset_row(row, token, start)
-            behind = torch.tensor([prompt[-2] if len(prompt) > 1 else 0 for prompt in prompts], device="cuda")
-            self.vtok[index, 0] = behind.to(torch.int32)
-            if self.sampling is not None:
-                self.seed_d[index] = torch.tensor(list(seeds or [0] * len(rows)), device="cuda")
-        return starts
-
-    def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:
-        """Every graph the modes may replay, and every one-row prefill graph, captured now,
-        before any request: through torch a capture synchronises the device, which a server
-        must not do mid-request."""
-        with torch.cuda.stream(self.stream):
-            self.target.capture_prefills()
-            self.rounds.capture_graphs(slots=(0, 1) if "overlap" in modes else (0,))
-
-    def generate_batch(self, requests: Sequence[Request], mode: str = "graph") -> list[list[int]]:
-        """One request per row, all started together and generated until each stops."""
-        if len(requests) != self.batch:
-            raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
-        self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests])
-        out = self.rounds.generate_batch([r.max_new_tokens for r in requests],
-                                         eos=[r.eos for r in requests], mode=mode)
-        return [tokens.tolist() for tokens in out]
-
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, eos: int | None = None,
-                 mode: str = "graph", seed: int = 0) -> list[int]:
-        return self.generate_batch([Request(prompt, max_new_tokens, eos, seed)], mode)[0]
-
-    def serve(self, requests: Sequence[Request], mode: str = "graph") -> list[Served]:
-        """Continuous batching: the requests, queued in order, through the batch's slots. A
-        slot is filled (prefill, reset_row, set_stop_row) as soon as its request stops, between
-        bursts, and every step runs all slots; no graph is recaptured."""
-        if as_mode(mode) is Mode.OVERLAP:
-            raise ValueError('serve() steps one burst at a time: "overlap" keeps two in flight (generate_batch)')
-        rounds, capacity = self.rounds.rounds_per_step(mode), self.target.kv.capacity
-        for i, request in enumerate(requests):  # refused before anything runs, not mid-serving
-            need = kv_capacity(len(request.prompt), request.max_new_tokens, self.k, rounds, batch=self.batch)
-            if need > capacity:
-                raise ValueError(f"request {i} ({len(request.prompt)} prompt tokens, {request.max_new_tokens} new) "
-                                 f"needs a KV cache of {need} entries in {mode} mode; these hold {capacity}")
-        queue = collections.deque(enumerate(requests))
-        slots: list[int | None] = [None] * self.batch
-        tokens: list[list[int]] = [[] for _ in range(self.batch)]
-        out: list[Served | None] = [None] * len(requests)
-        self.bufs.set_stop(budget=0)
-        begun = time.perf_counter()
-        while queue or any(slot is not None for slot in slots):
-            for row in range(self.batch):
-                if slots[row] is None and queue:
-                    slots[row], request = queue.popleft()
-                    tokens[row] = []
-                    self.prefill([row], [request.prompt], [request.seed])
-                    self.bufs.set_stop_row(row, request.eos, request.max_new_tokens)
-            readback = self.rounds.step(mode)
-            for row, slot in enumerate(slots):
-                if slot is None:
-                    continue
-                tokens[row] += readback.tokens[row].tolist()
-                if readback.done[row]:
-                    out[slot] = Served(tokens[row], time.perf_counter() - begun)
-                    slots[row] = None
-        return out
-
-    def acceptance(self, committed: int | Sequence[int]) -> float:
-        accepted, drafted = self.bufs.drafts_accepted(committed)
-        return accepted / drafted if drafted else 1.0
+    def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
+        """reset zeroes acc_d, so the first draft step reads vtok_d[0] as the token behind the
+        pending one: the prompt's last but one."""
+        behind = torch.tensor([prompt[-2] if len(prompt) > 1 else 0 for prompt in prompts], device="cuda")
+        self.vtok[index, 0] = behind.to(torch.int32)
 
 
 @contextlib.contextmanager
@@ -700,8 +767,9 @@ def blas(library: str) -> Iterator[None]:
         torch.backends.cuda.preferred_blas_library(before)
 
 
-def capacity_for(prompt_len: int, tokens: int, k: int, m_rounds: int, batch: int = 1) -> int:
-    return kv_capacity(prompt_len, tokens, k, m_rounds, overlap=True, batch=batch)
+def capacity_for(prompt_len: int, tokens: int, k: int, m_rounds: int, batch: int = 1, width: int | None = None) -> int:
+    """A cache for every mode (overlap's two bursts in flight): `width` a tree's T + 1."""
+    return kv_capacity(prompt_len, tokens, k, m_rounds, overlap=True, batch=batch, width=width)
 
 
 def hf_generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,

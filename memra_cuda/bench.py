@@ -28,8 +28,9 @@
    and dynamic tree, bare toy and 8B/0.5B, B = 1 and 32; the tree accepts alone against the HBM
    floor for their bytes.
 9. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
-   examples/torch_llama.py, one request, batches and continuous batching, and its hybrid
-   variant (bench_torch.py).
+   examples/torch_llama.py, one request, batches and continuous batching, its hybrid variant,
+   and trees against chains (examples/torch_tree.py) with their picture beside --json's file
+   (bench_torch.py).
 
     python -m memra_cuda.bench [--json PATH]
         [--only launch|host|rounds|batch|sampling|pipeline|device|state|tree|torch]
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         report["tree"] = bench_tree(engine, args.quick)
     if args.only == "torch":
         from .bench_torch import bench_torch  # torch and transformers only where asked for
-        report["torch"] = bench_torch(args.quick)
+        report["torch"] = bench_torch(args.quick, json_path=args.json)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

@@ -16,17 +16,27 @@
 4. Hybrid: the small model with layers HYBRID a gated linear recurrence, B in HYBRID_BATCHES,
    its state rolled back by copy and by flip, round-stream graph and overlap modes against the
    same model's plain greedy with each step a torch graph, and whether the tokens are its.
+5. Trees (examples/torch_tree.py), both sizes, B in TREE_BATCHES, greedy and sampling at T = 1,
+   the head's logits scaled by TREE_LOGIT_SCALE: tokens/s of chains (CHAIN_KS), static trees
+   (STATIC_SIZES) and dynamic trees (DYNAMIC) at each B, and of the tree tree_for_batch picks,
+   against graphed plain greedy; per configuration its tokens per round tau, its verify's and
+   draft's device time in target steps (v, d), the ideal tau / (v + d) and how much of it it
+   reaches; per B the best chain, static and dynamic tree, and the pick against the best chain.
+   With a JSON path, a picture beside it (matplotlib, the `plot` extra): tokens/s against B.
 
 Needs torch and transformers, and the source checkout (the example is not in the wheel).
 
-    PYTHONPATH=. python -m memra_cuda.bench_torch [--quick] [one_request|batches|serving|hybrid ...]
+    PYTHONPATH=. python -m memra_cuda.bench_torch [--quick] [--json PATH]
+        [one_request|batches|serving|hybrid|trees ...]
 
 runs some sections alone (`make bench-torch` runs them all).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
+import json
 import statistics
 import sys
 import time
@@ -34,20 +44,38 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .tree import DynamicTree
+
 TORCH_K, TORCH_M = 4, 16
 BATCHES = {"small": (1, 8, 32, 128, 512), "large": (1, 8, 32, 128)}
 SERVED, SLOTS = 64, 8
 HYBRID_BATCHES = (1, 8)
+TREE_BATCHES = (1, 8, 32, 128)
+# The head's scale for section 5, a trained model's confidence. Greedy tokens are the same at any
+# scale (argmax does not move), but a random model's near-flat log-probabilities would leave the
+# dynamic tree's ranking by cumulative draft log-probability nothing to rank by.
+TREE_LOGIT_SCALE = 4.0
+# Section 5's candidates at each B: they shrink as B grows, since a verify of T + 1 tokens a row
+# is nearly free at B = 1 and costs about T + 1 target steps once the GEMMs are compute-bound.
+CHAIN_KS = {1: (4, 8, 12), 8: (4, 8, 12), 32: (2, 4, 6), 128: (1, 2, 4)}
+STATIC_SIZES = {1: (32, 64), 8: (16, 32), 32: (6, 12), 128: (3, 6)}  # drafts T, trees by torch_tree.static_tree
+DYNAMIC = {1: (DynamicTree(10, 4, 4), DynamicTree(8, 6, 4)), 8: (DynamicTree(8, 2, 2), DynamicTree(6, 3, 3)),
+           32: (DynamicTree(6, 2, 2),), 128: (DynamicTree(3, 2, 2),)}
 
 
-def load_example() -> Any:
-    """examples/torch_llama.py, from the source checkout the bench runs in. An installed package
-    has no examples/: say so in one line, not a traceback."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "torch_llama.py"
+def load_example(name: str = "torch_llama") -> Any:
+    """examples/`name`.py (torch_llama, or torch_tree, which imports torch_llama), from the
+    source checkout the bench runs in. An installed package has no examples/: say so in one
+    line, not a traceback."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if name != "torch_llama":
+        load_example()  # what the other examples import it as
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
     if not path.is_file():
-        raise SystemExit("memra_cuda.bench: the PyTorch example is examples/torch_llama.py of the source "
+        raise SystemExit(f"memra_cuda.bench: the PyTorch example is examples/{name}.py of the source "
                          "repository, not part of the installed package: run `make bench-torch` from a checkout")
-    spec = importlib.util.spec_from_file_location("torch_llama", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
@@ -70,18 +98,11 @@ def _tokens_per_s(run: Callable[[int], list[int]], tokens: int) -> tuple[float, 
     return len(out) / seconds, out
 
 
-def _step_ms(step: Callable[..., Any], tokens: int = 1, replays: int = 200, **kwargs: Any) -> float:
-    """Device milliseconds of step(tokens, positions) over `tokens` tokens of one row, captured
-    as a graph and replayed."""
+def _replay_ms(graph: Any, stream: Any, replays: int = 200) -> float:
+    """Device milliseconds of one replay of `graph` on `stream`, between CUDA events around
+    `replays` of them: the device's time, not the host's launches."""
     import torch
-    token = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
-    position = torch.arange(8, 8 + tokens, device="cuda")[None]
-    stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        step(token, position, **kwargs)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step(token, position, **kwargs)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
@@ -89,6 +110,29 @@ def _step_ms(step: Callable[..., Any], tokens: int = 1, replays: int = 200, **kw
         end.record()
         end.synchronize()
     return start.elapsed_time(end) / replays
+
+
+def _graph_ms(run: Callable[[], Any], stream: Any = None, replays: int = 200) -> float:
+    """Device milliseconds of run(), captured in one CUDA graph on `stream` (a decoder's own,
+    whose buffers run() reads; a fresh one where None) after one eager run for torch's lazy
+    set-up, and replayed."""
+    import torch
+    stream = torch.cuda.Stream() if stream is None else stream
+    with torch.cuda.stream(stream):
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    return _replay_ms(graph, stream, replays)
+
+
+def _step_ms(step: Callable[..., Any], tokens: int = 1, replays: int = 200, **kwargs: Any) -> float:
+    """Device milliseconds of step(tokens, positions) over `tokens` tokens of one row, captured
+    as a graph and replayed."""
+    import torch
+    token = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
+    position = torch.arange(8, 8 + tokens, device="cuda")[None]
+    return _graph_ms(lambda: step(token, position, **kwargs), replays=replays)
 
 
 def bench_one_request(llama: Any, quick: bool) -> list[dict]:
@@ -279,20 +323,219 @@ def _bench_hybrid_batch(llama: Any, model: Any, batch: int, tokens: int) -> list
     return list(measured.values())
 
 
+def bench_trees(llama: Any, quick: bool) -> list[dict]:
+    """Section 5: chains against static and dynamic trees at each B, and the tree the example
+    picks there (torch_tree.tree_for_batch), so that PICKED can be checked against what this
+    machine measures."""
+    trees = load_example("torch_tree")
+    print(f"\ntrees: examples/torch_tree.py against the chain, M={TORCH_M}, graph mode, head scaled by "
+          f"{TREE_LOGIT_SCALE:g}, {64 if quick else '256 (B <= 8) or 128'} tokens a row; sampling at T=1; v and d: "
+          "the round's verify and draft in target steps, ideal = tau / (v + d), reached: the share of it got")
+    print(f"{'size':6} {'B':>4} {'mode':8} {'kind':7} {'config':18} {'tokens/s':>9} {'tau':>5} {'v':>6} {'d':>6} "
+          f"{'ideal':>6} {'reached':>7} {'vs plain':>8}")
+    rows: list[dict] = []
+    for size in ("small", "large"):
+        model = llama.build_model(size, logit_scale=TREE_LOGIT_SCALE)
+        for batch in TREE_BATCHES:
+            rows += _bench_tree_batch(llama, trees, model, size, batch, quick)
+    return rows
+
+
+def _tree_candidates(trees: Any, picked: Any, batch: int, quick: bool) -> list[tuple[str, Any]]:
+    """(kind, config) of every configuration measured at `batch`: the chains' k, the static and
+    dynamic trees (the first of each in a quick run), and `picked`, the tree the example picks
+    there (None: the chain), among its kind's where it is not one of them already."""
+    def some(options: Sequence[Any]) -> list[Any]:
+        return list(options[:1] if quick else options)
+    kinds = {"chain": some(CHAIN_KS[batch]), "static": [trees.static_tree(n) for n in some(STATIC_SIZES[batch])],
+             "dynamic": some(DYNAMIC[batch])}
+    if picked is not None:
+        kind = kinds["dynamic" if isinstance(picked, DynamicTree) else "static"]
+        if picked not in kind:
+            kind.append(picked)
+    return [(kind, config) for kind, configs in kinds.items() for config in configs]
+
+
+def _reach(kind: str, config: Any) -> tuple[int, int]:
+    """(depth, width) of a configuration for the capacity rule: a chain's k and k + 1, a tree's
+    depth and T + 1 nodes."""
+    return (config, config + 1) if kind == "chain" else (config.depth, config.nodes)
+
+
+def _tree_label(tree: Any) -> str:
+    """A tree's name in the table and the JSON (a static tree's repr lists every node)."""
+    if isinstance(tree, DynamicTree):
+        return f"{tree.depth}x{tree.width}, branch {tree.branch}"
+    return f"T={tree.nodes - 1}, depth {tree.depth}"
+
+
+def _label(row: dict) -> str:
+    """A measured configuration's name in the table: k=... for a chain."""
+    return f"k={row['config']}" if row["kind"] == "chain" else row["config"]
+
+
+def _bench_tree_batch(llama: Any, trees: Any, model: Any, size: str, batch: int, quick: bool) -> list[dict]:
+    """One size and B of section 5: plain decoding, then every candidate greedy and sampled, in
+    caches of one capacity that each of them fits."""
+    prompts = [llama.PROMPT] if batch == 1 else llama.prompts(batch, seed=batch)
+    tokens = 64 if quick else (256 if batch <= 8 else 128)
+    requests = [llama.Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
+    picked = trees.tree_for_batch(size, batch)
+    candidates = _tree_candidates(trees, picked, batch, quick)
+    depth, width = (max(values) for values in zip(*(_reach(kind, config) for kind, config in candidates)))
+    capacity = llama.capacity_for(max(map(len, prompts)), tokens, depth, TORCH_M, batch, width=width)
+    plain, step_ms = _plain_decoding(llama, model, capacity, requests)
+    _release()
+    print(f"{size:6} {batch:4} {'greedy':8} {'plain':7} {'':18} {plain:9.0f}   (a target step: {step_ms:.3f} ms)",
+          flush=True)
+    rows = [dict(size=size, batch=batch, mode="greedy", kind="plain", config=None, tokens_per_s=plain,
+                 step_ms=step_ms)]
+    for mode, sampling in (("greedy", None), ("sampling", llama.SamplingParams(1.0))):
+        measured = []
+        for kind, config in candidates:
+            row = dict(size=size, batch=batch, mode=mode, kind=kind,
+                       config=config if kind == "chain" else _tree_label(config),
+                       **_bench_tree_config(llama, trees, model, kind, config, requests, capacity, sampling, step_ms))
+            _release()  # the decoder it built, before the next
+            row["vs_plain"] = row["tokens_per_s"] / plain
+            row["reached"] = row["vs_plain"] / row["ideal"]
+            print(f"{size:6} {batch:4} {mode:8} {kind:7} {_label(row):18} {row['tokens_per_s']:9.0f} "
+                  f"{row['tau']:5.2f} {row['v']:6.2f} {row['draft']:6.2f} {row['ideal']:5.2f}x "
+                  f"{row['reached']:7.0%} {row['vs_plain']:7.2f}x", flush=True)
+            measured.append(row)
+        chosen = next((row for (_, config), row in zip(candidates, measured) if config == picked), None)
+        rows += measured + [_tree_summary(measured, chosen, plain)]
+    return rows
+
+
+def _plain_decoding(llama: Any, model: Any, capacity: int, requests: Sequence[Any]) -> tuple[float, float]:
+    """Tokens/s of graphed plain greedy over the requests' rows, and the device milliseconds of
+    its step (the graph a generation leaves), the unit of v and d."""
+    greedy = llama.GraphedGreedy(model, capacity, len(requests))
+    seconds, out = _timed(lambda: greedy.generate_batch(requests))
+    return sum(map(len, out)) / seconds, _replay_ms(greedy.graph, greedy.stream)
+
+
+def _bench_tree_config(llama: Any, trees: Any, model: Any, kind: str, config: Any, requests: Sequence[Any],
+                       capacity: int, sampling: Any, step_ms: float) -> dict:
+    """tokens/s and tau of one chain or tree, and the device time of its round's verify and draft
+    (each captured alone on the decoder's stream after the generation) in target steps. The
+    decoder goes when this returns, for _release() to give its memory back: at B = 128 a sampled
+    tree holds p and q of [B][T+1][32000] floats."""
+    batch = len(requests)
+    if kind == "chain":
+        spec = llama.SpeculativeLlama(model, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                                      sampling=sampling)
+        verify, draft = spec.verify_trunk, spec.draft_chain
+    else:
+        spec = trees.TreeLlama(model, config, m_rounds=TORCH_M, capacity=capacity, batch=batch, sampling=sampling)
+        verify, draft = spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
+    seconds, out = _timed(lambda: spec.generate_batch(requests))
+    lengths = [len(row) for row in out]
+    tau = spec.tokens_per_round(lengths)
+    v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft))
+    return dict(tokens_per_s=sum(lengths) / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d))
+
+
+def _release() -> None:
+    """Give a dropped decoder's device memory back before the next is built: its RoundStream
+    holds the decoder's own bound methods, a cycle only the collector breaks, and torch's
+    allocator keeps freed blocks cached until emptied."""
+    import torch
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _tree_summary(measured: list[dict], chosen: dict | None, plain: float) -> dict:
+    """One size, B and mode of section 5: the best of each kind, and the pick (`chosen`; the best
+    chain where tree_for_batch says the chain) against the best chain."""
+    best = {kind: max((row for row in measured if row["kind"] == kind), key=lambda row: row["tokens_per_s"])
+            for kind in ("chain", "static", "dynamic")}
+    tree = max(best["static"], best["dynamic"], key=lambda row: row["tokens_per_s"])
+    chosen = chosen or best["chain"]
+    chain = best["chain"]["tokens_per_s"]
+    first = measured[0]
+    summary = dict(size=first["size"], batch=first["batch"], mode=first["mode"], kind="best",
+                   plain_tokens_per_s=plain, chosen=chosen["config"], chosen_kind=chosen["kind"],
+                   chosen_tokens_per_s=chosen["tokens_per_s"], chosen_vs_chain=chosen["tokens_per_s"] / chain,
+                   best_tree=tree["config"], best_tree_kind=tree["kind"],
+                   best_tree_tokens_per_s=tree["tokens_per_s"], best_tree_vs_chain=tree["tokens_per_s"] / chain,
+                   best_tree_ideal=tree["ideal"], best_tree_reached=tree["reached"])
+    for kind, row in best.items():
+        summary.update({kind: row["config"], f"{kind}_tokens_per_s": row["tokens_per_s"]})
+    print(f"{first['size']:6} {first['batch']:4} {first['mode']:8} " + ", ".join(
+        f"best {kind} {_label(row)} {row['tokens_per_s']:.0f} tok/s" for kind, row in best.items()) +
+        f", chosen {chosen['kind']} {_label(chosen)} = {summary['chosen_vs_chain']:.2f}x the chain", flush=True)
+    return summary
+
+
+def plot_trees(rows: list[dict], path: str | Path) -> None:
+    """Section 5's picture at `path` (PNG): tokens/s against B for plain decoding, the best chain,
+    the best tree and that tree's ideal (ideal x plain tokens/s), a panel per model size, greedy
+    solid and sampling dashed. matplotlib is optional (the `plot` extra): without it, one line."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"trees: no picture at {path} without matplotlib (`pip install matplotlib` to get the picture)")
+        return
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+    best = [row for row in rows if row["kind"] == "best"]
+    sizes = [size for size in ("small", "large") if any(row["size"] == size for row in best)]
+    if not sizes:
+        return
+    series = {"plain decoding": lambda r: r["plain_tokens_per_s"], "best chain": lambda r: r["chain_tokens_per_s"],
+              "best tree": lambda r: r["best_tree_tokens_per_s"],
+              "ideal of the best tree": lambda r: r["best_tree_ideal"] * r["plain_tokens_per_s"]}
+    figure, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.5), squeeze=False)
+    for axis, size in zip(axes[0], sizes):
+        for mode, style in (("greedy", "-"), ("sampling", "--")):
+            mine = sorted((row for row in best if row["size"] == size and row["mode"] == mode),
+                          key=lambda row: row["batch"])
+            for color, (name, value) in enumerate(series.items()):
+                if not mine or (name == "plain decoding" and mode == "sampling"):  # plain decoding is greedy
+                    continue
+                axis.plot([row["batch"] for row in mine], [value(row) for row in mine], style, color=f"C{color}",
+                          marker="o", label=name if name == "plain decoding" else f"{name}, {mode}")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(TREE_BATCHES, [str(b) for b in TREE_BATCHES])
+        axis.set(title=f"{size} model", xlabel="B (rows)", ylabel="tokens/s, all rows")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"trees: the picture is {path}")
+
+
 SECTIONS = {"one_request": bench_one_request, "batches": bench_batches, "serving": bench_serving,
-            "hybrid": bench_hybrid}
+            "hybrid": bench_hybrid, "trees": bench_trees}
 
 
-def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS)) -> dict[str, list[dict]]:
+def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS),
+                json_path: str | Path | None = None) -> dict[str, list[dict]]:
+    """The sections' rows by name. The trees section's picture goes beside the JSON at
+    `json_path` (its name, .png), which the caller writes."""
     llama = load_example()
-    return {name: SECTIONS[name](llama, quick) for name in sections}
+    report = {name: SECTIONS[name](llama, quick) for name in sections}
+    if "trees" in report:
+        if json_path is None:
+            print("trees: the picture goes beside the JSON: give --json PATH to get it")
+        else:
+            plot_trees(report["trees"], Path(json_path).with_suffix(".png"))
+    return report
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="round-stream on examples/torch_llama.py, some sections alone")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (and the trees' picture beside)")
     parser.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)} (default: all)")
     args = parser.parse_args()
     if set(args.sections) - set(SECTIONS):
         parser.error(f"sections are {', '.join(SECTIONS)}, not {', '.join(sorted(set(args.sections) - set(SECTIONS)))}")
-    bench_torch(args.quick, args.sections or tuple(SECTIONS))
+    report = bench_torch(args.quick, args.sections or tuple(SECTIONS), args.json)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)

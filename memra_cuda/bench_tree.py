@@ -15,7 +15,6 @@
 """
 from __future__ import annotations
 
-import heapq
 import time
 
 import numpy as np
@@ -36,20 +35,9 @@ DYNAMIC = {8: (4, 2, 2), 16: (4, 4, 4), 32: (8, 4, 4), 64: (8, 8, 4)}  # T: (dep
 ACCEPT_VOCAB = 152_000
 
 
-def static_tree(size: int, depth: int = 8, right: float = 0.6, fall: float = 0.5) -> TreeShape:
-    """The `size` draft nodes of the highest chance to be on the accepted path when rank r is
-    right with probability right * fall**r (a child's chance is below its parent's, so the best
-    nodes form a tree), at most `depth` deep."""
-    chosen: list[tuple[int, ...]] = []
-    frontier = [(-right * fall**r, (r,)) for r in range(CANDIDATES)]
-    heapq.heapify(frontier)
-    while len(chosen) < size:
-        chance, path = heapq.heappop(frontier)
-        chosen.append(path)
-        if len(path) < depth:
-            for r in range(CANDIDATES):
-                heapq.heappush(frontier, (chance * right * fall**r, (*path, r)))
-    return TreeShape.from_choices(chosen)
+def static_tree(size: int) -> TreeShape:
+    """The bench's static tree of `size` drafts, 8 deep, from the toy's 8 candidates."""
+    return TreeShape.likeliest(size, depth=8, ranks=CANDIDATES)
 
 
 def _generate(engine: Engine, lm: ToyLM, bufs: StreamBufs, stream, prompts: list[list[int]]) -> tuple[float, float]:

@@ -9,6 +9,7 @@ per row, which candidates fill them.
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -89,6 +90,35 @@ class TreeShape:
     def chain(cls, k: int) -> TreeShape:
         """k drafts in a line: the tree a chain round verifies."""
         return cls((-1, *range(k)), (0,) * (k + 1))
+
+    @classmethod
+    def likeliest(cls, size: int, *, depth: int = 8, right: float = 0.6, fall: float = 0.5,
+                  ranks: int = MAX_TREE_DRAWS) -> TreeShape:
+        """The `size` draft nodes most likely on the accepted path when a node of rank r is
+        right with probability right * fall**r given its parent (a child's chance is below its
+        parent's, so the likeliest nodes form a tree), at most `depth` deep and `ranks` wide:
+        a static tree for a draft whose rank-r candidates are accepted at about those rates."""
+        size, depth, ranks = as_index(size, "size"), as_index(depth, "depth"), as_index(ranks, "ranks")
+        if not (0 < right <= 1 and 0 < fall <= 1) or min(size, depth, ranks) < 1:
+            raise ValueError(f"a likeliest tree needs size, depth and ranks >= 1 and right, fall in (0, 1], not "
+                             f"size={size}, depth={depth}, ranks={ranks}, right={right}, fall={fall}")
+        if size >= MAX_TREE_NODES:
+            raise ValueError(f"a tree has 2 to {MAX_TREE_NODES} nodes (the ancestor mask's width): a likeliest "
+                             f"tree of {size} drafts has {size + 1}")
+        most = sum(ranks**d for d in range(1, min(depth, size) + 1))  # every node a tree this deep and wide has
+        if size > most:
+            raise ValueError(f"a likeliest tree at most {depth} deep and {ranks} wide has at most {most} nodes, "
+                             f"not {size}")
+        chosen: list[tuple[int, ...]] = []
+        frontier = [(-right * fall**r, (r,)) for r in range(ranks)]
+        heapq.heapify(frontier)
+        while len(chosen) < size:
+            chance, path = heapq.heappop(frontier)
+            chosen.append(path)
+            if len(path) < depth:
+                for r in range(ranks):
+                    heapq.heappush(frontier, (chance * right * fall**r, (*path, r)))
+        return cls.from_choices(chosen)
 
     @property
     def nodes(self) -> int:

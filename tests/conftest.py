@@ -37,6 +37,24 @@ def llama():
     return load_example()
 
 
+@pytest.fixture(scope="module")
+def small(engine, llama):
+    """The example's small Llama (fp32), built once a module that asks for it."""
+    return llama.build_model("small")
+
+
+@pytest.fixture(scope="module")
+def peaked(engine, llama):
+    """The small model with a head scaled up, so its sampled law is far from uniform."""
+    return llama.build_model("small", logit_scale=8.0)
+
+
+@pytest.fixture(scope="module")
+def hybrid(engine, llama):
+    """The small model with layers HYBRID a gated linear recurrence."""
+    return llama.build_model("small", recurrent_layers=llama.HYBRID)
+
+
 def _skip_reason(report: pytest.TestReport) -> str:
     longrepr = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)

@@ -24,17 +24,6 @@ def first_difference(got: list[int], want: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
-@pytest.fixture(scope="module")
-def small(engine, llama):
-    return llama.build_model("small")
-
-
-@pytest.fixture(scope="module")
-def peaked(engine, llama):
-    """The small model with a head scaled up, so its sampled law is far from uniform."""
-    return llama.build_model("small", logit_scale=8.0)
-
-
 # -- greedy, B = 8 ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,6 @@ CASES = [(state, batch, mode) for state in ROLLBACKS for batch in BUDGETS for mo
 
 
 @pytest.fixture(scope="module")
-def hybrid(engine, llama):
-    return llama.build_model("small", recurrent_layers=llama.HYBRID)
-
-
-@pytest.fixture(scope="module")
 def batches(llama, hybrid):
     """B -> (requests, what plain greedy decoding gives each, its greedy tokens K past every
     budget and EOS, capacity). One request of PROMPT; eight prompts of 2 to 40 tokens, budgets of

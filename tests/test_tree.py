@@ -130,3 +130,38 @@ def test_kv_data_refuses_what_the_compaction_cannot_move():
     with pytest.raises(ValueError, match="aligned"):
         KVData(DeviceBuffer.wrap(FAKE_PTR + 2, np.uint8, 400), row_stride=160, pos_stride=16, nbytes=16, capacity=10,
                batch=2)
+
+
+def test_the_likeliest_tree_holds_the_nodes_of_highest_chance():
+    """Every node's chance is the product of right * fall**rank along its path; the tree holds the
+    `size` highest (ties aside), each chosen node's parent is chosen, and the limits hold."""
+    tree = TreeShape.likeliest(20, depth=5, right=0.7, fall=0.4, ranks=3)
+    assert tree.nodes == 21 and tree.depth <= 5 and max(tree.rank) < 3
+
+    def chance(i: int) -> float:
+        p, c = i, 1.0
+        while tree.parent[p] >= 0:
+            c, p = c * 0.7 * 0.4 ** tree.rank[p], tree.parent[p]
+        return c
+    chosen = sorted(chance(i) for i in range(1, tree.nodes))
+    # the best node left out: a child of a chosen node (or of the root) that is not in the tree
+    taken = {(tree.parent[i], tree.rank[i]) for i in range(1, tree.nodes)}
+    left = [chance(p) * 0.7 * 0.4 ** r for p in range(tree.nodes) for r in range(3)
+            if (p, r) not in taken and tree.depths[p] < 5]
+    assert max(left) <= chosen[0] + 1e-12
+    assert TreeShape.likeliest(6, right=0.8, fall=0.3).parent == tuple(range(-1, 6)), "a sure draft's tree is a line"
+    assert TreeShape.likeliest(3, right=1.0, fall=1.0, ranks=3, depth=1).parent == (-1, 0, 0, 0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(size=0), dict(size=4, depth=0), dict(size=4, ranks=0),
+                                    dict(size=4, right=0.0), dict(size=4, fall=1.5),
+                                    dict(size=4, depth=1, ranks=3), dict(size=7, depth=2, ranks=2)])
+def test_the_likeliest_tree_refuses_what_makes_no_tree(kwargs):
+    with pytest.raises(ValueError, match="likeliest tree"):
+        TreeShape.likeliest(**kwargs)
+
+
+def test_the_likeliest_tree_is_bounded_by_the_mask():
+    assert TreeShape.likeliest(MAX_TREE_NODES - 1).nodes == MAX_TREE_NODES
+    with pytest.raises(ValueError, match="2 to"):
+        TreeShape.likeliest(MAX_TREE_NODES)

@@ -1,0 +1,238 @@
+"""Trees on the Llama of examples/torch_llama.py: the same target and self-speculative draft,
+but each round the draft grows a tree of candidates through the layer (static or dynamic,
+docs/trees.md), the target verifies all of its T + 1 nodes in one forward under the ancestor
+mask, and the layer commits the path the target accepts and moves that path's K/V to
+consecutive slots in both models' static caches (kernel 15), greedy or sampled, in every mode.
+
+The model's two duties are two methods, each queued on the engine's torch stream:
+
+- `draft_level(d)`: the draft over the nodes of level d (tree_bufs' tokens at their positions,
+  K/V at slot pos_start + node, attending to the committed prefix and to each node's
+  ancestors), then each node's K best candidates (greedy) or its distribution q (sampling);
+  the last level only writes its K/V.
+- `verify_tree()`: the target over every node likewise, its prediction (greedy) or its
+  distribution p (sampling) at each node.
+
+The ancestor mask is tree_bufs' bit mask turned into SDPA's boolean one by `tree_mask`. A
+hybrid target (recurrent layers) steps each node from its parent's state and leaves a slot a
+node (T + 1), for the layer to keep the path's last one.
+
+`tree_for_batch(size, batch)` is what the example picks at a batch size, measured on an H200
+by `make bench-torch` (its "trees" section), or None where the chain (torch_llama.py) is
+faster. On this model the chain wins at small B: its draft agrees with the target so often
+that a deeper chain gains about what a branch does, and a tree's draft levels cost more than a
+chain's steps (docs/torch.md, "Trees").
+
+    PYTHONPATH=. python examples/torch_tree.py [--size small|large] [--batch B] [--tokens 256]
+        [--tree auto|static:N|dynamic:D,W,B] [--mode graph] [--temperature T ...] [--hybrid]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import torch
+from torch_llama import (HYBRID, PROMPT, SIZES, CopyState, FlipState, RecurrentLayer, Request, RoundDecoder,
+                         SamplingParams, Stack, blas, build_model, capacity_for, hf_greedy, prompts)
+from transformers import LlamaForCausalLM
+
+from memra_cuda import (MODES, Candidates, DynamicTree, Greedy, RoundStream, Sampling, StreamBufs, TreeBufs, TreeRound,
+                        TreeShape, kv_data_table, kv_len_ptr_table)
+from memra_cuda import torch as memra_torch
+from memra_cuda.tree import Tree
+
+def static_tree(size: int) -> TreeShape:
+    """The example's static tree of `size` drafts: the likeliest nodes for a draft whose best
+    candidate is right about 80% of the time and each next rank's 0.3 times as often (the
+    self-speculative draft's rates, about), up to 12 deep."""
+    return TreeShape.likeliest(size, depth=12, right=0.8, fall=0.3, ranks=4)
+
+
+# The tree per model size and batch (None: the chain, SpeculativeLlama), from `make bench-torch`'s
+# trees section on an H200 (docs/torch.md, "Trees"): at each B, the measured configuration whose
+# tokens/s against the best measured chain is highest in its worse mode (greedy or sampling), where
+# that is at least 0.98. On this model no branching tree passed that: the picks at B = 32 and 128
+# are one-branch trees (static_tree(6) and static_tree(3) are lines), chains verified as trees.
+PICKED: dict[str, dict[int, Tree | None]] = {
+    "small": {1: None, 8: None, 32: None, 128: static_tree(3)},
+    "large": {1: None, 8: None, 32: static_tree(6), 128: static_tree(3)},
+}
+
+
+def tree_for_batch(size: str, batch: int) -> Tree | None:
+    """The tree the example verifies at `batch` rows of the `size` model, or None where the chain
+    is faster: the measured pick of the largest batch size measured not above `batch`."""
+    picks = PICKED[size]
+    below = [b for b in picks if b <= batch]
+    return picks[max(below)] if below else picks[min(picks)]
+
+
+def parse_tree(text: str) -> Tree:
+    """"static:N" (static_tree of N drafts) or "dynamic:D,W,B" (DynamicTree)."""
+    kind, _, spec = text.partition(":")
+    try:
+        numbers = [int(x) for x in spec.split(",")]
+    except ValueError:
+        numbers = []
+    if kind == "static" and len(numbers) == 1:
+        return static_tree(numbers[0])
+    if kind == "dynamic" and len(numbers) == 3:
+        return DynamicTree(*numbers)
+    raise ValueError(f'a tree is "static:N" or "dynamic:DEPTH,WIDTH,BRANCH", not {text!r}')
+
+
+def tree_mask(words: torch.Tensor, pos_start: torch.Tensor, capacity: int) -> torch.Tensor:
+    """SDPA's boolean mask ([B][1][n][capacity], True: attend) for n nodes whose ancestor masks
+    are `words` ([B][n][W] int32, TreeBufs.mask_d's bits: node j at bit j % 32 of word j // 32)
+    in a tree whose root sits at slot `pos_start` ([B][1]): each node attends to every slot
+    before the root (the committed prefix) and to slot pos_start + j for each j in its mask."""
+    batch, n, width = words.shape
+    nodes = torch.arange(32 * width, device=words.device)
+    bits = ((words[..., nodes // 32] >> (nodes % 32).to(torch.int32)) & 1).bool()  # [B][n][32W]
+    relative = torch.arange(capacity, device=words.device) - pos_start  # [B][capacity]
+    inside = (relative >= 0) & (relative < 32 * width)
+    tree = bits.gather(2, relative.clamp(0, 32 * width - 1)[:, None, :].expand(batch, n, capacity))
+    return ((relative < 0)[:, None, :] | (tree & inside[:, None, :]))[:, None]
+
+
+class TreeLlama(RoundDecoder):
+    """Target and draft Stacks of `batch` rows verifying `tree` each round (TreeRound on one
+    torch stream): greedy, the draft's `candidates` best tokens a node (default the most the tree
+    asks for) and the target's argmax at each node; with `sampling`, the draft's distribution q
+    and the target's p at each node ([B][T+1][V] f32 each), the children drawn and accepted by the
+    layer's exact rejection sampling without replacement, keyed by the rows' seeds.
+
+    Both caches are compacted by the layer (kv_data_table over StaticKV.data(): a record per layer
+    and head). A hybrid target keeps T + 1 state slots (`state_rollback` "copy" or "flip")."""
+
+    def __init__(self, model: LlamaForCausalLM, tree: Tree, *, candidates: int | None = None, m_rounds: int = 16,
+                 capacity: int = 1024, batch: int = 1, draft_layers: int = 1, sampling: SamplingParams | None = None,
+                 draft_sampling: SamplingParams | None = None, state_rollback: str = "copy"):
+        if not isinstance(tree, (TreeShape, DynamicTree)):
+            raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
+        if state_rollback not in ("copy", "flip"):
+            raise ValueError(f'state_rollback is "copy" or "flip", not {state_rollback!r}')
+        if any(isinstance(layer, RecurrentLayer) for layer in model.model.layers[:draft_layers]):
+            raise ValueError(f"the draft's {draft_layers} layer(s) must be attention: put recurrent layers past them")
+        self.model, self.tree, self.batch = model, tree, batch
+        self.k, self.width = tree.depth, tree.nodes
+        if sampling is not None and candidates is not None:
+            raise ValueError("a sampled tree draws its children from the draft's q: candidates= is for greedy trees")
+        self.candidates = tree.draws if candidates is None else int(candidates)
+        if not tree.draws <= self.candidates <= model.config.vocab_size:
+            raise ValueError(f"the tree asks for {tree.draws} candidates a node: candidates must be from that to the "
+                             f"vocabulary's {model.config.vocab_size}, not {candidates}")
+        self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
+        nodes = tree.nodes
+        self.stream = torch.cuda.Stream()
+        with torch.cuda.stream(self.stream):
+            self.engine = engine = memra_torch.engine()
+            strategy = (functools.partial(CopyState, k=nodes - 1) if state_rollback == "copy" else
+                        functools.partial(FlipState, k=nodes - 1, engine=engine))
+            self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy)
+            self.draft = Stack(model, draft_layers, capacity, batch)
+            self.bufs = bufs = StreamBufs(engine, tree.depth, m_rounds, batch)
+            self.tree_bufs = tb = TreeBufs(bufs, tree)
+            self.tok = memra_torch.tensor(tb.tok_d, torch.int32).view(batch, nodes)
+            self.pos = memra_torch.tensor(tb.pos_d).view(batch, nodes)
+            self.parents = memra_torch.tensor(tb.parent_d, torch.int32).view(batch, nodes)
+            self.words = memra_torch.tensor(tb.mask_d, torch.int32).view(batch, nodes, tb.words)
+            self.pos_start = memra_torch.tensor(bufs.pos_start_d)[:, None]
+            self.node_index = torch.arange(nodes, device="cuda")
+            vocab = model.config.vocab_size
+            if sampling is None:
+                self.cand_tok = torch.zeros(batch, nodes, self.candidates, dtype=torch.long, device="cuda")
+                self.cand_logp = torch.full((batch, nodes, self.candidates), -torch.inf, device="cuda")
+                self.pred_d = torch.zeros(batch, nodes, dtype=torch.long, device="cuda")
+                rule = dict(acceptance=Greedy(self.pred_d), candidates=Candidates(self.cand_tok, self.cand_logp))
+            else:
+                self.p_d = torch.zeros(batch, nodes, vocab, device="cuda")
+                self.q_d = torch.zeros(batch, nodes, vocab, device="cuda")
+                self.seed_d = torch.zeros(batch, dtype=torch.int64, device="cuda")
+                rule = dict(acceptance=Sampling(self.p_d, self.q_d, self.seed_d, vocab))
+            layers = self.target.kv.cache() + self.draft.kv.cache()
+            round_ = TreeRound(bufs, tb, draft_levels=[functools.partial(self.draft_level, d)
+                                                       for d in range(tree.depth + 1)],
+                               verify_tree=self.verify_tree,
+                               rollback_tables=[kv_len_ptr_table(engine, layers, pos_ctr=bufs.pos_ctr_d)],
+                               kv_data=kv_data_table(engine, self.target.kv.data() + self.draft.kv.data()),
+                               state_tables=self.state_tables(), **rule)
+            self.rounds = RoundStream.of(round_)
+            self._warm_up()
+
+    def _nodes(self, start: int, stop: int, stack: Stack) -> dict[str, torch.Tensor]:
+        """append's keywords for nodes start..stop: their slots and mask."""
+        return dict(slots=self.pos_start + self.node_index[start:stop],
+                    mask=tree_mask(self.words[:, start:stop], self.pos_start, stack.kv.capacity))
+
+    def draft_level(self, level: int) -> None:
+        """The draft over level `level`'s nodes: their K/V, and but for the deepest level what
+        their children are made of (greedy: the best candidates and their log-probabilities;
+        sampling: q)."""
+        start, stop = self.tree.levels[level]
+        tokens, positions = self.tok[:, start:stop], self.pos[:, start:stop]
+        nodes = self._nodes(start, stop, self.draft)
+        if level == self.tree.depth:
+            self.draft.append(tokens, positions, **nodes)
+            return
+        logits = self.draft.logits(tokens, positions, **nodes)
+        if self.sampling is None:
+            best = logits.float().log_softmax(-1).topk(self.candidates, dim=-1)
+            self.cand_tok[:, start:stop] = best.indices
+            self.cand_logp[:, start:stop] = best.values
+        else:
+            self.q_d[:, start:stop] = self.draft_sampling.probs(logits)
+
+    def verify_tree(self) -> None:
+        """The target over all T + 1 nodes under the ancestor mask, in one forward."""
+        with blas("cublaslt"):
+            logits = self.target.logits(self.tok, self.pos, parents=self.parents,
+                                        **self._nodes(0, self.tree.nodes, self.target))
+        if self.sampling is None:
+            self.pred_d.copy_(logits.argmax(-1))
+        else:
+            self.p_d.copy_(self.sampling.probs(logits))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--tree", default="static:16",
+                        help='"static:N" (static_tree), "dynamic:D,W,B" (DynamicTree) or "auto" (tree_for_batch)')
+    parser.add_argument("--m-rounds", type=int, default=16)
+    parser.add_argument("--mode", choices=MODES, default="graph")
+    parser.add_argument("--temperature", type=float, default=None, help="sample (default: greedy)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--hybrid", action="store_true", help=f"layers {HYBRID} a gated linear recurrence")
+    parser.add_argument("--state-rollback", choices=["copy", "flip"], default="copy")
+    args = parser.parse_args(argv)
+    try:
+        tree = tree_for_batch(args.size, args.batch) if args.tree == "auto" else parse_tree(args.tree)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if tree is None:
+        parser.error(f"at B={args.batch} the {args.size} model decodes faster by the chain: "
+                     "examples/torch_llama.py, or name a --tree")
+    model = build_model(args.size, recurrent_layers=HYBRID if args.hybrid else ())
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature is not None else None
+    batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
+    requests = [Request(prompt, args.tokens, None, seed) for seed, prompt in enumerate(batch)]
+    capacity = capacity_for(max(map(len, batch)), args.tokens, tree.depth, args.m_rounds, args.batch, tree.nodes)
+    spec = TreeLlama(model, tree, m_rounds=args.m_rounds, capacity=capacity, batch=args.batch, sampling=sampling,
+                     state_rollback=args.state_rollback)
+    got = spec.generate_batch(requests, args.mode)
+    print(f"{args.size} model, B={args.batch}, {tree}, {args.mode}, {'greedy' if sampling is None else sampling}: "
+          f"{sum(map(len, got))} tokens, {spec.tokens_per_round([len(row) for row in got]):.2f} tokens a round")
+    if model.dtype == torch.float32 and sampling is None and not args.hybrid:
+        same = got == [hf_greedy(model, r.prompt, r.max_new_tokens) for r in requests]
+        print(f"every row equals Hugging Face greedy on its own prompt: {'yes' if same else 'NO'}")
+        return 0 if same else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
