@@ -379,14 +379,16 @@ class Stack:
 
     Its RecurrentLayers (a hybrid model's) keep their state in `state`, made by
     `state(layers, batch, (heads, d_k, d_v))`: LiveState for plain decoding, CopyState or
-    FlipState for round-stream (None without such layers)."""
+    FlipState for round-stream (None without such layers). `cache` makes the KV cache, as
+    StaticKV(config, layers, batch, capacity, dtype) does (torch_tree.PagedKV lays it in pages)."""
 
     def __init__(self, model: LlamaForCausalLM, n_layers: int, capacity: int, batch: int = 1,
-                 state: Callable[[int, int, tuple[int, int, int]], LiveState | FlipState] = LiveState):
+                 state: Callable[[int, int, tuple[int, int, int]], LiveState | FlipState] = LiveState,
+                 cache: Callable[..., StaticKV] = StaticKV):
         self.model = model
         self.layers = model.model.layers[:n_layers]
         self.batch = batch
-        self.kv = StaticKV(model.config, n_layers, batch, capacity, model.dtype)
+        self.kv = cache(model.config, n_layers, batch, capacity, model.dtype)
         recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentLayer)]
         self.state = state(len(recurrent), batch, recurrent[0].state_shape) if recurrent else None
         self.slots = torch.arange(capacity, device="cuda")

@@ -31,15 +31,18 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from typing import Any
 
 import torch
 from torch_llama import (HYBRID, PROMPT, SIZES, CopyState, FlipState, RecurrentLayer, Request, RoundDecoder,
-                         SamplingParams, Stack, blas, build_model, capacity_for, hf_greedy, prompts)
+                         SamplingParams, Stack, StaticKV, blas, build_model, capacity_for, head_size, hf_greedy,
+                         prompts)
 from transformers import LlamaForCausalLM
 
 from memra_cuda import (MODES, Candidates, DynamicTree, Greedy, RoundStream, Sampling, StreamBufs, TreeBufs, TreeRound,
                         TreeShape, kv_data_table, kv_len_ptr_table)
 from memra_cuda import torch as memra_torch
+from memra_cuda.layout import ACC_ROUND, ACC_WORDS
 from memra_cuda.tree import Tree
 
 def static_tree(size: int) -> TreeShape:
@@ -96,6 +99,71 @@ def tree_mask(words: torch.Tensor, pos_start: torch.Tensor, capacity: int) -> to
     return ((relative < 0)[:, None, :] | (tree & inside[:, None, :]))[:, None]
 
 
+class PagedKV(StaticKV):
+    """StaticKV's cache laid out in pages of `page` positions, as a paged engine keeps it: one pool
+    of pages a layer ([layers][pages][heads][page][d]), a row's logical page j at physical page
+    `table[row, j]`, the pages of every row shuffled through the pool. The layer's compaction
+    kernel cannot describe it (its entries are not one stride apart), so a tree round moves the
+    accepted path by the model's own callable: compact(), a few torch ops a depth."""
+
+    def __init__(self, config: Any, n_layers: int, batch: int, capacity: int, dtype: torch.dtype, page: int = 16):
+        if page < 1:
+            raise ValueError(f"a page holds at least one position, not {page}")
+        per_row = -(-capacity // page)
+        dim, heads = head_size(config), config.num_key_value_heads
+        self.k = torch.zeros(n_layers, batch * per_row, heads, page, dim, dtype=dtype, device="cuda")
+        self.v = torch.zeros_like(self.k)
+        shuffle = torch.randperm(batch * per_row, generator=torch.Generator().manual_seed(per_row))
+        self.table = shuffle.view(batch, per_row).cuda()  # the same for every cache of this shape
+        self.page, self.capacity = page, capacity
+        self.lengths = torch.zeros(n_layers, batch, dtype=torch.int32, device="cuda")
+        self.rows: torch.Tensor | None = None
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+        self._every_row = torch.arange(batch, device="cuda")[:, None]
+
+    def _at(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The physical page and the offset in it of each of `slots` of `rows` (broadcast)."""
+        return self.table[rows, slots // self.page], slots % self.page
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):
+        rows = self._every_row if self.rows is None else self.rows[:, None]
+        page, offset = self._at(rows, self.positions)
+        self.k[layer][page, :, offset] = key.transpose(1, 2)
+        self.v[layer][page, :, offset] = value.transpose(1, 2)
+        return self.gather(layer, rows[:, 0])
+
+    def gather(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `rows` in logical order, [rows][heads][capacity][d], for the attention."""
+        pages = self.table[rows]  # [rows][per_row]
+        return tuple(kv[layer][pages].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, :self.capacity]
+                     for kv in (self.k, self.v))
+
+    def compact(self, path: torch.Tensor, accepted: torch.Tensor, start: torch.Tensor) -> None:
+        """The layer's kernel 15 in torch: for d = 1..D in increasing d (a deeper depth's source
+        can be a shallower one's destination), each row with at least d drafts accepted moves the
+        entries at slot start + path[d] to start + d, in every layer; slots past the capacity
+        are skipped. `path` [B][D+1], `accepted` and `start` [B][1]."""
+        rows = self._every_row[:, 0]
+        path, accepted, start = path.long(), accepted.long()[:, 0], start.long()[:, 0]
+        for d in range(1, path.shape[1]):
+            source, target = start + path[:, d], start + d
+            move = (accepted >= d) & (source != target) & (source < self.capacity) & (target < self.capacity)
+            (sp, so), (tp, to) = (self._at(rows, slot.clamp(0, self.capacity - 1)) for slot in (source, target))
+            for kv in (self.k, self.v):
+                kv[:, tp, :, to] = torch.where(move[:, None, None, None], kv[:, sp, :, so], kv[:, tp, :, to])
+
+    def copy_rows(self, other: StaticKV, rows: torch.Tensor) -> None:
+        pages = self.table[rows].flatten()
+        n = len(self.lengths)
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            mine.index_copy_(1, pages, theirs[:n].index_select(1, pages))
+        self.lengths.index_copy_(1, rows, other.lengths[:n].index_select(1, rows))
+
+    def data(self) -> list:
+        raise TypeError("a paged cache is not one stride a position: the layer's compaction cannot move it "
+                        "(TreeLlama(paged=...) gives the round compact= instead)")
+
+
 class TreeLlama(RoundDecoder):
     """Target and draft Stacks of `batch` rows verifying `tree` each round (TreeRound on one
     torch stream): greedy, the draft's `candidates` best tokens a node (default the most the tree
@@ -104,11 +172,14 @@ class TreeLlama(RoundDecoder):
     layer's exact rejection sampling without replacement, keyed by the rows' seeds.
 
     Both caches are compacted by the layer (kv_data_table over StaticKV.data(): a record per layer
-    and head). A hybrid target keeps T + 1 state slots (`state_rollback` "copy" or "flip")."""
+    and head), or, with `paged` (positions a page), laid out in pages (PagedKV) and compacted by
+    the model's own callable (TreeRound's compact=). A hybrid target keeps T + 1 state slots
+    (`state_rollback` "copy" or "flip")."""
 
     def __init__(self, model: LlamaForCausalLM, tree: Tree, *, candidates: int | None = None, m_rounds: int = 16,
                  capacity: int = 1024, batch: int = 1, draft_layers: int = 1, sampling: SamplingParams | None = None,
-                 draft_sampling: SamplingParams | None = None, state_rollback: str = "copy"):
+                 draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
+                 paged: int | None = None):
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
         if state_rollback not in ("copy", "flip"):
@@ -130,8 +201,9 @@ class TreeLlama(RoundDecoder):
             self.engine = engine = memra_torch.engine()
             strategy = (functools.partial(CopyState, k=nodes - 1) if state_rollback == "copy" else
                         functools.partial(FlipState, k=nodes - 1, engine=engine))
-            self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy)
-            self.draft = Stack(model, draft_layers, capacity, batch)
+            cache = StaticKV if paged is None else functools.partial(PagedKV, page=paged)
+            self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy, cache)
+            self.draft = Stack(model, draft_layers, capacity, batch, cache=cache)
             self.bufs = bufs = StreamBufs(engine, tree.depth, m_rounds, batch)
             self.tree_bufs = tb = TreeBufs(bufs, tree)
             self.tok = memra_torch.tensor(tb.tok_d, torch.int32).view(batch, nodes)
@@ -139,6 +211,9 @@ class TreeLlama(RoundDecoder):
             self.parents = memra_torch.tensor(tb.parent_d, torch.int32).view(batch, nodes)
             self.words = memra_torch.tensor(tb.mask_d, torch.int32).view(batch, nodes, tb.words)
             self.pos_start = memra_torch.tensor(bufs.pos_start_d)[:, None]
+            self.path = memra_torch.tensor(tb.path_d, torch.int32).view(batch, tree.depth + 1)
+            acc = memra_torch.tensor(bufs.acc_d, torch.int32).view(batch, ACC_WORDS)
+            self.accepted = acc[:, ACC_ROUND:ACC_ROUND + 1]  # drafts accepted this round
             self.node_index = torch.arange(nodes, device="cuda")
             vocab = model.config.vocab_size
             if sampling is None:
@@ -156,10 +231,22 @@ class TreeLlama(RoundDecoder):
                                                        for d in range(tree.depth + 1)],
                                verify_tree=self.verify_tree,
                                rollback_tables=[kv_len_ptr_table(engine, layers, pos_ctr=bufs.pos_ctr_d)],
-                               kv_data=kv_data_table(engine, self.target.kv.data() + self.draft.kv.data()),
-                               state_tables=self.state_tables(), **rule)
+                               state_tables=self.state_tables(), **rule, **self._compaction(paged))
             self.rounds = RoundStream.of(round_)
             self._warm_up()
+
+    def _compaction(self, paged: int | None) -> dict[str, Any]:
+        """TreeRound's way to move the accepted path: the layer's kernel over both static caches,
+        or compact_paged for paged ones."""
+        if paged is None:
+            return dict(kv_data=kv_data_table(self.engine, self.target.kv.data() + self.draft.kv.data()))
+        return dict(compact=self.compact_paged)
+
+    def compact_paged(self) -> None:
+        """The accepted path's entries to consecutive slots in both paged caches (after the accept,
+        which wrote path_d and acc_d)."""
+        for stack in (self.target, self.draft):
+            stack.kv.compact(self.path, self.accepted, self.pos_start)
 
     def _nodes(self, start: int, stop: int, stack: Stack) -> dict[str, torch.Tensor]:
         """append's keywords for nodes start..stop: their slots and mask."""

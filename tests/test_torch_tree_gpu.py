@@ -3,8 +3,9 @@ dynamic tree through the layer, the target verifies every node in one forward un
 ancestor mask, and the layer compacts the accepted path in both models' static caches. Greedy
 tree decoding equals Hugging Face's own greedy over 256 tokens (fp32) in every mode, B 1 and 8;
 served continuously, each request its own; after a batch every row's KV is a fresh prefill of its
-committed tokens; sampled, a request's tokens are the same in every mode and the first token is
-distributed as the target's softmax; the hybrid with trees equals its own plain greedy by copy
+committed tokens, also in a cache laid out in pages that the model's own callable compacts;
+sampled, a request's tokens are the same in every mode and the first token is distributed as
+the target's softmax; the hybrid with trees equals its own plain greedy by copy
 and by flip. Skipped with the reason where torch or transformers is missing.
 """
 from __future__ import annotations
@@ -85,23 +86,48 @@ def test_tree_decoding_equals_hugging_face_greedy(decoders, greedy_batches, name
     assert 1.5 < tau < spec.k + 1, f"{tau:.2f} tokens a round: the tree must accept some drafts and reject others"
 
 
-def test_after_a_batch_every_rows_kv_is_a_fresh_prefill_of_its_tokens(llama, small, decoders, greedy_batches):
-    """The compaction itself: after a batch (rows done at different rounds, two by EOS), each
-    row's entries of both models at every position below its pos_ctr equal a fresh prefill of
-    the row's committed tokens. An accepted path left at its tree slots, or a rejected node's
-    entry, differs by far more than the tolerance."""
-    spec = decoders("dynamic", 8)
-    requests, want, capacity = greedy_batches[8]
-    got = generate(spec, requests, "graph")
+def assert_kv_is_a_fresh_prefill(trees, llama, model, spec, requests, got) -> None:
+    """Each row's entries of both models at every position below its pos_ctr equal a fresh
+    prefill of the row's committed tokens (in logical order, for a paged cache)."""
+    batch = len(requests)
     full = [list(r.prompt) + tokens for r, tokens in zip(requests, got)]
     committed = [min(int(n), len(tokens) - 1) for n, tokens in zip(spec.bufs.positions, full)]
+    every = torch.arange(batch, device="cuda")
     for stack in (spec.target, spec.draft):
-        fresh = llama.Stack(small, len(stack.layers), stack.kv.capacity, batch=8)
-        fresh.prefill(range(8), [tokens[:n] for tokens, n in zip(full, committed)])
-        for row, n in enumerate(committed):
-            for mine, theirs in ((stack.kv.k, fresh.kv.k), (stack.kv.v, fresh.kv.v)):
-                torch.testing.assert_close(mine[:, row, :, :n], theirs[:, row, :, :n], atol=1e-4, rtol=1e-4,
-                                           msg=lambda m, row=row: f"row {row}: {m}")
+        fresh = llama.Stack(model, len(stack.layers), stack.kv.capacity, batch=batch)
+        fresh.prefill(range(batch), [tokens[:n] for tokens, n in zip(full, committed)])
+        for layer in range(len(stack.layers)):
+            mine = stack.kv.gather(layer, every) if isinstance(stack.kv, trees.PagedKV) else \
+                (stack.kv.k[layer], stack.kv.v[layer])
+            for row, n in enumerate(committed):
+                for side, theirs in zip(mine, (fresh.kv.k[layer], fresh.kv.v[layer])):
+                    torch.testing.assert_close(side[row, :, :n], theirs[row, :, :n], atol=1e-4, rtol=1e-4,
+                                               msg=lambda m, row=row, layer=layer: f"layer {layer}, row {row}: {m}")
+
+
+def test_after_a_batch_every_rows_kv_is_a_fresh_prefill_of_its_tokens(trees, llama, small, decoders, greedy_batches):
+    """The compaction itself: after a batch (rows done at different rounds, two by EOS), each
+    row's entries are a fresh prefill's. An accepted path left at its tree slots, or a rejected
+    node's entry, differs by far more than the tolerance."""
+    spec = decoders("dynamic", 8)
+    requests, _, _ = greedy_batches[8]
+    assert_kv_is_a_fresh_prefill(trees, llama, small, spec, requests, generate(spec, requests, "graph"))
+
+
+@pytest.mark.parametrize("mode", ["graph", "device"])
+def test_a_paged_cache_compacted_by_the_models_own_callable(trees, llama, small, greedy_batches, mode):
+    """The paged route, TreeRound's compact=: both caches in pages of 16 positions shuffled through
+    one pool (PagedKV), the accepted path moved by the model's torch callable, not kernel 15.
+    Every row equals Hugging Face's greedy, and its entries are a fresh prefill's."""
+    requests, want, longest = greedy_batches[8]
+    tree = TREES["dynamic"]
+    capacity = llama.capacity_for(longest, TOKENS, tree.depth, M, 8, tree.nodes)
+    spec = trees.TreeLlama(small, tree, m_rounds=M, capacity=capacity, batch=8, paged=16)
+    assert isinstance(spec.target.kv, trees.PagedKV) and isinstance(spec.draft.kv, trees.PagedKV)
+    got = generate(spec, requests, mode)
+    for row, (mine, theirs) in enumerate(zip(got, want)):
+        assert mine == theirs, f"paged, {mode}, row {row}: first difference at token {first_difference(mine, theirs)}"
+    assert_kv_is_a_fresh_prefill(trees, llama, small, spec, requests, got)
 
 
 def test_served_tree_requests_equal_hugging_face_each_alone(trees, llama, small):
@@ -219,6 +245,8 @@ def test_a_tree_llama_refuses_what_it_cannot_serve(trees, llama, small, hybrid):
         trees.TreeLlama(hybrid, TREES["dynamic"], draft_layers=3, capacity=64)
     with pytest.raises(TypeError, match="TreeShape or a DynamicTree"):
         trees.TreeLlama(small, [[0], [1]], capacity=64)
+    with pytest.raises(TypeError, match="paged cache"):
+        trees.PagedKV(small.config, 1, 1, 64, torch.float32).data()
     with pytest.raises(ValueError, match="candidates= is for greedy"):
         trees.TreeLlama(small, TREES["dynamic"], candidates=3, capacity=64, sampling=llama.SamplingParams())
     # a request that fits a chain's k + 1 slots past its position, but not the tree's T + 1
