@@ -19,9 +19,8 @@ node (T + 1), for the layer to keep the path's last one.
 
 `tree_for_batch(size, batch)` is what the example picks at a batch size, measured on an H200
 by `make bench-torch` (its "trees" section), or None where the chain (torch_llama.py) is
-faster. On this model the chain wins at small B: its draft agrees with the target so often
-that a deeper chain gains about what a branch does, and a tree's draft levels cost more than a
-chain's steps (docs/torch.md, "Trees").
+faster. On this model the chain wins at small B: a tree commits more tokens a round, but its
+draft levels cost more than a chain's steps by more than that (docs/torch.md, "Trees").
 
     PYTHONPATH=. python examples/torch_tree.py [--size small|large] [--batch B] [--tokens 256]
         [--tree auto|static:N|dynamic:D,W,B] [--mode graph] [--temperature T ...] [--hybrid]
