@@ -634,13 +634,6 @@ class RoundDecoder:
         accepted, drafted = self.bufs.drafts_accepted(committed)
         return accepted / drafted if drafted else 1.0
 
-    def tokens_per_round(self, committed: int | Sequence[int]) -> float:
-        """Tokens committed per row-round of the last generation (`committed` its tokens a row):
-        each round drafted k and committed its accepted drafts and one more."""
-        accepted, drafted = self.bufs.drafts_accepted(committed)
-        rounds = drafted / self.k
-        return (accepted + rounds) / rounds if rounds else 1.0
-
 
 class SpeculativeLlama(RoundDecoder):
     """Target and draft Stacks of `batch` rows wired to a RoundStream on one torch stream.

@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                      state_rollback=args.state_rollback)
     got = spec.generate_batch(requests, args.mode)
     print(f"{args.size} model, B={args.batch}, {tree}, {args.mode}, {'greedy' if sampling is None else sampling}: "
-          f"{sum(map(len, got))} tokens, {spec.tokens_per_round([len(row) for row in got]):.2f} tokens a round")
+          f"{sum(map(len, got))} tokens, {spec.bufs.tokens_per_round([len(row) for row in got]):.2f} tokens a round")
     if model.dtype == torch.float32 and sampling is None and not args.hybrid:
         same = got == [hf_greedy(model, r.prompt, r.max_new_tokens) for r in requests]
         print(f"every row equals Hugging Face greedy on its own prompt: {'yes' if same else 'NO'}")

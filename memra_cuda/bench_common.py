@@ -1,5 +1,6 @@
-"""What every part of `make bench` shares: the toy model and prompt the parts decode, and the
-device timing of graphs (replays queued back to back, timed with events).
+"""What every part of `make bench` shares: the toy model and prompt the parts decode, the
+device timing of graphs (replays queued back to back, timed with events), and what a round
+measured asks of the capacity rule.
 
 bench.py runs the parts and imports the others (bench_device, bench_state); they take what they
 share from here, not from bench.py, so no bench module imports another in a circle.
@@ -12,9 +13,17 @@ from .driver.engine import Engine
 from .driver.event import Event
 from .driver.graph import Graph
 from .models.toy import ToyModel
+from .tree import Tree
 
 MODEL = ToyModel(seed=2024, noise_ppm=100_000, p_min=0.05)
 PROMPT = list(range(1, 17))
+
+
+def depth_and_width(config: int | Tree) -> tuple[int, int]:
+    """What the capacity rule takes of a round a bench measures, chain of k (an int) or tree: the
+    most it advances (k, or the tree's depth) and what it writes past its position (k + 1, or
+    T + 1 nodes)."""
+    return (config, config + 1) if isinstance(config, int) else (config.depth, config.nodes)
 
 
 def batch_prompts(batch: int) -> list[list[int]]:

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .bench_common import depth_and_width
 from .tree import DynamicTree
 
 TORCH_K, TORCH_M = 4, 16
@@ -161,7 +162,8 @@ def bench_one_request(llama: Any, quick: bool) -> list[dict]:
             if speculative is not None:
                 accepted, drafted = speculative.bufs.drafts_accepted(len(out))
                 if drafted:  # a budget the first round meets drafts nothing to count
-                    row.update(acceptance=accepted / drafted, tokens_per_round=len(out) * TORCH_K / drafted)
+                    row.update(acceptance=accepted / drafted,
+                               tokens_per_round=speculative.bufs.tokens_per_round(len(out)))
         for row in measured.values():
             row["vs_greedy"] = row["tokens_per_s"] / measured["greedy, torch graph"]["tokens_per_s"]
             row["vs_hf_assisted"] = row["tokens_per_s"] / measured["HF assisted"]["tokens_per_s"]
@@ -356,12 +358,6 @@ def _tree_candidates(trees: Any, picked: Any, batch: int, quick: bool) -> list[t
     return [(kind, config) for kind, configs in kinds.items() for config in configs]
 
 
-def _reach(kind: str, config: Any) -> tuple[int, int]:
-    """(depth, width) of a configuration for the capacity rule: a chain's k and k + 1, a tree's
-    depth and T + 1 nodes."""
-    return (config, config + 1) if kind == "chain" else (config.depth, config.nodes)
-
-
 def _tree_label(tree: Any) -> str:
     """A tree's name in the table and the JSON (a static tree's repr lists every node)."""
     if isinstance(tree, DynamicTree):
@@ -382,7 +378,7 @@ def _bench_tree_batch(llama: Any, trees: Any, model: Any, size: str, batch: int,
     requests = [llama.Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
     picked = trees.tree_for_batch(size, batch)
     candidates = _tree_candidates(trees, picked, batch, quick)
-    depth, width = (max(values) for values in zip(*(_reach(kind, config) for kind, config in candidates)))
+    depth, width = (max(values) for values in zip(*(depth_and_width(config) for _, config in candidates)))
     capacity = llama.capacity_for(max(map(len, prompts)), tokens, depth, TORCH_M, batch, width=width)
     plain, step_ms = _plain_decoding(llama, model, capacity, requests)
     _release()
@@ -432,7 +428,7 @@ def _bench_tree_config(llama: Any, trees: Any, model: Any, kind: str, config: An
         verify, draft = spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
     seconds, out = _timed(lambda: spec.generate_batch(requests))
     lengths = [len(row) for row in out]
-    tau = spec.tokens_per_round(lengths)
+    tau = spec.bufs.tokens_per_round(lengths)
     v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft))
     return dict(tokens_per_s=sum(lengths) / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d))
 

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .bench_common import MODEL, batch_prompts, device_us
+from .bench_common import MODEL, batch_prompts, depth_and_width, device_us
 from .bufs import StreamBufs
 from .capacity import kv_capacity
 from .driver.engine import Engine
@@ -49,8 +49,7 @@ def _generate(engine: Engine, lm: ToyLM, bufs: StreamBufs, stream, prompts: list
         made = np.array([len(out) for out in stream.generate_batch(TOKENS, mode="graph")])
         engine.synchronize()
         wall = time.perf_counter() - t0
-    accepted, _ = bufs.drafts_accepted(made)
-    return int(made.sum()) / wall, int(made.sum()) / (int(made.sum()) - accepted)
+    return int(made.sum()) / wall, bufs.tokens_per_round(made)
 
 
 def bench_tree_rounds(engine: Engine, quick: bool) -> list[dict]:
@@ -64,8 +63,7 @@ def bench_tree_rounds(engine: Engine, quick: bool) -> list[dict]:
         for batch in (1, 32):
             prompts = batch_prompts(batch)
             for kind, size, tree in kinds:
-                depth = size if tree is None else tree.depth
-                width = size + 1 if tree is None else tree.nodes
+                depth, width = depth_and_width(size if tree is None else tree)
                 capacity = kv_capacity(24, TOKENS, depth, M, batch=batch, width=width)
                 lm = ToyLM(engine, MODEL, capacity, cost, weights if cost.verify_bytes else None, batch=batch)
                 bufs = StreamBufs(engine, depth, M, batch=batch)

@@ -307,6 +307,14 @@ class StreamBufs:
         accepted = self.engine.dtoh(self.acc_d)[ACC_TOTAL::ACC_WORDS].astype(np.int64)
         return int(accepted.sum()), self.k * int((committed - accepted).sum())
 
+    def tokens_per_round(self, committed: int | Sequence[int]) -> float:
+        """Tokens committed per round a row ran (tau), over every row since its request began, for
+        `committed` tokens generated (per row, for a batch): each round committed its accepted
+        drafts plus one, so the rounds number committed - accepted. 1 where no round ran."""
+        accepted, _ = self.drafts_accepted(committed)
+        total = int(np.sum(committed))
+        return total / (total - accepted) if total > accepted else 1.0
+
     def buffers(self) -> dict[str, DeviceBuffer]:
         """The device fields by name (windows of one allocation)."""
         return {name: buf for name, buf in vars(self).items() if isinstance(buf, DeviceBuffer) and name[0] != "_"}

@@ -287,11 +287,6 @@ class DeviceLoop:
         self.spin = False  # follow() spins instead of sleeping between looks
         self.look_s = TokenFeed.LOOK_S  # and aims its looks this far apart at least
 
-    @property
-    def running(self) -> bool:
-        """Launched, and finish() not yet called: the loop holds the buffers."""
-        return self.bufs.holder is self
-
     def prepare(self, cap: int, paced: bool) -> None:
         """Capture the loop for a token feed of `cap` tokens per row and the given pacing,
         unless one that large with that pacing is captured already. The feed holds the next

@@ -39,9 +39,11 @@ HEAD_STAMP = 2
 HEAD_WORDS = 4  # one word of padding: the counts start 16 bytes in
 
 # Trees (docs/trees.md): node 0's parent, the rank of a void node (never accepted), and the
-# limits the tree kernels are written for: nodes a tree may have (8 mask words of 32 bits), and
-# draws a sampled node may have drawn for its children.
+# limits the tree kernels are written for: nodes a tree may have (8 mask words of 32 bits),
+# draws a sampled node may have drawn for its children, and a dynamic level's offers (width x
+# branch, in the grow kernel's shared memory).
 ROOT_PARENT = 0xFFFFFFFF
 VOID_RANK = 0xFFFFFFFF
 MAX_TREE_NODES = 256
 MAX_TREE_DRAWS = 8
+MAX_TREE_OFFERS = 1024

@@ -10,7 +10,7 @@ kernels read the low 32 bits of a 64-bit word (`ids`). Rows are laid out as memr
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -272,25 +272,37 @@ def kept_states(ctl: np.ndarray, k: int, batch: int) -> Iterator[tuple[int, int]
             yield b, keep
 
 
-def spec_state_copy(table: list, k: int, ctl: np.ndarray, batch: int = 1) -> None:
+def _after_last_kept(b: int, keep: int) -> int:
+    """A chain's kept slot: the state after its last kept token, keep - 1."""
+    return keep - 1
+
+
+def spec_state_copy(table: list, k: int, ctl: np.ndarray, batch: int = 1, *, slots: int | None = None,
+                    slot_of: Callable[[int, int], int] = _after_last_kept) -> None:
     """Each layer's live state becomes the state after the last kept token: row b of live
-    ([B][row_words]) becomes slot keep - 1 of row b of slots ([B][k+1][row_words]); keep 0
-    copies nothing.
+    ([B][row_words]) becomes slot slot_of(b, keep) (keep - 1) of row b of slots
+    ([B][slots][row_words], slots k + 1 by default); keep 0 copies nothing. (A tree's kernel 16
+    keeps its path's last node: reference_tree.spec_tree_state_copy; as ptx/state.cuh's slot_of.)
 
     The table holds per layer (live, slots, row_words), the arrays standing for the device
     pointers, or None for a layer without state.
     """
+    slots = k + 1 if slots is None else slots
     for b, keep in kept_states(ctl, k, batch):
-        for live, slots, row_words in filter(None, table):
-            live.reshape(batch, row_words)[b] = slots.reshape(batch, k + 1, row_words)[b, keep - 1]
+        slot = slot_of(b, keep)
+        for live, held, row_words in filter(None, table):
+            live.reshape(batch, row_words)[b] = held.reshape(batch, slots, row_words)[b, slot]
 
 
-def spec_state_flip(idx_ptrs: list, k: int, ctl: np.ndarray, batch: int = 1) -> None:
+def spec_state_flip(idx_ptrs: list, k: int, ctl: np.ndarray, batch: int = 1, *, slots: int | None = None,
+                    slot_of: Callable[[int, int], int] = _after_last_kept) -> None:
     """Each model's slot index (u32[B], standing for its device pointer; None: skip) moves to
-    slot keep - 1 of the bank of k + 1 slots the verify wrote, the one idx is not in:
-    idx = (1 - bank) * (k + 1) + keep - 1 with bank = min(idx // (k + 1), 1), so a garbage
-    idx counts as bank 1 and the new one is in range. keep 0 leaves idx as it is."""
+    slot slot_of(b, keep) (keep - 1) of the bank of `slots` (k + 1) the verify wrote, the one idx
+    is not in: idx = (1 - bank) * slots + slot with bank = min(idx // slots, 1), so a garbage idx
+    counts as bank 1 and the new one is in range. keep 0 leaves idx as it is."""
+    slots = k + 1 if slots is None else slots
     for b, keep in kept_states(ctl, k, batch):
+        slot = slot_of(b, keep)
         for idx in filter(lambda idx: idx is not None, idx_ptrs):
-            bank = min(int(idx[b]) // (k + 1), 1)
-            idx[b] = (1 - bank) * (k + 1) + keep - 1
+            bank = min(int(idx[b]) // slots, 1)
+            idx[b] = (1 - bank) * slots + slot

@@ -226,7 +226,7 @@ class RoundStream:
             raise ValueError('"overlap" keeps two bursts in flight: use generate()')
         if mode is Mode.DEVICE:
             raise ValueError('"device" generates until every row is done, in one launch: use generate() or follow()')
-        rounds = self._burst_rounds(rounds, 1 if mode is Mode.READBACK else self.bufs.m_rounds)
+        rounds = self._burst_rounds(rounds, self.rounds_per_step(mode))
         self._queue(mode, rounds)
         return self._receive(0, rounds)
 
@@ -263,7 +263,7 @@ class RoundStream:
                 pass  # the tokens stay in the token feed until the next launch
             return self._device.tokens() if self._device else [np.zeros(0, np.uint32) for _ in range(bufs.batch)]
         bufs.check_free()
-        rounds = 1 if mode is Mode.READBACK else bufs.m_rounds
+        rounds = self.rounds_per_step(mode)
         if budgets.any():
             self.round.capacity.check_burst(bufs.positions, budgets == 0, rounds, bufs.unseen_rounds)
         bufs.set_stop(stops, budgets.tolist())

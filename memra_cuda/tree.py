@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .driver.values import as_index
-from .layout import MAX_TREE_DRAWS, MAX_TREE_NODES, ROOT_PARENT
+from .layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS, ROOT_PARENT
 
 if TYPE_CHECKING:
     from .bufs import StreamBufs
@@ -173,6 +173,9 @@ class DynamicTree:
         if self.nodes > MAX_TREE_NODES:
             raise ValueError(f"a tree has at most {MAX_TREE_NODES} nodes (the ancestor mask's width): depth "
                              f"{self.depth} x width {self.width} + 1 is {self.nodes}")
+        if self.depth > 1 and self.width * self.branch > MAX_TREE_OFFERS:
+            raise ValueError(f"a dynamic level weighs at most {MAX_TREE_OFFERS} offers (the grow kernel's shared "
+                             f"memory): width {self.width} x branch {self.branch} is {self.width * self.branch}")
 
     @property
     def nodes(self) -> int:

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from .driver.engine import Engine
 
 THREADS = 256  # spec_tree.cu's TREE_THREADS: the block of the draw, judge and race kernels
-MAX_OFFERS = 1024  # spec_tree.cu's MAX_OFFERS: a dynamic level's offers (width x branch) in shared memory
 JUDGED_WORDS = 40  # spec_tree.cu's JUDGED_WORDS: one node's verdict in the judges' scratch
 PASS_PER_THREAD = 4  # spec_tree.cu's PASS_PER_THREAD: entries of V a thread of a judge pass loads at once
 _TREE = ["ptr", "u32", "u32", "u32", "u32"]  # the tree's nodes and (T1, W, D, B), which every kernel takes
@@ -64,9 +63,6 @@ class TreeKernels:
             branch = shape.branch
             if branch > K:
                 raise ValueError(f"a dynamic tree of branch {branch} needs {branch} candidates a node, not K = {K}")
-            if (prev_stop - prev_start) * branch > MAX_OFFERS:
-                raise ValueError(f"a dynamic level weighs at most {MAX_OFFERS} offers: {prev_stop - prev_start} "
-                                 f"nodes x branch {branch}")
         elif shape.draws > K:
             raise ValueError(f"the tree asks for candidates up to rank {shape.draws - 1}, but the draft offers K = {K}")
         return self.module.kernel(width_kernel("spec_tree_grow", tok_d)).prepare(

@@ -34,9 +34,11 @@
 #define HEAD_WORDS 4  // one word of padding: the counts start 16 bytes in
 
 // Trees (docs/trees.md): node 0's parent, the rank of a void node (never accepted), and the
-// limits the tree kernels are written for: nodes a tree may have (8 mask words of 32 bits), and
-// draws a sampled node may have drawn for its children.
+// limits the tree kernels are written for: nodes a tree may have (8 mask words of 32 bits),
+// draws a sampled node may have drawn for its children, and a dynamic level's offers (width x
+// branch, in the grow kernel's shared memory).
 #define ROOT_PARENT 4294967295u  // 0xFFFFFFFF
 #define VOID_RANK 4294967295u    // 0xFFFFFFFF
 #define MAX_TREE_NODES 256
 #define MAX_TREE_DRAWS 8
+#define MAX_TREE_OFFERS 1024

@@ -82,14 +82,13 @@ __device__ __forceinline__ void place_node(const TreeRows& t, u32 W, u32 c, u32 
 //     block a row. Candidates are [B][T1][K]: tokens (32 or 64 bit), logq and sel (f32). Static
 //     (shape non-null: parents, then ranks, then child counts, u32[T1] each) or dynamic (width =
 //     stop - start, branch). The dynamic offers' scores live in shared memory: at most
-//     MAX_OFFERS (the launcher checks width * branch against it).
-#define MAX_OFFERS 1024
+//     MAX_TREE_OFFERS (DynamicTree checks width * branch against it).
 template <typename Tok>
 __device__ void tree_grow(u32* tree, u32 T1, u32 W, u32 D, u32 B, u32 level, u32 prev_start, u32 prev_stop,
                           u32 start, u32 stop, const Tok* cand_tok, const float* cand_logq, const float* cand_sel,
                           u32 K, const u32* shape, u32 branch, const int* pos_start_d) {
-    __shared__ float offer[MAX_OFFERS];
-    __shared__ u32 chosen[MAX_OFFERS];
+    __shared__ float offer[MAX_TREE_OFFERS];
+    __shared__ u32 chosen[MAX_TREE_OFFERS];
     for (u32 b = blockIdx.x; b < B; b += gridDim.x) {
         const TreeRows t = tree_rows(tree, T1, W, D, B, b);
         const int pos_start = pos_start_d[b];
@@ -108,7 +107,7 @@ __device__ void tree_grow(u32* tree, u32 T1, u32 W, u32 D, u32 B, u32 level, u32
                            t.score[p] + logq);
             }
         } else {
-            const u32 kb = min(branch, K), offers = min((prev_stop - prev_start) * kb, (u32)MAX_OFFERS);
+            const u32 kb = min(branch, K), offers = min((prev_stop - prev_start) * kb, (u32)MAX_TREE_OFFERS);
             const u32 width = stop - start;
             for (u32 o = threadIdx.x; o < offers; o += blockDim.x) {
                 const u32 p = prev_start + o / kb, j = o % kb;

@@ -9,7 +9,7 @@ import pytest
 
 import memra_cuda
 from memra_cuda import MODES, Mode, Sampling, Stages
-from memra_cuda.stream import _stages, as_mode
+from memra_cuda.stream import _legacy_budget, _stages, as_mode
 
 
 def test_modes_are_an_enum_that_takes_the_strings():
@@ -143,3 +143,19 @@ def test_rounds_are_torch_backed_whatever_form_the_tensors_take():
     assert _torch_in_play(engine, plain, adopted.view(2, 4))
     assert not _torch_in_play(engine, plain)
     assert _torch_in_play(SimpleNamespace(stream_owner=Tensor()), plain)
+
+
+@pytest.mark.parametrize("name, now", [("generate", "generate"), ("generate_batch", "generate_batch"),
+                                       ("stream", "follow")])
+def test_the_first_releases_start_pos_warns_and_must_be_where_the_rows_are(name, now):
+    """generate/generate_batch(start_pos, max_new_tokens) and stream(start_pos, ...) no longer set
+    the host's positions (the device's pos_ctr_d would not follow): they warn, name the new form,
+    and refuse a start_pos other than where the last reset left the rows, before anything runs."""
+    from types import SimpleNamespace
+    bufs = SimpleNamespace(batch=2, positions=np.array([5, 9]))
+    with pytest.warns(DeprecationWarning, match=rf"{now}\(max_new_tokens\) starts where"):
+        assert _legacy_budget(bufs, name, [5, 9], (32,)) == 32
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"start_pos \[5, 8\] is not where"):
+        _legacy_budget(bufs, name, [5, 8], (32,))
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="takes max_new_tokens"):
+        _legacy_budget(bufs, name, [5, 9], (32, 1))

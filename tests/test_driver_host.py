@@ -423,3 +423,28 @@ def test_the_collector_stays_off_until_the_last_of_overlapping_captures_ends():
     assert not gc.isenabled(), "the collector came back on while a capture was still running"
     second.__exit__(None, None, None)
     assert gc.isenabled()
+
+
+# -- graph calls' edge data (the CUDA 12 bindings' argument rule) --------------------------------
+
+def test_graph_calls_give_an_edge_each_and_name_the_form_the_bindings_have(monkeypatch):
+    """CUDA 12's bindings refuse a dependency list without as many edge-data entries ("List is
+    too small: 0 < 1") and spell the edge-taking calls <name>_v2; CUDA 13's take None and the
+    plain name. The installed bindings' own CUgraphEdgeData, uninitialised (no driver needed)."""
+    from types import SimpleNamespace
+
+    from cuda.bindings import driver as bindings
+
+    from memra_cuda.driver import graph
+
+    monkeypatch.setattr(graph, "driver", lambda: bindings)
+    edges = graph._edges(["a", "b"])
+    assert len(edges) == 2 and all(isinstance(edge, bindings.CUgraphEdgeData) for edge in edges)
+    assert edges[0] is not edges[1]
+    assert graph._edges([]) is None
+    for name in ("cuGraphAddNode", "cuStreamUpdateCaptureDependencies"):
+        assert callable(getattr(bindings, graph._with_edges(name)))
+    monkeypatch.setattr(graph, "driver", lambda: SimpleNamespace(cuGraphAddNode=1, cuGraphAddNode_v2=2))
+    assert graph._with_edges("cuGraphAddNode") == "cuGraphAddNode_v2"
+    monkeypatch.setattr(graph, "driver", lambda: SimpleNamespace(cuGraphAddNode=1))
+    assert graph._with_edges("cuGraphAddNode") == "cuGraphAddNode"

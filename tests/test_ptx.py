@@ -78,8 +78,8 @@ def test_launchers_use_the_block_sizes_the_kernels_were_written_for():
                                                                   "PER_THREAD": sampling.PER_THREAD}
     assert defines("toy_lm.cu", "BLOCK", "SAMPLE_BLOCK") == {"BLOCK": toy.BLOCK, "SAMPLE_BLOCK": toy.SAMPLE_BLOCK}
     from memra_cuda import tree_kernels as tk
-    assert defines("spec_tree.cu", "TREE_THREADS", "MAX_OFFERS", "JUDGED_WORDS", "PASS_PER_THREAD") == {
-        "TREE_THREADS": tk.THREADS, "MAX_OFFERS": tk.MAX_OFFERS, "JUDGED_WORDS": tk.JUDGED_WORDS,
+    assert defines("spec_tree.cu", "TREE_THREADS", "JUDGED_WORDS", "PASS_PER_THREAD") == {  # MAX_TREE_OFFERS: layout
+        "TREE_THREADS": tk.THREADS, "JUDGED_WORDS": tk.JUDGED_WORDS,
         "PASS_PER_THREAD": tk.PASS_PER_THREAD}
 
 

@@ -82,7 +82,7 @@ def test_tree_decoding_equals_hugging_face_greedy(decoders, greedy_batches, name
     got = generate(spec, requests, mode)
     for row, (mine, theirs) in enumerate(zip(got, want)):
         assert mine == theirs, f"{name}, {mode}, row {row}: first difference at token {first_difference(mine, theirs)}"
-    tau = spec.tokens_per_round([len(row) for row in got])
+    tau = spec.bufs.tokens_per_round([len(row) for row in got])
     assert 1.5 < tau < spec.k + 1, f"{tau:.2f} tokens a round: the tree must accept some drafts and reject others"
 
 
@@ -232,7 +232,7 @@ def test_hybrid_tree_equals_its_own_plain_greedy(trees, llama, hybrid, state, ba
     got = generate(spec, [llama.Request(p, n) for p, n in zip(prompts, budgets)], mode)
     for row, (mine, theirs) in enumerate(zip(got, want)):
         assert mine == theirs, f"{state}, {mode}, row {row}: first difference at token {first_difference(mine, theirs)}"
-    tau = spec.tokens_per_round([len(row) for row in got])
+    tau = spec.bufs.tokens_per_round([len(row) for row in got])
     assert 1.5 < tau < spec.k + 1, f"{tau:.2f} tokens a round: states must be kept at nodes deeper than the root"
 
 

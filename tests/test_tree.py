@@ -7,7 +7,7 @@ import pytest
 
 from memra_cuda import DynamicTree, TreeShape, kv_capacity
 from memra_cuda.capacity import Capacity
-from memra_cuda.layout import MAX_TREE_DRAWS, MAX_TREE_NODES
+from memra_cuda.layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS
 
 
 def test_choices_become_level_order_with_parents_before_children():
@@ -71,6 +71,15 @@ def test_a_sampled_tree_uses_its_first_draws():
     DynamicTree(2, 4, MAX_TREE_DRAWS).check_sampled()
     with pytest.raises(ValueError, match="at most"):
         DynamicTree(2, 4, MAX_TREE_DRAWS + 1).check_sampled()
+
+
+def test_a_dynamic_level_weighs_at_most_the_grow_kernels_offers_at_the_limit():
+    """width x branch offers from the second level on (the root offers only its own), refused
+    when the tree is made, not at the level whose grow would meet them."""
+    assert DynamicTree(depth=2, width=64, branch=MAX_TREE_OFFERS // 64).nodes == 129
+    with pytest.raises(ValueError, match="offers"):
+        DynamicTree(depth=2, width=64, branch=MAX_TREE_OFFERS // 64 + 1)
+    assert DynamicTree(depth=1, width=255, branch=MAX_TREE_OFFERS).nodes == MAX_TREE_NODES
 
 
 def test_a_dynamic_tree_has_levels_of_its_width():

@@ -182,11 +182,6 @@ class ToyModel:
     def draft_breaks(self, pos: int) -> bool:
         return fmix(pos ^ self.seed ^ 0x68E31DA4) % 1000 < self.break_below
 
-    def draft_hash(self, total: int, pos: int) -> int:
-        """The draft's hash state for the sum `total` at `pos` (toy_draft_step's state_d; a tree
-        draft's hash_d): the target's, seed ^ total, told apart at a noisy position."""
-        return self.seed ^ (total & M32) ^ (0x5BD1E995 if self.draft_noisy(pos) else 0)
-
     def tree_candidates(self, total: int, pos: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """A tree draft node's `k` candidates, best first (toy_tree_draft): tokens u32[k] and
         log-probabilities f32[k], for the sum `total` toy_draft_step would hash at `pos`. Rank 0

@@ -10,7 +10,7 @@ import numpy as np
 from .. import reference as ref
 from .. import reference_tree as ref_tree
 from ..layout import CTL_DONE, ROOT_PARENT
-from ..capacity import kv_capacity
+from ..capacity import Capacity, kv_capacity
 from ..tree import DynamicTree
 from .toy import M32, STATE_ROLLBACKS, ToyModel, fmix, fmix_array, live_slot, salt
 
@@ -86,6 +86,7 @@ class NumpyRoundStream:
     def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int, state_rollback: str = "copy"):
         self.model, self.k, self.m, self.capacity = model, k, m_rounds, capacity
         self.ring_cap = m_rounds * (k + 1)
+        self.room = Capacity(capacity, k, 1, m_rounds)  # the rule generate() checks before each burst
         u32 = lambda n: np.zeros(n, np.uint32)  # noqa: E731
         self.vtok, self.brk, self.pend, self.last_pred = u32(k + 1), u32(2), u32(1), u32(1)
         self.ring, self.acc, self.draft, self.pred = u32(self.ring_cap + 1), u32(2), u32(max(k, 1)), u32(k + 1)
@@ -164,16 +165,12 @@ class NumpyRoundStream:
         self.tgt_states.roll_back(self.ctl)
         self.draft_states.roll_back(self.ctl)
 
-    def burst_room(self, pos: int) -> int:
-        """How far the next burst may write, from the position `pos` (the check generate makes)."""
-        return pos + self.ring_cap
-
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
         pos = self.prefill(prompt)
         self.ctl[:] = [-1 if eos is None else eos, max_new_tokens, 0, 0]
         out: list[int] = []
         while not self.ctl[CTL_DONE]:
-            if self.burst_room(pos + len(out)) > self.capacity:
+            if self.room.burst_short(np.array([pos + len(out)]), np.zeros(1, bool), self.m).size:
                 raise ValueError("numpy round stream: cache too small for the next burst")
             for _ in range(self.m):
                 self.round()
@@ -200,6 +197,7 @@ class NumpyTreeRoundStream(NumpyRoundStream):
                  state_rollback: str = "copy"):
         super().__init__(model, tree.depth, m_rounds, capacity, state_rollback)
         self.tree, self.K, self.T1 = tree, int(candidates), tree.nodes
+        self.room = Capacity(capacity, tree.depth, 1, m_rounds, tree.nodes)  # a round writes T + 1 slots
         self.levels = list(tree.levels)
         self.t = ref_tree.TreeArrays.zeros(self.T1, tree.depth, 1)
         self.cand_tok = np.zeros(self.T1 * self.K, np.uint32)
@@ -300,11 +298,6 @@ class NumpyTreeRoundStream(NumpyRoundStream):
         self.tgt_states.roll_back_tree(t, self.ctl)
         self.draft_states.roll_back_tree(t, self.ctl)
         self.rounds += 1
-
-    def burst_room(self, pos: int) -> int:
-        """The furthest entry the next burst may write past the cache: its last round starts at
-        most (M - 1)(D + 1) past the position and writes T + 1 slots."""
-        return pos + (self.m - 1) * (self.k + 1) + self.T1
 
 
 def tree_speculative_generate(model: ToyModel, prompt: Sequence[int], tree, max_new_tokens: int,

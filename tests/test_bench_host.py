@@ -1,0 +1,24 @@
+"""The benchmarks' host-side pieces that hold without a GPU: what the trees section's picture
+does where matplotlib (an optional extra) is missing, and what the capacity rule takes of a
+round a bench measures."""
+from __future__ import annotations
+
+import sys
+
+from memra_cuda import DynamicTree, TreeShape
+from memra_cuda.bench_common import depth_and_width
+from memra_cuda.bench_torch import plot_trees
+
+
+def test_the_trees_picture_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    picture = tmp_path / "trees.png"
+    plot_trees([dict(kind="best", size="small", batch=1, mode="greedy")], picture)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "matplotlib" in out and not picture.exists()
+
+
+def test_a_chain_and_a_tree_tell_the_capacity_rule_their_depth_and_width():
+    assert depth_and_width(4) == (4, 5)
+    assert depth_and_width(DynamicTree(3, 4, 2)) == (3, 13)
+    assert depth_and_width(TreeShape.from_choices([[0], [1], [0, 0]])) == (2, 4)
