@@ -41,14 +41,14 @@ from transformers import LlamaForCausalLM
 from memra_cuda import (MODES, Candidates, DynamicTree, Greedy, RoundStream, Sampling, StreamBufs, TreeBufs, TreeRound,
                         TreeShape, kv_data_table, kv_len_ptr_table)
 from memra_cuda import torch as memra_torch
-from memra_cuda.layout import ACC_ROUND, ACC_WORDS
+from memra_cuda.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
 from memra_cuda.tree import Tree
 
 def static_tree(size: int) -> TreeShape:
     """The example's static tree of `size` drafts: the likeliest nodes for a draft whose best
-    candidate is right about 80% of the time and each next rank's 0.3 times as often (the
-    self-speculative draft's rates, about), up to 12 deep."""
-    return TreeShape.likeliest(size, depth=12, right=0.8, fall=0.3, ranks=4)
+    candidate is right 87% of the time and its second best 13% (0.15 times as often), the
+    self-speculative draft's rates on CPU (docs/torch.md, "Trees"), up to 12 deep."""
+    return TreeShape.likeliest(size, depth=12, right=0.87, fall=0.15, ranks=4)
 
 
 # The tree per model size and batch (None: the chain, SpeculativeLlama), from `make bench-torch`'s
@@ -84,18 +84,38 @@ def parse_tree(text: str) -> Tree:
     raise ValueError(f'a tree is "static:N" or "dynamic:DEPTH,WIDTH,BRANCH", not {text!r}')
 
 
+class TreeMask:
+    """SDPA's boolean mask ([B][1][n][capacity], True: attend) for a tree's nodes, built in two
+    parts so that a round pays for the part it shares once: at(pos_start), at the round's first
+    draft level, works out which slots lie before the root (the committed prefix, attended by
+    every node) and which node each slot past it holds; then calling it with n nodes' ancestor
+    masks (`words`, [B][n][W] int32, TreeBufs.mask_d's bits: node j at bit j % 32 of word j // 32)
+    gives each node the prefix and slot pos_start + j for each j in its mask."""
+
+    def __init__(self, capacity: int, words: int, device: torch.device | str = "cuda"):
+        self.capacity, self.nodes = capacity, 32 * words
+        every = torch.arange(self.nodes, device=device)
+        self.word, self.bit = every // 32, (every % 32).to(torch.int32)
+        self.slots = torch.arange(capacity, device=device)
+
+    def at(self, pos_start: torch.Tensor) -> TreeMask:
+        """The round's part, for a root at slot `pos_start` ([B][1])."""
+        relative = self.slots - pos_start  # [B][capacity]
+        self.prefix = (relative < 0)[:, None, :]
+        self.inside = ((relative >= 0) & (relative < self.nodes))[:, None, :]
+        self.node = relative.clamp(0, self.nodes - 1)[:, None, :]
+        return self
+
+    def __call__(self, words: torch.Tensor) -> torch.Tensor:
+        batch, n, _ = words.shape
+        bits = ((words[..., self.word] >> self.bit) & 1).bool()  # [B][n][32W]
+        tree = bits.gather(2, self.node.expand(batch, n, self.capacity))
+        return (self.prefix | (tree & self.inside))[:, None]
+
+
 def tree_mask(words: torch.Tensor, pos_start: torch.Tensor, capacity: int) -> torch.Tensor:
-    """SDPA's boolean mask ([B][1][n][capacity], True: attend) for n nodes whose ancestor masks
-    are `words` ([B][n][W] int32, TreeBufs.mask_d's bits: node j at bit j % 32 of word j // 32)
-    in a tree whose root sits at slot `pos_start` ([B][1]): each node attends to every slot
-    before the root (the committed prefix) and to slot pos_start + j for each j in its mask."""
-    batch, n, width = words.shape
-    nodes = torch.arange(32 * width, device=words.device)
-    bits = ((words[..., nodes // 32] >> (nodes % 32).to(torch.int32)) & 1).bool()  # [B][n][32W]
-    relative = torch.arange(capacity, device=words.device) - pos_start  # [B][capacity]
-    inside = (relative >= 0) & (relative < 32 * width)
-    tree = bits.gather(2, relative.clamp(0, 32 * width - 1)[:, None, :].expand(batch, n, capacity))
-    return ((relative < 0)[:, None, :] | (tree & inside[:, None, :]))[:, None]
+    """TreeMask's mask at once, for n nodes' `words` in a tree whose root sits at `pos_start`."""
+    return TreeMask(capacity, words.shape[2], words.device).at(pos_start)(words)
 
 
 class PagedKV(StaticKV):
@@ -212,7 +232,10 @@ class TreeLlama(RoundDecoder):
             self.pos_start = memra_torch.tensor(bufs.pos_start_d)[:, None]
             self.path = memra_torch.tensor(tb.path_d, torch.int32).view(batch, tree.depth + 1)
             acc = memra_torch.tensor(bufs.acc_d, torch.int32).view(batch, ACC_WORDS)
-            self.accepted = acc[:, ACC_ROUND:ACC_ROUND + 1]  # drafts accepted this round
+            self.accepted = acc[:, ACC_ROUND:ACC_ROUND + 1]  # drafts accepted this round (or last, at level 0)
+            self.vtok = memra_torch.tensor(bufs.vtok_d, torch.int32).view(batch, tree.depth + 1)
+            self.done = memra_torch.tensor(bufs.ctl_d).view(batch, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
+            self.mask = TreeMask(capacity, tb.words)
             self.node_index = torch.arange(nodes, device="cuda")
             vocab = model.config.vocab_size
             if sampling is None:
@@ -247,22 +270,32 @@ class TreeLlama(RoundDecoder):
         for stack in (self.target, self.draft):
             stack.kv.compact(self.path, self.accepted, self.pos_start)
 
-    def _nodes(self, start: int, stop: int, stack: Stack) -> dict[str, torch.Tensor]:
+    def _nodes(self, start: int, stop: int) -> dict[str, torch.Tensor]:
         """append's keywords for nodes start..stop: their slots and mask."""
-        return dict(slots=self.pos_start + self.node_index[start:stop],
-                    mask=tree_mask(self.words[:, start:stop], self.pos_start, stack.kv.capacity))
+        return dict(slots=self.pos_start + self.node_index[start:stop], mask=self.mask(self.words[:, start:stop]))
 
     def draft_level(self, level: int) -> None:
-        """The draft over level `level`'s nodes: their K/V, and but for the deepest level what
-        their children are made of (greedy: the best candidates and their log-probabilities;
-        sampling: q)."""
-        start, stop = self.tree.levels[level]
-        tokens, positions = self.tok[:, start:stop], self.pos[:, start:stop]
-        nodes = self._nodes(start, stop, self.draft)
+        """The draft over level `level`'s nodes: what their children are made of (greedy: the
+        best candidates and their log-probabilities; sampling: q), and their K/V.
+
+        The deepest level runs nothing: its K/V matter only for the node the round accepts, and
+        the next round's level 0 appends that node's token along with the root (the chain's fold,
+        docs/model-side.md): vtok_d[a] at pos_start - 1, a the drafts last accepted; where a is 0
+        (or the row is done, or at position 0) that entry is there already, and the root fills
+        both columns."""
         if level == self.tree.depth:
-            self.draft.append(tokens, positions, **nodes)
             return
-        logits = self.draft.logits(tokens, positions, **nodes)
+        start, stop = self.tree.levels[level]
+        if level == 0:
+            self.mask.at(self.pos_start)
+            lone = (self.accepted == 0) | (self.done != 0) | (self.pos_start == 0)
+            root = self.tok[:, :1]
+            behind = torch.where(lone, root, self.vtok.gather(1, self.accepted.long().clamp(0, self.k)))
+            start_at = self.pos_start.long()
+            positions = torch.cat([start_at - 1 + lone.long(), start_at], 1)
+            logits = self.draft.logits(torch.cat([behind, root], 1), positions, last=True)
+        else:
+            logits = self.draft.logits(self.tok[:, start:stop], self.pos[:, start:stop], **self._nodes(start, stop))
         if self.sampling is None:
             best = logits.float().log_softmax(-1).topk(self.candidates, dim=-1)
             self.cand_tok[:, start:stop] = best.indices
@@ -273,8 +306,7 @@ class TreeLlama(RoundDecoder):
     def verify_tree(self) -> None:
         """The target over all T + 1 nodes under the ancestor mask, in one forward."""
         with blas("cublaslt"):
-            logits = self.target.logits(self.tok, self.pos, parents=self.parents,
-                                        **self._nodes(0, self.tree.nodes, self.target))
+            logits = self.target.logits(self.tok, self.pos, parents=self.parents, **self._nodes(0, self.tree.nodes))
         if self.sampling is None:
             self.pred_d.copy_(logits.argmax(-1))
         else:

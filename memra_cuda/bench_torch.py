@@ -58,7 +58,7 @@ TREE_BATCHES = (1, 8, 32, 128)
 TREE_LOGIT_SCALE = 4.0
 # Section 5's candidates at each B: they shrink as B grows, since a verify of T + 1 tokens a row
 # is nearly free at B = 1 and costs about T + 1 target steps once the GEMMs are compute-bound.
-CHAIN_KS = {1: (4, 8, 12), 8: (4, 8, 12), 32: (2, 4, 6), 128: (1, 2, 4)}
+CHAIN_KS = {1: (8, 12, 16), 8: (4, 8, 12), 32: (3, 4, 6), 128: (2, 3, 4)}
 STATIC_SIZES = {1: (32, 64), 8: (16, 32), 32: (6, 12), 128: (3, 6)}  # drafts T, trees by torch_tree.static_tree
 DYNAMIC = {1: (DynamicTree(10, 4, 4), DynamicTree(8, 6, 4)), 8: (DynamicTree(8, 2, 2), DynamicTree(6, 3, 3)),
            32: (DynamicTree(6, 2, 2),), 128: (DynamicTree(3, 2, 2),)}
