@@ -392,6 +392,8 @@ class Stack:
         recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentLayer)]
         self.state = state(len(recurrent), batch, recurrent[0].state_shape) if recurrent else None
         self.slots = torch.arange(capacity, device="cuda")
+        self.zero = torch.zeros((), dtype=model.dtype, device="cuda")  # an additive mask's two values
+        self.never = torch.full((), -torch.inf, dtype=model.dtype, device="cuda")
         # The rotary embedding of every position, computed once by the model's own module (the
         # same numbers it computes per call): a step then gathers rows instead of recomputing
         # them, a dozen fewer kernels per step.
@@ -428,9 +430,9 @@ class Stack:
 
         A tree's nodes (torch_tree.py) sit at `positions` (their depth past the root, for RoPE)
         but their K/V go to `slots` ([rows][T], the root's position plus the node's index), each
-        attends where `mask` ([rows][1][T][capacity], True: attend) says, and a recurrent layer
-        steps each node from its parent's state (`parents`, [rows][T]). Otherwise the slots are
-        the positions and the mask causal."""
+        attends where `mask` ([rows][1][T][capacity], additive: 0 attends, -inf not) says, and a
+        recurrent layer steps each node from its parent's state (`parents`, [rows][T]). Otherwise
+        the slots are the positions and the mask causal."""
         inner = self.model.model
         top = self.kv.capacity - 1
         positions = positions.long().clamp(0, top)  # a garbage position never writes outside
@@ -438,7 +440,9 @@ class Stack:
         hidden = inner.embed_tokens(tokens.long())
         rope = self.cos[positions], self.sin[positions]
         if mask is None:
-            mask = (self.slots <= positions[..., None])[:, None]  # causal over each row's absolute positions
+            # causal over each row's absolute positions, additive (SDPA turns a boolean mask into
+            # this at every layer)
+            mask = torch.where(self.slots <= positions[..., None], self.zero, self.never)[:, None]
         self.kv.rows, self.kv.positions = rows, slots
         if self.state is not None and lengths is None:
             self.state.begin()
@@ -763,8 +767,11 @@ def blas(library: str) -> Iterator[None]:
 
 
 def capacity_for(prompt_len: int, tokens: int, k: int, m_rounds: int, batch: int = 1, width: int | None = None) -> int:
-    """A cache for every mode (overlap's two bursts in flight): `width` a tree's T + 1."""
-    return kv_capacity(prompt_len, tokens, k, m_rounds, overlap=True, batch=batch, width=width)
+    """A cache for every mode (overlap's two bursts in flight): `width` a tree's T + 1. Rounded up
+    to 16 slots: SDPA's memory-efficient kernel copies a mask whose rows are not 16-aligned into
+    a padded one at every call."""
+    need = kv_capacity(prompt_len, tokens, k, m_rounds, overlap=True, batch=batch, width=width)
+    return -(-need // 16) * 16
 
 
 def hf_generate(model: LlamaForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,

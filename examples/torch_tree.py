@@ -9,21 +9,22 @@ The model's two duties are two methods, each queued on the engine's torch stream
 - `draft_level(d)`: the draft over the nodes of level d (tree_bufs' tokens at their positions,
   K/V at slot pos_start + node, attending to the committed prefix and to each node's
   ancestors), then each node's K best candidates (greedy) or its distribution q (sampling);
-  the last level only writes its K/V.
+  the last level runs nothing, folded into the next round's first (as the chain's last step).
 - `verify_tree()`: the target over every node likewise, its prediction (greedy) or its
   distribution p (sampling) at each node.
 
-The ancestor mask is tree_bufs' bit mask turned into SDPA's boolean one by `tree_mask`. A
+The ancestor mask is tree_bufs' bit mask turned into SDPA's additive one by `TreeMask`. A
 hybrid target (recurrent layers) steps each node from its parent's state and leaves a slot a
 node (T + 1), for the layer to keep the path's last one.
 
 `tree_for_batch(size, batch)` is what the example picks at a batch size, measured on an H200
 by `make bench-torch` (its "trees" section), or None where the chain (torch_llama.py) is
 faster. On this model the chain wins at small B: a tree commits more tokens a round, but its
-draft levels cost more than a chain's steps by more than that (docs/torch.md, "Trees").
+draft levels cost more than a chain's steps and its verify more than the chain's by more than
+that (docs/torch.md, "Trees").
 
     PYTHONPATH=. python examples/torch_tree.py [--size small|large] [--batch B] [--tokens 256]
-        [--tree auto|static:N|dynamic:D,W,B] [--mode graph] [--temperature T ...] [--hybrid]
+        [--tree auto|static:N[,DEPTH]|dynamic:D,W,B] [--mode graph] [--temperature T ...] [--hybrid]
 """
 from __future__ import annotations
 
@@ -44,11 +45,11 @@ from memra_cuda import torch as memra_torch
 from memra_cuda.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
 from memra_cuda.tree import Tree
 
-def static_tree(size: int) -> TreeShape:
-    """The example's static tree of `size` drafts: the likeliest nodes for a draft whose best
-    candidate is right 87% of the time and its second best 13% (0.15 times as often), the
-    self-speculative draft's rates on CPU (docs/torch.md, "Trees"), up to 12 deep."""
-    return TreeShape.likeliest(size, depth=12, right=0.87, fall=0.15, ranks=4)
+def static_tree(size: int, depth: int = 10) -> TreeShape:
+    """The example's static tree of `size` drafts, at most `depth` deep: the likeliest nodes for
+    a draft whose best candidate is right 87% of the time and its second best 13% (0.15 times as
+    often), the self-speculative draft's rates on CPU (docs/torch.md, "Trees")."""
+    return TreeShape.likeliest(size, depth=depth, right=0.87, fall=0.15, ranks=4)
 
 
 # The tree per model size and batch (None: the chain, SpeculativeLlama), from `make bench-torch`'s
@@ -71,51 +72,68 @@ def tree_for_batch(size: str, batch: int) -> Tree | None:
 
 
 def parse_tree(text: str) -> Tree:
-    """"static:N" (static_tree of N drafts) or "dynamic:D,W,B" (DynamicTree)."""
+    """"static:N" or "static:N,DEPTH" (static_tree of N drafts) or "dynamic:D,W,B" (DynamicTree)."""
     kind, _, spec = text.partition(":")
     try:
         numbers = [int(x) for x in spec.split(",")]
     except ValueError:
         numbers = []
-    if kind == "static" and len(numbers) == 1:
-        return static_tree(numbers[0])
+    if kind == "static" and len(numbers) in (1, 2):
+        return static_tree(*numbers)
     if kind == "dynamic" and len(numbers) == 3:
         return DynamicTree(*numbers)
-    raise ValueError(f'a tree is "static:N" or "dynamic:DEPTH,WIDTH,BRANCH", not {text!r}')
+    raise ValueError(f'a tree is "static:N[,DEPTH]" or "dynamic:DEPTH,WIDTH,BRANCH", not {text!r}')
 
 
 class TreeMask:
-    """SDPA's boolean mask ([B][1][n][capacity], True: attend) for a tree's nodes, built in two
-    parts so that a round pays for the part it shares once: at(pos_start), at the round's first
-    draft level, works out which slots lie before the root (the committed prefix, attended by
-    every node) and which node each slot past it holds; then calling it with n nodes' ancestor
-    masks (`words`, [B][n][W] int32, TreeBufs.mask_d's bits: node j at bit j % 32 of word j // 32)
-    gives each node the prefix and slot pos_start + j for each j in its mask."""
+    """The attention mask of a tree's nodes for SDPA, [B][1][n][capacity] additive (0 where a node
+    attends, -inf elsewhere, in the model's dtype: SDPA would turn a boolean mask into this at
+    every layer): node i attends to every slot before the root (the committed prefix) and to slot
+    pos_start + j for each j in its ancestor mask (itself included).
 
-    def __init__(self, capacity: int, words: int, device: torch.device | str = "cuda"):
-        self.capacity, self.nodes = capacity, 32 * words
-        every = torch.arange(self.nodes, device=device)
+    A round pays for it once where it can. `at(pos_start)`, at the round's first draft level,
+    works out which slots lie before the root and which node each slot past it holds. A static
+    tree's ancestors are the same every round (the layer grows the same mask_d), so its whole mask
+    is made then, for the draft's levels and the verify alike; a dynamic tree's are known a level
+    at a time, from TreeBufs.mask_d's words (`words`, [B][T+1][W] int32: node j at bit j % 32 of
+    word j // 32), read as each level's mask is asked for."""
+
+    def __init__(self, words: torch.Tensor, capacity: int, dtype: torch.dtype, tree: Tree | None = None):
+        self.words, self.capacity = words, capacity
+        self.nodes = 32 * words.shape[2]
+        every = torch.arange(self.nodes, device=words.device)
         self.word, self.bit = every // 32, (every % 32).to(torch.int32)
-        self.slots = torch.arange(capacity, device=device)
+        self.slots = torch.arange(capacity, device=words.device)
+        self.zero = torch.zeros((), dtype=dtype, device=words.device)
+        self.never = torch.full((), -torch.inf, dtype=dtype, device=words.device)
+        self.ancestors = None
+        if isinstance(tree, TreeShape):  # [32W][T+1]: column i holds node i's ancestors
+            ancestors = torch.zeros(self.nodes, tree.nodes, dtype=torch.bool)
+            for i, p in enumerate(tree.parent):
+                ancestors[:, i] = ancestors[:, p] if p >= 0 else False
+                ancestors[i, i] = True
+            self.ancestors = ancestors.to(words.device)
 
     def at(self, pos_start: torch.Tensor) -> TreeMask:
-        """The round's part, for a root at slot `pos_start` ([B][1])."""
+        """The round's part, for roots at slot `pos_start` ([B][1])."""
         relative = self.slots - pos_start  # [B][capacity]
         self.prefix = (relative < 0)[:, None, :]
         self.inside = ((relative >= 0) & (relative < self.nodes))[:, None, :]
-        self.node = relative.clamp(0, self.nodes - 1)[:, None, :]
+        self.node = relative.clamp(0, self.nodes - 1)
+        if self.ancestors is not None:
+            self.whole = self._additive(self.ancestors[self.node].transpose(1, 2))
         return self
 
-    def __call__(self, words: torch.Tensor) -> torch.Tensor:
-        batch, n, _ = words.shape
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """The mask of nodes start..stop (after at() this round)."""
+        if self.ancestors is not None:
+            return self.whole[:, :, start:stop]
+        words = self.words[:, start:stop]
         bits = ((words[..., self.word] >> self.bit) & 1).bool()  # [B][n][32W]
-        tree = bits.gather(2, self.node.expand(batch, n, self.capacity))
-        return (self.prefix | (tree & self.inside))[:, None]
+        return self._additive(bits.gather(2, self.node[:, None, :].expand(-1, stop - start, -1)))
 
-
-def tree_mask(words: torch.Tensor, pos_start: torch.Tensor, capacity: int) -> torch.Tensor:
-    """TreeMask's mask at once, for n nodes' `words` in a tree whose root sits at `pos_start`."""
-    return TreeMask(capacity, words.shape[2], words.device).at(pos_start)(words)
+    def _additive(self, tree: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.prefix | (tree & self.inside), self.zero, self.never)[:, None]
 
 
 class PagedKV(StaticKV):
@@ -235,12 +253,17 @@ class TreeLlama(RoundDecoder):
             self.accepted = acc[:, ACC_ROUND:ACC_ROUND + 1]  # drafts accepted this round (or last, at level 0)
             self.vtok = memra_torch.tensor(bufs.vtok_d, torch.int32).view(batch, tree.depth + 1)
             self.done = memra_torch.tensor(bufs.ctl_d).view(batch, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
-            self.mask = TreeMask(capacity, tb.words)
+            self.mask = TreeMask(self.words, capacity, model.dtype, tree)
             self.node_index = torch.arange(nodes, device="cuda")
             vocab = model.config.vocab_size
             if sampling is None:
                 self.cand_tok = torch.zeros(batch, nodes, self.candidates, dtype=torch.long, device="cuda")
-                self.cand_logp = torch.full((batch, nodes, self.candidates), -torch.inf, device="cuda")
+                # A static tree places a child by its rank alone: the layer only asks its candidate's
+                # log-probability to be finite (and adds it into score_d, which the example does not
+                # read), so the draft's levels leave them 0 and skip the softmax.
+                self.ranks_only = isinstance(tree, TreeShape)
+                self.cand_logp = torch.full((batch, nodes, self.candidates), 0.0 if self.ranks_only else -torch.inf,
+                                            device="cuda")
                 self.pred_d = torch.zeros(batch, nodes, dtype=torch.long, device="cuda")
                 rule = dict(acceptance=Greedy(self.pred_d), candidates=Candidates(self.cand_tok, self.cand_logp))
             else:
@@ -272,7 +295,7 @@ class TreeLlama(RoundDecoder):
 
     def _nodes(self, start: int, stop: int) -> dict[str, torch.Tensor]:
         """append's keywords for nodes start..stop: their slots and mask."""
-        return dict(slots=self.pos_start + self.node_index[start:stop], mask=self.mask(self.words[:, start:stop]))
+        return dict(slots=self.pos_start + self.node_index[start:stop], mask=self.mask.rows(start, stop))
 
     def draft_level(self, level: int) -> None:
         """The draft over level `level`'s nodes: what their children are made of (greedy: the
@@ -296,7 +319,9 @@ class TreeLlama(RoundDecoder):
             logits = self.draft.logits(torch.cat([behind, root], 1), positions, last=True)
         else:
             logits = self.draft.logits(self.tok[:, start:stop], self.pos[:, start:stop], **self._nodes(start, stop))
-        if self.sampling is None:
+        if self.sampling is None and self.ranks_only:
+            self.cand_tok[:, start:stop] = logits.topk(self.candidates, dim=-1).indices
+        elif self.sampling is None:
             best = logits.float().log_softmax(-1).topk(self.candidates, dim=-1)
             self.cand_tok[:, start:stop] = best.indices
             self.cand_logp[:, start:stop] = best.values
@@ -319,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--tree", default="static:16",
-                        help='"static:N" (static_tree), "dynamic:D,W,B" (DynamicTree) or "auto" (tree_for_batch)')
+                        help='"static:N[,DEPTH]" (static_tree), "dynamic:D,W,B" (DynamicTree) '
+                        'or "auto" (tree_for_batch)')
     parser.add_argument("--m-rounds", type=int, default=16)
     parser.add_argument("--mode", choices=MODES, default="graph")
     parser.add_argument("--temperature", type=float, default=None, help="sample (default: greedy)")

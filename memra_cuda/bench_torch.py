@@ -18,7 +18,7 @@
    same model's plain greedy with each step a torch graph, and whether the tokens are its.
 5. Trees (examples/torch_tree.py), both sizes, B in TREE_BATCHES, greedy and sampling at T = 1,
    the head's logits scaled by TREE_LOGIT_SCALE: tokens/s of chains (CHAIN_KS), static trees
-   (STATIC_SIZES) and dynamic trees (DYNAMIC) at each B, and of the tree tree_for_batch picks,
+   (STATIC_TREES) and dynamic trees (DYNAMIC) at each B, and of the tree tree_for_batch picks,
    against graphed plain greedy; per configuration its tokens per round tau, its verify's and
    draft's device time in target steps (v, d), the ideal tau / (v + d) and how much of it it
    reaches; per B the best chain, static and dynamic tree, and the pick against the best chain.
@@ -27,9 +27,11 @@
 Needs torch and transformers, and the source checkout (the example is not in the wheel).
 
     PYTHONPATH=. python -m memra_cuda.bench_torch [--quick] [--json PATH]
+        [--tree-sizes small,large] [--tree-batches 1,8,32,128]
         [one_request|batches|serving|hybrid|trees ...]
 
-runs some sections alone (`make bench-torch` runs them all).
+runs some sections alone (`make bench-torch` runs them all), the trees section at some sizes and
+batch sizes alone where asked.
 """
 from __future__ import annotations
 
@@ -58,10 +60,12 @@ TREE_BATCHES = (1, 8, 32, 128)
 TREE_LOGIT_SCALE = 4.0
 # Section 5's candidates at each B: they shrink as B grows, since a verify of T + 1 tokens a row
 # is nearly free at B = 1 and costs about T + 1 target steps once the GEMMs are compute-bound.
-CHAIN_KS = {1: (8, 12, 16), 8: (4, 8, 12), 32: (3, 4, 6), 128: (2, 3, 4)}
-STATIC_SIZES = {1: (32, 64), 8: (16, 32), 32: (6, 12), 128: (3, 6)}  # drafts T, trees by torch_tree.static_tree
-DYNAMIC = {1: (DynamicTree(10, 4, 4), DynamicTree(8, 6, 4)), 8: (DynamicTree(8, 2, 2), DynamicTree(6, 3, 3)),
-           32: (DynamicTree(6, 2, 2),), 128: (DynamicTree(3, 2, 2),)}
+CHAIN_KS = {1: (8, 10, 12), 8: (6, 8, 10), 32: (4, 6, 8), 128: (2, 3, 4)}
+# (drafts T, depth) of torch_tree.static_tree
+STATIC_TREES = {1: ((32, 8), (64, 10), (128, 12)), 8: ((16, 6), (32, 8), (64, 10)), 32: ((8, 6), (12, 6)),
+                128: ((3, 3), (6, 4))}
+DYNAMIC = {1: (DynamicTree(10, 4, 4),), 8: (DynamicTree(8, 2, 2),), 32: (DynamicTree(6, 2, 2),),
+           128: (DynamicTree(3, 2, 2),)}
 
 
 def load_example(name: str = "torch_llama") -> Any:
@@ -325,7 +329,8 @@ def _bench_hybrid_batch(llama: Any, model: Any, batch: int, tokens: int) -> list
     return list(measured.values())
 
 
-def bench_trees(llama: Any, quick: bool) -> list[dict]:
+def bench_trees(llama: Any, quick: bool, sizes: Sequence[str] = ("small", "large"),
+                batches: Sequence[int] = TREE_BATCHES) -> list[dict]:
     """Section 5: chains against static and dynamic trees at each B, and the tree the example
     picks there (torch_tree.tree_for_batch), so that PICKED can be checked against what this
     machine measures."""
@@ -336,9 +341,9 @@ def bench_trees(llama: Any, quick: bool) -> list[dict]:
     print(f"{'size':6} {'B':>4} {'mode':8} {'kind':7} {'config':18} {'tokens/s':>9} {'tau':>5} {'v':>6} {'d':>6} "
           f"{'ideal':>6} {'reached':>7} {'vs plain':>8}")
     rows: list[dict] = []
-    for size in ("small", "large"):
+    for size in sizes:
         model = llama.build_model(size, logit_scale=TREE_LOGIT_SCALE)
-        for batch in TREE_BATCHES:
+        for batch in batches:
             rows += _bench_tree_batch(llama, trees, model, size, batch, quick)
     return rows
 
@@ -349,7 +354,8 @@ def _tree_candidates(trees: Any, picked: Any, batch: int, quick: bool) -> list[t
     there (None: the chain), among its kind's where it is not one of them already."""
     def some(options: Sequence[Any]) -> list[Any]:
         return list(options[:1] if quick else options)
-    kinds = {"chain": some(CHAIN_KS[batch]), "static": [trees.static_tree(n) for n in some(STATIC_SIZES[batch])],
+    kinds = {"chain": some(CHAIN_KS[batch]),
+             "static": [trees.static_tree(*shape) for shape in some(STATIC_TREES[batch])],
              "dynamic": some(DYNAMIC[batch])}
     if picked is not None:
         kind = kinds["dynamic" if isinstance(picked, DynamicTree) else "static"]
@@ -509,12 +515,13 @@ SECTIONS = {"one_request": bench_one_request, "batches": bench_batches, "serving
             "hybrid": bench_hybrid, "trees": bench_trees}
 
 
-def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS),
-                json_path: str | Path | None = None) -> dict[str, list[dict]]:
-    """The sections' rows by name. The trees section's picture goes beside the JSON at
-    `json_path` (its name, .png), which the caller writes."""
+def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_path: str | Path | None = None,
+                **trees: Sequence[Any]) -> dict[str, list[dict]]:
+    """The sections' rows by name; `trees`: bench_trees' sizes= and batches=, where given. The
+    trees section's picture goes beside the JSON at `json_path` (its name, .png), which the
+    caller writes."""
     llama = load_example()
-    report = {name: SECTIONS[name](llama, quick) for name in sections}
+    report = {name: SECTIONS[name](llama, quick, **(trees if name == "trees" else {})) for name in sections}
     if "trees" in report:
         if json_path is None:
             print("trees: the picture goes beside the JSON: give --json PATH to get it")
@@ -523,15 +530,31 @@ def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS),
     return report
 
 
+def _listed(text: str, known: Sequence[Any], kind: Callable[[str], Any] = str) -> list[Any]:
+    """A comma-separated subset of `known` (argparse's type: a wrong item is its error)."""
+    try:
+        items = [kind(item) for item in text.split(",")]
+    except ValueError:
+        items = [text]
+    if not items or set(items) - set(known):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(map(str, known))}, not {text!r}")
+    return items
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="round-stream on examples/torch_llama.py, some sections alone")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (and the trees' picture beside)")
+    parser.add_argument("--tree-sizes", type=lambda text: _listed(text, ("small", "large")),
+                        help="the trees section at these model sizes only")
+    parser.add_argument("--tree-batches", type=lambda text: _listed(text, TREE_BATCHES, int),
+                        help="the trees section at these batch sizes only")
     parser.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)} (default: all)")
     args = parser.parse_args()
     if set(args.sections) - set(SECTIONS):
         parser.error(f"sections are {', '.join(SECTIONS)}, not {', '.join(sorted(set(args.sections) - set(SECTIONS)))}")
-    report = bench_torch(args.quick, args.sections or tuple(SECTIONS), args.json)
+    trees = {name: value for name, value in (("sizes", args.tree_sizes), ("batches", args.tree_batches)) if value}
+    report = bench_torch(args.quick, args.sections or tuple(SECTIONS), args.json, **trees)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

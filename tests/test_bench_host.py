@@ -1,13 +1,16 @@
 """The benchmarks' host-side pieces that hold without a GPU: what the trees section's picture
 does where matplotlib (an optional extra) is missing, and what the capacity rule takes of a
-round a bench measures."""
+round a bench measures, and how the trees section is asked for in part."""
 from __future__ import annotations
 
+import argparse
 import sys
+
+import pytest
 
 from memra_cuda import DynamicTree, TreeShape
 from memra_cuda.bench_common import depth_and_width
-from memra_cuda.bench_torch import plot_trees
+from memra_cuda.bench_torch import TREE_BATCHES, _listed, plot_trees
 
 
 def test_the_trees_picture_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
@@ -22,3 +25,13 @@ def test_a_chain_and_a_tree_tell_the_capacity_rule_their_depth_and_width():
     assert depth_and_width(4) == (4, 5)
     assert depth_and_width(DynamicTree(3, 4, 2)) == (3, 13)
     assert depth_and_width(TreeShape.from_choices([[0], [1], [0, 0]])) == (2, 4)
+
+
+def test_the_trees_sections_parts_are_lists_of_known_names():
+    assert _listed("1,128", TREE_BATCHES, int) == [1, 128]
+    assert _listed("large", ("small", "large")) == ["large"]
+    for text in ("2", "1,x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated list of"):
+            _listed(text, TREE_BATCHES, int)
+    with pytest.raises(argparse.ArgumentTypeError, match="small, large, not 'medium'"):
+        _listed("medium", ("small", "large"))

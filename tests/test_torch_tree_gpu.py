@@ -147,7 +147,10 @@ def test_served_tree_requests_equal_hugging_face_each_alone(trees, llama, small)
         assert out.tokens == want, f"request {i}: first difference at token {first_difference(out.tokens, want)}"
 
 
-def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, engine):
+@pytest.mark.parametrize("static", [True, False], ids=["static", "from-words"])
+def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, static):
+    """TreeMask, made whole from a static tree's parents or a level at a time from mask_d's
+    words, attends (0) to the prefix and to each node's ancestors and nowhere else (-inf)."""
     tree = TreeShape.likeliest(40, depth=6, ranks=4)  # 41 nodes: two mask words, bit 31 among them
     n, words = tree.nodes, -(-tree.nodes // 32)
     ancestors = []
@@ -162,11 +165,14 @@ def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, engine):
         for j in mine:
             bits[:, i, j // 32] |= np.uint32(1 << j % 32)
     start = torch.tensor([[3], [20]], device="cuda")
-    mask = trees.tree_mask(torch.from_numpy(bits.view(np.int32)).cuda(), start, 80).cpu()
+    mask = trees.TreeMask(torch.from_numpy(bits.view(np.int32)).cuda(), 80, torch.bfloat16,
+                          tree if static else None).at(start)
+    got = torch.cat([mask.rows(a, b) for a, b in tree.levels], 2).cpu()
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 1, n, 80)
     for b, at in enumerate((3, 20)):
         for i in range(n):
-            want = [s < at or (s - at in ancestors[i]) for s in range(80)]
-            assert mask[b, 0, i].tolist() == want, f"row {b}, node {i}"
+            want = [0.0 if s < at or (s - at in ancestors[i]) else -np.inf for s in range(80)]
+            assert got[b, 0, i].float().tolist() == want, f"row {b}, node {i}"
 
 
 # -- sampling -----------------------------------------------------------------------------------
