@@ -271,6 +271,10 @@ class DeviceLoop:
             raise LoopUnsupported("device mode cannot run pipeline stages: a conditional node's body holds the work "
                                   "of one context, and the stages' streams join through events, which a body cannot "
                                   "hold; use graph or overlap mode")
+        if engine.guards:
+            raise LoopUnsupported("device mode cannot run a rank of a communicator (memra_cuda.comm): its tokens "
+                                  "come through a host loop that the communicator's watchdog does not time, and NCCL's "
+                                  "operations inside a conditional node's body are untried; use graph or overlap mode")
         check_loops(engine)  # before the decider's module, which an older driver cannot load
         self.engine, self.round, self.bufs = engine, round, bufs
         self._decide = engine.load_ptx("device_loop").kernel("spec_loop_decide").prepare(

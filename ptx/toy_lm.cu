@@ -332,6 +332,14 @@ extern "C" __global__ void toy_probs(const u32* totals, u32 rows, u32 seed, u32 
         p[v] = mixture_prob(m, v);
 }
 
+// Tensor-parallel ranks' greedy verify (memra_cuda.models.ranks.py): the target's token
+// at each of n verify positions from the sums the ranks' toy_verify wrote to partial_out over their
+// layers and the all-reduce added up, as toy_verify's last stage finishes its own.
+extern "C" __global__ void toy_finish(const u32* totals, u32 n, u32 seed, u32 vocab, u32* pred_d) {
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) pred_d[i] = fmix(seed ^ totals[i]) % vocab;
+}
+
 // The model-cost knob: read n_vec 16-byte words of "weights", as a memory-bound model layer would.
 extern "C" __global__ void toy_stream_weights(const uint4* __restrict__ weights, u64 n_vec, u32* sink) {
     uint4 acc = make_uint4(0, 0, 0, 0);

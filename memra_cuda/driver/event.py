@@ -34,7 +34,7 @@ class Event(Handle):
     def synchronize(self) -> None:
         """Wait until the stream has reached the last record()."""
         self._usable()
-        self.engine.activate().call("cuEventSynchronize", self.handle)
+        self.engine.host_wait(self.engine.activate().call, "cuEventSynchronize", self.handle)
 
     def query(self) -> bool:
         """Whether the stream has reached the last record(), without waiting."""

@@ -47,6 +47,9 @@ class Stream(Handle):
         self.readbacks = 0
         self.syncs = 0
         self.capture_hold: Callable[..., None] | None = None
+        # What watches this stream's host waits (a Communicator's watchdog, docs/nccl.md): each
+        # guard's begin() before a wait and end(error) after it, which may raise instead.
+        self.guards: list[Any] = []
         self._stream_owner: Any = None
         if stream is None:
             flags = driver().CUstream_flags.CU_STREAM_NON_BLOCKING
@@ -154,12 +157,32 @@ class Stream(Handle):
 
     def _wait_host(self) -> None:
         try:
-            self.activate().run(self._synchronize, "cuStreamSynchronize", (self.stream,))
+            self.host_wait(self.activate().run, self._synchronize, "cuStreamSynchronize", (self.stream,))
         except CudaError as exc:
             if exc.name in _CAPTURE_ERRORS:
                 raise CaptureError("a host wait cannot happen inside a graph capture (the driver refused it and "
                                    "invalidated the capture)") from exc
             raise
+
+    def host_wait(self, wait: Callable[..., Any], *args: Any) -> Any:
+        """`wait(*args)`, a call that blocks the host on this stream's work, bracketed by the
+        stream's guards: a rank's communicator times such a wait and, where a peer failed,
+        raises in place of what the wait returned (RankFailure), so that no wait on a dead
+        peer's data hangs."""
+        guards = self.guards
+        if not guards:
+            return wait(*args)
+        for guard in guards:
+            guard.begin()
+        try:
+            result = wait(*args)
+        except Exception as exc:
+            for guard in guards:
+                guard.end(exc)
+            raise
+        for guard in guards:
+            guard.end(None)
+        return result
 
     def wait_stream(self, other: Any) -> None:
         """Order this stream after everything queued so far on `other` (anything as_stream

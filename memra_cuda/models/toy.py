@@ -529,6 +529,24 @@ class ToyLM:
             *self._state_args(bufs, 0))
         return [*self.weight_reads(self.cost.verify_bytes), verify]
 
+    def probs_step(self, totals_d: DeviceBuffer, p_d: DeviceBuffer) -> Launch:
+        """toy_probs: the target's sampling law p_d ([rows][vocab]) at each position whose verify
+        sums totals_d holds (toy_verify's partial_out, after the last layer)."""
+        vocab, rows = self.model.vocab, totals_d.len
+        return self.module.kernel("toy_probs").prepare(
+            ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows), block=256).set(
+            totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
+
+    def finish_step(self, totals_d: DeviceBuffer, pred_d: DeviceBuffer) -> Launch:
+        """toy_finish: the target's greedy token at each position whose verify sums totals_d holds,
+        added up over tensor-parallel ranks (models/ranks.py)."""
+        if pred_d.len != totals_d.len:
+            raise ValueError(f"pred_d must hold a token for each of the {totals_d.len} sums, not {pred_d!r}")
+        n = totals_d.len
+        return self.module.kernel("toy_finish").prepare(["ptr", "u32", "u32", "u32", "ptr"], grid=-(-n // 256),
+                                                        block=256).set(totals_d, n, self.model.seed,
+                                                                       self.model.vocab, pred_d)
+
     def round_stream(self, bufs: StreamBufs, _bufs_of_0_1: StreamBufs | None = None, /, *,
                      kernels: SpecKernels | None = None) -> RoundStream:
         """A RoundStream driving this model: rollback walks one table over target and draft
@@ -558,9 +576,7 @@ class ToyLM:
         q_d = engine.alloc(np.float32, bufs.batch * max(bufs.k, 1) * vocab, zeroed=True, label="q_d")
         p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="p_d")
         totals_d = engine.zeros(np.uint32, rows, label="verify sums")
-        probs = self.module.kernel("toy_probs").prepare(
-            ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows), block=256).set(
-            totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
+        probs = self.probs_step(totals_d, p_d)
         return RoundStream(bufs, kernels=kernels, draft_chain=chain(self.draft_steps(bufs, draft_d, q_d)),
                            verify_trunk=chain([*self.verify_steps(bufs, None, partial_out=totals_d), probs]),
                            draft_d=draft_d, acceptance=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table],
@@ -665,9 +681,7 @@ class ToyLM:
             q_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="tree q_d")
             p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="tree p_d")
             totals_d = engine.zeros(np.uint32, rows, label="tree verify sums")
-            probs = self.module.kernel("toy_probs").prepare(
-                ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows),
-                block=256).set(totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
+            probs = self.probs_step(totals_d, p_d)
             levels = self.tree_draft_levels(bufs, nodes, hash_d=hash_d, q_d=q_d)
             rnd = TreeRound(bufs, nodes, draft_levels=[chain(level) for level in levels],
                             verify_tree=chain([*self.tree_verify_steps(bufs, nodes, totals_d=totals_d), probs]),

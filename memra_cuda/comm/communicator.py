@@ -1,0 +1,357 @@
+"""Communicator: one rank of an NCCL communicator on an engine's device, its operations queued on
+the engine's stream, where a stream capture takes them into the burst graph like any kernel.
+
+Two rules of driver/handle.py hold for it as for a buffer: the communicator is released exactly
+once (destroyed, or aborted where a peer failed), and a graph that captured one of its
+operations holds it, and refuses to run once it is freed.
+
+A third is its own: **no host wait on a peer hangs.** NCCL's kernels wait on their peers on the
+device, so a dead or stuck peer leaves the host blocked in a stream synchronisation that never
+returns. The communicator's watchdog thread asks NCCL for asynchronous errors every `poll`
+seconds and times every host wait on the engine (Stream.host_wait, through the guard it adds to
+the engine): an error, or a wait longer than `timeout`, aborts the communicator, which ends its
+kernels, and the wait raises RankFailure naming what happened. Each rank's waits are its own, so
+every live rank raises within about `timeout` of its peer's end.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..driver.buffer import DeviceBuffer
+from ..driver.handle import Handle
+from ..driver.values import as_index
+from .library import IN_PROGRESS, RESULTS, UNIQUE_ID_BYTES, Nccl, NcclError, UniqueIdArg, nccl, nccl_dtype, nccl_op
+from .rendezvous import Ranks, exchange_id
+
+
+class RankFailure(NcclError):
+    """A peer rank failed or went silent: this rank's communicator is aborted, and the work that
+    needed it did not happen. Raised on every rank that waits on it, within its timeout."""
+
+    def __init__(self, reason: str, rank: int):
+        self.code, self.call, self.detail, self.name, self.rank = -1, "wait", reason, "RANK_FAILURE", rank
+        RuntimeError.__init__(self, f"rank {rank}: {reason}")
+
+
+class RanksDiverged(NcclError):
+    """The ranks hold different values where they must agree (Communicator.agree): raised on
+    every rank, since every rank sees the same all-reduced extremes."""
+
+    def __init__(self, what: str, low: list[int], high: list[int], rank: int):
+        self.code, self.call, self.name, self.rank = -1, "agree", "RANKS_DIVERGED", rank
+        self.detail = f"{what} differ between ranks (lowest {low}, highest {high})"
+        RuntimeError.__init__(self, f"rank {rank}: {self.detail}")
+
+
+class Watch:
+    """The watchdog's rule, apart from its thread and clock: a host wait begun at `since` that
+    has run past `timeout` seconds, or an asynchronous NCCL error, is a failure; the first
+    failure stays the verdict."""
+
+    def __init__(self, timeout: float, rank: int):
+        if not timeout > 0:
+            raise ValueError(f"a communicator's timeout is a positive number of seconds, not {timeout}")
+        self.timeout, self.rank = float(timeout), rank
+        self.since: float | None = None
+        self.failure: str | None = None
+
+    def verdict(self, now: float, async_error: int) -> str | None:
+        """The failure, if there is one now (the thread then aborts the communicator)."""
+        if self.failure is None:
+            if async_error not in (0, IN_PROGRESS):
+                name = RESULTS[async_error] if 0 <= async_error < len(RESULTS) else f"ncclResult {async_error}"
+                self.failure = f"NCCL reported {name} (a peer rank failed, or its connection did)"
+            elif self.since is not None and now - self.since > self.timeout:
+                self.failure = (f"a wait on the GPU ran past the communicator's timeout of {self.timeout:g} s "
+                                "(a peer rank dead, stuck, or not issuing the same operations)")
+        return self.failure
+
+
+class _Guard:
+    """What the engine's host waits call (Stream.guards): times them for the watchdog and turns a
+    failure into RankFailure. Holds the shared state, not the Communicator, so that a forgotten
+    communicator can still be collected."""
+
+    def __init__(self, state: _State):
+        self.state = state
+
+    def begin(self) -> None:
+        self.state.watch.since = time.monotonic()
+
+    def end(self, error: BaseException | None) -> None:
+        watch = self.state.watch
+        watch.since = None
+        if watch.failure is not None:
+            owner = self.state.owner()
+            if owner is not None:
+                owner.failed()
+            raise RankFailure(watch.failure, watch.rank) from error
+
+
+class _State:
+    """What the communicator and its watchdog thread share; `lock` orders their NCCL calls."""
+
+    def __init__(self, lib: Nccl, comm: int, watch: Watch, ctx: Any):
+        self.lib, self.comm, self.watch, self.ctx = lib, comm, watch, ctx
+        self.lock = threading.Lock()
+        self.closed = False
+        self.aborted = False
+        self.owner: Callable[[], Communicator | None] = lambda: None  # a weak reference, once made
+
+    def poll(self) -> None:
+        with self.lock:
+            if self.closed or self.aborted:
+                return
+            error = ctypes.c_int()
+            code = self.lib.lib.ncclCommGetAsyncError(ctypes.c_void_p(self.comm), ctypes.byref(error))
+            if self.watch.verdict(time.monotonic(), error.value if code == 0 else code) is not None:
+                self.abort()
+
+    def abort(self) -> None:
+        """ncclCommAbort, once (the lock held): it ends the communicator's kernels."""
+        if not self.aborted:
+            self.aborted = True
+            _current(self.ctx, self.lib.lib.ncclCommAbort, ctypes.c_void_p(self.comm))
+
+    def release(self) -> None:
+        """Destroy the communicator, or abort it where it failed; stop the watchdog."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            if not self.aborted:
+                release = self.lib.lib.ncclCommAbort if self.watch.failure else self.lib.lib.ncclCommDestroy
+                _current(self.ctx, release, ctypes.c_void_p(self.comm))
+
+
+def _watchdog(state: _State, poll: float) -> None:
+    while not state.closed:
+        state.poll()
+        time.sleep(poll)
+
+
+def _current(ctx: Any, fn: Callable[..., int], *args: Any) -> int:
+    """`fn(*args)`, an NCCL call, with the engine's context current (NCCL uses the runtime,
+    which takes the current context's device)."""
+    return ctx.run(lambda *a: (0, fn(*a)), getattr(fn, "__name__", "nccl"), args)[1]
+
+
+class Communicator(Handle):
+    """Rank `rank` of `world` on `engine`'s device, joined with `unique_id` (rank 0's
+    Nccl.unique_id(), passed to every rank: exchange_id, or the engine's own means). Joining
+    waits for every rank, at most `timeout` seconds, which also bounds every later host wait
+    on the engine (module docstring).
+
+    The operations take DeviceBuffers of the engine and queue on its stream; `group()` fuses
+    several (a send and a receive that pair with a peer's) into one launch."""
+
+    def __init__(self, engine: Any, rank: int, world: int, unique_id: bytes, *, timeout: float = 30.0,
+                 poll: float = 0.05):
+        rank, world = as_index(rank, "rank"), as_index(world, "world")
+        if not 0 <= rank < world:
+            raise ValueError(f"a rank is 0 <= rank < world, not rank {rank} of {world}")
+        if len(unique_id) != UNIQUE_ID_BYTES:
+            raise ValueError(f"a communicator id is {UNIQUE_ID_BYTES} bytes (Nccl.unique_id), not {len(unique_id)}")
+        self.engine, self.rank, self.world = engine, rank, world
+        self.lib = lib = nccl()
+        watch = Watch(timeout, rank)
+        ctx = engine.activate()
+        comm = self._join(lib, ctx, rank, world, unique_id, watch.timeout)
+        self._state = state = _State(lib, comm, watch, ctx)
+        self._finalizer = weakref.finalize(self, state.release)
+        state.owner = weakref.ref(self)
+        self._guard = _Guard(state)
+        engine.guards.append(self._guard)
+        self._stream = ctypes.c_void_p(engine.stream_handle)
+        self._comm = ctypes.c_void_p(comm)
+        threading.Thread(target=_watchdog, args=(state, poll), daemon=True, name=f"memra-nccl-rank{rank}").start()
+
+    @staticmethod
+    def _join(lib: Nccl, ctx: Any, rank: int, world: int, unique_id: bytes, timeout: float) -> int:
+        """ncclCommInitRank, which waits for every rank, on a thread of its own so that a rank
+        that never joins is a TimeoutError here rather than a hang."""
+        out: dict[str, Any] = {}
+        arg = UniqueIdArg()
+        arg.internal = unique_id
+
+        def init() -> None:
+            comm = ctypes.c_void_p()
+            try:
+                code = _current(ctx, lib.lib.ncclCommInitRank, ctypes.byref(comm), world, arg, rank)
+                out["result"] = comm.value if code == 0 else lib.failure(code, "ncclCommInitRank")
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+                out["result"] = exc
+
+        thread = threading.Thread(target=init, daemon=True, name=f"memra-nccl-join{rank}")
+        thread.start()
+        thread.join(timeout)
+        if "result" not in out:
+            raise RankFailure(f"joining a communicator of {world} ranks took more than {timeout:g} s: some rank did "
+                              "not join (or joined with another id)", rank)
+        if isinstance(out["result"], BaseException):
+            raise out["result"]
+        return out["result"]
+
+    @classmethod
+    def from_env(cls, engine: Any = None, *, timeout: float = 30.0) -> Communicator:
+        """The rank a launcher's environment describes (Ranks.from_env), on `engine` or a new
+        Engine on device LOCAL_RANK, the id exchanged over TCP with rank 0 (exchange_id)."""
+        ranks = Ranks.from_env()
+        if engine is None:
+            from ..driver.engine import Engine
+            engine = Engine(ranks.local_rank)
+        unique_id = exchange_id(ranks, lambda: nccl().unique_id(), timeout)
+        return cls(engine, ranks.rank, ranks.world, unique_id, timeout=timeout)
+
+    # -- what it is ---------------------------------------------------------------------------
+    @property
+    def failure(self) -> str | None:
+        """Why the communicator was aborted (None while it works)."""
+        return self._state.watch.failure
+
+    def check(self) -> None:
+        """RankFailure if a peer failed (or the communicator was freed: ValueError)."""
+        self._usable()
+        if self._state.watch.failure is not None:
+            self.failed()
+            raise RankFailure(self._state.watch.failure, self.rank)
+
+    def failed(self) -> None:
+        """Once a peer failed: every graph that captured one of this communicator's operations
+        refuses to run (its kernels would wait on a communicator that is gone)."""
+        self._notify(f"{self!r}")
+
+    def abort(self, reason: str = "aborted by this rank") -> None:
+        """End the communicator now: its kernels stop, every wait on them raises RankFailure."""
+        with self._state.lock:
+            if self._state.watch.failure is None:
+                self._state.watch.failure = reason
+            if not self._state.closed:
+                self._state.abort()
+
+    def free(self) -> None:
+        """Finish the engine's work (bounded by the timeout), then destroy the communicator;
+        anything that captured one of its operations refuses to run from now on."""
+        if self.freed:
+            return
+        if self._state.watch.failure is None and not self.engine.closed:
+            with contextlib.suppress(RankFailure):
+                self.engine.synchronize()
+        if self._guard in self.engine.guards:
+            self.engine.guards.remove(self._guard)
+        super().free()
+
+    def agree(self, values: Sequence[int], what: str = "the values") -> None:
+        """RanksDiverged on every rank unless every rank passes the same `values` (u64 words): an
+        all-reduce of their minimum and one of their maximum (of the complements), one readback.
+        A host check between bursts, not for the per-round path."""
+        words = np.asarray(values, np.uint64)
+        if words.ndim != 1 or not words.size:
+            raise ValueError(f"agree() takes a non-empty sequence of u64 values, not {values!r}")
+        both = self.engine.htod(np.concatenate([words, ~words]), label="agreement")
+        self.all_reduce(both, op="max")
+        seen = self.engine.dtoh(both)
+        high, low = seen[:words.size], ~seen[words.size:]
+        if (high != low).any():
+            raise RanksDiverged(what, low.tolist(), high.tolist(), self.rank)
+
+    # -- operations -----------------------------------------------------------------------------
+    # Each is checked once by its prepare_ form, which returns the call to issue again and again
+    # (a round's, say): issuing it costs the NCCL call and one test of the communicator's state.
+    def all_reduce(self, buf: DeviceBuffer, out: DeviceBuffer | None = None, op: str = "sum",
+                   dtype: Any = None) -> None:
+        """out = op over the ranks of buf (in place where out is None); `dtype` "bfloat16" for a
+        bf16 tensor's memory."""
+        self.prepare_all_reduce(buf, out, op, dtype)()
+
+    def prepare_all_reduce(self, buf: DeviceBuffer, out: DeviceBuffer | None = None, op: str = "sum",
+                           dtype: Any = None) -> Callable[[], None]:
+        out = buf if out is None else out
+        count, kind = self._pair(buf, out, dtype)
+        return self._prepare("ncclAllReduce", (buf.ptr, out.ptr, count, kind, nccl_op(op)), (buf, out))
+
+    def broadcast(self, buf: DeviceBuffer, root: int = 0, out: DeviceBuffer | None = None, dtype: Any = None) -> None:
+        """out = root's buf on every rank (in place where out is None)."""
+        self.prepare_broadcast(buf, root, out, dtype)()
+
+    def prepare_broadcast(self, buf: DeviceBuffer, root: int = 0, out: DeviceBuffer | None = None,
+                          dtype: Any = None) -> Callable[[], None]:
+        out = buf if out is None else out
+        count, kind = self._pair(buf, out, dtype)
+        return self._prepare("ncclBroadcast", (buf.ptr, out.ptr, count, kind, self._rank_of(root, "root")), (buf, out))
+
+    def send(self, buf: DeviceBuffer, peer: int, dtype: Any = None) -> None:
+        """buf to rank `peer`, which receives it with recv() of as many elements."""
+        self.prepare_send(buf, peer, dtype)()
+
+    def prepare_send(self, buf: DeviceBuffer, peer: int, dtype: Any = None) -> Callable[[], None]:
+        count, kind = self._pair(buf, buf, dtype)
+        return self._prepare("ncclSend", (buf.ptr, count, kind, self._rank_of(peer, "peer")), (buf,))
+
+    def recv(self, buf: DeviceBuffer, peer: int, dtype: Any = None) -> None:
+        """buf from rank `peer`'s send()."""
+        self.prepare_recv(buf, peer, dtype)()
+
+    def prepare_recv(self, buf: DeviceBuffer, peer: int, dtype: Any = None) -> Callable[[], None]:
+        count, kind = self._pair(buf, buf, dtype)
+        return self._prepare("ncclRecv", (buf.ptr, count, kind, self._rank_of(peer, "peer")), (buf,))
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """The operations queued inside as one (ncclGroupStart/End): a rank's send to a peer and
+        its receive from it must be in one group, or the two ranks wait on each other."""
+        self.check()
+        self.lib.call("ncclGroupStart")
+        try:
+            yield
+        finally:
+            code = _current(self._state.ctx, self.lib.lib.ncclGroupEnd)
+            if code:
+                raise self.lib.failure(code, "ncclGroupEnd", self._comm)
+
+    def _pair(self, buf: Any, out: Any, dtype: Any) -> tuple[int, int]:
+        for what, b in (("buf", buf), ("out", out)):
+            if not isinstance(b, DeviceBuffer):
+                raise TypeError(f"{what} must be a DeviceBuffer (engine.buffer(tensor) wraps a tensor), not {b!r}")
+            self.engine.check_owns(b, what)
+        if out.nbytes != buf.nbytes or out.dtype != buf.dtype:
+            raise ValueError(f"{buf!r} and {out!r} differ: an NCCL operation's buffers hold the same elements")
+        if dtype == "bfloat16":
+            if buf.dtype.itemsize != 2:
+                raise ValueError(f"a bfloat16 buffer has 2-byte elements, not {buf!r}")
+            return buf.len, nccl_dtype("bfloat16")
+        return buf.len, nccl_dtype(buf.dtype if dtype is None else dtype)
+
+    def _rank_of(self, rank: int, what: str) -> int:
+        rank = as_index(rank, what)
+        if not 0 <= rank < self.world:
+            raise ValueError(f"{what} must be a rank of 0..{self.world - 1}, not {rank}")
+        return rank
+
+    def _prepare(self, name: str, args: tuple, uses: tuple) -> Callable[[], None]:
+        """The NCCL call `name` over `args`, then the communicator and its stream, checked and
+        bound once; issuing it also tells a capture what it names (the graph holds them)."""
+        fn, ctx, state, engine = getattr(self.lib.lib, name), self._state.ctx, self._state, self.engine
+        argv = (*args, self._comm, self._stream)
+        holds = (self, *uses)
+
+        def issue() -> None:
+            if state.watch.failure is not None or self._refusal is not None:
+                self.check()
+            code = _current(ctx, fn, *argv)
+            if code:
+                raise self.lib.failure(code, name, self._comm)
+            engine._uses(*holds)
+        return issue
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else (f"failed: {self.failure}" if self.failure else "live")
+        return f"Communicator(rank {self.rank} of {self.world}, device {self.engine.device}, {state})"

@@ -1,0 +1,118 @@
+"""One rank of tests/test_comm_gpu.py's two-process runs (launched as torchrun would, RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its environment): `python nccl_ranks.py
+JOB [ARGS]`, printing one JSON line of what it saw. Jobs: "ops" (an all-reduce, a broadcast and a
+ring of sends, eagerly and replayed from one captured graph), "die" (rank 1 leaves after
+joining; rank 0's all-reduce must end in RankFailure within its timeout), "tp MODE BATCH
+SAMPLED" and "stages MODE BATCH SAMPLED" (the toy over tensor-parallel ranks or pipeline stages,
+models/ranks.py: its tokens, burst by burst in graph mode, and the toy's on this GPU alone),
+"diverge" (rank 1 generates for another budget: every rank must raise)."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from memra_cuda import Engine, Graph, StreamBufs
+from memra_cuda.comm import Communicator, NcclError, RankFailure
+from memra_cuda.models.ranks import ToyPipelineStage, ToyTensorParallel
+from memra_cuda.models.toy import ToyLM, ToyModel, ToySampling
+
+MODEL = ToyModel(kv_mask=(True, True, False, True, True))  # five layers: shards of 3 and 2
+K, M, CAPACITY, TOKENS = 4, 8, 512, 100
+
+
+def ops(comm: Communicator, engine: Engine) -> dict:
+    rank, world = comm.rank, comm.world
+    mine = engine.htod(np.arange(16, dtype=np.float32) + 100 * rank)
+    total, bcast, ring = (engine.zeros(np.float32, 16) for _ in range(3))
+    after = (rank - 1) % world
+
+    def issue() -> None:
+        comm.all_reduce(mine, total)
+        comm.broadcast(mine, root=1, out=bcast)
+        with comm.group():
+            comm.send(mine, (rank + 1) % world)
+            comm.recv(ring, after)
+
+    issue()
+    eager = [engine.dtoh(b).tolist() for b in (total, bcast, ring)]
+    for b in (total, bcast, ring):
+        engine.memset(b, 0)
+    graph = Graph(engine, issue)
+    for _ in range(3):
+        graph.launch()
+    replayed = [engine.dtoh(b).tolist() for b in (total, bcast, ring)]
+    return dict(eager=eager, replayed=replayed, ring_from=after)
+
+
+def die(comm: Communicator, engine: Engine) -> dict:
+    if comm.rank == 1:
+        os._exit(0)  # gone without a word, its NCCL connections with it
+    buf = engine.htod(np.ones(1 << 20, np.float32))
+    start = time.monotonic()
+    try:
+        comm.all_reduce(buf)
+        engine.synchronize()
+        return dict(raised=None, seconds=time.monotonic() - start)
+    except RankFailure as exc:
+        return dict(raised=str(exc), seconds=time.monotonic() - start)
+
+
+def prompts(batch: int) -> list[list[int]]:
+    return [[1 + row, 7, 3 * row + 2][:1 + row % 3] for row in range(batch)]
+
+
+def one_gpu(engine: Engine, batch: int, sampling: ToySampling | None) -> list[list[int]]:
+    """The same requests through the whole toy on this GPU alone."""
+    lm, bufs = ToyLM(engine, MODEL, CAPACITY, batch=batch, sampling=sampling), StreamBufs(engine, K, M, batch)
+    for row, prompt in enumerate(prompts(batch)):
+        lm.prefill_row(bufs, row, prompt, seed=10 + row)
+    return [row.tolist() for row in lm.round_stream(bufs).generate_batch(TOKENS, mode="graph")]
+
+
+def ranks_job(kind: type, comm: Communicator, engine: Engine, mode: str, batch: str, sampled: str,
+              budget: int = TOKENS) -> dict:
+    batch, sampling = int(batch), ToySampling() if sampled == "1" else None
+    ranks = kind(comm, MODEL, CAPACITY, K, M, batch=batch, sampling=sampling)
+    for row, prompt in enumerate(prompts(batch)):
+        ranks.prefill_row(row, prompt, seed=10 + row)
+    rounds = ranks.round_stream()
+    bursts: list[list[list[int]]] = []
+    if mode == "graph":  # burst by burst, to compare every burst's tokens across the ranks
+        ranks.bufs.set_stop(budget=budget)
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        while not ranks.bufs.done.all():
+            readback = rounds.step("graph")
+            bursts.append([row.tolist() for row in readback.tokens])
+            for row, got in zip(tokens, readback.tokens):
+                row += got.tolist()
+    else:
+        tokens = [row.tolist() for row in rounds.generate_batch(budget, mode=mode)]
+    ranks.agree(tokens)
+    return dict(layers=[ranks.layers.start, ranks.layers.stop], tokens=tokens, bursts=bursts,
+                alone=one_gpu(engine, batch, sampling))
+
+
+def diverge(comm: Communicator, engine: Engine) -> dict:
+    try:
+        ranks_job(ToyTensorParallel, comm, engine, "overlap", "1", "0",
+                  budget=TOKENS if comm.rank == 0 else TOKENS // 2)
+        return dict(raised=None)
+    except NcclError as exc:
+        return dict(raised=f"{type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    job = sys.argv[1]
+    timeout = float(os.environ.get("MEMRA_TEST_TIMEOUT", "10"))
+    engine = Engine(int(os.environ["LOCAL_RANK"]))
+    comm = Communicator.from_env(engine, timeout=timeout)
+    jobs = {"ops": ops, "die": die, "diverge": diverge, "tp": functools.partial(ranks_job, ToyTensorParallel),
+            "stages": functools.partial(ranks_job, ToyPipelineStage)}
+    print(json.dumps(dict(rank=comm.rank, **jobs[job](comm, engine, *sys.argv[2:]))), flush=True)
+    if job != "die":
+        comm.free()

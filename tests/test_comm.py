@@ -1,0 +1,296 @@
+"""The communicator's host side, without a GPU (docs/nccl.md): a rank's place from torchrun's
+environment, the id exchange over TCP (every rank gets rank 0's id; a rank 0 that never comes and
+ranks that never join are TimeoutErrors, not hangs), the watchdog's rule on a fake clock, how a
+host wait answers to its guards, where libnccl is looked for, and, where an NCCL is installed
+(the `nccl` extra), its version, ids and error words. None of it needs NCCL to import."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from memra_cuda.comm import NcclError, NcclUnavailable, RankFailure, Ranks, Watch, exchange_id, nccl_dtype, nccl_op
+from memra_cuda.comm import library
+from memra_cuda.comm.communicator import _Guard, _State
+from memra_cuda.comm.library import IN_PROGRESS, UNIQUE_ID_BYTES
+from memra_cuda.driver.stream import Stream
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- a rank's place -------------------------------------------------------------------------------
+
+def test_a_rank_reads_torchruns_variables():
+    env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29600"}
+    assert Ranks.from_env(env) == Ranks(2, 4, 1, "10.0.0.7", 29600)
+    assert Ranks.from_env({"RANK": "0", "WORLD_SIZE": "1"}) == Ranks(0, 1, 0, "127.0.0.1", 29500)
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"WORLD_SIZE": "2"}, "names RANK"),
+    ({}, "RANK and WORLD_SIZE"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "integers"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "0 <= rank < world"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "port"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "local_rank"),
+])
+def test_a_rank_refuses_an_environment_it_cannot_serve(env, match):
+    with pytest.raises(ValueError, match=match):
+        Ranks.from_env(env)
+
+
+# -- the id exchange ------------------------------------------------------------------------------
+
+def test_every_rank_gets_rank_zeros_id():
+    port, world = free_port(), 4
+    made = bytes(range(128))
+    got: dict[int, bytes] = {}
+
+    def rank(r: int) -> None:
+        got[r] = exchange_id(Ranks(r, world, port=port), lambda: made, timeout=20)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (3, 1, 2, 0)]  # joiners before the server
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {r: made for r in range(world)}
+
+
+def test_a_stray_connection_is_turned_away():
+    port = free_port()
+    got: list[bytes] = []
+    server = threading.Thread(target=lambda: got.append(exchange_id(Ranks(0, 2, port=port), lambda: b"i" * 128, 20)))
+    server.start()
+    for _ in range(100):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as stray:
+                stray.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            break
+        except OSError:
+            time.sleep(0.05)
+    assert exchange_id(Ranks(1, 2, port=port), lambda: b"never", 20) == b"i" * 128
+    server.join(30)
+    assert got == [b"i" * 128]
+
+
+def test_a_rank_zero_that_never_comes_is_a_timeout():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 1 found no rank 0"):
+        exchange_id(Ranks(1, 2, port=free_port()), lambda: b"x" * 128, timeout=0.5)
+    assert time.monotonic() - start < 5
+
+
+def test_ranks_that_never_join_are_a_timeout_naming_them():
+    with pytest.raises(TimeoutError, match=r"waited for ranks \[1, 2\]"):
+        exchange_id(Ranks(0, 3, port=free_port()), lambda: b"x" * 128, timeout=0.5)
+
+
+def test_an_id_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match="128 bytes"):
+        exchange_id(Ranks(0, 1, port=free_port()), lambda: b"short", timeout=1)
+
+
+# -- the watchdog's rule, on a fake clock -----------------------------------------------------------
+
+def test_a_wait_past_the_timeout_is_a_failure_and_stays_one():
+    watch = Watch(timeout=10.0, rank=1)
+    assert watch.verdict(now=100.0, async_error=0) is None  # no wait yet
+    watch.since = 100.0
+    assert watch.verdict(now=110.0, async_error=0) is None  # at the limit, not past it
+    assert watch.verdict(now=110.0, async_error=IN_PROGRESS) is None  # NCCL still working: no error
+    first = watch.verdict(now=110.5, async_error=0)
+    assert first is not None and "timeout of 10 s" in first
+    watch.since = None
+    assert watch.verdict(now=111.0, async_error=2) == first  # the first failure stays the verdict
+
+
+def test_an_asynchronous_error_is_a_failure_at_once():
+    watch = Watch(timeout=10.0, rank=0)
+    assert "ncclRemoteError" in watch.verdict(now=0.0, async_error=6)
+
+
+def test_a_timeout_is_a_positive_number_of_seconds():
+    with pytest.raises(ValueError, match="positive"):
+        Watch(timeout=0, rank=0)
+
+
+class Lib:
+    """What _State calls of libnccl, recorded (the watchdog's side, not a GPU's)."""
+
+    def __init__(self, async_error: int = 0):
+        self.async_error, self.calls = async_error, []
+        self.lib = types.SimpleNamespace(ncclCommGetAsyncError=self._get, ncclCommAbort=self._abort,
+                                         ncclCommDestroy=self._destroy)
+
+    def _get(self, comm, out):
+        out._obj.value = self.async_error
+        return 0
+
+    def _abort(self, comm):
+        self.calls.append("abort")
+        return 0
+
+    def _destroy(self, comm):
+        self.calls.append("destroy")
+        return 0
+
+
+class Ctx:
+    """PrimaryContext.run's shape: the call, its result checked by the caller."""
+
+    @staticmethod
+    def run(fn, name, args):
+        return fn(*args)
+
+
+def test_the_watchdog_aborts_once_on_an_error_and_the_wait_raises_rank_failure():
+    lib = Lib(async_error=6)
+    state = _State(lib, 0x1234, Watch(5.0, rank=3), Ctx())
+    guard = _Guard(state)
+    guard.begin()
+    state.poll()
+    state.poll()
+    assert lib.calls == ["abort"]
+    cause = RuntimeError("the synchronisation's own error")
+    with pytest.raises(RankFailure, match="rank 3: NCCL reported ncclRemoteError") as info:
+        guard.end(cause)
+    assert info.value.__cause__ is cause
+    state.release()
+    assert lib.calls == ["abort"]  # an aborted communicator is not destroyed as well
+
+
+def test_a_healthy_communicator_is_destroyed_once_and_polls_nothing_after():
+    lib = Lib()
+    state = _State(lib, 0x1234, Watch(5.0, rank=0), Ctx())
+    guard = _Guard(state)
+    guard.begin()
+    state.poll()
+    guard.end(None)
+    state.release()
+    state.release()
+    state.poll()
+    assert lib.calls == ["destroy"]
+
+
+# -- a host wait answers to its stream's guards --------------------------------------------------------
+
+class Recorder:
+    def __init__(self, log, raise_at_end=False):
+        self.log, self.raise_at_end = log, raise_at_end
+
+    def begin(self):
+        self.log.append("begin")
+
+    def end(self, error):
+        self.log.append(f"end {type(error).__name__ if error else None}")
+        if self.raise_at_end:
+            raise RankFailure("peer gone", 0) from error
+
+
+def test_a_host_wait_is_bracketed_by_every_guard():
+    log: list[str] = []
+    stream = types.SimpleNamespace(guards=[Recorder(log), Recorder(log)])
+    assert Stream.host_wait(stream, lambda x: log.append(f"wait {x}") or 7, 5) == 7
+    assert log == ["begin", "begin", "wait 5", "end None", "end None"]
+
+
+def test_a_guard_turns_a_failed_wait_into_its_own_error():
+    log: list[str] = []
+    stream = types.SimpleNamespace(guards=[Recorder(log, raise_at_end=True)])
+
+    def wait():
+        raise OSError("the driver's answer")
+    with pytest.raises(RankFailure, match="peer gone"):
+        Stream.host_wait(stream, wait)
+    assert log == ["begin", "end OSError"]
+
+
+def test_a_host_wait_without_guards_is_the_wait_alone():
+    assert Stream.host_wait(types.SimpleNamespace(guards=[]), lambda: "done") == "done"
+
+
+# -- the library ----------------------------------------------------------------------------------------
+
+def test_memra_nccl_library_is_the_only_candidate_when_set():
+    assert library.candidates({"MEMRA_NCCL_LIBRARY": "/opt/nccl/libnccl.so.2"}) == ["/opt/nccl/libnccl.so.2"]
+
+
+def test_a_wheels_library_is_found_on_the_path(tmp_path):
+    lib = tmp_path / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"")
+    found = library.candidates({}, [str(tmp_path)])
+    assert str(lib) in found and found[-1] == "libnccl.so.2"
+
+
+def test_no_library_is_nccl_unavailable_naming_where_it_looked(monkeypatch, tmp_path):
+    missing = str(tmp_path / "libnccl.so.2")
+    monkeypatch.setenv("MEMRA_NCCL_LIBRARY", missing)
+    library.nccl.cache_clear()
+    try:
+        with pytest.raises(NcclUnavailable, match="memra_cuda\\[nccl\\]") as info:
+            library.nccl()
+        assert missing in str(info.value)
+    finally:
+        library.nccl.cache_clear()
+
+
+def test_element_types_and_reductions_map_to_nccls():
+    assert [nccl_dtype(t) for t in (np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64, np.float16,
+                                    np.float32, np.float64, "bfloat16")] == list(range(10))
+    assert [nccl_op(op) for op in ("sum", "prod", "max", "min", "avg")] == list(range(5))
+    with pytest.raises(ValueError, match="not complex64"):
+        nccl_dtype(np.complex64)
+    with pytest.raises(ValueError, match="not 'xor'"):
+        nccl_op("xor")
+
+
+def test_an_nccl_error_names_the_call_and_nccls_word():
+    err = NcclError(5, "ncclSend", "peer 3 is not a rank")
+    assert str(err) == "ncclSend failed: ncclInvalidUsage: peer 3 is not a rank" and err.name == "ncclInvalidUsage"
+    assert NcclError(42, "ncclX").name == "ncclResult 42"
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    try:
+        return library.nccl()
+    except NcclUnavailable as exc:
+        pytest.skip(f"needs NCCL ({library.EXTRA}): {exc}")
+
+
+def test_the_installed_nccl_has_a_version_and_makes_ids(nccl):
+    assert nccl.version >= 21400 and nccl.version_text.count(".") == 2
+    one, two = nccl.unique_id(), nccl.unique_id()
+    assert len(one) == len(two) == UNIQUE_ID_BYTES and one != two
+
+
+def test_a_failed_nccl_call_raises_naming_it(nccl):
+    import ctypes
+    with pytest.raises(NcclError, match="ncclCommCount failed: ncclInvalidArgument"):
+        nccl.call("ncclCommCount", None, ctypes.byref(ctypes.c_int()))
+
+
+# -- the toy's tensor-parallel shards ---------------------------------------------------------------
+
+def test_shards_cover_the_layers_once_in_order_the_first_ones_larger():
+    from memra_cuda.models.ranks import shard
+    for layers in range(1, 12):
+        for world in range(1, layers + 1):
+            shards = [shard(layers, world, rank) for rank in range(world)]
+            assert [i for s in shards for i in s] == list(range(layers))
+            sizes = [len(s) for s in shards]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    with pytest.raises(ValueError, match="at least one"):
+        shard(2, 3, 0)
+    with pytest.raises(ValueError, match="rank 3"):
+        shard(4, 3, 3)

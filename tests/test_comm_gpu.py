@@ -1,0 +1,199 @@
+"""Communicators on the GPU (docs/nccl.md): one rank on one GPU (an all-reduce, a broadcast and
+a send to itself, eager and captured in a graph that holds the communicator; an abort, after
+which every wait raises RankFailure), and two ranks in two processes on two GPUs, as torchrun
+starts them: the operations equal numpy's, eagerly and replayed from a graph, over NVLink and
+with NCCL forced onto its network transport; a rank that leaves makes the other raise within
+its timeout. The toy over tensor-parallel ranks or pipeline stages (models/ranks.py) commits the
+toy's own tokens: one rank on one GPU, and two ranks in two processes, greedy and sampled, B 1
+and 8, graph (every burst the same on both) and overlap modes, over NVLink and the network
+transport; ranks that generate differently raise on both. Skipped with the reason where NCCL
+(the `nccl` extra) or a second GPU is missing."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memra_cuda import Graph
+from memra_cuda.comm import Communicator, NcclUnavailable, RankFailure, nccl
+from memra_cuda.driver.errors import call
+
+pytestmark = pytest.mark.gpu
+HERE = Path(__file__).resolve().parent
+NETWORK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}  # one host standing in for two
+
+
+@pytest.fixture(scope="module")
+def lib(engine):
+    try:
+        return nccl()
+    except NcclUnavailable as exc:
+        pytest.skip(f"needs NCCL (pip install 'memra_cuda[nccl]'): {exc}")
+
+
+@pytest.fixture
+def one(engine, lib):
+    comm = Communicator(engine, 0, 1, lib.unique_id(), timeout=20)
+    yield comm
+    comm.free()
+
+
+def test_one_rank_reduces_broadcasts_and_sends_to_itself(engine, one):
+    values = np.arange(32, dtype=np.float32) - 7
+    buf, out, back = engine.htod(values), engine.zeros(np.float32, 32), engine.zeros(np.float32, 32)
+    one.all_reduce(buf, out, op="max")
+    one.broadcast(buf, root=0)
+    with one.group():
+        one.send(buf, 0)
+        one.recv(back, 0)
+    assert engine.dtoh(out).tolist() == values.tolist()
+    assert engine.dtoh(back).tolist() == values.tolist()
+
+
+def test_a_captured_operation_replays_and_its_graph_refuses_once_the_communicator_is_freed(engine, lib):
+    comm = Communicator(engine, 0, 1, lib.unique_id(), timeout=20)
+    buf, out = engine.htod(np.arange(8, dtype=np.int64)), engine.zeros(np.int64, 8)
+    graph = Graph(engine, lambda: comm.all_reduce(buf, out))
+    graph.launch()
+    assert engine.dtoh(out).tolist() == list(range(8))
+    comm.free()
+    with pytest.raises(ValueError, match="Communicator"):
+        graph.launch()
+
+
+def test_an_aborted_communicator_makes_every_wait_and_operation_raise(engine, lib):
+    comm = Communicator(engine, 0, 1, lib.unique_id(), timeout=20)
+    buf = engine.zeros(np.float32, 4)
+    comm.abort("the test ends it")
+    with pytest.raises(RankFailure, match="the test ends it"):
+        engine.synchronize()
+    with pytest.raises(RankFailure):
+        comm.all_reduce(buf)
+    comm.free()
+    engine.synchronize()  # the guard left with the communicator
+
+
+def test_a_communicator_refuses_what_it_cannot_queue(engine, one):
+    other = np.zeros(4, np.float32)
+    with pytest.raises(TypeError, match="DeviceBuffer"):
+        one.all_reduce(other)
+    with pytest.raises(ValueError, match="differ"):
+        one.all_reduce(engine.zeros(np.float32, 4), engine.zeros(np.float32, 5))
+    with pytest.raises(ValueError, match="peer must be a rank of 0..0"):
+        one.send(engine.zeros(np.float32, 4), 1)
+    with pytest.raises(ValueError, match="NCCL reduces"):
+        one.all_reduce(engine.zeros(np.int16, 4))
+    with pytest.raises(ValueError, match="128 bytes"):
+        Communicator(one.engine, 0, 1, b"short")
+
+
+# -- two processes ---------------------------------------------------------------------------------
+
+def two_gpus() -> None:
+    if call("cuDeviceGetCount") < 2:
+        pytest.skip("needs two GPUs (the nvidia-h200-x2 kind)")
+
+
+def run_ranks(job: str, extra: dict[str, str] | None = None, timeout: float = 120, args: tuple = ()) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent),
+                                                                            os.environ.get("PYTHONPATH")])),
+           **(extra or {})}
+    procs = [subprocess.Popen([sys.executable, str(HERE / "nccl_ranks.py"), job, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        lines = [line for line in stdout.splitlines() if line.startswith("{")]
+        out.append(json.loads(lines[-1]) if lines else dict(rc=proc.returncode, stderr=stderr[-2000:]))
+    return out
+
+
+@pytest.mark.parametrize("transport", [{}, NETWORK], ids=["default", "network"])
+def test_two_ranks_reduce_broadcast_and_pass_a_ring_eagerly_and_from_a_graph(lib, transport):
+    two_gpus()
+    ranks = run_ranks("ops", transport)
+    values = [np.arange(16, dtype=np.float32) + 100 * r for r in range(2)]
+    for rank, seen in enumerate(ranks):
+        assert seen.get("rank") == rank, seen
+        want = [(values[0] + values[1]).tolist(), values[1].tolist(), values[seen["ring_from"]].tolist()]
+        assert seen["eager"] == want and seen["replayed"] == want
+
+
+@pytest.mark.parametrize("transport", [{}, NETWORK], ids=["default", "network"])
+def test_a_rank_that_leaves_makes_the_other_raise_within_its_timeout(lib, transport):
+    two_gpus()
+    start = time.monotonic()
+    rank0 = run_ranks("die", {**transport, "MEMRA_TEST_TIMEOUT": "10"})[0]
+    assert rank0.get("raised") and "rank 0" in rank0["raised"], rank0
+    assert rank0["seconds"] < 30 and time.monotonic() - start < 90
+
+
+# -- the toy over tensor-parallel ranks ------------------------------------------------------------
+
+def toy_requests(batch: int) -> list[list[int]]:
+    return [[1 + row, 7, 3 * row + 2][:1 + row % 3] for row in range(batch)]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("mode", ["graph", "overlap"])
+@pytest.mark.parametrize("kind", ["ToyTensorParallel", "ToyPipelineStage"])
+def test_one_rank_of_the_toy_equals_the_toy(engine, lib, kind, mode, sampled):
+    """A communicator of one rank: the all-reduce (or the last stage's broadcast) inside the
+    burst graph changes nothing, so the tokens are the whole toy's; device mode refuses the rank."""
+    from memra_cuda import LoopUnsupported, StreamBufs
+    from memra_cuda.models import ranks as toy_ranks
+    from memra_cuda.models.toy import ToyLM, ToyModel, ToySampling
+    model, sampling, batch = ToyModel(), ToySampling() if sampled else None, 3
+    comm = Communicator(engine, 0, 1, lib.unique_id(), timeout=20)
+    try:
+        ranks = getattr(toy_ranks, kind)(comm, model, 256, 4, 8, batch=batch, sampling=sampling)
+        lm, bufs = ToyLM(engine, model, 256, batch=batch, sampling=sampling), StreamBufs(engine, 4, 8, batch)
+        for row, prompt in enumerate(toy_requests(batch)):
+            ranks.prefill_row(row, prompt, seed=row)
+            lm.prefill_row(bufs, row, prompt, seed=row)
+        got = [row.tolist() for row in ranks.round_stream().generate_batch(80, mode=mode)]
+        want = [row.tolist() for row in lm.round_stream(bufs).generate_batch(80, mode="graph")]
+        assert got == want
+        ranks.agree(got)
+        with pytest.raises(LoopUnsupported, match="communicator"):
+            ranks.round_stream().generate_batch(8, mode="device")
+    finally:
+        comm.free()
+
+
+@pytest.mark.parametrize("transport", [{}, NETWORK], ids=["default", "network"])
+@pytest.mark.parametrize("sampled", ["0", "1"], ids=["greedy", "sampling"])
+@pytest.mark.parametrize("batch", ["1", "8"])
+@pytest.mark.parametrize("mode", ["graph", "overlap"])
+@pytest.mark.parametrize("kind", ["tp", "stages"], ids=["tensor-parallel", "pipeline"])
+def test_two_ranks_commit_the_one_gpu_tokens(lib, kind, mode, batch, sampled, transport):
+    """Tensor-parallel ranks and pipeline stages: every burst's tokens the same on both ranks
+    (graph mode, burst by burst) and the whole generation the toy's on one GPU; the ranks'
+    shards are layers 0..3 and 3..5."""
+    two_gpus()
+    ranks = run_ranks(kind, transport, args=(mode, batch, sampled))
+    for rank, seen in enumerate(ranks):
+        assert seen.get("rank") == rank, seen
+        assert seen["tokens"] == seen["alone"], f"rank {rank}"
+    assert [seen["layers"] for seen in ranks] == [[0, 3], [3, 5]]
+    assert ranks[0]["bursts"] == ranks[1]["bursts"] and ranks[0]["tokens"] == ranks[1]["tokens"]
+    assert (len(ranks[0]["bursts"]) > 1) == (mode == "graph")
+
+
+def test_ranks_that_generate_differently_raise_on_every_rank(lib):
+    two_gpus()
+    ranks = run_ranks("diverge", {"MEMRA_TEST_TIMEOUT": "10"})
+    for rank, seen in enumerate(ranks):
+        assert seen.get("raised"), f"rank {rank}: {seen}"
