@@ -498,7 +498,11 @@ class Stack:
             # torch's lazy set-up off the graph
             self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, lengths)
             self.prefills[bucket] = graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # Captured on the caller's stream (a decoder's: a tensor-parallel model's all-reduces
+            # go on the stream they run on, examples/torch_tp.py); from the default stream, which
+            # cannot be captured, on torch's own side stream.
+            current = torch.cuda.current_stream()
+            with torch.cuda.graph(graph, stream=None if current == torch.cuda.default_stream() else current):
                 self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, lengths)
         return self.prefills[bucket]
 
@@ -665,7 +669,10 @@ class SpeculativeLlama(RoundDecoder):
 
     def __init__(self, model: LlamaForCausalLM, *, k: int = 4, m_rounds: int = 16, capacity: int = 1024,
                  batch: int = 1, draft_layers: int = 1, sampling: SamplingParams | None = None,
-                 draft_sampling: SamplingParams | None = None, state_rollback: str = "copy"):
+                 draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
+                 on_engine: Callable[[Engine], None] | None = None):
+        """`on_engine` is called with the engine as soon as it exists, before anything runs on it
+        (examples/torch_tp.py lets its communicator time the engine's waits and its graphs hold it)."""
         if k < 1:
             raise ValueError(f"the example drafts k >= 1 tokens a round, not {k}")
         if state_rollback not in ("copy", "flip"):
@@ -679,6 +686,8 @@ class SpeculativeLlama(RoundDecoder):
         self.stream = torch.cuda.Stream()
         with torch.cuda.stream(self.stream):
             self.engine = memra_torch.engine()
+            if on_engine is not None:
+                on_engine(self.engine)
             strategy = (functools.partial(CopyState, k=k) if state_rollback == "copy" else
                         functools.partial(FlipState, k=k, engine=self.engine))
             self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy)
@@ -854,13 +863,19 @@ class GraphedGreedy:
         return self.generate_batch([Request(prompt, max_new_tokens, eos)])[0]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def decoding_arguments(description: str) -> argparse.ArgumentParser:
+    """The command line's model size, batch, budget, k and M, which the examples share."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--m-rounds", type=int, default=16)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = decoding_arguments(__doc__.split("\n")[0])
     parser.add_argument("--mode", choices=MODES, default="graph")
     parser.add_argument("--eos", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None, help="sample (default: greedy)")

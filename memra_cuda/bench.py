@@ -17,7 +17,9 @@
    spec_accept_sample alone (a graph of launches, timed with events) at B = 1 and 32.
 5. Pipeline (two GPUs): the toy split into two stages on two devices (models/pipeline.py)
    against the same model on one, k=4, M=16, bare and as 8B/0.5B with the verify's weights
-   split between the stages: time per round of each, in stream and graph mode.
+   split between the stages: time per round of each, in stream and graph mode; then, where
+   NCCL is installed, the same split over NCCL ranks, one process a GPU (bench_ranks.py):
+   pipeline stages and tensor-parallel ranks, graph mode, against the one GPU.
 6. Device mode (bench_device.py): one launch per generation, tokens streamed through mapped
    memory, against graph (paced and unpaced) and overlap, bare toy and 8B/0.5B, B = 1 and 32:
    tokens/s, host CPU, and the delay from a token's commit to the host seeing it.
@@ -47,7 +49,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .bench_common import MODEL, PROMPT, batch_prompts, device_us, replay_ms
+from .bench_common import MODEL, PROMPT, batch_prompts, device_us, replay_ms, us_per_round
 from .bench_device import bench_device, summary
 from .bench_state import bench_state
 from .bench_tree import bench_tree
@@ -311,19 +313,6 @@ def acceptance_us(engine: Engine, spec: SpecKernels, vocab: int, batch: int, lau
     return us
 
 
-def _us_per_round(engine: Engine, stream: RoundStream, prefill, tokens: int, mode: str) -> float:
-    """Microseconds per round of generating `tokens` after `prefill()`, after one untimed warm-up
-    generation (capture)."""
-    prefill()
-    stream.generate_batch(tokens, mode=mode)
-    prefill()
-    rounds0 = stream.rounds
-    t0 = time.perf_counter()
-    stream.generate_batch(tokens, mode=mode)
-    engine.synchronize()
-    return (time.perf_counter() - t0) / (stream.rounds - rounds0) * 1e6
-
-
 def bench_pipeline(engine: Engine, quick: bool) -> list[dict]:
     """One GPU against two pipeline stages on two, the same rounds and tokens."""
     from .models.pipeline import ToyPipeline
@@ -345,13 +334,51 @@ def bench_pipeline(engine: Engine, quick: bool) -> list[dict]:
                            costs=(half, ToyCost(verify_bytes=cost.verify_bytes // 2)))
         piped = pipe.round_stream()
         for mode in ("eager", "graph"):
-            one = _us_per_round(engine, single, lambda: lm.prefill(bufs, PROMPT), tokens, mode)
-            two = _us_per_round(second, piped, lambda: pipe.prefill_row(0, PROMPT), tokens, mode)
+            one = us_per_round(engine, single, lambda: lm.prefill(bufs, PROMPT), tokens, mode)
+            two = us_per_round(second, piped, lambda: pipe.prefill_row(0, PROMPT), tokens, mode)
             rows.append(dict(model=name, mode=mode, one_gpu_us_per_round=one, two_stage_us_per_round=two))
             print(f"{name:8} {mode:7} {one:16.1f} {two:19.1f} {two / one:6.2f}", flush=True)
         bufs.free()
     second.close()
+    ranks = _nccl_ranks(tokens, k, m_rounds)
+    if ranks:
+        ones = {row["model"]: row["one_gpu_us_per_round"] for row in rows if row["mode"] == "graph"}
+        print(f"over NCCL, one process a GPU (models/ranks.py), graph mode: {'model':8} {'kind':16} {'us/round':>9} "
+              f"{'vs one GPU':>10}")
+        for row in ranks:
+            row["vs_one_gpu"] = row["us_per_round"] / ones[row["model"]]
+            print(f"{'':52}{row['model']:8} {row['kind']:16} {row['us_per_round']:9.1f} {row['vs_one_gpu']:9.2f}x",
+                  flush=True)
+        rows += ranks
     return rows
+
+
+def _nccl_ranks(tokens: int, k: int, m_rounds: int) -> list[dict]:
+    """bench_ranks's rows, from its two ranks started here as torchrun would (rank 0's), or none
+    with the reason where NCCL is missing or a rank fails."""
+    import os
+    import socket
+    import subprocess
+    from .comm import NcclUnavailable, nccl
+    try:
+        nccl()
+    except NcclUnavailable as exc:
+        print(f"pipeline over NCCL: skipped ({exc})")
+        return []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "NCCL_NVLS_ENABLE": "0"}
+    argv = [sys.executable, "-m", "memra_cuda.bench_ranks", str(tokens), str(k), str(m_rounds)]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    outs = [proc.communicate(timeout=600) for proc in procs]
+    lines = [line for line in outs[0][0].splitlines() if line.startswith("[")]
+    if any(proc.returncode for proc in procs) or not lines:
+        print("pipeline over NCCL: a rank failed:\n" + "\n".join(err[-2000:] for _, err in outs))
+        return []
+    return json.loads(lines[-1])
 
 
 def main(argv: list[str] | None = None) -> int:

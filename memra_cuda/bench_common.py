@@ -7,12 +7,14 @@ share from here, not from bench.py, so no bench module imports another in a circ
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from .driver.engine import Engine
 from .driver.event import Event
 from .driver.graph import Graph
 from .models.toy import ToyModel
+from .stream import RoundStream
 from .tree import Tree
 
 MODEL = ToyModel(seed=2024, noise_ppm=100_000, p_min=0.05)
@@ -51,4 +53,17 @@ def device_us(engine: Engine, step: Callable[[], None], launches: int = 50, repl
     return us
 
 
-__all__ = ["MODEL", "PROMPT", "batch_prompts", "device_us", "replay_ms"]
+def us_per_round(engine: Engine, stream: RoundStream, prefill: Callable[[], object], tokens: int, mode: str) -> float:
+    """Microseconds per round of generating `tokens` after `prefill()`, after one untimed warm-up
+    generation (capture)."""
+    prefill()
+    stream.generate_batch(tokens, mode=mode)
+    prefill()
+    rounds0 = stream.rounds
+    t0 = time.perf_counter()
+    stream.generate_batch(tokens, mode=mode)
+    engine.synchronize()
+    return (time.perf_counter() - t0) / (stream.rounds - rounds0) * 1e6
+
+
+__all__ = ["MODEL", "PROMPT", "batch_prompts", "device_us", "replay_ms", "us_per_round"]

@@ -2,8 +2,8 @@
 the engine's stream, where a stream capture takes them into the burst graph like any kernel.
 
 Two rules of driver/handle.py hold for it as for a buffer: the communicator is released exactly
-once (destroyed, or aborted where a peer failed), and a graph that captured one of its
-operations holds it, and refuses to run once it is freed.
+once, and a graph that captured one of its operations holds it, and refuses to run once it is
+freed (or has failed).
 
 A third is its own: **no host wait on a peer hangs.** NCCL's kernels wait on their peers on the
 device, so a dead or stuck peer leaves the host blocked in a stream synchronisation that never
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import threading
 import time
 import weakref
@@ -39,6 +40,15 @@ class RankFailure(NcclError):
     def __init__(self, reason: str, rank: int):
         self.code, self.call, self.detail, self.name, self.rank = -1, "wait", reason, "RANK_FAILURE", rank
         RuntimeError.__init__(self, f"rank {rank}: {reason}")
+
+
+def digest(rows: Sequence[Sequence[int]]) -> list[int]:
+    """Rows of token ids as a few u64 words for Communicator.agree: their count and a 128-bit
+    digest (row boundaries included)."""
+    hashed = hashlib.blake2b(digest_size=16)
+    for row in rows:
+        hashed.update(np.asarray(row, np.uint32).tobytes() + b"|")
+    return [sum(map(len, rows)), *np.frombuffer(hashed.digest(), np.uint64).tolist()]
 
 
 class RanksDiverged(NcclError):
@@ -105,6 +115,7 @@ class _State:
         self.closed = False
         self.aborted = False
         self.owner: Callable[[], Communicator | None] = lambda: None  # a weak reference, once made
+        self.engines: list[Any] = []  # whose host waits the guard times
 
     def poll(self) -> None:
         with self.lock:
@@ -122,14 +133,23 @@ class _State:
             _current(self.ctx, self.lib.lib.ncclCommAbort, ctypes.c_void_p(self.comm))
 
     def release(self) -> None:
-        """Destroy the communicator, or abort it where it failed; stop the watchdog."""
+        """Release the communicator, once, and stop the watchdog: by ncclCommAbort, which frees
+        this rank's resources without its peers, where ncclCommDestroy may wait for peers that
+        are gone (Communicator.free finishes the engine's work first, so nothing is cut short)."""
         with self.lock:
             if self.closed:
                 return
             self.closed = True
-            if not self.aborted:
-                release = self.lib.lib.ncclCommAbort if self.watch.failure else self.lib.lib.ncclCommDestroy
-                _current(self.ctx, release, ctypes.c_void_p(self.comm))
+            self.abort()
+
+
+def _release(state: _State, guard: _Guard) -> None:
+    """The communicator's finaliser (free() or the collector): the engines' waits unguarded,
+    the communicator released."""
+    for engine in state.engines:
+        if guard in engine.guards:
+            engine.guards.remove(guard)
+    state.release()
 
 
 def _watchdog(state: _State, poll: float) -> None:
@@ -166,11 +186,10 @@ class Communicator(Handle):
         ctx = engine.activate()
         comm = self._join(lib, ctx, rank, world, unique_id, watch.timeout)
         self._state = state = _State(lib, comm, watch, ctx)
-        self._finalizer = weakref.finalize(self, state.release)
+        self._guard = guard = _Guard(state)
+        self._finalizer = weakref.finalize(self, _release, state, guard)
         state.owner = weakref.ref(self)
-        self._guard = _Guard(state)
-        engine.guards.append(self._guard)
-        self._stream = ctypes.c_void_p(engine.stream_handle)
+        self._on(engine)
         self._comm = ctypes.c_void_p(comm)
         threading.Thread(target=_watchdog, args=(state, poll), daemon=True, name=f"memra-nccl-rank{rank}").start()
 
@@ -238,21 +257,20 @@ class Communicator(Handle):
                 self._state.abort()
 
     def free(self) -> None:
-        """Finish the engine's work (bounded by the timeout), then destroy the communicator;
+        """Finish the engine's work (bounded by the timeout), then release the communicator;
         anything that captured one of its operations refuses to run from now on."""
         if self.freed:
             return
         if self._state.watch.failure is None and not self.engine.closed:
             with contextlib.suppress(RankFailure):
                 self.engine.synchronize()
-        if self._guard in self.engine.guards:
-            self.engine.guards.remove(self._guard)
         super().free()
 
     def agree(self, values: Sequence[int], what: str = "the values") -> None:
         """RanksDiverged on every rank unless every rank passes the same `values` (u64 words): an
-        all-reduce of their minimum and one of their maximum (of the complements), one readback.
-        A host check between bursts, not for the per-round path."""
+        all-reduce of their maximum and of their complements' (their minimum), one readback. A
+        host check between bursts, not for the per-round path; where it fails, every rank's
+        communicator is aborted (what the ranks run together no longer agrees)."""
         words = np.asarray(values, np.uint64)
         if words.ndim != 1 or not words.size:
             raise ValueError(f"agree() takes a non-empty sequence of u64 values, not {values!r}")
@@ -261,48 +279,60 @@ class Communicator(Handle):
         seen = self.engine.dtoh(both)
         high, low = seen[:words.size], ~seen[words.size:]
         if (high != low).any():
-            raise RanksDiverged(what, low.tolist(), high.tolist(), self.rank)
+            diverged = RanksDiverged(what, low.tolist(), high.tolist(), self.rank)
+            self.abort(diverged.detail)  # every rank alike: what the ranks run together no longer agrees
+            self.failed()
+            raise diverged
 
     # -- operations -----------------------------------------------------------------------------
     # Each is checked once by its prepare_ form, which returns the call to issue again and again
     # (a round's, say): issuing it costs the NCCL call and one test of the communicator's state.
+    # `engine`: another engine of the communicator's device to queue on (a torch decoder's stream,
+    # say), whose host waits the watchdog then times too.
     def all_reduce(self, buf: DeviceBuffer, out: DeviceBuffer | None = None, op: str = "sum",
-                   dtype: Any = None) -> None:
+                   dtype: Any = None, *, engine: Any = None) -> None:
         """out = op over the ranks of buf (in place where out is None); `dtype` "bfloat16" for a
         bf16 tensor's memory."""
-        self.prepare_all_reduce(buf, out, op, dtype)()
+        self.prepare_all_reduce(buf, out, op, dtype, engine=engine)()
 
     def prepare_all_reduce(self, buf: DeviceBuffer, out: DeviceBuffer | None = None, op: str = "sum",
-                           dtype: Any = None) -> Callable[[], None]:
-        out = buf if out is None else out
-        count, kind = self._pair(buf, out, dtype)
-        return self._prepare("ncclAllReduce", (buf.ptr, out.ptr, count, kind, nccl_op(op)), (buf, out))
+                           dtype: Any = None, *, engine: Any = None) -> Callable[[], None]:
+        engine, out = self._on(engine), buf if out is None else out
+        count, kind = self._pair(engine, buf, out, dtype)
+        return self._prepare(engine, "ncclAllReduce", (buf.ptr, out.ptr, count, kind, nccl_op(op)), (buf, out))
 
-    def broadcast(self, buf: DeviceBuffer, root: int = 0, out: DeviceBuffer | None = None, dtype: Any = None) -> None:
+    def broadcast(self, buf: DeviceBuffer, root: int = 0, out: DeviceBuffer | None = None, dtype: Any = None, *,
+                  engine: Any = None) -> None:
         """out = root's buf on every rank (in place where out is None)."""
-        self.prepare_broadcast(buf, root, out, dtype)()
+        self.prepare_broadcast(buf, root, out, dtype, engine=engine)()
 
     def prepare_broadcast(self, buf: DeviceBuffer, root: int = 0, out: DeviceBuffer | None = None,
-                          dtype: Any = None) -> Callable[[], None]:
-        out = buf if out is None else out
-        count, kind = self._pair(buf, out, dtype)
-        return self._prepare("ncclBroadcast", (buf.ptr, out.ptr, count, kind, self._rank_of(root, "root")), (buf, out))
+                          dtype: Any = None, *, engine: Any = None) -> Callable[[], None]:
+        engine, out = self._on(engine), buf if out is None else out
+        count, kind = self._pair(engine, buf, out, dtype)
+        return self._prepare(engine, "ncclBroadcast", (buf.ptr, out.ptr, count, kind, self._rank_of(root, "root")),
+                             (buf, out))
 
-    def send(self, buf: DeviceBuffer, peer: int, dtype: Any = None) -> None:
+    def send(self, buf: DeviceBuffer, peer: int, dtype: Any = None, *, engine: Any = None) -> None:
         """buf to rank `peer`, which receives it with recv() of as many elements."""
-        self.prepare_send(buf, peer, dtype)()
+        self.prepare_send(buf, peer, dtype, engine=engine)()
 
-    def prepare_send(self, buf: DeviceBuffer, peer: int, dtype: Any = None) -> Callable[[], None]:
-        count, kind = self._pair(buf, buf, dtype)
-        return self._prepare("ncclSend", (buf.ptr, count, kind, self._rank_of(peer, "peer")), (buf,))
+    def prepare_send(self, buf: DeviceBuffer, peer: int, dtype: Any = None, *,
+                     engine: Any = None) -> Callable[[], None]:
+        return self._point_to_point("ncclSend", buf, peer, dtype, engine)
 
-    def recv(self, buf: DeviceBuffer, peer: int, dtype: Any = None) -> None:
+    def recv(self, buf: DeviceBuffer, peer: int, dtype: Any = None, *, engine: Any = None) -> None:
         """buf from rank `peer`'s send()."""
-        self.prepare_recv(buf, peer, dtype)()
+        self.prepare_recv(buf, peer, dtype, engine=engine)()
 
-    def prepare_recv(self, buf: DeviceBuffer, peer: int, dtype: Any = None) -> Callable[[], None]:
-        count, kind = self._pair(buf, buf, dtype)
-        return self._prepare("ncclRecv", (buf.ptr, count, kind, self._rank_of(peer, "peer")), (buf,))
+    def prepare_recv(self, buf: DeviceBuffer, peer: int, dtype: Any = None, *,
+                     engine: Any = None) -> Callable[[], None]:
+        return self._point_to_point("ncclRecv", buf, peer, dtype, engine)
+
+    def _point_to_point(self, name: str, buf: DeviceBuffer, peer: int, dtype: Any, engine: Any) -> Callable[[], None]:
+        engine = self._on(engine)
+        count, kind = self._pair(engine, buf, buf, dtype)
+        return self._prepare(engine, name, (buf.ptr, count, kind, self._rank_of(peer, "peer")), (buf,))
 
     @contextlib.contextmanager
     def group(self) -> Iterator[None]:
@@ -317,11 +347,22 @@ class Communicator(Handle):
             if code:
                 raise self.lib.failure(code, "ncclGroupEnd", self._comm)
 
-    def _pair(self, buf: Any, out: Any, dtype: Any) -> tuple[int, int]:
+    def _on(self, engine: Any) -> Any:
+        """The engine an operation queues on: the communicator's, or another of its device, whose
+        host waits the guard joins."""
+        engine = self.engine if engine is None else engine
+        if engine.device != self.engine.device:
+            raise ValueError(f"{engine!r} is not on the communicator's device {self.engine.device}")
+        if self._guard not in engine.guards:
+            engine.guards.append(self._guard)
+            self._state.engines.append(engine)
+        return engine
+
+    def _pair(self, engine: Any, buf: Any, out: Any, dtype: Any) -> tuple[int, int]:
         for what, b in (("buf", buf), ("out", out)):
             if not isinstance(b, DeviceBuffer):
                 raise TypeError(f"{what} must be a DeviceBuffer (engine.buffer(tensor) wraps a tensor), not {b!r}")
-            self.engine.check_owns(b, what)
+            engine.check_owns(b, what)
         if out.nbytes != buf.nbytes or out.dtype != buf.dtype:
             raise ValueError(f"{buf!r} and {out!r} differ: an NCCL operation's buffers hold the same elements")
         if dtype == "bfloat16":
@@ -336,11 +377,11 @@ class Communicator(Handle):
             raise ValueError(f"{what} must be a rank of 0..{self.world - 1}, not {rank}")
         return rank
 
-    def _prepare(self, name: str, args: tuple, uses: tuple) -> Callable[[], None]:
-        """The NCCL call `name` over `args`, then the communicator and its stream, checked and
-        bound once; issuing it also tells a capture what it names (the graph holds them)."""
-        fn, ctx, state, engine = getattr(self.lib.lib, name), self._state.ctx, self._state, self.engine
-        argv = (*args, self._comm, self._stream)
+    def _prepare(self, engine: Any, name: str, args: tuple, uses: tuple) -> Callable[[], None]:
+        """The NCCL call `name` over `args`, then the communicator and `engine`'s stream, checked
+        and bound once; issuing it also tells a capture what it names (the graph holds them)."""
+        fn, ctx, state = getattr(self.lib.lib, name), self._state.ctx, self._state
+        argv = (*args, self._comm, ctypes.c_void_p(engine.stream_handle))
         holds = (self, *uses)
 
         def issue() -> None:

@@ -25,7 +25,6 @@ makes the others' waits raise RankFailure (the communicator's watchdog).
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -33,6 +32,7 @@ import numpy as np
 
 from ..acceptance import Greedy, Sampling
 from ..bufs import StreamBufs
+from ..comm.communicator import digest
 from ..kernels import SpecKernels
 from ..round import chain
 from ..stream import RoundStream
@@ -40,7 +40,7 @@ from ..tables import kv_len_ptr_table
 from .toy import BLOCK, ToyCost, ToyLM, ToyModel, ToySampling
 
 if TYPE_CHECKING:
-    from ..comm import Communicator
+    from ..comm.communicator import Communicator
     from ..driver.buffer import DeviceBuffer
 
 
@@ -108,12 +108,8 @@ class ToyRank:
 
     def agree(self, tokens: Sequence[Sequence[int]]) -> None:
         """RanksDiverged on every rank unless every rank passes the same `tokens` (each row's
-        committed tokens): their count and a digest, all-reduced (Communicator.agree)."""
-        digest = hashlib.blake2b(digest_size=16)
-        for row in tokens:
-            digest.update(np.asarray(row, np.uint32).tobytes() + b"|")
-        words = np.frombuffer(digest.digest(), np.uint64)
-        self.comm.agree([sum(map(len, tokens)), *words.tolist()], "the committed tokens")
+        committed tokens): their count and digest, all-reduced (Communicator.agree)."""
+        self.comm.agree(digest(tokens), "the committed tokens")
 
 
 class ToyTensorParallel(ToyRank):
