@@ -23,12 +23,15 @@
    draft's device time in target steps (v, d), the ideal tau / (v + d) and how much of it it
    reaches; per B the best chain, static and dynamic tree, and the pick against the best chain.
    With a JSON path, a picture beside it (matplotlib, the `plot` extra): tokens/s against B.
+6. Tree costs, B = 1, both sizes: a chain's draft step and verify, each draft level of a static
+   tree and its verify under cuBLASLt and cuBLAS, torch.topk against two argmaxes, each captured
+   alone, in target steps: where a tree's round goes (docs/torch.md, "Trees").
 
 Needs torch and transformers, and the source checkout (the example is not in the wheel).
 
     PYTHONPATH=. python -m memra_cuda.bench_torch [--quick] [--json PATH]
         [--tree-sizes small,large] [--tree-batches 1,8,32,128]
-        [one_request|batches|serving|hybrid|trees ...]
+        [one_request|batches|serving|hybrid|trees|tree_costs ...]
 
 runs some sections alone (`make bench-torch` runs them all), the trees section at some sizes and
 batch sizes alone where asked.
@@ -511,8 +514,72 @@ def plot_trees(rows: list[dict], path: str | Path) -> None:
     print(f"trees: the picture is {path}")
 
 
+def bench_tree_costs(llama: Any, quick: bool) -> list[dict]:
+    """Section 6: where a tree's round goes against a chain's, at B = 1 on both sizes, in target
+    steps: a chain's draft step and verify (k = 10), each draft level of a static tree (T = 64,
+    depth 10) and its verify under cuBLASLt (the example's) and cuBLAS; then two ways to take a
+    level's two best candidates, torch.topk and two argmaxes, over a level's logits."""
+    import torch
+    trees = load_example("torch_tree")
+    print("\ntree costs: B=1, device ms of each part captured alone, in target steps (a graphed greedy step)")
+    rows: list[dict] = []
+    for size in ("small", "large"):
+        model = llama.build_model(size, logit_scale=TREE_LOGIT_SCALE)
+        tree = trees.static_tree(64, 10)
+        requests = [llama.Request(llama.PROMPT, 64)]
+        capacity = llama.capacity_for(len(llama.PROMPT), 64, tree.depth, TORCH_M, 1, width=tree.nodes)
+        _, step_ms = _plain_decoding(llama, model, capacity, requests)
+        parts = {**_chain_parts(llama, model, capacity, requests), **_tree_parts(llama, trees, model, tree, capacity,
+                                                                                    requests)}
+        _release()
+        for width in (1, 8):
+            logits = torch.randn(1, width, model.config.vocab_size, device="cuda", dtype=model.dtype)
+            parts[f"top-2 of {width} node(s), torch.topk"] = _graph_ms(lambda logits=logits: logits.topk(2, dim=-1))
+            parts[f"top-2 of {width} node(s), 2 argmaxes"] = _graph_ms(lambda logits=logits: _two_argmaxes(logits))
+        for part, ms in parts.items():
+            rows.append(dict(size=size, part=part, ms=ms, target_steps=ms / step_ms))
+            print(f"{size:6} {part:40} {ms:8.4f} ms {ms / step_ms:7.3f}", flush=True)
+    return rows
+
+
+def _chain_parts(llama: Any, model: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
+    """Device ms of a chain's draft step (k = 10) and verify, each captured alone; its decoder
+    released when this returns (_release)."""
+    chain = llama.SpeculativeLlama(model, k=10, m_rounds=TORCH_M, capacity=capacity)
+    chain.generate_batch(requests)
+    return {"chain draft step (of 10)": _graph_ms(chain.draft_chain, chain.stream) / 10,
+            "chain verify (11 tokens)": _graph_ms(chain.verify_trunk, chain.stream)}
+
+
+def _tree_parts(llama: Any, trees: Any, model: Any, tree: Any, capacity: int,
+                requests: Sequence[Any]) -> dict[str, float]:
+    """Device ms of each draft level of `tree` and of its verify under cuBLASLt and cuBLAS, each
+    captured alone."""
+    spec = trees.TreeLlama(model, tree, m_rounds=TORCH_M, capacity=capacity)
+    spec.generate_batch(requests)
+    spec.draft_level(0)  # the round's mask, which the levels after read
+    parts = {f"tree level {level} ({stop - start} nodes)": _graph_ms(lambda level=level: spec.draft_level(level),
+                                                                     spec.stream)
+             for level, (start, stop) in enumerate(tree.levels[:-1])}
+    nodes = spec._nodes(0, tree.nodes)
+    for library in ("cublaslt", "cublas"):
+        def verify(library: str = library) -> None:
+            with llama.blas(library):
+                spec.target.logits(spec.tok, spec.pos, parents=spec.parents, **nodes)
+        parts[f"tree verify ({tree.nodes} tokens, {library})"] = _graph_ms(verify, spec.stream)
+    return parts
+
+
+def _two_argmaxes(logits: Any) -> Any:
+    """The two best indices of the last dim, best first, by an argmax, a masked copy and another."""
+    import torch
+    first = logits.argmax(-1, keepdim=True)
+    second = logits.scatter(-1, first, -torch.inf).argmax(-1, keepdim=True)
+    return torch.cat([first, second], -1)
+
+
 SECTIONS = {"one_request": bench_one_request, "batches": bench_batches, "serving": bench_serving,
-            "hybrid": bench_hybrid, "trees": bench_trees}
+            "hybrid": bench_hybrid, "trees": bench_trees, "tree_costs": bench_tree_costs}
 
 
 def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_path: str | Path | None = None,
