@@ -11,8 +11,10 @@ decisions. torch.distributed (gloo, on the host) passes the communicator's id, n
 
     torchrun --nproc-per-node 2 examples/torch_tp.py [--size small|large] [--batch B] [--tokens 256]
 
-checks, on every rank, that round-stream's tokens in graph and overlap modes equal the ranks'
-own plain greedy decoding (each step a torch graph), and that the ranks agree.
+checks, on every rank, that the sharded model's logits are the whole model's, that
+round-stream's tokens in graph and overlap modes equal the ranks' own plain greedy decoding
+(each step a torch graph; fp32, the small model: bf16 rounds a verify's GEMMs otherwise), and
+that the ranks agree. The plain decoder's waits are torch's, which the watchdog does not time.
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ def shard(model: LlamaForCausalLM, rank: int, world: int, reduce: Callable[[torc
                          "evenly")
     if any(isinstance(layer, RecurrentLayer) for layer in model.model.layers):
         raise ValueError("the example shards attention layers: a recurrent layer's state is not split")
+    if any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
+           for layer in model.model.layers):
+        raise ValueError("a row-parallel linear with a bias would add it once a rank")
     dim = head_size(config)
 
     def rows(linear: torch.nn.Linear, width: int) -> None:
@@ -68,8 +73,6 @@ def shard(model: LlamaForCausalLM, rank: int, world: int, reduce: Callable[[torc
 
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        if attention.o_proj.bias is not None or mlp.down_proj.bias is not None:
-            raise ValueError("a row-parallel linear with a bias would add it once a rank")
         rows(attention.q_proj, heads // world * dim)
         rows(attention.k_proj, kv_heads // world * dim)
         rows(attention.v_proj, kv_heads // world * dim)
@@ -78,7 +81,7 @@ def shard(model: LlamaForCausalLM, rank: int, world: int, reduce: Callable[[torc
         rows(mlp.gate_proj, inner // world)
         rows(mlp.up_proj, inner // world)
         mlp.down_proj = Reduced(mlp.down_proj.weight[:, rank * (inner // world):(rank + 1) * (inner // world)], reduce)
-    config.head_dim = dim
+    config.head_dim = dim  # transformers 5 sets it; an older config would take it from the heads left
     config.num_attention_heads, config.num_key_value_heads = heads // world, kv_heads // world
     config.intermediate_size = inner // world
 
@@ -103,6 +106,10 @@ class TensorParallel:
         stream = torch.cuda.current_stream()
         engine = self.engines.get(stream.cuda_stream)
         if engine is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("an all-reduce captured on a stream no engine was made for before: its graph "
+                                   "would not hold the communicator (watch() the decoder's engine, or run a step "
+                                   "on the stream before capturing it)")
             engine = self.engines[stream.cuda_stream] = memra_torch.engine(stream)
         bf16 = tensor.dtype == torch.bfloat16
         buf = memra_torch.buffer(tensor.view(torch.int16) if bf16 else tensor)
@@ -115,22 +122,30 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, device = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(device)
     model = build_model(args.size)  # the same random weights on every rank (one seed)
-    tp = TensorParallel(rank, world, device)
-    shard(model, rank, world, tp.reduce)
+    probe = torch.tensor([PROMPT], device="cuda")
+    with torch.no_grad():
+        whole = model(probe).logits.float()
+        tp = TensorParallel(rank, world, device)
+        shard(model, rank, world, tp.reduce)
+        drift = float((model(probe).logits.float() - whole).abs().max() / whole.abs().max())
     batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
     requests = [Request(prompt, args.tokens) for prompt in batch]
     capacity = capacity_for(max(map(len, batch)), args.tokens, args.k, args.m_rounds, args.batch)
     want = GraphedGreedy(model, capacity, args.batch).generate_batch(requests)
     spec = SpeculativeLlama(model, k=args.k, m_rounds=args.m_rounds, capacity=capacity, batch=args.batch,
                             on_engine=tp.watch)
-    same = {mode: spec.generate_batch(requests, mode) == want for mode in ("graph", "overlap")}
+    got = {mode: spec.generate_batch(requests, mode) for mode in ("graph", "overlap")}
+    spec.engine.synchronize()  # an overlapped burst may still run: no other stream's all-reduce meanwhile
     tp.comm.agree(digest(want), "the ranks' greedy tokens")  # RanksDiverged on every rank where they differ
-    verdicts = ", ".join(f"{mode} mode: {'yes' if ok else 'NO'}" for mode, ok in same.items())
-    print(f"rank {rank} of {world}: {args.size} model, B={args.batch}, k={args.k}: round-stream equals the ranks' "
-          f"plain greedy decoding in {verdicts}", flush=True)
-    tp.comm.free()
+    exact = model.dtype == torch.float32  # bf16's B(k+1)-row GEMMs round otherwise than B-row ones
+    verdicts = ", ".join(f"{mode} mode: {'yes' if tokens == want else 'NO'}" for mode, tokens in got.items())
+    print(f"rank {rank} of {world}: {args.size} model, B={args.batch}, k={args.k}: the sharded model's logits are "
+          f"the whole model's to {drift:.1e} of their largest; round-stream equals the ranks' plain greedy "
+          f"decoding in {verdicts}{'' if exact else ' (bf16: not checked)'}", flush=True)
+    ok = drift < (1e-4 if exact else 3e-2) and (not exact or all(tokens == want for tokens in got.values()))
+    tp.comm.free()  # the graphs that captured it first (NCCL waits for them), then the communicator
     dist.destroy_process_group()
-    return 0 if all(same.values()) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

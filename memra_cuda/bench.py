@@ -356,27 +356,18 @@ def bench_pipeline(engine: Engine, quick: bool) -> list[dict]:
 def _nccl_ranks(tokens: int, k: int, m_rounds: int) -> list[dict]:
     """bench_ranks's rows, from its two ranks started here as torchrun would (rank 0's), or none
     with the reason where NCCL is missing or a rank fails."""
-    import os
-    import socket
-    import subprocess
     from .comm import NcclUnavailable, nccl
+    from .comm.launch import launch
     try:
         nccl()
     except NcclUnavailable as exc:
         print(f"pipeline over NCCL: skipped ({exc})")
         return []
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "NCCL_NVLS_ENABLE": "0"}
-    argv = [sys.executable, "-m", "memra_cuda.bench_ranks", str(tokens), str(k), str(m_rounds)]
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
-    outs = [proc.communicate(timeout=600) for proc in procs]
-    lines = [line for line in outs[0][0].splitlines() if line.startswith("[")]
-    if any(proc.returncode for proc in procs) or not lines:
-        print("pipeline over NCCL: a rank failed:\n" + "\n".join(err[-2000:] for _, err in outs))
+    ended = launch([sys.executable, "-m", "memra_cuda.bench_ranks", str(tokens), str(k), str(m_rounds)], 2,
+                   timeout=600)
+    lines = [line for line in ended[0].stdout.splitlines() if line.startswith("[")]
+    if any(rank.returncode != 0 for rank in ended) or not lines:
+        print("pipeline over NCCL: a rank failed:\n" + "\n".join(rank.stderr[-2000:] for rank in ended))
         return []
     return json.loads(lines[-1])
 

@@ -59,11 +59,15 @@ def us_per_round(engine: Engine, stream: RoundStream, prefill: Callable[[], obje
     prefill()
     stream.generate_batch(tokens, mode=mode)
     prefill()
+    engine.synchronize()  # the prefill is not the rounds'
     rounds0 = stream.rounds
     t0 = time.perf_counter()
     stream.generate_batch(tokens, mode=mode)
     engine.synchronize()
-    return (time.perf_counter() - t0) / (stream.rounds - rounds0) * 1e6
+    rounds = stream.rounds - rounds0
+    if not rounds:
+        raise RuntimeError(f"generating {tokens} tokens ran no round: nothing to time")
+    return (time.perf_counter() - t0) / rounds * 1e6
 
 
 __all__ = ["MODEL", "PROMPT", "batch_prompts", "device_us", "replay_ms", "us_per_round"]

@@ -5,7 +5,7 @@ ring of sends, eagerly and replayed from one captured graph), "die" (rank 1 leav
 joining; rank 0's all-reduce must end in RankFailure within its timeout), "tp MODE BATCH
 SAMPLED" and "stages MODE BATCH SAMPLED" (the toy over tensor-parallel ranks or pipeline stages,
 models/ranks.py: its tokens, burst by burst in graph mode, and the toy's on this GPU alone),
-"diverge" (rank 1 generates for another budget: every rank must raise)."""
+"diverge" (rank 1 reports other tokens than it committed: every rank must raise RanksDiverged)."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from memra_cuda import Engine, Graph, StreamBufs
-from memra_cuda.comm import Communicator, NcclError, RankFailure
+from memra_cuda.comm import Communicator, NcclError
 from memra_cuda.models.ranks import ToyPipelineStage, ToyTensorParallel
 from memra_cuda.models.toy import ToyLM, ToyModel, ToySampling
 
@@ -58,8 +58,8 @@ def die(comm: Communicator, engine: Engine) -> dict:
         comm.all_reduce(buf)
         engine.synchronize()
         return dict(raised=None, seconds=time.monotonic() - start)
-    except RankFailure as exc:
-        return dict(raised=str(exc), seconds=time.monotonic() - start)
+    except NcclError as exc:  # RankFailure, or the failed call that found the peer gone
+        return dict(raised=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - start)
 
 
 def prompts(batch: int) -> list[list[int]]:
@@ -98,9 +98,14 @@ def ranks_job(kind: type, comm: Communicator, engine: Engine, mode: str, batch: 
 
 
 def diverge(comm: Communicator, engine: Engine) -> dict:
+    """Both ranks generate alike; rank 1 then reports one token other than it committed."""
+    ranks = ToyTensorParallel(comm, MODEL, CAPACITY, K, M)
+    ranks.prefill_row(0, prompts(1)[0])
+    tokens = [row.tolist() for row in ranks.round_stream().generate_batch(TOKENS, mode="graph")]
+    if comm.rank == 1:
+        tokens[0][-1] += 1
     try:
-        ranks_job(ToyTensorParallel, comm, engine, "overlap", "1", "0",
-                  budget=TOKENS if comm.rank == 0 else TOKENS // 2)
+        ranks.agree(tokens)
         return dict(raised=None)
     except NcclError as exc:
         return dict(raised=f"{type(exc).__name__}: {exc}")

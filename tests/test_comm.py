@@ -6,6 +6,7 @@ host wait answers to its guards, where libnccl is looked for, and, where an NCCL
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 import types
@@ -30,8 +31,9 @@ def free_port() -> int:
 
 def test_a_rank_reads_torchruns_variables():
     env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29600"}
-    assert Ranks.from_env(env) == Ranks(2, 4, 1, "10.0.0.7", 29600)
-    assert Ranks.from_env({"RANK": "0", "WORLD_SIZE": "1"}) == Ranks(0, 1, 0, "127.0.0.1", 29500)
+    assert Ranks.from_env(env) == Ranks(2, 4, 1, "10.0.0.7", 29601)  # torchrun's store holds MASTER_PORT
+    assert Ranks.from_env({**env, "MEMRA_NCCL_PORT": "31000"}).port == 31000
+    assert Ranks.from_env({"RANK": "0", "WORLD_SIZE": "1"}) == Ranks(0, 1, 0, "127.0.0.1", 29501)
 
 
 @pytest.mark.parametrize("env, match", [
@@ -40,6 +42,7 @@ def test_a_rank_reads_torchruns_variables():
     ({"RANK": "x", "WORLD_SIZE": "2"}, "integers"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, "0 <= rank < world"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "port"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MEMRA_NCCL_PORT": "x"}, "MEMRA_NCCL_PORT are integers"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "local_rank"),
 ])
 def test_a_rank_refuses_an_environment_it_cannot_serve(env, match):
@@ -104,13 +107,24 @@ def test_an_id_of_the_wrong_size_is_refused():
 def test_a_wait_past_the_timeout_is_a_failure_and_stays_one():
     watch = Watch(timeout=10.0, rank=1)
     assert watch.verdict(now=100.0, async_error=0) is None  # no wait yet
-    watch.since = 100.0
+    watch.waits.update({1: 104.0, 2: 100.0})  # two threads waiting: the oldest wait counts
     assert watch.verdict(now=110.0, async_error=0) is None  # at the limit, not past it
     assert watch.verdict(now=110.0, async_error=IN_PROGRESS) is None  # NCCL still working: no error
     first = watch.verdict(now=110.5, async_error=0)
     assert first is not None and "timeout of 10 s" in first
-    watch.since = None
+    watch.waits.clear()
     assert watch.verdict(now=111.0, async_error=2) == first  # the first failure stays the verdict
+
+
+def test_a_wait_that_ends_leaves_another_threads_wait_timed():
+    watch = Watch(timeout=10.0, rank=0)
+    state = _State(Lib(), 0x1, watch, Ctx(), grace=1.0)
+    guard, other = _Guard(state), threading.Thread(target=lambda: _Guard(state).begin())
+    other.start()
+    other.join()
+    guard.begin()
+    guard.end(None)
+    assert len(watch.waits) == 1 and watch.verdict(time.monotonic() + 11, 0) is not None
 
 
 def test_an_asynchronous_error_is_a_failure_at_once():
@@ -124,18 +138,22 @@ def test_a_timeout_is_a_positive_number_of_seconds():
 
 
 class Lib:
-    """What _State calls of libnccl, recorded (the watchdog's side, not a GPU's)."""
+    """What _State calls of libnccl, recorded (the watchdog's side, not a GPU's); `stuck`: the
+    calls that never return."""
 
-    def __init__(self, async_error: int = 0):
-        self.async_error, self.calls = async_error, []
-        self.lib = types.SimpleNamespace(ncclCommGetAsyncError=self._get, ncclCommAbort=self._abort)
+    def __init__(self, async_error: int = 0, stuck: tuple[str, ...] = ()):
+        self.async_error, self.calls, self.stuck = async_error, [], stuck
+        self.lib = types.SimpleNamespace(ncclCommGetAsyncError=self._get, **{
+            f"ncclComm{name}": lambda comm, name=name: self._call(name) for name in ("Abort", "Finalize", "Destroy")})
 
     def _get(self, comm, out):
         out._obj.value = self.async_error
         return 0
 
-    def _abort(self, comm):
-        self.calls.append("abort")
+    def _call(self, name):
+        self.calls.append(name.lower())
+        if name.lower() in self.stuck:
+            threading.Event().wait(5)
         return 0
 
 
@@ -149,7 +167,7 @@ class Ctx:
 
 def test_the_watchdog_aborts_once_on_an_error_and_the_wait_raises_rank_failure():
     lib = Lib(async_error=6)
-    state = _State(lib, 0x1234, Watch(5.0, rank=3), Ctx())
+    state = _State(lib, 0x1234, Watch(5.0, rank=3), Ctx(), grace=1.0)
     guard = _Guard(state)
     guard.begin()
     state.poll()
@@ -163,9 +181,9 @@ def test_the_watchdog_aborts_once_on_an_error_and_the_wait_raises_rank_failure()
     assert lib.calls == ["abort"]  # an aborted communicator is not released again
 
 
-def test_a_healthy_communicator_is_released_once_and_polls_nothing_after():
+def test_a_healthy_communicator_is_finalised_and_destroyed_once_and_polls_nothing_after():
     lib = Lib()
-    state = _State(lib, 0x1234, Watch(5.0, rank=0), Ctx())
+    state = _State(lib, 0x1234, Watch(5.0, rank=0), Ctx(), grace=1.0)
     guard = _Guard(state)
     guard.begin()
     state.poll()
@@ -173,7 +191,15 @@ def test_a_healthy_communicator_is_released_once_and_polls_nothing_after():
     state.release()
     state.release()
     state.poll()
-    assert lib.calls == ["abort"]  # ncclCommAbort: a destroy may wait for peers that are gone
+    assert lib.calls == ["finalize", "destroy"]
+
+
+def test_a_finalise_that_does_not_return_in_time_gives_way_to_an_abort():
+    lib = Lib(stuck=("finalize",))
+    state = _State(lib, 0x1234, Watch(5.0, rank=0), Ctx(), grace=0.2)
+    start = time.monotonic()
+    state.release()
+    assert lib.calls == ["finalize", "abort"] and time.monotonic() - start < 2
 
 
 # -- a host wait answers to its stream's guards --------------------------------------------------------
@@ -196,6 +222,20 @@ def test_a_host_wait_is_bracketed_by_every_guard():
     stream = types.SimpleNamespace(guards=[Recorder(log), Recorder(log)])
     assert Stream.host_wait(stream, lambda x: log.append(f"wait {x}") or 7, 5) == 7
     assert log == ["begin", "begin", "wait 5", "end None", "end None"]
+
+
+def test_every_guard_ends_its_wait_though_the_first_raises():
+    log: list[str] = []
+    stream = types.SimpleNamespace(guards=[Recorder(log, raise_at_end=True), Recorder(log)])
+    with pytest.raises(RankFailure, match="peer gone"):
+        Stream.host_wait(stream, lambda: None)
+    assert log == ["begin", "begin", "end None", "end None"]
+
+
+def test_a_communicator_id_is_passed_whole():
+    from memra_cuda.comm.library import UniqueIdArg
+    made = bytes([7, 0, 0, 9] * 32)  # zeros inside, as rank 0's address and port have
+    assert bytes(UniqueIdArg.from_buffer_copy(made)) == made
 
 
 def test_a_guard_turns_a_failed_wait_into_its_own_error():
@@ -289,3 +329,22 @@ def test_shards_cover_the_layers_once_in_order_the_first_ones_larger():
         shard(2, 3, 0)
     with pytest.raises(ValueError, match="rank 3"):
         shard(4, 3, 3)
+
+
+# -- ranks started as torchrun would ------------------------------------------------------------------
+
+def test_launch_starts_every_rank_with_torchruns_variables():
+    from memra_cuda.comm.launch import launch
+    show = "import os; print(os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'], " \
+           "os.environ['NCCL_NVLS_ENABLE'], int(os.environ['MASTER_PORT']) > 0)"
+    ended = launch([sys.executable, "-c", show], 3, timeout=60)
+    assert [(e.rank, e.returncode, e.stdout.split()) for e in ended] == \
+        [(r, 0, [str(r), str(r), "3", "0", "True"]) for r in range(3)]
+
+
+def test_launch_kills_every_rank_past_its_timeout():
+    from memra_cuda.comm.launch import launch
+    start = time.monotonic()
+    ended = launch([sys.executable, "-c", "import os, time; os.environ['RANK'] == '1' and time.sleep(60)"], 2,
+                   timeout=2)
+    assert [e.returncode for e in ended] == [0, None] and time.monotonic() - start < 20

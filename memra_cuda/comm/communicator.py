@@ -3,7 +3,8 @@ the engine's stream, where a stream capture takes them into the burst graph like
 
 Two rules of driver/handle.py hold for it as for a buffer: the communicator is released exactly
 once, and a graph that captured one of its operations holds it, and refuses to run once it is
-freed (or has failed).
+freed (free() frees such graphs first: NCCL releases a communicator only once they are gone) or
+has failed.
 
 A third is its own: **no host wait on a peer hangs.** NCCL's kernels wait on their peers on the
 device, so a dead or stuck peer leaves the host blocked in a stream synchronisation that never
@@ -18,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import logging
+import os
 import threading
 import time
 import weakref
@@ -27,10 +30,13 @@ from typing import Any
 import numpy as np
 
 from ..driver.buffer import DeviceBuffer
+from ..driver.graph import Graph
 from ..driver.handle import Handle
 from ..driver.values import as_index
 from .library import IN_PROGRESS, RESULTS, UNIQUE_ID_BYTES, Nccl, NcclError, UniqueIdArg, nccl, nccl_dtype, nccl_op
 from .rendezvous import Ranks, exchange_id
+
+log = logging.getLogger("memra_cuda")
 
 
 class RankFailure(NcclError):
@@ -62,43 +68,44 @@ class RanksDiverged(NcclError):
 
 
 class Watch:
-    """The watchdog's rule, apart from its thread and clock: a host wait begun at `since` that
-    has run past `timeout` seconds, or an asynchronous NCCL error, is a failure; the first
-    failure stays the verdict."""
+    """The watchdog's rule, apart from its thread and clock: a host wait that has run past
+    `timeout` seconds (the oldest of those running, one a thread), or an asynchronous NCCL
+    error, is a failure; the first failure stays the verdict."""
 
     def __init__(self, timeout: float, rank: int):
         if not timeout > 0:
             raise ValueError(f"a communicator's timeout is a positive number of seconds, not {timeout}")
         self.timeout, self.rank = float(timeout), rank
-        self.since: float | None = None
+        self.waits: dict[int, float] = {}  # thread -> when its host wait began
         self.failure: str | None = None
 
     def verdict(self, now: float, async_error: int) -> str | None:
         """The failure, if there is one now (the thread then aborts the communicator)."""
         if self.failure is None:
+            oldest = min(self.waits.values(), default=None)
             if async_error not in (0, IN_PROGRESS):
                 name = RESULTS[async_error] if 0 <= async_error < len(RESULTS) else f"ncclResult {async_error}"
                 self.failure = f"NCCL reported {name} (a peer rank failed, or its connection did)"
-            elif self.since is not None and now - self.since > self.timeout:
+            elif oldest is not None and now - oldest > self.timeout:
                 self.failure = (f"a wait on the GPU ran past the communicator's timeout of {self.timeout:g} s "
                                 "(a peer rank dead, stuck, or not issuing the same operations)")
         return self.failure
 
 
 class _Guard:
-    """What the engine's host waits call (Stream.guards): times them for the watchdog and turns a
-    failure into RankFailure. Holds the shared state, not the Communicator, so that a forgotten
-    communicator can still be collected."""
+    """What the engines' host waits call (Stream.guards): times them for the watchdog and turns
+    a failure into RankFailure. Holds the shared state, not the Communicator, so that a
+    forgotten communicator can still be collected."""
 
     def __init__(self, state: _State):
         self.state = state
 
     def begin(self) -> None:
-        self.state.watch.since = time.monotonic()
+        self.state.watch.waits[threading.get_ident()] = time.monotonic()
 
     def end(self, error: BaseException | None) -> None:
         watch = self.state.watch
-        watch.since = None
+        watch.waits.pop(threading.get_ident(), None)
         if watch.failure is not None:
             owner = self.state.owner()
             if owner is not None:
@@ -107,11 +114,14 @@ class _Guard:
 
 
 class _State:
-    """What the communicator and its watchdog thread share; `lock` orders their NCCL calls."""
+    """What the communicator and its watchdog thread share. `lock` (re-entrant: a finaliser may
+    run on either thread) orders their NCCL calls and the flags; ncclCommAbort itself runs
+    outside it, since from NCCL 2.26 it waits for every graph that captured the communicator
+    to be destroyed, which only another thread may be about to do."""
 
-    def __init__(self, lib: Nccl, comm: int, watch: Watch, ctx: Any):
-        self.lib, self.comm, self.watch, self.ctx = lib, comm, watch, ctx
-        self.lock = threading.Lock()
+    def __init__(self, lib: Nccl, comm: int, watch: Watch, ctx: Any, grace: float):
+        self.lib, self.comm, self.watch, self.ctx, self.grace = lib, comm, watch, ctx, grace
+        self.lock = threading.RLock()
         self.closed = False
         self.aborted = False
         self.owner: Callable[[], Communicator | None] = lambda: None  # a weak reference, once made
@@ -123,38 +133,79 @@ class _State:
                 return
             error = ctypes.c_int()
             code = self.lib.lib.ncclCommGetAsyncError(ctypes.c_void_p(self.comm), ctypes.byref(error))
-            if self.watch.verdict(time.monotonic(), error.value if code == 0 else code) is not None:
-                self.abort()
-
-    def abort(self) -> None:
-        """ncclCommAbort, once (the lock held): it ends the communicator's kernels."""
-        if not self.aborted:
+            if self.watch.verdict(time.monotonic(), error.value if code == 0 else code) is None:
+                return
             self.aborted = True
+        self._abort()
+
+    def fail(self, reason: str) -> bool:
+        """Record `reason` (unless a failure is recorded already) and claim the abort: whether
+        the caller is to run it (_abort, outside the lock)."""
+        with self.lock:
+            if self.watch.failure is None:
+                self.watch.failure = reason
+            if self.closed or self.aborted:
+                return False
+            self.aborted = True
+            return True
+
+    def _abort(self) -> None:
+        """ncclCommAbort: the communicator's kernels stop, its resources go (called once, by
+        whoever claimed it)."""
+        try:
             _current(self.ctx, self.lib.lib.ncclCommAbort, ctypes.c_void_p(self.comm))
+        except Exception as exc:  # noqa: BLE001 - a faulted device: nothing more can be released
+            log.warning("memra_cuda: ncclCommAbort failed: %s", exc)
 
     def release(self) -> None:
-        """Release the communicator, once, and stop the watchdog: by ncclCommAbort, which frees
-        this rank's resources without its peers, where ncclCommDestroy may wait for peers that
-        are gone (Communicator.free finishes the engine's work first, so nothing is cut short)."""
+        """Release the communicator, once, and stop the watchdog. A healthy one is finalised (its
+        last operations flushed to the peers) and destroyed, each within `grace` seconds on a
+        thread of its own; past that, or where it failed, it is aborted."""
         with self.lock:
             if self.closed:
                 return
             self.closed = True
-            self.abort()
+            if self.aborted:
+                return
+            self.aborted = True
+            graceful = self.watch.failure is None
+        lib, comm = self.lib.lib, ctypes.c_void_p(self.comm)
+        if graceful and _within(self.grace, lambda: _current(self.ctx, lib.ncclCommFinalize, comm) == 0):
+            if _within(self.grace, lambda: _current(self.ctx, lib.ncclCommDestroy, comm) == 0):
+                return
+            log.warning("memra_cuda: ncclCommDestroy did not return within %g s; its resources stay", self.grace)
+            return  # a destroy under way cannot be aborted as well
+        self._abort()
+
+
+def _within(seconds: float, call: Callable[[], bool]) -> bool:
+    """call() on a thread of its own: whether it returned True within `seconds`."""
+    out: list[bool] = []
+    thread = threading.Thread(target=lambda: out.append(bool(call())), daemon=True, name="memra-nccl-release")
+    thread.start()
+    thread.join(seconds)
+    return bool(out and out[0])
 
 
 def _release(state: _State, guard: _Guard) -> None:
     """The communicator's finaliser (free() or the collector): the engines' waits unguarded,
-    the communicator released."""
-    for engine in state.engines:
-        if guard in engine.guards:
-            engine.guards.remove(guard)
-    state.release()
+    the communicator released; never raises."""
+    try:
+        for engine in state.engines:
+            if guard in engine.guards:
+                engine.guards.remove(guard)
+        state.release()
+    except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+        log.warning("memra_cuda: releasing a communicator failed: %s", exc)
 
 
 def _watchdog(state: _State, poll: float) -> None:
     while not state.closed:
-        state.poll()
+        try:
+            state.poll()
+        except Exception as exc:  # noqa: BLE001 - record it as the failure, end the communicator
+            if state.fail(f"the watchdog could not ask NCCL for errors: {exc}"):
+                state._abort()
         time.sleep(poll)
 
 
@@ -170,8 +221,11 @@ class Communicator(Handle):
     waits for every rank, at most `timeout` seconds, which also bounds every later host wait
     on the engine (module docstring).
 
-    The operations take DeviceBuffers of the engine and queue on its stream; `group()` fuses
-    several (a send and a receive that pair with a peer's) into one launch."""
+    The operations take DeviceBuffers of the engine and queue on its stream, or on another
+    engine's of the same device (`engine=`: a torch decoder's stream, whose waits are then timed
+    too); `group()` fuses several (a send and a receive that pair with a peer's) into one launch.
+    Operations on several streams must not run at once: NCCL orders a communicator's
+    operations only by the order they are issued in."""
 
     def __init__(self, engine: Any, rank: int, world: int, unique_id: bytes, *, timeout: float = 30.0,
                  poll: float = 0.05):
@@ -182,10 +236,13 @@ class Communicator(Handle):
             raise ValueError(f"a communicator id is {UNIQUE_ID_BYTES} bytes (Nccl.unique_id), not {len(unique_id)}")
         self.engine, self.rank, self.world = engine, rank, world
         self.lib = lib = nccl()
+        # Every connection made while joining, inside its timeout: NCCL otherwise connects a peer
+        # at the first operation with it, out of the watchdog's reach.
+        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
         watch = Watch(timeout, rank)
         ctx = engine.activate()
         comm = self._join(lib, ctx, rank, world, unique_id, watch.timeout)
-        self._state = state = _State(lib, comm, watch, ctx)
+        self._state = state = _State(lib, comm, watch, ctx, grace=watch.timeout)
         self._guard = guard = _Guard(state)
         self._finalizer = weakref.finalize(self, _release, state, guard)
         state.owner = weakref.ref(self)
@@ -198,8 +255,7 @@ class Communicator(Handle):
         """ncclCommInitRank, which waits for every rank, on a thread of its own so that a rank
         that never joins is a TimeoutError here rather than a hang."""
         out: dict[str, Any] = {}
-        arg = UniqueIdArg()
-        arg.internal = unique_id
+        arg = UniqueIdArg.from_buffer_copy(unique_id)  # all 128 bytes (a char field's setter stops at a zero)
 
         def init() -> None:
             comm = ctypes.c_void_p()
@@ -212,7 +268,7 @@ class Communicator(Handle):
         thread = threading.Thread(target=init, daemon=True, name=f"memra-nccl-join{rank}")
         thread.start()
         thread.join(timeout)
-        if "result" not in out:
+        if "result" not in out:  # the thread may still join later: that communicator is never released
             raise RankFailure(f"joining a communicator of {world} ranks took more than {timeout:g} s: some rank did "
                               "not join (or joined with another id)", rank)
         if isinstance(out["result"], BaseException):
@@ -249,28 +305,33 @@ class Communicator(Handle):
         self._notify(f"{self!r}")
 
     def abort(self, reason: str = "aborted by this rank") -> None:
-        """End the communicator now: its kernels stop, every wait on them raises RankFailure."""
-        with self._state.lock:
-            if self._state.watch.failure is None:
-                self._state.watch.failure = reason
-            if not self._state.closed:
-                self._state.abort()
+        """End the communicator now: its kernels stop, every wait on them raises RankFailure (and,
+        from NCCL 2.26, this returns once the graphs that captured it are gone: free them first,
+        or let free() do it)."""
+        if self._state.fail(reason):
+            self._state._abort()
 
     def free(self) -> None:
-        """Finish the engine's work (bounded by the timeout), then release the communicator;
-        anything that captured one of its operations refuses to run from now on."""
+        """Finish the engines' work (bounded by the timeout), free every graph that captured one
+        of the communicator's operations (NCCL releases a communicator only once they are gone),
+        then release it; those graphs refuse to run from now on."""
         if self.freed:
             return
-        if self._state.watch.failure is None and not self.engine.closed:
-            with contextlib.suppress(RankFailure):
-                self.engine.synchronize()
+        for engine in self._state.engines:  # every stream its operations were queued on
+            if self._state.watch.failure is None and not engine.closed:
+                with contextlib.suppress(RankFailure):
+                    engine.synchronize()
+        for dependent in list(self._dependents or ()):
+            if isinstance(dependent, Graph):
+                dependent.free()
         super().free()
 
     def agree(self, values: Sequence[int], what: str = "the values") -> None:
         """RanksDiverged on every rank unless every rank passes the same `values` (u64 words): an
         all-reduce of their maximum and of their complements' (their minimum), one readback. A
         host check between bursts, not for the per-round path; where it fails, every rank's
-        communicator is aborted (what the ranks run together no longer agrees)."""
+        communicator is failed (its graphs refuse, free() aborts it): what the ranks run
+        together no longer agrees."""
         words = np.asarray(values, np.uint64)
         if words.ndim != 1 or not words.size:
             raise ValueError(f"agree() takes a non-empty sequence of u64 values, not {values!r}")
@@ -280,7 +341,8 @@ class Communicator(Handle):
         high, low = seen[:words.size], ~seen[words.size:]
         if (high != low).any():
             diverged = RanksDiverged(what, low.tolist(), high.tolist(), self.rank)
-            self.abort(diverged.detail)  # every rank alike: what the ranks run together no longer agrees
+            with self._state.lock:  # every rank alike: what the ranks run together no longer agrees
+                self._state.watch.failure = self._state.watch.failure or diverged.detail
             self.failed()
             raise diverged
 
@@ -385,11 +447,17 @@ class Communicator(Handle):
         holds = (self, *uses)
 
         def issue() -> None:
-            if state.watch.failure is not None or self._refusal is not None:
-                self.check()
-            code = _current(ctx, fn, *argv)
+            with state.lock:
+                if state.aborted or state.watch.failure is not None or self._refusal is not None:
+                    self.check()
+                    raise RankFailure("the communicator was aborted", self.rank)
+                code = _current(ctx, fn, *argv)
             if code:
-                raise self.lib.failure(code, name, self._comm)
+                failure = self.lib.failure(code, name, self._comm)
+                if state.fail(f"{failure}"):
+                    state._abort()
+                self.failed()
+                raise RankFailure(str(failure), self.rank) from failure
             engine._uses(*holds)
         return issue
 

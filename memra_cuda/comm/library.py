@@ -44,6 +44,8 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "ncclGetVersion": (ctypes.POINTER(ctypes.c_int),),
     "ncclGetUniqueId": (ctypes.c_char_p,),
     "ncclCommInitRank": (ctypes.POINTER(_COMM), ctypes.c_int, UniqueIdArg, ctypes.c_int),
+    "ncclCommFinalize": (_COMM,),
+    "ncclCommDestroy": (_COMM,),
     "ncclCommAbort": (_COMM,),
     "ncclCommGetAsyncError": (_COMM, ctypes.POINTER(ctypes.c_int)),
     "ncclCommCount": (_COMM, ctypes.POINTER(ctypes.c_int)),

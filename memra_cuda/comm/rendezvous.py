@@ -38,7 +38,8 @@ class Ranks:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Ranks:
         """torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK (default 0), MASTER_ADDR (default
-        127.0.0.1) and MASTER_PORT (default 29500)."""
+        127.0.0.1); the exchange's port is MEMRA_NCCL_PORT, else MASTER_PORT + 1 (default 29500
+        + 1): torchrun's own store listens on MASTER_PORT."""
         environ = os.environ if environ is None else environ
         missing = [name for name in ("RANK", "WORLD_SIZE") if name not in environ]
         if missing:
@@ -46,10 +47,12 @@ class Ranks:
         try:
             numbers = {name: int(environ.get(name, default)) for name, default in
                        (("RANK", ""), ("WORLD_SIZE", ""), ("LOCAL_RANK", "0"), ("MASTER_PORT", "29500"))}
+            port = int(environ["MEMRA_NCCL_PORT"]) if "MEMRA_NCCL_PORT" in environ else numbers["MASTER_PORT"] + 1
         except ValueError as exc:
-            raise ValueError(f"RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT are integers: {exc}") from None
+            raise ValueError(f"RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT and MEMRA_NCCL_PORT are integers: "
+                             f"{exc}") from None
         return cls(numbers["RANK"], numbers["WORLD_SIZE"], numbers["LOCAL_RANK"],
-                   environ.get("MASTER_ADDR", "127.0.0.1"), numbers["MASTER_PORT"])
+                   environ.get("MASTER_ADDR", "127.0.0.1"), port)
 
 
 def exchange_id(ranks: Ranks, make_id: Callable[[], bytes], timeout: float = 60.0) -> bytes:

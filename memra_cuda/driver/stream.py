@@ -169,20 +169,26 @@ class Stream(Handle):
         stream's guards: a rank's communicator times such a wait and, where a peer failed,
         raises in place of what the wait returned (RankFailure), so that no wait on a dead
         peer's data hangs."""
-        guards = self.guards
+        guards = tuple(self.guards)
         if not guards:
             return wait(*args)
         for guard in guards:
             guard.begin()
+        error: BaseException | None = None
         try:
-            result = wait(*args)
-        except Exception as exc:
-            for guard in guards:
-                guard.end(exc)
+            return wait(*args)
+        except BaseException as exc:
+            error = exc
             raise
-        for guard in guards:
-            guard.end(None)
-        return result
+        finally:
+            raised = None
+            for guard in guards:  # every guard ends its wait, whichever raises
+                try:
+                    guard.end(error)
+                except Exception as exc:  # noqa: BLE001 - the first is raised below
+                    raised = raised or exc
+            if raised is not None:
+                raise raised
 
     def wait_stream(self, other: Any) -> None:
         """Order this stream after everything queued so far on `other` (anything as_stream
