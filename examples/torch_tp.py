@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                             on_engine=tp.watch)
     got = {mode: spec.generate_batch(requests, mode) for mode in ("graph", "overlap")}
     spec.engine.synchronize()  # an overlapped burst may still run: no other stream's all-reduce meanwhile
-    tp.comm.agree(digest(want), "the ranks' greedy tokens")  # RanksDiverged on every rank where they differ
+    # RanksDiverged on every rank where the ranks' tokens differ, plain or round-stream's
+    tp.comm.agree(digest(want + got["graph"] + got["overlap"]), "the ranks' tokens")
     exact = model.dtype == torch.float32  # bf16's B(k+1)-row GEMMs round otherwise than B-row ones
     verdicts = ", ".join(f"{mode} mode: {'yes' if tokens == want else 'NO'}" for mode, tokens in got.items())
     print(f"rank {rank} of {world}: {args.size} model, B={args.batch}, k={args.k}: the sharded model's logits are "

@@ -543,8 +543,8 @@ def bench_tree_costs(llama: Any, quick: bool) -> list[dict]:
 
 
 def _chain_parts(llama: Any, model: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
-    """Device ms of a chain's draft step (k = 10) and verify, each captured alone; its decoder
-    released when this returns (_release)."""
+    """Device ms of a chain's draft step (k = 10) and verify, each captured alone (the caller's
+    _release() gives the decoder's memory back)."""
     chain = llama.SpeculativeLlama(model, k=10, m_rounds=TORCH_M, capacity=capacity)
     chain.generate_batch(requests)
     return {"chain draft step (of 10)": _graph_ms(chain.draft_chain, chain.stream) / 10,
@@ -603,7 +603,7 @@ def _listed(text: str, known: Sequence[Any], kind: Callable[[str], Any] = str) -
         items = [kind(item) for item in text.split(",")]
     except ValueError:
         items = [text]
-    if not items or set(items) - set(known):
+    if set(items) - set(known):
         raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(map(str, known))}, not {text!r}")
     return items
 

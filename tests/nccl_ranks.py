@@ -74,8 +74,7 @@ def one_gpu(engine: Engine, batch: int, sampling: ToySampling | None) -> list[li
     return [row.tolist() for row in lm.round_stream(bufs).generate_batch(TOKENS, mode="graph")]
 
 
-def ranks_job(kind: type, comm: Communicator, engine: Engine, mode: str, batch: str, sampled: str,
-              budget: int = TOKENS) -> dict:
+def ranks_job(kind: type, comm: Communicator, engine: Engine, mode: str, batch: str, sampled: str) -> dict:
     batch, sampling = int(batch), ToySampling() if sampled == "1" else None
     ranks = kind(comm, MODEL, CAPACITY, K, M, batch=batch, sampling=sampling)
     for row, prompt in enumerate(prompts(batch)):
@@ -83,7 +82,7 @@ def ranks_job(kind: type, comm: Communicator, engine: Engine, mode: str, batch: 
     rounds = ranks.round_stream()
     bursts: list[list[list[int]]] = []
     if mode == "graph":  # burst by burst, to compare every burst's tokens across the ranks
-        ranks.bufs.set_stop(budget=budget)
+        ranks.bufs.set_stop(budget=TOKENS)
         tokens: list[list[int]] = [[] for _ in range(batch)]
         while not ranks.bufs.done.all():
             readback = rounds.step("graph")
@@ -91,7 +90,7 @@ def ranks_job(kind: type, comm: Communicator, engine: Engine, mode: str, batch: 
             for row, got in zip(tokens, readback.tokens):
                 row += got.tolist()
     else:
-        tokens = [row.tolist() for row in rounds.generate_batch(budget, mode=mode)]
+        tokens = [row.tolist() for row in rounds.generate_batch(TOKENS, mode=mode)]
     ranks.agree(tokens)
     return dict(layers=[ranks.layers.start, ranks.layers.stop], tokens=tokens, bursts=bursts,
                 alone=one_gpu(engine, batch, sampling))

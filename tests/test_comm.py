@@ -5,6 +5,7 @@ host wait answers to its guards, where libnccl is looked for, and, where an NCCL
 (the `nccl` extra), its version, ids and error words. None of it needs NCCL to import."""
 from __future__ import annotations
 
+import functools
 import socket
 import sys
 import threading
@@ -18,13 +19,8 @@ from memra_cuda.comm import NcclError, NcclUnavailable, RankFailure, Ranks, Watc
 from memra_cuda.comm import library
 from memra_cuda.comm.communicator import _Guard, _State
 from memra_cuda.comm.library import IN_PROGRESS, UNIQUE_ID_BYTES
+from memra_cuda.comm.launch import free_port
 from memra_cuda.driver.stream import Stream
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- a rank's place -------------------------------------------------------------------------------
@@ -348,3 +344,169 @@ def test_launch_kills_every_rank_past_its_timeout():
     ended = launch([sys.executable, "-c", "import os, time; os.environ['RANK'] == '1' and time.sleep(60)"], 2,
                    timeout=2)
     assert [e.returncode for e in ended] == [0, None] and time.monotonic() - start < 20
+
+
+# -- a Communicator over a recording stand-in for libnccl (its host logic, not a GPU's) ------------
+
+class FakeNccl:
+    """The libnccl calls a Communicator makes, recorded, over memory kept in `memory` (address ->
+    array); an all-reduce combines this rank's buffer with `peer`'s values; `fail` maps a call's
+    name to the result it returns."""
+
+    def __init__(self, memory: dict, peer=None, fail: dict | None = None):
+        self.memory, self.peer, self.fail, self.calls, self.joined_with = memory, peer, fail or {}, [], None
+        names = ("ncclCommGetAsyncError", "ncclCommAbort", "ncclCommFinalize", "ncclCommDestroy", "ncclGroupStart",
+                 "ncclGroupEnd", "ncclBroadcast", "ncclSend", "ncclRecv")
+        self.lib = types.SimpleNamespace(ncclCommInitRank=self._init, ncclAllReduce=self._all_reduce,
+                                         **{name: functools.partial(self._record, name) for name in names})
+
+    def _record(self, name, *args):
+        self.calls.append(name)
+        if name == "ncclCommGetAsyncError":
+            args[1]._obj.value = 0
+        return self.fail.get(name, 0)
+
+    def _init(self, comm, world, arg, rank):
+        self.joined_with = bytes(arg)
+        comm._obj.value = 0xC0
+        return 0
+
+    def _all_reduce(self, send, recv, count, kind, op, comm, stream):
+        self.calls.append("ncclAllReduce")
+        if "ncclAllReduce" in self.fail:
+            return self.fail["ncclAllReduce"]
+        mine = self.memory[send]
+        self.memory[recv][:] = np.maximum(mine, self.peer) if self.peer is not None else mine
+        return 0
+
+    def call(self, name, *args):
+        code = getattr(self.lib, name)(*args)
+        if code:
+            raise self.failure(code, name)
+
+    def failure(self, code, call, comm=None):
+        return NcclError(code, call, "the stand-in's")
+
+
+class FakeEngine:
+    """What a Communicator asks of its engine, host memory standing in for the device's."""
+
+    device, closed, stream_handle = 0, False, 0x5
+
+    def __init__(self):
+        self.guards, self.used, self.memory = [], [], {}
+
+    def activate(self):
+        return Ctx
+
+    def check_owns(self, buf, what):
+        pass
+
+    def _uses(self, *handles):
+        self.used += handles
+
+    def synchronize(self):
+        Stream.host_wait(self, lambda: None)
+
+    def htod(self, values, label=None):
+        from memra_cuda.driver.buffer import DeviceBuffer
+        host = np.array(values)
+        address = 0x1000 * (len(self.memory) + 1)
+        self.memory[address] = host
+        return DeviceBuffer.wrap(address, host.dtype, host.size)
+
+    def dtoh(self, buf):
+        return self.memory[buf.ptr].copy()
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A Communicator of rank 0 of 2 over FakeNccl and FakeEngine (its watchdog thread runs)."""
+    from memra_cuda.comm import communicator
+    engine = FakeEngine()
+    made: dict = {}
+
+    def make(peer=None, fail=None, unique_id=bytes(range(128))):
+        lib = FakeNccl(engine.memory, peer, fail)
+        monkeypatch.setattr(communicator, "nccl", lambda: lib)
+        made["comm"] = communicator.Communicator(engine, 0, 2, unique_id, timeout=5, poll=0.01)
+        return made["comm"], lib, engine
+    yield make
+    if "comm" in made:
+        made["comm"].free()
+
+
+def test_a_communicator_joins_with_the_whole_id_and_is_released_once(fake):
+    made = bytes([9, 0, 0, 7] * 32)  # zeros inside, as rank 0's address and port have
+    comm, lib, engine = fake(unique_id=made)
+    assert lib.joined_with == made and engine.guards == [comm._guard]
+    comm.free()
+    comm.free()
+    assert lib.calls.count("ncclCommFinalize") == lib.calls.count("ncclCommDestroy") == 1
+    assert "ncclCommAbort" not in lib.calls and engine.guards == []
+
+
+def test_a_failed_enqueue_fails_the_communicator_and_raises_rank_failure(fake):
+    comm, lib, engine = fake(fail={"ncclAllReduce": 6})
+    buf = engine.htod(np.zeros(4, np.float32))
+    with pytest.raises(RankFailure, match="ncclAllReduce failed: ncclRemoteError"):
+        comm.all_reduce(buf)
+    assert "ncclRemoteError" in comm.failure_reason
+    calls = len(lib.calls)
+    with pytest.raises(RankFailure):
+        comm.all_reduce(buf)  # refused before NCCL is asked again
+    assert lib.calls[calls:].count("ncclAllReduce") == 0
+    with pytest.raises(RankFailure):
+        engine.synchronize()  # every wait raises too
+    for _ in range(100):  # the abort, on a thread of its own
+        if "ncclCommAbort" in lib.calls:
+            break
+        time.sleep(0.01)
+    assert lib.calls.count("ncclCommAbort") == 1
+
+
+def test_agree_passes_where_the_ranks_agree_and_raises_where_they_do_not(fake):
+    from memra_cuda.comm import RanksDiverged, digest
+    tokens = [[5, 6, 7], [8]]
+    words = np.array(digest(tokens), np.uint64)
+    comm, lib, engine = fake(peer=np.concatenate([words, ~words]))
+    comm.agree(digest(tokens), "the tokens")
+    with pytest.raises(RanksDiverged, match="the tokens differ between ranks"):
+        comm.agree(digest([[5, 6, 8], [8]]), "the tokens")
+    assert comm.failure_reason and "differ" in comm.failure_reason
+
+
+def test_a_communicator_refuses_what_it_cannot_join_or_queue(fake):
+    from memra_cuda.comm import Communicator
+    from memra_cuda.driver.buffer import DeviceBuffer
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        Communicator(FakeEngine(), 2, 2, bytes(128))
+    with pytest.raises(ValueError, match="128 bytes"):
+        Communicator(FakeEngine(), 0, 2, b"short")
+    comm, lib, engine = fake()
+    four = DeviceBuffer.wrap(0x10, np.float32, 4)
+    with pytest.raises(TypeError, match="DeviceBuffer"):
+        comm.all_reduce(np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="differ"):
+        comm.all_reduce(four, DeviceBuffer.wrap(0x20, np.float32, 5))
+    with pytest.raises(ValueError, match="cannot be reduced as float64"):
+        comm.all_reduce(four, dtype="float64")
+    with pytest.raises(ValueError, match="2-byte elements|cannot be reduced as bfloat16"):
+        comm.all_reduce(four, dtype="bfloat16")
+    with pytest.raises(ValueError, match="peer must be a rank of 0..1"):
+        comm.send(four, 2)
+    with pytest.raises(ValueError, match="not 'xor'"):
+        comm.all_reduce(four, op="xor")
+    assert "ncclAllReduce" not in lib.calls and "ncclSend" not in lib.calls
+
+
+def test_a_finaliser_that_fails_only_logs(caplog):
+    from memra_cuda.comm.communicator import _release
+
+    class Broken:
+        engines = ()
+
+        def release(self):
+            raise RuntimeError("the device faulted")
+    _release(Broken(), None)
+    assert "the device faulted" in caplog.text

@@ -22,6 +22,7 @@ import pytest
 from memra_cuda import Graph
 from memra_cuda.comm import Communicator, NcclUnavailable, RankFailure, nccl
 from memra_cuda.comm.launch import launch
+from nccl_ranks import prompts
 from memra_cuda.driver.errors import call
 
 pytestmark = pytest.mark.gpu
@@ -56,26 +57,24 @@ def test_one_rank_reduces_broadcasts_and_sends_to_itself(engine, one):
     assert engine.dtoh(back).tolist() == values.tolist()
 
 
-def test_a_captured_operation_replays_and_its_graph_refuses_once_the_communicator_is_freed(engine, lib):
-    comm = Communicator(engine, 0, 1, lib.unique_id(), timeout=20)
+def test_a_captured_operation_replays_and_its_graph_refuses_once_the_communicator_is_freed(engine, one):
     buf, out = engine.htod(np.arange(8, dtype=np.int64)), engine.zeros(np.int64, 8)
-    graph = Graph(engine, lambda: comm.all_reduce(buf, out))
+    graph = Graph(engine, lambda: one.all_reduce(buf, out))
     graph.launch()
     assert engine.dtoh(out).tolist() == list(range(8))
-    comm.free()
-    with pytest.raises(ValueError, match="Communicator"):
+    one.free()  # frees the graph first: NCCL releases a communicator only once its graphs are gone
+    with pytest.raises(ValueError, match="after free"):
         graph.launch()
 
 
-def test_an_aborted_communicator_makes_every_wait_and_operation_raise(engine, lib):
-    comm = Communicator(engine, 0, 1, lib.unique_id(), timeout=20)
+def test_an_aborted_communicator_makes_every_wait_and_operation_raise(engine, one):
     buf = engine.zeros(np.float32, 4)
-    comm.abort("the test ends it")
+    one.abort("the test ends it")
     with pytest.raises(RankFailure, match="the test ends it"):
         engine.synchronize()
     with pytest.raises(RankFailure):
-        comm.all_reduce(buf)
-    comm.free()
+        one.all_reduce(buf)
+    one.free()
     engine.synchronize()  # the guard left with the communicator
 
 
@@ -89,6 +88,8 @@ def test_a_communicator_refuses_what_it_cannot_queue(engine, one):
         one.send(engine.zeros(np.float32, 4), 1)
     with pytest.raises(ValueError, match="NCCL reduces"):
         one.all_reduce(engine.zeros(np.int16, 4))
+    with pytest.raises(ValueError, match="4-byte elements: they cannot be reduced as float64"):
+        one.all_reduce(engine.zeros(np.float32, 4), dtype="float64")
     with pytest.raises(ValueError, match="128 bytes"):
         Communicator(one.engine, 0, 1, b"short")
 
@@ -133,10 +134,6 @@ def test_a_rank_that_leaves_makes_the_other_raise_within_its_timeout(lib, transp
 
 # -- the toy over tensor-parallel ranks ------------------------------------------------------------
 
-def toy_requests(batch: int) -> list[list[int]]:
-    return [[1 + row, 7, 3 * row + 2][:1 + row % 3] for row in range(batch)]
-
-
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampling"])
 @pytest.mark.parametrize("mode", ["graph", "overlap"])
 @pytest.mark.parametrize("kind", ["ToyTensorParallel", "ToyPipelineStage"])
@@ -151,7 +148,7 @@ def test_one_rank_of_the_toy_equals_the_toy(engine, lib, kind, mode, sampled):
     try:
         ranks = getattr(toy_ranks, kind)(comm, model, 256, 4, 8, batch=batch, sampling=sampling)
         lm, bufs = ToyLM(engine, model, 256, batch=batch, sampling=sampling), StreamBufs(engine, 4, 8, batch)
-        for row, prompt in enumerate(toy_requests(batch)):
+        for row, prompt in enumerate(prompts(batch)):
             ranks.prefill_row(row, prompt, seed=row)
             lm.prefill_row(bufs, row, prompt, seed=row)
         got = [row.tolist() for row in ranks.round_stream().generate_batch(80, mode=mode)]

@@ -17,6 +17,7 @@ from memra_cuda.comm.launch import free_port, launch
 pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
 pytest.importorskip("transformers", reason="the example needs transformers")
 
+pytestmark = pytest.mark.torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -34,6 +35,23 @@ def test_a_sharded_llama_gives_the_whole_models_logits_on_every_rank(world):
         seen = json.loads(lines[-1])
         assert (seen["heads"], seen["kv_heads"], seen["q_rows"]) == (8 // world, 4 // world, 128 // world)
         assert seen["diff"] <= 1e-4 * seen["scale"], seen
+
+
+def test_shard_refuses_what_it_cannot_split_and_changes_nothing_then():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memra_cuda.bench_torch import load_example
+    shard = load_example("torch_tp").shard
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match="3 ranks cannot share 4 heads"):
+        shard(model, 0, 3, lambda t: None)
+    model.model.layers[1].mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(ValueError, match="bias"):
+        shard(model, 0, 2, lambda t: None)
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64) and model.config.num_attention_heads == 4
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ from ..driver.buffer import DeviceBuffer
 from ..driver.graph import Graph
 from ..driver.handle import Handle
 from ..driver.values import as_index
-from .library import IN_PROGRESS, RESULTS, UNIQUE_ID_BYTES, Nccl, NcclError, UniqueIdArg, nccl, nccl_dtype, nccl_op
+from .library import IN_PROGRESS, UNIQUE_ID_BYTES, Nccl, NcclError, UniqueIdArg, nccl, nccl_dtype, nccl_op, result_name
 from .rendezvous import Ranks, exchange_id
 
 log = logging.getLogger("memra_cuda")
@@ -82,10 +82,9 @@ class Watch:
     def verdict(self, now: float, async_error: int) -> str | None:
         """The failure, if there is one now (the thread then aborts the communicator)."""
         if self.failure is None:
-            oldest = min(self.waits.values(), default=None)
+            oldest = min(list(self.waits.values()), default=None)  # a copy: the waiting threads change it
             if async_error not in (0, IN_PROGRESS):
-                name = RESULTS[async_error] if 0 <= async_error < len(RESULTS) else f"ncclResult {async_error}"
-                self.failure = f"NCCL reported {name} (a peer rank failed, or its connection did)"
+                self.failure = f"NCCL reported {result_name(async_error)} (a peer rank failed, or its connection did)"
             elif oldest is not None and now - oldest > self.timeout:
                 self.failure = (f"a wait on the GPU ran past the communicator's timeout of {self.timeout:g} s "
                                 "(a peer rank dead, stuck, or not issuing the same operations)")
@@ -109,7 +108,7 @@ class _Guard:
         if watch.failure is not None:
             owner = self.state.owner()
             if owner is not None:
-                owner.failed()
+                owner.poison_graphs()
             raise RankFailure(watch.failure, watch.rank) from error
 
 
@@ -138,9 +137,9 @@ class _State:
             self.aborted = True
         self._abort()
 
-    def fail(self, reason: str) -> bool:
+    def record_failure(self, reason: str) -> bool:
         """Record `reason` (unless a failure is recorded already) and claim the abort: whether
-        the caller is to run it (_abort, outside the lock)."""
+        the caller is to run it (abort_elsewhere, outside the lock)."""
         with self.lock:
             if self.watch.failure is None:
                 self.watch.failure = reason
@@ -156,6 +155,12 @@ class _State:
             _current(self.ctx, self.lib.lib.ncclCommAbort, ctypes.c_void_p(self.comm))
         except Exception as exc:  # noqa: BLE001 - a faulted device: nothing more can be released
             log.warning("memra_cuda: ncclCommAbort failed: %s", exc)
+
+    def abort_elsewhere(self) -> None:
+        """_abort on a thread of its own: the abort ends the kernels at once, but from NCCL 2.26
+        returns only once the graphs that captured the communicator are gone, which the thread
+        that asked may hold."""
+        threading.Thread(target=self._abort, daemon=True, name="memra-nccl-abort").start()
 
     def release(self) -> None:
         """Release the communicator, once, and stop the watchdog. A healthy one is finalised (its
@@ -175,7 +180,9 @@ class _State:
                 return
             log.warning("memra_cuda: ncclCommDestroy did not return within %g s; its resources stay", self.grace)
             return  # a destroy under way cannot be aborted as well
-        self._abort()
+        if not _within(self.grace, lambda: self._abort() is None):
+            log.warning("memra_cuda: ncclCommAbort did not return within %g s (graphs that captured the "
+                        "communicator alive?); its resources stay", self.grace)
 
 
 def _within(seconds: float, call: Callable[[], bool]) -> bool:
@@ -204,7 +211,7 @@ def _watchdog(state: _State, poll: float) -> None:
         try:
             state.poll()
         except Exception as exc:  # noqa: BLE001 - record it as the failure, end the communicator
-            if state.fail(f"the watchdog could not ask NCCL for errors: {exc}"):
+            if state.record_failure(f"the watchdog could not ask NCCL for errors: {exc}"):
                 state._abort()
         time.sleep(poll)
 
@@ -288,28 +295,28 @@ class Communicator(Handle):
 
     # -- what it is ---------------------------------------------------------------------------
     @property
-    def failure(self) -> str | None:
-        """Why the communicator was aborted (None while it works)."""
+    def failure_reason(self) -> str | None:
+        """Why the communicator failed (None while it works)."""
         return self._state.watch.failure
 
     def check(self) -> None:
         """RankFailure if a peer failed (or the communicator was freed: ValueError)."""
         self._usable()
         if self._state.watch.failure is not None:
-            self.failed()
+            self.poison_graphs()
             raise RankFailure(self._state.watch.failure, self.rank)
 
-    def failed(self) -> None:
+    def poison_graphs(self) -> None:
         """Once a peer failed: every graph that captured one of this communicator's operations
         refuses to run (its kernels would wait on a communicator that is gone)."""
         self._notify(f"{self!r}")
 
     def abort(self, reason: str = "aborted by this rank") -> None:
-        """End the communicator now: its kernels stop, every wait on them raises RankFailure (and,
-        from NCCL 2.26, this returns once the graphs that captured it are gone: free them first,
-        or let free() do it)."""
-        if self._state.fail(reason):
-            self._state._abort()
+        """End the communicator now: its kernels stop, every wait on them raises RankFailure. The
+        abort runs on a thread of its own (from NCCL 2.26 it returns only once the graphs that
+        captured the communicator are gone, which free() frees)."""
+        if self._state.record_failure(reason):
+            self._state.abort_elsewhere()
 
     def free(self) -> None:
         """Finish the engines' work (bounded by the timeout), free every graph that captured one
@@ -330,7 +337,7 @@ class Communicator(Handle):
         """RanksDiverged on every rank unless every rank passes the same `values` (u64 words): an
         all-reduce of their maximum and of their complements' (their minimum), one readback. A
         host check between bursts, not for the per-round path; where it fails, every rank's
-        communicator is failed (its graphs refuse, free() aborts it): what the ranks run
+        communicator is failed (its graphs refuse, its release is an abort): what the ranks run
         together no longer agrees."""
         words = np.asarray(values, np.uint64)
         if words.ndim != 1 or not words.size:
@@ -343,7 +350,7 @@ class Communicator(Handle):
             diverged = RanksDiverged(what, low.tolist(), high.tolist(), self.rank)
             with self._state.lock:  # every rank alike: what the ranks run together no longer agrees
                 self._state.watch.failure = self._state.watch.failure or diverged.detail
-            self.failed()
+            self.poison_graphs()
             raise diverged
 
     # -- operations -----------------------------------------------------------------------------
@@ -427,11 +434,13 @@ class Communicator(Handle):
             engine.check_owns(b, what)
         if out.nbytes != buf.nbytes or out.dtype != buf.dtype:
             raise ValueError(f"{buf!r} and {out!r} differ: an NCCL operation's buffers hold the same elements")
-        if dtype == "bfloat16":
-            if buf.dtype.itemsize != 2:
-                raise ValueError(f"a bfloat16 buffer has 2-byte elements, not {buf!r}")
-            return buf.len, nccl_dtype("bfloat16")
-        return buf.len, nccl_dtype(buf.dtype if dtype is None else dtype)
+        element = buf.dtype if dtype is None else dtype
+        kind = nccl_dtype(element)
+        size = 2 if isinstance(element, str) and element == "bfloat16" else np.dtype(element).itemsize
+        if size != buf.dtype.itemsize:
+            raise ValueError(f"{buf!r} holds {buf.dtype.itemsize}-byte elements: they cannot be reduced as "
+                             f"{dtype} ({size} bytes)")
+        return buf.len, kind
 
     def _rank_of(self, rank: int, what: str) -> int:
         rank = as_index(rank, what)
@@ -453,14 +462,15 @@ class Communicator(Handle):
                     raise RankFailure("the communicator was aborted", self.rank)
                 code = _current(ctx, fn, *argv)
             if code:
-                failure = self.lib.failure(code, name, self._comm)
-                if state.fail(f"{failure}"):
-                    state._abort()
-                self.failed()
-                raise RankFailure(str(failure), self.rank) from failure
+                error = self.lib.failure(code, name, self._comm)
+                if state.record_failure(f"{error}"):
+                    state.abort_elsewhere()
+                self.poison_graphs()
+                raise RankFailure(str(error), self.rank) from error
             engine._uses(*holds)
         return issue
 
     def __repr__(self) -> str:
-        state = "freed" if self.freed else (f"failed: {self.failure}" if self.failure else "live")
+        reason = self.failure_reason
+        state = "freed" if self.freed else (f"failed: {reason}" if reason else "live")
         return f"Communicator(rank {self.rank} of {self.world}, device {self.engine.device}, {state})"

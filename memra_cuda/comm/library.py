@@ -1,7 +1,8 @@
 """libnccl, found and bound once: the one place where an NCCL result becomes a value or an
 exception, as driver/errors.py is for the driver.
 
-NCCL is optional (the `nccl` extra, nvidia-nccl-cu12 or -cu13's wheel; or a system install):
+NCCL is optional (the `nccl` extra installs nvidia-nccl-cu12's wheel; -cu13's, torch's or a
+system install serve as well):
 nothing here loads it before a communicator is asked for, so `import memra_cuda` and everything
 that needs no NCCL work without it. The library bound is, in order, the one MEMRA_NCCL_LIBRARY
 names, one this process loaded already (torch's, say: two copies of NCCL in one process would
@@ -49,8 +50,6 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "ncclCommAbort": (_COMM,),
     "ncclCommGetAsyncError": (_COMM, ctypes.POINTER(ctypes.c_int)),
     "ncclCommCount": (_COMM, ctypes.POINTER(ctypes.c_int)),
-    "ncclCommCuDevice": (_COMM, ctypes.POINTER(ctypes.c_int)),
-    "ncclCommUserRank": (_COMM, ctypes.POINTER(ctypes.c_int)),
     "ncclAllReduce": (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _COMM,
                       ctypes.c_void_p),
     "ncclBroadcast": (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _COMM,
@@ -62,13 +61,18 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
 }
 
 
+def result_name(code: int) -> str:
+    """NCCL's word for a result code."""
+    return RESULTS[code] if 0 <= code < len(RESULTS) else f"ncclResult {code}"
+
+
 class NcclError(RuntimeError):
     """An NCCL call returned something other than ncclSuccess (`name`, NCCL's own word for it;
     `detail`, its last error message, where it left one)."""
 
     def __init__(self, code: int, call: str, detail: str = ""):
         self.code, self.call, self.detail = code, call, detail
-        self.name = RESULTS[code] if 0 <= code < len(RESULTS) else f"ncclResult {code}"
+        self.name = result_name(code)
         super().__init__(f"{call} failed: {self.name}" + (f": {detail}" if detail else ""))
 
 
@@ -126,6 +130,8 @@ class Nccl:
             raise self.failure(result, name)
 
     def failure(self, code: int, call: str, comm: Any = None) -> NcclError:
+        """The exception for `call`'s result `code`, with NCCL's last error message (as the
+        driver layer's PrimaryContext.failure)."""
         detail = self._last(comm).decode(errors="replace") if self._last is not None else ""
         return NcclError(code, call, detail)
 
@@ -162,7 +168,7 @@ def nccl() -> Nccl:
 
 def nccl_dtype(dtype: Any) -> int:
     """NCCL's data type for a buffer's element type (a numpy dtype, or "bfloat16")."""
-    name = dtype if dtype == "bfloat16" else np.dtype(dtype).name
+    name = "bfloat16" if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype).name
     if name not in DTYPES:
         raise ValueError(f"NCCL reduces {', '.join(DTYPES)}, not {name}")
     return DTYPES[name]

@@ -28,7 +28,7 @@ class Ranks:
     world: int
     local_rank: int = 0
     address: str = "127.0.0.1"
-    port: int = 29500
+    port: int = 29501  # MASTER_PORT's default + 1 (torchrun's store holds MASTER_PORT)
 
     def __post_init__(self) -> None:
         if not (0 <= self.rank < self.world and self.local_rank >= 0 and 0 < self.port < 65536):
@@ -91,7 +91,10 @@ def _serve(ranks: Ranks, unique_id: bytes, deadline: float) -> None:
                 rank = int.from_bytes(hello[len(_HELLO):], "little")
                 if hello[:len(_HELLO)] != _HELLO or not 0 < rank < ranks.world:
                     continue  # not one of ours
-                conn.sendall(unique_id)
+                try:
+                    conn.sendall(unique_id)
+                except OSError:
+                    continue  # it went away: it will come again, or the timeout says who is missing
                 served.add(rank)
 
 

@@ -532,7 +532,11 @@ class ToyLM:
     def probs_step(self, totals_d: DeviceBuffer, p_d: DeviceBuffer) -> Launch:
         """toy_probs: the target's sampling law p_d ([rows][vocab]) at each position whose verify
         sums totals_d holds (toy_verify's partial_out, after the last layer)."""
+        if self.sampling is None:
+            raise ValueError("the target's law is sampling mode's: this ToyLM has no sampling=")
         vocab, rows = self.model.vocab, totals_d.len
+        if p_d.len != rows * vocab:
+            raise ValueError(f"p_d must hold a law of {vocab} for each of the {rows} sums, not {p_d!r}")
         return self.module.kernel("toy_probs").prepare(
             ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows), block=256).set(
             totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
