@@ -2,9 +2,9 @@
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its environment): `python nccl_ranks.py
 JOB [ARGS]`, printing one JSON line of what it saw. Jobs: "ops" (an all-reduce, a broadcast and a
 ring of sends, eagerly and replayed from one captured graph), "die" (rank 1 leaves after
-joining; rank 0's all-reduce must end in RankFailure within its timeout), "tp MODE BATCH
-SAMPLED" and "stages MODE BATCH SAMPLED" (the toy over tensor-parallel ranks or pipeline stages,
-models/ranks.py: its tokens, burst by burst in graph mode, and the toy's on this GPU alone),
+joining; rank 0's all-reduce must end in RankFailure within its timeout), "tp" and "stages"
+(the toy over tensor-parallel ranks or pipeline stages, models/ranks.py, in every case of CASES:
+its tokens, burst by burst in graph mode, and the toy's on this GPU alone),
 "diverge" (rank 1 reports other tokens than it committed: every rank must raise RanksDiverged)."""
 from __future__ import annotations
 
@@ -74,26 +74,35 @@ def one_gpu(engine: Engine, batch: int, sampling: ToySampling | None) -> list[li
     return [row.tolist() for row in lm.round_stream(bufs).generate_batch(TOKENS, mode="graph")]
 
 
-def ranks_job(kind: type, comm: Communicator, engine: Engine, mode: str, batch: str, sampled: str) -> dict:
-    batch, sampling = int(batch), ToySampling() if sampled == "1" else None
-    ranks = kind(comm, MODEL, CAPACITY, K, M, batch=batch, sampling=sampling)
-    for row, prompt in enumerate(prompts(batch)):
-        ranks.prefill_row(row, prompt, seed=10 + row)
-    rounds = ranks.round_stream()
-    bursts: list[list[list[int]]] = []
-    if mode == "graph":  # burst by burst, to compare every burst's tokens across the ranks
-        ranks.bufs.set_stop(budget=TOKENS)
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        while not ranks.bufs.done.all():
-            readback = rounds.step("graph")
-            bursts.append([row.tolist() for row in readback.tokens])
-            for row, got in zip(tokens, readback.tokens):
-                row += got.tolist()
-    else:
-        tokens = [row.tolist() for row in rounds.generate_batch(TOKENS, mode=mode)]
-    ranks.agree(tokens)
-    return dict(layers=[ranks.layers.start, ranks.layers.stop], tokens=tokens, bursts=bursts,
-                alone=one_gpu(engine, batch, sampling))
+CASES = [(mode, batch, sampled) for mode in ("graph", "overlap") for batch in (1, 8) for sampled in (False, True)]
+
+
+def ranks_job(kind: type, comm: Communicator, engine: Engine) -> dict:
+    """Every case of CASES over one communicator (a pair of processes for all of them): each
+    case's tokens, its bursts' tokens in graph mode, and the toy's on this GPU alone."""
+    cases = {}
+    for mode, batch, sampled in CASES:
+        sampling = ToySampling() if sampled else None
+        ranks = kind(comm, MODEL, CAPACITY, K, M, batch=batch, sampling=sampling)
+        for row, prompt in enumerate(prompts(batch)):
+            ranks.prefill_row(row, prompt, seed=10 + row)
+        rounds = ranks.round_stream()
+        bursts: list[list[list[int]]] = []
+        if mode == "graph":  # burst by burst, to compare every burst's tokens across the ranks
+            ranks.bufs.set_stop(budget=TOKENS)
+            tokens: list[list[int]] = [[] for _ in range(batch)]
+            while not ranks.bufs.done.all():
+                readback = rounds.step("graph")
+                bursts.append([row.tolist() for row in readback.tokens])
+                for row, got in zip(tokens, readback.tokens):
+                    row += got.tolist()
+        else:
+            tokens = [row.tolist() for row in rounds.generate_batch(TOKENS, mode=mode)]
+        ranks.agree(tokens)
+        cases[f"{mode}-B{batch}-{'sampling' if sampled else 'greedy'}"] = dict(
+            layers=[ranks.layers.start, ranks.layers.stop], tokens=tokens, bursts=bursts,
+            alone=one_gpu(engine, batch, sampling))
+    return dict(cases=cases)
 
 
 def diverge(comm: Communicator, engine: Engine) -> dict:

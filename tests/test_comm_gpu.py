@@ -22,7 +22,7 @@ import pytest
 from memra_cuda import Graph
 from memra_cuda.comm import Communicator, NcclUnavailable, RankFailure, nccl
 from memra_cuda.comm.launch import launch
-from nccl_ranks import prompts
+from nccl_ranks import CASES, prompts
 from memra_cuda.driver.errors import call
 
 pytestmark = pytest.mark.gpu
@@ -162,22 +162,24 @@ def test_one_rank_of_the_toy_equals_the_toy(engine, lib, kind, mode, sampled):
 
 
 @pytest.mark.parametrize("transport", [{}, NETWORK], ids=["default", "network"])
-@pytest.mark.parametrize("sampled", ["0", "1"], ids=["greedy", "sampling"])
-@pytest.mark.parametrize("batch", ["1", "8"])
-@pytest.mark.parametrize("mode", ["graph", "overlap"])
 @pytest.mark.parametrize("kind", ["tp", "stages"], ids=["tensor-parallel", "pipeline"])
-def test_two_ranks_commit_the_one_gpu_tokens(lib, kind, mode, batch, sampled, transport):
-    """Tensor-parallel ranks and pipeline stages: every burst's tokens the same on both ranks
-    (graph mode, burst by burst) and the whole generation the toy's on one GPU; the ranks'
-    shards are layers 0..3 and 3..5."""
+def test_two_ranks_commit_the_one_gpu_tokens(lib, kind, transport):
+    """Tensor-parallel ranks and pipeline stages, greedy and sampled, B 1 and 8, graph and overlap
+    modes (one pair of processes for all of them): every burst's tokens the same on both ranks
+    (graph mode, burst by burst) and the whole generation the toy's on one GPU; the ranks' shards
+    are layers 0..3 and 3..5."""
     two_gpus()
-    ranks = run_ranks(kind, transport, args=(mode, batch, sampled))
+    ranks = run_ranks(kind, transport, timeout=600)
     for rank, seen in enumerate(ranks):
         assert seen.get("rank") == rank, seen
-        assert seen["tokens"] == seen["alone"], f"rank {rank}"
-    assert [seen["layers"] for seen in ranks] == [[0, 3], [3, 5]]
-    assert ranks[0]["bursts"] == ranks[1]["bursts"] and ranks[0]["tokens"] == ranks[1]["tokens"]
-    assert (len(ranks[0]["bursts"]) > 1) == (mode == "graph")
+        assert sorted(seen["cases"]) == sorted(f"{m}-B{b}-{'sampling' if s else 'greedy'}" for m, b, s in CASES)
+    for case in ranks[0]["cases"]:
+        mine, theirs = ranks[0]["cases"][case], ranks[1]["cases"][case]
+        for rank, seen in enumerate((mine, theirs)):
+            assert seen["tokens"] == seen["alone"], f"{case}, rank {rank}"
+        assert [mine["layers"], theirs["layers"]] == [[0, 3], [3, 5]]
+        assert mine["bursts"] == theirs["bursts"] and mine["tokens"] == theirs["tokens"], case
+        assert (len(mine["bursts"]) > 1) == case.startswith("graph"), case
 
 
 def test_a_rank_whose_tokens_differ_makes_every_rank_raise(lib):
