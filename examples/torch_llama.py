@@ -863,21 +863,21 @@ class GraphedGreedy:
         return self.generate_batch([Request(prompt, max_new_tokens, eos)])[0]
 
 
-def decoding_arguments(description: str) -> argparse.ArgumentParser:
-    """The command line's model size, batch, budget, k and M, which the examples share."""
+def decoding_arguments(description: str, k: bool = True) -> argparse.ArgumentParser:
+    """The command line's model size, batch, budget, k (a chain's) and M, which the examples share."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--k", type=int, default=4)
+    if k:
+        parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--m-rounds", type=int, default=16)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = decoding_arguments(__doc__.split("\n")[0])
+def round_arguments(parser: argparse.ArgumentParser) -> None:
+    """A speculative decoder's mode, sampling and hybrid model on the command line."""
     parser.add_argument("--mode", choices=MODES, default="graph")
-    parser.add_argument("--eos", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None, help="sample (default: greedy)")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -885,11 +885,41 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"layers {HYBRID} a gated linear recurrence, checked against its plain greedy decoding")
     parser.add_argument("--state-rollback", choices=["copy", "flip"], default="copy",
                         help="how the hybrid's recurrent state is rolled back")
+
+
+def parse_rounds(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace,
+                                                                                     SamplingParams | None]:
+    """round_arguments' parse: the arguments and the sampling they ask for, a rollback without
+    --hybrid a parser error."""
     args = parser.parse_args(argv)
     if args.state_rollback != "copy" and not args.hybrid:
         parser.error("--state-rollback is for the model with recurrent layers: add --hybrid")
-    model = build_model(args.size, recurrent_layers=HYBRID if args.hybrid else ())
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature is not None else None
+    return args, sampling
+
+
+def check_greedy(model: LlamaForCausalLM, requests: Sequence[Request], got: list[list[int]], capacity: int,
+                 hybrid: bool) -> int:
+    """The exit status of an example's greedy fp32 run: whether every row equals Hugging Face's
+    greedy decoding of its prompt alone (a hybrid model's own plain greedy decoding, which Hugging
+    Face cannot run), printed."""
+    if hybrid:
+        want, reference = GraphedGreedy(model, capacity, len(requests)).generate_batch(requests), \
+            "its own plain greedy decoding"
+    else:
+        want = [hf_greedy(model, r.prompt, r.max_new_tokens, r.eos) for r in requests]
+        reference = "Hugging Face greedy on its own prompt"
+    same = got == want
+    print(f"every row equals {reference}: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = decoding_arguments(__doc__.split("\n")[0])
+    round_arguments(parser)
+    parser.add_argument("--eos", type=int, default=None)
+    args, sampling = parse_rounds(parser, argv)
+    model = build_model(args.size, recurrent_layers=HYBRID if args.hybrid else ())
     batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
     requests = [Request(prompt, args.tokens, args.eos, seed) for seed, prompt in enumerate(batch)]
     capacity = capacity_for(max(len(p) for p in batch), args.tokens, args.k, args.m_rounds, args.batch)
@@ -902,15 +932,7 @@ def main(argv: list[str] | None = None) -> int:
           f"acceptance {spec.acceptance([len(row) for row in got]):.2f}")
     print(got[0][:32], "..." if len(got[0]) > 32 else "")
     if model.dtype == torch.float32 and sampling is None:
-        if args.hybrid:  # Hugging Face cannot run the recurrent layers
-            want = GraphedGreedy(model, capacity, args.batch).generate_batch(requests)
-            reference = "its own plain greedy decoding"
-        else:
-            want = [hf_greedy(model, r.prompt, r.max_new_tokens, r.eos) for r in requests]
-            reference = "Hugging Face greedy on its own prompt"
-        same = got == want
-        print(f"every row equals {reference}: {'yes' if same else 'NO'}")
-        return 0 if same else 1
+        return check_greedy(model, requests, got, capacity, args.hybrid)
     return 0
 
 

@@ -27,18 +27,17 @@ faster: on the large model at B = 1 a static tree of 64 drafts (1.18x the best c
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from typing import Any
 
 import torch
-from torch_llama import (HYBRID, PROMPT, SIZES, CopyState, FlipState, RecurrentLayer, Request, RoundDecoder,
-                         SamplingParams, Stack, StaticKV, blas, build_model, capacity_for, head_size, hf_greedy,
-                         prompts)
+from torch_llama import (HYBRID, PROMPT, CopyState, FlipState, RecurrentLayer, Request, RoundDecoder, SamplingParams,
+                         Stack, StaticKV, blas, build_model, capacity_for, check_greedy, decoding_arguments, head_size,
+                         parse_rounds, prompts, round_arguments)
 from transformers import LlamaForCausalLM
 
-from memra_cuda import (MODES, Candidates, DynamicTree, Greedy, RoundStream, Sampling, StreamBufs, TreeBufs, TreeRound,
+from memra_cuda import (Candidates, DynamicTree, Greedy, RoundStream, Sampling, StreamBufs, TreeBufs, TreeRound,
                         TreeShape, kv_data_table, kv_len_ptr_table)
 from memra_cuda import torch as memra_torch
 from memra_cuda.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
@@ -106,12 +105,13 @@ class TreeMask:
         self.zero = torch.zeros((), dtype=dtype, device=words.device)
         self.never = torch.full((), -torch.inf, dtype=dtype, device=words.device)
         self.ancestors = None
-        if isinstance(tree, TreeShape):  # [32W][T+1]: column i holds node i's ancestors
-            ancestors = torch.zeros(self.nodes, tree.nodes, dtype=torch.bool)
+        if isinstance(tree, TreeShape):  # [T+1][32W], mask_d's bits as bools: row i node i's ancestors
+            ancestors = torch.zeros(tree.nodes, self.nodes, dtype=torch.bool)
             for i, p in enumerate(tree.parent):
-                ancestors[:, i] = ancestors[:, p] if p >= 0 else False
+                if p >= 0:
+                    ancestors[i] = ancestors[p]
                 ancestors[i, i] = True
-            self.ancestors = ancestors.to(words.device)
+            self.ancestors = ancestors[None].to(words.device)
 
     def at(self, pos_start: torch.Tensor) -> TreeMask:
         """The round's part, for roots at slot `pos_start` ([B][1])."""
@@ -119,8 +119,8 @@ class TreeMask:
         self.prefix = (relative < 0)[:, None, :]
         self.inside = ((relative >= 0) & (relative < self.nodes))[:, None, :]
         self.node = relative.clamp(0, self.nodes - 1)
-        if self.ancestors is not None:  # contiguous: a mask whose rows are not is SDPA's math path's alone
-            self.whole = self._additive(self.ancestors[self.node].transpose(1, 2).contiguous())
+        if self.ancestors is not None:
+            self.whole = self._mask(self.ancestors.expand(len(pos_start), -1, -1))
         return self
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
@@ -128,10 +128,12 @@ class TreeMask:
         if self.ancestors is not None:
             return self.whole[:, :, start:stop]
         words = self.words[:, start:stop]
-        bits = ((words[..., self.word] >> self.bit) & 1).bool()  # [B][n][32W]
-        return self._additive(bits.gather(2, self.node[:, None, :].expand(-1, stop - start, -1)))
+        return self._mask(((words[..., self.word] >> self.bit) & 1).bool())
 
-    def _additive(self, tree: torch.Tensor) -> torch.Tensor:
+    def _mask(self, bits: torch.Tensor) -> torch.Tensor:
+        """The mask of n nodes whose ancestors are `bits` ([B][n][32W]), contiguous: SDPA's fused
+        kernels refuse a mask whose rows are not, and would leave the math path alone."""
+        tree = bits.gather(2, self.node[:, None, :].expand(-1, bits.shape[1], -1))  # [B][n][capacity]
         return torch.where(self.prefix | (tree & self.inside), self.zero, self.never)[:, None]
 
 
@@ -338,21 +340,12 @@ class TreeLlama(RoundDecoder):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--tokens", type=int, default=256)
+    parser = decoding_arguments(__doc__.split("\n")[0], k=False)
     parser.add_argument("--tree", default="static:16",
                         help='"static:N[,DEPTH]" (static_tree), "dynamic:D,W,B" (DynamicTree) '
                         'or "auto" (tree_for_batch)')
-    parser.add_argument("--m-rounds", type=int, default=16)
-    parser.add_argument("--mode", choices=MODES, default="graph")
-    parser.add_argument("--temperature", type=float, default=None, help="sample (default: greedy)")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--hybrid", action="store_true", help=f"layers {HYBRID} a gated linear recurrence")
-    parser.add_argument("--state-rollback", choices=["copy", "flip"], default="copy")
-    args = parser.parse_args(argv)
+    round_arguments(parser)
+    args, sampling = parse_rounds(parser, argv)
     try:
         tree = tree_for_batch(args.size, args.batch) if args.tree == "auto" else parse_tree(args.tree)
     except ValueError as exc:
@@ -361,7 +354,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"at B={args.batch} the {args.size} model decodes faster by the chain: "
                      "examples/torch_llama.py, or name a --tree")
     model = build_model(args.size, recurrent_layers=HYBRID if args.hybrid else ())
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature is not None else None
     batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
     requests = [Request(prompt, args.tokens, None, seed) for seed, prompt in enumerate(batch)]
     capacity = capacity_for(max(map(len, batch)), args.tokens, tree.depth, args.m_rounds, args.batch, tree.nodes)
@@ -370,10 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     got = spec.generate_batch(requests, args.mode)
     print(f"{args.size} model, B={args.batch}, {tree}, {args.mode}, {'greedy' if sampling is None else sampling}: "
           f"{sum(map(len, got))} tokens, {spec.bufs.tokens_per_round([len(row) for row in got]):.2f} tokens a round")
-    if model.dtype == torch.float32 and sampling is None and not args.hybrid:
-        same = got == [hf_greedy(model, r.prompt, r.max_new_tokens) for r in requests]
-        print(f"every row equals Hugging Face greedy on its own prompt: {'yes' if same else 'NO'}")
-        return 0 if same else 1
+    if model.dtype == torch.float32 and sampling is None:
+        return check_greedy(model, requests, got, capacity, args.hybrid)
     return 0
 
 

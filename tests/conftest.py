@@ -37,6 +37,13 @@ def llama():
     return load_example()
 
 
+@pytest.fixture(scope="session")
+def trees(llama):
+    """examples/torch_tree.py as a module (it imports torch_llama)."""
+    from memra_cuda.bench_torch import load_example
+    return load_example("torch_tree")
+
+
 @pytest.fixture(scope="module")
 def small(engine, llama):
     """The example's small Llama (fp32), built once a module that asks for it."""

@@ -1,6 +1,6 @@
 """One rank of tests/test_comm_gpu.py's two-process runs (launched as torchrun would, RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its environment): `python nccl_ranks.py
-JOB [ARGS]`, printing one JSON line of what it saw. Jobs: "ops" (an all-reduce, a broadcast and a
+JOB`, printing one JSON line of what it saw. Jobs: "ops" (an all-reduce, a broadcast and a
 ring of sends, eagerly and replayed from one captured graph), "die" (rank 1 leaves after
 joining; rank 0's all-reduce must end in RankFailure within its timeout), "tp" and "stages"
 (the toy over tensor-parallel ranks or pipeline stages, models/ranks.py, in every case of CASES:
@@ -126,6 +126,6 @@ if __name__ == "__main__":
     comm = Communicator.from_env(engine, timeout=timeout)
     jobs = {"ops": ops, "die": die, "diverge": diverge, "tp": functools.partial(ranks_job, ToyTensorParallel),
             "stages": functools.partial(ranks_job, ToyPipelineStage)}
-    print(json.dumps(dict(rank=comm.rank, **jobs[job](comm, engine, *sys.argv[2:]))), flush=True)
+    print(json.dumps(dict(rank=comm.rank, **jobs[job](comm, engine))), flush=True)
     if job != "die":
         comm.free()

@@ -114,7 +114,7 @@ def test_a_wait_past_the_timeout_is_a_failure_and_stays_one():
 
 def test_a_wait_that_ends_leaves_another_threads_wait_timed():
     watch = Watch(timeout=10.0, rank=0)
-    state = _State(Lib(), 0x1, watch, Ctx(), grace=1.0)
+    state = _State(Lib(), 0x1, watch, Ctx())
     guard, other = _Guard(state), threading.Thread(target=lambda: _Guard(state).begin())
     other.start()
     other.join()
@@ -163,7 +163,7 @@ class Ctx:
 
 def test_the_watchdog_aborts_once_on_an_error_and_the_wait_raises_rank_failure():
     lib = Lib(async_error=6)
-    state = _State(lib, 0x1234, Watch(5.0, rank=3), Ctx(), grace=1.0)
+    state = _State(lib, 0x1234, Watch(5.0, rank=3), Ctx())
     guard = _Guard(state)
     guard.begin()
     state.poll()
@@ -179,7 +179,7 @@ def test_the_watchdog_aborts_once_on_an_error_and_the_wait_raises_rank_failure()
 
 def test_a_healthy_communicator_is_finalised_and_destroyed_once_and_polls_nothing_after():
     lib = Lib()
-    state = _State(lib, 0x1234, Watch(5.0, rank=0), Ctx(), grace=1.0)
+    state = _State(lib, 0x1234, Watch(5.0, rank=0), Ctx())
     guard = _Guard(state)
     guard.begin()
     state.poll()
@@ -192,7 +192,7 @@ def test_a_healthy_communicator_is_finalised_and_destroyed_once_and_polls_nothin
 
 def test_a_finalise_that_does_not_return_in_time_gives_way_to_an_abort():
     lib = Lib(stuck=("finalize",))
-    state = _State(lib, 0x1234, Watch(5.0, rank=0), Ctx(), grace=0.2)
+    state = _State(lib, 0x1234, Watch(0.2, rank=0), Ctx())
     start = time.monotonic()
     state.release()
     assert lib.calls == ["finalize", "abort"] and time.monotonic() - start < 2
@@ -391,10 +391,10 @@ class FakeNccl:
 class FakeEngine:
     """What a Communicator asks of its engine, host memory standing in for the device's."""
 
-    device, closed, stream_handle = 0, False, 0x5
+    device, closed, stream_handle, ctx, capture_hold = 0, False, 0x5, Ctx, None
 
     def __init__(self):
-        self.guards, self.used, self.memory = [], [], {}
+        self.guards, self.memory = [], {}
 
     def activate(self):
         return Ctx
@@ -402,8 +402,8 @@ class FakeEngine:
     def check_owns(self, buf, what):
         pass
 
-    def _uses(self, *handles):
-        self.used += handles
+    def depend(self, dependent):
+        pass
 
     def synchronize(self):
         Stream.host_wait(self, lambda: None)
@@ -510,3 +510,35 @@ def test_a_finaliser_that_fails_only_logs(caplog):
             raise RuntimeError("the device faulted")
     _release(Broken(), None)
     assert "the device faulted" in caplog.text
+
+
+def test_an_operation_refuses_to_run_once_its_buffer_is_freed(fake):
+    comm, lib, engine = fake()
+    buf = engine.htod(np.zeros(4, np.float32))
+    reduce = comm.prepare_all_reduce(buf)
+    reduce()
+    buf.free()
+    with pytest.raises(ValueError, match="freed"):
+        reduce()
+    assert lib.calls.count("ncclAllReduce") == 1
+
+
+def test_an_operation_on_another_device_or_nothing_to_agree_on_is_refused(fake):
+    comm, lib, engine = fake()
+    other = FakeEngine()
+    other.device = 1
+    with pytest.raises(ValueError, match="not on the communicator's device 0"):
+        comm.all_reduce(engine.htod(np.zeros(4, np.float32)), engine=other)
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        comm.agree([])
+
+
+def test_a_join_that_never_returns_is_a_rank_failure_within_the_timeout(monkeypatch):
+    from memra_cuda.comm import communicator
+    lib = FakeNccl({})
+    lib.lib.ncclCommInitRank = lambda comm, world, arg, rank: threading.Event().wait(30) or 0
+    monkeypatch.setattr(communicator, "nccl", lambda: lib)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="joining a communicator of 2 ranks took more than 0.3 s"):
+        communicator.Communicator(FakeEngine(), 1, 2, bytes(128), timeout=0.3)
+    assert time.monotonic() - start < 5

@@ -101,12 +101,12 @@ def two_gpus() -> None:
         pytest.skip("needs two GPUs (the nvidia-h200-x2 kind)")
 
 
-def run_ranks(job: str, extra: dict[str, str] | None = None, timeout: float = 120, args: tuple = ()) -> list[dict]:
-    """Each rank's JSON line from tests/nccl_ranks.py JOB ARGS over two GPUs (or what it left)."""
+def run_ranks(job: str, extra: dict[str, str] | None = None, timeout: float = 120) -> list[dict]:
+    """Each rank's JSON line from tests/nccl_ranks.py JOB over two GPUs (or what it left)."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
            **(extra or {})}
     out = []
-    for ended in launch([sys.executable, str(HERE / "nccl_ranks.py"), job, *args], 2, env, timeout):
+    for ended in launch([sys.executable, str(HERE / "nccl_ranks.py"), job], 2, env, timeout):
         lines = [line for line in ended.stdout.splitlines() if line.startswith("{")]
         out.append(json.loads(lines[-1]) if lines else dict(rc=ended.returncode, stderr=ended.stderr[-2000:]))
     return out

@@ -13,33 +13,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memra_cuda import MODES, DynamicTree, LoopUnsupported, TreeShape, kv_capacity
+from memra_cuda import MODES, DynamicTree, TreeShape, kv_capacity
 from test_reference_sample import assert_distributed_as, cells
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
 from test_torch_batch_gpu import first_difference  # noqa: E402  (imports torch)
+from test_torch_hybrid_gpu import BUDGETS, EOS_ROWS, TOKENS, generate  # noqa: E402  (the same budgets and stops)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
-M, TOKENS = 8, 256
+M = 8
 TREES = {"static": TreeShape.likeliest(12, depth=4, right=0.7, fall=0.3, ranks=3), "dynamic": DynamicTree(4, 3, 3)}
-BUDGETS = {1: [TOKENS], 8: [256, 64, 256, 200, 256, 128, 256, 96]}
-EOS_ROWS = {1: {}, 8: {2: 100, 5: 30}}  # row -> the index in its own output of the token it stops at
-
-
-@pytest.fixture(scope="session")
-def trees():
-    """examples/torch_tree.py as a module (it imports torch_llama)."""
-    pytest.importorskip("transformers", reason="the example needs transformers")
-    from memra_cuda.bench_torch import load_example
-    return load_example("torch_tree")
-
-
-def generate(spec, requests, mode: str) -> list[list[int]]:
-    try:
-        return spec.generate_batch(requests, mode)
-    except LoopUnsupported as exc:
-        pytest.skip(f"device mode needs conditional graph nodes: {exc}")
 
 
 @pytest.fixture(scope="module")
@@ -145,34 +129,6 @@ def test_served_tree_requests_equal_hugging_face_each_alone(trees, llama, small)
     for i, (request, out) in enumerate(zip(requests, served)):
         want = llama.hf_greedy(small, request.prompt, request.max_new_tokens)
         assert out.tokens == want, f"request {i}: first difference at token {first_difference(out.tokens, want)}"
-
-
-@pytest.mark.parametrize("static", [True, False], ids=["static", "from-words"])
-def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, static):
-    """TreeMask, made whole from a static tree's parents or a level at a time from mask_d's
-    words, attends (0) to the prefix and to each node's ancestors and nowhere else (-inf)."""
-    tree = TreeShape.likeliest(40, depth=6, ranks=4)  # 41 nodes: two mask words, bit 31 among them
-    n, words = tree.nodes, -(-tree.nodes // 32)
-    ancestors = []
-    for i in range(n):
-        mine, p = {i}, tree.parent[i]
-        while p >= 0:
-            mine.add(p)
-            p = tree.parent[p]
-        ancestors.append(mine)
-    bits = np.zeros((2, n, words), np.uint32)
-    for i, mine in enumerate(ancestors):
-        for j in mine:
-            bits[:, i, j // 32] |= np.uint32(1 << j % 32)
-    start = torch.tensor([[3], [20]], device="cuda")
-    mask = trees.TreeMask(torch.from_numpy(bits.view(np.int32)).cuda(), 80, torch.bfloat16,
-                          tree if static else None).at(start)
-    got = torch.cat([mask.rows(a, b) for a, b in tree.levels], 2).cpu()
-    assert got.dtype == torch.bfloat16 and got.shape == (2, 1, n, 80)
-    for b, at in enumerate((3, 20)):
-        for i in range(n):
-            want = [0.0 if s < at or (s - at in ancestors[i]) else -np.inf for s in range(80)]
-            assert got[b, 0, i].float().tolist() == want, f"row {b}, node {i}"
 
 
 # -- sampling -----------------------------------------------------------------------------------

@@ -174,3 +174,26 @@ def test_the_likeliest_tree_is_bounded_by_the_mask():
     assert TreeShape.likeliest(MAX_TREE_NODES - 1).nodes == MAX_TREE_NODES
     with pytest.raises(ValueError, match="2 to"):
         TreeShape.likeliest(MAX_TREE_NODES)
+
+
+def test_kv_data_of_a_layer_and_a_table_refuse_what_kernel_15_cannot_read():
+    """KVData.from_layer wants the layer's data_d laid out [B][capacity][width]; a KVDataTable at
+    least one entry, KVData or None, all of one batch: each refused before the table is made
+    (no driver: the table's engine is never reached)."""
+    from memra_cuda import DeviceBuffer, KVData, KVDataTable, KVLayer
+
+    lengths = DeviceBuffer.wrap(FAKE_PTR, np.int32, 2)
+    with pytest.raises(ValueError, match="has no data_d to compact"):
+        KVData.from_layer(KVLayer(lengths, 10))
+    with pytest.raises(ValueError, match=r"is not \[2\]\[10\]\[width\]"):
+        KVData.from_layer(KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10 * 4 + 1)))
+    two = KVData.from_layer(KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10 * 4)))
+    assert (two.batch, two.row_stride, two.pos_stride, two.nbytes) == (2, 160, 16, 16)
+    one = KVData(DeviceBuffer.wrap(FAKE_PTR, np.uint8, 160), row_stride=160, pos_stride=16, nbytes=16, capacity=10,
+                 batch=1)
+    with pytest.raises(ValueError, match="at least one entry"):
+        KVDataTable(None, [])
+    with pytest.raises(TypeError, match="entry 1 must be a KVData"):
+        KVDataTable(None, [two, "k"])
+    with pytest.raises(ValueError, match=r"the same batch B, not \[1, 2\]"):
+        KVDataTable(None, [two, None, one])

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..driver.buffer import DeviceBuffer
+from ..driver.call import Prepared
 from ..driver.graph import Graph
 from ..driver.handle import Handle
 from ..driver.values import as_index
@@ -44,8 +45,8 @@ class RankFailure(NcclError):
     needed it did not happen. Raised on every rank that waits on it, within its timeout."""
 
     def __init__(self, reason: str, rank: int):
-        self.code, self.call, self.detail, self.name, self.rank = -1, "wait", reason, "RANK_FAILURE", rank
-        RuntimeError.__init__(self, f"rank {rank}: {reason}")
+        super().__init__(-1, "wait", reason, name="RANK_FAILURE", message=f"rank {rank}: {reason}")
+        self.rank = rank
 
 
 def digest(rows: Sequence[Sequence[int]]) -> list[int]:
@@ -62,9 +63,9 @@ class RanksDiverged(NcclError):
     every rank, since every rank sees the same all-reduced extremes."""
 
     def __init__(self, what: str, low: list[int], high: list[int], rank: int):
-        self.code, self.call, self.name, self.rank = -1, "agree", "RANKS_DIVERGED", rank
-        self.detail = f"{what} differ between ranks (lowest {low}, highest {high})"
-        RuntimeError.__init__(self, f"rank {rank}: {self.detail}")
+        detail = f"{what} differ between ranks (lowest {low}, highest {high})"
+        super().__init__(-1, "agree", detail, name="RANKS_DIVERGED", message=f"rank {rank}: {detail}")
+        self.rank = rank
 
 
 class Watch:
@@ -118,8 +119,8 @@ class _State:
     outside it, since from NCCL 2.26 it waits for every graph that captured the communicator
     to be destroyed, which only another thread may be about to do."""
 
-    def __init__(self, lib: Nccl, comm: int, watch: Watch, ctx: Any, grace: float):
-        self.lib, self.comm, self.watch, self.ctx, self.grace = lib, comm, watch, ctx, grace
+    def __init__(self, lib: Nccl, comm: int, watch: Watch, ctx: Any):
+        self.lib, self.comm, self.watch, self.ctx = lib, comm, watch, ctx
         self.lock = threading.RLock()
         self.closed = False
         self.aborted = False
@@ -164,8 +165,8 @@ class _State:
 
     def release(self) -> None:
         """Release the communicator, once, and stop the watchdog. A healthy one is finalised (its
-        last operations flushed to the peers) and destroyed, each within `grace` seconds on a
-        thread of its own; past that, or where it failed, it is aborted."""
+        last operations flushed to the peers) and destroyed, each within the timeout on a thread
+        of its own; past that, or where it failed, it is aborted."""
         with self.lock:
             if self.closed:
                 return
@@ -174,15 +175,15 @@ class _State:
                 return
             self.aborted = True
             graceful = self.watch.failure is None
-        lib, comm = self.lib.lib, ctypes.c_void_p(self.comm)
-        if graceful and _within(self.grace, lambda: _current(self.ctx, lib.ncclCommFinalize, comm) == 0):
-            if _within(self.grace, lambda: _current(self.ctx, lib.ncclCommDestroy, comm) == 0):
+        lib, comm, grace = self.lib.lib, ctypes.c_void_p(self.comm), self.watch.timeout
+        if graceful and _within(grace, lambda: _current(self.ctx, lib.ncclCommFinalize, comm) == 0):
+            if _within(grace, lambda: _current(self.ctx, lib.ncclCommDestroy, comm) == 0):
                 return
-            log.warning("memra_cuda: ncclCommDestroy did not return within %g s; its resources stay", self.grace)
+            log.warning("memra_cuda: ncclCommDestroy did not return within %g s; its resources stay", grace)
             return  # a destroy under way cannot be aborted as well
-        if not _within(self.grace, lambda: self._abort() is None):
+        if not _within(grace, lambda: self._abort() is None):
             log.warning("memra_cuda: ncclCommAbort did not return within %g s (graphs that captured the "
-                        "communicator alive?); its resources stay", self.grace)
+                        "communicator alive?); its resources stay", grace)
 
 
 def _within(seconds: float, call: Callable[[], bool]) -> bool:
@@ -214,6 +215,37 @@ def _watchdog(state: _State, poll: float) -> None:
             if state.record_failure(f"the watchdog could not ask NCCL for errors: {exc}"):
                 state._abort()
         time.sleep(poll)
+
+
+class NcclCall(Prepared):
+    """One of a Communicator's operations, prepared: the driver layer's Prepared rules hold (it
+    holds its buffers and the communicator, refuses to run once one is freed, and hands them to
+    a graph being captured), issued under the communicator's lock, an NCCL failure failing the
+    communicator and raising RankFailure."""
+
+    def __init__(self, comm: Communicator, engine: Any, name: str, argv: tuple, holds: tuple):
+        fn = getattr(comm.lib.lib, name)
+        super().__init__(engine, lambda *args: (0, fn(*args)), name, argv, (comm, *holds))
+        self._comm = comm
+
+    def __call__(self) -> None:
+        comm, state = self._comm, self._comm._state
+        with state.lock:
+            if state.aborted or state.watch.failure is not None:
+                comm.check()
+                raise RankFailure("the communicator was aborted", comm.rank)
+            if self._refusal is not None:
+                raise ValueError(self._refusal)
+            code = self._ctx.run(self._fn, self._name, self._argv)[1]
+        if code:
+            error = comm.lib.failure(code, self._name, comm._comm)
+            if state.record_failure(f"{error}"):
+                state.abort_elsewhere()
+            comm.poison_graphs()
+            raise RankFailure(str(error), comm.rank) from error
+        hold = self.engine.capture_hold
+        if hold is not None:
+            hold(*self._holds)
 
 
 def _current(ctx: Any, fn: Callable[..., int], *args: Any) -> int:
@@ -249,7 +281,7 @@ class Communicator(Handle):
         watch = Watch(timeout, rank)
         ctx = engine.activate()
         comm = self._join(lib, ctx, rank, world, unique_id, watch.timeout)
-        self._state = state = _State(lib, comm, watch, ctx, grace=watch.timeout)
+        self._state = state = _State(lib, comm, watch, ctx)
         self._guard = guard = _Guard(state)
         self._finalizer = weakref.finalize(self, _release, state, guard)
         state.owner = weakref.ref(self)
@@ -448,27 +480,10 @@ class Communicator(Handle):
             raise ValueError(f"{what} must be a rank of 0..{self.world - 1}, not {rank}")
         return rank
 
-    def _prepare(self, engine: Any, name: str, args: tuple, uses: tuple) -> Callable[[], None]:
+    def _prepare(self, engine: Any, name: str, args: tuple, uses: tuple) -> NcclCall:
         """The NCCL call `name` over `args`, then the communicator and `engine`'s stream, checked
-        and bound once; issuing it also tells a capture what it names (the graph holds them)."""
-        fn, ctx, state = getattr(self.lib.lib, name), self._state.ctx, self._state
-        argv = (*args, self._comm, ctypes.c_void_p(engine.stream_handle))
-        holds = (self, *uses)
-
-        def issue() -> None:
-            with state.lock:
-                if state.aborted or state.watch.failure is not None or self._refusal is not None:
-                    self.check()
-                    raise RankFailure("the communicator was aborted", self.rank)
-                code = _current(ctx, fn, *argv)
-            if code:
-                error = self.lib.failure(code, name, self._comm)
-                if state.record_failure(f"{error}"):
-                    state.abort_elsewhere()
-                self.poison_graphs()
-                raise RankFailure(str(error), self.rank) from error
-            engine._uses(*holds)
-        return issue
+        and bound once (NcclCall)."""
+        return NcclCall(self, engine, name, (*args, self._comm, ctypes.c_void_p(engine.stream_handle)), uses)
 
     def __repr__(self) -> str:
         reason = self.failure_reason

@@ -70,18 +70,19 @@ class NcclError(RuntimeError):
     """An NCCL call returned something other than ncclSuccess (`name`, NCCL's own word for it;
     `detail`, its last error message, where it left one)."""
 
-    def __init__(self, code: int, call: str, detail: str = ""):
+    def __init__(self, code: int, call: str, detail: str = "", *, name: str | None = None,
+                 message: str | None = None):
+        """`name` and `message` for memra's own failures (a subclass's), which no NCCL result names."""
         self.code, self.call, self.detail = code, call, detail
-        self.name = result_name(code)
-        super().__init__(f"{call} failed: {self.name}" + (f": {detail}" if detail else ""))
+        self.name = result_name(code) if name is None else name
+        super().__init__(message or f"{call} failed: {self.name}" + (f": {detail}" if detail else ""))
 
 
 class NcclUnavailable(NcclError):
     """No libnccl could be loaded."""
 
     def __init__(self, reason: str):
-        self.code, self.call, self.detail, self.name = -1, "dlopen", reason, "NCCL_UNAVAILABLE"
-        RuntimeError.__init__(self, reason)
+        super().__init__(-1, "dlopen", reason, name="NCCL_UNAVAILABLE", message=reason)
 
 
 def candidates(environ: dict[str, str] | None = None, paths: list[str] | None = None) -> list[str]:

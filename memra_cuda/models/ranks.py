@@ -77,7 +77,7 @@ class ToyRank:
         prompt and seed); its start position."""
         return self.lm.prefill_row(self.bufs, row, prompt, seed)
 
-    def _sums(self, rows: int) -> tuple[Callable[[], None], DeviceBuffer]:
+    def _sums(self) -> tuple[Callable[[], None], DeviceBuffer]:
         """The verify of this rank's layers and the exchange after it, and the buffer where the
         model's sums ([B][k+1] u32) then are."""
         raise NotImplementedError
@@ -89,7 +89,7 @@ class ToyRank:
         rows = bufs.batch * (bufs.k + 1)
         draft_d = engine.zeros(np.uint32, bufs.batch * max(bufs.k, 1), label="draft_d")
         table = kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)
-        verify, totals_d = self._sums(rows)
+        verify, totals_d = self._sums()
         common = dict(kernels=self.spec, draft_d=draft_d, rollback_tables=[table], pace=lm.cost.paced)
         if lm.sampling is None:
             pred_d = engine.zeros(np.uint32, rows, label="pred_d")
@@ -116,12 +116,10 @@ class ToyTensorParallel(ToyRank):
     """A tensor-parallel rank: every rank's verify at once, over its layers, and the sums
     all-reduced."""
 
-    def _sums(self, rows: int) -> tuple[Callable[[], None], DeviceBuffer]:
-        engine = self.engine
-        mine_d = engine.zeros(np.uint32, rows, label="this rank's verify sums")
-        totals_d = engine.zeros(np.uint32, rows, label="the model's verify sums")
-        return chain([*self.lm.verify_steps(self.bufs, None, partial_out=mine_d),
-                      self.comm.prepare_all_reduce(mine_d, totals_d, op="sum")]), totals_d
+    def _sums(self) -> tuple[Callable[[], None], DeviceBuffer]:
+        sums_d = self.engine.zeros(np.uint32, self.bufs.batch * (self.bufs.k + 1), label="the verify's sums")
+        return chain([*self.lm.verify_steps(self.bufs, None, partial_out=sums_d),
+                      self.comm.prepare_all_reduce(sums_d, op="sum")]), sums_d  # this rank's, then all ranks
 
 
 class ToyPipelineStage(ToyRank):
@@ -129,8 +127,8 @@ class ToyPipelineStage(ToyRank):
     it, through the sums the one before sends, and sends its own on; the last stage's, the
     model's, are broadcast to every stage."""
 
-    def _sums(self, rows: int) -> tuple[Callable[[], None], DeviceBuffer]:
-        engine, comm = self.engine, self.comm
+    def _sums(self) -> tuple[Callable[[], None], DeviceBuffer]:
+        engine, comm, rows = self.engine, self.comm, self.bufs.batch * (self.bufs.k + 1)
         earlier_d = engine.zeros(np.uint32, rows, label="the earlier stages' verify sums") if comm.rank else None
         totals_d = engine.zeros(np.uint32, rows, label="the model's verify sums")
         steps = [comm.prepare_recv(earlier_d, comm.rank - 1)] if comm.rank else []

@@ -1,0 +1,66 @@
+"""examples/torch_tree.py's host side, on the CPU (torch and transformers, no GPU): the ancestor
+mask (TreeMask, whole from a static tree's parents or a level at a time from mask_d's words), the
+tree the example picks at each batch size, and the command line's trees."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import DynamicTree, TreeShape
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+pytestmark = pytest.mark.torch
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "from-words"])
+def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, static):
+    """TreeMask, made whole from a static tree's parents or a level at a time from mask_d's
+    words, attends (0) to the prefix and to each node's ancestors and nowhere else (-inf)."""
+    tree = TreeShape.likeliest(40, depth=6, ranks=4)  # 41 nodes: two mask words, bit 31 among them
+    n, words = tree.nodes, -(-tree.nodes // 32)
+    ancestors = []
+    for i in range(n):
+        mine, p = {i}, tree.parent[i]
+        while p >= 0:
+            mine.add(p)
+            p = tree.parent[p]
+        ancestors.append(mine)
+    bits = np.zeros((2, n, words), np.uint32)
+    for i, mine in enumerate(ancestors):
+        for j in mine:
+            bits[:, i, j // 32] |= np.uint32(1 << j % 32)
+    start = torch.tensor([[3], [20]])
+    mask = trees.TreeMask(torch.from_numpy(bits.view(np.int32)), 80, torch.bfloat16,
+                          tree if static else None).at(start)
+    got = torch.cat([mask.rows(a, b) for a, b in tree.levels], 2)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 1, n, 80) and mask.rows(0, n).is_contiguous()
+    for b, at in enumerate((3, 20)):
+        for i in range(n):
+            want = [0.0 if s < at or (s - at in ancestors[i]) else -np.inf for s in range(80)]
+            assert got[b, 0, i].float().tolist() == want, f"row {b}, node {i}"
+
+
+def test_the_example_picks_the_measured_tree_of_the_largest_batch_measured_below(trees):
+    assert trees.tree_for_batch("large", 1) == trees.static_tree(64, 10)
+    assert trees.tree_for_batch("large", 4) == trees.static_tree(64, 10)  # B = 1's, the largest measured below
+    assert trees.tree_for_batch("large", 16) is None and trees.tree_for_batch("small", 1) is None
+
+
+def test_a_tree_on_the_command_line_is_static_or_dynamic_or_refused(trees):
+    assert trees.parse_tree("static:16") == trees.static_tree(16)
+    assert trees.parse_tree("static:16,4") == trees.static_tree(16, 4) != trees.static_tree(16)
+    assert trees.parse_tree("dynamic:4,3,3") == DynamicTree(4, 3, 3)
+    for text in ("static", "static:a", "static:1,2,3", "dynamic:4,3", "tree:3"):
+        with pytest.raises(ValueError, match="a tree is"):
+            trees.parse_tree(text)
+
+
+def test_the_examples_share_their_command_line_and_its_refusals(llama, capsys):
+    parser = llama.decoding_arguments("trees", k=False)
+    llama.round_arguments(parser)
+    args, sampling = llama.parse_rounds(parser, ["--temperature", "0.7", "--hybrid", "--state-rollback", "flip"])
+    assert (args.size, args.tokens, args.state_rollback, sampling) == ("small", 256, "flip", llama.SamplingParams(0.7))
+    assert not hasattr(args, "k")
+    with pytest.raises(SystemExit):
+        llama.parse_rounds(parser, ["--state-rollback", "flip"])
+    assert "add --hybrid" in capsys.readouterr().err
