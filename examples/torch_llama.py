@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memra_cuda import (MODES, Cache, Engine, Greedy, KVData, KVLayer, Mode, RoundStream, Sampling, SpecKernels,
@@ -392,6 +393,7 @@ class Stack:
         recurrent = [layer for layer in self.layers if isinstance(layer, RecurrentLayer)]
         self.state = state(len(recurrent), batch, recurrent[0].state_shape) if recurrent else None
         self.slots = torch.arange(capacity, device="cuda")
+        self.library: str | None = None  # None: blas_for's pick at each forward; a library's name pins it
         self.zero = torch.zeros((), dtype=model.dtype, device="cuda")  # an additive mask's two values
         self.never = torch.full((), -torch.inf, dtype=model.dtype, device="cuda")
         # The rotary embedding of every position, computed once by the model's own module (the
@@ -410,7 +412,20 @@ class Stack:
         of each row's (the head then runs on one token a row). `tree`: append's slots, mask
         and parents, for a tree's nodes."""
         hidden = self.append(tokens, positions, **tree)
-        return self.model.lm_head(hidden[:, -1:] if last else hidden)
+        hidden = hidden[:, -1:] if last else hidden
+        with self.kernels(hidden.shape[0] * hidden.shape[1]):
+            return self.model.lm_head(hidden)
+
+    @contextlib.contextmanager
+    def kernels(self, rows: int) -> Iterator[None]:
+        """The kernels a forward of `rows` token rows (B x T) runs: blas_for's BLAS library (or the
+        pinned `library`), and in fp32 SDPA's math path. SDPA's default pick there, its
+        memory-efficient kernel, is the slow one at a decoder's few queries: 62 of a draft step's
+        187 us on the small model, whose target step falls from 1.30 to 0.87 ms through the math
+        path (H200). In bf16 SDPA's own pick, a fused kernel, stays."""
+        math = sdpa_kernel([SDPBackend.MATH]) if self.model.dtype == torch.float32 else contextlib.nullcontext()
+        with blas(self.library or blas_for(self.model.dtype, rows)), math:
+            yield
 
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The next token after each of `tokens`."""
@@ -446,21 +461,22 @@ class Stack:
         self.kv.rows, self.kv.positions = rows, slots
         if self.state is not None and lengths is None:
             self.state.begin()
-        n = 0  # recurrent layers so far
-        for layer in self.layers:
-            if isinstance(layer, RecurrentLayer):
-                if lengths is None:
-                    hidden, _ = layer(hidden, self.state.read(n), functools.partial(self.state.store, n),
-                                      parents=parents)
-                else:
-                    start = torch.zeros(hidden.shape[0], *layer.state_shape, device="cuda")
-                    hidden, prompt = layer(hidden, start, active=self.slots[:hidden.shape[1]] < lengths[:, None])
-                    self.state.set_prompt(n, rows, prompt)
-                n += 1
-                continue
-            out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.kv,
-                        use_cache=True, cache_position=slots[0], position_embeddings=rope)
-            hidden = out[0] if isinstance(out, tuple) else out
+        with self.kernels(tokens.numel()):
+            n = 0  # recurrent layers so far
+            for layer in self.layers:
+                if isinstance(layer, RecurrentLayer):
+                    if lengths is None:
+                        hidden, _ = layer(hidden, self.state.read(n), functools.partial(self.state.store, n),
+                                          parents=parents)
+                    else:
+                        start = torch.zeros(hidden.shape[0], *layer.state_shape, device="cuda")
+                        hidden, prompt = layer(hidden, start, active=self.slots[:hidden.shape[1]] < lengths[:, None])
+                        self.state.set_prompt(n, rows, prompt)
+                    n += 1
+                    continue
+                out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.kv,
+                            use_cache=True, cache_position=slots[0], position_embeddings=rope)
+                hidden = out[0] if isinstance(out, tuple) else out
         return inner.norm(hidden)
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
@@ -750,12 +766,8 @@ class SpeculativeLlama(RoundDecoder):
             self.p_d.copy_(self.sampling.probs(logits))
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The target's logits after each of the k+1 tokens of every row. Its GEMMs have
-        B(k+1) rows, a shape cuBLAS's own fp32 kernels serve at twice a one-row GEMV's time;
-        cuBLASLt's kernels take a verify of 5 tokens from 1.18 to 1.10 target steps (H200,
-        small model)."""
-        with blas("cublaslt"):
-            return self.target.logits(tokens, positions)
+        """The target's logits after each of the k+1 tokens of every row."""
+        return self.target.logits(tokens, positions)
 
     def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
         """reset zeroes acc_d, so the first draft step reads vtok_d[0] as the token behind the
@@ -773,6 +785,21 @@ def blas(library: str) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.preferred_blas_library(before)
+
+
+# The most token rows (B x T) whose GEMMs cuBLASLt serves faster than cuBLAS, per dtype; past
+# them, and at one row (GEMVs, which are cuBLAS's), cuBLAS. Measured on an H200 by `make
+# bench-torch`'s tree_costs, the whole target at B = 1 in target steps: in fp32 cuBLAS serves a
+# few rows at nearly twice a GEMV's time and cuBLASLt's kernels are the slower ones from 17 rows
+# (5 tokens: 1.34 through cuBLASLt, 1.46 through cuBLAS; 11: 1.35, 1.52; 16: 1.51, 1.62; 17:
+# 1.89, 1.63; 65: 2.44, 1.88; the small model); in bf16 the two are alike from 1 to 65 rows
+# (within 0.5%, the large model).
+LT_ROWS = {torch.float32: 16, torch.bfloat16: 1 << 30}
+
+
+def blas_for(dtype: torch.dtype, rows: int) -> str:
+    """The BLAS library for a forward of `rows` token rows in `dtype` (Stack.kernels)."""
+    return "cublaslt" if 2 <= rows <= LT_ROWS.get(dtype, 0) else "cublas"
 
 
 def capacity_for(prompt_len: int, tokens: int, k: int, m_rounds: int, batch: int = 1, width: int | None = None) -> int:

@@ -17,10 +17,10 @@ The ancestor mask is tree_bufs' bit mask turned into SDPA's additive one by `Tre
 hybrid target (recurrent layers) steps each node from its parent's state and leaves a slot a
 node (T + 1), for the layer to keep the path's last one.
 
-`tree_for_batch(size, batch)` is what the example picks at a batch size, measured on an H200
-by `make bench-torch` (its "trees" section), or None where the chain (torch_llama.py) is
-faster: on the large model at B = 1 a static tree of 64 drafts (1.18x the best chain greedy,
-0.99x sampled), elsewhere the chain (docs/torch.md, "Trees").
+`tree_for_batch(size, batch, sampled)` is what the example picks at a batch size, measured on
+an H200 by `make bench-torch` (its "trees" section), or None where the chain (torch_llama.py) is
+faster: greedy on the large model a static tree at every B measured (1.06-1.18x the best
+chain), elsewhere the chain (docs/torch.md, "Trees").
 
     PYTHONPATH=. python examples/torch_tree.py [--size small|large] [--batch B] [--tokens 256]
         [--tree auto|static:N[,DEPTH]|dynamic:D,W,B] [--mode graph] [--temperature T ...] [--hybrid]
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from torch_llama import (HYBRID, PROMPT, CopyState, FlipState, RecurrentLayer, Request, RoundDecoder, SamplingParams,
-                         Stack, StaticKV, blas, build_model, capacity_for, check_greedy, decoding_arguments, head_size,
+                         Stack, StaticKV, build_model, capacity_for, check_greedy, decoding_arguments, head_size,
                          parse_rounds, prompts, round_arguments)
 from transformers import LlamaForCausalLM
 
@@ -50,21 +50,26 @@ def static_tree(size: int, depth: int = 10) -> TreeShape:
     return TreeShape.likeliest(size, depth=depth, right=0.87, fall=0.15, ranks=4)
 
 
-# The tree per model size and batch (None: the chain, SpeculativeLlama), from `make bench-torch`'s
-# trees section on an H200 (docs/torch.md, "Trees"): at each B, the measured configuration whose
-# tokens/s against the best measured chain is highest in its worse mode (greedy or sampling), where
-# that is at least 0.98. Only the large model at B = 1 has one: static_tree(64, 10), 1.18x the
-# chain greedy and 0.99x sampled.
-PICKED: dict[str, dict[int, Tree | None]] = {
-    "small": {1: None, 8: None, 32: None, 128: None},
-    "large": {1: static_tree(64, 10), 8: None, 32: None, 128: None},
+# The tree per model size, decoding and batch size (None: the chain, SpeculativeLlama), from `make
+# bench-torch`'s trees section on an H200 (docs/torch.md, "Trees"): at each B, the fastest measured
+# configuration, where a tree was faster than every chain measured in two runs of the section.
+# Greedy, the large model's trees: static_tree(64, 10) 1.18x the best chain at B = 1, (32, 8) 1.18x
+# at 8, (12, 6) 1.06x at 32, (6, 4) 1.09x at 128. Sampled, and on the small model, the chain (the
+# best tree 0.93-0.98x).
+CHAINS = {1: None, 8: None, 32: None, 128: None}
+PICKED: dict[str, dict[str, dict[int, Tree | None]]] = {
+    "small": {"greedy": CHAINS, "sampling": CHAINS},
+    "large": {"greedy": {1: static_tree(64, 10), 8: static_tree(32, 8), 32: static_tree(12, 6),
+                         128: static_tree(6, 4)},
+              "sampling": CHAINS},
 }
 
 
-def tree_for_batch(size: str, batch: int) -> Tree | None:
-    """The tree the example verifies at `batch` rows of the `size` model, or None where the chain
-    is faster: the measured pick of the largest batch size measured not above `batch`."""
-    picks = PICKED[size]
+def tree_for_batch(size: str, batch: int, sampled: bool = False) -> Tree | None:
+    """The tree the example verifies at `batch` rows of the `size` model, greedy or `sampled`, or
+    None where the chain is faster: the measured pick of the largest batch size measured not above
+    `batch`."""
+    picks = PICKED[size]["sampling" if sampled else "greedy"]
     below = [b for b in picks if b <= batch]
     return picks[max(below)] if below else picks[min(picks)]
 
@@ -81,6 +86,19 @@ def parse_tree(text: str) -> Tree:
     if kind == "dynamic" and len(numbers) == 3:
         return DynamicTree(*numbers)
     raise ValueError(f'a tree is "static:N[,DEPTH]" or "dynamic:DEPTH,WIDTH,BRANCH", not {text!r}')
+
+
+def best_ranks(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k largest of each row of `logits` (its last dim), best first, by k
+    argmaxes, each after the one before is masked out of `logits` in place (a level's own
+    logits, read by nothing else): torch.topk's radix select is a dozen kernels, which cost a
+    small-model tree level 0.041 target steps at one node against 0.019 for two argmaxes (H200).
+    A tie goes to the lower index."""
+    best = [logits.argmax(-1, keepdim=True)]
+    for _ in range(1, k):
+        logits.scatter_(-1, best[-1], -torch.inf)
+        best.append(logits.argmax(-1, keepdim=True))
+    return torch.cat(best, -1)
 
 
 class TreeMask:
@@ -321,7 +339,7 @@ class TreeLlama(RoundDecoder):
         else:
             logits = self.draft.logits(self.tok[:, start:stop], self.pos[:, start:stop], **self._nodes(start, stop))
         if self.sampling is None and self.ranks_only:
-            self.cand_tok[:, start:stop] = logits.topk(self.candidates, dim=-1).indices
+            self.cand_tok[:, start:stop] = best_ranks(logits, self.candidates)
         elif self.sampling is None:
             best = logits.float().log_softmax(-1).topk(self.candidates, dim=-1)
             self.cand_tok[:, start:stop] = best.indices
@@ -331,8 +349,7 @@ class TreeLlama(RoundDecoder):
 
     def verify_tree(self) -> None:
         """The target over all T + 1 nodes under the ancestor mask, in one forward."""
-        with blas("cublaslt"):
-            logits = self.target.logits(self.tok, self.pos, parents=self.parents, **self._nodes(0, self.tree.nodes))
+        logits = self.target.logits(self.tok, self.pos, parents=self.parents, **self._nodes(0, self.tree.nodes))
         if self.sampling is None:
             self.pred_d.copy_(logits.argmax(-1))
         else:
@@ -347,12 +364,13 @@ def main(argv: list[str] | None = None) -> int:
     round_arguments(parser)
     args, sampling = parse_rounds(parser, argv)
     try:
-        tree = tree_for_batch(args.size, args.batch) if args.tree == "auto" else parse_tree(args.tree)
+        tree = (tree_for_batch(args.size, args.batch, sampling is not None) if args.tree == "auto" else
+                parse_tree(args.tree))
     except ValueError as exc:
         parser.error(str(exc))
     if tree is None:
-        parser.error(f"at B={args.batch} the {args.size} model decodes faster by the chain: "
-                     "examples/torch_llama.py, or name a --tree")
+        parser.error(f"at B={args.batch} the {args.size} model decodes {'sampled' if sampling else 'greedy'} faster "
+                     "by the chain: examples/torch_llama.py, or name a --tree")
     model = build_model(args.size, recurrent_layers=HYBRID if args.hybrid else ())
     batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
     requests = [Request(prompt, args.tokens, None, seed) for seed, prompt in enumerate(batch)]

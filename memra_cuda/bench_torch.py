@@ -18,14 +18,15 @@
    same model's plain greedy with each step a torch graph, and whether the tokens are its.
 5. Trees (examples/torch_tree.py), both sizes, B in TREE_BATCHES, greedy and sampling at T = 1,
    the head's logits scaled by TREE_LOGIT_SCALE: tokens/s of chains (CHAIN_KS), static trees
-   (STATIC_TREES) and dynamic trees (DYNAMIC) at each B, and of the tree tree_for_batch picks,
+   (STATIC_TREES) and dynamic trees (DYNAMIC) at each B, and of the trees tree_for_batch picks,
    against graphed plain greedy; per configuration its tokens per round tau, its verify's and
    draft's device time in target steps (v, d), the ideal tau / (v + d) and how much of it it
    reaches; per B the best chain, static and dynamic tree, and the pick against the best chain.
    With a JSON path, a picture beside it (matplotlib, the `plot` extra): tokens/s against B.
 6. Tree costs, B = 1, both sizes: a chain's draft step and verify, each draft level of a static
-   tree and its verify under cuBLASLt and cuBLAS, torch.topk against two argmaxes, each captured
-   alone, in target steps: where a tree's round goes (docs/torch.md, "Trees").
+   tree and its verify, the whole target over 1 to 65 tokens through cuBLASLt and cuBLAS,
+   torch.topk against two argmaxes, each captured alone, in target steps: where a tree's round
+   goes, and what the example's kernels are chosen by (docs/torch.md, "Trees").
 
 Needs torch and transformers, and the source checkout (the example is not in the wheel).
 
@@ -334,9 +335,9 @@ def _bench_hybrid_batch(llama: Any, model: Any, batch: int, tokens: int) -> list
 
 def bench_trees(llama: Any, quick: bool, sizes: Sequence[str] = ("small", "large"),
                 batches: Sequence[int] = TREE_BATCHES) -> list[dict]:
-    """Section 5: chains against static and dynamic trees at each B, and the tree the example
-    picks there (torch_tree.tree_for_batch), so that PICKED can be checked against what this
-    machine measures."""
+    """Section 5: chains against static and dynamic trees at each B, and the trees the example
+    picks there, greedy and sampled (torch_tree.tree_for_batch), so that PICKED can be checked
+    against what this machine measures."""
     trees = load_example("torch_tree")
     print(f"\ntrees: examples/torch_tree.py against the chain, M={TORCH_M}, graph mode, head scaled by "
           f"{TREE_LOGIT_SCALE:g}, {64 if quick else '256 (B <= 8) or 128'} tokens a row; sampling at T=1; v and d: "
@@ -351,19 +352,19 @@ def bench_trees(llama: Any, quick: bool, sizes: Sequence[str] = ("small", "large
     return rows
 
 
-def _tree_candidates(trees: Any, picked: Any, batch: int, quick: bool) -> list[tuple[str, Any]]:
+def _tree_candidates(trees: Any, picked: Sequence[Any], batch: int, quick: bool) -> list[tuple[str, Any]]:
     """(kind, config) of every configuration measured at `batch`: the chains' k, the static and
-    dynamic trees (the first of each in a quick run), and `picked`, the tree the example picks
-    there (None: the chain), among its kind's where it is not one of them already."""
+    dynamic trees (the first of each in a quick run), and `picked`, the trees the example picks
+    there (greedy and sampled), each among its kind's where it is not one of them already."""
     def some(options: Sequence[Any]) -> list[Any]:
         return list(options[:1] if quick else options)
     kinds = {"chain": some(CHAIN_KS[batch]),
              "static": [trees.static_tree(*shape) for shape in some(STATIC_TREES[batch])],
              "dynamic": some(DYNAMIC[batch])}
-    if picked is not None:
-        kind = kinds["dynamic" if isinstance(picked, DynamicTree) else "static"]
-        if picked not in kind:
-            kind.append(picked)
+    for tree in picked:
+        kind = kinds["dynamic" if isinstance(tree, DynamicTree) else "static"]
+        if tree not in kind:
+            kind.append(tree)
     return [(kind, config) for kind, configs in kinds.items() for config in configs]
 
 
@@ -385,8 +386,8 @@ def _bench_tree_batch(llama: Any, trees: Any, model: Any, size: str, batch: int,
     prompts = [llama.PROMPT] if batch == 1 else llama.prompts(batch, seed=batch)
     tokens = 64 if quick else (256 if batch <= 8 else 128)
     requests = [llama.Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
-    picked = trees.tree_for_batch(size, batch)
-    candidates = _tree_candidates(trees, picked, batch, quick)
+    picked = {mode: trees.tree_for_batch(size, batch, mode == "sampling") for mode in ("greedy", "sampling")}
+    candidates = _tree_candidates(trees, [tree for tree in picked.values() if tree is not None], batch, quick)
     depth, width = (max(values) for values in zip(*(depth_and_width(config) for _, config in candidates)))
     capacity = llama.capacity_for(max(map(len, prompts)), tokens, depth, TORCH_M, batch, width=width)
     plain, step_ms = _plain_decoding(llama, model, capacity, requests)
@@ -408,7 +409,7 @@ def _bench_tree_batch(llama: Any, trees: Any, model: Any, size: str, batch: int,
                   f"{row['tau']:5.2f} {row['v']:6.2f} {row['draft']:6.2f} {row['ideal']:5.2f}x "
                   f"{row['reached']:7.0%} {row['vs_plain']:7.2f}x", flush=True)
             measured.append(row)
-        chosen = next((row for (_, config), row in zip(candidates, measured) if config == picked), None)
+        chosen = next((row for (_, config), row in zip(candidates, measured) if config == picked[mode]), None)
         rows += measured + [_tree_summary(measured, chosen, plain)]
     return rows
 
@@ -516,9 +517,10 @@ def plot_trees(rows: list[dict], path: str | Path) -> None:
 
 def bench_tree_costs(llama: Any, quick: bool) -> list[dict]:
     """Section 6: where a tree's round goes against a chain's, at B = 1 on both sizes, in target
-    steps: a chain's draft step and verify (k = 10), each draft level of a static tree (T = 64,
-    depth 10) and its verify under cuBLASLt (the example's) and cuBLAS; then two ways to take a
-    level's two best candidates, torch.topk and two argmaxes, over a level's logits."""
+    steps, under the example's kernels (Stack.kernels): a chain's draft step and verify (k = 10),
+    each draft level of a static tree (T = 64, depth 10) and its verify; the target over n tokens
+    through cuBLASLt and through cuBLAS (the evidence of torch_llama.LT_ROWS); then two ways to
+    take a level's two best candidates, torch.topk and best_ranks' two argmaxes."""
     import torch
     trees = load_example("torch_tree")
     print("\ntree costs: B=1, device ms of each part captured alone, in target steps (a graphed greedy step)")
@@ -529,13 +531,13 @@ def bench_tree_costs(llama: Any, quick: bool) -> list[dict]:
         requests = [llama.Request(llama.PROMPT, 64)]
         capacity = llama.capacity_for(len(llama.PROMPT), 64, tree.depth, TORCH_M, 1, width=tree.nodes)
         _, step_ms = _plain_decoding(llama, model, capacity, requests)
-        parts = {**_chain_parts(llama, model, capacity, requests), **_tree_parts(llama, trees, model, tree, capacity,
-                                                                                    requests)}
+        parts = {**_chain_parts(llama, model, capacity, requests), **_tree_parts(trees, model, tree, capacity,
+                                                                                  requests)}
         _release()
         for width in (1, 8):
             logits = torch.randn(1, width, model.config.vocab_size, device="cuda", dtype=model.dtype)
-            parts[f"top-2 of {width} node(s), torch.topk"] = _graph_ms(lambda logits=logits: logits.topk(2, dim=-1))
-            parts[f"top-2 of {width} node(s), 2 argmaxes"] = _graph_ms(lambda logits=logits: _two_argmaxes(logits))
+            parts[f"top-2 of {width} node(s), torch.topk"] = _graph_ms(lambda x=logits: x.topk(2, dim=-1))
+            parts[f"top-2 of {width} node(s), 2 argmaxes"] = _graph_ms(lambda x=logits: trees.best_ranks(x, 2))
         for part, ms in parts.items():
             rows.append(dict(size=size, part=part, ms=ms, target_steps=ms / step_ms))
             print(f"{size:6} {part:40} {ms:8.4f} ms {ms / step_ms:7.3f}", flush=True)
@@ -543,39 +545,36 @@ def bench_tree_costs(llama: Any, quick: bool) -> list[dict]:
 
 
 def _chain_parts(llama: Any, model: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
-    """Device ms of a chain's draft step (k = 10) and verify, each captured alone (the caller's
+    """Device ms of a chain's draft step (k = 10) and verify, each captured alone, and of its
+    target over n tokens (scratch entries past the row's) through each BLAS library (the caller's
     _release() gives the decoder's memory back)."""
+    import torch
     chain = llama.SpeculativeLlama(model, k=10, m_rounds=TORCH_M, capacity=capacity)
     chain.generate_batch(requests)
-    return {"chain draft step (of 10)": _graph_ms(chain.draft_chain, chain.stream) / 10,
-            "chain verify (11 tokens)": _graph_ms(chain.verify_trunk, chain.stream)}
+    parts = {"chain draft step (of 10)": _graph_ms(chain.draft_chain, chain.stream) / 10,
+             "chain verify (11 tokens)": _graph_ms(chain.verify_trunk, chain.stream)}
+    target = chain.target
+    for n in (1, 2, 5, 8, 11, 16, 17, 33, 65):
+        tokens = chain.vtok[:, :1].expand(1, n)
+        positions = chain.pos_start.long() + torch.arange(n, device="cuda")
+        for library in ("cublaslt", "cublas"):
+            target.library = library
+            parts[f"target over {n} tokens, {library}"] = _graph_ms(lambda: target.logits(tokens, positions),
+                                                                    chain.stream)
+    target.library = None
+    return parts
 
 
-def _tree_parts(llama: Any, trees: Any, model: Any, tree: Any, capacity: int,
-                requests: Sequence[Any]) -> dict[str, float]:
-    """Device ms of each draft level of `tree` and of its verify under cuBLASLt and cuBLAS, each
-    captured alone."""
+def _tree_parts(trees: Any, model: Any, tree: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
+    """Device ms of each draft level of `tree` and of its verify, each captured alone."""
     spec = trees.TreeLlama(model, tree, m_rounds=TORCH_M, capacity=capacity)
     spec.generate_batch(requests)
     spec.draft_level(0)  # the round's mask, which the levels after read
     parts = {f"tree level {level} ({stop - start} nodes)": _graph_ms(lambda level=level: spec.draft_level(level),
                                                                      spec.stream)
              for level, (start, stop) in enumerate(tree.levels[:-1])}
-    nodes = spec._nodes(0, tree.nodes)
-    for library in ("cublaslt", "cublas"):
-        def verify(library: str = library) -> None:
-            with llama.blas(library):
-                spec.target.logits(spec.tok, spec.pos, parents=spec.parents, **nodes)
-        parts[f"tree verify ({tree.nodes} tokens, {library})"] = _graph_ms(verify, spec.stream)
+    parts[f"tree verify ({tree.nodes} tokens)"] = _graph_ms(spec.verify_tree, spec.stream)
     return parts
-
-
-def _two_argmaxes(logits: Any) -> Any:
-    """The two best indices of the last dim, best first, by an argmax, a masked copy and another."""
-    import torch
-    first = logits.argmax(-1, keepdim=True)
-    second = logits.scatter(-1, first, -torch.inf).argmax(-1, keepdim=True)
-    return torch.cat([first, second], -1)
 
 
 SECTIONS = {"one_request": bench_one_request, "batches": bench_batches, "serving": bench_serving,

@@ -1,6 +1,7 @@
 """examples/torch_tree.py's host side, on the CPU (torch and transformers, no GPU): the ancestor
-mask (TreeMask, whole from a static tree's parents or a level at a time from mask_d's words), the
-tree the example picks at each batch size, and the command line's trees."""
+mask (TreeMask, whole from a static tree's parents or a level at a time from mask_d's words), a
+level's best candidates, the BLAS library a forward's rows take, the tree the example picks at
+each batch size, and the command line's trees."""
 from __future__ import annotations
 
 import numpy as np
@@ -40,10 +41,28 @@ def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, static):
             assert got[b, 0, i].float().tolist() == want, f"row {b}, node {i}"
 
 
+def test_a_levels_best_candidates_are_torch_topks_best_first_ties_to_the_lower_index(trees):
+    logits = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(0))
+    for k in (1, 2, 4):
+        assert torch.equal(trees.best_ranks(logits.clone(), k), logits.topk(k, dim=-1).indices)
+    tied = torch.zeros(1, 1, 8)
+    tied[0, 0, [2, 6]] = 1.0
+    assert trees.best_ranks(tied, 3).tolist() == [[[2, 6, 0]]]
+
+
+def test_a_forwards_rows_pick_cublaslt_only_where_it_was_measured_faster(llama):
+    fp32 = [llama.blas_for(torch.float32, rows) for rows in (1, 2, 16, 17, 65)]
+    assert fp32 == ["cublas", "cublaslt", "cublaslt", "cublas", "cublas"]
+    assert [llama.blas_for(torch.bfloat16, rows) for rows in (1, 2, 65, 4096)] == ["cublas"] + ["cublaslt"] * 3
+    assert llama.blas_for(torch.float16, 8) == "cublas"  # not measured: torch's default
+
+
 def test_the_example_picks_the_measured_tree_of_the_largest_batch_measured_below(trees):
     assert trees.tree_for_batch("large", 1) == trees.static_tree(64, 10)
     assert trees.tree_for_batch("large", 4) == trees.static_tree(64, 10)  # B = 1's, the largest measured below
-    assert trees.tree_for_batch("large", 16) is None and trees.tree_for_batch("small", 1) is None
+    assert trees.tree_for_batch("large", 16) == trees.static_tree(32, 8)
+    assert trees.tree_for_batch("large", 4096) == trees.static_tree(6, 4)
+    assert trees.tree_for_batch("large", 1, sampled=True) is None and trees.tree_for_batch("small", 1) is None
 
 
 def test_a_tree_on_the_command_line_is_static_or_dynamic_or_refused(trees):
@@ -64,3 +83,19 @@ def test_the_examples_share_their_command_line_and_its_refusals(llama, capsys):
     with pytest.raises(SystemExit):
         llama.parse_rounds(parser, ["--state-rollback", "flip"])
     assert "add --hybrid" in capsys.readouterr().err
+
+
+def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_chain_is_faster(trees, capsys):
+    for argv in (["--tree", "auto"], ["--tree", "auto", "--size", "large", "--temperature", "1"]):
+        with pytest.raises(SystemExit):
+            trees.main(argv)  # refused before any model is built
+        assert "faster by the chain" in capsys.readouterr().err
+
+
+def test_the_bench_measures_each_pick_once_among_its_kind(trees):
+    from memra_cuda.bench_torch import _tree_candidates
+    listed, extra = trees.static_tree(32, 8), trees.static_tree(20, 5)  # STATIC_TREES[8] lists the first only
+    candidates = _tree_candidates(trees, [listed, extra], 8, quick=False)
+    statics = [config for kind, config in candidates if kind == "static"]
+    assert statics.count(listed) == 1 and statics[-1] == extra
+    assert [config for kind, config in candidates if kind == "chain"] == [6, 8, 10]
