@@ -419,10 +419,10 @@ class Stack:
     @contextlib.contextmanager
     def kernels(self, rows: int) -> Iterator[None]:
         """The kernels a forward of `rows` token rows (B x T) runs: blas_for's BLAS library (or the
-        pinned `library`), and in fp32 SDPA's math path. SDPA's default pick there, its
-        memory-efficient kernel, is the slow one at a decoder's few queries: 62 of a draft step's
-        187 us on the small model, whose target step falls from 1.30 to 0.87 ms through the math
-        path (H200). In bf16 SDPA's own pick, a fused kernel, stays."""
+        pinned `library`), and in fp32 SDPA's math path, prefills included. SDPA's default pick
+        there, its memory-efficient kernel, is the slow one at a decoder's few queries: 62 of a
+        one-token draft step's 187 us on the small model, whose graphed step falls from 1.30 to
+        0.87 ms through the math path (H200). In bf16 SDPA's own pick, a fused kernel, stays."""
         math = sdpa_kernel([SDPBackend.MATH]) if self.model.dtype == torch.float32 else contextlib.nullcontext()
         with blas(self.library or blas_for(self.model.dtype, rows)), math:
             yield
@@ -787,13 +787,14 @@ def blas(library: str) -> Iterator[None]:
         torch.backends.cuda.preferred_blas_library(before)
 
 
-# The most token rows (B x T) whose GEMMs cuBLASLt serves faster than cuBLAS, per dtype; past
-# them, and at one row (GEMVs, which are cuBLAS's), cuBLAS. Measured on an H200 by `make
-# bench-torch`'s tree_costs, the whole target at B = 1 in target steps: in fp32 cuBLAS serves a
-# few rows at nearly twice a GEMV's time and cuBLASLt's kernels are the slower ones from 17 rows
-# (5 tokens: 1.34 through cuBLASLt, 1.46 through cuBLAS; 11: 1.35, 1.52; 16: 1.51, 1.62; 17:
-# 1.89, 1.63; 65: 2.44, 1.88; the small model); in bf16 the two are alike from 1 to 65 rows
-# (within 0.5%, the large model).
+# The most token rows (B x T) a forward takes through cuBLASLt, per dtype; past them, and at one
+# row (GEMVs, which are cuBLAS's), cuBLAS. Measured on an H200 by `make bench-torch`'s
+# tree_costs, the whole target at B = 1 in target steps: in fp32 cuBLAS serves a few rows at
+# nearly twice a GEMV's time, cuBLASLt mostly faster up to 16 rows and the slower from 17 (2
+# tokens: 1.25 through cuBLASLt, 1.40 through cuBLAS; 5: 1.34, 1.46; 8: 1.57, 1.53, the one
+# size up to 16 where cuBLAS was ahead; 11: 1.35, 1.52; 16: 1.51, 1.62; 17: 1.89, 1.63; 65:
+# 2.44, 1.88; the small model); in bf16 the two are alike from 1 to 65 rows (within 0.6%, the
+# large model), and cuBLASLt, which the verify had always taken, serves every size from 2.
 LT_ROWS = {torch.float32: 16, torch.bfloat16: 1 << 30}
 
 

@@ -43,11 +43,15 @@ from memra_cuda import torch as memra_torch
 from memra_cuda.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
 from memra_cuda.tree import Tree
 
+
+RANKS = 4  # the most candidates a node of static_tree has
+
+
 def static_tree(size: int, depth: int = 10) -> TreeShape:
     """The example's static tree of `size` drafts, at most `depth` deep: the likeliest nodes for
     a draft whose best candidate is right 87% of the time and its second best 13% (0.15 times as
     often), the self-speculative draft's rates on CPU (docs/torch.md, "Trees")."""
-    return TreeShape.likeliest(size, depth=depth, right=0.87, fall=0.15, ranks=4)
+    return TreeShape.likeliest(size, depth=depth, right=0.87, fall=0.15, ranks=RANKS)
 
 
 # The tree per model size, decoding and batch size (None: the chain, SpeculativeLlama), from `make
@@ -55,7 +59,7 @@ def static_tree(size: int, depth: int = 10) -> TreeShape:
 # configuration, where a tree was faster than every chain measured in two runs of the section.
 # Greedy, the large model's trees: static_tree(64, 10) 1.18x the best chain at B = 1, (32, 8) 1.18x
 # at 8, (12, 6) 1.06x at 32, (6, 4) 1.09x at 128. Sampled, and on the small model, the chain (the
-# best tree 0.93-0.98x).
+# best tree 0.76-0.98x).
 CHAINS = {1: None, 8: None, 32: None, 128: None}
 PICKED: dict[str, dict[str, dict[int, Tree | None]]] = {
     "small": {"greedy": CHAINS, "sampling": CHAINS},
@@ -89,11 +93,14 @@ def parse_tree(text: str) -> Tree:
 
 
 def best_ranks(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices of the k largest of each row of `logits` (its last dim), best first, by k
-    argmaxes, each after the one before is masked out of `logits` in place (a level's own
-    logits, read by nothing else): torch.topk's radix select is a dozen kernels, which cost a
-    small-model tree level 0.041 target steps at one node against 0.019 for two argmaxes (H200).
-    A tie goes to the lower index."""
+    """The indices of the k largest of each row of `logits` (its last dim), best first: for the
+    few a static tree asks (at most RANKS), by k argmaxes, each after the one before is
+    masked out of `logits` in place (a level's own logits, read by nothing else), a tie to the
+    lower index; torch.topk's radix select is a dozen kernels, which cost a small-model tree
+    level 0.056 target steps at one node against 0.025 for two argmaxes (H200). More, by
+    torch.topk."""
+    if k > RANKS:
+        return logits.topk(k, dim=-1).indices
     best = [logits.argmax(-1, keepdim=True)]
     for _ in range(1, k):
         logits.scatter_(-1, best[-1], -torch.inf)
@@ -369,8 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if tree is None:
-        parser.error(f"at B={args.batch} the {args.size} model decodes {'sampled' if sampling else 'greedy'} faster "
-                     "by the chain: examples/torch_llama.py, or name a --tree")
+        decoding = "greedy" if sampling is None else "sampled"
+        parser.error(f"at B={args.batch} the {args.size} model decodes {decoding} faster by the chain: "
+                     "examples/torch_llama.py, or name a --tree")
     model = build_model(args.size, recurrent_layers=HYBRID if args.hybrid else ())
     batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
     requests = [Request(prompt, args.tokens, None, seed) for seed, prompt in enumerate(batch)]
