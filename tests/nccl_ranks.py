@@ -5,7 +5,8 @@ ring of sends, eagerly and replayed from one captured graph), "die" (rank 1 leav
 joining; rank 0's all-reduce must end in RankFailure within its timeout), "tp" and "stages"
 (the toy over tensor-parallel ranks or pipeline stages, models/ranks.py, in every case of CASES:
 its tokens, burst by burst in graph mode, and the toy's on this GPU alone),
-"diverge" (rank 1 reports other tokens than it committed: every rank must raise RanksDiverged)."""
+"diverge" (rank 1 reports other tokens than it committed: every rank must raise RanksDiverged).
+Every wait, joining included, is bounded by MEMRA_TEST_TIMEOUT seconds (default 30)."""
 from __future__ import annotations
 
 import functools
@@ -15,14 +16,23 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from memra_cuda import Engine, Graph, StreamBufs
-from memra_cuda.comm import Communicator, NcclError
+from memra_cuda.comm import Communicator
 from memra_cuda.models.ranks import ToyPipelineStage, ToyTensorParallel
 from memra_cuda.models.toy import ToyLM, ToyModel, ToySampling
 
 MODEL = ToyModel(kv_mask=(True, True, False, True, True))  # five layers: shards of 3 and 2
 K, M, CAPACITY, TOKENS = 4, 8, 512, 100
+
+
+def unmet(reason: str) -> None:
+    """A two-rank test's missing need (NCCL, a second GPU): skipped with the reason, or failed
+    under MEMRA_REQUIRE_RANKS=1, where a run that must cover the ranks cannot pass without them."""
+    if os.environ.get("MEMRA_REQUIRE_RANKS"):
+        pytest.fail(f"MEMRA_REQUIRE_RANKS is set, but this {reason}")
+    pytest.skip(reason)
 
 
 def ops(comm: Communicator, engine: Engine) -> dict:
@@ -58,7 +68,7 @@ def die(comm: Communicator, engine: Engine) -> dict:
         comm.all_reduce(buf)
         engine.synchronize()
         return dict(raised=None, seconds=time.monotonic() - start)
-    except NcclError as exc:  # RankFailure, or the failed call that found the peer gone
+    except Exception as exc:  # RankFailure, or the failed call that found the peer gone; else named
         return dict(raised=f"{type(exc).__name__}: {exc}", seconds=time.monotonic() - start)
 
 
@@ -115,13 +125,13 @@ def diverge(comm: Communicator, engine: Engine) -> dict:
     try:
         ranks.agree(tokens)
         return dict(raised=None)
-    except NcclError as exc:
+    except Exception as exc:  # RanksDiverged wanted; anything else named
         return dict(raised=f"{type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":
     job = sys.argv[1]
-    timeout = float(os.environ.get("MEMRA_TEST_TIMEOUT", "10"))
+    timeout = float(os.environ.get("MEMRA_TEST_TIMEOUT", "30"))
     engine = Engine(int(os.environ["LOCAL_RANK"]))
     comm = Communicator.from_env(engine, timeout=timeout)
     jobs = {"ops": ops, "die": die, "diverge": diverge, "tp": functools.partial(ranks_job, ToyTensorParallel),

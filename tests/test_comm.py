@@ -329,13 +329,17 @@ def test_shards_cover_the_layers_once_in_order_the_first_ones_larger():
 
 # -- ranks started as torchrun would ------------------------------------------------------------------
 
-def test_launch_starts_every_rank_with_torchruns_variables():
+def test_launch_starts_every_rank_with_torchruns_variables_and_a_port_of_its_own_for_the_exchange(monkeypatch):
     from memra_cuda.comm.launch import launch
+    monkeypatch.setenv("MEMRA_NCCL_PORT", "1")  # a parent's is not every launch's
     show = "import os; print(os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'], " \
-           "os.environ['NCCL_NVLS_ENABLE'], int(os.environ['MASTER_PORT']) > 0)"
+           "os.environ['NCCL_NVLS_ENABLE'], os.environ['MASTER_PORT'], os.environ['MEMRA_NCCL_PORT'])"
     ended = launch([sys.executable, "-c", show], 3, timeout=60)
-    assert [(e.rank, e.returncode, e.stdout.split()) for e in ended] == \
-        [(r, 0, [str(r), str(r), "3", "0", "True"]) for r in range(3)]
+    assert [(e.rank, e.returncode, e.stdout.split()[:4]) for e in ended] == \
+        [(r, 0, [str(r), str(r), "3", "0"]) for r in range(3)]
+    master, exchange = (int(port) for port in ended[0].stdout.split()[4:])
+    assert master > 1 and exchange > 1 and master != exchange
+    assert launch([sys.executable, "-c", show], 1, env={"MEMRA_NCCL_PORT": "7"}, timeout=60)[0].stdout.split()[5] == "7"
 
 
 def test_launch_kills_every_rank_past_its_timeout():
@@ -344,6 +348,36 @@ def test_launch_kills_every_rank_past_its_timeout():
     ended = launch([sys.executable, "-c", "import os, time; os.environ['RANK'] == '1' and time.sleep(60)"], 2,
                    timeout=2)
     assert [e.returncode for e in ended] == [0, None] and time.monotonic() - start < 20
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie left for its new parent to reap."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_launch_stops_what_a_rank_started_and_kills_a_rank_that_ignores_sigterm(monkeypatch):
+    """A rank that started a process of its own (torchrun its workers) is stopped with it; one
+    that ignores SIGTERM gets SIGKILL after the grace."""
+    from memra_cuda.comm import launch as launching
+    monkeypatch.setattr(launching, "GRACE", 1.0)
+    spawn = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+             "time.sleep(60)']); print(child.pid, flush=True); time.sleep(60)")
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+               "time.sleep(60)"
+    start = time.monotonic()
+    ended = launching.launch([sys.executable, "-c", spawn], 1, timeout=3)
+    child = int(ended[0].stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ended[0].returncode is None and _gone(child)
+    ended = launching.launch([sys.executable, "-c", stubborn], 1, timeout=3)
+    assert ended[0].returncode is None and ended[0].stdout.split() == ["up"] and time.monotonic() - start < 30
 
 
 # -- a Communicator over a recording stand-in for libnccl (its host logic, not a GPU's) ------------

@@ -22,7 +22,7 @@ import pytest
 from memra_cuda import Graph
 from memra_cuda.comm import Communicator, NcclUnavailable, RankFailure, nccl
 from memra_cuda.comm.launch import launch
-from nccl_ranks import CASES, prompts
+from nccl_ranks import CASES, prompts, unmet
 from memra_cuda.driver.errors import call
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +35,7 @@ def lib(engine):
     try:
         return nccl()
     except NcclUnavailable as exc:
-        pytest.skip(f"needs NCCL (pip install 'memra_cuda[nccl]'): {exc}")
+        unmet(f"needs NCCL (pip install 'memra_cuda[nccl]'): {exc}")
 
 
 @pytest.fixture
@@ -98,17 +98,20 @@ def test_a_communicator_refuses_what_it_cannot_queue(engine, one):
 
 def two_gpus() -> None:
     if call("cuDeviceGetCount") < 2:
-        pytest.skip("needs two GPUs (the nvidia-h200-x2 kind)")
+        unmet("needs two GPUs (the nvidia-h200-x2 kind)")
 
 
 def run_ranks(job: str, extra: dict[str, str] | None = None, timeout: float = 120) -> list[dict]:
-    """Each rank's JSON line from tests/nccl_ranks.py JOB over two GPUs (or what it left)."""
+    """Each rank's JSON line from tests/nccl_ranks.py JOB over two GPUs and its exit status (rc:
+    None where killed at the timeout), or, with no JSON, its status and the end of its output
+    (NCCL's warnings, NCCL_DEBUG=WARN unless set, go to stdout)."""
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
-           **(extra or {})}
+           "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"), **(extra or {})}
     out = []
     for ended in launch([sys.executable, str(HERE / "nccl_ranks.py"), job], 2, env, timeout):
         lines = [line for line in ended.stdout.splitlines() if line.startswith("{")]
-        out.append(json.loads(lines[-1]) if lines else dict(rc=ended.returncode, stderr=ended.stderr[-2000:]))
+        seen = json.loads(lines[-1]) if lines else dict(stdout=ended.stdout[-2000:], stderr=ended.stderr[-2000:])
+        out.append(dict(seen, rc=ended.returncode))
     return out
 
 
@@ -118,7 +121,7 @@ def test_two_ranks_reduce_broadcast_and_pass_a_ring_eagerly_and_from_a_graph(lib
     ranks = run_ranks("ops", transport)
     values = [np.arange(16, dtype=np.float32) + 100 * r for r in range(2)]
     for rank, seen in enumerate(ranks):
-        assert seen.get("rank") == rank, seen
+        assert seen.get("rank") == rank and seen["rc"] == 0, seen
         want = [(values[0] + values[1]).tolist(), values[1].tolist(), values[seen["ring_from"]].tolist()]
         assert seen["eager"] == want and seen["replayed"] == want
 
@@ -169,9 +172,9 @@ def test_two_ranks_commit_the_one_gpu_tokens(lib, kind, transport):
     (graph mode, burst by burst) and the whole generation the toy's on one GPU; the ranks' shards
     are layers 0..3 and 3..5."""
     two_gpus()
-    ranks = run_ranks(kind, transport, timeout=600)
+    ranks = run_ranks(kind, transport, timeout=300)
     for rank, seen in enumerate(ranks):
-        assert seen.get("rank") == rank, seen
+        assert seen.get("rank") == rank and seen["rc"] == 0, {key: v for key, v in seen.items() if key != "cases"}
         assert sorted(seen["cases"]) == sorted(f"{m}-B{b}-{'sampling' if s else 'greedy'}" for m, b, s in CASES)
     for case in ranks[0]["cases"]:
         mine, theirs = ranks[0]["cases"][case], ranks[1]["cases"][case]
@@ -186,4 +189,4 @@ def test_a_rank_whose_tokens_differ_makes_every_rank_raise(lib):
     two_gpus()
     ranks = run_ranks("diverge", {"MEMRA_TEST_TIMEOUT": "10"})
     for rank, seen in enumerate(ranks):
-        assert (seen.get("raised") or "").startswith("RanksDiverged: rank"), f"rank {rank}: {seen}"
+        assert (seen.get("raised") or "").startswith("RanksDiverged: rank") and seen["rc"] == 0, f"rank {rank}: {seen}"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from nccl_ranks import unmet
 from memra_cuda.comm.launch import free_port, launch
 
 pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
@@ -61,12 +62,12 @@ def test_two_tensor_parallel_ranks_equal_their_plain_greedy_decoding(engine):
     try:
         nccl()
     except NcclUnavailable as exc:
-        pytest.skip(f"needs NCCL (pip install 'memra_cuda[nccl]'): {exc}")
+        unmet(f"needs NCCL (pip install 'memra_cuda[nccl]'): {exc}")
     if call("cuDeviceGetCount") < 2:
-        pytest.skip("needs two GPUs (the nvidia-h200-x2 kind)")
+        unmet("needs two GPUs (the nvidia-h200-x2 kind)")
     ended = launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                     str(free_port()), str(ROOT / "examples" / "torch_tp.py"), "--tokens", "256", "--batch", "8"], 1,
-                   ranks_env(), 600)
+                   ranks_env(), 300)
     run = ended[0]
     verdicts = [line for line in run.stdout.splitlines() if line.startswith("rank ")]
     assert run.returncode == 0 and len(verdicts) == 2, run.stdout[-3000:] + run.stderr[-3000:]

@@ -3,6 +3,7 @@ use to run a command over several GPUs of this host, one process a GPU."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -22,45 +23,78 @@ class Ended:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on this host now (each socket held open until all are bound,
+    so no two are the same)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+GRACE = 10.0  # seconds a rank killed past the timeout has between SIGTERM and SIGKILL
 
 
 def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None, timeout: float = 300.0
            ) -> list[Ended]:
     """Run `argv` as `world` ranks on this host (RANK, WORLD_SIZE, LOCAL_RANK = RANK, MASTER_ADDR
-    127.0.0.1, a free MASTER_PORT and the id exchange's port after it, NVLink multicast off
-    unless `env` says otherwise) and wait for all of them, at most `timeout` seconds: past it,
-    every rank still running is killed. Output goes to files, so no rank stalls on a full pipe."""
-    port = free_port()
-    base = {**os.environ, "NCCL_NVLS_ENABLE": "0", **(env or {}), "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    127.0.0.1, a free MASTER_PORT and a free MEMRA_NCCL_PORT for the id exchange, NVLink multicast
+    off, unless `env` says otherwise) and wait for all of them, at most `timeout` seconds. Past it,
+    or if this process fails while they run, every rank still running is stopped with what it
+    started (torchrun's workers): each rank leads a session of its own, which gets SIGTERM, then
+    SIGKILL GRACE seconds later. Output goes to files, so no rank stalls on a full pipe."""
+    master, exchange = free_ports(2)
+    base = {**os.environ, "NCCL_NVLS_ENABLE": "0", "MEMRA_NCCL_PORT": str(exchange), **(env or {}),
+            "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
     with tempfile.TemporaryDirectory(prefix="memra-ranks-") as folder:
         files, procs = [], []
-        for rank in range(world):
-            out = open(os.path.join(folder, f"{rank}.out"), "w+")
-            err = open(os.path.join(folder, f"{rank}.err"), "w+")
-            files.append((out, err))
-            procs.append(subprocess.Popen(list(argv), stdout=out, stderr=err, text=True,
-                                          env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                break
+        try:
+            for rank in range(world):
+                out = open(os.path.join(folder, f"{rank}.out"), "w+")
+                err = open(os.path.join(folder, f"{rank}.err"), "w+")
+                files.append((out, err))
+                procs.append(subprocess.Popen(list(argv), stdout=out, stderr=err, text=True, start_new_session=True,
+                                              env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+            _wait(procs, timeout)
+        finally:
+            killed = [proc for proc in procs if proc.poll() is None]
+            _stop(killed)
         ended = []
         for rank, (proc, (out, err)) in enumerate(zip(procs, files)):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-                code = None
-            else:
-                code = proc.returncode
             out.seek(0)
             err.seek(0)
-            ended.append(Ended(rank, code, out.read(), err.read()))
+            ended.append(Ended(rank, None if proc in killed else proc.returncode, out.read(), err.read()))
             out.close()
             err.close()
         return ended
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM to each process's session, SIGKILL to whatever is left after GRACE seconds; a
+    process that outlives even that is left to the system (never waited on without bound)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        _wait(procs, GRACE)
+        if all(proc.poll() is not None for proc in procs):
+            return
+
+
+def _wait(procs: Sequence[subprocess.Popen], seconds: float) -> None:
+    """Until every one of `procs` has ended, at most `seconds` in all."""
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            return
