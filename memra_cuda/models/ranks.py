@@ -131,9 +131,15 @@ class ToyPipelineStage(ToyRank):
         engine, comm, rows = self.engine, self.comm, self.bufs.batch * (self.bufs.k + 1)
         earlier_d = engine.zeros(np.uint32, rows, label="the earlier stages' verify sums") if comm.rank else None
         totals_d = engine.zeros(np.uint32, rows, label="the model's verify sums")
-        steps = [comm.prepare_recv(earlier_d, comm.rank - 1)] if comm.rank else []
-        steps += self.lm.verify_steps(self.bufs, None, partial_in=earlier_d, partial_out=totals_d)
-        if comm.rank + 1 < comm.world:
-            steps.append(comm.prepare_send(totals_d, comm.rank + 1))
-        steps.append(comm.prepare_broadcast(totals_d, root=comm.world - 1))
+        receive = [comm.prepare_recv(earlier_d, comm.rank - 1)] if comm.rank else []
+        send = [comm.prepare_send(totals_d, comm.rank + 1)] if comm.rank + 1 < comm.world else []
+        if receive or send:
+            # Whatever NCCL sets up at a peer's first send or receive is done here, once, eagerly
+            # and under the communicator's timeout, not inside the first burst's capture.
+            with comm.group():
+                for step in receive + send:
+                    step()
+            engine.synchronize()
+        steps = [*receive, *self.lm.verify_steps(self.bufs, None, partial_in=earlier_d, partial_out=totals_d), *send,
+                 comm.prepare_broadcast(totals_d, root=comm.world - 1)]
         return chain(steps), totals_d
