@@ -341,9 +341,10 @@ def bench_trees(llama: Any, quick: bool, sizes: Sequence[str] = ("small", "large
     trees = load_example("torch_tree")
     print(f"\ntrees: examples/torch_tree.py against the chain, M={TORCH_M}, graph mode, head scaled by "
           f"{TREE_LOGIT_SCALE:g}, {64 if quick else '256 (B <= 8) or 128'} tokens a row; sampling at T=1; v and d: "
-          "the round's verify and draft in target steps, ideal = tau / (v + d), reached: the share of it got")
+          "the round's verify and draft in target steps, ideal = tau / (v + d), reached: the share of it got; "
+          "rows: the rows' mean rounds over the batch's, its slowest row's (a batch's rounds its rows used)")
     print(f"{'size':6} {'B':>4} {'mode':8} {'kind':7} {'config':18} {'tokens/s':>9} {'tau':>5} {'v':>6} {'d':>6} "
-          f"{'ideal':>6} {'reached':>7} {'vs plain':>8}")
+          f"{'ideal':>6} {'reached':>7} {'rows':>5} {'vs plain':>8}")
     rows: list[dict] = []
     for size in sizes:
         model = llama.build_model(size, logit_scale=TREE_LOGIT_SCALE)
@@ -407,7 +408,7 @@ def _bench_tree_batch(llama: Any, trees: Any, model: Any, size: str, batch: int,
             row["reached"] = row["vs_plain"] / row["ideal"]
             print(f"{size:6} {batch:4} {mode:8} {kind:7} {_label(row):18} {row['tokens_per_s']:9.0f} "
                   f"{row['tau']:5.2f} {row['v']:6.2f} {row['draft']:6.2f} {row['ideal']:5.2f}x "
-                  f"{row['reached']:7.0%} {row['vs_plain']:7.2f}x", flush=True)
+                  f"{row['reached']:7.0%} {row['rows_share']:5.0%} {row['vs_plain']:7.2f}x", flush=True)
             measured.append(row)
         chosen = next((row for (_, config), row in zip(candidates, measured) if config == picked[mode]), None)
         rows += measured + [_tree_summary(measured, chosen, plain)]
@@ -438,9 +439,10 @@ def _bench_tree_config(llama: Any, trees: Any, model: Any, kind: str, config: An
         verify, draft = spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
     seconds, out = _timed(lambda: spec.generate_batch(requests))
     lengths = [len(row) for row in out]
-    tau = spec.bufs.tokens_per_round(lengths)
+    tau, rounds = spec.bufs.tokens_per_round(lengths), spec.bufs.rounds_run(lengths)
     v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft))
-    return dict(tokens_per_s=sum(lengths) / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d))
+    return dict(tokens_per_s=sum(lengths) / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
+                rows_share=float(rounds.mean() / rounds.max()) if rounds.max() else 1.0)
 
 
 def _release() -> None:

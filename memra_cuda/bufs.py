@@ -295,25 +295,28 @@ class StreamBufs:
     @_own_engine
     def drafts_accepted(self, committed: int | Sequence[int]) -> tuple[int, int]:
         """(accepted, drafted) over every row since its request began, for `committed` tokens
-        generated (per row, for a batch): one readback.
+        generated (per row, for a batch): each of rounds_run's rounds drafted k tokens. One
+        readback."""
+        committed = np.asarray(committed, np.int64).reshape(-1)
+        rounds = self.rounds_run(committed)
+        return int((committed - rounds).sum()), self.k * int(rounds.sum())
 
-        Every round commits its accepted drafts plus one token, so the rounds that ran before
-        the stop number committed - accepted, and each drafted k tokens.
-        """
+    def rounds_run(self, committed: int | Sequence[int]) -> np.ndarray:
+        """Per row, the rounds it ran since its request began (int64 [B]), for `committed` tokens
+        generated (per row, for a batch): committed - accepted, as every round commits its
+        accepted drafts plus one. A batch runs as many rounds as its slowest row; its rows' mean
+        against that maximum is the share of the batch's rounds its rows used. One readback."""
         committed = np.asarray(committed, np.int64).reshape(-1)
         if committed.size != self.batch:
             raise ValueError(f"need one committed count per row ({self.batch}), not {committed.size}")
         self.check_free()
-        accepted = self.engine.dtoh(self.acc_d)[ACC_TOTAL::ACC_WORDS].astype(np.int64)
-        return int(accepted.sum()), self.k * int((committed - accepted).sum())
+        return committed - self.engine.dtoh(self.acc_d)[ACC_TOTAL::ACC_WORDS].astype(np.int64)
 
     def tokens_per_round(self, committed: int | Sequence[int]) -> float:
         """Tokens committed per round a row ran (tau), over every row since its request began, for
-        `committed` tokens generated (per row, for a batch): each round committed its accepted
-        drafts plus one, so the rounds number committed - accepted. 1 where no round ran."""
-        accepted, _ = self.drafts_accepted(committed)
-        total = int(np.sum(committed))
-        return total / (total - accepted) if total > accepted else 1.0
+        `committed` tokens generated (per row, for a batch), rounds_run's: 1 where no round ran."""
+        rounds = int(self.rounds_run(committed).sum())
+        return int(np.sum(committed)) / rounds if rounds else 1.0
 
     def buffers(self) -> dict[str, DeviceBuffer]:
         """The device fields by name (windows of one allocation)."""

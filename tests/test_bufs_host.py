@@ -116,6 +116,22 @@ class ProtocolStream:
         return self.answer
 
 
+def test_each_rows_rounds_are_its_tokens_less_its_accepted_drafts_and_tau_and_the_drafts_agree():
+    from types import SimpleNamespace
+    bufs = host_bufs()
+    bufs.batch, bufs.k, bufs.acc_d = 3, 4, "acc_d"
+    acc = np.array([[9, 12], [0, 0], [4, 30]], np.uint32)  # [B][ACC_WORDS]: this round's, the total
+    bufs.engine = SimpleNamespace(dtoh=lambda buf: acc.reshape(-1) if buf == "acc_d" else None)
+    committed = [20, 5, 40]
+    assert bufs.rounds_run(committed).tolist() == [8, 5, 10]
+    assert bufs.drafts_accepted(committed) == (42, 4 * 23)
+    assert bufs.tokens_per_round(committed) == 65 / 23
+    with pytest.raises(ValueError, match="one committed count per row"):
+        bufs.rounds_run([1, 2])
+    bufs.batch, acc = 1, np.zeros((1, 2), np.uint32)
+    assert bufs.tokens_per_round(0) == 1.0  # no round ran
+
+
 def test_a_stream_is_taken_in_every_form_an_engine_author_has_one():
     """An int, `.cuda_stream` (torch), and the CUDA stream protocol (cuda.core, CuPy): the same
     handle, whatever the form; a protocol answer of another version refused (finding 5)."""
