@@ -413,19 +413,22 @@ class Stack:
         and parents, for a tree's nodes."""
         hidden = self.append(tokens, positions, **tree)
         hidden = hidden[:, -1:] if last else hidden
-        with self.kernels(hidden.shape[0] * hidden.shape[1]):
+        with blas(self._library(hidden.shape[0] * hidden.shape[1])):  # the head's rows: B where `last`
             return self.model.lm_head(hidden)
 
     @contextlib.contextmanager
     def kernels(self, rows: int) -> Iterator[None]:
-        """The kernels a forward of `rows` token rows (B x T) runs: blas_for's BLAS library (or the
+        """The kernels the layers of a forward of `rows` token rows (B x T) run: blas_for's BLAS library (or the
         pinned `library`), and in fp32 SDPA's math path, prefills included. SDPA's default pick
         there, its memory-efficient kernel, is the slow one at a decoder's few queries: 62 of a
         one-token draft step's 187 us on the small model, whose graphed step falls from 1.30 to
         0.87 ms through the math path (H200). In bf16 SDPA's own pick, a fused kernel, stays."""
         math = sdpa_kernel([SDPBackend.MATH]) if self.model.dtype == torch.float32 else contextlib.nullcontext()
-        with blas(self.library or blas_for(self.model.dtype, rows)), math:
+        with blas(self._library(rows)), math:
             yield
+
+    def _library(self, rows: int) -> str:
+        return self.library or blas_for(self.model.dtype, rows)
 
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The next token after each of `tokens`."""
@@ -759,15 +762,11 @@ class SpeculativeLlama(RoundDecoder):
         return self.draft_d[:, step:step + 1]
 
     def verify_trunk(self) -> None:
-        logits = self.verify(self.vtok, self.pos_start.long() + self.steps)
+        logits = self.target.logits(self.vtok, self.pos_start.long() + self.steps)
         if self.sampling is None:
             self.pred_d.copy_(logits.argmax(-1))
         else:
             self.p_d.copy_(self.sampling.probs(logits))
-
-    def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The target's logits after each of the k+1 tokens of every row."""
-        return self.target.logits(tokens, positions)
 
     def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
         """reset zeroes acc_d, so the first draft step reads vtok_d[0] as the token behind the

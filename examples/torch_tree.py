@@ -280,7 +280,7 @@ class TreeLlama(RoundDecoder):
             self.vtok = memra_torch.tensor(bufs.vtok_d, torch.int32).view(batch, tree.depth + 1)
             self.done = memra_torch.tensor(bufs.ctl_d).view(batch, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
             self.mask = TreeMask(self.words, capacity, model.dtype, tree)
-            self.node_index = torch.arange(nodes, device="cuda")
+            self.node_index = self.target.slots[:nodes]
             vocab = model.config.vocab_size
             if sampling is None:
                 self.cand_tok = torch.zeros(batch, nodes, self.candidates, dtype=torch.long, device="cuda")

@@ -62,6 +62,7 @@ TREE_BATCHES = (1, 8, 32, 128)
 # scale (argmax does not move), but a random model's near-flat log-probabilities would leave the
 # dynamic tree's ranking by cumulative draft log-probability nothing to rank by.
 TREE_LOGIT_SCALE = 4.0
+COST_K = 10  # the chain tree_costs sets against a static tree of 64 drafts, 10 deep
 # Section 5's candidates at each B: they shrink as B grows, since a verify of T + 1 tokens a row
 # is nearly free at B = 1 and costs about T + 1 target steps once the GEMMs are compute-bound.
 CHAIN_KS = {1: (8, 10, 12), 8: (6, 8, 10), 32: (4, 6, 8), 128: (2, 3, 4)}
@@ -183,7 +184,7 @@ def bench_one_request(llama: Any, quick: bool) -> list[dict]:
         tau = graph["tokens_per_round"]
         target_ms = _step_ms(spec.target.greedy)
         c = _step_ms(spec.draft.greedy) / target_ms
-        v = _step_ms(spec.verify, TORCH_K + 1) / target_ms  # the formula takes a verify for one step
+        v = _step_ms(spec.target.logits, TORCH_K + 1) / target_ms  # the formula takes a verify for one step
         c2 = _step_ms(spec.draft.logits, 2, last=True) / target_ms
         ideal = tau / (1 + (TORCH_K + 1) * c)
         reached = graph["vs_greedy"] / ideal
@@ -429,20 +430,25 @@ def _bench_tree_config(llama: Any, trees: Any, model: Any, kind: str, config: An
     (each captured alone on the decoder's stream after the generation) in target steps. The
     decoder goes when this returns, for _release() to give its memory back: at B = 128 a sampled
     tree holds p and q of [B][T+1][32000] floats."""
-    batch = len(requests)
-    if kind == "chain":
-        spec = llama.SpeculativeLlama(model, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
-                                      sampling=sampling)
-        verify, draft = spec.verify_trunk, spec.draft_chain
-    else:
-        spec = trees.TreeLlama(model, config, m_rounds=TORCH_M, capacity=capacity, batch=batch, sampling=sampling)
-        verify, draft = spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
+    spec, verify, draft = _decoder(llama, trees, model, kind, config, capacity, len(requests), sampling)
     seconds, out = _timed(lambda: spec.generate_batch(requests))
     lengths = [len(row) for row in out]
     tau, rounds = spec.bufs.tokens_per_round(lengths), spec.bufs.rounds_run(lengths)
     v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft))
     return dict(tokens_per_s=sum(lengths) / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
                 rows_share=float(rounds.mean() / rounds.max()) if rounds.max() else 1.0)
+
+
+def _decoder(llama: Any, trees: Any, model: Any, kind: str, config: Any, capacity: int, batch: int = 1,
+             sampling: Any = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
+    """A chain's decoder (`config` its k) or a tree's (`config` the tree), and the two callables
+    its round runs: the verify and the whole draft."""
+    if kind == "chain":
+        spec = llama.SpeculativeLlama(model, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                                      sampling=sampling)
+        return spec, spec.verify_trunk, spec.draft_chain
+    spec = trees.TreeLlama(model, config, m_rounds=TORCH_M, capacity=capacity, batch=batch, sampling=sampling)
+    return spec, spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
 
 
 def _release() -> None:
@@ -533,8 +539,8 @@ def bench_tree_costs(llama: Any, quick: bool) -> list[dict]:
         requests = [llama.Request(llama.PROMPT, 64)]
         capacity = llama.capacity_for(len(llama.PROMPT), 64, tree.depth, TORCH_M, 1, width=tree.nodes)
         _, step_ms = _plain_decoding(llama, model, capacity, requests)
-        parts = {**_chain_parts(llama, model, capacity, requests), **_tree_parts(trees, model, tree, capacity,
-                                                                                  requests)}
+        parts = {**_chain_parts(llama, model, capacity, requests),
+                 **_tree_parts(llama, trees, model, tree, capacity, requests)}
         _release()
         for width in (1, 8):
             logits = torch.randn(1, width, model.config.vocab_size, device="cuda", dtype=model.dtype)
@@ -547,14 +553,14 @@ def bench_tree_costs(llama: Any, quick: bool) -> list[dict]:
 
 
 def _chain_parts(llama: Any, model: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
-    """Device ms of a chain's draft step (k = 10) and verify, each captured alone, and of its
+    """Device ms of a chain's draft step (k = COST_K) and verify, each captured alone, and of its
     target over n tokens (scratch entries past the row's) through each BLAS library (the caller's
     _release() gives the decoder's memory back)."""
     import torch
-    chain = llama.SpeculativeLlama(model, k=10, m_rounds=TORCH_M, capacity=capacity)
+    chain, verify, draft = _decoder(llama, None, model, "chain", COST_K, capacity)
     chain.generate_batch(requests)
-    parts = {"chain draft step (of 10)": _graph_ms(chain.draft_chain, chain.stream) / 10,
-             "chain verify (11 tokens)": _graph_ms(chain.verify_trunk, chain.stream)}
+    parts = {f"chain draft step (of {COST_K})": _graph_ms(draft, chain.stream) / COST_K,
+             f"chain verify ({COST_K + 1} tokens)": _graph_ms(verify, chain.stream)}
     target = chain.target
     for n in (1, 2, 5, 8, 11, 16, 17, 33, 65):
         tokens = chain.vtok[:, :1].expand(1, n)
@@ -567,15 +573,16 @@ def _chain_parts(llama: Any, model: Any, capacity: int, requests: Sequence[Any])
     return parts
 
 
-def _tree_parts(trees: Any, model: Any, tree: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
-    """Device ms of each draft level of `tree` and of its verify, each captured alone."""
-    spec = trees.TreeLlama(model, tree, m_rounds=TORCH_M, capacity=capacity)
+def _tree_parts(llama: Any, trees: Any, model: Any, tree: Any, capacity: int,
+                requests: Sequence[Any]) -> dict[str, float]:
+    """Device ms of each draft level of `tree` and of its verify, each captured alone (level 0
+    first: its eager run before its capture makes the round's mask, which the levels after read)."""
+    spec, verify, _ = _decoder(llama, trees, model, "static", tree, capacity)
     spec.generate_batch(requests)
-    spec.draft_level(0)  # the round's mask, which the levels after read
     parts = {f"tree level {level} ({stop - start} nodes)": _graph_ms(lambda level=level: spec.draft_level(level),
                                                                      spec.stream)
              for level, (start, stop) in enumerate(tree.levels[:-1])}
-    parts[f"tree verify ({tree.nodes} tokens)"] = _graph_ms(spec.verify_tree, spec.stream)
+    parts[f"tree verify ({tree.nodes} tokens)"] = _graph_ms(verify, spec.stream)
     return parts
 
 

@@ -26,8 +26,7 @@ from .layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_MARK, BRK_WORDS, CTL_D
                      MAX_TREE_DRAWS, ROOT_PARENT, VOID_RANK)
 from .philox import uniform
 from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, ids, kept_states,
-                        race_scores, row_views, sample_race)
-from . import reference as ref
+                        race_scores, row_views, sample_race, spec_state_copy, spec_state_flip)
 from .reference import probabilities as chain_probabilities
 
 _U32 = 0xFFFFFFFF
@@ -410,10 +409,10 @@ def spec_tree_state_copy(table: list, nodes: int, t: TreeArrays, ctl: np.ndarray
     """Kernel 16: as spec_state_copy, with `nodes` (T1) slots a row and the kept slot
     kept_slot(path, keep): row b of live ([B][row_words]) becomes slots[b][slot] ([B][T1][row_words]).
     The table holds per layer (live, slots, row_words), or None."""
-    ref.spec_state_copy(table, k, ctl, batch, slots=nodes, slot_of=lambda b, keep: kept_slot(t, nodes, b, keep))
+    spec_state_copy(table, k, ctl, batch, slots=nodes, slot_of=lambda b, keep: kept_slot(t, nodes, b, keep))
 
 
 def spec_tree_state_flip(idx_ptrs: list, nodes: int, t: TreeArrays, ctl: np.ndarray, k: int, batch: int = 1) -> None:
     """Kernel 17: as spec_state_flip with banks of `nodes` (T1) slots: idx = (1 - bank) * T1 + slot,
     bank = min(idx // T1, 1), slot = kept_slot(path, keep); keep 0 leaves idx as it is."""
-    ref.spec_state_flip(idx_ptrs, k, ctl, batch, slots=nodes, slot_of=lambda b, keep: kept_slot(t, nodes, b, keep))
+    spec_state_flip(idx_ptrs, k, ctl, batch, slots=nodes, slot_of=lambda b, keep: kept_slot(t, nodes, b, keep))

@@ -82,7 +82,8 @@ __device__ __forceinline__ void place_node(const TreeRows& t, u32 W, u32 c, u32 
 //     block a row. Candidates are [B][T1][K]: tokens (32 or 64 bit), logq and sel (f32). Static
 //     (shape non-null: parents, then ranks, then child counts, u32[T1] each) or dynamic (width =
 //     stop - start, branch). The dynamic offers' scores live in shared memory: at most
-//     MAX_TREE_OFFERS (DynamicTree checks width * branch against it).
+//     MAX_TREE_OFFERS (DynamicTree checks a later level's width * branch against it; level 1's,
+//     the root's branch best first, are cut to it, keeping a width of at most 255 the best).
 template <typename Tok>
 __device__ void tree_grow(u32* tree, u32 T1, u32 W, u32 D, u32 B, u32 level, u32 prev_start, u32 prev_stop,
                           u32 start, u32 stop, const Tok* cand_tok, const float* cand_logq, const float* cand_sel,

@@ -35,6 +35,21 @@ def unmet(reason: str) -> None:
     pytest.skip(reason)
 
 
+def need_nccl():
+    """The NCCL a rank loads (Nccl), else unmet."""
+    from memra_cuda.comm import NcclUnavailable, nccl
+    try:
+        return nccl()
+    except NcclUnavailable as exc:
+        unmet(f"needs NCCL (pip install 'memra_cuda[nccl]'): {exc}")
+
+
+def two_gpus() -> None:
+    from memra_cuda.driver.errors import call
+    if call("cuDeviceGetCount") < 2:
+        unmet("needs two GPUs (the nvidia-h200-x2 kind)")
+
+
 def ops(comm: Communicator, engine: Engine) -> dict:
     rank, world = comm.rank, comm.world
     mine = engine.htod(np.arange(16, dtype=np.float32) + 100 * rank)
@@ -132,8 +147,8 @@ def diverge(comm: Communicator, engine: Engine) -> dict:
 if __name__ == "__main__":
     job = sys.argv[1]
     timeout = float(os.environ.get("MEMRA_TEST_TIMEOUT", "30"))
-    engine = Engine(int(os.environ["LOCAL_RANK"]))
-    comm = Communicator.from_env(engine, timeout=timeout)
+    comm = Communicator.from_env(timeout=timeout)  # on a new Engine of device LOCAL_RANK
+    engine = comm.engine
     jobs = {"ops": ops, "die": die, "diverge": diverge, "tp": functools.partial(ranks_job, ToyTensorParallel),
             "stages": functools.partial(ranks_job, ToyPipelineStage)}
     print(json.dumps(dict(rank=comm.rank, **jobs[job](comm, engine))), flush=True)

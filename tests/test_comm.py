@@ -492,11 +492,59 @@ def test_a_failed_enqueue_fails_the_communicator_and_raises_rank_failure(fake):
     assert lib.calls[calls:].count("ncclAllReduce") == 0
     with pytest.raises(RankFailure):
         engine.synchronize()  # every wait raises too
-    for _ in range(100):  # the abort, on a thread of its own
+    assert _aborted(lib) and lib.calls.count("ncclCommAbort") == 1
+
+
+def _aborted(lib) -> bool:
+    """Whether the abort (on a thread of its own) has reached the stand-in, within a second."""
+    for _ in range(100):
         if "ncclCommAbort" in lib.calls:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_group_that_fails_as_it_ends_fails_the_communicator_as_a_failed_call_does(fake):
+    comm, lib, engine = fake(fail={"ncclGroupEnd": 6})
+    buf = engine.htod(np.zeros(4, np.float32))
+    with pytest.raises(RankFailure, match="ncclGroupEnd failed"):
+        with comm.group():
+            comm.send(buf, 1)
+    assert "ncclGroupEnd" in comm.failure_reason and _aborted(lib)
+    with pytest.raises(RankFailure):
+        engine.synchronize()
+
+
+def test_a_group_whose_body_raises_is_ended_and_the_bodys_error_is_seen(fake):
+    comm, lib, engine = fake(fail={"ncclGroupEnd": 6})
+    with pytest.raises(ValueError, match="peer must be"):
+        with comm.group():
+            comm.send(engine.htod(np.zeros(4, np.float32)), 7)
+    assert lib.calls[-1] == "ncclGroupEnd" and comm.failure_reason is None
+
+
+def test_a_watchdog_that_cannot_ask_nccl_fails_the_communicator_once(fake):
+    comm, lib, engine = fake()
+
+    def broken(*args):
+        raise OSError("the library went away")
+    lib.lib.ncclCommGetAsyncError = broken
+    for _ in range(100):
+        if comm.failure_reason:
             break
         time.sleep(0.01)
+    assert comm.failure_reason.startswith("the watchdog could not ask NCCL for errors") and _aborted(lib)
+    time.sleep(0.05)
     assert lib.calls.count("ncclCommAbort") == 1
+
+
+def test_a_join_that_nccl_refuses_raises_its_error(fake, monkeypatch):
+    from memra_cuda.comm import communicator
+    lib = FakeNccl({})
+    lib.lib.ncclCommInitRank = lambda *args: 5  # ncclInvalidUsage
+    monkeypatch.setattr(communicator, "nccl", lambda: lib)
+    with pytest.raises(NcclError):
+        communicator.Communicator(FakeEngine(), 0, 2, bytes(128), timeout=5)
 
 
 def test_agree_passes_where_the_ranks_agree_and_raises_where_they_do_not(fake):
@@ -576,3 +624,23 @@ def test_a_join_that_never_returns_is_a_rank_failure_within_the_timeout(monkeypa
     with pytest.raises(RankFailure, match="joining a communicator of 2 ranks took more than 0.3 s"):
         communicator.Communicator(FakeEngine(), 1, 2, bytes(128), timeout=0.3)
     assert time.monotonic() - start < 5
+
+
+# -- refusals made before any device work ---------------------------------------------------------
+
+def test_device_mode_refuses_a_rank_of_a_communicator_before_touching_the_driver():
+    from memra_cuda import LoopUnsupported
+    from memra_cuda.device_loop import DeviceLoop
+    rank = types.SimpleNamespace(engine=types.SimpleNamespace(guards=[object()]), bufs=None, pipelined=False)
+    with pytest.raises(LoopUnsupported, match="a rank of a communicator"):
+        DeviceLoop(rank)
+
+
+def test_the_toys_ranks_refuse_recurrent_layers_and_a_verify_past_a_block():
+    from memra_cuda.models.ranks import ToyTensorParallel
+    from memra_cuda.models.toy import BLOCK, ToyModel
+    comm = types.SimpleNamespace(engine=None, world=2, rank=0)
+    with pytest.raises(ValueError, match="recurrent layers run whole"):
+        ToyTensorParallel(comm, ToyModel(kv_mask=(True, False), rec_mask=(False, True)), 64, 4, 2)
+    with pytest.raises(ValueError, match=f"k must be < {BLOCK}"):
+        ToyTensorParallel(comm, ToyModel(), 64, BLOCK, 2)

@@ -20,10 +20,9 @@ import numpy as np
 import pytest
 
 from memra_cuda import Graph
-from memra_cuda.comm import Communicator, NcclUnavailable, RankFailure, nccl
+from memra_cuda.comm import Communicator, RankFailure
 from memra_cuda.comm.launch import launch
-from nccl_ranks import CASES, prompts, unmet
-from memra_cuda.driver.errors import call
+from nccl_ranks import CASES, need_nccl, prompts, two_gpus
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).resolve().parent
@@ -32,10 +31,7 @@ NETWORK = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}  # one host standin
 
 @pytest.fixture(scope="module")
 def lib(engine):
-    try:
-        return nccl()
-    except NcclUnavailable as exc:
-        unmet(f"needs NCCL (pip install 'memra_cuda[nccl]'): {exc}")
+    return need_nccl()
 
 
 @pytest.fixture
@@ -95,11 +91,6 @@ def test_a_communicator_refuses_what_it_cannot_queue(engine, one):
 
 
 # -- two processes ---------------------------------------------------------------------------------
-
-def two_gpus() -> None:
-    if call("cuDeviceGetCount") < 2:
-        unmet("needs two GPUs (the nvidia-h200-x2 kind)")
-
 
 def run_ranks(job: str, extra: dict[str, str] | None = None, timeout: float = 120) -> list[dict]:
     """Each rank's JSON line from tests/nccl_ranks.py JOB over two GPUs and its exit status (rc:

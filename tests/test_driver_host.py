@@ -448,3 +448,32 @@ def test_graph_calls_give_an_edge_each_and_name_the_form_the_bindings_have(monke
     assert graph._with_edges("cuGraphAddNode") == "cuGraphAddNode_v2"
     monkeypatch.setattr(graph, "driver", lambda: SimpleNamespace(cuGraphAddNode=1))
     assert graph._with_edges("cuGraphAddNode") == "cuGraphAddNode"
+
+
+def test_a_readback_on_a_guarded_stream_waits_once_for_the_copy_and_the_guards_see_it():
+    """dtoh's copy to pageable memory is the wait (it waits for the stream itself): bracketed by
+    the guards, with no extra synchronisation before it."""
+    from types import SimpleNamespace
+
+    from memra_cuda.driver.stream import Stream
+    log: list[str] = []
+    guard = SimpleNamespace(begin=lambda: log.append("begin"), end=lambda error: log.append("end"))
+    buf = fake_buffer(4)
+    engine = SimpleNamespace(guards=[guard], stream="s", readbacks=0, buffer=lambda b: b,
+                             no_capture=lambda what, why: None, _wait_host=lambda: log.append("synchronize"),
+                             ctx=SimpleNamespace(call=lambda name, *args: log.append(name)))
+    engine.host_wait = lambda wait, *args: Stream.host_wait(engine, wait, *args)
+    out = Engine.dtoh(engine, buf)
+    assert out.shape == (4,) and log == ["begin", "cuMemcpyDtoHAsync", "end", "synchronize"]
+    assert engine.readbacks == 1
+
+
+def test_a_launch_past_cudas_grid_limits_is_refused_at_prepare_naming_the_axis():
+    from memra_cuda.driver.module import GRID_LIMITS, _dim3
+    assert _dim3((64, 65535), "toy_probs's grid", GRID_LIMITS) == (64, 65535, 1)  # at the limit
+    assert _dim3(2**31 - 1, "grid", GRID_LIMITS) == (2**31 - 1, 1, 1)
+    for dims, axis in (((64, 65536), "y"), ((1, 1, 65536), "z"), (2**31, "x")):
+        with pytest.raises(ValueError, match=f"toy_probs's grid .* limit of .* in {axis}"):
+            _dim3(dims, "toy_probs's grid", GRID_LIMITS)
+    with pytest.raises(ValueError, match="1 to 3 positive sizes"):
+        _dim3((1, 0), "grid", GRID_LIMITS)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nccl_ranks import unmet
+from nccl_ranks import need_nccl, two_gpus
 from memra_cuda.comm.launch import free_port, launch
 
 pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
@@ -57,14 +57,8 @@ def test_shard_refuses_what_it_cannot_split_and_changes_nothing_then():
 
 @pytest.mark.gpu
 def test_two_tensor_parallel_ranks_equal_their_plain_greedy_decoding(engine):
-    from memra_cuda.comm import NcclUnavailable, nccl
-    from memra_cuda.driver.errors import call
-    try:
-        nccl()
-    except NcclUnavailable as exc:
-        unmet(f"needs NCCL (pip install 'memra_cuda[nccl]'): {exc}")
-    if call("cuDeviceGetCount") < 2:
-        unmet("needs two GPUs (the nvidia-h200-x2 kind)")
+    need_nccl()
+    two_gpus()
     ended = launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                     str(free_port()), str(ROOT / "examples" / "torch_tp.py"), "--tokens", "256", "--batch", "8"], 1,
                    ranks_env(), 300)

@@ -99,3 +99,15 @@ def test_the_bench_measures_each_pick_once_among_its_kind(trees):
     statics = [config for kind, config in candidates if kind == "static"]
     assert statics.count(listed) == 1 and statics[-1] == extra
     assert [config for kind, config in candidates if kind == "chain"] == [6, 8, 10]
+
+
+def test_a_tree_llama_refuses_a_rollback_candidates_or_pages_it_cannot_serve_before_any_device_work(trees):
+    from types import SimpleNamespace
+    model = SimpleNamespace(model=SimpleNamespace(layers=[]), config=SimpleNamespace(vocab_size=100))
+    tree = trees.static_tree(8, 3)
+    with pytest.raises(ValueError, match='"copy" or "flip", not \'swap\''):
+        trees.TreeLlama(model, tree, state_rollback="swap")
+    with pytest.raises(ValueError, match="vocabulary's 100, not 101"):
+        trees.TreeLlama(model, tree, candidates=101)
+    with pytest.raises(ValueError, match="at least one position, not 0"):
+        trees.PagedKV(None, 1, 1, 64, torch.float32, page=0)

@@ -177,3 +177,17 @@ def test_the_flip_index_names_a_slot_whatever_its_value():
     in range names its own slot, a garbage one a slot of bank 1."""
     idx = np.array([0, 2, 3, 5, 6, 7, 2**32 - 1], np.int64)
     assert toy.live_slot(idx, 2).tolist() == [0, 2, 3, 5, 3, 4, 3 + (2**32 - 1) % 3]
+
+
+def test_the_toys_verify_steps_refuse_what_their_sums_cannot_fill():
+    """probs_step and finish_step, refused before any kernel is bound."""
+    from types import SimpleNamespace
+    sums = SimpleNamespace(len=6)
+    lm = SimpleNamespace(sampling=None, model=toy.ToyModel(vocab=50))
+    with pytest.raises(ValueError, match="no sampling="):
+        toy.ToyLM.probs_step(lm, sums, SimpleNamespace(len=300))
+    lm.sampling = toy.ToySampling()
+    with pytest.raises(ValueError, match="a law of 50 for each of the 6 sums"):
+        toy.ToyLM.probs_step(lm, sums, SimpleNamespace(len=299))
+    with pytest.raises(ValueError, match="a token for each of the 6 sums"):
+        toy.ToyLM.finish_step(lm, sums, SimpleNamespace(len=5))

@@ -146,6 +146,15 @@ def test_bushy_trees_equal_target_greedy(tree, state):
                     assert (stream.draft_states.live() == want).all(), where
 
 
+def test_a_tree_stream_refuses_a_cache_that_holds_a_chains_bursts_but_not_its_t_plus_1_slots():
+    tree, prompt, budget = TREES["static16"], PROMPTS[1], 40
+    chains = kv_capacity(len(prompt), budget, tree.depth, 3)
+    assert chains < kv_capacity(len(prompt), budget, tree.depth, 3, width=tree.nodes)
+    with pytest.raises(ValueError, match="cache too small for the next burst"):
+        toy_reference.NumpyTreeRoundStream(PLAIN, tree, 3, chains).generate(prompt, budget)
+    assert len(tree_stream(PLAIN, tree, 3, len(prompt), budget).generate(prompt, budget)) == budget
+
+
 @pytest.mark.parametrize("tree", ["static16", "dynamic16", "static64", "dynamic64"])
 def test_a_bushy_tree_accepts_more_a_round_than_the_chain(tree):
     """On a noisy draft the chain stops at the first noisy position; a bushy tree holds the

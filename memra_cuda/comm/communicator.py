@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -104,13 +104,8 @@ class _Guard:
         self.state.watch.waits[threading.get_ident()] = time.monotonic()
 
     def end(self, error: BaseException | None) -> None:
-        watch = self.state.watch
-        watch.waits.pop(threading.get_ident(), None)
-        if watch.failure is not None:
-            owner = self.state.owner()
-            if owner is not None:
-                owner.poison_graphs()
-            raise RankFailure(watch.failure, watch.rank) from error
+        self.state.watch.waits.pop(threading.get_ident(), None)
+        self.state.raise_if_failed(error)
 
 
 class _State:
@@ -126,6 +121,14 @@ class _State:
         self.aborted = False
         self.owner: Callable[[], Communicator | None] = lambda: None  # a weak reference, once made
         self.engines: list[Any] = []  # whose host waits the guard times
+
+    def raise_if_failed(self, cause: BaseException | None = None) -> None:
+        """Once the communicator failed: its owner's graphs poisoned, RankFailure (from `cause`)."""
+        if self.watch.failure is not None:
+            owner = self.owner()
+            if owner is not None:
+                owner.poison_graphs()
+            raise RankFailure(self.watch.failure, self.watch.rank) from cause
 
     def poll(self) -> None:
         with self.lock:
@@ -238,11 +241,7 @@ class NcclCall(Prepared):
                 raise ValueError(self._refusal)
             code = self._ctx.run(self._fn, self._name, self._argv)[1]
         if code:
-            error = comm.lib.failure(code, self._name, comm._comm)
-            if state.record_failure(f"{error}"):
-                state.abort_elsewhere()
-            comm.poison_graphs()
-            raise RankFailure(str(error), comm.rank) from error
+            comm.fail_on(code, self._name)
         hold = self.engine.capture_hold
         if hold is not None:
             hold(*self._holds)
@@ -334,9 +333,15 @@ class Communicator(Handle):
     def check(self) -> None:
         """RankFailure if a peer failed (or the communicator was freed: ValueError)."""
         self._usable()
-        if self._state.watch.failure is not None:
-            self.poison_graphs()
-            raise RankFailure(self._state.watch.failure, self.rank)
+        self._state.raise_if_failed()
+
+    def fail_on(self, code: int, call: str) -> NoReturn:
+        """NCCL's `call` returned `code`: the communicator fails (aborted, its graphs poisoned)
+        and RankFailure says why."""
+        error = self.lib.failure(code, call, self._comm)
+        self.abort(f"{error}")
+        self.poison_graphs()
+        raise RankFailure(str(error), self.rank) from error
 
     def poison_graphs(self) -> None:
         """Once a peer failed: every graph that captured one of this communicator's operations
@@ -440,13 +445,20 @@ class Communicator(Handle):
         """The operations queued inside as one (ncclGroupStart/End): a rank's send to a peer and
         its receive from it must be in one group, or the two ranks wait on each other."""
         self.check()
-        self.lib.call("ncclGroupStart")
+        with self._state.lock:
+            self.lib.call("ncclGroupStart")
         try:
             yield
-        finally:
-            code = _current(self._state.ctx, self.lib.lib.ncclGroupEnd)
-            if code:
-                raise self.lib.failure(code, "ncclGroupEnd", self._comm)
+        except BaseException:
+            self._end_group()  # the group closed; the body's exception is the one to see
+            raise
+        code = self._end_group()
+        if code:
+            self.fail_on(code, "ncclGroupEnd")
+
+    def _end_group(self) -> int:
+        with self._state.lock:
+            return _current(self._state.ctx, self.lib.lib.ncclGroupEnd)
 
     def _on(self, engine: Any) -> Any:
         """The engine an operation queues on: the communicator's, or another of its device, whose

@@ -178,10 +178,9 @@ class Engine(Stream):
         if dtype is not None and np.dtype(dtype).itemsize != buf.dtype.itemsize:
             raise ValueError(f"cannot read {buf!r} as {np.dtype(dtype).name}")
         self.no_capture("dtoh", "waits for the GPU")
-        if self.guards:  # a copy to pageable memory waits for the stream itself: wait where the guards see it
-            self._wait_host()
         out = np.empty(buf.len, buf.dtype)
-        self.ctx.call("cuMemcpyDtoHAsync", out, ptr, buf.nbytes, self.stream)
+        # A copy to pageable memory waits for the stream itself: a host wait, which the guards see.
+        self.host_wait(self.ctx.call, "cuMemcpyDtoHAsync", out, ptr, buf.nbytes, self.stream)
         self._wait_host()
         self.readbacks += 1
         return out if dtype is None else out.view(dtype)

@@ -135,7 +135,8 @@ class Launch(Prepared):
         self.kernel = kernel
         self.args = KernelArgs(types, engine)
         kernel.check_signature(self.args.types)
-        argv = (kernel.handle, *_dim3(grid, "grid"), *_dim3(block, "block"), int(shared), engine.stream,
+        argv = (kernel.handle, *_dim3(grid, f"{kernel.name}'s grid", GRID_LIMITS),
+                *_dim3(block, f"{kernel.name}'s block"), int(shared), engine.stream,
                 self.args.pointer, 0)
         super().__init__(engine, driver().cuLaunchKernel, f"cuLaunchKernel({kernel.name})", argv, (module,))
         if self.args.types:
@@ -268,8 +269,17 @@ def _load(ctx: PrimaryContext, image: bytes) -> Any:
         raise CudaError(exc.code, exc.name, f"{exc.message}\nJIT log:\n{jit_log}", exc.call) from None
 
 
-def _dim3(dims: int | Sequence[int], what: str) -> tuple[int, int, int]:
+GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's gridDim.x, .y, .z: a kernel giving rows a grid row has 65535
+
+
+def _dim3(dims: int | Sequence[int], what: str, limits: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """`dims` as (x, y, z); ValueError, before anything is queued, for what CUDA's launch would
+    refuse: sizes past 3, below 1, or past `limits`."""
     d = (int(dims),) if isinstance(dims, (int, np.integer)) else tuple(int(x) for x in dims)
     if not 1 <= len(d) <= 3 or min(d) < 1:
         raise ValueError(f"{what} must be 1 to 3 positive sizes, not {dims!r}")
-    return d + (1,) * (3 - len(d))
+    d += (1,) * (3 - len(d))
+    for axis, size, most in zip("xyz", d, limits or d):
+        if size > most:
+            raise ValueError(f"{what} {d} is past CUDA's limit of {most} in {axis}")
+    return d

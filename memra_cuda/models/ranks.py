@@ -97,9 +97,6 @@ class ToyRank:
                                verify_trunk=chain([verify, lm.finish_step(totals_d, pred_d)]),
                                acceptance=Greedy(pred_d), **common)
         vocab = lm.model.vocab
-        if rows > 65535:
-            raise ValueError(f"the toy's sampling verify gives each of B(k+1) = {rows} positions a grid row: "
-                             "at most 65535")
         q_d = engine.alloc(np.float32, bufs.batch * max(bufs.k, 1) * vocab, zeroed=True, label="q_d")
         p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="p_d")
         return RoundStream(bufs, draft_chain=chain(lm.draft_steps(bufs, draft_d, q_d)),

@@ -574,9 +574,6 @@ class ToyLM:
                                acceptance=Greedy(pred_d), rollback_tables=[table], state_tables=state_tables,
                                pace=self.cost.paced)
         vocab, rows = self.model.vocab, bufs.batch * (bufs.k + 1)
-        if rows > 65535:
-            raise ValueError(f"the toy's sampling verify gives each of B(k+1) = {rows} positions a grid row: "
-                             "at most 65535")
         q_d = engine.alloc(np.float32, bufs.batch * max(bufs.k, 1) * vocab, zeroed=True, label="q_d")
         p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="p_d")
         totals_d = engine.zeros(np.uint32, rows, label="verify sums")
@@ -609,11 +606,7 @@ class ToyLM:
                 0 if sampled else cand_logp_d, hash_d if sampled else 0, draft.data_d, draft.len_d, self.capacity,
                 m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.tree_spread, *states)]
             if sampled and not last:
-                rows = batch * (stop - start)
-                if rows > 65535:
-                    raise ValueError(f"the toy's tree draft gives each of B x {stop - start} nodes of level {d} a grid "
-                                     f"row: {rows} is more than 65535")
-                grid = (min(-(-m.vocab // 256), 64), rows)
+                grid = (min(-(-m.vocab // 256), 64), batch * (stop - start))  # a grid row a node
                 level.append(self.module.kernel("toy_tree_probs").prepare(
                     ["ptr", *["u32"] * 5, *["f32"] * 5, "ptr"], grid=grid, block=256).set(
                     hash_d, t1, start, stop, batch, m.vocab, *self.sampling.draft(m.vocab), q_d))
@@ -678,9 +671,6 @@ class ToyLM:
                             acceptance=Greedy(pred_d), candidates=Candidates(cand_tok_d, cand_logp_d), **common)
         else:
             rows = batch * t1
-            if rows > 65535:
-                raise ValueError(f"the toy's sampling verify gives each of B(T+1) = {rows} nodes a grid row: at most "
-                                 "65535")
             hash_d = engine.zeros(np.uint32, rows, label="tree draft hash states")
             q_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="tree q_d")
             p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="tree p_d")

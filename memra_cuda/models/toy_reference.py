@@ -83,10 +83,12 @@ class NumpyRoundStream:
     own copy of the target's recurrent states, rolled back as the target's are (`state_rollback`).
     """
 
-    def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int, state_rollback: str = "copy"):
+    def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int, state_rollback: str = "copy",
+                 width: int | None = None):
         self.model, self.k, self.m, self.capacity = model, k, m_rounds, capacity
         self.ring_cap = m_rounds * (k + 1)
-        self.room = Capacity(capacity, k, 1, m_rounds)  # the rule generate() checks before each burst
+        # the rule generate() checks before each burst (`width`: what a round writes, a tree's T + 1)
+        self.room = Capacity(capacity, k, 1, m_rounds, width)
         u32 = lambda n: np.zeros(n, np.uint32)  # noqa: E731
         self.vtok, self.brk, self.pend, self.last_pred = u32(k + 1), u32(2), u32(1), u32(1)
         self.ring, self.acc, self.draft, self.pred = u32(self.ring_cap + 1), u32(2), u32(max(k, 1)), u32(k + 1)
@@ -195,9 +197,8 @@ class NumpyTreeRoundStream(NumpyRoundStream):
 
     def __init__(self, model: ToyModel, tree, m_rounds: int, capacity: int, candidates: int = 8,
                  state_rollback: str = "copy"):
-        super().__init__(model, tree.depth, m_rounds, capacity, state_rollback)
+        super().__init__(model, tree.depth, m_rounds, capacity, state_rollback, width=tree.nodes)
         self.tree, self.K, self.T1 = tree, int(candidates), tree.nodes
-        self.room = Capacity(capacity, tree.depth, 1, m_rounds, tree.nodes)  # a round writes T + 1 slots
         self.levels = list(tree.levels)
         self.t = ref_tree.TreeArrays.zeros(self.T1, tree.depth, 1)
         self.cand_tok = np.zeros(self.T1 * self.K, np.uint32)
