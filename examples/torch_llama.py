@@ -562,6 +562,45 @@ class RoundDecoder:
 
     width: int | None = None
 
+    @staticmethod
+    def _check(model: LlamaForCausalLM, draft_layers: int, state_rollback: str) -> None:
+        """What either decoder refuses of its model: a rollback it has no strategy for, and a
+        recurrent layer in the draft's."""
+        if state_rollback not in ("copy", "flip"):
+            raise ValueError(f'state_rollback is "copy" or "flip", not {state_rollback!r}')
+        if any(isinstance(layer, RecurrentLayer) for layer in model.model.layers[:draft_layers]):
+            raise ValueError(f"the draft's {draft_layers} layer(s) must be attention: its first step folds in the "
+                             "last round's deepest draft (docs/model-side.md), which a recurrent layer's state "
+                             "cannot take; put recurrent layers past the draft's")
+
+    def _stacks(self, model: LlamaForCausalLM, capacity: int, batch: int, draft_layers: int, state_rollback: str,
+                verified: int, cache: Callable[..., StaticKV] = StaticKV) -> None:
+        """`target` and `draft` on the engine's stream, the target's recurrent state a slot for
+        each of the `verified` tokens a round's verify steps past its first (k, or a tree's T)."""
+        strategy = (functools.partial(CopyState, k=verified) if state_rollback == "copy" else
+                    functools.partial(FlipState, k=verified, engine=self.engine))
+        self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy, cache)
+        self.draft = Stack(model, draft_layers, capacity, batch, cache=cache)
+
+    def _round_views(self, bufs: StreamBufs) -> None:
+        """StreamBufs' words the draft's first step reads, as tensors: `vtok` [B][k+1] (the last
+        round's verified tokens), `accepted` [B][1] (its drafts accepted) and `done` [B][1]."""
+        self.vtok = memra_torch.tensor(bufs.vtok_d, torch.int32).view(bufs.batch, bufs.k + 1)
+        acc = memra_torch.tensor(bufs.acc_d, torch.int32).view(bufs.batch, ACC_WORDS)
+        self.accepted = acc[:, ACC_ROUND:ACC_ROUND + 1]
+        self.done = memra_torch.tensor(bufs.ctl_d).view(bufs.batch, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
+
+    def _folded_logits(self, root: torch.Tensor, start: torch.Tensor, lone: torch.Tensor) -> torch.Tensor:
+        """The draft's logits after `root` ([B][1], at positions `start`) in a round's first
+        draft step, which appends the token the last round accepted deepest along with it
+        (vtok[accepted] at start - 1: the last round's last draft step, folded in,
+        docs/model-side.md). A `lone` row has none to append (at position 0, a done row, whose
+        entries stay as they are, or where that entry is there already): the root fills both
+        columns."""
+        behind = torch.where(lone, root, self.vtok.gather(1, self.accepted.long().clamp(0, self.k)))
+        positions = torch.cat([start - 1 + lone.long(), start], 1)
+        return self.draft.logits(torch.cat([behind, root], 1), positions, last=True)
+
     def _warm_up(self) -> None:
         """One eager round, so torch's lazy set-up (library handles, workspaces) happens before
         any capture; the next prefill resets everything it touched. Then every slot is vacant."""
@@ -694,12 +733,7 @@ class SpeculativeLlama(RoundDecoder):
         (examples/torch_tp.py lets its communicator time the engine's waits and its graphs hold it)."""
         if k < 1:
             raise ValueError(f"the example drafts k >= 1 tokens a round, not {k}")
-        if state_rollback not in ("copy", "flip"):
-            raise ValueError(f'state_rollback is "copy" or "flip", not {state_rollback!r}')
-        if any(isinstance(layer, RecurrentLayer) for layer in model.model.layers[:draft_layers]):
-            raise ValueError(f"the draft's {draft_layers} layer(s) must be attention: its chain folds the last draft "
-                             "step into the next round's first (docs/model-side.md), which a recurrent layer's state "
-                             "cannot take; put recurrent layers past the draft's")
+        self._check(model, draft_layers, state_rollback)
         self.model, self.k, self.batch = model, k, batch
         self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
         self.stream = torch.cuda.Stream()
@@ -707,18 +741,12 @@ class SpeculativeLlama(RoundDecoder):
             self.engine = memra_torch.engine()
             if on_engine is not None:
                 on_engine(self.engine)
-            strategy = (functools.partial(CopyState, k=k) if state_rollback == "copy" else
-                        functools.partial(FlipState, k=k, engine=self.engine))
-            self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy)
-            self.draft = Stack(model, draft_layers, capacity, batch)
+            self._stacks(model, capacity, batch, draft_layers, state_rollback, k)
             self.bufs = bufs = StreamBufs(self.engine, k, m_rounds, batch)
             self.pend = memra_torch.tensor(bufs.pend_d, torch.int32)[:, None]
             self.pos_ctr = memra_torch.tensor(bufs.pos_ctr_d)[:, None]
             self.pos_start = memra_torch.tensor(bufs.pos_start_d)[:, None]
-            self.vtok = memra_torch.tensor(bufs.vtok_d, torch.int32).view(batch, k + 1)
-            acc = memra_torch.tensor(bufs.acc_d, torch.int32).view(batch, ACC_WORDS)
-            self.accepted = acc[:, ACC_ROUND:ACC_ROUND + 1]  # drafts accepted last round
-            self.done = memra_torch.tensor(bufs.ctl_d).view(batch, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
+            self._round_views(bufs)
             self.draft_d = torch.zeros(batch, k, dtype=torch.long, device="cuda")
             self.steps = torch.arange(k + 1, device="cuda")
             spec = SpecKernels(self.engine)
@@ -742,13 +770,11 @@ class SpeculativeLlama(RoundDecoder):
 
     def draft_chain(self) -> None:
         positions = self.pos_ctr.long() + self.steps  # [B][k+1]: where each draft step's input sits
-        # No token behind the pending one to append: at position 0, or when the row is done
-        # (its entries stay as they are). Then the pending token fills both columns.
+        # Where the last round accepted no draft, vtok[0] is the token behind the pending one
+        # (that round's own pending token, or the prompt's, which a prefill writes there),
+        # appended again unchanged.
         lone = (self.done != 0) | (positions[:, :1] == 0)
-        behind = torch.where(lone, self.pend, self.vtok.gather(1, self.accepted.long().clamp(0, self.k)))
-        token = self._draft_token(0, self.draft.logits(torch.cat([behind, self.pend], 1),
-                                                       torch.cat([positions[:, :1] - 1 + lone.long(),
-                                                                  positions[:, :1]], 1), last=True))
+        token = self._draft_token(0, self._folded_logits(self.pend, positions[:, :1], lone))
         for step in range(1, self.k):
             token = self._draft_token(step, self.draft.logits(token, positions[:, step:step + 1]))
 

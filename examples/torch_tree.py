@@ -32,15 +32,13 @@ import sys
 from typing import Any
 
 import torch
-from torch_llama import (HYBRID, PROMPT, CopyState, FlipState, RecurrentLayer, Request, RoundDecoder, SamplingParams,
-                         Stack, StaticKV, build_model, capacity_for, check_greedy, decoding_arguments, head_size,
-                         parse_rounds, prompts, round_arguments)
+from torch_llama import (HYBRID, PROMPT, Request, RoundDecoder, SamplingParams, StaticKV, build_model, capacity_for,
+                         check_greedy, decoding_arguments, head_size, parse_rounds, prompts, round_arguments)
 from transformers import LlamaForCausalLM
 
 from memra_cuda import (Candidates, DynamicTree, Greedy, RoundStream, Sampling, StreamBufs, TreeBufs, TreeRound,
                         TreeShape, kv_data_table, kv_len_ptr_table)
 from memra_cuda import torch as memra_torch
-from memra_cuda.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
 from memra_cuda.tree import Tree
 
 
@@ -245,10 +243,7 @@ class TreeLlama(RoundDecoder):
                  paged: int | None = None):
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
-        if state_rollback not in ("copy", "flip"):
-            raise ValueError(f'state_rollback is "copy" or "flip", not {state_rollback!r}')
-        if any(isinstance(layer, RecurrentLayer) for layer in model.model.layers[:draft_layers]):
-            raise ValueError(f"the draft's {draft_layers} layer(s) must be attention: put recurrent layers past them")
+        self._check(model, draft_layers, state_rollback)
         self.model, self.tree, self.batch = model, tree, batch
         self.k, self.width = tree.depth, tree.nodes
         if sampling is not None and candidates is not None:
@@ -262,11 +257,8 @@ class TreeLlama(RoundDecoder):
         self.stream = torch.cuda.Stream()
         with torch.cuda.stream(self.stream):
             self.engine = engine = memra_torch.engine()
-            strategy = (functools.partial(CopyState, k=nodes - 1) if state_rollback == "copy" else
-                        functools.partial(FlipState, k=nodes - 1, engine=engine))
             cache = StaticKV if paged is None else functools.partial(PagedKV, page=paged)
-            self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy, cache)
-            self.draft = Stack(model, draft_layers, capacity, batch, cache=cache)
+            self._stacks(model, capacity, batch, draft_layers, state_rollback, nodes - 1, cache)
             self.bufs = bufs = StreamBufs(engine, tree.depth, m_rounds, batch)
             self.tree_bufs = tb = TreeBufs(bufs, tree)
             self.tok = memra_torch.tensor(tb.tok_d, torch.int32).view(batch, nodes)
@@ -275,10 +267,7 @@ class TreeLlama(RoundDecoder):
             self.words = memra_torch.tensor(tb.mask_d, torch.int32).view(batch, nodes, tb.words)
             self.pos_start = memra_torch.tensor(bufs.pos_start_d)[:, None]
             self.path = memra_torch.tensor(tb.path_d, torch.int32).view(batch, tree.depth + 1)
-            acc = memra_torch.tensor(bufs.acc_d, torch.int32).view(batch, ACC_WORDS)
-            self.accepted = acc[:, ACC_ROUND:ACC_ROUND + 1]  # drafts accepted this round (or last, at level 0)
-            self.vtok = memra_torch.tensor(bufs.vtok_d, torch.int32).view(batch, tree.depth + 1)
-            self.done = memra_torch.tensor(bufs.ctl_d).view(batch, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
+            self._round_views(bufs)  # accepted: this round's drafts accepted (the last's, at level 0)
             self.mask = TreeMask(self.words, capacity, model.dtype, tree)
             self.node_index = self.target.slots[:nodes]
             vocab = model.config.vocab_size
@@ -338,11 +327,7 @@ class TreeLlama(RoundDecoder):
         if level == 0:
             self.mask.at(self.pos_start)
             lone = (self.accepted == 0) | (self.done != 0) | (self.pos_start == 0)
-            root = self.tok[:, :1]
-            behind = torch.where(lone, root, self.vtok.gather(1, self.accepted.long().clamp(0, self.k)))
-            start_at = self.pos_start.long()
-            positions = torch.cat([start_at - 1 + lone.long(), start_at], 1)
-            logits = self.draft.logits(torch.cat([behind, root], 1), positions, last=True)
+            logits = self._folded_logits(self.tok[:, :1], self.pos_start.long(), lone)
         else:
             logits = self.draft.logits(self.tok[:, start:stop], self.pos[:, start:stop], **self._nodes(start, stop))
         if self.sampling is None and self.ranks_only:

@@ -1,6 +1,7 @@
 """The benchmarks' host-side pieces that hold without a GPU: what the trees section's picture
 does where matplotlib (an optional extra) is missing, and what the capacity rule takes of a
-round a bench measures, and how the trees section is asked for in part."""
+round a bench measures, how the trees section is asked for in part, and how it tells a
+batch's ideal from a row's."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ import pytest
 
 from memra_cuda import DynamicTree, TreeShape
 from memra_cuda.bench_common import depth_and_width
-from memra_cuda.bench_torch import TREE_BATCHES, _listed, plot_trees
+from memra_cuda.bench_torch import TREE_BATCHES, _listed, plot_trees, reach
 
 
 def test_the_trees_picture_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
@@ -35,3 +36,12 @@ def test_the_trees_sections_parts_are_lists_of_known_names():
             _listed(text, TREE_BATCHES, int)
     with pytest.raises(argparse.ArgumentTypeError, match="small, large, not 'medium'"):
         _listed("medium", ("small", "large"))
+
+
+def test_a_batch_is_held_to_the_ideal_of_its_slowest_rows_rounds():
+    # 2.4x plain against an ideal of 3x from each row's tau; the rows ran, on average, 80% of
+    # the rounds of the slowest, which the whole batch ran: its own ideal is 2.4x
+    got = reach(2.4, 3.0, 0.8)
+    assert got["reached"] == pytest.approx(0.8) and got["batch_ideal"] == pytest.approx(2.4)
+    assert got["batch_reached"] == pytest.approx(1.0) and got["vs_plain"] == 2.4
+    assert reach(2.4, 3.0, 1.0)["batch_reached"] == pytest.approx(got["reached"])  # one row, or rows alike

@@ -30,13 +30,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..acceptance import Greedy, Sampling
 from ..bufs import StreamBufs
 from ..comm.communicator import digest
 from ..kernels import SpecKernels
 from ..round import chain
 from ..stream import RoundStream
-from ..tables import kv_len_ptr_table
 from .toy import BLOCK, ToyCost, ToyLM, ToyModel, ToySampling
 
 if TYPE_CHECKING:
@@ -85,23 +83,8 @@ class ToyRank:
     def round_stream(self) -> RoundStream:
         """This rank's rounds (module docstring): graph and overlap modes (device mode refuses a
         rank of a communicator)."""
-        engine, bufs, lm = self.engine, self.bufs, self.lm
-        rows = bufs.batch * (bufs.k + 1)
-        draft_d = engine.zeros(np.uint32, bufs.batch * max(bufs.k, 1), label="draft_d")
-        table = kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)
         verify, totals_d = self._sums()
-        common = dict(kernels=self.spec, draft_d=draft_d, rollback_tables=[table], pace=lm.cost.paced)
-        if lm.sampling is None:
-            pred_d = engine.zeros(np.uint32, rows, label="pred_d")
-            return RoundStream(bufs, draft_chain=chain(lm.draft_steps(bufs, draft_d)),
-                               verify_trunk=chain([verify, lm.finish_step(totals_d, pred_d)]),
-                               acceptance=Greedy(pred_d), **common)
-        vocab = lm.model.vocab
-        q_d = engine.alloc(np.float32, bufs.batch * max(bufs.k, 1) * vocab, zeroed=True, label="q_d")
-        p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="p_d")
-        return RoundStream(bufs, draft_chain=chain(lm.draft_steps(bufs, draft_d, q_d)),
-                           verify_trunk=chain([verify, lm.probs_step(totals_d, p_d)]),
-                           acceptance=Sampling(p_d, q_d, lm.seed_d, vocab), **common)
+        return self.lm.round_stream(self.bufs, kernels=self.spec, sums=([verify], totals_d))
 
     def agree(self, tokens: Sequence[Sequence[int]]) -> None:
         """RanksDiverged on every rank unless every rank passes the same `tokens` (each row's

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..acceptance import Greedy, Sampling
 from ..kernels import batch_rows
-from ..round import TreeRound, chain
+from ..round import Step, TreeRound, chain
 from ..stream import RoundStream
 from ..tables import (Cache, KVData, PointerTable, StateIndexTable, StateLayer, StateTable, kv_data_table,
                       kv_len_ptr_table, state_copy_table, state_flip_table)
@@ -552,9 +552,14 @@ class ToyLM:
                                                                        self.model.vocab, pred_d)
 
     def round_stream(self, bufs: StreamBufs, _bufs_of_0_1: StreamBufs | None = None, /, *,
-                     kernels: SpecKernels | None = None) -> RoundStream:
+                     kernels: SpecKernels | None = None,
+                     sums: tuple[Sequence[Step], DeviceBuffer] | None = None) -> RoundStream:
         """A RoundStream driving this model: rollback walks one table over target and draft
         layers with pos_ctr last, then one over their recurrent states (state_tables).
+        `sums`: the steps of a verify that leaves the model's sums ([B][k+1] u32) in the buffer
+        given with them, for the target's tokens (toy_finish) or its law (toy_probs) to be made
+        from: a rank's, whose own layers are a share of the model's (models/ranks.py). By
+        default this model's verify_steps, which make its greedy tokens themselves.
         (round_stream(kernels, bufs), the first releases' form, warns.)"""
         if _bufs_of_0_1 is not None:
             warnings.warn("ToyLM.round_stream(kernels, bufs) is deprecated: round_stream(bufs, kernels=kernels)",
@@ -565,23 +570,24 @@ class ToyLM:
         self._check_batch(bufs)
         engine = self.engine
         draft_d = engine.zeros(np.uint32, bufs.batch * max(bufs.k, 1), label="draft_d")
-        table = kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)
-        state_tables = self.state_tables(bufs)
+        common = dict(kernels=kernels, draft_d=draft_d, pace=self.cost.paced, state_tables=self.state_tables(bufs),
+                      rollback_tables=[kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)])
+        rows = bufs.batch * (bufs.k + 1)
         if self.sampling is None:
-            pred_d = engine.zeros(np.uint32, bufs.batch * (bufs.k + 1), label="pred_d")
-            return RoundStream(bufs, kernels=kernels, draft_chain=chain(self.draft_steps(bufs, draft_d)),
-                               verify_trunk=chain(self.verify_steps(bufs, pred_d)), draft_d=draft_d,
-                               acceptance=Greedy(pred_d), rollback_tables=[table], state_tables=state_tables,
-                               pace=self.cost.paced)
-        vocab, rows = self.model.vocab, bufs.batch * (bufs.k + 1)
+            pred_d = engine.zeros(np.uint32, rows, label="pred_d")
+            verify = (self.verify_steps(bufs, pred_d) if sums is None else
+                      [*sums[0], self.finish_step(sums[1], pred_d)])
+            return RoundStream(bufs, draft_chain=chain(self.draft_steps(bufs, draft_d)), verify_trunk=chain(verify),
+                               acceptance=Greedy(pred_d), **common)
+        if sums is None:
+            totals_d = engine.zeros(np.uint32, rows, label="verify sums")
+            sums = self.verify_steps(bufs, None, partial_out=totals_d), totals_d
+        vocab = self.model.vocab
         q_d = engine.alloc(np.float32, bufs.batch * max(bufs.k, 1) * vocab, zeroed=True, label="q_d")
         p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="p_d")
-        totals_d = engine.zeros(np.uint32, rows, label="verify sums")
-        probs = self.probs_step(totals_d, p_d)
-        return RoundStream(bufs, kernels=kernels, draft_chain=chain(self.draft_steps(bufs, draft_d, q_d)),
-                           verify_trunk=chain([*self.verify_steps(bufs, None, partial_out=totals_d), probs]),
-                           draft_d=draft_d, acceptance=Sampling(p_d, q_d, self.seed_d, vocab), rollback_tables=[table],
-                           state_tables=state_tables, pace=self.cost.paced)
+        return RoundStream(bufs, draft_chain=chain(self.draft_steps(bufs, draft_d, q_d)),
+                           verify_trunk=chain([*sums[0], self.probs_step(sums[1], p_d)]),
+                           acceptance=Sampling(p_d, q_d, self.seed_d, vocab), **common)
 
     def tree_draft_levels(self, bufs: StreamBufs, nodes: TreeBufs, *, cand_tok_d: DeviceBuffer | None = None,
                           cand_logp_d: DeviceBuffer | None = None, candidates: int = 8,
