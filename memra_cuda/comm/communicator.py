@@ -189,13 +189,31 @@ class _State:
                         "communicator alive?); its resources stay", grace)
 
 
-def _within(seconds: float, call: Callable[[], bool]) -> bool:
-    """call() on a thread of its own: whether it returned True within `seconds`."""
-    out: list[bool] = []
-    thread = threading.Thread(target=lambda: out.append(bool(call())), daemon=True, name="memra-nccl-release")
+def _on_thread(call: Callable[[], Any], seconds: float, name: str) -> list[Any]:
+    """call() on a daemon thread of its own, waited for `seconds`: [] if it has not returned by
+    then (a call into NCCL that waits for a peer cannot be interrupted, only left behind), else
+    [what it returned, or the exception it raised]."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True, name=name)
     thread.start()
     thread.join(seconds)
-    return bool(out and out[0])
+    return out
+
+
+def _within(seconds: float, call: Callable[[], bool]) -> bool:
+    """Whether call(), on a thread of its own, returned True within `seconds` (a release's
+    step: what it raised is logged, and counts as not)."""
+    out = _on_thread(call, seconds, "memra-nccl-release")
+    if out and isinstance(out[0], Exception):
+        log.warning("memra_cuda: releasing a communicator: %s", out[0])
+    return bool(out) and out[0] is True
 
 
 def _release(state: _State, guard: _Guard) -> None:
@@ -292,26 +310,20 @@ class Communicator(Handle):
     def _join(lib: Nccl, ctx: Any, rank: int, world: int, unique_id: bytes, timeout: float) -> int:
         """ncclCommInitRank, which waits for every rank, on a thread of its own so that a rank
         that never joins is a TimeoutError here rather than a hang."""
-        out: dict[str, Any] = {}
         arg = UniqueIdArg.from_buffer_copy(unique_id)  # all 128 bytes (a char field's setter stops at a zero)
 
-        def init() -> None:
+        def init() -> int | BaseException:
             comm = ctypes.c_void_p()
-            try:
-                code = _current(ctx, lib.lib.ncclCommInitRank, ctypes.byref(comm), world, arg, rank)
-                out["result"] = comm.value if code == 0 else lib.failure(code, "ncclCommInitRank")
-            except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
-                out["result"] = exc
+            code = _current(ctx, lib.lib.ncclCommInitRank, ctypes.byref(comm), world, arg, rank)
+            return comm.value if code == 0 else lib.failure(code, "ncclCommInitRank")
 
-        thread = threading.Thread(target=init, daemon=True, name=f"memra-nccl-join{rank}")
-        thread.start()
-        thread.join(timeout)
-        if "result" not in out:  # the thread may still join later: that communicator is never released
+        out = _on_thread(init, timeout, f"memra-nccl-join{rank}")
+        if not out:  # the thread may still join later: that communicator is never released
             raise RankFailure(f"joining a communicator of {world} ranks took more than {timeout:g} s: some rank did "
                               "not join (or joined with another id)", rank)
-        if isinstance(out["result"], BaseException):
-            raise out["result"]
-        return out["result"]
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        return out[0]
 
     @classmethod
     def from_env(cls, engine: Any = None, *, timeout: float = 30.0) -> Communicator:
