@@ -575,8 +575,9 @@ class RoundDecoder:
 
     def _stacks(self, model: LlamaForCausalLM, capacity: int, batch: int, draft_layers: int, state_rollback: str,
                 verified: int, cache: Callable[..., StaticKV] = StaticKV) -> None:
-        """`target` and `draft` on the engine's stream, the target's recurrent state a slot for
-        each of the `verified` tokens a round's verify steps past its first (k, or a tree's T)."""
+        """`target` and `draft` on the engine's stream, the target's recurrent state kept for
+        each of the `verified` + 1 tokens a round verifies (`verified`: k, or a tree's T; the
+        strategy's k)."""
         strategy = (functools.partial(CopyState, k=verified) if state_rollback == "copy" else
                     functools.partial(FlipState, k=verified, engine=self.engine))
         self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy, cache)
@@ -593,10 +594,10 @@ class RoundDecoder:
     def _folded_logits(self, root: torch.Tensor, start: torch.Tensor, lone: torch.Tensor) -> torch.Tensor:
         """The draft's logits after `root` ([B][1], at positions `start`) in a round's first
         draft step, which appends the token the last round accepted deepest along with it
-        (vtok[accepted] at start - 1: the last round's last draft step, folded in,
-        docs/model-side.md). A `lone` row has none to append (at position 0, a done row, whose
-        entries stay as they are, or where that entry is there already): the root fills both
-        columns."""
+        (vtok[accepted] at start - 1: where every draft was accepted, the last draft step, which
+        the draft never ran, folded in here, docs/model-side.md; otherwise an entry rewritten
+        unchanged). A `lone` row has none to append (at position 0, a done row, whose entries
+        stay as they are, or where that entry is there already): the root fills both columns."""
         behind = torch.where(lone, root, self.vtok.gather(1, self.accepted.long().clamp(0, self.k)))
         positions = torch.cat([start - 1 + lone.long(), start], 1)
         return self.draft.logits(torch.cat([behind, root], 1), positions, last=True)

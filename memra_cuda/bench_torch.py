@@ -21,7 +21,9 @@
    (STATIC_TREES) and dynamic trees (DYNAMIC) at each B, and of the trees tree_for_batch picks,
    against graphed plain greedy; per configuration its tokens per round tau, its verify's and
    draft's device time in target steps (v, d), the ideal tau / (v + d) and how much of it it
-   reaches; per B the best chain, static and dynamic tree, and the pick against the best chain.
+   reaches, the rows' mean rounds over the slowest row's (rows) and how much of the batch's own
+   ideal, ideal x rows, it reaches (batch: reach()); per B the best chain, static and dynamic
+   tree, and the pick against the best chain.
    With a JSON path, a picture beside it (matplotlib, the `plot` extra): tokens/s against B.
 6. Tree costs, B = 1, both sizes: a chain's draft step and verify, each draft level of a static
    tree and its verify, the whole target over 1 to 65 tokens through cuBLASLt and cuBLAS,

@@ -559,7 +559,8 @@ class ToyLM:
         `sums`: the steps of a verify that leaves the model's sums ([B][k+1] u32) in the buffer
         given with them, for the target's tokens (toy_finish) or its law (toy_probs) to be made
         from: a rank's, whose own layers are a share of the model's (models/ranks.py). By
-        default this model's verify_steps, which make its greedy tokens themselves.
+        default this model's verify_steps: greedy, they make its tokens themselves; sampling,
+        they leave the sums for toy_probs.
         (round_stream(kernels, bufs), the first releases' form, warns.)"""
         if _bufs_of_0_1 is not None:
             warnings.warn("ToyLM.round_stream(kernels, bufs) is deprecated: round_stream(bufs, kernels=kernels)",
