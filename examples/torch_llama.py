@@ -573,19 +573,21 @@ class RoundDecoder:
                              "last round's deepest draft (docs/model-side.md), which a recurrent layer's state "
                              "cannot take; put recurrent layers past the draft's")
 
-    def _stacks(self, model: LlamaForCausalLM, capacity: int, batch: int, draft_layers: int, state_rollback: str,
-                verified: int, cache: Callable[..., StaticKV] = StaticKV) -> None:
-        """`target` and `draft` on the engine's stream, the target's recurrent state kept for
-        each of the `verified` + 1 tokens a round verifies (`verified`: k, or a tree's T; the
-        strategy's k)."""
+    def _stacks(self, capacity: int, draft_layers: int, state_rollback: str, verified: int,
+                cache: Callable[..., StaticKV] = StaticKV) -> None:
+        """`target` and `draft` of the decoder's model and batch on the engine's stream, the
+        target's recurrent state kept for each of the `verified` + 1 tokens a round verifies
+        (`verified`: k, or a tree's T; the strategy's k)."""
         strategy = (functools.partial(CopyState, k=verified) if state_rollback == "copy" else
                     functools.partial(FlipState, k=verified, engine=self.engine))
+        model, batch = self.model, self.batch
         self.target = Stack(model, model.config.num_hidden_layers, capacity, batch, strategy, cache)
         self.draft = Stack(model, draft_layers, capacity, batch, cache=cache)
 
-    def _round_views(self, bufs: StreamBufs) -> None:
-        """StreamBufs' words the draft's first step reads, as tensors: `vtok` [B][k+1] (the last
+    def _round_views(self) -> None:
+        """The decoder's StreamBufs' words the draft's first step reads, as tensors: `vtok` [B][k+1] (the last
         round's verified tokens), `accepted` [B][1] (its drafts accepted) and `done` [B][1]."""
+        bufs = self.bufs
         self.vtok = memra_torch.tensor(bufs.vtok_d, torch.int32).view(bufs.batch, bufs.k + 1)
         acc = memra_torch.tensor(bufs.acc_d, torch.int32).view(bufs.batch, ACC_WORDS)
         self.accepted = acc[:, ACC_ROUND:ACC_ROUND + 1]
@@ -742,12 +744,12 @@ class SpeculativeLlama(RoundDecoder):
             self.engine = memra_torch.engine()
             if on_engine is not None:
                 on_engine(self.engine)
-            self._stacks(model, capacity, batch, draft_layers, state_rollback, k)
+            self._stacks(capacity, draft_layers, state_rollback, k)
             self.bufs = bufs = StreamBufs(self.engine, k, m_rounds, batch)
             self.pend = memra_torch.tensor(bufs.pend_d, torch.int32)[:, None]
             self.pos_ctr = memra_torch.tensor(bufs.pos_ctr_d)[:, None]
             self.pos_start = memra_torch.tensor(bufs.pos_start_d)[:, None]
-            self._round_views(bufs)
+            self._round_views()
             self.draft_d = torch.zeros(batch, k, dtype=torch.long, device="cuda")
             self.steps = torch.arange(k + 1, device="cuda")
             spec = SpecKernels(self.engine)

@@ -103,7 +103,7 @@ def best_ranks(logits: torch.Tensor, k: int) -> torch.Tensor:
     for _ in range(1, k):
         logits.scatter_(-1, best[-1], -torch.inf)
         best.append(logits.argmax(-1, keepdim=True))
-    return torch.cat(best, -1)
+    return best[0] if k == 1 else torch.cat(best, -1)  # one: no copy of it
 
 
 class TreeMask:
@@ -258,7 +258,7 @@ class TreeLlama(RoundDecoder):
         with torch.cuda.stream(self.stream):
             self.engine = engine = memra_torch.engine()
             cache = StaticKV if paged is None else functools.partial(PagedKV, page=paged)
-            self._stacks(model, capacity, batch, draft_layers, state_rollback, nodes - 1, cache)
+            self._stacks(capacity, draft_layers, state_rollback, nodes - 1, cache)
             self.bufs = bufs = StreamBufs(engine, tree.depth, m_rounds, batch)
             self.tree_bufs = tb = TreeBufs(bufs, tree)
             self.tok = memra_torch.tensor(tb.tok_d, torch.int32).view(batch, nodes)
@@ -267,7 +267,7 @@ class TreeLlama(RoundDecoder):
             self.words = memra_torch.tensor(tb.mask_d, torch.int32).view(batch, nodes, tb.words)
             self.pos_start = memra_torch.tensor(bufs.pos_start_d)[:, None]
             self.path = memra_torch.tensor(tb.path_d, torch.int32).view(batch, tree.depth + 1)
-            self._round_views(bufs)  # accepted: this round's drafts accepted (the last's, at level 0)
+            self._round_views()  # accepted: this round's drafts accepted (the last's, at level 0)
             self.mask = TreeMask(self.words, capacity, model.dtype, tree)
             self.node_index = self.target.slots[:nodes]
             vocab = model.config.vocab_size

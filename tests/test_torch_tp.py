@@ -49,6 +49,11 @@ def test_shard_refuses_what_it_cannot_split_and_changes_nothing_then():
     model = LlamaForCausalLM(config)
     with pytest.raises(ValueError, match="3 ranks cannot share 4 heads"):
         shard(model, 0, 3, lambda t: None)
+    attention = model.model.layers[1]
+    model.model.layers[1] = load_example("torch_llama").RecurrentLayer(attention, config, 0.01)
+    with pytest.raises(ValueError, match="recurrent layer's state is not split"):
+        shard(model, 0, 2, lambda t: None)
+    model.model.layers[1] = attention
     model.model.layers[1].mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(64))
     with pytest.raises(ValueError, match="bias"):
         shard(model, 0, 2, lambda t: None)

@@ -34,7 +34,7 @@ from ..driver.call import Prepared
 from ..driver.graph import Graph
 from ..driver.handle import Handle
 from ..driver.values import as_index
-from .library import IN_PROGRESS, UNIQUE_ID_BYTES, Nccl, NcclError, UniqueIdArg, nccl, nccl_dtype, nccl_op, result_name
+from .library import IN_PROGRESS, UNIQUE_ID_BYTES, Nccl, NcclError, UniqueIdArg, nccl, nccl_op, nccl_type, result_name
 from .rendezvous import Ranks, exchange_id
 
 log = logging.getLogger("memra_cuda")
@@ -491,8 +491,7 @@ class Communicator(Handle):
         if out.nbytes != buf.nbytes or out.dtype != buf.dtype:
             raise ValueError(f"{buf!r} and {out!r} differ: an NCCL operation's buffers hold the same elements")
         element = buf.dtype if dtype is None else dtype
-        kind = nccl_dtype(element)
-        size = 2 if isinstance(element, str) and element == "bfloat16" else np.dtype(element).itemsize
+        kind, size = nccl_type(element)
         if size != buf.dtype.itemsize:
             raise ValueError(f"{buf!r} holds {buf.dtype.itemsize}-byte elements: they cannot be reduced as "
                              f"{dtype} ({size} bytes)")

@@ -60,7 +60,7 @@ def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None
                 out = open(os.path.join(folder, f"{rank}.out"), "w+")
                 err = open(os.path.join(folder, f"{rank}.err"), "w+")
                 files.append((out, err))
-                procs.append(subprocess.Popen(list(argv), stdout=out, stderr=err, text=True, start_new_session=True,
+                procs.append(subprocess.Popen(list(argv), stdout=out, stderr=err, start_new_session=True,
                                               env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
             _wait(procs, timeout)
         finally:

@@ -167,12 +167,19 @@ def nccl() -> Nccl:
                           + "; ".join(tried))
 
 
-def nccl_dtype(dtype: Any) -> int:
-    """NCCL's data type for a buffer's element type (a numpy dtype, or "bfloat16")."""
-    name = "bfloat16" if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype).name
+def nccl_type(dtype: Any) -> tuple[int, int]:
+    """NCCL's data type for a buffer's element type (a numpy dtype, or "bfloat16", which numpy
+    has not), and the bytes one element holds."""
+    bf16 = isinstance(dtype, str) and dtype == "bfloat16"
+    name = "bfloat16" if bf16 else np.dtype(dtype).name
     if name not in DTYPES:
         raise ValueError(f"NCCL reduces {', '.join(DTYPES)}, not {name}")
-    return DTYPES[name]
+    return DTYPES[name], 2 if bf16 else np.dtype(dtype).itemsize
+
+
+def nccl_dtype(dtype: Any) -> int:
+    """NCCL's data type for a buffer's element type (nccl_type's)."""
+    return nccl_type(dtype)[0]
 
 
 def nccl_op(op: str) -> int:

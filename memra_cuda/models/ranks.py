@@ -25,7 +25,7 @@ makes the others' waits raise RankFailure (the communicator's watchdog).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,7 +33,7 @@ import numpy as np
 from ..bufs import StreamBufs
 from ..comm.communicator import digest
 from ..kernels import SpecKernels
-from ..round import chain
+from ..round import Step
 from ..stream import RoundStream
 from .toy import BLOCK, ToyCost, ToyLM, ToyModel, ToySampling
 
@@ -75,16 +75,15 @@ class ToyRank:
         prompt and seed); its start position."""
         return self.lm.prefill_row(self.bufs, row, prompt, seed)
 
-    def _sums(self) -> tuple[Callable[[], None], DeviceBuffer]:
-        """The verify of this rank's layers and the exchange after it, and the buffer where the
-        model's sums ([B][k+1] u32) then are."""
+    def _sums(self) -> tuple[list[Step], DeviceBuffer]:
+        """The steps of the verify of this rank's layers and the exchange after it, and the
+        buffer where the model's sums ([B][k+1] u32) then are."""
         raise NotImplementedError
 
     def round_stream(self) -> RoundStream:
         """This rank's rounds (module docstring): graph and overlap modes (device mode refuses a
         rank of a communicator)."""
-        verify, totals_d = self._sums()
-        return self.lm.round_stream(self.bufs, kernels=self.spec, sums=([verify], totals_d))
+        return self.lm.round_stream(self.bufs, kernels=self.spec, sums=self._sums())
 
     def agree(self, tokens: Sequence[Sequence[int]]) -> None:
         """RanksDiverged on every rank unless every rank passes the same `tokens` (each row's
@@ -96,10 +95,10 @@ class ToyTensorParallel(ToyRank):
     """A tensor-parallel rank: every rank's verify at once, over its layers, and the sums
     all-reduced."""
 
-    def _sums(self) -> tuple[Callable[[], None], DeviceBuffer]:
+    def _sums(self) -> tuple[list[Step], DeviceBuffer]:
         sums_d = self.engine.zeros(np.uint32, self.bufs.batch * (self.bufs.k + 1), label="the verify's sums")
-        return chain([*self.lm.verify_steps(self.bufs, None, partial_out=sums_d),
-                      self.comm.prepare_all_reduce(sums_d, op="sum")]), sums_d  # this rank's, then all ranks
+        return [*self.lm.verify_steps(self.bufs, None, partial_out=sums_d),
+                self.comm.prepare_all_reduce(sums_d, op="sum")], sums_d  # this rank's, then all ranks
 
 
 class ToyPipelineStage(ToyRank):
@@ -107,19 +106,20 @@ class ToyPipelineStage(ToyRank):
     it, through the sums the one before sends, and sends its own on; the last stage's, the
     model's, are broadcast to every stage."""
 
-    def _sums(self) -> tuple[Callable[[], None], DeviceBuffer]:
+    def _sums(self) -> tuple[list[Step], DeviceBuffer]:
         engine, comm, rows = self.engine, self.comm, self.bufs.batch * (self.bufs.k + 1)
         earlier_d = engine.zeros(np.uint32, rows, label="the earlier stages' verify sums") if comm.rank else None
         totals_d = engine.zeros(np.uint32, rows, label="the model's verify sums")
         receive = [comm.prepare_recv(earlier_d, comm.rank - 1)] if comm.rank else []
         send = [comm.prepare_send(totals_d, comm.rank + 1)] if comm.rank + 1 < comm.world else []
         if receive or send:
-            # Whatever NCCL sets up at a peer's first send or receive is done here, once, eagerly
-            # and under the communicator's timeout, not inside the first burst's capture.
+            # Whatever NCCL sets up at a peer's first send or receive is done here, once, eagerly,
+            # not inside the first burst's capture. The group's end is not timed (only the
+            # synchronisation after it is a guarded wait): a neighbour that never comes hangs it.
             with comm.group():
                 for step in receive + send:
                     step()
             engine.synchronize()
         steps = [*receive, *self.lm.verify_steps(self.bufs, None, partial_in=earlier_d, partial_out=totals_d), *send,
                  comm.prepare_broadcast(totals_d, root=comm.world - 1)]
-        return chain(steps), totals_d
+        return steps, totals_d
