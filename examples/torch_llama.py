@@ -784,7 +784,7 @@ class SpeculativeLlama(RoundDecoder):
     def _draft_token(self, step: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft token `step` of every row ([B][1]) from the draft's logits there."""
         if self.sampling is None:
-            self.draft_d[:, step:step + 1].copy_(logits.argmax(-1))
+            torch.argmax(logits, -1, out=self.draft_d[:, step:step + 1])
         else:
             self.q_d[:, step].copy_(self.draft_sampling.probs(logits[:, 0]))
             self.draws[step]()
@@ -793,7 +793,7 @@ class SpeculativeLlama(RoundDecoder):
     def verify_trunk(self) -> None:
         logits = self.target.logits(self.vtok, self.pos_start.long() + self.steps)
         if self.sampling is None:
-            self.pred_d.copy_(logits.argmax(-1))
+            torch.argmax(logits, -1, out=self.pred_d)
         else:
             self.p_d.copy_(self.sampling.probs(logits))
 

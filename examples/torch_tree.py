@@ -6,10 +6,11 @@ consecutive slots in both models' static caches (kernel 15), greedy or sampled, 
 
 The model's two duties are two methods, each queued on the engine's torch stream:
 
-- `draft_level(d)`: the draft over the nodes of level d (tree_bufs' tokens at their positions,
-  K/V at slot pos_start + node, attending to the committed prefix and to each node's
-  ancestors), then each node's K best candidates (greedy) or its distribution q (sampling);
-  the last level runs nothing, folded into the next round's first (as the chain's last step).
+- `draft_level(d)`: the draft over the nodes of level d that have children (tree_bufs' tokens
+  at their positions, K/V at slot pos_start + node, attending to the committed prefix and to
+  each node's ancestors), then each node's K best candidates (greedy) or its distribution q
+  (sampling); a leaf, every node of the last level among them, runs nothing: where a round
+  accepts it last, the next round's first level appends it (as the chain's last step).
 - `verify_tree()`: the target over every node likewise, its prediction (greedy) or its
   distribution p (sampling) at each node.
 
@@ -19,11 +20,13 @@ node (T + 1), for the layer to keep the path's last one.
 
 `tree_for_batch(size, batch, sampled)` is what the example picks at a batch size, measured on
 an H200 by `make bench-torch` (its "trees" section), or None where the chain (torch_llama.py) is
-faster: greedy on the large model a static tree at every B measured (1.06-1.18x the best
-chain), elsewhere the chain (docs/torch.md, "Trees").
+faster: greedy on the large model a static tree at every B measured (1.02-1.19x the best
+chain), on the small model at B = 1 and 128 (1.005-1.04x); elsewhere the chain (docs/torch.md,
+"Trees").
 
     PYTHONPATH=. python examples/torch_tree.py [--size small|large] [--batch B] [--tokens 256]
-        [--tree auto|static:N[,DEPTH]|dynamic:D,W,B] [--mode graph] [--temperature T ...] [--hybrid]
+        [--tree auto|static:N[,DEPTH]|chain:K,LEAVES|dynamic:D,W,B] [--mode graph] [--temperature T ...]
+        [--hybrid]
 """
 from __future__ import annotations
 
@@ -55,12 +58,14 @@ def static_tree(size: int, depth: int = 10) -> TreeShape:
 # The tree per model size, decoding and batch size (None: the chain, SpeculativeLlama), from `make
 # bench-torch`'s trees section on an H200 (docs/torch.md, "Trees"): at each B, the fastest measured
 # configuration, where a tree was faster than every chain measured in two runs of the section.
-# Greedy, the large model's trees: static_tree(64, 10) 1.18x the best chain at B = 1, (32, 8) 1.18x
-# at 8, (12, 6) 1.06x at 32, (6, 4) 1.09x at 128. Sampled, and on the small model, the chain (the
-# best tree 0.76-0.98x).
+# Greedy, the large model's trees: static_tree(64, 10) 1.18-1.19x the best chain at B = 1, (32, 8)
+# 1.18x at 8, (12, 6) 1.02-1.06x at 32, (6, 4) 1.09-1.10x at 128; the small model's, since a level
+# leaves out its leaves (tree.expanded): chain_with_leaves(10, 2) 1.005-1.009x at B = 1, (6, 4)
+# 1.03-1.04x at 128 (at 8 and 32 a tree was ahead in one run only: the chain). Sampled, the chain.
 CHAINS = {1: None, 8: None, 32: None, 128: None}
 PICKED: dict[str, dict[str, dict[int, Tree | None]]] = {
-    "small": {"greedy": CHAINS, "sampling": CHAINS},
+    "small": {"greedy": {1: TreeShape.chain_with_leaves(10, 2), 8: None, 32: None, 128: static_tree(6, 4)},
+              "sampling": CHAINS},
     "large": {"greedy": {1: static_tree(64, 10), 8: static_tree(32, 8), 32: static_tree(12, 6),
                          128: static_tree(6, 4)},
               "sampling": CHAINS},
@@ -77,7 +82,8 @@ def tree_for_batch(size: str, batch: int, sampled: bool = False) -> Tree | None:
 
 
 def parse_tree(text: str) -> Tree:
-    """"static:N" or "static:N,DEPTH" (static_tree of N drafts) or "dynamic:D,W,B" (DynamicTree)."""
+    """"static:N" or "static:N,DEPTH" (static_tree of N drafts), "chain:K,LEAVES"
+    (TreeShape.chain_with_leaves) or "dynamic:D,W,B" (DynamicTree)."""
     kind, _, spec = text.partition(":")
     try:
         numbers = [int(x) for x in spec.split(",")]
@@ -85,25 +91,28 @@ def parse_tree(text: str) -> Tree:
         numbers = []
     if kind == "static" and len(numbers) in (1, 2):
         return static_tree(*numbers)
+    if kind == "chain" and len(numbers) == 2:
+        return TreeShape.chain_with_leaves(*numbers)
     if kind == "dynamic" and len(numbers) == 3:
         return DynamicTree(*numbers)
-    raise ValueError(f'a tree is "static:N[,DEPTH]" or "dynamic:DEPTH,WIDTH,BRANCH", not {text!r}')
+    raise ValueError(f'a tree is "static:N[,DEPTH]", "chain:K,LEAVES" or "dynamic:DEPTH,WIDTH,BRANCH", not {text!r}')
 
 
-def best_ranks(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices of the k largest of each row of `logits` (its last dim), best first: for the
-    few a static tree asks (at most RANKS), by k argmaxes, each after the one before is
-    masked out of `logits` in place (a level's own logits, read by nothing else), a tie to the
-    lower index; torch.topk's radix select is a dozen kernels, which cost a small-model tree
-    level 0.056 target steps at one node against 0.025 for two argmaxes (H200). More, by
-    torch.topk."""
+def best_ranks(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` ([..., k] int64, any strides: a level's rows of cand_tok) = the indices of the k
+    largest of each row of `logits` (its last dim), best first: for the few a static tree asks
+    (at most RANKS), by k argmaxes written straight into it, each after the one before is masked
+    out of `logits` in place (a level's own logits, read by nothing else), a tie to the lower
+    index; torch.topk's radix select is a dozen kernels, which cost a small-model tree level
+    0.056 target steps at one node against 0.025 for two argmaxes (H200). More, by torch.topk."""
+    k = out.shape[-1]
     if k > RANKS:
-        return logits.topk(k, dim=-1).indices
-    best = [logits.argmax(-1, keepdim=True)]
-    for _ in range(1, k):
-        logits.scatter_(-1, best[-1], -torch.inf)
-        best.append(logits.argmax(-1, keepdim=True))
-    return best[0] if k == 1 else torch.cat(best, -1)  # one: no copy of it
+        return out.copy_(logits.topk(k, dim=-1).indices)
+    for rank in range(k):
+        torch.argmax(logits, -1, out=out[..., rank])
+        if rank + 1 < k:
+            logits.scatter_(-1, out[..., rank:rank + 1], -torch.inf)
+    return out
 
 
 class TreeMask:
@@ -313,17 +322,20 @@ class TreeLlama(RoundDecoder):
         return dict(slots=self.pos_start + self.node_index[start:stop], mask=self.mask.rows(start, stop))
 
     def draft_level(self, level: int) -> None:
-        """The draft over level `level`'s nodes: what their children are made of (greedy: the
-        best candidates and their log-probabilities; sampling: q), and their K/V.
+        """The draft over level `level`'s nodes up to its last with children (tree.expanded):
+        what their children are made of (greedy: the best candidates and their log-probabilities;
+        sampling: q), and their K/V.
 
-        The deepest level runs nothing: its K/V matter only for the node the round accepts, and
-        the next round's level 0 appends that node's token along with the root (the chain's fold,
+        A leaf runs nothing, so the deepest level runs nothing, nor does a static tree's level past
+        its last node with children: no node attends to a leaf, the layer reads no leaf's
+        candidates or q, and a leaf's K/V matter only where the round accepts it last, when the
+        next round's level 0 appends its token along with the root (the chain's fold,
         docs/model-side.md): vtok_d[a] at pos_start - 1, a the drafts last accepted; where a is 0
         (or the row is done, or at position 0) that entry is there already, and the root fills
         both columns."""
-        if level == self.tree.depth:
+        start, stop = self.tree.expanded[level]
+        if start == stop:
             return
-        start, stop = self.tree.levels[level]
         if level == 0:
             self.mask.at(self.pos_start)
             lone = (self.accepted == 0) | (self.done != 0) | (self.pos_start == 0)
@@ -331,7 +343,7 @@ class TreeLlama(RoundDecoder):
         else:
             logits = self.draft.logits(self.tok[:, start:stop], self.pos[:, start:stop], **self._nodes(start, stop))
         if self.sampling is None and self.ranks_only:
-            self.cand_tok[:, start:stop] = best_ranks(logits, self.candidates)
+            best_ranks(logits, self.cand_tok[:, start:stop])
         elif self.sampling is None:
             best = logits.float().log_softmax(-1).topk(self.candidates, dim=-1)
             self.cand_tok[:, start:stop] = best.indices
@@ -343,7 +355,7 @@ class TreeLlama(RoundDecoder):
         """The target over all T + 1 nodes under the ancestor mask, in one forward."""
         logits = self.target.logits(self.tok, self.pos, parents=self.parents, **self._nodes(0, self.tree.nodes))
         if self.sampling is None:
-            self.pred_d.copy_(logits.argmax(-1))
+            torch.argmax(logits, -1, out=self.pred_d)
         else:
             self.p_d.copy_(self.sampling.probs(logits))
 
@@ -351,8 +363,8 @@ class TreeLlama(RoundDecoder):
 def main(argv: list[str] | None = None) -> int:
     parser = decoding_arguments(__doc__.split("\n")[0], k=False)
     parser.add_argument("--tree", default="static:16",
-                        help='"static:N[,DEPTH]" (static_tree), "dynamic:D,W,B" (DynamicTree) '
-                        'or "auto" (tree_for_batch)')
+                        help='"static:N[,DEPTH]" (static_tree), "chain:K,LEAVES" (TreeShape.chain_with_leaves), '
+                        '"dynamic:D,W,B" (DynamicTree) or "auto" (tree_for_batch)')
     round_arguments(parser)
     args, sampling = parse_rounds(parser, argv)
     try:

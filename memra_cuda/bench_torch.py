@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench_common import depth_and_width
-from .tree import DynamicTree
+from .tree import DynamicTree, TreeShape
 
 TORCH_K, TORCH_M = 4, 16
 BATCHES = {"small": (1, 8, 32, 128, 512), "large": (1, 8, 32, 128)}
@@ -68,9 +68,10 @@ COST_K = 10  # the chain tree_costs sets against a static tree of 64 drafts, 10 
 # Section 5's candidates at each B: they shrink as B grows, since a verify of T + 1 tokens a row
 # is nearly free at B = 1 and costs about T + 1 target steps once the GEMMs are compute-bound.
 CHAIN_KS = {1: (8, 10, 12), 8: (6, 8, 10), 32: (4, 6, 8), 128: (2, 3, 4)}
-# (drafts T, depth) of torch_tree.static_tree
-STATIC_TREES = {1: ((32, 8), (64, 10), (128, 12)), 8: ((16, 6), (32, 8), (64, 10)), 32: ((8, 6), (12, 6)),
-                128: ((3, 3), (6, 4))}
+# torch_tree.parse_tree's names: static_tree of T drafts and a depth, or a chain of k with leaves
+STATIC_TREES = {1: ("static:32,8", "static:64,10", "static:128,12", "chain:10,2"),
+                8: ("static:16,6", "static:32,8", "static:64,10", "chain:8,1"), 32: ("static:8,6", "static:12,6"),
+                128: ("static:3,3", "static:6,4")}
 DYNAMIC = {1: (DynamicTree(10, 4, 4),), 8: (DynamicTree(8, 2, 2),), 32: (DynamicTree(6, 2, 2),),
            128: (DynamicTree(3, 2, 2),)}
 
@@ -364,7 +365,7 @@ def _tree_candidates(trees: Any, picked: Sequence[Any], batch: int, quick: bool)
     def some(options: Sequence[Any]) -> list[Any]:
         return list(options[:1] if quick else options)
     kinds = {"chain": some(CHAIN_KS[batch]),
-             "static": [trees.static_tree(*shape) for shape in some(STATIC_TREES[batch])],
+             "static": [trees.parse_tree(name) for name in some(STATIC_TREES[batch])],
              "dynamic": some(DYNAMIC[batch])}
     for tree in picked:
         kind = kinds["dynamic" if isinstance(tree, DynamicTree) else "static"]
@@ -377,6 +378,9 @@ def _tree_label(tree: Any) -> str:
     """A tree's name in the table and the JSON (a static tree's repr lists every node)."""
     if isinstance(tree, DynamicTree):
         return f"{tree.depth}x{tree.width}, branch {tree.branch}"
+    leaves = (tree.nodes - 1) // tree.depth - 1
+    if leaves and tree == TreeShape.chain_with_leaves(tree.depth, leaves):
+        return f"k={tree.depth}, {leaves} leaves"
     return f"T={tree.nodes - 1}, depth {tree.depth}"
 
 
@@ -562,7 +566,8 @@ def bench_tree_costs(llama: Any, quick: bool) -> list[dict]:
         for width in (1, 8):
             logits = torch.randn(1, width, model.config.vocab_size, device="cuda", dtype=model.dtype)
             parts[f"top-2 of {width} node(s), torch.topk"] = _graph_ms(lambda x=logits: x.topk(2, dim=-1))
-            parts[f"top-2 of {width} node(s), 2 argmaxes"] = _graph_ms(lambda x=logits: trees.best_ranks(x, 2))
+            best = torch.empty(1, width, 2, dtype=torch.long, device="cuda")
+            parts[f"top-2 of {width} node(s), 2 argmaxes"] = _graph_ms(lambda x=logits, y=best: trees.best_ranks(x, y))
         for part, ms in parts.items():
             rows.append(dict(size=size, part=part, ms=ms, target_steps=ms / step_ms))
             print(f"{size:6} {part:40} {ms:8.4f} ms {ms / step_ms:7.3f}", flush=True)
@@ -598,7 +603,7 @@ def _tree_parts(llama: Any, trees: Any, model: Any, tree: Any, capacity: int,
     spec.generate_batch(requests)
     parts = {f"tree level {level} ({stop - start} nodes)": _graph_ms(lambda level=level: spec.draft_level(level),
                                                                      spec.stream)
-             for level, (start, stop) in enumerate(tree.levels[:-1])}
+             for level, (start, stop) in enumerate(tree.expanded) if stop > start}
     parts[f"tree verify ({tree.nodes} tokens)"] = _graph_ms(verify, spec.stream)
     return parts
 

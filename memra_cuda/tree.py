@@ -92,6 +92,18 @@ class TreeShape:
         return cls((-1, *range(k)), (0,) * (k + 1))
 
     @classmethod
+    def chain_with_leaves(cls, k: int, leaves: int) -> TreeShape:
+        """k drafts in a line, each beside its parent's next `leaves` candidates as leaves: a
+        draft that leaves out what it need not expand (`expanded`) runs a chain's levels of one
+        node for it, and the verify takes k (leaves + 1) + 1 tokens. Where a verify of those costs
+        about what one of k + 1 does, it catches the draft's second choices at a chain's draft
+        cost."""
+        k, leaves = as_index(k, "k"), as_index(leaves, "leaves")
+        if k < 1 or leaves < 0:
+            raise ValueError(f"a chain with leaves has k >= 1 drafts and leaves >= 0, not k={k}, leaves={leaves}")
+        return cls.from_choices([[0] * (d - 1) + [r] for d in range(1, k + 1) for r in range(leaves + 1)])
+
+    @classmethod
     def likeliest(cls, size: int, *, depth: int = 8, right: float = 0.6, fall: float = 0.5,
                   ranks: int = MAX_TREE_DRAWS) -> TreeShape:
         """The `size` draft nodes most likely on the accepted path when a node of rank r is
@@ -139,6 +151,18 @@ class TreeShape:
         return tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]))
 
     @property
+    def expanded(self) -> tuple[tuple[int, int], ...]:
+        """(start, stop) of each depth's nodes up to its last with a child (the deepest level's:
+        none): the nodes whose children the layer makes, so the only ones whose candidates or q
+        it reads. Those past it are leaves: a draft that folds its last step into the next
+        round's first (docs/model-side.md), and so never needs the K/V of a leaf it drafted,
+        can leave them out of the level's forward."""
+        last: dict[int, int] = {}
+        for p in self.parent[1:]:
+            last[self.depths[p]] = max(last.get(self.depths[p], p), p)
+        return tuple((start, last[d] + 1 if d in last else start) for d, (start, _) in enumerate(self.levels))
+
+    @property
     def draws(self) -> int:
         """Candidates a node must offer: the highest rank asked for, plus one."""
         return max(self.rank[1:]) + 1
@@ -184,6 +208,13 @@ class DynamicTree:
     @property
     def levels(self) -> tuple[tuple[int, int], ...]:
         return ((0, 1), *((1 + d * self.width, 1 + (d + 1) * self.width) for d in range(self.depth)))
+
+    @property
+    def expanded(self) -> tuple[tuple[int, int], ...]:
+        """TreeShape.expanded: every level but the deepest whole (which of its nodes get
+        children is chosen on the device)."""
+        *inner, (start, _) = self.levels
+        return (*inner, (start, start))
 
     @property
     def draws(self) -> int:

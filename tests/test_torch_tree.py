@@ -44,10 +44,13 @@ def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, static):
 def test_a_levels_best_candidates_are_torch_topks_best_first_ties_to_the_lower_index(trees):
     logits = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(0))
     for k in (1, 2, 4, 9):  # 9: past RANKS, torch.topk's
-        assert torch.equal(trees.best_ranks(logits.clone(), k), logits.topk(k, dim=-1).indices)
+        cand_tok = torch.full((3, 7, k), -1)
+        trees.best_ranks(logits.clone(), cand_tok[:, 1:6])  # a level's rows, strided
+        assert torch.equal(cand_tok[:, 1:6], logits.topk(k, dim=-1).indices)
+        assert (cand_tok[:, [0, 6]] == -1).all()  # the other levels' rows untouched
     tied = torch.zeros(1, 1, 8)
     tied[0, 0, [2, 6]] = 1.0
-    assert trees.best_ranks(tied, 3).tolist() == [[[2, 6, 0]]]
+    assert trees.best_ranks(tied, torch.empty(1, 1, 3, dtype=torch.long)).tolist() == [[[2, 6, 0]]]
 
 
 def test_a_forwards_rows_take_cublaslt_from_two_rows_up_to_LT_ROWS(llama):
@@ -62,14 +65,17 @@ def test_the_example_picks_the_measured_tree_of_the_largest_batch_measured_below
     assert trees.tree_for_batch("large", 4) == trees.static_tree(64, 10)  # B = 1's, the largest measured below
     assert trees.tree_for_batch("large", 16) == trees.static_tree(32, 8)
     assert trees.tree_for_batch("large", 4096) == trees.static_tree(6, 4)
-    assert trees.tree_for_batch("large", 1, sampled=True) is None and trees.tree_for_batch("small", 1) is None
+    assert trees.tree_for_batch("large", 1, sampled=True) is None and trees.tree_for_batch("small", 8) is None
+    assert trees.tree_for_batch("small", 1) == TreeShape.chain_with_leaves(10, 2)
+    assert trees.tree_for_batch("small", 200) == trees.static_tree(6, 4)
 
 
 def test_a_tree_on_the_command_line_is_static_or_dynamic_or_refused(trees):
     assert trees.parse_tree("static:16") == trees.static_tree(16)
     assert trees.parse_tree("static:16,4") == trees.static_tree(16, 4) != trees.static_tree(16)
     assert trees.parse_tree("dynamic:4,3,3") == DynamicTree(4, 3, 3)
-    for text in ("static", "static:a", "static:1,2,3", "dynamic:4,3", "tree:3"):
+    assert trees.parse_tree("chain:10,2") == TreeShape.chain_with_leaves(10, 2)
+    for text in ("static", "static:a", "static:1,2,3", "dynamic:4,3", "tree:3", "chain:10"):
         with pytest.raises(ValueError, match="a tree is"):
             trees.parse_tree(text)
 
@@ -86,7 +92,7 @@ def test_the_examples_share_their_command_line_and_its_refusals(llama, capsys):
 
 
 def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_chain_is_faster(trees, capsys):
-    for argv in (["--tree", "auto"], ["--tree", "auto", "--size", "large", "--temperature", "1"]):
+    for argv in (["--tree", "auto", "--batch", "8"], ["--tree", "auto", "--size", "large", "--temperature", "1"]):
         with pytest.raises(SystemExit):
             trees.main(argv)  # refused before any model is built
         assert "faster by the chain" in capsys.readouterr().err
@@ -98,7 +104,16 @@ def test_the_bench_measures_each_pick_once_among_its_kind(trees):
     candidates = _tree_candidates(trees, [listed, extra], 8, quick=False)
     statics = [config for kind, config in candidates if kind == "static"]
     assert statics.count(listed) == 1 and statics[-1] == extra
+    assert statics[-2] == TreeShape.chain_with_leaves(8, 1)  # the section's own, "chain:8,1"
     assert [config for kind, config in candidates if kind == "chain"] == [6, 8, 10]
+
+
+def test_the_bench_names_a_chain_with_leaves_apart_from_a_likeliest_tree(trees):
+    from memra_cuda.bench_torch import _tree_label
+    assert _tree_label(TreeShape.chain_with_leaves(10, 2)) == "k=10, 2 leaves"
+    assert _tree_label(TreeShape.chain(4)) == "T=4, depth 4"
+    assert _tree_label(trees.static_tree(32, 8)) == "T=32, depth 8"
+    assert _tree_label(DynamicTree(4, 3, 2)) == "4x3, branch 2"
 
 
 def test_a_tree_llama_refuses_a_rollback_candidates_or_pages_it_cannot_serve_before_any_device_work(trees):

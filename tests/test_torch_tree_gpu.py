@@ -23,7 +23,12 @@ from test_torch_hybrid_gpu import BUDGETS, EOS_ROWS, TOKENS, generate  # noqa: E
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
 M = 8
-TREES = {"static": TreeShape.likeliest(12, depth=4, right=0.7, fall=0.3, ranks=3), "dynamic": DynamicTree(4, 3, 3)}
+# The static tree has leaves the draft skips (tree.expanded): [2] at depth 1, and [0, 0, 1] and
+# [1, 0, 0] past depth 3's last node with a child; its rank-2 leaves are accepted last in about
+# one round in five, whose next round's first level must append them. [0, 1] is a leaf the draft
+# runs, before depth 2's last node with a child.
+LEAVES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [1, 0, 0], [0, 0, 0, 0]]
+TREES = {"static": TreeShape.from_choices(LEAVES), "dynamic": DynamicTree(4, 3, 3)}
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +96,14 @@ def assert_kv_is_a_fresh_prefill(trees, llama, model, spec, requests, got) -> No
                                                msg=lambda m, row=row, layer=layer: f"layer {layer}, row {row}: {m}")
 
 
-def test_after_a_batch_every_rows_kv_is_a_fresh_prefill_of_its_tokens(trees, llama, small, decoders, greedy_batches):
+@pytest.mark.parametrize("name", TREES)
+def test_after_a_batch_every_rows_kv_is_a_fresh_prefill_of_its_tokens(trees, llama, small, decoders, greedy_batches,
+                                                                       name):
     """The compaction itself: after a batch (rows done at different rounds, two by EOS), each
     row's entries are a fresh prefill's. An accepted path left at its tree slots, or a rejected
-    node's entry, differs by far more than the tolerance."""
-    spec = decoders("dynamic", 8)
+    node's entry, differs by far more than the tolerance; so does, in the static tree, a leaf
+    accepted last whose draft entry the next round did not append."""
+    spec = decoders(name, 8)
     requests, _, _ = greedy_batches[8]
     assert_kv_is_a_fresh_prefill(trees, llama, small, spec, requests, generate(spec, requests, "graph"))
 

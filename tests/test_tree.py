@@ -26,6 +26,29 @@ def test_parents_in_any_topological_order_are_reordered_by_level():
     assert tree.depths == (0, 1, 1, 2, 2, 3)
 
 
+def test_a_level_is_expanded_up_to_its_last_node_with_a_child():
+    """Leaves past a level's last parent are left out ([2]; [0, 0, 1] and [1, 0, 0]); a leaf
+    before it is kept ([0, 1]); the deepest level, all leaves, is empty. A dynamic tree's levels
+    are whole but the deepest: which of their nodes get children is chosen on the device."""
+    tree = TreeShape.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [1, 0, 0],
+                                   [0, 0, 0, 0]])
+    assert tree.levels == ((0, 1), (1, 4), (4, 7), (7, 10), (10, 11))
+    assert tree.expanded == ((0, 1), (1, 3), (4, 7), (7, 8), (10, 10))
+    assert TreeShape.chain(3).expanded == ((0, 1), (1, 2), (2, 3), (3, 3))
+    assert DynamicTree(3, 2, 2).expanded == ((0, 1), (1, 3), (3, 5), (5, 5))
+
+
+def test_a_chain_with_leaves_expands_its_line_alone():
+    tree = TreeShape.chain_with_leaves(3, 2)
+    assert tree.parent == (-1, 0, 0, 0, 1, 1, 1, 4, 4, 4) and tree.rank == (0,) + (0, 1, 2) * 3
+    assert tree.expanded == ((0, 1), (1, 2), (4, 5), (7, 7))  # one node a level: a chain's draft
+    assert (tree.nodes, tree.depth, tree.draws) == (10, 3, 3)
+    assert TreeShape.chain_with_leaves(4, 0) == TreeShape.chain(4)
+    for k, leaves in ((0, 1), (2, -1)):
+        with pytest.raises(ValueError, match="k >= 1 drafts and leaves >= 0"):
+            TreeShape.chain_with_leaves(k, leaves)
+
+
 def test_a_chain_is_a_tree_of_one_branch():
     tree = TreeShape.chain(4)
     assert tree.parent == (-1, 0, 1, 2, 3) and tree.rank == (0,) * 5 and tree.depth == 4
