@@ -6,11 +6,11 @@ consecutive slots in both models' static caches (kernel 15), greedy or sampled, 
 
 The model's two duties are two methods, each queued on the engine's torch stream:
 
-- `draft_level(d)`: the draft over the nodes of level d that have children (tree_bufs' tokens
-  at their positions, K/V at slot pos_start + node, attending to the committed prefix and to
-  each node's ancestors), then each node's K best candidates (greedy) or its distribution q
-  (sampling); a leaf, every node of the last level among them, runs nothing: where a round
-  accepts it last, the next round's first level appends it (as the chain's last step).
+- `draft_level(d)`: the draft over level d's nodes up to its last with children (tree_bufs'
+  tokens at their positions, K/V at slot pos_start + node, attending to the committed prefix and
+  to each node's ancestors), then each node's K best candidates (greedy) or its distribution q
+  (sampling); the leaves past it, every node of the last level among them, run nothing: where a
+  round accepts one last, the next round's first level appends it (as the chain's last step).
 - `verify_tree()`: the target over every node likewise, its prediction (greedy) or its
   distribution p (sampling) at each node.
 
@@ -59,7 +59,7 @@ def static_tree(size: int, depth: int = 10) -> TreeShape:
 # bench-torch`'s trees section on an H200 (docs/torch.md, "Trees"): at each B, the fastest measured
 # configuration, where a tree was faster than every chain measured in two runs of the section.
 # Greedy, the large model's trees: static_tree(64, 10) 1.18-1.19x the best chain at B = 1, (32, 8)
-# 1.18x at 8, (12, 6) 1.02-1.06x at 32, (6, 4) 1.09-1.10x at 128; the small model's, since a level
+# 1.12-1.18x at 8, (12, 6) 1.02-1.06x at 32, (6, 4) 1.09-1.10x at 128; the small model's, since a level
 # leaves out its leaves (tree.expanded): chain_with_leaves(10, 2) 1.005-1.009x at B = 1, (6, 4)
 # 1.03-1.04x at 128 (at 8 and 32 a tree was ahead in one run only: the chain). Sampled, the chain.
 CHAINS = {1: None, 8: None, 32: None, 128: None}
@@ -326,8 +326,8 @@ class TreeLlama(RoundDecoder):
         what their children are made of (greedy: the best candidates and their log-probabilities;
         sampling: q), and their K/V.
 
-        A leaf runs nothing, so the deepest level runs nothing, nor does a static tree's level past
-        its last node with children: no node attends to a leaf, the layer reads no leaf's
+        The leaves past that node run nothing, so the deepest level runs nothing, nor does a static
+        tree's level past its last node with children: no node attends to a leaf, the layer reads no leaf's
         candidates or q, and a leaf's K/V matter only where the round accepts it last, when the
         next round's level 0 appends its token along with the root (the chain's fold,
         docs/model-side.md): vtok_d[a] at pos_start - 1, a the drafts last accepted; where a is 0

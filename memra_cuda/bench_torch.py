@@ -18,12 +18,12 @@
    same model's plain greedy with each step a torch graph, and whether the tokens are its.
 5. Trees (examples/torch_tree.py), both sizes, B in TREE_BATCHES, greedy and sampling at T = 1,
    the head's logits scaled by TREE_LOGIT_SCALE: tokens/s of chains (CHAIN_KS), static trees
-   (STATIC_TREES) and dynamic trees (DYNAMIC) at each B, and of the trees tree_for_batch picks,
-   against graphed plain greedy; per configuration its tokens per round tau, its verify's and
-   draft's device time in target steps (v, d), the ideal tau / (v + d) and how much of it it
-   reaches, the rows' mean rounds over the slowest row's (rows) and how much of the batch's own
-   ideal, ideal x rows, it reaches (batch: reach()); per B the best chain, static and dynamic
-   tree, and the pick against the best chain.
+   (STATIC_TREES: likeliest trees and chains with leaves) and dynamic trees (DYNAMIC) at each B,
+   and of the trees tree_for_batch picks, against graphed plain greedy; per configuration its
+   tokens per round tau, its verify's and draft's device time in target steps (v, d), the ideal
+   tau / (v + d) and how much of it it reaches, the rows' mean rounds over the slowest row's
+   (rows) and how much of the batch's own ideal, ideal x rows, it reaches (batch: reach()); per
+   B the best chain, static and dynamic tree, and the pick against the best chain.
    With a JSON path, a picture beside it (matplotlib, the `plot` extra): tokens/s against B.
 6. Tree costs, B = 1, both sizes: a chain's draft step and verify, each draft level of a static
    tree and its verify, the whole target over 1 to 65 tokens through cuBLASLt and cuBLAS,
@@ -380,7 +380,7 @@ def _tree_label(tree: Any) -> str:
         return f"{tree.depth}x{tree.width}, branch {tree.branch}"
     leaves = (tree.nodes - 1) // tree.depth - 1
     if leaves and tree == TreeShape.chain_with_leaves(tree.depth, leaves):
-        return f"k={tree.depth}, {leaves} leaves"
+        return f"k={tree.depth}, {leaves} {'leaf' if leaves == 1 else 'leaves'}"
     return f"T={tree.nodes - 1}, depth {tree.depth}"
 
 

@@ -111,6 +111,7 @@ def test_the_bench_measures_each_pick_once_among_its_kind(trees):
 def test_the_bench_names_a_chain_with_leaves_apart_from_a_likeliest_tree(trees):
     from memra_cuda.bench_torch import _tree_label
     assert _tree_label(TreeShape.chain_with_leaves(10, 2)) == "k=10, 2 leaves"
+    assert _tree_label(TreeShape.chain_with_leaves(8, 1)) == "k=8, 1 leaf"
     assert _tree_label(TreeShape.chain(4)) == "T=4, depth 4"
     assert _tree_label(trees.static_tree(32, 8)) == "T=32, depth 8"
     assert _tree_label(DynamicTree(4, 3, 2)) == "4x3, branch 2"

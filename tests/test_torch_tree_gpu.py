@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
 M = 8
 # The static tree has leaves the draft skips (tree.expanded): [2] at depth 1, and [0, 0, 1] and
-# [1, 0, 0] past depth 3's last node with a child; its rank-2 leaves are accepted last in about
-# one round in five, whose next round's first level must append them. [0, 1] is a leaf the draft
+# [1, 0, 0] past depth 3's last node with a child, accepted last (for the small model's draft)
+# in about one round in eight, whose next round's first level must append them. [0, 1] is a leaf the draft
 # runs, before depth 2's last node with a child.
 LEAVES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [1, 0, 0], [0, 0, 0, 0]]
 TREES = {"static": TreeShape.from_choices(LEAVES), "dynamic": DynamicTree(4, 3, 3)}
