@@ -456,7 +456,14 @@ def _bench_tree_config(llama: Any, trees: Any, model: Any, kind: str, config: An
     tau, rounds = spec.bufs.tokens_per_round(lengths), spec.bufs.rounds_run(lengths)
     v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft))
     return dict(tokens_per_s=sum(lengths) / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
-                rows_share=float(rounds.mean() / rounds.max()) if rounds.max() else 1.0)
+                rows_share=rows_share(rounds))
+
+
+def rows_share(rounds: Any) -> float:
+    """The rows' mean rounds (StreamBufs.rounds_run) over the slowest row's, which the batch ran:
+    the share of the batch's rounds its rows used; 1 where no row ran one (a budget of 0)."""
+    slowest = int(max(rounds, default=0))
+    return float(sum(rounds)) / (len(rounds) * slowest) if slowest > 0 else 1.0
 
 
 def _decoder(llama: Any, trees: Any, model: Any, kind: str, config: Any, capacity: int, batch: int = 1,

@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import numpy as np
 import pytest
 
 from memra_cuda import DynamicTree, TreeShape
 from memra_cuda.bench_common import depth_and_width
-from memra_cuda.bench_torch import TREE_BATCHES, _listed, plot_trees, reach
+from memra_cuda.bench_torch import TREE_BATCHES, _listed, plot_trees, reach, rows_share
 
 
 def test_the_trees_picture_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
@@ -36,6 +37,11 @@ def test_the_trees_sections_parts_are_lists_of_known_names():
             _listed(text, TREE_BATCHES, int)
     with pytest.raises(argparse.ArgumentTypeError, match="small, large, not 'medium'"):
         _listed("medium", ("small", "large"))
+
+
+def test_the_rows_share_is_their_mean_rounds_over_the_slowest_rows_and_1_where_none_ran():
+    assert rows_share(np.array([10, 8, 6])) == pytest.approx(0.8)
+    assert rows_share(np.array([7])) == 1.0 and rows_share(np.zeros(4, np.int64)) == 1.0
 
 
 def test_a_batch_is_held_to_the_ideal_of_its_slowest_rows_rounds():

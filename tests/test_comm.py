@@ -359,25 +359,43 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _launch_a_rank_with_a_worker(launching, worker: str):
+    """One rank, running `worker` (Python source) as a process of its own and sleeping, launched
+    with a timeout of 3 s: how it ended, and whether its worker is gone (waited for up to 10 s)."""
+    spawn = (f"import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+             "print(child.pid, flush=True); time.sleep(60)")
+    ended = launching.launch([sys.executable, "-c", spawn], 1, timeout=3)
+    child = int(ended[0].stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return ended[0], _gone(child)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_launch_stops_what_a_rank_started_and_kills_a_rank_that_ignores_sigterm(monkeypatch):
     """A rank that started a process of its own (torchrun its workers) is stopped with it; one
     that ignores SIGTERM gets SIGKILL after the grace."""
     from memra_cuda.comm import launch as launching
     monkeypatch.setattr(launching, "GRACE", 1.0)
-    spawn = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
-             "time.sleep(60)']); print(child.pid, flush=True); time.sleep(60)")
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
                "time.sleep(60)"
     start = time.monotonic()
-    ended = launching.launch([sys.executable, "-c", spawn], 1, timeout=3)
-    child = int(ended[0].stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while not _gone(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ended[0].returncode is None and _gone(child)
+    ended, worker_gone = _launch_a_rank_with_a_worker(launching, "import time; time.sleep(60)")
+    assert ended.returncode is None and worker_gone
     ended = launching.launch([sys.executable, "-c", stubborn], 1, timeout=3)
     assert ended[0].returncode is None and ended[0].stdout.split() == ["up"] and time.monotonic() - start < 30
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_launch_kills_what_a_rank_started_that_ignores_sigterm_when_the_rank_itself_obeys(monkeypatch):
+    """The rank ends at SIGTERM, its worker does not: the worker still gets SIGKILL after the grace
+    (the session is what is stopped, not only its leader)."""
+    from memra_cuda.comm import launch as launching
+    monkeypatch.setattr(launching, "GRACE", 1.0)
+    ended, worker_gone = _launch_a_rank_with_a_worker(
+        launching, "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
+    assert ended.returncode is None and worker_gone
 
 
 # -- a Communicator over a recording stand-in for libnccl (its host logic, not a GPU's) ------------

@@ -477,3 +477,18 @@ def test_a_launch_past_cudas_grid_limits_is_refused_at_prepare_naming_the_axis()
             _dim3(dims, "toy_probs's grid", GRID_LIMITS)
     with pytest.raises(ValueError, match="1 to 3 positive sizes"):
         _dim3((1, 0), "grid", GRID_LIMITS)
+
+
+def test_a_kernels_launch_is_refused_past_the_grid_limits_before_the_driver_is_asked():
+    """Launch (every prepare()) checks its grid against GRID_LIMITS under the kernel's name: the
+    toy's grid rows a position (toy_probs, toy_tree_probs) rely on it. The stand-in kernel has no
+    handle and no driver behind it, so a check after cuLaunchKernel's binding would fail otherwise."""
+    from types import SimpleNamespace
+
+    from memra_cuda.driver.module import Launch
+    module = SimpleNamespace(_usable=lambda: None, engine=None)
+    kernel = SimpleNamespace(module=module, name="toy_probs", handle=None, check_signature=lambda types: None)
+    with pytest.raises(ValueError, match=r"toy_probs's grid \(64, 65536, 1\) is past CUDA's limit of 65535 in y"):
+        Launch(kernel, [], grid=(64, 65536), block=256)
+    with pytest.raises(ValueError, match="toy_probs's block .* 1 to 3 positive sizes"):
+        Launch(kernel, [], grid=1, block=(256, 0))

@@ -77,17 +77,30 @@ def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None
 
 
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM to each process's session, SIGKILL to whatever is left after GRACE seconds; a
-    process that outlives even that is left to the system (never waited on without bound)."""
+    """SIGTERM to each process's session, SIGKILL to whatever of a session is left after GRACE
+    seconds (the rank itself, or what it started, gone or not); a process that outlives even that
+    is left to the system (never waited on without bound)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        procs = [proc for proc in procs if _session_alive(proc)]
         for proc in procs:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
-        _wait(procs, GRACE)
-        if all(proc.poll() is not None for proc in procs):
-            return
+        deadline = time.monotonic() + GRACE
+        while any(_session_alive(proc) for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _session_alive(proc: subprocess.Popen) -> bool:
+    """Whether any process of the session `proc` leads is left (the rank itself reaped first: its
+    zombie would count)."""
+    proc.poll()
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _wait(procs: Sequence[subprocess.Popen], seconds: float) -> None:
