@@ -316,7 +316,7 @@ class StreamBufs:
         """Tokens committed per round a row ran (tau), over every row since its request began, for
         `committed` tokens generated (per row, for a batch), rounds_run's: 1 where no round ran."""
         rounds = int(self.rounds_run(committed).sum())
-        return int(np.sum(committed)) / rounds if rounds > 0 else 1.0
+        return int(np.sum(committed)) / rounds if rounds else 1.0
 
     def buffers(self) -> dict[str, DeviceBuffer]:
         """The device fields by name (windows of one allocation)."""

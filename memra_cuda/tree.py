@@ -9,7 +9,6 @@ per row, which candidates fill them.
 """
 from __future__ import annotations
 
-import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -145,13 +144,13 @@ class TreeShape:
     def depth(self) -> int:
         return self.depths[-1]
 
-    @functools.cached_property  # a frozen tree's, made once: a model's level reads it each call
+    @property
     def levels(self) -> tuple[tuple[int, int], ...]:
         """(start, stop) of each depth's nodes, depth 0 (the root) first."""
         bounds = np.searchsorted(np.array(self.depths), np.arange(self.depth + 2))
         return tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]))
 
-    @functools.cached_property
+    @property
     def expanded(self) -> tuple[tuple[int, int], ...]:
         """(start, stop) of each depth's nodes up to its last with a child (the deepest level's:
         none): the nodes whose children the layer makes, so the only ones whose candidates or q
@@ -206,11 +205,11 @@ class DynamicTree:
     def nodes(self) -> int:
         return self.depth * self.width + 1
 
-    @functools.cached_property
+    @property
     def levels(self) -> tuple[tuple[int, int], ...]:
         return ((0, 1), *((1 + d * self.width, 1 + (d + 1) * self.width) for d in range(self.depth)))
 
-    @functools.cached_property
+    @property
     def expanded(self) -> tuple[tuple[int, int], ...]:
         """TreeShape.expanded: every level but the deepest whole (which of its nodes get
         children is chosen on the device)."""

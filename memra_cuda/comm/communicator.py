@@ -312,12 +312,10 @@ class Communicator(Handle):
         that never joins is a TimeoutError here rather than a hang."""
         arg = UniqueIdArg.from_buffer_copy(unique_id)  # all 128 bytes (a char field's setter stops at a zero)
 
-        def init() -> int:
+        def init() -> int | BaseException:
             comm = ctypes.c_void_p()
             code = _current(ctx, lib.lib.ncclCommInitRank, ctypes.byref(comm), world, arg, rank)
-            if code:
-                raise lib.failure(code, "ncclCommInitRank")
-            return comm.value
+            return comm.value if code == 0 else lib.failure(code, "ncclCommInitRank")
 
         out = _on_thread(init, timeout, f"memra-nccl-join{rank}")
         if not out:  # the thread may still join later: that communicator is never released
