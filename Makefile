@@ -36,10 +36,12 @@ $(VENV)/.installed: pyproject.toml | $(VPY)
 # directory (runs may overlap), removed at the end unless KEEP_TEST_DIR=1. MEMRA_TEST_INSTALLED
 # makes tests/test_packaging.py fail, not skip, on a package imported from the tree. No
 # bytecode, pytest or ruff cache: the run writes nothing into the tree.
-# Quiet where all is well: a step's output (venv, pip) is shown only when it fails; ruff (the
-# extra's, configured in pyproject.toml) lints the tree first, and the suite runs whatever it
-# finds; either failing fails the target. pytest -q: no header, no file-by-file progress; skips
-# come as one line per reason (tests/conftest.py).
+# Quiet where all is well: a step's output (venv, pip) is shown only when it fails; ruff and mypy
+# (the extra's, configured in pyproject.toml) check the tree first, and the suite runs whatever
+# they find; any of them failing fails the target. pytest -q: no header, no file-by-file
+# progress; skips come as one line per reason (tests/conftest.py). The benchmarks' host-side
+# tests import `benchmarks`, a program of the checkout, not of the wheel: the run's directory
+# (python's first path) holds a link to it.
 test:
 	@set -eu; \
 	dir=$$(mktemp -d "$${TMPDIR:-/tmp}/memra-cuda-test.XXXXXX"); \
@@ -51,13 +53,17 @@ test:
 	quiet "$$py" -m pip install --upgrade pip; \
 	quiet "$$py" -m pip wheel --no-deps -w "$$dir/dist" .; \
 	quiet "$$py" -m pip install "$$(echo "$$dir"/dist/memra_cuda-*.whl)[test]"; \
-	lint=0; "$$py" -m ruff check --no-cache --output-format concise memra_cuda tests examples ptx/build.py || lint=$$?; \
+	lint=0; "$$py" -m ruff check --no-cache --output-format concise memra_cuda tests examples benchmarks ptx/build.py \
+		|| lint=$$?; \
+	types=0; "$$py" -m mypy --cache-dir "$$dir/mypy" memra_cuda examples || types=$$?; \
+	ln -s "$(CURDIR)/benchmarks" "$$dir/benchmarks"; \
 	cd "$$dir"; \
-	"$$py" -c "import memra_cuda, memra_cuda.models.toy, memra_cuda.driver"; \
+	"$$py" -c "import memra_cuda, memra_cuda.testing.toy, memra_cuda.driver"; \
 	suite=0; MEMRA_TEST_INSTALLED=1 PYTHONDONTWRITEBYTECODE=1 "$$py" -m pytest -q -p no:cacheprovider \
 		-c "$(CURDIR)/pyproject.toml" --rootdir "$(CURDIR)" "$(CURDIR)/tests" || suite=$$?; \
 	[ $$lint = 0 ] || echo "make test: ruff check found the violations listed above (ruff check --fix mends most)"; \
-	[ $$lint = 0 ] && [ $$suite = 0 ]
+	[ $$types = 0 ] || echo "make test: mypy found the type errors listed above"; \
+	[ $$lint = 0 ] && [ $$types = 0 ] && [ $$suite = 0 ]
 
 ptx: $(VENV)/.installed
 	$(VPY) ptx/build.py
@@ -106,8 +112,9 @@ wheels-cuda12:
 # assert on it. The largest batch end to end (`large`) is left out: its kernels are checked at
 # that size by the kernel tests. PYTEST_ARGS (files, -k) narrows the run, for sanitize and racecheck:
 # the whole suite takes over ten minutes under memcheck, so on a machine that runs a command ten
-# minutes at most, run it in two parts, PYTEST_ARGS="--ignore-glob='tests/test_t[or]*_gpu.py'"
-# (all but the toy's and the trees' files) and PYTEST_ARGS="tests/test_toy_*_gpu.py tests/test_tree_*_gpu.py".
+# minutes at most, run it in two parts, PYTEST_ARGS="--ignore=tests/testing --ignore-glob='tests/*/test_tree_*_gpu.py'"
+# (all but the toy's and the trees' files) and PYTEST_ARGS="tests/testing tests/kernels/test_tree_kernels_gpu.py
+# tests/rounds/test_tree_round_gpu.py".
 sanitize:
 	$(PICK_TEST) MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-200} PYTHONPATH=. \
 		compute-sanitizer --tool memcheck --target-processes application-only --report-api-errors no \
@@ -123,22 +130,22 @@ racecheck:
 	$(PICK_TEST) MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-50} PYTHONPATH=. \
 		compute-sanitizer --tool racecheck --target-processes application-only --report-api-errors no \
 			--error-exitcode 1 \
-		"$$py" -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_sample_gpu.py tests/test_draft_sample_gpu.py tests/test_state_gpu.py \
-			tests/test_tree_kernels_gpu.py tests/test_device_loop_gpu.py -k "not device_loop_gpu or ring_protocol or publish" \
+		"$$py" -m pytest -q -m gpu tests/kernels/test_kernels_gpu.py tests/kernels/test_sample_gpu.py tests/kernels/test_draft_sample_gpu.py tests/kernels/test_state_gpu.py \
+			tests/kernels/test_tree_kernels_gpu.py tests/rounds/test_device_loop_gpu.py -k "not device_loop_gpu or ring_protocol or publish" \
 			$(PYTEST_ARGS)
 
 demo:
 	@$(PICK) PYTHONPATH=. "$$py" -m memra_cuda
 
 bench:
-	$(PICK) PYTHONPATH=. "$$py" -m memra_cuda.bench $(BENCH_ARGS)
+	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.bench $(BENCH_ARGS)
 
 # Needs torch and transformers (the GPU machine has both): Hugging Face, graphed greedy and
 # round-stream on the Llama of examples/torch_llama.py, and its trees section chains against the
 # trees of examples/torch_tree.py; BENCH_ARGS="--json PATH" also writes its picture, PATH's .png
 # (with matplotlib, the plot extra).
 bench-torch:
-	$(PICK) PYTHONPATH=. "$$py" -m memra_cuda.bench --only torch $(BENCH_ARGS)
+	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.bench --only torch $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

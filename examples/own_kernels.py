@@ -16,6 +16,7 @@ import numpy as np
 
 import memra_cuda
 from memra_cuda import Cache, Engine, Greedy, KVLayer, Module, RoundStream, StreamBufs, kv_capacity, kv_len_ptr_table
+from memra_cuda.errors import CudaUnavailable, NvrtcUnavailable
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -66,7 +67,7 @@ def greedy(prompt: list[int], new_tokens: int) -> list[int]:
 def decode(engine: Engine, prompt: list[int], new_tokens: int, k: int, m_rounds: int,
            mode: str = "graph") -> tuple[list[int], str]:
     """`new_tokens` tokens after `prompt`, decoded speculatively; and a line on how it went."""
-    module = Module(engine, memra_cuda.compile(SOURCE, name="model.cu"))  # PTX ISA 8.0: CUDA 12 and 13 drivers
+    module = Module(engine, memra_cuda.compile_ptx(SOURCE, name="model.cu"))  # PTX ISA 8.0: CUDA 12 and 13 drivers
     capacity, table_d = kv_capacity(len(prompt), new_tokens, k, m_rounds, mode == "overlap"), engine.htod(TABLE)
     target, draft = KVLayer.allocate(engine, capacity), KVLayer.allocate(engine, capacity)
     bufs = StreamBufs(engine, k, m_rounds)
@@ -94,7 +95,7 @@ def main() -> int:
     try:
         with Engine() as engine:
             tokens, summary = decode(engine, PROMPT, 64, k=4, m_rounds=8)
-    except (memra_cuda.CudaUnavailable, memra_cuda.NvrtcUnavailable) as exc:  # no GPU or NVRTC: one line
+    except (CudaUnavailable, NvrtcUnavailable) as exc:  # no GPU or NVRTC: one line
         print(f"own_kernels: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     matches = tokens == greedy(PROMPT, 64)

@@ -44,12 +44,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memra_cuda import (MODES, Cache, Engine, Greedy, KVData, KVLayer, Mode, RoundStream, Sampling, SpecKernels,
-                        StateIndexTable, StateLayer, StateTable, StreamBufs, kv_capacity, kv_len_ptr_table,
-                        state_copy_table, state_flip_table)
-from memra_cuda import torch as memra_torch
-from memra_cuda.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
-from memra_cuda.stream import as_mode
+from memra_cuda import (Cache, Engine, Greedy, KVLayer, Mode, RoundStream, Sampling, StateLayer, StreamBufs,
+                        kv_capacity, kv_len_ptr_table, state_copy_table, state_flip_table)
+from memra_cuda.buffers import KVData, StateIndexTable, StateTable
+from memra_cuda.kernels import SpecKernels
+from memra_cuda.rounds import MODES
+from memra_cuda.torch import adapter as memra_torch
+from memra_cuda.buffers.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
+from memra_cuda.rounds.stream import as_mode
 
 SIZES = {  # the prototype model, and one about 16 times its parameters
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,

@@ -29,7 +29,7 @@ from torch_llama import (PROMPT, GraphedGreedy, RecurrentLayer, Request, Specula
 from transformers import LlamaForCausalLM
 
 from memra_cuda import Engine
-from memra_cuda import torch as memra_torch
+from memra_cuda.torch import adapter as memra_torch
 from memra_cuda.comm import Communicator, digest, nccl
 
 

@@ -41,8 +41,8 @@ from transformers import LlamaForCausalLM
 
 from memra_cuda import (Candidates, DynamicTree, Greedy, RoundStream, Sampling, StreamBufs, TreeBufs, TreeRound,
                         TreeShape, kv_data_table, kv_len_ptr_table)
-from memra_cuda import torch as memra_torch
-from memra_cuda.tree import Tree
+from memra_cuda.torch import adapter as memra_torch
+from memra_cuda.buffers.tree import Tree
 
 
 RANKS = 4  # the most candidates a node of static_tree has

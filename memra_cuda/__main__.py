@@ -9,12 +9,12 @@ import argparse
 import sys
 import time
 
-from .bufs import StreamBufs
+from .buffers.stream_bufs import StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable
-from .models.toy import ToyLM, ToyModel, target_greedy
-from .capacity import kv_capacity
-from .stream import MODES
+from .testing.toy.lm import ToyLM, ToyModel, target_greedy
+from .buffers.capacity import kv_capacity
+from .rounds.stream import MODES
 
 
 def main(argv: list[str] | None = None) -> int:

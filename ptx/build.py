@@ -1,8 +1,8 @@
 """Compile ptx/*.cu to ptx/*.ptx with NVRTC 12.0 (the `nvidia-cuda-nvrtc-cu12==12.0.140` wheel).
 
 NVRTC 12.0 writes PTX ISA 8.0 for sm_80, which every CUDA 12 and CUDA 13 driver can JIT; nvcc 13
-writes ISA 9.0, which CUDA 12 drivers refuse. The compiling is memra_cuda.compile
-(memra_cuda/compiler.py, the one users call for their own kernels); this script picks the
+writes ISA 9.0, which CUDA 12 drivers refuse. The compiling is memra_cuda.compile_ptx
+(memra_cuda/driver/compiler.py, the one users call for their own kernels); this script picks the
 files, and the output depends only on the sources: the program name is the bare file name, the
 headers a source includes (every ptx/*.cuh) reach NVRTC in memory under their bare file names,
 and no option carries a path or line info.
@@ -15,26 +15,15 @@ and no option carries a path or line info.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import sys
 import tempfile
 from pathlib import Path
-from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
 
 
-def _load_compiler() -> ModuleType:
-    """memra_cuda/compiler.py of this checkout, loaded by its path: build.py runs from the tree,
-    where memra_cuda may not be installed (or another copy of it is), and the compiler needs
-    none of the package's dependencies (it is the standard library alone)."""
-    spec = importlib.util.spec_from_file_location("memra_cuda_compiler", HERE.parent / "memra_cuda" / "compiler.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-compiler = _load_compiler()
+compiler = importlib.import_module("memra_cuda.driver.compiler")  # `make ptx`: the tree's, installed editable
 CompileError, NvrtcUnavailable = compiler.CompileError, compiler.NvrtcUnavailable
 
 
@@ -43,7 +32,7 @@ def compile_cu(path: Path) -> str:
     finds the header of that name beside it. Sources and headers are read as bytes and decoded
     as UTF-8, with no newline translation, so NVRTC sees the files as they are."""
     headers = {header.name: header.read_bytes().decode() for header in sorted(path.parent.glob("*.cuh"))}
-    return compiler.compile(path.read_bytes().decode(), name=path.name, headers=headers)
+    return compiler.compile_ptx(path.read_bytes().decode(), name=path.name, headers=headers)
 
 
 def build(out_dir: Path) -> list[Path]:

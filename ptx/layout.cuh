@@ -1,6 +1,6 @@
 // The row layouts of the round-stream buffers that Python reads and writes too: StreamBufs,
 // the numpy reference and the readback index them with memra_cuda/layout.py's names, which hold
-// these values (tests/test_ptx.py checks the two agree). Row b of a buffer of W words per row
+// these values (tests/kernels/test_ptx.py checks the two agree). Row b of a buffer of W words per row
 // starts at word b * W.
 #pragma once
 

@@ -12,7 +12,8 @@ from collections import Counter
 
 import pytest
 
-from memra_cuda import CudaUnavailable, Engine
+from memra_cuda import Engine
+from memra_cuda.errors import CudaUnavailable
 
 
 @pytest.fixture(scope="session")
@@ -33,14 +34,14 @@ def llama():
     is missing (imported only here, so the core suite never needs them)."""
     pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
     pytest.importorskip("transformers", reason="the example needs transformers")
-    from memra_cuda.bench_torch import load_example
+    from benchmarks.torch_engine import load_example
     return load_example()
 
 
 @pytest.fixture(scope="session")
 def trees(llama):
     """examples/torch_tree.py as a module (it imports torch_llama)."""
-    from memra_cuda.bench_torch import load_example
+    from benchmarks.torch_engine import load_example
     return load_example("torch_tree")
 
 

@@ -1,6 +1,7 @@
-"""The package's layering, read from its source: no circle among its modules' imports (type-only
-imports count: a reader follows them too), and the numpy reference, the tests' oracle, imported
-by no production module but the toy's numpy loop that exists to run it."""
+"""The package's architecture, read from its source: the folders are layers, and every import
+points down or sideways, never up; no circle among the modules' imports (type-only imports and
+imports inside functions count: a reader follows them too); the numpy reference, the tests'
+oracle, is imported by nothing but the testing subpackage that holds it."""
 from __future__ import annotations
 
 import ast
@@ -11,22 +12,23 @@ import pytest
 import memra_cuda
 
 PACKAGE = Path(memra_cuda.__file__).resolve().parent
-ORACLE_USERS = {"memra_cuda.models.toy_reference", "memra_cuda.reference_tree"}
+# Each folder's layer: a module may import its own folder's and lower layers' modules, never a
+# higher one's. comm sits beside buffers: it needs the driver alone. The root's modules (the
+# face, errors, the demo) gather from every layer and are imported by none.
+LAYERS = {"driver": 0, "buffers": 1, "comm": 1, "kernels": 2, "rounds": 3, "torch": 4, "testing": 4}
 
 
-def module_imports(deferred: bool = False) -> dict[str, set[str]]:
+def module_imports(deferred: bool = True) -> dict[str, set[str]]:
     """Each module of the package -> the package's modules it imports at module level (in
-    `if TYPE_CHECKING:` blocks too), and with `deferred` inside functions too (a reader follows
-    those as well: acceptance -> kernels -> sampling -> acceptance once closed through a
-    function's import)."""
+    `if TYPE_CHECKING:` blocks too), and with `deferred` inside functions too."""
     names = {".".join(("memra_cuda", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__"): path
              for path in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in names.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         found: set[str] = set()
-        nodes = list(ast.walk(ast.parse(path.read_text(encoding="utf-8")))) if deferred else \
-            list(ast.parse(path.read_text(encoding="utf-8")).body)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        nodes = list(ast.walk(tree)) if deferred else list(tree.body)
         while nodes:
             node = nodes.pop()
             if isinstance(node, ast.If) and not deferred:
@@ -39,6 +41,24 @@ def module_imports(deferred: bool = False) -> dict[str, set[str]]:
                 found |= {alias.name for alias in node.names}
         graph[name] = {target for target in found if target in names and target != name}
     return graph
+
+
+def layer(module: str) -> int | None:
+    """The layer of a module's folder; None for the root's own modules."""
+    parts = module.split(".")
+    return LAYERS[parts[1]] if len(parts) > 2 or parts[1:] and parts[1] in LAYERS else None
+
+
+def test_every_folder_has_a_layer():
+    folders = {path.parent.relative_to(PACKAGE).parts[0] for path in PACKAGE.rglob("*/__init__.py")}
+    assert folders == set(LAYERS), f"folders without a layer, or layers without a folder: {folders ^ set(LAYERS)}"
+
+
+def test_every_import_points_down_or_sideways():
+    upward = [f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})"
+              for name, targets in module_imports().items() if layer(name) is not None
+              for target in sorted(targets) if layer(target) is None or layer(target) > layer(name)]
+    assert not upward, "\n".join(upward)
 
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["module level", "with imports inside functions"])
@@ -62,30 +82,15 @@ def test_no_module_imports_itself_through_others(deferred):
             visit(name)
 
 
-def test_only_the_toys_numpy_loop_imports_the_reference():
-    oracles = {"memra_cuda.reference", "memra_cuda.reference_tree"}
+def test_only_the_testing_subpackage_imports_the_reference():
+    oracles = {"memra_cuda.testing.reference", "memra_cuda.testing.reference_tree"}
     importers = {name for name, targets in module_imports().items() if targets & oracles}
-    assert importers <= ORACLE_USERS, \
-        f"production modules import the numpy reference: {sorted(importers - ORACLE_USERS)}"
+    assert importers and all(name.startswith("memra_cuda.testing.") for name in importers), \
+        f"production modules import the numpy reference: {sorted(importers)}"
 
 
 def test_the_import_graph_is_read_at_all():
     graph = module_imports()
-    assert "memra_cuda.driver.buffer" in graph["memra_cuda.bufs"]
-    assert "memra_cuda.reference" in graph["memra_cuda.models.toy_reference"]
-
-
-def test_the_example_reads_the_stream_state_through_the_library_not_the_oracle():
-    """examples/torch_llama.py learns a row's done flag from StreamBufs (issue 18, case 5), not
-    from the numpy reference's layout; skipped where the package is installed without it."""
-    example = PACKAGE.parent / "examples" / "torch_llama.py"
-    if not example.is_file():
-        pytest.skip("examples/ is part of the source checkout, not the installed package")
-    imported = set()
-    for node in ast.walk(ast.parse(example.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module)
-            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Import):
-            imported.update(alias.name for alias in node.names)
-    assert "memra_cuda.reference" not in imported and "memra_cuda" in {m.split(".")[0] for m in imported}
+    assert "memra_cuda.driver.buffer" in graph["memra_cuda.buffers.stream_bufs"]
+    assert "memra_cuda.testing.reference" in graph["memra_cuda.testing.toy.numpy_loop"]
+    assert layer("memra_cuda.rounds.stream") == 3 and layer("memra_cuda.errors") is None

@@ -44,8 +44,9 @@ def test_every_module_of_the_tree_is_installed():
     assert not missing, f"in the tree's memra_cuda/ but not in the installed package {PACKAGE}: {missing}"
 
 
-@pytest.mark.parametrize("name", ["memra_cuda.driver", "memra_cuda.driver.module", "memra_cuda.models",
-                                  "memra_cuda.models.toy", "memra_cuda.bench", "memra_cuda.__main__"])
+@pytest.mark.parametrize("name", ["memra_cuda.driver", "memra_cuda.driver.module", "memra_cuda.buffers",
+                                  "memra_cuda.kernels", "memra_cuda.rounds", "memra_cuda.testing.toy",
+                                  "memra_cuda.errors", "memra_cuda.__main__"])
 def test_subpackages_import_from_the_installed_package(name):
     module = importlib.import_module(name)
     assert Path(module.__file__).resolve().is_relative_to(PACKAGE), module.__file__
@@ -101,13 +102,12 @@ def test_demo_without_a_gpu_says_so_in_one_line():
     assert "NVIDIA" in lines[0] or "GPU" in lines[0] or "cuda-python" in lines[0], lines
 
 
-def test_bench_torch_without_the_source_tree_says_what_it_needs():
-    from memra_cuda import bench_torch  # imports neither torch nor transformers until it runs
-
-    with pytest.raises(SystemExit) as exit_:
-        bench_torch.load_example()
-    message = str(exit_.value.code)
-    assert len(message.splitlines()) == 1 and "examples/torch_llama.py" in message and "make bench-torch" in message
+def test_the_wheel_is_the_library_alone():
+    """No benchmark, example or test module in the installed package (issue 39): they are
+    programs of the repository."""
+    strays = sorted(name for name in _modules(PACKAGE) if "bench" in name or "example" in name or "test_" in name)
+    assert not strays, f"not the library: {strays}"
+    assert not (PACKAGE.parent / "benchmarks").exists(), "a top-level benchmarks/ was installed beside the package"
 
 
 def test_metadata_says_what_a_user_trusts():

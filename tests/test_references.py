@@ -7,8 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [*ROOT.glob("memra_cuda/**/*.py"), *ROOT.glob("ptx/*.cu"), *ROOT.glob("ptx/*.cuh"),
-           *ROOT.glob("ptx/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("examples/*.py"), ROOT / "Makefile",
-           ROOT / "pyproject.toml"]
+           *ROOT.glob("ptx/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py"),
+           *ROOT.glob("examples/*.py"), ROOT / "Makefile", ROOT / "pyproject.toml"]
 CITED = re.compile(r"\b(docs/[\w./-]+\.md)")
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ..driver.errors import MemraError
+
 EXTRA = "pip install 'memra_cuda[nccl]'"
 UNIQUE_ID_BYTES = 128
 
@@ -66,7 +68,7 @@ def result_name(code: int) -> str:
     return RESULTS[code] if 0 <= code < len(RESULTS) else f"ncclResult {code}"
 
 
-class NcclError(RuntimeError):
+class NcclError(MemraError, RuntimeError):
     """An NCCL call returned something other than ncclSuccess (`name`, NCCL's own word for it;
     `detail`, its last error message, where it left one)."""
 

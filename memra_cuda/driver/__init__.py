@@ -3,7 +3,8 @@ events over `cuda.bindings.driver`. It knows nothing of round-stream, which is b
 from .buffer import DeviceBuffer, MappedBuffer, PinnedBuffer, as_buffer
 from .call import Prepared
 from .engine import Engine
-from .errors import CaptureError, CudaError, CudaFault, CudaUnavailable
+from .compiler import CompileError, NvrtcUnavailable, compile_ptx
+from .errors import CaptureError, CudaError, CudaFault, CudaUnavailable, MemraError
 from .event import Event
 from .graph import Capture, Graph, LoopBuilder, LoopUnsupported, loops, stream_capture
 from .handle import Handle
@@ -11,7 +12,8 @@ from .module import Kernel, KernelArgs, Launch, Module
 from .stream import Stream
 
 __all__ = [
-    "Capture", "CaptureError", "CudaError", "CudaFault", "CudaUnavailable", "DeviceBuffer", "Engine", "Event",
-    "Graph", "Handle", "Kernel", "KernelArgs", "Launch", "LoopBuilder", "LoopUnsupported", "MappedBuffer", "Module",
-    "PinnedBuffer", "Prepared", "Stream", "as_buffer", "loops", "stream_capture",
+    "Capture", "CaptureError", "CompileError", "CudaError", "CudaFault", "CudaUnavailable", "DeviceBuffer", "Engine",
+    "Event", "Graph", "Handle", "Kernel", "KernelArgs", "Launch", "LoopBuilder", "LoopUnsupported", "MappedBuffer",
+    "MemraError", "Module", "NvrtcUnavailable", "PinnedBuffer", "Prepared", "Stream", "as_buffer", "compile_ptx",
+    "loops", "stream_capture",
 ]

@@ -1,12 +1,6 @@
-"""Engine: a Stream with memory, copies and modules on top, the facade engines embed.
-
-The typed copies of the first releases (htod_u32, dtoh_i32, alloc_u32_zeroed, ...) are the
-generic ones with a dtype: they still work, with a DeprecationWarning naming the call to use.
-"""
+"""Engine: a Stream with memory, copies and modules on top, the facade engines embed."""
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import Any
 
 import numpy as np
@@ -15,15 +9,10 @@ from .buffer import DeviceBuffer, PinnedBuffer, as_buffer
 from .call import Prepared
 from .errors import CaptureError, CudaError, driver
 from .event import Event
+from .framework import DRIVER, Framework
 from .module import Module, packaged_ptx
 from .stream import Stream
 from .values import as_index, exact_array, exact_int
-
-# The typed wrappers the first releases had: name -> (generic method, dtype).
-_TYPED = {f"{verb}_{t}": (verb, dtype) for verb in ("htod", "dtoh")
-          for t, dtype in (("u32", np.uint32), ("i32", np.int32), ("u64", np.uint64))}
-_TYPED.update({"alloc_u32_zeroed": ("zeros", np.uint32), "alloc_i32_zeroed": ("zeros", np.int32)})
-
 
 class Engine(Stream):
     """Driver-level access to one GPU: its primary context, one stream (see Stream), device
@@ -34,8 +23,8 @@ class Engine(Stream):
     prepared once (prepare_dtoh, prepare_set_u32) and issued at the cost of the bare binding.
     """
 
-    def __init__(self, device: int = 0, stream: Any = None):
-        super().__init__(device, stream)
+    def __init__(self, device: int = 0, stream: Any = None, framework: Framework = DRIVER):
+        super().__init__(device, stream, framework)
         self._modules: dict[str, Module] = {}
         self._peers: set[int] = set()  # devices this context has peer access to
 
@@ -45,15 +34,6 @@ class Engine(Stream):
 
     def __enter__(self) -> Engine:
         return self
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _TYPED:
-            verb, dtype = _TYPED[name]
-            warnings.warn(f"Engine.{name} is deprecated: use Engine.{verb}(..., {np.dtype(dtype).name})",
-                          DeprecationWarning, stacklevel=2)
-            method = getattr(self, verb)
-            return functools.partial(method, dtype) if verb == "zeros" else functools.partial(method, dtype=dtype)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- buffers ----------------------------------------------------------------------------
     def buffer(self, obj: Any, what: str = "buffer") -> DeviceBuffer:

@@ -9,7 +9,14 @@ from types import ModuleType
 from typing import Any
 
 
-class CudaError(RuntimeError):
+class MemraError(Exception):
+    """The base of every error of memra_cuda's own (memra_cuda.errors lists them): `except
+    MemraError` catches what the library raises and nothing else. Each is also the builtin that
+    says what kind of failure it is (RuntimeError, ValueError), so `except RuntimeError` works
+    too. Bad arguments raise the builtins themselves (ValueError, TypeError)."""
+
+
+class CudaError(MemraError, RuntimeError):
     """A driver call returned something other than CUDA_SUCCESS."""
 
     def __init__(self, code: int, name: str, message: str, call: str):
@@ -51,7 +58,7 @@ class CudaFault(CudaError):
         return CudaFault(self.first, self.device, call)
 
 
-class CaptureError(RuntimeError):
+class CaptureError(MemraError, RuntimeError):
     """Work that a CUDA graph cannot hold was asked for during a stream capture."""
 
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import CaptureError, driver
+from .errors import CaptureError, MemraError, driver
 from .handle import Handle
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def stream_capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, None
         ctx.call("cuGraphDestroy", graph)
 
 
-class LoopUnsupported(RuntimeError):
+class LoopUnsupported(MemraError, RuntimeError):
     """The driver or the binding has no conditional WHILE nodes (CUDA 12.4 and later have)."""
 
 
@@ -184,9 +184,10 @@ class Graph(Handle):
     a launch re-bound after capture still leaves the graph its old buffers). If one of them is
     freed explicitly, the graph refuses to replay, naming it.
 
-    `capture` says how the stream is captured (see Capture): by default the driver's own
-    capture; `memra_cuda.torch.capture` captures through `torch.cuda.graph`, so that PyTorch's
-    allocator knows memory used inside the capture belongs to the graph. `joined` are other
+    `capture` says how the stream is captured (see Capture): by default the engine's framework's
+    (the driver's own capture, or through `torch.cuda.graph` for an engine from
+    `memra_cuda.torch.engine()`, so that PyTorch's allocator knows memory used inside the
+    capture belongs to the graph). `joined` are other
     engines (pipeline stages, on other devices too) whose streams `issue` forks from and joins
     back to the engine's stream with events: their work is in the graph, and the graph holds
     what it names as well.
@@ -209,7 +210,7 @@ class Graph(Handle):
             e.capture_hold = self.hold
         try:
             with _collector_held():
-                self.handle, self._owner = (capture or stream_capture)(engine, issue)
+                self.handle, self._owner = (capture or engine.framework.capture or stream_capture)(engine, issue)
         finally:
             for e in engines:
                 e.capture_hold = None

@@ -16,6 +16,7 @@ from typing import Any
 
 from .context import PrimaryContext
 from .errors import CaptureError, CudaError, driver
+from .framework import DRIVER, Framework
 from .handle import Handle
 from .values import as_index
 
@@ -33,7 +34,9 @@ class Stream(Handle):
     `readbacks` counts device-to-host transfers the host waited for and `syncs` explicit
     stream synchronisations, so "one readback per burst" can be asserted rather than believed.
     `capture_hold` is set while a Graph captures this stream: whatever queues work naming a
-    handle passes it there, so the graph holds the memory its nodes address.
+    handle passes it there, so the graph holds the memory its nodes address. `framework` is the
+    policy of whoever owns the memory the work uses (framework.py): how graphs are captured and
+    the model's work scoped.
 
     Thread safety: a Stream may be shared between threads for allocation, copies and frees
     (the counters are then approximate); the stream orders their work in the order the calls
@@ -41,7 +44,11 @@ class Stream(Handle):
     stream from other threads while a Graph is being captured.
     """
 
-    def __init__(self, device: int = 0, stream: Any = None):
+    def __init__(self, device: int = 0, stream: Any = None, framework: Framework = DRIVER):
+        if not isinstance(framework, Framework):
+            raise TypeError(f"framework must be a Framework (how graphs are captured, the model's work scoped), "
+                            f"not {framework!r}")
+        self.framework = framework
         self.ctx = PrimaryContext.of(as_index(device, "device"))
         self.ctx.adopt_thread()
         self.readbacks = 0
@@ -79,6 +86,11 @@ class Stream(Handle):
         """The object a borrowed stream came from (a torch.cuda.Stream, say), kept alive while
         the stream is used; None for an owned stream or one given as a bare handle."""
         return self._stream_owner
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol (version 0, the raw handle): cuda.core, CuPy and others take
+        this stream as it is."""
+        return 0, self.stream_handle
 
     @property
     def borrowed(self) -> bool:

@@ -1,0 +1,664 @@
+"""`make bench-torch`: round-stream on a real transformer (examples/torch_llama.py), in one run.
+
+1. One request, at two sizes (fp32 small, bf16 large): Hugging Face generate, its assisted
+   generation with the same draft, plain greedy run eagerly and with each step a torch.cuda.graph, and
+   round-stream in readback, graph, overlap and device modes; then the ideal speculative speedup over
+   graphed greedy, tau / (1 + (k+1) c), and how much of it graph mode reaches, and the same for
+   the work the example's round does (a verify of k+1 tokens, a draft step over two tokens and
+   k-1 over one).
+2. Batches, B in BATCHES (per size), prompts of 2 to 40 tokens: tokens/s of Hugging Face generate
+   (left-padded; greedy and sampling), of batched greedy with each step a torch graph, and of
+   round-stream graph mode (greedy and sampling at T = 1), with acceptance and the ratio to
+   batched graphed greedy.
+3. Continuous batching: 64 requests of mixed prompt and output lengths through 8 slots
+   (SpeculativeLlama.serve), tokens/s and p50/p99 request latency (all arrive at once), against
+   the same requests one at a time through round-stream and through graphed greedy.
+4. Hybrid: the small model with layers HYBRID a gated linear recurrence, B in HYBRID_BATCHES,
+   its state rolled back by copy and by flip, round-stream graph and overlap modes against the
+   same model's plain greedy with each step a torch graph, and whether the tokens are its.
+5. Trees (examples/torch_tree.py), both sizes, B in TREE_BATCHES, greedy and sampling at T = 1,
+   the head's logits scaled by TREE_LOGIT_SCALE: tokens/s of chains (CHAIN_KS), static trees
+   (STATIC_TREES: likeliest trees and chains with leaves) and dynamic trees (DYNAMIC) at each B,
+   and of the trees tree_for_batch picks, against graphed plain greedy; per configuration its
+   tokens per round tau, its verify's and draft's device time in target steps (v, d), the ideal
+   tau / (v + d) and how much of it it reaches, the rows' mean rounds over the slowest row's
+   (rows) and how much of the batch's own ideal, ideal x rows, it reaches (batch: reach()); per
+   B the best chain, static and dynamic tree, and the pick against the best chain.
+   With a JSON path, a picture beside it (matplotlib, the `plot` extra): tokens/s against B.
+6. Tree costs, B = 1, both sizes: a chain's draft step and verify, each draft level of a static
+   tree and its verify, the whole target over 1 to 65 tokens through cuBLASLt and cuBLAS,
+   torch.topk against two argmaxes, each captured alone, in target steps: where a tree's round
+   goes, and what the example's kernels are chosen by (docs/torch.md, "Trees").
+
+Needs torch and transformers, and the source checkout (the example is not in the wheel).
+
+    PYTHONPATH=. python -m memra_cuda.bench_torch [--quick] [--json PATH]
+        [--tree-sizes small,large] [--tree-batches 1,8,32,128]
+        [one_request|batches|serving|hybrid|trees|tree_costs ...]
+
+runs some sections alone (`make bench-torch` runs them all), the trees section at some sizes and
+batch sizes alone where asked.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .common import depth_and_width
+from memra_cuda.buffers.tree import DynamicTree, TreeShape
+
+TORCH_K, TORCH_M = 4, 16
+BATCHES = {"small": (1, 8, 32, 128, 512), "large": (1, 8, 32, 128)}
+SERVED, SLOTS = 64, 8
+HYBRID_BATCHES = (1, 8)
+TREE_BATCHES = (1, 8, 32, 128)
+# The head's scale for section 5, a trained model's confidence. Greedy tokens are the same at any
+# scale (argmax does not move), but a random model's near-flat log-probabilities would leave the
+# dynamic tree's ranking by cumulative draft log-probability nothing to rank by.
+TREE_LOGIT_SCALE = 4.0
+COST_K = 10  # the chain tree_costs sets against a static tree of 64 drafts, 10 deep
+# Section 5's candidates at each B: they shrink as B grows, since a verify of T + 1 tokens a row
+# is nearly free at B = 1 and costs about T + 1 target steps once the GEMMs are compute-bound.
+CHAIN_KS = {1: (8, 10, 12), 8: (6, 8, 10), 32: (4, 6, 8), 128: (2, 3, 4)}
+# torch_tree.parse_tree's names: static_tree of T drafts and a depth, or a chain of k with leaves
+STATIC_TREES = {1: ("static:32,8", "static:64,10", "static:128,12", "chain:10,2"),
+                8: ("static:16,6", "static:32,8", "static:64,10", "chain:8,1"), 32: ("static:8,6", "static:12,6"),
+                128: ("static:3,3", "static:6,4")}
+DYNAMIC = {1: (DynamicTree(10, 4, 4),), 8: (DynamicTree(8, 2, 2),), 32: (DynamicTree(6, 2, 2),),
+           128: (DynamicTree(3, 2, 2),)}
+
+
+def load_example(name: str = "torch_llama") -> Any:
+    """examples/`name`.py (torch_llama, or torch_tree, which imports torch_llama), from the
+    source checkout the bench runs in. An installed package has no examples/: say so in one
+    line, not a traceback."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if name != "torch_llama":
+        load_example()  # what the other examples import it as
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    if not path.is_file():
+        raise SystemExit(f"memra_cuda.bench: the PyTorch example is examples/{name}.py of the source "
+                         "repository, not part of the installed package: run `make bench-torch` from a checkout")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def _timed(run: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds of run() after one untimed warm-up run (graph captures, first loads)."""
+    import torch
+    run()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = run()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def _tokens_per_s(run: Callable[[int], list[int]], tokens: int) -> tuple[float, list[int]]:
+    seconds, out = _timed(lambda: run(tokens))
+    return len(out) / seconds, out
+
+
+def _replay_ms(graph: Any, stream: Any, replays: int = 200) -> float:
+    """Device milliseconds of one replay of `graph` on `stream`, between CUDA events around
+    `replays` of them: the device's time, not the host's launches."""
+    import torch
+    with torch.cuda.stream(stream):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def _graph_ms(run: Callable[[], Any], stream: Any = None, replays: int = 200) -> float:
+    """Device milliseconds of run(), captured in one CUDA graph on `stream` (a decoder's own,
+    whose buffers run() reads; a fresh one where None) after one eager run for torch's lazy
+    set-up, and replayed."""
+    import torch
+    stream = torch.cuda.Stream() if stream is None else stream
+    with torch.cuda.stream(stream):
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    return _replay_ms(graph, stream, replays)
+
+
+def _step_ms(step: Callable[..., Any], tokens: int = 1, replays: int = 200, **kwargs: Any) -> float:
+    """Device milliseconds of step(tokens, positions) over `tokens` tokens of one row, captured
+    as a graph and replayed."""
+    import torch
+    token = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
+    position = torch.arange(8, 8 + tokens, device="cuda")[None]
+    return _graph_ms(lambda: step(token, position, **kwargs), replays=replays)
+
+
+def bench_one_request(llama: Any, quick: bool) -> list[dict]:
+    rows: list[dict] = []
+    print(f"{'size':6} {'method':22} {'tokens/s':>9} {'accept':>6} {'vs greedy':>9} {'vs HF assisted':>14}")
+    for size in ("small", "large"):
+        tokens = 64 if quick else 256
+        model = llama.build_model(size)
+        capacity = llama.capacity_for(len(llama.PROMPT), tokens, TORCH_K, TORCH_M)
+        draft = llama.draft_model(model)
+        spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity)
+        greedy = llama.GraphedGreedy(model, capacity)
+        eager = llama.GraphedGreedy(model, capacity, eager=True)
+        methods = {
+            "HF generate": (lambda n: llama.hf_greedy(model, llama.PROMPT, n), None),
+            "HF assisted": (lambda n: llama.hf_greedy(model, llama.PROMPT, n, assistant=draft, k=TORCH_K), None),
+            "greedy, eager loop": (lambda n: eager.generate(llama.PROMPT, n), None),
+            "greedy, torch graph": (lambda n: greedy.generate(llama.PROMPT, n), None),
+        }
+        for mode in ("readback", "graph", "overlap", "device"):
+            methods[f"round-stream {mode}"] = (lambda n, mode=mode: spec.generate(llama.PROMPT, n, mode=mode), spec)
+        measured = {}
+        for name, (run, speculative) in methods.items():
+            rate, out = _tokens_per_s(run, tokens)
+            measured[name] = row = dict(size=size, method=name, tokens_per_s=rate, acceptance=None)
+            if speculative is not None:
+                accepted, drafted = speculative.bufs.drafts_accepted(len(out))
+                if drafted:  # a budget the first round meets drafts nothing to count
+                    row.update(acceptance=accepted / drafted,
+                               tokens_per_round=speculative.bufs.tokens_per_round(len(out)))
+        for row in measured.values():
+            row["vs_greedy"] = row["tokens_per_s"] / measured["greedy, torch graph"]["tokens_per_s"]
+            row["vs_hf_assisted"] = row["tokens_per_s"] / measured["HF assisted"]["tokens_per_s"]
+            accept = f"{row['acceptance']:6.2f}" if row["acceptance"] is not None else f"{'-':>6}"
+            print(f"{size:6} {row['method']:22} {row['tokens_per_s']:9.0f} {accept} {row['vs_greedy']:8.2f}x "
+                  f"{row['vs_hf_assisted']:13.2f}x", flush=True)
+            rows.append(row)
+        graph = measured["round-stream graph"]
+        tau = graph["tokens_per_round"]
+        target_ms = _step_ms(spec.target.greedy)
+        c = _step_ms(spec.draft.greedy) / target_ms
+        v = _step_ms(spec.target.logits, TORCH_K + 1) / target_ms  # the formula takes a verify for one step
+        c2 = _step_ms(spec.draft.logits, 2, last=True) / target_ms
+        ideal = tau / (1 + (TORCH_K + 1) * c)
+        reached = graph["vs_greedy"] / ideal
+        print(f"{size:6} ideal speedup over graphed greedy: tau={tau:.2f} tokens/round, c={c:.3f} "
+              f"(draft step / target step) -> {ideal:.2f}x; graph mode reaches {graph['vs_greedy']:.2f}x "
+              f"= {reached:.0%} of it", flush=True)
+        own = tau / (v + c2 + (TORCH_K - 1) * c)
+        print(f"{size:6} the example's round: a verify of k+1={TORCH_K + 1} tokens (v={v:.2f} target steps), "
+              f"a draft step over 2 tokens (c2={c2:.3f}) and k-1 over one: tau / (v + c2 + (k-1) c) = "
+              f"{own:.2f}x; graph mode reaches {graph['vs_greedy'] / own:.0%} of it", flush=True)
+        rows.append(dict(size=size, method="ideal", tau=tau, c=c, c2=c2, v=v, ideal=ideal, reached=reached,
+                         round_ideal=own, round_reached=graph["vs_greedy"] / own))
+    return rows
+
+
+def bench_batches(llama: Any, quick: bool) -> list[dict]:
+    """Section 2: every method on the same B requests, tokens/s over all rows."""
+    rows: list[dict] = []
+    tokens = 32 if quick else 128
+    print(f"\nbatches: k={TORCH_K}, M={TORCH_M}, {tokens} tokens a row, prompts of 2 to 40 tokens; sampling at T=1")
+    print(f"{'size':6} {'B':>4} {'method':30} {'tokens/s':>9} {'accept':>6} {'vs batched graphed greedy':>26}")
+    for size in ("small", "large"):
+        model = llama.build_model(size)
+        for batch in BATCHES[size]:
+            rows += _bench_batch(llama, model, size, batch, tokens)
+    return rows
+
+
+def _bench_batch(llama: Any, model: Any, size: str, batch: int, tokens: int) -> list[dict]:
+    """One size and B of section 2 (its caches and graphs go when it returns)."""
+    sampling = llama.SamplingParams(1.0)
+    prompts = llama.prompts(batch, seed=batch)
+    requests = [llama.Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
+    capacity = llama.capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
+    greedy = llama.GraphedGreedy(model, capacity, batch)
+    spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch)
+    sampler = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                                     sampling=sampling)
+    methods = {
+        "HF generate, greedy": (lambda: llama.hf_generate(model, prompts, tokens), None),
+        "HF generate, sampling": (lambda: llama.hf_generate(model, prompts, tokens, sampling=sampling), None),
+        "batched greedy, torch graph": (lambda: greedy.generate_batch(requests), None),
+        "round-stream graph, greedy": (lambda: spec.generate_batch(requests), spec),
+        "round-stream graph, sampling": (lambda: sampler.generate_batch(requests), sampler),
+    }
+    measured = {}
+    for name, (run, speculative) in methods.items():
+        seconds, out = _timed(run)
+        count = sum(map(len, out))
+        measured[name] = row = dict(size=size, batch=batch, method=name, tokens_per_s=count / seconds,
+                                    acceptance=None)
+        if speculative is not None:
+            row["acceptance"] = speculative.acceptance([len(r) for r in out])
+    for row in measured.values():
+        row["vs_batched_greedy"] = row["tokens_per_s"] / measured["batched greedy, torch graph"]["tokens_per_s"]
+        accept = f"{row['acceptance']:6.2f}" if row["acceptance"] is not None else f"{'-':>6}"
+        print(f"{size:6} {batch:4} {row['method']:30} {row['tokens_per_s']:9.0f} {accept} "
+              f"{row['vs_batched_greedy']:25.2f}x", flush=True)
+    return list(measured.values())
+
+
+def bench_serving(llama: Any, quick: bool) -> list[dict]:
+    """Section 3: continuous batching against one request at a time."""
+    import numpy as np
+    gen = np.random.default_rng(64)
+    count = 16 if quick else SERVED
+    prompts = llama.prompts(count, seed=64)
+    budgets = gen.integers(16, 193, count).tolist()
+    requests = [llama.Request(prompt, budget) for prompt, budget in zip(prompts, budgets)]
+    model = llama.build_model("small")
+    capacity = llama.capacity_for(40, 192, TORCH_K, TORCH_M, SLOTS)
+    server = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=SLOTS)
+    server.capture()
+    alone = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M,
+                                   capacity=llama.capacity_for(40, 192, TORCH_K, TORCH_M))
+    alone.capture()
+    greedy = llama.GraphedGreedy(model, capacity)
+
+    def one_at_a_time(generate: Callable[[Any], list[int]]) -> list[Any]:
+        begun, out = time.perf_counter(), []
+        for request in requests:
+            tokens = generate(request)
+            out.append(llama.Served(tokens, time.perf_counter() - begun))
+        return out
+
+    methods = {
+        f"round-stream serve, {SLOTS} slots": lambda: server.serve(requests),
+        "round-stream, one at a time": lambda: one_at_a_time(lambda r: alone.generate(r.prompt, r.max_new_tokens)),
+        "graphed greedy, one at a time": lambda: one_at_a_time(lambda r: greedy.generate(r.prompt, r.max_new_tokens)),
+    }
+    print(f"\ncontinuous batching: small model, {count} requests (prompts of 2 to 40 tokens, 16 to 192 new tokens), "
+          f"k={TORCH_K}, M={TORCH_M}, graph mode; latency from the start, all requests arriving at once")
+    print(f"{'method':34} {'tokens/s':>9} {'p50 latency s':>13} {'p99 latency s':>13} {'total s':>8}")
+    rows = []
+    for name, run in methods.items():
+        seconds, served = _timed(run)
+        latencies = sorted(s.latency for s in served)
+        p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+        row = dict(method=name, tokens_per_s=sum(len(s.tokens) for s in served) / seconds,
+                   p50_s=statistics.median(latencies), p99_s=p99, total_s=seconds)
+        print(f"{name:34} {row['tokens_per_s']:9.0f} {row['p50_s']:13.3f} {p99:13.3f} {seconds:8.2f}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def bench_hybrid(llama: Any, quick: bool) -> list[dict]:
+    """Section 4: the hybrid model against its own graphed plain greedy, tokens/s over all rows."""
+    tokens = 64 if quick else 256
+    model = llama.build_model("small", recurrent_layers=llama.HYBRID)
+    print(f"\nhybrid: small model, layers {llama.HYBRID} a gated linear recurrence, k={TORCH_K}, M={TORCH_M}, "
+          f"{tokens} tokens a row")
+    print(f"{'B':>4} {'method':28} {'tokens/s':>9} {'accept':>6} {'vs graphed greedy':>18} {'same tokens':>11}")
+    rows: list[dict] = []
+    for batch in HYBRID_BATCHES:
+        rows += _bench_hybrid_batch(llama, model, batch, tokens)
+    return rows
+
+
+def _bench_hybrid_batch(llama: Any, model: Any, batch: int, tokens: int) -> list[dict]:
+    """One B of section 4 (its caches, states and graphs go when it returns)."""
+    prompts = [llama.PROMPT] if batch == 1 else llama.prompts(batch, seed=batch)
+    requests = [llama.Request(prompt, tokens) for prompt in prompts]
+    capacity = llama.capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
+    greedy = llama.GraphedGreedy(model, capacity, batch)
+    methods: dict[str, tuple[Callable[[], Any], Any]] = {
+        "plain greedy, torch graph": (lambda: greedy.generate_batch(requests), None)}
+    for state in ("copy", "flip"):
+        spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                                      state_rollback=state)
+        for mode in ("graph", "overlap"):
+            methods[f"round-stream {mode}, {state}"] = (
+                lambda spec=spec, mode=mode: spec.generate_batch(requests, mode), spec)
+    measured, outputs = {}, {}
+    for name, (run, speculative) in methods.items():
+        seconds, outputs[name] = _timed(run)
+        measured[name] = row = dict(batch=batch, method=name, tokens_per_s=sum(map(len, outputs[name])) / seconds,
+                                    acceptance=None)
+        if speculative is not None:
+            row["acceptance"] = speculative.acceptance([len(r) for r in outputs[name]])
+    reference = "plain greedy, torch graph"
+    for name, row in measured.items():
+        row["vs_graphed_greedy"] = row["tokens_per_s"] / measured[reference]["tokens_per_s"]
+        row["same_tokens"] = outputs[name] == outputs[reference]
+        accept = f"{row['acceptance']:6.2f}" if row["acceptance"] is not None else f"{'-':>6}"
+        print(f"{batch:4} {row['method']:28} {row['tokens_per_s']:9.0f} {accept} {row['vs_graphed_greedy']:17.2f}x "
+              f"{'yes' if row['same_tokens'] else 'NO':>11}", flush=True)
+    return list(measured.values())
+
+
+def bench_trees(llama: Any, quick: bool, sizes: Sequence[str] = ("small", "large"),
+                batches: Sequence[int] = TREE_BATCHES) -> list[dict]:
+    """Section 5: chains against static and dynamic trees at each B, and the trees the example
+    picks there, greedy and sampled (torch_tree.tree_for_batch), so that PICKED can be checked
+    against what this machine measures."""
+    trees = load_example("torch_tree")
+    print(f"\ntrees: examples/torch_tree.py against the chain, M={TORCH_M}, graph mode, head scaled by "
+          f"{TREE_LOGIT_SCALE:g}, {64 if quick else '256 (B <= 8) or 128'} tokens a row; sampling at T=1; v and d: "
+          "the round's verify and draft in target steps, ideal = tau / (v + d), reached: the share of it got; "
+          "rows: the rows' mean rounds over the batch's, its slowest row's (a batch's rounds its rows used); "
+          "batch: the share got of the batch's ideal, ideal x rows (a batch runs until its slowest row is done)")
+    print(f"{'size':6} {'B':>4} {'mode':8} {'kind':7} {'config':18} {'tokens/s':>9} {'tau':>5} {'v':>6} {'d':>6} "
+          f"{'ideal':>6} {'reached':>7} {'rows':>5} {'batch':>5} {'vs plain':>8}")
+    rows: list[dict] = []
+    for size in sizes:
+        model = llama.build_model(size, logit_scale=TREE_LOGIT_SCALE)
+        for batch in batches:
+            rows += _bench_tree_batch(llama, trees, model, size, batch, quick)
+    return rows
+
+
+def _tree_candidates(trees: Any, picked: Sequence[Any], batch: int, quick: bool) -> list[tuple[str, Any]]:
+    """(kind, config) of every configuration measured at `batch`: the chains' k, the static and
+    dynamic trees (the first of each in a quick run), and `picked`, the trees the example picks
+    there (greedy and sampled), each among its kind's where it is not one of them already."""
+    def some(options: Sequence[Any]) -> list[Any]:
+        return list(options[:1] if quick else options)
+    kinds = {"chain": some(CHAIN_KS[batch]),
+             "static": [trees.parse_tree(name) for name in some(STATIC_TREES[batch])],
+             "dynamic": some(DYNAMIC[batch])}
+    for tree in picked:
+        kind = kinds["dynamic" if isinstance(tree, DynamicTree) else "static"]
+        if tree not in kind:
+            kind.append(tree)
+    return [(kind, config) for kind, configs in kinds.items() for config in configs]
+
+
+def _tree_label(tree: Any) -> str:
+    """A tree's name in the table and the JSON (a static tree's repr lists every node)."""
+    if isinstance(tree, DynamicTree):
+        return f"{tree.depth}x{tree.width}, branch {tree.branch}"
+    leaves = (tree.nodes - 1) // tree.depth - 1
+    if leaves and tree == TreeShape.chain_with_leaves(tree.depth, leaves):
+        return f"k={tree.depth}, {leaves} {'leaf' if leaves == 1 else 'leaves'}"
+    return f"T={tree.nodes - 1}, depth {tree.depth}"
+
+
+def _label(row: dict) -> str:
+    """A measured configuration's name in the table: k=... for a chain."""
+    return f"k={row['config']}" if row["kind"] == "chain" else row["config"]
+
+
+def _bench_tree_batch(llama: Any, trees: Any, model: Any, size: str, batch: int, quick: bool) -> list[dict]:
+    """One size and B of section 5: plain decoding, then every candidate greedy and sampled, in
+    caches of one capacity that each of them fits."""
+    prompts = [llama.PROMPT] if batch == 1 else llama.prompts(batch, seed=batch)
+    tokens = 64 if quick else (256 if batch <= 8 else 128)
+    requests = [llama.Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
+    picked = {mode: trees.tree_for_batch(size, batch, mode == "sampling") for mode in ("greedy", "sampling")}
+    candidates = _tree_candidates(trees, [tree for tree in picked.values() if tree is not None], batch, quick)
+    depth, width = (max(values) for values in zip(*(depth_and_width(config) for _, config in candidates)))
+    capacity = llama.capacity_for(max(map(len, prompts)), tokens, depth, TORCH_M, batch, width=width)
+    plain, step_ms = _plain_decoding(llama, model, capacity, requests)
+    _release()
+    print(f"{size:6} {batch:4} {'greedy':8} {'plain':7} {'':18} {plain:9.0f}   (a target step: {step_ms:.3f} ms)",
+          flush=True)
+    rows = [dict(size=size, batch=batch, mode="greedy", kind="plain", config=None, tokens_per_s=plain,
+                 step_ms=step_ms)]
+    for mode, sampling in (("greedy", None), ("sampling", llama.SamplingParams(1.0))):
+        measured = []
+        for kind, config in candidates:
+            row = dict(size=size, batch=batch, mode=mode, kind=kind,
+                       config=config if kind == "chain" else _tree_label(config),
+                       **_bench_tree_config(llama, trees, model, kind, config, requests, capacity, sampling, step_ms))
+            _release()  # the decoder it built, before the next
+            row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
+            print(f"{size:6} {batch:4} {mode:8} {kind:7} {_label(row):18} {row['tokens_per_s']:9.0f} "
+                  f"{row['tau']:5.2f} {row['v']:6.2f} {row['draft']:6.2f} {row['ideal']:5.2f}x "
+                  f"{row['reached']:7.0%} {row['rows_share']:5.0%} {row['batch_reached']:5.0%} "
+                  f"{row['vs_plain']:7.2f}x", flush=True)
+            measured.append(row)
+        chosen = next((row for (_, config), row in zip(candidates, measured) if config == picked[mode]), None)
+        rows += measured + [_tree_summary(measured, chosen, plain)]
+    return rows
+
+
+def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:
+    """How near a configuration got to its ideal speedup over plain decoding (`ideal`, tau / (v +
+    d), tau a row's tokens over the rounds that row ran): `reached`, against that ideal, and
+    `batch_reached`, against the batch's (`batch_ideal`: ideal x rows_share, the rows' mean
+    rounds over the slowest row's). A batch whose rows start together runs until its slowest is
+    done, every row a verify, so its rounds are the slowest row's: `batch_reached` is the share
+    of what the batch's own measured costs allow, and `reached` also charges it the rounds its
+    rows that finished early sat through."""
+    batch_ideal = ideal * rows_share
+    return dict(vs_plain=vs_plain, reached=vs_plain / ideal, batch_ideal=batch_ideal,
+                batch_reached=vs_plain / batch_ideal)
+
+
+def _plain_decoding(llama: Any, model: Any, capacity: int, requests: Sequence[Any]) -> tuple[float, float]:
+    """Tokens/s of graphed plain greedy over the requests' rows, and the device milliseconds of
+    its step (the graph a generation leaves), the unit of v and d."""
+    greedy = llama.GraphedGreedy(model, capacity, len(requests))
+    seconds, out = _timed(lambda: greedy.generate_batch(requests))
+    return sum(map(len, out)) / seconds, _replay_ms(greedy.graph, greedy.stream)
+
+
+def _bench_tree_config(llama: Any, trees: Any, model: Any, kind: str, config: Any, requests: Sequence[Any],
+                       capacity: int, sampling: Any, step_ms: float) -> dict:
+    """tokens/s and tau of one chain or tree, and the device time of its round's verify and draft
+    (each captured alone on the decoder's stream after the generation) in target steps. The
+    decoder goes when this returns, for _release() to give its memory back: at B = 128 a sampled
+    tree holds p and q of [B][T+1][32000] floats."""
+    spec, verify, draft = _decoder(llama, trees, model, kind, config, capacity, len(requests), sampling)
+    seconds, out = _timed(lambda: spec.generate_batch(requests))
+    lengths = [len(row) for row in out]
+    tau, rounds = spec.bufs.tokens_per_round(lengths), spec.bufs.rounds_run(lengths)
+    v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft))
+    return dict(tokens_per_s=sum(lengths) / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
+                rows_share=rows_share(rounds))
+
+
+def rows_share(rounds: Any) -> float:
+    """The rows' mean rounds (StreamBufs.rounds_run) over the slowest row's, which the batch ran:
+    the share of the batch's rounds its rows used; 1 where no row ran one (a budget of 0)."""
+    slowest = int(max(rounds, default=0))
+    return float(sum(rounds)) / (len(rounds) * slowest) if slowest > 0 else 1.0
+
+
+def _decoder(llama: Any, trees: Any, model: Any, kind: str, config: Any, capacity: int, batch: int = 1,
+             sampling: Any = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
+    """A chain's decoder (`config` its k) or a tree's (`config` the tree), and the two callables
+    its round runs: the verify and the whole draft."""
+    if kind == "chain":
+        spec = llama.SpeculativeLlama(model, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                                      sampling=sampling)
+        return spec, spec.verify_trunk, spec.draft_chain
+    spec = trees.TreeLlama(model, config, m_rounds=TORCH_M, capacity=capacity, batch=batch, sampling=sampling)
+    return spec, spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
+
+
+def _release() -> None:
+    """Give a dropped decoder's device memory back before the next is built: its RoundStream
+    holds the decoder's own bound methods, a cycle only the collector breaks, and torch's
+    allocator keeps freed blocks cached until emptied."""
+    import torch
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _tree_summary(measured: list[dict], chosen: dict | None, plain: float) -> dict:
+    """One size, B and mode of section 5: the best of each kind, and the pick (`chosen`; the best
+    chain where tree_for_batch says the chain) against the best chain."""
+    best = {kind: max((row for row in measured if row["kind"] == kind), key=lambda row: row["tokens_per_s"])
+            for kind in ("chain", "static", "dynamic")}
+    tree = max(best["static"], best["dynamic"], key=lambda row: row["tokens_per_s"])
+    chosen = chosen or best["chain"]
+    chain = best["chain"]["tokens_per_s"]
+    first = measured[0]
+    summary = dict(size=first["size"], batch=first["batch"], mode=first["mode"], kind="best",
+                   plain_tokens_per_s=plain, chosen=chosen["config"], chosen_kind=chosen["kind"],
+                   chosen_tokens_per_s=chosen["tokens_per_s"], chosen_vs_chain=chosen["tokens_per_s"] / chain,
+                   best_tree=tree["config"], best_tree_kind=tree["kind"],
+                   best_tree_tokens_per_s=tree["tokens_per_s"], best_tree_vs_chain=tree["tokens_per_s"] / chain,
+                   best_tree_ideal=tree["ideal"], best_tree_reached=tree["reached"],
+                   chosen_reached=chosen["reached"], chosen_batch_reached=chosen["batch_reached"])
+    for kind, row in best.items():
+        summary.update({kind: row["config"], f"{kind}_tokens_per_s": row["tokens_per_s"]})
+    print(f"{first['size']:6} {first['batch']:4} {first['mode']:8} " + ", ".join(
+        f"best {kind} {_label(row)} {row['tokens_per_s']:.0f} tok/s" for kind, row in best.items()) +
+        f", chosen {chosen['kind']} {_label(chosen)} = {summary['chosen_vs_chain']:.2f}x the chain", flush=True)
+    return summary
+
+
+def plot_trees(rows: list[dict], path: str | Path) -> None:
+    """Section 5's picture at `path` (PNG): tokens/s against B for plain decoding, the best chain,
+    the best tree and that tree's ideal (ideal x plain tokens/s), a panel per model size, greedy
+    solid and sampling dashed. matplotlib is optional (the `plot` extra): without it, one line."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"trees: no picture at {path} without matplotlib (`pip install matplotlib` to get the picture)")
+        return
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+    best = [row for row in rows if row["kind"] == "best"]
+    sizes = [size for size in ("small", "large") if any(row["size"] == size for row in best)]
+    if not sizes:
+        return
+    series = {"plain decoding": lambda r: r["plain_tokens_per_s"], "best chain": lambda r: r["chain_tokens_per_s"],
+              "best tree": lambda r: r["best_tree_tokens_per_s"],
+              "ideal of the best tree": lambda r: r["best_tree_ideal"] * r["plain_tokens_per_s"]}
+    figure, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.5), squeeze=False)
+    for axis, size in zip(axes[0], sizes):
+        for mode, style in (("greedy", "-"), ("sampling", "--")):
+            mine = sorted((row for row in best if row["size"] == size and row["mode"] == mode),
+                          key=lambda row: row["batch"])
+            for color, (name, value) in enumerate(series.items()):
+                if not mine or (name == "plain decoding" and mode == "sampling"):  # plain decoding is greedy
+                    continue
+                axis.plot([row["batch"] for row in mine], [value(row) for row in mine], style, color=f"C{color}",
+                          marker="o", label=name if name == "plain decoding" else f"{name}, {mode}")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(TREE_BATCHES, [str(b) for b in TREE_BATCHES])
+        axis.set(title=f"{size} model", xlabel="B (rows)", ylabel="tokens/s, all rows")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"trees: the picture is {path}")
+
+
+def bench_tree_costs(llama: Any, quick: bool) -> list[dict]:
+    """Section 6: where a tree's round goes against a chain's, at B = 1 on both sizes, in target
+    steps, under the example's kernels (Stack.kernels): a chain's draft step and verify (k = 10),
+    each draft level of a static tree (T = 64, depth 10) and its verify; the target over n tokens
+    through cuBLASLt and through cuBLAS (the evidence of torch_llama.LT_ROWS); then two ways to
+    take a level's two best candidates, torch.topk and best_ranks' two argmaxes."""
+    import torch
+    trees = load_example("torch_tree")
+    print("\ntree costs: B=1, device ms of each part captured alone, in target steps (a graphed greedy step)")
+    rows: list[dict] = []
+    for size in ("small", "large"):
+        model = llama.build_model(size, logit_scale=TREE_LOGIT_SCALE)
+        tree = trees.static_tree(64, 10)
+        requests = [llama.Request(llama.PROMPT, 64)]
+        capacity = llama.capacity_for(len(llama.PROMPT), 64, tree.depth, TORCH_M, 1, width=tree.nodes)
+        _, step_ms = _plain_decoding(llama, model, capacity, requests)
+        parts = {**_chain_parts(llama, model, capacity, requests),
+                 **_tree_parts(llama, trees, model, tree, capacity, requests)}
+        _release()
+        for width in (1, 8):
+            logits = torch.randn(1, width, model.config.vocab_size, device="cuda", dtype=model.dtype)
+            parts[f"top-2 of {width} node(s), torch.topk"] = _graph_ms(lambda x=logits: x.topk(2, dim=-1))
+            best = torch.empty(1, width, 2, dtype=torch.long, device="cuda")
+            parts[f"top-2 of {width} node(s), 2 argmaxes"] = _graph_ms(lambda x=logits, y=best: trees.best_ranks(x, y))
+        for part, ms in parts.items():
+            rows.append(dict(size=size, part=part, ms=ms, target_steps=ms / step_ms))
+            print(f"{size:6} {part:40} {ms:8.4f} ms {ms / step_ms:7.3f}", flush=True)
+    return rows
+
+
+def _chain_parts(llama: Any, model: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
+    """Device ms of a chain's draft step (k = COST_K) and verify, each captured alone, and of its
+    target over n tokens (scratch entries past the row's) through each BLAS library (the caller's
+    _release() gives the decoder's memory back)."""
+    import torch
+    chain, verify, draft = _decoder(llama, None, model, "chain", COST_K, capacity)
+    chain.generate_batch(requests)
+    parts = {f"chain draft step (of {COST_K})": _graph_ms(draft, chain.stream) / COST_K,
+             f"chain verify ({COST_K + 1} tokens)": _graph_ms(verify, chain.stream)}
+    target = chain.target
+    for n in (1, 2, 5, 8, 11, 16, 17, 33, 65):
+        tokens = chain.vtok[:, :1].expand(1, n)
+        positions = chain.pos_start.long() + torch.arange(n, device="cuda")
+        for library in ("cublaslt", "cublas"):
+            target.library = library
+            parts[f"target over {n} tokens, {library}"] = _graph_ms(lambda: target.logits(tokens, positions),
+                                                                    chain.stream)
+    target.library = None
+    return parts
+
+
+def _tree_parts(llama: Any, trees: Any, model: Any, tree: Any, capacity: int,
+                requests: Sequence[Any]) -> dict[str, float]:
+    """Device ms of each draft level of `tree` and of its verify, each captured alone (level 0
+    first: its eager run before its capture makes the round's mask, which the levels after read)."""
+    spec, verify, _ = _decoder(llama, trees, model, "static", tree, capacity)
+    spec.generate_batch(requests)
+    parts = {f"tree level {level} ({stop - start} nodes)": _graph_ms(lambda level=level: spec.draft_level(level),
+                                                                     spec.stream)
+             for level, (start, stop) in enumerate(tree.expanded) if stop > start}
+    parts[f"tree verify ({tree.nodes} tokens)"] = _graph_ms(verify, spec.stream)
+    return parts
+
+
+SECTIONS = {"one_request": bench_one_request, "batches": bench_batches, "serving": bench_serving,
+            "hybrid": bench_hybrid, "trees": bench_trees, "tree_costs": bench_tree_costs}
+
+
+def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_path: str | Path | None = None,
+                **trees: Sequence[Any]) -> dict[str, list[dict]]:
+    """The sections' rows by name; `trees`: bench_trees' sizes= and batches=, where given. The
+    trees section's picture goes beside the JSON at `json_path` (its name, .png), which the
+    caller writes."""
+    llama = load_example()
+    report = {name: SECTIONS[name](llama, quick, **(trees if name == "trees" else {})) for name in sections}
+    if "trees" in report:
+        if json_path is None:
+            print("trees: the picture goes beside the JSON: give --json PATH to get it")
+        else:
+            plot_trees(report["trees"], Path(json_path).with_suffix(".png"))
+    return report
+
+
+def _listed(text: str, known: Sequence[Any], kind: Callable[[str], Any] = str) -> list[Any]:
+    """A comma-separated subset of `known` (argparse's type: a wrong item is its error)."""
+    try:
+        items = [kind(item) for item in text.split(",")]
+    except ValueError:
+        items = [text]
+    if set(items) - set(known):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(map(str, known))}, not {text!r}")
+    return items
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="round-stream on examples/torch_llama.py, some sections alone")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (and the trees' picture beside)")
+    parser.add_argument("--tree-sizes", type=lambda text: _listed(text, ("small", "large")),
+                        help="the trees section at these model sizes only")
+    parser.add_argument("--tree-batches", type=lambda text: _listed(text, TREE_BATCHES, int),
+                        help="the trees section at these batch sizes only")
+    parser.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)} (default: all)")
+    args = parser.parse_args()
+    if set(args.sections) - set(SECTIONS):
+        parser.error(f"sections are {', '.join(SECTIONS)}, not {', '.join(sorted(set(args.sections) - set(SECTIONS)))}")
+    trees = {name: value for name, value in (("sizes", args.tree_sizes), ("batches", args.tree_batches)) if value}
+    report = bench_torch(args.quick, args.sections or tuple(SECTIONS), args.json, **trees)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)

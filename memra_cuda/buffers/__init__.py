@@ -1,0 +1,16 @@
+"""The seed's half of round-stream: the device state of a burst (StreamBufs; TreeBufs for a
+tree), the tables of what a round rolls back (KV lengths, recurrent state, KV data), the
+capacity rule, the acceptance rules, and the row words (layout) that ptx/layout.cuh shares."""
+from .acceptance import Acceptance, Greedy, Sampling
+from .capacity import UNCHECKED, Capacity, CapacityError, kv_capacity
+from .stream_bufs import BuffersHeld, Readback, StreamBufs
+from .tables import (AddressTable, Cache, KVData, KVDataTable, KVLayer, PointerTable, StateIndexTable, StateLayer,
+                     StateTable, kv_data_table, kv_len_ptr_table, kv_len_ptr_table_range, state_copy_table,
+                     state_copy_table_range, state_flip_table)
+from .tree import Candidates, DynamicTree, Tree, TreeBufs, TreeShape
+
+__all__ = ["Acceptance", "AddressTable", "BuffersHeld", "Cache", "Candidates", "Capacity", "CapacityError",
+           "DynamicTree", "Greedy", "KVData", "KVDataTable", "KVLayer", "PointerTable", "Readback", "Sampling",
+           "StateIndexTable", "StateLayer", "StateTable", "StreamBufs", "Tree", "TreeBufs", "TreeShape", "UNCHECKED",
+           "kv_capacity", "kv_data_table", "kv_len_ptr_table", "kv_len_ptr_table_range", "state_copy_table",
+           "state_copy_table_range", "state_flip_table"]

@@ -1,0 +1,149 @@
+"""The capacity rule: how far the rounds a host queues may write into the KV caches.
+
+A round writes k+1 entries past a row's position (a tree round its T+1 slots: the round's
+`width`) before rollback takes back the rejected ones, and the host knows the positions only as
+of its last readback, so every check is a bound: a live row may write a whole burst of rounds
+past its known position, plus whatever the rounds still in flight may have added, and a row may
+sit out rounds done at its final position while others finish, writing its scratch entries
+there. The rule is written once, here, in numpy alone, for each way rounds are queued: a burst,
+a burst behind another one in flight (overlap), and a device loop's whole budget; kv_capacity
+sizes a cache by the same rule.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..driver.values import as_index
+from ..driver.errors import MemraError
+
+
+class CapacityError(MemraError, ValueError):
+    """A KV cache cannot hold the entries the next burst (or device loop) may append."""
+
+
+class Unchecked:
+    """The capacity of a rollback table whose KV capacity the caller chose not to give: asked
+    for by name (`capacity=UNCHECKED`), never by omission."""
+
+    def __repr__(self) -> str:
+        return "UNCHECKED"
+
+
+UNCHECKED = Unchecked()
+
+
+def kv_entries(capacity: Any) -> int | Unchecked | None:
+    """A stated KV capacity: a positive number of entries, None (no KV named) or UNCHECKED, else
+    ValueError; where a table or a pipeline's other stages say how far a burst may go."""
+    if capacity is None or capacity is UNCHECKED:
+        return capacity
+    capacity = as_index(capacity, "capacity")
+    if capacity < 1:
+        raise ValueError(f"capacity must be a positive number of KV entries, None or UNCHECKED, not {capacity}")
+    return capacity
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The room of a round's caches: `entries`, the fewest KV entries any cache behind the
+    round holds per row (None: nothing to check), for rounds that advance a row at most k+1
+    positions and write `width` entries past it (a chain: k+1; a tree: its T+1 slots), over
+    `batch` rows in bursts of at most `m_rounds`.
+
+    A live row needs room for (rounds-1)·(k+1) + width entries past its position, plus k+1 more
+    in a batch (a round it may sit out done at its final position while other rows finish); a
+    done row needs the `width` scratch entries at its frozen position. `ahead` is how many rounds
+    queued before this burst the host has not seen yet: they may have moved every row that far.
+    """
+
+    entries: int | None
+    k: int
+    batch: int
+    m_rounds: int
+    width: int | None = None  # None: k + 1, a chain's
+
+    def __post_init__(self) -> None:
+        if self.width is None:
+            object.__setattr__(self, "width", self.k + 1)
+
+    @classmethod
+    def of(cls, capacities: Iterable[int | Unchecked | None], k: int, batch: int, m_rounds: int,
+           width: int | None = None) -> Capacity:
+        """The rule for caches of the given capacities (None and UNCHECKED say nothing)."""
+        known = [c for c in capacities if c is not None and c is not UNCHECKED]
+        return cls(min(known) if known else None, k, batch, m_rounds, width)
+
+    @property
+    def _live(self) -> int:
+        """Past the furthest start of a burst's last round: its writes, and in a batch the k+1
+        it may move more before sitting a round out there."""
+        return self.width + (self.k + 1 if self.batch > 1 else 0)
+
+    def burst_reach(self, positions: np.ndarray, done: np.ndarray, rounds: int, ahead: int = 0) -> np.ndarray:
+        """Per row, the furthest entry a burst of `rounds` rounds may write, behind `ahead`
+        unseen rounds."""
+        k1 = self.k + 1
+        return positions + ahead * k1 + np.where(done, self.width, (rounds - 1) * k1 + self._live)
+
+    def burst_short(self, positions: np.ndarray, done: np.ndarray, rounds: int, ahead: int = 0) -> np.ndarray:
+        """The rows a burst of `rounds` rounds (behind `ahead` unseen ones) would overrun. No row
+        reaches past the furthest position plus a live row's burst: one reduction clears the
+        common case, and only a burst near the limit looks at every row."""
+        if self.entries is None:
+            return _NO_ROWS
+        if int(positions.max()) + (ahead + rounds - 1) * (self.k + 1) + self._live <= self.entries:
+            return _NO_ROWS
+        return np.flatnonzero(self.burst_reach(positions, done, rounds, ahead) > self.entries)
+
+    def check_burst(self, positions: np.ndarray, done: np.ndarray, rounds: int, ahead: int = 0) -> None:
+        """CapacityError naming the first row a burst of `rounds` rounds would overrun."""
+        short = self.burst_short(positions, done, rounds, ahead)
+        if short.size:
+            b = int(short[0])
+            reach = self.burst_reach(positions, done, rounds, ahead)[b]
+            raise CapacityError(
+                f"KV cache of {self.entries} entries cannot take the next burst: {rounds} rounds at k={self.k}"
+                f"{f' behind {ahead} unseen' if ahead else ''} may write up to {reach} (row {b} at position "
+                f"{positions[b]}): use a larger cache, fewer rounds per burst or a token budget")
+
+    def loop_reach(self, positions: np.ndarray, most: np.ndarray, done: np.ndarray, ahead: int = 0) -> np.ndarray:
+        """Per row, the furthest entry a device loop may write for a row that commits at most
+        `most` tokens (behind `ahead` unseen rounds): its last round starts at most most - 1 past
+        its position and writes `width` entries there; where rows sit out rounds done (a batch,
+        or passes of several rounds), the round that stopped it may have kept k+1, and `width`
+        scratch entries follow."""
+        k1 = self.k + 1
+        idle = k1 if self.batch > 1 or self.m_rounds > 1 else 0
+        return positions + ahead * k1 + np.where(done, self.width, most - 1 + self.width + idle)
+
+    def check_loop(self, positions: np.ndarray, most: np.ndarray, done: np.ndarray, ahead: int = 0) -> None:
+        """CapacityError unless every cache has room for the whole device loop."""
+        if self.entries is None:
+            return
+        reach = self.loop_reach(positions, most, done, ahead)
+        short = np.flatnonzero(reach > self.entries)
+        if short.size:
+            b = int(short[0])
+            raise CapacityError(f"KV cache of {self.entries} entries cannot take the device loop: row {b} at "
+                                f"position {positions[b]} may write up to {reach[b]} ({most[b]} tokens at k={self.k}); "
+                                "use a larger cache or a smaller budget or max_rounds")
+
+
+def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, overlap: bool = False,
+                batch: int = 1, width: int | None = None) -> int:
+    """KV entries a cache needs (per sequence) so generate() never raises CapacityError for
+    this request: the rule's reach (Capacity.burst_reach) of a burst of M rounds, behind one more
+    in flight for "overlap", from position prompt_len + max_new_tokens (two past the furthest a
+    live row can start one from). `width` is what a round writes past its position (a tree's
+    T + 1 slots; default a chain's k + 1)."""
+    rule = Capacity(None, k, batch, m_rounds, width)
+    reach = rule.burst_reach(np.array([prompt_len + max_new_tokens]), np.zeros(1, bool), m_rounds,
+                             m_rounds if overlap else 0)
+    return int(reach[0])

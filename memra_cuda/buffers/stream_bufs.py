@@ -1,0 +1,313 @@
+"""The device buffers of a burst, and the one readback.
+
+Every value that changes from round to round lives in these buffers, so the host can issue M
+rounds without looking, and a graph captured over them replays unchanged.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..driver.buffer import DeviceBuffer
+from ..driver.values import as_index
+from .layout import ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT, RING_TOKENS
+from ..driver.errors import MemraError
+
+if TYPE_CHECKING:
+    from ..driver.engine import Engine
+    from ..driver.event import Event
+
+MAX_BATCH = 65535  # some kernels give each sequence a grid row (y), which CUDA caps at 65535
+
+
+class Readback:
+    """One burst's readback, per row: `done`, its position (pos_ctr) when the burst ended,
+    `committed`, how many tokens its ring held, and `tokens`, those tokens. The words are a copy
+    of the pinned slot, so the slot is free for the next burst at once; the tokens are taken
+    apart when first asked for, so a driver can decide its next burst from the flags and queue
+    it first."""
+
+    __slots__ = ("done", "positions", "committed", "_words", "_ring_row", "_tokens")
+
+    def __init__(self, words: np.ndarray, ring_row: int, committed: list[int], done: np.ndarray,
+                 positions: np.ndarray):
+        self.done, self.positions, self.committed = done, positions, committed
+        self._words, self._ring_row = words, ring_row
+        self._tokens: list[np.ndarray] | None = None
+
+    @property
+    def tokens(self) -> list[np.ndarray]:
+        if self._tokens is None:
+            rings = self._words[:len(self.committed) * self._ring_row].reshape(len(self.committed), self._ring_row)
+            self._tokens = [rings[b, RING_TOKENS:RING_TOKENS + n] for b, n in enumerate(self.committed)]
+        return self._tokens
+
+    def __repr__(self) -> str:
+        return f"Readback({sum(self.committed)} tokens over {len(self.committed)} rows, {int(self.done.sum())} done)"
+
+
+class BuffersHeld(MemraError, ValueError):
+    """The buffers are held by work still running on them (a device loop): nothing else may
+    queue on them, reset them or read them back until it lets go."""
+
+
+class StreamBufs:
+    """All device state of the round stream of `batch` sequences (docs/buffers.md), plus two
+    pinned slots that the rings, ctl_d and pos_ctr_d are read back into, inside a graph too.
+
+    Every field is row-major with one row per sequence (B = 1 is the single-sequence layout).
+    Rows are independent: a row whose done flag is set is inert, so a vacant slot is a done
+    row, and reset_row / set_stop_row start a new request in a slot between bursts without
+    recapturing any graph. Every device buffer field ends in `_d`; `pos_ctr` is the docs' name
+    for `pos_ctr_d`. The fields are windows of one allocation, the rings, ctl rows and
+    positions side by side, so a burst's readback is one copy, prepared once with the memset
+    that empties the rings after it. free() frees them all, and every graph captured over
+    them then refuses to replay. The buffers belong to `engine`, whose stream orders all work
+    on them: no method takes another.
+
+    What the host knows of the rows, kept here so that every driver over these buffers sees
+    the same: `positions` and `done` (read-only arrays), set by reset/set_stop, then by every
+    readback (receive); `committed`, how many tokens each ring held at the last readback; and
+    the ledger of what the host has not seen (`unseen_rounds`, `ring_rounds`; see queued()).
+    `holder` is whoever holds the buffers (a running device loop), refusing everyone else.
+    """
+
+    def __init__(self, engine: Engine, k: int, m_rounds: int, batch: int = 1):
+        k, m_rounds, batch = as_index(k, "k"), as_index(m_rounds, "m_rounds"), as_index(batch, "batch")
+        if k < 0 or m_rounds < 1:
+            raise ValueError(f"need k >= 0 draft tokens and m_rounds >= 1, not k={k}, m_rounds={m_rounds}")
+        if not 1 <= batch <= MAX_BATCH:
+            raise ValueError(f"batch must be 1 to {MAX_BATCH} sequences, not {batch}")
+        self.engine = engine
+        self.k, self.m_rounds, self.batch = k, m_rounds, batch
+        self.ring_cap = m_rounds * (k + 1)
+        ring_row = RING_TOKENS + self.ring_cap
+        fields = (("ring_d", np.uint32, ring_row), ("ctl_d", np.int32, CTL_WORDS), ("pos_ctr_d", np.int32, 1),
+                  ("vtok_d", np.uint32, k + 1), ("brk_d", np.uint32, BRK_WORDS), ("pend_d", np.uint32, 1),
+                  ("last_pred_d", np.uint32, 1), ("pos_start_d", np.int32, 1), ("acc_d", np.uint32, ACC_WORDS))
+        self._arena = engine.zeros(np.uint32, batch * sum(row for _, _, row in fields), label="round-stream state")
+        start = 0
+        for name, dtype, row in fields:
+            setattr(self, name, self._arena.view(start, batch * row, dtype, label=name))
+            start += batch * row
+        ctl = np.zeros((batch, CTL_WORDS), np.int32)
+        ctl[:, [CTL_EOS, CTL_BUDGET]] = -1  # no EOS, no budget
+        engine.copy_htod(self.ctl_d, ctl.reshape(-1))
+        # Two slots, so one burst's readback can be read while the next burst writes the other.
+        self._ring_row, self._rings_end = ring_row, self.ring_d.len
+        self._ctl_end = self.ring_d.len + self.ctl_d.len
+        self._words = self._ctl_end + self.pos_ctr_d.len  # rings, ctl rows, positions: side by side
+        self._host = [engine.pinned(np.uint32, self._words, label=f"readback slot {i}") for i in range(2)]
+        self._readback_copies = [engine.prepare_dtoh(host, self._arena.view(0, self._words)) for host in self._host]
+        self._empty_rings = engine.prepare_set_u32(self.ring_d, RING_COUNT, 0, every=ring_row)
+        self.positions = _frozen(np.zeros(batch, np.int64))
+        self.done = _frozen(np.zeros(batch, bool))
+        self.committed: list[int] = [0] * batch
+        # The ledger: rounds queued in all, those the last received readback covers, those each
+        # slot's pending readback will cover; rounds committed into the rings since they were
+        # last emptied.
+        self._queued, self._learnt, self._covers = 0, 0, [0, 0]
+        self.ring_rounds = 0
+        self.holder: object | None = None
+        self._held_why = ""
+
+    # -- the ledger and the holder -----------------------------------------------------------
+    @property
+    def unseen_rounds(self) -> int:
+        """Rounds queued since the ones the last readback (or whole reset) covers: how far the
+        rows may have moved past the positions the host knows."""
+        return self._queued - self._learnt
+
+    def queued(self, rounds: int, readback: int | None = None) -> None:
+        """`rounds` rounds were queued on these buffers, and after them (readback = a slot) a
+        readback into that pinned slot, which empties the rings: whoever queues rounds says so
+        here (a graph's replay too, whose readback this object cannot see), so that every
+        driver checks capacity and the rings' room against the same ledger."""
+        self._queued += rounds
+        self.ring_rounds += rounds
+        if readback is not None:
+            self._covers[readback] = self._queued
+            self.ring_rounds = 0
+
+    def hold(self, holder: object, why: str) -> None:
+        """Give the buffers to `holder` (a device loop, from its launch until it is finished):
+        everything else on them is refused with BuffersHeld saying `why`, until release()."""
+        if self.holder is not None and self.holder is not holder:
+            raise BuffersHeld(self._held_why)
+        self.holder, self._held_why = holder, why
+
+    def release(self, holder: object) -> None:
+        if self.holder is holder:
+            self.holder = None
+
+    def check_free(self, rounds: int = 0) -> None:
+        """BuffersHeld while someone holds the buffers (see hold); ValueError if `rounds` more
+        rounds would overrun the rings, which hold M rounds' tokens until a readback (a commit
+        past them drops tokens while still spending the budget)."""
+        if self.holder is not None:
+            raise BuffersHeld(self._held_why)
+        if self.ring_rounds + rounds > self.m_rounds:
+            raise ValueError(f"{self.ring_rounds} round(s) were issued since the ring was last read: {rounds} more "
+                             f"would overrun the ring, which holds M={self.m_rounds} rounds' tokens; read back first")
+
+    # -- requests ------------------------------------------------------------------------------
+    def reset(self, pending: int | Sequence[int], position: int | Sequence[int]) -> None:
+        """Start a new request on these buffers (in every row, for a batch): `pending` is the
+        last prompt token (its KV not yet computed), `position` the KV entries already committed
+        (the prompt but its last token), each one value for all rows or one per row. Ring,
+        counters, done and keep are cleared and the stop rule is lifted (set_stop sets the next
+        one); captured graphs stay valid. The model's KV lengths are the model's to set (to
+        `position`). The next generation starts here."""
+        self._reset(range(self.batch), pending, position)
+
+    def reset_row(self, row: int, pending: int, position: int) -> None:
+        """reset() for the one sequence in slot `row`; the other rows are untouched, so a new
+        request can join a running batch between bursts (continuous batching)."""
+        self._reset(self._rows(row), pending, position)
+
+    def set_stop(self, eos: int | None | Sequence[int | None] = None,
+                 budget: int | None | Sequence[int | None] = None) -> None:
+        """The stop rule of the next generation (None: no EOS / no budget), one for every row or
+        a sequence of one per row; clears `done`, but where the budget is 0: nothing to
+        generate, so that row is done at once."""
+        self._set_stop(range(self.batch), eos, budget)
+
+    def set_stop_row(self, row: int, eos: int | None = None, budget: int | None = None) -> None:
+        """set_stop() for slot `row` alone. A budget of 0 parks the slot: a done row is inert."""
+        self._set_stop(self._rows(row), eos, budget)
+
+    def _rows(self, row: int) -> range:
+        row = as_index(row, "row")
+        if not 0 <= row < self.batch:
+            raise ValueError(f"row {row} is outside a batch of {self.batch}")
+        return range(row, row + 1)
+
+    def _reset(self, rows: range, pending: Any, position: Any) -> None:
+        self.check_free()
+        n, first, engine = len(rows), rows.start, self.engine
+        pending = np.array(per_row(pending, n, "pending", optional=False), np.int64)
+        position = np.array(per_row(position, n, "position", optional=False), np.int64)
+        engine.copy_htod(self.pend_d, pending, start=first)
+        engine.copy_htod(self.pos_ctr_d, position, start=first)
+        self._set_stop(rows, None, None)  # no stop rule, not done, keep 0
+        for buf, row in ((self.ring_d, self._ring_row), (self.brk_d, BRK_WORDS), (self.acc_d, ACC_WORDS)):
+            engine.copy_htod(buf, np.zeros(n * row, np.uint32), start=row * first)
+        self.positions = _frozen(_replaced(self.positions, rows, position))
+        if len(rows) == self.batch:  # every row reset: positions known, rings empty
+            self._learnt = self._queued
+            self.ring_rounds = 0
+
+    def _set_stop(self, rows: range, eos: Any, budget: Any) -> None:
+        self.check_free()
+        eos, budget = per_row(eos, len(rows), "eos"), per_row(budget, len(rows), "budget")
+        ctl = np.zeros((len(rows), CTL_WORDS), np.int64)
+        ctl[:, CTL_EOS] = [-1 if e is None else e for e in eos]
+        ctl[:, CTL_BUDGET] = [-1 if n is None else n for n in budget]
+        ctl[:, CTL_DONE] = [n == 0 for n in budget]
+        self.engine.copy_htod(self.ctl_d, ctl.reshape(-1), start=CTL_WORDS * rows.start)
+        self.done = _frozen(_replaced(self.done, rows, ctl[:, CTL_DONE] != 0))
+
+    # -- reading back --------------------------------------------------------------------------
+    def drain_ring(self, row: int = 0) -> np.ndarray:
+        """The tokens committed to row `row`'s ring, in order (one readback), and the row's ring
+        emptied for the rounds to come (its count zeroed on the stream)."""
+        self._rows(row)
+        self.check_free()
+        stride, engine = self._ring_row, self.engine
+        tokens = _ring_tokens(engine.dtoh(self.ring_d.view(row * stride, stride)), self.ring_cap)
+        engine.set_u32(self.ring_d, row * stride + RING_COUNT, 0)
+        if self.batch == 1:
+            self.ring_rounds = 0
+        return tokens
+
+    def queue_readback(self, slot: int = 0) -> None:
+        """Queue the rings, ctl rows and positions into pinned slot 0 or 1 (one copy), then
+        zero every ring's count (one memset); both capturable, both checked when prepared.
+        Queued now (not recorded into a graph), it goes into the ledger at once."""
+        self.check_free()
+        self._readback_copies[slot]()
+        self._empty_rings()
+        if self.engine.capture_hold is None:
+            self.queued(0, readback=slot)
+
+    def receive(self, slot: int = 0, event: Event | None = None) -> Readback:
+        """Wait for the readback queued into `slot` (one readback for all rows; only up to
+        `event`, if given), and learn each row's done flag, position and ring count from it."""
+        self.check_free()
+        self.engine.finish_readback(event)
+        words = self._host[slot].read()
+        self.committed = np.minimum(words[RING_COUNT:self._rings_end:self._ring_row], self.ring_cap).tolist()
+        self.done = _frozen(words[self._rings_end + CTL_DONE:self._ctl_end:CTL_WORDS] != 0)
+        self.positions = _frozen(words[self._ctl_end:].view(np.int32).astype(np.int64))
+        self._learnt = max(self._learnt, self._covers[slot])
+        return Readback(words, self._ring_row, self.committed, self.done, self.positions)
+
+    def drafts_accepted(self, committed: int | Sequence[int]) -> tuple[int, int]:
+        """(accepted, drafted) over every row since its request began, for `committed` tokens
+        generated (per row, for a batch): each of rounds_run's rounds drafted k tokens. One
+        readback."""
+        committed = np.asarray(committed, np.int64).reshape(-1)
+        rounds = self.rounds_run(committed)
+        return int((committed - rounds).sum()), self.k * int(rounds.sum())
+
+    def rounds_run(self, committed: int | Sequence[int]) -> np.ndarray:
+        """Per row, the rounds it ran since its request began (int64 [B]), for `committed` tokens
+        generated (per row, for a batch): committed - accepted, as every round commits its
+        accepted drafts plus one. A batch runs as many rounds as its slowest row; its rows' mean
+        against that maximum is the share of the batch's rounds its rows used. One readback."""
+        committed = np.asarray(committed, np.int64).reshape(-1)
+        if committed.size != self.batch:
+            raise ValueError(f"need one committed count per row ({self.batch}), not {committed.size}")
+        self.check_free()
+        return committed - self.engine.dtoh(self.acc_d)[ACC_TOTAL::ACC_WORDS].astype(np.int64)
+
+    def tokens_per_round(self, committed: int | Sequence[int]) -> float:
+        """Tokens committed per round a row ran (tau), over every row since its request began, for
+        `committed` tokens generated (per row, for a batch), rounds_run's: 1 where no round ran."""
+        rounds = int(self.rounds_run(committed).sum())
+        return int(np.sum(committed)) / rounds if rounds else 1.0
+
+    def buffers(self) -> dict[str, DeviceBuffer]:
+        """The device fields by name (windows of one allocation)."""
+        return {name: buf for name, buf in vars(self).items() if isinstance(buf, DeviceBuffer) and name[0] != "_"}
+
+    def free(self) -> None:
+        for buf in [*self.buffers().values(), self._arena, *self._host]:
+            buf.free()
+
+
+def per_row(values: Any, rows: int, what: str, optional: bool = True) -> list[int | None]:
+    """`values` for each of `rows` rows: one value for all, or a sequence of one per row; each
+    an int in [0, 2**31) (ids, counts, positions), or None where `optional`."""
+    many = isinstance(values, (list, tuple, np.ndarray))
+    if many and len(values) != rows:
+        raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
+    out = list(values) if many else [values] * rows
+    for i, value in enumerate(out):
+        if value is None and optional:
+            continue
+        if not 0 <= as_index(value, what) < 2**31:  # None where not optional: TypeError
+            raise ValueError(f"{what} must be {'None or ' if optional else ''}in [0, 2**31), not {value}"
+                             + (f" (row {i})" if many else ""))
+    return out
+
+
+def _ring_tokens(ring: np.ndarray, ring_cap: int) -> np.ndarray:
+    return ring[RING_TOKENS:RING_TOKENS + min(int(ring[RING_COUNT]), ring_cap)].astype(np.uint32)
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    """`array`, read-only: the host's knowledge of the rows is handed out, never copied, so no
+    caller may change it."""
+    array.flags.writeable = False
+    return array
+
+
+def _replaced(array: np.ndarray, rows: range, value: Any) -> np.ndarray:
+    """A copy of `array` with `rows` set to `value`."""
+    out = array.copy()
+    out[rows.start:rows.stop] = value
+    return out
+

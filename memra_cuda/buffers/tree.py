@@ -1,0 +1,280 @@
+"""Draft trees: their shapes on the host, and their nodes on the device (docs/trees.md).
+
+A tree round verifies T + 1 nodes at once, node 0 the pending token. Nodes are kept in level
+order (every node of depth d before any of depth d + 1), so each level is one fixed range of
+node indices: a model's draft processes a level as one batch of tokens of a fixed shape every
+round, which a captured graph needs. A static tree (TreeShape) fixes the topology; a dynamic
+one (DynamicTree) fixes only the levels' widths, and the layer's kernels choose each round,
+per row, which candidates fill them.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..driver.values import as_index
+from .layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS, ROOT_PARENT
+
+if TYPE_CHECKING:
+    from .stream_bufs import StreamBufs
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A static tree: `parent` and `rank` of every node in level order (node 0 the root, its
+    parent -1), built by from_choices or from_parents, which check it. A node of rank r holds
+    its parent's r-th best candidate (greedy) or r-th draw (sampling)."""
+
+    parent: tuple[int, ...]
+    rank: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parent) != len(self.rank) or not self.parent or self.parent[0] != -1:
+            raise ValueError("a tree's parent and rank name every node, node 0 (the root, parent -1) first")
+        if not 2 <= len(self.parent) <= MAX_TREE_NODES:
+            raise ValueError(f"a tree has 2 to {MAX_TREE_NODES} nodes (the ancestor mask's width), not "
+                             f"{len(self.parent)}")
+        depth = [0]
+        for i, p in enumerate(self.parent[1:], 1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i}'s parent {p} is not before it: a parent must come before its child")
+            if depth[p] + 1 < depth[-1]:
+                raise ValueError(f"node {i} (depth {depth[p] + 1}) comes after a deeper node: nodes are in level order")
+            depth.append(depth[p] + 1)
+        siblings = [(p, r) for p, r in zip(self.parent[1:], self.rank[1:])]
+        if any(r < 0 for _, r in siblings) or len(set(siblings)) != len(siblings):
+            raise ValueError("sibling ranks must be distinct and non-negative")
+        object.__setattr__(self, "_depths", tuple(depth))
+
+    @classmethod
+    def from_choices(cls, choices: Sequence[Sequence[int]]) -> TreeShape:
+        """EAGLE-style choices: each node the path of sibling ranks from the root ([1, 0]: the
+        best child of the root's second-best child), every prefix of a path a node too."""
+        paths = [tuple(as_index(r, "a choice's rank") for r in path) for path in choices]
+        if any(not path for path in paths) or len(set(paths)) != len(paths):
+            raise ValueError("choices are distinct, non-empty paths of sibling ranks")
+        known = set(paths)
+        for path in paths:
+            if len(path) > 1 and path[:-1] not in known:
+                raise ValueError(f"choice {list(path)}: its prefix {list(path[:-1])} is not a node")
+        order = sorted(paths, key=lambda path: (len(path), path))
+        index = {(): 0, **{path: i + 1 for i, path in enumerate(order)}}
+        return cls((-1, *(index[path[:-1]] for path in order)), (0, *(path[-1] for path in order)))
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[int]) -> TreeShape:
+        """Each node's parent (node 0's -1), a parent before its child; siblings ranked in their
+        given order. Reordered into level order (by depth, then parent, then rank)."""
+        parents = [int(p) for p in parents]
+        if not parents or parents[0] != -1:
+            raise ValueError("parents[0] must be -1: node 0 is the root")
+        depth, rank, seen = [0], [0], {}
+        for i, p in enumerate(parents[1:], 1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i}'s parent {p} is not before it: a parent must come before its child")
+            depth.append(depth[p] + 1)
+            rank.append(seen.get(p, 0))
+            seen[p] = rank[-1] + 1
+        order = [0]
+        for d in range(1, max(depth) + 1):
+            order += sorted((i for i in range(len(parents)) if depth[i] == d),
+                            key=lambda i: (order.index(parents[i]), rank[i]))
+        where = {old: new for new, old in enumerate(order)}
+        return cls((-1, *(where[parents[i]] for i in order[1:])), tuple(rank[i] for i in order))
+
+    @classmethod
+    def chain(cls, k: int) -> TreeShape:
+        """k drafts in a line: the tree a chain round verifies."""
+        return cls((-1, *range(k)), (0,) * (k + 1))
+
+    @classmethod
+    def chain_with_leaves(cls, k: int, leaves: int) -> TreeShape:
+        """k drafts in a line, each beside its parent's next `leaves` candidates as leaves: a
+        draft that leaves out what it need not expand (`expanded`) runs a chain's levels of one
+        node for it, and the verify takes k (leaves + 1) + 1 tokens. Where a verify of those costs
+        about what one of k + 1 does, it catches the draft's second choices at a chain's draft
+        cost."""
+        k, leaves = as_index(k, "k"), as_index(leaves, "leaves")
+        if k < 1 or leaves < 0:
+            raise ValueError(f"a chain with leaves has k >= 1 drafts and leaves >= 0, not k={k}, leaves={leaves}")
+        return cls.from_choices([[0] * (d - 1) + [r] for d in range(1, k + 1) for r in range(leaves + 1)])
+
+    @classmethod
+    def likeliest(cls, size: int, *, depth: int = 8, right: float = 0.6, fall: float = 0.5,
+                  ranks: int = MAX_TREE_DRAWS) -> TreeShape:
+        """The `size` draft nodes most likely on the accepted path when a node of rank r is
+        right with probability right * fall**r given its parent (a child's chance is below its
+        parent's, so the likeliest nodes form a tree), at most `depth` deep and `ranks` wide:
+        a static tree for a draft whose rank-r candidates are accepted at about those rates."""
+        size, depth, ranks = as_index(size, "size"), as_index(depth, "depth"), as_index(ranks, "ranks")
+        if not (0 < right <= 1 and 0 < fall <= 1) or min(size, depth, ranks) < 1:
+            raise ValueError(f"a likeliest tree needs size, depth and ranks >= 1 and right, fall in (0, 1], not "
+                             f"size={size}, depth={depth}, ranks={ranks}, right={right}, fall={fall}")
+        if size >= MAX_TREE_NODES:
+            raise ValueError(f"a tree has 2 to {MAX_TREE_NODES} nodes (the ancestor mask's width): a likeliest "
+                             f"tree of {size} drafts has {size + 1}")
+        most = sum(ranks**d for d in range(1, min(depth, size) + 1))  # every node a tree this deep and wide has
+        if size > most:
+            raise ValueError(f"a likeliest tree at most {depth} deep and {ranks} wide has at most {most} nodes, "
+                             f"not {size}")
+        chosen: list[tuple[int, ...]] = []
+        frontier = [(-right * fall**r, (r,)) for r in range(ranks)]
+        heapq.heapify(frontier)
+        while len(chosen) < size:
+            chance, path = heapq.heappop(frontier)
+            chosen.append(path)
+            if len(path) < depth:
+                for r in range(ranks):
+                    heapq.heappush(frontier, (chance * right * fall**r, (*path, r)))
+        return cls.from_choices(chosen)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.parent)
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        return self._depths  # type: ignore[attr-defined]
+
+    @property
+    def depth(self) -> int:
+        return self.depths[-1]
+
+    @property
+    def levels(self) -> tuple[tuple[int, int], ...]:
+        """(start, stop) of each depth's nodes, depth 0 (the root) first."""
+        bounds = np.searchsorted(np.array(self.depths), np.arange(self.depth + 2))
+        return tuple((int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]))
+
+    @property
+    def expanded(self) -> tuple[tuple[int, int], ...]:
+        """(start, stop) of each depth's nodes up to its last with a child (the deepest level's:
+        none): the nodes whose children the layer makes, so the only ones whose candidates or q
+        it reads. Those past it are leaves: a draft that folds its last step into the next
+        round's first (docs/model-side.md), and so never needs the K/V of a leaf it drafted,
+        can leave them out of the level's forward."""
+        last: dict[int, int] = {}
+        for p in self.parent[1:]:
+            last[self.depths[p]] = max(last.get(self.depths[p], p), p)
+        return tuple((start, last[d] + 1 if d in last else start) for d, (start, _) in enumerate(self.levels))
+
+    @property
+    def draws(self) -> int:
+        """Candidates a node must offer: the highest rank asked for, plus one."""
+        return max(self.rank[1:]) + 1
+
+    def check_sampled(self) -> None:
+        """A sampled tree's children are their parent's first draws, at most MAX_TREE_DRAWS."""
+        children: dict[int, list[int]] = {}
+        for p, r in zip(self.parent[1:], self.rank[1:]):
+            children.setdefault(p, []).append(r)
+        for p, ranks in children.items():
+            if sorted(ranks) != list(range(len(ranks))):
+                raise ValueError(f"node {p}'s children have ranks {sorted(ranks)}: a sampled tree's children are "
+                                 "their parent's first draws, ranks 0..r-1 without gaps")
+        if self.draws > MAX_TREE_DRAWS:
+            raise ValueError(f"a sampled node draws at most {MAX_TREE_DRAWS} children, not {self.draws}")
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's dynamic tree: `depth` levels of `width` nodes each; every round and row, the
+    nodes of a level each offer their `branch` best candidates (by cumulative draft
+    log-probability) and the `width` best offers become the next level (docs/trees.md)."""
+
+    depth: int
+    width: int
+    branch: int
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "width", "branch"):
+            if as_index(getattr(self, name), name) < 1:
+                raise ValueError(f"a dynamic tree's {name} must be at least 1, not {getattr(self, name)}")
+        if self.nodes > MAX_TREE_NODES:
+            raise ValueError(f"a tree has at most {MAX_TREE_NODES} nodes (the ancestor mask's width): depth "
+                             f"{self.depth} x width {self.width} + 1 is {self.nodes}")
+        if self.depth > 1 and self.width * self.branch > MAX_TREE_OFFERS:
+            raise ValueError(f"a dynamic level weighs at most {MAX_TREE_OFFERS} offers (the grow kernel's shared "
+                             f"memory): width {self.width} x branch {self.branch} is {self.width * self.branch}")
+
+    @property
+    def nodes(self) -> int:
+        return self.depth * self.width + 1
+
+    @property
+    def levels(self) -> tuple[tuple[int, int], ...]:
+        return ((0, 1), *((1 + d * self.width, 1 + (d + 1) * self.width) for d in range(self.depth)))
+
+    @property
+    def expanded(self) -> tuple[tuple[int, int], ...]:
+        """TreeShape.expanded: every level but the deepest whole (which of its nodes get
+        children is chosen on the device)."""
+        *inner, (start, _) = self.levels
+        return (*inner, (start, start))
+
+    @property
+    def draws(self) -> int:
+        return self.branch
+
+    def check_sampled(self) -> None:
+        if self.branch > MAX_TREE_DRAWS:
+            raise ValueError(f"a sampled node draws at most {MAX_TREE_DRAWS} children: branch {self.branch}")
+
+
+Tree = TreeShape | DynamicTree
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """A greedy tree draft's output at each node it processes: its K best candidate tokens
+    (`tok_d`, [B][T+1][K], 32- or 64-bit ids) and their log-probabilities (`logp_d`, f32
+    [B][T+1][K]), best first, -inf past the last. The layer fills the next level from them."""
+
+    tok_d: Any
+    logp_d: Any
+
+
+class TreeBufs:
+    """The tree's nodes on the device for every row of `bufs` (docs/trees.md, "TreeBufs"): what
+    the model's draft and verify read (tokens, parents, depths, ranks, positions, ancestor masks,
+    cumulative scores) and the accepted path. One allocation, written by the layer's kernels
+    every round; a static tree's topology (shape_d: parents, ranks, child counts) is uploaded once."""
+
+    def __init__(self, bufs: StreamBufs, tree: Tree):
+        if not isinstance(tree, (TreeShape, DynamicTree)):
+            raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
+        if tree.depth != bufs.k:
+            raise ValueError(f"a tree of depth {tree.depth} commits up to {tree.depth + 1} tokens a round: its "
+                             f"buffers need k = {tree.depth}, not k = {bufs.k}")
+        engine, batch = bufs.engine, bufs.batch
+        self.bufs, self.tree, self.engine = bufs, tree, engine
+        self.nodes, self.depth, self.levels = tree.nodes, tree.depth, tree.levels
+        self.words = -(-self.nodes // 32)
+        n = self.nodes
+        fields = (("tok_d", np.uint32, n), ("parent_d", np.uint32, n), ("depth_d", np.uint32, n),
+                  ("rank_d", np.uint32, n), ("pos_d", np.int32, n), ("mask_d", np.uint32, n * self.words),
+                  ("score_d", np.float32, n), ("path_d", np.uint32, self.depth + 1))
+        self._arena = engine.zeros(np.uint32, batch * sum(row for _, _, row in fields), label="tree nodes")
+        start = 0
+        for name, dtype, row in fields:
+            setattr(self, name, self._arena.view(start, batch * row, dtype, label=name))
+            start += batch * row
+        self.shape_d = None
+        if isinstance(tree, TreeShape):
+            children = np.bincount(tree.parent[1:], minlength=n)
+            shape = np.array([[ROOT_PARENT, *tree.parent[1:]], tree.rank, children], np.uint32)
+            self.shape_d = engine.alloc(np.uint32, 3 * n, label="tree shape")
+            engine.copy_htod(self.shape_d, shape.reshape(-1))
+
+    @property
+    def batch(self) -> int:
+        return self.bufs.batch
+
+    def read(self) -> dict[str, np.ndarray]:
+        """Every field of every row, read back, [B][...] (for tests and debugging)."""
+        names = ("tok_d", "parent_d", "depth_d", "rank_d", "pos_d", "mask_d", "score_d", "path_d")
+        return {name[:-2]: self.engine.dtoh(getattr(self, name)).reshape(self.batch, -1) for name in names}

@@ -1,0 +1,14 @@
+"""Every error of memra_cuda's own, in one place (docs/errors.md). They share one base,
+MemraError; each is also the builtin that says what kind of failure it is."""
+from .buffers.capacity import CapacityError
+from .buffers.stream_bufs import BuffersHeld
+from .comm.communicator import RankFailure, RanksDiverged
+from .comm.library import NcclError, NcclUnavailable
+from .driver.compiler import CompileError, NvrtcUnavailable
+from .driver.errors import CaptureError, CudaError, CudaFault, CudaUnavailable, MemraError
+from .driver.graph import LoopUnsupported
+from .rounds.device_loop import RoundCapError
+
+__all__ = ["BuffersHeld", "CapacityError", "CaptureError", "CompileError", "CudaError", "CudaFault", "CudaUnavailable",
+           "LoopUnsupported", "MemraError", "NcclError", "NcclUnavailable", "NvrtcUnavailable", "RankFailure",
+           "RanksDiverged", "RoundCapError"]

@@ -1,0 +1,232 @@
+"""SpecKernels: typed launchers of the spec_* kernels of ptx/spec_stream.cu (the round's
+bookkeeping and the rollback of recurrent state), and of stochastic acceptance
+(ptx/spec_sample.cu, launched from sampling.py).
+
+The kernels clamp every count they read from device memory; the launchers check everything
+the host knows (buffer types and sizes for the batch, the engine they belong to, that a
+rollback table holds what it names and has one length or state per row) before anything is queued.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..buffers.acceptance import Acceptance, Greedy, Sampling
+from ..buffers.stream_bufs import StreamBufs
+from ..driver.buffer import DeviceBuffer
+from ..driver.module import Launch
+from ..driver.values import as_index
+from ..buffers.layout import HEAD_WORDS
+from .sampling import _exact, prepare_accept_sample, prepare_draft_sample
+from ..buffers.tables import PointerTable, StateIndexTable, StateTable
+
+if TYPE_CHECKING:
+    from ..driver.engine import Engine
+
+
+class SpecKernels:
+    """The nine round-stream kernels: seven of ptx/spec_stream.ptx (loaded once per engine),
+    stochastic acceptance and the draft's draw (ptx/spec_sample.ptx, through sampling.py); and
+    device mode's publish (4', spec_stream.ptx too).
+
+    `prepare_*` validates the buffers and returns a prepared launch to keep and call every
+    round; the plain methods launch once. Buffers may be DeviceBuffers or
+    __cuda_array_interface__ objects of this engine's device. Every launch serves all
+    `bufs.batch` rows, so a buffer the model writes holds B rows (see `batch_rows`).
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.module = engine.load_ptx("spec_stream")
+
+    def _launch(self, name: str, types: list[str], *values: object, threads: int = 1, rows: int = 1) -> Launch:
+        return spread(self.module, name, types, values, threads, rows)
+
+    def prepare_seed_gather(self, bufs: StreamBufs, rows_d: Any, row_words: int, out_d: Any) -> Launch:
+        """rows_d holds [B][n_rows][row_words] words (n_rows = rows_d.len // (B·row_words)),
+        out_d [B][row_words]."""
+        rows_d, out_d = self._words("rows_d", rows_d), self._words("out_d", out_d)
+        row_words, batch = as_index(row_words, "row_words"), bufs.batch
+        if row_words < 1 or rows_d.len % (batch * row_words):
+            raise ValueError(f"rows_d ({rows_d.len} words) must hold {batch} sequences of whole rows of "
+                             f"{row_words} words")
+        out_d = batch_rows("out_d", out_d, batch, row_words)
+        return self._launch("spec_seed_gather", ["ptr", "u32", "u32", "u32", "ptr", "ptr"],
+                            rows_d, rows_d.len // (batch * row_words), row_words, batch, bufs.acc_d, out_d,
+                            threads=row_words, rows=batch)
+
+    def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: Any) -> Launch:
+        draft_d = token_buffer(self.engine, "draft_d", draft_d)
+        draft_d = batch_rows("draft_d", draft_d, bufs.batch, max(bufs.k, 1), bufs.k)
+        return self._launch(width_kernel("spec_assemble_verify", draft_d),
+                            ["ptr", "ptr", "u32", "u32", "ptr", "ptr", "ptr"], bufs.pend_d, draft_d, bufs.k,
+                            bufs.batch, bufs.vtok_d, bufs.pos_ctr_d, bufs.pos_start_d,
+                            threads=bufs.batch * (bufs.k + 1))
+
+    def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: Any) -> Launch:
+        pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, bufs.k + 1)
+        return self._launch(width_kernel("spec_accept_greedy_dc", pred_d), ["ptr", "ptr", "u32", "u32", *["ptr"] * 4],
+                            bufs.vtok_d, pred_d, bufs.k, bufs.batch, bufs.brk_d, bufs.acc_d, bufs.last_pred_d,
+                            bufs.ctl_d, threads=32 * bufs.batch)
+
+    def prepare_ring_commit(self, bufs: StreamBufs) -> Launch:
+        return self._launch("spec_ring_commit", ["ptr"] * 6 + ["u32", "u32", "u32"],
+                            bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
+                            bufs.ring_cap, bufs.k, bufs.batch, threads=32 * bufs.batch)
+
+    def prepare_ring_publish(self, bufs: StreamBufs, published_d: DeviceBuffer, seq_d: DeviceBuffer,
+                             head_d: DeviceBuffer, count_d: DeviceBuffer, tokens_d: DeviceBuffer,
+                             stamps_d: DeviceBuffer, cap: int) -> Launch:
+        """Kernel 4': the rings published to a mapped token stream (device mode): `published_d`
+        u32[B] counts what each row published, `seq_d` u32[1] the publishes; head_d
+        u32[HEAD_WORDS], count_d u32[B], tokens_d and stamps_d u32[B][cap] are the stream's
+        mapped words (device_loop.TokenFeed). One block, so the head is written once every
+        row is out: of 1024 threads, the rows striding over them (a block of one warp, inside a
+        loop, crashed compute-sanitizer's racecheck)."""
+        cap, batch = as_index(cap, "cap"), bufs.batch
+        for name, buf, shape in (("published_d", published_d, (batch,)), ("seq_d", seq_d, (1,)),
+                                 ("head_d", head_d, (HEAD_WORDS,)), ("count_d", count_d, (batch,)),
+                                 ("tokens_d", tokens_d, (batch, cap)), ("stamps_d", stamps_d, (batch, cap))):
+            _exact(self.engine.buffer(buf, name), name, ("u32",), shape)
+        return self.module.kernel("spec_ring_publish").prepare(
+            ["ptr", "u32", "u32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "u32"], 1, 1024).set(
+            bufs.ring_d, bufs.ring_cap, batch, published_d, seq_d, head_d, count_d, tokens_d, stamps_d, cap)
+
+    def prepare_accept(self, bufs: StreamBufs, rule: Acceptance) -> Launch:
+        """The kernel that judges `rule` (Greedy: contract 3; Sampling: contract 6)."""
+        if isinstance(rule, Greedy):
+            return self.prepare_accept_greedy(bufs, rule.pred_d)
+        if isinstance(rule, Sampling):
+            return self.prepare_accept_sample(bufs, rule.p_d, rule.q_d, rule.seed_d, rule.vocab)
+        raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), not {rule!r}")
+
+    def prepare_rollback(self, bufs: StreamBufs, table_d: PointerTable) -> Launch:
+        if not isinstance(table_d, PointerTable):
+            raise TypeError(f"a rollback table must be a PointerTable (kv_len_ptr_table builds one), which holds "
+                            f"the lengths it names; not {table_d!r}")
+        wrong = [t for t in table_d.targets if t is not None and (t.dtype != np.int32 or t.len != bufs.batch)]
+        if wrong:
+            raise ValueError(f"a rollback table for a batch of {bufs.batch} must name i32[{bufs.batch}] lengths "
+                             f"(one per sequence), not {wrong[0]!r}")
+        return self._launch("spec_rollback_stream", ["ptr", "u32", "u32", "ptr", "ptr"],
+                            table_d, table_d.len, bufs.batch, bufs.pos_start_d, bufs.ctl_d,
+                            threads=table_d.len * bufs.batch)
+
+    def prepare_state_copy(self, bufs: StreamBufs, table: StateTable) -> Launch:
+        """Kernel 8: each row's live recurrent state becomes its kept slot (keep - 1), by copy.
+        `table` comes from state_copy_table; its layers must be of this batch and k."""
+        if not isinstance(table, StateTable):
+            raise TypeError(f"a state copy table must be a StateTable (state_copy_table builds one), not {table!r}")
+        if table.batch not in (None, bufs.batch) or table.k not in (None, bufs.k):
+            raise ValueError(f"{table.label}: its layers hold B={table.batch} rows of k+1={table.k + 1} slots, but "
+                             f"the round has B={bufs.batch} and k={bufs.k}")
+        grid, block = state_copy_grid(table, bufs.batch)
+        return self.module.kernel("spec_state_copy").prepare(["ptr", "u32", "u32", "u32", "ptr"], grid, block).set(
+            table, len(table.layers), bufs.batch, bufs.k, bufs.ctl_d)
+
+    def prepare_state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> Launch:
+        """Kernel 9: each row's state index moves to the kept slot of the bank the verify wrote.
+        `table` comes from state_flip_table: u32[B] indices of this batch."""
+        check_flip_table(table, bufs.batch)
+        return self._launch("spec_state_flip", ["ptr", "u32", "u32", "u32", "ptr"],
+                            table, table.len, bufs.batch, bufs.k, bufs.ctl_d, threads=table.len * bufs.batch)
+
+    def prepare_accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any,
+                              vocab: int | None = None) -> Launch:
+        """Stochastic acceptance (contract 6, ptx/spec_sample.ptx): see sampling.py."""
+        return prepare_accept_sample(self.engine, bufs, p_d, q_d, seed_d, vocab)
+
+    def prepare_draft_sample(self, bufs: StreamBufs, q_d: Any, seed_d: Any, draft_d: Any, step: int,
+                             vocab: int) -> Launch:
+        """The draft's position-keyed draw of token `step` (contract 7, ptx/spec_sample.ptx): see
+        sampling.py."""
+        return prepare_draft_sample(self.engine, bufs, q_d, seed_d, draft_d, step, vocab)
+
+    def seed_gather(self, bufs: StreamBufs, rows_d: Any, row_words: int, out_d: Any) -> None:
+        self.prepare_seed_gather(bufs, rows_d, row_words, out_d)()
+
+    def assemble_verify(self, bufs: StreamBufs, draft_d: Any) -> None:
+        self.prepare_assemble_verify(bufs, draft_d)()
+
+    def accept_greedy(self, bufs: StreamBufs, pred_d: Any) -> None:
+        self.prepare_accept_greedy(bufs, pred_d)()
+
+    def ring_commit(self, bufs: StreamBufs) -> None:
+        self.prepare_ring_commit(bufs)()
+
+    def rollback(self, bufs: StreamBufs, table_d: PointerTable) -> None:
+        self.prepare_rollback(bufs, table_d)()
+
+    def state_copy(self, bufs: StreamBufs, table: StateTable) -> None:
+        self.prepare_state_copy(bufs, table)()
+
+    def state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> None:
+        self.prepare_state_flip(bufs, table)()
+
+    def accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int | None = None) -> None:
+        self.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)()
+
+    def draft_sample(self, bufs: StreamBufs, q_d: Any, seed_d: Any, draft_d: Any, step: int, vocab: int) -> None:
+        self.prepare_draft_sample(bufs, q_d, seed_d, draft_d, step, vocab)()
+
+    def _words(self, name: str, obj: Any) -> DeviceBuffer:
+        """A buffer of 32-bit words of any kind (rows of hidden states, say)."""
+        buf = self.engine.buffer(obj, name)
+        if buf.dtype.itemsize != 4:
+            raise ValueError(f"{name} must be a buffer of 32-bit words, not {buf!r}")
+        return buf
+
+
+def spread(module: Any, name: str, types: list[str], values: tuple[object, ...], threads: int = 1,
+           rows: int = 1) -> Launch:
+    """A prepared launch of `threads` spread over a 1-D grid of at most 1024 blocks (the kernels
+    stride over what is left); `rows` > 1 gives each row its own grid row (y)."""
+    block = min(max(32, threads), 256)
+    grid = min((threads + block - 1) // block, 1024)
+    return module.kernel(name).prepare(types, (grid, rows) if rows > 1 else grid, block).set(*values)
+
+
+def check_flip_table(table: StateIndexTable, batch: int) -> None:
+    """A FLIP rollback table (kernels 9, 17) names u32[B] indices, one per sequence."""
+    if not isinstance(table, StateIndexTable):
+        raise TypeError(f"a state flip table must be a StateIndexTable (state_flip_table builds one), not {table!r}")
+    wrong = [t for t in table.targets if t is not None and t.len != batch]
+    if wrong:
+        raise ValueError(f"a state flip table for a batch of {batch} must name u32[{batch}] indices (one per "
+                         f"sequence), not {wrong[0]!r}")
+
+
+def state_copy_grid(table: StateTable, batch: int) -> tuple[tuple[int, int], int]:
+    """The grid of a state copy (kernels 8, 16): x the (layer, row) pairs, y blocks over one
+    row's words, so a single wide state still spreads over the GPU; 1024 blocks at most."""
+    words = max((layer.row_words for layer in table.layers if layer is not None), default=1)
+    block = min(-(-words // 32) * 32, 256)
+    pairs = min(len(table.layers) * batch, 1024)
+    return (pairs, min(-(-words // block), max(1, 1024 // pairs))), block
+
+
+def batch_rows(name: str, buf: DeviceBuffer, batch: int, row: int, single: int | None = None) -> DeviceBuffer:
+    """`buf`, checked to hold `batch` rows of `row` elements, row b at b·row (docs/buffers.md,
+    "Batched layout"). One sequence needs only its `single` (default `row`) elements, and may have more;
+    a batch's buffer must be exactly B rows long, since any other length means another layout."""
+    need = row if single is None else single
+    if batch == 1 and buf.len >= need or batch > 1 and buf.len == batch * row:
+        return buf
+    want = f"at least {need}" if batch == 1 else f"exactly {batch} x {row} = {batch * row}"
+    raise ValueError(f"{name} must hold {want} elements for a batch of {batch}, not {buf!r}")
+
+
+def token_buffer(engine: Engine, name: str, obj: Any) -> DeviceBuffer:
+    """`obj` as a buffer of token ids, 32- or 64-bit integers (ids < 2**31): what every kernel
+    that reads a model's tokens takes, at either width (width_kernel)."""
+    buf = engine.buffer(obj, name)
+    if buf.dtype.kind not in "iu" or buf.dtype.itemsize not in (4, 8):
+        raise ValueError(f"{name} must be a buffer of 32- or 64-bit integer tokens, not {buf!r}")
+    return buf
+
+
+def width_kernel(kernel: str, tokens: DeviceBuffer) -> str:
+    """The kernel that reads `tokens` at their width (<name>, <name>_t64)."""
+    return kernel if tokens.dtype.itemsize == 4 else f"{kernel}_t64"
+

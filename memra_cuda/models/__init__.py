@@ -1,1 +1,0 @@
-"""Models at the edge of the package: they drive round-stream, round-stream knows none of them."""

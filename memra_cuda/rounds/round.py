@@ -1,0 +1,183 @@
+"""The round as an object: one round's launches on a StreamBufs, validated and composed once.
+
+A round, in stream order: [seed_gather] → draft → assemble → verify → accept → commit →
+rollback of the KV lengths [→ rollback of recurrent state] [→ the other pipeline stages'
+tail], for every row of the batch at once. A Round checks what it is given (tables, stages),
+takes how the model's work is scoped and captured from its engine's Framework, and issues R rounds;
+it knows nothing of modes, which are RoundStream's (stream.py), nor of models, whose work
+reaches it as callables. ChainRound verifies a chain of k drafts; TreeRound (tree_round.py) a tree
+of drafts (docs/trees.md), the second kind of the same thing.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..buffers.acceptance import Greedy, Sampling
+from ..buffers.capacity import UNCHECKED, Capacity, Unchecked, kv_entries
+from ..driver.graph import Capture, loops, stream_capture
+from ..kernels.spec import SpecKernels
+from ..buffers.tables import (AddressTable, PointerTable, StateIndexTable, StateTable,
+                              state_targets_disjoint)
+
+if TYPE_CHECKING:
+    from ..buffers.acceptance import Acceptance
+    from ..buffers.stream_bufs import StreamBufs
+    from ..driver.engine import Engine
+    from ..driver.module import Launch
+
+Step = Callable[[], None]
+
+
+def chain(launches: Sequence[Step]) -> Step:
+    """One callable issuing `launches` in order: a draft chain or verify trunk from its kernels."""
+    steps = tuple(launches)
+
+    def issue() -> None:
+        for step in steps:
+            step()
+    return issue
+
+
+@dataclass(frozen=True)
+class Stages:
+    """What a pipeline of stages on several engines (models/pipeline.py) adds to a round:
+    `engines`, the other stages' engines, whose streams the callables fork to and join back
+    from (their work joins the burst graph); `round_tail`, queued after this stage's rollback
+    (the accept state sent back, the other stages' rollbacks); `capacity`, the fewest KV
+    entries the other stages' caches hold."""
+
+    engines: Sequence[Engine]
+    round_tail: Step | None = None
+    capacity: int | Unchecked | None = None
+
+    def __post_init__(self) -> None:
+        if (self.engines or self.round_tail is not None) and self.capacity is None:
+            raise ValueError("Stages must say how many KV entries the other stages' caches hold (capacity=), "
+                             "or capacity=UNCHECKED: their rollback runs in round_tail, out of the check's sight")
+        object.__setattr__(self, "capacity", kv_entries(self.capacity))
+
+
+class Round:
+    """What every kind of round shares, checked when it is built, before anything is queued:
+
+    - `rollback_tables`, PointerTables of KV lengths (kv_len_ptr_table): one must hold
+      bufs.pos_ctr_d (how the position advances), and each that names KV lengths must know their
+      capacity (or say capacity=UNCHECKED), which with the stages' is the round's `capacity`
+      rule (capacity.Capacity);
+    - `state_tables`, the recurrent state rolled back after the lengths: a StateTable by copy,
+      a StateIndexTable by flip, never naming the same memory twice;
+    - the engine's Framework (driver.framework): the model's work runs inside its scope and
+      graphs capture through it unless `capture` says otherwise; an engine from
+      `memra_cuda.torch.engine()` scopes and captures the way its framework needs.
+
+    A kind of round gives `before_commit`, which composes the steps up to acceptance once all this
+    is checked, `width`, the KV entries a round writes past its position (default k + 1), and the
+    `capacities` of any other caches its steps write (the KV a tree round compacts); the
+    commit (kernel 4) and the rollbacks after it are the same for every kind, but for which
+    slot of recurrent state is kept (_roll_back_state).
+    `steps` is one whole round, `issue(R)` queues R of them, and device mode publishes each
+    commit on a branch beside the next round, so it takes the three parts apart.
+    """
+
+    acceptance: Acceptance
+
+    def __init__(self, bufs: StreamBufs, kernels: SpecKernels, before_commit: Callable[[], Sequence[Step]], *,
+                 rollback_tables: Sequence[PointerTable],
+                 state_tables: Sequence[StateTable | StateIndexTable], capture: Capture | None,
+                 stages: Stages | None, width: int | None = None, capacities: Sequence[int | None] = ()):
+        if kernels.engine is not bufs.engine:
+            raise ValueError(f"the kernels belong to {kernels.engine!r}, the buffers to {bufs.engine!r}")
+        tables, states = _kv_tables(bufs, rollback_tables), _state_tables(state_tables)
+        stages = stages or Stages(())
+        self.bufs, self.kernels, self.engine = bufs, kernels, bufs.engine
+        self.capacity = Capacity.of((stages.capacity, *capacities, *(table.capacity for table in tables)), bufs.k,
+                                    bufs.batch, bufs.m_rounds, width)
+        framework = self.engine.framework  # the policy of whoever owns the memory (memra_cuda.torch.engine())
+        self.scope = framework.scope
+        self.capture: Capture = capture or framework.capture or stream_capture
+        self.loop_capture = framework.loop_capture or loops
+        self.joined = tuple(stages.engines)  # the other stages' engines, whose work a burst graph holds
+        self.pipelined = bool(self.joined) or stages.round_tail is not None
+        self.before_commit = tuple(before_commit())
+        self.commit = kernels.prepare_ring_commit(bufs)
+        self.after_commit = (
+            *(kernels.prepare_rollback(bufs, table) for table in tables),
+            *(self._roll_back_state(table) for table in states),
+            *([stages.round_tail] if stages.round_tail is not None else []),
+        )
+        self.steps = (*self.before_commit, self.commit, *self.after_commit)
+
+    def _roll_back_state(self, table: StateTable | StateIndexTable) -> Step:
+        """The live state after the round's kept tokens: a chain's slot keep - 1 (kernels 8, 9)."""
+        if isinstance(table, StateTable):
+            return self.kernels.prepare_state_copy(self.bufs, table)
+        return self.kernels.prepare_state_flip(self.bufs, table)
+
+    def issue(self, rounds: int) -> None:
+        """Queue `rounds` rounds on the engine's stream (inside the model's scope)."""
+        steps = self.steps
+        with self.scope():
+            for _ in range(rounds):
+                for step in steps:
+                    step()
+
+
+class ChainRound(Round):
+    """A round that verifies a chain: the model's `draft_chain` writes k drafts to `draft_d`,
+    assemble_verify lines up the pending token and the drafts in bufs.vtok_d, the model's
+    `verify_trunk` writes what `acceptance` reads (Greedy(pred_d) or Sampling(p_d, q_d,
+    seed_d, vocab)), and acceptance keeps the longest agreeing prefix (docs/model-side.md).
+    `seed_gather` (kernel 1), when given, opens the round: an EAGLE-style draft's hidden row."""
+
+    def __init__(self, bufs: StreamBufs, kernels: SpecKernels, *, draft_chain: Step, verify_trunk: Step,
+                 draft_d: Any, acceptance: Acceptance, rollback_tables: Sequence[PointerTable],
+                 state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
+                 capture: Capture | None = None, stages: Stages | None = None):
+        if not isinstance(acceptance, (Greedy, Sampling)):
+            raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
+                            f"not {acceptance!r}")
+        self.acceptance = acceptance
+
+        def before_commit() -> tuple[Step, ...]:
+            return (*([seed_gather] if seed_gather is not None else []), draft_chain,
+                    kernels.prepare_assemble_verify(bufs, draft_d), verify_trunk,
+                    kernels.prepare_accept(bufs, acceptance))
+        super().__init__(bufs, kernels, before_commit,
+                         rollback_tables=rollback_tables, state_tables=state_tables, capture=capture, stages=stages)
+
+
+def _kv_tables(bufs: StreamBufs, given: Sequence[PointerTable]) -> list[PointerTable]:
+    """The rollback tables, refused unless they are KV-length tables that move the position and
+    say their capacity."""
+    if isinstance(given, AddressTable):
+        raise TypeError(f"rollback_tables is a list of tables, not one table: [{given!r}]")
+    tables = list(given)
+    if not tables:
+        raise ValueError("rollback needs at least one pointer table (one of them holding bufs.pos_ctr_d)")
+    for table in tables:
+        if not isinstance(table, PointerTable) or isinstance(table, StateIndexTable):
+            raise TypeError(f"rollback tables must be PointerTables of KV lengths (kv_len_ptr_table builds them; "
+                            f"state tables go in state_tables), not {table!r}")
+        if table.capacity is None and any(t is not None and t is not bufs.pos_ctr_d for t in table.targets):
+            raise ValueError(f"rollback table {table!r} names KV lengths but not their capacity, so no burst "
+                             "could be checked against it: build it with kv_len_ptr_table, or give "
+                             f"PointerTable(..., capacity=entries), or capacity={UNCHECKED!r} to go unchecked")
+    if not any(table.holds(bufs.pos_ctr_d) for table in tables):
+        raise ValueError("no rollback table holds bufs.pos_ctr_d, so the position would never advance: "
+                         "pass pos_ctr=bufs.pos_ctr_d to kv_len_ptr_table")
+    return tables
+
+
+def _state_tables(given: Sequence[StateTable | StateIndexTable]) -> list[StateTable | StateIndexTable]:
+    """The state tables, refused unless each is a copy or flip table and none names another's memory."""
+    if isinstance(given, AddressTable):
+        raise TypeError(f"state_tables is a list of tables, not one table: [{given!r}]")
+    states = list(given)
+    for table in states:
+        if not isinstance(table, (StateTable, StateIndexTable)):
+            raise TypeError(f"state tables must be StateTables (state_copy_table) or StateIndexTables "
+                            f"(state_flip_table), not {table!r}")
+    state_targets_disjoint(states)
+    return states

@@ -1,0 +1,108 @@
+"""TreeRound: a round that verifies a tree of drafts (docs/trees.md), the second kind of Round.
+
+Between the draft's levels the layer grows the tree (kernels 11, 12); after the verify it
+accepts the deepest agreeing path (13, 14) and moves that path's KV to consecutive slots (15, or
+the model's own compaction), so the commit and rollbacks after it are a chain's.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..buffers.acceptance import Greedy, Sampling
+from ..buffers.tables import KVDataTable, StateIndexTable, StateTable
+from ..buffers.tree import Candidates, TreeBufs
+from ..driver.graph import Capture
+from ..kernels.spec import SpecKernels
+from ..kernels.tree import SampledCandidates, TreeKernels
+from .round import Round, Stages, Step
+
+if TYPE_CHECKING:
+    from ..buffers.acceptance import Acceptance
+    from ..buffers.stream_bufs import StreamBufs
+    from ..buffers.tables import PointerTable
+
+
+class TreeRound(Round):
+    """A round that verifies a tree of drafts (docs/trees.md): `tree_bufs` (TreeBufs over these
+    StreamBufs, whose k is the tree's depth D) holds the nodes. The model gives `draft_levels`,
+    D + 1 steps, step d processing the nodes of level d (steps 0..D-1 also write what their
+    children are made of: greedy, `candidates`, the K best tokens and log-probabilities of each
+    node; sampling, Sampling's q_d, [B][T+1][V]), and `verify_tree`, which scores all T + 1 nodes
+    under the ancestor mask into Greedy's pred_d ([B][T+1]) or Sampling's p_d ([B][T+1][V]).
+    Between the levels the layer grows the tree (kernels 11, 12); after the verify it accepts
+    (13 or 14) and moves the accepted path's KV to consecutive slots: in the layers of `kv_data`
+    (a KVDataTable, kernel 15) and by `compact`, the model's own callable for a cache the table
+    cannot describe (paged), which reads tree_bufs.path_d and bufs.acc_d. Recurrent state keeps
+    a slot per node (StateLayer(..., k=T)); the path's last node's slot becomes the live one.
+    """
+
+    def __init__(self, bufs: StreamBufs, tree_bufs: TreeBufs, kernels: SpecKernels | None = None, *,
+                 draft_levels: Sequence[Step], verify_tree: Step, acceptance: Acceptance,
+                 candidates: Candidates | None = None, rollback_tables: Sequence[PointerTable],
+                 kv_data: KVDataTable | None = None, compact: Step | None = None,
+                 state_tables: Sequence[StateTable | StateIndexTable] = (), capture: Capture | None = None,
+                 stages: Stages | None = None):
+        if not isinstance(tree_bufs, TreeBufs) or tree_bufs.bufs is not bufs:
+            raise ValueError(f"tree_bufs must be TreeBufs(bufs, tree) over these StreamBufs, not {tree_bufs!r}")
+        tree, levels = tree_bufs.tree, list(draft_levels)
+        if len(levels) != tree.depth + 1 or not all(callable(step) for step in levels):
+            raise ValueError(f"a tree of depth {tree.depth} takes {tree.depth + 1} draft levels (callables, level 0 "
+                             f"the root), not {len(levels)}")
+        for name, step in (("verify_tree", verify_tree), ("compact", compact)):
+            if step is not None and not callable(step):
+                raise TypeError(f"{name} must be a callable that queues the model's work, not {step!r}")
+        if isinstance(acceptance, Greedy):
+            if not isinstance(candidates, Candidates):
+                raise TypeError("a greedy tree round needs the draft's candidates=Candidates(tok_d, logp_d)")
+        elif isinstance(acceptance, Sampling):
+            if candidates is not None:
+                raise ValueError("a sampled tree draws its own children from q_d: candidates= is for greedy trees")
+            tree.check_sampled()
+        else:
+            raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), not "
+                            f"{acceptance!r}")
+        if kv_data is None and compact is None:
+            raise ValueError("a tree round must move the accepted path's KV: give kv_data=kv_data_table(...) or "
+                             "compact= (a model without KV: compact=lambda: None)")
+        kernels = kernels or SpecKernels(bufs.engine)
+        trees = TreeKernels(bufs.engine)
+        self.acceptance, self.tree_bufs, self.tree_kernels = acceptance, tree_bufs, trees
+
+        def before_commit() -> list[Step]:
+            steps: list[Step] = [trees.prepare_begin(bufs, tree_bufs)]
+            if isinstance(acceptance, Sampling):
+                drawn = SampledCandidates(bufs.engine, bufs.batch, tree_bufs.nodes, tree.draws)
+                vocab = _vocab(acceptance, bufs, tree_bufs)
+                for level in range(1, tree.depth + 1):
+                    steps += [levels[level - 1],
+                              trees.prepare_draw(bufs, tree_bufs, level, acceptance.q_d, acceptance.seed_d, vocab,
+                                                 drawn),
+                              trees.prepare_grow(bufs, tree_bufs, level, drawn.tok_d, drawn.logq_d, drawn.sel_d)]
+                accept = trees.prepare_accept_sample(bufs, tree_bufs, acceptance.p_d, acceptance.q_d,
+                                                     acceptance.seed_d, vocab)
+            else:
+                for level in range(1, tree.depth + 1):
+                    steps += [levels[level - 1],
+                              trees.prepare_grow(bufs, tree_bufs, level, candidates.tok_d, candidates.logp_d)]
+                accept = trees.prepare_accept_greedy(bufs, tree_bufs, acceptance.pred_d)
+            steps += [levels[-1], verify_tree, accept]
+            if kv_data is not None:
+                steps.append(trees.prepare_compact(bufs, tree_bufs, kv_data))
+            return [*steps, *([compact] if compact is not None else [])]
+        super().__init__(bufs, kernels, before_commit, rollback_tables=rollback_tables,
+                         state_tables=state_tables, capture=capture, stages=stages, width=tree_bufs.nodes,
+                         capacities=(kv_data.capacity if kv_data is not None else None,))
+
+    def _roll_back_state(self, table: StateTable | StateIndexTable) -> Step:
+        """The live state after the path's last node: its slot of T + 1 (kernels 16, 17)."""
+        if isinstance(table, StateTable):
+            return self.tree_kernels.prepare_state_copy(self.bufs, self.tree_bufs, table)
+        return self.tree_kernels.prepare_state_flip(self.bufs, self.tree_bufs, table)
+
+
+def _vocab(rule: Sampling, bufs: StreamBufs, tree_bufs: TreeBufs) -> int:
+    """Sampling's vocabulary, or the one its p_d holds for a row of T + 1 nodes."""
+    if rule.vocab is not None:
+        return rule.vocab
+    return bufs.engine.buffer(rule.p_d, "p_d").len // (bufs.batch * tree_bufs.nodes)

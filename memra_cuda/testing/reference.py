@@ -1,0 +1,308 @@
+"""The executable specification of ptx/spec_stream.cu and ptx/spec_sample.cu, in numpy.
+
+One function per kernel, named after it, taking the same buffers as numpy arrays (u32 buffers
+as uint32, i32 buffers as int32) and updating them in place exactly as the kernel does,
+clamps included. It is the oracle of the GPU tests and the plainest statement of the contracts.
+Each takes `batch` (B, default 1) as its kernel does: every buffer then holds B rows, row-major
+(docs/buffers.md, "Batched layout"), and the single-sequence contract applies to each row alone.
+Token buffers the model writes (draft, pred) may be 32- or 64-bit: ids are < 2**31, and the
+kernels read the low 32 bits of a 64-bit word (`ids`). Rows are laid out as memra_cuda.layout says.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MARK, BRK_WORDS, CTL_BUDGET, CTL_DONE,
+                              CTL_EOS, CTL_KEEP, CTL_WORDS, RING_COUNT, RING_TOKENS)
+from .philox import uniform
+
+# ctl_d's words by the short names the tests and models/toy.py index it with
+EOS, BUDGET, DONE, KEEP = CTL_EOS, CTL_BUDGET, CTL_DONE, CTL_KEEP
+
+
+def ids(tokens: np.ndarray) -> np.ndarray:
+    """Token ids as the kernels read them: the low 32 bits of each word."""
+    return tokens.astype(np.uint32)
+
+
+def row_views(batch: int, *buffers: tuple[np.ndarray, int]) -> Iterator[tuple[np.ndarray, ...]]:
+    """For each row b < batch, views of every (buffer, row length) pair at offset b * row length:
+    the single-sequence code then updates the batched buffers in place."""
+    for b in range(batch):
+        yield tuple(buf[b * row:(b + 1) * row] for buf, row in buffers)
+
+
+def spec_seed_gather(rows: np.ndarray, n_rows: int, row_words: int, acc: np.ndarray,
+                     out: np.ndarray, batch: int = 1) -> None:
+    """out = the verify row of the bonus token (row acc[ACC_ROUND], clamped to the last row).
+    Batched: rows is [B][n_rows][row_words], out [B][row_words]."""
+    if n_rows == 0:
+        return
+    for rows_b, acc_b, out_b in row_views(batch, (rows, n_rows * row_words), (acc, ACC_WORDS), (out, row_words)):
+        r = min(int(acc_b[ACC_ROUND]), n_rows - 1)
+        out_b[:row_words] = rows_b[r * row_words:(r + 1) * row_words]
+
+
+def spec_assemble_verify(pend: np.ndarray, draft: np.ndarray, k: int, vtok: np.ndarray,
+                         pos_ctr: np.ndarray, pos_start: np.ndarray, batch: int = 1) -> None:
+    """vtok = [pending token, draft_0 .. draft_{k-1}]; the round starts at pos_ctr.
+    Batched: draft rows are max(k, 1) tokens apart."""
+    for pend, draft, vtok, pos_ctr, pos_start in row_views(
+            batch, (pend, 1), (draft, max(k, 1)), (vtok, k + 1), (pos_ctr, 1), (pos_start, 1)):
+        vtok[0] = pend[0]
+        vtok[1:k + 1] = ids(draft[:k])
+        pos_start[0] = pos_ctr[0]
+
+
+def spec_accept_greedy_dc(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.ndarray,
+                          acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray, batch: int = 1) -> None:
+    """Accept the longest prefix of drafts equal to the target's predictions.
+
+    A p-min break at draft i (brk[BRK_MARK] = i + 1) caps acceptance at i drafts. The target's
+    prediction after the last accepted token becomes the bonus (last_pred); keep = n + 1 KV
+    entries (the pending token and n drafts) survive the round. Once done, nothing is kept.
+    """
+    for vtok, pred, brk, acc, last_pred, ctl in row_views(
+            batch, (vtok, k + 1), (pred, k + 1), (brk, BRK_WORDS), (acc, ACC_WORDS), (last_pred, 1), (ctl, CTL_WORDS)):
+        _accept_greedy_row(vtok, pred, k, brk, acc, last_pred, ctl)
+
+
+def _accept_greedy_row(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.ndarray, acc: np.ndarray,
+                       last_pred: np.ndarray, ctl: np.ndarray) -> None:
+    b = int(brk[BRK_MARK])
+    pred = ids(pred)
+    if ctl[CTL_DONE] != 0:
+        acc[ACC_ROUND] = 0
+        ctl[CTL_KEEP] = 0
+    else:
+        limit = min(k, b - 1) if b else k
+        n = 0
+        while n < limit and vtok[1 + n] == pred[n]:
+            n += 1
+        acc[ACC_ROUND] = n
+        acc[ACC_TOTAL] = (int(acc[ACC_TOTAL]) + n) & 0xFFFFFFFF
+        last_pred[0] = pred[n]
+        ctl[CTL_KEEP] = n + 1
+        if b:
+            brk[BRK_COUNT] = (int(brk[BRK_COUNT]) + 1) & 0xFFFFFFFF
+    brk[BRK_MARK] = 0
+
+
+def spec_ring_commit(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray,
+                     pend: np.ndarray, ring: np.ndarray, ring_cap: int, k: int, batch: int = 1) -> None:
+    """Append the accepted drafts, then the bonus, one at a time until done.
+
+    Budget 0 means done before the token; otherwise the token goes in (if the ring has room),
+    a positive budget counts down, and EOS or a spent budget means done after it. The bonus
+    becomes the pending token whatever happened. A stop inside the drafts (t <= n tokens
+    committed) takes n + 1 - max(t, 1) off the accepted total, so that it counts only the
+    drafts committed before the round's last token, and committed - accepted counts rounds.
+    """
+    for vtok, acc, last_pred, ctl, pend, ring in row_views(
+            batch, (vtok, k + 1), (acc, ACC_WORDS), (last_pred, 1), (ctl, CTL_WORDS), (pend, 1),
+            (ring, RING_TOKENS + ring_cap)):
+        _ring_commit_row(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k)
+
+
+def _ring_commit_row(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray,
+                     pend: np.ndarray, ring: np.ndarray, ring_cap: int, k: int) -> None:
+    if ctl[CTL_DONE] != 0:
+        return
+    eos, budget = int(ctl[CTL_EOS]), int(ctl[CTL_BUDGET])
+    n = min(int(acc[ACC_ROUND]), k)
+    bonus = int(last_pred[0])
+    count = min(int(ring[RING_COUNT]), ring_cap)
+    done, walked = False, 0
+    for tok in [int(t) for t in vtok[1:1 + n]] + [bonus]:
+        if budget == 0:
+            done = True
+            break
+        if count < ring_cap:
+            ring[RING_TOKENS + count] = tok
+            count += 1
+        walked += 1
+        if budget > 0:
+            budget -= 1
+        done = (eos >= 0 and tok == eos) or budget == 0
+        if done:
+            break
+    if walked <= n:
+        acc[ACC_TOTAL] = (int(acc[ACC_TOTAL]) - (n + 1 - max(walked, 1))) % 2**32
+    ring[RING_COUNT] = count
+    ctl[CTL_BUDGET] = budget
+    ctl[CTL_DONE] = int(done)
+    pend[0] = bonus
+
+
+def spec_rollback_stream(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray, batch: int = 1) -> None:
+    """Every length in the table (None for a layer without KV) becomes pos_start + keep.
+
+    The table holds the length arrays themselves (i32[B]), standing for device pointers;
+    batched, entry b of each becomes row b's pos_start + keep.
+    """
+    for b in range(batch):
+        value = (int(pos_start[b]) + int(ctl[CTL_WORDS * b + CTL_KEEP]) + 2**31) % 2**32 - 2**31  # i32 wrap-around
+        for length in len_ptrs:
+            if length is not None:
+                length[b] = value
+
+
+# -- 6. spec_accept_sample (ptx/spec_sample.cu): stochastic acceptance ------------------------
+
+PURPOSE_ACCEPT, PURPOSE_SAMPLE, PURPOSE_DRAFT = range(3)  # U's purpose word: the draws never coincide
+NO_MASS_TOKEN = 0  # the bonus of a row whose p[n] has no positive weight: a caller's bug, never a fault
+_STAND_IN = 0xFFFFFFFF  # a vtok word that no token id (< 2**31) equals
+
+
+def probabilities(x: np.ndarray) -> np.ndarray:
+    """x as float32 with NaN and negative entries 0: how every kernel reads a probability."""
+    x = np.asarray(x, np.float32)
+    return np.where(x > 0, x, np.float32(0))
+
+
+def race_scores(w: np.ndarray, seed, position, purpose: int, node=0) -> np.ndarray:
+    """The exponential race's float64 scores w[v] / E_v, E_v = -ln U(seed, position, v, purpose, node), over
+    the last axis of w (leading axes are rows; seed and position broadcast against them); -inf where
+    w[v] is not positive (zero, negative, NaN), so such an entry never wins."""
+    w = np.asarray(w, np.float64)
+    e = -np.log(uniform(np.asarray(seed)[..., None], np.asarray(position)[..., None], np.arange(w.shape[-1]),
+                        purpose, np.asarray(node)[..., None]))
+    return np.where(w > 0, w / e, -np.inf)
+
+
+def sample_race(w: np.ndarray, seed, position, purpose: int, node: int = 0) -> int:
+    """The token drawn from unnormalised weights w at an absolute position: argmax over w[v] > 0 of
+    w[v] / E_v, ties to the smallest v. With E_v independent Exp(1), v wins with probability
+    w[v] / sum(w), so no normalisation, prefix sum or second pass over V is needed, and a kernel
+    can race a vocabulary across many blocks with one max-reduction.
+
+    -1 when no weight is positive. spec_accept_sample then races p[n] instead of an empty residual,
+    and commits NO_MASS_TOKEN when p[n] is empty too; a draft must give its own rows weight."""
+    scores = race_scores(w, seed, position, purpose, node)
+    best = int(np.argmax(scores))
+    return best if scores[best] > -np.inf else -1
+
+
+def bonus_weights(p_n: np.ndarray, q_n: np.ndarray | None) -> np.ndarray | None:
+    """The weights the bonus token is raced over, in float32 as the kernel computes them: after a
+    rejected draft (q_n, the draft's probabilities there, given) the residual max(0, p - q), unless
+    it has no positive weight (p <= q everywhere: p then is the right law); p_n itself when no draft
+    was rejected (q_n None); None when p_n has no positive weight either."""
+    p_n = probabilities(p_n)
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, which counts as 0
+        candidates = [p_n] if q_n is None else [probabilities(p_n - probabilities(q_n)), p_n]
+    return next((w for w in candidates if (w > 0).any()), None)
+
+
+def spec_accept_sample(vtok: np.ndarray, p: np.ndarray, q: np.ndarray, V: int, k: int, brk: np.ndarray,
+                       acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray, pos_start: np.ndarray,
+                       seed: np.ndarray, batch: int = 1) -> None:
+    """Accept drafts with probability min(1, p/q), then sample the bonus (contract 6).
+
+    p is float32 [B][k+1][V], q float32 [B][max(k,1)][V], seed uint64 [B]. Draft x = vtok[1+i] at
+    absolute position a = pos_start + 1 + i survives iff U(seed, a, 0, 0) * q[i][x] < p[i][x] in
+    float32 (an id >= V, NaN and negative probabilities count as 0, so reject); n = the drafts that
+    survive before the first that does not, capped by the p-min break as in greedy. The bonus at
+    pos_start + 1 + n is raced (purpose 1) over bonus_weights: the residual after a rejection, p[n]
+    otherwise. Committed tokens are then distributed as sampling from p, whatever q is. acc,
+    last_pred, keep and brk follow greedy's contract; a done row changes only acc[0], keep and brk[0].
+    """
+    for vtok, p, q, brk, acc, last_pred, ctl, pos_start, seed in row_views(
+            batch, (vtok, k + 1), (p, (k + 1) * V), (q, max(k, 1) * V), (brk, BRK_WORDS), (acc, ACC_WORDS),
+            (last_pred, 1), (ctl, CTL_WORDS), (pos_start, 1), (seed, 1)):
+        n, token = (0, NO_MASS_TOKEN) if ctl[CTL_DONE] != 0 else _sample_verdict(vtok, p, q, V, k, brk, pos_start, seed)
+        _settle_row(n, token, k, brk, acc, last_pred, ctl)
+
+
+def _sample_verdict(vtok: np.ndarray, p: np.ndarray, q: np.ndarray, V: int, k: int, brk: np.ndarray,
+                    pos_start: np.ndarray, seed: np.ndarray) -> tuple[int, int]:
+    """(n drafts accepted, the bonus token) of one live row."""
+    b = int(brk[BRK_MARK])
+    limit = min(k, b - 1) if b else k
+    p, q = p.reshape(k + 1, V), q.reshape(max(k, 1), V)
+    first = int(pos_start[0]) + 1  # draft 0's absolute position; U wraps it to 32 bits, as the kernel
+    i = np.arange(limit)
+    x = vtok[1:1 + limit].astype(np.int64)
+    known = x < V
+    at = np.where(known, x, 0)
+    p_x = np.where(known, probabilities(p[i, at]), np.float32(0))
+    u = uniform(seed[0], first + i, 0, PURPOSE_ACCEPT).astype(np.float32)
+    rejected = np.flatnonzero(~(u * probabilities(q[i, at]) < p_x))
+    n = int(rejected[0]) if rejected.size else limit
+    weights = bonus_weights(p[n], q[n] if n < limit else None)
+    return n, NO_MASS_TOKEN if weights is None else sample_race(weights, seed[0], first + n, PURPOSE_SAMPLE)
+
+
+def _settle_row(n: int, token: int, k: int, brk: np.ndarray, acc: np.ndarray, last_pred: np.ndarray,
+                ctl: np.ndarray) -> None:
+    """acc, last_pred, keep and brk after n accepted drafts and the bonus `token`, by greedy's own
+    row (contract 3): its predictions match n stand-in drafts, then say `token` (an id, which no
+    stand-in equals), so it finds this n, caps and counts as greedy, and leaves a done row inert."""
+    stand_in = np.full(k + 1, _STAND_IN, np.uint32)
+    pred = np.zeros(k + 1, np.uint32)
+    pred[:n], pred[n] = _STAND_IN, token
+    _accept_greedy_row(stand_in, pred, k, brk, acc, last_pred, ctl)
+
+
+# -- 7. spec_draft_sample (ptx/spec_sample.cu): the draft's position-keyed draw ---------------
+
+def spec_draft_sample(step: int, k: int, V: int, q: np.ndarray, pos_ctr: np.ndarray, seed: np.ndarray,
+                      draft: np.ndarray, batch: int = 1) -> None:
+    """Draft token `step` of each row raced over q[b][step] (float32 [B][max(k,1)][V]) with
+    purpose 2 at the absolute position it will sit at, pos_ctr + step + 1, into draft[b][step]
+    ([B][max(k,1)]); 0 where q's row has no positive weight (contract 7)."""
+    rows = max(k, 1)
+    step = min(step, rows - 1)  # as the kernel clamps it: a step past the chain redraws the last row
+    for q, pos_ctr, seed, draft in row_views(batch, (q, rows * V), (pos_ctr, 1), (seed, 1), (draft, rows)):
+        token = sample_race(probabilities(q.reshape(rows, V)[step]), seed[0], int(pos_ctr[0]) + step + 1,
+                            PURPOSE_DRAFT)
+        draft[step] = max(token, 0)
+
+
+# -- 8, 9. spec_state_copy, spec_state_flip: recurrent state ---------------------------------
+
+def kept_states(ctl: np.ndarray, k: int, batch: int) -> Iterator[tuple[int, int]]:
+    """(b, keep) for every row with a state to roll back, keep read as the state kernels read
+    it: as u32, clamped to the k + 1 verify states (a done row's 0 rolls nothing back)."""
+    for b in range(batch):
+        keep = min(int(ctl[CTL_WORDS * b + CTL_KEEP]) % 2**32, k + 1)
+        if keep:
+            yield b, keep
+
+
+def _after_last_kept(b: int, keep: int) -> int:
+    """A chain's kept slot: the state after its last kept token, keep - 1."""
+    return keep - 1
+
+
+def spec_state_copy(table: list, k: int, ctl: np.ndarray, batch: int = 1, *, slots: int | None = None,
+                    slot_of: Callable[[int, int], int] = _after_last_kept) -> None:
+    """Each layer's live state becomes the state after the last kept token: row b of live
+    ([B][row_words]) becomes slot slot_of(b, keep) (keep - 1) of row b of slots
+    ([B][slots][row_words], slots k + 1 by default); keep 0 copies nothing. (A tree's kernel 16
+    keeps its path's last node: reference_tree.spec_tree_state_copy; as ptx/state.cuh's slot_of.)
+
+    The table holds per layer (live, slots, row_words), the arrays standing for the device
+    pointers, or None for a layer without state.
+    """
+    slots = k + 1 if slots is None else slots
+    for b, keep in kept_states(ctl, k, batch):
+        slot = slot_of(b, keep)
+        for live, held, row_words in filter(None, table):
+            live.reshape(batch, row_words)[b] = held.reshape(batch, slots, row_words)[b, slot]
+
+
+def spec_state_flip(idx_ptrs: list, k: int, ctl: np.ndarray, batch: int = 1, *, slots: int | None = None,
+                    slot_of: Callable[[int, int], int] = _after_last_kept) -> None:
+    """Each model's slot index (u32[B], standing for its device pointer; None: skip) moves to
+    slot slot_of(b, keep) (keep - 1) of the bank of `slots` (k + 1) the verify wrote, the one idx
+    is not in: idx = (1 - bank) * slots + slot with bank = min(idx // slots, 1), so a garbage idx
+    counts as bank 1 and the new one is in range. keep 0 leaves idx as it is."""
+    slots = k + 1 if slots is None else slots
+    for b, keep in kept_states(ctl, k, batch):
+        slot = slot_of(b, keep)
+        for idx in filter(lambda idx: idx is not None, idx_ptrs):
+            bank = min(int(idx[b]) // slots, 1)
+            idx[b] = (1 - bank) * slots + slot

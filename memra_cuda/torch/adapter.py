@@ -1,0 +1,149 @@
+"""memra_cuda inside a PyTorch engine (optional: needs `torch`; the core never imports it).
+
+What a user forgets must not give wrong tokens or overwrite tensors, so an engine made by
+`engine()` carries torch's Framework, and every round over it gets all of this without being
+told (docs/torch.md):
+
+- **One stream.** The draft chain and verify trunk run with the engine's stream as torch's
+  current stream, so their torch ops and memra's kernels are ordered by the
+  stream itself, with no synchronisation in between and no wrapping of each callable.
+- **Capture torch knows about.** Bursts are captured through `torch.cuda.graph` with a private
+  memory pool kept alive with the graph (capture), so torch's allocator never hands the graph's
+  scratch memory to tensors allocated later.
+- **Random numbers that move on.** A captured burst replays through `CUDAGraph.replay`, which
+  advances torch's random-number offsets, so `torch.rand` in a burst draws new numbers at
+  every launch.
+
+`engine()` borrows torch's current stream; `buffer(tensor)` adopts a tensor without copying
+(any API that takes a buffer takes a tensor too); `tensor(buf)` is the other direction.
+Graph capture needs a stream other than the default one: create the engine inside
+`with torch.cuda.stream(torch.cuda.Stream()):`.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..driver.buffer import DeviceBuffer
+from ..driver.engine import Engine
+from ..driver.errors import CaptureError, driver
+from ..driver.framework import Framework
+from ..driver.graph import Capture, LoopBuilder, loops
+from ..driver.stream import Stream
+
+_TYPESTR = {torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4",
+            torch.int64: "<i8", torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8"}
+# The unsigned types torch has had since 2.3 (tensor() without a dtype returns them).
+_TYPESTR.update({getattr(torch, name): code for name, code in (("uint16", "<u2"), ("uint32", "<u4"),
+                                                                 ("uint64", "<u8")) if hasattr(torch, name)})
+
+
+def engine(stream: torch.cuda.Stream | None = None) -> Engine:
+    """An Engine on `stream` (default: torch's current stream), borrowed and never destroyed;
+    the stream object is kept alive with the engine. The engine carries torch's Framework: the
+    model's work runs with that stream as torch's current stream, and graphs capture through
+    torch (so its allocator knows what a graph uses, and its random numbers move on)."""
+    stream = stream if stream is not None else torch.cuda.current_stream()
+    return Engine(stream.device.index, stream=stream, framework=framework(stream))
+
+
+def framework(stream: torch.cuda.Stream) -> Framework:
+    """torch's Framework for an engine on `stream` (see memra_cuda.driver.framework)."""
+    return Framework(capture=capture, loop_capture=loop_capture, scope=functools.partial(torch.cuda.stream, stream))
+
+
+def buffer(tensor: torch.Tensor) -> DeviceBuffer:
+    """The tensor's memory as a DeviceBuffer that keeps the tensor alive and owns nothing."""
+    return DeviceBuffer.from_cuda_array(tensor)
+
+
+class _Alias:
+    """The `__cuda_array_interface__` of a buffer, reinterpreted as another element type."""
+
+    def __init__(self, buf: DeviceBuffer, dtype: torch.dtype):
+        if dtype not in _TYPESTR or dtype.itemsize != buf.dtype.itemsize:
+            raise ValueError(f"{buf!r} cannot be read as {dtype}: elements of {buf.dtype.itemsize} bytes")
+        self.buf = buf  # torch keeps this object, and so the buffer, alive with the tensor
+        self.__cuda_array_interface__ = {**buf.__cuda_array_interface__, "typestr": _TYPESTR[dtype]}
+
+
+def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor on `buf`'s memory (no copy), read as `dtype` of the same size if given (u32
+    token ids as torch.int32, say: ids are < 2**31). The tensor keeps `buf` alive; freeing
+    `buf` explicitly while the tensor is in use is the caller's mistake to avoid."""
+    source = buf if dtype is None else _Alias(buf, dtype)
+    return torch.as_tensor(source, device=torch.device("cuda", buf.device))
+
+
+def _torch_stream(engine: Stream) -> torch.cuda.ExternalStream:
+    return torch.cuda.ExternalStream(engine.stream_handle, device=torch.device("cuda", engine.device))
+
+
+_RNG_REFUSAL = ("torch drew random numbers inside a device-mode loop, whose passes replay the capture's "
+                "random-number offsets: every pass would draw the same numbers. Draw with memra's position-keyed "
+                "kernels (sampling.prepare_draft_sample), or use graph mode, which advances them at every launch")
+
+
+def loop_capture(build: Callable[[LoopBuilder], None]) -> Capture:
+    """driver.graph.loops(build) for torch-backed rounds (device mode's loop, which
+    torch.cuda.graph cannot build): torch's allocations during the capture go to a private
+    memory pool that the graph keeps until it is destroyed, so no tensor allocated later is
+    given the loop's memory. torch's random-number generator must not move inside: a loop
+    replays its body with the capture's offsets at every pass, so the same numbers would come
+    back (device mode samples with memra's position-keyed draws)."""
+    def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
+        pool, generator = torch.cuda.MemPool(), torch.cuda.default_generators[engine.device]
+        offset = generator.get_offset()
+        try:
+            with torch.cuda.use_mem_pool(pool, device=engine.device):
+                graph, _ = loops(build)(engine, issue)
+        except RuntimeError as exc:  # torch refuses a draw in a capture it did not begin
+            if "generator" in str(exc):
+                raise CaptureError(_RNG_REFUSAL) from exc
+            raise
+        owner = _PooledGraph(engine, graph, pool)
+        if generator.get_offset() != offset:
+            del owner  # destroys the graph
+            raise CaptureError(_RNG_REFUSAL)
+        return graph, owner
+    return capture
+
+
+class _PooledGraph:
+    """Owns an executable graph memra built and the torch memory pool its kernels use: the graph
+    is destroyed first, then the pool goes."""
+
+    def __init__(self, engine: Stream, graph: Any, pool: Any):
+        self.pool = pool
+        weakref.finalize(self, engine.ctx.finalize, "cuGraphExecDestroy", graph)
+
+
+class _TorchGraph:
+    """What a memra Graph keeps of a capture through torch: the CUDAGraph, which holds its
+    private memory pool as long as the graph may replay, and the replay that advances torch's
+    RNG."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, stream: torch.cuda.ExternalStream):
+        self.graph, self.stream = graph, stream
+
+    def replay(self) -> None:
+        with torch.cuda.stream(self.stream):
+            self.graph.replay()
+
+
+def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
+    """A `Capture` (see memra_cuda.driver.graph) through `torch.cuda.graph` on the engine's
+    stream, with the private memory pool torch gives a graph. The torch graph owns the
+    executable graph and replays it (CUDAGraph.replay, so the random-number offsets move on);
+    the memra Graph keeps it, and with it the pool, alive."""
+    if engine.stream_handle in (0, 1, 2):
+        raise CaptureError("the default stream cannot be captured: create the engine inside "
+                           "`with torch.cuda.stream(torch.cuda.Stream()):`")
+    graph, stream = torch.cuda.CUDAGraph(), _torch_stream(engine)
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        issue()
+    return driver().CUgraphExec(int(graph.raw_cuda_graph_exec())), _TorchGraph(graph, stream)

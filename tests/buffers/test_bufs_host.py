@@ -1,0 +1,123 @@
+"""StreamBufs' host-side bookkeeping, on CPU: the ledger of rounds the host has not seen (what
+the capacity check adds to the positions it knows, and the rings' room), who holds the
+buffers, the engine argument of the first releases, the Readback; and the streams an Engine
+may borrow (the CUDA stream protocol). No device memory is touched: the buffers are built
+without their allocation (__new__), the host logic alone."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import StreamBufs
+from memra_cuda.buffers import Readback
+from memra_cuda.errors import BuffersHeld
+from memra_cuda.driver.stream import Stream, handle_of
+
+
+def host_bufs(m_rounds: int = 4) -> StreamBufs:
+    """The host half of a StreamBufs: its ledger and holder, no device memory."""
+    bufs = StreamBufs.__new__(StreamBufs)
+    bufs.m_rounds, bufs.engine = m_rounds, object()
+    bufs._queued, bufs._learnt, bufs._covers, bufs.ring_rounds = 0, 0, [0, 0], 0
+    bufs.holder, bufs._held_why = None, ""
+    return bufs
+
+
+def test_the_ledger_counts_rounds_until_a_readback_that_covers_them_is_received():
+    bufs = host_bufs()
+    bufs.queued(2)  # issue_burst: no readback
+    bufs.queued(1)
+    assert bufs.unseen_rounds == 3 and bufs.ring_rounds == 3
+    bufs.queued(0, readback=0)  # a readback queued after them empties the rings...
+    assert bufs.ring_rounds == 0 and bufs.unseen_rounds == 3  # ...but the host sees them only once it is received
+    bufs.queued(4, readback=1)  # overlap: the next burst in flight, its readback into the other slot
+    assert bufs.unseen_rounds == 7
+    bufs._learnt = max(bufs._learnt, bufs._covers[0])  # what receive(0) learns
+    assert bufs.unseen_rounds == 4, "the burst in flight behind the received one is still unseen"
+    bufs._learnt = max(bufs._learnt, bufs._covers[1])
+    assert bufs.unseen_rounds == 0
+    bufs._learnt = max(bufs._learnt, bufs._covers[0])  # a slot received twice learns nothing new
+    assert bufs.unseen_rounds == 0
+
+
+def test_the_rings_hold_m_rounds_until_a_readback():
+    bufs = host_bufs(m_rounds=4)
+    bufs.check_free(4)
+    bufs.queued(3)
+    bufs.check_free(1)
+    with pytest.raises(ValueError, match="3 round.*1 more.*2 more|overrun the ring"):
+        bufs.check_free(2)
+    bufs.queued(0, readback=0)
+    bufs.check_free(4)
+
+
+def test_the_buffers_have_one_holder_at_a_time():
+    bufs, loop, other = host_bufs(), object(), object()
+    bufs.hold(loop, "a device-mode loop is still running on these buffers")
+    bufs.hold(loop, "a device-mode loop is still running on these buffers")  # the holder may say so twice
+    with pytest.raises(BuffersHeld, match="still running") as refused:
+        bufs.hold(other, "a second loop")
+    assert isinstance(refused.value, ValueError)
+    with pytest.raises(BuffersHeld):
+        bufs.check_free()
+    bufs.release(other)  # only the holder lets go
+    assert bufs.holder is loop
+    bufs.release(loop)
+    bufs.check_free()
+    bufs.hold(other, "now")
+    assert bufs.holder is other
+
+
+class Named(Stream):
+    """A Stream without its context: what the methods are given, not what they use."""
+
+    def __repr__(self) -> str:
+        return "Stream(stand-in)"
+
+
+def test_a_readback_takes_its_tokens_apart_when_asked():
+    ring_row = 4  # count, then 3 tokens
+    words = np.array([2, 11, 12, 0, 0, 0, 0, 0, 3, 31, 32, 33], np.uint32)
+    done, positions = np.array([False, True, False]), np.array([5, 6, 7])
+    readback = Readback(words, ring_row, [2, 0, 3], done, positions)
+    assert readback._tokens is None, "tokens taken apart before anyone asked"
+    assert [t.tolist() for t in readback.tokens] == [[11, 12], [], [31, 32, 33]]
+    assert readback.done is done and readback.positions is positions
+    assert "5 tokens over 3 rows, 1 done" in repr(readback)
+
+
+class ProtocolStream:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __cuda_stream__(self):
+        return self.answer
+
+
+def test_each_rows_rounds_are_its_tokens_less_its_accepted_drafts_and_tau_and_the_drafts_agree():
+    from types import SimpleNamespace
+    bufs = host_bufs()
+    bufs.batch, bufs.k, bufs.acc_d = 3, 4, "acc_d"
+    acc = np.array([[9, 12], [0, 0], [4, 30]], np.uint32)  # [B][ACC_WORDS]: this round's, the total
+    bufs.engine = SimpleNamespace(dtoh=lambda buf: acc.reshape(-1) if buf == "acc_d" else None)
+    committed = [20, 5, 40]
+    assert bufs.rounds_run(committed).tolist() == [8, 5, 10]
+    assert bufs.drafts_accepted(committed) == (42, 4 * 23)
+    assert bufs.tokens_per_round(committed) == 65 / 23
+    with pytest.raises(ValueError, match="one committed count per row"):
+        bufs.rounds_run([1, 2])
+    bufs.batch, acc = 1, np.zeros((1, 2), np.uint32)
+    assert bufs.tokens_per_round(0) == 1.0  # no round ran
+
+
+def test_a_stream_is_taken_in_every_form_an_engine_author_has_one():
+    """An int, `.cuda_stream` (torch), and the CUDA stream protocol (cuda.core, CuPy): the same
+    handle, whatever the form; a protocol answer of another version refused (finding 5)."""
+    forms = [0x1234, np.uint64(0x1234), type("Torch", (), {"cuda_stream": 0x1234})(), ProtocolStream((0, 0x1234))]
+    assert [handle_of(form) for form in forms] == [0x1234] * 4
+    for bad in ((1, 0x1234), 0x1234, (0,)):
+        with pytest.raises(TypeError, match=r"__cuda_stream__\(\) must return \(0, handle\)"):
+            handle_of(ProtocolStream(bad))
+    for bad in ("stream 7", ProtocolStream((0, "7"))):
+        with pytest.raises(TypeError, match="__cuda_stream__"):
+            handle_of(bad)

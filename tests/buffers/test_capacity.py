@@ -1,0 +1,143 @@
+"""The capacity rule (memra_cuda.capacity), on CPU: how far a burst, an overlapped burst and a
+device loop may write into the KV caches, each at its exact limit and one entry past it; the
+rule of a pipeline's stages; the fast path against every row; kv_capacity against the worst
+position a live row can burst from."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import Stages, UNCHECKED, kv_capacity
+from memra_cuda.errors import CapacityError
+from memra_cuda.buffers.capacity import Capacity, kv_entries
+
+ONE, TWO = np.array([False]), np.array([False, False])
+
+
+def at(*positions: int) -> np.ndarray:
+    return np.array(positions, np.int64)
+
+
+def test_a_burst_fits_to_the_last_entry_and_not_one_past():
+    rule = Capacity(24, k=4, batch=1, m_rounds=4)
+    rule.check_burst(at(9), ONE, rounds=3)  # 9 + 3 rounds of 5 = 24: the last entry
+    assert rule.burst_reach(at(9), ONE, 3).tolist() == [24]
+    with pytest.raises(CapacityError, match=r"24 entries.*up to 25 \(row 0 at position 10\)"):
+        rule.check_burst(at(10), ONE, rounds=3)
+    with pytest.raises(CapacityError, match="3 rounds"):
+        rule.check_burst(at(10), ONE, rounds=3)
+    rule.check_burst(at(19), ONE, rounds=1)
+    with pytest.raises(CapacityError):
+        rule.check_burst(at(20), ONE, rounds=1)
+
+
+def test_a_batch_leaves_room_for_the_round_a_finished_row_sits_out():
+    rule = Capacity(24, k=4, batch=2, m_rounds=4)
+    rule.check_burst(at(4, 0), TWO, rounds=3)  # 4 + 15 + 5 = 24
+    with pytest.raises(CapacityError, match=r"row 0 at position 5"):
+        rule.check_burst(at(5, 0), TWO, rounds=3)
+    # The second row is the one past the limit: the error names it.
+    with pytest.raises(CapacityError, match=r"row 1 at position 5"):
+        rule.check_burst(at(0, 5), TWO, rounds=3)
+
+
+def test_a_done_row_needs_only_its_scratch_entries():
+    rule = Capacity(24, k=4, batch=2, m_rounds=4)
+    done = np.array([True, False])
+    rule.check_burst(at(19, 0), done, rounds=3)  # done: 19 + 5 = 24, whatever the burst
+    with pytest.raises(CapacityError, match="row 0 at position 20"):
+        rule.check_burst(at(20, 0), done, rounds=3)
+
+
+def test_an_overlapped_burst_counts_the_rounds_in_flight_before_it():
+    """Overlap queues a burst behind one whose tokens the host has not seen: those rounds may
+    have moved every row a whole burst on (ahead)."""
+    rule = Capacity(64, k=3, batch=1, m_rounds=8)
+    rule.check_burst(at(0), ONE, rounds=8, ahead=8)  # 0 + 8·4 + 8·4 = 64
+    with pytest.raises(CapacityError, match="behind 8 unseen"):
+        rule.check_burst(at(1), ONE, rounds=8, ahead=8)
+    rule.check_burst(at(1), ONE, rounds=8, ahead=7)
+    with pytest.raises(CapacityError):
+        rule.check_burst(at(0), ONE, rounds=8, ahead=9)
+    assert rule.burst_short(at(0), ONE, 8, ahead=8).size == 0
+    assert rule.burst_short(at(1), ONE, 8, ahead=8).tolist() == [0]
+
+
+def test_a_device_loop_is_checked_for_its_whole_budget():
+    """A row that commits at most `most` tokens starts its last round at most most - 1 past its
+    position and writes k + 1 entries there; with passes of several rounds (or a batch) the
+    round that stopped it may have kept k + 1 more."""
+    single = Capacity(40, k=4, batch=1, m_rounds=1)
+    single.check_loop(at(16), at(20), ONE)  # 16 + 20 + 5 - 1 = 40
+    with pytest.raises(CapacityError, match=r"device loop: row 0 at position 17 may write up to 41 \(20 tokens"):
+        single.check_loop(at(17), at(20), ONE)
+    passes = Capacity(45, k=4, batch=1, m_rounds=16)
+    passes.check_loop(at(16), at(20), ONE)  # + 5 for the idle round
+    with pytest.raises(CapacityError):
+        passes.check_loop(at(17), at(20), ONE)
+    batch = Capacity(45, k=4, batch=2, m_rounds=1)
+    batch.check_loop(at(16, 40), at(20, 0), np.array([False, True]))  # the done row: 40 + 5
+    with pytest.raises(CapacityError, match="row 1"):
+        batch.check_loop(at(16, 41), at(20, 0), np.array([False, True]))
+    with pytest.raises(CapacityError):  # rounds queued ahead of the loop move it on
+        single.check_loop(at(16), at(20), ONE, ahead=1)
+
+
+def test_pipeline_stages_bound_the_rule_with_their_caches():
+    """The other stages roll back in round_tail, out of the tables' sight: their capacity joins
+    the tables', and the fewest entries anywhere is the rule's."""
+    stages = Stages(["stage 0"], capacity=20)
+    rule = Capacity.of((stages.capacity, 64, None), k=4, batch=1, m_rounds=4)
+    assert rule.entries == 20
+    rule.check_burst(at(0), ONE, rounds=4)  # 20: the stage's last entry
+    with pytest.raises(CapacityError, match="20 entries"):
+        rule.check_burst(at(1), ONE, rounds=4)
+    assert Capacity.of((Stages(["stage"], capacity=UNCHECKED).capacity, 64), 4, 1, 4).entries == 64
+    unchecked = Capacity.of((UNCHECKED, None), 4, 1, 4)
+    assert unchecked.entries is None
+    unchecked.check_burst(at(10**9), ONE, rounds=4)  # nothing to check against
+    unchecked.check_loop(at(10**9), at(10**6), ONE)
+    assert unchecked.burst_short(at(10**9), ONE, 4).size == 0
+
+
+def test_a_stated_capacity_is_positive_none_or_unchecked_by_name():
+    assert kv_entries(None) is None and kv_entries(UNCHECKED) is UNCHECKED
+    assert kv_entries(np.int64(7)) == 7 and type(kv_entries(np.int64(7))) is int
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="positive number of KV entries"):
+            kv_entries(bad)
+    with pytest.raises(TypeError):
+        kv_entries(2.5)
+
+
+def test_the_one_reduction_fast_path_agrees_with_every_row():
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        batch, k, m_rounds = int(rng.integers(1, 6)), int(rng.integers(0, 6)), int(rng.integers(1, 9))
+        rule = Capacity(int(rng.integers(1, 200)), k, batch, m_rounds)
+        positions = rng.integers(0, 200, batch)
+        done = rng.random(batch) < 0.3
+        rounds, ahead = int(rng.integers(1, m_rounds + 1)), int(rng.integers(0, 3))
+        every_row = np.flatnonzero(rule.burst_reach(positions, done, rounds, ahead) > rule.entries)
+        assert rule.burst_short(positions, done, rounds, ahead).tolist() == every_row.tolist()
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_kv_capacity_holds_every_burst_a_live_row_can_start(batch, overlap):
+    """A live row has committed fewer than max_new_tokens tokens, so it sits at most at
+    prompt_len - 1 + max_new_tokens - 1 when a burst starts (behind one more in flight, in
+    overlap): kv_capacity leaves room for it, and a cache of the rule's exact need leaves none
+    for one entry more."""
+    for prompt_len, new_tokens, k, m_rounds in ((1, 1, 0, 1), (16, 512, 4, 16), (5, 7, 2, 3), (100, 1, 8, 64)):
+        rule = Capacity(kv_capacity(prompt_len, new_tokens, k, m_rounds, overlap, batch), k, batch, m_rounds)
+        worst = prompt_len - 1 + new_tokens - 1
+        positions, live = np.full(batch, worst, np.int64), np.zeros(batch, bool)
+        ahead = m_rounds if overlap else 0
+        rule.check_burst(positions, live, m_rounds, ahead)  # the worst a generation can ask
+        need = int(rule.burst_reach(positions, live, m_rounds, ahead).max())
+        assert need <= rule.entries
+        tight = Capacity(need, k, batch, m_rounds)
+        tight.check_burst(positions, live, m_rounds, ahead)
+        with pytest.raises(CapacityError):
+            tight.check_burst(positions + 1, live, m_rounds, ahead)

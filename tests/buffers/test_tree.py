@@ -1,0 +1,224 @@
+"""Tree shapes on the host (memra_cuda/tree.py) and the capacity rule for trees: what is refused
+before anything is queued, and the level order every tree kernel and model relies on. CPU only."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import DynamicTree, TreeShape, kv_capacity
+from memra_cuda.buffers.capacity import Capacity
+from memra_cuda.buffers.layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS
+
+
+def test_choices_become_level_order_with_parents_before_children():
+    tree = TreeShape.from_choices([[1, 0], [0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    assert tree.parent == (-1, 0, 0, 1, 1, 2, 3)
+    assert tree.rank == (0, 0, 1, 0, 1, 0, 0)
+    assert tree.depths == (0, 1, 1, 2, 2, 2, 3)
+    assert tree.levels == ((0, 1), (1, 3), (3, 6), (6, 7))
+    assert (tree.nodes, tree.depth, tree.draws) == (7, 3, 2)
+
+
+def test_parents_in_any_topological_order_are_reordered_by_level():
+    tree = TreeShape.from_parents([-1, 0, 1, 0, 2, 3])  # 0 -> 1 -> 2 -> 4, 0 -> 3 -> 5
+    assert tree.parent == (-1, 0, 0, 1, 2, 3)  # old nodes 0, 1, 3, 2, 5, 4
+    assert tree.rank == (0, 0, 1, 0, 0, 0)
+    assert tree.depths == (0, 1, 1, 2, 2, 3)
+
+
+def test_a_level_is_expanded_up_to_its_last_node_with_a_child():
+    """Leaves past a level's last parent are left out ([2]; [0, 0, 1] and [1, 0, 0]); a leaf
+    before it is kept ([0, 1]); the deepest level, all leaves, is empty. A dynamic tree's levels
+    are whole but the deepest: which of their nodes get children is chosen on the device."""
+    tree = TreeShape.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [1, 0, 0],
+                                   [0, 0, 0, 0]])
+    assert tree.levels == ((0, 1), (1, 4), (4, 7), (7, 10), (10, 11))
+    assert tree.expanded == ((0, 1), (1, 3), (4, 7), (7, 8), (10, 10))
+    assert TreeShape.chain(3).expanded == ((0, 1), (1, 2), (2, 3), (3, 3))
+    assert DynamicTree(3, 2, 2).expanded == ((0, 1), (1, 3), (3, 5), (5, 5))
+
+
+def test_a_chain_with_leaves_expands_its_line_alone():
+    tree = TreeShape.chain_with_leaves(3, 2)
+    assert tree.parent == (-1, 0, 0, 0, 1, 1, 1, 4, 4, 4) and tree.rank == (0,) + (0, 1, 2) * 3
+    assert tree.expanded == ((0, 1), (1, 2), (4, 5), (7, 7))  # one node a level: a chain's draft
+    assert (tree.nodes, tree.depth, tree.draws) == (10, 3, 3)
+    assert TreeShape.chain_with_leaves(4, 0) == TreeShape.chain(4)
+    for k, leaves in ((0, 1), (2, -1)):
+        with pytest.raises(ValueError, match="k >= 1 drafts and leaves >= 0"):
+            TreeShape.chain_with_leaves(k, leaves)
+
+
+def test_a_chain_is_a_tree_of_one_branch():
+    tree = TreeShape.chain(4)
+    assert tree.parent == (-1, 0, 1, 2, 3) and tree.rank == (0,) * 5 and tree.depth == 4
+    assert tree.levels == tuple((d, d + 1) for d in range(5))
+
+
+@pytest.mark.parametrize("parents,why", [
+    ([-1, 1], "not before it"), ([-1, 0, 3, 0], "not before it"), ([0, 0], "root"), ([-1, -2], "not before it")])
+def test_a_parent_not_before_its_child_is_refused(parents, why):
+    with pytest.raises(ValueError, match=why):
+        TreeShape.from_parents(parents)
+
+
+def test_out_of_level_order_and_duplicate_ranks_are_refused_when_given_directly():
+    with pytest.raises(ValueError, match="level order"):
+        TreeShape((-1, 0, 1, 0), (0, 0, 0, 1))
+    with pytest.raises(ValueError, match="distinct"):
+        TreeShape((-1, 0, 0), (0, 1, 1))
+
+
+@pytest.mark.parametrize("choices,why", [([[0, 0]], "prefix"), ([[0], [0]], "distinct"), ([[]], "non-empty")])
+def test_bad_choices_are_refused(choices, why):
+    with pytest.raises(ValueError, match=why):
+        TreeShape.from_choices(choices)
+
+
+def test_the_mask_width_is_the_limit_at_the_limit_and_past_it():
+    assert TreeShape.chain(MAX_TREE_NODES - 1).nodes == MAX_TREE_NODES
+    with pytest.raises(ValueError, match="mask"):
+        TreeShape.chain(MAX_TREE_NODES)
+    assert DynamicTree(depth=5, width=51, branch=2).nodes == MAX_TREE_NODES
+    with pytest.raises(ValueError, match="mask"):
+        DynamicTree(depth=5, width=52, branch=2)
+
+
+def test_a_sampled_tree_uses_its_first_draws():
+    TreeShape.from_choices([[0], [1], [0, 0]]).check_sampled()
+    with pytest.raises(ValueError, match="without gaps"):
+        TreeShape.from_choices([[0], [2]]).check_sampled()
+    TreeShape.from_choices([[r] for r in range(MAX_TREE_DRAWS)]).check_sampled()
+    with pytest.raises(ValueError, match="at most"):
+        TreeShape.from_choices([[r] for r in range(MAX_TREE_DRAWS + 1)]).check_sampled()
+    DynamicTree(2, 4, MAX_TREE_DRAWS).check_sampled()
+    with pytest.raises(ValueError, match="at most"):
+        DynamicTree(2, 4, MAX_TREE_DRAWS + 1).check_sampled()
+
+
+def test_a_dynamic_level_weighs_at_most_the_grow_kernels_offers_at_the_limit():
+    """width x branch offers from the second level on (the root offers only its own), refused
+    when the tree is made, not at the level whose grow would meet them."""
+    assert DynamicTree(depth=2, width=64, branch=MAX_TREE_OFFERS // 64).nodes == 129
+    with pytest.raises(ValueError, match="offers"):
+        DynamicTree(depth=2, width=64, branch=MAX_TREE_OFFERS // 64 + 1)
+    assert DynamicTree(depth=1, width=255, branch=MAX_TREE_OFFERS).nodes == MAX_TREE_NODES
+
+
+def test_a_dynamic_tree_has_levels_of_its_width():
+    tree = DynamicTree(depth=3, width=4, branch=2)
+    assert tree.nodes == 13 and tree.levels == ((0, 1), (1, 5), (5, 9), (9, 13))
+    for name in ("depth", "width", "branch"):
+        with pytest.raises(ValueError, match=name):
+            DynamicTree(**{"depth": 1, "width": 1, "branch": 1, name: 0})
+
+
+def test_a_tree_round_needs_room_for_its_slots_past_the_position_at_the_limit():
+    """A tree of depth D writes T + 1 slots past a row's position and moves it D + 1 at most:
+    a burst of R rounds reaches position + (R - 1)(D + 1) + T + 1 (a batch: D + 1 more)."""
+    D, T1, M = 3, 17, 4
+    for batch in (1, 4):
+        rule = Capacity(None, D, batch, M, width=T1)
+        reach = 100 + (M - 1) * (D + 1) + T1 + (D + 1 if batch > 1 else 0)
+        positions, done = np.full(batch, 100), np.zeros(batch, bool)
+        assert int(rule.burst_reach(positions, done, M).max()) == reach
+        Capacity(reach, D, batch, M, width=T1).check_burst(positions, done, M)
+        with pytest.raises(ValueError, match="cannot take"):
+            Capacity(reach - 1, D, batch, M, width=T1).check_burst(positions, done, M)
+        done[:] = True
+        assert int(rule.burst_reach(positions, done, M).max()) == 100 + T1
+    assert Capacity(10, 4, 1, 2).width == 5  # a chain writes k + 1
+
+
+def test_kv_capacity_of_a_tree_covers_a_generation():
+    D, T1, M, prompt, new = 4, 33, 8, 20, 100
+    for batch, overlap in ((1, False), (8, True)):
+        entries = kv_capacity(prompt, new, D, M, overlap=overlap, batch=batch, width=T1)
+        rule = Capacity(entries, D, batch, M, width=T1)
+        # the worst burst: from the furthest position a live row can be at, behind a burst in flight
+        positions = np.full(batch, prompt - 1 + new - 1)
+        rule.check_burst(positions, np.zeros(batch, bool), M, ahead=M if overlap else 0)
+    assert kv_capacity(prompt, new, D, M) == kv_capacity(prompt, new, D, M, width=D + 1)
+
+
+FAKE_PTR = 0x7F0000000000  # a device address no buffer of these tests is ever read at
+
+
+def test_kv_data_refuses_what_the_compaction_cannot_move():
+    """Entries move as 32-bit words, each (row, position) in bytes of its own: checked when the
+    layout is described, with no driver (DeviceBuffer.wrap names memory without touching it)."""
+    from memra_cuda import DeviceBuffer
+    from memra_cuda.buffers import KVData
+
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint8, 2 * 10 * 16)
+    KVData(buf, row_stride=160, pos_stride=16, nbytes=16, capacity=10, batch=2)  # [B][capacity][16 bytes]
+    KVData(buf, row_stride=16, pos_stride=32, nbytes=16, capacity=10, batch=2)  # [capacity][B][16 bytes]
+    for bad, match in ((dict(nbytes=6, pos_stride=8, row_stride=80), "multiples of 4"),
+                       (dict(pos_stride=8), "cannot hold"),
+                       (dict(row_stride=80), "overlap"),
+                       (dict(row_stride=0), "overlap"),
+                       (dict(row_stride=176, capacity=11), "reach")):
+        with pytest.raises(ValueError, match=match):
+            KVData(buf, **{**dict(row_stride=160, pos_stride=16, nbytes=16, capacity=10, batch=2), **bad})
+    with pytest.raises(ValueError, match="aligned"):
+        KVData(DeviceBuffer.wrap(FAKE_PTR + 2, np.uint8, 400), row_stride=160, pos_stride=16, nbytes=16, capacity=10,
+               batch=2)
+
+
+def test_the_likeliest_tree_holds_the_nodes_of_highest_chance():
+    """Every node's chance is the product of right * fall**rank along its path; the tree holds the
+    `size` highest (ties aside), each chosen node's parent is chosen, and the limits hold."""
+    tree = TreeShape.likeliest(20, depth=5, right=0.7, fall=0.4, ranks=3)
+    assert tree.nodes == 21 and tree.depth <= 5 and max(tree.rank) < 3
+
+    def chance(i: int) -> float:
+        p, c = i, 1.0
+        while tree.parent[p] >= 0:
+            c, p = c * 0.7 * 0.4 ** tree.rank[p], tree.parent[p]
+        return c
+    chosen = sorted(chance(i) for i in range(1, tree.nodes))
+    # the best node left out: a child of a chosen node (or of the root) that is not in the tree
+    taken = {(tree.parent[i], tree.rank[i]) for i in range(1, tree.nodes)}
+    left = [chance(p) * 0.7 * 0.4 ** r for p in range(tree.nodes) for r in range(3)
+            if (p, r) not in taken and tree.depths[p] < 5]
+    assert max(left) <= chosen[0] + 1e-12
+    assert TreeShape.likeliest(6, right=0.8, fall=0.3).parent == tuple(range(-1, 6)), "a sure draft's tree is a line"
+    assert TreeShape.likeliest(3, right=1.0, fall=1.0, ranks=3, depth=1).parent == (-1, 0, 0, 0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(size=0), dict(size=4, depth=0), dict(size=4, ranks=0),
+                                    dict(size=4, right=0.0), dict(size=4, fall=1.5),
+                                    dict(size=4, depth=1, ranks=3), dict(size=7, depth=2, ranks=2)])
+def test_the_likeliest_tree_refuses_what_makes_no_tree(kwargs):
+    with pytest.raises(ValueError, match="likeliest tree"):
+        TreeShape.likeliest(**kwargs)
+
+
+def test_the_likeliest_tree_is_bounded_by_the_mask():
+    assert TreeShape.likeliest(MAX_TREE_NODES - 1).nodes == MAX_TREE_NODES
+    with pytest.raises(ValueError, match="2 to"):
+        TreeShape.likeliest(MAX_TREE_NODES)
+
+
+def test_kv_data_of_a_layer_and_a_table_refuse_what_kernel_15_cannot_read():
+    """KVData.from_layer wants the layer's data_d laid out [B][capacity][width]; a KVDataTable at
+    least one entry, KVData or None, all of one batch: each refused before the table is made
+    (no driver: the table's engine is never reached)."""
+    from memra_cuda import DeviceBuffer, KVLayer
+    from memra_cuda.buffers import KVData, KVDataTable
+
+    lengths = DeviceBuffer.wrap(FAKE_PTR, np.int32, 2)
+    with pytest.raises(ValueError, match="has no data_d to compact"):
+        KVData.from_layer(KVLayer(lengths, 10))
+    with pytest.raises(ValueError, match=r"is not \[2\]\[10\]\[width\]"):
+        KVData.from_layer(KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10 * 4 + 1)))
+    two = KVData.from_layer(KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10 * 4)))
+    assert (two.batch, two.row_stride, two.pos_stride, two.nbytes) == (2, 160, 16, 16)
+    one = KVData(DeviceBuffer.wrap(FAKE_PTR, np.uint8, 160), row_stride=160, pos_stride=16, nbytes=16, capacity=10,
+                 batch=1)
+    with pytest.raises(ValueError, match="at least one entry"):
+        KVDataTable(None, [])
+    with pytest.raises(TypeError, match="entry 1 must be a KVData"):
+        KVDataTable(None, [two, "k"])
+    with pytest.raises(ValueError, match=r"the same batch B, not \[1, 2\]"):
+        KVDataTable(None, [two, None, one])

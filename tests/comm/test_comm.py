@@ -1,0 +1,664 @@
+"""The communicator's host side, without a GPU (docs/nccl.md): a rank's place from torchrun's
+environment, the id exchange over TCP (every rank gets rank 0's id; a rank 0 that never comes and
+ranks that never join are TimeoutErrors, not hangs), the watchdog's rule on a fake clock, how a
+host wait answers to its guards, where libnccl is looked for, and, where an NCCL is installed
+(the `nccl` extra), its version, ids and error words. None of it needs NCCL to import."""
+from __future__ import annotations
+
+import functools
+import socket
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from memra_cuda.comm import NcclError, NcclUnavailable, RankFailure, Ranks, Watch, exchange_id, nccl_dtype, nccl_op
+from memra_cuda.comm import library
+from memra_cuda.comm.communicator import _Guard, _State
+from memra_cuda.comm.library import IN_PROGRESS, UNIQUE_ID_BYTES
+from memra_cuda.comm.launch import free_port
+from memra_cuda.driver.stream import Stream
+
+
+# -- a rank's place -------------------------------------------------------------------------------
+
+def test_a_rank_reads_torchruns_variables():
+    env = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29600"}
+    assert Ranks.from_env(env) == Ranks(2, 4, 1, "10.0.0.7", 29601)  # torchrun's store holds MASTER_PORT
+    assert Ranks.from_env({**env, "MEMRA_NCCL_PORT": "31000"}).port == 31000
+    assert Ranks.from_env({"RANK": "0", "WORLD_SIZE": "1"}) == Ranks(0, 1, 0, "127.0.0.1", 29501)
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"WORLD_SIZE": "2"}, "names RANK"),
+    ({}, "RANK and WORLD_SIZE"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "integers"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "0 <= rank < world"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "port"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MEMRA_NCCL_PORT": "x"}, "MEMRA_NCCL_PORT are integers"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "local_rank"),
+])
+def test_a_rank_refuses_an_environment_it_cannot_serve(env, match):
+    with pytest.raises(ValueError, match=match):
+        Ranks.from_env(env)
+
+
+# -- the id exchange ------------------------------------------------------------------------------
+
+def test_every_rank_gets_rank_zeros_id():
+    port, world = free_port(), 4
+    made = bytes(range(128))
+    got: dict[int, bytes] = {}
+
+    def rank(r: int) -> None:
+        got[r] = exchange_id(Ranks(r, world, port=port), lambda: made, timeout=20)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (3, 1, 2, 0)]  # joiners before the server
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {r: made for r in range(world)}
+
+
+def test_a_stray_connection_is_turned_away():
+    port = free_port()
+    got: list[bytes] = []
+    server = threading.Thread(target=lambda: got.append(exchange_id(Ranks(0, 2, port=port), lambda: b"i" * 128, 20)))
+    server.start()
+    for _ in range(100):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as stray:
+                stray.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            break
+        except OSError:
+            time.sleep(0.05)
+    assert exchange_id(Ranks(1, 2, port=port), lambda: b"never", 20) == b"i" * 128
+    server.join(30)
+    assert got == [b"i" * 128]
+
+
+def test_a_rank_zero_that_never_comes_is_a_timeout():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 1 found no rank 0"):
+        exchange_id(Ranks(1, 2, port=free_port()), lambda: b"x" * 128, timeout=0.5)
+    assert time.monotonic() - start < 5
+
+
+def test_ranks_that_never_join_are_a_timeout_naming_them():
+    with pytest.raises(TimeoutError, match=r"waited for ranks \[1, 2\]"):
+        exchange_id(Ranks(0, 3, port=free_port()), lambda: b"x" * 128, timeout=0.5)
+
+
+def test_an_id_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match="128 bytes"):
+        exchange_id(Ranks(0, 1, port=free_port()), lambda: b"short", timeout=1)
+
+
+# -- the watchdog's rule, on a fake clock -----------------------------------------------------------
+
+def test_a_wait_past_the_timeout_is_a_failure_and_stays_one():
+    watch = Watch(timeout=10.0, rank=1)
+    assert watch.verdict(now=100.0, async_error=0) is None  # no wait yet
+    watch.waits.update({1: 104.0, 2: 100.0})  # two threads waiting: the oldest wait counts
+    assert watch.verdict(now=110.0, async_error=0) is None  # at the limit, not past it
+    assert watch.verdict(now=110.0, async_error=IN_PROGRESS) is None  # NCCL still working: no error
+    first = watch.verdict(now=110.5, async_error=0)
+    assert first is not None and "timeout of 10 s" in first
+    watch.waits.clear()
+    assert watch.verdict(now=111.0, async_error=2) == first  # the first failure stays the verdict
+
+
+def test_a_wait_that_ends_leaves_another_threads_wait_timed():
+    watch = Watch(timeout=10.0, rank=0)
+    state = _State(Lib(), 0x1, watch, Ctx())
+    guard, other = _Guard(state), threading.Thread(target=lambda: _Guard(state).begin())
+    other.start()
+    other.join()
+    guard.begin()
+    guard.end(None)
+    assert len(watch.waits) == 1 and watch.verdict(time.monotonic() + 11, 0) is not None
+
+
+def test_an_asynchronous_error_is_a_failure_at_once():
+    watch = Watch(timeout=10.0, rank=0)
+    assert "ncclRemoteError" in watch.verdict(now=0.0, async_error=6)
+
+
+def test_a_timeout_is_a_positive_number_of_seconds():
+    with pytest.raises(ValueError, match="positive"):
+        Watch(timeout=0, rank=0)
+
+
+class Lib:
+    """What _State calls of libnccl, recorded (the watchdog's side, not a GPU's); `stuck`: the
+    calls that never return."""
+
+    def __init__(self, async_error: int = 0, stuck: tuple[str, ...] = ()):
+        self.async_error, self.calls, self.stuck = async_error, [], stuck
+        self.lib = types.SimpleNamespace(ncclCommGetAsyncError=self._get, **{
+            f"ncclComm{name}": lambda comm, name=name: self._call(name) for name in ("Abort", "Finalize", "Destroy")})
+
+    def _get(self, comm, out):
+        out._obj.value = self.async_error
+        return 0
+
+    def _call(self, name):
+        self.calls.append(name.lower())
+        if name.lower() in self.stuck:
+            threading.Event().wait(5)
+        return 0
+
+
+class Ctx:
+    """PrimaryContext.run's shape: the call, its result checked by the caller."""
+
+    @staticmethod
+    def run(fn, name, args):
+        return fn(*args)
+
+
+def test_the_watchdog_aborts_once_on_an_error_and_the_wait_raises_rank_failure():
+    lib = Lib(async_error=6)
+    state = _State(lib, 0x1234, Watch(5.0, rank=3), Ctx())
+    guard = _Guard(state)
+    guard.begin()
+    state.poll()
+    state.poll()
+    assert lib.calls == ["abort"]
+    cause = RuntimeError("the synchronisation's own error")
+    with pytest.raises(RankFailure, match="rank 3: NCCL reported ncclRemoteError") as info:
+        guard.end(cause)
+    assert info.value.__cause__ is cause
+    state.release()
+    assert lib.calls == ["abort"]  # an aborted communicator is not released again
+
+
+def test_a_healthy_communicator_is_finalised_and_destroyed_once_and_polls_nothing_after():
+    lib = Lib()
+    state = _State(lib, 0x1234, Watch(5.0, rank=0), Ctx())
+    guard = _Guard(state)
+    guard.begin()
+    state.poll()
+    guard.end(None)
+    state.release()
+    state.release()
+    state.poll()
+    assert lib.calls == ["finalize", "destroy"]
+
+
+def test_a_finalise_that_does_not_return_in_time_gives_way_to_an_abort():
+    lib = Lib(stuck=("finalize",))
+    state = _State(lib, 0x1234, Watch(0.2, rank=0), Ctx())
+    start = time.monotonic()
+    state.release()
+    assert lib.calls == ["finalize", "abort"] and time.monotonic() - start < 2
+
+
+# -- a host wait answers to its stream's guards --------------------------------------------------------
+
+class Recorder:
+    def __init__(self, log, raise_at_end=False):
+        self.log, self.raise_at_end = log, raise_at_end
+
+    def begin(self):
+        self.log.append("begin")
+
+    def end(self, error):
+        self.log.append(f"end {type(error).__name__ if error else None}")
+        if self.raise_at_end:
+            raise RankFailure("peer gone", 0) from error
+
+
+def test_a_host_wait_is_bracketed_by_every_guard():
+    log: list[str] = []
+    stream = types.SimpleNamespace(guards=[Recorder(log), Recorder(log)])
+    assert Stream.host_wait(stream, lambda x: log.append(f"wait {x}") or 7, 5) == 7
+    assert log == ["begin", "begin", "wait 5", "end None", "end None"]
+
+
+def test_every_guard_ends_its_wait_though_the_first_raises():
+    log: list[str] = []
+    stream = types.SimpleNamespace(guards=[Recorder(log, raise_at_end=True), Recorder(log)])
+    with pytest.raises(RankFailure, match="peer gone"):
+        Stream.host_wait(stream, lambda: None)
+    assert log == ["begin", "begin", "end None", "end None"]
+
+
+def test_a_communicator_id_is_passed_whole():
+    from memra_cuda.comm.library import UniqueIdArg
+    made = bytes([7, 0, 0, 9] * 32)  # zeros inside, as rank 0's address and port have
+    assert bytes(UniqueIdArg.from_buffer_copy(made)) == made
+
+
+def test_a_guard_turns_a_failed_wait_into_its_own_error():
+    log: list[str] = []
+    stream = types.SimpleNamespace(guards=[Recorder(log, raise_at_end=True)])
+
+    def wait():
+        raise OSError("the driver's answer")
+    with pytest.raises(RankFailure, match="peer gone"):
+        Stream.host_wait(stream, wait)
+    assert log == ["begin", "end OSError"]
+
+
+def test_a_host_wait_without_guards_is_the_wait_alone():
+    assert Stream.host_wait(types.SimpleNamespace(guards=[]), lambda: "done") == "done"
+
+
+# -- the library ----------------------------------------------------------------------------------------
+
+def test_memra_nccl_library_is_the_only_candidate_when_set():
+    assert library.candidates({"MEMRA_NCCL_LIBRARY": "/opt/nccl/libnccl.so.2"}) == ["/opt/nccl/libnccl.so.2"]
+
+
+def test_a_wheels_library_is_found_on_the_path(tmp_path):
+    lib = tmp_path / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"")
+    found = library.candidates({}, [str(tmp_path)])
+    assert str(lib) in found and found[-1] == "libnccl.so.2"
+
+
+def test_no_library_is_nccl_unavailable_naming_where_it_looked(monkeypatch, tmp_path):
+    missing = str(tmp_path / "libnccl.so.2")
+    monkeypatch.setenv("MEMRA_NCCL_LIBRARY", missing)
+    library.nccl.cache_clear()
+    try:
+        with pytest.raises(NcclUnavailable, match="memra_cuda\\[nccl\\]") as info:
+            library.nccl()
+        assert missing in str(info.value)
+    finally:
+        library.nccl.cache_clear()
+
+
+def test_element_types_and_reductions_map_to_nccls():
+    assert [nccl_dtype(t) for t in (np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64, np.float16,
+                                    np.float32, np.float64, "bfloat16")] == list(range(10))
+    assert [nccl_op(op) for op in ("sum", "prod", "max", "min", "avg")] == list(range(5))
+    with pytest.raises(ValueError, match="not complex64"):
+        nccl_dtype(np.complex64)
+    with pytest.raises(ValueError, match="not 'xor'"):
+        nccl_op("xor")
+
+
+def test_an_nccl_error_names_the_call_and_nccls_word():
+    err = NcclError(5, "ncclSend", "peer 3 is not a rank")
+    assert str(err) == "ncclSend failed: ncclInvalidUsage: peer 3 is not a rank" and err.name == "ncclInvalidUsage"
+    assert NcclError(42, "ncclX").name == "ncclResult 42"
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    try:
+        return library.nccl()
+    except NcclUnavailable as exc:
+        pytest.skip(f"needs NCCL ({library.EXTRA}): {exc}")
+
+
+def test_the_installed_nccl_has_a_version_and_makes_ids(nccl):
+    assert nccl.version >= 21400 and nccl.version_text.count(".") == 2
+    one, two = nccl.unique_id(), nccl.unique_id()
+    assert len(one) == len(two) == UNIQUE_ID_BYTES and one != two
+
+
+def test_a_failed_nccl_call_raises_naming_it(nccl):
+    import ctypes
+    with pytest.raises(NcclError, match="ncclCommCount failed: ncclInvalidArgument"):
+        nccl.call("ncclCommCount", None, ctypes.byref(ctypes.c_int()))
+
+
+# -- the toy's tensor-parallel shards ---------------------------------------------------------------
+
+def test_shards_cover_the_layers_once_in_order_the_first_ones_larger():
+    from memra_cuda.testing.toy.ranks import shard
+    for layers in range(1, 12):
+        for world in range(1, layers + 1):
+            shards = [shard(layers, world, rank) for rank in range(world)]
+            assert [i for s in shards for i in s] == list(range(layers))
+            sizes = [len(s) for s in shards]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    with pytest.raises(ValueError, match="at least one"):
+        shard(2, 3, 0)
+    with pytest.raises(ValueError, match="rank 3"):
+        shard(4, 3, 3)
+
+
+# -- ranks started as torchrun would ------------------------------------------------------------------
+
+def test_launch_starts_every_rank_with_torchruns_variables_and_a_port_of_its_own_for_the_exchange(monkeypatch):
+    from memra_cuda.comm.launch import launch
+    monkeypatch.setenv("MEMRA_NCCL_PORT", "1")  # a parent's is not every launch's
+    show = "import os; print(os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'], " \
+           "os.environ['NCCL_NVLS_ENABLE'], os.environ['MASTER_PORT'], os.environ['MEMRA_NCCL_PORT'])"
+    ended = launch([sys.executable, "-c", show], 3, timeout=60)
+    assert [(e.rank, e.returncode, e.stdout.split()[:4]) for e in ended] == \
+        [(r, 0, [str(r), str(r), "3", "0"]) for r in range(3)]
+    master, exchange = (int(port) for port in ended[0].stdout.split()[4:])
+    assert master > 1 and exchange > 1 and master != exchange
+    assert launch([sys.executable, "-c", show], 1, env={"MEMRA_NCCL_PORT": "7"}, timeout=60)[0].stdout.split()[5] == "7"
+
+
+def test_launch_kills_every_rank_past_its_timeout():
+    from memra_cuda.comm.launch import launch
+    start = time.monotonic()
+    ended = launch([sys.executable, "-c", "import os, time; os.environ['RANK'] == '1' and time.sleep(60)"], 2,
+                   timeout=2)
+    assert [e.returncode for e in ended] == [0, None] and time.monotonic() - start < 20
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie left for its new parent to reap."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _launch_a_rank_with_a_worker(launching, worker: str):
+    """One rank, running `worker` (Python source) as a process of its own and sleeping, launched
+    with a timeout of 3 s: how it ended, and whether its worker is gone (waited for up to 10 s)."""
+    spawn = (f"import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', {worker!r}]); "
+             "print(child.pid, flush=True); time.sleep(60)")
+    ended = launching.launch([sys.executable, "-c", spawn], 1, timeout=3)
+    child = int(ended[0].stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return ended[0], _gone(child)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_launch_stops_what_a_rank_started_and_kills_a_rank_that_ignores_sigterm(monkeypatch):
+    """A rank that started a process of its own (torchrun its workers) is stopped with it; one
+    that ignores SIGTERM gets SIGKILL after the grace."""
+    from memra_cuda.comm import launch as launching
+    monkeypatch.setattr(launching, "GRACE", 1.0)
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+               "time.sleep(60)"
+    start = time.monotonic()
+    ended, worker_gone = _launch_a_rank_with_a_worker(launching, "import time; time.sleep(60)")
+    assert ended.returncode is None and worker_gone
+    ended = launching.launch([sys.executable, "-c", stubborn], 1, timeout=3)
+    assert ended[0].returncode is None and ended[0].stdout.split() == ["up"] and time.monotonic() - start < 30
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_launch_kills_what_a_rank_started_that_ignores_sigterm_when_the_rank_itself_obeys(monkeypatch):
+    """The rank ends at SIGTERM, its worker does not: the worker still gets SIGKILL after the grace
+    (the session is what is stopped, not only its leader)."""
+    from memra_cuda.comm import launch as launching
+    monkeypatch.setattr(launching, "GRACE", 1.0)
+    ended, worker_gone = _launch_a_rank_with_a_worker(
+        launching, "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
+    assert ended.returncode is None and worker_gone
+
+
+# -- a Communicator over a recording stand-in for libnccl (its host logic, not a GPU's) ------------
+
+class FakeNccl:
+    """The libnccl calls a Communicator makes, recorded, over memory kept in `memory` (address ->
+    array); an all-reduce combines this rank's buffer with `peer`'s values; `fail` maps a call's
+    name to the result it returns."""
+
+    def __init__(self, memory: dict, peer=None, fail: dict | None = None):
+        self.memory, self.peer, self.fail, self.calls, self.joined_with = memory, peer, fail or {}, [], None
+        names = ("ncclCommGetAsyncError", "ncclCommAbort", "ncclCommFinalize", "ncclCommDestroy", "ncclGroupStart",
+                 "ncclGroupEnd", "ncclBroadcast", "ncclSend", "ncclRecv")
+        self.lib = types.SimpleNamespace(ncclCommInitRank=self._init, ncclAllReduce=self._all_reduce,
+                                         **{name: functools.partial(self._record, name) for name in names})
+
+    def _record(self, name, *args):
+        self.calls.append(name)
+        if name == "ncclCommGetAsyncError":
+            args[1]._obj.value = 0
+        return self.fail.get(name, 0)
+
+    def _init(self, comm, world, arg, rank):
+        self.joined_with = bytes(arg)
+        comm._obj.value = 0xC0
+        return 0
+
+    def _all_reduce(self, send, recv, count, kind, op, comm, stream):
+        self.calls.append("ncclAllReduce")
+        if "ncclAllReduce" in self.fail:
+            return self.fail["ncclAllReduce"]
+        mine = self.memory[send]
+        self.memory[recv][:] = np.maximum(mine, self.peer) if self.peer is not None else mine
+        return 0
+
+    def call(self, name, *args):
+        code = getattr(self.lib, name)(*args)
+        if code:
+            raise self.failure(code, name)
+
+    def failure(self, code, call, comm=None):
+        return NcclError(code, call, "the stand-in's")
+
+
+class FakeEngine:
+    """What a Communicator asks of its engine, host memory standing in for the device's."""
+
+    device, closed, stream_handle, ctx, capture_hold = 0, False, 0x5, Ctx, None
+
+    def __init__(self):
+        self.guards, self.memory = [], {}
+
+    def activate(self):
+        return Ctx
+
+    def check_owns(self, buf, what):
+        pass
+
+    def depend(self, dependent):
+        pass
+
+    def synchronize(self):
+        Stream.host_wait(self, lambda: None)
+
+    def htod(self, values, label=None):
+        from memra_cuda.driver.buffer import DeviceBuffer
+        host = np.array(values)
+        address = 0x1000 * (len(self.memory) + 1)
+        self.memory[address] = host
+        return DeviceBuffer.wrap(address, host.dtype, host.size)
+
+    def dtoh(self, buf):
+        return self.memory[buf.ptr].copy()
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A Communicator of rank 0 of 2 over FakeNccl and FakeEngine (its watchdog thread runs)."""
+    from memra_cuda.comm import communicator
+    engine = FakeEngine()
+    made: dict = {}
+
+    def make(peer=None, fail=None, unique_id=bytes(range(128))):
+        lib = FakeNccl(engine.memory, peer, fail)
+        monkeypatch.setattr(communicator, "nccl", lambda: lib)
+        made["comm"] = communicator.Communicator(engine, 0, 2, unique_id, timeout=5, poll=0.01)
+        return made["comm"], lib, engine
+    yield make
+    if "comm" in made:
+        made["comm"].free()
+
+
+def test_a_communicator_joins_with_the_whole_id_and_is_released_once(fake):
+    made = bytes([9, 0, 0, 7] * 32)  # zeros inside, as rank 0's address and port have
+    comm, lib, engine = fake(unique_id=made)
+    assert lib.joined_with == made and engine.guards == [comm._guard]
+    comm.free()
+    comm.free()
+    assert lib.calls.count("ncclCommFinalize") == lib.calls.count("ncclCommDestroy") == 1
+    assert "ncclCommAbort" not in lib.calls and engine.guards == []
+
+
+def test_a_failed_enqueue_fails_the_communicator_and_raises_rank_failure(fake):
+    comm, lib, engine = fake(fail={"ncclAllReduce": 6})
+    buf = engine.htod(np.zeros(4, np.float32))
+    with pytest.raises(RankFailure, match="ncclAllReduce failed: ncclRemoteError"):
+        comm.all_reduce(buf)
+    assert "ncclRemoteError" in comm.failure_reason
+    calls = len(lib.calls)
+    with pytest.raises(RankFailure):
+        comm.all_reduce(buf)  # refused before NCCL is asked again
+    assert lib.calls[calls:].count("ncclAllReduce") == 0
+    with pytest.raises(RankFailure):
+        engine.synchronize()  # every wait raises too
+    assert _aborted(lib) and lib.calls.count("ncclCommAbort") == 1
+
+
+def _aborted(lib) -> bool:
+    """Whether the abort (on a thread of its own) has reached the stand-in, within a second."""
+    for _ in range(100):
+        if "ncclCommAbort" in lib.calls:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_group_that_fails_as_it_ends_fails_the_communicator_as_a_failed_call_does(fake):
+    comm, lib, engine = fake(fail={"ncclGroupEnd": 6})
+    buf = engine.htod(np.zeros(4, np.float32))
+    with pytest.raises(RankFailure, match="ncclGroupEnd failed"):
+        with comm.group():
+            comm.send(buf, 1)
+    assert "ncclGroupEnd" in comm.failure_reason and _aborted(lib)
+    with pytest.raises(RankFailure):
+        engine.synchronize()
+
+
+def test_a_group_whose_body_raises_is_ended_and_the_bodys_error_is_seen(fake):
+    comm, lib, engine = fake(fail={"ncclGroupEnd": 6})
+    with pytest.raises(ValueError, match="peer must be"):
+        with comm.group():
+            comm.send(engine.htod(np.zeros(4, np.float32)), 7)
+    assert lib.calls[-1] == "ncclGroupEnd" and comm.failure_reason is None
+
+
+def test_a_watchdog_that_cannot_ask_nccl_fails_the_communicator_once(fake):
+    comm, lib, engine = fake()
+
+    def broken(*args):
+        raise OSError("the library went away")
+    lib.lib.ncclCommGetAsyncError = broken
+    for _ in range(100):
+        if comm.failure_reason:
+            break
+        time.sleep(0.01)
+    assert comm.failure_reason.startswith("the watchdog could not ask NCCL for errors") and _aborted(lib)
+    time.sleep(0.05)
+    assert lib.calls.count("ncclCommAbort") == 1
+
+
+def test_a_join_that_nccl_refuses_raises_its_error(fake, monkeypatch):
+    from memra_cuda.comm import communicator
+    lib = FakeNccl({})
+    lib.lib.ncclCommInitRank = lambda *args: 5  # ncclInvalidUsage
+    monkeypatch.setattr(communicator, "nccl", lambda: lib)
+    with pytest.raises(NcclError):
+        communicator.Communicator(FakeEngine(), 0, 2, bytes(128), timeout=5)
+
+
+def test_agree_passes_where_the_ranks_agree_and_raises_where_they_do_not(fake):
+    from memra_cuda.comm import RanksDiverged, digest
+    tokens = [[5, 6, 7], [8]]
+    words = np.array(digest(tokens), np.uint64)
+    comm, lib, engine = fake(peer=np.concatenate([words, ~words]))
+    comm.agree(digest(tokens), "the tokens")
+    with pytest.raises(RanksDiverged, match="the tokens differ between ranks"):
+        comm.agree(digest([[5, 6, 8], [8]]), "the tokens")
+    assert comm.failure_reason and "differ" in comm.failure_reason
+
+
+def test_a_communicator_refuses_what_it_cannot_join_or_queue(fake):
+    from memra_cuda.comm import Communicator
+    from memra_cuda.driver.buffer import DeviceBuffer
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        Communicator(FakeEngine(), 2, 2, bytes(128))
+    with pytest.raises(ValueError, match="128 bytes"):
+        Communicator(FakeEngine(), 0, 2, b"short")
+    comm, lib, engine = fake()
+    four = DeviceBuffer.wrap(0x10, np.float32, 4)
+    with pytest.raises(TypeError, match="DeviceBuffer"):
+        comm.all_reduce(np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="differ"):
+        comm.all_reduce(four, DeviceBuffer.wrap(0x20, np.float32, 5))
+    with pytest.raises(ValueError, match="cannot be reduced as float64"):
+        comm.all_reduce(four, dtype="float64")
+    with pytest.raises(ValueError, match=r"4-byte elements: they cannot be reduced as bfloat16 \(2 bytes\)"):
+        comm.all_reduce(four, dtype="bfloat16")
+    with pytest.raises(ValueError, match="peer must be a rank of 0..1"):
+        comm.send(four, 2)
+    with pytest.raises(ValueError, match="not 'xor'"):
+        comm.all_reduce(four, op="xor")
+    assert "ncclAllReduce" not in lib.calls and "ncclSend" not in lib.calls
+
+
+def test_a_finaliser_that_fails_only_logs(caplog):
+    from memra_cuda.comm.communicator import _release
+
+    class Broken:
+        engines = ()
+
+        def release(self):
+            raise RuntimeError("the device faulted")
+    _release(Broken(), None)
+    assert "the device faulted" in caplog.text
+
+
+def test_an_operation_refuses_to_run_once_its_buffer_is_freed(fake):
+    comm, lib, engine = fake()
+    buf = engine.htod(np.zeros(4, np.float32))
+    reduce = comm.prepare_all_reduce(buf)
+    reduce()
+    buf.free()
+    with pytest.raises(ValueError, match="freed"):
+        reduce()
+    assert lib.calls.count("ncclAllReduce") == 1
+
+
+def test_an_operation_on_another_device_or_nothing_to_agree_on_is_refused(fake):
+    comm, lib, engine = fake()
+    other = FakeEngine()
+    other.device = 1
+    with pytest.raises(ValueError, match="not on the communicator's device 0"):
+        comm.all_reduce(engine.htod(np.zeros(4, np.float32)), engine=other)
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        comm.agree([])
+
+
+def test_a_join_that_never_returns_is_a_rank_failure_within_the_timeout(monkeypatch):
+    from memra_cuda.comm import communicator
+    lib = FakeNccl({})
+    lib.lib.ncclCommInitRank = lambda comm, world, arg, rank: threading.Event().wait(30) or 0
+    monkeypatch.setattr(communicator, "nccl", lambda: lib)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="joining a communicator of 2 ranks took more than 0.3 s"):
+        communicator.Communicator(FakeEngine(), 1, 2, bytes(128), timeout=0.3)
+    assert time.monotonic() - start < 5
+
+
+# -- refusals made before any device work ---------------------------------------------------------
+
+def test_device_mode_refuses_a_rank_of_a_communicator_before_touching_the_driver():
+    from memra_cuda.errors import LoopUnsupported
+    from memra_cuda.rounds.device_loop import DeviceLoop
+    rank = types.SimpleNamespace(engine=types.SimpleNamespace(guards=[object()]), bufs=None, pipelined=False)
+    with pytest.raises(LoopUnsupported, match="a rank of a communicator"):
+        DeviceLoop(rank)
+
+
+def test_the_toys_ranks_refuse_recurrent_layers_and_a_verify_past_a_block():
+    from memra_cuda.testing.toy.ranks import ToyTensorParallel
+    from memra_cuda.testing.toy.lm import BLOCK, ToyModel
+    comm = types.SimpleNamespace(engine=None, world=2, rank=0)
+    with pytest.raises(ValueError, match="recurrent layers run whole"):
+        ToyTensorParallel(comm, ToyModel(kv_mask=(True, False), rec_mask=(False, True)), 64, 4, 2)
+    with pytest.raises(ValueError, match=f"k must be < {BLOCK}"):
+        ToyTensorParallel(comm, ToyModel(), 64, BLOCK, 2)

@@ -1,0 +1,496 @@
+"""The driver layer's host-side logic, which must hold on every CI machine, GPU or not.
+
+Nothing here reaches the driver: check() is fed hand-made result tuples, KernelArgs packs into
+host memory, and DeviceBuffers wrap made-up foreign pointers (never dereferenced) so their
+lifetime rules can be exercised without a device.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+from cuda.bindings.driver import CUresult
+
+from memra_cuda import DeviceBuffer, Engine
+from memra_cuda.driver import KernelArgs
+from memra_cuda.errors import CudaError, CudaUnavailable
+from memra_cuda.driver import Handle, as_buffer
+from memra_cuda.driver.values import exact_array
+from memra_cuda.driver.errors import check
+from memra_cuda.driver.module import packaged_ptx
+
+# A made-up device address: wrap() only stores it, so it never has to be valid.
+FAKE_PTR = 0x1000
+
+
+def fake_buffer(length: int = 100, dtype=np.uint32) -> DeviceBuffer:
+    return DeviceBuffer.wrap(FAKE_PTR, dtype, length)
+
+
+# -- check() ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "result, expected",
+    [((CUresult.CUDA_SUCCESS,), None),
+     ((CUresult.CUDA_SUCCESS, 5), 5),
+     ((CUresult.CUDA_SUCCESS, 1, "two"), (1, "two"))],
+    ids=["no-value", "one-value", "two-values"],
+)
+def test_check_unwraps_success(result, expected):
+    assert check(result, "cuSomething") == expected
+
+
+def test_check_raises_cuda_error_naming_code_and_call():
+    with pytest.raises(CudaError) as caught:
+        check((CUresult.CUDA_ERROR_INVALID_VALUE, 7), "cuMemAlloc")
+    err = caught.value
+    assert err.name == "CUDA_ERROR_INVALID_VALUE"
+    assert err.code == int(CUresult.CUDA_ERROR_INVALID_VALUE)
+    assert err.call == "cuMemAlloc"
+    assert "CUDA_ERROR_INVALID_VALUE" in str(err) and "cuMemAlloc" in str(err)
+    # Callers that only know "something went wrong at run time" still catch it.
+    assert isinstance(err, RuntimeError)
+
+
+# -- no driver ----------------------------------------------------------------------------
+
+
+def test_engine_without_driver_raises_one_clear_line():
+    try:
+        eng = Engine()
+    except CudaUnavailable as exc:
+        err = exc
+    else:
+        eng.close()
+        pytest.skip("a CUDA driver and GPU are present here, so Engine() succeeds")
+    message = str(err)
+    assert "\n" not in message, "CudaUnavailable must be one sentence, not a loader traceback"
+    assert "driver" in message.lower()
+    assert isinstance(err, CudaError) and err.name == "CUDA_UNAVAILABLE"
+
+
+# -- KernelArgs ---------------------------------------------------------------------------
+
+# The kernel ABI: each argument is stored little-endian in its C type, one 8-byte slot each.
+# Spelled out here (not read from the module) so a wrong mapping there cannot go unnoticed.
+ABI = {"ptr": "<u8", "u32": "<u4", "i32": "<i4", "u64": "<u8", "i64": "<i8", "f32": "<f4", "f64": "<f8"}
+
+
+def slot_bytes(args: KernelArgs, i: int) -> bytes:
+    return args.storage.view(np.uint8)[8 * i: 8 * i + 8].tobytes()
+
+
+def expected_slot(kind: str, value) -> bytes:
+    """What the driver must read for `value`: its bytes, zero-padded to the 8-byte slot."""
+    if isinstance(value, DeviceBuffer):
+        value = value.ptr
+    return np.array(value, dtype=ABI[kind]).tobytes().ljust(8, b"\0")
+
+
+def assert_packed(args: KernelArgs, values) -> None:
+    base = args.storage.ctypes.data
+    for i, (kind, value) in enumerate(zip(args.types, values)):
+        assert int(args.table[i]) == base + 8 * i, f"table entry {i} does not point at slot {i}"
+        assert slot_bytes(args, i) == expected_slot(kind, value), f"slot {i} ({kind})"
+    assert args.pointer == args.table.ctypes.data
+
+
+def test_kernel_args_pack_each_type_little_endian():
+    types = ["ptr", "u32", "i32", "u64", "f32", "i64", "f64"]
+    args = KernelArgs(types)
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4)
+    first = (buf, 0xDEADBEEF, -5, 2**64 - 1, 1.5, -(2**63), -0.25)
+    args.set(*first)
+    assert_packed(args, first)
+    assert args.buffers[0] is buf and args.buffers[1:] == [None] * (len(types) - 1)
+
+    # Values are updated in place: the table (what the driver was given) must not move.
+    table_before = args.table.copy()
+    second = (0x2000, 0, 2**31 - 1, 0, -3.0e38, 2**63 - 1, 1e300)
+    args.set(*second)
+    assert_packed(args, second)
+    assert np.array_equal(args.table, table_before)
+    assert args.buffers[0] is None, "an int pointer must release the previous buffer"
+
+
+def test_kernel_args_keep_buffer_arguments_alive():
+    args = KernelArgs(["ptr"])
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4)
+    alive = weakref.ref(buf)
+    args.set(buf)
+    del buf
+    gc.collect()
+    assert alive() is args.buffers[0] is not None
+
+
+def test_kernel_args_accept_numpy_integer_pointer():
+    args = KernelArgs(["ptr"])
+    args.set(np.uint64(0xABCDEF))
+    assert slot_bytes(args, 0) == expected_slot("ptr", 0xABCDEF)
+
+
+def test_kernel_args_wrong_arity_is_type_error():
+    args = KernelArgs(["ptr", "u32"])
+    with pytest.raises(TypeError):
+        args.set(FAKE_PTR)
+    with pytest.raises(TypeError):
+        args.set(FAKE_PTR, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "kind, value",
+    [("u32", -1), ("u32", 2**32), ("i32", 2**31), ("i32", -(2**31) - 1), ("u64", -1), ("u64", 2**64),
+     ("ptr", -1)],
+)
+def test_kernel_args_out_of_range_is_value_error_naming_the_index(kind, value):
+    # The bad value sits at index 1, after a valid one, so the message must name the right slot.
+    args = KernelArgs(["u32", kind])
+    with pytest.raises(ValueError, match="argument 1"):
+        args.set(0, value)
+
+
+@pytest.mark.parametrize(
+    "kind, value",
+    [("u32", np.uint64(2**40)), ("ptr", np.int64(-1)), ("u32", 2.5)],
+    ids=["numpy-u64-into-u32", "numpy-negative-ptr", "float-into-u32"],
+)
+def test_kernel_args_refuse_numpy_scalars_and_floats_that_do_not_fit(kind, value):
+    args = KernelArgs([kind])
+    try:
+        args.set(value)
+    except ValueError:
+        return
+    raise AssertionError(f"{value!r} was stored as {slot_bytes(args, 0).hex()} in a {kind} slot")
+
+
+def test_kernel_args_unknown_type_name():
+    with pytest.raises(ValueError, match="u8"):
+        KernelArgs(["ptr", "u8"])
+
+
+@pytest.mark.parametrize("value", ["0x1000", 1.0, None], ids=["str", "float", "none"])
+def test_kernel_args_pointer_must_be_buffer_or_int(value):
+    with pytest.raises(TypeError, match="argument 0"):
+        KernelArgs(["ptr"]).set(value)
+
+
+def test_kernel_args_refuse_a_freed_buffer():
+    buf = fake_buffer()
+    buf.free()
+    with pytest.raises(ValueError, match="after free"):
+        KernelArgs(["ptr"]).set(buf)
+
+
+# -- DeviceBuffer lifetime (foreign pointers, no driver) ----------------------------------
+
+
+def test_wrapped_buffer_basics():
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.float64, 10)
+    assert (buf.ptr, buf.len, len(buf), buf.nbytes, buf.dtype) == (FAKE_PTR, 10, 10, 80, np.float64)
+    assert not buf.owns_memory and not buf.freed
+    assert buf.engine is None
+
+
+@pytest.mark.parametrize("ptr, length", [(0, 4), (FAKE_PTR, 0), (FAKE_PTR, -1)],
+                         ids=["null", "empty", "negative"])
+def test_wrap_refuses_null_and_empty(ptr, length):
+    with pytest.raises(ValueError):
+        DeviceBuffer.wrap(ptr, np.uint32, length)
+
+
+@pytest.mark.parametrize("start, count", [(0, 100), (99, 1), (0, 1), (37, 20)])
+def test_view_pointer_arithmetic(start, count):
+    view = fake_buffer(100).view(start, count)
+    assert view.ptr == FAKE_PTR + 4 * start
+    assert (view.len, view.nbytes, view.dtype) == (count, 4 * count, np.uint32)
+    assert not view.owns_memory
+
+
+@pytest.mark.parametrize("start, count", [(-1, 2), (0, 0), (0, 101), (100, 1), (97, 4)])
+def test_view_bounds(start, count):
+    with pytest.raises(ValueError):
+        fake_buffer(100).view(start, count)
+
+
+def test_view_of_view_is_relative_to_the_first_view():
+    outer = fake_buffer(100, np.uint16).view(10, 50)
+    inner = outer.view(5, 10)
+    assert inner.ptr == FAKE_PTR + 2 * (10 + 5)
+    inner.view(9, 1)
+    with pytest.raises(ValueError):
+        outer.view(45, 6)  # inside the parent, but past the end of the view
+
+
+def assert_unusable(buf: DeviceBuffer) -> None:
+    assert buf.freed
+    with pytest.raises(ValueError, match="after free"):
+        buf.ptr
+    with pytest.raises(ValueError, match="after free"):
+        buf.__cuda_array_interface__
+    assert "freed" in repr(buf)
+
+
+def test_free_makes_buffer_and_its_views_unusable():
+    parent = fake_buffer()
+    view = parent.view(2, 3)
+    inner = view.view(1, 1)
+    parent.free()
+    for buf in (parent, view, inner):
+        assert_unusable(buf)
+    with pytest.raises(ValueError):
+        parent.view(0, 1)
+    parent.free()  # idempotent
+
+
+def test_freeing_a_view_leaves_the_parent_alone():
+    parent = fake_buffer()
+    view = parent.view(2, 3)
+    view.free()
+    view.free()
+    assert_unusable(view)
+    assert parent.ptr == FAKE_PTR and not parent.freed
+
+
+def test_with_block_frees():
+    with fake_buffer() as buf:
+        assert buf.ptr == FAKE_PTR
+    assert_unusable(buf)
+
+
+def test_cuda_array_interface_without_engine():
+    buf = fake_buffer(7)
+    assert buf.__cuda_array_interface__ == {
+        "shape": (7,), "typestr": "<u4", "data": (FAKE_PTR, False), "strides": None, "version": 3}
+    assert "stream" not in buf.view(1, 2).__cuda_array_interface__
+    assert DeviceBuffer.wrap(FAKE_PTR, np.float16, 1).__cuda_array_interface__["typestr"] == "<f2"
+
+
+# -- packaged PTX -------------------------------------------------------------------------
+
+
+def test_packaged_ptx_is_the_committed_text():
+    text = packaged_ptx("probe")
+    assert text.startswith("//")  # the NVVM header comments come first
+    assert ".version" in text and ".entry probe_increment" in text
+
+
+def test_packaged_ptx_unknown_name():
+    with pytest.raises(FileNotFoundError, match="no_such_module"):
+        packaged_ptx("no_such_module")
+
+
+# -- what device memory can hold, and constructor arguments --------------------------------
+
+
+@pytest.mark.parametrize("dtype", [object, "U4", "S4", np.complex64, np.complex128, ">u4", np.longdouble, "V8"])
+def test_device_buffers_refuse_element_types_the_device_cannot_hold(dtype):
+    with pytest.raises(ValueError, match="element type"):
+        DeviceBuffer.wrap(FAKE_PTR, dtype, 4)
+
+
+@pytest.mark.parametrize("values", [np.array([1, "x"], dtype=object), np.array(["12"]), np.array([1 + 2j]), ["1"]],
+                         ids=["object", "unicode", "complex", "str-list"])
+@pytest.mark.parametrize("dtype", [np.uint32, np.float32])
+def test_exact_array_refuses_what_is_not_numbers(values, dtype):
+    with pytest.raises((ValueError, TypeError)):
+        exact_array(values, dtype)
+
+
+def test_exact_array_converts_big_python_ints_exactly():
+    assert exact_array([1, 2**63, 2**64 - 1], np.uint64).tolist() == [1, 2**63, 2**64 - 1]
+    with pytest.raises(ValueError):
+        exact_array([1.5], np.uint32)
+
+
+@pytest.mark.parametrize("ptr, length, kind", [(0, 4, ValueError), (FAKE_PTR, -5, ValueError), (0, -5, ValueError),
+                                               (1.5, 4, TypeError), (FAKE_PTR, 2.0, TypeError),
+                                               (2**64 - 8, 4, ValueError)],
+                         ids=["null", "negative", "null-negative", "float-ptr", "float-length", "past-2**64"])
+def test_device_buffer_constructor_validates(ptr, length, kind):
+    with pytest.raises(kind):
+        DeviceBuffer(ptr, np.uint32, length)
+
+
+@pytest.mark.parametrize("start, count", [(1.5, 2), (1, 2.0), ("1", 2)])
+def test_view_refuses_non_integers(start, count):
+    with pytest.raises(TypeError):
+        fake_buffer(10).view(start, count)
+    assert fake_buffer(10).view(np.int64(1), np.uint8(2)).ptr == FAKE_PTR + 4
+
+
+@pytest.mark.parametrize("value, kind", [("1.5", TypeError), (None, TypeError), (True, TypeError),
+                                         (1e39, ValueError), (-1e39, ValueError)])
+def test_float_arguments_take_numbers_in_range(value, kind):
+    with pytest.raises(kind, match="argument 0"):
+        KernelArgs(["f32"]).set(value)
+
+
+@pytest.mark.parametrize("value", [1.5, 3, np.float64(2.5), np.int32(-4), float("inf"), float("nan")])
+def test_float_arguments_accept_numbers(value):
+    args = KernelArgs(["f32"])
+    args.set(value)
+    assert slot_bytes(args, 0)[:4] == np.array(value, np.float32).tobytes()
+
+
+# -- dependents: freeing a handle poisons what holds its address ---------------------------
+
+
+class Holder(Handle):
+    """A stand-in for a launch, graph or table: something that copied an address."""
+
+    def __repr__(self) -> str:
+        return "Holder"
+
+
+def test_free_poisons_dependents_with_the_freed_buffers_name():
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4)
+    buf.label = "ring_d"
+    holder = Holder()
+    buf.depend(holder)
+    holder._usable()
+    buf.free()
+    with pytest.raises(ValueError, match=r"Holder refuses to run: it uses DeviceBuffer\(ring_d u32\[4\]"):
+        holder._usable()
+
+
+def test_freeing_a_parent_poisons_dependents_of_its_views_and_chains_on():
+    parent = fake_buffer()
+    view = parent.view(3, 2)
+    first, second = Holder(), Holder()
+    view.depend(first)
+    first.depend(second)  # a table bound into a launch, say
+    parent.free()
+    for holder in (first, second):
+        with pytest.raises(ValueError, match="which was freed"):
+            holder._usable()
+
+
+def test_dependents_are_held_weakly_and_notified_once():
+    buf = fake_buffer()
+    holder = Holder()
+    alive = weakref.ref(holder)
+    buf.depend(holder)
+    del holder
+    gc.collect()
+    assert alive() is None, "a buffer must not keep what depends on it alive"
+    buf.free()
+    buf.free()
+
+
+def test_freeing_a_view_leaves_dependents_of_the_parent_alone():
+    parent = fake_buffer()
+    holder = Holder()
+    parent.depend(holder)
+    parent.view(0, 1).free()
+    holder._usable()
+
+
+# -- adopting __cuda_array_interface__ objects (what needs no driver) ------------------------
+
+
+class FakeArray:
+    def __init__(self, **iface):
+        self.__cuda_array_interface__ = {"shape": (4,), "typestr": "<u4", "data": (FAKE_PTR, False),
+                                         "version": 3, **iface}
+
+
+@pytest.mark.parametrize("iface", [{"shape": (4, 2), "strides": (4, 16)}, {"shape": (0,)}, {"typestr": "<c8"},
+                                   {"mask": object()}, {"shape": (2, 3), "strides": (8, 8)}],
+                         ids=["transposed", "empty", "complex", "masked", "gapped"])
+def test_from_cuda_array_refuses_before_asking_the_driver(iface):
+    with pytest.raises(ValueError):
+        DeviceBuffer.from_cuda_array(FakeArray(**iface))
+
+
+def test_as_buffer_names_what_it_cannot_adopt():
+    with pytest.raises(TypeError, match="draft_d must be a DeviceBuffer"):
+        as_buffer(np.zeros(3, np.uint32), "draft_d")
+    buf = fake_buffer()
+    assert as_buffer(buf) is buf
+
+
+def test_the_collector_stays_off_until_the_last_of_overlapping_captures_ends():
+    """Captures on two engines from two threads overlap: the first to end must not turn the
+    garbage collector back on under the other (a collection there can free memory the other
+    capture's graph addresses, which invalidates it)."""
+    from memra_cuda.driver.graph import _collector_held
+    assert gc.isenabled()
+    first, second = _collector_held(), _collector_held()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled(), "the collector came back on while a capture was still running"
+    second.__exit__(None, None, None)
+    assert gc.isenabled()
+
+
+# -- graph calls' edge data (the CUDA 12 bindings' argument rule) --------------------------------
+
+def test_graph_calls_give_an_edge_each_and_name_the_form_the_bindings_have(monkeypatch):
+    """CUDA 12's bindings refuse a dependency list without as many edge-data entries ("List is
+    too small: 0 < 1") and spell the edge-taking calls <name>_v2; CUDA 13's take None and the
+    plain name. The installed bindings' own CUgraphEdgeData, uninitialised (no driver needed)."""
+    from types import SimpleNamespace
+
+    from cuda.bindings import driver as bindings
+
+    from memra_cuda.driver import graph
+
+    monkeypatch.setattr(graph, "driver", lambda: bindings)
+    edges = graph._edges(["a", "b"])
+    assert len(edges) == 2 and all(isinstance(edge, bindings.CUgraphEdgeData) for edge in edges)
+    assert edges[0] is not edges[1]
+    assert graph._edges([]) is None
+    for name in ("cuGraphAddNode", "cuStreamUpdateCaptureDependencies"):
+        assert callable(getattr(bindings, graph._with_edges(name)))
+    monkeypatch.setattr(graph, "driver", lambda: SimpleNamespace(cuGraphAddNode=1, cuGraphAddNode_v2=2))
+    assert graph._with_edges("cuGraphAddNode") == "cuGraphAddNode_v2"
+    monkeypatch.setattr(graph, "driver", lambda: SimpleNamespace(cuGraphAddNode=1))
+    assert graph._with_edges("cuGraphAddNode") == "cuGraphAddNode"
+
+
+def test_a_readback_on_a_guarded_stream_waits_once_for_the_copy_and_the_guards_see_it():
+    """dtoh's copy to pageable memory is the wait (it waits for the stream itself): bracketed by
+    the guards, with no extra synchronisation before it."""
+    from types import SimpleNamespace
+
+    from memra_cuda.driver.stream import Stream
+    log: list[str] = []
+    guard = SimpleNamespace(begin=lambda: log.append("begin"), end=lambda error: log.append("end"))
+    buf = fake_buffer(4)
+    engine = SimpleNamespace(guards=[guard], stream="s", readbacks=0, buffer=lambda b: b,
+                             no_capture=lambda what, why: None, _wait_host=lambda: log.append("synchronize"),
+                             ctx=SimpleNamespace(call=lambda name, *args: log.append(name)))
+    engine.host_wait = lambda wait, *args: Stream.host_wait(engine, wait, *args)
+    out = Engine.dtoh(engine, buf)
+    assert out.shape == (4,) and log == ["begin", "cuMemcpyDtoHAsync", "end", "synchronize"]
+    assert engine.readbacks == 1
+
+
+def test_a_launch_past_cudas_grid_limits_is_refused_at_prepare_naming_the_axis():
+    from memra_cuda.driver.module import GRID_LIMITS, _dim3
+    assert _dim3((64, 65535), "toy_probs's grid", GRID_LIMITS) == (64, 65535, 1)  # at the limit
+    assert _dim3(2**31 - 1, "grid", GRID_LIMITS) == (2**31 - 1, 1, 1)
+    for dims, axis in (((64, 65536), "y"), ((1, 1, 65536), "z"), (2**31, "x")):
+        with pytest.raises(ValueError, match=f"toy_probs's grid .* limit of .* in {axis}"):
+            _dim3(dims, "toy_probs's grid", GRID_LIMITS)
+    with pytest.raises(ValueError, match="1 to 3 positive sizes"):
+        _dim3((1, 0), "grid", GRID_LIMITS)
+
+
+def test_a_kernels_launch_is_refused_past_the_grid_limits_before_the_driver_is_asked():
+    """Launch (every prepare()) checks its grid against GRID_LIMITS under the kernel's name: the
+    toy's grid rows a position (toy_probs, toy_tree_probs) rely on it. The stand-in kernel has no
+    handle and no driver behind it, so a check after cuLaunchKernel's binding would fail otherwise."""
+    from types import SimpleNamespace
+
+    from memra_cuda.driver.module import Launch
+    module = SimpleNamespace(_usable=lambda: None, engine=None)
+    kernel = SimpleNamespace(module=module, name="toy_probs", handle=None, check_signature=lambda types: None)
+    with pytest.raises(ValueError, match=r"toy_probs's grid \(64, 65536, 1\) is past CUDA's limit of 65535 in y"):
+        Launch(kernel, [], grid=(64, 65536), block=256)
+    with pytest.raises(ValueError, match="toy_probs's block .* 1 to 3 positive sizes"):
+        Launch(kernel, [], grid=1, block=(256, 0))

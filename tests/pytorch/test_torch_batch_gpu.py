@@ -1,0 +1,191 @@
+"""The PyTorch example (examples/torch_llama.py) serving batches: greedy rows equal Hugging
+Face's own greedy on each prompt alone, in every mode; sampled tokens depend on the request's
+seed alone; the first sampled token is distributed as the target's softmax over the real
+model's vocabulary (20 000 rows, one launch of the round); and continuous batching gives every
+request its single-request output. Skipped with the reason where torch or transformers is
+missing.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda.rounds import MODES
+from laws import assert_distributed_as, cells
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+K, M = 4, 16
+
+
+def first_difference(got: list[int], want: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+# -- greedy, B = 8 ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def batch8(llama, small):
+    """Eight prompts of 2 to 40 tokens, budgets of 40 to 96, and an EOS in most rows taken from
+    the row's own greedy output (so it stops there); what Hugging Face says for each alone."""
+    prompts = llama.prompts(8, seed=1)
+    budgets = [96, 40, 80, 96, 64, 96, 50, 96]
+    alone = [llama.hf_greedy(small, prompt, n) for prompt, n in zip(prompts, budgets)]
+    stops = [None, alone[1][30], alone[2][5], None, alone[4][60], alone[5][0], alone[6][49], alone[7][70]]
+    requests = [llama.Request(p, n, eos) for p, n, eos in zip(prompts, budgets, stops)]
+    want = [row[:row.index(eos) + 1] if eos in row else row for row, eos in zip(alone, stops)]
+    capacity = llama.capacity_for(max(map(len, prompts)), max(budgets), K, M, batch=8)
+    spec = llama.SpeculativeLlama(small, k=K, m_rounds=M, capacity=capacity, batch=8)
+    return spec, requests, want
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_row_of_a_batch_equals_hugging_face_on_its_own_prompt(batch8, mode):
+    spec, requests, want = batch8
+    got = spec.generate_batch(requests, mode)
+    for row, (mine, theirs) in enumerate(zip(got, want)):
+        assert mine == theirs, f"{mode}, row {row}: first difference at token {first_difference(mine, theirs)}"
+    assert any(r.eos is not None and row[-1] == r.eos and len(row) < r.max_new_tokens
+               for r, row in zip(requests, got)), "no row stopped at its EOS before its budget"
+    assert 0.5 < spec.acceptance([len(row) for row in got]) < 1.0
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphed", "eager"])
+def test_batched_plain_greedy_equals_hugging_face_too(llama, small, batch8, eager):
+    """The bench's batched baselines compute what they claim to."""
+    _, requests, want = batch8
+    greedy = llama.GraphedGreedy(small, batch8[0].target.kv.capacity, batch=8, eager=eager)
+    assert greedy.generate_batch(requests) == want
+
+
+def test_a_head_size_other_than_hidden_over_heads_decodes_like_hugging_face(llama):
+    """The KV cache takes config.head_dim (32 here, where hidden_size / heads is 64)."""
+    model = llama.build_model("small", head_dim=32)
+    capacity = llama.capacity_for(len(llama.PROMPT), 64, K, M, batch=2)
+    spec = llama.SpeculativeLlama(model, k=K, m_rounds=M, capacity=capacity, batch=2)
+    assert spec.target.kv.k.shape[-1] == 32
+    request = llama.Request(llama.PROMPT, 64)
+    assert spec.generate_batch([request, request])[1] == llama.hf_greedy(model, llama.PROMPT, 64)
+
+
+# -- sampling -----------------------------------------------------------------------------------
+
+SAMPLING_REQUESTS = [(prompt_seed, 100 + prompt_seed) for prompt_seed in range(6)]
+
+
+def sampled(llama, model, batch: int, m_rounds: int, mode: str, order: list[int], params) -> dict[int, list[int]]:
+    """The requests of SAMPLING_REQUESTS at positions `order` sampled in batches of `batch`
+    rows: request index -> its tokens."""
+    prompts = llama.prompts(len(SAMPLING_REQUESTS), seed=2)
+    capacity = llama.capacity_for(40, 48, K, m_rounds, batch=batch)
+    spec = llama.SpeculativeLlama(model, k=K, m_rounds=m_rounds, capacity=capacity, batch=batch, sampling=params)
+    out = {}
+    for start in range(0, len(order), batch):
+        chunk = order[start:start + batch]
+        requests = [llama.Request(prompts[i], 48, None, SAMPLING_REQUESTS[i][1]) for i in chunk]
+        out.update(zip(chunk, spec.generate_batch(requests, mode)))
+    return out
+
+
+def test_a_request_samples_the_same_tokens_whatever_its_slot_batch_m_and_mode(llama, peaked):
+    params = llama.SamplingParams(temperature=1.0, top_k=200, top_p=0.95)
+    every = list(range(len(SAMPLING_REQUESTS)))
+    runs = {
+        "B=6, M=16, graph": sampled(llama, peaked, 6, 16, "graph", every, params),
+        "B=3, M=4, eager, slots reversed": sampled(llama, peaked, 3, 4, "eager", every[::-1], params),
+        "B=2, M=8, overlap, shuffled": sampled(llama, peaked, 2, 8, "overlap", [4, 1, 5, 0, 3, 2], params),
+        "B=1, readback": sampled(llama, peaked, 1, 1, "readback", every, params),
+    }
+    (first_name, first), *others = runs.items()
+    for name, run in others:
+        for i in every:
+            assert run[i] == first[i], (f"request {i}: {name} differs from {first_name} at token "
+                                        f"{first_difference(run[i], first[i])}")
+    assert len({tuple(tokens) for tokens in first.values()}) == len(every), "different seeds, same tokens"
+
+
+def test_first_sampled_token_is_distributed_as_the_targets_softmax(llama, peaked):
+    """The theorem on the real model: 20 000 rows of one prompt, each its own seed, one round
+    with a draft sampled at temperature 0.5 (so its law differs from the target's): the
+    first committed token, accepted draft or resampled residual, is distributed as the target's
+    softmax at T = 1 after the prompt (chi-square over cells of at least 50 expected draws)."""
+    rows, prompt = 20_000, llama.PROMPT
+    target, draft = llama.SamplingParams(1.0), llama.SamplingParams(0.5)
+    spec = llama.SpeculativeLlama(peaked, k=1, m_rounds=1, capacity=llama.capacity_for(len(prompt), 1, 1, 1, rows),
+                                  batch=rows, sampling=target, draft_sampling=draft)
+    got = spec.generate_batch([llama.Request(prompt, 1, None, seed) for seed in range(rows)], "readback")
+    first = np.array([tokens[0] for tokens in got])
+    with torch.no_grad():
+        logits = peaked(torch.tensor([prompt], device="cuda")).logits[0, -1].double()
+    law = logits.softmax(-1).cpu().numpy()  # Hugging Face's own forward, not the example's
+    index = cells(law, rows)
+    p, q = (probs[0, 0].double().cpu().numpy() for probs in (spec.p_d, spec.q_d))  # every row's, one prompt
+    assert 0.5 * np.abs(p - q).sum() > 0.1, "the draft's law must differ from the target's"
+    assert law.max() > 0.01, "a law this flat tests little"
+    # A rejected draft x had p(x) < q(x), so the residual never gives x back: the first token is
+    # the draft exactly where it was accepted, which happens with probability sum(min(p, q)).
+    accepted = float(np.mean(first == spec.draft_d[:, 0].cpu().numpy()))
+    assert abs(accepted - np.minimum(p, q).sum()) < 0.02, f"acceptance {accepted:.3f}, sum(min(p, q)) " \
+                                                          f"{np.minimum(p, q).sum():.3f}"
+    assert_distributed_as(index[first], np.bincount(index, weights=law), "the first sampled token")
+
+
+# -- continuous batching ------------------------------------------------------------------------
+
+def served_requests(llama, alone, n: int, seed: int, with_seeds: bool = False):
+    """n requests of mixed prompt lengths and budgets, a third of them stopped by an EOS taken
+    from their own output (generated alone by `alone`), and what each gives alone."""
+    gen = np.random.default_rng(seed)
+    requests = [llama.Request(p, int(b), None, i * 7 if with_seeds else 0)
+                for i, (p, b) in enumerate(zip(llama.prompts(n, seed=seed), gen.integers(8, 97, n)))]
+    outputs = [alone.generate(r.prompt, r.max_new_tokens, seed=r.seed) for r in requests]
+    for i in range(0, n, 3):
+        eos = outputs[i][int(gen.integers(len(outputs[i])))]
+        requests[i] = requests[i]._replace(eos=eos)
+        outputs[i] = outputs[i][:outputs[i].index(eos) + 1]
+    assert any(len(out) < r.max_new_tokens for r, out in zip(requests, outputs)), "no EOS stops a request early"
+    return requests, outputs
+
+
+@pytest.mark.parametrize("mode", ["graph", "readback"])
+def test_continuous_batching_gives_each_request_its_single_request_output(llama, small, mode):
+    """64 requests of mixed prompt and output lengths through 8 slots, refilled as requests
+    stop at their EOS or budget (reset_row, set_stop_row): each output equals the same request
+    generated alone, and no graph is captured while serving."""
+    alone = llama.SpeculativeLlama(small, k=K, m_rounds=M, capacity=llama.capacity_for(40, 96, K, M))
+    requests, want = served_requests(llama, alone, 64, seed=3)
+    server = llama.SpeculativeLlama(small, k=K, m_rounds=M, capacity=llama.capacity_for(40, 96, K, M, batch=8),
+                                    batch=8)
+    server.capture()
+    graphs, prefills = server.rounds.graphs, sorted(server.target.prefills)
+    served = server.serve(requests, mode)
+    assert server.rounds.graphs == graphs and sorted(server.target.prefills) == prefills, "serving captured a graph"
+    for i, (result, tokens) in enumerate(zip(served, want)):
+        assert result.tokens == tokens, f"request {i}: first difference at {first_difference(result.tokens, tokens)}"
+
+
+def test_serve_refuses_a_request_its_caches_cannot_hold_before_anything_runs(llama, small):
+    server = llama.SpeculativeLlama(small, k=K, m_rounds=M, capacity=llama.capacity_for(10, 20, K, M, batch=2),
+                                    batch=2)
+    fits = llama.Request([1, 2, 3], 20)
+    with pytest.raises(ValueError, match="request 1"):
+        server.serve([fits, llama.Request([1] * 10, 200)])
+    assert server.rounds.rounds == 1, "a step ran before the refusal"  # the constructor's warm-up round
+    assert server.serve([fits])[0].tokens == server.generate_batch([fits, fits])[0]
+    rounds_before_overlap = server.rounds.rounds
+    with pytest.raises(ValueError, match="overlap"):
+        server.serve([fits], "overlap")
+    assert server.rounds.rounds == rounds_before_overlap, "a step ran before the refusal"
+
+
+def test_continuous_batching_samples_each_request_as_it_would_alone(llama, peaked):
+    params = llama.SamplingParams(temperature=0.8)
+    alone = llama.SpeculativeLlama(peaked, k=K, m_rounds=M, capacity=llama.capacity_for(40, 96, K, M),
+                                   sampling=params)
+    requests, want = served_requests(llama, alone, 12, seed=4, with_seeds=True)
+    served = llama.SpeculativeLlama(peaked, k=K, m_rounds=M, capacity=llama.capacity_for(40, 96, K, M, batch=4),
+                                    batch=4, sampling=params).serve(requests)
+    for i, (result, tokens) in enumerate(zip(served, want)):
+        assert result.tokens == tokens, f"request {i}: first difference at {first_difference(result.tokens, tokens)}"

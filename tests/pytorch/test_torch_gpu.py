@@ -1,0 +1,337 @@
+"""Embedded in PyTorch: a borrowed stream orders memra's kernels with torch's ops, tensors are
+taken wherever buffers are, a capture through the adapter keeps torch's allocator away from
+the graph's memory, and a real transformer (examples/torch_llama.py) decodes through
+round-stream to exactly Hugging Face's own greedy output.
+
+Skipped with the reason where torch (or transformers, for the example) is not installed; the
+core package and `make test` never import them.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+from memra_cuda import (Cache, DeviceBuffer, Engine, Event, Graph, Greedy, KVLayer, RoundStream, StreamBufs,
+                        kv_len_ptr_table)
+from memra_cuda.errors import CaptureError
+from memra_cuda.rounds import MODES
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+memra_torch = pytest.importorskip("memra_cuda.torch")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+
+@pytest.fixture
+def side_stream(engine):
+    """A non-default torch stream, current for the test (graph capture needs one)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        yield stream
+
+
+def increment(engine: Engine, n: int):
+    return engine.load_ptx("probe").kernel("probe_increment").prepare(["ptr", "u32"], grid=-(-n // 128), block=128)
+
+
+def slow_values(n: int) -> torch.Tensor:
+    """int32 values 0..n-1, produced behind a large matmul, so work that does not wait for
+    them runs first."""
+    a = torch.randn(4096, 4096, device="cuda")
+    big = a @ a @ a
+    return (big[0, :n] * 0).to(torch.int32) + torch.arange(n, device="cuda", dtype=torch.int32)
+
+
+# -- streams ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("default_stream", [False, True], ids=["side-stream", "default-stream"])
+def test_engine_on_torchs_stream_needs_no_synchronisation(engine, default_stream):
+    stream = torch.cuda.default_stream() if default_stream else torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        shared = memra_torch.engine()
+        assert shared.borrowed and shared.stream_handle == stream.cuda_stream
+        for _ in range(3):
+            x = slow_values(1000)
+            increment(shared, 1000)(x, 1000)  # the tensor itself as the argument
+            assert x.cpu().tolist() == list(range(1, 1001))
+        shared.close()
+        torch.ones(1, device="cuda").cpu()  # the borrowed stream outlives the engine
+
+
+def test_engine_wait_joins_a_torch_stream_and_an_event(engine, side_stream):
+    x = slow_values(1000)
+    engine.wait(side_stream)  # engine's own stream after everything queued on torch's
+    increment(engine, 1000)(x, 1000)
+    done = Event(engine)
+    done.record()
+    with Engine(engine.device, stream=side_stream.cuda_stream) as other:
+        other.wait(done)  # torch's stream after memra's increment, through the event
+        y = x * 2
+        assert y.cpu().tolist() == [2 * i for i in range(1, 1001)]
+
+
+# -- tensors where buffers are taken ----------------------------------------------------------
+
+def test_tensors_are_adopted_kept_alive_and_checked(engine):
+    t = torch.arange(10, dtype=torch.int64, device="cuda")
+    alive = weakref.ref(t)
+    buf = DeviceBuffer.from_cuda_array(t)
+    del t
+    gc.collect()
+    assert alive() is not None and buf.dtype == np.int64 and buf.len == 10 and not buf.owns_memory
+    assert engine.dtoh(buf).tolist() == list(range(10))
+    buf.free()
+    gc.collect()
+    assert alive() is None, "freeing the adopted buffer lets go of the tensor"
+
+    square = torch.zeros(4, 4, device="cuda")
+    with pytest.raises(ValueError, match="not contiguous"):
+        DeviceBuffer.from_cuda_array(square.t())
+    assert DeviceBuffer.from_cuda_array(square[1]).len == 4  # a row is contiguous
+    with pytest.raises(TypeError, match="__cuda_array_interface__"):
+        engine.dtoh(torch.zeros(3))  # host tensors have no such interface
+    host = np.zeros(4, np.uint32)
+
+    class HostArray:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<u4", "data": (host.ctypes.data, False),
+                                    "version": 2}
+    with pytest.raises(ValueError, match="device memory"):
+        DeviceBuffer.from_cuda_array(HostArray())
+
+
+def test_tensors_in_copies_kv_layers_and_back(engine):
+    shared = memra_torch.engine()  # torch's current stream: copies and torch ops in one order
+    lengths = torch.zeros(3, dtype=torch.int32, device="cuda")
+    layer = KVLayer(lengths[1:2], capacity=8)
+    shared.copy_htod(layer.len_d, [5])
+    shared.set_u32(lengths, 2, 9)
+    assert lengths.cpu().tolist() == [0, 5, 9]
+    assert KVLayer(lengths, capacity=8).batch == 3  # one length per sequence of a batch of 3
+    with pytest.raises(ValueError, match="i32\\[B\\]"):
+        KVLayer(lengths.to(torch.int64), capacity=8)
+    ids = shared.htod([7, 8, 2**31 - 1], np.uint32)
+    view = memra_torch.tensor(ids, torch.int32)
+    assert view.tolist() == [7, 8, 2**31 - 1]
+    view[0] = 1
+    assert shared.dtoh(ids, np.uint32).tolist() == [1, 8, 2**31 - 1]
+    with pytest.raises(ValueError, match="cannot be read as"):
+        memra_torch.tensor(ids, torch.int64)
+
+
+# -- capture through torch ----------------------------------------------------------------------
+
+def test_replays_of_an_adapter_capture_leave_later_tensors_untouched(engine, side_stream):
+    shared = memra_torch.engine()
+    x = torch.arange(4096, dtype=torch.int32, device="cuda")
+    out = torch.zeros_like(x)
+    bump = increment(shared, 4096)
+
+    def issue():
+        scratch = x * 3  # torch allocates inside the capture: the graph's own memory
+        scratch = scratch + 1
+        bump(scratch, 4096)
+        out.copy_(scratch)
+
+    graph = Graph(shared, issue, capture=memra_torch.capture)
+    later = [torch.full((int(n),), i, dtype=torch.int32, device="cuda")
+             for i, n in enumerate(np.random.default_rng(3).integers(1, 20000, 288))]
+    for _ in range(5):
+        graph.launch()
+    assert out.cpu().tolist() == (torch.arange(4096) * 3 + 2).tolist()
+    damaged = [i for i, t in enumerate(later) if not bool((t == i).all())]
+    assert damaged == [], f"replays overwrote {len(damaged)} of {len(later)} tensors allocated after capture"
+    graph.free()
+
+
+def test_adapter_capture_refuses_the_default_stream(engine):
+    with torch.cuda.stream(torch.cuda.default_stream()):
+        shared = memra_torch.engine()
+        with pytest.raises(RuntimeError, match="default stream cannot be captured"):
+            Graph(shared, lambda: None, capture=memra_torch.capture)
+
+
+# -- a real transformer -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def decoder(engine, llama):
+    model = llama.build_model("small")
+    tokens = 256
+    capacity = llama.capacity_for(len(llama.PROMPT), tokens, 4, 16)
+    spec = llama.SpeculativeLlama(model, k=4, m_rounds=16, capacity=capacity)
+    want = llama.hf_greedy(model, llama.PROMPT, tokens)
+    return llama, model, spec, want
+
+
+def test_example_keeps_no_autograd_graph_in_its_caches(decoder):
+    """Issue 18, case 5: the example's readback mode ran at 179 tok/s against 403 for a plain
+    loop, its KV writes recording autograd history through weights that required grad."""
+    llama, model, spec, want = decoder
+    assert not any(p.requires_grad for p in model.parameters())
+    spec.generate(llama.PROMPT, 16, mode="readback")
+    for stack in (spec.target, spec.draft):
+        assert stack.kv.k.grad_fn is None and not stack.kv.k.requires_grad
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_example_equals_hugging_face_greedy(decoder, mode):
+    llama, model, spec, want = decoder
+    got = spec.generate(llama.PROMPT, len(want), mode=mode)
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert got == want, f"{mode}: first difference at token {first}"
+    assert 0.0 < spec.acceptance(len(got)) < 1.0, "the draft must agree often, but not always"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_example_stops_at_eos_like_hugging_face(decoder, mode):
+    llama, model, spec, want = decoder
+    eos = want[100]
+    expected = llama.hf_greedy(model, llama.PROMPT, len(want), eos=eos)
+    assert expected[-1] == eos and len(expected) <= 101
+    assert spec.generate(llama.PROMPT, len(want), eos=eos, mode=mode) == expected
+
+
+def test_example_draft_cache_holds_every_committed_token(decoder):
+    """The output is right whatever the draft's cache holds (the target verifies every draft),
+    so look at the cache itself: after a generation its entries at every committed position
+    equal a fresh prefill of the same tokens. The entry of a round's last draft, when all k
+    were accepted, is appended by the next round's first step: had it been skipped, the stale
+    entry of a rejected draft, or none, would be there."""
+    llama, model, spec, want = decoder
+    got = spec.generate(llama.PROMPT, 200, mode="graph")
+    assert spec.acceptance(len(got)) > 0.5, "too few rounds accept every draft to tell"
+    committed = min(int(spec.bufs.positions[0]), len(llama.PROMPT) + len(got) - 1)
+    fresh = llama.Stack(model, 1, spec.draft.kv.capacity)
+    fresh.prefill([0], [(list(llama.PROMPT) + got)[:committed]])
+    for mine, theirs in ((spec.draft.kv.k, fresh.kv.k), (spec.draft.kv.v, fresh.kv.v)):
+        torch.testing.assert_close(mine[..., :committed, :], theirs[..., :committed, :], atol=1e-4, rtol=1e-4)
+
+
+def test_example_prompt_of_one_token(decoder):
+    llama, model, spec, _ = decoder
+    assert spec.generate([1], 64, mode="graph") == llama.hf_greedy(model, [1], 64)
+
+
+# -- safe by default: what a user forgets must not give wrong tokens or overwrite tensors ------
+
+VOCAB = 1000
+
+
+def counted(pending: int, n: int) -> list[int]:
+    return [(pending + i) % VOCAB for i in range(1, n + 1)]
+
+
+class Counting:
+    """A torch model whose next token is the last + 1 (mod VOCAB), draft and target alike, so
+    the tokens after pending t are t+1, t+2, ... Each step allocates temporaries and puts a
+    matmul before its write: work ordered on the wrong stream reads stale tokens, and memory
+    torch hands out during a capture is in use at every replay. Nothing here wraps the
+    callables in a stream or passes a capture: the adapter's defaults must do it."""
+
+    def __init__(self, engine: Engine, k: int = 3, m_rounds: int = 4):
+        self.engine, self.k = engine, k
+        self.bufs = StreamBufs(engine, k, m_rounds)
+        self.pend = memra_torch.tensor(self.bufs.pend_d, torch.int32)
+        self.vtok = memra_torch.tensor(self.bufs.vtok_d, torch.int32)
+        self.draft_d = torch.zeros(max(k, 1), dtype=torch.int64, device="cuda")
+        self.pred_d = torch.zeros(k + 1, dtype=torch.int64, device="cuda")
+        table = kv_len_ptr_table(engine, Cache([]), pos_ctr=self.bufs.pos_ctr_d)
+        self.rounds = RoundStream(self.bufs, draft_chain=self.draft_chain, verify_trunk=self.verify_trunk,
+                                  draft_d=self.draft_d, acceptance=Greedy(self.pred_d), rollback_tables=[table])
+        torch.cuda.synchronize()  # the tensors made on torch's current stream are ready for the engine's
+
+    @staticmethod
+    def slow_zero() -> torch.Tensor:
+        a = torch.ones(2048, 2048, device="cuda")
+        return (a @ a)[0, :1].long() * 0
+
+    def draft_chain(self) -> None:
+        token = self.pend[:1].long()
+        for i in range(self.k):
+            token = (token + 1 + self.slow_zero()) % VOCAB
+            self.draft_d[i:i + 1].copy_(token)
+
+    def verify_trunk(self) -> None:
+        self.pred_d.copy_((self.vtok.long() + 1 + self.slow_zero()) % VOCAB)
+
+    def generate(self, pending: int, n: int, mode: str) -> list[int]:
+        self.bufs.reset(pending, 0)
+        return self.rounds.generate(n, mode=mode).tolist()
+
+
+@pytest.mark.parametrize("mode", ["readback", "eager"])
+def test_callables_run_on_the_engines_stream_without_being_wrapped(engine, mode):
+    """The engine borrows one stream while torch's current stream is another (neither the
+    legacy default stream, which would order them implicitly): the callables' torch ops must
+    still be ordered with memra's kernels (eager modes: wrong tokens otherwise)."""
+    with torch.cuda.stream(torch.cuda.Stream()):
+        shared = memra_torch.engine(torch.cuda.Stream())
+        assert torch.cuda.current_stream().cuda_stream != shared.stream_handle
+        model = Counting(shared)
+        assert model.generate(7, 40, mode) == counted(7, 40)
+
+
+@pytest.mark.parametrize("mode", ["graph", "device"])
+def test_torch_backed_graphs_keep_torchs_allocator_away_without_being_told(engine, side_stream, mode):
+    """No capture= given: the burst graph (device mode's loop) must still be captured with
+    torch's allocator told, so tensors allocated after it never share memory with the
+    temporaries the graph writes at every replay."""
+    model = Counting(memra_torch.engine())
+    assert model.generate(3, 24, "readback") == counted(3, 24)  # torch's cache now holds such blocks
+    assert model.generate(3, 24, mode) == counted(3, 24)  # the capture
+    later = [torch.full((2048, 2048), float(i), device="cuda") for i in range(8)]
+    later_ids = [torch.full((1,), i, dtype=torch.int64, device="cuda") for i in range(64)]
+    for _ in range(3):
+        assert model.generate(3, 24, mode) == counted(3, 24)
+    torch.cuda.synchronize()
+    assert all(bool((t == i).all()) for i, t in enumerate(later)), "a replay wrote into a later tensor"
+    assert [int(t) for t in later_ids] == list(range(64)), "a replay wrote into a later tensor"
+
+
+def test_a_captured_burst_draws_new_random_numbers_at_every_launch(engine, side_stream):
+    shared = memra_torch.engine()
+    out = torch.zeros(4, device="cuda")
+    graph = Graph(shared, lambda: out.copy_(torch.rand(4, device="cuda")), capture=memra_torch.capture)
+    draws = []
+    for _ in range(3):
+        graph.launch()
+        shared.synchronize()
+        draws.append(tuple(out.tolist()))
+    assert len(set(draws)) == 3, f"the replays drew the same numbers: {draws}"
+
+
+class Noisy(Counting):
+    """Counting, with torch's random numbers drawn in the draft chain."""
+
+    def draft_chain(self) -> None:
+        super().draft_chain()
+        self.noise = torch.rand(4, device="cuda")
+
+
+def test_device_mode_refuses_torchs_random_numbers(engine, side_stream):
+    """A WHILE loop replays its body with the offsets of the capture: torch.rand would draw the
+    same numbers at every pass, so capturing it is refused, and the other modes still run."""
+    model = Noisy(memra_torch.engine())
+    for _ in range(2):  # a refused capture leaves no half-built loop behind
+        with pytest.raises(CaptureError, match="random numbers"):
+            model.generate(3, 24, "device")
+    assert model.generate(3, 24, "graph") == counted(3, 24)
+
+
+def test_every_burst_length_is_captured_up_front(engine, side_stream):
+    model = Counting(memra_torch.engine(), k=3, m_rounds=8)  # paced: bursts of 1, 2, 4 or 8 rounds
+    model.rounds.capture_graphs()
+    lengths = ((0, 1), (0, 2), (0, 4), (0, 8))
+    assert model.rounds.graphs == lengths
+    assert model.generate(5, 37, "graph") == counted(5, 37)
+    assert model.rounds.graphs == lengths, "a length was captured mid-generation"
+
+
+def test_tensor_of_a_buffer_as_any_type_of_its_size(engine):
+    ids = engine.htod([7, 2**32 - 1], np.uint32)
+    assert memra_torch.tensor(ids).dtype == torch.uint32
+    same = memra_torch.tensor(ids, torch.uint32)
+    assert same.dtype == torch.uint32 and same.data_ptr() == ids.ptr
+    assert memra_torch.tensor(ids, torch.int32).cpu().tolist() == [7, -1]

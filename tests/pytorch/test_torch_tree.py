@@ -1,0 +1,129 @@
+"""examples/torch_tree.py's host side, on the CPU (torch and transformers, no GPU): the ancestor
+mask (TreeMask, whole from a static tree's parents or a level at a time from mask_d's words), a
+level's best candidates, the BLAS library a forward's rows take, the tree the example picks at
+each batch size, and the command line's trees."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import DynamicTree, TreeShape
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+pytestmark = pytest.mark.torch
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "from-words"])
+def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, static):
+    """TreeMask, made whole from a static tree's parents or a level at a time from mask_d's
+    words, attends (0) to the prefix and to each node's ancestors and nowhere else (-inf)."""
+    tree = TreeShape.likeliest(40, depth=6, ranks=4)  # 41 nodes: two mask words, bit 31 among them
+    n, words = tree.nodes, -(-tree.nodes // 32)
+    ancestors = []
+    for i in range(n):
+        mine, p = {i}, tree.parent[i]
+        while p >= 0:
+            mine.add(p)
+            p = tree.parent[p]
+        ancestors.append(mine)
+    bits = np.zeros((2, n, words), np.uint32)
+    for i, mine in enumerate(ancestors):
+        for j in mine:
+            bits[:, i, j // 32] |= np.uint32(1 << j % 32)
+    start = torch.tensor([[3], [20]])
+    mask = trees.TreeMask(torch.from_numpy(bits.view(np.int32)), 80, torch.bfloat16,
+                          tree if static else None).at(start)
+    got = torch.cat([mask.rows(a, b) for a, b in tree.levels], 2)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 1, n, 80) and mask.rows(0, n).is_contiguous()
+    for b, at in enumerate((3, 20)):
+        for i in range(n):
+            want = [0.0 if s < at or (s - at in ancestors[i]) else -np.inf for s in range(80)]
+            assert got[b, 0, i].float().tolist() == want, f"row {b}, node {i}"
+
+
+def test_a_levels_best_candidates_are_torch_topks_best_first_ties_to_the_lower_index(trees):
+    logits = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(0))
+    for k in (1, 2, 4, 9):  # 9: past RANKS, torch.topk's
+        cand_tok = torch.full((3, 7, k), -1)
+        trees.best_ranks(logits.clone(), cand_tok[:, 1:6])  # a level's rows, strided
+        assert torch.equal(cand_tok[:, 1:6], logits.topk(k, dim=-1).indices)
+        assert (cand_tok[:, [0, 6]] == -1).all()  # the other levels' rows untouched
+    tied = torch.zeros(1, 1, 8)
+    tied[0, 0, [2, 6]] = 1.0
+    assert trees.best_ranks(tied, torch.empty(1, 1, 3, dtype=torch.long)).tolist() == [[[2, 6, 0]]]
+
+
+def test_a_forwards_rows_take_cublaslt_from_two_rows_up_to_LT_ROWS(llama):
+    fp32 = [llama.blas_for(torch.float32, rows) for rows in (1, 2, 16, 17, 65)]
+    assert fp32 == ["cublas", "cublaslt", "cublaslt", "cublas", "cublas"]
+    assert [llama.blas_for(torch.bfloat16, rows) for rows in (1, 2, 65, 4096)] == ["cublas"] + ["cublaslt"] * 3
+    assert llama.blas_for(torch.float16, 8) == "cublas"  # not measured: torch's default
+
+
+def test_the_example_picks_the_measured_tree_of_the_largest_batch_measured_below(trees):
+    assert trees.tree_for_batch("large", 1) == trees.static_tree(64, 10)
+    assert trees.tree_for_batch("large", 4) == trees.static_tree(64, 10)  # B = 1's, the largest measured below
+    assert trees.tree_for_batch("large", 16) == trees.static_tree(32, 8)
+    assert trees.tree_for_batch("large", 4096) == trees.static_tree(6, 4)
+    assert trees.tree_for_batch("large", 1, sampled=True) is None and trees.tree_for_batch("small", 8) is None
+    assert trees.tree_for_batch("small", 1) == TreeShape.chain_with_leaves(10, 2)
+    assert trees.tree_for_batch("small", 200) == trees.static_tree(6, 4)
+
+
+def test_a_tree_on_the_command_line_is_static_or_dynamic_or_refused(trees):
+    assert trees.parse_tree("static:16") == trees.static_tree(16)
+    assert trees.parse_tree("static:16,4") == trees.static_tree(16, 4) != trees.static_tree(16)
+    assert trees.parse_tree("dynamic:4,3,3") == DynamicTree(4, 3, 3)
+    assert trees.parse_tree("chain:10,2") == TreeShape.chain_with_leaves(10, 2)
+    for text in ("static", "static:a", "static:1,2,3", "dynamic:4,3", "tree:3", "chain:10"):
+        with pytest.raises(ValueError, match="a tree is"):
+            trees.parse_tree(text)
+
+
+def test_the_examples_share_their_command_line_and_its_refusals(llama, capsys):
+    parser = llama.decoding_arguments("trees", k=False)
+    llama.round_arguments(parser)
+    args, sampling = llama.parse_rounds(parser, ["--temperature", "0.7", "--hybrid", "--state-rollback", "flip"])
+    assert (args.size, args.tokens, args.state_rollback, sampling) == ("small", 256, "flip", llama.SamplingParams(0.7))
+    assert not hasattr(args, "k")
+    with pytest.raises(SystemExit):
+        llama.parse_rounds(parser, ["--state-rollback", "flip"])
+    assert "add --hybrid" in capsys.readouterr().err
+
+
+def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_chain_is_faster(trees, capsys):
+    for argv in (["--tree", "auto", "--batch", "8"], ["--tree", "auto", "--size", "large", "--temperature", "1"]):
+        with pytest.raises(SystemExit):
+            trees.main(argv)  # refused before any model is built
+        assert "faster by the chain" in capsys.readouterr().err
+
+
+def test_the_bench_measures_each_pick_once_among_its_kind(trees):
+    from benchmarks.torch_engine import _tree_candidates
+    listed, extra = trees.static_tree(32, 8), trees.static_tree(20, 5)  # STATIC_TREES[8] lists the first only
+    candidates = _tree_candidates(trees, [listed, extra], 8, quick=False)
+    statics = [config for kind, config in candidates if kind == "static"]
+    assert statics.count(listed) == 1 and statics[-1] == extra
+    assert statics[-2] == TreeShape.chain_with_leaves(8, 1)  # the section's own, "chain:8,1"
+    assert [config for kind, config in candidates if kind == "chain"] == [6, 8, 10]
+
+
+def test_the_bench_names_a_chain_with_leaves_apart_from_a_likeliest_tree(trees):
+    from benchmarks.torch_engine import _tree_label
+    assert _tree_label(TreeShape.chain_with_leaves(10, 2)) == "k=10, 2 leaves"
+    assert _tree_label(TreeShape.chain_with_leaves(8, 1)) == "k=8, 1 leaf"
+    assert _tree_label(TreeShape.chain(4)) == "T=4, depth 4"
+    assert _tree_label(trees.static_tree(32, 8)) == "T=32, depth 8"
+    assert _tree_label(DynamicTree(4, 3, 2)) == "4x3, branch 2"
+
+
+def test_a_tree_llama_refuses_a_rollback_candidates_or_pages_it_cannot_serve_before_any_device_work(trees):
+    from types import SimpleNamespace
+    model = SimpleNamespace(model=SimpleNamespace(layers=[]), config=SimpleNamespace(vocab_size=100))
+    tree = trees.static_tree(8, 3)
+    with pytest.raises(ValueError, match='"copy" or "flip", not \'swap\''):
+        trees.TreeLlama(model, tree, state_rollback="swap")
+    with pytest.raises(ValueError, match="vocabulary's 100, not 101"):
+        trees.TreeLlama(model, tree, candidates=101)
+    with pytest.raises(ValueError, match="at least one position, not 0"):
+        trees.PagedKV(None, 1, 1, 64, torch.float32, page=0)

@@ -1,0 +1,88 @@
+"""Pace, the length of a generation's next burst: no longer than the live rows are expected to
+need, so a request's last burst does not run rounds past every stop (on the host, no GPU)."""
+from __future__ import annotations
+
+import numpy as np
+
+from memra_cuda.rounds.pace import Pace
+
+LIVE = np.array([True])
+
+
+def test_before_any_readback_a_burst_is_no_longer_than_the_budget():
+    assert Pace(np.array([5]), 16).rounds(LIVE) == 4  # every round commits at least one token
+    assert Pace(np.array([100]), 16).rounds(LIVE) == 16
+    assert Pace(np.array([8, 3]), 16).rounds(np.array([True, True])) == 8
+
+
+def test_the_last_burst_is_cut_to_a_power_of_two_of_the_rounds_still_needed():
+    pace = Pace(np.array([100]), 16)
+    pace.record(16, np.array([64]), LIVE)  # four tokens a round
+    assert pace.rounds(LIVE) == 8  # 36 tokens left: nine rounds of four
+    pace.record(8, np.array([30]), LIVE)  # a leaner burst: the mean falls to 94/24 a round
+    assert pace.rounds(LIVE) == 2
+
+
+def test_lengths_are_powers_of_two_or_m():
+    assert [Pace(np.array([n]), 12).rounds(LIVE) for n in (1, 2, 3, 7, 8, 11, 12, 13)] == [1, 2, 2, 4, 8, 8, 12, 12]
+
+
+def test_done_rows_are_not_waited_for():
+    pace = Pace(np.array([1000, 10]), 16)
+    assert pace.rounds(np.array([False, True])) == 8
+    assert pace.rounds(np.array([True, False])) == 16
+
+
+def test_without_cuts_every_burst_is_m_rounds():
+    pace = Pace(np.array([5]), 16, cut=False)
+    assert pace.rounds(LIVE) == 16
+    pace.record(16, np.array([5]), LIVE)
+    assert pace.rounds(LIVE, in_flight=3) == 16
+
+
+def test_a_row_that_stopped_inside_a_burst_says_nothing_of_its_rate():
+    pace = Pace(np.array([1000, 1000]), 16)
+    pace.record(16, np.array([80, 3]), np.array([True, False]))  # row 1 hit its EOS at once
+    assert pace.rounds(np.array([True, True])) == 16  # row 1's rate is still the guaranteed one
+    assert pace.generated.tolist() == [80, 3]
+
+
+def test_a_burst_queued_behind_one_in_flight_counts_that_ones_expected_tokens():
+    pace = Pace(np.array([100]), 16)
+    pace.record(16, np.array([64]), LIVE)
+    assert pace.rounds(LIVE, in_flight=5) == 4  # 36 - 5 * 4 = 16 tokens left
+    assert pace.rounds(LIVE, in_flight=16) == 1  # expected to finish: the shortest burst
+
+
+def test_a_burst_ahead_is_needed_while_the_leanest_rate_leaves_budget_over():
+    pace = Pace(np.array([100]), 16)
+    assert pace.needed(LIVE, in_flight=16)  # one token a round: 84 left over
+    pace.record(16, np.array([64]), LIVE)
+    pace.record(4, np.array([8]), LIVE)  # leanest burst: two tokens a round
+    assert pace.needed(LIVE, in_flight=13)  # 72 + 26 < 100
+    assert not pace.needed(LIVE, in_flight=14)
+    assert not pace.needed(np.array([False]), in_flight=1)
+
+
+def test_a_live_row_that_committed_nothing_may_need_the_whole_burst():
+    """A rate of zero tokens a round gives nothing to divide by: the row may need any number
+    of rounds, so the burst runs all M (it once raised OverflowError dividing by zero)."""
+    pace = Pace(np.array([10, 10]), 8)
+    pace.record(4, np.array([0, 8]), np.array([True, True]))
+    assert pace.rounds(np.array([True, True])) == 8
+    assert pace.rounds(np.array([False, True])) == 1  # row 1: 2 tokens a round, 2 left
+
+
+def test_every_length_rounds_asks_for_is_one_capture_graphs_makes():
+    """capture_graphs() captures Pace.lengths(M) up front: a burst of any other length would
+    capture mid-request, which through torch synchronises the device."""
+    rng = np.random.default_rng(0)
+    for m_rounds in (1, 4, 5, 12, 16, 64):
+        lengths = set(Pace.lengths(m_rounds))
+        for _ in range(200):
+            budgets = rng.integers(1, 300, 3)
+            pace = Pace(budgets, m_rounds)
+            pace.record(m_rounds, rng.integers(m_rounds, 5 * m_rounds, 3), np.array([True] * 3))
+            live = rng.random(3) < 0.7
+            assert pace.rounds(live, in_flight=int(rng.integers(0, m_rounds + 1))) in lengths
+            assert Pace(budgets, m_rounds).rounds(live) in lengths

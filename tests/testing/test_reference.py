@@ -1,0 +1,362 @@
+"""Hand-worked cases for memra_cuda.reference, the numpy statement of the kernel contracts.
+
+The reference is the oracle the GPU tests compare the kernels against, so its own behaviour is
+pinned here by expected values written out by hand, one small test per branch of each contract
+(docs/kernels.md, "Kernel contracts"). Runs on CPU in every CI run.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from memra_cuda.testing import reference as ref
+
+
+def u32(*words: int) -> np.ndarray:
+    return np.array(words, np.uint32)
+
+
+def i32(*words: int) -> np.ndarray:
+    return np.array(words, np.int32)
+
+
+def ctl(eos: int = -1, budget: int = -1, done: int = 0, keep: int = 0) -> np.ndarray:
+    """ctl_d: [eos id, token budget left, done flag, KV entries kept this round]."""
+    return i32(eos, budget, done, keep)
+
+
+# -- 1. spec_seed_gather ----------------------------------------------------------------------
+
+def gather(acc0: int) -> list[int]:
+    """Gather from 3 rows of 3 words into a row-sized output plus one guard word (7)."""
+    rows = u32(10, 11, 12, 20, 21, 22, 30, 31, 32)
+    out = u32(7, 7, 7, 7)
+    ref.spec_seed_gather(rows, 3, 3, u32(acc0, 5), out)
+    assert rows.tolist() == [10, 11, 12, 20, 21, 22, 30, 31, 32], "rows are read-only"
+    return out.tolist()
+
+
+def test_seed_gather_takes_row_acc():
+    assert gather(0) == [10, 11, 12, 7]
+    assert gather(1) == [20, 21, 22, 7]
+
+
+def test_seed_gather_acc_on_last_row():
+    assert gather(2) == [30, 31, 32, 7]
+
+
+def test_seed_gather_acc_past_last_row_clamps_to_last_row():
+    assert gather(3) == [30, 31, 32, 7]
+    assert gather(4) == [30, 31, 32, 7]
+
+
+def test_seed_gather_garbage_acc_clamps_to_last_row():
+    assert gather(2**31) == [30, 31, 32, 7]
+    assert gather(2**32 - 1) == [30, 31, 32, 7]
+
+
+def test_seed_gather_without_rows_writes_nothing():
+    out = u32(7, 7)
+    ref.spec_seed_gather(u32(1, 2), 0, 2, u32(0, 0), out)
+    assert out.tolist() == [7, 7]
+
+
+# -- 2. spec_assemble_verify ------------------------------------------------------------------
+
+def assemble(k: int, pos: int) -> tuple[list[int], list[int]]:
+    """Assemble from pend 42 and drafts 5, 6, 7, 8 into a vtok of k+1 words: (vtok, pos_start)."""
+    vtok, pos_start = np.full(k + 1, 9, np.uint32), i32(-1)
+    ref.spec_assemble_verify(u32(42), u32(5, 6, 7, 8), k, vtok, i32(pos), pos_start)
+    return vtok.tolist(), pos_start.tolist()
+
+
+def test_assemble_verify_k0_is_the_pending_token_alone():
+    assert assemble(0, 17) == ([42], [17])
+
+
+def test_assemble_verify_takes_the_first_k_drafts():
+    assert assemble(3, 17) == ([42, 5, 6, 7], [17])
+    assert assemble(4, 17) == ([42, 5, 6, 7, 8], [17])
+
+
+def test_assemble_verify_copies_any_position():
+    assert assemble(1, 0) == ([42, 5], [0])
+    assert assemble(1, 2**31 - 1) == ([42, 5], [2**31 - 1])
+    assert assemble(1, -2**31) == ([42, 5], [-2**31])
+
+
+# -- 3. spec_accept_greedy_dc -----------------------------------------------------------------
+
+# k = 4: the pending token 50, then drafts 10, 11, 12, 13. AGREE is what a target that agrees
+# with every draft predicts (its last entry, 14, is the bonus after all four).
+VTOK = (50, 10, 11, 12, 13)
+AGREE = (10, 11, 12, 13, 14)
+
+
+def accept(pred=AGREE, vtok=VTOK, k=4, brk=(0, 0), acc=(7, 100), last_pred=77, done=0, keep=9) -> dict:
+    """Run the reference on fresh buffers; return every buffer it may write, as lists."""
+    state = dict(brk=u32(*brk), acc=u32(*acc), last_pred=u32(last_pred), ctl=ctl(-1, -1, done, keep))
+    ref.spec_accept_greedy_dc(u32(*vtok), u32(*pred), k, state["brk"], state["acc"],
+                              state["last_pred"], state["ctl"])
+    return {name: words.tolist() for name, words in state.items()}
+
+
+def accepted(n: int, bonus: int, total: int, brk_count: int = 0) -> dict:
+    """What accept leaves after accepting n drafts (not done, eos and budget -1)."""
+    return dict(brk=[0, brk_count], acc=[n, total], last_pred=[bonus], ctl=[-1, -1, 0, n + 1])
+
+
+def test_accept_all_drafts_when_the_target_agrees():
+    assert accept() == accepted(4, 14, 104)
+
+
+def test_accept_stops_at_the_first_disagreement():
+    # pred[3] == 13 agrees again, but acceptance never resumes after a rejection
+    assert accept(pred=(10, 11, 99, 13, 14)) == accepted(2, 99, 102)
+
+
+def test_accept_none_when_the_first_draft_is_rejected():
+    assert accept(pred=(98, 11, 12, 13, 14)) == accepted(0, 98, 100)
+
+
+def test_accept_break_at_first_draft_accepts_none():
+    assert accept(brk=(1, 6)) == accepted(0, 10, 100, brk_count=7)
+
+
+def test_accept_break_caps_the_accepted_prefix():
+    assert accept(brk=(3, 0)) == accepted(2, 12, 102, brk_count=1)
+    assert accept(brk=(4, 0)) == accepted(3, 13, 103, brk_count=1)
+
+
+def test_accept_disagreement_before_the_break_wins():
+    assert accept(pred=(10, 99, 12, 13, 14), brk=(4, 0)) == accepted(1, 99, 101, brk_count=1)
+
+
+def test_accept_break_at_k_plus_one_caps_nothing_but_counts():
+    assert accept(brk=(5, 0)) == accepted(4, 14, 104, brk_count=1)
+
+
+def test_accept_garbage_break_larger_than_k_plus_one_caps_nothing_but_counts():
+    assert accept(brk=(6, 0)) == accepted(4, 14, 104, brk_count=1)
+    assert accept(brk=(2**31, 0)) == accepted(4, 14, 104, brk_count=1)
+    assert accept(brk=(2**32 - 1, 0)) == accepted(4, 14, 104, brk_count=1)
+
+
+def test_accept_break_count_wraps_at_32_bits():
+    assert accept(brk=(2, 2**32 - 1)) == accepted(1, 11, 101, brk_count=0)
+
+
+def test_accept_cumulative_count_wraps_at_32_bits():
+    assert accept(acc=(0, 2**32 - 2)) == accepted(4, 14, 2)
+
+
+def test_accept_k0_takes_the_prediction_after_the_pending_token():
+    assert accept(pred=(61,), vtok=(50,), k=0) == accepted(0, 61, 100)
+    assert accept(pred=(61,), vtok=(50,), k=0, brk=(1, 0)) == accepted(0, 61, 100, brk_count=1)
+
+
+def test_accept_when_done_keeps_nothing_and_counts_nothing():
+    # acc[0] = 0 and keep = 0; acc[1], last_pred and brk[1] unchanged; brk[0] still cleared
+    done = dict(brk=[0, 5], acc=[0, 100], last_pred=[77], ctl=[-1, -1, 1, 0])
+    assert accept(brk=(2, 5), done=1) == done
+
+
+def test_accept_any_nonzero_done_flag_is_done():
+    assert accept(done=-5)["ctl"] == [-1, -1, -5, 0]
+    assert accept(done=2**31 - 1)["acc"] == [0, 100]
+
+
+# -- 4. spec_ring_commit ----------------------------------------------------------------------
+
+# k = 3: vtok is the pending token 50, then drafts 21, 22, 23. The bonus (last_pred) is 30.
+def commit(n: int, bonus: int = 30, eos: int = -1, budget: int = -1, done: int = 0,
+           ring: tuple = (0,), ring_cap: int = 6, pend: int = 5, accepted: bool = False) -> dict:
+    """Commit with accept count n into a ring of ring_cap slots (plus the count) that starts as
+    `ring` then zeros; return every buffer the commit may write, as lists (acc_d's too, if
+    `accepted`: its total starts at 100 + n, as the accept kernel left it)."""
+    ring_words = np.zeros(ring_cap + 1, np.uint32)
+    ring_words[:len(ring)] = ring
+    state = dict(ring=ring_words, ctl=ctl(eos, budget, done, keep=4), pend=u32(pend))
+    if accepted:
+        state["acc"] = u32(n, (100 + n) % 2**32)
+    ref.spec_ring_commit(u32(50, 21, 22, 23), state.get("acc", u32(n, 0)), u32(bonus), state["ctl"], state["pend"],
+                         state["ring"], ring_cap, 3)
+    return {name: words.tolist() for name, words in state.items()}
+
+
+def test_commit_done_at_entry_changes_nothing():
+    assert commit(2, budget=4, done=1, ring=(2, 7, 8)) == dict(
+        ring=[2, 7, 8, 0, 0, 0, 0], ctl=[-1, 4, 1, 4], pend=[5])
+
+
+def test_commit_any_nonzero_done_flag_is_done():
+    assert commit(2, done=-3) == dict(ring=[0] * 7, ctl=[-1, -1, -3, 4], pend=[5])
+
+
+def test_commit_appends_the_accepted_drafts_then_the_bonus():
+    assert commit(2) == dict(ring=[3, 21, 22, 30, 0, 0, 0], ctl=[-1, -1, 0, 4], pend=[30])
+
+
+def test_commit_without_accepted_drafts_appends_the_bonus_alone():
+    assert commit(0) == dict(ring=[1, 30, 0, 0, 0, 0, 0], ctl=[-1, -1, 0, 4], pend=[30])
+
+
+def test_commit_appends_after_the_tokens_already_in_the_ring():
+    assert commit(1, ring=(2, 7, 8)) == dict(ring=[4, 7, 8, 21, 30, 0, 0], ctl=[-1, -1, 0, 4], pend=[30])
+
+
+def test_commit_eos_in_the_middle_stops_after_it():
+    assert commit(3, eos=22) == dict(ring=[2, 21, 22, 0, 0, 0, 0], ctl=[22, -1, 1, 4], pend=[30])
+
+
+def test_commit_stopped_inside_the_drafts_counts_only_those_before_its_last_token():
+    """An EOS at draft 2 of 3 accepted: 2 tokens committed, 1 draft counted (100 + 1), so that
+    committed - accepted still counts this as one round; a spent budget the same way."""
+    assert commit(3, eos=22, accepted=True)["acc"] == [3, 101]
+    assert commit(3, budget=1, accepted=True)["acc"] == [3, 100]
+    assert commit(3, budget=0, accepted=True)["acc"] == [3, 100], "nothing committed: no draft counted"
+    assert commit(3, accepted=True)["acc"] == [3, 103], "a whole round counts every draft"
+    assert commit(2, eos=30, accepted=True)["acc"] == [2, 102], "a stop at the bonus cuts no draft"
+
+
+def test_commit_eos_as_the_bonus():
+    assert commit(2, eos=30) == dict(ring=[3, 21, 22, 30, 0, 0, 0], ctl=[30, -1, 1, 4], pend=[30])
+
+
+def test_commit_eos_among_the_rejected_drafts_is_not_seen():
+    assert commit(2, eos=23) == dict(ring=[3, 21, 22, 30, 0, 0, 0], ctl=[23, -1, 0, 4], pend=[30])
+
+
+def test_commit_negative_eos_never_matches_even_token_0xffffffff():
+    assert commit(0, bonus=2**32 - 1, eos=-1) == dict(
+        ring=[1, 2**32 - 1, 0, 0, 0, 0, 0], ctl=[-1, -1, 0, 4], pend=[2**32 - 1])
+
+
+def test_commit_budget_counts_down():
+    assert commit(2, budget=10) == dict(ring=[3, 21, 22, 30, 0, 0, 0], ctl=[-1, 7, 0, 4], pend=[30])
+
+
+def test_commit_budget_that_runs_out_mid_round():
+    assert commit(3, budget=2) == dict(ring=[2, 21, 22, 0, 0, 0, 0], ctl=[-1, 0, 1, 4], pend=[30])
+
+
+def test_commit_budget_spent_exactly_by_the_bonus():
+    assert commit(2, budget=3) == dict(ring=[3, 21, 22, 30, 0, 0, 0], ctl=[-1, 0, 1, 4], pend=[30])
+
+
+def test_commit_budget_zero_at_entry_is_done_with_nothing_appended():
+    # the pending token still becomes the bonus
+    assert commit(2, budget=0, ring=(1, 9)) == dict(ring=[1, 9, 0, 0, 0, 0, 0], ctl=[-1, 0, 1, 4], pend=[30])
+
+
+def test_commit_budget_minus_one_is_unlimited():
+    assert commit(3, budget=-1) == dict(ring=[4, 21, 22, 23, 30, 0, 0], ctl=[-1, -1, 0, 4], pend=[30])
+
+
+def test_commit_any_negative_budget_is_unlimited_and_stays():
+    assert commit(3, budget=-7) == dict(ring=[4, 21, 22, 23, 30, 0, 0], ctl=[-1, -7, 0, 4], pend=[30])
+
+
+def test_commit_full_ring_is_never_written_past_ring_cap():
+    # one slot left: 21 goes in, 22, 23 and 30 are dropped but still spend the budget
+    assert commit(3, budget=10, ring=(3, 1, 2, 3), ring_cap=4) == dict(
+        ring=[4, 1, 2, 3, 21], ctl=[-1, 6, 0, 4], pend=[30])
+
+
+def test_commit_full_ring_keeps_its_count_and_still_sees_eos():
+    assert commit(3, eos=22, ring=(4, 1, 2, 3, 4), ring_cap=4) == dict(
+        ring=[4, 1, 2, 3, 4], ctl=[22, -1, 1, 4], pend=[30])
+
+
+def test_commit_garbage_ring_count_clamps_to_ring_cap():
+    assert commit(1, ring=(5, 1, 2, 3, 4), ring_cap=4) == dict(
+        ring=[4, 1, 2, 3, 4], ctl=[-1, -1, 0, 4], pend=[30])
+    assert commit(1, ring=(2**32 - 1, 1, 2, 3, 4), ring_cap=4) == dict(
+        ring=[4, 1, 2, 3, 4], ctl=[-1, -1, 0, 4], pend=[30])
+
+
+def test_commit_garbage_accept_count_clamps_to_k():
+    all_in = dict(ring=[4, 21, 22, 23, 30, 0, 0], ctl=[-1, -1, 0, 4], pend=[30])
+    assert commit(4) == all_in
+    assert commit(2**31) == all_in
+    assert commit(2**32 - 1) == all_in
+
+
+# -- 5. spec_rollback_stream ------------------------------------------------------------------
+
+def rollback(pos_start: int, keep: int, table: list) -> list:
+    """Roll back a table of one-word lengths (None: a layer without KV); return their values."""
+    ref.spec_rollback_stream(table, i32(pos_start), ctl(keep=keep))
+    return [None if length is None else length.tolist() for length in table]
+
+
+def test_rollback_sets_every_length_to_round_start_plus_keep():
+    assert rollback(10, 3, [i32(1), i32(50), i32(-4)]) == [[13], [13], [13]]
+
+
+def test_rollback_skips_none_entries():
+    assert rollback(10, 3, [None, i32(1), None, i32(2)]) == [None, [13], None, [13]]
+    assert rollback(10, 3, [None, None]) == [None, None]
+
+
+def test_rollback_keep_zero_returns_to_round_start():
+    assert rollback(10, 0, [i32(14)]) == [[10]]
+
+
+def test_rollback_wraps_around_like_i32():
+    assert rollback(2**31 - 2, 5, [i32(0)]) == [[-2**31 + 3]]
+    assert rollback(-2**31, -1, [i32(0)]) == [[2**31 - 1]]
+    assert rollback(-5, 3, [i32(0)]) == [[-2]]
+
+
+def test_64_bit_token_buffers_are_read_as_their_low_32_bits():
+    """PyTorch's argmax writes int64 ids: the kernels read the low word, so garbage above it
+    neither breaks an agreement nor leaks into the bonus token."""
+    vtok = np.array([9, 5, 6, 7], np.uint32)
+    pred = np.array([5 + (3 << 32), 6, 8 + (1 << 40), 11], np.int64)
+    brk, acc, last = np.zeros(2, np.uint32), np.zeros(2, np.uint32), np.zeros(1, np.uint32)
+    ctl = np.array([-1, -1, 0, 0], np.int32)
+    ref.spec_accept_greedy_dc(vtok, pred, 3, brk, acc, last, ctl)
+    assert (acc[0], last[0], ctl[ref.KEEP]) == (2, 8, 3)
+    out = np.zeros(4, np.uint32)
+    ref.spec_assemble_verify(np.array([1], np.uint32), np.array([2 + (7 << 32), -1], np.int64), 2, out,
+                             np.array([0], np.int32), np.array([0], np.int32))
+    assert out[:3].tolist() == [1, 2, 2**32 - 1]
+
+
+# -- batches: every contract applied to each row alone ------------------------------------------
+
+def test_a_batched_call_equals_one_call_per_row():
+    """Three rows in different states (one done, one with a break, one whose ring is full):
+    the batched forms give, word for word, what the single-sequence forms give row by row."""
+    k, ring_cap, batch = 3, 8, 3
+    rng = np.random.default_rng(5)
+    state = {
+        "vtok": rng.integers(0, 3, batch * (k + 1)).astype(np.uint32),
+        "pred": rng.integers(0, 3, batch * (k + 1)).astype(np.uint32),
+        "draft": rng.integers(0, 3, batch * k).astype(np.uint32),
+        "brk": u32(0, 0, 2, 7, 0, 0), "acc": u32(1, 0, 2, 9, 3, 1), "last": u32(4, 5, 6), "pend": u32(1, 2, 3),
+        "ctl": np.concatenate([ctl(), ctl(eos=1, done=1), ctl(budget=2)]),
+        "ring": np.concatenate([u32(0, *[0] * ring_cap), u32(2, 7, 7, *[0] * 6), u32(ring_cap, *range(ring_cap))]),
+        "pos": i32(4, 9, 2**31 - 1), "start": i32(0, 0, 0), "len": i32(1, 2, 3),
+    }
+
+    def run(s: dict, rows: int, b: int = 0) -> None:
+        """One round's kernels over `rows` rows starting at row b (rows = 1: row b alone)."""
+        def view(name: str, n: int) -> np.ndarray:
+            return s[name][b * n:(b + rows) * n]
+        ref.spec_assemble_verify(view("pend", 1), view("draft", k), k, view("vtok", k + 1), view("pos", 1),
+                                 view("start", 1), rows)
+        ref.spec_accept_greedy_dc(view("vtok", k + 1), view("pred", k + 1), k, view("brk", 2), view("acc", 2),
+                                  view("last", 1), view("ctl", 4), rows)
+        ref.spec_ring_commit(view("vtok", k + 1), view("acc", 2), view("last", 1), view("ctl", 4), view("pend", 1),
+                             view("ring", ring_cap + 1), ring_cap, k, rows)
+        ref.spec_rollback_stream([view("len", 1), None, view("pos", 1)], view("start", 1), view("ctl", 4), rows)
+
+    batched = {name: words.copy() for name, words in state.items()}
+    run(batched, batch)
+    single = {name: words.copy() for name, words in state.items()}
+    for b in range(batch):
+        run(single, 1, b)
+    for name in state:
+        assert batched[name].tolist() == single[name].tolist(), name
+    assert batched["ctl"][ref.DONE::4].tolist()[1] == 1 and batched["ring"][1 + ring_cap] == 2, "done row inert"

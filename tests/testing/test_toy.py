@@ -1,0 +1,193 @@
+"""The toy model's numpy half: the speculative loop built on reference.py reproduces the
+target's own greedy decoding, whatever the model, prompt, k, noise, p_min, layers (KV,
+recurrent, plain), state rollback and stop rule; and a wrong state rollback shows, in the
+tokens (the target's) or in the rounds (the draft's)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memra_cuda.testing.toy import lm as toy, numpy_loop as toy_reference
+
+KINDS = ("kv", "recurrent", "plain")
+models = st.lists(st.sampled_from(KINDS), min_size=1, max_size=6).flatmap(lambda kinds: st.builds(
+    toy.ToyModel,
+    seed=st.integers(0, 2**32 - 1),
+    vocab=st.sampled_from([1, 2, 3, 17, 32000, 2**31 - 1]),  # EOS ids are i32 on the device
+    kv_mask=st.just(tuple(kind == "kv" for kind in kinds)),
+    rec_mask=st.sampled_from([(), tuple(kind == "recurrent" for kind in kinds)]),
+    state_words=st.integers(1, 6),
+    noise_ppm=st.sampled_from([0, 1000, 100_000, 500_000, 1_000_000]),
+    p_min=st.sampled_from([0.0, 0.05, 0.3, 0.999, 1.0]),
+))
+
+# A hybrid model: KV, recurrent and KV layers in turn (test_toy_state_gpu.py runs it on the GPU).
+HYBRID = toy.ToyModel(seed=41, vocab=50, kv_mask=(True, False, True, False, True),
+                      rec_mask=(False, True, False, True, False), noise_ppm=100_000, p_min=0.1)
+PROMPTS = ([7], [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2])
+
+
+@settings(max_examples=300, deadline=None)
+@given(model=models, data=st.data(), k=st.integers(0, 8), m_rounds=st.integers(1, 6),
+       max_new=st.integers(0, 80), strategy=st.sampled_from(toy.STATE_ROLLBACKS))
+def test_numpy_speculative_loop_equals_target_greedy(model, data, k, m_rounds, max_new, strategy):
+    prompt = data.draw(st.lists(st.integers(0, model.vocab - 1), min_size=1, max_size=24), label="prompt")
+    want = toy.target_greedy(model, prompt, max_new)
+    eos = data.draw(st.one_of(st.none(), st.sampled_from(want or [0]), st.integers(0, model.vocab - 1)), label="eos")
+    want = toy.target_greedy(model, prompt, max_new, eos)
+    assert toy_reference.speculative_generate(model, prompt, k, max_new, eos, m_rounds, strategy) == want
+
+
+def test_every_kv_entry_matters():
+    """A single changed history entry changes the prediction: the property that makes a wrong
+    rollback or position visible in the output."""
+    model = toy.ToyModel(vocab=2**32 - 1)
+    base = model.predict(history=12345, token=7, pos=10)
+    assert all(model.predict(12345 ^ (1 << bit), 7, 10) != base for bit in range(32))
+    assert model.predict(12345, 7, 11) != base
+
+
+def test_perfect_draft_accepts_everything():
+    stream = toy_reference.NumpyRoundStream(toy.ToyModel(noise_ppm=0, p_min=0.0), k=4, m_rounds=2, capacity=256)
+    out = stream.generate([1, 2, 3], max_new_tokens=40)
+    rounds = 40 // 5
+    assert len(out) == 40 and int(stream.acc[1]) == 4 * rounds and int(stream.brk[1]) == 0
+
+
+def test_break_threshold_agrees_with_float_comparison():
+    for p_min in [0.0, 0.001, 0.3, 0.5, 0.7, 0.999, 1.0, 2.0]:
+        below = toy.ToyModel(p_min=p_min).break_below
+        assert all((q < below) == (q / 1000 < p_min) for q in range(1000))
+
+
+def test_fmix_matches_the_scalar_definition():
+    values = np.array([0, 1, 0xDEADBEEF, 2**32 - 1], np.uint32)
+    assert [int(v) for v in toy.fmix_array(values)] == [toy.fmix(int(v)) for v in values]
+    assert toy.fmix(0) == 0
+
+
+def hybrid(noise_ppm: int, **fields) -> toy.ToyModel:
+    return replace(HYBRID, noise_ppm=noise_ppm, **fields)
+
+
+def generated(stream: toy_reference.NumpyRoundStream, prompt: list[int], max_new: int,
+              eos: int | None = None) -> tuple[list[int], list[int]]:
+    """The stream's tokens, and every token at a position it kept (the target's greedy tokens
+    past the stop too: a stop inside the accepted drafts keeps the drafts after it)."""
+    out = stream.generate(prompt, max_new, eos)
+    return out, (prompt + toy.target_greedy(stream.model, prompt, max_new + stream.k + 1))[:int(stream.pos_ctr[0])]
+
+
+@pytest.mark.parametrize("strategy", toy.STATE_ROLLBACKS)
+@pytest.mark.parametrize("k", [0, 1, 4])
+@pytest.mark.parametrize("noise_ppm", [0, 100_000, 1_000_000])
+def test_recurrent_layers_roll_back_to_the_kept_tokens(strategy, k, noise_ppm):
+    """Every draft accepted, some, or none; a budget and an EOS: the tokens are the target's,
+    and both models' live states are the recurrence over exactly the tokens the round kept."""
+    model = hybrid(noise_ppm)
+    for prompt in PROMPTS:
+        full = toy.target_greedy(model, prompt, 60)
+        for eos in (None, full[len(full) // 2]):
+            stream = toy_reference.NumpyRoundStream(model, k, 3, capacity=256, state_rollback=strategy)
+            out, kept = generated(stream, prompt, 60, eos)
+            assert out == toy.target_greedy(model, prompt, 60, eos), f"prompt {prompt}, eos {eos}"
+            want = model.rec_states(kept)
+            assert (stream.tgt_states.live() == want).all() and (stream.draft_states.live() == want).all()
+
+
+def test_recurrent_layers_change_the_tokens():
+    """The same layers with and without recurrent state decode differently, and so does every
+    change of one state word: the property that makes a wrong state rollback visible."""
+    plain = hybrid(0, rec_mask=())
+    for prompt in PROMPTS:
+        assert toy.target_greedy(HYBRID, prompt, 30) != toy.target_greedy(plain, prompt, 30)
+    model = hybrid(0, vocab=2**32 - 1, state_words=3)
+    states = model.recur(model.rec_states([5, 6, 7]), 8, 3)
+    base = model.predict(12345, 8, 3, states)
+    for layer in range(2):
+        for word in range(3):
+            for bit in (0, 17, 31):
+                changed = states.copy()
+                changed[layer, word] ^= np.uint32(1 << bit)
+                assert model.predict(12345, 8, 3, changed) != base
+
+
+def test_the_recurrence_depends_on_order():
+    """Two tokens swapped (at their own positions) give another state: the state is no sum."""
+    model = hybrid(0)
+    assert (model.rec_states([1, 2, 3]) != model.rec_states([1, 3, 2])).any()
+    assert (model.recur(model.recur(model.rec_states([]), 1, 0), 2, 0) !=
+            model.recur(model.recur(model.rec_states([]), 2, 0), 1, 0)).any()
+
+
+class NoStateRollback(toy_reference.NumpyRoundStream):
+    def roll_back_states(self) -> None:
+        pass
+
+
+class NoDraftStateRollback(toy_reference.NumpyRoundStream):
+    def roll_back_states(self) -> None:
+        self.tgt_states.roll_back(self.ctl)
+
+
+@pytest.mark.parametrize("strategy", toy.STATE_ROLLBACKS)
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_skipped_state_rollback_changes_the_tokens(strategy, k):
+    """Proof that the tests above can fail: without its state rollback the target's tokens go wrong."""
+    model = hybrid(100_000)
+    for prompt in PROMPTS:
+        out = NoStateRollback(model, k, 3, capacity=256, state_rollback=strategy).generate(prompt, 40)
+        assert out != toy.target_greedy(model, prompt, 40), f"prompt {prompt}"
+
+
+@pytest.mark.parametrize("strategy", toy.STATE_ROLLBACKS)
+def test_a_skipped_draft_state_rollback_costs_rounds(strategy):
+    """The draft's states are in play: without their rollback the tokens stay the target's, but
+    the draft, reading stale states, is rarely right, so the same request takes more rounds."""
+    model, k = hybrid(0, p_min=0.0), 4
+    for prompt in PROMPTS:
+        right = toy_reference.NumpyRoundStream(model, k, 1, capacity=256, state_rollback=strategy)
+        stale = NoDraftStateRollback(model, k, 1, capacity=256, state_rollback=strategy)
+        want = toy.target_greedy(model, prompt, 60)
+        assert right.generate(prompt, 60) == stale.generate(prompt, 60) == want
+        assert right.rounds == 60 // (k + 1), "a perfect draft: every draft accepted"
+        assert stale.rounds > 2 * right.rounds, f"prompt {prompt}: {stale.rounds} rounds"
+
+
+def test_models_refuse_ill_formed_recurrent_layers():
+    with pytest.raises(ValueError, match="rec_mask must be empty or name each of the 2 layers"):
+        toy.ToyModel(kv_mask=(True, False), rec_mask=(True,))
+    with pytest.raises(ValueError, match="layer 1 cannot keep both"):
+        toy.ToyModel(kv_mask=(False, True), rec_mask=(True, True))
+    for words in (0, toy.BLOCK + 1):
+        with pytest.raises(ValueError, match="state_words"):
+            toy.ToyModel(kv_mask=(False,), rec_mask=(True,), state_words=words)
+    with pytest.raises(ValueError, match="state_rollback must be one of"):
+        toy_reference.NumpyRoundStream(HYBRID, 2, 1, 64, state_rollback="swap")
+    with pytest.raises(ValueError, match="needs their states"):  # else predict() would leave them out
+        HYBRID.predict(0, 1, 0)
+
+
+def test_the_flip_index_names_a_slot_whatever_its_value():
+    """live_slot is kernel 9's bank rule, which ToyLM reads FLIP states back through: an index
+    in range names its own slot, a garbage one a slot of bank 1."""
+    idx = np.array([0, 2, 3, 5, 6, 7, 2**32 - 1], np.int64)
+    assert toy.live_slot(idx, 2).tolist() == [0, 2, 3, 5, 3, 4, 3 + (2**32 - 1) % 3]
+
+
+def test_the_toys_verify_steps_refuse_what_their_sums_cannot_fill():
+    """probs_step and finish_step, refused before any kernel is bound."""
+    from types import SimpleNamespace
+    sums = SimpleNamespace(len=6)
+    lm = SimpleNamespace(sampling=None, model=toy.ToyModel(vocab=50))
+    with pytest.raises(ValueError, match="no sampling="):
+        toy.ToyLM.probs_step(lm, sums, SimpleNamespace(len=300))
+    lm.sampling = toy.ToySampling()
+    with pytest.raises(ValueError, match="a law of 50 for each of the 6 sums"):
+        toy.ToyLM.probs_step(lm, sums, SimpleNamespace(len=299))
+    with pytest.raises(ValueError, match="a token for each of the 6 sums"):
+        toy.ToyLM.finish_step(lm, sums, SimpleNamespace(len=5))

@@ -1,0 +1,84 @@
+"""The toy in sampling mode on the GPU (ToySampling, spec_accept_sample in the round): a request's
+tokens depend on its seed alone, not on the mode, M or its batch slot; a target at temperature 0
+is greedy whatever the draft; and the first token sampled speculatively is distributed as the
+target's own distribution says (chi-square), with a draft far from the target."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import StreamBufs, kv_capacity
+from memra_cuda.kernels import SpecKernels
+from memra_cuda.rounds import MODES
+from memra_cuda.testing.toy import lm as toy
+
+pytestmark = pytest.mark.gpu
+
+MODEL = toy.ToyModel(seed=5, vocab=3000, kv_mask=(True, False, True), noise_ppm=200_000, p_min=0.05)
+SAMPLING = toy.ToySampling(temperature=0.7, floor=0.1, draft_temperature=1.5, draft_floor=0.2)
+PROMPTS = [[1, 2, 3], [7] * 12, [4, 0, 4, 0, 4]]
+
+
+@pytest.fixture(scope="module")
+def spec(engine):
+    return SpecKernels(engine)
+
+
+def run(engine, spec, model, sampling, prompts, seeds, budget, k=4, m_rounds=4, mode="graph", eos=None):
+    batch = len(prompts)
+    lm = toy.ToyLM(engine, model, kv_capacity(20, budget, k, m_rounds, overlap=True, batch=batch), batch=batch,
+                   sampling=sampling)
+    bufs = StreamBufs(engine, k, m_rounds, batch)
+    stream = lm.round_stream(bufs, kernels=spec)
+    for row, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        lm.prefill_row(bufs, row, prompt, seed)
+    out = [tokens.tolist() for tokens in stream.generate_batch(budget, eos=eos, mode=mode)]
+    return out
+
+
+def test_a_request_depends_on_its_seed_alone(engine, spec):
+    """Every mode, M in {1, 4, 16}, the request in slot 0 or 2 of a batch, with other requests
+    beside it: the same tokens for the same seed; another seed gives other tokens."""
+    want = run(engine, spec, MODEL, SAMPLING, PROMPTS[:1], [1234], 80)
+    for mode in MODES:
+        for m_rounds in (1, 4, 16):
+            got = run(engine, spec, MODEL, SAMPLING, PROMPTS[:1], [1234], 80, m_rounds=m_rounds, mode=mode)
+            assert got == want, f"mode {mode}, M={m_rounds}"
+    moved = run(engine, spec, MODEL, SAMPLING, [PROMPTS[1], PROMPTS[2], PROMPTS[0]], [9, 10, 1234], 80)
+    assert moved[2] == want[0], "the same request in slot 2 of a batch of 3"
+    other = run(engine, spec, MODEL, SAMPLING, PROMPTS[:1], [1235], 80)
+    assert other != want, "another seed samples other tokens"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_target_at_temperature_zero_is_greedy_whatever_the_draft(engine, spec, mode):
+    greedy_target = toy.ToySampling(temperature=0.0, floor=0.0, draft_temperature=2.0, draft_floor=0.5)
+    eos = toy.target_greedy(MODEL, PROMPTS[1], 60)[30]
+    got = run(engine, spec, MODEL, greedy_target, PROMPTS, [1, 2, 3], 60, mode=mode, eos=[None, eos, None])
+    for row, prompt in enumerate(PROMPTS):
+        assert got[row] == toy.target_greedy(MODEL, prompt, 60, eos if row == 1 else None), f"row {row}"
+
+
+# chi-square critical values at significance 0.001, by degrees of freedom
+CHI2_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467}
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_the_first_token_is_distributed_as_the_target_says(engine, spec, k):
+    """4 000 rows of one prompt with seeds 0..3999, one token each, a draft that is often wrong
+    and flatter than the target: the histogram of the token over the target's four candidates
+    and the rest matches the target's distribution at that position."""
+    model = toy.ToyModel(seed=5, vocab=1000, kv_mask=(True, False, True), noise_ppm=500_000)
+    rows, prompt = 4000, [3, 1, 4]
+    got = run(engine, spec, model, SAMPLING, [prompt] * rows, list(range(rows)), 1, k=k, m_rounds=1)
+    first = np.array([tokens[0] for tokens in got])
+    state = model.state(model.history(prompt[:-1]), prompt[-1], len(prompt) - 1)
+    floor, *weights = SAMPLING.target(model.vocab)
+    p = np.full(model.vocab, floor)
+    for token, weight in zip(model.candidates(state), weights):
+        p[token] += weight
+    bins = sorted(set(model.candidates(state)))
+    expected = np.array([p[t] for t in bins] + [1 - sum(p[t] for t in bins)]) * rows
+    observed = np.array([np.count_nonzero(first == t) for t in bins] + [np.count_nonzero(~np.isin(first, bins))])
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_001[len(bins)], f"k={k}: observed {observed.tolist()}, expected {expected.round(1).tolist()}"

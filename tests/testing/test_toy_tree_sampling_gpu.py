@@ -1,0 +1,69 @@
+"""Sampled trees are exact (docs/sampling.md, "Trees"): 20 000 requests of one prompt, each its own
+seed, two tokens each, through the toy's tree rounds on the GPU (the layer's draws, recursive
+rejection sampling without replacement): the first token is distributed as the target's law at
+the prompt, and the pair as that law times the target's law after the first token (chi-square at
+significance 0.001), for a static and a dynamic tree, with a draft far from the target and one
+close to it (a close draft hides a forgotten removal of rejected siblings below 0.5%)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import DynamicTree, StreamBufs, TreeShape, kv_capacity
+from memra_cuda.kernels import SpecKernels
+from memra_cuda.testing.toy import lm as toy
+from test_reference_sample import assert_distributed_as, cells
+
+pytestmark = pytest.mark.gpu
+
+ROWS, BATCH, VOCAB = 20_000, 5_000, 20
+PROMPT = [3, 1, 4, 1, 5]
+TREES = {"static": TreeShape.from_choices([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
+         "dynamic": DynamicTree(depth=3, width=4, branch=3)}
+FAR = (toy.ToyModel(seed=5, vocab=VOCAB, kv_mask=(True, False, True), noise_ppm=500_000),
+       toy.ToySampling(temperature=0.7, floor=0.1, draft_temperature=2.0, draft_floor=0.5))
+CLOSE = (toy.ToyModel(seed=5, vocab=VOCAB, kv_mask=(True, False, True), noise_ppm=0),
+         toy.ToySampling(temperature=0.7, floor=0.1, draft_temperature=0.8, draft_floor=0.15))
+
+
+@pytest.fixture(scope="module")
+def spec(engine):
+    return SpecKernels(engine)
+
+
+def target_law(model: toy.ToyModel, sampling: toy.ToySampling, context: list[int]) -> np.ndarray:
+    """The target's law of the token after `context` (toy_lm.cu's mixture at its hash state)."""
+    state = model.state(model.history(context[:-1]), context[-1], len(context) - 1)
+    floor, *weights = sampling.target(model.vocab)
+    law = np.full(model.vocab, floor, np.float64)
+    for token, weight in zip(model.candidates(state), weights):
+        law[token] += weight
+    return law / law.sum()
+
+
+def sample_pairs(engine, spec, model, sampling, tree) -> np.ndarray:
+    """[ROWS][2]: the first two tokens of ROWS requests of PROMPT, seeds 0..ROWS-1."""
+    capacity = kv_capacity(len(PROMPT), 2, tree.depth, 1, batch=BATCH, width=tree.nodes)
+    lm = toy.ToyLM(engine, model, capacity, batch=BATCH, sampling=sampling)
+    bufs = StreamBufs(engine, tree.depth, 1, BATCH)
+    stream = lm.tree_round_stream(bufs, tree, kernels=spec)
+    pairs = []
+    for first in range(0, ROWS, BATCH):
+        for row in range(BATCH):
+            lm.prefill_row(bufs, row, PROMPT, seed=first + row)
+        pairs += [tokens[:2].tolist() for tokens in stream.generate_batch(2, mode="graph")]
+    bufs.free()
+    return np.array(pairs, np.int64)
+
+
+@pytest.mark.parametrize("draft", ["far", "close"])
+@pytest.mark.parametrize("name", TREES)
+def test_sampled_trees_commit_the_targets_law(engine, spec, name, draft):
+    model, sampling = FAR if draft == "far" else CLOSE
+    pairs = sample_pairs(engine, spec, model, sampling, TREES[name])
+    first = target_law(model, sampling, PROMPT)
+    assert_distributed_as(pairs[:, 0], first, f"{name} tree, {draft} draft: first token")
+    joint = np.concatenate([first[t] * target_law(model, sampling, PROMPT + [t]) for t in range(VOCAB)])
+    cell = cells(joint, ROWS)
+    law = np.bincount(cell, weights=joint)
+    assert_distributed_as(cell[pairs[:, 0] * VOCAB + pairs[:, 1]], law, f"{name} tree, {draft} draft: pair")
