@@ -3,6 +3,7 @@ use to run a command over several GPUs of this host, one process a GPU."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -10,6 +11,8 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from .rendezvous import SECRET_VARIABLE
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,16 @@ GRACE = 10.0  # seconds a rank killed past the timeout has between SIGTERM and S
 def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None, timeout: float = 300.0
            ) -> list[Ended]:
     """Run `argv` as `world` ranks on this host (RANK, WORLD_SIZE, LOCAL_RANK = RANK, MASTER_ADDR
-    127.0.0.1, a free MASTER_PORT and a free MEMRA_NCCL_PORT for the id exchange, NVLink multicast
-    off, unless `env` says otherwise) and wait for all of them, at most `timeout` seconds. Past it,
-    or if this process fails while they run, every rank still running is stopped with what it
-    started (torchrun's workers): each rank leads a session of its own, which gets SIGTERM, then
-    SIGKILL GRACE seconds later. Output goes to files, so no rank stalls on a full pipe."""
+    127.0.0.1, a free MASTER_PORT and a free MEMRA_NCCL_PORT for the id exchange, a new
+    MEMRA_NCCL_SECRET that the ranks prove there, NVLink multicast off, unless `env` says
+    otherwise: this process's own port and secret are not every launch's) and wait for all of
+    them, at most `timeout` seconds. Past it, or if this process fails while they run, every rank
+    still running is stopped with what it started (torchrun's workers): each rank leads a session
+    of its own, which gets SIGTERM, then SIGKILL GRACE seconds later. Output goes to files, so no
+    rank stalls on a full pipe."""
     master, exchange = free_ports(2)
-    base = {**os.environ, "NCCL_NVLS_ENABLE": "0", "MEMRA_NCCL_PORT": str(exchange), **(env or {}),
+    base = {**os.environ, "NCCL_NVLS_ENABLE": "0", "MEMRA_NCCL_PORT": str(exchange),
+            SECRET_VARIABLE: secrets.token_hex(32), **(env or {}),
             "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
     with tempfile.TemporaryDirectory(prefix="memra-ranks-") as folder:
         files, procs = [], []

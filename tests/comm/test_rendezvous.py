@@ -1,0 +1,278 @@
+"""The id exchange among strangers (docs/nccl.md), on real sockets of the loopback address: a
+silent or slow connection holds up no rank, the id goes to no one who has not proved the
+launch's secret and never travels in clear, a false claim of a rank keeps no rank out, and
+without a secret only a loopback address is served."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import select
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from memra_cuda.comm import rendezvous
+from memra_cuda.comm.launch import free_port, free_ports, launch
+from memra_cuda.comm.rendezvous import RankRefused, Ranks, exchange_id
+
+THE_ID = os.urandom(128)
+SECRET = "0123456789abcdef" * 4
+LOGGER = "memra_cuda.comm.rendezvous"
+
+
+def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """`call` on a thread of its own; what it returned or raised lands in the list."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except BaseException as exc:  # the test looks at it
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _rank(rank: int, world: int, port: int, secret: str = SECRET, timeout: float = 10.0,
+          **budget: float) -> tuple[threading.Thread, list[Any]]:
+    return _in_thread(lambda: exchange_id(Ranks(rank, world, port=port, secret=secret), lambda: THE_ID, timeout,
+                                          **budget))
+
+
+def _results(*ranks: tuple[threading.Thread, list[Any]], within: float = 10.0) -> list[Any]:
+    for thread, _ in ranks:
+        thread.join(within)
+    return [box[0] if box else "still waiting" for _, box in ranks]
+
+
+def _connect(port: int) -> socket.socket:
+    """A connection to rank 0 once it listens."""
+    for _ in range(200):
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=5)
+        except OSError:
+            time.sleep(0.02)
+    raise AssertionError(f"nothing listens at port {port}")
+
+
+def _until_closed(conn: socket.socket, seconds: float = 5.0) -> bytes:
+    """Everything rank 0 sends on `conn` until it closes it."""
+    conn.settimeout(seconds)
+    out = b""
+    while chunk := conn.recv(4096):
+        out += chunk
+    return out
+
+
+def _holds_id(data: bytes) -> bool:
+    """Whether any 8 bytes of the id, in order, are in `data`."""
+    return any(THE_ID[at:at + 8] in data for at in range(len(THE_ID) - 7))
+
+
+def _claim(conn: socket.socket, rank: int, world: int, secret: str) -> bytes:
+    """A hello of the exchange's protocol claiming `rank`, proved with `secret`; rank 0's greeting."""
+    greeting = conn.recv(len(rendezvous._MAGIC) + rendezvous._NONCE, socket.MSG_WAITALL)
+    nonce = os.urandom(rendezvous._NONCE)
+    transcript = rendezvous._transcript(greeting[len(rendezvous._MAGIC):], rank, world, nonce)
+    conn.sendall(rendezvous._MAGIC + rendezvous._words(rank, world) + nonce +
+                 rendezvous._mac(secret.encode(), b"C", transcript))
+    return greeting
+
+
+# -- a connection that does not speak ---------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_silent_connection_does_not_stop_the_ranks(world):
+    """No secret and no budget passed: the landed exchange read a hello until the whole timeout."""
+    port = free_port()
+    ranks = [_in_thread(lambda: exchange_id(Ranks(0, world, port=port), lambda: THE_ID, 4.0))]
+    silent = [_connect(port) for _ in range(3)]  # a port scanner, a health check, a load balancer's probe
+    start = time.monotonic()
+    ranks += [_in_thread(lambda r=r: exchange_id(Ranks(r, world, port=port), lambda: b"never", 4.0))
+              for r in range(1, world)]
+    assert _results(*ranks) == [THE_ID] * world
+    assert time.monotonic() - start < 1.5  # not even one connection's budget (2 s)
+    for conn in silent:
+        conn.close()
+
+
+def test_a_connection_that_does_not_finish_its_hello_in_its_budget_is_dropped_and_logged(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    port = free_port()
+    zero = _rank(0, 2, port, hello_budget=0.3)
+    silent, slow = _connect(port), _connect(port)
+    start = time.monotonic()
+    slow.sendall(rendezvous._MAGIC[:4])
+    assert len(_until_closed(silent)) == len(rendezvous._MAGIC) + rendezvous._NONCE  # the greeting, then dropped
+    assert time.monotonic() - start < 1.5
+    with pytest.raises(OSError):
+        for _ in range(20):  # a trickle gets no more time than silence
+            slow.sendall(b"x")
+            time.sleep(0.1)
+    assert _results(zero, _rank(1, 2, port, hello_budget=0.3)) == [THE_ID, THE_ID]
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 2 and all("no whole handshake within its 0.3 s" in m for m in dropped), dropped
+
+
+# -- who gets the id ----------------------------------------------------------------------------------
+
+def test_a_client_without_the_secret_gets_no_byte_of_the_id():
+    port = free_port()
+    zero = _rank(0, 2, port, hello_budget=0.5)
+    with _connect(port) as landed:  # the landed protocol's hello: rank 1, no proof
+        landed.sendall(b"memra-nccl-id\n" + (1).to_bytes(4, "little"))
+        got = _until_closed(landed)
+    assert not _holds_id(got) and len(got) <= len(rendezvous._MAGIC) + rendezvous._NONCE
+    for secret in ("", "a guess"):
+        with _connect(port) as guesser:
+            got = _claim(guesser, 1, 2, secret) + _until_closed(guesser)
+        assert not _holds_id(got) and got.endswith(rendezvous._WRONG_SECRET)
+        assert len(got) == len(rendezvous._MAGIC) + rendezvous._NONCE + 1
+    assert _results(zero, _rank(1, 2, port)) == [THE_ID, THE_ID]
+
+
+def test_the_id_does_not_travel_in_clear():
+    """What an eavesdropper sees of a rank's handshake: neither the id nor the secret."""
+    port, relayed = free_ports(2)
+    seen: list[bytes] = []
+
+    def relay() -> None:
+        with socket.create_server(("127.0.0.1", relayed)) as server:
+            server.settimeout(10)
+            rank, _ = server.accept()
+            with rank, _connect(port) as zero:
+                while ready := select.select([rank, zero], [], [], 10)[0]:
+                    for end in ready:
+                        data = end.recv(4096)
+                        if not data:
+                            return
+                        seen.append(data)
+                        (zero if end is rank else rank).sendall(data)
+
+    threading.Thread(target=relay, daemon=True).start()
+    zero = _rank(0, 2, port)
+    one = _in_thread(lambda: exchange_id(Ranks(1, 2, port=relayed, secret=SECRET), lambda: b"never", 10))
+    assert _results(zero, one) == [THE_ID, THE_ID]
+    wire = b"".join(seen)
+    assert len(wire) > 128 and not _holds_id(wire) and SECRET.encode() not in wire
+
+
+def test_a_rank_takes_no_id_from_a_rank_zero_without_the_secret():
+    """A stranger on rank 0's port answers as rank 0 would, but cannot prove the secret."""
+    port, over = free_port(), threading.Event()
+
+    def impostor() -> None:
+        with socket.create_server(("127.0.0.1", port)) as server:
+            server.settimeout(0.05)
+            while not over.is_set():
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.sendall(rendezvous._MAGIC + os.urandom(rendezvous._NONCE))
+                    conn.recv(4096)
+                    conn.sendall(rendezvous._OK + os.urandom(128 + rendezvous._MAC))
+
+    threading.Thread(target=impostor, daemon=True).start()
+    with pytest.raises(TimeoutError, match="did not prove MEMRA_NCCL_SECRET: not this launch's rank 0"):
+        exchange_id(Ranks(1, 2, port=port, secret=SECRET), lambda: b"never", 0.5)
+    over.set()
+
+
+# -- claims of a rank ---------------------------------------------------------------------------------
+
+def test_a_false_claim_of_a_rank_does_not_keep_the_real_rank_out():
+    port = free_port()
+    zero = _rank(0, 3, port, hello_budget=0.5)
+    with _connect(port) as landed:  # the landed protocol's hello, which took rank 1's place
+        landed.sendall(b"memra-nccl-id\n" + (1).to_bytes(4, "little"))
+        _until_closed(landed)
+    for secret in ("", "a guess"):
+        with pytest.raises(RankRefused):
+            exchange_id(Ranks(1, 3, port=port, secret=secret), lambda: b"never", 5)
+    assert _results(zero, _rank(1, 3, port), _rank(2, 3, port)) == [THE_ID] * 3
+
+
+def test_a_wrong_secret_is_refused_at_once_and_logged(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    port = free_port()
+    zero = _rank(0, 2, port)
+    start = time.monotonic()
+    with pytest.raises(RankRefused, match="refused rank 1: it did not prove MEMRA_NCCL_SECRET"):
+        exchange_id(Ranks(1, 2, port=port, secret="not the launch's"), lambda: b"never", 10)
+    assert time.monotonic() - start < 2  # not retried to the timeout
+    assert _results(zero, _rank(1, 2, port)) == [THE_ID, THE_ID]
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and refused[0].levelno == logging.WARNING
+    assert "claiming rank 1: it did not prove MEMRA_NCCL_SECRET" in refused[0].getMessage()
+    assert all(SECRET not in r.getMessage() and "not the launch's" not in r.getMessage() for r in caplog.records)
+
+
+def test_a_served_rank_claimed_again_and_a_rank_outside_the_world_are_refused_without_ending_the_exchange(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    port = free_port()
+    zero = _rank(0, 3, port)
+    assert _results(_rank(1, 3, port)) == [THE_ID]
+    with pytest.raises(RankRefused, match="rank 0 served rank 1 already: two processes claim it"):
+        exchange_id(Ranks(1, 3, port=port, secret=SECRET), lambda: b"never", 5)
+    for outside in (Ranks(5, 8, port=port, secret=SECRET), Ranks(1, 2, port=port, secret=SECRET)):
+        with pytest.raises(RankRefused, match=f"rank {outside.rank} of a world of {outside.world} is not one of"):
+            exchange_id(outside, lambda: b"never", 5)
+    assert zero[1] == []  # still serving
+    assert _results(zero, _rank(2, 3, port)) == [THE_ID, THE_ID]
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 3 and "served rank 1 already" in refused[0] and "world of 8" in refused[1], refused
+
+
+# -- without a secret ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("address", ["10.0.0.7", "0.0.0.0", "node0.example"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_without_a_secret_an_address_beyond_this_host_is_refused_naming_the_variable(address, rank):
+    made: list[bytes] = []
+    with pytest.raises(ValueError, match=r"set MEMRA_NCCL_SECRET to one random value on every rank"):
+        exchange_id(Ranks(rank, 2, address=address, port=free_port()), lambda: made.append(THE_ID) or THE_ID, 0.5)
+    assert made == []
+
+
+def test_only_loopback_addresses_do_without_a_secret():
+    assert all(map(rendezvous._loopback, ["127.0.0.1", "127.0.0.2", "::1", "localhost"]))
+    assert not any(map(rendezvous._loopback, ["10.0.0.7", "0.0.0.0", "::", "node0", "localhost.example"]))
+
+
+def test_a_rank_reads_its_secret_from_the_environment_and_never_shows_it():
+    ranks = Ranks.from_env({"RANK": "1", "WORLD_SIZE": "2", "MEMRA_NCCL_SECRET": SECRET})
+    assert ranks.secret == SECRET and SECRET not in repr(ranks) and SECRET not in str(ranks)
+    assert Ranks.from_env({"RANK": "1", "WORLD_SIZE": "2"}).secret == ""
+
+
+# -- ranks started by launch ------------------------------------------------------------------------
+
+RANK_PROGRAM = """
+import hashlib, os
+from memra_cuda.comm.rendezvous import Ranks, exchange_id
+unique_id = exchange_id(Ranks.from_env(), lambda: os.urandom(128), 20)
+print(unique_id.hex(), hashlib.sha256(os.environ["MEMRA_NCCL_SECRET"].encode()).hexdigest())
+"""
+
+
+def test_launch_gives_each_launch_a_secret_of_its_own_that_its_ranks_exchange_the_id_with(monkeypatch):
+    monkeypatch.setenv("MEMRA_NCCL_SECRET", "a parent's")  # not every launch's
+    runs = [launch([sys.executable, "-c", RANK_PROGRAM], 3, timeout=60) for _ in range(2)]
+    for ended in runs:
+        assert [e.returncode for e in ended] == [0, 0, 0], [e.stderr for e in ended]
+        assert len({e.stdout for e in ended}) == 1  # one id, one secret
+    ids, secrets = zip(*(ended[0].stdout.split() for ended in runs))
+    assert ids[0] != ids[1] and secrets[0] != secrets[1]
+    assert hashlib.sha256(b"a parent's").hexdigest() not in secrets
+    given = launch([sys.executable, "-c", RANK_PROGRAM], 2, env={"MEMRA_NCCL_SECRET": "the caller's"}, timeout=60)
+    assert {e.stdout.split()[1] for e in given} == {hashlib.sha256(b"the caller's").hexdigest()}
