@@ -13,12 +13,13 @@ PICK      = py=$$(sh tools/pick-python) || exit 1;
 PICK_TEST = py=$$(sh tools/pick-python test) || exit 1;
 
 # The CUDA 12 bindings, as wheels carried to the GPU machine (it reaches no package index): the
-# last cuda-bindings 12 release, the cuda-pathfinder it imports (~=1.1), numpy 1.26 (the last
-# before 2), all for CPython 3.12 on manylinux x86_64.
-WHEELS12 := cuda-bindings==12.9.4 cuda-pathfinder==1.9.1 numpy==1.26.4
+# lowest cuda-python that pyproject.toml accepts (12.6.2.post1, which holds cuda.bindings itself)
+# and numpy 1.26 (the last before 2), for CPython 3.12 on manylinux x86_64. `make gpu-test` runs
+# the highest, the GPU machine's 13.x.
+WHEELS12 := cuda-python==12.6.2.post1 numpy==1.26.4
 SITE12   ?= /tmp/site12
 
-.PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch ptx clean
+.PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch pair ptx clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -73,7 +74,7 @@ ptx: $(VENV)/.installed
 gpu-test:
 	$(PICK_TEST) MEMRA_REQUIRE_GPU=1 PYTHONPATH=. "$$py" -m pytest -m gpu $(PYTEST_ARGS)
 
-# The GPU suite again on the CUDA 12 bindings and numpy 1.26 (what a CUDA 12 driver's user
+# The GPU suite again on the lowest CUDA 12 bindings and numpy 1.26 (what a CUDA 12 driver's user
 # installs), from the wheels of .whl12/ (`make wheels-cuda12`, where the index is reachable;
 # carry .whl12/ to the GPU machine), installed apart in $(SITE12) and put ahead of the system's
 # packages; the system python3 (3.12 there) has the rest: pytest, hypothesis. Not the PyTorch
@@ -125,7 +126,7 @@ sanitize:
 # protocol inside a WHILE loop (kernel 4' on a branch, the decider, a host following the mapped
 # stream). The full device loop is left out: racecheck crashes the host process inside
 # cuEventSynchronize whenever kernel 4 (spec_ring_commit) runs in a conditional node's body,
-# with no hazard reported (docs/round-stream.md, "Checking device mode").
+# with no hazard reported (docs/device-mode.md, "Checking device mode").
 racecheck:
 	$(PICK_TEST) MEMRA_REQUIRE_GPU=1 MEMRA_CASES=$${MEMRA_CASES:-50} PYTHONPATH=. \
 		compute-sanitizer --tool racecheck --target-processes application-only --report-api-errors no \
@@ -146,6 +147,11 @@ bench:
 # (with matplotlib, the plot extra).
 bench-torch:
 	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.bench --only torch $(BENCH_ARGS)
+
+# A trained target and draft for bench-torch (benchmarks/pair.py; torch, transformers, tokenizers):
+# trained on the GPU from this machine's own Python sources, kept in .cache/pair/ and reused.
+pair:
+	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.pair $(PAIR_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -1,4 +1,6 @@
-"""`make bench`: what round-stream buys, measured on the GPU in one run.
+"""`make bench`: what round-stream buys, measured on the GPU in one run. From the repository's
+root: `PYTHONPATH=. python -m benchmarks.bench` (the benchmarks are programs of the checkout, not
+of the wheel); --only runs one part.
 
 1. Launch overhead: a prepared 1-argument launch against the bare cuLaunchKernel binding call;
    then the host path: µs per round of the readback loop and of graph mode, each beside its
@@ -15,28 +17,23 @@
 4. Sampling: greedy against stochastic acceptance (the toy's sampling mode), bare toy, k=4,
    M=16, V = 32 000 and 152 000: time per round and acceptance rate; then the device time of
    spec_accept_sample alone (a graph of launches, timed with events) at B = 1 and 32.
-5. Pipeline (two GPUs): the toy split into two stages on two devices (models/pipeline.py)
-   against the same model on one, k=4, M=16, bare and as 8B/0.5B with the verify's weights
-   split between the stages: time per round of each, in stream and graph mode; then, where
-   NCCL is installed, the same split over NCCL ranks, one process a GPU (bench_ranks.py):
-   pipeline stages and tensor-parallel ranks, graph mode, against the one GPU.
-6. Device mode (bench_device.py): one launch per generation, tokens streamed through mapped
+5. Pipeline (two GPUs): the toy split into two stages on two devices (memra_cuda.testing.toy.
+   pipeline) against the same model on one, k=4, M=16, bare and as 8B/0.5B with the verify's
+   weights split between the stages: time per round of each, in stream and graph mode; then,
+   where NCCL is installed, the same split over NCCL ranks, one process a GPU (benchmarks/ranks.py
+   over memra_cuda.testing.toy.ranks): pipeline stages and tensor-parallel ranks, graph mode,
+   against the one GPU.
+6. Device mode (benchmarks/device.py): one launch per generation, tokens streamed through mapped
    memory, against graph (paced and unpaced) and overlap, bare toy and 8B/0.5B, B = 1 and 32:
    tokens/s, host CPU, and the delay from a token's commit to the host seeing it.
-7. Recurrent state (bench_state.py): the device time of rolling back a hybrid model's state
+7. Recurrent state (benchmarks/state.py): the device time of rolling back a hybrid model's state
    by copy and by flipping an index, over state sizes and batches, beside the time of writing
    the snapshots they roll back to.
-8. Trees (bench_tree.py): tokens per round and tokens/s of the best chain against the best static
-   and dynamic tree, bare toy and 8B/0.5B, B = 1 and 32; the tree accepts alone against the HBM
-   floor for their bytes.
-9. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the Llama of
-   examples/torch_llama.py, one request, batches and continuous batching, its hybrid variant,
-   and trees against chains (examples/torch_tree.py) with their picture beside --json's file
-   (bench_torch.py).
-
-    python -m memra_cuda.bench [--json PATH]
-        [--only launch|host|rounds|batch|sampling|pipeline|device|state|tree|torch]
-        [--quick]
+8. Trees (benchmarks/tree.py): tokens per round and tokens/s of the best chain against the best
+   static and dynamic tree, bare toy and 8B/0.5B, B = 1 and 32; the tree accepts alone against the
+   HBM floor for their bytes.
+9. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the sections of
+   benchmarks/torch_engine.py (its docstring says which), run only when asked for.
 """
 from __future__ import annotations
 
@@ -49,17 +46,20 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from memra_cuda.buffers.capacity import kv_capacity
+from memra_cuda.buffers.stream_bufs import StreamBufs
+from memra_cuda.driver.buffer import DeviceBuffer
+from memra_cuda.driver.engine import Engine
+from memra_cuda.driver.errors import CudaUnavailable, driver
+from memra_cuda.kernels.signatures import load
+from memra_cuda.kernels.spec import SpecKernels
+from memra_cuda.rounds.stream import RoundStream
+from memra_cuda.testing.toy.lm import COST_8B_05B, ToyCost, ToyLM, ToyModel, ToySampling
+
 from .common import MODEL, PROMPT, batch_prompts, device_us, replay_ms, us_per_round
 from .device import bench_device, summary
 from .state import bench_state
 from .tree import bench_tree
-from memra_cuda.buffers.stream_bufs import StreamBufs
-from memra_cuda.buffers.capacity import kv_capacity
-from memra_cuda.driver.engine import Engine
-from memra_cuda.driver.errors import CudaUnavailable, driver
-from memra_cuda.kernels.spec import SpecKernels
-from memra_cuda.testing.toy.lm import COST_8B_05B, ToyCost, ToyLM, ToyModel, ToySampling
-from memra_cuda.rounds.stream import RoundStream
 
 KS = (0, 2, 4, 8)
 MS = (1, 4, 16, 64)
@@ -80,14 +80,14 @@ class Row:
     floor_us_per_round: float | None = None
 
 
-def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict:
+def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict[str, float]:
     """Median seconds per launch, bare binding vs prepared Launch, interleaved batches.
 
     Batches stay short of the driver's launch queue so both sides time the host, not the GPU.
     """
-    kernel = engine.load_ptx("probe").kernel("probe_touch")
+    kernel = load(engine, "probe").kernel("probe_touch")
     target = engine.zeros(np.uint32, 1)
-    prepared = kernel.prepare(["ptr"], grid=1, block=32).set(target)
+    prepared = kernel.prepare(grid=1, block=32).set(target)
     engine.ctx.make_current()  # the bare calls need it; the prepared launch checks it per call
     bare, f, stream, params = driver().cuLaunchKernel, kernel.handle, engine.stream, prepared.args.pointer
     samples: dict[str, list[float]] = {"bare": [], "prepared": []}
@@ -109,7 +109,7 @@ def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict:
     return {"bare_us": bare_s * 1e6, "prepared_us": prepared_s * 1e6, "ratio": prepared_s / bare_s}
 
 
-def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights, name: str, k: int,
+def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights: DeviceBuffer | None, name: str, k: int,
             m_rounds: int, mode: str, tokens: int, model: ToyModel = MODEL,
             sampling: ToySampling | None = None) -> Row:
     """Generate `tokens` tokens from PROMPT after the same generation untimed (JIT, and the
@@ -150,7 +150,7 @@ def device_floor(engine: Engine, stream: RoundStream, replays: int, rounds: int 
 HOST_K, HOST_M, HOST_TOKENS = 4, 16, 512
 
 
-def bench_host_path(engine: Engine, quick: bool) -> dict:
+def bench_host_path(engine: Engine, quick: bool) -> dict[str, dict[str, float]]:
     """What the host adds to a round: the same 512-token bare-toy generation (k=4, M=16, pace
     off) in the readback loop and in graph mode, median of 7 (3 with --quick), each beside its
     device floor: the same rounds replayed as graphs back to back (one-round graphs for the
@@ -343,18 +343,18 @@ def bench_pipeline(engine: Engine, quick: bool) -> list[dict]:
     ranks = _nccl_ranks(tokens, k, m_rounds)
     if ranks:
         ones = {row["model"]: row["one_gpu_us_per_round"] for row in rows if row["mode"] == "graph"}
-        print(f"over NCCL, one process a GPU (models/ranks.py), graph mode: {'model':8} {'kind':16} {'us/round':>9} "
-              f"{'vs one GPU':>10}")
+        title = "over NCCL, one process a GPU (benchmarks/ranks.py), graph mode: "
+        print(f"{title}{'model':8} {'kind':16} {'us/round':>9} {'vs one GPU':>10}")
         for row in ranks:
             row["vs_one_gpu"] = row["us_per_round"] / ones[row["model"]]
-            print(f"{'':52}{row['model']:8} {row['kind']:16} {row['us_per_round']:9.1f} {row['vs_one_gpu']:9.2f}x",
-                  flush=True)
+            print(f"{'':{len(title)}}{row['model']:8} {row['kind']:16} {row['us_per_round']:9.1f} "
+                  f"{row['vs_one_gpu']:9.2f}x", flush=True)
         rows += ranks
     return rows
 
 
 def _nccl_ranks(tokens: int, k: int, m_rounds: int) -> list[dict]:
-    """bench_ranks's rows, from its two ranks started here as torchrun would (rank 0's), or none
+    """benchmarks/ranks.py's rows, from its two ranks started here as torchrun would (rank 0's), or none
     with the reason where NCCL is missing or a rank fails."""
     from memra_cuda.comm import NcclUnavailable, nccl
     from memra_cuda.comm.launch import launch
@@ -363,8 +363,8 @@ def _nccl_ranks(tokens: int, k: int, m_rounds: int) -> list[dict]:
     except NcclUnavailable as exc:
         print(f"pipeline over NCCL: skipped ({exc})")
         return []
-    ended = launch([sys.executable, "-m", "memra_cuda.bench_ranks", str(tokens), str(k), str(m_rounds)], 2,
-                   timeout=600)
+    # The ranks start where this process did (its directory, its PYTHONPATH): `benchmarks` imports there too.
+    ended = launch([sys.executable, "-m", "benchmarks.ranks", str(tokens), str(k), str(m_rounds)], 2, timeout=600)
     lines = [line for line in ended[0].stdout.splitlines() if line.startswith("[")]
     if any(rank.returncode != 0 for rank in ended) or not lines:
         print("pipeline over NCCL: a rank failed:\n" + "\n".join(rank.stderr[-2000:] for rank in ended))
@@ -373,7 +373,8 @@ def _nccl_ranks(tokens: int, k: int, m_rounds: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m memra_cuda.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--only", choices=["launch", "host", "rounds", "batch", "sampling", "pipeline", "device",
                                            "state", "tree", "torch"],
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = Engine()
     except CudaUnavailable as exc:
-        print(f"memra_cuda.bench: {exc}", file=sys.stderr)
+        print(f"benchmarks.bench: no GPU to measure on: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     report: dict = {}
     if args.only in (None, "launch"):

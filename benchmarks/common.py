@@ -2,20 +2,21 @@
 device timing of graphs (replays queued back to back, timed with events), and what a round
 measured asks of the capacity rule.
 
-bench.py runs the parts and imports the others (bench_device, bench_state); they take what they
-share from here, not from bench.py, so no bench module imports another in a circle.
+bench.py runs the parts and imports the modules of the others (device.py, state.py, tree.py;
+ranks.py is a program of its own); they take what they share from here, not from bench.py, so no
+benchmark module imports another in a circle.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
+from memra_cuda.buffers.tree import Tree
 from memra_cuda.driver.engine import Engine
 from memra_cuda.driver.event import Event
 from memra_cuda.driver.graph import Graph
-from memra_cuda.testing.toy.lm import ToyModel
 from memra_cuda.rounds.stream import RoundStream
-from memra_cuda.buffers.tree import Tree
+from memra_cuda.testing.toy.lm import ToyModel
 
 MODEL = ToyModel(seed=2024, noise_ppm=100_000, p_min=0.05)
 PROMPT = list(range(1, 17))
@@ -46,7 +47,11 @@ def replay_ms(engine: Engine, graph: Graph, replays: int) -> float:
 def device_us(engine: Engine, step: Callable[[], None], launches: int = 50, replays: int = 10) -> float:
     """Device microseconds of one `step`: a graph of `launches` of them, replayed `replays`
     times after a warm-up."""
-    graph = Graph(engine, lambda: [step() for _ in range(launches)])
+    def issue() -> None:
+        for _ in range(launches):
+            step()
+
+    graph = Graph(engine, issue)
     graph.launch()
     us = replay_ms(engine, graph, replays) * 1e3 / (replays * launches)
     graph.free()

@@ -15,14 +15,17 @@ import time
 
 import numpy as np
 
-from .common import MODEL
-from memra_cuda.buffers.stream_bufs import StreamBufs
 from memra_cuda.buffers.capacity import kv_capacity
-from memra_cuda.rounds.device_loop import TokenFeed
+from memra_cuda.buffers.stream_bufs import StreamBufs
 from memra_cuda.driver.buffer import MappedBuffer
 from memra_cuda.driver.engine import Engine
+from memra_cuda.kernels.signatures import load
 from memra_cuda.kernels.spec import SpecKernels
+from memra_cuda.rounds.schedule import Schedule
+from memra_cuda.rounds.stream import RoundStream
 from memra_cuda.testing.toy.lm import COST_8B_05B, ToyCost, ToyLM
+
+from .common import MODEL
 
 K, M = 4, 16
 RUNS = (("graph", True), ("graph", False), ("overlap", True), ("device", True), ("device lean", True),
@@ -34,9 +37,9 @@ def clock_offset(engine: Engine, trials: int = 40) -> int:
     """Device %globaltimer minus host perf_counter_ns, in ns, from the tightest of `trials`
     round trips through mapped memory (probe_clock)."""
     flag, stamp = MappedBuffer(engine, np.uint32, 4), MappedBuffer(engine, np.uint64, 1)
-    launch = engine.load_ptx("probe").kernel("probe_clock").prepare(["ptr", "ptr"], 1, 1)
+    launch = load(engine, "probe").kernel("probe_clock").prepare(grid=1, block=1)
     launch.set(flag.device, stamp.device)
-    best = None
+    trips = []  # (round trip, device minus host at its middle)
     for _ in range(trials):
         flag.live[:] = 0
         launch()
@@ -48,11 +51,10 @@ def clock_offset(engine: Engine, trials: int = 40) -> int:
             pass
         t1 = time.perf_counter_ns()
         engine.synchronize()
-        trip = (t1 - t0, int(stamp.live[0]) - (t0 + t1) // 2)
-        best = trip if best is None or trip < best else best
+        trips.append((t1 - t0, int(stamp.live[0]) - (t0 + t1) // 2))
     flag.free()
     stamp.free()
-    return best[1]
+    return min(trips)[1]
 
 
 def _prompts(batch: int) -> list[list[int]]:
@@ -60,7 +62,8 @@ def _prompts(batch: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, MODEL.vocab, int(rng.integers(4, 17)))] for _ in range(batch)]
 
 
-def _run(lm: ToyLM, bufs: StreamBufs, stream, prompts, tokens: int, mode: str) -> dict:
+def _run(lm: ToyLM, bufs: StreamBufs, stream: RoundStream, prompts: list[list[int]], tokens: int,
+         mode: str) -> dict:
     for b, p in enumerate(prompts):
         lm.prefill_row(bufs, b, p)
     device = mode.startswith("device")
@@ -69,7 +72,8 @@ def _run(lm: ToyLM, bufs: StreamBufs, stream, prompts, tokens: int, mode: str) -
     c0, t0 = time.process_time(), time.perf_counter()
     if device:  # what a consumer does with the tokens here: count them, and keep them
         loop = stream.device_loop
-        loop.spin, loop.look_s = mode == "device spin", LEAN_LOOK_S if mode == "device lean" else TokenFeed.LOOK_S
+        loop.schedule = Schedule(look_s=LEAN_LOOK_S if mode == "device lean" else Schedule.LOOK_S,
+                                 spin=mode == "device spin")
         landed, made = [], 0
         following = stream.follow(tokens)
         setup = time.process_time() - c0

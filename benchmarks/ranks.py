@@ -1,7 +1,7 @@
 """`make bench`'s part 5 over NCCL: one rank of the toy split over two processes, one a GPU
-(models/ranks.py), started by bench.bench_pipeline as torchrun would start it.
+(memra_cuda.testing.toy.ranks), started by benchmarks/bench.py (bench_pipeline) as torchrun would start it.
 
-    python -m memra_cuda.bench_ranks TOKENS K M      (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+    python -m benchmarks.ranks TOKENS K M      (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
 
 Pipeline stages and tensor-parallel ranks, bare and as 8B/0.5B (the verify's weights split
 between the ranks, the draft's whole on each, since each runs it): microseconds a round in graph
@@ -9,26 +9,35 @@ mode, rank 0's printed as one JSON line of rows.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
-from .common import MODEL, PROMPT, us_per_round
 from memra_cuda.buffers.capacity import kv_capacity
 from memra_cuda.comm import Communicator
-from memra_cuda.testing.toy.ranks import ToyPipelineStage, ToyTensorParallel
 from memra_cuda.testing.toy.lm import COST_8B_05B, ToyCost
+from memra_cuda.testing.toy.ranks import ToyPipelineStage, ToyRank, ToyTensorParallel
+
+from .common import MODEL, PROMPT, us_per_round
 
 
-def main(argv: list[str]) -> int:
-    tokens, k, m_rounds = (int(x) for x in argv)
+def main(argv: list[str] | None = None) -> int:
+    cli = argparse.ArgumentParser(prog="python -m benchmarks.ranks", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("tokens", type=int, help="tokens each generation makes")
+    cli.add_argument("k", type=int, help="draft tokens per round")
+    cli.add_argument("m_rounds", type=int, metavar="M", help="rounds per burst")
+    args = cli.parse_args(argv)
     comm = Communicator.from_env(timeout=60)
-    capacity = kv_capacity(len(PROMPT), tokens, k, m_rounds)
+    capacity = kv_capacity(len(PROMPT), args.tokens, args.k, args.m_rounds)
+    kinds: tuple[tuple[type[ToyRank], str], ...] = ((ToyPipelineStage, "pipeline stages"),
+                                                    (ToyTensorParallel, "tensor-parallel"))
     rows = []
     for name, cost in (("bare", ToyCost()), ("8B/0.5B", COST_8B_05B)):
         share = ToyCost(verify_bytes=cost.verify_bytes // comm.world, draft_bytes=cost.draft_bytes)
-        for kind, label in ((ToyPipelineStage, "pipeline stages"), (ToyTensorParallel, "tensor-parallel")):
-            ranks = kind(comm, MODEL, capacity, k, m_rounds, cost=share)
-            us = us_per_round(comm.engine, ranks.round_stream(), lambda: ranks.prefill_row(0, PROMPT), tokens,
+        for kind, label in kinds:
+            ranks = kind(comm, MODEL, capacity, args.k, args.m_rounds, cost=share)
+            us = us_per_round(comm.engine, ranks.round_stream(), lambda: ranks.prefill_row(0, PROMPT), args.tokens,
                               "graph")
             rows.append(dict(model=name, kind=label, us_per_round=us))
             ranks.bufs.free()
@@ -39,4 +48,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

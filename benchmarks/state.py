@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import device_us
+from memra_cuda.buffers.layout import CTL_KEEP, CTL_WORDS
 from memra_cuda.buffers.stream_bufs import StreamBufs
+from memra_cuda.buffers.tables import StateLayer, state_copy_table, state_flip_table
 from memra_cuda.driver.engine import Engine
 from memra_cuda.kernels.spec import SpecKernels
-from memra_cuda.buffers.layout import CTL_KEEP, CTL_WORDS
-from memra_cuda.buffers.tables import StateLayer, state_copy_table, state_flip_table
+
+from .common import device_us
 
 K, LAYERS, KEEP = 4, 4, 3
 ROW_BYTES = (4 << 10, 32 << 10, 128 << 10, 1 << 20)  # per row and layer: 128 KiB is 8 heads of 64 x 64 f32

@@ -1,4 +1,5 @@
-"""`make bench-torch`: round-stream on a real transformer (examples/torch_llama.py), in one run.
+"""`make bench-torch`: round-stream on a real transformer (memra_cuda.torch's decoders on the
+random-weight Llamas of memra_cuda.testing.llama), in one run.
 
 1. One request, at two sizes (fp32 small, bf16 large): Hugging Face generate, its assisted
    generation with the same draft, plain greedy run eagerly and with each step a torch.cuda.graph, and
@@ -16,7 +17,7 @@
 4. Hybrid: the small model with layers HYBRID a gated linear recurrence, B in HYBRID_BATCHES,
    its state rolled back by copy and by flip, round-stream graph and overlap modes against the
    same model's plain greedy with each step a torch graph, and whether the tokens are its.
-5. Trees (examples/torch_tree.py), both sizes, B in TREE_BATCHES, greedy and sampling at T = 1,
+5. Trees (memra_cuda.torch.TreeLlama), both sizes, B in TREE_BATCHES, greedy and sampling at T = 1,
    the head's logits scaled by TREE_LOGIT_SCALE: tokens/s of chains (CHAIN_KS), static trees
    (STATIC_TREES: likeliest trees and chains with leaves) and dynamic trees (DYNAMIC) at each B,
    and of the trees tree_for_batch picks, against graphed plain greedy; per configuration its
@@ -30,9 +31,9 @@
    torch.topk against two argmaxes, each captured alone, in target steps: where a tree's round
    goes, and what the example's kernels are chosen by (docs/torch.md, "Trees").
 
-Needs torch and transformers, and the source checkout (the example is not in the wheel).
+Needs torch and transformers, and the source checkout (the benchmarks are not in the wheel).
 
-    PYTHONPATH=. python -m memra_cuda.bench_torch [--quick] [--json PATH]
+    PYTHONPATH=. python -m benchmarks.torch_engine [--quick] [--json PATH]
         [--tree-sizes small,large] [--tree-batches 1,8,32,128]
         [one_request|batches|serving|hybrid|trees|tree_costs ...]
 
@@ -43,10 +44,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -68,31 +67,12 @@ COST_K = 10  # the chain tree_costs sets against a static tree of 64 drafts, 10 
 # Section 5's candidates at each B: they shrink as B grows, since a verify of T + 1 tokens a row
 # is nearly free at B = 1 and costs about T + 1 target steps once the GEMMs are compute-bound.
 CHAIN_KS = {1: (8, 10, 12), 8: (6, 8, 10), 32: (4, 6, 8), 128: (2, 3, 4)}
-# torch_tree.parse_tree's names: static_tree of T drafts and a depth, or a chain of k with leaves
+# testing.llama.parse_tree's names: static_tree of T drafts and a depth, or a chain of k with leaves
 STATIC_TREES = {1: ("static:32,8", "static:64,10", "static:128,12", "chain:10,2"),
                 8: ("static:16,6", "static:32,8", "static:64,10", "chain:8,1"), 32: ("static:8,6", "static:12,6"),
                 128: ("static:3,3", "static:6,4")}
 DYNAMIC = {1: (DynamicTree(10, 4, 4),), 8: (DynamicTree(8, 2, 2),), 32: (DynamicTree(6, 2, 2),),
            128: (DynamicTree(3, 2, 2),)}
-
-
-def load_example(name: str = "torch_llama") -> Any:
-    """examples/`name`.py (torch_llama, or torch_tree, which imports torch_llama), from the
-    source checkout the bench runs in. An installed package has no examples/: say so in one
-    line, not a traceback."""
-    if name in sys.modules:
-        return sys.modules[name]
-    if name != "torch_llama":
-        load_example()  # what the other examples import it as
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
-    if not path.is_file():
-        raise SystemExit(f"memra_cuda.bench: the PyTorch example is examples/{name}.py of the source "
-                         "repository, not part of the installed package: run `make bench-torch` from a checkout")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def _timed(run: Callable[[], Any]) -> tuple[float, Any]:
@@ -148,25 +128,27 @@ def _step_ms(step: Callable[..., Any], tokens: int = 1, replays: int = 200, **kw
     return _graph_ms(lambda: step(token, position, **kwargs), replays=replays)
 
 
-def bench_one_request(llama: Any, quick: bool) -> list[dict]:
+def bench_one_request(quick: bool) -> list[dict]:
+    from memra_cuda.testing.llama import PROMPT, build_model
+    from memra_cuda.torch import GraphedGreedy, SpeculativeLlama, capacity_for, hf_greedy, self_draft
     rows: list[dict] = []
     print(f"{'size':6} {'method':22} {'tokens/s':>9} {'accept':>6} {'vs greedy':>9} {'vs HF assisted':>14}")
     for size in ("small", "large"):
         tokens = 64 if quick else 256
-        model = llama.build_model(size)
-        capacity = llama.capacity_for(len(llama.PROMPT), tokens, TORCH_K, TORCH_M)
-        draft = llama.draft_model(model)
-        spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity)
-        greedy = llama.GraphedGreedy(model, capacity)
-        eager = llama.GraphedGreedy(model, capacity, eager=True)
+        model = build_model(size)
+        capacity = capacity_for(len(PROMPT), tokens, TORCH_K, TORCH_M)
+        draft = self_draft(model)
+        spec = SpeculativeLlama(model, draft, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity)
+        greedy = GraphedGreedy(model, capacity)
+        eager = GraphedGreedy(model, capacity, eager=True)
         methods = {
-            "HF generate": (lambda n: llama.hf_greedy(model, llama.PROMPT, n), None),
-            "HF assisted": (lambda n: llama.hf_greedy(model, llama.PROMPT, n, assistant=draft, k=TORCH_K), None),
-            "greedy, eager loop": (lambda n: eager.generate(llama.PROMPT, n), None),
-            "greedy, torch graph": (lambda n: greedy.generate(llama.PROMPT, n), None),
+            "HF generate": (lambda n: hf_greedy(model, PROMPT, n), None),
+            "HF assisted": (lambda n: hf_greedy(model, PROMPT, n, assistant=draft, k=TORCH_K), None),
+            "greedy, eager loop": (lambda n: eager.generate(PROMPT, n), None),
+            "greedy, torch graph": (lambda n: greedy.generate(PROMPT, n), None),
         }
         for mode in ("readback", "graph", "overlap", "device"):
-            methods[f"round-stream {mode}"] = (lambda n, mode=mode: spec.generate(llama.PROMPT, n, mode=mode), spec)
+            methods[f"round-stream {mode}"] = (lambda n, mode=mode: spec.generate(PROMPT, n, mode=mode), spec)
         measured = {}
         for name, (run, speculative) in methods.items():
             rate, out = _tokens_per_s(run, tokens)
@@ -203,32 +185,36 @@ def bench_one_request(llama: Any, quick: bool) -> list[dict]:
     return rows
 
 
-def bench_batches(llama: Any, quick: bool) -> list[dict]:
+def bench_batches(quick: bool) -> list[dict]:
     """Section 2: every method on the same B requests, tokens/s over all rows."""
+    from memra_cuda.testing.llama import build_model
     rows: list[dict] = []
     tokens = 32 if quick else 128
     print(f"\nbatches: k={TORCH_K}, M={TORCH_M}, {tokens} tokens a row, prompts of 2 to 40 tokens; sampling at T=1")
     print(f"{'size':6} {'B':>4} {'method':30} {'tokens/s':>9} {'accept':>6} {'vs batched graphed greedy':>26}")
     for size in ("small", "large"):
-        model = llama.build_model(size)
+        model = build_model(size)
         for batch in BATCHES[size]:
-            rows += _bench_batch(llama, model, size, batch, tokens)
+            rows += _bench_batch(model, size, batch, tokens)
     return rows
 
 
-def _bench_batch(llama: Any, model: Any, size: str, batch: int, tokens: int) -> list[dict]:
+def _bench_batch(model: Any, size: str, batch: int, tokens: int) -> list[dict]:
     """One size and B of section 2 (its caches and graphs go when it returns)."""
-    sampling = llama.SamplingParams(1.0)
-    prompts = llama.prompts(batch, seed=batch)
-    requests = [llama.Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
-    capacity = llama.capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
-    greedy = llama.GraphedGreedy(model, capacity, batch)
-    spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch)
-    sampler = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch,
-                                     sampling=sampling)
+    from memra_cuda.testing.llama import prompts as some_prompts
+    from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, SpeculativeLlama, capacity_for,
+                                  hf_generate, self_draft)
+    sampling = SamplingParams(1.0)
+    prompts = some_prompts(batch, seed=batch)
+    requests = [Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
+    capacity = capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
+    greedy = GraphedGreedy(model, capacity, batch)
+    spec = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch)
+    sampler = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                               sampling=sampling)
     methods = {
-        "HF generate, greedy": (lambda: llama.hf_generate(model, prompts, tokens), None),
-        "HF generate, sampling": (lambda: llama.hf_generate(model, prompts, tokens, sampling=sampling), None),
+        "HF generate, greedy": (lambda: hf_generate(model, prompts, tokens), None),
+        "HF generate, sampling": (lambda: hf_generate(model, prompts, tokens, sampling=sampling), None),
         "batched greedy, torch graph": (lambda: greedy.generate_batch(requests), None),
         "round-stream graph, greedy": (lambda: spec.generate_batch(requests), spec),
         "round-stream graph, sampling": (lambda: sampler.generate_batch(requests), sampler),
@@ -249,28 +235,32 @@ def _bench_batch(llama: Any, model: Any, size: str, batch: int, tokens: int) -> 
     return list(measured.values())
 
 
-def bench_serving(llama: Any, quick: bool) -> list[dict]:
+def bench_serving(quick: bool) -> list[dict]:
     """Section 3: continuous batching against one request at a time."""
     import numpy as np
+
+    from memra_cuda.testing.llama import build_model
+    from memra_cuda.testing.llama import prompts as some_prompts
+    from memra_cuda.torch import GraphedGreedy, Request, Served, SpeculativeLlama, capacity_for, self_draft
     gen = np.random.default_rng(64)
     count = 16 if quick else SERVED
-    prompts = llama.prompts(count, seed=64)
+    prompts = some_prompts(count, seed=64)
     budgets = gen.integers(16, 193, count).tolist()
-    requests = [llama.Request(prompt, budget) for prompt, budget in zip(prompts, budgets)]
-    model = llama.build_model("small")
-    capacity = llama.capacity_for(40, 192, TORCH_K, TORCH_M, SLOTS)
-    server = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=SLOTS)
+    requests = [Request(prompt, budget) for prompt, budget in zip(prompts, budgets)]
+    model = build_model("small")
+    capacity = capacity_for(40, 192, TORCH_K, TORCH_M, SLOTS)
+    server = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=SLOTS)
     server.capture()
-    alone = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M,
-                                   capacity=llama.capacity_for(40, 192, TORCH_K, TORCH_M))
+    alone = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M,
+                             capacity=capacity_for(40, 192, TORCH_K, TORCH_M))
     alone.capture()
-    greedy = llama.GraphedGreedy(model, capacity)
+    greedy = GraphedGreedy(model, capacity)
 
     def one_at_a_time(generate: Callable[[Any], list[int]]) -> list[Any]:
         begun, out = time.perf_counter(), []
         for request in requests:
             tokens = generate(request)
-            out.append(llama.Served(tokens, time.perf_counter() - begun))
+            out.append(Served(tokens, time.perf_counter() - begun))
         return out
 
     methods = {
@@ -293,30 +283,34 @@ def bench_serving(llama: Any, quick: bool) -> list[dict]:
     return rows
 
 
-def bench_hybrid(llama: Any, quick: bool) -> list[dict]:
+def bench_hybrid(quick: bool) -> list[dict]:
     """Section 4: the hybrid model against its own graphed plain greedy, tokens/s over all rows."""
+    from memra_cuda.testing.llama import HYBRID, build_model
     tokens = 64 if quick else 256
-    model = llama.build_model("small", recurrent_layers=llama.HYBRID)
-    print(f"\nhybrid: small model, layers {llama.HYBRID} a gated linear recurrence, k={TORCH_K}, M={TORCH_M}, "
+    model = build_model("small", recurrent_layers=HYBRID)
+    print(f"\nhybrid: small model, layers {HYBRID} a gated linear recurrence, k={TORCH_K}, M={TORCH_M}, "
           f"{tokens} tokens a row")
     print(f"{'B':>4} {'method':28} {'tokens/s':>9} {'accept':>6} {'vs graphed greedy':>18} {'same tokens':>11}")
     rows: list[dict] = []
     for batch in HYBRID_BATCHES:
-        rows += _bench_hybrid_batch(llama, model, batch, tokens)
+        rows += _bench_hybrid_batch(model, batch, tokens)
     return rows
 
 
-def _bench_hybrid_batch(llama: Any, model: Any, batch: int, tokens: int) -> list[dict]:
+def _bench_hybrid_batch(model: Any, batch: int, tokens: int) -> list[dict]:
     """One B of section 4 (its caches, states and graphs go when it returns)."""
-    prompts = [llama.PROMPT] if batch == 1 else llama.prompts(batch, seed=batch)
-    requests = [llama.Request(prompt, tokens) for prompt in prompts]
-    capacity = llama.capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
-    greedy = llama.GraphedGreedy(model, capacity, batch)
+    from memra_cuda.testing.llama import PROMPT
+    from memra_cuda.testing.llama import prompts as some_prompts
+    from memra_cuda.torch import GraphedGreedy, Request, SpeculativeLlama, capacity_for, self_draft
+    prompts = [PROMPT] if batch == 1 else some_prompts(batch, seed=batch)
+    requests = [Request(prompt, tokens) for prompt in prompts]
+    capacity = capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
+    greedy = GraphedGreedy(model, capacity, batch)
     methods: dict[str, tuple[Callable[[], Any], Any]] = {
         "plain greedy, torch graph": (lambda: greedy.generate_batch(requests), None)}
     for state in ("copy", "flip"):
-        spec = llama.SpeculativeLlama(model, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch,
-                                      state_rollback=state)
+        spec = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M, capacity=capacity,
+                                batch=batch, state_rollback=state)
         for mode in ("graph", "overlap"):
             methods[f"round-stream {mode}, {state}"] = (
                 lambda spec=spec, mode=mode: spec.generate_batch(requests, mode), spec)
@@ -337,13 +331,13 @@ def _bench_hybrid_batch(llama: Any, model: Any, batch: int, tokens: int) -> list
     return list(measured.values())
 
 
-def bench_trees(llama: Any, quick: bool, sizes: Sequence[str] = ("small", "large"),
+def bench_trees(quick: bool, sizes: Sequence[str] = ("small", "large"),
                 batches: Sequence[int] = TREE_BATCHES) -> list[dict]:
     """Section 5: chains against static and dynamic trees at each B, and the trees the example
-    picks there, greedy and sampled (torch_tree.tree_for_batch), so that PICKED can be checked
+    picks there, greedy and sampled (testing.llama.tree_for_batch), so that PICKED can be checked
     against what this machine measures."""
-    trees = load_example("torch_tree")
-    print(f"\ntrees: examples/torch_tree.py against the chain, M={TORCH_M}, graph mode, head scaled by "
+    from memra_cuda.testing.llama import build_model
+    print(f"\ntrees: memra_cuda.torch.TreeLlama against the chain, M={TORCH_M}, graph mode, head scaled by "
           f"{TREE_LOGIT_SCALE:g}, {64 if quick else '256 (B <= 8) or 128'} tokens a row; sampling at T=1; v and d: "
           "the round's verify and draft in target steps, ideal = tau / (v + d), reached: the share of it got; "
           "rows: the rows' mean rounds over the batch's, its slowest row's (a batch's rounds its rows used); "
@@ -352,20 +346,22 @@ def bench_trees(llama: Any, quick: bool, sizes: Sequence[str] = ("small", "large
           f"{'ideal':>6} {'reached':>7} {'rows':>5} {'batch':>5} {'vs plain':>8}")
     rows: list[dict] = []
     for size in sizes:
-        model = llama.build_model(size, logit_scale=TREE_LOGIT_SCALE)
+        model = build_model(size, logit_scale=TREE_LOGIT_SCALE)
         for batch in batches:
-            rows += _bench_tree_batch(llama, trees, model, size, batch, quick)
+            rows += _bench_tree_batch(model, size, batch, quick)
     return rows
 
 
-def _tree_candidates(trees: Any, picked: Sequence[Any], batch: int, quick: bool) -> list[tuple[str, Any]]:
+def _tree_candidates(picked: Sequence[Any], batch: int, quick: bool) -> list[tuple[str, Any]]:
     """(kind, config) of every configuration measured at `batch`: the chains' k, the static and
     dynamic trees (the first of each in a quick run), and `picked`, the trees the example picks
     there (greedy and sampled), each among its kind's where it is not one of them already."""
+    from memra_cuda.testing.llama import parse_tree
+
     def some(options: Sequence[Any]) -> list[Any]:
         return list(options[:1] if quick else options)
     kinds = {"chain": some(CHAIN_KS[batch]),
-             "static": [trees.parse_tree(name) for name in some(STATIC_TREES[batch])],
+             "static": [parse_tree(name) for name in some(STATIC_TREES[batch])],
              "dynamic": some(DYNAMIC[batch])}
     for tree in picked:
         kind = kinds["dynamic" if isinstance(tree, DynamicTree) else "static"]
@@ -389,28 +385,31 @@ def _label(row: dict) -> str:
     return f"k={row['config']}" if row["kind"] == "chain" else row["config"]
 
 
-def _bench_tree_batch(llama: Any, trees: Any, model: Any, size: str, batch: int, quick: bool) -> list[dict]:
+def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[dict]:
     """One size and B of section 5: plain decoding, then every candidate greedy and sampled, in
     caches of one capacity that each of them fits."""
-    prompts = [llama.PROMPT] if batch == 1 else llama.prompts(batch, seed=batch)
+    from memra_cuda.testing.llama import PROMPT, tree_for_batch
+    from memra_cuda.testing.llama import prompts as some_prompts
+    from memra_cuda.torch import Request, SamplingParams, capacity_for
+    prompts = [PROMPT] if batch == 1 else some_prompts(batch, seed=batch)
     tokens = 64 if quick else (256 if batch <= 8 else 128)
-    requests = [llama.Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
-    picked = {mode: trees.tree_for_batch(size, batch, mode == "sampling") for mode in ("greedy", "sampling")}
-    candidates = _tree_candidates(trees, [tree for tree in picked.values() if tree is not None], batch, quick)
+    requests = [Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
+    picked = {mode: tree_for_batch(size, batch, mode == "sampling") for mode in ("greedy", "sampling")}
+    candidates = _tree_candidates([tree for tree in picked.values() if tree is not None], batch, quick)
     depth, width = (max(values) for values in zip(*(depth_and_width(config) for _, config in candidates)))
-    capacity = llama.capacity_for(max(map(len, prompts)), tokens, depth, TORCH_M, batch, width=width)
-    plain, step_ms = _plain_decoding(llama, model, capacity, requests)
+    capacity = capacity_for(max(map(len, prompts)), tokens, depth, TORCH_M, batch, width=width)
+    plain, step_ms = _plain_decoding(model, capacity, requests)
     _release()
     print(f"{size:6} {batch:4} {'greedy':8} {'plain':7} {'':18} {plain:9.0f}   (a target step: {step_ms:.3f} ms)",
           flush=True)
     rows = [dict(size=size, batch=batch, mode="greedy", kind="plain", config=None, tokens_per_s=plain,
                  step_ms=step_ms)]
-    for mode, sampling in (("greedy", None), ("sampling", llama.SamplingParams(1.0))):
+    for mode, sampling in (("greedy", None), ("sampling", SamplingParams(1.0))):
         measured = []
         for kind, config in candidates:
             row = dict(size=size, batch=batch, mode=mode, kind=kind,
                        config=config if kind == "chain" else _tree_label(config),
-                       **_bench_tree_config(llama, trees, model, kind, config, requests, capacity, sampling, step_ms))
+                       **_bench_tree_config(model, kind, config, requests, capacity, sampling, step_ms))
             _release()  # the decoder it built, before the next
             row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
             print(f"{size:6} {batch:4} {mode:8} {kind:7} {_label(row):18} {row['tokens_per_s']:9.0f} "
@@ -436,21 +435,22 @@ def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:
                 batch_reached=vs_plain / batch_ideal)
 
 
-def _plain_decoding(llama: Any, model: Any, capacity: int, requests: Sequence[Any]) -> tuple[float, float]:
+def _plain_decoding(model: Any, capacity: int, requests: Sequence[Any]) -> tuple[float, float]:
     """Tokens/s of graphed plain greedy over the requests' rows, and the device milliseconds of
     its step (the graph a generation leaves), the unit of v and d."""
-    greedy = llama.GraphedGreedy(model, capacity, len(requests))
+    from memra_cuda.torch import GraphedGreedy
+    greedy = GraphedGreedy(model, capacity, len(requests))
     seconds, out = _timed(lambda: greedy.generate_batch(requests))
     return sum(map(len, out)) / seconds, _replay_ms(greedy.graph, greedy.stream)
 
 
-def _bench_tree_config(llama: Any, trees: Any, model: Any, kind: str, config: Any, requests: Sequence[Any],
-                       capacity: int, sampling: Any, step_ms: float) -> dict:
+def _bench_tree_config(model: Any, kind: str, config: Any, requests: Sequence[Any], capacity: int, sampling: Any,
+                       step_ms: float) -> dict:
     """tokens/s and tau of one chain or tree, and the device time of its round's verify and draft
     (each captured alone on the decoder's stream after the generation) in target steps. The
     decoder goes when this returns, for _release() to give its memory back: at B = 128 a sampled
     tree holds p and q of [B][T+1][32000] floats."""
-    spec, verify, draft = _decoder(llama, trees, model, kind, config, capacity, len(requests), sampling)
+    spec, verify, draft = _decoder(model, kind, config, capacity, len(requests), sampling)
     seconds, out = _timed(lambda: spec.generate_batch(requests))
     lengths = [len(row) for row in out]
     tau, rounds = spec.bufs.tokens_per_round(lengths), spec.bufs.rounds_run(lengths)
@@ -466,15 +466,17 @@ def rows_share(rounds: Any) -> float:
     return float(sum(rounds)) / (len(rounds) * slowest) if slowest > 0 else 1.0
 
 
-def _decoder(llama: Any, trees: Any, model: Any, kind: str, config: Any, capacity: int, batch: int = 1,
+def _decoder(model: Any, kind: str, config: Any, capacity: int, batch: int = 1,
              sampling: Any = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
     """A chain's decoder (`config` its k) or a tree's (`config` the tree), and the two callables
     its round runs: the verify and the whole draft."""
+    from memra_cuda.torch import SpeculativeLlama, TreeLlama, self_draft
     if kind == "chain":
-        spec = llama.SpeculativeLlama(model, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
-                                      sampling=sampling)
-        return spec, spec.verify_trunk, spec.draft_chain
-    spec = trees.TreeLlama(model, config, m_rounds=TORCH_M, capacity=capacity, batch=batch, sampling=sampling)
+        chain = SpeculativeLlama(model, self_draft(model), k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                                 sampling=sampling)
+        return chain, chain.verify_trunk, chain.draft_chain
+    spec = TreeLlama(model, self_draft(model), config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                     sampling=sampling)
     return spec, spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
 
 
@@ -551,49 +553,50 @@ def plot_trees(rows: list[dict], path: str | Path) -> None:
     print(f"trees: the picture is {path}")
 
 
-def bench_tree_costs(llama: Any, quick: bool) -> list[dict]:
+def bench_tree_costs(quick: bool) -> list[dict]:
     """Section 6: where a tree's round goes against a chain's, at B = 1 on both sizes, in target
     steps, under the example's kernels (Stack.kernels): a chain's draft step and verify (k = 10),
     each draft level of a static tree (T = 64, depth 10) and its verify; the target over n tokens
-    through cuBLASLt and through cuBLAS (the evidence of torch_llama.LT_ROWS); then two ways to
-    take a level's two best candidates, torch.topk and best_ranks' two argmaxes."""
+    through cuBLASLt and through cuBLAS (the evidence of memra_cuda.torch.stack.LT_ROWS); then two
+    ways to take a level's two best candidates, torch.topk and best_ranks' two argmaxes."""
     import torch
-    trees = load_example("torch_tree")
+
+    from memra_cuda.testing.llama import PROMPT, build_model, static_tree
+    from memra_cuda.torch import Request, best_ranks, capacity_for
     print("\ntree costs: B=1, device ms of each part captured alone, in target steps (a graphed greedy step)")
     rows: list[dict] = []
     for size in ("small", "large"):
-        model = llama.build_model(size, logit_scale=TREE_LOGIT_SCALE)
-        tree = trees.static_tree(64, 10)
-        requests = [llama.Request(llama.PROMPT, 64)]
-        capacity = llama.capacity_for(len(llama.PROMPT), 64, tree.depth, TORCH_M, 1, width=tree.nodes)
-        _, step_ms = _plain_decoding(llama, model, capacity, requests)
-        parts = {**_chain_parts(llama, model, capacity, requests),
-                 **_tree_parts(llama, trees, model, tree, capacity, requests)}
+        model = build_model(size, logit_scale=TREE_LOGIT_SCALE)
+        tree = static_tree(64, 10)
+        requests = [Request(PROMPT, 64)]
+        capacity = capacity_for(len(PROMPT), 64, tree.depth, TORCH_M, 1, width=tree.nodes)
+        _, step_ms = _plain_decoding(model, capacity, requests)
+        parts = {**_chain_parts(model, capacity, requests), **_tree_parts(model, tree, capacity, requests)}
         _release()
         for width in (1, 8):
             logits = torch.randn(1, width, model.config.vocab_size, device="cuda", dtype=model.dtype)
             parts[f"top-2 of {width} node(s), torch.topk"] = _graph_ms(lambda x=logits: x.topk(2, dim=-1))
             best = torch.empty(1, width, 2, dtype=torch.long, device="cuda")
-            parts[f"top-2 of {width} node(s), 2 argmaxes"] = _graph_ms(lambda x=logits, y=best: trees.best_ranks(x, y))
+            parts[f"top-2 of {width} node(s), 2 argmaxes"] = _graph_ms(lambda x=logits, y=best: best_ranks(x, y))
         for part, ms in parts.items():
             rows.append(dict(size=size, part=part, ms=ms, target_steps=ms / step_ms))
             print(f"{size:6} {part:40} {ms:8.4f} ms {ms / step_ms:7.3f}", flush=True)
     return rows
 
 
-def _chain_parts(llama: Any, model: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
+def _chain_parts(model: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
     """Device ms of a chain's draft step (k = COST_K) and verify, each captured alone, and of its
     target over n tokens (scratch entries past the row's) through each BLAS library (the caller's
     _release() gives the decoder's memory back)."""
     import torch
-    chain, verify, draft = _decoder(llama, None, model, "chain", COST_K, capacity)
+    chain, verify, draft = _decoder(model, "chain", COST_K, capacity)
     chain.generate_batch(requests)
     parts = {f"chain draft step (of {COST_K})": _graph_ms(draft, chain.stream) / COST_K,
              f"chain verify ({COST_K + 1} tokens)": _graph_ms(verify, chain.stream)}
     target = chain.target
     for n in (1, 2, 5, 8, 11, 16, 17, 33, 65):
-        tokens = chain.vtok[:, :1].expand(1, n)
-        positions = chain.pos_start.long() + torch.arange(n, device="cuda")
+        tokens = chain.views.vtok[:, :1].expand(1, n)
+        positions = chain.views.pos_start.long() + torch.arange(n, device="cuda")
         for library in ("cublaslt", "cublas"):
             target.library = library
             parts[f"target over {n} tokens, {library}"] = _graph_ms(lambda: target.logits(tokens, positions),
@@ -602,11 +605,10 @@ def _chain_parts(llama: Any, model: Any, capacity: int, requests: Sequence[Any])
     return parts
 
 
-def _tree_parts(llama: Any, trees: Any, model: Any, tree: Any, capacity: int,
-                requests: Sequence[Any]) -> dict[str, float]:
+def _tree_parts(model: Any, tree: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
     """Device ms of each draft level of `tree` and of its verify, each captured alone (level 0
     first: its eager run before its capture makes the round's mask, which the levels after read)."""
-    spec, verify, _ = _decoder(llama, trees, model, "static", tree, capacity)
+    spec, verify, _ = _decoder(model, "static", tree, capacity)
     spec.generate_batch(requests)
     parts = {f"tree level {level} ({stop - start} nodes)": _graph_ms(lambda level=level: spec.draft_level(level),
                                                                      spec.stream)
@@ -624,8 +626,7 @@ def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_pat
     """The sections' rows by name; `trees`: bench_trees' sizes= and batches=, where given. The
     trees section's picture goes beside the JSON at `json_path` (its name, .png), which the
     caller writes."""
-    llama = load_example()
-    report = {name: SECTIONS[name](llama, quick, **(trees if name == "trees" else {})) for name in sections}
+    report = {name: SECTIONS[name](quick, **(trees if name == "trees" else {})) for name in sections}
     if "trees" in report:
         if json_path is None:
             print("trees: the picture goes beside the JSON: give --json PATH to get it")
@@ -646,7 +647,7 @@ def _listed(text: str, known: Sequence[Any], kind: Callable[[str], Any] = str) -
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="round-stream on examples/torch_llama.py, some sections alone")
+    parser = argparse.ArgumentParser(description="round-stream on memra_cuda.torch's decoders, some sections alone")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (and the trees' picture beside)")
     parser.add_argument("--tree-sizes", type=lambda text: _listed(text, ("small", "large")),

@@ -16,17 +16,22 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from .common import MODEL, batch_prompts, depth_and_width, device_us
-from memra_cuda.buffers.stream_bufs import StreamBufs
 from memra_cuda.buffers.capacity import kv_capacity
+from memra_cuda.buffers.stream_bufs import StreamBufs
+from memra_cuda.buffers.tree import DynamicTree, Tree, TreeBufs, TreeShape
+from memra_cuda.driver.buffer import DeviceBuffer
 from memra_cuda.driver.engine import Engine
 from memra_cuda.kernels.spec import SpecKernels
-from memra_cuda.testing.toy.lm import COST_8B_05B, ToyCost, ToyLM
-from memra_cuda.buffers.tree import DynamicTree, TreeBufs, TreeShape
 from memra_cuda.kernels.tree import SampledCandidates, TreeKernels
+from memra_cuda.rounds.stream import RoundStream
+from memra_cuda.testing.toy.lm import COST_8B_05B, ToyCost, ToyLM
+
+from .common import MODEL, batch_prompts, depth_and_width, device_us
 
 M, TOKENS, CANDIDATES = 16, 512, 8
 CHAINS = (4, 6, 8)
@@ -40,7 +45,8 @@ def static_tree(size: int) -> TreeShape:
     return TreeShape.likeliest(size, depth=8, ranks=CANDIDATES)
 
 
-def _generate(engine: Engine, lm: ToyLM, bufs: StreamBufs, stream, prompts: list[list[int]]) -> tuple[float, float]:
+def _generate(engine: Engine, lm: ToyLM, bufs: StreamBufs, stream: RoundStream,
+              prompts: list[list[int]]) -> tuple[float, float]:
     """(tokens/s, tokens per round) of a timed generation after an untimed one (captures)."""
     for _ in range(2):
         for b, prompt in enumerate(prompts):
@@ -52,9 +58,10 @@ def _generate(engine: Engine, lm: ToyLM, bufs: StreamBufs, stream, prompts: list
     return int(made.sum()) / wall, bufs.tokens_per_round(made)
 
 
-def bench_tree_rounds(engine: Engine, quick: bool) -> list[dict]:
-    spec, rows = SpecKernels(engine), []
-    kinds = [("chain", k, None) for k in (CHAINS[:1] if quick else CHAINS)]
+def bench_tree_rounds(engine: Engine, quick: bool) -> list[dict[str, Any]]:
+    spec = SpecKernels(engine)
+    rows: list[dict[str, Any]] = []
+    kinds: list[tuple[str, int, Tree | None]] = [("chain", k, None) for k in (CHAINS[:1] if quick else CHAINS)]
     kinds += [("static", size, static_tree(size)) for size in (SIZES[:2] if quick else SIZES)]
     kinds += [("dynamic", size, DynamicTree(*DYNAMIC[size])) for size in (SIZES[:2] if quick else SIZES)]
     print(f"{'model':8} {'B':>3} {'kind':8} {'k/T':>4} {'depth':>5} {'tok/round':>9} {'tok/s':>9}")
@@ -87,7 +94,8 @@ def bench_tree_rounds(engine: Engine, quick: bool) -> list[dict]:
     return rows
 
 
-def _accept_rig(engine: Engine, tree, batch: int, sampled: bool, rng: np.random.Generator):
+def _accept_rig(engine: Engine, tree: Tree, batch: int, sampled: bool,
+                rng: np.random.Generator) -> tuple[StreamBufs, Callable[[], None]]:
     """One grown tree per row (random candidates), and the accept of `sampled` or greedy over it."""
     bufs = StreamBufs(engine, tree.depth, 1, batch=batch)
     nodes = TreeBufs(bufs, tree)
@@ -111,7 +119,7 @@ def _accept_rig(engine: Engine, tree, batch: int, sampled: bool, rng: np.random.
     return bufs, kernels.prepare_accept_greedy(bufs, nodes, pred_d)
 
 
-def _laws(engine: Engine, rows: int, vocab: int, rng: np.random.Generator, distinct: int = 16):
+def _laws(engine: Engine, rows: int, vocab: int, rng: np.random.Generator, distinct: int = 16) -> DeviceBuffer:
     """f32 [rows][vocab] laws on the device: `distinct` random peaked ones, repeated."""
     laws = rng.random((distinct, vocab), np.float32) ** 4
     laws /= laws.sum(-1, keepdims=True)

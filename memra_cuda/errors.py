@@ -4,6 +4,7 @@ from .buffers.capacity import CapacityError
 from .buffers.stream_bufs import BuffersHeld
 from .comm.communicator import RankFailure, RanksDiverged
 from .comm.library import NcclError, NcclUnavailable
+from .comm.rendezvous import RankRefused
 from .driver.compiler import CompileError, NvrtcUnavailable
 from .driver.errors import CaptureError, CudaError, CudaFault, CudaUnavailable, MemraError
 from .driver.graph import LoopUnsupported
@@ -11,4 +12,4 @@ from .rounds.device_loop import RoundCapError
 
 __all__ = ["BuffersHeld", "CapacityError", "CaptureError", "CompileError", "CudaError", "CudaFault", "CudaUnavailable",
            "LoopUnsupported", "MemraError", "NcclError", "NcclUnavailable", "NvrtcUnavailable", "RankFailure",
-           "RanksDiverged", "RoundCapError"]
+           "RankRefused", "RanksDiverged", "RoundCapError"]

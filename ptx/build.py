@@ -2,8 +2,9 @@
 
 NVRTC 12.0 writes PTX ISA 8.0 for sm_80, which every CUDA 12 and CUDA 13 driver can JIT; nvcc 13
 writes ISA 9.0, which CUDA 12 drivers refuse. The compiling is memra_cuda.compile_ptx
-(memra_cuda/driver/compiler.py, the one users call for their own kernels); this script picks the
-files, and the output depends only on the sources: the program name is the bare file name, the
+(memra_cuda/driver/compiler.py, the one users call for their own kernels) with portable=True, so
+no other NVRTC is ever taken (where 12.0 is missing, it says so); this script picks the files,
+and the output depends only on the sources: the program name is the bare file name, the
 headers a source includes (every ptx/*.cuh) reach NVRTC in memory under their bare file names,
 and no option carries a path or line info.
 
@@ -32,7 +33,7 @@ def compile_cu(path: Path) -> str:
     finds the header of that name beside it. Sources and headers are read as bytes and decoded
     as UTF-8, with no newline translation, so NVRTC sees the files as they are."""
     headers = {header.name: header.read_bytes().decode() for header in sorted(path.parent.glob("*.cuh"))}
-    return compiler.compile_ptx(path.read_bytes().decode(), name=path.name, headers=headers)
+    return compiler.compile_ptx(path.read_bytes().decode(), name=path.name, headers=headers, portable=True)
 
 
 def build(out_dir: Path) -> list[Path]:

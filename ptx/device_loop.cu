@@ -1,4 +1,4 @@
-// The decider of device-resident generation (docs/round-stream.md, "Device mode"): the kernel
+// The decider of device-resident generation (docs/device-mode.md, "Its kernels"): the kernel
 // that ends every pass of a conditional WHILE node running the rounds, and the one before each
 // loop. It sets the loop's condition on the device, so the host is out of the loop.
 //

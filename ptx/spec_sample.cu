@@ -1,5 +1,5 @@
 // 6. Stochastic acceptance (docs/kernels.md, "6. spec_accept_sample"), for B rows; mirrored by
-//    memra_cuda/reference.py's spec_accept_sample.
+//    memra_cuda/testing/reference.py's spec_accept_sample.
 //
 // Row b (blockIdx.y): draft x = vtok[1+i] at absolute position a = pos_start + 1 + i is accepted
 // iff U(seed, a, 0, 0) * q[i][x] < p[i][x] (f32), up to the p-min limit; n = drafts accepted before
@@ -142,7 +142,7 @@ spec_accept_sample(const u32* vtok_d, const float* p_d, const float* q_d, u32 V,
 }
 
 // 7. The draft's draw (docs/kernels.md, "7. spec_draft_sample"), for B rows; mirrored by
-//    memra_cuda/reference.py's spec_draft_sample.
+//    memra_cuda/testing/reference.py's spec_draft_sample.
 //
 // Row b (blockIdx.y): draft token `step` (< max(k, 1)) is raced over the draft's probabilities
 // q[b][step][0..V) with purpose 2 at the absolute position it will sit at, a = pos_ctr[b] + step + 1,

@@ -166,7 +166,7 @@ extern "C" __global__ void spec_ring_commit(const u32* vtok_d, u32* acc_d, const
 }
 
 // 4'. Publish the round's committed tokens to the host while the loop runs (device-resident
-//     generation, docs/round-stream.md "Device mode"). A branch of the loop graph beside the
+//     generation, docs/device-mode.md, "Its kernels"). A branch of the loop graph beside the
 //     next round's draft and verify, joined before its commit, so the round never waits for
 //     host memory: each row's ring is appended to the row's stream in mapped pinned memory,
 //     each token with a %globaltimer stamp (low 32 bits), then __threadfence_system(), then

@@ -332,7 +332,7 @@ extern "C" __global__ void toy_probs(const u32* totals, u32 rows, u32 seed, u32 
         p[v] = mixture_prob(m, v);
 }
 
-// Tensor-parallel ranks' greedy verify (memra_cuda.models.ranks.py): the target's token
+// Tensor-parallel ranks' greedy verify (memra_cuda/testing/toy/ranks.py): the target's token
 // at each of n verify positions from the sums the ranks' toy_verify wrote to partial_out over their
 // layers and the all-reduce added up, as toy_verify's last stage finishes its own.
 extern "C" __global__ void toy_finish(const u32* totals, u32 n, u32 seed, u32 vocab, u32* pred_d) {

@@ -28,39 +28,32 @@ def engine():
     eng.close()
 
 
-@pytest.fixture(scope="session")
-def llama():
-    """examples/torch_llama.py as a module; skipped with the reason where torch or transformers
+def _random_llama(hybrid: bool = False, **kwargs):
+    """The small random-weight Llama of memra_cuda.testing.llama (fp32), with `kwargs` (its
+    layers HYBRID recurrent where `hybrid`); skipped with the reason where torch or transformers
     is missing (imported only here, so the core suite never needs them)."""
     pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
-    pytest.importorskip("transformers", reason="the example needs transformers")
-    from benchmarks.torch_engine import load_example
-    return load_example()
-
-
-@pytest.fixture(scope="session")
-def trees(llama):
-    """examples/torch_tree.py as a module (it imports torch_llama)."""
-    from benchmarks.torch_engine import load_example
-    return load_example("torch_tree")
+    pytest.importorskip("transformers", reason="memra_cuda.testing.llama needs transformers")
+    from memra_cuda.testing.llama import HYBRID, build_model
+    return build_model("small", recurrent_layers=HYBRID if hybrid else (), **kwargs)
 
 
 @pytest.fixture(scope="module")
-def small(engine, llama):
-    """The example's small Llama (fp32), built once a module that asks for it."""
-    return llama.build_model("small")
+def small(engine):
+    """The small random-weight Llama (fp32), built once a module that asks for it."""
+    return _random_llama()
 
 
 @pytest.fixture(scope="module")
-def peaked(engine, llama):
+def peaked(engine):
     """The small model with a head scaled up, so its sampled law is far from uniform."""
-    return llama.build_model("small", logit_scale=8.0)
+    return _random_llama(logit_scale=8.0)
 
 
 @pytest.fixture(scope="module")
-def hybrid(engine, llama):
+def hybrid(engine):
     """The small model with layers HYBRID a gated linear recurrence."""
-    return llama.build_model("small", recurrent_layers=llama.HYBRID)
+    return _random_llama(hybrid=True)
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

@@ -86,3 +86,40 @@ def test_the_engine_carries_its_frameworks_policy_and_the_core_asks_nothing_else
     with pytest.raises(TypeError, match="framework must be a Framework"):
         memra_cuda.Engine(0, framework="torch")  # refused before the driver is asked
     assert DRIVER == Framework() and DRIVER.capture is None and DRIVER.loop_capture is None
+
+
+def test_the_face_is_what_a_user_needs_each_name_documented_and_no_builtin_shadowed():
+    """Issue 39, item 3: at most 30 names, each with a docstring of its own (a constant's is its
+    class's), none a builtin's (`from memra_cuda import *` must not replace compile, say)."""
+    import builtins
+
+    names = memra_cuda.__all__
+    assert len(names) <= 30 and len(set(names)) == len(names), names
+    assert not [name for name in names if hasattr(builtins, name)]
+    undocumented = [name for name in names if not (getattr(memra_cuda, name).__doc__ or "").strip()]
+    assert not undocumented, undocumented
+
+
+def test_no_deprecation_layer_is_left():
+    """Issue 39, item 2: 0.3.0 dropped every alias, moved-name hook, legacy parameter and
+    deprecated method (CHANGELOG.md has the migration table); none may creep back."""
+    import ast
+    from pathlib import Path
+
+    found = []
+    for path in sorted(Path(memra_cuda.__file__).parent.rglob("*.py")):
+        source = path.read_text("utf-8")
+        tree = ast.parse(source)
+        if "DeprecationWarning" in source or "deprecated" in source.lower():
+            found.append(f"{path.name}: mentions a deprecation")
+        for node in tree.body:  # a module-level __getattr__ finds names a module no longer has
+            if isinstance(node, (ast.FunctionDef, ast.Assign)) and "__getattr__" in ast.unparse(node).split("(")[0]:
+                found.append(f"{path.name}: a module __getattr__")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any(getattr(f, "name", "") == "__getattr__" for f in node.body):
+                found.append(f"{path.name}: {node.name}.__getattr__ (aliases hide typos from static tools)")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = [a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)]
+                if node.args.vararg and node.args.vararg.arg == "legacy" or any("legacy" in p for p in params):
+                    found.append(f"{path.name}: {node.name} takes a legacy parameter")
+    assert not found, found

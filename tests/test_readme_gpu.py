@@ -1,13 +1,16 @@
-"""README.md as a test: its quick start runs as printed on a GPU, and every relative link in
-README.md and docs/*.md leads to a file that exists (and to a heading there, when it names one).
+"""README.md as a test: every ```python block of it runs as printed on a GPU (the quick start
+and the "Plugging in your model" snippet), and every relative link in README.md, docs/*.md and
+benchmarks/RESULTS.md leads to a file that exists (and to a heading there, when it names one).
 
-The quick start asserts its own result (the toy's tokens equal the target's greedy output), so
-running it is the whole test; it is marked `gpu` and takes the `engine` fixture only to be
-skipped, with the reason, where there is no GPU. The link check needs no GPU and is not marked:
-it runs in every `make test`.
+Each block asserts its own result (the tokens equal the target's greedy output), so running it
+is the whole GPU test; those are marked `gpu` and take the `engine` fixture only to be skipped,
+with the reason, where there is no GPU. What needs no GPU runs in every `make test`: each block
+parses, asserts something, and imports only names that exist; the CUDA C a block compiles with
+compile_ptx compiles (where NVRTC is installed); and the links.
 """
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -16,6 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+# The sections whose blocks the README promises run as printed: a block that goes missing fails.
+RUNNABLE = ("Quick start", "Plugging in your model")
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -28,20 +34,82 @@ def readme() -> str:
     return README.read_text(encoding="utf-8")
 
 
-def quick_start(text: str) -> str:
-    """The first ```python block after the "## Quick start" heading."""
-    section = re.search(r"^## Quick start\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert section, 'README.md has no "## Quick start" section'
-    block = re.search(r"^```python\s*\n(.*?)^```\s*$", section.group(1), re.M | re.S)
-    assert block, "README.md's quick start has no ```python block"
-    return block.group(1)
+def python_blocks(text: str) -> dict[str, str]:
+    """Every ```python block of `text`, by the `## ` section it is in (a second one in the same
+    section numbered: "Section 2")."""
+    blocks: dict[str, str] = {}
+    for section in re.finditer(r"^## (.+?)\s*$(.*?)(?=^## |\Z)", text, re.M | re.S):
+        for i, block in enumerate(re.findall(r"^```python\s*\n(.*?)^```\s*$", section.group(2), re.M | re.S)):
+            blocks[section.group(1) + (f" {i + 1}" if i else "")] = block
+    return blocks
+
+
+def block(name: str) -> str:
+    blocks = python_blocks(readme())
+    assert name in blocks, f'README.md has no ```python block in its "## {name}" section'
+    return blocks[name]
+
+
+def test_the_runnable_sections_have_their_blocks():
+    blocks = python_blocks(readme())
+    assert set(RUNNABLE) <= set(blocks), f"README.md's python blocks are in {sorted(blocks)}, not all of {RUNNABLE}"
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_a_block_parses_asserts_and_imports_what_exists(name):
+    """On the CPU: the block is Python, asserts its result at its top level, and every name it
+    imports exists (a renamed or moved name fails here, in every `make test`)."""
+    tree = ast.parse(block(name), f"README.md: {name}")
+    assert any(isinstance(node, ast.Assert) for node in tree.body), f"README.md's {name} block must assert its result"
+    imports = ast.Module(body=[node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))],
+                         type_ignores=[])
+    assert imports.body, f"README.md's {name} block imports nothing"
+    exec(compile(imports, f"README.md: {name}, its imports", "exec"), {})
+
+
+def kernel_sources(code: str) -> list[str]:
+    """The CUDA C a block compiles: string constants given to compile_ptx by name."""
+    tree = ast.parse(code)
+    strings = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+               for target in node.targets if isinstance(target, ast.Name)
+               and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    called = [arg.id for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and getattr(node.func, "id", getattr(node.func, "attr", None)) == "compile_ptx"
+              for arg in node.args[:1] if isinstance(arg, ast.Name)]
+    return [strings[name] for name in called]
+
+
+def test_the_plugging_in_kernel_compiles():
+    """The snippet's CUDA C compiles to PTX with its kernel in it (NVRTC from the test extra;
+    skipped where none is installed, failed where one is found but refused)."""
+    from memra_cuda import compile_ptx
+    from memra_cuda.errors import NvrtcUnavailable
+
+    sources = kernel_sources(block("Plugging in your model"))
+    assert len(sources) == 1, "the snippet compiles one CUDA C source, a string constant given to compile_ptx"
+    try:
+        ptx = compile_ptx(sources[0], name="model.cu")
+    except NvrtcUnavailable as exc:
+        if exc.found is None:
+            pytest.skip(f"no NVRTC here: {exc}")
+        raise
+    assert re.search(r"\.entry\s+model\b", ptx), "the snippet's kernel `model` is not in its PTX"
 
 
 @pytest.mark.gpu
-def test_quick_start_runs_as_printed(engine):
-    code = quick_start(readme())
-    assert re.search(r"^assert ", code, re.M), "the quick start must assert its own result"
-    exec(compile(code, f"{README}:quick start", "exec"), {"__name__": "__readme__"})
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_a_block_runs_as_printed(engine, name):
+    """The block, run whole: it asserts its own result. The snippet's NVRTC is the test extra's;
+    without any, it skips with the reason, as the other compile_ptx tests do."""
+    from memra_cuda.errors import NvrtcUnavailable
+
+    code = block(name)
+    try:
+        exec(compile(code, f"README.md: {name}", "exec"), {"__name__": "__readme__"})
+    except NvrtcUnavailable as exc:
+        if exc.found is None:
+            pytest.skip(f"no NVRTC here: {exc}")
+        raise
 
 
 # -- links --------------------------------------------------------------------------------------
@@ -88,7 +156,7 @@ def links(path: Path) -> list[str]:
 
 def markdown_files() -> list[Path]:
     readme()
-    return [README, *sorted(DOCS.glob("*.md"))]
+    return [README, *sorted(DOCS.glob("*.md")), *([RESULTS] if RESULTS.is_file() else [])]
 
 
 def test_slugs_follow_github():
@@ -113,7 +181,10 @@ def test_relative_links_lead_to_files_and_headings():
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
-def test_readme_links_every_docs_page():
-    linked = {(README.parent / target.partition("#")[0]).resolve() for target in links(README)}
-    missing = [page.name for page in markdown_files()[1:] if page.resolve() not in linked]
-    assert not missing, f"README.md does not link docs pages {missing}"
+def test_the_docs_index_links_every_page_and_the_readme_links_the_index():
+    index = DOCS / "README.md"
+    linked = {(DOCS / target.partition("#")[0]).resolve() for target in links(index)}
+    missing = [page.name for page in sorted(DOCS.glob("*.md")) if page != index and page.resolve() not in linked]
+    assert not missing, f"docs/README.md, the index, does not link docs pages {missing}"
+    assert index.resolve() in {(ROOT / target.partition("#")[0]).resolve() for target in links(README)}, \
+        "README.md does not link docs/README.md"

@@ -1,5 +1,6 @@
 """Everything a docstring or comment refers to is in the repository: the project's contract is
-docs/, and a user who clones or installs memra_cuda has every page it cites."""
+docs/, and a user who clones or installs memra_cuda has every page it cites, with the section it
+names (a page split or a heading renamed leaves no citation pointing at nothing)."""
 from __future__ import annotations
 
 import re
@@ -9,7 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [*ROOT.glob("memra_cuda/**/*.py"), *ROOT.glob("ptx/*.cu"), *ROOT.glob("ptx/*.cuh"),
            *ROOT.glob("ptx/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py"),
            *ROOT.glob("examples/*.py"), ROOT / "Makefile", ROOT / "pyproject.toml"]
-CITED = re.compile(r"\b(docs/[\w./-]+\.md)")
+CITED = re.compile(r"\b((?:docs|benchmarks)/[\w./-]+\.md)")
+# A section cited by its heading on the same line: docs/kernels.md, "Launchers" (or 's ("...")).
+SECTION = re.compile(r"\b(docs/[\w./-]+\.md)(?:'s)?,? \(?\"([^\"\n]{2,80})\"")
 
 
 def test_sources_cite_only_files_of_the_repository():
@@ -20,3 +23,18 @@ def test_sources_cite_only_files_of_the_repository():
     design = [str(path.relative_to(ROOT)) for path in SOURCES
               if path.name != "test_references.py" and "DESIGN.md" in path.read_text("utf-8")]
     assert design == [], "DESIGN.md is not part of the repository: cite docs/ instead"
+
+
+def headings(page: Path) -> list[str]:
+    return [line.lstrip("#").strip().lower() for line in page.read_text("utf-8").splitlines() if line.startswith("#")]
+
+
+def test_a_cited_section_is_a_heading_of_the_page_cited():
+    """A page cited with a section, as `docs/kernels.md, "Launchers"`, has a heading that is the
+    section or starts with it, so a reader finds what the code points to."""
+    cited = [(path, doc, section) for path in SOURCES for doc, section in SECTION.findall(path.read_text("utf-8"))
+             if (ROOT / doc).is_file()]
+    assert cited, "no source cites a section of docs/ by its heading: the pattern no longer finds them"
+    stale = [f"{path.relative_to(ROOT)}: {doc}, {section!r}" for path, doc, section in cited
+             if not any(heading.startswith(section.lower()) for heading in headings(ROOT / doc))]
+    assert stale == [], "sections cited that their page does not have:\n" + "\n".join(stale)

@@ -1,8 +1,10 @@
-"""The seed's half of round-stream: the device state of a burst (StreamBufs; TreeBufs for a
-tree), the tables of what a round rolls back (KV lengths, recurrent state, KV data), the
-capacity rule, the acceptance rules, and the row words (layout) that ptx/layout.cuh shares."""
+"""The seed's half of round-stream: the device state of a burst (StreamBufs, with the Ledger of
+rounds the host has not seen; TreeBufs for a tree), the tables of what a round rolls back (KV
+lengths, recurrent state, KV data), the capacity rule, the acceptance rules, and the row words
+(layout) that ptx/layout.cuh shares."""
 from .acceptance import Acceptance, Greedy, Sampling
 from .capacity import UNCHECKED, Capacity, CapacityError, kv_capacity
+from .ledger import Ledger
 from .stream_bufs import BuffersHeld, Readback, StreamBufs
 from .tables import (AddressTable, Cache, KVData, KVDataTable, KVLayer, PointerTable, StateIndexTable, StateLayer,
                      StateTable, kv_data_table, kv_len_ptr_table, kv_len_ptr_table_range, state_copy_table,
@@ -10,7 +12,7 @@ from .tables import (AddressTable, Cache, KVData, KVDataTable, KVLayer, PointerT
 from .tree import Candidates, DynamicTree, Tree, TreeBufs, TreeShape
 
 __all__ = ["Acceptance", "AddressTable", "BuffersHeld", "Cache", "Candidates", "Capacity", "CapacityError",
-           "DynamicTree", "Greedy", "KVData", "KVDataTable", "KVLayer", "PointerTable", "Readback", "Sampling",
-           "StateIndexTable", "StateLayer", "StateTable", "StreamBufs", "Tree", "TreeBufs", "TreeShape", "UNCHECKED",
-           "kv_capacity", "kv_data_table", "kv_len_ptr_table", "kv_len_ptr_table_range", "state_copy_table",
-           "state_copy_table_range", "state_flip_table"]
+           "DynamicTree", "Greedy", "KVData", "KVDataTable", "KVLayer", "Ledger", "PointerTable", "Readback",
+           "Sampling", "StateIndexTable", "StateLayer", "StateTable", "StreamBufs", "Tree", "TreeBufs", "TreeShape",
+           "UNCHECKED", "kv_capacity", "kv_data_table", "kv_len_ptr_table", "kv_len_ptr_table_range",
+           "state_copy_table", "state_copy_table_range", "state_flip_table"]

@@ -50,7 +50,7 @@ def kv_entries(capacity: Any) -> int | Unchecked | None:
 _NO_ROWS = np.zeros(0, np.int64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Capacity:
     """The room of a round's caches: `entries`, the fewest KV entries any cache behind the
     round holds per row (None: nothing to check), for rounds that advance a row at most k+1
@@ -67,17 +67,20 @@ class Capacity:
     k: int
     batch: int
     m_rounds: int
-    width: int | None = None  # None: k + 1, a chain's
+    width: int
 
-    def __post_init__(self) -> None:
-        if self.width is None:
-            object.__setattr__(self, "width", self.k + 1)
+    def __init__(self, entries: int | None, k: int, batch: int, m_rounds: int, width: int | None = None):
+        """`width` None: a chain's k + 1, a default computed from another field, which a
+        dataclass field cannot have; so the frozen fields are set here."""
+        for name, value in (("entries", entries), ("k", k), ("batch", batch), ("m_rounds", m_rounds),
+                            ("width", k + 1 if width is None else width)):
+            object.__setattr__(self, name, value)
 
     @classmethod
     def of(cls, capacities: Iterable[int | Unchecked | None], k: int, batch: int, m_rounds: int,
            width: int | None = None) -> Capacity:
         """The rule for caches of the given capacities (None and UNCHECKED say nothing)."""
-        known = [c for c in capacities if c is not None and c is not UNCHECKED]
+        known = [c for c in capacities if c is not None and not isinstance(c, Unchecked)]
         return cls(min(known) if known else None, k, batch, m_rounds, width)
 
     @property

@@ -6,16 +6,19 @@ rounds without looking, and a graph captured over them replays unchanged.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..driver.buffer import DeviceBuffer
-from ..driver.values import as_index
-from .layout import ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT, RING_TOKENS
 from ..driver.errors import MemraError
+from ..driver.values import as_index
+from .arena import carve
+from .layout import ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT, RING_TOKENS
+from .ledger import Ledger
 
 if TYPE_CHECKING:
+    from ..driver.buffer import DeviceBuffer, PinnedBuffer
+    from ..driver.call import Prepared
     from ..driver.engine import Engine
     from ..driver.event import Event
 
@@ -60,8 +63,8 @@ class StreamBufs:
     Every field is row-major with one row per sequence (B = 1 is the single-sequence layout).
     Rows are independent: a row whose done flag is set is inert, so a vacant slot is a done
     row, and reset_row / set_stop_row start a new request in a slot between bursts without
-    recapturing any graph. Every device buffer field ends in `_d`; `pos_ctr` is the docs' name
-    for `pos_ctr_d`. The fields are windows of one allocation, the rings, ctl rows and
+    recapturing any graph. Every device buffer field ends in `_d` (the kernels' contracts call
+    pos_ctr_d `pos_ctr`). The fields are windows of one allocation, the rings, ctl rows and
     positions side by side, so a burst's readback is one copy, prepared once with the memset
     that empties the rings after it. free() frees them all, and every graph captured over
     them then refuses to replay. The buffers belong to `engine`, whose stream orders all work
@@ -70,9 +73,20 @@ class StreamBufs:
     What the host knows of the rows, kept here so that every driver over these buffers sees
     the same: `positions` and `done` (read-only arrays), set by reset/set_stop, then by every
     readback (receive); `committed`, how many tokens each ring held at the last readback; and
-    the ledger of what the host has not seen (`unseen_rounds`, `ring_rounds`; see queued()).
+    `ledger`, what the host has not seen (Ledger: every driver enters the rounds it queues).
     `holder` is whoever holds the buffers (a running device loop), refusing everyone else.
     """
+
+    # The device fields, [B][per row] each (docs/buffers.md, "Fields"; row words in layout.py):
+    ring_d: DeviceBuffer  # u32[1 + M(k+1)]: the burst's committed tokens, RING_COUNT first
+    ctl_d: DeviceBuffer  # i32[4]: the stop rule and the round's verdict (EOS, budget, done, keep)
+    pos_ctr_d: DeviceBuffer  # i32[1]: the position, tokens whose KV is committed
+    vtok_d: DeviceBuffer  # u32[k+1]: the verify's input, the pending token then the k drafts
+    brk_d: DeviceBuffer  # u32[2]: this round's p-min break (i + 1 at draft i, 0: none), breaks counted
+    pend_d: DeviceBuffer  # u32[1]: the pending token, committed, its KV not computed yet
+    last_pred_d: DeviceBuffer  # u32[1]: the bonus, the target's token after the last accepted draft
+    pos_start_d: DeviceBuffer  # i32[1]: the position at the round's start (rollback's anchor)
+    acc_d: DeviceBuffer  # u32[2]: drafts accepted this round, and accepted and committed in all
 
     def __init__(self, engine: Engine, k: int, m_rounds: int, batch: int = 1):
         k, m_rounds, batch = as_index(k, "k"), as_index(m_rounds, "m_rounds"), as_index(batch, "batch")
@@ -84,14 +98,16 @@ class StreamBufs:
         self.k, self.m_rounds, self.batch = k, m_rounds, batch
         self.ring_cap = m_rounds * (k + 1)
         ring_row = RING_TOKENS + self.ring_cap
-        fields = (("ring_d", np.uint32, ring_row), ("ctl_d", np.int32, CTL_WORDS), ("pos_ctr_d", np.int32, 1),
-                  ("vtok_d", np.uint32, k + 1), ("brk_d", np.uint32, BRK_WORDS), ("pend_d", np.uint32, 1),
-                  ("last_pred_d", np.uint32, 1), ("pos_start_d", np.int32, 1), ("acc_d", np.uint32, ACC_WORDS))
-        self._arena = engine.zeros(np.uint32, batch * sum(row for _, _, row in fields), label="round-stream state")
-        start = 0
-        for name, dtype, row in fields:
-            setattr(self, name, self._arena.view(start, batch * row, dtype, label=name))
-            start += batch * row
+        # The rings, ctl rows and positions first, side by side: the readback copies them at once.
+        self._arena, self._fields = carve(engine, batch, {
+            "ring_d": (np.uint32, ring_row), "ctl_d": (np.int32, CTL_WORDS), "pos_ctr_d": (np.int32, 1),
+            "vtok_d": (np.uint32, k + 1), "brk_d": (np.uint32, BRK_WORDS), "pend_d": (np.uint32, 1),
+            "last_pred_d": (np.uint32, 1), "pos_start_d": (np.int32, 1), "acc_d": (np.uint32, ACC_WORDS)},
+            label="round-stream state")
+        field = self._fields
+        self.ring_d, self.ctl_d, self.pos_ctr_d = field["ring_d"], field["ctl_d"], field["pos_ctr_d"]
+        self.vtok_d, self.brk_d, self.pend_d = field["vtok_d"], field["brk_d"], field["pend_d"]
+        self.last_pred_d, self.pos_start_d, self.acc_d = field["last_pred_d"], field["pos_start_d"], field["acc_d"]
         ctl = np.zeros((batch, CTL_WORDS), np.int32)
         ctl[:, [CTL_EOS, CTL_BUDGET]] = -1  # no EOS, no budget
         engine.copy_htod(self.ctl_d, ctl.reshape(-1))
@@ -99,38 +115,19 @@ class StreamBufs:
         self._ring_row, self._rings_end = ring_row, self.ring_d.len
         self._ctl_end = self.ring_d.len + self.ctl_d.len
         self._words = self._ctl_end + self.pos_ctr_d.len  # rings, ctl rows, positions: side by side
-        self._host = [engine.pinned(np.uint32, self._words, label=f"readback slot {i}") for i in range(2)]
-        self._readback_copies = [engine.prepare_dtoh(host, self._arena.view(0, self._words)) for host in self._host]
+        self._host: list[PinnedBuffer] = [engine.pinned(np.uint32, self._words, label=f"readback slot {i}")
+                                          for i in range(2)]
+        self._readback_copies: list[Prepared] = [engine.prepare_dtoh(host, self._arena.view(0, self._words))
+                                                 for host in self._host]
         self._empty_rings = engine.prepare_set_u32(self.ring_d, RING_COUNT, 0, every=ring_row)
         self.positions = _frozen(np.zeros(batch, np.int64))
         self.done = _frozen(np.zeros(batch, bool))
         self.committed: list[int] = [0] * batch
-        # The ledger: rounds queued in all, those the last received readback covers, those each
-        # slot's pending readback will cover; rounds committed into the rings since they were
-        # last emptied.
-        self._queued, self._learnt, self._covers = 0, 0, [0, 0]
-        self.ring_rounds = 0
+        self.ledger = Ledger()
         self.holder: object | None = None
         self._held_why = ""
 
-    # -- the ledger and the holder -----------------------------------------------------------
-    @property
-    def unseen_rounds(self) -> int:
-        """Rounds queued since the ones the last readback (or whole reset) covers: how far the
-        rows may have moved past the positions the host knows."""
-        return self._queued - self._learnt
-
-    def queued(self, rounds: int, readback: int | None = None) -> None:
-        """`rounds` rounds were queued on these buffers, and after them (readback = a slot) a
-        readback into that pinned slot, which empties the rings: whoever queues rounds says so
-        here (a graph's replay too, whose readback this object cannot see), so that every
-        driver checks capacity and the rings' room against the same ledger."""
-        self._queued += rounds
-        self.ring_rounds += rounds
-        if readback is not None:
-            self._covers[readback] = self._queued
-            self.ring_rounds = 0
-
+    # -- the holder ----------------------------------------------------------------------------
     def hold(self, holder: object, why: str) -> None:
         """Give the buffers to `holder` (a device loop, from its launch until it is finished):
         everything else on them is refused with BuffersHeld saying `why`, until release()."""
@@ -148,9 +145,10 @@ class StreamBufs:
         past them drops tokens while still spending the budget)."""
         if self.holder is not None:
             raise BuffersHeld(self._held_why)
-        if self.ring_rounds + rounds > self.m_rounds:
-            raise ValueError(f"{self.ring_rounds} round(s) were issued since the ring was last read: {rounds} more "
-                             f"would overrun the ring, which holds M={self.m_rounds} rounds' tokens; read back first")
+        if self.ledger.ring_rounds + rounds > self.m_rounds:
+            raise ValueError(f"{self.ledger.ring_rounds} round(s) were issued since the ring was last read: {rounds} "
+                             f"more would overrun the ring, which holds M={self.m_rounds} rounds' tokens; read back "
+                             "first")
 
     # -- requests ------------------------------------------------------------------------------
     def reset(self, pending: int | Sequence[int], position: int | Sequence[int]) -> None:
@@ -184,28 +182,28 @@ class StreamBufs:
             raise ValueError(f"row {row} is outside a batch of {self.batch}")
         return range(row, row + 1)
 
-    def _reset(self, rows: range, pending: Any, position: Any) -> None:
+    def _reset(self, rows: range, pending: int | Sequence[int], position: int | Sequence[int]) -> None:
         self.check_free()
         n, first, engine = len(rows), rows.start, self.engine
-        pending = np.array(per_row(pending, n, "pending", optional=False), np.int64)
-        position = np.array(per_row(position, n, "position", optional=False), np.int64)
-        engine.copy_htod(self.pend_d, pending, start=first)
-        engine.copy_htod(self.pos_ctr_d, position, start=first)
+        pendings = np.array(per_row(pending, n, "pending", optional=False), np.int64)
+        positions = np.array(per_row(position, n, "position", optional=False), np.int64)
+        engine.copy_htod(self.pend_d, pendings, start=first)
+        engine.copy_htod(self.pos_ctr_d, positions, start=first)
         self._set_stop(rows, None, None)  # no stop rule, not done, keep 0
         for buf, row in ((self.ring_d, self._ring_row), (self.brk_d, BRK_WORDS), (self.acc_d, ACC_WORDS)):
             engine.copy_htod(buf, np.zeros(n * row, np.uint32), start=row * first)
-        self.positions = _frozen(_replaced(self.positions, rows, position))
+        self.positions = _frozen(_replaced(self.positions, rows, positions))
         if len(rows) == self.batch:  # every row reset: positions known, rings empty
-            self._learnt = self._queued
-            self.ring_rounds = 0
+            self.ledger.reset()
 
-    def _set_stop(self, rows: range, eos: Any, budget: Any) -> None:
+    def _set_stop(self, rows: range, eos: int | None | Sequence[int | None],
+                  budget: int | None | Sequence[int | None]) -> None:
         self.check_free()
-        eos, budget = per_row(eos, len(rows), "eos"), per_row(budget, len(rows), "budget")
+        stops, budgets = per_row(eos, len(rows), "eos"), per_row(budget, len(rows), "budget")
         ctl = np.zeros((len(rows), CTL_WORDS), np.int64)
-        ctl[:, CTL_EOS] = [-1 if e is None else e for e in eos]
-        ctl[:, CTL_BUDGET] = [-1 if n is None else n for n in budget]
-        ctl[:, CTL_DONE] = [n == 0 for n in budget]
+        ctl[:, CTL_EOS] = [-1 if e is None else e for e in stops]
+        ctl[:, CTL_BUDGET] = [-1 if n is None else n for n in budgets]
+        ctl[:, CTL_DONE] = [n == 0 for n in budgets]
         self.engine.copy_htod(self.ctl_d, ctl.reshape(-1), start=CTL_WORDS * rows.start)
         self.done = _frozen(_replaced(self.done, rows, ctl[:, CTL_DONE] != 0))
 
@@ -219,7 +217,7 @@ class StreamBufs:
         tokens = _ring_tokens(engine.dtoh(self.ring_d.view(row * stride, stride)), self.ring_cap)
         engine.set_u32(self.ring_d, row * stride + RING_COUNT, 0)
         if self.batch == 1:
-            self.ring_rounds = 0
+            self.ledger.drained()
         return tokens
 
     def queue_readback(self, slot: int = 0) -> None:
@@ -230,7 +228,7 @@ class StreamBufs:
         self._readback_copies[slot]()
         self._empty_rings()
         if self.engine.capture_hold is None:
-            self.queued(0, readback=slot)
+            self.ledger.queued(0, readback=slot)
 
     def receive(self, slot: int = 0, event: Event | None = None) -> Readback:
         """Wait for the readback queued into `slot` (one readback for all rows; only up to
@@ -241,56 +239,63 @@ class StreamBufs:
         self.committed = np.minimum(words[RING_COUNT:self._rings_end:self._ring_row], self.ring_cap).tolist()
         self.done = _frozen(words[self._rings_end + CTL_DONE:self._ctl_end:CTL_WORDS] != 0)
         self.positions = _frozen(words[self._ctl_end:].view(np.int32).astype(np.int64))
-        self._learnt = max(self._learnt, self._covers[slot])
+        self.ledger.received(slot)
         return Readback(words, self._ring_row, self.committed, self.done, self.positions)
 
-    def drafts_accepted(self, committed: int | Sequence[int]) -> tuple[int, int]:
+    def drafts_accepted(self, committed: int | Sequence[int] | np.ndarray) -> tuple[int, int]:
         """(accepted, drafted) over every row since its request began, for `committed` tokens
         generated (per row, for a batch): each of rounds_run's rounds drafted k tokens. One
         readback."""
-        committed = np.asarray(committed, np.int64).reshape(-1)
-        rounds = self.rounds_run(committed)
-        return int((committed - rounds).sum()), self.k * int(rounds.sum())
+        tokens = np.asarray(committed, np.int64).reshape(-1)
+        rounds = self.rounds_run(tokens)
+        return int((tokens - rounds).sum()), self.k * int(rounds.sum())
 
-    def rounds_run(self, committed: int | Sequence[int]) -> np.ndarray:
+    def rounds_run(self, committed: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """Per row, the rounds it ran since its request began (int64 [B]), for `committed` tokens
         generated (per row, for a batch): committed - accepted, as every round commits its
         accepted drafts plus one. A batch runs as many rounds as its slowest row; its rows' mean
         against that maximum is the share of the batch's rounds its rows used. One readback."""
-        committed = np.asarray(committed, np.int64).reshape(-1)
-        if committed.size != self.batch:
-            raise ValueError(f"need one committed count per row ({self.batch}), not {committed.size}")
+        tokens = np.asarray(committed, np.int64).reshape(-1)
+        if tokens.size != self.batch:
+            raise ValueError(f"need one committed count per row ({self.batch}), not {tokens.size}")
         self.check_free()
-        return committed - self.engine.dtoh(self.acc_d)[ACC_TOTAL::ACC_WORDS].astype(np.int64)
+        return tokens - self.engine.dtoh(self.acc_d)[ACC_TOTAL::ACC_WORDS].astype(np.int64)
 
-    def tokens_per_round(self, committed: int | Sequence[int]) -> float:
+    def tokens_per_round(self, committed: int | Sequence[int] | np.ndarray) -> float:
         """Tokens committed per round a row ran (tau), over every row since its request began, for
         `committed` tokens generated (per row, for a batch), rounds_run's: 1 where no round ran."""
         rounds = int(self.rounds_run(committed).sum())
         return int(np.sum(committed)) / rounds if rounds else 1.0
 
     def buffers(self) -> dict[str, DeviceBuffer]:
-        """The device fields by name (windows of one allocation)."""
-        return {name: buf for name, buf in vars(self).items() if isinstance(buf, DeviceBuffer) and name[0] != "_"}
+        """The device fields by name (windows of one allocation), in their order in it."""
+        return dict(self._fields)
 
     def free(self) -> None:
-        for buf in [*self.buffers().values(), self._arena, *self._host]:
+        for buf in [*self._fields.values(), self._arena, *self._host]:
             buf.free()
 
 
-def per_row(values: Any, rows: int, what: str, optional: bool = True) -> list[int | None]:
+def per_row(values: int | None | Sequence[int | None] | np.ndarray, rows: int, what: str,
+            optional: bool = True) -> list[int | None]:
     """`values` for each of `rows` rows: one value for all, or a sequence of one per row; each
     an int in [0, 2**31) (ids, counts, positions), or None where `optional`."""
-    many = isinstance(values, (list, tuple, np.ndarray))
-    if many and len(values) != rows:
-        raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
-    out = list(values) if many else [values] * rows
-    for i, value in enumerate(out):
+    if isinstance(values, (list, tuple, np.ndarray)):
+        if len(values) != rows:
+            raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
+        given, many = list(values), True
+    else:
+        given, many = [values] * rows, False
+    out: list[int | None] = []
+    for i, value in enumerate(given):
         if value is None and optional:
+            out.append(None)
             continue
-        if not 0 <= as_index(value, what) < 2**31:  # None where not optional: TypeError
+        index = as_index(value, what)  # None where not optional: TypeError
+        if not 0 <= index < 2**31:
             raise ValueError(f"{what} must be {'None or ' if optional else ''}in [0, 2**31), not {value}"
                              + (f" (row {i})" if many else ""))
+        out.append(index)
     return out
 
 
@@ -305,7 +310,7 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _replaced(array: np.ndarray, rows: range, value: Any) -> np.ndarray:
+def _replaced(array: np.ndarray, rows: range, value: np.ndarray) -> np.ndarray:
     """A copy of `array` with `rows` set to `value`."""
     out = array.copy()
     out[rows.start:rows.stop] = value

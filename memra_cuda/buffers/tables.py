@@ -244,10 +244,11 @@ class KVDataTable(AddressTable):
             if layer is None:
                 held += [None, None]
                 continue
-            bufs = [None if buf is None else engine.buffer(buf, f"layer {i} KV") for buf in (layer.k_d, layer.v_d)]
-            words[i] = (bufs[0].ptr, 0 if bufs[1] is None else bufs[1].ptr, layer.row_stride, layer.pos_stride,
-                        layer.nbytes, layer.capacity)
-            held += bufs
+            k_d = engine.buffer(layer.k_d, f"layer {i} KV")
+            v_d = None if layer.v_d is None else engine.buffer(layer.v_d, f"layer {i} KV")
+            words[i] = (k_d.ptr, 0 if v_d is None else v_d.ptr, layer.row_stride, layer.pos_stride, layer.nbytes,
+                        layer.capacity)
+            held += [k_d, v_d]
         super().__init__(engine, words.reshape(-1), tuple(held), label)
 
     @property
@@ -307,7 +308,10 @@ class StateTable(AddressTable):
         shapes = {(layer.batch, layer.k) for layer in self.layers if layer is not None}
         if len(shapes) > 1:
             raise ValueError(f"{label}: every layer must have the same batch B and k, not (B, k) in {sorted(shapes)}")
-        self.batch, self.k = shapes.pop() if shapes else (None, None)
+        self.batch: int | None = None
+        self.k: int | None = None
+        if shapes:
+            self.batch, self.k = shapes.pop()
         words = np.zeros((len(self.layers), 3), np.uint64)
         held: list[DeviceBuffer | None] = []
         for i, layer in enumerate(self.layers):

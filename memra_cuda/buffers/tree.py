@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..driver.values import as_index
+from .arena import carve
 from .layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS, ROOT_PARENT
 
 if TYPE_CHECKING:
+    from ..driver.buffer import DeviceBuffer
     from .stream_bufs import StreamBufs
 
 
@@ -72,7 +74,8 @@ class TreeShape:
         parents = [int(p) for p in parents]
         if not parents or parents[0] != -1:
             raise ValueError("parents[0] must be -1: node 0 is the root")
-        depth, rank, seen = [0], [0], {}
+        depth, rank = [0], [0]
+        seen: dict[int, int] = {}  # children each parent has so far
         for i, p in enumerate(parents[1:], 1):
             if not 0 <= p < i:
                 raise ValueError(f"node {i}'s parent {p} is not before it: a parent must come before its child")
@@ -122,7 +125,7 @@ class TreeShape:
             raise ValueError(f"a likeliest tree at most {depth} deep and {ranks} wide has at most {most} nodes, "
                              f"not {size}")
         chosen: list[tuple[int, ...]] = []
-        frontier = [(-right * fall**r, (r,)) for r in range(ranks)]
+        frontier: list[tuple[float, tuple[int, ...]]] = [(-right * fall**r, (r,)) for r in range(ranks)]
         heapq.heapify(frontier)
         while len(chosen) < size:
             chance, path = heapq.heappop(frontier)
@@ -242,7 +245,19 @@ class TreeBufs:
     """The tree's nodes on the device for every row of `bufs` (docs/trees.md, "TreeBufs"): what
     the model's draft and verify read (tokens, parents, depths, ranks, positions, ancestor masks,
     cumulative scores) and the accepted path. One allocation, written by the layer's kernels
-    every round; a static tree's topology (shape_d: parents, ranks, child counts) is uploaded once."""
+    every round, which find each field from its address in this order (T1, W, D, B give the
+    sizes); a static tree's topology (shape_d: parents, ranks, child counts) is uploaded once."""
+
+    # The nodes, [B][per row] each, u32 unless said (T + 1 nodes, W mask words, depth D):
+    tok_d: DeviceBuffer  # [T+1]: node i's token (node 0: the pending token)
+    parent_d: DeviceBuffer  # [T+1]: node i's parent; node 0's is ROOT_PARENT
+    depth_d: DeviceBuffer  # [T+1]: node i's depth
+    rank_d: DeviceBuffer  # [T+1]: node i's place among its siblings, or VOID_RANK
+    pos_d: DeviceBuffer  # i32[T+1]: node i's position, pos_start + depth
+    mask_d: DeviceBuffer  # [T+1][W]: the ancestor mask, bit j of node i set iff j is i or its ancestor
+    score_d: DeviceBuffer  # f32[T+1]: node i's cumulative draft log-probability
+    path_d: DeviceBuffer  # [D+1]: the accepted path, entry d the node at depth d
+    shape_d: DeviceBuffer | None  # u32[3][T+1], a static tree's parents, ranks and child counts; None: dynamic
 
     def __init__(self, bufs: StreamBufs, tree: Tree):
         if not isinstance(tree, (TreeShape, DynamicTree)):
@@ -255,14 +270,14 @@ class TreeBufs:
         self.nodes, self.depth, self.levels = tree.nodes, tree.depth, tree.levels
         self.words = -(-self.nodes // 32)
         n = self.nodes
-        fields = (("tok_d", np.uint32, n), ("parent_d", np.uint32, n), ("depth_d", np.uint32, n),
-                  ("rank_d", np.uint32, n), ("pos_d", np.int32, n), ("mask_d", np.uint32, n * self.words),
-                  ("score_d", np.float32, n), ("path_d", np.uint32, self.depth + 1))
-        self._arena = engine.zeros(np.uint32, batch * sum(row for _, _, row in fields), label="tree nodes")
-        start = 0
-        for name, dtype, row in fields:
-            setattr(self, name, self._arena.view(start, batch * row, dtype, label=name))
-            start += batch * row
+        self._arena, self._fields = carve(engine, batch, {
+            "tok_d": (np.uint32, n), "parent_d": (np.uint32, n), "depth_d": (np.uint32, n), "rank_d": (np.uint32, n),
+            "pos_d": (np.int32, n), "mask_d": (np.uint32, n * self.words), "score_d": (np.float32, n),
+            "path_d": (np.uint32, self.depth + 1)}, label="tree nodes")
+        field = self._fields
+        self.tok_d, self.parent_d, self.depth_d = field["tok_d"], field["parent_d"], field["depth_d"]
+        self.rank_d, self.pos_d, self.mask_d = field["rank_d"], field["pos_d"], field["mask_d"]
+        self.score_d, self.path_d = field["score_d"], field["path_d"]
         self.shape_d = None
         if isinstance(tree, TreeShape):
             children = np.bincount(tree.parent[1:], minlength=n)
@@ -275,6 +290,6 @@ class TreeBufs:
         return self.bufs.batch
 
     def read(self) -> dict[str, np.ndarray]:
-        """Every field of every row, read back, [B][...] (for tests and debugging)."""
-        names = ("tok_d", "parent_d", "depth_d", "rank_d", "pos_d", "mask_d", "score_d", "path_d")
-        return {name[:-2]: self.engine.dtoh(getattr(self, name)).reshape(self.batch, -1) for name in names}
+        """Every field of every row, read back, [B][...] (for tests and debugging), named
+        without its `_d`."""
+        return {name[:-2]: self.engine.dtoh(buf).reshape(self.batch, -1) for name, buf in self._fields.items()}

@@ -4,7 +4,7 @@ operations queue on an engine's stream and whose watchdog keeps a dead peer from
 Nothing here loads NCCL until a communicator is made."""
 from .communicator import Communicator, RankFailure, RanksDiverged, Watch, digest
 from .library import Nccl, NcclError, NcclUnavailable, nccl, nccl_dtype, nccl_op
-from .rendezvous import Ranks, exchange_id
+from .rendezvous import RankRefused, Ranks, exchange_id
 
-__all__ = ["Communicator", "Nccl", "NcclError", "NcclUnavailable", "RankFailure", "Ranks", "RanksDiverged", "Watch",
-           "digest", "exchange_id", "nccl", "nccl_dtype", "nccl_op"]
+__all__ = ["Communicator", "Nccl", "NcclError", "NcclUnavailable", "RankFailure", "RankRefused", "Ranks",
+           "RanksDiverged", "Watch", "digest", "exchange_id", "nccl", "nccl_dtype", "nccl_op"]

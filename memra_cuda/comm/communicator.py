@@ -25,9 +25,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ..driver.buffer import DeviceBuffer
 from ..driver.call import Prepared
@@ -36,6 +37,10 @@ from ..driver.handle import Handle
 from ..driver.values import as_index
 from .library import IN_PROGRESS, UNIQUE_ID_BYTES, Nccl, NcclError, UniqueIdArg, nccl, nccl_op, nccl_type, result_name
 from .rendezvous import Ranks, exchange_id
+
+if TYPE_CHECKING:
+    from ..driver.context import PrimaryContext
+    from ..driver.engine import Engine
 
 log = logging.getLogger("memra_cuda")
 
@@ -114,13 +119,13 @@ class _State:
     outside it, since from NCCL 2.26 it waits for every graph that captured the communicator
     to be destroyed, which only another thread may be about to do."""
 
-    def __init__(self, lib: Nccl, comm: int, watch: Watch, ctx: Any):
+    def __init__(self, lib: Nccl, comm: int, watch: Watch, ctx: PrimaryContext):
         self.lib, self.comm, self.watch, self.ctx = lib, comm, watch, ctx
         self.lock = threading.RLock()
         self.closed = False
         self.aborted = False
         self.owner: Callable[[], Communicator | None] = lambda: None  # a weak reference, once made
-        self.engines: list[Any] = []  # whose host waits the guard times
+        self.engines: list[Engine] = []  # whose host waits the guard times
 
     def raise_if_failed(self, cause: BaseException | None = None) -> None:
         """Once the communicator failed: its owner's graphs poisoned, RankFailure (from `cause`)."""
@@ -184,7 +189,11 @@ class _State:
                 return
             log.warning("memra_cuda: ncclCommDestroy did not return within %g s; its resources stay", grace)
             return  # a destroy under way cannot be aborted as well
-        if not _within(grace, lambda: self._abort() is None):
+        def abort() -> bool:
+            self._abort()
+            return True
+
+        if not _within(grace, abort):
             log.warning("memra_cuda: ncclCommAbort did not return within %g s (graphs that captured the "
                         "communicator alive?); its resources stay", grace)
 
@@ -244,12 +253,14 @@ class NcclCall(Prepared):
     a graph being captured), issued under the communicator's lock, an NCCL failure failing the
     communicator and raising RankFailure."""
 
-    def __init__(self, comm: Communicator, engine: Any, name: str, argv: tuple, holds: tuple):
+    def __init__(self, comm: Communicator, engine: Engine, name: str, argv: tuple, holds: tuple):
         fn = getattr(comm.lib.lib, name)
         super().__init__(engine, lambda *args: (0, fn(*args)), name, argv, (comm, *holds))
         self._comm = comm
 
-    def __call__(self) -> None:
+    def __call__(self, *values: object) -> None:
+        if values:
+            self.set(*values)  # TypeError: an operation's arguments are fixed
         comm, state = self._comm, self._comm._state
         with state.lock:
             if state.aborted or state.watch.failure is not None:
@@ -265,7 +276,7 @@ class NcclCall(Prepared):
             hold(*self._holds)
 
 
-def _current(ctx: Any, fn: Callable[..., int], *args: Any) -> int:
+def _current(ctx: PrimaryContext, fn: Callable[..., int], *args: Any) -> int:
     """`fn(*args)`, an NCCL call, with the engine's context current (NCCL uses the runtime,
     which takes the current context's device)."""
     return ctx.run(lambda *a: (0, fn(*a)), getattr(fn, "__name__", "nccl"), args)[1]
@@ -283,7 +294,7 @@ class Communicator(Handle):
     Operations on several streams must not run at once: NCCL orders a communicator's
     operations only by the order they are issued in."""
 
-    def __init__(self, engine: Any, rank: int, world: int, unique_id: bytes, *, timeout: float = 30.0,
+    def __init__(self, engine: Engine, rank: int, world: int, unique_id: bytes, *, timeout: float = 30.0,
                  poll: float = 0.05):
         rank, world = as_index(rank, "rank"), as_index(world, "world")
         if not 0 <= rank < world:
@@ -307,7 +318,7 @@ class Communicator(Handle):
         threading.Thread(target=_watchdog, args=(state, poll), daemon=True, name=f"memra-nccl-rank{rank}").start()
 
     @staticmethod
-    def _join(lib: Nccl, ctx: Any, rank: int, world: int, unique_id: bytes, timeout: float) -> int:
+    def _join(lib: Nccl, ctx: PrimaryContext, rank: int, world: int, unique_id: bytes, timeout: float) -> int:
         """ncclCommInitRank, which waits for every rank, on a thread of its own so that a rank
         that never joins is a TimeoutError here rather than a hang."""
         arg = UniqueIdArg.from_buffer_copy(unique_id)  # all 128 bytes (a char field's setter stops at a zero)
@@ -315,7 +326,7 @@ class Communicator(Handle):
         def init() -> int | BaseException:
             comm = ctypes.c_void_p()
             code = _current(ctx, lib.lib.ncclCommInitRank, ctypes.byref(comm), world, arg, rank)
-            return comm.value if code == 0 else lib.failure(code, "ncclCommInitRank")
+            return lib.failure(code, "ncclCommInitRank") if code else int(comm.value or 0)
 
         out = _on_thread(init, timeout, f"memra-nccl-join{rank}")
         if not out:  # the thread may still join later: that communicator is never released
@@ -326,7 +337,7 @@ class Communicator(Handle):
         return out[0]
 
     @classmethod
-    def from_env(cls, engine: Any = None, *, timeout: float = 30.0) -> Communicator:
+    def from_env(cls, engine: Engine | None = None, *, timeout: float = 30.0) -> Communicator:
         """The rank a launcher's environment describes (Ranks.from_env), on `engine` or a new
         Engine on device LOCAL_RANK, the id exchanged over TCP with rank 0 (exchange_id)."""
         ranks = Ranks.from_env()
@@ -408,46 +419,49 @@ class Communicator(Handle):
     # `engine`: another engine of the communicator's device to queue on (a torch decoder's stream,
     # say), whose host waits the watchdog then times too.
     def all_reduce(self, buf: DeviceBuffer, out: DeviceBuffer | None = None, op: str = "sum",
-                   dtype: Any = None, *, engine: Any = None) -> None:
+                   dtype: DTypeLike | None = None, *, engine: Engine | None = None) -> None:
         """out = op over the ranks of buf (in place where out is None); `dtype` "bfloat16" for a
         bf16 tensor's memory."""
         self.prepare_all_reduce(buf, out, op, dtype, engine=engine)()
 
     def prepare_all_reduce(self, buf: DeviceBuffer, out: DeviceBuffer | None = None, op: str = "sum",
-                           dtype: Any = None, *, engine: Any = None) -> Callable[[], None]:
+                           dtype: DTypeLike | None = None, *, engine: Engine | None = None) -> Callable[[], None]:
         engine, out = self._on(engine), buf if out is None else out
         count, kind = self._pair(engine, buf, out, dtype)
         return self._prepare(engine, "ncclAllReduce", (buf.ptr, out.ptr, count, kind, nccl_op(op)), (buf, out))
 
-    def broadcast(self, buf: DeviceBuffer, root: int = 0, out: DeviceBuffer | None = None, dtype: Any = None, *,
-                  engine: Any = None) -> None:
+    def broadcast(self, buf: DeviceBuffer, root: int = 0, out: DeviceBuffer | None = None,
+                  dtype: DTypeLike | None = None, *, engine: Engine | None = None) -> None:
         """out = root's buf on every rank (in place where out is None)."""
         self.prepare_broadcast(buf, root, out, dtype, engine=engine)()
 
     def prepare_broadcast(self, buf: DeviceBuffer, root: int = 0, out: DeviceBuffer | None = None,
-                          dtype: Any = None, *, engine: Any = None) -> Callable[[], None]:
+                          dtype: DTypeLike | None = None, *, engine: Engine | None = None) -> Callable[[], None]:
         engine, out = self._on(engine), buf if out is None else out
         count, kind = self._pair(engine, buf, out, dtype)
         return self._prepare(engine, "ncclBroadcast", (buf.ptr, out.ptr, count, kind, self._rank_of(root, "root")),
                              (buf, out))
 
-    def send(self, buf: DeviceBuffer, peer: int, dtype: Any = None, *, engine: Any = None) -> None:
+    def send(self, buf: DeviceBuffer, peer: int, dtype: DTypeLike | None = None, *,
+             engine: Engine | None = None) -> None:
         """buf to rank `peer`, which receives it with recv() of as many elements."""
         self.prepare_send(buf, peer, dtype, engine=engine)()
 
-    def prepare_send(self, buf: DeviceBuffer, peer: int, dtype: Any = None, *,
-                     engine: Any = None) -> Callable[[], None]:
+    def prepare_send(self, buf: DeviceBuffer, peer: int, dtype: DTypeLike | None = None, *,
+                     engine: Engine | None = None) -> Callable[[], None]:
         return self._point_to_point("ncclSend", buf, peer, dtype, engine)
 
-    def recv(self, buf: DeviceBuffer, peer: int, dtype: Any = None, *, engine: Any = None) -> None:
+    def recv(self, buf: DeviceBuffer, peer: int, dtype: DTypeLike | None = None, *,
+             engine: Engine | None = None) -> None:
         """buf from rank `peer`'s send()."""
         self.prepare_recv(buf, peer, dtype, engine=engine)()
 
-    def prepare_recv(self, buf: DeviceBuffer, peer: int, dtype: Any = None, *,
-                     engine: Any = None) -> Callable[[], None]:
+    def prepare_recv(self, buf: DeviceBuffer, peer: int, dtype: DTypeLike | None = None, *,
+                     engine: Engine | None = None) -> Callable[[], None]:
         return self._point_to_point("ncclRecv", buf, peer, dtype, engine)
 
-    def _point_to_point(self, name: str, buf: DeviceBuffer, peer: int, dtype: Any, engine: Any) -> Callable[[], None]:
+    def _point_to_point(self, name: str, buf: DeviceBuffer, peer: int, dtype: DTypeLike | None,
+                        engine: Engine | None) -> Callable[[], None]:
         engine = self._on(engine)
         count, kind = self._pair(engine, buf, buf, dtype)
         return self._prepare(engine, name, (buf.ptr, count, kind, self._rank_of(peer, "peer")), (buf,))
@@ -472,7 +486,7 @@ class Communicator(Handle):
         with self._state.lock:
             return _current(self._state.ctx, self.lib.lib.ncclGroupEnd)
 
-    def _on(self, engine: Any) -> Any:
+    def _on(self, engine: Engine | None) -> Engine:
         """The engine an operation queues on: the communicator's, or another of its device, whose
         host waits the guard joins."""
         engine = self.engine if engine is None else engine
@@ -483,7 +497,7 @@ class Communicator(Handle):
             self._state.engines.append(engine)
         return engine
 
-    def _pair(self, engine: Any, buf: Any, out: Any, dtype: Any) -> tuple[int, int]:
+    def _pair(self, engine: Engine, buf: DeviceBuffer, out: DeviceBuffer, dtype: DTypeLike | None) -> tuple[int, int]:
         for what, b in (("buf", buf), ("out", out)):
             if not isinstance(b, DeviceBuffer):
                 raise TypeError(f"{what} must be a DeviceBuffer (engine.buffer(tensor) wraps a tensor), not {b!r}")
@@ -503,7 +517,7 @@ class Communicator(Handle):
             raise ValueError(f"{what} must be a rank of 0..{self.world - 1}, not {rank}")
         return rank
 
-    def _prepare(self, engine: Any, name: str, args: tuple, uses: tuple) -> NcclCall:
+    def _prepare(self, engine: Engine, name: str, args: tuple, uses: tuple) -> NcclCall:
         """The NCCL call `name` over `args`, then the communicator and `engine`'s stream, checked
         and bound once (NcclCall)."""
         return NcclCall(self, engine, name, (*args, self._comm, ctypes.c_void_p(engine.stream_handle)), uses)

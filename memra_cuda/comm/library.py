@@ -15,10 +15,12 @@ import functools
 import glob
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ..driver.errors import MemraError
 
@@ -87,11 +89,11 @@ class NcclUnavailable(NcclError):
         super().__init__(-1, "dlopen", reason, name="NCCL_UNAVAILABLE", message=reason)
 
 
-def candidates(environ: dict[str, str] | None = None, paths: list[str] | None = None) -> list[str]:
+def candidates(environ: Mapping[str, str] | None = None, paths: list[str] | None = None) -> list[str]:
     """Where libnccl is looked for, in order (module docstring)."""
-    environ = os.environ if environ is None else environ
-    if environ.get("MEMRA_NCCL_LIBRARY"):
-        return [environ["MEMRA_NCCL_LIBRARY"]]
+    env = os.environ if environ is None else environ
+    if env.get("MEMRA_NCCL_LIBRARY"):
+        return [env["MEMRA_NCCL_LIBRARY"]]
     found = _loaded()
     for entry in sys.path if paths is None else paths:
         found += sorted(glob.glob(os.path.join(entry or ".", "nvidia", "*", "lib", "libnccl.so*")))
@@ -169,7 +171,7 @@ def nccl() -> Nccl:
                           + "; ".join(tried))
 
 
-def nccl_type(dtype: Any) -> tuple[int, int]:
+def nccl_type(dtype: DTypeLike) -> tuple[int, int]:
     """NCCL's data type for a buffer's element type (a numpy dtype, or "bfloat16", which numpy
     has not), and the bytes one element holds."""
     bf16 = isinstance(dtype, str) and dtype == "bfloat16"
@@ -179,7 +181,7 @@ def nccl_type(dtype: Any) -> tuple[int, int]:
     return DTYPES[name], 2 if bf16 else np.dtype(dtype).itemsize
 
 
-def nccl_dtype(dtype: Any) -> int:
+def nccl_dtype(dtype: DTypeLike) -> int:
     """NCCL's data type for a buffer's element type (nccl_type's)."""
     return nccl_type(dtype)[0]
 

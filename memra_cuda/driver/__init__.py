@@ -9,11 +9,12 @@ from .event import Event
 from .graph import Capture, Graph, LoopBuilder, LoopUnsupported, loops, stream_capture
 from .handle import Handle
 from .module import Kernel, KernelArgs, Launch, Module
+from .signature import Param, Signature
 from .stream import Stream
 
 __all__ = [
     "Capture", "CaptureError", "CompileError", "CudaError", "CudaFault", "CudaUnavailable", "DeviceBuffer", "Engine",
     "Event", "Graph", "Handle", "Kernel", "KernelArgs", "Launch", "LoopBuilder", "LoopUnsupported", "MappedBuffer",
-    "MemraError", "Module", "NvrtcUnavailable", "PinnedBuffer", "Prepared", "Stream", "as_buffer", "compile_ptx",
-    "loops", "stream_capture",
+    "MemraError", "Module", "NvrtcUnavailable", "Param", "PinnedBuffer", "Prepared", "Signature", "Stream", "as_buffer",
+    "compile_ptx", "loops", "stream_capture",
 ]

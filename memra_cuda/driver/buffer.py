@@ -8,9 +8,10 @@ from __future__ import annotations
 import ctypes
 import math
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .errors import CaptureError, call, driver
 from .values import as_index, device_dtype, short_name
@@ -35,7 +36,7 @@ class DeviceBuffer(Handle):
     memory, which any engine on `device` may use); `label` names the buffer in messages.
     """
 
-    def __init__(self, ptr: int, dtype: Any, length: int, *, engine: Stream | None = None,
+    def __init__(self, ptr: int, dtype: DTypeLike, length: int, *, engine: Stream | None = None,
                  base: DeviceBuffer | None = None, keepalive: Any = None, device: int | None = None,
                  label: str | None = None):
         ptr, length = as_index(ptr, "ptr"), as_index(length, "length")
@@ -56,7 +57,7 @@ class DeviceBuffer(Handle):
         self._streams: weakref.WeakSet | None = None  # streams that queued work on borrowed memory
 
     @classmethod
-    def allocate(cls, engine: Stream, dtype: Any, length: int, *, label: str | None = None) -> DeviceBuffer:
+    def allocate(cls, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None) -> DeviceBuffer:
         dtype, length = device_dtype(dtype), as_index(length, "length")
         if length < 1:
             raise ValueError(f"a device buffer needs at least one element, not {length}")
@@ -66,14 +67,14 @@ class DeviceBuffer(Handle):
         return buf
 
     @classmethod
-    def wrap(cls, ptr: int, dtype: Any, length: int, *, engine: Stream | None = None,
+    def wrap(cls, ptr: int, dtype: DTypeLike, length: int, *, engine: Stream | None = None,
              keepalive: Any = None) -> DeviceBuffer:
         """Borrow memory allocated elsewhere: never freed here. Prefer from_cuda_array, which
         reads the type and size from the owner and keeps it alive."""
         return cls(ptr, dtype, length, engine=engine, keepalive=keepalive)
 
     @classmethod
-    def from_cuda_array(cls, obj: Any, engine: Stream | None = None) -> DeviceBuffer:
+    def from_cuda_array(cls, obj: CudaArray, engine: Stream | None = None) -> DeviceBuffer:
         """Adopt a contiguous `__cuda_array_interface__` object (v2/v3: a PyTorch tensor, a
         CuPy array) without owning it, keeping `obj` alive.
 
@@ -131,7 +132,8 @@ class DeviceBuffer(Handle):
     def __len__(self) -> int:
         return self.len
 
-    def view(self, start: int, count: int, dtype: Any = None, *, label: str | None = None) -> DeviceBuffer:
+    def view(self, start: int, count: int, dtype: DTypeLike | None = None, *,
+             label: str | None = None) -> DeviceBuffer:
         """A non-owning window [start, start+count) that keeps this buffer alive, read as
         `dtype` of the same size if given (i32 fields inside a u32 arena, say)."""
         start, count = as_index(start, "start"), as_index(count, "count")
@@ -200,7 +202,7 @@ class PinnedBuffer(Handle):
 
     _flags = 0  # cuMemHostAlloc's
 
-    def __init__(self, engine: Stream, dtype: Any, length: int, *, label: str | None = None):
+    def __init__(self, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None):
         self.dtype = device_dtype(dtype)
         self.len = as_index(length, "length")
         if self.len < 1:
@@ -211,7 +213,7 @@ class PinnedBuffer(Handle):
         ctx = engine.activate()
         self._ptr = int(ctx.call("cuMemHostAlloc", self.nbytes, self._flags))
         self._own(ctx, "cuMemFreeHost", self._ptr)
-        self._array = np.frombuffer((ctypes.c_char * self.nbytes).from_address(self._ptr), self.dtype)
+        self._array = np.frombuffer(memoryview((ctypes.c_char * self.nbytes).from_address(self._ptr)), self.dtype)
 
     @property
     def ptr(self) -> int:
@@ -248,10 +250,10 @@ class MappedBuffer(PinnedBuffer):
 
     _flags = 2  # CU_MEMHOSTALLOC_DEVICEMAP
 
-    def __init__(self, engine: Stream, dtype: Any, length: int, *, label: str | None = None):
+    def __init__(self, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None):
         super().__init__(engine, dtype, length, label=label)
         self._address = int(engine.activate().call("cuMemHostGetDevicePointer", self._ptr, 0))
-        self.live = self._array
+        self.live: np.ndarray | None = self._array  # None once freed: no view of the memory outlives it
 
     @property
     def device(self) -> DeviceBuffer:
@@ -268,7 +270,19 @@ class MappedBuffer(PinnedBuffer):
         super().free()
 
 
-def as_buffer(obj: Any, what: str = "buffer", engine: Stream | None = None) -> DeviceBuffer:
+class CudaArray(Protocol):
+    """Device memory of another framework's (a PyTorch tensor, a CuPy array, ...): anything that
+    speaks the CUDA array interface (v2/v3), which every API taking a buffer adopts."""
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+
+
+# What an API that takes device memory accepts: a DeviceBuffer, or memory it adopts (as_buffer).
+BufferLike: TypeAlias = "DeviceBuffer | CudaArray"
+
+
+def as_buffer(obj: BufferLike, what: str = "buffer", engine: Stream | None = None) -> DeviceBuffer:
     """`obj` as a DeviceBuffer: itself, or adopted through `__cuda_array_interface__`."""
     if isinstance(obj, DeviceBuffer):
         return obj

@@ -1,38 +1,51 @@
-"""Your own CUDA C as PTX that every CUDA 12 and CUDA 13 driver loads: `compile_ptx(source)`.
+"""Your own CUDA C as PTX the driver loads: `compile_ptx(source)`.
 
 `Module(engine, ptx)` takes PTX text, and which PTX a driver accepts depends on its version:
-a driver JIT-compiles PTX up to the ISA of its own CUDA release and refuses anything newer.
-nvcc 13 writes ISA 9.0, which no CUDA 12 driver loads; NVRTC 12.0 writes ISA 8.0, which every
-CUDA 12 and 13 driver does. So this module compiles with NVRTC 12.0, for `compute_80` (PTX of
-`.target sm_80`, which the driver JITs for any GPU from Ampere on), exactly as the package's
-own kernels are built (ptx/build.py uses this module).
+a driver JIT-compiles PTX up to the ISA of its own CUDA release and refuses anything newer
+(NVRTC 12.4 writes ISA 8.4, which a CUDA 12.2 driver refuses; 13.0, ISA 9.0, which no CUDA 12
+driver loads). NVRTC 12.0 writes ISA 8.0, which every CUDA 12 and 13 driver loads, so it is
+preferred wherever it is installed (the `nvidia-cuda-nvrtc-cu12==12.0.140` wheel, `pip install
+'memra_cuda[nvrtc]'`); the package's own kernels are built with it alone (ptx/build.py,
+`portable=True`). Without it, the NVRTC present is used where this machine's driver loads what
+it writes: its release no newer than the driver's (NVRTC 13.0 for a CUDA 13.0 driver, as
+PyTorch's CUDA 13 wheels install it); a newer one is refused, naming both. With no driver to
+ask (a machine without a GPU), the NVRTC found is used. Every compile logs which NVRTC wrote
+which ISA, and the PTX says it too (its `.version` line). The target is `compute_80` (PTX of
+`.target sm_80`, which the driver JITs for any GPU from Ampere on), as for the package's kernels.
 
-NVRTC is an optional dependency, the `nvidia-cuda-nvrtc-cu12==12.0.140` wheel
-(`pip install 'memra_cuda[nvrtc]'`). It is driven through ctypes, not cuda-python's nvrtc
-binding: that binding loads the NVRTC of cuda-python's own CUDA release, and every NVRTC after
-12.0 writes PTX that some CUDA 12 driver refuses (12.4 writes ISA 8.4; 13.0, ISA 9.0).
-Importing this module loads nothing; the library is found and loaded on the first `compile`.
-The module uses the standard library alone, so ptx/build.py can load it from a checkout
-without the package's dependencies.
+NVRTC is driven through ctypes, not cuda-python's nvrtc binding, which loads the NVRTC of
+cuda-python's own CUDA release. Only NVIDIA's wheels are looked in (`nvidia/<folder>/lib` of an
+installed `nvidia` package or any sys.path entry: nvidia-cuda-nvrtc-cu12's `cuda_nvrtc`, the
+CUDA 13 wheels' `cu13`), never a system CUDA, whose release is whatever is installed. Importing
+this module loads nothing; the library is found and loaded on the first compile.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import functools
-import importlib.util
+import logging
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from .errors import MemraError
 
-__all__ = ["CompileError", "NvrtcUnavailable", "compile_ptx", "EXTRA", "REQUIREMENT", "OPTIONS"]
+from .errors import CudaUnavailable, MemraError, call
+
+__all__ = ["CompileError", "Nvrtc", "NvrtcUnavailable", "compile_ptx", "nvrtc", "ptx_isa", "EXTRA", "REQUIREMENT",
+           "OPTIONS"]
+
+logger = logging.getLogger(__name__)
 
 EXTRA = "memra_cuda[nvrtc]"  # the extra that installs REQUIREMENT
 REQUIREMENT = "nvidia-cuda-nvrtc-cu12==12.0.140"
-NVRTC_VERSION = (12, 0)  # the one release whose PTX (ISA 8.0) every CUDA 12 and 13 driver loads
-LIBRARY = "libnvrtc.so.12"
+PORTABLE = (12, 0)  # the one release whose PTX (ISA 8.0) every CUDA 12 and 13 driver loads
+# NVRTC's library in NVIDIA's wheels: libnvrtc.so.<major> in nvidia/<folder>/lib (nvidia-cuda-nvrtc-cu12's
+# folder is cuda_nvrtc, the CUDA 13 wheels' cu13). NVRTC 12.0 is a libnvrtc.so.12.
+LIBRARY = re.compile(r"libnvrtc\.so\.(\d+)")
+PORTABLE_LIBRARY = "libnvrtc.so.12"
 # compute_80: `.target sm_80`, JIT-compiled by the driver for the GPU it runs on (sm_80 and up).
 # No option names a path or asks for line info, so the PTX depends on the sources alone.
 OPTIONS = ("--gpu-architecture=compute_80", "--std=c++17")
@@ -61,8 +74,8 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
 
 
 class CompileError(MemraError, RuntimeError):
-    """`compile` failed. For a source NVRTC refuses, the message is NVRTC's verdict followed by
-    its log, and `log` is the log alone (the compiler's errors and warnings, by line of `name`).
+    """`compile_ptx` failed. For a source NVRTC refuses, the message is NVRTC's verdict followed
+    by its log, and `log` is the log alone (the compiler's errors and warnings, by line of `name`).
     """
 
     def __init__(self, message: str, log: str = ""):
@@ -71,32 +84,48 @@ class CompileError(MemraError, RuntimeError):
 
 
 class NvrtcUnavailable(CompileError):
-    """No NVRTC 12.0 to compile with: none found, or another release (whose PTX some drivers
-    refuse). The message names the extra that installs the right one; `found` is the version
-    found ("12.4", say), None where no library was found or it would not load. A CompileError,
-    so that one `except CompileError` covers everything `compile` raises."""
+    """No NVRTC to compile with: none found, none that loads, or only releases whose PTX this
+    driver refuses (or, asked for PTX every driver loads, none of 12.0). The message says what was
+    found and what is needed, and names the extra that installs NVRTC 12.0; `found` is the
+    release(s) found ("13.0", say), None where no library was found or it would not load. A
+    CompileError, so that one `except CompileError` covers everything `compile_ptx` raises."""
 
     def __init__(self, reason: str, found: str | None = None):
-        super().__init__(f"memra_cuda.compile needs NVRTC 12.0 ({REQUIREMENT}): {reason}; "
-                         f"pip install '{EXTRA}'")
+        super().__init__(f"compile_ptx has no NVRTC to use: {reason}. NVRTC 12.0 ({REQUIREMENT}) writes PTX every "
+                         f"CUDA 12 and 13 driver loads: pip install '{EXTRA}'")
         self.found = found
 
 
-def _find_library() -> Path | None:
-    """libnvrtc.so.12 of the `nvidia-cuda-nvrtc-cu12` wheel (its `nvidia/cuda_nvrtc/lib`), in the
-    installed namespace package or under any sys.path entry; None where there is none. Only the
-    wheel's copy is looked for, never a system CUDA's, whose release is whatever is installed."""
-    try:
-        spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
-    except (ImportError, ValueError):  # no `nvidia` namespace package at all
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    locations += [str(Path(entry, "nvidia", "cuda_nvrtc")) for entry in sys.path]
-    for location in locations:
-        library = Path(location, "lib", LIBRARY)
-        if library.is_file():
-            return library
-    return None
+@dataclass(frozen=True)
+class Nvrtc:
+    """An NVRTC library, loaded: its release and where it lies."""
+
+    version: tuple[int, int]
+    path: Path
+    lib: ctypes.CDLL = field(repr=False, compare=False)  # every function's signature set (_load)
+
+    @property
+    def release(self) -> str:
+        return f"{self.version[0]}.{self.version[1]}"
+
+    @property
+    def loads_on(self) -> str:
+        """Which drivers load the PTX it writes."""
+        if self.version == PORTABLE:
+            return "every CUDA 12 and 13 driver"
+        return f"drivers of CUDA {self.release} and later only"
+
+
+def _find_libraries(portable: bool = False) -> list[Path]:
+    """NVRTC's libraries in NVIDIA's wheels (module docstring) under every sys.path entry, each
+    once; with `portable`, libnvrtc.so.12 alone (the only major release that has a 12.0)."""
+    found: dict[Path, None] = {}
+    for entry in sys.path:
+        for library in sorted(Path(entry or ".", "nvidia").glob("*/lib/libnvrtc.so.*")):
+            if LIBRARY.fullmatch(library.name) and (not portable or library.name == PORTABLE_LIBRARY) \
+                    and library.is_file():
+                found.setdefault(library.resolve(), None)
+    return list(found)
 
 
 def _version(lib: ctypes.CDLL) -> tuple[int, int]:
@@ -125,22 +154,66 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
-def _nvrtc() -> ctypes.CDLL:
-    """NVRTC 12.0, found and loaded on the first compile, then kept. A failed lookup is not
-    cached: installing the extra mends the next call."""
-    path = _find_library()
-    if path is None:
-        raise NvrtcUnavailable(f"{LIBRARY} not found")
+def _open(path: Path) -> Nvrtc:
+    """The NVRTC at `path`, loaded, with its builtins: NVRTC opens libnvrtc-builtins.so.<release>
+    by name when it compiles, and the CUDA 13.0 wheel's library has no run path to find the one
+    beside it, so it is loaded here first (the loader then finds it by its name). OSError, saying
+    why, where either does not load."""
     try:
         lib = _load(path)
+        version = _version(lib)
     except (OSError, AttributeError) as exc:  # not a loadable library, or not NVRTC
-        raise NvrtcUnavailable(f"{path} does not load as NVRTC ({exc})") from None
-    version = _version(lib)
-    if version != NVRTC_VERSION:
-        found = f"{version[0]}.{version[1]}"
-        raise NvrtcUnavailable(f"found NVRTC {found} at {path}", found=found)
-    return lib
+        raise OSError(f"{path} does not load as NVRTC ({exc})") from None
+    builtins = path.with_name(f"libnvrtc-builtins.so.{version[0]}.{version[1]}")
+    if builtins.is_file():
+        try:
+            ctypes.CDLL(str(builtins))
+        except OSError as exc:
+            raise OSError(f"{builtins}, NVRTC {version[0]}.{version[1]}'s builtins, does not load ({exc})") from None
+    return Nvrtc(version, path, lib)
+
+
+def _driver_version() -> tuple[int, int] | None:
+    """The CUDA release of this machine's driver (cuDriverGetVersion); None where there is none."""
+    try:
+        version = int(call("cuDriverGetVersion"))
+    except CudaUnavailable:
+        return None
+    return version // 1000, version % 1000 // 10
+
+
+@functools.cache
+def nvrtc(portable: bool = False) -> Nvrtc:
+    """The NVRTC compile_ptx uses (module docstring): 12.0 where it is installed; else, without
+    `portable`, the oldest found whose release is no newer than the driver's (any found, where
+    there is no driver). Found and loaded on the first call, then kept; NvrtcUnavailable where
+    none will do (a failed lookup is not kept: installing the extra mends the next call)."""
+    found: list[Nvrtc] = []
+    broken: list[str] = []
+    for path in sorted(_find_libraries(portable), key=lambda path: path.name != PORTABLE_LIBRARY):
+        try:
+            lib = _open(path)
+        except OSError as exc:
+            broken.append(str(exc))
+            continue
+        if lib.version == PORTABLE:
+            return lib
+        found.append(lib)
+    if not found:
+        wanted = PORTABLE_LIBRARY if portable else "libnvrtc.so.<major>"
+        raise NvrtcUnavailable("; ".join(broken) or f"no {wanted} found (looked in nvidia/*/lib of every sys.path "
+                                                     f"entry)")
+    found.sort(key=lambda lib: lib.version)
+    names = ", ".join(f"NVRTC {lib.release} at {lib.path}" for lib in found)
+    releases = ", ".join(lib.release for lib in found)
+    if portable:
+        raise NvrtcUnavailable(f"asked for PTX every driver loads (portable=True), found {names}", found=releases)
+    driver = _driver_version()
+    suits = [lib for lib in found if driver is None or lib.version <= driver]
+    if driver is not None and not suits:
+        raise NvrtcUnavailable(f"found {names}, newer than this driver's CUDA {driver[0]}.{driver[1]}, which refuses "
+                               f"the PTX ISA a newer NVRTC writes", found=releases)
+    return suits[0]
 
 
 @functools.cache
@@ -191,9 +264,11 @@ def _strings(values: Sequence[bytes]) -> Any:
 
 
 def compile_ptx(source: str, *, name: str = "kernel.cu", headers: Mapping[str, str] | None = None,
-            options: Sequence[str] = ()) -> str:
-    """The PTX NVRTC 12.0 makes of the CUDA C `source`: ISA 8.0 for `.target sm_80`, which every
-    CUDA 12 and CUDA 13 driver loads (give it to `Module(engine, ptx)`).
+                options: Sequence[str] = (), portable: bool = False) -> str:
+    """The PTX NVRTC makes of the CUDA C `source` for `.target sm_80` (give it to `Module(engine,
+    ptx)`): NVRTC 12.0's ISA 8.0, which every CUDA 12 and 13 driver loads, where it is installed;
+    else the ISA of the NVRTC present, which this machine's driver loads (module docstring). With
+    `portable`, NVRTC 12.0 or nothing: PTX to ship to other machines' drivers.
 
     `name` is the program's name, the file name NVRTC's messages cite. `headers` maps the names
     the source `#include`s to their text: they reach NVRTC in memory, so nothing is read from
@@ -201,11 +276,11 @@ def compile_ptx(source: str, *, name: str = "kernel.cu", headers: Mapping[str, s
     OPTIONS (`-DBLOCK=256`, `--use_fast_math`, ...), or replacing the one of the same flag
     (`--std=c++20`; `--gpu-architecture=compute_90` gives PTX that only GPUs of sm_90 and up
     load). Declare kernels `extern "C"`, so that `module.kernel(name)` finds them by their
-    plain names. The same inputs give the same PTX, byte for byte.
+    plain names. The same inputs and NVRTC give the same PTX, byte for byte.
 
     Raises CompileError carrying NVRTC's log where the source does not compile, and
-    NvrtcUnavailable (a CompileError) naming `memra_cuda[nvrtc]` where NVRTC 12.0 is missing
-    or another release is found. Needs no GPU.
+    NvrtcUnavailable (a CompileError) naming `memra_cuda[nvrtc]` where no NVRTC will do (none
+    found, or only releases newer than the driver; with `portable`, none of 12.0). Needs no GPU.
     """
     if isinstance(options, str):
         raise TypeError(f"options is a sequence of options, not one string: ({options!r},)")
@@ -218,7 +293,8 @@ def compile_ptx(source: str, *, name: str = "kernel.cu", headers: Mapping[str, s
             raise TypeError(f"a {what} must be a str, not {type(text).__name__}")
         if "\0" in text:
             raise ValueError(f"a {what} holds a NUL character, which would end its C string early")
-    lib = _nvrtc()
+    compiler = nvrtc(portable)
+    lib = compiler.lib
     prog = _PROGRAM()
     contents, names = [text.encode() for text in headers.values()], [key.encode() for key in headers]
     encoded = [option.encode() for option in all_options]
@@ -231,6 +307,15 @@ def compile_ptx(source: str, *, name: str = "kernel.cu", headers: Mapping[str, s
             except CompileError as error:
                 log = _read(prog, lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog, "replace").rstrip()
                 raise CompileError(f"{name}: {error}\n{log}", log) from None
-            return _read(prog, lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)
+            ptx = _read(prog, lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)
         finally:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    logger.info("compile_ptx: %s: PTX ISA %s by NVRTC %s at %s, for %s", name, ptx_isa(ptx), compiler.release,
+                compiler.path, compiler.loads_on)
+    return ptx
+
+
+def ptx_isa(ptx: str) -> str:
+    """The ISA a PTX text is written in ("8.0"), from its `.version` directive; "unknown" without one."""
+    found = re.search(r"^\.version (\d+\.\d+)\s*$", ptx, re.M)
+    return found[1] if found else "unknown"

@@ -1,18 +1,22 @@
 """Engine: a Stream with memory, copies and modules on top, the facade engines embed."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
-from .buffer import DeviceBuffer, PinnedBuffer, as_buffer
+from .buffer import BufferLike, DeviceBuffer, PinnedBuffer, as_buffer
 from .call import Prepared
 from .errors import CaptureError, CudaError, driver
 from .event import Event
 from .framework import DRIVER, Framework
 from .module import Module, packaged_ptx
+from .signature import Signature
 from .stream import Stream
 from .values import as_index, exact_array, exact_int
+
 
 class Engine(Stream):
     """Driver-level access to one GPU: its primary context, one stream (see Stream), device
@@ -32,11 +36,8 @@ class Engine(Stream):
         super().close()
         self._modules.clear()
 
-    def __enter__(self) -> Engine:
-        return self
-
     # -- buffers ----------------------------------------------------------------------------
-    def buffer(self, obj: Any, what: str = "buffer") -> DeviceBuffer:
+    def buffer(self, obj: BufferLike, what: str = "buffer") -> DeviceBuffer:
         """`obj` (a DeviceBuffer or a __cuda_array_interface__ object) as a buffer this engine
         may use, refusing memory of another engine or device."""
         buf = as_buffer(obj, what, self)
@@ -44,13 +45,13 @@ class Engine(Stream):
         buf.queued_on(self)
         return buf
 
-    def alloc(self, dtype: Any, length: int, zeroed: bool = False, *, label: str | None = None) -> DeviceBuffer:
+    def alloc(self, dtype: DTypeLike, length: int, zeroed: bool = False, *, label: str | None = None) -> DeviceBuffer:
         buf = DeviceBuffer.allocate(self, dtype, length, label=label)
         if zeroed:
             self.memset(buf, 0)
         return buf
 
-    def zeros(self, dtype: Any, length: int, *, label: str | None = None) -> DeviceBuffer:
+    def zeros(self, dtype: DTypeLike, length: int, *, label: str | None = None) -> DeviceBuffer:
         """A new buffer of `length` zeros."""
         return self.alloc(dtype, length, zeroed=True, label=label)
 
@@ -59,18 +60,18 @@ class Engine(Stream):
         free, total = self.activate().call("cuMemGetInfo")
         return int(free), int(total)
 
-    def pinned(self, dtype: Any, length: int, *, label: str | None = None) -> PinnedBuffer:
+    def pinned(self, dtype: DTypeLike, length: int, *, label: str | None = None) -> PinnedBuffer:
         return PinnedBuffer(self, dtype, length, label=label)
 
     # -- host to device -------------------------------------------------------------------
-    def htod(self, values: Any, dtype: Any = None, *, label: str | None = None) -> DeviceBuffer:
+    def htod(self, values: ArrayLike, dtype: DTypeLike | None = None, *, label: str | None = None) -> DeviceBuffer:
         """A new device buffer holding `values` (queued on the stream)."""
         host = np.ascontiguousarray(values if dtype is None else exact_array(values, dtype)).reshape(-1)
         buf = self.alloc(host.dtype, host.size, label=label)
         self.copy_htod(buf, host)
         return buf
 
-    def copy_htod(self, dst: Any, values: Any, start: int = 0) -> None:
+    def copy_htod(self, dst: BufferLike, values: ArrayLike, start: int = 0) -> None:
         """Write `values` into dst[start:start+len(values)], converted to dst's dtype.
 
         Refused during a capture: the graph would read the host memory at every replay, long
@@ -87,13 +88,13 @@ class Engine(Stream):
             offset = start * dst.dtype.itemsize
             self.ctx.call("cuMemcpyHtoDAsync", dst.ptr + offset, host, host.nbytes, self.stream)
 
-    def set_u32(self, buf: Any, index: int, value: int, *, every: int = 0) -> None:
+    def set_u32(self, buf: BufferLike, index: int, value: int, *, every: int = 0) -> None:
         """Set the 32-bit word at `index`, and with `every` > 0 each `every`-th word after it
         (one column of a row-major table: every ring count of a batch), as one memset (a memset
         node when captured)."""
         self.prepare_set_u32(buf, index, value, every=every)()
 
-    def prepare_set_u32(self, buf: Any, index: int, value: int, *, every: int = 0) -> Prepared:
+    def prepare_set_u32(self, buf: BufferLike, index: int, value: int, *, every: int = 0) -> Prepared:
         """set_u32, checked once, to issue again and again (see Prepared)."""
         buf = self.buffer(buf)
         if buf.dtype.itemsize != 4:
@@ -109,7 +110,7 @@ class Engine(Stream):
                             (ptr, 4 * every, bits, 1, words, self.stream), (buf,))
         return Prepared(self, drv.cuMemsetD32Async, "cuMemsetD32Async", (ptr, bits, 1, self.stream), (buf,))
 
-    def memset(self, buf: Any, value: int) -> None:
+    def memset(self, buf: BufferLike, value: int) -> None:
         """Fill an integer buffer of 8-, 16- or 32-bit elements with `value` (any buffer with 0)."""
         buf = self.buffer(buf)
         size, ptr = buf.dtype.itemsize, buf.ptr
@@ -125,7 +126,7 @@ class Engine(Stream):
             ctx.call("cuMemsetD32Async", ptr, bits, buf.len, self.stream)
         self._uses(buf)
 
-    def copy_to_peer(self, dst: DeviceBuffer, src: Any) -> None:
+    def copy_to_peer(self, dst: DeviceBuffer, src: BufferLike) -> None:
         """Queue src → dst on this engine's stream, where dst is memory of another engine, on
         this device or another (a pipeline stage's activations or accept state; capturable).
         The other engine must order its use of dst after this stream (engine.wait on an Event
@@ -150,7 +151,7 @@ class Engine(Stream):
         self._uses(dst, src)
 
     # -- device to host -------------------------------------------------------------------
-    def dtoh(self, buf: Any, dtype: Any = None) -> np.ndarray:
+    def dtoh(self, buf: BufferLike, dtype: DTypeLike | None = None) -> np.ndarray:
         """Wait for the stream and copy `buf` back (one readback), as `dtype` of the same size
         (u32 of an i32 buffer, say) if given."""
         buf = self.buffer(buf)
@@ -165,11 +166,11 @@ class Engine(Stream):
         self.readbacks += 1
         return out if dtype is None else out.view(dtype)
 
-    def copy_dtoh_async(self, dst: PinnedBuffer, src: Any, start: int = 0) -> None:
+    def copy_dtoh_async(self, dst: PinnedBuffer, src: BufferLike, start: int = 0) -> None:
         """Queue src → dst[start:] without waiting (capturable); finish_readback() waits."""
         self.prepare_dtoh(dst, src, start)()
 
-    def prepare_dtoh(self, dst: PinnedBuffer, src: Any, start: int = 0) -> Prepared:
+    def prepare_dtoh(self, dst: PinnedBuffer, src: BufferLike, start: int = 0) -> Prepared:
         """copy_dtoh_async, checked once, to issue again and again (see Prepared): the one
         readback copy of every burst."""
         src = self.buffer(src, "src")
@@ -208,9 +209,13 @@ class Engine(Stream):
             self.wait_stream(other)
 
     # -- modules --------------------------------------------------------------------------
-    def load_ptx(self, name: str) -> Module:
-        """The module built from ptx/<name>.cu, loaded once per engine (again if unloaded)."""
+    def load_ptx(self, name: str, signatures: Mapping[str, Signature] | None = None) -> Module:
+        """The module built from ptx/<name>.cu, loaded once per engine (again if unloaded), its
+        kernels checked against `signatures` from the first call that gives them (the package's
+        own table: memra_cuda.kernels.signatures, whose `load` passes it)."""
         module = self._modules.get(name)
         if module is None or module.freed:
-            module = self._modules[name] = Module(self, packaged_ptx(name))
+            module = self._modules[name] = Module(self, packaged_ptx(name), signatures)
+        elif signatures is not None:
+            module.declare(signatures)
         return module

@@ -15,10 +15,12 @@ Two rules live here, so no class has its own copy of them:
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from .context import PrimaryContext
+
+_Self = TypeVar("_Self", bound="Handle")
 
 
 class Handle:
@@ -54,7 +56,7 @@ class Handle:
             self._finalizer()
         self._notify(f"{name}, which was freed")
 
-    def __enter__(self):
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -2,7 +2,9 @@
 
 A prepared launch declares its argument types once and keeps their storage and the `void**`
 table the driver reads in one place; launching it again is a single cuLaunchKernel call on a
-prebuilt argument tuple, so per-launch Python work stays near the bare binding's cost.
+prebuilt argument tuple, so per-launch Python work stays near the bare binding's cost. A module
+loaded with a signature table (signature.py) checks the declared types against the kernel's at
+prepare, and gives them where a launcher leaves them out.
 
 Thread safety: modules and kernels may be shared between threads. A Launch may not: its
 argument store is written by set() and read by the driver at the next launch, so two threads
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,7 @@ from .buffer import DeviceBuffer, as_buffer
 from .call import Prepared
 from .errors import CudaError, CudaFault, driver
 from .handle import Handle
+from .signature import ARG_TYPES, Signature
 from .values import exact_int
 
 if TYPE_CHECKING:
@@ -30,12 +33,6 @@ if TYPE_CHECKING:
     from .stream import Stream
 
 _PTX_DIRS = (Path(__file__).parent.parent / "ptx", Path(__file__).parent.parent.parent / "ptx")
-
-# "ptr" is a device pointer: a DeviceBuffer, a __cuda_array_interface__ object, or an int (an
-# address the caller vouches for: nothing can hold its memory).
-ARG_TYPES = {"ptr": np.dtype(np.uint64), "u32": np.dtype(np.uint32), "i32": np.dtype(np.int32),
-             "u64": np.dtype(np.uint64), "i64": np.dtype(np.int64), "f32": np.dtype(np.float32),
-             "f64": np.dtype(np.float64)}
 
 
 def packaged_ptx(name: str) -> str:
@@ -127,14 +124,15 @@ class Launch(Prepared):
     launch later cannot strand the graph.
     """
 
-    def __init__(self, kernel: Kernel, types: Sequence[str], grid: int | Sequence[int],
+    def __init__(self, kernel: Kernel, types: Sequence[str] | None, grid: int | Sequence[int],
                  block: int | Sequence[int], shared: int = 0):
+        declared = kernel.declared(types)  # a type swap is refused before anything else is asked
         module = kernel.module
         module._usable()
         engine = module.engine
         self.kernel = kernel
-        self.args = KernelArgs(types, engine)
-        kernel.check_signature(self.args.types)
+        self.args = KernelArgs(declared, engine)
+        kernel.check_sizes(self.args.types)
         argv = (kernel.handle, *_dim3(grid, f"{kernel.name}'s grid", GRID_LIMITS),
                 *_dim3(block, f"{kernel.name}'s block"), int(shared), engine.stream,
                 self.args.pointer, 0)
@@ -183,9 +181,32 @@ class Kernel:
         except CudaError as exc:
             raise ValueError(f"the module has no kernel named {name!r}") from exc
 
-    def prepare(self, types: Sequence[str], grid: int | Sequence[int] = 1,
+    def prepare(self, types: Sequence[str] | None = None, grid: int | Sequence[int] = 1,
                 block: int | Sequence[int] = 1, shared: int = 0) -> Launch:
+        """A launch of `grid` blocks of `block` threads with `shared` bytes of dynamic shared
+        memory, its arguments of `types` (ARG_TYPES' names, one a parameter). Where the module's
+        signature table declares this kernel, `types` may be left out (the table's are taken),
+        and given, must be the table's: TypeError naming the parameter otherwise."""
         return Launch(self, types, grid, block, shared)
+
+    @property
+    def signature(self) -> Signature | None:
+        """The kernel's parameters as its module's signature table declares them; None where the
+        table does not name it."""
+        return self.module.signatures.get(self.name)
+
+    def declared(self, types: Sequence[str] | None) -> tuple[str, ...]:
+        """The argument types a launch packs: `types`, checked against the kernel's signature
+        where it has one, or the signature's where `types` is None. Needs no driver."""
+        signature = self.signature
+        if signature is None:
+            if types is None:
+                raise TypeError(f"{self.name} has no signature in its module's table: give its argument types")
+            return tuple(types)
+        if types is None:
+            return signature.types
+        signature.check(self.name, types)
+        return tuple(types)
 
     @functools.cached_property
     def param_sizes(self) -> tuple[int, ...] | None:
@@ -212,8 +233,9 @@ class Kernel:
             return None
         return None if err else int(count)
 
-    def check_signature(self, types: Sequence[str]) -> None:
-        """ValueError unless `types` match the kernel's parameters, where the driver can say."""
+    def check_sizes(self, types: Sequence[str]) -> None:
+        """ValueError unless `types` match the kernel's parameter sizes, where the driver can say:
+        what is left to check of a module loaded without signatures."""
         sizes = self.param_sizes
         declared = tuple(ARG_TYPES[t].itemsize for t in types)
         if sizes is not None and sizes != declared:
@@ -227,17 +249,25 @@ class Kernel:
 class Module(Handle):
     """A PTX image JIT-compiled into the engine's context.
 
+    `signatures` maps kernel names to their Signature (memra_cuda.driver.Signature): every
+    prepare of a kernel it names checks the declared argument types against it, naming the
+    parameter a u32 was given for an f32, say, and may leave the types out. A kernel the table
+    does not name is checked by its parameter sizes alone, where the driver can tell them. For
+    your own kernels: `Module(engine, compile_ptx(source), signatures={"scale":
+    Signature.of(x="ptr", y="ptr", n="u32")})`.
+
     Freed (unloaded) once, by free() or when the last kernel, launch or graph using it is
     gone; at interpreter exit the context takes its modules with it. Launches of an unloaded
     module refuse to run.
     """
 
-    def __init__(self, engine: Stream, ptx: str | bytes):
+    def __init__(self, engine: Stream, ptx: str | bytes, signatures: Mapping[str, Signature] | None = None):
         image = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
         image = image[:-1] if image.endswith(b"\0") else image
         if b"\0" in image:
             raise ValueError("the PTX image contains a NUL byte before its end")
         self.engine = engine
+        self.signatures: Mapping[str, Signature] = _table(signatures)
         self._kernels: dict[str, Kernel] = {}
         ctx = engine.activate()
         self.handle = _load(ctx, image + b"\0")
@@ -249,8 +279,28 @@ class Module(Handle):
             self._kernels[name] = Kernel(self, name)
         return self._kernels[name]
 
+    def declare(self, signatures: Mapping[str, Signature]) -> None:
+        """Take `signatures` as this module's table, where it has none yet (a module loaded
+        before its table was at hand: Engine.load_ptx's); ValueError where it has another."""
+        if signatures is self.signatures:
+            return
+        if self.signatures and self.signatures != signatures:
+            raise ValueError(f"{self!r} has another signature table already")
+        self.signatures = _table(signatures)
+
     def __repr__(self) -> str:
         return f"Module({', '.join(self._kernels) or 'no kernels fetched'}{', unloaded' if self.freed else ''})"
+
+
+def _table(signatures: Mapping[str, Signature] | None) -> Mapping[str, Signature]:
+    """`signatures`, checked to map kernel names to Signatures (an empty table for None)."""
+    if signatures is None:
+        return {}
+    wrong = [f"{name!r}: {sig!r}" for name, sig in signatures.items()
+             if not isinstance(name, str) or not isinstance(sig, Signature)]
+    if wrong:
+        raise TypeError(f"signatures map kernel names to Signatures, not {', '.join(wrong)}")
+    return signatures
 
 
 def _load(ctx: PrimaryContext, image: bytes) -> Any:
@@ -275,11 +325,11 @@ GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's gridDim.x, .y, .z: a kernel gi
 def _dim3(dims: int | Sequence[int], what: str, limits: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
     """`dims` as (x, y, z); ValueError, before anything is queued, for what CUDA's launch would
     refuse: sizes past 3, below 1, or past `limits`."""
-    d = (int(dims),) if isinstance(dims, (int, np.integer)) else tuple(int(x) for x in dims)
-    if not 1 <= len(d) <= 3 or min(d) < 1:
+    given = (int(dims),) if isinstance(dims, (int, np.integer)) else tuple(int(x) for x in dims)
+    if not 1 <= len(given) <= 3 or min(given) < 1:
         raise ValueError(f"{what} must be 1 to 3 positive sizes, not {dims!r}")
-    d += (1,) * (3 - len(d))
-    for axis, size, most in zip("xyz", d, limits or d):
+    x, y, z = given + (1,) * (3 - len(given))
+    for axis, size, most in zip("xyz", (x, y, z), limits or (x, y, z)):
         if size > most:
-            raise ValueError(f"{what} {d} is past CUDA's limit of {most} in {axis}")
-    return d
+            raise ValueError(f"{what} {(x, y, z)} is past CUDA's limit of {most} in {axis}")
+    return x, y, z

@@ -8,13 +8,14 @@ exception here rather than a kernel reading past the rows it was meant to read.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..driver.buffer import DeviceBuffer
+from ..driver.buffer import BufferLike, DeviceBuffer
 from ..driver.values import as_index, short_name
 from ..driver.module import Launch
+from .signatures import load
 
 if TYPE_CHECKING:
     from ..buffers.stream_bufs import StreamBufs
@@ -24,10 +25,9 @@ if TYPE_CHECKING:
 # spec_sample.cu's THREADS and PER_THREAD: a block races THREADS * PER_THREAD entries of V per pass.
 THREADS = 256
 PER_THREAD = 2
-_TYPES = ["ptr", "ptr", "ptr", "u32", "u32", "u32"] + ["ptr"] * 7
 
 
-def prepare_accept_sample(engine: Engine, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any,
+def prepare_accept_sample(engine: Engine, bufs: StreamBufs, p_d: BufferLike, q_d: BufferLike, seed_d: BufferLike,
                           vocab: int | None = None) -> Launch:
     """A prepared launch of spec_accept_sample over bufs' B rows, to keep and call every round.
 
@@ -52,18 +52,18 @@ def prepare_accept_sample(engine: Engine, bufs: StreamBufs, p_d: Any, q_d: Any, 
     vtok_d, brk_d, acc_d, last_pred_d, ctl_d, pos_start_d = (
         engine.buffer(getattr(bufs, name), name)
         for name in ("vtok_d", "brk_d", "acc_d", "last_pred_d", "ctl_d", "pos_start_d"))
-    module = engine.load_ptx("spec_sample")  # once per engine: Engine.load_ptx keeps it
+    module = load(engine, "spec_sample")  # once per engine: Engine.load_ptx keeps it
     scratch = engine.alloc(np.uint64, 2 * rows, zeroed=True, label="spec_accept_sample scratch")
     # A block per THREADS·PER_THREAD entries, but not more blocks than fill the GPU a few times
     # over: a large batch would only queue them and pile atomics on each row's scratch. The
     # kernel's grid-stride loop covers V with any count.
     blocks_per_row = max(1, min(-(-vocab // (THREADS * PER_THREAD)), 16 * engine.multiprocessors // rows))
-    return module.kernel("spec_accept_sample").prepare(_TYPES, (blocks_per_row, rows), THREADS).set(
+    return module.kernel("spec_accept_sample").prepare(grid=(blocks_per_row, rows), block=THREADS).set(
         vtok_d, p_d, q_d, vocab, k, rows, brk_d, acc_d, last_pred_d, ctl_d, pos_start_d, seed_d, scratch)
 
 
-def prepare_draft_sample(engine: Engine, bufs: StreamBufs, q_d: Any, seed_d: Any, draft_d: Any, step: int,
-                         vocab: int) -> Launch:
+def prepare_draft_sample(engine: Engine, bufs: StreamBufs, q_d: BufferLike, seed_d: BufferLike,
+                         draft_d: BufferLike, step: int, vocab: int) -> Launch:
     """A prepared launch of spec_draft_sample: draft token `step` (0 <= step < k) of every row
     raced from the draft's probabilities q_d[b][step] (float32 [B][max(k,1)][V]) with purpose 2 at
     the position it will sit at, pos_ctr + step + 1, into draft_d[b][step] (32- or 64-bit ids,
@@ -79,13 +79,12 @@ def prepare_draft_sample(engine: Engine, bufs: StreamBufs, q_d: Any, seed_d: Any
     q_d = _exact(engine.buffer(q_d, "q_d"), "q_d", ("f32",), (rows, k, vocab))
     seed_d = _exact(engine.buffer(seed_d, "seed_d"), "seed_d", ("u64", "i64"), (rows,))
     draft_d = _exact(engine.buffer(draft_d, "draft_d"), "draft_d", ("u32", "i32", "u64", "i64"), (rows, k))
-    module = engine.load_ptx("spec_sample")
+    module = load(engine, "spec_sample")
     scratch = engine.alloc(np.uint64, 2 * rows, zeroed=True, label="spec_draft_sample scratch")
     blocks_per_row = max(1, min(-(-vocab // THREADS), 16 * engine.multiprocessors // rows))
     name = "spec_draft_sample" if draft_d.dtype.itemsize == 4 else "spec_draft_sample_t64"
-    return module.kernel(name).prepare(["u32", "u32", "u32", "u32", *["ptr"] * 5], (blocks_per_row, rows),
-                                       THREADS).set(step, k, vocab, rows, q_d, bufs.pos_ctr_d, seed_d, draft_d,
-                                                    scratch)
+    return module.kernel(name).prepare(grid=(blocks_per_row, rows), block=THREADS).set(
+        step, k, vocab, rows, q_d, bufs.pos_ctr_d, seed_d, draft_d, scratch)
 
 
 def _exact(buf: DeviceBuffer, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> DeviceBuffer:

@@ -8,17 +8,18 @@ rollback table holds what it names and has one length or state per row) before a
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..buffers.acceptance import Acceptance, Greedy, Sampling
 from ..buffers.stream_bufs import StreamBufs
-from ..driver.buffer import DeviceBuffer
-from ..driver.module import Launch
+from ..driver.buffer import BufferLike, DeviceBuffer
+from ..driver.module import Launch, Module
 from ..driver.values import as_index
 from ..buffers.layout import HEAD_WORDS
 from .sampling import _exact, prepare_accept_sample, prepare_draft_sample
+from .signatures import load
 from ..buffers.tables import PointerTable, StateIndexTable, StateTable
 
 if TYPE_CHECKING:
@@ -38,12 +39,12 @@ class SpecKernels:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.module = engine.load_ptx("spec_stream")
+        self.module = load(engine, "spec_stream")
 
-    def _launch(self, name: str, types: list[str], *values: object, threads: int = 1, rows: int = 1) -> Launch:
-        return spread(self.module, name, types, values, threads, rows)
+    def _launch(self, name: str, *values: object, threads: int = 1, rows: int = 1) -> Launch:
+        return spread(self.module, name, values, threads, rows)
 
-    def prepare_seed_gather(self, bufs: StreamBufs, rows_d: Any, row_words: int, out_d: Any) -> Launch:
+    def prepare_seed_gather(self, bufs: StreamBufs, rows_d: BufferLike, row_words: int, out_d: BufferLike) -> Launch:
         """rows_d holds [B][n_rows][row_words] words (n_rows = rows_d.len // (B·row_words)),
         out_d [B][row_words]."""
         rows_d, out_d = self._words("rows_d", rows_d), self._words("out_d", out_d)
@@ -52,28 +53,23 @@ class SpecKernels:
             raise ValueError(f"rows_d ({rows_d.len} words) must hold {batch} sequences of whole rows of "
                              f"{row_words} words")
         out_d = batch_rows("out_d", out_d, batch, row_words)
-        return self._launch("spec_seed_gather", ["ptr", "u32", "u32", "u32", "ptr", "ptr"],
-                            rows_d, rows_d.len // (batch * row_words), row_words, batch, bufs.acc_d, out_d,
-                            threads=row_words, rows=batch)
+        return self._launch("spec_seed_gather", rows_d, rows_d.len // (batch * row_words), row_words, batch,
+                            bufs.acc_d, out_d, threads=row_words, rows=batch)
 
-    def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: Any) -> Launch:
+    def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: BufferLike) -> Launch:
         draft_d = token_buffer(self.engine, "draft_d", draft_d)
         draft_d = batch_rows("draft_d", draft_d, bufs.batch, max(bufs.k, 1), bufs.k)
-        return self._launch(width_kernel("spec_assemble_verify", draft_d),
-                            ["ptr", "ptr", "u32", "u32", "ptr", "ptr", "ptr"], bufs.pend_d, draft_d, bufs.k,
-                            bufs.batch, bufs.vtok_d, bufs.pos_ctr_d, bufs.pos_start_d,
-                            threads=bufs.batch * (bufs.k + 1))
+        return self._launch(width_kernel("spec_assemble_verify", draft_d), bufs.pend_d, draft_d, bufs.k, bufs.batch,
+                            bufs.vtok_d, bufs.pos_ctr_d, bufs.pos_start_d, threads=bufs.batch * (bufs.k + 1))
 
-    def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: Any) -> Launch:
+    def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: BufferLike) -> Launch:
         pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, bufs.k + 1)
-        return self._launch(width_kernel("spec_accept_greedy_dc", pred_d), ["ptr", "ptr", "u32", "u32", *["ptr"] * 4],
-                            bufs.vtok_d, pred_d, bufs.k, bufs.batch, bufs.brk_d, bufs.acc_d, bufs.last_pred_d,
-                            bufs.ctl_d, threads=32 * bufs.batch)
+        return self._launch(width_kernel("spec_accept_greedy_dc", pred_d), bufs.vtok_d, pred_d, bufs.k, bufs.batch,
+                            bufs.brk_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, threads=32 * bufs.batch)
 
     def prepare_ring_commit(self, bufs: StreamBufs) -> Launch:
-        return self._launch("spec_ring_commit", ["ptr"] * 6 + ["u32", "u32", "u32"],
-                            bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d, bufs.ring_d,
-                            bufs.ring_cap, bufs.k, bufs.batch, threads=32 * bufs.batch)
+        return self._launch("spec_ring_commit", bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d,
+                            bufs.ring_d, bufs.ring_cap, bufs.k, bufs.batch, threads=32 * bufs.batch)
 
     def prepare_ring_publish(self, bufs: StreamBufs, published_d: DeviceBuffer, seq_d: DeviceBuffer,
                              head_d: DeviceBuffer, count_d: DeviceBuffer, tokens_d: DeviceBuffer,
@@ -89,8 +85,7 @@ class SpecKernels:
                                  ("head_d", head_d, (HEAD_WORDS,)), ("count_d", count_d, (batch,)),
                                  ("tokens_d", tokens_d, (batch, cap)), ("stamps_d", stamps_d, (batch, cap))):
             _exact(self.engine.buffer(buf, name), name, ("u32",), shape)
-        return self.module.kernel("spec_ring_publish").prepare(
-            ["ptr", "u32", "u32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "u32"], 1, 1024).set(
+        return self.module.kernel("spec_ring_publish").prepare(grid=1, block=1024).set(
             bufs.ring_d, bufs.ring_cap, batch, published_d, seq_d, head_d, count_d, tokens_d, stamps_d, cap)
 
     def prepare_accept(self, bufs: StreamBufs, rule: Acceptance) -> Launch:
@@ -109,8 +104,7 @@ class SpecKernels:
         if wrong:
             raise ValueError(f"a rollback table for a batch of {bufs.batch} must name i32[{bufs.batch}] lengths "
                              f"(one per sequence), not {wrong[0]!r}")
-        return self._launch("spec_rollback_stream", ["ptr", "u32", "u32", "ptr", "ptr"],
-                            table_d, table_d.len, bufs.batch, bufs.pos_start_d, bufs.ctl_d,
+        return self._launch("spec_rollback_stream", table_d, table_d.len, bufs.batch, bufs.pos_start_d, bufs.ctl_d,
                             threads=table_d.len * bufs.batch)
 
     def prepare_state_copy(self, bufs: StreamBufs, table: StateTable) -> Launch:
@@ -118,38 +112,38 @@ class SpecKernels:
         `table` comes from state_copy_table; its layers must be of this batch and k."""
         if not isinstance(table, StateTable):
             raise TypeError(f"a state copy table must be a StateTable (state_copy_table builds one), not {table!r}")
-        if table.batch not in (None, bufs.batch) or table.k not in (None, bufs.k):
+        if table.k is not None and (table.batch, table.k) != (bufs.batch, bufs.k):  # None: every layer is None
             raise ValueError(f"{table.label}: its layers hold B={table.batch} rows of k+1={table.k + 1} slots, but "
                              f"the round has B={bufs.batch} and k={bufs.k}")
         grid, block = state_copy_grid(table, bufs.batch)
-        return self.module.kernel("spec_state_copy").prepare(["ptr", "u32", "u32", "u32", "ptr"], grid, block).set(
+        return self.module.kernel("spec_state_copy").prepare(grid=grid, block=block).set(
             table, len(table.layers), bufs.batch, bufs.k, bufs.ctl_d)
 
     def prepare_state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> Launch:
         """Kernel 9: each row's state index moves to the kept slot of the bank the verify wrote.
         `table` comes from state_flip_table: u32[B] indices of this batch."""
         check_flip_table(table, bufs.batch)
-        return self._launch("spec_state_flip", ["ptr", "u32", "u32", "u32", "ptr"],
-                            table, table.len, bufs.batch, bufs.k, bufs.ctl_d, threads=table.len * bufs.batch)
+        return self._launch("spec_state_flip", table, table.len, bufs.batch, bufs.k, bufs.ctl_d,
+                            threads=table.len * bufs.batch)
 
-    def prepare_accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any,
+    def prepare_accept_sample(self, bufs: StreamBufs, p_d: BufferLike, q_d: BufferLike, seed_d: BufferLike,
                               vocab: int | None = None) -> Launch:
         """Stochastic acceptance (contract 6, ptx/spec_sample.ptx): see sampling.py."""
         return prepare_accept_sample(self.engine, bufs, p_d, q_d, seed_d, vocab)
 
-    def prepare_draft_sample(self, bufs: StreamBufs, q_d: Any, seed_d: Any, draft_d: Any, step: int,
-                             vocab: int) -> Launch:
+    def prepare_draft_sample(self, bufs: StreamBufs, q_d: BufferLike, seed_d: BufferLike, draft_d: BufferLike,
+                             step: int, vocab: int) -> Launch:
         """The draft's position-keyed draw of token `step` (contract 7, ptx/spec_sample.ptx): see
         sampling.py."""
         return prepare_draft_sample(self.engine, bufs, q_d, seed_d, draft_d, step, vocab)
 
-    def seed_gather(self, bufs: StreamBufs, rows_d: Any, row_words: int, out_d: Any) -> None:
+    def seed_gather(self, bufs: StreamBufs, rows_d: BufferLike, row_words: int, out_d: BufferLike) -> None:
         self.prepare_seed_gather(bufs, rows_d, row_words, out_d)()
 
-    def assemble_verify(self, bufs: StreamBufs, draft_d: Any) -> None:
+    def assemble_verify(self, bufs: StreamBufs, draft_d: BufferLike) -> None:
         self.prepare_assemble_verify(bufs, draft_d)()
 
-    def accept_greedy(self, bufs: StreamBufs, pred_d: Any) -> None:
+    def accept_greedy(self, bufs: StreamBufs, pred_d: BufferLike) -> None:
         self.prepare_accept_greedy(bufs, pred_d)()
 
     def ring_commit(self, bufs: StreamBufs) -> None:
@@ -164,13 +158,15 @@ class SpecKernels:
     def state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> None:
         self.prepare_state_flip(bufs, table)()
 
-    def accept_sample(self, bufs: StreamBufs, p_d: Any, q_d: Any, seed_d: Any, vocab: int | None = None) -> None:
+    def accept_sample(self, bufs: StreamBufs, p_d: BufferLike, q_d: BufferLike, seed_d: BufferLike,
+                      vocab: int | None = None) -> None:
         self.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)()
 
-    def draft_sample(self, bufs: StreamBufs, q_d: Any, seed_d: Any, draft_d: Any, step: int, vocab: int) -> None:
+    def draft_sample(self, bufs: StreamBufs, q_d: BufferLike, seed_d: BufferLike, draft_d: BufferLike, step: int,
+                     vocab: int) -> None:
         self.prepare_draft_sample(bufs, q_d, seed_d, draft_d, step, vocab)()
 
-    def _words(self, name: str, obj: Any) -> DeviceBuffer:
+    def _words(self, name: str, obj: BufferLike) -> DeviceBuffer:
         """A buffer of 32-bit words of any kind (rows of hidden states, say)."""
         buf = self.engine.buffer(obj, name)
         if buf.dtype.itemsize != 4:
@@ -178,13 +174,12 @@ class SpecKernels:
         return buf
 
 
-def spread(module: Any, name: str, types: list[str], values: tuple[object, ...], threads: int = 1,
-           rows: int = 1) -> Launch:
+def spread(module: Module, name: str, values: tuple[object, ...], threads: int = 1, rows: int = 1) -> Launch:
     """A prepared launch of `threads` spread over a 1-D grid of at most 1024 blocks (the kernels
     stride over what is left); `rows` > 1 gives each row its own grid row (y)."""
     block = min(max(32, threads), 256)
     grid = min((threads + block - 1) // block, 1024)
-    return module.kernel(name).prepare(types, (grid, rows) if rows > 1 else grid, block).set(*values)
+    return module.kernel(name).prepare(grid=(grid, rows) if rows > 1 else grid, block=block).set(*values)
 
 
 def check_flip_table(table: StateIndexTable, batch: int) -> None:
@@ -217,7 +212,7 @@ def batch_rows(name: str, buf: DeviceBuffer, batch: int, row: int, single: int |
     raise ValueError(f"{name} must hold {want} elements for a batch of {batch}, not {buf!r}")
 
 
-def token_buffer(engine: Engine, name: str, obj: Any) -> DeviceBuffer:
+def token_buffer(engine: Engine, name: str, obj: BufferLike) -> DeviceBuffer:
     """`obj` as a buffer of token ids, 32- or 64-bit integers (ids < 2**31): what every kernel
     that reads a model's tokens takes, at either width (width_kernel)."""
     buf = engine.buffer(obj, name)

@@ -6,16 +6,17 @@ draft) before anything is queued, and returns a prepared launch to keep and call
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..driver.buffer import DeviceBuffer
+from ..driver.buffer import BufferLike, DeviceBuffer
 from ..driver.module import Launch
 from ..driver.values import as_index
 from .spec import batch_rows, check_flip_table, spread, state_copy_grid, token_buffer, width_kernel
 from ..buffers.layout import MAX_TREE_DRAWS
 from .sampling import _exact
+from .signatures import load
 from ..buffers.tables import KVDataTable, StateIndexTable, StateTable
 from ..buffers.tree import DynamicTree, TreeBufs
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 THREADS = 256  # spec_tree.cu's TREE_THREADS: the block of the draw, judge and race kernels
 JUDGED_WORDS = 40  # spec_tree.cu's JUDGED_WORDS: one node's verdict in the judges' scratch
 PASS_PER_THREAD = 4  # spec_tree.cu's PASS_PER_THREAD: entries of V a thread of a judge pass loads at once
-_TREE = ["ptr", "u32", "u32", "u32", "u32"]  # the tree's nodes and (T1, W, D, B), which every kernel takes
 
 
 class TreeKernels:
@@ -36,7 +36,7 @@ class TreeKernels:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.module = engine.load_ptx("spec_tree")
+        self.module = load(engine, "spec_tree")
 
     def _tree(self, bufs: StreamBufs, tree: TreeBufs) -> tuple[DeviceBuffer, int, int, int, int]:
         if not isinstance(tree, TreeBufs) or tree.bufs is not bufs:
@@ -45,12 +45,12 @@ class TreeKernels:
 
     def prepare_begin(self, bufs: StreamBufs, tree: TreeBufs) -> Launch:
         """Kernel 10: node 0 is the pending token at pos_start = pos_ctr."""
-        return spread(self.module, "spec_tree_begin", [*_TREE, "ptr", "ptr", "ptr", "ptr"],
+        return spread(self.module, "spec_tree_begin",
                       (*self._tree(bufs, tree), bufs.pend_d, bufs.pos_ctr_d, bufs.pos_start_d, bufs.vtok_d),
                       threads=bufs.batch)
 
-    def prepare_grow(self, bufs: StreamBufs, tree: TreeBufs, level: int, tok_d: Any, logq_d: Any,
-                     sel_d: Any = None) -> Launch:
+    def prepare_grow(self, bufs: StreamBufs, tree: TreeBufs, level: int, tok_d: BufferLike, logq_d: BufferLike,
+                     sel_d: BufferLike | None = None) -> Launch:
         """Kernel 11: level `level` (1..D) placed from the candidates of the level before it,
         [B][T+1][K] tokens (32 or 64 bit), log-probabilities and selection scores (f32; the
         log-probabilities themselves where `sel_d` is None, as for a greedy draft)."""
@@ -66,12 +66,12 @@ class TreeKernels:
         elif shape.draws > K:
             raise ValueError(f"the tree asks for candidates up to rank {shape.draws - 1}, but the draft offers K = {K}")
         return self.module.kernel(width_kernel("spec_tree_grow", tok_d)).prepare(
-            [*_TREE, *["u32"] * 5, "ptr", "ptr", "ptr", "u32", "ptr", "u32", "ptr"], min(bufs.batch, 1024), THREADS
-        ).set(*args, level, prev_start, prev_stop, start, stop, tok_d, logq_d, sel_d, K,
-              0 if tree.shape_d is None else tree.shape_d, branch, bufs.pos_start_d)
+            grid=min(bufs.batch, 1024), block=THREADS).set(
+            *args, level, prev_start, prev_stop, start, stop, tok_d, logq_d, sel_d, K,
+            0 if tree.shape_d is None else tree.shape_d, branch, bufs.pos_start_d)
 
-    def prepare_draw(self, bufs: StreamBufs, tree: TreeBufs, level: int, q_d: Any, seed_d: Any, vocab: int,
-                     out: SampledCandidates) -> Launch:
+    def prepare_draw(self, bufs: StreamBufs, tree: TreeBufs, level: int, q_d: BufferLike, seed_d: BufferLike,
+                     vocab: int, out: SampledCandidates) -> Launch:
         """Kernel 12: level `level`'s children drawn from q_d (f32 [B][T+1][V]) into `out`."""
         args = self._tree(bufs, tree)
         level = _level(tree, level)
@@ -86,22 +86,20 @@ class TreeKernels:
         slices = max(1, min(-(-vocab // (4 * THREADS)), 16 * self.engine.multiprocessors // (bufs.batch * parents), 64))
         keys = self.engine.alloc(np.uint64, bufs.batch * tree.nodes * slices * 2 * out.draws, label="tree draw keys")
         counts = self.engine.zeros(np.uint32, bufs.batch * tree.nodes, label="tree draw counts")
-        return self.module.kernel("spec_tree_draw").prepare(
-            [*_TREE, "u32", "u32", "u32", "ptr", "ptr", "u32", "ptr", "ptr", "u32", "u32", *["ptr"] * 5],
-            (slices * parents, bufs.batch), THREADS
-        ).set(*args, level, prev_start, prev_stop, 0 if tree.shape_d is None else tree.shape_d, q_d, vocab, seed_d,
-              bufs.pos_start_d, out.draws, slices, out.tok_d, out.logq_d, out.sel_d, keys, counts)
+        return self.module.kernel("spec_tree_draw").prepare(grid=(slices * parents, bufs.batch), block=THREADS).set(
+            *args, level, prev_start, prev_stop, 0 if tree.shape_d is None else tree.shape_d, q_d, vocab, seed_d,
+            bufs.pos_start_d, out.draws, slices, out.tok_d, out.logq_d, out.sel_d, keys, counts)
 
-    def prepare_accept_greedy(self, bufs: StreamBufs, tree: TreeBufs, pred_d: Any) -> Launch:
+    def prepare_accept_greedy(self, bufs: StreamBufs, tree: TreeBufs, pred_d: BufferLike) -> Launch:
         """Kernel 13: the deepest path the target's predictions (pred_d, [B][T+1]) agree with."""
         args = self._tree(bufs, tree)
         pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, tree.nodes)
         return self.module.kernel(width_kernel("spec_tree_accept_greedy", pred_d)).prepare(
-            [*_TREE, *["ptr"] * 6], min(bufs.batch, 4096), 32).set(
+            grid=min(bufs.batch, 4096), block=32).set(
             *args, pred_d, bufs.vtok_d, bufs.brk_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d)
 
-    def prepare_accept_sample(self, bufs: StreamBufs, tree: TreeBufs, p_d: Any, q_d: Any, seed_d: Any,
-                              vocab: int) -> Callable[[], None]:
+    def prepare_accept_sample(self, bufs: StreamBufs, tree: TreeBufs, p_d: BufferLike, q_d: BufferLike,
+                              seed_d: BufferLike, vocab: int) -> Callable[[], None]:
         """Kernel 14 (a launch per child a node may try, and the race): every node tests its
         first child, then each rejection's residual mass is summed over many blocks a node and
         the next child tested; each row walks to its stop node and races the bonus there."""
@@ -111,21 +109,17 @@ class TreeKernels:
         q_d, seed_d, vocab = self._laws(bufs, tree, q_d, seed_d, vocab)
         engine, batch, nodes = self.engine, bufs.batch, tree.nodes
         judged = engine.zeros(np.uint32, batch * nodes * JUDGED_WORDS, label="tree verdicts")
-        judge = self.module.kernel("spec_tree_judge").prepare(
-            [*_TREE, "ptr", "ptr", "u32", "ptr", "ptr", "ptr", "ptr"], (nodes, batch), 64).set(
+        judge = self.module.kernel("spec_tree_judge").prepare(grid=(nodes, batch), block=64).set(
             *args, p_d, q_d, vocab, seed_d, bufs.pos_start_d, bufs.ctl_d, judged)
         slices = max(1, min(-(-vocab // (PASS_PER_THREAD * THREADS)), 16 * engine.multiprocessors // (batch * nodes)))
         partial = engine.alloc(np.float64, batch * nodes * slices, zeroed=True, label="tree residual sums")
         counts = engine.zeros(np.uint32, batch * nodes, label="tree residual counts")
-        passes = [self.module.kernel("spec_tree_judge_pass").prepare(
-            [*_TREE, "ptr", "ptr", "u32", "ptr", "ptr", "ptr", "u32", "u32", "ptr", "ptr"],
-            (slices * nodes, batch), THREADS).set(
+        passes = [self.module.kernel("spec_tree_judge_pass").prepare(grid=(slices * nodes, batch), block=THREADS).set(
             *args, p_d, q_d, vocab, seed_d, bufs.pos_start_d, judged, j, slices, partial, counts)
             for j in range(1, min(tree.tree.draws, MAX_TREE_DRAWS))]
         blocks = max(1, min(-(-vocab // (2 * THREADS)), 16 * engine.multiprocessors // batch))
         scratch = engine.alloc(np.uint64, 2 * batch, zeroed=True, label="tree race scratch")
-        race = self.module.kernel("spec_tree_race").prepare(
-            [*_TREE, "ptr", "ptr", "u32", *["ptr"] * 9], (blocks, batch), THREADS).set(
+        race = self.module.kernel("spec_tree_race").prepare(grid=(blocks, batch), block=THREADS).set(
             *args, p_d, q_d, vocab, seed_d, bufs.pos_start_d, judged, bufs.vtok_d, bufs.brk_d, bufs.acc_d,
             bufs.last_pred_d, bufs.ctl_d, scratch)
 
@@ -146,7 +140,7 @@ class TreeKernels:
         words = max((layer.nbytes // 4 for layer in table.layers if layer is not None), default=1)
         jobs = len(table.layers) * 2 * bufs.batch
         return self.module.kernel("spec_tree_compact").prepare(
-            ["ptr", "u32", *_TREE, "ptr", "ptr", "ptr"], min(jobs, 4096), min(-(-words // 32) * 32, 256)).set(
+            grid=min(jobs, 4096), block=min(-(-words // 32) * 32, 256)).set(
             table, len(table.layers), *args, bufs.acc_d, bufs.pos_start_d, bufs.ctl_d)
 
     def prepare_state_copy(self, bufs: StreamBufs, tree: TreeBufs, table: StateTable) -> Launch:
@@ -154,12 +148,12 @@ class TreeKernels:
         args = self._tree(bufs, tree)
         if not isinstance(table, StateTable):
             raise TypeError(f"a state copy table must be a StateTable (state_copy_table builds one), not {table!r}")
-        if table.batch not in (None, bufs.batch) or table.k not in (None, tree.nodes - 1):
+        if table.k is not None and (table.batch, table.k) != (bufs.batch, tree.nodes - 1):  # None: no layer
             raise ValueError(f"{table.label}: its layers hold B={table.batch} rows of k+1={table.k + 1} slots, but "
                              f"the tree round has B={bufs.batch} and a slot for each of its {tree.nodes} nodes "
                              f"(StateLayer(..., k={tree.nodes - 1}))")
         grid, block = state_copy_grid(table, bufs.batch)
-        return self.module.kernel("spec_tree_state_copy").prepare(["ptr", "u32", *_TREE, "ptr"], grid, block).set(
+        return self.module.kernel("spec_tree_state_copy").prepare(grid=grid, block=block).set(
             table, len(table.layers), *args, bufs.ctl_d)
 
     def prepare_state_flip(self, bufs: StreamBufs, tree: TreeBufs, table: StateIndexTable) -> Launch:
@@ -167,11 +161,11 @@ class TreeKernels:
         verify wrote (2(T+1) slots a row)."""
         args = self._tree(bufs, tree)
         check_flip_table(table, bufs.batch)
-        return spread(self.module, "spec_tree_state_flip", ["ptr", "u32", *_TREE, "ptr"],
-                      (table, table.len, *args, bufs.ctl_d), threads=table.len * bufs.batch)
+        return spread(self.module, "spec_tree_state_flip", (table, table.len, *args, bufs.ctl_d),
+                      threads=table.len * bufs.batch)
 
-    def _candidates(self, bufs: StreamBufs, tree: TreeBufs, tok_d: Any, logq_d: Any,
-                    sel_d: Any) -> tuple[DeviceBuffer, DeviceBuffer, DeviceBuffer, int]:
+    def _candidates(self, bufs: StreamBufs, tree: TreeBufs, tok_d: BufferLike, logq_d: BufferLike,
+                    sel_d: BufferLike) -> tuple[DeviceBuffer, DeviceBuffer, DeviceBuffer, int]:
         """Candidates [B][T+1][K]: K from the log-probabilities, the others checked against it."""
         rows = bufs.batch * tree.nodes
         logq = self.engine.buffer(logq_d, "candidates' logp_d")
@@ -187,7 +181,7 @@ class TreeKernels:
                              f"not {tok!r}")
         return tok, logq, sel, K
 
-    def _laws(self, bufs: StreamBufs, tree: TreeBufs, law_d: Any, seed_d: Any, vocab: int,
+    def _laws(self, bufs: StreamBufs, tree: TreeBufs, law_d: BufferLike, seed_d: BufferLike, vocab: int,
               name: str = "q_d") -> tuple[DeviceBuffer, DeviceBuffer, int]:
         """A law per node, f32 [B][T+1][V], and the rows' seeds, u64 (or i64) [B]."""
         vocab = as_index(vocab, "vocab")

@@ -1,6 +1,6 @@
 """Device-resident generation: a RoundStream's rounds inside conditional WHILE graph nodes, so
 one graph launch generates until every row is done, and the committed tokens streamed to the
-host through mapped pinned memory while it runs (docs/round-stream.md, "Device mode").
+host through mapped pinned memory while it runs (docs/device-mode.md).
 
 The host launches once and then only watches: each round's tokens are published on a branch of
 the graph beside the next round (spec_ring_publish), and a decider kernel after every pass
@@ -11,24 +11,22 @@ the long middle pays the per-pass cost once per M rounds.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..buffers.layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
 from ..driver.buffer import MappedBuffer
+from ..driver.errors import MemraError
 from ..driver.event import Event
 from ..driver.graph import Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join
-from ..buffers.layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
+from ..kernels.signatures import load
 from .pace import pass_lengths
-from ..driver.errors import MemraError
+from .schedule import Schedule
 
 if TYPE_CHECKING:
+    from ..driver.engine import Engine
     from .round import Round
 
 Step = Callable[[], None]
@@ -36,6 +34,7 @@ Step = Callable[[], None]
 
 RUNNING = ("a device-mode loop is still running on these buffers: read its tokens to the end (follow()) or "
            "close() them first")
+FREED = "the token feed was freed: the loop that published into it was replaced or its buffers freed"
 
 
 class RoundCapError(MemraError, RuntimeError):
@@ -51,8 +50,8 @@ class Landed:
     """Tokens the host found published since it last looked: row b's are `tokens[b]` (empty
     where none), with the device's %globaltimer (ns, low 32 bits) at their publishing, right
     after their commit, in `stamps[b]`; `counts[b]` of them, `total` in all. `seen_ns` is when
-    the host took them (time.perf_counter_ns), and `running` whether the loop was still running
-    then.
+    the host took them (by its Schedule's clock: time.perf_counter_ns unless given another), and
+    `running` whether the loop was still running then.
 
     A look only reads the counts: the tokens and stamps are copied out of the token feed when
     first asked for, so the host pays for what it reads, not per look. They stay there until the
@@ -99,21 +98,9 @@ class TokenFeed:
     their stamps (u32[B][cap] each). The device writes tokens and stamps, then
     __threadfence_system(), then the count, so the host reads a count first and may then read
     every token below it. The host learns that the loop ended from the memory too, with no
-    driver call per look."""
+    driver call per look; when to look is its Schedule's."""
 
-    # The host looks for tokens when the rounds are due to commit them, aiming LOOK_S or more
-    # past the last publish it saw: on the H200's host a look costs 6-15 µs of CPU (its sleep
-    # alone ~5 µs), so looks every three rounds of the bare toy hold the delay near a round and
-    # cost a sixth to a third of a core; every 150 µs, a tenth to a fifth (docs/round-stream.md,
-    # "How the host waits"). It wakes EARLY_S before the commit for the sleep's own lateness;
-    # a look that comes early (it finds nothing, or not yet the publish it was aimed at) looks
-    # again RETRY_S later (before the first round is timed, twice as late each time, up to 1 ms).
-    LOOK_S = 60e-6
-    EARLY_S = 5e-6
-    RETRY_S = 10e-6
-    STALL_S = 10e-3  # nothing landed for this long: ask the driver whether the device faulted
-
-    def __init__(self, engine: Any, batch: int, cap: int):
+    def __init__(self, engine: Engine, batch: int, cap: int):
         self.batch, self.cap = batch, cap
         self.looks = self.empty_looks = 0  # the last follow()'s looks, and those that found nothing
         rows = HEAD_WORDS + batch
@@ -137,6 +124,8 @@ class TokenFeed:
 
     def clear(self) -> None:
         """Zero the head and the counts before a launch (the loop before it has finished)."""
+        if self._head is None or self._counts is None:
+            raise ValueError(FREED)
         self._head[:] = 0
         self._counts[:] = 0
         self.seen = [0] * self.batch
@@ -146,10 +135,14 @@ class TokenFeed:
         """The head's words, read in order (HEAD_ENDED, HEAD_SEQ, HEAD_STAMP): the loop had ended
         before the publishes were counted, which were counted before the stamp was read, and a
         count read after them all covers at least what they say."""
+        if self._head is None:
+            raise ValueError(FREED)
         return self._head.tolist()
 
     def take(self, seen_ns: int, running: bool) -> Landed | None:
         """What was published since the last take, or None if nothing was."""
+        if self._counts is None:
+            raise ValueError(FREED)
         end = self._counts.tolist()  # the counts first: every token below them is written
         start = self.seen
         if end == start:
@@ -160,87 +153,44 @@ class TokenFeed:
     def rows(self, what: str, launch: int, start: list[int], end: list[int]) -> list[np.ndarray]:
         """Copies of each row's `what` ("tokens" or "stamps") from start[b] to end[b], published
         by launch number `launch`: ValueError once the feed is cleared for another."""
-        if launch != self.launches or self._tokens is None:
+        block = self._tokens if what == "tokens" else self._stamps
+        if launch != self.launches or block is None:
             raise ValueError(f"these {what} were published by an earlier launch of the device loop, whose token "
                              "feed has been reused (or freed) since: take them before the next request")
-        block = self._tokens if what == "tokens" else self._stamps
         return [block[b, a:e].copy() for b, (a, e) in enumerate(zip(start, end))]
 
-    def follow(self, spin: bool = False, look_s: float = LOOK_S,
-               check: Callable[[], object] | None = None) -> Iterator[Landed]:
+    def follow(self, schedule: Schedule | None = None,
+               check: Callable[[], object] | None = None) -> Generator[Landed, None, None]:
         """Each batch of tokens as the host finds them published, until the loop has ended (the
-        head says so) and its last tokens are taken. The host sleeps between looks, at the
-        moments rounds are due to commit, aiming `look_s` (LOOK_S) or more past the last publish
-        it saw, unless `spin`. `check` (raising if the device faulted) is called whenever
-        nothing has landed for STALL_S: a loop that faulted never sets its last word.
-
-        When is the next commit due? The head's stamp is device time, the host's clock another:
-        the delay a look sees (seen - stamp) is their offset plus the look's lateness; the stamps
-        of two looks over the publishes between them give a round. The host sleeps until the
-        first round due `look_s` or more after the last publish, less EARLY_S, aiming by the
-        delay of a look that came a retry after an early one (one that found nothing, or not yet
-        the publish it was aimed at: late by at most a retry), and before one has, by the
-        smallest delay seen less a growing margin."""
-        clock, sleep = _clock, _sleep
-        look_ns, early_ns, retry_s = int(look_s * 1e9), int(self.EARLY_S * 1e9), self.RETRY_S
-        stall_ns, landed_ns = int(self.STALL_S * 1e9), clock()
-        seq_seen, stamp_seen, round_ns, lag_ns = 0, 0, 0, None
-        retry = retry_s  # the wait after an empty look
-        # prompt: this look comes a short retry after one that came before the publish it was
-        # aimed at (aimed: that publish's number); trusted: a prompt look has set the lag to aim
-        # by; creep: how much earlier than that lag to aim until one has.
-        prompt, trusted, creep, aimed = False, False, 0, 0
+        head says so) and its last tokens are taken. The host looks when `schedule` (Schedule's
+        defaults where None) says, sleeping between looks; a look reads the head and the counts
+        alone. `check` (raising if the device faulted) is called whenever nothing has landed for
+        Schedule.STALL_S: a loop that faulted never sets its last word."""
+        schedule = Schedule() if schedule is None else schedule
         self.looks = self.empty_looks = 0
-        with _fine_timer():
+        schedule.begin()
+        with schedule.slack():
             while True:
                 head = self.head()  # the loop ended before this: all is published
                 ended, seq, stamp = head[HEAD_ENDED], head[HEAD_SEQ], head[HEAD_STAMP]
                 self.looks += 1
-                if seq == seq_seen and not ended:  # early: again soon (backing off while no round is timed)
+                if seq == schedule.publishes and not ended:  # early: again soon
                     self.empty_looks += 1
-                    prompt = retry <= retry_s
-                    wait_s, retry = retry, (retry_s if round_ns else min(2 * retry, 1e-3))
-                    if check is not None and clock() - landed_ns > stall_ns:
-                        check()
-                        landed_ns = clock()
+                    schedule.early(check)
                 else:
-                    retry = retry_s
-                    now = landed_ns = clock()
+                    now = schedule.clock()
                     landed = self.take(now, running=not ended)
-                    lag = (now - stamp) & MASK32
-                    if seq_seen and seq > seq_seen:
-                        round_ns = max(_signed(stamp - stamp_seen) // (seq - seq_seen), 0)
-                    seq_seen, stamp_seen = seq, stamp
-                    # The delay a look sees is the offset of the clocks plus how late it came. A
-                    # look a retry after an early one came within a retry of the publish: its
-                    # delay is the one to aim by. Until one has, each look aims earlier (by a
-                    # sixteenth of a round, doubling), so a first publish seen late after a long
-                    # backoff does not keep every later look as late.
-                    if prompt:
-                        lag_ns, trusted, creep = lag, True, 0
-                    else:
-                        lag_ns = lag if lag_ns is None or _signed(lag - lag_ns) < 0 else lag_ns
-                        if not trusted and round_ns:
-                            creep = min(max(2 * creep, round_ns // 16), round_ns // 2)
-                    # A look that came before the publish it was aimed at (it found the one
-                    # before) looks again a retry later, and that look's delay is trusted: else
-                    # a host aiming early would take each early look's publish for its aim and
-                    # look every ahead - 1 rounds, more often than look_s.
-                    prompt = seq < aimed
                     if landed is not None:
                         yield landed
                     if ended:
                         return
-                    if prompt:
-                        wait_s = retry_s
-                    else:
-                        ahead = -(-look_ns // round_ns) if round_ns else 1
-                        due = stamp + lag_ns - creep + ahead * round_ns - early_ns  # host time, low 32 bits
-                        wait_s, aimed = _signed(due - clock()) * 1e-9, seq + ahead
-                sleep(0 if spin else max(wait_s, retry_s))
+                    schedule.found(seq, stamp, now)
+                schedule.wait()
 
     def tokens(self) -> list[np.ndarray]:
         """Every row's tokens published since the launch (copies)."""
+        if self._counts is None:
+            raise ValueError(FREED)
         return self.rows("tokens", self.launches, [0] * self.batch, self._counts.tolist())
 
     def free(self) -> None:
@@ -277,8 +227,7 @@ class DeviceLoop:
                                   "operations inside a conditional node's body are untried; use graph or overlap mode")
         check_loops(engine)  # before the decider's module, which an older driver cannot load
         self.engine, self.round, self.bufs = engine, round, bufs
-        self._decide = engine.load_ptx("device_loop").kernel("spec_loop_decide").prepare(
-            ["ptr", "ptr", "ptr", "u32", "ptr", "u64", "u32", "u32", "u32"], 1, 256)
+        self._decide = load(engine, "device_loop").kernel("spec_loop_decide").prepare(grid=1, block=256)
         # The cap, the rounds run, the publishes, then each row's published tokens: one memset
         # zeroes all but the cap.
         self._state_d = engine.zeros(np.uint32, 3 + bufs.batch, label="device loop state")
@@ -288,8 +237,7 @@ class DeviceLoop:
         self._paced: bool | None = None
         self._event = Event(engine)
         self.captures = 0  # loop graphs captured
-        self.spin = False  # follow() spins instead of sleeping between looks
-        self.look_s = TokenFeed.LOOK_S  # and aims its looks this far apart at least
+        self.schedule = Schedule()  # when follow() looks at the feed (look_s, spin; the host's clock and sleep)
 
     def prepare(self, cap: int, paced: bool) -> None:
         """Capture the loop for a token feed of `cap` tokens per row and the given pacing,
@@ -299,29 +247,34 @@ class DeviceLoop:
         running one is never replaced (BuffersHeld)."""
         self.bufs.check_free()
         cap = 1 << (max(cap, 1) - 1).bit_length()
-        if self._graph is not None and self._feed.cap >= cap and self._paced == paced:
+        last_feed, last_graph = self._feed, self._graph
+        if last_graph is not None and last_feed is not None and last_feed.cap >= cap and self._paced == paced:
             return
-        feed = TokenFeed(self.engine, self.bufs.batch, max(cap, self._feed.cap if self._feed else 0))
+        feed = TokenFeed(self.engine, self.bufs.batch, max(cap, last_feed.cap if last_feed else 0))
         try:
             graph = self._capture(feed, paced)
         except BaseException:
             feed.free()
             raise
-        if self._graph is not None:
-            self._graph.free()
-            self._feed.free()
+        if last_graph is not None:
+            last_graph.free()
+        if last_feed is not None:
+            last_feed.free()
         self._feed, self._graph, self._paced = feed, graph, paced
         self.captures += 1
 
     def launch(self, max_rounds: int) -> None:
         """Take the buffers, clear the feed, set the round cap and launch the loop (prepare
         first); its readback, at the end, covers every round it runs."""
+        feed, graph = self._feed, self._graph
+        if feed is None or graph is None:
+            raise ValueError("the device loop is launched once prepare() has captured it")
         self.bufs.hold(self, RUNNING)
-        self._feed.clear()
+        feed.clear()
         self.engine.set_u32(self._state_d, 0, max_rounds)
-        self._graph.launch()
+        graph.launch()
         self._event.record()
-        self.bufs.queued(0, readback=0)
+        self.bufs.ledger.queued(0, readback=0)
 
     def skip(self) -> None:
         """A generation with nothing to generate launches nothing: the feed is cleared, so
@@ -330,11 +283,14 @@ class DeviceLoop:
         if self._feed is not None:
             self._feed.clear()
 
-    def follow(self) -> Iterator[Landed]:
-        """Each batch of tokens as the host finds them published (TokenFeed.follow), until the
-        loop has ended and its last tokens are taken; a faulted device raises instead of being
-        waited for (the loop's event is asked when nothing has landed for a while)."""
-        return self._feed.follow(self.spin, self.look_s, check=self._event.query)
+    def follow(self) -> Generator[Landed, None, None]:
+        """Each batch of tokens as the host finds them published (TokenFeed.follow), looking when
+        `schedule` says, until the loop has ended and its last tokens are taken; a faulted device
+        raises instead of being waited for (the loop's event is asked when nothing has landed for
+        a while)."""
+        if self._feed is None:
+            raise ValueError("the device loop is followed once prepare() has captured it and launch() launched it")
+        return self._feed.follow(self.schedule, check=self._event.query)
 
     @property
     def looks(self) -> tuple[int, int]:
@@ -399,44 +355,6 @@ class DeviceLoop:
             graph.issue(read_back)
 
         return Graph(engine, lambda: None, capture=rounds.loop_capture(build))
-
-
-MASK32 = 2**32 - 1
-_clock, _sleep = time.perf_counter_ns, time.sleep  # the host's clock and sleep while it follows
-
-
-def _signed(ns: int) -> int:
-    """A difference of two low-32-bit nanosecond times, as the signed span it stands for."""
-    return (ns + 2**31) % 2**32 - 2**31
-
-
-@contextlib.contextmanager
-def _fine_timer() -> Iterator[None]:
-    """Linux sleeps at least the thread's timer slack (50 µs by default) past what was asked:
-    while the host follows a loop, 1 µs, then what it was."""
-    prctl = _prctl()
-    if prctl is None:
-        yield
-        return
-    before = prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
-    prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, ns
-    try:
-        yield
-    finally:
-        prctl(29, before, 0, 0, 0)
-
-
-@functools.cache
-def _prctl() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.restype = ctypes.c_long
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    return prctl
 
 
 __all__ = ["DeviceLoop", "Landed", "LoopUnsupported", "RUNNING", "RoundCapError", "TokenFeed"]

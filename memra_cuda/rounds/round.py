@@ -42,11 +42,11 @@ def chain(launches: Sequence[Step]) -> Step:
 
 @dataclass(frozen=True)
 class Stages:
-    """What a pipeline of stages on several engines (models/pipeline.py) adds to a round:
-    `engines`, the other stages' engines, whose streams the callables fork to and join back
-    from (their work joins the burst graph); `round_tail`, queued after this stage's rollback
-    (the accept state sent back, the other stages' rollbacks); `capacity`, the fewest KV
-    entries the other stages' caches hold."""
+    """What a pipeline of stages on several engines (the toy's: testing/toy/pipeline.py) adds to a
+    round: `engines`, the other stages' engines, whose streams the callables fork to and join
+    back from (their work joins the burst graph); `round_tail`, queued after this stage's
+    rollback (the accept state sent back, the other stages' rollbacks); `capacity`, the fewest
+    KV entries the other stages' caches hold."""
 
     engines: Sequence[Engine]
     round_tail: Step | None = None
@@ -100,14 +100,14 @@ class Round:
         self.loop_capture = framework.loop_capture or loops
         self.joined = tuple(stages.engines)  # the other stages' engines, whose work a burst graph holds
         self.pipelined = bool(self.joined) or stages.round_tail is not None
-        self.before_commit = tuple(before_commit())
+        self.before_commit: tuple[Step, ...] = tuple(before_commit())
         self.commit = kernels.prepare_ring_commit(bufs)
-        self.after_commit = (
+        self.after_commit: tuple[Step, ...] = (
             *(kernels.prepare_rollback(bufs, table) for table in tables),
             *(self._roll_back_state(table) for table in states),
             *([stages.round_tail] if stages.round_tail is not None else []),
         )
-        self.steps = (*self.before_commit, self.commit, *self.after_commit)
+        self.steps: tuple[Step, ...] = (*self.before_commit, self.commit, *self.after_commit)
 
     def _roll_back_state(self, table: StateTable | StateIndexTable) -> Step:
         """The live state after the round's kept tokens: a chain's slot keep - 1 (kernels 8, 9)."""

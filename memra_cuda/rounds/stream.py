@@ -1,8 +1,9 @@
 """RoundStream: the modes that run a Round's rounds, and the generation loops over them.
 
-What a round is lives in round.py, how far a burst may go in capacity.py, how long it should be
-in pace.py, device mode's loop in device_loop.py; here the modes are chosen between, bursts
-queued and read back, and the tokens gathered per row.
+What a round is lives in round.py, how far a burst may go in buffers/capacity.py, how long it
+should be in pace.py, device mode's loop in device_loop.py; here the modes are chosen between,
+bursts queued and read back (each entered in the buffers' ledger), and the tokens gathered per
+row.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import enum
 import functools
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -122,14 +123,14 @@ class RoundStream:
         rounds = self._burst_rounds(rounds)
         self._check(rounds)
         self.round.issue(rounds)
-        self.bufs.queued(rounds)
+        self.bufs.ledger.queued(rounds)
         self.rounds += rounds
 
     def _check(self, rounds: int) -> None:
         """Refuse a burst of `rounds` that the buffers, their rings or the caches cannot take."""
         bufs = self.bufs
         bufs.check_free(rounds)
-        self.round.capacity.check_burst(bufs.positions, bufs.done, rounds, bufs.unseen_rounds)
+        self.round.capacity.check_burst(bufs.positions, bufs.done, rounds, bufs.ledger.unseen_rounds)
 
     def _queue(self, mode: Mode, rounds: int, slot: int = 0) -> None:
         """Check a burst, then queue it and its readback into pinned `slot` (a graph's replay,
@@ -137,11 +138,11 @@ class RoundStream:
         self._check(rounds)
         if mode is Mode.READBACK or mode is Mode.EAGER:
             self.round.issue(rounds)
-            self.bufs.queued(rounds)
+            self.bufs.ledger.queued(rounds)
             self.bufs.queue_readback(slot)
         else:  # the captured graph straight from the dict: graph_for validates again
             (self._graphs.get((slot, rounds)) or self.graph_for(slot, rounds)).launch()
-            self.bufs.queued(rounds, readback=slot)
+            self.bufs.ledger.queued(rounds, readback=slot)
         self.rounds += rounds
 
     def _receive(self, slot: int, rounds: int, event: Event | None = None) -> Readback:
@@ -247,7 +248,7 @@ class RoundStream:
         bufs.check_free()
         rounds = self.rounds_per_step(mode)
         if budgets.any():
-            self.round.capacity.check_burst(bufs.positions, budgets == 0, rounds, bufs.unseen_rounds)
+            self.round.capacity.check_burst(bufs.positions, budgets == 0, rounds, bufs.ledger.unseen_rounds)
         bufs.set_stop(stops, budgets.tolist())
         out: list[list[np.ndarray]] = [[] for _ in range(bufs.batch)]
         pace = Pace(budgets, rounds, cut=self.pace and rounds > 1)
@@ -288,7 +289,7 @@ class RoundStream:
             live, queued = ~bufs.done, 0
             if pace.needed(live, flight):
                 queued = pace.rounds(live, in_flight=flight)
-                if room.burst_short(bufs.positions, bufs.done, queued, bufs.unseen_rounds).size:
+                if room.burst_short(bufs.positions, bufs.done, queued, bufs.ledger.unseen_rounds).size:
                     queued = 0
                 else:
                     self._queue(Mode.OVERLAP, queued, 1 - slot)
@@ -333,7 +334,7 @@ class RoundStream:
         stops = per_row(eos, bufs.batch, "eos")
         max_rounds, most = _loop_budget(budgets, max_rounds, bufs.k)
         done = most == 0
-        self.round.capacity.check_loop(bufs.positions, most, done, bufs.unseen_rounds)
+        self.round.capacity.check_loop(bufs.positions, most, done, bufs.ledger.unseen_rounds)
         if done.all():  # nothing to generate: nothing launches, nor needs a loop
             bufs.set_stop(stops, budgets)
             if self._device is not None:
@@ -354,7 +355,7 @@ class _Following(Iterator[Landed]):
 
     def __init__(self, rounds: RoundStream, loop: DeviceLoop, max_rounds: int):
         self._rounds, self._loop, self._max_rounds = rounds, loop, max_rounds
-        self._landed: Iterator[Landed] | None = loop.follow()
+        self._landed: Generator[Landed, None, None] | None = loop.follow()
 
     def __next__(self) -> Landed:
         if self._landed is None:
@@ -383,7 +384,8 @@ class _Following(Iterator[Landed]):
 
     def _end(self, check_cap: bool) -> None:
         landed, self._landed = self._landed, None
-        landed.close()  # a follow() still running restores the thread's timer slack
+        if landed is not None:
+            landed.close()  # a follow() still running restores the thread's timer slack
         done, ran = self._loop.finish()
         self._rounds.rounds += ran
         self._rounds.bursts += 1
@@ -405,11 +407,11 @@ def _loop_budget(budgets: list[int | None], max_rounds: int | None, k: int) -> t
     if max_rounds is None:
         if None in budgets:
             raise ValueError("a row without a token budget needs a round cap: pass max_rounds")
-        max_rounds = max(budgets)
+        cap = max(n for n in budgets if n is not None)
     else:
-        max_rounds = _count(max_rounds, "max_rounds", 2**31 - 1)
-    most = [max_rounds * (k + 1) if n is None else min(n, max_rounds * (k + 1)) for n in budgets]
-    return max_rounds, np.array(most, np.int64)
+        cap = _count(max_rounds, "max_rounds", 2**31 - 1)
+    most = [cap * (k + 1) if n is None else min(n, cap * (k + 1)) for n in budgets]
+    return cap, np.array(most, np.int64)
 
 
 def _count(value: Any, name: str, most: int) -> int:

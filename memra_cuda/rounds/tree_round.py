@@ -55,6 +55,7 @@ class TreeRound(Round):
         if isinstance(acceptance, Greedy):
             if not isinstance(candidates, Candidates):
                 raise TypeError("a greedy tree round needs the draft's candidates=Candidates(tok_d, logp_d)")
+            offered = candidates
         elif isinstance(acceptance, Sampling):
             if candidates is not None:
                 raise ValueError("a sampled tree draws its own children from q_d: candidates= is for greedy trees")
@@ -84,7 +85,7 @@ class TreeRound(Round):
             else:
                 for level in range(1, tree.depth + 1):
                     steps += [levels[level - 1],
-                              trees.prepare_grow(bufs, tree_bufs, level, candidates.tok_d, candidates.logp_d)]
+                              trees.prepare_grow(bufs, tree_bufs, level, offered.tok_d, offered.logp_d)]
                 accept = trees.prepare_accept_greedy(bufs, tree_bufs, acceptance.pred_d)
             steps += [levels[-1], verify_tree, accept]
             if kv_data is not None:

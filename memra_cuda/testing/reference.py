@@ -1,4 +1,5 @@
-"""The executable specification of ptx/spec_stream.cu and ptx/spec_sample.cu, in numpy.
+"""The executable specification of ptx/spec_stream.cu and ptx/spec_sample.cu, in numpy: what a
+test of one's own kernels, or of the committed ones on a new GPU, compares the buffers with.
 
 One function per kernel, named after it, taking the same buffers as numpy arrays (u32 buffers
 as uint32, i32 buffers as int32) and updating them in place exactly as the kernel does,
@@ -6,19 +7,21 @@ clamps included. It is the oracle of the GPU tests and the plainest statement of
 Each takes `batch` (B, default 1) as its kernel does: every buffer then holds B rows, row-major
 (docs/buffers.md, "Batched layout"), and the single-sequence contract applies to each row alone.
 Token buffers the model writes (draft, pred) may be 32- or 64-bit: ids are < 2**31, and the
-kernels read the low 32 bits of a 64-bit word (`ids`). Rows are laid out as memra_cuda.layout says.
+kernels read the low 32 bits of a 64-bit word (`ids`). Rows are laid out as
+memra_cuda.buffers.layout says.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import numpy.typing as npt
 
 from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MARK, BRK_WORDS, CTL_BUDGET, CTL_DONE,
                               CTL_EOS, CTL_KEEP, CTL_WORDS, RING_COUNT, RING_TOKENS)
 from .philox import uniform
 
-# ctl_d's words by the short names the tests and models/toy.py index it with
+# ctl_d's words by the short names the tests and the toy (testing.toy) index it with
 EOS, BUDGET, DONE, KEEP = CTL_EOS, CTL_BUDGET, CTL_DONE, CTL_KEEP
 
 
@@ -162,7 +165,8 @@ def probabilities(x: np.ndarray) -> np.ndarray:
     return np.where(x > 0, x, np.float32(0))
 
 
-def race_scores(w: np.ndarray, seed, position, purpose: int, node=0) -> np.ndarray:
+def race_scores(w: np.ndarray, seed: npt.ArrayLike, position: npt.ArrayLike, purpose: int,
+                node: npt.ArrayLike = 0) -> np.ndarray:
     """The exponential race's float64 scores w[v] / E_v, E_v = -ln U(seed, position, v, purpose, node), over
     the last axis of w (leading axes are rows; seed and position broadcast against them); -inf where
     w[v] is not positive (zero, negative, NaN), so such an entry never wins."""
@@ -172,7 +176,7 @@ def race_scores(w: np.ndarray, seed, position, purpose: int, node=0) -> np.ndarr
     return np.where(w > 0, w / e, -np.inf)
 
 
-def sample_race(w: np.ndarray, seed, position, purpose: int, node: int = 0) -> int:
+def sample_race(w: np.ndarray, seed: npt.ArrayLike, position: npt.ArrayLike, purpose: int, node: int = 0) -> int:
     """The token drawn from unnormalised weights w at an absolute position: argmax over w[v] > 0 of
     w[v] / E_v, ties to the smallest v. With E_v independent Exp(1), v wins with probability
     w[v] / sum(w), so no normalisation, prefix sum or second pass over V is needed, and a kernel

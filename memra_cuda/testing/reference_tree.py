@@ -1,6 +1,6 @@
 """The executable specification of the tree kernels (docs/trees.md, kernels 10 to 17), in numpy.
 
-The tree round's twin of memra_cuda.reference, and for the same reason: the GPU tests compare the
+The tree round's twin of testing.reference, and for the same reason: the GPU tests compare the
 kernels against it word for word, so it computes what they compute, in their arithmetic (f32
 where a kernel holds f32, f64 sums rounded to f32 where the contract says so) and with their
 clamps, and it is the plainest statement of the contracts. One function per kernel, named after
@@ -17,10 +17,11 @@ a node whose parent is not before it is never a child, never accepted.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
+import numpy.typing as npt
 
 from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_MARK, BRK_WORDS, CTL_DONE, CTL_KEEP, CTL_WORDS,
                               MAX_TREE_DRAWS, ROOT_PARENT, VOID_RANK)
@@ -30,6 +31,8 @@ from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SA
 from .reference import probabilities as chain_probabilities
 
 _U32 = 0xFFFFFFFF
+_NEG_INF = np.float32(-np.inf)
+Levels = Sequence[tuple[int, int]]  # each depth's nodes [start, stop), as TreeShape.levels has them
 
 
 def probabilities(x: np.ndarray) -> np.ndarray:
@@ -37,7 +40,6 @@ def probabilities(x: np.ndarray) -> np.ndarray:
     probability (the chain's keep +inf; a tree's residual would make NaN of it)."""
     x = chain_probabilities(x)
     return np.where(np.isinf(x), np.float32(0), x)
-_NEG_INF = np.float32(-np.inf)
 
 
 def _i32(value: int) -> int:
@@ -84,14 +86,28 @@ class TreeArrays:
                    mask=np.zeros(n * words, np.uint32), score=np.zeros(n, np.float32),
                    path=np.zeros(batch * (depth_max + 1), np.uint32))
 
-    def row(self, b: int) -> SimpleNamespace:
-        """Views of row b: tok, parent, depth, rank, pos, score [T1], mask [T1][W], path [D+1]."""
+    def row(self, b: int) -> TreeRow:
+        """Views of row b, which the kernels' functions update in place."""
         t1, w, p = self.nodes, self.words, self.depth_max + 1
-        return SimpleNamespace(tok=self.tok[b * t1:(b + 1) * t1], parent=self.parent[b * t1:(b + 1) * t1],
-                               depth=self.depth[b * t1:(b + 1) * t1], rank=self.rank[b * t1:(b + 1) * t1],
-                               pos=self.pos[b * t1:(b + 1) * t1], score=self.score[b * t1:(b + 1) * t1],
-                               mask=_rows(self.mask[b * t1 * w:(b + 1) * t1 * w], t1, w),
-                               path=self.path[b * p:(b + 1) * p])
+        return TreeRow(tok=self.tok[b * t1:(b + 1) * t1], parent=self.parent[b * t1:(b + 1) * t1],
+                       depth=self.depth[b * t1:(b + 1) * t1], rank=self.rank[b * t1:(b + 1) * t1],
+                       pos=self.pos[b * t1:(b + 1) * t1], score=self.score[b * t1:(b + 1) * t1],
+                       mask=_rows(self.mask[b * t1 * w:(b + 1) * t1 * w], t1, w), path=self.path[b * p:(b + 1) * p])
+
+
+@dataclass(frozen=True)
+class TreeRow:
+    """One row of a TreeArrays, as views into it: tok, parent, depth, rank, pos, score [T1],
+    mask [T1][W], path [D+1]."""
+
+    tok: np.ndarray
+    parent: np.ndarray
+    depth: np.ndarray
+    rank: np.ndarray
+    pos: np.ndarray
+    score: np.ndarray
+    mask: np.ndarray
+    path: np.ndarray
 
 
 def mask_bits(mask_row: np.ndarray) -> set[int]:
@@ -124,7 +140,7 @@ def spec_tree_begin(t: TreeArrays, pend: np.ndarray, pos_ctr: np.ndarray, pos_st
 
 # -- 12. spec_tree_draw (sampling) -----------------------------------------------------------
 
-def spec_tree_draw(t: TreeArrays, level: int, levels: list, q: np.ndarray, V: int, seed: np.ndarray,
+def spec_tree_draw(t: TreeArrays, level: int, levels: Levels, q: np.ndarray, V: int, seed: np.ndarray,
                    pos_start: np.ndarray, draws: int, cand_tok: np.ndarray, cand_logq: np.ndarray,
                    cand_sel: np.ndarray, batch: int = 1) -> None:
     """The draws that make `level` (d + 1): each non-void node p of level d = level - 1
@@ -159,7 +175,7 @@ def spec_tree_draw(t: TreeArrays, level: int, levels: list, q: np.ndarray, V: in
 
 # -- 11. spec_tree_grow ----------------------------------------------------------------------
 
-def spec_tree_grow(t: TreeArrays, level: int, levels: list, cand_tok: np.ndarray, cand_logq: np.ndarray,
+def spec_tree_grow(t: TreeArrays, level: int, levels: Levels, cand_tok: np.ndarray, cand_logq: np.ndarray,
                    cand_sel: np.ndarray, K: int, pos_start: np.ndarray, *, shape_parent: np.ndarray | None = None,
                    shape_rank: np.ndarray | None = None, width: int | None = None, branch: int | None = None,
                    batch: int = 1) -> None:
@@ -178,6 +194,8 @@ def spec_tree_grow(t: TreeArrays, level: int, levels: list, cand_tok: np.ndarray
     in (p, j) order, rank j, tok[p][j], score f32(score[p] + logq[p][j]); the rest are void with
     parent 0 (width defaults to the level's size, branch to K). Every node gets depth level, pos
     pos_start + level and mask mask[parent] | {c}."""
+    if (shape_parent is None) != (shape_rank is None):
+        raise ValueError("a static tree's level takes both shape_parent and shape_rank, a dynamic one neither")
     start, stop = levels[level]
     T1 = t.nodes
     toks = ids(_rows(cand_tok, batch, T1, K))
@@ -185,9 +203,11 @@ def spec_tree_grow(t: TreeArrays, level: int, levels: list, cand_tok: np.ndarray
     sels = np.asarray(cand_sel, np.float32).reshape(batch, T1, K)
     for b in range(batch):
         r = t.row(b)
-        placed = _static_level(r, start, stop, shape_parent, shape_rank, K, logqs[b]) if shape_parent is not None \
-            else _dynamic_level(r, levels[level - 1], start, stop, stop - start if width is None else width,
-                                K if branch is None else branch, K, sels[b])
+        if shape_parent is not None and shape_rank is not None:
+            placed = _static_level(r, start, stop, shape_parent, shape_rank, K, logqs[b])
+        else:
+            placed = _dynamic_level(r, levels[level - 1], start, stop, stop - start if width is None else width,
+                                    K if branch is None else branch, K, sels[b])
         position = _i32(int(pos_start[b]) + level)
         for c, (p, j, void) in zip(range(start, stop), placed):
             r.parent[c], r.depth[c], r.pos[c] = p, level, position
@@ -199,7 +219,8 @@ def spec_tree_grow(t: TreeArrays, level: int, levels: list, cand_tok: np.ndarray
             _own_bit(r.mask, c, r.mask[p] if p < start else np.zeros(t.words, np.uint32))
 
 
-def _static_level(r, start: int, stop: int, shape_parent, shape_rank, K: int, logq: np.ndarray) -> list:
+def _static_level(r: TreeRow, start: int, stop: int, shape_parent: np.ndarray, shape_rank: np.ndarray, K: int,
+                  logq: np.ndarray) -> list[tuple[int, int, bool]]:
     """(parent, rank, void) of each node of a static level."""
     placed = []
     for c in range(start, stop):
@@ -209,8 +230,8 @@ def _static_level(r, start: int, stop: int, shape_parent, shape_rank, K: int, lo
     return placed
 
 
-def _dynamic_level(r, parents: tuple[int, int], start: int, stop: int, width: int, branch: int, K: int,
-                   sel: np.ndarray) -> list:
+def _dynamic_level(r: TreeRow, parents: tuple[int, int], start: int, stop: int, width: int, branch: int, K: int,
+                   sel: np.ndarray) -> list[tuple[int, int, bool]]:
     """(parent, rank, void) of each node of a dynamic level: the best offers in (p, j) order, then voids."""
     offers = []
     for p in range(*parents):
@@ -227,7 +248,7 @@ def _dynamic_level(r, parents: tuple[int, int], start: int, stop: int, width: in
 
 # -- 13, 14. the accepts ---------------------------------------------------------------------
 
-def _settle(r, path: list[int], token: int, vtok: np.ndarray, brk: np.ndarray, acc: np.ndarray,
+def _settle(r: TreeRow, path: list[int], token: int, vtok: np.ndarray, brk: np.ndarray, acc: np.ndarray,
             last_pred: np.ndarray, ctl: np.ndarray) -> None:
     """A live row's verdict: path[0..a] (a = len(path) - 1), vtok[1 + d] = tok[path[1 + d]],
     acc[ACC_ROUND] = a, acc[ACC_TOTAL] += a (wrapping), last_pred = token, keep = a + 1, no break."""
@@ -241,7 +262,7 @@ def _settle(r, path: list[int], token: int, vtok: np.ndarray, brk: np.ndarray, a
     brk[BRK_MARK] = 0
 
 
-def _settle_done(r, brk: np.ndarray, acc: np.ndarray, ctl: np.ndarray) -> None:
+def _settle_done(r: TreeRow, brk: np.ndarray, acc: np.ndarray, ctl: np.ndarray) -> None:
     """A done row: nothing accepted, nothing kept, path [0]; last_pred and BRK_COUNT untouched."""
     acc[ACC_ROUND] = 0
     ctl[CTL_KEEP] = 0
@@ -249,14 +270,16 @@ def _settle_done(r, brk: np.ndarray, acc: np.ndarray, ctl: np.ndarray) -> None:
     brk[BRK_MARK] = 0
 
 
-def _root_path(r, n: int) -> list[int]:
+def _root_path(r: TreeRow, n: int) -> list[int]:
     path = [n]
     while path[-1] != 0:
         path.append(int(r.parent[path[-1]]))
     return path[::-1]
 
 
-def _accept_rows(t: TreeArrays, k: int, batch: int, vtok, brk, acc, last_pred, ctl):
+def _accept_rows(t: TreeArrays, k: int, batch: int, vtok: np.ndarray, brk: np.ndarray, acc: np.ndarray,
+                 last_pred: np.ndarray, ctl: np.ndarray
+                 ) -> Iterator[tuple[int, TreeRow, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """(b, row views, cap, vtok, brk, acc, last_pred, ctl) of each row; cap = min(k, D), the deepest
     a path may go (the vtok row has k + 1 words, the path row D + 1)."""
     for b, (vtok_b, brk_b, acc_b, last_pred_b, ctl_b) in enumerate(row_views(
@@ -289,7 +312,7 @@ def spec_tree_accept_greedy(t: TreeArrays, pred: np.ndarray, k: int, vtok: np.nd
         _settle(r, _root_path(r, n), int(preds[b, n]), vtok_b, brk_b, acc_b, last_pred_b, ctl_b)
 
 
-def tree_children(r, n: int) -> list[int]:
+def tree_children(r: TreeRow, n: int) -> list[int]:
     """The children kernel 14 tries at node n: the non-void nodes c > n with parent n, in rank
     order (ties to the smaller index), the first MAX_TREE_DRAWS of them."""
     T1 = len(r.tok)
@@ -326,7 +349,7 @@ def spec_tree_accept_sample(t: TreeArrays, p: np.ndarray, q: np.ndarray, V: int,
 
 
 def bonus_race(t: TreeArrays, b: int, p: np.ndarray, q: np.ndarray, V: int, k: int, pos_start: int,
-               seed) -> tuple[np.ndarray, int, int]:
+               seed: npt.ArrayLike) -> tuple[np.ndarray, int, int]:
     """(weights, position, node word) of the race that gives row b's bonus in kernel 14, the row taken
     as live: the f32 weights f at the node where the walk stops, pos_start + h + 1 and n - h. For a
     GPU test that allows the kernel's race a near tie; `seed` is row b's (the walk depends on it)."""
@@ -336,8 +359,8 @@ def bonus_race(t: TreeArrays, b: int, p: np.ndarray, q: np.ndarray, V: int, k: i
     return weights, position, node
 
 
-def _sample_walk(r, p: np.ndarray, q: np.ndarray, V: int, cap: int, pos_start: int,
-                 seed) -> tuple[list[int], np.ndarray, int, int]:
+def _sample_walk(r: TreeRow, p: np.ndarray, q: np.ndarray, V: int, cap: int, pos_start: int,
+                 seed: npt.ArrayLike) -> tuple[list[int], np.ndarray, int, int]:
     """(the accepted root path, and the bonus race's f32 weights, position and node word) of one live row."""
     path = [0]
     while True:

@@ -1,12 +1,12 @@
-"""memra_cuda inside a PyTorch engine (optional: needs `torch`; the core never imports it).
+"""An Engine that carries torch's Framework, so that every round over it is safe by default.
 
 What a user forgets must not give wrong tokens or overwrite tensors, so an engine made by
-`engine()` carries torch's Framework, and every round over it gets all of this without being
-told (docs/torch.md):
+`engine()` carries torch's policy, and every round over it gets all of this without being told
+(docs/torch.md):
 
 - **One stream.** The draft chain and verify trunk run with the engine's stream as torch's
-  current stream, so their torch ops and memra's kernels are ordered by the
-  stream itself, with no synchronisation in between and no wrapping of each callable.
+  current stream, so their torch ops and memra's kernels are ordered by the stream itself,
+  with no synchronisation in between and no wrapping of each callable.
 - **Capture torch knows about.** Bursts are captured through `torch.cuda.graph` with a private
   memory pool kept alive with the graph (capture), so torch's allocator never hands the graph's
   scratch memory to tensors allocated later.
@@ -14,10 +14,10 @@ told (docs/torch.md):
   advances torch's random-number offsets, so `torch.rand` in a burst draws new numbers at
   every launch.
 
-`engine()` borrows torch's current stream; `buffer(tensor)` adopts a tensor without copying
-(any API that takes a buffer takes a tensor too); `tensor(buf)` is the other direction.
-Graph capture needs a stream other than the default one: create the engine inside
-`with torch.cuda.stream(torch.cuda.Stream()):`.
+The core never looks at a foreign object's module to find this out: a plain `Engine` over
+tensors would capture with the driver's own stream capture, behind torch's allocator. Graph
+capture needs a stream other than the default one: create the engine inside
+`with torch.cuda.stream(torch.cuda.Stream()):`, or give it such a stream.
 """
 from __future__ import annotations
 
@@ -28,18 +28,11 @@ from typing import Any
 
 import torch
 
-from ..driver.buffer import DeviceBuffer
 from ..driver.engine import Engine
 from ..driver.errors import CaptureError, driver
 from ..driver.framework import Framework
 from ..driver.graph import Capture, LoopBuilder, loops
 from ..driver.stream import Stream
-
-_TYPESTR = {torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4",
-            torch.int64: "<i8", torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8"}
-# The unsigned types torch has had since 2.3 (tensor() without a dtype returns them).
-_TYPESTR.update({getattr(torch, name): code for name, code in (("uint16", "<u2"), ("uint32", "<u4"),
-                                                                 ("uint64", "<u8")) if hasattr(torch, name)})
 
 
 def engine(stream: torch.cuda.Stream | None = None) -> Engine:
@@ -52,31 +45,9 @@ def engine(stream: torch.cuda.Stream | None = None) -> Engine:
 
 
 def framework(stream: torch.cuda.Stream) -> Framework:
-    """torch's Framework for an engine on `stream` (see memra_cuda.driver.framework)."""
+    """torch's Framework for an engine on `stream` (see memra_cuda.driver.framework): capture and
+    loop_capture below, and `stream` made torch's current stream around the model's work."""
     return Framework(capture=capture, loop_capture=loop_capture, scope=functools.partial(torch.cuda.stream, stream))
-
-
-def buffer(tensor: torch.Tensor) -> DeviceBuffer:
-    """The tensor's memory as a DeviceBuffer that keeps the tensor alive and owns nothing."""
-    return DeviceBuffer.from_cuda_array(tensor)
-
-
-class _Alias:
-    """The `__cuda_array_interface__` of a buffer, reinterpreted as another element type."""
-
-    def __init__(self, buf: DeviceBuffer, dtype: torch.dtype):
-        if dtype not in _TYPESTR or dtype.itemsize != buf.dtype.itemsize:
-            raise ValueError(f"{buf!r} cannot be read as {dtype}: elements of {buf.dtype.itemsize} bytes")
-        self.buf = buf  # torch keeps this object, and so the buffer, alive with the tensor
-        self.__cuda_array_interface__ = {**buf.__cuda_array_interface__, "typestr": _TYPESTR[dtype]}
-
-
-def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A tensor on `buf`'s memory (no copy), read as `dtype` of the same size if given (u32
-    token ids as torch.int32, say: ids are < 2**31). The tensor keeps `buf` alive; freeing
-    `buf` explicitly while the tensor is in use is the caller's mistake to avoid."""
-    source = buf if dtype is None else _Alias(buf, dtype)
-    return torch.as_tensor(source, device=torch.device("cuda", buf.device))
 
 
 def _torch_stream(engine: Stream) -> torch.cuda.ExternalStream:
@@ -139,7 +110,8 @@ def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
     """A `Capture` (see memra_cuda.driver.graph) through `torch.cuda.graph` on the engine's
     stream, with the private memory pool torch gives a graph. The torch graph owns the
     executable graph and replays it (CUDAGraph.replay, so the random-number offsets move on);
-    the memra Graph keeps it, and with it the pool, alive."""
+    the memra Graph keeps it, and with it the pool, alive. A `Graph` of torch work of your own
+    takes it as `capture=`."""
     if engine.stream_handle in (0, 1, 2):
         raise CaptureError("the default stream cannot be captured: create the engine inside "
                            "`with torch.cuda.stream(torch.cuda.Stream()):`")

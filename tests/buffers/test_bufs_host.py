@@ -1,54 +1,59 @@
-"""StreamBufs' host-side bookkeeping, on CPU: the ledger of rounds the host has not seen (what
-the capacity check adds to the positions it knows, and the rings' room), who holds the
-buffers, the engine argument of the first releases, the Readback; and the streams an Engine
-may borrow (the CUDA stream protocol). No device memory is touched: the buffers are built
-without their allocation (__new__), the host logic alone."""
+"""StreamBufs' host-side bookkeeping, on CPU: the rings' room by its ledger (test_ledger.py
+checks the ledger itself), who holds the buffers, the Readback, the rounds each row ran; the
+fields' layout in their one allocation; and the streams an Engine may borrow (the CUDA stream
+protocol). No device memory is touched: the buffers are built without their allocation
+(__new__), the host logic alone, and the layout is laid over an address nobody reads."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from memra_cuda import StreamBufs
-from memra_cuda.buffers import Readback
-from memra_cuda.errors import BuffersHeld
+from memra_cuda.buffers import Ledger, Readback
+from memra_cuda.buffers.arena import carve
+from memra_cuda.driver.buffer import DeviceBuffer
 from memra_cuda.driver.stream import Stream, handle_of
+from memra_cuda.errors import BuffersHeld
 
 
 def host_bufs(m_rounds: int = 4) -> StreamBufs:
     """The host half of a StreamBufs: its ledger and holder, no device memory."""
     bufs = StreamBufs.__new__(StreamBufs)
     bufs.m_rounds, bufs.engine = m_rounds, object()
-    bufs._queued, bufs._learnt, bufs._covers, bufs.ring_rounds = 0, 0, [0, 0], 0
+    bufs.ledger = Ledger()
     bufs.holder, bufs._held_why = None, ""
     return bufs
-
-
-def test_the_ledger_counts_rounds_until_a_readback_that_covers_them_is_received():
-    bufs = host_bufs()
-    bufs.queued(2)  # issue_burst: no readback
-    bufs.queued(1)
-    assert bufs.unseen_rounds == 3 and bufs.ring_rounds == 3
-    bufs.queued(0, readback=0)  # a readback queued after them empties the rings...
-    assert bufs.ring_rounds == 0 and bufs.unseen_rounds == 3  # ...but the host sees them only once it is received
-    bufs.queued(4, readback=1)  # overlap: the next burst in flight, its readback into the other slot
-    assert bufs.unseen_rounds == 7
-    bufs._learnt = max(bufs._learnt, bufs._covers[0])  # what receive(0) learns
-    assert bufs.unseen_rounds == 4, "the burst in flight behind the received one is still unseen"
-    bufs._learnt = max(bufs._learnt, bufs._covers[1])
-    assert bufs.unseen_rounds == 0
-    bufs._learnt = max(bufs._learnt, bufs._covers[0])  # a slot received twice learns nothing new
-    assert bufs.unseen_rounds == 0
 
 
 def test_the_rings_hold_m_rounds_until_a_readback():
     bufs = host_bufs(m_rounds=4)
     bufs.check_free(4)
-    bufs.queued(3)
+    bufs.ledger.queued(3)
     bufs.check_free(1)
-    with pytest.raises(ValueError, match="3 round.*1 more.*2 more|overrun the ring"):
+    with pytest.raises(ValueError, match="3 round.*2 more would overrun the ring"):
         bufs.check_free(2)
-    bufs.queued(0, readback=0)
+    bufs.ledger.queued(0, readback=0)
     bufs.check_free(4)
+
+
+class AddressOnly:
+    """What carve asks of an engine: zeroed memory, here an address nobody reads."""
+
+    def zeros(self, dtype, length, *, label):
+        return DeviceBuffer.wrap(0x10000, dtype, length)
+
+
+def test_the_fields_lie_one_after_another_each_of_batch_rows_in_one_allocation():
+    """Row-major, in their order, nothing shared and nothing left over: StreamBufs' readback
+    copies the first three fields as one span, and the tree kernels find each field from the
+    allocation's address by this layout (ptx/spec_tree.cu)."""
+    batch, fields = 3, {"ring_d": (np.uint32, 5), "ctl_d": (np.int32, 4), "score_d": (np.float32, 2)}
+    arena, windows = carve(AddressOnly(), batch, fields, label="state")
+    assert list(windows) == list(fields) and arena.len == batch * (5 + 4 + 2)
+    starts = [(buf.ptr - arena.ptr) // 4 for buf in windows.values()]
+    assert starts == [0, batch * 5, batch * (5 + 4)]
+    assert [(buf.dtype, buf.len, buf.label) for buf in windows.values()] == [
+        (np.dtype(dtype), batch * row, name) for name, (dtype, row) in fields.items()]
 
 
 def test_the_buffers_have_one_holder_at_a_time():

@@ -1,6 +1,6 @@
-"""The capacity rule (memra_cuda.capacity), on CPU: how far a burst, an overlapped burst and a
-device loop may write into the KV caches, each at its exact limit and one entry past it; the
-rule of a pipeline's stages; the fast path against every row; kv_capacity against the worst
+"""The capacity rule (memra_cuda/buffers/capacity.py), on CPU: how far a burst, an overlapped burst
+and a device loop may write into the KV caches, each at its exact limit and one entry past it;
+the rule of a pipeline's stages; the fast path against every row; kv_capacity against the worst
 position a live row can burst from."""
 from __future__ import annotations
 

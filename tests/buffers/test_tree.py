@@ -1,5 +1,6 @@
-"""Tree shapes on the host (memra_cuda/tree.py) and the capacity rule for trees: what is refused
-before anything is queued, and the level order every tree kernel and model relies on. CPU only."""
+"""Tree shapes on the host (memra_cuda/buffers/tree.py) and the capacity rule for trees: what is
+refused before anything is queued, and the level order every tree kernel and model relies on.
+CPU only."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,21 +1,26 @@
-"""memra_cuda.compile: your CUDA C as PTX that CUDA 12 and CUDA 13 drivers load (ISA 8.0,
-sm_80), NVRTC's log on a compile error, headers in memory, one error naming the extra where
-NVRTC 12.0 is missing, and PTX that ptxas assembles for sm_90. No GPU needed: CI runs these
-with the test extra's NVRTC 12.0 (skipped, with the reason, where no NVRTC is installed)."""
+"""compile_ptx: your CUDA C as PTX for sm_80 that the driver loads (NVRTC 12.0's ISA 8.0, which
+CUDA 12 and 13 drivers load, where it is installed; else the ISA of an NVRTC no newer than the
+driver), NVRTC's log on a compile error, headers in memory, one error naming the extra where no
+NVRTC will do, and PTX that ptxas assembles for sm_90. Which NVRTC is taken is tested on the CPU
+with made-up releases and drivers; the rest compiles for real with the NVRTC installed (CI: the
+test extra's 12.0; skipped, with the reason, where there is none), and the GPU test loads and
+runs what it wrote."""
 from __future__ import annotations
 
 import locale
+import logging
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import memra_cuda
-from memra_cuda.driver import compiler
-from memra_cuda.driver.compiler import CompileError, NvrtcUnavailable
+from memra_cuda.driver import Module, Signature, compiler
+from memra_cuda.driver.compiler import CompileError, Nvrtc, NvrtcUnavailable
 
 KERNEL = r"""
 #include "scale.cuh"
@@ -28,36 +33,63 @@ extern "C" __global__ void scale(const unsigned* x, unsigned* y, unsigned n) {
 HEADERS = {"scale.cuh": "#define SCALE 7919u\n"}
 
 
-@pytest.fixture(scope="module")
-def nvrtc():
-    """Skip where no NVRTC is installed; a wrong release is a failure (the test extra pins 12.0)."""
+def _installed(portable: bool = False) -> Nvrtc:
+    """The NVRTC compile_ptx takes here; skip where none is installed, fail where one is found and
+    refused (the test extra pins 12.0, which is never refused)."""
     try:
-        compiler._nvrtc()
+        return compiler.nvrtc(portable)
     except NvrtcUnavailable as exc:
         if exc.found is None:
             pytest.skip(f"no NVRTC here: {exc}")
         raise
 
 
+@pytest.fixture(scope="module")
+def nvrtc() -> Nvrtc:
+    return _installed()
+
+
+@pytest.fixture(scope="module")
+def portable() -> Nvrtc:
+    """NVRTC 12.0, the only one ptx/build.py takes (skipped where there is no libnvrtc.so.12)."""
+    return _installed(portable=True)
+
+
 @pytest.fixture
 def lookup(monkeypatch):
     """A test that fakes the library lookup starts and ends with nothing cached."""
-    compiler._nvrtc.cache_clear()
+    compiler.nvrtc.cache_clear()
     yield monkeypatch
     monkeypatch.undo()
-    compiler._nvrtc.cache_clear()
+    compiler.nvrtc.cache_clear()
+
+
+def isa_of(ptx: str) -> tuple[int, int]:
+    version = re.search(r"^\.version (\d+)\.(\d+)$", ptx, re.M)
+    assert version, ptx[:400]
+    return int(version[1]), int(version[2])
 
 
 def test_compile_ptx_is_exported_from_the_package():
     assert memra_cuda.compile_ptx is compiler.compile_ptx and "compile_ptx" in memra_cuda.__all__
 
 
-def test_ptx_is_isa_8_0_for_sm_80(nvrtc):
-    ptx = compiler.compile_ptx(KERNEL, name="scale.cu", headers=HEADERS)
-    assert re.search(r"^\.version 8\.0$", ptx, re.M), ptx[:400]
+def test_ptx_is_for_sm_80_in_the_isa_of_the_nvrtc_taken(nvrtc, caplog):
+    """ISA 8.x from NVRTC 12.x, 9.x from 13.x (8.0 from 12.0 exactly), and the log says which."""
+    with caplog.at_level(logging.INFO, logger=compiler.__name__):
+        ptx = compiler.compile_ptx(KERNEL, name="scale.cu", headers=HEADERS)
+    isa = isa_of(ptx)
+    assert isa[0] == nvrtc.version[0] - 4 and (isa == (8, 0) or nvrtc.version != (12, 0)), (isa, nvrtc)
     assert re.search(r"^\.target sm_80$", ptx, re.M), ptx[:400]
     assert re.search(r"^\.visible \.entry scale\(", ptx, re.M), "an extern \"C\" kernel keeps its plain name"
     assert compiler.compile_ptx(KERNEL, name="scale.cu", headers=HEADERS) == ptx, "the same inputs, the same PTX"
+    assert f"scale.cu: PTX ISA {isa[0]}.{isa[1]} by NVRTC {nvrtc.release} at {nvrtc.path}" in caplog.text
+
+
+def test_portable_ptx_is_isa_8_0_from_nvrtc_12_0(portable):
+    """What ptx/build.py writes the committed PTX with: NVRTC 12.0, ISA 8.0, whatever else is here."""
+    assert portable.version == (12, 0)
+    assert isa_of(compiler.compile_ptx(KERNEL, headers=HEADERS, portable=True)) == (8, 0)
 
 
 def test_headers_and_options_reach_the_compiler(nvrtc):
@@ -73,7 +105,8 @@ def test_headers_and_options_reach_the_compiler(nvrtc):
 def test_an_architecture_option_replaces_the_default(nvrtc):
     """NVRTC refuses a flag given twice: an option of yours replaces the default of its flag."""
     ptx = compiler.compile_ptx(KERNEL, headers=HEADERS, options=["--gpu-architecture=compute_90"])
-    assert re.search(r"^\.target sm_90$", ptx, re.M) and re.search(r"^\.version 8\.0$", ptx, re.M)
+    assert re.search(r"^\.target sm_90$", ptx, re.M)
+    assert isa_of(ptx) == isa_of(compiler.compile_ptx(KERNEL, headers=HEADERS)), "the same NVRTC, the same ISA"
     sm_86 = compiler.compile_ptx(KERNEL, headers=HEADERS, options=["-arch", "compute_86"])
     assert re.search(r"^\.target sm_86$", sm_86, re.M)
 
@@ -105,36 +138,112 @@ def _one_error(exc: NvrtcUnavailable) -> str:
     return message
 
 
+def fake(lookup, releases: list[str], driver: tuple[int, int] | None) -> None:
+    """NVRTCs of `releases` where the lookup looks (none loaded: nothing is compiled), and a driver
+    of CUDA `driver` (None: no driver on this machine)."""
+    paths = {Path(f"/nvidia/r{release}/lib/libnvrtc.so.{release.split('.')[0]}"): release for release in releases}
+    lookup.setattr(compiler, "_find_libraries", lambda portable=False: [
+        path for path in paths if not portable or path.name == "libnvrtc.so.12"])
+    lookup.setattr(compiler, "_open", lambda path: Nvrtc(tuple(map(int, paths[path].split("."))), path, None))
+    lookup.setattr(compiler, "_driver_version", lambda: driver)
+
+
+@pytest.mark.parametrize(("releases", "driver", "taken"), [
+    (["13.0", "12.0"], (13, 0), "12.0"),  # 12.0's PTX every driver loads, wherever it is installed
+    (["12.0", "13.0"], (12, 2), "12.0"),
+    (["13.0"], (13, 0), "13.0"),  # the H200's torch image: NVRTC 13.0 alone beside a CUDA 13 driver
+    (["13.0"], (13, 2), "13.0"),
+    (["13.2", "12.4"], (13, 0), "12.4"),  # the oldest that suits: its PTX the most drivers load
+    (["12.4", "13.0"], (12, 8), "12.4"),
+    (["13.0"], None, "13.0"),  # no driver to ask (a machine without a GPU): the one found
+    (["12.8", "13.1"], None, "12.8"),
+])
+def test_the_nvrtc_taken(lookup, releases, driver, taken):
+    fake(lookup, releases, driver)
+    assert compiler.nvrtc().release == taken
+
+
+@pytest.mark.parametrize(("releases", "driver"), [(["13.0"], (12, 8)), (["12.4", "13.0"], (12, 2)),
+                                                  (["13.1"], (13, 0))])
+def test_an_nvrtc_newer_than_the_driver_is_refused_naming_both(lookup, releases, driver):
+    """Its PTX is of an ISA the driver refuses: refused at compile, not at Module's load."""
+    fake(lookup, releases, driver)
+    with pytest.raises(NvrtcUnavailable) as newer:
+        compiler.compile_ptx(KERNEL)
+    message = _one_error(newer.value)
+    assert f"newer than this driver's CUDA {driver[0]}.{driver[1]}" in message
+    assert all(f"NVRTC {release} at /nvidia/r{release}/lib" in message for release in releases), message
+    assert newer.value.found == ", ".join(sorted(releases))
+
+
+def test_portable_takes_nvrtc_12_0_alone(lookup):
+    """NVRTC 12.4 writes ISA 8.4, which a CUDA 12.0 driver refuses: ptx/build.py takes only 12.0,
+    driver or none, and looks at no NVRTC 13."""
+    fake(lookup, ["12.4", "13.0"], (13, 0))
+    assert compiler.nvrtc().release == "12.4"
+    with pytest.raises(NvrtcUnavailable) as wrong:
+        compiler.compile_ptx(KERNEL, portable=True)
+    assert "found NVRTC 12.4 at" in _one_error(wrong.value) and wrong.value.found == "12.4"
+    fake(lookup, ["13.0"], (13, 0))
+    with pytest.raises(NvrtcUnavailable) as none:
+        compiler.compile_ptx(KERNEL, portable=True)
+    assert "no libnvrtc.so.12 found" in _one_error(none.value) and none.value.found is None
+
+
+def test_the_lookup_finds_the_cuda_12_and_13_wheels_libraries(monkeypatch, tmp_path):
+    """nvidia-cuda-nvrtc-cu12 installs nvidia/cuda_nvrtc/lib/libnvrtc.so.12, the CUDA 13 wheels
+    nvidia/cu13/lib/libnvrtc.so.13 (beside its builtins and an .alt copy, which are not NVRTC's
+    entry point)."""
+    site = tmp_path / "site"
+    for name in ("cuda_nvrtc/lib/libnvrtc.so.12", "cuda_nvrtc/lib/libnvrtc-builtins.so.12.0",
+                 "cu13/lib/libnvrtc.so.13", "cu13/lib/libnvrtc.alt.so.13", "cu13/lib/libnvrtc-builtins.so.13.0",
+                 "cu13/lib/libnvrtc.so.13.0.48"):
+        (site / "nvidia" / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / "nvidia" / name).write_bytes(b"")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "elsewhere"), str(site), str(site)])
+    wheels = [site / "nvidia/cu13/lib/libnvrtc.so.13", site / "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"]
+    assert compiler._find_libraries() == [path.resolve() for path in wheels]
+    assert compiler._find_libraries(portable=True) == [wheels[1].resolve()]
+
+
 def test_no_library_is_one_error_naming_the_extra(lookup):
-    lookup.setattr(compiler, "_find_library", lambda: None)
+    lookup.setattr(compiler, "_find_libraries", lambda portable=False: [])
     with pytest.raises(NvrtcUnavailable) as missing:
         compiler.compile_ptx(KERNEL, headers=HEADERS)
-    assert "libnvrtc.so.12 not found" in _one_error(missing.value) and missing.value.found is None
+    assert "no libnvrtc.so.<major> found" in _one_error(missing.value) and missing.value.found is None
 
 
 def test_a_library_that_is_not_nvrtc_is_the_same_error(lookup, tmp_path):
     fake = tmp_path / "libnvrtc.so.12"
     fake.write_bytes(b"not a shared object")
-    lookup.setattr(compiler, "_find_library", lambda: fake)
+    lookup.setattr(compiler, "_find_libraries", lambda portable=False: [fake])
     with pytest.raises(NvrtcUnavailable) as broken:
         compiler.compile_ptx(KERNEL)
-    assert str(fake) in _one_error(broken.value)
+    assert str(fake) in _one_error(broken.value) and broken.value.found is None
 
 
-def test_another_nvrtc_release_is_the_same_error(lookup):
-    """NVRTC 12.4 writes ISA 8.4, which a CUDA 12.0 driver refuses: only 12.0 is taken."""
-    lookup.setattr(compiler, "_find_library", lambda: Path("/opt/cuda/lib/libnvrtc.so.12"))
-    lookup.setattr(compiler, "_load", lambda path: object())
-    lookup.setattr(compiler, "_version", lambda lib: (12, 4))
-    with pytest.raises(NvrtcUnavailable) as wrong:
-        compiler.compile_ptx(KERNEL)
-    assert "found NVRTC 12.4" in _one_error(wrong.value) and wrong.value.found == "12.4"
+def test_a_library_that_does_not_load_leaves_the_others(lookup):
+    fake(lookup, ["12.0", "13.0"], (13, 0))
+    opened = compiler._open
+
+    def broken_12(path: Path) -> Nvrtc:
+        if path.name == "libnvrtc.so.12":
+            raise OSError(f"{path} does not load as NVRTC")
+        return opened(path)
+
+    lookup.setattr(compiler, "_open", broken_12)
+    assert compiler.nvrtc().release == "13.0"
+
+
+def test_ptx_isa_reads_the_version_directive():
+    assert compiler.ptx_isa("//\n.version 9.0\n.target sm_80\n") == "9.0"
+    assert compiler.ptx_isa(".target sm_80\n") == "unknown"
 
 
 def test_importing_the_package_loads_no_nvrtc():
     """The library is found and loaded on the first compile, not at import."""
     code = ("import sys, memra_cuda, memra_cuda.driver.compiler as c; "
-            "assert c._nvrtc.cache_info().currsize == 0; "
+            "assert c.nvrtc.cache_info().currsize == 0; "
             "assert not [m for m in sys.modules if m.startswith('nvidia')], sorted(sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -157,3 +266,18 @@ def test_compiling_leaves_the_threads_locale_as_it_was(nvrtc):
     with pytest.raises(CompileError):
         compiler.compile_ptx("this is not CUDA C")
     assert locale.getpreferredencoding(False) == before
+
+
+@pytest.mark.gpu
+def test_the_ptx_loads_on_this_driver_and_runs_with_its_signature_checked(engine, nvrtc):
+    """What compile_ptx writes with the NVRTC it takes here, this driver loads and runs (on a
+    machine with NVRTC 13 alone and a CUDA 13 driver as much as with 12.0); a module of your own
+    given its kernels' signatures refuses a type swap at prepare, naming the parameter."""
+    ptx = compiler.compile_ptx(KERNEL, name="scale.cu", headers=HEADERS)
+    module = Module(engine, ptx, signatures={"scale": Signature.of(x="ptr", y="ptr", n="u32")})
+    x = engine.htod(np.arange(1000, dtype=np.uint32))
+    y = engine.zeros(np.uint32, 1000)
+    module.kernel("scale").prepare(grid=4, block=256)(x, y, 1000)
+    assert (engine.dtoh(y) == np.arange(1000, dtype=np.uint32) * np.uint32(7919)).all()
+    with pytest.raises(TypeError, match="scale: parameter 'n' is u32, not f32"):
+        module.kernel("scale").prepare(["ptr", "ptr", "f32"], grid=4, block=256)

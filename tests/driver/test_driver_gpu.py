@@ -22,6 +22,8 @@ from memra_cuda.errors import CudaError
 from memra_cuda.driver.buffer import _device_of
 from memra_cuda.driver.errors import call
 from memra_cuda.driver.module import Module
+from memra_cuda.driver.signature import Signature
+from memra_cuda.kernels.signatures import SIGNATURES, load
 
 pytestmark = pytest.mark.gpu
 
@@ -378,6 +380,43 @@ def test_modules_and_kernels_are_loaded_once(engine):
     assert module.kernel("probe_increment") is module.kernel("probe_increment")
     with pytest.raises(ValueError, match="nope"):
         module.kernel("nope")
+
+
+def test_a_module_with_signatures_refuses_a_type_swap_that_sizes_let_through(engine):
+    """probe_increment(unsigned* x, unsigned n): an f32 for n has n's size, so a module loaded
+    without a signature table takes it (the driver can tell sizes only); given the package's table
+    (memra_cuda.kernels.signatures.load, the same cached module), prepare refuses it naming n, and
+    takes the table's types where none are given. Its own engine, so the session's probe module
+    stays without a table for the other tests."""
+    with Engine(engine.device) as own:
+        module = own.load_ptx("probe")
+        kernel = module.kernel("probe_increment")
+        kernel.prepare(["ptr", "f32"], grid=1, block=BLOCK)
+        assert load(own, "probe") is module and module.signatures is SIGNATURES
+        with pytest.raises(TypeError, match="probe_increment: parameter 'n' is u32, not f32"):
+            kernel.prepare(["ptr", "f32"], grid=1, block=BLOCK)
+        with pytest.raises(TypeError, match=r"probe_increment takes 2 parameter\(s\) \(ptr x, u32 n\)"):
+            kernel.prepare(["ptr"], grid=1, block=BLOCK)
+        buf = own.htod([1, 2, 3], np.uint32)
+        kernel.prepare(grid=1, block=BLOCK)(buf, 2)
+        assert own.dtoh(buf).tolist() == [2, 3, 3]
+        with pytest.raises(ValueError, match="another signature table"):
+            own.load_ptx("probe", {"probe_increment": Signature.of(x="ptr", n="i32")})
+
+
+def test_an_engine_speaks_the_cuda_stream_protocol_and_another_borrows_its_stream(engine):
+    """__cuda_stream__() is (0, the raw handle), what cuda.core and CuPy take; an Engine given an
+    Engine as its stream works on that very stream, keeps it alive and never destroys it."""
+    assert engine.__cuda_stream__() == (0, engine.stream_handle)
+    borrower = Engine(engine.device, stream=engine)
+    assert borrower.__cuda_stream__() == (0, engine.stream_handle) and borrower.stream_handle == engine.stream_handle
+    assert borrower.borrowed and borrower.stream_owner is engine
+    buf = borrower.htod([5, 6], np.uint32)
+    increment(borrower, 2)(buf, 2)
+    assert_same(borrower.dtoh(buf, np.uint32), np.array([6, 7], np.uint32))
+    borrower.close()
+    assert not engine.closed  # and its stream, which the borrower did not destroy, runs on:
+    assert_same(engine.dtoh(engine.htod([1], np.uint32)), np.array([1], np.uint32))
 
 
 def test_launch_refuses_bad_shapes_and_arity(engine):

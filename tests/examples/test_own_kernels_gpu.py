@@ -1,70 +1,64 @@
-"""examples/own_kernels.py on the GPU: a model of one's own CUDA C, compiled with
-memra_cuda.compile and decoded through RoundStream, equals its own greedy decoding, for several
-k and M (k = 0 among them: plain autoregressive rounds), and compile's PTX loads as a Module.
-
-The example lives in the source checkout, not in the installed package: where examples/ is
-absent these tests are skipped with the reason. NVRTC comes from the test extra."""
+"""examples/own_kernels.py on the GPU, run as the program a user runs: a model of one's own CUDA C,
+compiled with compile_ptx and decoded through RoundStream, equals its own greedy decoding, for
+several k and M (k = 0 among them: plain autoregressive rounds) and in every host-driven mode; and
+compile_ptx's PTX loads as a Module. NVRTC comes from the test extra."""
 from __future__ import annotations
 
-import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 
-import memra_cuda
-from memra_cuda import Module
+from memra_cuda import Module, compile_ptx
 from memra_cuda.errors import NvrtcUnavailable
 
 pytestmark = pytest.mark.gpu
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_kernels.py"
-
-
-@pytest.fixture(scope="module")
-def own() -> ModuleType:
-    if not EXAMPLE.is_file():
-        pytest.skip(f"no {EXAMPLE}: examples/ is in the source checkout, not the installed package")
-    spec = importlib.util.spec_from_file_location("own_kernels", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+ROOT = Path(__file__).resolve().parents[2]
+MATCH = "matches its own greedy decoding: yes"
 
 
 @pytest.fixture(scope="module")
 def nvrtc() -> None:
+    """Skips where no NVRTC is found at all; one found but refused fails the tests that need it."""
     try:
-        memra_cuda.compiler._nvrtc()
+        compile_ptx('extern "C" __global__ void nothing() {}')
     except NvrtcUnavailable as exc:
         if exc.found is None:
             pytest.skip(f"no NVRTC here: {exc}")
         raise
 
 
+def own_kernels(*args: str) -> str:
+    """The example's output for `args`, after asserting that it ran and found a match."""
+    run = subprocess.run([sys.executable, "examples/own_kernels.py", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0 and MATCH in run.stdout, run.stdout + run.stderr
+    return run.stdout
+
+
 @pytest.mark.parametrize(("k", "m_rounds"), [(0, 4), (1, 1), (4, 8), (7, 3)])
-def test_own_model_decodes_to_its_greedy_output(engine, own, nvrtc, k, m_rounds):
-    tokens, summary = own.decode(engine, own.PROMPT, 96, k, m_rounds)
-    assert tokens == own.greedy(own.PROMPT, 96), summary
+def test_own_model_decodes_to_its_greedy_output(engine, nvrtc, k, m_rounds):
+    out = own_kernels("--k", str(k), "--m-rounds", str(m_rounds), "--tokens", "96")
+    assert out.startswith(f"k={k} M={m_rounds} graph: 96 tokens in "), out
 
 
 @pytest.mark.parametrize("mode", ["readback", "eager", "overlap"])
-def test_own_model_in_the_other_modes(engine, own, nvrtc, mode):
-    tokens, summary = own.decode(engine, own.PROMPT, 40, 3, 4, mode=mode)
-    assert tokens == own.greedy(own.PROMPT, 40), summary
+def test_own_model_in_the_other_modes(engine, nvrtc, mode):
+    out = own_kernels("--k", "3", "--m-rounds", "4", "--tokens", "40", "--mode", mode)
+    assert out.startswith(f"k=3 M=4 {mode}: 40 tokens in "), out
 
 
-def test_a_one_token_prompt_has_nothing_to_prefill(engine, own, nvrtc):
-    tokens, summary = own.decode(engine, [5], 20, 2, 2)
-    assert tokens == own.greedy([5], 20), summary
+def test_a_one_token_prompt_has_nothing_to_prefill(engine, nvrtc):
+    out = own_kernels("--k", "2", "--m-rounds", "2", "--tokens", "20", "--prompt", "5")
+    assert out.startswith("k=2 M=2 graph: 20 tokens in "), out
 
 
-def test_the_example_main_reports_a_match(own, nvrtc, capsys, engine):
-    assert own.main() == 0
-    assert "matches its own greedy decoding: yes" in capsys.readouterr().out
+def test_the_example_as_it_comes_reports_a_match(engine, nvrtc):
+    assert own_kernels().startswith("k=4 M=8 graph: 64 tokens in ")
 
 
 def test_compiled_ptx_loads_as_a_module_and_runs(engine, nvrtc):
@@ -75,7 +69,7 @@ def test_compiled_ptx_loads_as_a_module_and_runs(engine, nvrtc):
         if (i < n) y[i] = x[i] + STEP;
     }
     """
-    ptx = memra_cuda.compile_ptx(source, name="add.cu", headers={"step.cuh": "#define STEP 3u\n"})
+    ptx = compile_ptx(source, name="add.cu", headers={"step.cuh": "#define STEP 3u\n"})
     module = Module(engine, ptx)
     x = engine.htod(np.arange(1000, dtype=np.uint32))
     y = engine.zeros(np.uint32, 1000)

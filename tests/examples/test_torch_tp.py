@@ -1,8 +1,8 @@
-"""examples/torch_tp.py: its shard() on the CPU (two and four ranks summing through torch's
-gloo: each rank's logits after sharding equal the whole model's), and, on two GPUs, the example
-itself started by torchrun (round-stream over two tensor-parallel ranks equals the ranks' own
-plain greedy decoding over 256 tokens, graph and overlap modes, on both ranks). Skipped with the
-reason where torch, transformers, NCCL or a second GPU is missing."""
+"""Tensor-parallel ranks: memra_cuda.torch.shard on the CPU (two and four ranks summing through
+torch's gloo: each rank's logits after sharding equal the whole model's), and, on two GPUs,
+examples/torch_tp.py run by torchrun as the program it is (round-stream over two tensor-parallel
+ranks equals the ranks' own plain greedy decoding over 256 tokens, graph and overlap modes, on
+both ranks). Skipped with the reason where torch, transformers, NCCL or a second GPU is missing."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from nccl_ranks import need_nccl, two_gpus
 from memra_cuda.comm.launch import free_port, launch
 
 pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
@@ -20,12 +19,12 @@ pytest.importorskip("transformers", reason="the example needs transformers")
 
 pytestmark = pytest.mark.torch
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]  # the checkout: examples/ and the package
 
 
 def ranks_env() -> dict[str, str]:
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "examples"),
-                                                        os.environ.get("PYTHONPATH")]))}
+    """The ranks import memra_cuda from this checkout."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -42,15 +41,15 @@ def test_shard_refuses_what_it_cannot_split_and_changes_nothing_then():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from benchmarks.torch_engine import load_example
-    shard = load_example("torch_tp").shard
+    from memra_cuda.testing.llama import RecurrentLayer
+    from memra_cuda.torch import shard
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
     model = LlamaForCausalLM(config)
     with pytest.raises(ValueError, match="3 ranks cannot share 4 heads"):
         shard(model, 0, 3, lambda t: None)
     attention = model.model.layers[1]
-    model.model.layers[1] = load_example("torch_llama").RecurrentLayer(attention, config, 0.01)
+    model.model.layers[1] = RecurrentLayer(attention, config, 0.01)
     with pytest.raises(ValueError, match="recurrent layer's state is not split"):
         shard(model, 0, 2, lambda t: None)
     model.model.layers[1] = attention
@@ -62,6 +61,7 @@ def test_shard_refuses_what_it_cannot_split_and_changes_nothing_then():
 
 @pytest.mark.gpu
 def test_two_tensor_parallel_ranks_equal_their_plain_greedy_decoding(engine):
+    from nccl_ranks import need_nccl, two_gpus  # tests/comm's, on the path where the whole suite runs
     need_nccl()
     two_gpus()
     ended = launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",

@@ -1,18 +1,16 @@
-"""One rank of tests/examples/test_torch_tp.py's CPU check of examples/torch_tp.py's shard(): torch's gloo
-on the host for the all-reduce, a small random Llama on the CPU, launched as torchrun would. It
-prints one JSON line: how far this rank's logits after sharding are from the whole model's."""
+"""One rank of tests/examples/test_torch_tp.py's CPU check of memra_cuda.torch.shard (what
+examples/torch_tp.py runs its ranks on): torch's gloo on the host for the all-reduce, a small
+random Llama on the CPU, launched as torchrun would. It prints one JSON line: how far this
+rank's logits after sharding are from the whole model's."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from torch_tp import shard  # noqa: E402  (the example's directory on the path first)
+from memra_cuda.torch import shard
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")

@@ -1,11 +1,13 @@
-"""The PyTorch example (examples/torch_llama.py) serving batches: greedy rows equal Hugging
-Face's own greedy on each prompt alone, in every mode; sampled tokens depend on the request's
-seed alone; the first sampled token is distributed as the target's softmax over the real
-model's vocabulary (20 000 rows, one launch of the round); and continuous batching gives every
-request its single-request output. Skipped with the reason where torch or transformers is
-missing.
+"""memra_cuda.torch's chain decoder (SpeculativeLlama, the small random-weight Llama and its
+self-speculative draft) serving batches: greedy rows equal Hugging Face's own greedy on each
+prompt alone, in every mode; sampled tokens depend on the request's seed alone; the first
+sampled token is distributed as the target's softmax over the real model's vocabulary (20 000
+rows, one launch of the round); and continuous batching gives every request its single-request
+output. Skipped with the reason where torch or transformers is missing.
 """
 from __future__ import annotations
+
+import gc
 
 import numpy as np
 import pytest
@@ -14,6 +16,10 @@ from memra_cuda.rounds import MODES
 from laws import assert_distributed_as, cells
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+pytest.importorskip("transformers", reason="memra_cuda.testing.llama needs transformers")
+from memra_cuda.testing.llama import PROMPT, build_model, prompts  # noqa: E402
+from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, SpeculativeLlama, capacity_for,  # noqa: E402
+                              hf_greedy, self_draft)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -26,19 +32,23 @@ def first_difference(got: list[int], want: list[int]) -> int:
 
 # -- greedy, B = 8 ------------------------------------------------------------------------------
 
+def chain(model, **kwargs) -> SpeculativeLlama:
+    """The chain decoder of `model` and its self-speculative draft, k = K, M = M unless said."""
+    return SpeculativeLlama(model, self_draft(model), **{"k": K, "m_rounds": M, **kwargs})
+
+
 @pytest.fixture(scope="module")
-def batch8(llama, small):
+def batch8(small):
     """Eight prompts of 2 to 40 tokens, budgets of 40 to 96, and an EOS in most rows taken from
     the row's own greedy output (so it stops there); what Hugging Face says for each alone."""
-    prompts = llama.prompts(8, seed=1)
+    rows = prompts(8, seed=1)
     budgets = [96, 40, 80, 96, 64, 96, 50, 96]
-    alone = [llama.hf_greedy(small, prompt, n) for prompt, n in zip(prompts, budgets)]
+    alone = [hf_greedy(small, prompt, n) for prompt, n in zip(rows, budgets)]
     stops = [None, alone[1][30], alone[2][5], None, alone[4][60], alone[5][0], alone[6][49], alone[7][70]]
-    requests = [llama.Request(p, n, eos) for p, n, eos in zip(prompts, budgets, stops)]
+    requests = [Request(p, n, eos) for p, n, eos in zip(rows, budgets, stops)]
     want = [row[:row.index(eos) + 1] if eos in row else row for row, eos in zip(alone, stops)]
-    capacity = llama.capacity_for(max(map(len, prompts)), max(budgets), K, M, batch=8)
-    spec = llama.SpeculativeLlama(small, k=K, m_rounds=M, capacity=capacity, batch=8)
-    return spec, requests, want
+    capacity = capacity_for(max(map(len, rows)), max(budgets), K, M, batch=8)
+    return chain(small, capacity=capacity, batch=8), requests, want
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -53,21 +63,20 @@ def test_every_row_of_a_batch_equals_hugging_face_on_its_own_prompt(batch8, mode
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphed", "eager"])
-def test_batched_plain_greedy_equals_hugging_face_too(llama, small, batch8, eager):
+def test_batched_plain_greedy_equals_hugging_face_too(small, batch8, eager):
     """The bench's batched baselines compute what they claim to."""
     _, requests, want = batch8
-    greedy = llama.GraphedGreedy(small, batch8[0].target.kv.capacity, batch=8, eager=eager)
+    greedy = GraphedGreedy(small, batch8[0].target.kv.capacity, batch=8, eager=eager)
     assert greedy.generate_batch(requests) == want
 
 
-def test_a_head_size_other_than_hidden_over_heads_decodes_like_hugging_face(llama):
+def test_a_head_size_other_than_hidden_over_heads_decodes_like_hugging_face(engine):
     """The KV cache takes config.head_dim (32 here, where hidden_size / heads is 64)."""
-    model = llama.build_model("small", head_dim=32)
-    capacity = llama.capacity_for(len(llama.PROMPT), 64, K, M, batch=2)
-    spec = llama.SpeculativeLlama(model, k=K, m_rounds=M, capacity=capacity, batch=2)
+    model = build_model("small", head_dim=32)
+    spec = chain(model, capacity=capacity_for(len(PROMPT), 64, K, M, batch=2), batch=2)
     assert spec.target.kv.k.shape[-1] == 32
-    request = llama.Request(llama.PROMPT, 64)
-    assert spec.generate_batch([request, request])[1] == llama.hf_greedy(model, llama.PROMPT, 64)
+    request = Request(PROMPT, 64)
+    assert spec.generate_batch([request, request])[1] == hf_greedy(model, PROMPT, 64)
 
 
 # -- sampling -----------------------------------------------------------------------------------
@@ -75,28 +84,29 @@ def test_a_head_size_other_than_hidden_over_heads_decodes_like_hugging_face(llam
 SAMPLING_REQUESTS = [(prompt_seed, 100 + prompt_seed) for prompt_seed in range(6)]
 
 
-def sampled(llama, model, batch: int, m_rounds: int, mode: str, order: list[int], params) -> dict[int, list[int]]:
+def sampled(model, batch: int, m_rounds: int, mode: str, order: list[int], params, draft=None) -> dict[int, list[int]]:
     """The requests of SAMPLING_REQUESTS at positions `order` sampled in batches of `batch`
-    rows: request index -> its tokens."""
-    prompts = llama.prompts(len(SAMPLING_REQUESTS), seed=2)
-    capacity = llama.capacity_for(40, 48, K, m_rounds, batch=batch)
-    spec = llama.SpeculativeLlama(model, k=K, m_rounds=m_rounds, capacity=capacity, batch=batch, sampling=params)
+    rows (by `draft`, default the self-speculative one): request index -> its tokens."""
+    rows = prompts(len(SAMPLING_REQUESTS), seed=2)
+    capacity = capacity_for(40, 48, K, m_rounds, batch=batch)
+    spec = SpeculativeLlama(model, self_draft(model) if draft is None else draft, k=K, m_rounds=m_rounds,
+                            capacity=capacity, batch=batch, sampling=params)
     out = {}
     for start in range(0, len(order), batch):
         chunk = order[start:start + batch]
-        requests = [llama.Request(prompts[i], 48, None, SAMPLING_REQUESTS[i][1]) for i in chunk]
+        requests = [Request(rows[i], 48, None, SAMPLING_REQUESTS[i][1]) for i in chunk]
         out.update(zip(chunk, spec.generate_batch(requests, mode)))
     return out
 
 
-def test_a_request_samples_the_same_tokens_whatever_its_slot_batch_m_and_mode(llama, peaked):
-    params = llama.SamplingParams(temperature=1.0, top_k=200, top_p=0.95)
+def test_a_request_samples_the_same_tokens_whatever_its_slot_batch_m_and_mode(peaked):
+    params = SamplingParams(temperature=1.0, top_k=200, top_p=0.95)
     every = list(range(len(SAMPLING_REQUESTS)))
     runs = {
-        "B=6, M=16, graph": sampled(llama, peaked, 6, 16, "graph", every, params),
-        "B=3, M=4, eager, slots reversed": sampled(llama, peaked, 3, 4, "eager", every[::-1], params),
-        "B=2, M=8, overlap, shuffled": sampled(llama, peaked, 2, 8, "overlap", [4, 1, 5, 0, 3, 2], params),
-        "B=1, readback": sampled(llama, peaked, 1, 1, "readback", every, params),
+        "B=6, M=16, graph": sampled(peaked, 6, 16, "graph", every, params),
+        "B=3, M=4, eager, slots reversed": sampled(peaked, 3, 4, "eager", every[::-1], params),
+        "B=2, M=8, overlap, shuffled": sampled(peaked, 2, 8, "overlap", [4, 1, 5, 0, 3, 2], params),
+        "B=1, readback": sampled(peaked, 1, 1, "readback", every, params),
     }
     (first_name, first), *others = runs.items()
     for name, run in others:
@@ -106,16 +116,17 @@ def test_a_request_samples_the_same_tokens_whatever_its_slot_batch_m_and_mode(ll
     assert len({tuple(tokens) for tokens in first.values()}) == len(every), "different seeds, same tokens"
 
 
-def test_first_sampled_token_is_distributed_as_the_targets_softmax(llama, peaked):
+def assert_first_sampled_token_is_the_targets_softmax(peaked, draft_model) -> None:
     """The theorem on the real model: 20 000 rows of one prompt, each its own seed, one round
-    with a draft sampled at temperature 0.5 (so its law differs from the target's): the
+    with `draft_model` sampled at temperature 0.5 (so its law differs from the target's): the
     first committed token, accepted draft or resampled residual, is distributed as the target's
     softmax at T = 1 after the prompt (chi-square over cells of at least 50 expected draws)."""
-    rows, prompt = 20_000, llama.PROMPT
-    target, draft = llama.SamplingParams(1.0), llama.SamplingParams(0.5)
-    spec = llama.SpeculativeLlama(peaked, k=1, m_rounds=1, capacity=llama.capacity_for(len(prompt), 1, 1, 1, rows),
-                                  batch=rows, sampling=target, draft_sampling=draft)
-    got = spec.generate_batch([llama.Request(prompt, 1, None, seed) for seed in range(rows)], "readback")
+    gc.collect()  # the decoders earlier tests left in cycles (a RoundStream holds its decoder's methods)
+    rows, prompt = 20_000, PROMPT
+    target, draft = SamplingParams(1.0), SamplingParams(0.5)
+    spec = SpeculativeLlama(peaked, draft_model, k=1, m_rounds=1, capacity=capacity_for(len(prompt), 1, 1, 1, rows),
+                            batch=rows, sampling=target, draft_sampling=draft)
+    got = spec.generate_batch([Request(prompt, 1, None, seed) for seed in range(rows)], "readback")
     first = np.array([tokens[0] for tokens in got])
     with torch.no_grad():
         logits = peaked(torch.tensor([prompt], device="cuda")).logits[0, -1].double()
@@ -132,14 +143,18 @@ def test_first_sampled_token_is_distributed_as_the_targets_softmax(llama, peaked
     assert_distributed_as(index[first], np.bincount(index, weights=law), "the first sampled token")
 
 
+def test_first_sampled_token_is_distributed_as_the_targets_softmax(peaked):
+    assert_first_sampled_token_is_the_targets_softmax(peaked, self_draft(peaked))
+
+
 # -- continuous batching ------------------------------------------------------------------------
 
-def served_requests(llama, alone, n: int, seed: int, with_seeds: bool = False):
+def served_requests(alone, n: int, seed: int, with_seeds: bool = False):
     """n requests of mixed prompt lengths and budgets, a third of them stopped by an EOS taken
     from their own output (generated alone by `alone`), and what each gives alone."""
     gen = np.random.default_rng(seed)
-    requests = [llama.Request(p, int(b), None, i * 7 if with_seeds else 0)
-                for i, (p, b) in enumerate(zip(llama.prompts(n, seed=seed), gen.integers(8, 97, n)))]
+    requests = [Request(p, int(b), None, i * 7 if with_seeds else 0)
+                for i, (p, b) in enumerate(zip(prompts(n, seed=seed), gen.integers(8, 97, n)))]
     outputs = [alone.generate(r.prompt, r.max_new_tokens, seed=r.seed) for r in requests]
     for i in range(0, n, 3):
         eos = outputs[i][int(gen.integers(len(outputs[i])))]
@@ -150,14 +165,13 @@ def served_requests(llama, alone, n: int, seed: int, with_seeds: bool = False):
 
 
 @pytest.mark.parametrize("mode", ["graph", "readback"])
-def test_continuous_batching_gives_each_request_its_single_request_output(llama, small, mode):
+def test_continuous_batching_gives_each_request_its_single_request_output(small, mode):
     """64 requests of mixed prompt and output lengths through 8 slots, refilled as requests
     stop at their EOS or budget (reset_row, set_stop_row): each output equals the same request
     generated alone, and no graph is captured while serving."""
-    alone = llama.SpeculativeLlama(small, k=K, m_rounds=M, capacity=llama.capacity_for(40, 96, K, M))
-    requests, want = served_requests(llama, alone, 64, seed=3)
-    server = llama.SpeculativeLlama(small, k=K, m_rounds=M, capacity=llama.capacity_for(40, 96, K, M, batch=8),
-                                    batch=8)
+    alone = chain(small, capacity=capacity_for(40, 96, K, M))
+    requests, want = served_requests(alone, 64, seed=3)
+    server = chain(small, capacity=capacity_for(40, 96, K, M, batch=8), batch=8)
     server.capture()
     graphs, prefills = server.rounds.graphs, sorted(server.target.prefills)
     served = server.serve(requests, mode)
@@ -166,12 +180,11 @@ def test_continuous_batching_gives_each_request_its_single_request_output(llama,
         assert result.tokens == tokens, f"request {i}: first difference at {first_difference(result.tokens, tokens)}"
 
 
-def test_serve_refuses_a_request_its_caches_cannot_hold_before_anything_runs(llama, small):
-    server = llama.SpeculativeLlama(small, k=K, m_rounds=M, capacity=llama.capacity_for(10, 20, K, M, batch=2),
-                                    batch=2)
-    fits = llama.Request([1, 2, 3], 20)
+def test_serve_refuses_a_request_its_caches_cannot_hold_before_anything_runs(small):
+    server = chain(small, capacity=capacity_for(10, 20, K, M, batch=2), batch=2)
+    fits = Request([1, 2, 3], 20)
     with pytest.raises(ValueError, match="request 1"):
-        server.serve([fits, llama.Request([1] * 10, 200)])
+        server.serve([fits, Request([1] * 10, 200)])
     assert server.rounds.rounds == 1, "a step ran before the refusal"  # the constructor's warm-up round
     assert server.serve([fits])[0].tokens == server.generate_batch([fits, fits])[0]
     rounds_before_overlap = server.rounds.rounds
@@ -180,12 +193,10 @@ def test_serve_refuses_a_request_its_caches_cannot_hold_before_anything_runs(lla
     assert server.rounds.rounds == rounds_before_overlap, "a step ran before the refusal"
 
 
-def test_continuous_batching_samples_each_request_as_it_would_alone(llama, peaked):
-    params = llama.SamplingParams(temperature=0.8)
-    alone = llama.SpeculativeLlama(peaked, k=K, m_rounds=M, capacity=llama.capacity_for(40, 96, K, M),
-                                   sampling=params)
-    requests, want = served_requests(llama, alone, 12, seed=4, with_seeds=True)
-    served = llama.SpeculativeLlama(peaked, k=K, m_rounds=M, capacity=llama.capacity_for(40, 96, K, M, batch=4),
-                                    batch=4, sampling=params).serve(requests)
+def test_continuous_batching_samples_each_request_as_it_would_alone(peaked):
+    params = SamplingParams(temperature=0.8)
+    alone = chain(peaked, capacity=capacity_for(40, 96, K, M), sampling=params)
+    requests, want = served_requests(alone, 12, seed=4, with_seeds=True)
+    served = chain(peaked, capacity=capacity_for(40, 96, K, M, batch=4), batch=4, sampling=params).serve(requests)
     for i, (result, tokens) in enumerate(zip(served, want)):
         assert result.tokens == tokens, f"request {i}: first difference at {first_difference(result.tokens, tokens)}"

@@ -1,9 +1,10 @@
 """Embedded in PyTorch: a borrowed stream orders memra's kernels with torch's ops, tensors are
 taken wherever buffers are, a capture through the adapter keeps torch's allocator away from
-the graph's memory, and a real transformer (examples/torch_llama.py) decodes through
-round-stream to exactly Hugging Face's own greedy output.
+the graph's memory, and a real transformer (memra_cuda.torch.SpeculativeLlama over the small
+random-weight Llama and its self-speculative draft) decodes through round-stream to exactly
+Hugging Face's own greedy output.
 
-Skipped with the reason where torch (or transformers, for the example) is not installed; the
+Skipped with the reason where torch (or transformers, for the Llama) is not installed; the
 core package and `make test` never import them.
 """
 from __future__ import annotations
@@ -156,62 +157,62 @@ def test_adapter_capture_refuses_the_default_stream(engine):
 # -- a real transformer -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def decoder(engine, llama):
-    model = llama.build_model("small")
+def decoder(small):
+    from memra_cuda.testing.llama import PROMPT  # transformers: only for the tests that take the Llama
     tokens = 256
-    capacity = llama.capacity_for(len(llama.PROMPT), tokens, 4, 16)
-    spec = llama.SpeculativeLlama(model, k=4, m_rounds=16, capacity=capacity)
-    want = llama.hf_greedy(model, llama.PROMPT, tokens)
-    return llama, model, spec, want
+    capacity = memra_torch.capacity_for(len(PROMPT), tokens, 4, 16)
+    spec = memra_torch.SpeculativeLlama(small, memra_torch.self_draft(small), k=4, m_rounds=16, capacity=capacity)
+    want = memra_torch.hf_greedy(small, PROMPT, tokens)
+    return small, spec, want, PROMPT
 
 
-def test_example_keeps_no_autograd_graph_in_its_caches(decoder):
+def test_the_decoder_keeps_no_autograd_graph_in_its_caches(decoder):
     """Issue 18, case 5: the example's readback mode ran at 179 tok/s against 403 for a plain
     loop, its KV writes recording autograd history through weights that required grad."""
-    llama, model, spec, want = decoder
+    model, spec, want, prompt = decoder
     assert not any(p.requires_grad for p in model.parameters())
-    spec.generate(llama.PROMPT, 16, mode="readback")
+    spec.generate(prompt, 16, mode="readback")
     for stack in (spec.target, spec.draft):
         assert stack.kv.k.grad_fn is None and not stack.kv.k.requires_grad
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_example_equals_hugging_face_greedy(decoder, mode):
-    llama, model, spec, want = decoder
-    got = spec.generate(llama.PROMPT, len(want), mode=mode)
+def test_the_decoder_equals_hugging_face_greedy(decoder, mode):
+    model, spec, want, prompt = decoder
+    got = spec.generate(prompt, len(want), mode=mode)
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     assert got == want, f"{mode}: first difference at token {first}"
     assert 0.0 < spec.acceptance(len(got)) < 1.0, "the draft must agree often, but not always"
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_example_stops_at_eos_like_hugging_face(decoder, mode):
-    llama, model, spec, want = decoder
+def test_the_decoder_stops_at_eos_like_hugging_face(decoder, mode):
+    model, spec, want, prompt = decoder
     eos = want[100]
-    expected = llama.hf_greedy(model, llama.PROMPT, len(want), eos=eos)
+    expected = memra_torch.hf_greedy(model, prompt, len(want), eos=eos)
     assert expected[-1] == eos and len(expected) <= 101
-    assert spec.generate(llama.PROMPT, len(want), eos=eos, mode=mode) == expected
+    assert spec.generate(prompt, len(want), eos=eos, mode=mode) == expected
 
 
-def test_example_draft_cache_holds_every_committed_token(decoder):
+def test_the_draft_cache_holds_every_committed_token(decoder):
     """The output is right whatever the draft's cache holds (the target verifies every draft),
     so look at the cache itself: after a generation its entries at every committed position
     equal a fresh prefill of the same tokens. The entry of a round's last draft, when all k
     were accepted, is appended by the next round's first step: had it been skipped, the stale
     entry of a rejected draft, or none, would be there."""
-    llama, model, spec, want = decoder
-    got = spec.generate(llama.PROMPT, 200, mode="graph")
+    model, spec, want, prompt = decoder
+    got = spec.generate(prompt, 200, mode="graph")
     assert spec.acceptance(len(got)) > 0.5, "too few rounds accept every draft to tell"
-    committed = min(int(spec.bufs.positions[0]), len(llama.PROMPT) + len(got) - 1)
-    fresh = llama.Stack(model, 1, spec.draft.kv.capacity)
-    fresh.prefill([0], [(list(llama.PROMPT) + got)[:committed]])
+    committed = min(int(spec.bufs.positions[0]), len(prompt) + len(got) - 1)
+    fresh = memra_torch.Stack(spec.draft.model, spec.draft.kv.capacity)
+    fresh.prefill([0], [(list(prompt) + got)[:committed]])
     for mine, theirs in ((spec.draft.kv.k, fresh.kv.k), (spec.draft.kv.v, fresh.kv.v)):
         torch.testing.assert_close(mine[..., :committed, :], theirs[..., :committed, :], atol=1e-4, rtol=1e-4)
 
 
-def test_example_prompt_of_one_token(decoder):
-    llama, model, spec, _ = decoder
-    assert spec.generate([1], 64, mode="graph") == llama.hf_greedy(model, [1], 64)
+def test_a_prompt_of_one_token(decoder):
+    model, spec, _, _ = decoder
+    assert spec.generate([1], 64, mode="graph") == memra_torch.hf_greedy(model, [1], 64)
 
 
 # -- safe by default: what a user forgets must not give wrong tokens or overwrite tensors ------

@@ -1,8 +1,13 @@
-"""examples/torch_tree.py's host side, on the CPU (torch and transformers, no GPU): the ancestor
-mask (TreeMask, whole from a static tree's parents or a level at a time from mask_d's words), a
-level's best candidates, the BLAS library a forward's rows take, the tree the example picks at
-each batch size, and the command line's trees."""
+"""The trees' host side and the examples' command line, on the CPU (torch and transformers, no
+GPU): the ancestor mask (TreeMask, whole from a static tree's parents or a level at a time from
+mask_d's words), a level's best candidates, the BLAS library a forward's rows take, the tree
+picked at each batch size, the command line's trees and refusals, and the examples run as the
+programs they are."""
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,11 +15,18 @@ import pytest
 from memra_cuda import DynamicTree, TreeShape
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+pytest.importorskip("transformers", reason="memra_cuda.testing.llama needs transformers")
+from memra_cuda.testing.llama import (PROMPT, command_line, parse, parse_tree, requests, static_tree,  # noqa: E402
+                                      tree_for_batch)
+from memra_cuda.torch import SamplingParams, TreeMask, best_ranks  # noqa: E402
+from memra_cuda.torch.stack import blas_for  # noqa: E402
+
 pytestmark = pytest.mark.torch
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.parametrize("static", [True, False], ids=["static", "from-words"])
-def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, static):
+def test_the_mask_is_each_nodes_ancestors_and_the_prefix(static):
     """TreeMask, made whole from a static tree's parents or a level at a time from mask_d's
     words, attends (0) to the prefix and to each node's ancestors and nowhere else (-inf)."""
     tree = TreeShape.likeliest(40, depth=6, ranks=4)  # 41 nodes: two mask words, bit 31 among them
@@ -31,8 +43,7 @@ def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, static):
         for j in mine:
             bits[:, i, j // 32] |= np.uint32(1 << j % 32)
     start = torch.tensor([[3], [20]])
-    mask = trees.TreeMask(torch.from_numpy(bits.view(np.int32)), 80, torch.bfloat16,
-                          tree if static else None).at(start)
+    mask = TreeMask(torch.from_numpy(bits.view(np.int32)), 80, torch.bfloat16, tree if static else None).at(start)
     got = torch.cat([mask.rows(a, b) for a, b in tree.levels], 2)
     assert got.dtype == torch.bfloat16 and got.shape == (2, 1, n, 80) and mask.rows(0, n).is_contiguous()
     for b, at in enumerate((3, 20)):
@@ -41,89 +52,114 @@ def test_the_mask_is_each_nodes_ancestors_and_the_prefix(trees, static):
             assert got[b, 0, i].float().tolist() == want, f"row {b}, node {i}"
 
 
-def test_a_levels_best_candidates_are_torch_topks_best_first_ties_to_the_lower_index(trees):
+def test_a_levels_best_candidates_are_torch_topks_best_first_ties_to_the_lower_index():
     logits = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(0))
-    for k in (1, 2, 4, 9):  # 9: past RANKS, torch.topk's
+    for k in (1, 2, 4, 9):  # 9: past ARGMAX_RANKS, torch.topk's
         cand_tok = torch.full((3, 7, k), -1)
-        trees.best_ranks(logits.clone(), cand_tok[:, 1:6])  # a level's rows, strided
+        best_ranks(logits.clone(), cand_tok[:, 1:6])  # a level's rows, strided
         assert torch.equal(cand_tok[:, 1:6], logits.topk(k, dim=-1).indices)
         assert (cand_tok[:, [0, 6]] == -1).all()  # the other levels' rows untouched
     tied = torch.zeros(1, 1, 8)
     tied[0, 0, [2, 6]] = 1.0
-    assert trees.best_ranks(tied, torch.empty(1, 1, 3, dtype=torch.long)).tolist() == [[[2, 6, 0]]]
+    assert best_ranks(tied, torch.empty(1, 1, 3, dtype=torch.long)).tolist() == [[[2, 6, 0]]]
 
 
-def test_a_forwards_rows_take_cublaslt_from_two_rows_up_to_LT_ROWS(llama):
-    fp32 = [llama.blas_for(torch.float32, rows) for rows in (1, 2, 16, 17, 65)]
+def test_a_forwards_rows_take_cublaslt_from_two_rows_up_to_LT_ROWS():
+    fp32 = [blas_for(torch.float32, rows) for rows in (1, 2, 16, 17, 65)]
     assert fp32 == ["cublas", "cublaslt", "cublaslt", "cublas", "cublas"]
-    assert [llama.blas_for(torch.bfloat16, rows) for rows in (1, 2, 65, 4096)] == ["cublas"] + ["cublaslt"] * 3
-    assert llama.blas_for(torch.float16, 8) == "cublas"  # not measured: torch's default
+    assert [blas_for(torch.bfloat16, rows) for rows in (1, 2, 65, 4096)] == ["cublas"] + ["cublaslt"] * 3
+    assert blas_for(torch.float16, 8) == "cublas"  # not measured: torch's default
 
 
-def test_the_example_picks_the_measured_tree_of_the_largest_batch_measured_below(trees):
-    assert trees.tree_for_batch("large", 1) == trees.static_tree(64, 10)
-    assert trees.tree_for_batch("large", 4) == trees.static_tree(64, 10)  # B = 1's, the largest measured below
-    assert trees.tree_for_batch("large", 16) == trees.static_tree(32, 8)
-    assert trees.tree_for_batch("large", 4096) == trees.static_tree(6, 4)
-    assert trees.tree_for_batch("large", 1, sampled=True) is None and trees.tree_for_batch("small", 8) is None
-    assert trees.tree_for_batch("small", 1) == TreeShape.chain_with_leaves(10, 2)
-    assert trees.tree_for_batch("small", 200) == trees.static_tree(6, 4)
+def test_the_measured_tree_of_the_largest_batch_measured_below_is_picked():
+    assert tree_for_batch("large", 1) == static_tree(64, 10)
+    assert tree_for_batch("large", 4) == static_tree(64, 10)  # B = 1's, the largest measured below
+    assert tree_for_batch("large", 16) == static_tree(32, 8)
+    assert tree_for_batch("large", 4096) == static_tree(6, 4)
+    assert tree_for_batch("large", 1, sampled=True) is None and tree_for_batch("small", 8) is None
+    assert tree_for_batch("small", 1) == TreeShape.chain_with_leaves(10, 2)
+    assert tree_for_batch("small", 200) == static_tree(6, 4)
 
 
-def test_a_tree_on_the_command_line_is_static_or_dynamic_or_refused(trees):
-    assert trees.parse_tree("static:16") == trees.static_tree(16)
-    assert trees.parse_tree("static:16,4") == trees.static_tree(16, 4) != trees.static_tree(16)
-    assert trees.parse_tree("dynamic:4,3,3") == DynamicTree(4, 3, 3)
-    assert trees.parse_tree("chain:10,2") == TreeShape.chain_with_leaves(10, 2)
+def test_a_tree_on_the_command_line_is_static_or_dynamic_or_refused():
+    assert parse_tree("static:16") == static_tree(16)
+    assert parse_tree("static:16,4") == static_tree(16, 4) != static_tree(16)
+    assert parse_tree("dynamic:4,3,3") == DynamicTree(4, 3, 3)
+    assert parse_tree("chain:10,2") == TreeShape.chain_with_leaves(10, 2)
     for text in ("static", "static:a", "static:1,2,3", "dynamic:4,3", "tree:3", "chain:10"):
         with pytest.raises(ValueError, match="a tree is"):
-            trees.parse_tree(text)
+            parse_tree(text)
 
 
-def test_the_examples_share_their_command_line_and_its_refusals(llama, capsys):
-    parser = llama.decoding_arguments("trees", k=False)
-    llama.round_arguments(parser)
-    args, sampling = llama.parse_rounds(parser, ["--temperature", "0.7", "--hybrid", "--state-rollback", "flip"])
-    assert (args.size, args.tokens, args.state_rollback, sampling) == ("small", 256, "flip", llama.SamplingParams(0.7))
-    assert not hasattr(args, "k")
-    with pytest.raises(SystemExit):
-        llama.parse_rounds(parser, ["--state-rollback", "flip"])
-    assert "add --hybrid" in capsys.readouterr().err
-
-
-def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_chain_is_faster(trees, capsys):
-    for argv in (["--tree", "auto", "--batch", "8"], ["--tree", "auto", "--size", "large", "--temperature", "1"]):
+def test_the_examples_share_their_command_line_and_its_refusals(capsys):
+    parser = command_line("trees", k=False)
+    args, sampling = parse(parser, ["--temperature", "0.7", "--hybrid", "--state-rollback", "flip"])
+    assert (args.size, args.tokens, args.state_rollback, args.model, sampling) == ("small", 256, "flip", None,
+                                                                                  SamplingParams(0.7))
+    assert not hasattr(args, "k") and parse(command_line("chains"), [])[0].k == 4
+    refused = {("--state-rollback", "flip"): "add --hybrid", ("--draft", "d"): "add --model DIR",
+               ("--prompt", "x"): "add --model DIR", ("--model", "m", "--hybrid"): "leave out --model",
+               ("--temperature", "0"): "temperature must be > 0", ("--draft-layers", "0"): "at least one layer"}
+    for argv, message in refused.items():
         with pytest.raises(SystemExit):
-            trees.main(argv)  # refused before any model is built
-        assert "faster by the chain" in capsys.readouterr().err
+            parse(parser, list(argv))
+        assert message in capsys.readouterr().err
 
 
-def test_the_bench_measures_each_pick_once_among_its_kind(trees):
+def test_the_requests_are_the_random_models_prompts_or_a_loaded_tokenizers():
+    parser = command_line("chains")
+    one, eight = (parse(parser, ["--batch", str(b), "--tokens", "9"])[0] for b in (1, 8))
+    assert requests(one, None) == [(PROMPT, 9, None, 0)]
+    rows = requests(eight, None)
+    assert len(rows) == 8 and len({tuple(r.prompt) for r in rows}) == 8 and [r.seed for r in rows] == list(range(8))
+
+    class Words:
+        eos_token_id = 1
+
+        def encode(self, text: str) -> list[int]:
+            return [len(word) for word in text.split()]
+
+    loaded = parse(parser, ["--model", "m", "--prompt", "a bb", "--prompt", "ccc", "--batch", "3", "--eos", "7"])[0]
+    assert requests(loaded, Words()) == [([1, 2], 256, 7, 0), ([3], 256, 7, 1), ([1, 2], 256, 7, 2)]
+    assert requests(parse(parser, ["--model", "m"])[0], Words(), 2)[1].eos == 1  # the tokenizer's EOS
+
+
+def run_example(name: str, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXAMPLES / name), *argv], capture_output=True, text=True, timeout=300)
+
+
+def test_the_examples_say_what_they_take():
+    for name in ("torch_llama.py", "torch_tree.py"):
+        done = run_example(name, "--help")
+        assert done.returncode == 0, done.stderr
+        assert "--model DIR" in done.stdout and "--draft DIR" in done.stdout and "--size {large,small}" in done.stdout
+    assert "--serve N" in run_example("torch_llama.py", "--help").stdout
+
+
+def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_chain_is_faster():
+    """Refused before any model is built (this machine has no GPU to build one on)."""
+    for argv in (["--tree", "auto", "--batch", "8"], ["--tree", "auto", "--size", "large", "--temperature", "1"]):
+        done = run_example("torch_tree.py", *argv)
+        assert done.returncode == 2 and "faster by the chain" in done.stderr, done.stderr
+    done = run_example("torch_tree.py", "--tree", "auto", "--model", "somewhere")
+    assert done.returncode == 2 and "name a --tree" in done.stderr, done.stderr
+
+
+def test_the_bench_measures_each_pick_once_among_its_kind():
     from benchmarks.torch_engine import _tree_candidates
-    listed, extra = trees.static_tree(32, 8), trees.static_tree(20, 5)  # STATIC_TREES[8] lists the first only
-    candidates = _tree_candidates(trees, [listed, extra], 8, quick=False)
+    listed, extra = static_tree(32, 8), static_tree(20, 5)  # STATIC_TREES[8] lists the first only
+    candidates = _tree_candidates([listed, extra], 8, quick=False)
     statics = [config for kind, config in candidates if kind == "static"]
     assert statics.count(listed) == 1 and statics[-1] == extra
     assert statics[-2] == TreeShape.chain_with_leaves(8, 1)  # the section's own, "chain:8,1"
     assert [config for kind, config in candidates if kind == "chain"] == [6, 8, 10]
 
 
-def test_the_bench_names_a_chain_with_leaves_apart_from_a_likeliest_tree(trees):
+def test_the_bench_names_a_chain_with_leaves_apart_from_a_likeliest_tree():
     from benchmarks.torch_engine import _tree_label
     assert _tree_label(TreeShape.chain_with_leaves(10, 2)) == "k=10, 2 leaves"
     assert _tree_label(TreeShape.chain_with_leaves(8, 1)) == "k=8, 1 leaf"
     assert _tree_label(TreeShape.chain(4)) == "T=4, depth 4"
-    assert _tree_label(trees.static_tree(32, 8)) == "T=32, depth 8"
+    assert _tree_label(static_tree(32, 8)) == "T=32, depth 8"
     assert _tree_label(DynamicTree(4, 3, 2)) == "4x3, branch 2"
 
-
-def test_a_tree_llama_refuses_a_rollback_candidates_or_pages_it_cannot_serve_before_any_device_work(trees):
-    from types import SimpleNamespace
-    model = SimpleNamespace(model=SimpleNamespace(layers=[]), config=SimpleNamespace(vocab_size=100))
-    tree = trees.static_tree(8, 3)
-    with pytest.raises(ValueError, match='"copy" or "flip", not \'swap\''):
-        trees.TreeLlama(model, tree, state_rollback="swap")
-    with pytest.raises(ValueError, match="vocabulary's 100, not 101"):
-        trees.TreeLlama(model, tree, candidates=101)
-    with pytest.raises(ValueError, match="at least one position, not 0"):
-        trees.PagedKV(None, 1, 1, 64, torch.float32, page=0)

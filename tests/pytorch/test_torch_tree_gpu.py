@@ -1,14 +1,17 @@
-"""Trees in the PyTorch example (examples/torch_tree.py, issue 29): the draft grows a static or
-dynamic tree through the layer, the target verifies every node in one forward under the
-ancestor mask, and the layer compacts the accepted path in both models' static caches. Greedy
-tree decoding equals Hugging Face's own greedy over 256 tokens (fp32) in every mode, B 1 and 8;
-served continuously, each request its own; after a batch every row's KV is a fresh prefill of its
-committed tokens, also in a cache laid out in pages that the model's own callable compacts;
-sampled, a request's tokens are the same in every mode and the first token is distributed as
-the target's softmax; the hybrid with trees equals its own plain greedy by copy
-and by flip. Skipped with the reason where torch or transformers is missing.
+"""Trees in memra_cuda.torch (TreeLlama, issue 29) on the small random-weight Llama and its
+self-speculative draft: the draft grows a static or dynamic tree through the layer, the target
+verifies every node in one forward under the ancestor mask, and the layer compacts the accepted
+path in both models' static caches. Greedy tree decoding equals Hugging Face's own greedy over
+256 tokens (fp32) in every mode, B 1 and 8; served continuously, each request its own; after a
+batch every row's KV is a fresh prefill of its committed tokens, also in a cache laid out in
+pages that the model's own callable compacts; sampled, a request's tokens are the same in every
+mode and the first token is distributed as the target's softmax; the hybrid with trees equals
+its own plain greedy by copy and by flip. Skipped with the reason where torch or transformers is
+missing.
 """
 from __future__ import annotations
+
+import gc
 
 import numpy as np
 import pytest
@@ -18,6 +21,10 @@ from memra_cuda.rounds import MODES
 from laws import assert_distributed_as, cells
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+pytest.importorskip("transformers", reason="memra_cuda.testing.llama needs transformers")
+from memra_cuda.testing.llama import PROMPT, prompts  # noqa: E402
+from memra_cuda.torch import (GraphedGreedy, PagedKV, Request, SamplingParams, Stack, TreeLlama,  # noqa: E402
+                              capacity_for, hf_greedy, self_draft)
 from test_torch_batch_gpu import first_difference  # noqa: E402  (imports torch)
 from test_torch_hybrid_gpu import BUDGETS, EOS_ROWS, TOKENS, generate  # noqa: E402  (the same budgets and stops)
 
@@ -32,32 +39,42 @@ LEAVES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [1, 0, 0]
 TREES = {"static": TreeShape.from_choices(LEAVES), "dynamic": DynamicTree(4, 3, 3)}
 
 
-@pytest.fixture(scope="module")
-def greedy_batches(llama, small):
-    """B -> (requests, Hugging Face's greedy of each alone, capacity): one request of PROMPT;
-    eight prompts of 2 to 40 tokens (one of one token), budgets of 64 to 256, two rows stopped by
-    an EOS from their own output."""
+def greedy_requests(small) -> dict:
+    """B -> (requests, Hugging Face's greedy of each alone, the longest prompt): one request of
+    PROMPT; eight prompts of 2 to 40 tokens (one of one token), budgets of 64 to 256, two rows
+    stopped by an EOS from their own output."""
     out = {}
     for batch, budgets in BUDGETS.items():
-        prompts = [llama.PROMPT] if batch == 1 else [[1], *llama.prompts(batch - 1, seed=3)]
-        alone = [llama.hf_greedy(small, prompt, n) for prompt, n in zip(prompts, budgets)]
+        rows = [PROMPT] if batch == 1 else [[1], *prompts(batch - 1, seed=3)]
+        alone = [hf_greedy(small, prompt, n) for prompt, n in zip(rows, budgets)]
         stops = [alone[row][EOS_ROWS[batch][row]] if row in EOS_ROWS[batch] else None for row in range(batch)]
-        requests = [llama.Request(p, n, eos) for p, n, eos in zip(prompts, budgets, stops)]
+        requests = [Request(p, n, eos) for p, n, eos in zip(rows, budgets, stops)]
         want = [row[:row.index(eos) + 1] if eos in row else row for row, eos in zip(alone, stops)]
-        out[batch] = requests, want, max(map(len, prompts))
+        out[batch] = requests, want, max(map(len, rows))
     return out
 
 
 @pytest.fixture(scope="module")
-def decoders(trees, llama, small, greedy_batches):
+def greedy_batches(small):
+    return greedy_requests(small)
+
+
+def tree_decoder(model, tree, longest: int, tokens: int, batch: int, draft=None, **kwargs) -> TreeLlama:
+    """A TreeLlama of `model` and `draft` (default its self-speculative one) over `tree`, M = M,
+    caches for prompts of `longest` tokens and budgets of `tokens`."""
+    capacity = capacity_for(longest, tokens, tree.depth, M, batch, tree.nodes)
+    return TreeLlama(model, self_draft(model) if draft is None else draft, tree, m_rounds=M, capacity=capacity,
+                     batch=batch, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def decoders(small, greedy_batches):
     """(tree name, B) -> a greedy TreeLlama of the small model, made once for the module."""
     made = {}
 
     def get(name: str, batch: int):
         if (name, batch) not in made:
-            tree = TREES[name]
-            capacity = llama.capacity_for(greedy_batches[batch][2], TOKENS, tree.depth, M, batch, tree.nodes)
-            made[name, batch] = trees.TreeLlama(small, tree, m_rounds=M, capacity=capacity, batch=batch)
+            made[name, batch] = tree_decoder(small, TREES[name], greedy_batches[batch][2], TOKENS, batch)
         return made[name, batch]
     return get
 
@@ -76,20 +93,21 @@ def test_tree_decoding_equals_hugging_face_greedy(decoders, greedy_batches, name
     assert 1.5 < tau < spec.k + 1, f"{tau:.2f} tokens a round: the tree must accept some drafts and reject others"
 
 
-def assert_kv_is_a_fresh_prefill(trees, llama, model, spec, requests, got) -> None:
+def assert_kv_is_a_fresh_prefill(spec, requests, got) -> None:
     """Each row's entries of both models at every position below its pos_ctr equal a fresh
-    prefill of the row's committed tokens (in logical order, for a paged cache); the draft's
-    but the last: the next round's first level would append it (TreeLlama.draft_level)."""
+    prefill of the row's committed tokens by the same model (in logical order, for a paged
+    cache); the draft's but the last: the next round's first level would append it
+    (TreeLlama.draft_level). fp32 models: an entry of another token differs by far more."""
     batch = len(requests)
     full = [list(r.prompt) + tokens for r, tokens in zip(requests, got)]
     committed = [min(int(n), len(tokens) - 1) for n, tokens in zip(spec.bufs.positions, full)]
     every = torch.arange(batch, device="cuda")
     for stack in (spec.target, spec.draft):
-        fresh = llama.Stack(model, len(stack.layers), stack.kv.capacity, batch=batch)
+        fresh = Stack(stack.model, stack.kv.capacity, batch=batch)
         fresh.prefill(range(batch), [tokens[:n] for tokens, n in zip(full, committed)])
         folded = 1 if stack is spec.draft else 0
         for layer in range(len(stack.layers)):
-            mine = stack.kv.gather(layer, every) if isinstance(stack.kv, trees.PagedKV) else \
+            mine = stack.kv.gather(layer, every) if isinstance(stack.kv, PagedKV) else \
                 (stack.kv.k[layer], stack.kv.v[layer])
             for row, n in enumerate(n - folded for n in committed):
                 for side, theirs in zip(mine, (fresh.kv.k[layer], fresh.kv.v[layer])):
@@ -98,58 +116,49 @@ def assert_kv_is_a_fresh_prefill(trees, llama, model, spec, requests, got) -> No
 
 
 @pytest.mark.parametrize("name", TREES)
-def test_after_a_batch_every_rows_kv_is_a_fresh_prefill_of_its_tokens(trees, llama, small, decoders, greedy_batches,
-                                                                       name):
+def test_after_a_batch_every_rows_kv_is_a_fresh_prefill_of_its_tokens(decoders, greedy_batches, name):
     """The compaction itself: after a batch (rows done at different rounds, two by EOS), each
     row's entries are a fresh prefill's. An accepted path left at its tree slots, or a rejected
     node's entry, differs by far more than the tolerance; so does, in the static tree, a leaf
     accepted last whose draft entry the next round did not append."""
     spec = decoders(name, 8)
     requests, _, _ = greedy_batches[8]
-    assert_kv_is_a_fresh_prefill(trees, llama, small, spec, requests, generate(spec, requests, "graph"))
+    assert_kv_is_a_fresh_prefill(spec, requests, generate(spec, requests, "graph"))
 
 
 @pytest.mark.parametrize("mode", ["graph", "device"])
-def test_a_paged_cache_compacted_by_the_models_own_callable(trees, llama, small, greedy_batches, mode):
+def test_a_paged_cache_compacted_by_the_models_own_callable(small, greedy_batches, mode):
     """The paged route, TreeRound's compact=: both caches in pages of 16 positions shuffled through
     one pool (PagedKV), the accepted path moved by the model's torch callable, not kernel 15.
     Every row equals Hugging Face's greedy, and its entries are a fresh prefill's."""
     requests, want, longest = greedy_batches[8]
-    tree = TREES["dynamic"]
-    capacity = llama.capacity_for(longest, TOKENS, tree.depth, M, 8, tree.nodes)
-    spec = trees.TreeLlama(small, tree, m_rounds=M, capacity=capacity, batch=8, paged=16)
-    assert isinstance(spec.target.kv, trees.PagedKV) and isinstance(spec.draft.kv, trees.PagedKV)
+    spec = tree_decoder(small, TREES["dynamic"], longest, TOKENS, 8, paged=16)
+    assert isinstance(spec.target.kv, PagedKV) and isinstance(spec.draft.kv, PagedKV)
     got = generate(spec, requests, mode)
     for row, (mine, theirs) in enumerate(zip(got, want)):
         assert mine == theirs, f"paged, {mode}, row {row}: first difference at token {first_difference(mine, theirs)}"
-    assert_kv_is_a_fresh_prefill(trees, llama, small, spec, requests, got)
+    assert_kv_is_a_fresh_prefill(spec, requests, got)
 
 
-def test_served_tree_requests_equal_hugging_face_each_alone(trees, llama, small):
+def test_served_tree_requests_equal_hugging_face_each_alone(small):
     """Continuous batching: 10 requests through 3 slots, each row prefilled anew while the others
     are mid-request; every request's tokens are Hugging Face's for it alone."""
-    prompts = llama.prompts(10, seed=11)
     budgets = [40, 96, 17, 64, 80, 33, 96, 50, 71, 24]
-    requests = [llama.Request(p, n) for p, n in zip(prompts, budgets)]
-    tree = TREES["dynamic"]
-    capacity = llama.capacity_for(40, 96, tree.depth, M, 3, tree.nodes)
-    spec = trees.TreeLlama(small, tree, m_rounds=M, capacity=capacity, batch=3)
+    requests = [Request(p, n) for p, n in zip(prompts(10, seed=11), budgets)]
+    spec = tree_decoder(small, TREES["dynamic"], 40, 96, 3)
     served = spec.serve(requests)
     for i, (request, out) in enumerate(zip(requests, served)):
-        want = llama.hf_greedy(small, request.prompt, request.max_new_tokens)
+        want = hf_greedy(small, request.prompt, request.max_new_tokens)
         assert out.tokens == want, f"request {i}: first difference at token {first_difference(out.tokens, want)}"
 
 
 # -- sampling -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", TREES)
-def test_sampled_tree_tokens_are_the_same_in_every_mode_for_a_seed(trees, llama, peaked, name):
-    params = llama.SamplingParams(temperature=1.0, top_k=200, top_p=0.95)
-    tree = TREES[name]
-    prompts = llama.prompts(3, seed=5)
-    requests = [llama.Request(p, 48, None, 100 + i) for i, p in enumerate(prompts)]
-    capacity = llama.capacity_for(40, 48, tree.depth, M, 3, tree.nodes)
-    spec = trees.TreeLlama(peaked, tree, m_rounds=M, capacity=capacity, batch=3, sampling=params)
+def test_sampled_tree_tokens_are_the_same_in_every_mode_for_a_seed(peaked, name):
+    params = SamplingParams(temperature=1.0, top_k=200, top_p=0.95)
+    requests = [Request(p, 48, None, 100 + i) for i, p in enumerate(prompts(3, seed=5))]
+    spec = tree_decoder(peaked, TREES[name], 40, 48, 3, sampling=params)
     runs = {mode: generate(spec, requests, mode) for mode in MODES}
     first = runs["graph"]
     for mode, run in runs.items():
@@ -161,29 +170,33 @@ def test_sampled_tree_tokens_are_the_same_in_every_mode_for_a_seed(trees, llama,
     assert reversed_ == first, "a request's tokens depend on its slot"
 
 
-def test_first_sampled_tree_token_is_distributed_as_the_targets_softmax(trees, llama, peaked):
+def assert_first_sampled_tree_token_is_the_targets_softmax(peaked, draft_model) -> None:
     """The theorem on the real model: 20 000 rows of one prompt, each its own seed, one round of
-    a tree of two children at the root (two draws without replacement from a draft at
+    a tree of two children at the root (two draws without replacement from `draft_model` at
     temperature 0.5, so its law differs from the target's): the first committed token is
     distributed as the target's softmax after the prompt (chi-square)."""
-    rows, prompt = 20_000, llama.PROMPT
+    gc.collect()  # the decoders earlier tests left in cycles (a RoundStream holds its decoder's methods)
+    rows, prompt = 20_000, PROMPT
     tree = TreeShape.from_choices([[0], [1]])
-    spec = trees.TreeLlama(peaked, tree, m_rounds=1, batch=rows, sampling=llama.SamplingParams(1.0),
-                           draft_sampling=llama.SamplingParams(0.5),
-                           capacity=llama.capacity_for(len(prompt), 1, 1, 1, rows, tree.nodes))
-    got = spec.generate_batch([llama.Request(prompt, 1, None, seed) for seed in range(rows)], "readback")
+    spec = TreeLlama(peaked, draft_model, tree, m_rounds=1, batch=rows, sampling=SamplingParams(1.0),
+                     draft_sampling=SamplingParams(0.5), capacity=capacity_for(len(prompt), 1, 1, 1, rows, tree.nodes))
+    got = spec.generate_batch([Request(prompt, 1, None, seed) for seed in range(rows)], "readback")
     first = np.array([tokens[0] for tokens in got])
     with torch.no_grad():
         logits = peaked(torch.tensor([prompt], device="cuda")).logits[0, -1].double()
     law = logits.softmax(-1).cpu().numpy()
     p, q = (probs[0, 0].double().cpu().numpy() for probs in (spec.p_d, spec.q_d))
     assert 0.5 * np.abs(p - q).sum() > 0.1, "the draft's law must differ from the target's"
-    drawn = spec.tok[:, 1:3].cpu().numpy()
+    drawn = spec.tree_views.tok[:, 1:3].cpu().numpy()
     assert (drawn[:, 0] != drawn[:, 1]).all(), "two draws without replacement"
     accepted = float(np.mean((first[:, None] == drawn).any(1)))
     assert accepted > np.minimum(p, q).sum() + 0.02, "a second child must accept more than one"
     index = cells(law, rows)
     assert_distributed_as(index[first], np.bincount(index, weights=law), "the first sampled tree token")
+
+
+def test_first_sampled_tree_token_is_distributed_as_the_targets_softmax(peaked):
+    assert_first_sampled_tree_token_is_the_targets_softmax(peaked, self_draft(peaked))
 
 
 # -- hybrid -------------------------------------------------------------------------------------
@@ -193,16 +206,14 @@ HYBRID_CASES = [(state, batch, mode) for state in ("copy", "flip") for batch in 
 
 
 @pytest.mark.parametrize("state, batch, mode", HYBRID_CASES, ids=[f"{s}-B{b}-{m}" for s, b, m in HYBRID_CASES])
-def test_hybrid_tree_equals_its_own_plain_greedy(trees, llama, hybrid, state, batch, mode):
-    prompts = [llama.PROMPT] if batch == 1 else [[1], *llama.prompts(batch - 1, seed=7)]
-    budgets = BUDGETS[batch]
+def test_hybrid_tree_equals_its_own_plain_greedy(hybrid, state, batch, mode):
+    rows = [PROMPT] if batch == 1 else [[1], *prompts(batch - 1, seed=7)]
+    requests = [Request(p, n) for p, n in zip(rows, BUDGETS[batch])]
     tree = TREES["dynamic"]
-    capacity = llama.capacity_for(max(map(len, prompts)), TOKENS, tree.depth, M, batch, tree.nodes)
-    want = llama.GraphedGreedy(hybrid, capacity, batch).generate_batch(
-        [llama.Request(p, n) for p, n in zip(prompts, budgets)])
-    spec = trees.TreeLlama(hybrid, tree, m_rounds=M, capacity=capacity, batch=batch, state_rollback=state)
+    spec = tree_decoder(hybrid, tree, max(map(len, rows)), TOKENS, batch, state_rollback=state)
+    want = GraphedGreedy(hybrid, spec.target.kv.capacity, batch).generate_batch(requests)
     assert spec.target.state.slots.shape[2] == (1 if state == "copy" else 2) * tree.nodes, "a slot a node"
-    got = generate(spec, [llama.Request(p, n) for p, n in zip(prompts, budgets)], mode)
+    got = generate(spec, requests, mode)
     for row, (mine, theirs) in enumerate(zip(got, want)):
         assert mine == theirs, f"{state}, {mode}, row {row}: first difference at token {first_difference(mine, theirs)}"
     tau = spec.bufs.tokens_per_round([len(row) for row in got])
@@ -211,22 +222,23 @@ def test_hybrid_tree_equals_its_own_plain_greedy(trees, llama, hybrid, state, ba
 
 # -- refusals -----------------------------------------------------------------------------------
 
-def test_a_tree_llama_refuses_what_it_cannot_serve(trees, llama, small, hybrid):
+def test_a_tree_llama_refuses_what_it_cannot_serve(small, hybrid):
+    draft = self_draft(small)
     with pytest.raises(ValueError, match="candidates"):
-        trees.TreeLlama(small, TREES["dynamic"], candidates=2, capacity=64)
+        TreeLlama(small, draft, TREES["dynamic"], candidates=2, capacity=64)
     with pytest.raises(ValueError, match="attention"):
-        trees.TreeLlama(hybrid, TREES["dynamic"], draft_layers=3, capacity=64)
+        TreeLlama(hybrid, self_draft(hybrid, 3), TREES["dynamic"], capacity=64)
     with pytest.raises(TypeError, match="TreeShape or a DynamicTree"):
-        trees.TreeLlama(small, [[0], [1]], capacity=64)
+        TreeLlama(small, draft, [[0], [1]], capacity=64)
     with pytest.raises(TypeError, match="paged cache"):
-        trees.PagedKV(small.config, 1, 1, 64, torch.float32).data()
+        PagedKV(small.config, 1, 1, 64, torch.float32).data()
     with pytest.raises(ValueError, match="candidates= is for greedy"):
-        trees.TreeLlama(small, TREES["dynamic"], candidates=3, capacity=64, sampling=llama.SamplingParams())
+        TreeLlama(small, draft, TREES["dynamic"], candidates=3, capacity=64, sampling=SamplingParams())
     # a request that fits a chain's k + 1 slots past its position, but not the tree's T + 1
-    tree, prompt, new = TREES["dynamic"], llama.PROMPT, 100
+    tree, prompt, new = TREES["dynamic"], PROMPT, 100
     need = kv_capacity(len(prompt), new, tree.depth, M, width=tree.nodes)
     assert kv_capacity(len(prompt), new, tree.depth, M) < need
-    spec = trees.TreeLlama(small, tree, m_rounds=M, capacity=need - 1)
+    spec = TreeLlama(small, draft, tree, m_rounds=M, capacity=need - 1)
     assert spec.rounds.rounds_per_step("graph") == M
     with pytest.raises(ValueError, match="needs a KV cache"):
-        spec.serve([llama.Request(prompt, new)])
+        spec.serve([Request(prompt, new)])

@@ -15,6 +15,7 @@ from memra_cuda.rounds import MODES
 from memra_cuda.testing import reference as ref
 from memra_cuda.buffers.stream_bufs import MAX_BATCH
 from memra_cuda.testing.toy import lm as toy
+from toy_requests import requests
 
 pytestmark = pytest.mark.gpu
 
@@ -26,21 +27,6 @@ def spec(engine):
     return SpecKernels(engine)
 
 
-def requests(batch: int, seed: int, max_budget: int = 90, *, model: toy.ToyModel = MODEL, max_prompt: int = 40):
-    """Per row: a prompt of 1 to max_prompt tokens, a budget of 0 to max_budget (max_budget in
-    every fifth row), and for every third row an EOS taken from the middle of its greedy output
-    (so it stops early)."""
-    rng = np.random.default_rng(seed)
-    prompts = [[int(t) for t in rng.integers(0, model.vocab, int(rng.integers(1, max_prompt + 1)))]
-               for _ in range(batch)]
-    budgets = [int(rng.integers(0, max_budget + 1)) if b % 5 else max_budget for b in range(batch)]
-    eos = []
-    for b, (prompt, budget) in enumerate(zip(prompts, budgets)):
-        full = toy.target_greedy(model, prompt, budget)
-        eos.append(full[len(full) // 2] if b % 3 == 0 and full else None)
-    return prompts, budgets, eos
-
-
 def batched(engine, spec, batch, k, m_rounds, capacity):
     lm = toy.ToyLM(engine, MODEL, capacity, batch=batch)
     bufs = StreamBufs(engine, k, m_rounds, batch=batch)
@@ -50,7 +36,7 @@ def batched(engine, spec, batch, k, m_rounds, capacity):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("batch,k,m_rounds", [(1, 4, 4), (3, 2, 1), (3, 4, 16), (32, 4, 16), (32, 0, 4)])
 def test_every_row_equals_its_own_greedy_output(engine, spec, mode, batch, k, m_rounds):
-    prompts, budgets, eos = requests(batch, seed=batch * 100 + k * 10 + m_rounds)
+    prompts, budgets, eos = requests(MODEL, batch, seed=batch * 100 + k * 10 + m_rounds)
     capacity = kv_capacity(40, max(budgets), k, m_rounds, overlap=mode == "overlap", batch=batch)
     lm, bufs, stream = batched(engine, spec, batch, k, m_rounds, capacity)
     for b, prompt in enumerate(prompts):

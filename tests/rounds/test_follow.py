@@ -1,6 +1,7 @@
 """TokenFeed.follow(), the host's side of device mode, against a simulated device on a fake
 clock (on the host, no GPU): the host's waiting is tested on every CI, where a GPU run could only
-show it through timings that vary with the machine (docs/round-stream.md, "How the host waits").
+show it through timings that vary with the machine (docs/device-mode.md, "How the host waits").
+The fake clock and sleep are the Schedule's, given to it as a server would give its own.
 
 The fake host clock moves only when the host sleeps: by what it asked for plus WAKE_NS, the
 sleep's own lateness (~5 µs on the H200's host), so a look costs nothing else unless a test
@@ -17,16 +18,17 @@ import contextlib
 import numpy as np
 import pytest
 
-from memra_cuda.rounds import device_loop, pace
-from memra_cuda.rounds.device_loop import MASK32, TokenFeed
 from memra_cuda.buffers.layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
+from memra_cuda.rounds import pace, schedule
+from memra_cuda.rounds.device_loop import TokenFeed
+from memra_cuda.rounds.schedule import MASK32, Schedule
 
 BATCH = 3
 ROUND_NS = 20_000  # the bare toy's rounds
 WAKE_NS = 6_000  # how late a sleep wakes past what it asked for
 OFFSET = 123_456_789  # device clock minus host clock
 START = 1000 * 2**32 - OFFSET - 2_000_000  # host clock at the start: the device's stamps wrap 2 ms in
-STALL_NS = int(TokenFeed.STALL_S * 1e9)
+STALL_NS = int(Schedule.STALL_S * 1e9)
 HORIZON_NS = 10**9  # a host still waiting this long after the last round would hang: fail instead
 
 
@@ -88,12 +90,14 @@ class Device:
         if self.fault:
             raise Faulted
 
-    def follow(self, monkeypatch: pytest.MonkeyPatch, **kwargs):
+    def schedule(self, **kwargs) -> Schedule:
+        """A Schedule on this device's clock and sleep that leaves the thread's timer slack
+        alone (no prctl; kwargs: spin, look_s)."""
+        return Schedule(self.clock, self.sleep, slack=contextlib.nullcontext, **kwargs)
+
+    def follow(self, **kwargs):
         """The feed's follow() on this device's clock (kwargs: spin, look_s)."""
-        monkeypatch.setattr(device_loop, "_clock", self.clock)
-        monkeypatch.setattr(device_loop, "_sleep", self.sleep)
-        monkeypatch.setattr(device_loop, "_fine_timer", contextlib.nullcontext)  # no prctl
-        return self.feed.follow(check=self.check, **kwargs)
+        return self.feed.follow(self.schedule(**kwargs), check=self.check)
 
     def _publish(self) -> None:
         while self.published < len(self.commits) and self.commits[self.published] <= self.now:
@@ -136,14 +140,14 @@ def token_ids(row: int, start: int, end: int) -> np.ndarray:
     return (row + 1) << 20 | np.arange(start, end)  # distinct in every row
 
 
-def test_every_token_is_yielded_once_in_order_with_its_stamp(monkeypatch):
+def test_every_token_is_yielded_once_in_order_with_its_stamp():
     """Rounds of uneven lengths, and clock reads that cost a µs, so a publish can land between
     the host's read of the head and of the counts (counts ahead of the head): each row's tokens
     arrive whole, once and in order, stamped with their round's stamp (which wraps past 2^32
     here), no look yields an empty batch, and follow() returns at the look that finds the loop
     ended, with its last tokens, the only batch taken after the end."""
     device = Device(400, jitter_ns=5_000, read_ns=1_000)
-    landed = list(device.follow(monkeypatch))
+    landed = list(device.follow())
     published = device.published_rows()
     for b, (tokens, stamps) in enumerate(published):
         assert np.concatenate([piece.tokens[b] for piece in landed]).tolist() == tokens
@@ -157,12 +161,12 @@ def test_every_token_is_yielded_once_in_order_with_its_stamp(monkeypatch):
     assert [row.tolist() for row in device.feed.tokens()] == [tokens for tokens, _ in published]
 
 
-def test_a_landed_answers_until_the_feed_is_cleared_for_the_next_launch(monkeypatch):
+def test_a_landed_answers_until_the_feed_is_cleared_for_the_next_launch():
     """A Landed copies its tokens out of the feed when first asked: after the feed's next
     launch it refuses rather than answer with another request's tokens, and what it copied
     before stays its own."""
     device = Device(20)
-    landed = list(device.follow(monkeypatch))
+    landed = list(device.follow())
     kept = landed[0].tokens
     device.feed.clear()  # the next launch
     with pytest.raises(ValueError, match="earlier launch"):
@@ -172,12 +176,12 @@ def test_a_landed_answers_until_the_feed_is_cleared_for_the_next_launch(monkeypa
         assert row.tolist() == tokens[:row.size]
 
 
-def test_rounds_of_20us_are_seen_within_a_round_plus_20us_looking_every_three_rounds(monkeypatch):
+def test_rounds_of_20us_are_seen_within_a_round_plus_20us_looking_every_three_rounds():
     """The default look_s (60 µs) over rounds of 20 µs: a look every three rounds (once the
     rounds are timed, exactly look_s apart here), nearly all of them finding tokens, and the
     median token seen within one round plus 20 µs of its commit."""
     device = Device(300)
-    landed = list(device.follow(monkeypatch, look_s=60e-6))
+    landed = list(device.follow(look_s=60e-6))
     assert np.median(device.delays(landed)) <= ROUND_NS + 20_000
     assert 0.28 <= device.feed.looks / 300 <= 0.4
     assert 60_000 <= device.steady_gap() < 60_000 + ROUND_NS
@@ -185,71 +189,71 @@ def test_rounds_of_20us_are_seen_within_a_round_plus_20us_looking_every_three_ro
     assert not device.checks, "asked about a fault while rounds flowed"
 
 
-def test_a_long_first_round_is_waited_for_with_backoff_and_later_rounds_are_seen_early(monkeypatch):
+def test_a_long_first_round_is_waited_for_with_backoff_and_later_rounds_are_seen_early():
     """A first round of 1 ms: the host backs off (a look every 10 µs would be ~60 looks), and
     once rounds flow, the late first sighting does not keep the later looks late: past the
     first 10 rounds the median token is seen within a round plus 20 µs. (At rounds this short
     the head's newest stamp is at most a round old when first seen; the millisecond rounds
     below are where the first publishes are seen hundreds of µs late.)"""
     device = Device(300, first_ns=1_000_000)
-    landed = list(device.follow(monkeypatch, look_s=60e-6))
+    landed = list(device.follow(look_s=60e-6))
     assert sum(look < device.commits[0] for look in device.looks) < 20
     assert np.median(device.delays(landed, after_round=10)) <= ROUND_NS + 20_000
     assert not device.checks
 
 
-def test_after_a_first_publish_seen_late_looks_at_millisecond_rounds_converge_on_the_commits(monkeypatch):
+def test_after_a_first_publish_seen_late_looks_at_millisecond_rounds_converge_on_the_commits():
     """Rounds of 1 ms (a real model) after a first round of 5.7 ms: the host's backoff sees the
     first publish (and, before the rounds are timed, the second) hundreds of µs late, so its
     delay says little of the clocks' offset. The looks move earlier until one comes before a
     commit, and the one a retry after it sets the offset: then a look about once a round, each
     token seen within 20 µs (past the first 10 rounds)."""
     device = Device(100, round_ns=1_000_000, first_ns=5_700_000)
-    landed = list(device.follow(monkeypatch, look_s=60e-6))
+    landed = list(device.follow(look_s=60e-6))
     assert device.delays(landed).max() > 300_000, "the first publishes were not seen late"
     assert np.median(device.delays(landed, after_round=10)) <= 20_000
     assert device.steady_gap() == 1_000_000
     assert device.feed.looks <= 1.5 * 100
 
 
-def test_after_a_long_first_round_the_looks_are_still_look_s_apart(monkeypatch):
+def test_after_a_long_first_round_the_looks_are_still_look_s_apart():
     """After a long first round the host sees the first publish from a backoff look, not from
     one a retry after an empty look, so it aims by the smallest delay seen less a creep that
     grows to half a round. Aimed early at a round two or more ahead, a look finds the round
     before it, not nothing: it must still count as early, or the host takes that round for its
     aim and looks every ahead - 1 rounds, more often than look_s (it did, before this test)."""
     device = Device(300, first_ns=1_000_000)
-    list(device.follow(monkeypatch, look_s=60e-6))
+    list(device.follow(look_s=60e-6))
     assert device.steady_gap() >= 60_000
 
 
-def test_a_longer_look_s_looks_less_often_and_sees_tokens_later(monkeypatch):
+def test_a_longer_look_s_looks_less_often_and_sees_tokens_later():
     """look_s = 150 µs over rounds of 20 µs: a look every eight rounds (150 µs rounded up to
     whole rounds), and tokens wait longer than at the default, about half a look's span."""
     device = Device(300)
-    landed = list(device.follow(monkeypatch, look_s=150e-6))
+    landed = list(device.follow(look_s=150e-6))
     assert 150_000 <= device.steady_gap() < 150_000 + ROUND_NS
     assert 1 / 10 <= device.feed.looks / 300 <= 1 / 6
     assert ROUND_NS + 20_000 < np.median(device.delays(landed)) <= 75_000 + ROUND_NS + 20_000
 
 
-def test_spin_looks_again_at_once(monkeypatch):
+def test_spin_looks_again_at_once():
     """spin=True never asks to sleep (each look costs only the sleep(0)'s own WAKE_NS here), so
     every token is seen at the first look after its publish."""
     device = Device(100)
-    landed = list(device.follow(monkeypatch, spin=True))
+    landed = list(device.follow(spin=True))
     assert set(device.sleeps) == {0}
     assert device.delays(landed).max() <= WAKE_NS
 
 
-def test_a_device_that_stops_publishing_is_asked_about_and_its_fault_raises(monkeypatch):
+def test_a_device_that_stops_publishing_is_asked_about_and_its_fault_raises():
     """A loop that faults never sets HEAD_ENDED: after STALL_S with nothing published, check()
     is called, and what it raises ends follow() instead of the host waiting forever; every
     token published before the fault was yielded first."""
     device = Device(50, ends=False, fault=True)
     taken = []
     with pytest.raises(Faulted):
-        for piece in device.follow(monkeypatch):
+        for piece in device.follow():
             taken.append(piece)
     assert len(device.checks) == 1
     assert STALL_NS < device.checks[0] - taken[-1].seen_ns <= STALL_NS + 100_000
@@ -257,11 +261,11 @@ def test_a_device_that_stops_publishing_is_asked_about_and_its_fault_raises(monk
         assert np.concatenate([piece.tokens[b] for piece in taken]).tolist() == tokens
 
 
-def test_a_slow_healthy_device_is_asked_about_every_stall_s_and_followed_to_the_end(monkeypatch):
+def test_a_slow_healthy_device_is_asked_about_every_stall_s_and_followed_to_the_end():
     """A first round of 25 ms on a device that did not fault: check() is called once per STALL_S
     without a publish (within the longest backoff, 1 ms, of it), and the tokens still arrive."""
     device = Device(20, first_ns=25_000_000)
-    landed = list(device.follow(monkeypatch))
+    landed = list(device.follow())
     assert len(device.checks) == 2
     spans = np.diff([START, *device.checks])
     assert np.all((spans > STALL_NS) & (spans <= STALL_NS + 1_100_000))
@@ -270,17 +274,15 @@ def test_a_slow_healthy_device_is_asked_about_every_stall_s_and_followed_to_the_
     assert waits.max() <= 1_000_000 + WAKE_NS, "the backoff is capped at 1 ms"
 
 
-def test_the_timer_slack_is_fine_while_following_and_restored_after(monkeypatch):
+def test_the_timer_slack_is_fine_while_following_and_restored_after():
     """Linux sleeps the thread's timer slack (50 µs by default) past what was asked: while the
     host follows, 1 µs; after, what it was, also for a follow() closed before its end."""
-    prctl = device_loop._prctl()
+    prctl = schedule._prctl()
     if prctl is None:
         pytest.skip("no prctl here (not Linux)")
     before = prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
     device = Device(20)
-    monkeypatch.setattr(device_loop, "_clock", device.clock)
-    monkeypatch.setattr(device_loop, "_sleep", device.sleep)
-    following = device.feed.follow()
+    following = device.feed.follow(Schedule(device.clock, device.sleep))  # the default slack: fine_timer
     next(following)
     assert prctl(30, 0, 0, 0, 0) == 1000
     following.close()
@@ -294,3 +296,17 @@ def test_device_mode_passes_are_m_then_powers_of_four_then_one(m_rounds, paced, 
     """The loops of one launch: M-round passes, then (paced) every power of four below M, then
     single rounds, which end a generation the cap cuts inside a longer pass."""
     assert pace.pass_lengths(m_rounds, paced) == lengths
+
+
+def test_a_schedule_kept_across_follows_starts_each_anew():
+    """A DeviceLoop keeps one Schedule for all its launches: what it learnt of one launch's
+    rounds (their length, the clocks' offset, the publishes seen) must not steer the next, whose
+    looks are those of a fresh Schedule."""
+    first, again, fresh = Device(300, round_ns=50_000), Device(300), Device(300)
+    kept = first.schedule()
+    list(first.feed.follow(kept, check=first.check))
+    kept.clock, kept.sleep = again.clock, again.sleep
+    landed = list(again.feed.follow(kept, check=again.check))
+    list(fresh.follow())
+    assert again.looks == fresh.looks and again.sleeps == fresh.sleeps
+    assert sum(piece.total for piece in landed) == again.per_round.sum()

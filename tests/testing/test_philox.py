@@ -1,4 +1,4 @@
-"""memra_cuda.philox against Random123's known-answer vectors, and U's formula and range.
+"""memra_cuda.testing.philox against Random123's known-answer vectors, and U's formula and range.
 
 The kernels' draws (ptx/philox.cuh) are checked against this module on the GPU, so this module is
 pinned to the published generator here: Random123's kat_vectors for philox4x32_10.

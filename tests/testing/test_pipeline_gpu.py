@@ -1,7 +1,7 @@
-"""The toy split into two pipeline stages on two GPUs (models/pipeline.py): its tokens equal the
-one-GPU model's and the target's greedy output, burst by burst, and after every burst each
-stage's KV lengths equal the one-GPU lengths of the same layers. Skipped, with the reason, on a
-machine with fewer than two GPUs."""
+"""The toy split into two pipeline stages on two GPUs (memra_cuda.testing.toy.pipeline): its
+tokens equal the one-GPU model's and the target's greedy output, burst by burst, and after every
+burst each stage's KV lengths equal the one-GPU lengths of the same layers. Skipped, with the
+reason, on a machine with fewer than two GPUs."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Hand-worked cases for memra_cuda.reference, the numpy statement of the kernel contracts.
+"""Hand-worked cases for memra_cuda.testing.reference, the numpy statement of the kernel contracts.
 
 The reference is the oracle the GPU tests compare the kernels against, so its own behaviour is
 pinned here by expected values written out by hand, one small test per branch of each contract

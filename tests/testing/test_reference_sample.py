@@ -1,4 +1,4 @@
-"""Hand-worked cases for stochastic acceptance in memra_cuda.reference (contract 6), and the
+"""Hand-worked cases for stochastic acceptance in memra_cuda.testing.reference (contract 6), and the
 theorem it exists for: committed tokens are distributed as sampling from the target, whatever
 the draft.
 

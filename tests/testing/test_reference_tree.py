@@ -1,4 +1,4 @@
-"""memra_cuda.reference_tree, the numpy statement of the tree kernels (docs/trees.md), and the
+"""memra_cuda.testing.reference_tree, the numpy statement of the tree kernels (docs/trees.md), and the
 theorem sampled trees exist for: committed tokens are distributed as the target's own sampling.
 
 The reference is the oracle of the tree kernels' GPU tests, so its behaviour is pinned here: a tree

@@ -1,4 +1,4 @@
-"""The toy model's numpy half: the speculative loop built on reference.py reproduces the
+"""The toy model's numpy half: the speculative loop built on testing.reference reproduces the
 target's own greedy decoding, whatever the model, prompt, k, noise, p_min, layers (KV,
 recurrent, plain), state rollback and stop rule; and a wrong state rollback shows, in the
 tokens (the target's) or in the rounds (the draft's)."""
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memra_cuda.testing.toy import lm as toy, numpy_loop as toy_reference
+from memra_cuda.testing.toy import lm as toy, numpy_loop
 
 KINDS = ("kv", "recurrent", "plain")
 models = st.lists(st.sampled_from(KINDS), min_size=1, max_size=6).flatmap(lambda kinds: st.builds(
@@ -39,7 +39,7 @@ def test_numpy_speculative_loop_equals_target_greedy(model, data, k, m_rounds, m
     want = toy.target_greedy(model, prompt, max_new)
     eos = data.draw(st.one_of(st.none(), st.sampled_from(want or [0]), st.integers(0, model.vocab - 1)), label="eos")
     want = toy.target_greedy(model, prompt, max_new, eos)
-    assert toy_reference.speculative_generate(model, prompt, k, max_new, eos, m_rounds, strategy) == want
+    assert numpy_loop.speculative_generate(model, prompt, k, max_new, eos, m_rounds, strategy) == want
 
 
 def test_every_kv_entry_matters():
@@ -52,7 +52,7 @@ def test_every_kv_entry_matters():
 
 
 def test_perfect_draft_accepts_everything():
-    stream = toy_reference.NumpyRoundStream(toy.ToyModel(noise_ppm=0, p_min=0.0), k=4, m_rounds=2, capacity=256)
+    stream = numpy_loop.NumpyRoundStream(toy.ToyModel(noise_ppm=0, p_min=0.0), k=4, m_rounds=2, capacity=256)
     out = stream.generate([1, 2, 3], max_new_tokens=40)
     rounds = 40 // 5
     assert len(out) == 40 and int(stream.acc[1]) == 4 * rounds and int(stream.brk[1]) == 0
@@ -74,7 +74,7 @@ def hybrid(noise_ppm: int, **fields) -> toy.ToyModel:
     return replace(HYBRID, noise_ppm=noise_ppm, **fields)
 
 
-def generated(stream: toy_reference.NumpyRoundStream, prompt: list[int], max_new: int,
+def generated(stream: numpy_loop.NumpyRoundStream, prompt: list[int], max_new: int,
               eos: int | None = None) -> tuple[list[int], list[int]]:
     """The stream's tokens, and every token at a position it kept (the target's greedy tokens
     past the stop too: a stop inside the accepted drafts keeps the drafts after it)."""
@@ -92,7 +92,7 @@ def test_recurrent_layers_roll_back_to_the_kept_tokens(strategy, k, noise_ppm):
     for prompt in PROMPTS:
         full = toy.target_greedy(model, prompt, 60)
         for eos in (None, full[len(full) // 2]):
-            stream = toy_reference.NumpyRoundStream(model, k, 3, capacity=256, state_rollback=strategy)
+            stream = numpy_loop.NumpyRoundStream(model, k, 3, capacity=256, state_rollback=strategy)
             out, kept = generated(stream, prompt, 60, eos)
             assert out == toy.target_greedy(model, prompt, 60, eos), f"prompt {prompt}, eos {eos}"
             want = model.rec_states(kept)
@@ -124,12 +124,12 @@ def test_the_recurrence_depends_on_order():
             model.recur(model.recur(model.rec_states([]), 2, 0), 1, 0)).any()
 
 
-class NoStateRollback(toy_reference.NumpyRoundStream):
+class NoStateRollback(numpy_loop.NumpyRoundStream):
     def roll_back_states(self) -> None:
         pass
 
 
-class NoDraftStateRollback(toy_reference.NumpyRoundStream):
+class NoDraftStateRollback(numpy_loop.NumpyRoundStream):
     def roll_back_states(self) -> None:
         self.tgt_states.roll_back(self.ctl)
 
@@ -150,7 +150,7 @@ def test_a_skipped_draft_state_rollback_costs_rounds(strategy):
     the draft, reading stale states, is rarely right, so the same request takes more rounds."""
     model, k = hybrid(0, p_min=0.0), 4
     for prompt in PROMPTS:
-        right = toy_reference.NumpyRoundStream(model, k, 1, capacity=256, state_rollback=strategy)
+        right = numpy_loop.NumpyRoundStream(model, k, 1, capacity=256, state_rollback=strategy)
         stale = NoDraftStateRollback(model, k, 1, capacity=256, state_rollback=strategy)
         want = toy.target_greedy(model, prompt, 60)
         assert right.generate(prompt, 60) == stale.generate(prompt, 60) == want
@@ -167,7 +167,7 @@ def test_models_refuse_ill_formed_recurrent_layers():
         with pytest.raises(ValueError, match="state_words"):
             toy.ToyModel(kv_mask=(False,), rec_mask=(True,), state_words=words)
     with pytest.raises(ValueError, match="state_rollback must be one of"):
-        toy_reference.NumpyRoundStream(HYBRID, 2, 1, 64, state_rollback="swap")
+        numpy_loop.NumpyRoundStream(HYBRID, 2, 1, 64, state_rollback="swap")
     with pytest.raises(ValueError, match="needs their states"):  # else predict() would leave them out
         HYBRID.predict(0, 1, 0)
 

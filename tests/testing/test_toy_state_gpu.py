@@ -17,7 +17,7 @@ from memra_cuda.errors import LoopUnsupported
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.rounds import MODES
 from memra_cuda.buffers.layout import ACC_TOTAL, ACC_WORDS
-from memra_cuda.testing.toy import lm as toy, numpy_loop as toy_reference
+from memra_cuda.testing.toy import lm as toy, numpy_loop
 from test_toy import HYBRID
 
 pytestmark = pytest.mark.gpu
@@ -99,9 +99,9 @@ def test_every_draft_accepted_or_none(engine, spec, model, noise_ppm, state):
     assert accepted == ([n - -(-n // (k + 1)) for n in committed] if noise_ppm == 0 else [0] * 8)
 
 
-def mirror(model, state, k, m_rounds, prompt, budget, eos) -> toy_reference.NumpyRoundStream:
+def mirror(model, state, k, m_rounds, prompt, budget, eos) -> numpy_loop.NumpyRoundStream:
     """The numpy round stream that ran the request."""
-    stream = toy_reference.NumpyRoundStream(model, k, m_rounds, kv_capacity(len(prompt), budget, k, m_rounds), state)
+    stream = numpy_loop.NumpyRoundStream(model, k, m_rounds, kv_capacity(len(prompt), budget, k, m_rounds), state)
     stream.generate(prompt, budget, eos)
     return stream
 

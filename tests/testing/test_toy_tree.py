@@ -1,6 +1,6 @@
 """The toy's tree round in numpy (docs/toy-model.md, "Trees"; docs/trees.md): the draft's
 candidates, and NumpyTreeRoundStream (the toy's tree draft and verify around the layer's tree
-kernels in memra_cuda.reference_tree). A one-branch tree is exactly the chain, round for round;
+kernels in memra_cuda.testing.reference_tree). A one-branch tree is exactly the chain, round for round;
 static and dynamic bushy trees reproduce the target's greedy output whatever the model
 (recurrent layers rolled back by copy or by flip), prompt, noise, budget and EOS; and a bushy
 tree accepts more per round than the chain of its depth on a noisy draft."""
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from memra_cuda.buffers.capacity import kv_capacity
 from memra_cuda.buffers.layout import ACC_TOTAL
-from memra_cuda.testing.toy import lm as toy, numpy_loop as toy_reference
+from memra_cuda.testing.toy import lm as toy, numpy_loop
 from memra_cuda.buffers.tree import DynamicTree, TreeShape
 from test_toy import HYBRID, PROMPTS
 
@@ -45,7 +45,7 @@ TREES = {
 
 def tree_stream(model, tree, m_rounds=4, prompt_len=12, budget=80, state="copy", candidates=8):
     capacity = kv_capacity(prompt_len, budget, tree.depth, m_rounds, width=tree.nodes)
-    return toy_reference.NumpyTreeRoundStream(model, tree, m_rounds, capacity, candidates, state)
+    return numpy_loop.NumpyTreeRoundStream(model, tree, m_rounds, capacity, candidates, state)
 
 
 def per_round(stream) -> float:
@@ -104,8 +104,8 @@ def test_a_one_branch_tree_is_the_chain(name, noise_ppm, k, state):
         full = toy.target_greedy(model, prompt, 60)
         for eos in (None, full[len(full) // 2]):
             capacity = kv_capacity(len(prompt), 60, k, 3)
-            chain = toy_reference.NumpyRoundStream(model, k, 3, capacity, state)
-            tree = toy_reference.NumpyTreeRoundStream(model, TreeShape.chain(k), 3, capacity, 8, state)
+            chain = numpy_loop.NumpyRoundStream(model, k, 3, capacity, state)
+            tree = numpy_loop.NumpyTreeRoundStream(model, TreeShape.chain(k), 3, capacity, 8, state)
             want = chain.generate(prompt, 60, eos)
             assert tree.generate(prompt, 60, eos) == want == toy.target_greedy(model, prompt, 60, eos)
             assert (tree.rounds, int(tree.acc[ACC_TOTAL]), int(tree.pos_ctr[0])) == \
@@ -136,7 +136,7 @@ def test_bushy_trees_equal_target_greedy(tree, state):
                     assert got == toy.target_greedy(model, prompt, budget, eos), where
                     pos = int(stream.pos_ctr[0])
                     kept = (prompt + toy.target_greedy(model, prompt, budget + tree.depth + 1))[:pos]
-                    fresh = toy_reference.NumpyRoundStream(model, tree.depth, 3, stream.capacity)
+                    fresh = numpy_loop.NumpyRoundStream(model, tree.depth, 3, stream.capacity)
                     fresh.prefill(kept + [0])
                     assert (stream.draft_kv[:pos] == fresh.draft_kv[:pos]).all(), where
                     for mine, theirs in zip(stream.tgt, fresh.tgt):
@@ -151,7 +151,7 @@ def test_a_tree_stream_refuses_a_cache_that_holds_a_chains_bursts_but_not_its_t_
     chains = kv_capacity(len(prompt), budget, tree.depth, 3)
     assert chains < kv_capacity(len(prompt), budget, tree.depth, 3, width=tree.nodes)
     with pytest.raises(ValueError, match="cache too small for the next burst"):
-        toy_reference.NumpyTreeRoundStream(PLAIN, tree, 3, chains).generate(prompt, budget)
+        numpy_loop.NumpyTreeRoundStream(PLAIN, tree, 3, chains).generate(prompt, budget)
     assert len(tree_stream(PLAIN, tree, 3, len(prompt), budget).generate(prompt, budget)) == budget
 
 
@@ -165,8 +165,8 @@ def test_a_bushy_tree_accepts_more_a_round_than_the_chain(tree):
         model = replace(model, noise_ppm=300_000)
         for prompt in PROMPTS:
             capacity = kv_capacity(len(prompt), 120, tree.depth, 4, width=tree.nodes)
-            chain = toy_reference.NumpyTreeRoundStream(model, TreeShape.chain(tree.depth), 4, capacity)
-            bushy_ = toy_reference.NumpyTreeRoundStream(model, tree, 4, capacity)
+            chain = numpy_loop.NumpyTreeRoundStream(model, TreeShape.chain(tree.depth), 4, capacity)
+            bushy_ = numpy_loop.NumpyTreeRoundStream(model, tree, 4, capacity)
             assert bushy_.generate(prompt, 120) == chain.generate(prompt, 120)
             assert per_round(bushy_) > per_round(chain), f"{name}, prompt {prompt}"
             assert len(bushy_.accepted) < len(chain.accepted)
@@ -200,7 +200,7 @@ def test_tree_speculative_generate():
     model = replace(MODELS["hybrid"], noise_ppm=250_000)
     for state in toy.STATE_ROLLBACKS:
         for tree in (TREES["static16"], TREES["dynamic16"]):
-            got = toy_reference.tree_speculative_generate(model, PROMPTS[2], tree, 50, m_rounds=2,
+            got = numpy_loop.tree_speculative_generate(model, PROMPTS[2], tree, 50, m_rounds=2,
                                                           state_rollback=state)
             assert got == toy.target_greedy(model, PROMPTS[2], 50)
 
@@ -225,6 +225,6 @@ def test_any_tree_equals_target_greedy(data, seed, vocab, noise_ppm, spread, hyb
     prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12), label="prompt")
     want = toy.target_greedy(model, prompt, max_new)
     eos = data.draw(st.one_of(st.none(), st.sampled_from(want or [0])), label="eos")
-    got = toy_reference.tree_speculative_generate(model, prompt, tree, max_new, eos, m_rounds, max(4, tree.draws),
+    got = numpy_loop.tree_speculative_generate(model, prompt, tree, max_new, eos, m_rounds, max(4, tree.draws),
                                                   state)
     assert got == toy.target_greedy(model, prompt, max_new, eos)

@@ -19,10 +19,10 @@ from memra_cuda.rounds import MODES
 from memra_cuda.buffers.layout import ACC_TOTAL, ACC_WORDS
 from memra_cuda.testing.toy import lm as toy
 from memra_cuda.buffers.tree import DynamicTree, TreeShape
-from test_batch_gpu import requests as batch_requests
 from test_toy import HYBRID
 from test_toy_state_gpu import assert_greedy
 from test_toy_tree import TREES
+from toy_requests import requests as toy_requests
 
 pytestmark = pytest.mark.gpu
 
@@ -39,8 +39,8 @@ def spec(engine):
 
 
 def requests(model: toy.ToyModel, batch: int, seed: int, max_budget: int = 80):
-    """test_batch_gpu's requests of `model`: prompts of 1 to MAX_PROMPT tokens, budgets, EOS stops."""
-    return batch_requests(batch, seed, max_budget, model=model, max_prompt=MAX_PROMPT)
+    """The shared toy requests (tests/toy_requests.py) of `model`: prompts of 1 to MAX_PROMPT tokens."""
+    return toy_requests(model, batch, seed, max_budget, max_prompt=MAX_PROMPT)
 
 
 class Trees:

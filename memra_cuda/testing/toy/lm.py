@@ -3,10 +3,10 @@
 A deterministic model whose next token depends on every KV entry and every word of recurrent
 state, so a wrong rollback or a wrong position changes the output (docs/toy-model.md,
 "Definition"). The numpy half is the oracle: `target_greedy` is what any correct speculative
-decoder must reproduce (toy_reference.py runs the whole round-stream loop on numpy buffers, for
-the tests).
+decoder must reproduce (testing.toy.numpy_loop runs the whole round-stream loop on numpy buffers).
 `ToyLM` is the same model as ptx/toy_lm.cu kernels, wired to a RoundStream of chain or tree
-rounds.
+rounds: what the demo decodes, the benchmarks measure, and a test drives the layer with where a
+real model is not the point.
 """
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...buffers.acceptance import Greedy, Sampling
+from ...buffers.acceptance import Acceptance, Greedy, Sampling
+from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
 from ...rounds.tree_round import TreeRound
 from ...rounds.stream import RoundStream
-from ...buffers.tables import (Cache, KVData, PointerTable, StateIndexTable, StateLayer, StateTable, kv_data_table,
-                               kv_len_ptr_table, state_copy_table, state_flip_table)
+from ...buffers.tables import (Cache, KVData, KVLayer, PointerTable, StateIndexTable, StateLayer, StateTable,
+                               kv_data_table, kv_len_ptr_table, state_copy_table, state_flip_table)
 from ...buffers.tree import Candidates, DynamicTree, TreeBufs, TreeShape
 
 if TYPE_CHECKING:
@@ -210,7 +211,8 @@ def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
                   eos: int | None = None) -> list[int]:
     """The target's own greedy continuation: the output speculative decoding must equal."""
     history, states = model.history(prompt[:-1]), model.rec_states(prompt[:-1])
-    token, pos, out = int(prompt[-1]), len(prompt) - 1, []
+    token, pos = int(prompt[-1]), len(prompt) - 1
+    out: list[int] = []
     while len(out) < max_new_tokens:
         states = model.recur(states, token, pos)
         nxt = model.predict(history, token, pos, states)
@@ -272,6 +274,13 @@ class ToyCost:
         return bool(self.verify_bytes or self.draft_bytes)
 
 
+def _sampling_mode(sampling: ToySampling | None) -> ToySampling:
+    """A ToyLM's sampling mode, for the kernels of that mode alone (their laws are its)."""
+    if sampling is None:
+        raise ValueError("the toy's laws are sampling mode's: this ToyLM has no sampling=")
+    return sampling
+
+
 # An 8B target and a 0.5B draft in bf16, memory-bound: their weights, read once per forward pass.
 COST_8B_05B = ToyCost(verify_bytes=16 * 10**9, draft_bytes=1 * 10**9)
 
@@ -305,7 +314,7 @@ class ToyStates:
 
     def read(self, engine: Engine) -> np.ndarray:
         """The states the next round reads, [B][recurrent layers][W], read back (for tests)."""
-        if not self.flip:
+        if self.idx_d is None:  # copy: the live states themselves
             return np.stack([engine.dtoh(live).reshape(-1, self.words) for live in self.live], axis=1)
         idx = engine.dtoh(self.idx_d).astype(np.int64)
         rows = np.arange(idx.size)
@@ -319,7 +328,7 @@ class ToyLM:
     row has its own prompt, position, caches and states; the weights (the cost knob) are read
     once for the batch.
 
-    A pipeline stage (models/pipeline.py) holds only the target layers `layers` of the model,
+    A pipeline stage (testing.toy.pipeline) holds only the target layers `layers` of the model,
     and the draft only if `with_draft`; its verify passes partial sums on to the next stage.
     With `sampling`, the draft samples its tokens, the verify writes the target's probabilities
     and the round accepts stochastically (spec_accept_sample), each row with its request's seed.
@@ -355,13 +364,13 @@ class ToyLM:
                              f"{len(model.rec_layers)} layers x {model.state_words} words is more than {BLOCK}")
         self.state_rollback = state_rollback
         self.states: tuple[ToyStates, ToyStates] | None = None  # the target's and the draft's, once k is known
-        self.module = engine.load_ptx("toy_lm")
+        self.module = load(engine, "toy_lm")  # every prepare takes its types from the kernels' signatures
         self.target = Cache.allocate(engine, model.kv_mask[self.layers.start:self.layers.stop], capacity,
                                      batch=self.batch)
         self.draft = Cache.allocate(engine, [True] if with_draft else [], capacity, batch=self.batch)
-        layers = self.target.kv
-        self.data_ptrs_d = PointerTable(engine, [None if kv is None else kv.data_d for kv in layers], label="toy data")
-        self.len_ptrs_d = PointerTable(engine, [None if kv is None else kv.len_d for kv in layers], label="toy lengths")
+        target = self.target.kv
+        self.data_ptrs_d = PointerTable(engine, [None if kv is None else kv.data_d for kv in target], label="toy data")
+        self.len_ptrs_d = PointerTable(engine, [None if kv is None else kv.len_d for kv in target], label="toy lengths")
         weight_bytes = max(cost.verify_bytes, cost.draft_bytes)
         if weights is not None and weights.nbytes < weight_bytes:
             raise ValueError(f"the cost streams {weight_bytes} bytes but weights hold {weights.nbytes}")
@@ -399,10 +408,8 @@ class ToyLM:
             engine.copy_htod(self.seed_d, [seed], start=row)
         if n:
             engine.copy_htod(self.prompt_d, prompt[:-1])
-            draft = self.draft.kv[0] if self.draft.kv else None
-            self.module.kernel("toy_prefill").prepare(
-                ["ptr", "u32", "u32", "u32", "ptr", "ptr", "u32", "u32", "ptr", "ptr", "u32"],
-                grid=(n + BLOCK - 1) // BLOCK, block=BLOCK)(
+            draft = self.draft.kv[0] if self.draft.kv else None  # a pipeline stage may hold none
+            self.module.kernel("toy_prefill").prepare(grid=(n + BLOCK - 1) // BLOCK, block=BLOCK)(
                 self.prompt_d, n, row, self.capacity, self.data_ptrs_d, self.len_ptrs_d, len(self.layers),
                 self.layers.start, draft.data_d if draft else 0, draft.len_d if draft else 0, self.model.seed)
         else:
@@ -410,8 +417,7 @@ class ToyLM:
                 if kv is not None:
                     engine.set_u32(kv.len_d, row, 0)
         if states is not None:  # the target's states and the draft's copy, a launch each
-            prefill_state = self.module.kernel("toy_prefill_state").prepare(
-                ["ptr", "u32", "u32", "ptr", "ptr", "ptr", "u32", "u32", "u32", "u32"], grid=1, block=BLOCK)
+            prefill_state = self.module.kernel("toy_prefill_state").prepare(grid=1, block=BLOCK)
             for model_states in states:
                 prefill_state(self.prompt_d, n, row, *model_states.kernel_args(), self.model.rec_bits,
                               self.model.state_words, model_states.k + 1, self.model.seed)
@@ -466,12 +472,19 @@ class ToyLM:
         if bufs.batch != self.batch:
             raise ValueError(f"buffers for a batch of {bufs.batch} do not fit a toy model of {self.batch} rows")
 
+    def _draft_layer(self) -> KVLayer:
+        """The draft's one KV layer (a pipeline stage without the draft has none)."""
+        layer = self.draft.kv[0] if self.draft.kv else None
+        if layer is None:
+            raise ValueError("this pipeline stage holds no draft: the stage that has it runs the draft chain")
+        return layer
+
     def weight_reads(self, nbytes: int) -> list[Launch]:
         """The cost knob: a grid-wide pass over `nbytes` of weights (nothing when 0)."""
         if not nbytes:
             return []
         grid = 4 * self.engine.multiprocessors
-        return [self.module.kernel("toy_stream_weights").prepare(["ptr", "u64", "ptr"], grid=grid, block=512)
+        return [self.module.kernel("toy_stream_weights").prepare(grid=grid, block=512)
                 .set(self.weights_d, nbytes // 16, self.sink_d)]
 
     def draft_steps(self, bufs: StreamBufs, draft_d: DeviceBuffer, q_d: DeviceBuffer | None = None) -> list[Launch]:
@@ -480,20 +493,19 @@ class ToyLM:
         probabilities to q_d, [B][max(k, 1)][vocab]."""
         self._check_batch(bufs)
         draft_d = batch_rows("draft_d", self.engine.buffer(draft_d, "draft_d"), self.batch, max(bufs.k, 1), bufs.k)
-        if not self.draft.kv:
-            raise ValueError("this pipeline stage holds no draft: the stage that has it runs the draft chain")
-        m, draft, engine = self.model, self.draft.kv[0], self.engine
+        m, draft, engine = self.model, self._draft_layer(), self.engine
         kernel = self.module.kernel("toy_draft_step")
-        types = ["u32", "u32", *["ptr"] * 6, *["u32"] * 7, *["ptr"] * 4, "u32", "u32"]
-        state_d = engine.zeros(np.uint32, self.batch, label="draft hash states") if q_d is not None else None
-        steps, reads = [], self.weight_reads(self.cost.draft_bytes)
+        # sampling: the hash state each step leaves for its draw
+        state_d = None if q_d is None else engine.zeros(np.uint32, self.batch, label="draft hash states")
+        steps: list[Launch] = []
+        reads = self.weight_reads(self.cost.draft_bytes)
         for step in range(bufs.k + 1):
             steps += reads
-            steps.append(kernel.prepare(types, grid=self.batch, block=BLOCK).set(
+            steps.append(kernel.prepare(grid=self.batch, block=BLOCK).set(
                 step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr_d, bufs.brk_d, draft.data_d, draft.len_d,
                 self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below,
                 0 if state_d is None else state_d, *self._state_args(bufs, 1)))
-            if state_d is not None and step < bufs.k:
+            if q_d is not None and state_d is not None and step < bufs.k:
                 steps.append(self._draft_sample(bufs, step, state_d, draft_d, q_d))
         return steps
 
@@ -503,10 +515,9 @@ class ToyLM:
         vocab, engine = self.model.vocab, self.engine
         blocks = max(1, min(-(-vocab // SAMPLE_BLOCK), 16 * engine.multiprocessors // self.batch))
         scratch = engine.alloc(np.uint64, 2 * self.batch, zeroed=True, label="draft race scratch")
-        return self.module.kernel("toy_draft_sample").prepare(
-            ["u32", "u32", *["ptr"] * 5, "u32", *["f32"] * 5, "ptr"], grid=(blocks, self.batch),
-            block=SAMPLE_BLOCK).set(step, bufs.k, state_d, bufs.pos_ctr_d, draft_d, q_d, self.seed_d, vocab,
-                                    *self.sampling.draft(vocab), scratch)
+        law = _sampling_mode(self.sampling).draft(vocab)
+        return self.module.kernel("toy_draft_sample").prepare(grid=(blocks, self.batch), block=SAMPLE_BLOCK).set(
+            step, bufs.k, state_d, bufs.pos_ctr_d, draft_d, q_d, self.seed_d, vocab, *law, scratch)
 
     def verify_steps(self, bufs: StreamBufs, pred_d: DeviceBuffer | None, partial_in: DeviceBuffer | None = None,
                      partial_out: DeviceBuffer | None = None) -> list[Launch]:
@@ -521,9 +532,7 @@ class ToyLM:
             batch_rows(name, self.engine.buffer(buf, name), self.batch, bufs.k + 1) if buf is not None else 0
             for name, buf in (("pred_d", pred_d), ("partial_in", partial_in), ("partial_out", partial_out)))
         m = self.model
-        verify = self.module.kernel("toy_verify").prepare(
-            ["ptr", "u32", "ptr", "ptr", "ptr", "ptr", *["u32"] * 5, *["ptr"] * 5, "u32", "u32"], grid=self.batch,
-            block=BLOCK).set(
+        verify = self.module.kernel("toy_verify").prepare(grid=self.batch, block=BLOCK).set(
             bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred, self.data_ptrs_d, self.len_ptrs_d,
             len(self.layers), self.capacity, m.seed, m.vocab, self.layers.start, before, after,
             *self._state_args(bufs, 0))
@@ -532,24 +541,21 @@ class ToyLM:
     def probs_step(self, totals_d: DeviceBuffer, p_d: DeviceBuffer) -> Launch:
         """toy_probs: the target's sampling law p_d ([rows][vocab]) at each position whose verify
         sums totals_d holds (toy_verify's partial_out, after the last layer)."""
-        if self.sampling is None:
-            raise ValueError("the target's law is sampling mode's: this ToyLM has no sampling=")
+        law = _sampling_mode(self.sampling).target(self.model.vocab)
         vocab, rows = self.model.vocab, totals_d.len
         if p_d.len != rows * vocab:
             raise ValueError(f"p_d must hold a law of {vocab} for each of the {rows} sums, not {p_d!r}")
-        return self.module.kernel("toy_probs").prepare(
-            ["ptr", "u32", "u32", "u32", *["f32"] * 5, "ptr"], grid=(min(-(-vocab // 256), 64), rows), block=256).set(
-            totals_d, rows, self.model.seed, vocab, *self.sampling.target(vocab), p_d)
+        return self.module.kernel("toy_probs").prepare(grid=(min(-(-vocab // 256), 64), rows), block=256).set(
+            totals_d, rows, self.model.seed, vocab, *law, p_d)
 
     def finish_step(self, totals_d: DeviceBuffer, pred_d: DeviceBuffer) -> Launch:
         """toy_finish: the target's greedy token at each position whose verify sums totals_d holds,
-        added up over tensor-parallel ranks (models/ranks.py)."""
+        added up over tensor-parallel ranks (testing.toy.ranks)."""
         if pred_d.len != totals_d.len:
             raise ValueError(f"pred_d must hold a token for each of the {totals_d.len} sums, not {pred_d!r}")
         n = totals_d.len
-        return self.module.kernel("toy_finish").prepare(["ptr", "u32", "u32", "u32", "ptr"], grid=-(-n // 256),
-                                                        block=256).set(totals_d, n, self.model.seed,
-                                                                       self.model.vocab, pred_d)
+        return self.module.kernel("toy_finish").prepare(grid=-(-n // 256), block=256).set(
+            totals_d, n, self.model.seed, self.model.vocab, pred_d)
 
     def round_stream(self, bufs: StreamBufs, *, kernels: SpecKernels | None = None,
                      sums: tuple[Sequence[Step], DeviceBuffer] | None = None) -> RoundStream:
@@ -557,32 +563,37 @@ class ToyLM:
         layers with pos_ctr last, then one over their recurrent states (state_tables).
         `sums`: the steps of a verify that leaves the model's sums ([B][k+1] u32) in the buffer
         given with them, for the target's tokens (toy_finish) or its law (toy_probs) to be made
-        from: a rank's, whose own layers are a share of the model's (models/ranks.py). By
+        from: a rank's, whose own layers are a share of the model's (testing.toy.ranks). By
         default this model's verify_steps: greedy, they make its tokens themselves; sampling,
         they leave the sums for toy_probs."""
         if bufs.k + 1 > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
         self._check_batch(bufs)
-        engine = self.engine
+        engine, rows = self.engine, bufs.batch * (bufs.k + 1)
         draft_d = engine.zeros(np.uint32, bufs.batch * max(bufs.k, 1), label="draft_d")
-        common = dict(kernels=kernels, draft_d=draft_d, pace=self.cost.paced, state_tables=self.state_tables(bufs),
-                      rollback_tables=[kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)])
-        rows = bufs.batch * (bufs.k + 1)
+        state_tables = self.state_tables(bufs)
+        rollback_tables = [kv_len_ptr_table(engine, self.target + self.draft, pos_ctr=bufs.pos_ctr_d)]
+        verify: Sequence[Step]
+        acceptance: Acceptance
         if self.sampling is None:
             pred_d = engine.zeros(np.uint32, rows, label="pred_d")
             verify = (self.verify_steps(bufs, pred_d) if sums is None else
                       [*sums[0], self.finish_step(sums[1], pred_d)])
-            return RoundStream(bufs, draft_chain=chain(self.draft_steps(bufs, draft_d)), verify_trunk=chain(verify),
-                               acceptance=Greedy(pred_d), **common)
-        if sums is None:
-            totals_d = engine.zeros(np.uint32, rows, label="verify sums")
-            sums = self.verify_steps(bufs, None, partial_out=totals_d), totals_d
-        vocab = self.model.vocab
-        q_d = engine.alloc(np.float32, bufs.batch * max(bufs.k, 1) * vocab, zeroed=True, label="q_d")
-        p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="p_d")
-        return RoundStream(bufs, draft_chain=chain(self.draft_steps(bufs, draft_d, q_d)),
-                           verify_trunk=chain([*sums[0], self.probs_step(sums[1], p_d)]),
-                           acceptance=Sampling(p_d, q_d, self.seed_d, vocab), **common)
+            draft = self.draft_steps(bufs, draft_d)
+            acceptance = Greedy(pred_d)
+        else:
+            if sums is None:
+                totals_d = engine.zeros(np.uint32, rows, label="verify sums")
+                sums = self.verify_steps(bufs, None, partial_out=totals_d), totals_d
+            vocab = self.model.vocab
+            q_d = engine.alloc(np.float32, bufs.batch * max(bufs.k, 1) * vocab, zeroed=True, label="q_d")
+            p_d = engine.alloc(np.float32, rows * vocab, zeroed=True, label="p_d")
+            draft = self.draft_steps(bufs, draft_d, q_d)
+            verify = [*sums[0], self.probs_step(sums[1], p_d)]
+            acceptance = Sampling(p_d, q_d, self.seed_d, vocab)
+        return RoundStream(bufs, draft_chain=chain(draft), verify_trunk=chain(verify), draft_d=draft_d,
+                           acceptance=acceptance, rollback_tables=rollback_tables, state_tables=state_tables,
+                           pace=self.cost.paced, kernels=kernels)
 
     def tree_draft_levels(self, bufs: StreamBufs, nodes: TreeBufs, *, cand_tok_d: DeviceBuffer | None = None,
                           cand_logp_d: DeviceBuffer | None = None, candidates: int = 8,
@@ -591,26 +602,23 @@ class ToyLM:
         then toy_tree_draft over the level's nodes; greedy, levels 0..D-1 write `candidates`
         candidates a node to cand_tok_d / cand_logp_d ([B][T+1][K]); sampling (hash_d [B][T+1],
         q_d f32 [B][T+1][V] given), their hash states, then toy_tree_probs writes the level's q rows."""
-        m, t1, batch = self.model, nodes.nodes, self.batch
-        draft = self.draft.kv[0]
+        m, t1, batch, draft = self.model, nodes.nodes, self.batch, self._draft_layer()
         kernel = self.module.kernel("toy_tree_draft")
-        types = [*["u32"] * 6, *["ptr"] * 10, *["u32"] * 7, *["ptr"] * 3, "u32", "u32"]
         reads = self.weight_reads(self.cost.draft_bytes)
         sampled = hash_d is not None
         states = self._state_args(bufs, 1, t1 - 1)
         steps = []
         for d, (start, stop) in enumerate(nodes.levels):
             last = d == nodes.depth
-            level = [*reads, kernel.prepare(types, grid=batch, block=BLOCK).set(
+            level = [*reads, kernel.prepare(grid=batch, block=BLOCK).set(
                 start, stop, int(last), t1, nodes.words, 0 if sampled else candidates, nodes.tok_d, nodes.parent_d,
                 nodes.pos_d, nodes.mask_d, bufs.pos_start_d, 0 if sampled else cand_tok_d,
                 0 if sampled else cand_logp_d, hash_d if sampled else 0, draft.data_d, draft.len_d, self.capacity,
                 m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.tree_spread, *states)]
             if sampled and not last:
                 grid = (min(-(-m.vocab // 256), 64), batch * (stop - start))  # a grid row a node
-                level.append(self.module.kernel("toy_tree_probs").prepare(
-                    ["ptr", *["u32"] * 5, *["f32"] * 5, "ptr"], grid=grid, block=256).set(
-                    hash_d, t1, start, stop, batch, m.vocab, *self.sampling.draft(m.vocab), q_d))
+                level.append(self.module.kernel("toy_tree_probs").prepare(grid=grid, block=256).set(
+                    hash_d, t1, start, stop, batch, m.vocab, *_sampling_mode(self.sampling).draft(m.vocab), q_d))
             steps.append(level)
         return steps
 
@@ -619,8 +627,7 @@ class ToyLM:
         """The tree verify: its weight reads, then toy_tree_verify over every node, writing the
         target's predictions (pred_d, [B][T+1]) or its sums (totals_d, [B][T+1], for toy_probs)."""
         m, t1 = self.model, nodes.nodes
-        verify = self.module.kernel("toy_tree_verify").prepare(
-            ["u32", "u32", *["ptr"] * 9, *["u32"] * 4, *["ptr"] * 3, "u32", "u32"], grid=self.batch, block=BLOCK).set(
+        verify = self.module.kernel("toy_tree_verify").prepare(grid=self.batch, block=BLOCK).set(
             t1, nodes.words, nodes.tok_d, nodes.parent_d, nodes.pos_d, nodes.mask_d, bufs.pos_start_d,
             0 if pred_d is None else pred_d, 0 if totals_d is None else totals_d, self.data_ptrs_d, self.len_ptrs_d,
             len(self.layers), self.capacity, m.seed, m.vocab, *self._state_args(bufs, 0, t1 - 1))
@@ -660,16 +667,17 @@ class ToyLM:
         kv_data = kv_data_table(engine, [None if kv is None else KVData.from_layer(kv)
                                          for kv in [*self.target.kv, *self.draft.kv]])
         state_tables = self.state_tables(bufs, t1 - 1)
-        common = dict(rollback_tables=[table], kv_data=kv_data, state_tables=state_tables, kernels=kernels)
+        verify: Sequence[Step]
+        acceptance: Acceptance
+        drafted: Candidates | None = None  # greedy: the candidates the levels chose among
         if self.sampling is None:
             cand_tok_d = engine.zeros(np.uint32, batch * t1 * candidates, label="tree candidates")
             cand_logp_d = engine.alloc(np.float32, batch * t1 * candidates, zeroed=True, label="tree candidate logp")
             pred_d = engine.zeros(np.uint32, batch * t1, label="tree pred_d")
             levels = self.tree_draft_levels(bufs, nodes, cand_tok_d=cand_tok_d, cand_logp_d=cand_logp_d,
                                             candidates=candidates)
-            verify = chain(self.tree_verify_steps(bufs, nodes, pred_d=pred_d))
-            rnd = TreeRound(bufs, nodes, draft_levels=[chain(level) for level in levels], verify_tree=verify,
-                            acceptance=Greedy(pred_d), candidates=Candidates(cand_tok_d, cand_logp_d), **common)
+            verify = self.tree_verify_steps(bufs, nodes, pred_d=pred_d)
+            acceptance, drafted = Greedy(pred_d), Candidates(cand_tok_d, cand_logp_d)
         else:
             rows = batch * t1
             hash_d = engine.zeros(np.uint32, rows, label="tree draft hash states")
@@ -678,9 +686,11 @@ class ToyLM:
             totals_d = engine.zeros(np.uint32, rows, label="tree verify sums")
             probs = self.probs_step(totals_d, p_d)
             levels = self.tree_draft_levels(bufs, nodes, hash_d=hash_d, q_d=q_d)
-            rnd = TreeRound(bufs, nodes, draft_levels=[chain(level) for level in levels],
-                            verify_tree=chain([*self.tree_verify_steps(bufs, nodes, totals_d=totals_d), probs]),
-                            acceptance=Sampling(p_d, q_d, self.seed_d, vocab), **common)
+            verify = [*self.tree_verify_steps(bufs, nodes, totals_d=totals_d), probs]
+            acceptance = Sampling(p_d, q_d, self.seed_d, vocab)
+        rnd = TreeRound(bufs, nodes, kernels=kernels, draft_levels=[chain(level) for level in levels],
+                        verify_tree=chain(verify), acceptance=acceptance, candidates=drafted, rollback_tables=[table],
+                        kv_data=kv_data, state_tables=state_tables)
         self.tree = tree  # prefills lay the states out for it from now on
         return RoundStream.of(rnd, pace=self.cost.paced)
 

@@ -1,9 +1,13 @@
-"""The toy run through the numpy reference: the round-stream loop on numpy buffers, the oracle of
-the end-to-end tests (memra_cuda.reference is the tests' oracle; no production code imports it).
+"""The toy run through the numpy reference: the whole round-stream loop on numpy buffers, chain
+(NumpyRoundStream, speculative_generate) and tree (NumpyTreeRoundStream, tree_speculative_generate),
+the toy's draft and verify in numpy and memra_cuda.testing.reference / reference_tree for the
+layer's kernels. What the toy on the GPU (ToyLM) must match, buffer for buffer: the oracle of the
+end-to-end tests, and of a user's own kernels run in the toy's place.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 
@@ -11,7 +15,7 @@ from .. import reference as ref
 from .. import reference_tree as ref_tree
 from ...buffers.layout import CTL_DONE, ROOT_PARENT
 from ...buffers.capacity import Capacity, kv_capacity
-from ...buffers.tree import DynamicTree
+from ...buffers.tree import DynamicTree, Tree
 from .lm import M32, STATE_ROLLBACKS, ToyModel, fmix, fmix_array, live_slot, salt
 
 
@@ -69,14 +73,14 @@ class NumpyStates:
 
     def _written(self) -> int:
         """The first slot of the bank this round writes: the other one than idx's (FLIP)."""
-        return (1 - live_slot(int(self.idx[0]), self.k) // (self.k + 1)) * (self.k + 1) if self.flip else 0
+        return (1 - int(live_slot(int(self.idx[0]), self.k)) // (self.k + 1)) * (self.k + 1) if self.flip else 0
 
     def _rows(self, rows: list[np.ndarray]) -> np.ndarray:
         return np.array(rows, np.uint32).reshape(len(self.slots), self.words)
 
 
 class NumpyRoundStream:
-    """Round-stream on numpy buffers: the toy's draft and verify, and reference.py for the rest.
+    """Round-stream on numpy buffers: the toy's draft and verify, and testing.reference for the rest.
 
     Same buffers, same round order, same clamps as on the GPU; the draft's KV stores
     E(t, j) and it recomputes the target's sums from them, as toy_lm.cu does, and it keeps its
@@ -190,12 +194,12 @@ def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new
 
 class NumpyTreeRoundStream(NumpyRoundStream):
     """The tree round (docs/trees.md) on numpy buffers for one sequence, greedy: the toy's tree
-    draft and verify (docs/toy-model.md, "Trees") and memra_cuda.reference_tree for the layer's
-    kernels (begin, grow, accept, compact, state copy or flip), memra_cuda.reference for the
+    draft and verify (docs/toy-model.md, "Trees") and testing.reference_tree for the layer's
+    kernels (begin, grow, accept, compact, state copy or flip), testing.reference for the
     commit and the rollback; the recurrent states have T + 1 slots a bank. `tree` is a TreeShape
     or a DynamicTree; the round's k is its depth D; `candidates` is K, each node's candidates."""
 
-    def __init__(self, model: ToyModel, tree, m_rounds: int, capacity: int, candidates: int = 8,
+    def __init__(self, model: ToyModel, tree: Tree, m_rounds: int, capacity: int, candidates: int = 8,
                  state_rollback: str = "copy"):
         super().__init__(model, tree.depth, m_rounds, capacity, state_rollback, width=tree.nodes)
         self.tree, self.K, self.T1 = tree, int(candidates), tree.nodes
@@ -207,10 +211,10 @@ class NumpyTreeRoundStream(NumpyRoundStream):
         self.tgt_states = NumpyStates(model, self.T1 - 1, state_rollback)
         self.draft_states = NumpyStates(model, self.T1 - 1, state_rollback)
         if isinstance(tree, DynamicTree):
-            self.grow_args = dict(width=tree.width, branch=tree.branch)
+            self.grow = partial(ref_tree.spec_tree_grow, width=tree.width, branch=tree.branch)
         else:
-            self.grow_args = dict(shape_parent=np.array([ROOT_PARENT, *tree.parent[1:]], np.uint32),
-                                  shape_rank=np.array(tree.rank, np.uint32))
+            self.grow = partial(ref_tree.spec_tree_grow, shape_rank=np.array(tree.rank, np.uint32),
+                                shape_parent=np.array([ROOT_PARENT, *tree.parent[1:]], np.uint32))
         self.accepted: list[int] = []  # the drafts each live round accepted
 
     def _node_states(self, states: NumpyStates, c: int, parent: int, before: int) -> np.ndarray:
@@ -276,7 +280,7 @@ class NumpyTreeRoundStream(NumpyRoundStream):
             if length is not None:
                 length[0] = min(pos + T1, self.capacity)
 
-    def compact_table(self) -> list:
+    def compact_table(self) -> list[tuple[np.ndarray, None, int, int, int, int]]:
         """spec_tree_compact's table: every target KV layer, then the draft's, one word a position."""
         return [(data, None, self.capacity, 1, 1, self.capacity) for data in [*self.tgt, self.draft_kv]
                 if data is not None]
@@ -286,8 +290,7 @@ class NumpyTreeRoundStream(NumpyRoundStream):
         ref_tree.spec_tree_begin(t, self.pend, self.pos_ctr, self.pos_start, self.vtok, k)
         for d in range(k):
             self.draft_level(d)
-            ref_tree.spec_tree_grow(t, d + 1, self.levels, self.cand_tok, self.cand_logp, self.cand_logp, self.K,
-                                    self.pos_start, **self.grow_args)
+            self.grow(t, d + 1, self.levels, self.cand_tok, self.cand_logp, self.cand_logp, self.K, self.pos_start)
         self.draft_level(k)
         self.verify()
         ref_tree.spec_tree_accept_greedy(t, self.pred, k, self.vtok, self.brk, self.acc, self.last_pred, self.ctl)
@@ -301,7 +304,7 @@ class NumpyTreeRoundStream(NumpyRoundStream):
         self.rounds += 1
 
 
-def tree_speculative_generate(model: ToyModel, prompt: Sequence[int], tree, max_new_tokens: int,
+def tree_speculative_generate(model: ToyModel, prompt: Sequence[int], tree: Tree, max_new_tokens: int,
                               eos: int | None = None, m_rounds: int = 4, candidates: int = 8,
                               state_rollback: str = "copy") -> list[int]:
     """The whole tree speculative loop in numpy (see NumpyTreeRoundStream)."""

@@ -40,6 +40,7 @@ from .lm import BLOCK, ToyCost, ToyLM, ToyModel, ToySampling
 if TYPE_CHECKING:
     from ...comm.communicator import Communicator
     from ...driver.buffer import DeviceBuffer
+    from ...driver.engine import Engine
 
 
 def shard(layers: int, world: int, rank: int) -> range:
@@ -64,7 +65,8 @@ class ToyRank:
             raise ValueError("the toy's ranks hold layers with KV or none: its recurrent layers run whole (ToyLM)")
         if k + 1 > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
-        self.comm, self.engine = comm, comm.engine
+        self.comm = comm
+        self.engine: Engine = comm.engine
         self.layers = shard(len(model.kv_mask), comm.world, comm.rank)
         self.lm = ToyLM(self.engine, model, capacity, cost, batch=batch, layers=self.layers, sampling=sampling)
         self.bufs = StreamBufs(self.engine, k, m_rounds, batch)
@@ -110,7 +112,7 @@ class ToyPipelineStage(ToyRank):
         engine, comm, rows = self.engine, self.comm, self.bufs.batch * (self.bufs.k + 1)
         earlier_d = engine.zeros(np.uint32, rows, label="the earlier stages' verify sums") if comm.rank else None
         totals_d = engine.zeros(np.uint32, rows, label="the model's verify sums")
-        receive = [comm.prepare_recv(earlier_d, comm.rank - 1)] if comm.rank else []
+        receive = [] if earlier_d is None else [comm.prepare_recv(earlier_d, comm.rank - 1)]
         send = [comm.prepare_send(totals_d, comm.rank + 1)] if comm.rank + 1 < comm.world else []
         if receive or send:
             # Whatever NCCL sets up at a peer's first send or receive is done here, once, eagerly,
@@ -120,6 +122,6 @@ class ToyPipelineStage(ToyRank):
                 for step in receive + send:
                     step()
             engine.synchronize()
-        steps = [*receive, *self.lm.verify_steps(self.bufs, None, partial_in=earlier_d, partial_out=totals_d), *send,
-                 comm.prepare_broadcast(totals_d, root=comm.world - 1)]
+        verify = self.lm.verify_steps(self.bufs, None, partial_in=earlier_d, partial_out=totals_d)
+        steps: list[Step] = [*receive, *verify, *send, comm.prepare_broadcast(totals_d, root=comm.world - 1)]
         return steps, totals_d

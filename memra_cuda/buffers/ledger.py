@@ -1,0 +1,55 @@
+"""The ledger of rounds the host has not seen, a value each StreamBufs holds (bufs.ledger).
+
+The host queues rounds without looking and learns where the rows are only from readbacks, so two
+bounds must be kept from what was queued and what was received: how far the rows may have moved
+past the positions the host knows (the capacity check adds it), and how many rounds' tokens the
+rings hold (M at most: a commit past a full ring drops tokens while still spending the budget).
+Every driver over the same buffers (RoundStream's modes, a device loop, a graph replayed by hand)
+enters what it queues here, so each checks against the same ledger. Plain integers, no device:
+its rules are tested on the CPU.
+"""
+from __future__ import annotations
+
+
+class Ledger:
+    """Rounds queued on one StreamBufs, and what the host has seen of them. Its methods are the
+    events (queued, received, reset, drained); `unseen_rounds` and `ring_rounds` are what they
+    imply, kept as plain attributes because a burst's check reads them every round."""
+
+    __slots__ = ("rounds", "covers", "unseen_rounds", "ring_rounds")
+
+    def __init__(self) -> None:
+        self.rounds = 0  # rounds queued in all
+        self.covers = [0, 0]  # per pinned readback slot: the rounds queued before its last readback
+        self.unseen_rounds = 0  # rounds queued past the last ones a received readback (or a reset) covers
+        self.ring_rounds = 0  # rounds committed into the rings since they were last emptied
+
+    def queued(self, rounds: int, readback: int | None = None) -> None:
+        """`rounds` rounds were queued, and after them (readback = a slot) a readback into that
+        pinned slot, which empties the rings and covers every round queued so far once received.
+        Whoever queues rounds says so here, a graph's replay too (its readback is not seen)."""
+        self.rounds += rounds
+        self.unseen_rounds += rounds
+        self.ring_rounds += rounds
+        if readback is not None:
+            self.covers[readback] = self.rounds
+            self.ring_rounds = 0
+
+    def received(self, slot: int) -> None:
+        """The readback queued into `slot` was received: the rows are known as of the rounds it
+        covers (a slot received again, or behind a newer one, teaches nothing new)."""
+        unseen = self.rounds - self.covers[slot]
+        if unseen < self.unseen_rounds:
+            self.unseen_rounds = unseen
+
+    def reset(self) -> None:
+        """Every row was reset: their positions are the host's, their rings empty."""
+        self.unseen_rounds = self.ring_rounds = 0
+
+    def drained(self) -> None:
+        """The rings were emptied without a readback (drain_ring of the only row); the
+        positions are no better known."""
+        self.ring_rounds = 0
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.rounds} rounds queued, {self.unseen_rounds} unseen, {self.ring_rounds} in the rings)"

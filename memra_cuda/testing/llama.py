@@ -1,0 +1,333 @@
+"""Random-weight Llamas for the PyTorch engine's correctness tests, its examples and its benchmark,
+and the examples' shared command line (needs torch and transformers).
+
+Nothing is downloaded: build_model makes a Llama of a SIZES shape from a config, with the
+layers past the first scaled down (`residual_scale`), so that a draft of the first layer (the
+self-speculative draft, memra_cuda.torch.self_draft) or a model of its own made of copies of
+them (separate_draft) agrees with the target often, but not always: every figure measured on
+them says so, since their acceptance is set by hand. A hybrid variant's layers HYBRID are a
+gated linear recurrence (RecurrentLayer), a stand-in for a recurrent layer whose state
+round-stream rolls back. The tree picks (PICKED, tree_for_batch) were measured on these models.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..buffers.tree import DynamicTree, Tree, TreeShape
+from ..rounds.stream import MODES
+from ..torch import (GraphedGreedy, Recurrent, Request, SamplingParams, head_size, hf_greedy, load_model,
+                     load_tokenizer, self_draft)
+
+SIZES: dict[str, dict[str, Any]] = {  # the issue's prototype model, and one about 16 times its parameters
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=8, dtype=torch.float32),
+    "large": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                  num_key_value_heads=8, dtype=torch.bfloat16),
+}
+PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]
+HYBRID = (2, 5)  # the hybrid variant's recurrent layers: the target's, past the draft's
+GATE_BIAS = 3.0  # sigmoid(3) = 0.95: a recurrent state remembers about the last twenty tokens
+
+
+def prompts(batch: int, seed: int = 0, shortest: int = 2, longest: int = 40) -> list[list[int]]:
+    """`batch` prompts of different lengths (from `shortest` to `longest` tokens), each starting
+    with BOS: requests as a server sees them."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(shortest, longest + 1, (batch,), generator=gen).tolist()
+    return [[1] + torch.randint(2, 32000, (n - 1,), generator=gen).tolist() for n in lengths]
+
+
+def build_model(size: str = "small", *, draft_layers: int = 1, residual_scale: float = 0.01,
+                logit_scale: float = 1.0, head_dim: int | None = None, recurrent_layers: Sequence[int] = (),
+                seed: int = 0, device: str = "cuda") -> LlamaForCausalLM:
+    """A random-weight Llama of `size`, with layers past the first `draft_layers` scaled down.
+    `logit_scale` multiplies the head's weights: random ones give logits so flat that sampling
+    is near uniform; a scale of a few makes the sampled law peaked, as a trained model's is.
+    `head_dim` sets a head size other than hidden_size / heads, as some configs do.
+    `recurrent_layers` (the hybrid variant: HYBRID) become RecurrentLayers, scaled down alike;
+    Hugging Face's own forward cannot run them, memra_cuda.torch's Stack can."""
+    count = SIZES[size]["num_hidden_layers"]
+    if any(not draft_layers <= i < count for i in recurrent_layers):
+        raise ValueError(f"recurrent layers must be among layers {draft_layers}..{count - 1}, past the draft's "
+                         f"{draft_layers}: the draft stays attention (it folds its last step, docs/model-side.md), "
+                         f"not {tuple(recurrent_layers)}")
+    shape = dict(SIZES[size], **({"head_dim": head_dim} if head_dim else {}))
+    dtype = shape.pop("dtype")
+    config = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, attn_implementation="sdpa", **shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers[draft_layers:]:
+                layer.self_attn.o_proj.weight.mul_(residual_scale)
+                layer.mlp.down_proj.weight.mul_(residual_scale)
+            model.lm_head.weight.mul_(logit_scale)
+            for i in recurrent_layers:
+                model.model.layers[i] = RecurrentLayer(model.model.layers[i], config, residual_scale)
+    return _for_inference(model.to(dtype))
+
+
+def _for_inference(model: Any) -> Any:
+    """Eval mode, no autograd graph kept alive by the caches, and greedy run to the budget unless
+    an EOS is asked for."""
+    model = model.eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def separate_draft(target: LlamaForCausalLM, layers: int = 2, dtype: torch.dtype = torch.bfloat16
+                   ) -> LlamaForCausalLM:
+    """A draft model of its own for a build_model target: a config of `layers` layers and
+    parameters of its own in `dtype`, holding copies of the target's embeddings, first `layers`
+    layers, final norm and head, so that it agrees with the target often (the target's layers
+    past the first are scaled down) while it shares no module, and so no cache, with it: the
+    stand-in of a trained draft (a model with its own prefill, graphs, dtype and layer count)."""
+    if any(isinstance(layer, Recurrent) for layer in target.model.layers[:layers]):
+        raise ValueError(f"the target's first {layers} layers must be attention to make a draft of")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    with torch.device(target.device):
+        draft = LlamaForCausalLM(config)
+    for mine, theirs in ((draft.model.embed_tokens, target.model.embed_tokens), (draft.model.norm, target.model.norm),
+                         (draft.lm_head, target.lm_head), *zip(draft.model.layers, target.model.layers)):
+        mine.load_state_dict(theirs.state_dict())
+    return _for_inference(draft.to(dtype))
+
+
+class RecurrentLayer(Recurrent):
+    """A decoder layer whose attention is a gated linear recurrence (random weights), between the
+    Llama layer's own norms and MLP. Per head, with x_t the normed input:
+
+        g_t = sigmoid(w_g x_t + b_g),   S_t = g_t S_{t-1} + k_t^T v_t,   o_t = q_t S_t / sqrt(d_k)
+
+    with q, k (d_k) and v (d_v = d_k) projections of x_t, S a d_k × d_v matrix (heads × d_k × d_v
+    a row, fp32 whatever the model's dtype) and o_t, over the heads, through an output
+    projection scaled down like the other layers past the draft's. A stand-in for Mamba or a
+    gated delta net: the state after every token exists, which is what rollback needs.
+    """
+
+    def __init__(self, layer: torch.nn.Module, config: LlamaConfig, out_scale: float):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
+        self.mlp = layer.mlp
+        self.heads, self.d_k, self.d_v = config.num_attention_heads, head_size(config), head_size(config)
+        self.state_shape = (self.heads, self.d_k, self.d_v)
+        hidden, std = config.hidden_size, config.initializer_range
+        self.q_proj = torch.nn.Linear(hidden, self.heads * self.d_k, bias=False)
+        self.k_proj = torch.nn.Linear(hidden, self.heads * self.d_k, bias=False)
+        self.v_proj = torch.nn.Linear(hidden, self.heads * self.d_v, bias=False)
+        self.gate = torch.nn.Linear(hidden, self.heads)
+        self.o_proj = torch.nn.Linear(self.heads * self.d_v, hidden, bias=False)
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.gate):
+            torch.nn.init.normal_(linear.weight, std=std)
+        torch.nn.init.constant_(self.gate.bias, GATE_BIAS)
+        torch.nn.init.normal_(self.o_proj.weight, std=std * out_scale)
+
+    def forward(self, hidden: torch.Tensor, state: torch.Tensor,
+                store: Callable[[int, torch.Tensor], None] | None = None,
+                active: torch.Tensor | None = None,
+                parents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recurrent's contract: token by token, as a decoder steps, so the state after every
+        token exists; a garbage parent is clamped to an earlier token."""
+        x = self.input_layernorm(hidden)
+        rows, tokens, _ = x.shape
+        q = (self.q_proj(x).float() * self.d_k ** -0.5).view(rows, tokens, self.heads, 1, self.d_k)
+        k = self.k_proj(x).float().view(rows, tokens, self.heads, self.d_k, 1)
+        v = self.v_proj(x).float().view(rows, tokens, self.heads, 1, self.d_v)
+        g = torch.sigmoid(self.gate(x).float()).view(rows, tokens, self.heads, 1, 1)
+        if parents is not None:
+            every = torch.arange(rows, device=x.device)
+            parents = parents.long()
+            after_node = torch.empty(rows, tokens, *state.shape[1:], device=x.device)
+        out = []
+        for t in range(tokens):
+            if parents is not None and t:
+                state = after_node[every, parents[:, t].clamp(0, t - 1)]
+            after = g[:, t] * state + k[:, t] * v[:, t]
+            state = after if active is None else torch.where(active[:, t, None, None, None], after, state)
+            if parents is not None:
+                after_node[:, t] = state
+            if store is not None:
+                store(t, state)
+            out.append(q[:, t] @ state)  # [R][heads][1][d_v]
+        mixed = torch.stack(out, 1).view(rows, tokens, self.heads * self.d_v).to(hidden.dtype)
+        hidden = hidden + self.o_proj(mixed)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), state
+
+
+# -- trees ------------------------------------------------------------------------------------
+
+RANKS = 4  # the most candidates a node of static_tree has
+
+
+def static_tree(size: int, depth: int = 10) -> TreeShape:
+    """The static tree of `size` drafts, at most `depth` deep, for these models: the likeliest
+    nodes for a draft whose best candidate is right 87% of the time and its second best 13% (0.15
+    times as often), the self-speculative draft's rates on CPU (docs/torch.md, "Trees")."""
+    return TreeShape.likeliest(size, depth=depth, right=0.87, fall=0.15, ranks=RANKS)
+
+
+# The tree per model size, decoding and batch size (None: the chain, SpeculativeLlama), from `make
+# bench-torch`'s trees section on an H200: at each B, the fastest measured configuration, where a
+# tree was faster than every chain measured in two runs of the section. Greedy, the large model's
+# trees: static_tree(64, 10) 1.18-1.19x the best chain at B = 1, (32, 8) 1.12-1.18x at 8, (12, 6)
+# 1.02-1.06x at 32, (6, 4) 1.09-1.10x at 128; the small model's, since a level leaves out its leaves
+# (tree.expanded): chain_with_leaves(10, 2) 1.005-1.009x at B = 1, (6, 4) 1.03-1.04x at 128 (at 8
+# and 32 a tree was ahead in one run only: the chain). Sampled, the chain at every B (the best tree
+# 0.88-1.01x): tree_for_batch gives None.
+PICKED: dict[str, dict[int, Tree | None]] = {
+    "small": {1: TreeShape.chain_with_leaves(10, 2), 8: None, 32: None, 128: static_tree(6, 4)},
+    "large": {1: static_tree(64, 10), 8: static_tree(32, 8), 32: static_tree(12, 6), 128: static_tree(6, 4)},
+}
+
+
+def tree_for_batch(size: str, batch: int, sampled: bool = False) -> Tree | None:
+    """The tree to verify at `batch` rows of the `size` model, greedy or `sampled`, or None where
+    the chain is faster: the measured pick of the largest batch size measured not above `batch`;
+    sampled, always None (no tree was ahead of the chain in two runs at any B)."""
+    if sampled:
+        return None
+    picks = PICKED[size]
+    below = [b for b in picks if b <= batch]
+    return picks[max(below)] if below else picks[min(picks)]
+
+
+def parse_tree(text: str) -> Tree:
+    """"static:N" or "static:N,DEPTH" (static_tree of N drafts), "chain:K,LEAVES"
+    (TreeShape.chain_with_leaves) or "dynamic:D,W,B" (DynamicTree)."""
+    kind, _, spec = text.partition(":")
+    try:
+        numbers = [int(x) for x in spec.split(",")]
+    except ValueError:
+        numbers = []
+    if kind == "static" and len(numbers) in (1, 2):
+        return static_tree(*numbers)
+    if kind == "chain" and len(numbers) == 2:
+        return TreeShape.chain_with_leaves(*numbers)
+    if kind == "dynamic" and len(numbers) == 3:
+        return DynamicTree(*numbers)
+    raise ValueError(f'a tree is "static:N[,DEPTH]", "chain:K,LEAVES" or "dynamic:DEPTH,WIDTH,BRANCH", not {text!r}')
+
+
+# -- the examples' command line -----------------------------------------------------------------
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def command_line(description: str, k: bool = True) -> argparse.ArgumentParser:
+    """The examples' shared options: the models (random of a size, or loaded from directories),
+    the batch, budget, k (a chain's) and M, the mode, sampling and the hybrid variant."""
+    parser = argparse.ArgumentParser(description=description)
+    models = parser.add_argument_group("models")
+    models.add_argument("--size", choices=sorted(SIZES), default="small",
+                        help="the random-weight Llama to build when no --model is given (default: small, fp32)")
+    models.add_argument("--model", metavar="DIR", help="load the target from a directory save_pretrained wrote")
+    models.add_argument("--draft", metavar="DIR", help="load a draft model of the same tokenizer from a directory "
+                        "(default: the target's first --draft-layers layers and its head)")
+    models.add_argument("--draft-layers", type=int, default=1, metavar="N",
+                        help="the self-speculative draft's layers (default 1)")
+    models.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+                        help="the loaded models' dtype (default: the checkpoint's; float32 checks greedy against "
+                        "Hugging Face)")
+    models.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="a prompt for a loaded model's tokenizer; the rows take them in turn (repeatable)")
+    models.add_argument("--hybrid", action="store_true",
+                        help=f"the random-weight model with layers {HYBRID} a gated linear recurrence, checked "
+                        "against its plain greedy decoding")
+    models.add_argument("--state-rollback", choices=["copy", "flip"], default="copy",
+                        help="how the hybrid's recurrent state is rolled back (default: copy)")
+    decoding = parser.add_argument_group("decoding")
+    decoding.add_argument("--batch", type=int, default=1, metavar="B", help="rows decoded together (default 1)")
+    decoding.add_argument("--tokens", type=int, default=256, metavar="N", help="new tokens a row (default 256)")
+    if k:
+        decoding.add_argument("--k", type=int, default=4, metavar="K", help="drafts a round (default 4)")
+    decoding.add_argument("--m-rounds", type=int, default=16, metavar="M", help="rounds a burst, M (default 16)")
+    decoding.add_argument("--mode", choices=MODES, default="graph", help="how bursts run (default: graph)")
+    decoding.add_argument("--eos", type=int, default=None, metavar="ID",
+                          help="stop a row at this token (default: a loaded tokenizer's EOS; none for random models)")
+    decoding.add_argument("--temperature", type=float, default=None, metavar="T",
+                          help="sample at this temperature (default: greedy)")
+    decoding.add_argument("--top-k", type=int, default=0, metavar="K", help="sampling's top-k (default 0: off)")
+    decoding.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sampling's top-p (default 1: off)")
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace,
+                                                                             SamplingParams | None]:
+    """command_line's arguments and the sampling they ask for; options that do not go together
+    are the parser's errors."""
+    args = parser.parse_args(argv)
+    if args.state_rollback != "copy" and not args.hybrid:
+        parser.error("--state-rollback is for the model with recurrent layers: add --hybrid")
+    if args.model is None and (args.draft or args.prompt or args.dtype != "auto"):
+        parser.error("--draft, --prompt and --dtype are for a loaded model: add --model DIR")
+    if args.model is not None and args.hybrid:
+        parser.error("--hybrid is the random-weight model's variant: leave out --model")
+    if args.draft_layers < 1:
+        parser.error(f"--draft-layers takes at least one layer, not {args.draft_layers}")
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature is not None else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args, sampling
+
+
+def models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The target, the draft and the tokenizer (None for random models) the arguments ask for. A
+    draft directory's tokenizer, where it has one, must be the target's."""
+    if args.model is None:
+        target = build_model(args.size, draft_layers=args.draft_layers, recurrent_layers=HYBRID if args.hybrid else ())
+        return target, self_draft(target, args.draft_layers), None
+    dtype = DTYPES[args.dtype]
+    target, tokenizer = load_model(args.model, dtype=dtype), load_tokenizer(args.model)
+    if args.draft is None:
+        return target, self_draft(target, args.draft_layers), tokenizer
+    has_tokenizer = any((Path(args.draft) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    if has_tokenizer and load_tokenizer(args.draft).get_vocab() != tokenizer.get_vocab():
+        raise SystemExit(f"the draft in {args.draft} has another tokenizer than the target in {args.model}")
+    return target, load_model(args.draft, dtype=dtype), tokenizer
+
+
+def requests(args: argparse.Namespace, tokenizer: Any, count: int | None = None) -> list[Request]:
+    """`count` requests (default: a row each): PROMPT (one) or prompts() of 2 to 40 random tokens
+    for a random model; the --prompt texts in turn (default, a line of Python) for a loaded one,
+    which stops at its tokenizer's EOS unless --eos says another. Each samples with its own seed."""
+    count = args.batch if count is None else count
+    if tokenizer is None:
+        batch = [PROMPT] if count == 1 else prompts(count)
+        return [Request(prompt, args.tokens, args.eos, seed) for seed, prompt in enumerate(batch)]
+    texts = args.prompt or ["def fibonacci(n):\n"]
+    eos = args.eos if args.eos is not None else tokenizer.eos_token_id
+    return [Request(tokenizer.encode(texts[i % len(texts)]), args.tokens, eos, i) for i in range(count)]
+
+
+def describe(args: argparse.Namespace) -> str:
+    """The models the arguments asked for, in a line."""
+    if args.model is not None:
+        return f"{args.model} with draft {args.draft or f'the first {args.draft_layers} layer(s)'}"
+    hybrid = f", hybrid (layers {HYBRID} recurrent, state by {args.state_rollback})" if args.hybrid else ""
+    return f"random-weight {args.size} model{hybrid}"
+
+
+def check_greedy(model: Any, requests: Sequence[Request], got: list[list[int]], capacity: int, hybrid: bool) -> int:
+    """The exit status of a greedy fp32 run: whether every row equals Hugging Face's greedy
+    decoding of its prompt alone (a hybrid model's own plain greedy decoding, which Hugging Face
+    cannot run), printed."""
+    if hybrid:
+        want = GraphedGreedy(model, capacity, len(requests)).generate_batch(requests)
+        reference = "its own plain greedy decoding"
+    else:
+        want = [hf_greedy(model, r.prompt, r.max_new_tokens, r.eos) for r in requests]
+        reference = "Hugging Face greedy on its own prompt"
+    same = got == want
+    print(f"every row equals {reference}: {'yes' if same else 'NO'}")
+    return 0 if same else 1

@@ -1,0 +1,227 @@
+"""What a round-stream decoder of a target and a draft model does with them: prefill rows,
+capture every graph up front, generate a batch, serve a queue continuously.
+
+The chain's decoder (SpeculativeLlama) and the tree's (TreeLlama) differ in their round, not in
+this: both keep a Stack of each model over static caches of B rows, one torch stream and an
+engine on it, StreamBufs for the rows, and a RoundStream. A new request changes only values in
+device buffers (its prompt's KV, reset_row, set_stop_row), so no graph is ever recaptured while
+serving, and every capture (which through torch synchronises the device) can be made first.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ..buffers.capacity import kv_capacity
+from ..buffers.stream_bufs import StreamBufs
+from ..buffers.tables import StateIndexTable, StateTable
+from ..driver.engine import Engine
+from ..rounds.stream import Mode, RoundStream, as_mode
+from .adapter import engine
+from .kv import CacheLayout, StaticKV
+from .sampling import SamplingParams
+from .stack import Stack
+from .state import CopyState, FlipState, Recurrent, rollback
+from .views import RoundViews
+
+
+class Request(NamedTuple):
+    """A request for generate_batch's rows or serve's queue: `eos` stops it (None: its budget
+    alone), `seed` keys its sampled draws."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    eos: int | None = None
+    seed: int = 0
+
+
+class Served(NamedTuple):
+    """A request's tokens, and the seconds from the start of serve() to its last token."""
+
+    tokens: list[int]
+    latency: float
+
+
+class RoundDecoder:
+    """Target and draft Stacks of `batch` rows (`target`, `draft`) wired to a RoundStream
+    (`rounds`, over StreamBufs `bufs` of k) on one torch stream (`stream`, the engine's), and
+    what a user does with them: prefill rows, capture the graphs, generate a batch, serve a queue.
+
+    `model` and `draft` are LlamaForCausalLM-shaped models of one vocabulary: two models (a
+    trained pair, loaded with memra_cuda.torch.load_model), or the target and its own first
+    layers (memra_cuda.torch.self_draft), whose draft cache a prefill then copies from the
+    target's instead of computing it. The draft is attention only: its first step folds in the
+    last round's deepest draft (docs/model-side.md), taking a token a second time in most rounds,
+    which rewrites a KV entry unchanged but would take it into a recurrent state twice. A hybrid
+    target's recurrent state is rolled back by `state_rollback`, "copy" or "flip", keeping
+    `verified` + 1 slots (a chain's k, a tree's T).
+
+    A subclass sets `rounds` (and `width`, what a round writes past its position: a tree's
+    T + 1, None for a chain's k + 1), then calls _warm_up()."""
+
+    width: int | None = None
+    rounds: RoundStream
+
+    def __init__(self, model: Any, draft: Any, *, k: int, verified: int, m_rounds: int, batch: int,
+                 capacity: int, sampling: SamplingParams | None, draft_sampling: SamplingParams | None,
+                 state_rollback: str, cache: CacheLayout = StaticKV,
+                 on_engine: Callable[[Engine], None] | None = None):
+        """`on_engine` is called with the engine as soon as it exists, before anything runs on it
+        (examples/torch_tp.py lets its communicator time the engine's waits and its graphs hold it)."""
+        refuse(model, draft, state_rollback)
+        if sampling is None and draft_sampling is not None:
+            raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
+        self.model, self.k, self.batch = model, k, batch
+        self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
+        self.stream = torch.cuda.Stream()
+        with torch.cuda.stream(self.stream):
+            self.engine = engine()
+            if on_engine is not None:
+                on_engine(self.engine)
+            self.target = Stack(model, capacity, batch, state=rollback(state_rollback, self.engine, verified),
+                                cache=cache)
+            self.draft = Stack(draft, capacity, batch, cache=cache)
+            self.shared = self.draft.prefix_of(self.target)
+            self.bufs = StreamBufs(self.engine, k, m_rounds, batch)
+            self.views = RoundViews(self.bufs)
+            # each row's request's sampling seed, set at its prefill
+            self.seed_d = torch.zeros(batch, dtype=torch.int64, device="cuda")
+
+    def _folded_logits(self, root: torch.Tensor, start: torch.Tensor, lone: torch.Tensor) -> torch.Tensor:
+        """The draft's logits after `root` ([B][1], at positions `start`), [B][1][V], in a
+        round's first draft step, which appends the token the last round accepted deepest along
+        with it (vtok[accepted] at start - 1: where every draft was accepted, the last draft
+        step, which the draft never ran, folded in here, docs/model-side.md; otherwise an entry
+        rewritten unchanged). A `lone` row has none to append (at position 0, a done row, whose
+        entries stay as they are, or where that entry is there already): the root fills both
+        columns."""
+        views = self.views
+        behind = torch.where(lone, root, views.vtok.gather(1, views.accepted.long().clamp(0, self.k)))
+        positions = torch.cat([start - 1 + lone.long(), start], 1)
+        return self.draft.logits(torch.cat([behind, root], 1), positions, last=True)
+
+    def _warm_up(self) -> None:
+        """One eager round, so torch's lazy set-up (library handles, workspaces) happens before
+        any capture; the next prefill resets everything it touched. Then every slot is vacant."""
+        self.prefill(range(self.batch), [[0, 0]] * self.batch)
+        self.rounds.step("readback")
+        self.bufs.set_stop(budget=0)
+
+    def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
+        """What a subclass sets for the rows `index` once their prompts are in."""
+
+    def state_tables(self) -> list[StateTable | StateIndexTable]:
+        """RoundStream's state_tables: the hybrid target's one table (none for a pure-attention
+        model, nor for the draft, which is attention only)."""
+        state = self.target.state
+        return [state.table(self.engine)] if isinstance(state, (CopyState, FlipState)) else []
+
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+                seeds: Sequence[int] | None = None) -> list[int]:
+        """Both caches of each row take its prompt but the last token, which becomes pending;
+        `seeds` are the rows' requests' (sampling). Returns the rows' start positions."""
+        rows = list(rows)
+        if any(not prompt for prompt in prompts) or len(prompts) != len(rows):
+            raise ValueError(f"need one prompt of at least one token for each of the {len(rows)} rows")
+        starts = [len(prompt) - 1 for prompt in prompts]
+        heads = [prompt[:-1] for prompt in prompts]
+        with torch.cuda.stream(self.stream):
+            index = torch.tensor(rows, device="cuda")
+            self.target.prefill(rows, heads)
+            if self.shared:
+                self.draft.kv.copy_rows(self.target.kv, index)
+            else:
+                self.draft.prefill(rows, heads)
+            pending = [int(prompt[-1]) for prompt in prompts]
+            if rows == list(range(self.batch)):
+                self.bufs.reset(pending, starts)
+            else:
+                for row, token, start in zip(rows, pending, starts):
+                    self.bufs.reset_row(row, token, start)
+            self._prefilled(index, prompts)
+            if self.sampling is not None:
+                self.seed_d[index] = torch.tensor(list(seeds or [0] * len(rows)), device="cuda")
+        return starts
+
+    def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:
+        """Every graph the modes may replay, and every one-row prefill graph of both models,
+        captured now, before any request: through torch a capture synchronises the device, which
+        a server must not do mid-request."""
+        with torch.cuda.stream(self.stream):
+            self.target.capture_prefills()
+            if not self.shared:
+                self.draft.capture_prefills()
+            self.rounds.capture_graphs(slots=(0, 1) if "overlap" in modes else (0,))
+
+    def generate_batch(self, requests: Sequence[Request], mode: str = "graph") -> list[list[int]]:
+        """One request per row, all started together and generated until each stops."""
+        if len(requests) != self.batch:
+            raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
+        self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests])
+        out = self.rounds.generate_batch([r.max_new_tokens for r in requests],
+                                         eos=[r.eos for r in requests], mode=mode)
+        return [tokens.tolist() for tokens in out]
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, eos: int | None = None,
+                 mode: str = "graph", seed: int = 0) -> list[int]:
+        """One request (a decoder of one row)."""
+        return self.generate_batch([Request(prompt, max_new_tokens, eos, seed)], mode)[0]
+
+    def serve(self, requests: Sequence[Request], mode: str = "graph") -> list[Served]:
+        """Continuous batching: the requests, queued in order, through the batch's slots. A
+        slot is filled (prefill, reset_row, set_stop_row) as soon as its request stops, between
+        bursts, and every step runs all slots; no graph is recaptured."""
+        if as_mode(mode) is Mode.OVERLAP:
+            raise ValueError('serve() steps one burst at a time: "overlap" keeps two in flight (generate_batch)')
+        rounds, capacity = self.rounds.rounds_per_step(mode), self.target.kv.capacity
+        for i, request in enumerate(requests):  # refused before anything runs, not mid-serving
+            need = kv_capacity(len(request.prompt), request.max_new_tokens, self.k, rounds, batch=self.batch,
+                               width=self.width)
+            if need > capacity:
+                raise ValueError(f"request {i} ({len(request.prompt)} prompt tokens, {request.max_new_tokens} new) "
+                                 f"needs a KV cache of {need} entries in {mode} mode; these hold {capacity}")
+        queue = collections.deque(enumerate(requests))
+        slots: list[int | None] = [None] * self.batch
+        tokens: list[list[int]] = [[] for _ in range(self.batch)]
+        out: dict[int, Served] = {}  # request index -> its tokens
+        self.bufs.set_stop(budget=0)
+        begun = time.perf_counter()
+        while queue or any(slot is not None for slot in slots):
+            for row in range(self.batch):
+                if slots[row] is None and queue:
+                    slots[row], request = queue.popleft()
+                    tokens[row] = []
+                    self.prefill([row], [request.prompt], [request.seed])
+                    self.bufs.set_stop_row(row, request.eos, request.max_new_tokens)
+            readback = self.rounds.step(mode)
+            for row, slot in enumerate(slots):
+                if slot is None:
+                    continue
+                tokens[row] += readback.tokens[row].tolist()
+                if readback.done[row]:
+                    out[slot] = Served(tokens[row], time.perf_counter() - begun)
+                    slots[row] = None
+        return [out[i] for i in range(len(requests))]
+
+    def acceptance(self, committed: int | Sequence[int]) -> float:
+        """The share of drafted tokens accepted, given each row's committed tokens."""
+        accepted, drafted = self.bufs.drafts_accepted(committed)
+        return accepted / drafted if drafted else 1.0
+
+
+def refuse(model: Any, draft: Any, state_rollback: str) -> None:
+    """What every round-stream decoder refuses of its models, before any device work: a rollback
+    it has no strategy for, a draft of another vocabulary, and a recurrent layer in the draft."""
+    if state_rollback not in ("copy", "flip"):
+        raise ValueError(f'state_rollback is "copy" or "flip", not {state_rollback!r}')
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) is not the target's "
+                         f"({model.config.vocab_size}): the two must share a tokenizer")
+    if any(isinstance(layer, Recurrent) for layer in draft.model.layers):
+        raise ValueError("the draft's layers must be attention: its first step folds in the last round's deepest "
+                         "draft (docs/model-side.md), which a recurrent layer's state cannot take; put recurrent "
+                         "layers past the draft's")

@@ -1,0 +1,170 @@
+"""Static KV caches that round-stream rolls back by their lengths alone.
+
+A captured burst replays the same addresses every time, so a cache must never move: StaticKV
+keeps K and V of B rows at fixed addresses and writes each forward's entries at per-row
+positions read on the device. Its per-layer lengths are int32 tensors registered with
+round-stream as KVLayers (`cache()`): the rollback rewrites them, which is all it takes to forget
+rejected drafts, since every forward masks each row past its own position. A tree round also
+moves the accepted path's entries to consecutive slots: `data()` describes where they live for
+the layer's kernel (KVData records), and PagedKV, whose pages the kernel cannot describe, moves
+them itself (`compact`).
+
+Both are what transformers' attention layers call as their `past_key_values`: `update(k, v,
+layer)` with the new entries of the rows in the forward, which land at `positions` (set by the
+caller for the forward) and return those rows' whole caches, masked by the caller.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..buffers.capacity import kv_capacity
+from ..buffers.tables import Cache, KVData, KVLayer
+
+
+def head_size(config: Any) -> int:
+    """The config's head_dim where it has one, else hidden_size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def capacity_for(prompt_len: int, tokens: int, k: int, m_rounds: int, batch: int = 1, width: int | None = None) -> int:
+    """A cache for a prompt and a budget in every mode (overlap's two bursts in flight): `k` a
+    chain's drafts or a tree's depth, `width` a tree's T + 1. Rounded up to 16 slots: SDPA's
+    memory-efficient kernel copies a mask whose rows are not 16-aligned into a padded one at
+    every call."""
+    need = kv_capacity(prompt_len, tokens, k, m_rounds, overlap=True, batch=batch, width=width)
+    return -(-need // 16) * 16
+
+
+class StaticKV:
+    """K and V of `batch` rows for `layers` layers at fixed addresses, [layers][B][heads][capacity]
+    [head size] each (a head's positions together), written at per-row device positions.
+
+    `lengths` (int32 [layers][B]) counts each row's entries per layer. Before a forward the
+    caller sets `rows` (the cache rows its token rows belong to, a [R] device index; None: every
+    row) and `positions` ([R][T] slots its tokens' entries go to)."""
+
+    def __init__(self, config: Any, layers: int, batch: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str = "cuda"):
+        self._bookkeeping(layers, batch, capacity, device)
+        self.k = torch.zeros(layers, batch, config.num_key_value_heads, capacity, head_size(config), dtype=dtype,
+                             device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def _bookkeeping(self, layers: int, batch: int, capacity: int, device: torch.device | str) -> None:
+        """What every layout keeps beside its entries: lengths, rows and positions."""
+        self.capacity = capacity
+        self.lengths = torch.zeros(layers, batch, dtype=torch.int32, device=device)
+        self.rows: torch.Tensor | None = None
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self._every_row = torch.arange(batch, device=device)[:, None]  # [B][1]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' Cache.update: `key` and `value` [R][heads][T][d] land at `positions`;
+        returns the rows' K and V, [R][heads][capacity][d]."""
+        rows = self._every_row if self.rows is None else self.rows[:, None]
+        self.k[layer][rows, :, self.positions] = key.transpose(1, 2)
+        self.v[layer][rows, :, self.positions] = value.transpose(1, 2)
+        if self.rows is None:
+            return self.k[layer], self.v[layer]
+        return self.k[layer].index_select(0, self.rows), self.v[layer].index_select(0, self.rows)
+
+    def cache(self) -> Cache:
+        """The layers' lengths as round-stream's KVLayers (for kv_len_ptr_table)."""
+        return Cache([KVLayer(self.lengths[i], self.capacity) for i in range(len(self.lengths))])
+
+    def data(self) -> list[KVData]:
+        """Where the entries live, for a tree round's compaction (kernel 15): one record a layer
+        and KV head, as this cache keeps a head's positions together ([B][heads][capacity][d]).
+        A record's buffers are contiguous views from its head's first entry on, so each holds
+        the tensor it names."""
+        layers, batch, heads, capacity, dim = self.k.shape
+        entry = dim * self.k.element_size()
+        words = entry // 4  # as int32: torch gives bfloat16 tensors no __cuda_array_interface__
+        flat_k, flat_v = (kv.view(torch.int32).view(layers, -1) for kv in (self.k, self.v))
+        return [KVData(flat_k[layer, head * capacity * words:], flat_v[layer, head * capacity * words:],
+                       row_stride=heads * capacity * entry, pos_stride=entry, nbytes=entry, capacity=capacity,
+                       batch=batch)
+                for layer in range(layers) for head in range(heads)]
+
+    def copy_rows(self, other: StaticKV, rows: torch.Tensor) -> None:
+        """`other`'s first layers' entries and lengths in `rows` (what a stack of those same
+        layers computes over the same tokens: a self-speculative draft's prefill)."""
+        n = len(self.lengths)
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            mine.index_copy_(1, rows, theirs[:n].index_select(1, rows))
+        self.lengths.index_copy_(1, rows, other.lengths[:n].index_select(1, rows))
+
+
+CacheLayout = Callable[[Any, int, int, int, torch.dtype, torch.device], StaticKV]
+"""How a Stack makes its cache: (config, layers, batch, capacity, dtype, device) -> the cache."""
+
+
+class PagedKV(StaticKV):
+    """StaticKV's cache laid out in pages of `page` positions, as a paged engine keeps it: one pool
+    of pages a layer ([layers][pages][heads][page][d]), a row's logical page j at physical page
+    `table[row, j]`, the pages of every row shuffled through the pool. The layer's compaction
+    kernel cannot describe it (its entries are not one stride apart), so a tree round moves the
+    accepted path by the model's own callable: compact(), a few torch ops a depth. Each forward
+    gathers a row's pages into logical order for the attention: a reference of the route, not a
+    fast paged attention."""
+
+    def __init__(self, config: Any, layers: int, batch: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str = "cuda", page: int = 16):
+        if page < 1:
+            raise ValueError(f"a page holds at least one position, not {page}")
+        self._bookkeeping(layers, batch, capacity, device)
+        per_row = -(-capacity // page)
+        self.k = torch.zeros(layers, batch * per_row, config.num_key_value_heads, page, head_size(config),
+                             dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        shuffle = torch.randperm(batch * per_row, generator=torch.Generator().manual_seed(per_row))
+        self.table = shuffle.view(batch, per_row).to(device)  # the same for every cache of this shape
+        self.page = page
+
+    def _at(self, rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The physical page and the offset in it of each of `slots` of `rows` (broadcast)."""
+        return self.table[rows, slots // self.page], slots % self.page
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._every_row if self.rows is None else self.rows[:, None]
+        page, offset = self._at(rows, self.positions)
+        self.k[layer][page, :, offset] = key.transpose(1, 2)
+        self.v[layer][page, :, offset] = value.transpose(1, 2)
+        return self.gather(layer, rows[:, 0])
+
+    def gather(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `rows` in logical order, [rows][heads][capacity][d], for the attention."""
+        pages = self.table[rows]  # [rows][per_row]
+        k, v = (kv[layer][pages].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, :self.capacity] for kv in (self.k, self.v))
+        return k, v
+
+    def compact(self, path: torch.Tensor, accepted: torch.Tensor, start: torch.Tensor) -> None:
+        """The layer's kernel 15 in torch: for d = 1..D in increasing d (a deeper depth's source
+        can be a shallower one's destination), each row with at least d drafts accepted moves the
+        entries at slot start + path[d] to start + d, in every layer; slots past the capacity
+        are skipped. `path` [B][D+1], `accepted` and `start` [B][1]."""
+        rows = self._every_row[:, 0]
+        path, accepted, start = path.long(), accepted.long()[:, 0], start.long()[:, 0]
+        for d in range(1, path.shape[1]):
+            source, target = start + path[:, d], start + d
+            move = (accepted >= d) & (source != target) & (source < self.capacity) & (target < self.capacity)
+            (sp, so), (tp, to) = (self._at(rows, slot.clamp(0, self.capacity - 1)) for slot in (source, target))
+            for kv in (self.k, self.v):
+                kv[:, tp, :, to] = torch.where(move[:, None, None, None], kv[:, sp, :, so], kv[:, tp, :, to])
+
+    def copy_rows(self, other: StaticKV, rows: torch.Tensor) -> None:
+        """StaticKV.copy_rows from a PagedKV of the same batch and capacity, whose pages are these."""
+        pages = self.table[rows].flatten()
+        n = len(self.lengths)
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            mine.index_copy_(1, pages, theirs[:n].index_select(1, pages))
+        self.lengths.index_copy_(1, rows, other.lengths[:n].index_select(1, rows))
+
+    def data(self) -> list[KVData]:
+        raise TypeError("a paged cache is not one stride a position: the layer's compaction cannot move it "
+                        "(TreeLlama(paged=...) gives the round compact= instead)")

@@ -1,0 +1,67 @@
+"""A tree's ancestor mask as SDPA's attention mask.
+
+A tree round's nodes sit at slots pos_start + i of the static cache, siblings side by side, so
+a node must attend to the committed prefix and to its own ancestors and to nothing else past
+the root: not its siblings, not their subtrees, not the stale entries of earlier rounds.
+TreeBufs gives the ancestors as bits (docs/trees.md); TreeMask turns them into SDPA's additive
+mask over the whole cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..buffers.tree import Tree, TreeShape
+
+
+class TreeMask:
+    """The attention mask of a tree's nodes for SDPA, [B][1][n][capacity] additive (0 where a node
+    attends, -inf elsewhere, in `dtype`, the model's: SDPA would turn a boolean mask into this at
+    every layer): node i attends to every slot before the root (the committed prefix) and to slot
+    pos_start + j for each j in its ancestor mask (itself included).
+
+    A round pays for it once where it can. `at(pos_start)`, at the round's first draft level,
+    works out which slots lie before the root and which node each slot past it holds. A static
+    tree's ancestors are the same every round (the layer grows the same mask_d), so its whole mask
+    is made then, for the draft's levels and the verify alike; a dynamic tree's are known a level
+    at a time, from TreeBufs.mask_d's words (`words`, [B][T+1][W] int32: node j at bit j % 32 of
+    word j // 32), read as each level's mask is asked for."""
+
+    def __init__(self, words: torch.Tensor, capacity: int, dtype: torch.dtype, tree: Tree | None = None):
+        self.words, self.capacity = words, capacity
+        self.nodes = 32 * words.shape[2]
+        every = torch.arange(self.nodes, device=words.device)
+        self.word, self.bit = every // 32, (every % 32).to(torch.int32)
+        self.slots = torch.arange(capacity, device=words.device)
+        self.zero = torch.zeros((), dtype=dtype, device=words.device)
+        self.never = torch.full((), -torch.inf, dtype=dtype, device=words.device)
+        self.ancestors: torch.Tensor | None = None
+        if isinstance(tree, TreeShape):  # [1][T+1][32W], mask_d's bits as bools: row i node i's ancestors
+            ancestors = torch.zeros(tree.nodes, self.nodes, dtype=torch.bool)
+            for i, p in enumerate(tree.parent):
+                if p >= 0:
+                    ancestors[i] = ancestors[p]
+                ancestors[i, i] = True
+            self.ancestors = ancestors[None].to(words.device)
+
+    def at(self, pos_start: torch.Tensor) -> TreeMask:
+        """The round's part, for roots at slot `pos_start` ([B][1])."""
+        relative = self.slots - pos_start  # [B][capacity]
+        self.prefix = (relative < 0)[:, None, :]  # [B][1][capacity]
+        self.inside = ((relative >= 0) & (relative < self.nodes))[:, None, :]  # [B][1][capacity]
+        self.node = relative.clamp(0, self.nodes - 1)  # [B][capacity]: the node a slot past the root holds
+        if self.ancestors is not None:
+            self.whole = self._mask(self.ancestors.expand(len(pos_start), -1, -1))
+        return self
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """The mask of nodes start..stop (after at() this round), [B][1][stop - start][capacity]."""
+        if self.ancestors is not None:
+            return self.whole[:, :, start:stop]
+        words = self.words[:, start:stop]
+        return self._mask(((words[..., self.word] >> self.bit) & 1).bool())
+
+    def _mask(self, bits: torch.Tensor) -> torch.Tensor:
+        """The mask of n nodes whose ancestors are `bits` ([B][n][32W]), contiguous: SDPA's fused
+        kernels refuse a mask whose rows are not, and would leave the math path alone."""
+        tree = bits.gather(2, self.node[:, None, :].expand(-1, bits.shape[1], -1))  # [B][n][capacity]
+        return torch.where(self.prefix | (tree & self.inside), self.zero, self.never)[:, None]

@@ -1,0 +1,61 @@
+"""Where a decoder's two models come from: a checkpoint directory each (a trained target and
+draft of one tokenizer), or a target and its own first layers (a self-speculative draft).
+
+Loading reads local files only: a directory is what `save_pretrained` wrote (config.json, the
+weights, and beside them the tokenizer's files), and nothing is downloaded.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cuda") -> Any:
+    """The causal language model saved in `directory` (transformers' from_pretrained, local files
+    only), in `dtype` ("auto": the checkpoint's), on `device`, for inference: eval mode and no
+    parameter requiring grad (a model whose parameters did would make every in-place write into
+    a KV cache a node of an autograd graph the cache keeps alive), attention through SDPA (which
+    takes Stack's additive masks)."""
+    from transformers import AutoModelForCausalLM
+    _check_directory(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
+                                                 attn_implementation="sdpa")
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """The tokenizer saved in `directory` (AutoTokenizer, local files only)."""
+    from transformers import AutoTokenizer
+    _check_directory(directory)
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def _check_directory(directory: str | Path) -> None:
+    if not (Path(directory) / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} holds no config.json: a model directory is what transformers' "
+                                "save_pretrained writes (nothing is downloaded)")
+
+
+def self_draft(model: Any, layers: int = 1) -> Any:
+    """A self-speculative draft of `model`: a model of the same class made of the target's own
+    embeddings, first `layers` decoder layers, final norm and head (the same modules, no copy).
+    A decoder given it copies its draft cache from the target's instead of computing it, and
+    Hugging Face's assisted generation takes it as an assistant model."""
+    count = len(model.model.layers)
+    if not 1 <= layers < count:
+        raise ValueError(f"a self-speculative draft takes 1 to {count - 1} of the target's {count} layers, "
+                         f"not {layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):  # Qwen2's and others' per-layer attention kinds
+        config.layer_types = config.layer_types[:layers]
+    with torch.device("meta"):  # every module is replaced by the target's
+        draft = type(model)(config)
+    draft.model.embed_tokens = model.model.embed_tokens
+    draft.model.layers = torch.nn.ModuleList(model.model.layers[:layers])
+    draft.model.norm, draft.model.rotary_emb, draft.lm_head = model.model.norm, model.model.rotary_emb, model.lm_head
+    draft.generation_config = copy.deepcopy(model.generation_config)
+    return draft.eval()

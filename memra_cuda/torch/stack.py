@@ -1,0 +1,256 @@
+"""The layers of a transformers Llama-family model run over a static cache of B rows.
+
+Round-stream captures whole bursts, so a forward may read no value on the host: every row's
+tokens and positions come as device tensors ([B][T]), rows at different positions share one
+batch without padding, and each row attends over the whole static cache masked at its own
+position. transformers' own forward cannot do that (its cache positions are one per batch), so
+Stack calls the model's modules itself: the embeddings, each decoder layer (with the cache as
+its `past_key_values`, the mask and the rotary embedding of each row's positions), the final
+norm and the head. Every LlamaForCausalLM-shaped model fits: Llama, Mistral, Qwen2 (`.model.
+embed_tokens`, `.model.layers`, `.model.norm`, `.model.rotary_emb`, `.lm_head`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .kv import CacheLayout, StaticKV
+from .state import LiveState, Recurrent, State, StateLayout
+
+_PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head", "config")
+
+
+def _check_shape(model: Any, capacity: int) -> None:
+    """Refuse, naming what is missing, a model Stack cannot run (not LlamaForCausalLM-shaped), and
+    a sliding window shorter than the cache, which Stack's causal mask would not apply."""
+    for path in _PARTS:
+        owner = model
+        for name in path.split("."):
+            if not hasattr(owner, name):
+                raise TypeError(f"{type(model).__name__} has no {path}: Stack runs LlamaForCausalLM-shaped models "
+                                "(Llama, Mistral, Qwen2)")
+            owner = getattr(owner, name)
+    config = model.config
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window and capacity > window:
+        raise ValueError(f"the model attends within a sliding window of {window} positions, which Stack does not "
+                         f"apply: a cache of {capacity} would attend past it (use a capacity of at most {window})")
+
+
+@contextlib.contextmanager
+def blas(library: str) -> Iterator[None]:
+    """torch's preferred BLAS library ("cublas", "cublaslt") for the kernels issued inside."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+# The most token rows (B x T) a forward takes through cuBLASLt, per dtype; past them, and at one
+# row (GEMVs, which are cuBLAS's), cuBLAS. Measured on an H200 by `make bench-torch`'s
+# tree_costs, the whole target at B = 1 in target steps: in fp32 cuBLAS serves a few rows at
+# nearly twice a GEMV's time, cuBLASLt mostly faster up to 16 rows and the slower from 17 (2
+# tokens: 1.25 through cuBLASLt, 1.40 through cuBLAS; 5: 1.34, 1.46; 8: 1.57, 1.53, the one
+# size up to 16 where cuBLAS was ahead; 11: 1.35, 1.52; 16: 1.51, 1.62; 17: 1.89, 1.63; 65:
+# 2.44, 1.88; the small random-weight model); in bf16 the two are alike from 1 to 65 rows
+# (within 0.6%, the large one), and cuBLASLt serves every size from 2.
+LT_ROWS = {torch.float32: 16, torch.bfloat16: 1 << 30}
+
+
+def blas_for(dtype: torch.dtype, rows: int) -> str:
+    """The BLAS library for a forward of `rows` token rows in `dtype` (Stack.kernels)."""
+    return "cublaslt" if 2 <= rows <= LT_ROWS.get(dtype, 0) else "cublas"
+
+
+class Stack:
+    """A model's embeddings, decoder layers, final norm and head over a static cache of `batch`
+    rows and `capacity` positions: append(tokens, positions) adds the tokens' KV ([rows][T]
+    each) and returns their final hidden states; logits() also applies the head. No value is
+    read on the host.
+
+    `model` is a LlamaForCausalLM-shaped transformers model (a self-speculative draft is one too:
+    memra_cuda.torch.self_draft). Its `Recurrent` layers (a hybrid model's) keep their state in
+    `state`, made by the `state` layout: LiveState for plain decoding, CopyState or FlipState for
+    round-stream (None without such layers). `cache` lays out the KV cache (StaticKV; PagedKV).
+    Everything lives on the model's device; one-row prefills are CUDA graphs there."""
+
+    def __init__(self, model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
+                 cache: CacheLayout = StaticKV):
+        _check_shape(model, capacity)
+        self.model, self.batch = model, batch
+        self.layers = model.model.layers[:model.config.num_hidden_layers]
+        self.device = torch.device(model.device)
+        self.kv = cache(model.config, len(self.layers), batch, capacity, model.dtype, self.device)
+        self.recurrent = [isinstance(layer, Recurrent) for layer in self.layers]
+        shapes = [layer.state_shape for layer, mine in zip(self.layers, self.recurrent) if mine]
+        self.state: State | None = state(len(shapes), batch, shapes[0], self.device) if shapes else None
+        attention = next((layer for layer, mine in zip(self.layers, self.recurrent) if not mine), None)
+        # transformers 5.x renames a layer's past_key_values to cache: pass the cache by the name it takes
+        self._cache_name = "cache" if attention is not None and \
+            "cache" in inspect.signature(attention.forward).parameters else "past_key_values"
+        self.slots = torch.arange(capacity, device=self.device)
+        self.library: str | None = None  # None: blas_for's pick at each forward; a library's name pins it
+        self.zero = torch.zeros((), dtype=model.dtype, device=self.device)  # an additive mask's two values
+        self.never = torch.full((), -torch.inf, dtype=model.dtype, device=self.device)
+        # The rotary embedding of every position, computed once by the model's own module (the
+        # same numbers it computes per call): a step then gathers rows instead of recomputing
+        # them, a dozen fewer kernels per step.
+        dummy = torch.zeros(1, 1, 1, dtype=model.dtype, device=self.device)
+        self.cos, self.sin = (t[0] for t in model.model.rotary_emb(dummy, self.slots[None]))  # [capacity][d] each
+        self.prompt = torch.zeros(1, capacity, dtype=torch.long, device=self.device)  # one row's prefill
+        self.prompt_row = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.prompt_len = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.prefills: dict[int, torch.cuda.CUDAGraph] = {}  # prompt length bucket -> its graph
+
+    def prefix_of(self, other: Stack) -> bool:
+        """Whether this stack's model is `other`'s first layers under the same embeddings (a
+        self-speculative draft's): its KV over any tokens is then `other`'s first layers'."""
+        mine, theirs = self.model.model, other.model.model
+        return (mine.embed_tokens is theirs.embed_tokens and len(self.layers) <= len(other.layers)
+                and all(a is b for a, b in zip(self.layers, other.layers)))
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, **tree: torch.Tensor
+               ) -> torch.Tensor:
+        """The head's logits after each of `tokens` ([B][T] at `positions`), [B][T][V], or after
+        the last of each row's, [B][1][V] (the head then runs on one token a row). `tree`:
+        append's slots, mask and parents, for a tree's nodes."""
+        hidden = self.append(tokens, positions, **tree)
+        hidden = hidden[:, -1:] if last else hidden
+        with self._blas(hidden.shape[0] * hidden.shape[1]):  # the head's rows: B where `last`
+            return self.model.lm_head(hidden)
+
+    def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The next token after each of `tokens`, [B][T] int64."""
+        return self.logits(tokens, positions).argmax(-1)
+
+    @contextlib.contextmanager
+    def kernels(self, rows: int) -> Iterator[None]:
+        """The kernels the layers of a forward of `rows` token rows (B x T) run: blas_for's BLAS
+        library (or the pinned `library`), and in fp32 SDPA's math path, prefills included.
+        SDPA's default pick there, its memory-efficient kernel, is the slow one at a decoder's
+        few queries: 62 of a one-token draft step's 187 us on the small random-weight model,
+        whose graphed step falls from 1.30 to 0.87 ms through the math path (H200). In bf16
+        SDPA's own pick, a fused kernel, stays."""
+        math = sdpa_kernel([SDPBackend.MATH]) if self.model.dtype == torch.float32 else contextlib.nullcontext()
+        with self._blas(rows), math:
+            yield
+
+    def _blas(self, rows: int) -> contextlib.AbstractContextManager[None]:
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return blas(self.library or blas_for(self.model.dtype, rows))
+
+    def append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
+               lengths: torch.Tensor | None = None, *, slots: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None, parents: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens` and `positions` are [R][T]; `rows` ([R], a device index) are the cache rows
+        they belong to, every row where None. Returns the final hidden states, [R][T][hidden].
+
+        A prefill gives `lengths` ([R]: each row's prompt tokens, the rest padding): its
+        recurrent layers start from zero and leave each row's state after its last prompt token
+        as the row's live state. Any other forward runs over every row, its recurrent layers
+        from the rows' live state, handing the state after each token to `state` (a verify's
+        go to slots, for round-stream to roll back).
+
+        A tree's nodes sit at `positions` (the root's plus their depth, for RoPE) but their K/V
+        go to `slots` ([R][T], the root's position plus the node's index), each attends where
+        `mask` ([R][1][T][capacity], additive: 0 attends, -inf not) says, and a recurrent layer
+        steps each node from its parent's state (`parents`, [R][T]). Otherwise the slots are the
+        positions and the mask causal."""
+        inner = self.model.model
+        top = self.kv.capacity - 1
+        positions = positions.long().clamp(0, top)  # a garbage position never writes outside
+        slots = positions if slots is None else slots.long().clamp(0, top)
+        hidden = inner.embed_tokens(tokens.long())
+        rope = self.cos[positions], self.sin[positions]
+        if mask is None:
+            # causal over each row's absolute positions, additive (SDPA turns a boolean mask into
+            # this at every layer)
+            mask = torch.where(self.slots <= positions[..., None], self.zero, self.never)[:, None]
+        self.kv.rows, self.kv.positions = rows, slots
+        if self.state is not None and lengths is None:
+            self.state.begin()
+        with self.kernels(tokens.numel()):
+            n = 0  # recurrent layers so far
+            for layer, recurrent in zip(self.layers, self.recurrent):
+                if recurrent:
+                    hidden = self._recurrent(layer, n, hidden, rows, lengths, parents)
+                    n += 1
+                    continue
+                out = layer(hidden, attention_mask=mask, position_ids=positions, use_cache=True,
+                            cache_position=slots[0], position_embeddings=rope, **{self._cache_name: self.kv})
+                hidden = out[0] if isinstance(out, tuple) else out
+        return inner.norm(hidden)
+
+    def _recurrent(self, layer: Recurrent, n: int, hidden: torch.Tensor, rows: torch.Tensor | None,
+                   lengths: torch.Tensor | None, parents: torch.Tensor | None) -> torch.Tensor:
+        """Recurrent layer `n` of the stack over `hidden` (see append)."""
+        assert self.state is not None  # made with the stack wherever it has a recurrent layer
+        if lengths is None:
+            hidden, _ = layer(hidden, self.state.read(n), functools.partial(self.state.store, n), parents=parents)
+            return hidden
+        start = torch.zeros(hidden.shape[0], *layer.state_shape, device=self.device)
+        hidden, prompt = layer(hidden, start, active=self.slots[:hidden.shape[1]] < lengths[:, None])
+        self.state.set_prompt(n, rows, prompt)
+        return hidden
+
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Each prompt's KV at positions 0.. of its row (lengths become the prompt's), and its
+        recurrent layers' state after it live.
+
+        One row is a graph on a GPU, captured once for every power-of-two length: run eagerly, a
+        short prompt's prefill is mostly the host launching a few hundred kernels (10 ms, against
+        1 ms on the GPU, for the small random-weight model), and continuous batching prefills one
+        row at a time. Several rows run eagerly, padded to the longest. A padding's entries, past
+        its prompt, are rewritten before any position reads them."""
+        lengths = [len(prompt) for prompt in prompts]
+        if max(lengths, default=0) > self.kv.capacity:
+            raise ValueError(f"a prompt of {max(lengths)} tokens does not fit a cache of {self.kv.capacity}")
+        index = torch.tensor(list(rows), device=self.device)
+        counts = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+        if self.state is not None:
+            self.state.reset(index)
+        if len(rows) == 1 and lengths[0] and self.device.type == "cuda":
+            self.prompt[0, :lengths[0]].copy_(torch.tensor(prompts[0]), non_blocking=True)
+            self.prompt_row.copy_(index)
+            self.prompt_len.copy_(counts)
+            self._prefill_graph(lengths[0]).replay()
+        elif max(lengths, default=0):
+            width = max(lengths)
+            padded = torch.tensor([list(prompt) + [0] * (width - len(prompt)) for prompt in prompts])
+            self.append(padded.to(self.device), self.slots[:width].expand(len(rows), width), index,
+                        counts if self.state is not None else None)
+        self.kv.lengths[:, index] = counts
+
+    def _prefill_graph(self, length: int) -> torch.cuda.CUDAGraph:
+        bucket = min(1 << (length - 1).bit_length(), self.kv.capacity)
+        if bucket not in self.prefills:
+            lengths = self.prompt_len if self.state is not None else None  # the recurrence skips the padding
+            # torch's lazy set-up off the graph
+            self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, lengths)
+            self.prefills[bucket] = graph = torch.cuda.CUDAGraph()
+            # Captured on the caller's stream (a decoder's: a tensor-parallel model's all-reduces
+            # go on the stream they run on, examples/torch_tp.py); from the default stream, which
+            # cannot be captured, on torch's own side stream.
+            current = torch.cuda.current_stream()
+            with torch.cuda.graph(graph, stream=None if current == torch.cuda.default_stream() else current):
+                self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, lengths)
+        return self.prefills[bucket]
+
+    def capture_prefills(self) -> None:
+        """Every one-row prefill graph, now: a capture synchronises the device, so not while
+        serving, and the eager warm-up before each writes scratch entries (and recurrent state)
+        into a row."""
+        length = 1
+        while length < self.kv.capacity:
+            self._prefill_graph(length)
+            length *= 2
+        self._prefill_graph(self.kv.capacity)  # the last bucket, the capacity itself

@@ -1,0 +1,173 @@
+"""Speculative decoding by trees: the draft grows a tree of candidates through the layer (static
+or dynamic, docs/trees.md), the target verifies all of its T + 1 nodes in one forward under the
+ancestor mask, and the layer commits the path the target accepts and moves that path's K/V to
+consecutive slots in both models' caches (kernel 15, or the model's own callable for a paged
+cache), greedy or sampled, in every mode.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ..buffers.acceptance import Greedy, Sampling
+from ..buffers.tables import kv_data_table, kv_len_ptr_table
+from ..buffers.tree import Candidates, DynamicTree, Tree, TreeBufs, TreeShape
+from ..rounds.stream import RoundStream
+from ..rounds.tree_round import TreeRound
+from .decoder import RoundDecoder
+from .kv import CacheLayout, PagedKV, StaticKV
+from .mask import TreeMask
+from .sampling import SamplingParams
+from .views import TreeViews
+
+ARGMAX_RANKS = 4  # the most candidates a node takes by argmaxes (best_ranks); past it, torch.topk
+
+
+def best_ranks(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out` ([..., k] int64, any strides: a level's rows of cand_tok) = the indices of the k
+    largest of each row of `logits` (its last dim), best first: for the few a static tree asks
+    (at most ARGMAX_RANKS), by k argmaxes written straight into it, each after the one before is
+    masked out of `logits` in place (a level's own logits, read by nothing else), a tie to the
+    lower index; torch.topk's radix select is a dozen kernels, which cost a small random-weight
+    model's tree level 0.056 target steps at one node against 0.025 for two argmaxes (H200).
+    More, by torch.topk."""
+    k = out.shape[-1]
+    if k > ARGMAX_RANKS:
+        return out.copy_(logits.topk(k, dim=-1).indices)
+    for rank in range(k):
+        torch.argmax(logits, -1, out=out[..., rank])
+        if rank + 1 < k:
+            logits.scatter_(-1, out[..., rank:rank + 1], -torch.inf)
+    return out
+
+
+class TreeLlama(RoundDecoder):
+    """A target and a draft model of `batch` rows verifying `tree` each round (TreeRound on one
+    torch stream; see RoundDecoder for the models, generate_batch and serve): greedy, the draft's
+    `candidates` best tokens a node (default the most the tree asks for) and the target's argmax
+    at each node; with `sampling`, the draft's distribution q and the target's p at each node
+    ([B][T+1][V] f32 each), the children drawn and accepted by the layer's exact rejection
+    sampling without replacement, keyed by the rows' seeds.
+
+    Both caches are compacted by the layer (kv_data_table over StaticKV.data(): a record per layer
+    and head), or, with `paged` (positions a page), laid out in pages (PagedKV) and compacted by
+    the model's own callable (TreeRound's compact=). A hybrid target keeps T + 1 state slots.
+
+    The model's side is two callables, each queuing torch work on the engine's stream:
+    draft_level(d), the draft over level d's nodes up to its last with children, and
+    verify_tree(), the target over every node."""
+
+    def __init__(self, model: Any, draft: Any, tree: Tree, *, candidates: int | None = None, m_rounds: int = 16,
+                 capacity: int = 1024, batch: int = 1, sampling: SamplingParams | None = None,
+                 draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
+                 paged: int | None = None):
+        if not isinstance(tree, (TreeShape, DynamicTree)):
+            raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
+        if sampling is not None and candidates is not None:
+            raise ValueError("a sampled tree draws its children from the draft's q: candidates= is for greedy trees")
+        self.candidates = tree.draws if candidates is None else int(candidates)
+        if not tree.draws <= self.candidates <= model.config.vocab_size:
+            raise ValueError(f"the tree asks for {tree.draws} candidates a node: candidates must be from that to the "
+                             f"vocabulary's {model.config.vocab_size}, not {candidates}")
+        self.tree, self.width = tree, tree.nodes
+        cache: CacheLayout = StaticKV if paged is None else functools.partial(PagedKV, page=paged)
+        super().__init__(model, draft, k=tree.depth, verified=tree.nodes - 1, m_rounds=m_rounds, batch=batch,
+                         capacity=capacity, sampling=sampling, draft_sampling=draft_sampling,
+                         state_rollback=state_rollback, cache=cache)
+        nodes = tree.nodes
+        with torch.cuda.stream(self.stream):
+            self.tree_bufs = tree_bufs = TreeBufs(self.bufs, tree)
+            self.tree_views = TreeViews(tree_bufs)
+            # SDPA takes a mask of the query's dtype: one a model's dtype (the same where they agree)
+            masks = {dtype: TreeMask(self.tree_views.words, capacity, dtype, tree)
+                     for dtype in {model.dtype, draft.dtype}}
+            self.target_mask, self.draft_mask = masks[model.dtype], masks[draft.dtype]
+            self.masks = list(masks.values())  # each made for the round once, at level 0
+            self.node_index = self.target.slots[:nodes]
+            vocab = model.config.vocab_size
+            if sampling is None:
+                self.cand_tok = torch.zeros(batch, nodes, self.candidates, dtype=torch.long, device="cuda")
+                # A static tree places a child by its rank alone: the layer only asks its candidate's
+                # log-probability to be finite (and adds it into score_d, which nothing here reads),
+                # so the draft's levels leave them 0 and skip the softmax.
+                self.ranks_only = isinstance(tree, TreeShape)
+                self.cand_logp = torch.full((batch, nodes, self.candidates), 0.0 if self.ranks_only else -torch.inf,
+                                            device="cuda")
+                self.pred_d = torch.zeros(batch, nodes, dtype=torch.long, device="cuda")
+                rule: dict[str, Any] = dict(acceptance=Greedy(self.pred_d),
+                                            candidates=Candidates(self.cand_tok, self.cand_logp))
+            else:
+                self.p_d = torch.zeros(batch, nodes, vocab, device="cuda")
+                self.q_d = torch.zeros(batch, nodes, vocab, device="cuda")
+                rule = dict(acceptance=Sampling(self.p_d, self.q_d, self.seed_d, vocab))
+            layers = self.target.kv.cache() + self.draft.kv.cache()
+            round_ = TreeRound(self.bufs, tree_bufs, draft_levels=[functools.partial(self.draft_level, d)
+                                                                  for d in range(tree.depth + 1)],
+                               verify_tree=self.verify_tree,
+                               rollback_tables=[kv_len_ptr_table(self.engine, layers, pos_ctr=self.bufs.pos_ctr_d)],
+                               state_tables=self.state_tables(), **rule, **self._compaction(paged))
+            self.rounds = RoundStream.of(round_)
+            self._warm_up()
+
+    def _compaction(self, paged: int | None) -> dict[str, Any]:
+        """TreeRound's way to move the accepted path: the layer's kernel over both static caches,
+        or compact_paged for paged ones."""
+        if paged is None:
+            return dict(kv_data=kv_data_table(self.engine, self.target.kv.data() + self.draft.kv.data()))
+        self.paged = [kv for kv in (self.target.kv, self.draft.kv) if isinstance(kv, PagedKV)]  # both, made so
+        return dict(compact=self.compact_paged)
+
+    def compact_paged(self) -> None:
+        """The accepted path's entries to consecutive slots in both paged caches (after the accept,
+        which wrote path_d and acc_d)."""
+        for kv in self.paged:
+            kv.compact(self.tree_views.path, self.views.accepted, self.views.pos_start)
+
+    def _nodes(self, start: int, stop: int, mask: TreeMask) -> dict[str, torch.Tensor]:
+        """Stack.append's keywords for nodes start..stop: their slots and mask."""
+        return dict(slots=self.views.pos_start + self.node_index[start:stop], mask=mask.rows(start, stop))
+
+    def draft_level(self, level: int) -> None:
+        """The draft over level `level`'s nodes up to its last with children (tree.expanded):
+        what their children are made of (greedy: the best candidates and their log-probabilities;
+        sampling: q), and their K/V.
+
+        The leaves past that node run nothing, so the deepest level runs nothing, nor does a static
+        tree's level past its last node with children: no node attends to a leaf, the layer reads no leaf's
+        candidates or q, and a leaf's K/V matter only where the round accepts it last, when the
+        next round's level 0 appends its token along with the root (the chain's fold,
+        docs/model-side.md): vtok_d[a] at pos_start - 1, a the drafts last accepted; where a is 0
+        (or the row is done, or at position 0) that entry is there already, and the root fills
+        both columns."""
+        start, stop = self.tree.expanded[level]
+        if start == stop:
+            return
+        views, nodes = self.views, self.tree_views
+        if level == 0:
+            for mask in self.masks:
+                mask.at(views.pos_start)
+            lone = (views.accepted == 0) | (views.done != 0) | (views.pos_start == 0)
+            logits = self._folded_logits(nodes.tok[:, :1], views.pos_start.long(), lone)  # [B][1][V]
+        else:  # [B][stop - start][V]
+            logits = self.draft.logits(nodes.tok[:, start:stop], nodes.pos[:, start:stop],
+                                       **self._nodes(start, stop, self.draft_mask))
+        if self.draft_sampling is not None:
+            self.q_d[:, start:stop] = self.draft_sampling.probs(logits)
+        elif self.ranks_only:
+            best_ranks(logits, self.cand_tok[:, start:stop])
+        else:
+            best = logits.float().log_softmax(-1).topk(self.candidates, dim=-1)
+            self.cand_tok[:, start:stop] = best.indices
+            self.cand_logp[:, start:stop] = best.values
+
+    def verify_tree(self) -> None:
+        """The target over all T + 1 nodes under the ancestor mask, in one forward."""
+        nodes = self.tree_views
+        logits = self.target.logits(nodes.tok, nodes.pos, parents=nodes.parents,
+                                    **self._nodes(0, self.tree.nodes, self.target_mask))  # [B][T+1][V]
+        if self.sampling is None:
+            torch.argmax(logits, -1, out=self.pred_d)
+        else:
+            self.p_d.copy_(self.sampling.probs(logits))

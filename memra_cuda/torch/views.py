@@ -1,0 +1,88 @@
+"""Tensors and buffers on the same memory, no copy either way.
+
+A model's callables must read every position and token on the device (nothing a burst depends
+on may come back to the host), so they read round-stream's own buffers as tensors: `tensor(buf)`
+for one buffer, `RoundViews(bufs)` and `TreeViews(tree_bufs)` for the words a chain's or a
+tree's callables read. The other direction, `buffer(tensor)`, is rarely needed: every API that
+takes a buffer takes a tensor too.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..buffers.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
+from ..buffers.stream_bufs import StreamBufs
+from ..buffers.tree import TreeBufs
+from ..driver.buffer import DeviceBuffer
+
+_TYPESTR = {torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4",
+            torch.int64: "<i8", torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8"}
+# The unsigned types torch has had since 2.3 (tensor() without a dtype returns them).
+_TYPESTR.update({getattr(torch, name): code for name, code in (("uint16", "<u2"), ("uint32", "<u4"),
+                                                                 ("uint64", "<u8")) if hasattr(torch, name)})
+
+
+def buffer(tensor: torch.Tensor) -> DeviceBuffer:
+    """The tensor's memory as a DeviceBuffer that keeps the tensor alive and owns nothing."""
+    return DeviceBuffer.from_cuda_array(tensor)
+
+
+class _Alias:
+    """The `__cuda_array_interface__` of a buffer, reinterpreted as another element type."""
+
+    def __init__(self, buf: DeviceBuffer, dtype: torch.dtype):
+        if dtype not in _TYPESTR or dtype.itemsize != buf.dtype.itemsize:
+            raise ValueError(f"{buf!r} cannot be read as {dtype}: elements of {buf.dtype.itemsize} bytes")
+        self.buf = buf  # torch keeps this object, and so the buffer, alive with the tensor
+        self.__cuda_array_interface__ = {**buf.__cuda_array_interface__, "typestr": _TYPESTR[dtype]}
+
+
+def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor on `buf`'s memory (no copy), read as `dtype` of the same size if given (u32
+    token ids as torch.int32, say: ids are < 2**31). The tensor keeps `buf` alive; freeing
+    `buf` explicitly while the tensor is in use is the caller's mistake to avoid."""
+    source = buf if dtype is None else _Alias(buf, dtype)
+    return torch.as_tensor(source, device=torch.device("cuda", buf.device))
+
+
+class RoundViews:
+    """The words of StreamBufs a chain's callables read, as tensors of one column a row where
+    the buffer has one word a row, so that they broadcast against [B][T] positions:
+
+    - `pend` [B][1] int32: the pending token, committed, its KV not yet computed;
+    - `pos_ctr` [B][1] int32: its position (the draft chain's first);
+    - `pos_start` [B][1] int32: the position of the round's first verify token;
+    - `vtok` [B][k+1] int32: what the verify reads, the pending token then the k drafts (after a
+      round, the last round's, whose entry `accepted` is the token it accepted deepest);
+    - `accepted` [B][1] int32: the drafts the last round accepted;
+    - `done` [B][1] int32: nonzero where the row has stopped (its EOS or budget).
+    """
+
+    def __init__(self, bufs: StreamBufs):
+        rows, k = bufs.batch, bufs.k
+        self.pend = tensor(bufs.pend_d, torch.int32)[:, None]
+        self.pos_ctr = tensor(bufs.pos_ctr_d)[:, None]
+        self.pos_start = tensor(bufs.pos_start_d)[:, None]
+        self.vtok = tensor(bufs.vtok_d, torch.int32).view(rows, k + 1)
+        self.accepted = tensor(bufs.acc_d, torch.int32).view(rows, ACC_WORDS)[:, ACC_ROUND:ACC_ROUND + 1]
+        self.done = tensor(bufs.ctl_d).view(rows, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
+
+
+class TreeViews:
+    """The words of TreeBufs a tree's callables read, as tensors (T + 1 nodes, W mask words,
+    depth D):
+
+    - `tok` [B][T+1] int32: node i's token (node 0 the pending one);
+    - `pos` [B][T+1] int32: node i's position, the root's plus its depth (for RoPE);
+    - `parents` [B][T+1] int32: node i's parent (node 0's a sentinel);
+    - `words` [B][T+1][W] int32: the ancestor mask, node j at bit j % 32 of word j // 32;
+    - `path` [B][D+1] int32: the accepted path, entry d the node at depth d (after the accept).
+    """
+
+    def __init__(self, tree_bufs: TreeBufs):
+        rows, nodes = tree_bufs.bufs.batch, tree_bufs.nodes
+        self.tok = tensor(tree_bufs.tok_d, torch.int32).view(rows, nodes)
+        self.pos = tensor(tree_bufs.pos_d).view(rows, nodes)
+        self.parents = tensor(tree_bufs.parent_d, torch.int32).view(rows, nodes)
+        self.words = tensor(tree_bufs.mask_d, torch.int32).view(rows, nodes, tree_bufs.words)
+        self.path = tensor(tree_bufs.path_d, torch.int32).view(rows, tree_bufs.depth + 1)

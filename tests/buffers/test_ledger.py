@@ -1,0 +1,80 @@
+"""The ledger of rounds the host has not seen (memra_cuda/buffers/ledger.py), on the CPU: a value
+with no device behind it, checked against a simulated stream whose rows move one position a
+round and whose readbacks copy the position into a pinned slot, in stream order."""
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from memra_cuda.buffers import Ledger
+
+
+def test_the_ledger_counts_rounds_until_a_readback_that_covers_them_is_received():
+    ledger = Ledger()
+    ledger.queued(2)  # issue_burst: no readback
+    ledger.queued(1)
+    assert ledger.unseen_rounds == 3 and ledger.ring_rounds == 3
+    ledger.queued(0, readback=0)  # a readback queued after them empties the rings...
+    assert ledger.ring_rounds == 0 and ledger.unseen_rounds == 3  # ...but the host sees them only once it is received
+    ledger.queued(4, readback=1)  # overlap: the next burst in flight, its readback into the other slot
+    assert ledger.unseen_rounds == 7
+    ledger.received(0)
+    assert ledger.unseen_rounds == 4, "the burst in flight behind the received one is still unseen"
+    ledger.received(1)
+    assert ledger.unseen_rounds == 0
+    ledger.received(0)  # a slot received twice, or behind a newer one, teaches nothing new
+    assert ledger.unseen_rounds == 0
+    assert "7 rounds queued, 0 unseen, 0 in the rings" in repr(ledger)
+
+
+def test_a_reset_of_every_row_sees_everything_and_a_drain_empties_the_rings_alone():
+    ledger = Ledger()
+    ledger.queued(3)
+    ledger.drained()  # drain_ring of the only row: its tokens read, its position not
+    assert ledger.ring_rounds == 0 and ledger.unseen_rounds == 3
+    ledger.queued(2)
+    ledger.reset()
+    assert ledger.ring_rounds == 0 and ledger.unseen_rounds == 0
+    ledger.queued(1, readback=1)
+    ledger.received(1)
+    assert ledger.unseen_rounds == 0 and ledger.rounds == 6
+
+
+# One step of a driver: ("rounds", r) queues r rounds; ("readback", r) r rounds and a readback
+# into the free slot (if there is one: at most two in flight); ("receive", _) the oldest one in
+# flight; ("reset", _) every row; ("drain", _) the only row's ring.
+STEPS = st.lists(st.tuples(st.sampled_from(["rounds", "readback", "receive", "reset", "drain"]),
+                           st.integers(0, 16)), max_size=60)
+
+
+@given(STEPS)
+def test_the_ledger_bounds_what_a_simulated_stream_did_past_what_the_host_learnt(steps):
+    """unseen_rounds is how far the rows moved past the position the host last learnt (from a
+    readback received, in the order they were queued, or a reset of every row), and ring_rounds
+    the rounds committed into the rings since a readback or a drain emptied them."""
+    ledger = Ledger()
+    position = known = ring = 0  # the device's rows; what the host learnt; rounds in the rings
+    slots, in_flight = [0, 0], []  # each pinned slot's copy of the position; slots in queue order
+    for step, rounds in steps:
+        if step == "rounds" or step == "readback":
+            free = [slot for slot in (0, 1) if slot not in in_flight]
+            position, ring = position + rounds, ring + rounds
+            if step == "readback" and free:
+                slots[free[0]], ring = position, 0
+                in_flight.append(free[0])
+                ledger.queued(rounds, readback=free[0])
+            else:
+                ledger.queued(rounds)
+        elif step == "receive" and in_flight:
+            slot = in_flight.pop(0)
+            known = max(known, slots[slot])
+            ledger.received(slot)
+        elif step == "reset":
+            known, ring = position, 0
+            ledger.reset()
+        elif step == "drain":
+            ring = 0
+            ledger.drained()
+        assert ledger.unseen_rounds == position - known
+        assert ledger.ring_rounds == ring
+        assert ledger.rounds == position

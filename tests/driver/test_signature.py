@@ -1,0 +1,53 @@
+"""Signature and Param, the driver's part of the kernel ABI: what a table may hold, what its check
+says, and that a Module refuses a table that is not one before it reaches the engine. No GPU:
+the refusals all come before the driver is asked for anything."""
+from __future__ import annotations
+
+import pytest
+
+from memra_cuda.driver import Module, Param, Signature
+from memra_cuda.driver.signature import ARG_TYPES
+
+
+def test_a_signature_of_keywords_keeps_their_order():
+    sig = Signature.of(x="ptr", n="u32", scale="f32")
+    assert sig.params == (Param("x", "ptr"), Param("n", "u32"), Param("scale", "f32"))
+    assert sig.types == ("ptr", "u32", "f32")
+    assert str(sig) == "(ptr x, u32 n, f32 scale)"
+
+
+@pytest.mark.parametrize(("name", "kind", "message"), [
+    ("n", "u8", "parameter 'n': unknown type 'u8'"),
+    ("n", "float", "unknown type 'float'"),
+    ("2n", "u32", "identifier, not '2n'"),
+    ("", "u32", "identifier"),
+])
+def test_a_param_is_an_identifier_of_a_known_type(name, kind, message):
+    with pytest.raises(ValueError, match=message):
+        Param(name, kind)  # what a caller without mypy may pass
+
+
+def test_every_known_type_packs_into_a_slot():
+    assert all(dtype.itemsize in (4, 8) for dtype in ARG_TYPES.values())
+    assert {Param("p", kind).type for kind in ARG_TYPES} == set(ARG_TYPES)
+
+
+@pytest.mark.parametrize(("types", "message"), [
+    (["ptr", "f32"], "scale: parameter 'n' is u32, not f32"),
+    (["ptr", "i32"], "scale: parameter 'n' is u32, not i32"),
+    (["u64", "u32"], "scale: parameter 'x' is ptr, not u64"),
+    (["ptr"], r"scale takes 2 parameter\(s\) \(ptr x, u32 n\), not 1: \['ptr'\]"),
+    (["ptr", "u32", "u32"], r"scale takes 2 parameter\(s\) \(ptr x, u32 n\), not 3"),
+])
+def test_check_names_the_kernel_and_the_first_parameter_that_differs(types, message):
+    sig = Signature.of(x="ptr", n="u32")
+    with pytest.raises(TypeError, match=message):
+        sig.check("scale", types)
+    sig.check("scale", ["ptr", "u32"])  # the declared types pass
+
+
+@pytest.mark.parametrize("table", [{"scale": ("ptr", "u32")}, {"scale": Signature.of(x="ptr"), 3: Signature.of()}])
+def test_a_module_refuses_a_table_that_is_not_of_signatures(table):
+    """Refused before the engine is asked to load anything (no engine is given here at all)."""
+    with pytest.raises(TypeError, match="signatures map kernel names to Signatures"):
+        Module(None, ".version 8.0\n", signatures=table)

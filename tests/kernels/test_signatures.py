@@ -1,0 +1,151 @@
+"""The kernel ABI: memra_cuda.kernels.signatures.SIGNATURES is what ptx/*.cu declares, kernel by
+kernel, names and types, every kernel present both ways (read from the sources by a small parser
+of their `extern "C" __global__` parameter lists); the launchers take their types from it; and
+prepare refuses a type swap, naming the kernel and the parameter, before anything reaches the
+driver. No GPU needed."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from memra_cuda.driver.module import Kernel
+from memra_cuda.kernels.signatures import SIGNATURES
+
+ROOT = Path(__file__).resolve().parents[2]
+PTX_DIR = ROOT / "ptx"
+KERNELS_DIR = ROOT / "memra_cuda" / "kernels"
+
+KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+TYPEDEF = re.compile(r"\btypedef\s+([\w\s]+?)\s+(\w+)\s*;")
+INCLUDE = re.compile(r'#include\s+"([^"]+)"')
+QUALIFIERS = {"const", "volatile", "__restrict__", "restrict"}
+# C's scalar types as Launch packs them; any pointer is "ptr".
+C_TYPES = {
+    "unsigned": "u32", "unsigned int": "u32", "uint32_t": "u32",
+    "int": "i32", "signed": "i32", "signed int": "i32", "int32_t": "i32",
+    "unsigned long long": "u64", "unsigned long long int": "u64", "uint64_t": "u64",
+    "long long": "i64", "long long int": "i64", "int64_t": "i64",
+    "float": "f32", "double": "f64",
+}
+
+
+def without_comments(text: str) -> str:
+    return re.sub(r"/\*.*?\*/|//[^\n]*", "", text, flags=re.S)
+
+
+def c_type(declaration: str, typedefs: dict[str, str]) -> tuple[str, str]:
+    """(name, type) of one C parameter declaration, `const float* __restrict__ p_d` say."""
+    words = re.findall(r"\w+|\*", declaration)
+    name, spelled = words[-1], [word for word in words[:-1] if word not in QUALIFIERS]
+    if "*" in spelled:
+        return name, "ptr"
+    base = " ".join(spelled)
+    base = typedefs.get(base, base)
+    if base not in C_TYPES:
+        raise ValueError(f"parameter {name!r}: no argument type for C type {base!r}")
+    return name, C_TYPES[base]
+
+
+def parse(text: str, headers: dict[str, str] | None = None) -> dict[str, list[tuple[str, str]]]:
+    """Each `extern "C" __global__` kernel of a CUDA source -> its parameters' (name, type), with
+    the typedefs of the source and the headers it includes (`headers`: name -> text) resolved."""
+    text = without_comments(text)
+    included = "".join(without_comments((headers or {}).get(name, "")) for name in INCLUDE.findall(text))
+    typedefs = {alias: " ".join(spelled.split()) for spelled, alias in TYPEDEF.findall(included + text)}
+    return {name: [c_type(param, typedefs) for param in params.split(",") if param.strip()]
+            for name, params in KERNEL.findall(text)}
+
+
+def sources() -> dict[str, dict[str, list[tuple[str, str]]]]:
+    """ptx/<file>.cu -> its kernels' parameters."""
+    headers = {path.name: path.read_text(encoding="utf-8") for path in PTX_DIR.glob("*.cuh")}
+    return {path.name: parse(path.read_text(encoding="utf-8"), headers) for path in sorted(PTX_DIR.glob("*.cu"))}
+
+
+def test_the_parser_reads_c_parameter_lists():
+    source = """
+    #include "types.cuh"
+    // extern "C" __global__ void commented_out(float x) {}
+    extern "C" __global__ void __launch_bounds__(256)
+    k(const u32* __restrict__ a, volatile unsigned long long* b, unsigned n, int delta,
+      float scale, u64 handle, const uint4* __restrict__ w, double d, long long s) {}
+    """
+    assert parse(source, {"types.cuh": "typedef unsigned int u32;\ntypedef unsigned long long u64;\n"}) == {
+        "k": [("a", "ptr"), ("b", "ptr"), ("n", "u32"), ("delta", "i32"), ("scale", "f32"), ("handle", "u64"),
+              ("w", "ptr"), ("d", "f64"), ("s", "i64")]}
+    with pytest.raises(ValueError, match="'h'.*'half'"):
+        parse('extern "C" __global__ void k(half h) {}')
+
+
+def test_every_kernel_of_the_sources_is_parsed():
+    """The parser misses none: as many kernels as `extern "C" __global__` in each source."""
+    for path in sorted(PTX_DIR.glob("*.cu")):
+        text = without_comments(path.read_text(encoding="utf-8"))
+        assert len(KERNEL.findall(text)) == len(re.findall(r'extern\s+"C"\s+__global__', text)), path.name
+    assert sum(len(kernels) for kernels in sources().values()) >= 41
+
+
+def test_kernel_names_are_unique_across_the_sources():
+    """One table for every module holds only while no two files define a kernel of one name."""
+    names = [name for kernels in sources().values() for name in kernels]
+    assert len(names) == len(set(names)), sorted(name for name in names if names.count(name) > 1)
+
+
+def test_the_table_is_what_the_sources_declare():
+    declared = {name: params for kernels in sources().values() for name, params in kernels.items()}
+    tabled = {name: [(param.name, param.type) for param in sig.params] for name, sig in SIGNATURES.items()}
+    problems = [f"{name}: in ptx/*.cu, not in SIGNATURES" for name in sorted(declared.keys() - tabled.keys())]
+    problems += [f"{name}: in SIGNATURES, in no ptx/*.cu" for name in sorted(tabled.keys() - declared.keys())]
+    problems += [f"{name}: the source declares {declared[name]}, the table {tabled[name]}"
+                 for name in sorted(declared.keys() & tabled.keys()) if declared[name] != tabled[name]]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_launchers_take_their_types_from_the_table():
+    """No launcher of memra_cuda/kernels spells out argument types: every prepare() of theirs
+    passes grid and block alone, so the types are the table's."""
+    inline = []
+    for path in sorted(KERNELS_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "prepare" \
+                    and (node.args or any(keyword.arg == "types" for keyword in node.keywords)):
+                inline.append(f"{path.name}:{node.lineno}")
+    assert not inline, f"types given inline, not from SIGNATURES: {inline}"
+
+
+def kernel_without_a_driver(name: str) -> Kernel:
+    """A Kernel of a module loaded with SIGNATURES, with no driver, context or engine behind it:
+    anything prepare reaches past its type check fails with an AttributeError instead."""
+    kernel = object.__new__(Kernel)
+    kernel.module, kernel.name, kernel.handle = SimpleNamespace(signatures=SIGNATURES), name, None
+    return kernel
+
+
+@pytest.mark.parametrize(("kernel", "types", "message"), [
+    ("spec_accept_greedy_dc", ["ptr", "ptr", "f32", "u32", "ptr", "ptr", "ptr", "ptr"],
+     "spec_accept_greedy_dc: parameter 'k' is u32, not f32"),
+    ("spec_accept_greedy_dc", ["ptr", "ptr", "u32", "i32", "ptr", "ptr", "ptr", "ptr"],
+     "spec_accept_greedy_dc: parameter 'B' is u32, not i32"),
+    ("toy_probs", ["ptr", "u32", "u32", "u32", "u32", "f32", "f32", "f32", "f32", "ptr"],
+     "toy_probs: parameter 'floor' is f32, not u32"),
+    ("spec_loop_decide", ["ptr", "ptr", "ptr", "u32", "ptr", "ptr", "u32", "u32", "u32"],
+     "spec_loop_decide: parameter 'handle' is u64, not ptr"),
+    ("probe_increment", ["ptr"], r"probe_increment takes 2 parameter\(s\) \(ptr x, u32 n\), not 1"),
+])
+def test_prepare_refuses_a_type_swap_naming_the_kernel_and_the_parameter(kernel, types, message):
+    """Sizes cannot tell a u32 from an f32 or an i32: the signature can, and prepare asks it
+    first, before the module, the engine or the driver."""
+    with pytest.raises(TypeError, match=message):
+        kernel_without_a_driver(kernel).prepare(types, grid=1, block=32)
+
+
+def test_prepare_takes_the_tables_types_where_none_are_given():
+    kernel = kernel_without_a_driver("spec_accept_greedy_dc")
+    assert kernel.declared(None) == ("ptr", "ptr", "u32", "u32", "ptr", "ptr", "ptr", "ptr")
+    assert kernel.declared(["ptr", "ptr", "u32", "u32", "ptr", "ptr", "ptr", "ptr"]) == kernel.declared(None)
+    with pytest.raises(AttributeError):  # past the check: the stand-in module has no engine
+        kernel.prepare(grid=1, block=32)

@@ -1,0 +1,351 @@
+"""memra_cuda.torch's model side on the CPU (torch and transformers, no GPU), against Hugging
+Face's own forward on tiny random Llamas: a Stack's rows at their own positions, a tree's nodes
+under the ancestor mask with stale entries past them, a paged cache and its compaction, the
+recurrent state of a hybrid stack (padded prefills, copy slots, a tree's parents), the
+self-speculative and the separate draft, SamplingParams against Hugging Face's warpers, loading
+a checkpoint directory, and what the decoders refuse before any device work."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import TreeShape
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
+
+from memra_cuda.testing.llama import RecurrentLayer, separate_draft  # noqa: E402
+from memra_cuda.torch import (CopyState, LiveState, PagedKV, SamplingParams, SpeculativeLlama, Stack,  # noqa: E402
+                              StaticKV, TreeLlama, TreeMask, load_model, load_tokenizer, self_draft)
+
+pytestmark = pytest.mark.torch
+
+VOCAB, CAPACITY = 97, 48
+TOL = dict(atol=1e-5, rtol=1e-4)
+
+
+def tiny(layers: int = 3, seed: int = 0, vocab: int = VOCAB) -> LlamaForCausalLM:
+    """A random Llama small enough for the CPU, grouped KV heads (4 query heads, 2 KV)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+def hybrid(layer: int = 1) -> LlamaForCausalLM:
+    """tiny() with one layer a gated linear recurrence (RecurrentLayer)."""
+    model = tiny()
+    model.model.layers[layer] = RecurrentLayer(model.model.layers[layer], model.config, 0.5)
+    return model.eval().requires_grad_(False)
+
+
+def hf_logits(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+    """Hugging Face's logits after the last of `tokens`."""
+    return model(torch.tensor([tokens])).logits[0, -1]
+
+
+def ancestors(tree: TreeShape, node: int) -> list[int]:
+    """`node`'s root path, root first."""
+    path = [node]
+    while tree.parent[path[-1]] >= 0:
+        path.append(tree.parent[path[-1]])
+    return path[::-1]
+
+
+def mask_words(tree: TreeShape, rows: int) -> torch.Tensor:
+    """TreeBufs.mask_d's words for `tree`, [rows][T+1][W] int32: node j at bit j % 32 of word j // 32."""
+    words = np.zeros((rows, tree.nodes, -(-tree.nodes // 32)), np.uint32)
+    for i in range(tree.nodes):
+        for j in ancestors(tree, i):
+            words[:, i, j // 32] |= np.uint32(1 << j % 32)
+    return torch.from_numpy(words.view(np.int32))
+
+
+# -- rows at their own positions ----------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [StaticKV, PagedKV], ids=["static", "paged"])
+def test_rows_at_their_own_positions_give_hugging_faces_logits(layout):
+    """Three rows prefilled to different lengths (one of a single token: nothing to prefill), then
+    stepped together, one token and then three a row (a verify), each at its own positions:
+    every token's logits are Hugging Face's over that row's sequence alone."""
+    model = tiny()
+    stack = Stack(model, CAPACITY, batch=3, cache=layout)
+    rows = [[1, 5, 9, 3, 4, 8], [2], [7, 7, 1, 30, 2, 6, 11, 40, 3, 9, 12]]
+    stack.prefill(range(3), [row[:-1] for row in rows])
+    assert stack.kv.lengths[:, :].tolist() == [[5, 0, 10]] * 3
+    for width in (1, 3):
+        tokens = torch.tensor([row[-1:] + [(13 * r + i) % VOCAB for i in range(width - 1)]
+                               for r, row in enumerate(rows)])
+        positions = torch.tensor([[len(row) - 1 + i for i in range(width)] for row in rows])
+        got = stack.logits(tokens, positions)
+        for r, row in enumerate(rows):
+            for i in range(width):
+                torch.testing.assert_close(got[r, i], hf_logits(model, row + tokens[r, 1:i + 1].tolist()), **TOL)
+        rows = [row + tokens[r, 1:].tolist() + [int(got[r, -1].argmax())] for r, row in enumerate(rows)]
+
+
+def test_a_garbage_position_is_clamped_into_the_cache():
+    stack = Stack(tiny(), 16)
+    stack.logits(torch.tensor([[3, 4]]), torch.tensor([[-7, 1 << 40]]))
+    assert stack.kv.positions.tolist() == [[0, 15]]
+
+
+# -- trees --------------------------------------------------------------------------------------
+
+TREE = TreeShape.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])  # 7 nodes, depth 3
+
+
+def tree_forward(model: LlamaForCausalLM, layout, static: bool) -> tuple[Stack, dict]:
+    """Two rows prefilled, stale entries written past their roots, then every node of TREE in one
+    forward: K/V at slot root + node, RoPE at root + depth, attending under TreeMask."""
+    stack = Stack(model, CAPACITY, batch=2, cache=layout)
+    prompts = [[1, 5, 9, 3, 4], [2, 8, 6, 1, 7, 30, 31, 9, 4]]
+    stack.prefill(range(2), [p[:-1] for p in prompts])
+    start = torch.tensor([[len(p) - 1] for p in prompts])  # the root's slot: the pending token's position
+    stale = start + torch.arange(12)
+    stack.append(torch.full((2, 12), 50), stale)  # entries of an earlier round, past the root
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (2, TREE.nodes), generator=gen)
+    tokens[:, 0] = torch.tensor([p[-1] for p in prompts])
+    depth = torch.tensor([len(ancestors(TREE, i)) - 1 for i in range(TREE.nodes)])
+    mask = TreeMask(mask_words(TREE, 2), CAPACITY, model.dtype, TREE if static else None).at(start)
+    logits = stack.logits(tokens, start + depth, slots=start + torch.arange(TREE.nodes),
+                          mask=mask.rows(0, TREE.nodes))
+    return stack, dict(prompts=prompts, tokens=tokens, start=start, logits=logits)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "from-words"])
+@pytest.mark.parametrize("layout", [StaticKV, PagedKV], ids=["static-kv", "paged"])
+def test_a_trees_nodes_see_the_prefix_and_their_ancestors_only(layout, static):
+    """Each node's logits are Hugging Face's over the prompt and the node's root path: not its
+    siblings, not their subtrees, not the stale entries past the root."""
+    model = tiny()
+    _, seen = tree_forward(model, layout, static)
+    for r, prompt in enumerate(seen["prompts"]):
+        for node in range(TREE.nodes):
+            path = prompt[:-1] + [int(seen["tokens"][r, i]) for i in ancestors(TREE, node)]
+            torch.testing.assert_close(seen["logits"][r, node], hf_logits(model, path), **TOL,
+                                       msg=lambda m, r=r, node=node: f"row {r}, node {node}: {m}")
+
+
+def test_a_paged_cache_compacts_the_accepted_path_as_the_layers_kernel_does():
+    """PagedKV.compact moves each row's accepted path to the slots after the root, depth by depth
+    (a later depth's source never an earlier one's destination), as kernel 15 moves a static
+    cache's: the same entries at every slot, in logical order."""
+    model = tiny()
+    paged, seen = tree_forward(model, PagedKV, True)
+    static, _ = tree_forward(model, StaticKV, True)
+    path = torch.tensor([[0, 2, 5, 0], [0, 1, 3, 6]])  # row 0 accepted [1], [1, 0]; row 1 [0], [0, 0], [0, 0, 0]
+    accepted, start = torch.tensor([[2], [3]]), seen["start"]
+    paged.kv.compact(path.int(), accepted.int(), start.int())
+    for kv in (static.kv.k, static.kv.v):
+        before = kv.clone()
+        for row in range(2):
+            for d in range(1, int(accepted[row]) + 1):
+                kv[:, row, :, start[row, 0] + d] = before[:, row, :, start[row, 0] + path[row, d]]
+    for layer in range(3):
+        for mine, want in zip(paged.kv.gather(layer, torch.arange(2)), (static.kv.k[layer], static.kv.v[layer])):
+            torch.testing.assert_close(mine, want, atol=0, rtol=0)
+
+
+# -- recurrent state ----------------------------------------------------------------------------
+
+def test_a_padded_prefill_leaves_each_rows_own_state_and_logits():
+    """Rows of 7 and 3 prompt tokens prefilled together (the shorter padded, its padding masked
+    out of the recurrence) leave the states and logits each leaves alone."""
+    model, prompts = hybrid(), [[1, 5, 9, 3, 4, 8, 2], [7, 7, 1]]
+    both = Stack(model, CAPACITY, batch=2)
+    both.prefill(range(2), prompts)
+    assert isinstance(both.state, LiveState)
+    for row, prompt in enumerate(prompts):
+        alone = Stack(model, CAPACITY)
+        alone.prefill([0], [prompt])
+        torch.testing.assert_close(both.state.live[:, row], alone.state.live[:, 0], **TOL)
+    nxt = torch.tensor([[3], [4]])
+    positions = torch.tensor([[7], [3]])
+    together = both.logits(nxt, positions)
+    for row, prompt in enumerate(prompts):
+        alone = Stack(model, CAPACITY)
+        alone.prefill([0], [prompt])
+        torch.testing.assert_close(together[row, 0], alone.logits(nxt[row:row + 1], positions[row:row + 1])[0, 0],
+                                   **TOL)
+
+
+def stepped_states(model: LlamaForCausalLM, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """The live state after each of `tokens`, stepped one at a time after `prompt`."""
+    stack = Stack(model, CAPACITY)
+    stack.prefill([0], [prompt])
+    states = []
+    for i, token in enumerate(tokens):
+        stack.logits(torch.tensor([[token]]), torch.tensor([[len(prompt) + i]]))
+        states.append(stack.state.live[:, 0].clone())
+    return states
+
+
+def test_a_verify_leaves_the_state_after_each_token_in_its_slot_and_live_untouched():
+    model, prompt, tokens = hybrid(), [1, 5, 9, 3], [4, 8, 2, 6]
+    stack = Stack(model, CAPACITY, state=lambda layers, batch, shape, device: CopyState(layers, batch, shape,
+                                                                                         device, k=3))
+    stack.prefill([0], [prompt])
+    live = stack.state.live.clone()
+    stack.logits(torch.tensor([tokens]), torch.tensor([[4, 5, 6, 7]]))
+    torch.testing.assert_close(stack.state.live, live, atol=0, rtol=0)
+    for i, want in enumerate(stepped_states(model, prompt, tokens)):
+        torch.testing.assert_close(stack.state.slots[:, 0, i], want, **TOL)
+
+
+def test_a_trees_nodes_step_from_their_parents_state():
+    """A hybrid verify over TREE's nodes (parents given) leaves in slot i the state after node i's
+    root path, stepped token by token."""
+    model, prompt = hybrid(), [1, 5, 9, 3]
+    stack = Stack(model, CAPACITY, state=lambda layers, batch, shape, device: CopyState(layers, batch, shape,
+                                                                                         device, k=TREE.nodes - 1))
+    stack.prefill([0], [prompt[:-1]])
+    tokens = torch.tensor([[prompt[-1], 11, 12, 13, 14, 15, 16]])
+    start = torch.tensor([[len(prompt) - 1]])
+    depth = torch.tensor([len(ancestors(TREE, i)) - 1 for i in range(TREE.nodes)])
+    mask = TreeMask(mask_words(TREE, 1), CAPACITY, model.dtype, TREE).at(start)
+    stack.logits(tokens, start + depth, slots=start + torch.arange(TREE.nodes), mask=mask.rows(0, TREE.nodes),
+                 parents=torch.tensor([TREE.parent]).clamp(min=0))
+    for node in range(TREE.nodes):
+        path = [int(tokens[0, i]) for i in ancestors(TREE, node)]
+        want = stepped_states(model, prompt[:-1], path)[-1]
+        torch.testing.assert_close(stack.state.slots[:, 0, node], want, **TOL, msg=lambda m, n=node: f"node {n}: {m}")
+
+
+# -- drafts -------------------------------------------------------------------------------------
+
+def test_a_self_speculative_draft_is_the_targets_first_layers_and_head():
+    model = tiny()
+    draft = self_draft(model, 2)
+    assert draft.config.num_hidden_layers == 2 and model.config.num_hidden_layers == 3
+    assert draft.model.layers[1] is model.model.layers[1] and draft.lm_head is model.lm_head
+    ids = [1, 5, 9, 3, 4]
+    stack = Stack(draft, CAPACITY)
+    stack.prefill([0], [ids[:-1]])
+    torch.testing.assert_close(stack.logits(torch.tensor([[4]]), torch.tensor([[4]]))[0, 0], hf_logits(draft, ids),
+                               **TOL)
+    assert stack.prefix_of(Stack(model, CAPACITY)) and not Stack(model, CAPACITY).prefix_of(stack)
+    for layers in (0, 3):
+        with pytest.raises(ValueError, match="1 to 2 of the target's 3 layers"):
+            self_draft(model, layers)
+
+
+def test_a_separate_draft_holds_copies_of_the_targets_first_layers_and_shares_nothing():
+    model = tiny()
+    draft = separate_draft(model, 2, torch.float32)
+    assert draft.config.num_hidden_layers == 2 and len(draft.model.layers) == 2
+    theirs = {p.data_ptr() for p in model.parameters()}
+    assert not any(p.data_ptr() in theirs for p in draft.parameters()), "a separate draft shares no tensor"
+    assert not Stack(draft, CAPACITY).prefix_of(Stack(model, CAPACITY))
+    ids = [1, 5, 9, 3, 4]
+    torch.testing.assert_close(hf_logits(draft, ids), hf_logits(self_draft(model, 2), ids), atol=0, rtol=0)
+    assert separate_draft(model).dtype == torch.bfloat16
+
+
+# -- sampling -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(1.3, top_k=5),
+                                    SamplingParams(1.0, top_p=0.8), SamplingParams(0.5, top_k=20, top_p=0.9)],
+                         ids=["temperature", "top-k", "top-p", "all"])
+def test_sampling_params_are_hugging_faces_logits_processors(params):
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    logits = torch.randn(4, 3, 50, generator=torch.Generator().manual_seed(2)) * 3
+    scores = logits.view(-1, 50)
+    scores = TemperatureLogitsWarper(params.temperature)(None, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    torch.testing.assert_close(params.probs(logits), scores.softmax(-1).view(4, 3, 50), atol=1e-6, rtol=1e-5)
+    for bad in (dict(temperature=0.0), dict(top_k=-1), dict(top_p=0.0)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+def save_pair(where) -> tuple:
+    """A tiny target and a draft of another shape saved as Hugging Face directories, with one
+    word-level tokenizer beside each."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", eos_token="w1")
+    target, draft = tiny(4, seed=1), tiny(2, seed=2)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(where / name)
+        tokenizer.save_pretrained(where / name)
+    return target, draft
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_directory_loads_for_inference_with_its_tokenizer(tmp_path, dtype):
+    target, _ = save_pair(tmp_path)
+    loaded = load_model(tmp_path / "target", dtype=dtype, device="cpu")
+    assert loaded.dtype == dtype and not loaded.training and not any(p.requires_grad for p in loaded.parameters())
+    assert loaded.config._attn_implementation == "sdpa" and loaded.config.num_hidden_layers == 4
+    torch.testing.assert_close(loaded.lm_head.weight.float(), target.lm_head.weight.to(dtype).float(), atol=0, rtol=0)
+    tokenizer = load_tokenizer(tmp_path / "draft")
+    assert tokenizer.encode("w5 w9 w3") == [5, 9, 3] and tokenizer.eos_token_id == 1
+    if dtype == torch.float32:
+        stack = Stack(loaded, CAPACITY)
+        stack.prefill([0], [[5, 9]])
+        torch.testing.assert_close(stack.logits(torch.tensor([[3]]), torch.tensor([[2]]))[0, 0],
+                                   hf_logits(target, [5, 9, 3]), **TOL)
+
+
+def test_a_directory_without_a_model_is_refused_by_name(tmp_path):
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(FileNotFoundError, match="holds no config.json"):
+            load(tmp_path / "nowhere")
+
+
+# -- the face -----------------------------------------------------------------------------------
+
+def test_every_public_name_of_memra_cuda_torch_says_what_it_is():
+    import memra_cuda.torch as memra_torch
+    assert len(set(memra_torch.__all__)) == len(memra_torch.__all__)
+    undocumented = [name for name in memra_torch.__all__ if not (getattr(memra_torch, name).__doc__ or "").strip()]
+    assert not undocumented, undocumented
+
+
+# -- refusals before any device work ------------------------------------------------------------
+
+def test_a_stack_refuses_what_it_cannot_run():
+    with pytest.raises(TypeError, match="has no model.embed_tokens"):
+        Stack(torch.nn.Linear(2, 2), CAPACITY)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
+    windowed = MistralForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="sliding window of 32 positions"):
+        Stack(windowed, 48)
+    assert Stack(windowed, 32).kv.capacity == 32
+
+
+def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
+    """Each refusal is raised before a CUDA stream is made (this machine may have none)."""
+    model = tiny()
+    draft = self_draft(model)
+    cases = [
+        (lambda: SpeculativeLlama(model, tiny(1, vocab=VOCAB + 1)), "vocabulary \\(98 tokens\\)"),
+        (lambda: SpeculativeLlama(hybrid(), self_draft(hybrid(), 2)), "must be attention"),
+        (lambda: SpeculativeLlama(model, draft, state_rollback="swap"), '"copy" or "flip", not \'swap\''),
+        (lambda: SpeculativeLlama(model, draft, k=0), "k >= 1"),
+        (lambda: SpeculativeLlama(model, draft, draft_sampling=SamplingParams()), "give sampling= too"),
+        (lambda: TreeLlama(model, draft, TREE, candidates=VOCAB + 1), f"vocabulary's {VOCAB}, not {VOCAB + 1}"),
+        (lambda: TreeLlama(model, draft, TREE, candidates=2, sampling=SamplingParams()), "candidates= is for greedy"),
+        (lambda: TreeLlama(model, draft, TREE, state_rollback="swap"), "not 'swap'"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make()
+    with pytest.raises(TypeError, match="TreeShape or a DynamicTree"):
+        TreeLlama(model, draft, [[0], [1]])
+    with pytest.raises(ValueError, match="at least one position, not 0"):
+        PagedKV(model.config, 1, 1, 64, torch.float32, "cpu", page=0)
+    with pytest.raises(TypeError, match="paged cache"):
+        PagedKV(model.config, 1, 1, 64, torch.float32, "cpu").data()

@@ -1,0 +1,110 @@
+"""The user pages stay what a user reads: a README of at most 120 lines, no docs page over 250,
+no performance figure in them (they live in benchmarks/RESULTS.md, each with its machine, date
+and model), no name the library no longer has, and docs/errors.md listing exactly the errors of
+memra_cuda.errors. CPU only: it runs in every `make test`.
+"""
+from __future__ import annotations
+
+import builtins
+import re
+from pathlib import Path
+
+import pytest
+
+import memra_cuda.errors
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+ERRORS = DOCS / "errors.md"
+
+# What a measured figure looks like: the machine, a throughput, a speed-up, a bandwidth.
+FIGURES = {
+    "the machine measured on": re.compile(r"\bH200\b"),
+    "a throughput": re.compile(r"\d\s*(tok/s|tokens/s|tokens per second)"),
+    "a speed-up": re.compile(r"\d(\.\d+)?×(?!\s*\d)|\b\d+(\.\d+)?x (faster|slower|the)\b"),  # 1.19×, not 8 × 64
+    "a bandwidth": re.compile(r"\d\s*[GT]B/s"),
+}
+# Names 0.3.0 removed (CHANGELOG.md's migration table gives each one's replacement).
+REMOVED = {
+    "a module of the flat 0.2 layout": re.compile(
+        r"\bmemra_cuda\.(acceptance|bufs|capacity|compiler|device_loop|layout|pace|philox|reference|reference_tree"
+        r"|round|sampling|stream|tables|tree|tree_kernels|models|moved|bench\w*)\b"),
+    "memra_cuda.compile (now compile_ptx)": re.compile(r"\bmemra_cuda\.compile\b(?!_)"),
+    "bufs.pos_ctr (now bufs.pos_ctr_d)": re.compile(r"\bbufs\.pos_ctr\b(?!_)"),
+    "drain_ring(bufs) (now bufs.drain_ring())": re.compile(r"(?<!\.)\bdrain_ring\(bufs"),
+    "a deprecation (0.3.0 has none)": re.compile(r"DeprecationWarning|\bdeprecated\b", re.I),
+}
+
+
+def pages() -> list[Path]:
+    found = sorted(DOCS.glob("*.md"))
+    if not README.is_file() or not found:
+        pytest.skip(f"no README.md and docs/ at {ROOT} (an installed package, not a checkout)")
+    return found
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def test_the_readme_is_at_most_120_lines():
+    pages()
+    assert len(lines(README)) <= 120, f"README.md has {len(lines(README))} lines: the details belong in docs/"
+
+
+def test_no_docs_page_is_over_250_lines():
+    long = {page.name: len(lines(page)) for page in pages() if len(lines(page)) > 250}
+    assert not long, f"split these pages, one topic each: {long}"
+
+
+def test_no_performance_figure_in_the_user_pages():
+    """A figure needs its machine, date and model beside it, which benchmarks/RESULTS.md keeps;
+    a user page says what a figure means for a choice and points there."""
+    found = [f"{path.relative_to(ROOT)}:{number}: {what}: {line.strip()}"
+             for path in [README, *pages()] for number, line in enumerate(lines(path), 1)
+             for what, pattern in FIGURES.items() if pattern.search(line)]
+    assert not found, "performance figures belong in benchmarks/RESULTS.md:\n" + "\n".join(found)
+
+
+def test_no_user_page_names_what_0_3_removed():
+    found = [f"{path.relative_to(ROOT)}:{number}: {what}: {line.strip()}"
+             for path in [README, *pages()] for number, line in enumerate(lines(path), 1)
+             for what, pattern in REMOVED.items() if pattern.search(line)]
+    assert not found, "names the library no longer has:\n" + "\n".join(found)
+
+
+def documented_errors() -> tuple[list[str], list[str]]:
+    """docs/errors.md's table of exceptions (its first column, in order) and its `## Name`
+    headings."""
+    pages()
+    text = ERRORS.read_text(encoding="utf-8")
+    table = re.findall(r"^\| `(\w+)` \|", text, re.M)
+    headings = re.findall(r"^## (\w+)\s*$", text, re.M)
+    return table, headings
+
+
+def test_the_errors_page_lists_exactly_memra_cuda_errors():
+    """Both ways: every name of memra_cuda.errors.__all__ in the table and under a heading of
+    its own, and nothing there that is not an error of memra_cuda.errors; MemraError, the base,
+    first."""
+    table, headings = documented_errors()
+    exported = set(memra_cuda.errors.__all__)
+    assert table and table[0] == "MemraError", f"docs/errors.md's table must start with the base, not {table[:1]}"
+    assert sorted(table) == sorted(exported), (f"in the table only: {sorted(set(table) - exported)}; "
+                                               f"in memra_cuda.errors only: {sorted(exported - set(table))}")
+    assert sorted(headings) == sorted(exported), (f"headings only: {sorted(set(headings) - exported)}; "
+                                                  f"in memra_cuda.errors only: {sorted(exported - set(headings))}")
+
+
+def test_every_documented_error_derives_from_memra_error_and_its_builtin():
+    """The page says each error is a MemraError and also the builtin of its row's second column
+    (or a subclass of the error named there)."""
+    pages()
+    rows = re.findall(r"^\| `(\w+)` \| `(\w+)` \|", ERRORS.read_text(encoding="utf-8"), re.M)
+    assert rows
+    for name, base in rows:
+        error = getattr(memra_cuda.errors, name)
+        parent = getattr(memra_cuda.errors, base, None) or getattr(builtins, base)
+        assert issubclass(error, memra_cuda.errors.MemraError), name
+        assert issubclass(error, parent) and error is not parent, f"{name} is not a {base}"
