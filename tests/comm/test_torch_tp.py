@@ -61,7 +61,7 @@ def test_shard_refuses_what_it_cannot_split_and_changes_nothing_then():
 
 @pytest.mark.gpu
 def test_two_tensor_parallel_ranks_equal_their_plain_greedy_decoding(engine):
-    from nccl_ranks import need_nccl, two_gpus  # tests/comm's, on the path where the whole suite runs
+    from nccl_ranks import need_nccl, two_gpus  # beside this file
     need_nccl()
     two_gpus()
     ended = launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",

@@ -1,4 +1,4 @@
-"""One rank of tests/examples/test_torch_tp.py's CPU check of memra_cuda.torch.shard (what
+"""One rank of tests/comm/test_torch_tp.py's CPU check of memra_cuda.torch.shard (what
 examples/torch_tp.py runs its ranks on): torch's gloo on the host for the all-reduce, a small
 random Llama on the CPU, launched as torchrun would. It prints one JSON line: how far this
 rank's logits after sharding are from the whole model's."""
