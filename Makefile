@@ -146,14 +146,15 @@ bench:
 	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.bench $(BENCH_ARGS)
 
 # Needs torch and transformers (the GPU machine has both): Hugging Face, graphed greedy and
-# round-stream on the Llama of examples/torch_llama.py, and its trees section chains against the
-# trees of examples/torch_tree.py; BENCH_ARGS="--json PATH" also writes its picture, PATH's .png
-# (with matplotlib, the plot extra).
+# round-stream on the random-weight Llamas of memra_cuda.testing.llama through memra_cuda.torch, and
+# its trees section chains against trees; BENCH_ARGS="--json PATH" also writes its picture, PATH's
+# .png (with matplotlib, the plot extra).
 bench-torch:
 	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.bench --only torch $(BENCH_ARGS)
 
-# A trained target and draft for bench-torch (benchmarks/pair.py; torch, transformers, tokenizers):
-# trained on the GPU from this machine's own Python sources, kept in .cache/pair/ and reused.
+# A trained target and draft (benchmarks/pair.py; needs torch, transformers and tokenizers, which
+# tools/pick-python does not install): trained on the GPU from this machine's own Python sources,
+# kept in .cache/pair/ and reused. bench-torch does not measure it yet (issue 40).
 pair:
 	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.pair $(PAIR_ARGS)
 

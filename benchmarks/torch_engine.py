@@ -29,7 +29,7 @@ random-weight Llamas of memra_cuda.testing.llama), in one run.
 6. Tree costs, B = 1, both sizes: a chain's draft step and verify, each draft level of a static
    tree and its verify, the whole target over 1 to 65 tokens through cuBLASLt and cuBLAS,
    torch.topk against two argmaxes, each captured alone, in target steps: where a tree's round
-   goes, and what the example's kernels are chosen by (docs/torch.md, "Trees").
+   goes, and what Stack.kernels is chosen by (benchmarks/RESULTS.md, "The PyTorch engine's kernels").
 
 Needs torch and transformers, and the source checkout (the benchmarks are not in the wheel).
 
@@ -555,7 +555,7 @@ def plot_trees(rows: list[dict], path: str | Path) -> None:
 
 def bench_tree_costs(quick: bool) -> list[dict]:
     """Section 6: where a tree's round goes against a chain's, at B = 1 on both sizes, in target
-    steps, under the example's kernels (Stack.kernels): a chain's draft step and verify (k = 10),
+    steps, under the engine's kernels (Stack.kernels): a chain's draft step and verify (k = 10),
     each draft level of a static tree (T = 64, depth 10) and its verify; the target over n tokens
     through cuBLASLt and through cuBLAS (the evidence of memra_cuda.torch.stack.LT_ROWS); then two
     ways to take a level's two best candidates, torch.topk and best_ranks' two argmaxes."""

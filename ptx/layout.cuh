@@ -1,5 +1,5 @@
 // The row layouts of the round-stream buffers that Python reads and writes too: StreamBufs,
-// the numpy reference and the readback index them with memra_cuda/layout.py's names, which hold
+// the numpy reference and the readback index them with memra_cuda/buffers/layout.py's names, which hold
 // these values (tests/kernels/test_ptx.py checks the two agree). Row b of a buffer of W words per row
 // starts at word b * W.
 #pragma once

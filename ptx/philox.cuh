@@ -1,5 +1,5 @@
 // Philox4x32-10 and the draws of stochastic acceptance (docs/sampling.md, "Random numbers"),
-// mirrored by memra_cuda/philox.py and memra_cuda/reference.py.
+// mirrored by memra_cuda/testing/philox.py and memra_cuda/testing/reference.py.
 //
 // Philox is counter-based: a draw is a pure function of (counter, key), so every draw is addressed
 // by what it is for (seed, absolute position, vocabulary index, purpose) and no generator state

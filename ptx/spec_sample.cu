@@ -27,7 +27,7 @@
 #include "layout.cuh"
 #include "philox.cuh"
 
-#define THREADS 256    // block size the launcher uses (memra_cuda/sampling.py)
+#define THREADS 256    // block size the launcher uses (memra_cuda/kernels/sampling.py)
 #define PER_THREAD 2   // vocabulary entries per thread per pass; the launcher sizes gridDim.x with it
 #define NO_MASS_TOKEN 0u
 #define RESIDUAL_KEY (1ull << 63)  // marks a key of the residual race, which outranks p[n]'s

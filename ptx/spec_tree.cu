@@ -1,8 +1,8 @@
 // Tree verification: the layer's kernels of a tree round (docs/trees.md, "Kernel contracts"),
-// mirrored by memra_cuda/reference_tree.py.
+// mirrored by memra_cuda/testing/reference_tree.py.
 //
 // A row's tree is T1 = T + 1 nodes in level order (node 0 the pending token), its fields side by
-// side in one allocation (memra_cuda/tree.py's TreeBufs, the same order): every kernel takes the
+// side in one allocation (memra_cuda/buffers/tree.py's TreeBufs, the same order): every kernel takes the
 // allocation and (T1, W, D, B) and finds the fields with tree_rows. Like the chain's kernels they
 // are batched, take only device pointers and launch-time constants (a captured graph replays
 // them), and read what the device holds defensively: a parent not before its child, a rank, path
@@ -12,7 +12,7 @@
 #include "philox.cuh"
 #include "state.cuh"
 
-#define TREE_THREADS 256  // the block of the draw, judge pass and race kernels (memra_cuda/tree_kernels.py)
+#define TREE_THREADS 256  // the block of the draw, judge pass and race kernels (memra_cuda/kernels/tree.py)
 #define NO_NODE 4294967295u  // 0xFFFFFFFF: no child accepted (judge), no node
 #define JUDGED_WORDS 40  // a node's verdict in the judges' scratch: see spec_tree_judge
 #define NO_MASS_TOKEN 0u

@@ -1,4 +1,4 @@
-// The toy language model (docs/toy-model.md, "Definition"), mirrored by memra_cuda/models/toy.py.
+// The toy language model (docs/toy-model.md, "Definition"), mirrored by memra_cuda/testing/toy/lm.py.
 //
 // Batched as the round-stream buffers are (docs/buffers.md, "Batched layout"): the draft step and
 // the verify run one block per sequence (blockIdx.x is the row), every KV layer holds `capacity`
@@ -351,7 +351,7 @@ extern "C" __global__ void toy_stream_weights(const uint4* __restrict__ weights,
 }
 
 // ---- Trees (docs/trees.md; docs/toy-model.md, "Trees") -------------------------------------------
-// The tree buffers are TreeBufs' (memra_cuda/tree.py), row b at b * t1 (masks at b * t1 * mask_words):
+// The tree buffers are TreeBufs' (memra_cuda/buffers/tree.py), row b at b * t1 (masks at b * t1 * mask_words):
 // node i's token, parent, position (pos_start + depth) and ancestor mask. Both kernels run one block
 // per row, node i of the launch on thread i (a level's nodes from thread 0), t1 <= MAX_TREE_NODES.
 // The recurrent states have t1 slots a bank (StateRow with k1 = t1): node i's state after its token,

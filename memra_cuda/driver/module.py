@@ -235,7 +235,7 @@ class Kernel:
 
     def check_sizes(self, types: Sequence[str]) -> None:
         """ValueError unless `types` match the kernel's parameter sizes, where the driver can say:
-        what is left to check of a module loaded without signatures."""
+        run at every prepare, and all that is checked of a kernel its module has no signature for."""
         sizes = self.param_sizes
         declared = tuple(ARG_TYPES[t].itemsize for t in types)
         if sizes is not None and sizes != declared:

@@ -71,7 +71,7 @@ class Schedule:
     # The host aims LOOK_S or more past the last publish it saw: on the H200's host a look costs
     # 6-15 µs of CPU (its sleep alone ~5 µs), so looks every three rounds of the bare toy hold the
     # delay near a round and cost a sixth to a third of a core; every 150 µs, a tenth to a fifth
-    # (docs/device-mode.md). It wakes EARLY_S before the commit for the sleep's own lateness; a
+    # (benchmarks/RESULTS.md, "Device mode's host"). It wakes EARLY_S before the commit for the sleep's own lateness; a
     # look that comes early looks again RETRY_S later (before the first round is timed, twice as
     # late each time, up to 1 ms).
     LOOK_S = 60e-6

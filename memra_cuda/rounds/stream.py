@@ -76,8 +76,8 @@ class RoundStream:
     starts where the last bufs.reset / reset_row (or readback) left every row. `pace` cuts a
     generation's bursts to the rounds its rows are expected to need (Pace): right wherever a
     round costs more than a host readback (~0.1-0.2 ms: any real model); off for cheaper ones.
-    `capture` says how graphs are captured (default: the driver's stream capture; torch-backed
-    rounds capture through torch without being told). `stages` (Stages) is for pipelines on
+    `capture` says how graphs are captured (default: the engine's Framework's: the driver's
+    stream capture, or torch's for an engine from memra_cuda.torch.engine()). `stages` (Stages) is for pipelines on
     several GPUs; `kernels` (SpecKernels) is built when not given.
     """
 

@@ -172,7 +172,7 @@ RANKS = 4  # the most candidates a node of static_tree has
 def static_tree(size: int, depth: int = 10) -> TreeShape:
     """The static tree of `size` drafts, at most `depth` deep, for these models: the likeliest
     nodes for a draft whose best candidate is right 87% of the time and its second best 13% (0.15
-    times as often), the self-speculative draft's rates on CPU (docs/torch.md, "Trees")."""
+    times as often), the self-speculative draft's rates on CPU (benchmarks/RESULTS.md, "Dynamic trees")."""
     return TreeShape.likeliest(size, depth=depth, right=0.87, fall=0.15, ranks=RANKS)
 
 

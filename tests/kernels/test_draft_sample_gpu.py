@@ -1,4 +1,4 @@
-"""spec_draft_sample (ptx/spec_sample.cu, contract 7) on the GPU, against memra_cuda.reference.
+"""spec_draft_sample (ptx/spec_sample.cu, contract 7) on the GPU, against memra_cuda.testing.reference.
 
 Random draft laws (test_sample_gpu.laws: peaked, flat, cut, all zero, sprinkled with NaN,
 negative and infinite entries), positions at the i32 limits and any 64-bit seed, in both token

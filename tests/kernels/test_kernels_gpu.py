@@ -1,4 +1,4 @@
-"""The round-stream kernels (ptx/spec_stream.cu) on the GPU, against memra_cuda.reference.
+"""The round-stream kernels (ptx/spec_stream.cu) on the GPU, against memra_cuda.testing.reference.
 
 Each kernel runs on thousands of seeded random and adversarial inputs: garbage accept counts,
 ring counts and break markers, nonzero garbage done flags, budgets of 0, -1, -7 and 2**31-1,

@@ -84,7 +84,7 @@ def test_launchers_use_the_block_sizes_the_kernels_were_written_for():
 
 
 def test_buffer_layouts_have_one_value_in_python_and_cuda():
-    """memra_cuda.layout and ptx/layout.cuh name the same words of ctl, brk, acc and ring rows with
+    """memra_cuda.buffers.layout and ptx/layout.cuh name the same words of ctl, brk, acc and ring rows with
     the same values: StreamBufs and the reference index the rows the kernels write."""
     from memra_cuda.buffers import layout
 

@@ -1,4 +1,4 @@
-"""spec_accept_sample (ptx/spec_sample.cu) on the GPU, against memra_cuda.reference.
+"""spec_accept_sample (ptx/spec_sample.cu) on the GPU, against memra_cuda.testing.reference.
 
 Random laws (peaked, flat, cut to a few tokens, all zero, sprinkled with NaN, negative and
 infinite entries), drafts drawn from the draft's law and now and then past the vocabulary, and

@@ -1,5 +1,5 @@
 """Recurrent state rollback (kernels 8 and 9, ptx/spec_stream.cu) on the GPU, against
-memra_cuda.reference, with the harness of test_kernels_gpu.py: per case every buffer is written
+memra_cuda.testing.reference, with the harness of test_kernels_gpu.py: per case every buffer is written
 at random, the kernel launched, and every buffer read back and compared word for word with the
 reference run on host copies.
 

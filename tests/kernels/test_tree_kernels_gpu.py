@@ -1,4 +1,4 @@
-"""The tree kernels (ptx/spec_tree.cu) on the GPU, against memra_cuda.reference_tree.
+"""The tree kernels (ptx/spec_tree.cu) on the GPU, against memra_cuda.testing.reference_tree.
 
 A tree round's layer kernels run one at a time, each from the same state on both sides: every
 buffer the round touches (the tree's nodes, the round-stream rows, the candidates, the laws, a
