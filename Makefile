@@ -145,16 +145,19 @@ demo:
 bench:
 	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.bench $(BENCH_ARGS)
 
-# Needs torch and transformers (the GPU machine has both): Hugging Face, graphed greedy and
-# round-stream on the random-weight Llamas of memra_cuda.testing.llama through memra_cuda.torch, and
-# its trees section chains against trees; BENCH_ARGS="--json PATH" also writes its picture, PATH's
-# .png (with matplotlib, the plot extra).
-bench-torch:
+# Needs torch, transformers and tokenizers (the GPU machine has them): first the headline on the
+# trained pair (benchmarks/headline.py; `make pair` runs before it, and trains the pair where its
+# cache is empty), then Hugging Face, graphed greedy and round-stream on the random-weight Llamas
+# of memra_cuda.testing.llama through memra_cuda.torch, and its trees section chains against trees;
+# BENCH_ARGS="--json PATH" also writes the pictures, PATH's .headline.png and .png (with
+# matplotlib, the plot extra). The headline measures the pair of pair.py's default settings
+# (python -m benchmarks.headline --pair DIR measures another).
+bench-torch: pair
 	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.bench --only torch $(BENCH_ARGS)
 
 # A trained target and draft (benchmarks/pair.py; needs torch, transformers and tokenizers, which
 # tools/pick-python does not install): trained on the GPU from this machine's own Python sources,
-# kept in .cache/pair/ and reused. bench-torch does not measure it yet (issue 40).
+# kept in .cache/pair/ and reused (a second run lists the corpus and finds it, seconds).
 pair:
 	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.pair $(PAIR_ARGS)
 

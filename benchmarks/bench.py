@@ -32,8 +32,9 @@ of the wheel); --only runs one part.
 8. Trees (benchmarks/tree.py): tokens per round and tokens/s of the best chain against the best
    static and dynamic tree, bare toy and 8B/0.5B, B = 1 and 32; the tree accepts alone against the
    HBM floor for their bytes.
-9. PyTorch (`--only torch`, `make bench-torch`; needs torch and transformers): the sections of
-   benchmarks/torch_engine.py (its docstring says which), run only when asked for.
+9. PyTorch (`--only torch`, `make bench-torch`; needs torch, transformers and tokenizers): the
+   sections of benchmarks/torch_engine.py (its docstring says which; the first, the headline on
+   the trained pair, is benchmarks/headline.py), run only when asked for.
 """
 from __future__ import annotations
 

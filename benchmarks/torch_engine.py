@@ -1,6 +1,12 @@
-"""`make bench-torch`: round-stream on a real transformer (memra_cuda.torch's decoders on the
-random-weight Llamas of memra_cuda.testing.llama), in one run.
+"""`make bench-torch`: round-stream on a real transformer (memra_cuda.torch's decoders on a trained
+target and draft, then on the random-weight Llamas of memra_cuda.testing.llama), in one run.
 
+0. The headline (benchmarks/headline.py, whose docstring says what it measures): the pair
+   benchmarks/pair.py trains (`make pair`, which `make bench-torch` runs first), prompts cut from
+   its held-out files, B in TREE_BATCHES, greedy and sampled: the target's graphed greedy
+   decoding beside its weights' HBM floor, chains, static and dynamic trees against their ideal,
+   Hugging Face's assisted generation with the same pair, and tree_for_batch's picks derived on
+   it. With a JSON path, a picture beside it (PATH with .headline.png).
 1. One request, at two sizes (fp32 small, bf16 large): Hugging Face generate, its assisted
    generation with the same draft, plain greedy run eagerly and with each step a torch.cuda.graph, and
    round-stream in readback, graph, overlap and device modes; then the ideal speculative speedup over
@@ -31,11 +37,12 @@ random-weight Llamas of memra_cuda.testing.llama), in one run.
    torch.topk against two argmaxes, each captured alone, in target steps: where a tree's round
    goes, and what Stack.kernels is chosen by (benchmarks/RESULTS.md, "The PyTorch engine's kernels").
 
-Needs torch and transformers, and the source checkout (the benchmarks are not in the wheel).
+Needs torch and transformers (the headline tokenizers too: it finds the pair by pair.py's key),
+and the source checkout (the benchmarks are not in the wheel).
 
     PYTHONPATH=. python -m benchmarks.torch_engine [--quick] [--json PATH]
         [--tree-sizes small,large] [--tree-batches 1,8,32,128]
-        [one_request|batches|serving|hybrid|trees|tree_costs ...]
+        [headline|one_request|batches|serving|hybrid|trees|tree_costs ...]
 
 runs some sections alone (`make bench-torch` runs them all), the trees section at some sizes and
 batch sizes alone where asked.
@@ -466,16 +473,18 @@ def rows_share(rounds: Any) -> float:
     return float(sum(rounds)) / (len(rounds) * slowest) if slowest > 0 else 1.0
 
 
-def _decoder(model: Any, kind: str, config: Any, capacity: int, batch: int = 1,
-             sampling: Any = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
-    """A chain's decoder (`config` its k) or a tree's (`config` the tree), and the two callables
-    its round runs: the verify and the whole draft."""
+def _decoder(model: Any, kind: str, config: Any, capacity: int, batch: int = 1, sampling: Any = None,
+             draft: Any = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
+    """A chain's decoder (`config` its k) or a tree's (`config` the tree) of `model` and `draft`
+    (default its self-speculative one), and the two callables its round runs: the verify and
+    the whole draft."""
     from memra_cuda.torch import SpeculativeLlama, TreeLlama, self_draft
+    draft = self_draft(model) if draft is None else draft
     if kind == "chain":
-        chain = SpeculativeLlama(model, self_draft(model), k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+        chain = SpeculativeLlama(model, draft, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
                                  sampling=sampling)
         return chain, chain.verify_trunk, chain.draft_chain
-    spec = TreeLlama(model, self_draft(model), config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+    spec = TreeLlama(model, draft, config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
                      sampling=sampling)
     return spec, spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
 
@@ -513,10 +522,11 @@ def _tree_summary(measured: list[dict], chosen: dict | None, plain: float) -> di
     return summary
 
 
-def plot_trees(rows: list[dict], path: str | Path) -> None:
+def plot_trees(rows: list[dict], path: str | Path, title: str | None = None) -> None:
     """Section 5's picture at `path` (PNG): tokens/s against B for plain decoding, the best chain,
-    the best tree and that tree's ideal (ideal x plain tokens/s), a panel per model size, greedy
-    solid and sampling dashed. matplotlib is optional (the `plot` extra): without it, one line."""
+    the best tree and that tree's ideal (ideal x plain tokens/s), a panel per model size (the
+    rows' `size`, the headline's "pair" too), greedy solid and sampling dashed, under `title`.
+    matplotlib is optional (the `plot` extra): without it, one line."""
     try:
         import matplotlib
     except ImportError:
@@ -525,7 +535,7 @@ def plot_trees(rows: list[dict], path: str | Path) -> None:
     matplotlib.use("Agg")  # a file, no display
     import matplotlib.pyplot as plt
     best = [row for row in rows if row["kind"] == "best"]
-    sizes = [size for size in ("small", "large") if any(row["size"] == size for row in best)]
+    sizes = list(dict.fromkeys(row["size"] for row in best))
     if not sizes:
         return
     series = {"plain decoding": lambda r: r["plain_tokens_per_s"], "best chain": lambda r: r["chain_tokens_per_s"],
@@ -547,6 +557,8 @@ def plot_trees(rows: list[dict], path: str | Path) -> None:
         axis.set(title=f"{size} model", xlabel="B (rows)", ylabel="tokens/s, all rows")
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize="small")
+    if title:
+        figure.suptitle(title, fontsize="small", wrap=True)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -617,16 +629,25 @@ def _tree_parts(model: Any, tree: Any, capacity: int, requests: Sequence[Any]) -
     return parts
 
 
-SECTIONS = {"one_request": bench_one_request, "batches": bench_batches, "serving": bench_serving,
-            "hybrid": bench_hybrid, "trees": bench_trees, "tree_costs": bench_tree_costs}
+def bench_headline(quick: bool) -> dict:
+    """Section 0: the trained pair (benchmarks/headline.py, imported here: it imports this module)."""
+    from .headline import headline
+    return headline(quick)
+
+
+SECTIONS = {"headline": bench_headline, "one_request": bench_one_request, "batches": bench_batches,
+            "serving": bench_serving, "hybrid": bench_hybrid, "trees": bench_trees, "tree_costs": bench_tree_costs}
 
 
 def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_path: str | Path | None = None,
-                **trees: Sequence[Any]) -> dict[str, list[dict]]:
-    """The sections' rows by name; `trees`: bench_trees' sizes= and batches=, where given. The
-    trees section's picture goes beside the JSON at `json_path` (its name, .png), which the
-    caller writes."""
+                **trees: Sequence[Any]) -> dict[str, Any]:
+    """The sections' rows by name (the headline's report, a dict); `trees`: bench_trees' sizes= and
+    batches=, where given. The trees section's picture goes beside the JSON at `json_path` (its
+    name, .png), and the headline's (.headline.png); the caller writes the JSON."""
     report = {name: SECTIONS[name](quick, **(trees if name == "trees" else {})) for name in sections}
+    if "headline" in report and json_path is not None:
+        from .headline import plot_headline
+        plot_headline(report["headline"], Path(json_path).with_suffix(".headline.png"))
     if "trees" in report:
         if json_path is None:
             print("trees: the picture goes beside the JSON: give --json PATH to get it")

@@ -1,0 +1,484 @@
+"""The headline of `make bench-torch` (issue 40): round-stream on a trained target and draft, the
+pair benchmarks/pair.py trains on the machine's own Python sources, decoding prompts cut from its
+held-out files, where the random-weight Llamas of the other sections set agreement by hand.
+
+At B = 1, 8, 32 and 128 (B = 1: 8 prompts one after another, ONE_ROW_PROMPTS; each row 128 new
+tokens, TOKENS), greedy and sampled at temperature 1, graph mode, M = 16:
+
+- the target's own greedy decoding, each step a CUDA graph (GraphedGreedy): the baseline, and its
+  step beside the weights' HBM floor (the bytes of the target's weights a step reads, over the
+  bandwidth of a large device-to-device copy measured here): how far the baseline is from a
+  memory-bound engine;
+- chains of k = 2, 3, 4, 6, 8 drafts (SpeculativeLlama), static trees (chains with leaves, and
+  the likeliest trees for this pair's own top-1 and top-2 agreement in report.json) and dynamic
+  trees (TreeLlama), fewer and smaller as B grows (STATIC, DYNAMIC): tokens/s, tokens a round
+  (tau), the round's verify and draft in target steps (v, d), the ideal tau / (v + d) and the
+  share of it reached, as the trees section reports them (reach());
+- Hugging Face's generate and its assisted generation with the same pair (assistant_model,
+  k = HF_K), at B = 1 only: it serves one sequence at a time;
+- tree_for_batch's picks derived again on this pair: the fastest configuration at each B and
+  decoding, printed in the form memra_cuda.testing.llama's PICKED takes.
+
+One table; with --json, the figures as JSON and a picture beside it (PATH with .png, or
+.headline.png under bench-torch; matplotlib, the `plot` extra). The table's header, its summary,
+the picks and the picture name the pair (its cache key and losses) and the machine. Needs
+torch, transformers and tokenizers, a GPU, and the pair: `make pair` trains it (five minutes)
+or finds it in its cache (seconds); `make bench-torch` runs it first.
+
+    PYTHONPATH=. python -m benchmarks.headline [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,128]
+
+Run time on one H200 (estimated from the costs measured 2026-12-02, not yet run): about three
+minutes, most of it building, capturing and timing the 72 decoders; --quick (B = 1 and 8, one
+configuration of each kind, 32 tokens a row) under a minute.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .common import depth_and_width
+from .torch_engine import (TORCH_M, TREE_BATCHES, _decoder, _graph_ms, _label, _listed, _release, _replay_ms,
+                           _tree_label, _tree_summary, plot_trees, reach)
+from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
+
+SIZE = "pair"  # the trees section's `size` of these rows (its summary and picture take them)
+BATCHES, QUICK_BATCHES = TREE_BATCHES, (1, 8)
+TOKENS, QUICK_TOKENS = 128, 32  # new tokens a row: as many as the pair's agreement was measured over
+ONE_ROW_PROMPTS, QUICK_ONE_ROW = 8, 2  # B = 1: one prompt's tau is one file's luck (code repeats itself)
+CHAIN_KS = (2, 3, 4, 6, 8)
+# Hugging Face's drafts a round. Its eager steps are the host's launches, a target step (11.2 ms on
+# the H200) about five draft steps whatever their tokens, so by pair.py's costs and chain tau its
+# time a token is near flat from k = 4 to 8 (5.2 to 5.5 ms): 4, its examples' and hf_generate's.
+HF_K = 4
+RANKS = 4  # the most candidates a node of a likeliest tree takes
+# Static trees at each B: ("leaves", k, n) is a chain of k with the next n candidates beside each
+# node (TreeShape.chain_with_leaves: the draft's levels stay one node, so its cost is a chain's,
+# and the draft's second choice is right at about half of the positions where its first is
+# wrong, report.json's top-2 against top-1); ("likeliest", T, depth) the T likeliest drafts for
+# this pair's own agreement (tree_rates). Fewer verify tokens as B grows: at B = 1 a verify of
+# T + 1 tokens costs about one step, once the GEMMs are compute-bound about T + 1.
+STATIC: dict[int, tuple[tuple[str, int, int], ...]] = {
+    1: (("leaves", 6, 1), ("leaves", 8, 1), ("likeliest", 16, 6), ("likeliest", 32, 8)),
+    8: (("leaves", 4, 1), ("leaves", 6, 1), ("likeliest", 16, 6)),
+    32: (("leaves", 3, 1), ("likeliest", 8, 4)),
+    128: (("leaves", 2, 1), ("likeliest", 4, 3))}
+# Dynamic trees (depth, width, branch): a trained draft's confidence, unlike a random one's, should
+# tell a dynamic tree where to spend its nodes; depths about where the chain's tau stops growing
+# (report.json: k = 8 gains little over 6), widths shrinking with B as the static trees do.
+DYNAMIC: dict[int, tuple[tuple[int, int, int], ...]] = {
+    1: ((6, 2, 2), (8, 4, 2)), 8: ((6, 2, 2),), 32: ((4, 2, 2),), 128: ((3, 2, 2),)}
+SPECULATIVE = ("chain", "static", "dynamic")
+MODES = ("greedy", "sampling")  # sampling: at temperature 1
+
+
+@dataclass(frozen=True)
+class Config:
+    """One decoder measured: a chain (`spec` its k) or a tree, and `source`, the expression that
+    rebuilds the tree (None for a chain: PICKED's word for it)."""
+
+    kind: str
+    spec: int | Tree
+    source: str | None
+
+    @property
+    def label(self) -> str:
+        return f"k={self.spec}" if isinstance(self.spec, int) else _tree_label(self.spec)
+
+
+def tree_rates(top: Mapping[str, float]) -> tuple[float, float]:
+    """TreeShape.likeliest's `right` and `fall` for a draft whose top-1 is the target's token at a
+    share top["1"] of positions and its top-2 at top["2"] (report.json's agreement, JSON's string
+    keys): the best candidate right at top-1, the second at top-2 - top-1 = right * fall. Rounded
+    to three places, so that the printed constructor rebuilds the same tree, and kept in
+    likeliest's range, (0, 1] each (a draft barely trained can be right more often second than
+    first: its trees are then as wide as RANKS allows)."""
+    right, second = float(top["1"]), float(top["2"]) - float(top["1"])
+    if not 0 <= right <= float(top["2"]) <= 1:
+        raise ValueError(f"a draft's top-1 and top-2 agreement must be shares with top-2 >= top-1, not {dict(top)}")
+    right = max(round(right, 3), 0.001)
+    return right, min(max(round(second / right, 3), 0.001), 1.0)
+
+
+def configurations(batch: int, top: Mapping[str, float], quick: bool = False) -> list[Config]:
+    """Every chain and tree measured at `batch` (the first of each kind where `quick`)."""
+    right, fall = tree_rates(top)
+
+    def static(shape: tuple[str, int, int]) -> Config:
+        name, a, b = shape
+        if name == "leaves":
+            return Config("static", TreeShape.chain_with_leaves(a, b), f"TreeShape.chain_with_leaves({a}, {b})")
+        return Config("static", TreeShape.likeliest(a, depth=b, right=right, fall=fall, ranks=RANKS),
+                      f"TreeShape.likeliest({a}, depth={b}, right={right}, fall={fall}, ranks={RANKS})")
+
+    chains: Sequence[int] = (4,) if quick else CHAIN_KS
+    statics, dynamics = (STATIC[batch][:1], DYNAMIC[batch][:1]) if quick else (STATIC[batch], DYNAMIC[batch])
+    return ([Config("chain", k, None) for k in chains] + [static(shape) for shape in statics]
+            + [Config("dynamic", DynamicTree(*shape), "DynamicTree({}, {}, {})".format(*shape)) for shape in dynamics])
+
+
+# -- the pair and its prompts -------------------------------------------------------------------
+
+def pair_dir(argv: Sequence[str] = ()) -> Path:
+    """Where `python -m benchmarks.pair` with `argv` keeps its pair (none: `make pair`'s, of
+    pair.py's default settings): its cache key as pair.py computes it, by its own functions (a
+    listing of the corpus, seconds; imports torch)."""
+    from . import pair
+    args = pair.parse(list(argv))
+    key, _ = pair.cache_key(args, pair.read_docs(pair.list_files(args.max_file_kb * 1024), args.max_files))
+    return Path(args.cache) / key
+
+
+def load_pair(where: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """report.json and heldout.json of the pair in `where`, refused, naming what is missing, where
+    it is not a whole one."""
+    missing = [name for name in ("target", "draft", "report.json", "heldout.json") if not (where / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"{where} is not a trained pair (benchmarks/pair.py's cache): it lacks "
+                                f"{', '.join(missing)}; `make pair` trains the default one")
+    return json.loads((where / "report.json").read_text()), json.loads((where / "heldout.json").read_text())
+
+
+def prompt_groups(heldout: Mapping[str, Any], batch: int, one_row: int) -> list[list[tuple[int, list[int]]]]:
+    """What each timed generation decodes: (its index in heldout.json, the prompt's ids) a row.
+    B = 1: the first `one_row` prompts, one a generation; else one generation of the first
+    `batch`. The pool's prompts are cut by pair.py from held-out files, at an offset set by the
+    path's hash, in the order of that hash (stdlib and packages mixed)."""
+    pool, need = heldout["prompts"], one_row if batch == 1 else batch
+    if len(pool) < need:
+        raise ValueError(f"heldout.json holds {len(pool)} prompts; B = {batch} needs {need}")
+    chosen = [(i, list(pool[i]["ids"])) for i in range(need)]
+    return [[row] for row in chosen] if batch == 1 else [chosen]
+
+
+def pair_info(report: Mapping[str, Any]) -> dict[str, Any]:
+    """What names the pair beside every figure: its key, shapes, sizes and held-out losses, and
+    the draft's agreement (report.json)."""
+    models = {name: {k: report[name][k] for k in ("layers", "hidden", "params", "heldout_loss")}
+              for name in ("target", "draft")}
+    agreement = report["agreement"]
+    return dict(key=report["key"], **models, top=agreement["top"], overlap_t1=agreement["overlap_t1"])
+
+
+def describe(info: Mapping[str, Any], machine: str, date: str) -> str:
+    """The pair and the machine, in a line."""
+    t, d = info["target"], info["draft"]
+    return (f"pair {info['key']} (target Llama {t['layers']} x {t['hidden']}, {t['params'] / 1e6:.1f} M params, "
+            f"held-out {t['heldout_loss']:.3f} nats/token; draft Llama {d['layers']} x {d['hidden']}, "
+            f"{d['params'] / 1e6:.1f} M, {d['heldout_loss']:.3f}; the draft's top-1 is the target's greedy token "
+            f"{float(info['top']['1']):.1%} of the time) on {machine}, {date}")
+
+
+# -- the arithmetic -----------------------------------------------------------------------------
+
+def streamed_bytes(model: Any) -> int:
+    """Bytes of `model`'s weights a decode step reads once: every parameter (a shared one once),
+    but the input embedding's table, of which a step reads only its B rows, unless the head is
+    tied to it and reads it whole."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    if head is None or head.weight is not embedding:
+        total -= embedding.numel() * embedding.element_size()
+    return int(total)
+
+
+def copy_bytes_per_s(nbytes: int, copies: int, ms: float) -> float:
+    """Device memory bandwidth of `copies` copies of `nbytes` in `ms`: each reads and writes them."""
+    return 2 * nbytes * copies / (ms / 1e3)
+
+
+def floor_ms(weight_bytes: int, bytes_per_s: float) -> float:
+    """The HBM floor of a step: milliseconds to read `weight_bytes` at `bytes_per_s`."""
+    return weight_bytes / bytes_per_s * 1e3
+
+
+def batches_share(rounds: Sequence[np.ndarray]) -> float:
+    """torch_engine.rows_share over batches run one after another (B = 1's prompts): the rounds
+    their rows ran (StreamBufs.rounds_run) over the rounds the batches ran, each its slowest
+    row's times its rows; 1 where none ran a round."""
+    ran = sum(len(r) * int(np.max(r, initial=0)) for r in rounds)
+    return sum(float(np.sum(r)) for r in rounds) / ran if ran else 1.0
+
+
+def figures(lengths: Sequence[Sequence[int]], rounds: Sequence[np.ndarray], seconds: float, v: float,
+            d: float) -> dict[str, float]:
+    """A configuration's row from its generations (each one's rows' token counts and rounds) and
+    its round's verify and draft in target steps: tokens/s, tau over every row, the ideal
+    tau / (v + d) and the rows' share of the batches' rounds."""
+    tokens = sum(sum(group) for group in lengths)
+    ran = sum(int(np.sum(r)) for r in rounds)
+    tau = tokens / ran if ran else 1.0
+    return dict(tokens_per_s=tokens / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
+                rows_share=batches_share(rounds))
+
+
+# -- the picks ----------------------------------------------------------------------------------
+
+def derive_picks(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """mode -> B -> the fastest chain or tree measured there: tree_for_batch's rule (PICKED: the
+    fastest configuration, a tree where one beat every chain), on one run."""
+    picks: dict[str, dict[int, dict[str, Any]]] = {}
+    for row in rows:
+        if row["kind"] in SPECULATIVE:
+            best = picks.setdefault(row["mode"], {})
+            if row["batch"] not in best or row["tokens_per_s"] > best[row["batch"]]["tokens_per_s"]:
+                best[row["batch"]] = row
+    return picks
+
+
+def picked_dict(picks: Mapping[int, dict[str, Any]]) -> str:
+    """One mode's picks as PICKED writes a model's: {B: the tree's constructor, or None for the chain}."""
+    return "{" + ", ".join(f"{batch}: {picks[batch]['source']}" for batch in sorted(picks)) + "}"
+
+
+def picks_text(picks: Mapping[str, Mapping[int, dict[str, Any]]], name: str) -> str:
+    """The lines that give the picks to the next reader of memra_cuda.testing.llama."""
+    chains = {mode: ", ".join(f"k={row['config']} at {batch}" for batch, row in sorted(by_b.items())
+                              if row["kind"] == "chain") or "none"
+              for mode, by_b in picks.items()}
+    lines = [f"tree_for_batch's picks derived again on {name}, in the form of memra_cuda.testing.llama's PICKED "
+             "(None: the chain):"]
+    if "greedy" in picks:
+        lines.append(f'    "{SIZE}": {picked_dict(picks["greedy"])},  # greedy; the chains: {chains["greedy"]}')
+    if "sampling" in picks:
+        lines.append(f"    sampled at T = 1 (tree_for_batch gives the chain at every B today): "
+                     f"{picked_dict(picks['sampling'])}; the chains: {chains['sampling']}")
+    return "\n".join(lines)
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+HEADER = (f"{'B':>4} {'decoding':8} {'kind':7} {'config':22} {'tokens/s':>9} {'vs plain':>8} {'tau':>5} {'v':>6} "
+          f"{'d':>6} {'ideal':>6} {'reached':>7} {'rows':>5} {'batch':>5}")
+
+
+def format_row(row: dict[str, Any]) -> str:
+    """A row of the table: the baseline with its step beside the HBM floor, Hugging Face's with
+    its tokens/s alone, a chain's or a tree's with its tau, costs and the share of its ideal."""
+    head = f"{row['batch']:4} {row['mode']:8} {row['kind']:7} {_label(row):22} {row['tokens_per_s']:9.0f} " \
+           f"{row['vs_plain']:7.2f}x"
+    if row["kind"] == "plain":
+        return head + (f"   a step {row['step_ms']:.3f} ms: {row['step_ms'] / row['floor_ms']:.1f}x the weights' "
+                       f"HBM floor, {row['floor_ms']:.3f} ms")
+    if row["kind"] == "HF":
+        return head
+    return head + (f" {row['tau']:5.2f} {row['v']:6.2f} {row['draft']:6.2f} {row['ideal']:5.2f}x {row['reached']:7.0%}"
+                   f" {row['rows_share']:5.0%} {row['batch_reached']:5.0%}")
+
+
+def summarise(rows: Sequence[dict[str, Any]]) -> list[dict]:
+    """torch_engine's summary of each B and decoding (best chain, static and dynamic tree, and the
+    pick against the best chain; printed), the pick being the fastest."""
+    plain = {row["batch"]: row["tokens_per_s"] for row in rows if row["kind"] == "plain"}
+    picks = derive_picks(rows)
+    return [_tree_summary([row for row in rows if row["kind"] in SPECULATIVE and row["mode"] == mode
+                           and row["batch"] == batch], picks[mode][batch], plain[batch])
+            for batch in sorted(plain) for mode in MODES if batch in picks.get(mode, {})]
+
+
+def assemble(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[str, Any],
+             floor: Mapping[str, float], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The section's JSON: the pair, the machine and date, the settings, the HBM floor, the rows,
+    the best of each kind at each B and decoding, and the picks (mode -> B -> the constructor,
+    null for the chain)."""
+    picks = derive_picks(rows)
+    return dict(model=dict(info), machine=machine, date=date, settings=dict(settings), floor=dict(floor),
+                rows=[dict(row) for row in rows], best=summarise(rows),
+                picks={mode: {batch: row["source"] for batch, row in sorted(by_b.items())}
+                       for mode, by_b in picks.items()})
+
+
+def plot_headline(report: Mapping[str, Any], path: str | Path) -> None:
+    """The trees section's picture (plot_trees: tokens/s against B of plain decoding, the best
+    chain and tree and that tree's ideal, greedy and sampled) of this pair, titled with it."""
+    plot_trees(report["best"], path, title=describe(report["model"], report["machine"], report["date"]))
+
+
+# -- on the GPU ---------------------------------------------------------------------------------
+
+def copy_bandwidth(nbytes: int = 1 << 30, copies: int = 20) -> float:
+    """Bytes/s of device memory, from `copies` device-to-device copies of `nbytes` timed with events."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(copies):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return copy_bytes_per_s(nbytes, copies, start.elapsed_time(end))
+
+
+def _measure(generate: Callable[[Sequence[Any]], Any], groups: Sequence[Sequence[Any]],
+             after: Callable[[Any], Any] = lambda out: out) -> tuple[float, list[Any]]:
+    """Seconds of generate(group) over every group, each timed alone between synchronisations
+    after one untimed run of the first (graph captures, first loads), and after(its output) of
+    each, read outside the timed spans."""
+    import torch
+    generate(groups[0])
+    seconds, taken = 0.0, []
+    for group in groups:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = generate(group)
+        torch.cuda.synchronize()
+        seconds += time.perf_counter() - start
+        taken.append(after(out))
+    return seconds, taken
+
+
+def _tokens(outs: Sequence[Sequence[Sequence[int]]]) -> int:
+    return sum(len(row) for out in outs for row in out)
+
+
+def _plain(target: Any, groups: Sequence[Sequence[Any]], capacity: int) -> tuple[float, float]:
+    """Tokens/s of the target's graphed greedy decoding of the groups, and the device ms of its step."""
+    from memra_cuda.torch import GraphedGreedy
+    greedy = GraphedGreedy(target, capacity, len(groups[0]))
+    seconds, outs = _measure(greedy.generate_batch, groups)
+    return _tokens(outs) / seconds, _replay_ms(greedy.graph, greedy.stream)
+
+
+def _hugging_face(target: Any, draft: Any, groups: Sequence[Sequence[Any]], plain: float) -> list[dict]:
+    """B = 1: Hugging Face's greedy generate, and its assisted generation with the draft, greedy
+    and sampled (its tokens/s counts the tokens it made, in case it stopped early)."""
+    from memra_cuda.torch import SamplingParams, hf_generate
+    runs = {("greedy", "generate"): (None, None), ("greedy", f"assisted, k={HF_K}"): (None, draft),
+            ("sampling", f"assisted, k={HF_K}"): (SamplingParams(1.0), draft)}
+    rows = []
+    for (mode, label), (sampling, assistant) in runs.items():
+        def generate(group: Sequence[Any], sampling: Any = sampling, assistant: Any = assistant) -> list[list[int]]:
+            return [hf_generate(target, [r.prompt], r.max_new_tokens, sampling=sampling, assistant=assistant,
+                                k=HF_K)[0] for r in group]
+        seconds, outs = _measure(generate, groups)
+        rate = _tokens(outs) / seconds
+        rows.append(dict(size=SIZE, batch=1, mode=mode, kind="HF", config=label, source=None, tokens_per_s=rate,
+                         vs_plain=rate / plain))
+        print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def _speculative(target: Any, draft: Any, config: Config, groups: Sequence[Sequence[Any]], capacity: int,
+                 sampling: Any, step_ms: float) -> dict[str, float]:
+    """figures() of one chain or tree over the groups, its verify and draft each captured alone on
+    its stream after the generations, in target steps. The decoder goes when this returns (the
+    caller's _release gives its memory back)."""
+    spec, verify, draft_levels = _decoder(target, config.kind, config.spec, capacity, len(groups[0]), sampling,
+                                          draft=draft)
+
+    def after(out: list[list[int]]) -> tuple[list[int], np.ndarray]:
+        lengths = [len(row) for row in out]
+        return lengths, spec.bufs.rounds_run(lengths)
+
+    seconds, taken = _measure(spec.generate_batch, groups, after)
+    v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft_levels))
+    return figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d)
+
+
+def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, top: Mapping[str, float],
+                 quick: bool, floor: float) -> list[dict]:
+    """One B: the baseline, Hugging Face's at B = 1, then every chain and tree greedy and sampled,
+    in caches of one capacity that each of them fits (attention reads the whole cache: one
+    capacity keeps their costs comparable)."""
+    from memra_cuda.torch import Request, SamplingParams, capacity_for
+    tokens = QUICK_TOKENS if quick else TOKENS
+    groups = [[Request(ids, tokens, None, seed) for seed, ids in group]
+              for group in prompt_groups(heldout, batch, QUICK_ONE_ROW if quick else ONE_ROW_PROMPTS)]
+    configs = configurations(batch, top, quick)
+    depth, width = (max(values) for values in zip(*(depth_and_width(config.spec) for config in configs)))
+    longest = max(len(r.prompt) for group in groups for r in group)
+    capacity = capacity_for(longest, tokens, depth, TORCH_M, batch, width=width)
+    plain, step_ms = _plain(target, groups, capacity)
+    _release()
+    rows = [dict(size=SIZE, batch=batch, mode="greedy", kind="plain", config="graphed greedy", source=None,
+                 tokens_per_s=plain, vs_plain=1.0, step_ms=step_ms, floor_ms=floor)]
+    print(format_row(rows[0]), flush=True)
+    if batch == 1:
+        rows += _hugging_face(target, draft, groups, plain)
+        _release()
+    for mode, sampling in zip(MODES, (None, SamplingParams(1.0))):
+        for config in configs:
+            row: dict[str, Any] = dict(
+                size=SIZE, batch=batch, mode=mode, kind=config.kind, source=config.source,
+                config=config.spec if config.kind == "chain" else config.label,
+                **_speculative(target, draft, config, groups, capacity, sampling, step_ms))
+            _release()  # the decoder it built, before the next
+            row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
+            print(format_row(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None) -> dict:
+    """The section: the pair in `pair` (default: `make pair`'s), at `batches` (default BATCHES,
+    or QUICK_BATCHES where `quick`); prints the table, the best at each B and the picks, and
+    returns assemble()'s report."""
+    import torch
+    import transformers
+
+    from memra_cuda.torch import load_model
+    transformers.utils.logging.disable_progress_bar()  # from_pretrained's bars, noise in a table (as pair.py)
+    where = pair_dir() if pair is None else Path(pair)
+    report, heldout = load_pair(where)
+    info, machine, date = pair_info(report), torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
+    name = describe(info, machine, date)
+    target, draft = load_model(where / "target"), load_model(where / "draft")  # as saved: bf16
+    for model in (target, draft):  # every row makes its whole budget, as the engine's requests here (no eos)
+        model.generation_config.eos_token_id = None
+    bandwidth, weights = copy_bandwidth(), streamed_bytes(target)
+    _release()  # the copy's two buffers
+    floor = floor_ms(weights, bandwidth)
+    batches = list(batches or (QUICK_BATCHES if quick else BATCHES))
+    tokens, one_row = (QUICK_TOKENS, QUICK_ONE_ROW) if quick else (TOKENS, ONE_ROW_PROMPTS)
+    settings = dict(batches=batches, tokens=tokens, one_row_prompts=one_row, prompt_len=heldout["prompt_len"],
+                    m_rounds=TORCH_M, hf_k=HF_K, dtype=str(target.dtype).removeprefix("torch."), quick=quick,
+                    pair_dir=str(where))
+    print(f"\nheadline: {name}")
+    print(f"prompts: heldout.json's first B ({heldout['prompt_len']} tokens, cut from held-out files), {tokens} new "
+          f"tokens a row (B = 1: {one_row} prompts one after another), {settings['dtype']}, graph mode, "
+          f"M={TORCH_M}, sampling at T=1. vs plain: against the target's graphed greedy decoding (sampled rows "
+          "too); v and d: the round's verify and draft in target steps; ideal = tau / (v + d); reached: the share "
+          "of it got; rows: the rows' mean rounds over the slowest row's; batch: the share got of the batch's "
+          "ideal, ideal x rows. Hugging Face at B = 1 only (it serves one sequence at a time)")
+    print(f"weights' HBM floor: {weights / 1e6:.1f} MB of the target's weights a step (all but the input "
+          f"embedding) / {bandwidth / 1e9:.0f} GB/s (a device-to-device copy of 1 GiB) = {floor:.3f} ms")
+    print(HEADER, flush=True)
+    rows: list[dict] = []
+    for batch in batches:
+        rows += _bench_batch(target, draft, heldout, batch, info["top"], quick, floor)
+    print(f"\nbest at each B and decoding ({name}):")
+    out = assemble(info, machine, date, settings,
+                   dict(weight_bytes=weights, copy_bytes_per_s=bandwidth, floor_ms=floor), rows)
+    print(picks_text(derive_picks(rows), name), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.headline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="B = 1 and 8, one configuration of each kind, "
+                        f"{QUICK_TOKENS} tokens a row (a smoke run, not for figures)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON, and the picture beside "
+                        "(PATH with .png; needs matplotlib)")
+    parser.add_argument("--pair", metavar="DIR", help="the pair's directory (default: `make pair`'s, of pair.py's "
+                        "default settings, in its cache)")
+    parser.add_argument("--batches", type=lambda text: _listed(text, BATCHES, int),
+                        help=f"these of {','.join(map(str, BATCHES))} only")
+    args = parser.parse_args(argv)
+    report = headline(args.quick, args.pair, args.batches)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        plot_headline(report, Path(args.json).with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

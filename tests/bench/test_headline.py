@@ -1,0 +1,283 @@
+"""The headline section's pieces that hold without a GPU (benchmarks/headline.py): the configurations
+it measures and the trees it fits to the pair's agreement, the prompts it cuts from a heldout.json,
+the arithmetic of the ideal, the rows' share and the HBM floor, the picks derived from a table of
+results and printed in PICKED's form, the table's rows and the JSON's shape."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memra_cuda import DynamicTree, TreeShape
+from benchmarks.headline import (BATCHES, CHAIN_KS, HEADER, QUICK_BATCHES, STATIC, Config, assemble, batches_share,
+                                 configurations, copy_bytes_per_s, derive_picks, describe, figures, floor_ms,
+                                 format_row, load_pair, pair_info, picked_dict, picks_text, prompt_groups, tree_rates)
+from benchmarks.torch_engine import reach, rows_share
+
+TOP = {"1": 0.865, "2": 0.93, "4": 0.958, "8": 0.974}  # report.json's agreement (JSON keys), 2026-12-02's pair
+REPORT = dict(key="3f2a9c1e0b7d", vocab=8192,
+              target=dict(layers=12, hidden=768, params=97_500_000, heldout_loss=2.187, steps=716),
+              draft=dict(layers=2, hidden=384, params=9_800_000, heldout_loss=2.021, steps=1289),
+              agreement=dict(prompts=64, top=TOP, tokens_per_round={"2": 2.56}, overlap_t1=0.764))
+NAMESPACE = {"TreeShape": TreeShape, "DynamicTree": DynamicTree}
+
+
+def test_the_likeliest_trees_are_fitted_to_the_pairs_top_1_and_top_2():
+    # the draft's best candidate right at 86.5% of positions, its second at 6.5% = 0.865 x 0.075
+    assert tree_rates(TOP) == (0.865, 0.075)
+    assert tree_rates({"1": 0.5, "2": 0.5}) == (0.5, 0.001)  # no second choice ever right: fall's floor
+    assert tree_rates({"1": 0.016, "2": 0.207}) == (0.016, 1.0)  # a draft trained for seconds
+    assert tree_rates({"1": 0.0, "2": 0.1}) == (0.001, 1.0)
+    for bad in ({"1": 0.9, "2": 0.8}, {"1": -0.1, "2": 0.5}, {"1": 0.5, "2": 1.5}):
+        with pytest.raises(ValueError, match="top-2 >= top-1"):
+            tree_rates(bad)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_each_batch_measures_every_chain_and_static_and_dynamic_trees_that_rebuild_from_their_source(batch):
+    configs = configurations(batch, TOP)
+    assert [c.spec for c in configs if c.kind == "chain"] == list(CHAIN_KS)
+    assert all(c.source is None for c in configs if c.kind == "chain")
+    trees = [c for c in configs if c.kind != "chain"]
+    assert {c.kind for c in trees} == {"static", "dynamic"}
+    assert len([c for c in trees if c.kind == "static"]) == len(STATIC[batch])
+    for config in trees:
+        assert config.source is not None and eval(config.source, NAMESPACE) == config.spec  # PICKED's form rebuilds it
+        assert isinstance(config.spec, TreeShape if config.kind == "static" else DynamicTree)
+        config.spec.check_sampled()  # each is measured at temperature 1 too
+    assert len({c.label for c in configs}) == len(configs), "every configuration its own name in the table"
+
+
+def test_the_trees_shrink_as_the_batch_grows():
+    most = {batch: max(c.spec.nodes for c in configurations(batch, TOP) if not isinstance(c.spec, int))
+            for batch in BATCHES}
+    assert [most[b] for b in BATCHES] == sorted(most.values(), reverse=True)
+    assert most[1] > most[128]
+
+
+def test_a_chain_with_leaves_and_a_likeliest_tree_are_named_as_the_trees_section_names_them():
+    static = {c.source: c.label for c in configurations(1, TOP) if c.kind == "static"}
+    assert static["TreeShape.chain_with_leaves(6, 1)"] == "k=6, 1 leaf"
+    assert static["TreeShape.likeliest(16, depth=6, right=0.865, fall=0.075, ranks=4)"] == "T=16, depth 6"
+    assert Config("chain", 4, None).label == "k=4"
+    assert Config("dynamic", DynamicTree(6, 2, 2), "DynamicTree(6, 2, 2)").label == "6x2, branch 2"
+
+
+def test_the_quick_run_takes_one_configuration_of_each_kind_at_two_batch_sizes():
+    assert QUICK_BATCHES == (1, 8) and set(QUICK_BATCHES) <= set(BATCHES)
+    for batch in QUICK_BATCHES:
+        assert [c.kind for c in configurations(batch, TOP, quick=True)] == ["chain", "static", "dynamic"]
+
+
+def write_heldout(tmp_path, count: int, length: int = 5) -> dict:
+    """A heldout.json as benchmarks/pair.py writes it, of `count` prompts, and the pair's other files."""
+    pool = [dict(path=f"stdlib/m{i}.py", start=3 * i, ids=list(range(100 * i, 100 * i + length)), text=f"t{i}")
+            for i in range(count)]
+    heldout = dict(prompt_len=length, prompts=pool)
+    (tmp_path / "heldout.json").write_text(json.dumps(heldout, indent=0))
+    (tmp_path / "report.json").write_text(json.dumps(REPORT))
+    (tmp_path / "target").mkdir()
+    (tmp_path / "draft").mkdir()
+    return heldout
+
+
+def test_prompts_are_cut_from_heldout_json_one_generation_a_prompt_at_b_1(tmp_path):
+    write_heldout(tmp_path, 10)
+    report, heldout = load_pair(tmp_path)
+    assert report == REPORT
+    one = prompt_groups(heldout, 1, one_row=3)
+    assert one == [[(0, [0, 1, 2, 3, 4])], [(1, [100, 101, 102, 103, 104])], [(2, [200, 201, 202, 203, 204])]]
+    (batch,) = prompt_groups(heldout, 8, one_row=3)
+    assert [seed for seed, _ in batch] == list(range(8)), "each row its own seed: its index in the pool"
+    assert [ids[0] for _, ids in batch] == [100 * i for i in range(8)]
+    with pytest.raises(ValueError, match="holds 10 prompts; B = 32 needs 32"):
+        prompt_groups(heldout, 32, one_row=3)
+
+
+def test_a_directory_that_is_not_a_whole_pair_is_refused_naming_what_it_lacks(tmp_path):
+    (tmp_path / "target").mkdir()
+    with pytest.raises(FileNotFoundError, match="lacks draft, report.json, heldout.json; `make pair`"):
+        load_pair(tmp_path)
+
+
+def test_every_line_names_the_pair_and_the_machine():
+    line = describe(pair_info(REPORT), "NVIDIA H200", "2026-12-03")
+    for words in ("pair 3f2a9c1e0b7d", "Llama 12 x 768", "97.5 M params", "2.187 nats/token", "Llama 2 x 384",
+                  "2.021", "86.5%", "NVIDIA H200", "2026-12-03"):
+        assert words in line
+
+
+def test_batches_run_one_after_another_share_their_rounds_as_one_batch_does():
+    one = np.array([10, 8, 6])
+    assert batches_share([one]) == pytest.approx(rows_share(one))  # one batch: the trees section's share
+    assert batches_share([np.array([7]), np.array([3]), np.array([12])]) == 1.0  # B = 1: every row its batch's
+    # two batches of two: (10 + 5 + 4 + 4) rounds used of 2 x 10 + 2 x 4 run
+    assert batches_share([np.array([10, 5]), np.array([4, 4])]) == pytest.approx(23 / 28)
+    assert batches_share([np.zeros(3, np.int64)]) == 1.0
+
+
+def test_a_rows_figures_are_its_tokens_over_its_rounds_and_the_ideal_its_costs_allow():
+    # B = 1, two prompts one after another: 128 tokens in 40 rounds, 128 in 24; 0.5 s in all
+    got = figures([[128], [128]], [np.array([40]), np.array([24])], 0.5, v=1.1, d=0.9)
+    assert got["tokens_per_s"] == 512 and got["tau"] == 4.0 and got["ideal"] == pytest.approx(2.0)
+    assert got["rows_share"] == 1.0 and (got["v"], got["draft"]) == (1.1, 0.9)
+    # then the trees section's reach(): 1.8x plain of an ideal of 2x
+    assert reach(1.8, got["ideal"], got["rows_share"])["reached"] == pytest.approx(0.9)
+
+
+def test_the_hbm_floor_is_the_weights_read_once_at_the_copys_bandwidth():
+    # 20 copies of 1 GiB in 10 ms: each reads and writes it, 4.29 TB/s
+    bandwidth = copy_bytes_per_s(1 << 30, 20, 10.0)
+    assert bandwidth == pytest.approx(2 * 20 * 2**30 / 0.010)
+    assert floor_ms(182_000_000, bandwidth) == pytest.approx(182_000_000 / bandwidth * 1e3)
+    assert floor_ms(4_000_000_000, 4e12) == pytest.approx(1.0)
+
+
+def test_the_weights_a_step_reads_leave_out_the_input_embedding_but_not_a_tied_head():
+    torch = pytest.importorskip("torch", reason="needs PyTorch")
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
+    from benchmarks.headline import streamed_bytes
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+                 num_key_value_heads=1)
+    for tied in (False, True):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=tied, **shape))
+        model = model.to(torch.bfloat16)
+        every = sum(p.numel() for p in model.parameters()) * 2
+        table = 256 * 64 * 2
+        assert streamed_bytes(model) == (every if tied else every - table), f"tied={tied}"
+
+
+def row(batch, mode, kind, config, tokens_per_s, source=None, **more):
+    return dict(size="pair", batch=batch, mode=mode, kind=kind, config=config, source=source,
+                tokens_per_s=tokens_per_s, **more)
+
+
+def measured(batch, mode, kind, config, tokens_per_s, source=None, plain=1000.0, tau=3.0, v=1.1, d=0.5):
+    """A chain's or tree's row as _bench_batch makes it."""
+    out = row(batch, mode, kind, config, tokens_per_s, source, tau=tau, v=v, draft=d, ideal=tau / (v + d),
+              rows_share=1.0)
+    out.update(reach(tokens_per_s / plain, out["ideal"], out["rows_share"]))
+    return out
+
+
+LEAVES = "TreeShape.chain_with_leaves(6, 1)"
+TABLE = [
+    row(1, "greedy", "plain", "graphed greedy", 1000.0, vs_plain=1.0, step_ms=0.3, floor_ms=0.05),
+    row(1, "greedy", "HF", "assisted, k=4", 200.0, vs_plain=0.2),
+    measured(1, "greedy", "chain", 4, 1900.0), measured(1, "greedy", "static", "k=6, 1 leaf", 2100.0, LEAVES),
+    measured(1, "greedy", "dynamic", "6x2, branch 2", 1500.0, "DynamicTree(6, 2, 2)"),
+    measured(1, "sampling", "chain", 4, 1500.0), measured(1, "sampling", "static", "k=6, 1 leaf", 1400.0, LEAVES),
+    measured(1, "sampling", "dynamic", "6x2, branch 2", 1300.0, "DynamicTree(6, 2, 2)"),
+    row(8, "greedy", "plain", "graphed greedy", 8000.0, vs_plain=1.0, step_ms=0.31, floor_ms=0.05),
+    measured(8, "greedy", "chain", 3, 14000.0, plain=8000.0), measured(8, "greedy", "chain", 4, 15000.0, plain=8000.0),
+    measured(8, "greedy", "static", "k=4, 1 leaf", 14500.0, "TreeShape.chain_with_leaves(4, 1)", plain=8000.0),
+    measured(8, "greedy", "dynamic", "6x2, branch 2", 9000.0, "DynamicTree(6, 2, 2)", plain=8000.0),
+    measured(8, "sampling", "chain", 4, 12000.0, plain=8000.0),
+    measured(8, "sampling", "static", "k=4, 1 leaf", 11000.0, "TreeShape.chain_with_leaves(4, 1)", plain=8000.0),
+    measured(8, "sampling", "dynamic", "6x2, branch 2", 12500.0, "DynamicTree(6, 2, 2)", plain=8000.0),
+]
+
+
+def test_the_picks_are_the_fastest_chain_or_tree_at_each_batch_and_decoding():
+    picks = derive_picks(TABLE)
+    assert {mode: {b: (r["kind"], r["config"]) for b, r in by_b.items()} for mode, by_b in picks.items()} == {
+        "greedy": {1: ("static", "k=6, 1 leaf"), 8: ("chain", 4)},
+        "sampling": {1: ("chain", 4), 8: ("dynamic", "6x2, branch 2")}}, "never the plain or Hugging Face's rows"
+
+
+def test_the_picks_print_as_picked_takes_them():
+    picks = derive_picks(TABLE)
+    assert eval(picked_dict(picks["greedy"]), NAMESPACE) == {1: TreeShape.chain_with_leaves(6, 1), 8: None}
+    assert eval(picked_dict(picks["sampling"]), NAMESPACE) == {1: None, 8: DynamicTree(6, 2, 2)}
+    text = picks_text(picks, "pair 3f2a9c1e0b7d on NVIDIA H200")
+    assert "pair 3f2a9c1e0b7d on NVIDIA H200" in text.splitlines()[0]
+    assert '    "pair": {1: TreeShape.chain_with_leaves(6, 1), 8: None},  # greedy; the chains: k=4 at 8' in text
+    assert "{1: None, 8: DynamicTree(6, 2, 2)}; the chains: k=4 at 1" in text
+
+
+def test_the_tables_rows_line_up_under_its_header():
+    lines = [format_row(r) for r in TABLE]
+    width = len(HEADER.split(" vs plain")[0]) + len(" vs plain")
+    assert all(line[width - 1] == "x" for line in lines), "tokens/s and vs plain under their heads"
+    chain = format_row(TABLE[2])
+    assert chain.split() == ["1", "greedy", "chain", "k=4", "1900", "1.90x", "3.00", "1.10", "0.50", "1.88x", "101%",
+                             "100%", "101%"]
+    assert len(chain) == len(HEADER)
+    assert "a step 0.300 ms: 6.0x the weights' HBM floor, 0.050 ms" in lines[0]
+    assert lines[1].split() == ["1", "greedy", "HF", "assisted,", "k=4", "200", "0.20x"]
+
+
+def test_the_json_holds_the_pair_the_machine_the_floor_the_rows_the_best_and_the_picks(capsys):
+    info = pair_info(REPORT)
+    settings = dict(batches=[1, 8], tokens=128, one_row_prompts=8, prompt_len=128, m_rounds=16, hf_k=4)
+    floor = dict(weight_bytes=182_000_000, copy_bytes_per_s=4.0e12, floor_ms=0.0455)
+    report = json.loads(json.dumps(assemble(info, "NVIDIA H200", "2026-12-03", settings, floor, TABLE)))
+    assert set(report) == {"model", "machine", "date", "settings", "floor", "rows", "best", "picks"}
+    assert report["model"]["key"] == "3f2a9c1e0b7d" and report["model"]["target"]["heldout_loss"] == 2.187
+    assert report["machine"] == "NVIDIA H200" and report["floor"] == floor and report["settings"] == settings
+    assert len(report["rows"]) == len(TABLE)
+    assert report["picks"] == {"greedy": {"1": LEAVES, "8": None}, "sampling": {"1": None, "8": "DynamicTree(6, 2, 2)"}}
+    best = {(b["batch"], b["mode"]): b for b in report["best"]}
+    assert set(best) == {(1, "greedy"), (1, "sampling"), (8, "greedy"), (8, "sampling")}
+    assert best[1, "greedy"]["chosen"] == "k=6, 1 leaf" and best[1, "greedy"]["chosen_vs_chain"] == pytest.approx(
+        2100 / 1900)
+    assert best[8, "greedy"]["chain"] == 4 and best[8, "greedy"]["plain_tokens_per_s"] == 8000.0
+    assert len(capsys.readouterr().out.splitlines()) == 4, "the summary: a line a batch size and decoding"
+
+
+@pytest.mark.parametrize("matplotlib", [False, True], ids=["without matplotlib", "with matplotlib"])
+def test_the_picture_is_the_trees_sections_of_the_pairs_best(monkeypatch, tmp_path, capsys, matplotlib):
+    from benchmarks.headline import plot_headline
+    if matplotlib:
+        pytest.importorskip("matplotlib", reason="the picture needs matplotlib (the plot extra)")
+    else:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    report = json.loads(json.dumps(assemble(pair_info(REPORT), "NVIDIA H200", "2026-12-03", {}, {}, TABLE)))
+    capsys.readouterr()
+    picture = tmp_path / "headline.png"
+    plot_headline(report, picture)  # from the JSON, as a reader of the file would draw it again
+    out = capsys.readouterr().out
+    assert picture.exists() == matplotlib and out.count("\n") == 1, out
+    if matplotlib:
+        assert picture.read_bytes().startswith(b"\x89PNG")
+
+
+# -- what pair.py writes ------------------------------------------------------------------------
+
+QUICK_PAIR = ["--quick", "--max-files", "1000", "--target-seconds", "1", "--draft-seconds", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def quick_pair(tmp_path_factory):
+    """A pair trained by `python -m benchmarks.pair --quick` on the CPU (seconds), in a cache of its
+    own, and the arguments it ran with."""
+    for name in ("torch", "transformers", "tokenizers"):
+        pytest.importorskip(name, reason="benchmarks/pair.py trains with torch, transformers and tokenizers")
+    import benchmarks
+    argv = [*QUICK_PAIR, "--cache", str(tmp_path_factory.mktemp("pair"))]
+    done = subprocess.run([sys.executable, "-m", "benchmarks.pair", *argv], capture_output=True, text=True,
+                          cwd=Path(benchmarks.__file__).absolute().parents[1], timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (where,) = [path.parent for path in Path(argv[-1]).glob("*/report.json")]
+    return where, argv
+
+
+def test_the_headline_finds_a_pair_by_pair_pys_own_key(quick_pair):
+    from benchmarks.headline import pair_dir
+    where, argv = quick_pair
+    assert pair_dir(argv) == where
+
+
+def test_the_headline_reads_what_pair_py_writes(quick_pair):
+    where, _ = quick_pair
+    report, heldout = load_pair(where)
+    info = pair_info(report)
+    assert f"pair {where.name} (target Llama 2 x 128" in describe(info, "cpu", "today")
+    ((seed, ids),) = prompt_groups(heldout, 1, one_row=1)[0]
+    assert seed == 0 and len(ids) == heldout["prompt_len"] == 32
+    for batch in BATCHES:  # trees fitted to whatever a draft trained for a second agrees
+        assert configurations(batch, info["top"])
