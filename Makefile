@@ -148,7 +148,7 @@ bench:
 # Needs torch, transformers and tokenizers (the GPU machine has them): first the headline on the
 # trained pair (benchmarks/headline.py; `make pair` runs before it, and trains the pair where its
 # cache is empty), then Hugging Face, graphed greedy and round-stream on the random-weight Llamas
-# of memra_cuda.testing.llama through memra_cuda.torch, and its trees section chains against trees;
+# of memra_cuda.torch.testing through memra_cuda.torch, and its trees section chains against trees;
 # BENCH_ARGS="--json PATH" also writes the pictures, PATH's .headline.png and .png (with
 # matplotlib, the plot extra). The headline measures the pair of pair.py's default settings
 # (python -m benchmarks.headline --pair DIR measures another).

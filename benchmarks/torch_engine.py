@@ -1,5 +1,5 @@
 """`make bench-torch`: round-stream on a real transformer (memra_cuda.torch's decoders on a trained
-target and draft, then on the random-weight Llamas of memra_cuda.testing.llama), in one run.
+target and draft, then on the random-weight Llamas of memra_cuda.torch.testing), in one run.
 
 0. The headline (benchmarks/headline.py, whose docstring says what it measures): the pair
    benchmarks/pair.py trains (`make pair`, which `make bench-torch` runs first), prompts cut from
@@ -136,7 +136,7 @@ def _step_ms(step: Callable[..., Any], tokens: int = 1, replays: int = 200, **kw
 
 
 def bench_one_request(quick: bool) -> list[dict]:
-    from memra_cuda.testing.llama import PROMPT, build_model
+    from memra_cuda.torch.testing import PROMPT, build_model
     from memra_cuda.torch import GraphedGreedy, SpeculativeLlama, capacity_for, hf_greedy, self_draft
     rows: list[dict] = []
     print(f"{'size':6} {'method':22} {'tokens/s':>9} {'accept':>6} {'vs greedy':>9} {'vs HF assisted':>14}")
@@ -194,7 +194,7 @@ def bench_one_request(quick: bool) -> list[dict]:
 
 def bench_batches(quick: bool) -> list[dict]:
     """Section 2: every method on the same B requests, tokens/s over all rows."""
-    from memra_cuda.testing.llama import build_model
+    from memra_cuda.torch.testing import build_model
     rows: list[dict] = []
     tokens = 32 if quick else 128
     print(f"\nbatches: k={TORCH_K}, M={TORCH_M}, {tokens} tokens a row, prompts of 2 to 40 tokens; sampling at T=1")
@@ -208,7 +208,7 @@ def bench_batches(quick: bool) -> list[dict]:
 
 def _bench_batch(model: Any, size: str, batch: int, tokens: int) -> list[dict]:
     """One size and B of section 2 (its caches and graphs go when it returns)."""
-    from memra_cuda.testing.llama import prompts as some_prompts
+    from memra_cuda.torch.testing import prompts as some_prompts
     from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, SpeculativeLlama, capacity_for,
                                   hf_generate, self_draft)
     sampling = SamplingParams(1.0)
@@ -246,8 +246,8 @@ def bench_serving(quick: bool) -> list[dict]:
     """Section 3: continuous batching against one request at a time."""
     import numpy as np
 
-    from memra_cuda.testing.llama import build_model
-    from memra_cuda.testing.llama import prompts as some_prompts
+    from memra_cuda.torch.testing import build_model
+    from memra_cuda.torch.testing import prompts as some_prompts
     from memra_cuda.torch import GraphedGreedy, Request, Served, SpeculativeLlama, capacity_for, self_draft
     gen = np.random.default_rng(64)
     count = 16 if quick else SERVED
@@ -292,7 +292,7 @@ def bench_serving(quick: bool) -> list[dict]:
 
 def bench_hybrid(quick: bool) -> list[dict]:
     """Section 4: the hybrid model against its own graphed plain greedy, tokens/s over all rows."""
-    from memra_cuda.testing.llama import HYBRID, build_model
+    from memra_cuda.torch.testing import HYBRID, build_model
     tokens = 64 if quick else 256
     model = build_model("small", recurrent_layers=HYBRID)
     print(f"\nhybrid: small model, layers {HYBRID} a gated linear recurrence, k={TORCH_K}, M={TORCH_M}, "
@@ -306,8 +306,8 @@ def bench_hybrid(quick: bool) -> list[dict]:
 
 def _bench_hybrid_batch(model: Any, batch: int, tokens: int) -> list[dict]:
     """One B of section 4 (its caches, states and graphs go when it returns)."""
-    from memra_cuda.testing.llama import PROMPT
-    from memra_cuda.testing.llama import prompts as some_prompts
+    from memra_cuda.torch.testing import PROMPT
+    from memra_cuda.torch.testing import prompts as some_prompts
     from memra_cuda.torch import GraphedGreedy, Request, SpeculativeLlama, capacity_for, self_draft
     prompts = [PROMPT] if batch == 1 else some_prompts(batch, seed=batch)
     requests = [Request(prompt, tokens) for prompt in prompts]
@@ -343,7 +343,7 @@ def bench_trees(quick: bool, sizes: Sequence[str] = ("small", "large"),
     """Section 5: chains against static and dynamic trees at each B, and the trees the example
     picks there, greedy and sampled (testing.llama.tree_for_batch), so that PICKED can be checked
     against what this machine measures."""
-    from memra_cuda.testing.llama import build_model
+    from memra_cuda.torch.testing import build_model
     print(f"\ntrees: memra_cuda.torch.TreeLlama against the chain, M={TORCH_M}, graph mode, head scaled by "
           f"{TREE_LOGIT_SCALE:g}, {64 if quick else '256 (B <= 8) or 128'} tokens a row; sampling at T=1; v and d: "
           "the round's verify and draft in target steps, ideal = tau / (v + d), reached: the share of it got; "
@@ -363,7 +363,7 @@ def _tree_candidates(picked: Sequence[Any], batch: int, quick: bool) -> list[tup
     """(kind, config) of every configuration measured at `batch`: the chains' k, the static and
     dynamic trees (the first of each in a quick run), and `picked`, the trees the example picks
     there (greedy and sampled), each among its kind's where it is not one of them already."""
-    from memra_cuda.testing.llama import parse_tree
+    from memra_cuda.torch.testing import parse_tree
 
     def some(options: Sequence[Any]) -> list[Any]:
         return list(options[:1] if quick else options)
@@ -395,8 +395,8 @@ def _label(row: dict) -> str:
 def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[dict]:
     """One size and B of section 5: plain decoding, then every candidate greedy and sampled, in
     caches of one capacity that each of them fits."""
-    from memra_cuda.testing.llama import PROMPT, tree_for_batch
-    from memra_cuda.testing.llama import prompts as some_prompts
+    from memra_cuda.torch.testing import PROMPT, tree_for_batch
+    from memra_cuda.torch.testing import prompts as some_prompts
     from memra_cuda.torch import Request, SamplingParams, capacity_for
     prompts = [PROMPT] if batch == 1 else some_prompts(batch, seed=batch)
     tokens = 64 if quick else (256 if batch <= 8 else 128)
@@ -573,7 +573,7 @@ def bench_tree_costs(quick: bool) -> list[dict]:
     ways to take a level's two best candidates, torch.topk and best_ranks' two argmaxes."""
     import torch
 
-    from memra_cuda.testing.llama import PROMPT, build_model, static_tree
+    from memra_cuda.torch.testing import PROMPT, build_model, static_tree
     from memra_cuda.torch import Request, best_ranks, capacity_for
     print("\ntree costs: B=1, device ms of each part captured alone, in target steps (a graphed greedy step)")
     rows: list[dict] = []

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from memra_cuda.testing.llama import check_greedy, command_line, describe, models, parse, requests
+from memra_cuda.torch.testing import check_greedy, command_line, describe, models, parse, requests
 from memra_cuda.torch import SpeculativeLlama, capacity_for
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import memra_cuda.torch as memra_torch
 from memra_cuda import Engine
 from memra_cuda.comm import Communicator, digest, nccl
-from memra_cuda.testing.llama import PROMPT, SIZES, build_model, prompts
+from memra_cuda.torch.testing import PROMPT, SIZES, build_model, prompts
 from memra_cuda.torch import GraphedGreedy, Request, SpeculativeLlama, capacity_for, self_draft, shard
 
 

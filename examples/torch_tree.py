@@ -5,7 +5,7 @@ path the target accepts and moves that path's K/V to consecutive slots in both m
 caches (kernel 15), greedy or sampled, in every mode (memra_cuda.torch.TreeLlama).
 
 `--tree auto` takes what `make bench-torch`'s trees section measured fastest on an H200 for the
-random-weight model of `--size` at the batch size (memra_cuda.testing.llama.tree_for_batch), and
+random-weight model of `--size` at the batch size (memra_cuda.torch.testing.tree_for_batch), and
 refuses where the chain (examples/torch_llama.py) was faster; a loaded model names its tree.
 
     python examples/torch_tree.py [--size small|large | --model DIR [--draft DIR] [--prompt TEXT]]
@@ -21,7 +21,7 @@ import sys
 import torch
 
 from memra_cuda.buffers.tree import Tree
-from memra_cuda.testing.llama import (check_greedy, command_line, describe, models, parse, parse_tree, requests,
+from memra_cuda.torch.testing import (check_greedy, command_line, describe, models, parse, parse_tree, requests,
                                       tree_for_batch)
 from memra_cuda.torch import TreeLlama, capacity_for
 

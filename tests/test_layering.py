@@ -94,3 +94,20 @@ def test_the_import_graph_is_read_at_all():
     assert "memra_cuda.driver.buffer" in graph["memra_cuda.buffers.stream_bufs"]
     assert "memra_cuda.testing.reference" in graph["memra_cuda.testing.toy.numpy_loop"]
     assert layer("memra_cuda.rounds.stream") == 3 and layer("memra_cuda.errors") is None
+
+
+def test_only_the_torch_subpackage_imports_torch_or_transformers():
+    """The core and the testing subpackage import without the optional PyTorch stack: a module
+    outside memra_cuda/torch that imported torch (or transformers, tokenizers) anywhere would
+    make that import need it."""
+    optional = ("torch", "transformers", "tokenizers", "safetensors")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] == "torch":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(PACKAGE)} imports {name}" for name in names
+                      if name.split(".")[0] in optional]
+    assert not found, found

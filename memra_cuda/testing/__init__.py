@@ -10,6 +10,7 @@ memra_cuda.__main__, decodes its toy).
 - `memra_cuda.testing.toy`: the toy language model (docs/toy-model.md), its kernels on the GPU
   (ToyLM), the same model in numpy (numpy_loop: the whole speculative loop, the output a correct
   decoder must give), and over two GPUs (pipeline) or NCCL ranks (ranks).
-- `memra_cuda.testing.llama`: random-weight Llamas for the PyTorch engine's tests, examples and
-  benchmark (needs torch and transformers, so importing memra_cuda.testing does not import it).
+Their PyTorch counterpart, random-weight Llamas for the PyTorch engine's tests, examples and
+benchmark, is `memra_cuda.torch.testing`: it needs torch and transformers, which nothing outside
+memra_cuda.torch imports.
 """

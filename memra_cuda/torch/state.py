@@ -36,7 +36,7 @@ class Recurrent(torch.nn.Module):
     `active` [R][T] is False a row's state stays as it was (a prefill's padding); where
     `parents` [R][T] is given the tokens are a tree's nodes, token t >= 1 stepping from the state
     after its parent, token 0 from `state`. It returns the layer's output and the state after
-    the last token. memra_cuda.testing.llama.RecurrentLayer is one."""
+    the last token. memra_cuda.torch.testing.RecurrentLayer is one."""
 
     state_shape: tuple[int, ...]
 

@@ -41,7 +41,7 @@ def test_shard_refuses_what_it_cannot_split_and_changes_nothing_then():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from memra_cuda.testing.llama import RecurrentLayer
+    from memra_cuda.torch.testing import RecurrentLayer
     from memra_cuda.torch import shard
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)

@@ -1,7 +1,7 @@
 """A separate draft model (issue 40, item 2): memra_cuda.torch's decoders given a target and a draft
 that are two models of one vocabulary, each with its own static caches, prefills and graphs.
 
-The draft here is memra_cuda.testing.llama.separate_draft of the small random-weight Llama: a
+The draft here is memra_cuda.torch.testing.separate_draft of the small random-weight Llama: a
 config of its own (two layers), parameters of its own in bf16 beside the fp32 target (copies of
 the target's first layers, so it agrees often), sharing no module and so no cache. Greedy, every
 row equals the target's own greedy decoding (Hugging Face's) token for token, chains and static
@@ -23,8 +23,8 @@ import pytest
 from memra_cuda.rounds import MODES
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
-pytest.importorskip("transformers", reason="memra_cuda.testing.llama needs transformers")
-from memra_cuda.testing.llama import prompts, separate_draft  # noqa: E402
+pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
+from memra_cuda.torch.testing import prompts, separate_draft  # noqa: E402
 from memra_cuda.torch import (Request, SamplingParams, SpeculativeLlama, Stack, capacity_for,  # noqa: E402
                               hf_greedy)
 from test_torch_batch_gpu import (assert_first_sampled_token_is_the_targets_softmax, first_difference,  # noqa: E402

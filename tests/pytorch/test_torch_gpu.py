@@ -158,7 +158,7 @@ def test_adapter_capture_refuses_the_default_stream(engine):
 
 @pytest.fixture(scope="module")
 def decoder(small):
-    from memra_cuda.testing.llama import PROMPT  # transformers: only for the tests that take the Llama
+    from memra_cuda.torch.testing import PROMPT  # transformers: only for the tests that take the Llama
     tokens = 256
     capacity = memra_torch.capacity_for(len(PROMPT), tokens, 4, 16)
     spec = memra_torch.SpeculativeLlama(small, memra_torch.self_draft(small), k=4, m_rounds=16, capacity=capacity)

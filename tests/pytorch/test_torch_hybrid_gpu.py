@@ -1,4 +1,4 @@
-"""The hybrid random-weight Llama (memra_cuda.testing.llama, issue 20) through memra_cuda.torch's
+"""The hybrid random-weight Llama (memra_cuda.torch.testing, issue 20) through memra_cuda.torch's
 decoders: the target's layers HYBRID a gated linear recurrence whose state round-stream rolls
 back every round, by copy or by flipping an index (CopyState, FlipState). Its output equals its
 own plain greedy decoding (GraphedGreedy: Hugging Face cannot run the layer) token for token
@@ -17,8 +17,8 @@ from memra_cuda.errors import LoopUnsupported
 from memra_cuda.rounds import MODES
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
-pytest.importorskip("transformers", reason="memra_cuda.testing.llama needs transformers")
-from memra_cuda.testing.llama import HYBRID, PROMPT, build_model, prompts, separate_draft  # noqa: E402
+pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
+from memra_cuda.torch.testing import HYBRID, PROMPT, build_model, prompts, separate_draft  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, SpeculativeLlama, Stack,  # noqa: E402
                               capacity_for, self_draft)
 from test_torch_batch_gpu import first_difference  # noqa: E402  (imports torch)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_c
 pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 
-from memra_cuda.testing.llama import RecurrentLayer, separate_draft  # noqa: E402
+from memra_cuda.torch.testing import RecurrentLayer, separate_draft  # noqa: E402
 from memra_cuda.torch import (CopyState, LiveState, PagedKV, SamplingParams, SpeculativeLlama, Stack,  # noqa: E402
                               StaticKV, TreeLlama, TreeMask, load_model, load_tokenizer, self_draft)
 

@@ -15,8 +15,8 @@ import pytest
 from memra_cuda import DynamicTree, TreeShape
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
-pytest.importorskip("transformers", reason="memra_cuda.testing.llama needs transformers")
-from memra_cuda.testing.llama import (PROMPT, command_line, parse, parse_tree, requests, static_tree,  # noqa: E402
+pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
+from memra_cuda.torch.testing import (PROMPT, command_line, parse, parse_tree, requests, static_tree,  # noqa: E402
                                       tree_for_batch)
 from memra_cuda.torch import SamplingParams, TreeMask, best_ranks  # noqa: E402
 from memra_cuda.torch.stack import blas_for  # noqa: E402

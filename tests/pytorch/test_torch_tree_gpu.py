@@ -21,8 +21,8 @@ from memra_cuda.rounds import MODES
 from laws import assert_distributed_as, cells
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
-pytest.importorskip("transformers", reason="memra_cuda.testing.llama needs transformers")
-from memra_cuda.testing.llama import PROMPT, prompts  # noqa: E402
+pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
+from memra_cuda.torch.testing import PROMPT, prompts  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, PagedKV, Request, SamplingParams, Stack, TreeLlama,  # noqa: E402
                               capacity_for, hf_greedy, self_draft)
 from test_torch_batch_gpu import first_difference  # noqa: E402  (imports torch)

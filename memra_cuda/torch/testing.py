@@ -22,8 +22,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..buffers.tree import DynamicTree, Tree, TreeShape
 from ..rounds.stream import MODES
-from ..torch import (GraphedGreedy, Recurrent, Request, SamplingParams, head_size, hf_greedy, load_model,
-                     load_tokenizer, self_draft)
+from .decoder import Request
+from .greedy import GraphedGreedy, hf_greedy
+from .kv import head_size
+from .models import load_model, load_tokenizer, self_draft
+from .sampling import SamplingParams
+from .state import Recurrent
 
 SIZES: dict[str, dict[str, Any]] = {  # the prototype model, and one about 16 times its parameters
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
