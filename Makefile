@@ -15,8 +15,9 @@ PICK_TEST = py=$$(sh tools/pick-python test) || exit 1;
 # The CUDA 12 bindings, as wheels carried to the GPU machine (it reaches no package index): the
 # lowest cuda-python that pyproject.toml accepts (12.6.2.post1, which holds cuda.bindings itself)
 # and numpy 1.26 (the last before 2), for CPython 3.12 on manylinux x86_64. `make gpu-test` runs
-# the highest, the GPU machine's 13.x.
-WHEELS12 := cuda-python==12.6.2.post1 numpy==1.26.4
+# the highest, the GPU machine's 13.x. The last 12.x, which CUDA 12 users mostly run, is another
+# download: make wheels-cuda12 WHEELS12="cuda-bindings==12.9.4 cuda-pathfinder==1.9.1 numpy==1.26.4".
+WHEELS12 ?= cuda-python==12.6.2.post1 numpy==1.26.4
 SITE12   ?= /tmp/site12
 
 .PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch pair ptx clean

@@ -36,16 +36,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .common import depth_and_width
-from .torch_engine import (TORCH_M, TREE_BATCHES, _decoder, _graph_ms, _label, _listed, _release, _replay_ms,
-                           _tree_label, _tree_summary, plot_trees, reach)
+from .torch_engine import (TORCH_M, TREE_BATCHES, _bench_tree_config, _label, _listed, _measure, _plain_decoding,
+                           _release, _tokens, _tree_label, _tree_summary, plot_trees, reach)
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
 SIZE = "pair"  # the trees section's `size` of these rows (its summary and picture take them)
@@ -198,26 +196,6 @@ def floor_ms(weight_bytes: int, bytes_per_s: float) -> float:
     return weight_bytes / bytes_per_s * 1e3
 
 
-def batches_share(rounds: Sequence[np.ndarray]) -> float:
-    """torch_engine.rows_share over batches run one after another (B = 1's prompts): the rounds
-    their rows ran (StreamBufs.rounds_run) over the rounds the batches ran, each its slowest
-    row's times its rows; 1 where none ran a round."""
-    ran = sum(len(r) * int(np.max(r, initial=0)) for r in rounds)
-    return sum(float(np.sum(r)) for r in rounds) / ran if ran else 1.0
-
-
-def figures(lengths: Sequence[Sequence[int]], rounds: Sequence[np.ndarray], seconds: float, v: float,
-            d: float) -> dict[str, float]:
-    """A configuration's row from its generations (each one's rows' token counts and rounds) and
-    its round's verify and draft in target steps: tokens/s, tau over every row, the ideal
-    tau / (v + d) and the rows' share of the batches' rounds."""
-    tokens = sum(sum(group) for group in lengths)
-    ran = sum(int(np.sum(r)) for r in rounds)
-    tau = tokens / ran if ran else 1.0
-    return dict(tokens_per_s=tokens / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
-                rows_share=batches_share(rounds))
-
-
 # -- the picks ----------------------------------------------------------------------------------
 
 def derive_picks(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -317,36 +295,6 @@ def copy_bandwidth(nbytes: int = 1 << 30, copies: int = 20) -> float:
     return copy_bytes_per_s(nbytes, copies, start.elapsed_time(end))
 
 
-def _measure(generate: Callable[[Sequence[Any]], Any], groups: Sequence[Sequence[Any]],
-             after: Callable[[Any], Any] = lambda out: out) -> tuple[float, list[Any]]:
-    """Seconds of generate(group) over every group, each timed alone between synchronisations
-    after one untimed run of the first (graph captures, first loads), and after(its output) of
-    each, read outside the timed spans."""
-    import torch
-    generate(groups[0])
-    seconds, taken = 0.0, []
-    for group in groups:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = generate(group)
-        torch.cuda.synchronize()
-        seconds += time.perf_counter() - start
-        taken.append(after(out))
-    return seconds, taken
-
-
-def _tokens(outs: Sequence[Sequence[Sequence[int]]]) -> int:
-    return sum(len(row) for out in outs for row in out)
-
-
-def _plain(target: Any, groups: Sequence[Sequence[Any]], capacity: int) -> tuple[float, float]:
-    """Tokens/s of the target's graphed greedy decoding of the groups, and the device ms of its step."""
-    from memra_cuda.torch import GraphedGreedy
-    greedy = GraphedGreedy(target, capacity, len(groups[0]))
-    seconds, outs = _measure(greedy.generate_batch, groups)
-    return _tokens(outs) / seconds, _replay_ms(greedy.graph, greedy.stream)
-
-
 def _hugging_face(target: Any, draft: Any, groups: Sequence[Sequence[Any]], plain: float) -> list[dict]:
     """B = 1: Hugging Face's greedy generate, and its assisted generation with the draft, greedy
     and sampled (its tokens/s counts the tokens it made, in case it stopped early)."""
@@ -366,23 +314,6 @@ def _hugging_face(target: Any, draft: Any, groups: Sequence[Sequence[Any]], plai
     return rows
 
 
-def _speculative(target: Any, draft: Any, config: Config, groups: Sequence[Sequence[Any]], capacity: int,
-                 sampling: Any, step_ms: float) -> dict[str, float]:
-    """figures() of one chain or tree over the groups, its verify and draft each captured alone on
-    its stream after the generations, in target steps. The decoder goes when this returns (the
-    caller's _release gives its memory back)."""
-    spec, verify, draft_levels = _decoder(target, config.kind, config.spec, capacity, len(groups[0]), sampling,
-                                          draft=draft)
-
-    def after(out: list[list[int]]) -> tuple[list[int], np.ndarray]:
-        lengths = [len(row) for row in out]
-        return lengths, spec.bufs.rounds_run(lengths)
-
-    seconds, taken = _measure(spec.generate_batch, groups, after)
-    v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft_levels))
-    return figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d)
-
-
 def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, top: Mapping[str, float],
                  quick: bool, floor: float) -> list[dict]:
     """One B: the baseline, Hugging Face's at B = 1, then every chain and tree greedy and sampled,
@@ -396,7 +327,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     depth, width = (max(values) for values in zip(*(depth_and_width(config.spec) for config in configs)))
     longest = max(len(r.prompt) for group in groups for r in group)
     capacity = capacity_for(longest, tokens, depth, TORCH_M, batch, width=width)
-    plain, step_ms = _plain(target, groups, capacity)
+    plain, step_ms = _plain_decoding(target, capacity, groups)
     _release()
     rows = [dict(size=SIZE, batch=batch, mode="greedy", kind="plain", config="graphed greedy", source=None,
                  tokens_per_s=plain, vs_plain=1.0, step_ms=step_ms, floor_ms=floor)]
@@ -409,7 +340,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
             row: dict[str, Any] = dict(
                 size=SIZE, batch=batch, mode=mode, kind=config.kind, source=config.source,
                 config=config.spec if config.kind == "chain" else config.label,
-                **_speculative(target, draft, config, groups, capacity, sampling, step_ms))
+                **_bench_tree_config(target, config.kind, config.spec, groups, capacity, sampling, step_ms, draft))
             _release()  # the decoder it built, before the next
             row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
             print(format_row(row), flush=True)

@@ -58,6 +58,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .common import depth_and_width
 from memra_cuda.buffers.tree import DynamicTree, TreeShape
 
@@ -74,7 +76,7 @@ COST_K = 10  # the chain tree_costs sets against a static tree of 64 drafts, 10 
 # Section 5's candidates at each B: they shrink as B grows, since a verify of T + 1 tokens a row
 # is nearly free at B = 1 and costs about T + 1 target steps once the GEMMs are compute-bound.
 CHAIN_KS = {1: (8, 10, 12), 8: (6, 8, 10), 32: (4, 6, 8), 128: (2, 3, 4)}
-# testing.llama.parse_tree's names: static_tree of T drafts and a depth, or a chain of k with leaves
+# memra_cuda.torch.testing.parse_tree's names: static_tree of T drafts and a depth, or a chain of k with leaves
 STATIC_TREES = {1: ("static:32,8", "static:64,10", "static:128,12", "chain:10,2"),
                 8: ("static:16,6", "static:32,8", "static:64,10", "chain:8,1"), 32: ("static:8,6", "static:12,6"),
                 128: ("static:3,3", "static:6,4")}
@@ -82,15 +84,33 @@ DYNAMIC = {1: (DynamicTree(10, 4, 4),), 8: (DynamicTree(8, 2, 2),), 32: (Dynamic
            128: (DynamicTree(3, 2, 2),)}
 
 
-def _timed(run: Callable[[], Any]) -> tuple[float, Any]:
-    """Seconds of run() after one untimed warm-up run (graph captures, first loads)."""
+def _measure(generate: Callable[[Any], Any], groups: Sequence[Any],
+             after: Callable[[Any], Any] = lambda out: out) -> tuple[float, list[Any]]:
+    """Seconds of generate(group) over every group, each timed alone between synchronisations
+    after one untimed run of the first (graph captures, first loads), and after(its output) of
+    each, read outside the timed spans."""
     import torch
-    run()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = run()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, out
+    generate(groups[0])
+    seconds, taken = 0.0, []
+    for group in groups:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = generate(group)
+        torch.cuda.synchronize()
+        seconds += time.perf_counter() - start
+        taken.append(after(out))
+    return seconds, taken
+
+
+def _timed(run: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds of run() after one untimed warm-up run (graph captures, first loads), and its output."""
+    seconds, (out,) = _measure(lambda _: run(), [None])
+    return seconds, out
+
+
+def _tokens(outs: Sequence[Sequence[Sequence[int]]]) -> int:
+    """The tokens of generations' rows."""
+    return sum(len(row) for out in outs for row in out)
 
 
 def _tokens_per_s(run: Callable[[int], list[int]], tokens: int) -> tuple[float, list[int]]:
@@ -244,8 +264,6 @@ def _bench_batch(model: Any, size: str, batch: int, tokens: int) -> list[dict]:
 
 def bench_serving(quick: bool) -> list[dict]:
     """Section 3: continuous batching against one request at a time."""
-    import numpy as np
-
     from memra_cuda.torch.testing import build_model
     from memra_cuda.torch.testing import prompts as some_prompts
     from memra_cuda.torch import GraphedGreedy, Request, Served, SpeculativeLlama, capacity_for, self_draft
@@ -341,7 +359,7 @@ def _bench_hybrid_batch(model: Any, batch: int, tokens: int) -> list[dict]:
 def bench_trees(quick: bool, sizes: Sequence[str] = ("small", "large"),
                 batches: Sequence[int] = TREE_BATCHES) -> list[dict]:
     """Section 5: chains against static and dynamic trees at each B, and the trees the example
-    picks there, greedy and sampled (testing.llama.tree_for_batch), so that PICKED can be checked
+    picks there, greedy and sampled (memra_cuda.torch.testing.tree_for_batch), so that PICKED can be checked
     against what this machine measures."""
     from memra_cuda.torch.testing import build_model
     print(f"\ntrees: memra_cuda.torch.TreeLlama against the chain, M={TORCH_M}, graph mode, head scaled by "
@@ -405,7 +423,7 @@ def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[di
     candidates = _tree_candidates([tree for tree in picked.values() if tree is not None], batch, quick)
     depth, width = (max(values) for values in zip(*(depth_and_width(config) for _, config in candidates)))
     capacity = capacity_for(max(map(len, prompts)), tokens, depth, TORCH_M, batch, width=width)
-    plain, step_ms = _plain_decoding(model, capacity, requests)
+    plain, step_ms = _plain_decoding(model, capacity, [requests])
     _release()
     print(f"{size:6} {batch:4} {'greedy':8} {'plain':7} {'':18} {plain:9.0f}   (a target step: {step_ms:.3f} ms)",
           flush=True)
@@ -416,7 +434,7 @@ def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[di
         for kind, config in candidates:
             row = dict(size=size, batch=batch, mode=mode, kind=kind,
                        config=config if kind == "chain" else _tree_label(config),
-                       **_bench_tree_config(model, kind, config, requests, capacity, sampling, step_ms))
+                       **_bench_tree_config(model, kind, config, [requests], capacity, sampling, step_ms))
             _release()  # the decoder it built, before the next
             row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
             print(f"{size:6} {batch:4} {mode:8} {kind:7} {_label(row):18} {row['tokens_per_s']:9.0f} "
@@ -442,35 +460,52 @@ def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:
                 batch_reached=vs_plain / batch_ideal)
 
 
-def _plain_decoding(model: Any, capacity: int, requests: Sequence[Any]) -> tuple[float, float]:
-    """Tokens/s of graphed plain greedy over the requests' rows, and the device milliseconds of
-    its step (the graph a generation leaves), the unit of v and d."""
+def _plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -> tuple[float, float]:
+    """Tokens/s of graphed plain greedy over the groups of requests (a generation each, _measure),
+    and the device milliseconds of its step (the graph a generation leaves), the unit of v and d."""
     from memra_cuda.torch import GraphedGreedy
-    greedy = GraphedGreedy(model, capacity, len(requests))
-    seconds, out = _timed(lambda: greedy.generate_batch(requests))
-    return sum(map(len, out)) / seconds, _replay_ms(greedy.graph, greedy.stream)
+    greedy = GraphedGreedy(model, capacity, len(groups[0]))
+    seconds, outs = _measure(greedy.generate_batch, groups)
+    return _tokens(outs) / seconds, _replay_ms(greedy.graph, greedy.stream)
 
 
-def _bench_tree_config(model: Any, kind: str, config: Any, requests: Sequence[Any], capacity: int, sampling: Any,
-                       step_ms: float) -> dict:
-    """tokens/s and tau of one chain or tree, and the device time of its round's verify and draft
-    (each captured alone on the decoder's stream after the generation) in target steps. The
-    decoder goes when this returns, for _release() to give its memory back: at B = 128 a sampled
-    tree holds p and q of [B][T+1][32000] floats."""
-    spec, verify, draft = _decoder(model, kind, config, capacity, len(requests), sampling)
-    seconds, out = _timed(lambda: spec.generate_batch(requests))
-    lengths = [len(row) for row in out]
-    tau, rounds = spec.bufs.tokens_per_round(lengths), spec.bufs.rounds_run(lengths)
-    v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft))
-    return dict(tokens_per_s=sum(lengths) / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
+def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequence[Any]], capacity: int,
+                       sampling: Any, step_ms: float, draft: Any = None) -> dict:
+    """figures() of one chain or tree of `model` and `draft` (default its self-speculative one)
+    over the groups of requests (a generation each, _measure), its round's verify and draft each
+    captured alone on the decoder's stream after the generations, in target steps. The decoder
+    goes when this returns, for _release() to give its memory back: at B = 128 a sampled tree
+    holds p and q of [B][T+1][32000] floats."""
+    spec, verify, draft_levels = _decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft)
+
+    def after(out: list[list[int]]) -> tuple[list[int], np.ndarray]:
+        lengths = [len(row) for row in out]
+        return lengths, spec.bufs.rounds_run(lengths)
+
+    seconds, taken = _measure(spec.generate_batch, groups, after)
+    v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft_levels))
+    return figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d)
+
+
+def figures(lengths: Sequence[Sequence[int]], rounds: Sequence[np.ndarray], seconds: float, v: float,
+            d: float) -> dict[str, float]:
+    """A configuration's row from its generations (each one's rows' token counts and rounds) and
+    its round's verify and draft in target steps: tokens/s, tau over every row, the ideal
+    tau / (v + d) and the rows' share of the batches' rounds."""
+    tokens = sum(sum(group) for group in lengths)
+    ran = sum(int(np.sum(r)) for r in rounds)
+    tau = tokens / ran if ran else 1.0
+    return dict(tokens_per_s=tokens / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
                 rows_share=rows_share(rounds))
 
 
-def rows_share(rounds: Any) -> float:
-    """The rows' mean rounds (StreamBufs.rounds_run) over the slowest row's, which the batch ran:
-    the share of the batch's rounds its rows used; 1 where no row ran one (a budget of 0)."""
-    slowest = int(max(rounds, default=0))
-    return float(sum(rounds)) / (len(rounds) * slowest) if slowest > 0 else 1.0
+def rows_share(rounds: Sequence[np.ndarray]) -> float:
+    """The rows' mean rounds over their batch's slowest row's, over batches run one after another
+    (each's StreamBufs.rounds_run; B = 1's prompts are batches of one): the rounds the rows ran over
+    the rounds the batches ran, each its slowest row's times its rows, the share of them its rows
+    used; 1 where none ran a round (a budget of 0)."""
+    ran = sum(len(r) * int(np.max(r, initial=0)) for r in rounds)
+    return sum(float(np.sum(r)) for r in rounds) / ran if ran else 1.0
 
 
 def _decoder(model: Any, kind: str, config: Any, capacity: int, batch: int = 1, sampling: Any = None,
@@ -582,7 +617,7 @@ def bench_tree_costs(quick: bool) -> list[dict]:
         tree = static_tree(64, 10)
         requests = [Request(PROMPT, 64)]
         capacity = capacity_for(len(PROMPT), 64, tree.depth, TORCH_M, 1, width=tree.nodes)
-        _, step_ms = _plain_decoding(model, capacity, requests)
+        _, step_ms = _plain_decoding(model, capacity, [requests])
         parts = {**_chain_parts(model, capacity, requests), **_tree_parts(model, tree, capacity, requests)}
         _release()
         for width in (1, 8):

@@ -29,8 +29,8 @@ from memra_cuda.torch import TreeLlama, capacity_for
 def main(argv: list[str] | None = None) -> int:
     parser = command_line((__doc__ or "").split("\n\n")[0], k=False)
     parser.add_argument("--tree", default="static:16",
-                        help='"static:N[,DEPTH]" (testing.llama.static_tree), "chain:K,LEAVES" (a chain with leaves), '
-                        '"dynamic:D,W,B" (DynamicTree) or "auto" (tree_for_batch: random-weight models)')
+                        help='"static:N[,DEPTH]" (memra_cuda.torch.testing.static_tree), "chain:K,LEAVES" (a chain '
+                        'with leaves), "dynamic:D,W,B" (DynamicTree) or "auto" (tree_for_batch: random-weight models)')
     args, sampling = parse(parser, argv)
     tree: Tree | None
     if args.tree == "auto":

@@ -14,9 +14,7 @@ from .buffers.stream_bufs import StreamBufs
 from .buffers.tables import (Cache, KVLayer, StateLayer, kv_data_table, kv_len_ptr_table, state_copy_table,
                              state_flip_table)
 from .buffers.tree import Candidates, DynamicTree, TreeBufs, TreeShape
-from .driver import DeviceBuffer, Engine, Event, Graph, Module, Stream
-from .driver.compiler import compile_ptx
-from .driver.errors import MemraError
+from .driver import DeviceBuffer, Engine, Event, Graph, MemraError, Module, Stream, compile_ptx
 from .rounds.round import ChainRound, Stages, chain
 from .rounds.stream import Mode, RoundStream
 from .rounds.tree_round import TreeRound

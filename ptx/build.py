@@ -16,16 +16,13 @@ and no option carries a path or line info.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import tempfile
 from pathlib import Path
 
+from memra_cuda.driver.compiler import CompileError, compile_ptx  # `make ptx`: the tree's, installed editable
+
 HERE = Path(__file__).resolve().parent
-
-
-compiler = importlib.import_module("memra_cuda.driver.compiler")  # `make ptx`: the tree's, installed editable
-CompileError, NvrtcUnavailable = compiler.CompileError, compiler.NvrtcUnavailable
 
 
 def compile_cu(path: Path) -> str:
@@ -33,7 +30,7 @@ def compile_cu(path: Path) -> str:
     finds the header of that name beside it. Sources and headers are read as bytes and decoded
     as UTF-8, with no newline translation, so NVRTC sees the files as they are."""
     headers = {header.name: header.read_bytes().decode() for header in sorted(path.parent.glob("*.cuh"))}
-    return compiler.compile_ptx(path.read_bytes().decode(), name=path.name, headers=headers, portable=True)
+    return compile_ptx(path.read_bytes().decode(), name=path.name, headers=headers, portable=True)
 
 
 def build(out_dir: Path) -> list[Path]:

@@ -89,6 +89,15 @@ def test_only_the_testing_subpackage_imports_the_reference():
         f"production modules import the numpy reference: {sorted(importers)}"
 
 
+def test_the_library_imports_nothing_of_the_testing_subpackage_but_the_demo():
+    """memra_cuda.testing is what users test against and the demo decodes: no layer of the
+    library may need it (torch, beside it, could import it and pass the layering)."""
+    importers = {name for name, targets in module_imports().items()
+                 if any(target.startswith("memra_cuda.testing") for target in targets)}
+    outside = sorted(name for name in importers if not name.startswith("memra_cuda.testing"))
+    assert outside == ["memra_cuda.__main__"], f"the library imports memra_cuda.testing: {outside}"
+
+
 def test_the_import_graph_is_read_at_all():
     graph = module_imports()
     assert "memra_cuda.driver.buffer" in graph["memra_cuda.buffers.stream_bufs"]

@@ -14,10 +14,10 @@ which ISA, and the PTX says it too (its `.version` line). The target is `compute
 `.target sm_80`, which the driver JITs for any GPU from Ampere on), as for the package's kernels.
 
 NVRTC is driven through ctypes, not cuda-python's nvrtc binding, which loads the NVRTC of
-cuda-python's own CUDA release. Only NVIDIA's wheels are looked in (`nvidia/<folder>/lib` of an
-installed `nvidia` package or any sys.path entry: nvidia-cuda-nvrtc-cu12's `cuda_nvrtc`, the
-CUDA 13 wheels' `cu13`), never a system CUDA, whose release is whatever is installed. Importing
-this module loads nothing; the library is found and loaded on the first compile.
+cuda-python's own CUDA release. Only NVIDIA's wheels are looked in (`nvidia/<folder>/lib` under
+any sys.path entry: nvidia-cuda-nvrtc-cu12's `cuda_nvrtc`, the CUDA 13 wheels' `cu13`), never a
+system CUDA, whose release is whatever is installed. Importing this module loads nothing; the
+library is found and loaded on the first compile.
 """
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ REQUIREMENT = "nvidia-cuda-nvrtc-cu12==12.0.140"
 PORTABLE = (12, 0)  # the one release whose PTX (ISA 8.0) every CUDA 12 and 13 driver loads
 # NVRTC's library in NVIDIA's wheels: libnvrtc.so.<major> in nvidia/<folder>/lib (nvidia-cuda-nvrtc-cu12's
 # folder is cuda_nvrtc, the CUDA 13 wheels' cu13). NVRTC 12.0 is a libnvrtc.so.12.
-LIBRARY = re.compile(r"libnvrtc\.so\.(\d+)")
-PORTABLE_LIBRARY = "libnvrtc.so.12"
+LIBRARY = re.compile(r"libnvrtc\.so\.\d+")
+PORTABLE_LIBRARY = f"libnvrtc.so.{PORTABLE[0]}"
 # compute_80: `.target sm_80`, JIT-compiled by the driver for the GPU it runs on (sm_80 and up).
 # No option names a path or asks for line info, so the PTX depends on the sources alone.
 OPTIONS = ("--gpu-architecture=compute_80", "--std=c++17")

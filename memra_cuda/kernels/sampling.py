@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..driver.buffer import BufferLike, DeviceBuffer
-from ..driver.values import as_index, short_name
 from ..driver.module import Launch
+from ..driver.values import as_index, short_name
 from .signatures import load
 
 if TYPE_CHECKING:

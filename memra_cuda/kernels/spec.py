@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..buffers.acceptance import Acceptance, Greedy, Sampling
+from ..buffers.layout import HEAD_WORDS
 from ..buffers.stream_bufs import StreamBufs
+from ..buffers.tables import PointerTable, StateIndexTable, StateTable
 from ..driver.buffer import BufferLike, DeviceBuffer
 from ..driver.module import Launch, Module
 from ..driver.values import as_index
-from ..buffers.layout import HEAD_WORDS
 from .sampling import _exact, prepare_accept_sample, prepare_draft_sample
 from .signatures import load
-from ..buffers.tables import PointerTable, StateIndexTable, StateTable
 
 if TYPE_CHECKING:
     from ..driver.engine import Engine

@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..buffers.layout import MAX_TREE_DRAWS
+from ..buffers.tables import KVDataTable, StateIndexTable, StateTable
+from ..buffers.tree import DynamicTree, TreeBufs
 from ..driver.buffer import BufferLike, DeviceBuffer
 from ..driver.module import Launch
 from ..driver.values import as_index
-from .spec import batch_rows, check_flip_table, spread, state_copy_grid, token_buffer, width_kernel
-from ..buffers.layout import MAX_TREE_DRAWS
 from .sampling import _exact
 from .signatures import load
-from ..buffers.tables import KVDataTable, StateIndexTable, StateTable
-from ..buffers.tree import DynamicTree, TreeBufs
+from .spec import batch_rows, check_flip_table, spread, state_copy_grid, token_buffer, width_kernel
 
 if TYPE_CHECKING:
     from collections.abc import Callable

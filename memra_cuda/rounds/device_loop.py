@@ -20,7 +20,7 @@ from ..buffers.layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
 from ..driver.buffer import MappedBuffer
 from ..driver.errors import MemraError
 from ..driver.event import Event
-from ..driver.graph import Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join
+from ..driver.graph import Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join, loops
 from ..kernels.signatures import load
 from .pace import pass_lengths
 from .schedule import Schedule
@@ -204,10 +204,10 @@ class DeviceLoop:
     generate_batch(mode="device") use it; it is not built by hand.
 
     It takes its rounds from `round` (a Round: the steps before the commit, kernel 4's commit and
-    the steps after it, issued inside the round's scope and captured by its loop_capture); it
-    holds no reference to any RoundStream. From launch to finish it holds the round's buffers
-    (StreamBufs.hold): no other loop, burst, reset or readback may use them meanwhile, whichever
-    RoundStream asks.
+    the steps after it, issued inside the round's scope and captured by its engine's framework's
+    loop capture); it holds no reference to any RoundStream. From launch to finish it holds the
+    round's buffers (StreamBufs.hold): no other loop, burst, reset or readback may use them
+    meanwhile, whichever RoundStream asks.
 
     Each round's tokens are published by kernel 4' on a branch of the graph (driver.graph.branch)
     beside the next round's draft and verify, joined before that round's commit (which refills
@@ -354,7 +354,7 @@ class DeviceLoop:
                 graph.loop(handle, rounds_then(body, decider(handle, body, body)))
             graph.issue(read_back)
 
-        return Graph(engine, lambda: None, capture=rounds.loop_capture(build))
+        return Graph(engine, lambda: None, capture=(engine.framework.loop_capture or loops)(build))
 
 
 __all__ = ["DeviceLoop", "Landed", "LoopUnsupported", "RUNNING", "RoundCapError", "TokenFeed"]

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..buffers.acceptance import Greedy, Sampling
 from ..buffers.capacity import UNCHECKED, Capacity, Unchecked, kv_entries
-from ..driver.graph import Capture, loops, stream_capture
+from ..buffers.tables import AddressTable, PointerTable, StateIndexTable, StateTable, state_targets_disjoint
+from ..driver.graph import Capture
 from ..kernels.spec import SpecKernels
-from ..buffers.tables import (AddressTable, PointerTable, StateIndexTable, StateTable,
-                              state_targets_disjoint)
 
 if TYPE_CHECKING:
     from ..buffers.acceptance import Acceptance
@@ -94,10 +93,10 @@ class Round:
         self.bufs, self.kernels, self.engine = bufs, kernels, bufs.engine
         self.capacity = Capacity.of((stages.capacity, *capacities, *(table.capacity for table in tables)), bufs.k,
                                     bufs.batch, bufs.m_rounds, width)
-        framework = self.engine.framework  # the policy of whoever owns the memory (memra_cuda.torch.engine())
-        self.scope = framework.scope
-        self.capture: Capture = capture or framework.capture or stream_capture
-        self.loop_capture = framework.loop_capture or loops
+        # The policy of whoever owns the memory (memra_cuda.torch.engine()): its scope around the
+        # model's work; its captures are the ones Graph takes where `capture` is None.
+        self.scope = self.engine.framework.scope
+        self.capture = capture
         self.joined = tuple(stages.engines)  # the other stages' engines, whose work a burst graph holds
         self.pipelined = bool(self.joined) or stages.round_tail is not None
         self.before_commit: tuple[Step, ...] = tuple(before_commit())

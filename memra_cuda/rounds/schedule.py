@@ -103,6 +103,9 @@ class Schedule:
         self._creep = self._aimed = 0
         self._landed_ns = now  # when a look last found a publish (or the follow began)
         self._wait_s = 0.0  # until the next look
+        # In ns, as the looks compare them: read once a follow, as look_s was its argument.
+        self._look_ns, self._early_ns = int(self.look_s * 1e9), int(self.EARLY_S * 1e9)
+        self._stall_ns = int(self.STALL_S * 1e9)
 
     def early(self, check: Callable[[], object] | None = None) -> None:
         """A look found no new publish: look again soon (backing off while no round is timed);
@@ -111,7 +114,7 @@ class Schedule:
         self._prompt = self._retry_s <= self.RETRY_S
         self._wait_s = self._retry_s
         self._retry_s = self.RETRY_S if self._round_ns else min(2 * self._retry_s, 1e-3)
-        if check is not None and self.clock() - self._landed_ns > int(self.STALL_S * 1e9):
+        if check is not None and self.clock() - self._landed_ns > self._stall_ns:
             check()
             self._landed_ns = self.clock()
 
@@ -144,8 +147,8 @@ class Schedule:
         if self._prompt:
             self._wait_s = self.RETRY_S
         else:
-            ahead = -(-int(self.look_s * 1e9) // round_ns) if round_ns else 1
-            due = stamp + lag_ns - self._creep + ahead * round_ns - int(self.EARLY_S * 1e9)  # host time, low 32 bits
+            ahead = -(-self._look_ns // round_ns) if round_ns else 1
+            due = stamp + lag_ns - self._creep + ahead * round_ns - self._early_ns  # host time, low 32 bits
             self._wait_s, self._aimed = _signed(due - self.clock()) * 1e-9, publishes + ahead
 
     def wait(self) -> None:

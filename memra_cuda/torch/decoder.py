@@ -60,10 +60,8 @@ class RoundDecoder:
     target's recurrent state is rolled back by `state_rollback`, "copy" or "flip", keeping
     `verified` + 1 slots (a chain's k, a tree's T).
 
-    A subclass sets `rounds` (and `width`, what a round writes past its position: a tree's
-    T + 1, None for a chain's k + 1), then calls _warm_up()."""
+    A subclass sets `rounds`, then calls _warm_up()."""
 
-    width: int | None = None
     rounds: RoundStream
 
     def __init__(self, model: Any, draft: Any, *, k: int, verified: int, m_rounds: int, batch: int,
@@ -75,7 +73,7 @@ class RoundDecoder:
         refuse(model, draft, state_rollback)
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
-        self.model, self.k, self.batch = model, k, batch
+        self.k, self.batch = k, batch
         self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
         self.stream = torch.cuda.Stream()
         with torch.cuda.stream(self.stream):
@@ -178,9 +176,10 @@ class RoundDecoder:
         if as_mode(mode) is Mode.OVERLAP:
             raise ValueError('serve() steps one burst at a time: "overlap" keeps two in flight (generate_batch)')
         rounds, capacity = self.rounds.rounds_per_step(mode), self.target.kv.capacity
+        rule = self.rounds.round.capacity  # the rule every burst is checked by: its k, batch and width
         for i, request in enumerate(requests):  # refused before anything runs, not mid-serving
-            need = kv_capacity(len(request.prompt), request.max_new_tokens, self.k, rounds, batch=self.batch,
-                               width=self.width)
+            need = kv_capacity(len(request.prompt), request.max_new_tokens, rule.k, rounds, batch=rule.batch,
+                               width=rule.width)
             if need > capacity:
                 raise ValueError(f"request {i} ({len(request.prompt)} prompt tokens, {request.max_new_tokens} new) "
                                  f"needs a KV cache of {need} entries in {mode} mode; these hold {capacity}")

@@ -27,7 +27,7 @@ class TreeMask:
     word j // 32), read as each level's mask is asked for."""
 
     def __init__(self, words: torch.Tensor, capacity: int, dtype: torch.dtype, tree: Tree | None = None):
-        self.words, self.capacity = words, capacity
+        self.words = words
         self.nodes = 32 * words.shape[2]
         every = torch.arange(self.nodes, device=words.device)
         self.word, self.bit = every // 32, (every % 32).to(torch.int32)

@@ -85,7 +85,7 @@ class Stack:
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
                  cache: CacheLayout = StaticKV):
         _check_shape(model, capacity)
-        self.model, self.batch = model, batch
+        self.model = model
         self.layers = model.model.layers[:model.config.num_hidden_layers]
         self.device = torch.device(model.device)
         self.kv = cache(model.config, len(self.layers), batch, capacity, model.dtype, self.device)
@@ -94,8 +94,9 @@ class Stack:
         self.state: State | None = state(len(shapes), batch, shapes[0], self.device) if shapes else None
         attention = next((layer for layer, mine in zip(self.layers, self.recurrent) if not mine), None)
         # transformers 5.x renames a layer's past_key_values to cache: pass the cache by the name it takes
-        self._cache_name = "cache" if attention is not None and \
+        name = "cache" if attention is not None and \
             "cache" in inspect.signature(attention.forward).parameters else "past_key_values"
+        self._cache = {name: self.kv}  # an attention layer's keyword, made once, not at every layer of a forward
         self.slots = torch.arange(capacity, device=self.device)
         self.library: str | None = None  # None: blas_for's pick at each forward; a library's name pins it
         self.zero = torch.zeros((), dtype=model.dtype, device=self.device)  # an additive mask's two values
@@ -186,7 +187,7 @@ class Stack:
                     n += 1
                     continue
                 out = layer(hidden, attention_mask=mask, position_ids=positions, use_cache=True,
-                            cache_position=slots[0], position_embeddings=rope, **{self._cache_name: self.kv})
+                            cache_position=slots[0], position_embeddings=rope, **self._cache)
                 hidden = out[0] if isinstance(out, tuple) else out
         return inner.norm(hidden)
 

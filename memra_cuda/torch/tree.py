@@ -71,7 +71,7 @@ class TreeLlama(RoundDecoder):
         if not tree.draws <= self.candidates <= model.config.vocab_size:
             raise ValueError(f"the tree asks for {tree.draws} candidates a node: candidates must be from that to the "
                              f"vocabulary's {model.config.vocab_size}, not {candidates}")
-        self.tree, self.width = tree, tree.nodes
+        self.tree = tree
         cache: CacheLayout = StaticKV if paged is None else functools.partial(PagedKV, page=paged)
         super().__init__(model, draft, k=tree.depth, verified=tree.nodes - 1, m_rounds=m_rounds, batch=batch,
                          capacity=capacity, sampling=sampling, draft_sampling=draft_sampling,

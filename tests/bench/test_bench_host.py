@@ -40,8 +40,8 @@ def test_the_trees_sections_parts_are_lists_of_known_names():
 
 
 def test_the_rows_share_is_their_mean_rounds_over_the_slowest_rows_and_1_where_none_ran():
-    assert rows_share(np.array([10, 8, 6])) == pytest.approx(0.8)
-    assert rows_share(np.array([7])) == 1.0 and rows_share(np.zeros(4, np.int64)) == 1.0
+    assert rows_share([np.array([10, 8, 6])]) == pytest.approx(0.8)
+    assert rows_share([np.array([7])]) == 1.0 and rows_share([np.zeros(4, np.int64)]) == 1.0
 
 
 def test_a_batch_is_held_to_the_ideal_of_its_slowest_rows_rounds():

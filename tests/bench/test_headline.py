@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from memra_cuda import DynamicTree, TreeShape
-from benchmarks.headline import (BATCHES, CHAIN_KS, HEADER, QUICK_BATCHES, STATIC, Config, assemble, batches_share,
-                                 configurations, copy_bytes_per_s, derive_picks, describe, figures, floor_ms,
-                                 format_row, load_pair, pair_info, picked_dict, picks_text, prompt_groups, tree_rates)
-from benchmarks.torch_engine import reach, rows_share
+from benchmarks.headline import (BATCHES, CHAIN_KS, HEADER, QUICK_BATCHES, STATIC, Config, assemble, configurations,
+                                 copy_bytes_per_s, derive_picks, describe, floor_ms, format_row, load_pair, pair_info,
+                                 picked_dict, picks_text, prompt_groups, tree_rates)
+from benchmarks.torch_engine import figures, reach, rows_share
 
 TOP = {"1": 0.865, "2": 0.93, "4": 0.958, "8": 0.974}  # report.json's agreement (JSON keys), 2026-12-02's pair
 REPORT = dict(key="3f2a9c1e0b7d", vocab=8192,
@@ -113,11 +113,11 @@ def test_every_line_names_the_pair_and_the_machine():
 
 def test_batches_run_one_after_another_share_their_rounds_as_one_batch_does():
     one = np.array([10, 8, 6])
-    assert batches_share([one]) == pytest.approx(rows_share(one))  # one batch: the trees section's share
-    assert batches_share([np.array([7]), np.array([3]), np.array([12])]) == 1.0  # B = 1: every row its batch's
+    assert rows_share([one]) == pytest.approx(24 / 30)  # one batch: the trees section's share
+    assert rows_share([np.array([7]), np.array([3]), np.array([12])]) == 1.0  # B = 1: every row its batch's
     # two batches of two: (10 + 5 + 4 + 4) rounds used of 2 x 10 + 2 x 4 run
-    assert batches_share([np.array([10, 5]), np.array([4, 4])]) == pytest.approx(23 / 28)
-    assert batches_share([np.zeros(3, np.int64)]) == 1.0
+    assert rows_share([np.array([10, 5]), np.array([4, 4])]) == pytest.approx(23 / 28)
+    assert rows_share([np.zeros(3, np.int64)]) == 1.0
 
 
 def test_a_rows_figures_are_its_tokens_over_its_rounds_and_the_ideal_its_costs_allow():

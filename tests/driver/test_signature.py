@@ -3,10 +3,12 @@ says, and that a Module refuses a table that is not one before it reaches the en
 the refusals all come before the driver is asked for anything."""
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 
 from memra_cuda.driver import Module, Param, Signature
-from memra_cuda.driver.signature import ARG_TYPES
+from memra_cuda.driver.signature import ARG_TYPES, ArgType
 
 
 def test_a_signature_of_keywords_keeps_their_order():
@@ -28,8 +30,10 @@ def test_a_param_is_an_identifier_of_a_known_type(name, kind, message):
 
 
 def test_every_known_type_packs_into_a_slot():
+    """ArgType (what mypy checks a table against) and ARG_TYPES (what Launch packs) name the same types."""
     assert all(dtype.itemsize in (4, 8) for dtype in ARG_TYPES.values())
     assert {Param("p", kind).type for kind in ARG_TYPES} == set(ARG_TYPES)
+    assert sorted(get_args(ArgType)) == sorted(ARG_TYPES)
 
 
 @pytest.mark.parametrize(("types", "message"), [

@@ -17,7 +17,6 @@ from memra_cuda.kernels.signatures import SIGNATURES
 
 ROOT = Path(__file__).resolve().parents[2]
 PTX_DIR = ROOT / "ptx"
-KERNELS_DIR = ROOT / "memra_cuda" / "kernels"
 
 KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
 TYPEDEF = re.compile(r"\btypedef\s+([\w\s]+?)\s+(\w+)\s*;")
@@ -105,11 +104,23 @@ def test_the_table_is_what_the_sources_declare():
     assert not problems, "\n".join(problems)
 
 
+def launchers() -> list[Path]:
+    """Every module that loads the committed PTX through the table (signatures.load): the
+    launchers of memra_cuda/kernels, the device loop's decider, the toy model, the bench."""
+    paths = sorted([*(ROOT / "memra_cuda").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")])
+    return [path for path in paths
+            if any(isinstance(node, ast.ImportFrom) and (node.module or "").endswith("signatures")
+                   and any(alias.name == "load" for alias in node.names)
+                   for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))]
+
+
 def test_the_launchers_take_their_types_from_the_table():
-    """No launcher of memra_cuda/kernels spells out argument types: every prepare() of theirs
+    """No launcher of the package's PTX spells out argument types: every prepare() of theirs
     passes grid and block alone, so the types are the table's."""
+    found = launchers()
+    assert {"spec.py", "sampling.py", "tree.py", "device_loop.py", "lm.py"} <= {path.name for path in found}, found
     inline = []
-    for path in sorted(KERNELS_DIR.glob("*.py")):
+    for path in found:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "prepare" \
                     and (node.args or any(keyword.arg == "types" for keyword in node.keywords)):

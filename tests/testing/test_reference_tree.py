@@ -14,12 +14,13 @@ import itertools
 
 import numpy as np
 import pytest
-from test_reference_sample import CHI2_999, CLOSE, FAR, TARGET, assert_distributed_as, chi_square
 
+from memra_cuda.buffers.layout import ACC_ROUND, CTL_DONE, CTL_KEEP, CTL_WORDS, ROOT_PARENT, VOID_RANK
 from memra_cuda.testing import reference as ref
 from memra_cuda.testing import reference_tree as rt
-from memra_cuda.buffers.layout import ACC_ROUND, CTL_DONE, CTL_KEEP, CTL_WORDS, ROOT_PARENT, VOID_RANK
 from memra_cuda.testing.philox import uniform
+
+from laws import CHI2_999, CLOSE, FAR, TARGET, assert_distributed_as, chi_square
 
 NAN = float("nan")
 SENTINEL = 0xDEAD

@@ -12,6 +12,8 @@ from memra_cuda.kernels import SpecKernels
 from memra_cuda.rounds import MODES
 from memra_cuda.testing.toy import lm as toy
 
+from laws import chi2_critical
+
 pytestmark = pytest.mark.gpu
 
 MODEL = toy.ToyModel(seed=5, vocab=3000, kv_mask=(True, False, True), noise_ppm=200_000, p_min=0.05)
@@ -59,10 +61,6 @@ def test_a_target_at_temperature_zero_is_greedy_whatever_the_draft(engine, spec,
         assert got[row] == toy.target_greedy(MODEL, prompt, 60, eos if row == 1 else None), f"row {row}"
 
 
-# chi-square critical values at significance 0.001, by degrees of freedom
-CHI2_001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467}
-
-
 @pytest.mark.parametrize("k", [0, 4])
 def test_the_first_token_is_distributed_as_the_target_says(engine, spec, k):
     """4 000 rows of one prompt with seeds 0..3999, one token each, a draft that is often wrong
@@ -80,5 +78,5 @@ def test_the_first_token_is_distributed_as_the_target_says(engine, spec, k):
     bins = sorted(set(model.candidates(state)))
     expected = np.array([p[t] for t in bins] + [1 - sum(p[t] for t in bins)]) * rows
     observed = np.array([np.count_nonzero(first == t) for t in bins] + [np.count_nonzero(~np.isin(first, bins))])
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_001[len(bins)], f"k={k}: observed {observed.tolist()}, expected {expected.round(1).tolist()}"
+    chi2, critical = float(((observed - expected) ** 2 / expected).sum()), chi2_critical(len(bins))
+    assert chi2 < critical, f"k={k}: observed {observed.tolist()}, expected {expected.round(1).tolist()}"

@@ -12,7 +12,8 @@ import pytest
 from memra_cuda import DynamicTree, StreamBufs, TreeShape, kv_capacity
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.testing.toy import lm as toy
-from test_reference_sample import assert_distributed_as, cells
+
+from laws import assert_distributed_as, cells
 
 pytestmark = pytest.mark.gpu
 
