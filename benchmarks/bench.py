@@ -381,7 +381,16 @@ def main(argv: list[str] | None = None) -> int:
                                            "state", "tree", "torch"],
                         help="run one part (torch runs only when asked for)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for figures)")
+    parser.add_argument("--sections", metavar="NAMES", help="with --only torch, these of benchmarks/torch_engine.py's "
+                        "sections alone (comma-separated, as headline,trees; default all)")
     args = parser.parse_args(argv)
+    if args.sections and args.only != "torch":
+        parser.error("--sections names sections of the torch part: give --only torch with it")
+    from .torch_engine import SECTIONS, _listed  # numpy only: torch and transformers as its sections run
+    try:
+        sections = _listed(args.sections, tuple(SECTIONS)) if args.sections else tuple(SECTIONS)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--sections: {exc}")
     try:
         engine = Engine()
     except CudaUnavailable as exc:
@@ -423,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "tree"):
         report["tree"] = bench_tree(engine, args.quick)
     if args.only == "torch":
-        from .torch_engine import bench_torch  # torch and transformers only where asked for
-        report["torch"] = bench_torch(args.quick, json_path=args.json)
+        from .torch_engine import bench_torch
+        report["torch"] = bench_torch(args.quick, sections, json_path=args.json)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

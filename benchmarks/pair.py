@@ -8,7 +8,9 @@ that a second run finds.
         --draft-layers N --draft-hidden H] [--target-seconds S --draft-seconds S] [...]
 
 The corpus is every .py file of the interpreter's stdlib and site-packages (no download, and every
-machine has one); the held-out files are chosen by a hash of their path, so the split needs no list.
+machine has one), each content once; the held-out files are chosen by a hash of their path, so the
+split needs no list, and scored in windows spread over all of them (and by package, to show where a
+model is weak).
 The cache key is a hash of all that decides the result (corpus, settings, this file, library
 versions, GPU), so a changed input trains anew and an unchanged one reuses: `<cache>/<key>/target`,
 `<cache>/<key>/draft` (each loads alone with from_pretrained), `report.json` and `heldout.json` (a
@@ -125,7 +127,32 @@ def read_docs(files: list[tuple[str, Path]], max_files: int) -> list[Doc]:
             return None
 
     with ThreadPoolExecutor(16) as pool:  # reading tens of thousands of small files waits on the disk, not the GIL
-        return [d for d in pool.map(read, files) if d is not None and d.text.strip()]
+        docs = [d for d in pool.map(read, files) if d is not None and d.text.strip()]
+    unique, seen = [], set()  # a file whose bytes came before (a vendored copy) is left out: a held-out copy
+    for d in docs:           # of a training file would be no held-out text
+        if d.digest not in seen:
+            seen.add(d.digest)
+            unique.append(d)
+    return unique
+
+
+def package(rel: str) -> str:
+    """What a file is counted under in the corpus's make-up and the held-out loss: the stdlib whole,
+    else the top-level package or module of site-packages ("torch", "six")."""
+    root, _, rest = rel.partition("/")
+    return root if root == "stdlib" else rest.split("/")[0].removesuffix(".py")
+
+
+def make_up(docs: list[Doc], top: int = 10) -> dict[str, float]:
+    """Megabytes of the corpus by package(), the `top` largest and the rest as "other"."""
+    sizes: dict[str, int] = {}
+    for d in docs:
+        sizes[package(d.rel)] = sizes.get(package(d.rel), 0) + d.size
+    ranked = sorted(sizes.items(), key=lambda kv: -kv[1])
+    out = {name: round(size / 1e6, 1) for name, size in ranked[:top]}
+    if len(ranked) > top:
+        out["other"] = round(sum(size for _, size in ranked[top:]) / 1e6, 1)
+    return out
 
 
 def cache_key(args: argparse.Namespace, docs: list[Doc]) -> tuple[str, dict[str, Any]]:
@@ -239,19 +266,37 @@ def train(model: LlamaForCausalLM, data: torch.Tensor, args: argparse.Namespace,
 
 
 @torch.no_grad()
-def heldout_loss(model: Any, data: torch.Tensor, seq_len: int, tokens: int) -> float:
-    """Mean nats/token over the held-out stream's first `tokens`, in windows of seq_len (fixed, so
-    every run and both models are scored on the same tokens)."""
+def heldout_losses(model: Any, data: torch.Tensor, seq_len: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each scored token's loss (nats), [windows][seq], and the windows' starts: `tokens` of the
+    held-out stream in windows of seq_len spread evenly over all of it (the stream is in path
+    order, so its first million tokens would be the alphabet's first packages), the same windows
+    for every run and both models."""
     model.eval()
-    if len(data) < 2:
-        return float("nan")
     seq = min(seq_len, len(data) - 1)
     count = max(1, min(tokens, len(data) - 1) // seq)
-    total = 0.0
+    starts = np.arange(count) * (len(data) - 1 - seq) // max(count - 1, 1)
+    losses = []
     for i in range(0, count, 16):
-        x, y = windows(data, torch.arange(i, min(i + 16, count), device=data.device) * seq, seq)
-        total += F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten(), reduction="sum").item()
-    return total / (count * seq)
+        x, y = windows(data, torch.from_numpy(starts[i:i + 16]).to(data.device), seq)
+        logits = model(input_ids=x).logits.float()
+        losses.append(F.cross_entropy(logits.transpose(1, 2), y, reduction="none").cpu().numpy())
+    return np.concatenate(losses), starts
+
+
+def by_package(losses: np.ndarray, starts: np.ndarray, doc_starts: np.ndarray, docs: list[Doc],
+               top: int = 8) -> dict[str, list[float]]:
+    """package() -> [tokens scored, mean loss] of the held-out windows' tokens, the `top` most
+    scored and the rest as "other": where a model is weak (generated tables, say, against code)."""
+    # the token scored at window w's column j is the stream's starts[w] + 1 + j, in the held-out document before it
+    where = np.searchsorted(doc_starts, starts[:, None] + 1 + np.arange(losses.shape[1]), side="right") - 1
+    names = np.array([package(d.rel) for d in docs])[np.minimum(where, len(docs) - 1)]
+    groups = {name: losses[names == name] for name in np.unique(names)}
+    ranked = sorted(groups, key=lambda name: -groups[name].size)
+    out = {name: [int(groups[name].size), round(float(groups[name].mean()), 4)] for name in ranked[:top]}
+    if len(ranked) > top:
+        rest = np.concatenate([groups[name] for name in ranked[top:]])
+        out["other"] = [int(rest.size), round(float(rest.mean()), 4)]
+    return out
 
 
 def cache_arg(model: Any) -> str:
@@ -336,6 +381,9 @@ def show(r: dict[str, Any]) -> None:
         print(f"{name:6s} {m['layers']:2d} x {m['hidden']:4d}  {m['params'] / 1e6:6.1f} M params  "
               f"{m['seconds']:6.1f} s  {m['tokens'] / 1e6:6.1f} M tokens ({m['steps']} steps)  "
               f"held-out {m['heldout_loss']:.3f} nats/token  decode {m['decode_ms']:.2f} ms/token", flush=True)
+    print("held-out loss by package (tokens scored; target, draft): " + ", ".join(
+        f"{name} {tokens / 1e3:.0f} k {loss:.2f} {r['draft']['heldout_by_package'].get(name, [0, float('nan')])[1]:.2f}"
+        for name, (tokens, loss) in r["target"]["heldout_by_package"].items()))
     a = r["agreement"]
     print(f"target/draft decode cost: {r['decode_ratio']:.2f} (the issue asks >= 8)")
     print(f"the draft along the target's greedy continuation of {a['prompts']} held-out prompts "
@@ -389,7 +437,8 @@ def build(args: argparse.Namespace, docs: list[Doc], out: Path, phases: dict[str
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT,
                                    model_max_length=args.seq_len)  # the context it was trained on
     phase("tokenizing")
-    report: dict[str, Any] = dict(key=key, corpus=dict(files=len(docs), train_files=len(train_docs),
+    report: dict[str, Any] = dict(key=key, corpus=dict(files=len(docs), megabytes=make_up(docs),
+                                  train_files=len(train_docs),
                                   heldout_files=len(held_docs), train_tokens=len(train_np), heldout_tokens=len(held_np),
                                   chars_per_token=round(chars / max(len(train_np), 1), 3)), vocab=vocab)
     trained = {}
@@ -400,8 +449,10 @@ def build(args: argparse.Namespace, docs: list[Doc], out: Path, phases: dict[str
         stats = train(model, train_data, args, getattr(args, f"{name}_batch"), getattr(args, f"{name}_lr"),
                       getattr(args, f"{name}_seconds"), args.seed + i, name)
         model.bfloat16().eval()  # scored as saved: bf16
+        losses, starts = heldout_losses(model, held_data, args.seq_len, args.eval_tokens)
         stats.update(layers=layers, hidden=hidden, params=sum(p.numel() for p in model.parameters()),
-                     heldout_loss=round(heldout_loss(model, held_data, args.seq_len, args.eval_tokens), 4))
+                     heldout_loss=round(float(losses.mean()), 4),
+                     heldout_by_package=by_package(losses, starts, held_starts[:-1], held_docs))
         model.save_pretrained(out / name)
         fast.save_pretrained(out / name)
         report[name], trained[name] = stats, model
@@ -450,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     key, inputs = cache_key(args, docs)
     where, phases = Path(args.cache) / key, {"listing": round(time.perf_counter() - start, 1)}
     print(f"pair: {len(docs)} files, {sum(d.size for d in docs) / 1e6:.1f} MB listed in {phases['listing']:.1f} s; "
-          f"key {key}", flush=True)
+          f"key {key}; MB by package: " + ", ".join(f"{name} {mb}" for name, mb in make_up(docs).items()), flush=True)
     if (where / "report.json").exists():
         print(f"reusing {where}", flush=True)
         if args.measure:

@@ -21,3 +21,13 @@ def test_each_benchmark_program_prints_its_whole_description_with_help(program):
     assert run.stdout.startswith(f"usage: python -m {program} "), run.stdout
     doc = importlib.import_module(program).__doc__
     assert doc and " ".join(doc.split()) in " ".join(run.stdout.split())
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--sections", "headline"], "give --only torch with it"),
+    (["--only", "torch", "--sections", "headline,bogus"], "not 'headline,bogus'")])
+def test_the_torch_sections_are_refused_before_any_gpu_is_asked_for_unless_they_name_sections(argv, error):
+    root = Path(benchmarks.__file__).absolute().parents[1]
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench", *argv], cwd=root, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2 and error in run.stderr, run.stderr
