@@ -227,6 +227,10 @@ def picks_text(picks: Mapping[str, Mapping[int, dict[str, Any]]], name: str) -> 
     if "sampling" in picks:
         lines.append(f"    sampled at T = 1 (tree_for_batch gives the chain at every B today): "
                      f"{picked_dict(picks['sampling'])}; the chains: {chains['sampling']}")
+    losing = [f"{mode} at B = {batch} ({row['vs_plain']:.2f}x)" for mode, by_b in picks.items()
+              for batch, row in sorted(by_b.items()) if row["vs_plain"] < 1]
+    if losing:  # a pick that loses to plain decoding is no pick: the engine should not speculate there
+        lines.append("    slower than the graphed greedy target, so better not speculated: " + ", ".join(losing))
     return "\n".join(lines)
 
 

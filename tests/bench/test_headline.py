@@ -197,6 +197,15 @@ def test_the_picks_print_as_picked_takes_them():
     assert "pair 3f2a9c1e0b7d on NVIDIA H200" in text.splitlines()[0]
     assert '    "pair": {1: TreeShape.chain_with_leaves(6, 1), 8: None},  # greedy; the chains: k=4 at 8' in text
     assert "{1: None, 8: DynamicTree(6, 2, 2)}; the chains: k=4 at 1" in text
+    assert "better not speculated" not in text  # every pick beats the graphed greedy target
+
+
+def test_the_picks_say_where_even_the_fastest_configuration_loses_to_plain_decoding():
+    slow = [dict(r, tokens_per_s=r["tokens_per_s"] / 2, vs_plain=r["vs_plain"] / 2) if r["batch"] == 1 else r
+            for r in TABLE]  # B = 1's best greedy 1.05x, sampled 0.75x
+    text = picks_text(derive_picks(slow), "pair 3f2a9c1e0b7d on NVIDIA H200")
+    assert text.splitlines()[-1] == "    slower than the graphed greedy target, so better not speculated: " \
+                                    "sampling at B = 1 (0.75x)"
 
 
 def test_the_tables_rows_line_up_under_its_header():
