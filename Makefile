@@ -150,7 +150,8 @@ bench:
 # trained pair (benchmarks/headline.py; `make pair` runs before it, and trains the pair where its
 # cache is empty), then Hugging Face, graphed greedy and round-stream on the random-weight Llamas
 # of memra_cuda.torch.testing through memra_cuda.torch, and its trees section chains against trees;
-# BENCH_ARGS="--json PATH" also writes the pictures, PATH's .headline.png and .png (with
+# BENCH_ARGS="--json PATH" also writes the headline's figures as they come (PATH's .headline.json)
+# and the pictures, PATH's .headline.png and .png (with
 # matplotlib, the plot extra); BENCH_ARGS="--sections headline" runs some sections alone (the whole
 # run takes longer than a GPU machine's ten-minute command: the pair five minutes, the headline
 # about six). The headline measures the pair of pair.py's default settings

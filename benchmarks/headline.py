@@ -19,8 +19,9 @@ tokens, TOKENS), greedy and sampled at temperature 1, graph mode, M = 16:
 - tree_for_batch's picks derived again on this pair: the fastest configuration at each B and
   decoding, printed in the form memra_cuda.torch.testing's PICKED takes.
 
-One table; with --json, the figures as JSON and a picture beside it (PATH with .png, or
-.headline.png under bench-torch; matplotlib, the `plot` extra). The table's header, its summary,
+One table; with --json, the figures as JSON, written again as each batch size ends (a run cut
+short keeps what it measured), and at the end a picture beside it (PATH with .png; under
+bench-torch PATH's .headline.json and .headline.png; matplotlib, the `plot` extra). The table's header, its summary,
 the picks and the picture name the pair (its cache key and losses) and the machine. Needs
 torch, transformers and tokenizers, a GPU, and the pair: `make pair` trains it (five minutes)
 or finds it in its cache (seconds); `make bench-torch` runs it first.
@@ -34,6 +35,8 @@ half minutes, most of it building, capturing and timing the decoders, so the who
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -276,6 +279,15 @@ def assemble(info: Mapping[str, Any], machine: str, date: str, settings: Mapping
                        for mode, by_b in picks.items()})
 
 
+def save(report: Mapping[str, Any], path: str | Path) -> None:
+    """Write the section's JSON to `path` whole or not at all (a temporary file renamed over it),
+    so that a run stopped between two batch sizes leaves the last one's figures readable."""
+    path = Path(path)
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(report, indent=2))
+    part.replace(path)
+
+
 def plot_headline(report: Mapping[str, Any], path: str | Path) -> None:
     """The trees section's picture (plot_trees: tokens/s against B of plain decoding, the best
     chain and tree and that tree's ideal, greedy and sampled) of this pair, titled with it."""
@@ -352,10 +364,13 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     return rows
 
 
-def headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None) -> dict:
+def headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
+             json_path: str | Path | None = None) -> dict:
     """The section: the pair in `pair` (default: `make pair`'s), at `batches` (default BATCHES,
     or QUICK_BATCHES where `quick`); prints the table, the best at each B and the picks, and
-    returns assemble()'s report."""
+    returns assemble()'s report. With `json_path`, the report so far is written there after each
+    batch size (a run cut short by a machine's time limit keeps what it measured), and the picture
+    beside it at the end (its name with .png)."""
     import torch
     import transformers
 
@@ -387,12 +402,18 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
           f"embedding) / {bandwidth / 1e9:.0f} GB/s (a device-to-device copy of 1 GiB) = {floor:.3f} ms")
     print(HEADER, flush=True)
     rows: list[dict] = []
+    floors = dict(weight_bytes=weights, copy_bytes_per_s=bandwidth, floor_ms=floor)
     for batch in batches:
         rows += _bench_batch(target, draft, heldout, batch, info["top"], quick, floor)
+        if json_path is not None and batch != batches[-1]:
+            with contextlib.redirect_stdout(io.StringIO()):  # summarise() prints; the summary comes once, at the end
+                save(assemble(info, machine, date, settings, floors, rows), json_path)
     print(f"\nbest at each B and decoding ({name}):")
-    out = assemble(info, machine, date, settings,
-                   dict(weight_bytes=weights, copy_bytes_per_s=bandwidth, floor_ms=floor), rows)
+    out = assemble(info, machine, date, settings, floors, rows)
     print(picks_text(derive_picks(rows), name), flush=True)
+    if json_path is not None:
+        save(out, json_path)
+        plot_headline(out, Path(json_path).with_suffix(".png"))
     return out
 
 
@@ -408,10 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=lambda text: _listed(text, BATCHES, int),
                         help=f"these of {','.join(map(str, BATCHES))} only")
     args = parser.parse_args(argv)
-    report = headline(args.quick, args.pair, args.batches)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-        plot_headline(report, Path(args.json).with_suffix(".png"))
+    headline(args.quick, args.pair, args.batches, args.json)
     return 0
 
 

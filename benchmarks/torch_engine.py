@@ -6,7 +6,7 @@ target and draft, then on the random-weight Llamas of memra_cuda.torch.testing),
    its held-out files, B in TREE_BATCHES, greedy and sampled: the target's graphed greedy
    decoding beside its weights' HBM floor, chains, static and dynamic trees against their ideal,
    Hugging Face's assisted generation with the same pair, and tree_for_batch's picks derived on
-   it. With a JSON path, a picture beside it (PATH with .headline.png).
+   it. With a JSON path, its figures as each B ends (PATH's .headline.json) and a picture (.headline.png).
 1. One request, at two sizes (fp32 small, bf16 large): Hugging Face generate, its assisted
    generation with the same draft, plain greedy run eagerly and with each step a torch.cuda.graph, and
    round-stream in readback, graph, overlap and device modes; then the ideal speculative speedup over
@@ -664,10 +664,11 @@ def _tree_parts(model: Any, tree: Any, capacity: int, requests: Sequence[Any]) -
     return parts
 
 
-def bench_headline(quick: bool) -> dict:
-    """Section 0: the trained pair (benchmarks/headline.py, imported here: it imports this module)."""
+def bench_headline(quick: bool, json_path: str | Path | None = None) -> dict:
+    """Section 0: the trained pair (benchmarks/headline.py, imported here: it imports this module),
+    its figures also in `json_path` as they come, its picture beside (PATH with .png)."""
     from .headline import headline
-    return headline(quick)
+    return headline(quick, json_path=json_path)
 
 
 SECTIONS = {"headline": bench_headline, "one_request": bench_one_request, "batches": bench_batches,
@@ -678,11 +679,11 @@ def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_pat
                 **trees: Sequence[Any]) -> dict[str, Any]:
     """The sections' rows by name (the headline's report, a dict); `trees`: bench_trees' sizes= and
     batches=, where given. The trees section's picture goes beside the JSON at `json_path` (its
-    name, .png), and the headline's (.headline.png); the caller writes the JSON."""
-    report = {name: SECTIONS[name](quick, **(trees if name == "trees" else {})) for name in sections}
-    if "headline" in report and json_path is not None:
-        from .headline import plot_headline
-        plot_headline(report["headline"], Path(json_path).with_suffix(".headline.png"))
+    name, .png), and the headline's figures, as each batch size ends, to PATH with .headline.json
+    (.headline.png its picture); the caller writes the whole JSON."""
+    report = {name: bench_headline(quick, None if json_path is None else Path(json_path).with_suffix(".headline.json"))
+              if name == "headline" else SECTIONS[name](quick, **(trees if name == "trees" else {}))
+              for name in sections}
     if "trees" in report:
         if json_path is None:
             print("trees: the picture goes beside the JSON: give --json PATH to get it")

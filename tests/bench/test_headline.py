@@ -15,7 +15,7 @@ import pytest
 from memra_cuda import DynamicTree, TreeShape
 from benchmarks.headline import (BATCHES, CHAIN_KS, HEADER, QUICK_BATCHES, STATIC, Config, assemble, configurations,
                                  copy_bytes_per_s, derive_picks, describe, floor_ms, format_row, load_pair, pair_info,
-                                 picked_dict, picks_text, prompt_groups, tree_rates)
+                                 picked_dict, picks_text, prompt_groups, save, tree_rates)
 from benchmarks.torch_engine import figures, reach, rows_share
 
 TOP = {"1": 0.865, "2": 0.93, "4": 0.958, "8": 0.974}  # report.json's agreement (JSON keys), 2026-12-02's pair
@@ -290,3 +290,13 @@ def test_the_headline_reads_what_pair_py_writes(quick_pair):
     assert seed == 0 and len(ids) == heldout["prompt_len"] == 32
     for batch in BATCHES:  # trees fitted to whatever a draft trained for a second agrees
         assert configurations(batch, info["top"])
+
+
+def test_the_figures_so_far_replace_the_last_batch_sizes_whole(tmp_path, capsys):
+    path = tmp_path / "torch.headline.json"
+    first = assemble(pair_info(REPORT), "NVIDIA H200", "2026-12-03", {}, {}, TABLE[:8])  # B = 1 alone
+    save(first, path)
+    assert json.loads(path.read_text())["picks"]["greedy"] == {"1": LEAVES}
+    save(assemble(pair_info(REPORT), "NVIDIA H200", "2026-12-03", {}, {}, TABLE), path)
+    assert json.loads(path.read_text())["picks"]["greedy"] == {"1": LEAVES, "8": None}
+    assert [f.name for f in tmp_path.iterdir()] == [path.name], "no partial file left beside it"
