@@ -35,18 +35,16 @@ half minutes, most of it building, capturing and timing the decoders, so the who
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .common import depth_and_width
-from .torch_engine import (TORCH_M, TREE_BATCHES, _bench_tree_config, _label, _listed, _measure, _plain_decoding,
-                           _release, _tokens, _tree_label, _tree_summary, plot_trees, reach)
+from .torch_engine import (TORCH_M, TREE_BATCHES, _label, _listed, _measure, _measured, _plain_decoding, _release,
+                           _tokens, _tree_label, _tree_summary, plot_trees, summary_line)
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
 SIZE = "pair"  # the trees section's `size` of these rows (its summary and picture take them)
@@ -259,7 +257,7 @@ def format_row(row: dict[str, Any]) -> str:
 
 def summarise(rows: Sequence[dict[str, Any]]) -> list[dict]:
     """torch_engine's summary of each B and decoding (best chain, static and dynamic tree, and the
-    pick against the best chain; printed), the pick being the fastest."""
+    pick against the best chain), the pick being the fastest."""
     plain = {row["batch"]: row["tokens_per_s"] for row in rows if row["kind"] == "plain"}
     picks = derive_picks(rows)
     return [_tree_summary([row for row in rows if row["kind"] in SPECULATIVE and row["mode"] == mode
@@ -267,8 +265,8 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict]:
             for batch in sorted(plain) for mode in MODES if batch in picks.get(mode, {})]
 
 
-def assemble(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[str, Any],
-             floor: Mapping[str, float], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _report(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[str, Any],
+            floor: Mapping[str, float], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The section's JSON: the pair, the machine and date, the settings, the HBM floor, the rows,
     the best of each kind at each B and decoding, and the picks (mode -> B -> the constructor,
     null for the chain)."""
@@ -277,6 +275,27 @@ def assemble(info: Mapping[str, Any], machine: str, date: str, settings: Mapping
                 rows=[dict(row) for row in rows], best=summarise(rows),
                 picks={mode: {batch: row["source"] for batch, row in sorted(by_b.items())}
                        for mode, by_b in picks.items()})
+
+
+def assemble(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[str, Any],
+             floor: Mapping[str, float], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The section's JSON (_report), its summary printed, a line a B and decoding."""
+    report = _report(info, machine, date, settings, floor, rows)
+    for summary in report["best"]:
+        print(summary_line(summary), flush=True)
+    return report
+
+
+def measure_batches(batches: Sequence[int], measure: Callable[[int], list[dict]],
+                    saved: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """measure(B)'s rows of every B in turn; after each but the last, saved(the rows so far), so
+    that a run stopped by a machine's time limit keeps the batch sizes it finished."""
+    rows: list[dict] = []
+    for batch in batches:
+        rows += measure(batch)
+        if saved is not None and batch != batches[-1]:
+            saved(rows)
+    return rows
 
 
 def save(report: Mapping[str, Any], path: str | Path) -> None:
@@ -331,14 +350,13 @@ def _hugging_face(target: Any, draft: Any, groups: Sequence[Sequence[Any]], plai
 
 
 def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, top: Mapping[str, float],
-                 quick: bool, floor: float) -> list[dict]:
+                 quick: bool, tokens: int, one_row: int, floor: float) -> list[dict]:
     """One B: the baseline, Hugging Face's at B = 1, then every chain and tree greedy and sampled,
     in caches of one capacity that each of them fits (attention reads the whole cache: one
     capacity keeps their costs comparable)."""
     from memra_cuda.torch import Request, SamplingParams, capacity_for
-    tokens = QUICK_TOKENS if quick else TOKENS
     groups = [[Request(ids, tokens, None, seed) for seed, ids in group]
-              for group in prompt_groups(heldout, batch, QUICK_ONE_ROW if quick else ONE_ROW_PROMPTS)]
+              for group in prompt_groups(heldout, batch, one_row)]
     configs = configurations(batch, top, quick)
     depth, width = (max(values) for values in zip(*(depth_and_width(config.spec) for config in configs)))
     longest = max(len(r.prompt) for group in groups for r in group)
@@ -353,12 +371,9 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
         _release()
     for mode, sampling in zip(MODES, (None, SamplingParams(1.0))):
         for config in configs:
-            row: dict[str, Any] = dict(
-                size=SIZE, batch=batch, mode=mode, kind=config.kind, source=config.source,
-                config=config.spec if config.kind == "chain" else config.label,
-                **_bench_tree_config(target, config.kind, config.spec, groups, capacity, sampling, step_ms, draft))
-            _release()  # the decoder it built, before the next
-            row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
+            row = _measured(target, config.kind, config.spec, groups, capacity, sampling, step_ms, plain, draft,
+                            size=SIZE, batch=batch, mode=mode, source=config.source,
+                            config=config.spec if config.kind == "chain" else config.label)
             print(format_row(row), flush=True)
             rows.append(row)
     return rows
@@ -401,13 +416,11 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     print(f"weights' HBM floor: {weights / 1e6:.1f} MB of the target's weights a step (all but the input "
           f"embedding) / {bandwidth / 1e9:.0f} GB/s (a device-to-device copy of 1 GiB) = {floor:.3f} ms")
     print(HEADER, flush=True)
-    rows: list[dict] = []
     floors = dict(weight_bytes=weights, copy_bytes_per_s=bandwidth, floor_ms=floor)
-    for batch in batches:
-        rows += _bench_batch(target, draft, heldout, batch, info["top"], quick, floor)
-        if json_path is not None and batch != batches[-1]:
-            with contextlib.redirect_stdout(io.StringIO()):  # summarise() prints; the summary comes once, at the end
-                save(assemble(info, machine, date, settings, floors, rows), json_path)
+    rows = measure_batches(
+        batches, lambda batch: _bench_batch(target, draft, heldout, batch, info["top"], quick, tokens, one_row, floor),
+        None if json_path is None else lambda rows: save(_report(info, machine, date, settings, floors, rows),
+                                                         json_path))
     print(f"\nbest at each B and decoding ({name}):")
     out = assemble(info, machine, date, settings, floors, rows)
     print(picks_text(derive_picks(rows), name), flush=True)

@@ -437,8 +437,7 @@ def build(args: argparse.Namespace, docs: list[Doc], out: Path, phases: dict[str
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT,
                                    model_max_length=args.seq_len)  # the context it was trained on
     phase("tokenizing")
-    report: dict[str, Any] = dict(key=key, corpus=dict(files=len(docs), megabytes=make_up(docs),
-                                  train_files=len(train_docs),
+    report: dict[str, Any] = dict(key=key, corpus=dict(files=len(docs), train_files=len(train_docs),
                                   heldout_files=len(held_docs), train_tokens=len(train_np), heldout_tokens=len(held_np),
                                   chars_per_token=round(chars / max(len(train_np), 1), 3)), vocab=vocab)
     trained = {}
@@ -500,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     docs = read_docs(list_files(args.max_file_kb * 1024), args.max_files)
     key, inputs = cache_key(args, docs)
     where, phases = Path(args.cache) / key, {"listing": round(time.perf_counter() - start, 1)}
+    megabytes = make_up(docs)
     print(f"pair: {len(docs)} files, {sum(d.size for d in docs) / 1e6:.1f} MB listed in {phases['listing']:.1f} s; "
-          f"key {key}; MB by package: " + ", ".join(f"{name} {mb}" for name, mb in make_up(docs).items()), flush=True)
+          f"key {key}; MB by package: " + ", ".join(f"{name} {mb}" for name, mb in megabytes.items()), flush=True)
     if (where / "report.json").exists():
         print(f"reusing {where}", flush=True)
         if args.measure:
@@ -517,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=where.parent))  # renamed whole once complete
     try:
         report = build(args, docs, tmp, phases, key)
+        report["corpus"]["megabytes"] = megabytes
         report.update(inputs=inputs, phases=phases | {"total": round(time.perf_counter() - start, 1)})
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
         os.rename(tmp, where)

@@ -432,11 +432,8 @@ def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[di
     for mode, sampling in (("greedy", None), ("sampling", SamplingParams(1.0))):
         measured = []
         for kind, config in candidates:
-            row = dict(size=size, batch=batch, mode=mode, kind=kind,
-                       config=config if kind == "chain" else _tree_label(config),
-                       **_bench_tree_config(model, kind, config, [requests], capacity, sampling, step_ms))
-            _release()  # the decoder it built, before the next
-            row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
+            row = _measured(model, kind, config, [requests], capacity, sampling, step_ms, plain, size=size,
+                            batch=batch, mode=mode, config=config if kind == "chain" else _tree_label(config))
             print(f"{size:6} {batch:4} {mode:8} {kind:7} {_label(row):18} {row['tokens_per_s']:9.0f} "
                   f"{row['tau']:5.2f} {row['v']:6.2f} {row['draft']:6.2f} {row['ideal']:5.2f}x "
                   f"{row['reached']:7.0%} {row['rows_share']:5.0%} {row['batch_reached']:5.0%} "
@@ -444,6 +441,7 @@ def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[di
             measured.append(row)
         chosen = next((row for (_, config), row in zip(candidates, measured) if config == picked[mode]), None)
         rows += measured + [_tree_summary(measured, chosen, plain)]
+        print(summary_line(rows[-1]), flush=True)
     return rows
 
 
@@ -485,6 +483,17 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
     seconds, taken = _measure(spec.generate_batch, groups, after)
     v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft_levels))
     return figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d)
+
+
+def _measured(model: Any, kind: str, spec: Any, groups: Sequence[Sequence[Any]], capacity: int, sampling: Any,
+              step_ms: float, plain: float, draft: Any = None, **fields: Any) -> dict:
+    """One chain's or tree's row: `fields` and its kind, its figures (_bench_tree_config) and how
+    near its ideal it got against `plain` tokens/s (reach), its decoder released before the next
+    is built."""
+    row = dict(fields, kind=kind, **_bench_tree_config(model, kind, spec, groups, capacity, sampling, step_ms, draft))
+    _release()
+    row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
+    return row
 
 
 def figures(lengths: Sequence[Sequence[int]], rounds: Sequence[np.ndarray], seconds: float, v: float,
@@ -551,10 +560,18 @@ def _tree_summary(measured: list[dict], chosen: dict | None, plain: float) -> di
                    chosen_reached=chosen["reached"], chosen_batch_reached=chosen["batch_reached"])
     for kind, row in best.items():
         summary.update({kind: row["config"], f"{kind}_tokens_per_s": row["tokens_per_s"]})
-    print(f"{first['size']:6} {first['batch']:4} {first['mode']:8} " + ", ".join(
-        f"best {kind} {_label(row)} {row['tokens_per_s']:.0f} tok/s" for kind, row in best.items()) +
-        f", chosen {chosen['kind']} {_label(chosen)} = {summary['chosen_vs_chain']:.2f}x the chain", flush=True)
     return summary
+
+
+def summary_line(summary: dict) -> str:
+    """_tree_summary's line: the best of each kind and the pick against the best chain."""
+    def label(kind: str, config: Any) -> str:
+        return _label(dict(kind=kind, config=config))
+    return (f"{summary['size']:6} {summary['batch']:4} {summary['mode']:8} " + ", ".join(
+        f"best {kind} {label(kind, summary[kind])} {summary[f'{kind}_tokens_per_s']:.0f} tok/s"
+        for kind in ("chain", "static", "dynamic")) +
+        f", chosen {summary['chosen_kind']} {label(summary['chosen_kind'], summary['chosen'])} = "
+        f"{summary['chosen_vs_chain']:.2f}x the chain")
 
 
 def plot_trees(rows: list[dict], path: str | Path, title: str | None = None) -> None:

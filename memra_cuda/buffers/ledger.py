@@ -13,15 +13,15 @@ from __future__ import annotations
 
 class Ledger:
     """Rounds queued on one StreamBufs, and what the host has seen of them. Its methods are the
-    events (queued, received, reset, drained); `unseen_rounds` and `ring_rounds` are what they
-    imply, kept as plain attributes because a burst's check reads them every round."""
+    events (queued, received, reset, drained); `unseen_rounds` is what they imply, and
+    `ring_rounds` what no count of rounds gives (a drain empties the rings, not the unseen)."""
 
-    __slots__ = ("rounds", "covers", "unseen_rounds", "ring_rounds")
+    __slots__ = ("rounds", "covers", "learnt", "ring_rounds")
 
     def __init__(self) -> None:
         self.rounds = 0  # rounds queued in all
         self.covers = [0, 0]  # per pinned readback slot: the rounds queued before its last readback
-        self.unseen_rounds = 0  # rounds queued past the last ones a received readback (or a reset) covers
+        self.learnt = 0  # the rounds the last received readback (or a reset) covers: the host knows the rows as of them
         self.ring_rounds = 0  # rounds committed into the rings since they were last emptied
 
     def queued(self, rounds: int, readback: int | None = None) -> None:
@@ -29,7 +29,6 @@ class Ledger:
         pinned slot, which empties the rings and covers every round queued so far once received.
         Whoever queues rounds says so here, a graph's replay too (its readback is not seen)."""
         self.rounds += rounds
-        self.unseen_rounds += rounds
         self.ring_rounds += rounds
         if readback is not None:
             self.covers[readback] = self.rounds
@@ -38,13 +37,17 @@ class Ledger:
     def received(self, slot: int) -> None:
         """The readback queued into `slot` was received: the rows are known as of the rounds it
         covers (a slot received again, or behind a newer one, teaches nothing new)."""
-        unseen = self.rounds - self.covers[slot]
-        if unseen < self.unseen_rounds:
-            self.unseen_rounds = unseen
+        self.learnt = max(self.learnt, self.covers[slot])
+
+    @property
+    def unseen_rounds(self) -> int:
+        """Rounds queued past the last ones a received readback (or a reset) covers: how far the
+        rows may have moved past the positions the host knows."""
+        return self.rounds - self.learnt
 
     def reset(self) -> None:
         """Every row was reset: their positions are the host's, their rings empty."""
-        self.unseen_rounds = self.ring_rounds = 0
+        self.learnt, self.ring_rounds = self.rounds, 0
 
     def drained(self) -> None:
         """The rings were emptied without a readback (drain_ring of the only row); the

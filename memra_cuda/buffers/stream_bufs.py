@@ -104,10 +104,7 @@ class StreamBufs:
             "vtok_d": (np.uint32, k + 1), "brk_d": (np.uint32, BRK_WORDS), "pend_d": (np.uint32, 1),
             "last_pred_d": (np.uint32, 1), "pos_start_d": (np.int32, 1), "acc_d": (np.uint32, ACC_WORDS)},
             label="round-stream state")
-        field = self._fields
-        self.ring_d, self.ctl_d, self.pos_ctr_d = field["ring_d"], field["ctl_d"], field["pos_ctr_d"]
-        self.vtok_d, self.brk_d, self.pend_d = field["vtok_d"], field["brk_d"], field["pend_d"]
-        self.last_pred_d, self.pos_start_d, self.acc_d = field["last_pred_d"], field["pos_start_d"], field["acc_d"]
+        vars(self).update(self._fields)  # each the attribute the class declares
         ctl = np.zeros((batch, CTL_WORDS), np.int32)
         ctl[:, [CTL_EOS, CTL_BUDGET]] = -1  # no EOS, no budget
         engine.copy_htod(self.ctl_d, ctl.reshape(-1))

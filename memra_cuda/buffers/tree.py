@@ -274,10 +274,7 @@ class TreeBufs:
             "tok_d": (np.uint32, n), "parent_d": (np.uint32, n), "depth_d": (np.uint32, n), "rank_d": (np.uint32, n),
             "pos_d": (np.int32, n), "mask_d": (np.uint32, n * self.words), "score_d": (np.float32, n),
             "path_d": (np.uint32, self.depth + 1)}, label="tree nodes")
-        field = self._fields
-        self.tok_d, self.parent_d, self.depth_d = field["tok_d"], field["parent_d"], field["depth_d"]
-        self.rank_d, self.pos_d, self.mask_d = field["rank_d"], field["pos_d"], field["mask_d"]
-        self.score_d, self.path_d = field["score_d"], field["path_d"]
+        vars(self).update(self._fields)  # each the attribute the class declares
         self.shape_d = None
         if isinstance(tree, TreeShape):
             children = np.bincount(tree.parent[1:], minlength=n)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CudaUnavailable, MemraError, call
+from .errors import CudaUnavailable, MemraError, driver_version
 
 __all__ = ["CompileError", "Nvrtc", "NvrtcUnavailable", "compile_ptx", "nvrtc", "ptx_isa", "EXTRA", "REQUIREMENT",
            "OPTIONS"]
@@ -176,10 +176,9 @@ def _open(path: Path) -> Nvrtc:
 def _driver_version() -> tuple[int, int] | None:
     """The CUDA release of this machine's driver (cuDriverGetVersion); None where there is none."""
     try:
-        version = int(call("cuDriverGetVersion"))
+        return driver_version()
     except CudaUnavailable:
         return None
-    return version // 1000, version % 1000 // 10
 
 
 @functools.cache

@@ -131,3 +131,10 @@ def call(name: str, *args: Any) -> Any:
     """Call the driver function `name` and check it, so failures name the call. For calls that
     belong to no context yet; everything else goes through PrimaryContext.call."""
     return check(getattr(driver(), name)(*args), name)
+
+
+def driver_version() -> tuple[int, int]:
+    """The CUDA release of this machine's driver, (major, minor) (cuDriverGetVersion, which needs
+    no context); CudaUnavailable where there is no driver."""
+    version = int(call("cuDriverGetVersion"))
+    return version // 1000, version % 1000 // 10

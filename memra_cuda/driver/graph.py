@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import CaptureError, MemraError, driver
+from .errors import CaptureError, MemraError, driver, driver_version
 from .handle import Handle
 
 if TYPE_CHECKING:
@@ -50,14 +50,14 @@ LOOP_REQUIREMENT = ("device-resident loops need conditional WHILE graph nodes: a
                     "cuda-bindings with cuGraphConditionalHandleCreate and cuStreamBeginCaptureToGraph")
 
 
-def check_loops(engine: Stream) -> None:
+def check_loops() -> None:
     """LoopUnsupported naming the requirement unless this driver and binding build WHILE nodes."""
     drv = driver()
     have = all(hasattr(drv, name) for name in ("cuGraphConditionalHandleCreate", "cuStreamBeginCaptureToGraph",
                                                 "cuGraphAddNode", "cuStreamGetCaptureInfo"))
-    version = int(engine.activate().call("cuDriverGetVersion"))
-    if not have or version < 12040:
-        raise LoopUnsupported(f"{LOOP_REQUIREMENT}; this is driver {version // 1000}.{version % 1000 // 10}"
+    major, minor = driver_version()
+    if not have or (major, minor) < (12, 4):
+        raise LoopUnsupported(f"{LOOP_REQUIREMENT}; this is driver {major}.{minor}"
                               + ("" if have else " with a binding that lacks them"))
 
 
@@ -163,7 +163,7 @@ def _with_edges(name: str) -> str:
 def loops(build: Callable[[LoopBuilder], None]) -> Capture:
     """A Capture that builds its graph with `build(LoopBuilder)` instead of capturing `issue`."""
     def capture(engine: Stream, _issue: Callable[[], None]) -> tuple[Any, None]:
-        check_loops(engine)
+        check_loops()
         builder = LoopBuilder(engine)
         try:
             build(builder)

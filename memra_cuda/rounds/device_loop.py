@@ -225,7 +225,7 @@ class DeviceLoop:
             raise LoopUnsupported("device mode cannot run a rank of a communicator (memra_cuda.comm): its tokens "
                                   "come through a host loop that the communicator's watchdog does not time, and NCCL's "
                                   "operations inside a conditional node's body are untried; use graph or overlap mode")
-        check_loops(engine)  # before the decider's module, which an older driver cannot load
+        check_loops()  # before the decider's module, which an older driver cannot load
         self.engine, self.round, self.bufs = engine, round, bufs
         self._decide = load(engine, "device_loop").kernel("spec_loop_decide").prepare(grid=1, block=256)
         # The cap, the rounds run, the publishes, then each row's published tokens: one memset

@@ -90,11 +90,7 @@ class SpeculativeLlama(RoundDecoder):
 
     def verify_trunk(self) -> None:
         """The target over the k + 1 tokens of every row: its greedy tokens or its probabilities."""
-        logits = self.target.logits(self.views.vtok, self.views.pos_start.long() + self.steps)  # [B][k+1][V]
-        if self.sampling is None:
-            torch.argmax(logits, -1, out=self.pred_d)
-        else:
-            self.p_d.copy_(self.sampling.probs(logits))
+        self._verdict(self.target.logits(self.views.vtok, self.views.pos_start.long() + self.steps))  # [B][k+1][V]
 
     def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
         """reset zeroes acc_d, so the first draft step reads vtok_d[0] as the token behind the

@@ -60,9 +60,12 @@ class RoundDecoder:
     target's recurrent state is rolled back by `state_rollback`, "copy" or "flip", keeping
     `verified` + 1 slots (a chain's k, a tree's T).
 
-    A subclass sets `rounds`, then calls _warm_up()."""
+    A subclass sets `rounds`, the verify's output (`pred_d`, or `p_d` with sampling), then calls
+    _warm_up()."""
 
     rounds: RoundStream
+    pred_d: torch.Tensor  # greedy: the target's token at each verified position, [B][verified + 1]
+    p_d: torch.Tensor  # sampling: the target's probabilities there, [B][verified + 1][V]
 
     def __init__(self, model: Any, draft: Any, *, k: int, verified: int, m_rounds: int, batch: int,
                  capacity: int, sampling: SamplingParams | None, draft_sampling: SamplingParams | None,
@@ -109,6 +112,14 @@ class RoundDecoder:
         self.rounds.step("readback")
         self.bufs.set_stop(budget=0)
 
+    def _verdict(self, logits: torch.Tensor) -> None:
+        """What a verify leaves its acceptance kernel from the target's logits over the verified
+        tokens ([B][verified + 1][V]): their greedy tokens, or their probabilities."""
+        if self.sampling is None:
+            torch.argmax(logits, -1, out=self.pred_d)
+        else:
+            self.p_d.copy_(self.sampling.probs(logits))
+
     def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
         """What a subclass sets for the rows `index` once their prompts are in."""
 
@@ -125,6 +136,8 @@ class RoundDecoder:
         rows = list(rows)
         if any(not prompt for prompt in prompts) or len(prompts) != len(rows):
             raise ValueError(f"need one prompt of at least one token for each of the {len(rows)} rows")
+        if seeds is not None and len(seeds) != len(rows):
+            raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")
         starts = [len(prompt) - 1 for prompt in prompts]
         heads = [prompt[:-1] for prompt in prompts]
         with torch.cuda.stream(self.stream):
@@ -142,7 +155,7 @@ class RoundDecoder:
                     self.bufs.reset_row(row, token, start)
             self._prefilled(index, prompts)
             if self.sampling is not None:
-                self.seed_d[index] = torch.tensor(list(seeds or [0] * len(rows)), device="cuda")
+                self.seed_d[index] = torch.tensor(list(seeds) if seeds is not None else [0] * len(rows), device="cuda")
         return starts
 
     def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:

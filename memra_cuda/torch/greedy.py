@@ -39,6 +39,8 @@ class GraphedGreedy:
 
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
         """One request a row, each until its budget or its EOS."""
+        if len(requests) != self.batch:
+            raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
         with torch.cuda.stream(self.stream):
             self._start(requests)
             if self.graph is None and not self.eager:

@@ -37,9 +37,11 @@ def shard(model: Any, rank: int, world: int, reduce: Callable[[torch.Tensor], No
     """Keep rank `rank`'s share of every decoder layer of `model` (in place), its row-parallel
     outputs summed over the `world` ranks by `reduce`. The config then counts this rank's heads
     and MLP columns, as its caches are made from it (a self-speculative draft made after
-    sharding shares both). Refused, with nothing changed, where the ranks cannot share the heads
-    and columns evenly, a layer is recurrent (its state is not split) or a row-parallel linear
-    has a bias (it would be added once a rank)."""
+    sharding shares both). Refused, with nothing changed, where `rank` is not one of the world,
+    the ranks cannot share the heads and columns evenly, a layer is recurrent (its state is not
+    split) or a row-parallel linear has a bias (it would be added once a rank)."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not one of a world of {world} ranks")  # its share would be empty
     config = model.config
     heads, kv_heads, inner = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     if heads % world or kv_heads % world or inner % world:

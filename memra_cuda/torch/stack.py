@@ -212,6 +212,10 @@ class Stack:
         1 ms on the GPU, for the small random-weight model), and continuous batching prefills one
         row at a time. Several rows run eagerly, padded to the longest. A padding's entries, past
         its prompt, are rewritten before any position reads them."""
+        rows, batch = list(rows), self.kv.lengths.shape[1]
+        if len(rows) != len(prompts) or len(set(rows)) != len(rows) or not all(0 <= row < batch for row in rows):
+            raise ValueError(f"a prefill takes one prompt for each of distinct rows of 0..{batch - 1}, not rows {rows} "
+                             f"and {len(prompts)} prompt(s)")  # before a device index would assert, or writes race
         lengths = [len(prompt) for prompt in prompts]
         if max(lengths, default=0) > self.kv.capacity:
             raise ValueError(f"a prompt of {max(lengths)} tokens does not fit a cache of {self.kv.capacity}")

@@ -127,12 +127,13 @@ class FlipState:
         self.index_d = engine.zeros(np.uint32, batch, label="state slot index")
         self.index = tensor(self.index_d, torch.int32)
         self.rows = torch.arange(batch, device=device)
+        self.tokens = torch.arange(k + 1, device=device)  # a forward's token i writes its bank's slot i
 
     def begin(self) -> None:
         index = self.index.long() % 2**32  # the u32 the rollback kernel reads, garbage included
         bank = (index // (self.k + 1)).clamp(max=1)
         self.reading = bank * (self.k + 1) + index % (self.k + 1)  # [B]
-        self.writing = (1 - bank)[:, None] * (self.k + 1) + torch.arange(self.k + 1, device=index.device)  # [B][k+1]
+        self.writing = (1 - bank)[:, None] * (self.k + 1) + self.tokens  # [B][k+1]
 
     def read(self, layer: int) -> torch.Tensor:
         return self.slots[layer, self.rows, self.reading]

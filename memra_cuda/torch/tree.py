@@ -165,9 +165,5 @@ class TreeLlama(RoundDecoder):
     def verify_tree(self) -> None:
         """The target over all T + 1 nodes under the ancestor mask, in one forward."""
         nodes = self.tree_views
-        logits = self.target.logits(nodes.tok, nodes.pos, parents=nodes.parents,
-                                    **self._nodes(0, self.tree.nodes, self.target_mask))  # [B][T+1][V]
-        if self.sampling is None:
-            torch.argmax(logits, -1, out=self.pred_d)
-        else:
-            self.p_d.copy_(self.sampling.probs(logits))
+        self._verdict(self.target.logits(nodes.tok, nodes.pos, parents=nodes.parents,
+                                         **self._nodes(0, self.tree.nodes, self.target_mask)))  # [B][T+1][V]

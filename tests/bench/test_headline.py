@@ -15,7 +15,7 @@ import pytest
 from memra_cuda import DynamicTree, TreeShape
 from benchmarks.headline import (BATCHES, CHAIN_KS, HEADER, QUICK_BATCHES, STATIC, Config, assemble, configurations,
                                  copy_bytes_per_s, derive_picks, describe, floor_ms, format_row, load_pair, pair_info,
-                                 picked_dict, picks_text, prompt_groups, save, tree_rates)
+                                 measure_batches, picked_dict, picks_text, prompt_groups, save, tree_rates)
 from benchmarks.torch_engine import figures, reach, rows_share
 
 TOP = {"1": 0.865, "2": 0.93, "4": 0.958, "8": 0.974}  # report.json's agreement (JSON keys), 2026-12-02's pair
@@ -300,3 +300,20 @@ def test_the_figures_so_far_replace_the_last_batch_sizes_whole(tmp_path, capsys)
     save(assemble(pair_info(REPORT), "NVIDIA H200", "2026-12-03", {}, {}, TABLE), path)
     assert json.loads(path.read_text())["picks"]["greedy"] == {"1": LEAVES, "8": None}
     assert [f.name for f in tmp_path.iterdir()] == [path.name], "no partial file left beside it"
+
+
+def test_a_run_stopped_after_a_batch_size_keeps_the_ones_it_finished():
+    saved: list[list[dict]] = []
+
+    def measure(batch: int) -> list[dict]:
+        if batch == 32:
+            raise TimeoutError("the machine's ten minutes")
+        return [row for row in TABLE if row["batch"] == batch]
+
+    with pytest.raises(TimeoutError):
+        measure_batches([1, 8, 32, 128], measure, lambda rows: saved.append(list(rows)))  # as written then
+    assert [len(rows) for rows in saved] == [8, len(TABLE)], "after B = 1 and after B = 8"
+    assert saved[-1] == TABLE
+    quiet: list[list[dict]] = []
+    assert measure_batches([1, 8], measure, quiet.append) == TABLE and len(quiet) == 1, "the last B is the caller's"
+    assert measure_batches([1, 8], measure) == TABLE

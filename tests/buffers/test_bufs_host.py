@@ -126,3 +126,17 @@ def test_a_stream_is_taken_in_every_form_an_engine_author_has_one():
     for bad in ("stream 7", ProtocolStream((0, "7"))):
         with pytest.raises(TypeError, match="__cuda_stream__"):
             handle_of(bad)
+
+
+@pytest.mark.parametrize("cls", ["StreamBufs", "TreeBufs"])
+def test_the_fields_carved_are_the_buffers_the_class_declares(cls):
+    """__init__ sets its attributes from carve's fields by name: a field carved but not declared
+    would be an attribute mypy does not know, one declared but not carved an AttributeError."""
+    import ast
+    import inspect
+    from memra_cuda.buffers.tree import TreeBufs
+    klass = {"StreamBufs": StreamBufs, "TreeBufs": TreeBufs}[cls]
+    (call,) = [node for node in ast.walk(ast.parse(inspect.getsource(klass.__init__).lstrip()))
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "carve"]
+    carved = {key.value for key in call.args[2].keys}
+    assert carved == {name for name, kind in klass.__annotations__.items() if kind == "DeviceBuffer"}

@@ -236,6 +236,25 @@ def test_a_served_rank_claimed_again_and_a_rank_outside_the_world_are_refused_wi
     assert len(refused) == 3 and "served rank 1 already" in refused[0] and "world of 8" in refused[1], refused
 
 
+
+def test_a_rank_whose_claim_is_mid_handshake_is_told_to_come_again_and_served_once_it_ends(caplog):
+    """A connection that proved the secret for rank 1 and then never acknowledges the id holds rank
+    1's claim for its budget: the real rank 1 is told to come again meanwhile, not refused, and is
+    served once that connection is dropped."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    port = free_port()
+    zero = _rank(0, 2, port, hello_budget=1.0)
+    stalled = _connect(port)
+    _claim(stalled, 1, 2, SECRET)
+    assert stalled.recv(1, socket.MSG_WAITALL) == rendezvous._OK  # rank 1 is this connection's now
+    start = time.monotonic()
+    assert _results(zero, _rank(1, 2, port, hello_budget=1.0)) == [THE_ID, THE_ID]
+    assert time.monotonic() - start > 0.5, "served only once the stalled claim's budget ran out"
+    again = [r for r in caplog.records if "to come again" in r.getMessage()]
+    assert again and all(r.levelno == logging.INFO for r in again), "a retry, not a refusal"
+    assert not [r for r in caplog.records if "refused" in r.getMessage()]
+    stalled.close()
+
 # -- without a secret ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("address", ["10.0.0.7", "0.0.0.0", "node0.example"])

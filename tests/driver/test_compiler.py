@@ -65,9 +65,10 @@ def lookup(monkeypatch):
 
 
 def isa_of(ptx: str) -> tuple[int, int]:
-    version = re.search(r"^\.version (\d+)\.(\d+)$", ptx, re.M)
-    assert version, ptx[:400]
-    return int(version[1]), int(version[2])
+    isa = compiler.ptx_isa(ptx)
+    assert isa != "unknown", ptx[:400]
+    major, minor = isa.split(".")
+    return int(major), int(minor)
 
 
 def test_compile_ptx_is_exported_from_the_package():

@@ -665,3 +665,9 @@ def test_the_first_releases_typed_copies_are_gone(engine):
     for name in ("htod_u32", "dtoh_i32", "alloc_i32_zeroed", "htod_f32"):
         with pytest.raises(AttributeError, match=name):
             getattr(engine, name)
+
+
+def test_the_drivers_release_is_one_memra_cuda_runs_on(engine):
+    from memra_cuda.driver import compiler
+    from memra_cuda.driver.errors import driver_version
+    assert driver_version() >= (12, 0) and compiler._driver_version() == driver_version()

@@ -495,3 +495,12 @@ def test_a_kernels_launch_is_refused_past_the_grid_limits_before_the_driver_is_a
         Launch(kernel, [], grid=(64, 65536), block=256)
     with pytest.raises(ValueError, match="toy_probs's block .* 1 to 3 positive sizes"):
         Launch(kernel, [], grid=1, block=(256, 0))
+
+
+@pytest.mark.parametrize("reported, release", [(12040, (12, 4)), (13010, (13, 1)), (12090, (12, 9))])
+def test_the_drivers_version_is_read_as_its_release(monkeypatch, reported, release):
+    """cuDriverGetVersion's 1000 * major + 10 * minor, read in one place (the compiler's NVRTC choice
+    and the device loop's check for WHILE nodes both take it)."""
+    from memra_cuda.driver import errors
+    monkeypatch.setattr(errors, "call", lambda name: {"cuDriverGetVersion": reported}[name])
+    assert errors.driver_version() == release

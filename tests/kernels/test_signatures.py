@@ -160,3 +160,12 @@ def test_prepare_takes_the_tables_types_where_none_are_given():
     assert kernel.declared(["ptr", "ptr", "u32", "u32", "ptr", "ptr", "ptr", "ptr"]) == kernel.declared(None)
     with pytest.raises(AttributeError):  # past the check: the stand-in module has no engine
         kernel.prepare(grid=1, block=32)
+
+
+def test_a_kernel_its_modules_table_does_not_name_needs_its_types_given():
+    """A user's module loaded without a table, or a kernel the table leaves out: prepare cannot
+    know the arguments, so it asks for them rather than packing none."""
+    kernel = kernel_without_a_driver("my_own_kernel")
+    with pytest.raises(TypeError, match="my_own_kernel has no signature in its module's table: give its argument"):
+        kernel.prepare(grid=1, block=32)
+    assert kernel.declared(["ptr", "u32"]) == ("ptr", "u32"), "given types are taken as they are"

@@ -193,6 +193,17 @@ def test_serve_refuses_a_request_its_caches_cannot_hold_before_anything_runs(sma
     assert server.rounds.rounds == rounds_before_overlap, "a step ran before the refusal"
 
 
+def test_a_prefill_needs_a_seed_a_row_and_greedy_a_request_a_row(small):
+    sampled = chain(small, capacity=capacity_for(10, 20, K, M, batch=2), batch=2, sampling=SamplingParams(1.0))
+    for seeds in ([7], [], [7, 8, 9]):
+        with pytest.raises(ValueError, match=f"one seed for each of the 2 rows, not {len(seeds)}"):
+            sampled.prefill([0, 1], [[1, 2], [3, 4]], seeds)
+    assert sampled.prefill([0, 1], [[1, 2], [3, 4]], [7, 8]) == [1, 1]
+    greedy = GraphedGreedy(small, capacity_for(10, 20, K, M, batch=2), batch=2)
+    with pytest.raises(ValueError, match="need one request per row \\(2\\), not 1"):
+        greedy.generate_batch([Request([1, 2], 4)])
+
+
 def test_continuous_batching_samples_each_request_as_it_would_alone(peaked):
     params = SamplingParams(temperature=0.8)
     alone = chain(peaked, capacity=capacity_for(40, 96, K, M), sampling=params)

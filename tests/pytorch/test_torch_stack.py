@@ -326,6 +326,29 @@ def test_a_stack_refuses_what_it_cannot_run():
     assert Stack(windowed, 32).kv.capacity == 32
 
 
+def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them():
+    """A row past the batch would be a device-side assert on a GPU (the context lost), a row
+    twice two prefills racing for its KV, a prompt short or over silently misplaced."""
+    stack = Stack(tiny(), CAPACITY, batch=2)
+    stack.prefill([0, 1], [[1, 2, 3], [4, 5]])
+    lengths = stack.kv.lengths.clone()
+    for rows, prompts in (([0, 2], [[1], [2]]), ([-1], [[1]]), ([1, 1], [[1], [2]]), ([0, 1], [[1]])):
+        with pytest.raises(ValueError, match="one prompt for each of distinct rows of 0..1"):
+            stack.prefill(rows, prompts)
+    assert torch.equal(stack.kv.lengths, lengths), "a refused prefill changed a row"
+
+
+def test_a_rank_outside_the_world_is_refused_before_its_share_is_cut():
+    """Its share of every layer would be empty, and its all-reduce would add zeros silently."""
+    from memra_cuda.torch import shard
+    model = tiny()
+    before = [w.clone() for w in model.parameters()]
+    for rank, world in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match=f"rank {rank} is not one of a world of {world} ranks"):
+            shard(model, rank, world, lambda out: None)
+    assert all(torch.equal(w, was) for w, was in zip(model.parameters(), before)), "a refused shard changed the model"
+
+
 def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
     """Each refusal is raised before a CUDA stream is made (this machine may have none)."""
     model = tiny()
