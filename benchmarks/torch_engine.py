@@ -413,21 +413,22 @@ def _label(row: dict) -> str:
 def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[dict]:
     """One size and B of section 5: plain decoding, then every candidate greedy and sampled, in
     caches of one capacity that each of them fits."""
-    from memra_cuda.torch.testing import PROMPT, tree_for_batch
+    from memra_cuda.torch.testing import PLAIN, PROMPT, tree_for_batch
     from memra_cuda.torch.testing import prompts as some_prompts
     from memra_cuda.torch import Request, SamplingParams, capacity_for
     prompts = [PROMPT] if batch == 1 else some_prompts(batch, seed=batch)
     tokens = 64 if quick else (256 if batch <= 8 else 128)
     requests = [Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
     picked = {mode: tree_for_batch(size, batch, mode == "sampling") for mode in ("greedy", "sampling")}
-    candidates = _tree_candidates([tree for tree in picked.values() if tree is not None], batch, quick)
+    candidates = _tree_candidates([tree for tree in picked.values() if tree is not None and tree != PLAIN], batch,
+                                  quick)
     depth, width = (max(values) for values in zip(*(depth_and_width(config) for _, config in candidates)))
     capacity = capacity_for(max(map(len, prompts)), tokens, depth, TORCH_M, batch, width=width)
     plain, step_ms = _plain_decoding(model, capacity, [requests])
     _release()
     print(f"{size:6} {batch:4} {'greedy':8} {'plain':7} {'':18} {plain:9.0f}   (a target step: {step_ms:.3f} ms)",
           flush=True)
-    rows = [dict(size=size, batch=batch, mode="greedy", kind="plain", config=None, tokens_per_s=plain,
+    rows = [dict(size=size, batch=batch, mode="greedy", kind="plain", config="graphed greedy", tokens_per_s=plain,
                  step_ms=step_ms)]
     for mode, sampling in (("greedy", None), ("sampling", SamplingParams(1.0))):
         measured = []
@@ -439,7 +440,8 @@ def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[di
                   f"{row['reached']:7.0%} {row['rows_share']:5.0%} {row['batch_reached']:5.0%} "
                   f"{row['vs_plain']:7.2f}x", flush=True)
             measured.append(row)
-        chosen = next((row for (_, config), row in zip(candidates, measured) if config == picked[mode]), None)
+        chosen = rows[0] if picked[mode] == PLAIN else next(
+            (row for (_, config), row in zip(candidates, measured) if config == picked[mode]), None)
         rows += measured + [_tree_summary(measured, chosen, plain)]
         print(summary_line(rows[-1]), flush=True)
     return rows
@@ -544,7 +546,8 @@ def _release() -> None:
 
 def _tree_summary(measured: list[dict], chosen: dict | None, plain: float) -> dict:
     """One size, B and mode of section 5: the best of each kind, and the pick (`chosen`; the best
-    chain where tree_for_batch says the chain) against the best chain."""
+    chain where tree_for_batch says the chain; plain decoding's row where it says PLAIN, which
+    has no ideal to reach) against the best chain."""
     best = {kind: max((row for row in measured if row["kind"] == kind), key=lambda row: row["tokens_per_s"])
             for kind in ("chain", "static", "dynamic")}
     tree = max(best["static"], best["dynamic"], key=lambda row: row["tokens_per_s"])
@@ -557,7 +560,7 @@ def _tree_summary(measured: list[dict], chosen: dict | None, plain: float) -> di
                    best_tree=tree["config"], best_tree_kind=tree["kind"],
                    best_tree_tokens_per_s=tree["tokens_per_s"], best_tree_vs_chain=tree["tokens_per_s"] / chain,
                    best_tree_ideal=tree["ideal"], best_tree_reached=tree["reached"],
-                   chosen_reached=chosen["reached"], chosen_batch_reached=chosen["batch_reached"])
+                   chosen_reached=chosen.get("reached"), chosen_batch_reached=chosen.get("batch_reached"))
     for kind, row in best.items():
         summary.update({kind: row["config"], f"{kind}_tokens_per_s": row["tokens_per_s"]})
     return summary

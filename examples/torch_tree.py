@@ -36,11 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.tree == "auto":
         if args.model is not None:
             parser.error("--tree auto is what was measured on the random-weight models: name a --tree")
-        tree = tree_for_batch(args.size, args.batch, sampling is not None)
-        if tree is None:
-            decoding = "greedy" if sampling is None else "sampled"
+        pick = tree_for_batch(args.size, args.batch, sampling is not None)
+        decoding = "greedy" if sampling is None else "sampled"
+        if pick is None:
             parser.error(f"at B={args.batch} the {args.size} model decodes {decoding} faster by the chain: "
                          "examples/torch_llama.py, or name a --tree")
+        if isinstance(pick, str):  # PLAIN
+            parser.error(f"at B={args.batch} the {args.size} model decodes {decoding} faster alone, not "
+                         "speculated (memra_cuda.torch.GraphedGreedy), or name a --tree")
+        tree = pick
     else:
         try:
             tree = parse_tree(args.tree)

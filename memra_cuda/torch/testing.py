@@ -15,7 +15,7 @@ import argparse
 import copy
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -180,6 +180,9 @@ def static_tree(size: int, depth: int = 10) -> TreeShape:
     return TreeShape.likeliest(size, depth=depth, right=0.87, fall=0.15, ranks=RANKS)
 
 
+PLAIN: Literal["plain"] = "plain"  # a pick's word for "do not speculate": GraphedGreedy, the target alone
+Pick = Tree | None | Literal["plain"]  # a tree (TreeLlama), None for the chain (SpeculativeLlama), or PLAIN
+
 # The tree per model size, decoding and batch size (None: the chain, SpeculativeLlama), from `make
 # bench-torch`'s trees section on an H200: at each B, the fastest measured configuration, where a
 # tree was faster than every chain measured in two runs of the section. Greedy, the large model's
@@ -187,17 +190,19 @@ def static_tree(size: int, depth: int = 10) -> TreeShape:
 # 1.02-1.06x at 32, (6, 4) 1.09-1.10x at 128; the small model's, since a level leaves out its leaves
 # (tree.expanded): chain_with_leaves(10, 2) 1.005-1.009x at B = 1, (6, 4) 1.03-1.04x at 128 (at 8
 # and 32 a tree was ahead in one run only: the chain). Sampled, the chain at every B (the best tree
-# 0.88-1.01x): tree_for_batch gives None.
-PICKED: dict[str, dict[int, Tree | None]] = {
+# 0.88-1.01x): tree_for_batch gives None. PLAIN where no chain or tree measured beat the graphed greedy
+# target alone (none here: the trained pair's headline derives its own picks and prints them in this form).
+PICKED: dict[str, dict[int, Pick]] = {
     "small": {1: TreeShape.chain_with_leaves(10, 2), 8: None, 32: None, 128: static_tree(6, 4)},
     "large": {1: static_tree(64, 10), 8: static_tree(32, 8), 32: static_tree(12, 6), 128: static_tree(6, 4)},
 }
 
 
-def tree_for_batch(size: str, batch: int, sampled: bool = False) -> Tree | None:
-    """The tree to verify at `batch` rows of the `size` model, greedy or `sampled`, or None where
-    the chain is faster: the measured pick of the largest batch size measured not above `batch`;
-    sampled, always None (no tree was ahead of the chain in two runs at any B)."""
+def tree_for_batch(size: str, batch: int, sampled: bool = False) -> Pick:
+    """The tree to verify at `batch` rows of the `size` model, greedy or `sampled`, None where
+    the chain is faster, or PLAIN where speculating at all is slower: the measured pick of the
+    largest batch size measured not above `batch`; sampled, always None (no tree was ahead of the
+    chain in two runs at any B)."""
     if sampled:
         return None
     picks = PICKED[size]

@@ -40,9 +40,19 @@ class _Alias:
 def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A tensor on `buf`'s memory (no copy), read as `dtype` of the same size if given (u32
     token ids as torch.int32, say: ids are < 2**31). The tensor keeps `buf` alive; freeing
-    `buf` explicitly while the tensor is in use is the caller's mistake to avoid."""
-    source = buf if dtype is None else _Alias(buf, dtype)
-    return torch.as_tensor(source, device=torch.device("cuda", buf.device))
+    `buf` explicitly while the tensor is in use is the caller's mistake to avoid.
+
+    What `buf`'s engine has queued so far comes before what torch's current stream queues next:
+    the interface names the producer's stream (version 3) for the consumer to wait on, and
+    torch.as_tensor does not wait (2.11), so a buffer just uploaded on an engine's own stream
+    read back as garbage under load. Later work on the two streams is the caller's to order."""
+    device = torch.device("cuda", buf.device)
+    out = torch.as_tensor(buf if dtype is None else _Alias(buf, dtype), device=device)
+    producer = buf.__cuda_array_interface__.get("stream")
+    current = torch.cuda.current_stream(device)
+    if producer is not None and producer != (current.cuda_stream or 1):  # 1: the legacy stream, as 0
+        current.wait_stream(torch.cuda.ExternalStream(producer, device=device))
+    return out
 
 
 class RoundViews:

@@ -330,6 +330,16 @@ def test_every_burst_length_is_captured_up_front(engine, side_stream):
     assert model.rounds.graphs == lengths, "a length was captured mid-generation"
 
 
+def test_a_buffers_tensor_is_read_after_what_its_engine_queued(engine):
+    """The buffer is uploaded on the engine's own stream behind ~0.1 s of spinning; torch reads
+    the view on its current stream at once, and must see the upload, not the memory before it."""
+    busy = engine.zeros(np.uint32, 1)
+    engine.load_ptx("probe").kernel("probe_spin").prepare(["ptr", "u64"]).set(busy, 200_000_000)()
+    ids = engine.htod([7, 2**32 - 1], np.uint32)
+    assert memra_torch.tensor(ids, torch.int32).cpu().tolist() == [7, -1]
+    assert memra_torch.tensor(busy).cpu().tolist() == [1]
+
+
 def test_tensor_of_a_buffer_as_any_type_of_its_size(engine):
     ids = engine.htod([7, 2**32 - 1], np.uint32)
     assert memra_torch.tensor(ids).dtype == torch.uint32
