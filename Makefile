@@ -72,13 +72,22 @@ ptx: $(VENV)/.installed
 
 # MEMRA_REQUIRE_GPU turns "no driver" from a skip into a failure: on the GPU machine a skipped
 # suite must not pass for a green one. PYTEST_ARGS: more of pytest's arguments (files, -k, -x).
-# The suite's time is the host's: about fourteen minutes on the H200's, three with pytest-xdist's
-# PYTEST_ARGS="-n 8". Processes sharing the GPU upset the tests that read its free memory or time
-# a loop against the host, and the largest batches may not fit beside each other: run
-# tests/driver/test_driver_gpu.py and tests/rounds/test_device_loop_gpu.py alone after such a run,
-# and rerun what ran out of memory.
+# The suite's time is the host's (a ten-minute command ran 70% of it on the H200's): GPU_JOBS=N runs it
+# in N processes on the one GPU (pytest-xdist; 8 ran it all in three minutes there), then the tests marked
+# `alone` by themselves (they read the device's free memory, time the host against a loop, or fill
+# most of its memory). A part that selects nothing (pytest's 5) is no failure unless both do.
+GPU_JOBS ?=
+RUN_GPU_SUITE = \
+	suite() { echo "MEMRA_REQUIRE_GPU=1 PYTHONPATH=$$PYTHONPATH $$py -m pytest -m '$$1' $$ignore $(PYTEST_ARGS) $$2"; \
+		"$$py" -m pytest -m "$$1" $$ignore $(PYTEST_ARGS) $$2; }; \
+	if [ -z "$(GPU_JOBS)" ]; then suite "$$marks" ""; exit; fi; \
+	"$$py" -c "import xdist" 2>/dev/null || { echo "GPU_JOBS=$(GPU_JOBS) needs pytest-xdist (pip install pytest-xdist)" >&2; exit 1; }; \
+	a=0; suite "$$marks and not alone" "-n $(GPU_JOBS)" || a=$$?; \
+	b=0; suite "$$marks and alone" "" || b=$$?; \
+	[ $$a = 0 -o $$a = 5 ] && [ $$b = 0 -o $$b = 5 ] && [ $$a$$b != 55 ]
+
 gpu-test:
-	$(PICK_TEST) MEMRA_REQUIRE_GPU=1 PYTHONPATH=. "$$py" -m pytest -m gpu $(PYTEST_ARGS)
+	@$(PICK_TEST) export MEMRA_REQUIRE_GPU=1 PYTHONPATH=.; marks=gpu; ignore=; $(RUN_GPU_SUITE)
 
 # The GPU suite again on the lowest CUDA 12 bindings and numpy 1.26 (what a CUDA 12 driver's user
 # installs), from the wheels of .whl12/ (`make wheels-cuda12`, where the index is reachable;
@@ -102,8 +111,8 @@ gpu-test-cuda12:
 		print(f"gpu-test-cuda12: cuda.bindings {b} ({cuda.bindings.__path__[0]}), numpy {n} ({numpy.__path__[0]})"); \
 		sys.exit(0 if b.startswith("12.") and n.startswith("1.26.") else \
 			f"gpu-test-cuda12: wanted cuda.bindings 12.x and numpy 1.26, imported {b} and {n}")'; \
-	echo "MEMRA_REQUIRE_GPU=1 PYTHONPATH=$(SITE12):. $(PYTHON) -m pytest -m 'gpu and not torch' $(NOT_TORCH) $(PYTEST_ARGS)"; \
-	MEMRA_REQUIRE_GPU=1 PYTHONPATH="$(SITE12):." $(PYTHON) -m pytest -m "gpu and not torch" $(NOT_TORCH) $(PYTEST_ARGS)
+	export MEMRA_REQUIRE_GPU=1 PYTHONPATH="$(SITE12):."; py=$(PYTHON); marks="gpu and not torch"; ignore="$(NOT_TORCH)"; \
+	$(RUN_GPU_SUITE)
 
 # Downloads the wheels of $(WHEELS12) into .whl12/ (ignored by git, never committed), replacing
 # what was there only once every one has come.

@@ -56,6 +56,14 @@ def hybrid(engine):
     return _random_llama(hybrid=True)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked `alone` is skipped in a pytest-xdist worker: beside the other workers' tests
+    on the same GPU, its measure of free memory or of the host's timing, or its share of memory,
+    would fail for their sake, not its own."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and item.get_closest_marker("alone"):
+        pytest.skip("wants the GPU to itself: run without -n (make gpu-test GPU_JOBS=N runs it after the others)")
+
+
 def _skip_reason(report: pytest.TestReport) -> str:
     longrepr = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)

@@ -264,6 +264,7 @@ def test_use_after_free_is_value_error(engine, use):
     assert counters(engine) == before
 
 
+@pytest.mark.alone
 def test_double_free_frees_once(engine):
     size = 256 * MiB  # large, so that freeing it is plainly visible in the driver's numbers
     before = free_memory(engine)
@@ -313,6 +314,7 @@ def churn(engine: Engine, count: int) -> list[weakref.ref]:
     return refs
 
 
+@pytest.mark.alone
 def test_alloc_free_cycles_return_all_memory(engine, caplog):
     # A warm-up at the same peak (up to COLLECT_EVERY / 4 cyclic buffers awaiting collection),
     # so pages the driver keeps for small allocations are mapped before the baseline.

@@ -143,6 +143,7 @@ def assert_first_sampled_token_is_the_targets_softmax(peaked, draft_model) -> No
     assert_distributed_as(index[first], np.bincount(index, weights=law), "the first sampled token")
 
 
+@pytest.mark.alone
 def test_first_sampled_token_is_distributed_as_the_targets_softmax(peaked):
     assert_first_sampled_token_is_the_targets_softmax(peaked, self_draft(peaked))
 

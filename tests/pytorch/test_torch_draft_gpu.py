@@ -176,10 +176,12 @@ def test_sampled_tokens_with_a_separate_draft_are_the_same_in_every_mode(peaked,
     assert len({tuple(row) for row in runs["graph"]}) == 3, "different seeds, same tokens"
 
 
+@pytest.mark.alone
 def test_first_sampled_token_with_a_separate_draft_is_the_targets_softmax(peaked):
     assert_first_sampled_token_is_the_targets_softmax(peaked, separate_draft(peaked))
 
 
+@pytest.mark.alone
 def test_first_sampled_tree_token_with_a_separate_draft_is_the_targets_softmax(peaked):
     assert_first_sampled_tree_token_is_the_targets_softmax(peaked, separate_draft(peaked))
 

@@ -195,6 +195,7 @@ def assert_first_sampled_tree_token_is_the_targets_softmax(peaked, draft_model) 
     assert_distributed_as(index[first], np.bincount(index, weights=law), "the first sampled tree token")
 
 
+@pytest.mark.alone
 def test_first_sampled_tree_token_is_distributed_as_the_targets_softmax(peaked):
     assert_first_sampled_tree_token_is_the_targets_softmax(peaked, self_draft(peaked))
 

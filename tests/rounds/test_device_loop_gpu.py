@@ -94,6 +94,7 @@ def test_streamed_tokens_are_the_final_tokens_in_order(engine, spec):
 
 
 @pytest.mark.large
+@pytest.mark.alone
 def test_tokens_reach_the_host_while_a_slow_loop_runs(engine, spec):
     """The 8B/0.5B stand-in (a round of milliseconds): the host sees most tokens before the
     loop ends, in several looks, each a round or so after the last."""
@@ -333,6 +334,7 @@ def test_a_branch_is_only_added_to_a_capture(engine, spec):
         driver_graph.branch(spec.prepare_ring_commit(bufs))
 
 
+@pytest.mark.alone
 def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec):
     """The token feed's protocol alone, as `make racecheck` checks it: inside a WHILE loop the
     rings are filled (by memsets, standing in for a commit) and published by kernel 4' on a
