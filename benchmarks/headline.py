@@ -200,21 +200,22 @@ def floor_ms(weight_bytes: int, bytes_per_s: float) -> float:
 # -- the picks ----------------------------------------------------------------------------------
 
 def derive_picks(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
-    """mode -> B -> the fastest chain or tree measured there, or the graphed greedy target's own row
-    where even that is slower (PLAIN: not speculated; the row keeps the fastest it beat as
-    `instead_of`): tree_for_batch's rule (PICKED: the fastest configuration, a tree where one beat
-    every chain), on one run, so that a pick is never slower than decoding without a draft."""
+    """mode -> B -> the fastest chain or tree measured there: tree_for_batch's rule (PICKED: the
+    fastest configuration, a tree where one beat every chain), on one run. Greedy, the graphed
+    greedy target's own row where even the fastest is slower (PLAIN: not speculated; the row keeps
+    the fastest it beat as `instead_of`), so that a greedy pick is never slower than decoding
+    without a draft. Sampled, never PLAIN: the graphed greedy target does not sample."""
     picks: dict[str, dict[int, dict[str, Any]]] = {}
     for row in rows:
         if row["kind"] in SPECULATIVE:
-            best = picks.setdefault(row["mode"], {})
-            if row["batch"] not in best or row["tokens_per_s"] > best[row["batch"]]["tokens_per_s"]:
-                best[row["batch"]] = row
+            by_b = picks.setdefault(row["mode"], {})
+            if row["batch"] not in by_b or row["tokens_per_s"] > by_b[row["batch"]]["tokens_per_s"]:
+                by_b[row["batch"]] = row
     plain = {row["batch"]: row for row in rows if row["kind"] == "plain"}
-    for by_b in picks.values():
-        for batch, best in by_b.items():
-            if batch in plain and best["tokens_per_s"] < plain[batch]["tokens_per_s"]:
-                by_b[batch] = dict(plain[batch], instead_of=best)
+    greedy = picks.get("greedy", {})
+    for batch, fastest in greedy.items():
+        if batch in plain and fastest["tokens_per_s"] < plain[batch]["tokens_per_s"]:
+            greedy[batch] = dict(plain[batch], instead_of=fastest)
     return picks
 
 
@@ -236,11 +237,15 @@ def picks_text(picks: Mapping[str, Mapping[int, dict[str, Any]]], name: str) -> 
     if "sampling" in picks:
         lines.append(f"    sampled at T = 1 (tree_for_batch gives the chain at every B today): "
                      f"{picked_dict(picks['sampling'])}; the chains: {chains['sampling']}")
-    plain = [f"{mode} at B = {batch} (the fastest, {_label(row['instead_of'])}, {row['instead_of']['vs_plain']:.2f}x)"
-             for mode, by_b in picks.items() for batch, row in sorted(by_b.items()) if row["kind"] == "plain"]
+    plain = [f"B = {batch} (the fastest, {_label(row['instead_of'])}, {row['instead_of']['vs_plain']:.2f}x)"
+             for batch, row in sorted(picks.get("greedy", {}).items()) if row["kind"] == "plain"]
     if plain:
-        lines.append("    PLAIN where every chain and tree measured was slower than the graphed greedy target: "
+        lines.append("    greedy, PLAIN where every chain and tree measured was slower than the graphed greedy target: "
                      + ", ".join(plain))
+    slower = [f"B = {batch} ({row['vs_plain']:.2f}x)" for batch, row in sorted(picks.get("sampling", {}).items())
+              if row["vs_plain"] < 1]
+    if slower:
+        lines.append("    sampled, slower than the graphed greedy target even at its fastest: " + ", ".join(slower))
     return "\n".join(lines)
 
 
@@ -278,7 +283,7 @@ def _report(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[
             floor: Mapping[str, float], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The section's JSON: the pair, the machine and date, the settings, the HBM floor, the rows,
     the best of each kind at each B and decoding, and the picks (mode -> B -> the constructor,
-    null for the chain)."""
+    null for the chain, "PLAIN" not to speculate)."""
     picks = derive_picks(rows)
     return dict(model=dict(info), machine=machine, date=date, settings=dict(settings), floor=dict(floor),
                 rows=[dict(row) for row in rows], best=summarise(rows),

@@ -184,8 +184,8 @@ class DeviceBuffer(Handle):
         """Zero-copy access for CuPy, Numba, PyTorch (version 3 of the protocol)."""
         iface = {"shape": (self.len,), "typestr": self.dtype.str, "data": (self.ptr, False),
                  "strides": None, "version": 3}
-        if self.engine is not None:
-            iface["stream"] = self.engine.stream_handle or 1  # 0 is not allowed: it means legacy (1)
+        if self.engine is not None and not self.engine.closed:  # a closed engine finished its work, and
+            iface["stream"] = self.engine.stream_handle or 1   # its stream is gone; 0 is not allowed: legacy is 1
         return iface
 
     def __repr__(self) -> str:

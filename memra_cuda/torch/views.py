@@ -14,6 +14,7 @@ from ..buffers.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
 from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tree import TreeBufs
 from ..driver.buffer import DeviceBuffer
+from ..driver.errors import CaptureError
 
 _TYPESTR = {torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4",
             torch.int64: "<i8", torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8"}
@@ -45,14 +46,20 @@ def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
     What `buf`'s engine has queued so far comes before what torch's current stream queues next:
     the interface names the producer's stream (version 3) for the consumer to wait on, and
     torch.as_tensor does not wait (2.11), so a buffer just uploaded on an engine's own stream
-    read back as garbage under load. Later work on the two streams is the caller's to order."""
-    device = torch.device("cuda", buf.device)
-    out = torch.as_tensor(buf if dtype is None else _Alias(buf, dtype), device=device)
-    producer = buf.__cuda_array_interface__.get("stream")
-    current = torch.cuda.current_stream(device)
-    if producer is not None and producer != (current.cuda_stream or 1):  # 1: the legacy stream, as 0
-        current.wait_stream(torch.cuda.ExternalStream(producer, device=device))
-    return out
+    read back as garbage under load. Later work on the two streams is the caller's to order.
+    Where that wait is needed, a capture on torch's stream refuses it (CaptureError): the capture
+    cannot wait on work queued outside it, so make the view before capturing."""
+    device, source = torch.device("cuda", buf.device), buf if dtype is None else _Alias(buf, dtype)
+    producer, current = buf.__cuda_array_interface__.get("stream"), torch.cuda.current_stream(device)
+    if producer is not None and producer != (current.cuda_stream or 1):  # 1: the legacy stream, torch's 0
+        if torch.cuda.is_current_stream_capturing():
+            raise CaptureError(f"tensor({buf!r}) inside a capture on another stream than its engine's: the capture "
+                               f"cannot wait for the engine's queued work; make the tensor before capturing")
+        # torch would read the legacy stream's odd handle as one of its own stream ids: it is torch's default
+        legacy = producer == 1
+        current.wait_stream(torch.cuda.default_stream(device) if legacy else
+                            torch.cuda.ExternalStream(producer, device=device))
+    return torch.as_tensor(source, device=device)
 
 
 class RoundViews:

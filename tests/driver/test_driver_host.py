@@ -7,6 +7,7 @@ lifetime rules can be exercised without a device.
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 
 import numpy as np
@@ -266,6 +267,16 @@ def test_cuda_array_interface_without_engine():
         "shape": (7,), "typestr": "<u4", "data": (FAKE_PTR, False), "strides": None, "version": 3}
     assert "stream" not in buf.view(1, 2).__cuda_array_interface__
     assert DeviceBuffer.wrap(FAKE_PTR, np.float16, 1).__cuda_array_interface__["typestr"] == "<f2"
+
+
+def test_cuda_array_interface_names_its_engines_stream_until_the_engine_closes():
+    engine = types.SimpleNamespace(device=0, closed=False, stream_handle=0)  # what the interface reads of one
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2, engine=engine)
+    assert buf.__cuda_array_interface__["stream"] == 1, "the legacy stream: the protocol does not allow 0"
+    engine.stream_handle = 0x5000
+    assert buf.__cuda_array_interface__["stream"] == 0x5000
+    engine.closed = True  # its work finished and its stream destroyed: nothing to wait on, no handle to name
+    assert "stream" not in buf.__cuda_array_interface__
 
 
 # -- packaged PTX -------------------------------------------------------------------------

@@ -330,14 +330,43 @@ def test_every_burst_length_is_captured_up_front(engine, side_stream):
     assert model.rounds.graphs == lengths, "a length was captured mid-generation"
 
 
-def test_a_buffers_tensor_is_read_after_what_its_engine_queued(engine):
-    """The buffer is uploaded on the engine's own stream behind ~0.1 s of spinning; torch reads
-    the view on its current stream at once, and must see the upload, not the memory before it."""
-    busy = engine.zeros(np.uint32, 1)
+def spin(engine, busy) -> None:
+    """~0.1 s of work on the engine's stream, then busy[0] += 1."""
     engine.load_ptx("probe").kernel("probe_spin").prepare(["ptr", "u64"]).set(busy, 200_000_000)()
+
+
+def test_a_buffers_tensor_is_read_after_what_its_engine_queued(engine):
+    """A kernel spins on the engine's own stream and then counts; torch reads its count at once on
+    its current stream, and must see the count, not the memory before it; an upload queued behind
+    it likewise."""
+    busy = engine.zeros(np.uint32, 1)
+    spin(engine, busy)
+    assert memra_torch.tensor(busy).cpu().tolist() == [1]
+    spin(engine, busy)
     ids = engine.htod([7, 2**32 - 1], np.uint32)
     assert memra_torch.tensor(ids, torch.int32).cpu().tolist() == [7, -1]
-    assert memra_torch.tensor(busy).cpu().tolist() == [1]
+
+
+def test_a_buffers_tensor_waits_on_the_legacy_stream_and_on_no_closed_engine(engine):
+    """An engine on the legacy stream (the interface's 1, which torch would take for an id of its
+    own), read from a side stream of torch's; a buffer outliving its engine names no stream."""
+    with Engine(engine.device, stream=0) as legacy:
+        busy = legacy.zeros(np.uint32, 1)
+        spin(legacy, busy)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            assert memra_torch.tensor(busy).cpu().tolist() == [1]
+        ids = legacy.htod([5], np.uint32)
+    assert "stream" not in ids.__cuda_array_interface__
+    with torch.cuda.stream(torch.cuda.Stream()):
+        assert memra_torch.tensor(ids).cpu().tolist() == [5]
+
+
+def test_a_buffers_tensor_that_would_wait_is_refused_inside_a_capture(engine):
+    ids = engine.htod([7], np.uint32)
+    engine.synchronize()
+    with pytest.raises(CaptureError, match="make the tensor before capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            memra_torch.tensor(ids)
 
 
 def test_tensor_of_a_buffer_as_any_type_of_its_size(engine):
