@@ -701,9 +701,9 @@ def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_pat
     batches=, where given. The trees section's picture goes beside the JSON at `json_path` (its
     name, .png), and the headline's figures, as each batch size ends, to PATH with .headline.json
     (.headline.png its picture); the caller writes the whole JSON."""
-    report = {name: bench_headline(quick, None if json_path is None else Path(json_path).with_suffix(".headline.json"))
-              if name == "headline" else SECTIONS[name](quick, **(trees if name == "trees" else {}))
-              for name in sections}
+    headline = None if json_path is None else Path(json_path).with_suffix(".headline.json")
+    extra: dict[str, dict[str, Any]] = dict(trees=trees, headline=dict(json_path=headline))
+    report = {name: SECTIONS[name](quick, **extra.get(name, {})) for name in sections}
     if "trees" in report:
         if json_path is None:
             print("trees: the picture goes beside the JSON: give --json PATH to get it")

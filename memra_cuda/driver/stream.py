@@ -204,16 +204,33 @@ class Stream(Handle):
 
     def wait_stream(self, other: Any) -> None:
         """Order this stream after everything queued so far on `other` (anything as_stream
-        takes), without the host. Each call records its own event, so
-        waits from several threads never wait on each other's record."""
-        handle = as_stream(other)
-        if _same_stream(int(handle), self.stream_handle):
+        takes), without the host."""
+        self._order(as_stream(other), self.stream)
+
+    def precede(self, other: Any, what: str = "work") -> None:
+        """Order what `other` (anything as_stream takes) queues from now on after everything
+        queued so far on this stream, without the host: a consumer of this stream's buffers on a
+        stream of its own (memra_cuda.torch.tensor). Refused while `other` is being captured
+        (CaptureError naming `what`): a capture cannot wait on work queued outside it."""
+        then = as_stream(other)
+        if _same_stream(int(then), self.stream_handle):
+            return
+        status = self.activate().call("cuStreamIsCapturing", then)
+        if status != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+            raise CaptureError(f"{what} would order a stream being captured after {self!r}'s queued work, which the "
+                               f"capture cannot wait for: do it before capturing")
+        self._order(self.stream, then)
+
+    def _order(self, first: Any, then: Any) -> None:
+        """`then` after everything queued so far on `first` (CUstreams of this context). Each call
+        records its own event, so waits from several threads never wait on each other's record."""
+        if _same_stream(int(first), int(then)):
             return
         ctx = self.activate()
         event = ctx.call("cuEventCreate", int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING))
         try:
-            ctx.call("cuEventRecord", event, handle)
-            ctx.call("cuStreamWaitEvent", self.stream, event, 0)
+            ctx.call("cuEventRecord", event, first)
+            ctx.call("cuStreamWaitEvent", then, event, 0)
         finally:
             ctx.call("cuEventDestroy", event)  # released once the wait is satisfied
 

@@ -14,7 +14,6 @@ from ..buffers.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
 from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tree import TreeBufs
 from ..driver.buffer import DeviceBuffer
-from ..driver.errors import CaptureError
 
 _TYPESTR = {torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4",
             torch.int64: "<i8", torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8"}
@@ -43,22 +42,14 @@ def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
     token ids as torch.int32, say: ids are < 2**31). The tensor keeps `buf` alive; freeing
     `buf` explicitly while the tensor is in use is the caller's mistake to avoid.
 
-    What `buf`'s engine has queued so far comes before what torch's current stream queues next:
-    the interface names the producer's stream (version 3) for the consumer to wait on, and
-    torch.as_tensor does not wait (2.11), so a buffer just uploaded on an engine's own stream
-    read back as garbage under load. Later work on the two streams is the caller's to order.
-    Where that wait is needed, a capture on torch's stream refuses it (CaptureError): the capture
-    cannot wait on work queued outside it, so make the view before capturing."""
+    What `buf`'s engine has queued so far comes before what torch's current stream queues next
+    (Stream.precede): torch.as_tensor does not wait on the stream a buffer names (2.11), so a
+    buffer just uploaded on an engine's own stream read back as garbage under load. Later work on
+    the two streams is the caller's to order. Inside a capture that wait is refused
+    (CaptureError): make the tensor before capturing."""
     device, source = torch.device("cuda", buf.device), buf if dtype is None else _Alias(buf, dtype)
-    producer, current = buf.__cuda_array_interface__.get("stream"), torch.cuda.current_stream(device)
-    if producer is not None and producer != (current.cuda_stream or 1):  # 1: the legacy stream, torch's 0
-        if torch.cuda.is_current_stream_capturing():
-            raise CaptureError(f"tensor({buf!r}) inside a capture on another stream than its engine's: the capture "
-                               f"cannot wait for the engine's queued work; make the tensor before capturing")
-        # torch would read the legacy stream's odd handle as one of its own stream ids: it is torch's default
-        legacy = producer == 1
-        current.wait_stream(torch.cuda.default_stream(device) if legacy else
-                            torch.cuda.ExternalStream(producer, device=device))
+    if buf.engine is not None and not buf.engine.closed:  # a closed engine finished its work
+        buf.engine.precede(torch.cuda.current_stream(device), f"tensor({buf!r})")
     return torch.as_tensor(source, device=device)
 
 
