@@ -8,20 +8,32 @@ others raise rather than wait.
 
 The id is what NCCL's bootstrap trusts: whoever holds it can try to join the communicator. So
 rank 0 serves it only to a connection that proves it holds the launch's secret (Ranks.secret,
-MEMRA_NCCL_SECRET), and only once a rank; every connection has a short budget of its own, so a
-silent port scanner or a health check never holds up the ranks. Each connection, in turn:
+MEMRA_NCCL_SECRET, 16 bytes at least), and only once a rank; every connection has a short budget
+of its own, so a silent port scanner or a health check never holds up the ranks. Each
+connection, in turn:
 
     rank 0 -> MAGIC, server nonce
     rank r -> MAGIC, r, world, client nonce, HMAC(secret, "C" | transcript)
-    rank 0 -> status; if "+": the id XOR a keystream of HMAC(secret, "K" | transcript),
-              HMAC(secret, "S" | transcript | masked id)
-    rank r -> ACK, and only then does rank 0 count r as served
+    rank 0 -> where the proof fails, WRONG_SECRET alone; else a status, what comes with it (for
+              "+", the id XOR a keystream of HMAC(secret, "K" | transcript)) and
+              HMAC(secret, "S" | transcript | status | what comes with it)
+    rank r -> ACK after "+", and only then does rank 0 count r as served
 
 where the transcript is MAGIC, both nonces, r and world. Rank r's proof is fresh to this
 connection (rank 0's nonce), so an eavesdropper cannot replay it; rank 0's tag proves it holds
-the secret too and that the masked id came unaltered; the mask keeps the id from an eavesdropper.
-Without a secret (an empty one), only a loopback address is allowed: the same handshake runs,
-and proves nothing beyond "a process of this host".
+the secret too and that its answer came unaltered, a refusal as much as the id: a stranger that
+holds the port before rank 0 can answer anything, so a rank believes no answer without the tag and
+asks again until its timeout. The mask keeps the id from an eavesdropper.
+
+The rank proves first. One side must, and whichever does hands the other something to check
+guesses of the secret against, offline. Rank 0 answers whoever connects while it listens; a rank
+meets a stranger only where the stranger holds rank 0's address and port: before rank 0, which
+then cannot listen and fails the launch, or after rank 0 has served every rank and gone, when only
+a late second claim of a rank is left to ask. So rank 0 gives a connection that did not prove the
+secret nothing made with it, not even a tag on its refusal (WRONG_SECRET): a rank whose secret is
+not rank 0's cannot tell that refusal from a stranger's, and asks again too. Without a secret (an
+empty one), only a loopback address is allowed: the same handshake runs, and proves nothing beyond
+"a process of this host".
 """
 from __future__ import annotations
 
@@ -45,25 +57,29 @@ from .library import UNIQUE_ID_BYTES
 log = logging.getLogger(__name__)
 
 SECRET_VARIABLE = "MEMRA_NCCL_SECRET"
+SECRET_MIN_BYTES = 16  # shorter is refused: guessed at rank 0's port (thousands a second) or from one proof
 HELLO_BUDGET = 2.0  # seconds a connection has for its whole handshake: a silent one is dropped then, and alone
 
-_MAGIC = b"memra-nccl-id/2\n"  # the protocol and its version: what is not a rank of ours is told apart at once
+_MAKE_ONE = f"{SECRET_VARIABLE}=$(python -c 'import secrets; print(secrets.token_hex(32))')"
+_MAGIC = b"memra-nccl-id/3\n"  # the protocol and its version: what is not a rank of ours is told apart at once
 _NONCE = 32
 _MAC = 32  # HMAC-SHA256
 _HELLO = len(_MAGIC) + 4 + 4 + _NONCE + _MAC  # magic, rank, world, client nonce, proof
 _HANDSHAKES = 256  # connections rank 0 handshakes with at once; more wait in the listen backlog
 _OK, _ACK = b"+", b"!"  # rank 0's answer to a proven rank it serves, and the rank's once it holds the id
 _AGAIN = b"a"  # another connection of this rank is mid-handshake: come again
-_WRONG_SECRET, _NOT_OF_WORLD, _SERVED = b"p", b"w", b"s"  # rank 0's answers to a claim it will never serve
+_WRONG_SECRET = b"p"  # rank 0's answer to a hello that did not prove the secret: untagged, so never believed
+_NOT_OF_WORLD, _SERVED = b"w", b"s"  # rank 0's answers to a proven claim it will never serve
 _REFUSALS = {  # and what the refused rank is told
-    _WRONG_SECRET: "it did not prove {variable}: its secret is not rank 0's (every rank of a launch has the same one)",
     _NOT_OF_WORLD: "rank {rank} of a world of {world} is not one of rank 0's ranks",
     _SERVED: "rank 0 served rank {rank} already: two processes claim it",
 }
+_TAGGED = {_OK, _AGAIN, *_REFUSALS}  # the answers rank 0 proves
+_UNBELIEVED_PAUSE = 0.5  # seconds before asking again after an answer not believed: rank 0 logs every refusal
 
 
 class RankRefused(MemraError, PermissionError):
-    """Rank 0 refused this rank for good (a secret that is not rank 0's, a rank outside its world,
+    """Rank 0 refused this rank for good, and proved the refusal its own (a rank outside its world,
     a rank served already): asking again would not help, so the rank raises at once."""
 
 
@@ -84,13 +100,17 @@ class Ranks:
         if not (0 <= self.rank < self.world and self.local_rank >= 0 and 0 < self.port < 65536):
             raise ValueError(f"a rank is 0 <= rank < world with local_rank >= 0 and a port in 1..65535, not "
                              f"rank={self.rank}, world={self.world}, local_rank={self.local_rank}, port={self.port}")
+        if self.secret and len(self.secret.encode()) < SECRET_MIN_BYTES:
+            raise ValueError(f"{SECRET_VARIABLE} is {len(self.secret.encode())} bytes: a secret is at least "
+                             f"{SECRET_MIN_BYTES}, random (one overheard handshake, or guesses at rank 0's port, find "
+                             f"a short one); make one with {_MAKE_ONE}, once a launch, and give it to every rank")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Ranks:
         """torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK (default 0), MASTER_ADDR (default
         127.0.0.1); the exchange's port is MEMRA_NCCL_PORT, else MASTER_PORT + 1 (default 29500
         + 1): torchrun's own store listens on MASTER_PORT. Its secret is MEMRA_NCCL_SECRET (none
-        by default: then only a loopback MASTER_ADDR is served)."""
+        by default: then only a loopback MASTER_ADDR is served), of SECRET_MIN_BYTES at least."""
         environ = os.environ if environ is None else environ
         missing = [name for name in ("RANK", "WORLD_SIZE") if name not in environ]
         if missing:
@@ -110,26 +130,46 @@ def exchange_id(ranks: Ranks, make_id: Callable[[], bytes], timeout: float = 60.
                 hello_budget: float = HELLO_BUDGET) -> bytes:
     """The communicator's id on every rank: rank 0 calls `make_id` (Nccl.unique_id) and serves
     the id to the world - 1 others at (address, port), each of which connects, retrying until
-    `timeout` seconds have passed. TimeoutError, naming who was waited for, past the timeout;
-    RankRefused where rank 0 refuses a rank for good; ValueError, before anything else, where
-    there is no secret and the address is not a loopback one. Each connection has `hello_budget`
-    seconds for its handshake."""
+    `timeout` seconds have passed. TimeoutError past the timeout, saying what stood in the way:
+    on rank 0, whom it served and whom not; on a rank, what it was told, or that nothing listened
+    (a rank 0 not yet started, or one that has served every rank and gone). RankRefused where rank
+    0 refuses a rank for good and proves it; ValueError, before anything else, where there is no
+    secret and the address is not a loopback one. Each connection has `hello_budget` seconds for
+    its handshake."""
     if not ranks.secret and not _loopback(ranks.address):
-        raise ValueError(f"the id exchange at {ranks.address}:{ranks.port} is reachable beyond this host, and the "
-                         f"rank has no secret to prove: set {SECRET_VARIABLE} to one random value on every rank of "
-                         f"the launch (for instance {SECRET_VARIABLE}=$(python -c 'import secrets; "
-                         f"print(secrets.token_hex(32))'), made once and given to each), or pass Ranks(secret=...)")
+        raise ValueError(f"the id exchange at {_where(ranks.address, ranks.port)} is reachable beyond this host, and "
+                         f"the rank has no secret to prove: set {SECRET_VARIABLE} to one random value on every rank of "
+                         f"the launch (for instance {_MAKE_ONE}, made once and given to each), or pass "
+                         f"Ranks(secret=...)")
     deadline = time.monotonic() + timeout
     if ranks.rank == 0:
         unique_id = make_id()
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise ValueError(f"a communicator id is {UNIQUE_ID_BYTES} bytes, not {len(unique_id)}")
         if not ranks.secret:
-            log.warning("the id exchange at %s:%d has no %s: any process of this host can fetch the id",
-                        ranks.address, ranks.port, SECRET_VARIABLE)
+            log.warning("the id exchange at %s has no %s: any process of this host can fetch the id",
+                        _where(ranks.address, ranks.port), SECRET_VARIABLE)
         _Server(ranks, unique_id, hello_budget).serve(deadline)
         return unique_id
-    return _fetch(ranks, deadline, hello_budget)
+    return _Client(ranks).fetch(deadline, hello_budget)
+
+
+def _where(address: str, port: int) -> str:
+    """address:port as a log or a message shows it, an IPv6 address in brackets."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def _resolve(address: str, port: int) -> tuple[socket.AddressFamily, Any]:
+    """The one address rank 0 listens on and its ranks connect to, and its family: IPv4 where the
+    name has it, as the exchange always listened (a cluster's name may also resolve to an IPv6
+    address its hosts do not route), else the first (::1, an IPv6 host). One, so that nothing
+    listening at another address of the name (::1 beside 127.0.0.1) is ever asked."""
+    try:
+        found = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise socket.gaierror(exc.errno, f"{exc.strerror}: {_where(address, port)}") from None
+    family, _, _, _, sockaddr = next((info for info in found if info[0] == socket.AF_INET), found[0])
+    return family, sockaddr
 
 
 def _loopback(address: str) -> bool:
@@ -150,22 +190,24 @@ class _Server:
     def __init__(self, ranks: Ranks, unique_id: bytes, budget: float):
         self.ranks, self.unique_id, self.budget = ranks, unique_id, budget
         self.secret = ranks.secret.encode()
+        self.where = _where(ranks.address, ranks.port)
         self.lock = threading.Lock()
         self.served: set[int] = set()
         self.claimed: set[int] = set()  # proven, the id on its way to it
+        self.unproven: set[int] = set()  # claimed by a connection that did not prove the secret
         self.open: set[socket.socket] = set()
         self.slots = threading.BoundedSemaphore(_HANDSHAKES)
         self.over = False
 
     def serve(self, deadline: float) -> None:
         threads: list[threading.Thread] = []
-        with socket.create_server((self.ranks.address, self.ranks.port), reuse_port=False) as server:
+        family, sockaddr = _resolve(self.ranks.address, self.ranks.port)
+        with socket.create_server(sockaddr, family=family, reuse_port=False) as server:
             try:
                 while self.waiting():
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise TimeoutError(f"rank 0 waited for ranks {self.waiting()} at {self.ranks.address}:"
-                                           f"{self.ranks.port}, none came")
+                        raise TimeoutError(self.timed_out())
                     if not self.slots.acquire(timeout=min(left, 0.1)):
                         continue
                     server.settimeout(min(left, 0.1))  # short: a rank served on another thread ends the loop
@@ -190,6 +232,19 @@ class _Server:
         with self.lock:
             return sorted(set(range(1, self.ranks.world)) - self.served)
 
+    def timed_out(self) -> str:
+        """What rank 0 says at its timeout: whom it served and whom not, and which of those only
+        connections without the secret claimed (a rank whose secret is not rank 0's, most likely)."""
+        waiting = self.waiting()
+        with self.lock:
+            served, unproven = sorted(self.served), sorted(self.unproven.intersection(waiting))
+        said = f"served ranks {served} but not ranks {waiting}" if served else f"served none of ranks {waiting}"
+        said = f"rank 0 at {self.where} {said} by its timeout"
+        if unproven:
+            said += (f"; connections claiming ranks {unproven} did not prove {SECRET_VARIABLE} (a rank whose secret "
+                     f"is not rank 0's, or a stranger)")
+        return said
+
     def end(self, threads: list[threading.Thread]) -> None:
         """The exchange is over: what is still handshaking is cut (strays, a rank's second claim)."""
         with self.lock:
@@ -202,7 +257,7 @@ class _Server:
             thread.join(max(stop - time.monotonic(), 0.0))
 
     def handshake(self, conn: socket.socket, peer: Any) -> None:
-        who, claimed, until = f"{peer[0]}:{peer[1]}", False, time.monotonic() + self.budget
+        who, claimed, until = _where(peer[0], peer[1]), False, time.monotonic() + self.budget
         rank: int | None = None
         try:
             server_nonce = secrets.token_bytes(_NONCE)
@@ -216,21 +271,21 @@ class _Server:
             if not hmac.compare_digest(proof, _mac(self.secret, b"C", transcript)):
                 log.warning("the id exchange refused %s, claiming rank %d: it did not prove %s", who, rank,
                             SECRET_VARIABLE)
-                _send(conn, _WRONG_SECRET, until)
+                with self.lock:
+                    self.unproven.add(rank)
+                _send(conn, _WRONG_SECRET, until)  # untagged: a tag would check the stranger's guesses of the secret
                 return
             refusal = self.claim(rank, world)
             if refusal == _AGAIN:
                 log.info("the id exchange told %s, claiming rank %d, to come again: another connection of that "
                          "rank is mid-handshake", who, rank)
             elif refusal:
-                log.warning("the id exchange refused %s: %s", who, _REFUSALS[refusal].format(
-                    variable=SECRET_VARIABLE, rank=rank, world=world))
+                log.warning("the id exchange refused %s: %s", who, _REFUSALS[refusal].format(rank=rank, world=world))
             if refusal:
-                _send(conn, refusal, until)
+                _send(conn, _answer(self.secret, transcript, refusal), until)
                 return
             claimed = True
-            masked = _mask(self.secret, transcript, self.unique_id)
-            _send(conn, _OK + masked + _mac(self.secret, b"S", transcript, masked), until)
+            _send(conn, _answer(self.secret, transcript, _OK, _mask(self.secret, transcript, self.unique_id)), until)
             if _read(conn, len(_ACK), until) != _ACK:
                 raise ConnectionError("it did not acknowledge the id")
             with self.lock:
@@ -261,43 +316,84 @@ class _Server:
             return b""
 
 
-def _fetch(ranks: Ranks, deadline: float, budget: float) -> bytes:
-    """Ask rank 0 until `deadline`, each attempt at most `budget` seconds; RankRefused at once."""
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            return _ask(ranks, min(deadline, time.monotonic() + budget))
-        except RankRefused:
-            raise
-        except OSError as exc:  # ConnectionError and TimeoutError too: rank 0 not there yet, or someone else is
-            last = exc
-            time.sleep(0.05)
-    raise TimeoutError(f"rank {ranks.rank} found no rank 0 at {ranks.address}:{ranks.port} ({last})")
+class _Client:
+    """A rank's side: it asks rank 0 until its deadline, each attempt at most `budget` seconds,
+    and raises RankRefused at once where rank 0 proves a refusal. An answer without that proof
+    (a refusal, an id) is what a stranger holding rank 0's port can send as well: it is not
+    believed but kept, to be named at the timeout, and asked again after a pause."""
+
+    def __init__(self, ranks: Ranks):
+        self.ranks, self.secret = ranks, ranks.secret.encode()
+        self.where = _where(ranks.address, ranks.port)
+        self.unbelieved: list[str] = []  # what the answers without rank 0's proof said
+
+    def fetch(self, deadline: float, budget: float) -> bytes:
+        last: OSError | None = None
+        while time.monotonic() < deadline:
+            told = len(self.unbelieved)
+            try:
+                return self.ask(min(deadline, time.monotonic() + budget))
+            except RankRefused:
+                raise
+            except OSError as exc:  # ConnectionError and TimeoutError too: rank 0 not there yet, or someone else is
+                last = exc
+            pause = _UNBELIEVED_PAUSE if len(self.unbelieved) > told else 0.05
+            time.sleep(max(min(pause, deadline - time.monotonic()), 0.0))
+        raise TimeoutError(self.not_found(last))
+
+    def not_found(self, last: OSError | None) -> str:
+        """Why no rank 0 was found by the timeout, naming every cause the rank cannot tell apart."""
+        rank, where = self.ranks.rank, self.where
+        if self.unbelieved:
+            return (f"rank {rank} found no rank 0 at {where} that proves {SECRET_VARIABLE} by its timeout: what "
+                    f"listens there {self.unbelieved[-1]}, {len(self.unbelieved)} times, and did not prove "
+                    f"{SECRET_VARIABLE}, so was not believed. Either rank 0's secret is not this rank's (every rank "
+                    f"of a launch has the same one), or a process that is not rank 0 holds the port")
+        if isinstance(last, ConnectionRefusedError):
+            return (f"rank {rank} found no rank 0 at {where}: nothing listened there by its timeout. Either rank 0 "
+                    f"has not started, or it has finished: it stops listening once it has served every rank, so "
+                    f"where two processes claim rank {rank}, the one that comes after finds no one")
+        return f"rank {rank} found no rank 0 at {where} by its timeout ({last})"
+
+    def unbelieved_answer(self, said: str) -> ConnectionError:
+        """The failure of an attempt whose answer did not prove the secret, kept as said."""
+        self.unbelieved.append(said)
+        return ConnectionError(f"what listens at {self.where} {said}, and did not prove {SECRET_VARIABLE}")
+
+    def ask(self, until: float) -> bytes:
+        rank, world, where = self.ranks.rank, self.ranks.world, self.where
+        family, sockaddr = _resolve(self.ranks.address, self.ranks.port)
+        with socket.socket(family, socket.SOCK_STREAM) as conn:
+            conn.settimeout(max(until - time.monotonic(), 0.01))
+            conn.connect(sockaddr)
+            greeting = _read(conn, len(_MAGIC) + _NONCE, until)
+            if not greeting.startswith(_MAGIC):
+                raise ConnectionError(f"what listens at {where} does not speak the id exchange")
+            client_nonce = secrets.token_bytes(_NONCE)
+            transcript = _transcript(greeting[len(_MAGIC):], rank, world, client_nonce)
+            _send(conn, _MAGIC + _words(rank, world) + client_nonce + _mac(self.secret, b"C", transcript), until)
+            status = _read(conn, 1, until)
+            if status == _WRONG_SECRET:
+                raise self.unbelieved_answer(f"refused rank {rank}'s proof of {SECRET_VARIABLE}")
+            if status not in _TAGGED:
+                raise ConnectionError(f"what listens at {where} answered {status!r}")
+            answer = status + _read(conn, (UNIQUE_ID_BYTES if status == _OK else 0) + _MAC, until)
+            masked = answer[1:-_MAC]
+            if not hmac.compare_digest(answer, _answer(self.secret, transcript, status, masked)):
+                raise self.unbelieved_answer("answered as rank 0 would")
+            if status == _AGAIN:
+                raise ConnectionError(f"rank 0 at {where} is handshaking with another connection of rank {rank}")
+            if status != _OK:
+                raise RankRefused(f"rank 0 at {where} refused rank {rank}: " + _REFUSALS[status].format(
+                    rank=rank, world=world))
+            _send(conn, _ACK, until)
+            return _mask(self.secret, transcript, masked)
 
 
-def _ask(ranks: Ranks, until: float) -> bytes:
-    secret = ranks.secret.encode()
-    where = f"{ranks.address}:{ranks.port}"
-    with socket.create_connection((ranks.address, ranks.port), timeout=max(until - time.monotonic(), 0.01)) as conn:
-        greeting = _read(conn, len(_MAGIC) + _NONCE, until)
-        if not greeting.startswith(_MAGIC):
-            raise ConnectionError(f"what listens at {where} does not speak the id exchange")
-        client_nonce = secrets.token_bytes(_NONCE)
-        transcript = _transcript(greeting[len(_MAGIC):], ranks.rank, ranks.world, client_nonce)
-        _send(conn, _MAGIC + _words(ranks.rank, ranks.world) + client_nonce + _mac(secret, b"C", transcript), until)
-        status = _read(conn, 1, until)
-        if status in _REFUSALS:
-            raise RankRefused(f"rank 0 at {where} refused rank {ranks.rank}: " + _REFUSALS[status].format(
-                variable=SECRET_VARIABLE, rank=ranks.rank, world=ranks.world))
-        if status != _OK:
-            raise ConnectionError(f"rank 0 at {where} is handshaking with another connection of rank {ranks.rank}"
-                                  if status == _AGAIN else f"what listens at {where} answered {status!r}")
-        reply = _read(conn, UNIQUE_ID_BYTES + _MAC, until)
-        masked, tag = reply[:UNIQUE_ID_BYTES], reply[UNIQUE_ID_BYTES:]
-        if not hmac.compare_digest(tag, _mac(secret, b"S", transcript, masked)):
-            raise ConnectionError(f"what listens at {where} did not prove {SECRET_VARIABLE}: not this launch's rank 0")
-        _send(conn, _ACK, until)
-        return _mask(secret, transcript, masked)
+def _answer(secret: bytes, transcript: bytes, status: bytes, masked: bytes = b"") -> bytes:
+    """Rank 0's answer to a hello that proved the secret: its status, the masked id after "+", and
+    its tag over both, which proves a refusal as it proves the id."""
+    return status + masked + _mac(secret, b"S", transcript, status, masked)
 
 
 def _words(*values: int) -> bytes:

@@ -89,7 +89,7 @@ def test_a_rank_zero_that_never_comes_is_a_timeout():
 
 
 def test_ranks_that_never_join_are_a_timeout_naming_them():
-    with pytest.raises(TimeoutError, match=r"waited for ranks \[1, 2\]"):
+    with pytest.raises(TimeoutError, match=r"served none of ranks \[1, 2\]"):
         exchange_id(Ranks(0, 3, port=free_port()), lambda: b"x" * 128, timeout=0.5)
 
 
