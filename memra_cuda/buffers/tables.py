@@ -44,13 +44,26 @@ class KVLayer:
 
     @classmethod
     def allocate(cls, engine: Engine, capacity: int, width: int = 1, dtype: Any = np.uint32,
-                 batch: int = 1) -> KVLayer:
+                 batch: int = 1) -> AllocatedKV:
         """A zero-length layer of `capacity` entries of `width` elements for each of `batch`
-        sequences: data_d is [batch][capacity][width]."""
+        sequences: data_d is [batch][capacity][width], there for certain (AllocatedKV)."""
         capacity, width = as_size(capacity, "capacity"), as_size(width, "width")
         batch, engine = as_size(batch, "batch", 1, MAX_BATCH), as_engine(engine)
-        return cls(engine.zeros(np.int32, batch, label="len_d"), capacity,
-                   engine.alloc(dtype, batch * capacity * width, zeroed=True, label="data_d"))
+        return AllocatedKV(engine.zeros(np.int32, batch, label="len_d"), capacity,
+                           engine.alloc(dtype, batch * capacity * width, zeroed=True, label="data_d"))
+
+
+class AllocatedKV(KVLayer):
+    """A KVLayer that holds its data for certain, what KVLayer.allocate returns: `data_d` is a
+    DeviceBuffer, never None, and typed so, so that a model's code hands it to a copy or a launch
+    without a check a type checker would otherwise ask for."""
+
+    data_d: DeviceBuffer
+
+    def __init__(self, len_d: Any, capacity: int, data_d: Any):
+        if data_d is None:
+            raise TypeError("an AllocatedKV holds its data: data_d must be a buffer, not None")
+        super().__init__(len_d, capacity, data_d)
 
 
 class Cache:
