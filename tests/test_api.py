@@ -44,7 +44,7 @@ def test_pipeline_stages_name_the_capacity_of_their_caches():
     assert Stages(["stage"], capacity=memra_cuda.UNCHECKED).capacity is memra_cuda.UNCHECKED
     assert type(Stages(["stage"], capacity=np.int64(64)).capacity) is int
     for bad in (0, -5):  # the rule of a table's capacity: a burst could never be checked against these
-        with pytest.raises(ValueError, match="positive number of KV entries"):
+        with pytest.raises(ValueError, match="capacity must be None, UNCHECKED or an int of at least 1"):
             Stages(["stage"], capacity=bad)
     assert Stages(()).capacity is None
 

@@ -1,20 +1,25 @@
 """The user pages stay what a user reads: a README of at most 120 lines, no docs page over 250,
 no performance figure in them (they live in benchmarks/RESULTS.md, each with its machine, date
-and model), no name the library no longer has, and docs/errors.md listing exactly the errors of
-memra_cuda.errors. CPU only: it runs in every `make test`.
+and model), no name the library no longer has, docs/errors.md listing exactly the errors of
+memra_cuda.errors, install lines that work from a checkout or a wheel, and no address the
+project does not have. CPU only: it runs in every `make test`.
 """
 from __future__ import annotations
 
 import builtins
+import fnmatch
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 
+import memra_cuda
 import memra_cuda.errors
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PYPROJECT = ROOT / "pyproject.toml"
 DOCS = ROOT / "docs"
 ERRORS = DOCS / "errors.md"
 
@@ -108,3 +113,63 @@ def test_every_documented_error_derives_from_memra_error_and_its_builtin():
         parent = getattr(memra_cuda.errors, base, None) or getattr(builtins, base)
         assert issubclass(error, memra_cuda.errors.MemraError), name
         assert issubclass(error, parent) and error is not parent, f"{name} is not a {base}"
+
+
+# -- where memra_cuda comes from ----------------------------------------------------------------
+
+def install_lines() -> list[str]:
+    """The commands of README.md's "## Install" block, without their comments."""
+    pages()
+    section = re.search(r"^## Install\s*$(.*?)(?=^## )", README.read_text(encoding="utf-8"), re.M | re.S)
+    assert section, 'README.md has no "## Install" section'
+    block = re.search(r"^```sh\s*\n(.*?)^```", section.group(1), re.M | re.S)
+    assert block, 'README.md\'s "## Install" section has no ```sh block'
+    return [line.partition("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def declared(table: str) -> str:
+    """The text of one [table] of pyproject.toml, up to the next table."""
+    found = re.search(rf"^\[{re.escape(table)}\]\s*$(.*?)(?=^\[|\Z)", PYPROJECT.read_text(encoding="utf-8"),
+                      re.M | re.S)
+    assert found, f"pyproject.toml has no [{table}]"
+    return found.group(1)
+
+
+def test_the_install_lines_work_from_a_checkout_or_a_wheel():
+    """Issue 49, item 2: memra_cuda is on no package index and has no address to fetch it from,
+    so every install line takes it from what the user has: the checkout (`.`) or the wheel built
+    in one (named as `pip wheel` names it), with extras pyproject.toml declares; anything else it
+    names is a dependency pyproject.toml declares (the CUDA 12 bindings)."""
+    extras = set(re.findall(r"^([\w-]+) = \[", declared("project.optional-dependencies"), re.M))
+    dependencies = {re.split(r"[<>=!~;\[ ]", spec)[0]
+                    for spec in re.findall(r'"([^"]+)"', re.search(r"^dependencies = \[(.*?)\]",
+                                                                   declared("project"), re.M | re.S).group(1))}
+    wheel = f"memra_cuda-{memra_cuda.__version__}-py3-none-any.whl"
+    lines = install_lines()
+    assert lines and all(line.startswith("pip install ") for line in lines), f"not all pip installs: {lines}"
+    for line in lines:
+        ours = []
+        for arg in shlex.split(line)[2:]:
+            if re.split(r"[<>=!~;\[ ]", arg)[0] in dependencies:
+                continue
+            target, _, asked = arg.partition("[")
+            assert target == "." or ("/" in target and fnmatch.fnmatch(wheel, Path(target).name)), \
+                f"{line}: {arg!r} is neither the checkout (.) nor a wheel built in one ({wheel})"
+            assert set(filter(None, asked.rstrip("]").split(","))) <= extras, f"{line}: extras not in {sorted(extras)}"
+            ours.append(arg)
+        assert len(ours) == 1, f"{line}: installs memra_cuda from {ours}, not from one checkout or wheel"
+
+
+# Any web address naming memra: the package's own would be one, and it has none.
+OWN_ADDRESS = re.compile(r"https?://[^\s\"'<>()\]]*memra[^\s\"'<>()\]]*", re.I)
+
+
+def test_no_page_gives_memra_cuda_an_address_it_does_not_have():
+    """No address of memra_cuda's own (a repository, a home page, issues) in what a user reads or
+    pip shows: none is published, and one that leads nowhere is worse than none (0.3.0's README
+    and pyproject.toml's [project.urls] named a repository that nothing showed exists)."""
+    read = [README, PYPROJECT, ROOT / "CHANGELOG.md", *pages(), *sorted(ROOT.glob("benchmarks/*.md")),
+            *sorted(ROOT.glob("memra_cuda/**/*.py")), *sorted(ROOT.glob("examples/*.py"))]
+    found = [f"{path.relative_to(ROOT)}:{number}: {match}" for path in read
+             for number, line in enumerate(lines(path), 1) for match in OWN_ADDRESS.findall(line)]
+    assert not found, "addresses memra_cuda does not have:\n" + "\n".join(found)

@@ -5,13 +5,16 @@ benchmarks/RESULTS.md leads to a file that exists (and to a heading there, when 
 Each block asserts its own result (the tokens equal the target's greedy output), so running it
 is the whole GPU test; those are marked `gpu` and take the `engine` fixture only to be skipped,
 with the reason, where there is no GPU. What needs no GPU runs in every `make test`: each block
-parses, asserts something, and imports only names that exist; the CUDA C a block compiles with
-compile_ptx compiles (where NVRTC is installed); and the links.
+parses, asserts something, imports only names that exist and type-checks (mypy); the CUDA C a
+block compiles with compile_ptx compiles (where NVRTC is installed); and the links.
 """
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +68,30 @@ def test_a_block_parses_asserts_and_imports_what_exists(name):
                          type_ignores=[])
     assert imports.body, f"README.md's {name} block imports nothing"
     exec(compile(imports, f"README.md: {name}, its imports", "exec"), {})
+
+
+def test_the_blocks_type_check(tmp_path):
+    """On the CPU: what a user's type checker says of each block is nothing. mypy, with the
+    settings the package and the examples are checked with (pyproject.toml's [tool.mypy]), reads
+    each block as a module of its own against the memra_cuda this suite imports, its lines where
+    README.md has them, so that an error names the README's line (a block that hands a buffer
+    that may be None to a copy fails here)."""
+    pytest.importorskip("mypy", reason="mypy comes with the test extra")
+    import memra_cuda
+
+    text, files = readme(), []
+    for name in RUNNABLE:
+        code, module = block(name), re.sub(r"\W+", "_", name.lower())
+        path = tmp_path / f"README_{module}.py"
+        path.write_text("\n" * text[:text.index(code)].count("\n") + code, encoding="utf-8")
+        files.append(path.name)
+    imported = str(Path(memra_cuda.__file__).resolve().parents[1])  # the tree or site-packages, first
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (imported, os.environ.get("PYTHONPATH"))))}
+    run = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+                          "--cache-dir", str(tmp_path / "mypy"), *files], cwd=tmp_path, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, f"mypy on README.md's blocks:\n{run.stdout}{run.stderr}"
+    assert f"no issues found in {len(files)} source files" in run.stdout, run.stdout  # both read, none skipped
 
 
 def kernel_sources(code: str) -> list[str]:

@@ -6,13 +6,13 @@ from .acceptance import Acceptance, Greedy, Sampling
 from .capacity import UNCHECKED, Capacity, CapacityError, kv_capacity
 from .ledger import Ledger
 from .stream_bufs import BuffersHeld, Readback, StreamBufs
-from .tables import (AddressTable, Cache, KVData, KVDataTable, KVLayer, PointerTable, StateIndexTable, StateLayer,
-                     StateTable, kv_data_table, kv_len_ptr_table, kv_len_ptr_table_range, state_copy_table,
+from .tables import (AddressTable, AllocatedKV, Cache, KVData, KVDataTable, KVLayer, PointerTable, StateIndexTable,
+                     StateLayer, StateTable, kv_data_table, kv_len_ptr_table, kv_len_ptr_table_range, state_copy_table,
                      state_copy_table_range, state_flip_table)
 from .tree import Candidates, DynamicTree, Tree, TreeBufs, TreeShape
 
-__all__ = ["Acceptance", "AddressTable", "BuffersHeld", "Cache", "Candidates", "Capacity", "CapacityError",
-           "DynamicTree", "Greedy", "KVData", "KVDataTable", "KVLayer", "Ledger", "PointerTable", "Readback",
-           "Sampling", "StateIndexTable", "StateLayer", "StateTable", "StreamBufs", "Tree", "TreeBufs", "TreeShape",
-           "UNCHECKED", "kv_capacity", "kv_data_table", "kv_len_ptr_table", "kv_len_ptr_table_range",
+__all__ = ["Acceptance", "AddressTable", "AllocatedKV", "BuffersHeld", "Cache", "Candidates", "Capacity",
+           "CapacityError", "DynamicTree", "Greedy", "KVData", "KVDataTable", "KVLayer", "Ledger", "PointerTable",
+           "Readback", "Sampling", "StateIndexTable", "StateLayer", "StateTable", "StreamBufs", "Tree", "TreeBufs",
+           "TreeShape", "UNCHECKED", "kv_capacity", "kv_data_table", "kv_len_ptr_table", "kv_len_ptr_table_range",
            "state_copy_table", "state_copy_table_range", "state_flip_table"]

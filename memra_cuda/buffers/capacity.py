@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..driver.values import as_index
+from ..driver.values import as_size
 from ..driver.errors import MemraError
+from .stream_bufs import MAX_BATCH
 
 
 class CapacityError(MemraError, ValueError):
@@ -38,13 +39,11 @@ UNCHECKED = Unchecked()
 
 def kv_entries(capacity: Any) -> int | Unchecked | None:
     """A stated KV capacity: a positive number of entries, None (no KV named) or UNCHECKED, else
-    ValueError; where a table or a pipeline's other stages say how far a burst may go."""
+    ValueError (TypeError for what is not a number); where a table or a pipeline's other stages
+    say how far a burst may go."""
     if capacity is None or capacity is UNCHECKED:
         return capacity
-    capacity = as_index(capacity, "capacity")
-    if capacity < 1:
-        raise ValueError(f"capacity must be a positive number of KV entries, None or UNCHECKED, not {capacity}")
-    return capacity
+    return as_size(capacity, "capacity", also="None, UNCHECKED")
 
 
 _NO_ROWS = np.zeros(0, np.int64)
@@ -71,9 +70,13 @@ class Capacity:
 
     def __init__(self, entries: int | None, k: int, batch: int, m_rounds: int, width: int | None = None):
         """`width` None: a chain's k + 1, a default computed from another field, which a
-        dataclass field cannot have; so the frozen fields are set here."""
-        for name, value in (("entries", entries), ("k", k), ("batch", batch), ("m_rounds", m_rounds),
-                            ("width", k + 1 if width is None else width)):
+        dataclass field cannot have; so the frozen fields are set here, each checked (a round
+        writes at least the k + 1 entries it may advance: `width` is no less)."""
+        k = as_size(k, "k", 0)
+        for name, value in (("entries", None if entries is None else as_size(entries, "entries")), ("k", k),
+                            ("batch", as_size(batch, "batch", 1, MAX_BATCH)),
+                            ("m_rounds", as_size(m_rounds, "m_rounds")),
+                            ("width", k + 1 if width is None else as_size(width, "width", k + 1))):
             object.__setattr__(self, name, value)
 
     @classmethod
@@ -145,8 +148,13 @@ def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, ove
     this request: the rule's reach (Capacity.burst_reach) of a burst of M rounds, behind one more
     in flight for "overlap", from position prompt_len + max_new_tokens (two past the furthest a
     live row can start one from). `width` is what a round writes past its position (a tree's
-    T + 1 slots; default a chain's k + 1)."""
+    T + 1 slots; default a chain's k + 1). Every size is checked as Capacity checks its own (a
+    prompt holds its pending token: at least one), and `overlap` must be a bool, so that a bad
+    one is refused by name instead of sizing a cache wrongly."""
+    if not isinstance(overlap, (bool, np.bool_)):
+        raise TypeError(f"overlap must be a bool, not {overlap!r}")
+    prompt_len, max_new_tokens = as_size(prompt_len, "prompt_len"), as_size(max_new_tokens, "max_new_tokens", 0)
     rule = Capacity(None, k, batch, m_rounds, width)
-    reach = rule.burst_reach(np.array([prompt_len + max_new_tokens]), np.zeros(1, bool), m_rounds,
-                             m_rounds if overlap else 0)
+    reach = rule.burst_reach(np.array([prompt_len + max_new_tokens]), np.zeros(1, bool), rule.m_rounds,
+                             rule.m_rounds if overlap else 0)
     return int(reach[0])

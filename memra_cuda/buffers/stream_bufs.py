@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..driver.errors import MemraError
-from ..driver.values import as_index
+from ..driver.engine import as_engine
+from ..driver.values import as_index, as_size
 from .arena import carve
 from .layout import ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT, RING_TOKENS
 from .ledger import Ledger
@@ -89,12 +90,8 @@ class StreamBufs:
     acc_d: DeviceBuffer  # u32[2]: drafts accepted this round, and accepted and committed in all
 
     def __init__(self, engine: Engine, k: int, m_rounds: int, batch: int = 1):
-        k, m_rounds, batch = as_index(k, "k"), as_index(m_rounds, "m_rounds"), as_index(batch, "batch")
-        if k < 0 or m_rounds < 1:
-            raise ValueError(f"need k >= 0 draft tokens and m_rounds >= 1, not k={k}, m_rounds={m_rounds}")
-        if not 1 <= batch <= MAX_BATCH:
-            raise ValueError(f"batch must be 1 to {MAX_BATCH} sequences, not {batch}")
-        self.engine = engine
+        k, m_rounds, batch = as_size(k, "k", 0), as_size(m_rounds, "m_rounds"), as_size(batch, "batch", 1, MAX_BATCH)
+        self.engine = engine = as_engine(engine)
         self.k, self.m_rounds, self.batch = k, m_rounds, batch
         self.ring_cap = m_rounds * (k + 1)
         ring_row = RING_TOKENS + self.ring_cap
@@ -288,11 +285,12 @@ def per_row(values: int | None | Sequence[int | None] | np.ndarray, rows: int, w
         if value is None and optional:
             out.append(None)
             continue
-        index = as_index(value, what)  # None where not optional: TypeError
-        if not 0 <= index < 2**31:
-            raise ValueError(f"{what} must be {'None or ' if optional else ''}in [0, 2**31), not {value}"
-                             + (f" (row {i})" if many else ""))
-        out.append(index)
+        try:  # None where not optional: TypeError
+            out.append(as_size(value, what, 0, 2**31 - 1, also="None" if optional else ""))
+        except ValueError as exc:
+            if not many:
+                raise
+            raise ValueError(f"{exc} (row {i})") from None
     return out
 
 

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .capacity import Unchecked, kv_entries
+from .stream_bufs import MAX_BATCH
 from ..driver.buffer import DeviceBuffer, as_buffer, device_allocation
-from ..driver.values import as_index
+from ..driver.engine import as_engine
+from ..driver.values import as_size
 
 if TYPE_CHECKING:
     from ..driver.engine import Engine
@@ -33,9 +35,7 @@ class KVLayer:
         if len_d.dtype != np.int32:
             raise ValueError(f"KV lengths must be an i32[B] device buffer (one per sequence), not {len_d!r}")
         self.len_d = len_d
-        self.capacity = as_index(capacity, "capacity")
-        if self.capacity < 1:
-            raise ValueError(f"a KV layer needs a positive capacity, not {capacity}")
+        self.capacity = as_size(capacity, "capacity")
         self.data_d = None if data_d is None else as_buffer(data_d, "data_d")
 
     @property
@@ -44,14 +44,26 @@ class KVLayer:
 
     @classmethod
     def allocate(cls, engine: Engine, capacity: int, width: int = 1, dtype: Any = np.uint32,
-                 batch: int = 1) -> KVLayer:
+                 batch: int = 1) -> AllocatedKV:
         """A zero-length layer of `capacity` entries of `width` elements for each of `batch`
-        sequences: data_d is [batch][capacity][width]."""
-        if capacity < 1 or width < 1 or batch < 1:
-            raise ValueError(f"a KV layer needs a positive capacity, width and batch, not {capacity}, {width}, "
-                             f"{batch}")
-        return cls(engine.zeros(np.int32, batch, label="len_d"), capacity,
-                   engine.alloc(dtype, batch * capacity * width, zeroed=True, label="data_d"))
+        sequences: data_d is [batch][capacity][width], there for certain (AllocatedKV)."""
+        capacity, width = as_size(capacity, "capacity"), as_size(width, "width")
+        batch, engine = as_size(batch, "batch", 1, MAX_BATCH), as_engine(engine)
+        return AllocatedKV(engine.zeros(np.int32, batch, label="len_d"), capacity,
+                           engine.alloc(dtype, batch * capacity * width, zeroed=True, label="data_d"))
+
+
+class AllocatedKV(KVLayer):
+    """A KVLayer that holds its data for certain, what KVLayer.allocate returns: `data_d` is a
+    DeviceBuffer, never None, and typed so, so that a model's code hands it to a copy or a launch
+    without a check a type checker would otherwise ask for."""
+
+    data_d: DeviceBuffer
+
+    def __init__(self, len_d: Any, capacity: int, data_d: Any):
+        if data_d is None:
+            raise TypeError("an AllocatedKV holds its data: data_d must be a buffer, not None")
+        super().__init__(len_d, capacity, data_d)
 
 
 class Cache:
@@ -123,7 +135,7 @@ class PointerTable(AddressTable):
 
     def __init__(self, engine: Engine, targets: Sequence[Any], *, capacity: int | Unchecked | None = None,
                  label: str = "pointer table"):
-        capacity = kv_entries(capacity)
+        engine, capacity = as_engine(engine), kv_entries(capacity)
         held = tuple(None if t is None else engine.buffer(t, f"table entry {i}") for i, t in enumerate(targets))
         if not held:
             raise ValueError("a pointer table needs at least one entry")
@@ -180,16 +192,14 @@ class KVData:
 
     def __init__(self, k_d: Any, v_d: Any = None, *, row_stride: int, pos_stride: int, nbytes: int, capacity: int,
                  batch: int):
-        self.batch = as_index(batch, "batch")
+        self.batch = as_size(batch, "batch", 1, MAX_BATCH)
         self.k_d = as_buffer(k_d, "k_d")
         self.v_d = None if v_d is None else as_buffer(v_d, "v_d")
-        self.row_stride, self.pos_stride = as_index(row_stride, "row_stride"), as_index(pos_stride, "pos_stride")
-        self.nbytes, self.capacity = as_index(nbytes, "nbytes"), as_index(capacity, "capacity")
-        words = (self.row_stride, self.pos_stride, self.nbytes)
-        if min(self.nbytes, self.capacity, self.batch) < 1 or any(x % 4 for x in words):
-            raise ValueError(f"KV data moves in 32-bit words: strides and nbytes must be multiples of 4 and nbytes, "
-                             f"capacity positive, not row_stride={row_stride}, pos_stride={pos_stride}, "
-                             f"nbytes={nbytes}, capacity={capacity}")
+        self.row_stride, self.pos_stride = as_size(row_stride, "row_stride", 0), as_size(pos_stride, "pos_stride", 0)
+        self.nbytes, self.capacity = as_size(nbytes, "nbytes"), as_size(capacity, "capacity")
+        if any(x % 4 for x in (self.row_stride, self.pos_stride, self.nbytes)):
+            raise ValueError(f"KV data moves in 32-bit words: strides and nbytes must be multiples of 4, not "
+                             f"row_stride={row_stride}, pos_stride={pos_stride}, nbytes={nbytes}")
         if self.pos_stride < self.nbytes:
             raise ValueError(f"positions {pos_stride} bytes apart cannot hold entries of {nbytes} bytes")
         row_bytes = (self.capacity - 1) * self.pos_stride + self.nbytes  # a row's entries, rows apart
@@ -238,6 +248,7 @@ class KVDataTable(AddressTable):
         if len(batches) > 1:
             raise ValueError(f"{label}: every layer must hold the same batch B, not {sorted(batches)}")
         self.batch = batches.pop() if batches else None
+        engine = as_engine(engine)
         words = np.zeros((len(self.layers), self.RECORD), np.uint64)
         held: list[DeviceBuffer | None] = []
         for i, layer in enumerate(self.layers):
@@ -275,9 +286,7 @@ class StateLayer:
 
     def __init__(self, live_d: Any, slots_d: Any, row_words: int, k: int):
         self.live_d, self.slots_d = as_buffer(live_d, "live_d"), as_buffer(slots_d, "slots_d")
-        self.row_words, self.k = as_index(row_words, "row_words"), as_index(k, "k")
-        if self.row_words < 1 or self.k < 0:
-            raise ValueError(f"a state layer needs row_words >= 1 and k >= 0, not {row_words} and {k}")
+        self.row_words, self.k = as_size(row_words, "row_words"), as_size(k, "k", 0)
         if self.live_d.dtype.itemsize != 4 or self.slots_d.dtype != self.live_d.dtype:
             raise ValueError(f"live_d and slots_d must hold 32-bit words of one type, not {self.live_d!r} and "
                              f"{self.slots_d!r}")
@@ -312,6 +321,7 @@ class StateTable(AddressTable):
         self.k: int | None = None
         if shapes:
             self.batch, self.k = shapes.pop()
+        engine = as_engine(engine)
         words = np.zeros((len(self.layers), 3), np.uint64)
         held: list[DeviceBuffer | None] = []
         for i, layer in enumerate(self.layers):

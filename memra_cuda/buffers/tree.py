@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..driver.values import as_index
+from ..driver.values import as_index, as_size
 from .arena import carve
 from .layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS, ROOT_PARENT
 
@@ -92,6 +92,7 @@ class TreeShape:
     @classmethod
     def chain(cls, k: int) -> TreeShape:
         """k drafts in a line: the tree a chain round verifies."""
+        k = as_size(k, "k")
         return cls((-1, *range(k)), (0,) * (k + 1))
 
     @classmethod
@@ -101,9 +102,7 @@ class TreeShape:
         node for it, and the verify takes k (leaves + 1) + 1 tokens. Where a verify of those costs
         about what one of k + 1 does, it catches the draft's second choices at a chain's draft
         cost."""
-        k, leaves = as_index(k, "k"), as_index(leaves, "leaves")
-        if k < 1 or leaves < 0:
-            raise ValueError(f"a chain with leaves has k >= 1 drafts and leaves >= 0, not k={k}, leaves={leaves}")
+        k, leaves = as_size(k, "k"), as_size(leaves, "leaves", 0)
         return cls.from_choices([[0] * (d - 1) + [r] for d in range(1, k + 1) for r in range(leaves + 1)])
 
     @classmethod
@@ -113,10 +112,9 @@ class TreeShape:
         right with probability right * fall**r given its parent (a child's chance is below its
         parent's, so the likeliest nodes form a tree), at most `depth` deep and `ranks` wide:
         a static tree for a draft whose rank-r candidates are accepted at about those rates."""
-        size, depth, ranks = as_index(size, "size"), as_index(depth, "depth"), as_index(ranks, "ranks")
-        if not (0 < right <= 1 and 0 < fall <= 1) or min(size, depth, ranks) < 1:
-            raise ValueError(f"a likeliest tree needs size, depth and ranks >= 1 and right, fall in (0, 1], not "
-                             f"size={size}, depth={depth}, ranks={ranks}, right={right}, fall={fall}")
+        size, depth, ranks = as_size(size, "size"), as_size(depth, "depth"), as_size(ranks, "ranks")
+        if not (0 < right <= 1 and 0 < fall <= 1):
+            raise ValueError(f"a likeliest tree needs right and fall in (0, 1], not right={right}, fall={fall}")
         if size >= MAX_TREE_NODES:
             raise ValueError(f"a tree has 2 to {MAX_TREE_NODES} nodes (the ancestor mask's width): a likeliest "
                              f"tree of {size} drafts has {size + 1}")
@@ -195,8 +193,7 @@ class DynamicTree:
 
     def __post_init__(self) -> None:
         for name in ("depth", "width", "branch"):
-            if as_index(getattr(self, name), name) < 1:
-                raise ValueError(f"a dynamic tree's {name} must be at least 1, not {getattr(self, name)}")
+            as_size(getattr(self, name), name)
         if self.nodes > MAX_TREE_NODES:
             raise ValueError(f"a tree has at most {MAX_TREE_NODES} nodes (the ancestor mask's width): depth "
                              f"{self.depth} x width {self.width} + 1 is {self.nodes}")

@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from .errors import CaptureError, call, driver
-from .values import as_index, device_dtype, short_name
+from .values import as_index, as_size, device_dtype, short_name
 from .handle import Handle
 
 if TYPE_CHECKING:
@@ -39,12 +39,10 @@ class DeviceBuffer(Handle):
     def __init__(self, ptr: int, dtype: DTypeLike, length: int, *, engine: Stream | None = None,
                  base: DeviceBuffer | None = None, keepalive: Any = None, device: int | None = None,
                  label: str | None = None):
-        ptr, length = as_index(ptr, "ptr"), as_index(length, "length")
+        ptr, length = as_index(ptr, "ptr"), as_size(length, "length")
         self.dtype = device_dtype(dtype)
         if ptr <= 0:
             raise ValueError(f"a device buffer needs a device address, not {ptr:#x}")
-        if length < 1:
-            raise ValueError(f"a device buffer needs at least one element, not {length}")
         if ptr + length * self.dtype.itemsize > 2**64:
             raise ValueError(f"{length} elements at {ptr:#x} run past the end of the address space")
         self._ptr = ptr
@@ -58,9 +56,7 @@ class DeviceBuffer(Handle):
 
     @classmethod
     def allocate(cls, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None) -> DeviceBuffer:
-        dtype, length = device_dtype(dtype), as_index(length, "length")
-        if length < 1:
-            raise ValueError(f"a device buffer needs at least one element, not {length}")
+        dtype, length = device_dtype(dtype), as_size(length, "length")
         ctx, ptr = device_allocation(engine, length * dtype.itemsize)
         buf = cls(ptr, dtype, length, engine=engine, label=label)
         buf._own(ctx, "cuMemFree", ptr)
@@ -136,8 +132,8 @@ class DeviceBuffer(Handle):
              label: str | None = None) -> DeviceBuffer:
         """A non-owning window [start, start+count) that keeps this buffer alive, read as
         `dtype` of the same size if given (i32 fields inside a u32 arena, say)."""
-        start, count = as_index(start, "start"), as_index(count, "count")
-        if not (0 <= start and 1 <= count and start + count <= self.len):
+        start, count = as_index(start, "start"), as_size(count, "count")
+        if not (0 <= start and start + count <= self.len):
             raise ValueError(f"view [{start}, {start + count}) is outside a buffer of {self.len}")
         dtype = self.dtype if dtype is None else device_dtype(dtype)
         if dtype.itemsize != self.dtype.itemsize:
@@ -204,9 +200,7 @@ class PinnedBuffer(Handle):
 
     def __init__(self, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None):
         self.dtype = device_dtype(dtype)
-        self.len = as_index(length, "length")
-        if self.len < 1:
-            raise ValueError(f"a pinned buffer needs at least one element, not {length}")
+        self.len = as_size(length, "length")
         self.engine = engine
         self.label = label
         _no_alloc_in_capture(engine, "pinned memory")

@@ -219,3 +219,12 @@ class Engine(Stream):
         elif signatures is not None:
             module.declare(signatures)
         return module
+
+
+def as_engine(engine: object, what: str = "engine") -> Engine:
+    """`engine` if it is an Engine, else TypeError naming `what`: for what allocates on an engine
+    it is given (StreamBufs, a KV layer, a table), before anything is asked of it, so a wrong one
+    (None, a stream, a torch device) is named rather than failing on an attribute it lacks."""
+    if not isinstance(engine, Engine):
+        raise TypeError(f"{what} must be an Engine, not {engine!r}")
+    return engine

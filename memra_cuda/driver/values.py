@@ -68,3 +68,18 @@ def as_index(value: Any, what: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an integer, not {value!r}") from None
+
+
+def as_size(value: Any, what: str, least: int = 1, most: int | None = None, *, also: str = "") -> int:
+    """`value` as an int from `least` to `most` (no bound: None): a size or a count the host is
+    given (k, rounds, a batch, a capacity, a budget), checked where it is given, so a bad one is
+    refused naming `what` rather than sizing memory or a rule wrongly. Numpy integers are sizes;
+    a bool is not (True would be read as 1): TypeError, as for a float or a string; out of range,
+    ValueError. `also` names the other values the caller takes ("None"), for the message."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an integer, not {value!r}")
+    number = as_index(value, what)
+    if number < least or (most is not None and number > most):
+        span = f"from {least} to {most}" if most is not None else f"of at least {least}"
+        raise ValueError(f"{what} must be {f'{also} or ' if also else ''}an int {span}, not {value!r}")
+    return number

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..driver.buffer import BufferLike, DeviceBuffer
 from ..driver.module import Launch
-from ..driver.values import as_index, short_name
+from ..driver.values import as_index, as_size, short_name
 from .signatures import load
 
 if TYPE_CHECKING:
@@ -43,9 +43,7 @@ def prepare_accept_sample(engine: Engine, bufs: StreamBufs, p_d: BufferLike, q_d
     k, rows = bufs.k, bufs.batch  # rows <= 65535, gridDim.y's cap: StreamBufs holds no more
     if vocab is None:
         vocab = engine.buffer(p_d, "p_d").len // (rows * (k + 1))
-    vocab = as_index(vocab, "vocab")
-    if not 0 < vocab < 2**31:
-        raise ValueError(f"vocab (V) must be in [1, 2**31), not {vocab}")
+    vocab = as_size(vocab, "vocab", 1, 2**31 - 1)
     p_d = _exact(engine.buffer(p_d, "p_d"), "p_d", ("f32",), (rows, k + 1, vocab))
     q_d = _exact(engine.buffer(q_d, "q_d"), "q_d", ("f32",), (rows, max(k, 1), vocab))
     seed_d = _exact(engine.buffer(seed_d, "seed_d"), "seed_d", ("u64", "i64"), (rows,))
@@ -71,11 +69,9 @@ def prepare_draft_sample(engine: Engine, bufs: StreamBufs, q_d: BufferLike, seed
     that writes q_d's row and before the step that reads the token. Allocates its scratch, so
     prepare it before capturing."""
     k, rows = bufs.k, bufs.batch
-    step, vocab = as_index(step, "step"), as_index(vocab, "vocab")
+    step, vocab = as_index(step, "step"), as_size(vocab, "vocab", 1, 2**31 - 1)
     if not 0 <= step < k:
         raise ValueError(f"step must be a draft step in [0, k={k}), not {step}")
-    if not 0 < vocab < 2**31:
-        raise ValueError(f"vocab (V) must be in [1, 2**31), not {vocab}")
     q_d = _exact(engine.buffer(q_d, "q_d"), "q_d", ("f32",), (rows, k, vocab))
     seed_d = _exact(engine.buffer(seed_d, "seed_d"), "seed_d", ("u64", "i64"), (rows,))
     draft_d = _exact(engine.buffer(draft_d, "draft_d"), "draft_d", ("u32", "i32", "u64", "i64"), (rows, k))

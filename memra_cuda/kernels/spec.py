@@ -18,7 +18,7 @@ from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tables import PointerTable, StateIndexTable, StateTable
 from ..driver.buffer import BufferLike, DeviceBuffer
 from ..driver.module import Launch, Module
-from ..driver.values import as_index
+from ..driver.values import as_size
 from .sampling import _exact, prepare_accept_sample, prepare_draft_sample
 from .signatures import load
 
@@ -48,8 +48,8 @@ class SpecKernels:
         """rows_d holds [B][n_rows][row_words] words (n_rows = rows_d.len // (B·row_words)),
         out_d [B][row_words]."""
         rows_d, out_d = self._words("rows_d", rows_d), self._words("out_d", out_d)
-        row_words, batch = as_index(row_words, "row_words"), bufs.batch
-        if row_words < 1 or rows_d.len % (batch * row_words):
+        row_words, batch = as_size(row_words, "row_words"), bufs.batch
+        if rows_d.len % (batch * row_words):
             raise ValueError(f"rows_d ({rows_d.len} words) must hold {batch} sequences of whole rows of "
                              f"{row_words} words")
         out_d = batch_rows("out_d", out_d, batch, row_words)
@@ -80,7 +80,7 @@ class SpecKernels:
         mapped words (device_loop.TokenFeed). One block, so the head is written once every
         row is out: of 1024 threads, the rows striding over them (a block of one warp, inside a
         loop, crashed compute-sanitizer's racecheck)."""
-        cap, batch = as_index(cap, "cap"), bufs.batch
+        cap, batch = as_size(cap, "cap"), bufs.batch
         for name, buf, shape in (("published_d", published_d, (batch,)), ("seq_d", seq_d, (1,)),
                                  ("head_d", head_d, (HEAD_WORDS,)), ("count_d", count_d, (batch,)),
                                  ("tokens_d", tokens_d, (batch, cap)), ("stamps_d", stamps_d, (batch, cap))):

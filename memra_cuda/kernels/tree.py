@@ -15,7 +15,7 @@ from ..buffers.tables import KVDataTable, StateIndexTable, StateTable
 from ..buffers.tree import DynamicTree, TreeBufs
 from ..driver.buffer import BufferLike, DeviceBuffer
 from ..driver.module import Launch
-from ..driver.values import as_index
+from ..driver.values import as_index, as_size
 from .sampling import _exact
 from .signatures import load
 from .spec import batch_rows, check_flip_table, spread, state_copy_grid, token_buffer, width_kernel
@@ -184,9 +184,7 @@ class TreeKernels:
     def _laws(self, bufs: StreamBufs, tree: TreeBufs, law_d: BufferLike, seed_d: BufferLike, vocab: int,
               name: str = "q_d") -> tuple[DeviceBuffer, DeviceBuffer, int]:
         """A law per node, f32 [B][T+1][V], and the rows' seeds, u64 (or i64) [B]."""
-        vocab = as_index(vocab, "vocab")
-        if not 0 < vocab < 2**31:
-            raise ValueError(f"vocab (V) must be in [1, 2**31), not {vocab}")
+        vocab = as_size(vocab, "vocab", 1, 2**31 - 1)
         law = _exact(self.engine.buffer(law_d, name), name, ("f32",), (bufs.batch, tree.nodes, vocab))
         seed = _exact(self.engine.buffer(seed_d, "seed_d"), "seed_d", ("u64", "i64"), (bufs.batch,))
         return law, seed, vocab

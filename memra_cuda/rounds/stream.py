@@ -21,6 +21,7 @@ from ..buffers.stream_bufs import Readback, per_row
 from .device_loop import DeviceLoop, Landed, RoundCapError
 from ..driver.event import Event
 from ..driver.graph import Capture, Graph
+from ..driver.values import as_size
 from ..kernels.spec import SpecKernels
 from .pace import Pace
 from .round import ChainRound, Round, Stages, Step
@@ -161,7 +162,7 @@ class RoundStream:
 
     def _burst_rounds(self, rounds: int | None, most: int | None = None) -> int:
         most = self.bufs.m_rounds if most is None else most
-        return most if rounds is None else _count(rounds, "rounds", most)
+        return most if rounds is None else as_size(rounds, "rounds", 1, most)
 
     # -- graphs ------------------------------------------------------------------------------
     @property
@@ -409,13 +410,7 @@ def _loop_budget(budgets: list[int | None], max_rounds: int | None, k: int) -> t
             raise ValueError("a row without a token budget needs a round cap: pass max_rounds")
         cap = max(n for n in budgets if n is not None)
     else:
-        cap = _count(max_rounds, "max_rounds", 2**31 - 1)
+        cap = as_size(max_rounds, "max_rounds", 1, 2**31 - 1)
     most = [cap * (k + 1) if n is None else min(n, cap * (k + 1)) for n in budgets]
     return cap, np.array(most, np.int64)
 
-
-def _count(value: Any, name: str, most: int) -> int:
-    """`value` as an int from 1 to `most`, or ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= most:
-        raise ValueError(f"{name} must be an int from 1 to {most}, not {value!r}")
-    return int(value)

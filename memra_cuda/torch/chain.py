@@ -9,6 +9,7 @@ import torch
 from ..buffers.acceptance import Acceptance, Greedy, Sampling
 from ..buffers.tables import kv_len_ptr_table
 from ..driver.engine import Engine
+from ..driver.values import as_size
 from ..kernels.spec import SpecKernels
 from ..rounds.stream import RoundStream
 from .decoder import RoundDecoder
@@ -39,8 +40,7 @@ class SpeculativeLlama(RoundDecoder):
                  batch: int = 1, sampling: SamplingParams | None = None,
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
                  on_engine: Callable[[Engine], None] | None = None):
-        if k < 1:
-            raise ValueError(f"a chain drafts k >= 1 tokens a round, not {k}")
+        k = as_size(k, "k")  # a chain drafts at least one token a round
         super().__init__(model, draft, k=k, verified=k, m_rounds=m_rounds, batch=batch, capacity=capacity,
                          sampling=sampling, draft_sampling=draft_sampling, state_rollback=state_rollback,
                          on_engine=on_engine)

@@ -17,9 +17,10 @@ from typing import Any, NamedTuple
 import torch
 
 from ..buffers.capacity import kv_capacity
-from ..buffers.stream_bufs import StreamBufs
+from ..buffers.stream_bufs import MAX_BATCH, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
+from ..driver.values import as_size
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import engine
 from .kv import CacheLayout, StaticKV
@@ -74,6 +75,8 @@ class RoundDecoder:
         """`on_engine` is called with the engine as soon as it exists, before anything runs on it
         (examples/torch_tp.py lets its communicator time the engine's waits and its graphs hold it)."""
         refuse(model, draft, state_rollback)
+        k, m_rounds, capacity = as_size(k, "k", 0), as_size(m_rounds, "m_rounds"), as_size(capacity, "capacity")
+        batch = as_size(batch, "batch", 1, MAX_BATCH)
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
         self.k, self.batch = k, batch

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from ..buffers.capacity import kv_capacity
+from ..buffers.stream_bufs import MAX_BATCH
 from ..buffers.tables import Cache, KVData, KVLayer
+from ..driver.values import as_size
 
 
 def head_size(config: Any) -> int:
@@ -54,7 +56,10 @@ class StaticKV:
         self.v = torch.zeros_like(self.k)
 
     def _bookkeeping(self, layers: int, batch: int, capacity: int, device: torch.device | str) -> None:
-        """What every layout keeps beside its entries: lengths, rows and positions."""
+        """What every layout keeps beside its entries: lengths, rows and positions (its sizes
+        checked first, so a bad one is named, not left to torch)."""
+        layers, capacity = as_size(layers, "layers"), as_size(capacity, "capacity")
+        batch = as_size(batch, "batch", 1, MAX_BATCH)
         self.capacity = capacity
         self.lengths = torch.zeros(layers, batch, dtype=torch.int32, device=device)
         self.rows: torch.Tensor | None = None
@@ -114,8 +119,7 @@ class PagedKV(StaticKV):
 
     def __init__(self, config: Any, layers: int, batch: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str = "cuda", page: int = 16):
-        if page < 1:
-            raise ValueError(f"a page holds at least one position, not {page}")
+        page = as_size(page, "page")  # positions a page holds
         self._bookkeeping(layers, batch, capacity, device)
         per_row = -(-capacity // page)
         self.k = torch.zeros(layers, batch * per_row, config.num_key_value_heads, page, head_size(config),

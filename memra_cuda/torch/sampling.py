@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..driver.values import as_size
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,8 +27,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 (greedy is sampling=None), not {self.temperature}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an int >= 0, not {self.top_k!r}")
+        as_size(self.top_k, "top_k", 0)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
 

@@ -104,10 +104,11 @@ def test_a_stated_capacity_is_positive_none_or_unchecked_by_name():
     assert kv_entries(None) is None and kv_entries(UNCHECKED) is UNCHECKED
     assert kv_entries(np.int64(7)) == 7 and type(kv_entries(np.int64(7))) is int
     for bad in (0, -1):
-        with pytest.raises(ValueError, match="positive number of KV entries"):
+        with pytest.raises(ValueError, match="capacity must be None, UNCHECKED or an int of at least 1"):
             kv_entries(bad)
-    with pytest.raises(TypeError):
-        kv_entries(2.5)
+    for bad in (2.5, True):
+        with pytest.raises(TypeError, match="capacity"):
+            kv_entries(bad)
 
 
 def test_the_one_reduction_fast_path_agrees_with_every_row():

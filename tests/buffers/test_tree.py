@@ -45,8 +45,8 @@ def test_a_chain_with_leaves_expands_its_line_alone():
     assert tree.expanded == ((0, 1), (1, 2), (4, 5), (7, 7))  # one node a level: a chain's draft
     assert (tree.nodes, tree.depth, tree.draws) == (10, 3, 3)
     assert TreeShape.chain_with_leaves(4, 0) == TreeShape.chain(4)
-    for k, leaves in ((0, 1), (2, -1)):
-        with pytest.raises(ValueError, match="k >= 1 drafts and leaves >= 0"):
+    for k, leaves, named in ((0, 1, "k must be an int of at least 1"), (2, -1, "leaves must be an int of at least 0")):
+        with pytest.raises(ValueError, match=named):
             TreeShape.chain_with_leaves(k, leaves)
 
 
@@ -187,11 +187,12 @@ def test_the_likeliest_tree_holds_the_nodes_of_highest_chance():
     assert TreeShape.likeliest(3, right=1.0, fall=1.0, ranks=3, depth=1).parent == (-1, 0, 0, 0)
 
 
-@pytest.mark.parametrize("kwargs", [dict(size=0), dict(size=4, depth=0), dict(size=4, ranks=0),
-                                    dict(size=4, right=0.0), dict(size=4, fall=1.5),
-                                    dict(size=4, depth=1, ranks=3), dict(size=7, depth=2, ranks=2)])
-def test_the_likeliest_tree_refuses_what_makes_no_tree(kwargs):
-    with pytest.raises(ValueError, match="likeliest tree"):
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(size=0), "size must be"), (dict(size=4, depth=0), "depth must be"), (dict(size=4, ranks=0), "ranks must be"),
+    (dict(size=4, right=0.0), "likeliest tree"), (dict(size=4, fall=1.5), "likeliest tree"),
+    (dict(size=4, depth=1, ranks=3), "likeliest tree"), (dict(size=7, depth=2, ranks=2), "likeliest tree")])
+def test_the_likeliest_tree_refuses_what_makes_no_tree(kwargs, match):
+    with pytest.raises(ValueError, match=match):
         TreeShape.likeliest(**kwargs)
 
 

@@ -180,7 +180,7 @@ def test_state_layer_takes_exact_sizes_and_derives_the_batch():
     (words(10, np.uint16), words(20, np.uint16), 5, 1, "32-bit words"),
     (words(10), words(20, np.float32), 5, 1, "one type"),
     (words(10), words(20), 0, 1, "row_words"),
-    (words(10), words(20), 5, -1, "k >= 0"),
+    (words(10), words(20), 5, -1, "k must be an int of at least 0"),
 ])
 def test_state_layer_refuses_wrong_sizes_and_types(live, slots, row_words, k, match):
     with pytest.raises(ValueError, match=match):

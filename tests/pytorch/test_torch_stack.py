@@ -357,7 +357,9 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
         (lambda: SpeculativeLlama(model, tiny(1, vocab=VOCAB + 1)), "vocabulary \\(98 tokens\\)"),
         (lambda: SpeculativeLlama(hybrid(), self_draft(hybrid(), 2)), "must be attention"),
         (lambda: SpeculativeLlama(model, draft, state_rollback="swap"), '"copy" or "flip", not \'swap\''),
-        (lambda: SpeculativeLlama(model, draft, k=0), "k >= 1"),
+        (lambda: SpeculativeLlama(model, draft, k=0), "k must be an int of at least 1"),
+        (lambda: SpeculativeLlama(model, draft, m_rounds=0), "m_rounds must be an int of at least 1"),
+        (lambda: SpeculativeLlama(model, draft, capacity=-1), "capacity must be an int of at least 1"),
         (lambda: SpeculativeLlama(model, draft, draft_sampling=SamplingParams()), "give sampling= too"),
         (lambda: TreeLlama(model, draft, TREE, candidates=VOCAB + 1), f"vocabulary's {VOCAB}, not {VOCAB + 1}"),
         (lambda: TreeLlama(model, draft, TREE, candidates=2, sampling=SamplingParams()), "candidates= is for greedy"),
@@ -368,7 +370,7 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
             make()
     with pytest.raises(TypeError, match="TreeShape or a DynamicTree"):
         TreeLlama(model, draft, [[0], [1]])
-    with pytest.raises(ValueError, match="at least one position, not 0"):
+    with pytest.raises(ValueError, match="page must be an int of at least 1, not 0"):
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu", page=0)
     with pytest.raises(TypeError, match="paged cache"):
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu").data()

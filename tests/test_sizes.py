@@ -1,0 +1,133 @@
+"""Every size the public face takes is checked where it is given (issue 49, item 1): drafts,
+rounds, rows, entries, widths, lengths. One that is negative, zero where none makes sense, past
+its limit, a bool, a float or a string is refused naming the parameter: ValueError for
+the right kind with the wrong value, TypeError for the wrong kind (docs/errors.md, "Bad
+input"); numpy integers are sizes like any int. CPU only: every refusal comes before an engine
+is asked for anything, so the engine here is a stand-in that has nothing to give."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from memra_cuda import DeviceBuffer, DynamicTree, KVLayer, StateLayer, StreamBufs, TreeShape, kv_capacity
+from memra_cuda.buffers import Capacity, KVData
+from memra_cuda.buffers.stream_bufs import MAX_BATCH, per_row
+
+FAKE_PTR = 0x7F0000000000  # a device address nothing here reads
+NO_ENGINE = object()  # what a call may not touch before its sizes are checked
+WRONG_KIND = (2.5, 256.0, "4", b"4", True, False, np.bool_(True))  # None is some sizes' default
+
+
+def words(n: int, dtype: Any = np.uint32) -> DeviceBuffer:
+    return DeviceBuffer.wrap(FAKE_PTR, dtype, n)
+
+
+def with_(call: Callable[..., Any], **good: Any) -> Callable[[str, Any], Any]:
+    """`call` with the valid keywords `good`, one of them replaced."""
+    return lambda name, value: call(**{**good, name: value})
+
+
+KV_CAPACITY = with_(kv_capacity, prompt_len=5, max_new_tokens=256, k=4, m_rounds=16)
+# (what, the call with one keyword replaced, the keyword, its least and most values)
+SIZES = [
+    ("kv_capacity", KV_CAPACITY, "prompt_len", 1, None),
+    ("kv_capacity", KV_CAPACITY, "max_new_tokens", 0, None),
+    ("kv_capacity", KV_CAPACITY, "k", 0, None),
+    ("kv_capacity", KV_CAPACITY, "m_rounds", 1, None),
+    ("kv_capacity", KV_CAPACITY, "batch", 1, MAX_BATCH),
+    ("kv_capacity", KV_CAPACITY, "width", 5, None),  # a round writes at least the k + 1 it may advance
+    ("Capacity", with_(Capacity, entries=64, k=4, batch=1, m_rounds=16), "entries", 1, None),
+    ("Capacity", with_(Capacity, entries=64, k=4, batch=1, m_rounds=16), "k", 0, None),
+    ("Capacity", with_(Capacity, entries=64, k=4, batch=1, m_rounds=16), "batch", 1, MAX_BATCH),
+    ("Capacity", with_(Capacity, entries=64, k=4, batch=1, m_rounds=16), "m_rounds", 1, None),
+    ("Capacity", with_(Capacity, entries=64, k=4, batch=1, m_rounds=16, width=9), "width", 5, None),
+    ("StreamBufs", with_(StreamBufs, engine=NO_ENGINE, k=4, m_rounds=16), "k", 0, None),
+    ("StreamBufs", with_(StreamBufs, engine=NO_ENGINE, k=4, m_rounds=16), "m_rounds", 1, None),
+    ("StreamBufs", with_(StreamBufs, engine=NO_ENGINE, k=4, m_rounds=16), "batch", 1, MAX_BATCH),
+    ("KVLayer.allocate", with_(KVLayer.allocate, engine=NO_ENGINE, capacity=64), "capacity", 1, None),
+    ("KVLayer.allocate", with_(KVLayer.allocate, engine=NO_ENGINE, capacity=64), "width", 1, None),
+    ("KVLayer.allocate", with_(KVLayer.allocate, engine=NO_ENGINE, capacity=64), "batch", 1, MAX_BATCH),
+    ("KVLayer", with_(KVLayer, len_d=words(1, np.int32), capacity=64), "capacity", 1, None),
+    ("StateLayer", with_(StateLayer, live_d=words(10), slots_d=words(20), row_words=5, k=1), "row_words", 1, None),
+    ("StateLayer", with_(StateLayer, live_d=words(10), slots_d=words(20), row_words=5, k=1), "k", 0, None),
+    *(("KVData", with_(KVData, k_d=words(80), row_stride=160, pos_stride=16, nbytes=16, capacity=10, batch=2),
+       name, least, most)
+      for name, least, most in (("row_stride", 0, None), ("pos_stride", 0, None), ("nbytes", 1, None),
+                                ("capacity", 1, None), ("batch", 1, MAX_BATCH))),
+    ("TreeShape.chain", with_(TreeShape.chain, k=4), "k", 1, None),
+    ("TreeShape.chain_with_leaves", with_(TreeShape.chain_with_leaves, k=4, leaves=1), "k", 1, None),
+    ("TreeShape.chain_with_leaves", with_(TreeShape.chain_with_leaves, k=4, leaves=1), "leaves", 0, None),
+    *(("TreeShape.likeliest", with_(TreeShape.likeliest, size=8), name, 1, None)
+      for name in ("size", "depth", "ranks")),
+    *(("DynamicTree", with_(DynamicTree, depth=4, width=4, branch=4), name, 1, None)
+      for name in ("depth", "width", "branch")),
+    ("DeviceBuffer.wrap", with_(DeviceBuffer.wrap, ptr=FAKE_PTR, dtype=np.uint32), "length", 1, None),
+    ("DeviceBuffer.view", with_(words(16).view, start=0), "count", 1, None),
+]
+CASES = [pytest.param(call, name, least, most, id=f"{what}-{name}") for what, call, name, least, most in SIZES]
+
+
+@pytest.mark.parametrize("call, name, least, most", CASES)
+def test_a_size_of_the_wrong_kind_is_a_type_error_naming_it(call, name, least, most):
+    for value in WRONG_KIND:
+        with pytest.raises(TypeError, match=rf"^{name} must be an integer, not {value!r}$"):
+            call(name, value)
+
+
+@pytest.mark.parametrize("call, name, least, most", CASES)
+def test_a_size_out_of_its_range_is_a_value_error_naming_it(call, name, least, most):
+    outside = [least - 1, least - 256, -(2**63)] + ([] if most is None else [most + 1, 2**63])
+    for value in outside:
+        with pytest.raises(ValueError, match=rf"^{name} must be an int (from {least} to {most}|of at least {least}), "
+                                             rf"not {value}$"):
+            call(name, value)
+
+
+@pytest.mark.parametrize("call, name, least, most", CASES)
+def test_numpy_integers_are_sizes(call, name, least, most):
+    """The least value the size takes, as a numpy integer: it passes the size's own check (the
+    call then goes on, to the stand-in engine or to a rule of the whole that this one value
+    breaks, but never refuses the size)."""
+    for value in (np.int64(least), np.uint16(least)):
+        try:
+            call(name, value)
+        except (TypeError, ValueError) as refusal:
+            assert not str(refusal).startswith(f"{name} must be"), refusal
+
+
+def test_what_the_issue_found_is_refused():
+    """Issue 49's findings, one by one: a negative budget once gave a capacity of -171, a negative
+    k one too small, a float prompt length 341, overlap=-3 counted as true, a string prompt length
+    Python's own concatenation error, and StreamBufs(None, ...) an AttributeError."""
+    assert kv_capacity(5, 256, 4, 16) == 341 and type(kv_capacity(np.int64(5), 256, 4, 16)) is int
+    with pytest.raises(ValueError, match="max_new_tokens must be an int of at least 0, not -256"):
+        kv_capacity(5, -256, 4, 16)
+    with pytest.raises(ValueError, match="k must be an int of at least 0, not -4"):
+        kv_capacity(5, 256, -4, 16)
+    with pytest.raises(TypeError, match="prompt_len must be an integer, not 5.0"):
+        kv_capacity(5.0, 256, 4, 16)
+    with pytest.raises(TypeError, match="prompt_len must be an integer, not '5'"):
+        kv_capacity("5", 256, 4, 16)
+    for overlap in (-3, 1, "yes", None):
+        with pytest.raises(TypeError, match=f"overlap must be a bool, not {overlap!r}"):
+            kv_capacity(5, 256, 4, 16, overlap=overlap)
+    assert kv_capacity(5, 256, 4, 16, overlap=np.bool_(True)) == kv_capacity(5, 256, 4, 16, overlap=True) == 421
+    for make in (lambda: StreamBufs(None, 4, 16), lambda: KVLayer.allocate(None, 64)):
+        with pytest.raises(TypeError, match="engine must be an Engine, not None"):
+            make()
+
+
+def test_a_value_a_row_is_named_with_its_row():
+    """Budgets, EOS ids, pending tokens and positions (per_row: one for all rows, or one a row):
+    the value's name, and in a sequence its row."""
+    assert per_row(np.int64(7), 2, "budget") == [7, 7] and per_row([None, 3], 2, "eos") == [None, 3]
+    with pytest.raises(ValueError, match=r"^eos must be None or an int from 0 to 2147483647, not -1 \(row 1\)$"):
+        per_row([4, -1], 2, "eos")
+    with pytest.raises(ValueError, match=r"^position must be an int from 0 to 2147483647, not 2147483648$"):
+        per_row(2**31, 3, "position", optional=False)
+    for value in (True, 1.0, None):
+        with pytest.raises(TypeError, match="pending must be an integer"):
+            per_row(value, 1, "pending", optional=False)
