@@ -16,7 +16,7 @@ from memra_cuda import DynamicTree, TreeShape
 from benchmarks.headline import (BATCHES, CHAIN_KS, HEADER, QUICK_BATCHES, STATIC, Config, assemble, configurations,
                                  copy_bytes_per_s, derive_picks, describe, floor_ms, format_row, load_pair, pair_info,
                                  measure_batches, picked_dict, picks_text, prompt_groups, save, summarise, tree_rates)
-from benchmarks.torch_engine import figures, reach, rows_share
+from benchmarks.torch_common import figures, reach, rows_share
 
 TOP = {"1": 0.865, "2": 0.93, "4": 0.958, "8": 0.974}  # report.json's agreement (JSON keys), 2026-12-02's pair
 REPORT = dict(key="3f2a9c1e0b7d", vocab=8192,

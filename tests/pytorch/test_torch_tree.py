@@ -156,10 +156,10 @@ def test_the_bench_measures_each_pick_once_among_its_kind():
 
 
 def test_the_bench_names_a_chain_with_leaves_apart_from_a_likeliest_tree():
-    from benchmarks.torch_engine import _tree_label
-    assert _tree_label(TreeShape.chain_with_leaves(10, 2)) == "k=10, 2 leaves"
-    assert _tree_label(TreeShape.chain_with_leaves(8, 1)) == "k=8, 1 leaf"
-    assert _tree_label(TreeShape.chain(4)) == "T=4, depth 4"
-    assert _tree_label(static_tree(32, 8)) == "T=32, depth 8"
-    assert _tree_label(DynamicTree(4, 3, 2)) == "4x3, branch 2"
+    from benchmarks.torch_common import tree_label
+    assert tree_label(TreeShape.chain_with_leaves(10, 2)) == "k=10, 2 leaves"
+    assert tree_label(TreeShape.chain_with_leaves(8, 1)) == "k=8, 1 leaf"
+    assert tree_label(TreeShape.chain(4)) == "T=4, depth 4"
+    assert tree_label(static_tree(32, 8)) == "T=32, depth 8"
+    assert tree_label(DynamicTree(4, 3, 2)) == "4x3, branch 2"
 
