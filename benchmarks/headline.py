@@ -17,7 +17,7 @@ tokens, TOKENS), greedy and sampled at temperature 1, graph mode, M = 16:
 - Hugging Face's generate and its assisted generation with the same pair (assistant_model,
   k = HF_K), at B = 1 only: it serves one sequence at a time;
 - tree_for_batch's picks derived again on this pair: the fastest configuration at each B and
-  decoding, printed in the form memra_cuda.torch.testing's PICKED takes.
+  decoding, printed in the form benchmarks/picks.py's PICKED takes.
 
 One table; with --json, the figures as JSON, written again as each batch size ends (a run cut
 short keeps what it measured), and at the end a picture beside it (PATH with .png; under
@@ -226,11 +226,11 @@ def picked_dict(picks: Mapping[int, dict[str, Any]]) -> str:
 
 
 def picks_text(picks: Mapping[str, Mapping[int, dict[str, Any]]], name: str) -> str:
-    """The lines that give the picks to the next reader of memra_cuda.torch.testing."""
+    """The lines that give the picks to the next reader of benchmarks/picks.py."""
     chains = {mode: ", ".join(f"k={row['config']} at {batch}" for batch, row in sorted(by_b.items())
                               if row["kind"] == "chain") or "none"
               for mode, by_b in picks.items()}
-    lines = [f"tree_for_batch's picks derived again on {name}, in the form of memra_cuda.torch.testing's PICKED "
+    lines = [f"tree_for_batch's picks derived again on {name}, in the form of benchmarks/picks.py's PICKED "
              "(None: the chain; PLAIN: not speculated):"]
     if "greedy" in picks:
         lines.append(f'    "{SIZE}": {picked_dict(picks["greedy"])},  # greedy; the chains: {chains["greedy"]}')

@@ -308,7 +308,7 @@ def _bench_hybrid_batch(model: Any, batch: int, tokens: int) -> list[dict]:
 def bench_trees(quick: bool, sizes: Sequence[str] = ("small", "large"),
                 batches: Sequence[int] = TREE_BATCHES) -> list[dict]:
     """Section 5: chains against static and dynamic trees at each B, and the trees the example
-    picks there, greedy and sampled (memra_cuda.torch.testing.tree_for_batch), so that PICKED can be checked
+    picks there, greedy and sampled (tree_for_batch, benchmarks/picks.py), so that PICKED can be checked
     against what this machine measures."""
     from memra_cuda.torch.testing import build_model
     print(f"\ntrees: memra_cuda.torch.TreeLlama against the chain, M={TORCH_M}, graph mode, head scaled by "
@@ -347,7 +347,8 @@ def _tree_candidates(picked: Sequence[Any], batch: int, quick: bool) -> list[tup
 def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[dict]:
     """One size and B of section 5: plain decoding, then every candidate greedy and sampled, in
     caches of one capacity that each of them fits."""
-    from memra_cuda.torch.testing import PLAIN, PROMPT, tree_for_batch
+    from .picks import PLAIN, tree_for_batch
+    from memra_cuda.torch.testing import PROMPT
     from memra_cuda.torch.testing import prompts as some_prompts
     from memra_cuda.torch import Request, SamplingParams, capacity_for
     prompts = [PROMPT] if batch == 1 else some_prompts(batch, seed=batch)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import sys
 
 import torch
+from _cli import check_greedy, command_line, describe, models, parse, requests
 
-from memra_cuda.torch.testing import check_greedy, command_line, describe, models, parse, requests
 from memra_cuda.torch import SpeculativeLlama, capacity_for
 
 

@@ -1,9 +1,9 @@
 """The package's architecture, read from its source: the folders are layers, and every import
 points down or sideways, never up; no circle among the modules' imports (type-only imports and
 imports inside functions count: a reader follows them too); the numpy reference, the tests'
-oracle, is imported by nothing but the testing subpackage that holds it. The benchmarks, a
-program of the checkout beside it, have no circle either, and no module of theirs takes
-another's private name."""
+oracle, is imported by nothing but the testing subpackage that holds it; no command line but the
+demo's. The benchmarks, a program of the checkout beside it, have no circle either, and no
+module of theirs takes another's private name."""
 from __future__ import annotations
 
 import ast
@@ -104,6 +104,16 @@ def test_no_benchmark_takes_another_modules_private_name():
                           if alias.name.startswith("_")]
     assert len(names) > 5, f"the benchmarks were not found in {BENCHMARKS}"
     assert not taken, "\n".join(taken)
+
+
+def test_only_the_demo_parses_a_command_line():
+    """A command line is a program's: the wheel's one program is the demo (python -m memra_cuda).
+    The examples' options are the examples' (examples/_cli.py), not a module a user tests against."""
+    parsers = sorted({name for name, path in modules().items()
+                      for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                      if isinstance(node, ast.Import) and any(alias.name == "argparse" for alias in node.names)
+                      or isinstance(node, ast.ImportFrom) and node.module == "argparse"})
+    assert parsers == ["memra_cuda.__main__"], f"modules of the wheel that parse a command line: {parsers}"
 
 
 def test_only_the_testing_subpackage_imports_the_reference():
