@@ -4,7 +4,8 @@ the mode, sampling and the hybrid variant), what the options ask for (the models
 a line that names the models) and the check of a greedy fp32 run.
 
 The examples' own module, not the wheel's: an engine of one's own has a command line of its own.
-An example run as a script (python examples/NAME.py, from any directory) finds it beside itself.
+An example run as a script (python examples/NAME.py, from any directory) finds it beside itself,
+after _needs, which says in one line what is missing where torch or transformers is.
 """
 from __future__ import annotations
 

@@ -14,12 +14,14 @@ model names its tree.
         [--mode graph] [--temperature T ...] [--hybrid [--state-rollback copy|flip]]
 
 Greedy in fp32, every row is checked against Hugging Face's greedy decoding of its prompt alone.
+Needs the `torch` extra and an NVIDIA GPU: without them, says so in one line (exit status 1).
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
 import torch
 from _cli import check_greedy, command_line, describe, models, parse, requests
 
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             tree = parse_tree(args.tree)
         except ValueError as exc:
             parser.error(str(exc))
+    _needs.gpu()
     target, draft, tokenizer = models(args)
     queue = requests(args, tokenizer)
     capacity = capacity_for(max(len(r.prompt) for r in queue), args.tokens, tree.depth, args.m_rounds, args.batch,

@@ -1,5 +1,7 @@
-"""The PyTorch examples' shared command line (examples/_cli.py) and its refusals, and what the
-examples take, run as the programs a user runs, before any model is built: on the CPU."""
+"""The PyTorch examples as the programs a user runs, on the CPU: their shared command line
+(examples/_cli.py) and its refusals, and what they take, before any model is built; and where
+torch and transformers are missing, where torch reaches no CUDA device and where torch_tp.py is
+run without torchrun, each says in one line what is missing and how to get it (no traceback)."""
 from __future__ import annotations
 
 import importlib
@@ -10,15 +12,18 @@ from pathlib import Path
 
 import pytest
 
+from memra_cuda.comm.launch import free_port
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def run_example(name: str, *argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """The example run as a user runs it (python examples/NAME), from `cwd`, with this run's
-    PYTHONPATH made absolute (so that another cwd imports the same memra_cuda)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(str(Path(entry).resolve())
-                                        for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry)
+def run_example(name: str, *argv: str, cwd: Path | None = None, paths: tuple[Path, ...] = (),
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The example run as a user runs it (python examples/NAME), from `cwd`, with `paths` ahead of
+    this run's PYTHONPATH (made absolute, so that another cwd imports the same memra_cuda)."""
+    env = dict(os.environ if env is None else env)
+    inherited = [str(Path(entry).resolve()) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *inherited])
     return subprocess.run([sys.executable, str(EXAMPLES / name), *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
@@ -98,3 +103,67 @@ def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_cha
         assert done.returncode == 2 and "faster by the chain" in done.stderr, done.stderr
     done = run_example("torch_tree.py", "--tree", "auto", "--model", "somewhere", cwd=tmp_path)
     assert done.returncode == 2 and "name a --tree" in done.stderr, done.stderr
+
+
+# -- what is missing, in one line -------------------------------------------------------------
+
+TORCH_EXAMPLES = ("torch_llama.py", "torch_tree.py", "torch_tp.py")
+# What torchrun sets for a rank, which torch.distributed's env:// rendezvous reads.
+LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# A sitecustomize that makes torch and transformers unimportable, as where they are not installed.
+WITHOUT_TORCH = '''
+import sys
+
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "transformers"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Absent())
+'''
+
+
+def one_line(done: subprocess.CompletedProcess, name: str) -> str:
+    """The example's one line on stderr, after asserting it ended with status 1 and said nothing else."""
+    assert done.returncode == 1 and not done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{Path(name).stem}: "), done.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def torch_without_cuda(torch_stack):
+    """torch and transformers, without a CUDA device torch can reach (this CPU machine's)."""
+    if torch_stack.cuda.is_available():
+        pytest.skip("torch reaches a CUDA device here: the examples run")
+    return torch_stack
+
+
+@pytest.mark.parametrize("name", TORCH_EXAMPLES)
+def test_without_torch_an_example_names_the_torch_extra_in_one_line(name, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(WITHOUT_TORCH)
+    line = one_line(run_example(name, cwd=tmp_path, paths=(tmp_path,)), name)
+    assert "no module named 'torch'" in line and "torch extra" in line and "pip install" in line, line
+    assert f"{EXAMPLES.parent}[torch]" in line, line  # the checkout's extra, from any cwd
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", TORCH_EXAMPLES)
+def test_where_torch_reaches_no_cuda_device_an_example_says_so_in_one_line(name, torch_without_cuda, tmp_path):
+    """torch_tp.py as torchrun starts a rank of one, so that it gets as far as the device."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port())) if name == "torch_tp.py" else None
+    line = one_line(run_example(name, cwd=tmp_path, env=env), name)
+    assert "CUDA" in line and "NVIDIA GPU" in line, line
+    if torch_without_cuda.version.cuda is None:
+        assert f"PyTorch {torch_without_cuda.__version__} is built without CUDA" in line, line
+
+
+@pytest.mark.torch
+def test_torch_tp_run_without_torchrun_says_how_to_start_its_ranks(torch_stack, tmp_path):
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER}
+    line = one_line(run_example("torch_tp.py", "--batch", "2", cwd=tmp_path, env=env), "torch_tp.py")
+    assert "RANK" in line and line.endswith(f"torchrun --nproc-per-node 2 {EXAMPLES / 'torch_tp.py'} --batch 2"), line
