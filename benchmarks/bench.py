@@ -386,9 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sections and args.only != "torch":
         parser.error("--sections names sections of the torch part: give --only torch with it")
-    from .torch_engine import SECTIONS, _listed  # numpy only: torch and transformers as its sections run
+    from .torch_common import listed
+    from .torch_engine import SECTIONS  # numpy only: torch and transformers as its sections run
     try:
-        sections = _listed(args.sections, tuple(SECTIONS)) if args.sections else tuple(SECTIONS)
+        sections = listed(args.sections, tuple(SECTIONS)) if args.sections else tuple(SECTIONS)
     except argparse.ArgumentTypeError as exc:
         parser.error(f"--sections: {exc}")
     try:

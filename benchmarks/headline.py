@@ -17,7 +17,7 @@ tokens, TOKENS), greedy and sampled at temperature 1, graph mode, M = 16:
 - Hugging Face's generate and its assisted generation with the same pair (assistant_model,
   k = HF_K), at B = 1 only: it serves one sequence at a time;
 - tree_for_batch's picks derived again on this pair: the fastest configuration at each B and
-  decoding, printed in the form memra_cuda.torch.testing's PICKED takes.
+  decoding, printed in the form benchmarks/picks.py's PICKED takes.
 
 One table; with --json, the figures as JSON, written again as each batch size ends (a run cut
 short keeps what it measured), and at the end a picture beside it (PATH with .png; under
@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from .common import depth_and_width
-from .torch_engine import (TORCH_M, TREE_BATCHES, _label, _listed, _measure, _measured, _plain_decoding, _release,
-                           _tokens, _tree_label, _tree_summary, plot_trees, summary_line)
+from .torch_common import (TORCH_M, TREE_BATCHES, listed, measure_config, plain_decoding, plot_trees, release,
+                           row_label, summary_line, time_generations, token_count, tree_label, tree_summary)
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
 SIZE = "pair"  # the trees section's `size` of these rows (its summary and picture take them)
@@ -88,7 +88,7 @@ class Config:
 
     @property
     def label(self) -> str:
-        return f"k={self.spec}" if isinstance(self.spec, int) else _tree_label(self.spec)
+        return f"k={self.spec}" if isinstance(self.spec, int) else tree_label(self.spec)
 
 
 def tree_rates(top: Mapping[str, float]) -> tuple[float, float]:
@@ -226,18 +226,18 @@ def picked_dict(picks: Mapping[int, dict[str, Any]]) -> str:
 
 
 def picks_text(picks: Mapping[str, Mapping[int, dict[str, Any]]], name: str) -> str:
-    """The lines that give the picks to the next reader of memra_cuda.torch.testing."""
+    """The lines that give the picks to the next reader of benchmarks/picks.py."""
     chains = {mode: ", ".join(f"k={row['config']} at {batch}" for batch, row in sorted(by_b.items())
                               if row["kind"] == "chain") or "none"
               for mode, by_b in picks.items()}
-    lines = [f"tree_for_batch's picks derived again on {name}, in the form of memra_cuda.torch.testing's PICKED "
+    lines = [f"tree_for_batch's picks derived again on {name}, in the form of benchmarks/picks.py's PICKED "
              "(None: the chain; PLAIN: not speculated):"]
     if "greedy" in picks:
         lines.append(f'    "{SIZE}": {picked_dict(picks["greedy"])},  # greedy; the chains: {chains["greedy"]}')
     if "sampling" in picks:
         lines.append(f"    sampled at T = 1 (tree_for_batch gives the chain at every B today): "
                      f"{picked_dict(picks['sampling'])}; the chains: {chains['sampling']}")
-    plain = [f"B = {batch} (the fastest, {_label(row['instead_of'])}, {row['instead_of']['vs_plain']:.2f}x)"
+    plain = [f"B = {batch} (the fastest, {row_label(row['instead_of'])}, {row['instead_of']['vs_plain']:.2f}x)"
              for batch, row in sorted(picks.get("greedy", {}).items()) if row["kind"] == "plain"]
     if plain:
         lines.append("    greedy, PLAIN where every chain and tree measured was slower than the graphed greedy target: "
@@ -258,7 +258,7 @@ HEADER = (f"{'B':>4} {'decoding':8} {'kind':7} {'config':22} {'tokens/s':>9} {'v
 def format_row(row: dict[str, Any]) -> str:
     """A row of the table: the baseline with its step beside the HBM floor, Hugging Face's with
     its tokens/s alone, a chain's or a tree's with its tau, costs and the share of its ideal."""
-    head = f"{row['batch']:4} {row['mode']:8} {row['kind']:7} {_label(row):22} {row['tokens_per_s']:9.0f} " \
+    head = f"{row['batch']:4} {row['mode']:8} {row['kind']:7} {row_label(row):22} {row['tokens_per_s']:9.0f} " \
            f"{row['vs_plain']:7.2f}x"
     if row["kind"] == "plain":
         return head + (f"   a step {row['step_ms']:.3f} ms: {row['step_ms'] / row['floor_ms']:.1f}x the weights' "
@@ -270,12 +270,12 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 def summarise(rows: Sequence[dict[str, Any]]) -> list[dict]:
-    """torch_engine's summary of each B and decoding (best chain, static and dynamic tree, and the
-    pick against the best chain), the pick being the fastest."""
+    """The trees section's summary (tree_summary) of each B and decoding (best chain, static and
+    dynamic tree, and the pick against the best chain), the pick being the fastest."""
     plain = {row["batch"]: row["tokens_per_s"] for row in rows if row["kind"] == "plain"}
     picks = derive_picks(rows)
-    return [_tree_summary([row for row in rows if row["kind"] in SPECULATIVE and row["mode"] == mode
-                           and row["batch"] == batch], picks[mode][batch], plain[batch])
+    return [tree_summary([row for row in rows if row["kind"] in SPECULATIVE and row["mode"] == mode
+                          and row["batch"] == batch], picks[mode][batch], plain[batch])
             for batch in sorted(plain) for mode in MODES if batch in picks.get(mode, {})]
 
 
@@ -355,8 +355,8 @@ def _hugging_face(target: Any, draft: Any, groups: Sequence[Sequence[Any]], plai
         def generate(group: Sequence[Any], sampling: Any = sampling, assistant: Any = assistant) -> list[list[int]]:
             return [hf_generate(target, [r.prompt], r.max_new_tokens, sampling=sampling, assistant=assistant,
                                 k=HF_K)[0] for r in group]
-        seconds, outs = _measure(generate, groups)
-        rate = _tokens(outs) / seconds
+        seconds, outs = time_generations(generate, groups)
+        rate = token_count(outs) / seconds
         rows.append(dict(size=SIZE, batch=1, mode=mode, kind="HF", config=label, source=None, tokens_per_s=rate,
                          vs_plain=rate / plain))
         print(format_row(rows[-1]), flush=True)
@@ -375,19 +375,19 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     depth, width = (max(values) for values in zip(*(depth_and_width(config.spec) for config in configs)))
     longest = max(len(r.prompt) for group in groups for r in group)
     capacity = capacity_for(longest, tokens, depth, TORCH_M, batch, width=width)
-    plain, step_ms = _plain_decoding(target, capacity, groups)
-    _release()
+    plain, step_ms = plain_decoding(target, capacity, groups)
+    release()
     rows = [dict(size=SIZE, batch=batch, mode="greedy", kind="plain", config="graphed greedy", source="PLAIN",
                  tokens_per_s=plain, vs_plain=1.0, step_ms=step_ms, floor_ms=floor)]
     print(format_row(rows[0]), flush=True)
     if batch == 1:
         rows += _hugging_face(target, draft, groups, plain)
-        _release()
+        release()
     for mode, sampling in zip(MODES, (None, SamplingParams(1.0))):
         for config in configs:
-            row = _measured(target, config.kind, config.spec, groups, capacity, sampling, step_ms, plain, draft,
-                            size=SIZE, batch=batch, mode=mode, source=config.source,
-                            config=config.spec if config.kind == "chain" else config.label)
+            row = measure_config(target, config.kind, config.spec, groups, capacity, sampling, step_ms, plain, draft,
+                                 size=SIZE, batch=batch, mode=mode, source=config.source,
+                                 config=config.spec if config.kind == "chain" else config.label)
             print(format_row(row), flush=True)
             rows.append(row)
     return rows
@@ -413,7 +413,7 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     for model in (target, draft):  # every row makes its whole budget, as the engine's requests here (no eos)
         model.generation_config.eos_token_id = None
     bandwidth, weights = copy_bandwidth(), streamed_bytes(target)
-    _release()  # the copy's two buffers
+    release()  # the copy's two buffers
     floor = floor_ms(weights, bandwidth)
     batches = list(batches or (QUICK_BATCHES if quick else BATCHES))
     tokens, one_row = (QUICK_TOKENS, QUICK_ONE_ROW) if quick else (TOKENS, ONE_ROW_PROMPTS)
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(PATH with .png; needs matplotlib)")
     parser.add_argument("--pair", metavar="DIR", help="the pair's directory (default: `make pair`'s, of pair.py's "
                         "default settings, in its cache)")
-    parser.add_argument("--batches", type=lambda text: _listed(text, BATCHES, int),
+    parser.add_argument("--batches", type=lambda text: listed(text, BATCHES, int),
                         help=f"these of {','.join(map(str, BATCHES))} only")
     args = parser.parse_args(argv)
     headline(args.quick, args.pair, args.batches, args.json)

@@ -50,7 +50,6 @@ batch sizes alone where asked.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -61,13 +60,14 @@ from typing import Any
 import numpy as np
 
 from .common import depth_and_width
-from memra_cuda.buffers.tree import DynamicTree, TreeShape
+from .headline import headline
+from .torch_common import (TORCH_K, TORCH_M, TREE_BATCHES, decoder, graph_ms, listed, measure_config, plain_decoding,
+                           plot_trees, release, row_label, summary_line, time_generations, tree_label, tree_summary)
+from memra_cuda.buffers.tree import DynamicTree
 
-TORCH_K, TORCH_M = 4, 16
 BATCHES = {"small": (1, 8, 32, 128, 512), "large": (1, 8, 32, 128)}
 SERVED, SLOTS = 64, 8
 HYBRID_BATCHES = (1, 8)
-TREE_BATCHES = (1, 8, 32, 128)
 # The head's scale for section 5, a trained model's confidence. Greedy tokens are the same at any
 # scale (argmax does not move), but a random model's near-flat log-probabilities would leave the
 # dynamic tree's ranking by cumulative draft log-probability nothing to rank by.
@@ -84,66 +84,15 @@ DYNAMIC = {1: (DynamicTree(10, 4, 4),), 8: (DynamicTree(8, 2, 2),), 32: (Dynamic
            128: (DynamicTree(3, 2, 2),)}
 
 
-def _measure(generate: Callable[[Any], Any], groups: Sequence[Any],
-             after: Callable[[Any], Any] = lambda out: out) -> tuple[float, list[Any]]:
-    """Seconds of generate(group) over every group, each timed alone between synchronisations
-    after one untimed run of the first (graph captures, first loads), and after(its output) of
-    each, read outside the timed spans."""
-    import torch
-    generate(groups[0])
-    seconds, taken = 0.0, []
-    for group in groups:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = generate(group)
-        torch.cuda.synchronize()
-        seconds += time.perf_counter() - start
-        taken.append(after(out))
-    return seconds, taken
-
-
 def _timed(run: Callable[[], Any]) -> tuple[float, Any]:
     """Seconds of run() after one untimed warm-up run (graph captures, first loads), and its output."""
-    seconds, (out,) = _measure(lambda _: run(), [None])
+    seconds, (out,) = time_generations(lambda _: run(), [None])
     return seconds, out
-
-
-def _tokens(outs: Sequence[Sequence[Sequence[int]]]) -> int:
-    """The tokens of generations' rows."""
-    return sum(len(row) for out in outs for row in out)
 
 
 def _tokens_per_s(run: Callable[[int], list[int]], tokens: int) -> tuple[float, list[int]]:
     seconds, out = _timed(lambda: run(tokens))
     return len(out) / seconds, out
-
-
-def _replay_ms(graph: Any, stream: Any, replays: int = 200) -> float:
-    """Device milliseconds of one replay of `graph` on `stream`, between CUDA events around
-    `replays` of them: the device's time, not the host's launches."""
-    import torch
-    with torch.cuda.stream(stream):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-    return start.elapsed_time(end) / replays
-
-
-def _graph_ms(run: Callable[[], Any], stream: Any = None, replays: int = 200) -> float:
-    """Device milliseconds of run(), captured in one CUDA graph on `stream` (a decoder's own,
-    whose buffers run() reads; a fresh one where None) after one eager run for torch's lazy
-    set-up, and replayed."""
-    import torch
-    stream = torch.cuda.Stream() if stream is None else stream
-    with torch.cuda.stream(stream):
-        run()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            run()
-    return _replay_ms(graph, stream, replays)
 
 
 def _step_ms(step: Callable[..., Any], tokens: int = 1, replays: int = 200, **kwargs: Any) -> float:
@@ -152,7 +101,7 @@ def _step_ms(step: Callable[..., Any], tokens: int = 1, replays: int = 200, **kw
     import torch
     token = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
     position = torch.arange(8, 8 + tokens, device="cuda")[None]
-    return _graph_ms(lambda: step(token, position, **kwargs), replays=replays)
+    return graph_ms(lambda: step(token, position, **kwargs), replays=replays)
 
 
 def bench_one_request(quick: bool) -> list[dict]:
@@ -359,7 +308,7 @@ def _bench_hybrid_batch(model: Any, batch: int, tokens: int) -> list[dict]:
 def bench_trees(quick: bool, sizes: Sequence[str] = ("small", "large"),
                 batches: Sequence[int] = TREE_BATCHES) -> list[dict]:
     """Section 5: chains against static and dynamic trees at each B, and the trees the example
-    picks there, greedy and sampled (memra_cuda.torch.testing.tree_for_batch), so that PICKED can be checked
+    picks there, greedy and sampled (tree_for_batch, benchmarks/picks.py), so that PICKED can be checked
     against what this machine measures."""
     from memra_cuda.torch.testing import build_model
     print(f"\ntrees: memra_cuda.torch.TreeLlama against the chain, M={TORCH_M}, graph mode, head scaled by "
@@ -395,25 +344,11 @@ def _tree_candidates(picked: Sequence[Any], batch: int, quick: bool) -> list[tup
     return [(kind, config) for kind, configs in kinds.items() for config in configs]
 
 
-def _tree_label(tree: Any) -> str:
-    """A tree's name in the table and the JSON (a static tree's repr lists every node)."""
-    if isinstance(tree, DynamicTree):
-        return f"{tree.depth}x{tree.width}, branch {tree.branch}"
-    leaves = (tree.nodes - 1) // tree.depth - 1
-    if leaves and tree == TreeShape.chain_with_leaves(tree.depth, leaves):
-        return f"k={tree.depth}, {leaves} {'leaf' if leaves == 1 else 'leaves'}"
-    return f"T={tree.nodes - 1}, depth {tree.depth}"
-
-
-def _label(row: dict) -> str:
-    """A measured configuration's name in the table: k=... for a chain."""
-    return f"k={row['config']}" if row["kind"] == "chain" else row["config"]
-
-
 def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[dict]:
     """One size and B of section 5: plain decoding, then every candidate greedy and sampled, in
     caches of one capacity that each of them fits."""
-    from memra_cuda.torch.testing import PLAIN, PROMPT, tree_for_batch
+    from .picks import PLAIN, tree_for_batch
+    from memra_cuda.torch.testing import PROMPT
     from memra_cuda.torch.testing import prompts as some_prompts
     from memra_cuda.torch import Request, SamplingParams, capacity_for
     prompts = [PROMPT] if batch == 1 else some_prompts(batch, seed=batch)
@@ -424,8 +359,8 @@ def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[di
                                   quick)
     depth, width = (max(values) for values in zip(*(depth_and_width(config) for _, config in candidates)))
     capacity = capacity_for(max(map(len, prompts)), tokens, depth, TORCH_M, batch, width=width)
-    plain, step_ms = _plain_decoding(model, capacity, [requests])
-    _release()
+    plain, step_ms = plain_decoding(model, capacity, [requests])
+    release()
     print(f"{size:6} {batch:4} {'greedy':8} {'plain':7} {'':18} {plain:9.0f}   (a target step: {step_ms:.3f} ms)",
           flush=True)
     rows = [dict(size=size, batch=batch, mode="greedy", kind="plain", config="graphed greedy", tokens_per_s=plain,
@@ -433,191 +368,18 @@ def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[di
     for mode, sampling in (("greedy", None), ("sampling", SamplingParams(1.0))):
         measured = []
         for kind, config in candidates:
-            row = _measured(model, kind, config, [requests], capacity, sampling, step_ms, plain, size=size,
-                            batch=batch, mode=mode, config=config if kind == "chain" else _tree_label(config))
-            print(f"{size:6} {batch:4} {mode:8} {kind:7} {_label(row):18} {row['tokens_per_s']:9.0f} "
+            row = measure_config(model, kind, config, [requests], capacity, sampling, step_ms, plain, size=size,
+                                 batch=batch, mode=mode, config=config if kind == "chain" else tree_label(config))
+            print(f"{size:6} {batch:4} {mode:8} {kind:7} {row_label(row):18} {row['tokens_per_s']:9.0f} "
                   f"{row['tau']:5.2f} {row['v']:6.2f} {row['draft']:6.2f} {row['ideal']:5.2f}x "
                   f"{row['reached']:7.0%} {row['rows_share']:5.0%} {row['batch_reached']:5.0%} "
                   f"{row['vs_plain']:7.2f}x", flush=True)
             measured.append(row)
         chosen = rows[0] if picked[mode] == PLAIN else next(
             (row for (_, config), row in zip(candidates, measured) if config == picked[mode]), None)
-        rows += measured + [_tree_summary(measured, chosen, plain)]
+        rows += measured + [tree_summary(measured, chosen, plain)]
         print(summary_line(rows[-1]), flush=True)
     return rows
-
-
-def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:
-    """How near a configuration got to its ideal speedup over plain decoding (`ideal`, tau / (v +
-    d), tau a row's tokens over the rounds that row ran): `reached`, against that ideal, and
-    `batch_reached`, against the batch's (`batch_ideal`: ideal x rows_share, the rows' mean
-    rounds over the slowest row's). A batch whose rows start together runs until its slowest is
-    done, every row a verify, so its rounds are the slowest row's: `batch_reached` is the share
-    of what the batch's own measured costs allow, and `reached` also charges it the rounds its
-    rows that finished early sat through."""
-    batch_ideal = ideal * rows_share
-    return dict(vs_plain=vs_plain, reached=vs_plain / ideal, batch_ideal=batch_ideal,
-                batch_reached=vs_plain / batch_ideal)
-
-
-def _plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -> tuple[float, float]:
-    """Tokens/s of graphed plain greedy over the groups of requests (a generation each, _measure),
-    and the device milliseconds of its step (the graph a generation leaves), the unit of v and d."""
-    from memra_cuda.torch import GraphedGreedy
-    greedy = GraphedGreedy(model, capacity, len(groups[0]))
-    seconds, outs = _measure(greedy.generate_batch, groups)
-    return _tokens(outs) / seconds, _replay_ms(greedy.graph, greedy.stream)
-
-
-def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequence[Any]], capacity: int,
-                       sampling: Any, step_ms: float, draft: Any = None) -> dict:
-    """figures() of one chain or tree of `model` and `draft` (default its self-speculative one)
-    over the groups of requests (a generation each, _measure), its round's verify and draft each
-    captured alone on the decoder's stream after the generations, in target steps. The decoder
-    goes when this returns, for _release() to give its memory back: at B = 128 a sampled tree
-    holds p and q of [B][T+1][32000] floats."""
-    spec, verify, draft_levels = _decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft)
-
-    def after(out: list[list[int]]) -> tuple[list[int], np.ndarray]:
-        lengths = [len(row) for row in out]
-        return lengths, spec.bufs.rounds_run(lengths)
-
-    seconds, taken = _measure(spec.generate_batch, groups, after)
-    v, d = (_graph_ms(run, spec.stream) / step_ms for run in (verify, draft_levels))
-    return figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d)
-
-
-def _measured(model: Any, kind: str, spec: Any, groups: Sequence[Sequence[Any]], capacity: int, sampling: Any,
-              step_ms: float, plain: float, draft: Any = None, **fields: Any) -> dict:
-    """One chain's or tree's row: `fields` and its kind, its figures (_bench_tree_config) and how
-    near its ideal it got against `plain` tokens/s (reach), its decoder released before the next
-    is built."""
-    row = dict(fields, kind=kind, **_bench_tree_config(model, kind, spec, groups, capacity, sampling, step_ms, draft))
-    _release()
-    row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
-    return row
-
-
-def figures(lengths: Sequence[Sequence[int]], rounds: Sequence[np.ndarray], seconds: float, v: float,
-            d: float) -> dict[str, float]:
-    """A configuration's row from its generations (each one's rows' token counts and rounds) and
-    its round's verify and draft in target steps: tokens/s, tau over every row, the ideal
-    tau / (v + d) and the rows' share of the batches' rounds."""
-    tokens = sum(sum(group) for group in lengths)
-    ran = sum(int(np.sum(r)) for r in rounds)
-    tau = tokens / ran if ran else 1.0
-    return dict(tokens_per_s=tokens / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
-                rows_share=rows_share(rounds))
-
-
-def rows_share(rounds: Sequence[np.ndarray]) -> float:
-    """The rows' mean rounds over their batch's slowest row's, over batches run one after another
-    (each's StreamBufs.rounds_run; B = 1's prompts are batches of one): the rounds the rows ran over
-    the rounds the batches ran, each its slowest row's times its rows, the share of them its rows
-    used; 1 where none ran a round (a budget of 0)."""
-    ran = sum(len(r) * int(np.max(r, initial=0)) for r in rounds)
-    return sum(float(np.sum(r)) for r in rounds) / ran if ran else 1.0
-
-
-def _decoder(model: Any, kind: str, config: Any, capacity: int, batch: int = 1, sampling: Any = None,
-             draft: Any = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
-    """A chain's decoder (`config` its k) or a tree's (`config` the tree) of `model` and `draft`
-    (default its self-speculative one), and the two callables its round runs: the verify and
-    the whole draft."""
-    from memra_cuda.torch import SpeculativeLlama, TreeLlama, self_draft
-    draft = self_draft(model) if draft is None else draft
-    if kind == "chain":
-        chain = SpeculativeLlama(model, draft, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
-                                 sampling=sampling)
-        return chain, chain.verify_trunk, chain.draft_chain
-    spec = TreeLlama(model, draft, config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
-                     sampling=sampling)
-    return spec, spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
-
-
-def _release() -> None:
-    """Give a dropped decoder's device memory back before the next is built: its RoundStream
-    holds the decoder's own bound methods, a cycle only the collector breaks, and torch's
-    allocator keeps freed blocks cached until emptied."""
-    import torch
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def _tree_summary(measured: list[dict], chosen: dict | None, plain: float) -> dict:
-    """One size, B and mode of section 5: the best of each kind, and the pick (`chosen`; the best
-    chain where tree_for_batch says the chain; plain decoding's row where it says PLAIN, which
-    has no ideal to reach) against the best chain."""
-    best = {kind: max((row for row in measured if row["kind"] == kind), key=lambda row: row["tokens_per_s"])
-            for kind in ("chain", "static", "dynamic")}
-    tree = max(best["static"], best["dynamic"], key=lambda row: row["tokens_per_s"])
-    chosen = chosen or best["chain"]
-    chain = best["chain"]["tokens_per_s"]
-    first = measured[0]
-    summary = dict(size=first["size"], batch=first["batch"], mode=first["mode"], kind="best",
-                   plain_tokens_per_s=plain, chosen=chosen["config"], chosen_kind=chosen["kind"],
-                   chosen_tokens_per_s=chosen["tokens_per_s"], chosen_vs_chain=chosen["tokens_per_s"] / chain,
-                   best_tree=tree["config"], best_tree_kind=tree["kind"],
-                   best_tree_tokens_per_s=tree["tokens_per_s"], best_tree_vs_chain=tree["tokens_per_s"] / chain,
-                   best_tree_ideal=tree["ideal"], best_tree_reached=tree["reached"],
-                   chosen_reached=chosen.get("reached"), chosen_batch_reached=chosen.get("batch_reached"))
-    for kind, row in best.items():
-        summary.update({kind: row["config"], f"{kind}_tokens_per_s": row["tokens_per_s"]})
-    return summary
-
-
-def summary_line(summary: dict) -> str:
-    """_tree_summary's line: the best of each kind and the pick against the best chain."""
-    def label(kind: str, config: Any) -> str:
-        return _label(dict(kind=kind, config=config))
-    return (f"{summary['size']:6} {summary['batch']:4} {summary['mode']:8} " + ", ".join(
-        f"best {kind} {label(kind, summary[kind])} {summary[f'{kind}_tokens_per_s']:.0f} tok/s"
-        for kind in ("chain", "static", "dynamic")) +
-        f", chosen {summary['chosen_kind']} {label(summary['chosen_kind'], summary['chosen'])} = "
-        f"{summary['chosen_vs_chain']:.2f}x the chain")
-
-
-def plot_trees(rows: list[dict], path: str | Path, title: str | None = None) -> None:
-    """Section 5's picture at `path` (PNG): tokens/s against B for plain decoding, the best chain,
-    the best tree and that tree's ideal (ideal x plain tokens/s), a panel per model size (the
-    rows' `size`, the headline's "pair" too), greedy solid and sampling dashed, under `title`.
-    matplotlib is optional (the `plot` extra): without it, one line."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"trees: no picture at {path} without matplotlib (`pip install matplotlib` to get the picture)")
-        return
-    matplotlib.use("Agg")  # a file, no display
-    import matplotlib.pyplot as plt
-    best = [row for row in rows if row["kind"] == "best"]
-    sizes = list(dict.fromkeys(row["size"] for row in best))
-    if not sizes:
-        return
-    series = {"plain decoding": lambda r: r["plain_tokens_per_s"], "best chain": lambda r: r["chain_tokens_per_s"],
-              "best tree": lambda r: r["best_tree_tokens_per_s"],
-              "ideal of the best tree": lambda r: r["best_tree_ideal"] * r["plain_tokens_per_s"]}
-    figure, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.5), squeeze=False)
-    for axis, size in zip(axes[0], sizes):
-        for mode, style in (("greedy", "-"), ("sampling", "--")):
-            mine = sorted((row for row in best if row["size"] == size and row["mode"] == mode),
-                          key=lambda row: row["batch"])
-            for color, (name, value) in enumerate(series.items()):
-                if not mine or (name == "plain decoding" and mode == "sampling"):  # plain decoding is greedy
-                    continue
-                axis.plot([row["batch"] for row in mine], [value(row) for row in mine], style, color=f"C{color}",
-                          marker="o", label=name if name == "plain decoding" else f"{name}, {mode}")
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_xticks(TREE_BATCHES, [str(b) for b in TREE_BATCHES])
-        axis.set(title=f"{size} model", xlabel="B (rows)", ylabel="tokens/s, all rows")
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize="small")
-    if title:
-        figure.suptitle(title, fontsize="small", wrap=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    print(f"trees: the picture is {path}")
 
 
 def bench_tree_costs(quick: bool) -> list[dict]:
@@ -637,14 +399,14 @@ def bench_tree_costs(quick: bool) -> list[dict]:
         tree = static_tree(64, 10)
         requests = [Request(PROMPT, 64)]
         capacity = capacity_for(len(PROMPT), 64, tree.depth, TORCH_M, 1, width=tree.nodes)
-        _, step_ms = _plain_decoding(model, capacity, [requests])
+        _, step_ms = plain_decoding(model, capacity, [requests])
         parts = {**_chain_parts(model, capacity, requests), **_tree_parts(model, tree, capacity, requests)}
-        _release()
+        release()
         for width in (1, 8):
             logits = torch.randn(1, width, model.config.vocab_size, device="cuda", dtype=model.dtype)
-            parts[f"top-2 of {width} node(s), torch.topk"] = _graph_ms(lambda x=logits: x.topk(2, dim=-1))
+            parts[f"top-2 of {width} node(s), torch.topk"] = graph_ms(lambda x=logits: x.topk(2, dim=-1))
             best = torch.empty(1, width, 2, dtype=torch.long, device="cuda")
-            parts[f"top-2 of {width} node(s), 2 argmaxes"] = _graph_ms(lambda x=logits, y=best: best_ranks(x, y))
+            parts[f"top-2 of {width} node(s), 2 argmaxes"] = graph_ms(lambda x=logits, y=best: best_ranks(x, y))
         for part, ms in parts.items():
             rows.append(dict(size=size, part=part, ms=ms, target_steps=ms / step_ms))
             print(f"{size:6} {part:40} {ms:8.4f} ms {ms / step_ms:7.3f}", flush=True)
@@ -654,20 +416,20 @@ def bench_tree_costs(quick: bool) -> list[dict]:
 def _chain_parts(model: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
     """Device ms of a chain's draft step (k = COST_K) and verify, each captured alone, and of its
     target over n tokens (scratch entries past the row's) through each BLAS library (the caller's
-    _release() gives the decoder's memory back)."""
+    release() gives the decoder's memory back)."""
     import torch
-    chain, verify, draft = _decoder(model, "chain", COST_K, capacity)
+    chain, verify, draft = decoder(model, "chain", COST_K, capacity)
     chain.generate_batch(requests)
-    parts = {f"chain draft step (of {COST_K})": _graph_ms(draft, chain.stream) / COST_K,
-             f"chain verify ({COST_K + 1} tokens)": _graph_ms(verify, chain.stream)}
+    parts = {f"chain draft step (of {COST_K})": graph_ms(draft, chain.stream) / COST_K,
+             f"chain verify ({COST_K + 1} tokens)": graph_ms(verify, chain.stream)}
     target = chain.target
     for n in (1, 2, 5, 8, 11, 16, 17, 33, 65):
         tokens = chain.views.vtok[:, :1].expand(1, n)
         positions = chain.views.pos_start.long() + torch.arange(n, device="cuda")
         for library in ("cublaslt", "cublas"):
             target.library = library
-            parts[f"target over {n} tokens, {library}"] = _graph_ms(lambda: target.logits(tokens, positions),
-                                                                    chain.stream)
+            parts[f"target over {n} tokens, {library}"] = graph_ms(lambda: target.logits(tokens, positions),
+                                                                   chain.stream)
     target.library = None
     return parts
 
@@ -675,19 +437,18 @@ def _chain_parts(model: Any, capacity: int, requests: Sequence[Any]) -> dict[str
 def _tree_parts(model: Any, tree: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
     """Device ms of each draft level of `tree` and of its verify, each captured alone (level 0
     first: its eager run before its capture makes the round's mask, which the levels after read)."""
-    spec, verify, _ = _decoder(model, "static", tree, capacity)
+    spec, verify, _ = decoder(model, "static", tree, capacity)
     spec.generate_batch(requests)
-    parts = {f"tree level {level} ({stop - start} nodes)": _graph_ms(lambda level=level: spec.draft_level(level),
-                                                                     spec.stream)
+    parts = {f"tree level {level} ({stop - start} nodes)": graph_ms(lambda level=level: spec.draft_level(level),
+                                                                    spec.stream)
              for level, (start, stop) in enumerate(tree.expanded) if stop > start}
-    parts[f"tree verify ({tree.nodes} tokens)"] = _graph_ms(verify, spec.stream)
+    parts[f"tree verify ({tree.nodes} tokens)"] = graph_ms(verify, spec.stream)
     return parts
 
 
 def bench_headline(quick: bool, json_path: str | Path | None = None) -> dict:
-    """Section 0: the trained pair (benchmarks/headline.py, imported here: it imports this module),
-    its figures also in `json_path` as they come, its picture beside (PATH with .png)."""
-    from .headline import headline
+    """Section 0: the trained pair (benchmarks/headline.py), its figures also in `json_path` as
+    they come, its picture beside (PATH with .png)."""
     return headline(quick, json_path=json_path)
 
 
@@ -701,8 +462,8 @@ def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_pat
     batches=, where given. The trees section's picture goes beside the JSON at `json_path` (its
     name, .png), and the headline's figures, as each batch size ends, to PATH with .headline.json
     (.headline.png its picture); the caller writes the whole JSON."""
-    headline = None if json_path is None else Path(json_path).with_suffix(".headline.json")
-    extra: dict[str, dict[str, Any]] = dict(trees=trees, headline=dict(json_path=headline))
+    headline_json = None if json_path is None else Path(json_path).with_suffix(".headline.json")
+    extra: dict[str, dict[str, Any]] = dict(trees=trees, headline=dict(json_path=headline_json))
     report = {name: SECTIONS[name](quick, **extra.get(name, {})) for name in sections}
     if "trees" in report:
         if json_path is None:
@@ -712,24 +473,13 @@ def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_pat
     return report
 
 
-def _listed(text: str, known: Sequence[Any], kind: Callable[[str], Any] = str) -> list[Any]:
-    """A comma-separated subset of `known` (argparse's type: a wrong item is its error)."""
-    try:
-        items = [kind(item) for item in text.split(",")]
-    except ValueError:
-        items = [text]
-    if set(items) - set(known):
-        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(map(str, known))}, not {text!r}")
-    return items
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="round-stream on memra_cuda.torch's decoders, some sections alone")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (and the trees' picture beside)")
-    parser.add_argument("--tree-sizes", type=lambda text: _listed(text, ("small", "large")),
+    parser.add_argument("--tree-sizes", type=lambda text: listed(text, ("small", "large")),
                         help="the trees section at these model sizes only")
-    parser.add_argument("--tree-batches", type=lambda text: _listed(text, TREE_BATCHES, int),
+    parser.add_argument("--tree-batches", type=lambda text: listed(text, TREE_BATCHES, int),
                         help="the trees section at these batch sizes only")
     parser.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)} (default: all)")
     args = parser.parse_args()

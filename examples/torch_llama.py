@@ -20,15 +20,17 @@ Face cannot run the layer.
         [--temperature T --top-k K --top-p P] [--hybrid [--state-rollback copy|flip]]
 
 Greedy in fp32 (the small random model, or `--dtype float32`), every row is checked against
-Hugging Face's greedy decoding of its prompt alone. `make bench-torch` times the decoder.
+Hugging Face's greedy decoding of its prompt alone. `make bench-torch` times the decoder. Needs
+the `torch` extra and an NVIDIA GPU: without them, says so in one line (exit status 1).
 """
 from __future__ import annotations
 
 import sys
 
+import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
 import torch
+from _cli import check_greedy, command_line, describe, models, parse, requests
 
-from memra_cuda.torch.testing import check_greedy, command_line, describe, models, parse, requests
 from memra_cuda.torch import SpeculativeLlama, capacity_for
 
 
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args, sampling = parse(parser, argv)
     if args.serve is not None and (args.serve < 1 or args.mode == "overlap"):
         parser.error("--serve takes N >= 1 requests, in any mode but overlap (it keeps two bursts in flight)")
+    _needs.gpu()
     target, draft, tokenizer = models(args)
     queue = requests(args, tokenizer, args.serve)
     capacity = capacity_for(max(len(r.prompt) for r in queue), args.tokens, args.k, args.m_rounds, args.batch)

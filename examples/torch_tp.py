@@ -17,21 +17,27 @@ checks, on every rank, that the sharded model's logits are the whole model's, th
 round-stream's tokens in graph and overlap modes equal the ranks' own plain greedy decoding
 (each step a torch graph; fp32, the small model: bf16 rounds a verify's GEMMs otherwise), and
 that the ranks agree. The plain decoder's waits are torch's, which the watchdog does not time.
+Needs torchrun to start it, the `torch` and `nccl` extras and NVIDIA GPUs: without one of them,
+says so in one line (exit status 1).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
+import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
 import torch
 import torch.distributed as dist
 
 import memra_cuda.torch as memra_torch
 from memra_cuda import Engine
-from memra_cuda.comm import Communicator, digest, nccl
+from memra_cuda.comm import Communicator, NcclUnavailable, digest, nccl
 from memra_cuda.torch.testing import PROMPT, SIZES, build_model, prompts
 from memra_cuda.torch import GraphedGreedy, Request, SpeculativeLlama, capacity_for, self_draft, shard
+
+RENDEZVOUS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets for env://, read by every rank
 
 
 class TensorParallel:
@@ -78,8 +84,23 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def launched() -> None:
+    """Exit with one line where this process is not a rank torchrun started: torch.distributed's
+    rendezvous reads the rank, the world and rank 0's address from the variables torchrun sets."""
+    unset = [name for name in RENDEZVOUS if name not in os.environ]
+    if unset:
+        _needs.refuse(f"its ranks are started by torchrun, which sets {', '.join(unset)} (not set here): "
+                      f"torchrun --nproc-per-node 2 {shlex.join(sys.argv)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
+    launched()
+    _needs.gpu()
+    try:
+        nccl()
+    except NcclUnavailable as exc:  # on every rank, before rank 0 would fail alone with the others waiting
+        _needs.refuse(str(exc))
     dist.init_process_group("gloo")  # the host's side: the communicator's id
     rank, world, device = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(device)

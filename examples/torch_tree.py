@@ -5,38 +5,53 @@ path the target accepts and moves that path's K/V to consecutive slots in both m
 caches (kernel 15), greedy or sampled, in every mode (memra_cuda.torch.TreeLlama).
 
 `--tree auto` takes what `make bench-torch`'s trees section measured fastest on an H200 for the
-random-weight model of `--size` at the batch size (memra_cuda.torch.testing.tree_for_batch), and
-refuses where the chain (examples/torch_llama.py) was faster; a loaded model names its tree.
+random-weight model of `--size` at the batch size (tree_for_batch of the checkout's
+benchmarks/picks.py), and refuses where the chain (examples/torch_llama.py) was faster; a loaded
+model names its tree.
 
     python examples/torch_tree.py [--size small|large | --model DIR [--draft DIR] [--prompt TEXT]]
         [--batch B] [--tokens 256] [--tree auto|static:N[,DEPTH]|chain:K,LEAVES|dynamic:D,W,B]
         [--mode graph] [--temperature T ...] [--hybrid [--state-rollback copy|flip]]
 
 Greedy in fp32, every row is checked against Hugging Face's greedy decoding of its prompt alone.
+Needs the `torch` extra and an NVIDIA GPU: without them, says so in one line (exit status 1).
 """
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
 import torch
+from _cli import check_greedy, command_line, describe, models, parse, requests
 
 from memra_cuda.buffers.tree import Tree
-from memra_cuda.torch.testing import (check_greedy, command_line, describe, models, parse, parse_tree, requests,
-                                      tree_for_batch)
 from memra_cuda.torch import TreeLlama, capacity_for
+from memra_cuda.torch.testing import parse_tree
+
+
+def measured_pick(size: str, batch: int, sampled: bool) -> Tree | str | None:
+    """tree_for_batch of benchmarks/picks.py, in the checkout beside examples/: the picks are the
+    benchmark's measurements on the random-weight models, kept with it, not in the wheel."""
+    checkout = str(Path(__file__).resolve().parents[1])
+    if checkout not in sys.path:
+        sys.path.insert(0, checkout)
+    from benchmarks.picks import tree_for_batch
+    return tree_for_batch(size, batch, sampled)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = command_line((__doc__ or "").split("\n\n")[0], k=False)
     parser.add_argument("--tree", default="static:16",
                         help='"static:N[,DEPTH]" (memra_cuda.torch.testing.static_tree), "chain:K,LEAVES" (a chain '
-                        'with leaves), "dynamic:D,W,B" (DynamicTree) or "auto" (tree_for_batch: random-weight models)')
+                        'with leaves), "dynamic:D,W,B" (DynamicTree) or "auto" (tree_for_batch of '
+                        'benchmarks/picks.py: random-weight models)')
     args, sampling = parse(parser, argv)
     tree: Tree | None
     if args.tree == "auto":
         if args.model is not None:
             parser.error("--tree auto is what was measured on the random-weight models: name a --tree")
-        pick = tree_for_batch(args.size, args.batch, sampling is not None)
+        pick = measured_pick(args.size, args.batch, sampling is not None)
         decoding = "greedy" if sampling is None else "sampled"
         if pick is None:
             parser.error(f"at B={args.batch} the {args.size} model decodes {decoding} faster by the chain: "
@@ -50,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             tree = parse_tree(args.tree)
         except ValueError as exc:
             parser.error(str(exc))
+    _needs.gpu()
     target, draft, tokenizer = models(args)
     queue = requests(args, tokenizer)
     capacity = capacity_for(max(len(r.prompt) for r in queue), args.tokens, tree.depth, args.m_rounds, args.batch,

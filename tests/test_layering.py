@@ -1,7 +1,9 @@
 """The package's architecture, read from its source: the folders are layers, and every import
 points down or sideways, never up; no circle among the modules' imports (type-only imports and
 imports inside functions count: a reader follows them too); the numpy reference, the tests'
-oracle, is imported by nothing but the testing subpackage that holds it."""
+oracle, is imported by nothing but the testing subpackage that holds it; no command line but the
+demo's. The benchmarks, a program of the checkout beside it, have no circle either, and no
+module of theirs takes another's private name."""
 from __future__ import annotations
 
 import ast
@@ -12,17 +14,24 @@ import pytest
 import memra_cuda
 
 PACKAGE = Path(memra_cuda.__file__).resolve().parent
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # Each folder's layer: a module may import its own folder's and lower layers' modules, never a
 # higher one's. comm sits beside buffers: it needs the driver alone. The root's modules (the
 # face, errors, the demo) gather from every layer and are imported by none.
 LAYERS = {"driver": 0, "buffers": 1, "comm": 1, "kernels": 2, "rounds": 3, "torch": 4, "testing": 4}
 
 
-def module_imports(deferred: bool = True) -> dict[str, set[str]]:
-    """Each module of the package -> the package's modules it imports at module level (in
-    `if TYPE_CHECKING:` blocks too), and with `deferred` inside functions too."""
-    names = {".".join(("memra_cuda", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__"): path
-             for path in PACKAGE.rglob("*.py")}
+def modules(root: Path = PACKAGE) -> dict[str, Path]:
+    """Each module of the package in the folder `root` (memra_cuda's, or the checkout's
+    benchmarks) by its dotted name -> its file."""
+    return {".".join((root.name, *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): path
+            for path in root.rglob("*.py")}
+
+
+def module_imports(deferred: bool = True, root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each module of the package in `root` -> the package's modules it imports at module level
+    (in `if TYPE_CHECKING:` blocks too), and with `deferred` inside functions too."""
+    names = modules(root)
     graph = {}
     for name, path in names.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
@@ -61,9 +70,10 @@ def test_every_import_points_down_or_sideways():
     assert not upward, "\n".join(upward)
 
 
+@pytest.mark.parametrize("root", [PACKAGE, BENCHMARKS], ids=["memra_cuda", "benchmarks"])
 @pytest.mark.parametrize("deferred", [False, True], ids=["module level", "with imports inside functions"])
-def test_no_module_imports_itself_through_others(deferred):
-    graph, state, stack = module_imports(deferred), {}, []
+def test_no_module_imports_itself_through_others(deferred, root):
+    graph, state, stack = module_imports(deferred, root), {}, []
 
     def visit(name: str) -> None:
         state[name] = "open"
@@ -80,6 +90,30 @@ def test_no_module_imports_itself_through_others(deferred):
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+def test_no_benchmark_takes_another_modules_private_name():
+    """What a benchmark shares it names in public: a leading underscore says that nothing outside
+    the module relies on the name."""
+    names = modules(BENCHMARKS)
+    taken = []
+    for name, path in names.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("benchmarks")):
+                taken += [f"{name} takes {alias.name} from {node.module or '.'}" for alias in node.names
+                          if alias.name.startswith("_")]
+    assert len(names) > 5, f"the benchmarks were not found in {BENCHMARKS}"
+    assert not taken, "\n".join(taken)
+
+
+def test_only_the_demo_parses_a_command_line():
+    """A command line is a program's: the wheel's one program is the demo (python -m memra_cuda).
+    The examples' options are the examples' (examples/_cli.py), not a module a user tests against."""
+    parsers = sorted({name for name, path in modules().items()
+                      for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                      if isinstance(node, ast.Import) and any(alias.name == "argparse" for alias in node.names)
+                      or isinstance(node, ast.ImportFrom) and node.module == "argparse"})
+    assert parsers == ["memra_cuda.__main__"], f"modules of the wheel that parse a command line: {parsers}"
 
 
 def test_only_the_testing_subpackage_imports_the_reference():

@@ -17,8 +17,8 @@ What every PyTorch engine of this layer reuses, a module a concept:
   target and a draft model; `chain` and `tree` its two rounds;
 - `greedy` — the target's own greedy decoding, graphed and Hugging Face's, to measure and check
   against; `models` — loading a checkpoint directory, and a self-speculative draft; `parallel` —
-  a model's layers split over tensor-parallel ranks; `testing` — random-weight Llamas (and the
-  examples' command line) for the tests, the examples and the benchmark, not imported here.
+  a model's layers split over tensor-parallel ranks; `testing` — random-weight Llamas for the
+  tests, the examples and the benchmark, not imported here.
 """
 from .adapter import capture, engine, framework, loop_capture
 from .chain import SpeculativeLlama

@@ -1,5 +1,5 @@
-"""Random-weight Llamas for the PyTorch engine's correctness tests, its examples and its benchmark,
-and the examples' shared command line (needs torch and transformers).
+"""Random-weight Llamas for the PyTorch engine's correctness tests, its examples and its benchmark
+(needs torch and transformers): what a user tests an engine against.
 
 Nothing is downloaded: build_model makes a Llama of a SIZES shape from a config, with the
 layers past the first scaled down (`residual_scale`), so that a draft of the first layer (the
@@ -7,26 +7,21 @@ self-speculative draft, memra_cuda.torch.self_draft) or a model of its own made 
 them (separate_draft) agrees with the target often, but not always: every figure measured on
 them says so, since their acceptance is set by hand. A hybrid variant's layers HYBRID are a
 gated linear recurrence (RecurrentLayer), a stand-in for a recurrent layer whose state
-round-stream rolls back. The tree picks (PICKED, tree_for_batch) were measured on these models.
+round-stream rolls back. static_tree is the static tree for their draft's agreement, and
+parse_tree names a tree in a line, as the tree example's --tree and the benchmark's trees section
+take it; benchmarks/picks.py holds the trees measured fastest on these models.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..buffers.tree import DynamicTree, Tree, TreeShape
-from ..rounds.stream import MODES
-from .decoder import Request
-from .greedy import GraphedGreedy, hf_greedy
 from .kv import head_size
-from .models import load_model, load_tokenizer, self_draft
-from .sampling import SamplingParams
 from .state import Recurrent
 
 SIZES: dict[str, dict[str, Any]] = {  # the issue's prototype model, and one about 16 times its parameters
@@ -180,36 +175,6 @@ def static_tree(size: int, depth: int = 10) -> TreeShape:
     return TreeShape.likeliest(size, depth=depth, right=0.87, fall=0.15, ranks=RANKS)
 
 
-PLAIN: Literal["plain"] = "plain"  # a pick's word for "do not speculate": GraphedGreedy, the target alone
-Pick = Tree | None | Literal["plain"]  # a tree (TreeLlama), None for the chain (SpeculativeLlama), or PLAIN
-
-# The tree per model size, decoding and batch size (None: the chain, SpeculativeLlama), from `make
-# bench-torch`'s trees section on an H200: at each B, the fastest measured configuration, where a
-# tree was faster than every chain measured in two runs of the section. Greedy, the large model's
-# trees: static_tree(64, 10) 1.18-1.19x the best chain at B = 1, (32, 8) 1.12-1.18x at 8, (12, 6)
-# 1.02-1.06x at 32, (6, 4) 1.09-1.10x at 128; the small model's, since a level leaves out its leaves
-# (tree.expanded): chain_with_leaves(10, 2) 1.005-1.009x at B = 1, (6, 4) 1.03-1.04x at 128 (at 8
-# and 32 a tree was ahead in one run only: the chain). Sampled, the chain at every B (the best tree
-# 0.88-1.01x): tree_for_batch gives None. PLAIN where no chain or tree measured beat the graphed greedy
-# target alone (none here: the trained pair's headline derives its own picks and prints them in this form).
-PICKED: dict[str, dict[int, Pick]] = {
-    "small": {1: TreeShape.chain_with_leaves(10, 2), 8: None, 32: None, 128: static_tree(6, 4)},
-    "large": {1: static_tree(64, 10), 8: static_tree(32, 8), 32: static_tree(12, 6), 128: static_tree(6, 4)},
-}
-
-
-def tree_for_batch(size: str, batch: int, sampled: bool = False) -> Pick:
-    """The tree to verify at `batch` rows of the `size` model, greedy or `sampled`, None where
-    the chain is faster, or PLAIN where speculating at all is slower: the measured pick of the
-    largest batch size measured not above `batch`; sampled, always None (no tree was ahead of the
-    chain in two runs at any B)."""
-    if sampled:
-        return None
-    picks = PICKED[size]
-    below = [b for b in picks if b <= batch]
-    return picks[max(below)] if below else picks[min(picks)]
-
-
 def parse_tree(text: str) -> Tree:
     """"static:N" or "static:N,DEPTH" (static_tree of N drafts), "chain:K,LEAVES"
     (TreeShape.chain_with_leaves) or "dynamic:D,W,B" (DynamicTree)."""
@@ -225,118 +190,3 @@ def parse_tree(text: str) -> Tree:
     if kind == "dynamic" and len(numbers) == 3:
         return DynamicTree(*numbers)
     raise ValueError(f'a tree is "static:N[,DEPTH]", "chain:K,LEAVES" or "dynamic:DEPTH,WIDTH,BRANCH", not {text!r}')
-
-
-# -- the examples' command line -----------------------------------------------------------------
-
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def command_line(description: str, k: bool = True) -> argparse.ArgumentParser:
-    """The examples' shared options: the models (random of a size, or loaded from directories),
-    the batch, budget, k (a chain's) and M, the mode, sampling and the hybrid variant."""
-    parser = argparse.ArgumentParser(description=description)
-    models = parser.add_argument_group("models")
-    models.add_argument("--size", choices=sorted(SIZES), default="small",
-                        help="the random-weight Llama to build when no --model is given (default: small, fp32)")
-    models.add_argument("--model", metavar="DIR", help="load the target from a directory save_pretrained wrote")
-    models.add_argument("--draft", metavar="DIR", help="load a draft model of the same tokenizer from a directory "
-                        "(default: the target's first --draft-layers layers and its head)")
-    models.add_argument("--draft-layers", type=int, default=1, metavar="N",
-                        help="the self-speculative draft's layers (default 1)")
-    models.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
-                        help="the loaded models' dtype (default: the checkpoint's; float32 checks greedy against "
-                        "Hugging Face)")
-    models.add_argument("--prompt", action="append", metavar="TEXT",
-                        help="a prompt for a loaded model's tokenizer; the rows take them in turn (repeatable)")
-    models.add_argument("--hybrid", action="store_true",
-                        help=f"the random-weight model with layers {HYBRID} a gated linear recurrence, checked "
-                        "against its plain greedy decoding")
-    models.add_argument("--state-rollback", choices=["copy", "flip"], default="copy",
-                        help="how the hybrid's recurrent state is rolled back (default: copy)")
-    decoding = parser.add_argument_group("decoding")
-    decoding.add_argument("--batch", type=int, default=1, metavar="B", help="rows decoded together (default 1)")
-    decoding.add_argument("--tokens", type=int, default=256, metavar="N", help="new tokens a row (default 256)")
-    if k:
-        decoding.add_argument("--k", type=int, default=4, metavar="K", help="drafts a round (default 4)")
-    decoding.add_argument("--m-rounds", type=int, default=16, metavar="M", help="rounds a burst, M (default 16)")
-    decoding.add_argument("--mode", choices=MODES, default="graph", help="how bursts run (default: graph)")
-    decoding.add_argument("--eos", type=int, default=None, metavar="ID",
-                          help="stop a row at this token (default: a loaded tokenizer's EOS; none for random models)")
-    decoding.add_argument("--temperature", type=float, default=None, metavar="T",
-                          help="sample at this temperature (default: greedy)")
-    decoding.add_argument("--top-k", type=int, default=0, metavar="K", help="sampling's top-k (default 0: off)")
-    decoding.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sampling's top-p (default 1: off)")
-    return parser
-
-
-def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace,
-                                                                             SamplingParams | None]:
-    """command_line's arguments and the sampling they ask for; options that do not go together
-    are the parser's errors."""
-    args = parser.parse_args(argv)
-    if args.state_rollback != "copy" and not args.hybrid:
-        parser.error("--state-rollback is for the model with recurrent layers: add --hybrid")
-    if args.model is None and (args.draft or args.prompt or args.dtype != "auto"):
-        parser.error("--draft, --prompt and --dtype are for a loaded model: add --model DIR")
-    if args.model is not None and args.hybrid:
-        parser.error("--hybrid is the random-weight model's variant: leave out --model")
-    if args.draft_layers < 1:
-        parser.error(f"--draft-layers takes at least one layer, not {args.draft_layers}")
-    try:
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature is not None else None
-    except ValueError as exc:
-        parser.error(str(exc))
-    return args, sampling
-
-
-def models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """The target, the draft and the tokenizer (None for random models) the arguments ask for. A
-    draft directory's tokenizer, where it has one, must be the target's."""
-    if args.model is None:
-        target = build_model(args.size, draft_layers=args.draft_layers, recurrent_layers=HYBRID if args.hybrid else ())
-        return target, self_draft(target, args.draft_layers), None
-    dtype = DTYPES[args.dtype]
-    target, tokenizer = load_model(args.model, dtype=dtype), load_tokenizer(args.model)
-    if args.draft is None:
-        return target, self_draft(target, args.draft_layers), tokenizer
-    has_tokenizer = any((Path(args.draft) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
-    if has_tokenizer and load_tokenizer(args.draft).get_vocab() != tokenizer.get_vocab():
-        raise SystemExit(f"the draft in {args.draft} has another tokenizer than the target in {args.model}")
-    return target, load_model(args.draft, dtype=dtype), tokenizer
-
-
-def requests(args: argparse.Namespace, tokenizer: Any, count: int | None = None) -> list[Request]:
-    """`count` requests (default: a row each): PROMPT (one) or prompts() of 2 to 40 random tokens
-    for a random model; the --prompt texts in turn (default, a line of Python) for a loaded one,
-    which stops at its tokenizer's EOS unless --eos says another. Each samples with its own seed."""
-    count = args.batch if count is None else count
-    if tokenizer is None:
-        batch = [PROMPT] if count == 1 else prompts(count)
-        return [Request(prompt, args.tokens, args.eos, seed) for seed, prompt in enumerate(batch)]
-    texts = args.prompt or ["def fibonacci(n):\n"]
-    eos = args.eos if args.eos is not None else tokenizer.eos_token_id
-    return [Request(tokenizer.encode(texts[i % len(texts)]), args.tokens, eos, i) for i in range(count)]
-
-
-def describe(args: argparse.Namespace) -> str:
-    """The models the arguments asked for, in a line."""
-    if args.model is not None:
-        return f"{args.model} with draft {args.draft or f'the first {args.draft_layers} layer(s)'}"
-    hybrid = f", hybrid (layers {HYBRID} recurrent, state by {args.state_rollback})" if args.hybrid else ""
-    return f"random-weight {args.size} model{hybrid}"
-
-
-def check_greedy(model: Any, requests: Sequence[Request], got: list[list[int]], capacity: int, hybrid: bool) -> int:
-    """The exit status of a greedy fp32 run: whether every row equals Hugging Face's greedy
-    decoding of its prompt alone (a hybrid model's own plain greedy decoding, which Hugging Face
-    cannot run), printed."""
-    if hybrid:
-        want = GraphedGreedy(model, capacity, len(requests)).generate_batch(requests)
-        reference = "its own plain greedy decoding"
-    else:
-        want = [hf_greedy(model, r.prompt, r.max_new_tokens, r.eos) for r in requests]
-        reference = "Hugging Face greedy on its own prompt"
-    same = got == want
-    print(f"every row equals {reference}: {'yes' if same else 'NO'}")
-    return 0 if same else 1

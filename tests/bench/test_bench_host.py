@@ -12,7 +12,7 @@ import pytest
 
 from memra_cuda import DynamicTree, TreeShape
 from benchmarks.common import depth_and_width
-from benchmarks.torch_engine import TREE_BATCHES, _listed, plot_trees, reach, rows_share
+from benchmarks.torch_common import TREE_BATCHES, listed, plot_trees, reach, rows_share
 
 
 def test_the_trees_picture_without_matplotlib_is_one_line(monkeypatch, tmp_path, capsys):
@@ -30,13 +30,13 @@ def test_a_chain_and_a_tree_tell_the_capacity_rule_their_depth_and_width():
 
 
 def test_the_trees_sections_parts_are_lists_of_known_names():
-    assert _listed("1,128", TREE_BATCHES, int) == [1, 128]
-    assert _listed("large", ("small", "large")) == ["large"]
+    assert listed("1,128", TREE_BATCHES, int) == [1, 128]
+    assert listed("large", ("small", "large")) == ["large"]
     for text in ("2", "1,x", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="comma-separated list of"):
-            _listed(text, TREE_BATCHES, int)
+            listed(text, TREE_BATCHES, int)
     with pytest.raises(argparse.ArgumentTypeError, match="small, large, not 'medium'"):
-        _listed("medium", ("small", "large"))
+        listed("medium", ("small", "large"))
 
 
 def test_the_rows_share_is_their_mean_rounds_over_the_slowest_rows_and_1_where_none_ran():

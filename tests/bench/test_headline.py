@@ -16,7 +16,7 @@ from memra_cuda import DynamicTree, TreeShape
 from benchmarks.headline import (BATCHES, CHAIN_KS, HEADER, QUICK_BATCHES, STATIC, Config, assemble, configurations,
                                  copy_bytes_per_s, derive_picks, describe, floor_ms, format_row, load_pair, pair_info,
                                  measure_batches, picked_dict, picks_text, prompt_groups, save, summarise, tree_rates)
-from benchmarks.torch_engine import figures, reach, rows_share
+from benchmarks.torch_common import figures, reach, rows_share
 
 TOP = {"1": 0.865, "2": 0.93, "4": 0.958, "8": 0.974}  # report.json's agreement (JSON keys), 2026-12-02's pair
 REPORT = dict(key="3f2a9c1e0b7d", vocab=8192,
@@ -207,7 +207,7 @@ def test_where_every_configuration_loses_to_greedy_decoding_the_greedy_pick_is_n
     assert picks["greedy"][1]["kind"] == "plain" and picks["greedy"][1]["instead_of"]["config"] == "k=6, 1 leaf"
     assert picks["greedy"][8]["config"] == 4, "1.88x the graphed greedy target: speculated"
     assert picks["sampling"][1]["config"] == 4, "the graphed greedy target does not sample: never PLAIN"
-    namespace = dict(NAMESPACE, PLAIN="plain")  # memra_cuda.torch.testing.PLAIN, without importing torch
+    namespace = dict(NAMESPACE, PLAIN="plain")  # benchmarks.picks.PLAIN, without importing torch
     assert eval(picked_dict(picks["greedy"]), namespace) == {1: "plain", 8: None}
     lines = picks_text(picks, "pair 3f2a9c1e0b7d on NVIDIA H200").splitlines()
     assert lines[-2:] == ["    greedy, PLAIN where every chain and tree measured was slower than the graphed greedy "

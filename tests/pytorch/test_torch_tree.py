@@ -1,13 +1,9 @@
-"""The trees' host side and the examples' command line, on the CPU (torch and transformers, no
-GPU): the ancestor mask (TreeMask, whole from a static tree's parents or a level at a time from
-mask_d's words), a level's best candidates, the BLAS library a forward's rows take, the tree
-picked at each batch size, the command line's trees and refusals, and the examples run as the
-programs they are."""
+"""The trees' host side, on the CPU (torch and transformers, no GPU): the ancestor mask (TreeMask,
+whole from a static tree's parents or a level at a time from mask_d's words), a level's best
+candidates, the BLAS library a forward's rows take, the tree the benchmark picked at each batch
+size (benchmarks/picks.py), a tree named in a line (parse_tree), and the trees the bench's trees
+section measures and how it names them. The examples' command line: tests/examples."""
 from __future__ import annotations
-
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,13 +12,11 @@ from memra_cuda import DynamicTree, TreeShape
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
-from memra_cuda.torch.testing import (PROMPT, command_line, parse, parse_tree, requests, static_tree,  # noqa: E402
-                                      tree_for_batch)
-from memra_cuda.torch import SamplingParams, TreeMask, best_ranks  # noqa: E402
+from memra_cuda.torch.testing import parse_tree, static_tree  # noqa: E402
+from memra_cuda.torch import TreeMask, best_ranks  # noqa: E402
 from memra_cuda.torch.stack import blas_for  # noqa: E402
 
 pytestmark = pytest.mark.torch
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.parametrize("static", [True, False], ids=["static", "from-words"])
@@ -72,6 +66,7 @@ def test_a_forwards_rows_take_cublaslt_from_two_rows_up_to_LT_ROWS():
 
 
 def test_the_measured_tree_of_the_largest_batch_measured_below_is_picked():
+    from benchmarks.picks import tree_for_batch
     assert tree_for_batch("large", 1) == static_tree(64, 10)
     assert tree_for_batch("large", 4) == static_tree(64, 10)  # B = 1's, the largest measured below
     assert tree_for_batch("large", 16) == static_tree(32, 8)
@@ -91,60 +86,6 @@ def test_a_tree_on_the_command_line_is_static_or_dynamic_or_refused():
             parse_tree(text)
 
 
-def test_the_examples_share_their_command_line_and_its_refusals(capsys):
-    parser = command_line("trees", k=False)
-    args, sampling = parse(parser, ["--temperature", "0.7", "--hybrid", "--state-rollback", "flip"])
-    assert (args.size, args.tokens, args.state_rollback, args.model, sampling) == ("small", 256, "flip", None,
-                                                                                  SamplingParams(0.7))
-    assert not hasattr(args, "k") and parse(command_line("chains"), [])[0].k == 4
-    refused = {("--state-rollback", "flip"): "add --hybrid", ("--draft", "d"): "add --model DIR",
-               ("--prompt", "x"): "add --model DIR", ("--model", "m", "--hybrid"): "leave out --model",
-               ("--temperature", "0"): "temperature must be > 0", ("--draft-layers", "0"): "at least one layer"}
-    for argv, message in refused.items():
-        with pytest.raises(SystemExit):
-            parse(parser, list(argv))
-        assert message in capsys.readouterr().err
-
-
-def test_the_requests_are_the_random_models_prompts_or_a_loaded_tokenizers():
-    parser = command_line("chains")
-    one, eight = (parse(parser, ["--batch", str(b), "--tokens", "9"])[0] for b in (1, 8))
-    assert requests(one, None) == [(PROMPT, 9, None, 0)]
-    rows = requests(eight, None)
-    assert len(rows) == 8 and len({tuple(r.prompt) for r in rows}) == 8 and [r.seed for r in rows] == list(range(8))
-
-    class Words:
-        eos_token_id = 1
-
-        def encode(self, text: str) -> list[int]:
-            return [len(word) for word in text.split()]
-
-    loaded = parse(parser, ["--model", "m", "--prompt", "a bb", "--prompt", "ccc", "--batch", "3", "--eos", "7"])[0]
-    assert requests(loaded, Words()) == [([1, 2], 256, 7, 0), ([3], 256, 7, 1), ([1, 2], 256, 7, 2)]
-    assert requests(parse(parser, ["--model", "m"])[0], Words(), 2)[1].eos == 1  # the tokenizer's EOS
-
-
-def run_example(name: str, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(EXAMPLES / name), *argv], capture_output=True, text=True, timeout=300)
-
-
-def test_the_examples_say_what_they_take():
-    for name in ("torch_llama.py", "torch_tree.py"):
-        done = run_example(name, "--help")
-        assert done.returncode == 0, done.stderr
-        assert "--model DIR" in done.stdout and "--draft DIR" in done.stdout and "--size {large,small}" in done.stdout
-    assert "--serve N" in run_example("torch_llama.py", "--help").stdout
-
-
-def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_chain_is_faster():
-    """Refused before any model is built (this machine has no GPU to build one on)."""
-    for argv in (["--tree", "auto", "--batch", "8"], ["--tree", "auto", "--size", "large", "--temperature", "1"]):
-        done = run_example("torch_tree.py", *argv)
-        assert done.returncode == 2 and "faster by the chain" in done.stderr, done.stderr
-    done = run_example("torch_tree.py", "--tree", "auto", "--model", "somewhere")
-    assert done.returncode == 2 and "name a --tree" in done.stderr, done.stderr
-
-
 def test_the_bench_measures_each_pick_once_among_its_kind():
     from benchmarks.torch_engine import _tree_candidates
     listed, extra = static_tree(32, 8), static_tree(20, 5)  # STATIC_TREES[8] lists the first only
@@ -156,10 +97,10 @@ def test_the_bench_measures_each_pick_once_among_its_kind():
 
 
 def test_the_bench_names_a_chain_with_leaves_apart_from_a_likeliest_tree():
-    from benchmarks.torch_engine import _tree_label
-    assert _tree_label(TreeShape.chain_with_leaves(10, 2)) == "k=10, 2 leaves"
-    assert _tree_label(TreeShape.chain_with_leaves(8, 1)) == "k=8, 1 leaf"
-    assert _tree_label(TreeShape.chain(4)) == "T=4, depth 4"
-    assert _tree_label(static_tree(32, 8)) == "T=32, depth 8"
-    assert _tree_label(DynamicTree(4, 3, 2)) == "4x3, branch 2"
+    from benchmarks.torch_common import tree_label
+    assert tree_label(TreeShape.chain_with_leaves(10, 2)) == "k=10, 2 leaves"
+    assert tree_label(TreeShape.chain_with_leaves(8, 1)) == "k=8, 1 leaf"
+    assert tree_label(TreeShape.chain(4)) == "T=4, depth 4"
+    assert tree_label(static_tree(32, 8)) == "T=32, depth 8"
+    assert tree_label(DynamicTree(4, 3, 2)) == "4x3, branch 2"
 

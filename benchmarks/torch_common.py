@@ -1,0 +1,275 @@
+"""What the torch sections of `make bench-torch` share, torch_engine.py's and the headline's
+(headline.py): timing generations and graphs on the device, a chain's or a tree's row measured
+against plain decoding and its ideal, the summary, names and picture of the trees, and the
+comma-separated lists their command lines take.
+
+torch_engine.py runs the sections, the headline among them; both take what they share from here,
+so that neither imports the other back (as common.py is for `make bench`'s parts). torch is
+imported where a function runs, not here: bench.py reads the sections' names without it.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from memra_cuda.buffers.tree import DynamicTree, TreeShape
+
+TORCH_K, TORCH_M = 4, 16  # every torch section's chain k and rounds a burst, M
+TREE_BATCHES = (1, 8, 32, 128)  # the trees section's and the headline's batch sizes
+
+
+def time_generations(generate: Callable[[Any], Any], groups: Sequence[Any],
+                     after: Callable[[Any], Any] = lambda out: out) -> tuple[float, list[Any]]:
+    """Seconds of generate(group) over every group, each timed alone between synchronisations
+    after one untimed run of the first (graph captures, first loads), and after(its output) of
+    each, read outside the timed spans."""
+    import torch
+    generate(groups[0])
+    seconds, taken = 0.0, []
+    for group in groups:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = generate(group)
+        torch.cuda.synchronize()
+        seconds += time.perf_counter() - start
+        taken.append(after(out))
+    return seconds, taken
+
+
+def token_count(outs: Sequence[Sequence[Sequence[int]]]) -> int:
+    """The tokens of generations' rows."""
+    return sum(len(row) for out in outs for row in out)
+
+
+def _replay_ms(graph: Any, stream: Any, replays: int = 200) -> float:
+    """Device milliseconds of one replay of `graph` on `stream`, between CUDA events around
+    `replays` of them: the device's time, not the host's launches."""
+    import torch
+    with torch.cuda.stream(stream):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def graph_ms(run: Callable[[], Any], stream: Any = None, replays: int = 200) -> float:
+    """Device milliseconds of run(), captured in one CUDA graph on `stream` (a decoder's own,
+    whose buffers run() reads; a fresh one where None) after one eager run for torch's lazy
+    set-up, and replayed."""
+    import torch
+    stream = torch.cuda.Stream() if stream is None else stream
+    with torch.cuda.stream(stream):
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    return _replay_ms(graph, stream, replays)
+
+
+def tree_label(tree: Any) -> str:
+    """A tree's name in the table and the JSON (a static tree's repr lists every node)."""
+    if isinstance(tree, DynamicTree):
+        return f"{tree.depth}x{tree.width}, branch {tree.branch}"
+    leaves = (tree.nodes - 1) // tree.depth - 1
+    if leaves and tree == TreeShape.chain_with_leaves(tree.depth, leaves):
+        return f"k={tree.depth}, {leaves} {'leaf' if leaves == 1 else 'leaves'}"
+    return f"T={tree.nodes - 1}, depth {tree.depth}"
+
+
+def row_label(row: dict) -> str:
+    """A measured configuration's name in the table: k=... for a chain."""
+    return f"k={row['config']}" if row["kind"] == "chain" else row["config"]
+
+
+def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:
+    """How near a configuration got to its ideal speedup over plain decoding (`ideal`, tau / (v +
+    d), tau a row's tokens over the rounds that row ran): `reached`, against that ideal, and
+    `batch_reached`, against the batch's (`batch_ideal`: ideal x rows_share, the rows' mean
+    rounds over the slowest row's). A batch whose rows start together runs until its slowest is
+    done, every row a verify, so its rounds are the slowest row's: `batch_reached` is the share
+    of what the batch's own measured costs allow, and `reached` also charges it the rounds its
+    rows that finished early sat through."""
+    batch_ideal = ideal * rows_share
+    return dict(vs_plain=vs_plain, reached=vs_plain / ideal, batch_ideal=batch_ideal,
+                batch_reached=vs_plain / batch_ideal)
+
+
+def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -> tuple[float, float]:
+    """Tokens/s of graphed plain greedy over the groups of requests (a generation each,
+    time_generations), and the device milliseconds of its step (the graph a generation leaves),
+    the unit of v and d."""
+    from memra_cuda.torch import GraphedGreedy
+    greedy = GraphedGreedy(model, capacity, len(groups[0]))
+    seconds, outs = time_generations(greedy.generate_batch, groups)
+    return token_count(outs) / seconds, _replay_ms(greedy.graph, greedy.stream)
+
+
+def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequence[Any]], capacity: int,
+                       sampling: Any, step_ms: float, draft: Any = None) -> dict:
+    """figures() of one chain or tree of `model` and `draft` (default its self-speculative one)
+    over the groups of requests (a generation each, time_generations), its round's verify and
+    draft each captured alone on the decoder's stream after the generations, in target steps. The decoder
+    goes when this returns, for release() to give its memory back: at B = 128 a sampled tree
+    holds p and q of [B][T+1][32000] floats."""
+    spec, verify, draft_levels = decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft)
+
+    def after(out: list[list[int]]) -> tuple[list[int], np.ndarray]:
+        lengths = [len(row) for row in out]
+        return lengths, spec.bufs.rounds_run(lengths)
+
+    seconds, taken = time_generations(spec.generate_batch, groups, after)
+    v, d = (graph_ms(run, spec.stream) / step_ms for run in (verify, draft_levels))
+    return figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d)
+
+
+def measure_config(model: Any, kind: str, spec: Any, groups: Sequence[Sequence[Any]], capacity: int, sampling: Any,
+                   step_ms: float, plain: float, draft: Any = None, **fields: Any) -> dict:
+    """One chain's or tree's row: `fields` and its kind, its figures (_bench_tree_config) and how
+    near its ideal it got against `plain` tokens/s (reach), its decoder released before the next
+    is built."""
+    row = dict(fields, kind=kind, **_bench_tree_config(model, kind, spec, groups, capacity, sampling, step_ms, draft))
+    release()
+    row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
+    return row
+
+
+def figures(lengths: Sequence[Sequence[int]], rounds: Sequence[np.ndarray], seconds: float, v: float,
+            d: float) -> dict[str, float]:
+    """A configuration's row from its generations (each one's rows' token counts and rounds) and
+    its round's verify and draft in target steps: tokens/s, tau over every row, the ideal
+    tau / (v + d) and the rows' share of the batches' rounds."""
+    tokens = sum(sum(group) for group in lengths)
+    ran = sum(int(np.sum(r)) for r in rounds)
+    tau = tokens / ran if ran else 1.0
+    return dict(tokens_per_s=tokens / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
+                rows_share=rows_share(rounds))
+
+
+def rows_share(rounds: Sequence[np.ndarray]) -> float:
+    """The rows' mean rounds over their batch's slowest row's, over batches run one after another
+    (each's StreamBufs.rounds_run; B = 1's prompts are batches of one): the rounds the rows ran over
+    the rounds the batches ran, each its slowest row's times its rows, the share of them its rows
+    used; 1 where none ran a round (a budget of 0)."""
+    ran = sum(len(r) * int(np.max(r, initial=0)) for r in rounds)
+    return sum(float(np.sum(r)) for r in rounds) / ran if ran else 1.0
+
+
+def decoder(model: Any, kind: str, config: Any, capacity: int, batch: int = 1, sampling: Any = None,
+            draft: Any = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
+    """A chain's decoder (`config` its k) or a tree's (`config` the tree) of `model` and `draft`
+    (default its self-speculative one), and the two callables its round runs: the verify and
+    the whole draft."""
+    from memra_cuda.torch import SpeculativeLlama, TreeLlama, self_draft
+    draft = self_draft(model) if draft is None else draft
+    if kind == "chain":
+        chain = SpeculativeLlama(model, draft, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                                 sampling=sampling)
+        return chain, chain.verify_trunk, chain.draft_chain
+    spec = TreeLlama(model, draft, config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                     sampling=sampling)
+    return spec, spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
+
+
+def release() -> None:
+    """Give a dropped decoder's device memory back before the next is built: its RoundStream
+    holds the decoder's own bound methods, a cycle only the collector breaks, and torch's
+    allocator keeps freed blocks cached until emptied."""
+    import torch
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def tree_summary(measured: list[dict], chosen: dict | None, plain: float) -> dict:
+    """One size, B and mode of section 5: the best of each kind, and the pick (`chosen`; the best
+    chain where tree_for_batch says the chain; plain decoding's row where it says PLAIN, which
+    has no ideal to reach) against the best chain."""
+    best = {kind: max((row for row in measured if row["kind"] == kind), key=lambda row: row["tokens_per_s"])
+            for kind in ("chain", "static", "dynamic")}
+    tree = max(best["static"], best["dynamic"], key=lambda row: row["tokens_per_s"])
+    chosen = chosen or best["chain"]
+    chain = best["chain"]["tokens_per_s"]
+    first = measured[0]
+    summary = dict(size=first["size"], batch=first["batch"], mode=first["mode"], kind="best",
+                   plain_tokens_per_s=plain, chosen=chosen["config"], chosen_kind=chosen["kind"],
+                   chosen_tokens_per_s=chosen["tokens_per_s"], chosen_vs_chain=chosen["tokens_per_s"] / chain,
+                   best_tree=tree["config"], best_tree_kind=tree["kind"],
+                   best_tree_tokens_per_s=tree["tokens_per_s"], best_tree_vs_chain=tree["tokens_per_s"] / chain,
+                   best_tree_ideal=tree["ideal"], best_tree_reached=tree["reached"],
+                   chosen_reached=chosen.get("reached"), chosen_batch_reached=chosen.get("batch_reached"))
+    for kind, row in best.items():
+        summary.update({kind: row["config"], f"{kind}_tokens_per_s": row["tokens_per_s"]})
+    return summary
+
+
+def summary_line(summary: dict) -> str:
+    """tree_summary's line: the best of each kind and the pick against the best chain."""
+    def label(kind: str, config: Any) -> str:
+        return row_label(dict(kind=kind, config=config))
+    return (f"{summary['size']:6} {summary['batch']:4} {summary['mode']:8} " + ", ".join(
+        f"best {kind} {label(kind, summary[kind])} {summary[f'{kind}_tokens_per_s']:.0f} tok/s"
+        for kind in ("chain", "static", "dynamic")) +
+        f", chosen {summary['chosen_kind']} {label(summary['chosen_kind'], summary['chosen'])} = "
+        f"{summary['chosen_vs_chain']:.2f}x the chain")
+
+
+def plot_trees(rows: list[dict], path: str | Path, title: str | None = None) -> None:
+    """Section 5's picture at `path` (PNG): tokens/s against B for plain decoding, the best chain,
+    the best tree and that tree's ideal (ideal x plain tokens/s), a panel per model size (the
+    rows' `size`, the headline's "pair" too), greedy solid and sampling dashed, under `title`.
+    matplotlib is optional (the `plot` extra): without it, one line."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"trees: no picture at {path} without matplotlib (`pip install matplotlib` to get the picture)")
+        return
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+    best = [row for row in rows if row["kind"] == "best"]
+    sizes = list(dict.fromkeys(row["size"] for row in best))
+    if not sizes:
+        return
+    series = {"plain decoding": lambda r: r["plain_tokens_per_s"], "best chain": lambda r: r["chain_tokens_per_s"],
+              "best tree": lambda r: r["best_tree_tokens_per_s"],
+              "ideal of the best tree": lambda r: r["best_tree_ideal"] * r["plain_tokens_per_s"]}
+    figure, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.5), squeeze=False)
+    for axis, size in zip(axes[0], sizes):
+        for mode, style in (("greedy", "-"), ("sampling", "--")):
+            mine = sorted((row for row in best if row["size"] == size and row["mode"] == mode),
+                          key=lambda row: row["batch"])
+            for color, (name, value) in enumerate(series.items()):
+                if not mine or (name == "plain decoding" and mode == "sampling"):  # plain decoding is greedy
+                    continue
+                axis.plot([row["batch"] for row in mine], [value(row) for row in mine], style, color=f"C{color}",
+                          marker="o", label=name if name == "plain decoding" else f"{name}, {mode}")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(TREE_BATCHES, [str(b) for b in TREE_BATCHES])
+        axis.set(title=f"{size} model", xlabel="B (rows)", ylabel="tokens/s, all rows")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize="small")
+    if title:
+        figure.suptitle(title, fontsize="small", wrap=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"trees: the picture is {path}")
+
+
+def listed(text: str, known: Sequence[Any], kind: Callable[[str], Any] = str) -> list[Any]:
+    """A comma-separated subset of `known` (argparse's type: a wrong item is its error)."""
+    try:
+        items = [kind(item) for item in text.split(",")]
+    except ValueError:
+        items = [text]
+    if set(items) - set(known):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(map(str, known))}, not {text!r}")
+    return items

@@ -1,0 +1,169 @@
+"""The PyTorch examples as the programs a user runs, on the CPU: their shared command line
+(examples/_cli.py) and its refusals, and what they take, before any model is built; and where
+torch and transformers are missing, where torch reaches no CUDA device and where torch_tp.py is
+run without torchrun, each says in one line what is missing and how to get it (no traceback)."""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memra_cuda.comm.launch import free_port
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run_example(name: str, *argv: str, cwd: Path | None = None, paths: tuple[Path, ...] = (),
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The example run as a user runs it (python examples/NAME), from `cwd`, with `paths` ahead of
+    this run's PYTHONPATH (made absolute, so that another cwd imports the same memra_cuda)."""
+    env = dict(os.environ if env is None else env)
+    inherited = [str(Path(entry).resolve()) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), *inherited])
+    return subprocess.run([sys.executable, str(EXAMPLES / name), *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def torch_stack():
+    """torch, where it is installed with transformers."""
+    torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+    pytest.importorskip("transformers", reason="the examples need transformers")
+    return torch
+
+
+# -- the command line, in-process -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cli(torch_stack):
+    """examples/_cli.py, imported as an example run as a script imports it (its folder on sys.path)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(EXAMPLES))
+        yield importlib.import_module("_cli")
+
+
+@pytest.mark.torch
+def test_the_examples_share_their_command_line_and_its_refusals(cli, capsys):
+    from memra_cuda.torch import SamplingParams
+    parser = cli.command_line("trees", k=False)
+    args, sampling = cli.parse(parser, ["--temperature", "0.7", "--hybrid", "--state-rollback", "flip"])
+    assert (args.size, args.tokens, args.state_rollback, args.model, sampling) == ("small", 256, "flip", None,
+                                                                                  SamplingParams(0.7))
+    assert not hasattr(args, "k") and cli.parse(cli.command_line("chains"), [])[0].k == 4
+    refused = {("--state-rollback", "flip"): "add --hybrid", ("--draft", "d"): "add --model DIR",
+               ("--prompt", "x"): "add --model DIR", ("--model", "m", "--hybrid"): "leave out --model",
+               ("--temperature", "0"): "temperature must be > 0", ("--draft-layers", "0"): "at least one layer"}
+    for argv, message in refused.items():
+        with pytest.raises(SystemExit):
+            cli.parse(parser, list(argv))
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.torch
+def test_the_requests_are_the_random_models_prompts_or_a_loaded_tokenizers(cli):
+    from memra_cuda.torch.testing import PROMPT
+    parser = cli.command_line("chains")
+    one, eight = (cli.parse(parser, ["--batch", str(b), "--tokens", "9"])[0] for b in (1, 8))
+    assert cli.requests(one, None) == [(PROMPT, 9, None, 0)]
+    rows = cli.requests(eight, None)
+    assert len(rows) == 8 and len({tuple(r.prompt) for r in rows}) == 8 and [r.seed for r in rows] == list(range(8))
+
+    class Words:
+        eos_token_id = 1
+
+        def encode(self, text: str) -> list[int]:
+            return [len(word) for word in text.split()]
+
+    loaded = cli.parse(parser, ["--model", "m", "--prompt", "a bb", "--prompt", "ccc", "--batch", "3", "--eos", "7"])[0]
+    assert cli.requests(loaded, Words()) == [([1, 2], 256, 7, 0), ([3], 256, 7, 1), ([1, 2], 256, 7, 2)]
+    assert cli.requests(cli.parse(parser, ["--model", "m"])[0], Words(), 2)[1].eos == 1  # the tokenizer's EOS
+
+
+# -- the examples as programs, before any model is built ------------------------------------------
+
+@pytest.mark.torch
+def test_the_examples_say_what_they_take(torch_stack, tmp_path):
+    for name in ("torch_llama.py", "torch_tree.py"):
+        done = run_example(name, "--help", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "--model DIR" in done.stdout and "--draft DIR" in done.stdout and "--size {large,small}" in done.stdout
+    assert "--serve N" in run_example("torch_llama.py", "--help", cwd=tmp_path).stdout
+
+
+@pytest.mark.torch
+def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_chain_is_faster(torch_stack, tmp_path):
+    """Refused before any model is built (this machine has no GPU to build one on), from any cwd:
+    the picks are the checkout's, benchmarks/picks.py."""
+    for argv in (["--tree", "auto", "--batch", "8"], ["--tree", "auto", "--size", "large", "--temperature", "1"]):
+        done = run_example("torch_tree.py", *argv, cwd=tmp_path)
+        assert done.returncode == 2 and "faster by the chain" in done.stderr, done.stderr
+    done = run_example("torch_tree.py", "--tree", "auto", "--model", "somewhere", cwd=tmp_path)
+    assert done.returncode == 2 and "name a --tree" in done.stderr, done.stderr
+
+
+# -- what is missing, in one line -------------------------------------------------------------
+
+TORCH_EXAMPLES = ("torch_llama.py", "torch_tree.py", "torch_tp.py")
+# What torchrun sets for a rank, which torch.distributed's env:// rendezvous reads.
+LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# A sitecustomize that makes torch and transformers unimportable, as where they are not installed.
+WITHOUT_TORCH = '''
+import sys
+
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "transformers"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Absent())
+'''
+
+
+def one_line(done: subprocess.CompletedProcess, name: str) -> str:
+    """The example's one line on stderr, after asserting it ended with status 1 and said nothing else."""
+    assert done.returncode == 1 and not done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{Path(name).stem}: "), done.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def torch_without_cuda(torch_stack):
+    """torch and transformers, without a CUDA device torch can reach (this CPU machine's)."""
+    if torch_stack.cuda.is_available():
+        pytest.skip("torch reaches a CUDA device here: the examples run")
+    return torch_stack
+
+
+@pytest.mark.parametrize("name", TORCH_EXAMPLES)
+def test_without_torch_an_example_names_the_torch_extra_in_one_line(name, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(WITHOUT_TORCH)
+    line = one_line(run_example(name, cwd=tmp_path, paths=(tmp_path,)), name)
+    assert "no module named 'torch'" in line and "torch extra" in line and "pip install" in line, line
+    assert f"{EXAMPLES.parent}[torch]" in line, line  # the checkout's extra, from any cwd
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", TORCH_EXAMPLES)
+def test_where_torch_reaches_no_cuda_device_an_example_says_so_in_one_line(name, torch_without_cuda, tmp_path):
+    """torch_tp.py as torchrun starts a rank of one, so that it gets as far as the device."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port())) if name == "torch_tp.py" else None
+    line = one_line(run_example(name, cwd=tmp_path, env=env), name)
+    assert "CUDA" in line and "NVIDIA GPU" in line, line
+    if torch_without_cuda.version.cuda is None:
+        assert f"PyTorch {torch_without_cuda.__version__} is built without CUDA" in line, line
+
+
+@pytest.mark.torch
+def test_torch_tp_run_without_torchrun_says_how_to_start_its_ranks(torch_stack, tmp_path):
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER}
+    line = one_line(run_example("torch_tp.py", "--batch", "2", cwd=tmp_path, env=env), "torch_tp.py")
+    assert "RANK" in line and line.endswith(f"torchrun --nproc-per-node 2 {EXAMPLES / 'torch_tp.py'} --batch 2"), line
