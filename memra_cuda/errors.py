@@ -6,10 +6,10 @@ from .comm.communicator import RankFailure, RanksDiverged
 from .comm.library import NcclError, NcclUnavailable
 from .comm.rendezvous import RankRefused
 from .driver.compiler import CompileError, NvrtcUnavailable
-from .driver.errors import CaptureError, CudaError, CudaFault, CudaUnavailable, MemraError
+from .driver.errors import CaptureError, CudaError, CudaFault, CudaUnavailable, MemraError, NotFused
 from .driver.graph import LoopUnsupported
 from .rounds.device_loop import RoundCapError
 
 __all__ = ["BuffersHeld", "CapacityError", "CaptureError", "CompileError", "CudaError", "CudaFault", "CudaUnavailable",
-           "LoopUnsupported", "MemraError", "NcclError", "NcclUnavailable", "NvrtcUnavailable", "RankFailure",
-           "RankRefused", "RanksDiverged", "RoundCapError"]
+           "LoopUnsupported", "MemraError", "NcclError", "NcclUnavailable", "NotFused", "NvrtcUnavailable",
+           "RankFailure", "RankRefused", "RanksDiverged", "RoundCapError"]

@@ -58,8 +58,15 @@ class CudaFault(CudaError):
         return CudaFault(self.first, self.device, call)
 
 
+class NotFused(MemraError, TypeError):
+    """memra_cuda.torch cannot run a model through its compiled step (memra_cuda.torch.fused): the
+    message names the layer and the part. Here, at the ground, so that memra_cuda.errors has it
+    without importing torch."""
+
+
 class CaptureError(MemraError, RuntimeError):
-    """Work that a CUDA graph cannot hold was asked for during a stream capture."""
+    """Work that a CUDA graph cannot hold was asked for during a stream capture, or a capture of a
+    stream sealed for serving (RoundStream.capture_graphs(seal=True))."""
 
 
 # Errors after which the context cannot be used again (the CUDA programming guide's sticky

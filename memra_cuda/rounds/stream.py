@@ -19,6 +19,7 @@ import numpy as np
 
 from ..buffers.stream_bufs import Readback, per_row
 from .device_loop import DeviceLoop, Landed, RoundCapError
+from ..driver.errors import CaptureError
 from ..driver.event import Event
 from ..driver.graph import Capture, Graph
 from ..driver.values import as_size
@@ -104,6 +105,7 @@ class RoundStream:
         self.round, self.bufs, self.engine, self.kernels = round, round.bufs, round.engine, round.kernels
         self.acceptance, self.pace = round.acceptance, pace
         self._graphs: dict[tuple[int, int], Graph] = {}  # (pinned readback slot, rounds) -> burst graph
+        self.sealed = False  # capture_graphs(seal=True): a graph missing is refused, not captured mid-generation
         self._events: list[Event] = []
         self._device: DeviceLoop | None = None
         self.rounds = self.bursts = 0  # rounds sent to the GPU, host readbacks they waited for
@@ -175,6 +177,9 @@ class RoundStream:
         (0 or 1), captured the first time it is asked for (once per length)."""
         rounds = self._burst_rounds(rounds)
         if (slot, rounds) not in self._graphs:
+            if self.sealed:
+                raise CaptureError(f"the burst graph of {rounds} rounds reading back into slot {slot} was not captured "
+                                   "before the first request (capture_graphs sealed this stream): capture it there")
             self.bufs.check_free()  # a running loop's buffers are not captured over either
             issue = functools.partial(self._burst_and_readback, slot, rounds)
             self._graphs[slot, rounds] = Graph(self.engine, issue, capture=self.round.capture, joined=self.round.joined)
@@ -184,17 +189,20 @@ class RoundStream:
         self.round.issue(rounds)
         self.bufs.queue_readback(slot)
 
-    def capture_graphs(self, lengths: Sequence[int] | None = None, slots: Sequence[int] = (0,)) -> None:
+    def capture_graphs(self, lengths: Sequence[int] | None = None, slots: Sequence[int] = (0,),
+                       seal: bool = False) -> None:
         """Capture the burst graphs of `lengths` rounds (default: every length pacing may ask
         for, the powers of two below M and M) reading back into `slots` (0 for step and graph
         mode; 0 and 1 for overlap) now, before any request: a capture through a framework (torch
         synchronises the device and empties its cache for each) then never stalls a server
-        mid-generation."""
+        mid-generation. With `seal`, any other graph asked for later is a CaptureError: what is
+        served or timed captures nothing."""
         for slot in slots:
             if slot not in (0, 1):
                 raise ValueError(f"a readback slot is 0 or 1, not {slot!r}")
             for rounds in Pace.lengths(self.bufs.m_rounds) if lengths is None else lengths:
                 self.graph_for(slot, rounds)
+        self.sealed = self.sealed or seal
 
     @property
     def graphs(self) -> tuple[tuple[int, int], ...]:

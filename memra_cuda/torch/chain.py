@@ -39,11 +39,11 @@ class SpeculativeLlama(RoundDecoder):
     def __init__(self, model: Any, draft: Any, *, k: int = 4, m_rounds: int = 16, capacity: int = 1024,
                  batch: int = 1, sampling: SamplingParams | None = None,
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
-                 on_engine: Callable[[Engine], None] | None = None):
+                 on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None):
         k = as_size(k, "k")  # a chain drafts at least one token a round
         super().__init__(model, draft, k=k, verified=k, m_rounds=m_rounds, batch=batch, capacity=capacity,
                          sampling=sampling, draft_sampling=draft_sampling, state_rollback=state_rollback,
-                         on_engine=on_engine)
+                         on_engine=on_engine, compiled=compiled)
         with torch.cuda.stream(self.stream):
             bufs = self.bufs
             self.draft_d = torch.zeros(batch, k, dtype=torch.long, device="cuda")

@@ -25,7 +25,8 @@ from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import engine
 from .kv import CacheLayout, StaticKV
 from .sampling import SamplingParams
-from .stack import Stack
+from .attention import aligned
+from .compiled import stack_for
 from .state import CopyState, FlipState, Recurrent, rollback
 from .views import RoundViews
 
@@ -71,29 +72,35 @@ class RoundDecoder:
     def __init__(self, model: Any, draft: Any, *, k: int, verified: int, m_rounds: int, batch: int,
                  capacity: int, sampling: SamplingParams | None, draft_sampling: SamplingParams | None,
                  state_rollback: str, cache: CacheLayout = StaticKV,
-                 on_engine: Callable[[Engine], None] | None = None):
+                 on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None):
         """`on_engine` is called with the engine as soon as it exists, before anything runs on it
-        (examples/torch_tp.py lets its communicator time the engine's waits and its graphs hold it)."""
+        (examples/torch_tp.py lets its communicator time the engine's waits and its graphs hold it).
+        `compiled`: each model's step compiled (CompiledStack) where it fuses and the cache is
+        static (None), always (True: NotFused where it cannot), or never (False: Stack, the
+        model's own modules)."""
+        begun = time.perf_counter()
         refuse(model, draft, state_rollback)
         k, m_rounds, capacity = as_size(k, "k", 0), as_size(m_rounds, "m_rounds"), as_size(capacity, "capacity")
         batch = as_size(batch, "batch", 1, MAX_BATCH)
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
         self.k, self.batch = k, batch
+        capacity = aligned(capacity)  # both models' caches and a tree's masks alike, compiled or not
         self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
         self.stream = torch.cuda.Stream()
         with torch.cuda.stream(self.stream):
             self.engine = engine()
             if on_engine is not None:
                 on_engine(self.engine)
-            self.target = Stack(model, capacity, batch, state=rollback(state_rollback, self.engine, verified),
-                                cache=cache)
-            self.draft = Stack(draft, capacity, batch, cache=cache)
+            self.target = stack_for(model, capacity, batch, state=rollback(state_rollback, self.engine, verified),
+                                    cache=cache, compiled=compiled)
+            self.draft = stack_for(draft, capacity, batch, cache=cache, compiled=compiled)
             self.shared = self.draft.prefix_of(self.target)
             self.bufs = StreamBufs(self.engine, k, m_rounds, batch)
             self.views = RoundViews(self.bufs)
             # each row's request's sampling seed, set at its prefill
             self.seed_d = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        self.setup_seconds = time.perf_counter() - begun  # a subclass's _warm_up adds its own, capture() too
 
     def _folded_logits(self, root: torch.Tensor, start: torch.Tensor, lone: torch.Tensor) -> torch.Tensor:
         """The draft's logits after `root` ([B][1], at positions `start`), [B][1][V], in a
@@ -109,11 +116,14 @@ class RoundDecoder:
         return self.draft.logits(torch.cat([behind, root], 1), positions, last=True)
 
     def _warm_up(self) -> None:
-        """One eager round, so torch's lazy set-up (library handles, workspaces) happens before
-        any capture; the next prefill resets everything it touched. Then every slot is vacant."""
+        """One eager round, so torch's lazy set-up (library handles, workspaces) and every compiled
+        step a round runs happen before any capture; the next prefill resets everything it
+        touched. Then every slot is vacant."""
+        begun = time.perf_counter()
         self.prefill(range(self.batch), [[0, 0]] * self.batch)
         self.rounds.step("readback")
         self.bufs.set_stop(budget=0)
+        self.setup_seconds += time.perf_counter() - begun
 
     def _verdict(self, logits: torch.Tensor) -> None:
         """What a verify leaves its acceptance kernel from the target's logits over the verified
@@ -162,14 +172,19 @@ class RoundDecoder:
         return starts
 
     def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:
-        """Every graph the modes may replay, and every one-row prefill graph of both models,
-        captured now, before any request: through torch a capture synchronises the device, which
-        a server must not do mid-request."""
+        """Every graph the modes may replay (each burst length pacing may ask for), and every
+        one-row prefill graph of both models, captured now, before any request: through torch a
+        capture synchronises the device, which a server must not do mid-request. From then on a
+        burst graph of another mode is a CaptureError, not a capture (the rounds are sealed).
+        setup_seconds is then what the decoder spent compiling and capturing before its first
+        request."""
+        begun = time.perf_counter()
         with torch.cuda.stream(self.stream):
             self.target.capture_prefills()
             if not self.shared:
                 self.draft.capture_prefills()
-            self.rounds.capture_graphs(slots=(0, 1) if "overlap" in modes else (0,))
+            self.rounds.capture_graphs(slots=(0, 1) if "overlap" in modes else (0,), seal=True)
+        self.setup_seconds += time.perf_counter() - begun
 
     def generate_batch(self, requests: Sequence[Request], mode: str = "graph") -> list[list[int]]:
         """One request per row, all started together and generated until each stops."""

@@ -10,57 +10,83 @@ import torch
 
 from .decoder import Request
 from .sampling import SamplingParams
-from .stack import Stack
+from .compiled import stack_for
 
 
 class GraphedGreedy:
-    """Plain greedy decoding of a batch, one token a row per step, the step captured once with
-    torch.cuda.graph and replayed (or, with `eager`, run op by op: the loop an engine writes
-    first); the host reads each step's tokens back (as an engine streaming tokens would) and
-    stops when every row has its budget or its EOS. A hybrid model's reference, which Hugging
-    Face's forward cannot run: its step updates the live state in place (LiveState)."""
+    """Plain greedy decoding of a batch, the target alone: `steps` steps a burst (a token a row
+    each), the burst captured once as a CUDA graph and replayed (or, with `eager`, run op by op:
+    the loop an engine writes first), the host reading each burst's tokens back once, as a
+    server streaming them would, until every row has its budget or its EOS (a row's tokens past
+    its stop are dropped). The model's step is compiled where it fuses (`compiled`, as a
+    decoder's: memra_cuda.torch.compiled.stack_for), so this is the best plain loop a PyTorch
+    user writes, the baseline every speculative figure is measured against. A hybrid model's
+    reference too, which Hugging Face's forward cannot run: its step updates the live state in
+    place (LiveState)."""
 
-    def __init__(self, model: Any, capacity: int, batch: int = 1, eager: bool = False):
+    def __init__(self, model: Any, capacity: int, batch: int = 1, *, steps: int = 16, eager: bool = False,
+                 compiled: bool | None = None):
+        if steps < 1:
+            raise ValueError(f"a burst runs at least one step, not {steps}")
         self.stream = torch.cuda.Stream()
-        self.batch, self.eager = batch, eager
-        self.stack = Stack(model, capacity, batch)
-        self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
-        self.position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+        self.batch, self.steps, self.eager = batch, steps, eager
+        with torch.cuda.stream(self.stream):
+            self.stack = stack_for(model, capacity, batch, compiled=compiled)
+            self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+            self.position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+            self.out = torch.zeros(batch, steps, dtype=torch.long, device="cuda")  # a burst's tokens
         self.graph: torch.cuda.CUDAGraph | None = None
 
-    def _step(self) -> None:
-        self.token.copy_(self.stack.greedy(self.token, self.position))
-        self.position.add_(1)
+    def _burst(self) -> None:
+        for step in range(self.steps):
+            self.token.copy_(self.stack.greedy(self.token, self.position))
+            self.out[:, step:step + 1].copy_(self.token)
+            self.position.add_(1)
 
     def _start(self, requests: Sequence[Request]) -> None:
         self.stack.prefill(range(self.batch), [r.prompt[:-1] for r in requests])
         self.token.copy_(torch.tensor([[r.prompt[-1]] for r in requests]))
         self.position.copy_(torch.tensor([[len(r.prompt) - 1] for r in requests]))
 
+    def capture(self) -> None:
+        """The burst's graph, now (a warm-up burst first, which compiles the step), so that no
+        generation captures: a capture synchronises the device."""
+        if self.graph is not None or self.eager:
+            return
+        with torch.cuda.stream(self.stream):
+            self._start([Request([0, 0], 0)] * self.batch)
+            self._burst()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=self.stream):
+                self._burst()
+
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
         """One request a row, each until its budget or its EOS."""
         if len(requests) != self.batch:
             raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
+        capacity = self.stack.kv.capacity
+        for i, request in enumerate(requests):
+            if len(request.prompt) - 1 + request.max_new_tokens > capacity:
+                raise ValueError(f"request {i} ({len(request.prompt)} prompt tokens, {request.max_new_tokens} new) "
+                                 f"needs a cache of {len(request.prompt) - 1 + request.max_new_tokens}; this holds "
+                                 f"{capacity}")
+        self.capture()
         with torch.cuda.stream(self.stream):
             self._start(requests)
-            if self.graph is None and not self.eager:
-                self._step()  # warm-up off the graph, then undo it
-                self._start(requests)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, stream=self.stream):
-                    self._step()
             out: list[list[int]] = [[] for _ in requests]
             live = {row for row, request in enumerate(requests) if request.max_new_tokens > 0}
             while live:
                 if self.graph is None:
-                    self._step()
+                    self._burst()
                 else:
                     self.graph.replay()
-                step = self.token[:, 0].tolist()
+                burst = self.out.tolist()
                 for row in list(live):
-                    out[row].append(step[row])
-                    if step[row] == requests[row].eos or len(out[row]) == requests[row].max_new_tokens:
-                        live.discard(row)
+                    for token in burst[row]:
+                        out[row].append(token)
+                        if token == requests[row].eos or len(out[row]) == requests[row].max_new_tokens:
+                            live.discard(row)
+                            break
             return out
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:

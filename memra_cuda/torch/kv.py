@@ -41,8 +41,9 @@ def capacity_for(prompt_len: int, tokens: int, k: int, m_rounds: int, batch: int
 
 
 class StaticKV:
-    """K and V of `batch` rows for `layers` layers at fixed addresses, [layers][B][heads][capacity]
-    [head size] each (a head's positions together), written at per-row device positions.
+    """K and V of `batch` rows for `layers` layers at fixed addresses, one tensor a layer
+    ([B][heads][capacity][head size] each, a head's positions together: a forward writes its own
+    slots of a layer's tensor, which a compiled step does in place), at per-row device positions.
 
     `lengths` (int32 [layers][B]) counts each row's entries per layer. Before a forward the
     caller sets `rows` (the cache rows its token rows belong to, a [R] device index; None: every
@@ -51,9 +52,9 @@ class StaticKV:
     def __init__(self, config: Any, layers: int, batch: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str = "cuda"):
         self._bookkeeping(layers, batch, capacity, device)
-        self.k = torch.zeros(layers, batch, config.num_key_value_heads, capacity, head_size(config), dtype=dtype,
-                             device=device)
-        self.v = torch.zeros_like(self.k)
+        shape = (batch, config.num_key_value_heads, capacity, head_size(config))
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
     def _bookkeeping(self, layers: int, batch: int, capacity: int, device: torch.device | str) -> None:
         """What every layout keeps beside its entries: lengths, rows and positions (its sizes
@@ -86,22 +87,20 @@ class StaticKV:
         and KV head, as this cache keeps a head's positions together ([B][heads][capacity][d]).
         A record's buffers are contiguous views from its head's first entry on, so each holds
         the tensor it names."""
-        layers, batch, heads, capacity, dim = self.k.shape
-        entry = dim * self.k.element_size()
+        batch, heads, capacity, dim = self.k[0].shape
+        entry = dim * self.k[0].element_size()
         words = entry // 4  # as int32: torch gives bfloat16 tensors no __cuda_array_interface__
-        flat_k, flat_v = (kv.view(torch.int32).view(layers, -1) for kv in (self.k, self.v))
-        return [KVData(flat_k[layer, head * capacity * words:], flat_v[layer, head * capacity * words:],
-                       row_stride=heads * capacity * entry, pos_stride=entry, nbytes=entry, capacity=capacity,
-                       batch=batch)
-                for layer in range(layers) for head in range(heads)]
+        flat = [(k.view(torch.int32).view(-1), v.view(torch.int32).view(-1)) for k, v in zip(self.k, self.v)]
+        return [KVData(k[head * capacity * words:], v[head * capacity * words:], row_stride=heads * capacity * entry,
+                       pos_stride=entry, nbytes=entry, capacity=capacity, batch=batch)
+                for k, v in flat for head in range(heads)]
 
     def copy_rows(self, other: StaticKV, rows: torch.Tensor) -> None:
         """`other`'s first layers' entries and lengths in `rows` (what a stack of those same
         layers computes over the same tokens: a self-speculative draft's prefill)."""
-        n = len(self.lengths)
-        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
-            mine.index_copy_(1, rows, theirs[:n].index_select(1, rows))
-        self.lengths.index_copy_(1, rows, other.lengths[:n].index_select(1, rows))
+        for mine, theirs in zip(self.k + self.v, other.k[:len(self.k)] + other.v[:len(self.v)]):
+            mine.index_copy_(0, rows, theirs.index_select(0, rows))
+        self.lengths.index_copy_(1, rows, other.lengths[:len(self.lengths)].index_select(1, rows))
 
 
 CacheLayout = Callable[[Any, int, int, int, torch.dtype, torch.device], StaticKV]
@@ -122,9 +121,10 @@ class PagedKV(StaticKV):
         page = as_size(page, "page")  # positions a page holds
         self._bookkeeping(layers, batch, capacity, device)
         per_row = -(-capacity // page)
-        self.k = torch.zeros(layers, batch * per_row, config.num_key_value_heads, page, head_size(config),
-                             dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.pool_k = torch.zeros(layers, batch * per_row, config.num_key_value_heads, page, head_size(config),
+                                  dtype=dtype, device=device)
+        self.pool_v = torch.zeros_like(self.pool_k)
+        self.k, self.v = list(self.pool_k), list(self.pool_v)  # a layer's pool of pages each
         shuffle = torch.randperm(batch * per_row, generator=torch.Generator().manual_seed(per_row))
         self.table = shuffle.view(batch, per_row).to(device)  # the same for every cache of this shape
         self.page = page
@@ -158,16 +158,15 @@ class PagedKV(StaticKV):
             source, target = start + path[:, d], start + d
             move = (accepted >= d) & (source != target) & (source < self.capacity) & (target < self.capacity)
             (sp, so), (tp, to) = (self._at(rows, slot.clamp(0, self.capacity - 1)) for slot in (source, target))
-            for kv in (self.k, self.v):
+            for kv in (self.pool_k, self.pool_v):
                 kv[:, tp, :, to] = torch.where(move[:, None, None, None], kv[:, sp, :, so], kv[:, tp, :, to])
 
     def copy_rows(self, other: StaticKV, rows: torch.Tensor) -> None:
         """StaticKV.copy_rows from a PagedKV of the same batch and capacity, whose pages are these."""
         pages = self.table[rows].flatten()
-        n = len(self.lengths)
-        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
-            mine.index_copy_(1, pages, theirs[:n].index_select(1, pages))
-        self.lengths.index_copy_(1, rows, other.lengths[:n].index_select(1, rows))
+        for mine, theirs in zip(self.k + self.v, other.k[:len(self.k)] + other.v[:len(self.v)]):
+            mine.index_copy_(0, pages, theirs.index_select(0, pages))
+        self.lengths.index_copy_(1, rows, other.lengths[:len(self.lengths)].index_select(1, rows))
 
     def data(self) -> list[KVData]:
         raise TypeError("a paged cache is not one stride a position: the layer's compaction cannot move it "

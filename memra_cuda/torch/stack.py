@@ -21,6 +21,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kv import CacheLayout, StaticKV
+from .prefill import Prefills
 from .state import LiveState, Recurrent, State, StateLayout
 
 _PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head", "config")
@@ -70,7 +71,56 @@ def blas_for(dtype: torch.dtype, rows: int) -> str:
     return "cublaslt" if 2 <= rows <= LT_ROWS.get(dtype, 0) else "cublas"
 
 
-class Stack:
+def rotary(model: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of every one of `slots` ([capacity]), cos and sin [capacity][d] in the
+    model's dtype, computed once by the model's own module (the same numbers it computes per
+    call, its scaling included): a step then gathers rows instead of recomputing them."""
+    dummy = torch.zeros(1, 1, 1, dtype=model.dtype, device=slots.device)
+    cos, sin = model.model.rotary_emb(dummy, slots[None])
+    return cos[0], sin[0]
+
+
+class LayerStack:
+    """What every stack of a model's layers over a static cache does the same way, whichever runs
+    the layers (Stack: the model's own modules; CompiledStack: its compiled step): `model`,
+    `layers`, `kv` and `prefills` are a subclass's, and logits() its forward."""
+
+    model: Any
+    layers: Sequence[Any]
+    kv: StaticKV
+    prefills: Prefills
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
+               slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+               parents: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's logits after each of `tokens` ([B][T] at `positions`), [B][T][V], or after
+        the last of each row's, [B][1][V] (the head then runs on one token a row). A tree's nodes
+        give `slots` (where their K and V go, [B][T]), `mask` (TreeMask's rows) and `parents`
+        (for recurrent layers): see Stack.append."""
+        raise NotImplementedError
+
+    def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The next token after each of `tokens`, [B][T] int64."""
+        return self.logits(tokens, positions).argmax(-1)
+
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Each prompt's K and V at positions 0.. of its row (lengths become the prompt's), and a
+        hybrid stack's recurrent state after it live (memra_cuda.torch.prefill: a row as a graph)."""
+        self.prefills.run(rows, prompts)
+
+    def capture_prefills(self) -> None:
+        """Every one-row prefill graph, now (Prefills.capture)."""
+        self.prefills.capture()
+
+    def prefix_of(self, other: LayerStack) -> bool:
+        """Whether this stack's model is `other`'s first layers under the same embeddings (a
+        self-speculative draft's): its K and V over any tokens are then `other`'s first layers'."""
+        mine, theirs = self.model.model, other.model.model
+        return (mine.embed_tokens is theirs.embed_tokens and len(self.layers) <= len(other.layers)
+                and all(a is b for a, b in zip(self.layers, other.layers)))
+
+
+class Stack(LayerStack):
     """A model's embeddings, decoder layers, final norm and head over a static cache of `batch`
     rows and `capacity` positions: append(tokens, positions) adds the tokens' KV ([rows][T]
     each) and returns their final hidden states; logits() also applies the head. No value is
@@ -101,36 +151,17 @@ class Stack:
         self.library: str | None = None  # None: blas_for's pick at each forward; a library's name pins it
         self.zero = torch.zeros((), dtype=model.dtype, device=self.device)  # an additive mask's two values
         self.never = torch.full((), -torch.inf, dtype=model.dtype, device=self.device)
-        # The rotary embedding of every position, computed once by the model's own module (the
-        # same numbers it computes per call): a step then gathers rows instead of recomputing
-        # them, a dozen fewer kernels per step.
-        dummy = torch.zeros(1, 1, 1, dtype=model.dtype, device=self.device)
-        self.cos, self.sin = (t[0] for t in model.model.rotary_emb(dummy, self.slots[None]))  # [capacity][d] each
-        self.prompt = torch.zeros(1, capacity, dtype=torch.long, device=self.device)  # one row's prefill
-        self.prompt_row = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.prompt_len = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.prefills: dict[int, torch.cuda.CUDAGraph] = {}  # prompt length bucket -> its graph
+        self.cos, self.sin = rotary(model, self.slots)
+        self.prefills = Prefills(self.kv, self._fill, self.device,
+                                 self.state.reset if self.state is not None else None)
 
-    def prefix_of(self, other: Stack) -> bool:
-        """Whether this stack's model is `other`'s first layers under the same embeddings (a
-        self-speculative draft's): its KV over any tokens is then `other`'s first layers'."""
-        mine, theirs = self.model.model, other.model.model
-        return (mine.embed_tokens is theirs.embed_tokens and len(self.layers) <= len(other.layers)
-                and all(a is b for a, b in zip(self.layers, other.layers)))
-
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, **tree: torch.Tensor
-               ) -> torch.Tensor:
-        """The head's logits after each of `tokens` ([B][T] at `positions`), [B][T][V], or after
-        the last of each row's, [B][1][V] (the head then runs on one token a row). `tree`:
-        append's slots, mask and parents, for a tree's nodes."""
-        hidden = self.append(tokens, positions, **tree)
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
+               slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+               parents: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.append(tokens, positions, slots=slots, mask=mask, parents=parents)
         hidden = hidden[:, -1:] if last else hidden
         with self._blas(hidden.shape[0] * hidden.shape[1]):  # the head's rows: B where `last`
             return self.model.lm_head(hidden)
-
-    def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The next token after each of `tokens`, [B][T] int64."""
-        return self.logits(tokens, positions).argmax(-1)
 
     @contextlib.contextmanager
     def kernels(self, rows: int) -> Iterator[None]:
@@ -203,59 +234,7 @@ class Stack:
         self.state.set_prompt(n, rows, prompt)
         return hidden
 
-    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """Each prompt's KV at positions 0.. of its row (lengths become the prompt's), and its
-        recurrent layers' state after it live.
-
-        One row is a graph on a GPU, captured once for every power-of-two length: run eagerly, a
-        short prompt's prefill is mostly the host launching a few hundred kernels (10 ms, against
-        1 ms on the GPU, for the small random-weight model), and continuous batching prefills one
-        row at a time. Several rows run eagerly, padded to the longest. A padding's entries, past
-        its prompt, are rewritten before any position reads them."""
-        rows, batch = list(rows), self.kv.lengths.shape[1]
-        if len(rows) != len(prompts) or len(set(rows)) != len(rows) or not all(0 <= row < batch for row in rows):
-            raise ValueError(f"a prefill takes one prompt for each of distinct rows of 0..{batch - 1}, not rows {rows} "
-                             f"and {len(prompts)} prompt(s)")  # before a device index would assert, or writes race
-        lengths = [len(prompt) for prompt in prompts]
-        if max(lengths, default=0) > self.kv.capacity:
-            raise ValueError(f"a prompt of {max(lengths)} tokens does not fit a cache of {self.kv.capacity}")
-        index = torch.tensor(list(rows), device=self.device)
-        counts = torch.tensor(lengths, dtype=torch.int32, device=self.device)
-        if self.state is not None:
-            self.state.reset(index)
-        if len(rows) == 1 and lengths[0] and self.device.type == "cuda":
-            self.prompt[0, :lengths[0]].copy_(torch.tensor(prompts[0]), non_blocking=True)
-            self.prompt_row.copy_(index)
-            self.prompt_len.copy_(counts)
-            self._prefill_graph(lengths[0]).replay()
-        elif max(lengths, default=0):
-            width = max(lengths)
-            padded = torch.tensor([list(prompt) + [0] * (width - len(prompt)) for prompt in prompts])
-            self.append(padded.to(self.device), self.slots[:width].expand(len(rows), width), index,
-                        counts if self.state is not None else None)
-        self.kv.lengths[:, index] = counts
-
-    def _prefill_graph(self, length: int) -> torch.cuda.CUDAGraph:
-        bucket = min(1 << (length - 1).bit_length(), self.kv.capacity)
-        if bucket not in self.prefills:
-            lengths = self.prompt_len if self.state is not None else None  # the recurrence skips the padding
-            # torch's lazy set-up off the graph
-            self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, lengths)
-            self.prefills[bucket] = graph = torch.cuda.CUDAGraph()
-            # Captured on the caller's stream (a decoder's: a tensor-parallel model's all-reduces
-            # go on the stream they run on, examples/torch_tp.py); from the default stream, which
-            # cannot be captured, on torch's own side stream.
-            current = torch.cuda.current_stream()
-            with torch.cuda.graph(graph, stream=None if current == torch.cuda.default_stream() else current):
-                self.append(self.prompt[:, :bucket], self.slots[None, :bucket], self.prompt_row, lengths)
-        return self.prefills[bucket]
-
-    def capture_prefills(self) -> None:
-        """Every one-row prefill graph, now: a capture synchronises the device, so not while
-        serving, and the eager warm-up before each writes scratch entries (and recurrent state)
-        into a row."""
-        length = 1
-        while length < self.kv.capacity:
-            self._prefill_graph(length)
-            length *= 2
-        self._prefill_graph(self.kv.capacity)  # the last bucket, the capacity itself
+    def _fill(self, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Prefills' forward: the recurrent layers skip each row's padding."""
+        self.append(tokens, self.slots[:tokens.shape[1]].expand(*tokens.shape), rows,
+                    lengths if self.state is not None else None)

@@ -62,7 +62,7 @@ class TreeLlama(RoundDecoder):
     def __init__(self, model: Any, draft: Any, tree: Tree, *, candidates: int | None = None, m_rounds: int = 16,
                  capacity: int = 1024, batch: int = 1, sampling: SamplingParams | None = None,
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
-                 paged: int | None = None):
+                 paged: int | None = None, compiled: bool | None = None):
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
         if sampling is not None and candidates is not None:
@@ -75,13 +75,13 @@ class TreeLlama(RoundDecoder):
         cache: CacheLayout = StaticKV if paged is None else functools.partial(PagedKV, page=paged)
         super().__init__(model, draft, k=tree.depth, verified=tree.nodes - 1, m_rounds=m_rounds, batch=batch,
                          capacity=capacity, sampling=sampling, draft_sampling=draft_sampling,
-                         state_rollback=state_rollback, cache=cache)
+                         state_rollback=state_rollback, cache=cache, compiled=compiled)
         nodes = tree.nodes
         with torch.cuda.stream(self.stream):
             self.tree_bufs = tree_bufs = TreeBufs(self.bufs, tree)
             self.tree_views = TreeViews(tree_bufs)
             # SDPA takes a mask of the query's dtype: one a model's dtype (the same where they agree)
-            masks = {dtype: TreeMask(self.tree_views.words, capacity, dtype, tree)
+            masks = {dtype: TreeMask(self.tree_views.words, self.target.kv.capacity, dtype, tree)
                      for dtype in {model.dtype, draft.dtype}}
             self.target_mask, self.draft_mask = masks[model.dtype], masks[draft.dtype]
             self.masks = list(masks.values())  # each made for the round once, at level 0

@@ -1,6 +1,6 @@
 """A trained pair (issue 40): memra_cuda.torch's decoders given a target and a draft that
 benchmarks/pair.py trained on this machine's Python sources (`python -m benchmarks.pair`, tiny
-shapes and budgets of seconds on the GPU, a temporary cache) and loaded from their checkpoint
+shapes and budgets of a few steps on the GPU, a temporary cache) and loaded from their checkpoint
 directories, the target in fp32 and the draft as saved (bf16). Greedy, every row equals the
 target's own greedy decoding (Hugging Face's, each prompt alone) token for token, B 1 and 8, a
 chain and a static and a dynamic tree: real agreement, not one set by hand. Then the headline
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 # 32 tokens) on the GPU, with batches a GPU takes in the same time as the CPU's and a corpus large
 # enough that its held-out pool has 8 prompts
 PAIR = ["--quick", "--device", "cuda", "--max-files", "1500", "--target-batch", "32", "--draft-batch", "32",
-        "--target-seconds", "4", "--draft-seconds", "2"]
+        "--target-steps", "24", "--draft-steps", "24"]
 K, M = 4, 8
 BUDGETS = [64, 40, 64, 17, 64, 52, 64, 33]
 TREES: dict[str, TreeShape | DynamicTree] = {"static": TreeShape.likeliest(12, depth=5, right=0.6, fall=0.4),

@@ -74,7 +74,7 @@ def test_a_head_size_other_than_hidden_over_heads_decodes_like_hugging_face(engi
     """The KV cache takes config.head_dim (32 here, where hidden_size / heads is 64)."""
     model = build_model("small", head_dim=32)
     spec = chain(model, capacity=capacity_for(len(PROMPT), 64, K, M, batch=2), batch=2)
-    assert spec.target.kv.k.shape[-1] == 32
+    assert spec.target.kv.k[0].shape[-1] == 32
     request = Request(PROMPT, 64)
     assert spec.generate_batch([request, request])[1] == hf_greedy(model, PROMPT, 64)
 
@@ -174,9 +174,10 @@ def test_continuous_batching_gives_each_request_its_single_request_output(small,
     requests, want = served_requests(alone, 64, seed=3)
     server = chain(small, capacity=capacity_for(40, 96, K, M, batch=8), batch=8)
     server.capture()
-    graphs, prefills = server.rounds.graphs, sorted(server.target.prefills)
+    graphs, prefills = server.rounds.graphs, sorted(server.target.prefills.graphs)
     served = server.serve(requests, mode)
-    assert server.rounds.graphs == graphs and sorted(server.target.prefills) == prefills, "serving captured a graph"
+    assert server.rounds.graphs == graphs and sorted(server.target.prefills.graphs) == prefills, \
+        "serving captured a graph"
     for i, (result, tokens) in enumerate(zip(served, want)):
         assert result.tokens == tokens, f"request {i}: first difference at {first_difference(result.tokens, tokens)}"
 

@@ -120,7 +120,8 @@ def test_a_separate_drafts_cache_holds_every_committed_token_as_its_own_prefill(
     committed = [min(int(n), len(tokens) - 1) - 1 for n, tokens in zip(spec.bufs.positions, full)]
     fresh = Stack(draft32, spec.draft.kv.capacity, batch=8)
     fresh.prefill(range(8), [tokens[:n] for tokens, n in zip(full, committed)])
-    for mine, theirs in ((spec.draft.kv.k, fresh.kv.k), (spec.draft.kv.v, fresh.kv.v)):
+    for mine, theirs in ((torch.stack(spec.draft.kv.k), torch.stack(fresh.kv.k)),  # [layers][B][heads][capacity][d]
+                         (torch.stack(spec.draft.kv.v), torch.stack(fresh.kv.v))):
         for row, n in enumerate(committed):
             torch.testing.assert_close(mine[:, row, :, :n], theirs[:, row, :, :n], atol=1e-4, rtol=1e-4,
                                        msg=lambda m, row=row: f"row {row}: {m}")
@@ -145,10 +146,10 @@ def test_served_requests_with_a_separate_draft_equal_hugging_face_each_alone(sma
     spec = chain(small, draft, 40, 3) if kind == "chain" else tree_decoder(small, TREES["dynamic"], 40, 96, 3,
                                                                           draft=draft)
     spec.capture(("graph",))
-    captured = spec.rounds.graphs, sorted(spec.target.prefills), sorted(spec.draft.prefills)
+    captured = spec.rounds.graphs, sorted(spec.target.prefills.graphs), sorted(spec.draft.prefills.graphs)
     assert captured[2], "the draft's own prefill graphs"
     served = spec.serve(requests)
-    assert (spec.rounds.graphs, sorted(spec.target.prefills), sorted(spec.draft.prefills)) == captured, \
+    assert (spec.rounds.graphs, sorted(spec.target.prefills.graphs), sorted(spec.draft.prefills.graphs)) == captured, \
         "serving captured a graph"
     for i, (request, out) in enumerate(zip(requests, served)):
         want = hf_greedy(small, request.prompt, request.max_new_tokens)

@@ -173,7 +173,7 @@ def test_the_decoder_keeps_no_autograd_graph_in_its_caches(decoder):
     assert not any(p.requires_grad for p in model.parameters())
     spec.generate(prompt, 16, mode="readback")
     for stack in (spec.target, spec.draft):
-        assert stack.kv.k.grad_fn is None and not stack.kv.k.requires_grad
+        assert all(kv.grad_fn is None and not kv.requires_grad for kv in stack.kv.k + stack.kv.v)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -206,7 +206,8 @@ def test_the_draft_cache_holds_every_committed_token(decoder):
     committed = min(int(spec.bufs.positions[0]), len(prompt) + len(got) - 1)
     fresh = memra_torch.Stack(spec.draft.model, spec.draft.kv.capacity)
     fresh.prefill([0], [(list(prompt) + got)[:committed]])
-    for mine, theirs in ((spec.draft.kv.k, fresh.kv.k), (spec.draft.kv.v, fresh.kv.v)):
+    for mine, theirs in ((torch.stack(spec.draft.kv.k), torch.stack(fresh.kv.k)),
+                         (torch.stack(spec.draft.kv.v), torch.stack(fresh.kv.v))):
         torch.testing.assert_close(mine[..., :committed, :], theirs[..., :committed, :], atol=1e-4, rtol=1e-4)
 
 

@@ -71,10 +71,15 @@ def test_rows_at_their_own_positions_give_hugging_faces_logits(layout):
     stepped together, one token and then three a row (a verify), each at its own positions:
     every token's logits are Hugging Face's over that row's sequence alone."""
     model = tiny()
-    stack = Stack(model, CAPACITY, batch=3, cache=layout)
+    rows_give_hugging_faces_logits(model, Stack(model, CAPACITY, batch=3, cache=layout))
+
+
+def rows_give_hugging_faces_logits(model: LlamaForCausalLM, stack) -> None:
+    """The check of rows at their own positions, for any stack of `model` of three rows (a
+    CompiledStack's too)."""
     rows = [[1, 5, 9, 3, 4, 8], [2], [7, 7, 1, 30, 2, 6, 11, 40, 3, 9, 12]]
     stack.prefill(range(3), [row[:-1] for row in rows])
-    assert stack.kv.lengths[:, :].tolist() == [[5, 0, 10]] * 3
+    assert stack.kv.lengths[:, :].tolist() == [[5, 0, 10]] * len(stack.kv.lengths)
     for width in (1, 3):
         tokens = torch.tensor([row[-1:] + [(13 * r + i) % VOCAB for i in range(width - 1)]
                                for r, row in enumerate(rows)])
@@ -140,11 +145,11 @@ def test_a_paged_cache_compacts_the_accepted_path_as_the_layers_kernel_does():
     path = torch.tensor([[0, 2, 5, 0], [0, 1, 3, 6]])  # row 0 accepted [1], [1, 0]; row 1 [0], [0, 0], [0, 0, 0]
     accepted, start = torch.tensor([[2], [3]]), seen["start"]
     paged.kv.compact(path.int(), accepted.int(), start.int())
-    for kv in (static.kv.k, static.kv.v):
+    for kv in (*static.kv.k, *static.kv.v):  # a layer's tensor each, [B][heads][capacity][d]
         before = kv.clone()
         for row in range(2):
             for d in range(1, int(accepted[row]) + 1):
-                kv[:, row, :, start[row, 0] + d] = before[:, row, :, start[row, 0] + path[row, d]]
+                kv[row, :, start[row, 0] + d] = before[row, :, start[row, 0] + path[row, d]]
     for layer in range(3):
         for mine, want in zip(paged.kv.gather(layer, torch.arange(2)), (static.kv.k[layer], static.kv.v[layer])):
             torch.testing.assert_close(mine, want, atol=0, rtol=0)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from memra_cuda import Engine, Greedy, RoundStream, StreamBufs, chain, kv_capacity, kv_len_ptr_table
-from memra_cuda.errors import BuffersHeld
+from memra_cuda.errors import BuffersHeld, CaptureError
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.driver.errors import driver
 from memra_cuda.testing.toy import lm as toy
@@ -206,3 +206,22 @@ def test_an_engine_borrows_a_stream_speaking_the_cuda_stream_protocol(engine):
             Engine(0, stream=ProtocolStream(int(handle), version=7))
     finally:
         engine.ctx.call("cuStreamDestroy", handle)
+
+
+def test_a_sealed_stream_generates_on_the_graphs_captured_before_and_refuses_any_other(engine):
+    """Issue 47: the headline's timed runs captured burst graphs (Pace asks for a shorter burst
+    where the rows need fewer rounds, each length captured on first use: a device-wide sync through
+    torch). capture_graphs(seal=True) captures every length Pace may ask for; generations of any
+    budget then capture nothing, and a graph not captured before is a CaptureError, not a capture."""
+    lm, bufs, rounds = toy_stream(engine, m_rounds=8, budget=200)
+    rounds.capture_graphs(seal=True)
+    captured = rounds.graphs
+    assert captured == tuple((0, n) for n in (1, 2, 4, 8))
+    prompt = [3, 1, 4, 1, 5]
+    for budget in (1, 5, 17, 64, 200):  # bursts of every length pacing asks for
+        lm.prefill(bufs, prompt)
+        assert rounds.generate(budget, mode="graph").tolist() == toy.target_greedy(MODEL, prompt, budget)
+    assert rounds.graphs == captured, "a sealed stream captured mid-generation"
+    with pytest.raises(CaptureError, match="not captured before the first request"):
+        rounds.graph_for(1)  # overlap's second readback slot: never captured
+    assert rounds.graphs == captured

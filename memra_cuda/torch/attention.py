@@ -1,0 +1,94 @@
+"""How a compiled step's queries attend over a static cache: to what each row holds, and no more.
+
+A round's forwards attend in three ways (the `attend` FusedLlama.forward takes):
+
+- **a prefill** from position 0 attends causally over its own tokens' K and V, computed in the
+  same forward: `causal`, SDPA with is_causal, the cache never read;
+- **a decode step or a chain's verify** (T tokens a row at slots s_t, the draft's or the
+  target's): query t attends to every slot <= s_t;
+- **a tree's verify or a draft level** attends where an additive mask ([R][1][T][capacity],
+  memra_cuda.torch.TreeMask's) is 0: the committed prefix and the node's ancestors.
+
+For the last two, `flex` reads only the cache blocks a row can see: each row's blocks up to its
+furthest slot, those wholly below its nearest slot (which every query sees: a chain's first
+token, a tree's root, is every query's ancestor) taken whole, the others through the mask,
+all worked out on the device from the slots inside the step (flex_attention's BlockMask), so a
+row of 100 tokens in a cache of 4096 reads one block, not 32, and a captured graph follows the
+rows as they grow. `sdpa` is the plain alternative: SDPA over the whole capacity under an
+additive mask (what gpt-fast does), kept to measure against and for a CPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Attention = Literal["flex", "sdpa"]
+ATTENTIONS: tuple[Attention, ...] = ("flex", "sdpa")
+BLOCK = 128  # flex_attention's block of queries and of cache slots (its default)
+
+
+def aligned(capacity: int) -> int:
+    """A compiled stack's capacity for one asked for: whole blocks, so that no block of the cache
+    is cut short (flex_attention's kernels then never mask a block's tail)."""
+    return -(-capacity // BLOCK) * BLOCK
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def causal(scale: float, gqa: bool) -> Attend:
+    """A prefill's attention: causal over its own K and V (q [R][H][T][d], k and v [R][H_kv][T][d];
+    `gqa`: H_kv < H)."""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+               cache_v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return attend
+
+
+def masked(kind: Attention, slots: torch.Tensor, capacity: int, scale: float, gqa: bool,
+           mask: torch.Tensor | None = None) -> Attend:
+    """The attention of R rows of T tokens at `slots` ([R][T] int64, within the capacity) over the
+    whole cache (every row of it, in order): to every slot <= a token's own, or where `mask`
+    ([R][1][T][capacity], additive) is 0."""
+    if kind == "sdpa":
+        if mask is None:
+            mask = torch.zeros((), dtype=torch.float32, device=slots.device).where(
+                torch.arange(capacity, device=slots.device) <= slots[..., None], -torch.inf)[:, None]
+
+        def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+                 cache_v: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask.to(q.dtype), scale=scale,
+                                                  enable_gqa=gqa)
+        return sdpa
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    rows, tokens = slots.shape
+    last = tokens - 1
+    if mask is None:
+        def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return kv <= slots[b, q.clamp(max=last)]
+    else:
+        tree = mask[:, 0] == 0  # [R][T][capacity]
+        top = tree.shape[-1] - 1
+
+        def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return tree[b, q.clamp(max=last), kv.clamp(max=top)]
+    blocks = -(-capacity // BLOCK)
+    tiles = -(-tokens // BLOCK)  # of queries: one below BLOCK tokens a row
+    padded = torch.cat([slots, slots[:, -1:].expand(rows, tiles * BLOCK - tokens)], 1).view(rows, tiles, BLOCK)
+    whole = (padded.amin(-1) + 1) // BLOCK  # [R][tiles]: blocks every query of the tile sees whole
+    seen = padded.amax(-1) // BLOCK + 1  # blocks the tile sees at all
+    every = torch.arange(blocks, device=slots.device)
+    block_mask = BlockMask.from_kv_blocks(
+        (seen - whole)[:, None].int(), (whole[..., None] + every).clamp(max=blocks - 1)[:, None].int(),
+        whole[:, None].int(), every.expand(rows, 1, tiles, blocks).int(), BLOCK_SIZE=BLOCK, mask_mod=visible,
+        seq_lengths=(tokens, capacity), compute_q_blocks=False)
+
+    def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
+             cache_v: torch.Tensor) -> torch.Tensor:
+        out = flex_attention(q, cache_k, cache_v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        assert isinstance(out, torch.Tensor)
+        return out
+    return flex
+

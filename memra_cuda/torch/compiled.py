@@ -1,0 +1,165 @@
+"""A model's step compiled once and captured inside the rounds' graphs: the forward at the
+hardware's pace.
+
+Run through transformers' modules, a step is some 40 kernels a layer; a CUDA graph removes the
+host's launches but not the kernels (509 for the pair's 12-layer target at B = 1, 1.28 ms on an
+H200). CompiledStack runs gpt-fast's recipe instead: the model's weights fused (FusedLlama), one
+K and one V tensor a layer (StaticKV) written at each token's own slot in place, and the step
+compiled by torch.compile (inductor, no graph break), which fuses the norms, the rotary
+embedding and the MLP's activation around the GEMMs. Attention reads only the cache blocks a row
+holds (memra_cuda.torch.attention). The compiled code is what a round's graph captures: a step
+is compiled the first time it runs at a shape, which a decoder does before any capture (its
+warm-up round), never inside one.
+
+Shapes are dynamic but for sizes of one (torch.compile's rule) and the capacity: one
+compilation serves every batch and width of a kind (a decode step or a verify, a tree's, a
+prefill) at a capacity, so a server's decoders of several B and k share it, and a row of one
+token, the common decode step, gets its own.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from .attention import ATTENTIONS, Attention, aligned, causal, masked
+from ..driver.errors import NotFused
+from .fused import FusedLlama, fuse
+from .kv import CacheLayout, StaticKV
+from .prefill import Prefills
+from .stack import LayerStack, Stack, rotary
+from .state import LiveState, StateLayout
+
+RECOMPILES = 64  # torch.compile's default of 8 would leave later stacks' kinds eager, silently
+_FUSED: weakref.WeakKeyDictionary[Any, FusedLlama] = weakref.WeakKeyDictionary()  # a model -> its fused weights
+
+
+def _step(fused: FusedLlama, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
+          values: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+          rows: torch.Tensor, mask: torch.Tensor | None, attention: str, last: bool) -> torch.Tensor:
+    """What is compiled: positions and slots kept inside the cache (a garbage one never writes
+    outside), the rotary rows gathered, the attention chosen, the fused forward."""
+    capacity = keys[0].shape[2]
+    positions, slots = positions.long().clamp(0, capacity - 1), slots.long().clamp(0, capacity - 1)
+    shape = fused.shape
+    attend = (causal(shape.scale, shape.gqa) if attention == "prefill"
+              else masked(attention, slots, capacity, shape.scale, shape.gqa, mask))  # type: ignore[arg-type]
+    return fused(tokens.long(), cos[positions], sin[positions], keys, values, rows, slots, attend, last)
+
+
+_COMPILED: dict[tuple[bool, bool], Any] = {}
+
+
+def compiled_step(dynamic: bool = True, tuning: bool = True) -> Any:
+    """_step through torch.compile (fullgraph: a graph break is an error, not a slow step); with
+    `dynamic`, the sizes _run marks dynamic stay symbolic, every other one static; with `tuning`,
+    inductor's coordinate descent tunes each kernel's launch (gpt-fast's setting)."""
+    if (dynamic, tuning) not in _COMPILED:
+        import torch._dynamo
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
+        _COMPILED[dynamic, tuning] = torch.compile(_step, fullgraph=True, dynamic=None if dynamic else False,
+                                                   options={"coordinate_descent_tuning": tuning})
+    return _COMPILED[dynamic, tuning]
+
+
+def _sizes(tensor: torch.Tensor | None, *dynamic: int) -> None:
+    """`tensor`'s dims `dynamic` symbolic in a compiled step (a size of one excepted), every other
+    static: automatic dynamic shapes would otherwise make a dim dynamic that merely differs
+    between two models (their heads), at a kernel's cost."""
+    if tensor is None:
+        return
+    import torch._dynamo
+    for dim in range(tensor.dim()):
+        if dim in dynamic:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        else:
+            torch._dynamo.mark_static(tensor, dim)
+
+
+def fused_weights(model: Any) -> FusedLlama:
+    """`model`'s FusedLlama, made the first time it is asked for (fuse converts a model once)."""
+    if model not in _FUSED:
+        _FUSED[model] = fuse(model)
+    return _FUSED[model]
+
+
+class CompiledStack(LayerStack):
+    """A LlamaForCausalLM-shaped model's compiled step over a static cache of `batch` rows and
+    `capacity` positions, rounded up to whole blocks of the attention (attention.aligned)
+    (memra_cuda.torch.Stack's interface, for models that fuse: attention layers of plain Linear
+    projections and SiLU, no recurrent layer; NotFused otherwise).
+
+    `attention` is how a decode step or a verify attends ("sdpa": the whole capacity under a
+    mask; "flex": the blocks each row holds, every shape compiled apart); `compile=False` runs
+    the same step eagerly (a CPU's check of the arithmetic); `dynamic=False` compiles every shape
+    apart; `tuning` (inductor's coordinate descent, gpt-fast's setting) tunes each kernel's
+    launch at its compilation: 0.356 ms against 0.455 for the pair's target's step at B = 1 on
+    an H200, twice the compile time."""
+
+    def __init__(self, model: Any, capacity: int, batch: int = 1, *, attention: Attention = "sdpa",
+                 compile: bool = True, dynamic: bool = True, tuning: bool = True):
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention is one of {ATTENTIONS}, not {attention!r}")
+        self.model, self.fused = model, fused_weights(model)
+        self.attention = attention
+        self.layers = model.model.layers[:model.config.num_hidden_layers]
+        self.device = torch.device(model.device)
+        self.kv = StaticKV(model.config, len(self.layers), batch, aligned(capacity), model.dtype, self.device)
+        self.state = None  # no recurrent layer: a model with one does not fuse
+        self.slots = torch.arange(self.kv.capacity, device=self.device)
+        self.cos, self.sin = rotary(model, self.slots)  # [capacity][d] each
+        self.every_row = torch.arange(batch, device=self.device)[:, None]
+        self.step = compiled_step(dynamic, tuning) if compile else _step
+        # a prefill is GEMMs of many rows, which tuning the kernels around them barely moves: its
+        # compilations (a first and one for every width past it) skip the tuning's time
+        self.fill_step = compiled_step(dynamic, False) if compile else _step
+        self.dynamic = compile and dynamic
+        if self.dynamic:
+            for tensor in (*self.kv.k, *self.kv.v):
+                _sizes(tensor, 0)  # [B][H_kv][capacity][d]: a capacity of its own compiles apart
+            for tensor in (self.cos, self.sin):
+                _sizes(tensor)
+        self.prefills = Prefills(self.kv, self._fill, self.device)
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+             mask: torch.Tensor | None, attention: str, last: bool, step: Any = None) -> torch.Tensor:
+        if self.dynamic:
+            # flex_attention's kernels fail on a symbolic batch or width in torch 2.11 (an illegal
+            # address at B = 64, a lowering error at T = 2): its steps compile a shape apart
+            shapes = (0, 1) if attention != "flex" else ()
+            for tensor in (tokens, positions, slots):
+                _sizes(tensor, *shapes)  # rows, tokens a row
+            _sizes(rows, *shapes[:1])
+            _sizes(mask, *(0, 2) if shapes else ())  # [R][1][T][capacity]
+        return (step or self.step)(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots,
+                                   rows, mask, attention, last)
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
+               slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+               parents: torch.Tensor | None = None) -> torch.Tensor:
+        return self._run(tokens, positions, positions if slots is None else slots, self.every_row, mask,
+                         self.attention, last)
+
+    def _fill(self, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Prefills' forward: the prompts' K and V, their attention causal over themselves."""
+        positions = self.slots[:tokens.shape[1]].expand(*tokens.shape)
+        self._run(tokens, positions, positions, rows[:, None], None, "prefill", True, self.fill_step)
+
+
+
+def stack_for(model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
+              cache: CacheLayout = StaticKV, compiled: bool | None = None) -> Stack | CompiledStack:
+    """The stack a decoder runs `model` on: its compiled step (CompiledStack) where the model fuses
+    and `cache` is the static one, else its own modules (Stack: recurrent layers and their
+    `state`, a paged cache, a tensor-parallel rank). `compiled` True insists (NotFused says why
+    not), False refuses."""
+    if compiled is not False and cache is StaticKV:
+        try:
+            return CompiledStack(model, capacity, batch)
+        except NotFused:
+            if compiled:
+                raise
+    elif compiled:
+        raise NotFused(f"the compiled step keeps a static cache, not {getattr(cache, '__name__', cache)}")
+    return Stack(model, capacity, batch, state=state, cache=cache)

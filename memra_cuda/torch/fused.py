@@ -1,0 +1,190 @@
+"""A Llama-family model's weights as a compiled step wants them, and the step's arithmetic.
+
+gpt-fast's recipe: q, k and v are one matrix, gate and up another, so a layer runs four GEMMs
+(GEMVs at one token a row) and the norms, the rotary embedding and the MLP's activation are
+left to the compiler to fuse around them. `fuse(model)` converts a transformers
+LlamaForCausalLM-shaped model (Llama, Mistral, Qwen2) once: the fused matrices are new tensors,
+and the model's own q/k/v and gate/up weights become views of them, so the weights are held once
+and the model still runs as Hugging Face's (the reference the tests compare with). A layer is
+converted once whoever asks (a self-speculative draft's layers are the target's: both fuse to
+the same tensors).
+
+What cannot be fused is refused, naming why (NotFused): a recurrent layer, a projection that is
+not a plain `torch.nn.Linear` (a tensor-parallel rank's, a quantised one), an activation other
+than SiLU. memra_cuda.torch.Stack runs such models through their own modules.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..driver.errors import NotFused
+from .kv import head_size
+
+_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class Heads:
+    """What a layer's attention is shaped by: query heads, K/V heads, the head size, the norms'
+    epsilon."""
+
+    heads: int
+    kv_heads: int
+    dim: int
+    eps: float
+
+    @property
+    def scale(self) -> float:
+        return float(self.dim) ** -0.5
+
+    @property
+    def gqa(self) -> bool:
+        """Whether K/V heads are shared by several query heads."""
+        return self.kv_heads != self.heads
+
+
+class FusedLayer(torch.nn.Module):
+    """One decoder layer's weights: `qkv` [(H + 2 H_kv) d][hidden], `o`, `gate_up` [2 I][hidden],
+    `down`, their biases where the model has them (Qwen2's q, k, v), and the two norms."""
+
+    qkv_bias: torch.Tensor | None
+    gate_up_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+    def __init__(self, layer: Any):
+        super().__init__()
+        attention, mlp = layer.self_attn, layer.mlp
+        self.qkv, self.qkv_bias = _fuse(attention.q_proj, attention.k_proj, attention.v_proj)
+        self.gate_up, self.gate_up_bias = _fuse(mlp.gate_proj, mlp.up_proj)
+        self.o, self.o_bias = attention.o_proj.weight, attention.o_proj.bias
+        self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+        self.attention_norm, self.mlp_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+
+
+def _fuse(*linears: torch.nn.Linear) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
+    """One weight (and bias) for `linears`, stacked by output rows, as parameters (a compiled
+    step keeps a parameter's shape static); each linear's own weight becomes a view of its rows,
+    so nothing is held twice."""
+    with torch.no_grad():
+        weight = torch.nn.Parameter(torch.cat([linear.weight for linear in linears]), requires_grad=False)
+        bias = None
+        if any(linear.bias is not None for linear in linears):
+            bias = torch.nn.Parameter(torch.cat([linear.bias if linear.bias is not None
+                                                 else linear.weight.new_zeros(linear.weight.shape[0])
+                                                 for linear in linears]), requires_grad=False)
+        start = 0
+        for linear in linears:
+            rows = linear.weight.shape[0]
+            linear.weight = torch.nn.Parameter(weight[start:start + rows], requires_grad=False)
+            if linear.bias is not None and bias is not None:
+                linear.bias = torch.nn.Parameter(bias[start:start + rows], requires_grad=False)
+            start += rows
+    return weight, bias
+
+
+_LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, FusedLayer] = weakref.WeakKeyDictionary()
+
+
+def _check(model: Any) -> None:
+    """Refuse, naming why, a model the step cannot run."""
+    from .state import Recurrent
+    config = model.config
+    if getattr(config, "model_type", None) not in _MODEL_TYPES:
+        raise NotFused(f"the compiled step runs {', '.join(_MODEL_TYPES)} models, not {config.model_type!r}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise NotFused(f"the compiled step's MLP is SwiGLU: {config.hidden_act!r} is not SiLU")
+    for i, layer in enumerate(model.model.layers[:config.num_hidden_layers]):
+        if isinstance(layer, Recurrent):
+            raise NotFused(f"layer {i} is recurrent: its state is the model's own modules' to keep")
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        for name in names:
+            linear = getattr(attention if name in names[:4] else mlp, name, None)
+            if type(linear) is not torch.nn.Linear:
+                raise NotFused(f"layer {i}'s {name} is {type(linear).__name__}, not a torch.nn.Linear "
+                               "(a tensor-parallel or quantised projection runs through the model's own modules)")
+
+
+class FusedLlama(torch.nn.Module):
+    """A model's fused weights and the arithmetic of its step over caches it is given.
+
+    forward() is what memra_cuda.torch.CompiledStack compiles: embeddings, the layers, the final
+    norm and the head of R rows of T tokens, reading positions, slots and cache rows as device
+    tensors, writing each token's K and V into its own slot of its layer's cache, and attending
+    the way `attend` says (memra_cuda.torch.attention)."""
+
+    def __init__(self, model: Any):
+        super().__init__()
+        _check(model)
+        config, inner = model.config, model.model
+        self.shape = Heads(config.num_attention_heads, config.num_key_value_heads, head_size(config),
+                           float(config.rms_norm_eps))
+        self.embed = inner.embed_tokens.weight
+        self.norm, self.head = inner.norm.weight, model.lm_head.weight
+        self.layers = torch.nn.ModuleList(self._layer(layer) for layer in inner.layers[:config.num_hidden_layers])
+
+    @staticmethod
+    def _layer(layer: torch.nn.Module) -> FusedLayer:
+        if layer not in _LAYERS:
+            _LAYERS[layer] = FusedLayer(layer)
+        return _LAYERS[layer]
+
+    def forward(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
+                values: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tensor,
+                attend: Callable[..., torch.Tensor], last: bool = False) -> torch.Tensor:
+        """The head's logits ([R][T][V], or [R][1][V] after each row's last token where `last`)
+        after `tokens` ([R][T] int64) whose rotary embedding is `cos`, `sin` ([R][T][d]), their
+        K and V written at `slots` ([R][T]) of cache rows `rows` ([R][1]) in every layer's
+        `keys` and `values` ([B][H_kv][capacity][d] each), attending by `attend(q, k, v, cache_k,
+        cache_v)` (q [R][H][T][d], this forward's k and v [R][H_kv][T][d], the layer's caches)."""
+        shape = self.shape
+        hidden = F.embedding(tokens, self.embed)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [R][T][1][d]: one for every head
+        for layer, cache_k, cache_v in zip(self.layers, keys, values):
+            hidden = hidden + self._attention(layer, hidden, cos, sin, cache_k, cache_v, rows, slots, attend)
+            mixed = F.linear(_rms(hidden, layer.mlp_norm, shape.eps), layer.gate_up, layer.gate_up_bias)
+            gate, up = mixed.chunk(2, -1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        hidden = _rms(hidden[:, -1:] if last else hidden, self.norm, shape.eps)
+        return F.linear(hidden, self.head)
+
+    def _attention(self, layer: FusedLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                   attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+        shape = self.shape
+        r, t = hidden.shape[:2]
+        qkv = F.linear(_rms(hidden, layer.attention_norm, shape.eps), layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([shape.heads * shape.dim, shape.kv_heads * shape.dim, shape.kv_heads * shape.dim], -1)
+        q = _rotate(q.view(r, t, shape.heads, shape.dim), cos, sin)
+        k = _rotate(k.view(r, t, shape.kv_heads, shape.dim), cos, sin)
+        v = v.view(r, t, shape.kv_heads, shape.dim)
+        cache_k[rows, :, slots] = k  # [R][T][H_kv][d] into this forward's own slots, nothing else
+        cache_v[rows, :, slots] = v
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache_k, cache_v)  # [R][H][T][d]
+        return F.linear(out.transpose(1, 2).reshape(r, t, shape.heads * shape.dim), layer.o, layer.o_bias)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's arithmetic: in fp32, back to the input's dtype before the weight."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one of q, k ([R][T][heads][d])."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos + rotated * sin
+
+
+def fuse(model: Any) -> FusedLlama:
+    """`model`'s weights fused (see the module's docstring), or NotFused saying why not."""
+    return FusedLlama(model)

@@ -1,0 +1,88 @@
+"""Prompts into a stack's static cache: one row as a CUDA graph per power-of-two length, several
+rows eagerly.
+
+Continuous batching prefills a row at a time, and run eagerly a short prompt's prefill is
+mostly the host launching kernels (10 ms against 1 ms on the GPU for the small random-weight
+model), so a one-row prefill replays a graph captured once for its length's bucket. Several rows
+run eagerly, padded to the longest. A padding's entries, past its prompt, are rewritten before
+any position reads them. Both kinds of stack (memra_cuda.torch.Stack, CompiledStack) prefill
+through this, with a `fill` of their own.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .kv import StaticKV
+
+Fill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""A stack's forward of R prompts from position 0: (tokens [R][W] int64, their cache rows [R],
+their lengths [R] int32, the rest of each row padding) -> None; K and V land in the cache."""
+
+
+class Prefills:
+    """The prefills of a cache `kv` run by `fill`, and their graphs (`graphs`: a prompt length
+    bucket -> its graph). `reset`, where given, is called with the rows (a [R] device index)
+    before their prompts go in (a hybrid stack's recurrent state starts from zero)."""
+
+    def __init__(self, kv: StaticKV, fill: Fill, device: torch.device,
+                 reset: Callable[[torch.Tensor], None] | None = None):
+        self.kv, self.fill, self.device, self.reset = kv, fill, device, reset
+        self.prompt = torch.zeros(1, kv.capacity, dtype=torch.long, device=device)  # one row's
+        self.row = torch.zeros(1, dtype=torch.long, device=device)
+        self.length = torch.zeros(1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _check(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Refuse, before a device index would assert or writes race, rows that are not distinct
+        rows of the batch, one a prompt, and a prompt longer than the cache."""
+        batch = self.kv.lengths.shape[1]
+        if len(rows) != len(prompts) or len(set(rows)) != len(rows) or not all(0 <= row < batch for row in rows):
+            raise ValueError(f"a prefill takes one prompt for each of distinct rows of 0..{batch - 1}, not rows "
+                             f"{list(rows)} and {len(prompts)} prompt(s)")
+        longest = max((len(prompt) for prompt in prompts), default=0)
+        if longest > self.kv.capacity:
+            raise ValueError(f"a prompt of {longest} tokens does not fit a cache of {self.kv.capacity}")
+
+    def run(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Each prompt's K and V at positions 0.. of its row; the row's lengths become the prompt's."""
+        rows = list(rows)
+        self._check(rows, prompts)
+        lengths = [len(prompt) for prompt in prompts]
+        index = torch.tensor(rows, device=self.device)
+        counts = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+        if self.reset is not None:
+            self.reset(index)
+        if len(rows) == 1 and lengths[0] and self.device.type == "cuda":
+            self.prompt[0, :lengths[0]].copy_(torch.tensor(prompts[0]), non_blocking=True)
+            self.row.copy_(index)
+            self.length.copy_(counts)
+            self._graph(lengths[0]).replay()
+        elif max(lengths, default=0):
+            width = max(lengths)
+            padded = torch.tensor([list(prompt) + [0] * (width - len(prompt)) for prompt in prompts])
+            self.fill(padded.to(self.device), index, counts)
+        self.kv.lengths[:, index] = counts
+
+    def _graph(self, length: int) -> torch.cuda.CUDAGraph:
+        bucket = min(1 << (length - 1).bit_length(), self.kv.capacity)
+        if bucket not in self.graphs:
+            self.fill(self.prompt[:, :bucket], self.row, self.length)  # torch's lazy set-up off the graph
+            self.graphs[bucket] = graph = torch.cuda.CUDAGraph()
+            # Captured on the caller's stream (a decoder's: a tensor-parallel model's all-reduces
+            # go on the stream they run on, examples/torch_tp.py); from the default stream, which
+            # cannot be captured, on torch's own side stream.
+            current = torch.cuda.current_stream()
+            with torch.cuda.graph(graph, stream=None if current == torch.cuda.default_stream() else current):
+                self.fill(self.prompt[:, :bucket], self.row, self.length)
+        return self.graphs[bucket]
+
+    def capture(self) -> None:
+        """Every one-row prefill graph, now: a capture synchronises the device, so not while
+        serving, and the warm-up before each writes scratch entries into a row."""
+        length = 1
+        while length < self.kv.capacity:
+            self._graph(length)
+            length *= 2
+        self._graph(self.kv.capacity)  # the last bucket, the capacity itself

@@ -1,0 +1,121 @@
+"""memra_cuda.torch's compiled step on the CPU (torch and transformers, no GPU), against Hugging
+Face's own forward on tiny random Llamas: the fused weights (held once, shared with a
+self-speculative draft), a CompiledStack's rows at their own positions and a tree's nodes under
+the ancestor mask with either attention, run eagerly (the arithmetic) and compiled (no graph
+break), its capacity in whole blocks, and what does not fuse refused by name. The GPU tests run
+the decoders on it (every decoder compiles where its models fuse)."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
+
+from memra_cuda.torch import PagedKV, Stack, TreeMask, self_draft  # noqa: E402
+from memra_cuda.torch.attention import BLOCK  # noqa: E402
+from memra_cuda.torch.compiled import CompiledStack, fused_weights, stack_for  # noqa: E402
+from memra_cuda.errors import NotFused  # noqa: E402
+from memra_cuda.torch.parallel import shard  # noqa: E402
+
+from test_torch_stack import (TOL, TREE, VOCAB, ancestors, hf_logits, hybrid, mask_words,  # noqa: E402
+                              rows_give_hugging_faces_logits, tiny)
+
+pytestmark = pytest.mark.torch
+
+ATTENTIONS = ("sdpa", "flex")
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_rows_at_their_own_positions_give_hugging_faces_logits(attention):
+    """Three rows prefilled to different lengths (one of a single token: nothing to prefill), then
+    stepped together, one token and then three a row (a verify), each at its own positions: every
+    token's logits are Hugging Face's over that row's sequence alone."""
+    model = tiny()
+    rows_give_hugging_faces_logits(model, CompiledStack(model, 40, batch=3, attention=attention, compile=False))
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "from-words"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_trees_nodes_see_the_prefix_and_their_ancestors_only(attention, static):
+    """Each node's logits are Hugging Face's over the prompt and the node's root path: not its
+    siblings, not their subtrees, not the stale entries an earlier round left past the root."""
+    model = tiny()
+    stack = CompiledStack(model, 40, batch=2, attention=attention, compile=False)
+    prompts = [[1, 5, 9, 3, 4], [2, 8, 6, 1, 7, 30, 31, 9, 4]]
+    stack.prefill(range(2), [p[:-1] for p in prompts])
+    start = torch.tensor([[len(p) - 1] for p in prompts])
+    stack.logits(torch.full((2, 12), 50), start + torch.arange(12))  # an earlier round's entries
+    tokens = torch.randint(0, VOCAB, (2, TREE.nodes), generator=torch.Generator().manual_seed(1))
+    tokens[:, 0] = torch.tensor([p[-1] for p in prompts])
+    depth = torch.tensor([len(ancestors(TREE, i)) - 1 for i in range(TREE.nodes)])
+    mask = TreeMask(mask_words(TREE, 2), stack.kv.capacity, model.dtype, TREE if static else None).at(start)
+    logits = stack.logits(tokens, start + depth, slots=start + torch.arange(TREE.nodes), mask=mask.rows(0, TREE.nodes))
+    for r, prompt in enumerate(prompts):
+        for node in range(TREE.nodes):
+            path = prompt[:-1] + [int(tokens[r, i]) for i in ancestors(TREE, node)]
+            torch.testing.assert_close(logits[r, node], hf_logits(model, path), **TOL,
+                                       msg=lambda m, r=r, node=node: f"row {r}, node {node}: {m}")
+
+
+def test_the_compiled_step_is_the_eager_steps_arithmetic_in_one_graph():
+    """torch.compile with fullgraph: a graph break would be an error, not a slower step (the
+    modules' Stack broke at its BLAS switch). A prefill, a decode step and a verify of every row
+    give the eager step's logits."""
+    model = tiny()
+    eager, compiled = (CompiledStack(model, 40, batch=2, compile=flag) for flag in (False, True))
+    prompts = [[1, 5, 9, 3], [2, 8, 6, 1, 7, 30]]
+    for stack in (eager, compiled):
+        stack.prefill(range(2), prompts)
+    for width in (1, 3):
+        tokens = torch.tensor([[4 + i for i in range(width)], [9 + i for i in range(width)]])
+        positions = torch.tensor([[len(p) + i for i in range(width)] for p in prompts])
+        torch.testing.assert_close(compiled.logits(tokens, positions), eager.logits(tokens, positions), **TOL)
+
+
+def test_a_capacity_is_whole_blocks_and_a_garbage_position_stays_inside():
+    stack = CompiledStack(tiny(), 40, compile=False)
+    assert stack.kv.capacity == BLOCK and stack.kv.k[0].shape[2] == BLOCK
+    logits = stack.logits(torch.tensor([[3, 4]]), torch.tensor([[-7, 1 << 40]]))
+    assert torch.isfinite(logits).all() and stack.kv.lengths.tolist() == [[0]] * 3  # lengths are the round's
+
+
+def test_fusing_holds_the_weights_once_and_leaves_the_model_as_it_was():
+    """q, k and v (and gate and up) become one matrix; the model's own weights become views of it,
+    so nothing is held twice and Hugging Face's forward gives the same logits."""
+    model = tiny()
+    before = hf_logits(model, [1, 5, 9, 3])
+    fused = fused_weights(model)
+    layer, attention = fused.layers[0], model.model.layers[0].self_attn
+    start, size = layer.qkv.data_ptr(), layer.qkv.numel() * layer.qkv.element_size()
+    for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
+        assert start <= linear.weight.data_ptr() < start + size
+    assert fused_weights(model) is fused, "a model is fused once"
+    torch.testing.assert_close(hf_logits(model, [1, 5, 9, 3]), before, atol=0, rtol=0)
+
+
+def test_a_self_speculative_draft_fuses_to_its_targets_layers():
+    model = tiny()
+    draft = self_draft(model, 1)
+    assert fused_weights(draft).layers[0] is fused_weights(model).layers[0]
+    assert CompiledStack(draft, 40, compile=False).prefix_of(CompiledStack(model, 40, compile=False))
+
+
+def test_what_does_not_fuse_is_refused_naming_why_and_runs_through_its_modules():
+    with pytest.raises(NotFused, match="layer 1 is recurrent"):
+        fused_weights(hybrid())
+    assert isinstance(stack_for(hybrid(), 40), Stack)  # its own modules, its state rolled back there
+    with pytest.raises(NotFused, match="recurrent"):
+        stack_for(hybrid(), 40, compiled=True)
+    sharded = tiny()
+    shard(sharded, 0, 2, lambda out: None)
+    with pytest.raises(NotFused, match="o_proj is Reduced"):
+        fused_weights(sharded)
+    gelu = tiny()
+    gelu.config.hidden_act = "gelu"
+    with pytest.raises(NotFused, match="'gelu' is not SiLU"):
+        fused_weights(gelu)
+    with pytest.raises(NotFused, match="static cache"):
+        stack_for(tiny(), 40, cache=PagedKV, compiled=True)
+    assert isinstance(stack_for(tiny(), 40, cache=PagedKV), Stack)
+    assert isinstance(stack_for(tiny(), 40), CompiledStack)
+    assert isinstance(stack_for(tiny(), 40, compiled=False), Stack)
