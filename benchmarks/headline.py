@@ -252,7 +252,7 @@ def picks_text(picks: Mapping[str, Mapping[int, dict[str, Any]]], name: str) -> 
 # -- the table ----------------------------------------------------------------------------------
 
 HEADER = (f"{'B':>4} {'decoding':8} {'kind':7} {'config':22} {'tokens/s':>9} {'vs plain':>8} {'tau':>5} {'v':>6} "
-          f"{'d':>6} {'ideal':>6} {'reached':>7} {'rows':>5} {'batch':>5}")
+          f"{'d':>6} {'ideal':>6} {'reached':>7} {'rows':>5} {'batch':>5} {'setup':>6}")
 
 
 def format_row(row: dict[str, Any]) -> str:
@@ -266,7 +266,7 @@ def format_row(row: dict[str, Any]) -> str:
     if row["kind"] == "HF":
         return head
     return head + (f" {row['tau']:5.2f} {row['v']:6.2f} {row['draft']:6.2f} {row['ideal']:5.2f}x {row['reached']:7.0%}"
-                   f" {row['rows_share']:5.0%} {row['batch_reached']:5.0%}")
+                   f" {row['rows_share']:5.0%} {row['batch_reached']:5.0%} {row.get('setup_s', 0):6.0f}")
 
 
 def summarise(rows: Sequence[dict[str, Any]]) -> list[dict]:
@@ -423,10 +423,13 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     print(f"\nheadline: {name}")
     print(f"prompts: heldout.json's first B ({heldout['prompt_len']} tokens, cut from held-out files), {tokens} new "
           f"tokens a row (B = 1: {one_row} prompts one after another), {settings['dtype']}, graph mode, "
-          f"M={TORCH_M}, sampling at T=1. vs plain: against the target's graphed greedy decoding (sampled rows "
-          "too); v and d: the round's verify and draft in target steps; ideal = tau / (v + d); reached: the share "
-          "of it got; rows: the rows' mean rounds over the slowest row's; batch: the share got of the batch's "
-          "ideal, ideal x rows. Hugging Face at B = 1 only (it serves one sequence at a time)")
+          f"M={TORCH_M}, sampling at T=1. vs plain: against the target's compiled greedy decoding, a graph of "
+          "16 steps a readback (sampled rows too); v and d: the round's verify and draft in target steps; ideal = "
+          "tau / (v + d); reached: the share of it got; rows: the rows' mean rounds over the slowest row's; batch: "
+          "the share got of the batch's ideal, ideal x rows; setup: the seconds a decoder compiled and captured "
+          "before its first request. Hugging Face at B = 1 only (it serves one sequence at a time)")
+    print("no graph is captured inside a timed run: every decoder is captured before its first request and sealed "
+          "(a capture there would be a CaptureError, ending the run)")
     print(f"weights' HBM floor: {weights / 1e6:.1f} MB of the target's weights a step (all but the input "
           f"embedding) / {bandwidth / 1e9:.0f} GB/s (a device-to-device copy of 1 GiB) = {floor:.3f} ms")
     print(HEADER, flush=True)

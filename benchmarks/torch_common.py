@@ -27,8 +27,9 @@ TREE_BATCHES = (1, 8, 32, 128)  # the trees section's and the headline's batch s
 def time_generations(generate: Callable[[Any], Any], groups: Sequence[Any],
                      after: Callable[[Any], Any] = lambda out: out) -> tuple[float, list[Any]]:
     """Seconds of generate(group) over every group, each timed alone between synchronisations
-    after one untimed run of the first (graph captures, first loads), and after(its output) of
-    each, read outside the timed spans."""
+    after one untimed run of the first (first loads; the decoders measured are captured before,
+    and sealed: a capture inside a timed run is a CaptureError, not a slow figure), and after(its
+    output) of each, read outside the timed spans."""
     import torch
     generate(groups[0])
     seconds, taken = 0.0, []
@@ -47,7 +48,7 @@ def token_count(outs: Sequence[Sequence[Sequence[int]]]) -> int:
     return sum(len(row) for out in outs for row in out)
 
 
-def _replay_ms(graph: Any, stream: Any, replays: int = 200) -> float:
+def replay_ms(graph: Any, stream: Any, replays: int = 200) -> float:
     """Device milliseconds of one replay of `graph` on `stream`, between CUDA events around
     `replays` of them: the device's time, not the host's launches."""
     import torch
@@ -72,7 +73,7 @@ def graph_ms(run: Callable[[], Any], stream: Any = None, replays: int = 200) -> 
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             run()
-    return _replay_ms(graph, stream, replays)
+    return replay_ms(graph, stream, replays)
 
 
 def tree_label(tree: Any) -> str:
@@ -109,8 +110,9 @@ def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -
     the unit of v and d."""
     from memra_cuda.torch import GraphedGreedy
     greedy = GraphedGreedy(model, capacity, len(groups[0]))
+    greedy.capture()
     seconds, outs = time_generations(greedy.generate_batch, groups)
-    return token_count(outs) / seconds, _replay_ms(greedy.graph, greedy.stream)
+    return token_count(outs) / seconds, replay_ms(greedy.graph, greedy.stream)
 
 
 def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequence[Any]], capacity: int,
@@ -128,7 +130,8 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
 
     seconds, taken = time_generations(spec.generate_batch, groups, after)
     v, d = (graph_ms(run, spec.stream) / step_ms for run in (verify, draft_levels))
-    return figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d)
+    return dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d),
+                setup_s=spec.setup_seconds)
 
 
 def measure_config(model: Any, kind: str, spec: Any, groups: Sequence[Sequence[Any]], capacity: int, sampling: Any,
@@ -166,16 +169,18 @@ def rows_share(rounds: Sequence[np.ndarray]) -> float:
 def decoder(model: Any, kind: str, config: Any, capacity: int, batch: int = 1, sampling: Any = None,
             draft: Any = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
     """A chain's decoder (`config` its k) or a tree's (`config` the tree) of `model` and `draft`
-    (default its self-speculative one), and the two callables its round runs: the verify and
-    the whole draft."""
+    (default its self-speculative one), every graph of graph mode captured and the decoder sealed
+    (RoundDecoder.capture), and the two callables its round runs: the verify and the whole draft."""
     from memra_cuda.torch import SpeculativeLlama, TreeLlama, self_draft
     draft = self_draft(model) if draft is None else draft
     if kind == "chain":
         chain = SpeculativeLlama(model, draft, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
                                  sampling=sampling)
+        chain.capture(("graph",))
         return chain, chain.verify_trunk, chain.draft_chain
     spec = TreeLlama(model, draft, config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
                      sampling=sampling)
+    spec.capture(("graph",))
     return spec, spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
 
 

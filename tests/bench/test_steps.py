@@ -1,0 +1,23 @@
+"""benchmarks/steps.py's arithmetic, without a GPU: the K/V bytes a step reads beside its weights,
+and a row of the step table as it prints."""
+from __future__ import annotations
+
+from benchmarks.steps import ROWS, SHAPES, kv_bytes, line
+
+
+def test_a_step_reads_the_valid_entries_of_every_layer_and_row_in_bf16():
+    target = SHAPES["target 12 x 768"]  # 12 layers, 12 K/V heads of 64
+    assert kv_bytes(target, 1, 512) == 2 * 2 * 12 * 12 * 64 * 512  # K and V, two bytes each
+    assert kv_bytes(target, 64, 512) == 64 * kv_bytes(target, 1, 512)
+    llama = SHAPES["Llama 3.2 1B shape"]  # heads of 64, 8 of them K/V
+    assert kv_bytes(llama, 1, 100) == 2 * 2 * 16 * 8 * 64 * 100
+    assert all(shape in SHAPES for shape, _, _ in ROWS)
+
+
+def test_a_row_gives_each_ways_time_kernels_and_ratio_to_the_floor():
+    row = dict(shape="target 12 x 768", batch=1, tokens=1, floor_ms=0.05,
+               modules=dict(ms=1.25, kernels=508, first_s=0.5), **{"compiled sdpa": dict(ms=0.375, kernels=135,
+                                                                                        first_s=26.5)})
+    text = line(row)
+    assert "floor 0.050 ms" in text and "modules: 1.250 ms (508 kernels, 25.0x floor" in text
+    assert "compiled sdpa: 0.375 ms (135 kernels, 7.5x floor, first run 26.5 s)" in text
