@@ -12,7 +12,9 @@ What every PyTorch engine of this layer reuses, a module a concept:
 - `state` — recurrent state rolled back by copy or by flipping an index;
 - `mask` — a tree's ancestor mask as SDPA's attention mask;
 - `stack` — a transformers Llama-family model's layers over those caches, positions read on the
-  device;
+  device; `compiled` — the same as one compiled step over the model's fused weights (`fused`),
+  attending by `attention`, what the decoders run where a model fuses; `prefill` — prompts into
+  either;
 - `decoder` — prefill graphs, a row's reset, generating a batch and serving a queue, for a
   target and a draft model; `chain` and `tree` its two rounds;
 - `greedy` — the target's own greedy decoding, graphed and Hugging Face's, to measure and check
@@ -22,6 +24,7 @@ What every PyTorch engine of this layer reuses, a module a concept:
 """
 from .adapter import capture, engine, framework, loop_capture
 from .chain import SpeculativeLlama
+from .compiled import CompiledStack
 from .decoder import Request, RoundDecoder, Served
 from .greedy import GraphedGreedy, hf_generate, hf_greedy
 from .kv import PagedKV, StaticKV, capacity_for, head_size
@@ -37,7 +40,7 @@ from .views import RoundViews, TreeViews, buffer, tensor
 __all__ = [
     "engine", "framework", "capture", "loop_capture", "buffer", "tensor", "RoundViews", "TreeViews",
     "StaticKV", "PagedKV", "capacity_for", "head_size", "Recurrent", "LiveState", "CopyState", "FlipState",
-    "TreeMask", "Stack", "SamplingParams", "Request", "Served", "RoundDecoder", "SpeculativeLlama", "TreeLlama",
-    "best_ranks", "GraphedGreedy", "hf_generate", "hf_greedy", "load_model", "load_tokenizer", "self_draft",
-    "shard",
+    "TreeMask", "Stack", "CompiledStack", "SamplingParams", "Request", "Served", "RoundDecoder", "SpeculativeLlama",
+    "TreeLlama", "best_ranks", "GraphedGreedy", "hf_generate", "hf_greedy", "load_model", "load_tokenizer",
+    "self_draft", "shard",
 ]

@@ -31,7 +31,7 @@ from .prefill import Prefills
 from .stack import LayerStack, Stack, rotary
 from .state import LiveState, StateLayout
 
-RECOMPILES = 64  # torch.compile's default of 8 would leave later stacks' kinds eager, silently
+RECOMPILES = 256  # torch.compile's 8 a function: a server's models, kinds of step and capacities pass it
 _FUSED: weakref.WeakKeyDictionary[Any, FusedLlama] = weakref.WeakKeyDictionary()  # a model -> its fused weights
 
 
@@ -145,7 +145,6 @@ class CompiledStack(LayerStack):
         """Prefills' forward: the prompts' K and V, their attention causal over themselves."""
         positions = self.slots[:tokens.shape[1]].expand(*tokens.shape)
         self._run(tokens, positions, positions, rows[:, None], None, "prefill", True, self.fill_step)
-
 
 
 def stack_for(model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
