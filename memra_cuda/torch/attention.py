@@ -35,6 +35,7 @@ def aligned(capacity: int) -> int:
     is cut short (flex_attention's kernels then never mask a block's tail)."""
     return -(-capacity // BLOCK) * BLOCK
 
+
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

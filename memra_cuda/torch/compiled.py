@@ -18,7 +18,6 @@ token, the common decode step, gets its own.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -32,7 +31,6 @@ from .stack import LayerStack, Stack, rotary
 from .state import LiveState, StateLayout
 
 RECOMPILES = 256  # torch.compile's 8 a function: a server's models, kinds of step and capacities pass it
-_FUSED: weakref.WeakKeyDictionary[Any, FusedLlama] = weakref.WeakKeyDictionary()  # a model -> its fused weights
 
 
 def _step(fused: FusedLlama, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
@@ -77,13 +75,6 @@ def _sizes(tensor: torch.Tensor | None, *dynamic: int) -> None:
             torch._dynamo.mark_static(tensor, dim)
 
 
-def fused_weights(model: Any) -> FusedLlama:
-    """`model`'s FusedLlama, made the first time it is asked for (fuse converts a model once)."""
-    if model not in _FUSED:
-        _FUSED[model] = fuse(model)
-    return _FUSED[model]
-
-
 class CompiledStack(LayerStack):
     """A LlamaForCausalLM-shaped model's compiled step over a static cache of `batch` rows and
     `capacity` positions, rounded up to whole blocks of the attention (attention.aligned)
@@ -101,7 +92,7 @@ class CompiledStack(LayerStack):
                  compile: bool = True, dynamic: bool = True, tuning: bool = True):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention is one of {ATTENTIONS}, not {attention!r}")
-        self.model, self.fused = model, fused_weights(model)
+        self.model, self.fused = model, fuse(model)
         self.attention = attention
         self.layers = model.model.layers[:model.config.num_hidden_layers]
         self.device = torch.device(model.device)

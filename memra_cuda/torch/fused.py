@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..driver.errors import NotFused
 from .kv import head_size
+from .state import Recurrent
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -94,7 +95,6 @@ _LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, FusedLayer] = weakref.WeakKe
 
 def _check(model: Any) -> None:
     """Refuse, naming why, a model the step cannot run."""
-    from .state import Recurrent
     config = model.config
     if getattr(config, "model_type", None) not in _MODEL_TYPES:
         raise NotFused(f"the compiled step runs {', '.join(_MODEL_TYPES)} models, not {config.model_type!r}")
@@ -185,6 +185,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+_MODELS: weakref.WeakKeyDictionary[Any, FusedLlama] = weakref.WeakKeyDictionary()
+
+
 def fuse(model: Any) -> FusedLlama:
-    """`model`'s weights fused (see the module's docstring), or NotFused saying why not."""
-    return FusedLlama(model)
+    """`model`'s weights fused (see the module's docstring), the first time it is asked for and
+    then the same FusedLlama; or NotFused saying why not."""
+    if model not in _MODELS:
+        _MODELS[model] = FusedLlama(model)
+    return _MODELS[model]

@@ -97,10 +97,16 @@ class StaticKV:
 
     def copy_rows(self, other: StaticKV, rows: torch.Tensor) -> None:
         """`other`'s first layers' entries and lengths in `rows` (what a stack of those same
-        layers computes over the same tokens: a self-speculative draft's prefill)."""
+        layers computes over the same tokens: a self-speculative draft's prefill), from a cache
+        of the same layout, batch and capacity."""
+        held = self._held(rows)  # the first index of each layer's tensor that holds the rows' entries
         for mine, theirs in zip(self.k + self.v, other.k[:len(self.k)] + other.v[:len(self.v)]):
-            mine.index_copy_(0, rows, theirs.index_select(0, rows))
+            mine.index_copy_(0, held, theirs.index_select(0, held))
         self.lengths.index_copy_(1, rows, other.lengths[:len(self.lengths)].index_select(1, rows))
+
+    def _held(self, rows: torch.Tensor) -> torch.Tensor:
+        """Where `rows`' entries are in a layer's tensor, by its first index: the rows themselves."""
+        return rows
 
 
 CacheLayout = Callable[[Any, int, int, int, torch.dtype, torch.device], StaticKV]
@@ -161,12 +167,9 @@ class PagedKV(StaticKV):
             for kv in (self.pool_k, self.pool_v):
                 kv[:, tp, :, to] = torch.where(move[:, None, None, None], kv[:, sp, :, so], kv[:, tp, :, to])
 
-    def copy_rows(self, other: StaticKV, rows: torch.Tensor) -> None:
-        """StaticKV.copy_rows from a PagedKV of the same batch and capacity, whose pages are these."""
-        pages = self.table[rows].flatten()
-        for mine, theirs in zip(self.k + self.v, other.k[:len(self.k)] + other.v[:len(self.v)]):
-            mine.index_copy_(0, pages, theirs.index_select(0, pages))
-        self.lengths.index_copy_(1, rows, other.lengths[:len(self.lengths)].index_select(1, rows))
+    def _held(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows' pages: a PagedKV of the same batch and capacity has these same pages."""
+        return self.table[rows].flatten()
 
     def data(self) -> list[KVData]:
         raise TypeError("a paged cache is not one stride a position: the layer's compaction cannot move it "

@@ -13,7 +13,8 @@ pytest.importorskip("transformers", reason="memra_cuda.torch's models need trans
 
 from memra_cuda.torch import PagedKV, Stack, TreeMask, self_draft  # noqa: E402
 from memra_cuda.torch.attention import BLOCK  # noqa: E402
-from memra_cuda.torch.compiled import CompiledStack, fused_weights, stack_for  # noqa: E402
+from memra_cuda.torch.compiled import CompiledStack, stack_for  # noqa: E402
+from memra_cuda.torch.fused import fuse  # noqa: E402
 from memra_cuda.errors import NotFused  # noqa: E402
 from memra_cuda.torch.parallel import shard  # noqa: E402
 
@@ -84,36 +85,36 @@ def test_fusing_holds_the_weights_once_and_leaves_the_model_as_it_was():
     so nothing is held twice and Hugging Face's forward gives the same logits."""
     model = tiny()
     before = hf_logits(model, [1, 5, 9, 3])
-    fused = fused_weights(model)
+    fused = fuse(model)
     layer, attention = fused.layers[0], model.model.layers[0].self_attn
     start, size = layer.qkv.data_ptr(), layer.qkv.numel() * layer.qkv.element_size()
     for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
         assert start <= linear.weight.data_ptr() < start + size
-    assert fused_weights(model) is fused, "a model is fused once"
+    assert fuse(model) is fused, "a model is fused once"
     torch.testing.assert_close(hf_logits(model, [1, 5, 9, 3]), before, atol=0, rtol=0)
 
 
 def test_a_self_speculative_draft_fuses_to_its_targets_layers():
     model = tiny()
     draft = self_draft(model, 1)
-    assert fused_weights(draft).layers[0] is fused_weights(model).layers[0]
+    assert fuse(draft).layers[0] is fuse(model).layers[0]
     assert CompiledStack(draft, 40, compile=False).prefix_of(CompiledStack(model, 40, compile=False))
 
 
 def test_what_does_not_fuse_is_refused_naming_why_and_runs_through_its_modules():
     with pytest.raises(NotFused, match="layer 1 is recurrent"):
-        fused_weights(hybrid())
+        fuse(hybrid())
     assert isinstance(stack_for(hybrid(), 40), Stack)  # its own modules, its state rolled back there
     with pytest.raises(NotFused, match="recurrent"):
         stack_for(hybrid(), 40, compiled=True)
     sharded = tiny()
     shard(sharded, 0, 2, lambda out: None)
     with pytest.raises(NotFused, match="o_proj is Reduced"):
-        fused_weights(sharded)
+        fuse(sharded)
     gelu = tiny()
     gelu.config.hidden_act = "gelu"
     with pytest.raises(NotFused, match="'gelu' is not SiLU"):
-        fused_weights(gelu)
+        fuse(gelu)
     with pytest.raises(NotFused, match="static cache"):
         stack_for(tiny(), 40, cache=PagedKV, compiled=True)
     assert isinstance(stack_for(tiny(), 40, cache=PagedKV), Stack)

@@ -195,6 +195,17 @@ def test_serve_refuses_a_request_its_caches_cannot_hold_before_anything_runs(sma
     assert server.rounds.rounds == rounds_before_overlap, "a step ran before the refusal"
 
 
+def test_the_plain_loop_refuses_a_request_its_cache_cannot_hold_and_reads_a_burst_back_once(small):
+    """GraphedGreedy, the baseline, is a burst of steps a graph and a readback: a request needing
+    more slots than its cache is refused naming it, before anything runs; a request whose budget
+    ends inside a burst gets its budget exactly, as Hugging Face's greedy decoding."""
+    greedy = GraphedGreedy(small, 128, steps=16)
+    with pytest.raises(ValueError, match="request 0 .* needs a cache of 136"):
+        greedy.generate(list(range(1, 11)), 127)
+    assert greedy.graph is None, "a step ran before the refusal"
+    assert greedy.generate(PROMPT, 21) == hf_greedy(small, PROMPT, 21)  # one burst and five steps of another
+
+
 def test_a_prefill_needs_a_seed_a_row_and_greedy_a_request_a_row(small):
     sampled = chain(small, capacity=capacity_for(10, 20, K, M, batch=2), batch=2, sampling=SamplingParams(1.0))
     for seeds in ([7], [], [7, 8, 9]):
