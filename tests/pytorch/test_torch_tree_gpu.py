@@ -235,11 +235,12 @@ def test_a_tree_llama_refuses_what_it_cannot_serve(small, hybrid):
         PagedKV(small.config, 1, 1, 64, torch.float32).data()
     with pytest.raises(ValueError, match="candidates= is for greedy"):
         TreeLlama(small, draft, TREES["dynamic"], candidates=3, capacity=64, sampling=SamplingParams())
-    # a request that fits a chain's k + 1 slots past its position, but not the tree's T + 1
-    tree, prompt, new = TREES["dynamic"], PROMPT, 100
-    need = kv_capacity(len(prompt), new, tree.depth, M, width=tree.nodes)
-    assert kv_capacity(len(prompt), new, tree.depth, M) < need
-    spec = TreeLlama(small, draft, tree, m_rounds=M, capacity=need - 1)
-    assert spec.rounds.rounds_per_step("graph") == M
+    # a request that fits a chain's k + 1 slots past its position, but not the tree's T + 1, in a
+    # cache of one whole block (a decoder's capacity is rounded up to whole blocks of 128)
+    tree, prompt, capacity = TREES["dynamic"], PROMPT, 128
+    new = next(n for n in range(capacity) if kv_capacity(len(prompt), n, tree.depth, M, width=tree.nodes) > capacity)
+    assert kv_capacity(len(prompt), new, tree.depth, M) <= capacity
+    spec = TreeLlama(small, draft, tree, m_rounds=M, capacity=capacity)
+    assert spec.target.kv.capacity == capacity and spec.rounds.rounds_per_step("graph") == M
     with pytest.raises(ValueError, match="needs a KV cache"):
         spec.serve([Request(prompt, new)])
