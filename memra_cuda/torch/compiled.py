@@ -85,8 +85,8 @@ class CompiledStack(LayerStack):
     mask; "flex": the blocks each row holds, every shape compiled apart); `compile=False` runs
     the same step eagerly (a CPU's check of the arithmetic); `dynamic=False` compiles every shape
     apart; `tuning` (inductor's coordinate descent, gpt-fast's setting) tunes each kernel's
-    launch at its compilation: 0.356 ms against 0.455 for the pair's target's step at B = 1 on
-    an H200, twice the compile time."""
+    launch of the one-token step at its compilation (a verify's and a prefill's compile
+    untuned: there it costs compile time and gains nothing)."""
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, attention: Attention = "sdpa",
                  compile: bool = True, dynamic: bool = True, tuning: bool = True):
@@ -101,10 +101,12 @@ class CompiledStack(LayerStack):
         self.slots = torch.arange(self.kv.capacity, device=self.device)
         self.cos, self.sin = rotary(model, self.slots)  # [capacity][d] each
         self.every_row = torch.arange(batch, device=self.device)[:, None]
+        # tuning pays at one token a row, where inductor turns each GEMM into a reduction fused
+        # with the norm before it and the tuning sizes those (0.367 ms against 0.466 for the pair's
+        # target on an H200); a verify's or a prefill's GEMMs stay GEMMs, and tuning the kernels
+        # around them moved nothing (0.527 against 0.528 at B = 1, T = 5) but doubled their compiling
         self.step = compiled_step(dynamic, tuning) if compile else _step
-        # a prefill is GEMMs of many rows, which tuning the kernels around them barely moves: its
-        # compilations (a first and one for every width past it) skip the tuning's time
-        self.fill_step = compiled_step(dynamic, False) if compile else _step
+        self.wide_step = compiled_step(dynamic, False) if compile else _step
         self.dynamic = compile and dynamic
         if self.dynamic:
             for tensor in (*self.kv.k, *self.kv.v):
@@ -114,7 +116,7 @@ class CompiledStack(LayerStack):
         self.prefills = Prefills(self.kv, self._fill, self.device)
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-             mask: torch.Tensor | None, attention: str, last: bool, step: Any = None) -> torch.Tensor:
+             mask: torch.Tensor | None, attention: str, last: bool) -> torch.Tensor:
         if self.dynamic:
             # flex_attention's kernels fail on a symbolic batch or width in torch 2.11 (an illegal
             # address at B = 64, a lowering error at T = 2): its steps compile a shape apart
@@ -123,8 +125,9 @@ class CompiledStack(LayerStack):
                 _sizes(tensor, *shapes)  # rows, tokens a row
             _sizes(rows, *shapes[:1])
             _sizes(mask, *(0, 2) if shapes else ())  # [R][1][T][capacity]
-        return (step or self.step)(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots,
-                                   rows, mask, attention, last)
+        step = self.step if tokens.shape[1] == 1 else self.wide_step
+        return step(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots, rows, mask,
+                    attention, last)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -135,7 +138,7 @@ class CompiledStack(LayerStack):
     def _fill(self, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prefills' forward: the prompts' K and V, their attention causal over themselves."""
         positions = self.slots[:tokens.shape[1]].expand(*tokens.shape)
-        self._run(tokens, positions, positions, rows[:, None], None, "prefill", True, self.fill_step)
+        self._run(tokens, positions, positions, rows[:, None], None, "prefill", True)
 
 
 def stack_for(model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
