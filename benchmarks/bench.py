@@ -88,7 +88,7 @@ def launch_overhead(engine: Engine, batch: int = 200, trials: int = 60) -> dict[
     """
     kernel = load(engine, "probe").kernel("probe_touch")
     target = engine.zeros(np.uint32, 1)
-    prepared = kernel.prepare(grid=1, block=32).set(target)
+    prepared = kernel.prepare(grid=1, block=32).set(x=target)
     engine.ctx.make_current()  # the bare calls need it; the prepared launch checks it per call
     bare, f, stream, params = driver().cuLaunchKernel, kernel.handle, engine.stream, prepared.args.pointer
     samples: dict[str, list[float]] = {"bare": [], "prepared": []}

@@ -38,7 +38,7 @@ def clock_offset(engine: Engine, trials: int = 40) -> int:
     round trips through mapped memory (probe_clock)."""
     flag, stamp = MappedBuffer(engine, np.uint32, 4), MappedBuffer(engine, np.uint64, 1)
     launch = load(engine, "probe").kernel("probe_clock").prepare(grid=1, block=1)
-    launch.set(flag.device, stamp.device)
+    launch.set(flag=flag.device, device_ns=stamp.device)
     trips = []  # (round trip, device minus host at its middle)
     for _ in range(trials):
         flag.live[:] = 0

@@ -51,7 +51,8 @@ extern "C" __global__ void model(u32 draft, u32 vocab, u32 k, u32 cap, const u32
 }
 """
 # The kernel's parameters as the source declares them: a launch prepared with other types (a u32
-# for a pointer, an i32 for a u32) is refused at prepare, naming the parameter.
+# for a pointer, an i32 for a u32) is refused at prepare, naming the parameter, and its arguments
+# are set by these names, so two u32s swapped (k and cap) cannot pass as each other.
 SIGNATURES = {"model": Signature.of(draft="u32", vocab="u32", k="u32", cap="u32", table="ptr", tokens="ptr",
                                     pos="ptr", out="ptr", kv="ptr", len="ptr")}
 VOCAB, PROMPT = 1000, [17, 423, 9, 871]
@@ -89,7 +90,8 @@ def decode(engine: Engine, prompt: list[int], new_tokens: int, k: int, m_rounds:
             kv: KVLayer) -> Callable[[], None]:
         """One launch of `model`: the draft chain (is_draft 1) or the verify trunk (0)."""
         return module.kernel("model").prepare(grid=bufs.batch).set(
-            is_draft, VOCAB, k, capacity, table_d, tokens, position, out, kv.data_d, kv.len_d)
+            draft=is_draft, vocab=VOCAB, k=k, cap=capacity, table=table_d, tokens=tokens, pos=position, out=out,
+            kv=kv.data_d, len=kv.len_d)
 
     rounds = RoundStream(bufs, draft_chain=run(1, bufs.pend_d, bufs.pos_ctr_d, draft_d, draft),
                          verify_trunk=run(0, bufs.vtok_d, bufs.pos_start_d, pred_d, target),

@@ -42,14 +42,15 @@ class Prepared(Handle):
         for handle in self._holds:
             handle.depend(self)
 
-    def set(self, *values: object) -> Prepared:
+    def set(self, *values: object, **named: object) -> Prepared:
         """New argument values: only launches take them (Launch.set)."""
         raise TypeError(f"{self!r} has fixed arguments: prepare another call instead")
 
-    def __call__(self, *values: object) -> None:
-        """Issue the call, first storing `values` if any are given (a Launch's arguments)."""
-        if values:
-            self.set(*values)
+    def __call__(self, *values: object, **named: object) -> None:
+        """Issue the call, first storing the arguments if any are given (a Launch's: by name
+        where its kernel has a signature, Launch.set)."""
+        if values or named:
+            self.set(*values, **named)
         if self._refusal is not None:
             raise ValueError(self._refusal)
         self._ctx.run(self._fn, self._name, self._argv)

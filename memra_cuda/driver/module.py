@@ -4,7 +4,8 @@ A prepared launch declares its argument types once and keeps their storage and t
 table the driver reads in one place; launching it again is a single cuLaunchKernel call on a
 prebuilt argument tuple, so per-launch Python work stays near the bare binding's cost. A module
 loaded with a signature table (signature.py) checks the declared types against the kernel's at
-prepare, and gives them where a launcher leaves them out.
+prepare, and gives them where a launcher leaves them out; its launches take their arguments by
+the table's names.
 
 Thread safety: modules and kernels may be shared between threads. A Launch may not: its
 argument store is written by set() and read by the driver at the next launch, so two threads
@@ -25,7 +26,7 @@ from .buffer import DeviceBuffer, as_buffer
 from .call import Prepared
 from .errors import CudaError, CudaFault, driver
 from .handle import Handle
-from .signature import ARG_TYPES, Signature
+from .signature import ARG_TYPES, Signature, arguments
 from .values import exact_int
 
 if TYPE_CHECKING:
@@ -122,6 +123,10 @@ class Launch(Prepared):
     Until the first set() it refuses too: a kernel with zeroed pointer arguments would fault.
     A Graph that captures the launch holds the buffers of that moment, so re-binding the
     launch later cannot strand the graph.
+
+    A kernel with a signature takes its arguments by name (`set(k=4, B=8, ...)`), one without
+    in order (signature.arguments); `signature` is the kernel's at prepare, the one its types
+    were checked against.
     """
 
     def __init__(self, kernel: Kernel, types: Sequence[str] | None, grid: int | Sequence[int],
@@ -130,7 +135,7 @@ class Launch(Prepared):
         module = kernel.module
         module._usable()
         engine = module.engine
-        self.kernel = kernel
+        self.kernel, self.signature = kernel, kernel.signature
         self.args = KernelArgs(declared, engine)
         kernel.check_sizes(self.args.types)
         argv = (kernel.handle, *_dim3(grid, f"{kernel.name}'s grid", GRID_LIMITS),
@@ -140,8 +145,10 @@ class Launch(Prepared):
         if self.args.types:
             self._refusal = f"{kernel.name} has no arguments yet: call set(...) before launching it"
 
-    def set(self, *values: Any) -> Launch:
-        self.args.set(*values)
+    def set(self, *values: Any, **named: Any) -> Launch:
+        """Store new arguments: by their parameters' names where the kernel has a signature, in
+        order where it has none; all are checked before any is written."""
+        self.args.set(*arguments(self.kernel.name, self.signature, values, named))
         self._bind((self.kernel.module, *self.args.buffers))
         if not (self.kernel.module.freed or self.engine.closed):
             self._refusal = None
@@ -252,9 +259,10 @@ class Module(Handle):
     `signatures` maps kernel names to their Signature (memra_cuda.driver.Signature): every
     prepare of a kernel it names checks the declared argument types against it, naming the
     parameter a u32 was given for an f32, say, and may leave the types out. A kernel the table
-    does not name is checked by its parameter sizes alone, where the driver can tell them. For
-    your own kernels: `Module(engine, compile_ptx(source), signatures={"scale":
-    Signature.of(x="ptr", y="ptr", n="u32")})`.
+    does not name is checked by its parameter sizes alone, where the driver can tell them, and
+    takes its arguments in order. For your own kernels: `Module(engine, compile_ptx(source),
+    signatures={"scale": Signature.of(x="ptr", y="ptr", n="u32")})`, whose launches are then set
+    by name: `set(x=src, y=dst, n=1000)`.
 
     Freed (unloaded) once, by free() or when the last kernel, launch or graph using it is
     gone; at interpreter exit the context takes its modules with it. Launches of an unloaded

@@ -5,13 +5,15 @@ passed where the kernel reads an f32, or an i32 where it reads a u32, has the ri
 arrives as bits the kernel reads as another number. A Signature says what each parameter is, so
 a launch prepared with other types is refused at prepare, naming the kernel and the parameter,
 and a launcher can take the types from the table instead of repeating them (Module's
-`signatures`; the package's own table is memra_cuda.kernels.signatures).
+`signatures`; the package's own table is memra_cuda.kernels.signatures). Types cannot tell two
+u32s apart (k and B swapped arrive as the other's number), names can: a kernel with a Signature
+takes its arguments by name (`arguments`).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -62,5 +64,35 @@ class Signature:
             if kind != param.type:
                 raise TypeError(f"{kernel}: parameter '{param.name}' is {param.type}, not {kind}")
 
+    def bind(self, kernel: str, values: Mapping[str, Any]) -> tuple[Any, ...]:
+        """`values` in this signature's order, taken by their parameters' names; TypeError naming
+        `kernel`, the parameters not given and the names it has no parameter of (a misspelt name
+        is refused, not dropped)."""
+        names = [param.name for param in self.params]
+        missing = [name for name in names if name not in values]
+        unknown = [name for name in values if name not in names]
+        if missing or unknown:
+            wrong = [f"{what} {', '.join(names)}" for what, names in (("missing", missing), ("no parameter", unknown))
+                     if names]
+            raise TypeError(f"{kernel}{self}: {'; '.join(wrong)}")
+        return tuple(values[name] for name in names)
+
     def __str__(self) -> str:
         return f"({', '.join(f'{param.type} {param.name}' for param in self.params)})"
+
+
+def arguments(kernel: str, signature: Signature | None, values: Sequence[Any],
+              named: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A launch's arguments in the kernel's order (what Launch.set stores): by name through
+    `signature` where the kernel has one, positionally where it has none (a user's PTX loaded
+    without a table). Values in order are refused for a kernel with a signature: two u32s
+    swapped pass every type check, so an order nothing can check is not taken. TypeError naming
+    the kernel for that, for names given to a kernel without a signature, and for mixing both."""
+    if signature is None:
+        if named:
+            raise TypeError(f"{kernel} has no signature in its module's table, so no parameter names: give its "
+                            f"arguments in order, not by name ({', '.join(f'{name}=' for name in named)})")
+        return tuple(values)
+    if values:
+        raise TypeError(f"{kernel} takes its arguments by name: {signature}")
+    return signature.bind(kernel, named)

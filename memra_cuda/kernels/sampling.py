@@ -57,7 +57,8 @@ def prepare_accept_sample(engine: Engine, bufs: StreamBufs, p_d: BufferLike, q_d
     # kernel's grid-stride loop covers V with any count.
     blocks_per_row = max(1, min(-(-vocab // (THREADS * PER_THREAD)), 16 * engine.multiprocessors // rows))
     return module.kernel("spec_accept_sample").prepare(grid=(blocks_per_row, rows), block=THREADS).set(
-        vtok_d, p_d, q_d, vocab, k, rows, brk_d, acc_d, last_pred_d, ctl_d, pos_start_d, seed_d, scratch)
+        vtok_d=vtok_d, p_d=p_d, q_d=q_d, V=vocab, k=k, B=rows, brk_d=brk_d, acc_d=acc_d, last_pred_d=last_pred_d,
+        ctl_d=ctl_d, pos_start_d=pos_start_d, seed_d=seed_d, scratch=scratch)
 
 
 def prepare_draft_sample(engine: Engine, bufs: StreamBufs, q_d: BufferLike, seed_d: BufferLike,
@@ -80,7 +81,8 @@ def prepare_draft_sample(engine: Engine, bufs: StreamBufs, q_d: BufferLike, seed
     blocks_per_row = max(1, min(-(-vocab // THREADS), 16 * engine.multiprocessors // rows))
     name = "spec_draft_sample" if draft_d.dtype.itemsize == 4 else "spec_draft_sample_t64"
     return module.kernel(name).prepare(grid=(blocks_per_row, rows), block=THREADS).set(
-        step, k, vocab, rows, q_d, bufs.pos_ctr_d, seed_d, draft_d, scratch)
+        step=step, k=k, V=vocab, B=rows, q_d=q_d, pos_ctr_d=bufs.pos_ctr_d, seed_d=seed_d, draft_d=draft_d,
+        scratch=scratch)
 
 
 def _exact(buf: DeviceBuffer, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> DeviceBuffer:

@@ -8,6 +8,7 @@ rollback table holds what it names and has one length or state per row) before a
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,8 +42,8 @@ class SpecKernels:
         self.engine = engine
         self.module = load(engine, "spec_stream")
 
-    def _launch(self, name: str, *values: object, threads: int = 1, rows: int = 1) -> Launch:
-        return spread(self.module, name, values, threads, rows)
+    def _launch(self, name: str, args: Mapping[str, object], threads: int = 1, rows: int = 1) -> Launch:
+        return spread(self.module, name, args, threads, rows)
 
     def prepare_seed_gather(self, bufs: StreamBufs, rows_d: BufferLike, row_words: int, out_d: BufferLike) -> Launch:
         """rows_d holds [B][n_rows][row_words] words (n_rows = rows_d.len // (B·row_words)),
@@ -53,23 +54,30 @@ class SpecKernels:
             raise ValueError(f"rows_d ({rows_d.len} words) must hold {batch} sequences of whole rows of "
                              f"{row_words} words")
         out_d = batch_rows("out_d", out_d, batch, row_words)
-        return self._launch("spec_seed_gather", rows_d, rows_d.len // (batch * row_words), row_words, batch,
-                            bufs.acc_d, out_d, threads=row_words, rows=batch)
+        return self._launch("spec_seed_gather", dict(rows=rows_d, n_rows=rows_d.len // (batch * row_words),
+                                                     row_words=row_words, B=batch, acc_d=bufs.acc_d, out=out_d),
+                            threads=row_words, rows=batch)
 
     def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: BufferLike) -> Launch:
         draft_d = token_buffer(self.engine, "draft_d", draft_d)
         draft_d = batch_rows("draft_d", draft_d, bufs.batch, max(bufs.k, 1), bufs.k)
-        return self._launch(width_kernel("spec_assemble_verify", draft_d), bufs.pend_d, draft_d, bufs.k, bufs.batch,
-                            bufs.vtok_d, bufs.pos_ctr_d, bufs.pos_start_d, threads=bufs.batch * (bufs.k + 1))
+        return self._launch(width_kernel("spec_assemble_verify", draft_d),
+                            dict(pend_d=bufs.pend_d, draft_d=draft_d, k=bufs.k, B=bufs.batch, vtok_d=bufs.vtok_d,
+                                 pos_ctr=bufs.pos_ctr_d, pos_start_d=bufs.pos_start_d),
+                            threads=bufs.batch * (bufs.k + 1))
 
     def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: BufferLike) -> Launch:
         pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, bufs.k + 1)
-        return self._launch(width_kernel("spec_accept_greedy_dc", pred_d), bufs.vtok_d, pred_d, bufs.k, bufs.batch,
-                            bufs.brk_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, threads=32 * bufs.batch)
+        return self._launch(width_kernel("spec_accept_greedy_dc", pred_d),
+                            dict(vtok_d=bufs.vtok_d, pred_d=pred_d, k=bufs.k, B=bufs.batch, brk_d=bufs.brk_d,
+                                 acc_d=bufs.acc_d, last_pred_d=bufs.last_pred_d, ctl_d=bufs.ctl_d),
+                            threads=32 * bufs.batch)
 
     def prepare_ring_commit(self, bufs: StreamBufs) -> Launch:
-        return self._launch("spec_ring_commit", bufs.vtok_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d, bufs.pend_d,
-                            bufs.ring_d, bufs.ring_cap, bufs.k, bufs.batch, threads=32 * bufs.batch)
+        return self._launch("spec_ring_commit", dict(vtok_d=bufs.vtok_d, acc_d=bufs.acc_d, last_pred_d=bufs.last_pred_d,
+                                                     ctl_d=bufs.ctl_d, pend_d=bufs.pend_d, ring_d=bufs.ring_d,
+                                                     ring_cap=bufs.ring_cap, k=bufs.k, B=bufs.batch),
+                            threads=32 * bufs.batch)
 
     def prepare_ring_publish(self, bufs: StreamBufs, published_d: DeviceBuffer, seq_d: DeviceBuffer,
                              head_d: DeviceBuffer, count_d: DeviceBuffer, tokens_d: DeviceBuffer,
@@ -86,7 +94,8 @@ class SpecKernels:
                                  ("tokens_d", tokens_d, (batch, cap)), ("stamps_d", stamps_d, (batch, cap))):
             _exact(self.engine.buffer(buf, name), name, ("u32",), shape)
         return self.module.kernel("spec_ring_publish").prepare(grid=1, block=1024).set(
-            bufs.ring_d, bufs.ring_cap, batch, published_d, seq_d, head_d, count_d, tokens_d, stamps_d, cap)
+            ring_d=bufs.ring_d, ring_cap=bufs.ring_cap, B=batch, pub_d=published_d, seq_d=seq_d, out_head=head_d,
+            out_count=count_d, out_tokens=tokens_d, out_stamps=stamps_d, out_cap=cap)
 
     def prepare_accept(self, bufs: StreamBufs, rule: Acceptance) -> Launch:
         """The kernel that judges `rule` (Greedy: contract 3; Sampling: contract 6)."""
@@ -104,7 +113,8 @@ class SpecKernels:
         if wrong:
             raise ValueError(f"a rollback table for a batch of {bufs.batch} must name i32[{bufs.batch}] lengths "
                              f"(one per sequence), not {wrong[0]!r}")
-        return self._launch("spec_rollback_stream", table_d, table_d.len, bufs.batch, bufs.pos_start_d, bufs.ctl_d,
+        return self._launch("spec_rollback_stream", dict(len_ptrs=table_d, n_ptrs=table_d.len, B=bufs.batch,
+                                                         pos_start_d=bufs.pos_start_d, ctl_d=bufs.ctl_d),
                             threads=table_d.len * bufs.batch)
 
     def prepare_state_copy(self, bufs: StreamBufs, table: StateTable) -> Launch:
@@ -117,14 +127,14 @@ class SpecKernels:
                              f"the round has B={bufs.batch} and k={bufs.k}")
         grid, block = state_copy_grid(table, bufs.batch)
         return self.module.kernel("spec_state_copy").prepare(grid=grid, block=block).set(
-            table, len(table.layers), bufs.batch, bufs.k, bufs.ctl_d)
+            table=table, n_entries=len(table.layers), B=bufs.batch, k=bufs.k, ctl_d=bufs.ctl_d)
 
     def prepare_state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> Launch:
         """Kernel 9: each row's state index moves to the kept slot of the bank the verify wrote.
         `table` comes from state_flip_table: u32[B] indices of this batch."""
         check_flip_table(table, bufs.batch)
-        return self._launch("spec_state_flip", table, table.len, bufs.batch, bufs.k, bufs.ctl_d,
-                            threads=table.len * bufs.batch)
+        return self._launch("spec_state_flip", dict(idx_ptrs=table, n_ptrs=table.len, B=bufs.batch, k=bufs.k,
+                                                    ctl_d=bufs.ctl_d), threads=table.len * bufs.batch)
 
     def prepare_accept_sample(self, bufs: StreamBufs, p_d: BufferLike, q_d: BufferLike, seed_d: BufferLike,
                               vocab: int | None = None) -> Launch:
@@ -174,12 +184,13 @@ class SpecKernels:
         return buf
 
 
-def spread(module: Module, name: str, values: tuple[object, ...], threads: int = 1, rows: int = 1) -> Launch:
+def spread(module: Module, name: str, args: Mapping[str, object], threads: int = 1, rows: int = 1) -> Launch:
     """A prepared launch of `threads` spread over a 1-D grid of at most 1024 blocks (the kernels
-    stride over what is left); `rows` > 1 gives each row its own grid row (y)."""
+    stride over what is left); `rows` > 1 gives each row its own grid row (y). `args` are the
+    kernel's by its parameters' names (a dict, since a kernel may have a parameter `rows`)."""
     block = min(max(32, threads), 256)
     grid = min((threads + block - 1) // block, 1024)
-    return module.kernel(name).prepare(grid=(grid, rows) if rows > 1 else grid, block=block).set(*values)
+    return module.kernel(name).prepare(grid=(grid, rows) if rows > 1 else grid, block=block).set(**args)
 
 
 def check_flip_table(table: StateIndexTable, batch: int) -> None:

@@ -38,15 +38,17 @@ class TreeKernels:
         self.engine = engine
         self.module = load(engine, "spec_tree")
 
-    def _tree(self, bufs: StreamBufs, tree: TreeBufs) -> tuple[DeviceBuffer, int, int, int, int]:
+    def _tree(self, bufs: StreamBufs, tree: TreeBufs) -> dict[str, object]:
+        """The arguments every tree kernel takes first (tree, T1, W, D, B), by name."""
         if not isinstance(tree, TreeBufs) or tree.bufs is not bufs:
             raise ValueError(f"the tree's buffers must be TreeBufs made over these StreamBufs, not {tree!r}")
-        return tree._arena, tree.nodes, tree.words, tree.depth, bufs.batch
+        return dict(tree=tree._arena, T1=tree.nodes, W=tree.words, D=tree.depth, B=bufs.batch)
 
     def prepare_begin(self, bufs: StreamBufs, tree: TreeBufs) -> Launch:
         """Kernel 10: node 0 is the pending token at pos_start = pos_ctr."""
         return spread(self.module, "spec_tree_begin",
-                      (*self._tree(bufs, tree), bufs.pend_d, bufs.pos_ctr_d, bufs.pos_start_d, bufs.vtok_d),
+                      dict(**self._tree(bufs, tree), pend_d=bufs.pend_d, pos_ctr=bufs.pos_ctr_d,
+                           pos_start_d=bufs.pos_start_d, vtok_d=bufs.vtok_d),
                       threads=bufs.batch)
 
     def prepare_grow(self, bufs: StreamBufs, tree: TreeBufs, level: int, tok_d: BufferLike, logq_d: BufferLike,
@@ -67,8 +69,9 @@ class TreeKernels:
             raise ValueError(f"the tree asks for candidates up to rank {shape.draws - 1}, but the draft offers K = {K}")
         return self.module.kernel(width_kernel("spec_tree_grow", tok_d)).prepare(
             grid=min(bufs.batch, 1024), block=THREADS).set(
-            *args, level, prev_start, prev_stop, start, stop, tok_d, logq_d, sel_d, K,
-            0 if tree.shape_d is None else tree.shape_d, branch, bufs.pos_start_d)
+            **args, level=level, prev_start=prev_start, prev_stop=prev_stop, start=start, stop=stop, cand_tok=tok_d,
+            cand_logq=logq_d, cand_sel=sel_d, K=K, shape=0 if tree.shape_d is None else tree.shape_d, branch=branch,
+            pos_start_d=bufs.pos_start_d)
 
     def prepare_draw(self, bufs: StreamBufs, tree: TreeBufs, level: int, q_d: BufferLike, seed_d: BufferLike,
                      vocab: int, out: SampledCandidates) -> Launch:
@@ -87,8 +90,10 @@ class TreeKernels:
         keys = self.engine.alloc(np.uint64, bufs.batch * tree.nodes * slices * 2 * out.draws, label="tree draw keys")
         counts = self.engine.zeros(np.uint32, bufs.batch * tree.nodes, label="tree draw counts")
         return self.module.kernel("spec_tree_draw").prepare(grid=(slices * parents, bufs.batch), block=THREADS).set(
-            *args, level, prev_start, prev_stop, 0 if tree.shape_d is None else tree.shape_d, q_d, vocab, seed_d,
-            bufs.pos_start_d, out.draws, slices, out.tok_d, out.logq_d, out.sel_d, keys, counts)
+            **args, level=level, prev_start=prev_start, prev_stop=prev_stop,
+            shape=0 if tree.shape_d is None else tree.shape_d, q_d=q_d, V=vocab, seed_d=seed_d,
+            pos_start_d=bufs.pos_start_d, R=out.draws, slices=slices, cand_tok=out.tok_d, cand_logq=out.logq_d,
+            cand_sel=out.sel_d, keys=keys, counts=counts)
 
     def prepare_accept_greedy(self, bufs: StreamBufs, tree: TreeBufs, pred_d: BufferLike) -> Launch:
         """Kernel 13: the deepest path the target's predictions (pred_d, [B][T+1]) agree with."""
@@ -96,7 +101,8 @@ class TreeKernels:
         pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, tree.nodes)
         return self.module.kernel(width_kernel("spec_tree_accept_greedy", pred_d)).prepare(
             grid=min(bufs.batch, 4096), block=32).set(
-            *args, pred_d, bufs.vtok_d, bufs.brk_d, bufs.acc_d, bufs.last_pred_d, bufs.ctl_d)
+            **args, pred_d=pred_d, vtok_d=bufs.vtok_d, brk_d=bufs.brk_d, acc_d=bufs.acc_d,
+            last_pred_d=bufs.last_pred_d, ctl_d=bufs.ctl_d)
 
     def prepare_accept_sample(self, bufs: StreamBufs, tree: TreeBufs, p_d: BufferLike, q_d: BufferLike,
                               seed_d: BufferLike, vocab: int) -> Callable[[], None]:
@@ -110,18 +116,21 @@ class TreeKernels:
         engine, batch, nodes = self.engine, bufs.batch, tree.nodes
         judged = engine.zeros(np.uint32, batch * nodes * JUDGED_WORDS, label="tree verdicts")
         judge = self.module.kernel("spec_tree_judge").prepare(grid=(nodes, batch), block=64).set(
-            *args, p_d, q_d, vocab, seed_d, bufs.pos_start_d, bufs.ctl_d, judged)
+            **args, p_d=p_d, q_d=q_d, V=vocab, seed_d=seed_d, pos_start_d=bufs.pos_start_d, ctl_d=bufs.ctl_d,
+            judged=judged)
         slices = max(1, min(-(-vocab // (PASS_PER_THREAD * THREADS)), 16 * engine.multiprocessors // (batch * nodes)))
         partial = engine.alloc(np.float64, batch * nodes * slices, zeroed=True, label="tree residual sums")
         counts = engine.zeros(np.uint32, batch * nodes, label="tree residual counts")
         passes = [self.module.kernel("spec_tree_judge_pass").prepare(grid=(slices * nodes, batch), block=THREADS).set(
-            *args, p_d, q_d, vocab, seed_d, bufs.pos_start_d, judged, j, slices, partial, counts)
+            **args, p_d=p_d, q_d=q_d, V=vocab, seed_d=seed_d, pos_start_d=bufs.pos_start_d, judged=judged, j=j,
+            slices=slices, partial=partial, counts=counts)
             for j in range(1, min(tree.tree.draws, MAX_TREE_DRAWS))]
         blocks = max(1, min(-(-vocab // (2 * THREADS)), 16 * engine.multiprocessors // batch))
         scratch = engine.alloc(np.uint64, 2 * batch, zeroed=True, label="tree race scratch")
         race = self.module.kernel("spec_tree_race").prepare(grid=(blocks, batch), block=THREADS).set(
-            *args, p_d, q_d, vocab, seed_d, bufs.pos_start_d, judged, bufs.vtok_d, bufs.brk_d, bufs.acc_d,
-            bufs.last_pred_d, bufs.ctl_d, scratch)
+            **args, p_d=p_d, q_d=q_d, V=vocab, seed_d=seed_d, pos_start_d=bufs.pos_start_d, judged=judged,
+            vtok_d=bufs.vtok_d, brk_d=bufs.brk_d, acc_d=bufs.acc_d, last_pred_d=bufs.last_pred_d, ctl_d=bufs.ctl_d,
+            scratch=scratch)
 
         def accept() -> None:
             judge()
@@ -141,7 +150,8 @@ class TreeKernels:
         jobs = len(table.layers) * 2 * bufs.batch
         return self.module.kernel("spec_tree_compact").prepare(
             grid=min(jobs, 4096), block=min(-(-words // 32) * 32, 256)).set(
-            table, len(table.layers), *args, bufs.acc_d, bufs.pos_start_d, bufs.ctl_d)
+            table=table, n_layers=len(table.layers), **args, acc_d=bufs.acc_d, pos_start_d=bufs.pos_start_d,
+            ctl_d=bufs.ctl_d)
 
     def prepare_state_copy(self, bufs: StreamBufs, tree: TreeBufs, table: StateTable) -> Launch:
         """Kernel 16: each row's live state becomes the slot of its path's last node (T+1 slots)."""
@@ -154,15 +164,15 @@ class TreeKernels:
                              f"(StateLayer(..., k={tree.nodes - 1}))")
         grid, block = state_copy_grid(table, bufs.batch)
         return self.module.kernel("spec_tree_state_copy").prepare(grid=grid, block=block).set(
-            table, len(table.layers), *args, bufs.ctl_d)
+            table=table, n_entries=len(table.layers), **args, ctl_d=bufs.ctl_d)
 
     def prepare_state_flip(self, bufs: StreamBufs, tree: TreeBufs, table: StateIndexTable) -> Launch:
         """Kernel 17: each row's state index moves to its path's last node in the bank the
         verify wrote (2(T+1) slots a row)."""
         args = self._tree(bufs, tree)
         check_flip_table(table, bufs.batch)
-        return spread(self.module, "spec_tree_state_flip", (table, table.len, *args, bufs.ctl_d),
-                      threads=table.len * bufs.batch)
+        return spread(self.module, "spec_tree_state_flip",
+                      dict(idx_ptrs=table, n_ptrs=table.len, **args, ctl_d=bufs.ctl_d), threads=table.len * bufs.batch)
 
     def _candidates(self, bufs: StreamBufs, tree: TreeBufs, tok_d: BufferLike, logq_d: BufferLike,
                     sel_d: BufferLike) -> tuple[DeviceBuffer, DeviceBuffer, DeviceBuffer, int]:

@@ -319,8 +319,8 @@ class DeviceLoop:
 
         def decider(handle: Any, ran: int, body: int) -> Step:
             def issue() -> None:  # bound now, captured at once: the graph keeps these values
-                decide.set(bufs.ctl_d, published, bufs.acc_d, bufs.batch, state, int(handle), ran, body,
-                           int(paced and body > 1))
+                decide.set(ctl_d=bufs.ctl_d, pub_d=published, acc_d=bufs.acc_d, B=bufs.batch, loop_d=state,
+                           handle=int(handle), ran=ran, body=body, paced=int(paced and body > 1))
                 decide()
             return issue
 

@@ -500,7 +500,7 @@ def test_a_kernels_launch_is_refused_past_the_grid_limits_before_the_driver_is_a
 
     from memra_cuda.driver.module import Launch
     module = SimpleNamespace(_usable=lambda: None, engine=None)
-    kernel = SimpleNamespace(module=module, name="toy_probs", handle=None, declared=tuple,
+    kernel = SimpleNamespace(module=module, name="toy_probs", handle=None, declared=tuple, signature=None,
                              check_sizes=lambda types: None)
     with pytest.raises(ValueError, match=r"toy_probs's grid \(64, 65536, 1\) is past CUDA's limit of 65535 in y"):
         Launch(kernel, [], grid=(64, 65536), block=256)

@@ -1,6 +1,7 @@
 """Signature and Param, the driver's part of the kernel ABI: what a table may hold, what its check
-says, and that a Module refuses a table that is not one before it reaches the engine. No GPU:
-the refusals all come before the driver is asked for anything."""
+says, how it binds arguments given by name (and refuses them in order), and that a Module refuses
+a table that is not one before it reaches the engine. No GPU: the refusals all come before the
+driver is asked for anything."""
 from __future__ import annotations
 
 from typing import get_args
@@ -8,7 +9,7 @@ from typing import get_args
 import pytest
 
 from memra_cuda.driver import Module, Param, Signature
-from memra_cuda.driver.signature import ARG_TYPES, ArgType
+from memra_cuda.driver.signature import ARG_TYPES, ArgType, arguments
 
 
 def test_a_signature_of_keywords_keeps_their_order():
@@ -48,6 +49,43 @@ def test_check_names_the_kernel_and_the_first_parameter_that_differs(types, mess
     with pytest.raises(TypeError, match=message):
         sig.check("scale", types)
     sig.check("scale", ["ptr", "u32"])  # the declared types pass
+
+
+SPEC_X = Signature.of(a="ptr", k="u32", B="u32")
+
+
+def test_bind_takes_names_in_any_order_to_the_signatures_order():
+    assert SPEC_X.bind("spec_x", {"B": 8, "a": 0x1000, "k": 4}) == (0x1000, 4, 8)
+    assert SPEC_X.bind("spec_x", {"a": 0x1000, "k": 4, "B": 8}) == (0x1000, 4, 8)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"a": 0, "k": 4}, r"spec_x\(ptr a, u32 k, u32 B\): missing B$"),
+    ({"a": 0, "k": 4, "b": 8}, r"spec_x\(ptr a, u32 k, u32 B\): missing B; no parameter b$"),
+    ({"a": 0, "k": 4, "B": 8, "n": 1}, r"spec_x\(ptr a, u32 k, u32 B\): no parameter n$"),
+    ({}, r"missing a, k, B$"),
+])
+def test_bind_refuses_a_missing_name_and_one_the_signature_does_not_have(values, message):
+    """A misspelt name (b for B) is refused, not dropped: the message names both."""
+    with pytest.raises(TypeError, match=message):
+        SPEC_X.bind("spec_x", values)
+
+
+def test_a_kernel_with_a_signature_refuses_its_arguments_in_order():
+    """k and B swapped are two u32s: no type check can see it, so an order is not taken at all
+    from a kernel that has names; by name, they land where the signature puts them."""
+    with pytest.raises(TypeError, match=r"^spec_x takes its arguments by name: \(ptr a, u32 k, u32 B\)$"):
+        arguments("spec_x", SPEC_X, (0x1000, 8, 4), {})
+    with pytest.raises(TypeError, match="spec_x takes its arguments by name"):  # mixing both
+        arguments("spec_x", SPEC_X, (0x1000,), {"k": 4, "B": 8})
+    assert arguments("spec_x", SPEC_X, (), {"B": 8, "k": 4, "a": 0x1000}) == (0x1000, 4, 8)
+
+
+def test_a_kernel_without_a_signature_takes_its_arguments_in_order_only():
+    """A user's PTX loaded without a table: no names to bind by, so names are refused."""
+    assert arguments("mine", None, (0x1000, 4, 8), {}) == (0x1000, 4, 8)
+    with pytest.raises(TypeError, match=r"mine has no signature in its module's table.* not by name \(k=, B=\)"):
+        arguments("mine", None, (0x1000,), {"k": 4, "B": 8})
 
 
 @pytest.mark.parametrize("table", [{"scale": ("ptr", "u32")}, {"scale": Signature.of(x="ptr"), 3: Signature.of()}])

@@ -1,8 +1,9 @@
 """The kernel ABI: memra_cuda.kernels.signatures.SIGNATURES is what ptx/*.cu declares, kernel by
 kernel, names and types, every kernel present both ways (read from the sources by a small parser
-of their `extern "C" __global__` parameter lists); the launchers take their types from it; and
+of their `extern "C" __global__` parameter lists); the launchers take their types from it;
 prepare refuses a type swap, naming the kernel and the parameter, before anything reaches the
-driver. No GPU needed."""
+driver; and a launch of a kernel of the table takes its arguments by name, so a swap of two of
+one type is refused too. No GPU needed."""
 from __future__ import annotations
 
 import ast
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from memra_cuda.driver.module import Kernel
+from memra_cuda.driver.module import Kernel, KernelArgs, Launch
 from memra_cuda.kernels.signatures import SIGNATURES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,3 +170,35 @@ def test_a_kernel_its_modules_table_does_not_name_needs_its_types_given():
     with pytest.raises(TypeError, match="my_own_kernel has no signature in its module's table: give its argument"):
         kernel.prepare(grid=1, block=32)
     assert kernel.declared(["ptr", "u32"]) == ("ptr", "u32"), "given types are taken as they are"
+
+
+def launch_without_a_driver(name: str) -> Launch:
+    """A Launch of `name` as prepare makes one, its arguments stored in host memory, with
+    stand-ins for what set() asks of the module and the engine: the real set(), no driver."""
+    kernel = kernel_without_a_driver(name)
+    kernel.module.depend, kernel.module.freed = (lambda dependent: None), False
+    launch = object.__new__(Launch)
+    launch.kernel, launch.signature, launch.engine = kernel, kernel.signature, SimpleNamespace(closed=False)
+    launch.args = KernelArgs(kernel.declared(None))
+    return launch
+
+
+def test_a_launcher_refuses_two_swapped_arguments_of_one_type():
+    """spec_accept_greedy_dc(ptr vtok_d, ptr pred_d, u32 k, u32 B, ...) given B where k goes and
+    k where B goes: every type is right, and the kernel would judge 64 drafts of 4 rows. A kernel
+    with a signature takes no order at all, so the swapped call is refused before any slot is
+    written; by name, each value lands in its parameter's slot whatever order the names come in."""
+    launch = launch_without_a_driver("spec_accept_greedy_dc")
+    vtok, pred, brk, acc, last, ctl = (0x1000 * i for i in range(1, 7))
+    k, B = 4, 64
+    launch.set(vtok_d=vtok, pred_d=pred, B=B, k=k, brk_d=brk, acc_d=acc, last_pred_d=last, ctl_d=ctl)
+    stored = launch.args.storage.tolist()
+    assert stored == [vtok, pred, k, B, brk, acc, last, ctl]
+    by_name = r"spec_accept_greedy_dc takes its arguments by name: \(ptr vtok_d, ptr pred_d, u32 k, u32 B, ptr brk_d"
+    with pytest.raises(TypeError, match=by_name):
+        launch.set(vtok, pred, B, k, brk, acc, last, ctl)
+    with pytest.raises(TypeError, match=by_name):
+        launch(vtok, pred, B, k, brk, acc, last, ctl)  # a launch called with arguments sets them first
+    with pytest.raises(TypeError, match=r"spec_accept_greedy_dc\(.*\): missing B; no parameter b$"):
+        launch.set(vtok_d=vtok, pred_d=pred, b=B, k=k, brk_d=brk, acc_d=acc, last_pred_d=last, ctl_d=ctl)
+    assert launch.args.storage.tolist() == stored, "a refused set leaves the arguments as they were"

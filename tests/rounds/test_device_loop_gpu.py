@@ -344,6 +344,7 @@ def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec
     from memra_cuda.rounds.device_loop import TokenFeed
     from memra_cuda.driver.graph import Graph, branch, join, loops
     from memra_cuda.buffers.layout import CTL_BUDGET, CTL_EOS, CTL_WORDS, HEAD_ENDED, RING_COUNT, RING_TOKENS
+    from memra_cuda.kernels.signatures import load
 
     batch, passes = 2, 64
     bufs = StreamBufs(engine, 3, 1, batch)
@@ -354,8 +355,7 @@ def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec
     row[CTL_EOS] = row[CTL_BUDGET] = -1  # live rows without an EOS or a budget
     ctl = engine.htod(np.tile(row, batch), np.int32)
     acc = engine.zeros(np.uint32, 2 * batch)
-    decide = engine.load_ptx("device_loop").kernel("spec_loop_decide").prepare(
-        ["ptr", "ptr", "ptr", "u32", "ptr", "u64", "u32", "u32", "u32"], 1, 256)
+    decide = load(engine, "device_loop").kernel("spec_loop_decide").prepare(grid=1, block=256)
     publish = spec.prepare_ring_publish(bufs, state.view(1, batch), state.view(0, 1), out.head_d, out.count_d,
                                         out.tokens_d, out.stamps_d, out.cap)
     width = RING_TOKENS + bufs.ring_cap
@@ -363,7 +363,8 @@ def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec
 
     def decider(handle, ran):
         def issue():
-            decide.set(ctl, state.view(1, batch), acc, batch, loop_d, int(handle), ran, 1, 0)
+            decide.set(ctl_d=ctl, pub_d=state.view(1, batch), acc_d=acc, B=batch, loop_d=loop_d, handle=int(handle),
+                       ran=ran, body=1, paced=0)
             decide()
         return issue
 

@@ -281,6 +281,12 @@ def _sampling_mode(sampling: ToySampling | None) -> ToySampling:
     return sampling
 
 
+def _law(weights: tuple[float, ...]) -> dict[str, float]:
+    """A law's weights (ToySampling.target, .draft) by the names the kernels give them."""
+    floor, c0, c1, c2, c3 = weights
+    return dict(floor=floor, c0=c0, c1=c1, c2=c2, c3=c3)
+
+
 # An 8B target and a 0.5B draft in bf16, memory-bound: their weights, read once per forward pass.
 COST_8B_05B = ToyCost(verify_bytes=16 * 10**9, draft_bytes=1 * 10**9)
 
@@ -410,8 +416,9 @@ class ToyLM:
             engine.copy_htod(self.prompt_d, prompt[:-1])
             draft = self.draft.kv[0] if self.draft.kv else None  # a pipeline stage may hold none
             self.module.kernel("toy_prefill").prepare(grid=(n + BLOCK - 1) // BLOCK, block=BLOCK)(
-                self.prompt_d, n, row, self.capacity, self.data_ptrs_d, self.len_ptrs_d, len(self.layers),
-                self.layers.start, draft.data_d if draft else 0, draft.len_d if draft else 0, self.model.seed)
+                tokens=self.prompt_d, n=n, row=row, capacity=self.capacity, tgt_data=self.data_ptrs_d,
+                tgt_len=self.len_ptrs_d, n_layers=len(self.layers), layer0=self.layers.start,
+                draft_data=draft.data_d if draft else 0, draft_len=draft.len_d if draft else 0, seed=self.model.seed)
         else:
             for kv in [*self.target.kv, *self.draft.kv]:
                 if kv is not None:
@@ -419,8 +426,10 @@ class ToyLM:
         if states is not None:  # the target's states and the draft's copy, a launch each
             prefill_state = self.module.kernel("toy_prefill_state").prepare(grid=1, block=BLOCK)
             for model_states in states:
-                prefill_state(self.prompt_d, n, row, *model_states.kernel_args(), self.model.rec_bits,
-                              self.model.state_words, model_states.k + 1, self.model.seed)
+                live, slots, idx = model_states.kernel_args()
+                prefill_state(tokens=self.prompt_d, n=n, row=row, live=live, slots=slots, idx=idx,
+                              rec_mask=self.model.rec_bits, words=self.model.state_words, k1=model_states.k + 1,
+                              seed=self.model.seed)
         return n
 
     def _states(self, bufs: StreamBufs, k: int | None = None) -> tuple[ToyStates, ToyStates] | None:
@@ -444,12 +453,14 @@ class ToyLM:
         tree = self.tree
         return tree.nodes - 1 if tree is not None and bufs.k == tree.depth else bufs.k
 
-    def _state_args(self, bufs: StreamBufs, which: int, k: int | None = None) -> tuple[DeviceBuffer | int, ...]:
+    def _state_args(self, bufs: StreamBufs, which: int, k: int | None = None) -> dict[str, DeviceBuffer | int]:
         """A round kernel's recurrent-state arguments for the target (`which` 0) or the draft
-        (1): that model's tables and index (nulls without recurrent layers), the recurrent
-        layers' bits and their words (`k`: as _states)."""
+        (1), by name: that model's tables and index (nulls without recurrent layers), the
+        recurrent layers' bits and their words (`k`: as _states)."""
         states = self._states(bufs, k)
-        return (*(states[which].kernel_args() if states else (0, 0, 0)), self.model.rec_bits, self.model.state_words)
+        st_live, st_slots, st_idx = states[which].kernel_args() if states else (0, 0, 0)
+        return dict(st_live=st_live, st_slots=st_slots, st_idx=st_idx, rec_mask=self.model.rec_bits,
+                    words=self.model.state_words)
 
     def state_tables(self, bufs: StreamBufs, k: int | None = None) -> list[StateTable | StateIndexTable]:
         """RoundStream's state_tables for this model: one table over the target's and the
@@ -485,7 +496,7 @@ class ToyLM:
             return []
         grid = 4 * self.engine.multiprocessors
         return [self.module.kernel("toy_stream_weights").prepare(grid=grid, block=512)
-                .set(self.weights_d, nbytes // 16, self.sink_d)]
+                .set(weights=self.weights_d, n_vec=nbytes // 16, sink=self.sink_d)]
 
     def draft_steps(self, bufs: StreamBufs, draft_d: DeviceBuffer, q_d: DeviceBuffer | None = None) -> list[Launch]:
         """The k+1 launches of one draft chain (each after its share of weight streaming); in
@@ -502,9 +513,10 @@ class ToyLM:
         for step in range(bufs.k + 1):
             steps += reads
             steps.append(kernel.prepare(grid=self.batch, block=BLOCK).set(
-                step, bufs.k, bufs.pend_d, draft_d, bufs.pos_ctr_d, bufs.brk_d, draft.data_d, draft.len_d,
-                self.capacity, m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.break_below,
-                0 if state_d is None else state_d, *self._state_args(bufs, 1)))
+                step=step, k=bufs.k, pend_d=bufs.pend_d, draft_d=draft_d, pos_ctr=bufs.pos_ctr_d, brk_d=bufs.brk_d,
+                draft_data=draft.data_d, draft_len=draft.len_d, capacity=self.capacity, kv_mask=m.kv_bits,
+                n_layers=len(m.kv_mask), seed=m.seed, vocab=m.vocab, noise_ppm=m.noise_ppm,
+                break_below=m.break_below, state_d=0 if state_d is None else state_d, **self._state_args(bufs, 1)))
             if q_d is not None and state_d is not None and step < bufs.k:
                 steps.append(self._draft_sample(bufs, step, state_d, draft_d, q_d))
         return steps
@@ -515,9 +527,10 @@ class ToyLM:
         vocab, engine = self.model.vocab, self.engine
         blocks = max(1, min(-(-vocab // SAMPLE_BLOCK), 16 * engine.multiprocessors // self.batch))
         scratch = engine.alloc(np.uint64, 2 * self.batch, zeroed=True, label="draft race scratch")
-        law = _sampling_mode(self.sampling).draft(vocab)
+        law = _law(_sampling_mode(self.sampling).draft(vocab))
         return self.module.kernel("toy_draft_sample").prepare(grid=(blocks, self.batch), block=SAMPLE_BLOCK).set(
-            step, bufs.k, state_d, bufs.pos_ctr_d, draft_d, q_d, self.seed_d, vocab, *law, scratch)
+            step=step, k=bufs.k, state_d=state_d, pos_ctr=bufs.pos_ctr_d, draft_d=draft_d, q_d=q_d, seed_d=self.seed_d,
+            vocab=vocab, **law, scratch=scratch)
 
     def verify_steps(self, bufs: StreamBufs, pred_d: DeviceBuffer | None, partial_in: DeviceBuffer | None = None,
                      partial_out: DeviceBuffer | None = None) -> list[Launch]:
@@ -533,20 +546,20 @@ class ToyLM:
             for name, buf in (("pred_d", pred_d), ("partial_in", partial_in), ("partial_out", partial_out)))
         m = self.model
         verify = self.module.kernel("toy_verify").prepare(grid=self.batch, block=BLOCK).set(
-            bufs.vtok_d, bufs.k + 1, bufs.pos_start_d, pred, self.data_ptrs_d, self.len_ptrs_d,
-            len(self.layers), self.capacity, m.seed, m.vocab, self.layers.start, before, after,
-            *self._state_args(bufs, 0))
+            vtok_d=bufs.vtok_d, k1=bufs.k + 1, pos_start_d=bufs.pos_start_d, pred_d=pred, tgt_data=self.data_ptrs_d,
+            tgt_len=self.len_ptrs_d, n_layers=len(self.layers), capacity=self.capacity, seed=m.seed, vocab=m.vocab,
+            layer0=self.layers.start, partial_in=before, partial_out=after, **self._state_args(bufs, 0))
         return [*self.weight_reads(self.cost.verify_bytes), verify]
 
     def probs_step(self, totals_d: DeviceBuffer, p_d: DeviceBuffer) -> Launch:
         """toy_probs: the target's sampling law p_d ([rows][vocab]) at each position whose verify
         sums totals_d holds (toy_verify's partial_out, after the last layer)."""
-        law = _sampling_mode(self.sampling).target(self.model.vocab)
+        law = _law(_sampling_mode(self.sampling).target(self.model.vocab))
         vocab, rows = self.model.vocab, totals_d.len
         if p_d.len != rows * vocab:
             raise ValueError(f"p_d must hold a law of {vocab} for each of the {rows} sums, not {p_d!r}")
         return self.module.kernel("toy_probs").prepare(grid=(min(-(-vocab // 256), 64), rows), block=256).set(
-            totals_d, rows, self.model.seed, vocab, *law, p_d)
+            totals=totals_d, rows=rows, seed=self.model.seed, vocab=vocab, **law, p_d=p_d)
 
     def finish_step(self, totals_d: DeviceBuffer, pred_d: DeviceBuffer) -> Launch:
         """toy_finish: the target's greedy token at each position whose verify sums totals_d holds,
@@ -555,7 +568,7 @@ class ToyLM:
             raise ValueError(f"pred_d must hold a token for each of the {totals_d.len} sums, not {pred_d!r}")
         n = totals_d.len
         return self.module.kernel("toy_finish").prepare(grid=-(-n // 256), block=256).set(
-            totals_d, n, self.model.seed, self.model.vocab, pred_d)
+            totals=totals_d, n=n, seed=self.model.seed, vocab=self.model.vocab, pred_d=pred_d)
 
     def round_stream(self, bufs: StreamBufs, *, kernels: SpecKernels | None = None,
                      sums: tuple[Sequence[Step], DeviceBuffer] | None = None) -> RoundStream:
@@ -611,14 +624,17 @@ class ToyLM:
         for d, (start, stop) in enumerate(nodes.levels):
             last = d == nodes.depth
             level = [*reads, kernel.prepare(grid=batch, block=BLOCK).set(
-                start, stop, int(last), t1, nodes.words, 0 if sampled else candidates, nodes.tok_d, nodes.parent_d,
-                nodes.pos_d, nodes.mask_d, bufs.pos_start_d, 0 if sampled else cand_tok_d,
-                0 if sampled else cand_logp_d, hash_d if sampled else 0, draft.data_d, draft.len_d, self.capacity,
-                m.kv_bits, len(m.kv_mask), m.seed, m.vocab, m.noise_ppm, m.tree_spread, *states)]
+                start=start, stop=stop, last=int(last), t1=t1, mask_words=nodes.words,
+                cands=0 if sampled else candidates, tok_d=nodes.tok_d, parent_d=nodes.parent_d, pos_d=nodes.pos_d,
+                mask_d=nodes.mask_d, pos_start_d=bufs.pos_start_d, cand_tok=0 if sampled else cand_tok_d,
+                cand_logp=0 if sampled else cand_logp_d, hash_d=hash_d if sampled else 0, draft_data=draft.data_d,
+                draft_len=draft.len_d, capacity=self.capacity, kv_mask=m.kv_bits, n_layers=len(m.kv_mask),
+                seed=m.seed, vocab=m.vocab, noise_ppm=m.noise_ppm, spread=m.tree_spread, **states)]
             if sampled and not last:
                 grid = (min(-(-m.vocab // 256), 64), batch * (stop - start))  # a grid row a node
                 level.append(self.module.kernel("toy_tree_probs").prepare(grid=grid, block=256).set(
-                    hash_d, t1, start, stop, batch, m.vocab, *_sampling_mode(self.sampling).draft(m.vocab), q_d))
+                    hash_d=hash_d, t1=t1, start=start, stop=stop, batch=batch, vocab=m.vocab,
+                    **_law(_sampling_mode(self.sampling).draft(m.vocab)), q_d=q_d))
             steps.append(level)
         return steps
 
@@ -628,9 +644,11 @@ class ToyLM:
         target's predictions (pred_d, [B][T+1]) or its sums (totals_d, [B][T+1], for toy_probs)."""
         m, t1 = self.model, nodes.nodes
         verify = self.module.kernel("toy_tree_verify").prepare(grid=self.batch, block=BLOCK).set(
-            t1, nodes.words, nodes.tok_d, nodes.parent_d, nodes.pos_d, nodes.mask_d, bufs.pos_start_d,
-            0 if pred_d is None else pred_d, 0 if totals_d is None else totals_d, self.data_ptrs_d, self.len_ptrs_d,
-            len(self.layers), self.capacity, m.seed, m.vocab, *self._state_args(bufs, 0, t1 - 1))
+            t1=t1, mask_words=nodes.words, tok_d=nodes.tok_d, parent_d=nodes.parent_d, pos_d=nodes.pos_d,
+            mask_d=nodes.mask_d, pos_start_d=bufs.pos_start_d, pred_d=0 if pred_d is None else pred_d,
+            totals_d=0 if totals_d is None else totals_d, tgt_data=self.data_ptrs_d, tgt_len=self.len_ptrs_d,
+            n_layers=len(self.layers), capacity=self.capacity, seed=m.seed, vocab=m.vocab,
+            **self._state_args(bufs, 0, t1 - 1))
         return [*self.weight_reads(self.cost.verify_bytes), verify]
 
     def tree_round_stream(self, bufs: StreamBufs, tree: Tree, *, candidates: int = 8,
