@@ -72,8 +72,8 @@ class Signature:
         missing = [name for name in names if name not in values]
         unknown = [name for name in values if name not in names]
         if missing or unknown:
-            wrong = [f"{what} {', '.join(names)}" for what, names in (("missing", missing), ("no parameter", unknown))
-                     if names]
+            wrong = [f"{what} {', '.join(which)}" for what, which in (("missing", missing), ("no parameter", unknown))
+                     if which]
             raise TypeError(f"{kernel}{self}: {'; '.join(wrong)}")
         return tuple(values[name] for name in names)
 
