@@ -180,12 +180,14 @@ class Server:
         self._live: dict[int, _Running] = {}  # every request submitted that has not ended, by id
         self._cancels: set[int] = set()  # ids to end at the next step's start
         self._next = 0
+        self._unreported: dict[int, Served] = {}  # ended at a step that raised: the next step hands them out
         decoder.park(range(decoder.batch))
 
     @property
     def idle(self) -> bool:
-        """No request waits, runs or waits for its cancel to take effect."""
-        return not self._live
+        """No request waits, runs or waits for its cancel to take effect (or for the step that
+        hands out its end, after one that raised)."""
+        return not self._live and not self._unreported
 
     def submit(self, request: Request) -> int:
         """Queue `request` and give its id; RequestRefused naming the id and why, where it is
@@ -216,14 +218,18 @@ class Server:
         """One boundary and one burst: cancels take effect, queued requests take the free rows,
         then one burst of every row runs and is read back; a request found stopped gives its row
         back. Where no row is busy, no burst runs."""
-        finished: dict[int, Served] = {}
+        finished, self._unreported = self._unreported, {}
         now = self.clock()
-        self._cancel(now, finished)
-        self._admit(now, finished)
-        busy = [(row, ident) for row, ident in enumerate(self._slots) if ident is not None]
-        if not busy:
-            return Progress(None, {}, finished)
-        burst = self.decoder.burst()
+        try:
+            self._cancel(now, finished)
+            self._admit(now, finished)
+            busy = [(row, ident) for row, ident in enumerate(self._slots) if ident is not None]
+            if not busy:
+                return Progress(None, {}, finished)
+            burst = self.decoder.burst()
+        except BaseException:
+            self._unreported = finished  # requests that ended here (cancelled, budget 0) are not lost
+            raise
         at = self.clock()
         tokens: dict[int, list[int]] = {}
         for row, ident in busy:

@@ -299,3 +299,23 @@ def test_a_request_whose_admission_raised_stays_at_the_head_of_the_queue():
     while not server.idle:
         finished = server.step().finished
     assert finished[ident].tokens == alone(Request([1], 3))
+
+
+def test_requests_that_ended_at_a_step_that_raised_are_handed_out_by_the_next():
+    """A cancel and a budget of 0 take effect at a boundary whose admission then raises: the two
+    ended there, and the next step hands them out (they were dropped, never reported, so a caller
+    waiting for them waited for ever)."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    running = server.submit(Request([1], 9))
+    server.step()
+    nothing, queued = server.submit(Request([2], 0)), server.submit(Request([3], 3))
+    assert server.cancel(running)
+    decoder.failing = 1
+    with pytest.raises(RuntimeError, match="the admission failed"):
+        server.step()
+    finished = server.step().finished
+    assert finished[running].cancelled and finished[nothing].tokens == [] and not finished[nothing].cancelled
+    while not server.idle:
+        finished.update(server.step().finished)
+    assert sorted(finished) == [running, nothing, queued] and finished[queued].tokens == alone(Request([3], 3))
