@@ -112,8 +112,9 @@ class RequestRefused(MemraError, ValueError):
 
 def malformed(request: Request, vocab: int) -> str | None:
     """Why `request` is none a decoder over `vocab` tokens can run, whatever its room: a prompt
-    that is not one or more token ids, a budget, EOS or seed that is not one, a token outside the
-    vocabulary (whose embedding lookup would fault the device). None where it is well formed."""
+    that is not one or more token ids, a budget, EOS or seed that is not one (a seed: of 64 bits),
+    a token outside the vocabulary (whose embedding lookup would fault the device). None where it
+    is well formed."""
     try:
         prompt = np.asarray(request.prompt)
     except (TypeError, ValueError):  # ragged, or not numbers at all
@@ -126,10 +127,12 @@ def malformed(request: Request, vocab: int) -> str | None:
         return f"its prompt's token {prompt[at]} (at {at}) is outside the vocabulary of {vocab} tokens"
     try:
         as_size(request.max_new_tokens, "max_new_tokens", 0)
-        as_index(request.seed, "its seed")
+        seed = as_index(request.seed, "its seed")
         eos = None if request.eos is None else as_size(request.eos, "eos", 0, also="None")
     except (TypeError, ValueError) as exc:
         return str(exc)
+    if not -2**63 <= seed < 2**63:  # a sampled decoder's seeds are an int64 tensor: past it, its admission raised
+        return f"its seed {seed} is outside a 64-bit int"
     if eos is not None and eos >= vocab:
         return f"its EOS {eos} is outside the vocabulary of {vocab} tokens"
     return None

@@ -159,7 +159,8 @@ class RoundDecoder:
         """Both caches of each row take its prompt but the last token, and what a subclass sets
         for the rows (_prefilled) and their seeds are set: everything of a request's start but
         the buffers' row. Returns the rows' start positions."""
-        if any(not prompt for prompt in prompts) or len(prompts) != len(rows):
+        # len(): a server takes a prompt that is an array, whose truth is ambiguous
+        if any(len(prompt) == 0 for prompt in prompts) or len(prompts) != len(rows):
             raise ValueError(f"need one prompt of at least one token for each of the {len(rows)} rows")
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")

@@ -379,3 +379,28 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu", page=0)
     with pytest.raises(TypeError, match="paged cache"):
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu").data()
+
+
+def test_a_decoders_admission_takes_every_prompt_a_server_takes(monkeypatch):
+    """A Server takes a prompt that is an array as well formed (rounds.serving.malformed), so a
+    speculative decoder's admission must too: its check of the prompts was `not prompt`, which
+    raises for an array, so the request sat at the queue's head and every step raised. The
+    decoder here is its host side alone: stand-in stacks, no stream, tensors on the CPU."""
+    from memra_cuda.torch.decoder import RoundDecoder
+
+    class Prefilled:
+        def __init__(self):
+            self.calls = []
+
+        def prefill(self, rows, heads):
+            self.calls.append((list(rows), [list(head) for head in heads]))
+
+    decoder = object.__new__(RoundDecoder)
+    decoder.stream, decoder.shared, decoder.sampling = None, False, None
+    decoder.target, decoder.draft = Prefilled(), Prefilled()
+    tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda data, *args, device=None, **kwargs: tensor(data, *args, **kwargs))
+    assert decoder._fill([1, 0], [np.array([5, 6, 7]), (8,)], None) == [2, 0]
+    assert decoder.target.calls == decoder.draft.calls == [([1, 0], [[5, 6], []])]
+    with pytest.raises(ValueError, match="one prompt of at least one token for each of the 1 rows"):
+        decoder._fill([0], [np.array([], np.int64)], None)

@@ -144,7 +144,8 @@ def test_a_request_that_cannot_run_is_refused_alone_naming_it():
            6: (Request([1, 2.5], 5), "at least one token id"),
            7: (Request([True], 5), "at least one token id"),
            8: (Request([2], -1), "max_new_tokens must be an int of at least 0, not -1"),
-           9: (Request([2], 4, seed=1.5), "its seed must be an integer")}
+           9: (Request([2], 4, seed=1.5), "its seed must be an integer"),
+           10: (Request([2], 4, seed=2**63), f"its seed {2**63} is outside a 64-bit int")}
     requests = list(good)
     for place, (request, _) in sorted(bad.items()):
         requests.insert(place, request)
