@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve N requests continuously through the --batch slots (default: one batch, every "
                         "row started together)")
     args, sampling = parse(parser, argv)
-    if args.serve is not None and (args.serve < 1 or args.mode == "overlap"):
-        parser.error("--serve takes N >= 1 requests, in any mode but overlap (it keeps two bursts in flight)")
+    if args.serve is not None and (args.serve < 1 or args.mode in ("overlap", "device")):
+        parser.error("--serve takes N >= 1 requests, in any mode but overlap and device (they keep two bursts in "
+                     "flight, or run a whole generation in one launch)")
     _needs.gpu()
     target, draft, tokenizer = models(args)
     queue = requests(args, tokenizer, args.serve)

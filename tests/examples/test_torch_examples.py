@@ -92,6 +92,9 @@ def test_the_examples_say_what_they_take(torch_stack, tmp_path):
         assert done.returncode == 0, done.stderr
         assert "--model DIR" in done.stdout and "--draft DIR" in done.stdout and "--size {large,small}" in done.stdout
     assert "--serve N" in run_example("torch_llama.py", "--help", cwd=tmp_path).stdout
+    for mode in ("overlap", "device"):  # a server steps one burst at a time: refused before any model is built
+        done = run_example("torch_llama.py", "--serve", "4", "--mode", mode, cwd=tmp_path)
+        assert done.returncode == 2 and "in any mode but overlap and device" in done.stderr, done.stderr
 
 
 @pytest.mark.torch
