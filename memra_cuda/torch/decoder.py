@@ -213,15 +213,18 @@ class RoundDecoder:
 
     def server(self, mode: str = "graph", *, clock: Callable[[], float] = time.perf_counter) -> Server:
         """A Server (memra_cuda.rounds.serving) over the batch's slots, each of its bursts one
-        step of `mode`: submit, cancel and step requests through it, no graph recaptured. Every
-        slot is parked now. "overlap" and "device" are refused: a server admits requests between
-        bursts, and they keep a burst in flight or run a whole generation in one launch."""
+        step of `mode`: submit, cancel and step requests through it. Every graph is captured
+        first where capture() has not been (a capture mid-serving would stall every row), and
+        every slot is parked now. "overlap" and "device" are refused: a server admits requests
+        between bursts, and they keep a burst in flight or run a whole generation in one launch."""
         mode = as_mode(mode)
         if mode is Mode.OVERLAP:
             raise ValueError('a server steps one burst at a time: "overlap" keeps two in flight (generate_batch)')
         if mode is Mode.DEVICE:
             raise ValueError('a server steps one burst at a time: "device" generates until every row is done, in '
                              "one launch (generate_batch)")
+        if not self.rounds.sealed:
+            self.capture(("graph",))
         return Server(_Slots(self, mode), clock=clock)
 
     def serve(self, requests: Sequence[Request], mode: str = "graph") -> list[Served]:
