@@ -258,9 +258,9 @@ class NcclCall(Prepared):
         super().__init__(engine, lambda *args: (0, fn(*args)), name, argv, (comm, *holds))
         self._comm = comm
 
-    def __call__(self, *values: object, **named: object) -> None:
-        if values or named:
-            self.set(*values, **named)  # TypeError: an operation's arguments are fixed
+    def __call__(self, *values: object) -> None:
+        if values:
+            self.set(*values)  # TypeError: an operation's arguments are fixed
         comm, state = self._comm, self._comm._state
         with state.lock:
             if state.aborted or state.watch.failure is not None:

@@ -46,11 +46,12 @@ class Prepared(Handle):
         """New argument values: only launches take them (Launch.set)."""
         raise TypeError(f"{self!r} has fixed arguments: prepare another call instead")
 
-    def __call__(self, *values: object, **named: object) -> None:
-        """Issue the call, first storing the arguments if any are given (a Launch's: by name
-        where its kernel has a signature, Launch.set)."""
-        if values or named:
-            self.set(*values, **named)
+    def __call__(self, *values: object) -> None:
+        """Issue the call, first storing `values` if any are given (a Launch's arguments in order:
+        a kernel with a signature takes its own by name, through Launch.set, before the call).
+        No keywords here: a launch is called every round, and `**named` would cost a dict each."""
+        if values:
+            self.set(*values)
         if self._refusal is not None:
             raise ValueError(self._refusal)
         self._ctx.run(self._fn, self._name, self._argv)

@@ -266,10 +266,11 @@ class Server:
     def _cancel(self, now: float, finished: dict[int, Served]) -> None:
         """The cancels asked for since the last step: queued requests leave the queue, running
         ones' rows are parked (one call) and freed."""
-        rows = [row for ident in sorted(self._cancels) if (row := self._live[ident].row) is not None]
+        cancels = sorted(self._cancels)
+        rows = [row for ident in cancels if (row := self._live[ident].row) is not None]
         if rows:
             self.decoder.park(rows)
-        for ident in sorted(self._cancels):
+        for ident in cancels:
             if self._live[ident].row is None:
                 self._queue.remove(ident)
             finished[ident] = self._end(ident, now, cancelled=True)

@@ -216,8 +216,8 @@ class RoundStream:
 
     def step(self, mode: Mode | str = Mode.GRAPH, rounds: int | None = None) -> Readback:
         """One burst (one round in "readback" mode) of every row, and its one readback: the unit
-        of continuous batching (between steps, bufs.reset_row and set_stop_row start a request
-        in a slot). `rounds` (1 to M, default M) shortens a burst that would run past every
+        of continuous batching (between steps, bufs.start_row starts a request in a slot:
+        memra_cuda.rounds.Server). `rounds` (1 to M, default M) shortens a burst that would run past every
         row's stop: each length is its own graph, captured on first use (or capture_graphs)."""
         mode = as_mode(mode)
         if mode is Mode.OVERLAP:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..driver.values import as_size
 from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, malformed
 from .sampling import SamplingParams
 from .compiled import stack_for
@@ -52,8 +53,7 @@ class GraphedGreedy:
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, steps: int = 16, eager: bool = False,
                  compiled: bool | None = None):
-        if steps < 1:
-            raise ValueError(f"a burst runs at least one step, not {steps}")
+        steps = as_size(steps, "steps")  # a burst runs at least one
         self.stream = torch.cuda.Stream()
         self.batch, self.steps, self.eager = batch, steps, eager
         self.vocab: int = model.config.vocab_size  # every token a request names is below it

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from memra_cuda.driver.signature import Signature
+from memra_cuda.driver.signature import Signature, arguments
 from memra_cuda.kernels.signatures import SIGNATURES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,12 +251,10 @@ def problems_of(source: Source) -> tuple[list[str], set[str]]:
                     problems.append(f"{source.where(call)}: {kernel} has no signature in the table")
                     continue
                 params = [param.name for param in signature.params]
-                if positional:
-                    problems.append(f"{source.where(call)}: {kernel} given arguments in order")
-                missing, unknown = [p for p in params if p not in named], [n for n in named if n not in params]
-                if missing or unknown:
-                    problems.append(f"{source.where(call)}: {kernel}{signature}: missing {missing}, "
-                                    f"no parameter {unknown}")
+                try:  # Launch.set's own binding: nothing in order, every name the signature's and no other
+                    arguments(kernel, signature, (None,) * positional, dict.fromkeys(named))
+                except TypeError as exc:
+                    problems.append(f"{source.where(call)}: {exc}")
                 problems += [f"{source.where(call)}: {kernel}: {name}={ast.unparse(value)} is a value spelled as "
                              f"its parameter {other}" for name, value in named.items()
                              if (other := swapped(name, value, params)) is not None]
@@ -296,8 +294,9 @@ def launch(engine, bufs):
 
 @pytest.mark.parametrize(("text", "problem"), [
     (SWAPPED, "spec_state_copy: B=bufs.k is a value spelled as its parameter k"),
-    (SWAPPED.replace("B=bufs.k", "b=bufs.k"), r"missing ['B'], no parameter ['b']"),
-    (SWAPPED.replace("table=bufs.table, n_entries=1,", "bufs.table, 1,"), "spec_state_copy given arguments in order"),
+    (SWAPPED.replace("B=bufs.k", "b=bufs.k"), "missing B; no parameter b"),
+    (SWAPPED.replace("table=bufs.table, n_entries=1,", "bufs.table, 1,"),
+     "spec_state_copy takes its arguments by name"),
     ('''
 def spread(module, name, args):
     return module.kernel(name).prepare().set(**args)
@@ -305,8 +304,8 @@ def spread(module, name, args):
 def prepare(module, bufs):
     kernel = "spec_state_flip" if bufs.flip else "spec_state_copy"
     return spread(module, kernel, dict(idx_ptrs=bufs.table, n_ptrs=1, B=bufs.batch, k=bufs.k, ctl_d=bufs.ctl_d))
-''', "spec_state_copy(ptr table, u32 n_entries, u32 B, u32 k, ptr ctl_d): missing ['table', 'n_entries'], "
-     "no parameter ['idx_ptrs', 'n_ptrs']"),
+''', "spec_state_copy(ptr table, u32 n_entries, u32 B, u32 k, ptr ctl_d): missing table, n_entries; "
+     "no parameter idx_ptrs, n_ptrs"),
     ('''
 def prepare(module, bufs, name):
     return module.kernel(name).prepare().set(x=bufs.x)

@@ -415,10 +415,10 @@ class ToyLM:
         if n:
             engine.copy_htod(self.prompt_d, prompt[:-1])
             draft = self.draft.kv[0] if self.draft.kv else None  # a pipeline stage may hold none
-            self.module.kernel("toy_prefill").prepare(grid=(n + BLOCK - 1) // BLOCK, block=BLOCK)(
+            self.module.kernel("toy_prefill").prepare(grid=(n + BLOCK - 1) // BLOCK, block=BLOCK).set(
                 tokens=self.prompt_d, n=n, row=row, capacity=self.capacity, tgt_data=self.data_ptrs_d,
                 tgt_len=self.len_ptrs_d, n_layers=len(self.layers), layer0=self.layers.start,
-                draft_data=draft.data_d if draft else 0, draft_len=draft.len_d if draft else 0, seed=self.model.seed)
+                draft_data=draft.data_d if draft else 0, draft_len=draft.len_d if draft else 0, seed=self.model.seed)()
         else:
             for kv in [*self.target.kv, *self.draft.kv]:
                 if kv is not None:
@@ -427,9 +427,9 @@ class ToyLM:
             prefill_state = self.module.kernel("toy_prefill_state").prepare(grid=1, block=BLOCK)
             for model_states in states:
                 live, slots, idx = model_states.kernel_args()
-                prefill_state(tokens=self.prompt_d, n=n, row=row, live=live, slots=slots, idx=idx,
-                              rec_mask=self.model.rec_bits, words=self.model.state_words, k1=model_states.k + 1,
-                              seed=self.model.seed)
+                prefill_state.set(tokens=self.prompt_d, n=n, row=row, live=live, slots=slots, idx=idx,
+                                  rec_mask=self.model.rec_bits, words=self.model.state_words, k1=model_states.k + 1,
+                                  seed=self.model.seed)()
         return n
 
     def _states(self, bufs: StreamBufs, k: int | None = None) -> tuple[ToyStates, ToyStates] | None:
