@@ -48,20 +48,21 @@ def causal(scale: float, gqa: bool) -> Attend:
     return attend
 
 
-def masked(kind: Attention, slots: torch.Tensor, capacity: int, scale: float, gqa: bool,
+def masked(kind: Attention, slots: torch.Tensor, capacity: int, scale: float, gqa: bool, dtype: torch.dtype,
            mask: torch.Tensor | None = None) -> Attend:
     """The attention of R rows of T tokens at `slots` ([R][T] int64, within the capacity) over the
     whole cache (every row of it, in order): to every slot <= a token's own, or where `mask`
-    ([R][1][T][capacity], additive) is 0."""
+    ([R][1][T][capacity], additive) is 0; `dtype` the queries' (SDPA's mask is made in it once,
+    not cast in every layer)."""
     if kind == "sdpa":
         if mask is None:
-            mask = torch.zeros((), dtype=torch.float32, device=slots.device).where(
+            mask = torch.zeros((), dtype=dtype, device=slots.device).where(
                 torch.arange(capacity, device=slots.device) <= slots[..., None], -torch.inf)[:, None]
+        bias = mask.to(dtype)
 
         def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                  cache_v: torch.Tensor) -> torch.Tensor:
-            return F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask.to(q.dtype), scale=scale,
-                                                  enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=bias, scale=scale, enable_gqa=gqa)
         return sdpa
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     rows, tokens = slots.shape

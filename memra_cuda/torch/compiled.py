@@ -27,7 +27,7 @@ from ..driver.errors import NotFused
 from .fused import FusedLlama, fuse
 from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
-from .stack import LayerStack, Stack, rotary
+from .stack import LayerStack, Stack, rotary, sliding_window
 from .state import LiveState, StateLayout
 
 RECOMPILES = 256  # torch.compile's 8 a function: a server's models, kinds of step and capacities pass it
@@ -42,7 +42,7 @@ def _step(fused: FusedLlama, cos: torch.Tensor, sin: torch.Tensor, keys: list[to
     positions, slots = positions.long().clamp(0, capacity - 1), slots.long().clamp(0, capacity - 1)
     shape = fused.shape
     attend = (causal(shape.scale, shape.gqa) if attention == "prefill"
-              else masked(attention, slots, capacity, shape.scale, shape.gqa, mask))  # type: ignore[arg-type]
+              else masked(attention, slots, capacity, shape.scale, shape.gqa, keys[0].dtype, mask))  # type: ignore[arg-type]
     return fused(tokens.long(), cos[positions], sin[positions], keys, values, rows, slots, attend, last)
 
 
@@ -92,6 +92,10 @@ class CompiledStack(LayerStack):
                  compile: bool = True, dynamic: bool = True, tuning: bool = True):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention is one of {ATTENTIONS}, not {attention!r}")
+        window = sliding_window(model.config)
+        if window and aligned(capacity) > window:  # the step attends to the whole cache a row holds
+            raise NotFused(f"the model attends within a sliding window of {window} positions, which the compiled "
+                           f"step does not apply: its cache of {aligned(capacity)} would attend past it")
         self.model, self.fused = model, fuse(model)
         self.attention = attention
         self.layers = model.model.layers[:model.config.num_hidden_layers]
@@ -100,7 +104,6 @@ class CompiledStack(LayerStack):
         self.state = None  # no recurrent layer: a model with one does not fuse
         self.slots = torch.arange(self.kv.capacity, device=self.device)
         self.cos, self.sin = rotary(model, self.slots)  # [capacity][d] each
-        self.every_row = torch.arange(batch, device=self.device)[:, None]
         # tuning pays at one token a row, where inductor turns each GEMM into a reduction fused
         # with the norm before it and the tuning sizes those (0.367 ms against 0.466 for the pair's
         # target on an H200); a verify's or a prefill's GEMMs stay GEMMs, and tuning the kernels
@@ -132,7 +135,7 @@ class CompiledStack(LayerStack):
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                parents: torch.Tensor | None = None) -> torch.Tensor:
-        return self._run(tokens, positions, positions if slots is None else slots, self.every_row, mask,
+        return self._run(tokens, positions, positions if slots is None else slots, self.kv.every_row, mask,
                          self.attention, last)
 
     def _fill(self, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:

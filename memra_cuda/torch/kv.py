@@ -65,13 +65,13 @@ class StaticKV:
         self.lengths = torch.zeros(layers, batch, dtype=torch.int32, device=device)
         self.rows: torch.Tensor | None = None
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self._every_row = torch.arange(batch, device=device)[:, None]  # [B][1]
+        self.every_row = torch.arange(batch, device=device)[:, None]  # [B][1]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' Cache.update: `key` and `value` [R][heads][T][d] land at `positions`;
         returns the rows' K and V, [R][heads][capacity][d]."""
-        rows = self._every_row if self.rows is None else self.rows[:, None]
+        rows = self.every_row if self.rows is None else self.rows[:, None]
         self.k[layer][rows, :, self.positions] = key.transpose(1, 2)
         self.v[layer][rows, :, self.positions] = value.transpose(1, 2)
         if self.rows is None:
@@ -141,7 +141,7 @@ class PagedKV(StaticKV):
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self._every_row if self.rows is None else self.rows[:, None]
+        rows = self.every_row if self.rows is None else self.rows[:, None]
         page, offset = self._at(rows, self.positions)
         self.k[layer][page, :, offset] = key.transpose(1, 2)
         self.v[layer][page, :, offset] = value.transpose(1, 2)
@@ -158,7 +158,7 @@ class PagedKV(StaticKV):
         can be a shallower one's destination), each row with at least d drafts accepted moves the
         entries at slot start + path[d] to start + d, in every layer; slots past the capacity
         are skipped. `path` [B][D+1], `accepted` and `start` [B][1]."""
-        rows = self._every_row[:, 0]
+        rows = self.every_row[:, 0]
         path, accepted, start = path.long(), accepted.long()[:, 0], start.long()[:, 0]
         for d in range(1, path.shape[1]):
             source, target = start + path[:, d], start + d

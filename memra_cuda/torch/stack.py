@@ -37,11 +37,16 @@ def _check_shape(model: Any, capacity: int) -> None:
                 raise TypeError(f"{type(model).__name__} has no {path}: Stack runs LlamaForCausalLM-shaped models "
                                 "(Llama, Mistral, Qwen2)")
             owner = getattr(owner, name)
-    config = model.config
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    window = sliding_window(model.config)
     if window and capacity > window:
         raise ValueError(f"the model attends within a sliding window of {window} positions, which Stack does not "
                          f"apply: a cache of {capacity} would attend past it (use a capacity of at most {window})")
+
+
+def sliding_window(config: Any) -> int | None:
+    """The positions a model's attention reaches back, where its config limits them (Mistral's,
+    Qwen2's with use_sliding_window); None where it attends to everything."""
+    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_c
 pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 
+from memra_cuda.errors import NotFused  # noqa: E402
+from memra_cuda.torch.compiled import stack_for  # noqa: E402
 from memra_cuda.torch.testing import RecurrentLayer, separate_draft  # noqa: E402
 from memra_cuda.torch import (CopyState, LiveState, PagedKV, SamplingParams, SpeculativeLlama, Stack,  # noqa: E402
                               StaticKV, TreeLlama, TreeMask, load_model, load_tokenizer, self_draft)
@@ -329,6 +331,10 @@ def test_a_stack_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="sliding window of 32 positions"):
         Stack(windowed, 48)
     assert Stack(windowed, 32).kv.capacity == 32
+    # compiled, its cache is whole blocks of 128, past the window: it runs through its modules
+    assert isinstance(stack_for(windowed, 32), Stack)
+    with pytest.raises(NotFused, match="sliding window of 32 positions"):
+        stack_for(windowed, 32, compiled=True)
 
 
 def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them():
