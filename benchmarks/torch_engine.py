@@ -17,9 +17,10 @@ target and draft, then on the random-weight Llamas of memra_cuda.torch.testing),
    (left-padded; greedy and sampling), of batched greedy with each step a torch graph, and of
    round-stream graph mode (greedy and sampling at T = 1), with acceptance and the ratio to
    batched graphed greedy.
-3. Continuous batching: 64 requests of mixed prompt and output lengths through 8 slots
-   (SpeculativeLlama.serve), tokens/s and p50/p99 request latency (all arrive at once), against
-   the same requests one at a time through round-stream and through graphed greedy.
+3. Continuous batching: 64 requests of mixed prompt and output lengths (benchmarks/serving.py's
+   stream) through 8 slots, speculative and plain alike (SpeculativeLlama.serve,
+   GraphedGreedy.serve), and through one slot each (a request at a time): tokens/s, time to
+   first token and time between tokens, p50 and p99 (all arrive at once).
 4. Hybrid: the small model with layers HYBRID a gated linear recurrence, B in HYBRID_BATCHES,
    its state rolled back by copy and by flip, round-stream graph and overlap modes against the
    same model's plain greedy with each step a torch graph, and whether the tokens are its.
@@ -51,22 +52,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .common import depth_and_width
 from .headline import headline
+from .serving import figures, request_stream
 from .torch_common import (TORCH_K, TORCH_M, TREE_BATCHES, decoder, graph_ms, listed, measure_config, plain_decoding,
                            plot_trees, release, row_label, summary_line, time_generations, tree_label, tree_summary)
 from memra_cuda.buffers.tree import DynamicTree
 
 BATCHES = {"small": (1, 8, 32, 128, 512), "large": (1, 8, 32, 128)}
 SERVED, SLOTS = 64, 8
+SERVED_BUDGETS = (16, 192)  # section 3's requests' new tokens, fewest and most
 HYBRID_BATCHES = (1, 8)
 # The head's scale for section 5, a trained model's confidence. Greedy tokens are the same at any
 # scale (argmax does not move), but a random model's near-flat log-probabilities would leave the
@@ -212,47 +211,39 @@ def _bench_batch(model: Any, size: str, batch: int, tokens: int) -> list[dict]:
 
 
 def bench_serving(quick: bool) -> list[dict]:
-    """Section 3: continuous batching against one request at a time."""
+    """Section 3: one request stream served through SLOTS slots by continuous batching,
+    speculative and plain alike (SpeculativeLlama.serve, GraphedGreedy.serve: one Server), and
+    through one slot (a request at a time), every request arriving at the start: tokens/s, time to
+    first token and time between tokens (benchmarks/serving.py says how each is taken)."""
     from memra_cuda.torch.testing import build_model
     from memra_cuda.torch.testing import prompts as some_prompts
-    from memra_cuda.torch import GraphedGreedy, Request, Served, SpeculativeLlama, capacity_for, self_draft
-    gen = np.random.default_rng(64)
+    from memra_cuda.torch import GraphedGreedy, SpeculativeLlama, capacity_for, self_draft
     count = 16 if quick else SERVED
-    prompts = some_prompts(count, seed=64)
-    budgets = gen.integers(16, 193, count).tolist()
-    requests = [Request(prompt, budget) for prompt, budget in zip(prompts, budgets)]
+    requests = request_stream(some_prompts(count, seed=64), seed=64, budgets=SERVED_BUDGETS)
     model = build_model("small")
-    capacity = capacity_for(40, 192, TORCH_K, TORCH_M, SLOTS)
-    server = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=SLOTS)
-    server.capture()
-    alone = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M,
-                             capacity=capacity_for(40, 192, TORCH_K, TORCH_M))
-    alone.capture()
-    greedy = GraphedGreedy(model, capacity)
 
-    def one_at_a_time(generate: Callable[[Any], list[int]]) -> list[Any]:
-        begun, out = time.perf_counter(), []
-        for request in requests:
-            tokens = generate(request)
-            out.append(Served(tokens, time.perf_counter() - begun))
-        return out
+    def capacity(batch: int) -> int:
+        return capacity_for(40, SERVED_BUDGETS[1], TORCH_K, TORCH_M, batch)
 
-    methods = {
-        f"round-stream serve, {SLOTS} slots": lambda: server.serve(requests),
-        "round-stream, one at a time": lambda: one_at_a_time(lambda r: alone.generate(r.prompt, r.max_new_tokens)),
-        "graphed greedy, one at a time": lambda: one_at_a_time(lambda r: greedy.generate(r.prompt, r.max_new_tokens)),
-    }
-    print(f"\ncontinuous batching: small model, {count} requests (prompts of 2 to 40 tokens, 16 to 192 new tokens), "
-          f"k={TORCH_K}, M={TORCH_M}, graph mode; latency from the start, all requests arriving at once")
-    print(f"{'method':34} {'tokens/s':>9} {'p50 latency s':>13} {'p99 latency s':>13} {'total s':>8}")
+    def speculative(batch: int) -> Any:
+        spec = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M, capacity=capacity(batch),
+                                batch=batch)
+        spec.capture()
+        return spec
+
+    servers = {f"round-stream serve, {SLOTS} slots": speculative(SLOTS),
+               f"graphed greedy serve, {SLOTS} slots": GraphedGreedy(model, capacity(SLOTS), SLOTS),
+               "round-stream, one at a time": speculative(1),
+               "graphed greedy, one at a time": GraphedGreedy(model, capacity(1))}
+    print(f"\ncontinuous batching: small model, {count} requests (prompts of 2 to 40 tokens, {SERVED_BUDGETS[0]} to "
+          f"{SERVED_BUDGETS[1]} new tokens), k={TORCH_K}, M={TORCH_M}, graph mode; all requests arriving at once")
+    print(f"{'method':34} {'tokens/s':>9} {'TTFT p50 ms':>11} {'p99':>8} {'TBT p50 ms':>10} {'p99':>8} {'total s':>8}")
     rows = []
-    for name, run in methods.items():
-        seconds, served = _timed(run)
-        latencies = sorted(s.latency for s in served)
-        p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-        row = dict(method=name, tokens_per_s=sum(len(s.tokens) for s in served) / seconds,
-                   p50_s=statistics.median(latencies), p99_s=p99, total_s=seconds)
-        print(f"{name:34} {row['tokens_per_s']:9.0f} {row['p50_s']:13.3f} {p99:13.3f} {seconds:8.2f}", flush=True)
+    for name, server in servers.items():
+        seconds, served = _timed(lambda server=server: server.serve(requests))
+        row = dict(method=name, **figures(served), total_s=seconds)
+        print(f"{name:34} {row['tokens_per_s']:9.0f} {1e3 * row['ttft_p50_s']:11.1f} {1e3 * row['ttft_p99_s']:8.1f} "
+              f"{1e3 * row['tbt_p50_s']:10.2f} {1e3 * row['tbt_p99_s']:8.2f} {seconds:8.2f}", flush=True)
         rows.append(row)
     return rows
 

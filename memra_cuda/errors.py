@@ -9,7 +9,8 @@ from .driver.compiler import CompileError, NvrtcUnavailable
 from .driver.errors import CaptureError, CudaError, CudaFault, CudaUnavailable, MemraError, NotFused
 from .driver.graph import LoopUnsupported
 from .rounds.device_loop import RoundCapError
+from .rounds.serving import RequestRefused
 
 __all__ = ["BuffersHeld", "CapacityError", "CaptureError", "CompileError", "CudaError", "CudaFault", "CudaUnavailable",
            "LoopUnsupported", "MemraError", "NcclError", "NcclUnavailable", "NotFused", "NvrtcUnavailable",
-           "RankFailure", "RankRefused", "RanksDiverged", "RoundCapError"]
+           "RankFailure", "RankRefused", "RanksDiverged", "RequestRefused", "RoundCapError"]

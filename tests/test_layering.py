@@ -139,6 +139,16 @@ def test_the_import_graph_is_read_at_all():
     assert layer("memra_cuda.rounds.stream") == 3 and layer("memra_cuda.errors") is None
 
 
+def test_the_server_is_host_logic_that_plain_and_speculative_decoding_share():
+    """memra_cuda.rounds.serving schedules requests without the device or torch (a CPU test
+    drives it): of the package it takes the driver's errors and host values alone; the
+    speculative decoders and the plain loop both serve through it, never a loop of their own."""
+    graph = module_imports()
+    assert graph["memra_cuda.rounds.serving"] == {"memra_cuda.driver.errors", "memra_cuda.driver.values"}
+    servers = {name for name, targets in graph.items() if "memra_cuda.rounds.serving" in targets}
+    assert {"memra_cuda.torch.decoder", "memra_cuda.torch.greedy"} <= servers, servers
+
+
 def test_only_the_torch_subpackage_imports_torch_or_transformers():
     """The core and the testing subpackage import without the optional PyTorch stack: a module
     outside memra_cuda/torch that imported torch (or transformers, tokenizers) anywhere would

@@ -63,8 +63,8 @@ class StreamBufs:
 
     Every field is row-major with one row per sequence (B = 1 is the single-sequence layout).
     Rows are independent: a row whose done flag is set is inert, so a vacant slot is a done
-    row, and reset_row / set_stop_row start a new request in a slot between bursts without
-    recapturing any graph. Every device buffer field ends in `_d` (the kernels' contracts call
+    row, and start_row (reset_row and set_stop_row in one call) starts a new request in a slot
+    between bursts without recapturing any graph. Every device buffer field ends in `_d` (the kernels' contracts call
     pos_ctr_d `pos_ctr`). The fields are windows of one allocation, the rings, ctl rows and
     positions side by side, so a burst's readback is one copy, prepared once with the memset
     that empties the rings after it. free() frees them all, and every graph captured over
@@ -159,6 +159,12 @@ class StreamBufs:
         request can join a running batch between bursts (continuous batching)."""
         self._reset(self._rows(row), pending, position)
 
+    def start_row(self, row: int, pending: int, position: int, *, budget: int | None, eos: int | None = None) -> None:
+        """A new request in slot `row`, in one call: reset_row and set_stop_row together, so the
+        row is never live without its stop rule (a server admits a request by this; a budget of
+        0 leaves the row done). Every value is checked before anything is written."""
+        self._reset(self._rows(row), pending, position, eos, budget)
+
     def set_stop(self, eos: int | None | Sequence[int | None] = None,
                  budget: int | None | Sequence[int | None] = None) -> None:
         """The stop rule of the next generation (None: no EOS / no budget), one for every row or
@@ -176,14 +182,16 @@ class StreamBufs:
             raise ValueError(f"row {row} is outside a batch of {self.batch}")
         return range(row, row + 1)
 
-    def _reset(self, rows: range, pending: int | Sequence[int], position: int | Sequence[int]) -> None:
+    def _reset(self, rows: range, pending: int | Sequence[int], position: int | Sequence[int],
+               eos: int | None = None, budget: int | None = None) -> None:
         self.check_free()
         n, first, engine = len(rows), rows.start, self.engine
         pendings = np.array(per_row(pending, n, "pending", optional=False), np.int64)
         positions = np.array(per_row(position, n, "position", optional=False), np.int64)
+        ctl = self._stop_words(n, eos, budget)  # checked too before anything is written
         engine.copy_htod(self.pend_d, pendings, start=first)
         engine.copy_htod(self.pos_ctr_d, positions, start=first)
-        self._set_stop(rows, None, None)  # no stop rule, not done, keep 0
+        self._write_stop(rows, ctl)  # the stop rule (none, by default), done where the budget is 0, keep 0
         for buf, row in ((self.ring_d, self._ring_row), (self.brk_d, BRK_WORDS), (self.acc_d, ACC_WORDS)):
             engine.copy_htod(buf, np.zeros(n * row, np.uint32), start=row * first)
         self.positions = _frozen(_replaced(self.positions, rows, positions))
@@ -193,11 +201,21 @@ class StreamBufs:
     def _set_stop(self, rows: range, eos: int | None | Sequence[int | None],
                   budget: int | None | Sequence[int | None]) -> None:
         self.check_free()
-        stops, budgets = per_row(eos, len(rows), "eos"), per_row(budget, len(rows), "budget")
-        ctl = np.zeros((len(rows), CTL_WORDS), np.int64)
+        self._write_stop(rows, self._stop_words(len(rows), eos, budget))
+
+    @staticmethod
+    def _stop_words(rows: int, eos: int | None | Sequence[int | None],
+                    budget: int | None | Sequence[int | None]) -> np.ndarray:
+        """The ctl words of `rows` rows' stop rule, [rows][CTL_WORDS]: EOS and budget (-1: none),
+        done where the budget is 0, keep 0."""
+        stops, budgets = per_row(eos, rows, "eos"), per_row(budget, rows, "budget")
+        ctl = np.zeros((rows, CTL_WORDS), np.int64)
         ctl[:, CTL_EOS] = [-1 if e is None else e for e in stops]
         ctl[:, CTL_BUDGET] = [-1 if n is None else n for n in budgets]
         ctl[:, CTL_DONE] = [n == 0 for n in budgets]
+        return ctl
+
+    def _write_stop(self, rows: range, ctl: np.ndarray) -> None:
         self.engine.copy_htod(self.ctl_d, ctl.reshape(-1), start=CTL_WORDS * rows.start)
         self.done = _frozen(_replaced(self.done, rows, ctl[:, CTL_DONE] != 0))
 

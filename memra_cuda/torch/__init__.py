@@ -15,8 +15,9 @@ What every PyTorch engine of this layer reuses, a module a concept:
   device; `compiled` — the same as one compiled step over the model's fused weights (`fused`),
   attending by `attention`, what the decoders run where a model fuses; `prefill` — prompts into
   either;
-- `decoder` — prefill graphs, a row's reset, generating a batch and serving a queue, for a
-  target and a draft model; `chain` and `tree` its two rounds;
+- `decoder` — prefill graphs, a request's admission into a row, generating a batch and serving
+  a queue (memra_cuda.rounds.serving's Server), for a target and a draft model; `chain` and
+  `tree` its two rounds;
 - `greedy` — the target's own greedy decoding, graphed and Hugging Face's, to measure and check
   against; `models` — loading a checkpoint directory, and a self-speculative draft; `parallel` —
   a model's layers split over tensor-parallel ranks; `testing` — random-weight Llamas for the
@@ -25,7 +26,8 @@ What every PyTorch engine of this layer reuses, a module a concept:
 from .adapter import capture, engine, framework, loop_capture
 from .chain import SpeculativeLlama
 from .compiled import CompiledStack
-from .decoder import Request, RoundDecoder, Served
+from ..rounds.serving import Request, Served
+from .decoder import RoundDecoder
 from .greedy import GraphedGreedy, hf_generate, hf_greedy
 from .kv import PagedKV, StaticKV, capacity_for, head_size
 from .mask import TreeMask

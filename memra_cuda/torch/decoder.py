@@ -4,15 +4,15 @@ capture every graph up front, generate a batch, serve a queue continuously.
 The chain's decoder (SpeculativeLlama) and the tree's (TreeLlama) differ in their round, not in
 this: both keep a Stack of each model over static caches of B rows, one torch stream and an
 engine on it, StreamBufs for the rows, and a RoundStream. A new request changes only values in
-device buffers (its prompt's KV, reset_row, set_stop_row), so no graph is ever recaptured while
-serving, and every capture (which through torch synchronises the device) can be made first.
+device buffers (its prompt's KV, start_row), so no graph is ever recaptured while serving, and
+every capture (which through torch synchronises the device) can be made first. Serving itself,
+the queue and the slots, is memra_cuda.rounds.serving's Server, the plain loop's too.
 """
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -21,6 +21,7 @@ from ..buffers.stream_bufs import MAX_BATCH, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_size
+from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, malformed
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import engine
 from .kv import CacheLayout, StaticKV
@@ -31,27 +32,11 @@ from .state import CopyState, FlipState, Recurrent, rollback
 from .views import RoundViews
 
 
-class Request(NamedTuple):
-    """A request for generate_batch's rows or serve's queue: `eos` stops it (None: its budget
-    alone), `seed` keys its sampled draws."""
-
-    prompt: Sequence[int]
-    max_new_tokens: int
-    eos: int | None = None
-    seed: int = 0
-
-
-class Served(NamedTuple):
-    """A request's tokens, and the seconds from the start of serve() to its last token."""
-
-    tokens: list[int]
-    latency: float
-
-
 class RoundDecoder:
     """Target and draft Stacks of `batch` rows (`target`, `draft`) wired to a RoundStream
     (`rounds`, over StreamBufs `bufs` of k) on one torch stream (`stream`, the engine's), and
-    what a user does with them: prefill rows, capture the graphs, generate a batch, serve a queue.
+    what a user does with them: prefill rows, capture the graphs, generate a batch, admit a
+    request into a row, serve a queue.
 
     `model` and `draft` are LlamaForCausalLM-shaped models of one vocabulary: two models (a
     trained pair, loaded with memra_cuda.torch.load_model), or the target and its own first
@@ -85,6 +70,7 @@ class RoundDecoder:
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
         self.k, self.batch = k, batch
+        self.vocab: int = model.config.vocab_size  # every token a request names is below it
         capacity = aligned(capacity)  # both models' caches and a tree's masks alike, compiled or not
         self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
         self.stream = torch.cuda.Stream()
@@ -145,13 +131,38 @@ class RoundDecoder:
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
                 seeds: Sequence[int] | None = None) -> list[int]:
         """Both caches of each row take its prompt but the last token, which becomes pending;
-        `seeds` are the rows' requests' (sampling). Returns the rows' start positions."""
+        `seeds` are the rows' requests' (sampling). The rows' stop rules are lifted (set_stop
+        sets the next ones). Returns the rows' start positions."""
         rows = list(rows)
+        starts = self._fill(rows, prompts, seeds)
+        pending = [int(prompt[-1]) for prompt in prompts]
+        with torch.cuda.stream(self.stream):
+            if rows == list(range(self.batch)):
+                self.bufs.reset(pending, starts)
+            else:
+                for row, token, start in zip(rows, pending, starts):
+                    self.bufs.reset_row(row, token, start)
+        return starts
+
+    def admit(self, row: int, request: Request) -> None:
+        """Start `request` in slot `row` between bursts, in one call: both caches of the row take
+        its prompt but the last token, which becomes pending, and the row takes its stop rule
+        with it (StreamBufs.start_row), so no burst finds it live without its budget. The other
+        rows run on untouched: continuous batching's unit (a Server's admission). The request
+        is taken as Server.submit checks it: well formed, its tokens in the vocabulary."""
+        prompt = request.prompt
+        (start,) = self._fill([row], [prompt], [request.seed])
+        with torch.cuda.stream(self.stream):
+            self.bufs.start_row(row, int(prompt[-1]), start, budget=request.max_new_tokens, eos=request.eos)
+
+    def _fill(self, rows: list[int], prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None) -> list[int]:
+        """Both caches of each row take its prompt but the last token, and what a subclass sets
+        for the rows (_prefilled) and their seeds are set: everything of a request's start but
+        the buffers' row. Returns the rows' start positions."""
         if any(not prompt for prompt in prompts) or len(prompts) != len(rows):
             raise ValueError(f"need one prompt of at least one token for each of the {len(rows)} rows")
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")
-        starts = [len(prompt) - 1 for prompt in prompts]
         heads = [prompt[:-1] for prompt in prompts]
         with torch.cuda.stream(self.stream):
             index = torch.tensor(rows, device="cuda")
@@ -160,16 +171,10 @@ class RoundDecoder:
                 self.draft.kv.copy_rows(self.target.kv, index)
             else:
                 self.draft.prefill(rows, heads)
-            pending = [int(prompt[-1]) for prompt in prompts]
-            if rows == list(range(self.batch)):
-                self.bufs.reset(pending, starts)
-            else:
-                for row, token, start in zip(rows, pending, starts):
-                    self.bufs.reset_row(row, token, start)
             self._prefilled(index, prompts)
             if self.sampling is not None:
                 self.seed_d[index] = torch.tensor(list(seeds) if seeds is not None else [0] * len(rows), device="cuda")
-        return starts
+        return [len(prompt) - 1 for prompt in prompts]
 
     def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:
         """Every graph the modes may replay (each burst length pacing may ask for), and every
@@ -187,9 +192,14 @@ class RoundDecoder:
         self.setup_seconds += time.perf_counter() - begun
 
     def generate_batch(self, requests: Sequence[Request], mode: str = "graph") -> list[list[int]]:
-        """One request per row, all started together and generated until each stops."""
+        """One request per row, all started together and generated until each stops. A request
+        that is malformed or names a token outside the vocabulary is refused (RequestRefused,
+        naming its row) before anything runs."""
         if len(requests) != self.batch:
             raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
+        for row, request in enumerate(requests):
+            if (reason := malformed(request, self.vocab)) is not None:
+                raise RequestRefused(row, reason)
         self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests])
         out = self.rounds.generate_batch([r.max_new_tokens for r in requests],
                                          eos=[r.eos for r in requests], mode=mode)
@@ -200,47 +210,66 @@ class RoundDecoder:
         """One request (a decoder of one row)."""
         return self.generate_batch([Request(prompt, max_new_tokens, eos, seed)], mode)[0]
 
+    def server(self, mode: str = "graph", *, clock: Callable[[], float] = time.perf_counter) -> Server:
+        """A Server (memra_cuda.rounds.serving) over the batch's slots, each of its bursts one
+        step of `mode`: submit, cancel and step requests through it, no graph recaptured. Every
+        slot is parked now. "overlap" and "device" are refused: a server admits requests between
+        bursts, and they keep a burst in flight or run a whole generation in one launch."""
+        mode = as_mode(mode)
+        if mode is Mode.OVERLAP:
+            raise ValueError('a server steps one burst at a time: "overlap" keeps two in flight (generate_batch)')
+        if mode is Mode.DEVICE:
+            raise ValueError('a server steps one burst at a time: "device" generates until every row is done, in '
+                             "one launch (generate_batch)")
+        return Server(_Slots(self, mode), clock=clock)
+
     def serve(self, requests: Sequence[Request], mode: str = "graph") -> list[Served]:
-        """Continuous batching: the requests, queued in order, through the batch's slots. A
-        slot is filled (prefill, reset_row, set_stop_row) as soon as its request stops, between
-        bursts, and every step runs all slots; no graph is recaptured."""
-        if as_mode(mode) is Mode.OVERLAP:
-            raise ValueError('serve() steps one burst at a time: "overlap" keeps two in flight (generate_batch)')
-        rounds, capacity = self.rounds.rounds_per_step(mode), self.target.kv.capacity
-        rule = self.rounds.round.capacity  # the rule every burst is checked by: its k, batch and width
-        for i, request in enumerate(requests):  # refused before anything runs, not mid-serving
-            need = kv_capacity(len(request.prompt), request.max_new_tokens, rule.k, rounds, batch=rule.batch,
-                               width=rule.width)
-            if need > capacity:
-                raise ValueError(f"request {i} ({len(request.prompt)} prompt tokens, {request.max_new_tokens} new) "
-                                 f"needs a KV cache of {need} entries in {mode} mode; these hold {capacity}")
-        queue = collections.deque(enumerate(requests))
-        slots: list[int | None] = [None] * self.batch
-        tokens: list[list[int]] = [[] for _ in range(self.batch)]
-        out: dict[int, Served] = {}  # request index -> its tokens
-        self.bufs.set_stop(budget=0)
-        begun = time.perf_counter()
-        while queue or any(slot is not None for slot in slots):
-            for row in range(self.batch):
-                if slots[row] is None and queue:
-                    slots[row], request = queue.popleft()
-                    tokens[row] = []
-                    self.prefill([row], [request.prompt], [request.seed])
-                    self.bufs.set_stop_row(row, request.eos, request.max_new_tokens)
-            readback = self.rounds.step(mode)
-            for row, slot in enumerate(slots):
-                if slot is None:
-                    continue
-                tokens[row] += readback.tokens[row].tolist()
-                if readback.done[row]:
-                    out[slot] = Served(tokens[row], time.perf_counter() - begun)
-                    slots[row] = None
-        return [out[i] for i in range(len(requests))]
+        """Continuous batching: the requests, queued in order, through the batch's slots
+        (server(mode).serve): a slot takes the next request as soon as its own stops, between
+        bursts, and every step runs all slots. One Served a request, in order; a request that
+        cannot run (its prompt and budget past the caches' room in this mode, a token outside
+        the vocabulary) is refused alone, its Served's `refused` saying why."""
+        return self.server(mode).serve(requests)
 
     def acceptance(self, committed: int | Sequence[int]) -> float:
         """The share of drafted tokens accepted, given each row's committed tokens."""
         accepted, drafted = self.bufs.drafts_accepted(committed)
         return accepted / drafted if drafted else 1.0
+
+
+class _Slots:
+    """A RoundDecoder's rows as a Server drives them (memra_cuda.rounds.serving.Decoder), every
+    burst one step of `mode`: a request fits where the capacity rule every burst is checked by
+    (the round's k, batch and width, this mode's rounds a step) gives it room."""
+
+    def __init__(self, decoder: RoundDecoder, mode: Mode):
+        self.decoder, self.mode = decoder, mode
+        self.batch, self.vocab = decoder.batch, decoder.vocab
+
+    def refusal(self, request: Request) -> str | None:
+        rule, capacity = self.decoder.rounds.round.capacity, self.decoder.target.kv.capacity
+        prompt, new = len(request.prompt), request.max_new_tokens
+        need = kv_capacity(prompt, new, rule.k, self.decoder.rounds.rounds_per_step(self.mode), batch=rule.batch,
+                           width=rule.width)
+        if need > capacity:
+            return (f"{prompt} prompt tokens and {new} new need a KV cache of {need} entries in {self.mode.value} "
+                    f"mode; these hold {capacity}")
+        return None
+
+    def admit(self, row: int, request: Request) -> None:
+        self.decoder.admit(row, request)
+
+    def burst(self) -> Burst:
+        readback = self.decoder.rounds.step(self.mode)
+        return Burst([tokens.tolist() for tokens in readback.tokens], readback.done.tolist())
+
+    def park(self, rows: Sequence[int]) -> None:
+        rows, bufs = list(rows), self.decoder.bufs
+        if len(rows) == self.batch:
+            bufs.set_stop(budget=0)
+        else:
+            for row in rows:
+                bufs.set_stop_row(row, budget=0)
 
 
 def refuse(model: Any, draft: Any, state_rollback: str) -> None:

@@ -1,16 +1,37 @@
 """What speculative decoding is measured and checked against: the target's own greedy decoding,
-plain (one token a step, each step a CUDA graph, GraphedGreedy) and Hugging Face's
-(`generate`, hf_generate)."""
+plain (one token a step, each step a CUDA graph, GraphedGreedy, which serves a request stream
+as the speculative decoders do) and Hugging Face's (`generate`, hf_generate)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from .decoder import Request
+from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, malformed
 from .sampling import SamplingParams
 from .compiled import stack_for
+
+
+class _Stop:
+    """A row's request's stop, kept on the host: its EOS, and the tokens it may still take."""
+
+    __slots__ = ("eos", "left")
+
+    def __init__(self, eos: int | None, budget: int):
+        self.eos, self.left = eos, budget
+
+    def take(self, tokens: list[int]) -> list[int]:
+        """The tokens of a burst the request keeps: up to its EOS (kept) or its budget; `left`
+        is 0 once it has stopped."""
+        kept = tokens[:self.left]
+        if self.eos in kept:
+            kept = kept[:kept.index(self.eos) + 1]
+            self.left = 0
+        else:
+            self.left -= len(kept)
+        return kept
 
 
 class GraphedGreedy:
@@ -22,7 +43,12 @@ class GraphedGreedy:
     decoder's: memra_cuda.torch.compiled.stack_for), so this is the best plain loop a PyTorch
     user writes, the baseline every speculative figure is measured against. A hybrid model's
     reference too, which Hugging Face's forward cannot run: its step updates the live state in
-    place (LiveState)."""
+    place (LiveState).
+
+    Its rows are a Server's Decoder (memra_cuda.rounds.serving), so the baseline serves a
+    request stream exactly as the speculative decoders do (serve, server): a request is
+    admitted into a row between bursts, and its stop is kept on the host. A vacant row decodes
+    on in the graph, its tokens unread (the cache clamps its positions)."""
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, steps: int = 16, eager: bool = False,
                  compiled: bool | None = None):
@@ -30,12 +56,14 @@ class GraphedGreedy:
             raise ValueError(f"a burst runs at least one step, not {steps}")
         self.stream = torch.cuda.Stream()
         self.batch, self.steps, self.eager = batch, steps, eager
+        self.vocab: int = model.config.vocab_size  # every token a request names is below it
         with torch.cuda.stream(self.stream):
             self.stack = stack_for(model, capacity, batch, compiled=compiled)
-            self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
-            self.position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
-            self.out = torch.zeros(batch, steps, dtype=torch.long, device="cuda")  # a burst's tokens
+            self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # each row's next input, [B][1]
+            self.position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # its position, [B][1]
+            self.out = torch.zeros(batch, steps, dtype=torch.long, device="cuda")  # a burst's tokens, [B][steps]
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._stops: list[_Stop | None] = [None] * batch  # each row's request's stop; None: vacant
 
     def _burst(self) -> None:
         for step in range(self.steps):
@@ -60,38 +88,87 @@ class GraphedGreedy:
             with torch.cuda.graph(self.graph, stream=self.stream):
                 self._burst()
 
+    def refusal(self, request: Request) -> str | None:
+        """Why `request` does not fit a row's cache (its prompt but the last token and its
+        budget), or None. A burst may run a row past its stop: those steps' positions are
+        clamped to the cache and their tokens dropped."""
+        capacity, need = self.stack.kv.capacity, len(request.prompt) - 1 + request.max_new_tokens
+        if need > capacity:
+            return (f"{len(request.prompt)} prompt tokens and {request.max_new_tokens} new need a cache of {need}; "
+                    f"this holds {capacity}")
+        return None
+
+    def admit(self, row: int, request: Request) -> None:
+        """Start `request` in slot `row` between bursts, in one call: the row's cache takes its
+        prompt but the last token, which becomes the row's next input at its position, and its
+        stop (EOS, budget) is kept on the host. The other rows run on untouched."""
+        prompt = request.prompt
+        with torch.cuda.stream(self.stream):
+            self.stack.prefill([row], [prompt[:-1]])
+            self.token[row, 0] = int(prompt[-1])
+            self.position[row, 0] = len(prompt) - 1
+        self._stops[row] = _Stop(request.eos, request.max_new_tokens)
+
+    def burst(self) -> Burst:
+        """One burst of every row (the graph's replay, or its steps run eagerly) and its one
+        readback: each row's tokens up to its stop (a vacant row's none); a row that reached its
+        stop is done, and vacant from then on."""
+        with torch.cuda.stream(self.stream):
+            if self.graph is None:
+                self._burst()
+            else:
+                self.graph.replay()
+            out = self.out.tolist()  # [B][steps]
+        tokens: list[list[int]] = []
+        for row, stop in enumerate(self._stops):
+            tokens.append([] if stop is None else stop.take(out[row]))
+            if stop is not None and stop.left == 0:
+                self._stops[row] = None
+        return Burst(tokens, [stop is None for stop in self._stops])
+
+    def park(self, rows: Sequence[int]) -> None:
+        """The rows' requests dropped: their tokens are read no more."""
+        for row in rows:
+            self._stops[row] = None
+
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
-        """One request a row, each until its budget or its EOS."""
+        """One request a row, started together, each until its budget or its EOS. A request that
+        is malformed, names a token outside the vocabulary or does not fit its row's cache is
+        refused (RequestRefused, naming its row) before anything runs."""
         if len(requests) != self.batch:
             raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
-        capacity = self.stack.kv.capacity
-        for i, request in enumerate(requests):
-            if len(request.prompt) - 1 + request.max_new_tokens > capacity:
-                raise ValueError(f"request {i} ({len(request.prompt)} prompt tokens, {request.max_new_tokens} new) "
-                                 f"needs a cache of {len(request.prompt) - 1 + request.max_new_tokens}; this holds "
-                                 f"{capacity}")
+        for row, request in enumerate(requests):
+            if (reason := malformed(request, self.vocab) or self.refusal(request)) is not None:
+                raise RequestRefused(row, reason)
         self.capture()
         with torch.cuda.stream(self.stream):
             self._start(requests)
-            out: list[list[int]] = [[] for _ in requests]
-            live = {row for row, request in enumerate(requests) if request.max_new_tokens > 0}
-            while live:
-                if self.graph is None:
-                    self._burst()
-                else:
-                    self.graph.replay()
-                burst = self.out.tolist()
-                for row in list(live):
-                    for token in burst[row]:
-                        out[row].append(token)
-                        if token == requests[row].eos or len(out[row]) == requests[row].max_new_tokens:
-                            live.discard(row)
-                            break
-            return out
+        self._stops = [_Stop(r.eos, r.max_new_tokens) if r.max_new_tokens else None for r in requests]
+        out: list[list[int]] = [[] for _ in requests]
+        while any(stop is not None for stop in self._stops):
+            for row, tokens in enumerate(self.burst().tokens):
+                out[row] += tokens
+        return out
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
         """One request (a decoder of one row)."""
         return self.generate_batch([Request(prompt, max_new_tokens, eos)])[0]
+
+    def server(self, *, clock: Callable[[], float] = time.perf_counter) -> Server:
+        """A Server (memra_cuda.rounds.serving) over the batch's slots, every slot vacant. The
+        burst's graph and every one-row prefill graph are captured first, as a speculative
+        decoder's capture() does: a capture synchronises the device, which a server must not do
+        mid-request."""
+        self.capture()
+        with torch.cuda.stream(self.stream):
+            self.stack.capture_prefills()
+        return Server(self, clock=clock)
+
+    def serve(self, requests: Sequence[Request]) -> list[Served]:
+        """Continuous batching, as a speculative decoder's serve(): the requests, queued in
+        order, through the batch's slots (server().serve). One Served a request, in order; a
+        request that cannot run is refused alone, its Served's `refused` saying why."""
+        return self.server().serve(requests)
 
 
 def hf_generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: int | None = None,

@@ -11,6 +11,7 @@ import pytest
 from memra_cuda import StreamBufs
 from memra_cuda.buffers import Ledger, Readback
 from memra_cuda.buffers.arena import carve
+from memra_cuda.buffers.layout import CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS
 from memra_cuda.driver.buffer import DeviceBuffer
 from memra_cuda.driver.stream import Stream, handle_of
 from memra_cuda.errors import BuffersHeld
@@ -71,6 +72,49 @@ def test_the_buffers_have_one_holder_at_a_time():
     bufs.check_free()
     bufs.hold(other, "now")
     assert bufs.holder is other
+
+
+class Recording:
+    """An engine that records the host-to-device copies asked of it and writes nothing."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[str, int, list[int]]] = []
+
+    def copy_htod(self, buf, values, start=0):
+        self.copies.append((buf, start, np.asarray(values).tolist()))
+
+
+def row_bufs(batch: int = 3) -> StreamBufs:
+    """The host half of a StreamBufs of `batch` rows whose fields are their names, over an
+    engine that records what would be written where."""
+    bufs = host_bufs()
+    bufs.engine, bufs.batch, bufs._ring_row = Recording(), batch, 6
+    for name in ("pend_d", "pos_ctr_d", "ctl_d", "ring_d", "brk_d", "acc_d"):
+        setattr(bufs, name, name)
+    bufs.positions, bufs.done = np.zeros(batch, np.int64), np.zeros(batch, bool)
+    return bufs
+
+
+def test_a_request_starts_in_a_row_in_one_call_checked_before_anything_is_written():
+    """start_row: the row's pending token, position and stop rule together, so a server's
+    admission never leaves a row live without its budget; a bad stop writes nothing at all."""
+    bufs = row_bufs()
+    for bad, error in ((dict(budget=-1), ValueError), (dict(budget=4, eos=-2), ValueError),
+                       (dict(budget=2.5), TypeError), (dict(budget=2**31), ValueError)):
+        with pytest.raises(error):
+            bufs.start_row(1, 7, 5, **bad)
+        assert bufs.engine.copies == [], f"{bad} refused after a write"
+    with pytest.raises(TypeError, match="budget"):
+        bufs.start_row(1, 7, 5)  # a budget (None: none) is named, never left out
+    bufs.start_row(1, 7, 5, budget=4, eos=9)
+    written = {buf: (start, values) for buf, start, values in bufs.engine.copies}
+    assert written["pend_d"] == (1, [7]) and written["pos_ctr_d"] == (1, [5])
+    start, ctl = written["ctl_d"]
+    assert start == CTL_WORDS and len(ctl) == CTL_WORDS
+    assert (ctl[CTL_EOS], ctl[CTL_BUDGET], ctl[CTL_DONE]) == (9, 4, 0)
+    assert bufs.positions.tolist() == [0, 5, 0] and not bufs.done.any()
+    bufs.start_row(2, 3, 0, budget=0)
+    assert bufs.done.tolist() == [False, False, True], "a budget of 0 is done at once"
 
 
 class Named(Stream):

@@ -182,13 +182,14 @@ def test_continuous_batching_gives_each_request_its_single_request_output(small,
         assert result.tokens == tokens, f"request {i}: first difference at {first_difference(result.tokens, tokens)}"
 
 
-def test_serve_refuses_a_request_its_caches_cannot_hold_before_anything_runs(small):
+def test_serve_refuses_a_request_its_caches_cannot_hold_alone(small):
     server = chain(small, capacity=capacity_for(10, 20, K, M, batch=2), batch=2)
     fits = Request([1, 2, 3], 20)
-    with pytest.raises(ValueError, match="request 1"):
-        server.serve([fits, Request([1] * 10, 200)])
-    assert server.rounds.rounds == 1, "a step ran before the refusal"  # the constructor's warm-up round
-    assert server.serve([fits])[0].tokens == server.generate_batch([fits, fits])[0]
+    alone = server.generate_batch([fits, fits])[0]
+    served = server.serve([fits, Request([1] * 10, 200), fits])
+    assert served[1].refused is not None and served[1].tokens == [] and served[1].admitted is None
+    assert served[1].refused.startswith("request 1 refused: 10 prompt tokens and 200 new need a KV cache of ")
+    assert [served[0].tokens, served[2].tokens] == [alone, alone]
     rounds_before_overlap = server.rounds.rounds
     with pytest.raises(ValueError, match="overlap"):
         server.serve([fits], "overlap")
@@ -200,7 +201,7 @@ def test_the_plain_loop_refuses_a_request_its_cache_cannot_hold_and_reads_a_burs
     more slots than its cache is refused naming it, before anything runs; a request whose budget
     ends inside a burst gets its budget exactly, as Hugging Face's greedy decoding."""
     greedy = GraphedGreedy(small, 128, steps=16)
-    with pytest.raises(ValueError, match="request 0 .* needs a cache of 136"):
+    with pytest.raises(ValueError, match="request 0 refused: 10 prompt tokens and 127 new need a cache of 136"):
         greedy.generate(list(range(1, 11)), 127)
     assert greedy.graph is None, "a step ran before the refusal"
     assert greedy.generate(PROMPT, 21) == hf_greedy(small, PROMPT, 21)  # one burst and five steps of another

@@ -1,0 +1,292 @@
+"""A server over a decoder's B slots: requests queued, admitted into free slots between bursts,
+cancelled at a burst's boundary, refused alone, and each one's tokens kept with the host's
+time of each.
+
+Continuous batching is host logic, the same whatever runs the bursts: which request a freed slot
+takes, when a cancel takes effect, what a refused request leaves behind (nothing). It is written
+once, here, against Decoder, the few things a decoder does with its rows (memra_cuda.torch's
+decoders in a mode, and GraphedGreedy, the plain loop, are Decoders), so that speculation and
+the plain decoding it is measured against serve alike, and a CPU test drives it with a decoder
+of plain Python. Nothing here touches the device.
+"""
+from __future__ import annotations
+
+import collections
+import reprlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from ..driver.errors import MemraError
+from ..driver.values import as_index, as_size
+
+
+class Request(NamedTuple):
+    """A request for a decoder's rows or a server's queue: a `prompt` of at least one token,
+    `max_new_tokens` its budget (0: nothing to generate), `eos` stops it (None: its budget
+    alone), `seed` keys its sampled draws."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    eos: int | None = None
+    seed: int = 0
+
+
+class Served(NamedTuple):
+    """What became of a request: its `tokens`, and the host clock's readings (seconds):
+    `submitted`, `admitted` (it took a slot; None where it never did), `arrivals` (one a token:
+    when the readback that brought it was received, so a burst's tokens share one) and
+    `finished` (the readback that found it stopped, its cancel, or its refusal). `refused` says
+    why it never ran (None where it ran); `cancelled`: it was cancelled, and `tokens` are those
+    read back before."""
+
+    tokens: list[int]
+    submitted: float
+    admitted: float | None
+    arrivals: list[float]
+    finished: float
+    refused: str | None = None
+    cancelled: bool = False
+
+    @property
+    def latency(self) -> float:
+        """Seconds from its submission to its end."""
+        return self.finished - self.submitted
+
+    @property
+    def first_token(self) -> float | None:
+        """Seconds from its submission to its first token's readback (time to first token); None
+        where it got no token."""
+        return self.arrivals[0] - self.submitted if self.arrivals else None
+
+
+class Burst(NamedTuple):
+    """One burst's news of every row, read back once: `tokens[row]`, what the row committed in it,
+    in order, up to its stop (none for a vacant or parked row); `done[row]`, whether the row has
+    stopped (its EOS or its budget reached; a vacant or parked row is done)."""
+
+    tokens: Sequence[Sequence[int]]
+    done: Sequence[bool]
+
+
+class Decoder(Protocol):
+    """What a Server asks of a decoder: its rows, one request each, and their bursts. The server
+    calls these between bursts only, and keeps which request holds which row."""
+
+    @property
+    def batch(self) -> int:
+        """The rows (slots), B."""
+
+    @property
+    def vocab(self) -> int:
+        """The tokens of its vocabulary: every token a request names is below it."""
+
+    def refusal(self, request: Request) -> str | None:
+        """Why a well-formed `request` cannot run in a row (its prompt and budget past the
+        caches' room), as a clause that follows "request N refused: "; None where it can."""
+
+    def admit(self, row: int, request: Request) -> None:
+        """Start `request` in the vacant `row`, in one call: its prompt in and its stop rule set,
+        so the next burst runs it; the other rows untouched."""
+
+    def burst(self) -> Burst:
+        """Run one burst of every row, and read it back once."""
+
+    def park(self, rows: Sequence[int]) -> None:
+        """Stop `rows` (vacant ones, or cancelled requests'): they sit the bursts out, done,
+        until a request is admitted into them."""
+
+
+class RequestRefused(MemraError, ValueError):
+    """A request refused before it took a slot: malformed, naming a token outside the
+    vocabulary, or needing more room than the caches hold. `ident` names it (a server's id, or
+    its place in a batch), `reason` says why; nothing else changed, and the other requests go on."""
+
+    def __init__(self, ident: int, reason: str):
+        self.ident, self.reason = ident, reason
+        super().__init__(f"request {ident} refused: {reason}")
+
+
+def malformed(request: Request, vocab: int) -> str | None:
+    """Why `request` is none a decoder over `vocab` tokens can run, whatever its room: a prompt
+    that is not one or more token ids, a budget, EOS or seed that is not one, a token outside the
+    vocabulary (whose embedding lookup would fault the device). None where it is well formed."""
+    try:
+        prompt = np.asarray(request.prompt)
+    except (TypeError, ValueError):  # ragged, or not numbers at all
+        return f"its prompt must be a sequence of token ids, not {reprlib.repr(request.prompt)}"
+    if prompt.ndim != 1 or not prompt.size or prompt.dtype.kind not in "iu":
+        return f"its prompt must be a sequence of at least one token id (an int), not {reprlib.repr(request.prompt)}"
+    outside = np.flatnonzero((prompt < 0) | (prompt >= vocab))
+    if outside.size:
+        at = int(outside[0])
+        return f"its prompt's token {prompt[at]} (at {at}) is outside the vocabulary of {vocab} tokens"
+    try:
+        as_size(request.max_new_tokens, "max_new_tokens", 0)
+        as_index(request.seed, "its seed")
+        eos = None if request.eos is None else as_size(request.eos, "eos", 0, also="None")
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    if eos is not None and eos >= vocab:
+        return f"its EOS {eos} is outside the vocabulary of {vocab} tokens"
+    return None
+
+
+@dataclass
+class _Running:
+    """A request from its submission to its end: what the server knows of it."""
+
+    request: Request
+    submitted: float
+    admitted: float | None = None
+    row: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+
+    def ended(self, at: float, cancelled: bool = False) -> Served:
+        return Served(self.tokens, self.submitted, self.admitted, self.arrivals, at, cancelled=cancelled)
+
+
+class Progress(NamedTuple):
+    """What one Server.step did: `tokens`, the new tokens of each request its burst ran, by id,
+    read back at `at` (None where no burst ran); `finished`, the requests that ended in it
+    (stopped, cancelled), by id."""
+
+    at: float | None
+    tokens: dict[int, list[int]]
+    finished: dict[int, Served]
+
+
+class Server:
+    """Continuous batching over a `decoder`'s rows, driven one burst at a time by the engine's
+    loop: submit() queues a request (or refuses it at once), step() admits queued requests into
+    free rows and runs one burst, cancel() ends a request at the next step's start. Every row
+    is parked when the server is made: it starts with all of them free.
+
+    Requests are admitted in the order submitted, into the lowest free rows. A row freed by a
+    request that stopped in a burst takes the next request at the next step (a burst runs to
+    its end: a slot freed mid-burst waits for it). A request of budget 0 ends when it reaches
+    the queue's head, without a slot. Ids count from 0 in submission order, a refused request's
+    too. `clock` (seconds) stamps the times Served records: a test gives its own.
+    """
+
+    def __init__(self, decoder: Decoder, *, clock: Callable[[], float] = time.perf_counter):
+        self.decoder, self.clock = decoder, clock
+        self._slots: list[int | None] = [None] * decoder.batch  # the id of the request in each row
+        self._queue: collections.deque[int] = collections.deque()  # ids waiting for a row, in order
+        self._live: dict[int, _Running] = {}  # every request submitted that has not ended, by id
+        self._cancels: set[int] = set()  # ids to end at the next step's start
+        self._next = 0
+        decoder.park(range(decoder.batch))
+
+    @property
+    def idle(self) -> bool:
+        """No request waits, runs or waits for its cancel to take effect."""
+        return not self._live
+
+    def submit(self, request: Request) -> int:
+        """Queue `request` and give its id; RequestRefused naming the id and why, where it is
+        malformed, names a token outside the vocabulary or cannot fit a row (nothing else
+        changes: no slot, no queue, no device work)."""
+        ident, self._next = self._next, self._next + 1
+        reason = malformed(request, self.decoder.vocab) or self.decoder.refusal(request)
+        if reason is not None:
+            raise RequestRefused(ident, reason)
+        self._live[ident] = _Running(request, self.clock())
+        self._queue.append(ident)
+        return ident
+
+    def cancel(self, ident: int) -> bool:
+        """Cancel request `ident` at the next step's start (a burst's boundary): a queued one
+        leaves the queue, a running one's row is parked and given to the next request. It ends
+        then, cancelled, with the tokens read back so far (step's `finished`). False where it
+        has ended already (its result stands); ValueError for an id this server never gave."""
+        ident = as_index(ident, "a request's id")
+        if not 0 <= ident < self._next:
+            raise ValueError(f"no request {ident} was submitted to this server ({self._next} so far)")
+        if ident not in self._live:
+            return False
+        self._cancels.add(ident)
+        return True
+
+    def step(self) -> Progress:
+        """One boundary and one burst: cancels take effect, queued requests take the free rows,
+        then one burst of every row runs and is read back; a request found stopped gives its row
+        back. Where no row is busy, no burst runs."""
+        finished: dict[int, Served] = {}
+        now = self.clock()
+        self._cancel(now, finished)
+        self._admit(now, finished)
+        busy = [(row, ident) for row, ident in enumerate(self._slots) if ident is not None]
+        if not busy:
+            return Progress(None, {}, finished)
+        burst = self.decoder.burst()
+        at = self.clock()
+        tokens: dict[int, list[int]] = {}
+        for row, ident in busy:
+            running, new = self._live[ident], list(burst.tokens[row])
+            running.tokens += new
+            running.arrivals += [at] * len(new)
+            tokens[ident] = new
+            if burst.done[row]:
+                finished[ident] = self._end(ident, at)
+        return Progress(at, tokens, finished)
+
+    def serve(self, requests: Sequence[Request]) -> list[Served]:
+        """Every request submitted now, then steps until the server is idle: one Served a
+        request, in order; a refused one's `refused` says why, and the others run on."""
+        if not self.idle:
+            raise ValueError(f"serve() takes an idle server to idle; {len(self._live)} request(s) are in this one: "
+                             "step() until it is idle")
+        out: dict[int, Served] = {}
+        place: dict[int, int] = {}  # a request's id -> its place in `requests`
+        for i, request in enumerate(requests):
+            try:
+                place[self.submit(request)] = i
+            except RequestRefused as refusal:
+                at = self.clock()
+                out[i] = Served([], at, None, [], at, refused=str(refusal))
+        while not self.idle:
+            for ident, served in self.step().finished.items():
+                out[place[ident]] = served
+        return [out[i] for i in range(len(requests))]
+
+    def _cancel(self, now: float, finished: dict[int, Served]) -> None:
+        """The cancels asked for since the last step: queued requests leave the queue, running
+        ones' rows are parked (one call) and freed."""
+        rows = [row for ident in sorted(self._cancels) if (row := self._live[ident].row) is not None]
+        if rows:
+            self.decoder.park(rows)
+        for ident in sorted(self._cancels):
+            if self._live[ident].row is None:
+                self._queue.remove(ident)
+            finished[ident] = self._end(ident, now, cancelled=True)
+        self._cancels.clear()
+
+    def _admit(self, now: float, finished: dict[int, Served]) -> None:
+        """Queued requests into the free rows, in order; one of budget 0 ends at the head of the
+        queue without a row."""
+        free = collections.deque(row for row, ident in enumerate(self._slots) if ident is None)
+        while self._queue:
+            ident = self._queue[0]
+            running = self._live[ident]
+            if running.request.max_new_tokens == 0:
+                running.admitted = now
+                finished[ident] = self._end(ident, now)
+            elif free:
+                row = free.popleft()
+                self.decoder.admit(row, running.request)
+                running.admitted, running.row, self._slots[row] = now, row, ident
+            else:
+                return
+            self._queue.popleft()  # only now: a request whose admission raised is still at the head
+
+    def _end(self, ident: int, at: float, cancelled: bool = False) -> Served:
+        """Request `ident` ended at `at`: its row (if it held one) is free, and the server forgets it."""
+        running = self._live.pop(ident)
+        if running.row is not None:
+            self._slots[running.row] = None
+        return running.ended(at, cancelled)

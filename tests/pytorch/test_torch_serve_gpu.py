@@ -1,0 +1,106 @@
+"""A request stream served through fewer slots, plain and speculative alike: GraphedGreedy and
+SpeculativeLlama (the small random-weight Llama and its self-speculative draft) behind one
+memra_cuda.rounds.Server. Every request's tokens are the target's own greedy decoding of it alone
+(Hugging Face's, hf_greedy) token for token, whatever row it ran in and whatever ran beside it; a
+request that cannot run is refused alone, naming it, and the others are served; a request
+cancelled mid-generation keeps the tokens it was sent (a prefix of its own output), its row goes
+to the next request at the next boundary, and no other request's tokens change; no graph is
+captured while serving. Skipped with the reason where torch or transformers is missing.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
+from memra_cuda.torch.testing import prompts  # noqa: E402
+from memra_cuda.torch import (GraphedGreedy, Request, SpeculativeLlama, capacity_for, hf_greedy,  # noqa: E402
+                              self_draft)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.torch]
+
+K, M, SLOTS, REQUESTS = 4, 16, 3, 10
+LONG = 1  # the request of the most tokens, 96, more than a burst gives: a chain's (k + 1) M = 80
+
+
+def first_difference(got: list[int], want: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+@pytest.fixture(scope="module")
+def stream(small):
+    """REQUESTS requests of prompts of 2 to 40 tokens and budgets of 8 to 96 (LONG's 96), every
+    third stopped by an EOS taken from the middle of its own output, and what Hugging Face's
+    greedy decoding gives each alone."""
+    budgets = np.random.default_rng(48).integers(8, 97, REQUESTS)
+    budgets[LONG] = 96
+    requests = [Request(prompt, int(n)) for prompt, n in zip(prompts(REQUESTS, seed=48), budgets)]
+    want = [hf_greedy(small, r.prompt, r.max_new_tokens) for r in requests]
+    for i in range(0, REQUESTS, 3):
+        eos = want[i][len(want[i]) // 2]
+        requests[i] = requests[i]._replace(eos=eos)
+        want[i] = want[i][:want[i].index(eos) + 1]
+    assert any(len(tokens) < r.max_new_tokens for r, tokens in zip(requests, want)), "no EOS stops a request early"
+    return requests, want
+
+
+@pytest.fixture(params=["plain", "chain"])
+def decoder(request, small):
+    """The plain loop or the chain decoder over SLOTS rows, every graph captured (a plain
+    server captures its own as it is made)."""
+    capacity = capacity_for(40, 96, K, M, batch=SLOTS)
+    if request.param == "plain":
+        return GraphedGreedy(small, capacity, SLOTS)
+    spec = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M, capacity=capacity, batch=SLOTS)
+    spec.capture(("graph",))
+    return spec
+
+
+def graphs(decoder) -> tuple:
+    """Every graph the decoder holds, by identity: a capture while serving changes them."""
+    if isinstance(decoder, GraphedGreedy):
+        return decoder.graph, dict(decoder.stack.prefills.graphs)
+    return (decoder.rounds.graphs, dict(decoder.target.prefills.graphs), dict(decoder.draft.prefills.graphs))
+
+
+def test_every_request_is_its_own_greedy_output_and_one_that_cannot_run_is_refused_alone(small, stream, decoder):
+    requests, want = stream
+    too_long, outside = Request([1, 2, 3], 10_000), Request([1, small.config.vocab_size, 2], 5)
+    queue = requests[:4] + [too_long] + requests[4:7] + [outside] + requests[7:]
+    decoder.server()  # a plain server captures its graphs as it is made; the decoder's are captured
+    captured = graphs(decoder)
+    served = decoder.serve(queue)
+    assert graphs(decoder) == captured, "serving captured a graph"
+    assert served[4].refused is not None and served[4].refused.startswith("request 4 refused: 3 prompt tokens and "
+                                                                          "10000 new need a ")
+    assert served[8].refused == (f"request 8 refused: its prompt's token {small.config.vocab_size} (at 1) is outside "
+                                 f"the vocabulary of {small.config.vocab_size} tokens")
+    ran = [out for i, out in enumerate(served) if i not in (4, 8)]
+    for i, (out, tokens) in enumerate(zip(ran, want)):
+        assert out.refused is None and not out.cancelled
+        assert out.tokens == tokens, f"request {i}: first difference at token {first_difference(out.tokens, tokens)}"
+        assert len(out.arrivals) == len(out.tokens) and out.submitted <= out.admitted < out.arrivals[0] <= out.finished
+
+
+def test_a_cancelled_request_keeps_its_tokens_and_gives_its_row_to_the_next(stream, decoder):
+    requests, want = stream
+    server = decoder.server()
+    ids = [server.submit(request) for request in requests]
+    first, victim = server.step(), LONG  # admitted in row LONG, still running: no burst gives 96 tokens
+    assert 0 < len(first.tokens[ids[victim]]) < len(want[victim]) and ids[victim] not in first.finished
+    assert server.cancel(ids[victim])
+    second = server.step()
+    assert ids[victim] in second.finished and ids[victim] not in second.tokens
+    assert len(second.tokens) == SLOTS, "a row sat the burst out while requests were queued"
+    served = {**first.finished, **second.finished}
+    while not server.idle:
+        served.update(server.step().finished)
+    cancelled = served[ids[victim]]
+    assert cancelled.cancelled and cancelled.tokens == first.tokens[ids[victim]]
+    assert cancelled.tokens == want[victim][:len(cancelled.tokens)], "a cancelled request keeps its own tokens"
+    for i in range(REQUESTS):
+        if i != victim:
+            out = served[ids[i]]
+            assert not out.cancelled and out.tokens == want[i], \
+                f"request {i}: first difference at token {first_difference(out.tokens, want[i])}"
