@@ -16,7 +16,7 @@ import numpy as np
 
 from ..driver.values import as_size
 from .arena import carve
-from .layout import COST_DRAFT, COST_VERIFY, RATE_WORDS
+from .layout import COST_DRAFT, COST_VERIFY, RATE_ACCEPTED, RATE_REJECTED, RATE_WORDS
 from .stream_bufs import StreamBufs
 
 if TYPE_CHECKING:
@@ -54,6 +54,13 @@ class DraftLengths:
             "rate_d": (np.float32, self.batch * RATE_WORDS), "cap_d": (np.uint32, self.batch),
             "cost_d": (np.float32, costs.size), "width_d": (np.uint32, 1)}, label="draft lengths")
         vars(self).update(fields)  # each the attribute the class declares
+        # Every row's statistics start at the prior, as the kernel restarts an admitted row's: a
+        # row already live when these are made (keep >= 1) is never restarted, and zeros are an
+        # acceptance of 0, which can settle the width at 0, where no row learns any more.
+        rate = np.zeros((self.batch, RATE_WORDS), np.float32)
+        prior32 = np.float32(self.prior)
+        rate[:, RATE_ACCEPTED], rate[:, RATE_REJECTED] = prior32, np.float32(1) - prior32
+        self.engine.copy_htod(self.rate_d, rate.reshape(-1))
         self.engine.copy_htod(self.cost_d, costs)
         self.engine.copy_htod(self.cap_d, np.full(self.batch, self.k, np.uint32))
 

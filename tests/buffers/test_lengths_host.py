@@ -9,7 +9,7 @@ import pytest
 
 from memra_cuda import StreamBufs
 from memra_cuda.buffers import DraftLengths, Ledger
-from memra_cuda.buffers.layout import COST_DRAFT, COST_VERIFY, RATE_WORDS
+from memra_cuda.buffers.layout import COST_DRAFT, COST_VERIFY, RATE_ACCEPTED, RATE_REJECTED, RATE_WORDS
 from memra_cuda.driver.buffer import DeviceBuffer
 from memra_cuda.errors import BuffersHeld
 
@@ -57,7 +57,17 @@ def test_the_costs_are_laid_out_draft_step_first_and_every_cap_starts_at_k():
     DraftLengths(bufs, [1.0, 1.1, 1.2], 0.3)
     cost = [0.0] * (COST_VERIFY + 3)
     cost[COST_DRAFT], cost[COST_VERIFY:] = np.float32(0.3), np.float32([1.0, 1.1, 1.2]).tolist()
-    assert bufs.engine.writes == [("cost_d", cost, 0), ("cap_d", [2, 2, 2], 0)]
+    assert bufs.engine.writes == [("rate_d", [0.5, 0.5] * 3, 0), ("cost_d", cost, 0), ("cap_d", [2, 2, 2], 0)]
+
+
+def test_every_rows_statistics_start_at_the_prior():
+    """Not zeros: a row already live when the lengths are made (keep >= 1) is never restarted at
+    the prior, and zeros are an acceptance of 0, which chose width 0 for good (nothing learns at 0)."""
+    bufs = host_bufs(k=2, batch=2)
+    DraftLengths(bufs, [1.0, 1.1, 1.2], 0.3, prior=0.3)
+    rate = np.zeros((2, RATE_WORDS), np.float32)
+    rate[:, RATE_ACCEPTED], rate[:, RATE_REJECTED] = np.float32(0.3), np.float32(1) - np.float32(0.3)
+    assert bufs.engine.writes[0] == ("rate_d", rate.reshape(-1).tolist(), 0)
 
 
 def test_caps_are_written_for_every_row_or_one():

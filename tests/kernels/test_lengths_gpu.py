@@ -143,6 +143,7 @@ def test_the_host_writes_caps_and_costs_where_the_chooser_reads_them(engine):
     bufs = StreamBufs(engine, 3, 1, 4)
     lengths = DraftLengths(bufs, [1.0, 1.5, 2.0, 2.5], 0.25)
     assert engine.dtoh(lengths.cap_d).tolist() == [3, 3, 3, 3], "every row starts at the full width"
+    assert engine.dtoh(lengths.rate_d).tolist() == [PRIOR, 1 - PRIOR] * 4, "every row starts at the prior"
     cost = engine.dtoh(lengths.cost_d)
     assert cost[COST_DRAFT] == 0.25 and cost[COST_VERIFY:].tolist() == [1.0, 1.5, 2.0, 2.5]
     lengths.set_caps([0, 1, 2, 3])
