@@ -282,7 +282,8 @@ spec_choose_lengths(const int* ctl_d, const u32* acc_d, u32* brk_d, float* rate_
 
     // A live row's statistics: restarted at the prior when the row was admitted since the last
     // round (keep 0: a reset clears it, a judged round sets it to at least 1); else the last round
-    // judged it at length min(last, cap) and it accepted n of those.
+    // judged it at length min(last, cap) and it accepted n of those; at length 0 nothing was judged
+    // and they decay toward the prior, so a batch at width 0 can open it again.
     for (u32 b = threadIdx.x; b < B; b += blockDim.x) {
         const int* ctl = ctl_d + CTL_WORDS * b;
         if (ctl[CTL_DONE] != 0) continue;
@@ -293,7 +294,13 @@ spec_choose_lengths(const int* ctl_d, const u32* acc_d, u32* brk_d, float* rate_
             continue;
         }
         const u32 length = min(last, cap_d[b]);
-        if (length == 0) continue;  // a plain round: nothing judged, nothing learnt
+        if (length == 0) {  // a plain round, nothing judged: the belief decays toward the prior
+            const float rest = __fsub_rn(1.f, decay);
+            rate[RATE_ACCEPTED] = __fadd_rn(__fmul_rn(decay, rate[RATE_ACCEPTED]), __fmul_rn(rest, prior));
+            rate[RATE_REJECTED] =
+                __fadd_rn(__fmul_rn(decay, rate[RATE_REJECTED]), __fmul_rn(rest, __fsub_rn(1.f, prior)));
+            continue;
+        }
         const u32 n = min(acc_d[ACC_WORDS * b + ACC_ROUND], length);
         rate[RATE_ACCEPTED] = __fadd_rn(__fmul_rn(decay, rate[RATE_ACCEPTED]), __uint2float_rn(n));
         rate[RATE_REJECTED] = __fadd_rn(__fmul_rn(decay, rate[RATE_REJECTED]), n < length ? 1.f : 0.f);

@@ -32,7 +32,8 @@ class DraftLengths:
     `verify_costs[w]`, w = 0..k, is the measured cost of the batch's verify of w + 1 tokens a
     row, in plain steps (`verify_costs[0]`, the plain step, is 1); `draft_cost` a draft step's,
     in the same unit. `decay` (0 to 1) is what a round's statistics weigh a round later, `prior`
-    (0 to 1) the acceptance a row starts from when it is admitted. Every row's cap starts at k
+    (0 to 1) the acceptance a row starts from when it is admitted, and the one a round at length
+    0 (nothing judged) decays its statistics toward. Every row's cap starts at k
     (speculation on, at the full width); set a request's cap when its row is admitted
     (`set_cap_row`, beside `bufs.reset_row`), before its first round.
     """

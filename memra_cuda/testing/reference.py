@@ -331,8 +331,11 @@ def spec_choose_lengths(ctl: np.ndarray, acc: np.ndarray, brk: np.ndarray, rate:
       accepted = prior, rejected = 1 - prior. Otherwise the last round judged the row at length
       L = min(width, cap, k) (width as the last launch left it) and it accepted
       n = min(acc[ACC_ROUND], L); if L >= 1, accepted = decay * accepted + n and rejected =
-      decay * rejected + (n < L), in float32, each product and sum rounded on its own (no fused
-      multiply-add). These are a geometric acceptance's sufficient statistics, so
+      decay * rejected + (n < L); if L = 0 nothing was judged and they decay toward the prior,
+      accepted = decay * accepted + (1 - decay) * prior and rejected = decay * rejected +
+      (1 - decay) * (1 - prior), so a batch whose width fell to 0 can open it again (else no row
+      would ever be judged again). In float32, each product, difference and sum rounded on its
+      own (no fused multiply-add). These are a geometric acceptance's sufficient statistics, so
       accepted / (accepted + rejected) is the per-draft acceptance's maximum-likelihood estimate
       (length_estimates), and the decay lets it follow the request's text. A round that the
       draft's p-min break cut short counts as a rejection: the break falls where the draft
@@ -350,6 +353,7 @@ def spec_choose_lengths(ctl: np.ndarray, acc: np.ndarray, brk: np.ndarray, rate:
     already judged.
     """
     decay32, prior32 = np.float32(decay), np.float32(prior)
+    rest32 = np.float32(1) - decay32  # the weight a round without evidence gives the prior
     last = min(int(width[0]), k)
     live = []
     with np.errstate(all="ignore"):  # garbage words may overflow or be NaN: the kernel's f32 does the same
@@ -366,6 +370,9 @@ def spec_choose_lengths(ctl: np.ndarray, acc: np.ndarray, brk: np.ndarray, rate:
                 n = min(int(acc_b[ACC_ROUND]), length)
                 rate_b[RATE_ACCEPTED] = decay32 * rate_b[RATE_ACCEPTED] + np.float32(n)
                 rate_b[RATE_REJECTED] = decay32 * rate_b[RATE_REJECTED] + np.float32(n < length)
+            else:  # nothing judged: the belief decays toward the prior
+                rate_b[RATE_ACCEPTED] = decay32 * rate_b[RATE_ACCEPTED] + rest32 * prior32
+                rate_b[RATE_REJECTED] = decay32 * rate_b[RATE_REJECTED] + rest32 * (np.float32(1) - prior32)
     rows = np.array(live, np.int64)
     values = width_values(length_estimates(rate.reshape(batch, RATE_WORDS)[rows]), cap[rows], cost, k)
     width[0] = int(np.argmax(values))  # the first of equal values: ties to the smaller width

@@ -29,8 +29,9 @@ NAN, INF = float("nan"), float("inf")
 
 class Rows:
     """The chooser's buffers for `batch` rows of k drafts: every row live and judged last round
-    (keep 1) at width 0 (so no statistics move), with its statistics (accepted, rejected) and
-    cap; flat costs (every width costs a plain step) unless given."""
+    (keep 1) at width 0, with its statistics (accepted, rejected) and cap; flat costs (every
+    width costs a plain step) unless given. choose's decay is 1 unless given, so that plain
+    round moves no statistics (at a decay below 1 it moves them toward the prior)."""
 
     def __init__(self, k: int, rates, caps, verify=None, draft: float = 0.0, done=None):
         self.k, self.batch = k, len(caps)
@@ -46,7 +47,7 @@ class Rows:
         self.cost[COST_DRAFT], self.cost[COST_VERIFY:] = draft, np.ones(k + 1) if verify is None else verify
         self.width = np.zeros(1, np.uint32)
 
-    def choose(self, decay: float = DECAY, prior: float = PRIOR) -> int:
+    def choose(self, decay: float = 1.0, prior: float = PRIOR) -> int:
         ref.spec_choose_lengths(self.ctl, self.acc, self.brk, self.rate, self.cap, self.cost, self.width, self.k,
                                 decay, prior, batch=self.batch)
         return int(self.width[0])
@@ -84,9 +85,12 @@ def test_a_row_admitted_since_the_last_round_restarts_at_the_prior():
     assert observed(4, [30.0, 7.0], cap=4, width=4, accepted=2, keep=0) == [0.25, 0.75]
 
 
-def test_a_plain_round_learns_nothing():
-    assert observed(4, [3.0, 1.0], cap=0, width=4, accepted=0) == [3.0, 1.0], "speculation off"
-    assert observed(4, [3.0, 1.0], cap=4, width=0, accepted=0) == [3.0, 1.0], "the batch's width was 0"
+def test_a_plain_round_judges_nothing_and_decays_the_statistics_toward_the_prior():
+    """0.5 * 3 + 0.5 * 0.25 and 0.5 * 1 + 0.5 * 0.75, whatever the round's count says."""
+    assert observed(4, [3.0, 1.0], cap=0, width=4, accepted=3) == [1.625, 0.875], "speculation off"
+    assert observed(4, [3.0, 1.0], cap=4, width=0, accepted=3) == [1.625, 0.875], "the batch's width was 0"
+    assert observed(4, [3.0, 1.0], cap=4, width=0, accepted=0, decay=1.0) == [3.0, 1.0], "no decay: nothing moves"
+    assert observed(4, [3.0, 1.0], cap=4, width=0, accepted=0, decay=0.0) == [0.25, 0.75], "all decay: the prior"
 
 
 def test_garbage_counts_clamp_to_the_rows_length_and_k():
@@ -102,6 +106,38 @@ def test_each_product_and_sum_of_the_statistics_is_rounded_to_f32_on_its_own():
     one_rounding = np.float32(float(decay) * float(accepted) + 3)
     assert two_roundings != one_rounding
     assert observed(4, [accepted, 1.0], cap=4, width=4, accepted=3, decay=decay)[0] == two_roundings
+
+
+def test_a_plain_rounds_decay_toward_the_prior_is_rounded_to_f32_product_by_product():
+    """accepted = decay * accepted + (1 - decay) * prior, rejected = decay * rejected +
+    (1 - decay) * (1 - prior): each product, difference and sum rounded on its own, as the
+    kernel's; a case where fusing decay * x into the sum would give other words."""
+    decay, prior, x = np.float32(0.9), np.float32(0.25), np.uint32(1097432424).view(np.float32)  # 14.593117
+    rest = np.float32(1) - decay
+    towards = (rest * prior, rest * (np.float32(1) - prior))
+    two_roundings = [np.float32(decay * x) + towards[0], np.float32(decay * x) + towards[1]]
+    one_rounding = [np.float32(float(decay) * float(x) + float(t)) for t in towards]
+    assert two_roundings[0] != one_rounding[0] and two_roundings[1] != one_rounding[1]
+    assert observed(4, [x, x], cap=4, width=0, accepted=3, decay=decay) == two_roundings
+
+
+def test_a_width_of_0_opens_again_when_the_prior_says_speculation_pays():
+    """The review's case: B = 3 rows of k = 4, a draft step costing 0.2, a verify of w + 1
+    tokens 1 + 0.3 w. One round rejecting every draft closes the width; at width 0 nothing is
+    judged, so only the decay toward the prior can open it again. At a prior of 0.6 a row pays
+    at width 1 (1.6 tokens for 1.5), and once open, drafts that are all accepted widen it to k.
+    (At a prior of 0.5 these costs break even, 1.5 for 1.5, and the width stays 0.)"""
+    k, batch, prior = 4, 3, 0.6
+    rows = Rows(k, [[prior, 1 - prior]] * batch, caps=[k] * batch, verify=[1 + 0.3 * w for w in range(k + 1)],
+                draft=0.2)
+    rows.width[0] = k  # the last round was judged at width k and accepted nothing
+    assert rows.choose(decay=DECAY, prior=prior) == 0, "an all-rejected round closes the width"
+    widths = []
+    for _ in range(40):  # every draft would be accepted
+        rows.acc[ACC_ROUND::ACC_WORDS] = rows.width[0]
+        widths.append(rows.choose(decay=DECAY, prior=prior))
+    assert 1 in widths[:30], widths
+    assert widths[-1] == k, widths
 
 
 def test_a_done_row_is_left_as_it_is_and_weighs_nothing():
@@ -305,7 +341,7 @@ class ChosenLengths(numpy_loop.NumpyRoundStream):
 
     def round(self) -> None:
         if not self.ctl[CTL_DONE]:
-            self.rows.choose()
+            self.rows.choose(decay=DECAY)
             self.widths.append(min(int(self.rows.width[0]), int(self.rows.cap[0])))
         super().round()
 
