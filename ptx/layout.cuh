@@ -11,7 +11,8 @@
 #define CTL_KEEP 3    // KV entries of the round that survive it (rollback)
 #define CTL_WORDS 4
 
-// brk_d, u32[B][BRK_WORDS]: the draft's p-min break (i + 1 at draft i, 0: none), and breaks counted.
+// brk_d, u32[B][BRK_WORDS]: this round's cap on acceptance (i + 1: at most i drafts, 0: none; the
+// draft's p-min break and the chosen draft length lower it, the smaller cap wins), and caps counted.
 #define BRK_MARK 0
 #define BRK_COUNT 1
 #define BRK_WORDS 2
@@ -20,6 +21,17 @@
 #define ACC_ROUND 0
 #define ACC_TOTAL 1
 #define ACC_WORDS 2
+
+// rate_d, f32[B][RATE_WORDS] (DraftLengths, docs/lengths.md): a row's running acceptance, the
+// drafts it accepted and the rounds that rejected one, each decayed by a fixed factor a round.
+#define RATE_ACCEPTED 0
+#define RATE_REJECTED 1
+#define RATE_WORDS 2
+
+// cost_d, f32[COST_VERIFY + k + 1] (DraftLengths): a draft step's cost, then a verify of w + 1
+// tokens' for w = 0..k, in plain steps (COST_VERIFY + 0, a verify of the pending token alone).
+#define COST_DRAFT 0
+#define COST_VERIFY 1
 
 // ring_d, u32[B][RING_TOKENS + ring_cap]: the count of committed tokens, then the tokens.
 #define RING_COUNT 0

@@ -245,3 +245,125 @@ extern "C" __global__ void spec_state_copy(const u64* table, u32 n_entries, u32 
 extern "C" __global__ void spec_state_flip(const u64* idx_ptrs, u32 n_ptrs, u32 B, u32 k, const int* ctl_d) {
     state_flip_rows(idx_ptrs, n_ptrs, B, k + 1, KeptSlot{ctl_d, k});
 }
+
+// The length chooser (docs/lengths.md; reference.spec_choose_lengths): each row's draft length for
+// the next round, chosen on the device from the rows' running acceptance and the measured costs
+// of the widths, once a round before the draft chain. One block: it updates each live row's
+// statistics (rate_d), chooses the batch's width W (width_d, the selector a SWITCH of bodies by
+// width reads) and caps each live row's acceptance at its length min(W, cap) (brk_d's mark).
+// Statistics are f32, each product and sum rounded on its own (no fused multiply-add), so they
+// are the reference's bit for bit; the width's values are doubles, a row's a^i a product of i
+// factors from 1 as the reference has them, so only the order in which a width's rows are
+// summed differs from the reference's.
+#define CHOOSE_THREADS 512  // block size the launcher uses (memra_cuda/kernels/spec.py)
+#define CHOOSE_WIDTHS 16    // widths one pass over the rows sums, in registers
+
+// Two caps on a row's acceptance (mark words: i + 1 caps at i drafts, 0 caps nothing) as one,
+// the smaller: whoever writes the mark only lowers it, so the order they run in does not matter.
+__device__ __forceinline__ u32 tighter_mark(u32 mark, u32 cap) {
+    return mark == 0 ? cap : cap == 0 ? mark : min(mark, cap);
+}
+
+// A row's per-draft acceptance from its statistics, accepted / (accepted + rejected) in double,
+// clamped to [0, 1]; 0 where the sum is not positive or the quotient is no number (fmax and fmin
+// drop a NaN).
+__device__ __forceinline__ double acceptance(const float* rate) {
+    const double accepted = rate[RATE_ACCEPTED], total = __dadd_rn(accepted, (double)rate[RATE_REJECTED]);
+    return fmin(fmax(total > 0.0 ? __ddiv_rn(accepted, total) : 0.0, 0.0), 1.0);
+}
+
+extern "C" __global__ void __launch_bounds__(CHOOSE_THREADS)
+spec_choose_lengths(const int* ctl_d, const u32* acc_d, u32* brk_d, float* rate_d, const u32* cap_d,
+                    const float* cost_d, u32* width_d, u32 k, u32 B, float decay, float prior) {
+    __shared__ double sums[CHOOSE_THREADS / 32][CHOOSE_WIDTHS];
+    __shared__ u32 chosen;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const u32 last = min(width_d[0], k);  // the last round's width: thread 0 writes the new one after barriers
+
+    // A live row's statistics: restarted at the prior when the row was admitted since the last
+    // round (keep 0: a reset clears it, a judged round sets it to at least 1); else the last round
+    // judged it at length min(last, cap) and it accepted n of those; at length 0 nothing was judged
+    // and they decay toward the prior, so a batch at width 0 can open it again.
+    for (u32 b = threadIdx.x; b < B; b += blockDim.x) {
+        const int* ctl = ctl_d + CTL_WORDS * b;
+        if (ctl[CTL_DONE] != 0) continue;
+        float* rate = rate_d + RATE_WORDS * b;
+        if (ctl[CTL_KEEP] == 0) {
+            rate[RATE_ACCEPTED] = prior;
+            rate[RATE_REJECTED] = __fsub_rn(1.f, prior);
+            continue;
+        }
+        const u32 length = min(last, cap_d[b]);
+        if (length == 0) {  // a plain round, nothing judged: the belief decays toward the prior
+            const float rest = __fsub_rn(1.f, decay);
+            rate[RATE_ACCEPTED] = __fadd_rn(__fmul_rn(decay, rate[RATE_ACCEPTED]), __fmul_rn(rest, prior));
+            rate[RATE_REJECTED] =
+                __fadd_rn(__fmul_rn(decay, rate[RATE_REJECTED]), __fmul_rn(rest, __fsub_rn(1.f, prior)));
+            continue;
+        }
+        const u32 n = min(acc_d[ACC_WORDS * b + ACC_ROUND], length);
+        rate[RATE_ACCEPTED] = __fadd_rn(__fmul_rn(decay, rate[RATE_ACCEPTED]), __uint2float_rn(n));
+        rate[RATE_REJECTED] = __fadd_rn(__fmul_rn(decay, rate[RATE_REJECTED]), n < length ? 1.f : 0.f);
+    }
+
+    // The width: the sum of the live rows' E(min(W, cap)) is G(0) + ... + G(W), G(i) the rows'
+    // a^i over the rows whose cap is at least i. A pass sums CHOOSE_WIDTHS of the G(i) (each thread
+    // its rows, then each warp by shuffles, then thread 0 over the warps) and thread 0 weighs each
+    // width by its cost, keeping the first best (ties to the smaller width). Each thread sees only
+    // its own rows' statistics, which it wrote above.
+    double total = 0.0, best = -1.0;  // thread 0's: G(0) + ... up to the width, the best value yet
+    u32 width = 0;
+    for (u64 first = 0; first <= k; first += CHOOSE_WIDTHS) {
+        double sum[CHOOSE_WIDTHS];
+#pragma unroll
+        for (u32 j = 0; j < CHOOSE_WIDTHS; ++j) sum[j] = 0.0;
+        for (u32 b = threadIdx.x; b < B; b += blockDim.x) {
+            const u64 cap = min(cap_d[b], k);
+            if (ctl_d[CTL_WORDS * b + CTL_DONE] != 0 || cap < first) continue;
+            const double a = acceptance(rate_d + RATE_WORDS * b);
+            double power = 1.0;
+            for (u64 i = 0; i < first; ++i) power = __dmul_rn(power, a);
+#pragma unroll
+            for (u32 j = 0; j < CHOOSE_WIDTHS; ++j) {
+                if (first + j <= cap) sum[j] = __dadd_rn(sum[j], power);
+                power = __dmul_rn(power, a);
+            }
+        }
+#pragma unroll
+        for (u32 j = 0; j < CHOOSE_WIDTHS; ++j) {
+            for (u32 offset = 16; offset; offset >>= 1)
+                sum[j] = __dadd_rn(sum[j], __shfl_down_sync(0xffffffffu, sum[j], offset));
+            if (lane == 0) sums[warp][j] = sum[j];
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (u32 j = 0; j < CHOOSE_WIDTHS && first + j <= k; ++j) {
+                double g = 0.0;
+                for (u32 w = 0; w < blockDim.x / 32; ++w) g = __dadd_rn(g, sums[w][j]);
+                total = __dadd_rn(total, g);
+                const u32 W = (u32)(first + j);
+                const double cost = __dadd_rn((double)cost_d[COST_VERIFY + (u64)W],
+                                              __dmul_rn((double)W, (double)cost_d[COST_DRAFT]));
+                const double value = cost > 0.0 ? __ddiv_rn(total, cost) : -1.0;  // NaN: a width left out
+                if (value > best) {
+                    best = value;
+                    width = W;
+                }
+            }
+        }
+        __syncthreads();  // the next pass writes sums again
+    }
+    if (threadIdx.x == 0) {
+        chosen = width;
+        width_d[0] = width;
+    }
+    __syncthreads();
+
+    // Each live row's length, min(W, cap) <= k, caps its acceptance; a length of k caps nothing.
+    for (u32 b = threadIdx.x; b < B; b += blockDim.x) {
+        if (ctl_d[CTL_WORDS * b + CTL_DONE] != 0) continue;
+        const u32 length = min(chosen, cap_d[b]);
+        u32* mark = brk_d + BRK_WORDS * b + BRK_MARK;
+        *mark = tighter_mark(*mark, length < k ? length + 1 : 0);
+    }
+}

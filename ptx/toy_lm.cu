@@ -207,7 +207,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         if (threadIdx.x < n_layers && !((rec_mask >> threadIdx.x) & 1u))  // this position's term of a layer
             part += fmix(((kv_mask >> threadIdx.x) & 1u ? e : t) ^ layers.salt[threadIdx.x]);
         const bool noisy = fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm;
-        const bool breaks = lead && fmix(p ^ seed ^ 0x68e31da4u) % 1000u < break_below && brk == 0;
+        const bool breaks =  // lowering the row's cap, never raising it (a length chosen may stand lower)
+            lead && fmix(p ^ seed ^ 0x68e31da4u) % 1000u < break_below && (brk == 0 || step + 1 < brk);
         const u32 total = block_sum(part);
         if (lead) {
             const u32 pred = fmix(seed ^ total) % vocab;

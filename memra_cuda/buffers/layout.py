@@ -16,7 +16,8 @@ CTL_DONE = 2  # non-zero once the row stopped
 CTL_KEEP = 3  # KV entries of the round that survive it (rollback)
 CTL_WORDS = 4
 
-# brk_d, u32[B][BRK_WORDS]: the draft's p-min break (i + 1 at draft i, 0: none), and breaks counted.
+# brk_d, u32[B][BRK_WORDS]: this round's cap on acceptance (i + 1: at most i drafts, 0: none; the
+# draft's p-min break and the chosen draft length lower it, the smaller cap wins), and caps counted.
 BRK_MARK = 0
 BRK_COUNT = 1
 BRK_WORDS = 2
@@ -25,6 +26,17 @@ BRK_WORDS = 2
 ACC_ROUND = 0
 ACC_TOTAL = 1
 ACC_WORDS = 2
+
+# rate_d, f32[B][RATE_WORDS] (DraftLengths, docs/lengths.md): a row's running acceptance, the
+# drafts it accepted and the rounds that rejected one, each decayed by a fixed factor a round.
+RATE_ACCEPTED = 0
+RATE_REJECTED = 1
+RATE_WORDS = 2
+
+# cost_d, f32[COST_VERIFY + k + 1] (DraftLengths): a draft step's cost, then a verify of w + 1
+# tokens' for w = 0..k, in plain steps (COST_VERIFY + 0, a verify of the pending token alone).
+COST_DRAFT = 0
+COST_VERIFY = 1
 
 # ring_d, u32[B][RING_TOKENS + ring_cap]: the count of committed tokens, then the tokens.
 RING_COUNT = 0

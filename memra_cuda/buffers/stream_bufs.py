@@ -83,7 +83,7 @@ class StreamBufs:
     ctl_d: DeviceBuffer  # i32[4]: the stop rule and the round's verdict (EOS, budget, done, keep)
     pos_ctr_d: DeviceBuffer  # i32[1]: the position, tokens whose KV is committed
     vtok_d: DeviceBuffer  # u32[k+1]: the verify's input, the pending token then the k drafts
-    brk_d: DeviceBuffer  # u32[2]: this round's p-min break (i + 1 at draft i, 0: none), breaks counted
+    brk_d: DeviceBuffer  # u32[2]: this round's cap on acceptance (i + 1 before draft i, 0: none), caps counted
     pend_d: DeviceBuffer  # u32[1]: the pending token, committed, its KV not computed yet
     last_pred_d: DeviceBuffer  # u32[1]: the bonus, the target's token after the last accepted draft
     pos_start_d: DeviceBuffer  # i32[1]: the position at the round's start (rollback's anchor)

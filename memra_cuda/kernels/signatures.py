@@ -53,6 +53,8 @@ SIGNATURES: Mapping[str, Signature] = {
     "spec_rollback_stream": _sig(len_ptrs="ptr", n_ptrs="u32", B="u32", pos_start_d="ptr", ctl_d="ptr"),
     "spec_state_copy": _sig(table="ptr", n_entries="u32", B="u32", k="u32", ctl_d="ptr"),
     "spec_state_flip": _sig(idx_ptrs="ptr", n_ptrs="u32", B="u32", k="u32", ctl_d="ptr"),
+    "spec_choose_lengths": _sig(ctl_d="ptr", acc_d="ptr", brk_d="ptr", rate_d="ptr", cap_d="ptr", cost_d="ptr",
+                               width_d="ptr", k="u32", B="u32", decay="f32", prior="f32"),
     # ptx/spec_sample.cu: stochastic acceptance and the draft's draw
     "spec_accept_sample": _sig(vtok_d="ptr", p_d="ptr", q_d="ptr", V="u32", k="u32", B="u32", brk_d="ptr", acc_d="ptr",
                               last_pred_d="ptr", ctl_d="ptr", pos_start_d="ptr", seed_d="ptr", scratch="ptr"),

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..buffers.acceptance import Acceptance, Greedy, Sampling
 from ..buffers.layout import HEAD_WORDS
+from ..buffers.lengths import DraftLengths
 from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tables import PointerTable, StateIndexTable, StateTable
 from ..driver.buffer import BufferLike, DeviceBuffer
@@ -26,11 +27,13 @@ from .signatures import load
 if TYPE_CHECKING:
     from ..driver.engine import Engine
 
+CHOOSE_THREADS = 512  # spec_stream.cu's: the length chooser's one block
+
 
 class SpecKernels:
     """The nine round-stream kernels: seven of ptx/spec_stream.ptx (loaded once per engine),
-    stochastic acceptance and the draft's draw (ptx/spec_sample.ptx, through sampling.py); and
-    device mode's publish (4', spec_stream.ptx too).
+    stochastic acceptance and the draft's draw (ptx/spec_sample.ptx, through sampling.py); device
+    mode's publish (4', spec_stream.ptx too); and the length chooser (spec_stream.ptx).
 
     `prepare_*` validates the buffers and returns a prepared launch to keep and call every
     round; the plain methods launch once. Buffers may be DeviceBuffers or
@@ -136,6 +139,20 @@ class SpecKernels:
         return self._launch("spec_state_flip", dict(idx_ptrs=table, n_ptrs=table.len, B=bufs.batch, k=bufs.k,
                                                     ctl_d=bufs.ctl_d), threads=table.len * bufs.batch)
 
+    def prepare_choose_lengths(self, bufs: StreamBufs, lengths: DraftLengths) -> Launch:
+        """The length chooser (docs/lengths.md): each live row's statistics moved on by the last
+        round, the batch's width chosen from them and the costs, each row's acceptance capped at
+        its length. Once a round, before its draft chain; `lengths` must be these buffers'."""
+        if not isinstance(lengths, DraftLengths):
+            raise TypeError(f"the length chooser's buffers are a DraftLengths, not {lengths!r}")
+        if lengths.bufs is not bufs:
+            raise ValueError(f"{lengths!r} were made for other round-stream buffers than these (k={bufs.k}, "
+                             f"batch={bufs.batch}): make them with DraftLengths(bufs, ...)")
+        return self.module.kernel("spec_choose_lengths").prepare(grid=1, block=CHOOSE_THREADS).set(
+            ctl_d=bufs.ctl_d, acc_d=bufs.acc_d, brk_d=bufs.brk_d, rate_d=lengths.rate_d, cap_d=lengths.cap_d,
+            cost_d=lengths.cost_d, width_d=lengths.width_d, k=bufs.k, B=bufs.batch, decay=lengths.decay,
+            prior=lengths.prior)
+
     def prepare_accept_sample(self, bufs: StreamBufs, p_d: BufferLike, q_d: BufferLike, seed_d: BufferLike,
                               vocab: int | None = None) -> Launch:
         """Stochastic acceptance (contract 6, ptx/spec_sample.ptx): see sampling.py."""
@@ -167,6 +184,9 @@ class SpecKernels:
 
     def state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> None:
         self.prepare_state_flip(bufs, table)()
+
+    def choose_lengths(self, bufs: StreamBufs, lengths: DraftLengths) -> None:
+        self.prepare_choose_lengths(bufs, lengths)()
 
     def accept_sample(self, bufs: StreamBufs, p_d: BufferLike, q_d: BufferLike, seed_d: BufferLike,
                       vocab: int | None = None) -> None:

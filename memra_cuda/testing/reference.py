@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import numpy.typing as npt
 
-from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MARK, BRK_WORDS, CTL_BUDGET, CTL_DONE,
-                              CTL_EOS, CTL_KEEP, CTL_WORDS, RING_COUNT, RING_TOKENS)
+from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MARK, BRK_WORDS, COST_DRAFT, COST_VERIFY,
+                              CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_KEEP, CTL_WORDS, RATE_ACCEPTED, RATE_REJECTED,
+                              RATE_WORDS, RING_COUNT, RING_TOKENS)
 from .philox import uniform
 
 # ctl_d's words by the short names the tests and the toy (testing.toy) index it with
@@ -310,3 +311,118 @@ def spec_state_flip(idx_ptrs: list, k: int, ctl: np.ndarray, batch: int = 1, *, 
         for idx in filter(lambda idx: idx is not None, idx_ptrs):
             bank = min(int(idx[b]) // slots, 1)
             idx[b] = (1 - bank) * slots + slot
+
+
+# -- spec_choose_lengths (ptx/spec_stream.cu): each row's draft length, chosen on the device --
+
+def spec_choose_lengths(ctl: np.ndarray, acc: np.ndarray, brk: np.ndarray, rate: np.ndarray, cap: np.ndarray,
+                        cost: np.ndarray, width: np.ndarray, k: int, decay: float, prior: float,
+                        batch: int = 1) -> None:
+    """Each row's draft length for the next round, from the rows' running acceptance and the
+    measured costs of the widths (docs/lengths.md); launched once a round, before the draft chain.
+
+    rate is float32 [B][RATE_WORDS], cap uint32 [B] (each request's most draft length; 0:
+    speculation off), cost float32 [COST_VERIFY + k + 1] (a draft step, then the verify of w + 1
+    tokens for w = 0..k, in plain steps), width uint32 [1]. Done rows are left as they are and
+    count for nothing. For each live row:
+
+    - Its statistics. A keep of 0 means the row was admitted since the last round (a reset
+      clears keep, every judged round sets it to at least 1): they restart at the prior,
+      accepted = prior, rejected = 1 - prior. Otherwise the last round judged the row at length
+      L = min(width, cap, k) (width as the last launch left it) and it accepted
+      n = min(acc[ACC_ROUND], L); if L >= 1, accepted = decay * accepted + n and rejected =
+      decay * rejected + (n < L); if L = 0 nothing was judged and they decay toward the prior,
+      accepted = decay * accepted + (1 - decay) * prior and rejected = decay * rejected +
+      (1 - decay) * (1 - prior), so a batch whose width fell to 0 can open it again (else no row
+      would ever be judged again). In float32, each product, difference and sum rounded on its
+      own (no fused multiply-add). These are a geometric acceptance's sufficient statistics, so
+      accepted / (accepted + rejected) is the per-draft acceptance's maximum-likelihood estimate
+      (length_estimates), and the decay lets it follow the request's text. A round that the
+      draft's p-min break cut short counts as a rejection: the break falls where the draft
+      doubts its token, so the estimate errs low.
+    - Then the batch's width: W = 0..k maximising width_values over the live rows, ties to the
+      smaller W, 0 where no width has a positive cost; width[0] = W, the selector a SWITCH of
+      bodies by width reads.
+    - Then its length, min(W, cap), as its acceptance cap (mark_lengths).
+
+    Why one width for the batch and a cap per row: in a body of width W every row drafts W
+    tokens and the verify reads W + 1 of each, so a row judged at fewer saves nothing; the
+    width is what costs, and what there is to choose. A row's own cap is its request's limit,
+    which no cost overrides. Exact whatever the lengths: a row capped at L is judged as a chain
+    of L drafts (kernels 3 and 6), at L = 0 as plain decoding, and L depends only on rounds
+    already judged.
+    """
+    decay32, prior32 = np.float32(decay), np.float32(prior)
+    rest32 = np.float32(1) - decay32  # the weight a round without evidence gives the prior
+    last = min(int(width[0]), k)
+    live = []
+    with np.errstate(all="ignore"):  # garbage words may overflow or be NaN: the kernel's f32 does the same
+        for b, (ctl_b, acc_b, rate_b, cap_b) in enumerate(row_views(
+                batch, (ctl, CTL_WORDS), (acc, ACC_WORDS), (rate, RATE_WORDS), (cap, 1))):
+            if ctl_b[CTL_DONE] != 0:
+                continue
+            live.append(b)
+            if ctl_b[CTL_KEEP] == 0:
+                rate_b[RATE_ACCEPTED], rate_b[RATE_REJECTED] = prior32, np.float32(1) - prior32
+                continue
+            length = min(last, int(cap_b[0]))
+            if length:
+                n = min(int(acc_b[ACC_ROUND]), length)
+                rate_b[RATE_ACCEPTED] = decay32 * rate_b[RATE_ACCEPTED] + np.float32(n)
+                rate_b[RATE_REJECTED] = decay32 * rate_b[RATE_REJECTED] + np.float32(n < length)
+            else:  # nothing judged: the belief decays toward the prior
+                rate_b[RATE_ACCEPTED] = decay32 * rate_b[RATE_ACCEPTED] + rest32 * prior32
+                rate_b[RATE_REJECTED] = decay32 * rate_b[RATE_REJECTED] + rest32 * (np.float32(1) - prior32)
+    rows = np.array(live, np.int64)
+    values = width_values(length_estimates(rate.reshape(batch, RATE_WORDS)[rows]), cap[rows], cost, k)
+    width[0] = int(np.argmax(values))  # the first of equal values: ties to the smaller width
+    mark_lengths(ctl, brk, cap, int(width[0]), k, batch)
+
+
+def length_estimates(rate: np.ndarray) -> np.ndarray:
+    """Each row's per-draft acceptance a, float64 [rows] from its float32 words: accepted /
+    (accepted + rejected), computed in float64; clamped to [0, 1], and 0 where the sum is not
+    positive or the quotient is no number (garbage words)."""
+    words = np.asarray(rate, np.float32).reshape(-1, RATE_WORDS).astype(np.float64)
+    accepted, total = words[:, RATE_ACCEPTED], words[:, RATE_ACCEPTED] + words[:, RATE_REJECTED]
+    with np.errstate(all="ignore"):
+        a = np.where(total > 0, accepted / np.where(total > 0, total, 1), 0.0)
+    return np.fmin(np.fmax(a, 0.0), 1.0)  # fmax and fmin drop a NaN, as the kernel's do
+
+
+def width_values(a: np.ndarray, cap: np.ndarray, cost: np.ndarray, k: int) -> np.ndarray:
+    """The batch's expected tokens per unit of cost at each width W = 0..k, float64 [k + 1]: the
+    sum over the rows (estimates a, caps cap) of E(min(W, cap)) over the round's cost
+    cost[COST_VERIFY + W] + W * cost[COST_DRAFT]; -inf where that cost is not positive.
+
+    E(L) = 1 + a + ... + a^L = (1 - a^(L+1)) / (1 - a) is what a row of acceptance a commits
+    from a round of L drafts (L + 1 at a = 1), so the sum is G(0) + ... + G(W) with G(i) the
+    rows' a^i over the rows whose cap is at least i; each a^i is a product of i factors a from
+    1, and each sum is accumulated in increasing i, as the kernel does. The kernel adds the
+    rows of one G(i) in another order, so its values may differ from these in the last bits."""
+    a, cap = np.asarray(a, np.float64), np.minimum(np.asarray(cap, np.int64), k)
+    power, total, totals = np.ones_like(a), 0.0, np.empty(k + 1)
+    for i in range(k + 1):
+        total += float(power[cap >= i].sum())
+        totals[i] = total
+        power = power * a
+    widths = np.arange(k + 1, dtype=np.float64)
+    with np.errstate(all="ignore"):  # garbage costs: 0 * inf is NaN, no positive cost, as in the kernel
+        costs = cost[COST_VERIFY:COST_VERIFY + k + 1].astype(np.float64) + widths * np.float64(cost[COST_DRAFT])
+        return np.where(costs > 0, totals / np.where(costs > 0, costs, 1), -np.inf)
+
+
+def mark_lengths(ctl: np.ndarray, brk: np.ndarray, cap: np.ndarray, width: int, k: int, batch: int = 1) -> None:
+    """Each live row's length L = min(width, cap, k) as its acceptance cap: BRK_MARK lowered to
+    L + 1 where L < k (tighter_mark); a length of k caps nothing, so BRK_COUNT does not count it."""
+    for ctl_b, brk_b, cap_b in row_views(batch, (ctl, CTL_WORDS), (brk, BRK_WORDS), (cap, 1)):
+        if ctl_b[CTL_DONE] == 0:
+            length = min(width, int(cap_b[0]), k)
+            brk_b[BRK_MARK] = tighter_mark(int(brk_b[BRK_MARK]), length + 1 if length < k else 0)
+
+
+def tighter_mark(mark: int, new: int) -> int:
+    """Two caps on a row's acceptance as BRK_MARK words (i + 1: at most i drafts; 0: no cap) as
+    one, the smaller cap. Whoever writes the mark (the draft's p-min break, the length chooser)
+    only lowers it, so the order they run in does not matter."""
+    return new if mark == 0 else mark if new == 0 else min(mark, new)

@@ -71,14 +71,17 @@ def defines(source: str, *names: str) -> dict[str, int]:
 
 
 def test_launchers_use_the_block_sizes_the_kernels_were_written_for():
-    """Block reductions and launch bounds assume blockDim.x is the source's block size, and a
-    sampling block covers THREADS * PER_THREAD entries per pass: the launchers must agree."""
+    """Block reductions and launch bounds assume blockDim.x is the source's block size (the
+    length chooser's shared sums are sized by it), and a sampling block covers THREADS *
+    PER_THREAD entries per pass: the launchers must agree."""
     from memra_cuda.kernels import sampling
     from memra_cuda.testing.toy import lm as toy
 
     assert defines("spec_sample.cu", "THREADS", "PER_THREAD") == {"THREADS": sampling.THREADS,
                                                                   "PER_THREAD": sampling.PER_THREAD}
     assert defines("toy_lm.cu", "BLOCK", "SAMPLE_BLOCK") == {"BLOCK": toy.BLOCK, "SAMPLE_BLOCK": toy.SAMPLE_BLOCK}
+    from memra_cuda.kernels import spec
+    assert defines("spec_stream.cu", "CHOOSE_THREADS") == {"CHOOSE_THREADS": spec.CHOOSE_THREADS}
     from memra_cuda.kernels import tree as tk
     assert defines("spec_tree.cu", "TREE_THREADS", "JUDGED_WORDS", "PASS_PER_THREAD") == {  # MAX_TREE_OFFERS: layout
         "TREE_THREADS": tk.THREADS, "JUDGED_WORDS": tk.JUDGED_WORDS,

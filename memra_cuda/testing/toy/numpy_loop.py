@@ -132,8 +132,8 @@ class NumpyRoundStream:
                           for layer, kv in enumerate(model.kv_mask) if kv)
             pred = model.predict(history & M32, t, p, states)
             self.draft[step] = (pred + 1) % model.vocab if model.draft_noisy(p) else pred
-            if model.draft_breaks(p) and self.brk[0] == 0:
-                self.brk[0] = step + 1
+            if model.draft_breaks(p):  # lowering the row's cap (a length chosen may stand lower)
+                self.brk[0] = ref.tighter_mark(int(self.brk[0]), step + 1)
         self.draft_kv[p] = model.embed(t, p)
         self.draft_len[0] = p + 1
 

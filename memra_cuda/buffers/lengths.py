@@ -1,0 +1,129 @@
+"""Each row's draft length, chosen on the device every round (docs/lengths.md): the buffers of the
+length chooser (spec_choose_lengths) beside a StreamBufs.
+
+The chooser keeps each row's running acceptance (rate_d), is told each request's most draft
+length (cap_d) and the measured costs of the widths (cost_d), and decides the batch's width
+(width_d) and each row's length, which it writes as the row's acceptance cap into the StreamBufs'
+brk_d. The host writes caps and costs between bursts; graphs captured over them stay valid.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from numbers import Real
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..driver.values import as_size
+from .arena import carve
+from .layout import COST_DRAFT, COST_VERIFY, RATE_ACCEPTED, RATE_REJECTED, RATE_WORDS
+from .stream_bufs import StreamBufs
+
+if TYPE_CHECKING:
+    from ..driver.buffer import DeviceBuffer
+
+DECAY = 0.9  # a round's weight a round later: a row's estimate follows its last ten or so rounds
+PRIOR = 0.5  # a fresh row's estimate, worth one judged draft: neither way, until its rounds say
+
+
+class DraftLengths:
+    """The length chooser's buffers for the rows of `bufs` (docs/lengths.md).
+
+    `verify_costs[w]`, w = 0..k, is the measured cost of the batch's verify of w + 1 tokens a
+    row, in plain steps (`verify_costs[0]`, the plain step, is 1); `draft_cost` a draft step's,
+    in the same unit. `decay` (0 to 1) is what a round's statistics weigh a round later, `prior`
+    (0 to 1) the acceptance a row starts from when it is admitted, and the one a round at length
+    0 (nothing judged) decays its statistics toward. Every row's cap starts at k
+    (speculation on, at the full width); set a request's cap when its row is admitted
+    (`set_cap_row`, beside `bufs.reset_row`), before its first round.
+    """
+
+    # One allocation, in this order (docs/lengths.md, "DraftLengths"):
+    rate_d: DeviceBuffer  # f32[B][RATE_WORDS]: each row's decayed drafts accepted and rounds that rejected one
+    cap_d: DeviceBuffer  # u32[B]: each row's most draft length, its request's (0: speculation off)
+    cost_d: DeviceBuffer  # f32[COST_VERIFY + k + 1]: a draft step's cost, then each width's verify
+    width_d: DeviceBuffer  # u32[1]: the batch's width, chosen each round: the selector a SWITCH reads
+
+    def __init__(self, bufs: StreamBufs, verify_costs: Sequence[float], draft_cost: float, decay: float = DECAY,
+                 prior: float = PRIOR):
+        if not isinstance(bufs, StreamBufs):
+            raise TypeError(f"DraftLengths are made for a StreamBufs, not {bufs!r}")
+        self.bufs, self.engine, self.k, self.batch = bufs, bufs.engine, bufs.k, bufs.batch
+        self.decay, self.prior = _fraction(decay, "decay"), _fraction(prior, "prior")
+        costs = self._costs(verify_costs, draft_cost)
+        self._arena, fields = carve(self.engine, 1, {
+            "rate_d": (np.float32, self.batch * RATE_WORDS), "cap_d": (np.uint32, self.batch),
+            "cost_d": (np.float32, costs.size), "width_d": (np.uint32, 1)}, label="draft lengths")
+        vars(self).update(fields)  # each the attribute the class declares
+        # Every row's statistics start at the prior, as the kernel restarts an admitted row's: a
+        # row already live when these are made (keep >= 1) is never restarted, and zeros are an
+        # acceptance of 0, which can settle the width at 0, where no row learns any more.
+        rate = np.zeros((self.batch, RATE_WORDS), np.float32)
+        prior32 = np.float32(self.prior)
+        rate[:, RATE_ACCEPTED], rate[:, RATE_REJECTED] = prior32, np.float32(1) - prior32
+        self.engine.copy_htod(self.rate_d, rate.reshape(-1))
+        self.engine.copy_htod(self.cost_d, costs)
+        self.engine.copy_htod(self.cap_d, np.full(self.batch, self.k, np.uint32))
+
+    def set_costs(self, verify_costs: Sequence[float], draft_cost: float) -> None:
+        """New measured costs (as the constructor takes them), for the rounds to come."""
+        costs = self._costs(verify_costs, draft_cost)
+        self.bufs.check_free()
+        self.engine.copy_htod(self.cost_d, costs)
+
+    def set_caps(self, caps: int | Sequence[int] | np.ndarray) -> None:
+        """Every row's most draft length, one for all or one per row, each from 0 (speculation off:
+        the row decodes as the plain target does) to k."""
+        given = list(caps) if isinstance(caps, (list, tuple, np.ndarray)) else [caps] * self.batch
+        if len(given) != self.batch:
+            raise ValueError(f"caps needs one value per row ({self.batch}), not {len(given)}")
+        self._write_caps(0, given)
+
+    def set_cap_row(self, row: int, cap: int) -> None:
+        """Row `row`'s most draft length (0 to k): its request's, set when the row is admitted."""
+        row = as_size(row, "row", 0, self.batch - 1)
+        self._write_caps(row, [cap])
+
+    def _write_caps(self, first: int, caps: Sequence[object]) -> None:
+        checked = [as_size(cap, f"the cap of row {first + i}", 0, self.k) for i, cap in enumerate(caps)]
+        self.bufs.check_free()
+        self.engine.copy_htod(self.cap_d, np.array(checked, np.uint32), start=first)
+
+    def _costs(self, verify_costs: Sequence[float], draft_cost: float) -> np.ndarray:
+        """cost_d's words, checked: k + 1 verify costs, each positive, and a draft step's cost of
+        at least 0, all finite as f32 (a cost the chooser could not weigh is refused here)."""
+        verify = list(verify_costs)
+        if len(verify) != self.k + 1:
+            raise ValueError(f"verify_costs needs one cost per width 0..k ({self.k + 1}), not {len(verify)}")
+        costs = np.empty(COST_VERIFY + self.k + 1, np.float32)
+        costs[COST_DRAFT] = _cost(draft_cost, "draft_cost", positive=False)
+        for w, cost in enumerate(verify):
+            costs[COST_VERIFY + w] = _cost(cost, f"verify_costs[{w}]", positive=True)
+        return costs
+
+    def __repr__(self) -> str:
+        return f"DraftLengths(k={self.k}, batch={self.batch}, decay={self.decay}, prior={self.prior})"
+
+
+def _real(value: object, what: str) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (Real, np.floating, np.integer)):
+        raise TypeError(f"{what} must be a real number, not {value!r}")
+    return float(value)
+
+
+def _fraction(value: object, what: str) -> float:
+    number = _real(value, what)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{what} must be a number from 0 to 1, not {value!r}")
+    return number
+
+
+def _cost(value: object, what: str, positive: bool) -> np.float32:
+    """`value` as the f32 the chooser reads, refused unless finite there and positive (or at
+    least 0, where not `positive`): 1e-50 is 0 as an f32, and 1e39 infinite."""
+    with np.errstate(over="ignore"):
+        number = np.float32(_real(value, what))
+    if not (np.isfinite(number) and (number > 0 if positive else number >= 0)):
+        raise ValueError(f"{what} must be {'positive' if positive else 'at least 0'} and finite as an f32, "
+                         f"not {value!r}")
+    return number

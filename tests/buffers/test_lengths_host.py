@@ -1,0 +1,128 @@
+"""DraftLengths' host side, on CPU (docs/lengths.md): its fields in one allocation, what the host
+writes where (costs, caps), and what it refuses, before anything is written. No device memory is
+touched: the engine is a stand-in that hands out an address nobody reads and records the host
+writes, and the StreamBufs is its host half."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import StreamBufs
+from memra_cuda.buffers import DraftLengths, Ledger
+from memra_cuda.buffers.layout import COST_DRAFT, COST_VERIFY, RATE_ACCEPTED, RATE_REJECTED, RATE_WORDS
+from memra_cuda.driver.buffer import DeviceBuffer
+from memra_cuda.errors import BuffersHeld
+
+
+class Recorder:
+    """What DraftLengths asks of an engine: zeroed memory, an address nobody reads, and host
+    writes, recorded as (field, values, start)."""
+
+    def __init__(self):
+        self.writes: list[tuple[str | None, list, int]] = []
+
+    def zeros(self, dtype, length, *, label):
+        return DeviceBuffer.wrap(0x10000, dtype, length)
+
+    def copy_htod(self, dst, values, start=0):
+        self.writes.append((dst.label, np.asarray(values).tolist(), start))
+
+
+def host_bufs(k: int = 3, batch: int = 4) -> StreamBufs:
+    bufs = StreamBufs.__new__(StreamBufs)
+    bufs.k, bufs.batch, bufs.m_rounds, bufs.engine = k, batch, 1, Recorder()
+    bufs.ledger, bufs.holder, bufs._held_why = Ledger(), None, ""
+    return bufs
+
+
+def made(k: int = 3, batch: int = 4) -> tuple[DraftLengths, Recorder]:
+    bufs = host_bufs(k, batch)
+    lengths = DraftLengths(bufs, [1.0 + w / 4 for w in range(k + 1)], 0.125)
+    bufs.engine.writes.clear()
+    return lengths, bufs.engine
+
+
+def test_the_fields_lie_in_one_allocation_in_their_order():
+    lengths, _ = made(k=3, batch=4)
+    fields = [lengths.rate_d, lengths.cap_d, lengths.cost_d, lengths.width_d]
+    assert [(buf.label, buf.dtype, buf.len) for buf in fields] == [
+        ("rate_d", np.float32, 4 * RATE_WORDS), ("cap_d", np.uint32, 4), ("cost_d", np.float32, COST_VERIFY + 4),
+        ("width_d", np.uint32, 1)]
+    starts = [(buf.ptr - lengths.rate_d.ptr) // 4 for buf in fields]
+    assert starts == [0, 4 * RATE_WORDS, 4 * RATE_WORDS + 4, 4 * RATE_WORDS + 4 + COST_VERIFY + 4]
+
+
+def test_the_costs_are_laid_out_draft_step_first_and_every_cap_starts_at_k():
+    bufs = host_bufs(k=2, batch=3)
+    DraftLengths(bufs, [1.0, 1.1, 1.2], 0.3)
+    cost = [0.0] * (COST_VERIFY + 3)
+    cost[COST_DRAFT], cost[COST_VERIFY:] = np.float32(0.3), np.float32([1.0, 1.1, 1.2]).tolist()
+    assert bufs.engine.writes == [("rate_d", [0.5, 0.5] * 3, 0), ("cost_d", cost, 0), ("cap_d", [2, 2, 2], 0)]
+
+
+def test_every_rows_statistics_start_at_the_prior():
+    """Not zeros: a row already live when the lengths are made (keep >= 1) is never restarted at
+    the prior, and zeros are an acceptance of 0, which chose width 0 for good (nothing learns at 0)."""
+    bufs = host_bufs(k=2, batch=2)
+    DraftLengths(bufs, [1.0, 1.1, 1.2], 0.3, prior=0.3)
+    rate = np.zeros((2, RATE_WORDS), np.float32)
+    rate[:, RATE_ACCEPTED], rate[:, RATE_REJECTED] = np.float32(0.3), np.float32(1) - np.float32(0.3)
+    assert bufs.engine.writes[0] == ("rate_d", rate.reshape(-1).tolist(), 0)
+
+
+def test_caps_are_written_for_every_row_or_one():
+    lengths, engine = made(k=3, batch=4)
+    lengths.set_caps(2)
+    lengths.set_caps([0, 1, 2, 3])
+    lengths.set_caps(np.array([3, 3, 0, 0]))
+    lengths.set_cap_row(3, 1)
+    assert engine.writes == [("cap_d", [2, 2, 2, 2], 0), ("cap_d", [0, 1, 2, 3], 0), ("cap_d", [3, 3, 0, 0], 0),
+                             ("cap_d", [1], 3)]
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda lengths: lengths.set_caps(4), ValueError, "the cap of row 0 must be an int from 0 to 3"),
+    (lambda lengths: lengths.set_caps([0, 1, -1, 2]), ValueError, "the cap of row 2 must be an int from 0 to 3"),
+    (lambda lengths: lengths.set_caps([0, 1]), ValueError, r"caps needs one value per row \(4\), not 2"),
+    (lambda lengths: lengths.set_caps(2.0), TypeError, "the cap of row 0 must be an integer"),
+    (lambda lengths: lengths.set_caps(True), TypeError, "the cap of row 0 must be an integer"),
+    (lambda lengths: lengths.set_cap_row(4, 1), ValueError, "row must be an int from 0 to 3"),
+    (lambda lengths: lengths.set_cap_row(1, 9), ValueError, "the cap of row 1 must be an int from 0 to 3"),
+    (lambda lengths: lengths.set_costs([1.0, 1.0, 1.0], 0.0), ValueError, r"one cost per width 0..k \(4\), not 3"),
+    (lambda lengths: lengths.set_costs([1.0, 0.0, 1.0, 1.0], 0.0), ValueError, r"verify_costs\[1\] must be positive"),
+    (lambda lengths: lengths.set_costs([1.0, 1.0, 1e-50, 1.0], 0.0), ValueError, r"verify_costs\[2\] must be positive"),
+    (lambda lengths: lengths.set_costs([1.0, 1.0, 1.0, 1e39], 0.0), ValueError, r"verify_costs\[3\] must be positive"),
+    (lambda lengths: lengths.set_costs([float("nan"), 1.0, 1.0, 1.0], 0.0), ValueError, r"verify_costs\[0\]"),
+    (lambda lengths: lengths.set_costs([1.0] * 4, -0.1), ValueError, "draft_cost must be at least 0"),
+    (lambda lengths: lengths.set_costs([1.0] * 4, "0.1"), TypeError, "draft_cost must be a real number"),
+    (lambda lengths: lengths.set_costs([1.0] * 4, True), TypeError, "draft_cost must be a real number"),
+])
+def test_a_wrong_cap_or_cost_is_refused_naming_it_before_anything_is_written(call, error, message):
+    lengths, engine = made(k=3, batch=4)
+    with pytest.raises(error, match=message):
+        call(lengths)
+    assert engine.writes == []
+
+
+@pytest.mark.parametrize(("keyword", "value", "error"), [
+    ("decay", 1.5, ValueError), ("decay", -0.1, ValueError), ("decay", float("nan"), ValueError),
+    ("prior", 2, ValueError), ("prior", None, TypeError), ("prior", True, TypeError), ("decay", "0.9", TypeError)])
+def test_a_decay_or_prior_outside_0_to_1_is_refused_before_anything_is_allocated(keyword, value, error):
+    bufs = host_bufs()
+    with pytest.raises(error, match=f"{keyword} must be a"):
+        DraftLengths(bufs, [1.0] * 4, 0.0, **{keyword: value})
+    assert bufs.engine.writes == []
+
+
+def test_only_round_stream_buffers_take_lengths():
+    with pytest.raises(TypeError, match="DraftLengths are made for a StreamBufs, not None"):
+        DraftLengths(None, [1.0], 0.0)  # type: ignore[arg-type]
+
+
+def test_nothing_is_written_while_a_loop_holds_the_buffers():
+    lengths, engine = made()
+    lengths.bufs.hold(object(), "a device-mode loop is still running on these buffers")
+    for write in (lambda: lengths.set_caps(1), lambda: lengths.set_costs([1.0] * 4, 0.0)):
+        with pytest.raises(BuffersHeld, match="still running"):
+            write()
+    assert engine.writes == []
