@@ -278,7 +278,7 @@ def test_the_ptx_loads_on_this_driver_and_runs_with_its_signature_checked(engine
     module = Module(engine, ptx, signatures={"scale": Signature.of(x="ptr", y="ptr", n="u32")})
     x = engine.htod(np.arange(1000, dtype=np.uint32))
     y = engine.zeros(np.uint32, 1000)
-    module.kernel("scale").prepare(grid=4, block=256)(x=x, y=y, n=1000)
+    module.kernel("scale").prepare(grid=4, block=256).set(x=x, y=y, n=1000)()
     assert (engine.dtoh(y) == np.arange(1000, dtype=np.uint32) * np.uint32(7919)).all()
     with pytest.raises(TypeError, match="scale: parameter 'n' is u32, not f32"):
         module.kernel("scale").prepare(["ptr", "ptr", "f32"], grid=4, block=256)

@@ -400,7 +400,7 @@ def test_a_module_with_signatures_refuses_a_type_swap_that_sizes_let_through(eng
         with pytest.raises(TypeError, match=r"probe_increment takes 2 parameter\(s\) \(ptr x, u32 n\)"):
             kernel.prepare(["ptr"], grid=1, block=BLOCK)
         buf = own.htod([1, 2, 3], np.uint32)
-        kernel.prepare(grid=1, block=BLOCK)(x=buf, n=2)
+        kernel.prepare(grid=1, block=BLOCK).set(x=buf, n=2)()
         assert own.dtoh(buf).tolist() == [2, 3, 3]
         with pytest.raises(ValueError, match="another signature table"):
             own.load_ptx("probe", {"probe_increment": Signature.of(x="ptr", n="i32")})
