@@ -15,11 +15,13 @@ versions, GPU), so a changed input trains anew and an unchanged one reuses: `<ca
 `<cache>/<key>/draft` (each loads alone with from_pretrained), `report.json` and `heldout.json` (a
 pool of held-out prompts, so a benchmark needs no corpus). A run reproduces: training stops at a
 step count (the defaults' are what 160 s and 65 s of an H200 took, 717 and 1290), from seeded
-weights, over windows drawn by a seeded generator, its learning rate a function of the step; what
-differs from one run to the next is the GPU's own rounding, which moved the held-out losses by far
-less than the 0.02 nats/token a pair's figures are read to (the wall-clock budgets of 0.3, whose step
-counts followed the GPU's speed, moved the draft's by 0.10). Imports no memra_cuda: it makes the
-models that memra_cuda is measured with.
+weights, over windows drawn by a seeded generator, its learning rate a function of the step, through
+deterministic kernels (torch.use_deterministic_algorithms: flash attention's backward without its
+atomic adds, cuBLAS on a fixed workspace). Without those, two runs of one key on one H200
+(2026-12-04) differed by 0.022 nats/token in the target's held-out loss, past the 0.02 a pair's
+figures are read to (the wall-clock budgets of 0.3, whose step counts followed the GPU's speed,
+moved the draft's by 0.10). Imports no memra_cuda: it makes the models that memra_cuda is measured
+with.
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,6 +230,19 @@ def sync(device: torch.device) -> None:
 def windows(data: torch.Tensor, starts: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     w = data[starts[:, None] + torch.arange(length + 1, device=data.device)].long()
     return w[:, :-1], w[:, 1:]
+
+
+@contextmanager
+def deterministic() -> Iterator[None]:
+    """Within, every kernel gives the same bits from one run to the next (flash attention's backward
+    without its atomic adds, cuBLAS on CUBLAS_WORKSPACE_CONFIG's fixed slices), or raises naming
+    itself; the setting as it was after."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
 def train(model: LlamaForCausalLM, data: torch.Tensor, args: argparse.Namespace, batch: int, lr: float,
@@ -447,8 +464,9 @@ def build(args: argparse.Namespace, docs: list[Doc], out: Path, phases: dict[str
         layers, hidden = getattr(args, f"{name}_layers"), getattr(args, f"{name}_hidden")
         torch.manual_seed(args.seed + i)
         model = llama(layers, hidden, vocab, args.seq_len, eot, device)
-        stats = train(model, train_data, args, getattr(args, f"{name}_batch"), getattr(args, f"{name}_lr"),
-                      getattr(args, f"{name}_steps"), args.seed + i, name)
+        with deterministic():
+            stats = train(model, train_data, args, getattr(args, f"{name}_batch"), getattr(args, f"{name}_lr"),
+                          getattr(args, f"{name}_steps"), args.seed + i, name)
         model.bfloat16().eval()  # scored as saved: bf16
         losses, starts = heldout_losses(model, held_data, args.seq_len, args.eval_tokens)
         stats.update(layers=layers, hidden=hidden, params=sum(p.numel() for p in model.parameters()),
@@ -496,6 +514,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     start = time.perf_counter()
+    # deterministic cuBLAS needs a workspace of fixed slices, read when its first handle is made
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's shard bar, noise in a log
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     docs = read_docs(list_files(args.max_file_kb * 1024), args.max_files)

@@ -23,7 +23,7 @@ from test_torch_stack import (TOL, TREE, VOCAB, ancestors, hf_logits, hybrid, ma
 
 pytestmark = pytest.mark.torch
 
-ATTENTIONS = ("sdpa", "flex")
+ATTENTIONS = ("sdpa", "flex", None)  # None: each width its own (WIDTHS_ATTEND)
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
