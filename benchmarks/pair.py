@@ -270,7 +270,9 @@ def train(model: LlamaForCausalLM, data: torch.Tensor, args: argparse.Namespace,
         x, y = windows(data, torch.randint(0, len(data) - seq, (batch,), generator=gen, device=device), seq)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        # cross_entropy's nll_loss has no deterministic CUDA kernel (it raises under deterministic());
+        # gather's backward has one
+        loss = -logits.float().log_softmax(-1).gather(-1, y[..., None]).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
