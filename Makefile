@@ -20,7 +20,7 @@ PICK_TEST = py=$$(sh tools/pick-python test) || exit 1;
 WHEELS12 ?= cuda-python==12.6.2.post1 numpy==1.26.4
 SITE12   ?= /tmp/site12
 
-.PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch pair ptx clean
+.PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch pair soak ptx clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -179,6 +179,12 @@ bench-torch: pair
 # kept in .cache/pair/ and reused (a second run lists the corpus and finds it, seconds).
 pair:
 	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.pair $(PAIR_ARGS)
+
+# A server's soak (benchmarks/soak.py; torch and transformers, a GPU): 5,000 requests through 64
+# slots of a chain decoder, refusals and cancels mixed in; fails unless nothing is lost, device
+# memory stays flat and every checked request is its own greedy decoding alone. SOAK_ARGS: its flags.
+soak:
+	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

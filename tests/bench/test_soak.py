@@ -1,0 +1,59 @@
+"""benchmarks/soak.py's host logic on CPU, over the stand-in decoder (tests/stand_in.py): the
+stream it draws, a soak that loses nothing and keeps every request's own output (refused,
+cancelled and served mixed), and a verdict that fails where memory grows or a request's tokens
+are another's."""
+from __future__ import annotations
+
+from benchmarks.soak import Mix, check, soak, soak_requests, verdict
+from memra_cuda.rounds import Server
+
+from stand_in import CAPACITY, VOCAB, Counting, alone
+
+MIX = Mix(prompt=(1, 10), budget=(1, 25), eos=0.3, refused=0.1, cancelled=0.2)
+
+
+def test_the_stream_is_drawn_by_its_seed_with_its_share_of_each_fate():
+    requests, cancel = soak_requests(2000, VOCAB, CAPACITY, seed=3, mix=MIX)
+    assert (requests, cancel) == soak_requests(2000, VOCAB, CAPACITY, seed=3, mix=MIX)
+    assert requests != soak_requests(2000, VOCAB, CAPACITY, seed=4, mix=MIX)[0]
+    assert [r.seed for r in requests] == list(range(2000))
+    outside = sum(max(r.prompt) >= VOCAB for r in requests)
+    too_long = sum(r.max_new_tokens == CAPACITY for r in requests)
+    assert 60 < outside < 140 and 60 < too_long < 140 and 320 < len(cancel) < 480
+    assert all(1 <= len(r.prompt) <= 10 and (1 <= r.max_new_tokens <= 25 or r.max_new_tokens == CAPACITY)
+               for r in requests)
+
+
+def run(count=600, batch=4, memory=None):
+    requests, cancel = soak_requests(count, VOCAB, CAPACITY, seed=11, mix=MIX)
+    decoder = Counting(batch)
+    readings = iter(range(10**6))
+    found = soak(Server(decoder, clock=decoder.clock), requests, cancel,
+                 memory=memory or (lambda: 1000), warm_up=2 * batch, clock=lambda: float(next(readings)))
+    return requests, cancel, found
+
+
+def test_a_soak_ends_every_request_once_each_its_own_output():
+    requests, cancel, found = run()
+    assert not found.lost and not found.twice and sorted(found.served) == list(range(len(requests)))
+    counts = found.counts()
+    assert counts["refused"] == sum(max(r.prompt) >= VOCAB or r.max_new_tokens == CAPACITY for r in requests)
+    assert 0 < counts["cancelled"] <= len(cancel)
+    assert not any(found.served[i].cancelled for i in range(len(requests)) if i not in cancel)
+    checked, wrong = check(found, requests, alone, 10**6, seed=1)
+    assert checked == len(requests) - counts["refused"] and wrong == []
+    held, line = verdict(found, wrong, checked)
+    assert held and line.startswith(f"soak: held: {len(requests)} requests ({counts['refused']} refused, "), line
+    assert 0 < len(found.memory) < found.steps, "memory is read once warm, after every step"
+
+
+def test_the_verdict_fails_where_memory_grows_or_a_request_is_anothers():
+    grows = iter(range(1000, 10**9))
+    requests, _, found = run(memory=lambda: next(grows))
+    assert 0.01 < found.drift and not verdict(found, [], 1)[0] and "FAILED" in verdict(found, [], 1)[1]
+    requests, _, found = run()
+    victim = next(i for i, served in found.served.items() if served.refused is None and len(served.tokens) > 1
+                  and not served.cancelled)
+    found.served[victim] = found.served[victim]._replace(tokens=found.served[victim].tokens[::-1] + [0])
+    checked, wrong = check(found, requests, alone, 10**6, seed=1)
+    assert len(wrong) == 1 and wrong[0].startswith(f"request {victim}: ") and not verdict(found, wrong, checked)[0]
