@@ -19,7 +19,7 @@ import numpy as np
 
 from ..driver.values import as_size
 from ..driver.errors import MemraError
-from .stream_bufs import MAX_BATCH
+from .stream_bufs import as_batch
 
 
 class CapacityError(MemraError, ValueError):
@@ -74,7 +74,7 @@ class Capacity:
         writes at least the k + 1 entries it may advance: `width` is no less)."""
         k = as_size(k, "k", 0)
         for name, value in (("entries", None if entries is None else as_size(entries, "entries")), ("k", k),
-                            ("batch", as_size(batch, "batch", 1, MAX_BATCH)),
+                            ("batch", as_batch(batch)),
                             ("m_rounds", as_size(m_rounds, "m_rounds")),
                             ("width", k + 1 if width is None else as_size(width, "width", k + 1))):
             object.__setattr__(self, name, value)

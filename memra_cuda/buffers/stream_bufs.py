@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 MAX_BATCH = 65535  # some kernels give each sequence a grid row (y), which CUDA caps at 65535
 
 
+def as_batch(batch: object) -> int:
+    """`batch` as a batch size, 1 to MAX_BATCH rows (as_size's refusals, naming it)."""
+    return as_size(batch, "batch", 1, MAX_BATCH)
+
+
 class Readback:
     """One burst's readback, per row: `done`, its position (pos_ctr) when the burst ended,
     `committed`, how many tokens its ring held, and `tokens`, those tokens. The words are a copy
@@ -90,7 +95,7 @@ class StreamBufs:
     acc_d: DeviceBuffer  # u32[2]: drafts accepted this round, and accepted and committed in all
 
     def __init__(self, engine: Engine, k: int, m_rounds: int, batch: int = 1):
-        k, m_rounds, batch = as_size(k, "k", 0), as_size(m_rounds, "m_rounds"), as_size(batch, "batch", 1, MAX_BATCH)
+        k, m_rounds, batch = as_size(k, "k", 0), as_size(m_rounds, "m_rounds"), as_batch(batch)
         self.engine = engine = as_engine(engine)
         self.k, self.m_rounds, self.batch = k, m_rounds, batch
         self.ring_cap = m_rounds * (k + 1)

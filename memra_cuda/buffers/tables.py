@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .capacity import Unchecked, kv_entries
-from .stream_bufs import MAX_BATCH
+from .stream_bufs import as_batch
 from ..driver.buffer import DeviceBuffer, as_buffer, device_allocation
 from ..driver.engine import as_engine
 from ..driver.values import as_size
@@ -48,7 +48,7 @@ class KVLayer:
         """A zero-length layer of `capacity` entries of `width` elements for each of `batch`
         sequences: data_d is [batch][capacity][width], there for certain (AllocatedKV)."""
         capacity, width = as_size(capacity, "capacity"), as_size(width, "width")
-        batch, engine = as_size(batch, "batch", 1, MAX_BATCH), as_engine(engine)
+        batch, engine = as_batch(batch), as_engine(engine)
         return AllocatedKV(engine.zeros(np.int32, batch, label="len_d"), capacity,
                            engine.alloc(dtype, batch * capacity * width, zeroed=True, label="data_d"))
 
@@ -192,7 +192,7 @@ class KVData:
 
     def __init__(self, k_d: Any, v_d: Any = None, *, row_stride: int, pos_stride: int, nbytes: int, capacity: int,
                  batch: int):
-        self.batch = as_size(batch, "batch", 1, MAX_BATCH)
+        self.batch = as_batch(batch)
         self.k_d = as_buffer(k_d, "k_d")
         self.v_d = None if v_d is None else as_buffer(v_d, "v_d")
         self.row_stride, self.pos_stride = as_size(row_stride, "row_stride", 0), as_size(pos_stride, "pos_stride", 0)

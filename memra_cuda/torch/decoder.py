@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..buffers.capacity import kv_capacity
-from ..buffers.stream_bufs import MAX_BATCH, StreamBufs
+from ..buffers.stream_bufs import StreamBufs, as_batch
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_size
@@ -66,7 +66,7 @@ class RoundDecoder:
         begun = time.perf_counter()
         refuse(model, draft, state_rollback)
         k, m_rounds, capacity = as_size(k, "k", 0), as_size(m_rounds, "m_rounds"), as_size(capacity, "capacity")
-        batch = as_size(batch, "batch", 1, MAX_BATCH)
+        batch = as_batch(batch)
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
         self.k, self.batch = k, batch

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..buffers.capacity import kv_capacity
-from ..buffers.stream_bufs import MAX_BATCH
+from ..buffers.stream_bufs import as_batch
 from ..buffers.tables import Cache, KVData, KVLayer
 from ..driver.values import as_size
 
@@ -60,7 +60,7 @@ class StaticKV:
         """What every layout keeps beside its entries: lengths, rows and positions (its sizes
         checked first, so a bad one is named, not left to torch)."""
         layers, capacity = as_size(layers, "layers"), as_size(capacity, "capacity")
-        batch = as_size(batch, "batch", 1, MAX_BATCH)
+        batch = as_batch(batch)
         self.capacity = capacity
         self.lengths = torch.zeros(layers, batch, dtype=torch.int32, device=device)
         self.rows: torch.Tensor | None = None
