@@ -13,7 +13,7 @@ step took to compile the first time it ran (on this process's cache: cold where
 TORCHINDUCTOR_CACHE_DIR is empty).
 
     PYTHONPATH=. python -m benchmarks.steps [--json PATH] [--rows N,...] [--attention sdpa,flex] [--static]
-        [--untuned] [--names] [--setup]
+        [--untuned] [--names] [--setup] [--autotune]
 
 Run time on one H200 (2026-12-04), the first seven rows on a cold inductor cache with --setup:
 400 s, most of it compiling.
@@ -138,12 +138,13 @@ def kernel_names(stack: Any, batch: int, tokens: int, most: int = 25) -> list[tu
 
 
 def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], static: bool, untuned: bool = False,
-            names: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
+            names: bool = False, say: Callable[[str], None] = print, autotune: bool = False) -> dict[str, Any]:
     """Every row through the modules and compiled with each attention (and, with `static`, every
-    shape compiled apart), with the floor."""
+    shape compiled apart; with `autotune`, a row of several tokens with its GEMMs autotuned too:
+    a probe of the verify's GEMMs), with the floor."""
     import torch
     from memra_cuda.torch import Stack
-    from memra_cuda.torch.compiled import CompiledStack
+    from memra_cuda.torch.compiled import CompiledStack, compiled_step
     bandwidth = copy_bandwidth()
     say(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; cache {CAPACITY} slots, {VALID} valid")
     out, models = [], {}
@@ -166,6 +167,11 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
                 row[key]["names"] = kernel_names(stack, batch, tokens)
                 for name, count, us in row[key]["names"]:
                     say(f"    {key}: {count:4d} x {us:8.1f} us  {name}")
+            del stack
+        if autotune and tokens > 1:  # the verify's step (flex: its shapes static) with max_autotune_gemm
+            stack = CompiledStack(model, CAPACITY, batch, attention="flex")
+            stack.wide_step = compiled_step(False, False, autotune=True)
+            row["compiled flex autotune"] = timed_step(stack, batch, tokens)
             del stack
         out.append(row)
         say(line(row))
@@ -206,10 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setup", action="store_true", help="first, the seconds a chain decoder of the pair's shapes "
                    "(k = 4, B = 1) spends compiling and capturing before its first request")
     p.add_argument("--names", action="store_true", help="the kernels of each compiled step, by name")
+    p.add_argument("--autotune", action="store_true", help="also each row of several tokens with inductor's "
+                   "max_autotune_gemm (Triton GEMM templates benchmarked at compile: slow to compile)")
     args = p.parse_args(argv)
     rows = ROWS if not args.rows else [ROWS[int(i)] for i in args.rows.split(",")]
     setup = setup_seconds() if args.setup else None
-    report = measure(rows, args.attention.split(","), args.static, args.untuned, args.names)
+    report = measure(rows, args.attention.split(","), args.static, args.untuned, args.names, autotune=args.autotune)
     report["setup_seconds"] = setup
     if args.json:
         with open(args.json, "w") as f:
