@@ -17,6 +17,12 @@
 #define BRK_COUNT 1
 #define BRK_WORDS 2
 
+// Two caps on a row's acceptance (mark words: i + 1 caps at i drafts, 0 caps nothing) as one,
+// the smaller: whoever writes the mark only lowers it, so the order they run in does not matter.
+static __device__ __forceinline__ unsigned int tighter_mark(unsigned int mark, unsigned int cap) {
+    return mark == 0 ? cap : cap == 0 ? mark : min(mark, cap);
+}
+
 // acc_d, u32[B][ACC_WORDS]: the drafts accepted this round, and in total (wrapping).
 #define ACC_ROUND 0
 #define ACC_TOTAL 1

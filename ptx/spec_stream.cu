@@ -258,12 +258,6 @@ extern "C" __global__ void spec_state_flip(const u64* idx_ptrs, u32 n_ptrs, u32 
 #define CHOOSE_THREADS 512  // block size the launcher uses (memra_cuda/kernels/spec.py)
 #define CHOOSE_WIDTHS 16    // widths one pass over the rows sums, in registers
 
-// Two caps on a row's acceptance (mark words: i + 1 caps at i drafts, 0 caps nothing) as one,
-// the smaller: whoever writes the mark only lowers it, so the order they run in does not matter.
-__device__ __forceinline__ u32 tighter_mark(u32 mark, u32 cap) {
-    return mark == 0 ? cap : cap == 0 ? mark : min(mark, cap);
-}
-
 // A row's per-draft acceptance from its statistics, accepted / (accepted + rejected) in double,
 // clamped to [0, 1]; 0 where the sum is not positive or the quotient is no number (fmax and fmin
 // drop a NaN).

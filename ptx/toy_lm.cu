@@ -207,8 +207,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
         if (threadIdx.x < n_layers && !((rec_mask >> threadIdx.x) & 1u))  // this position's term of a layer
             part += fmix(((kv_mask >> threadIdx.x) & 1u ? e : t) ^ layers.salt[threadIdx.x]);
         const bool noisy = fmix(p * 0x9E3779B1u ^ seed ^ 0x5bd1e995u) % 1000000u < noise_ppm;
-        const bool breaks =  // lowering the row's cap, never raising it (a length chosen may stand lower)
-            lead && fmix(p ^ seed ^ 0x68e31da4u) % 1000u < break_below && (brk == 0 || step + 1 < brk);
+        const bool breaks = lead && fmix(p ^ seed ^ 0x68e31da4u) % 1000u < break_below;
         const u32 total = block_sum(part);
         if (lead) {
             const u32 pred = fmix(seed ^ total) % vocab;
@@ -216,7 +215,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) toy_draft_step(
                 state_d[b] = seed ^ total ^ (noisy ? 0x5bd1e995u : 0u);
             else
                 draft_d[step] = noisy ? (pred + 1) % vocab : pred;
-            if (breaks) brk_d[BRK_MARK] = step + 1;
+            if (breaks) brk_d[BRK_MARK] = tighter_mark(brk, step + 1);  // a length chosen may stand lower
         }
     }
     if (threadIdx.x == 0) {  // after the reads above: entries [0, p) are never written here

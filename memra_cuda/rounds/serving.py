@@ -279,6 +279,8 @@ class Server:
     def _admit(self, now: float, finished: dict[int, Served]) -> None:
         """Queued requests into the free rows, in order; one of budget 0 ends at the head of the
         queue without a row."""
+        if not self._queue:
+            return
         free = collections.deque(row for row, ident in enumerate(self._slots) if ident is None)
         while self._queue:
             ident = self._queue[0]

@@ -129,7 +129,7 @@ class CompiledStack(LayerStack):
                 _sizes(tensor)
         self.prefills = Prefills(self.kv, self._fill, self.device)
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+    def _run(self, step: Any, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
              mask: torch.Tensor | None, attention: str, last: bool) -> torch.Tensor:
         if self.dynamic:
             # flex_attention's kernels fail on a symbolic batch or width in torch 2.11 (an illegal
@@ -139,21 +139,21 @@ class CompiledStack(LayerStack):
                 _sizes(tensor, *shapes)  # rows, tokens a row
             _sizes(rows, *shapes[:1])
             _sizes(mask, *(0, 2) if shapes else ())  # [R][1][T][capacity]
-        step = self.step if tokens.shape[1] == 1 else self.wide_step
         return step(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots, rows, mask,
                     attention, last)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                parents: torch.Tensor | None = None) -> torch.Tensor:
-        attention = self.attention or WIDTHS_ATTEND[tokens.shape[1] > 1]
-        return self._run(tokens, positions, positions if slots is None else slots, self.kv.every_row, mask,
+        wide = tokens.shape[1] > 1  # a verify's, or the one-token step (tuned)
+        attention, step = self.attention or WIDTHS_ATTEND[wide], self.wide_step if wide else self.step
+        return self._run(step, tokens, positions, positions if slots is None else slots, self.kv.every_row, mask,
                          attention, last)
 
     def _fill(self, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prefills' forward: the prompts' K and V, their attention causal over themselves."""
         positions = self.slots[:tokens.shape[1]].expand(*tokens.shape)
-        self._run(tokens, positions, positions, rows[:, None], None, "prefill", True)
+        self._run(self.wide_step, tokens, positions, positions, rows[:, None], None, "prefill", True)  # untuned
 
 
 def stack_for(model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,

@@ -410,3 +410,12 @@ def test_a_decoders_admission_takes_every_prompt_a_server_takes(monkeypatch):
     assert decoder.target.calls == decoder.draft.calls == [([1, 0], [[5, 6], []])]
     with pytest.raises(ValueError, match="one prompt of at least one token for each of the 1 rows"):
         decoder._fill([0], [np.array([], np.int64)], None)
+
+
+@pytest.mark.parametrize(("steps", "error"), [(2.5, TypeError), (0, ValueError), (True, TypeError)])
+def test_the_plain_loop_refuses_a_burst_of_no_whole_steps_before_anything_is_made(steps, error):
+    """GraphedGreedy's `steps` (a burst's steps, which size its output and its loop) is checked
+    as a size, naming it, before any stream or tensor is made."""
+    from memra_cuda.torch import GraphedGreedy
+    with pytest.raises(error, match="steps"):
+        GraphedGreedy(tiny(), 64, steps=steps)
