@@ -22,6 +22,7 @@ from ..kernels.spec import SpecKernels
 
 if TYPE_CHECKING:
     from ..buffers.acceptance import Acceptance
+    from ..buffers.lengths import DraftLengths
     from ..buffers.stream_bufs import StreamBufs
     from ..driver.engine import Engine
     from ..driver.module import Launch
@@ -128,19 +129,22 @@ class ChainRound(Round):
     assemble_verify lines up the pending token and the drafts in bufs.vtok_d, the model's
     `verify_trunk` writes what `acceptance` reads (Greedy(pred_d) or Sampling(p_d, q_d,
     seed_d, vocab)), and acceptance keeps the longest agreeing prefix (docs/model-side.md).
-    `seed_gather` (kernel 1), when given, opens the round: an EAGLE-style draft's hidden row."""
+    `seed_gather` (kernel 1), when given, opens the round: an EAGLE-style draft's hidden row.
+    `lengths` (DraftLengths of these bufs), when given, opens it before that: the length chooser
+    (docs/lengths.md) caps each row's acceptance at its length, min(width, its request's cap)."""
 
     def __init__(self, bufs: StreamBufs, kernels: SpecKernels, *, draft_chain: Step, verify_trunk: Step,
                  draft_d: Any, acceptance: Acceptance, rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
-                 capture: Capture | None = None, stages: Stages | None = None):
+                 lengths: DraftLengths | None = None, capture: Capture | None = None, stages: Stages | None = None):
         if not isinstance(acceptance, (Greedy, Sampling)):
             raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
                             f"not {acceptance!r}")
-        self.acceptance = acceptance
+        self.acceptance, self.lengths = acceptance, lengths
+        choose = [] if lengths is None else [kernels.prepare_choose_lengths(bufs, lengths)]  # refuses others' buffers
 
         def before_commit() -> tuple[Step, ...]:
-            return (*([seed_gather] if seed_gather is not None else []), draft_chain,
+            return (*choose, *([seed_gather] if seed_gather is not None else []), draft_chain,
                     kernels.prepare_assemble_verify(bufs, draft_d), verify_trunk,
                     kernels.prepare_accept(bufs, acceptance))
         super().__init__(bufs, kernels, before_commit,

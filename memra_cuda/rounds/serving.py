@@ -27,12 +27,15 @@ from ..driver.values import as_index, as_size
 class Request(NamedTuple):
     """A request for a decoder's rows or a server's queue: a `prompt` of at least one token,
     `max_new_tokens` its budget (0: nothing to generate), `eos` stops it (None: its budget
-    alone), `seed` keys its sampled draws."""
+    alone), `seed` keys its sampled draws, `max_draft` its most draft length a round (0:
+    speculation off, the plain decoding; None or more than the decoder's k: k), applied on the
+    device (docs/lengths.md)."""
 
     prompt: Sequence[int]
     max_new_tokens: int
     eos: int | None = None
     seed: int = 0
+    max_draft: int | None = None
 
 
 class Served(NamedTuple):
@@ -112,7 +115,8 @@ class RequestRefused(MemraError, ValueError):
 
 def malformed(request: Request, vocab: int) -> str | None:
     """Why `request` is none a decoder over `vocab` tokens can run, whatever its room: a prompt
-    that is not one or more token ids, a budget, EOS or seed that is not one (a seed: of 64 bits),
+    that is not one or more token ids, a budget, EOS, seed or most draft length that is not one
+    (a seed: of 64 bits),
     a token outside the vocabulary (whose embedding lookup would fault the device). None where it
     is well formed."""
     try:
@@ -129,6 +133,8 @@ def malformed(request: Request, vocab: int) -> str | None:
         as_size(request.max_new_tokens, "max_new_tokens", 0)
         seed = as_index(request.seed, "its seed")
         eos = None if request.eos is None else as_size(request.eos, "eos", 0, also="None")
+        if request.max_draft is not None:
+            as_size(request.max_draft, "max_draft", 0, also="None")
     except (TypeError, ValueError) as exc:
         return str(exc)
     if not -2**63 <= seed < 2**63:  # a sampled decoder's seeds are an int64 tensor: past it, its admission raised

@@ -29,6 +29,7 @@ from .round import ChainRound, Round, Stages, Step
 
 if TYPE_CHECKING:
     from ..buffers.acceptance import Acceptance
+    from ..buffers.lengths import DraftLengths
     from ..buffers.stream_bufs import StreamBufs
     from ..driver.module import Launch
     from ..buffers.tables import PointerTable, StateIndexTable, StateTable
@@ -80,18 +81,19 @@ class RoundStream:
     round costs more than a host readback (~0.1-0.2 ms: any real model); off for cheaper ones.
     `capture` says how graphs are captured (default: the engine's Framework's: the driver's
     stream capture, or torch's for an engine from memra_cuda.torch.engine()). `stages` (Stages) is for pipelines on
-    several GPUs; `kernels` (SpecKernels) is built when not given.
+    several GPUs; `kernels` (SpecKernels) is built when not given. `lengths` (DraftLengths of
+    `bufs`) has every round choose each row's draft length on the device first (docs/lengths.md).
     """
 
     def __init__(self, bufs: StreamBufs, *, draft_chain: Step, verify_trunk: Step, draft_d: Any,
                  acceptance: Acceptance, rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
-                 capture: Capture | None = None, pace: bool = True, stages: Stages | None = None,
-                 kernels: SpecKernels | None = None):
+                 lengths: DraftLengths | None = None, capture: Capture | None = None, pace: bool = True,
+                 stages: Stages | None = None, kernels: SpecKernels | None = None):
         self._start(ChainRound(bufs, kernels or SpecKernels(bufs.engine), draft_chain=draft_chain,
                                verify_trunk=verify_trunk, draft_d=draft_d, acceptance=acceptance,
                                rollback_tables=rollback_tables, state_tables=state_tables, seed_gather=seed_gather,
-                               capture=capture, stages=stages), pace)
+                               lengths=lengths, capture=capture, stages=stages), pace)
 
     @classmethod
     def of(cls, round: Round, *, pace: bool = True) -> RoundStream:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ..buffers.acceptance import Acceptance, Greedy, Sampling
+from ..buffers.lengths import DraftLengths
 from ..buffers.tables import kv_len_ptr_table
 from ..driver.engine import Engine
 from ..driver.values import as_size
@@ -62,9 +63,12 @@ class SpeculativeLlama(RoundDecoder):
                 acceptance = Sampling(self.p_d, self.q_d, self.seed_d, vocab)
             table = kv_len_ptr_table(self.engine, self.target.kv.cache() + self.draft.kv.cache(),
                                      pos_ctr=bufs.pos_ctr_d)
+            # every width costs alike, so the chooser keeps the width at k and caps each row at its
+            # request's most draft length (Request.max_draft; docs/lengths.md)
+            self.lengths = DraftLengths(bufs, [1.0] * (k + 1), 0.0)
             self.rounds = RoundStream(bufs, kernels=spec, draft_chain=self.draft_chain, verify_trunk=self.verify_trunk,
                                       draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table],
-                                      state_tables=self.state_tables())
+                                      state_tables=self.state_tables(), lengths=self.lengths)
             self._warm_up()
 
     def draft_chain(self) -> None:

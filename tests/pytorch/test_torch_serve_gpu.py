@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
+from memra_cuda.buffers.layout import BRK_COUNT  # noqa: E402
 from memra_cuda.torch.testing import prompts  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, Request, SpeculativeLlama, capacity_for, hf_greedy,  # noqa: E402
                               self_draft)
@@ -104,3 +105,22 @@ def test_a_cancelled_request_keeps_its_tokens_and_gives_its_row_to_the_next(stre
             out = served[ids[i]]
             assert not out.cancelled and out.tokens == want[i], \
                 f"request {i}: first difference at token {first_difference(out.tokens, want[i])}"
+
+
+def test_requests_at_their_own_draft_lengths_are_each_their_own_greedy_output(stream, decoder):
+    """Every request with a most draft length of its own, 0 (speculation off) to past k, served
+    together: each is its own greedy output (the plain loop takes the lengths and has no drafts).
+    In the chain decoder, generate_batch applies a batch's lengths too: the row at 0 had every
+    round's acceptance capped (brk's count), one token a round."""
+    requests, want = stream
+    lengths = [i % (K + 2) for i in range(REQUESTS)]  # 0 .. k + 1: past k is k
+    served = decoder.serve([r._replace(max_draft=n) for r, n in zip(requests, lengths)])
+    for i, (out, tokens) in enumerate(zip(served, want)):
+        assert out.refused is None and out.tokens == tokens, \
+            f"request {i} at length {lengths[i]}: first difference at token {first_difference(out.tokens, tokens)}"
+    if isinstance(decoder, GraphedGreedy):
+        return
+    batch = [r._replace(max_draft=0 if row == 0 else None) for row, r in enumerate(requests[:SLOTS])]
+    assert decoder.generate_batch(batch) == want[:SLOTS]
+    capped = decoder.engine.dtoh(decoder.bufs.brk_d).reshape(SLOTS, -1)[:, BRK_COUNT]
+    assert capped[0] == len(want[0]), "the row at length 0 commits one token a round, each round capped"

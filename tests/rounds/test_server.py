@@ -56,7 +56,9 @@ def test_a_request_that_cannot_run_is_refused_alone_naming_it():
            7: (Request([True], 5), "at least one token id"),
            8: (Request([2], -1), "max_new_tokens must be an int of at least 0, not -1"),
            9: (Request([2], 4, seed=1.5), "its seed must be an integer"),
-           10: (Request([2], 4, seed=2**63), f"its seed {2**63} is outside a 64-bit int")}
+           10: (Request([2], 4, seed=2**63), f"its seed {2**63} is outside a 64-bit int"),
+           11: (Request([2], 4, max_draft=-1), "max_draft must be None or an int of at least 0, not -1"),
+           12: (Request([2], 4, max_draft=True), "max_draft must be an integer, not True")}
     requests = list(good)
     for place, (request, _) in sorted(bad.items()):
         requests.insert(place, request)

@@ -32,16 +32,6 @@ def spec(engine):
     return SpecKernels(engine)
 
 
-def target_law(model: toy.ToyModel, sampling: toy.ToySampling, context: list[int]) -> np.ndarray:
-    """The target's law of the token after `context` (toy_lm.cu's mixture at its hash state)."""
-    state = model.state(model.history(context[:-1]), context[-1], len(context) - 1)
-    floor, *weights = sampling.target(model.vocab)
-    law = np.full(model.vocab, floor, np.float64)
-    for token, weight in zip(model.candidates(state), weights):
-        law[token] += weight
-    return law / law.sum()
-
-
 def sample_pairs(engine, spec, model, sampling, tree) -> np.ndarray:
     """[ROWS][2]: the first two tokens of ROWS requests of PROMPT, seeds 0..ROWS-1."""
     capacity = kv_capacity(len(PROMPT), 2, tree.depth, 1, batch=BATCH, width=tree.nodes)
@@ -62,9 +52,9 @@ def sample_pairs(engine, spec, model, sampling, tree) -> np.ndarray:
 def test_sampled_trees_commit_the_targets_law(engine, spec, name, draft):
     model, sampling = FAR if draft == "far" else CLOSE
     pairs = sample_pairs(engine, spec, model, sampling, TREES[name])
-    first = target_law(model, sampling, PROMPT)
+    first = sampling.target_law(model, PROMPT)
     assert_distributed_as(pairs[:, 0], first, f"{name} tree, {draft} draft: first token")
-    joint = np.concatenate([first[t] * target_law(model, sampling, PROMPT + [t]) for t in range(VOCAB)])
+    joint = np.concatenate([first[t] * sampling.target_law(model, PROMPT + [t]) for t in range(VOCAB)])
     cell = cells(joint, ROWS)
     law = np.bincount(cell, weights=joint)
     assert_distributed_as(cell[pairs[:, 0] * VOCAB + pairs[:, 1]], law, f"{name} tree, {draft} draft: pair")

@@ -27,6 +27,7 @@ from ...buffers.tables import (Cache, KVData, KVLayer, PointerTable, StateIndexT
 from ...buffers.tree import Candidates, DynamicTree, TreeBufs, TreeShape
 
 if TYPE_CHECKING:
+    from ...buffers.lengths import DraftLengths
     from ...buffers.stream_bufs import StreamBufs
     from ...buffers.tree import Tree
     from ...driver.buffer import DeviceBuffer
@@ -256,6 +257,16 @@ class ToySampling:
 
     def draft(self, vocab: int) -> tuple[float, ...]:
         return self.weights(vocab, self.draft_temperature, self.draft_floor)
+
+    def target_law(self, model: ToyModel, context: Sequence[int]) -> np.ndarray:
+        """The target's law of the token after `context` (toy_lm.cu's mixture at its hash state),
+        over the vocabulary: what a sampled request's next token is distributed as."""
+        state = model.state(model.history(context[:-1]), context[-1], len(context) - 1)
+        floor, *weights = self.target(model.vocab)
+        law = np.full(model.vocab, floor, np.float64)
+        for token, weight in zip(model.candidates(state), weights):
+            law[token] += weight
+        return law / law.sum()
 
 
 @dataclass(frozen=True)
@@ -571,14 +582,16 @@ class ToyLM:
             totals=totals_d, n=n, seed=self.model.seed, vocab=self.model.vocab, pred_d=pred_d)
 
     def round_stream(self, bufs: StreamBufs, *, kernels: SpecKernels | None = None,
-                     sums: tuple[Sequence[Step], DeviceBuffer] | None = None) -> RoundStream:
+                     sums: tuple[Sequence[Step], DeviceBuffer] | None = None,
+                     lengths: DraftLengths | None = None) -> RoundStream:
         """A RoundStream driving this model: rollback walks one table over target and draft
         layers with pos_ctr last, then one over their recurrent states (state_tables).
         `sums`: the steps of a verify that leaves the model's sums ([B][k+1] u32) in the buffer
         given with them, for the target's tokens (toy_finish) or its law (toy_probs) to be made
         from: a rank's, whose own layers are a share of the model's (testing.toy.ranks). By
         default this model's verify_steps: greedy, they make its tokens themselves; sampling,
-        they leave the sums for toy_probs."""
+        they leave the sums for toy_probs. `lengths`: each row's draft length chosen on the
+        device every round (RoundStream's)."""
         if bufs.k + 1 > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
         self._check_batch(bufs)
@@ -606,7 +619,7 @@ class ToyLM:
             acceptance = Sampling(p_d, q_d, self.seed_d, vocab)
         return RoundStream(bufs, draft_chain=chain(draft), verify_trunk=chain(verify), draft_d=draft_d,
                            acceptance=acceptance, rollback_tables=rollback_tables, state_tables=state_tables,
-                           pace=self.cost.paced, kernels=kernels)
+                           lengths=lengths, pace=self.cost.paced, kernels=kernels)
 
     def tree_draft_levels(self, bufs: StreamBufs, nodes: TreeBufs, *, cand_tok_d: DeviceBuffer | None = None,
                           cand_logp_d: DeviceBuffer | None = None, candidates: int = 8,

@@ -1,0 +1,107 @@
+"""Rounds whose rows' draft lengths are chosen on the device (RoundStream(lengths=DraftLengths),
+docs/lengths.md), the toy end to end on the GPU: rows of one batch at different lengths (0
+included: speculation off), whatever the costs make of the batch's width, give each row the
+target's own greedy output token for token, in every mode; a sampled row at length 0 draws word
+for word what plain sampling (k = 0) draws for its seed; and the first token sampled at mixed
+lengths is distributed as the target's law (chi-square)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import StreamBufs, kv_capacity
+from memra_cuda.buffers import DraftLengths
+from memra_cuda.buffers.layout import BRK_COUNT, BRK_WORDS
+from memra_cuda.kernels import SpecKernels
+from memra_cuda.rounds import MODES
+from memra_cuda.testing.toy import lm as toy
+
+from laws import assert_distributed_as, cells
+from toy_requests import requests
+
+pytestmark = pytest.mark.gpu
+
+MODEL = toy.ToyModel(seed=21, vocab=50, kv_mask=(True, False, True), noise_ppm=150_000, p_min=0.1)
+SAMPLING = toy.ToySampling(temperature=0.7, floor=0.1, draft_temperature=1.5, draft_floor=0.2)
+K = 4
+COSTS = {  # (verify_costs, draft_cost): widths all alike (the width stays k), dear (it falls to 0 and reopens), between
+    "flat": ([1.0] * (K + 1), 0.0),
+    "dear": ([1.0, 2.5, 4.0, 5.5, 7.0], 0.5),
+    "between": ([1.0, 1.2, 1.4, 1.6, 1.8], 0.15),
+}
+
+
+@pytest.fixture(scope="module")
+def spec(engine):
+    return SpecKernels(engine)
+
+
+def stream_of(engine, spec, lm, bufs, costs, caps):
+    lengths = DraftLengths(bufs, *COSTS[costs])
+    lengths.set_caps(caps)
+    return lengths, lm.round_stream(bufs, kernels=spec, lengths=lengths)
+
+
+@pytest.mark.parametrize("costs", sorted(COSTS))
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_at_mixed_lengths_each_give_their_own_greedy_output(engine, spec, mode, costs):
+    """Ten rows of different prompts, budgets and EOS, their caps 0 to k in turn: every row's
+    tokens are the target's greedy decoding of its request alone; the rows capped below k were
+    capped (brk's count of capped rounds)."""
+    batch, m_rounds = 10, 4
+    prompts, budgets, eos = requests(MODEL, batch, seed=48)
+    caps = [b % (K + 1) for b in range(batch)]
+    capacity = kv_capacity(40, max(budgets), K, m_rounds, overlap=mode == "overlap", batch=batch)
+    lm = toy.ToyLM(engine, MODEL, capacity, batch=batch)
+    bufs = StreamBufs(engine, K, m_rounds, batch)
+    lengths, stream = stream_of(engine, spec, lm, bufs, costs, caps)
+    for b, prompt in enumerate(prompts):
+        lm.prefill_row(bufs, b, prompt)
+    got = stream.generate_batch(budgets, eos=eos, mode=mode)
+    for b, (prompt, budget, stop) in enumerate(zip(prompts, budgets, eos)):
+        want = toy.target_greedy(MODEL, prompt, budget, stop)
+        assert got[b].tolist() == want, f"row {b} (cap {caps[b]}, {costs} costs, {mode})"
+    capped = engine.dtoh(bufs.brk_d).reshape(batch, BRK_WORDS)[:, BRK_COUNT]
+    for b in range(batch):
+        if caps[b] == 0 and len(got[b]) > 1:
+            assert capped[b] > 0, f"row {b} at length 0 ran {len(got[b])} tokens' rounds uncapped"
+    assert 0 <= int(engine.dtoh(lengths.width_d)[0]) <= K
+
+
+def sampled(engine, spec, prompts, seeds, budget, k, m_rounds=4, caps=None, model=MODEL):
+    batch = len(prompts)
+    lm = toy.ToyLM(engine, model, kv_capacity(20, budget, k, m_rounds, batch=batch), batch=batch,
+                   sampling=SAMPLING)
+    bufs = StreamBufs(engine, k, m_rounds, batch)
+    if caps is None:
+        stream = lm.round_stream(bufs, kernels=spec)
+    else:
+        stream = stream_of(engine, spec, lm, bufs, "flat", caps)[1]
+    for row, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        lm.prefill_row(bufs, row, prompt, seed)
+    return [tokens.tolist() for tokens in stream.generate_batch(budget, mode="graph")]
+
+
+def test_a_sampled_row_at_length_zero_draws_what_plain_sampling_draws(engine, spec):
+    """A row whose cap is 0 in a batch of k = 4 (the other rows speculating beside it) commits,
+    for its seed, the very tokens a decoder of k = 0 commits: speculation off is the plain
+    decoding, not a decoding distributed like it."""
+    prompts, seeds = [[1, 2, 3], [7] * 12, [4, 0, 4, 0, 4]], [11, 12, 13]
+    plain = sampled(engine, spec, prompts, seeds, 60, k=0)
+    mixed = sampled(engine, spec, prompts, seeds, 60, k=K, caps=[0, K, 0])
+    assert mixed[0] == plain[0] and mixed[2] == plain[2]
+    assert mixed[1] != plain[1], "the speculating row should draw its own way (else this test proves nothing)"
+
+
+def test_the_first_token_at_mixed_lengths_is_distributed_as_the_target_says(engine, spec):
+    """4 000 rows of one prompt with seeds 0..3999, caps 0 to k in turn, one token each, a draft
+    that is often wrong and flatter than the target: the token's histogram matches the target's
+    law at that position (chi-square over cells of at least 50 expected draws)."""
+    model = toy.ToyModel(seed=5, vocab=1000, kv_mask=(True, False, True), noise_ppm=500_000)
+    rows, prompt = 4000, [3, 1, 4]
+    got = sampled(engine, spec, [prompt] * rows, list(range(rows)), 1, k=K, m_rounds=1,
+                  caps=[row % (K + 1) for row in range(rows)], model=model)
+    first = np.array([tokens[0] for tokens in got])
+    law = SAMPLING.target_law(model, prompt)
+    cell = cells(law, rows)
+    assert_distributed_as(cell[first], np.bincount(cell, weights=law), "the first token at lengths 0 to k")
