@@ -42,12 +42,16 @@ class Clock:
 class Counting:
     """A Decoder of `batch` rows over the stand-in model, logging every call the server makes
     (`calls`), refusing a prompt and budget over `capacity`; it holds the server to the protocol:
-    a request admitted only into a vacant row, at most its budget's tokens, none past its EOS."""
+    a request admitted only into a vacant row, at most its budget's tokens, none past its EOS.
+    With `drafts`, a burst is one round of a speculative decoder: its tokens but one were drafts
+    accepted, and each row's count since its request began comes back with them (Burst.accepted)."""
 
-    def __init__(self, batch: int, clock: Clock | None = None, capacity: int = CAPACITY):
+    def __init__(self, batch: int, clock: Clock | None = None, capacity: int = CAPACITY, drafts: bool = False):
         self.batch, self.vocab, self.capacity, self.clock = batch, VOCAB, capacity, clock or Clock()
         self.rows: list[Request | None] = [None] * batch
         self.made: list[list[int]] = [[] for _ in range(batch)]
+        self.drafts = drafts
+        self.accepted = [0] * batch
         self.calls: list[tuple] = []
         self.failing = 0  # admissions still to fail
 
@@ -62,7 +66,7 @@ class Counting:
             self.failing -= 1
             raise RuntimeError("the admission failed")
         self.calls.append(("admit", row, tuple(request.prompt)))
-        self.rows[row], self.made[row] = request, []
+        self.rows[row], self.made[row], self.accepted[row] = request, [], 0
 
     def burst(self) -> Burst:
         self.calls.append(("burst",))
@@ -79,7 +83,8 @@ class Counting:
                         self.rows[row] = None
                         break
             tokens.append(new)
-        return Burst(tokens, [request is None for request in self.rows])
+            self.accepted[row] += max(len(new) - 1, 0)
+        return Burst(tokens, [request is None for request in self.rows], list(self.accepted) if self.drafts else None)
 
     def park(self, rows) -> None:
         self.calls.append(("park", tuple(rows)))

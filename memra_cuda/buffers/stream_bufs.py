@@ -33,16 +33,17 @@ def as_batch(batch: object) -> int:
 
 class Readback:
     """One burst's readback, per row: `done`, its position (pos_ctr) when the burst ended,
-    `committed`, how many tokens its ring held, and `tokens`, those tokens. The words are a copy
-    of the pinned slot, so the slot is free for the next burst at once; the tokens are taken
-    apart when first asked for, so a driver can decide its next burst from the flags and queue
-    it first."""
+    `committed`, how many tokens its ring held, `tokens`, those tokens, and `accepted`, the
+    drafts its request has had accepted and committed since it began (acc_d's ACC_TOTAL, int64:
+    its rounds are its tokens less these). The words are a copy of the pinned slot, so the slot
+    is free for the next burst at once; the tokens are taken apart when first asked for, so a
+    driver can decide its next burst from the flags and queue it first."""
 
-    __slots__ = ("done", "positions", "committed", "_words", "_ring_row", "_tokens")
+    __slots__ = ("done", "positions", "committed", "accepted", "_words", "_ring_row", "_tokens")
 
     def __init__(self, words: np.ndarray, ring_row: int, committed: list[int], done: np.ndarray,
-                 positions: np.ndarray):
-        self.done, self.positions, self.committed = done, positions, committed
+                 positions: np.ndarray, accepted: np.ndarray):
+        self.done, self.positions, self.committed, self.accepted = done, positions, committed, accepted
         self._words, self._ring_row = words, ring_row
         self._tokens: list[np.ndarray] | None = None
 
@@ -54,7 +55,8 @@ class Readback:
         return self._tokens
 
     def __repr__(self) -> str:
-        return f"Readback({sum(self.committed)} tokens over {len(self.committed)} rows, {int(self.done.sum())} done)"
+        return (f"Readback({sum(self.committed)} tokens over {len(self.committed)} rows, {int(self.done.sum())} "
+                f"done, {int(self.accepted.sum())} drafts accepted)")
 
 
 class BuffersHeld(MemraError, ValueError):
@@ -64,21 +66,21 @@ class BuffersHeld(MemraError, ValueError):
 
 class StreamBufs:
     """All device state of the round stream of `batch` sequences (docs/buffers.md), plus two
-    pinned slots that the rings, ctl_d and pos_ctr_d are read back into, inside a graph too.
+    pinned slots that the rings, ctl_d, pos_ctr_d and acc_d are read back into, inside a graph too.
 
     Every field is row-major with one row per sequence (B = 1 is the single-sequence layout).
     Rows are independent: a row whose done flag is set is inert, so a vacant slot is a done
     row, and start_row (reset_row and set_stop_row in one call) starts a new request in a slot
     between bursts without recapturing any graph. Every device buffer field ends in `_d` (the kernels' contracts call
-    pos_ctr_d `pos_ctr`). The fields are windows of one allocation, the rings, ctl rows and
-    positions side by side, so a burst's readback is one copy, prepared once with the memset
-    that empties the rings after it. free() frees them all, and every graph captured over
+    pos_ctr_d `pos_ctr`). The fields are windows of one allocation, the rings, ctl rows,
+    positions and acceptance counts side by side, so a burst's readback is one copy, prepared
+    once with the memset that empties the rings after it. free() frees them all, and every graph captured over
     them then refuses to replay. The buffers belong to `engine`, whose stream orders all work
     on them: no method takes another.
 
     What the host knows of the rows, kept here so that every driver over these buffers sees
-    the same: `positions` and `done` (read-only arrays), set by reset/set_stop, then by every
-    readback (receive); `committed`, how many tokens each ring held at the last readback; and
+    the same: `positions`, `done` and `accepted` (read-only arrays), set by reset/set_stop, then
+    by every readback (receive); `committed`, how many tokens each ring held at the last readback; and
     `ledger`, what the host has not seen (Ledger: every driver enters the rounds it queues).
     `holder` is whoever holds the buffers (a running device loop), refusing everyone else.
     """
@@ -100,11 +102,12 @@ class StreamBufs:
         self.k, self.m_rounds, self.batch = k, m_rounds, batch
         self.ring_cap = m_rounds * (k + 1)
         ring_row = RING_TOKENS + self.ring_cap
-        # The rings, ctl rows and positions first, side by side: the readback copies them at once.
+        # The rings, ctl rows, positions and acceptance counts first, side by side: the readback
+        # copies them at once.
         self._arena, self._fields = carve(engine, batch, {
             "ring_d": (np.uint32, ring_row), "ctl_d": (np.int32, CTL_WORDS), "pos_ctr_d": (np.int32, 1),
-            "vtok_d": (np.uint32, k + 1), "brk_d": (np.uint32, BRK_WORDS), "pend_d": (np.uint32, 1),
-            "last_pred_d": (np.uint32, 1), "pos_start_d": (np.int32, 1), "acc_d": (np.uint32, ACC_WORDS)},
+            "acc_d": (np.uint32, ACC_WORDS), "vtok_d": (np.uint32, k + 1), "brk_d": (np.uint32, BRK_WORDS),
+            "pend_d": (np.uint32, 1), "last_pred_d": (np.uint32, 1), "pos_start_d": (np.int32, 1)},
             label="round-stream state")
         vars(self).update(self._fields)  # each the attribute the class declares
         ctl = np.zeros((batch, CTL_WORDS), np.int32)
@@ -113,7 +116,8 @@ class StreamBufs:
         # Two slots, so one burst's readback can be read while the next burst writes the other.
         self._ring_row, self._rings_end = ring_row, self.ring_d.len
         self._ctl_end = self.ring_d.len + self.ctl_d.len
-        self._words = self._ctl_end + self.pos_ctr_d.len  # rings, ctl rows, positions: side by side
+        self._positions_end = self._ctl_end + self.pos_ctr_d.len
+        self._words = self._positions_end + self.acc_d.len  # rings, ctl rows, positions, acceptance: side by side
         self._host: list[PinnedBuffer] = [engine.pinned(np.uint32, self._words, label=f"readback slot {i}")
                                           for i in range(2)]
         self._readback_copies: list[Prepared] = [engine.prepare_dtoh(host, self._arena.view(0, self._words))
@@ -121,6 +125,7 @@ class StreamBufs:
         self._empty_rings = engine.prepare_set_u32(self.ring_d, RING_COUNT, 0, every=ring_row)
         self.positions = _frozen(np.zeros(batch, np.int64))
         self.done = _frozen(np.zeros(batch, bool))
+        self.accepted = _frozen(np.zeros(batch, np.int64))
         self.committed: list[int] = [0] * batch
         self.ledger = Ledger()
         self.holder: object | None = None
@@ -200,6 +205,7 @@ class StreamBufs:
         for buf, row in ((self.ring_d, self._ring_row), (self.brk_d, BRK_WORDS), (self.acc_d, ACC_WORDS)):
             engine.copy_htod(buf, np.zeros(n * row, np.uint32), start=row * first)
         self.positions = _frozen(_replaced(self.positions, rows, positions))
+        self.accepted = _frozen(_replaced(self.accepted, rows, np.zeros(n, np.int64)))
         if len(rows) == self.batch:  # every row reset: positions known, rings empty
             self.ledger.reset()
 
@@ -255,14 +261,15 @@ class StreamBufs:
         words = self._host[slot].read()
         self.committed = np.minimum(words[RING_COUNT:self._rings_end:self._ring_row], self.ring_cap).tolist()
         self.done = _frozen(words[self._rings_end + CTL_DONE:self._ctl_end:CTL_WORDS] != 0)
-        self.positions = _frozen(words[self._ctl_end:].view(np.int32).astype(np.int64))
+        self.positions = _frozen(words[self._ctl_end:self._positions_end].view(np.int32).astype(np.int64))
+        self.accepted = _frozen(words[self._positions_end + ACC_TOTAL::ACC_WORDS].astype(np.int64))
         self.ledger.received(slot)
-        return Readback(words, self._ring_row, self.committed, self.done, self.positions)
+        return Readback(words, self._ring_row, self.committed, self.done, self.positions, self.accepted)
 
     def drafts_accepted(self, committed: int | Sequence[int] | np.ndarray) -> tuple[int, int]:
         """(accepted, drafted) over every row since its request began, for `committed` tokens
-        generated (per row, for a batch): each of rounds_run's rounds drafted k tokens. One
-        readback."""
+        generated (per row, for a batch): each of rounds_run's rounds drafted k tokens. As of
+        the last readback, no readback of its own."""
         tokens = np.asarray(committed, np.int64).reshape(-1)
         rounds = self.rounds_run(tokens)
         return int((tokens - rounds).sum()), self.k * int(rounds.sum())
@@ -271,12 +278,13 @@ class StreamBufs:
         """Per row, the rounds it ran since its request began (int64 [B]), for `committed` tokens
         generated (per row, for a batch): committed - accepted, as every round commits its
         accepted drafts plus one. A batch runs as many rounds as its slowest row; its rows' mean
-        against that maximum is the share of the batch's rounds its rows used. One readback."""
+        against that maximum is the share of the batch's rounds its rows used. As of the last
+        readback (`accepted`, which every burst's readback brings), no readback of its own."""
         tokens = np.asarray(committed, np.int64).reshape(-1)
         if tokens.size != self.batch:
             raise ValueError(f"need one committed count per row ({self.batch}), not {tokens.size}")
         self.check_free()
-        return tokens - self.engine.dtoh(self.acc_d)[ACC_TOTAL::ACC_WORDS].astype(np.int64)
+        return tokens - self.accepted
 
     def tokens_per_round(self, committed: int | Sequence[int] | np.ndarray) -> float:
         """Tokens committed per round a row ran (tau), over every row since its request began, for

@@ -44,7 +44,8 @@ class Served(NamedTuple):
     when the readback that brought it was received, so a burst's tokens share one) and
     `finished` (the readback that found it stopped, its cancel, or its refusal). `refused` says
     why it never ran (None where it ran); `cancelled`: it was cancelled, and `tokens` are those
-    read back before."""
+    read back before. `accepted`: its drafts accepted, as its last readback brought them (None
+    from a decoder without drafts, or where it never ran a burst)."""
 
     tokens: list[int]
     submitted: float
@@ -53,6 +54,13 @@ class Served(NamedTuple):
     finished: float
     refused: str | None = None
     cancelled: bool = False
+    accepted: int | None = None
+
+    @property
+    def rounds(self) -> int | None:
+        """The rounds it ran, each committing its accepted drafts and one token (None where
+        `accepted` is)."""
+        return None if self.accepted is None else len(self.tokens) - self.accepted
 
     @property
     def latency(self) -> float:
@@ -69,10 +77,13 @@ class Served(NamedTuple):
 class Burst(NamedTuple):
     """One burst's news of every row, read back once: `tokens[row]`, what the row committed in it,
     in order, up to its stop (none for a vacant or parked row); `done[row]`, whether the row has
-    stopped (its EOS or its budget reached; a vacant or parked row is done)."""
+    stopped (its EOS or its budget reached; a vacant or parked row is done); `accepted[row]`, the
+    drafts its request has had accepted since it began, read back with the tokens (None: a
+    decoder without drafts)."""
 
     tokens: Sequence[Sequence[int]]
     done: Sequence[bool]
+    accepted: Sequence[int] | None = None
 
 
 class Decoder(Protocol):
@@ -154,9 +165,11 @@ class _Running:
     row: int | None = None
     tokens: list[int] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
+    accepted: int | None = None
 
     def ended(self, at: float, cancelled: bool = False) -> Served:
-        return Served(self.tokens, self.submitted, self.admitted, self.arrivals, at, cancelled=cancelled)
+        return Served(self.tokens, self.submitted, self.admitted, self.arrivals, at, cancelled=cancelled,
+                      accepted=self.accepted)
 
 
 class Progress(NamedTuple):
@@ -245,6 +258,8 @@ class Server:
             running, new = self._live[ident], list(burst.tokens[row])
             running.tokens += new
             running.arrivals += [at] * len(new)
+            if burst.accepted is not None:
+                running.accepted = int(burst.accepted[row])
             tokens[ident] = new
             if burst.done[row]:
                 finished[ident] = self._end(ident, at)

@@ -286,7 +286,8 @@ class _Slots:
 
     def burst(self) -> Burst:
         readback = self.decoder.rounds.step(self.mode)
-        return Burst([tokens.tolist() for tokens in readback.tokens], readback.done.tolist())
+        return Burst([tokens.tolist() for tokens in readback.tokens], readback.done.tolist(),
+                     readback.accepted.tolist())
 
     def park(self, rows: Sequence[int]) -> None:
         rows, bufs = list(rows), self.decoder.bufs

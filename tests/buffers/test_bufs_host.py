@@ -92,6 +92,7 @@ def row_bufs(batch: int = 3) -> StreamBufs:
     for name in ("pend_d", "pos_ctr_d", "ctl_d", "ring_d", "brk_d", "acc_d"):
         setattr(bufs, name, name)
     bufs.positions, bufs.done = np.zeros(batch, np.int64), np.zeros(batch, bool)
+    bufs.accepted = np.zeros(batch, np.int64)
     return bufs
 
 
@@ -128,7 +129,7 @@ def test_a_readback_takes_its_tokens_apart_when_asked():
     ring_row = 4  # count, then 3 tokens
     words = np.array([2, 11, 12, 0, 0, 0, 0, 0, 3, 31, 32, 33], np.uint32)
     done, positions = np.array([False, True, False]), np.array([5, 6, 7])
-    readback = Readback(words, ring_row, [2, 0, 3], done, positions)
+    readback = Readback(words, ring_row, [2, 0, 3], done, positions, np.zeros(3, np.int64))
     assert readback._tokens is None, "tokens taken apart before anyone asked"
     assert [t.tolist() for t in readback.tokens] == [[11, 12], [], [31, 32, 33]]
     assert readback.done is done and readback.positions is positions
@@ -144,19 +145,51 @@ class ProtocolStream:
 
 
 def test_each_rows_rounds_are_its_tokens_less_its_accepted_drafts_and_tau_and_the_drafts_agree():
-    from types import SimpleNamespace
+    """From what the last readback brought (`accepted`), with no readback of their own: the
+    engine here has no dtoh to call."""
     bufs = host_bufs()
-    bufs.batch, bufs.k, bufs.acc_d = 3, 4, "acc_d"
-    acc = np.array([[9, 12], [0, 0], [4, 30]], np.uint32)  # [B][ACC_WORDS]: this round's, the total
-    bufs.engine = SimpleNamespace(dtoh=lambda buf: acc.reshape(-1) if buf == "acc_d" else None)
+    bufs.batch, bufs.k, bufs.engine = 3, 4, object()
+    bufs.accepted = np.array([12, 0, 30], np.int64)  # each row's ACC_TOTAL at the last readback
     committed = [20, 5, 40]
     assert bufs.rounds_run(committed).tolist() == [8, 5, 10]
     assert bufs.drafts_accepted(committed) == (42, 4 * 23)
     assert bufs.tokens_per_round(committed) == 65 / 23
     with pytest.raises(ValueError, match="one committed count per row"):
         bufs.rounds_run([1, 2])
-    bufs.batch, acc = 1, np.zeros((1, 2), np.uint32)
+    bufs.batch, bufs.accepted = 1, np.zeros(1, np.int64)
     assert bufs.tokens_per_round(0) == 1.0  # no round ran
+
+
+class Slot:
+    """A pinned readback slot's words, as read()."""
+
+    def __init__(self, words):
+        self.words = np.array(words, np.int64).astype(np.uint32)
+
+    def read(self):
+        return self.words.copy()
+
+
+def test_a_readback_brings_each_rows_accepted_drafts_with_its_tokens():
+    """The one copy a burst's readback makes holds the rings, the ctl rows, the positions and
+    acc_d side by side: receive takes each row's ACC_TOTAL from it (a request's acceptance with
+    no readback of its own), and a reset row's count is 0 until the next readback."""
+    from types import SimpleNamespace
+    bufs = row_bufs(batch=2)
+    bufs._ring_row, bufs.ring_cap = 3, 2  # a count, then 2 tokens
+    bufs._rings_end, bufs._ctl_end, bufs._positions_end = 6, 6 + 2 * CTL_WORDS, 6 + 2 * CTL_WORDS + 2
+    bufs.engine = SimpleNamespace(finish_readback=lambda event: None, copy_htod=lambda *args, **kwargs: None)
+    ctl = [[-1, -1, 0, 1], [-1, -1, 1, 1]]  # row 1 done
+    bufs._host = [Slot([2, 5, 6, 1, 7, 0, *ctl[0], *ctl[1], 10, 20, 1, 3, 0, 5])]
+    readback = bufs.receive(0)
+    assert readback.accepted.tolist() == [3, 5] and bufs.accepted.tolist() == [3, 5]
+    assert readback.committed == [2, 1] and readback.positions.tolist() == [10, 20]
+    assert readback.done.tolist() == [False, True] and [t.tolist() for t in readback.tokens] == [[5, 6], [7]]
+    assert "8 drafts accepted" in repr(readback)
+    with pytest.raises(ValueError):
+        bufs.accepted[0] = 1  # read-only, as positions and done
+    bufs.reset_row(1, 4, 2)
+    assert bufs.accepted.tolist() == [3, 0], "a new request in row 1 has had no draft accepted"
 
 
 def test_a_stream_is_taken_in_every_form_an_engine_author_has_one():

@@ -82,6 +82,12 @@ def test_every_request_is_its_own_greedy_output_and_one_that_cannot_run_is_refus
         assert out.refused is None and not out.cancelled
         assert out.tokens == tokens, f"request {i}: first difference at token {first_difference(out.tokens, tokens)}"
         assert len(out.arrivals) == len(out.tokens) and out.submitted <= out.admitted < out.arrivals[0] <= out.finished
+        if isinstance(decoder, GraphedGreedy):
+            assert out.accepted is None and out.rounds is None, "the plain loop has no drafts"
+        else:  # read back with its tokens: every round commits its accepted drafts and one
+            assert 0 <= out.accepted < len(out.tokens) and out.rounds == len(out.tokens) - out.accepted
+    if not isinstance(decoder, GraphedGreedy):
+        assert sum(out.accepted for out in ran) > 0, "a self-draft had no draft accepted in any request"
 
 
 def test_a_cancelled_request_keeps_its_tokens_and_gives_its_row_to_the_next(stream, decoder):

@@ -233,3 +233,31 @@ def test_requests_that_ended_at_a_step_that_raised_are_handed_out_by_the_next():
     while not server.idle:
         finished.update(server.step().finished)
     assert sorted(finished) == [running, nothing, queued] and finished[queued].tokens == alone(Request([3], 3))
+
+
+def test_each_request_carries_its_accepted_drafts_and_rounds_from_its_readbacks():
+    """A speculative decoder's burst brings each row's accepted drafts with its tokens: a
+    request's Served has them as its last readback said (a round commits its accepted drafts and
+    one token, so its rounds are its tokens less them), a cancelled one's too; the plain loop's
+    (no drafts) has none."""
+    requests = mixed(9)
+    decoder = Counting(3, drafts=True)
+    server = Server(decoder, clock=decoder.clock)
+    ids = [server.submit(request) for request in requests]
+    bursts: dict[int, int] = {}
+    out = {}
+    while not server.idle:
+        progress = server.step()
+        for ident, new in progress.tokens.items():
+            bursts[ident] = bursts.get(ident, 0) + bool(new)
+            if ident == ids[2] and ident not in progress.finished:
+                server.cancel(ident)
+        out.update(progress.finished)
+    assert out[ids[2]].cancelled and 0 < len(out[ids[2]].tokens) < len(alone(requests[2]))
+    for i, ident in enumerate(ids):
+        served = out[ident]
+        assert served.tokens == alone(requests[i])[:len(served.tokens)] and served.rounds == bursts[ident], i
+        assert served.accepted == len(served.tokens) - bursts[ident]
+    assert any(out[ident].accepted for ident in ids), "no draft was ever accepted: the test proves nothing"
+    plain = Server(Counting(2), clock=Clock()).serve(mixed(3))
+    assert all(served.accepted is None and served.rounds is None for served in plain)
