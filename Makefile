@@ -20,7 +20,7 @@ PICK_TEST = py=$$(sh tools/pick-python test) || exit 1;
 WHEELS12 ?= cuda-python==12.6.2.post1 numpy==1.26.4
 SITE12   ?= /tmp/site12
 
-.PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch pair soak ptx clean
+.PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch pair soak served ptx clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -185,6 +185,12 @@ pair:
 # memory stays flat and every checked request is its own greedy decoding alone. SOAK_ARGS: its flags.
 soak:
 	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.soak $(SOAK_ARGS)
+
+# The served headline (benchmarks/served.py): the trained pair serving a request stream through B
+# slots, the plain decoding and chains alike, at B = 1 to 128. SERVED_ARGS="--json PATH" also
+# writes the figures and the picture.
+served: pair
+	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.served $(SERVED_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -183,7 +183,8 @@ def on_gpu(requests: int, batch: int, checked: int, seed: int) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=5000)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--checked", type=int, default=200, help="requests checked against their decoding alone")

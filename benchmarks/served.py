@@ -1,0 +1,205 @@
+"""The served headline (issue 48): the trained pair (benchmarks/pair.py) serving a stream of
+requests through B slots by continuous batching, the plain decoding and speculation alike, where
+the headline (benchmarks/headline.py) decodes static batches.
+
+At B = 1, 8, 32, 64 and 128: a stream of max(16, 4 B) requests, held-out prompts of the pair's
+heldout.json in order, each with a budget drawn from 32 to 512 new tokens by a seeded generator
+and the pair's end-of-text token honoured (benchmarks/serving.py's request_stream), every request
+submitted at the start. Through each decoder, graph mode, M = 16, every graph captured before
+the stream (a warm-up stream of B requests of 8 tokens first, untimed), the stream is timed by
+its Served records:
+
+- the plain decoding: the target alone, compiled, graphed, a readback a burst of 16 steps
+  (GraphedGreedy): the baseline of every ratio, sampled rows' too;
+- chains of k drafts (SpeculativeLlama), fewer and shorter as B grows (CHAINS), greedy and
+  sampled at temperature 1;
+
+each with tokens/s over the span served, time to the first token and time between tokens at p50
+and p99 (benchmarks/serving.py says how each is taken), tokens a round (tau, from each request's
+accepted drafts read back with its tokens) and the decoder's setup seconds. Then the best chain
+at each B and decoding against the plain decoding. One table; with --json, the figures, written
+again as each B ends, and a picture beside them (PATH with .png; matplotlib, the plot extra).
+Needs torch, transformers and tokenizers, a GPU and the pair (`make pair`).
+
+    PYTHONPATH=. python -m benchmarks.served [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,64,128]
+
+Not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .headline import describe, load_pair, measure_batches, pair_dir, pair_info, save
+from .serving import figures, request_stream
+from .torch_common import TORCH_M, listed, release
+from memra_cuda.rounds.serving import Request, Served
+
+BATCHES, QUICK_BATCHES = (1, 8, 32, 64, 128), (1, 8)
+CHAINS = {1: (2, 3, 4, 6), 8: (2, 3, 4), 32: (1, 2, 3), 64: (1, 2), 128: (1, 2)}  # a verify's cost grows with B
+STREAM_SEED = 48
+WARM_TOKENS = 8  # the warm-up stream's budget a request
+MODES = ("greedy", "sampling")  # sampling: at temperature 1
+
+
+def stream_for(heldout: Mapping[str, Any], batch: int, eos: int | None, quick: bool = False) -> list[Request]:
+    """B's stream: the first max(16, 4 B) held-out prompts (max(4, 2 B) of 8 to 16 tokens under
+    `quick`), budgets from request_stream's seeded draw, the pair's EOS."""
+    pool, count = heldout["prompts"], max(4, 2 * batch) if quick else max(16, 4 * batch)
+    if len(pool) < count:
+        raise ValueError(f"heldout.json holds {len(pool)} prompts; B = {batch} serves {count}")
+    return request_stream([list(prompt["ids"]) for prompt in pool[:count]], seed=STREAM_SEED, eos=eos,
+                          budgets=(8, 16) if quick else (32, 512))
+
+
+def tau(served: Sequence[Served]) -> float | None:
+    """Tokens a round over the requests that ran, from the accepted drafts each one's readbacks
+    brought (None for a decoder without drafts)."""
+    ran = [(len(out.tokens), out.rounds) for out in served if out.rounds]
+    return sum(tokens for tokens, _ in ran) / sum(rounds for _, rounds in ran) if ran else None
+
+
+def row_of(batch: int, mode: str, config: str, served: Sequence[Served], setup_s: float,
+           plain: float | None) -> dict[str, Any]:
+    """One decoder's row: its stream's figures, tau, setup, and its tokens/s over the plain
+    decoding's (`plain`; None: this is the plain decoding)."""
+    found = figures(served)
+    vs_plain = 1.0 if plain is None else found["tokens_per_s"] / plain
+    return dict(batch=batch, mode=mode, config=config, **found, tau=tau(served), setup_s=setup_s, vs_plain=vs_plain)
+
+
+def best(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """At each B and decoding, the chain of the most tokens/s, beside the plain decoding's."""
+    out = []
+    for key in sorted({(row["batch"], row["mode"]) for row in rows if row["config"] != "plain"}):
+        chains = [row for row in rows if (row["batch"], row["mode"]) == key and row["config"] != "plain"]
+        top = max(chains, key=lambda row: row["tokens_per_s"])
+        out.append(dict(batch=key[0], mode=key[1], config=top["config"], tokens_per_s=top["tokens_per_s"],
+                        vs_plain=top["vs_plain"], tbt_p99_s=top["tbt_p99_s"]))
+    return out
+
+
+HEADER = (f"{'B':>4} {'decoding':9} {'config':10} {'tokens/s':>9} {'vs plain':>8} {'tau':>5} {'TTFT p50 ms':>11} "
+          f"{'p99':>8} {'TBT p50 ms':>10} {'p99':>7} {'setup s':>7}")
+
+
+def format_row(row: Mapping[str, Any]) -> str:
+    tau_text = "" if row["tau"] is None else f"{row['tau']:.2f}"
+    return (f"{row['batch']:>4} {row['mode']:9} {row['config']:10} {row['tokens_per_s']:9.0f} {row['vs_plain']:7.2f}x "
+            f"{tau_text:>5} {1e3 * row['ttft_p50_s']:11.1f} {1e3 * row['ttft_p99_s']:8.1f} "
+            f"{1e3 * row['tbt_p50_s']:10.2f} {1e3 * row['tbt_p99_s']:7.2f} {row['setup_s']:7.1f}")
+
+
+def plot(report: Mapping[str, Any], path: str | Path) -> None:
+    """Tokens/s against B: the plain decoding, and the best chain greedy and sampled."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plain = [row for row in report["rows"] if row["config"] == "plain"]
+    ax.plot([r["batch"] for r in plain], [r["tokens_per_s"] for r in plain], "k-o", label="plain (compiled, graphed)")
+    for mode, style in zip(MODES, ("b-s", "r-^")):
+        top = [row for row in report["best"] if row["mode"] == mode]
+        ax.plot([r["batch"] for r in top], [r["tokens_per_s"] for r in top], style, label=f"best chain, {mode}")
+    ax.set(xscale="log", yscale="log", xlabel="slots (B)", ylabel="tokens/s served", title=report["name"])
+    ax.title.set_fontsize(7)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _served(decoder: Any, requests: Sequence[Request], batch: int) -> list[Served]:
+    """The stream through `decoder`'s server, after an untimed warm-up stream of B short
+    requests (the server's first steps, the host's caches), every graph captured before either."""
+    server = decoder.server()
+    server.serve([request._replace(max_new_tokens=WARM_TOKENS) for request in requests[:batch]])
+    return server.serve(requests)
+
+
+def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, quick: bool) -> list[dict]:
+    """B's rows: the plain decoding, then each chain greedy and sampled, in caches of one capacity."""
+    from memra_cuda.torch import GraphedGreedy, SamplingParams, SpeculativeLlama, capacity_for
+    requests = stream_for(heldout, batch, target.config.eos_token_id, quick)
+    chains = CHAINS[batch][:1] if quick else CHAINS[batch]
+    capacity = capacity_for(max(len(r.prompt) for r in requests), max(r.max_new_tokens for r in requests),
+                            max(chains), TORCH_M, batch)
+    begun = time.perf_counter()
+    plain_decoder = GraphedGreedy(target, capacity, batch, steps=TORCH_M)
+    plain_decoder.capture()
+    rows = [row_of(batch, "greedy", "plain", _served(plain_decoder, requests, batch), time.perf_counter() - begun,
+                   None)]
+    del plain_decoder
+    release()
+    print(format_row(rows[0]), flush=True)
+    plain = rows[0]["tokens_per_s"]
+    for mode, sampling in zip(MODES, (None, SamplingParams(1.0))):
+        for k in chains:
+            spec = SpeculativeLlama(target, draft, k=k, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                                    sampling=sampling)
+            spec.capture(("graph",))
+            rows.append(row_of(batch, mode, f"chain k={k}", _served(spec, requests, batch), spec.setup_seconds, plain))
+            del spec
+            release()
+            print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def served_headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
+                    json_path: str | Path | None = None) -> dict:
+    """The section (the module's docstring): prints the table and the best at each B, returns
+    the report; with `json_path`, written after each B and at the end, the picture beside it."""
+    import torch
+    import transformers
+
+    from memra_cuda.torch import load_model
+    transformers.utils.logging.disable_progress_bar()
+    where = pair_dir() if pair is None else Path(pair)
+    report, heldout = load_pair(where)
+    info, machine, date = pair_info(report), torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
+    name = "served: " + describe(info, machine, date)
+    target, draft = load_model(where / "target"), load_model(where / "draft")
+    batches = list(batches or (QUICK_BATCHES if quick else BATCHES))
+    print(f"\n{name}")
+    print(f"a stream of max(16, 4 B) held-out requests, {'8 to 16' if quick else '32 to 512'} new tokens each "
+          f"(seed {STREAM_SEED}), the EOS honoured, all submitted at once, through B slots by continuous batching; "
+          f"graph mode, M = {TORCH_M}, every graph captured first; vs plain: tokens/s against the target's own "
+          "compiled greedy decoding served alike (sampled rows too)")
+    print(HEADER, flush=True)
+
+    def out(rows: list[dict]) -> dict:
+        return dict(name=name, machine=machine, date=date, pair=info, batches=batches, quick=quick, rows=rows,
+                    best=best(rows))
+    rows = measure_batches(batches, lambda batch: _bench_batch(target, draft, heldout, batch, quick),
+                           None if json_path is None else lambda rows: save(out(rows), json_path))
+    result = out(rows)
+    print(f"\nbest chain at each B and decoding ({name}):")
+    for top in result["best"]:
+        print(f"  B = {top['batch']:>3} {top['mode']:9} {top['config']:10} {top['tokens_per_s']:9.0f} tokens/s, "
+              f"{top['vs_plain']:.2f}x plain, TBT p99 {1e3 * top['tbt_p99_s']:.2f} ms", flush=True)
+    if json_path is not None:
+        save(result, json_path)
+        plot(result, Path(json_path).with_suffix(".png"))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.served", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="B = 1 and 8, one chain, a few short requests "
+                        "(a smoke run, not for figures)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON, and the picture beside "
+                        "(PATH with .png; needs matplotlib)")
+    parser.add_argument("--pair", metavar="DIR", help="the pair's directory (default: `make pair`'s)")
+    parser.add_argument("--batches", type=lambda text: listed(text, BATCHES, int),
+                        help=f"these of {','.join(map(str, BATCHES))} only")
+    args = parser.parse_args(argv)
+    served_headline(args.quick, args.pair, args.batches, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

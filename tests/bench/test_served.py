@@ -1,0 +1,44 @@
+"""benchmarks/served.py's host side, on CPU: each B's stream, tau from the requests' accepted
+drafts, a decoder's row against the plain decoding's, the best chain at each B and decoding."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.served import CHAINS, best, format_row, row_of, stream_for, tau
+from memra_cuda.rounds import Served
+
+HELDOUT = {"prompts": [{"ids": [1, 2 + i, 3]} for i in range(512)]}
+
+
+def served(tokens: int, accepted: int | None, at: float = 1.0) -> Served:
+    return Served(list(range(tokens)), 0.0, 0.0, [at] * tokens, at, accepted=accepted)
+
+
+def test_each_b_serves_four_requests_a_slot_of_held_out_prompts_in_order():
+    for batch, count in ((1, 16), (8, 32), (128, 512)):
+        stream = stream_for(HELDOUT, batch, eos=0)
+        assert len(stream) == count and [r.prompt for r in stream] == [[1, 2 + i, 3] for i in range(count)]
+        assert all(r.eos == 0 and 32 <= r.max_new_tokens <= 512 for r in stream)
+    assert stream_for(HELDOUT, 8, eos=0) == stream_for(HELDOUT, 8, eos=0), "one seeded stream"
+    assert all(8 <= r.max_new_tokens <= 16 for r in stream_for(HELDOUT, 8, eos=None, quick=True))
+    with pytest.raises(ValueError, match="B = 256 serves 1024"):
+        stream_for(HELDOUT, 256, eos=None)
+    assert set(CHAINS) == {1, 8, 32, 64, 128}
+
+
+def test_tau_is_tokens_over_rounds_and_none_without_drafts():
+    assert tau([served(10, 6), served(5, 1), served(0, 0)]) == 15 / (4 + 4)
+    assert tau([served(10, None), served(3, None)]) is None
+
+
+def test_rows_compare_with_the_plain_decoding_and_the_best_chain_is_picked():
+    plain = row_of(8, "greedy", "plain", [served(100, None, at=2.0)], 1.0, None)
+    assert plain["vs_plain"] == 1.0 and plain["tokens_per_s"] == 50.0 and plain["tau"] is None
+    fast = row_of(8, "greedy", "chain k=2", [served(150, 90, at=2.0)], 30.0, plain["tokens_per_s"])
+    slow = row_of(8, "greedy", "chain k=4", [served(120, 80, at=2.0)], 30.0, plain["tokens_per_s"])
+    sampled = row_of(8, "sampling", "chain k=2", [served(60, 20, at=2.0)], 30.0, plain["tokens_per_s"])
+    assert fast["vs_plain"] == 1.5 and fast["tau"] == 150 / 60
+    picked = best([plain, slow, fast, sampled])
+    assert [(b["batch"], b["mode"], b["config"], b["vs_plain"]) for b in picked] == [
+        (8, "greedy", "chain k=2", 1.5), (8, "sampling", "chain k=2", 0.6)]
+    assert "1.50x" in format_row(fast) and " 2.50 " in format_row(fast) and format_row(plain).split()[3] == "50"
