@@ -7,10 +7,10 @@ from .comm.library import NcclError, NcclUnavailable
 from .comm.rendezvous import RankRefused
 from .driver.compiler import CompileError, NvrtcUnavailable
 from .driver.errors import CaptureError, CudaError, CudaFault, CudaUnavailable, MemraError, NotFused
-from .driver.graph import LoopUnsupported
+from .driver.graph import LoopUnsupported, SwitchUnsupported
 from .rounds.device_loop import RoundCapError
 from .rounds.serving import RequestRefused
 
 __all__ = ["BuffersHeld", "CapacityError", "CaptureError", "CompileError", "CudaError", "CudaFault", "CudaUnavailable",
            "LoopUnsupported", "MemraError", "NcclError", "NcclUnavailable", "NotFused", "NvrtcUnavailable",
-           "RankFailure", "RankRefused", "RanksDiverged", "RequestRefused", "RoundCapError"]
+           "RankFailure", "RankRefused", "RanksDiverged", "RequestRefused", "RoundCapError", "SwitchUnsupported"]

@@ -43,3 +43,17 @@ extern "C" __global__ void spec_loop_decide(const int* ctl_d, const u32* pub_d, 
         cudaGraphSetConditional(handle, (paced ? long_way : live) && rounds + body <= loop_d[0] ? 1u : 0u);
     }
 }
+
+// The switch of a round's bodies by width (docs/lengths.md, "Two ways to run the chosen width"):
+// the conditional SWITCH node after this kernel runs body body_of[W] of its bodies, W the width
+// the length chooser wrote to width_d[0] this round (past k read as k). body_of is u32[k + 1],
+// written by the host: for each width, the body of the narrowest width at least as wide, so a
+// width with no body of its own runs a wider one (its rows capped at their lengths, which keeps
+// it exact) and every width runs one. It needs a driver with SWITCH nodes (CUDA 12.8+). One
+// thread.
+extern "C" __global__ void spec_select_width(const u32* width_d, const u32* body_of, u32 k, u64 handle) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        const u32 width = width_d[0];
+        cudaGraphSetConditional(handle, body_of[width < k ? width : k]);
+    }
+}

@@ -30,7 +30,8 @@ class DraftLengths:
     """The length chooser's buffers for the rows of `bufs` (docs/lengths.md).
 
     `verify_costs[w]`, w = 0..k, is the measured cost of the batch's verify of w + 1 tokens a
-    row, in plain steps (`verify_costs[0]`, the plain step, is 1); `draft_cost` a draft step's,
+    row, in plain steps (`verify_costs[0]`, the plain step, is 1), or None for a width the
+    rounds do not run (the chooser never picks it); `draft_cost` a draft step's,
     in the same unit. `decay` (0 to 1) is what a round's statistics weigh a round later, `prior`
     (0 to 1) the acceptance a row starts from when it is admitted, and the one a round at length
     0 (nothing judged) decays its statistics toward. Every row's cap starts at k
@@ -44,7 +45,7 @@ class DraftLengths:
     cost_d: DeviceBuffer  # f32[COST_VERIFY + k + 1]: a draft step's cost, then each width's verify
     width_d: DeviceBuffer  # u32[1]: the batch's width, chosen each round: the selector a SWITCH reads
 
-    def __init__(self, bufs: StreamBufs, verify_costs: Sequence[float], draft_cost: float, decay: float = DECAY,
+    def __init__(self, bufs: StreamBufs, verify_costs: Sequence[float | None], draft_cost: float, decay: float = DECAY,
                  prior: float = PRIOR):
         if not isinstance(bufs, StreamBufs):
             raise TypeError(f"DraftLengths are made for a StreamBufs, not {bufs!r}")
@@ -65,7 +66,7 @@ class DraftLengths:
         self.engine.copy_htod(self.cost_d, costs)
         self.engine.copy_htod(self.cap_d, np.full(self.batch, self.k, np.uint32))
 
-    def set_costs(self, verify_costs: Sequence[float], draft_cost: float) -> None:
+    def set_costs(self, verify_costs: Sequence[float | None], draft_cost: float) -> None:
         """New measured costs (as the constructor takes them), for the rounds to come."""
         costs = self._costs(verify_costs, draft_cost)
         self.bufs.check_free()
@@ -89,16 +90,20 @@ class DraftLengths:
         self.bufs.check_free()
         self.engine.copy_htod(self.cap_d, np.array(checked, np.uint32), start=first)
 
-    def _costs(self, verify_costs: Sequence[float], draft_cost: float) -> np.ndarray:
-        """cost_d's words, checked: k + 1 verify costs, each positive, and a draft step's cost of
-        at least 0, all finite as f32 (a cost the chooser could not weigh is refused here)."""
+    def _costs(self, verify_costs: Sequence[float | None], draft_cost: float) -> np.ndarray:
+        """cost_d's words, checked: k + 1 verify costs, each positive or None (a width the rounds
+        do not run: 0, which the chooser leaves out), at least one of them positive, and a draft
+        step's cost of at least 0, all finite as f32 (a cost the chooser could not weigh is
+        refused here)."""
         verify = list(verify_costs)
         if len(verify) != self.k + 1:
             raise ValueError(f"verify_costs needs one cost per width 0..k ({self.k + 1}), not {len(verify)}")
+        if all(cost is None for cost in verify):
+            raise ValueError("verify_costs leaves every width out (None): the rounds run at least one")
         costs = np.empty(COST_VERIFY + self.k + 1, np.float32)
         costs[COST_DRAFT] = _cost(draft_cost, "draft_cost", positive=False)
         for w, cost in enumerate(verify):
-            costs[COST_VERIFY + w] = _cost(cost, f"verify_costs[{w}]", positive=True)
+            costs[COST_VERIFY + w] = 0.0 if cost is None else _cost(cost, f"verify_costs[{w}]", positive=True)
         return costs
 
     def __repr__(self) -> str:

@@ -6,7 +6,7 @@ from .engine import Engine
 from .compiler import CompileError, NvrtcUnavailable, compile_ptx
 from .errors import CaptureError, CudaError, CudaFault, CudaUnavailable, MemraError
 from .event import Event
-from .graph import Capture, Graph, LoopBuilder, LoopUnsupported, loops, stream_capture
+from .graph import Capture, Graph, LoopBuilder, LoopUnsupported, SwitchUnsupported, loops, stream_capture
 from .handle import Handle
 from .module import Kernel, KernelArgs, Launch, Module
 from .signature import Param, Signature
@@ -15,6 +15,7 @@ from .stream import Stream
 __all__ = [
     "Capture", "CaptureError", "CompileError", "CudaError", "CudaFault", "CudaUnavailable", "DeviceBuffer", "Engine",
     "Event", "Graph", "Handle", "Kernel", "KernelArgs", "Launch", "LoopBuilder", "LoopUnsupported", "MappedBuffer",
-    "MemraError", "Module", "NvrtcUnavailable", "Param", "PinnedBuffer", "Prepared", "Signature", "Stream", "as_buffer",
+    "MemraError", "Module", "NvrtcUnavailable", "Param", "PinnedBuffer", "Prepared", "Signature", "Stream",
+    "SwitchUnsupported", "as_buffer",
     "compile_ptx", "loops", "stream_capture",
 ]

@@ -61,6 +61,29 @@ def check_loops() -> None:
                               + ("" if have else " with a binding that lacks them"))
 
 
+class SwitchUnsupported(LoopUnsupported):
+    """The driver or the binding has no conditional SWITCH nodes (CUDA 12.8 and later have): a
+    LoopUnsupported, as what lacks them lacks a kind of conditional node."""
+
+
+SWITCH_REQUIREMENT = ("a switch of bodies needs conditional SWITCH graph nodes: a CUDA 12.8+ driver and "
+                      "cuda-bindings with CU_GRAPH_COND_TYPE_SWITCH")
+
+
+def check_switch() -> None:
+    """SwitchUnsupported naming the requirement unless this driver and binding build SWITCH nodes
+    (and WHILE nodes' machinery, which a switch is built with: check_loops)."""
+    try:
+        check_loops()
+    except LoopUnsupported as missing:
+        raise SwitchUnsupported(f"{SWITCH_REQUIREMENT}; {missing}") from None
+    major, minor = driver_version()
+    have = hasattr(driver().CUgraphConditionalNodeType, "CU_GRAPH_COND_TYPE_SWITCH")
+    if not have or (major, minor) < (12, 8):
+        raise SwitchUnsupported(f"{SWITCH_REQUIREMENT}; this is driver {major}.{minor}"
+                                + ("" if have else " with a binding that lacks them"))
+
+
 class LoopBuilder:
     """Builds a graph of straight segments and conditional WHILE loops, in order, every part
     captured from the engine's own stream (cuStreamBeginCaptureToGraph), so prepared launches
@@ -69,9 +92,10 @@ class LoopBuilder:
     handle() makes a loop's condition, to give the kernels that set it (cudaGraphSetConditional)
     before they are captured; issue() captures work after everything so far; loop() adds a
     WHILE node on a handle after everything so far, its body captured from `body`, which runs
-    as long as the last kernel to set the condition set it non-zero. The condition has no
-    default value at launch: a kernel issued before the loop must set it, deciding whether the
-    body runs at all.
+    as long as the last kernel to set the condition set it non-zero; switch() adds a SWITCH
+    node, which runs the one of its `bodies` the condition names (none where it names no body;
+    check_switch says whether the driver has them). The condition has no default value at
+    launch: a kernel issued before the node must set it, deciding what runs.
     """
 
     def __init__(self, engine: Stream):
@@ -87,16 +111,30 @@ class LoopBuilder:
         self._after = self._capture_into(self.graph, self._after, work, sinks=True)
 
     def loop(self, handle: Any, body: Callable[[], None]) -> None:
+        self._conditional(handle, "CU_GRAPH_COND_TYPE_WHILE", [body])
+
+    def switch(self, handle: Any, bodies: Sequence[Callable[[], None]]) -> None:
+        if not bodies:
+            raise ValueError("a switch needs at least one body")
+        self._conditional(handle, "CU_GRAPH_COND_TYPE_SWITCH", bodies)
+
+    def _conditional(self, handle: Any, kind: str, bodies: Sequence[Callable[[], None]]) -> None:
+        """A conditional node of `kind` on `handle` after everything so far, each of its graphs
+        captured from one of `bodies`, in order."""
         drv = driver()
         params = drv.CUgraphNodeParams()
         params.type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
         params.conditional.handle = handle
-        params.conditional.type = drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
-        params.conditional.size = 1
+        params.conditional.type = getattr(drv.CUgraphConditionalNodeType, kind)
+        params.conditional.size = len(bodies)
         params.conditional.ctx = self.ctx.handle
         node = self.ctx.call(_with_edges("cuGraphAddNode"), self.graph, self._after, _edges(self._after),
                              len(self._after), params)
-        self._capture_into(params.conditional.phGraph_out[0], [], body, sinks=False)
+        graphs = list(params.conditional.phGraph_out)
+        if len(graphs) != len(bodies):
+            raise CaptureError(f"the driver made {len(graphs)} body graph(s) for a conditional node of {len(bodies)}")
+        for graph, body in zip(graphs, bodies):
+            self._capture_into(graph, [], body, sinks=False)
         self._after = [node]
 
     def _capture_into(self, graph: Any, after: list[Any], work: Callable[[], None], sinks: bool) -> list[Any]:

@@ -60,6 +60,14 @@ def test_the_costs_are_laid_out_draft_step_first_and_every_cap_starts_at_k():
     assert bufs.engine.writes == [("rate_d", [0.5, 0.5] * 3, 0), ("cost_d", cost, 0), ("cap_d", [2, 2, 2], 0)]
 
 
+def test_a_width_the_rounds_do_not_run_costs_none_written_as_0_which_the_chooser_leaves_out():
+    lengths, engine = made(k=3, batch=4)
+    lengths.set_costs([1.0, None, None, 1.6], 0.2)
+    cost = [0.0] * (COST_VERIFY + 4)
+    cost[COST_DRAFT], cost[COST_VERIFY], cost[COST_VERIFY + 3] = np.float32(0.2), 1.0, np.float32(1.6)
+    assert engine.writes == [("cost_d", cost, 0)]
+
+
 def test_every_rows_statistics_start_at_the_prior():
     """Not zeros: a row already live when the lengths are made (keep >= 1) is never restarted at
     the prior, and zeros are an acceptance of 0, which chose width 0 for good (nothing learns at 0)."""
@@ -93,6 +101,7 @@ def test_caps_are_written_for_every_row_or_one():
     (lambda lengths: lengths.set_costs([1.0, 1.0, 1e-50, 1.0], 0.0), ValueError, r"verify_costs\[2\] must be positive"),
     (lambda lengths: lengths.set_costs([1.0, 1.0, 1.0, 1e39], 0.0), ValueError, r"verify_costs\[3\] must be positive"),
     (lambda lengths: lengths.set_costs([float("nan"), 1.0, 1.0, 1.0], 0.0), ValueError, r"verify_costs\[0\]"),
+    (lambda lengths: lengths.set_costs([None] * 4, 0.0), ValueError, "leaves every width out"),
     (lambda lengths: lengths.set_costs([1.0] * 4, -0.1), ValueError, "draft_cost must be at least 0"),
     (lambda lengths: lengths.set_costs([1.0] * 4, "0.1"), TypeError, "draft_cost must be a real number"),
     (lambda lengths: lengths.set_costs([1.0] * 4, True), TypeError, "draft_cost must be a real number"),

@@ -1,0 +1,90 @@
+"""A round's bodies by width, one of them chosen on the device every round (docs/lengths.md, "Two
+ways to run the chosen width"): the length chooser writes the batch's width W to width_d, a
+selector kernel (spec_select_width) turns it into a conditional SWITCH node's value, and the
+node runs the body built for W: a draft chain of W steps and a verify of W + 1 tokens a row. No
+host sync, no re-capture: the width a round runs is a device value like every other.
+
+Widths says which widths have a body (each body costs a compile and a capture, so a round has a
+few, k among them); a width the chooser might pick that has no body of its own runs the
+narrowest wider one, its rows capped at their lengths, which keeps the round exact, and its
+cost is left out of the chooser's (`verify_costs`), so it is not picked. WidthSwitch adds the
+SWITCH of a round's bodies to a graph being built (LoopBuilder).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..buffers.lengths import DraftLengths
+from ..driver.graph import LoopBuilder, check_switch
+from ..driver.values import as_size
+from ..kernels.signatures import load
+
+if TYPE_CHECKING:
+    from ..driver.module import Launch
+
+
+@dataclass(frozen=True)
+class Widths:
+    """The widths, 0 to `k`, that a round has a body of, k always among them (the widest: every
+    width runs a body at least as wide)."""
+
+    k: int
+    widths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        k = as_size(self.k, "k", 0)
+        widths = tuple(as_size(width, "a width", 0, k) for width in self.widths)
+        if k not in widths:
+            raise ValueError(f"the widths a round has bodies of must include k = {k} (the widest), not {widths}")
+        object.__setattr__(self, "widths", tuple(sorted(set(widths))))
+
+    @property
+    def body_of(self) -> tuple[int, ...]:
+        """For each width 0..k, the index (into `widths`) of the body that runs it: its own, or
+        the narrowest wider one's."""
+        return tuple(next(i for i, built in enumerate(self.widths) if built >= width) for width in range(self.k + 1))
+
+    def costs(self, measured: Mapping[int, float]) -> list[float | None]:
+        """DraftLengths' verify_costs: each width's measured cost where it has a body (`measured`
+        must give every one), None where it has none, so the chooser never picks it."""
+        missing = [width for width in self.widths if width not in measured]
+        if missing:
+            raise ValueError(f"no measured cost for the width(s) {missing} the round has bodies of")
+        return [measured[width] if width in self.widths else None for width in range(self.k + 1)]
+
+
+class WidthSwitch:
+    """The SWITCH of a round's bodies by the width `lengths` chooses (DraftLengths of the round's
+    buffers, their k `widths.k`): body_of on the device, and for each SWITCH node added
+    (`add`), its own condition and the selector launch that sets it. Needs a CUDA 12.8+ driver
+    (SwitchUnsupported, raised here, before anything is allocated)."""
+
+    def __init__(self, lengths: DraftLengths, widths: Widths):
+        if not isinstance(lengths, DraftLengths):
+            raise TypeError(f"a switch by width reads a DraftLengths' width, not {lengths!r}")
+        if not isinstance(widths, Widths) or widths.k != lengths.k:
+            raise ValueError(f"the widths must be Widths of k = {lengths.k}, the lengths' k, not {widths!r}")
+        check_switch()
+        self.lengths, self.widths, engine = lengths, widths, lengths.engine
+        self.kernel = load(engine, "device_loop").kernel("spec_select_width")
+        self.body_of_d = engine.htod(np.array(widths.body_of, np.uint32), label="body_of")
+
+    def select(self, handle: Any) -> Launch:
+        """The selector of the SWITCH node on `handle` (a LoopBuilder's handle()): its condition
+        set to the body of the width chosen this round. One thread."""
+        return self.kernel.prepare(grid=1, block=32).set(width_d=self.lengths.width_d, body_of=self.body_of_d,
+                                                         k=self.widths.k, handle=int(handle))
+
+    def add(self, builder: LoopBuilder, bodies: Sequence[Callable[[], None]]) -> None:
+        """Into the graph `builder` builds, after everything so far: the selector, then a SWITCH
+        node of `bodies`, one for each of the widths in order (each issues its work on the
+        builder's stream)."""
+        if len(bodies) != len(self.widths.widths):
+            raise ValueError(f"need one body for each of the widths {self.widths.widths}, not {len(bodies)}")
+        handle = builder.handle()
+        builder.issue(self.select(handle))
+        builder.switch(handle, bodies)

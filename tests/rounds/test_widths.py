@@ -1,0 +1,34 @@
+"""Widths on CPU (memra_cuda.rounds.switch): the widths a round has bodies of, each width's body
+(its own or the narrowest wider one), and the costs the chooser is given (None where a width has
+no body, so it is never picked)."""
+from __future__ import annotations
+
+import pytest
+
+from memra_cuda.rounds.switch import Widths
+
+
+def test_each_width_runs_its_own_body_or_the_narrowest_wider_one():
+    widths = Widths(6, (4, 0, 6, 1, 4))
+    assert widths.widths == (0, 1, 4, 6)
+    assert widths.body_of == (0, 1, 2, 2, 2, 3, 3)
+    assert Widths(3, (3,)).body_of == (0, 0, 0, 0) and Widths(0, (0,)).body_of == (0,)
+
+
+def test_the_chooser_is_given_the_costs_of_the_widths_with_bodies_only():
+    widths = Widths(4, (0, 2, 4))
+    assert widths.costs({0: 1.0, 1: 9.0, 2: 1.3, 4: 1.7}) == [1.0, None, 1.3, None, 1.7]
+    with pytest.raises(ValueError, match=r"no measured cost for the width\(s\) \[2\]"):
+        widths.costs({0: 1.0, 4: 1.7})
+
+
+@pytest.mark.parametrize(("k", "widths", "error", "message"), [
+    (4, (0, 2), ValueError, "must include k = 4"),
+    (4, (0, 5), ValueError, "a width must be an int from 0 to 4"),
+    (4, (-1, 4), ValueError, "a width must be an int from 0 to 4"),
+    (4, (2.0, 4), TypeError, "a width must be an integer"),
+    (-1, (0,), ValueError, "k must be an int of at least 0"),
+])
+def test_widths_outside_0_to_k_or_without_k_are_refused(k, widths, error, message):
+    with pytest.raises(error, match=message):
+        Widths(k, widths)
