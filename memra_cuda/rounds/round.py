@@ -10,15 +10,16 @@ of drafts (docs/trees.md), the second kind of the same thing.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..buffers.acceptance import Greedy, Sampling
 from ..buffers.capacity import UNCHECKED, Capacity, Unchecked, kv_entries
 from ..buffers.tables import AddressTable, PointerTable, StateIndexTable, StateTable, state_targets_disjoint
-from ..driver.graph import Capture
+from ..driver.graph import Capture, LoopBuilder, loops
 from ..kernels.spec import SpecKernels
+from .switch import Widths, WidthSwitch
 
 if TYPE_CHECKING:
     from ..buffers.acceptance import Acceptance
@@ -78,10 +79,13 @@ class Round:
     commit (kernel 4) and the rollbacks after it are the same for every kind, but for which
     slot of recurrent state is kept (_roll_back_state).
     `steps` is one whole round, `issue(R)` queues R of them, and device mode publishes each
-    commit on a branch beside the next round, so it takes the three parts apart.
+    commit on a branch beside the next round, so it takes the three parts apart. A round whose
+    bodies a SWITCH chooses by width (ChainRound's `narrower`) gives its graphs' capture
+    (burst_capture); every other round's graphs capture `issue`.
     """
 
     acceptance: Acceptance
+    switch: WidthSwitch | None = None  # a SWITCH of the round's bodies by width (ChainRound's `narrower`)
 
     def __init__(self, bufs: StreamBufs, kernels: SpecKernels, before_commit: Callable[[], Sequence[Step]], *,
                  rollback_tables: Sequence[PointerTable],
@@ -123,6 +127,19 @@ class Round:
                 for step in steps:
                     step()
 
+    def burst_capture(self, rounds: int, then: Step) -> Capture | None:
+        """How the graph of a burst of `rounds` rounds and `then` (its readback) is captured:
+        None, the round's own way (`capture`, or the framework's) of capturing `issue`."""
+        return None
+
+    def scoped(self, steps: Sequence[Step]) -> Step:
+        """One callable issuing `steps` in order inside the model's scope."""
+        def issue() -> None:
+            with self.scope():
+                for step in steps:
+                    step()
+        return issue
+
 
 class ChainRound(Round):
     """A round that verifies a chain: the model's `draft_chain` writes k drafts to `draft_d`,
@@ -131,24 +148,64 @@ class ChainRound(Round):
     seed_d, vocab)), and acceptance keeps the longest agreeing prefix (docs/model-side.md).
     `seed_gather` (kernel 1), when given, opens the round: an EAGLE-style draft's hidden row.
     `lengths` (DraftLengths of these bufs), when given, opens it before that: the length chooser
-    (docs/lengths.md) caps each row's acceptance at its length, min(width, its request's cap)."""
+    (docs/lengths.md) caps each row's acceptance at its length, min(width, its request's cap).
+
+    `narrower` ({W: (draft_chain_W, verify_trunk_W)}, widths below k) gives the round bodies of
+    those widths, a draft chain of W steps and a verify of W + 1 tokens a row writing the same
+    buffers' first W (+ 1) columns; with them (and `lengths`, whose width picks one), a burst
+    graph runs, each round, the body of the width chosen (a SWITCH node: memra_cuda.rounds.switch,
+    a CUDA 12.8+ driver), or the narrowest wider one's. A round issued from the host (eager and
+    readback modes, device mode's loop) runs k's body, its rows capped alike: the same tokens."""
 
     def __init__(self, bufs: StreamBufs, kernels: SpecKernels, *, draft_chain: Step, verify_trunk: Step,
                  draft_d: Any, acceptance: Acceptance, rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
-                 lengths: DraftLengths | None = None, capture: Capture | None = None, stages: Stages | None = None):
+                 lengths: DraftLengths | None = None, narrower: Mapping[int, tuple[Step, Step]] | None = None,
+                 capture: Capture | None = None, stages: Stages | None = None):
         if not isinstance(acceptance, (Greedy, Sampling)):
             raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
                             f"not {acceptance!r}")
         self.acceptance, self.lengths = acceptance, lengths
         choose = [] if lengths is None else [kernels.prepare_choose_lengths(bufs, lengths)]  # refuses others' buffers
+        assemble, accept = kernels.prepare_assemble_verify(bufs, draft_d), kernels.prepare_accept(bufs, acceptance)
+        self.head: tuple[Step, ...] = (*choose, *([seed_gather] if seed_gather is not None else []))
+        self.bodies: tuple[Step, ...] = ()  # with `narrower`: each width's draft, assembly and verify, in order
+        if narrower:
+            if lengths is None:
+                raise ValueError("bodies of narrower widths need lengths= (a DraftLengths), whose chooser picks one")
+            if capture is not None or stages is not None:
+                raise ValueError("a round of bodies by width builds its graphs itself: it takes no capture= and no "
+                                 "stages=")
+            if bufs.k in narrower:
+                raise ValueError(f"narrower holds the widths below k = {bufs.k}: k's body is draft_chain and "
+                                 "verify_trunk")
+            widths = Widths(bufs.k, (*narrower, bufs.k))
+            self.switch = WidthSwitch(lengths, widths)  # SwitchUnsupported on a driver before 12.8
+            given = {**narrower, bufs.k: (draft_chain, verify_trunk)}
+            self.bodies = tuple(chain([given[width][0], assemble, given[width][1]]) for width in widths.widths)
+        self.accept = accept
 
         def before_commit() -> tuple[Step, ...]:
-            return (*choose, *([seed_gather] if seed_gather is not None else []), draft_chain,
-                    kernels.prepare_assemble_verify(bufs, draft_d), verify_trunk,
-                    kernels.prepare_accept(bufs, acceptance))
+            return (*self.head, draft_chain, assemble, verify_trunk, accept)
         super().__init__(bufs, kernels, before_commit,
                          rollback_tables=rollback_tables, state_tables=state_tables, capture=capture, stages=stages)
+
+    def burst_capture(self, rounds: int, then: Step) -> Capture | None:
+        """With bodies by width: the graph built node by node (the engine's framework's way of
+        building conditional nodes, or the driver's), each round its head, the SWITCH of its
+        bodies, then acceptance and what follows it; then `then`."""
+        if self.switch is None:
+            return None
+        switch, head, bodies = self.switch, self.scoped(self.head), [self.scoped([body]) for body in self.bodies]
+        tail = self.scoped((self.accept, self.commit, *self.after_commit))
+
+        def build(builder: LoopBuilder) -> None:
+            for _ in range(rounds):
+                builder.issue(head)
+                switch.add(builder, bodies)
+                builder.issue(tail)
+            builder.issue(then)
+        return (self.engine.framework.loop_capture or loops)(build)
 
 
 def _kv_tables(bufs: StreamBufs, given: Sequence[PointerTable]) -> list[PointerTable]:

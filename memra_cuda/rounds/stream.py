@@ -12,7 +12,7 @@ import enum
 import functools
 import logging
 import sys
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -82,18 +82,21 @@ class RoundStream:
     `capture` says how graphs are captured (default: the engine's Framework's: the driver's
     stream capture, or torch's for an engine from memra_cuda.torch.engine()). `stages` (Stages) is for pipelines on
     several GPUs; `kernels` (SpecKernels) is built when not given. `lengths` (DraftLengths of
-    `bufs`) has every round choose each row's draft length on the device first (docs/lengths.md).
+    `bufs`) has every round choose each row's draft length on the device first (docs/lengths.md);
+    `narrower` adds bodies of narrower widths, one of which a burst graph runs each round, by the
+    width chosen (ChainRound's).
     """
 
     def __init__(self, bufs: StreamBufs, *, draft_chain: Step, verify_trunk: Step, draft_d: Any,
                  acceptance: Acceptance, rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
-                 lengths: DraftLengths | None = None, capture: Capture | None = None, pace: bool = True,
-                 stages: Stages | None = None, kernels: SpecKernels | None = None):
+                 lengths: DraftLengths | None = None, narrower: Mapping[int, tuple[Step, Step]] | None = None,
+                 capture: Capture | None = None, pace: bool = True, stages: Stages | None = None,
+                 kernels: SpecKernels | None = None):
         self._start(ChainRound(bufs, kernels or SpecKernels(bufs.engine), draft_chain=draft_chain,
                                verify_trunk=verify_trunk, draft_d=draft_d, acceptance=acceptance,
                                rollback_tables=rollback_tables, state_tables=state_tables, seed_gather=seed_gather,
-                               lengths=lengths, capture=capture, stages=stages), pace)
+                               lengths=lengths, narrower=narrower, capture=capture, stages=stages), pace)
 
     @classmethod
     def of(cls, round: Round, *, pace: bool = True) -> RoundStream:
@@ -183,8 +186,13 @@ class RoundStream:
                 raise CaptureError(f"the burst graph of {rounds} rounds reading back into slot {slot} was not captured "
                                    "before the first request (capture_graphs sealed this stream): capture it there")
             self.bufs.check_free()  # a running loop's buffers are not captured over either
-            issue = functools.partial(self._burst_and_readback, slot, rounds)
-            self._graphs[slot, rounds] = Graph(self.engine, issue, capture=self.round.capture, joined=self.round.joined)
+            built = self.round.burst_capture(rounds, functools.partial(self.bufs.queue_readback, slot))
+            if built is not None:  # its rounds' bodies in conditional nodes, built node by node
+                self._graphs[slot, rounds] = Graph(self.engine, lambda: None, capture=built)
+            else:
+                issue = functools.partial(self._burst_and_readback, slot, rounds)
+                self._graphs[slot, rounds] = Graph(self.engine, issue, capture=self.round.capture,
+                                                   joined=self.round.joined)
         return self._graphs[slot, rounds]
 
     def _burst_and_readback(self, slot: int, rounds: int) -> None:

@@ -9,11 +9,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memra_cuda import StreamBufs, kv_capacity
+from memra_cuda import StreamBufs, kv_capacity, kv_len_ptr_table
 from memra_cuda.buffers import DraftLengths
+from memra_cuda.buffers.acceptance import Greedy
+from memra_cuda.driver.graph import check_switch
+from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.buffers.layout import BRK_COUNT, BRK_WORDS
 from memra_cuda.kernels import SpecKernels
-from memra_cuda.rounds import MODES
+from memra_cuda.rounds import MODES, RoundStream
+from memra_cuda.rounds.round import chain
+from memra_cuda.rounds.switch import Widths
 from memra_cuda.testing.toy import lm as toy
 
 from laws import assert_distributed_as, cells
@@ -105,3 +110,53 @@ def test_the_first_token_at_mixed_lengths_is_distributed_as_the_target_says(engi
     law = SAMPLING.target_law(model, prompt)
     cell = cells(law, rows)
     assert_distributed_as(cell[first], np.bincount(cell, weights=law), "the first token at lengths 0 to k")
+
+
+def switching(engine, spec, lm, bufs, costs, caps, widths):
+    """A RoundStream of the toy (greedy) whose burst graphs switch among bodies of `widths` (and
+    k) by the width chosen, each body first writing its width to `ran` (the toy's verify reads
+    every column whatever the width, so the marker is how a test tells which body ran)."""
+    built = Widths(K, (*widths, K))
+    verify_costs, draft_cost = COSTS[costs]
+    lengths = DraftLengths(bufs, built.costs(dict(enumerate(verify_costs))), draft_cost)
+    lengths.set_caps(caps)
+    ran = engine.zeros(np.uint32, 1, label="the width of the body that ran last")
+    draft_d = engine.zeros(np.uint32, bufs.batch * K, label="draft_d")
+    pred_d = engine.zeros(np.uint32, bufs.batch * (K + 1), label="pred_d")
+    verify = chain(lm.verify_steps(bufs, pred_d))
+
+    def body(width):
+        return chain([engine.prepare_set_u32(ran, 0, width), *lm.draft_steps(bufs, draft_d, width=width)])
+    stream = RoundStream(bufs, draft_chain=body(K), verify_trunk=verify, draft_d=draft_d, acceptance=Greedy(pred_d),
+                         rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)],
+                         lengths=lengths, narrower={width: (body(width), verify) for width in widths}, kernels=spec)
+    return built, lengths, ran, stream
+
+
+@pytest.mark.parametrize("costs", sorted(COSTS))
+@pytest.mark.parametrize("mode", ["graph", "overlap", "eager"])
+def test_rounds_that_switch_bodies_by_width_give_each_row_its_own_greedy_output(engine, spec, mode, costs):
+    """Bodies of widths 0, 2 and k (1 and 3 run a wider one's): rows at caps 0 to k, whatever
+    width the costs choose, each give their own greedy output; a burst graph ran the body of the
+    last width chosen (eager mode runs k's, rows capped alike)."""
+    try:
+        check_switch()
+    except SwitchUnsupported as missing:
+        pytest.skip(str(missing))
+    batch, m_rounds = 10, 4
+    prompts, budgets, eos = requests(MODEL, batch, seed=49)
+    caps = [b % (K + 1) for b in range(batch)]
+    capacity = kv_capacity(40, max(budgets), K, m_rounds, overlap=mode == "overlap", batch=batch)
+    lm = toy.ToyLM(engine, MODEL, capacity, batch=batch)
+    bufs = StreamBufs(engine, K, m_rounds, batch)
+    built, lengths, ran, stream = switching(engine, spec, lm, bufs, costs, caps, (0, 2))
+    for b, prompt in enumerate(prompts):
+        lm.prefill_row(bufs, b, prompt)
+    got = stream.generate_batch(budgets, eos=eos, mode=mode)
+    for b, (prompt, budget, stop) in enumerate(zip(prompts, budgets, eos)):
+        assert got[b].tolist() == toy.target_greedy(MODEL, prompt, budget, stop), f"row {b} ({costs}, {mode})"
+    width = int(engine.dtoh(lengths.width_d)[0])
+    want = K if mode == "eager" else built.widths[built.body_of[min(width, K)]]
+    assert int(engine.dtoh(ran)[0]) == want, f"the last width chosen was {width}"
+    if costs == "dear" and mode != "eager":
+        assert want == 0, "dear widths should have fallen to 0 (else this test saw one body only)"

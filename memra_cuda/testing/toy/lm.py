@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
+from ...driver.values import as_size
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
@@ -509,10 +510,14 @@ class ToyLM:
         return [self.module.kernel("toy_stream_weights").prepare(grid=grid, block=512)
                 .set(weights=self.weights_d, n_vec=nbytes // 16, sink=self.sink_d)]
 
-    def draft_steps(self, bufs: StreamBufs, draft_d: DeviceBuffer, q_d: DeviceBuffer | None = None) -> list[Launch]:
+    def draft_steps(self, bufs: StreamBufs, draft_d: DeviceBuffer, q_d: DeviceBuffer | None = None,
+                    width: int | None = None) -> list[Launch]:
         """The k+1 launches of one draft chain (each after its share of weight streaming); in
         sampling mode each of the first k is followed by its draw, which writes the draft's
-        probabilities to q_d, [B][max(k, 1)][vocab]."""
+        probabilities to q_d, [B][max(k, 1)][vocab]. `width` W < k: the first W + 1 steps only,
+        a chain of W drafts (step W predicts a draft no row of that width judges, and appends
+        the last draft's entry, as step k does)."""
+        last = bufs.k if width is None else as_size(width, "width", 0, bufs.k)
         self._check_batch(bufs)
         draft_d = batch_rows("draft_d", self.engine.buffer(draft_d, "draft_d"), self.batch, max(bufs.k, 1), bufs.k)
         m, draft, engine = self.model, self._draft_layer(), self.engine
@@ -521,7 +526,7 @@ class ToyLM:
         state_d = None if q_d is None else engine.zeros(np.uint32, self.batch, label="draft hash states")
         steps: list[Launch] = []
         reads = self.weight_reads(self.cost.draft_bytes)
-        for step in range(bufs.k + 1):
+        for step in range(last + 1):
             steps += reads
             steps.append(kernel.prepare(grid=self.batch, block=BLOCK).set(
                 step=step, k=bufs.k, pend_d=bufs.pend_d, draft_d=draft_d, pos_ctr=bufs.pos_ctr_d, brk_d=bufs.brk_d,
@@ -583,7 +588,7 @@ class ToyLM:
 
     def round_stream(self, bufs: StreamBufs, *, kernels: SpecKernels | None = None,
                      sums: tuple[Sequence[Step], DeviceBuffer] | None = None,
-                     lengths: DraftLengths | None = None) -> RoundStream:
+                     lengths: DraftLengths | None = None, widths: Sequence[int] = ()) -> RoundStream:
         """A RoundStream driving this model: rollback walks one table over target and draft
         layers with pos_ctr last, then one over their recurrent states (state_tables).
         `sums`: the steps of a verify that leaves the model's sums ([B][k+1] u32) in the buffer
@@ -591,7 +596,8 @@ class ToyLM:
         from: a rank's, whose own layers are a share of the model's (testing.toy.ranks). By
         default this model's verify_steps: greedy, they make its tokens themselves; sampling,
         they leave the sums for toy_probs. `lengths`: each row's draft length chosen on the
-        device every round (RoundStream's)."""
+        device every round (RoundStream's); `widths` (below k), bodies of those widths, which a
+        burst graph switches among by the width chosen (RoundStream's `narrower`)."""
         if bufs.k + 1 > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
         self._check_batch(bufs)
@@ -617,9 +623,13 @@ class ToyLM:
             draft = self.draft_steps(bufs, draft_d, q_d)
             verify = [*sums[0], self.probs_step(sums[1], p_d)]
             acceptance = Sampling(p_d, q_d, self.seed_d, vocab)
+        # a narrower width's body: its first draft steps, and the whole verify (the toy's verify
+        # reads every token of the row; the columns past the width are judged by no row)
+        narrower = {width: (chain(self.draft_steps(bufs, draft_d, None if self.sampling is None else q_d, width)),
+                            chain(verify)) for width in widths}
         return RoundStream(bufs, draft_chain=chain(draft), verify_trunk=chain(verify), draft_d=draft_d,
                            acceptance=acceptance, rollback_tables=rollback_tables, state_tables=state_tables,
-                           lengths=lengths, pace=self.cost.paced, kernels=kernels)
+                           lengths=lengths, narrower=narrower or None, pace=self.cost.paced, kernels=kernels)
 
     def tree_draft_levels(self, bufs: StreamBufs, nodes: TreeBufs, *, cand_tok_d: DeviceBuffer | None = None,
                           cand_logp_d: DeviceBuffer | None = None, candidates: int = 8,
