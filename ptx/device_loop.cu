@@ -44,7 +44,7 @@ extern "C" __global__ void spec_loop_decide(const int* ctl_d, const u32* pub_d, 
     }
 }
 
-// The switch of a round's bodies by width (docs/lengths.md, "Two ways to run the chosen width"):
+// The switch of a round's bodies by width (docs/lengths.md, "Running the chosen width"):
 // the conditional SWITCH node after this kernel runs body body_of[W] of its bodies, W the width
 // the length chooser wrote to width_d[0] this round (past k read as k). body_of is u32[k + 1],
 // written by the host: for each width, the body of the narrowest width at least as wide, so a

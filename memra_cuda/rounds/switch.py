@@ -1,5 +1,5 @@
-"""A round's bodies by width, one of them chosen on the device every round (docs/lengths.md, "Two
-ways to run the chosen width"): the length chooser writes the batch's width W to width_d, a
+"""A round's bodies by width, one of them chosen on the device every round (docs/lengths.md,
+"Running the chosen width"): the length chooser writes the batch's width W to width_d, a
 selector kernel (spec_select_width) turns it into a conditional SWITCH node's value, and the
 node runs the body built for W: a draft chain of W steps and a verify of W + 1 tokens a row. No
 host sync, no re-capture: the width a round runs is a device value like every other.

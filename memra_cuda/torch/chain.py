@@ -1,6 +1,7 @@
 """Speculative decoding by chains: k drafts a round, verified in one forward of the target."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,8 +14,12 @@ from ..driver.engine import Engine
 from ..driver.values import as_size
 from ..kernels.spec import SpecKernels
 from ..rounds.stream import RoundStream
+from ..rounds.switch import Widths
 from .decoder import RoundDecoder
 from .sampling import SamplingParams
+
+
+MEASURED_REPLAYS = 20  # replays of each width's body timed, after one untimed
 
 
 class SpeculativeLlama(RoundDecoder):
@@ -35,13 +40,25 @@ class SpeculativeLlama(RoundDecoder):
     appends the token behind the pending one along with it: vtok_d[acc_d[0]] at pos_ctr - 1,
     which is that draft or, in any other round, a token whose entry it rewrites unchanged. A step
     over two tokens costs little more than over one.
+
+    `widths` (below k) adds bodies of those widths: each round, the length chooser picks the
+    width whose body commits the most tokens a unit of time for the batch's rows (their
+    acceptance so far, each body's time measured here before any capture), and a burst graph
+    runs that body (a SWITCH node, CUDA 12.8+: memra_cuda.rounds.switch): W draft steps and a
+    verify of W + 1 tokens a row; at 0, the plain step (the draft's first step still takes the
+    pending token into its cache). Every row is capped at the width, so the output is the same
+    whatever the width. Each width compiles its own steps.
     """
+
+    lengths: DraftLengths  # a chain decoder's rounds always choose lengths (caps, and widths where given)
 
     def __init__(self, model: Any, draft: Any, *, k: int = 4, m_rounds: int = 16, capacity: int = 1024,
                  batch: int = 1, sampling: SamplingParams | None = None,
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
-                 on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None):
+                 on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None,
+                 widths: Sequence[int] = ()):
         k = as_size(k, "k")  # a chain drafts at least one token a round
+        built = Widths(k, (*widths, k))  # refused before anything is made
         super().__init__(model, draft, k=k, verified=k, m_rounds=m_rounds, batch=batch, capacity=capacity,
                          sampling=sampling, draft_sampling=draft_sampling, state_rollback=state_rollback,
                          on_engine=on_engine, compiled=compiled)
@@ -63,24 +80,66 @@ class SpeculativeLlama(RoundDecoder):
                 acceptance = Sampling(self.p_d, self.q_d, self.seed_d, vocab)
             table = kv_len_ptr_table(self.engine, self.target.kv.cache() + self.draft.kv.cache(),
                                      pos_ctr=bufs.pos_ctr_d)
-            # every width costs alike, so the chooser keeps the width at k and caps each row at its
-            # request's most draft length (Request.max_draft; docs/lengths.md)
-            self.lengths = DraftLengths(bufs, [1.0] * (k + 1), 0.0)
+            # every width costs alike until measured (_measure_widths), so the chooser keeps the width
+            # at the widest and caps each row at its request's most draft length (Request.max_draft;
+            # docs/lengths.md)
+            self.widths = built
+            self.lengths = DraftLengths(bufs, built.costs({width: 1.0 for width in built.widths}), 0.0)
+            narrower = {width: (functools.partial(self.draft_chain, width), functools.partial(self.verify_trunk, width))
+                        for width in built.widths if width < k}
             self.rounds = RoundStream(bufs, kernels=spec, draft_chain=self.draft_chain, verify_trunk=self.verify_trunk,
                                       draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table],
-                                      state_tables=self.state_tables(), lengths=self.lengths)
+                                      state_tables=self.state_tables(), lengths=self.lengths,
+                                      narrower=narrower or None)
             self._warm_up()
+            self.width_ms: dict[int, float] = {}  # each width's body, device milliseconds (with `widths`)
+            if narrower:
+                self._measure_widths()
 
-    def draft_chain(self) -> None:
-        """k draft steps of every row, the first folding in the last round's deepest draft."""
+    def _measure_widths(self) -> None:
+        """Each width's body (its draft chain and verify) timed on the device, as a CUDA graph
+        replayed, and given to the chooser as that width's cost (draft_cost 0: a body's time is
+        its whole cost); each compiled first by an eager run, so no compile is left for a capture.
+        The caches' rows are vacant, and the next prefill writes over what this wrote."""
+        times = {}
+        with torch.cuda.stream(self.stream):
+            for width in self.widths.widths:
+                def body(width: int = width) -> None:
+                    self.draft_chain(width)
+                    self.verify_trunk(width)
+                body()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self.stream):
+                    body()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                graph.replay()
+                start.record(self.stream)
+                for _ in range(MEASURED_REPLAYS):
+                    graph.replay()
+                end.record(self.stream)
+                end.synchronize()
+                times[width] = start.elapsed_time(end) / MEASURED_REPLAYS
+                del graph
+            narrowest = times[self.widths.widths[0]]
+            self.width_ms.update(times)
+            self.lengths.set_costs(self.widths.costs({width: ms / narrowest for width, ms in times.items()}), 0.0)
+
+    def draft_chain(self, width: int | None = None) -> None:
+        """k draft steps of every row (`width`'s, for a narrower body), the first folding in the
+        last round's deepest draft; at width 0 that step alone, its logits unused: the draft's
+        cache still takes the pending token, as every round's does."""
+        width = self.k if width is None else width
         views = self.views
         positions = views.pos_ctr.long() + self.steps  # [B][k+1]: where each draft step's input sits
         # Where the last round accepted no draft, vtok[0] is the token behind the pending one
         # (that round's own pending token, or the prompt's, which a prefill writes there),
         # appended again unchanged.
         lone = (views.done != 0) | (positions[:, :1] == 0)
-        token = self._draft_token(0, self._folded_logits(views.pend, positions[:, :1], lone))
-        for step in range(1, self.k):
+        logits = self._folded_logits(views.pend, positions[:, :1], lone)
+        if width == 0:
+            return
+        token = self._draft_token(0, logits)
+        for step in range(1, width):
             token = self._draft_token(step, self.draft.logits(token, positions[:, step:step + 1]))
 
     def _draft_token(self, step: int, logits: torch.Tensor) -> torch.Tensor:
@@ -92,9 +151,12 @@ class SpeculativeLlama(RoundDecoder):
             self.draws[step]()
         return self.draft_d[:, step:step + 1]
 
-    def verify_trunk(self) -> None:
-        """The target over the k + 1 tokens of every row: its greedy tokens or its probabilities."""
-        self._verdict(self.target.logits(self.views.vtok, self.views.pos_start.long() + self.steps))  # [B][k+1][V]
+    def verify_trunk(self, width: int | None = None) -> None:
+        """The target over the k + 1 tokens of every row (`width` + 1, for a narrower body): its
+        greedy tokens or its probabilities."""
+        verified = self.k + 1 if width is None else width + 1
+        self._verdict(self.target.logits(self.views.vtok[:, :verified],  # [B][verified][V]
+                                         self.views.pos_start.long() + self.steps[:verified]))
 
     def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
         """reset zeroes acc_d, so the first draft step reads vtok_d[0] as the token behind the

@@ -115,11 +115,16 @@ class RoundDecoder:
 
     def _verdict(self, logits: torch.Tensor) -> None:
         """What a verify leaves its acceptance kernel from the target's logits over the verified
-        tokens ([B][verified + 1][V]): their greedy tokens, or their probabilities."""
+        tokens ([B][T][V], T up to verified + 1: a narrower width's fill the first T columns):
+        their greedy tokens, or their probabilities."""
+        width = logits.shape[1]
         if self.sampling is None:
-            torch.argmax(logits, -1, out=self.pred_d)
+            if width == self.pred_d.shape[1]:
+                torch.argmax(logits, -1, out=self.pred_d)
+            else:
+                self.pred_d[:, :width].copy_(torch.argmax(logits, -1))
         else:
-            self.p_d.copy_(self.sampling.probs(logits))
+            self.p_d[:, :width].copy_(self.sampling.probs(logits))
 
     def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
         """What a subclass sets for the rows `index` once their prompts are in."""

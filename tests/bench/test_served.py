@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.served import CHAINS, best, format_row, row_of, stream_for, tau
+from benchmarks.served import ADAPTIVE, CHAINS, best, format_row, row_of, stream_for, tau
 from memra_cuda.rounds import Served
 
 HELDOUT = {"prompts": [{"ids": [1, 2 + i, 3]} for i in range(512)]}
@@ -23,7 +23,8 @@ def test_each_b_serves_four_requests_a_slot_of_held_out_prompts_in_order():
     assert all(8 <= r.max_new_tokens <= 16 for r in stream_for(HELDOUT, 8, eos=None, quick=True))
     with pytest.raises(ValueError, match="B = 256 serves 1024"):
         stream_for(HELDOUT, 256, eos=None)
-    assert set(CHAINS) == {1, 8, 32, 64, 128}
+    assert set(CHAINS) == set(ADAPTIVE) == {1, 8, 32, 64, 128}
+    assert all(0 in widths and max(widths) < k for k, widths in ADAPTIVE.values())
 
 
 def test_tau_is_tokens_over_rounds_and_none_without_drafts():
@@ -38,7 +39,8 @@ def test_rows_compare_with_the_plain_decoding_and_the_best_chain_is_picked():
     slow = row_of(8, "greedy", "chain k=4", [served(120, 80, at=2.0)], 30.0, plain["tokens_per_s"])
     sampled = row_of(8, "sampling", "chain k=2", [served(60, 20, at=2.0)], 30.0, plain["tokens_per_s"])
     assert fast["vs_plain"] == 1.5 and fast["tau"] == 150 / 60
-    picked = best([plain, slow, fast, sampled])
+    adaptive = row_of(8, "greedy", "adaptive k=4", [served(300, 200, at=2.0)], 30.0, plain["tokens_per_s"])
+    picked = best([plain, slow, fast, sampled, adaptive])  # the best fixed chain: the adaptive one is measured by it
     assert [(b["batch"], b["mode"], b["config"], b["vs_plain"]) for b in picked] == [
         (8, "greedy", "chain k=2", 1.5), (8, "sampling", "chain k=2", 0.6)]
     assert "1.50x" in format_row(fast) and " 2.50 " in format_row(fast) and format_row(plain).split()[3] == "50"

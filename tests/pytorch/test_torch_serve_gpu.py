@@ -15,6 +15,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
 from memra_cuda.buffers.layout import BRK_COUNT  # noqa: E402
+from memra_cuda.driver.graph import check_switch  # noqa: E402
+from memra_cuda.errors import SwitchUnsupported  # noqa: E402
 from memra_cuda.torch.testing import prompts  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, Request, SpeculativeLlama, capacity_for, hf_greedy,  # noqa: E402
                               self_draft)
@@ -46,14 +48,24 @@ def stream(small):
     return requests, want
 
 
-@pytest.fixture(params=["plain", "chain"])
+@pytest.fixture(params=["plain", "chain", "switch"])
 def decoder(request, small):
-    """The plain loop or the chain decoder over SLOTS rows, every graph captured (a plain
-    server captures its own as it is made)."""
+    """The plain loop, the chain decoder, or the chain decoder with bodies of widths 0 and 2
+    beside k's, one switched to each round by the width chosen (CUDA 12.8+; skipped, naming why,
+    before), over SLOTS rows, every graph captured (a plain server captures its own as it is made)."""
     capacity = capacity_for(40, 96, K, M, batch=SLOTS)
     if request.param == "plain":
         return GraphedGreedy(small, capacity, SLOTS)
-    spec = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M, capacity=capacity, batch=SLOTS)
+    widths = ()
+    if request.param == "switch":
+        try:
+            check_switch()
+        except SwitchUnsupported as missing:
+            pytest.skip(str(missing))
+        widths = (0, 2)
+    spec = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M, capacity=capacity, batch=SLOTS, widths=widths)
+    if widths:  # each width's body timed, and its time the chooser's cost of it
+        assert set(spec.width_ms) == {0, 2, K} and all(ms > 0 for ms in spec.width_ms.values())
     spec.capture(("graph",))
     return spec
 
