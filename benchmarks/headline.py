@@ -447,18 +447,24 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.headline", description=__doc__,
+def pair_arguments(program: str, doc: str, batches: Sequence[int], quick: str) -> argparse.ArgumentParser:
+    """The command line of a program that measures the pair: its whole docstring as --help, and
+    --quick (`quick` says what it cuts), --json, --pair and --batches (some of `batches`)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {program}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="B = 1 and 8, one configuration of each kind, "
-                        f"{QUICK_TOKENS} tokens a row (a smoke run, not for figures)")
+    parser.add_argument("--quick", action="store_true", help=f"{quick} (a smoke run, not for figures)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON, and the picture beside "
                         "(PATH with .png; needs matplotlib)")
     parser.add_argument("--pair", metavar="DIR", help="the pair's directory (default: `make pair`'s, of pair.py's "
                         "default settings, in its cache)")
-    parser.add_argument("--batches", type=lambda text: listed(text, BATCHES, int),
-                        help=f"these of {','.join(map(str, BATCHES))} only")
-    args = parser.parse_args(argv)
+    parser.add_argument("--batches", type=lambda text: listed(text, batches, int),
+                        help=f"these of {','.join(map(str, batches))} only")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = pair_arguments("benchmarks.headline", __doc__ or "", BATCHES, "B = 1 and 8, one configuration of each "
+                          f"kind, {QUICK_TOKENS} tokens a row").parse_args(argv)
     headline(args.quick, args.pair, args.batches, args.json)
     return 0
 

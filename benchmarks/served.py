@@ -30,15 +30,14 @@ Not yet run on a GPU.
 """
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .headline import describe, load_pair, measure_batches, pair_dir, pair_info, save
+from .headline import describe, load_pair, measure_batches, pair_arguments, pair_dir, pair_info, save
 from .serving import figures, request_stream
-from .torch_common import TORCH_M, listed, release
+from .torch_common import TORCH_M, release
 from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.rounds.serving import Request, Served
 
@@ -210,16 +209,8 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.served", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="B = 1 and 8, one chain, a few short requests "
-                        "(a smoke run, not for figures)")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON, and the picture beside "
-                        "(PATH with .png; needs matplotlib)")
-    parser.add_argument("--pair", metavar="DIR", help="the pair's directory (default: `make pair`'s)")
-    parser.add_argument("--batches", type=lambda text: listed(text, BATCHES, int),
-                        help=f"these of {','.join(map(str, BATCHES))} only")
-    args = parser.parse_args(argv)
+    args = pair_arguments("benchmarks.served", __doc__ or "", BATCHES,
+                          "B = 1 and 8, one chain, a few short requests").parse_args(argv)
     served_headline(args.quick, args.pair, args.batches, args.json)
     return 0
 

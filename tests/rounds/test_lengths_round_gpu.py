@@ -47,27 +47,39 @@ def stream_of(engine, spec, lm, bufs, costs, caps):
     return lengths, lm.round_stream(bufs, kernels=spec, lengths=lengths)
 
 
+ROWS, ROUNDS = 10, 4  # the mixed-length tests' batch and M
+
+
+def mixed_rows(engine, mode):
+    """The toy of ROWS rows, their StreamBufs, and their caps, 0 to k in turn."""
+    capacity = kv_capacity(40, 90, K, ROUNDS, overlap=mode == "overlap", batch=ROWS)
+    return (toy.ToyLM(engine, MODEL, capacity, batch=ROWS), StreamBufs(engine, K, ROUNDS, ROWS),
+            [b % (K + 1) for b in range(ROWS)])
+
+
+def each_its_own_greedy_output(lm, bufs, stream, mode, seed, what):
+    """ROWS requests of different prompts, budgets and EOS (toy_requests, `seed`) generated
+    together: each row's tokens are the target's greedy decoding of its request alone."""
+    prompts, budgets, eos = requests(MODEL, ROWS, seed=seed)
+    for b, prompt in enumerate(prompts):
+        lm.prefill_row(bufs, b, prompt)
+    got = stream.generate_batch(budgets, eos=eos, mode=mode)
+    for b, (prompt, budget, stop) in enumerate(zip(prompts, budgets, eos)):
+        assert got[b].tolist() == toy.target_greedy(MODEL, prompt, budget, stop), f"row {b} ({what}, {mode})"
+    return got
+
+
 @pytest.mark.parametrize("costs", sorted(COSTS))
 @pytest.mark.parametrize("mode", MODES)
 def test_rows_at_mixed_lengths_each_give_their_own_greedy_output(engine, spec, mode, costs):
     """Ten rows of different prompts, budgets and EOS, their caps 0 to k in turn: every row's
     tokens are the target's greedy decoding of its request alone; the rows capped below k were
     capped (brk's count of capped rounds)."""
-    batch, m_rounds = 10, 4
-    prompts, budgets, eos = requests(MODEL, batch, seed=48)
-    caps = [b % (K + 1) for b in range(batch)]
-    capacity = kv_capacity(40, max(budgets), K, m_rounds, overlap=mode == "overlap", batch=batch)
-    lm = toy.ToyLM(engine, MODEL, capacity, batch=batch)
-    bufs = StreamBufs(engine, K, m_rounds, batch)
+    lm, bufs, caps = mixed_rows(engine, mode)
     lengths, stream = stream_of(engine, spec, lm, bufs, costs, caps)
-    for b, prompt in enumerate(prompts):
-        lm.prefill_row(bufs, b, prompt)
-    got = stream.generate_batch(budgets, eos=eos, mode=mode)
-    for b, (prompt, budget, stop) in enumerate(zip(prompts, budgets, eos)):
-        want = toy.target_greedy(MODEL, prompt, budget, stop)
-        assert got[b].tolist() == want, f"row {b} (cap {caps[b]}, {costs} costs, {mode})"
-    capped = engine.dtoh(bufs.brk_d).reshape(batch, BRK_WORDS)[:, BRK_COUNT]
-    for b in range(batch):
+    got = each_its_own_greedy_output(lm, bufs, stream, mode, seed=48, what=f"{costs} costs")
+    capped = engine.dtoh(bufs.brk_d).reshape(ROWS, BRK_WORDS)[:, BRK_COUNT]
+    for b in range(ROWS):
         if caps[b] == 0 and len(got[b]) > 1:
             assert capped[b] > 0, f"row {b} at length 0 ran {len(got[b])} tokens' rounds uncapped"
     assert 0 <= int(engine.dtoh(lengths.width_d)[0]) <= K
@@ -143,18 +155,9 @@ def test_rounds_that_switch_bodies_by_width_give_each_row_its_own_greedy_output(
         check_switch()
     except SwitchUnsupported as missing:
         pytest.skip(str(missing))
-    batch, m_rounds = 10, 4
-    prompts, budgets, eos = requests(MODEL, batch, seed=49)
-    caps = [b % (K + 1) for b in range(batch)]
-    capacity = kv_capacity(40, max(budgets), K, m_rounds, overlap=mode == "overlap", batch=batch)
-    lm = toy.ToyLM(engine, MODEL, capacity, batch=batch)
-    bufs = StreamBufs(engine, K, m_rounds, batch)
+    lm, bufs, caps = mixed_rows(engine, mode)
     built, lengths, ran, stream = switching(engine, spec, lm, bufs, costs, caps, (0, 2))
-    for b, prompt in enumerate(prompts):
-        lm.prefill_row(bufs, b, prompt)
-    got = stream.generate_batch(budgets, eos=eos, mode=mode)
-    for b, (prompt, budget, stop) in enumerate(zip(prompts, budgets, eos)):
-        assert got[b].tolist() == toy.target_greedy(MODEL, prompt, budget, stop), f"row {b} ({costs}, {mode})"
+    each_its_own_greedy_output(lm, bufs, stream, mode, seed=49, what=f"{costs} costs, bodies by width")
     width = int(engine.dtoh(lengths.width_d)[0])
     want = K if mode == "eager" else built.widths[built.body_of[min(width, K)]]
     assert int(engine.dtoh(ran)[0]) == want, f"the last width chosen was {width}"
