@@ -17,12 +17,14 @@ its Served records:
   the width chosen each round on the device from the rows' acceptance and each body's measured
   time (docs/lengths.md; where the driver has no SWITCH nodes, the row says so and is skipped);
 
-each with tokens/s over the span served, time to the first token and time between tokens at p50
-and p99 (benchmarks/serving.py says how each is taken), tokens a round (tau, from each request's
-accepted drafts read back with its tokens) and the decoder's setup seconds. Then the best chain
-at each B and decoding against the plain decoding. One table; with --json, the figures, written
-again as each B ends, and a picture beside them (PATH with .png; matplotlib, the plot extra).
-Needs torch, transformers and tokenizers, a GPU and the pair (`make pair`).
+each with tokens/s over the span served, time to the first token and time between tokens at p50 and
+p99 (benchmarks/serving.py says how each is taken; every request arrives at the start, so a
+request's time to its first token includes its wait for a slot: at B = 1, up to 15 requests'),
+tokens a round (tau, from each request's accepted drafts read back with its tokens) and the
+decoder's setup seconds. Then the best chain at each B and decoding against the plain decoding. One
+table; with --json, the figures, written again as each B ends, and a picture beside them (PATH with
+.png; matplotlib, the plot extra). Needs torch, transformers and tokenizers, a GPU and the pair
+(`make pair`).
 
     PYTHONPATH=. python -m benchmarks.served [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,64,128]
 
@@ -142,8 +144,8 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     begun = time.perf_counter()
     plain_decoder = GraphedGreedy(target, capacity, batch, steps=TORCH_M)
     plain_decoder.capture()
-    rows = [row_of(batch, "greedy", "plain", _served(plain_decoder, requests, batch), time.perf_counter() - begun,
-                   None)]
+    setup = time.perf_counter() - begun
+    rows = [row_of(batch, "greedy", "plain", _served(plain_decoder, requests, batch), setup, None)]
     del plain_decoder
     release()
     print(format_row(rows[0]), flush=True)
@@ -156,6 +158,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
                 spec = SpeculativeLlama(target, draft, k=chain, m_rounds=TORCH_M, capacity=capacity, batch=batch,
                                         sampling=sampling, widths=narrower)
             except SwitchUnsupported as missing:
+                release()
                 print(f"{batch:>4} {mode:9} {label:10} skipped: {missing}", flush=True)
                 continue
             spec.capture(("graph",))
@@ -181,6 +184,11 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
     name = "served: " + describe(info, machine, date)
     target, draft = load_model(where / "target"), load_model(where / "draft")
     batches = list(batches or (QUICK_BATCHES if quick else BATCHES))
+    eos = target.config.eos_token_id
+    if not isinstance(eos, int):
+        raise ValueError(f"the pair's target names no single EOS token id (config.eos_token_id = {eos!r})")
+    for batch in batches:  # a pool too small for some B refuses now, not after the smaller ones ran
+        stream_for(heldout, batch, eos, quick)
     print(f"\n{name}")
     print(f"a stream of max(16, 4 B) held-out requests, {'8 to 16' if quick else '32 to 512'} new tokens each "
           f"(seed {STREAM_SEED}), the EOS honoured, all submitted at once, through B slots by continuous batching; "

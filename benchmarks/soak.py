@@ -40,14 +40,17 @@ class Mix:
     """What a soak's stream is made of: prompts of `prompt` tokens and budgets of `budget` (each a
     (fewest, most) drawn uniformly), an EOS for `eos` of the requests (a random token: most run to
     their budget, some stop early), `refused` of them malformed or too long for a row (half
-    naming a token outside the vocabulary, half asking for `room` new tokens), and `cancelled`
-    of the others cancelled once their first tokens arrive."""
+    naming a token outside the vocabulary, half asking for `room` new tokens), `cancelled` of
+    the others cancelled once their first tokens arrive, and `drafts` of them with a most draft
+    length of their own, 0 (speculation off) to `most_draft`."""
 
     prompt: tuple[int, int] = (1, 48)
     budget: tuple[int, int] = (1, 256)
     eos: float = 0.25
     refused: float = 0.02
     cancelled: float = 0.05
+    drafts: float = 0.2
+    most_draft: int = 4
 
 
 def soak_requests(count: int, vocab: int, room: int, seed: int, mix: Mix = Mix()) -> tuple[list[Request], set[int]]:
@@ -66,7 +69,8 @@ def soak_requests(count: int, vocab: int, room: int, seed: int, mix: Mix = Mix()
             budget = room
         elif fate < mix.refused + mix.cancelled:
             cancel.add(place)
-        requests.append(Request(prompt, budget, eos, place))
+        max_draft = int(rng.integers(0, mix.most_draft + 1)) if rng.random() < mix.drafts else None
+        requests.append(Request(prompt, budget, eos, place, max_draft))
     return requests, cancel
 
 
@@ -168,7 +172,10 @@ def on_gpu(requests: int, batch: int, checked: int, seed: int) -> dict[str, Any]
     print(f"soak: a chain decoder of B = {batch}, k = {k}, M = {m_rounds}, ready in {spec.setup_seconds:.1f} s",
           flush=True)
 
+    allocated: list[int] = []  # torch's own, beside the device's (its cache's reserve could hide a leak)
+
     def in_use() -> int:
+        allocated.append(torch.cuda.memory_allocated())
         free, total = torch.cuda.mem_get_info()
         return total - free
     found = soak(spec.server("graph"), stream, cancel, memory=in_use, warm_up=2 * batch)
@@ -179,6 +186,7 @@ def on_gpu(requests: int, batch: int, checked: int, seed: int) -> dict[str, Any]
     print(line, *wrong[:10], sep="\n", flush=True)
     return dict(held=held, line=line, wrong=wrong, counts=found.counts(), drift=found.drift, steps=found.steps,
                 seconds=found.seconds, memory_first=found.memory[:1], memory_last=found.memory[-1:],
+                torch_allocated_first=allocated[:1], torch_allocated_last=allocated[-1:],
                 device=torch.cuda.get_device_name(), batch=batch, k=k, m_rounds=m_rounds, seed=seed)
 
 

@@ -1,7 +1,8 @@
 """Many device fields in one allocation: StreamBufs' and TreeBufs' state.
 
 The fields of a burst's state lie one after another in one zeroed allocation of 32-bit words,
-so one copy reads several side by side (StreamBufs' readback of rings, ctl rows and positions),
+so one copy reads several side by side (StreamBufs' readback of rings, ctl rows, positions and
+acceptance counts),
 a tree kernel finds every field from one address, and one free frees them all.
 """
 from __future__ import annotations

@@ -244,7 +244,7 @@ class StreamBufs:
         return tokens
 
     def queue_readback(self, slot: int = 0) -> None:
-        """Queue the rings, ctl rows and positions into pinned slot 0 or 1 (one copy), then
+        """Queue the rings, ctl rows, positions and acceptance counts into pinned slot 0 or 1 (one copy), then
         zero every ring's count (one memset); both capturable, both checked when prepared.
         Queued now (not recorded into a graph), it goes into the ledger at once."""
         self.check_free()
@@ -255,7 +255,8 @@ class StreamBufs:
 
     def receive(self, slot: int = 0, event: Event | None = None) -> Readback:
         """Wait for the readback queued into `slot` (one readback for all rows; only up to
-        `event`, if given), and learn each row's done flag, position and ring count from it."""
+        `event`, if given), and learn each row's done flag, position, ring count and accepted
+        drafts from it."""
         self.check_free()
         self.engine.finish_readback(event)
         words = self._host[slot].read()
@@ -268,8 +269,9 @@ class StreamBufs:
 
     def drafts_accepted(self, committed: int | Sequence[int] | np.ndarray) -> tuple[int, int]:
         """(accepted, drafted) over every row since its request began, for `committed` tokens
-        generated (per row, for a batch): each of rounds_run's rounds drafted k tokens. As of
-        the last readback, no readback of its own."""
+        generated (per row, for a batch): `drafted` counts k a round of rounds_run's, the drafts a
+        round of width k offers (a row capped below k, or a round of a narrower body, is counted
+        so too). As of the last readback, no readback of its own."""
         tokens = np.asarray(committed, np.int64).reshape(-1)
         rounds = self.rounds_run(tokens)
         return int((tokens - rounds).sum()), self.k * int(rounds.sum())

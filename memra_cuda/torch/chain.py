@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,7 +95,9 @@ class SpeculativeLlama(RoundDecoder):
             self._warm_up()
             self.width_ms: dict[int, float] = {}  # each width's body, device milliseconds (with `widths`)
             if narrower:
+                begun = time.perf_counter()
                 self._measure_widths()
+                self.setup_seconds += time.perf_counter() - begun
 
     def _measure_widths(self) -> None:
         """Each width's body (its draft chain and verify) timed on the device, as a CUDA graph

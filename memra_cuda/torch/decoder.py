@@ -139,16 +139,20 @@ class RoundDecoder:
                 seeds: Sequence[int] | None = None) -> list[int]:
         """Both caches of each row take its prompt but the last token, which becomes pending;
         `seeds` are the rows' requests' (sampling). The rows' stop rules are lifted (set_stop
-        sets the next ones). Returns the rows' start positions."""
+        sets the next ones), and their most draft lengths are k. Returns the rows' start positions."""
         rows = list(rows)
         starts = self._fill(rows, prompts, seeds)
         pending = [int(prompt[-1]) for prompt in prompts]
         with torch.cuda.stream(self.stream):
             if rows == list(range(self.batch)):
                 self.bufs.reset(pending, starts)
+                if self.lengths is not None:  # a new request drafts at the full length unless it says
+                    self.lengths.set_caps(self.k)
             else:
                 for row, token, start in zip(rows, pending, starts):
                     self.bufs.reset_row(row, token, start)
+                    if self.lengths is not None:
+                        self.lengths.set_cap_row(row, self.k)
         return starts
 
     def admit(self, row: int, request: Request) -> None:
@@ -157,16 +161,18 @@ class RoundDecoder:
         with it (StreamBufs.start_row), so no burst finds it live without its budget. The other
         rows run on untouched: continuous batching's unit (a Server's admission). The request
         is taken as Server.submit checks it: well formed, its tokens in the vocabulary."""
-        prompt = request.prompt
+        prompt, cap = request.prompt, self._cap(request)  # a bad one refused before the row is touched
         (start,) = self._fill([row], [prompt], [request.seed])
         with torch.cuda.stream(self.stream):
             self.bufs.start_row(row, int(prompt[-1]), start, budget=request.max_new_tokens, eos=request.eos)
             if self.lengths is not None:
-                self.lengths.set_cap_row(row, self._cap(request))
+                self.lengths.set_cap_row(row, cap)
 
     def _cap(self, request: Request) -> int:
         """The request's most draft length in this decoder: its own, at most k."""
-        return self.k if request.max_draft is None else min(int(request.max_draft), self.k)
+        if request.max_draft is None:
+            return self.k
+        return min(as_size(request.max_draft, "max_draft", 0, also="None"), self.k)
 
     def unsupported(self, request: Request) -> str | None:
         """Why this decoder cannot run a well-formed `request`, whatever its room (None: it can):

@@ -22,6 +22,8 @@ def test_the_stream_is_drawn_by_its_seed_with_its_share_of_each_fate():
     assert 60 < outside < 140 and 60 < too_long < 140 and 320 < len(cancel) < 480
     assert all(1 <= len(r.prompt) <= 10 and (1 <= r.max_new_tokens <= 25 or r.max_new_tokens == CAPACITY)
                for r in requests)
+    own = [r.max_draft for r in requests if r.max_draft is not None]
+    assert 300 < len(own) < 500 and set(own) == {0, 1, 2, 3, 4}
 
 
 def run(count=600, batch=4, memory=None):

@@ -46,7 +46,7 @@ class AddressOnly:
 
 def test_the_fields_lie_one_after_another_each_of_batch_rows_in_one_allocation():
     """Row-major, in their order, nothing shared and nothing left over: StreamBufs' readback
-    copies the first three fields as one span, and the tree kernels find each field from the
+    copies the first four fields as one span, and the tree kernels find each field from the
     allocation's address by this layout (ptx/spec_tree.cu)."""
     batch, fields = 3, {"ring_d": (np.uint32, 5), "ctl_d": (np.int32, 4), "score_d": (np.float32, 2)}
     arena, windows = carve(AddressOnly(), batch, fields, label="state")

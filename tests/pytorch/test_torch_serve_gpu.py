@@ -136,6 +136,8 @@ def test_requests_at_their_own_draft_lengths_are_each_their_own_greedy_output(st
     for i, (out, tokens) in enumerate(zip(served, want)):
         assert out.refused is None and out.tokens == tokens, \
             f"request {i} at length {lengths[i]}: first difference at token {first_difference(out.tokens, tokens)}"
+        if lengths[i] == 0 and not isinstance(decoder, GraphedGreedy):  # the output proves nothing of the cap
+            assert out.accepted == 0 and out.rounds == len(tokens), f"request {i} at length 0 had drafts accepted"
     if isinstance(decoder, GraphedGreedy):
         return
     batch = [r._replace(max_draft=0 if row == 0 else None) for row, r in enumerate(requests[:SLOTS])]

@@ -73,15 +73,15 @@ def each_its_own_greedy_output(lm, bufs, stream, mode, seed, what):
 @pytest.mark.parametrize("mode", MODES)
 def test_rows_at_mixed_lengths_each_give_their_own_greedy_output(engine, spec, mode, costs):
     """Ten rows of different prompts, budgets and EOS, their caps 0 to k in turn: every row's
-    tokens are the target's greedy decoding of its request alone; the rows capped below k were
-    capped (brk's count of capped rounds)."""
+    tokens are the target's greedy decoding of its request alone; a row at length 0 had every
+    round capped (brk's count of capped rounds) and no draft accepted."""
     lm, bufs, caps = mixed_rows(engine, mode)
     lengths, stream = stream_of(engine, spec, lm, bufs, costs, caps)
     got = each_its_own_greedy_output(lm, bufs, stream, mode, seed=48, what=f"{costs} costs")
     capped = engine.dtoh(bufs.brk_d).reshape(ROWS, BRK_WORDS)[:, BRK_COUNT]
     for b in range(ROWS):
-        if caps[b] == 0 and len(got[b]) > 1:
-            assert capped[b] > 0, f"row {b} at length 0 ran {len(got[b])} tokens' rounds uncapped"
+        if caps[b] == 0:  # a round a token, each capped, no draft accepted
+            assert capped[b] == len(got[b]) and bufs.accepted[b] == 0, f"row {b} at length 0"
     assert 0 <= int(engine.dtoh(lengths.width_d)[0]) <= K
 
 
