@@ -92,7 +92,8 @@ class DraftLengths:
 
     def _costs(self, verify_costs: Sequence[float | None], draft_cost: float) -> np.ndarray:
         """cost_d's words, checked: k + 1 verify costs, each positive or None (a width the rounds
-        do not run: 0, which the chooser leaves out), at least one of them positive, and a draft
+        do not run: NaN, which the chooser leaves out whatever the draft cost adds to it, where a
+        0 would be weighed as W draft steps), at least one of them positive, and a draft
         step's cost of at least 0, all finite as f32 (a cost the chooser could not weigh is
         refused here)."""
         verify = list(verify_costs)
@@ -103,7 +104,7 @@ class DraftLengths:
         costs = np.empty(COST_VERIFY + self.k + 1, np.float32)
         costs[COST_DRAFT] = _cost(draft_cost, "draft_cost", positive=False)
         for w, cost in enumerate(verify):
-            costs[COST_VERIFY + w] = 0.0 if cost is None else _cost(cost, f"verify_costs[{w}]", positive=True)
+            costs[COST_VERIFY + w] = np.nan if cost is None else _cost(cost, f"verify_costs[{w}]", positive=True)
         return costs
 
     def __repr__(self) -> str:

@@ -176,6 +176,9 @@ class ChainRound(Round):
             if capture is not None or stages is not None:
                 raise ValueError("a round of bodies by width builds its graphs itself: it takes no capture= and no "
                                  "stages=")
+            if bufs.engine.guards:
+                raise ValueError("a round of bodies by width cannot run a rank of a communicator (memra_cuda.comm): "
+                                 "NCCL's operations inside a conditional node's body are untried")
             if bufs.k in narrower:
                 raise ValueError(f"narrower holds the widths below k = {bufs.k}: k's body is draft_chain and "
                                  "verify_trunk")

@@ -60,12 +60,17 @@ def test_the_costs_are_laid_out_draft_step_first_and_every_cap_starts_at_k():
     assert bufs.engine.writes == [("rate_d", [0.5, 0.5] * 3, 0), ("cost_d", cost, 0), ("cap_d", [2, 2, 2], 0)]
 
 
-def test_a_width_the_rounds_do_not_run_costs_none_written_as_0_which_the_chooser_leaves_out():
+def test_a_width_the_rounds_do_not_run_costs_none_written_as_nan_which_the_chooser_leaves_out():
+    """NaN, not 0: the chooser weighs a width at its verify cost plus W draft steps, so a 0 with a
+    draft cost would make the width look cheapest (the reference picks it), where NaN stays no cost."""
+    from memra_cuda.testing.reference import width_values
     lengths, engine = made(k=3, batch=4)
     lengths.set_costs([1.0, None, None, 1.6], 0.2)
-    cost = [0.0] * (COST_VERIFY + 4)
-    cost[COST_DRAFT], cost[COST_VERIFY], cost[COST_VERIFY + 3] = np.float32(0.2), 1.0, np.float32(1.6)
-    assert engine.writes == [("cost_d", cost, 0)]
+    ((field, cost, start),) = engine.writes
+    assert (field, start) == ("cost_d", 0) and np.isnan(cost[COST_VERIFY + 1]) and np.isnan(cost[COST_VERIFY + 2])
+    assert [cost[COST_DRAFT], cost[COST_VERIFY], cost[COST_VERIFY + 3]] == [np.float32(0.2), 1.0, np.float32(1.6)]
+    values = width_values(np.full(4, 0.5), np.full(4, 3), np.float32(cost), 3)
+    assert values[1] < 0 and values[2] < 0 and values[0] > 0 and values[3] > 0
 
 
 def test_every_rows_statistics_start_at_the_prior():

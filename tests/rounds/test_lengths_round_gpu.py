@@ -126,19 +126,20 @@ def test_the_first_token_at_mixed_lengths_is_distributed_as_the_target_says(engi
 
 def switching(engine, spec, lm, bufs, costs, caps, widths):
     """A RoundStream of the toy (greedy) whose burst graphs switch among bodies of `widths` (and
-    k) by the width chosen, each body first writing its width to `ran` (the toy's verify reads
-    every column whatever the width, so the marker is how a test tells which body ran)."""
+    k) by the width chosen, each body first setting its own word of `ran` (the toy's verify reads
+    every column whatever the width, so the markers are how a test tells which bodies ran)."""
     built = Widths(K, (*widths, K))
     verify_costs, draft_cost = COSTS[costs]
     lengths = DraftLengths(bufs, built.costs(dict(enumerate(verify_costs))), draft_cost)
     lengths.set_caps(caps)
-    ran = engine.zeros(np.uint32, 1, label="the width of the body that ran last")
+    ran = engine.zeros(np.uint32, len(built.widths), label="which bodies ran")
     draft_d = engine.zeros(np.uint32, bufs.batch * K, label="draft_d")
     pred_d = engine.zeros(np.uint32, bufs.batch * (K + 1), label="pred_d")
     verify = chain(lm.verify_steps(bufs, pred_d))
 
     def body(width):
-        return chain([engine.prepare_set_u32(ran, 0, width), *lm.draft_steps(bufs, draft_d, width=width)])
+        marker = engine.prepare_set_u32(ran, built.widths.index(width), 1)
+        return chain([marker, *lm.draft_steps(bufs, draft_d, width=width)])
     stream = RoundStream(bufs, draft_chain=body(K), verify_trunk=verify, draft_d=draft_d, acceptance=Greedy(pred_d),
                          rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)],
                          lengths=lengths, narrower={width: (body(width), verify) for width in widths}, kernels=spec)
@@ -148,9 +149,11 @@ def switching(engine, spec, lm, bufs, costs, caps, widths):
 @pytest.mark.parametrize("costs", sorted(COSTS))
 @pytest.mark.parametrize("mode", ["graph", "overlap", "eager"])
 def test_rounds_that_switch_bodies_by_width_give_each_row_its_own_greedy_output(engine, spec, mode, costs):
-    """Bodies of widths 0, 2 and k (1 and 3 run a wider one's): rows at caps 0 to k, whatever
-    width the costs choose, each give their own greedy output; a burst graph ran the body of the
-    last width chosen (eager mode runs k's, rows capped alike)."""
+    """Bodies of widths 0, 2 and k (1 and 3 run a wider one's, and are never chosen): rows at caps
+    0 to k, whatever width the costs choose, each give their own greedy output. Which bodies ran:
+    at flat costs k's (a row of cap k is live), at dear ones width 0's alone (from the first round:
+    a fresh row's prior does not pay for a draft), in eager mode k's alone (a round issued from the
+    host runs k's body, its rows capped alike)."""
     try:
         check_switch()
     except SwitchUnsupported as missing:
@@ -158,8 +161,11 @@ def test_rounds_that_switch_bodies_by_width_give_each_row_its_own_greedy_output(
     lm, bufs, caps = mixed_rows(engine, mode)
     built, lengths, ran, stream = switching(engine, spec, lm, bufs, costs, caps, (0, 2))
     each_its_own_greedy_output(lm, bufs, stream, mode, seed=49, what=f"{costs} costs, bodies by width")
-    width = int(engine.dtoh(lengths.width_d)[0])
-    want = K if mode == "eager" else built.widths[built.body_of[min(width, K)]]
-    assert int(engine.dtoh(ran)[0]) == want, f"the last width chosen was {width}"
-    if costs == "dear" and mode != "eager":
-        assert want == 0, "dear widths should have fallen to 0 (else this test saw one body only)"
+    ran = engine.dtoh(ran).tolist()  # bodies of widths 0, 2, k
+    if mode == "eager":
+        assert ran == [0, 0, 1], f"{ran}: a round issued from the host runs k's body"
+    elif costs == "dear":
+        assert ran == [1, 0, 0], f"{ran}: dear widths should have chosen 0 from the first round"
+    elif costs == "flat":
+        assert ran[2] == 1, f"{ran}: at flat costs, rows of cap k choose k"
+    assert int(engine.dtoh(lengths.width_d)[0]) in built.widths, "a width without a body was chosen"
