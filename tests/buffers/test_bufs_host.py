@@ -11,8 +11,10 @@ import pytest
 from memra_cuda import StreamBufs
 from memra_cuda.buffers import Ledger, Readback
 from memra_cuda.buffers.arena import carve
-from memra_cuda.buffers.layout import CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS
+from memra_cuda.buffers.layout import (ACC_TOTAL, ACC_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT,
+                                      RING_TOKENS)
 from memra_cuda.driver.buffer import DeviceBuffer
+from memra_cuda.driver.engine import Engine
 from memra_cuda.driver.stream import Stream, handle_of
 from memra_cuda.errors import BuffersHeld
 
@@ -217,3 +219,63 @@ def test_the_fields_carved_are_the_buffers_the_class_declares(cls):
                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "carve"]
     carved = {key.value for key in call.args[2].keys}
     assert carved == {name for name, kind in klass.__annotations__.items() if kind == "DeviceBuffer"}
+
+
+class HostOnly(Engine):
+    """An Engine that touches no device: memory at an address nobody reads, host writes and the
+    readback's copies recorded, and a pinned slot whose words the test sets."""
+
+    def __init__(self) -> None:  # no context, no stream
+        self.writes: list = []
+        self.copies: list[tuple[object, DeviceBuffer]] = []
+        self.slots: list[Slot] = []
+
+    def zeros(self, dtype, length, *, label=None):
+        return DeviceBuffer.wrap(0x10000, dtype, length)
+
+    def pinned(self, dtype, length, *, label=None):
+        self.slots.append(Slot(np.zeros(length, np.uint32)))
+        return self.slots[-1]
+
+    def copy_htod(self, dst, values, start=0):
+        self.writes.append((dst, start))
+
+    def prepare_dtoh(self, dst, src, start=0):
+        self.copies.append((dst, src))
+        return lambda: None
+
+    def prepare_set_u32(self, buf, index, value, *, every=0):
+        return lambda: None
+
+    def finish_readback(self, event=None):
+        pass
+
+
+def test_the_readback_copies_the_fields_receive_reads_where_the_constructor_put_them():
+    """A real StreamBufs' layout, on CPU: the readback's one copy spans the rings, ctl rows,
+    positions and acc_d from the allocation's start, and receive reads each row's words at the
+    addresses the fields were given (a value written at each field's own place comes back as that
+    field's)."""
+    engine = HostOnly()
+    bufs = StreamBufs(engine, k=2, m_rounds=2, batch=3)
+    (slot, span), _ = engine.copies  # one copy a readback slot
+    assert span.ptr == bufs.ring_d.ptr and span.len == bufs.ring_d.len + bufs.ctl_d.len + bufs.pos_ctr_d.len + \
+        bufs.acc_d.len
+    assert bufs.acc_d.ptr + 4 * bufs.acc_d.len == span.ptr + 4 * span.len, "acc_d closes the copied span"
+    words = np.zeros(span.len, np.int64)
+
+    def at(field: DeviceBuffer, index: int, value: int) -> None:
+        words[(field.ptr - span.ptr) // 4 + index] = value
+    ring_row = 1 + bufs.ring_cap
+    for row, (count, done, position, accepted) in enumerate([(2, 0, 10, 4), (0, 1, 20, 0), (1, 0, 30, 9)]):
+        at(bufs.ring_d, row * ring_row + RING_COUNT, count)
+        for i in range(count):
+            at(bufs.ring_d, row * ring_row + RING_TOKENS + i, 100 * row + i)
+        at(bufs.ctl_d, row * CTL_WORDS + CTL_DONE, done)
+        at(bufs.pos_ctr_d, row, position)
+        at(bufs.acc_d, row * ACC_WORDS + ACC_TOTAL, accepted)
+    slot.words = words.astype(np.uint32)
+    readback = bufs.receive(0)
+    assert readback.committed == [2, 0, 1] and readback.done.tolist() == [False, True, False]
+    assert readback.positions.tolist() == [10, 20, 30] and readback.accepted.tolist() == [4, 0, 9]
+    assert [t.tolist() for t in readback.tokens] == [[0, 1], [], [200]]
