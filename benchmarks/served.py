@@ -5,7 +5,7 @@ the headline (benchmarks/headline.py) decodes static batches.
 At B = 1, 8, 32, 64 and 128: a stream of max(16, 4 B) requests, held-out prompts of the pair's
 heldout.json in order, each with a budget drawn from 32 to 512 new tokens by a seeded generator
 and the pair's end-of-text token honoured (benchmarks/serving.py's request_stream), every request
-submitted at the start. Through each decoder, graph mode, M = 16, every graph captured before
+submitted at the start. Through each decoder, graph mode, M = 16 (--rounds), every graph captured before
 the stream (a warm-up stream of B requests of 8 tokens first, untimed), the stream is timed by
 its Served records:
 
@@ -133,16 +133,17 @@ def _served(decoder: Any, requests: Sequence[Request], batch: int) -> list[Serve
     return server.serve(requests)
 
 
-def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, quick: bool) -> list[dict]:
+def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, quick: bool,
+                 m_rounds: int) -> list[dict]:
     """B's rows: the plain decoding, then each chain and the adaptive configuration, greedy and
     sampled, in caches of one capacity."""
     from memra_cuda.torch import GraphedGreedy, SamplingParams, SpeculativeLlama, capacity_for
     requests = stream_for(heldout, batch, target.config.eos_token_id, quick)
     chains = CHAINS[batch][:1] if quick else CHAINS[batch]
     capacity = capacity_for(max(len(r.prompt) for r in requests), max(r.max_new_tokens for r in requests),
-                            max(*chains, ADAPTIVE[batch][0]), TORCH_M, batch)
+                            max(*chains, ADAPTIVE[batch][0]), m_rounds, batch)
     begun = time.perf_counter()
-    plain_decoder = GraphedGreedy(target, capacity, batch, steps=TORCH_M)
+    plain_decoder = GraphedGreedy(target, capacity, batch, steps=m_rounds)
     plain_decoder.capture()
     setup = time.perf_counter() - begun
     rows = [row_of(batch, "greedy", "plain", _served(plain_decoder, requests, batch), setup, None)]
@@ -155,7 +156,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     for mode, sampling in zip(MODES, (None, SamplingParams(1.0))):
         for label, chain, narrower in configs:
             try:
-                spec = SpeculativeLlama(target, draft, k=chain, m_rounds=TORCH_M, capacity=capacity, batch=batch,
+                spec = SpeculativeLlama(target, draft, k=chain, m_rounds=m_rounds, capacity=capacity, batch=batch,
                                         sampling=sampling, widths=narrower)
             except SwitchUnsupported as missing:
                 release()
@@ -170,7 +171,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
 
 
 def served_headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
-                    json_path: str | Path | None = None) -> dict:
+                    json_path: str | Path | None = None, m_rounds: int = TORCH_M) -> dict:
     """The section (the module's docstring): prints the table and the best at each B, returns
     the report; with `json_path`, written after each B and at the end, the picture beside it."""
     import torch
@@ -192,14 +193,15 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
     print(f"\n{name}")
     print(f"a stream of max(16, 4 B) held-out requests, {'8 to 16' if quick else '32 to 512'} new tokens each "
           f"(seed {STREAM_SEED}), the EOS honoured, all submitted at once, through B slots by continuous batching; "
-          f"graph mode, M = {TORCH_M}, every graph captured first; vs plain: tokens/s against the target's own "
+          f"graph mode, M = {m_rounds} (a slot freed mid-burst waits for the burst's end), every graph captured "
+          "first; vs plain: tokens/s against the target's own "
           "compiled greedy decoding served alike (sampled rows too)")
     print(HEADER, flush=True)
 
     def out(rows: list[dict]) -> dict:
-        return dict(name=name, machine=machine, date=date, pair=info, batches=batches, quick=quick, rows=rows,
-                    best=best(rows))
-    rows = measure_batches(batches, lambda batch: _bench_batch(target, draft, heldout, batch, quick),
+        return dict(name=name, machine=machine, date=date, pair=info, batches=batches, quick=quick, m_rounds=m_rounds,
+                    rows=rows, best=best(rows))
+    rows = measure_batches(batches, lambda batch: _bench_batch(target, draft, heldout, batch, quick, m_rounds),
                            None if json_path is None else lambda rows: save(out(rows), json_path))
     result = out(rows)
     print(f"\nbest chain at each B and decoding ({name}):")
@@ -217,9 +219,12 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = pair_arguments("benchmarks.served", __doc__ or "", BATCHES,
-                          "B = 1 and 8, one chain, a few short requests").parse_args(argv)
-    served_headline(args.quick, args.pair, args.batches, args.json)
+    parser = pair_arguments("benchmarks.served", __doc__ or "", BATCHES, "B = 1 and 8, one chain, a few short requests")
+    parser.add_argument("--rounds", type=int, default=TORCH_M, help=f"M, the rounds (the plain loop's steps) a burst "
+                        f"(default {TORCH_M}): a slot freed mid-burst waits for the burst's end, so a second run at "
+                        "another M says what that costs")
+    args = parser.parse_args(argv)
+    served_headline(args.quick, args.pair, args.batches, args.json, args.rounds)
     return 0
 
 
