@@ -63,6 +63,15 @@ def stream_for(heldout: Mapping[str, Any], batch: int, eos: int | None, quick: b
                           budgets=(8, 16) if quick else (32, 512))
 
 
+def servable(heldout: Mapping[str, Any], batches: Sequence[int], eos: object, quick: bool = False) -> None:
+    """ValueError now, before any B runs, where the pair cannot serve them all: its target names
+    no single EOS id, or its held-out pool is too small for some B's stream."""
+    if not isinstance(eos, int):
+        raise ValueError(f"the pair's target names no single EOS token id (config.eos_token_id = {eos!r})")
+    for batch in batches:
+        stream_for(heldout, batch, eos, quick)
+
+
 def tau(served: Sequence[Served]) -> float | None:
     """Tokens a round over the requests that ran, from the accepted drafts each one's readbacks
     brought (None for a decoder without drafts)."""
@@ -144,7 +153,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
                             max(*chains, ADAPTIVE[batch][0]), m_rounds, batch)
     begun = time.perf_counter()
     plain_decoder = GraphedGreedy(target, capacity, batch, steps=m_rounds)
-    plain_decoder.capture()
+    plain_decoder.server()  # its burst's graph and every prefill graph, as a chain's setup_seconds count them
     setup = time.perf_counter() - begun
     rows = [row_of(batch, "greedy", "plain", _served(plain_decoder, requests, batch), setup, None)]
     del plain_decoder
@@ -185,11 +194,7 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
     name = "served: " + describe(info, machine, date)
     target, draft = load_model(where / "target"), load_model(where / "draft")
     batches = list(batches or (QUICK_BATCHES if quick else BATCHES))
-    eos = target.config.eos_token_id
-    if not isinstance(eos, int):
-        raise ValueError(f"the pair's target names no single EOS token id (config.eos_token_id = {eos!r})")
-    for batch in batches:  # a pool too small for some B refuses now, not after the smaller ones ran
-        stream_for(heldout, batch, eos, quick)
+    servable(heldout, batches, target.config.eos_token_id, quick)
     print(f"\n{name}")
     print(f"a stream of max(16, 4 B) held-out requests, {'8 to 16' if quick else '32 to 512'} new tokens each "
           f"(seed {STREAM_SEED}), the EOS honoured, all submitted at once, through B slots by continuous batching; "

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .headline import copy_bandwidth, floor_ms, streamed_bytes
-from .torch_common import replay_ms
 
 CAPACITY, VALID = 576, 512
 
@@ -95,6 +94,8 @@ def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats:
     milliseconds over `repeats` runs of `replays` replays, its kernels and the seconds its first
     eager run took (a compiled step's compilation)."""
     import torch
+
+    from memra_cuda.torch.timing import replay_ms
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for cache in (*stack.kv.k, *stack.kv.v):

@@ -48,34 +48,6 @@ def token_count(outs: Sequence[Sequence[Sequence[int]]]) -> int:
     return sum(len(row) for out in outs for row in out)
 
 
-def replay_ms(graph: Any, stream: Any, replays: int = 200) -> float:
-    """Device milliseconds of one replay of `graph` on `stream`, between CUDA events around
-    `replays` of them: the device's time, not the host's launches."""
-    import torch
-    with torch.cuda.stream(stream):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-    return start.elapsed_time(end) / replays
-
-
-def graph_ms(run: Callable[[], Any], stream: Any = None, replays: int = 200) -> float:
-    """Device milliseconds of run(), captured in one CUDA graph on `stream` (a decoder's own,
-    whose buffers run() reads; a fresh one where None) after one eager run for torch's lazy
-    set-up, and replayed."""
-    import torch
-    stream = torch.cuda.Stream() if stream is None else stream
-    with torch.cuda.stream(stream):
-        run()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            run()
-    return replay_ms(graph, stream, replays)
-
-
 def tree_label(tree: Any) -> str:
     """A tree's name in the table and the JSON (a static tree's repr lists every node)."""
     if isinstance(tree, DynamicTree):
@@ -109,6 +81,7 @@ def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -
     time_generations), and the device milliseconds of its step (the graph a generation leaves),
     the unit of v and d."""
     from memra_cuda.torch import GraphedGreedy
+    from memra_cuda.torch.timing import replay_ms
     greedy = GraphedGreedy(model, capacity, len(groups[0]))
     greedy.capture()
     seconds, outs = time_generations(greedy.generate_batch, groups)
@@ -122,6 +95,7 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
     draft each captured alone on the decoder's stream after the generations, in target steps. The decoder
     goes when this returns, for release() to give its memory back: at B = 128 a sampled tree
     holds p and q of [B][T+1][32000] floats."""
+    from memra_cuda.torch.timing import graph_ms
     spec, verify, draft_levels = decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft)
 
     def after(out: list[list[int]]) -> tuple[list[int], np.ndarray]:

@@ -59,7 +59,7 @@ from typing import Any
 from .common import depth_and_width
 from .headline import headline
 from .serving import figures, request_stream
-from .torch_common import (TORCH_K, TORCH_M, TREE_BATCHES, decoder, graph_ms, listed, measure_config, plain_decoding,
+from .torch_common import (TORCH_K, TORCH_M, TREE_BATCHES, decoder, listed, measure_config, plain_decoding,
                            plot_trees, release, row_label, summary_line, time_generations, tree_label, tree_summary)
 from memra_cuda.buffers.tree import DynamicTree
 
@@ -98,6 +98,7 @@ def _step_ms(step: Callable[..., Any], tokens: int = 1, replays: int = 200, **kw
     """Device milliseconds of step(tokens, positions) over `tokens` tokens of one row, captured
     as a graph and replayed."""
     import torch
+    from memra_cuda.torch.timing import graph_ms
     token = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
     position = torch.arange(8, 8 + tokens, device="cuda")[None]
     return graph_ms(lambda: step(token, position, **kwargs), replays=replays)
@@ -380,6 +381,7 @@ def bench_tree_costs(quick: bool) -> list[dict]:
     through cuBLASLt and through cuBLAS (the evidence of memra_cuda.torch.stack.LT_ROWS); then two
     ways to take a level's two best candidates, torch.topk and best_ranks' two argmaxes."""
     import torch
+    from memra_cuda.torch.timing import graph_ms
 
     from memra_cuda.torch.testing import PROMPT, build_model, static_tree
     from memra_cuda.torch import Request, best_ranks, capacity_for
@@ -409,6 +411,7 @@ def _chain_parts(model: Any, capacity: int, requests: Sequence[Any]) -> dict[str
     target over n tokens (scratch entries past the row's) through each BLAS library (the caller's
     release() gives the decoder's memory back)."""
     import torch
+    from memra_cuda.torch.timing import graph_ms
     chain, verify, draft = decoder(model, "chain", COST_K, capacity)
     chain.generate_batch(requests)
     parts = {f"chain draft step (of {COST_K})": graph_ms(draft, chain.stream) / COST_K,
@@ -428,6 +431,7 @@ def _chain_parts(model: Any, capacity: int, requests: Sequence[Any]) -> dict[str
 def _tree_parts(model: Any, tree: Any, capacity: int, requests: Sequence[Any]) -> dict[str, float]:
     """Device ms of each draft level of `tree` and of its verify, each captured alone (level 0
     first: its eager run before its capture makes the round's mask, which the levels after read)."""
+    from memra_cuda.torch.timing import graph_ms
     spec, verify, _ = decoder(model, "static", tree, capacity)
     spec.generate_batch(requests)
     parts = {f"tree level {level} ({stop - start} nodes)": graph_ms(lambda level=level: spec.draft_level(level),

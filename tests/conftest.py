@@ -40,6 +40,18 @@ def _random_llama(hybrid: bool = False, **kwargs):
     return build_model("small", recurrent_layers=HYBRID if hybrid else (), **kwargs)
 
 
+@pytest.fixture
+def switches(engine):
+    """A test that builds a SWITCH of bodies by width: skipped, naming what is missing, where
+    the driver or the binding has no SWITCH nodes (CUDA 12.8+)."""
+    from memra_cuda.driver.graph import check_switch
+    from memra_cuda.errors import SwitchUnsupported
+    try:
+        check_switch()
+    except SwitchUnsupported as missing:
+        pytest.skip(str(missing))
+
+
 @pytest.fixture(scope="module")
 def small(engine):
     """The small random-weight Llama (fp32), built once a module that asks for it."""

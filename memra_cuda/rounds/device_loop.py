@@ -20,9 +20,10 @@ from ..buffers.layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
 from ..driver.buffer import MappedBuffer
 from ..driver.errors import MemraError
 from ..driver.event import Event
-from ..driver.graph import Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join, loops
+from ..driver.graph import Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join
 from ..kernels.signatures import load
 from .pace import pass_lengths
+from .round import refuse_conditionals
 from .schedule import Schedule
 
 if TYPE_CHECKING:
@@ -217,14 +218,9 @@ class DeviceLoop:
 
     def __init__(self, round: Round):
         engine, bufs = round.engine, round.bufs
-        if round.pipelined:
-            raise LoopUnsupported("device mode cannot run pipeline stages: a conditional node's body holds the work "
-                                  "of one context, and the stages' streams join through events, which a body cannot "
-                                  "hold; use graph or overlap mode")
-        if engine.guards:
-            raise LoopUnsupported("device mode cannot run a rank of a communicator (memra_cuda.comm): its tokens "
-                                  "come through a host loop that the communicator's watchdog does not time, and NCCL's "
-                                  "operations inside a conditional node's body are untried; use graph or overlap mode")
+        refuse_conditionals(round, "device mode", "use graph or overlap mode",
+                            also="its tokens come through a host loop that the communicator's watchdog does not time, "
+                            "and ")
         check_loops()  # before the decider's module, which an older driver cannot load
         self.engine, self.round, self.bufs = engine, round, bufs
         self._decide = load(engine, "device_loop").kernel("spec_loop_decide").prepare(grid=1, block=256)
@@ -354,7 +350,7 @@ class DeviceLoop:
                 graph.loop(handle, rounds_then(body, decider(handle, body, body)))
             graph.issue(read_back)
 
-        return Graph(engine, lambda: None, capture=(engine.framework.loop_capture or loops)(build))
+        return Graph(engine, lambda: None, capture=rounds.conditional_capture(build))
 
 
 __all__ = ["DeviceLoop", "Landed", "LoopUnsupported", "RUNNING", "RoundCapError", "TokenFeed"]

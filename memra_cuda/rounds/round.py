@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..buffers.acceptance import Greedy, Sampling
 from ..buffers.capacity import UNCHECKED, Capacity, Unchecked, kv_entries
 from ..buffers.tables import AddressTable, PointerTable, StateIndexTable, StateTable, state_targets_disjoint
-from ..driver.graph import Capture, LoopBuilder, loops
+from ..driver.graph import Capture, LoopBuilder, LoopUnsupported, loops
 from ..kernels.spec import SpecKernels
 from .switch import Widths, WidthSwitch
 
@@ -133,12 +133,33 @@ class Round:
         return None
 
     def scoped(self, steps: Sequence[Step]) -> Step:
-        """One callable issuing `steps` in order inside the model's scope."""
+        """chain(steps) issued inside the model's scope."""
+        issue_all = chain(steps)
+
         def issue() -> None:
             with self.scope():
-                for step in steps:
-                    step()
+                issue_all()
         return issue
+
+    def conditional_capture(self, build: Callable[[LoopBuilder], None]) -> Capture:
+        """The Capture of a graph built node by node (`build`, with conditional nodes): the
+        engine's framework's way of building one, or the driver's."""
+        return (self.engine.framework.loop_capture or loops)(build)
+
+
+def refuse_conditionals(round: Round, who: str, instead: str, also: str = "") -> None:
+    """LoopUnsupported, naming `who` and what to do `instead`, unless `round`'s work can sit in a
+    conditional node's body (device mode's WHILE loop, a SWITCH of bodies by width): the work of
+    one context (no pipeline stages, whose streams join through events, which a body cannot
+    hold) and no communicator's rank (NCCL's operations inside a body are untried; `also`, a
+    reason of `who`'s own). Checked before anything touches the driver."""
+    if round.pipelined:
+        raise LoopUnsupported(f"{who} cannot run pipeline stages: a conditional node's body holds the work of one "
+                              "context, and the stages' streams join through events, which a body cannot hold; "
+                              f"{instead}")
+    if round.engine.guards:
+        raise LoopUnsupported(f"{who} cannot run a rank of a communicator (memra_cuda.comm): {also}NCCL's operations "
+                              f"inside a conditional node's body are untried; {instead}")
 
 
 class ChainRound(Round):
@@ -169,29 +190,28 @@ class ChainRound(Round):
         choose = [] if lengths is None else [kernels.prepare_choose_lengths(bufs, lengths)]  # refuses others' buffers
         assemble, accept = kernels.prepare_assemble_verify(bufs, draft_d), kernels.prepare_accept(bufs, acceptance)
         self.head: tuple[Step, ...] = (*choose, *([seed_gather] if seed_gather is not None else []))
-        self.bodies: tuple[Step, ...] = ()  # with `narrower`: each width's draft, assembly and verify, in order
+        # with `narrower`: each width's draft, assembly and verify, in the widths' order
+        self.bodies: tuple[tuple[Step, ...], ...] = ()
         if narrower:
             if lengths is None:
                 raise ValueError("bodies of narrower widths need lengths= (a DraftLengths), whose chooser picks one")
-            if capture is not None or stages is not None:
-                raise ValueError("a round of bodies by width builds its graphs itself: it takes no capture= and no "
-                                 "stages=")
-            if bufs.engine.guards:
-                raise ValueError("a round of bodies by width cannot run a rank of a communicator (memra_cuda.comm): "
-                                 "NCCL's operations inside a conditional node's body are untried")
+            if capture is not None:
+                raise ValueError("a round of bodies by width builds its graphs itself: it takes no capture=")
             if bufs.k in narrower:
                 raise ValueError(f"narrower holds the widths below k = {bufs.k}: k's body is draft_chain and "
                                  "verify_trunk")
             widths = Widths(bufs.k, (*narrower, bufs.k))
-            self.switch = WidthSwitch(lengths, widths)  # SwitchUnsupported on a driver before 12.8
             given = {**narrower, bufs.k: (draft_chain, verify_trunk)}
-            self.bodies = tuple(chain([given[width][0], assemble, given[width][1]]) for width in widths.widths)
+            self.bodies = tuple((given[width][0], assemble, given[width][1]) for width in widths.widths)
         self.accept = accept
 
         def before_commit() -> tuple[Step, ...]:
             return (*self.head, draft_chain, assemble, verify_trunk, accept)
         super().__init__(bufs, kernels, before_commit,
                          rollback_tables=rollback_tables, state_tables=state_tables, capture=capture, stages=stages)
+        if lengths is not None and self.bodies:
+            refuse_conditionals(self, "a round of bodies by width", "give it no narrower bodies")
+            self.switch = WidthSwitch(lengths, widths)  # SwitchUnsupported on a driver before 12.8
 
     def burst_capture(self, rounds: int, then: Step) -> Capture | None:
         """With bodies by width: the graph built node by node (the engine's framework's way of
@@ -199,7 +219,7 @@ class ChainRound(Round):
         bodies, then acceptance and what follows it; then `then`."""
         if self.switch is None:
             return None
-        switch, head, bodies = self.switch, self.scoped(self.head), [self.scoped([body]) for body in self.bodies]
+        switch, head, bodies = self.switch, self.scoped(self.head), [self.scoped(body) for body in self.bodies]
         tail = self.scoped((self.accept, self.commit, *self.after_commit))
 
         def build(builder: LoopBuilder) -> None:
@@ -208,7 +228,7 @@ class ChainRound(Round):
                 switch.add(builder, bodies)
                 builder.issue(tail)
             builder.issue(then)
-        return (self.engine.framework.loop_capture or loops)(build)
+        return self.conditional_capture(build)
 
 
 def _kv_tables(bufs: StreamBufs, given: Sequence[PointerTable]) -> list[PointerTable]:

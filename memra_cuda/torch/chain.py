@@ -18,9 +18,10 @@ from ..rounds.stream import RoundStream
 from ..rounds.switch import Widths
 from .decoder import RoundDecoder
 from .sampling import SamplingParams
+from .timing import graph_ms
 
 
-MEASURED_REPLAYS = 20  # replays of each width's body timed, after one untimed
+MEASURED_REPLAYS = 20  # replays of each width's body timed
 
 
 class SpeculativeLlama(RoundDecoder):
@@ -95,9 +96,7 @@ class SpeculativeLlama(RoundDecoder):
             self._warm_up()
             self.width_ms: dict[int, float] = {}  # each width's body, device milliseconds (with `widths`)
             if narrower:
-                begun = time.perf_counter()
                 self._measure_widths()
-                self.setup_seconds += time.perf_counter() - begun
 
     def _measure_widths(self) -> None:
         """Each width's body (its draft chain and verify) timed on the device, as a CUDA graph
@@ -106,31 +105,23 @@ class SpeculativeLlama(RoundDecoder):
         Every row at half the cache (attention over what a row holds costs more as it grows): the
         rows are vacant, and the next prefill writes over what this wrote. What every width's
         round shares (the chooser, acceptance, commit, rollback: a few small kernels) is not in
-        these times, which leans the choice a little toward the narrower widths."""
-        times = {}
+        these times, which leans the choice a little toward the narrower widths. Its time goes into
+        setup_seconds."""
+        begun = time.perf_counter()
         with torch.cuda.stream(self.stream):
             self.views.pos_ctr.fill_(self.target.kv.capacity // 2)
             self.views.pos_start.fill_(self.target.kv.capacity // 2)
-            for width in self.widths.widths:
-                def body(width: int = width) -> None:
-                    self.draft_chain(width)
-                    self.verify_trunk(width)
-                body()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=self.stream):
-                    body()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                graph.replay()
-                start.record(self.stream)
-                for _ in range(MEASURED_REPLAYS):
-                    graph.replay()
-                end.record(self.stream)
-                end.synchronize()
-                times[width] = start.elapsed_time(end) / MEASURED_REPLAYS
-                del graph
+            times = {width: graph_ms(functools.partial(self._body, width), self.stream, MEASURED_REPLAYS)
+                     for width in self.widths.widths}
             narrowest = times[self.widths.widths[0]]
             self.width_ms.update(times)
             self.lengths.set_costs(self.widths.costs({width: ms / narrowest for width, ms in times.items()}), 0.0)
+        self.setup_seconds += time.perf_counter() - begun
+
+    def _body(self, width: int) -> None:
+        """A round's draft chain and verify at `width` (a body of the SWITCH, timed alone)."""
+        self.draft_chain(width)
+        self.verify_trunk(width)
 
     def draft_chain(self, width: int | None = None) -> None:
         """k draft steps of every row (`width`'s, for a narrower body), the first folding in the

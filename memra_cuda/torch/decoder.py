@@ -119,10 +119,7 @@ class RoundDecoder:
         their greedy tokens, or their probabilities."""
         width = logits.shape[1]
         if self.sampling is None:
-            if width == self.pred_d.shape[1]:
-                torch.argmax(logits, -1, out=self.pred_d)
-            else:
-                self.pred_d[:, :width].copy_(torch.argmax(logits, -1))
+            torch.argmax(logits, -1, out=self.pred_d[:, :width])
         else:
             self.p_d[:, :width].copy_(self.sampling.probs(logits))
 
@@ -136,23 +133,27 @@ class RoundDecoder:
         return [state.table(self.engine)] if isinstance(state, (CopyState, FlipState)) else []
 
     def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]],
-                seeds: Sequence[int] | None = None) -> list[int]:
+                seeds: Sequence[int] | None = None, caps: Sequence[int] | None = None) -> list[int]:
         """Both caches of each row take its prompt but the last token, which becomes pending;
-        `seeds` are the rows' requests' (sampling). The rows' stop rules are lifted (set_stop
-        sets the next ones), and their most draft lengths are k. Returns the rows' start positions."""
+        `seeds` are the rows' requests' (sampling), `caps` their most draft lengths (default k:
+        a new request drafts at the full length unless it says). The rows' stop rules are lifted
+        (set_stop sets the next ones). Returns the rows' start positions."""
         rows = list(rows)
+        caps = [self.k] * len(rows) if caps is None else list(caps)
+        if len(caps) != len(rows):
+            raise ValueError(f"need one most draft length for each of the {len(rows)} rows, not {len(caps)}")
         starts = self._fill(rows, prompts, seeds)
         pending = [int(prompt[-1]) for prompt in prompts]
         with torch.cuda.stream(self.stream):
             if rows == list(range(self.batch)):
                 self.bufs.reset(pending, starts)
-                if self.lengths is not None:  # a new request drafts at the full length unless it says
-                    self.lengths.set_caps(self.k)
+                if self.lengths is not None:
+                    self.lengths.set_caps(caps)
             else:
-                for row, token, start in zip(rows, pending, starts):
+                for row, token, start, cap in zip(rows, pending, starts, caps):
                     self.bufs.reset_row(row, token, start)
                     if self.lengths is not None:
-                        self.lengths.set_cap_row(row, self.k)
+                        self.lengths.set_cap_row(row, cap)
         return starts
 
     def admit(self, row: int, request: Request) -> None:
@@ -228,10 +229,8 @@ class RoundDecoder:
         for row, request in enumerate(requests):
             if (reason := malformed(request, self.vocab) or self.unsupported(request)) is not None:
                 raise RequestRefused(row, reason)
-        self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests])
-        if self.lengths is not None:
-            with torch.cuda.stream(self.stream):
-                self.lengths.set_caps([self._cap(r) for r in requests])
+        self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests],
+                     [self._cap(r) for r in requests])
         out = self.rounds.generate_batch([r.max_new_tokens for r in requests],
                                          eos=[r.eos for r in requests], mode=mode)
         return [tokens.tolist() for tokens in out]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.served import ADAPTIVE, CHAINS, best, format_row, row_of, stream_for, tau
+from benchmarks.served import ADAPTIVE, CHAINS, best, format_row, row_of, servable, stream_for, tau
 from memra_cuda.rounds import Served
 
 HELDOUT = {"prompts": [{"ids": [1, 2 + i, 3]} for i in range(512)]}
@@ -44,3 +44,11 @@ def test_rows_compare_with_the_plain_decoding_and_the_best_chain_is_picked():
     assert [(b["batch"], b["mode"], b["config"], b["vs_plain"]) for b in picked] == [
         (8, "greedy", "chain k=2", 1.5), (8, "sampling", "chain k=2", 0.6)]
     assert "1.50x" in format_row(fast) and " 2.50 " in format_row(fast) and format_row(plain).split()[3] == "50"
+
+
+def test_a_pair_that_cannot_serve_every_b_is_refused_before_any_runs():
+    servable(HELDOUT, [1, 8, 128], eos=0)
+    with pytest.raises(ValueError, match="B = 256 serves 1024"):
+        servable(HELDOUT, [1, 256], eos=0)  # B = 1 would have run first
+    with pytest.raises(ValueError, match=r"no single EOS token id \(config.eos_token_id = \[0, 1\]\)"):
+        servable(HELDOUT, [1], eos=[0, 1])

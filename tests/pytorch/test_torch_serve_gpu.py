@@ -15,9 +15,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
 from memra_cuda.buffers.layout import BRK_COUNT  # noqa: E402
-from memra_cuda.driver.graph import check_switch  # noqa: E402
-from memra_cuda.errors import SwitchUnsupported  # noqa: E402
 from memra_cuda.torch.testing import prompts  # noqa: E402
+from test_torch_batch_gpu import first_difference  # noqa: E402  (imports torch)
 from memra_cuda.torch import (GraphedGreedy, Request, SpeculativeLlama, capacity_for, hf_greedy,  # noqa: E402
                               self_draft)
 
@@ -25,10 +24,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
 K, M, SLOTS, REQUESTS = 4, 16, 3, 10
 LONG = 1  # the request of the most tokens, 96, more than a burst gives: a chain's (k + 1) M = 80
-
-
-def first_difference(got: list[int], want: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +53,7 @@ def decoder(request, small):
         return GraphedGreedy(small, capacity, SLOTS)
     widths = ()
     if request.param == "switch":
-        try:
-            check_switch()
-        except SwitchUnsupported as missing:
-            pytest.skip(str(missing))
+        request.getfixturevalue("switches")
         widths = (0, 2)
     spec = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M, capacity=capacity, batch=SLOTS, widths=widths)
     if widths:  # each width's body timed, and its time the chooser's cost of it
@@ -144,3 +136,21 @@ def test_requests_at_their_own_draft_lengths_are_each_their_own_greedy_output(st
     assert decoder.generate_batch(batch) == want[:SLOTS]
     capped = decoder.engine.dtoh(decoder.bufs.brk_d).reshape(SLOTS, -1)[:, BRK_COUNT]
     assert capped[0] == len(want[0]), "the row at length 0 commits one token a round, each round capped"
+    decoder.prefill([0], [requests[0].prompt])  # a prefill's row drafts at the full length unless it says
+    assert decoder.engine.dtoh(decoder.lengths.cap_d).tolist() == [K] * SLOTS
+    with pytest.raises(ValueError, match="one most draft length for each of the 1 rows, not 2"):
+        decoder.prefill([0], [requests[0].prompt], caps=[0, 1])
+
+
+def test_a_decoders_server_captures_every_graph_first_where_capture_was_not_called(small, stream):
+    """server() on a decoder never captured: every graph is captured and the rounds sealed before
+    the first request, so serving captures nothing (a capture mid-serving stalls every row)."""
+    requests, want = stream
+    spec = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M, capacity=capacity_for(40, 96, K, M, batch=SLOTS),
+                            batch=SLOTS)
+    server = spec.server()
+    assert spec.rounds.sealed
+    captured = graphs(spec)
+    served = server.serve(requests)
+    assert graphs(spec) == captured, "serving captured a graph"
+    assert [out.tokens for out in served] == want

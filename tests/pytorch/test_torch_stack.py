@@ -419,3 +419,25 @@ def test_the_plain_loop_refuses_a_burst_of_no_whole_steps_before_anything_is_mad
     from memra_cuda.torch import GraphedGreedy
     with pytest.raises(error, match="steps"):
         GraphedGreedy(tiny(), 64, steps=steps)
+
+
+def test_an_admission_refuses_a_bad_draft_length_before_the_row_is_touched():
+    """RoundDecoder.admit checks the request's most draft length first: a bad one raises naming
+    max_draft, and neither cache took the prompt (the row keeps what it had)."""
+    from memra_cuda.torch import Request
+    from memra_cuda.torch.decoder import RoundDecoder
+
+    class Prefilled:
+        def __init__(self):
+            self.calls = []
+
+        def prefill(self, rows, heads):
+            self.calls.append(list(rows))
+
+    decoder = object.__new__(RoundDecoder)
+    decoder.stream, decoder.shared, decoder.sampling, decoder.k = None, False, None, 4
+    decoder.target, decoder.draft = Prefilled(), Prefilled()
+    for bad, error in ((-1, ValueError), (2.5, TypeError)):
+        with pytest.raises(error, match="max_draft"):
+            decoder.admit(0, Request([5, 6], 4, max_draft=bad))
+    assert decoder.target.calls == decoder.draft.calls == []

@@ -1,28 +1,27 @@
 """Rounds whose rows' draft lengths are chosen on the device (RoundStream(lengths=DraftLengths),
 docs/lengths.md), the toy end to end on the GPU: rows of one batch at different lengths (0
 included: speculation off), whatever the costs make of the batch's width, give each row the
-target's own greedy output token for token, in every mode; a sampled row at length 0 draws word
-for word what plain sampling (k = 0) draws for its seed; and the first token sampled at mixed
-lengths is distributed as the target's law (chi-square)."""
+target's own greedy output token for token, in every mode, and a switch of bodies by width too;
+a sampled row at length 0 draws word for word what plain sampling (k = 0) draws for its seed (the
+first token at mixed lengths distributed as the target's law: tests/testing/test_toy_sampling_gpu.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from memra_cuda import StreamBufs, kv_capacity, kv_len_ptr_table
+from memra_cuda import UNCHECKED, StreamBufs, kv_capacity, kv_len_ptr_table
 from memra_cuda.buffers import DraftLengths
 from memra_cuda.buffers.acceptance import Greedy
-from memra_cuda.driver.graph import check_switch
-from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.buffers.layout import BRK_COUNT, BRK_WORDS
 from memra_cuda.kernels import SpecKernels
-from memra_cuda.rounds import MODES, RoundStream
+from memra_cuda.driver.graph import stream_capture
+from memra_cuda.errors import LoopUnsupported
+from memra_cuda.rounds import MODES, RoundStream, Stages
 from memra_cuda.rounds.round import chain
 from memra_cuda.rounds.switch import Widths
 from memra_cuda.testing.toy import lm as toy
 
-from laws import assert_distributed_as, cells
-from toy_requests import requests
+from toy_requests import requests, sampled
 
 pytestmark = pytest.mark.gpu
 
@@ -85,43 +84,15 @@ def test_rows_at_mixed_lengths_each_give_their_own_greedy_output(engine, spec, m
     assert 0 <= int(engine.dtoh(lengths.width_d)[0]) <= K
 
 
-def sampled(engine, spec, prompts, seeds, budget, k, m_rounds=4, caps=None, model=MODEL):
-    batch = len(prompts)
-    lm = toy.ToyLM(engine, model, kv_capacity(20, budget, k, m_rounds, batch=batch), batch=batch,
-                   sampling=SAMPLING)
-    bufs = StreamBufs(engine, k, m_rounds, batch)
-    if caps is None:
-        stream = lm.round_stream(bufs, kernels=spec)
-    else:
-        stream = stream_of(engine, spec, lm, bufs, "flat", caps)[1]
-    for row, (prompt, seed) in enumerate(zip(prompts, seeds)):
-        lm.prefill_row(bufs, row, prompt, seed)
-    return [tokens.tolist() for tokens in stream.generate_batch(budget, mode="graph")]
-
-
 def test_a_sampled_row_at_length_zero_draws_what_plain_sampling_draws(engine, spec):
     """A row whose cap is 0 in a batch of k = 4 (the other rows speculating beside it) commits,
     for its seed, the very tokens a decoder of k = 0 commits: speculation off is the plain
     decoding, not a decoding distributed like it."""
     prompts, seeds = [[1, 2, 3], [7] * 12, [4, 0, 4, 0, 4]], [11, 12, 13]
-    plain = sampled(engine, spec, prompts, seeds, 60, k=0)
-    mixed = sampled(engine, spec, prompts, seeds, 60, k=K, caps=[0, K, 0])
+    plain = sampled(engine, spec, MODEL, SAMPLING, prompts, seeds, 60, k=0)
+    mixed = sampled(engine, spec, MODEL, SAMPLING, prompts, seeds, 60, k=K, caps=[0, K, 0])
     assert mixed[0] == plain[0] and mixed[2] == plain[2]
     assert mixed[1] != plain[1], "the speculating row should draw its own way (else this test proves nothing)"
-
-
-def test_the_first_token_at_mixed_lengths_is_distributed_as_the_target_says(engine, spec):
-    """4 000 rows of one prompt with seeds 0..3999, caps 0 to k in turn, one token each, a draft
-    that is often wrong and flatter than the target: the token's histogram matches the target's
-    law at that position (chi-square over cells of at least 50 expected draws)."""
-    model = toy.ToyModel(seed=5, vocab=1000, kv_mask=(True, False, True), noise_ppm=500_000)
-    rows, prompt = 4000, [3, 1, 4]
-    got = sampled(engine, spec, [prompt] * rows, list(range(rows)), 1, k=K, m_rounds=1,
-                  caps=[row % (K + 1) for row in range(rows)], model=model)
-    first = np.array([tokens[0] for tokens in got])
-    law = SAMPLING.target_law(model, prompt)
-    cell = cells(law, rows)
-    assert_distributed_as(cell[first], np.bincount(cell, weights=law), "the first token at lengths 0 to k")
 
 
 def switching(engine, spec, lm, bufs, costs, caps, widths):
@@ -148,16 +119,12 @@ def switching(engine, spec, lm, bufs, costs, caps, widths):
 
 @pytest.mark.parametrize("costs", sorted(COSTS))
 @pytest.mark.parametrize("mode", ["graph", "overlap", "eager"])
-def test_rounds_that_switch_bodies_by_width_give_each_row_its_own_greedy_output(engine, spec, mode, costs):
+def test_rounds_that_switch_bodies_by_width_give_each_row_its_own_greedy_output(engine, spec, switches, mode, costs):
     """Bodies of widths 0, 2 and k (1 and 3 run a wider one's, and are never chosen): rows at caps
     0 to k, whatever width the costs choose, each give their own greedy output. Which bodies ran:
     at flat costs k's (a row of cap k is live), at dear ones width 0's alone (from the first round:
     a fresh row's prior does not pay for a draft), in eager mode k's alone (a round issued from the
     host runs k's body, its rows capped alike)."""
-    try:
-        check_switch()
-    except SwitchUnsupported as missing:
-        pytest.skip(str(missing))
     lm, bufs, caps = mixed_rows(engine, mode)
     built, lengths, ran, stream = switching(engine, spec, lm, bufs, costs, caps, (0, 2))
     each_its_own_greedy_output(lm, bufs, stream, mode, seed=49, what=f"{costs} costs, bodies by width")
@@ -169,3 +136,28 @@ def test_rounds_that_switch_bodies_by_width_give_each_row_its_own_greedy_output(
     elif costs == "flat":
         assert ran[2] == 1, f"{ran}: at flat costs, rows of cap k choose k"
     assert int(engine.dtoh(lengths.width_d)[0]) in built.widths, "a width without a body was chosen"
+
+
+def test_a_round_of_bodies_by_width_refuses_what_it_cannot_build(engine, spec, switches):
+    """Before anything is queued: narrower bodies without lengths (nothing would pick one), with a
+    capture of the caller's (the round builds its graphs itself), holding k (k's body is the
+    round's own), or over pipeline stages (their streams join through events, which a
+    conditional node's body cannot hold)."""
+    lm, bufs, _ = mixed_rows(engine, "graph")
+    draft_d = engine.zeros(np.uint32, bufs.batch * K, label="draft_d")
+    pred_d = engine.zeros(np.uint32, bufs.batch * (K + 1), label="pred_d")
+    draft, verify = chain(lm.draft_steps(bufs, draft_d)), chain(lm.verify_steps(bufs, pred_d))
+    narrow = {1: (chain(lm.draft_steps(bufs, draft_d, width=1)), verify)}
+    lengths = DraftLengths(bufs, [1.0] * (K + 1), 0.0)
+    given = dict(draft_chain=draft, verify_trunk=verify, draft_d=draft_d, acceptance=Greedy(pred_d), kernels=spec,
+                 rollback_tables=[kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)])
+    with pytest.raises(ValueError, match="need lengths="):
+        RoundStream(bufs, **given, narrower=narrow)
+    with pytest.raises(ValueError, match="no capture="):
+        RoundStream(bufs, **given, lengths=lengths, narrower=narrow, capture=stream_capture)
+    with pytest.raises(ValueError, match=f"widths below k = {K}"):
+        RoundStream(bufs, **given, lengths=lengths, narrower={K: (draft, verify)})
+    with pytest.raises(LoopUnsupported, match="a round of bodies by width cannot run pipeline stages"):
+        RoundStream(bufs, **given, lengths=lengths, narrower=narrow,
+                    stages=Stages((), round_tail=lambda: None, capacity=UNCHECKED))
+    RoundStream(bufs, **given, lengths=lengths, narrower=narrow)  # and the same, well formed, is taken

@@ -10,19 +10,14 @@ import pytest
 
 from memra_cuda import StreamBufs
 from memra_cuda.buffers import DraftLengths
-from memra_cuda.driver.graph import Graph, check_switch, loops
-from memra_cuda.errors import SwitchUnsupported
+from memra_cuda.driver.graph import Graph, loops
 from memra_cuda.rounds.switch import Widths, WidthSwitch
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
-def lengths(engine):
-    try:
-        check_switch()
-    except SwitchUnsupported as missing:
-        pytest.skip(str(missing))
+def lengths(engine, switches):
     return DraftLengths(StreamBufs(engine, 4, 1, 1), [1.0] * 5, 0.0)
 
 
