@@ -3,7 +3,7 @@ requests through B slots by continuous batching, the plain decoding and speculat
 the headline (benchmarks/headline.py) decodes static batches.
 
 At B = 1, 8, 32, 64 and 128: a stream of max(16, 4 B) requests, held-out prompts of the pair's
-heldout.json in order, each with a budget drawn from 32 to 512 new tokens by a seeded generator
+heldout.json in order (from the first again past its end), each with a budget drawn from 32 to 512 new tokens by a seeded generator
 and the pair's end-of-text token honoured (benchmarks/serving.py's request_stream), every request
 submitted at the start. Through each decoder, graph mode, M = 16 (--rounds), every graph captured before
 the stream (a warm-up stream of B requests of 8 tokens first, untimed), the stream is timed by
@@ -47,29 +47,30 @@ BATCHES, QUICK_BATCHES = (1, 8, 32, 64, 128), (1, 8)
 CHAINS = {1: (2, 3, 4, 6), 8: (2, 3, 4), 32: (1, 2, 3), 64: (1, 2), 128: (1, 2)}  # a verify's cost grows with B
 # The adaptive configuration at each B: a chain of k with bodies of narrower widths, one chosen each
 # round on the device (SpeculativeLlama's widths; a CUDA 12.8+ driver), 0 among them (plain decoding)
-ADAPTIVE = {1: (4, (0, 1, 2)), 8: (4, (0, 1, 2)), 32: (3, (0, 1)), 64: (2, (0, 1)), 128: (2, (0, 1))}
+ADAPTIVE = {1: (6, (0, 2, 4)), 8: (4, (0, 1, 2)), 32: (3, (0, 1)), 64: (2, (0, 1)), 128: (2, (0, 1))}
 STREAM_SEED = 48
 WARM_TOKENS = 8  # the warm-up stream's budget a request
 MODES = ("greedy", "sampling")  # sampling: at temperature 1
 
 
 def stream_for(heldout: Mapping[str, Any], batch: int, eos: int | None, quick: bool = False) -> list[Request]:
-    """B's stream: the first max(16, 4 B) held-out prompts (max(4, 2 B) of 8 to 16 tokens under
-    `quick`), budgets from request_stream's seeded draw, the pair's EOS."""
+    """B's stream: max(16, 4 B) held-out prompts in order (max(4, 2 B) of 8 to 16 tokens under
+    `quick`), from the first again where the pool holds fewer (473 prompts; B = 128 serves 512:
+    a prompt served twice has a budget of its own, and nothing is cached between requests), budgets
+    from request_stream's seeded draw, the pair's EOS."""
     pool, count = heldout["prompts"], max(4, 2 * batch) if quick else max(16, 4 * batch)
-    if len(pool) < count:
-        raise ValueError(f"heldout.json holds {len(pool)} prompts; B = {batch} serves {count}")
-    return request_stream([list(prompt["ids"]) for prompt in pool[:count]], seed=STREAM_SEED, eos=eos,
+    if not pool:
+        raise ValueError("heldout.json holds no prompts")
+    return request_stream([list(pool[i % len(pool)]["ids"]) for i in range(count)], seed=STREAM_SEED, eos=eos,
                           budgets=(8, 16) if quick else (32, 512))
 
 
 def servable(heldout: Mapping[str, Any], batches: Sequence[int], eos: object, quick: bool = False) -> None:
     """ValueError now, before any B runs, where the pair cannot serve them all: its target names
-    no single EOS id, or its held-out pool is too small for some B's stream."""
+    no single EOS id, or its held-out pool is empty."""
     if not isinstance(eos, int):
         raise ValueError(f"the pair's target names no single EOS token id (config.eos_token_id = {eos!r})")
-    for batch in batches:
-        stream_for(heldout, batch, eos, quick)
+    stream_for(heldout, min(batches), eos, quick)  # refuses an empty pool
 
 
 def tau(served: Sequence[Served]) -> float | None:

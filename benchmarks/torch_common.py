@@ -78,14 +78,15 @@ def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:
 
 def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -> tuple[float, float]:
     """Tokens/s of graphed plain greedy over the groups of requests (a generation each,
-    time_generations), and the device milliseconds of its step (the graph a generation leaves),
-    the unit of v and d."""
+    time_generations), and the device milliseconds of its step, the unit of v and d: the replay of
+    the graph a generation leaves, a burst of `steps` steps, over its steps (the burst whole read
+    5.7 ms "a step" at B = 1, 16 of them)."""
     from memra_cuda.torch import GraphedGreedy
     from memra_cuda.torch.timing import replay_ms
     greedy = GraphedGreedy(model, capacity, len(groups[0]))
     greedy.capture()
     seconds, outs = time_generations(greedy.generate_batch, groups)
-    return token_count(outs) / seconds, replay_ms(greedy.graph, greedy.stream)
+    return token_count(outs) / seconds, replay_ms(greedy.graph, greedy.stream) / greedy.steps
 
 
 def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequence[Any]], capacity: int,
