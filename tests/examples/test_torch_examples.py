@@ -65,10 +65,11 @@ def test_the_examples_share_their_command_line_and_its_refusals(cli, capsys):
 
 @pytest.mark.torch
 def test_the_requests_are_the_random_models_prompts_or_a_loaded_tokenizers(cli):
+    from memra_cuda.torch import Request
     from memra_cuda.torch.testing import PROMPT
     parser = cli.command_line("chains")
     one, eight = (cli.parse(parser, ["--batch", str(b), "--tokens", "9"])[0] for b in (1, 8))
-    assert cli.requests(one, None) == [(PROMPT, 9, None, 0)]
+    assert cli.requests(one, None) == [Request(PROMPT, 9, None, 0)]
     rows = cli.requests(eight, None)
     assert len(rows) == 8 and len({tuple(r.prompt) for r in rows}) == 8 and [r.seed for r in rows] == list(range(8))
 
@@ -79,7 +80,8 @@ def test_the_requests_are_the_random_models_prompts_or_a_loaded_tokenizers(cli):
             return [len(word) for word in text.split()]
 
     loaded = cli.parse(parser, ["--model", "m", "--prompt", "a bb", "--prompt", "ccc", "--batch", "3", "--eos", "7"])[0]
-    assert cli.requests(loaded, Words()) == [([1, 2], 256, 7, 0), ([3], 256, 7, 1), ([1, 2], 256, 7, 2)]
+    assert cli.requests(loaded, Words()) == [Request([1, 2], 256, 7, 0), Request([3], 256, 7, 1),
+                                             Request([1, 2], 256, 7, 2)]
     assert cli.requests(cli.parse(parser, ["--model", "m"])[0], Words(), 2)[1].eos == 1  # the tokenizer's EOS
 
 
