@@ -3,11 +3,11 @@ requests through B slots by continuous batching, the plain decoding and speculat
 the headline (benchmarks/headline.py) decodes static batches.
 
 At B = 1, 8, 32, 64 and 128: a stream of max(16, 4 B) requests, held-out prompts of the pair's
-heldout.json in order (from the first again past its end), each with a budget drawn from 32 to 512 new tokens by a seeded generator
-and the pair's end-of-text token honoured (benchmarks/serving.py's request_stream), every request
-submitted at the start. Through each decoder, graph mode, M = 16 (--rounds), every graph captured before
-the stream (a warm-up stream of B requests of 8 tokens first, untimed), the stream is timed by
-its Served records:
+heldout.json in order (from the first again past its end), each with a budget drawn from 32 to 512
+new tokens by a seeded generator and the pair's end-of-text token honoured
+(benchmarks/serving.py's request_stream), every request submitted at the start. Through each
+decoder, graph mode, M = 16 (--rounds), every graph captured before the stream (a warm-up stream
+of B requests of 8 tokens first, untimed), the stream is timed by its Served records:
 
 - the plain decoding: the target alone, compiled, graphed, a readback a burst of 16 steps
   (GraphedGreedy): the baseline of every ratio, sampled rows' too;
