@@ -79,8 +79,7 @@ def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:
 def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -> tuple[float, float]:
     """Tokens/s of graphed plain greedy over the groups of requests (a generation each,
     time_generations), and the device milliseconds of its step, the unit of v and d: the replay of
-    the graph a generation leaves, a burst of `steps` steps, over its steps (the burst whole read
-    5.7 ms "a step" at B = 1, 16 of them)."""
+    the graph a generation leaves, a burst of `steps` steps, over its steps."""
     from memra_cuda.torch import GraphedGreedy
     from memra_cuda.torch.timing import replay_ms
     greedy = GraphedGreedy(model, capacity, len(groups[0]))
