@@ -27,8 +27,6 @@ table; with --json, the figures, written again as each B ends, and a picture bes
 (`make pair`).
 
     PYTHONPATH=. python -m benchmarks.served [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,64,128]
-
-Not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -37,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .headline import describe, load_pair, measure_batches, pair_arguments, pair_dir, pair_info, save
+from .headline import MODES, describe, load_pair, measure_batches, pair_arguments, pair_dir, pair_info, save
 from .serving import figures, request_stream
 from .torch_common import TORCH_M, release
 from memra_cuda.errors import SwitchUnsupported
@@ -50,7 +48,6 @@ CHAINS = {1: (2, 3, 4, 6), 8: (2, 3, 4), 32: (1, 2, 3), 64: (1, 2), 128: (1, 2)}
 ADAPTIVE = {1: (6, (0, 2, 4)), 8: (4, (0, 1, 2)), 32: (3, (0, 1)), 64: (2, (0, 1)), 128: (2, (0, 1))}
 STREAM_SEED = 48
 WARM_TOKENS = 8  # the warm-up stream's budget a request
-MODES = ("greedy", "sampling")  # sampling: at temperature 1
 
 
 def stream_for(heldout: Mapping[str, Any], batch: int, eos: int | None, quick: bool = False) -> list[Request]:
@@ -115,8 +112,12 @@ def format_row(row: Mapping[str, Any]) -> str:
 def plot(report: Mapping[str, Any], path: str | Path) -> None:
     """Tokens/s against B: the plain decoding, the best fixed chain and the adaptive
     configuration, greedy and sampled."""
-    import matplotlib
-    matplotlib.use("Agg")
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"served: no picture at {path} without matplotlib (`pip install matplotlib` to get the picture)")
+        return
+    matplotlib.use("Agg")  # a file, no display
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     plain = [row for row in report["rows"] if row["config"] == "plain"]

@@ -126,10 +126,9 @@ class RequestRefused(MemraError, ValueError):
 
 def malformed(request: Request, vocab: int) -> str | None:
     """Why `request` is none a decoder over `vocab` tokens can run, whatever its room: a prompt
-    that is not one or more token ids, a budget, EOS, seed or most draft length that is not one
-    (a seed: of 64 bits),
-    a token outside the vocabulary (whose embedding lookup would fault the device). None where it
-    is well formed."""
+    that is not one or more token ids, a budget, EOS, seed (of 64 bits) or most draft length that
+    is not one, a token outside the vocabulary (whose embedding lookup would fault the device).
+    None where it is well formed."""
     try:
         prompt = np.asarray(request.prompt)
     except (TypeError, ValueError):  # ragged, or not numbers at all

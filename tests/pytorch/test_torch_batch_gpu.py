@@ -207,6 +207,20 @@ def test_the_plain_loop_refuses_a_request_its_cache_cannot_hold_and_reads_a_burs
     assert greedy.generate(PROMPT, 21) == hf_greedy(small, PROMPT, 21)  # one burst and five steps of another
 
 
+def test_the_headlines_plain_step_is_one_step_of_its_burst(small):
+    """benchmarks.torch_common.plain_decoding times the plain loop's step, the unit of a round's
+    verify and draft on the performance page, from the graph a generation leaves: a burst of 16
+    steps, over its steps. Against a graph of one step, within a factor of 2 (the burst whole,
+    as an H200 run once took it, reads 16 steps)."""
+    from benchmarks.torch_common import plain_decoding
+    from memra_cuda.torch.timing import replay_ms
+    _, step_ms = plain_decoding(small, 128, [[Request(PROMPT, 20)]])
+    one = GraphedGreedy(small, 128, steps=1)
+    one.capture()
+    one_ms = replay_ms(one.graph, one.stream)
+    assert one_ms / 2 < step_ms < 2 * one_ms, f"a step of the burst {step_ms:.4f} ms, a one-step graph {one_ms:.4f} ms"
+
+
 def test_a_prefill_needs_a_seed_a_row_and_greedy_a_request_a_row(small):
     sampled = chain(small, capacity=capacity_for(10, 20, K, M, batch=2), batch=2, sampling=SamplingParams(1.0))
     for seeds in ([7], [], [7, 8, 9]):
