@@ -23,6 +23,12 @@ static __device__ __forceinline__ unsigned int tighter_mark(unsigned int mark, u
     return mark == 0 ? cap : cap == 0 ? mark : min(mark, cap);
 }
 
+// The most drafts a row's acceptance may keep under its mark: `most` (k, or a tree's depth) where
+// the mark is 0, else mark - 1 or `most`, the smaller. Every acceptance kernel reads it so.
+static __device__ __forceinline__ unsigned int marked_limit(unsigned int mark, unsigned int most) {
+    return mark ? min(most, mark - 1) : most;
+}
+
 // acc_d, u32[B][ACC_WORDS]: the drafts accepted this round, and in total (wrapping).
 #define ACC_ROUND 0
 #define ACC_TOTAL 1

@@ -70,7 +70,7 @@ spec_accept_sample(const u32* vtok_d, const float* p_d, const float* q_d, u32 V,
             acc_total = acc_d[ACC_WORDS * b + ACC_TOTAL];
             brk_total = brk_d[BRK_WORDS * b + BRK_COUNT];
         }
-        limit = brk ? min(k, brk - 1) : k;
+        limit = marked_limit(brk, k);
         n = limit;
         for (u32 base = 0; live && base < limit; base += 32) {
             const u32 i = base + threadIdx.x;

@@ -72,7 +72,7 @@ __device__ void accept_greedy_row(u32 b, const u32* vtok_d, const Tok* pred_d, u
     int* ctl = ctl_d + CTL_WORDS * b;
     const u32 brk = brk_row[BRK_MARK];
     const int done = ctl[CTL_DONE];
-    const u32 limit = brk ? min(k, brk - 1) : k;
+    const u32 limit = marked_limit(brk, k);
     u32 n = limit;
     for (u32 base = 0; base < limit; base += 32) {
         const u32 i = base + lane;

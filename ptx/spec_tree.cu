@@ -260,12 +260,15 @@ __device__ __forceinline__ bool all_agree(const u32* mask_i, const u32* agree, u
 }
 
 // The row's verdict after the accepted node n: its path (from the parents, D at most), the path's
-// tokens in vtok[1..a], acc, the bonus, keep = a + 1; a done row keeps nothing. One thread.
+// tokens in vtok[1..a], acc, the bonus, keep = a + 1, a live row's capped round counted where its
+// mark was set, the mark cleared; a done row keeps nothing. One thread.
 __device__ void settle_tree_row(const TreeRows& t, u32 T1, u32 D, u32 b, u32 n, u32 bonus, bool done, u32* vtok_d,
                                 u32* brk_d, u32* acc_d, u32* last_pred_d, int* ctl_d) {
     u32* acc = acc_d + ACC_WORDS * b;
     int* ctl = ctl_d + CTL_WORDS * b;
-    brk_d[BRK_WORDS * b + BRK_MARK] = 0;
+    u32* brk = brk_d + BRK_WORDS * b;
+    if (!done && brk[BRK_MARK]) brk[BRK_COUNT] += 1;  // a capped round, as a chain's count
+    brk[BRK_MARK] = 0;
     if (done) {
         acc[ACC_ROUND] = 0;
         ctl[CTL_KEEP] = 0;
@@ -287,7 +290,8 @@ __device__ void settle_tree_row(const TreeRows& t, u32 T1, u32 D, u32 b, u32 n, 
     ctl[CTL_KEEP] = (int)(a + 1);
 }
 
-// 13. Greedy: the deepest node whose every node on the root path agrees with the target (its
+// 13. Greedy: the deepest node, at most the row's cap deep (marked_limit: the length chosen for
+//     it, docs/lengths.md), whose every node on the root path agrees with the target (its
 //     token the prediction at its parent), ties to the smaller index. One warp a row: each lane
 //     judges nodes lane, lane + 32, ...; a ballot per 32 nodes makes the set of agreeing nodes,
 //     and a node qualifies when its ancestor mask lies in that set.
@@ -299,6 +303,7 @@ __device__ void tree_accept_greedy(u32* tree, u32 T1, u32 W, u32 D, u32 B, const
     for (u32 b = blockIdx.x; b < B; b += gridDim.x) {
         const TreeRows t = tree_rows(tree, T1, W, D, B, b);
         const Tok* pred = pred_d + (u64)b * T1;
+        const u32 cap = marked_limit(brk_d[BRK_WORDS * b + BRK_MARK], D);  // every lane alike
         for (u32 w = 0; w < W; ++w) {
             const u32 i = 32 * w + lane;
             bool ok = i == 0;
@@ -313,7 +318,7 @@ __device__ void tree_accept_greedy(u32* tree, u32 T1, u32 W, u32 D, u32 B, const
         u64 best = 0;  // (depth, ~index) of the deepest qualifying node, smaller index first
         for (u32 i = lane; i < T1; i += 32) {
             const u32 depth = t.depth[i];
-            if (depth <= D && all_agree(t.mask + (u64)i * W, agree, W)) {
+            if (depth <= cap && all_agree(t.mask + (u64)i * W, agree, W)) {
                 const u64 key = (u64)depth << 32 | (u32)~i;
                 best = key > best ? key : best;
             }
@@ -505,10 +510,12 @@ spec_tree_judge_pass(u32* tree, u32 T1, u32 W, u32 D, u32 B, const float* p_d, c
     test_child(out, j, p, q, V, seed_d[b], (u32)pos_start_d[b], t.depth[n]);
 }
 
-// 14'. The walk and the bonus race: every block of row b walks the verdicts from node 0 (D steps
-//      at most) to the stop node n, races its slice of V over n's residual after its r - 1 first
-//      rejections (residual key: max(f - g, 0), which outranks f itself), and the row's last block
-//      settles the row. scratch u64[B][2] as race_settle takes it.
+// 14'. The walk and the bonus race: every block of row b walks the verdicts from node 0 (the
+//      row's cap of steps at most: marked_limit, D where no length was chosen) to the stop node n,
+//      races its slice of V over n's residual after its r - 1 first rejections (residual key:
+//      max(f - g, 0), which outranks f itself), or over p itself where the walk stopped at the cap
+//      (n's children not judged: r = 0), and the row's last block settles the row. scratch
+//      u64[B][2] as race_settle takes it.
 extern "C" __global__ void __launch_bounds__(TREE_THREADS)
 spec_tree_race(u32* tree, u32 T1, u32 W, u32 D, u32 B, const float* p_d, const float* q_d, u32 V, const u64* seed_d,
                const int* pos_start_d, const u32* judged, u32* vtok_d, u32* brk_d, u32* acc_d, u32* last_pred_d,
@@ -517,14 +524,15 @@ spec_tree_race(u32* tree, u32 T1, u32 W, u32 D, u32 B, const float* p_d, const f
     if (b >= B) return;
     const TreeRows t = tree_rows(tree, T1, W, D, B, b);
     const bool done = ctl_d[CTL_WORDS * b + CTL_DONE] != 0;
-    u32 n = 0;
-    for (u32 d = 0; d < D; ++d) {
+    const u32 cap = marked_limit(brk_d[BRK_WORDS * b + BRK_MARK], D);
+    u32 n = 0, d = 0;
+    for (; d < cap; ++d) {
         const u32 child = judged[((u64)b * T1 + n) * JUDGED_WORDS];
         if (child >= T1 || child <= n || t.parent[child] != n) break;
         n = child;
     }
     const u32* verdict = judged + ((u64)b * T1 + n) * JUDGED_WORDS;
-    const u32 r = min(verdict[1], (u32)MAX_TREE_DRAWS);
+    const u32 r = d < cap ? min(verdict[1], (u32)MAX_TREE_DRAWS) : 0u;  // at the cap, p itself
     Verdict verdict_of_n;
     verdict_of_n.load(verdict);
     u64 best = 0;

@@ -19,6 +19,7 @@ from .round import Round, Stages, Step
 
 if TYPE_CHECKING:
     from ..buffers.acceptance import Acceptance
+    from ..buffers.lengths import DraftLengths
     from ..buffers.stream_bufs import StreamBufs
     from ..buffers.tables import PointerTable
 
@@ -35,14 +36,18 @@ class TreeRound(Round):
     (a KVDataTable, kernel 15) and by `compact`, the model's own callable for a cache the table
     cannot describe (paged), which reads tree_bufs.path_d and bufs.acc_d. Recurrent state keeps
     a slot per node (StateLayer(..., k=T)); the path's last node's slot becomes the live one.
+    `lengths` (DraftLengths of these bufs, its k the depth), when given, opens each round with the
+    length chooser: each row's acceptance stops at its length, min(width, its request's cap), as
+    deep as the tree goes (docs/lengths.md). The tree is drafted and verified whole whatever the
+    lengths, so give it flat costs: each row then runs at its own cap.
     """
 
     def __init__(self, bufs: StreamBufs, tree_bufs: TreeBufs, kernels: SpecKernels | None = None, *,
                  draft_levels: Sequence[Step], verify_tree: Step, acceptance: Acceptance,
                  candidates: Candidates | None = None, rollback_tables: Sequence[PointerTable],
                  kv_data: KVDataTable | None = None, compact: Step | None = None,
-                 state_tables: Sequence[StateTable | StateIndexTable] = (), capture: Capture | None = None,
-                 stages: Stages | None = None):
+                 state_tables: Sequence[StateTable | StateIndexTable] = (), lengths: DraftLengths | None = None,
+                 capture: Capture | None = None, stages: Stages | None = None):
         if not isinstance(tree_bufs, TreeBufs) or tree_bufs.bufs is not bufs:
             raise ValueError(f"tree_bufs must be TreeBufs(bufs, tree) over these StreamBufs, not {tree_bufs!r}")
         tree, levels = tree_bufs.tree, list(draft_levels)
@@ -68,10 +73,11 @@ class TreeRound(Round):
                              "compact= (a model without KV: compact=lambda: None)")
         kernels = kernels or SpecKernels(bufs.engine)
         trees = TreeKernels(bufs.engine)
-        self.acceptance, self.tree_bufs, self.tree_kernels = acceptance, tree_bufs, trees
+        self.acceptance, self.tree_bufs, self.tree_kernels, self.lengths = acceptance, tree_bufs, trees, lengths
+        choose = [] if lengths is None else [kernels.prepare_choose_lengths(bufs, lengths)]  # refuses others' buffers
 
         def before_commit() -> list[Step]:
-            steps: list[Step] = [trees.prepare_begin(bufs, tree_bufs)]
+            steps: list[Step] = [*choose, trees.prepare_begin(bufs, tree_bufs)]
             if isinstance(acceptance, Sampling):
                 drawn = SampledCandidates(bufs.engine, bufs.batch, tree_bufs.nodes, tree.draws)
                 vocab = _vocab(acceptance, bufs, tree_bufs)

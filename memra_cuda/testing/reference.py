@@ -73,6 +73,13 @@ def spec_accept_greedy_dc(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.nd
         _accept_greedy_row(vtok, pred, k, brk, acc, last_pred, ctl)
 
 
+def marked_limit(mark: int, most: int) -> int:
+    """The most drafts a row's acceptance keeps under its mark word (ptx/layout.cuh's
+    marked_limit): `most` (k, or a tree's depth) where the mark is 0, else the smaller of mark - 1
+    and `most`."""
+    return min(most, mark - 1) if mark else most
+
+
 def _accept_greedy_row(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.ndarray, acc: np.ndarray,
                        last_pred: np.ndarray, ctl: np.ndarray) -> None:
     b = int(brk[BRK_MARK])
@@ -81,7 +88,7 @@ def _accept_greedy_row(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.ndarr
         acc[ACC_ROUND] = 0
         ctl[CTL_KEEP] = 0
     else:
-        limit = min(k, b - 1) if b else k
+        limit = marked_limit(b, k)
         n = 0
         while n < limit and vtok[1 + n] == pred[n]:
             n += 1
@@ -224,8 +231,7 @@ def spec_accept_sample(vtok: np.ndarray, p: np.ndarray, q: np.ndarray, V: int, k
 def _sample_verdict(vtok: np.ndarray, p: np.ndarray, q: np.ndarray, V: int, k: int, brk: np.ndarray,
                     pos_start: np.ndarray, seed: np.ndarray) -> tuple[int, int]:
     """(n drafts accepted, the bonus token) of one live row."""
-    b = int(brk[BRK_MARK])
-    limit = min(k, b - 1) if b else k
+    limit = marked_limit(int(brk[BRK_MARK]), k)
     p, q = p.reshape(k + 1, V), q.reshape(max(k, 1), V)
     first = int(pos_start[0]) + 1  # draft 0's absolute position; U wraps it to 32 bits, as the kernel
     i = np.arange(limit)

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_MARK, BRK_WORDS, CTL_DONE, CTL_KEEP, CTL_WORDS,
-                              MAX_TREE_DRAWS, ROOT_PARENT, VOID_RANK)
+from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MARK, BRK_WORDS, CTL_DONE, CTL_KEEP,
+                              CTL_WORDS, MAX_TREE_DRAWS, ROOT_PARENT, VOID_RANK)
 from .philox import uniform
-from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, ids, kept_states, race_scores,
-                        row_views, sample_race, spec_state_copy, spec_state_flip)
+from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, ids, kept_states, marked_limit,
+                        race_scores, row_views, sample_race, spec_state_copy, spec_state_flip)
 from .reference import probabilities as chain_probabilities
 
 _U32 = 0xFFFFFFFF
@@ -251,8 +251,11 @@ def _dynamic_level(r: TreeRow, parents: tuple[int, int], start: int, stop: int, 
 def _settle(r: TreeRow, path: list[int], token: int, vtok: np.ndarray, brk: np.ndarray, acc: np.ndarray,
             last_pred: np.ndarray, ctl: np.ndarray) -> None:
     """A live row's verdict: path[0..a] (a = len(path) - 1), vtok[1 + d] = tok[path[1 + d]],
-    acc[ACC_ROUND] = a, acc[ACC_TOTAL] += a (wrapping), last_pred = token, keep = a + 1, no break."""
+    acc[ACC_ROUND] = a, acc[ACC_TOTAL] += a (wrapping), last_pred = token, keep = a + 1; a round
+    capped by its mark counted in BRK_COUNT (wrapping), as a chain's is; the mark cleared."""
     a = len(path) - 1
+    if brk[BRK_MARK]:
+        brk[BRK_COUNT] = (int(brk[BRK_COUNT]) + 1) & _U32
     r.path[:a + 1] = path
     vtok[1:1 + a] = r.tok[path[1:]]
     acc[ACC_ROUND] = a
@@ -280,11 +283,13 @@ def _root_path(r: TreeRow, n: int) -> list[int]:
 def _accept_rows(t: TreeArrays, k: int, batch: int, vtok: np.ndarray, brk: np.ndarray, acc: np.ndarray,
                  last_pred: np.ndarray, ctl: np.ndarray
                  ) -> Iterator[tuple[int, TreeRow, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """(b, row views, cap, vtok, brk, acc, last_pred, ctl) of each row; cap = min(k, D), the deepest
-    a path may go (the vtok row has k + 1 words, the path row D + 1)."""
+    """(b, row views, cap, vtok, brk, acc, last_pred, ctl) of each row; cap, the deepest a path may
+    go: min(k, D) (the vtok row has k + 1 words, the path row D + 1), lowered by the row's mark
+    (marked_limit: the draft length chosen for it, docs/lengths.md)."""
     for b, (vtok_b, brk_b, acc_b, last_pred_b, ctl_b) in enumerate(row_views(
             batch, (vtok, k + 1), (brk, BRK_WORDS), (acc, ACC_WORDS), (last_pred, 1), (ctl, CTL_WORDS))):
-        yield b, t.row(b), min(k, t.depth_max), vtok_b, brk_b, acc_b, last_pred_b, ctl_b
+        cap = marked_limit(int(brk_b[BRK_MARK]), min(k, t.depth_max))
+        yield b, t.row(b), cap, vtok_b, brk_b, acc_b, last_pred_b, ctl_b
 
 
 def spec_tree_accept_greedy(t: TreeArrays, pred: np.ndarray, k: int, vtok: np.ndarray, brk: np.ndarray,
@@ -295,7 +300,7 @@ def spec_tree_accept_greedy(t: TreeArrays, pred: np.ndarray, k: int, vtok: np.nd
     ties to the smaller index; the stored depth is not read. Then path[0..a] = n's root path
     (a its hops), vtok[1 + d] = tok[path[1 + d]] for d < a, acc[ACC_ROUND] = a, acc[ACC_TOTAL] += a,
     last_pred = ids(pred[n]), keep = a + 1. A done row: acc[ACC_ROUND] = 0, keep 0, path[0] = 0.
-    brk[BRK_MARK] = 0 in every row; BRK_COUNT is not touched (a tree never breaks)."""
+    brk[BRK_MARK] = 0 in every row; a live row whose mark was set counts a capped round in BRK_COUNT."""
     T1 = t.nodes
     preds = ids(np.asarray(pred).reshape(batch, T1))
     for b, r, cap, vtok_b, brk_b, acc_b, last_pred_b, ctl_b in _accept_rows(t, k, batch, vtok, brk, acc,
@@ -326,14 +331,15 @@ def spec_tree_accept_sample(t: TreeArrays, p: np.ndarray, q: np.ndarray, V: int,
     """Kernel 14: recursive rejection sampling without replacement down the tree, from node 0.
 
     p, q: f32 [B][T1][V] (the target's and the draft's law at each node), seed u64 [B]. At node n
-    of depth h (hops from node 0), while h < min(k, D), its children (tree_children) are tried in
+    of depth h (hops from node 0), while h is below the row's cap (kernel 13's), its children (tree_children) are tried in
     order with f = probabilities(p[n]), g = g0 = probabilities(q[n]), all f32: child c of token x
     (x >= V: f(x) = g(x) = 0, never indexed) is accepted iff f32(U) * g(x) < f(x), U =
     U(seed, pos_start + h + 1, 0, PURPOSE_ACCEPT, node word c - h - 1), and the walk goes on at c.
     On rejection: residual = max(f - g, 0) (NaN counts 0), Z = f32(f64 sum of it), f = residual / Z
     if Z > 0 (else f is kept); then x joins the removed tokens (its g0(x) added, once, to the removed
     mass m, f64), and g = g0 / f32(1 - m) with the removed tokens 0, or all 0 if f32(1 - m) <= 0.
-    Where every child is rejected, or there is none, the bonus is raced over f (PURPOSE_SAMPLE,
+    Where every child is rejected, or there is none, or the walk is at the cap (f is p[n] itself),
+    the bonus is raced over f (PURPOSE_SAMPLE,
     position pos_start + h + 1, node word n - h); NO_MASS_TOKEN if f has no positive weight. The
     verdict is settled as kernel 13's, done rows too."""
     T1 = t.nodes
@@ -349,13 +355,15 @@ def spec_tree_accept_sample(t: TreeArrays, p: np.ndarray, q: np.ndarray, V: int,
 
 
 def bonus_race(t: TreeArrays, b: int, p: np.ndarray, q: np.ndarray, V: int, k: int, pos_start: int,
-               seed: npt.ArrayLike) -> tuple[np.ndarray, int, int]:
+               seed: npt.ArrayLike, mark: int = 0) -> tuple[np.ndarray, int, int]:
     """(weights, position, node word) of the race that gives row b's bonus in kernel 14, the row taken
     as live: the f32 weights f at the node where the walk stops, pos_start + h + 1 and n - h. For a
-    GPU test that allows the kernel's race a near tie; `seed` is row b's (the walk depends on it)."""
+    GPU test that allows the kernel's race a near tie; `seed` is row b's (the walk depends on it),
+    `mark` its brk[BRK_MARK] word before the accept."""
     T1 = t.nodes
     ps, qs = (np.asarray(x, np.float32).reshape(t.batch, T1, V)[b] for x in (p, q))
-    _, weights, position, node = _sample_walk(t.row(b), ps, qs, V, min(k, t.depth_max), int(pos_start), seed)
+    cap = marked_limit(mark, min(k, t.depth_max))
+    _, weights, position, node = _sample_walk(t.row(b), ps, qs, V, cap, int(pos_start), seed)
     return weights, position, node
 
 

@@ -52,7 +52,6 @@ class SpeculativeLlama(RoundDecoder):
     whatever the width. Each width compiles its own steps.
     """
 
-    lengths: DraftLengths  # a chain decoder's rounds always choose lengths (caps, and widths where given)
 
     def __init__(self, model: Any, draft: Any, *, k: int = 4, m_rounds: int = 16, capacity: int = 1024,
                  batch: int = 1, sampling: SamplingParams | None = None,

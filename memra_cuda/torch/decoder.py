@@ -52,7 +52,7 @@ class RoundDecoder:
     _warm_up()."""
 
     rounds: RoundStream
-    lengths: DraftLengths | None = None  # a chain's: each request's most draft length, applied on the device
+    lengths: DraftLengths  # each request's most draft length, applied on the device (each subclass makes it)
     pred_d: torch.Tensor  # greedy: the target's token at each verified position, [B][verified + 1]
     p_d: torch.Tensor  # sampling: the target's probabilities there, [B][verified + 1][V]
 
@@ -147,13 +147,11 @@ class RoundDecoder:
         with torch.cuda.stream(self.stream):
             if rows == list(range(self.batch)):
                 self.bufs.reset(pending, starts)
-                if self.lengths is not None:
-                    self.lengths.set_caps(caps)
+                self.lengths.set_caps(caps)
             else:
                 for row, token, start, cap in zip(rows, pending, starts, caps):
                     self.bufs.reset_row(row, token, start)
-                    if self.lengths is not None:
-                        self.lengths.set_cap_row(row, cap)
+                    self.lengths.set_cap_row(row, cap)
         return starts
 
     def admit(self, row: int, request: Request) -> None:
@@ -166,22 +164,13 @@ class RoundDecoder:
         (start,) = self._fill([row], [prompt], [request.seed])
         with torch.cuda.stream(self.stream):
             self.bufs.start_row(row, int(prompt[-1]), start, budget=request.max_new_tokens, eos=request.eos)
-            if self.lengths is not None:
-                self.lengths.set_cap_row(row, cap)
+            self.lengths.set_cap_row(row, cap)
 
     def _cap(self, request: Request) -> int:
         """The request's most draft length in this decoder: its own, at most k."""
         if request.max_draft is None:
             return self.k
         return min(as_size(request.max_draft, "max_draft", 0, also="None"), self.k)
-
-    def unsupported(self, request: Request) -> str | None:
-        """Why this decoder cannot run a well-formed `request`, whatever its room (None: it can):
-        a draft length of its own where the decoder applies none (a tree's size is its own)."""
-        if request.max_draft is not None and self.lengths is None:
-            return (f"it asks for a most draft length of its own (max_draft={request.max_draft}), which "
-                    f"{type(self).__name__} does not apply")
-        return None
 
     def _fill(self, rows: list[int], prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None) -> list[int]:
         """Both caches of each row take its prompt but the last token, and what a subclass sets
@@ -227,7 +216,7 @@ class RoundDecoder:
         if len(requests) != self.batch:
             raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
         for row, request in enumerate(requests):
-            if (reason := malformed(request, self.vocab) or self.unsupported(request)) is not None:
+            if (reason := malformed(request, self.vocab)) is not None:
                 raise RequestRefused(row, reason)
         self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests],
                      [self._cap(r) for r in requests])
@@ -280,8 +269,6 @@ class _Slots:
         self.batch, self.vocab = decoder.batch, decoder.vocab
 
     def refusal(self, request: Request) -> str | None:
-        if (reason := self.decoder.unsupported(request)) is not None:
-            return reason
         rule, capacity = self.decoder.rounds.round.capacity, self.decoder.target.kv.capacity
         prompt, new = len(request.prompt), request.max_new_tokens
         need = kv_capacity(prompt, new, rule.k, self.decoder.rounds.rounds_per_step(self.mode), batch=rule.batch,

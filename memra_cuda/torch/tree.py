@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..buffers.acceptance import Greedy, Sampling
+from ..buffers.lengths import DraftLengths
 from ..buffers.tables import kv_data_table, kv_len_ptr_table
 from ..buffers.tree import Candidates, DynamicTree, Tree, TreeBufs, TreeShape
 from ..rounds.stream import RoundStream
@@ -49,7 +50,9 @@ class TreeLlama(RoundDecoder):
     `candidates` best tokens a node (default the most the tree asks for) and the target's argmax
     at each node; with `sampling`, the draft's distribution q and the target's p at each node
     ([B][T+1][V] f32 each), the children drawn and accepted by the layer's exact rejection
-    sampling without replacement, keyed by the rows' seeds.
+    sampling without replacement, keyed by the rows' seeds. A request's most draft length
+    (Request.max_draft; 0: speculation off) caps how deep its row's accepted path goes, on the
+    device (docs/lengths.md); the tree is drafted and verified whole all the same.
 
     Both caches are compacted by the layer (kv_data_table over StaticKV.data(): a record per layer
     and head), or, with `paged` (positions a page), laid out in pages (PagedKV) and compacted by
@@ -103,11 +106,15 @@ class TreeLlama(RoundDecoder):
                 self.q_d = torch.zeros(batch, nodes, vocab, device="cuda")
                 rule = dict(acceptance=Sampling(self.p_d, self.q_d, self.seed_d, vocab))
             layers = self.target.kv.cache() + self.draft.kv.cache()
+            # each request's most draft length (Request.max_draft) caps its row's accepted depth, on
+            # the device; the tree is drafted and verified whole, so every width costs alike
+            self.lengths = DraftLengths(self.bufs, [1.0] * (tree.depth + 1), 0.0)
             round_ = TreeRound(self.bufs, tree_bufs, draft_levels=[functools.partial(self.draft_level, d)
                                                                   for d in range(tree.depth + 1)],
                                verify_tree=self.verify_tree,
                                rollback_tables=[kv_len_ptr_table(self.engine, layers, pos_ctr=self.bufs.pos_ctr_d)],
-                               state_tables=self.state_tables(), **rule, **self._compaction(paged))
+                               state_tables=self.state_tables(), lengths=self.lengths, **rule,
+                               **self._compaction(paged))
             self.rounds = RoundStream.of(round_)
             self._warm_up()
 

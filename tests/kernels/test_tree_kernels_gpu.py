@@ -6,7 +6,7 @@ KV table's layers and recurrent state) is written, one kernel launched, everythi
 compared with the reference run on host copies, so a stray write shows up as a difference. The
 next kernel starts from what the GPU left. Trees are random static shapes (random parents,
 choices with rank gaps) and dynamic ones, B in {1, 3, 32}, greedy and sampled, with done rows,
-positions near the KV capacity, tiny vocabularies (drafts agree with the target, accepts run
+rows capped by their marks (a draft length chosen: 0 to past the depth), positions near the KV capacity, tiny vocabularies (drafts agree with the target, accepts run
 deep) and a real one (152 000). Races are run in f32 on the GPU and in f64 by the reference: a
 drawn token may differ only where its f64 score is within NEAR_TIE of the reference's.
 
@@ -26,7 +26,7 @@ from memra_cuda.buffers import KVData
 from memra_cuda.kernels import TreeKernels
 from memra_cuda.testing import reference as ref
 from memra_cuda.testing import reference_tree as rt
-from memra_cuda.buffers.layout import CTL_DONE, CTL_WORDS, VOID_RANK
+from memra_cuda.buffers.layout import BRK_MARK, BRK_WORDS, CTL_DONE, CTL_WORDS, VOID_RANK
 from memra_cuda.kernels.tree import SampledCandidates
 
 pytestmark = pytest.mark.gpu
@@ -134,6 +134,9 @@ class Rig:
         state["pos_ctr"] = rng.integers(0, CAPACITY - 2, B).astype(np.int32)
         ctl = state["ctl"].reshape(B, CTL_WORDS)
         ctl[:, CTL_DONE] = np.where(rng.random(B) < 0.2, rng.integers(1, 5, B), 0)
+        brk = state["brk"].reshape(B, BRK_WORDS)  # marks: none, caps 0 to past the depth, or garbage
+        brk[:, BRK_MARK] = np.where(rng.random(B) < 0.4, 0, np.where(rng.random(B) < 0.8,
+                                    rng.integers(1, self.tree.depth + 3, B), brk[:, BRK_MARK]))
         state["pred"] = rng.integers(0, tokens, B * T1).astype(np.uint32)
         state["seed"] = rng.integers(0, 2**63, B, dtype=np.uint64)
         state["idx"] = rng.integers(0, 3 * T1, B).astype(np.uint32)
@@ -256,7 +259,8 @@ def accept_sample_step(rig: Rig, state: dict, what: str) -> dict:
     bonus_g, bonus_w = got["last_pred"], want["last_pred"]
     for b in np.flatnonzero(bonus_g != bonus_w):
         weights, position, node = rt.bonus_race(rig.arrays(state), b, state["p"], state["q"], rig.V, rig.tree.depth,
-                                                int(state["pos_start"][b]), state["seed"][b])
+                                                int(state["pos_start"][b]), state["seed"][b],
+                                                int(state["brk"][BRK_WORDS * b + BRK_MARK]))
         scores = ref.race_scores(weights, state["seed"][b], position, ref.PURPOSE_SAMPLE, node)
         assert scores[bonus_g[b]] >= scores.max() * (1 - NEAR_TIE), \
             f"{what}: row {b} bonus {bonus_g[b]} (score {scores[bonus_g[b]]}), the reference's {bonus_w[b]} " \

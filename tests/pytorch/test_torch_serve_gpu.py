@@ -1,6 +1,6 @@
-"""A request stream served through fewer slots, plain and speculative alike: GraphedGreedy and
-SpeculativeLlama (the small random-weight Llama and its self-speculative draft) behind one
-memra_cuda.rounds.Server. Every request's tokens are the target's own greedy decoding of it alone
+"""A request stream served through fewer slots, plain and speculative alike: GraphedGreedy,
+SpeculativeLlama and TreeLlama (the small random-weight Llama and its self-speculative draft)
+behind one memra_cuda.rounds.Server. Every request's tokens are the target's own greedy decoding of it alone
 (Hugging Face's, hf_greedy) token for token, whatever row it ran in and whatever ran beside it; a
 request that cannot run is refused alone, naming it, and the others are served; a request
 cancelled mid-generation keeps the tokens it was sent (a prefix of its own output), its row goes
@@ -17,8 +17,9 @@ pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs trans
 from memra_cuda.buffers.layout import BRK_COUNT  # noqa: E402
 from memra_cuda.torch.testing import prompts  # noqa: E402
 from test_torch_batch_gpu import first_difference  # noqa: E402  (imports torch)
-from memra_cuda.torch import (GraphedGreedy, Request, SpeculativeLlama, capacity_for, hf_greedy,  # noqa: E402
-                              self_draft)
+from memra_cuda import TreeShape  # noqa: E402
+from memra_cuda.torch import (GraphedGreedy, Request, SpeculativeLlama, TreeLlama, capacity_for,  # noqa: E402
+                              hf_greedy, self_draft)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
 
@@ -43,14 +44,21 @@ def stream(small):
     return requests, want
 
 
-@pytest.fixture(params=["plain", "chain", "switch"])
+@pytest.fixture(params=["plain", "chain", "switch", "tree"])
 def decoder(request, small):
-    """The plain loop, the chain decoder, or the chain decoder with bodies of widths 0 and 2
-    beside k's, one switched to each round by the width chosen (CUDA 12.8+; skipped, naming why,
-    before), over SLOTS rows, every graph captured (a plain server captures its own as it is made)."""
+    """The plain loop, the chain decoder, the chain decoder with bodies of widths 0 and 2 beside
+    k's, one switched to each round by the width chosen (CUDA 12.8+; skipped, naming why, before),
+    or a tree decoder of depth k (a chain with a leaf beside each draft), over SLOTS rows, every
+    graph captured (a plain server captures its own as it is made)."""
     capacity = capacity_for(40, 96, K, M, batch=SLOTS)
     if request.param == "plain":
         return GraphedGreedy(small, capacity, SLOTS)
+    if request.param == "tree":
+        tree = TreeShape.chain_with_leaves(K, 1)
+        spec = TreeLlama(small, self_draft(small), tree, m_rounds=M, batch=SLOTS,
+                         capacity=capacity_for(40, 96, K, M, batch=SLOTS, width=tree.nodes))
+        spec.capture(("graph",))
+        return spec
     widths = ()
     if request.param == "switch":
         request.getfixturevalue("switches")
@@ -120,8 +128,8 @@ def test_a_cancelled_request_keeps_its_tokens_and_gives_its_row_to_the_next(stre
 def test_requests_at_their_own_draft_lengths_are_each_their_own_greedy_output(stream, decoder):
     """Every request with a most draft length of its own, 0 (speculation off) to past k, served
     together: each is its own greedy output (the plain loop takes the lengths and has no drafts).
-    In the chain decoder, generate_batch applies a batch's lengths too: the row at 0 had every
-    round's acceptance capped (brk's count), one token a round."""
+    In the chain and tree decoders, generate_batch applies a batch's lengths too: the row at 0 had
+    every round's acceptance capped (brk's count), one token a round."""
     requests, want = stream
     lengths = [i % (K + 2) for i in range(REQUESTS)]  # 0 .. k + 1: past k is k
     served = decoder.serve([r._replace(max_draft=n) for r, n in zip(requests, lengths)])

@@ -15,7 +15,8 @@ import itertools
 import numpy as np
 import pytest
 
-from memra_cuda.buffers.layout import ACC_ROUND, CTL_DONE, CTL_KEEP, CTL_WORDS, ROOT_PARENT, VOID_RANK
+from memra_cuda.buffers.layout import (ACC_ROUND, BRK_COUNT, BRK_MARK, BRK_WORDS, CTL_DONE, CTL_KEEP, CTL_WORDS,
+                                      ROOT_PARENT, VOID_RANK)
 from memra_cuda.testing import reference as ref
 from memra_cuda.testing import reference_tree as rt
 from memra_cuda.testing.philox import uniform
@@ -39,13 +40,18 @@ def levels_of(parents: list[int]) -> list[tuple[int, int]]:
     return [(depth.index(d), len(depth) - depth[::-1].index(d)) for d in range(max(depth) + 1)]
 
 
-def round_state(batch: int, k: int, rng: np.random.Generator, done=()) -> dict[str, np.ndarray]:
-    """Fresh round-stream buffers: vtok of sentinels, a break counter, random totals, done flags."""
+def round_state(batch: int, k: int, rng: np.random.Generator, done=(), marks: int = 0) -> dict[str, np.ndarray]:
+    """Fresh round-stream buffers: vtok of sentinels, a break counter, random totals, done flags;
+    with `marks`, each row's mark drawn from 0 to `marks` - 1 (0 in about half the rows: no cap;
+    i + 1 caps the row at i drafts, as the length chooser writes it)."""
     ctl = np.tile(np.array([-1, -1, 0, 9], np.int32), batch)
     for b in done:
         ctl[CTL_WORDS * b + CTL_DONE] = 1
+    brk = np.tile(u32(0, 5), batch)
+    if marks:
+        brk[BRK_MARK::BRK_WORDS] = np.where(rng.random(batch) < 0.5, 0, rng.integers(0, marks, batch))
     return dict(vtok=np.full(batch * (k + 1), SENTINEL, np.uint32),
-                brk=np.tile(u32(0, 5), batch), acc=rng.integers(0, 2**32, 2 * batch).astype(np.uint32),
+                brk=brk, acc=rng.integers(0, 2**32, 2 * batch).astype(np.uint32),
                 last_pred=np.full(batch, 77, np.uint32), ctl=ctl)
 
 
@@ -90,7 +96,7 @@ def test_one_branch_greedy_equals_the_chain(k, batch):
         agree = rng.random((batch, k)) < 0.7
         pred[:, :k] = np.where(agree, drafts[:, :k], pred[:, :k])
         pend, pos_ctr = rng.integers(0, 100, batch).astype(np.uint32), rng.integers(0, 2**31, batch).astype(np.int32)
-        chain_state = round_state(batch, k, rng, done)
+        chain_state = round_state(batch, k, rng, done, marks=k + 2)
         tree_state = {name: words.copy() for name, words in chain_state.items()}
         chain_state["vtok"] = np.concatenate([pend[:, None], drafts[:, :k]], axis=1).astype(np.uint32).reshape(-1)
         ref.spec_accept_greedy_dc(chain_state["vtok"], pred.reshape(-1), k, chain_state["brk"], chain_state["acc"],
@@ -141,7 +147,7 @@ def test_one_branch_sampled_accept_equals_the_chain(k, batch):
     for case in range(40):
         c = sampled_chain_case(rng, k, batch, V)
         done = [b for b in range(batch) if rng.random() < 0.15]
-        chain_state = round_state(batch, k, rng, done)
+        chain_state = round_state(batch, k, rng, done, marks=k + 2)
         tree_state = {name: words.copy() for name, words in chain_state.items()}
         pend = np.full(batch, 3, np.uint32)
         chain_state["vtok"] = np.concatenate([pend[:, None], c["drafts"][:, :k]], axis=1).astype(np.uint32).reshape(-1)
@@ -254,8 +260,8 @@ def test_greedy_accepts_the_deepest_agreeing_node(garbage):
         t.depth[:] = rng.integers(0, 2**32, batch * T1)  # garbage: not read
         t.path[:] = SENTINEL
         done = [1] if rng.random() < 0.2 else []
-        s = round_state(batch, k, rng, done)
-        before = s["acc"].copy()
+        s = round_state(batch, k, rng, done, marks=D + 2)
+        before, marks = s["acc"].copy(), s["brk"][BRK_MARK::BRK_WORDS].copy()
         rt.spec_tree_accept_greedy(t, pred.reshape(-1), k, s["vtok"], s["brk"], s["acc"], s["last_pred"], s["ctl"],
                                    batch)
         for b in range(batch):
@@ -265,7 +271,8 @@ def test_greedy_accepts_the_deepest_agreeing_node(garbage):
                 assert s["acc"][2 * b + 1] == before[2 * b + 1] and s["last_pred"][b] == 77
                 continue
             par = [p if p < 2**31 else -1 for p in parents]
-            n = brute_greedy(tok[b].tolist(), par, ranks, (pred[b] % 2**32).tolist(), min(k, D))
+            cap = min(k, D, marks[b] - 1) if marks[b] else min(k, D)  # the length chosen caps the depth
+            n = brute_greedy(tok[b].tolist(), par, ranks, (pred[b] % 2**32).tolist(), cap)
             path = [n]
             while path[-1]:
                 path.append(par[path[-1]])
@@ -278,7 +285,8 @@ def test_greedy_accepts_the_deepest_agreeing_node(garbage):
             assert s["last_pred"][b] == pred[b, n] % 2**32 and s["ctl"][4 * b + CTL_KEEP] == a + 1
             vtok = s["vtok"][b * (k + 1):(b + 1) * (k + 1)]
             assert vtok[1:1 + a].tolist() == [tok[b, c] for c in path[1:]] and (vtok[1 + a:] == SENTINEL).all()
-        assert (s["brk"] == np.tile(u32(0, 5), batch)).all(), "mark cleared, count untouched"
+        capped = [b not in done and marks[b] != 0 for b in range(batch)]
+        assert s["brk"].tolist() == [w for c in capped for w in (0, 5 + c)], "mark cleared, a capped round counted"
     assert {0, 1, 2, 3} <= seen_depths
 
 
@@ -478,13 +486,17 @@ CLOSE8 = np.array([0.045, 0.055, 0.085, 0.095, 0.125, 0.155, 0.205, 0.235], np.f
 MC_ROWS = 8000
 
 
-def sampled_round(q_law: np.ndarray, rows: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, dict]:
+def sampled_round(q_law: np.ndarray, rows: int, rng: np.random.Generator,
+                  marks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """One sampled round of the MC tree on `rows` rows: begin, draw and grow each level from q_law at
-    every node, accept with p = TARGET8 at the root and TARGET8_2 below it. Returns the tree, the
-    round-stream buffers and the first-draw tokens of the root (what the tree offered first)."""
+    every node, accept with p = TARGET8 at the root and TARGET8_2 below it, each row's mark
+    `marks` (default 0: no cap). Returns the tree, the round-stream buffers and the first-draw
+    tokens of the root (what the tree offered first)."""
     V, T1, levels, draws = len(q_law), len(MC_PARENTS), levels_of(MC_PARENTS), 3
     t = rt.TreeArrays.zeros(T1, len(levels) - 1, rows)
     s = round_state(rows, 2, rng)
+    if marks is not None:
+        s["brk"][BRK_MARK::BRK_WORDS] = marks
     seed = rng.integers(0, 2**64, rows, dtype=np.uint64)
     pos_ctr, pos_start = rng.integers(0, 2**31 - 8, rows).astype(np.int32), np.zeros(rows, np.int32)
     rt.spec_tree_begin(t, np.full(rows, 1, np.uint32), pos_ctr, pos_start, s["vtok"], 2, rows)
@@ -521,6 +533,25 @@ def test_sampled_tree_commits_the_target_law(q_law):
         path = r.path[:a[b] + 1].tolist()
         assert path[0] == 0 and all(int(r.parent[c]) == pc for pc, c in zip(path, path[1:]))
         assert vtok[b, 1:1 + a[b]].tolist() == r.tok[path[1:]].tolist()
+
+
+def test_a_sampled_tree_capped_below_its_depth_commits_the_target_law():
+    """Rows capped at 0 and 1 drafts (marks 1 and 2) beside uncapped ones, the far draft: no row
+    keeps more than its cap, and the tokens committed are the target's law at every depth, the
+    capped rows' bonus drawn from p itself where the walk stops at the cap (its children's
+    verdicts left unread)."""
+    rows = MC_ROWS
+    marks = np.arange(rows, dtype=np.uint32) % 3  # 0: no cap, 1: cap 0, 2: cap 1
+    t, _, s = sampled_round(FAR8, rows, np.random.default_rng(71), marks)
+    a, vtok = s["acc"][0::2].astype(np.int64), s["vtok"].reshape(rows, 3)
+    caps = np.where(marks == 0, 2, marks.astype(np.int64) - 1)
+    assert (a <= caps).all() and (a[caps == 1] == 1).any() and (a[marks == 0] == 2).any()
+    first = np.where(a >= 1, vtok[:, 1], s["last_pred"])
+    assert_distributed_as(first.astype(np.int64), TARGET8, "first committed token, capped rows among them")
+    assert_distributed_as(s["last_pred"][caps == 0].astype(np.int64), TARGET8, "the bonus at cap 0: p[0] itself")
+    at_cap = (caps == 1) & (a == 1)
+    assert_distributed_as(s["last_pred"][at_cap].astype(np.int64), TARGET8_2, "the bonus at the cap: p[n] itself")
+    assert s["brk"][BRK_COUNT::BRK_WORDS].tolist() == [5 + (m != 0) for m in marks], "capped rounds counted"
 
 
 def test_sampled_accept_uses_the_documented_draws():

@@ -5,7 +5,8 @@ budget; a second request on the same buffers; a one-branch tree is the chain (to
 accepted, positions); after a batch every row's committed KV, the target's and the draft's, is a
 fresh prefill of its tokens, and its recurrent states (copy and flip) the recurrence over them;
 sampled trees give the same tokens in every mode for a seed, and the target's greedy ones at
-temperature 0; what the toy's trees cannot run is refused."""
+temperature 0; rows at mixed draft lengths (0 to the depth, chosen on the device) each give their
+own greedy output in every mode; what the toy's trees cannot run is refused."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -16,7 +17,8 @@ from memra_cuda import StreamBufs, kv_capacity
 from memra_cuda.errors import LoopUnsupported
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.rounds import MODES
-from memra_cuda.buffers.layout import ACC_TOTAL, ACC_WORDS
+from memra_cuda.buffers import DraftLengths
+from memra_cuda.buffers.layout import ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_WORDS
 from memra_cuda.testing.toy import lm as toy
 from memra_cuda.buffers.tree import DynamicTree, TreeShape
 from test_toy import HYBRID
@@ -47,13 +49,14 @@ class Trees:
     """A ToyLM of `model` with its StreamBufs (k = the tree's depth) and tree RoundStream."""
 
     def __init__(self, engine, spec, model, tree, batch, m_rounds=4, budget=80, mode="graph", state="copy",
-                 sampling=None):
+                 sampling=None, lengths=None):
         capacity = kv_capacity(MAX_PROMPT, budget, tree.depth, m_rounds, overlap=mode == "overlap", batch=batch,
                                width=tree.nodes)
         self.engine, self.model, self.tree, self.capacity = engine, model, tree, capacity
         self.lm = toy.ToyLM(engine, model, capacity, batch=batch, state_rollback=state, sampling=sampling)
         self.bufs = StreamBufs(engine, tree.depth, m_rounds, batch)
-        self.stream = self.lm.tree_round_stream(self.bufs, tree, kernels=spec)
+        self.lengths = None if lengths is None else lengths(self.bufs)  # DraftLengths of these buffers
+        self.stream = self.lm.tree_round_stream(self.bufs, tree, kernels=spec, lengths=self.lengths)
 
     def generate(self, prompts, budgets, eos, mode="graph", seeds=None) -> list[list[int]]:
         for b, prompt in enumerate(prompts):
@@ -109,6 +112,38 @@ def test_every_row_equals_its_own_greedy_output(engine, spec, mode, batch, tree)
     prompts, budgets, eos = requests(MODEL, batch, seed=10 * batch + tree.nodes)
     trees = Trees(engine, spec, MODEL, tree, batch, mode=mode)
     assert_greedy(MODEL, trees.generate(prompts, budgets, eos, mode), prompts, budgets, eos, f"{mode}, B={batch}")
+
+
+@pytest.mark.parametrize("costs", ["flat", "dear"])
+@pytest.mark.parametrize("tree", ["static16", "dynamic64"])
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_at_mixed_lengths_each_give_their_own_greedy_output(engine, spec, mode, tree, costs):
+    """Ten rows of a tree round, their caps 0 to the depth in turn (TreeRound's lengths=): every
+    row's tokens are its own greedy output; a row at 0 had every round capped and kept no draft,
+    and no row kept more drafts a round than its cap. At flat costs each row runs at its cap; at
+    dear ones (a draft dearer than it can pay) the width falls to 0 and every row decodes plainly."""
+    shape, batch = TREES[tree], 10
+    depth = shape.depth
+    caps = [b % (depth + 1) for b in range(batch)]
+    verify = [1.0] * (depth + 1) if costs == "flat" else [1.0 + 1.5 * w for w in range(depth + 1)]
+
+    def lengths(bufs):
+        chosen = DraftLengths(bufs, verify, 0.0 if costs == "flat" else 0.5)
+        chosen.set_caps(caps)
+        return chosen
+    prompts, budgets, eos = requests(MODEL, batch, seed=77 + depth)
+    trees = Trees(engine, spec, MODEL, shape, batch, mode=mode, lengths=lengths)
+    got = trees.generate(prompts, budgets, eos, mode)
+    assert_greedy(MODEL, got, prompts, budgets, eos, f"{mode}, {tree}, caps {caps}, {costs} costs")
+    capped = trees.engine.dtoh(trees.bufs.brk_d).reshape(batch, BRK_WORDS)[:, BRK_COUNT]
+    for b in range(batch):
+        if caps[b] == 0 or costs == "dear":  # a round a token, each capped, no draft kept
+            assert capped[b] == len(got[b]) and trees.bufs.accepted[b] == 0, f"row {b} at length 0 ({costs})"
+    rounds = trees.bufs.rounds_run([len(tokens) for tokens in got])
+    assert all(trees.bufs.accepted[b] <= caps[b] * rounds[b] for b in range(batch)), "a row kept more than its cap"
+    if costs == "flat":
+        assert any(trees.bufs.accepted[b] > rounds[b] for b in range(batch) if caps[b] >= 2), \
+            "rows of cap 2 or more should keep more than a draft a round somewhere (else this test proves little)"
 
 
 @pytest.mark.parametrize("tree", ["static16", "dynamic64"])

@@ -675,7 +675,7 @@ class ToyLM:
         return [*self.weight_reads(self.cost.verify_bytes), verify]
 
     def tree_round_stream(self, bufs: StreamBufs, tree: Tree, *, candidates: int = 8,
-                          kernels: SpecKernels | None = None) -> RoundStream:
+                          kernels: SpecKernels | None = None, lengths: DraftLengths | None = None) -> RoundStream:
         """A RoundStream of tree rounds (docs/trees.md) driving this model: TreeBufs(bufs, tree), the
         draft's D + 1 levels (toy_tree_draft, candidates=K of them a node, or in sampling mode the
         draft's q rows), the verify of every node under its ancestor mask (toy_tree_verify, and
@@ -683,7 +683,9 @@ class ToyLM:
         vocab); one rollback table over target and draft layers with pos_ctr last, the KV data of
         every layer for the compaction, and the recurrent states with T + 1 slots a bank. bufs.k must
         be the tree's depth; a model with recurrent layers lays its states out for the tree, so build
-        this stream before the first prefill. The round's tree buffers: stream.round.tree_bufs."""
+        this stream before the first prefill. The round's tree buffers: stream.round.tree_bufs.
+        `lengths`: each row's acceptance capped at the length chosen for it on the device, as deep
+        as the tree goes (TreeRound's lengths=)."""
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
         if bufs.k != tree.depth:
@@ -731,7 +733,7 @@ class ToyLM:
             acceptance = Sampling(p_d, q_d, self.seed_d, vocab)
         rnd = TreeRound(bufs, nodes, kernels=kernels, draft_levels=[chain(level) for level in levels],
                         verify_tree=chain(verify), acceptance=acceptance, candidates=drafted, rollback_tables=[table],
-                        kv_data=kv_data, state_tables=state_tables)
+                        kv_data=kv_data, state_tables=state_tables, lengths=lengths)
         self.tree = tree  # prefills lay the states out for it from now on
         return RoundStream.of(rnd, pace=self.cost.paced)
 
