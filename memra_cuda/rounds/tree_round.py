@@ -39,7 +39,7 @@ class TreeRound(Round):
     `lengths` (DraftLengths of these bufs, its k the depth), when given, opens each round with the
     length chooser: each row's acceptance stops at its length, min(width, its request's cap), as
     deep as the tree goes (docs/lengths.md). The tree is drafted and verified whole whatever the
-    lengths, so give it flat costs: each row then runs at its own cap.
+    lengths, so give it flat costs: each row then runs at its own cap (docs/lengths.md#trees).
     """
 
     def __init__(self, bufs: StreamBufs, tree_bufs: TreeBufs, kernels: SpecKernels | None = None, *,

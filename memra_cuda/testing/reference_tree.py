@@ -331,9 +331,9 @@ def spec_tree_accept_sample(t: TreeArrays, p: np.ndarray, q: np.ndarray, V: int,
     """Kernel 14: recursive rejection sampling without replacement down the tree, from node 0.
 
     p, q: f32 [B][T1][V] (the target's and the draft's law at each node), seed u64 [B]. At node n
-    of depth h (hops from node 0), while h is below the row's cap (kernel 13's), its children (tree_children) are tried in
-    order with f = probabilities(p[n]), g = g0 = probabilities(q[n]), all f32: child c of token x
-    (x >= V: f(x) = g(x) = 0, never indexed) is accepted iff f32(U) * g(x) < f(x), U =
+    of depth h (hops from node 0), while h is below the row's cap (kernel 13's), its children
+    (tree_children) are tried in order with f = probabilities(p[n]), g = g0 = probabilities(q[n]),
+    all f32: child c of token x (x >= V: f(x) = g(x) = 0, never indexed) is accepted iff f32(U) * g(x) < f(x), U =
     U(seed, pos_start + h + 1, 0, PURPOSE_ACCEPT, node word c - h - 1), and the walk goes on at c.
     On rejection: residual = max(f - g, 0) (NaN counts 0), Z = f32(f64 sum of it), f = residual / Z
     if Z > 0 (else f is kept); then x joins the removed tokens (its g0(x) added, once, to the removed

@@ -6,9 +6,10 @@ KV table's layers and recurrent state) is written, one kernel launched, everythi
 compared with the reference run on host copies, so a stray write shows up as a difference. The
 next kernel starts from what the GPU left. Trees are random static shapes (random parents,
 choices with rank gaps) and dynamic ones, B in {1, 3, 32}, greedy and sampled, with done rows,
-rows capped by their marks (a draft length chosen: 0 to past the depth), positions near the KV capacity, tiny vocabularies (drafts agree with the target, accepts run
-deep) and a real one (152 000). Races are run in f32 on the GPU and in f64 by the reference: a
-drawn token may differ only where its f64 score is within NEAR_TIE of the reference's.
+rows capped by their marks (a draft length chosen: 0 to past the depth), positions near the KV
+capacity, tiny vocabularies (drafts agree with the target, accepts run deep) and a real one
+(152 000). Races are run in f32 on the GPU and in f64 by the reference: a drawn token may differ
+only where its f64 score is within NEAR_TIE of the reference's.
 
 MEMRA_CASES (default 2000) scales the cases, MEMRA_SEED varies them.
 """
