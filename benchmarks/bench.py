@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from memra_cuda import Geometry
 from memra_cuda.buffers.capacity import kv_capacity
 from memra_cuda.buffers.stream_bufs import StreamBufs
 from memra_cuda.driver.buffer import DeviceBuffer
@@ -117,9 +118,9 @@ def measure(engine: Engine, spec: SpecKernels, cost: ToyCost, weights: DeviceBuf
     capture of every graph it replays, paced last bursts too); for graph mode, then replay as
     many M-round bursts again from the same prompt, back to back and timed on the device, for
     the floor."""
-    lm = ToyLM(engine, model, kv_capacity(len(PROMPT), tokens, k, m_rounds, overlap=True), cost, weights,
+    lm = ToyLM(engine, model, kv_capacity(len(PROMPT), tokens, Geometry(k, m_rounds), overlap=True), cost, weights,
                sampling=sampling)
-    bufs = StreamBufs(engine, k, m_rounds)
+    bufs = StreamBufs(engine, Geometry(k, m_rounds))
     stream = lm.round_stream(bufs, kernels=spec)
     lm.prefill(bufs, PROMPT)
     stream.generate(tokens, mode=mode)
@@ -159,8 +160,8 @@ def bench_host_path(engine: Engine, quick: bool) -> dict[str, dict[str, float]]:
     work shows whole; graph mode should sit on its floor."""
     spec, out = SpecKernels(engine), {}
     for mode, rounds in (("readback", 1), ("graph", HOST_M)):
-        lm = ToyLM(engine, MODEL, kv_capacity(len(PROMPT), HOST_TOKENS, HOST_K, HOST_M, overlap=True))
-        bufs = StreamBufs(engine, HOST_K, HOST_M)
+        lm = ToyLM(engine, MODEL, kv_capacity(len(PROMPT), HOST_TOKENS, Geometry(HOST_K, HOST_M), overlap=True))
+        bufs = StreamBufs(engine, Geometry(HOST_K, HOST_M))
         stream = lm.round_stream(bufs, kernels=spec)
         stream.pace = False
         lm.prefill(bufs, PROMPT)
@@ -231,9 +232,9 @@ def bench_batch(engine: Engine, quick: bool) -> list[dict]:
     """Batched graph vs one-after-another single-sequence graphs, same requests, same tokens."""
     spec = SpecKernels(engine)
     tokens = 64 if quick else 256
-    capacity = kv_capacity(24, tokens, BATCH_K, BATCH_M, batch=max(BATCHES))
+    capacity = kv_capacity(24, tokens, Geometry(BATCH_K, BATCH_M, max(BATCHES)))
     single_lm = ToyLM(engine, MODEL, capacity)
-    single_bufs = StreamBufs(engine, BATCH_K, BATCH_M)
+    single_bufs = StreamBufs(engine, Geometry(BATCH_K, BATCH_M))
     single = single_lm.round_stream(single_bufs, kernels=spec)
     single_lm.prefill(single_bufs, PROMPT)
     single.generate(tokens)  # warm-up: capture
@@ -242,7 +243,7 @@ def bench_batch(engine: Engine, quick: bool) -> list[dict]:
     for batch in BATCHES:
         prompts = batch_prompts(batch)
         lm = ToyLM(engine, MODEL, capacity, batch=batch)
-        bufs = StreamBufs(engine, BATCH_K, BATCH_M, batch=batch)
+        bufs = StreamBufs(engine, Geometry(BATCH_K, BATCH_M, batch))
         stream = lm.round_stream(bufs, kernels=spec)
         for b, p in enumerate(prompts):
             lm.prefill_row(bufs, b, p)
@@ -303,7 +304,7 @@ def acceptance_us(engine: Engine, spec: SpecKernels, vocab: int, batch: int, lau
     """Device microseconds of one spec_accept_sample over B rows of V, k=4: a graph of
     `launches` launches (live rows, random distributions) replayed and timed with events."""
     k, rng = BATCH_K, np.random.default_rng(0)
-    bufs = StreamBufs(engine, k, 1, batch)
+    bufs = StreamBufs(engine, Geometry(k, 1, batch))
     p = rng.random((batch, k + 1, vocab), np.float32)
     q = rng.random((batch, k, vocab), np.float32)
     p_d, q_d = engine.htod(p / p.sum(-1, keepdims=True)), engine.htod(q / q.sum(-1, keepdims=True))
@@ -322,14 +323,14 @@ def bench_pipeline(engine: Engine, quick: bool) -> list[dict]:
         return []
     second = Engine(1)
     tokens, k, m_rounds = (64 if quick else 512), BATCH_K, BATCH_M
-    capacity = kv_capacity(len(PROMPT), tokens, k, m_rounds)
+    capacity = kv_capacity(len(PROMPT), tokens, Geometry(k, m_rounds))
     split = len(MODEL.kv_mask) // 2
     rows = []
     print(f"{'model':8} {'mode':7} {'one GPU us/round':>16} {'two stages us/round':>19} {'ratio':>6}")
     for name, cost in (("bare", ToyCost()), ("8B/0.5B", COST_8B_05B)):
         half = ToyCost(verify_bytes=cost.verify_bytes // 2, draft_bytes=cost.draft_bytes)
         lm = ToyLM(engine, MODEL, capacity, cost)
-        bufs = StreamBufs(engine, k, m_rounds)
+        bufs = StreamBufs(engine, Geometry(k, m_rounds))
         single = lm.round_stream(bufs)
         pipe = ToyPipeline([engine, second], MODEL, capacity, split, k, m_rounds,
                            costs=(half, ToyCost(verify_bytes=cost.verify_bytes // 2)))

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from memra_cuda import Geometry
 from memra_cuda.buffers.capacity import kv_capacity
 from memra_cuda.buffers.stream_bufs import StreamBufs
 from memra_cuda.driver.buffer import MappedBuffer
@@ -105,8 +106,8 @@ def bench_device(engine: Engine, quick: bool) -> list[dict]:
     for name, cost, tokens in settings:
         for batch in (1, 32):
             prompts = _prompts(batch)
-            lm = ToyLM(engine, MODEL, kv_capacity(16, tokens, K, M, overlap=True, batch=batch), cost, batch=batch)
-            bufs = StreamBufs(engine, K, M, batch)
+            lm = ToyLM(engine, MODEL, kv_capacity(16, tokens, Geometry(K, M, batch), overlap=True), cost, batch=batch)
+            bufs = StreamBufs(engine, Geometry(K, M, batch))
             stream = lm.round_stream(bufs, kernels=spec)
             found = {}
             for mode, pace in RUNS:

@@ -45,6 +45,7 @@ from typing import Any
 from .common import depth_and_width
 from .torch_common import (TORCH_M, TREE_BATCHES, listed, measure_config, plain_decoding, plot_trees, release,
                            row_label, summary_line, time_generations, token_count, tree_label, tree_summary)
+from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
 SIZE = "pair"  # the trees section's `size` of these rows (its summary and picture take them)
@@ -374,7 +375,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     configs = configurations(batch, top, quick)
     depth, width = (max(values) for values in zip(*(depth_and_width(config.spec) for config in configs)))
     longest = max(len(r.prompt) for group in groups for r in group)
-    capacity = capacity_for(longest, tokens, depth, TORCH_M, batch, width=width)
+    capacity = capacity_for(longest, tokens, Geometry(depth, TORCH_M, batch, width))
     plain, step_ms = plain_decoding(target, capacity, groups)
     release()
     rows = [dict(size=SIZE, batch=batch, mode="greedy", kind="plain", config="graphed greedy", source="PLAIN",

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from memra_cuda import Geometry
 from memra_cuda.buffers.capacity import kv_capacity
 from memra_cuda.comm import Communicator
 from memra_cuda.testing.toy.lm import COST_8B_05B, ToyCost
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("m_rounds", type=int, metavar="M", help="rounds per burst")
     args = cli.parse_args(argv)
     comm = Communicator.from_env(timeout=60)
-    capacity = kv_capacity(len(PROMPT), args.tokens, args.k, args.m_rounds)
+    capacity = kv_capacity(len(PROMPT), args.tokens, Geometry(args.k, args.m_rounds))
     kinds: tuple[tuple[type[ToyRank], str], ...] = ((ToyPipelineStage, "pipeline stages"),
                                                     (ToyTensorParallel, "tensor-parallel"))
     rows = []

@@ -38,6 +38,7 @@ from typing import Any
 from .headline import MODES, describe, load_pair, measure_batches, pair_arguments, pair_dir, pair_info, save
 from .serving import figures, request_stream
 from .torch_common import TORCH_M, release
+from memra_cuda import Geometry
 from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.rounds.serving import Request, Served
 
@@ -152,7 +153,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     requests = stream_for(heldout, batch, target.config.eos_token_id, quick)
     chains = CHAINS[batch][:1] if quick else CHAINS[batch]
     capacity = capacity_for(max(len(r.prompt) for r in requests), max(r.max_new_tokens for r in requests),
-                            max(*chains, ADAPTIVE[batch][0]), m_rounds, batch)
+                            Geometry(max(*chains, ADAPTIVE[batch][0]), m_rounds, batch))
     begun = time.perf_counter()
     plain_decoder = GraphedGreedy(target, capacity, batch, steps=m_rounds)
     plain_decoder.server()  # its burst's graph and every prefill graph, as a chain's setup_seconds count them

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from memra_cuda import Geometry
 from memra_cuda.buffers.layout import CTL_KEEP, CTL_WORDS
 from memra_cuda.buffers.stream_bufs import StreamBufs
 from memra_cuda.buffers.tables import StateLayer, state_copy_table, state_flip_table
@@ -27,7 +28,7 @@ BATCHES = (1, 8, 32)
 
 
 def _rollbacks(engine: Engine, spec: SpecKernels, batch: int, row_words: int) -> dict[str, float]:
-    bufs = StreamBufs(engine, K, 1, batch)
+    bufs = StreamBufs(engine, Geometry(K, 1, batch))
     ctl = np.zeros((batch, CTL_WORDS), np.int32)
     ctl[:, CTL_KEEP] = KEEP
     engine.copy_htod(bufs.ctl_d, ctl.reshape(-1))

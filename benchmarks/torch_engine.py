@@ -61,6 +61,7 @@ from .headline import headline
 from .serving import figures, request_stream
 from .torch_common import (TORCH_K, TORCH_M, TREE_BATCHES, decoder, listed, measure_config, plain_decoding,
                            plot_trees, release, row_label, summary_line, time_generations, tree_label, tree_summary)
+from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree
 
 BATCHES = {"small": (1, 8, 32, 128, 512), "large": (1, 8, 32, 128)}
@@ -112,7 +113,7 @@ def bench_one_request(quick: bool) -> list[dict]:
     for size in ("small", "large"):
         tokens = 64 if quick else 256
         model = build_model(size)
-        capacity = capacity_for(len(PROMPT), tokens, TORCH_K, TORCH_M)
+        capacity = capacity_for(len(PROMPT), tokens, Geometry(TORCH_K, TORCH_M))
         draft = self_draft(model)
         spec = SpeculativeLlama(model, draft, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity)
         greedy = GraphedGreedy(model, capacity)
@@ -183,7 +184,7 @@ def _bench_batch(model: Any, size: str, batch: int, tokens: int) -> list[dict]:
     sampling = SamplingParams(1.0)
     prompts = some_prompts(batch, seed=batch)
     requests = [Request(prompt, tokens, None, seed) for seed, prompt in enumerate(prompts)]
-    capacity = capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
+    capacity = capacity_for(max(map(len, prompts)), tokens, Geometry(TORCH_K, TORCH_M, batch))
     greedy = GraphedGreedy(model, capacity, batch)
     spec = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch)
     sampler = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M, capacity=capacity, batch=batch,
@@ -224,7 +225,7 @@ def bench_serving(quick: bool) -> list[dict]:
     model = build_model("small")
 
     def capacity(batch: int) -> int:
-        return capacity_for(40, SERVED_BUDGETS[1], TORCH_K, TORCH_M, batch)
+        return capacity_for(40, SERVED_BUDGETS[1], Geometry(TORCH_K, TORCH_M, batch))
 
     def speculative(batch: int) -> Any:
         spec = SpeculativeLlama(model, self_draft(model), k=TORCH_K, m_rounds=TORCH_M, capacity=capacity(batch),
@@ -270,7 +271,7 @@ def _bench_hybrid_batch(model: Any, batch: int, tokens: int) -> list[dict]:
     from memra_cuda.torch import GraphedGreedy, Request, SpeculativeLlama, capacity_for, self_draft
     prompts = [PROMPT] if batch == 1 else some_prompts(batch, seed=batch)
     requests = [Request(prompt, tokens) for prompt in prompts]
-    capacity = capacity_for(max(map(len, prompts)), tokens, TORCH_K, TORCH_M, batch)
+    capacity = capacity_for(max(map(len, prompts)), tokens, Geometry(TORCH_K, TORCH_M, batch))
     greedy = GraphedGreedy(model, capacity, batch)
     methods: dict[str, tuple[Callable[[], Any], Any]] = {
         "plain greedy, torch graph": (lambda: greedy.generate_batch(requests), None)}
@@ -350,7 +351,7 @@ def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[di
     candidates = _tree_candidates([tree for tree in picked.values() if tree is not None and tree != PLAIN], batch,
                                   quick)
     depth, width = (max(values) for values in zip(*(depth_and_width(config) for _, config in candidates)))
-    capacity = capacity_for(max(map(len, prompts)), tokens, depth, TORCH_M, batch, width=width)
+    capacity = capacity_for(max(map(len, prompts)), tokens, Geometry(depth, TORCH_M, batch, width))
     plain, step_ms = plain_decoding(model, capacity, [requests])
     release()
     print(f"{size:6} {batch:4} {'greedy':8} {'plain':7} {'':18} {plain:9.0f}   (a target step: {step_ms:.3f} ms)",
@@ -391,7 +392,7 @@ def bench_tree_costs(quick: bool) -> list[dict]:
         model = build_model(size, logit_scale=TREE_LOGIT_SCALE)
         tree = static_tree(64, 10)
         requests = [Request(PROMPT, 64)]
-        capacity = capacity_for(len(PROMPT), 64, tree.depth, TORCH_M, 1, width=tree.nodes)
+        capacity = capacity_for(len(PROMPT), 64, Geometry.of_tree(tree, TORCH_M, 1))
         _, step_ms = plain_decoding(model, capacity, [requests])
         parts = {**_chain_parts(model, capacity, requests), **_tree_parts(model, tree, capacity, requests)}
         release()

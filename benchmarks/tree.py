@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from memra_cuda import Geometry
 from memra_cuda.buffers.capacity import kv_capacity
 from memra_cuda.buffers.stream_bufs import StreamBufs
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeBufs, TreeShape
@@ -71,9 +72,10 @@ def bench_tree_rounds(engine: Engine, quick: bool) -> list[dict[str, Any]]:
             prompts = batch_prompts(batch)
             for kind, size, tree in kinds:
                 depth, width = depth_and_width(size if tree is None else tree)
-                capacity = kv_capacity(24, TOKENS, depth, M, batch=batch, width=width)
+                geometry = Geometry(depth, M, batch, width)
+                capacity = kv_capacity(24, TOKENS, geometry)
                 lm = ToyLM(engine, MODEL, capacity, cost, weights if cost.verify_bytes else None, batch=batch)
-                bufs = StreamBufs(engine, depth, M, batch=batch)
+                bufs = StreamBufs(engine, geometry)
                 stream = lm.round_stream(bufs, kernels=spec) if tree is None else \
                     lm.tree_round_stream(bufs, tree, candidates=CANDIDATES, kernels=spec)
                 rate, per_round = _generate(engine, lm, bufs, stream, prompts)
@@ -97,7 +99,7 @@ def bench_tree_rounds(engine: Engine, quick: bool) -> list[dict[str, Any]]:
 def _accept_rig(engine: Engine, tree: Tree, batch: int, sampled: bool,
                 rng: np.random.Generator) -> tuple[StreamBufs, Callable[[], None]]:
     """One grown tree per row (random candidates), and the accept of `sampled` or greedy over it."""
-    bufs = StreamBufs(engine, tree.depth, 1, batch=batch)
+    bufs = StreamBufs(engine, Geometry.of_tree(tree, 1, batch))
     nodes = TreeBufs(bufs, tree)
     kernels = TreeKernels(engine)
     T1, V = tree.nodes, ACCEPT_VOCAB

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from memra_cuda import Geometry
 from memra_cuda import (Cache, DeviceBuffer, Engine, Greedy, KVLayer, Mode, Module, RoundStream, StreamBufs,
                         compile_ptx, kv_capacity, kv_len_ptr_table)
 from memra_cuda.driver import Signature
@@ -78,12 +79,13 @@ def decode(engine: Engine, prompt: list[int], new_tokens: int, k: int, m_rounds:
            mode: str = "graph") -> tuple[list[int], str]:
     """`new_tokens` tokens after `prompt`, decoded speculatively; and a line on how it went."""
     module = Module(engine, compile_ptx(SOURCE, name="model.cu"), SIGNATURES)
-    capacity, table_d = kv_capacity(len(prompt), new_tokens, k, m_rounds, mode == "overlap"), engine.htod(TABLE)
+    geometry = Geometry(k, m_rounds)  # the rounds' shape, which the caches and the buffers are sized by
+    capacity, table_d = kv_capacity(len(prompt), new_tokens, geometry, overlap=mode == "overlap"), engine.htod(TABLE)
     # Each model's KV cache: the entries its kernel writes, and their count (len_d), which rollback rewinds.
     target_entries, draft_entries = engine.zeros(np.uint32, capacity), engine.zeros(np.uint32, capacity)
     target = KVLayer(engine.zeros(np.int32, 1), capacity, target_entries)
     draft = KVLayer(engine.zeros(np.int32, 1), capacity, draft_entries)
-    bufs = StreamBufs(engine, k, m_rounds)
+    bufs = StreamBufs(engine, geometry)
     draft_d, pred_d = engine.zeros(np.uint32, max(k, 1)), engine.zeros(np.uint32, k + 1)
 
     def run(is_draft: int, tokens: DeviceBuffer, position: DeviceBuffer, out: DeviceBuffer,

@@ -31,6 +31,7 @@ import _needs  # before torch: says in one line, and exits, where torch or trans
 import torch
 from _cli import check_greedy, command_line, describe, models, parse, requests
 
+from memra_cuda import Geometry
 from memra_cuda.torch import SpeculativeLlama, capacity_for
 
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     _needs.gpu()
     target, draft, tokenizer = models(args)
     queue = requests(args, tokenizer, args.serve)
-    capacity = capacity_for(max(len(r.prompt) for r in queue), args.tokens, args.k, args.m_rounds, args.batch)
+    capacity = capacity_for(max(len(r.prompt) for r in queue), args.tokens, Geometry(args.k, args.m_rounds, args.batch))
     spec = SpeculativeLlama(target, draft, k=args.k, m_rounds=args.m_rounds, capacity=capacity, batch=args.batch,
                             sampling=sampling, state_rollback=args.state_rollback)
     if args.serve is None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import memra_cuda.torch as memra_torch
+from memra_cuda import Geometry
 from memra_cuda import Engine
 from memra_cuda.comm import Communicator, NcclUnavailable, digest, nccl
 from memra_cuda.torch.testing import PROMPT, SIZES, build_model, prompts
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         drift = float((model(probe).logits.float() - whole).abs().max() / whole.abs().max())
     batch = [PROMPT] if args.batch == 1 else prompts(args.batch)
     requests = [Request(prompt, args.tokens) for prompt in batch]
-    capacity = capacity_for(max(map(len, batch)), args.tokens, args.k, args.m_rounds, args.batch)
+    capacity = capacity_for(max(map(len, batch)), args.tokens, Geometry(args.k, args.m_rounds, args.batch))
     want = GraphedGreedy(model, capacity, args.batch).generate_batch(requests)
     spec = SpeculativeLlama(model, self_draft(model), k=args.k, m_rounds=args.m_rounds, capacity=capacity,
                             batch=args.batch, on_engine=tp.watch)  # the draft made after sharding: its caches too

@@ -25,6 +25,7 @@ import _needs  # before torch: says in one line, and exits, where torch or trans
 import torch
 from _cli import check_greedy, command_line, describe, models, parse, requests
 
+from memra_cuda import Geometry
 from memra_cuda.buffers.tree import Tree
 from memra_cuda.torch import TreeLlama, capacity_for
 from memra_cuda.torch.testing import parse_tree
@@ -68,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     _needs.gpu()
     target, draft, tokenizer = models(args)
     queue = requests(args, tokenizer)
-    capacity = capacity_for(max(len(r.prompt) for r in queue), args.tokens, tree.depth, args.m_rounds, args.batch,
-                            tree.nodes)
+    capacity = capacity_for(max(len(r.prompt) for r in queue), args.tokens,
+                            Geometry.of_tree(tree, args.m_rounds, args.batch))
     spec = TreeLlama(target, draft, tree, m_rounds=args.m_rounds, capacity=capacity, batch=args.batch,
                      sampling=sampling, state_rollback=args.state_rollback)
     got = spec.generate_batch(queue, args.mode)

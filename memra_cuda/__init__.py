@@ -10,9 +10,9 @@ and `testing` (the kernels' numpy contract and the toy model). Every error: `err
 """
 from .buffers.acceptance import Greedy, Sampling
 from .buffers.capacity import UNCHECKED, kv_capacity
+from .buffers.geometry import Geometry
 from .buffers.stream_bufs import StreamBufs
-from .buffers.tables import (Cache, KVLayer, StateLayer, kv_data_table, kv_len_ptr_table, state_copy_table,
-                             state_flip_table)
+from .buffers.tables import Cache, KVLayer, StateLayer, kv_data_table, kv_len_ptr_table, state_copy_table
 from .buffers.tree import Candidates, DynamicTree, TreeBufs, TreeShape
 from .driver import DeviceBuffer, Engine, Event, Graph, MemraError, Module, Stream, compile_ptx
 from .rounds.round import ChainRound, Stages, chain
@@ -23,8 +23,8 @@ __version__ = "0.3.0"  # the one place the version lives: pyproject.toml reads i
 
 __all__ = [
     "Engine", "Stream", "DeviceBuffer", "Event", "Graph", "Module", "compile_ptx", "MemraError",
-    "StreamBufs", "Cache", "KVLayer", "kv_len_ptr_table", "kv_capacity", "UNCHECKED",
-    "StateLayer", "state_copy_table", "state_flip_table", "kv_data_table",
+    "Geometry", "StreamBufs", "Cache", "KVLayer", "kv_len_ptr_table", "kv_capacity", "UNCHECKED",
+    "StateLayer", "state_copy_table", "kv_data_table",
     "Greedy", "Sampling", "RoundStream", "Mode", "ChainRound", "TreeRound", "Stages", "chain",
     "TreeShape", "DynamicTree", "TreeBufs", "Candidates",
 ]

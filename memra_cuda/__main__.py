@@ -14,6 +14,7 @@ import sys
 import time
 
 from .buffers.capacity import kv_capacity
+from .buffers.geometry import Geometry
 from .buffers.stream_bufs import StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable
@@ -49,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memra_cuda: no GPU to run the demo on: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     with engine:
-        capacity = kv_capacity(len(args.prompt), args.tokens, args.k, args.m_rounds, args.mode == "overlap")
-        lm = ToyLM(engine, model, capacity)
-        bufs = StreamBufs(engine, args.k, args.m_rounds)
+        geometry = Geometry(args.k, args.m_rounds)
+        lm = ToyLM(engine, model, kv_capacity(len(args.prompt), args.tokens, geometry, overlap=args.mode == "overlap"))
+        bufs = StreamBufs(engine, geometry)
         stream = lm.round_stream(bufs)
         lm.prefill(bufs, args.prompt)
         stream.generate(args.tokens, eos=args.eos, mode=args.mode)  # warm-up

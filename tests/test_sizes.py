@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from memra_cuda import DeviceBuffer, DynamicTree, KVLayer, StateLayer, StreamBufs, TreeShape, kv_capacity
+from memra_cuda import DeviceBuffer, DynamicTree, Geometry, KVLayer, StateLayer, StreamBufs, TreeShape, kv_capacity
 from memra_cuda.buffers import Capacity, KVData
-from memra_cuda.buffers.stream_bufs import MAX_BATCH, per_row
+from memra_cuda.buffers.geometry import MAX_BATCH
+from memra_cuda.buffers.stream_bufs import per_row
 
 FAKE_PTR = 0x7F0000000000  # a device address nothing here reads
 NO_ENGINE = object()  # what a call may not touch before its sizes are checked
@@ -30,23 +31,17 @@ def with_(call: Callable[..., Any], **good: Any) -> Callable[[str, Any], Any]:
     return lambda name, value: call(**{**good, name: value})
 
 
-KV_CAPACITY = with_(kv_capacity, prompt_len=5, max_new_tokens=256, k=4, m_rounds=16)
+KV_CAPACITY = with_(kv_capacity, prompt_len=5, max_new_tokens=256, geometry=Geometry(4, 16))
+GEOMETRY = with_(Geometry, k=4, m_rounds=16)
 # (what, the call with one keyword replaced, the keyword, its least and most values)
 SIZES = [
     ("kv_capacity", KV_CAPACITY, "prompt_len", 1, None),
     ("kv_capacity", KV_CAPACITY, "max_new_tokens", 0, None),
-    ("kv_capacity", KV_CAPACITY, "k", 0, None),
-    ("kv_capacity", KV_CAPACITY, "m_rounds", 1, None),
-    ("kv_capacity", KV_CAPACITY, "batch", 1, MAX_BATCH),
-    ("kv_capacity", KV_CAPACITY, "width", 5, None),  # a round writes at least the k + 1 it may advance
-    ("Capacity", with_(Capacity, entries=64, k=4, batch=1, m_rounds=16), "entries", 1, None),
-    ("Capacity", with_(Capacity, entries=64, k=4, batch=1, m_rounds=16), "k", 0, None),
-    ("Capacity", with_(Capacity, entries=64, k=4, batch=1, m_rounds=16), "batch", 1, MAX_BATCH),
-    ("Capacity", with_(Capacity, entries=64, k=4, batch=1, m_rounds=16), "m_rounds", 1, None),
-    ("Capacity", with_(Capacity, entries=64, k=4, batch=1, m_rounds=16, width=9), "width", 5, None),
-    ("StreamBufs", with_(StreamBufs, engine=NO_ENGINE, k=4, m_rounds=16), "k", 0, None),
-    ("StreamBufs", with_(StreamBufs, engine=NO_ENGINE, k=4, m_rounds=16), "m_rounds", 1, None),
-    ("StreamBufs", with_(StreamBufs, engine=NO_ENGINE, k=4, m_rounds=16), "batch", 1, MAX_BATCH),
+    ("Geometry", GEOMETRY, "k", 0, None),
+    ("Geometry", GEOMETRY, "m_rounds", 1, None),
+    ("Geometry", GEOMETRY, "batch", 1, MAX_BATCH),
+    ("Geometry", GEOMETRY, "width", 5, None),  # a round writes at least the k + 1 it may advance
+    ("Capacity", with_(Capacity, entries=64, geometry=Geometry(4, 16)), "entries", 1, None),
     ("KVLayer.allocate", with_(KVLayer.allocate, engine=NO_ENGINE, capacity=64), "capacity", 1, None),
     ("KVLayer.allocate", with_(KVLayer.allocate, engine=NO_ENGINE, capacity=64), "width", 1, None),
     ("KVLayer.allocate", with_(KVLayer.allocate, engine=NO_ENGINE, capacity=64), "batch", 1, MAX_BATCH),
@@ -102,20 +97,21 @@ def test_what_the_issue_found_is_refused():
     """Issue 49's findings, one by one: a negative budget once gave a capacity of -171, a negative
     k one too small, a float prompt length 341, overlap=-3 counted as true, a string prompt length
     Python's own concatenation error, and StreamBufs(None, ...) an AttributeError."""
-    assert kv_capacity(5, 256, 4, 16) == 341 and type(kv_capacity(np.int64(5), 256, 4, 16)) is int
+    assert kv_capacity(5, 256, Geometry(4, 16)) == 341 and type(kv_capacity(np.int64(5), 256, Geometry(4, 16))) is int
     with pytest.raises(ValueError, match="max_new_tokens must be an int of at least 0, not -256"):
-        kv_capacity(5, -256, 4, 16)
+        kv_capacity(5, -256, Geometry(4, 16))
     with pytest.raises(ValueError, match="k must be an int of at least 0, not -4"):
-        kv_capacity(5, 256, -4, 16)
+        kv_capacity(5, 256, Geometry(-4, 16))
     with pytest.raises(TypeError, match="prompt_len must be an integer, not 5.0"):
-        kv_capacity(5.0, 256, 4, 16)
+        kv_capacity(5.0, 256, Geometry(4, 16))
     with pytest.raises(TypeError, match="prompt_len must be an integer, not '5'"):
-        kv_capacity("5", 256, 4, 16)
+        kv_capacity("5", 256, Geometry(4, 16))
     for overlap in (-3, 1, "yes", None):
         with pytest.raises(TypeError, match=f"overlap must be a bool, not {overlap!r}"):
-            kv_capacity(5, 256, 4, 16, overlap=overlap)
-    assert kv_capacity(5, 256, 4, 16, overlap=np.bool_(True)) == kv_capacity(5, 256, 4, 16, overlap=True) == 421
-    for make in (lambda: StreamBufs(None, 4, 16), lambda: KVLayer.allocate(None, 64)):
+            kv_capacity(5, 256, Geometry(4, 16), overlap=overlap)
+    geometry = Geometry(4, 16)
+    assert kv_capacity(5, 256, geometry, overlap=np.bool_(True)) == kv_capacity(5, 256, geometry, overlap=True) == 421
+    for make in (lambda: StreamBufs(None, Geometry(4, 16)), lambda: KVLayer.allocate(None, 64)):
         with pytest.raises(TypeError, match="engine must be an Engine, not None"):
             make()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from memra_cuda import Geometry
 from memra_cuda import StreamBufs, kv_capacity
 from memra_cuda.buffers import DraftLengths
 from memra_cuda.testing.toy.lm import ToyLM, ToyModel, target_greedy
@@ -31,9 +32,9 @@ def sampled(engine, spec, model, sampling, prompts, seeds, budget, k=4, m_rounds
     `caps`: each row's most draft length, applied by the length chooser (every width costing
     alike, so the width stays k)."""
     batch = len(prompts)
-    lm = ToyLM(engine, model, kv_capacity(20, budget, k, m_rounds, overlap=True, batch=batch), batch=batch,
+    lm = ToyLM(engine, model, kv_capacity(20, budget, Geometry(k, m_rounds, batch), overlap=True), batch=batch,
                sampling=sampling)
-    bufs = StreamBufs(engine, k, m_rounds, batch)
+    bufs = StreamBufs(engine, Geometry(k, m_rounds, batch))
     lengths = None
     if caps is not None:
         lengths = DraftLengths(bufs, [1.0] * (k + 1), 0.0)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..driver.values import as_size
 from ..driver.errors import MemraError
-from .stream_bufs import as_batch
+from .geometry import Geometry, as_geometry
 
 
 class CapacityError(MemraError, ValueError):
@@ -52,9 +52,9 @@ _NO_ROWS = np.zeros(0, np.int64)
 @dataclass(frozen=True, init=False)
 class Capacity:
     """The room of a round's caches: `entries`, the fewest KV entries any cache behind the
-    round holds per row (None: nothing to check), for rounds that advance a row at most k+1
-    positions and write `width` entries past it (a chain: k+1; a tree: its T+1 slots), over
-    `batch` rows in bursts of at most `m_rounds`.
+    round holds per row (None: nothing to check), for rounds of `geometry`: each advances a row
+    at most k+1 positions and writes `width` entries past it (a chain: k+1; a tree: its T+1
+    slots), over `batch` rows in bursts of at most `m_rounds`.
 
     A live row needs room for (rounds-1)·(k+1) + width entries past its position, plus k+1 more
     in a batch (a round it may sit out done at its final position while other rows finish); a
@@ -63,40 +63,31 @@ class Capacity:
     """
 
     entries: int | None
-    k: int
-    batch: int
-    m_rounds: int
-    width: int
+    geometry: Geometry
 
-    def __init__(self, entries: int | None, k: int, batch: int, m_rounds: int, width: int | None = None):
-        """`width` None: a chain's k + 1, a default computed from another field, which a
-        dataclass field cannot have; so the frozen fields are set here, each checked (a round
-        writes at least the k + 1 entries it may advance: `width` is no less)."""
-        k = as_size(k, "k", 0)
-        for name, value in (("entries", None if entries is None else as_size(entries, "entries")), ("k", k),
-                            ("batch", as_batch(batch)),
-                            ("m_rounds", as_size(m_rounds, "m_rounds")),
-                            ("width", k + 1 if width is None else as_size(width, "width", k + 1))):
-            object.__setattr__(self, name, value)
+    def __init__(self, entries: int | None, geometry: Geometry):
+        """Each field checked (entries a positive number or None; a Geometry, checked as it was built)."""
+        object.__setattr__(self, "entries", None if entries is None else as_size(entries, "entries"))
+        object.__setattr__(self, "geometry", as_geometry(geometry))
 
     @classmethod
-    def of(cls, capacities: Iterable[int | Unchecked | None], k: int, batch: int, m_rounds: int,
-           width: int | None = None) -> Capacity:
+    def of(cls, capacities: Iterable[int | Unchecked | None], geometry: Geometry) -> Capacity:
         """The rule for caches of the given capacities (None and UNCHECKED say nothing)."""
         known = [c for c in capacities if c is not None and not isinstance(c, Unchecked)]
-        return cls(min(known) if known else None, k, batch, m_rounds, width)
+        return cls(min(known) if known else None, geometry)
 
     @property
     def _live(self) -> int:
         """Past the furthest start of a burst's last round: its writes, and in a batch the k+1
         it may move more before sitting a round out there."""
-        return self.width + (self.k + 1 if self.batch > 1 else 0)
+        g = self.geometry
+        return g.width + (g.k + 1 if g.batch > 1 else 0)
 
     def burst_reach(self, positions: np.ndarray, done: np.ndarray, rounds: int, ahead: int = 0) -> np.ndarray:
         """Per row, the furthest entry a burst of `rounds` rounds may write, behind `ahead`
         unseen rounds."""
-        k1 = self.k + 1
-        return positions + ahead * k1 + np.where(done, self.width, (rounds - 1) * k1 + self._live)
+        k1, width = self.geometry.k + 1, self.geometry.width
+        return positions + ahead * k1 + np.where(done, width, (rounds - 1) * k1 + self._live)
 
     def burst_short(self, positions: np.ndarray, done: np.ndarray, rounds: int, ahead: int = 0) -> np.ndarray:
         """The rows a burst of `rounds` rounds (behind `ahead` unseen ones) would overrun. No row
@@ -104,7 +95,7 @@ class Capacity:
         common case, and only a burst near the limit looks at every row."""
         if self.entries is None:
             return _NO_ROWS
-        if int(positions.max()) + (ahead + rounds - 1) * (self.k + 1) + self._live <= self.entries:
+        if int(positions.max()) + (ahead + rounds - 1) * (self.geometry.k + 1) + self._live <= self.entries:
             return _NO_ROWS
         return np.flatnonzero(self.burst_reach(positions, done, rounds, ahead) > self.entries)
 
@@ -115,7 +106,7 @@ class Capacity:
             b = int(short[0])
             reach = self.burst_reach(positions, done, rounds, ahead)[b]
             raise CapacityError(
-                f"KV cache of {self.entries} entries cannot take the next burst: {rounds} rounds at k={self.k}"
+                f"KV cache of {self.entries} entries cannot take the next burst: {rounds} rounds at k={self.geometry.k}"
                 f"{f' behind {ahead} unseen' if ahead else ''} may write up to {reach} (row {b} at position "
                 f"{positions[b]}): use a larger cache, fewer rounds per burst or a token budget")
 
@@ -125,9 +116,10 @@ class Capacity:
         its position and writes `width` entries there; where rows sit out rounds done (a batch,
         or passes of several rounds), the round that stopped it may have kept k+1, and `width`
         scratch entries follow."""
-        k1 = self.k + 1
-        idle = k1 if self.batch > 1 or self.m_rounds > 1 else 0
-        return positions + ahead * k1 + np.where(done, self.width, most - 1 + self.width + idle)
+        g = self.geometry
+        k1 = g.k + 1
+        idle = k1 if g.batch > 1 or g.m_rounds > 1 else 0
+        return positions + ahead * k1 + np.where(done, g.width, most - 1 + g.width + idle)
 
     def check_loop(self, positions: np.ndarray, most: np.ndarray, done: np.ndarray, ahead: int = 0) -> None:
         """CapacityError unless every cache has room for the whole device loop."""
@@ -138,23 +130,24 @@ class Capacity:
         if short.size:
             b = int(short[0])
             raise CapacityError(f"KV cache of {self.entries} entries cannot take the device loop: row {b} at "
-                                f"position {positions[b]} may write up to {reach[b]} ({most[b]} tokens at k={self.k}); "
+                                f"position {positions[b]} may write up to {reach[b]} ({most[b]} tokens at "
+                                f"k={self.geometry.k}); "
                                 "use a larger cache or a smaller budget or max_rounds")
 
 
-def kv_capacity(prompt_len: int, max_new_tokens: int, k: int, m_rounds: int, overlap: bool = False,
-                batch: int = 1, width: int | None = None) -> int:
+def kv_capacity(prompt_len: int, max_new_tokens: int, geometry: Geometry, *, overlap: bool = False) -> int:
     """KV entries a cache needs (per sequence) so generate() never raises CapacityError for
-    this request: the rule's reach (Capacity.burst_reach) of a burst of M rounds, behind one more
-    in flight for "overlap", from position prompt_len + max_new_tokens (two past the furthest a
-    live row can start one from). `width` is what a round writes past its position (a tree's
-    T + 1 slots; default a chain's k + 1). Every size is checked as Capacity checks its own (a
-    prompt holds its pending token: at least one), and `overlap` must be a bool, so that a bad
-    one is refused by name instead of sizing a cache wrongly."""
+    this request in rounds of `geometry`: the rule's reach (Capacity.burst_reach) of a burst of M
+    rounds, behind one more in flight for "overlap", from position prompt_len + max_new_tokens
+    (two past the furthest a live row can start one from). Every size is checked (a prompt holds
+    its pending token: at least one), and `overlap` must be a bool, so that a bad one is refused
+    by name instead of sizing a cache wrongly."""
+    geometry = as_geometry(geometry)
     if not isinstance(overlap, (bool, np.bool_)):
         raise TypeError(f"overlap must be a bool, not {overlap!r}")
     prompt_len, max_new_tokens = as_size(prompt_len, "prompt_len"), as_size(max_new_tokens, "max_new_tokens", 0)
-    rule = Capacity(None, k, batch, m_rounds, width)
-    reach = rule.burst_reach(np.array([prompt_len + max_new_tokens]), np.zeros(1, bool), rule.m_rounds,
-                             rule.m_rounds if overlap else 0)
+    rule = Capacity(None, geometry)
+    m_rounds = rule.geometry.m_rounds
+    reach = rule.burst_reach(np.array([prompt_len + max_new_tokens]), np.zeros(1, bool), m_rounds,
+                             m_rounds if overlap else 0)
     return int(reach[0])

@@ -14,6 +14,7 @@ from ..driver.errors import MemraError
 from ..driver.engine import as_engine
 from ..driver.values import as_index, as_size
 from .arena import carve
+from .geometry import Geometry, as_geometry
 from .layout import ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT, RING_TOKENS
 from .ledger import Ledger
 
@@ -22,14 +23,6 @@ if TYPE_CHECKING:
     from ..driver.call import Prepared
     from ..driver.engine import Engine
     from ..driver.event import Event
-
-MAX_BATCH = 65535  # some kernels give each sequence a grid row (y), which CUDA caps at 65535
-
-
-def as_batch(batch: object) -> int:
-    """`batch` as a batch size, 1 to MAX_BATCH rows (as_size's refusals, naming it)."""
-    return as_size(batch, "batch", 1, MAX_BATCH)
-
 
 class Readback:
     """One burst's readback, per row: `done`, its position (pos_ctr) when the burst ended,
@@ -65,8 +58,10 @@ class BuffersHeld(MemraError, ValueError):
 
 
 class StreamBufs:
-    """All device state of the round stream of `batch` sequences (docs/buffers.md), plus two
-    pinned slots that the rings, ctl_d, pos_ctr_d and acc_d are read back into, inside a graph too.
+    """All device state of the round stream of rounds of `geometry` (a Geometry: k, M, B rows and
+    the width a round verifies; docs/buffers.md), plus two pinned slots that the rings, ctl_d,
+    pos_ctr_d and acc_d are read back into, inside a graph too. `geometry` travels with them
+    (every round, table and decoder over them reads it there); k, m_rounds and batch are its.
 
     Every field is row-major with one row per sequence (B = 1 is the single-sequence layout).
     Rows are independent: a row whose done flag is set is inert, so a vacant slot is a done
@@ -96,10 +91,10 @@ class StreamBufs:
     pos_start_d: DeviceBuffer  # i32[1]: the position at the round's start (rollback's anchor)
     acc_d: DeviceBuffer  # u32[2]: drafts accepted this round, and accepted and committed in all
 
-    def __init__(self, engine: Engine, k: int, m_rounds: int, batch: int = 1):
-        k, m_rounds, batch = as_size(k, "k", 0), as_size(m_rounds, "m_rounds"), as_batch(batch)
+    def __init__(self, engine: Engine, geometry: Geometry):
+        self.geometry = geometry = as_geometry(geometry)
         self.engine = engine = as_engine(engine)
-        self.k, self.m_rounds, self.batch = k, m_rounds, batch
+        self.k, self.m_rounds, self.batch = k, m_rounds, batch = geometry.k, geometry.m_rounds, geometry.batch
         self.ring_cap = m_rounds * (k + 1)
         ring_row = RING_TOKENS + self.ring_cap
         # The rings, ctl rows, positions and acceptance counts first, side by side: the readback

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .capacity import Unchecked, kv_entries
-from .stream_bufs import as_batch
+from .geometry import as_batch
 from ..driver.buffer import DeviceBuffer, as_buffer, device_allocation
 from ..driver.engine import as_engine
 from ..driver.values import as_size

@@ -259,9 +259,10 @@ class TreeBufs:
     def __init__(self, bufs: StreamBufs, tree: Tree):
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
-        if tree.depth != bufs.k:
-            raise ValueError(f"a tree of depth {tree.depth} commits up to {tree.depth + 1} tokens a round: its "
-                             f"buffers need k = {tree.depth}, not k = {bufs.k}")
+        if (tree.depth, tree.nodes) != (bufs.k, bufs.geometry.width):
+            raise ValueError(f"a tree of depth {tree.depth} and {tree.nodes} nodes runs on buffers of "
+                             f"Geometry.of_tree(tree, ...) (k = {tree.depth}, width {tree.nodes}), not k = {bufs.k}, "
+                             f"width {bufs.geometry.width}")
         engine, batch = bufs.engine, bufs.batch
         self.bufs, self.tree, self.engine = bufs, tree, engine
         self.nodes, self.depth, self.levels = tree.nodes, tree.depth, tree.levels

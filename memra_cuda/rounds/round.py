@@ -74,8 +74,8 @@ class Round:
       `memra_cuda.torch.engine()` scopes and captures the way its framework needs.
 
     A kind of round gives `before_commit`, which composes the steps up to acceptance once all this
-    is checked, `width`, the KV entries a round writes past its position (default k + 1), and the
-    `capacities` of any other caches its steps write (the KV a tree round compacts); the
+    is checked, and the `capacities` of any other caches its steps write (the KV a tree round
+    compacts); the bufs' geometry says how far a round writes past a row's position; the
     commit (kernel 4) and the rollbacks after it are the same for every kind, but for which
     slot of recurrent state is kept (_roll_back_state).
     `steps` is one whole round, `issue(R)` queues R of them, and device mode publishes each
@@ -90,14 +90,14 @@ class Round:
     def __init__(self, bufs: StreamBufs, kernels: SpecKernels, before_commit: Callable[[], Sequence[Step]], *,
                  rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable], capture: Capture | None,
-                 stages: Stages | None, width: int | None = None, capacities: Sequence[int | None] = ()):
+                 stages: Stages | None, capacities: Sequence[int | None] = ()):
         if kernels.engine is not bufs.engine:
             raise ValueError(f"the kernels belong to {kernels.engine!r}, the buffers to {bufs.engine!r}")
         tables, states = _kv_tables(bufs, rollback_tables), _state_tables(state_tables)
         stages = stages or Stages(())
         self.bufs, self.kernels, self.engine = bufs, kernels, bufs.engine
-        self.capacity = Capacity.of((stages.capacity, *capacities, *(table.capacity for table in tables)), bufs.k,
-                                    bufs.batch, bufs.m_rounds, width)
+        self.capacity = Capacity.of((stages.capacity, *capacities, *(table.capacity for table in tables)),
+                                    bufs.geometry)
         # The policy of whoever owns the memory (memra_cuda.torch.engine()): its scope around the
         # model's work; its captures are the ones Graph takes where `capture` is None.
         self.scope = self.engine.framework.scope
@@ -186,6 +186,9 @@ class ChainRound(Round):
         if not isinstance(acceptance, (Greedy, Sampling)):
             raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
                             f"not {acceptance!r}")
+        if not bufs.geometry.chain:
+            raise ValueError(f"a chain's round verifies k + 1 = {bufs.k + 1} tokens a row, but its buffers' geometry "
+                             f"says {bufs.geometry.width} (a tree's: TreeRound)")
         self.acceptance, self.lengths = acceptance, lengths
         choose = [] if lengths is None else [kernels.prepare_choose_lengths(bufs, lengths)]  # refuses others' buffers
         assemble, accept = kernels.prepare_assemble_verify(bufs, draft_d), kernels.prepare_accept(bufs, acceptance)

@@ -98,7 +98,7 @@ class TreeRound(Round):
                 steps.append(trees.prepare_compact(bufs, tree_bufs, kv_data))
             return [*steps, *([compact] if compact is not None else [])]
         super().__init__(bufs, kernels, before_commit, rollback_tables=rollback_tables,
-                         state_tables=state_tables, capture=capture, stages=stages, width=tree_bufs.nodes,
+                         state_tables=state_tables, capture=capture, stages=stages,
                          capacities=(kv_data.capacity if kv_data is not None else None,))
 
     def _roll_back_state(self, table: StateTable | StateIndexTable) -> Step:

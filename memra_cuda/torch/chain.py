@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..buffers.acceptance import Acceptance, Greedy, Sampling
+from ..buffers.geometry import Geometry
 from ..buffers.lengths import DraftLengths
 from ..buffers.tables import kv_len_ptr_table
 from ..driver.engine import Engine
@@ -60,9 +61,10 @@ class SpeculativeLlama(RoundDecoder):
                  widths: Sequence[int] = ()):
         k = as_size(k, "k")  # a chain drafts at least one token a round
         built = Widths(k, (*widths, k))  # refused before anything is made
-        super().__init__(model, draft, k=k, verified=k, m_rounds=m_rounds, batch=batch, capacity=capacity,
+        super().__init__(model, draft, Geometry(k, m_rounds, batch), capacity=capacity,
                          sampling=sampling, draft_sampling=draft_sampling, state_rollback=state_rollback,
                          on_engine=on_engine, compiled=compiled)
+        batch = self.batch
         with torch.cuda.stream(self.stream):
             bufs = self.bufs
             self.draft_d = torch.zeros(batch, k, dtype=torch.long, device="cuda")

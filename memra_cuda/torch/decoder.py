@@ -18,7 +18,8 @@ import torch
 
 from ..buffers.capacity import kv_capacity
 from ..buffers.lengths import DraftLengths
-from ..buffers.stream_bufs import StreamBufs, as_batch
+from ..buffers.geometry import Geometry
+from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_size
@@ -56,7 +57,7 @@ class RoundDecoder:
     pred_d: torch.Tensor  # greedy: the target's token at each verified position, [B][verified + 1]
     p_d: torch.Tensor  # sampling: the target's probabilities there, [B][verified + 1][V]
 
-    def __init__(self, model: Any, draft: Any, *, k: int, verified: int, m_rounds: int, batch: int,
+    def __init__(self, model: Any, draft: Any, geometry: Geometry, *,
                  capacity: int, sampling: SamplingParams | None, draft_sampling: SamplingParams | None,
                  state_rollback: str, cache: CacheLayout = StaticKV,
                  on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None):
@@ -67,11 +68,12 @@ class RoundDecoder:
         model's own modules)."""
         begun = time.perf_counter()
         refuse(model, draft, state_rollback)
-        k, m_rounds, capacity = as_size(k, "k", 0), as_size(m_rounds, "m_rounds"), as_size(capacity, "capacity")
-        batch = as_batch(batch)
+        capacity = as_size(capacity, "capacity")
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
-        self.k, self.batch = k, batch
+        self.k: int = geometry.k
+        self.batch: int = geometry.batch
+        batch = self.batch
         self.vocab: int = model.config.vocab_size  # every token a request names is below it
         capacity = aligned(capacity)  # both models' caches and a tree's masks alike, compiled or not
         self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
@@ -80,11 +82,12 @@ class RoundDecoder:
             self.engine = engine()
             if on_engine is not None:
                 on_engine(self.engine)
+            verified = geometry.width - 1  # the tokens a round verifies past the pending one: state slots
             self.target = stack_for(model, capacity, batch, state=rollback(state_rollback, self.engine, verified),
                                     cache=cache, compiled=compiled)
             self.draft = stack_for(draft, capacity, batch, cache=cache, compiled=compiled)
             self.shared = self.draft.prefix_of(self.target)
-            self.bufs = StreamBufs(self.engine, k, m_rounds, batch)
+            self.bufs = StreamBufs(self.engine, geometry)
             self.views = RoundViews(self.bufs)
             # each row's request's sampling seed, set at its prefill
             self.seed_d = torch.zeros(batch, dtype=torch.int64, device="cuda")
@@ -271,8 +274,7 @@ class _Slots:
     def refusal(self, request: Request) -> str | None:
         rule, capacity = self.decoder.rounds.round.capacity, self.decoder.target.kv.capacity
         prompt, new = len(request.prompt), request.max_new_tokens
-        need = kv_capacity(prompt, new, rule.k, self.decoder.rounds.rounds_per_step(self.mode), batch=rule.batch,
-                           width=rule.width)
+        need = kv_capacity(prompt, new, rule.geometry.with_rounds(self.decoder.rounds.rounds_per_step(self.mode)))
         if need > capacity:
             return (f"{prompt} prompt tokens and {new} new need a KV cache of {need} entries in {self.mode.value} "
                     f"mode; these hold {capacity}")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..buffers.capacity import kv_capacity
-from ..buffers.stream_bufs import as_batch
+from ..buffers.geometry import Geometry, as_batch
 from ..buffers.tables import Cache, KVData, KVLayer
 from ..driver.values import as_size
 
@@ -31,12 +31,12 @@ def head_size(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def capacity_for(prompt_len: int, tokens: int, k: int, m_rounds: int, batch: int = 1, width: int | None = None) -> int:
-    """A cache for a prompt and a budget in every mode (overlap's two bursts in flight): `k` a
-    chain's drafts or a tree's depth, `width` a tree's T + 1. Rounded up to 16 slots: SDPA's
-    memory-efficient kernel copies a mask whose rows are not 16-aligned into a padded one at
-    every call."""
-    need = kv_capacity(prompt_len, tokens, k, m_rounds, overlap=True, batch=batch, width=width)
+def capacity_for(prompt_len: int, tokens: int, geometry: Geometry) -> int:
+    """A cache for a prompt and a budget in every mode (overlap's two bursts in flight) of rounds
+    of `geometry` (a chain's Geometry(k, M, B), a tree's Geometry.of_tree). Rounded up to 16
+    slots: SDPA's memory-efficient kernel copies a mask whose rows are not 16-aligned into a
+    padded one at every call."""
+    need = kv_capacity(prompt_len, tokens, geometry, overlap=True)
     return -(-need // 16) * 16
 
 

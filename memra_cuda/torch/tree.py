@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..buffers.acceptance import Greedy, Sampling
+from ..buffers.geometry import Geometry
 from ..buffers.lengths import DraftLengths
 from ..buffers.tables import kv_data_table, kv_len_ptr_table
 from ..buffers.tree import Candidates, DynamicTree, Tree, TreeBufs, TreeShape
@@ -76,9 +77,10 @@ class TreeLlama(RoundDecoder):
                              f"vocabulary's {model.config.vocab_size}, not {candidates}")
         self.tree = tree
         cache: CacheLayout = StaticKV if paged is None else functools.partial(PagedKV, page=paged)
-        super().__init__(model, draft, k=tree.depth, verified=tree.nodes - 1, m_rounds=m_rounds, batch=batch,
+        super().__init__(model, draft, Geometry.of_tree(tree, m_rounds, batch),
                          capacity=capacity, sampling=sampling, draft_sampling=draft_sampling,
                          state_rollback=state_rollback, cache=cache, compiled=compiled)
+        batch = self.batch
         nodes = tree.nodes
         with torch.cuda.stream(self.stream):
             self.tree_bufs = tree_bufs = TreeBufs(self.bufs, tree)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import StreamBufs
 from memra_cuda.buffers import Ledger, Readback
 from memra_cuda.buffers.arena import carve
@@ -257,7 +258,7 @@ def test_the_readback_copies_the_fields_receive_reads_where_the_constructor_put_
     addresses the fields were given (a value written at each field's own place comes back as that
     field's)."""
     engine = HostOnly()
-    bufs = StreamBufs(engine, k=2, m_rounds=2, batch=3)
+    bufs = StreamBufs(engine, Geometry(2, 2, 3))
     (slot, span), _ = engine.copies  # one copy a readback slot
     assert span.ptr == bufs.ring_d.ptr and span.len == bufs.ring_d.len + bufs.ctl_d.len + bufs.pos_ctr_d.len + \
         bufs.acc_d.len

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Stages, UNCHECKED, kv_capacity
 from memra_cuda.errors import CapacityError
 from memra_cuda.buffers.capacity import Capacity, kv_entries
@@ -19,7 +20,7 @@ def at(*positions: int) -> np.ndarray:
 
 
 def test_a_burst_fits_to_the_last_entry_and_not_one_past():
-    rule = Capacity(24, k=4, batch=1, m_rounds=4)
+    rule = Capacity(24, Geometry(4, 4, 1))
     rule.check_burst(at(9), ONE, rounds=3)  # 9 + 3 rounds of 5 = 24: the last entry
     assert rule.burst_reach(at(9), ONE, 3).tolist() == [24]
     with pytest.raises(CapacityError, match=r"24 entries.*up to 25 \(row 0 at position 10\)"):
@@ -32,7 +33,7 @@ def test_a_burst_fits_to_the_last_entry_and_not_one_past():
 
 
 def test_a_batch_leaves_room_for_the_round_a_finished_row_sits_out():
-    rule = Capacity(24, k=4, batch=2, m_rounds=4)
+    rule = Capacity(24, Geometry(4, 4, 2))
     rule.check_burst(at(4, 0), TWO, rounds=3)  # 4 + 15 + 5 = 24
     with pytest.raises(CapacityError, match=r"row 0 at position 5"):
         rule.check_burst(at(5, 0), TWO, rounds=3)
@@ -42,7 +43,7 @@ def test_a_batch_leaves_room_for_the_round_a_finished_row_sits_out():
 
 
 def test_a_done_row_needs_only_its_scratch_entries():
-    rule = Capacity(24, k=4, batch=2, m_rounds=4)
+    rule = Capacity(24, Geometry(4, 4, 2))
     done = np.array([True, False])
     rule.check_burst(at(19, 0), done, rounds=3)  # done: 19 + 5 = 24, whatever the burst
     with pytest.raises(CapacityError, match="row 0 at position 20"):
@@ -52,7 +53,7 @@ def test_a_done_row_needs_only_its_scratch_entries():
 def test_an_overlapped_burst_counts_the_rounds_in_flight_before_it():
     """Overlap queues a burst behind one whose tokens the host has not seen: those rounds may
     have moved every row a whole burst on (ahead)."""
-    rule = Capacity(64, k=3, batch=1, m_rounds=8)
+    rule = Capacity(64, Geometry(3, 8, 1))
     rule.check_burst(at(0), ONE, rounds=8, ahead=8)  # 0 + 8·4 + 8·4 = 64
     with pytest.raises(CapacityError, match="behind 8 unseen"):
         rule.check_burst(at(1), ONE, rounds=8, ahead=8)
@@ -67,15 +68,15 @@ def test_a_device_loop_is_checked_for_its_whole_budget():
     """A row that commits at most `most` tokens starts its last round at most most - 1 past its
     position and writes k + 1 entries there; with passes of several rounds (or a batch) the
     round that stopped it may have kept k + 1 more."""
-    single = Capacity(40, k=4, batch=1, m_rounds=1)
+    single = Capacity(40, Geometry(4, 1, 1))
     single.check_loop(at(16), at(20), ONE)  # 16 + 20 + 5 - 1 = 40
     with pytest.raises(CapacityError, match=r"device loop: row 0 at position 17 may write up to 41 \(20 tokens"):
         single.check_loop(at(17), at(20), ONE)
-    passes = Capacity(45, k=4, batch=1, m_rounds=16)
+    passes = Capacity(45, Geometry(4, 16, 1))
     passes.check_loop(at(16), at(20), ONE)  # + 5 for the idle round
     with pytest.raises(CapacityError):
         passes.check_loop(at(17), at(20), ONE)
-    batch = Capacity(45, k=4, batch=2, m_rounds=1)
+    batch = Capacity(45, Geometry(4, 1, 2))
     batch.check_loop(at(16, 40), at(20, 0), np.array([False, True]))  # the done row: 40 + 5
     with pytest.raises(CapacityError, match="row 1"):
         batch.check_loop(at(16, 41), at(20, 0), np.array([False, True]))
@@ -87,13 +88,13 @@ def test_pipeline_stages_bound_the_rule_with_their_caches():
     """The other stages roll back in round_tail, out of the tables' sight: their capacity joins
     the tables', and the fewest entries anywhere is the rule's."""
     stages = Stages(["stage 0"], capacity=20)
-    rule = Capacity.of((stages.capacity, 64, None), k=4, batch=1, m_rounds=4)
+    rule = Capacity.of((stages.capacity, 64, None), Geometry(4, 4))
     assert rule.entries == 20
     rule.check_burst(at(0), ONE, rounds=4)  # 20: the stage's last entry
     with pytest.raises(CapacityError, match="20 entries"):
         rule.check_burst(at(1), ONE, rounds=4)
-    assert Capacity.of((Stages(["stage"], capacity=UNCHECKED).capacity, 64), 4, 1, 4).entries == 64
-    unchecked = Capacity.of((UNCHECKED, None), 4, 1, 4)
+    assert Capacity.of((Stages(["stage"], capacity=UNCHECKED).capacity, 64), Geometry(4, 4)).entries == 64
+    unchecked = Capacity.of((UNCHECKED, None), Geometry(4, 4))
     assert unchecked.entries is None
     unchecked.check_burst(at(10**9), ONE, rounds=4)  # nothing to check against
     unchecked.check_loop(at(10**9), at(10**6), ONE)
@@ -115,7 +116,7 @@ def test_the_one_reduction_fast_path_agrees_with_every_row():
     rng = np.random.default_rng(7)
     for _ in range(2000):
         batch, k, m_rounds = int(rng.integers(1, 6)), int(rng.integers(0, 6)), int(rng.integers(1, 9))
-        rule = Capacity(int(rng.integers(1, 200)), k, batch, m_rounds)
+        rule = Capacity(int(rng.integers(1, 200)), Geometry(k, m_rounds, batch))
         positions = rng.integers(0, 200, batch)
         done = rng.random(batch) < 0.3
         rounds, ahead = int(rng.integers(1, m_rounds + 1)), int(rng.integers(0, 3))
@@ -131,14 +132,15 @@ def test_kv_capacity_holds_every_burst_a_live_row_can_start(batch, overlap):
     overlap): kv_capacity leaves room for it, and a cache of the rule's exact need leaves none
     for one entry more."""
     for prompt_len, new_tokens, k, m_rounds in ((1, 1, 0, 1), (16, 512, 4, 16), (5, 7, 2, 3), (100, 1, 8, 64)):
-        rule = Capacity(kv_capacity(prompt_len, new_tokens, k, m_rounds, overlap, batch), k, batch, m_rounds)
+        geometry = Geometry(k, m_rounds, batch)
+        rule = Capacity(kv_capacity(prompt_len, new_tokens, geometry, overlap=overlap), geometry)
         worst = prompt_len - 1 + new_tokens - 1
         positions, live = np.full(batch, worst, np.int64), np.zeros(batch, bool)
         ahead = m_rounds if overlap else 0
         rule.check_burst(positions, live, m_rounds, ahead)  # the worst a generation can ask
         need = int(rule.burst_reach(positions, live, m_rounds, ahead).max())
         assert need <= rule.entries
-        tight = Capacity(need, k, batch, m_rounds)
+        tight = Capacity(need, geometry)
         tight.check_burst(positions, live, m_rounds, ahead)
         with pytest.raises(CapacityError):
             tight.check_burst(positions + 1, live, m_rounds, ahead)

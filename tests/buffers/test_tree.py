@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import DynamicTree, TreeShape, kv_capacity
 from memra_cuda.buffers.capacity import Capacity
 from memra_cuda.buffers.layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS
@@ -119,27 +120,27 @@ def test_a_tree_round_needs_room_for_its_slots_past_the_position_at_the_limit():
     a burst of R rounds reaches position + (R - 1)(D + 1) + T + 1 (a batch: D + 1 more)."""
     D, T1, M = 3, 17, 4
     for batch in (1, 4):
-        rule = Capacity(None, D, batch, M, width=T1)
+        rule = Capacity(None, Geometry(D, M, batch, T1))
         reach = 100 + (M - 1) * (D + 1) + T1 + (D + 1 if batch > 1 else 0)
         positions, done = np.full(batch, 100), np.zeros(batch, bool)
         assert int(rule.burst_reach(positions, done, M).max()) == reach
-        Capacity(reach, D, batch, M, width=T1).check_burst(positions, done, M)
+        Capacity(reach, Geometry(D, M, batch, T1)).check_burst(positions, done, M)
         with pytest.raises(ValueError, match="cannot take"):
-            Capacity(reach - 1, D, batch, M, width=T1).check_burst(positions, done, M)
+            Capacity(reach - 1, Geometry(D, M, batch, T1)).check_burst(positions, done, M)
         done[:] = True
         assert int(rule.burst_reach(positions, done, M).max()) == 100 + T1
-    assert Capacity(10, 4, 1, 2).width == 5  # a chain writes k + 1
+    assert Capacity(10, Geometry(4, 2, 1)).geometry.width == 5  # a chain writes k + 1
 
 
 def test_kv_capacity_of_a_tree_covers_a_generation():
     D, T1, M, prompt, new = 4, 33, 8, 20, 100
     for batch, overlap in ((1, False), (8, True)):
-        entries = kv_capacity(prompt, new, D, M, overlap=overlap, batch=batch, width=T1)
-        rule = Capacity(entries, D, batch, M, width=T1)
+        entries = kv_capacity(prompt, new, Geometry(D, M, batch, T1), overlap=overlap)
+        rule = Capacity(entries, Geometry(D, M, batch, T1))
         # the worst burst: from the furthest position a live row can be at, behind a burst in flight
         positions = np.full(batch, prompt - 1 + new - 1)
         rule.check_burst(positions, np.zeros(batch, bool), M, ahead=M if overlap else 0)
-    assert kv_capacity(prompt, new, D, M) == kv_capacity(prompt, new, D, M, width=D + 1)
+    assert kv_capacity(prompt, new, Geometry(D, M)) == kv_capacity(prompt, new, Geometry(D, M, 1, D + 1))
 
 
 FAKE_PTR = 0x7F0000000000  # a device address no buffer of these tests is ever read at

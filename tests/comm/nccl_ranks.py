@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Engine, Graph, StreamBufs
 from memra_cuda.comm import Communicator
 from memra_cuda.testing.toy.ranks import ToyPipelineStage, ToyTensorParallel
@@ -93,7 +94,7 @@ def prompts(batch: int) -> list[list[int]]:
 
 def one_gpu(engine: Engine, batch: int, sampling: ToySampling | None) -> list[list[int]]:
     """The same requests through the whole toy on this GPU alone."""
-    lm, bufs = ToyLM(engine, MODEL, CAPACITY, batch=batch, sampling=sampling), StreamBufs(engine, K, M, batch)
+    lm, bufs = ToyLM(engine, MODEL, CAPACITY, batch=batch, sampling=sampling), StreamBufs(engine, Geometry(K, M, batch))
     for row, prompt in enumerate(prompts(batch)):
         lm.prefill_row(bufs, row, prompt, seed=10 + row)
     return [row.tolist() for row in lm.round_stream(bufs).generate_batch(TOKENS, mode="graph")]

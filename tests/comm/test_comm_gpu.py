@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Graph
 from memra_cuda.comm import Communicator, RankFailure
 from memra_cuda.comm.launch import launch
@@ -142,7 +143,7 @@ def test_one_rank_of_the_toy_equals_the_toy(engine, lib, kind, mode, sampled):
     comm = Communicator(engine, 0, 1, lib.unique_id(), timeout=20)
     try:
         ranks = getattr(toy_ranks, kind)(comm, model, 256, 4, 8, batch=batch, sampling=sampling)
-        lm, bufs = ToyLM(engine, model, 256, batch=batch, sampling=sampling), StreamBufs(engine, 4, 8, batch)
+        lm, bufs = ToyLM(engine, model, 256, batch=batch, sampling=sampling), StreamBufs(engine, Geometry(4, 8, batch))
         for row, prompt in enumerate(prompts(batch)):
             ranks.prefill_row(row, prompt, seed=row)
             lm.prefill_row(bufs, row, prompt, seed=row)

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import (DeviceBuffer, Engine, Event, Graph, Greedy, RoundStream, StreamBufs, kv_capacity,
                         kv_len_ptr_table)
 from memra_cuda.buffers import PointerTable
@@ -136,7 +137,7 @@ def test_unloaded_module_refuses_its_launches_and_graphs_and_is_reloaded(engine)
 
 def test_pointer_table_outlives_its_cache_and_refuses_once_a_length_is_freed(engine, spec):
     cache = Cache.allocate(engine, [True, False, True], capacity=16)
-    bufs = StreamBufs(engine, 2, 1)
+    bufs = StreamBufs(engine, Geometry(2, 1))
     table = kv_len_ptr_table(engine, cache, bufs.pos_ctr_d)
     lengths = [kv.len_d for kv in cache.kv if kv is not None]
     alive = [weakref.ref(buf) for buf in lengths]
@@ -159,7 +160,7 @@ def test_pointer_table_outlives_its_cache_and_refuses_once_a_length_is_freed(eng
 
 
 def test_rollback_refuses_a_bare_u64_buffer(engine, spec):
-    bufs = StreamBufs(engine, 2, 1)
+    bufs = StreamBufs(engine, Geometry(2, 1))
     with pytest.raises(TypeError, match="PointerTable"):
         spec.rollback(bufs, engine.htod([bufs.pos_ctr_d.ptr], np.uint64))
 
@@ -187,8 +188,8 @@ def test_copy_into_freed_pinned_memory_is_refused(engine):
 @pytest.mark.parametrize("mode", ["graph", "overlap"])
 def test_burst_graph_refuses_to_replay_after_its_buffers_are_freed(engine, spec, mode):
     model = toy.ToyModel(seed=3)
-    lm = toy.ToyLM(engine, model, kv_capacity(3, 40, 2, 4, overlap=True))
-    bufs = StreamBufs(engine, 2, 4)
+    lm = toy.ToyLM(engine, model, kv_capacity(3, 40, Geometry(2, 4), overlap=True))
+    bufs = StreamBufs(engine, Geometry(2, 4))
     stream = lm.round_stream(bufs, kernels=spec)
     lm.prefill(bufs, [1, 2, 3])
     got = stream.generate(20, mode=mode).tolist()
@@ -207,7 +208,7 @@ def test_burst_graph_refuses_to_replay_after_its_buffers_are_freed(engine, spec,
 @pytest.mark.parametrize("what", ["copy_htod", "htod", "set_stop", "reset", "pointer table"])
 def test_host_to_device_copy_inside_a_capture_is_refused(engine, what):
     buf = engine.htod([5, 6, 7], np.uint32)
-    bufs = StreamBufs(engine, 1, 1)
+    bufs = StreamBufs(engine, Geometry(1, 1))
     uploads = {"copy_htod": lambda: engine.copy_htod(buf, [1, 2, 3]),
                "htod": lambda: engine.htod([1, 2, 3], np.uint32),
                "set_stop": lambda: bufs.set_stop(eos=3, budget=9),
@@ -249,7 +250,7 @@ def test_capacity_comes_from_the_rollback_tables(engine, spec):
     refused before it is issued, whether at the start or after some bursts."""
     model = toy.ToyModel(seed=9)
     lm = toy.ToyLM(engine, model, capacity=24)
-    bufs = StreamBufs(engine, 4, 4)
+    bufs = StreamBufs(engine, Geometry(4, 4))
     stream = lm.round_stream(bufs, kernels=spec)
     assert stream.capacity == 24
     rounds, readbacks = stream.rounds, engine.readbacks
@@ -266,7 +267,7 @@ def test_capacity_comes_from_the_rollback_tables(engine, spec):
 
 def test_round_stream_refuses_tables_without_the_position_and_bare_tables(engine, spec):
     lm = toy.ToyLM(engine, toy.ToyModel(), capacity=64)
-    bufs = StreamBufs(engine, 2, 2)
+    bufs = StreamBufs(engine, Geometry(2, 2))
     draft_d, pred_d = engine.zeros(np.uint32, 2), engine.zeros(np.uint32, 3)
     wiring = dict(kernels=spec, draft_chain=lambda: None, verify_trunk=lambda: None, draft_d=draft_d,
                   acceptance=Greedy(pred_d))
@@ -307,7 +308,7 @@ def test_bad_input_is_a_clear_exception(engine, case):
 
 
 def test_float_buffers_are_not_token_buffers(engine, spec):
-    bufs = StreamBufs(engine, 2, 1)
+    bufs = StreamBufs(engine, Geometry(2, 1))
     with pytest.raises(ValueError, match="integer"):
         spec.prepare_accept_greedy(bufs, engine.alloc(np.float32, 3))
     with pytest.raises(ValueError, match="integer"):
@@ -324,7 +325,7 @@ def test_buffers_of_another_engine_are_refused(engine, spec):
                     lambda: engine.set_u32(foreign, 0, 1),
                     lambda: engine.copy_dtoh_async(other.pinned(np.uint32, 4), mine),
                     lambda: PointerTable(engine, [foreign]),
-                    lambda: spec.prepare_accept_greedy(StreamBufs(other, 2, 1), mine)):
+                    lambda: spec.prepare_accept_greedy(StreamBufs(other, Geometry(2, 1)), mine)):
             with pytest.raises(ValueError, match="belongs to|pinned memory of"):
                 use()
         assert other.dtoh(foreign, np.uint32).tolist() == [0] * 4
@@ -339,7 +340,7 @@ def test_generate_checks_its_arguments_before_queueing(engine, spec, kwargs, kin
     """The start position is the reset's now (generate starts where bufs.reset left the row):
     a bad one is refused there, before generate is reached."""
     lm = toy.ToyLM(engine, toy.ToyModel(), capacity=128)
-    bufs = StreamBufs(engine, 2, 2)
+    bufs = StreamBufs(engine, Geometry(2, 2))
     stream = lm.round_stream(bufs, kernels=spec)
     lm.prefill(bufs, [1, 2])
     engine.synchronize()
@@ -404,7 +405,7 @@ def test_prefill_back_to_back_without_waiting(engine):
     `make sanitize`, memcheck sees no access to freed memory)."""
     model = toy.ToyModel(seed=17, kv_mask=(True, False, True))
     lm = toy.ToyLM(engine, model, capacity=4096)
-    bufs = StreamBufs(engine, 2, 2)
+    bufs = StreamBufs(engine, Geometry(2, 2))
     rng = np.random.default_rng(9)
     prompts = [[int(t) for t in rng.integers(0, model.vocab, n)] for n in (3000, 1, 700, 2049)]
     for prompt in prompts:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import (DeviceBuffer, Engine, Greedy, RoundStream, Stages, StreamBufs, UNCHECKED, chain,
                         kv_len_ptr_table)
 from memra_cuda.buffers import PointerTable
@@ -54,7 +55,7 @@ def run_script(script: str) -> subprocess.CompletedProcess:
 
 def test_hand_built_rollback_table_must_name_its_capacity(engine, spec):
     lm = toy.ToyLM(engine, toy.ToyModel(seed=5), capacity=24)
-    bufs = StreamBufs(engine, 4, 4)
+    bufs = StreamBufs(engine, Geometry(4, 4))
     lengths = [kv.len_d for kv in (lm.target + lm.draft).kv if kv is not None] + [bufs.pos_ctr_d]
     draft_d, pred_d = engine.zeros(np.uint32, 4), engine.zeros(np.uint32, 5)
     wiring = dict(draft_chain=chain(lm.draft_steps(bufs, draft_d)),
@@ -76,7 +77,7 @@ def test_hand_built_rollback_table_must_name_its_capacity(engine, spec):
 
 def test_issue_burst_refuses_more_than_m_rounds_and_a_burst_that_does_not_fit(engine, spec):
     lm = toy.ToyLM(engine, toy.ToyModel(seed=6), capacity=24)
-    bufs = StreamBufs(engine, 4, 4)
+    bufs = StreamBufs(engine, Geometry(4, 4))
     stream = lm.round_stream(bufs, kernels=spec)
     lm.prefill(bufs, list(range(10)))  # position 9
     with pytest.raises(ValueError, match="rounds must be an int from 1 to 4"):
@@ -96,7 +97,7 @@ def test_rounds_issued_since_a_readback_never_overrun_the_ring(engine, spec):
     """The ring holds M rounds' tokens: two bursts of M without a readback, or a burst and
     then a step, would drop tokens while the budget is spent, whatever the caches' room."""
     lm = toy.ToyLM(engine, toy.ToyModel(seed=8), capacity=4096)
-    bufs = StreamBufs(engine, 2, 4)
+    bufs = StreamBufs(engine, Geometry(2, 4))
     stream = lm.round_stream(bufs, kernels=spec)
     lm.prefill(bufs, [1, 2, 3])
     stream.issue_burst(4)
@@ -120,7 +121,7 @@ def test_a_burst_with_its_readback_leaves_the_ring_empty_for_the_next(engine, sp
     """After issue_burst's rounds, a step's own readback (replayed inside its graph, where bufs
     cannot count it) empties the ring: the next whole burst fits, and every token arrives."""
     lm = toy.ToyLM(engine, toy.ToyModel(seed=8), capacity=4096)
-    bufs = StreamBufs(engine, 2, 4)
+    bufs = StreamBufs(engine, Geometry(2, 4))
     stream = lm.round_stream(bufs, kernels=spec)
     lm.prefill(bufs, [1, 2, 3])
     stream.issue_burst(1)
@@ -323,7 +324,7 @@ def test_a_live_row_that_commits_nothing_in_a_burst_raises_instead_of_hanging(en
     """Rows a kernel never reaches (as rows past 8192 once were) stay live and commit nothing;
     generate would wait for them forever. Emptying the ring after each commit stands in for that."""
     lm = toy.ToyLM(engine, toy.ToyModel(seed=7), capacity=256)
-    bufs = StreamBufs(engine, 2, 4)
+    bufs = StreamBufs(engine, Geometry(2, 4))
     draft_d, pred_d = engine.zeros(np.uint32, 2), engine.zeros(np.uint32, 3)
     table = kv_len_ptr_table(engine, lm.target + lm.draft, pos_ctr=bufs.pos_ctr_d)
     stream = RoundStream(bufs, kernels=spec, draft_chain=chain(lm.draft_steps(bufs, draft_d)),

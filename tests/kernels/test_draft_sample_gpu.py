@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Graph, StreamBufs
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.testing import reference as ref
@@ -35,7 +36,7 @@ class Rig:
 
     def __init__(self, engine, spec, rows: int, vocab: int, k: int, width=np.uint32):
         self.engine, self.rows, self.vocab, self.k = engine, rows, vocab, k
-        self.bufs = StreamBufs(engine, k, 1, batch=rows)
+        self.bufs = StreamBufs(engine, Geometry(k, 1, rows))
         self.q_d = engine.alloc(np.float32, rows * k * vocab)
         self.seed_d = engine.alloc(np.uint64, rows)
         self.draft_d = engine.alloc(width, rows * k)
@@ -114,7 +115,7 @@ def test_the_draw_is_distributed_as_the_drafts_law(engine, spec):
     ("vocab 0", dict(vocab=0), "vocab"),
 ])
 def test_bad_input_is_refused_before_anything_is_queued(engine, spec, monkeypatch, what, change, match):
-    bufs = StreamBufs(engine, 2, 1, batch=3)
+    bufs = StreamBufs(engine, Geometry(2, 1, 3))
     given = {"q": (np.float32, 3 * 2 * 7), "seed": (np.uint64, 3), "draft": (np.uint32, 6), "step": 1, "vocab": 7,
              **change}
     q, seed, draft = (engine.alloc(*given[name]) for name in ("q", "seed", "draft"))

@@ -29,11 +29,12 @@ from itertools import islice
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Cache, DeviceBuffer, StreamBufs, kv_len_ptr_table
 from memra_cuda.buffers import PointerTable, kv_len_ptr_table_range
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.testing import reference as ref
-from memra_cuda.buffers.stream_bufs import MAX_BATCH
+from memra_cuda.buffers.geometry import MAX_BATCH
 from memra_cuda.testing.reference import BUDGET, DONE, EOS, KEEP
 
 pytestmark = pytest.mark.gpu
@@ -122,7 +123,7 @@ class Rig:
     def __init__(self, engine, k: int, m: int = 1, batch: int = 1, **extra: DeviceBuffer):
         self.engine = engine
         self.batch = batch
-        self.bufs = StreamBufs(engine, k, m, batch)
+        self.bufs = StreamBufs(engine, Geometry(k, m, batch))
         self.device = {**self.bufs.buffers(), **extra}
 
     def random_state(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -179,7 +180,7 @@ def test_seed_gather_copies_the_bonus_row_and_nothing_past_it(engine, spec, row_
     shifted copy cannot pass; acc past the last row reads the last row; a guard word after the
     row stays."""
     n_rows = 5
-    bufs = StreamBufs(engine, n_rows - 1, 1)
+    bufs = StreamBufs(engine, Geometry(n_rows - 1, 1))
     rows = ((np.arange(1, n_rows + 1, dtype=np.uint32)[:, None] << 24)
             | np.arange(row_words, dtype=np.uint32)).reshape(-1)
     rows_d = engine.htod(rows, np.uint32)
@@ -375,7 +376,7 @@ def test_rollback_touches_exactly_the_nonzero_pointers(engine, spec, n_slots, po
     table = PointerTable(engine, [words.view(int(t), 1) if alive else None for t, alive in zip(target, live)])
     want_words = np.where(live, np.uint64(words.ptr) + np.uint64(4) * target.astype(np.uint64), np.uint64(0))
     assert np.array_equal(engine.dtoh(table, np.uint64), want_words), "the table holds each view's address, 0 for None"
-    bufs = StreamBufs(engine, 4, 1)
+    bufs = StreamBufs(engine, Geometry(4, 1))
     engine.copy_htod(bufs.pos_start_d, [pos_start])
     engine.copy_htod(bufs.ctl_d, [-1, -1, 0, keep])
     spec.rollback(bufs, table)
@@ -395,7 +396,7 @@ def test_ring_fills_to_capacity_and_never_past(engine, spec, k, m):
     """m rounds in which every draft is accepted fill the ring with exactly m*(k+1) tokens, in
     order; two more rounds leave it full (count m*(k+1), tokens unchanged). The ring is a view
     into a larger buffer, so the words around it show that nothing was written past it."""
-    bufs = StreamBufs(engine, k, m)
+    bufs = StreamBufs(engine, Geometry(k, m))
     cap = m * (k + 1)
     assert (bufs.ring_cap, bufs.ring_d.len) == (cap, cap + 1), "StreamBufs sizes the ring m*(k+1)+1"
     guarded = engine.alloc(np.uint32, cap + 4)  # [guard, count, cap token slots, guard, guard]
@@ -475,7 +476,7 @@ def test_kv_len_ptr_table_range_outside_the_cache_is_a_value_error(engine, cache
 
 def test_rollback_through_cache_tables_sets_every_length_and_pos_ctr(engine, spec, cache):
     """The tables drive a real rollback: whole-cache, then split as two pipeline stages would."""
-    bufs = StreamBufs(engine, 4, 1)
+    bufs = StreamBufs(engine, Geometry(4, 1))
     whole = [kv_len_ptr_table(engine, cache, bufs.pos_ctr_d)]
     stages = [kv_len_ptr_table_range(engine, cache, range(0, 2)),
               kv_len_ptr_table_range(engine, cache, range(2, 5), bufs.pos_ctr_d)]

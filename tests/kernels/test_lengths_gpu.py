@@ -21,12 +21,13 @@ from itertools import islice
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import StreamBufs
 from memra_cuda.buffers import DraftLengths
 from memra_cuda.buffers.layout import (ACC_ROUND, BRK_MARK, COST_DRAFT, COST_VERIFY, CTL_DONE,
                                        CTL_KEEP, CTL_WORDS, RATE_WORDS)
 from memra_cuda.buffers.lengths import DECAY, PRIOR
-from memra_cuda.buffers.stream_bufs import MAX_BATCH
+from memra_cuda.buffers.geometry import MAX_BATCH
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.testing import reference as ref
 from test_kernels_gpu import LARGE_CASES, cases, done_flag, edge_count, pick, random_words
@@ -123,7 +124,7 @@ def check(engine, launch, bufs: StreamBufs, lengths: DraftLengths, state: dict[s
 @pytest.mark.parametrize("k,batch,decays", CONFIGS)
 def test_choose_lengths_matches_reference(engine, spec, k, batch, decays):
     decay, prior = DECAYS[decays]
-    bufs = StreamBufs(engine, k, 1, batch)
+    bufs = StreamBufs(engine, Geometry(k, 1, batch))
     lengths = DraftLengths(bufs, [1.0] * (k + 1), 0.0, decay, prior)
     launch = spec.prepare_choose_lengths(bufs, lengths)
     for rng, where in cases("choose_lengths", (k, batch, decays), len(CONFIGS)):
@@ -132,7 +133,7 @@ def test_choose_lengths_matches_reference(engine, spec, k, batch, decays):
 
 @pytest.mark.parametrize("k", (4, 40))
 def test_choose_lengths_over_the_largest_batch(engine, spec, k):
-    bufs = StreamBufs(engine, k, 1, MAX_BATCH)
+    bufs = StreamBufs(engine, Geometry(k, 1, MAX_BATCH))
     lengths = DraftLengths(bufs, [1.0] * (k + 1), 0.0)
     launch = spec.prepare_choose_lengths(bufs, lengths)
     for rng, where in islice(cases("choose_lengths_large", (k,), 1), LARGE_CASES):
@@ -140,7 +141,7 @@ def test_choose_lengths_over_the_largest_batch(engine, spec, k):
 
 
 def test_the_host_writes_caps_and_costs_where_the_chooser_reads_them(engine):
-    bufs = StreamBufs(engine, 3, 1, 4)
+    bufs = StreamBufs(engine, Geometry(3, 1, 4))
     lengths = DraftLengths(bufs, [1.0, 1.5, 2.0, 2.5], 0.25)
     assert engine.dtoh(lengths.cap_d).tolist() == [3, 3, 3, 3], "every row starts at the full width"
     assert engine.dtoh(lengths.rate_d).tolist() == [PRIOR, 1 - PRIOR] * 4, "every row starts at the prior"
@@ -154,7 +155,7 @@ def test_the_host_writes_caps_and_costs_where_the_chooser_reads_them(engine):
 
 
 def test_the_launcher_takes_only_the_lengths_of_its_buffers(engine, spec):
-    bufs, other = StreamBufs(engine, 2, 1, 3), StreamBufs(engine, 2, 1, 3)
+    bufs, other = StreamBufs(engine, Geometry(2, 1, 3)), StreamBufs(engine, Geometry(2, 1, 3))
     with pytest.raises(ValueError, match="were made for other round-stream buffers"):
         spec.prepare_choose_lengths(bufs, DraftLengths(other, [1.0] * 3, 0.0))
     with pytest.raises(TypeError, match="a DraftLengths, not"):

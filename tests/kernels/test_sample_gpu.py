@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Graph, StreamBufs
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.testing import reference as ref
@@ -115,7 +116,7 @@ class Rig:
 
     def __init__(self, engine, spec, rows: int, vocab: int, k: int):
         self.engine, self.rows, self.vocab, self.k = engine, rows, vocab, k
-        self.bufs = StreamBufs(engine, k, 1, batch=rows)
+        self.bufs = StreamBufs(engine, Geometry(k, 1, rows))
         self.device = {**self.bufs.buffers(), "p_d": engine.alloc(np.float32, rows * (k + 1) * vocab),
                        "q_d": engine.alloc(np.float32, rows * max(k, 1) * vocab),
                        "seed_d": engine.alloc(np.uint64, rows)}
@@ -232,7 +233,7 @@ def test_committed_tokens_are_distributed_as_the_target_in_one_launch(engine, sp
     """ROWS rows of one round (test_reference_sample.theorem_rows: drafts raced from q), one launch:
     the first committed tokens follow the target; the first rows also match the reference."""
     rows = theorem_rows(q, k, ROWS, np.random.default_rng(SEED + 77 + k))
-    bufs = StreamBufs(engine, k, 1, batch=ROWS)
+    bufs = StreamBufs(engine, Geometry(k, 1, ROWS))
     state = dict(vtok_d=rows["vtok"].reshape(-1), brk_d=np.zeros(2 * ROWS, np.uint32),
                  acc_d=np.zeros(2 * ROWS, np.uint32), last_pred_d=np.zeros(ROWS, np.uint32),
                  ctl_d=np.tile(np.array([-1, -1, 0, 0], np.int32), ROWS), pos_start_d=rows["pos_start"],
@@ -271,7 +272,7 @@ BAD = {
 
 
 def small_call(engine, given: dict) -> tuple[StreamBufs, dict]:
-    bufs = StreamBufs(engine, 2, 1, batch=3)
+    bufs = StreamBufs(engine, Geometry(2, 1, 3))
     return bufs, {name: engine.alloc(*given[name]) if name != "vocab" else given[name] for name in GOOD}
 
 

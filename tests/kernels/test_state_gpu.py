@@ -19,9 +19,9 @@ from itertools import islice
 import numpy as np
 import pytest
 
-from memra_cuda import (Cache, Greedy, RoundStream, StateLayer, StreamBufs, kv_len_ptr_table, state_copy_table,
-                        state_flip_table)
-from memra_cuda.buffers import StateIndexTable, StateTable, state_copy_table_range
+from memra_cuda import Geometry
+from memra_cuda import Cache, Greedy, RoundStream, StateLayer, StreamBufs, kv_len_ptr_table, state_copy_table
+from memra_cuda.buffers import StateIndexTable, StateTable, state_copy_table_range, state_flip_table
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.testing import reference as ref
 from memra_cuda.testing.reference import DONE, KEEP
@@ -122,7 +122,7 @@ def test_state_copy_writes_the_kept_slot_between_sentinels(engine, spec, row_wor
     k + 1; keep 0 and the done row: the sentinel still), and every other word is unchanged."""
     k, batch = 2, 4
     keeps = [1, 0, 3, 2**31 - 1]
-    bufs = StreamBufs(engine, k, 1, batch)
+    bufs = StreamBufs(engine, Geometry(k, 1, batch))
     b, i, w = np.meshgrid(np.arange(batch), np.arange(k + 1), np.arange(row_words), indexing="ij")
     slots = ((b + 1) << 24 | (i + 1) << 16 | w).astype(np.uint32).reshape(-1)
     live, slot_span = spans(batch, k, row_words)
@@ -199,7 +199,7 @@ def test_state_flip_by_hand_between_sentinels(engine, spec):
     k = 2
     rows = [(0, 1, 3), (0, 3, 5), (4, 3, 2), (5, 1, 0), (3, 0, 3), (7, 2, 1), (2**32 - 1, 0, 2**32 - 1), (1, -1, 5)]
     batch = len(rows)
-    bufs = StreamBufs(engine, k, 1, batch)
+    bufs = StreamBufs(engine, Geometry(k, 1, batch))
     words = np.full(window(0, batch).stop + GUARD, SENTINEL, np.uint32)
     words[window(0, batch)] = [idx for idx, _, _ in rows]
     arena = engine.htod(words, np.uint32)
@@ -262,7 +262,7 @@ def test_state_tables_refuse_mixed_shapes_and_shared_memory(engine):
 def test_launchers_refuse_tables_of_another_round_or_kind(engine, spec):
     """Checked once, when the launch is prepared: the batch and k of the round, and the kind of
     table (a KV length table and a state index table never stand in for each other)."""
-    bufs = StreamBufs(engine, 2, 1, 3)
+    bufs = StreamBufs(engine, Geometry(2, 1, 3))
     copy_table = state_copy_table(engine, state_layers(engine, 3, 2, (5, None)))
     flip_table = state_flip_table(engine, [engine.zeros(np.uint32, 3)])
     lengths = kv_len_ptr_table(engine, Cache.allocate(engine, (True,), capacity=8, batch=3), bufs.pos_ctr_d)
@@ -270,9 +270,9 @@ def test_launchers_refuse_tables_of_another_round_or_kind(engine, spec):
     spec.prepare_state_flip(bufs, flip_table)
     for (k, batch), named in (((2, 2), "B=2 and k=2"), ((1, 3), "B=3 and k=1"), ((3, 3), "B=3 and k=3")):
         with pytest.raises(ValueError, match=f"the round has {named}"):
-            spec.prepare_state_copy(StreamBufs(engine, k, 1, batch), copy_table)
+            spec.prepare_state_copy(StreamBufs(engine, Geometry(k, 1, batch)), copy_table)
     with pytest.raises(ValueError, match=r"u32\[2\]"):
-        spec.prepare_state_flip(StreamBufs(engine, 2, 1, 2), flip_table)
+        spec.prepare_state_flip(StreamBufs(engine, Geometry(2, 1, 2)), flip_table)
     for table in (flip_table, lengths):
         with pytest.raises(TypeError, match="StateTable"):
             spec.prepare_state_copy(bufs, table)
@@ -286,7 +286,7 @@ def test_launchers_refuse_tables_of_another_round_or_kind(engine, spec):
 
 
 def test_freeing_a_state_buffer_poisons_its_table_and_launches(engine, spec):
-    bufs = StreamBufs(engine, 1, 1)
+    bufs = StreamBufs(engine, Geometry(1, 1))
     live, slots, idx = (engine.zeros(np.uint32, n, label=name) for n, name in ((4, "live"), (8, "slots"), (1, "idx")))
     copy_table = state_copy_table(engine, [StateLayer(live, slots, 4, 1)])
     flip_table = state_flip_table(engine, [idx])
@@ -307,7 +307,7 @@ def test_round_stream_takes_state_tables_of_either_kind_and_refuses_the_rest(eng
     """state_tables= is where the state rollback goes, checked when the stream is built: a KV
     length table there, a state index table among the rollback tables, or a state table of
     another batch, refused before any round is queued."""
-    bufs = StreamBufs(engine, 2, 1, 3)
+    bufs = StreamBufs(engine, Geometry(2, 1, 3))
     lengths = kv_len_ptr_table(engine, Cache.allocate(engine, (True,), capacity=8, batch=3), bufs.pos_ctr_d)
     copy_table = state_copy_table(engine, state_layers(engine, 3, 2, (5, None)))
     flip_table = state_flip_table(engine, [engine.zeros(np.uint32, 3)])

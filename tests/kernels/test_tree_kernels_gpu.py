@@ -21,9 +21,9 @@ import zlib
 import numpy as np
 import pytest
 
-from memra_cuda import (DynamicTree, StateLayer, StreamBufs, TreeBufs, TreeShape, kv_data_table, state_copy_table,
-                        state_flip_table)
-from memra_cuda.buffers import KVData
+from memra_cuda import Geometry
+from memra_cuda import DynamicTree, StateLayer, StreamBufs, TreeBufs, TreeShape, kv_data_table, state_copy_table
+from memra_cuda.buffers import KVData, state_flip_table
 from memra_cuda.kernels import TreeKernels
 from memra_cuda.testing import reference as ref
 from memra_cuda.testing import reference_tree as rt
@@ -65,7 +65,7 @@ class Rig:
 
     def __init__(self, engine, tree, batch: int, vocab: int, sampling: bool, K: int = 6):
         self.engine, self.tree, self.B, self.V, self.sampling = engine, tree, batch, vocab, sampling
-        self.bufs = StreamBufs(engine, tree.depth, 1, batch=batch)
+        self.bufs = StreamBufs(engine, Geometry.of_tree(tree, 1, batch))
         self.tb = TreeBufs(self.bufs, tree)
         kernels = TreeKernels(engine)
         T1 = self.T1 = tree.nodes

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks
+from memra_cuda import Geometry
 from memra_cuda import DynamicTree, TreeShape
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
@@ -78,10 +79,10 @@ def decoder(target, draft, kind: str, batch: int):
     longest, most = 8 + 3 * 7, max(BUDGETS)
     if kind == "chain":
         return SpeculativeLlama(target, draft, k=K, m_rounds=M, batch=batch,
-                                capacity=capacity_for(longest, most, K, M, batch))
+                                capacity=capacity_for(longest, most, Geometry(K, M, batch)))
     tree = TREES[kind]
     return TreeLlama(target, draft, tree, m_rounds=M, batch=batch,
-                     capacity=capacity_for(longest, most, tree.depth, M, batch, tree.nodes))
+                     capacity=capacity_for(longest, most, Geometry.of_tree(tree, M, batch)))
 
 
 @pytest.mark.parametrize("kind, batch", CASES, ids=[f"{kind}-B{batch}" for kind, batch in CASES])

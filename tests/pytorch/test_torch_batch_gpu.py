@@ -12,6 +12,7 @@ import gc
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda.rounds import MODES
 from laws import assert_distributed_as, cells
 
@@ -47,7 +48,7 @@ def batch8(small):
     stops = [None, alone[1][30], alone[2][5], None, alone[4][60], alone[5][0], alone[6][49], alone[7][70]]
     requests = [Request(p, n, eos) for p, n, eos in zip(rows, budgets, stops)]
     want = [row[:row.index(eos) + 1] if eos in row else row for row, eos in zip(alone, stops)]
-    capacity = capacity_for(max(map(len, rows)), max(budgets), K, M, batch=8)
+    capacity = capacity_for(max(map(len, rows)), max(budgets), Geometry(K, M, 8))
     return chain(small, capacity=capacity, batch=8), requests, want
 
 
@@ -73,7 +74,7 @@ def test_batched_plain_greedy_equals_hugging_face_too(small, batch8, eager):
 def test_a_head_size_other_than_hidden_over_heads_decodes_like_hugging_face(engine):
     """The KV cache takes config.head_dim (32 here, where hidden_size / heads is 64)."""
     model = build_model("small", head_dim=32)
-    spec = chain(model, capacity=capacity_for(len(PROMPT), 64, K, M, batch=2), batch=2)
+    spec = chain(model, capacity=capacity_for(len(PROMPT), 64, Geometry(K, M, 2)), batch=2)
     assert spec.target.kv.k[0].shape[-1] == 32
     request = Request(PROMPT, 64)
     assert spec.generate_batch([request, request])[1] == hf_greedy(model, PROMPT, 64)
@@ -88,7 +89,7 @@ def sampled(model, batch: int, m_rounds: int, mode: str, order: list[int], param
     """The requests of SAMPLING_REQUESTS at positions `order` sampled in batches of `batch`
     rows (by `draft`, default the self-speculative one): request index -> its tokens."""
     rows = prompts(len(SAMPLING_REQUESTS), seed=2)
-    capacity = capacity_for(40, 48, K, m_rounds, batch=batch)
+    capacity = capacity_for(40, 48, Geometry(K, m_rounds, batch))
     spec = SpeculativeLlama(model, self_draft(model) if draft is None else draft, k=K, m_rounds=m_rounds,
                             capacity=capacity, batch=batch, sampling=params)
     out = {}
@@ -124,7 +125,8 @@ def assert_first_sampled_token_is_the_targets_softmax(peaked, draft_model) -> No
     gc.collect()  # the decoders earlier tests left in cycles (a RoundStream holds its decoder's methods)
     rows, prompt = 20_000, PROMPT
     target, draft = SamplingParams(1.0), SamplingParams(0.5)
-    spec = SpeculativeLlama(peaked, draft_model, k=1, m_rounds=1, capacity=capacity_for(len(prompt), 1, 1, 1, rows),
+    spec = SpeculativeLlama(peaked, draft_model, k=1, m_rounds=1,
+                            capacity=capacity_for(len(prompt), 1, Geometry(1, 1, rows)),
                             batch=rows, sampling=target, draft_sampling=draft)
     got = spec.generate_batch([Request(prompt, 1, None, seed) for seed in range(rows)], "readback")
     first = np.array([tokens[0] for tokens in got])
@@ -170,9 +172,9 @@ def test_continuous_batching_gives_each_request_its_single_request_output(small,
     """64 requests of mixed prompt and output lengths through 8 slots, refilled as requests
     stop at their EOS or budget (reset_row, set_stop_row): each output equals the same request
     generated alone, and no graph is captured while serving."""
-    alone = chain(small, capacity=capacity_for(40, 96, K, M))
+    alone = chain(small, capacity=capacity_for(40, 96, Geometry(K, M)))
     requests, want = served_requests(alone, 64, seed=3)
-    server = chain(small, capacity=capacity_for(40, 96, K, M, batch=8), batch=8)
+    server = chain(small, capacity=capacity_for(40, 96, Geometry(K, M, 8)), batch=8)
     server.capture()
     graphs, prefills = server.rounds.graphs, sorted(server.target.prefills.graphs)
     served = server.serve(requests, mode)
@@ -183,7 +185,7 @@ def test_continuous_batching_gives_each_request_its_single_request_output(small,
 
 
 def test_serve_refuses_a_request_its_caches_cannot_hold_alone(small):
-    server = chain(small, capacity=capacity_for(10, 20, K, M, batch=2), batch=2)
+    server = chain(small, capacity=capacity_for(10, 20, Geometry(K, M, 2)), batch=2)
     fits = Request([1, 2, 3], 20)
     alone = server.generate_batch([fits, fits])[0]
     served = server.serve([fits, Request([1] * 10, 200), fits])
@@ -222,20 +224,20 @@ def test_the_headlines_plain_step_is_one_step_of_its_burst(small):
 
 
 def test_a_prefill_needs_a_seed_a_row_and_greedy_a_request_a_row(small):
-    sampled = chain(small, capacity=capacity_for(10, 20, K, M, batch=2), batch=2, sampling=SamplingParams(1.0))
+    sampled = chain(small, capacity=capacity_for(10, 20, Geometry(K, M, 2)), batch=2, sampling=SamplingParams(1.0))
     for seeds in ([7], [], [7, 8, 9]):
         with pytest.raises(ValueError, match=f"one seed for each of the 2 rows, not {len(seeds)}"):
             sampled.prefill([0, 1], [[1, 2], [3, 4]], seeds)
     assert sampled.prefill([0, 1], [[1, 2], [3, 4]], [7, 8]) == [1, 1]
-    greedy = GraphedGreedy(small, capacity_for(10, 20, K, M, batch=2), batch=2)
+    greedy = GraphedGreedy(small, capacity_for(10, 20, Geometry(K, M, 2)), batch=2)
     with pytest.raises(ValueError, match="need one request per row \\(2\\), not 1"):
         greedy.generate_batch([Request([1, 2], 4)])
 
 
 def test_continuous_batching_samples_each_request_as_it_would_alone(peaked):
     params = SamplingParams(temperature=0.8)
-    alone = chain(peaked, capacity=capacity_for(40, 96, K, M), sampling=params)
+    alone = chain(peaked, capacity=capacity_for(40, 96, Geometry(K, M)), sampling=params)
     requests, want = served_requests(alone, 12, seed=4, with_seeds=True)
-    served = chain(peaked, capacity=capacity_for(40, 96, K, M, batch=4), batch=4, sampling=params).serve(requests)
+    served = chain(peaked, capacity=capacity_for(40, 96, Geometry(K, M, 4)), batch=4, sampling=params).serve(requests)
     for i, (result, tokens) in enumerate(zip(served, want)):
         assert result.tokens == tokens, f"request {i}: first difference at {first_difference(result.tokens, tokens)}"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda.rounds import MODES
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
@@ -60,7 +61,7 @@ def draft32(small):
 
 def chain(model, draft_model, longest: int, batch: int, **kwargs) -> SpeculativeLlama:
     return SpeculativeLlama(model, draft_model, k=K, m_rounds=M, batch=batch,
-                            capacity=capacity_for(longest, TOKENS, K, M, batch), **kwargs)
+                            capacity=capacity_for(longest, TOKENS, Geometry(K, M, batch)), **kwargs)
 
 
 def assert_rows_equal(got: list[list[int]], want: list[list[int]], what: str) -> None:

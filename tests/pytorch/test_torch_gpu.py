@@ -15,6 +15,7 @@ import weakref
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import (Cache, DeviceBuffer, Engine, Event, Graph, Greedy, KVLayer, RoundStream, StreamBufs,
                         kv_len_ptr_table)
 from memra_cuda.errors import CaptureError
@@ -160,7 +161,7 @@ def test_adapter_capture_refuses_the_default_stream(engine):
 def decoder(small):
     from memra_cuda.torch.testing import PROMPT  # transformers: only for the tests that take the Llama
     tokens = 256
-    capacity = memra_torch.capacity_for(len(PROMPT), tokens, 4, 16)
+    capacity = memra_torch.capacity_for(len(PROMPT), tokens, Geometry(4, 16))
     spec = memra_torch.SpeculativeLlama(small, memra_torch.self_draft(small), k=4, m_rounds=16, capacity=capacity)
     want = memra_torch.hf_greedy(small, PROMPT, tokens)
     return small, spec, want, PROMPT
@@ -234,7 +235,7 @@ class Counting:
 
     def __init__(self, engine: Engine, k: int = 3, m_rounds: int = 4):
         self.engine, self.k = engine, k
-        self.bufs = StreamBufs(engine, k, m_rounds)
+        self.bufs = StreamBufs(engine, Geometry(k, m_rounds))
         self.pend = memra_torch.tensor(self.bufs.pend_d, torch.int32)
         self.vtok = memra_torch.tensor(self.bufs.vtok_d, torch.int32)
         self.draft_d = torch.zeros(max(k, 1), dtype=torch.int64, device="cuda")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda.errors import LoopUnsupported
 from memra_cuda.rounds import MODES
 
@@ -40,7 +41,7 @@ def batches(hybrid):
     out = {}
     for batch, budgets in BUDGETS.items():
         rows = [PROMPT] if batch == 1 else [[1], *prompts(batch - 1, seed=7)]  # [1]: no prefill
-        capacity = capacity_for(max(map(len, rows)), TOKENS, K, M, batch)
+        capacity = capacity_for(max(map(len, rows)), TOKENS, Geometry(K, M, batch))
         greedy = GraphedGreedy(hybrid, capacity, batch)
         longer = greedy.generate_batch([Request(p, n + K) for p, n in zip(rows, budgets)])
         stops = [longer[row][EOS_ROWS[batch][row]] if row in EOS_ROWS[batch] else None for row in range(batch)]
@@ -115,7 +116,7 @@ def test_served_requests_equal_their_own_plain_greedy(hybrid, state):
     lengths, budgets = (1, 7, 23, 3, 40, 12, 2, 31), (40, 80, 24, 64, 48, 80, 32, 56)
     rows = [[1]] + [(p + [5] * 40)[:n] for p, n in zip(prompts(len(lengths) - 1, seed=11), lengths[1:])]
     requests = [Request(prompt, n) for prompt, n in zip(rows, budgets)]
-    capacity = capacity_for(max(lengths), max(budgets), K, M, batch=4)
+    capacity = capacity_for(max(lengths), max(budgets), Geometry(K, M, 4))
     alone = GraphedGreedy(hybrid, capacity)
     want = [alone.generate(r.prompt, r.max_new_tokens) for r in requests]
     spec = SpeculativeLlama(hybrid, self_draft(hybrid), k=K, m_rounds=M, capacity=capacity, batch=4,
@@ -132,7 +133,7 @@ def test_sampled_tokens_are_the_same_in_every_mode(hybrid, state):
     state is rolled back out (acceptance below one: some were)."""
     rows = [PROMPT, [1, 300, 17]]
     requests = [Request(prompt, 64, None, seed) for seed, prompt in enumerate(rows, 3)]
-    capacity = capacity_for(max(map(len, rows)), 64, K, M, batch=2)
+    capacity = capacity_for(max(map(len, rows)), 64, Geometry(K, M, 2))
     spec = SpeculativeLlama(hybrid, self_draft(hybrid), k=K, m_rounds=M, capacity=capacity, batch=2,
                             state_rollback=state, sampling=SamplingParams(temperature=0.5))
     runs = {mode: generate(spec, requests, mode) for mode in ("readback", "graph", "device")}

@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
+from memra_cuda import Geometry  # noqa: E402
 from memra_cuda.buffers.layout import BRK_COUNT  # noqa: E402
 from memra_cuda.torch.testing import prompts  # noqa: E402
 from test_torch_batch_gpu import first_difference  # noqa: E402  (imports torch)
@@ -50,13 +51,13 @@ def decoder(request, small):
     k's, one switched to each round by the width chosen (CUDA 12.8+; skipped, naming why, before),
     or a tree decoder of depth k (a chain with a leaf beside each draft), over SLOTS rows, every
     graph captured (a plain server captures its own as it is made)."""
-    capacity = capacity_for(40, 96, K, M, batch=SLOTS)
+    capacity = capacity_for(40, 96, Geometry(K, M, SLOTS))
     if request.param == "plain":
         return GraphedGreedy(small, capacity, SLOTS)
     if request.param == "tree":
         tree = TreeShape.chain_with_leaves(K, 1)
         spec = TreeLlama(small, self_draft(small), tree, m_rounds=M, batch=SLOTS,
-                         capacity=capacity_for(40, 96, K, M, batch=SLOTS, width=tree.nodes))
+                         capacity=capacity_for(40, 96, Geometry(K, M, SLOTS, tree.nodes)))
         spec.capture(("graph",))
         return spec
     widths = ()
@@ -154,7 +155,8 @@ def test_a_decoders_server_captures_every_graph_first_where_capture_was_not_call
     """server() on a decoder never captured: every graph is captured and the rounds sealed before
     the first request, so serving captures nothing (a capture mid-serving stalls every row)."""
     requests, want = stream
-    spec = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M, capacity=capacity_for(40, 96, K, M, batch=SLOTS),
+    spec = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M,
+                            capacity=capacity_for(40, 96, Geometry(K, M, SLOTS)),
                             batch=SLOTS)
     server = spec.server()
     assert spec.rounds.sealed

@@ -16,6 +16,7 @@ import gc
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import DynamicTree, TreeShape, kv_capacity
 from memra_cuda.rounds import MODES
 from laws import assert_distributed_as, cells
@@ -62,7 +63,7 @@ def greedy_batches(small):
 def tree_decoder(model, tree, longest: int, tokens: int, batch: int, draft=None, **kwargs) -> TreeLlama:
     """A TreeLlama of `model` and `draft` (default its self-speculative one) over `tree`, M = M,
     caches for prompts of `longest` tokens and budgets of `tokens`."""
-    capacity = capacity_for(longest, tokens, tree.depth, M, batch, tree.nodes)
+    capacity = capacity_for(longest, tokens, Geometry.of_tree(tree, M, batch))
     return TreeLlama(model, self_draft(model) if draft is None else draft, tree, m_rounds=M, capacity=capacity,
                      batch=batch, **kwargs)
 
@@ -179,7 +180,8 @@ def assert_first_sampled_tree_token_is_the_targets_softmax(peaked, draft_model) 
     rows, prompt = 20_000, PROMPT
     tree = TreeShape.from_choices([[0], [1]])
     spec = TreeLlama(peaked, draft_model, tree, m_rounds=1, batch=rows, sampling=SamplingParams(1.0),
-                     draft_sampling=SamplingParams(0.5), capacity=capacity_for(len(prompt), 1, 1, 1, rows, tree.nodes))
+                     draft_sampling=SamplingParams(0.5),
+                     capacity=capacity_for(len(prompt), 1, Geometry(1, 1, rows, tree.nodes)))
     got = spec.generate_batch([Request(prompt, 1, None, seed) for seed in range(rows)], "readback")
     first = np.array([tokens[0] for tokens in got])
     with torch.no_grad():
@@ -238,8 +240,8 @@ def test_a_tree_llama_refuses_what_it_cannot_serve(small, hybrid):
     # a request that fits a chain's k + 1 slots past its position, but not the tree's T + 1, in a
     # cache of one whole block (a decoder's capacity is rounded up to whole blocks of 128)
     tree, prompt, capacity = TREES["dynamic"], PROMPT, 128
-    new = next(n for n in range(capacity) if kv_capacity(len(prompt), n, tree.depth, M, width=tree.nodes) > capacity)
-    assert kv_capacity(len(prompt), new, tree.depth, M) <= capacity
+    new = next(n for n in range(capacity) if kv_capacity(len(prompt), n, Geometry.of_tree(tree, M)) > capacity)
+    assert kv_capacity(len(prompt), new, Geometry(tree.depth, M)) <= capacity
     spec = TreeLlama(small, draft, tree, m_rounds=M, capacity=capacity)
     assert spec.target.kv.capacity == capacity and spec.rounds.rounds_per_step("graph") == M
     (served,) = spec.serve([Request(prompt, new)])

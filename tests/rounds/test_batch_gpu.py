@@ -8,12 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Cache, StreamBufs, kv_capacity, kv_len_ptr_table
 from memra_cuda.errors import CapacityError
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.rounds import MODES
 from memra_cuda.testing import reference as ref
-from memra_cuda.buffers.stream_bufs import MAX_BATCH
+from memra_cuda.buffers.geometry import MAX_BATCH
 from memra_cuda.testing.toy import lm as toy
 from toy_requests import requests
 
@@ -29,7 +30,7 @@ def spec(engine):
 
 def batched(engine, spec, batch, k, m_rounds, capacity):
     lm = toy.ToyLM(engine, MODEL, capacity, batch=batch)
-    bufs = StreamBufs(engine, k, m_rounds, batch=batch)
+    bufs = StreamBufs(engine, Geometry(k, m_rounds, batch))
     return lm, bufs, lm.round_stream(bufs, kernels=spec)
 
 
@@ -37,7 +38,7 @@ def batched(engine, spec, batch, k, m_rounds, capacity):
 @pytest.mark.parametrize("batch,k,m_rounds", [(1, 4, 4), (3, 2, 1), (3, 4, 16), (32, 4, 16), (32, 0, 4)])
 def test_every_row_equals_its_own_greedy_output(engine, spec, mode, batch, k, m_rounds):
     prompts, budgets, eos = requests(MODEL, batch, seed=batch * 100 + k * 10 + m_rounds)
-    capacity = kv_capacity(40, max(budgets), k, m_rounds, overlap=mode == "overlap", batch=batch)
+    capacity = kv_capacity(40, max(budgets), Geometry(k, m_rounds, batch), overlap=mode == "overlap")
     lm, bufs, stream = batched(engine, spec, batch, k, m_rounds, capacity)
     for b, prompt in enumerate(prompts):
         lm.prefill_row(bufs, b, prompt)
@@ -59,7 +60,7 @@ def test_every_row_of_a_large_batch_equals_its_own_greedy_output(engine, spec, b
     prompts = [[(31 * r + 7 * j) % MODEL.vocab for j in range(1 + r % 7)] for r in range(distinct)]
     budgets = [b % 5 + 1 for b in range(batch)]
     want = {(r, n): toy.target_greedy(MODEL, prompts[r], n) for r in range(distinct) for n in set(budgets)}
-    lm, bufs, stream = batched(engine, spec, batch, k, m_rounds, kv_capacity(7, 5, k, m_rounds, batch=batch))
+    lm, bufs, stream = batched(engine, spec, batch, k, m_rounds, kv_capacity(7, 5, Geometry(k, m_rounds, batch)))
     for b in range(batch):
         lm.prefill_row(bufs, b, prompts[b % distinct])
     got = stream.generate_batch(budgets, mode="graph")
@@ -70,7 +71,7 @@ def test_every_row_of_a_large_batch_equals_its_own_greedy_output(engine, spec, b
 def test_rows_do_not_depend_on_each_other(engine, spec):
     """The same request in slot 0 of a batch of 3 gives the same tokens whatever shares the batch."""
     k, m_rounds, budget = 4, 4, 70
-    capacity = kv_capacity(40, budget, k, m_rounds, batch=3)
+    capacity = kv_capacity(40, budget, Geometry(k, m_rounds, 3))
     lm, bufs, stream = batched(engine, spec, 3, k, m_rounds, capacity)
     prompt = [3, 1, 4, 1, 5]
     outputs = []
@@ -86,7 +87,7 @@ def test_a_slot_refilled_mid_generation(engine, spec):
     (prefill_row = reset_row + its KV) while rows 0 and 2 run on; every request's tokens equal
     its own greedy output, and the graph is captured once."""
     k, m_rounds = 4, 4
-    capacity = kv_capacity(40, 400, k, m_rounds, batch=3)
+    capacity = kv_capacity(40, 400, Geometry(k, m_rounds, 3))
     lm, bufs, stream = batched(engine, spec, 3, k, m_rounds, capacity)
     first = {0: ([5, 6, 7], 300), 1: ([1, 2], 25), 2: ([8] * 12, 200)}
     later = ([4, 4, 2, 9], 60)
@@ -115,7 +116,7 @@ def test_vacant_and_parked_slots_stay_inert(engine, spec):
     """Rows with a budget of 0 are done from the start: nothing committed, position and KV
     lengths unchanged, while the live row decodes."""
     k, m_rounds = 2, 4
-    lm, bufs, stream = batched(engine, spec, 4, k, m_rounds, kv_capacity(10, 50, k, m_rounds, batch=4))
+    lm, bufs, stream = batched(engine, spec, 4, k, m_rounds, kv_capacity(10, 50, Geometry(k, m_rounds, 4)))
     starts = [lm.prefill_row(bufs, b, [b + 1] * (b + 2)) for b in range(4)]
     got = stream.generate_batch([0, 50, 0, 0], mode="eager")
     assert [len(t) for t in got] == [0, 50, 0, 0]
@@ -132,7 +133,7 @@ def test_rollback_of_mixed_layers_per_row(engine, spec, batch):
     row's pos_start + keep, as the batched reference says."""
     mask = (True, False, True, False, True)
     cache = Cache.allocate(engine, mask, capacity=64, batch=batch)
-    bufs = StreamBufs(engine, 4, 1, batch=batch)
+    bufs = StreamBufs(engine, Geometry(4, 1, batch))
     table = kv_len_ptr_table(engine, cache, bufs.pos_ctr_d)
     rng = np.random.default_rng(batch)
     for _ in range(5):
@@ -168,8 +169,8 @@ def test_capacity_is_checked_per_row(engine, spec):
 
 def test_bad_batch_input_is_refused_before_anything_is_queued(engine, spec):
     with pytest.raises(ValueError, match="batch must be"):
-        StreamBufs(engine, 4, 4, batch=0)
-    bufs = StreamBufs(engine, 4, 4, batch=3)
+        StreamBufs(engine, Geometry(4, 4, 0))
+    bufs = StreamBufs(engine, Geometry(4, 4, 3))
     for bad in (-1, 3, 2**40):
         with pytest.raises(ValueError, match="outside a batch of 3|row"):
             bufs.reset_row(bad, 1, 2)

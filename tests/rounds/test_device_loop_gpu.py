@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Greedy, RoundStream, Stages, StreamBufs, UNCHECKED, chain, kv_capacity, kv_len_ptr_table
 from memra_cuda.errors import BuffersHeld, CapacityError, LoopUnsupported, RoundCapError
 from memra_cuda.kernels import SpecKernels
@@ -41,9 +42,9 @@ def requests(batch: int, seed: int):
 
 
 def setup(engine, spec, batch, k=4, m_rounds=8, budget=120, sampling=None, cost=toy.ToyCost()):
-    lm = toy.ToyLM(engine, MODEL, kv_capacity(30, budget, k, m_rounds, batch=batch), cost, batch=batch,
+    lm = toy.ToyLM(engine, MODEL, kv_capacity(30, budget, Geometry(k, m_rounds, batch)), cost, batch=batch,
                    sampling=sampling)
-    bufs = StreamBufs(engine, k, m_rounds, batch)
+    bufs = StreamBufs(engine, Geometry(k, m_rounds, batch))
     return lm, bufs, lm.round_stream(bufs, kernels=spec)
 
 
@@ -273,8 +274,8 @@ def test_a_driver_without_while_nodes_is_named_and_the_other_modes_run(engine, s
 def test_pipeline_stages_are_refused(engine, spec):
     """A round that ends in another stage's work (Stages.round_tail) cannot sit in a loop body."""
     k, m_rounds = 2, 4
-    lm = toy.ToyLM(engine, MODEL, kv_capacity(8, 20, k, m_rounds))
-    bufs = StreamBufs(engine, k, m_rounds)
+    lm = toy.ToyLM(engine, MODEL, kv_capacity(8, 20, Geometry(k, m_rounds)))
+    bufs = StreamBufs(engine, Geometry(k, m_rounds))
     draft_d, pred_d = engine.zeros(np.uint32, k), engine.zeros(np.uint32, k + 1)
     rounds = RoundStream(bufs, kernels=spec, draft_chain=chain(lm.draft_steps(bufs, draft_d)),
                          verify_trunk=chain(lm.verify_steps(bufs, pred_d)), draft_d=draft_d, acceptance=Greedy(pred_d),
@@ -294,7 +295,7 @@ def test_publish_appends_each_ring_to_its_row_and_empties_it(engine, spec):
     from memra_cuda.buffers.layout import RING_COUNT, RING_TOKENS
 
     batch, cap = 3, 8
-    bufs = StreamBufs(engine, 3, 2, batch)
+    bufs = StreamBufs(engine, Geometry(3, 2, batch))
     out = TokenFeed(engine, batch, cap)
     state = engine.zeros(np.uint32, 1 + batch)
     publish = spec.prepare_ring_publish(bufs, state.view(1, batch), state.view(0, 1), out.head_d, out.count_d,
@@ -329,7 +330,7 @@ def test_publish_appends_each_ring_to_its_row_and_empties_it(engine, spec):
 
 
 def test_a_branch_is_only_added_to_a_capture(engine, spec):
-    bufs = StreamBufs(engine, 2, 2)
+    bufs = StreamBufs(engine, Geometry(2, 2))
     with pytest.raises(driver_graph.CaptureError, match="not capturing"):
         driver_graph.branch(spec.prepare_ring_commit(bufs))
 
@@ -347,7 +348,7 @@ def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec
     from memra_cuda.kernels.signatures import load
 
     batch, passes = 2, 64
-    bufs = StreamBufs(engine, 3, 1, batch)
+    bufs = StreamBufs(engine, Geometry(3, 1, batch))
     out = TokenFeed(engine, batch, 2 * passes)
     state = engine.zeros(np.uint32, 1 + batch)  # publishes, then each row's published tokens
     loop_d = engine.htod([passes, 0], np.uint32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import UNCHECKED, StreamBufs, kv_capacity, kv_len_ptr_table
 from memra_cuda.buffers import DraftLengths
 from memra_cuda.buffers.acceptance import Greedy
@@ -51,8 +52,8 @@ ROWS, ROUNDS = 10, 4  # the mixed-length tests' batch and M
 
 def mixed_rows(engine, mode):
     """The toy of ROWS rows, their StreamBufs, and their caps, 0 to k in turn."""
-    capacity = kv_capacity(40, 90, K, ROUNDS, overlap=mode == "overlap", batch=ROWS)
-    return (toy.ToyLM(engine, MODEL, capacity, batch=ROWS), StreamBufs(engine, K, ROUNDS, ROWS),
+    capacity = kv_capacity(40, 90, Geometry(K, ROUNDS, ROWS), overlap=mode == "overlap")
+    return (toy.ToyLM(engine, MODEL, capacity, batch=ROWS), StreamBufs(engine, Geometry(K, ROUNDS, ROWS)),
             [b % (K + 1) for b in range(ROWS)])
 
 

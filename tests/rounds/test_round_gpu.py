@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Engine, Greedy, RoundStream, StreamBufs, chain, kv_capacity, kv_len_ptr_table
 from memra_cuda.errors import BuffersHeld, CaptureError
 from memra_cuda.kernels import SpecKernels
@@ -29,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def toy_stream(engine, batch=1, k=3, m_rounds=4, budget=64):
-    lm = toy.ToyLM(engine, MODEL, kv_capacity(12, budget, k, m_rounds, overlap=True, batch=batch), batch=batch)
-    bufs = StreamBufs(engine, k, m_rounds, batch)
+    lm = toy.ToyLM(engine, MODEL, kv_capacity(12, budget, Geometry(k, m_rounds, batch), overlap=True), batch=batch)
+    bufs = StreamBufs(engine, Geometry(k, m_rounds, batch))
     return lm, bufs, lm.round_stream(bufs)
 
 

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Greedy, RoundStream, StreamBufs, chain, kv_capacity, kv_len_ptr_table
 from memra_cuda.errors import CapacityError
 from memra_cuda.kernels import SpecKernels
@@ -24,13 +25,13 @@ def spec(engine):
 
 def setup(engine, spec, model, prompt, k, m_rounds, capacity):
     lm = toy.ToyLM(engine, model, capacity)
-    bufs = StreamBufs(engine, k, m_rounds)
+    bufs = StreamBufs(engine, Geometry(k, m_rounds))
     stream = lm.round_stream(bufs, kernels=spec)
     return lm, bufs, stream, lm.prefill(bufs, prompt)
 
 
 def generate(engine, spec, model, prompt, k, m_rounds, max_new, eos=None, mode="graph"):
-    capacity = kv_capacity(len(prompt), max_new, k, m_rounds)  # overlap then also runs without room ahead
+    capacity = kv_capacity(len(prompt), max_new, Geometry(k, m_rounds))  # overlap then also runs without room ahead
     lm, bufs, stream, start = setup(engine, spec, model, prompt, k, m_rounds, capacity)
     return stream.generate(max_new, eos=eos, mode=mode).tolist(), stream
 
@@ -69,7 +70,7 @@ def test_layers_without_kv(engine, spec, kv_mask):
 def test_one_readback_per_burst(engine, spec, mode):
     model = toy.ToyModel(seed=11, noise_ppm=150_000, p_min=0.05)
     k, m_rounds, max_new = 4, 8, 300
-    capacity = kv_capacity(3, max_new, k, m_rounds)
+    capacity = kv_capacity(3, max_new, Geometry(k, m_rounds))
     lm, bufs, stream, start = setup(engine, spec, model, [1, 2, 3], k, m_rounds, capacity)
     before = engine.readbacks
     got = stream.generate(max_new, mode=mode).tolist()
@@ -86,7 +87,8 @@ def test_perfect_draft_bursts_and_rounds_are_exactly_counted(engine, spec, mode,
     the last 10 as bursts of 8 and 2 (powers of two), not one burst of 16."""
     model = toy.ToyModel(seed=5, noise_ppm=0, p_min=0.0)
     k, m_rounds, max_new = 3, 16, 1000
-    lm, bufs, stream, start = setup(engine, spec, model, [9], k, m_rounds, kv_capacity(1, max_new, k, m_rounds))
+    capacity = kv_capacity(1, max_new, Geometry(k, m_rounds))
+    lm, bufs, stream, start = setup(engine, spec, model, [9], k, m_rounds, capacity)
     stream.pace = pace
     before = engine.readbacks
     assert stream.generate(max_new, mode=mode).tolist() == toy.target_greedy(model, [9], max_new)
@@ -190,7 +192,7 @@ def test_capacity_error_before_the_burst_is_issued(engine, spec):
 def test_prompt_longer_than_the_cache_is_refused(engine, spec):
     lm = toy.ToyLM(engine, toy.ToyModel(), capacity=8)
     with pytest.raises(ValueError, match="does not fit"):
-        lm.prefill(StreamBufs(engine, 2, 2), list(range(20)))
+        lm.prefill(StreamBufs(engine, Geometry(2, 2)), list(range(20)))
 
 
 def test_seed_gather_hands_the_draft_the_row_behind_the_bonus(engine, spec):
@@ -199,7 +201,7 @@ def test_seed_gather_hands_the_draft_the_row_behind_the_bonus(engine, spec):
     the token now pending, i.e. the pending token itself."""
     model = toy.ToyModel(seed=13, noise_ppm=300_000)
     lm = toy.ToyLM(engine, model, capacity=256)
-    bufs = StreamBufs(engine, k=3, m_rounds=1)
+    bufs = StreamBufs(engine, Geometry(3, 1))
     draft_d, pred_d, seed_d = (engine.zeros(np.uint32, n) for n in (3, 4, 1))
     drafts, verifies = lm.draft_steps(bufs, draft_d), lm.verify_steps(bufs, pred_d)
     stream = RoundStream(

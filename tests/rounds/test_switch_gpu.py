@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import StreamBufs
 from memra_cuda.buffers import DraftLengths
 from memra_cuda.driver.graph import Graph, loops
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def lengths(engine, switches):
-    return DraftLengths(StreamBufs(engine, 4, 1, 1), [1.0] * 5, 0.0)
+    return DraftLengths(StreamBufs(engine, Geometry(4, 1, 1)), [1.0] * 5, 0.0)
 
 
 def test_the_switch_runs_the_body_of_the_chosen_width_or_the_narrowest_wider_one(engine, lengths):

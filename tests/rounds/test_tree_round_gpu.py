@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import (Candidates, Greedy, RoundStream, Sampling, StateLayer, StreamBufs, TreeBufs, TreeRound,
                         TreeShape, kv_data_table, kv_len_ptr_table, state_copy_table)
 from memra_cuda.buffers import KVData
@@ -32,7 +33,7 @@ class Model:
 
     def __init__(self, engine, tree=TREE, k=None):
         self.engine = engine
-        self.bufs = StreamBufs(engine, tree.depth if k is None else k, 2, batch=B)
+        self.bufs = StreamBufs(engine, Geometry.of_tree(tree, 2, B) if k is None else Geometry(k, 2, B))
         self.cache = Cache.allocate(engine, [True], 64, batch=B)
         self.table = kv_len_ptr_table(engine, self.cache, pos_ctr=self.bufs.pos_ctr_d)
         self.kv = kv_data_table(engine, [KVData.from_layer(self.cache.kv[0])])
@@ -55,7 +56,7 @@ def test_a_valid_round_prepares(engine, spec):
     model = Model(engine)
     assert isinstance(RoundStream.of(model.round(spec=spec)), RoundStream)
     sampled = model.round(spec=spec, acceptance=Sampling(model.p_d, model.q_d, model.seed_d, V), candidates=None)
-    assert sampled.capacity.width == TREE.nodes
+    assert sampled.capacity.geometry.width == TREE.nodes
 
 
 @pytest.mark.parametrize("change,error,match", [
@@ -89,7 +90,7 @@ def test_the_draw_refuses_candidates_of_another_tree(engine):
                   SampledCandidates(engine, B, TREE.nodes, TREE.draws - 1), "candidates"):
         with pytest.raises(ValueError, match="SampledCandidates"):
             kernels.prepare_draw(model.bufs, nodes, 1, model.q_d, model.seed_d, V, wrong)
-    gapped = StreamBufs(engine, GAPPED.depth, 2, batch=B)
+    gapped = StreamBufs(engine, Geometry.of_tree(GAPPED, 2, B))
     with pytest.raises(ValueError, match="without gaps"):
         kernels.prepare_draw(gapped, TreeBufs(gapped, GAPPED), 1, model.q_d, model.seed_d, V, None)
 
@@ -108,7 +109,7 @@ def test_buffers_that_do_not_fit_the_tree_are_refused(engine, spec):
         model.round(spec=spec, acceptance=Sampling(model.p_d, engine.alloc(np.float32, B * 3 * V), model.seed_d, V),
                     candidates=None)
     with pytest.raises(ValueError, match="k = "):  # a tree of depth 2 on buffers of k = 3
-        TreeBufs(StreamBufs(engine, TREE.depth + 1, 2, batch=B), TREE)
+        TreeBufs(StreamBufs(engine, Geometry(TREE.depth + 1, 2, B)), TREE)
     chain_state = StateLayer(engine.zeros(np.uint32, B), engine.zeros(np.uint32, B * (TREE.depth + 1)), 1,
                              TREE.depth)
     with pytest.raises(ValueError, match="slot for each"):
@@ -131,7 +132,7 @@ def test_a_cache_without_room_for_the_trees_slots_is_refused_before_anything_is_
     limit = len(prompt) - 1 + (m_rounds - 1) * (tree.depth + 1) + tree.nodes
     for capacity in (limit, limit - 1):
         lm = toy.ToyLM(engine, model, capacity)
-        bufs = StreamBufs(engine, tree.depth, m_rounds)
+        bufs = StreamBufs(engine, Geometry.of_tree(tree, m_rounds))
         stream = lm.tree_round_stream(bufs, tree, kernels=spec)
         lm.prefill(bufs, prompt)
         if capacity == limit:
@@ -145,7 +146,7 @@ def test_a_cache_without_room_for_the_trees_slots_is_refused_before_anything_is_
 def test_a_void_child_is_never_accepted(engine):
     """The root's second child is void (its candidate's log-probability -inf, so its token is 0);
     the target predicts 0 there: greedy accept still takes nothing, and the bonus is that 0."""
-    bufs = StreamBufs(engine, TREE.depth, 1, batch=1)
+    bufs = StreamBufs(engine, Geometry.of_tree(TREE, 1, 1))
     nodes, kernels = TreeBufs(bufs, TREE), TreeKernels(engine)
     tok = np.zeros((TREE.nodes, K), np.uint32)
     tok[0] = [5, 7, 9]

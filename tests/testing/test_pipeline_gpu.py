@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import Engine, StreamBufs, kv_capacity
 from memra_cuda.driver.errors import driver
 from memra_cuda.testing.toy import lm as toy
@@ -30,7 +31,7 @@ def engines(engine):
 
 def one_gpu(engine, k, m_rounds, capacity, batch):
     lm = toy.ToyLM(engine, MODEL, capacity, batch=batch)
-    bufs = StreamBufs(engine, k, m_rounds, batch)
+    bufs = StreamBufs(engine, Geometry(k, m_rounds, batch))
     return lm, bufs, lm.round_stream(bufs)
 
 
@@ -44,7 +45,7 @@ def test_two_stages_equal_one_gpu_burst_by_burst(engines, mode, split, k, m_roun
     prompts, budgets = [[3, 1, 4, 1, 5], [9, 2]], [70, 45]
     full = toy.target_greedy(MODEL, prompts[0], budgets[0])
     eos = [full[len(full) // 2], None]
-    capacity = kv_capacity(5, max(budgets), k, m_rounds, batch=2)
+    capacity = kv_capacity(5, max(budgets), Geometry(k, m_rounds, 2))
     lm, bufs, single = one_gpu(e0, k, m_rounds, capacity, batch=2)
     pipe = ToyPipeline(engines, MODEL, capacity, split, k, m_rounds, batch=2)
     piped = pipe.round_stream()
@@ -71,7 +72,7 @@ def test_two_stages_equal_one_gpu_burst_by_burst(engines, mode, split, k, m_roun
 def test_generate_batch_through_the_pipeline(engines):
     """The plain driver entry (generate_batch, graph mode) on the pipeline, three rows."""
     prompts = [[1], [2, 3, 4], [5] * 20]
-    capacity = kv_capacity(20, 100, 4, 16, batch=3)
+    capacity = kv_capacity(20, 100, Geometry(4, 16, 3))
     pipe = ToyPipeline(engines, MODEL, capacity, 2, 4, 16, batch=3)
     stream = pipe.round_stream()
     for row, prompt in enumerate(prompts):

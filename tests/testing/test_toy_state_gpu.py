@@ -12,6 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import StreamBufs, kv_capacity
 from memra_cuda.errors import LoopUnsupported
 from memra_cuda.kernels import SpecKernels
@@ -50,9 +51,9 @@ class Hybrid:
     """A ToyLM of `model` with its buffers and RoundStream."""
 
     def __init__(self, engine, spec, model, state, batch, k, m_rounds, budget=80, mode="graph"):
-        capacity = kv_capacity(MAX_PROMPT, budget, k, m_rounds, overlap=mode == "overlap", batch=batch)
+        capacity = kv_capacity(MAX_PROMPT, budget, Geometry(k, m_rounds, batch), overlap=mode == "overlap")
         self.lm = toy.ToyLM(engine, model, capacity, batch=batch, state_rollback=state)
-        self.bufs = StreamBufs(engine, k, m_rounds, batch)
+        self.bufs = StreamBufs(engine, Geometry(k, m_rounds, batch))
         self.stream = self.lm.round_stream(self.bufs, kernels=spec)
 
     def generate(self, prompts, budgets, eos, mode="graph") -> list[list[int]]:
@@ -101,7 +102,8 @@ def test_every_draft_accepted_or_none(engine, spec, model, noise_ppm, state):
 
 def mirror(model, state, k, m_rounds, prompt, budget, eos) -> numpy_loop.NumpyRoundStream:
     """The numpy round stream that ran the request."""
-    stream = numpy_loop.NumpyRoundStream(model, k, m_rounds, kv_capacity(len(prompt), budget, k, m_rounds), state)
+    capacity = kv_capacity(len(prompt), budget, Geometry(k, m_rounds))
+    stream = numpy_loop.NumpyRoundStream(model, k, m_rounds, capacity, state)
     stream.generate(prompt, budget, eos)
     return stream
 
@@ -154,9 +156,9 @@ def test_sampling_mode_at_temperature_zero_is_greedy(engine, spec):
     sampling = toy.ToySampling(temperature=0.0, floor=0.0, draft_temperature=1.5, draft_floor=0.2)
     prompts, budgets, eos = requests(MODEL, 4, seed=3)
     for state in toy.STATE_ROLLBACKS:
-        lm = toy.ToyLM(engine, MODEL, kv_capacity(MAX_PROMPT, 80, 4, 4, batch=4), batch=4, sampling=sampling,
+        lm = toy.ToyLM(engine, MODEL, kv_capacity(MAX_PROMPT, 80, Geometry(4, 4, 4)), batch=4, sampling=sampling,
                        state_rollback=state)
-        bufs = StreamBufs(engine, 4, 4, 4)
+        bufs = StreamBufs(engine, Geometry(4, 4, 4))
         stream = lm.round_stream(bufs, kernels=spec)
         for b, prompt in enumerate(prompts):
             lm.prefill_row(bufs, b, prompt, seed=b)
@@ -176,8 +178,8 @@ def test_what_the_toy_cannot_run_is_refused(engine, spec):
     lm = toy.ToyLM(engine, MODEL, 64)
     with pytest.raises(ValueError, match="no recurrent states"):
         lm.live_states()
-    lm.round_stream(StreamBufs(engine, 4, 2), kernels=spec)
+    lm.round_stream(StreamBufs(engine, Geometry(4, 2)), kernels=spec)
     with pytest.raises(ValueError, match="k = 2"):
-        lm.prefill(StreamBufs(engine, 2, 2), [1, 2, 3])
+        lm.prefill(StreamBufs(engine, Geometry(2, 2)), [1, 2, 3])
     with pytest.raises(ValueError, match="no recurrent states"):
         toy.ToyLM(engine, toy.ToyModel(), 64).live_states()

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memra_cuda import Geometry
 from memra_cuda.buffers.capacity import kv_capacity
 from memra_cuda.buffers.layout import ACC_TOTAL
 from memra_cuda.testing.toy import lm as toy, numpy_loop
@@ -44,7 +45,7 @@ TREES = {
 
 
 def tree_stream(model, tree, m_rounds=4, prompt_len=12, budget=80, state="copy", candidates=8):
-    capacity = kv_capacity(prompt_len, budget, tree.depth, m_rounds, width=tree.nodes)
+    capacity = kv_capacity(prompt_len, budget, Geometry.of_tree(tree, m_rounds))
     return numpy_loop.NumpyTreeRoundStream(model, tree, m_rounds, capacity, candidates, state)
 
 
@@ -103,7 +104,7 @@ def test_a_one_branch_tree_is_the_chain(name, noise_ppm, k, state):
     for prompt in PROMPTS:
         full = toy.target_greedy(model, prompt, 60)
         for eos in (None, full[len(full) // 2]):
-            capacity = kv_capacity(len(prompt), 60, k, 3)
+            capacity = kv_capacity(len(prompt), 60, Geometry(k, 3))
             chain = numpy_loop.NumpyRoundStream(model, k, 3, capacity, state)
             tree = numpy_loop.NumpyTreeRoundStream(model, TreeShape.chain(k), 3, capacity, 8, state)
             want = chain.generate(prompt, 60, eos)
@@ -148,8 +149,8 @@ def test_bushy_trees_equal_target_greedy(tree, state):
 
 def test_a_tree_stream_refuses_a_cache_that_holds_a_chains_bursts_but_not_its_t_plus_1_slots():
     tree, prompt, budget = TREES["static16"], PROMPTS[1], 40
-    chains = kv_capacity(len(prompt), budget, tree.depth, 3)
-    assert chains < kv_capacity(len(prompt), budget, tree.depth, 3, width=tree.nodes)
+    chains = kv_capacity(len(prompt), budget, Geometry(tree.depth, 3))
+    assert chains < kv_capacity(len(prompt), budget, Geometry.of_tree(tree, 3))
     with pytest.raises(ValueError, match="cache too small for the next burst"):
         numpy_loop.NumpyTreeRoundStream(PLAIN, tree, 3, chains).generate(prompt, budget)
     assert len(tree_stream(PLAIN, tree, 3, len(prompt), budget).generate(prompt, budget)) == budget
@@ -164,7 +165,7 @@ def test_a_bushy_tree_accepts_more_a_round_than_the_chain(tree):
     for name, model in MODELS.items():
         model = replace(model, noise_ppm=300_000)
         for prompt in PROMPTS:
-            capacity = kv_capacity(len(prompt), 120, tree.depth, 4, width=tree.nodes)
+            capacity = kv_capacity(len(prompt), 120, Geometry.of_tree(tree, 4))
             chain = numpy_loop.NumpyTreeRoundStream(model, TreeShape.chain(tree.depth), 4, capacity)
             bushy_ = numpy_loop.NumpyTreeRoundStream(model, tree, 4, capacity)
             assert bushy_.generate(prompt, 120) == chain.generate(prompt, 120)

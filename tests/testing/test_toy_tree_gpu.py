@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import StreamBufs, kv_capacity
 from memra_cuda.errors import LoopUnsupported
 from memra_cuda.kernels import SpecKernels
@@ -50,11 +51,10 @@ class Trees:
 
     def __init__(self, engine, spec, model, tree, batch, m_rounds=4, budget=80, mode="graph", state="copy",
                  sampling=None, lengths=None):
-        capacity = kv_capacity(MAX_PROMPT, budget, tree.depth, m_rounds, overlap=mode == "overlap", batch=batch,
-                               width=tree.nodes)
+        capacity = kv_capacity(MAX_PROMPT, budget, Geometry.of_tree(tree, m_rounds, batch), overlap=mode == "overlap")
         self.engine, self.model, self.tree, self.capacity = engine, model, tree, capacity
         self.lm = toy.ToyLM(engine, model, capacity, batch=batch, state_rollback=state, sampling=sampling)
-        self.bufs = StreamBufs(engine, tree.depth, m_rounds, batch)
+        self.bufs = StreamBufs(engine, Geometry.of_tree(tree, m_rounds, batch))
         self.lengths = None if lengths is None else lengths(self.bufs)  # DraftLengths of these buffers
         self.stream = self.lm.tree_round_stream(self.bufs, tree, kernels=spec, lengths=self.lengths)
 
@@ -171,9 +171,9 @@ def test_a_one_branch_tree_is_the_chain(engine, spec, mode, model, state):
         pytest.skip("no recurrent layers to flip")
     k, batch = 4, 8
     prompts, budgets, eos = requests(model, batch, seed=77)
-    capacity = kv_capacity(MAX_PROMPT, 80, k, 4, overlap=mode == "overlap", batch=batch)
+    capacity = kv_capacity(MAX_PROMPT, 80, Geometry(k, 4, batch), overlap=mode == "overlap")
     chain_lm = toy.ToyLM(engine, model, capacity, batch=batch, state_rollback=state)
-    chain_bufs = StreamBufs(engine, k, 4, batch)
+    chain_bufs = StreamBufs(engine, Geometry(k, 4, batch))
     chain = chain_lm.round_stream(chain_bufs, kernels=spec)
     for b, prompt in enumerate(prompts):
         chain_lm.prefill_row(chain_bufs, b, prompt)
@@ -264,13 +264,15 @@ def test_what_the_toys_trees_cannot_run_is_refused(engine, spec):
     tree = TREES["static16"]
     lm = toy.ToyLM(engine, MODEL, 256)
     with pytest.raises(ValueError, match="k = "):
-        lm.tree_round_stream(StreamBufs(engine, tree.depth + 1, 2), tree, kernels=spec)
+        lm.tree_round_stream(StreamBufs(engine, Geometry(tree.depth + 1, 2)), tree, kernels=spec)
     with pytest.raises(ValueError, match="candidates"):
-        lm.tree_round_stream(StreamBufs(engine, 1, 2), TreeShape.from_choices([[0], [5]]), candidates=4,
+        gapped = TreeShape.from_choices([[0], [5]])
+        lm.tree_round_stream(StreamBufs(engine, Geometry.of_tree(gapped, 2)), gapped, candidates=4,
                              kernels=spec)
     with pytest.raises(ValueError, match="pipeline stage"):
-        toy.ToyLM(engine, MODEL, 256, layers=range(0, 2)).tree_round_stream(StreamBufs(engine, tree.depth, 2), tree)
+        toy.ToyLM(engine, MODEL, 256, layers=range(0, 2)).tree_round_stream(
+            StreamBufs(engine, Geometry.of_tree(tree, 2)), tree)
     hybrid = toy.ToyLM(engine, HYBRID_TREE, 256)
-    hybrid.round_stream(StreamBufs(engine, tree.depth, 2), kernels=spec)  # states laid out for the chain
+    hybrid.round_stream(StreamBufs(engine, Geometry.of_tree(tree, 2)), kernels=spec)  # states laid out for the chain
     with pytest.raises(ValueError, match="slots"):
-        hybrid.tree_round_stream(StreamBufs(engine, tree.depth, 2), tree, kernels=spec)
+        hybrid.tree_round_stream(StreamBufs(engine, Geometry.of_tree(tree, 2)), tree, kernels=spec)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda import DynamicTree, StreamBufs, TreeShape, kv_capacity
 from memra_cuda.buffers import DraftLengths
 from memra_cuda.kernels import SpecKernels
@@ -37,9 +38,9 @@ def spec(engine):
 def sample_pairs(engine, spec, model, sampling, tree, mixed: bool = False) -> np.ndarray:
     """[ROWS][2]: the first two tokens of ROWS requests of PROMPT, seeds 0..ROWS-1; `mixed`: each
     row's draft length capped at 0 to the depth in turn (DraftLengths at flat costs)."""
-    capacity = kv_capacity(len(PROMPT), 2, tree.depth, 1, batch=BATCH, width=tree.nodes)
+    capacity = kv_capacity(len(PROMPT), 2, Geometry.of_tree(tree, 1, BATCH))
     lm = toy.ToyLM(engine, model, capacity, batch=BATCH, sampling=sampling)
-    bufs = StreamBufs(engine, tree.depth, 1, BATCH)
+    bufs = StreamBufs(engine, Geometry.of_tree(tree, 1, BATCH))
     lengths = None
     if mixed:
         lengths = DraftLengths(bufs, [1.0] * (tree.depth + 1), 0.0)

@@ -25,6 +25,7 @@ from ...rounds.tree_round import TreeRound
 from ...rounds.stream import RoundStream
 from ...buffers.tables import (Cache, KVData, KVLayer, PointerTable, StateIndexTable, StateLayer, StateTable,
                                kv_data_table, kv_len_ptr_table, state_copy_table, state_flip_table)
+from ...buffers.geometry import Geometry
 from ...buffers.tree import Candidates, DynamicTree, TreeBufs, TreeShape
 
 if TYPE_CHECKING:
@@ -688,8 +689,9 @@ class ToyLM:
         as the tree goes (TreeRound's lengths=)."""
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
-        if bufs.k != tree.depth:
-            raise ValueError(f"a tree of depth {tree.depth} runs on StreamBufs of k = {tree.depth}, not k = {bufs.k}")
+        if bufs.geometry != Geometry.of_tree(tree, bufs.m_rounds, bufs.batch):
+            raise ValueError(f"a tree of depth {tree.depth} runs on StreamBufs of Geometry.of_tree (k = {tree.depth}, "
+                             f"width {tree.nodes}), not k = {bufs.k}, width {bufs.geometry.width}")
         if self.layers != range(len(self.model.kv_mask)) or not self.draft.kv:
             raise ValueError("the toy's tree rounds run the whole model: a pipeline stage (layers=, with_draft=False) "
                              "has no tree verify")

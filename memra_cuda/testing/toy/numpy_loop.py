@@ -15,6 +15,7 @@ from .. import reference as ref
 from .. import reference_tree as ref_tree
 from ...buffers.layout import CTL_DONE, ROOT_PARENT
 from ...buffers.capacity import Capacity, kv_capacity
+from ...buffers.geometry import Geometry
 from ...buffers.tree import DynamicTree, Tree
 from .lm import M32, STATE_ROLLBACKS, ToyModel, fmix, fmix_array, live_slot, salt
 
@@ -92,7 +93,7 @@ class NumpyRoundStream:
         self.model, self.k, self.m, self.capacity = model, k, m_rounds, capacity
         self.ring_cap = m_rounds * (k + 1)
         # the rule generate() checks before each burst (`width`: what a round writes, a tree's T + 1)
-        self.room = Capacity(capacity, k, 1, m_rounds, width)
+        self.room = Capacity(capacity, Geometry(k, m_rounds, 1, width))
         u32 = lambda n: np.zeros(n, np.uint32)  # noqa: E731
         self.vtok, self.brk, self.pend, self.last_pred = u32(k + 1), u32(2), u32(1), u32(1)
         self.ring, self.acc, self.draft, self.pred = u32(self.ring_cap + 1), u32(2), u32(max(k, 1)), u32(k + 1)
@@ -188,7 +189,7 @@ class NumpyRoundStream:
 def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new_tokens: int,
                          eos: int | None = None, m_rounds: int = 4, state_rollback: str = "copy") -> list[int]:
     """The whole speculative loop in numpy (see NumpyRoundStream)."""
-    capacity = kv_capacity(len(prompt), max_new_tokens, k, m_rounds)
+    capacity = kv_capacity(len(prompt), max_new_tokens, Geometry(k, m_rounds))
     return NumpyRoundStream(model, k, m_rounds, capacity, state_rollback).generate(prompt, max_new_tokens, eos)
 
 
@@ -308,6 +309,6 @@ def tree_speculative_generate(model: ToyModel, prompt: Sequence[int], tree: Tree
                               eos: int | None = None, m_rounds: int = 4, candidates: int = 8,
                               state_rollback: str = "copy") -> list[int]:
     """The whole tree speculative loop in numpy (see NumpyTreeRoundStream)."""
-    capacity = kv_capacity(len(prompt), max_new_tokens, tree.depth, m_rounds, width=tree.nodes)
+    capacity = kv_capacity(len(prompt), max_new_tokens, Geometry.of_tree(tree, m_rounds))
     stream = NumpyTreeRoundStream(model, tree, m_rounds, capacity, candidates, state_rollback)
     return stream.generate(prompt, max_new_tokens, eos)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...buffers.acceptance import Greedy
+from ...buffers.geometry import Geometry
 from ...buffers.stream_bufs import StreamBufs
 from ...driver.event import Event
 from ...kernels.spec import SpecKernels
@@ -51,7 +52,7 @@ class ToyPipeline:
         self.stages = [ToyLM(engines[0], model, capacity, costs[0], batch=batch, layers=range(0, split)),
                        ToyLM(engines[1], model, capacity, costs[1], batch=batch, layers=range(split, n_layers),
                              with_draft=False)]
-        self.bufs = [StreamBufs(engine, k, m_rounds, batch) for engine in engines]
+        self.bufs = [StreamBufs(engine, Geometry(k, m_rounds, batch)) for engine in engines]
         self.spec = [SpecKernels(engine) for engine in engines]
         # The whole model's KV as one cache, draft first: each stage's range is contiguous.
         self.cache = Cache(self.stages[0].draft.kv + self.stages[0].target.kv + self.stages[1].target.kv)

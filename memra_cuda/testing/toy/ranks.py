@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...buffers.geometry import Geometry
 from ...buffers.stream_bufs import StreamBufs
 from ...comm.communicator import digest
 from ...kernels.spec import SpecKernels
@@ -69,7 +70,7 @@ class ToyRank:
         self.engine: Engine = comm.engine
         self.layers = shard(len(model.kv_mask), comm.world, comm.rank)
         self.lm = ToyLM(self.engine, model, capacity, cost, batch=batch, layers=self.layers, sampling=sampling)
-        self.bufs = StreamBufs(self.engine, k, m_rounds, batch)
+        self.bufs = StreamBufs(self.engine, Geometry(k, m_rounds, batch))
         self.spec = SpecKernels(self.engine)
 
     def prefill_row(self, row: int, prompt: Sequence[int], seed: int = 0) -> int:

@@ -1,0 +1,78 @@
+"""A round's geometry: one value for the shape every piece of round-stream is sized by.
+
+The buffers (StreamBufs), the capacity rule (Capacity, kv_capacity), a tree's buffers (TreeBufs),
+a decoder and the cache it needs (memra_cuda.torch's capacity_for) all read the same four
+numbers. Built and checked once here, they travel as one value (`bufs.geometry`), so a piece
+down the line cannot be handed a k or an M of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from ..driver.values import as_size
+
+
+class TreeLike(Protocol):
+    """What a geometry reads of a tree (a TreeShape or a DynamicTree: memra_cuda.buffers.tree)."""
+
+    @property
+    def depth(self) -> int: ...
+
+    @property
+    def nodes(self) -> int: ...
+
+MAX_BATCH = 65535  # some kernels give each sequence a grid row (y), which CUDA caps at 65535
+
+
+def as_batch(batch: object) -> int:
+    """`batch` as a batch size, 1 to MAX_BATCH rows (as_size's refusals, naming it)."""
+    return as_size(batch, "batch", 1, MAX_BATCH)
+
+
+@dataclass(frozen=True, init=False)
+class Geometry:
+    """A round's shape: `k`, the most drafts a round keeps a row (a chain's drafts, a tree's
+    depth D: a round commits up to k + 1 tokens); `m_rounds`, M, the most rounds a burst (a
+    readback each); `batch`, B rows; `width`, the tokens a round verifies a row and writes past
+    its position (a chain's k + 1, the default; a tree's T + 1 nodes, Geometry.of_tree).
+
+    Each is checked as it is built (an int, k at least 0, M and B at least 1 and B at most
+    MAX_BATCH, width at least k + 1), ValueError or TypeError naming it."""
+
+    k: int
+    m_rounds: int
+    batch: int
+    width: int
+
+    def __init__(self, k: int, m_rounds: int, batch: int = 1, width: int | None = None):
+        """`width` None: a chain's k + 1, a default computed from another field, which a
+        dataclass field cannot have; so the frozen fields are set here."""
+        k = as_size(k, "k", 0)
+        for name, value in (("k", k), ("m_rounds", as_size(m_rounds, "m_rounds")), ("batch", as_batch(batch)),
+                            ("width", k + 1 if width is None else as_size(width, "width", k + 1))):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def of_tree(cls, tree: TreeLike, m_rounds: int, batch: int = 1) -> Geometry:
+        """The geometry of rounds verifying `tree` (a TreeShape or a DynamicTree): k its depth,
+        width its T + 1 nodes."""
+        return cls(tree.depth, m_rounds, batch, tree.nodes)
+
+    def with_rounds(self, m_rounds: int) -> Geometry:
+        """The same rounds, `m_rounds` a burst (a mode that queues another number of rounds at
+        once: capacity is checked by what is queued)."""
+        return replace(self, m_rounds=as_size(m_rounds, "m_rounds"))
+
+    @property
+    def chain(self) -> bool:
+        """Whether a round verifies a chain (width k + 1), not a tree."""
+        return self.width == self.k + 1
+
+
+def as_geometry(geometry: object) -> Geometry:
+    """`geometry` if it is a Geometry, else TypeError naming what was given (the loose integers
+    it replaces among them)."""
+    if not isinstance(geometry, Geometry):
+        raise TypeError(f"a round's shape is a Geometry(k, m_rounds, batch, width), not {geometry!r}")
+    return geometry
