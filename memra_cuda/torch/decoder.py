@@ -18,7 +18,7 @@ import torch
 
 from ..buffers.capacity import kv_capacity
 from ..buffers.lengths import DraftLengths
-from ..buffers.geometry import Geometry
+from ..buffers.geometry import Geometry, as_geometry
 from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
@@ -35,8 +35,8 @@ from .views import RoundViews
 
 
 class RoundDecoder:
-    """Target and draft Stacks of `batch` rows (`target`, `draft`) wired to a RoundStream
-    (`rounds`, over StreamBufs `bufs` of k) on one torch stream (`stream`, the engine's), and
+    """Target and draft Stacks of the geometry's B rows (`target`, `draft`) wired to a RoundStream
+    (`rounds`, over StreamBufs `bufs` of `geometry`) on one torch stream (`stream`, the engine's), and
     what a user does with them: prefill rows, capture the graphs, generate a batch, admit a
     request into a row, serve a queue.
 
@@ -46,16 +46,16 @@ class RoundDecoder:
     target's instead of computing it. The draft is attention only: its first step folds in the
     last round's deepest draft (docs/model-side.md), taking a token a second time in most rounds,
     which rewrites a KV entry unchanged but would take it into a recurrent state twice. A hybrid
-    target's recurrent state is rolled back by `state_rollback`, "copy" or "flip", keeping
-    `verified` + 1 slots (a chain's k, a tree's T).
+    target's recurrent state is rolled back by `state_rollback`, "copy" or "flip", keeping a slot
+    for each token a round verifies (the geometry's width: a chain's k + 1, a tree's T + 1).
 
     A subclass sets `rounds`, the verify's output (`pred_d`, or `p_d` with sampling), then calls
     _warm_up()."""
 
     rounds: RoundStream
     lengths: DraftLengths  # each request's most draft length, applied on the device (each subclass makes it)
-    pred_d: torch.Tensor  # greedy: the target's token at each verified position, [B][verified + 1]
-    p_d: torch.Tensor  # sampling: the target's probabilities there, [B][verified + 1][V]
+    pred_d: torch.Tensor  # greedy: the target's token at each verified position, [B][width]
+    p_d: torch.Tensor  # sampling: the target's probabilities there, [B][width][V]
 
     def __init__(self, model: Any, draft: Any, geometry: Geometry, *,
                  capacity: int, sampling: SamplingParams | None, draft_sampling: SamplingParams | None,
@@ -67,6 +67,7 @@ class RoundDecoder:
         static (None), always (True: NotFused where it cannot), or never (False: Stack, the
         model's own modules)."""
         begun = time.perf_counter()
+        geometry = as_geometry(geometry)
         refuse(model, draft, state_rollback)
         capacity = as_size(capacity, "capacity")
         if sampling is None and draft_sampling is not None:
@@ -118,7 +119,7 @@ class RoundDecoder:
 
     def _verdict(self, logits: torch.Tensor) -> None:
         """What a verify leaves its acceptance kernel from the target's logits over the verified
-        tokens ([B][T][V], T up to verified + 1: a narrower width's fill the first T columns):
+        tokens ([B][T][V], T up to the geometry's width: a narrower width's fill the first T columns):
         their greedy tokens, or their probabilities."""
         width = logits.shape[1]
         if self.sampling is None:

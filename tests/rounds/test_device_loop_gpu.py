@@ -194,7 +194,7 @@ def test_a_stream_closed_or_dropped_before_its_first_token_frees_the_buffers(eng
 
 FAULT_IN_LOOP = """
 import numpy as np
-from memra_cuda import Engine, Greedy, RoundStream, StreamBufs, chain, kv_capacity
+from memra_cuda import Engine, Geometry, Greedy, RoundStream, StreamBufs, chain, kv_capacity
 from memra_cuda.errors import CudaFault
 from memra_cuda.kernels import SpecKernels
 from memra_cuda import kv_len_ptr_table
@@ -202,8 +202,9 @@ from memra_cuda.testing.toy import lm as toy
 engine = Engine()
 spec = SpecKernels(engine)
 k, m_rounds = 2, 4
-lm = toy.ToyLM(engine, toy.ToyModel(seed=33, vocab=60), kv_capacity(8, 40, k, m_rounds))
-bufs = StreamBufs(engine, k, m_rounds)
+geometry = Geometry(k, m_rounds)
+lm = toy.ToyLM(engine, toy.ToyModel(seed=33, vocab=60), kv_capacity(8, 40, geometry))
+bufs = StreamBufs(engine, geometry)
 draft_d, pred_d = engine.zeros(np.uint32, k), engine.zeros(np.uint32, k + 1)
 fault = engine.load_ptx("probe").kernel("probe_increment").prepare(["ptr", "u32"], grid=1, block=32).set(0x10, 1)
 rounds = RoundStream(bufs, kernels=spec, draft_chain=chain([*lm.draft_steps(bufs, draft_d), fault]),

@@ -155,11 +155,13 @@ def test_a_generation_with_nothing_to_generate_has_no_tokens(engine):
 
 
 UNREAD_AT_EXIT = """
-from memra_cuda import Engine, StreamBufs, kv_capacity
+from memra_cuda import Engine, Geometry, StreamBufs, kv_capacity
 from memra_cuda.testing.toy import lm as toy
 engine = Engine()
-lm = toy.ToyLM(engine, toy.ToyModel(seed=3, vocab=50), kv_capacity(4, 4000, 2, 4), toy.ToyCost(verify_bytes=1 << 26))
-bufs = StreamBufs(engine, 2, 4)
+geometry = Geometry(2, 4)
+capacity = kv_capacity(4, 4000, geometry)
+lm = toy.ToyLM(engine, toy.ToyModel(seed=3, vocab=50), capacity, toy.ToyCost(verify_bytes=1 << 26))
+bufs = StreamBufs(engine, geometry)
 rounds = lm.round_stream(bufs)
 lm.prefill(bufs, [1, 2, 3])
 following = rounds.follow(4000)

@@ -273,6 +273,8 @@ def test_what_the_toys_trees_cannot_run_is_refused(engine, spec):
         toy.ToyLM(engine, MODEL, 256, layers=range(0, 2)).tree_round_stream(
             StreamBufs(engine, Geometry.of_tree(tree, 2)), tree)
     hybrid = toy.ToyLM(engine, HYBRID_TREE, 256)
-    hybrid.round_stream(StreamBufs(engine, Geometry.of_tree(tree, 2)), kernels=spec)  # states laid out for the chain
+    hybrid.round_stream(StreamBufs(engine, Geometry(tree.depth, 2)), kernels=spec)  # states laid out for the chain
+    with pytest.raises(ValueError, match="a chain's round verifies k \\+ 1 = 3 tokens a row"):
+        hybrid.round_stream(StreamBufs(engine, Geometry.of_tree(tree, 2)), kernels=spec)  # a tree's geometry
     with pytest.raises(ValueError, match="slots"):
         hybrid.tree_round_stream(StreamBufs(engine, Geometry.of_tree(tree, 2)), tree, kernels=spec)

@@ -461,10 +461,9 @@ class ToyLM:
         return self.states
 
     def _prefill_k(self, bufs: StreamBufs) -> int:
-        """The slots' k a prefill of `bufs` lays the states out for: the tree's T where this
-        model's tree round runs on buffers of that depth, else bufs.k."""
-        tree = self.tree
-        return tree.nodes - 1 if tree is not None and bufs.k == tree.depth else bufs.k
+        """The slots' k a prefill of `bufs` lays the states out for: the tokens a round of their
+        geometry verifies past the pending one (a tree's T, a chain's k)."""
+        return bufs.geometry.width - 1
 
     def _state_args(self, bufs: StreamBufs, which: int, k: int | None = None) -> dict[str, DeviceBuffer | int]:
         """A round kernel's recurrent-state arguments for the target (`which` 0) or the draft
@@ -682,8 +681,8 @@ class ToyLM:
         draft's q rows), the verify of every node under its ancestor mask (toy_tree_verify, and
         toy_probs in sampling mode), Greedy(pred_d) with Candidates, or Sampling(p_d, q_d, seed_d,
         vocab); one rollback table over target and draft layers with pos_ctr last, the KV data of
-        every layer for the compaction, and the recurrent states with T + 1 slots a bank. bufs.k must
-        be the tree's depth; a model with recurrent layers lays its states out for the tree, so build
+        every layer for the compaction, and the recurrent states with T + 1 slots a bank. bufs must be
+        of Geometry.of_tree(tree, ...); a model with recurrent layers lays its states out for the tree, so build
         this stream before the first prefill. The round's tree buffers: stream.round.tree_bufs.
         `lengths`: each row's acceptance capped at the length chosen for it on the device, as deep
         as the tree goes (TreeRound's lengths=)."""
