@@ -31,8 +31,7 @@ import _needs  # before torch: says in one line, and exits, where torch or trans
 import torch
 from _cli import check_greedy, command_line, describe, models, parse, requests
 
-from memra_cuda import Geometry
-from memra_cuda.torch import SpeculativeLlama, capacity_for
+from memra_cuda.torch import Room, SpeculativeLlama
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     _needs.gpu()
     target, draft, tokenizer = models(args)
     queue = requests(args, tokenizer, args.serve)
-    capacity = capacity_for(max(len(r.prompt) for r in queue), args.tokens, Geometry(args.k, args.m_rounds, args.batch))
-    spec = SpeculativeLlama(target, draft, k=args.k, m_rounds=args.m_rounds, capacity=capacity, batch=args.batch,
+    room = Room(max(len(r.prompt) for r in queue), args.tokens)  # sized by the decoder's k, M and B
+    spec = SpeculativeLlama(target, draft, k=args.k, m_rounds=args.m_rounds, capacity=room, batch=args.batch,
                             sampling=sampling, state_rollback=args.state_rollback)
     if args.serve is None:
         got = spec.generate_batch(queue, args.mode)
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'greedy' if sampling is None else sampling}: {sum(map(len, got))} tokens, {how}")
     print(repr(tokenizer.decode(got[0])) if tokenizer is not None else got[0][:32])
     if target.dtype == torch.float32 and sampling is None:
-        return check_greedy(target, queue, got, capacity, args.hybrid)
+        return check_greedy(target, queue, got, spec.target.kv.capacity, args.hybrid)
     return 0
 
 

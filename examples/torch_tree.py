@@ -25,9 +25,8 @@ import _needs  # before torch: says in one line, and exits, where torch or trans
 import torch
 from _cli import check_greedy, command_line, describe, models, parse, requests
 
-from memra_cuda import Geometry
 from memra_cuda.buffers.tree import Tree
-from memra_cuda.torch import TreeLlama, capacity_for
+from memra_cuda.torch import Room, TreeLlama
 from memra_cuda.torch.testing import parse_tree
 
 
@@ -69,16 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     _needs.gpu()
     target, draft, tokenizer = models(args)
     queue = requests(args, tokenizer)
-    capacity = capacity_for(max(len(r.prompt) for r in queue), args.tokens,
-                            Geometry.of_tree(tree, args.m_rounds, args.batch))
-    spec = TreeLlama(target, draft, tree, m_rounds=args.m_rounds, capacity=capacity, batch=args.batch,
+    room = Room(max(len(r.prompt) for r in queue), args.tokens)  # sized by the tree, M and B
+    spec = TreeLlama(target, draft, tree, m_rounds=args.m_rounds, capacity=room, batch=args.batch,
                      sampling=sampling, state_rollback=args.state_rollback)
     got = spec.generate_batch(queue, args.mode)
     print(f"{describe(args)}, B={args.batch}, {tree}, {args.mode}, {'greedy' if sampling is None else sampling}: "
           f"{sum(map(len, got))} tokens, {spec.bufs.tokens_per_round([len(row) for row in got]):.2f} tokens a round")
     print(repr(tokenizer.decode(got[0])) if tokenizer is not None else got[0][:32])
     if target.dtype == torch.float32 and sampling is None:
-        return check_greedy(target, queue, got, capacity, args.hybrid)
+        return check_greedy(target, queue, got, spec.target.kv.capacity, args.hybrid)
     return 0
 
 

@@ -29,7 +29,7 @@ from .compiled import CompiledStack
 from ..rounds.serving import Request, Served
 from .decoder import RoundDecoder
 from .greedy import GraphedGreedy, hf_generate, hf_greedy
-from .kv import PagedKV, StaticKV, capacity_for, head_size
+from .kv import PagedKV, Room, StaticKV, capacity_for, head_size
 from .mask import TreeMask
 from .models import load_model, load_tokenizer, self_draft
 from .parallel import shard
@@ -41,7 +41,7 @@ from .views import RoundViews, TreeViews, buffer, tensor
 
 __all__ = [
     "engine", "framework", "capture", "loop_capture", "buffer", "tensor", "RoundViews", "TreeViews",
-    "StaticKV", "PagedKV", "capacity_for", "head_size", "Recurrent", "LiveState", "CopyState", "FlipState",
+    "StaticKV", "PagedKV", "Room", "capacity_for", "head_size", "Recurrent", "LiveState", "CopyState", "FlipState",
     "TreeMask", "Stack", "CompiledStack", "SamplingParams", "Request", "Served", "RoundDecoder", "SpeculativeLlama",
     "TreeLlama", "best_ranks", "GraphedGreedy", "hf_generate", "hf_greedy", "load_model", "load_tokenizer",
     "self_draft", "shard",

@@ -18,6 +18,7 @@ from ..kernels.spec import SpecKernels
 from ..rounds.stream import RoundStream
 from ..rounds.switch import Widths
 from .decoder import RoundDecoder
+from .kv import Room
 from .sampling import SamplingParams
 from .timing import graph_ms
 
@@ -54,7 +55,7 @@ class SpeculativeLlama(RoundDecoder):
     """
 
 
-    def __init__(self, model: Any, draft: Any, *, k: int = 4, m_rounds: int = 16, capacity: int = 1024,
+    def __init__(self, model: Any, draft: Any, *, k: int = 4, m_rounds: int = 16, capacity: int | Room = 1024,
                  batch: int = 1, sampling: SamplingParams | None = None,
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
                  on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None,

@@ -26,7 +26,7 @@ from ..driver.values import as_size
 from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, malformed
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import engine
-from .kv import CacheLayout, StaticKV
+from .kv import CacheLayout, Room, StaticKV, as_capacity
 from .sampling import SamplingParams
 from .attention import aligned
 from .compiled import stack_for
@@ -58,10 +58,11 @@ class RoundDecoder:
     p_d: torch.Tensor  # sampling: the target's probabilities there, [B][width][V]
 
     def __init__(self, model: Any, draft: Any, geometry: Geometry, *,
-                 capacity: int, sampling: SamplingParams | None, draft_sampling: SamplingParams | None,
+                 capacity: int | Room, sampling: SamplingParams | None, draft_sampling: SamplingParams | None,
                  state_rollback: str, cache: CacheLayout = StaticKV,
                  on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None):
-        """`on_engine` is called with the engine as soon as it exists, before anything runs on it
+        """`capacity`: each model's cache slots a row, or a Room the geometry sizes them for
+        (capacity_for). `on_engine` is called with the engine as soon as it exists, before anything runs on it
         (examples/torch_tp.py lets its communicator time the engine's waits and its graphs hold it).
         `compiled`: each model's step compiled (CompiledStack) where it fuses and the cache is
         static (None), always (True: NotFused where it cannot), or never (False: Stack, the
@@ -69,7 +70,7 @@ class RoundDecoder:
         begun = time.perf_counter()
         geometry = as_geometry(geometry)
         refuse(model, draft, state_rollback)
-        capacity = as_size(capacity, "capacity")
+        capacity = as_capacity(capacity, geometry)
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
         self.k: int = geometry.k

@@ -16,6 +16,7 @@ caller for the forward) and return those rows' whole caches, masked by the calle
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,13 +32,42 @@ def head_size(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def capacity_for(prompt_len: int, tokens: int, geometry: Geometry) -> int:
+def capacity_for(prompt_len: int, tokens: int, geometry: Geometry | None) -> int:
     """A cache for a prompt and a budget in every mode (overlap's two bursts in flight) of rounds
-    of `geometry` (a chain's Geometry(k, M, B), a tree's Geometry.of_tree). Rounded up to 16
+    of `geometry` (a chain's Geometry(k, M, B), a tree's Geometry.of_tree); None: the plain
+    decoding's (GraphedGreedy: the prompt but its last token, and the budget). Rounded up to 16
     slots: SDPA's memory-efficient kernel copies a mask whose rows are not 16-aligned into a
     padded one at every call."""
-    need = kv_capacity(prompt_len, tokens, geometry, overlap=True)
+    if geometry is None:
+        need = max(as_size(prompt_len, "prompt_len") - 1 + as_size(tokens, "tokens", 0), 1)
+    else:
+        need = kv_capacity(prompt_len, tokens, geometry, overlap=True)
     return -(-need // 16) * 16
+
+
+@dataclass(frozen=True)
+class Room:
+    """What each row of a decoder must hold: a prompt of up to `prompt_len` tokens and up to
+    `tokens` new ones. Given as a decoder's `capacity`, it is sized by the decoder's own geometry
+    (capacity_for), so k, M and B are stated once, to the decoder."""
+
+    prompt_len: int
+    tokens: int
+
+    def __post_init__(self) -> None:
+        """Both checked as the Room is built (a prompt holds its pending token: at least one)."""
+        object.__setattr__(self, "prompt_len", as_size(self.prompt_len, "prompt_len"))
+        object.__setattr__(self, "tokens", as_size(self.tokens, "tokens", 0))
+
+    def entries(self, geometry: Geometry | None) -> int:
+        """The cache it takes in rounds of `geometry` (None: the plain decoding)."""
+        return capacity_for(self.prompt_len, self.tokens, geometry)
+
+
+def as_capacity(capacity: int | Room, geometry: Geometry | None) -> int:
+    """A decoder's `capacity`, a number of cache slots or a Room sized for `geometry`, as slots
+    (as_size's refusals, naming it)."""
+    return capacity.entries(geometry) if isinstance(capacity, Room) else as_size(capacity, "capacity", also="a Room")
 
 
 class StaticKV:

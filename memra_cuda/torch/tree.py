@@ -19,7 +19,7 @@ from ..buffers.tree import Candidates, DynamicTree, Tree, TreeBufs, TreeShape
 from ..rounds.stream import RoundStream
 from ..rounds.tree_round import TreeRound
 from .decoder import RoundDecoder
-from .kv import CacheLayout, PagedKV, StaticKV
+from .kv import CacheLayout, PagedKV, Room, StaticKV
 from .mask import TreeMask
 from .sampling import SamplingParams
 from .views import TreeViews
@@ -64,7 +64,7 @@ class TreeLlama(RoundDecoder):
     verify_tree(), the target over every node."""
 
     def __init__(self, model: Any, draft: Any, tree: Tree, *, candidates: int | None = None, m_rounds: int = 16,
-                 capacity: int = 1024, batch: int = 1, sampling: SamplingParams | None = None,
+                 capacity: int | Room = 1024, batch: int = 1, sampling: SamplingParams | None = None,
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
                  paged: int | None = None, compiled: bool | None = None):
         if not isinstance(tree, (TreeShape, DynamicTree)):

@@ -18,8 +18,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from memra_cuda.errors import NotFused  # noqa: E402
 from memra_cuda.torch.compiled import stack_for  # noqa: E402
 from memra_cuda.torch.testing import RecurrentLayer, separate_draft  # noqa: E402
-from memra_cuda.torch import (CopyState, LiveState, PagedKV, SamplingParams, SpeculativeLlama, Stack,  # noqa: E402
-                              StaticKV, TreeLlama, TreeMask, load_model, load_tokenizer, self_draft)
+from memra_cuda.buffers.capacity import kv_capacity  # noqa: E402
+from memra_cuda.torch import (CopyState, LiveState, PagedKV, Room, SamplingParams, SpeculativeLlama, Stack,  # noqa: E402
+                              StaticKV, TreeLlama, TreeMask, capacity_for, load_model, load_tokenizer,
+                              self_draft)
 
 pytestmark = pytest.mark.torch
 
@@ -370,8 +372,10 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
         (lambda: SpeculativeLlama(model, draft, state_rollback="swap"), '"copy" or "flip", not \'swap\''),
         (lambda: SpeculativeLlama(model, draft, k=0), "k must be an int of at least 1"),
         (lambda: SpeculativeLlama(model, draft, m_rounds=0), "m_rounds must be an int of at least 1"),
-        (lambda: SpeculativeLlama(model, draft, capacity=-1), "capacity must be an int of at least 1"),
+        (lambda: SpeculativeLlama(model, draft, capacity=-1), "capacity must be a Room or an int of at least 1"),
         (lambda: SpeculativeLlama(model, draft, draft_sampling=SamplingParams()), "give sampling= too"),
+        (lambda: SpeculativeLlama(model, draft, capacity=Room(0, 8)), "prompt_len must be an int of at least 1"),
+        (lambda: TreeLlama(model, draft, TREE, capacity=Room(4, -1)), "tokens must be an int of at least 0"),
         (lambda: TreeLlama(model, draft, TREE, candidates=VOCAB + 1), f"vocabulary's {VOCAB}, not {VOCAB + 1}"),
         (lambda: TreeLlama(model, draft, TREE, candidates=2, sampling=SamplingParams()), "candidates= is for greedy"),
         (lambda: TreeLlama(model, draft, TREE, state_rollback="swap"), "not 'swap'"),
@@ -385,6 +389,28 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu", page=0)
     with pytest.raises(TypeError, match="paged cache"):
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu").data()
+
+
+def test_a_room_is_sized_by_the_geometry_of_the_decoder_it_is_given_to():
+    """A Room (the longest prompt and the most new tokens a row holds) is the cache capacity_for
+    gives for the decoder's own geometry: a chain's (k, M, B), a tree's (its depth and nodes), the
+    plain loop's (None: the prompt but its last token, and the budget); each rounded to 16
+    slots, and a bool or a float refused by name."""
+    from memra_cuda import Geometry
+    from memra_cuda.torch.kv import as_capacity
+    room = Room(40, 96)
+    for geometry in (Geometry(4, 16), Geometry(2, 8, 64), Geometry.of_tree(TREE, 16, 4)):
+        assert room.entries(geometry) == as_capacity(room, geometry) == capacity_for(40, 96, geometry)
+        assert room.entries(geometry) >= kv_capacity(40, 96, geometry, overlap=True)
+        assert room.entries(geometry) % 16 == 0
+    assert room.entries(None) == capacity_for(40, 96, None) == 144  # 39 + 96, to 16's
+    assert Room(1, 0).entries(None) == 16 and as_capacity(48, Geometry(4, 16)) == 48
+    with pytest.raises(TypeError, match="prompt_len"):
+        Room(True, 8)
+    with pytest.raises(TypeError, match="tokens"):
+        Room(8, 2.5)
+    with pytest.raises(TypeError, match="capacity"):
+        as_capacity((40, 96), Geometry(4, 16))
 
 
 def test_a_decoders_admission_takes_every_prompt_a_server_takes(monkeypatch):
