@@ -183,14 +183,17 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
 def setup_seconds(k: int = 4, batch: int = 1) -> float:
     """What a SpeculativeLlama of the pair's shapes (random weights, bf16) spends before its first
     request: fusing, compiling every step it runs (its warm-up round) and capturing every graph."""
-    from memra_cuda import Geometry
-    from memra_cuda.torch import SpeculativeLlama, capacity_for
+    from memra_cuda.torch import Room, SpeculativeLlama
+    from torch._dynamo.utils import compile_times, counters
     target, draft = build(SHAPES["target 12 x 768"]), build(SHAPES["draft 2 x 384"])
-    spec = SpeculativeLlama(target, draft, k=k, m_rounds=16, batch=batch,
-                            capacity=capacity_for(128, 128, Geometry(k, 16, batch)))
+    spec = SpeculativeLlama(target, draft, k=k, m_rounds=16, batch=batch, capacity=Room(128, 128))
+    built = spec.setup_seconds
     spec.capture()
     print(f"a chain decoder of the pair's shapes (k = {k}, B = {batch}) was ready in {spec.setup_seconds:.1f} s "
-          "(fusing, compiling, capturing)")
+          f"(fusing, compiling, capturing; {built:.1f} s of it before capture())")
+    # where a cold setup's time went: each compiled function's compiles, and inductor's cache
+    print(compile_times(repr="str", aggregate=True))
+    print("inductor:", {key: value for key, value in sorted(counters["inductor"].items()) if "cache" in key})
     return spec.setup_seconds
 
 
