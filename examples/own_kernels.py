@@ -5,7 +5,7 @@ A tiny model with a KV cache: the token after t at position p hashes a table row
 "weights"), p and the cache's last entry; the draft is the same model, wrong at a quarter of
 the positions. A wrong position or rollback changes the output. docs/model-side.md is the contract.
 
-    pip install 'memra_cuda[nvrtc]'     # NVRTC, for compile_ptx
+    pip install '.[nvrtc]'              # in memra_cuda's checkout: NVRTC, for compile_ptx
     python examples/own_kernels.py [--k 4] [--m-rounds 8] [--mode graph] [--tokens 64] [--prompt ID ...]
 
 Exit status 0 on a match, 1 otherwise (or without a GPU or NVRTC, said in one line).

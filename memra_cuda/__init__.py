@@ -19,7 +19,7 @@ from .rounds.round import ChainRound, Stages, chain
 from .rounds.stream import Mode, RoundStream
 from .rounds.tree_round import TreeRound
 
-__version__ = "0.3.0"  # the one place the version lives: pyproject.toml reads it (tool.hatch.version)
+__version__ = "0.4.0.dev0"  # the one place the version lives: pyproject.toml reads it (tool.hatch.version)
 
 __all__ = [
     "Engine", "Stream", "DeviceBuffer", "Event", "Graph", "Module", "compile_ptx", "MemraError",

@@ -34,7 +34,7 @@ def _random_llama(hybrid: bool = False, **kwargs):
     """The small random-weight Llama of memra_cuda.torch.testing (fp32), with `kwargs` (its
     layers HYBRID recurrent where `hybrid`); skipped with the reason where torch or transformers
     is missing (imported only here, so the core suite never needs them)."""
-    pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+    pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
     pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
     from memra_cuda.torch.testing import HYBRID, build_model
     return build_model("small", recurrent_layers=HYBRID if hybrid else (), **kwargs)

@@ -173,3 +173,22 @@ def test_no_page_gives_memra_cuda_an_address_it_does_not_have():
     found = [f"{path.relative_to(ROOT)}:{number}: {match}" for path in read
              for number, line in enumerate(lines(path), 1) for match in OWN_ADDRESS.findall(line)]
     assert not found, "addresses memra_cuda does not have:\n" + "\n".join(found)
+
+
+# memra_cuda by its name from an index: `pip install 'memra_cuda[torch]'`, say, which fetches whatever
+# someone else publishes under that name
+FROM_INDEX = re.compile(r"pip install\s+(?:[^\s()`:#]+\s+)*?['\"]?memra[_-]cuda\b", re.I)  # one of its arguments
+
+
+def test_no_page_message_or_skip_installs_memra_cuda_from_an_index():
+    """Every way of installing memra_cuda a user is told (pages, examples, the package's own
+    errors, the tests' skip reasons) takes it from the checkout or a wheel built in one, as the
+    README's Install block does: memra_cuda is on no index, and a `pip install memra_cuda[...]`
+    installs what another publisher put there under the name. An error of the package names the
+    wheel its extra installs instead (nvidia-cuda-nvrtc-cu12, nvidia-nccl-cu12)."""
+    read = [README, ROOT / "CHANGELOG.md", *pages(), *sorted(ROOT.glob("benchmarks/*.md")),
+            *sorted(ROOT.glob("memra_cuda/**/*.py")), *sorted(ROOT.glob("examples/*.py")),
+            *sorted(ROOT.glob("tests/**/*.py")), ROOT / "Makefile"]
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in read
+             for number, line in enumerate(lines(path), 1) if FROM_INDEX.search(line) and path != Path(__file__)]
+    assert not found, "installs of memra_cuda from an index:\n" + "\n".join(found)

@@ -57,6 +57,8 @@ class Geometry:
     def of_tree(cls, tree: TreeLike, m_rounds: int, batch: int = 1) -> Geometry:
         """The geometry of rounds verifying `tree` (a TreeShape or a DynamicTree): k its depth,
         width its T + 1 nodes."""
+        if not all(hasattr(tree, name) for name in ("depth", "nodes")):
+            raise TypeError(f"a tree is a TreeShape or a DynamicTree (memra_cuda), not {tree!r}")
         return cls(tree.depth, m_rounds, batch, tree.nodes)
 
     def with_rounds(self, m_rounds: int) -> Geometry:
@@ -74,5 +76,6 @@ def as_geometry(geometry: object) -> Geometry:
     """`geometry` if it is a Geometry, else TypeError naming what was given (the loose integers
     it replaces among them)."""
     if not isinstance(geometry, Geometry):
-        raise TypeError(f"a round's shape is a Geometry(k, m_rounds, batch, width), not {geometry!r}")
+        raise TypeError(f"a round's shape is one memra_cuda.Geometry(k, m_rounds, batch=1, width=None), not "
+                        f"{geometry!r} (0.3.0's loose k, M and B are one Geometry now)")
     return geometry

@@ -24,7 +24,7 @@ from numpy.typing import DTypeLike
 
 from ..driver.errors import MemraError
 
-EXTRA = "pip install 'memra_cuda[nccl]'"
+EXTRA = "pip install nvidia-nccl-cu12, the nccl extra's wheel"  # memra_cuda is on no index: the wheel is named
 UNIQUE_ID_BYTES = 128
 
 RESULTS = ("ncclSuccess", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError", "ncclInvalidArgument",

@@ -4,8 +4,8 @@
 a driver JIT-compiles PTX up to the ISA of its own CUDA release and refuses anything newer
 (NVRTC 12.4 writes ISA 8.4, which a CUDA 12.2 driver refuses; 13.0, ISA 9.0, which no CUDA 12
 driver loads). NVRTC 12.0 writes ISA 8.0, which every CUDA 12 and 13 driver loads, so it is
-preferred wherever it is installed (the `nvidia-cuda-nvrtc-cu12==12.0.140` wheel, `pip install
-'memra_cuda[nvrtc]'`); the package's own kernels are built with it alone (ptx/build.py,
+preferred wherever it is installed (the `nvidia-cuda-nvrtc-cu12==12.0.140` wheel, memra_cuda's
+`nvrtc` extra); the package's own kernels are built with it alone (ptx/build.py,
 `portable=True`). Without it, the NVRTC present is used where this machine's driver loads what
 it writes: its release no newer than the driver's (NVRTC 13.0 for a CUDA 13.0 driver, as
 PyTorch's CUDA 13 wheels install it); a newer one is refused, naming both. With no driver to
@@ -39,7 +39,7 @@ __all__ = ["CompileError", "Nvrtc", "NvrtcUnavailable", "compile_ptx", "nvrtc", 
 
 logger = logging.getLogger(__name__)
 
-EXTRA = "memra_cuda[nvrtc]"  # the extra that installs REQUIREMENT
+EXTRA = "nvrtc"  # memra_cuda's extra that installs REQUIREMENT (memra_cuda is not on PyPI: the package is named)
 REQUIREMENT = "nvidia-cuda-nvrtc-cu12==12.0.140"
 PORTABLE = (12, 0)  # the one release whose PTX (ISA 8.0) every CUDA 12 and 13 driver loads
 # NVRTC's library in NVIDIA's wheels: libnvrtc.so.<major> in nvidia/<folder>/lib (nvidia-cuda-nvrtc-cu12's
@@ -92,7 +92,8 @@ class NvrtcUnavailable(CompileError):
 
     def __init__(self, reason: str, found: str | None = None):
         super().__init__(f"compile_ptx has no NVRTC to use: {reason}. NVRTC 12.0 ({REQUIREMENT}) writes PTX every "
-                         f"CUDA 12 and 13 driver loads: pip install '{EXTRA}'")
+                         f"CUDA 12 and 13 driver loads: pip install '{REQUIREMENT}' "
+                         f"(memra_cuda's {EXTRA} extra)")
         self.found = found
 
 
@@ -278,7 +279,7 @@ def compile_ptx(source: str, *, name: str = "kernel.cu", headers: Mapping[str, s
     plain names. The same inputs and NVRTC give the same PTX, byte for byte.
 
     Raises CompileError carrying NVRTC's log where the source does not compile, and
-    NvrtcUnavailable (a CompileError) naming `memra_cuda[nvrtc]` where no NVRTC will do (none
+    NvrtcUnavailable (a CompileError) naming the NVRTC 12.0 wheel where no NVRTC will do (none
     found, or only releases newer than the driver; with `portable`, none of 12.0). Needs no GPU.
     """
     if isinstance(options, str):

@@ -42,9 +42,12 @@ def test_loose_integers_where_a_geometry_is_asked_for_are_refused_naming_it():
                  lambda: StreamBufs(NO_ENGINE, 4),  # type: ignore[arg-type]
                  lambda: kv_capacity(5, 256, 4, 16),  # type: ignore[arg-type]
                  lambda: Capacity(64, 4)):  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match=r"a round's shape is a Geometry\(k, m_rounds, batch, width\), not 4$|"
+        with pytest.raises(TypeError, match=r"a round's shape is one memra_cuda\.Geometry\(k, m_rounds, batch=1, "
+                                            r"width=None\), not 4 \(0\.3\.0's loose k, M and B are one Geometry|"
                                             r"takes 3 positional arguments but 4 were given"):
             make()
+    with pytest.raises(TypeError, match=r"a tree is a TreeShape or a DynamicTree \(memra_cuda\), not \[\[0\]\]"):
+        Geometry.of_tree([[0]], 8)  # type: ignore[arg-type]  # a tree's choices, not the tree they make
 
 
 def test_the_capacity_rule_reads_the_width_from_the_geometry():

@@ -42,7 +42,7 @@ def need_nccl():
     try:
         return nccl()
     except NcclUnavailable as exc:
-        unmet(f"needs NCCL (pip install 'memra_cuda[nccl]'): {exc}")
+        unmet(f"needs NCCL: {exc}")
 
 
 def two_gpus() -> None:

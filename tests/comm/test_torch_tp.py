@@ -14,7 +14,7 @@ import pytest
 
 from memra_cuda.comm.launch import free_port, launch
 
-pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="the example needs transformers")
 
 pytestmark = pytest.mark.torch

@@ -31,7 +31,7 @@ def run_example(name: str, *argv: str, cwd: Path | None = None, paths: tuple[Pat
 @pytest.fixture(scope="module")
 def torch_stack():
     """torch, where it is installed with transformers."""
-    torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+    torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
     pytest.importorskip("transformers", reason="the examples need transformers")
     return torch
 

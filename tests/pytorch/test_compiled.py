@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
 
 from memra_cuda.torch import PagedKV, Stack, TreeMask, self_draft  # noqa: E402

@@ -20,7 +20,7 @@ import benchmarks
 from memra_cuda import Geometry
 from memra_cuda import DynamicTree, TreeShape
 
-torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="benchmarks/pair.py's models are transformers' Llamas")
 pytest.importorskip("tokenizers", reason="benchmarks/pair.py trains its tokenizer with tokenizers")
 from memra_cuda.torch import (Request, SpeculativeLlama, TreeLlama, capacity_for, hf_greedy,  # noqa: E402

@@ -16,7 +16,7 @@ from memra_cuda import Geometry
 from memra_cuda.rounds import MODES
 from laws import assert_distributed_as, cells
 
-torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
 from memra_cuda.torch.testing import PROMPT, build_model, prompts  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, SpeculativeLlama, capacity_for,  # noqa: E402

@@ -21,7 +21,7 @@ from memra_cuda import (Cache, DeviceBuffer, Engine, Event, Graph, Greedy, KVLay
 from memra_cuda.errors import CaptureError
 from memra_cuda.rounds import MODES
 
-torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 memra_torch = pytest.importorskip("memra_cuda.torch")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]

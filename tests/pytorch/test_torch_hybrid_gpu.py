@@ -17,7 +17,7 @@ from memra_cuda import Geometry
 from memra_cuda.errors import LoopUnsupported
 from memra_cuda.rounds import MODES
 
-torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
 from memra_cuda.torch.testing import HYBRID, PROMPT, build_model, prompts, separate_draft  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, SpeculativeLlama, Stack,  # noqa: E402

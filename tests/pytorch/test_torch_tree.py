@@ -10,7 +10,7 @@ import pytest
 
 from memra_cuda import DynamicTree, TreeShape
 
-torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
 from memra_cuda.torch.testing import parse_tree, static_tree  # noqa: E402
 from memra_cuda.torch import TreeMask, best_ranks  # noqa: E402

@@ -21,7 +21,7 @@ from memra_cuda import DynamicTree, TreeShape, kv_capacity
 from memra_cuda.rounds import MODES
 from laws import assert_distributed_as, cells
 
-torch = pytest.importorskip("torch", reason="needs PyTorch (pip install 'memra_cuda[torch]')")
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
 from memra_cuda.torch.testing import PROMPT, prompts  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, PagedKV, Request, SamplingParams, Stack, TreeLlama,  # noqa: E402
