@@ -23,13 +23,16 @@ request's time to its first token includes its wait for a slot: at B = 1, up to 
 tokens a round (tau, from each request's accepted drafts read back with its tokens) and the
 decoder's setup seconds. Then the best chain at each B and decoding against the plain decoding. One
 table; with --json, the figures, written again as each B ends, and a picture beside them (PATH with
-.png; matplotlib, the plot extra). Needs torch, transformers and tokenizers, a GPU and the pair
-(`make pair`).
+.png; matplotlib, the plot extra); with --resume too, added to the report there: a run of every B
+that one call's time limit cuts into several, on one machine's pair, is one table and one picture.
+Needs torch, transformers and tokenizers, a GPU and the pair (`make pair`).
 
-    PYTHONPATH=. python -m benchmarks.served [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,64,128]
+    PYTHONPATH=. python -m benchmarks.served [--quick] [--json PATH [--resume]] [--pair DIR] [--batches 1,8,32,64,128]
+        [--rounds M]
 """
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -182,10 +185,27 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     return rows
 
 
+def resumed(path: str | Path, pair: Mapping[str, Any], m_rounds: int, quick: bool,
+            batches: Sequence[int]) -> list[dict]:
+    """The rows of an earlier run's report at `path` to keep beside this run's: those of the B's
+    this run does not serve, where the report is of this pair (its key, sizes, held-out losses
+    and agreement: the same trained weights) at this M and `quick`; ValueError naming what
+    differs otherwise. One machine's time limit cuts a run of every B into several; a run
+    resumed on a pair trained again is another pair."""
+    report = json.loads(Path(path).read_text())
+    for what, mine, theirs in (("pair", pair, report.get("pair")), ("M", m_rounds, report.get("m_rounds")),
+                               ("quick", quick, report.get("quick"))):
+        if mine != theirs:
+            raise ValueError(f"{path} was served with another {what} ({theirs!r}, this run {mine!r}): "
+                             "not resumed")
+    return [row for row in report["rows"] if row["batch"] not in batches]
+
+
 def served_headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
-                    json_path: str | Path | None = None, m_rounds: int = TORCH_M) -> dict:
+                    json_path: str | Path | None = None, m_rounds: int = TORCH_M, resume: bool = False) -> dict:
     """The section (the module's docstring): prints the table and the best at each B, returns
-    the report; with `json_path`, written after each B and at the end, the picture beside it."""
+    the report; with `json_path`, written after each B and at the end, the picture beside it;
+    with `resume`, the report there keeps its other B's rows (resumed)."""
     import torch
     import transformers
 
@@ -198,6 +218,11 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
     target, draft = load_model(where / "target"), load_model(where / "draft")
     batches = list(batches or (QUICK_BATCHES if quick else BATCHES))
     servable(heldout, batches, target.config.eos_token_id, quick)
+    kept: list[dict] = []
+    if resume:
+        if json_path is None:
+            raise ValueError("resume adds to the report at json_path: name one")
+        kept = resumed(json_path, info, m_rounds, quick, batches) if Path(json_path).exists() else []
     print(f"\n{name}")
     print(f"a stream of max(16, 4 B) held-out requests, {'8 to 16' if quick else '32 to 512'} new tokens each "
           f"(seed {STREAM_SEED}), the EOS honoured, all submitted at once, through B slots by continuous batching; "
@@ -207,11 +232,13 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
     print(HEADER, flush=True)
 
     def out(rows: list[dict]) -> dict:
-        return dict(name=name, machine=machine, date=date, pair=info, batches=batches, quick=quick, m_rounds=m_rounds,
-                    rows=rows, best=best(rows))
+        rows = kept + rows
+        return dict(name=name, machine=machine, date=date, pair=info, quick=quick, m_rounds=m_rounds,
+                    batches=sorted({row["batch"] for row in rows} | set(batches)), rows=rows, best=best(rows))
     rows = measure_batches(batches, lambda batch: _bench_batch(target, draft, heldout, batch, quick, m_rounds),
                            None if json_path is None else lambda rows: save(out(rows), json_path))
     result = out(rows)
+    rows = result["rows"]
     print(f"\nbest chain at each B and decoding ({name}):")
     for top in result["best"]:
         adaptive = [row for row in rows if (row["batch"], row["mode"]) == (top["batch"], top["mode"])
@@ -231,8 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=TORCH_M, help=f"M, the rounds (the plain loop's steps) a burst "
                         f"(default {TORCH_M}): a slot freed mid-burst waits for the burst's end, so a second run at "
                         "another M says what that costs")
+    parser.add_argument("--resume", action="store_true", help="add to the report at --json: its rows of other B's "
+                        "are kept where it is of this pair, M and --quick (a run of every B cut into several by a "
+                        "machine's time limit, on one machine's pair)")
     args = parser.parse_args(argv)
-    served_headline(args.quick, args.pair, args.batches, args.json, args.rounds)
+    if args.resume and args.json is None:
+        parser.error("--resume adds to the report at --json PATH: name one")
+    served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume)
     return 0
 
 

@@ -52,3 +52,20 @@ def test_a_pair_that_cannot_serve_every_b_is_refused_before_any_runs():
         servable({"prompts": []}, [1, 256], eos=0)
     with pytest.raises(ValueError, match=r"no single EOS token id \(config.eos_token_id = \[0, 1\]\)"):
         servable(HELDOUT, [1], eos=[0, 1])
+
+
+def test_a_resumed_report_keeps_its_other_batches_only_where_it_is_of_this_pair_and_m(tmp_path):
+    """--resume: the rows of the B's this run does not serve are kept from the report of the same
+    pair (the same trained weights), M and --quick; anything else is refused naming what differs."""
+    import json
+
+    from benchmarks.served import resumed
+    pair = {"key": "620e7b973acb", "target": {"heldout_loss": 2.1208}}
+    rows = [row_of(b, "greedy", "plain", [served(100, None)], 1.0, None) for b in (32, 1, 64)]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(dict(pair=pair, m_rounds=16, quick=False, rows=rows)))
+    assert [row["batch"] for row in resumed(path, pair, 16, False, [64, 128])] == [32, 1]
+    retrained = {"key": "620e7b973acb", "target": {"heldout_loss": 2.1301}}
+    for mine, what in (((retrained, 16, False), "pair"), ((pair, 8, False), "M"), ((pair, 16, True), "quick")):
+        with pytest.raises(ValueError, match=f"another {what} "):
+            resumed(path, *mine, [64])
