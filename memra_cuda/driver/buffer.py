@@ -53,6 +53,7 @@ class DeviceBuffer(Handle):
         self._base = base
         self._keepalive = keepalive
         self._streams: weakref.WeakSet | None = None  # streams that queued work on borrowed memory
+        self._holders: weakref.WeakSet | None = None  # what another framework keeps with this memory (hold)
 
     @classmethod
     def allocate(cls, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None) -> DeviceBuffer:
@@ -156,6 +157,16 @@ class DeviceBuffer(Handle):
                 owner._streams = weakref.WeakSet()
             owner._streams.add(stream)
 
+    def hold(self, holder: Any) -> None:
+        """`holder` (weakly referenced; what another framework keeps with a view of this memory: a
+        torch tensor's source object, memra_cuda.torch.tensor) keeps the memory: free() then
+        refuses memra's every use at once, as always, but the memory goes back only once every
+        holder is collected, so no tensor reads memory the allocator has handed out again."""
+        owner = self._base or self
+        if owner._holders is None:
+            owner._holders = weakref.WeakSet()
+        owner._holders.add(holder)
+
     def names(self, handle: Handle) -> bool:
         """Whether freeing `handle` frees this buffer's memory."""
         return handle is self or handle is self._base
@@ -166,7 +177,13 @@ class DeviceBuffer(Handle):
         Borrowed memory goes back to its owner (a framework's allocator may hand it out again
         at once), so work already queued on it must finish first: the streams of everything
         that holds its address (launches, graphs, tables) are waited for before the borrow is
-        dropped."""
+        dropped. Memory a holder keeps (hold) goes back when the last holder is collected: its
+        release (or its owner, borrowed) stays with this buffer, which every holder keeps."""
+        if self._holders and not self._freed:
+            release, self._finalizer = self._finalizer, None
+            super().free()  # refused from now on, dependents poisoned; the memory not yet released
+            self._finalizer = release
+            return
         if self._keepalive is not None and not self._freed:
             users = [d.engine for d in self._dependents or () if hasattr(d, "engine")] + list(self._streams or ())
             for stream in {id(s): s for s in users}.values():

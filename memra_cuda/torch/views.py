@@ -27,27 +27,33 @@ def buffer(tensor: torch.Tensor) -> DeviceBuffer:
     return DeviceBuffer.from_cuda_array(tensor)
 
 
-class _Alias:
-    """The `__cuda_array_interface__` of a buffer, reinterpreted as another element type."""
+class _Held:
+    """The `__cuda_array_interface__` a tensor is made from: the buffer's, read as another element
+    type where asked. Torch keeps this object with the tensor (and every view of it), and the
+    buffer holds it weakly (DeviceBuffer.hold): a buffer freed while a tensor on it lives is
+    refused to memra at once, and its memory goes back once the tensors are gone."""
 
-    def __init__(self, buf: DeviceBuffer, dtype: torch.dtype):
-        if dtype not in _TYPESTR or dtype.itemsize != buf.dtype.itemsize:
+    def __init__(self, buf: DeviceBuffer, dtype: torch.dtype | None):
+        if dtype is not None and (dtype not in _TYPESTR or dtype.itemsize != buf.dtype.itemsize):
             raise ValueError(f"{buf!r} cannot be read as {dtype}: elements of {buf.dtype.itemsize} bytes")
         self.buf = buf  # torch keeps this object, and so the buffer, alive with the tensor
-        self.__cuda_array_interface__ = {**buf.__cuda_array_interface__, "typestr": _TYPESTR[dtype]}
+        iface = buf.__cuda_array_interface__
+        self.__cuda_array_interface__ = iface if dtype is None else {**iface, "typestr": _TYPESTR[dtype]}
+        buf.hold(self)
 
 
 def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A tensor on `buf`'s memory (no copy), read as `dtype` of the same size if given (u32
-    token ids as torch.int32, say: ids are < 2**31). The tensor keeps `buf` alive; freeing
-    `buf` explicitly while the tensor is in use is the caller's mistake to avoid.
+    token ids as torch.int32, say: ids are < 2**31). The tensor keeps `buf`'s memory: freeing
+    `buf` while the tensor (or a view of it) lives refuses memra's use of it at once, but the
+    memory goes back only once the tensors are gone.
 
     What `buf`'s engine has queued so far comes before what torch's current stream queues next
     (Stream.precede): torch.as_tensor does not wait on the stream a buffer names (2.11), so a
     buffer just uploaded on an engine's own stream read back as garbage under load. Later work on
     the two streams is the caller's to order. Inside a capture that wait is refused
     (CaptureError): make the tensor before capturing."""
-    device, source = torch.device("cuda", buf.device), buf if dtype is None else _Alias(buf, dtype)
+    device, source = torch.device("cuda", buf.device), _Held(buf, dtype)
     if buf.engine is not None and not buf.engine.closed:  # a closed engine finished its work
         buf.engine.precede(torch.cuda.current_stream(device), f"tensor({buf!r})")
     return torch.as_tensor(source, device=device)

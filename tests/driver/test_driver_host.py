@@ -399,6 +399,66 @@ def test_freeing_a_view_leaves_dependents_of_the_parent_alone():
     holder._usable()
 
 
+
+class Releases:
+    """A stand-in context for an owning buffer's release (Handle._own): it records each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def finalize(self, name, *args):
+        self.calls.append((name, *args))
+
+
+def test_memory_another_framework_holds_goes_back_only_once_its_holders_are_gone():
+    """A torch tensor on a buffer (memra_cuda.torch.tensor) holds the memory: free() refuses
+    memra's use of the buffer and its views at once, but the release waits until the buffer is
+    collected, which its holders prevent (a holder keeps the buffer); without holders, free()
+    releases at once."""
+    released = Releases()
+    buf = DeviceBuffer(FAKE_PTR, np.uint32, 8)
+    buf._own(released, "cuMemFree", FAKE_PTR)
+    view, holder = buf.view(2, 4), Holder()
+    view.hold(holder)  # held on the owner, whichever window it was made from
+    launch = Holder()
+    buf.depend(launch)
+    buf.free()
+    assert buf.freed and view.freed and released.calls == [], "a tensor still reads it"
+    with pytest.raises(ValueError, match="used after free"):
+        buf.ptr
+    with pytest.raises(ValueError, match="used after free"):
+        view.ptr
+    with pytest.raises(ValueError, match="which was freed"):
+        launch._usable()
+    buf.free()  # idempotent, still held
+    del holder
+    gc.collect()
+    assert released.calls == [], "the buffer itself is still referenced here"
+    del buf, view
+    gc.collect()
+    assert released.calls == [("cuMemFree", FAKE_PTR)]
+    alone = Releases()
+    buf = DeviceBuffer(FAKE_PTR, np.uint32, 8)
+    buf._own(alone, "cuMemFree", FAKE_PTR)
+    gone = Holder()
+    buf.hold(gone)
+    del gone
+    gc.collect()
+    buf.free()
+    assert alone.calls == [("cuMemFree", FAKE_PTR)], "no holder left: released at free()"
+    tensor = Holder()  # borrowed memory's owner (a tensor), back to its allocator when the borrow is dropped
+    borrowed = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, keepalive=tensor)
+    kept, held = weakref.ref(tensor), Holder()
+    borrowed.hold(held)
+    del tensor
+    borrowed.free()
+    gc.collect()
+    assert kept() is not None, "the owner of memory a holder reads was dropped"
+    del held, borrowed
+    gc.collect()
+    assert kept() is None
+
+
 # -- adopting __cuda_array_interface__ objects (what needs no driver) ------------------------
 
 

@@ -123,6 +123,24 @@ def test_tensors_in_copies_kv_layers_and_back(engine):
         memra_torch.tensor(ids, torch.int64)
 
 
+
+def test_a_tensor_on_a_freed_buffer_keeps_the_memory_until_it_is_gone():
+    """A buffer freed while a tensor on it lives (a decoder's views of its StreamBufs, say) is
+    refused to memra at once, but its memory is not handed out again: the tensor reads what it
+    held, however many buffers of its size are allocated meanwhile, and the memory goes back
+    once the tensor and its views are gone (DeviceBuffer.hold; the CPU test sees the release)."""
+    shared = memra_torch.engine()
+    arena = shared.htod(list(range(64)), np.uint32)
+    ids = memra_torch.tensor(arena.view(8, 8), torch.int32)[None]  # a view of a window, as RoundViews makes
+    address = arena.ptr
+    arena.free()
+    with pytest.raises(ValueError, match="used after free"):
+        arena.ptr
+    others = [shared.htod([0] * 64, np.uint32) for _ in range(32)]
+    assert address not in {other.ptr for other in others}, "memory a tensor holds was handed out again"
+    assert ids.tolist() == [list(range(8, 16))]
+
+
 # -- capture through torch ----------------------------------------------------------------------
 
 def test_replays_of_an_adapter_capture_leave_later_tensors_untouched(engine, side_stream):
