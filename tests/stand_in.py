@@ -6,6 +6,8 @@ same in any row, beside any others), and a burst commits one to three tokens a r
 speculative round commits its accepted drafts and one."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memra_cuda.rounds import Burst, Request
 
 VOCAB, CAPACITY = 50, 40
@@ -54,6 +56,7 @@ class Counting:
         self.accepted = [0] * batch
         self.calls: list[tuple] = []
         self.failing = 0  # admissions still to fail
+        self.failure: Callable[[], Exception] = lambda: RuntimeError("the admission failed")  # what one raises
 
     def refusal(self, request: Request) -> str | None:
         need = len(request.prompt) + request.max_new_tokens
@@ -64,7 +67,7 @@ class Counting:
         assert request.max_new_tokens > 0, "a request of budget 0 took a row"
         if self.failing:
             self.failing -= 1
-            raise RuntimeError("the admission failed")
+            raise self.failure()
         self.calls.append(("admit", row, tuple(request.prompt)))
         self.rows[row], self.made[row], self.accepted[row] = request, [], 0
 

@@ -37,13 +37,13 @@ class Unchecked:
 UNCHECKED = Unchecked()
 
 
-def kv_entries(capacity: Any) -> int | Unchecked | None:
+def kv_entries(capacity: Any, what: str = "capacity") -> int | Unchecked | None:
     """A stated KV capacity: a positive number of entries, None (no KV named) or UNCHECKED, else
-    ValueError (TypeError for what is not a number); where a table or a pipeline's other stages
-    say how far a burst may go."""
+    ValueError (TypeError for what is not a number) naming it as `what`; where a table or a
+    pipeline's other stages say how far a burst may go."""
     if capacity is None or capacity is UNCHECKED:
         return capacity
-    return as_size(capacity, "capacity", also="None, UNCHECKED")
+    return as_size(capacity, what, also="None, UNCHECKED")
 
 
 _NO_ROWS = np.zeros(0, np.int64)
@@ -72,8 +72,11 @@ class Capacity:
 
     @classmethod
     def of(cls, capacities: Iterable[int | Unchecked | None], geometry: Geometry) -> Capacity:
-        """The rule for caches of the given capacities (None and UNCHECKED say nothing)."""
-        known = [c for c in capacities if c is not None and not isinstance(c, Unchecked)]
+        """The rule for caches of the given capacities (None and UNCHECKED say nothing). Each is
+        checked as kv_entries checks one, the error naming its place ("capacities[2]"), before
+        the fewest is taken (min() of a string and an int raised a TypeError naming neither)."""
+        stated = [kv_entries(c, f"capacities[{i}]") for i, c in enumerate(capacities)]
+        known = [c for c in stated if isinstance(c, int)]
         return cls(min(known) if known else None, geometry)
 
     @property
@@ -148,6 +151,7 @@ def kv_capacity(prompt_len: int, max_new_tokens: int, geometry: Geometry, *, ove
     prompt_len, max_new_tokens = as_size(prompt_len, "prompt_len"), as_size(max_new_tokens, "max_new_tokens", 0)
     rule = Capacity(None, geometry)
     m_rounds = rule.geometry.m_rounds
-    reach = rule.burst_reach(np.array([prompt_len + max_new_tokens]), np.zeros(1, bool), m_rounds,
+    # Python ints (an object array), not int64: a long prompt and budget cannot wrap to a negative size.
+    reach = rule.burst_reach(np.array([prompt_len + max_new_tokens], dtype=object), np.zeros(1, bool), m_rounds,
                              m_rounds if overlap else 0)
     return int(reach[0])

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ..driver.values import as_size
+from .layout import MAX_TREE_NODES, RING_TOKENS
 
 
 class TreeLike(Protocol):
@@ -23,6 +24,11 @@ class TreeLike(Protocol):
     def nodes(self) -> int: ...
 
 MAX_BATCH = 65535  # some kernels give each sequence a grid row (y), which CUDA caps at 65535
+# A row of the ring (ring_d, u32[B][RING_TOKENS + ring_cap], ptx/layout.cuh) holds a burst's
+# ring_cap = M·(k + 1) tokens; the kernels take ring_cap as a u32 and add RING_TOKENS to it in
+# u32 (spec_ring_commit, spec_ring_publish), so M·(k + 1) is at most MAX_RING, and k + 1 (M = 1)
+# too: the kernels' own k + 1 cannot wrap either.
+MAX_RING = 2**32 - 1 - RING_TOKENS
 
 
 def as_batch(batch: object) -> int:
@@ -38,7 +44,11 @@ class Geometry:
     its position (a chain's k + 1, the default; a tree's T + 1 nodes, Geometry.of_tree).
 
     Each is checked as it is built (an int, k at least 0, M and B at least 1 and B at most
-    MAX_BATCH, width at least k + 1), ValueError or TypeError naming it."""
+    MAX_BATCH, width at least k + 1), ValueError or TypeError naming it; and bounded by what the
+    kernels hold, so no size or count computed from them can wrap: M·(k + 1), a burst's tokens
+    a row, at most the ring's MAX_RING (a u32: k at most MAX_RING - 1, M at most MAX_RING //
+    (k + 1)); a width past a chain's k + 1 is a tree's nodes, at most MAX_TREE_NODES (the tree
+    kernels' shared arrays and a node's ancestor mask words)."""
 
     k: int
     m_rounds: int
@@ -48,9 +58,15 @@ class Geometry:
     def __init__(self, k: int, m_rounds: int, batch: int = 1, width: int | None = None):
         """`width` None: a chain's k + 1, a default computed from another field, which a
         dataclass field cannot have; so the frozen fields are set here."""
-        k = as_size(k, "k", 0)
-        for name, value in (("k", k), ("m_rounds", as_size(m_rounds, "m_rounds")), ("batch", as_batch(batch)),
-                            ("width", k + 1 if width is None else as_size(width, "width", k + 1))):
+        k = _at_most(as_size(k, "k", 0), "k", MAX_RING - 1,
+                     f"a round's k + 1 tokens fill a ring row of at most {MAX_RING}")
+        m_rounds = _at_most(as_size(m_rounds, "m_rounds"), "m_rounds", MAX_RING // (k + 1),
+                            f"a burst's M * (k + 1) tokens fill a ring row of at most {MAX_RING}")
+        if width is not None:
+            width = _at_most(as_size(width, "width", k + 1), "width", max(k + 1, MAX_TREE_NODES),
+                             f"past a chain's k + 1 it is a tree's nodes, at most {MAX_TREE_NODES}")
+        for name, value in (("k", k), ("m_rounds", m_rounds), ("batch", as_batch(batch)),
+                            ("width", k + 1 if width is None else width)):
             object.__setattr__(self, name, value)
 
     @classmethod
@@ -70,6 +86,14 @@ class Geometry:
     def chain(self) -> bool:
         """Whether a round verifies a chain (width k + 1), not a tree."""
         return self.width == self.k + 1
+
+
+def _at_most(value: int, what: str, most: int, why: str) -> int:
+    """`value` (checked by as_size already) if it is at most `most`, else ValueError naming
+    `what` and `why` the bound is there."""
+    if value > most:
+        raise ValueError(f"{what} must be at most {most} ({why}), not {value}")
+    return value
 
 
 def as_geometry(geometry: object) -> Geometry:

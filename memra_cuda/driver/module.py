@@ -52,13 +52,22 @@ class KernelArgs:
     kernelParams receives) is built once. `buffers` holds the buffer passed in each slot, so
     the memory stays alive as long as the arguments name it. With `engine`, a buffer that
     belongs to another engine is refused: its work is ordered by another stream.
+
+    A refused value's error names its slot: `kernel` and the parameters' `names` (a Launch of a
+    kernel with a signature gives both: "spec_ring_commit: ring_cap (u32): ..."), else its
+    position ("argument 6 (u32): ..."). The labels are made here, once, and read only by an error.
     """
 
-    def __init__(self, types: Sequence[str], engine: Stream | None = None):
+    def __init__(self, types: Sequence[str], engine: Stream | None = None, *, kernel: str | None = None,
+                 names: Sequence[str] | None = None):
         unknown = [t for t in types if t not in ARG_TYPES]
         if unknown:
             raise ValueError(f"unknown argument type(s) {unknown}; use one of {sorted(ARG_TYPES)}")
         self.types = tuple(types)
+        if names is not None and len(names) != len(self.types):
+            raise ValueError(f"{len(names)} parameter names given for {len(self.types)} arguments {self.types}")
+        self._labels = tuple(_label(i, kind, kernel, None if names is None else names[i])
+                             for i, kind in enumerate(self.types))
         self.engine = engine
         self.storage = np.zeros(max(1, len(types)), np.uint64)
         raw = self.storage.view(np.uint8)
@@ -69,49 +78,82 @@ class KernelArgs:
         self.pointer = int(self.table.ctypes.data)
         self.buffers: list[DeviceBuffer | None] = [None] * len(self.types)
 
+    @classmethod
+    def of_kernel(cls, kernel: str, signature: Signature | None, types: Sequence[str],
+                  engine: Stream | None = None) -> KernelArgs:
+        """The storage of a launch of `kernel` with `types` (Kernel.declared's): its errors name
+        the kernel, and each parameter by its name where the kernel has a `signature`."""
+        return cls(types, engine, kernel=kernel,
+                   names=None if signature is None else [param.name for param in signature.params])
+
     def set(self, *values: Any) -> None:
         """Store new values; all are checked before any is written, so a refused call leaves
         the previous arguments whole."""
         if len(values) != len(self.types):
             raise TypeError(f"kernel takes {len(self.types)} arguments {self.types}, got {len(values)}")
-        buffers = [self._buffer(i, kind, value) for i, (kind, value) in enumerate(zip(self.types, values))]
-        checked = [self._convert(i, kind, value if buf is None else buf)
-                   for i, (kind, value, buf) in enumerate(zip(self.types, values, buffers))]
+        buffers = [self._buffer(what, kind, value) for what, kind, value in zip(self._labels, self.types, values)]
+        checked = [self._convert(what, kind, value if buf is None else buf)
+                   for what, kind, value, buf in zip(self._labels, self.types, values, buffers)]
         for slot, value in zip(self._slots, checked):
             slot[0] = value
         self.buffers = buffers
 
-    def _buffer(self, i: int, kind: str, value: Any) -> DeviceBuffer | None:
+    def _buffer(self, what: str, kind: str, value: Any) -> DeviceBuffer | None:
         if not (isinstance(value, DeviceBuffer) or hasattr(value, "__cuda_array_interface__")):
             return None
         if kind not in ("ptr", "u64"):
-            raise TypeError(f"argument {i} is {kind}, not a device pointer")
-        buf = as_buffer(value, f"argument {i}", self.engine)
+            raise TypeError(f"{what} cannot take a device pointer ({type(value).__name__})")
+        buf = as_buffer(value, what, self.engine)
         if self.engine is not None:
-            self.engine.check_owns(buf, f"argument {i}")
+            self.engine.check_owns(buf, what)
         return buf
 
     @staticmethod
-    def _convert(i: int, kind: str, value: Any) -> int | float:
+    def _convert(what: str, kind: str, value: Any) -> int | float:
+        """`value` as the number slot `what` (of type `kind`) stores: a bool is no integer,
+        pointer or float here (True would be stored as 1, an address of 1), and a number the
+        type cannot hold is refused, never wrapped or stored as an infinity."""
         if isinstance(value, DeviceBuffer):
             return value.ptr
         dtype = ARG_TYPES[kind]
-        if kind == "ptr" and not isinstance(value, (int, np.integer)):
-            raise TypeError(f"argument {i} is a device pointer: pass a DeviceBuffer, an array with "
+        if kind == "ptr" and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise TypeError(f"{what} is a device pointer: pass a DeviceBuffer, an array with "
                             f"__cuda_array_interface__ or an int, not {value!r}")
         if dtype.kind == "f":
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                raise TypeError(f"argument {i} ({kind}) must be a number, not {value!r}")
-            number = float(value)
-            if math.isfinite(number) and abs(number) > float(np.finfo(dtype).max):
-                raise ValueError(f"argument {i} ({kind}): {value!r} is outside the range of {dtype.name}")
-            return number
+                raise TypeError(f"{what} must be a number, not {value!r}")
+            return _exact_float(what, value, dtype)
         try:
             return exact_int(value, dtype)
         except TypeError as exc:
-            raise TypeError(f"argument {i} ({kind}) cannot take {value!r}") from exc
+            raise TypeError(f"{what} must be an integer, not {value!r}") from exc
         except ValueError as exc:
-            raise ValueError(f"argument {i} ({kind}): {exc}") from exc
+            raise ValueError(f"{what}: {exc}") from exc
+
+
+def _label(i: int, kind: str, kernel: str | None, name: str | None) -> str:
+    """How an error names argument `i`: by its kernel and parameter where they are known."""
+    where = f"argument {i}" if name is None else name
+    return f"{where} ({kind})" if kernel is None else f"{kernel}: {where} ({kind})"
+
+
+def _exact_float(what: str, value: int | float | np.integer | np.floating, dtype: np.dtype) -> float:
+    """`value` as a float that `dtype` holds, rounded to its nearest: a finite value past its
+    range (an int past every float, a longdouble past float64's) is refused, ValueError naming
+    `what`, not stored as an infinity; an infinity or a NaN given as one is taken."""
+    try:
+        number = float(value)
+    except OverflowError:  # an int past every float
+        number = math.inf
+    if math.isfinite(number):
+        if abs(number) <= _FLOAT_MAX[dtype.itemsize]:
+            return number
+    elif isinstance(value, (float, np.floating)) and not np.isfinite(value):  # an inf or a NaN, as given
+        return number
+    raise ValueError(f"{what}: {value!r} is outside the range of {dtype.name}")
+
+
+_FLOAT_MAX = {4: float(np.finfo(np.float32).max), 8: float(np.finfo(np.float64).max)}  # f32's, f64's
 
 
 class Launch(Prepared):
@@ -136,7 +178,7 @@ class Launch(Prepared):
         module._usable()
         engine = module.engine
         self.kernel, self.signature = kernel, kernel.signature
-        self.args = KernelArgs(declared, engine)
+        self.args = KernelArgs.of_kernel(kernel.name, self.signature, declared, engine)
         kernel.check_sizes(self.args.types)
         argv = (kernel.handle, *_dim3(grid, f"{kernel.name}'s grid", GRID_LIMITS),
                 *_dim3(block, f"{kernel.name}'s block"), int(shared), engine.stream,

@@ -30,10 +30,13 @@ def short_name(dtype: np.dtype) -> str:
 
 def exact_int(value: Any, dtype: Any) -> int:
     """`value` as a Python int that `dtype` holds exactly: floats and out-of-range values are
-    refused instead of being truncated or wrapped (whatever numpy's casting rules)."""
+    refused instead of being truncated or wrapped (whatever numpy's casting rules), and a bool
+    is no integer here (TypeError: True would be stored as 1, as np.True_ never was)."""
     dtype = np.dtype(dtype)
     if isinstance(value, (float, np.floating)):
         raise ValueError(f"{value!r} is not an integer ({dtype.name} expected)")
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{value!r} is a bool, not an integer ({dtype.name} expected)")
     number = as_index(value, f"a {dtype.name} value")
     info = np.iinfo(dtype)
     if not info.min <= number <= info.max:

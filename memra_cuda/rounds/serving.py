@@ -29,7 +29,8 @@ class Request(NamedTuple):
     `max_new_tokens` its budget (0: nothing to generate), `eos` stops it (None: its budget
     alone), `seed` keys its sampled draws, `max_draft` its most draft length a round (0:
     speculation off, the plain decoding; None or more than the decoder's k: k), applied on the
-    device (docs/lengths.md)."""
+    device (docs/lengths.md). A Server keeps a copy of it whose prompt is a tuple of ints, the
+    one it checked (Server.submit)."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -104,7 +105,9 @@ class Decoder(Protocol):
 
     def admit(self, row: int, request: Request) -> None:
         """Start `request` in the vacant `row`, in one call: its prompt in and its stop rule set,
-        so the next burst runs it; the other rows untouched."""
+        so the next burst runs it; the other rows untouched. `request` is the server's checked
+        copy (its prompt a tuple of ints in the vocabulary); a ValueError or TypeError refuses
+        it alone (Server._refuse), anything else raised is the decoder's failure."""
 
     def burst(self) -> Burst:
         """Run one burst of every row, and read it back once."""
@@ -124,13 +127,31 @@ class RequestRefused(MemraError, ValueError):
         super().__init__(f"request {ident} refused: {reason}")
 
 
+def as_request(request: object) -> Request:
+    """`request` if it is a Request, else TypeError saying what one is (a plain tuple of its
+    fields has no names to check them by)."""
+    if not isinstance(request, Request):
+        raise TypeError("a request is a memra_cuda.rounds.Request(prompt, max_new_tokens, eos=None, seed=0, "
+                        f"max_draft=None), not {reprlib.repr(request)}")
+    return request
+
+
 def malformed(request: Request, vocab: int) -> str | None:
     """Why `request` is none a decoder over `vocab` tokens can run, whatever its room: a prompt
     that is not one or more token ids, a budget, EOS, seed (of 64 bits) or most draft length that
     is not one, a token outside the vocabulary (whose embedding lookup would fault the device).
-    None where it is well formed."""
+    None where it is well formed; TypeError for what is not a Request at all."""
+    checked = _checked(request, vocab)
+    return checked if isinstance(checked, str) else None
+
+
+def _checked(request: Request, vocab: int) -> Request | str:
+    """`request` with its prompt a tuple of ints taken from the very copy that was checked, or
+    why it is malformed (malformed's reasons). The copy is what a server keeps: a caller who
+    changes the list it gave after submit() cannot slip an unchecked token into a row."""
+    request = as_request(request)
     try:
-        prompt = np.asarray(request.prompt)
+        prompt = np.array(request.prompt)  # a copy, never the caller's array itself
     except (TypeError, ValueError):  # ragged, or not numbers at all
         return f"its prompt must be a sequence of token ids, not {reprlib.repr(request.prompt)}"
     if prompt.ndim != 1 or not prompt.size or prompt.dtype.kind not in "iu":
@@ -141,7 +162,7 @@ def malformed(request: Request, vocab: int) -> str | None:
         return f"its prompt's token {prompt[at]} (at {at}) is outside the vocabulary of {vocab} tokens"
     try:
         as_size(request.max_new_tokens, "max_new_tokens", 0)
-        seed = as_index(request.seed, "its seed")
+        seed = _integer(request.seed, "its seed")
         eos = None if request.eos is None else as_size(request.eos, "eos", 0, also="None")
         if request.max_draft is not None:
             as_size(request.max_draft, "max_draft", 0, also="None")
@@ -151,7 +172,16 @@ def malformed(request: Request, vocab: int) -> str | None:
         return f"its seed {seed} is outside a 64-bit int"
     if eos is not None and eos >= vocab:
         return f"its EOS {eos} is outside the vocabulary of {vocab} tokens"
-    return None
+    return request._replace(prompt=tuple(prompt.tolist()))
+
+
+def _integer(value: object, what: str) -> int:
+    """`value` as an int of any sign (ints and numpy integers; its range is the caller's to
+    check), TypeError naming `what` for a float, a string, or a bool: True would be read as 1
+    (a request's seed 1, request 1)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an integer, not {value!r}")
+    return as_index(value, what)
 
 
 @dataclass
@@ -166,15 +196,15 @@ class _Running:
     arrivals: list[float] = field(default_factory=list)
     accepted: int | None = None
 
-    def ended(self, at: float, cancelled: bool = False) -> Served:
-        return Served(self.tokens, self.submitted, self.admitted, self.arrivals, at, cancelled=cancelled,
-                      accepted=self.accepted)
+    def ended(self, at: float, cancelled: bool = False, refused: str | None = None) -> Served:
+        return Served(self.tokens, self.submitted, self.admitted, self.arrivals, at, refused=refused,
+                      cancelled=cancelled, accepted=self.accepted)
 
 
 class Progress(NamedTuple):
     """What one Server.step did: `tokens`, the new tokens of each request its burst ran, by id,
     read back at `at` (None where no burst ran); `finished`, the requests that ended in it
-    (stopped, cancelled), by id."""
+    (stopped, cancelled, refused at their admission), by id."""
 
     at: float | None
     tokens: dict[int, list[int]]
@@ -192,17 +222,22 @@ class Server:
     its end: a slot freed mid-burst waits for it). A request of budget 0 ends when it reaches
     the queue's head, without a slot. Ids count from 0 in submission order, a refused request's
     too. `clock` (seconds) stamps the times Served records: a test gives its own.
+
+    The decoder's batch and vocabulary (at least one row, one token) are checked here, naming
+    them: a decoder of no rows would leave serve() waiting for ever.
     """
 
     def __init__(self, decoder: Decoder, *, clock: Callable[[], float] = time.perf_counter):
+        batch = as_size(decoder.batch, "a decoder's batch")
+        as_size(decoder.vocab, "a decoder's vocab")
         self.decoder, self.clock = decoder, clock
-        self._slots: list[int | None] = [None] * decoder.batch  # the id of the request in each row
+        self._slots: list[int | None] = [None] * batch  # the id of the request in each row
         self._queue: collections.deque[int] = collections.deque()  # ids waiting for a row, in order
         self._live: dict[int, _Running] = {}  # every request submitted that has not ended, by id
         self._cancels: set[int] = set()  # ids to end at the next step's start
         self._next = 0
         self._unreported: dict[int, Served] = {}  # ended at a step that raised: the next step hands them out
-        decoder.park(range(decoder.batch))
+        decoder.park(range(batch))
 
     @property
     def idle(self) -> bool:
@@ -213,12 +248,17 @@ class Server:
     def submit(self, request: Request) -> int:
         """Queue `request` and give its id; RequestRefused naming the id and why, where it is
         malformed, names a token outside the vocabulary or cannot fit a row (nothing else
-        changes: no slot, no queue, no device work)."""
+        changes: no slot, no queue, no device work); TypeError, taking no id, for what is not a
+        Request. The server keeps a copy, its prompt the tuple of ints that was checked: the
+        caller's list, changed later, is never what a row is given."""
+        request = as_request(request)
         ident, self._next = self._next, self._next + 1
-        reason = malformed(request, self.decoder.vocab) or self.decoder.refusal(request)
-        if reason is not None:
+        checked = _checked(request, self.decoder.vocab)
+        if isinstance(checked, str):
+            raise RequestRefused(ident, checked)
+        if (reason := self.decoder.refusal(checked)) is not None:
             raise RequestRefused(ident, reason)
-        self._live[ident] = _Running(request, self.clock())
+        self._live[ident] = _Running(checked, self.clock())
         self._queue.append(ident)
         return ident
 
@@ -226,8 +266,9 @@ class Server:
         """Cancel request `ident` at the next step's start (a burst's boundary): a queued one
         leaves the queue, a running one's row is parked and given to the next request. It ends
         then, cancelled, with the tokens read back so far (step's `finished`). False where it
-        has ended already (its result stands); ValueError for an id this server never gave."""
-        ident = as_index(ident, "a request's id")
+        has ended already (its result stands); ValueError for an id this server never gave,
+        TypeError for what is not an int (True is no id, though it was read as 1)."""
+        ident = _integer(ident, "a request's id")
         if not 0 <= ident < self._next:
             raise ValueError(f"no request {ident} was submitted to this server ({self._next} so far)")
         if ident not in self._live:
@@ -266,10 +307,12 @@ class Server:
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
         """Every request submitted now, then steps until the server is idle: one Served a
-        request, in order; a refused one's `refused` says why, and the others run on."""
+        request, in order; a refused one's `refused` says why, and the others run on. What is
+        not a Request is a TypeError before any request is submitted."""
         if not self.idle:
             raise ValueError(f"serve() takes an idle server to idle; {len(self._live)} request(s) are in this one: "
                              "step() until it is idle")
+        requests = [as_request(request) for request in requests]
         out: dict[int, Served] = {}
         place: dict[int, int] = {}  # a request's id -> its place in `requests`
         for i, request in enumerate(requests):
@@ -298,7 +341,11 @@ class Server:
 
     def _admit(self, now: float, finished: dict[int, Served]) -> None:
         """Queued requests into the free rows, in order; one of budget 0 ends at the head of the
-        queue without a row."""
+        queue without a row. A request the decoder's admit refuses (ValueError or TypeError: a
+        value of its own the decoder cannot take) ends refused there, alone (_refuse), and the
+        next takes the row; anything else the admission raises (a device fault, say) is the
+        decoder's, not the request's, and leaves it at the head of the queue for the next step,
+        as does a decoder that cannot park the row after (its buffers held by a device loop)."""
         if not self._queue:
             return
         free = collections.deque(row for row, ident in enumerate(self._slots) if ident is None)
@@ -309,16 +356,33 @@ class Server:
                 running.admitted = now
                 finished[ident] = self._end(ident, now)
             elif free:
-                row = free.popleft()
-                self.decoder.admit(row, running.request)
+                row = free[0]
+                try:
+                    self.decoder.admit(row, running.request)
+                except (ValueError, TypeError) as exc:
+                    finished[ident] = self._refuse(ident, row, now, exc)
+                    continue
+                free.popleft()
                 running.admitted, running.row, self._slots[row] = now, row, ident
             else:
                 return
             self._queue.popleft()  # only now: a request whose admission raised is still at the head
 
-    def _end(self, ident: int, at: float, cancelled: bool = False) -> Served:
+    def _refuse(self, ident: int, row: int, now: float, exc: Exception) -> Served:
+        """Request `ident`, at the queue's head, whose admission into `row` raised `exc`, ended
+        refused (issue 48: a request that cannot be served is refused alone, naming it, and the
+        others go on); without this, it stayed at the head and every later step raised. The row
+        is parked first, so whatever the failed admission left in it sits the bursts out; where
+        the decoder cannot park it, the failure is the decoder's (BuffersHeld, say): raised, the
+        request still at the head."""
+        self.decoder.park([row])
+        self._queue.popleft()
+        return self._end(ident, now, refused=str(RequestRefused(ident, f"its admission raised "
+                                                                      f"{type(exc).__name__}: {exc}")))
+
+    def _end(self, ident: int, at: float, cancelled: bool = False, refused: str | None = None) -> Served:
         """Request `ident` ended at `at`: its row (if it held one) is free, and the server forgets it."""
         running = self._live.pop(ident)
         if running.row is not None:
             self._slots[running.row] = None
-        return running.ended(at, cancelled)
+        return running.ended(at, cancelled, refused)

@@ -112,6 +112,20 @@ def test_a_stated_capacity_is_positive_none_or_unchecked_by_name():
             kv_entries(bad)
 
 
+def test_capacity_of_checks_each_capacity_naming_its_place():
+    """Capacity.of([5, None, "x"]) raised min()'s "'<' not supported between instances of 'str'
+    and 'int'", naming no capacity; each is checked as kv_entries checks one now, by its place."""
+    for bad, error, message in (("x", TypeError, r"capacities\[2\] must be an integer, not 'x'"),
+                                (True, TypeError, r"capacities\[2\] must be an integer, not True"),
+                                (2.5, TypeError, r"capacities\[2\] must be an integer, not 2\.5"),
+                                (0, ValueError, r"capacities\[2\] must be None, UNCHECKED or an int of at least 1, "
+                                                r"not 0")):
+        with pytest.raises(error, match=message):
+            Capacity.of([5, None, bad], Geometry(1, 1))
+    rule = Capacity.of(iter([np.int64(9), UNCHECKED, None, 12]), Geometry(1, 1))
+    assert rule.entries == 9 and type(rule.entries) is int
+
+
 def test_the_one_reduction_fast_path_agrees_with_every_row():
     rng = np.random.default_rng(7)
     for _ in range(2000):

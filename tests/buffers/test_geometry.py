@@ -7,6 +7,8 @@ import pytest
 
 from memra_cuda import DynamicTree, Geometry, StreamBufs, TreeShape, kv_capacity
 from memra_cuda.buffers import Capacity
+from memra_cuda.buffers.geometry import MAX_RING
+from memra_cuda.buffers.layout import MAX_TREE_NODES, RING_TOKENS
 
 NO_ENGINE = object()  # refused only after the geometry is: nothing here reaches an engine
 
@@ -56,3 +58,43 @@ def test_the_capacity_rule_reads_the_width_from_the_geometry():
     tree = TreeShape.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     assert kv_capacity(5, 100, Geometry.of_tree(tree, 4)) == kv_capacity(5, 100, Geometry(3, 4)) + 7 - 4
     assert Capacity(64, Geometry.of_tree(tree, 4)).geometry.width == 7
+
+
+def test_k_m_and_the_width_are_bounded_by_the_ring_and_the_tree_kernels_at_the_limit_and_one_past():
+    """The kernels take k, M·(k + 1) (the ring's row, RING_TOKENS more words in u32) and a tree's
+    nodes as u32s and shared arrays: Geometry(2**61, 4) was built, and kv_capacity of it came back
+    negative (int64 wrapped). Each bound holds at its limit and refuses one past it, naming it."""
+    assert MAX_RING == 2**32 - 1 - RING_TOKENS
+    assert Geometry(MAX_RING - 1, 1).width == MAX_RING, "k + 1 tokens fill a ring row exactly"
+    with pytest.raises(ValueError, match=f"k must be at most {MAX_RING - 1} \\(a round's k \\+ 1 tokens fill a ring "
+                                         f"row of at most {MAX_RING}\\), not {MAX_RING}"):
+        Geometry(MAX_RING, 1)
+    with pytest.raises(ValueError, match="k must be at most"):
+        Geometry(2**61, 4)
+    for k in (0, 3, 1000):
+        most = MAX_RING // (k + 1)
+        assert Geometry(k, most).m_rounds * (k + 1) <= MAX_RING
+        with pytest.raises(ValueError, match=f"m_rounds must be at most {most} \\(a burst's M \\* \\(k \\+ 1\\) "
+                                             f"tokens fill a ring row of at most {MAX_RING}\\), not {most + 1}"):
+            Geometry(k, most + 1)
+        with pytest.raises(ValueError, match=f"m_rounds must be at most {most}"):
+            Geometry(k, 4).with_rounds(most + 1)
+    assert Geometry(3, 4, 1, MAX_TREE_NODES).width == MAX_TREE_NODES
+    with pytest.raises(ValueError, match=f"width must be at most {MAX_TREE_NODES} \\(past a chain's k \\+ 1 it is a "
+                                         f"tree's nodes, at most {MAX_TREE_NODES}\\), not {MAX_TREE_NODES + 1}"):
+        Geometry(3, 4, 1, MAX_TREE_NODES + 1)
+    assert Geometry(999, 2, 1, 1000) == Geometry(999, 2), "a chain longer than any tree keeps its k + 1"
+    with pytest.raises(ValueError, match="width must be at most 1000"):
+        Geometry(999, 2, 1, 1001)
+
+
+def test_kv_capacity_is_never_negative_or_wrapped():
+    """kv_capacity computes in Python ints: at the largest geometry and a prompt past int64 it
+    is the exact sum, never an int64 wrapped negative."""
+    k, m = 1, MAX_RING // 2  # a live row at position 1 (prompt and budget) may write M rounds of k + 1 past it
+    assert kv_capacity(1, 0, Geometry(k, m)) == 1 + m * (k + 1) == 2**32 - 1
+    assert kv_capacity(1, 0, Geometry(MAX_RING - 1, 1)) == 1 + MAX_RING
+    assert kv_capacity(1, 0, Geometry(k, m, 2), overlap=True) == 1 + 2 * m * (k + 1) + k + 1 > 2**32
+    assert kv_capacity(2**63 - 2, 1, Geometry(4, 4)) == 2**63 - 1 + 4 * 5, "past int64: wrapped negative"
+    long = kv_capacity(2**70, 5, Geometry(4, 4), overlap=True)  # 4 rounds in flight, 4 more, of 5 tokens each
+    assert type(long) is int and long == 2**70 + 5 + (4 + 4) * 5

@@ -18,7 +18,7 @@ from memra_cuda import DeviceBuffer, Engine
 from memra_cuda.driver import KernelArgs
 from memra_cuda.errors import CudaError, CudaUnavailable
 from memra_cuda.driver import Handle, as_buffer
-from memra_cuda.driver.values import exact_array
+from memra_cuda.driver.values import exact_array, exact_int
 from memra_cuda.driver.errors import check
 from memra_cuda.driver.module import packaged_ptx
 
@@ -172,10 +172,26 @@ def test_kernel_args_unknown_type_name():
         KernelArgs(["ptr", "u8"])
 
 
-@pytest.mark.parametrize("value", ["0x1000", 1.0, None], ids=["str", "float", "none"])
+@pytest.mark.parametrize("value", ["0x1000", 1.0, None, True, np.True_],
+                         ids=["str", "float", "none", "bool", "np.bool"])
 def test_kernel_args_pointer_must_be_buffer_or_int(value):
     with pytest.raises(TypeError, match="argument 0"):
         KernelArgs(["ptr"]).set(value)
+
+
+@pytest.mark.parametrize("kind", ["u32", "i32", "u64", "i64", "ptr"])
+@pytest.mark.parametrize("value", [True, False, np.True_, np.False_], ids=["True", "False", "np.True_", "np.False_"])
+def test_a_bool_is_refused_for_every_integer_and_pointer_argument(kind, value):
+    """True was stored as 1 in a u32 and as address 1 in a pointer, while np.True_ was refused
+    and a bool was refused for an f32: a bool is no integer argument of any type now (as_size's
+    rule), TypeError naming the slot, and the previous arguments stand."""
+    args = KernelArgs(["u32", kind])
+    args.set(7, 0x1000)
+    with pytest.raises(TypeError, match=f"argument 1 \\({kind}\\)"):
+        args.set(7, value)
+    assert slot_bytes(args, 1) == expected_slot(kind, 0x1000)
+    with pytest.raises(TypeError, match="is a bool, not an integer"):
+        exact_int(value, np.uint32)  # what memset and set_u32 take their values through
 
 
 def test_kernel_args_refuse_a_freed_buffer():
@@ -333,10 +349,29 @@ def test_view_refuses_non_integers(start, count):
 
 
 @pytest.mark.parametrize("value, kind", [("1.5", TypeError), (None, TypeError), (True, TypeError),
-                                         (1e39, ValueError), (-1e39, ValueError)])
+                                         (1e39, ValueError), (-1e39, ValueError), (10**400, ValueError),
+                                         (-(10**400), ValueError)],
+                         ids=["str", "none", "bool", "1e39", "-1e39", "10**400", "-10**400"])
 def test_float_arguments_take_numbers_in_range(value, kind):
     with pytest.raises(kind, match="argument 0"):
         KernelArgs(["f32"]).set(value)
+
+
+@pytest.mark.parametrize("value", [np.longdouble("1e400"), np.longdouble("-1e400"), 10**400, 2**1024],
+                         ids=["longdouble", "-longdouble", "10**400", "2**1024"])
+def test_an_f64_argument_refuses_a_finite_number_past_float64_naming_it(value):
+    """np.longdouble('1e400') was stored as inf without a word, and an int past every float
+    raised a raw OverflowError: a finite number the type cannot hold is a ValueError naming the
+    argument, and the slot keeps its value."""
+    if np.isinf(np.longdouble(value)) and isinstance(value, np.floating):
+        pytest.skip("this machine's longdouble is float64: 1e400 is an infinity as given")
+    args = KernelArgs(["f64"])
+    args.set(2.5)
+    with pytest.raises(ValueError, match="argument 0 \\(f64\\): .* is outside the range of float64"):
+        args.set(value)
+    assert slot_bytes(args, 0) == expected_slot("f64", 2.5)
+    args.set(np.longdouble("inf"))  # an infinity given as one is taken
+    assert slot_bytes(args, 0) == expected_slot("f64", np.inf)
 
 
 @pytest.mark.parametrize("value", [1.5, 3, np.float64(2.5), np.int32(-4), float("inf"), float("nan")])

@@ -179,7 +179,7 @@ def launch_without_a_driver(name: str) -> Launch:
     kernel.module.depend, kernel.module.freed = (lambda dependent: None), False
     launch = object.__new__(Launch)
     launch.kernel, launch.signature, launch.engine = kernel, kernel.signature, SimpleNamespace(closed=False)
-    launch.args = KernelArgs(kernel.declared(None))
+    launch.args = KernelArgs.of_kernel(name, kernel.signature, kernel.declared(None))  # as Launch's __init__
     return launch
 
 
@@ -202,3 +202,31 @@ def test_a_launcher_refuses_two_swapped_arguments_of_one_type():
     with pytest.raises(TypeError, match=r"spec_accept_greedy_dc\(.*\): missing B; no parameter b$"):
         launch.set(vtok_d=vtok, pred_d=pred, b=B, k=k, brk_d=brk, acc_d=acc, last_pred_d=last, ctl_d=ctl)
     assert launch.args.storage.tolist() == stored, "a refused set leaves the arguments as they were"
+
+
+def test_a_refused_argument_names_the_kernel_and_the_parameter():
+    """A value its parameter's type cannot hold was named by its position alone ("argument 6
+    (u32)"), which the caller, who gave it by name, has to count out of the signature: it names
+    the kernel and the parameter now. A bool is no u32 and no address (True was stored as 1, a
+    pointer to address 1), and a float past f32 is refused by name (it raised OverflowError)."""
+    launch = launch_without_a_driver("spec_ring_commit")
+    good = dict(vtok_d=0x1000, acc_d=0x2000, last_pred_d=0x3000, ctl_d=0x4000, pend_d=0x5000, ring_d=0x6000,
+                ring_cap=20, k=4, B=8)
+    launch.set(**good)
+    stored = launch.args.storage.tolist()
+    refusals = [(ValueError, {"ring_cap": 2**32}, r"^spec_ring_commit: ring_cap \(u32\): 4294967296 is outside the "
+                                                  r"range of uint32$"),
+                (TypeError, {"k": True}, r"^spec_ring_commit: k \(u32\) must be an integer, not True$"),
+                (TypeError, {"ring_d": True}, r"^spec_ring_commit: ring_d \(ptr\) is a device pointer: .* not True$"),
+                (ValueError, {"B": 2.0}, r"^spec_ring_commit: B \(u32\): 2\.0 is not an integer")]
+    for error, bad, message in refusals:
+        with pytest.raises(error, match=message):
+            launch.set(**{**good, **bad})
+    chooser = launch_without_a_driver("spec_choose_lengths")
+    lengths = dict(ctl_d=1, acc_d=2, brk_d=3, rate_d=4, cap_d=5, cost_d=6, width_d=7, k=4, B=8, decay=0.5, prior=0.5)
+    with pytest.raises(ValueError, match=r"^spec_choose_lengths: decay \(f32\): 10{400} is outside the range of "):
+        chooser.set(**{**lengths, "decay": 10**400})
+    assert launch.args.storage.tolist() == stored, "a refused set leaves the arguments as they were"
+    unnamed = KernelArgs(["ptr", "u32"], kernel="my_own_kernel")
+    with pytest.raises(ValueError, match=r"^my_own_kernel: argument 1 \(u32\): 4294967296 is outside"):
+        unnamed.set(0x1000, 2**32)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
-from memra_cuda.errors import MemraError, RequestRefused
+from memra_cuda.errors import BuffersHeld, CapacityError, CudaError, MemraError, RequestRefused
 from memra_cuda.rounds import Request, Server
 
 from stand_in import VOCAB, Clock, Counting, alone, commits, mixed, token
@@ -58,7 +59,9 @@ def test_a_request_that_cannot_run_is_refused_alone_naming_it():
            9: (Request([2], 4, seed=1.5), "its seed must be an integer"),
            10: (Request([2], 4, seed=2**63), f"its seed {2**63} is outside a 64-bit int"),
            11: (Request([2], 4, max_draft=-1), "max_draft must be None or an int of at least 0, not -1"),
-           12: (Request([2], 4, max_draft=True), "max_draft must be an integer, not True")}
+           12: (Request([2], 4, max_draft=True), "max_draft must be an integer, not True"),
+           13: (Request([2], 4, seed=True), "its seed must be an integer, not True"),
+           14: (Request([2], 4, seed=np.True_), "its seed must be an integer, not np.True_")}
     requests = list(good)
     for place, (request, _) in sorted(bad.items()):
         requests.insert(place, request)
@@ -203,16 +206,128 @@ def test_an_idle_server_runs_no_burst_and_serve_wants_one():
         server.serve([Request([2], 3)])
 
 
-def test_a_request_whose_admission_raised_stays_at_the_head_of_the_queue():
+def device_fault() -> CudaError:
+    return CudaError(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered", "cuLaunchKernel")
+
+
+@pytest.mark.parametrize("failure", [lambda: RuntimeError("the admission failed"), device_fault, "held"],
+                         ids=["RuntimeError", "CudaError", "BuffersHeld"])
+def test_a_request_whose_admission_raised_about_the_decoder_stays_at_the_head_of_the_queue(failure):
+    """A failure of the decoder's, not of the request: the device's (a RuntimeError, a
+    CudaError), or a ValueError of buffers a device loop holds, which parking the row raises
+    too. Raised to the caller, and the request is admitted by a later step."""
     decoder = Counting(1)
     server = Server(decoder, clock=decoder.clock)
     ident = server.submit(Request([1], 3))
+    if failure == "held":
+        def held(rows):
+            raise BuffersHeld("the buffers are held by a device loop")
+        decoder.failure, decoder.park = (lambda: BuffersHeld("the buffers are held by a device loop")), held
+    else:
+        decoder.failure = failure
     decoder.failing = 1
-    with pytest.raises(RuntimeError, match="the admission failed"):
+    with pytest.raises(type(decoder.failure()), match="the admission failed|an illegal memory access|held"):
         server.step()
+    assert not server.idle
+    if failure == "held":
+        del decoder.park  # the device loop let go
     while not server.idle:
         finished = server.step().finished
-    assert finished[ident].tokens == alone(Request([1], 3))
+    assert finished[ident].tokens == alone(Request([1], 3)) and finished[ident].refused is None
+
+
+@pytest.mark.parametrize("failure", [ValueError, TypeError, lambda text: CapacityError(text),
+                                     lambda text: RequestRefused(0, text)],
+                         ids=["ValueError", "TypeError", "CapacityError", "RequestRefused"])
+def test_a_request_whose_admission_raised_about_itself_is_refused_alone_and_the_others_go_on(failure):
+    """Issue 48, item 5: a request that cannot be served is refused alone, naming it. Its
+    admission raised a ValueError or a TypeError (a value of its own the decoder cannot take):
+    it ends refused at that step, its row parked again and given to the next request; the step
+    raises nothing (it raised at every later step, the request stuck at the queue's head)."""
+    requests = mixed(5)
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    ids = [server.submit(request) for request in requests]
+    decoder.failing, decoder.failure = 1, lambda: failure("no room for it in this row")
+    progress = server.step()
+    refused = progress.finished[ids[0]]
+    name = type(decoder.failure()).__name__
+    assert refused.refused is not None and refused.refused.startswith(f"request {ids[0]} refused: its admission "
+                                                                      f"raised {name}: ")
+    assert "no room for it in this row" in refused.refused
+    assert refused.tokens == [] and refused.admitted is None and not refused.cancelled and refused.finished == 0.0
+    assert set(progress.tokens) == {ids[1], ids[2]}, "the rows went to the next requests at the same step"
+    assert decoder.calls[:4] == [("park", (0, 1)), ("park", (0,)), ("admit", 0, tuple(requests[1].prompt)),
+                                 ("admit", 1, tuple(requests[2].prompt))], "the failed row was not parked"
+    out = {ident: served for ident, served in progress.finished.items()}
+    while not server.idle:
+        out.update(server.step().finished)
+    assert [out[ident].tokens for ident in ids[1:]] == [alone(r) for r in requests[1:]]
+    assert all(out[ident].refused is None for ident in ids[1:])
+
+
+def test_serve_hands_back_a_request_refused_at_its_admission_in_its_place():
+    requests = mixed(4)
+    decoder = Counting(1)
+    decoder.failing, decoder.failure = 1, lambda: ValueError("its prompt cannot be prefilled")
+    served = Server(decoder, clock=decoder.clock).serve(requests)
+    assert served[0].refused == "request 0 refused: its admission raised ValueError: its prompt cannot be prefilled"
+    assert [out.tokens for out in served[1:]] == [alone(r) for r in requests[1:]]
+
+
+def test_a_prompt_changed_after_submit_is_not_the_one_admitted():
+    """The server checks the prompt at submit and keeps that copy (a tuple of ints): a caller
+    who changes its list or array afterwards, a token past the vocabulary or a negative one
+    in it, changes nothing a row is given (an unchecked token would fault the device in the
+    embedding lookup)."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    listed, array = [1, 2, 3], np.array([4, 5], np.int64)
+    ids = [server.submit(Request(listed, 30)), server.submit(Request(array, 30))]
+    listed[0] = 10**9
+    listed.append(-5)
+    array[0] = VOCAB + 7
+    progress = server.step()
+    assert decoder.calls[1:3] == [("admit", 0, (1, 2, 3)), ("admit", 1, (4, 5))]
+    kept = [decoder.rows[0], decoder.rows[1]]
+    assert all(type(r.prompt) is tuple and all(type(t) is int for t in r.prompt) for r in kept if r is not None)
+    assert progress.tokens[ids[0]] == alone(Request([1, 2, 3], 30))[:len(progress.tokens[ids[0]])]
+
+
+def test_a_server_over_a_decoder_of_no_rows_is_refused_naming_its_batch():
+    """A batch of 0 left serve() stepping for ever: no row ever took a request."""
+    for batch, error in ((0, ValueError), (-1, ValueError), (True, TypeError), (2.0, TypeError)):
+        decoder = Counting(1)
+        decoder.batch = batch  # type: ignore[assignment]
+        with pytest.raises(error, match=f"a decoder's batch must be an int of at least 1, not {batch}|"
+                                        f"a decoder's batch must be an integer, not {batch}"):
+            Server(decoder)
+        assert decoder.calls == [], "a refused server parked rows"
+    decoder = Counting(1)
+    decoder.vocab = 0
+    with pytest.raises(ValueError, match="a decoder's vocab must be an int of at least 1, not 0"):
+        Server(decoder)
+    assert len(Server(Counting(1)).serve([Request([1], 2)])) == 1
+
+
+def test_what_is_not_a_request_or_an_id_is_a_type_error_naming_what_is_wanted():
+    """A tuple of a request's fields has no names (it met AttributeError on .prompt); True is no
+    request id (cancel(True) cancelled request 1), and no seed (seed=True was seed 1)."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    wanted = (r"a request is a memra_cuda\.rounds\.Request\(prompt, max_new_tokens, eos=None, seed=0, "
+              r"max_draft=None\), not \(\[1\], 3\)")
+    with pytest.raises(TypeError, match=wanted):
+        server.submit(([1], 3))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=wanted):
+        server.serve([Request([2], 3), ([1], 3)])  # type: ignore[list-item]
+    assert server.idle and decoder.calls == [("park", (0, 1))], "serve() submitted requests before refusing one"
+    assert server.submit(Request([1], 3)) == 0, "what is not a request took an id"
+    server.submit(Request([2], 3))
+    for ident in (True, np.True_, 1.0):
+        with pytest.raises(TypeError, match="a request's id must be an integer, not"):
+            server.cancel(ident)  # type: ignore[arg-type]
+    assert server.cancel(np.int64(1)) and list(server.step().finished) == [1]
 
 
 def test_requests_that_ended_at_a_step_that_raised_are_handed_out_by_the_next():
