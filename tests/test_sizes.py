@@ -16,6 +16,7 @@ from memra_cuda import DeviceBuffer, DynamicTree, Geometry, KVLayer, StateLayer,
 from memra_cuda.buffers import Capacity, KVData
 from memra_cuda.buffers.geometry import MAX_BATCH
 from memra_cuda.buffers.stream_bufs import per_row
+from memra_cuda.buffers.tree import MAX_TREE_CANDIDATES
 
 FAKE_PTR = 0x7F0000000000  # a device address nothing here reads
 NO_ENGINE = object()  # what a call may not touch before its sizes are checked
@@ -55,8 +56,8 @@ SIZES = [
     ("TreeShape.chain", with_(TreeShape.chain, k=4), "k", 1, None),
     ("TreeShape.chain_with_leaves", with_(TreeShape.chain_with_leaves, k=4, leaves=1), "k", 1, None),
     ("TreeShape.chain_with_leaves", with_(TreeShape.chain_with_leaves, k=4, leaves=1), "leaves", 0, None),
-    *(("TreeShape.likeliest", with_(TreeShape.likeliest, size=8), name, 1, None)
-      for name in ("size", "depth", "ranks")),
+    *(("TreeShape.likeliest", with_(TreeShape.likeliest, size=8), name, 1, None) for name in ("size", "depth")),
+    ("TreeShape.likeliest", with_(TreeShape.likeliest, size=8), "ranks", 1, MAX_TREE_CANDIDATES),
     *(("DynamicTree", with_(DynamicTree, depth=4, width=4, branch=4), name, 1, None)
       for name in ("depth", "width", "branch")),
     ("DeviceBuffer.wrap", with_(DeviceBuffer.wrap, ptr=FAKE_PTR, dtype=np.uint32), "length", 1, None),

@@ -95,8 +95,9 @@ class DraftLengths:
         do not run: NaN, which the chooser leaves out whatever the draft cost adds to it, where a
         0 would be weighed as W draft steps), at least one of them positive, and a draft
         step's cost of at least 0, all finite as f32 (a cost the chooser could not weigh is
-        refused here)."""
-        verify = list(verify_costs)
+        refused here). They come as a list, a tuple or a 1-D array, in width order: a mapping's
+        or a set's iteration would give its keys or an order of its own as the costs."""
+        verify = _in_order(verify_costs, "verify_costs")
         if len(verify) != self.k + 1:
             raise ValueError(f"verify_costs needs one cost per width 0..k ({self.k + 1}), not {len(verify)}")
         if all(cost is None for cost in verify):
@@ -111,10 +112,26 @@ class DraftLengths:
         return f"DraftLengths(k={self.k}, batch={self.batch}, decay={self.decay}, prior={self.prior})"
 
 
+def _in_order(values: object, what: str) -> list[object]:
+    """`values` as a list if it is a list or a tuple (any sequence but a string) or a 1-D array;
+    anything else TypeError naming `what`."""
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        return list(values)
+    if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
+        return list(values)
+    raise TypeError(f"{what} must be a list, a tuple or a 1-D array, one cost a width in order, not {values!r}")
+
+
 def _real(value: object, what: str) -> float:
+    """`value` as a float: TypeError naming `what` unless it is a real number (not a bool),
+    ValueError where no float holds it (an int of over 1024 bits: float() raised OverflowError;
+    its repr, past 4300 digits, would raise too, so the message does not show it)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (Real, np.floating, np.integer)):
         raise TypeError(f"{what} must be a real number, not {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{what} must be a finite number, not one past a float's range") from None
 
 
 def _fraction(value: object, what: str) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
     from ..driver.buffer import DeviceBuffer
     from .stream_bufs import StreamBufs
 
+# The most candidates a node offers its children: the K of the grow kernel's candidates
+# (TreeKernels refuses more), so a rank (a node's place among its parent's candidates) is below it.
+MAX_TREE_CANDIDATES = 32
+
 
 @dataclass(frozen=True)
 class TreeShape:
@@ -35,28 +40,39 @@ class TreeShape:
     rank: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if len(self.parent) != len(self.rank) or not self.parent or self.parent[0] != -1:
+        """Every field becomes a tuple of plain ints before it is checked: a float rank would be
+        uploaded truncated, a bool read as 0 or 1, a list leave the tree unhashable and a rank
+        past a u32 overflow only when TreeBufs packs it; each is refused here, by node."""
+        if _node_count(self.parent, "parent") != _node_count(self.rank, "rank"):
             raise ValueError("a tree's parent and rank name every node, node 0 (the root, parent -1) first")
         if not 2 <= len(self.parent) <= MAX_TREE_NODES:
             raise ValueError(f"a tree has 2 to {MAX_TREE_NODES} nodes (the ancestor mask's width), not "
                              f"{len(self.parent)}")
+        parent = tuple(_parent(p, f"node {i}'s parent") for i, p in enumerate(self.parent))
+        rank = tuple(_rank(r, f"node {i}'s rank") for i, r in enumerate(self.rank))
+        object.__setattr__(self, "parent", parent)
+        object.__setattr__(self, "rank", rank)
+        if parent[0] != -1:
+            raise ValueError("a tree's parent and rank name every node, node 0 (the root, parent -1) first")
         depth = [0]
-        for i, p in enumerate(self.parent[1:], 1):
+        for i, p in enumerate(parent[1:], 1):
             if not 0 <= p < i:
                 raise ValueError(f"node {i}'s parent {p} is not before it: a parent must come before its child")
             if depth[p] + 1 < depth[-1]:
                 raise ValueError(f"node {i} (depth {depth[p] + 1}) comes after a deeper node: nodes are in level order")
             depth.append(depth[p] + 1)
-        siblings = [(p, r) for p, r in zip(self.parent[1:], self.rank[1:])]
-        if any(r < 0 for _, r in siblings) or len(set(siblings)) != len(siblings):
-            raise ValueError("sibling ranks must be distinct and non-negative")
+        siblings = list(zip(parent[1:], rank[1:]))
+        if len(set(siblings)) != len(siblings):
+            raise ValueError("sibling ranks must be distinct")
         object.__setattr__(self, "_depths", tuple(depth))
 
     @classmethod
     def from_choices(cls, choices: Sequence[Sequence[int]]) -> TreeShape:
         """EAGLE-style choices: each node the path of sibling ranks from the root ([1, 0]: the
         best child of the root's second-best child), every prefix of a path a node too."""
-        paths = [tuple(as_index(r, "a choice's rank") for r in path) for path in choices]
+        given = enumerate(_node_list(choices, "choices", "paths of ranks"))
+        paths = [tuple(_rank(r, f"choices[{i}][{j}]") for j, r in enumerate(_node_list(path, f"choices[{i}]", "ranks")))
+                 for i, path in given]
         if any(not path for path in paths) or len(set(paths)) != len(paths):
             raise ValueError("choices are distinct, non-empty paths of sibling ranks")
         known = set(paths)
@@ -70,8 +86,12 @@ class TreeShape:
     @classmethod
     def from_parents(cls, parents: Sequence[int]) -> TreeShape:
         """Each node's parent (node 0's -1), a parent before its child; siblings ranked in their
-        given order. Reordered into level order (by depth, then parent, then rank)."""
-        parents = [int(p) for p in parents]
+        given order. Reordered into level order (by depth, then parent, then rank). Each parent
+        an int (a float, a string or a bool refused, not converted), at most MAX_TREE_NODES of
+        them (refused before the reordering, which takes their square)."""
+        if _node_count(parents, "parents") > MAX_TREE_NODES:
+            raise ValueError(f"a tree has 2 to {MAX_TREE_NODES} nodes (the ancestor mask's width), not {len(parents)}")
+        parents = [_parent(p, f"parents[{i}]") for i, p in enumerate(parents)]
         if not parents or parents[0] != -1:
             raise ValueError("parents[0] must be -1: node 0 is the root")
         depth, rank = [0], [0]
@@ -111,8 +131,12 @@ class TreeShape:
         """The `size` draft nodes most likely on the accepted path when a node of rank r is
         right with probability right * fall**r given its parent (a child's chance is below its
         parent's, so the likeliest nodes form a tree), at most `depth` deep and `ranks` wide:
-        a static tree for a draft whose rank-r candidates are accepted at about those rates."""
-        size, depth, ranks = as_size(size, "size"), as_size(depth, "depth"), as_size(ranks, "ranks")
+        a static tree for a draft whose rank-r candidates are accepted at about those rates.
+        `ranks` is at most MAX_TREE_CANDIDATES (a node has no more candidates to rank): the
+        search holds `ranks` paths a node chosen, so an unbounded one would exhaust memory."""
+        size, depth = as_size(size, "size"), as_size(depth, "depth")
+        ranks = as_size(ranks, "ranks", 1, MAX_TREE_CANDIDATES)
+        right, fall = _chance(right, "right"), _chance(fall, "fall")
         if not (0 < right <= 1 and 0 < fall <= 1):
             raise ValueError(f"a likeliest tree needs right and fall in (0, 1], not right={right}, fall={fall}")
         if size >= MAX_TREE_NODES:
@@ -192,8 +216,12 @@ class DynamicTree:
     branch: int
 
     def __post_init__(self) -> None:
+        """The checked plain ints are kept, not the values given: numpy integers' arithmetic
+        wraps (uint8 depth 3 x width 100 + 1 is 45, not 301, under the mask's limit), and the
+        nodes, levels and mask words (TreeBufs) of a wrapped count disagree with one another,
+        which the kernels would trust."""
         for name in ("depth", "width", "branch"):
-            as_size(getattr(self, name), name)
+            object.__setattr__(self, name, as_size(getattr(self, name), name))
         if self.nodes > MAX_TREE_NODES:
             raise ValueError(f"a tree has at most {MAX_TREE_NODES} nodes (the ancestor mask's width): depth "
                              f"{self.depth} x width {self.width} + 1 is {self.nodes}")
@@ -226,6 +254,47 @@ class DynamicTree:
 
 
 Tree = TreeShape | DynamicTree
+
+
+def _node_count(values: object, what: str) -> int:
+    """How many entries `values` has, if it is a list, a tuple (a sequence but a string) or a
+    1-D array: a mapping, a set or a string has no node order, TypeError naming `what`."""
+    return len(_node_list(values, what))
+
+
+def _node_list(values: object, what: str, of: str = "ints, one a node") -> Sequence[Any]:
+    """`values` if it is a list, a tuple or another sequence but a string, or a 1-D array (as a
+    list); anything else (a mapping, a set, a string, a number) TypeError naming `what`."""
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        return list(values)
+    if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
+        return values
+    raise TypeError(f"{what} must be a list, a tuple or a 1-D array of {of}, not {values!r}")
+
+
+def _parent(value: object, what: str) -> int:
+    """A parent as a plain int: floats, strings and bools refused by name (the range is the
+    tree's to check: -1 for the root, a node before it for the others)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an integer, not {value!r}")
+    return as_index(value, what)
+
+
+def _rank(value: object, what: str) -> int:
+    """A rank as a plain int from 0 to MAX_TREE_CANDIDATES - 1, the candidates a node can offer
+    (a rank past them could never be filled, and one past a u32 could not be uploaded)."""
+    return as_size(value, what, 0, MAX_TREE_CANDIDATES - 1)
+
+
+def _chance(value: Any, what: str) -> float:
+    """A probability of TreeShape.likeliest as a float: TypeError naming it where it is no real
+    number (a string once met `<` inside the search), ValueError where no float holds it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (Real, np.floating, np.integer)):
+        raise TypeError(f"a likeliest tree's {what} must be a real number, not {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"a likeliest tree needs right and fall in (0, 1], not {what} past a float's range") from None
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..buffers.layout import MAX_TREE_DRAWS
+from ..buffers.layout import MAX_TREE_DRAWS, MAX_TREE_NODES
 from ..buffers.tables import KVDataTable, StateIndexTable, StateTable
-from ..buffers.tree import DynamicTree, TreeBufs
+from ..buffers.tree import MAX_TREE_CANDIDATES, DynamicTree, TreeBufs
 from ..driver.buffer import BufferLike, DeviceBuffer
 from ..driver.module import Launch
 from ..driver.values import as_index, as_size
@@ -39,10 +39,12 @@ class TreeKernels:
         self.module = load(engine, "spec_tree")
 
     def _tree(self, bufs: StreamBufs, tree: TreeBufs) -> dict[str, object]:
-        """The arguments every tree kernel takes first (tree, T1, W, D, B), by name."""
+        """The arguments every tree kernel takes first (tree, T1, W, D, B), by name, checked
+        against one another (_tree_counts) when a launch is prepared, never a round."""
         if not isinstance(tree, TreeBufs) or tree.bufs is not bufs:
             raise ValueError(f"the tree's buffers must be TreeBufs made over these StreamBufs, not {tree!r}")
-        return dict(tree=tree._arena, T1=tree.nodes, W=tree.words, D=tree.depth, B=bufs.batch)
+        nodes, words, depth = _tree_counts(bufs, tree)
+        return dict(tree=tree._arena, T1=nodes, W=words, D=depth, B=bufs.batch)
 
     def prepare_begin(self, bufs: StreamBufs, tree: TreeBufs) -> Launch:
         """Kernel 10: node 0 is the pending token at pos_start = pos_ctr."""
@@ -179,9 +181,9 @@ class TreeKernels:
         """Candidates [B][T+1][K]: K from the log-probabilities, the others checked against it."""
         rows = bufs.batch * tree.nodes
         logq = self.engine.buffer(logq_d, "candidates' logp_d")
-        if logq.len % rows or not 1 <= logq.len // rows <= 32:
-            raise ValueError(f"candidates' logp_d must be f32[{bufs.batch}][{tree.nodes}][K], K from 1 to 32, not "
-                             f"{logq!r}")
+        if logq.len % rows or not 1 <= logq.len // rows <= MAX_TREE_CANDIDATES:
+            raise ValueError(f"candidates' logp_d must be f32[{bufs.batch}][{tree.nodes}][K], K from 1 to "
+                             f"{MAX_TREE_CANDIDATES}, not {logq!r}")
         K = logq.len // rows
         logq = _exact(logq, "candidates' logp_d", ("f32",), (bufs.batch, tree.nodes, K))
         sel = _exact(self.engine.buffer(sel_d, "sel_d"), "sel_d", ("f32",), (bufs.batch, tree.nodes, K))
@@ -215,6 +217,49 @@ class SampledCandidates:
 
     def __repr__(self) -> str:
         return f"SampledCandidates({self.rows} rows of {self.draws} draws)"
+
+
+def _tree_counts(bufs: StreamBufs, tree: TreeBufs) -> tuple[int, int, int]:
+    """T1, W and D of `tree` as plain ints, once they are found to agree: the kernels find every
+    field of the allocation from (T1, W, D, B) alone (spec_tree.cu's tree_rows) and index the
+    ranges of tree.levels, so counts that disagree (a TreeBufs whose attributes were changed, or
+    made of a tree whose numpy counts wrapped) would have them write past it. 2 <= T1 <=
+    MAX_TREE_NODES, W = ceil(T1 / 32), 1 <= D < T1, T1 and D the buffers' width and k, D + 1
+    levels tiling 0..T1 in order (level 0 the root alone), all three its tree's, the allocation
+    B (T1 (6 + W) + D + 1) words and a static tree's shape 3 T1. ValueError naming what
+    disagrees."""
+    nodes = as_size(tree.nodes, "the tree's node count T1", 2, MAX_TREE_NODES)
+    words = as_size(tree.words, "the tree's mask words W", 1)
+    if words != -(-nodes // 32):
+        raise ValueError(f"the tree's mask words W = {words} disagree with its T1 = {nodes} nodes: W is "
+                         f"ceil(T1 / 32) = {-(-nodes // 32)}")
+    depth = as_size(tree.depth, "the tree's depth D", 1, nodes - 1)
+    if (nodes, depth) != (bufs.geometry.width, bufs.k):
+        raise ValueError(f"the tree's T1 = {nodes} and D = {depth} disagree with its buffers' width "
+                         f"{bufs.geometry.width} and k = {bufs.k}")
+    levels = tuple(tree.levels)
+    if len(levels) != depth + 1:
+        raise ValueError(f"the tree's levels must be D + 1 = {depth + 1} ranges, not {len(levels)}")
+    end = 0  # where the level before stops
+    for d, (start, stop) in enumerate(levels):
+        if start != end or not start <= stop <= nodes or (d == 0 and stop != 1):
+            raise ValueError(f"the tree's level {d}, {(start, stop)}, disagrees with its T1 = {nodes} nodes: the "
+                             "levels tile 0..T1 in order (start <= stop <= T1, each starting where the one before "
+                             "stops, level 0 the root alone)")
+        end = stop
+    if end != nodes:
+        raise ValueError(f"the tree's levels end at node {end}, not at its T1 = {nodes}")
+    shape = tree.tree
+    if (nodes, depth, levels) != (shape.nodes, shape.depth, tuple(shape.levels)):
+        raise ValueError(f"the tree's T1 = {nodes}, D = {depth} and levels {levels} disagree with those of the tree "
+                         f"its buffers were made for, {shape!r}")
+    words_held = bufs.batch * (nodes * (6 + words) + depth + 1)
+    if tree._arena.len != words_held:
+        raise ValueError(f"the tree's allocation holds {tree._arena.len} words, not the {words_held} of B = "
+                         f"{bufs.batch} rows of T1 = {nodes}, W = {words}, D = {depth}")
+    if tree.shape_d is not None and tree.shape_d.len != 3 * nodes:
+        raise ValueError(f"the tree's shape holds {tree.shape_d.len} words, not 3 T1 = {3 * nodes}")
+    return nodes, words, depth
 
 
 def _level(tree: TreeBufs, level: int) -> int:

@@ -12,7 +12,7 @@ SWITCH of a round's bodies to a graph being built (LoopBuilder).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,10 +36,17 @@ class Widths:
     widths: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        """The checked plain ints are kept, k among them: a numpy k's arithmetic wraps (uint8 255
+        + 1 is 0, so body_of was empty), and the selector on the device reads body_of. The widths
+        are any collection of ints (sorted here) but a string or a mapping, whose keys are not
+        widths given as such."""
         k = as_size(self.k, "k", 0)
+        if isinstance(self.widths, (str, bytes, Mapping)) or not isinstance(self.widths, Iterable):
+            raise TypeError(f"widths must be a collection of ints from 0 to k (k among them), not {self.widths!r}")
         widths = tuple(as_size(width, "a width", 0, k) for width in self.widths)
         if k not in widths:
             raise ValueError(f"the widths a round has bodies of must include k = {k} (the widest), not {widths}")
+        object.__setattr__(self, "k", k)
         object.__setattr__(self, "widths", tuple(sorted(set(widths))))
 
     @property

@@ -73,6 +73,21 @@ def test_a_width_the_rounds_do_not_run_costs_none_written_as_nan_which_the_choos
     assert values[1] < 0 and values[2] < 0 and values[0] > 0 and values[3] > 0
 
 
+def test_the_costs_are_a_list_a_tuple_or_an_array_in_width_order_never_a_mappings_keys():
+    """A mapping was taken as its keys: {1: 9.0, 2: 9.5, 3: 9.9, 4: 10.0} wrote costs 1, 2, 3, 4.
+    Refused (test above); a tuple or a 1-D array writes what the list of its values does."""
+    lengths, engine = made(k=3, batch=4)
+    for given in ([1.0, None, 1.5, 1.75], (1.0, None, 1.5, 1.75), np.array([1.0, None, 1.5, 1.75], dtype=object)):
+        lengths.set_costs(given, 0.5)
+    lengths.set_costs(np.array([1.0, 1.25, 1.5, 1.75]), np.float32(0.5))
+    lengths.set_costs([1.0, 1.25, 1.5, 1.75], 0.5)
+    written = [np.array(cost, np.float32).tobytes() for _, cost, _ in engine.writes]  # NaN as bits
+    assert written[0] == written[1] == written[2] and written[3] == written[4] != written[0]
+    with pytest.raises(TypeError, match="verify_costs must be a list"):
+        lengths.set_costs({1: 9.0, 2: 9.5, 3: 9.9, 4: 10.0}, 0.0)
+    assert len(engine.writes) == 5
+
+
 def test_every_rows_statistics_start_at_the_prior():
     """Not zeros: a row already live when the lengths are made (keep >= 1) is never restarted at
     the prior, and zeros are an acceptance of 0, which chose width 0 for good (nothing learns at 0)."""
@@ -110,6 +125,14 @@ def test_caps_are_written_for_every_row_or_one():
     (lambda lengths: lengths.set_costs([1.0] * 4, -0.1), ValueError, "draft_cost must be at least 0"),
     (lambda lengths: lengths.set_costs([1.0] * 4, "0.1"), TypeError, "draft_cost must be a real number"),
     (lambda lengths: lengths.set_costs([1.0] * 4, True), TypeError, "draft_cost must be a real number"),
+    (lambda lengths: lengths.set_costs({0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 0.0), TypeError,
+     "verify_costs must be a list, a tuple or a 1-D array"),
+    (lambda lengths: lengths.set_costs({1.0, 1.1, 1.2, 1.3}, 0.0), TypeError, "verify_costs must be a list"),
+    (lambda lengths: lengths.set_costs("1111", 0.0), TypeError, "verify_costs must be a list"),
+    (lambda lengths: lengths.set_costs(np.ones((2, 2)), 0.0), TypeError, "verify_costs must be a list"),
+    (lambda lengths: lengths.set_costs([10**400, 1.0, 1.0, 1.0], 0.0), ValueError,
+     r"verify_costs\[0\] must be a finite number, not one past a float's range"),
+    (lambda lengths: lengths.set_costs([1.0] * 4, -(10**400)), ValueError, "draft_cost must be a finite number"),
 ])
 def test_a_wrong_cap_or_cost_is_refused_naming_it_before_anything_is_written(call, error, message):
     lengths, engine = made(k=3, batch=4)
@@ -120,7 +143,8 @@ def test_a_wrong_cap_or_cost_is_refused_naming_it_before_anything_is_written(cal
 
 @pytest.mark.parametrize(("keyword", "value", "error"), [
     ("decay", 1.5, ValueError), ("decay", -0.1, ValueError), ("decay", float("nan"), ValueError),
-    ("prior", 2, ValueError), ("prior", None, TypeError), ("prior", True, TypeError), ("decay", "0.9", TypeError)])
+    ("prior", 2, ValueError), ("prior", None, TypeError), ("prior", True, TypeError), ("decay", "0.9", TypeError),
+    pytest.param("decay", 10**400, ValueError, id="decay-past-a-float")])
 def test_a_decay_or_prior_outside_0_to_1_is_refused_before_anything_is_allocated(keyword, value, error):
     bufs = host_bufs()
     with pytest.raises(error, match=f"{keyword} must be a"):

@@ -1,15 +1,46 @@
 """Tree shapes on the host (memra_cuda/buffers/tree.py) and the capacity rule for trees: what is
-refused before anything is queued, and the level order every tree kernel and model relies on.
-CPU only."""
+refused before anything is queued, and the level order every tree kernel and model relies on;
+and the tree kernels' launchers' check that a tree's counts agree (memra_cuda/kernels/tree.py),
+made before a kernel is asked for. CPU only: TreeBufs over an address nobody reads."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from memra_cuda import Geometry
-from memra_cuda import DynamicTree, TreeShape, kv_capacity
+from memra_cuda import DeviceBuffer, DynamicTree, StreamBufs, TreeBufs, TreeShape, kv_capacity
 from memra_cuda.buffers.capacity import Capacity
 from memra_cuda.buffers.layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS
+from memra_cuda.buffers.tree import MAX_TREE_CANDIDATES
+from memra_cuda.kernels.tree import TreeKernels
+
+FAKE_PTR = 0x7F0000000000  # a device address no buffer of these tests is ever read at
+NUMPY_INTS = (np.uint8, np.uint16, np.uint32, np.int64)
+
+
+class AddressOnly:
+    """What TreeBufs asks of an engine: zeroed memory and a static tree's shape at an address
+    nobody reads, and the shape's upload, recorded."""
+
+    def __init__(self) -> None:
+        self.writes: list[list[int]] = []
+
+    def zeros(self, dtype, length, *, label=None):
+        return DeviceBuffer.wrap(FAKE_PTR, dtype, length)
+
+    def alloc(self, dtype, length, *, label=None, zeroed=False):
+        return DeviceBuffer.wrap(FAKE_PTR, dtype, length)
+
+    def copy_htod(self, dst, values, start=0):
+        self.writes.append(np.asarray(values).tolist())
+
+
+def tree_bufs(tree: TreeShape | DynamicTree, batch: int = 2) -> TreeBufs:
+    """TreeBufs of `tree` over the host half of a StreamBufs (what TreeBufs reads of it)."""
+    bufs = StreamBufs.__new__(StreamBufs)
+    bufs.geometry = Geometry.of_tree(tree, 1, batch)
+    bufs.k, bufs.batch, bufs.engine = bufs.geometry.k, batch, AddressOnly()
+    return TreeBufs(bufs, tree)
 
 
 def test_choices_become_level_order_with_parents_before_children():
@@ -143,9 +174,6 @@ def test_kv_capacity_of_a_tree_covers_a_generation():
     assert kv_capacity(prompt, new, Geometry(D, M)) == kv_capacity(prompt, new, Geometry(D, M, 1, D + 1))
 
 
-FAKE_PTR = 0x7F0000000000  # a device address no buffer of these tests is ever read at
-
-
 def test_kv_data_refuses_what_the_compaction_cannot_move():
     """Entries move as 32-bit words, each (row, position) in bytes of its own: checked when the
     layout is described, with no driver (DeviceBuffer.wrap names memory without touching it)."""
@@ -225,3 +253,125 @@ def test_kv_data_of_a_layer_and_a_table_refuse_what_kernel_15_cannot_read():
         KVDataTable(None, [two, "k"])
     with pytest.raises(ValueError, match=r"the same batch B, not \[1, 2\]"):
         KVDataTable(None, [two, None, one])
+
+
+@pytest.mark.parametrize("kind", NUMPY_INTS)
+def test_numpy_counts_make_the_same_dynamic_tree_as_plain_ints(kind):
+    """The checked plain ints are kept, not the numpy values given, whose arithmetic wraps:
+    DynamicTree(np.uint8(3), np.uint8(4), np.uint8(2)) had 13 nodes but 249 mask words
+    (-(-13 // 32) in uint8), and a uint8 depth 3 x width 100 passed the mask's limit as 45 nodes."""
+    for depth, width, branch in ((3, 4, 2), (1, 1, 1), (8, 31, 2), (5, 51, 2), (2, 64, MAX_TREE_OFFERS // 64)):
+        plain, given = DynamicTree(depth, width, branch), DynamicTree(kind(depth), kind(width), kind(branch))
+        assert [type(getattr(given, name)) for name in ("depth", "width", "branch")] == [int] * 3
+        assert (given.nodes, given.levels, given.expanded) == (plain.nodes, plain.levels, plain.expanded)
+        assert type(given.nodes) is int and Geometry.of_tree(given, 4, 2) == Geometry.of_tree(plain, 4, 2)
+        assert tree_bufs(given).words == tree_bufs(plain).words == -(-plain.nodes // 32)
+    with pytest.raises(ValueError, match="at most 256 nodes"):
+        DynamicTree(kind(3), kind(100), kind(2))
+    with pytest.raises(ValueError, match="offers"):
+        DynamicTree(kind(2), kind(64), kind(MAX_TREE_OFFERS // 64 + 1))
+
+
+def test_a_tree_given_directly_keeps_tuples_of_plain_ints_whatever_it_was_given():
+    """Lists, numpy arrays and numpy integers become the tuples of ints a frozen, hashable tree
+    holds (a list left it unhashable, an array met numpy's "truth value is ambiguous")."""
+    expected = TreeShape((-1, 0, 0), (0, 0, 1))
+    for parent, rank in (([-1, 0, 0], [0, 0, 1]), (np.array([-1, 0, 0]), np.array([0, 0, 1], np.uint8)),
+                         ((np.int64(-1), np.int32(0), np.uint16(0)), (0, np.uint32(0), 1))):
+        tree = TreeShape(parent, rank)
+        assert tree == expected and hash(tree) == hash(expected)
+        assert type(tree.parent) is tuple and type(tree.rank) is tuple
+        assert {type(value) for value in tree.parent + tree.rank} == {int}
+    assert TreeShape((-1, 0), (0, MAX_TREE_CANDIDATES - 1)).draws == MAX_TREE_CANDIDATES
+
+
+@pytest.mark.parametrize(("parent", "rank", "error", "message"), [
+    ((-1, 0, 0), (0, 0, 1.9), TypeError, "node 2's rank must be an integer, not 1.9"),
+    ((-1, 0, 0), (0, 0, "1"), TypeError, "node 2's rank must be an integer, not '1'"),
+    ((-1, True), (0, 0), TypeError, "node 1's parent must be an integer, not True"),
+    ((-1, 0), (0, np.bool_(True)), TypeError, "node 1's rank must be an integer, not "),
+    ((-1, 0.0), (0, 0), TypeError, "node 1's parent must be an integer, not 0.0"),
+    ((-1, 0), (0, 2**40), ValueError, f"node 1's rank must be an int from 0 to {MAX_TREE_CANDIDATES - 1}, not "
+                                      f"{2**40}"),
+    ((-1, 0), (0, MAX_TREE_CANDIDATES), ValueError,
+     f"node 1's rank must be an int from 0 to {MAX_TREE_CANDIDATES - 1}, not {MAX_TREE_CANDIDATES}"),
+    ((-1, 0), (0, -1), ValueError, "node 1's rank must be an int from 0"),
+    ((-1, 0), {0: 0, 1: 0}, TypeError, "rank must be a list, a tuple or a 1-D array"),
+    ("-10", (0, 0, 0), TypeError, "parent must be a list, a tuple or a 1-D array"),
+    (np.array([[-1, 0]]), (0, 0), TypeError, "parent must be a list, a tuple or a 1-D array"),
+])
+def test_a_tree_given_directly_refuses_what_is_no_int_naming_the_field_and_the_node(parent, rank, error, message):
+    """A float rank was uploaded truncated (1.9 as 1), a bool parent read as 0 or 1, a rank past
+    a u32 met an OverflowError only when TreeBufs packed it: each refused when the tree is made."""
+    with pytest.raises(error, match=f"^{message}"):
+        TreeShape(parent, rank)
+
+
+@pytest.mark.parametrize(("make", "error", "message"), [
+    (lambda: TreeShape.from_parents([-1, 0.7]), TypeError, r"parents\[1\] must be an integer, not 0.7"),
+    (lambda: TreeShape.from_parents([-1, "0"]), TypeError, r"parents\[1\] must be an integer, not '0'"),
+    (lambda: TreeShape.from_parents([-1, 0, True]), TypeError, r"parents\[2\] must be an integer, not True"),
+    (lambda: TreeShape.from_parents({-1: 0}), TypeError, "parents must be a list, a tuple or a 1-D array"),
+    (lambda: TreeShape.from_parents([-1] + [0] * MAX_TREE_NODES), ValueError, f"2 to {MAX_TREE_NODES} nodes"),
+    (lambda: TreeShape.from_choices([[True]]), TypeError, r"choices\[0\]\[0\] must be an integer, not True"),
+    (lambda: TreeShape.from_choices([[0], [0.0, 1]]), TypeError, r"choices\[1\]\[0\] must be an integer"),
+    (lambda: TreeShape.from_choices([[0], [MAX_TREE_CANDIDATES]]), ValueError,
+     rf"choices\[1\]\[0\] must be an int from 0 to {MAX_TREE_CANDIDATES - 1}"),
+    (lambda: TreeShape.from_choices("01"), TypeError, "choices must be a list, a tuple or a 1-D array of paths"),
+    (lambda: TreeShape.from_choices([[0], "1"]), TypeError, r"choices\[1\] must be a list, a tuple or a 1-D array"),
+])
+def test_parents_and_choices_refuse_floats_strings_and_bools_naming_them(make, error, message):
+    """int(p) made [-1, 0.7] a tree of parent 0 and parsed [-1, "0"]; a choice of True was rank 1."""
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_parents_and_choices_of_numpy_ints_are_the_trees_of_plain_ones():
+    assert TreeShape.from_parents(np.array([-1, 0, 1, 0])) == TreeShape.from_parents([-1, 0, 1, 0])
+    assert TreeShape.from_choices([np.array([0]), (np.uint8(1),)]) == TreeShape.from_choices([[0], [1]])
+    assert TreeShape.from_choices([[0], [MAX_TREE_CANDIDATES - 1]]).draws == MAX_TREE_CANDIDATES
+
+
+def test_the_likeliest_tree_is_at_most_a_nodes_candidates_wide_and_takes_chances_as_numbers():
+    """ranks=10**9 filled the search's frontier with a path per rank (13 GB, and never returned);
+    right="a" met "'<' not supported" inside it. Each is refused by name, before the search."""
+    assert TreeShape.likeliest(20, depth=2, ranks=MAX_TREE_CANDIDATES).nodes == 21
+    with pytest.raises(ValueError, match=f"^ranks must be an int from 1 to {MAX_TREE_CANDIDATES}, not 1000000000$"):
+        TreeShape.likeliest(200, depth=2, ranks=10**9)
+    for name, value in (("right", "a"), ("fall", None), ("right", True), ("fall", [0.5])):
+        with pytest.raises(TypeError, match=f"^a likeliest tree's {name} must be a real number, not "):
+            TreeShape.likeliest(5, **{name: value})
+    with pytest.raises(ValueError, match="fall past a float's range"):
+        TreeShape.likeliest(5, fall=10**400)
+    assert TreeShape.likeliest(5, right=np.float32(0.5), fall=np.float64(0.25)) == \
+        TreeShape.likeliest(5, right=0.5, fall=0.25)
+
+
+@pytest.mark.parametrize("tree", [DynamicTree(3, 11, 2), TreeShape.likeliest(40, depth=6, ranks=4)],
+                         ids=["dynamic", "static"])
+def test_the_tree_kernels_refuse_counts_that_disagree_when_a_launch_is_prepared(tree):
+    """The kernels find every field of a tree's allocation from T1, W, D and B alone and write the
+    levels' ranges: a TreeBufs whose counts disagree (changed after it was made, or made of a tree
+    whose numpy counts wrapped) is refused by name when a launch is prepared, not trusted."""
+    kernels = TreeKernels.__new__(TreeKernels)  # no module: every refusal comes before a kernel is asked for
+    kernels.module = None
+    bufs = tree_bufs(tree)
+    assert kernels._tree(bufs.bufs, bufs) == dict(tree=bufs._arena, T1=tree.nodes, W=2, D=tree.depth, B=2)
+    (start, stop), depth = bufs.levels[-1], tree.depth
+    for name, value, message in (
+            ("words", 3, "mask words W = 3 disagree with its T1"), ("words", 1, "mask words W = 1 disagree"),
+            ("nodes", tree.nodes + 1, rf"T1 = {tree.nodes + 1} and D = {depth} disagree with its buffers' width"),
+            ("nodes", np.uint16(tree.nodes - 1), rf"T1 = {tree.nodes - 1} and D = {depth} disagree"),
+            ("nodes", MAX_TREE_NODES + 1, f"T1 must be an int from 2 to {MAX_TREE_NODES}"),
+            ("depth", depth + 1, f"D = {depth + 1} disagree"), ("depth", tree.nodes, "D must be an int from 1"),
+            ("levels", (*bufs.levels[:-1], (start, stop + 1)), f"level {depth}, .* disagrees"),
+            ("levels", (*bufs.levels[:-2], (bufs.levels[-2][0], start + 1), (start + 1, stop)),
+             "levels .* disagree with those of the tree its buffers were made for"),
+            ("levels", ((0, 2), *bufs.levels[1:]), "level 0"),
+            ("levels", bufs.levels[:-1], rf"D \+ 1 = {depth + 1} ranges, not {depth}"),
+            ("_arena", bufs._arena.view(0, bufs._arena.len - 1), "allocation holds")):
+        good = getattr(bufs, name)
+        setattr(bufs, name, value)
+        with pytest.raises(ValueError, match=message):
+            kernels.prepare_begin(bufs.bufs, bufs)
+        setattr(bufs, name, good)

@@ -3,6 +3,7 @@
 no body, so it is never picked)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from memra_cuda.rounds.switch import Widths
@@ -28,7 +29,22 @@ def test_the_chooser_is_given_the_costs_of_the_widths_with_bodies_only():
     (4, (-1, 4), ValueError, "a width must be an int from 0 to 4"),
     (4, (2.0, 4), TypeError, "a width must be an integer"),
     (-1, (0,), ValueError, "k must be an int of at least 0"),
+    (2, 2, TypeError, "widths must be a collection of ints from 0 to k"),
+    (2, "2", TypeError, "widths must be a collection of ints from 0 to k"),
+    (2, {0: 1.0, 2: 1.3}, TypeError, "widths must be a collection of ints from 0 to k"),
+    (2, (True, 2), TypeError, "a width must be an integer"),
 ])
 def test_widths_outside_0_to_k_or_without_k_are_refused(k, widths, error, message):
     with pytest.raises(error, match=message):
         Widths(k, widths)
+
+
+@pytest.mark.parametrize("kind", [np.uint8, np.uint16, np.uint32, np.int64])
+def test_numpy_widths_make_the_same_bodies_as_plain_ints(kind):
+    """k was kept as given: Widths(np.uint8(255), (np.uint8(255),)).body_of was () (range(255 + 1)
+    in uint8 is empty), where the selector on the device reads one body for each width 0..k."""
+    for k, widths in ((255, (255,)), (6, (4, 0, 6, 1)), (0, (0,))):
+        given, plain = Widths(kind(k), tuple(kind(width) for width in widths)), Widths(k, widths)
+        assert given == plain and type(given.k) is int and {type(width) for width in given.widths} == {int}
+        assert given.body_of == plain.body_of and len(given.body_of) == k + 1
+    assert Widths(kind(3), np.array([3, 1], kind)).widths == (1, 3)
