@@ -9,12 +9,11 @@ brk_d. The host writes caps and costs between bursts; graphs captured over them 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from numbers import Real
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..driver.values import as_size
+from ..driver.values import as_real, as_size
 from .arena import carve
 from .layout import COST_DRAFT, COST_VERIFY, RATE_ACCEPTED, RATE_REJECTED, RATE_WORDS
 from .stream_bufs import StreamBufs
@@ -122,20 +121,8 @@ def _in_order(values: object, what: str) -> list[object]:
     raise TypeError(f"{what} must be a list, a tuple or a 1-D array, one cost a width in order, not {values!r}")
 
 
-def _real(value: object, what: str) -> float:
-    """`value` as a float: TypeError naming `what` unless it is a real number (not a bool),
-    ValueError where no float holds it (an int of over 1024 bits: float() raised OverflowError;
-    its repr, past 4300 digits, would raise too, so the message does not show it)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (Real, np.floating, np.integer)):
-        raise TypeError(f"{what} must be a real number, not {value!r}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"{what} must be a finite number, not one past a float's range") from None
-
-
 def _fraction(value: object, what: str) -> float:
-    number = _real(value, what)
+    number = as_real(value, what)
     if not 0.0 <= number <= 1.0:
         raise ValueError(f"{what} must be a number from 0 to 1, not {value!r}")
     return number
@@ -145,7 +132,7 @@ def _cost(value: object, what: str, positive: bool) -> np.float32:
     """`value` as the f32 the chooser reads, refused unless finite there and positive (or at
     least 0, where not `positive`): 1e-50 is 0 as an f32, and 1e39 infinite."""
     with np.errstate(over="ignore"):
-        number = np.float32(_real(value, what))
+        number = np.float32(as_real(value, what))
     if not (np.isfinite(number) and (number > 0 if positive else number >= 0)):
         raise ValueError(f"{what} must be {'positive' if positive else 'at least 0'} and finite as an f32, "
                          f"not {value!r}")

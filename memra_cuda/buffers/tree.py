@@ -12,12 +12,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Real
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..driver.values import as_index, as_size
+from ..driver.values import as_index, as_real, as_size
 from .arena import carve
 from .layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS, ROOT_PARENT
 
@@ -287,14 +286,8 @@ def _rank(value: object, what: str) -> int:
 
 
 def _chance(value: Any, what: str) -> float:
-    """A probability of TreeShape.likeliest as a float: TypeError naming it where it is no real
-    number (a string once met `<` inside the search), ValueError where no float holds it."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (Real, np.floating, np.integer)):
-        raise TypeError(f"a likeliest tree's {what} must be a real number, not {value!r}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(f"a likeliest tree needs right and fall in (0, 1], not {what} past a float's range") from None
+    """A probability of TreeShape.likeliest as a float (as_real's refusals, naming it)."""
+    return as_real(value, f"a likeliest tree's {what}")
 
 
 @dataclass(frozen=True)

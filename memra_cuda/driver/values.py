@@ -5,6 +5,7 @@ its buffer."""
 from __future__ import annotations
 
 import operator
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -86,3 +87,15 @@ def as_size(value: Any, what: str, least: int = 1, most: int | None = None, *, a
         span = f"from {least} to {most}" if most is not None else f"of at least {least}"
         raise ValueError(f"{what} must be {f'{also} or ' if also else ''}an int {span}, not {value!r}")
     return number
+
+
+def as_real(value: Any, what: str) -> float:
+    """`value` as a float: TypeError naming `what` unless it is a real number (a bool is not),
+    ValueError where no float holds it (an int of over 1024 bits: float() raises OverflowError;
+    its repr, past 4300 digits, would raise too, so the message does not show it)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (Real, np.floating, np.integer)):
+        raise TypeError(f"{what} must be a real number, not {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{what} must be a finite number, not one past a float's range") from None

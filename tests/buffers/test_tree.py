@@ -341,7 +341,7 @@ def test_the_likeliest_tree_is_at_most_a_nodes_candidates_wide_and_takes_chances
     for name, value in (("right", "a"), ("fall", None), ("right", True), ("fall", [0.5])):
         with pytest.raises(TypeError, match=f"^a likeliest tree's {name} must be a real number, not "):
             TreeShape.likeliest(5, **{name: value})
-    with pytest.raises(ValueError, match="fall past a float's range"):
+    with pytest.raises(ValueError, match="^a likeliest tree's fall must be a finite number"):
         TreeShape.likeliest(5, fall=10**400)
     assert TreeShape.likeliest(5, right=np.float32(0.5), fall=np.float64(0.25)) == \
         TreeShape.likeliest(5, right=0.5, fall=0.25)
