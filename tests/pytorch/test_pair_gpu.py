@@ -137,7 +137,7 @@ print("identical" if torch.equal(weights[0], weights[1]) else "different")
 """
 
 
-def test_the_pair_trains_to_the_same_bits_twice():
+def test_the_pair_trains_to_the_same_bits_twice(engine):  # the engine: skipped, naming why, without a GPU
     """Issue 47, item 5: two trainings of one key agree. pair.py trains under deterministic():
     no kernel of a training step raises there (torch's nll_loss would; the loss goes through
     gather), and two runs of a few steps from the same seed end in identical weights (without it,
