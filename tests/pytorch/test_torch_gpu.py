@@ -124,7 +124,7 @@ def test_tensors_in_copies_kv_layers_and_back(engine):
 
 
 
-def test_a_tensor_on_a_freed_buffer_keeps_the_memory_until_it_is_gone():
+def test_a_tensor_on_a_freed_buffer_keeps_the_memory_until_it_is_gone(engine):
     """A buffer freed while a tensor on it lives (a decoder's views of its StreamBufs, say) is
     refused to memra at once, but its memory is not handed out again: the tensor reads what it
     held, however many buffers of its size are allocated meanwhile, and the memory goes back
