@@ -78,12 +78,15 @@ def soak_requests(count: int, vocab: int, room: int, seed: int, mix: Mix = Mix()
 @dataclass
 class Soak:
     """What a soak found: each request's Served by its place in the stream (`served`), the places
-    that never ended (`lost`) or ended twice (`twice`), the device memory in use after each step
-    once warm (`memory`, bytes), the steps run and the seconds they took."""
+    that never ended (`lost`) or ended twice (`twice`) or were refused at their admission once
+    submit had taken them (`unadmitted`: a decoder's admission failing, which no request of the
+    stream asks for), the device memory in use after each step once warm (`memory`, bytes), the
+    steps run and the seconds they took."""
 
     served: dict[int, Served] = field(default_factory=dict)
     lost: list[int] = field(default_factory=list)
     twice: list[int] = field(default_factory=list)
+    unadmitted: list[int] = field(default_factory=list)
     memory: list[int] = field(default_factory=list)
     steps: int = 0
     seconds: float = 0.0
@@ -118,6 +121,8 @@ def soak(server: Server, requests: Sequence[Request], cancel: set[int], *, memor
         for ident, served in progress.finished.items():
             if place[ident] in out.served:
                 out.twice.append(place[ident])
+            if served.refused is not None:
+                out.unadmitted.append(place[ident])
             out.served[place[ident]] = served
         for ident in progress.tokens:
             if place[ident] in cancel and ident not in progress.finished:
@@ -150,10 +155,12 @@ def check(found: Soak, requests: Sequence[Request], alone: Callable[[Request], l
 def verdict(found: Soak, wrong: Sequence[str], checked: int) -> tuple[bool, str]:
     """Whether the soak held, and one line saying what it found."""
     counts = found.counts()
-    held = not found.lost and not found.twice and not wrong and found.drift <= DRIFT and bool(found.memory)
+    held = (not found.lost and not found.twice and not found.unadmitted and not wrong and checked > 0
+            and found.drift <= DRIFT and bool(found.memory))
     line = (f"soak: {'held' if held else 'FAILED'}: {counts['requests']} requests ({counts['refused']} refused, "
             f"{counts['cancelled']} cancelled), {counts['tokens']} tokens in {found.steps} steps, "
-            f"{found.seconds:.1f} s; lost {len(found.lost)}, ended twice {len(found.twice)}; device memory "
+            f"{found.seconds:.1f} s; lost {len(found.lost)}, ended twice {len(found.twice)}, refused at their "
+            f"admission {len(found.unadmitted)}; device memory "
             f"moved {100 * found.drift:.2f}% once warm (at most {100 * DRIFT:.0f}%, {len(found.memory)} readings); "
             f"{checked - len(wrong)} of {checked} checked requests their own greedy decoding alone")
     return held, line

@@ -179,16 +179,18 @@ class DeviceBuffer(Handle):
         that holds its address (launches, graphs, tables) are waited for before the borrow is
         dropped. Memory a holder keeps (hold) goes back when the last holder is collected: its
         release (or its owner, borrowed) stays with this buffer, which every holder keeps."""
-        if self._holders and not self._freed:
-            release, self._finalizer = self._finalizer, None
-            super().free()  # refused from now on, dependents poisoned; the memory not yet released
-            self._finalizer = release
+        if self._freed:
             return
-        if self._keepalive is not None and not self._freed:
+        if self._keepalive is not None:
             users = [d.engine for d in self._dependents or () if hasattr(d, "engine")] + list(self._streams or ())
             for stream in {id(s): s for s in users}.values():
                 if not stream.closed and stream.ctx.fault is None and stream.capture_hold is None:
                     stream.synchronize()
+        if self._holders:
+            release, self._finalizer = self._finalizer, None
+            super().free()  # refused from now on, dependents poisoned; the memory not yet released
+            self._finalizer = release
+            return
         self._keepalive = None
         super().free()
 

@@ -59,3 +59,22 @@ def test_the_verdict_fails_where_memory_grows_or_a_request_is_anothers():
     found.served[victim] = found.served[victim]._replace(tokens=found.served[victim].tokens[::-1] + [0])
     checked, wrong = check(found, requests, alone, 10**6, seed=1)
     assert len(wrong) == 1 and wrong[0].startswith(f"request {victim}: ") and not verdict(found, wrong, checked)[0]
+
+
+def test_the_verdict_fails_where_admissions_fail_and_nothing_is_checked():
+    """A decoder whose admission raises a ValueError (a bug in it, say) has every request it
+    takes refused by the server, the others going on: the soak counts them, as none of its
+    stream asks for that, and fails; and a soak that checked no request holds nothing."""
+    requests, cancel = soak_requests(200, VOCAB, CAPACITY, seed=11, mix=MIX)
+    decoder = Counting(4)
+    decoder.failing, decoder.failure = 10**6, lambda: ValueError("a bug in the decoder")
+    readings = iter(range(10**6))
+    found = soak(Server(decoder, clock=decoder.clock), requests, cancel,
+                 memory=lambda: 1000, warm_up=8, clock=lambda: float(next(readings)))
+    well_formed = [i for i, r in enumerate(requests) if max(r.prompt) < VOCAB and r.max_new_tokens != CAPACITY]
+    assert not found.lost and sorted(found.unadmitted) == well_formed
+    checked, wrong = check(found, requests, alone, 10**6, seed=1)
+    held, line = verdict(found, wrong, checked)
+    assert checked == 0 and not held and f"refused at their admission {len(found.unadmitted)}" in line, line
+    requests, _, found = run()
+    assert not verdict(found, [], 0)[0], "a soak that checked nothing held"
