@@ -40,7 +40,7 @@ from typing import Any
 
 from .headline import MODES, describe, load_pair, measure_batches, pair_arguments, pair_dir, pair_info, save
 from .serving import figures, request_stream
-from .torch_common import TORCH_M, release
+from .torch_common import TORCH_M, pyplot, release
 from memra_cuda import Geometry
 from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.rounds.serving import Request, Served
@@ -115,14 +115,10 @@ def format_row(row: Mapping[str, Any]) -> str:
 
 def plot(report: Mapping[str, Any], path: str | Path) -> None:
     """Tokens/s against B: the plain decoding, the best fixed chain and the adaptive
-    configuration, greedy and sampled."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"served: no picture at {path} without matplotlib (`pip install matplotlib` to get the picture)")
+    configuration, greedy and sampled (without matplotlib, one line)."""
+    plt = pyplot("served", path)
+    if plt is None:
         return
-    matplotlib.use("Agg")  # a file, no display
-    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     plain = [row for row in report["rows"] if row["config"] == "plain"]
     ax.plot([r["batch"] for r in plain], [r["tokens_per_s"] for r in plain], "k-o", label="plain (compiled, graphed)")

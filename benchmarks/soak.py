@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from memra_cuda import Geometry
 from memra_cuda.rounds.serving import Request, RequestRefused, Served, Server
 
 DRIFT = 0.01  # the most device memory may move once warm, as a share of what it held then
@@ -169,13 +168,13 @@ def verdict(found: Soak, wrong: Sequence[str], checked: int) -> tuple[bool, str]
 def on_gpu(requests: int, batch: int, checked: int, seed: int) -> dict[str, Any]:
     """The soak on this GPU (the module's docstring): the decoder, the oracle, the verdict."""
     import torch
-    from memra_cuda.torch import GraphedGreedy, SpeculativeLlama, capacity_for, self_draft
+    from memra_cuda.torch import GraphedGreedy, Room, SpeculativeLlama, self_draft
     from memra_cuda.torch.testing import build_model
     k, m_rounds, mix = 4, 16, Mix()
     model = build_model("small", logit_scale=8.0)
-    capacity = capacity_for(mix.prompt[1], mix.budget[1], Geometry(k, m_rounds, batch))
-    stream, cancel = soak_requests(requests, model.config.vocab_size, capacity, seed, mix)
-    spec = SpeculativeLlama(model, self_draft(model), k=k, m_rounds=m_rounds, capacity=capacity, batch=batch)
+    room = Room(mix.prompt[1], mix.budget[1])  # each decoder sizes its caches for it, by its own geometry
+    spec = SpeculativeLlama(model, self_draft(model), k=k, m_rounds=m_rounds, capacity=room, batch=batch)
+    stream, cancel = soak_requests(requests, model.config.vocab_size, spec.target.kv.capacity, seed, mix)
     spec.capture(("graph",))
     print(f"soak: a chain decoder of B = {batch}, k = {k}, M = {m_rounds}, ready in {spec.setup_seconds:.1f} s",
           flush=True)
@@ -187,7 +186,7 @@ def on_gpu(requests: int, batch: int, checked: int, seed: int) -> dict[str, Any]
         free, total = torch.cuda.mem_get_info()
         return total - free
     found = soak(spec.server("graph"), stream, cancel, memory=in_use, warm_up=2 * batch)
-    oracle = GraphedGreedy(model, capacity_for(mix.prompt[1], mix.budget[1], Geometry(1, m_rounds)), 1)
+    oracle = GraphedGreedy(model, room, 1)
     checked, wrong = check(found, stream, lambda r: oracle.generate(r.prompt, r.max_new_tokens, eos=r.eos),
                            checked, seed)
     held, line = verdict(found, wrong, checked)

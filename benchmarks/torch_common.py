@@ -200,18 +200,27 @@ def summary_line(summary: dict) -> str:
         f"{summary['chosen_vs_chain']:.2f}x the chain")
 
 
+def pyplot(who: str, path: str | Path) -> Any:
+    """matplotlib's pyplot drawing to files, or None where matplotlib (the `plot` extra) is
+    absent, said in one line by `who`: a picture is optional, a run's figures are not."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"{who}: no picture at {path} without matplotlib (`pip install matplotlib` to get the picture)")
+        return None
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def plot_trees(rows: list[dict], path: str | Path, title: str | None = None) -> None:
     """Section 5's picture at `path` (PNG): tokens/s against B for plain decoding, the best chain,
     the best tree and that tree's ideal (ideal x plain tokens/s), a panel per model size (the
     rows' `size`, the headline's "pair" too), greedy solid and sampling dashed, under `title`.
     matplotlib is optional (the `plot` extra): without it, one line."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"trees: no picture at {path} without matplotlib (`pip install matplotlib` to get the picture)")
+    plt = pyplot("trees", path)
+    if plt is None:
         return
-    matplotlib.use("Agg")  # a file, no display
-    import matplotlib.pyplot as plt
     best = [row for row in rows if row["kind"] == "best"]
     sizes = list(dict.fromkeys(row["size"] for row in best))
     if not sizes:

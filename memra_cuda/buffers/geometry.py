@@ -80,7 +80,7 @@ class Geometry:
     def with_rounds(self, m_rounds: int) -> Geometry:
         """The same rounds, `m_rounds` a burst (a mode that queues another number of rounds at
         once: capacity is checked by what is queued)."""
-        return replace(self, m_rounds=as_size(m_rounds, "m_rounds"))
+        return replace(self, m_rounds=m_rounds)  # checked again, as every Geometry is built
 
     @property
     def chain(self) -> bool:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..driver.values import as_real, as_size
+from ..driver.values import as_listed, as_real, as_size
 from .arena import carve
 from .layout import COST_DRAFT, COST_VERIFY, RATE_ACCEPTED, RATE_REJECTED, RATE_WORDS
 from .stream_bufs import StreamBufs
@@ -96,7 +96,7 @@ class DraftLengths:
         step's cost of at least 0, all finite as f32 (a cost the chooser could not weigh is
         refused here). They come as a list, a tuple or a 1-D array, in width order: a mapping's
         or a set's iteration would give its keys or an order of its own as the costs."""
-        verify = _in_order(verify_costs, "verify_costs")
+        verify = as_listed(verify_costs, "verify_costs", "costs, one a width in order")
         if len(verify) != self.k + 1:
             raise ValueError(f"verify_costs needs one cost per width 0..k ({self.k + 1}), not {len(verify)}")
         if all(cost is None for cost in verify):
@@ -109,16 +109,6 @@ class DraftLengths:
 
     def __repr__(self) -> str:
         return f"DraftLengths(k={self.k}, batch={self.batch}, decay={self.decay}, prior={self.prior})"
-
-
-def _in_order(values: object, what: str) -> list[object]:
-    """`values` as a list if it is a list or a tuple (any sequence but a string) or a 1-D array;
-    anything else TypeError naming `what`."""
-    if isinstance(values, np.ndarray) and values.ndim == 1:
-        return list(values)
-    if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
-        return list(values)
-    raise TypeError(f"{what} must be a list, a tuple or a 1-D array, one cost a width in order, not {values!r}")
 
 
 def _fraction(value: object, what: str) -> float:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..driver.values import as_index, as_real, as_size
+from ..driver.values import as_index, as_listed, as_real, as_size
 from .arena import carve
 from .layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS, ROOT_PARENT
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # The most candidates a node offers its children: the K of the grow kernel's candidates
 # (TreeKernels refuses more), so a rank (a node's place among its parent's candidates) is below it.
 MAX_TREE_CANDIDATES = 32
+_NODE_INTS = "ints, one a node"  # what a tree's parent and rank hold, for as_listed's refusal
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,14 @@ class TreeShape:
         """Every field becomes a tuple of plain ints before it is checked: a float rank would be
         uploaded truncated, a bool read as 0 or 1, a list leave the tree unhashable and a rank
         past a u32 overflow only when TreeBufs packs it; each is refused here, by node."""
-        if _node_count(self.parent, "parent") != _node_count(self.rank, "rank"):
+        parents, ranks = as_listed(self.parent, "parent", _NODE_INTS), as_listed(self.rank, "rank", _NODE_INTS)
+        if len(parents) != len(ranks):
             raise ValueError("a tree's parent and rank name every node, node 0 (the root, parent -1) first")
-        if not 2 <= len(self.parent) <= MAX_TREE_NODES:
+        if not 2 <= len(parents) <= MAX_TREE_NODES:
             raise ValueError(f"a tree has 2 to {MAX_TREE_NODES} nodes (the ancestor mask's width), not "
-                             f"{len(self.parent)}")
-        parent = tuple(_parent(p, f"node {i}'s parent") for i, p in enumerate(self.parent))
-        rank = tuple(_rank(r, f"node {i}'s rank") for i, r in enumerate(self.rank))
+                             f"{len(parents)}")
+        parent = tuple(as_index(p, f"node {i}'s parent") for i, p in enumerate(parents))
+        rank = tuple(_rank(r, f"node {i}'s rank") for i, r in enumerate(ranks))
         object.__setattr__(self, "parent", parent)
         object.__setattr__(self, "rank", rank)
         if parent[0] != -1:
@@ -69,8 +71,8 @@ class TreeShape:
     def from_choices(cls, choices: Sequence[Sequence[int]]) -> TreeShape:
         """EAGLE-style choices: each node the path of sibling ranks from the root ([1, 0]: the
         best child of the root's second-best child), every prefix of a path a node too."""
-        given = enumerate(_node_list(choices, "choices", "paths of ranks"))
-        paths = [tuple(_rank(r, f"choices[{i}][{j}]") for j, r in enumerate(_node_list(path, f"choices[{i}]", "ranks")))
+        given = enumerate(as_listed(choices, "choices", "paths of ranks"))
+        paths = [tuple(_rank(r, f"choices[{i}][{j}]") for j, r in enumerate(as_listed(path, f"choices[{i}]", "ranks")))
                  for i, path in given]
         if any(not path for path in paths) or len(set(paths)) != len(paths):
             raise ValueError("choices are distinct, non-empty paths of sibling ranks")
@@ -88,9 +90,10 @@ class TreeShape:
         given order. Reordered into level order (by depth, then parent, then rank). Each parent
         an int (a float, a string or a bool refused, not converted), at most MAX_TREE_NODES of
         them (refused before the reordering, which takes their square)."""
-        if _node_count(parents, "parents") > MAX_TREE_NODES:
-            raise ValueError(f"a tree has 2 to {MAX_TREE_NODES} nodes (the ancestor mask's width), not {len(parents)}")
-        parents = [_parent(p, f"parents[{i}]") for i, p in enumerate(parents)]
+        given = as_listed(parents, "parents", _NODE_INTS)
+        if len(given) > MAX_TREE_NODES:
+            raise ValueError(f"a tree has 2 to {MAX_TREE_NODES} nodes (the ancestor mask's width), not {len(given)}")
+        parents = [as_index(p, f"parents[{i}]") for i, p in enumerate(given)]
         if not parents or parents[0] != -1:
             raise ValueError("parents[0] must be -1: node 0 is the root")
         depth, rank = [0], [0]
@@ -253,30 +256,6 @@ class DynamicTree:
 
 
 Tree = TreeShape | DynamicTree
-
-
-def _node_count(values: object, what: str) -> int:
-    """How many entries `values` has, if it is a list, a tuple (a sequence but a string) or a
-    1-D array: a mapping, a set or a string has no node order, TypeError naming `what`."""
-    return len(_node_list(values, what))
-
-
-def _node_list(values: object, what: str, of: str = "ints, one a node") -> Sequence[Any]:
-    """`values` if it is a list, a tuple or another sequence but a string, or a 1-D array (as a
-    list); anything else (a mapping, a set, a string, a number) TypeError naming `what`."""
-    if isinstance(values, np.ndarray) and values.ndim == 1:
-        return list(values)
-    if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
-        return values
-    raise TypeError(f"{what} must be a list, a tuple or a 1-D array of {of}, not {values!r}")
-
-
-def _parent(value: object, what: str) -> int:
-    """A parent as a plain int: floats, strings and bools refused by name (the range is the
-    tree's to check: -1 for the root, a node before it for the others)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be an integer, not {value!r}")
-    return as_index(value, what)
 
 
 def _rank(value: object, what: str) -> int:

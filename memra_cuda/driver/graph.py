@@ -55,10 +55,16 @@ def check_loops() -> None:
     drv = driver()
     have = all(hasattr(drv, name) for name in ("cuGraphConditionalHandleCreate", "cuStreamBeginCaptureToGraph",
                                                 "cuGraphAddNode", "cuStreamGetCaptureInfo"))
+    _require(LoopUnsupported, LOOP_REQUIREMENT, have, (12, 4))
+
+
+def _require(missing: type[LoopUnsupported], requirement: str, have: bool, release: tuple[int, int]) -> None:
+    """`missing` naming `requirement` unless the binding `have`s the calls and this driver is of
+    `release` or later."""
     major, minor = driver_version()
-    if not have or (major, minor) < (12, 4):
-        raise LoopUnsupported(f"{LOOP_REQUIREMENT}; this is driver {major}.{minor}"
-                              + ("" if have else " with a binding that lacks them"))
+    if not have or (major, minor) < release:
+        lacking = "" if have else " with a binding that lacks them"
+        raise missing(f"{requirement}; this is driver {major}.{minor}{lacking}")
 
 
 class SwitchUnsupported(LoopUnsupported):
@@ -77,11 +83,8 @@ def check_switch() -> None:
         check_loops()
     except LoopUnsupported as missing:
         raise SwitchUnsupported(f"{SWITCH_REQUIREMENT}; {missing}") from None
-    major, minor = driver_version()
-    have = hasattr(driver().CUgraphConditionalNodeType, "CU_GRAPH_COND_TYPE_SWITCH")
-    if not have or (major, minor) < (12, 8):
-        raise SwitchUnsupported(f"{SWITCH_REQUIREMENT}; this is driver {major}.{minor}"
-                                + ("" if have else " with a binding that lacks them"))
+    _require(SwitchUnsupported, SWITCH_REQUIREMENT,
+             hasattr(driver().CUgraphConditionalNodeType, "CU_GRAPH_COND_TYPE_SWITCH"), (12, 8))
 
 
 class LoopBuilder:

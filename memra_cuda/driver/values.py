@@ -5,6 +5,7 @@ its buffer."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from numbers import Real
 from typing import Any
 
@@ -67,7 +68,10 @@ def exact_array(values: Any, dtype: Any) -> np.ndarray:
 
 
 def as_index(value: Any, what: str) -> int:
-    """`value` as an int (ints and numpy integers, never floats), TypeError naming `what`."""
+    """`value` as an int (ints and numpy integers, never floats, nor a bool: True would be read
+    as 1, a seed, an id or a parent of 1), TypeError naming `what`."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an integer, not {value!r}")
     try:
         return operator.index(value)
     except TypeError:
@@ -80,8 +84,6 @@ def as_size(value: Any, what: str, least: int = 1, most: int | None = None, *, a
     refused naming `what` rather than sizing memory or a rule wrongly. Numpy integers are sizes;
     a bool is not (True would be read as 1): TypeError, as for a float or a string; out of range,
     ValueError. `also` names the other values the caller takes ("None"), for the message."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be an integer, not {value!r}")
     number = as_index(value, what)
     if number < least or (most is not None and number > most):
         span = f"from {least} to {most}" if most is not None else f"of at least {least}"
@@ -99,3 +101,15 @@ def as_real(value: Any, what: str) -> float:
         return float(value)
     except OverflowError:
         raise ValueError(f"{what} must be a finite number, not one past a float's range") from None
+
+
+def as_listed(values: Any, what: str, of: str) -> list[Any]:
+    """`values` as a list, if it is a list, a tuple (a sequence but a string) or a 1-D array:
+    where the order is the meaning (a tree's nodes, a cost a width), a mapping's or a set's
+    iteration gives keys or an order of its own, and a string its characters; anything else a
+    TypeError naming `what` and what it holds (`of`)."""
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        return list(values)
+    if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
+        return list(values)
+    raise TypeError(f"{what} must be a list, a tuple or a 1-D array of {of}, not {values!r}")

@@ -162,7 +162,7 @@ def _checked(request: Request, vocab: int) -> Request | str:
         return f"its prompt's token {prompt[at]} (at {at}) is outside the vocabulary of {vocab} tokens"
     try:
         as_size(request.max_new_tokens, "max_new_tokens", 0)
-        seed = _integer(request.seed, "its seed")
+        seed = as_index(request.seed, "its seed")
         eos = None if request.eos is None else as_size(request.eos, "eos", 0, also="None")
         if request.max_draft is not None:
             as_size(request.max_draft, "max_draft", 0, also="None")
@@ -173,15 +173,6 @@ def _checked(request: Request, vocab: int) -> Request | str:
     if eos is not None and eos >= vocab:
         return f"its EOS {eos} is outside the vocabulary of {vocab} tokens"
     return request._replace(prompt=tuple(prompt.tolist()))
-
-
-def _integer(value: object, what: str) -> int:
-    """`value` as an int of any sign (ints and numpy integers; its range is the caller's to
-    check), TypeError naming `what` for a float, a string, or a bool: True would be read as 1
-    (a request's seed 1, request 1)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be an integer, not {value!r}")
-    return as_index(value, what)
 
 
 @dataclass
@@ -268,7 +259,7 @@ class Server:
         then, cancelled, with the tokens read back so far (step's `finished`). False where it
         has ended already (its result stands); ValueError for an id this server never gave,
         TypeError for what is not an int (True is no id, though it was read as 1)."""
-        ident = _integer(ident, "a request's id")
+        ident = as_index(ident, "a request's id")
         if not 0 <= ident < self._next:
             raise ValueError(f"no request {ident} was submitted to this server ({self._next} so far)")
         if ident not in self._live:

@@ -54,7 +54,6 @@ class SpeculativeLlama(RoundDecoder):
     whatever the width. Each width compiles its own steps.
     """
 
-
     def __init__(self, model: Any, draft: Any, *, k: int = 4, m_rounds: int = 16, capacity: int | Room = 1024,
                  batch: int = 1, sampling: SamplingParams | None = None,
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",

@@ -413,20 +413,22 @@ def test_a_room_is_sized_by_the_geometry_of_the_decoder_it_is_given_to():
         as_capacity((40, 96), Geometry(4, 16))
 
 
+class Prefilled:
+    """A stack's prefill alone, for a decoder's host side: the rows and heads it was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def prefill(self, rows, heads):
+        self.calls.append((list(rows), [list(head) for head in heads]))
+
+
 def test_a_decoders_admission_takes_every_prompt_a_server_takes(monkeypatch):
     """A Server takes a prompt that is an array as well formed (rounds.serving.malformed), so a
     speculative decoder's admission must too: its check of the prompts was `not prompt`, which
     raises for an array, so the request sat at the queue's head and every step raised. The
     decoder here is its host side alone: stand-in stacks, no stream, tensors on the CPU."""
     from memra_cuda.torch.decoder import RoundDecoder
-
-    class Prefilled:
-        def __init__(self):
-            self.calls = []
-
-        def prefill(self, rows, heads):
-            self.calls.append((list(rows), [list(head) for head in heads]))
-
     decoder = object.__new__(RoundDecoder)
     decoder.stream, decoder.shared, decoder.sampling = None, False, None
     decoder.target, decoder.draft = Prefilled(), Prefilled()
@@ -452,14 +454,6 @@ def test_an_admission_refuses_a_bad_draft_length_before_the_row_is_touched():
     max_draft, and neither cache took the prompt (the row keeps what it had)."""
     from memra_cuda.torch import Request
     from memra_cuda.torch.decoder import RoundDecoder
-
-    class Prefilled:
-        def __init__(self):
-            self.calls = []
-
-        def prefill(self, rows, heads):
-            self.calls.append(list(rows))
-
     decoder = object.__new__(RoundDecoder)
     decoder.stream, decoder.shared, decoder.sampling, decoder.k = None, False, None, 4
     decoder.target, decoder.draft = Prefilled(), Prefilled()
