@@ -55,11 +55,12 @@ SIZES = [
                                 ("capacity", 1, None), ("batch", 1, MAX_BATCH))),
     ("TreeShape.chain", with_(TreeShape.chain, k=4), "k", 1, None),
     ("TreeShape.chain_with_leaves", with_(TreeShape.chain_with_leaves, k=4, leaves=1), "k", 1, None),
-    ("TreeShape.chain_with_leaves", with_(TreeShape.chain_with_leaves, k=4, leaves=1), "leaves", 0, None),
+    ("TreeShape.chain_with_leaves", with_(TreeShape.chain_with_leaves, k=4, leaves=1), "leaves", 0,
+     MAX_TREE_CANDIDATES - 1),
     *(("TreeShape.likeliest", with_(TreeShape.likeliest, size=8), name, 1, None) for name in ("size", "depth")),
     ("TreeShape.likeliest", with_(TreeShape.likeliest, size=8), "ranks", 1, MAX_TREE_CANDIDATES),
-    *(("DynamicTree", with_(DynamicTree, depth=4, width=4, branch=4), name, 1, None)
-      for name in ("depth", "width", "branch")),
+    *(("DynamicTree", with_(DynamicTree, depth=4, width=4, branch=4), name, 1, None) for name in ("depth", "width")),
+    ("DynamicTree", with_(DynamicTree, depth=4, width=4, branch=4), "branch", 1, MAX_TREE_CANDIDATES),
     ("DeviceBuffer.wrap", with_(DeviceBuffer.wrap, ptr=FAKE_PTR, dtype=np.uint32), "length", 1, None),
     ("DeviceBuffer.view", with_(words(16).view, start=0), "count", 1, None),
 ]

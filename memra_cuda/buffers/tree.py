@@ -113,8 +113,12 @@ class TreeShape:
 
     @classmethod
     def chain(cls, k: int) -> TreeShape:
-        """k drafts in a line: the tree a chain round verifies."""
+        """k drafts in a line: the tree a chain round verifies (its size checked before its nodes
+        are listed)."""
         k = as_size(k, "k")
+        if k + 1 > MAX_TREE_NODES:
+            raise ValueError(f"a tree has at most {MAX_TREE_NODES} nodes (the ancestor mask's width): a chain of "
+                             f"k {k} has {k + 1}")
         return cls((-1, *range(k)), (0,) * (k + 1))
 
     @classmethod
@@ -123,8 +127,12 @@ class TreeShape:
         draft that leaves out what it need not expand (`expanded`) runs a chain's levels of one
         node for it, and the verify takes k (leaves + 1) + 1 tokens. Where a verify of those costs
         about what one of k + 1 does, it catches the draft's second choices at a chain's draft
-        cost."""
-        k, leaves = as_size(k, "k"), as_size(leaves, "leaves", 0)
+        cost. Its size is checked before its paths are listed (k^2 of them: a k of 10 000 took
+        half a minute and a gigabyte before from_choices refused it)."""
+        k, leaves = as_size(k, "k"), as_size(leaves, "leaves", 0, MAX_TREE_CANDIDATES - 1)
+        if k * (leaves + 1) + 1 > MAX_TREE_NODES:
+            raise ValueError(f"a tree has at most {MAX_TREE_NODES} nodes (the ancestor mask's width): k {k} x "
+                             f"(leaves {leaves} + 1) + 1 is {k * (leaves + 1) + 1}")
         return cls.from_choices([[0] * (d - 1) + [r] for d in range(1, k + 1) for r in range(leaves + 1)])
 
     @classmethod
@@ -221,9 +229,11 @@ class DynamicTree:
         """The checked plain ints are kept, not the values given: numpy integers' arithmetic
         wraps (uint8 depth 3 x width 100 + 1 is 45, not 301, under the mask's limit), and the
         nodes, levels and mask words (TreeBufs) of a wrapped count disagree with one another,
-        which the kernels would trust."""
+        which the kernels would trust. A node offers at most MAX_TREE_CANDIDATES (a draft's
+        candidates a node, TreeKernels' K)."""
         for name in ("depth", "width", "branch"):
-            object.__setattr__(self, name, as_size(getattr(self, name), name))
+            object.__setattr__(self, name, as_size(getattr(self, name), name,
+                                                   most=MAX_TREE_CANDIDATES if name == "branch" else None))
         if self.nodes > MAX_TREE_NODES:
             raise ValueError(f"a tree has at most {MAX_TREE_NODES} nodes (the ancestor mask's width): depth "
                              f"{self.depth} x width {self.width} + 1 is {self.nodes}")

@@ -5,6 +5,7 @@ its buffer."""
 from __future__ import annotations
 
 import operator
+import reprlib
 from collections.abc import Sequence
 from numbers import Real
 from typing import Any
@@ -48,9 +49,13 @@ def exact_int(value: Any, dtype: Any) -> int:
 
 def exact_array(values: Any, dtype: Any) -> np.ndarray:
     """`values` as a flat `dtype` array, refusing any value the conversion would change and
-    anything that is not numbers (objects, strings, complex)."""
+    anything that is not numbers (objects, strings, complex), and bools for an integer dtype
+    (TypeError, as exact_int: True would be stored as 1, a token, a position or a row)."""
     dtype = np.dtype(dtype)
     arr = values if isinstance(values, np.ndarray) else np.asarray(values)
+    if dtype.kind in "iu" and (arr.dtype.kind == "b" or isinstance(values, (list, tuple)) and any(
+            type(v) in (bool, np.bool_) for v in values)):
+        raise TypeError(f"bools given for a {dtype.name} buffer: {reprlib.repr(values)}")
     if arr.dtype == dtype:
         return arr.reshape(-1)
     if arr.dtype.kind in "fO" and not isinstance(values, np.ndarray) and dtype.kind in "iu":

@@ -27,6 +27,9 @@ from .signatures import load
 if TYPE_CHECKING:
     from ..driver.engine import Engine
 
+# The widest row seed_gather copies: its u32 word index, stepping by the grid (at most 2**18 threads),
+# never wraps below 2**32 (a hidden state of 2**31 words is 8 GiB)
+MAX_ROW_WORDS = 2**31
 CHOOSE_THREADS = 512  # spec_stream.cu's: the length chooser's one block
 
 
@@ -50,9 +53,10 @@ class SpecKernels:
 
     def prepare_seed_gather(self, bufs: StreamBufs, rows_d: BufferLike, row_words: int, out_d: BufferLike) -> Launch:
         """rows_d holds [B][n_rows][row_words] words (n_rows = rows_d.len // (B·row_words)),
-        out_d [B][row_words]."""
+        out_d [B][row_words]; row_words at most MAX_ROW_WORDS (the kernel's u32 word index steps
+        by its grid: past 2**32 - the grid it would wrap, and the copy never end)."""
         rows_d, out_d = self._words("rows_d", rows_d), self._words("out_d", out_d)
-        row_words, batch = as_size(row_words, "row_words"), bufs.batch
+        row_words, batch = as_size(row_words, "row_words", 1, MAX_ROW_WORDS), bufs.batch
         if rows_d.len % (batch * row_words):
             raise ValueError(f"rows_d ({rows_d.len} words) must hold {batch} sequences of whole rows of "
                              f"{row_words} words")

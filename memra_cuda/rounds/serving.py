@@ -117,6 +117,9 @@ class Decoder(Protocol):
         until a request is admitted into them."""
 
 
+DECODES = ("batch", "vocab", "refusal", "admit", "burst", "park")  # what a Server asks of a Decoder
+
+
 class RequestRefused(MemraError, ValueError):
     """A request refused before it took a slot: malformed, naming a token outside the
     vocabulary, or needing more room than the caches hold. `ident` names it (a server's id, or
@@ -145,10 +148,37 @@ def malformed(request: Request, vocab: int) -> str | None:
     return checked if isinstance(checked, str) else None
 
 
+def as_seed(value: object) -> int:
+    """A request's seed as an int, a 64-bit one (a sampled decoder keeps its rows' seeds in an
+    int64 tensor: past it, a row's admission raised after its prefill), else TypeError or
+    ValueError naming it."""
+    seed = as_index(value, "its seed")
+    if not -2**63 <= seed < 2**63:
+        raise ValueError(f"its seed {seed} is outside a 64-bit int")
+    return seed
+
+
+def admitted(request: Request, vocab: int, row: int, batch: int) -> Request:
+    """What a decoder's admit() starts in `row` of its `batch`: the copy of `request` that
+    Server.submit keeps (its prompt a tuple of ints in the `vocab`, its numbers plain ints), or
+    ValueError or TypeError naming what is wrong. admit() is public: an engine may call it
+    without a Server, and a token outside the vocabulary would fault the device in the embedding
+    lookup, a bool row be read as row 1."""
+    row = as_index(row, "a row")
+    if not 0 <= row < batch:
+        raise ValueError(f"row {row} is not one of the decoder's {batch}")
+    checked = _checked(request, vocab)
+    if isinstance(checked, str):
+        raise ValueError(f"a request not admitted: {checked}")
+    return checked
+
+
 def _checked(request: Request, vocab: int) -> Request | str:
-    """`request` with its prompt a tuple of ints taken from the very copy that was checked, or
-    why it is malformed (malformed's reasons). The copy is what a server keeps: a caller who
-    changes the list it gave after submit() cannot slip an unchecked token into a row."""
+    """`request` with its prompt a tuple of ints taken from the very copy that was checked, and
+    its budget, EOS, seed and most draft length the plain ints checked, or why it is malformed
+    (malformed's reasons). The copy is what a server keeps: a caller who changes the list, or the
+    0-d array of a budget (an index as any int is), it gave after submit() cannot slip an
+    unchecked token or a budget past the room refusal() measured into a row."""
     request = as_request(request)
     try:
         prompt = np.array(request.prompt)  # a copy, never the caller's array itself
@@ -161,18 +191,15 @@ def _checked(request: Request, vocab: int) -> Request | str:
         at = int(outside[0])
         return f"its prompt's token {prompt[at]} (at {at}) is outside the vocabulary of {vocab} tokens"
     try:
-        as_size(request.max_new_tokens, "max_new_tokens", 0)
-        seed = as_index(request.seed, "its seed")
+        budget = as_size(request.max_new_tokens, "max_new_tokens", 0)
+        seed = as_seed(request.seed)
         eos = None if request.eos is None else as_size(request.eos, "eos", 0, also="None")
-        if request.max_draft is not None:
-            as_size(request.max_draft, "max_draft", 0, also="None")
+        most = None if request.max_draft is None else as_size(request.max_draft, "max_draft", 0, also="None")
     except (TypeError, ValueError) as exc:
         return str(exc)
-    if not -2**63 <= seed < 2**63:  # a sampled decoder's seeds are an int64 tensor: past it, its admission raised
-        return f"its seed {seed} is outside a 64-bit int"
     if eos is not None and eos >= vocab:
         return f"its EOS {eos} is outside the vocabulary of {vocab} tokens"
-    return request._replace(prompt=tuple(prompt.tolist()))
+    return request._replace(prompt=tuple(prompt.tolist()), max_new_tokens=budget, eos=eos, seed=seed, max_draft=most)
 
 
 @dataclass
@@ -219,6 +246,10 @@ class Server:
     """
 
     def __init__(self, decoder: Decoder, *, clock: Callable[[], float] = time.perf_counter):
+        missing = [name for name in DECODES if not hasattr(decoder, name)]
+        if missing:
+            raise TypeError(f"a decoder has {', '.join(DECODES)} (memra_cuda.rounds.serving.Decoder): "
+                            f"type {type(decoder).__name__} has no {', '.join(missing)}")
         batch = as_size(decoder.batch, "a decoder's batch")
         as_size(decoder.vocab, "a decoder's vocab")
         self.decoder, self.clock = decoder, clock

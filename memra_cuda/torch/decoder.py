@@ -23,7 +23,7 @@ from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_size
-from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, malformed
+from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, admitted, as_seed, malformed
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import engine
 from .kv import CacheLayout, Room, StaticKV, as_capacity
@@ -142,9 +142,11 @@ class RoundDecoder:
         """Both caches of each row take its prompt but the last token, which becomes pending;
         `seeds` are the rows' requests' (sampling), `caps` their most draft lengths (default k:
         a new request drafts at the full length unless it says). The rows' stop rules are lifted
-        (set_stop sets the next ones). Returns the rows' start positions."""
-        rows = list(rows)
-        caps = [self.k] * len(rows) if caps is None else list(caps)
+        (set_stop sets the next ones). Returns the rows' start positions. Rows, caps and seeds
+        are checked before any row is written: a cap refused after the caches were filled left
+        the rows live with no budget."""
+        rows = [as_size(row, "a row", 0, self.batch - 1) for row in rows]
+        caps = [self.k] * len(rows) if caps is None else [as_size(c, "a most draft length", 0, self.k) for c in caps]
         if len(caps) != len(rows):
             raise ValueError(f"need one most draft length for each of the {len(rows)} rows, not {len(caps)}")
         starts = self._fill(rows, prompts, seeds)
@@ -164,8 +166,10 @@ class RoundDecoder:
         its prompt but the last token, which becomes pending, and the row takes its stop rule
         with it (StreamBufs.start_row), so no burst finds it live without its budget. The other
         rows run on untouched: continuous batching's unit (a Server's admission). The request
-        is taken as Server.submit checks it: well formed, its tokens in the vocabulary."""
-        prompt, cap = request.prompt, self._cap(request)  # a bad one refused before the row is touched
+        is checked as Server.submit checks it (rounds.serving.admitted): well formed, its tokens
+        in the vocabulary; its room is checked by every burst (CapacityError)."""
+        request = admitted(request, self.vocab, row, self.batch)  # a bad one refused before the row is touched
+        prompt, cap = request.prompt, self._cap(request)
         (start,) = self._fill([row], [prompt], [request.seed])
         with torch.cuda.stream(self.stream):
             self.bufs.start_row(row, int(prompt[-1]), start, budget=request.max_new_tokens, eos=request.eos)
@@ -186,6 +190,7 @@ class RoundDecoder:
             raise ValueError(f"need one prompt of at least one token for each of the {len(rows)} rows")
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")
+        seeds = None if seeds is None else [as_seed(seed) for seed in seeds]
         heads = [prompt[:-1] for prompt in prompts]
         with torch.cuda.stream(self.stream):
             index = torch.tensor(rows, device="cuda")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..driver.values import as_size
-from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, malformed
+from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, admitted, malformed
 from .sampling import SamplingParams
 from .compiled import stack_for
 from .kv import Room, as_capacity
@@ -103,7 +103,12 @@ class GraphedGreedy:
     def admit(self, row: int, request: Request) -> None:
         """Start `request` in slot `row` between bursts, in one call: the row's cache takes its
         prompt but the last token, which becomes the row's next input at its position, and its
-        stop (EOS, budget) is kept on the host. The other rows run on untouched."""
+        stop (EOS, budget) is kept on the host. The other rows run on untouched. The request is
+        checked as Server.submit checks it (rounds.serving.admitted) and for its room (refusal:
+        a row past its cache would run at clamped positions, its tokens wrong, silently)."""
+        request = admitted(request, self.vocab, row, self.batch)
+        if (why := self.refusal(request)) is not None:
+            raise ValueError(f"a request not admitted: {why}")
         prompt = request.prompt
         with torch.cuda.stream(self.stream):
             self.stack.prefill([row], [prompt[:-1]])

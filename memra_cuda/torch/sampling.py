@@ -12,28 +12,38 @@ from dataclasses import dataclass
 
 import torch
 
-from ..driver.values import as_size
+from ..driver.values import as_real, as_size
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Temperature, then top-k (0: off), then top-p (1: off), as Hugging Face's logits
-    processors apply them; greedy decoding is no SamplingParams at all (None)."""
+    processors apply them; greedy decoding is no SamplingParams at all (None). The checked
+    numbers are kept (a bool is none: True was a temperature of 1): a temperature finite and
+    above 0 (an infinite one is no law of the model's: every token alike), a top_p in (0, 1]."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (greedy is sampling=None), not {self.temperature}")
-        as_size(self.top_k, "top_k", 0)
-        if not 0 < self.top_p <= 1:
+        temperature, top_p = as_real(self.temperature, "temperature"), as_real(self.top_p, "top_p")
+        if not 0 < temperature < math.inf:
+            raise ValueError(f"temperature must be finite and > 0 (greedy is sampling=None), not {self.temperature}")
+        if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_k", as_size(self.top_k, "top_k", 0))
+        object.__setattr__(self, "top_p", top_p)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """f32 probabilities over the last dimension of `logits` ([..., V] -> [..., V])."""
-        logits = logits.float() / self.temperature
+        """f32 probabilities over the last dimension of `logits` ([..., V] -> [..., V]). The
+        logits are taken from their largest before the temperature divides them (the same law:
+        softmax does not see a shift), so that a small temperature drives them to -inf and the
+        likeliest token to 0, where dividing first overflowed to inf and softmax gave NaN (which
+        the kernels read as no mass: token 0, every round)."""
+        logits = logits.float()
+        logits = (logits - logits.amax(-1, keepdim=True)) / self.temperature
         if self.top_k:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)

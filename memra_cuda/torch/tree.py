@@ -15,7 +15,8 @@ from ..buffers.acceptance import Greedy, Sampling
 from ..buffers.geometry import Geometry
 from ..buffers.lengths import DraftLengths
 from ..buffers.tables import kv_data_table, kv_len_ptr_table
-from ..buffers.tree import Candidates, DynamicTree, Tree, TreeBufs, TreeShape
+from ..buffers.tree import MAX_TREE_CANDIDATES, Candidates, DynamicTree, Tree, TreeBufs, TreeShape
+from ..driver.values import as_size
 from ..rounds.stream import RoundStream
 from ..rounds.tree_round import TreeRound
 from .decoder import RoundDecoder
@@ -71,10 +72,11 @@ class TreeLlama(RoundDecoder):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
         if sampling is not None and candidates is not None:
             raise ValueError("a sampled tree draws its children from the draft's q: candidates= is for greedy trees")
-        self.candidates = tree.draws if candidates is None else int(candidates)
-        if not tree.draws <= self.candidates <= model.config.vocab_size:
-            raise ValueError(f"the tree asks for {tree.draws} candidates a node: candidates must be from that to the "
-                             f"vocabulary's {model.config.vocab_size}, not {candidates}")
+        # a node's candidates: at least the tree's draws, at most the grow kernel's K (and the vocabulary)
+        most = min(MAX_TREE_CANDIDATES, model.config.vocab_size)
+        self.candidates = tree.draws if candidates is None else as_size(
+            candidates, f"candidates (the tree draws {tree.draws} a node; the kernels rank at most {most})",
+            tree.draws, most)
         self.tree = tree
         cache: CacheLayout = StaticKV if paged is None else functools.partial(PagedKV, page=paged)
         super().__init__(model, draft, Geometry.of_tree(tree, m_rounds, batch),

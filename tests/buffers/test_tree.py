@@ -4,6 +4,8 @@ and the tree kernels' launchers' check that a tree's counts agree (memra_cuda/ke
 made before a kernel is asked for. CPU only: TreeBufs over an address nobody reads."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -77,9 +79,24 @@ def test_a_chain_with_leaves_expands_its_line_alone():
     assert tree.expanded == ((0, 1), (1, 2), (4, 5), (7, 7))  # one node a level: a chain's draft
     assert (tree.nodes, tree.depth, tree.draws) == (10, 3, 3)
     assert TreeShape.chain_with_leaves(4, 0) == TreeShape.chain(4)
-    for k, leaves, named in ((0, 1, "k must be an int of at least 1"), (2, -1, "leaves must be an int of at least 0")):
+    for k, leaves, named in ((0, 1, "k must be an int of at least 1"), (2, -1, "leaves must be an int from 0"),
+                             (2, MAX_TREE_CANDIDATES, f"leaves must be an int from 0 to {MAX_TREE_CANDIDATES - 1}")):
         with pytest.raises(ValueError, match=named):
             TreeShape.chain_with_leaves(k, leaves)
+
+
+def test_a_chain_with_leaves_is_refused_past_the_mask_at_once():
+    """Its size is known from k and leaves: refused before its k^2 paths are listed (a k of
+    10 000 took half a minute and a gigabyte before), at the limit served."""
+    assert TreeShape.chain_with_leaves(85, 2).nodes == MAX_TREE_NODES  # 85 x 3 + 1
+    assert TreeShape.chain_with_leaves(1, MAX_TREE_CANDIDATES - 1).nodes == MAX_TREE_CANDIDATES + 1
+    started = time.perf_counter()
+    for k, leaves in ((86, 2), (10**9, 0), (10**18, 31)):
+        with pytest.raises(ValueError, match=f"at most {MAX_TREE_NODES} nodes"):
+            TreeShape.chain_with_leaves(k, leaves)
+    with pytest.raises(ValueError, match=f"at most {MAX_TREE_NODES} nodes"):
+        TreeShape.chain(10**9)
+    assert time.perf_counter() - started < 1
 
 
 def test_a_chain_is_a_tree_of_one_branch():
@@ -115,6 +132,9 @@ def test_the_mask_width_is_the_limit_at_the_limit_and_past_it():
     assert DynamicTree(depth=5, width=51, branch=2).nodes == MAX_TREE_NODES
     with pytest.raises(ValueError, match="mask"):
         DynamicTree(depth=5, width=52, branch=2)
+    assert DynamicTree(depth=1, width=4, branch=MAX_TREE_CANDIDATES).branch == MAX_TREE_CANDIDATES
+    with pytest.raises(ValueError, match=f"branch must be an int from 1 to {MAX_TREE_CANDIDATES}, not 33"):
+        DynamicTree(depth=1, width=4, branch=MAX_TREE_CANDIDATES + 1)  # a node has no 33rd candidate
 
 
 def test_a_sampled_tree_uses_its_first_draws():
@@ -135,7 +155,7 @@ def test_a_dynamic_level_weighs_at_most_the_grow_kernels_offers_at_the_limit():
     assert DynamicTree(depth=2, width=64, branch=MAX_TREE_OFFERS // 64).nodes == 129
     with pytest.raises(ValueError, match="offers"):
         DynamicTree(depth=2, width=64, branch=MAX_TREE_OFFERS // 64 + 1)
-    assert DynamicTree(depth=1, width=255, branch=MAX_TREE_OFFERS).nodes == MAX_TREE_NODES
+    assert DynamicTree(depth=1, width=255, branch=MAX_TREE_CANDIDATES).nodes == MAX_TREE_NODES  # the root offers alone
 
 
 def test_a_dynamic_tree_has_levels_of_its_width():

@@ -326,6 +326,17 @@ def test_exact_array_refuses_what_is_not_numbers(values, dtype):
         exact_array(values, dtype)
 
 
+@pytest.mark.parametrize("values", [[True, 5], (5, np.True_), [True, False], np.array([True, False])],
+                         ids=["list", "tuple", "bools", "bool-array"])
+def test_exact_array_refuses_bools_for_an_integer_buffer(values):
+    """A bool is no token, position or row: [True, 5] was uploaded as token 1 (numpy reads the
+    list as int64); a float buffer takes them as 0 and 1, as numpy would."""
+    with pytest.raises(TypeError, match="bools given for a uint32 buffer"):
+        exact_array(values, np.uint32)
+    assert exact_array([True, 5], np.float32).tolist() == [1.0, 5.0]
+    assert exact_array(np.array([True]), np.bool_).tolist() == [True]
+
+
 def test_exact_array_converts_big_python_ints_exactly():
     assert exact_array([1, 2**63, 2**64 - 1], np.uint64).tolist() == [1, 2**63, 2**64 - 1]
     with pytest.raises(ValueError):

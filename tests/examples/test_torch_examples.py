@@ -56,7 +56,7 @@ def test_the_examples_share_their_command_line_and_its_refusals(cli, capsys):
     assert not hasattr(args, "k") and cli.parse(cli.command_line("chains"), [])[0].k == 4
     refused = {("--state-rollback", "flip"): "add --hybrid", ("--draft", "d"): "add --model DIR",
                ("--prompt", "x"): "add --model DIR", ("--model", "m", "--hybrid"): "leave out --model",
-               ("--temperature", "0"): "temperature must be > 0", ("--draft-layers", "0"): "at least one layer"}
+               ("--temperature", "0"): "temperature must be finite", ("--draft-layers", "0"): "at least one layer"}
     for argv, message in refused.items():
         with pytest.raises(SystemExit):
             cli.parse(parser, list(argv))

@@ -35,6 +35,7 @@ from memra_cuda.buffers import PointerTable, kv_len_ptr_table_range
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.testing import reference as ref
 from memra_cuda.buffers.geometry import MAX_BATCH
+from memra_cuda.kernels.spec import MAX_ROW_WORDS
 from memra_cuda.testing.reference import BUDGET, DONE, EOS, KEEP
 
 pytestmark = pytest.mark.gpu
@@ -195,6 +196,19 @@ def test_seed_gather_copies_the_bonus_row_and_nothing_past_it(engine, spec, row_
         bad = np.flatnonzero(got != want)
         assert bad.size == 0, (f"row_words={row_words} acc={acc}: expected row {row} then the guard; "
                                f"words {bad[:8].tolist()} differ: {got[bad[:8]].tolist()} != {want[bad[:8]].tolist()}")
+
+
+def test_seed_gather_takes_rows_of_up_to_its_most_words(engine, spec):
+    """A row of MAX_ROW_WORDS words is prepared, one more refused naming it (the kernel's u32
+    word index would wrap and never end): buffers wrapped around an address, never launched."""
+    bufs = StreamBufs(engine, Geometry(1, 1))
+    for words, fits in ((MAX_ROW_WORDS, True), (MAX_ROW_WORDS + 1, False)):
+        rows_d, out_d = (DeviceBuffer.wrap(1 << 40, np.uint32, words, engine=engine) for _ in range(2))
+        if fits:
+            spec.prepare_seed_gather(bufs, rows_d, words, out_d)
+        else:
+            with pytest.raises(ValueError, match=f"row_words must be an int from 1 to {MAX_ROW_WORDS}"):
+                spec.prepare_seed_gather(bufs, rows_d, words, out_d)
 
 
 # -- 2. assemble_verify ----------------------------------------------------------------------

@@ -6,6 +6,8 @@ self-speculative and the separate draft, SamplingParams against Hugging Face's w
 a checkpoint directory, and what the decoders refuse before any device work."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -274,6 +276,26 @@ def test_sampling_params_are_hugging_faces_logits_processors(params):
             SamplingParams(**bad)
 
 
+def test_sampling_params_refuse_what_is_no_law_and_a_small_temperature_is_nearly_greedy():
+    """A bool is no temperature or top_p (True was 1), an infinite temperature no law of the
+    model's (every token alike), a string a TypeError naming it, not a comparison's; a
+    temperature of 1e-38 gives the likeliest token all the mass, where dividing first gave NaN."""
+    for bad, error, named in ((dict(temperature=True), TypeError, "temperature must be a real number"),
+                              (dict(temperature="1"), TypeError, "temperature must be a real number"),
+                              (dict(temperature=math.inf), ValueError, "temperature must be finite and > 0"),
+                              (dict(temperature=math.nan), ValueError, "temperature must be finite and > 0"),
+                              (dict(top_p=True), TypeError, "top_p must be a real number"),
+                              (dict(top_p=math.nan), ValueError, "top_p must be in"),
+                              (dict(top_k=True), TypeError, "top_k must be an integer")):
+        with pytest.raises(error, match=named):
+            SamplingParams(**bad)
+    params = SamplingParams(np.float32(0.5), np.int64(3), np.float64(0.9))
+    assert [type(v) for v in (params.temperature, params.top_k, params.top_p)] == [float, int, float]
+    logits = torch.tensor([[1.0, 3.0, 2.0], [-1e4, 5.0, 5.0 - 1e-3]])
+    probs = SamplingParams(1e-38).probs(logits)
+    assert torch.isfinite(probs).all() and probs.argmax(-1).tolist() == [1, 1] and probs.max(-1).values.min() == 1
+
+
 # -- loading ------------------------------------------------------------------------------------
 
 def save_pair(where) -> tuple:
@@ -376,7 +398,11 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
         (lambda: SpeculativeLlama(model, draft, draft_sampling=SamplingParams()), "give sampling= too"),
         (lambda: SpeculativeLlama(model, draft, capacity=Room(0, 8)), "prompt_len must be an int of at least 1"),
         (lambda: TreeLlama(model, draft, TREE, capacity=Room(4, -1)), "tokens must be an int of at least 0"),
-        (lambda: TreeLlama(model, draft, TREE, candidates=VOCAB + 1), f"vocabulary's {VOCAB}, not {VOCAB + 1}"),
+        (lambda: TreeLlama(model, draft, TREE, candidates=33),
+         "the kernels rank at most 32\\) must be an int from 2 to 32, not 33"),
+        (lambda: TreeLlama(model, draft, TREE, candidates=1), "candidates \\(the tree draws 2 a node.* not 1"),
+        (lambda: TreeLlama(tiny(vocab=8), self_draft(tiny(vocab=8)), TreeShape.chain(2), candidates=9),
+         "from 1 to 8, not 9"),
         (lambda: TreeLlama(model, draft, TREE, candidates=2, sampling=SamplingParams()), "candidates= is for greedy"),
         (lambda: TreeLlama(model, draft, TREE, state_rollback="swap"), "not 'swap'"),
     ]
@@ -385,6 +411,8 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
             make()
     with pytest.raises(TypeError, match="TreeShape or a DynamicTree"):
         TreeLlama(model, draft, [[0], [1]])
+    with pytest.raises(TypeError, match="candidates .* must be an integer, not 'abc'"):
+        TreeLlama(model, draft, TREE, candidates="abc")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="page must be an int of at least 1, not 0"):
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu", page=0)
     with pytest.raises(TypeError, match="paged cache"):
@@ -450,14 +478,22 @@ def test_the_plain_loop_refuses_a_burst_of_no_whole_steps_before_anything_is_mad
 
 
 def test_an_admission_refuses_a_bad_draft_length_before_the_row_is_touched():
-    """RoundDecoder.admit checks the request's most draft length first: a bad one raises naming
-    max_draft, and neither cache took the prompt (the row keeps what it had)."""
+    """RoundDecoder.admit checks the request as Server.submit does, and its row, first: a bad
+    most draft length, a token outside the vocabulary (an embedding lookup that would fault the
+    device), a bool or a missing row raise naming what, and neither cache took the prompt (the
+    row keeps what it had). admit is public: an engine may call it without a Server."""
     from memra_cuda.torch import Request
     from memra_cuda.torch.decoder import RoundDecoder
     decoder = object.__new__(RoundDecoder)
     decoder.stream, decoder.shared, decoder.sampling, decoder.k = None, False, None, 4
+    decoder.vocab, decoder.batch = 10, 2
     decoder.target, decoder.draft = Prefilled(), Prefilled()
-    for bad, error in ((-1, ValueError), (2.5, TypeError)):
-        with pytest.raises(error, match="max_draft"):
-            decoder.admit(0, Request([5, 6], 4, max_draft=bad))
+    for row, request, error, named in ((0, Request([5, 6], 4, max_draft=-1), ValueError, "max_draft"),
+                                       (0, Request([5, 6], 4, max_draft=2.5), ValueError, "max_draft"),
+                                       (0, Request([5, 10], 4), ValueError, "token 10 \\(at 1\\) is outside the vocab"),
+                                       (0, Request([-1], 4), ValueError, "token -1 \\(at 0\\) is outside the vocab"),
+                                       (True, Request([5], 4), TypeError, "a row must be an integer, not True"),
+                                       (2, Request([5], 4), ValueError, "row 2 is not one of the decoder's 2")):
+        with pytest.raises(error, match=named):
+            decoder.admit(row, request)
     assert decoder.target.calls == decoder.draft.calls == []

@@ -294,6 +294,23 @@ def test_a_prompt_changed_after_submit_is_not_the_one_admitted():
     assert progress.tokens[ids[0]] == alone(Request([1, 2, 3], 30))[:len(progress.tokens[ids[0]])]
 
 
+def test_a_budget_changed_after_submit_is_not_the_one_admitted():
+    """A budget, EOS, seed or most draft length given as a 0-d array (an index, as any int is)
+    is kept as the int that was checked: an array raised to a million after submit would have
+    taken a row past the room refusal() measured (a speculative decoder's rows then stalled
+    every burst; the plain decoding wrote past its cache's end, clamped, silently)."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    budget, eos, seed, most = (np.array(v) for v in (5, 7, 3, 2))
+    ident = server.submit(Request([1, 2], budget, eos=eos, seed=seed, max_draft=most))
+    for value in (budget, eos, seed, most):
+        value[()] = 10**6
+    server.step()
+    kept = decoder.rows[0]
+    assert kept is not None and (kept.max_new_tokens, kept.eos, kept.seed, kept.max_draft) == (5, 7, 3, 2)
+    assert all(type(v) is int for v in (kept.max_new_tokens, kept.eos, kept.seed, kept.max_draft)), ident
+
+
 def test_a_server_over_a_decoder_of_no_rows_is_refused_naming_its_batch():
     """A batch of 0 left serve() stepping for ever: no row ever took a request."""
     for batch, error in ((0, ValueError), (-1, ValueError), (True, TypeError), (2.0, TypeError)):
@@ -303,6 +320,9 @@ def test_a_server_over_a_decoder_of_no_rows_is_refused_naming_its_batch():
                                         f"a decoder's batch must be an integer, not {batch}"):
             Server(decoder)
         assert decoder.calls == [], "a refused server parked rows"
+    with pytest.raises(TypeError, match=r"a decoder has batch, vocab, refusal, admit, burst, park \(memra_cuda"
+                                        r"\.rounds\.serving\.Decoder\): type object has no batch, vocab"):
+        Server(object())  # type: ignore[arg-type]
     decoder = Counting(1)
     decoder.vocab = 0
     with pytest.raises(ValueError, match="a decoder's vocab must be an int of at least 1, not 0"):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
-from ...driver.values import as_size
+from ...driver.values import as_size, exact_int
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
@@ -415,11 +415,13 @@ class ToyLM:
     def prefill_row(self, bufs: StreamBufs, row: int, prompt: Sequence[int], seed: int = 0) -> int:
         """prefill() for the sequence in slot `row` (bufs.reset_row), leaving the other rows
         alone: a new request joins between bursts. `seed` is the request's (sampling mode): its
-        tokens depend on it alone. Returns its start position."""
+        tokens depend on it alone (a u64, checked before the row is reset). Returns its start
+        position."""
         n = len(prompt) - 1
         if not 0 <= n <= self.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a cache of {self.capacity}")
         self._check_batch(bufs)
+        seed = exact_int(seed, np.uint64)
         states = self._states(bufs, self._prefill_k(bufs))
         engine = self.engine
         bufs.reset_row(row, prompt[-1], n)
