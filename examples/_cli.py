@@ -75,6 +75,9 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
         parser.error("--hybrid is the random-weight model's variant: leave out --model")
     if args.draft_layers < 1:
         parser.error(f"--draft-layers takes at least one layer, not {args.draft_layers}")
+    if args.temperature is None and (args.top_k != 0 or args.top_p != 1.0):
+        parser.error("--top-k and --top-p shape sampling, and without --temperature the decoding is greedy: "
+                     "add --temperature T")
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature is not None else None
     except ValueError as exc:

@@ -8,7 +8,8 @@ the positions. A wrong position or rollback changes the output. docs/model-side.
     pip install '.[nvrtc]'              # in memra_cuda's checkout: NVRTC, for compile_ptx
     python examples/own_kernels.py [--k 4] [--m-rounds 8] [--mode graph] [--tokens 64] [--prompt ID ...]
 
-Exit status 0 on a match, 1 otherwise (or without a GPU or NVRTC, said in one line).
+Exit status 0 on a match, 1 otherwise (or without a GPU or NVRTC, said in one line), 2 for an
+option out of range (a prompt's token id past the vocabulary, a negative k, no rounds a burst).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from memra_cuda import Geometry
 from memra_cuda import (Cache, DeviceBuffer, Engine, Greedy, KVLayer, Mode, Module, RoundStream, StreamBufs,
                         compile_ptx, kv_capacity, kv_len_ptr_table)
 from memra_cuda.driver import Signature
+from memra_cuda.driver.values import as_size
 from memra_cuda.errors import CudaUnavailable, NvrtcUnavailable
 
 SOURCE = r"""
@@ -121,6 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--prompt", type=int, nargs="+", default=PROMPT, metavar="ID",
                      help=f"the prompt's token ids, each below {VOCAB} (default: {' '.join(map(str, PROMPT))})")
     args = cli.parse_args(argv)
+    # What the options get wrong is the parser's error (exit status 2), said before any GPU work: a
+    # token id past the vocabulary failed after decoding (the greedy check indexes TABLE by it, where
+    # the kernel wraps it), a negative one at the copy (no u32), and Geometry's refusal of --k or
+    # --m-rounds was a traceback from inside the engine.
+    outside = [token for token in args.prompt if not 0 <= token < VOCAB]
+    if outside:
+        cli.error(f"--prompt takes token ids from 0 to {VOCAB - 1}, not {' '.join(map(str, outside))}")
+    try:
+        Geometry(args.k, args.m_rounds)  # its errors name k and m_rounds, --k and --m-rounds
+        as_size(args.tokens, "--tokens", 0)
+    except ValueError as exc:
+        cli.error(str(exc))
     try:
         with Engine() as engine:
             tokens, summary = decode(engine, args.prompt, args.tokens, args.k, args.m_rounds, args.mode)

@@ -5,7 +5,8 @@ The toy (memra_cuda.testing.toy, docs/toy-model.md) is a hash model whose next t
 every KV entry, so a wrong position or rollback shows in the tokens; its draft is wrong at a
 tenth of the positions. The demo decodes the prompt once untimed (compiling, capturing) and once
 timed, then prints the tokens, the drafts accepted, the host readbacks, the speed and whether
-the output matches. Exit status: 0 on a match, 1 on a mismatch, 2 without a GPU.
+the output matches. Exit status: 0 on a match, 1 on a mismatch, 2 without a GPU or for an
+option out of range (said before any GPU work).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .buffers.geometry import Geometry
 from .buffers.stream_bufs import StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable
+from .driver.values import as_size
 from .rounds.stream import MODES
 from .testing.toy.lm import ToyLM, ToyModel, target_greedy
 
@@ -42,7 +44,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
+    # Out of range is the parser's error (exit status 2), said before any engine is made: inside one,
+    # Geometry's refusal of `--k -1` or `--m-rounds 0` was a traceback on a machine with a GPU.
+    try:
+        geometry = Geometry(args.k, args.m_rounds)  # its errors name k and m_rounds, --k and --m-rounds
+        as_size(args.tokens, "--tokens", 0)
+    except ValueError as exc:
+        cli.error(str(exc))
     model = ToyModel(seed=7, noise_ppm=100_000, p_min=0.05)
     try:
         engine = Engine()
@@ -50,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memra_cuda: no GPU to run the demo on: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     with engine:
-        geometry = Geometry(args.k, args.m_rounds)
         lm = ToyLM(engine, model, kv_capacity(len(args.prompt), args.tokens, geometry, overlap=args.mode == "overlap"))
         bufs = StreamBufs(engine, geometry)
         stream = lm.round_stream(bufs)

@@ -1,11 +1,13 @@
 """The user pages stay what a user reads: a README of at most 120 lines, no docs page over 250,
 no performance figure in them (they live in benchmarks/RESULTS.md, each with its machine, date
 and model), no name the library no longer has, docs/errors.md listing exactly the errors of
-memra_cuda.errors, install lines that work from a checkout or a wheel, and no address the
-project does not have. CPU only: it runs in every `make test`.
+memra_cuda.errors, install lines that work from a checkout or a wheel, no address the project
+does not have, the toy page's ToyModel signature whole, and the Unreleased section's migration
+table for the calls the Geometry changed. CPU only: it runs in every `make test`.
 """
 from __future__ import annotations
 
+import ast
 import builtins
 import fnmatch
 import re
@@ -192,3 +194,48 @@ def test_no_page_message_or_skip_installs_memra_cuda_from_an_index():
     found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in read
              for number, line in enumerate(lines(path), 1) if FROM_INDEX.search(line) and path != Path(__file__)]
     assert not found, "installs of memra_cuda from an index:\n" + "\n".join(found)
+
+
+def test_the_toy_page_gives_toy_models_whole_signature():
+    """docs/toy-model.md gave ToyModel(...) without tree_spread: its signature there names every
+    field of ToyModel, in order, with its default."""
+    from dataclasses import fields
+
+    from memra_cuda.testing.toy.lm import ToyModel
+    pages()
+    text = " ".join((DOCS / "toy-model.md").read_text(encoding="utf-8").split())
+    written = max(re.findall(r"`(ToyModel\([^`]*\))`", text), key=len)  # the whole signature, not an example
+    call = ast.parse(written, mode="eval").body
+    assert isinstance(call, ast.Call)
+    assert [(kw.arg, ast.literal_eval(kw.value)) for kw in call.keywords] == \
+        [(field.name, field.default) for field in fields(ToyModel)], written
+
+
+# The calls whose loose k, M and B became one Geometry (0.3.0's signatures), each a row of the
+# Unreleased section's migration table.
+GEOMETRY_CALLS = ("StreamBufs(engine, k, m_rounds", "kv_capacity(prompt_len, max_new_tokens, k, m_rounds",
+                  "Capacity(entries, k, batch, m_rounds", "Capacity.of(capacities, k, batch, m_rounds",
+                  "capacity_for(prompt_len, tokens, k, m_rounds", "RoundDecoder(model, draft, *, k=",
+                  "Round(..., width=")
+
+
+def test_the_unreleased_breaks_come_with_a_migration_table_that_runs():
+    """CHANGELOG.md's header promises a migration table for a release that breaks code; the
+    Unreleased section broke 0.3.0's calls (a Geometry for loose k, M and B) and had none. Every
+    such call has a row whose replacement takes a Geometry, and the rows' kv_capacity calls do what
+    they say: the old a TypeError, the new a capacity."""
+    from memra_cuda import Geometry, kv_capacity
+    unreleased = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").split("## [Unreleased]", 1)[1]
+    unreleased = unreleased.split("\n## [", 1)[0]
+    assert "### Changed (breaking)" in unreleased and "### Migrating from 0.3.0" in unreleased
+    rows = re.findall(r"^\| (.+) \| (.+) \|$", unreleased.split("### Migrating from 0.3.0", 1)[1], re.M)[2:]
+    for call in GEOMETRY_CALLS:
+        assert any(call in old and "geometry" in new.lower() for old, new in rows), f"no row migrates {call}"
+    olds, news = ([code for cell in cells for code in re.findall(r"`(kv_capacity\(5, [^`]*)`", cell)]
+                  for cells in zip(*rows))
+    assert olds and news
+    for code in olds:
+        with pytest.raises(TypeError):
+            eval(code, {"kv_capacity": kv_capacity})
+    for code in news:
+        assert eval(code, {"kv_capacity": kv_capacity, "Geometry": Geometry}) > 256, code

@@ -74,7 +74,12 @@ class Capacity:
     def of(cls, capacities: Iterable[int | Unchecked | None], geometry: Geometry) -> Capacity:
         """The rule for caches of the given capacities (None and UNCHECKED say nothing). Each is
         checked as kv_entries checks one, the error naming its place ("capacities[2]"), before
-        the fewest is taken (min() of a string and an int raised a TypeError naming neither)."""
+        the fewest is taken (min() of a string and an int raised a TypeError naming neither); one
+        capacity where the many are asked for is refused naming `capacities` (iterating an int
+        raised "'int' object is not iterable", and a string's characters would be read as numbers)."""
+        if isinstance(capacities, (str, bytes)) or not isinstance(capacities, Iterable):
+            raise TypeError(f"capacities must be an iterable of KV capacities (each a positive int, None or "
+                            f"UNCHECKED), not {capacities!r}: Capacity(entries, geometry) takes one")
         stated = [kv_entries(c, f"capacities[{i}]") for i, c in enumerate(capacities)]
         known = [c for c in stated if isinstance(c, int)]
         return cls(min(known) if known else None, geometry)

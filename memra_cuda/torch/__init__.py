@@ -23,6 +23,14 @@ What every PyTorch engine of this layer reuses, a module a concept:
   a model's layers split over tensor-parallel ranks; `testing` — random-weight Llamas for the
   tests, the examples and the benchmark, not imported here.
 """
+try:  # torch first, so that its absence says how to install it rather than naming a module alone
+    import torch  # noqa: F401
+except ModuleNotFoundError as exc:
+    # Still a ModuleNotFoundError of that name (callers that tolerate a missing extra read exc.name);
+    # memra_cuda is on no index, so the extra is installed from the checkout, as the README says.
+    raise ModuleNotFoundError(f"memra_cuda.torch needs PyTorch ({exc.name!r} is not installed): in memra_cuda's "
+                              f"checkout, install the torch extra: pip install '.[torch]'", name=exc.name) from exc
+
 from .adapter import capture, engine, framework, loop_capture
 from .chain import SpeculativeLlama
 from .compiled import CompiledStack

@@ -4,6 +4,8 @@ the rule of a pipeline's stages; the fast path against every row; kv_capacity ag
 position a live row can burst from."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -124,6 +126,16 @@ def test_capacity_of_checks_each_capacity_naming_its_place():
             Capacity.of([5, None, bad], Geometry(1, 1))
     rule = Capacity.of(iter([np.int64(9), UNCHECKED, None, 12]), Geometry(1, 1))
     assert rule.entries == 9 and type(rule.entries) is int
+
+
+def test_capacity_of_one_capacity_names_the_capacities_it_wants():
+    """Capacity.of(10, geometry) raised "'int' object is not iterable", naming nothing; a string
+    would have been read a character at a time."""
+    for bad in (10, "512", None, UNCHECKED):
+        with pytest.raises(TypeError, match=r"capacities must be an iterable of KV capacities .* not "
+                                            + re.escape(repr(bad))):
+            Capacity.of(bad, Geometry(4, 8))
+    assert Capacity.of(np.array([64, 32]), Geometry(4, 8)).entries == 32  # an array is iterable
 
 
 def test_the_one_reduction_fast_path_agrees_with_every_row():

@@ -1,10 +1,13 @@
 """`python -m memra_cuda --help` (the demo, `make demo`), on the CPU: a user who asks what the
-demo does reads its whole description and what each option is for."""
+demo does reads its whole description and what each option is for; an option out of range is
+the parser's error, before any engine is made."""
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+
+import pytest
 
 import memra_cuda.__main__ as demo
 
@@ -27,3 +30,21 @@ def test_help_says_what_every_option_is_for():
     for entry in entries:
         invocation, *help_text = re.split(r"\s{2,}", entry.strip(), maxsplit=1)
         assert help_text and help_text[0].strip(), f"{invocation} has no help"
+
+
+def test_an_option_out_of_range_is_a_usage_error_before_any_engine(monkeypatch, capsys):
+    """`--k -1` and `--m-rounds 0` were refused by Geometry inside `with engine:`, a traceback on a
+    machine with a GPU; now argparse's exit status 2 and one line naming the value, before any
+    engine is made (Engine here fails the test if it is)."""
+    def no_engine():
+        raise AssertionError("an engine was made for options out of range")
+
+    monkeypatch.setattr(demo, "Engine", no_engine)
+    for argv, message in ((["--k", "-1"], "k must be an int of at least 0, not -1"),
+                          (["--m-rounds", "0"], "m_rounds must be an int of at least 1, not 0"),
+                          (["--k", "4", "--m-rounds", str(2**32)], "m_rounds must be at most"),
+                          (["--tokens", "-3"], "--tokens must be an int of at least 0, not -3")):
+        with pytest.raises(SystemExit) as exit_:
+            demo.main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"python -m memra_cuda: error: {message}" in err, err

@@ -59,7 +59,7 @@ def test_perfect_draft_accepts_everything():
 
 
 def test_break_threshold_agrees_with_float_comparison():
-    for p_min in [0.0, 0.001, 0.3, 0.5, 0.7, 0.999, 1.0, 2.0]:
+    for p_min in [0, 0.0, 0.001, 0.3, 0.5, 0.7, 0.999, 1.0]:
         below = toy.ToyModel(p_min=p_min).break_below
         assert all((q < below) == (q / 1000 < p_min) for q in range(1000))
 
@@ -170,6 +170,30 @@ def test_models_refuse_ill_formed_recurrent_layers():
         numpy_loop.NumpyRoundStream(HYBRID, 2, 1, 64, state_rollback="swap")
     with pytest.raises(ValueError, match="needs their states"):  # else predict() would leave them out
         HYBRID.predict(0, 1, 0)
+
+
+def test_p_min_is_a_probability():
+    """ToyModel(p_min=2) (a percentage, say) was taken: every draft step broke, and nothing said
+    why. A real number from 0 to 1, else refused naming p_min."""
+    for bad in (2, 1.5, -0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"p_min must be a probability from 0 to 1 .*, not " + repr(bad)):
+            toy.ToyModel(p_min=bad)
+    for bad in ("0.1", True, None):
+        with pytest.raises(TypeError, match=f"p_min must be a real number, not {bad!r}"):
+            toy.ToyModel(p_min=bad)
+
+
+def test_the_toy_lm_refuses_a_capacity_or_a_batch_that_is_no_size():
+    """ToyLM(engine, model, "512") and batch=2.7 were taken through int(); refused by name now,
+    before the engine is touched (so no GPU is needed here)."""
+    for capacity, batch, error, message in (("512", 1, TypeError, "capacity must be an integer, not '512'"),
+                                            (2.7, 1, TypeError, "capacity must be an integer, not 2.7"),
+                                            (0, 1, ValueError, "capacity must be an int of at least 1, not 0"),
+                                            (64, 2.7, TypeError, "batch must be an integer, not 2.7"),
+                                            (64, True, TypeError, "batch must be an integer, not True"),
+                                            (64, 0, ValueError, "batch must be an int from 1 to 65535, not 0")):
+        with pytest.raises(error, match=message):
+            toy.ToyLM(None, toy.ToyModel(), capacity, batch=batch)  # type: ignore[arg-type]
 
 
 def test_the_flip_index_names_a_slot_whatever_its_value():

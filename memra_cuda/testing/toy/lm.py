@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
-from ...driver.values import as_size, exact_int
+from ...driver.values import as_real, as_size, exact_int
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
@@ -25,7 +25,7 @@ from ...rounds.tree_round import TreeRound
 from ...rounds.stream import RoundStream
 from ...buffers.tables import (Cache, KVData, KVLayer, PointerTable, StateIndexTable, StateLayer, StateTable,
                                kv_data_table, kv_len_ptr_table, state_copy_table, state_flip_table)
-from ...buffers.geometry import Geometry
+from ...buffers.geometry import Geometry, as_batch
 from ...buffers.tree import Candidates, DynamicTree, TreeBufs, TreeShape
 
 if TYPE_CHECKING:
@@ -105,6 +105,11 @@ class ToyModel:
             raise ValueError(f"state_words must be in [1, {BLOCK}], not {self.state_words}")
         if not 1 <= self.tree_spread <= M32:
             raise ValueError(f"tree_spread must be a positive u32, not {self.tree_spread}")
+        # A probability: the draft breaks where its confidence is below it (0, never; 1, always), so
+        # a value past 1 (a percentage, say) would break every round without saying why.
+        if not 0 <= as_real(self.p_min, "p_min") <= 1:
+            raise ValueError(f"p_min must be a probability from 0 to 1 (the draft's confidence floor), "
+                             f"not {self.p_min!r}")
 
     def embed(self, token: int, pos: int) -> int:
         return fmix(token * 0x9E3779B1 + pos * 0x85EBCA77 + self.seed)
@@ -366,9 +371,10 @@ class ToyLM:
                  weights: DeviceBuffer | None = None, batch: int = 1, layers: range | None = None,
                  with_draft: bool = True, sampling: ToySampling | None = None, state_rollback: str = "copy"):
         """`weights`: a buffer to stream for the cost knob, shareable between models (one is
-        allocated when the cost needs it and none is given)."""
-        self.engine, self.model, self.capacity, self.cost = engine, model, int(capacity), cost
-        self.batch = int(batch)
+        allocated when the cost needs it and none is given). `capacity` and `batch` are sizes,
+        refused by name before anything is allocated ("512" or 2.7 is no size: int() would take it)."""
+        self.engine, self.model, self.capacity, self.cost = engine, model, as_size(capacity, "capacity"), cost
+        self.batch = as_batch(batch)
         self.layers = range(len(model.kv_mask)) if layers is None else layers
         if not (self.layers.step == 1 and 0 <= self.layers.start < self.layers.stop <= len(model.kv_mask)):
             raise ValueError(f"a stage holds a contiguous, non-empty range of the model's {len(model.kv_mask)} "
@@ -384,9 +390,9 @@ class ToyLM:
         self.state_rollback = state_rollback
         self.states: tuple[ToyStates, ToyStates] | None = None  # the target's and the draft's, once k is known
         self.module = load(engine, "toy_lm")  # every prepare takes its types from the kernels' signatures
-        self.target = Cache.allocate(engine, model.kv_mask[self.layers.start:self.layers.stop], capacity,
+        self.target = Cache.allocate(engine, model.kv_mask[self.layers.start:self.layers.stop], self.capacity,
                                      batch=self.batch)
-        self.draft = Cache.allocate(engine, [True] if with_draft else [], capacity, batch=self.batch)
+        self.draft = Cache.allocate(engine, [True] if with_draft else [], self.capacity, batch=self.batch)
         target = self.target.kv
         self.data_ptrs_d = PointerTable(engine, [None if kv is None else kv.data_d for kv in target], label="toy data")
         self.len_ptrs_d = PointerTable(engine, [None if kv is None else kv.len_d for kv in target], label="toy lengths")
