@@ -122,6 +122,16 @@ def describe(args: argparse.Namespace) -> str:
     return f"random-weight {args.size} model{hybrid}"
 
 
+def finish(args: argparse.Namespace, tokenizer: Any, target: Any, requests: Sequence[Request], got: list[list[int]],
+           sampling: SamplingParams | None, capacity: int) -> int:
+    """The first request's output (its text where a tokenizer is loaded, else its first ids),
+    then the exit status: a greedy fp32 run's check_greedy, 0 for any other."""
+    print(repr(tokenizer.decode(got[0])) if tokenizer is not None else got[0][:32])
+    if target.dtype == torch.float32 and sampling is None:
+        return check_greedy(target, requests, got, capacity, args.hybrid)
+    return 0
+
+
 def check_greedy(model: Any, requests: Sequence[Request], got: list[list[int]], capacity: int, hybrid: bool) -> int:
     """The exit status of a greedy fp32 run: whether every row equals Hugging Face's greedy
     decoding of its prompt alone (a hybrid model's own plain greedy decoding, which Hugging Face

@@ -28,8 +28,7 @@ from __future__ import annotations
 import sys
 
 import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
-import torch
-from _cli import check_greedy, command_line, describe, models, parse, requests
+from _cli import command_line, describe, finish, models, parse, requests
 
 from memra_cuda.torch import Room, SpeculativeLlama
 
@@ -58,10 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         how = f"{len(queue)} requests served through {args.batch} slots"
     print(f"{describe(args)}, B={args.batch}, k={args.k}, M={args.m_rounds}, {args.mode}, "
           f"{'greedy' if sampling is None else sampling}: {sum(map(len, got))} tokens, {how}")
-    print(repr(tokenizer.decode(got[0])) if tokenizer is not None else got[0][:32])
-    if target.dtype == torch.float32 and sampling is None:
-        return check_greedy(target, queue, got, spec.target.kv.capacity, args.hybrid)
-    return 0
+    return finish(args, tokenizer, target, queue, got, sampling, spec.target.kv.capacity)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,7 @@ import sys
 from pathlib import Path
 
 import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
-import torch
-from _cli import check_greedy, command_line, describe, models, parse, requests
+from _cli import command_line, describe, finish, models, parse, requests
 
 from memra_cuda.buffers.tree import Tree
 from memra_cuda.torch import Room, TreeLlama
@@ -74,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     got = spec.generate_batch(queue, args.mode)
     print(f"{describe(args)}, B={args.batch}, {tree}, {args.mode}, {'greedy' if sampling is None else sampling}: "
           f"{sum(map(len, got))} tokens, {spec.bufs.tokens_per_round([len(row) for row in got]):.2f} tokens a round")
-    print(repr(tokenizer.decode(got[0])) if tokenizer is not None else got[0][:32])
-    if target.dtype == torch.float32 and sampling is None:
-        return check_greedy(target, queue, got, spec.target.kv.capacity, args.hybrid)
-    return 0
+    return finish(args, tokenizer, target, queue, got, sampling, spec.target.kv.capacity)
 
 
 if __name__ == "__main__":
