@@ -17,7 +17,6 @@ of B requests of 8 tokens first, untimed), the stream is timed by its Served rec
   the width chosen each round on the device from the rows' acceptance and each body's measured
   time (docs/lengths.md; where the driver has no SWITCH nodes, the row says so and is skipped);
 
-every B's decoders in caches of one size (served_capacity: a server's is its longest request's),
 each with tokens/s over the span served, time to the first token and time between tokens at p50 and
 p99 (benchmarks/serving.py says how each is taken; every request arrives at the start, so a
 request's time to its first token includes its wait for a slot: at B = 1, up to 15 requests'),
@@ -65,19 +64,6 @@ def stream_for(heldout: Mapping[str, Any], batch: int, eos: int | None, quick: b
         raise ValueError("heldout.json holds no prompts")
     return request_stream([list(pool[i % len(pool)]["ids"]) for i in range(count)], seed=STREAM_SEED, eos=eos,
                           budgets=(8, 16) if quick else (32, 512))
-
-
-def served_capacity(heldout: Mapping[str, Any], quick: bool, m_rounds: int) -> int:
-    """One cache size for every B and every decoder: a server's cache is its longest request's,
-    whatever its batch, so each row holds the pool's longest prompt and the most new tokens a
-    stream draws, in rounds of the widest chain any B measures (overlap's two bursts in flight).
-    The capacity is a compiled step's static size: held one, the steps compiled for one B whose
-    batch is symbolic (a prefill, a one-token step of several rows) serve every other, in this
-    process and from inductor's cache in the next call's."""
-    from memra_cuda.torch import capacity_for
-    widest = max(*(max(chains) for chains in CHAINS.values()), *(k for k, _ in ADAPTIVE.values()))
-    longest = max(len(prompt["ids"]) for prompt in heldout["prompts"])
-    return capacity_for(longest, 16 if quick else 512, Geometry(widest, m_rounds))
 
 
 def servable(heldout: Mapping[str, Any], batches: Sequence[int], eos: object, quick: bool = False) -> None:
@@ -161,11 +147,12 @@ def _served(decoder: Any, requests: Sequence[Request], batch: int) -> list[Serve
 def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, quick: bool,
                  m_rounds: int) -> list[dict]:
     """B's rows: the plain decoding, then each chain and the adaptive configuration, greedy and
-    sampled, in caches of one capacity (served_capacity: every B's)."""
-    from memra_cuda.torch import GraphedGreedy, SamplingParams, SpeculativeLlama
+    sampled, in caches of one capacity."""
+    from memra_cuda.torch import GraphedGreedy, SamplingParams, SpeculativeLlama, capacity_for
     requests = stream_for(heldout, batch, target.config.eos_token_id, quick)
     chains = CHAINS[batch][:1] if quick else CHAINS[batch]
-    capacity = served_capacity(heldout, quick, m_rounds)
+    capacity = capacity_for(max(len(r.prompt) for r in requests), max(r.max_new_tokens for r in requests),
+                            Geometry(max(*chains, ADAPTIVE[batch][0]), m_rounds, batch))
     begun = time.perf_counter()
     plain_decoder = GraphedGreedy(target, capacity, batch, steps=m_rounds)
     plain_decoder.server()  # its burst's graph and every prefill graph, as a chain's setup_seconds count them

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.served import (ADAPTIVE, CHAINS, best, format_row, row_of, servable, served_capacity, stream_for,
-                               tau)
-from memra_cuda import Geometry
+from benchmarks.served import ADAPTIVE, CHAINS, best, format_row, row_of, servable, stream_for, tau
 from memra_cuda.rounds import Served
 
 HELDOUT = {"prompts": [{"ids": [1, 2 + i, 3]} for i in range(473)]}  # the pair's pool: B = 128 serves 512
@@ -27,24 +25,6 @@ def test_each_b_serves_four_requests_a_slot_of_held_out_prompts_in_order_from_th
         stream_for({"prompts": []}, 1, eos=None)
     assert set(CHAINS) == set(ADAPTIVE) == {1, 8, 32, 64, 128}
     assert all(0 in widths and max(widths) < k for k, widths in ADAPTIVE.values())
-
-
-def test_every_b_serves_in_caches_of_one_size_that_holds_each_bs_longest_request():
-    """One capacity for every B (a compiled step's static size: held one, a step compiled for one
-    B serves the others), and it holds each B's own stream at each B's widest chain."""
-    pytest.importorskip("torch", reason="memra_cuda.torch's capacity_for needs PyTorch")
-    from memra_cuda.torch import capacity_for
-    heldout = {"prompts": [{"ids": list(range(1, 2 + i % 97))} for i in range(473)]}
-    for quick in (False, True):
-        capacity = served_capacity(heldout, quick, 16)
-        for batch in CHAINS:
-            stream = stream_for(heldout, batch, eos=None, quick=quick)
-            widest = max(*CHAINS[batch], ADAPTIVE[batch][0])
-            need = capacity_for(max(len(r.prompt) for r in stream), max(r.max_new_tokens for r in stream),
-                                Geometry(widest, 16, batch))
-            assert need <= capacity, (quick, batch)
-    widest = max(k for ks in (*CHAINS.values(), *((k,) for k, _ in ADAPTIVE.values())) for k in ks)
-    assert served_capacity(heldout, False, 16) == capacity_for(97, 512, Geometry(widest, 16))
 
 
 def test_tau_is_tokens_over_rounds_and_none_without_drafts():
