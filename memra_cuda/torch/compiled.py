@@ -157,17 +157,22 @@ class CompiledStack(LayerStack):
 
 
 def stack_for(model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
-              cache: CacheLayout = StaticKV, compiled: bool | None = None) -> Stack | CompiledStack:
-    """The stack a decoder runs `model` on: its compiled step (CompiledStack) where the model fuses
-    and `cache` is the static one, else its own modules (Stack: recurrent layers and their
-    `state`, a paged cache, a tensor-parallel rank). `compiled` True insists (NotFused says why
-    not), False refuses."""
+              cache: CacheLayout = StaticKV, compiled: bool | None = None,
+              attention: Attention | None = None) -> Stack | CompiledStack:
+    """The stack a decoder runs `model` on: its compiled step (CompiledStack, attending by
+    `attention`) where the model fuses and `cache` is the static one, else its own modules (Stack:
+    recurrent layers and their `state`, a paged cache, a tensor-parallel rank). `compiled` True
+    insists (NotFused says why not), False refuses; so does an `attention` named, which only the
+    compiled step has."""
     if compiled is not False and cache is StaticKV:
         try:
-            return CompiledStack(model, capacity, batch)
+            return CompiledStack(model, capacity, batch, attention=attention)
         except NotFused:
-            if compiled:
+            if compiled or attention is not None:
                 raise
     elif compiled:
         raise NotFused(f"the compiled step keeps a static cache, not {getattr(cache, '__name__', cache)}")
+    if attention is not None:
+        raise ValueError(f"attention={attention!r} is the compiled step's, and this stack is the model's own modules "
+                         f"(compiled={compiled}, cache {getattr(cache, '__name__', cache)})")
     return Stack(model, capacity, batch, state=state, cache=cache)

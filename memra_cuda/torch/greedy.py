@@ -12,6 +12,7 @@ import torch
 from ..driver.values import as_size
 from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, admitted, malformed
 from .sampling import SamplingParams
+from .attention import Attention
 from .compiled import stack_for
 from .kv import Room, as_capacity
 
@@ -46,7 +47,9 @@ class GraphedGreedy:
     user writes, the baseline every speculative figure is measured against. A hybrid model's
     reference too, which Hugging Face's forward cannot run: its step updates the live state in
     place (LiveState). `capacity`: the cache's slots a row, or a Room (a row holds its prompt but
-    the last token, and its budget: capacity_for's plain rule).
+    the last token, and its budget: capacity_for's plain rule). `attention` is its compiled
+    step's (CompiledStack's: left out, each width's measured faster; a served stream's rows hold
+    less than the whole cache, which "flex" reads only as far as they hold).
 
     Its rows are a Server's Decoder (memra_cuda.rounds.serving), so the baseline serves a
     request stream exactly as the speculative decoders do (serve, server): a request is
@@ -54,13 +57,13 @@ class GraphedGreedy:
     on in the graph, its tokens unread (the cache clamps its positions)."""
 
     def __init__(self, model: Any, capacity: int | Room, batch: int = 1, *, steps: int = 16, eager: bool = False,
-                 compiled: bool | None = None):
+                 compiled: bool | None = None, attention: Attention | None = None):
         steps = as_size(steps, "steps")  # a burst runs at least one
         self.stream = torch.cuda.Stream()
         self.batch, self.steps, self.eager = batch, steps, eager
         self.vocab: int = model.config.vocab_size  # every token a request names is below it
         with torch.cuda.stream(self.stream):
-            self.stack = stack_for(model, as_capacity(capacity, None), batch, compiled=compiled)
+            self.stack = stack_for(model, as_capacity(capacity, None), batch, compiled=compiled, attention=attention)
             self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # each row's next input, [B][1]
             self.position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # its position, [B][1]
             self.out = torch.zeros(batch, steps, dtype=torch.long, device="cuda")  # a burst's tokens, [B][steps]

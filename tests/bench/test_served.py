@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.served import ADAPTIVE, CHAINS, best, format_row, row_of, servable, stream_for, tau
+from benchmarks.served import (ADAPTIVE, CHAINS, PLAIN_ATTENDS, best, format_row, plains, row_of, servable,
+                               stream_for, tau)
 from memra_cuda.rounds import Served
 
 HELDOUT = {"prompts": [{"ids": [1, 2 + i, 3]} for i in range(473)]}  # the pair's pool: B = 128 serves 512
@@ -52,6 +53,18 @@ def test_a_pair_that_cannot_serve_every_b_is_refused_before_any_runs():
         servable({"prompts": []}, [1, 256], eos=0)
     with pytest.raises(ValueError, match=r"no single EOS token id \(config.eos_token_id = \[0, 1\]\)"):
         servable(HELDOUT, [1], eos=[0, 1])
+
+
+def test_the_baseline_at_each_b_is_the_faster_plain_decoding():
+    """The plain decoding is measured with each attention of its one-token step (SDPA over the
+    whole cache, flex over what a row holds): the picture's baseline at each B is the faster."""
+    assert None in PLAIN_ATTENDS and "flex" in PLAIN_ATTENDS
+    rows = [row_of(8, "greedy", "plain sdpa", [served(100, None, at=2.0)], 1.0, None),
+            row_of(8, "greedy", "plain flex", [served(120, None, at=2.0)], 1.0, None),
+            row_of(1, "greedy", "plain sdpa", [served(30, None, at=1.0)], 1.0, None),
+            row_of(1, "greedy", "plain flex", [served(20, None, at=1.0)], 1.0, None),
+            row_of(8, "greedy", "chain k=2", [served(300, 90, at=2.0)], 1.0, 60.0)]
+    assert plains(rows) == {1: 30.0, 8: 60.0}
 
 
 def test_a_resumed_report_keeps_its_other_batches_only_where_it_is_of_this_pair_and_m(tmp_path):

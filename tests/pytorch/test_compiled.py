@@ -120,3 +120,10 @@ def test_what_does_not_fuse_is_refused_naming_why_and_runs_through_its_modules()
     assert isinstance(stack_for(tiny(), 40, cache=PagedKV), Stack)
     assert isinstance(stack_for(tiny(), 40), CompiledStack)
     assert isinstance(stack_for(tiny(), 40, compiled=False), Stack)
+    # an attention named is the compiled step's: kept by it, refused (naming why) where the modules run
+    assert stack_for(tiny(), 40, attention="flex").attention == "flex"  # type: ignore[union-attr]
+    with pytest.raises(NotFused, match="recurrent"):
+        stack_for(hybrid(), 40, attention="flex")
+    for kwargs in (dict(compiled=False), dict(cache=PagedKV)):
+        with pytest.raises(ValueError, match="attention='flex' is the compiled step's"):
+            stack_for(tiny(), 40, attention="flex", **kwargs)
