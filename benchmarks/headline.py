@@ -5,10 +5,11 @@ held-out files, where the random-weight Llamas of the other sections set agreeme
 At B = 1, 8, 32 and 128 (B = 1: 8 prompts one after another, ONE_ROW_PROMPTS; each row 128 new
 tokens, TOKENS), greedy and sampled at temperature 1, graph mode, M = 16:
 
-- the target's own greedy decoding, each step a CUDA graph (GraphedGreedy): the baseline, and its
-  step beside the weights' HBM floor (the bytes of the target's weights a step reads, over the
-  bandwidth of a large device-to-device copy measured here): how far the baseline is from a
-  memory-bound engine;
+- the target's own greedy decoding, each step a CUDA graph (GraphedGreedy), its one-token step
+  attending by SDPA over the whole cache and by flex over what a row holds (PLAIN_ATTENDS): the
+  faster is the baseline, and its step beside the weights' HBM floor (the bytes of the target's
+  weights a step reads, over the bandwidth of a large device-to-device copy measured here): how
+  far the baseline is from a memory-bound engine;
 - chains of k = 2, 3, 4, 6, 8 drafts (SpeculativeLlama), static trees (chains with leaves, and
   the likeliest trees for this pair's own top-1 and top-2 agreement in report.json) and dynamic
   trees (TreeLlama), fewer and smaller as B grows (STATIC, DYNAMIC): tokens/s, tokens a round

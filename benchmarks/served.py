@@ -41,7 +41,7 @@ from typing import Any
 
 from .headline import MODES, describe, load_pair, measure_batches, pair_arguments, pair_dir, pair_info, save
 from .serving import figures, request_stream
-from .torch_common import TORCH_M, pyplot, release
+from .torch_common import PLAIN_ATTENDS, TORCH_M, pyplot, release
 from memra_cuda import Geometry
 from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.rounds.serving import Request, Served
@@ -51,10 +51,6 @@ CHAINS = {1: (2, 3, 4, 6), 8: (2, 3, 4), 32: (1, 2, 3), 64: (1, 2), 128: (1, 2)}
 # The adaptive configuration at each B: a chain of k with bodies of narrower widths, one chosen each
 # round on the device (SpeculativeLlama's widths; a CUDA 12.8+ driver), 0 among them (plain decoding)
 ADAPTIVE = {1: (6, (0, 2, 4)), 8: (4, (0, 1, 2)), 32: (3, (0, 1)), 64: (2, (0, 1)), 128: (2, (0, 1))}
-# The plain decoding's one-token step, attending by SDPA over its whole cache (None: WIDTHS_ATTEND's,
-# measured faster where rows hold nearly all of it) and by flex (only the blocks a row holds: a served
-# row holds its prompt and what it has made so far, often half its cache): the faster is the baseline
-PLAIN_ATTENDS = (None, "flex")
 STREAM_SEED = 48
 WARM_TOKENS = 8  # the warm-up stream's budget a request
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.served import (ADAPTIVE, CHAINS, PLAIN_ATTENDS, best, format_row, plains, row_of, servable,
-                               stream_for, tau)
+from benchmarks.served import ADAPTIVE, CHAINS, best, format_row, plains, row_of, servable, stream_for, tau
+from benchmarks.torch_common import PLAIN_ATTENDS
 from memra_cuda.rounds import Served
 
 HELDOUT = {"prompts": [{"ids": [1, 2 + i, 3]} for i in range(473)]}  # the pair's pool: B = 128 serves 512
