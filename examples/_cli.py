@@ -75,6 +75,10 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
         parser.error("--hybrid is the random-weight model's variant: leave out --model")
     if args.draft_layers < 1:
         parser.error(f"--draft-layers takes at least one layer, not {args.draft_layers}")
+    # the sizes, here, before any model is built or loaded (a traceback from a decoder's refusal after)
+    for name, least in (("batch", 1), ("tokens", 0), ("k", 1), ("m_rounds", 1)):
+        if getattr(args, name, least) < least:
+            parser.error(f"--{name.replace('_', '-')} takes at least {least}, not {getattr(args, name)}")
     if args.temperature is None and (args.top_k != 0 or args.top_p != 1.0):
         parser.error("--top-k and --top-p shape sampling, and without --temperature the decoding is greedy: "
                      "add --temperature T")

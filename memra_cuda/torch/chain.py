@@ -59,7 +59,8 @@ class SpeculativeLlama(RoundDecoder):
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
                  on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None,
                  widths: Sequence[int] = ()):
-        k = as_size(k, "k")  # a chain drafts at least one token a round
+        # a chain drafts at least one token a round; no drafts at all is the plain loop
+        k = as_size(k, "k (no drafts: GraphedGreedy, or a request's max_draft=0)")
         built = Widths(k, (*widths, k))  # refused before anything is made
         super().__init__(model, draft, Geometry(k, m_rounds, batch), capacity=capacity,
                          sampling=sampling, draft_sampling=draft_sampling, state_rollback=state_rollback,

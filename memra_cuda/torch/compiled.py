@@ -127,7 +127,7 @@ class CompiledStack(LayerStack):
                 _sizes(tensor, 0)  # [B][H_kv][capacity][d]: a capacity of its own compiles apart
             for tensor in (self.cos, self.sin):
                 _sizes(tensor)
-        self.prefills = Prefills(self.kv, self._fill, self.device)
+        self.prefills = Prefills(self.kv, self._fill, self.device, model.config.vocab_size)
 
     def _run(self, step: Any, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
              mask: torch.Tensor | None, attention: str, last: bool) -> torch.Tensor:
@@ -145,6 +145,9 @@ class CompiledStack(LayerStack):
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                parents: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_rows(tokens, positions, slots)
+        if mask is not None and mask.dtype == torch.bool:  # SDPA's sense (True: seen) as the additive one
+            mask = torch.full(mask.shape, -torch.inf, dtype=self.model.dtype, device=mask.device).masked_fill(mask, 0)
         wide = tokens.shape[1] > 1  # a verify's, or the one-token step (tuned)
         attention, step = self.attention or WIDTHS_ATTEND[wide], self.wide_step if wide else self.step
         return self._run(step, tokens, positions, positions if slots is None else slots, self.kv.every_row, mask,

@@ -73,6 +73,9 @@ class RoundDecoder:
         capacity = as_capacity(capacity, geometry)
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
+        for name, law in (("sampling", sampling), ("draft_sampling", draft_sampling)):
+            if law is not None and not isinstance(law, SamplingParams):  # a float met .probs after the warm-up
+                raise TypeError(f"{name} is a memra_cuda.torch.SamplingParams (or None: greedy), not {law!r}")
         self.k: int = geometry.k
         self.batch: int = geometry.batch
         batch = self.batch
@@ -305,8 +308,14 @@ class _Slots:
 
 
 def refuse(model: Any, draft: Any, state_rollback: str) -> None:
-    """What every round-stream decoder refuses of its models, before any device work: a rollback
-    it has no strategy for, a draft of another vocabulary, and a recurrent layer in the draft."""
+    """What every round-stream decoder refuses of its models, before any device work: what is
+    not a transformers model (a draft left out: memra_cuda.torch.self_draft makes one of the
+    target's first layers), a rollback it has no strategy for, a draft of another vocabulary,
+    and a recurrent layer in the draft."""
+    for name, given in (("model", model), ("draft", draft)):
+        if not hasattr(getattr(given, "config", None), "vocab_size") or not hasattr(given, "model"):
+            raise TypeError(f"the {name} is a transformers causal LM (LlamaForCausalLM-shaped; a draft of the "
+                            f"target's first layers is memra_cuda.torch.self_draft(model, layers)), not {given!r}")
     if state_rollback not in ("copy", "flip"):
         raise ValueError(f'state_rollback is "copy" or "flip", not {state_rollback!r}')
     if draft.config.vocab_size != model.config.vocab_size:

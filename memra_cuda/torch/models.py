@@ -18,19 +18,21 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     only), in `dtype` ("auto": the checkpoint's), on `device`, for inference: eval mode and no
     parameter requiring grad (a model whose parameters did would make every in-place write into
     a KV cache a node of an autograd graph the cache keeps alive), attention through SDPA (which
-    takes Stack's additive masks)."""
+    takes Stack's additive masks). A directory's own Python (config.json's auto_map) is never
+    run: transformers would ask at a terminal whether to, and run it on a yes."""
     from transformers import AutoModelForCausalLM
     _check_directory(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation="sdpa", trust_remote_code=False)
     return model.to(device).eval().requires_grad_(False)
 
 
 def load_tokenizer(directory: str | Path) -> Any:
-    """The tokenizer saved in `directory` (AutoTokenizer, local files only)."""
+    """The tokenizer saved in `directory` (AutoTokenizer, local files only; the directory's own
+    Python never run, as load_model's)."""
     from transformers import AutoTokenizer
     _check_directory(directory)
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
 
 
 def _check_directory(directory: str | Path) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
+from ..driver.values import as_size
 from .kv import StaticKV
 
 Fill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -23,32 +25,49 @@ their lengths [R] int32, the rest of each row padding) -> None; K and V land in 
 
 class Prefills:
     """The prefills of a cache `kv` run by `fill`, and their graphs (`graphs`: a prompt length
-    bucket -> its graph). `reset`, where given, is called with the rows (a [R] device index)
-    before their prompts go in (a hybrid stack's recurrent state starts from zero)."""
+    bucket -> its graph), of a model over `vocab` tokens. `reset`, where given, is called with the
+    rows (a [R] device index) before their prompts go in (a hybrid stack's recurrent state starts
+    from zero)."""
 
-    def __init__(self, kv: StaticKV, fill: Fill, device: torch.device,
+    def __init__(self, kv: StaticKV, fill: Fill, device: torch.device, vocab: int,
                  reset: Callable[[torch.Tensor], None] | None = None):
         self.kv, self.fill, self.device, self.reset = kv, fill, device, reset
+        self.vocab = as_size(vocab, "vocab")
         self.prompt = torch.zeros(1, kv.capacity, dtype=torch.long, device=device)  # one row's
         self.row = torch.zeros(1, dtype=torch.long, device=device)
         self.length = torch.zeros(1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def _check(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """Refuse, before a device index would assert or writes race, rows that are not distinct
-        rows of the batch, one a prompt, and a prompt longer than the cache."""
+    def _check(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """The rows as ints, or a refusal, before a device index would assert or writes race:
+        rows that are not distinct rows of the batch (a bool, a float or a 0-d tensor is no row:
+        two tensors of row 0 were two rows to set()), one a prompt; a prompt longer than the
+        cache; a token that is not an int of the vocabulary (its embedding lookup would fault
+        the device; a float was truncated)."""
         batch = self.kv.lengths.shape[1]
-        if len(rows) != len(prompts) or len(set(rows)) != len(rows) or not all(0 <= row < batch for row in rows):
+        rows = [as_size(row, "a row", 0, batch - 1) for row in rows]
+        if len(rows) != len(prompts) or len(set(rows)) != len(rows):
             raise ValueError(f"a prefill takes one prompt for each of distinct rows of 0..{batch - 1}, not rows "
-                             f"{list(rows)} and {len(prompts)} prompt(s)")
+                             f"{rows} and {len(prompts)} prompt(s)")
         longest = max((len(prompt) for prompt in prompts), default=0)
         if longest > self.kv.capacity:
             raise ValueError(f"a prompt of {longest} tokens does not fit a cache of {self.kv.capacity}")
+        for row, prompt in zip(rows, prompts):
+            if not len(prompt):  # a one-token prompt's head: nothing to prefill
+                continue
+            tokens = np.asarray(prompt)  # a list mixing a bool with ints reads as ints: the bool is looked for
+            if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or any(type(t) in (bool, np.bool_) for t in prompt):
+                raise TypeError(f"row {row}'s prompt must be token ids (ints), not {tokens.dtype} {tokens.shape}")
+            outside = np.flatnonzero((tokens < 0) | (tokens >= self.vocab))
+            if outside.size:
+                at = int(outside[0])
+                raise ValueError(f"row {row}'s prompt token {tokens[at]} (at {at}) is outside the vocabulary of "
+                                 f"{self.vocab}")
+        return rows
 
     def run(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         """Each prompt's K and V at positions 0.. of its row; the row's lengths become the prompt's."""
-        rows = list(rows)
-        self._check(rows, prompts)
+        rows = self._check(list(rows), prompts)
         lengths = [len(prompt) for prompt in prompts]
         index = torch.tensor(rows, device=self.device)
         counts = torch.tensor(lengths, dtype=torch.int32, device=self.device)

@@ -104,6 +104,18 @@ class LayerStack:
         (for recurrent layers): see Stack.append."""
         raise NotImplementedError
 
+    def _check_rows(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None) -> None:
+        """ValueError, before any K or V is written, unless `tokens` are the batch's rows ([B][T])
+        and `positions` (and `slots`) one a token: fewer rows wrote over another row's cache
+        before a shape error, more attended to row 0's, and a [B][2] of slots for one token each
+        wrote two. Shapes alone: nothing is read from the device."""
+        batch = self.kv.lengths.shape[1]
+        if tokens.dim() != 2 or tokens.shape[0] != batch or positions.shape != tokens.shape or (
+                slots is not None and slots.shape != tokens.shape):
+            raise ValueError(f"a forward takes [B][T] tokens, positions and slots, B = {batch}: not tokens "
+                             f"{list(tokens.shape)}, positions {list(positions.shape)}"
+                             + ("" if slots is None else f", slots {list(slots.shape)}"))
+
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The next token after each of `tokens`, [B][T] int64."""
         return self.logits(tokens, positions).argmax(-1)
@@ -157,12 +169,13 @@ class Stack(LayerStack):
         self.zero = torch.zeros((), dtype=model.dtype, device=self.device)  # an additive mask's two values
         self.never = torch.full((), -torch.inf, dtype=model.dtype, device=self.device)
         self.cos, self.sin = rotary(model, self.slots)
-        self.prefills = Prefills(self.kv, self._fill, self.device,
+        self.prefills = Prefills(self.kv, self._fill, self.device, model.config.vocab_size,
                                  self.state.reset if self.state is not None else None)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                parents: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_rows(tokens, positions, slots)
         hidden = self.append(tokens, positions, slots=slots, mask=mask, parents=parents)
         hidden = hidden[:, -1:] if last else hidden
         with self._blas(hidden.shape[0] * hidden.shape[1]):  # the head's rows: B where `last`

@@ -19,7 +19,7 @@ from ..buffers.tree import MAX_TREE_CANDIDATES, Candidates, DynamicTree, Tree, T
 from ..driver.values import as_size
 from ..rounds.stream import RoundStream
 from ..rounds.tree_round import TreeRound
-from .decoder import RoundDecoder
+from .decoder import RoundDecoder, refuse
 from .kv import CacheLayout, PagedKV, Room, StaticKV
 from .mask import TreeMask
 from .sampling import SamplingParams
@@ -68,6 +68,7 @@ class TreeLlama(RoundDecoder):
                  capacity: int | Room = 1024, batch: int = 1, sampling: SamplingParams | None = None,
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
                  paged: int | None = None, compiled: bool | None = None):
+        refuse(model, draft, state_rollback)  # before the candidates read the model's vocabulary
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
         if sampling is not None and candidates is not None:

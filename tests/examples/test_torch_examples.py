@@ -54,12 +54,17 @@ def test_the_examples_share_their_command_line_and_its_refusals(cli, capsys):
     assert (args.size, args.tokens, args.state_rollback, args.model, sampling) == ("small", 256, "flip", None,
                                                                                   SamplingParams(0.7))
     assert not hasattr(args, "k") and cli.parse(cli.command_line("chains"), [])[0].k == 4
+    with pytest.raises(SystemExit):
+        cli.parse(cli.command_line("chains"), ["--k", "0"])
+    assert "--k takes at least 1, not 0" in capsys.readouterr().err
     sampled = cli.parse(parser, ["--temperature", "0.7", "--top-k", "5", "--top-p", "0.9"])[1]
     assert sampled == SamplingParams(0.7, 5, 0.9)
     refused = {("--state-rollback", "flip"): "add --hybrid", ("--draft", "d"): "add --model DIR",
                ("--prompt", "x"): "add --model DIR", ("--model", "m", "--hybrid"): "leave out --model",
                ("--temperature", "0"): "temperature must be finite", ("--draft-layers", "0"): "at least one layer",
-               ("--top-k", "5"): "add --temperature T", ("--top-p", "0.9"): "add --temperature T"}
+               ("--top-k", "5"): "add --temperature T", ("--top-p", "0.9"): "add --temperature T",
+               ("--batch", "0"): "--batch takes at least 1, not 0", ("--tokens", "-1"): "--tokens takes at least 0",
+               ("--m-rounds", "0"): "--m-rounds takes at least 1, not 0"}
     for argv, message in refused.items():
         with pytest.raises(SystemExit):
             cli.parse(parser, list(argv))

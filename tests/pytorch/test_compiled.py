@@ -73,6 +73,40 @@ def test_the_compiled_step_is_the_eager_steps_arithmetic_in_one_graph():
         torch.testing.assert_close(compiled.logits(tokens, positions), eager.logits(tokens, positions), **TOL)
 
 
+@pytest.mark.parametrize("attention", ("sdpa", "flex"))
+def test_a_bool_mask_is_read_in_sdpas_sense(attention):
+    """A mask of bools (True where a query sees, SDPA's and Stack's sense) gives the additive
+    mask's logits: the step took it as 0/1 (SDPA: every slot seen) or inverted it (flex)."""
+    model = tiny()
+    stack = CompiledStack(model, 40, batch=1, attention=attention, compile=False)
+    stack.prefill([0], [[1, 5, 9, 3]])
+    tokens, positions = torch.tensor([[4, 6, 8]]), torch.tensor([[4, 5, 5]])  # node 2 beside node 1, not behind it
+    seen = torch.arange(stack.kv.capacity)[None, None, None] <= torch.tensor([4, 5, 4])[None, None, :, None]
+    seen[0, 0, 2, 6] = True  # node 2 at slot 6 sees itself, not node 1 at slot 5
+    additive = torch.zeros(seen.shape).masked_fill(~seen, -torch.inf)
+    slots = torch.tensor([[4, 5, 6]])
+    want = stack.logits(tokens, positions, slots=slots, mask=additive)
+    torch.testing.assert_close(stack.logits(tokens, positions, slots=slots, mask=seen), want, **TOL)
+
+
+def test_a_forward_of_rows_that_are_not_the_batchs_is_refused_before_a_cache_is_written():
+    """One row on a stack of two overwrote row 1's cache before a shape error; three attended
+    to row 0's; slots for two tokens a row where one is given wrote two. Each stack refuses them
+    by their shapes, its cache as it was."""
+    for stack in (Stack(tiny(), 40, batch=2), CompiledStack(tiny(), 40, batch=2, compile=False)):
+        stack.prefill([0, 1], [[1, 5, 9], [2, 8]])
+        before = [cache.clone() for cache in (*stack.kv.k, *stack.kv.v)]
+        for tokens, positions, slots in ((torch.tensor([[3]]), torch.tensor([[5]]), None),
+                                         (torch.tensor([[3]] * 3), torch.tensor([[5]] * 3), None),
+                                         (torch.tensor([3, 4]), torch.tensor([5, 5]), None),
+                                         (torch.tensor([[3], [4]]), torch.tensor([[3, 4]]), None),
+                                         (torch.tensor([[3], [4]]), torch.tensor([[3], [2]]),
+                                          torch.tensor([[5, 6]] * 2))):
+            with pytest.raises(ValueError, match="a forward takes \\[B\\]\\[T\\] tokens, positions and slots, B = 2"):
+                stack.logits(tokens, positions, slots=slots)
+        assert all(torch.equal(a, b) for a, b in zip(before, (*stack.kv.k, *stack.kv.v))), type(stack).__name__
+
+
 def test_a_capacity_is_whole_blocks_and_a_garbage_position_stays_inside():
     stack = CompiledStack(tiny(), 40, compile=False)
     assert stack.kv.capacity == BLOCK and stack.kv.k[0].shape[2] == BLOCK

@@ -329,6 +329,24 @@ def test_a_model_directory_loads_for_inference_with_its_tokenizer(tmp_path, dtyp
                                    hf_logits(target, [5, 9, 3]), **TOL)
 
 
+def test_a_directorys_own_python_is_never_run(tmp_path, monkeypatch):
+    """A config.json whose auto_map names the directory's own module made transformers ask at a
+    terminal whether to run it (and run it on a yes): both loaders say no, whoever is asked."""
+    import transformers
+    save_pair(tmp_path)
+    told = []
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        real = cls.from_pretrained
+
+        def recorded(*args, real=real, **kwargs):
+            told.append(kwargs.get("trust_remote_code"))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(cls, "from_pretrained", recorded)
+    load_model(tmp_path / "target", device="cpu")
+    load_tokenizer(tmp_path / "target")
+    assert told == [False, False]
+
+
 def test_a_directory_without_a_model_is_refused_by_name(tmp_path):
     for load in (load_model, load_tokenizer):
         with pytest.raises(FileNotFoundError, match="holds no config.json"):
@@ -367,8 +385,19 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
     stack = Stack(tiny(), CAPACITY, batch=2)
     stack.prefill([0, 1], [[1, 2, 3], [4, 5]])
     lengths = stack.kv.lengths.clone()
-    for rows, prompts in (([0, 2], [[1], [2]]), ([-1], [[1]]), ([1, 1], [[1], [2]]), ([0, 1], [[1]])):
-        with pytest.raises(ValueError, match="one prompt for each of distinct rows of 0..1"):
+    for rows, prompts, error, why in (
+            ([0, 2], [[1], [2]], ValueError, "a row must be an int from 0 to 1, not 2"),
+            ([-1], [[1]], ValueError, "a row must be an int from 0 to 1, not -1"),
+            ([1, 1], [[1], [2]], ValueError, "one prompt for each of distinct rows of 0..1"),
+            (torch.tensor([0, 0]), [[1], [2]], ValueError, "one prompt for each of distinct rows"),  # 0-d tensors
+            ([True], [[1]], TypeError, "a row must be an integer, not True"),
+            ([0, 1], [[1]], ValueError, "one prompt for each of distinct rows of 0..1"),
+            # a token outside the vocabulary faults the device in the embedding lookup; a float was truncated
+            ([0], [[1, VOCAB]], ValueError, f"row 0's prompt token {VOCAB} \\(at 1\\) is outside the vocabulary"),
+            ([1], [[-1]], ValueError, "row 1's prompt token -1 \\(at 0\\) is outside"),
+            ([0], [[1, 1.7]], TypeError, "row 0's prompt must be token ids"),
+            ([0], [[True, 1]], TypeError, "row 0's prompt must be token ids")):
+        with pytest.raises(error, match=why):
             stack.prefill(rows, prompts)
     assert torch.equal(stack.kv.lengths, lengths), "a refused prefill changed a row"
 
@@ -392,7 +421,8 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
         (lambda: SpeculativeLlama(model, tiny(1, vocab=VOCAB + 1)), "vocabulary \\(98 tokens\\)"),
         (lambda: SpeculativeLlama(hybrid(), self_draft(hybrid(), 2)), "must be attention"),
         (lambda: SpeculativeLlama(model, draft, state_rollback="swap"), '"copy" or "flip", not \'swap\''),
-        (lambda: SpeculativeLlama(model, draft, k=0), "k must be an int of at least 1"),
+        (lambda: SpeculativeLlama(model, draft, k=0), "k \\(no drafts: GraphedGreedy, or a request's max_draft=0\\) "
+                                                      "must be an int of at least 1, not 0"),
         (lambda: SpeculativeLlama(model, draft, m_rounds=0), "m_rounds must be an int of at least 1"),
         (lambda: SpeculativeLlama(model, draft, capacity=-1), "capacity must be a Room or an int of at least 1"),
         (lambda: SpeculativeLlama(model, draft, draft_sampling=SamplingParams()), "give sampling= too"),
@@ -411,6 +441,14 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
             make()
     with pytest.raises(TypeError, match="TreeShape or a DynamicTree"):
         TreeLlama(model, draft, [[0], [1]])
+    # a law that is not a SamplingParams met .probs after the warm-up; a draft left out, .config
+    for make, message in ((lambda: SpeculativeLlama(model, draft, sampling=0.7), "sampling is a memra_cuda.torch"),
+                          (lambda: SpeculativeLlama(model, draft, sampling=SamplingParams(), draft_sampling={}),
+                           "draft_sampling is a memra_cuda.torch.SamplingParams"),
+                          (lambda: SpeculativeLlama(model, None), "the draft is a transformers causal LM"),
+                          (lambda: TreeLlama(None, draft, TREE), "the model is a transformers causal LM")):
+        with pytest.raises(TypeError, match=message):
+            make()
     with pytest.raises(TypeError, match="candidates .* must be an integer, not 'abc'"):
         TreeLlama(model, draft, TREE, candidates="abc")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="page must be an int of at least 1, not 0"):
