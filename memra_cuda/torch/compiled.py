@@ -24,6 +24,7 @@ import torch
 
 from .attention import ATTENTIONS, Attention, aligned, causal, masked
 from ..driver.errors import NotFused
+from ..driver.values import as_size
 from .fused import FusedLlama, fuse
 from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
@@ -103,6 +104,7 @@ class CompiledStack(LayerStack):
                  compile: bool = True, dynamic: bool = True, tuning: bool = True):
         if attention is not None and attention not in ATTENTIONS:
             raise ValueError(f"attention is one of {ATTENTIONS} (or left out: each width's faster), not {attention!r}")
+        capacity = as_size(capacity, "capacity")  # before it is rounded up: "64" and True are no capacities
         window = sliding_window(model.config)
         if window and aligned(capacity) > window:  # the step attends to the whole cache a row holds
             raise NotFused(f"the model attends within a sliding window of {window} positions, which the compiled "

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..driver.values import as_size
+
 
 def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cuda") -> Any:
     """The causal language model saved in `directory` (transformers' from_pretrained, local files
@@ -47,9 +49,8 @@ def self_draft(model: Any, layers: int = 1) -> Any:
     A decoder given it copies its draft cache from the target's instead of computing it, and
     Hugging Face's assisted generation takes it as an assistant model."""
     count = len(model.model.layers)
-    if not 1 <= layers < count:
-        raise ValueError(f"a self-speculative draft takes 1 to {count - 1} of the target's {count} layers, "
-                         f"not {layers}")
+    layers = as_size(layers, f"layers (a self-speculative draft takes 1 to {count - 1} of the target's {count})",
+                     1, count - 1)
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):  # Qwen2's and others' per-layer attention kinds

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..driver.values import as_index
 from .kv import head_size
 from .state import Recurrent
 
@@ -40,6 +41,7 @@ def shard(model: Any, rank: int, world: int, reduce: Callable[[torch.Tensor], No
     sharding shares both). Refused, with nothing changed, where `rank` is not one of the world,
     the ranks cannot share the heads and columns evenly, a layer is recurrent (its state is not
     split) or a row-parallel linear has a bias (it would be added once a rank)."""
+    rank, world = as_index(rank, "rank"), as_index(world, "world")  # True was rank 1
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not one of a world of {world} ranks")  # its share would be empty
     config = model.config

@@ -10,6 +10,7 @@ through this, with a `fill` of their own.
 """
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -57,7 +58,7 @@ class Prefills:
                 continue
             tokens = np.asarray(prompt)  # a list mixing a bool with ints reads as ints: the bool is looked for
             if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or any(type(t) in (bool, np.bool_) for t in prompt):
-                raise TypeError(f"row {row}'s prompt must be token ids (ints), not {tokens.dtype} {tokens.shape}")
+                raise TypeError(f"row {row}'s prompt must be token ids (ints, no bools), not {reprlib.repr(prompt)}")
             outside = np.flatnonzero((tokens < 0) | (tokens >= self.vocab))
             if outside.size:
                 at = int(outside[0])
@@ -68,6 +69,8 @@ class Prefills:
     def run(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         """Each prompt's K and V at positions 0.. of its row; the row's lengths become the prompt's."""
         rows = self._check(list(rows), prompts)
+        if not rows:  # nothing to prefill
+            return
         lengths = [len(prompt) for prompt in prompts]
         index = torch.tensor(rows, device=self.device)
         counts = torch.tensor(lengths, dtype=torch.int32, device=self.device)

@@ -112,6 +112,12 @@ def test_a_capacity_is_whole_blocks_and_a_garbage_position_stays_inside():
     assert stack.kv.capacity == BLOCK and stack.kv.k[0].shape[2] == BLOCK
     logits = stack.logits(torch.tensor([[3, 4]]), torch.tensor([[-7, 1 << 40]]))
     assert torch.isfinite(logits).all() and stack.kv.lengths.tolist() == [[0]] * 3  # lengths are the round's
+    # the capacity asked for is checked before it is rounded up ("64" met a bare TypeError, True was 128)
+    for capacity, error in (("64", TypeError), (True, TypeError), (2.5, TypeError), (0, ValueError), (-5, ValueError)):
+        with pytest.raises(error, match=f"capacity must be an int|capacity must be an integer, not {capacity!r}"):
+            CompiledStack(tiny(), capacity, compile=False)
+    stack.prefill([], [])  # nothing to prefill: no rows, nothing written
+    assert stack.kv.lengths.tolist() == [[0]] * 3
 
 
 def test_fusing_holds_the_weights_once_and_leaves_the_model_as_it_was():

@@ -239,8 +239,8 @@ def test_a_self_speculative_draft_is_the_targets_first_layers_and_head():
     torch.testing.assert_close(stack.logits(torch.tensor([[4]]), torch.tensor([[4]]))[0, 0], hf_logits(draft, ids),
                                **TOL)
     assert stack.prefix_of(Stack(model, CAPACITY)) and not Stack(model, CAPACITY).prefix_of(stack)
-    for layers in (0, 3):
-        with pytest.raises(ValueError, match="1 to 2 of the target's 3 layers"):
+    for layers, error in ((0, ValueError), (3, ValueError), ("1", TypeError), (True, TypeError), (1.5, TypeError)):
+        with pytest.raises(error, match="layers \\(a self-speculative draft takes 1 to 2 of the target's 3\\)"):
             self_draft(model, layers)
 
 
@@ -409,6 +409,9 @@ def test_a_rank_outside_the_world_is_refused_before_its_share_is_cut():
     before = [w.clone() for w in model.parameters()]
     for rank, world in ((2, 2), (-1, 2), (0, 0)):
         with pytest.raises(ValueError, match=f"rank {rank} is not one of a world of {world} ranks"):
+            shard(model, rank, world, lambda out: None)
+    for rank, world, named in ((True, 2, "rank"), ("0", 2, "rank"), (0.0, 2, "rank"), (0, 2.0, "world")):
+        with pytest.raises(TypeError, match=f"{named} must be an integer"):
             shard(model, rank, world, lambda out: None)
     assert all(torch.equal(w, was) for w, was in zip(model.parameters(), before)), "a refused shard changed the model"
 
