@@ -77,9 +77,14 @@ class DeviceBuffer(Handle):
 
         With `engine`, work the engine queues on this memory is ordered after the stream the
         producer names (v3's `stream`), so nothing reads the tensor before it is written.
-        Empty, masked, non-contiguous or host memory is a ValueError.
+        Empty, masked, non-contiguous or host memory is a ValueError (a CPU tensor raises
+        AttributeError when asked for the interface: that is host memory too).
         """
-        iface = obj.__cuda_array_interface__
+        try:
+            iface = obj.__cuda_array_interface__
+        except AttributeError as exc:
+            raise ValueError(f"{type(obj).__name__} is not device memory (no __cuda_array_interface__: a CUDA tensor "
+                             f"or a CuPy array is): {exc}") from None
         shape = tuple(as_index(d, "shape") for d in iface["shape"])
         dtype = device_dtype(iface["typestr"])
         ptr = as_index(iface["data"][0], "data pointer")

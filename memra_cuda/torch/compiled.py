@@ -161,6 +161,12 @@ class CompiledStack(LayerStack):
         self._run(self.wide_step, tokens, positions, positions, rows[:, None], None, "prefill", True)  # untuned
 
 
+def _layout_name(cache: CacheLayout) -> str:
+    """A cache layout's name for a message: PagedKV's where a decoder gave functools.partial(PagedKV,
+    page=...), whose repr says little."""
+    return str(getattr(getattr(cache, "func", cache), "__name__", cache))
+
+
 def stack_for(model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
               cache: CacheLayout = StaticKV, compiled: bool | None = None,
               attention: Attention | None = None) -> Stack | CompiledStack:
@@ -176,8 +182,8 @@ def stack_for(model: Any, capacity: int, batch: int = 1, *, state: StateLayout =
             if compiled or attention is not None:
                 raise
     elif compiled:
-        raise NotFused(f"the compiled step keeps a static cache, not {getattr(cache, '__name__', cache)}")
+        raise NotFused(f"the compiled step keeps a static cache, not {_layout_name(cache)}")
     if attention is not None:
         raise ValueError(f"attention={attention!r} is the compiled step's, and this stack is the model's own modules "
-                         f"(compiled={compiled}, cache {getattr(cache, '__name__', cache)})")
+                         f"(compiled={compiled}, cache {_layout_name(cache)})")
     return Stack(model, capacity, batch, state=state, cache=cache)

@@ -67,7 +67,11 @@ class Room:
 def as_capacity(capacity: int | Room, geometry: Geometry | None) -> int:
     """A decoder's `capacity`, a number of cache slots or a Room sized for `geometry`, as slots
     (as_size's refusals, naming it)."""
-    return capacity.entries(geometry) if isinstance(capacity, Room) else as_size(capacity, "capacity", also="a Room")
+    if isinstance(capacity, Room):
+        return capacity.entries(geometry)
+    if isinstance(capacity, (tuple, list)):  # as_size's TypeError would not say what else it takes
+        raise TypeError(f"capacity is a Room(prompt_len, tokens) or an int of slots, not {capacity!r}")
+    return as_size(capacity, "capacity", also="a Room")
 
 
 class StaticKV:

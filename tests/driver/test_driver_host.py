@@ -523,6 +523,13 @@ def test_from_cuda_array_refuses_before_asking_the_driver(iface):
         DeviceBuffer.from_cuda_array(FakeArray(**iface))
 
 
+def test_from_cuda_array_refuses_host_memory_naming_it():
+    """An array of host memory has no __cuda_array_interface__ (a CPU tensor raises
+    AttributeError when asked for it): a ValueError saying so, not the AttributeError."""
+    with pytest.raises(ValueError, match="ndarray is not device memory"):
+        DeviceBuffer.from_cuda_array(np.zeros(3, np.uint32))  # type: ignore[arg-type]
+
+
 def test_as_buffer_names_what_it_cannot_adopt():
     with pytest.raises(TypeError, match="draft_d must be a DeviceBuffer"):
         as_buffer(np.zeros(3, np.uint32), "draft_d")

@@ -6,6 +6,8 @@ break), its capacity in whole blocks, and what does not fuse refused by name. Th
 the decoders on it (every decoder compiles where its models fuse)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
@@ -157,6 +159,8 @@ def test_what_does_not_fuse_is_refused_naming_why_and_runs_through_its_modules()
         fuse(gelu)
     with pytest.raises(NotFused, match="static cache"):
         stack_for(tiny(), 40, cache=PagedKV, compiled=True)
+    with pytest.raises(NotFused, match="static cache, not PagedKV$"):  # a decoder's pages: a partial, named
+        stack_for(tiny(), 40, cache=functools.partial(PagedKV, page=16), compiled=True)
     assert isinstance(stack_for(tiny(), 40, cache=PagedKV), Stack)
     assert isinstance(stack_for(tiny(), 40), CompiledStack)
     assert isinstance(stack_for(tiny(), 40, compiled=False), Stack)

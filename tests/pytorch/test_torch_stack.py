@@ -22,8 +22,8 @@ from memra_cuda.torch.compiled import stack_for  # noqa: E402
 from memra_cuda.torch.testing import RecurrentLayer, separate_draft  # noqa: E402
 from memra_cuda.buffers.capacity import kv_capacity  # noqa: E402
 from memra_cuda.torch import (CopyState, LiveState, PagedKV, Room, SamplingParams, SpeculativeLlama, Stack,  # noqa: E402
-                              StaticKV, TreeLlama, TreeMask, capacity_for, load_model, load_tokenizer,
-                              self_draft)
+                              StaticKV, TreeLlama, TreeMask, buffer, capacity_for, load_model,
+                              load_tokenizer, self_draft)
 
 pytestmark = pytest.mark.torch
 
@@ -444,6 +444,11 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
             make()
     with pytest.raises(TypeError, match="TreeShape or a DynamicTree"):
         TreeLlama(model, draft, [[0], [1]])
+    with pytest.raises(TypeError, match="capacity is a Room\\(prompt_len, tokens\\) or an int of slots, "
+                                        "not \\(512, 256\\)"):
+        SpeculativeLlama(model, draft, capacity=(512, 256))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Tensor is not device memory"):
+        buffer(torch.zeros(3))
     # a law that is not a SamplingParams met .probs after the warm-up; a draft left out, .config
     for make, message in ((lambda: SpeculativeLlama(model, draft, sampling=0.7), "sampling is a memra_cuda.torch"),
                           (lambda: SpeculativeLlama(model, draft, sampling=SamplingParams(), draft_sampling={}),
