@@ -160,6 +160,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     """B's rows: the plain decoding, then each chain and the adaptive configuration, greedy and
     sampled, in caches of one capacity."""
     from memra_cuda.torch import GraphedGreedy, SamplingParams, SpeculativeLlama, capacity_for
+    from memra_cuda.errors import NotFused
     from memra_cuda.torch.compiled import WIDTHS_ATTEND
     requests = stream_for(heldout, batch, target.config.eos_token_id, quick)
     chains = CHAINS[batch][:1] if quick else CHAINS[batch]
@@ -168,7 +169,10 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     rows = []
     for attention in PLAIN_ATTENDS:
         begun = time.perf_counter()
-        plain_decoder = GraphedGreedy(target, capacity, batch, steps=m_rounds, attention=attention)
+        try:
+            plain_decoder = GraphedGreedy(target, capacity, batch, steps=m_rounds, attention=attention)
+        except NotFused:  # the model's own modules: no attention to choose
+            continue
         plain_decoder.server()  # its burst's graph and every prefill graph, as a chain's setup_seconds count them
         setup = time.perf_counter() - begun
         label = f"plain {attention or WIDTHS_ATTEND[False]}"

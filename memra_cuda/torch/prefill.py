@@ -57,7 +57,8 @@ class Prefills:
             if not len(prompt):  # a one-token prompt's head: nothing to prefill
                 continue
             tokens = np.asarray(prompt)  # a list mixing a bool with ints reads as ints: the bool is looked for
-            if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or any(type(t) in (bool, np.bool_) for t in prompt):
+            if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or not isinstance(prompt, np.ndarray) and any(
+                    type(t) in (bool, np.bool_) for t in prompt):
                 raise TypeError(f"row {row}'s prompt must be token ids (ints, no bools), not {reprlib.repr(prompt)}")
             outside = np.flatnonzero((tokens < 0) | (tokens >= self.vocab))
             if outside.size:
