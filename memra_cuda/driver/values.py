@@ -47,14 +47,19 @@ def exact_int(value: Any, dtype: Any) -> int:
     return number
 
 
+def _hides_bools(values: Any) -> bool:
+    """Whether a list or a tuple holds a bool among its numbers, which numpy then reads as an int
+    (np.asarray([True, 5]) is int64): the one place a bool slips past a dtype's kind."""
+    return isinstance(values, (list, tuple)) and any(type(v) in (bool, np.bool_) for v in values)
+
+
 def exact_array(values: Any, dtype: Any) -> np.ndarray:
     """`values` as a flat `dtype` array, refusing any value the conversion would change and
     anything that is not numbers (objects, strings, complex), and bools for an integer dtype
     (TypeError, as exact_int: True would be stored as 1, a token, a position or a row)."""
     dtype = np.dtype(dtype)
     arr = values if isinstance(values, np.ndarray) else np.asarray(values)
-    if dtype.kind in "iu" and (arr.dtype.kind == "b" or isinstance(values, (list, tuple)) and any(
-            type(v) in (bool, np.bool_) for v in values)):
+    if dtype.kind in "iu" and (arr.dtype.kind == "b" or _hides_bools(values)):
         raise TypeError(f"bools given for a {dtype.name} buffer: {reprlib.repr(values)}")
     if arr.dtype == dtype:
         return arr.reshape(-1)
@@ -106,6 +111,25 @@ def as_real(value: Any, what: str) -> float:
         return float(value)
     except OverflowError:
         raise ValueError(f"{what} must be a finite number, not one past a float's range") from None
+
+
+def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
+    """`values` as a copy (the caller's list or array, changed later, is not what was checked)
+    of token ids below `vocab`, 1-D, maybe empty: TypeError naming `what` unless they are ints
+    (floats, strings, a ragged or nested list, and bools, which a list of ints hides from numpy:
+    True would be token 1), ValueError naming the first outside [0, vocab) (its embedding lookup
+    would fault the device). `what` reads "{what} token 7 (at 2)": "its prompt's", "row 0's prompt"."""
+    try:
+        tokens = np.array(values)
+    except (TypeError, ValueError):  # ragged, or not numbers at all
+        tokens = np.array(None)
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu") or _hides_bools(values):
+        raise TypeError(f"{what} must be token ids (ints), not {reprlib.repr(values)}")
+    outside = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+    if outside.size:
+        at = int(outside[0])
+        raise ValueError(f"{what} token {tokens[at]} (at {at}) is outside the vocabulary of {vocab} tokens")
+    return tokens
 
 
 def as_listed(values: Any, what: str, of: str) -> list[Any]:

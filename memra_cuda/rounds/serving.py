@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ..driver.errors import MemraError
-from ..driver.values import as_index, as_size
+from ..driver.values import as_index, as_size, token_ids
 
 
 class Request(NamedTuple):
@@ -181,15 +181,13 @@ def _checked(request: Request, vocab: int) -> Request | str:
     unchecked token or a budget past the room refusal() measured into a row."""
     request = as_request(request)
     try:
-        prompt = np.array(request.prompt)  # a copy, never the caller's array itself
-    except (TypeError, ValueError):  # ragged, or not numbers at all
-        return f"its prompt must be a sequence of token ids, not {reprlib.repr(request.prompt)}"
-    if prompt.ndim != 1 or not prompt.size or prompt.dtype.kind not in "iu":
+        prompt = token_ids(request.prompt, vocab, "its prompt's")  # a copy, never the caller's list itself
+    except TypeError:
+        prompt = np.zeros(0)
+    except ValueError as exc:
+        return str(exc)
+    if not prompt.size:
         return f"its prompt must be a sequence of at least one token id (an int), not {reprlib.repr(request.prompt)}"
-    outside = np.flatnonzero((prompt < 0) | (prompt >= vocab))
-    if outside.size:
-        at = int(outside[0])
-        return f"its prompt's token {prompt[at]} (at {at}) is outside the vocabulary of {vocab} tokens"
     try:
         budget = as_size(request.max_new_tokens, "max_new_tokens", 0)
         seed = as_seed(request.seed)

@@ -52,13 +52,13 @@ def masked(kind: Attention, slots: torch.Tensor, capacity: int, scale: float, gq
            mask: torch.Tensor | None = None) -> Attend:
     """The attention of R rows of T tokens at `slots` ([R][T] int64, within the capacity) over the
     whole cache (every row of it, in order): to every slot <= a token's own, or where `mask`
-    ([R][1][T][capacity], additive) is 0; `dtype` the queries' (SDPA's mask is made in it once,
-    not cast in every layer)."""
+    ([R][1][T][capacity]) is 0, or True for a bool one (SDPA's sense, as Stack reads it); `dtype`
+    the queries' (SDPA's mask is made in it once, not cast in every layer)."""
     if kind == "sdpa":
         if mask is None:
             mask = torch.zeros((), dtype=dtype, device=slots.device).where(
                 torch.arange(capacity, device=slots.device) <= slots[..., None], -torch.inf)[:, None]
-        bias = mask.to(dtype)
+        bias = mask if mask.dtype == torch.bool else mask.to(dtype)  # a bool mask is SDPA's own sense
 
         def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
                  cache_v: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ def masked(kind: Attention, slots: torch.Tensor, capacity: int, scale: float, gq
         def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return kv <= slots[b, q.clamp(max=last)]
     else:
-        tree = mask[:, 0] == 0  # [R][T][capacity]
+        tree = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # [R][T][capacity]: seen
         top = tree.shape[-1] - 1
 
         def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

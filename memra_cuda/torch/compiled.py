@@ -148,8 +148,6 @@ class CompiledStack(LayerStack):
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                parents: torch.Tensor | None = None) -> torch.Tensor:
         self._check_rows(tokens, positions, slots)
-        if mask is not None and mask.dtype == torch.bool:  # SDPA's sense (True: seen) as the additive one
-            mask = torch.full(mask.shape, -torch.inf, dtype=self.model.dtype, device=mask.device).masked_fill(mask, 0)
         wide = tokens.shape[1] > 1  # a verify's, or the one-token step (tuned)
         attention, step = self.attention or WIDTHS_ATTEND[wide], self.wide_step if wide else self.step
         return self._run(step, tokens, positions, positions if slots is None else slots, self.kv.every_row, mask,

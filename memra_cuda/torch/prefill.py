@@ -10,13 +10,11 @@ through this, with a `fill` of their own.
 """
 from __future__ import annotations
 
-import reprlib
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
-from ..driver.values import as_size
+from ..driver.values import as_size, token_ids
 from .kv import StaticKV
 
 Fill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -54,17 +52,7 @@ class Prefills:
         if longest > self.kv.capacity:
             raise ValueError(f"a prompt of {longest} tokens does not fit a cache of {self.kv.capacity}")
         for row, prompt in zip(rows, prompts):
-            if not len(prompt):  # a one-token prompt's head: nothing to prefill
-                continue
-            tokens = np.asarray(prompt)  # a list mixing a bool with ints reads as ints: the bool is looked for
-            if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or not isinstance(prompt, np.ndarray) and any(
-                    type(t) in (bool, np.bool_) for t in prompt):
-                raise TypeError(f"row {row}'s prompt must be token ids (ints, no bools), not {reprlib.repr(prompt)}")
-            outside = np.flatnonzero((tokens < 0) | (tokens >= self.vocab))
-            if outside.size:
-                at = int(outside[0])
-                raise ValueError(f"row {row}'s prompt token {tokens[at]} (at {at}) is outside the vocabulary of "
-                                 f"{self.vocab}")
+            token_ids(prompt, self.vocab, f"row {row}'s prompt")
         return rows
 
     def run(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:

@@ -523,6 +523,24 @@ def test_the_plain_loop_refuses_a_burst_of_no_whole_steps_before_anything_is_mad
         GraphedGreedy(tiny(), 64, steps=steps)
 
 
+def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
+    """RoundDecoder.prefill checked a cap after both caches had taken the prompts, which left
+    the rows live without a budget; a seed past 64 bits raised after the target's prefill. Each
+    is refused now with neither cache touched (the decoder's host side: stand-in stacks)."""
+    from memra_cuda.torch.decoder import RoundDecoder
+    decoder = object.__new__(RoundDecoder)
+    decoder.stream, decoder.shared, decoder.sampling, decoder.k, decoder.batch = None, False, None, 4, 2
+    decoder.target, decoder.draft = Prefilled(), Prefilled()
+    for args, error, named in ((([0, 1], [[5, 6], [7, 8]], None, [0, 5]), ValueError, "a most draft length"),
+                               (([0, 2], [[5, 6], [7, 8]]), ValueError, "a row must be an int from 0 to 1"),
+                               (([True], [[5, 6]]), TypeError, "a row must be an integer"),
+                               (([0], [[5, 6]], [2**63]), ValueError, "its seed 9223372036854775808 is outside"),
+                               (([0], [[5, 6]], [1.5]), TypeError, "its seed must be an integer")):
+        with pytest.raises(error, match=named):
+            decoder.prefill(*args)
+    assert decoder.target.calls == decoder.draft.calls == []
+
+
 def test_an_admission_refuses_a_bad_draft_length_before_the_row_is_touched():
     """RoundDecoder.admit checks the request as Server.submit does, and its row, first: a bad
     most draft length, a token outside the vocabulary (an embedding lookup that would fault the

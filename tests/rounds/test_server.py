@@ -61,7 +61,8 @@ def test_a_request_that_cannot_run_is_refused_alone_naming_it():
            11: (Request([2], 4, max_draft=-1), "max_draft must be None or an int of at least 0, not -1"),
            12: (Request([2], 4, max_draft=True), "max_draft must be an integer, not True"),
            13: (Request([2], 4, seed=True), "its seed must be an integer, not True"),
-           14: (Request([2], 4, seed=np.True_), "its seed must be an integer, not np.True_")}
+           14: (Request([2], 4, seed=np.True_), "its seed must be an integer, not np.True_"),
+           15: (Request([True, 5], 5), "at least one token id")}  # numpy reads the list as ints: True was token 1
     requests = list(good)
     for place, (request, _) in sorted(bad.items()):
         requests.insert(place, request)
