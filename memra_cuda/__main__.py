@@ -24,6 +24,7 @@ from .rounds.stream import MODES
 from .testing.toy.lm import ToyLM, ToyModel, target_greedy
 
 PROMPT = [101, 2023, 2003, 1037, 3231]
+TOKEN_MOST = 2**31 - 1  # a token id the toy model's i32 buffers hold
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         geometry = Geometry(args.k, args.m_rounds)  # its errors name k and m_rounds, --k and --m-rounds
         as_size(args.tokens, "--tokens", 0)
+        for token in (*args.prompt, *([] if args.eos is None else [args.eos])):  # the toy's tokens are i32s
+            as_size(token, "--prompt and --eos take token ids, each", 0, TOKEN_MOST)
     except ValueError as exc:
         cli.error(str(exc))
     model = ToyModel(seed=7, noise_ppm=100_000, p_min=0.05)

@@ -96,7 +96,7 @@ class DraftLengths:
         step's cost of at least 0, all finite as f32 (a cost the chooser could not weigh is
         refused here). They come as a list, a tuple or a 1-D array, in width order: a mapping's
         or a set's iteration would give its keys or an order of its own as the costs."""
-        verify = as_listed(verify_costs, "verify_costs", "costs, one a width in order")
+        verify = as_listed(verify_costs, "verify_costs", "costs, one a width in order", self.k + 1)
         if len(verify) != self.k + 1:
             raise ValueError(f"verify_costs needs one cost per width 0..k ({self.k + 1}), not {len(verify)}")
         if all(cost is None for cost in verify):

@@ -27,7 +27,9 @@ class KVLayer:
     `len_d`, i32[B]: one per sequence of the batch (B = 1 for one sequence).
 
     Only `len_d` matters to round-stream (rollback rewrites it); `data_d` belongs to the model.
-    Either may be a DeviceBuffer or a __cuda_array_interface__ object (a torch tensor).
+    Either may be a DeviceBuffer or a __cuda_array_interface__ object (a torch tensor). Where
+    `data_d` is given it holds the capacity it is said to (at least `capacity` elements for each
+    sequence): the capacity rule trusts the number, and bursts run up to it.
     """
 
     def __init__(self, len_d: Any, capacity: int, data_d: Any = None):
@@ -37,6 +39,9 @@ class KVLayer:
         self.len_d = len_d
         self.capacity = as_size(capacity, "capacity")
         self.data_d = None if data_d is None else as_buffer(data_d, "data_d")
+        if self.data_d is not None and self.data_d.len < len_d.len * self.capacity:
+            raise ValueError(f"data_d of {self.data_d.len} elements cannot hold a capacity of {self.capacity} for each "
+                             f"of {len_d.len} sequence(s)")
 
     @property
     def batch(self) -> int:

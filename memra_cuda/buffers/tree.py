@@ -43,7 +43,8 @@ class TreeShape:
         """Every field becomes a tuple of plain ints before it is checked: a float rank would be
         uploaded truncated, a bool read as 0 or 1, a list leave the tree unhashable and a rank
         past a u32 overflow only when TreeBufs packs it; each is refused here, by node."""
-        parents, ranks = as_listed(self.parent, "parent", _NODE_INTS), as_listed(self.rank, "rank", _NODE_INTS)
+        parents, ranks = (as_listed(values, name, _NODE_INTS, MAX_TREE_NODES)
+                          for values, name in ((self.parent, "parent"), (self.rank, "rank")))
         if len(parents) != len(ranks):
             raise ValueError("a tree's parent and rank name every node, node 0 (the root, parent -1) first")
         if not 2 <= len(parents) <= MAX_TREE_NODES:
@@ -71,8 +72,9 @@ class TreeShape:
     def from_choices(cls, choices: Sequence[Sequence[int]]) -> TreeShape:
         """EAGLE-style choices: each node the path of sibling ranks from the root ([1, 0]: the
         best child of the root's second-best child), every prefix of a path a node too."""
-        given = enumerate(as_listed(choices, "choices", "paths of ranks"))
-        paths = [tuple(_rank(r, f"choices[{i}][{j}]") for j, r in enumerate(as_listed(path, f"choices[{i}]", "ranks")))
+        given = enumerate(as_listed(choices, "choices", "paths of ranks", MAX_TREE_NODES - 1))  # the root no path
+        paths = [tuple(_rank(r, f"choices[{i}][{j}]")
+                       for j, r in enumerate(as_listed(path, f"choices[{i}]", "ranks", MAX_TREE_NODES - 1)))
                  for i, path in given]
         if any(not path for path in paths) or len(set(paths)) != len(paths):
             raise ValueError("choices are distinct, non-empty paths of sibling ranks")
@@ -90,9 +92,7 @@ class TreeShape:
         given order. Reordered into level order (by depth, then parent, then rank). Each parent
         an int (a float, a string or a bool refused, not converted), at most MAX_TREE_NODES of
         them (refused before the reordering, which takes their square)."""
-        given = as_listed(parents, "parents", _NODE_INTS)
-        if len(given) > MAX_TREE_NODES:
-            raise ValueError(f"a tree has 2 to {MAX_TREE_NODES} nodes (the ancestor mask's width), not {len(given)}")
+        given = as_listed(parents, "parents", _NODE_INTS, MAX_TREE_NODES)
         parents = [as_index(p, f"parents[{i}]") for i, p in enumerate(given)]
         if not parents or parents[0] != -1:
             raise ValueError("parents[0] must be -1: node 0 is the root")

@@ -53,10 +53,29 @@ def _hides_bools(values: Any) -> bool:
     return isinstance(values, (list, tuple)) and any(type(v) in (bool, np.bool_) for v in values)
 
 
+def _inexact(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`arr` (numbers) as a float or bool `dtype`, refused (ValueError) where a value changes by
+    more than a float's rounding: see exact_array."""
+    with np.errstate(all="ignore"):  # an overflow is what is looked for, not a warning
+        out = arr.astype(dtype)
+        if dtype.kind == "b":
+            changed = arr.dtype.kind != "b" and bool(((arr != 0) & (arr != 1)).any())
+        elif arr.dtype.kind in "iu":
+            changed = bool(not np.isfinite(out).all() or (out.astype(arr.dtype) != arr).any())
+        else:
+            changed = bool((np.isfinite(arr) & ~np.isfinite(out)).any())
+    if changed:
+        raise ValueError(f"{dtype.name} cannot hold {reprlib.repr(arr.tolist())} as given")
+    return out
+
+
 def exact_array(values: Any, dtype: Any) -> np.ndarray:
     """`values` as a flat `dtype` array, refusing any value the conversion would change and
     anything that is not numbers (objects, strings, complex), and bools for an integer dtype
-    (TypeError, as exact_int: True would be stored as 1, a token, a position or a row)."""
+    (TypeError, as exact_int: True would be stored as 1, a token, a position or a row). For a
+    float buffer, a float rounded to its precision is the one change taken: a finite value that
+    would overflow to inf, or an int it cannot hold exactly (2**24 + 1 in float32), is refused;
+    a bool buffer takes bools, 0 and 1 (0.5 and -1 were stored as True)."""
     dtype = np.dtype(dtype)
     arr = values if isinstance(values, np.ndarray) else np.asarray(values)
     if dtype.kind in "iu" and (arr.dtype.kind == "b" or _hides_bools(values)):
@@ -69,7 +88,7 @@ def exact_array(values: Any, dtype: Any) -> np.ndarray:
     if arr.dtype.kind not in "biuf":
         raise ValueError(f"{arr.dtype} values cannot be copied to device memory (numbers only)")
     if dtype.kind not in "iu":
-        return arr.astype(dtype).reshape(-1)
+        return _inexact(arr, dtype).reshape(-1)
     if arr.dtype.kind == "f":
         raise ValueError(f"{arr.dtype.name} values given for a {dtype.name} buffer")
     for extreme in (arr.min(), arr.max()) if arr.size else ():
@@ -132,13 +151,15 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
     return tokens
 
 
-def as_listed(values: Any, what: str, of: str) -> list[Any]:
+def as_listed(values: Any, what: str, of: str, most: int | None = None) -> list[Any]:
     """`values` as a list, if it is a list, a tuple (a sequence but a string) or a 1-D array:
     where the order is the meaning (a tree's nodes, a cost a width), a mapping's or a set's
     iteration gives keys or an order of its own, and a string its characters; anything else a
-    TypeError naming `what` and what it holds (`of`)."""
-    if isinstance(values, np.ndarray) and values.ndim == 1:
-        return list(values)
-    if isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
-        return list(values)
-    raise TypeError(f"{what} must be a list, a tuple or a 1-D array of {of}, not {values!r}")
+    TypeError naming `what` and what it holds (`of`). More than `most` values are refused by
+    their count, before they are listed (range(10**8) took 9 s and 4 GB to be refused after)."""
+    if not (isinstance(values, np.ndarray) and values.ndim == 1) and (
+            not isinstance(values, Sequence) or isinstance(values, (str, bytes))):
+        raise TypeError(f"{what} must be a list, a tuple or a 1-D array of {of}, not {reprlib.repr(values)}")
+    if most is not None and len(values) > most:
+        raise ValueError(f"{what} holds at most {most} {of}, not {len(values)}")
+    return list(values)

@@ -148,6 +148,23 @@ def malformed(request: Request, vocab: int) -> str | None:
     return checked if isinstance(checked, str) else None
 
 
+def batch_admitted(requests: Sequence[Request], vocab: int, batch: int) -> list[Request]:
+    """What a decoder's generate_batch starts, one request a row of its `batch`: the copies
+    Server.submit would keep (admitted's), or RequestRefused naming the first malformed one's row
+    (ValueError where they are not one a row). The copies, not the caller's requests, run: a
+    budget given as a 0-d array was counted down in place, so the same request given again
+    generated nothing."""
+    if len(requests) != batch:
+        raise ValueError(f"need one request per row ({batch}), not {len(requests)}")
+    kept: list[Request] = []
+    for row, request in enumerate(requests):
+        checked = _checked(request, vocab)
+        if isinstance(checked, str):
+            raise RequestRefused(row, checked)
+        kept.append(checked)
+    return kept
+
+
 def as_seed(value: object) -> int:
     """A request's seed as an int, a 64-bit one (a sampled decoder keeps its rows' seeds in an
     int64 tensor: past it, a row's admission raised after its prefill), else TypeError or

@@ -22,8 +22,8 @@ from ..buffers.geometry import Geometry, as_geometry
 from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
-from ..driver.values import as_size
-from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, admitted, as_seed, malformed
+from ..driver.values import as_size, token_ids
+from ..rounds.serving import Burst, Request, Served, Server, admitted, as_seed, batch_admitted
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import engine
 from .kv import CacheLayout, Room, StaticKV, as_capacity
@@ -152,8 +152,7 @@ class RoundDecoder:
         caps = [self.k] * len(rows) if caps is None else [as_size(c, "a most draft length", 0, self.k) for c in caps]
         if len(caps) != len(rows):
             raise ValueError(f"need one most draft length for each of the {len(rows)} rows, not {len(caps)}")
-        starts = self._fill(rows, prompts, seeds)
-        pending = [int(prompt[-1]) for prompt in prompts]
+        starts, pending = self._fill(rows, prompts, seeds)
         with torch.cuda.stream(self.stream):
             if rows == list(range(self.batch)):
                 self.bufs.reset(pending, starts)
@@ -173,9 +172,9 @@ class RoundDecoder:
         in the vocabulary; its room is checked by every burst (CapacityError)."""
         request = admitted(request, self.vocab, row, self.batch)  # a bad one refused before the row is touched
         prompt, cap = request.prompt, self._cap(request)
-        (start,) = self._fill([row], [prompt], [request.seed])
+        (start,), (pending,) = self._fill([row], [prompt], [request.seed])
         with torch.cuda.stream(self.stream):
-            self.bufs.start_row(row, int(prompt[-1]), start, budget=request.max_new_tokens, eos=request.eos)
+            self.bufs.start_row(row, pending, start, budget=request.max_new_tokens, eos=request.eos)
             self.lengths.set_cap_row(row, cap)
 
     def _cap(self, request: Request) -> int:
@@ -184,16 +183,20 @@ class RoundDecoder:
             return self.k
         return min(as_size(request.max_draft, "max_draft", 0, also="None"), self.k)
 
-    def _fill(self, rows: list[int], prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None) -> list[int]:
+    def _fill(self, rows: list[int], prompts: Sequence[Sequence[int]],
+              seeds: Sequence[int] | None) -> tuple[list[int], list[int]]:
         """Both caches of each row take its prompt but the last token, and what a subclass sets
         for the rows (_prefilled) and their seeds are set: everything of a request's start but
-        the buffers' row. Returns the rows' start positions."""
+        the buffers' row. Returns the rows' start positions and pending tokens (every token
+        checked, ints of the vocabulary, before any row is written)."""
         # len(): a server takes a prompt that is an array, whose truth is ambiguous
         if any(len(prompt) == 0 for prompt in prompts) or len(prompts) != len(rows):
             raise ValueError(f"need one prompt of at least one token for each of the {len(rows)} rows")
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")
         seeds = None if seeds is None else [as_seed(seed) for seed in seeds]
+        # the whole prompt, its last (pending) token too, which only the draft's first step looks up
+        prompts = [token_ids(prompt, self.vocab, f"row {row}'s prompt").tolist() for row, prompt in zip(rows, prompts)]
         heads = [prompt[:-1] for prompt in prompts]
         with torch.cuda.stream(self.stream):
             index = torch.tensor(rows, device="cuda")
@@ -205,7 +208,7 @@ class RoundDecoder:
             self._prefilled(index, prompts)
             if self.sampling is not None:
                 self.seed_d[index] = torch.tensor(list(seeds) if seeds is not None else [0] * len(rows), device="cuda")
-        return [len(prompt) - 1 for prompt in prompts]
+        return [len(prompt) - 1 for prompt in prompts], [prompt[-1] for prompt in prompts]
 
     def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:
         """Every graph the modes may replay (each burst length pacing may ask for), and every
@@ -226,11 +229,7 @@ class RoundDecoder:
         """One request per row, all started together and generated until each stops. A request
         that is malformed or names a token outside the vocabulary is refused (RequestRefused,
         naming its row) before anything runs."""
-        if len(requests) != self.batch:
-            raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
-        for row, request in enumerate(requests):
-            if (reason := malformed(request, self.vocab)) is not None:
-                raise RequestRefused(row, reason)
+        requests = batch_admitted(requests, self.vocab, self.batch)
         self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests],
                      [self._cap(r) for r in requests])
         out = self.rounds.generate_batch([r.max_new_tokens for r in requests],

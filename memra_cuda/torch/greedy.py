@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..driver.values import as_size
-from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, admitted, malformed
+from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, admitted, batch_admitted
 from .sampling import SamplingParams
 from .attention import Attention
 from .compiled import stack_for
@@ -145,10 +145,9 @@ class GraphedGreedy:
         """One request a row, started together, each until its budget or its EOS. A request that
         is malformed, names a token outside the vocabulary or does not fit its row's cache is
         refused (RequestRefused, naming its row) before anything runs."""
-        if len(requests) != self.batch:
-            raise ValueError(f"need one request per row ({self.batch}), not {len(requests)}")
+        requests = batch_admitted(requests, self.vocab, self.batch)
         for row, request in enumerate(requests):
-            if (reason := malformed(request, self.vocab) or self.refusal(request)) is not None:
+            if (reason := self.refusal(request)) is not None:
                 raise RequestRefused(row, reason)
         self.capture()
         with torch.cuda.stream(self.stream):

@@ -263,6 +263,10 @@ def test_kv_data_of_a_layer_and_a_table_refuse_what_kernel_15_cannot_read():
         KVData.from_layer(KVLayer(lengths, 10))
     with pytest.raises(ValueError, match=r"is not \[2\]\[10\]\[width\]"):
         KVData.from_layer(KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10 * 4 + 1)))
+    # a data_d smaller than its capacity for each row, whose bursts would run past it, at the limit
+    with pytest.raises(ValueError, match="data_d of 19 elements cannot hold a capacity of 10 for each of 2 seq"):
+        KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10 - 1))
+    assert KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10)).capacity == 10
     two = KVData.from_layer(KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10 * 4)))
     assert (two.batch, two.row_stride, two.pos_stride, two.nbytes) == (2, 160, 16, 16)
     one = KVData(DeviceBuffer.wrap(FAKE_PTR, np.uint8, 160), row_stride=160, pos_stride=16, nbytes=16, capacity=10,
@@ -332,7 +336,14 @@ def test_a_tree_given_directly_refuses_what_is_no_int_naming_the_field_and_the_n
     (lambda: TreeShape.from_parents([-1, "0"]), TypeError, r"parents\[1\] must be an integer, not '0'"),
     (lambda: TreeShape.from_parents([-1, 0, True]), TypeError, r"parents\[2\] must be an integer, not True"),
     (lambda: TreeShape.from_parents({-1: 0}), TypeError, "parents must be a list, a tuple or a 1-D array"),
-    (lambda: TreeShape.from_parents([-1] + [0] * MAX_TREE_NODES), ValueError, f"2 to {MAX_TREE_NODES} nodes"),
+    (lambda: TreeShape.from_parents([-1] + [0] * MAX_TREE_NODES), ValueError,
+     f"parents holds at most {MAX_TREE_NODES} ints, one a node, not {MAX_TREE_NODES + 1}"),
+    # counted before they are listed: range(10**8) was listed (9 s, 4 GB) before it was refused
+    (lambda: TreeShape.from_parents(range(10**8)), ValueError, f"parents holds at most {MAX_TREE_NODES} ints"),
+    (lambda: TreeShape(range(10**8), range(10**8)), ValueError, f"parent holds at most {MAX_TREE_NODES} ints"),
+    (lambda: TreeShape.from_choices([[0]] * MAX_TREE_NODES), ValueError,
+     f"choices holds at most {MAX_TREE_NODES - 1} paths of ranks, not {MAX_TREE_NODES}"),
+    (lambda: TreeShape.from_choices([range(10**8)]), ValueError, rf"choices\[0\] holds at most {MAX_TREE_NODES - 1}"),
     (lambda: TreeShape.from_choices([[True]]), TypeError, r"choices\[0\]\[0\] must be an integer, not True"),
     (lambda: TreeShape.from_choices([[0], [0.0, 1]]), TypeError, r"choices\[1\]\[0\] must be an integer"),
     (lambda: TreeShape.from_choices([[0], [MAX_TREE_CANDIDATES]]), ValueError,

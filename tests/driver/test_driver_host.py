@@ -337,6 +337,21 @@ def test_exact_array_refuses_bools_for_an_integer_buffer(values):
     assert exact_array(np.array([True]), np.bool_).tolist() == [True]
 
 
+def test_a_float_or_bool_buffer_takes_a_value_only_as_given_or_rounded():
+    """A float rounded to the buffer's precision is taken; a finite value that would overflow to
+    inf, an int the float cannot hold exactly and a bool buffer's 0.5 or -1 are refused (they were
+    stored as inf, 16777216 and True). Each at its limit."""
+    assert exact_array([2**24, 0.1, float("inf"), -3.4028235e38], np.float32)[[0, 2, 3]].tolist() == [
+        2**24, float("inf"), -3.4028234663852886e38]
+    assert np.isnan(exact_array([float("nan")], np.float32)).all()
+    assert exact_array([65504.0], np.float16).tolist() == [65504.0]
+    assert exact_array([1, 0, True], np.bool_).tolist() == [True, False, True]
+    for values, dtype in (([2**24 + 1], np.float32), ([1e39], np.float32), ([65520.0], np.float16),
+                          ([2], np.bool_), ([-1], np.bool_), ([0.5], np.bool_)):
+        with pytest.raises(ValueError, match=f"{np.dtype(dtype).name} cannot hold"):
+            exact_array(values, dtype)
+
+
 def test_exact_array_converts_big_python_ints_exactly():
     assert exact_array([1, 2**63, 2**64 - 1], np.uint64).tolist() == [1, 2**63, 2**64 - 1]
     with pytest.raises(ValueError):

@@ -64,7 +64,11 @@ def test_the_examples_share_their_command_line_and_its_refusals(cli, capsys):
                ("--temperature", "0"): "temperature must be finite", ("--draft-layers", "0"): "at least one layer",
                ("--top-k", "5"): "add --temperature T", ("--top-p", "0.9"): "add --temperature T",
                ("--batch", "0"): "--batch takes at least 1, not 0", ("--tokens", "-1"): "--tokens takes at least 0",
-               ("--m-rounds", "0"): "--m-rounds takes at least 1, not 0"}
+               ("--m-rounds", "0"): "--m-rounds takes at least 1, not 0",
+               # the most, at parsing too (each was refused by the decoder, after the models were built)
+               ("--batch", "65536"): "batch must be an int from 1 to 65535, not 65536",
+               ("--m-rounds", str(2**31)): "m_rounds must be at most",
+               ("--tokens", str(2**31)): f"--tokens takes at most {2**31 - 1}", ("--eos", "-1"): "--eos is a token id"}
     for argv, message in refused.items():
         with pytest.raises(SystemExit):
             cli.parse(parser, list(argv))

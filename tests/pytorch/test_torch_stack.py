@@ -504,11 +504,11 @@ def test_a_decoders_admission_takes_every_prompt_a_server_takes(monkeypatch):
     decoder here is its host side alone: stand-in stacks, no stream, tensors on the CPU."""
     from memra_cuda.torch.decoder import RoundDecoder
     decoder = object.__new__(RoundDecoder)
-    decoder.stream, decoder.shared, decoder.sampling = None, False, None
+    decoder.stream, decoder.shared, decoder.sampling, decoder.vocab = None, False, None, 100
     decoder.target, decoder.draft = Prefilled(), Prefilled()
     tensor = torch.tensor
     monkeypatch.setattr(torch, "tensor", lambda data, *args, device=None, **kwargs: tensor(data, *args, **kwargs))
-    assert decoder._fill([1, 0], [np.array([5, 6, 7]), (8,)], None) == [2, 0]
+    assert decoder._fill([1, 0], [np.array([5, 6, 7]), (8,)], None) == ([2, 0], [7, 8])
     assert decoder.target.calls == decoder.draft.calls == [([1, 0], [[5, 6], []])]
     with pytest.raises(ValueError, match="one prompt of at least one token for each of the 1 rows"):
         decoder._fill([0], [np.array([], np.int64)], None)
@@ -530,7 +530,12 @@ def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
     from memra_cuda.torch.decoder import RoundDecoder
     decoder = object.__new__(RoundDecoder)
     decoder.stream, decoder.shared, decoder.sampling, decoder.k, decoder.batch = None, False, None, 4, 2
-    decoder.target, decoder.draft = Prefilled(), Prefilled()
+    decoder.target, decoder.draft, decoder.vocab = Prefilled(), Prefilled(), 100
+    # the last token, which becomes pending (looked up only by the draft's first step), checked with the rest:
+    # it went to the buffers as int(token), 7.9 as 7, "42" as 42, 10**6 to fault the device
+    for last, error in ((10**6, ValueError), (7.9, TypeError), ("42", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="row 1's prompt (token 1000000 .at 1. is outside|must be token ids)"):
+            decoder.prefill([0, 1], [[5, 6], [7, last]])
     for args, error, named in ((([0, 1], [[5, 6], [7, 8]], None, [0, 5]), ValueError, "a most draft length"),
                                (([0, 2], [[5, 6], [7, 8]]), ValueError, "a row must be an int from 0 to 1"),
                                (([True], [[5, 6]]), TypeError, "a row must be an integer"),

@@ -397,3 +397,21 @@ def test_each_request_carries_its_accepted_drafts_and_rounds_from_its_readbacks(
     assert any(out[ident].accepted for ident in ids), "no draft was ever accepted: the test proves nothing"
     plain = Server(Counting(2), clock=Clock()).serve(mixed(3))
     assert all(served.accepted is None and served.rounds is None for served in plain)
+
+
+def test_a_batch_runs_the_checked_copies_of_its_requests():
+    """generate_batch's requests as Server.submit keeps them (rounds.serving.batch_admitted): plain
+    ints and a tuple, the caller's requests untouched (GraphedGreedy counted a budget given as a
+    0-d array down in place, so the same request given again generated nothing); the first
+    malformed one refused naming its row; a batch of another size refused."""
+    from memra_cuda.rounds.serving import batch_admitted
+    budget = np.array(3)
+    given = [Request([1, 2], budget, np.int64(5)), Request(np.array([4]), 2, None, np.uint64(9))]
+    kept = batch_admitted(given, VOCAB, 2)
+    assert kept == [Request((1, 2), 3, 5), Request((4,), 2, None, 9)]
+    assert all(type(v) is int for r in kept for v in (*r.prompt, r.max_new_tokens, r.seed))
+    assert given[0].max_new_tokens is budget and type(kept[0].max_new_tokens) is int
+    with pytest.raises(RequestRefused, match=f"request 1 refused: its prompt's token {VOCAB} .at 0. is outside"):
+        batch_admitted([given[0], Request([VOCAB], 2)], VOCAB, 2)
+    with pytest.raises(ValueError, match=r"need one request per row \(3\), not 2"):
+        batch_admitted(given, VOCAB, 3)

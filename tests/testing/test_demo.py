@@ -43,7 +43,13 @@ def test_an_option_out_of_range_is_a_usage_error_before_any_engine(monkeypatch, 
     for argv, message in ((["--k", "-1"], "k must be an int of at least 0, not -1"),
                           (["--m-rounds", "0"], "m_rounds must be an int of at least 1, not 0"),
                           (["--k", "4", "--m-rounds", str(2**32)], "m_rounds must be at most"),
-                          (["--tokens", "-3"], "--tokens must be an int of at least 0, not -3")):
+                          (["--tokens", "-3"], "--tokens must be an int of at least 0, not -3"),
+                          # token ids, at their limits (a negative one met a traceback in the engine's copy)
+                          (["--prompt", "5", "-1"], "--prompt and --eos take token ids, each must be an int from 0 "
+                                                    "to 2147483647, not -1"),
+                          (["--prompt", str(2**31)], "--prompt and --eos take token ids, each must be an int from 0 "
+                                                     f"to 2147483647, not {2**31}"),
+                          (["--eos", "-1"], "--prompt and --eos take token ids")):
         with pytest.raises(SystemExit) as exit_:
             demo.main(argv)
         err = capsys.readouterr().err
