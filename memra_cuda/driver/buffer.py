@@ -52,6 +52,8 @@ class DeviceBuffer(Handle):
         self.label = label
         self._base = base
         self._keepalive = keepalive
+        self._adopted: Any = None  # a tensor whose memory this is, asked for its address at every use (from_cuda_array)
+        self._storage: Any = None  # and its storage, whose memory a set_() leaves alive
         self._streams: weakref.WeakSet | None = None  # streams that queued work on borrowed memory
         self._holders: weakref.WeakSet | None = None  # what another framework keeps with this memory (hold)
 
@@ -79,6 +81,14 @@ class DeviceBuffer(Handle):
         producer names (v3's `stream`), so nothing reads the tensor before it is written.
         Empty, masked, non-contiguous or host memory is a ValueError (a CPU tensor raises
         AttributeError when asked for the interface: that is host memory too).
+
+        A tensor (an object with `data_ptr()`, as torch's) can be moved under its owner's feet:
+        `resize_`, `set_` or its storage resized to 0 (as FSDP does) leave this buffer's address
+        naming memory torch may give to another tensor. Its storage is kept too (`set_` then
+        leaves the old memory alive), and every use of `ptr` (a launch's arguments, a table, a
+        copy) asks the tensor for its address: where it moved, ValueError, not a write into
+        another tensor's memory. A graph or a table made before the move holds the old address:
+        do not resize an adopted tensor, or adopt it again and rebuild them.
         """
         try:
             iface = obj.__cuda_array_interface__
@@ -100,7 +110,10 @@ class DeviceBuffer(Handle):
         if engine is not None:
             engine.activate()
         device = _device_of(ptr)
+        moves = callable(getattr(obj, "data_ptr", None))
+        storage = getattr(obj, "untyped_storage", None) if moves else None
         buf = cls(ptr, dtype, count, keepalive=obj, device=device)
+        buf._adopted, buf._storage = (obj if moves else None), (storage() if callable(storage) else None)
         stream = iface.get("stream")
         if engine is not None and stream is not None:
             engine.wait_stream(stream)
@@ -114,8 +127,12 @@ class DeviceBuffer(Handle):
     def ptr(self) -> int:
         if self._refusal is not None:
             raise ValueError(self._refusal)
-        if self._base is not None and self._base._refusal is not None:
-            raise ValueError(self._base._refusal)
+        owner = self._base or self
+        if owner._refusal is not None:
+            raise ValueError(owner._refusal)
+        if owner._adopted is not None and owner._adopted.data_ptr() != owner._ptr:
+            raise ValueError(f"{owner!r} names memory its tensor no longer holds (the tensor was resized, or given "
+                             f"another storage, and is at {owner._adopted.data_ptr():#x} now): adopt it again")
         return self._ptr
 
     @property
@@ -196,7 +213,7 @@ class DeviceBuffer(Handle):
             super().free()  # refused from now on, dependents poisoned; the memory not yet released
             self._finalizer = release
             return
-        self._keepalive = None
+        self._keepalive = self._adopted = self._storage = None
         super().free()
 
     @property

@@ -538,6 +538,36 @@ def test_from_cuda_array_refuses_before_asking_the_driver(iface):
         DeviceBuffer.from_cuda_array(FakeArray(**iface))
 
 
+def test_an_adopted_tensor_that_moved_is_refused_at_its_next_use(monkeypatch):
+    """A tensor's memory can move under its owner (resize_, set_, its storage resized to 0): every
+    use of an adopted buffer's ptr (a launch's arguments, a table, a copy) asks the tensor for its
+    address, and where it moved refuses, naming it, instead of writing into memory torch may have
+    given another tensor; a view of it too. Its storage is held as well. (No driver: the device
+    lookup stands in.)"""
+    import memra_cuda.driver.buffer as buffer_module
+
+    class Tensor(FakeArray):
+        def __init__(self) -> None:
+            super().__init__()
+            self.at, self.storage = FAKE_PTR, object()
+
+        def data_ptr(self) -> int:
+            return self.at
+
+        def untyped_storage(self) -> object:
+            return self.storage
+    monkeypatch.setattr(buffer_module, "_device_of", lambda ptr: 0)
+    tensor = Tensor()
+    buf = DeviceBuffer.from_cuda_array(tensor)  # type: ignore[arg-type]
+    view = buf.view(1, 2)
+    assert (buf.ptr, view.ptr, buf.foreign, buf._storage) == (FAKE_PTR, FAKE_PTR + 4, tensor, tensor.storage)
+    tensor.at = FAKE_PTR + 4096  # resize_ moved it
+    for moved in (buf, view):
+        with pytest.raises(ValueError, match=f"names memory its tensor no longer holds .* at {FAKE_PTR + 4096:#x} now"):
+            moved.ptr
+    assert DeviceBuffer.from_cuda_array(FakeArray()).ptr == FAKE_PTR  # type: ignore[arg-type]  # no data_ptr: as before
+
+
 def test_from_cuda_array_refuses_host_memory_naming_it():
     """An array of host memory has no __cuda_array_interface__ (a CPU tensor raises
     AttributeError when asked for it): a ValueError saying so, not the AttributeError."""
