@@ -81,7 +81,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
     parser.add_argument("--tokens", type=int, default=256, help="new tokens a row (default 256)")
     parser.add_argument("--k", type=int, default=4, help="drafts a round (default 4)")
-    parser.add_argument("--m-rounds", type=int, default=16, help="rounds a burst, M (default 16)")
+    parser.add_argument("--m-rounds", type=int, default=16, metavar="M", help="rounds a burst, M (default 16)")
     return parser.parse_args(argv)
 
 

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", default="static:16",
                         help='"static:N[,DEPTH]" (memra_cuda.torch.testing.static_tree), "chain:K,LEAVES" (a chain '
                         'with leaves), "dynamic:D,W,B" (DynamicTree) or "auto" (tree_for_batch of '
-                        'benchmarks/picks.py: random-weight models)')
+                        'benchmarks/picks.py: random-weight models) (default: %(default)s)')
     args, sampling = parse(parser, argv)
     tree: Tree | None
     if args.tree == "auto":

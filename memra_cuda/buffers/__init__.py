@@ -1,8 +1,9 @@
-"""The seed's half of round-stream: a round's shape (Geometry), the device state of a burst
-(StreamBufs, with the Ledger of rounds the host has not seen; TreeBufs for a tree), the tables of
-what a round rolls back (KV lengths, recurrent state, KV data), the capacity rule, the acceptance
-rules, and the row words (layout) that ptx/layout.cuh shares; and the length chooser's buffers
-(DraftLengths)."""
+"""Round-stream's buffers, the layer between the driver and the kernels: the device memory the
+rounds' kernels read and write, and what the host knows of it. A round's shape (Geometry), the
+device state of a burst (StreamBufs, with the Ledger of rounds the host has not seen; TreeBufs for
+a tree), the tables of what a round rolls back (KV lengths, recurrent state, KV data), the
+capacity rule, the acceptance rules, and the row words (layout) that ptx/layout.cuh shares; and
+the length chooser's buffers (DraftLengths)."""
 from .acceptance import Acceptance, Greedy, Sampling
 from .capacity import UNCHECKED, Capacity, CapacityError, kv_capacity
 from .geometry import MAX_BATCH, Geometry

@@ -135,6 +135,8 @@ class StreamBufs:
         self.holder, self._held_why = holder, why
 
     def release(self, holder: object) -> None:
+        """Clear the holder that hold() set, so that everyone may use the buffers again; only
+        `holder` itself releases them (anyone else's release does nothing)."""
         if self.holder is holder:
             self.holder = None
 
@@ -294,6 +296,8 @@ class StreamBufs:
         return dict(self._fields)
 
     def free(self) -> None:
+        """Free every buffer: the device fields (windows), their one allocation, and the pinned
+        readback slots; every graph captured over them then refuses to replay."""
         for buf in [*self._fields.values(), self._arena, *self._host]:
             buf.free()
 

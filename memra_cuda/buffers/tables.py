@@ -81,6 +81,8 @@ class Cache:
     @classmethod
     def allocate(cls, engine: Engine, kv_mask: Sequence[bool], capacity: int, width: int = 1,
                  batch: int = 1) -> Cache:
+        """A cache of one layer per entry of `kv_mask`, in order: where True, a zero-length
+        KVLayer.allocate of `capacity` entries of `width` for `batch` sequences; where False, None."""
         return cls([KVLayer.allocate(engine, capacity, width, batch=batch) if has_kv else None
                     for has_kv in kv_mask])
 

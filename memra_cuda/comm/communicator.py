@@ -426,6 +426,8 @@ class Communicator(Handle):
 
     def prepare_all_reduce(self, buf: DeviceBuffer, out: DeviceBuffer | None = None, op: str = "sum",
                            dtype: DTypeLike | None = None, *, engine: Engine | None = None) -> Callable[[], None]:
+        """all_reduce checked once (buffers, dtype, op, engine), as a call to issue again and again:
+        each issue costs the NCCL call and a test of the communicator's state."""
         engine, out = self._on(engine), buf if out is None else out
         count, kind = self._pair(engine, buf, out, dtype)
         return self._prepare(engine, "ncclAllReduce", (buf.ptr, out.ptr, count, kind, nccl_op(op)), (buf, out))
@@ -437,6 +439,8 @@ class Communicator(Handle):
 
     def prepare_broadcast(self, buf: DeviceBuffer, root: int = 0, out: DeviceBuffer | None = None,
                           dtype: DTypeLike | None = None, *, engine: Engine | None = None) -> Callable[[], None]:
+        """broadcast checked once (buffers, dtype, root, engine), as a call to issue again and again:
+        each issue costs the NCCL call and a test of the communicator's state."""
         engine, out = self._on(engine), buf if out is None else out
         count, kind = self._pair(engine, buf, out, dtype)
         return self._prepare(engine, "ncclBroadcast", (buf.ptr, out.ptr, count, kind, self._rank_of(root, "root")),
@@ -449,6 +453,8 @@ class Communicator(Handle):
 
     def prepare_send(self, buf: DeviceBuffer, peer: int, dtype: DTypeLike | None = None, *,
                      engine: Engine | None = None) -> Callable[[], None]:
+        """send checked once (buffer, dtype, peer, engine), as a call to issue again and again; where
+        this rank also receives from `peer`, issue both inside one group(), or the two ranks wait on each other."""
         return self._point_to_point("ncclSend", buf, peer, dtype, engine)
 
     def recv(self, buf: DeviceBuffer, peer: int, dtype: DTypeLike | None = None, *,
@@ -458,6 +464,8 @@ class Communicator(Handle):
 
     def prepare_recv(self, buf: DeviceBuffer, peer: int, dtype: DTypeLike | None = None, *,
                      engine: Engine | None = None) -> Callable[[], None]:
+        """recv checked once (buffer, dtype, peer, engine), as a call to issue again and again; where
+        this rank also sends to `peer`, issue both inside one group(), or the two ranks wait on each other."""
         return self._point_to_point("ncclRecv", buf, peer, dtype, engine)
 
     def _point_to_point(self, name: str, buf: DeviceBuffer, peer: int, dtype: DTypeLike | None,

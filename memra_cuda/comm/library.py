@@ -187,6 +187,8 @@ def nccl_dtype(dtype: DTypeLike) -> int:
 
 
 def nccl_op(op: str) -> int:
+    """NCCL's reduction for its name ("sum", "prod", "max", "min", "avg"), as ncclAllReduce takes
+    it; ValueError for any other name, before anything is queued."""
     if op not in OPS:
         raise ValueError(f"a reduction is one of {', '.join(OPS)}, not {op!r}")
     return OPS[op]

@@ -46,6 +46,8 @@ class Engine(Stream):
         return buf
 
     def alloc(self, dtype: DTypeLike, length: int, zeroed: bool = False, *, label: str | None = None) -> DeviceBuffer:
+        """A new owned buffer of `length` elements of `dtype`, freed exactly once (free(), a `with`
+        block, or collection); `zeroed` queues a memset to 0 on the stream (what zeros() does)."""
         buf = DeviceBuffer.allocate(self, dtype, length, label=label)
         if zeroed:
             self.memset(buf, 0)
@@ -61,6 +63,8 @@ class Engine(Stream):
         return int(free), int(total)
 
     def pinned(self, dtype: DTypeLike, length: int, *, label: str | None = None) -> PinnedBuffer:
+        """A PinnedBuffer of `length` elements of page-locked host memory: the target of an
+        asynchronous or captured readback (copy_dtoh_async), which pageable memory cannot be."""
         return PinnedBuffer(self, dtype, length, label=label)
 
     # -- host to device -------------------------------------------------------------------

@@ -324,6 +324,8 @@ class Module(Handle):
         self._own(ctx, "cuModuleUnload", self.handle, at_exit=False)
 
     def kernel(self, name: str) -> Kernel:
+        """The module's kernel `name`, fetched from the driver once and the same Kernel after
+        (ValueError where the module has no such kernel, or has been unloaded)."""
         self._usable()
         if name not in self._kernels:
             self._kernels[name] = Kernel(self, name)

@@ -66,6 +66,8 @@ class SpecKernels:
                             threads=row_words, rows=batch)
 
     def prepare_assemble_verify(self, bufs: StreamBufs, draft_d: BufferLike) -> Launch:
+        """Kernel 2: the verify's input, the pending token then the k drafts of `draft_d` (B rows of
+        max(k, 1) tokens, 32- or 64-bit), into vtok_d; the round's start position into pos_start_d."""
         draft_d = token_buffer(self.engine, "draft_d", draft_d)
         draft_d = batch_rows("draft_d", draft_d, bufs.batch, max(bufs.k, 1), bufs.k)
         return self._launch(width_kernel("spec_assemble_verify", draft_d),
@@ -74,6 +76,8 @@ class SpecKernels:
                             threads=bufs.batch * (bufs.k + 1))
 
     def prepare_accept_greedy(self, bufs: StreamBufs, pred_d: BufferLike) -> Launch:
+        """Kernel 3 (contract 3): each row keeps the drafts that match `pred_d`, the target's
+        token at each of the k + 1 verified positions (B rows, 32- or 64-bit), and the bonus after them."""
         pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, bufs.k + 1)
         return self._launch(width_kernel("spec_accept_greedy_dc", pred_d),
                             dict(vtok_d=bufs.vtok_d, pred_d=pred_d, k=bufs.k, B=bufs.batch, brk_d=bufs.brk_d,
@@ -81,6 +85,8 @@ class SpecKernels:
                             threads=32 * bufs.batch)
 
     def prepare_ring_commit(self, bufs: StreamBufs) -> Launch:
+        """Kernel 4: each row's accepted tokens and bonus appended to its ring, under its EOS and
+        budget; the last one becomes the pending token. Reads only these buffers, so nothing to check."""
         return self._launch("spec_ring_commit", dict(vtok_d=bufs.vtok_d, acc_d=bufs.acc_d, last_pred_d=bufs.last_pred_d,
                                                      ctl_d=bufs.ctl_d, pend_d=bufs.pend_d, ring_d=bufs.ring_d,
                                                      ring_cap=bufs.ring_cap, k=bufs.k, B=bufs.batch),
@@ -113,6 +119,8 @@ class SpecKernels:
         raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), not {rule!r}")
 
     def prepare_rollback(self, bufs: StreamBufs, table_d: PointerTable) -> Launch:
+        """Kernel 5: every i32[B] length `table_d` names set to the round's start plus what each row
+        kept (kv_len_ptr_table builds it; with pos_ctr_d in it, the position moves on too)."""
         if not isinstance(table_d, PointerTable):
             raise TypeError(f"a rollback table must be a PointerTable (kv_len_ptr_table builds one), which holds "
                             f"the lengths it names; not {table_d!r}")
@@ -169,35 +177,55 @@ class SpecKernels:
         return prepare_draft_sample(self.engine, bufs, q_d, seed_d, draft_d, step, vocab)
 
     def seed_gather(self, bufs: StreamBufs, rows_d: BufferLike, row_words: int, out_d: BufferLike) -> None:
+        """prepare_seed_gather's launch, made and queued now: a one-off, checked at each call; a
+        round keeps the prepared launch instead."""
         self.prepare_seed_gather(bufs, rows_d, row_words, out_d)()
 
     def assemble_verify(self, bufs: StreamBufs, draft_d: BufferLike) -> None:
+        """prepare_assemble_verify's launch, made and queued now: a one-off, checked at each call; a
+        round keeps the prepared launch instead."""
         self.prepare_assemble_verify(bufs, draft_d)()
 
     def accept_greedy(self, bufs: StreamBufs, pred_d: BufferLike) -> None:
+        """prepare_accept_greedy's launch, made and queued now: a one-off, checked at each call; a
+        round keeps the prepared launch instead."""
         self.prepare_accept_greedy(bufs, pred_d)()
 
     def ring_commit(self, bufs: StreamBufs) -> None:
+        """prepare_ring_commit's launch, made and queued now: a one-off, checked at each call; a
+        round keeps the prepared launch instead."""
         self.prepare_ring_commit(bufs)()
 
     def rollback(self, bufs: StreamBufs, table_d: PointerTable) -> None:
+        """prepare_rollback's launch, made and queued now: a one-off, checked at each call; a
+        round keeps the prepared launch instead."""
         self.prepare_rollback(bufs, table_d)()
 
     def state_copy(self, bufs: StreamBufs, table: StateTable) -> None:
+        """prepare_state_copy's launch, made and queued now: a one-off, checked at each call; a
+        round keeps the prepared launch instead."""
         self.prepare_state_copy(bufs, table)()
 
     def state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> None:
+        """prepare_state_flip's launch, made and queued now: a one-off, checked at each call; a
+        round keeps the prepared launch instead."""
         self.prepare_state_flip(bufs, table)()
 
     def choose_lengths(self, bufs: StreamBufs, lengths: DraftLengths) -> None:
+        """prepare_choose_lengths's launch, made and queued now: a one-off, checked at each call; a
+        round keeps the prepared launch instead."""
         self.prepare_choose_lengths(bufs, lengths)()
 
     def accept_sample(self, bufs: StreamBufs, p_d: BufferLike, q_d: BufferLike, seed_d: BufferLike,
                       vocab: int | None = None) -> None:
+        """prepare_accept_sample's launch, made and queued now: a one-off, checked at each call; a
+        round keeps the prepared launch instead."""
         self.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)()
 
     def draft_sample(self, bufs: StreamBufs, q_d: BufferLike, seed_d: BufferLike, draft_d: BufferLike, step: int,
                      vocab: int) -> None:
+        """prepare_draft_sample's launch, made and queued now: a one-off, checked at each call; a
+        round keeps the prepared launch instead."""
         self.prepare_draft_sample(bufs, q_d, seed_d, draft_d, step, vocab)()
 
     def _words(self, name: str, obj: BufferLike) -> DeviceBuffer:

@@ -15,6 +15,9 @@ import torch
 from ..driver.values import as_size
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # load_model's dtype by name ("auto": the checkpoint's)
+
+
 def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cuda") -> Any:
     """The causal language model saved in `directory` (transformers' from_pretrained, local files
     only), in `dtype` ("auto": the checkpoint's), on `device`, for inference: eval mode and no
@@ -22,6 +25,8 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     a KV cache a node of an autograd graph the cache keeps alive), attention through SDPA (which
     takes Stack's additive masks). A directory's own Python (config.json's auto_map) is never
     run: transformers would ask at a terminal whether to, and run it on a yes."""
+    if not isinstance(dtype, torch.dtype) and dtype not in DTYPES:
+        raise ValueError(f"dtype is a torch.dtype or one of {DTYPES}, not {dtype!r}")
     from transformers import AutoModelForCausalLM
     _check_directory(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..driver.values import as_size, token_ids
+from ..driver.values import as_listed, as_size, token_ids
 from .kv import StaticKV
 
 Fill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -57,7 +57,12 @@ class Prefills:
 
     def run(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         """Each prompt's K and V at positions 0.. of its row; the row's lengths become the prompt's."""
-        rows = self._check(list(rows), prompts)
+        prompts = as_listed(prompts, "a prefill's prompts", "prompts, one a row")  # a dict's keys are no prompts
+        try:
+            listed = list(rows)
+        except TypeError:
+            raise TypeError(f"a prefill's rows are a sequence of row indices, not {rows!r}") from None
+        rows = self._check(listed, prompts)
         if not rows:  # nothing to prefill
             return
         lengths = [len(prompt) for prompt in prompts]

@@ -108,8 +108,15 @@ class LayerStack:
         """ValueError, before any K or V is written, unless `tokens` are the batch's rows ([B][T])
         and `positions` (and `slots`) one a token: fewer rows wrote over another row's cache
         before a shape error, more attended to row 0's, and a [B][2] of slots for one token each
-        wrote two. Shapes alone: nothing is read from the device."""
+        wrote two; TypeError unless each is an integer tensor. Shapes and dtypes alone: nothing
+        is read from the device."""
         batch = self.kv.lengths.shape[1]
+        for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots)):
+            if given is not None and (not isinstance(given, torch.Tensor) or given.is_floating_point()
+                                      or given.dtype in (torch.bool, torch.complex64, torch.complex128)):
+                raise TypeError(f"a forward's {name} are an integer tensor, not {type(given).__name__}"
+                                + (f" of {given.dtype}" if isinstance(given, torch.Tensor) else "")
+                                + " (a float token was truncated to another)")
         if tokens.dim() != 2 or tokens.shape[0] != batch or positions.shape != tokens.shape or (
                 slots is not None and slots.shape != tokens.shape):
             raise ValueError(f"a forward takes [B][T] tokens, positions and slots, B = {batch}: not tokens "

@@ -106,6 +106,12 @@ def test_a_forward_of_rows_that_are_not_the_batchs_is_refused_before_a_cache_is_
                                           torch.tensor([[5, 6]] * 2))):
             with pytest.raises(ValueError, match="a forward takes \\[B\\]\\[T\\] tokens, positions and slots, B = 2"):
                 stack.logits(tokens, positions, slots=slots)
+        # float tokens were truncated to other tokens (1.7 as 1), a list met an AttributeError
+        for tokens, positions, named in ((torch.tensor([[1.7], [2.2]]), torch.tensor([[3], [2]]), "tokens"),
+                                         ([[1], [2]], torch.tensor([[3], [2]]), "tokens"),
+                                         (torch.tensor([[1], [2]]), torch.tensor([[True], [False]]), "positions")):
+            with pytest.raises(TypeError, match=f"a forward's {named} are an integer tensor, not"):
+                stack.logits(tokens, positions)  # type: ignore[arg-type]
         assert all(torch.equal(a, b) for a, b in zip(before, (*stack.kv.k, *stack.kv.v))), type(stack).__name__
 
 

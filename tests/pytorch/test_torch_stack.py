@@ -351,6 +351,9 @@ def test_a_directory_without_a_model_is_refused_by_name(tmp_path):
     for load in (load_model, load_tokenizer):
         with pytest.raises(FileNotFoundError, match="holds no config.json"):
             load(tmp_path / "nowhere")
+    # a dtype by a name torch does not have met AttributeError: module 'torch' has no attribute 'bf16'
+    with pytest.raises(ValueError, match="dtype is a torch.dtype or one of .*'bfloat16'.*, not 'bf16'"):
+        load_model(tmp_path, dtype="bf16")
 
 
 # -- the face -----------------------------------------------------------------------------------
@@ -396,7 +399,10 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
             ([0], [[1, VOCAB]], ValueError, f"row 0's prompt token {VOCAB} \\(at 1\\) is outside the vocabulary"),
             ([1], [[-1]], ValueError, "row 1's prompt token -1 \\(at 0\\) is outside"),
             ([0], [[1, 1.7]], TypeError, "row 0's prompt must be token ids"),
-            ([0], [[True, 1]], TypeError, "row 0's prompt must be token ids")):
+            ([0], [[True, 1]], TypeError, "row 0's prompt must be token ids"),
+            # what is no sequence of rows, or of prompts (a dict's keys were read as prompts): named
+            (0, [[1, 2]], TypeError, "a prefill's rows are a sequence of row indices, not 0"),
+            ([0], {0: [1, 2]}, TypeError, "a prefill's prompts must be a list, a tuple or a 1-D array")):
         with pytest.raises(error, match=why):
             stack.prefill(rows, prompts)
     assert torch.equal(stack.kv.lengths, lengths), "a refused prefill changed a row"
