@@ -10,7 +10,7 @@ of drafts (docs/trees.md), the second kind of the same thing.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +32,15 @@ Step = Callable[[], None]
 
 
 def chain(launches: Sequence[Step]) -> Step:
-    """One callable issuing `launches` in order: a draft chain or verify trunk from its kernels."""
+    """One callable issuing `launches` in order: a draft chain or verify trunk from its kernels.
+    Each is checked callable here, not when the round first issues it (chain(fn) of one callable,
+    not a list of it, met "'function' object is not iterable")."""
+    if callable(launches) or isinstance(launches, (str, bytes)) or not isinstance(launches, Iterable):
+        raise TypeError(f"chain takes a list of launches (callables), not {launches!r}: chain([launch])")
     steps = tuple(launches)
+    for i, step in enumerate(steps):
+        if not callable(step):
+            raise TypeError(f"chain's launch {i} is not callable: {step!r}")
 
     def issue() -> None:
         for step in steps:
