@@ -17,13 +17,14 @@ from typing import Any
 import torch
 
 from memra_cuda import Geometry
+from memra_cuda.buffers.stream_bufs import ROW_VALUE_MOST
 from memra_cuda.rounds import MODES
 from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, hf_greedy, load_model, load_tokenizer,
                               self_draft)
+from memra_cuda.torch.models import DTYPES as DTYPE_NAMES
 from memra_cuda.torch.testing import HYBRID, PROMPT, SIZES, build_model, prompts
 
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TOKENS_MOST = 2**31 - 1  # a row's budget, an i32 on the device
+DTYPES = {name: name if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}  # --dtype's
 
 
 def command_line(description: str, k: bool = True) -> argparse.ArgumentParser:
@@ -85,8 +86,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
         Geometry(getattr(args, "k", 1), args.m_rounds, args.batch)
     except ValueError as exc:
         parser.error(f"--k, --m-rounds and --batch: {exc}")
-    if args.tokens > TOKENS_MOST:
-        parser.error(f"--tokens takes at most {TOKENS_MOST} (a row's budget is an i32), not {args.tokens}")
+    if args.tokens > ROW_VALUE_MOST:
+        parser.error(f"--tokens takes at most {ROW_VALUE_MOST} (a row's budget is an i32), not {args.tokens}")
     if args.eos is not None and args.eos < 0:
         parser.error(f"--eos is a token id (0 or more), not {args.eos}")
     if args.temperature is None and (args.top_k != 0 or args.top_p != 1.0):

@@ -16,7 +16,7 @@ import time
 
 from .buffers.capacity import kv_capacity
 from .buffers.geometry import Geometry
-from .buffers.stream_bufs import StreamBufs
+from .buffers.stream_bufs import ROW_VALUE_MOST, StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable
 from .driver.values import as_size
@@ -24,7 +24,6 @@ from .rounds.stream import MODES
 from .testing.toy.lm import ToyLM, ToyModel, target_greedy
 
 PROMPT = [101, 2023, 2003, 1037, 3231]
-TOKEN_MOST = 2**31 - 1  # a token id the toy model's i32 buffers hold
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         geometry = Geometry(args.k, args.m_rounds)  # its errors name k and m_rounds, --k and --m-rounds
         as_size(args.tokens, "--tokens", 0)
         for token in (*args.prompt, *([] if args.eos is None else [args.eos])):  # the toy's tokens are i32s
-            as_size(token, "--prompt and --eos take token ids, each", 0, TOKEN_MOST)
+            as_size(token, "--prompt and --eos take token ids, each", 0, ROW_VALUE_MOST)
     except ValueError as exc:
         cli.error(str(exc))
     model = ToyModel(seed=7, noise_ppm=100_000, p_min=0.05)

@@ -302,10 +302,13 @@ class StreamBufs:
             buf.free()
 
 
+ROW_VALUE_MOST = 2**31 - 1  # a row's word holds an i32: a token id, a budget, a count, a position
+
+
 def per_row(values: int | None | Sequence[int | None] | np.ndarray, rows: int, what: str,
             optional: bool = True) -> list[int | None]:
     """`values` for each of `rows` rows: one value for all, or a sequence of one per row; each
-    an int in [0, 2**31) (ids, counts, positions), or None where `optional`."""
+    an int from 0 to ROW_VALUE_MOST (ids, counts, positions), or None where `optional`."""
     if isinstance(values, (list, tuple, np.ndarray)):
         if len(values) != rows:
             raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
@@ -318,7 +321,7 @@ def per_row(values: int | None | Sequence[int | None] | np.ndarray, rows: int, w
             out.append(None)
             continue
         try:  # None where not optional: TypeError
-            out.append(as_size(value, what, 0, 2**31 - 1, also="None" if optional else ""))
+            out.append(as_size(value, what, 0, ROW_VALUE_MOST, also="None" if optional else ""))
         except ValueError as exc:
             if not many:
                 raise

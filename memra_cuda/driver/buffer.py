@@ -52,8 +52,9 @@ class DeviceBuffer(Handle):
         self.label = label
         self._base = base
         self._keepalive = keepalive
-        self._adopted: Any = None  # a tensor whose memory this is, asked for its address at every use (from_cuda_array)
-        self._storage: Any = None  # and its storage, whose memory a set_() leaves alive
+        # an adopted tensor's storage (from_cuda_array), whose memory a set_() leaves alive: where
+        # held, the tensor (keepalive) is asked for its address at every use of ptr
+        self._storage: Any = None
         self._streams: weakref.WeakSet | None = None  # streams that queued work on borrowed memory
         self._holders: weakref.WeakSet | None = None  # what another framework keeps with this memory (hold)
 
@@ -110,10 +111,10 @@ class DeviceBuffer(Handle):
         if engine is not None:
             engine.activate()
         device = _device_of(ptr)
-        moves = callable(getattr(obj, "data_ptr", None))
-        storage = getattr(obj, "untyped_storage", None) if moves else None
         buf = cls(ptr, dtype, count, keepalive=obj, device=device)
-        buf._adopted, buf._storage = (obj if moves else None), (storage() if callable(storage) else None)
+        storage = getattr(obj, "untyped_storage", None)
+        if callable(getattr(obj, "data_ptr", None)) and callable(storage):
+            buf._storage = storage()  # a tensor's: it can move (above)
         stream = iface.get("stream")
         if engine is not None and stream is not None:
             engine.wait_stream(stream)
@@ -130,9 +131,9 @@ class DeviceBuffer(Handle):
         owner = self._base or self
         if owner._refusal is not None:
             raise ValueError(owner._refusal)
-        if owner._adopted is not None and owner._adopted.data_ptr() != owner._ptr:
+        if owner._storage is not None and owner._keepalive.data_ptr() != owner._ptr:
             raise ValueError(f"{owner!r} names memory its tensor no longer holds (the tensor was resized, or given "
-                             f"another storage, and is at {owner._adopted.data_ptr():#x} now): adopt it again")
+                             f"another storage, and is at {owner._keepalive.data_ptr():#x} now): adopt it again")
         return self._ptr
 
     @property
@@ -213,7 +214,7 @@ class DeviceBuffer(Handle):
             super().free()  # refused from now on, dependents poisoned; the memory not yet released
             self._finalizer = release
             return
-        self._keepalive = self._adopted = self._storage = None
+        self._keepalive = self._storage = None
         super().free()
 
     @property

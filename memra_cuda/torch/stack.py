@@ -24,6 +24,7 @@ from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
 from .state import LiveState, Recurrent, State, StateLayout
 
+INDICES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))  # a forward's ids' dtypes
 _PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head", "config")
 
 
@@ -108,15 +109,12 @@ class LayerStack:
         """ValueError, before any K or V is written, unless `tokens` are the batch's rows ([B][T])
         and `positions` (and `slots`) one a token: fewer rows wrote over another row's cache
         before a shape error, more attended to row 0's, and a [B][2] of slots for one token each
-        wrote two; TypeError unless each is an integer tensor. Shapes and dtypes alone: nothing
-        is read from the device."""
+        wrote two; TypeError unless each is an integer tensor (float tokens were truncated to
+        others). Shapes and dtypes alone: nothing is read from the device."""
         batch = self.kv.lengths.shape[1]
         for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots)):
-            if given is not None and (not isinstance(given, torch.Tensor) or given.is_floating_point()
-                                      or given.dtype in (torch.bool, torch.complex64, torch.complex128)):
-                raise TypeError(f"a forward's {name} are an integer tensor, not {type(given).__name__}"
-                                + (f" of {given.dtype}" if isinstance(given, torch.Tensor) else "")
-                                + " (a float token was truncated to another)")
+            if given is not None and getattr(given, "dtype", None) not in INDICES:
+                raise TypeError(f"a forward's {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
         if tokens.dim() != 2 or tokens.shape[0] != batch or positions.shape != tokens.shape or (
                 slots is not None and slots.shape != tokens.shape):
             raise ValueError(f"a forward takes [B][T] tokens, positions and slots, B = {batch}: not tokens "
