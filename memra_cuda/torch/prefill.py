@@ -1,9 +1,11 @@
-"""Prompts into a stack's static cache: one row as a CUDA graph per power-of-two length, several
-rows eagerly.
+"""Prompts into a stack's static cache: one row as a CUDA graph per power-of-two length (2 the
+least), several rows eagerly.
 
 Continuous batching prefills a row at a time, and run eagerly a short prompt's prefill is
 mostly the host launching kernels (10 ms against 1 ms on the GPU for the small random-weight
-model), so a one-row prefill replays a graph captured once for its length's bucket. Several rows
+model), so a one-row prefill replays a graph captured once for its length's bucket. A prompt of
+one token takes the bucket of two: a width of one would compile a step of its own (torch.compile
+specialises a size of one), where every wider bucket shares one. Several rows
 run eagerly, padded to the longest. A padding's entries, past its prompt, are rewritten before
 any position reads them. Both kinds of stack (memra_cuda.torch.Stack, CompiledStack) prefill
 through this, with a `fill` of their own.
@@ -20,6 +22,12 @@ from .kv import StaticKV
 Fill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 """A stack's forward of R prompts from position 0: (tokens [R][W] int64, their cache rows [R],
 their lengths [R] int32, the rest of each row padding) -> None; K and V land in the cache."""
+
+
+def bucket(length: int, capacity: int) -> int:
+    """The width of the one-row prefill graph a prompt of `length` tokens replays: the power of
+    two at least its length, 2 the least, the capacity the most."""
+    return min(max(2, 1 << (length - 1).bit_length()), capacity)
 
 
 class Prefills:
@@ -82,22 +90,22 @@ class Prefills:
         self.kv.lengths[:, index] = counts
 
     def _graph(self, length: int) -> torch.cuda.CUDAGraph:
-        bucket = min(1 << (length - 1).bit_length(), self.kv.capacity)
-        if bucket not in self.graphs:
-            self.fill(self.prompt[:, :bucket], self.row, self.length)  # torch's lazy set-up off the graph
-            self.graphs[bucket] = graph = torch.cuda.CUDAGraph()
+        width = bucket(length, self.kv.capacity)
+        if width not in self.graphs:
+            self.fill(self.prompt[:, :width], self.row, self.length)  # torch's lazy set-up off the graph
+            self.graphs[width] = graph = torch.cuda.CUDAGraph()
             # Captured on the caller's stream (a decoder's: a tensor-parallel model's all-reduces
             # go on the stream they run on, examples/torch_tp.py); from the default stream, which
             # cannot be captured, on torch's own side stream.
             current = torch.cuda.current_stream()
             with torch.cuda.graph(graph, stream=None if current == torch.cuda.default_stream() else current):
-                self.fill(self.prompt[:, :bucket], self.row, self.length)
-        return self.graphs[bucket]
+                self.fill(self.prompt[:, :width], self.row, self.length)
+        return self.graphs[width]
 
     def capture(self) -> None:
         """Every one-row prefill graph, now: a capture synchronises the device, so not while
         serving, and the warm-up before each writes scratch entries into a row."""
-        length = 1
+        length = 2
         while length < self.kv.capacity:
             self._graph(length)
             length *= 2

@@ -572,3 +572,12 @@ def test_an_admission_refuses_a_bad_draft_length_before_the_row_is_touched():
         with pytest.raises(error, match=named):
             decoder.admit(row, request)
     assert decoder.target.calls == decoder.draft.calls == []
+
+
+def test_a_one_row_prefill_replays_the_graph_of_its_power_of_two_two_the_least():
+    """A prompt of one token shares the bucket of two (a width of one would compile a step of its
+    own: torch.compile specialises a size of one); the capacity is the last bucket."""
+    from memra_cuda.torch.prefill import bucket
+    assert [bucket(length, 640) for length in (1, 2, 3, 4, 5, 129, 512, 513, 640)] == \
+        [2, 2, 4, 4, 8, 256, 512, 640, 640]
+    assert bucket(1, 1) == 1, "a cache of one slot: its one bucket"
