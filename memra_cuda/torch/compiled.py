@@ -97,8 +97,8 @@ class CompiledStack(LayerStack):
     attends the way the H200 measured faster (WIDTHS_ATTEND); `compile=False` runs
     the same step eagerly (a CPU's check of the arithmetic); `dynamic=False` compiles every shape
     apart; `tuning` (inductor's coordinate descent, gpt-fast's setting) tunes each kernel's
-    launch of the one-token step at its compilation (a verify's and a prefill's compile
-    untuned: there it costs compile time and gains nothing)."""
+    launch of the one-token step of one row at its compilation (a verify's, a prefill's and a
+    step of several rows compile untuned: there it costs compile time and gains nothing)."""
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, attention: Attention | None = None,
                  compile: bool = True, dynamic: bool = True, tuning: bool = True):
@@ -120,8 +120,10 @@ class CompiledStack(LayerStack):
         # tuning pays at one token a row, where inductor turns each GEMM into a reduction fused
         # with the norm before it and the tuning sizes those (0.367 ms against 0.466 for the pair's
         # target on an H200); a verify's or a prefill's GEMMs stay GEMMs, and tuning the kernels
-        # around them moved nothing (0.527 against 0.528 at B = 1, T = 5) but doubled their compiling
-        self.step = compiled_step(dynamic, tuning) if compile else _step
+        # around them moved nothing (0.527 against 0.528 at B = 1, T = 5) but doubled their compiling.
+        # So does a step of several rows: its batch is symbolic, and inductor rewrites a GEMM of
+        # one row only (0.825 tuned against 0.822 untuned at B = 64): B = 1's step alone is tuned
+        self.step = compiled_step(dynamic, tuning and batch == 1) if compile else _step
         self.wide_step = compiled_step(dynamic, False) if compile else _step
         self.dynamic = compile and dynamic
         if self.dynamic:
