@@ -157,12 +157,13 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
         floor = floor_ms(streamed_bytes(model) + kv_bytes(shape, batch, VALID), bandwidth)
         row: dict[str, Any] = dict(shape=name, batch=batch, tokens=tokens, floor_ms=round(floor, 4))
         row["modules"] = timed_step(Stack(model, CAPACITY, batch), batch, tokens)
-        variants = [(attention, True, True) for attention in attentions] + \
-            ([(attentions[0], False, True)] if static else []) + ([(attentions[0], True, False)] if untuned else [])
+        # tuned None: the decoders' choice (the one-token step of one row tuned, CompiledStack)
+        variants = [(attention, True, None) for attention in attentions] + \
+            ([(attentions[0], False, None)] if static else []) + ([(attentions[0], True, False)] if untuned else [])
         for attention, dynamic, tuned in variants:
             stack = CompiledStack(model, CAPACITY, batch, attention=attention, dynamic=dynamic,  # type: ignore[arg-type]
                                   tuning=tuned)
-            key = f"compiled {attention}" + ("" if dynamic else " static") + ("" if tuned else " untuned")
+            key = f"compiled {attention}" + ("" if dynamic else " static") + ("" if tuned is None else " untuned")
             row[key] = timed_step(stack, batch, tokens)
             if names:
                 row[key]["names"] = kernel_names(stack, batch, tokens)

@@ -97,11 +97,12 @@ class CompiledStack(LayerStack):
     attends the way the H200 measured faster (WIDTHS_ATTEND); `compile=False` runs
     the same step eagerly (a CPU's check of the arithmetic); `dynamic=False` compiles every shape
     apart; `tuning` (inductor's coordinate descent, gpt-fast's setting) tunes each kernel's
-    launch of the one-token step of one row at its compilation (a verify's, a prefill's and a
-    step of several rows compile untuned: there it costs compile time and gains nothing)."""
+    launch of the one-token step at its compilation: None, at B = 1 alone (a step of several
+    rows, a verify and a prefill compile untuned: there it costs compile time and gains
+    nothing); True or False, at any B."""
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, attention: Attention | None = None,
-                 compile: bool = True, dynamic: bool = True, tuning: bool = True):
+                 compile: bool = True, dynamic: bool = True, tuning: bool | None = None):
         if attention is not None and attention not in ATTENTIONS:
             raise ValueError(f"attention is one of {ATTENTIONS} (or left out: each width's faster), not {attention!r}")
         capacity = as_size(capacity, "capacity")  # before it is rounded up: "64" and True are no capacities
@@ -123,7 +124,7 @@ class CompiledStack(LayerStack):
         # around them moved nothing (0.527 against 0.528 at B = 1, T = 5) but doubled their compiling.
         # So does a step of several rows: its batch is symbolic, and inductor rewrites a GEMM of
         # one row only (0.825 tuned against 0.822 untuned at B = 64): B = 1's step alone is tuned
-        self.step = compiled_step(dynamic, tuning and batch == 1) if compile else _step
+        self.step = compiled_step(dynamic, batch == 1 if tuning is None else tuning) if compile else _step
         self.wide_step = compiled_step(dynamic, False) if compile else _step
         self.dynamic = compile and dynamic
         if self.dynamic:

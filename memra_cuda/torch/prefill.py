@@ -84,7 +84,7 @@ class Prefills:
             self.length.copy_(counts)
             self._graph(lengths[0]).replay()
         elif max(lengths, default=0):
-            width = max(lengths)
+            width = min(max(2, max(lengths)), self.kv.capacity)  # never one wide: it compiles apart
             padded = torch.tensor([list(prompt) + [0] * (width - len(prompt)) for prompt in prompts])
             self.fill(padded.to(self.device), index, counts)
         self.kv.lengths[:, index] = counts
