@@ -114,10 +114,9 @@ class RoundDecoder:
     def _warm_up(self) -> None:
         """One eager round, so torch's lazy set-up (library handles, workspaces) and every compiled
         step a round runs happen before any capture; the next prefill resets everything it
-        touched. Then every slot is vacant. Its prompts prefill two tokens, the width every
-        prefill but a one-token one shares (a width of one compiles apart)."""
+        touched. Then every slot is vacant."""
         begun = time.perf_counter()
-        self.prefill(range(self.batch), [[0, 0, 0]] * self.batch)
+        self.prefill(range(self.batch), [[0, 0]] * self.batch)
         self.rounds.step("readback")
         self.bufs.set_stop(budget=0)
         self.setup_seconds += time.perf_counter() - begun

@@ -87,7 +87,7 @@ class GraphedGreedy:
         if self.graph is not None or self.eager:
             return
         with torch.cuda.stream(self.stream):
-            self._start([Request([0, 0, 0], 0)] * self.batch)  # a prefill of two: the width prefills share
+            self._start([Request([0, 0], 0)] * self.batch)
             self._burst()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, stream=self.stream):

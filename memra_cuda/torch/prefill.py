@@ -3,10 +3,10 @@ least), several rows eagerly.
 
 Continuous batching prefills a row at a time, and run eagerly a short prompt's prefill is
 mostly the host launching kernels (10 ms against 1 ms on the GPU for the small random-weight
-model), so a one-row prefill replays a graph captured once for its length's bucket. A prompt of
-one token takes the bucket of two: a width of one would compile a step of its own (torch.compile
-specialises a size of one), where every wider bucket shares one. Several rows
-run eagerly, padded to the longest. A padding's entries, past its prompt, are rewritten before
+model), so a one-row prefill replays a graph captured once for its length's bucket. Several rows
+run eagerly, padded to the longest. Neither is ever one token wide (LEAST_WIDTH): a width of one
+would compile a step of its own (torch.compile specialises a size of one), where every wider
+width shares one. A padding's entries, past its prompt, are rewritten before
 any position reads them. Both kinds of stack (memra_cuda.torch.Stack, CompiledStack) prefill
 through this, with a `fill` of their own.
 """
@@ -24,10 +24,15 @@ Fill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 their lengths [R] int32, the rest of each row padding) -> None; K and V land in the cache."""
 
 
+# A prefill is never narrower: torch.compile specialises a size of one, so a prefill one token wide
+# would be a whole model's compilation of its own, which no longer prompt reuses.
+LEAST_WIDTH = 2
+
+
 def bucket(length: int, capacity: int) -> int:
     """The width of the one-row prefill graph a prompt of `length` tokens replays: the power of
-    two at least its length, 2 the least, the capacity the most."""
-    return min(max(2, 1 << (length - 1).bit_length()), capacity)
+    two at least its length, LEAST_WIDTH the least, the capacity the most."""
+    return min(max(LEAST_WIDTH, 1 << (length - 1).bit_length()), capacity)
 
 
 class Prefills:
@@ -84,7 +89,7 @@ class Prefills:
             self.length.copy_(counts)
             self._graph(lengths[0]).replay()
         elif max(lengths, default=0):
-            width = min(max(2, max(lengths)), self.kv.capacity)  # never one wide: it compiles apart
+            width = min(max(LEAST_WIDTH, *lengths), self.kv.capacity)
             padded = torch.tensor([list(prompt) + [0] * (width - len(prompt)) for prompt in prompts])
             self.fill(padded.to(self.device), index, counts)
         self.kv.lengths[:, index] = counts
@@ -105,7 +110,7 @@ class Prefills:
     def capture(self) -> None:
         """Every one-row prefill graph, now: a capture synchronises the device, so not while
         serving, and the warm-up before each writes scratch entries into a row."""
-        length = 2
+        length = LEAST_WIDTH
         while length < self.kv.capacity:
             self._graph(length)
             length *= 2
