@@ -13,7 +13,7 @@ step took to compile the first time it ran (on this process's cache: cold where
 TORCHINDUCTOR_CACHE_DIR is empty).
 
     PYTHONPATH=. python -m benchmarks.steps [--json PATH] [--rows N,...] [--attention sdpa,flex] [--static]
-        [--untuned] [--names] [--setup] [--autotune]
+        [--untuned] [--names] [--setup] [--autotune] [--few-rows]
 
 Run time on one H200 (2026-12-04), the first seven rows on a cold inductor cache with --setup:
 400 s, most of it compiling.
@@ -57,6 +57,7 @@ ROWS = (  # shape, B, T
     ("target 12 x 768", 1, 1), ("target 12 x 768", 64, 1), ("Llama 16 x 2048 (0.9 B)", 1, 1),
     ("Llama 16 x 2048 (0.9 B)", 64, 1), ("draft 2 x 384", 1, 1), ("target 12 x 768", 1, 5),
     ("target 12 x 768", 64, 5), ("Llama 3.2 1B shape", 1, 1), ("Llama 3.2 1B shape", 64, 1),
+    ("target 12 x 768", 1, 9), ("target 12 x 768", 8, 1), ("target 12 x 768", 2, 5),  # k = 8; B = 8; B = 2, k = 4
 )
 
 
@@ -139,13 +140,15 @@ def kernel_names(stack: Any, batch: int, tokens: int, most: int = 25) -> list[tu
 
 
 def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], static: bool, untuned: bool = False,
-            names: bool = False, say: Callable[[str], None] = print, autotune: bool = False) -> dict[str, Any]:
+            names: bool = False, say: Callable[[str], None] = print, autotune: bool = False,
+            few_rows: bool = False) -> dict[str, Any]:
     """Every row through the modules and compiled with each attention (and, with `static`, every
-    shape compiled apart; with `autotune`, a row of several tokens with its GEMMs autotuned too:
-    a probe of the verify's GEMMs), with the floor."""
+    shape compiled apart; with `autotune`, a row of several tokens with its GEMMs autotuned too;
+    with `few_rows`, a row of FEW_ROWS rows with its projections through memra_cuda.torch.skinny's
+    kernel too: two probes of the verify's GEMMs), with the floor."""
     import torch
     from memra_cuda.torch import Stack
-    from memra_cuda.torch.compiled import CompiledStack, compiled_step
+    from memra_cuda.torch.compiled import FEW_ROWS, CompiledStack, compiled_step
     bandwidth = copy_bandwidth()
     say(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; cache {CAPACITY} slots, {VALID} valid")
     out, models = [], {}
@@ -158,12 +161,15 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
         row: dict[str, Any] = dict(shape=name, batch=batch, tokens=tokens, floor_ms=round(floor, 4))
         row["modules"] = timed_step(Stack(model, CAPACITY, batch), batch, tokens)
         # tuned None: the decoders' choice (the one-token step of one row tuned, CompiledStack)
-        variants = [(attention, True, None) for attention in attentions] + \
-            ([(attentions[0], False, None)] if static else []) + ([(attentions[0], True, False)] if untuned else [])
-        for attention, dynamic, tuned in variants:
+        variants = [(attention, True, None, "inductor") for attention in attentions] + \
+            ([(attentions[0], False, None, "inductor")] if static else []) + \
+            ([(attentions[0], True, False, "inductor")] if untuned else []) + \
+            ([(attentions[0], True, None, "few_rows")] if few_rows and batch * tokens in FEW_ROWS else [])
+        for attention, dynamic, tuned, projection in variants:
             stack = CompiledStack(model, CAPACITY, batch, attention=attention, dynamic=dynamic,  # type: ignore[arg-type]
-                                  tuning=tuned)
-            key = f"compiled {attention}" + ("" if dynamic else " static") + ("" if tuned is None else " untuned")
+                                  tuning=tuned, projection=projection)  # type: ignore[arg-type]
+            key = f"compiled {attention}" + ("" if dynamic else " static") + ("" if tuned is None else " untuned") \
+                + ("" if projection == "inductor" else " few rows")
             row[key] = timed_step(stack, batch, tokens)
             if names:
                 row[key]["names"] = kernel_names(stack, batch, tokens)
@@ -220,10 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--names", action="store_true", help="the kernels of each compiled step, by name")
     p.add_argument("--autotune", action="store_true", help="also each row of several tokens with inductor's "
                    "max_autotune_gemm (Triton GEMM templates benchmarked at compile: slow to compile)")
+    p.add_argument("--few-rows", action="store_true", help="also each row of 2 to 16 rows with its projections "
+                   "through memra_cuda.torch.skinny's Triton kernel (CompiledStack's projection 'few_rows')")
     args = p.parse_args(argv)
     rows = ROWS if not args.rows else [ROWS[int(i)] for i in args.rows.split(",")]
     setup = setup_seconds() if args.setup else None
-    report = measure(rows, args.attention.split(","), args.static, args.untuned, args.names, autotune=args.autotune)
+    report = measure(rows, args.attention.split(","), args.static, args.untuned, args.names, autotune=args.autotune,
+                     few_rows=args.few_rows)
     report["setup_seconds"] = setup
     if args.json:
         with open(args.json, "w") as f:

@@ -18,14 +18,15 @@ token, the common decode step, gets its own.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
 from .attention import ATTENTIONS, Attention, aligned, causal, masked
 from ..driver.errors import NotFused
 from ..driver.values import as_size
-from .fused import FusedLlama, fuse
+from .fused import FusedLlama, Linear, fuse
 from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
 from .stack import LayerStack, Stack, rotary, sliding_window
@@ -37,20 +38,31 @@ from .state import LiveState, StateLayout
 # and a 5-token verify through flex 0.469 against SDPA's 0.520 at B = 1, 0.906 against 1.248 at
 # B = 64: SDPA's 64-query tiles read the whole capacity for 5 queries, flex only the blocks held
 WIDTHS_ATTEND: dict[bool, Attention] = {False: "sdpa", True: "flex"}
+# How a step's projections multiply: "inductor", F.linear as torch.compile makes it (cuBLAS's GEMMs, a
+# one-row GEMV a reduction fused with its norm); "few_rows", a step of FEW_ROWS rows, 2 to 16 (a
+# verify's at a small batch; a prefill never), through memra_cuda.torch.skinny's Triton kernel, which
+# reads each weight once over narrow slices of its columns, where cuBLAS's wide tiles left an H200's
+# SMs idle (4.7 µs a GEMM of the verify of 5 rows). The default is what measured faster: not yet
+# measured, "inductor" until then (benchmarks.steps --few-rows)
+Projection = Literal["inductor", "few_rows"]
+PROJECTIONS: tuple[Projection, ...] = ("inductor", "few_rows")
+PROJECTION: Projection = "inductor"
+FEW_ROWS = range(2, 17)  # one row stays inductor's tuned reduction
 RECOMPILES = 256  # torch.compile's 8 a function: a server's models, kinds of step and capacities pass it
 
 
 def _step(fused: FusedLlama, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
           values: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-          rows: torch.Tensor, mask: torch.Tensor | None, attention: str, last: bool) -> torch.Tensor:
+          rows: torch.Tensor, mask: torch.Tensor | None, attention: str, last: bool, linear: Linear) -> torch.Tensor:
     """What is compiled: positions and slots kept inside the cache (a garbage one never writes
-    outside), the rotary rows gathered, the attention chosen, the fused forward."""
+    outside), the rotary rows gathered, the attention chosen, the fused forward, its projections
+    through `linear` (F.linear, or memra_cuda.torch.skinny.few_rows)."""
     capacity = keys[0].shape[2]
     positions, slots = positions.long().clamp(0, capacity - 1), slots.long().clamp(0, capacity - 1)
     shape = fused.shape
     attend = (causal(shape.scale, shape.gqa) if attention == "prefill"
               else masked(attention, slots, capacity, shape.scale, shape.gqa, keys[0].dtype, mask))  # type: ignore[arg-type]
-    return fused(tokens.long(), cos[positions], sin[positions], keys, values, rows, slots, attend, last)
+    return fused(tokens.long(), cos[positions], sin[positions], keys, values, rows, slots, attend, last, linear)
 
 
 _COMPILED: dict[tuple[bool, bool, bool], Any] = {}
@@ -99,13 +111,17 @@ class CompiledStack(LayerStack):
     apart; `tuning` (inductor's coordinate descent, gpt-fast's setting) tunes each kernel's
     launch of the one-token step at its compilation: None, at B = 1 alone (a step of several
     rows, a verify and a prefill compile untuned: there it costs compile time and gains
-    nothing); True or False, at any B."""
+    nothing); True or False, at any B. `projection` is how a decode step's or a verify's
+    projections multiply (PROJECTIONS; left out, PROJECTION): "few_rows" needs triton and a
+    16-bit model on a GPU, and serves steps of FEW_ROWS rows."""
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, attention: Attention | None = None,
-                 compile: bool = True, dynamic: bool = True, tuning: bool | None = None):
+                 compile: bool = True, dynamic: bool = True, tuning: bool | None = None,
+                 projection: Projection | None = None):
         if attention is not None and attention not in ATTENTIONS:
             raise ValueError(f"attention is one of {ATTENTIONS} (or left out: each width's faster), not {attention!r}")
         capacity = as_size(capacity, "capacity")  # before it is rounded up: "64" and True are no capacities
+        self.few_rows = self._projection(model, PROJECTION if projection is None else projection)
         window = sliding_window(model.config)
         if window and aligned(capacity) > window:  # the step attends to the whole cache a row holds
             raise NotFused(f"the model attends within a sliding window of {window} positions, which the compiled "
@@ -134,8 +150,25 @@ class CompiledStack(LayerStack):
                 _sizes(tensor)
         self.prefills = Prefills(self.kv, self._fill, self.device, model.config.vocab_size)
 
+    @staticmethod
+    def _projection(model: Any, projection: Projection) -> Linear | None:
+        """The projection of a step of FEW_ROWS rows: memra_cuda.torch.skinny.few_rows for
+        "few_rows" (refused, naming why, where it cannot serve `model`), None for "inductor"."""
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection is one of {PROJECTIONS} (or left out: {PROJECTION!r}), not {projection!r}")
+        if projection == "inductor":
+            return None
+        if model.device.type != "cuda" or model.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"projection 'few_rows' serves a bf16 or fp16 model on a GPU, not {model.dtype} on "
+                             f"{model.device.type} (fp32's products stay cuBLAS's own)")
+        try:
+            from .skinny import few_rows
+        except ImportError as e:
+            raise ValueError(f"projection 'few_rows' needs triton (torch's own on a CUDA machine): {e}") from None
+        return few_rows
+
     def _run(self, step: Any, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-             mask: torch.Tensor | None, attention: str, last: bool) -> torch.Tensor:
+             mask: torch.Tensor | None, attention: str, last: bool, linear: Linear = F.linear) -> torch.Tensor:
         if self.dynamic:
             # flex_attention's kernels fail on a symbolic batch or width in torch 2.11 (an illegal
             # address at B = 64, a lowering error at T = 2): its steps compile a shape apart
@@ -145,7 +178,7 @@ class CompiledStack(LayerStack):
             _sizes(rows, *shapes[:1])
             _sizes(mask, *(0, 2) if shapes else ())  # [R][1][T][capacity]
         return step(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots, rows, mask,
-                    attention, last)
+                    attention, last, linear)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -153,8 +186,10 @@ class CompiledStack(LayerStack):
         self._check_rows(tokens, positions, slots)
         wide = tokens.shape[1] > 1  # a verify's, or the one-token step (tuned)
         attention, step = self.attention or WIDTHS_ATTEND[wide], self.wide_step if wide else self.step
+        few = tokens.shape[0] * tokens.shape[1] in FEW_ROWS  # rows x tokens a row: the GEMMs' rows
+        linear = self.few_rows if few and self.few_rows is not None else F.linear
         return self._run(step, tokens, positions, positions if slots is None else slots, self.kv.every_row, mask,
-                         attention, last)
+                         attention, last, linear)
 
     def _fill(self, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prefills' forward: the prompts' K and V, their attention causal over themselves."""

@@ -28,6 +28,8 @@ from .kv import head_size
 from .state import Recurrent
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2")
+# A projection's arithmetic: F.linear's (x, weight, bias), or memra_cuda.torch.skinny's few_rows
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -138,29 +140,30 @@ class FusedLlama(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tensor,
-                attend: Callable[..., torch.Tensor], last: bool = False) -> torch.Tensor:
+                attend: Callable[..., torch.Tensor], last: bool = False, linear: Linear = F.linear) -> torch.Tensor:
         """The head's logits ([R][T][V], or [R][1][V] after each row's last token where `last`)
         after `tokens` ([R][T] int64) whose rotary embedding is `cos`, `sin` ([R][T][d]), their
         K and V written at `slots` ([R][T]) of cache rows `rows` ([R][1]) in every layer's
         `keys` and `values` ([B][H_kv][capacity][d] each), attending by `attend(q, k, v, cache_k,
-        cache_v)` (q [R][H][T][d], this forward's k and v [R][H_kv][T][d], the layer's caches)."""
+        cache_v)` (q [R][H][T][d], this forward's k and v [R][H_kv][T][d], the layer's caches),
+        every projection and the head through `linear` (F.linear's arguments)."""
         shape = self.shape
         hidden = F.embedding(tokens, self.embed)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [R][T][1][d]: one for every head
         for layer, cache_k, cache_v in zip(self.layers, keys, values):
-            hidden = hidden + self._attention(layer, hidden, cos, sin, cache_k, cache_v, rows, slots, attend)
-            mixed = F.linear(_rms(hidden, layer.mlp_norm, shape.eps), layer.gate_up, layer.gate_up_bias)
+            hidden = hidden + self._attention(layer, hidden, cos, sin, cache_k, cache_v, rows, slots, attend, linear)
+            mixed = linear(_rms(hidden, layer.mlp_norm, shape.eps), layer.gate_up, layer.gate_up_bias)
             gate, up = mixed.chunk(2, -1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            hidden = hidden + linear(F.silu(gate) * up, layer.down, layer.down_bias)
         hidden = _rms(hidden[:, -1:] if last else hidden, self.norm, shape.eps)
-        return F.linear(hidden, self.head)
+        return linear(hidden, self.head, None)
 
     def _attention(self, layer: FusedLayer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                   attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+                   attend: Callable[..., torch.Tensor], linear: Linear) -> torch.Tensor:
         shape = self.shape
         r, t = hidden.shape[:2]
-        qkv = F.linear(_rms(hidden, layer.attention_norm, shape.eps), layer.qkv, layer.qkv_bias)
+        qkv = linear(_rms(hidden, layer.attention_norm, shape.eps), layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([shape.heads * shape.dim, shape.kv_heads * shape.dim, shape.kv_heads * shape.dim], -1)
         q = _rotate(q.view(r, t, shape.heads, shape.dim), cos, sin)
         k = _rotate(k.view(r, t, shape.kv_heads, shape.dim), cos, sin)
@@ -168,7 +171,7 @@ class FusedLlama(torch.nn.Module):
         cache_k[rows, :, slots] = k  # [R][T][H_kv][d] into this forward's own slots, nothing else
         cache_v[rows, :, slots] = v
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache_k, cache_v)  # [R][H][T][d]
-        return F.linear(out.transpose(1, 2).reshape(r, t, shape.heads * shape.dim), layer.o, layer.o_bias)
+        return linear(out.transpose(1, 2).reshape(r, t, shape.heads * shape.dim), layer.o, layer.o_bias)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,7 +16,7 @@ from memra_cuda import errors
 from memra_cuda.errors import MemraError
 
 PACKAGE = Path(memra_cuda.__file__).resolve().parent
-OPTIONAL = {"torch", "transformers", "tokenizers", "safetensors", "matplotlib"}  # extras the core never needs
+OPTIONAL = {"torch", "transformers", "tokenizers", "safetensors", "matplotlib", "triton"}  # extras the core never needs
 
 
 def modules() -> tuple[list[object], list[Path]]:

@@ -1,0 +1,130 @@
+"""A linear layer of a few rows as one Triton kernel: a verify's GEMMs at a small batch.
+
+A verify of k + 1 tokens at B = 1 multiplies 5 rows by each weight. cuBLAS serves that shape
+with a GEMM of wide tiles: few thread blocks, so each of the pair's target's 48 GEMMs took about
+4.7 µs on an H200 (benchmarks/RESULTS.md, "A verify's kernels"), where reading its weights once
+takes under 1.5 µs, and the one-token step, whose GEMVs inductor writes as reductions, pays about
+half that. This kernel tiles the other way: every thread block takes all the rows (up to
+BLOCK_M, padded) and a narrow slice of the output's columns, so the weight is read once, by as
+many blocks as there are slices (times SPLIT_K slices of k, where the columns are too few to
+busy the SMs), with the rows' product on the tensor cores and fp32 sums.
+
+It is a `torch.library.triton_op`, so torch.compile sees into it (no graph break) and a CUDA
+graph captures it like any kernel; the compiled step (memra_cuda.torch.compiled) calls it, through
+`few_rows`, where a step's rows are few. Its tiles are the op's arguments, so they are part of
+the compiled graph (and of inductor's cache key), as the kernel's source is. Needs triton
+(torch's own, on a CUDA machine); this module is imported only where the step is compiled with
+it. A CPU tensor, called eagerly, goes to F.linear.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+BLOCK_M = 16  # the rows a block multiplies: the tensor cores' least; fewer are padded, more take more blocks
+DTYPES = (torch.bfloat16, torch.float16)  # fp32 stays with F.linear: its products must be cuBLAS's own, not TF32's
+
+
+@triton.jit
+def _linear(x, weight, bias, out, rows, n, k, x_row, w_row, out_row, HAS_BIAS: tl.constexpr,  # type: ignore[no-untyped-def]
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+            SWAP: tl.constexpr):
+    """out[rows][n] = x[rows][k] @ weight[n][k]^T (+ bias[n]), each row `x_row`, `w_row`,
+    `out_row` elements after the last, its elements contiguous: this block's BLOCK_N columns of
+    its BLOCK_M rows over its 1/SPLIT_K of k, summed in fp32 a BLOCK_K at a time (SWAP: as
+    weight @ x^T, the columns the tensor cores' M, which Hopper's widest instruction wants);
+    rows, columns and k past their ends are masked (read as 0, never written). With SPLIT_K > 1,
+    out is fp32 partial sums, [SPLIT_K][rows][n] (out_row apart), the bias left to the caller."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    wide = cols.to(tl.int64)  # a head's weight of 128256 x 2048 passes 2**31 elements
+    span = tl.cdiv(tl.cdiv(k, SPLIT_K), BLOCK_K) * BLOCK_K  # whole BLOCK_Ks a slice of k
+    first = tl.program_id(2) * span
+    last = tl.minimum(first + span, k)
+    if SWAP:
+        sums = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(first, last, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        a = tl.load(x + m[:, None] * x_row + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < last), other=0.0)
+        w = tl.load(weight + wide[:, None] * w_row + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < last),
+                    other=0.0)
+        if SWAP:
+            sums = tl.dot(w, tl.trans(a), sums)
+        else:
+            sums = tl.dot(a, tl.trans(w), sums)
+    if SWAP:
+        sums = tl.trans(sums)
+    if HAS_BIAS and SPLIT_K == 1:
+        sums += tl.load(bias + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
+    at = out + tl.program_id(2) * rows * out_row + m[:, None] * out_row + cols[None, :]
+    tl.store(at, sums.to(out.dtype.element_ty), mask=(m[:, None] < rows) & (cols[None, :] < n))
+
+
+class Tiles(NamedTuple):
+    """How _linear cuts one projection: `block_n` columns and `block_k` of k a step, `split_k`
+    slices of k (blocks of partial sums, summed after), `swap` (the product as weight @ x^T),
+    `warps` and `stages` (Triton's launch and software pipelining). A named tuple: the compiled
+    step builds one as it is traced, and hands it to the op as its ints."""
+
+    block_n: int = 16
+    block_k: int = 128
+    split_k: int = 1
+    swap: bool = False
+    warps: int = 4
+    stages: int = 4
+
+
+def tiles(n: int, k: int) -> Tiles:
+    """The Tiles of a projection of `n` columns over `k`: narrow slices, so that a projection of
+    a few thousand columns spreads over more blocks than an H200 has SMs (132); a head of tens of
+    thousands wider ones. Not yet measured (the probe of issue 47 sweeps them)."""
+    return Tiles() if n <= 8192 else Tiles(block_n=64)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,  # noqa: UP045
+           cut: Tiles, kernel: object = _linear) -> None:
+    """_linear over `x` ([rows][k]) into `out` ([rows][n], or [split_k][rows][n] of fp32 partial
+    sums), their elements contiguous; `kernel` the launcher (wrap_triton(_linear) inside the op)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    block_m = BLOCK_M
+    kernel[(triton.cdiv(n, cut.block_n), triton.cdiv(rows, block_m), cut.split_k)](  # type: ignore[index]
+        x, weight, weight if bias is None else bias, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(-2),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT_K=cut.split_k,
+        SWAP=cut.swap, num_warps=cut.warps, num_stages=cut.stages)
+
+
+@torch.library.triton_op("memra_cuda::few_rows_linear", mutates_args=())
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045
+                    block_n: int, block_k: int, split_k: int, swap: bool, warps: int, stages: int) -> torch.Tensor:
+    """F.linear(x, weight, bias) ([..., k]: its leading dims the rows) through _linear cut as
+    the Tiles the other arguments give (arguments, so the compiled graph holds them)."""
+    k = x.shape[-1]
+    flat = x.reshape(-1, k).contiguous()
+    weight = weight.contiguous()
+    cut = Tiles(block_n, block_k, split_k, swap, warps, stages)
+    if split_k == 1:
+        out = x.new_empty(flat.shape[0], weight.shape[0])
+        launch(flat, weight, None if bias is None else bias.contiguous(), out, cut, wrap_triton(_linear))
+    else:
+        partial = x.new_empty(split_k, flat.shape[0], weight.shape[0], dtype=torch.float32)
+        launch(flat, weight, None, partial, cut, wrap_triton(_linear))
+        summed = partial.sum(0)
+        out = (summed if bias is None else summed + bias.float()).to(x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@few_rows_linear.register_kernel("cpu")
+def _on_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], block_n: int,  # noqa: UP045
+            block_k: int, split_k: int, swap: bool, warps: int, stages: int) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear's arguments to few_rows_linear, cut as tiles() says for the weight's shape."""
+    return torch.ops.memra_cuda.few_rows_linear(x, weight, bias, *tiles(*weight.shape))

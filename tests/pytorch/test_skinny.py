@@ -1,0 +1,157 @@
+"""memra_cuda.torch.skinny's linear of a few rows: its Triton kernel against F.linear in Triton's
+interpreter on the CPU (fp32 and fp16: the interpreter's dot is wrong in bf16), on a GPU in bf16
+eagerly, compiled and captured, and as a CompiledStack's projection ("few_rows") beside
+inductor's; and what CompiledStack refuses of it, naming why. Skipped with the reason where
+torch or triton (torch's own on a CUDA machine) is missing."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
+
+pytestmark = pytest.mark.torch
+
+# rows, columns, k, bias: one row; a verify's five; a block of rows and one past it; columns and k
+# not whole tiles (skinny.tiles: 16 or 64 columns, 128 of k)
+SHAPES = ((1, 48, 128, False), (5, 200, 96, True), (16, 33, 257, True), (17, 301, 64, False))
+# the cuts of the shapes: the default, k in four slices (the last short, or empty), the product swapped, both
+CUTS = ("[skinny.Tiles(), skinny.Tiles(block_k=32, split_k=4), skinny.Tiles(block_n=64, swap=True), "
+        "skinny.Tiles(block_n=32, block_k=32, split_k=3, swap=True)]")
+
+
+def test_the_kernel_is_f_linear_in_tritons_interpreter():
+    """Every row, column and bias of F.linear's product, rows, columns and k past whole tiles
+    masked: the kernel run on the CPU by Triton's interpreter (set before triton is imported, so
+    in a process of its own)."""
+    pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
+    script = textwrap.dedent(f"""
+        import torch, torch.nn.functional as F
+        from memra_cuda.torch import skinny
+        torch.manual_seed(0)
+        for rows, n, k, bias in {SHAPES!r}:
+            for cut in CUTS:
+                for dtype in (torch.float32, torch.float16):
+                    # small integers: every product and sum exact in fp32, so the kernel's must equal F.linear's
+                    x, w = (torch.randint(-3, 4, size).to(dtype) for size in ((rows, k), (n, k)))
+                    b = torch.randint(-3, 4, (n,)).to(dtype) if bias else None
+                    out = torch.full((cut.split_k, rows, n) if cut.split_k > 1 else (rows, n), float("nan"),
+                                     dtype=torch.float32 if cut.split_k > 1 else dtype)
+                    skinny.launch(x, w, b if cut.split_k == 1 else None, out, cut)
+                    got = out.sum(0) + (0 if b is None else b.float()) if cut.split_k > 1 else out.float()
+                    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+                    assert torch.equal(got, want), (rows, n, k, bias, cut, dtype, (got - want).abs().max())
+        print("same")
+    """).replace("CUTS", CUTS)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-3000:]
+
+
+def test_a_projection_the_kernel_cannot_serve_is_refused_naming_why():
+    pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
+    from memra_cuda.torch.compiled import CompiledStack
+    from test_torch_stack import tiny
+    with pytest.raises(ValueError, match="projection is one of"):
+        CompiledStack(tiny(), 40, projection="cublas", compile=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bf16 or fp16 model on a GPU, not torch.float32 on cpu"):
+        CompiledStack(tiny(), 40, projection="few_rows", compile=False)
+
+
+def test_a_step_of_few_rows_takes_the_op_and_a_prefill_never():
+    """The plumbing, on the CPU (the op's CPU kernel is F.linear): a step of 2 to 16 rows calls
+    few_rows for every projection and the head, and gives the logits the step without it gives;
+    one row, more than 16 and a prefill never call it."""
+    pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
+    pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
+    from memra_cuda.torch.compiled import CompiledStack
+    from memra_cuda.torch.skinny import few_rows
+    from test_torch_stack import tiny
+    model = tiny()
+    calls = []
+
+    def counted(x, weight, bias):
+        calls.append(x.shape[:-1])
+        return few_rows(x, weight, bias)
+    plain, few = (CompiledStack(model, 40, batch=3, compile=False) for _ in range(2))
+    few.few_rows = counted  # the CPU's stand-in: CompiledStack refuses "few_rows" off a GPU
+    for stack in (plain, few):
+        stack.prefill(range(3), [[1, 5, 9, 3], [2, 8, 6], [4, 4, 7, 7, 1]])
+    assert not calls, "a prefill took the op"
+    for width, rows in ((1, 3), (5, 15), (6, 18)):
+        tokens = torch.arange(3 * width).view(3, width) % 90
+        positions = torch.tensor([[5 + i for i in range(width)]] * 3)
+        calls.clear()
+        torch.testing.assert_close(few.logits(tokens, positions), plain.logits(tokens, positions))
+        assert len(calls) == (4 * len(model.model.layers) + 1 if 2 <= rows <= 16 else 0), (width, calls)
+
+
+@pytest.mark.gpu
+def test_few_rows_on_a_gpu_are_f_linears_eager_compiled_and_captured(engine):
+    """bf16 on the GPU, small integers (every product and sum exact in fp32, so each path must
+    give F.linear's fp32 product rounded to bf16 once, exactly): each shape under each cut
+    eagerly, then few_rows inside torch.compile (fullgraph: no break) and replayed from a CUDA
+    graph of the compiled call on new inputs; and the compiled call copies no weight (inductor
+    clones what it takes a kernel to write: a weight of 64 MiB cloned would show in the peak)."""
+    pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
+    from memra_cuda.torch.skinny import Tiles, few_rows, few_rows_linear
+
+    def small(*size: int) -> torch.Tensor:
+        return torch.randint(-3, 4, size, device="cuda").to(torch.bfloat16)
+
+    def want(x, w, b):
+        return torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(torch.bfloat16)
+    compiled = torch.compile(lambda x, w, b: few_rows(x, w, b) * 1, fullgraph=True)
+    for rows, n, k, bias in SHAPES:
+        x, w, b = small(rows, k), small(n, k), small(n) if bias else None
+        for cut in (Tiles(), Tiles(block_k=32, split_k=4), Tiles(block_n=64, swap=True)):
+            got = few_rows_linear(x, w, b, cut.block_n, cut.block_k, cut.split_k, cut.swap, cut.warps, cut.stages)
+            assert torch.equal(got, want(x, w, b)), (rows, n, k, bias, cut)
+        assert torch.equal(compiled(x, w, b), want(x, w, b)), (rows, n, k, bias)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                out = compiled(x, w, b)
+        x.copy_(small(rows, k))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want(x, w, b)), (rows, n, k, bias, "replayed")
+    x, w = small(5, 4096), small(8192, 4096)
+    compiled(x, w, None)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    compiled(x, w, None)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < w.nbytes // 4, "the compiled call copied the weight"
+
+
+@pytest.mark.gpu
+def test_a_verify_through_few_rows_is_inductors_verify_in_bf16(engine):
+    """The small random-weight Llama in bf16, compiled both ways at B = 1: a verify of 5 tokens and
+    a step of 2 rows of 3 (both in FEW_ROWS) give inductor's logits within bf16's rounding, and
+    the same greedy tokens wherever inductor's top two are not within that rounding."""
+    pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
+    pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
+    from memra_cuda.torch.compiled import CompiledStack
+    from memra_cuda.torch.testing import build_model
+    model = build_model("small").to(torch.bfloat16)
+    for batch, width in ((1, 5), (2, 3)):
+        stacks = [CompiledStack(model, 64, batch, projection=projection) for projection in ("inductor", "few_rows")]
+        prompts = [[1, 5, 9, 3, 7][:4 + r] for r in range(batch)]
+        tokens = torch.tensor([[4 + i + r for i in range(width)] for r in range(batch)], device="cuda")
+        positions = torch.tensor([[len(p) + i for i in range(width)] for p in prompts], device="cuda")
+        got = []
+        for stack in stacks:
+            stack.prefill(range(batch), prompts)
+            got.append(stack.logits(tokens, positions).float())
+        inductor, few = got
+        torch.testing.assert_close(few, inductor, atol=0.05 * float(inductor.abs().max()), rtol=0.05)
+        top2 = inductor.topk(2, -1).values
+        clear = (top2[..., 0] - top2[..., 1]) > 0.05 * float(inductor.abs().max())
+        assert torch.equal(few.argmax(-1)[clear], inductor.argmax(-1)[clear])
