@@ -38,6 +38,9 @@ from .state import LiveState, StateLayout
 # and a 5-token verify through flex 0.469 against SDPA's 0.520 at B = 1, 0.906 against 1.248 at
 # B = 64: SDPA's 64-query tiles read the whole capacity for 5 queries, flex only the blocks held
 WIDTHS_ATTEND: dict[bool, Attention] = {False: "sdpa", True: "flex"}
+# The most blocks a CUDA grid holds in y, where flex_attention's decoding kernel puts a batch's rows
+# times its KV heads (torch 2.11: "invalid argument" at B = 20 000 of 8 heads)
+GRID_Y = 65535
 # How a step's projections multiply: "inductor", F.linear as torch.compile makes it (cuBLAS's GEMMs, a
 # one-row GEMV a reduction fused with its norm); "few_rows", a step of FEW_ROWS rows, 2 to 16 (a
 # verify's at a small batch; a prefill never), through memra_cuda.torch.skinny's Triton kernel, which
@@ -98,6 +101,20 @@ def _sizes(tensor: torch.Tensor | None, *dynamic: int) -> None:
             torch._dynamo.mark_static(tensor, dim)
 
 
+def attends(attention: Attention | None, flex_rows: int) -> dict[bool, Attention]:
+    """How a step of one token (False) and of several (True) attend, for a stack told `attention`
+    (or not: WIDTHS_ATTEND) whose flex kernels would put `flex_rows` blocks (its rows times its KV
+    heads) in a grid's y: SDPA, not told, where flex's grid cannot hold them; told flex, refused."""
+    if attention is not None and attention not in ATTENTIONS:
+        raise ValueError(f"attention is one of {ATTENTIONS} (or left out: each width's faster), not {attention!r}")
+    if flex_rows > GRID_Y:
+        if attention == "flex":
+            raise ValueError(f"attention 'flex' serves at most {GRID_Y} rows x KV heads (its kernel's grid), not "
+                             f"{flex_rows}: a smaller batch, or attention='sdpa'")
+        return {False: "sdpa", True: "sdpa"}
+    return {wide: attention or WIDTHS_ATTEND[wide] for wide in (False, True)}
+
+
 class CompiledStack(LayerStack):
     """A LlamaForCausalLM-shaped model's compiled step over a static cache of `batch` rows and
     `capacity` positions, rounded up to whole blocks of the attention (attention.aligned)
@@ -118,8 +135,7 @@ class CompiledStack(LayerStack):
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, attention: Attention | None = None,
                  compile: bool = True, dynamic: bool = True, tuning: bool | None = None,
                  projection: Projection | None = None):
-        if attention is not None and attention not in ATTENTIONS:
-            raise ValueError(f"attention is one of {ATTENTIONS} (or left out: each width's faster), not {attention!r}")
+        self.attends = attends(attention, batch * model.config.num_key_value_heads)
         capacity = as_size(capacity, "capacity")  # before it is rounded up: "64" and True are no capacities
         self.few_rows = self._projection(model, PROJECTION if projection is None else projection)
         window = sliding_window(model.config)
@@ -127,7 +143,6 @@ class CompiledStack(LayerStack):
             raise NotFused(f"the model attends within a sliding window of {window} positions, which the compiled "
                            f"step does not apply: its cache of {aligned(capacity)} would attend past it")
         self.model, self.fused = model, fuse(model)
-        self.attention = attention
         self.layers = model.model.layers[:model.config.num_hidden_layers]
         self.device = torch.device(model.device)
         self.kv = StaticKV(model.config, len(self.layers), batch, aligned(capacity), model.dtype, self.device)
@@ -185,7 +200,7 @@ class CompiledStack(LayerStack):
                parents: torch.Tensor | None = None) -> torch.Tensor:
         self._check_rows(tokens, positions, slots)
         wide = tokens.shape[1] > 1  # a verify's, or the one-token step (tuned)
-        attention, step = self.attention or WIDTHS_ATTEND[wide], self.wide_step if wide else self.step
+        attention, step = self.attends[wide], self.wide_step if wide else self.step
         few = tokens.shape[0] * tokens.shape[1] in FEW_ROWS  # rows x tokens a row: the GEMMs' rows
         linear = self.few_rows if few and self.few_rows is not None else F.linear
         return self._run(step, tokens, positions, positions if slots is None else slots, self.kv.every_row, mask,

@@ -29,27 +29,27 @@ DTYPES = (torch.bfloat16, torch.float16)  # fp32 stays with F.linear: its produc
 
 
 @triton.jit
-def _linear(x, weight, bias, out, rows, n, x_row, w_row, out_row, K: tl.constexpr, HAS_BIAS: tl.constexpr,  # type: ignore[no-untyped-def]
+def _linear(x, weight, bias, out, rows, n, k, x_row, w_row, out_row, STEPS: tl.constexpr, HAS_BIAS: tl.constexpr,  # type: ignore[no-untyped-def]
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
             SWAP: tl.constexpr):
     """out[rows][n] = x[rows][k] @ weight[n][k]^T (+ bias[n]), each row `x_row`, `w_row`,
     `out_row` elements after the last, its elements contiguous: this block's BLOCK_N columns of
     its BLOCK_M rows over its 1/SPLIT_K of k, summed in fp32 a BLOCK_K at a time (SWAP: as
     weight @ x^T, the columns the tensor cores' M, which Hopper's widest instruction wants);
-    rows, columns and k past their ends are masked (read as 0, never written). K is a constant (a
-    kernel per K: a model's projections have two or three), so the loop's count is one. With SPLIT_K > 1,
+    rows, columns and k past their ends are masked (read as 0, never written). STEPS, the BLOCK_Ks
+    of a slice (the same for every slice), is a constant: a kernel per k (a model's projections
+    have two or three), and the loop's count known. With SPLIT_K > 1,
     out is fp32 partial sums, [SPLIT_K][rows][n] (out_row apart), the bias left to the caller."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     wide = cols.to(tl.int64)  # a head's weight of 128256 x 2048 passes 2**31 elements
-    steps: tl.constexpr = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K)  # whole BLOCK_Ks a slice of K, the same for every slice
-    first = tl.program_id(2) * steps * BLOCK_K
-    last = tl.minimum(first + steps * BLOCK_K, K)
+    first = tl.program_id(2) * STEPS * BLOCK_K
+    last = tl.minimum(first + STEPS * BLOCK_K, k)
     if SWAP:
         sums = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, steps):  # a constant count: Triton's interpreter (3.6) cannot loop to a runtime int
+    for step in range(0, STEPS):  # a constant count: Triton's interpreter (3.6) cannot loop to a runtime int
         ks = first + step * BLOCK_K + tl.arange(0, BLOCK_K)
         a = tl.load(x + m[:, None] * x_row + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < last), other=0.0)
         w = tl.load(weight + wide[:, None] * w_row + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < last),
@@ -95,9 +95,10 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     n = weight.shape[0]
     block_m = BLOCK_M
     kernel[(triton.cdiv(n, cut.block_n), triton.cdiv(rows, block_m), cut.split_k)](  # type: ignore[index]
-        x, weight, weight if bias is None else bias, out, rows, n, x.stride(0), weight.stride(0), out.stride(-2),
-        K=k, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT_K=cut.split_k,
-        SWAP=cut.swap, num_warps=cut.warps, num_stages=cut.stages)
+        x, weight, weight if bias is None else bias, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(-2),
+        STEPS=triton.cdiv(triton.cdiv(k, cut.split_k), cut.block_k), HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT_K=cut.split_k, SWAP=cut.swap, num_warps=cut.warps,
+        num_stages=cut.stages)
 
 
 @torch.library.triton_op("memra_cuda::few_rows_linear", mutates_args=())

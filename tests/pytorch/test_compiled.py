@@ -128,6 +128,19 @@ def test_a_capacity_is_whole_blocks_and_a_garbage_position_stays_inside():
     assert stack.kv.lengths.tolist() == [[0]] * 3
 
 
+def test_flex_is_chosen_only_where_its_grid_holds_the_batch():
+    """flex_attention's decoding kernel puts rows x KV heads in a grid's y (at most GRID_Y): at the
+    limit each width attends as WIDTHS_ATTEND says; one past it both take SDPA, and flex asked for
+    is refused, naming the limit (it met "invalid argument" at the launch, 20 000 rows of 8)."""
+    from memra_cuda.torch.compiled import GRID_Y, WIDTHS_ATTEND, attends
+    assert attends(None, GRID_Y) == WIDTHS_ATTEND and attends("flex", GRID_Y) == {False: "flex", True: "flex"}
+    assert attends(None, GRID_Y + 1) == {False: "sdpa", True: "sdpa"} == attends("sdpa", GRID_Y + 1)
+    with pytest.raises(ValueError, match=f"'flex' serves at most {GRID_Y} rows x KV heads .* not {GRID_Y + 1}"):
+        attends("flex", GRID_Y + 1)
+    with pytest.raises(ValueError, match="attention is one of"):
+        CompiledStack(tiny(), 40, attention="math", compile=False)  # type: ignore[arg-type]
+
+
 def test_fusing_holds_the_weights_once_and_leaves_the_model_as_it_was():
     """q, k and v (and gate and up) become one matrix; the model's own weights become views of it,
     so nothing is held twice and Hugging Face's forward gives the same logits."""
@@ -171,7 +184,7 @@ def test_what_does_not_fuse_is_refused_naming_why_and_runs_through_its_modules()
     assert isinstance(stack_for(tiny(), 40), CompiledStack)
     assert isinstance(stack_for(tiny(), 40, compiled=False), Stack)
     # an attention named is the compiled step's: kept by it, refused (naming why) where the modules run
-    assert stack_for(tiny(), 40, attention="flex").attention == "flex"  # type: ignore[union-attr]
+    assert stack_for(tiny(), 40, attention="flex").attends == {False: "flex", True: "flex"}  # type: ignore[union-attr]
     with pytest.raises(NotFused, match="recurrent"):
         stack_for(hybrid(), 40, attention="flex")
     for kwargs in (dict(compiled=False), dict(cache=PagedKV)):

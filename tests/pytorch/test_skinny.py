@@ -52,6 +52,26 @@ def test_the_kernel_is_f_linear_in_tritons_interpreter():
     assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-3000:]
 
 
+def test_the_kernel_compiles_for_hopper_without_a_gpu():
+    """The kernel through Triton's own compiler to an sm_90 cubin, both products, on any machine:
+    the interpreter above runs Python, and a kernel it passes may still not compile (a constexpr
+    worked out inside the kernel did not in Triton 3.6, the H200's)."""
+    triton = pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from memra_cuda.torch import skinny
+    ints = ("rows", "n", "k", "x_row", "w_row", "out_row")
+    signature = {**{name: "*bf16" for name in ("x", "weight", "bias", "out")}, **dict.fromkeys(ints, "i32")}
+    for swap in (False, True):
+        constants = dict(STEPS=6, HAS_BIAS=True, BLOCK_M=skinny.BLOCK_M, BLOCK_N=64 if swap else 16, BLOCK_K=128,
+                         SPLIT_K=1, SWAP=swap)
+        source = ASTSource(fn=skinny._linear, signature={**signature, **dict.fromkeys(constants, "constexpr")},
+                           constexprs=constants)
+        built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
+        assert len(built.asm["cubin"]) > 0, swap
+
+
 def test_a_projection_the_kernel_cannot_serve_is_refused_naming_why():
     pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
     from memra_cuda.torch.compiled import CompiledStack
