@@ -48,6 +48,29 @@ def causal(scale: float, gqa: bool) -> Attend:
     return attend
 
 
+def block_counts(slots: torch.Tensor, seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each tile of BLOCK queries of each row ([R][T] tokens at `slots`): the leading blocks of
+    the cache every query of the tile sees whole (flex_attention skips their mask) and the blocks
+    it sees at all, [R][tiles] each. Causal (`seen` None), a block below the tile's first slot is
+    seen whole; under a tree's mask (`seen`, [R][T][capacity] bools) only a block every query sees
+    in full, read from the mask: the nodes of a level past a block boundary must not see their
+    uncles in the block before, below their own slots."""
+    rows, tokens = slots.shape
+    tiles = -(-tokens // BLOCK)  # of queries: one below BLOCK tokens a row
+
+    def tiled(t: torch.Tensor) -> torch.Tensor:  # [R][T][...] -> [R][tiles][BLOCK][...], the last query repeated
+        return torch.cat([t, t[:, -1:].expand(rows, tiles * BLOCK - tokens, *t.shape[2:])], 1).view(
+            rows, tiles, BLOCK, *t.shape[2:])
+    padded = tiled(slots)
+    if seen is None:
+        whole = (padded.amin(-1) + 1) // BLOCK
+    else:
+        covered = seen.shape[-1] // BLOCK
+        full = seen[..., :covered * BLOCK].reshape(rows, tokens, covered, BLOCK).all(-1)  # [R][T][blocks]
+        whole = tiled(full).all(2).int().cumprod(-1).sum(-1)  # the leading blocks all of a tile sees whole
+    return whole, padded.amax(-1) // BLOCK + 1
+
+
 def masked(kind: Attention, slots: torch.Tensor, capacity: int, scale: float, gqa: bool, dtype: torch.dtype,
            mask: torch.Tensor | None = None) -> Attend:
     """The attention of R rows of T tokens at `slots` ([R][T] int64, within the capacity) over the
@@ -67,20 +90,18 @@ def masked(kind: Attention, slots: torch.Tensor, capacity: int, scale: float, gq
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     rows, tokens = slots.shape
     last = tokens - 1
-    if mask is None:
+    tree = None if mask is None else mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # [R][T][capacity]
+    if tree is None:
         def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return kv <= slots[b, q.clamp(max=last)]
     else:
-        tree = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0  # [R][T][capacity]: seen
-        top = tree.shape[-1] - 1
+        seen_by, top = tree, tree.shape[-1] - 1
 
         def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return tree[b, q.clamp(max=last), kv.clamp(max=top)]
+            return seen_by[b, q.clamp(max=last), kv.clamp(max=top)]
     blocks = -(-capacity // BLOCK)
-    tiles = -(-tokens // BLOCK)  # of queries: one below BLOCK tokens a row
-    padded = torch.cat([slots, slots[:, -1:].expand(rows, tiles * BLOCK - tokens)], 1).view(rows, tiles, BLOCK)
-    whole = (padded.amin(-1) + 1) // BLOCK  # [R][tiles]: blocks every query of the tile sees whole
-    seen = padded.amax(-1) // BLOCK + 1  # blocks the tile sees at all
+    whole, seen = block_counts(slots, tree)
+    tiles = whole.shape[1]
     every = torch.arange(blocks, device=slots.device)
     block_mask = BlockMask.from_kv_blocks(
         (seen - whole)[:, None].int(), (whole[..., None] + every).clamp(max=blocks - 1)[:, None].int(),

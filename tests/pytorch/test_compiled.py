@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch
 pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
 
 from memra_cuda.torch import PagedKV, Stack, TreeMask, self_draft  # noqa: E402
-from memra_cuda.torch.attention import BLOCK  # noqa: E402
+from memra_cuda.torch.attention import BLOCK, block_counts  # noqa: E402
 from memra_cuda.torch.compiled import CompiledStack, stack_for  # noqa: E402
 from memra_cuda.torch.fused import fuse  # noqa: E402
 from memra_cuda.errors import NotFused  # noqa: E402
@@ -58,6 +58,41 @@ def test_a_trees_nodes_see_the_prefix_and_their_ancestors_only(attention, static
             path = prompt[:-1] + [int(tokens[r, i]) for i in ancestors(TREE, node)]
             torch.testing.assert_close(logits[r, node], hf_logits(model, path), **TOL,
                                        msg=lambda m, r=r, node=node: f"row {r}, node {node}: {m}")
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_level_past_a_block_sees_only_its_ancestors_in_the_block_before(attention):
+    """A draft's level of a tree (nodes 3 to 6, at slots 128 on) whose earlier levels (nodes 0 to
+    2, slots 125 to 127) lie in the block before: each node's logits are Hugging Face's over its
+    root path. flex took the blocks below a level's first slot as seen whole, as a causal step
+    may, so nodes 3 and 5 saw their uncles at slots 126 and 127 (a separate draft's cache on the
+    H200 differed from its own prefill at one position)."""
+    model = tiny()
+    stack = CompiledStack(model, 2 * BLOCK, attention=attention, compile=False)
+    prompt = [int(t) for t in torch.randint(1, VOCAB, (BLOCK - 2,), generator=torch.Generator().manual_seed(2))]
+    stack.prefill([0], [prompt[:-1]])
+    start = torch.tensor([[len(prompt) - 1]])  # the root's slot: 125
+    tokens = torch.randint(0, VOCAB, (1, TREE.nodes), generator=torch.Generator().manual_seed(3))
+    tokens[0, 0] = prompt[-1]
+    depth = torch.tensor([len(ancestors(TREE, i)) - 1 for i in range(TREE.nodes)])
+    mask = TreeMask(mask_words(TREE, 1), stack.kv.capacity, model.dtype, TREE).at(start)
+    stack.logits(tokens, start + depth, slots=start + torch.arange(TREE.nodes), mask=mask.rows(0, TREE.nodes))
+    level = slice(3, TREE.nodes)  # past the block: slots 128 to 131
+    slots = (start + torch.arange(TREE.nodes))[:, level]
+    logits = stack.logits(tokens[:, level], (start + depth)[:, level], slots=slots,
+                          mask=mask.rows(level.start, level.stop))
+    for i, node in enumerate(range(level.start, level.stop)):
+        path = prompt[:-1] + [int(tokens[0, j]) for j in ancestors(TREE, node)]
+        torch.testing.assert_close(logits[0, i], hf_logits(model, path), **TOL,
+                                   msg=lambda m, node=node: f"node {node}: {m}")
+    # run eagerly, flex_attention applies the mask to every block: the blocks it would skip the mask of
+    # compiled (the GPU's kernels) are checked here, every one seen whole by each node of the level
+    seen = mask.rows(level.start, level.stop)[:, 0] == 0
+    whole, _ = block_counts(slots, seen)
+    assert whole.tolist() == [[0]] and block_counts(slots)[0].tolist() == [[1]]  # causally, block 0 was whole
+    root = (start + 2, mask_words(TREE, 1))  # the root at 127: the block below it (prefix and root) is whole
+    verify = TreeMask(root[1], stack.kv.capacity, model.dtype, TREE).at(root[0]).rows(0, TREE.nodes)[:, 0] == 0
+    assert block_counts(root[0] + torch.arange(TREE.nodes), verify)[0].tolist() == [[1]]
 
 
 def test_the_compiled_step_is_the_eager_steps_arithmetic_in_one_graph():
