@@ -82,7 +82,7 @@ ptx: $(VENV)/.installed
 GPU_JOBS ?=
 RUN_GPU_SUITE = \
 	[ -z "$(GPU_JOBS)" ] || export TORCHINDUCTOR_COMPILE_THREADS=$${TORCHINDUCTOR_COMPILE_THREADS:-1}; \
-	suite() { echo "MEMRA_REQUIRE_GPU=1 PYTHONPATH=$$PYTHONPATH $$py -m pytest -m '$$1' $$ignore $(PYTEST_ARGS) $$2"; \
+	suite() { echo "MEMRA_REQUIRE_GPU=1 PYTHONPATH=$$PYTHONPATH $${TORCHINDUCTOR_COMPILE_THREADS:+TORCHINDUCTOR_COMPILE_THREADS=$$TORCHINDUCTOR_COMPILE_THREADS }$$py -m pytest -m '$$1' $$ignore $(PYTEST_ARGS) $$2"; \
 		"$$py" -m pytest -m "$$1" $$ignore $(PYTEST_ARGS) $$2; }; \
 	if [ -z "$(GPU_JOBS)" ]; then suite "$$marks" ""; exit; fi; \
 	"$$py" -c "import xdist" 2>/dev/null || { echo "GPU_JOBS=$(GPU_JOBS) needs pytest-xdist (pip install pytest-xdist)" >&2; exit 1; }; \

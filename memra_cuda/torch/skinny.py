@@ -41,8 +41,8 @@ def _linear(x, weight, bias, out, rows, n, k, x_row, w_row, out_row, STEPS: tl.c
     have two or three), and the loop's count known. With SPLIT_K > 1,
     out is fp32 partial sums, [SPLIT_K][rows][n] (out_row apart), the bias left to the caller."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    wide = cols.to(tl.int64)  # a head's weight of 128256 x 2048 passes 2**31 elements
+    m = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # offsets in int64: rows x k or
+    wide = cols.to(tl.int64)  # SPLIT_K x rows x n, or a weight's n x k, may pass 2**31 elements
     first = tl.program_id(2) * STEPS * BLOCK_K
     last = tl.minimum(first + STEPS * BLOCK_K, k)
     if SWAP:
@@ -80,11 +80,20 @@ class Tiles(NamedTuple):
     stages: int = 4
 
 
+SMS = 132  # an H200's streaming multiprocessors: the blocks a projection should at least give
+
+
 def tiles(n: int, k: int) -> Tiles:
     """The Tiles of a projection of `n` columns over `k`: narrow slices, so that a projection of
-    a few thousand columns spreads over more blocks than an H200 has SMs (132); a head of tens of
-    thousands wider ones. Not yet measured (the probe of issue 47 sweeps them)."""
-    return Tiles() if n <= 8192 else Tiles(block_n=64)
+    a few thousand columns spreads over more blocks than an H200 has SMs; where its slices are
+    still fewer (768 columns: 48), k split into as many slices as fill them (of whole BLOCK_Ks);
+    a head of tens of thousands of columns wider slices. Not yet measured (the probe of issue 47
+    sweeps them)."""
+    if n > 8192:
+        return Tiles(block_n=64)
+    cut = Tiles()
+    slices = -(-n // cut.block_n)
+    return cut._replace(split_k=min(-(-k // cut.block_k), max(1, -(-SMS // slices))))
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,  # noqa: UP045
@@ -105,10 +114,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045
                     block_n: int, block_k: int, split_k: int, swap: bool, warps: int, stages: int) -> torch.Tensor:
     """F.linear(x, weight, bias) ([..., k]: its leading dims the rows) through _linear cut as
-    the Tiles the other arguments give (arguments, so the compiled graph holds them)."""
+    the Tiles the other arguments give (arguments, so the compiled graph holds them). The weight
+    must be contiguous: a copy of it would be made at every call, inside the step's graph."""
     k = x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
-    weight = weight.contiguous()
+    if not weight.is_contiguous():
+        raise ValueError(f"few_rows_linear reads its weight in place: a contiguous [n][k], not strides "
+                         f"{weight.stride()}")
     cut = Tiles(block_n, block_k, split_k, swap, warps, stages)
     if split_k == 1:
         out = x.new_empty(flat.shape[0], weight.shape[0])

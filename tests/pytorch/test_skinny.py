@@ -53,9 +53,11 @@ def test_the_kernel_is_f_linear_in_tritons_interpreter():
 
 
 def test_the_kernel_compiles_for_hopper_without_a_gpu():
-    """The kernel through Triton's own compiler to an sm_90 cubin, both products, on any machine:
-    the interpreter above runs Python, and a kernel it passes may still not compile (a constexpr
-    worked out inside the kernel did not in Triton 3.6, the H200's)."""
+    """The kernel through Triton's own compiler to an sm_90 cubin, on any machine, as a launch on
+    a GPU specialises it (its pointers and sizes known multiples of 16, so its loads are
+    pipelined: cp.async), for the cuts tiles() gives (split k, a head's wide slices) and the
+    swapped product: the interpreter above runs Python, and a kernel it passes may still not
+    compile (a constexpr worked out inside the kernel did not in Triton 3.6, the H200's)."""
     triton = pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -63,13 +65,17 @@ def test_the_kernel_compiles_for_hopper_without_a_gpu():
     from memra_cuda.torch import skinny
     ints = ("rows", "n", "k", "x_row", "w_row", "out_row")
     signature = {**{name: "*bf16" for name in ("x", "weight", "bias", "out")}, **dict.fromkeys(ints, "i32")}
-    for swap in (False, True):
-        constants = dict(STEPS=6, HAS_BIAS=True, BLOCK_M=skinny.BLOCK_M, BLOCK_N=64 if swap else 16, BLOCK_K=128,
-                         SPLIT_K=1, SWAP=swap)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "rows"}
+    for cut in (skinny.tiles(768, 2048), skinny.tiles(128256, 2048), skinny.Tiles(block_n=64, swap=True)):
+        assert cut.split_k == 3 or cut.block_n == 64, cut  # the cuts meant: k split, wide slices, swapped
+        constants = dict(STEPS=-(-2048 // (cut.split_k * cut.block_k)), HAS_BIAS=cut.split_k == 1,
+                         BLOCK_M=skinny.BLOCK_M, BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT_K=cut.split_k,
+                         SWAP=cut.swap)
         source = ASTSource(fn=skinny._linear, signature={**signature, **dict.fromkeys(constants, "constexpr")},
-                           constexprs=constants)
-        built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
-        assert len(built.asm["cubin"]) > 0, swap
+                           constexprs=constants, attrs=aligned)
+        built = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=cut.warps, num_stages=cut.stages))
+        assert len(built.asm["cubin"]) > 0 and "cp.async" in built.asm["ptx"], cut
 
 
 def test_a_projection_the_kernel_cannot_serve_is_refused_naming_why():
