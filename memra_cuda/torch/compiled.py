@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from .attention import ATTENTIONS, Attention, aligned, causal, masked
 from ..driver.errors import NotFused
+from ..driver.module import GRID_LIMITS
 from ..driver.values import as_size
 from .fused import FusedLlama, Linear, fuse
 from .kv import CacheLayout, StaticKV
@@ -38,9 +39,9 @@ from .state import LiveState, StateLayout
 # and a 5-token verify through flex 0.469 against SDPA's 0.520 at B = 1, 0.906 against 1.248 at
 # B = 64: SDPA's 64-query tiles read the whole capacity for 5 queries, flex only the blocks held
 WIDTHS_ATTEND: dict[bool, Attention] = {False: "sdpa", True: "flex"}
-# The most blocks a CUDA grid holds in y, where flex_attention's decoding kernel puts a batch's rows
-# times its KV heads (torch 2.11: "invalid argument" at B = 20 000 of 8 heads)
-GRID_Y = 65535
+# The most blocks a CUDA grid holds in y (the driver's GRID_LIMITS), where flex_attention's decoding
+# kernel puts a batch's rows times its KV heads (torch 2.11: "invalid argument" at B = 20 000 of 8 heads)
+GRID_Y = GRID_LIMITS[1]
 # How a step's projections multiply: "inductor", F.linear as torch.compile makes it (cuBLAS's GEMMs, a
 # one-row GEMV a reduction fused with its norm); "few_rows", a step of FEW_ROWS rows, 2 to 16 (a
 # verify's at a small batch; a prefill never), through memra_cuda.torch.skinny's Triton kernel, which
