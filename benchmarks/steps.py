@@ -13,7 +13,7 @@ step took to compile the first time it ran (on this process's cache: cold where
 TORCHINDUCTOR_CACHE_DIR is empty).
 
     PYTHONPATH=. python -m benchmarks.steps [--json PATH] [--rows N,...] [--attention sdpa,flex] [--static]
-        [--untuned] [--names] [--setup] [--autotune] [--few-rows]
+        [--untuned] [--names] [--setup] [--autotune] [--few-rows] [--pdl]
 
 Run time on one H200 (2026-12-04), the first seven rows on a cold inductor cache with --setup:
 400 s, most of it compiling.
@@ -141,11 +141,13 @@ def kernel_names(stack: Any, batch: int, tokens: int, most: int = 25) -> list[tu
 
 def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], static: bool, untuned: bool = False,
             names: bool = False, say: Callable[[str], None] = print, autotune: bool = False,
-            few_rows: bool = False) -> dict[str, Any]:
+            few_rows: bool = False, pdl: bool = False) -> dict[str, Any]:
     """Every row through the modules and compiled with each attention (and, with `static`, every
     shape compiled apart; with `autotune`, a row of several tokens with its GEMMs autotuned too;
     with `few_rows`, a row of FEW_ROWS rows with its projections through memra_cuda.torch.skinny's
-    kernel too: two probes of the verify's GEMMs), with the floor."""
+    kernel too: two probes of the verify's GEMMs; with `pdl`, every row with its Triton kernels
+    launched by programmatic dependent launch too, a probe of the gaps between kernels), with
+    the floor."""
     import torch
     from memra_cuda.torch import Stack
     from memra_cuda.torch.compiled import FEW_ROWS, CompiledStack, compiled_step
@@ -180,6 +182,11 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
             stack = CompiledStack(model, CAPACITY, batch, attention="flex")
             stack.wide_step = compiled_step(False, False, autotune=True)
             row["compiled flex autotune"] = timed_step(stack, batch, tokens)
+            del stack
+        if pdl:  # the first attention, tuned as the decoders tune, inductor's kernels launched by PDL
+            stack = CompiledStack(model, CAPACITY, batch, attention=attentions[0])  # type: ignore[arg-type]
+            stack.step, stack.wide_step = compiled_step(True, batch == 1, pdl=True), compiled_step(True, False, pdl=True)
+            row[f"compiled {attentions[0]} pdl"] = timed_step(stack, batch, tokens)
             del stack
         out.append(row)
         say(line(row))
@@ -228,11 +235,13 @@ def main(argv: list[str] | None = None) -> int:
                    "max_autotune_gemm (Triton GEMM templates benchmarked at compile: slow to compile)")
     p.add_argument("--few-rows", action="store_true", help="also each row of 2 to 16 rows with its projections "
                    "through memra_cuda.torch.skinny's Triton kernel (CompiledStack's projection 'few_rows')")
+    p.add_argument("--pdl", action="store_true", help="also each row with inductor's Triton kernels launched by "
+                   "programmatic dependent launch (triton.enable_pdl)")
     args = p.parse_args(argv)
     rows = ROWS if not args.rows else [ROWS[int(i)] for i in args.rows.split(",")]
     setup = setup_seconds() if args.setup else None
     report = measure(rows, args.attention.split(","), args.static, args.untuned, args.names, autotune=args.autotune,
-                     few_rows=args.few_rows)
+                     few_rows=args.few_rows, pdl=args.pdl)
     report["setup_seconds"] = setup
     if args.json:
         with open(args.json, "w") as f:

@@ -69,23 +69,28 @@ def _step(fused: FusedLlama, cos: torch.Tensor, sin: torch.Tensor, keys: list[to
     return fused(tokens.long(), cos[positions], sin[positions], keys, values, rows, slots, attend, last, linear)
 
 
-_COMPILED: dict[tuple[bool, bool, bool], Any] = {}
+_COMPILED: dict[tuple[bool, bool, bool, bool], Any] = {}
 
 
-def compiled_step(dynamic: bool = True, tuning: bool = True, autotune: bool = False) -> Any:
+def compiled_step(dynamic: bool = True, tuning: bool = True, autotune: bool = False, pdl: bool = False) -> Any:
     """_step through torch.compile (fullgraph: a graph break is an error, not a slow step); with
     `dynamic`, the sizes _run marks dynamic stay symbolic, every other one static; with `tuning`,
     inductor's coordinate descent tunes each kernel's launch (gpt-fast's setting); with
     `autotune`, inductor benchmarks its Triton GEMM templates against cuBLAS for each GEMM at
     compile time (max_autotune_gemm: a verify's GEMMs of a few rows, where cuBLAS took 4.7 µs
-    each on an H200; benchmarks/steps.py --autotune measures it, not yet any decoder's)."""
-    if (dynamic, tuning, autotune) not in _COMPILED:
+    each on an H200); with `pdl`, inductor's Triton kernels launch by programmatic dependent
+    launch (triton.enable_pdl, Hopper and later: a kernel starts while the one before it ends and
+    waits on the device for what it reads, where a step of 135 kernels for 0.381 ms is mostly the
+    gaps between them). benchmarks/steps.py --autotune and --pdl measure the last two, not yet any
+    decoder's."""
+    if (dynamic, tuning, autotune, pdl) not in _COMPILED:
         import torch._dynamo
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
-        options = {"coordinate_descent_tuning": tuning, **({"max_autotune_gemm": True} if autotune else {})}
-        _COMPILED[dynamic, tuning, autotune] = torch.compile(_step, fullgraph=True, dynamic=None if dynamic else False,
-                                                             options=options)
-    return _COMPILED[dynamic, tuning, autotune]
+        options = {"coordinate_descent_tuning": tuning, **({"max_autotune_gemm": True} if autotune else {}),
+                   **({"triton.enable_pdl": True} if pdl else {})}
+        _COMPILED[dynamic, tuning, autotune, pdl] = torch.compile(_step, fullgraph=True,
+                                                                  dynamic=None if dynamic else False, options=options)
+    return _COMPILED[dynamic, tuning, autotune, pdl]
 
 
 def _sizes(tensor: torch.Tensor | None, *dynamic: int) -> None:

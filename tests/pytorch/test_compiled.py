@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="memra_cuda.torch's models need trans
 
 from memra_cuda.torch import PagedKV, Stack, TreeMask, self_draft  # noqa: E402
 from memra_cuda.torch.attention import BLOCK, block_counts  # noqa: E402
-from memra_cuda.torch.compiled import CompiledStack, stack_for  # noqa: E402
+from memra_cuda.torch.compiled import CompiledStack, compiled_step, stack_for  # noqa: E402
 from memra_cuda.torch.fused import fuse  # noqa: E402
 from memra_cuda.errors import NotFused  # noqa: E402
 from memra_cuda.torch.parallel import shard  # noqa: E402
@@ -107,6 +107,21 @@ def test_the_compiled_step_is_the_eager_steps_arithmetic_in_one_graph():
     for width in (1, 3):
         tokens = torch.tensor([[4 + i for i in range(width)], [9 + i for i in range(width)]])
         positions = torch.tensor([[len(p) + i for i in range(width)] for p in prompts])
+        torch.testing.assert_close(compiled.logits(tokens, positions), eager.logits(tokens, positions), **TOL)
+
+
+def test_a_step_compiled_for_programmatic_dependent_launch_is_the_eager_steps_arithmetic():
+    """compiled_step(pdl=True), benchmarks.steps --pdl's probe: torch.compile takes inductor's option
+    (an option this torch lacks would raise at the compile), and a decode step and a verify give
+    the eager step's logits (on a CPU the option generates nothing; a GPU's kernels wait on it)."""
+    model = tiny()
+    eager, compiled = (CompiledStack(model, 40, batch=1, compile=flag) for flag in (False, True))
+    compiled.step, compiled.wide_step = compiled_step(pdl=True), compiled_step(tuning=False, pdl=True)
+    assert compiled.step is not compiled_step() and compiled.step is compiled_step(pdl=True)
+    for stack in (eager, compiled):
+        stack.prefill([0], [[1, 5, 9, 3]])
+    for width in (1, 3):
+        tokens, positions = torch.tensor([[4 + i for i in range(width)]]), torch.tensor([[4 + i for i in range(width)]])
         torch.testing.assert_close(compiled.logits(tokens, positions), eager.logits(tokens, positions), **TOL)
 
 
