@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import ATTENTIONS, Attention, aligned, causal, masked
+from ..buffers.geometry import as_batch
 from ..driver.errors import NotFused
 from ..driver.module import GRID_LIMITS
 from ..driver.values import as_size
@@ -141,6 +142,7 @@ class CompiledStack(LayerStack):
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, attention: Attention | None = None,
                  compile: bool = True, dynamic: bool = True, tuning: bool | None = None,
                  projection: Projection | None = None):
+        batch = as_batch(batch)  # before flex's grid is counted: "2" * 8 heads met a bare TypeError there
         self.attends = attends(attention, batch * model.config.num_key_value_heads)
         capacity = as_size(capacity, "capacity")  # before it is rounded up: "64" and True are no capacities
         self.few_rows = self._projection(model, PROJECTION if projection is None else projection)

@@ -178,6 +178,15 @@ def test_a_capacity_is_whole_blocks_and_a_garbage_position_stays_inside():
     assert stack.kv.lengths.tolist() == [[0]] * 3
 
 
+def test_a_batch_is_checked_before_flex_counts_its_grid():
+    """The batch is checked, naming it, before its rows times KV heads are set against flex's grid
+    (attends): "2" times 8 heads was the string "22222222", and its comparison with GRID_Y a bare
+    TypeError."""
+    for batch, error in (("2", TypeError), (True, TypeError), (2.0, TypeError), (0, ValueError)):
+        with pytest.raises(error, match=f"batch must be an int|batch must be an integer, not {batch!r}"):
+            CompiledStack(tiny(), 40, batch, compile=False)  # type: ignore[arg-type]
+
+
 def test_flex_is_chosen_only_where_its_grid_holds_the_batch():
     """flex_attention's decoding kernel puts rows x KV heads in a grid's y (at most GRID_Y): at the
     limit each width attends as WIDTHS_ATTEND says; one past it both take SDPA, and flex asked for
