@@ -14,7 +14,8 @@ warm-up round), never inside one.
 Shapes are dynamic but for sizes of one (torch.compile's rule) and the capacity: one
 compilation serves every batch and width of a kind (a decode step or a verify, a tree's, a
 prefill) at a capacity, so a server's decoders of several B and k share it, and a row of one
-token, the common decode step, gets its own.
+token, the common decode step, gets its own. A step that attends through flex (a verify, by
+default) is the exception: its every shape compiles apart (_run).
 """
 from __future__ import annotations
 
@@ -130,7 +131,9 @@ class CompiledStack(LayerStack):
 
     `attention` is how a decode step or a verify attends ("sdpa": the whole capacity under a
     mask; "flex": the blocks each row holds, every shape compiled apart); left out, each width
-    attends the way the H200 measured faster (WIDTHS_ATTEND); `compile=False` runs
+    attends the way the H200 measured faster (WIDTHS_ATTEND); where `batch` times the KV heads
+    pass flex's grid (GRID_Y), every width attends through SDPA, and "flex" is refused
+    (attends); `compile=False` runs
     the same step eagerly (a CPU's check of the arithmetic); `dynamic=False` compiles every shape
     apart; `tuning` (inductor's coordinate descent, gpt-fast's setting) tunes each kernel's
     launch of the one-token step at its compilation: None, at B = 1 alone (a step of several
