@@ -87,8 +87,8 @@ def tiles(n: int, k: int) -> Tiles:
     """The Tiles of a projection of `n` columns over `k`: narrow slices, so that a projection of
     a few thousand columns spreads over more blocks than an H200 has SMs; where its slices are
     still fewer (768 columns: 48), k split into as many slices as fill them (of whole BLOCK_Ks);
-    a head of tens of thousands of columns wider slices. Not yet measured (the probe of issue 47
-    sweeps them)."""
+    past 8192 columns (a head, and a large model's fused gate and up: Llama 3 8B's 28 672) wider
+    slices, k whole. Not yet measured (the probe of issue 47 sweeps them)."""
     if n > 8192:
         return Tiles(block_n=64)
     cut = Tiles()
