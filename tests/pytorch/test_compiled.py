@@ -7,6 +7,7 @@ the decoders on it (every decoder compiles where its models fuse)."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 
@@ -178,13 +179,16 @@ def test_a_capacity_is_whole_blocks_and_a_garbage_position_stays_inside():
     assert stack.kv.lengths.tolist() == [[0]] * 3
 
 
-def test_a_batch_is_checked_before_flex_counts_its_grid():
-    """The batch is checked, naming it, before its rows times KV heads are set against flex's grid
-    (attends): "2" times 8 heads was the string "22222222", and its comparison with GRID_Y a bare
-    TypeError."""
-    for batch, error in (("2", TypeError), (True, TypeError), (2.0, TypeError), (0, ValueError)):
-        with pytest.raises(error, match=f"batch must be an int|batch must be an integer, not {batch!r}"):
-            CompiledStack(tiny(), 40, batch, compile=False)  # type: ignore[arg-type]
+def test_a_batch_is_checked_before_flexs_grid_is_sized_by_it():
+    """The batch sized flex's grid before it was checked: "2" (times 2 KV heads, "22") met a bare
+    comparison's TypeError, None a multiplication's, and one past MAX_BATCH with flex asked for
+    was refused as flex's, not as a batch. Each names the batch; MAX_BATCH itself is a batch."""
+    from memra_cuda.buffers.geometry import MAX_BATCH, as_batch
+    assert as_batch(MAX_BATCH) == MAX_BATCH  # the limit: a StaticKV of that many rows is too large to make here
+    for batch, error in (("2", TypeError), (None, TypeError), ([2], TypeError), (True, TypeError), (2.0, TypeError),
+                         (0, ValueError), (MAX_BATCH + 1, ValueError)):
+        with pytest.raises(error, match=f"batch must be an int(eger)?.* {re.escape(repr(batch))}$"):
+            CompiledStack(tiny(), 40, batch, attention="flex", compile=False)  # type: ignore[arg-type]
 
 
 def test_flex_is_chosen_only_where_its_grid_holds_the_batch():
