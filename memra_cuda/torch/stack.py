@@ -105,12 +105,14 @@ class LayerStack:
         (for recurrent layers): see Stack.append."""
         raise NotImplementedError
 
-    def _check_rows(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None) -> None:
+    def _check_rows(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
+                    mask: torch.Tensor | None = None) -> None:
         """ValueError, before any K or V is written, unless `tokens` are the batch's rows ([B][T])
         and `positions` (and `slots`) one a token: fewer rows wrote over another row's cache
         before a shape error, more attended to row 0's, and a [B][2] of slots for one token each
         wrote two; TypeError unless each is an integer tensor (float tokens were truncated to
-        others). Shapes and dtypes alone: nothing is read from the device."""
+        others). Shapes and dtypes alone: nothing is read from the device. Then the mask's
+        (_check_mask)."""
         batch = self.kv.lengths.shape[1]
         for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots)):
             if given is not None and getattr(given, "dtype", None) not in INDICES:
@@ -120,6 +122,20 @@ class LayerStack:
             raise ValueError(f"a forward takes [B][T] tokens, positions and slots, B = {batch}: not tokens "
                              f"{list(tokens.shape)}, positions {list(positions.shape)}"
                              + ("" if slots is None else f", slots {list(slots.shape)}"))
+        self._check_mask(mask, tokens.shape[1])
+
+    def _check_mask(self, mask: torch.Tensor | None, tokens: int) -> None:
+        """TypeError unless `mask` (where given) is a bool or float tensor (an int one was taken as
+        additive, 0 and 1: every slot seen), ValueError unless it is [B][1][T][capacity], a row a
+        row and a slot a slot (one row's was broadcast to every row through SDPA, and flex read a
+        mask narrower than the cache at its last slot for every slot past it), each silently."""
+        if mask is None:
+            return
+        if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+            raise TypeError(f"a forward's mask is a tensor of bools or floats, not {getattr(mask, 'dtype', mask)!r}")
+        want = [self.kv.lengths.shape[1], 1, tokens, self.kv.capacity]
+        if list(mask.shape) != want:
+            raise ValueError(f"a forward's mask is [B][1][T][capacity], {want}: not {list(mask.shape)}")
 
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The next token after each of `tokens`, [B][T] int64."""
@@ -180,7 +196,7 @@ class Stack(LayerStack):
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                parents: torch.Tensor | None = None) -> torch.Tensor:
-        self._check_rows(tokens, positions, slots)
+        self._check_rows(tokens, positions, slots, mask)
         hidden = self.append(tokens, positions, slots=slots, mask=mask, parents=parents)
         hidden = hidden[:, -1:] if last else hidden
         with self._blas(hidden.shape[0] * hidden.shape[1]):  # the head's rows: B where `last`

@@ -144,9 +144,11 @@ def test_a_bool_mask_is_read_in_sdpas_sense(attention):
 
 def test_a_forward_of_rows_that_are_not_the_batchs_is_refused_before_a_cache_is_written():
     """One row on a stack of two overwrote row 1's cache before a shape error; three attended
-    to row 0's; slots for two tokens a row where one is given wrote two. Each stack refuses them
-    by their shapes, its cache as it was."""
-    for stack in (Stack(tiny(), 40, batch=2), CompiledStack(tiny(), 40, batch=2, compile=False)):
+    to row 0's; slots for two tokens a row where one is given wrote two; a mask not a row's and
+    a slot's each was broadcast or read short. Each stack refuses them by their shapes, its
+    cache as it was."""
+    for stack in (Stack(tiny(), 40, batch=2), *(CompiledStack(tiny(), 40, batch=2, attention=attention, compile=False)
+                                               for attention in ("sdpa", "flex"))):
         stack.prefill([0, 1], [[1, 5, 9], [2, 8]])
         before = [cache.clone() for cache in (*stack.kv.k, *stack.kv.v)]
         for tokens, positions, slots in ((torch.tensor([[3]]), torch.tensor([[5]]), None),
@@ -163,7 +165,18 @@ def test_a_forward_of_rows_that_are_not_the_batchs_is_refused_before_a_cache_is_
                                          (torch.tensor([[1], [2]]), torch.tensor([[True], [False]]), "positions")):
             with pytest.raises(TypeError, match=f"a forward's {named} are an integer tensor, not"):
                 stack.logits(tokens, positions)  # type: ignore[arg-type]
+        # a mask a slot short of the cache (flex read its last slot for the rest), one row's (SDPA
+        # broadcast it to both), one token's for two; an int mask was taken as additive 0 and 1
+        tokens, positions = torch.tensor([[3, 4], [4, 5]]), torch.tensor([[3, 4], [2, 3]])
+        seen = torch.arange(stack.kv.capacity) <= positions[..., None, None].transpose(1, 2)  # [B][1][T][capacity]
+        for mask in (seen[..., :-1], seen[:1], seen[:, :, :1], torch.cat([seen, seen[..., :1]], -1)):
+            with pytest.raises(ValueError, match=re.escape(f"a forward's mask is [B][1][T][capacity], "
+                                                           f"{[2, 1, 2, stack.kv.capacity]}: not {list(mask.shape)}")):
+                stack.logits(tokens, positions, mask=mask)
+        with pytest.raises(TypeError, match="a forward's mask is a tensor of bools or floats, not torch.int32"):
+            stack.logits(tokens, positions, mask=seen.int())
         assert all(torch.equal(a, b) for a, b in zip(before, (*stack.kv.k, *stack.kv.v))), type(stack).__name__
+        stack.logits(tokens, positions, mask=seen)  # the mask at its shape, bools
 
 
 def test_a_capacity_is_whole_blocks_and_a_garbage_position_stays_inside():
