@@ -110,17 +110,32 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         num_stages=cut.stages)
 
 
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:  # noqa: UP045
+    """ValueError unless the operands are F.linear's, of one dtype, and the weight contiguous: the
+    kernel reads k from x and n from the weight, and nothing checks them against each other (an x
+    narrower than the weight was multiplied by its first columns, a wider one read past its rows,
+    a short bias past its end); a copy of a strided weight would be made at every call, inside the
+    step's graph. At the op's trace, under torch.compile: not in the graph's calls."""
+    linear = (weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1] and weight.dtype == x.dtype
+              and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype == x.dtype)))
+    if not linear:
+        raise ValueError(f"few_rows_linear multiplies x [..., k] by a weight [n][k] and adds a bias [n] (F.linear's), "
+                         f"all of one dtype: not x {list(x.shape)} {x.dtype}, weight {list(weight.shape)} "
+                         f"{weight.dtype}, bias {None if bias is None else f'{list(bias.shape)} {bias.dtype}'}")
+    if not weight.is_contiguous():
+        raise ValueError(f"few_rows_linear reads its weight in place: a contiguous [n][k], not strides "
+                         f"{weight.stride()}")
+
+
 @torch.library.triton_op("memra_cuda::few_rows_linear", mutates_args=())
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],  # noqa: UP045
                     block_n: int, block_k: int, split_k: int, swap: bool, warps: int, stages: int) -> torch.Tensor:
     """F.linear(x, weight, bias) ([..., k]: its leading dims the rows) through _linear cut as
-    the Tiles the other arguments give (arguments, so the compiled graph holds them). The weight
-    must be contiguous: a copy of it would be made at every call, inside the step's graph."""
+    the Tiles the other arguments give (arguments, so the compiled graph holds them); operands
+    that are not F.linear's, or a weight not contiguous, refused (_check)."""
+    _check(x, weight, bias)
     k = x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
-    if not weight.is_contiguous():
-        raise ValueError(f"few_rows_linear reads its weight in place: a contiguous [n][k], not strides "
-                         f"{weight.stride()}")
     cut = Tiles(block_n, block_k, split_k, swap, warps, stages)
     if split_k == 1:
         out = x.new_empty(flat.shape[0], weight.shape[0])

@@ -6,6 +6,7 @@ torch or triton (torch's own on a CUDA machine) is missing."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -76,6 +77,30 @@ def test_the_kernel_compiles_for_hopper_without_a_gpu():
         built = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                options=dict(num_warps=cut.warps, num_stages=cut.stages))
         assert len(built.asm["cubin"]) > 0 and "cp.async" in built.asm["ptx"], cut
+
+
+def test_operands_that_are_not_f_linears_are_refused_as_the_op_is_traced():
+    """The op's GPU body, traced as torch.compile traces it (fake CUDA tensors: on any machine),
+    refuses what F.linear refuses: the kernel read k from x and n from the weight, so an x one
+    column narrower than the weight was multiplied by its first columns (Triton's interpreter:
+    x @ weight[:, :k]^T), one wider read past the weight's rows, and a bias one short past its
+    end. Operands of F.linear's shapes are traced."""
+    pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memra_cuda.torch import skinny
+    with FakeTensorMode():
+        def cuda(*size, dtype=torch.bfloat16):
+            return torch.empty(size, dtype=dtype, device="cuda")
+        x, weight, bias = cuda(5, 64), cuda(48, 64), cuda(48)
+        assert skinny.few_rows(x, weight, bias).shape == (5, 48)  # F.linear's: traced
+        for given in ((cuda(5, 63), weight, bias), (cuda(5, 65), weight, bias), (x, weight, cuda(47)),
+                      (x, cuda(48, 64, dtype=torch.float16), None), (x, weight, cuda(48, dtype=torch.float32)),
+                      (x, cuda(48, 64, 1), None)):
+            with pytest.raises(ValueError, match=re.escape("few_rows_linear multiplies x [..., k] by a weight [n][k]")):
+                skinny.few_rows_linear(*given, *skinny.Tiles())
+        with pytest.raises(ValueError, match="reads its weight in place: a contiguous"):
+            skinny.few_rows(x, cuda(64, 48).t(), None)
 
 
 def test_a_projection_the_kernel_cannot_serve_is_refused_naming_why():
