@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..driver.values import as_listed, as_size, token_ids
@@ -50,8 +51,10 @@ class Prefills:
         self.length = torch.zeros(1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def _check(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
-        """The rows as ints, or a refusal, before a device index would assert or writes race:
+    def _check(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[np.ndarray]]:
+        """The rows as ints and the prompts as the int64 copies that were checked (what is
+        prefilled: a prompt read again could give other tokens, and numpy's uint64 met torch's
+        promotion error), or a refusal, before a device index would assert or writes race:
         rows that are not distinct rows of the batch (a bool, a float or a 0-d tensor is no row:
         two tensors of row 0 were two rows to set()), one a prompt; a prompt longer than the
         cache; a token that is not an int of the vocabulary (its embedding lookup would fault
@@ -64,9 +67,8 @@ class Prefills:
         longest = max((len(prompt) for prompt in prompts), default=0)
         if longest > self.kv.capacity:
             raise ValueError(f"a prompt of {longest} tokens does not fit a cache of {self.kv.capacity}")
-        for row, prompt in zip(rows, prompts):
-            token_ids(prompt, self.vocab, f"row {row}'s prompt")
-        return rows
+        return rows, [token_ids(prompt, self.vocab, f"row {row}'s prompt").astype(np.int64)
+                      for row, prompt in zip(rows, prompts)]
 
     def run(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         """Each prompt's K and V at positions 0.. of its row; the row's lengths become the prompt's."""
@@ -75,22 +77,24 @@ class Prefills:
             listed = list(rows)
         except TypeError:
             raise TypeError(f"a prefill's rows are a sequence of row indices, not {rows!r}") from None
-        rows = self._check(listed, prompts)
+        rows, checked = self._check(listed, prompts)
         if not rows:  # nothing to prefill
             return
-        lengths = [len(prompt) for prompt in prompts]
+        lengths = [len(prompt) for prompt in checked]
         index = torch.tensor(rows, device=self.device)
         counts = torch.tensor(lengths, dtype=torch.int32, device=self.device)
         if self.reset is not None:
             self.reset(index)
         if len(rows) == 1 and lengths[0] and self.device.type == "cuda":
-            self.prompt[0, :lengths[0]].copy_(torch.tensor(prompts[0]), non_blocking=True)
+            self.prompt[0, :lengths[0]].copy_(torch.from_numpy(checked[0]), non_blocking=True)
             self.row.copy_(index)
             self.length.copy_(counts)
             self._graph(lengths[0]).replay()
         elif max(lengths, default=0):
             width = min(max(LEAST_WIDTH, *lengths), self.kv.capacity)
-            padded = torch.tensor([list(prompt) + [0] * (width - len(prompt)) for prompt in prompts])
+            padded = torch.zeros(len(checked), width, dtype=torch.long)
+            for r, prompt in enumerate(checked):
+                padded[r, :len(prompt)] = torch.from_numpy(prompt)
             self.fill(padded.to(self.device), index, counts)
         self.kv.lengths[:, index] = counts
 

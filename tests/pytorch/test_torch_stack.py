@@ -408,6 +408,33 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
     assert torch.equal(stack.kv.lengths, lengths), "a refused prefill changed a row"
 
 
+class Fickle(list):
+    """A prompt whose tokens change once they have been read: the ones a prefill checked, then
+    one outside the vocabulary at every later read."""
+
+    def __init__(self, tokens):
+        super().__init__(tokens)
+        self.reads = 0
+
+    def __iter__(self):
+        self.reads += 1
+        return iter(list.__iter__(self) if self.reads == 1 else [VOCAB] * len(self))
+
+
+def test_a_prefill_runs_the_prompts_it_checked():
+    """A prefill checked its prompts, then read them again to fill the cache: a prompt that read
+    otherwise the second time put a token outside the vocabulary in the embedding lookup (an
+    IndexError here, a device fault on a GPU), and numpy's uint64 ids, checked as ids, met torch's
+    "promotion for uint64" error. What is prefilled is the checked copy: the list's logits."""
+    want = Stack(tiny(), CAPACITY, batch=2)
+    want.prefill([0, 1], [[1, 2, 3], [4, 5]])
+    tokens, positions = torch.tensor([[7], [8]]), torch.tensor([[3], [2]])
+    for prompt in (Fickle([1, 2, 3]), np.array([1, 2, 3], dtype=np.uint64)):
+        stack = Stack(tiny(), CAPACITY, batch=2)
+        stack.prefill([0, 1], [prompt, [4, 5]])
+        torch.testing.assert_close(stack.logits(tokens, positions), want.logits(tokens, positions), **TOL)
+
+
 def test_a_rank_outside_the_world_is_refused_before_its_share_is_cut():
     """Its share of every layer would be empty, and its all-reduce would add zeros silently."""
     from memra_cuda.torch import shard
