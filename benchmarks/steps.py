@@ -185,7 +185,8 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
             del stack
         if pdl:  # the first attention, tuned as the decoders tune, inductor's kernels launched by PDL
             stack = CompiledStack(model, CAPACITY, batch, attention=attentions[0])  # type: ignore[arg-type]
-            stack.step, stack.wide_step = compiled_step(True, batch == 1, pdl=True), compiled_step(True, False, pdl=True)
+            stack.step = compiled_step(True, batch == 1, pdl=True)
+            stack.wide_step = compiled_step(True, False, pdl=True)
             row[f"compiled {attentions[0]} pdl"] = timed_step(stack, batch, tokens)
             del stack
         out.append(row)
