@@ -39,7 +39,8 @@ class SpecKernels:
     mode's publish (4', spec_stream.ptx too); and the length chooser (spec_stream.ptx).
 
     `prepare_*` validates the buffers and returns a prepared launch to keep and call every
-    round; the plain methods launch once. Buffers may be DeviceBuffers or
+    round; the plain methods make that launch and queue it once, checked at each call (a one-off:
+    a round keeps the prepared launch instead). Buffers may be DeviceBuffers or
     __cuda_array_interface__ objects of this engine's device. Every launch serves all
     `bufs.batch` rows, so a buffer the model writes holds B rows (see `batch_rows`).
     """
@@ -177,55 +178,45 @@ class SpecKernels:
         return prepare_draft_sample(self.engine, bufs, q_d, seed_d, draft_d, step, vocab)
 
     def seed_gather(self, bufs: StreamBufs, rows_d: BufferLike, row_words: int, out_d: BufferLike) -> None:
-        """prepare_seed_gather's launch, made and queued now: a one-off, checked at each call; a
-        round keeps the prepared launch instead."""
+        """prepare_seed_gather's launch, made and queued once (see the class)."""
         self.prepare_seed_gather(bufs, rows_d, row_words, out_d)()
 
     def assemble_verify(self, bufs: StreamBufs, draft_d: BufferLike) -> None:
-        """prepare_assemble_verify's launch, made and queued now: a one-off, checked at each call; a
-        round keeps the prepared launch instead."""
+        """prepare_assemble_verify's launch, made and queued once (see the class)."""
         self.prepare_assemble_verify(bufs, draft_d)()
 
     def accept_greedy(self, bufs: StreamBufs, pred_d: BufferLike) -> None:
-        """prepare_accept_greedy's launch, made and queued now: a one-off, checked at each call; a
-        round keeps the prepared launch instead."""
+        """prepare_accept_greedy's launch, made and queued once (see the class)."""
         self.prepare_accept_greedy(bufs, pred_d)()
 
     def ring_commit(self, bufs: StreamBufs) -> None:
-        """prepare_ring_commit's launch, made and queued now: a one-off, checked at each call; a
-        round keeps the prepared launch instead."""
+        """prepare_ring_commit's launch, made and queued once (see the class)."""
         self.prepare_ring_commit(bufs)()
 
     def rollback(self, bufs: StreamBufs, table_d: PointerTable) -> None:
-        """prepare_rollback's launch, made and queued now: a one-off, checked at each call; a
-        round keeps the prepared launch instead."""
+        """prepare_rollback's launch, made and queued once (see the class)."""
         self.prepare_rollback(bufs, table_d)()
 
     def state_copy(self, bufs: StreamBufs, table: StateTable) -> None:
-        """prepare_state_copy's launch, made and queued now: a one-off, checked at each call; a
-        round keeps the prepared launch instead."""
+        """prepare_state_copy's launch, made and queued once (see the class)."""
         self.prepare_state_copy(bufs, table)()
 
     def state_flip(self, bufs: StreamBufs, table: StateIndexTable) -> None:
-        """prepare_state_flip's launch, made and queued now: a one-off, checked at each call; a
-        round keeps the prepared launch instead."""
+        """prepare_state_flip's launch, made and queued once (see the class)."""
         self.prepare_state_flip(bufs, table)()
 
     def choose_lengths(self, bufs: StreamBufs, lengths: DraftLengths) -> None:
-        """prepare_choose_lengths's launch, made and queued now: a one-off, checked at each call; a
-        round keeps the prepared launch instead."""
+        """prepare_choose_lengths's launch, made and queued once (see the class)."""
         self.prepare_choose_lengths(bufs, lengths)()
 
     def accept_sample(self, bufs: StreamBufs, p_d: BufferLike, q_d: BufferLike, seed_d: BufferLike,
                       vocab: int | None = None) -> None:
-        """prepare_accept_sample's launch, made and queued now: a one-off, checked at each call; a
-        round keeps the prepared launch instead."""
+        """prepare_accept_sample's launch, made and queued once (see the class)."""
         self.prepare_accept_sample(bufs, p_d, q_d, seed_d, vocab)()
 
     def draft_sample(self, bufs: StreamBufs, q_d: BufferLike, seed_d: BufferLike, draft_d: BufferLike, step: int,
                      vocab: int) -> None:
-        """prepare_draft_sample's launch, made and queued now: a one-off, checked at each call; a
-        round keeps the prepared launch instead."""
+        """prepare_draft_sample's launch, made and queued once (see the class)."""
         self.prepare_draft_sample(bufs, q_d, seed_d, draft_d, step, vocab)()
 
     def _words(self, name: str, obj: BufferLike) -> DeviceBuffer:

@@ -95,10 +95,10 @@ def masked(kind: Attention, slots: torch.Tensor, capacity: int, scale: float, gq
         def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             return kv <= slots[b, q.clamp(max=last)]
     else:
-        seen_by, top = tree, tree.shape[-1] - 1
+        top = tree.shape[-1] - 1
 
         def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-            return seen_by[b, q.clamp(max=last), kv.clamp(max=top)]
+            return tree[b, q.clamp(max=last), kv.clamp(max=top)]
     blocks = -(-capacity // BLOCK)
     whole, seen = block_counts(slots, tree)
     tiles = whole.shape[1]

@@ -102,10 +102,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     sums), their elements contiguous; `kernel` the launcher (wrap_triton(_linear) inside the op)."""
     rows, k = x.shape
     n = weight.shape[0]
-    block_m = BLOCK_M
-    kernel[(triton.cdiv(n, cut.block_n), triton.cdiv(rows, block_m), cut.split_k)](  # type: ignore[index]
+    kernel[(triton.cdiv(n, cut.block_n), triton.cdiv(rows, BLOCK_M), cut.split_k)](  # type: ignore[index]
         x, weight, weight if bias is None else bias, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(-2),
-        STEPS=triton.cdiv(triton.cdiv(k, cut.split_k), cut.block_k), HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        STEPS=triton.cdiv(triton.cdiv(k, cut.split_k), cut.block_k), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
         BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT_K=cut.split_k, SWAP=cut.swap, num_warps=cut.warps,
         num_stages=cut.stages)
 
