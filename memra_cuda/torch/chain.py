@@ -17,13 +17,26 @@ from ..driver.values import as_size
 from ..kernels.spec import SpecKernels
 from ..rounds.stream import RoundStream
 from ..rounds.switch import Widths
-from .decoder import RoundDecoder
+from .decoder import RoundDecoder, fold
 from .kv import Room
 from .sampling import SamplingParams
 from .timing import graph_ms
 
 
 MEASURED_REPLAYS = 20  # replays of each width's body timed
+
+
+def chain_start(pend: torch.Tensor, pos_ctr: torch.Tensor, done: torch.Tensor, vtok: torch.Tensor,
+                accepted: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chain round's draft inputs from its buffers (RoundViews'; `steps` 0..k): the first
+    step's tokens and positions ([B][2] each, fold's), and where each step's input sits ([B][k+1],
+    from the pending token's). Where the last round accepted no draft, vtok[0] is the token behind
+    the pending one (that round's own pending token, or the prompt's, which a prefill writes
+    there), appended again unchanged. Compiled with the draft's step (LayerStack.compiled): a
+    kernel or two where op by op it was fourteen."""
+    positions = pos_ctr.long() + steps  # [B][k+1]
+    lone = (done != 0) | (positions[:, :1] == 0)
+    return (*fold(pend, positions[:, :1], lone, vtok, accepted), positions)
 
 
 class SpeculativeLlama(RoundDecoder):
@@ -82,6 +95,7 @@ class SpeculativeLlama(RoundDecoder):
                 self.draws = [spec.prepare_draft_sample(bufs, self.q_d, self.seed_d, self.draft_d, step, vocab)
                               for step in range(k)]
                 acceptance = Sampling(self.p_d, self.q_d, self.seed_d, vocab)
+            self.start = self.draft.compiled(chain_start)
             table = kv_len_ptr_table(self.engine, self.target.kv.cache() + self.draft.kv.cache(),
                                      pos_ctr=bufs.pos_ctr_d)
             # every width costs alike until measured (_measure_widths), so the chooser keeps the width
@@ -131,12 +145,9 @@ class SpeculativeLlama(RoundDecoder):
         cache still takes the pending token, as every round's does."""
         width = self.k if width is None else width
         views = self.views
-        positions = views.pos_ctr.long() + self.steps  # [B][k+1]: where each draft step's input sits
-        # Where the last round accepted no draft, vtok[0] is the token behind the pending one
-        # (that round's own pending token, or the prompt's, which a prefill writes there),
-        # appended again unchanged.
-        lone = (views.done != 0) | (positions[:, :1] == 0)
-        logits = self._folded_logits(views.pend, positions[:, :1], lone)
+        tokens, first, positions = self.start(views.pend, views.pos_ctr, views.done, views.vtok, views.accepted,
+                                              self.steps)
+        logits = self.draft.logits(tokens, first, last=True)  # [B][1][V]
         if width == 0:
             return
         token = self._draft_token(0, logits)
@@ -145,10 +156,10 @@ class SpeculativeLlama(RoundDecoder):
 
     def _draft_token(self, step: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft token `step` of every row ([B][1]) from the draft's logits there ([B][1][V])."""
-        if self.draft_sampling is None:
+        if self.draft_law is None:
             torch.argmax(logits, -1, out=self.draft_d[:, step:step + 1])
         else:
-            self.q_d[:, step].copy_(self.draft_sampling.probs(logits[:, 0]))
+            self.draft_law(self.q_d[:, step], logits[:, 0])
             self.draws[step]()
         return self.draft_d[:, step:step + 1]
 
@@ -157,7 +168,7 @@ class SpeculativeLlama(RoundDecoder):
         greedy tokens or its probabilities."""
         verified = self.k + 1 if width is None else width + 1
         self._verdict(self.target.logits(self.views.vtok[:, :verified],  # [B][verified][V]
-                                         self.views.pos_start.long() + self.steps[:verified]))
+                                         self.views.pos_start + self.steps[:verified]))
 
     def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
         """reset zeroes acc_d, so the first draft step reads vtok_d[0] as the token behind the

@@ -19,6 +19,7 @@ default) is the exception: its every shape compiles apart (_run).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -168,7 +169,7 @@ class CompiledStack(LayerStack):
         # one row only (0.825 tuned against 0.822 untuned at B = 64): B = 1's step alone is tuned
         self.step = compiled_step(dynamic, batch == 1 if tuning is None else tuning) if compile else _step
         self.wide_step = compiled_step(dynamic, False) if compile else _step
-        self.dynamic = compile and dynamic
+        self.compiles, self.dynamic = compile, compile and dynamic
         if self.dynamic:
             for tensor in (*self.kv.k, *self.kv.v):
                 _sizes(tensor, 0)  # [B][H_kv][capacity][d]: a capacity of its own compiles apart
@@ -216,6 +217,16 @@ class CompiledStack(LayerStack):
         linear = self.few_rows if few and self.few_rows is not None else F.linear
         return self._run(step, tokens, positions, positions if slots is None else slots, self.kv.every_row, mask,
                          attention, last, linear)
+
+    def compiled(self, arithmetic: Callable[..., Any]) -> Callable[..., Any]:
+        """`arithmetic` compiled whole (no graph break, every shape apart: a decoder runs it at its
+        one batch and a few widths), as the step is: a kernel or two inside the round's graph
+        where op by op it was one launch an op, each a few microseconds at a small batch (a law's
+        probabilities of a row's logits: six launches for one kernel's work); op by op where
+        this stack runs its step eagerly (compile=False)."""
+        if not self.compiles:
+            return arithmetic
+        return torch.compile(arithmetic, fullgraph=True, dynamic=False)
 
     def _fill(self, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prefills' forward: the prompts' K and V, their attention causal over themselves."""

@@ -34,6 +34,22 @@ from .state import CopyState, FlipState, Recurrent, rollback
 from .views import RoundViews
 
 
+Law = Callable[[torch.Tensor, torch.Tensor], None]  # SamplingParams.fill(out, logits), as a decoder runs it
+
+
+def fold(root: torch.Tensor, start: torch.Tensor, lone: torch.Tensor, vtok: torch.Tensor,
+         accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round's first draft step's tokens and positions ([B][2] each), which append the token
+    the last round accepted deepest along with `root` ([B][1], at `start`): vtok[accepted] at
+    start - 1 (where every draft was accepted, the last draft step, which the draft never ran,
+    folded in here, docs/model-side.md; otherwise an entry rewritten unchanged). A `lone` row
+    ([B][1] bool) has none to append (at position 0, a done row, whose entries stay as they are,
+    or where that entry is there already): the root fills both columns. Arithmetic a decoder
+    compiles with its draft's step (LayerStack.compiled)."""
+    behind = torch.where(lone, root, vtok.gather(1, accepted.long().clamp(0, vtok.shape[1] - 1)))
+    return torch.cat([behind, root], 1), torch.cat([start - 1 + lone.long(), start], 1)
+
+
 class RoundDecoder:
     """Target and draft Stacks of the geometry's B rows (`target`, `draft`) wired to a RoundStream
     (`rounds`, over StreamBufs `bufs` of `geometry`) on one torch stream (`stream`, the engine's), and
@@ -96,20 +112,13 @@ class RoundDecoder:
             self.views = RoundViews(self.bufs)
             # each row's request's sampling seed, set at its prefill
             self.seed_d = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        # each law's probabilities written where the round reads them (SamplingParams.fill), run
+        # as the stack of the logits it reads runs its forward: compiled, one kernel where six
+        # launched (LayerStack.compiled)
+        self.target_law: Law | None = None if sampling is None else self.target.compiled(sampling.fill)
+        self.draft_law: Law | None = (None if self.draft_sampling is None
+                                      else self.draft.compiled(self.draft_sampling.fill))
         self.setup_seconds = time.perf_counter() - begun  # a subclass's _warm_up adds its own, capture() too
-
-    def _folded_logits(self, root: torch.Tensor, start: torch.Tensor, lone: torch.Tensor) -> torch.Tensor:
-        """The draft's logits after `root` ([B][1], at positions `start`), [B][1][V], in a
-        round's first draft step, which appends the token the last round accepted deepest along
-        with it (vtok[accepted] at start - 1: where every draft was accepted, the last draft
-        step, which the draft never ran, folded in here, docs/model-side.md; otherwise an entry
-        rewritten unchanged). A `lone` row has none to append (at position 0, a done row, whose
-        entries stay as they are, or where that entry is there already): the root fills both
-        columns."""
-        views = self.views
-        behind = torch.where(lone, root, views.vtok.gather(1, views.accepted.long().clamp(0, self.k)))
-        positions = torch.cat([start - 1 + lone.long(), start], 1)
-        return self.draft.logits(torch.cat([behind, root], 1), positions, last=True)
 
     def _warm_up(self) -> None:
         """One eager round, so torch's lazy set-up (library handles, workspaces) and every compiled
@@ -126,10 +135,10 @@ class RoundDecoder:
         tokens ([B][T][V], T up to the geometry's width: a narrower width's fill the first T columns):
         their greedy tokens, or their probabilities."""
         width = logits.shape[1]
-        if self.sampling is None:
+        if self.target_law is None:
             torch.argmax(logits, -1, out=self.pred_d[:, :width])
         else:
-            self.p_d[:, :width].copy_(self.sampling.probs(logits))
+            self.target_law(self.p_d[:, :width], logits)
 
     def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
         """What a subclass sets for the rows `index` once their prompts are in."""

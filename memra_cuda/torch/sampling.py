@@ -41,9 +41,12 @@ class SamplingParams:
         logits are taken from their largest before the temperature divides them (the same law:
         softmax does not see a shift), so that a small temperature drives them to -inf and the
         likeliest token to 0, where dividing first overflowed to inf and softmax gave NaN (which
-        the kernels read as no mass: token 0, every round)."""
+        the kernels read as no mass: token 0, every round). The likeliest stays 0 compiled too,
+        where the division is a product by 1 / temperature, inf past float32's range (0 x inf:
+        NaN)."""
         logits = logits.float()
-        logits = (logits - logits.amax(-1, keepdim=True)) / self.temperature
+        shifted = logits - logits.amax(-1, keepdim=True)
+        logits = torch.where(shifted == 0, shifted, shifted / self.temperature)
         if self.top_k:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, -math.inf)
@@ -53,3 +56,8 @@ class SamplingParams:
             drop[..., -1] = False  # the likeliest token always stays
             logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
         return logits.softmax(-1)
+
+    def fill(self, out: torch.Tensor, logits: torch.Tensor) -> None:
+        """probs(logits) written into `out` (f32, the shape of `logits`): a round's p or q, which
+        a decoder runs as its stack runs its forward (LayerStack.compiled: one kernel compiled)."""
+        out.copy_(self.probs(logits))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -136,6 +136,12 @@ class LayerStack:
         want = [self.kv.lengths.shape[1], 1, tokens, self.kv.capacity]
         if list(mask.shape) != want:
             raise ValueError(f"a forward's mask is [B][1][T][capacity], {want}: not {list(mask.shape)}")
+
+    def compiled(self, arithmetic: Callable[..., Any]) -> Callable[..., Any]:
+        """`arithmetic` (the tensor arithmetic a round runs around this stack's forward: its
+        inputs from the round's buffers, a law's probabilities of its logits) run as the forward
+        runs: here op by op, as the model's modules are (a CompiledStack compiles it)."""
+        return arithmetic
 
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The next token after each of `tokens`, [B][T] int64."""

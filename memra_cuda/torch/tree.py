@@ -19,7 +19,7 @@ from ..buffers.tree import MAX_TREE_CANDIDATES, Candidates, DynamicTree, Tree, T
 from ..driver.values import as_size
 from ..rounds.stream import RoundStream
 from ..rounds.tree_round import TreeRound
-from .decoder import RoundDecoder, refuse
+from .decoder import RoundDecoder, fold, refuse
 from .kv import CacheLayout, PagedKV, Room, StaticKV
 from .mask import TreeMask
 from .sampling import SamplingParams
@@ -44,6 +44,16 @@ def best_ranks(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if rank + 1 < k:
             logits.scatter_(-1, out[..., rank:rank + 1], -torch.inf)
     return out
+
+
+def tree_start(root: torch.Tensor, pos_start: torch.Tensor, accepted: torch.Tensor, done: torch.Tensor,
+               vtok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree round's level 0 inputs from its buffers: the root's tokens and positions ([B][2]
+    each, fold's), none appended where the last round accepted no draft (that entry is there
+    already). Compiled with the draft's step (LayerStack.compiled)."""
+    start = pos_start.long()
+    lone = (accepted == 0) | (done != 0) | (start == 0)
+    return fold(root, start, lone, vtok, accepted)
 
 
 class TreeLlama(RoundDecoder):
@@ -94,6 +104,7 @@ class TreeLlama(RoundDecoder):
             self.target_mask, self.draft_mask = masks[model.dtype], masks[draft.dtype]
             self.masks = list(masks.values())  # each made for the round once, at level 0
             self.node_index = self.target.slots[:nodes]
+            self.start = self.draft.compiled(tree_start)
             vocab = model.config.vocab_size
             if sampling is None:
                 self.cand_tok = torch.zeros(batch, nodes, self.candidates, dtype=torch.long, device="cuda")
@@ -160,13 +171,13 @@ class TreeLlama(RoundDecoder):
         if level == 0:
             for mask in self.masks:
                 mask.at(views.pos_start)
-            lone = (views.accepted == 0) | (views.done != 0) | (views.pos_start == 0)
-            logits = self._folded_logits(nodes.tok[:, :1], views.pos_start.long(), lone)  # [B][1][V]
+            tokens, first = self.start(nodes.tok[:, :1], views.pos_start, views.accepted, views.done, views.vtok)
+            logits = self.draft.logits(tokens, first, last=True)  # [B][1][V]
         else:  # [B][stop - start][V]
             logits = self.draft.logits(nodes.tok[:, start:stop], nodes.pos[:, start:stop],
                                        **self._nodes(start, stop, self.draft_mask))
-        if self.draft_sampling is not None:
-            self.q_d[:, start:stop] = self.draft_sampling.probs(logits)
+        if self.draft_law is not None:
+            self.draft_law(self.q_d[:, start:stop], logits)
         elif self.ranks_only:
             best_ranks(logits, self.cand_tok[:, start:stop])
         else:

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
 
-from memra_cuda.torch import PagedKV, Stack, TreeMask, self_draft  # noqa: E402
+from memra_cuda.torch import PagedKV, SamplingParams, Stack, TreeMask, self_draft  # noqa: E402
 from memra_cuda.torch.attention import BLOCK, block_counts  # noqa: E402
 from memra_cuda.torch.compiled import CompiledStack, compiled_step, stack_for  # noqa: E402
 from memra_cuda.torch.fused import fuse  # noqa: E402
@@ -124,6 +124,102 @@ def test_a_step_compiled_for_programmatic_dependent_launch_is_the_eager_steps_ar
     for width in (1, 3):
         tokens, positions = torch.tensor([[4 + i for i in range(width)]]), torch.tensor([[4 + i for i in range(width)]])
         torch.testing.assert_close(compiled.logits(tokens, positions), eager.logits(tokens, positions), **TOL)
+
+
+def test_a_rounds_arithmetic_runs_as_its_stack_runs_its_step():
+    """LayerStack.compiled: the modules' Stack and an eager CompiledStack run a round's arithmetic
+    as it is; a compiled stack compiles it (one graph) to the same numbers."""
+    model = tiny()
+
+    def arithmetic(x: torch.Tensor) -> torch.Tensor:
+        return (x.long() * 3 + 1).clamp(0, 40)
+    for eager in (Stack(model, 40), CompiledStack(model, 40, compile=False)):
+        assert eager.compiled(arithmetic) is arithmetic
+    compiled = CompiledStack(model, 40).compiled(arithmetic)
+    assert compiled is not arithmetic
+    x = torch.arange(-3, 20, dtype=torch.int32)
+    assert torch.equal(compiled(x), arithmetic(x))
+
+
+LAWS = [SamplingParams(1.0), SamplingParams(0.7, top_k=20), SamplingParams(1.3, top_p=0.8),
+        SamplingParams(0.5, top_k=20, top_p=0.9), SamplingParams(1e-45)]
+
+
+@pytest.mark.parametrize("law", LAWS, ids=["T=1", "top-k", "top-p", "all", "T=1e-45"])
+def test_a_laws_probabilities_compiled_fill_each_draft_steps_rows_as_eagerly(law):
+    """A decoder's draft_law and target_law (SamplingParams.fill through CompiledStack.compiled):
+    each draft step's [B][V] of q_d ([B][k][V]) and a verify's [B][T][V] of p_d take probs()'s
+    numbers, every step from one compilation (a slice of q_d is another step's at another
+    offset); a temperature of 1e-45, whose reciprocal is inf in float32, gives the likeliest token
+    all the mass (on a GPU inductor divides by a constant as a product by its reciprocal)."""
+    fill = CompiledStack(tiny(), 40).compiled(law.fill)
+    batch, k, vocab = 3, 4, VOCAB
+    logits = torch.randn(batch, k + 1, vocab, generator=torch.Generator().manual_seed(4)).bfloat16() * 4
+    q = torch.zeros(batch, k, vocab)
+    fill(q[:, 0], logits[:, 0])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(1, k):
+            fill(q[:, step], logits[:, step])
+    torch.testing.assert_close(q, law.probs(logits[:, :k]), atol=1e-6, rtol=1e-5)
+    p = torch.zeros(batch, k + 1, vocab)
+    fill(p[:, :3], logits[:, :3])
+    torch.testing.assert_close(p[:, :3], law.probs(logits[:, :3]), atol=1e-6, rtol=1e-5)
+    assert not p[:, 3:].any(), "a verify of 3 tokens wrote past its columns"
+    assert torch.isfinite(q).all() and torch.allclose(q.sum(-1), torch.ones(batch, k))
+    if law.temperature < 1e-30:
+        assert q.max(-1).values.min() == 1
+
+
+@pytest.mark.gpu
+def test_a_tiny_temperature_compiled_on_a_gpu_gives_the_likeliest_token_all_the_mass(engine):
+    """On a GPU inductor divides by a constant (a law's temperature, which torch.compile takes as
+    one) as a product by its reciprocal: 1 / 1e-45 is inf in float32, and the likeliest token's
+    0 x inf was NaN, which the kernels read as no mass (token 0, every round). probs() keeps it 0."""
+    fill = CompiledStack(tiny().cuda(), 40).compiled(SamplingParams(1e-45).fill)
+    logits = torch.randn(3, 2, VOCAB, generator=torch.Generator().manual_seed(5)).cuda()
+    out = torch.zeros(3, 2, VOCAB, device="cuda")
+    fill(out, logits)
+    assert torch.isfinite(out).all() and out.max(-1).values.min() == 1
+    assert torch.equal(out.argmax(-1), logits.argmax(-1))
+
+
+def first_inputs(pend, pos_ctr, done, vtok, accepted, lone_if_unaccepted: bool):
+    """What a round's first draft step reads, by the rule (docs/model-side.md), row by row: the
+    token vtok[accepted] at pos - 1 and the pending one at pos; the pending one twice at pos where
+    the row is done, at position 0, or (a tree's) accepted nothing."""
+    tokens, positions = [], []
+    for row in range(len(pend)):
+        at, a = int(pos_ctr[row, 0]), min(int(accepted[row, 0]), vtok.shape[1] - 1)
+        lone = done[row, 0] != 0 or at == 0 or (lone_if_unaccepted and a == 0)
+        tokens.append([int(pend[row, 0]) if lone else int(vtok[row, a]), int(pend[row, 0])])
+        positions.append([at if lone else at - 1, at])
+    return torch.tensor(tokens), torch.tensor(positions)
+
+
+def test_a_rounds_first_draft_step_reads_what_the_last_round_accepted_deepest_compiled_or_not():
+    """chain_start and tree_start, which a decoder compiles with its draft's step: the fold's
+    tokens and positions by the rule (first_inputs), row by row, rows done, at position 0, with
+    nothing accepted and with every draft (and a garbage count past k, clamped), compiled the
+    same; the chain's each step's position too."""
+    from memra_cuda.torch.chain import chain_start
+    from memra_cuda.torch.tree import tree_start
+    k = 4
+    pend = torch.tensor([[11], [12], [13], [14], [15], [16]], dtype=torch.int32)
+    pos = torch.tensor([[9], [0], [30], [7], [5], [20]], dtype=torch.int32)
+    done = torch.tensor([[0], [0], [1], [0], [0], [0]], dtype=torch.int32)
+    accepted = torch.tensor([[2], [1], [3], [0], [4], [9]], dtype=torch.int32)
+    vtok = torch.arange(100, 100 + 6 * (k + 1), dtype=torch.int32).view(6, k + 1)
+    steps = torch.arange(k + 1)
+    compile_ = CompiledStack(tiny(), 40).compiled
+    for start in (chain_start, compile_(chain_start)):
+        tokens, first, positions = start(pend, pos, done, vtok, accepted, steps)
+        want_tokens, want_first = first_inputs(pend, pos, done, vtok, accepted, lone_if_unaccepted=False)
+        assert torch.equal(tokens.long(), want_tokens) and torch.equal(first, want_first)
+        assert torch.equal(positions, pos.long() + steps)
+    for start in (tree_start, compile_(tree_start)):
+        tokens, first = start(pend, pos, accepted, done, vtok)
+        want_tokens, want_first = first_inputs(pend, pos, done, vtok, accepted, lone_if_unaccepted=True)
+        assert torch.equal(tokens.long(), want_tokens) and torch.equal(first, want_first)
 
 
 @pytest.mark.parametrize("attention", ("sdpa", "flex"))
