@@ -8,9 +8,19 @@ mask over the whole cache.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ..buffers.tree import Tree, TreeShape
+
+
+Compile = Callable[[Callable[..., Any]], Callable[..., Any]]  # LayerStack.compiled: arithmetic as a stack runs it
+
+
+def _as_is(arithmetic: Callable[..., Any]) -> Callable[..., Any]:
+    return arithmetic
 
 
 class TreeMask:
@@ -24,9 +34,12 @@ class TreeMask:
     tree's ancestors are the same every round (the layer grows the same mask_d), so its whole mask
     is made then, for the draft's levels and the verify alike; a dynamic tree's are known a level
     at a time, from TreeBufs.mask_d's words (`words`, [B][T+1][W] int32: node j at bit j % 32 of
-    word j // 32), read as each level's mask is asked for."""
+    word j // 32), read as each level's mask is asked for. `compiled` runs that arithmetic
+    (a decoder's is its draft stack's LayerStack.compiled: a kernel or two where op by op it was
+    a dozen launches a round); left out, op by op."""
 
-    def __init__(self, words: torch.Tensor, capacity: int, dtype: torch.dtype, tree: Tree | None = None):
+    def __init__(self, words: torch.Tensor, capacity: int, dtype: torch.dtype, tree: Tree | None = None, *,
+                 compiled: Compile = _as_is):
         self.words = words
         self.nodes = 32 * words.shape[2]
         every = torch.arange(self.nodes, device=words.device)
@@ -42,26 +55,49 @@ class TreeMask:
                     ancestors[i] = ancestors[p]
                 ancestors[i, i] = True
             self.ancestors = ancestors[None].to(words.device)
+        self._round, self._level = compiled(round_part), compiled(level_mask)
 
     def at(self, pos_start: torch.Tensor) -> TreeMask:
         """The round's part, for roots at slot `pos_start` ([B][1])."""
-        relative = self.slots - pos_start  # [B][capacity]
-        self.prefix = (relative < 0)[:, None, :]  # [B][1][capacity]
-        self.inside = ((relative >= 0) & (relative < self.nodes))[:, None, :]  # [B][1][capacity]
-        self.node = relative.clamp(0, self.nodes - 1)  # [B][capacity]: the node a slot past the root holds
-        if self.ancestors is not None:
-            self.whole = self._mask(self.ancestors.expand(len(pos_start), -1, -1))
+        self.prefix, self.inside, self.node, whole = self._round(self.slots, pos_start, self.nodes, self.ancestors,
+                                                                 self.zero, self.never)
+        if whole is not None:
+            self.whole = whole
         return self
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """The mask of nodes start..stop (after at() this round), [B][1][stop - start][capacity]."""
         if self.ancestors is not None:
             return self.whole[:, :, start:stop]
-        words = self.words[:, start:stop]
-        return self._mask(((words[..., self.word] >> self.bit) & 1).bool())
+        return self._level(self.words[:, start:stop], self.word, self.bit, self.node, self.prefix, self.inside,
+                           self.zero, self.never)
 
-    def _mask(self, bits: torch.Tensor) -> torch.Tensor:
-        """The mask of n nodes whose ancestors are `bits` ([B][n][32W]), contiguous: SDPA's fused
-        kernels refuse a mask whose rows are not, and would leave the math path alone."""
-        tree = bits.gather(2, self.node[:, None, :].expand(-1, bits.shape[1], -1))  # [B][n][capacity]
-        return torch.where(self.prefix | (tree & self.inside), self.zero, self.never)[:, None]
+
+def round_part(slots: torch.Tensor, pos_start: torch.Tensor, nodes: int, ancestors: torch.Tensor | None,
+               zero: torch.Tensor, never: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """TreeMask.at's arithmetic for roots at `pos_start` ([B][1]) of a cache of `slots`: which slots
+    lie before the root (`prefix`, [B][1][capacity]), which hold the round's nodes (`inside`,
+    likewise) and which node each slot past the root holds (`node`, [B][capacity]), and a static
+    tree's whole mask from its `ancestors` (None for a dynamic tree's)."""
+    relative = slots - pos_start  # [B][capacity]
+    prefix = (relative < 0)[:, None, :]
+    inside = ((relative >= 0) & (relative < nodes))[:, None, :]
+    node = relative.clamp(0, nodes - 1)
+    whole = None if ancestors is None else mask_of(ancestors.expand(len(pos_start), -1, -1), node, prefix, inside,
+                                                   zero, never)
+    return prefix, inside, node, whole
+
+
+def level_mask(words: torch.Tensor, word: torch.Tensor, bit: torch.Tensor, node: torch.Tensor, prefix: torch.Tensor,
+               inside: torch.Tensor, zero: torch.Tensor, never: torch.Tensor) -> torch.Tensor:
+    """A dynamic tree's level's mask from its nodes' ancestor `words` ([B][n][W]) (TreeMask.rows)."""
+    return mask_of(((words[..., word] >> bit) & 1).bool(), node, prefix, inside, zero, never)
+
+
+def mask_of(bits: torch.Tensor, node: torch.Tensor, prefix: torch.Tensor, inside: torch.Tensor, zero: torch.Tensor,
+            never: torch.Tensor) -> torch.Tensor:
+    """The mask of n nodes whose ancestors are `bits` ([B][n][32W]), contiguous: SDPA's fused
+    kernels refuse a mask whose rows are not, and would leave the math path alone."""
+    tree = bits.gather(2, node[:, None, :].expand(-1, bits.shape[1], -1))  # [B][n][capacity]
+    return torch.where(prefix | (tree & inside), zero, never)[:, None]

@@ -47,13 +47,14 @@ def best_ranks(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def tree_start(root: torch.Tensor, pos_start: torch.Tensor, accepted: torch.Tensor, done: torch.Tensor,
-               vtok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tree round's level 0 inputs from its buffers: the root's tokens and positions ([B][2]
+               vtok: torch.Tensor, node_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tree round's inputs from its buffers, at level 0: the root's tokens and positions ([B][2]
     each, fold's), none appended where the last round accepted no draft (that entry is there
-    already). Compiled with the draft's step (LayerStack.compiled)."""
+    already), and every node's slot ([B][T+1]: the root's plus the node's index), which each
+    level and the verify slice. Compiled with the draft's step (LayerStack.compiled)."""
     start = pos_start.long()
     lone = (accepted == 0) | (done != 0) | (start == 0)
-    return fold(root, start, lone, vtok, accepted)
+    return (*fold(root, start, lone, vtok, accepted), start + node_index)
 
 
 class TreeLlama(RoundDecoder):
@@ -73,6 +74,8 @@ class TreeLlama(RoundDecoder):
     The model's side is two callables, each queuing torch work on the engine's stream:
     draft_level(d), the draft over level d's nodes up to its last with children, and
     verify_tree(), the target over every node."""
+
+    node_slots: torch.Tensor  # every node's slot this round, [B][T+1] (draft_level(0) makes it)
 
     def __init__(self, model: Any, draft: Any, tree: Tree, *, candidates: int | None = None, m_rounds: int = 16,
                  capacity: int | Room = 1024, batch: int = 1, sampling: SamplingParams | None = None,
@@ -99,7 +102,8 @@ class TreeLlama(RoundDecoder):
             self.tree_bufs = tree_bufs = TreeBufs(self.bufs, tree)
             self.tree_views = TreeViews(tree_bufs)
             # SDPA takes a mask of the query's dtype: one a model's dtype (the same where they agree)
-            masks = {dtype: TreeMask(self.tree_views.words, self.target.kv.capacity, dtype, tree)
+            masks = {dtype: TreeMask(self.tree_views.words, self.target.kv.capacity, dtype, tree,
+                                     compiled=self.draft.compiled)
                      for dtype in {model.dtype, draft.dtype}}
             self.target_mask, self.draft_mask = masks[model.dtype], masks[draft.dtype]
             self.masks = list(masks.values())  # each made for the round once, at level 0
@@ -149,8 +153,9 @@ class TreeLlama(RoundDecoder):
             kv.compact(self.tree_views.path, self.views.accepted, self.views.pos_start)
 
     def _nodes(self, start: int, stop: int, mask: TreeMask) -> dict[str, torch.Tensor]:
-        """Stack.append's keywords for nodes start..stop: their slots and mask."""
-        return dict(slots=self.views.pos_start + self.node_index[start:stop], mask=mask.rows(start, stop))
+        """Stack.append's keywords for nodes start..stop: their slots (level 0's, this round) and
+        mask."""
+        return dict(slots=self.node_slots[:, start:stop], mask=mask.rows(start, stop))
 
     def draft_level(self, level: int) -> None:
         """The draft over level `level`'s nodes up to its last with children (tree.expanded):
@@ -171,7 +176,8 @@ class TreeLlama(RoundDecoder):
         if level == 0:
             for mask in self.masks:
                 mask.at(views.pos_start)
-            tokens, first = self.start(nodes.tok[:, :1], views.pos_start, views.accepted, views.done, views.vtok)
+            tokens, first, self.node_slots = self.start(nodes.tok[:, :1], views.pos_start, views.accepted,
+                                                        views.done, views.vtok, self.node_index)
             logits = self.draft.logits(tokens, first, last=True)  # [B][1][V]
         else:  # [B][stop - start][V]
             logits = self.draft.logits(nodes.tok[:, start:stop], nodes.pos[:, start:stop],

@@ -183,6 +183,27 @@ def test_a_tiny_temperature_compiled_on_a_gpu_gives_the_likeliest_token_all_the_
     assert torch.equal(out.argmax(-1), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("static", [True, False], ids=["static", "from-words"])
+def test_a_trees_mask_compiled_is_its_masks_arithmetic(static):
+    """TreeMask(compiled=): a static tree's whole mask and a dynamic tree's levels, made by the
+    draft stack's compiled arithmetic (as TreeLlama makes them), are the op-by-op masks exactly,
+    round after round at other roots (one compilation: the roots are values, not shapes), a
+    root near the cache's end included."""
+    words = mask_words(TREE, 3)
+    compiled = CompiledStack(tiny(), 40).compiled
+    eager, fused = (TreeMask(words, 128, torch.bfloat16, TREE if static else None, **extra)
+                    for extra in ({}, dict(compiled=compiled)))
+    levels = [(0, 1), (1, 3), (3, 6), (0, TREE.nodes)]
+    for round_, roots in enumerate(([[5], [0], [17]], [[9], [120], [126]], [[1], [2], [3]])):
+        start = torch.tensor(roots)
+        eager.at(start)
+        with torch._dynamo.config.patch(error_on_recompile=round_ > 0):
+            fused.at(start)
+            for level in levels:
+                got, want = fused.rows(*level), eager.rows(*level)
+                assert got.dtype == want.dtype and torch.equal(got, want), (roots, level)
+
+
 def first_inputs(pend, pos_ctr, done, vtok, accepted, lone_if_unaccepted: bool):
     """What a round's first draft step reads, by the rule (docs/model-side.md), row by row: the
     token vtok[accepted] at pos - 1 and the pending one at pos; the pending one twice at pos where
@@ -200,7 +221,7 @@ def test_a_rounds_first_draft_step_reads_what_the_last_round_accepted_deepest_co
     """chain_start and tree_start, which a decoder compiles with its draft's step: the fold's
     tokens and positions by the rule (first_inputs), row by row, rows done, at position 0, with
     nothing accepted and with every draft (and a garbage count past k, clamped), compiled the
-    same; the chain's each step's position too."""
+    same; the chain's each step's position and the tree's each node's slot too."""
     from memra_cuda.torch.chain import chain_start
     from memra_cuda.torch.tree import tree_start
     k = 4
@@ -216,10 +237,12 @@ def test_a_rounds_first_draft_step_reads_what_the_last_round_accepted_deepest_co
         want_tokens, want_first = first_inputs(pend, pos, done, vtok, accepted, lone_if_unaccepted=False)
         assert torch.equal(tokens.long(), want_tokens) and torch.equal(first, want_first)
         assert torch.equal(positions, pos.long() + steps)
+    node_index = torch.arange(7)
     for start in (tree_start, compile_(tree_start)):
-        tokens, first = start(pend, pos, accepted, done, vtok)
+        tokens, first, slots = start(pend, pos, accepted, done, vtok, node_index)
         want_tokens, want_first = first_inputs(pend, pos, done, vtok, accepted, lone_if_unaccepted=True)
         assert torch.equal(tokens.long(), want_tokens) and torch.equal(first, want_first)
+        assert torch.equal(slots, pos.long() + node_index)
 
 
 @pytest.mark.parametrize("attention", ("sdpa", "flex"))
