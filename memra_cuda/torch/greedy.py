@@ -37,6 +37,16 @@ class _Stop:
         return kept
 
 
+def advance(logits: torch.Tensor, token: torch.Tensor, position: torch.Tensor, out: torch.Tensor) -> None:
+    """A plain step's end: each row's greedy token after `logits` ([B][1][V]) becomes its next
+    input (`token`, [B][1]) and its burst's column (`out`, [B][1]), and its `position` ([B][1])
+    moves on one; four launches op by op, one kernel compiled (LayerStack.compiled)."""
+    best = logits.argmax(-1)
+    token.copy_(best)
+    out.copy_(best)
+    position.add_(1)
+
+
 class GraphedGreedy:
     """Plain greedy decoding of a batch, the target alone: `steps` steps a burst (a token a row
     each), the burst captured once as a CUDA graph and replayed (or, with `eager`, run op by op:
@@ -67,14 +77,14 @@ class GraphedGreedy:
             self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # each row's next input, [B][1]
             self.position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # its position, [B][1]
             self.out = torch.zeros(batch, steps, dtype=torch.long, device="cuda")  # a burst's tokens, [B][steps]
+        self.advance = self.stack.compiled(advance)  # with the step, as gpt-fast compiles its argmax with it
         self.graph: torch.cuda.CUDAGraph | None = None
         self._stops: list[_Stop | None] = [None] * batch  # each row's request's stop; None: vacant
 
     def _burst(self) -> None:
         for step in range(self.steps):
-            self.token.copy_(self.stack.greedy(self.token, self.position))
-            self.out[:, step:step + 1].copy_(self.token)
-            self.position.add_(1)
+            self.advance(self.stack.logits(self.token, self.position), self.token, self.position,
+                         self.out[:, step:step + 1])
 
     def _start(self, requests: Sequence[Request]) -> None:
         self.stack.prefill(range(self.batch), [r.prompt[:-1] for r in requests])

@@ -204,6 +204,28 @@ def test_a_trees_mask_compiled_is_its_masks_arithmetic(static):
                 assert got.dtype == want.dtype and torch.equal(got, want), (roots, level)
 
 
+def test_the_plain_loops_step_end_compiled_is_its_arithmetic():
+    """GraphedGreedy's advance, compiled with its stack's step: each step of a burst, the greedy
+    token into the row's next input and the burst's column and the position on one, as op by op,
+    every column from one compilation."""
+    from memra_cuda.torch.greedy import advance
+
+    def burst(run):
+        token, position = torch.zeros(3, 1, dtype=torch.long), torch.tensor([[4], [0], [9]])
+        out = torch.zeros(3, 5, dtype=torch.long)
+        for step in range(5):
+            run(torch.randn(3, 1, VOCAB, generator=torch.Generator().manual_seed(step)), token, position,
+                out[:, step:step + 1])
+        return token, position, out
+    compiled = CompiledStack(tiny(), 40).compiled(advance)
+    compiled(torch.zeros(3, 1, VOCAB), *burst(advance)[:2], torch.zeros(3, 5, dtype=torch.long)[:, 4:])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = burst(compiled)
+    want = burst(advance)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert want[1].tolist() == [[9], [5], [14]] and len(set(want[2][0].tolist())) > 1
+
+
 def first_inputs(pend, pos_ctr, done, vtok, accepted, lone_if_unaccepted: bool):
     """What a round's first draft step reads, by the rule (docs/model-side.md), row by row: the
     token vtok[accepted] at pos - 1 and the pending one at pos; the pending one twice at pos where
