@@ -20,6 +20,7 @@ Compile = Callable[[Callable[..., Any]], Callable[..., Any]]  # LayerStack.compi
 
 
 def _as_is(arithmetic: Callable[..., Any]) -> Callable[..., Any]:
+    """Arithmetic run op by op (a TreeMask made outside a decoder, the modules' Stack's way)."""
     return arithmetic
 
 
