@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     # Geometry's refusal of `--k -1` or `--m-rounds 0` was a traceback on a machine with a GPU.
     try:
         geometry = Geometry(args.k, args.m_rounds)  # its errors name k and m_rounds, --k and --m-rounds
-        as_size(args.tokens, "--tokens", 0)
+        as_size(args.tokens, "--tokens", 0, ROW_VALUE_MOST)  # the budget, a row's i32 (past it: after the engine)
         for token in (*args.prompt, *([] if args.eos is None else [args.eos])):  # the toy's tokens are i32s
             as_size(token, "--prompt and --eos take token ids, each", 0, ROW_VALUE_MOST)
     except ValueError as exc:

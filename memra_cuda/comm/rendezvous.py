@@ -41,6 +41,7 @@ import contextlib
 import hashlib
 import hmac
 import ipaddress
+import itertools
 import logging
 import os
 import secrets
@@ -52,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..driver.errors import MemraError
+from ..driver.values import as_index
 from .library import UNIQUE_ID_BYTES
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ log = logging.getLogger(__name__)
 SECRET_VARIABLE = "MEMRA_NCCL_SECRET"
 SECRET_MIN_BYTES = 16  # shorter is refused: guessed at rank 0's port (thousands a second) or from one proof
 HELLO_BUDGET = 2.0  # seconds a connection has for its whole handshake: a silent one is dropped then, and alone
+MAX_WORLD = 2**31 - 1  # NCCL's nranks is a C int (a hello carries rank and world in 4 bytes each)
+SHOWN = 32  # the waiting ranks rank 0's timeout names; past them, their count
 
 _MAKE_ONE = f"{SECRET_VARIABLE}=$(python -c 'import secrets; print(secrets.token_hex(32))')"
 _MAGIC = b"memra-nccl-id/3\n"  # the protocol and its version: what is not a rank of ours is told apart at once
@@ -97,6 +101,14 @@ class Ranks:
     secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        """The numbers are checked ints, kept as plain ones (as_index: a float, a bool or a string
+        is refused, naming it; 2.0 ranks met range() only once rank 0 listened, and True was rank
+        1), and the world at most MAX_WORLD, NCCL's: a hello could not carry a world past 4 bytes
+        (OverflowError on the rank), and rank 0 waited for ranks that no launch has."""
+        for name in ("rank", "world", "local_rank", "port"):
+            object.__setattr__(self, name, as_index(getattr(self, name), name))
+        if self.world > MAX_WORLD:
+            raise ValueError(f"a world is at most {MAX_WORLD} ranks (NCCL's), not {self.world}")
         if not (0 <= self.rank < self.world and self.local_rank >= 0 and 0 < self.port < 65536):
             raise ValueError(f"a rank is 0 <= rank < world with local_rank >= 0 and a port in 1..65535, not "
                              f"rank={self.rank}, world={self.world}, local_rank={self.local_rank}, port={self.port}")
@@ -204,7 +216,7 @@ class _Server:
         family, sockaddr = _resolve(self.ranks.address, self.ranks.port)
         with socket.create_server(sockaddr, family=family, reuse_port=False) as server:
             try:
-                while self.waiting():
+                while self.unserved():
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError(self.timed_out())
@@ -228,16 +240,24 @@ class _Server:
             finally:
                 self.end(threads)
 
-    def waiting(self) -> list[int]:
+    def unserved(self) -> int:
+        """How many of the other ranks are not served yet: counted, as the loop asks it at every
+        turn (a set of every rank, made each time, took seconds and gigabytes in a large world,
+        and rank 0's timeout never came)."""
         with self.lock:
-            return sorted(set(range(1, self.ranks.world)) - self.served)
+            return self.ranks.world - 1 - len(self.served)
 
     def timed_out(self) -> str:
-        """What rank 0 says at its timeout: whom it served and whom not, and which of those only
-        connections without the secret claimed (a rank whose secret is not rank 0's, most likely)."""
-        waiting = self.waiting()
+        """What rank 0 says at its timeout: whom it served and whom not (the first SHOWN, then how
+        many more), and which of those only connections without the secret claimed (a rank whose
+        secret is not rank 0's, most likely)."""
+        world = self.ranks.world
         with self.lock:
-            served, unproven = sorted(self.served), sorted(self.unproven.intersection(waiting))
+            served = sorted(self.served)
+            unproven = sorted(rank for rank in self.unproven if 0 < rank < world and rank not in self.served)
+            shown = list(itertools.islice((rank for rank in range(1, world) if rank not in self.served), SHOWN))
+        more = world - 1 - len(served) - len(shown)
+        waiting = f"{shown} and {more} more" if more else f"{shown}"
         said = f"served ranks {served} but not ranks {waiting}" if served else f"served none of ranks {waiting}"
         said = f"rank 0 at {self.where} {said} by its timeout"
         if unproven:

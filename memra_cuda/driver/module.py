@@ -27,7 +27,7 @@ from .call import Prepared
 from .errors import CudaError, CudaFault, driver
 from .handle import Handle
 from .signature import ARG_TYPES, Signature, arguments
-from .values import exact_int
+from .values import as_index, as_size, exact_int
 
 if TYPE_CHECKING:
     from .context import PrimaryContext
@@ -181,7 +181,8 @@ class Launch(Prepared):
         self.args = KernelArgs.of_kernel(kernel.name, self.signature, declared, engine)
         kernel.check_sizes(self.args.types)
         argv = (kernel.handle, *_dim3(grid, f"{kernel.name}'s grid", GRID_LIMITS),
-                *_dim3(block, f"{kernel.name}'s block"), int(shared), engine.stream,
+                *_dim3(block, f"{kernel.name}'s block"),
+                as_size(shared, f"{kernel.name}'s dynamic shared memory (bytes)", 0, SHARED_MOST), engine.stream,
                 self.args.pointer, 0)
         super().__init__(engine, driver().cuLaunchKernel, f"cuLaunchKernel({kernel.name})", argv, (module,))
         if self.args.types:
@@ -372,12 +373,20 @@ def _load(ctx: PrimaryContext, image: bytes) -> Any:
 
 
 GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's gridDim.x, .y, .z: a kernel giving rows a grid row has 65535
+SHARED_MOST = 2**32 - 1  # cuLaunchKernel's sharedMemBytes is an unsigned int
 
 
 def _dim3(dims: int | Sequence[int], what: str, limits: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
-    """`dims` as (x, y, z); ValueError, before anything is queued, for what CUDA's launch would
-    refuse: sizes past 3, below 1, or past `limits`."""
-    given = (int(dims),) if isinstance(dims, (int, np.integer)) else tuple(int(x) for x in dims)
+    """`dims` as (x, y, z): one int, or a list, tuple or 1-D array of one to three; TypeError
+    naming `what` for a size that is no int (int() read a string's characters as sizes, "128" as
+    a grid of (1, 2, 8), truncated 2.5 to 2 and took True as 1), and ValueError, before anything
+    is queued, for what CUDA's launch would refuse: sizes past 3, below 1, or past `limits`."""
+    sizes: Sequence[Any] = dims if isinstance(dims, (list, tuple)) or isinstance(dims, np.ndarray) and \
+        dims.ndim == 1 else (dims,)
+    try:
+        given = tuple(as_index(x, what) for x in sizes)
+    except TypeError:
+        raise TypeError(f"{what} must be an int or 1 to 3 ints, not {dims!r}") from None
     if not 1 <= len(given) <= 3 or min(given) < 1:
         raise ValueError(f"{what} must be 1 to 3 positive sizes, not {dims!r}")
     x, y, z = given + (1,) * (3 - len(given))

@@ -190,6 +190,7 @@ class ChainRound(Round):
                  state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
                  lengths: DraftLengths | None = None, narrower: Mapping[int, tuple[Step, Step]] | None = None,
                  capture: Capture | None = None, stages: Stages | None = None):
+        _check_steps(draft_chain, verify_trunk, narrower)
         if not isinstance(acceptance, (Greedy, Sampling)):
             raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
                             f"not {acceptance!r}")
@@ -239,6 +240,27 @@ class ChainRound(Round):
                 builder.issue(tail)
             builder.issue(then)
         return self.conditional_capture(build)
+
+
+def _check_steps(draft_chain: object, verify_trunk: object, narrower: Mapping[int, tuple[Step, Step]] | None) -> None:
+    """TypeError naming the first of a chain's steps that is not a callable (what queues the
+    model's work; chain() makes one of launches), and each of `narrower`'s bodies unless it is
+    such a pair: checked first, when the round is built, as TreeRound checks its steps. A list of
+    launches given as the draft chain was taken, and raised only when the round first issued it:
+    after the length chooser's launch (moving each row's statistics on by a round that never ran)
+    and the seed gather's were queued, or inside a graph's capture."""
+    steps: list[tuple[str, object]] = [("draft_chain", draft_chain), ("verify_trunk", verify_trunk)]
+    if narrower is not None and not isinstance(narrower, Mapping):
+        raise TypeError(f"narrower maps widths below k to their (draft_chain, verify_trunk), not {narrower!r}")
+    for width, body in (narrower or {}).items():
+        if not (isinstance(body, Sequence) and not isinstance(body, (str, bytes)) and len(body) == 2):
+            raise TypeError(f"narrower[{width!r}] must be a pair (draft_chain, verify_trunk) of width {width!r}, "
+                            f"not {body!r}")
+        steps += [(f"narrower[{width!r}]'s draft_chain", body[0]), (f"narrower[{width!r}]'s verify_trunk", body[1])]
+    for name, step in steps:
+        if not callable(step):
+            raise TypeError(f"{name} must be a callable that queues the model's work (chain([...]) of its launches), "
+                            f"not {step!r}")
 
 
 def _kv_tables(bufs: StreamBufs, given: Sequence[PointerTable]) -> list[PointerTable]:

@@ -181,13 +181,20 @@ def admitted(request: Request, vocab: int, row: int, batch: int) -> Request:
     ValueError or TypeError naming what is wrong. admit() is public: an engine may call it
     without a Server, and a token outside the vocabulary would fault the device in the embedding
     lookup, a bool row be read as row 1."""
-    row = as_index(row, "a row")
-    if not 0 <= row < batch:
-        raise ValueError(f"row {row} is not one of the decoder's {batch}")
+    as_row(row, batch)
     checked = _checked(request, vocab)
     if isinstance(checked, str):
         raise ValueError(f"a request not admitted: {checked}")
     return checked
+
+
+def as_row(row: object, batch: int) -> int:
+    """`row` as one of a decoder's `batch` rows, else TypeError (a bool is no row: True was read as
+    row 1) or ValueError naming it (a negative row indexed from the end: -1 was row B - 1)."""
+    row = as_index(row, "a row")
+    if not 0 <= row < batch:
+        raise ValueError(f"row {row} is not one of the decoder's {batch}")
+    return row
 
 
 def _checked(request: Request, vocab: int) -> Request | str:

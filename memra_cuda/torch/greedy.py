@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..driver.values import as_size
-from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, admitted, batch_admitted
+from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, admitted, as_row, batch_admitted
 from .sampling import SamplingParams
 from .attention import Attention
 from .compiled import stack_for
@@ -147,8 +147,10 @@ class GraphedGreedy:
         return Burst(tokens, [stop is None for stop in self._stops])
 
     def park(self, rows: Sequence[int]) -> None:
-        """The rows' requests dropped: their tokens are read no more."""
-        for row in rows:
+        """The rows' requests dropped: their tokens are read no more. Every row is checked before
+        any is parked (rounds.serving.as_row): -1 parked the last row, whose request then ended
+        as if it had stopped, its tokens cut short, and True row 1."""
+        for row in [as_row(row, self.batch) for row in rows]:
             self._stops[row] = None
 
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from memra_cuda.comm import rendezvous
@@ -291,6 +292,38 @@ def test_rank_0s_timeout_names_the_ranks_that_came_and_those_that_did_not():
     [error] = _results(zero)
     assert isinstance(error, TimeoutError) and "served ranks [1, 3] but not ranks [2]" in str(error), error
     assert "none" not in str(error)
+
+
+@pytest.mark.parametrize("world", [10**7, rendezvous.MAX_WORLD])
+def test_rank_0_of_a_large_world_times_out_on_time_naming_the_first_ranks_it_waits_for(world):
+    """Rank 0 made a set of every rank at each turn of its loop (and twice more at its timeout,
+    then named them all): in a world of ten million a turn took a second and the message was 80
+    MB; at NCCL's most, tens of gigabytes, and the timeout never came. It counts them now, and
+    names the first SHOWN."""
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as timed_out:
+        exchange_id(Ranks(0, world, port=free_port(), secret=SECRET), lambda: THE_ID, 0.3)
+    assert time.monotonic() - started < 2.0
+    shown = list(range(1, rendezvous.SHOWN + 1))
+    assert f"served none of ranks {shown} and {world - 1 - rendezvous.SHOWN} more by its timeout" in \
+        str(timed_out.value), str(timed_out.value)[:300]
+
+
+@pytest.mark.parametrize(("given", "error", "named"), [
+    (dict(rank=0, world=2.0), TypeError, "world must be an integer, not 2.0"),
+    (dict(rank=True, world=2), TypeError, "rank must be an integer, not True"),
+    (dict(rank=0, world=2, local_rank=0.5), TypeError, "local_rank must be an integer"),
+    (dict(rank=0, world=2, port="29501"), TypeError, "port must be an integer"),
+    (dict(rank=1, world=2**32), ValueError, f"a world is at most {2**31 - 1} ranks .NCCL's., not {2**32}"),
+    (dict(rank=0, world=2**31), ValueError, "a world is at most"),
+])
+def test_a_rank_or_world_that_is_no_int_or_past_nccls_most_is_refused_where_ranks_are_made(given, error, named):
+    """Ranks compared its numbers only: a world of 2.0 met range() once rank 0 listened, True was
+    rank 1, and a world past 4 bytes an OverflowError in a rank's hello (rank 0 waited for it)."""
+    with pytest.raises(error, match=named):
+        Ranks(**given, secret=SECRET)
+    ranks = Ranks(np.int64(1), rendezvous.MAX_WORLD, secret=SECRET)  # numpy ints are ints; the world at its most
+    assert (type(ranks.rank), ranks.world) == (int, 2**31 - 1)
 
 
 def test_a_rank_whose_claim_is_mid_handshake_is_told_to_come_again_and_served_once_it_ends(caplog):

@@ -667,6 +667,42 @@ def test_a_kernels_launch_is_refused_past_the_grid_limits_before_the_driver_is_a
         Launch(kernel, [], grid=1, block=(256, 0))
 
 
+@pytest.mark.parametrize("dims", ["128", 2.5, (64, 2.9), True, (True, 2), [1, "2"], None])
+def test_a_grid_or_block_of_no_ints_is_refused_not_read_digit_by_digit_or_truncated(dims):
+    """_dim3 took each size through int(): a grid given as "128" was the grid (1, 2, 8), 16 blocks
+    where 128 were meant; 2.9 blocks were 2 and True one, each launched without a word. A size is
+    an int (or a numpy integer), one or a list of up to three."""
+    from types import SimpleNamespace
+
+    from memra_cuda.driver.module import GRID_LIMITS, Launch, _dim3
+    with pytest.raises(TypeError, match="grid must be an int or 1 to 3 ints"):
+        _dim3(dims, "grid", GRID_LIMITS)
+    assert _dim3(np.array([2, 3]), "grid", GRID_LIMITS) == (2, 3, 1)  # a 1-D array of sizes, as before
+    assert _dim3(np.uint32(7), "block") == (7, 1, 1)
+    module = SimpleNamespace(_usable=lambda: None, engine=None)
+    kernel = SimpleNamespace(module=module, name="toy_probs", handle=None, declared=tuple, signature=None,
+                             check_sizes=lambda types: None)
+    with pytest.raises(TypeError, match="toy_probs's block must be an int or 1 to 3 ints"):
+        Launch(kernel, [], grid=1, block=dims)
+
+
+@pytest.mark.parametrize(("shared", "error"), [(-1, ValueError), (2**32, ValueError), (1.5, TypeError),
+                                               ("1024", TypeError), (True, TypeError)])
+def test_a_launchs_shared_memory_is_a_byte_count_checked_at_prepare(shared, error):
+    """`shared` went through int(): 1.5 bytes were 1, "1024" was 1024 and -1 reached the binding.
+    A count of bytes, 0 to an unsigned int's most (at the limit taken), refused naming the kernel."""
+    from types import SimpleNamespace
+
+    from memra_cuda.driver.module import SHARED_MOST, Launch
+    module = SimpleNamespace(_usable=lambda: None, engine=None)
+    kernel = SimpleNamespace(module=module, name="toy_probs", handle=None, declared=tuple, signature=None,
+                             check_sizes=lambda types: None)
+    with pytest.raises(error, match="toy_probs's dynamic shared memory"):
+        Launch(kernel, [], grid=1, block=32, shared=shared)
+    with pytest.raises(AttributeError):  # past every check, the stand-in's missing engine: SHARED_MOST is taken
+        Launch(kernel, [], grid=1, block=32, shared=SHARED_MOST)
+
+
 @pytest.mark.parametrize("reported, release", [(12040, (12, 4)), (13010, (13, 1)), (12090, (12, 9))])
 def test_the_drivers_version_is_read_as_its_release(monkeypatch, reported, release):
     """cuDriverGetVersion's 1000 * major + 10 * minor, read in one place (the compiler's NVRTC choice

@@ -556,6 +556,29 @@ def test_the_plain_loop_refuses_a_burst_of_no_whole_steps_before_anything_is_mad
         GraphedGreedy(tiny(), 64, steps=steps)
 
 
+def test_the_plain_loop_parks_only_rows_it_has_and_each_checked_before_any_is_parked():
+    """GraphedGreedy.park (a Server's Decoder, public) indexed its rows' stops by what it was
+    given: -1 parked the last row, whose request a server then ended as stopped, its tokens cut
+    short, and True parked row 1; a row past the batch raised IndexError after the ones before it
+    were parked. Each is refused now, naming it, with no row parked (the host side alone: no
+    stream, no model)."""
+    from memra_cuda.torch import GraphedGreedy
+    from memra_cuda.torch.greedy import _Stop
+    decoder = object.__new__(GraphedGreedy)
+    decoder.batch = 2
+    stops = [_Stop(None, 5), _Stop(None, 5)]
+    decoder._stops = list(stops)
+    for rows, error, named in (([-1], ValueError, "row -1 is not one of the decoder's 2"),
+                               ([0, 2], ValueError, "row 2 is not one of the decoder's 2"),
+                               ([True], TypeError, "a row must be an integer, not True"),
+                               ([1.0], TypeError, "a row must be an integer, not 1.0")):
+        with pytest.raises(error, match=named):
+            decoder.park(rows)
+        assert decoder._stops == stops
+    decoder.park([np.int64(1)])  # the last row, at the limit
+    assert decoder._stops == [stops[0], None]
+
+
 def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
     """RoundDecoder.prefill checked a cap after both caches had taken the prompts, which left
     the rows live without a budget; a seed past 64 bits raised after the target's prefill. Each

@@ -26,3 +26,34 @@ def test_a_chain_of_what_is_no_list_of_launches_is_refused_when_it_is_made(given
     a launch that is no callable raised only when the round first issued it."""
     with pytest.raises(TypeError, match=message):
         chain(given)
+
+
+class Untouched:
+    """Buffers or kernels a round must not ask anything of before it has checked its steps."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the round asked for .{name} before it checked its steps")
+
+
+def launch():
+    """A launch, as chain() takes them."""
+
+
+@pytest.mark.parametrize(("steps", "message"), [
+    (dict(draft_chain=[launch, launch]), "draft_chain must be a callable that queues the model's work .chain"),
+    (dict(verify_trunk=None), "verify_trunk must be a callable"),
+    (dict(narrower={1: launch}), "narrower.1. must be a pair .draft_chain, verify_trunk. of width 1"),
+    (dict(narrower={1: (launch, [launch])}), "narrower.1.'s verify_trunk must be a callable"),
+    (dict(narrower=[(launch, launch)]), "narrower maps widths below k"),
+])
+def test_a_chain_rounds_steps_that_are_no_callables_are_refused_before_anything_else(steps, message):
+    """A list of launches given as the draft chain (chain() of them was meant) was taken, and
+    raised only when the round first issued it: after the length chooser's and the seed gather's
+    launches were queued (the chooser moving each row's statistics on by a round that never ran),
+    or inside a graph's capture. The round's steps are checked first now, as TreeRound's are,
+    before anything is asked of the buffers or the kernels."""
+    from memra_cuda import ChainRound, Greedy
+    given = {**dict(draft_chain=launch, verify_trunk=launch, draft_d=None, acceptance=Greedy(None),
+                    rollback_tables=[]), **steps}
+    with pytest.raises(TypeError, match=message):
+        ChainRound(Untouched(), Untouched(), **given)

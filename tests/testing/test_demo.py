@@ -43,7 +43,10 @@ def test_an_option_out_of_range_is_a_usage_error_before_any_engine(monkeypatch, 
     for argv, message in ((["--k", "-1"], "k must be an int of at least 0, not -1"),
                           (["--m-rounds", "0"], "m_rounds must be an int of at least 1, not 0"),
                           (["--k", "4", "--m-rounds", str(2**32)], "m_rounds must be at most"),
-                          (["--tokens", "-3"], "--tokens must be an int of at least 0, not -3"),
+                          (["--tokens", "-3"], "--tokens must be an int from 0 to 2147483647, not -3"),
+                          # a row's budget is an i32: past it, the caches were allocated for it (tens of GB)
+                          # and generate() refused it after, a traceback
+                          (["--tokens", str(2**31)], f"--tokens must be an int from 0 to 2147483647, not {2**31}"),
                           # token ids, at their limits (a negative one met a traceback in the engine's copy)
                           (["--prompt", "5", "-1"], "--prompt and --eos take token ids, each must be an int from 0 "
                                                     "to 2147483647, not -1"),
@@ -54,3 +57,16 @@ def test_an_option_out_of_range_is_a_usage_error_before_any_engine(monkeypatch, 
             demo.main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"python -m memra_cuda: error: {message}" in err, err
+
+
+def test_the_most_tokens_a_row_may_take_pass_the_parser(monkeypatch):
+    """--tokens at its limit, a row's i32 budget, is no usage error: the demo goes on to its engine."""
+    class Made(Exception):
+        pass
+
+    def engine():
+        raise Made
+
+    monkeypatch.setattr(demo, "Engine", engine)
+    with pytest.raises(Made):
+        demo.main(["--tokens", str(2**31 - 1)])
