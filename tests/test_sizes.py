@@ -129,3 +129,10 @@ def test_a_value_a_row_is_named_with_its_row():
     for value in (True, 1.0, None):
         with pytest.raises(TypeError, match="pending must be an integer"):
             per_row(value, 1, "pending", optional=False)
+    # The wrong kind in a sequence names its row too, as a value out of range does: a batch's one
+    # float among 64 positions was refused without saying which row it was.
+    for values, row in (([4, 2.5], 1), ([True, 3, 3], 0), (np.array([1.0, 2.0]), 0)):
+        with pytest.raises(TypeError, match=rf"^position must be an integer, not .+ \(row {row}\)$"):
+            per_row(values, len(values), "position", optional=False)
+    with pytest.raises(TypeError, match=r"^eos must be an integer, not 'x' \(row 2\)$"):
+        per_row([None, 5, "x"], 3, "eos")

@@ -308,7 +308,9 @@ ROW_VALUE_MOST = 2**31 - 1  # a row's word holds an i32: a token id, a budget, a
 def per_row(values: int | None | Sequence[int | None] | np.ndarray, rows: int, what: str,
             optional: bool = True) -> list[int | None]:
     """`values` for each of `rows` rows: one value for all, or a sequence of one per row; each
-    an int from 0 to ROW_VALUE_MOST (ids, counts, positions), or None where `optional`."""
+    an int from 0 to ROW_VALUE_MOST (ids, counts, positions), or None where `optional`. A
+    refusal (TypeError for the wrong kind, ValueError out of range) names `what` and, in a
+    sequence, the row: one bad value among a batch's is found by its row, not by a search."""
     if isinstance(values, (list, tuple, np.ndarray)):
         if len(values) != rows:
             raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
@@ -322,10 +324,10 @@ def per_row(values: int | None | Sequence[int | None] | np.ndarray, rows: int, w
             continue
         try:  # None where not optional: TypeError
             out.append(as_size(value, what, 0, ROW_VALUE_MOST, also="None" if optional else ""))
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:  # the wrong kind, or out of range: in a sequence, which row's
             if not many:
                 raise
-            raise ValueError(f"{exc} (row {i})") from None
+            raise type(exc)(f"{exc} (row {i})") from None
     return out
 
 

@@ -420,8 +420,9 @@ class Communicator(Handle):
     # say), whose host waits the watchdog then times too.
     def all_reduce(self, buf: DeviceBuffer, out: DeviceBuffer | None = None, op: str = "sum",
                    dtype: DTypeLike | None = None, *, engine: Engine | None = None) -> None:
-        """out = op over the ranks of buf (in place where out is None); `dtype` "bfloat16" for a
-        bf16 tensor's memory."""
+        """out = op over the ranks of buf (in place where out is None); `dtype` reads the elements
+        as another type of their size: "bfloat16" for a bf16 tensor's memory, wrapped as its
+        2-byte ints (engine.buffer(t.view(torch.int16))), since a buffer holds no bfloat16."""
         self.prepare_all_reduce(buf, out, op, dtype, engine=engine)()
 
     def prepare_all_reduce(self, buf: DeviceBuffer, out: DeviceBuffer | None = None, op: str = "sum",

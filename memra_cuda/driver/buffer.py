@@ -81,7 +81,8 @@ class DeviceBuffer(Handle):
         With `engine`, work the engine queues on this memory is ordered after the stream the
         producer names (v3's `stream`), so nothing reads the tensor before it is written.
         Empty, masked, non-contiguous or host memory is a ValueError (a CPU tensor raises
-        AttributeError when asked for the interface: that is host memory too).
+        AttributeError when asked for the interface: that is host memory too), and so is a
+        bfloat16 array, numpy having no bfloat16: adopt its memory as tensor.view(torch.int16).
 
         A tensor (an object with `data_ptr()`, as torch's) can be moved under its owner's feet:
         `resize_`, `set_` or its storage resized to 0 (as FSDP does) leave this buffer's address
@@ -97,6 +98,10 @@ class DeviceBuffer(Handle):
             raise ValueError(f"{type(obj).__name__} is not device memory (no __cuda_array_interface__: a CUDA tensor "
                              f"or a CuPy array is): {exc}") from None
         shape = tuple(as_index(d, "shape") for d in iface["shape"])
+        if isinstance(iface["typestr"], str) and iface["typestr"][1:] == "V2":  # torch's and ml_dtypes' bfloat16
+            raise ValueError(f"a bfloat16 array (typestr {iface['typestr']!r}) cannot be a device buffer: numpy has no "
+                             "bfloat16; adopt its memory as 2-byte ints, tensor.view(torch.int16) (an NCCL operation "
+                             "reduces them with dtype='bfloat16'), or as 4-byte words where a kernel takes words")
         dtype = device_dtype(iface["typestr"])
         ptr = as_index(iface["data"][0], "data pointer")
         count = math.prod(shape)

@@ -41,12 +41,13 @@ class Request(NamedTuple):
 
 class Served(NamedTuple):
     """What became of a request: its `tokens`, and the host clock's readings (seconds):
-    `submitted`, `admitted` (it took a slot; None where it never did), `arrivals` (one a token:
-    when the readback that brought it was received, so a burst's tokens share one) and
-    `finished` (the readback that found it stopped, its cancel, or its refusal). `refused` says
-    why it never ran (None where it ran); `cancelled`: it was cancelled, and `tokens` are those
-    read back before. `accepted`: its drafts accepted, as its last readback brought them (None
-    from a decoder without drafts, or where it never ran a burst)."""
+    `submitted`, `admitted` (it took a slot, or, of budget 0, reached the queue's head and ended
+    there without one: its wait in the queue either way; None where it never got so far),
+    `arrivals` (one a token: when the readback that brought it was received, so a burst's tokens
+    share one) and `finished` (the readback that found it stopped, its cancel, or its refusal).
+    `refused` says why it never ran (None where it ran); `cancelled`: it was cancelled, and
+    `tokens` are those read back before. `accepted`: its drafts accepted, as its last readback
+    brought them (None from a decoder without drafts, or where it never ran a burst)."""
 
     tokens: list[int]
     submitted: float

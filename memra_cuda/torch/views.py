@@ -34,8 +34,13 @@ class _Held:
     refused to memra at once, and its memory goes back once the tensors are gone."""
 
     def __init__(self, buf: DeviceBuffer, dtype: torch.dtype | None):
-        if dtype is not None and (dtype not in _TYPESTR or dtype.itemsize != buf.dtype.itemsize):
+        if dtype is not None and dtype.itemsize != buf.dtype.itemsize:
             raise ValueError(f"{buf!r} cannot be read as {dtype}: elements of {buf.dtype.itemsize} bytes")
+        if dtype is not None and dtype not in _TYPESTR:  # bfloat16, say: torch reads it from no interface
+            same = next((t for t, code in _TYPESTR.items() if code[1] == "i" and t.itemsize == dtype.itemsize), None)
+            how = f"read it as {same} and .view({dtype})" if same is not None else "read it as a type torch adopts"
+            raise ValueError(f"{buf!r} cannot be read as {dtype}: torch makes no tensor of it from a "
+                             f"__cuda_array_interface__; {how}")
         self.buf = buf  # torch keeps this object, and so the buffer, alive with the tensor
         iface = buf.__cuda_array_interface__
         self.__cuda_array_interface__ = iface if dtype is None else {**iface, "typestr": _TYPESTR[dtype]}
@@ -44,8 +49,9 @@ class _Held:
 
 def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A tensor on `buf`'s memory (no copy), read as `dtype` of the same size if given (u32
-    token ids as torch.int32, say: ids are < 2**31). The tensor keeps `buf`'s memory: freeing
-    `buf` while the tensor (or a view of it) lives refuses memra's use of it at once, but the
+    token ids as torch.int32, say: ids are < 2**31; bf16 as torch.int16, then
+    .view(torch.bfloat16), since torch adopts no bf16 memory). The tensor keeps `buf`'s memory:
+    freeing `buf` while the tensor (or a view of it) lives refuses memra's use of it at once, but the
     memory goes back only once the tensors are gone.
 
     What `buf`'s engine has queued so far comes before what torch's current stream queues next

@@ -575,6 +575,17 @@ def test_from_cuda_array_refuses_host_memory_naming_it():
         DeviceBuffer.from_cuda_array(np.zeros(3, np.uint32))  # type: ignore[arg-type]
 
 
+def test_from_cuda_array_says_how_to_adopt_a_bfloat16_array():
+    """A bf16 tensor's interface gives typestr '<V2' (torch, ml_dtypes: numpy has no bfloat16),
+    which no device buffer holds: the refusal names bfloat16 and the view that adopts its memory
+    (as 2-byte ints), where it named only '|V2' and the types a buffer holds, none of which a bf16
+    model's tensors are. Refused before the pointer is looked at: no driver needed."""
+    class Bf16:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<V2", "data": (FAKE_PTR, False), "version": 2}
+    with pytest.raises(ValueError, match=r"bfloat16 .*view\(torch\.int16\)"):
+        DeviceBuffer.from_cuda_array(Bf16())  # type: ignore[arg-type]
+
+
 def test_as_buffer_names_what_it_cannot_adopt():
     with pytest.raises(TypeError, match="draft_d must be a DeviceBuffer"):
         as_buffer(np.zeros(3, np.uint32), "draft_d")

@@ -631,3 +631,17 @@ def test_a_one_row_prefill_replays_the_graph_of_its_power_of_two_two_the_least()
     assert [bucket(length, 640) for length in (1, 2, 3, 4, 5, 129, 512, 513, 640)] == \
         [2, 2, 4, 4, 8, 256, 512, 640, 640]
     assert bucket(1, 1) == 1, "a cache of one slot: its one bucket"
+
+
+def test_a_buffer_read_as_bfloat16_says_how():
+    """torch makes no tensor of bfloat16 from a __cuda_array_interface__, so tensor(buf,
+    torch.bfloat16) is refused before any device work; the refusal names the way (a 2-byte int
+    tensor, then .view(torch.bfloat16)), where it said the 2-byte buffer's 'elements of 2 bytes'
+    could not be read as a 2-byte type. A size that differs is refused by its size, as before."""
+    from memra_cuda import DeviceBuffer
+    from memra_cuda.torch import tensor
+    halves = DeviceBuffer.wrap(0x1000, np.int16, 4)
+    with pytest.raises(ValueError, match=r"torch\.int16.*\.view\(torch\.bfloat16\)"):
+        tensor(halves, torch.bfloat16)
+    with pytest.raises(ValueError, match="cannot be read as torch.float32: elements of 2 bytes"):
+        tensor(halves, torch.float32)
