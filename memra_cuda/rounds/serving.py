@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import reprlib
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -431,3 +432,26 @@ class Server:
         if running.row is not None:
             self._slots[running.row] = None
         return running.ended(at, cancelled, refused)
+
+
+class Driven:
+    """Which Server drives a decoder's rows (held weakly: a server dropped drives nothing), so
+    that nothing else takes them from one with requests in flight: a new server parks every row
+    and a batch prefills every row, either of which ended the first server's requests, each then
+    reported as finished, its tokens cut short."""
+
+    def __init__(self) -> None:
+        self._server: weakref.ref[Server] | None = None
+
+    def take(self, what: str) -> None:
+        """RuntimeError naming `what` where the server driving the rows has a request queued,
+        running or waiting for its cancel."""
+        server = None if self._server is None else self._server()
+        if server is not None and not server.idle:
+            raise RuntimeError(f"{what} would take the rows of this decoder's server, which has requests in flight: "
+                               "step it until it is idle, or cancel them first")
+
+    def by(self, server: Server) -> Server:
+        """`server`, from now the one driving the rows."""
+        self._server = weakref.ref(server)
+        return server

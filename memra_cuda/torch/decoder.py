@@ -23,7 +23,8 @@ from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_size, token_ids
-from ..rounds.serving import Burst, Request, Served, Server, admitted, as_seed, batch_admitted
+from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row, as_seed,
+                              batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import engine
 from .kv import CacheLayout, Room, StaticKV, as_capacity
@@ -118,6 +119,7 @@ class RoundDecoder:
         self.target_law: Law | None = None if sampling is None else self.target.compiled(sampling.fill)
         self.draft_law: Law | None = (None if self.draft_sampling is None
                                       else self.draft.compiled(self.draft_sampling.fill))
+        self.driven = Driven()  # the server driving the rows, if any (server())
         self.setup_seconds = time.perf_counter() - begun  # a subclass's _warm_up adds its own, capture() too
 
     def _warm_up(self) -> None:
@@ -225,13 +227,16 @@ class RoundDecoder:
         capture synchronises the device, which a server must not do mid-request. From then on a
         burst graph of another mode is a CaptureError, not a capture (the rounds are sealed).
         setup_seconds is then what the decoder spent compiling and capturing before its first
-        request."""
+        request. Each mode is checked first (a name misspelt captured as "graph"); "device"
+        mode's loop graph is captured at its first generation of each size (device mode runs a
+        whole batch in one launch, no server's mode: RoundStream.device_loop)."""
+        overlap = Mode.OVERLAP in [as_mode(mode) for mode in ((modes,) if isinstance(modes, str) else modes)]
         begun = time.perf_counter()
         with torch.cuda.stream(self.stream):
             self.target.capture_prefills()
             if not self.shared:
                 self.draft.capture_prefills()
-            self.rounds.capture_graphs(slots=(0, 1) if "overlap" in modes else (0,), seal=True)
+            self.rounds.capture_graphs(slots=(0, 1) if overlap else (0,), seal=True)
         self.setup_seconds += time.perf_counter() - begun
 
     def generate_batch(self, requests: Sequence[Request], mode: str = "graph") -> list[list[int]]:
@@ -239,6 +244,7 @@ class RoundDecoder:
         that is malformed or names a token outside the vocabulary is refused (RequestRefused,
         naming its row) before anything runs."""
         requests = batch_admitted(requests, self.vocab, self.batch)
+        self.driven.take("generate_batch")
         self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests],
                      [self._cap(r) for r in requests])
         out = self.rounds.generate_batch([r.max_new_tokens for r in requests],
@@ -262,9 +268,10 @@ class RoundDecoder:
         if mode is Mode.DEVICE:
             raise ValueError('a server steps one burst at a time: "device" generates until every row is done, in '
                              "one launch (generate_batch)")
+        self.driven.take("a new server")
         if not self.rounds.sealed:
             self.capture(("graph",))
-        return Server(_Slots(self, mode), clock=clock)
+        return self.driven.by(Server(_Slots(self, mode), clock=clock))
 
     def serve(self, requests: Sequence[Request], mode: str = "graph") -> list[Served]:
         """Continuous batching: the requests, queued in order, through the batch's slots
@@ -307,11 +314,13 @@ class _Slots:
                      readback.accepted.tolist())
 
     def park(self, rows: Sequence[int]) -> None:
-        rows, bufs = list(rows), self.decoder.bufs
-        if len(rows) == self.batch:
+        """The rows stopped (budget 0), each checked before any is (rounds.serving.as_row): every
+        row was stopped where as many rows as the batch were given, [0, 0] of two rows too."""
+        parked, bufs = {as_row(row, self.batch) for row in rows}, self.decoder.bufs
+        if len(parked) == self.batch:
             bufs.set_stop(budget=0)
         else:
-            for row in rows:
+            for row in sorted(parked):
                 bufs.set_stop_row(row, budget=0)
 
 

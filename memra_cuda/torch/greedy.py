@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from ..driver.values import as_size
-from ..rounds.serving import Burst, Request, RequestRefused, Served, Server, admitted, as_row, batch_admitted
+from ..rounds.serving import (Burst, Driven, Request, RequestRefused, Served, Server, admitted, as_row,
+                              batch_admitted)
 from .sampling import SamplingParams
 from .attention import Attention
 from .compiled import stack_for
@@ -80,6 +81,7 @@ class GraphedGreedy:
         self.advance = self.stack.compiled(advance)  # with the step, as gpt-fast compiles its argmax with it
         self.graph: torch.cuda.CUDAGraph | None = None
         self._stops: list[_Stop | None] = [None] * batch  # each row's request's stop; None: vacant
+        self.driven = Driven()  # the server driving the rows, if any (server())
 
     def _burst(self) -> None:
         for step in range(self.steps):
@@ -161,6 +163,7 @@ class GraphedGreedy:
         for row, request in enumerate(requests):
             if (reason := self.refusal(request)) is not None:
                 raise RequestRefused(row, reason)
+        self.driven.take("generate_batch")
         self.capture()
         with torch.cuda.stream(self.stream):
             self._start(requests)
@@ -180,10 +183,11 @@ class GraphedGreedy:
         burst's graph and every one-row prefill graph are captured first, as a speculative
         decoder's capture() does: a capture synchronises the device, which a server must not do
         mid-request."""
+        self.driven.take("a new server")
         self.capture()
         with torch.cuda.stream(self.stream):
             self.stack.capture_prefills()
-        return Server(self, clock=clock)
+        return self.driven.by(Server(self, clock=clock))
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
         """Continuous batching, as a speculative decoder's serve(): the requests, queued in

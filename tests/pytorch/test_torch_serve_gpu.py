@@ -67,7 +67,9 @@ def decoder(request, small):
     spec = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M, capacity=capacity, batch=SLOTS, widths=widths)
     if widths:  # each width's body timed, and its time the chooser's cost of it
         assert set(spec.width_ms) == {0, 2, K} and all(ms > 0 for ms in spec.width_ms.values())
-    spec.capture(("graph",))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        spec.capture(("grpah",))  # a name misspelt: it captured as "graph"
+    spec.capture("graph")
     return spec
 
 
@@ -109,6 +111,9 @@ def test_a_cancelled_request_keeps_its_tokens_and_gives_its_row_to_the_next(stre
     ids = [server.submit(request) for request in requests]
     first, victim = server.step(), LONG  # admitted in row LONG, still running: no burst gives 96 tokens
     assert 0 < len(first.tokens[ids[victim]]) < len(want[victim]) and ids[victim] not in first.finished
+    for taking in (decoder.server, lambda: decoder.generate_batch(requests[:SLOTS])):  # each ended every request
+        with pytest.raises(RuntimeError, match="would take the rows of this decoder's server"):
+            taking()
     assert server.cancel(ids[victim])
     second = server.step()
     assert ids[victim] in second.finished and ids[victim] not in second.tokens

@@ -556,6 +556,39 @@ def test_the_plain_loop_refuses_a_burst_of_no_whole_steps_before_anything_is_mad
         GraphedGreedy(tiny(), 64, steps=steps)
 
 
+def test_a_speculative_decoders_server_parks_the_rows_it_names_each_checked_first():
+    """A RoundDecoder's rows as its server drives them (decoder._Slots.park): as many rows as the
+    batch stopped every row, so [0, 0] of two rows parked row 1 too (its request ended as if it
+    had stopped) and [5, 9] parked both without a word. Now each row is checked before any is
+    stopped, a row named twice stops once, and every row stops at once only where every row is
+    named (the host side alone: the buffers' calls recorded)."""
+    from memra_cuda.rounds.stream import Mode
+    from memra_cuda.torch.decoder import _Slots
+
+    class Bufs:
+        def __init__(self):
+            self.calls = []
+
+        def set_stop(self, budget):
+            self.calls.append(("all", budget))
+
+        def set_stop_row(self, row, budget):
+            self.calls.append((row, budget))
+
+    decoder = type("Decoder", (), dict(batch=2, vocab=VOCAB, bufs=Bufs()))()
+    slots = _Slots(decoder, Mode.GRAPH)
+    for rows, error, named in (([5, 9], ValueError, "row 5 is not one of the decoder's 2"),
+                               ([0, -1], ValueError, "row -1 is not one of the decoder's 2"),
+                               ([True], TypeError, "a row must be an integer, not True")):
+        with pytest.raises(error, match=named):
+            slots.park(rows)
+        assert decoder.bufs.calls == []
+    slots.park([0, 0])
+    assert decoder.bufs.calls == [(0, 0)]
+    slots.park(range(2))
+    assert decoder.bufs.calls[1:] == [("all", 0)]
+
+
 def test_the_plain_loop_parks_only_rows_it_has_and_each_checked_before_any_is_parked():
     """GraphedGreedy.park (a Server's Decoder, public) indexed its rows' stops by what it was
     given: -1 parked the last row, whose request a server then ended as stopped, its tokens cut

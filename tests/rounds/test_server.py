@@ -14,6 +14,7 @@ import pytest
 
 from memra_cuda.errors import BuffersHeld, CapacityError, CudaError, MemraError, RequestRefused
 from memra_cuda.rounds import Request, Server
+from memra_cuda.rounds.serving import Driven
 
 from stand_in import VOCAB, Clock, Counting, alone, commits, mixed, token
 
@@ -415,3 +416,28 @@ def test_a_batch_runs_the_checked_copies_of_its_requests():
         batch_admitted([given[0], Request([VOCAB], 2)], VOCAB, 2)
     with pytest.raises(ValueError, match=r"need one request per row \(3\), not 2"):
         batch_admitted(given, VOCAB, 3)
+
+
+def test_a_decoders_rows_are_not_taken_from_a_server_with_requests_in_flight():
+    """Driven, as the decoders hold it: a new server (which parks every row) and a batch (which
+    prefills every row) ended a running server's requests, each reported as finished, its tokens
+    cut short. Each is refused while a request is queued, running or waiting for its cancel, and
+    allowed once the server is idle or dropped."""
+    decoder, driven = Counting(2), Driven()
+    driven.take("generate_batch")  # no server yet
+    server = driven.by(Server(decoder, clock=decoder.clock))
+    driven.take("a new server")  # idle: nothing in flight
+    ident = server.submit(Request([1, 2, 3], 30))
+    for what in ("a new server", "generate_batch"):
+        with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+            driven.take(what)
+    server.step()
+    assert server.cancel(ident)
+    with pytest.raises(RuntimeError):
+        driven.take("a new server")  # its cancel not yet taken
+    while not server.idle:
+        server.step()
+    driven.take("a new server")
+    server.submit(mixed(1)[0])
+    del server  # dropped with a request queued: nothing drives the rows
+    driven.take("a new server")
