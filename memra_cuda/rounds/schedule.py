@@ -15,6 +15,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+from ..driver.values import as_real
+
 MASK32 = 2**32 - 1  # the device's stamps are the low 32 bits of its %globaltimer (ns)
 
 
@@ -66,6 +68,9 @@ class Schedule:
     `clock` gives the host's time in ns (its low 32 bits are compared with the stamps), `sleep`
     sleeps for seconds, and `slack` is entered while a follow runs (on Linux: the thread's timer
     slack lowered to 1 µs). begin() starts each follow anew.
+
+    `look_s` is checked where it is set (here, or `schedule.look_s = ...` later): a real number
+    from 0 (a look a retry after each) to LOOK_MOST_S, TypeError or ValueError naming it.
     """
 
     # The host aims LOOK_S or more past the last publish it saw: on the H200's host a look costs
@@ -78,6 +83,9 @@ class Schedule:
     EARLY_S = 5e-6
     RETRY_S = 10e-6
     STALL_S = 10e-3  # nothing landed for this long: ask whether the device faulted
+    # The looks are aimed by the device's stamps, the low 32 bits of its ns clock, so a wait is
+    # a signed 32-bit span (2.1 s): a look_s past it wrapped to a look every retry.
+    LOOK_MOST_S = 1.0
 
     def __init__(self, clock: Callable[[], int] = time.perf_counter_ns, sleep: Callable[[float], object] = time.sleep,
                  *, look_s: float = LOOK_S, spin: bool = False,
@@ -85,6 +93,21 @@ class Schedule:
         self.clock, self.sleep, self.slack = clock, sleep, slack
         self.look_s, self.spin = look_s, spin
         self._start(0)
+
+    @property
+    def look_s(self) -> float:
+        """How long past the last publish seen the host looks next, at least (seconds)."""
+        return self._look_s
+
+    @look_s.setter
+    def look_s(self, value: float) -> None:
+        # Checked as it is set, not as a follow begins: a NaN or an infinity met int() there, a
+        # string a multiplication's TypeError, and a negative value looked every retry.
+        look_s = as_real(value, "look_s")
+        if not 0 <= look_s <= self.LOOK_MOST_S:
+            raise ValueError(f"look_s must be a number of seconds from 0 to {self.LOOK_MOST_S} (the device's "
+                             f"32-bit ns stamps time a wait of at most 2.1 s), not {value!r}")
+        self._look_s = look_s
 
     def begin(self) -> None:
         """A new follow: nothing seen yet, no round timed, the stall counted from now."""

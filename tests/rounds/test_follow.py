@@ -310,3 +310,33 @@ def test_a_schedule_kept_across_follows_starts_each_anew():
     list(fresh.follow())
     assert again.looks == fresh.looks and again.sleeps == fresh.sleeps
     assert sum(piece.total for piece in landed) == again.per_round.sum()
+
+
+def test_look_s_is_a_number_of_seconds_from_0_to_a_second_checked_as_it_is_set():
+    """Schedule(look_s=...) and `schedule.look_s = ...` (as docs/device-mode.md sets it) take a
+    number of seconds from 0 to LOOK_MOST_S, a second: a NaN met int() as a follow began, a
+    string a multiplication's TypeError, and a negative value, or one past the 2.1 s that the
+    device's 32-bit ns stamps time a wait by, looked every retry, silently. A refused value
+    leaves the schedule as it was."""
+    most = 1.0
+    for look in (np.nextafter(0.0, -1.0), -60e-6, np.nextafter(most, 2.0), 2.2, float("nan"), float("inf"),
+                 float("-inf")):
+        with pytest.raises(ValueError, match=r"^look_s must be a number of seconds from 0 to 1\.0 .*, not "):
+            Schedule(look_s=look)
+    with pytest.raises(ValueError, match=r"^look_s must be a finite number"):
+        Schedule(look_s=10**400)  # no float holds it
+    kept = Schedule()
+    for look in ("60e-6", None, True, np.bool_(False), 1j):
+        with pytest.raises(TypeError, match=r"^look_s must be a real number, not "):
+            Schedule(look_s=look)
+        with pytest.raises(TypeError, match=r"^look_s must be a real number, not "):
+            kept.look_s = look
+    with pytest.raises(ValueError, match="look_s must be"):
+        kept.look_s = -1.0
+    assert kept.look_s == Schedule.LOOK_S
+    assert Schedule.LOOK_MOST_S == most
+    for look in (0, 0.0, most, np.float32(150e-6), 60e-6):
+        assert Schedule(look_s=look).look_s == look
+    device = Device(40)
+    list(device.follow(look_s=most))  # at the limit, the look after the first rounds comes a second later
+    assert np.diff(device.looks).max() >= most * 1e9
