@@ -136,3 +136,22 @@ def test_a_value_a_row_is_named_with_its_row():
             per_row(values, len(values), "position", optional=False)
     with pytest.raises(TypeError, match=r"^eos must be an integer, not 'x' \(row 2\)$"):
         per_row([None, 5, "x"], 3, "eos")
+
+
+def test_a_caches_lengths_are_read_for_a_row_of_every_layers_batch():
+    """Cache.lengths(engine, row) checks its row against the layers' batch before it reads: -1
+    answered with the last row's lengths (numpy's indexing), a debugging aid reading another
+    sequence's. A cache without KV has no batch to check the row against."""
+    from types import SimpleNamespace
+    from memra_cuda.buffers import Cache
+    lens = {FAKE_PTR: np.array([3, 7], np.int32), FAKE_PTR + 64: np.array([4, 8, 9], np.int32)}
+    engine = SimpleNamespace(dtoh=lambda buf: lens[buf.ptr])
+    cache = Cache([KVLayer(words(2, np.int32), 64), None,
+                   KVLayer(DeviceBuffer.wrap(FAKE_PTR + 64, np.int32, 3), 64)])
+    assert cache.lengths(engine, 0) == [3, None, 4] and cache.lengths(engine, np.int64(1)) == [7, None, 8]
+    for row in (-1, 2, -3):
+        with pytest.raises(ValueError, match=rf"^row must be an int from 0 to 1, not {row}$"):
+            cache.lengths(engine, row)
+    with pytest.raises(TypeError, match="^row must be an integer, not True$"):
+        cache.lengths(engine, True)
+    assert Cache([None]).lengths(NO_ENGINE, 5) == [None]
