@@ -25,10 +25,15 @@ _32 = np.uint64(32)
 def words(values: Any) -> np.ndarray:
     """Integers as uint64, wrapping like a cast to an unsigned 64-bit word (-1 is 2**64 - 1).
 
-    Floats and booleans are refused: a silently truncated float would be a different draw."""
+    Floats and booleans are refused: a silently truncated float would be a different draw. A
+    list or a tuple is looked through for bools too, nested ones as well: numpy reads
+    [True, 5] as int64, True as 1."""
     array = np.asarray(values)
     if array.dtype.kind not in "iu":
         raise TypeError(f"Philox counters, keys and seeds are integers, not {array.dtype} ({values!r})")
+    if isinstance(values, (list, tuple)) and any(
+            isinstance(v, (bool, np.bool_)) for v in np.asarray(values, dtype=object).flat):
+        raise TypeError(f"Philox counters, keys and seeds are integers, not bools ({values!r})")
     return array.astype(np.uint64)
 
 

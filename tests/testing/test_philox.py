@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda.testing import philox
 from memra_cuda.testing.philox import philox4x32_10, uniform, uniform_of_word
 
 # (counter, key, output) from Random123's kat_vectors, philox4x32_10.
@@ -42,6 +43,17 @@ def test_words_wrap_to_32_bits_and_floats_are_refused():
     assert philox4x32_10((2**32, 2**32, 0, 0), (0, 2**32))[0] == 0x6627E8D5
     with pytest.raises(TypeError):
         philox4x32_10((0.0, 0, 0, 0), (0, 0))
+
+
+def test_a_bool_inside_a_list_is_refused_as_a_bool_alone_is():
+    """words() refuses bools (True would be read as 1, a draw of another counter), inside a list
+    or a tuple too, nested or a numpy bool: np.asarray([True, 5]) is int64, which let them
+    through. A list of ints is taken as before."""
+    for given in ([True, 5], (5, False), [[1, 2], [3, np.True_]], (np.array([1]), np.array([True])), True):
+        with pytest.raises(TypeError, match="Philox counters, keys and seeds are integers"):
+            philox.words(given)
+    assert philox.words([1, -1]).tolist() == [1, 2**64 - 1]
+    assert philox.words([[1], [np.uint32(2)]]).tolist() == [[1], [2]]
 
 
 def test_uniform_is_the_first_word_in_23_bits_centred_in_its_cell():
