@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .headline import copy_bandwidth, floor_ms, streamed_bytes
+from .torch_common import listed
 
 CAPACITY, VALID = 576, 512
 
@@ -225,7 +226,8 @@ def line(row: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the figures here")
-    p.add_argument("--rows", help="the rows to run, by index (0-based), comma-separated (default all)")
+    p.add_argument("--rows", type=lambda text: listed(text, range(len(ROWS)), int),
+                   help="the rows to run, by index (0-based), comma-separated (default all)")
     p.add_argument("--attention", default="flex,sdpa", help="compiled attentions to measure (default flex,sdpa)")
     p.add_argument("--static", action="store_true", help="also the first attention compiled per shape")
     p.add_argument("--untuned", action="store_true", help="also the first attention without coordinate descent tuning")
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pdl", action="store_true", help="also each row with inductor's Triton kernels launched by "
                    "programmatic dependent launch (triton.enable_pdl)")
     args = p.parse_args(argv)
-    rows = ROWS if not args.rows else [ROWS[int(i)] for i in args.rows.split(",")]
+    rows = ROWS if args.rows is None else [ROWS[i] for i in args.rows]  # indices checked at parsing: -1 was the last
     setup = setup_seconds() if args.setup else None
     report = measure(rows, args.attention.split(","), args.static, args.untuned, args.names, autotune=args.autotune,
                      few_rows=args.few_rows, pdl=args.pdl)

@@ -21,3 +21,19 @@ def test_a_row_gives_each_ways_time_kernels_and_ratio_to_the_floor():
     text = line(row)
     assert "floor 0.050 ms" in text and "modules: 1.250 ms (508 kernels, 25.0x floor" in text
     assert "compiled sdpa: 0.375 ms (135 kernels, 7.5x floor, first run 26.5 s)" in text
+
+
+def test_rows_are_indices_into_the_table_refused_at_parsing_outside_it(monkeypatch, capsys):
+    """--rows takes indices 0 to len(ROWS) - 1: -1 ran the last row, silently, and one past the
+    table met an IndexError after parsing. Outside, argparse's error naming --rows (exit 2)."""
+    import pytest
+
+    from benchmarks import steps
+    ran = []
+    monkeypatch.setattr(steps, "measure", lambda rows, *args, **kwargs: ran.append(list(rows)) or {})
+    assert steps.main(["--rows", f"0,{len(ROWS) - 1}"]) == 0 and ran == [[ROWS[0], ROWS[-1]]]
+    for rows in ("-1", str(len(ROWS)), "0,-1", "1.0", ""):
+        with pytest.raises(SystemExit) as exited:
+            steps.main(["--rows", rows])
+        assert exited.value.code == 2 and "argument --rows" in capsys.readouterr().err
+    assert len(ran) == 1
