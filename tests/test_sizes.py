@@ -155,3 +155,21 @@ def test_a_caches_lengths_are_read_for_a_row_of_every_layers_batch():
     with pytest.raises(TypeError, match="^row must be an integer, not True$"):
         cache.lengths(engine, True)
     assert Cache([None]).lengths(NO_ENGINE, 5) == [None]
+
+
+def test_a_pipeline_stages_layer_bounds_are_ints_not_bools():
+    """kv_len_ptr_table_range and state_copy_table_range take [start, stop) as ints (numpy's
+    too): (False, True) was taken as layers [0, 1), and named so in the table's label."""
+    from memra_cuda.buffers import Cache, kv_len_ptr_table_range, state_copy_table_range
+    tables = (lambda layers: kv_len_ptr_table_range(NO_ENGINE, Cache([None, None]), layers),
+              lambda layers: state_copy_table_range(NO_ENGINE, [None, None], layers))
+    for table in tables:
+        for layers, which in (((False, True), "start"), ((0, True), "stop"), ((np.bool_(False), 2), "start"),
+                              ((0, 2.0), "stop")):
+            with pytest.raises(TypeError, match=rf"^a layer range's {which} must be an integer, not "):
+                table(layers)
+        for layers in ((0, 2), (np.int64(0), np.uint8(2)), range(0, 2)):
+            with pytest.raises(TypeError, match="engine must be an Engine"):  # the bounds taken: on to the engine
+                table(layers)
+        with pytest.raises(ValueError, match=r"layers \[0, 3\) are outside a model of 2 layers"):
+            table((0, 3))

@@ -16,7 +16,7 @@ from .capacity import Unchecked, kv_entries
 from .geometry import as_batch
 from ..driver.buffer import DeviceBuffer, as_buffer, device_allocation
 from ..driver.engine import as_engine
-from ..driver.values import as_size
+from ..driver.values import as_index, as_size
 
 if TYPE_CHECKING:
     from ..driver.engine import Engine
@@ -183,8 +183,10 @@ def kv_len_ptr_table_range(engine: Engine, cache: Cache, layers: range | tuple[i
 
 
 def _layer_range(layers: range | tuple[int, int], count: int) -> tuple[int, int]:
-    """(start, stop) of the contiguous layers [start, stop) of a model of `count` layers."""
+    """(start, stop) of the contiguous layers [start, stop) of a model of `count` layers, each an
+    int (a bool is no layer: (False, True) was taken as [0, 1))."""
     start, stop = (layers.start, layers.stop) if isinstance(layers, range) else layers
+    start, stop = as_index(start, "a layer range's start"), as_index(stop, "a layer range's stop")
     if isinstance(layers, range) and layers.step != 1:
         raise ValueError(f"layer range must be contiguous, not {layers}")
     if not 0 <= start <= stop <= count:
