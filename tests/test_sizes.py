@@ -173,3 +173,30 @@ def test_a_pipeline_stages_layer_bounds_are_ints_not_bools():
                 table(layers)
         with pytest.raises(ValueError, match=r"layers \[0, 3\) are outside a model of 2 layers"):
             table((0, 3))
+
+
+class Untouched:
+    """Buffers or a round that a call may not ask anything of before it has checked its slot."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f".{name} was asked for before the slot was checked")
+
+
+def test_a_burst_graphs_readback_slot_is_0_or_1_checked_before_anything_is_captured():
+    """RoundStream.graph_for(slot) (public, and not a burst's: a burst finds its graph in the
+    stream's dict) took any slot: -1 captured a second graph of slot 1, 2 raised an IndexError
+    inside the capture. capture_graphs checked its slots for 0 or 1 alone, True among them."""
+    from types import SimpleNamespace
+
+    from memra_cuda import RoundStream
+    stream = RoundStream.__new__(RoundStream)
+    stream.round = stream.bufs = Untouched()
+    stream._graphs, stream.sealed = {}, False
+    for slot, error in ((-1, ValueError), (2, ValueError), (True, TypeError), (1.0, TypeError), ("0", TypeError)):
+        with pytest.raises(error, match=rf"^a readback slot must be an int.*, not {slot!r}$"):
+            stream.graph_for(slot, 1)
+        with pytest.raises(error, match=rf"^a readback slot must be an int.*, not {slot!r}$"):
+            stream.capture_graphs([1], slots=(slot,))
+    stream.bufs = SimpleNamespace(m_rounds=4)  # what a length is checked against
+    stream._graphs[1, 1] = graph = object()  # captured: found, nothing asked of the round
+    assert stream.graph_for(np.int64(1), 1) is graph

@@ -10,6 +10,26 @@ its rules are tested on the CPU.
 """
 from __future__ import annotations
 
+from ..driver.values import as_size
+
+
+def as_slot(slot: object) -> int:
+    """`slot` as a pinned readback slot, 0 or 1 (TypeError or ValueError naming it), where a slot
+    is chosen once: a burst graph's capture."""
+    return as_size(slot, "a readback slot", 0, 1)
+
+
+def slot_refusal(slot: object) -> Exception:
+    """as_slot's refusal of `slot`, for the per-burst paths (queue_readback, receive, queued):
+    they test nothing, but index by the slot first and raise this where the index failed, before
+    anything has changed. A test would cost each burst more than the index, and -1 is slot 1
+    in every one of them alike."""
+    try:
+        as_slot(slot)
+    except (TypeError, ValueError) as refusal:
+        return refusal
+    raise AssertionError(f"slot {slot!r} failed to index the two slots")  # 0 and 1 never do
+
 
 class Ledger:
     """Rounds queued on one StreamBufs, and what the host has seen of them. Its methods are the
@@ -28,11 +48,16 @@ class Ledger:
         """`rounds` rounds were queued, and after them (readback = a slot) a readback into that
         pinned slot, which empties the rings and covers every round queued so far once received.
         Whoever queues rounds says so here, a graph's replay too (its readback is not seen)."""
-        self.rounds += rounds
-        self.ring_rounds += rounds
+        total = self.rounds + rounds
         if readback is not None:
-            self.covers[readback] = self.rounds
+            try:  # first: a slot but 0 or 1 counted the rounds, then raised
+                self.covers[readback] = total
+            except (IndexError, TypeError):
+                raise slot_refusal(readback) from None
             self.ring_rounds = 0
+        else:
+            self.ring_rounds += rounds
+        self.rounds = total
 
     def received(self, slot: int) -> None:
         """The readback queued into `slot` was received: the rows are known as of the rounds it

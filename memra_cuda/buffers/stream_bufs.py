@@ -16,7 +16,7 @@ from ..driver.values import as_index, as_size
 from .arena import carve
 from .geometry import Geometry, as_geometry
 from .layout import ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT, RING_TOKENS
-from .ledger import Ledger
+from .ledger import Ledger, slot_refusal
 
 if TYPE_CHECKING:
     from ..driver.buffer import DeviceBuffer, PinnedBuffer
@@ -245,7 +245,11 @@ class StreamBufs:
         zero every ring's count (one memset); both capturable, both checked when prepared.
         Queued now (not recorded into a graph), it goes into the ledger at once."""
         self.check_free()
-        self._readback_copies[slot]()
+        try:
+            copy = self._readback_copies[slot]
+        except (IndexError, TypeError):
+            raise slot_refusal(slot) from None
+        copy()
         self._empty_rings()
         if self.engine.capture_hold is None:
             self.ledger.queued(0, readback=slot)
@@ -253,10 +257,15 @@ class StreamBufs:
     def receive(self, slot: int = 0, event: Event | None = None) -> Readback:
         """Wait for the readback queued into `slot` (one readback for all rows; only up to
         `event`, if given), and learn each row's done flag, position, ring count and accepted
-        drafts from it."""
+        drafts from it. The slot is found first: one but 0 or 1 waited, and was counted as a
+        readback, before it raised."""
         self.check_free()
+        try:
+            host = self._host[slot]
+        except (IndexError, TypeError):
+            raise slot_refusal(slot) from None
         self.engine.finish_readback(event)
-        words = self._host[slot].read()
+        words = host.read()
         self.committed = np.minimum(words[RING_COUNT:self._rings_end:self._ring_row], self.ring_cap).tolist()
         self.done = _frozen(words[self._rings_end + CTL_DONE:self._ctl_end:CTL_WORDS] != 0)
         self.positions = _frozen(words[self._ctl_end:self._positions_end].view(np.int32).astype(np.int64))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..buffers.ledger import as_slot
 from ..buffers.stream_bufs import Readback, per_row
 from .device_loop import DeviceLoop, Landed, RoundCapError
 from ..driver.errors import CaptureError
@@ -179,8 +180,10 @@ class RoundStream:
 
     def graph_for(self, slot: int, rounds: int | None = None) -> Graph:
         """The burst graph of `rounds` rounds (default M) reading back into pinned slot `slot`
-        (0 or 1), captured the first time it is asked for (once per length)."""
-        rounds = self._burst_rounds(rounds)
+        (0 or 1), captured the first time it is asked for (once per length). The slot is checked
+        first (a burst's _queue finds its graph without this call): -1 captured a second graph of
+        slot 1, and 2 raised inside the capture."""
+        slot, rounds = as_slot(slot), self._burst_rounds(rounds)
         if (slot, rounds) not in self._graphs:
             if self.sealed:
                 raise CaptureError(f"the burst graph of {rounds} rounds reading back into slot {slot} was not captured "
@@ -208,8 +211,7 @@ class RoundStream:
         mid-generation. With `seal`, any other graph asked for later is a CaptureError: what is
         served or timed captures nothing."""
         for slot in slots:
-            if slot not in (0, 1):
-                raise ValueError(f"a readback slot is 0 or 1, not {slot!r}")
+            as_slot(slot)
             for rounds in Pace.lengths(self.bufs.m_rounds) if lengths is None else lengths:
                 self.graph_for(slot, rounds)
         self.sealed = self.sealed or seal

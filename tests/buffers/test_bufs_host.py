@@ -280,3 +280,24 @@ def test_the_readback_copies_the_fields_receive_reads_where_the_constructor_put_
     assert readback.committed == [2, 0, 1] and readback.done.tolist() == [False, True, False]
     assert readback.positions.tolist() == [10, 20, 30] and readback.accepted.tolist() == [4, 0, 9]
     assert [t.tolist() for t in readback.tokens] == [[0, 1], [], [200]]
+
+
+def test_a_readback_slot_but_0_or_1_is_refused_before_anything_waits_or_is_queued():
+    """receive(2) waited for the readback and counted it (the engine's readbacks) before its
+    IndexError, which named nothing; queue_readback(2) raised one too. Each finds its slot
+    first now, naming it; they test nothing else a burst (-1 is slot 1 in both, as in the
+    ledger's), so a burst pays nothing for it."""
+    engine = HostOnly()
+    engine.capture_hold, waits, queued = None, [], []
+    engine.finish_readback = lambda event=None: waits.append(event)
+    bufs = StreamBufs(engine, Geometry(2, 2, 3))
+    bufs._readback_copies = [lambda: queued.append(0), lambda: queued.append(1)]
+    for slot, error in ((2, ValueError), (-3, ValueError), (None, TypeError), ("0", TypeError)):
+        with pytest.raises(error, match="^a readback slot must be an int"):
+            bufs.receive(slot)
+        with pytest.raises(error, match="^a readback slot must be an int"):
+            bufs.queue_readback(slot)
+        assert waits == [] and queued == [] and bufs.ledger.covers == [0, 0]
+    bufs.queue_readback(1)
+    bufs.receive(1)
+    assert waits == [None] and queued == [1]

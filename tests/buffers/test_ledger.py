@@ -78,3 +78,19 @@ def test_the_ledger_bounds_what_a_simulated_stream_did_past_what_the_host_learnt
         assert ledger.unseen_rounds == position - known
         assert ledger.ring_rounds == ring
         assert ledger.rounds == position
+
+
+def test_a_readback_slot_but_0_or_1_is_refused_before_the_ledger_counts_anything():
+    """queued(rounds, readback=2) counted the rounds, then raised an IndexError naming nothing:
+    a driver entering a hand-launched graph with a wrong slot left the ledger counting rounds
+    no readback covers. Now refused first, naming the slot; -1 is slot 1, as in StreamBufs'
+    per-burst paths alike (they test nothing, so it costs no burst anything)."""
+    import pytest
+    ledger = Ledger()
+    for slot, error in ((2, ValueError), (-3, ValueError), ("1", TypeError), (1.0, TypeError)):
+        with pytest.raises(error, match="^a readback slot must be an int"):
+            ledger.queued(3, readback=slot)
+        assert (ledger.rounds, ledger.ring_rounds, ledger.covers) == (0, 0, [0, 0])
+    ledger.queued(3, readback=1)
+    ledger.queued(2, readback=-1)
+    assert (ledger.rounds, ledger.ring_rounds, ledger.covers) == (5, 0, [0, 5])
