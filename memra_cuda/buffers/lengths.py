@@ -35,7 +35,7 @@ class DraftLengths:
     (0 to 1) the acceptance a row starts from when it is admitted, and the one a round at length
     0 (nothing judged) decays its statistics toward. Every row's cap starts at k
     (speculation on, at the full width); set a request's cap when its row is admitted
-    (`set_cap_row`, beside `bufs.reset_row`), before its first round.
+    (`set_cap_row`, beside `bufs.start_row`), before its first round.
     """
 
     # One allocation, in this order (docs/lengths.md, "DraftLengths"):
