@@ -218,8 +218,9 @@ class CompiledStack(LayerStack):
                 _sizes(tensor, *shapes)  # rows, tokens a row
             _sizes(rows, *shapes[:1])
             _sizes(mask, *(0, 2) if shapes else ())  # [R][1][T][capacity]
-        return step(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots, rows, mask,
-                    attention, last, linear)
+        with torch.no_grad():  # the same guards at the warm-up and in a capture, whatever the caller's grad mode
+            return step(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots, rows, mask,
+                        attention, last, linear)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,

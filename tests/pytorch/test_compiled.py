@@ -170,6 +170,21 @@ def test_a_laws_probabilities_compiled_fill_each_draft_steps_rows_as_eagerly(law
         assert q.max(-1).values.min() == 1
 
 
+def test_a_compiled_step_compiles_once_whatever_autograd_says():
+    """The step, as the arithmetic around it: a decoder warmed up under grad mode (its
+    constructor's) and captured under torch.no_grad() (`with torch.no_grad(): spec.generate(...)`,
+    whose first burst captures) recompiled the step inside the capture. It runs with autograd
+    off, so its logits carry no grad history even where the model's parameters require grad."""
+    stack = CompiledStack(tiny().requires_grad_(True), 40, batch=2, attention="sdpa")
+    stack.prefill(range(2), [[1, 2, 3], [4, 5, 6, 7]])
+    tokens, positions = torch.tensor([[3], [7]]), torch.tensor([[2], [3]])
+    want = stack.logits(tokens, positions)  # the warm-up, under grad mode
+    assert not want.requires_grad
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        got = stack.logits(tokens, positions)  # the capture's
+    torch.testing.assert_close(got, want, **TOL)
+
+
 def test_a_rounds_compiled_arithmetic_compiles_once_whatever_autograd_says():
     """A decoder's warm-up compiles its round's arithmetic and its capture replays that
     compilation (one compiling there fails the capture), so nothing autograd says may fail a guard
