@@ -119,7 +119,7 @@ class RoundDecoder:
         self.target_law: Law | None = None if sampling is None else self.target.compiled(sampling.fill)
         self.draft_law: Law | None = (None if self.draft_sampling is None
                                       else self.draft.compiled(self.draft_sampling.fill))
-        self.driven = Driven()  # the server driving the rows, if any (server())
+        self.driven = Driven()  # the servers made over the rows (server()), each held weakly
         self.setup_seconds = time.perf_counter() - begun  # a subclass's _warm_up adds its own, capture() too
 
     def _warm_up(self) -> None:

@@ -81,7 +81,7 @@ class GraphedGreedy:
         self.advance = self.stack.compiled(advance)  # with the step, as gpt-fast compiles its argmax with it
         self.graph: torch.cuda.CUDAGraph | None = None
         self._stops: list[_Stop | None] = [None] * batch  # each row's request's stop; None: vacant
-        self.driven = Driven()  # the server driving the rows, if any (server())
+        self.driven = Driven()  # the servers made over the rows (server()), each held weakly
 
     def _burst(self) -> None:
         for step in range(self.steps):
