@@ -455,3 +455,15 @@ class Driven:
         """`server`, from now one of those driving the rows."""
         self._servers.add(server)
         return server
+
+    def serve(self, server: Server, requests: Sequence[Request]) -> list[Served]:
+        """server.serve(requests) for a decoder's own serve(), whose server no caller holds: where
+        it raises (an interrupt, a device fault), that server drives the rows no more. Its requests
+        in flight are nobody's to step or cancel, and the traceback that holds it lives on (a
+        REPL's sys.last_exc, a caught exception): every later serve(), server() and
+        generate_batch of the decoder was refused until the traceback went."""
+        try:
+            return server.serve(requests)
+        except BaseException:
+            self._servers.discard(server)
+            raise
