@@ -435,23 +435,35 @@ class Server:
 
 
 class Driven:
-    """Which Server drives a decoder's rows (held weakly: a server dropped drives nothing), so
-    that nothing else takes them from one with requests in flight: a new server parks every row
-    and a batch prefills every row, either of which ended the first server's requests, each then
-    reported as finished, its tokens cut short."""
+    """The Servers made over a decoder's rows (held weakly: a server dropped drives nothing), so
+    that nothing else takes the rows from one with requests in flight: a new server parks every
+    row and a batch prefills every row, either of which ended that server's requests, each then
+    reported as finished, its tokens cut short. Every server made is kept, not the last alone: a
+    second server made while the first was idle left the first's later requests unguarded."""
 
     def __init__(self) -> None:
-        self._server: weakref.ref[Server] | None = None
+        self._servers: weakref.WeakSet[Server] = weakref.WeakSet()
 
     def take(self, what: str) -> None:
-        """RuntimeError naming `what` where the server driving the rows has a request queued,
-        running or waiting for its cancel."""
-        server = None if self._server is None else self._server()
-        if server is not None and not server.idle:
+        """RuntimeError naming `what` where a server over the rows has a request queued, running
+        or waiting for its cancel."""
+        if any(not server.idle for server in list(self._servers)):
             raise RuntimeError(f"{what} would take the rows of this decoder's server, which has requests in flight: "
                                "step it until it is idle, or cancel them first")
 
     def by(self, server: Server) -> Server:
-        """`server`, from now the one driving the rows."""
-        self._server = weakref.ref(server)
+        """`server`, from now one of those driving the rows."""
+        self._servers.add(server)
         return server
+
+    def serve(self, server: Server, requests: Sequence[Request]) -> list[Served]:
+        """server.serve(requests) for a decoder's own serve(), whose server no caller holds: where
+        it raises (an interrupt, a device fault), that server drives the rows no more. Its requests
+        in flight are nobody's to step or cancel, and the traceback that holds it lives on (a
+        REPL's sys.last_exc, a caught exception): every later serve(), server() and
+        generate_batch of the decoder was refused until the traceback went."""
+        try:
+            return server.serve(requests)
+        except BaseException:
+            self._servers.discard(server)
+            raise

@@ -110,6 +110,20 @@ def _sizes(tensor: torch.Tensor | None, *dynamic: int) -> None:
             torch._dynamo.mark_static(tensor, dim)
 
 
+def _no_grad(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """`compiled` run under torch.no_grad(), so that what its guards see of autograd is the same
+    at every call: a decoder's warm-up compiles it and a capture replays that compilation, and a
+    guard that failed in between would compile inside the capture. Under the caller's grad mode, a
+    capture under torch.no_grad() after a warm-up under grad mode failed the grad-mode guard; and a
+    law's p_d and q_d (SamplingParams.fill), once written with the logits of a model whose
+    parameters require grad, required grad, so that the capture's slices of them failed the
+    requires_grad guard their first call had passed."""
+    def run(*args: Any) -> Any:
+        with torch.no_grad():
+            return compiled(*args)
+    return run
+
+
 def attends(attention: Attention | None, flex_rows: int) -> dict[bool, Attention]:
     """How a step of one token (False) and of several (True) attend, for a stack told `attention`
     (or not: WIDTHS_ATTEND) whose flex kernels would put `flex_rows` blocks (its rows times its KV
@@ -204,8 +218,9 @@ class CompiledStack(LayerStack):
                 _sizes(tensor, *shapes)  # rows, tokens a row
             _sizes(rows, *shapes[:1])
             _sizes(mask, *(0, 2) if shapes else ())  # [R][1][T][capacity]
-        return step(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots, rows, mask,
-                    attention, last, linear)
+        with torch.no_grad():  # the same guards at the warm-up and in a capture, whatever the caller's grad mode
+            return step(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots, rows, mask,
+                        attention, last, linear)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -223,10 +238,10 @@ class CompiledStack(LayerStack):
         one batch and a few widths), as the step is: a kernel or two inside the round's graph
         where op by op it was one launch an op, each a few microseconds at a small batch (a law's
         probabilities of a row's logits: six launches for one kernel's work); op by op where
-        this stack runs its step eagerly (compile=False)."""
+        this stack runs its step eagerly (compile=False). It runs with autograd off (_no_grad)."""
         if not self.compiles:
             return arithmetic
-        return torch.compile(arithmetic, fullgraph=True, dynamic=False)
+        return _no_grad(torch.compile(arithmetic, fullgraph=True, dynamic=False))
 
     def _fill(self, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prefills' forward: the prompts' K and V, their attention causal over themselves."""

@@ -119,7 +119,7 @@ class RoundDecoder:
         self.target_law: Law | None = None if sampling is None else self.target.compiled(sampling.fill)
         self.draft_law: Law | None = (None if self.draft_sampling is None
                                       else self.draft.compiled(self.draft_sampling.fill))
-        self.driven = Driven()  # the server driving the rows, if any (server())
+        self.driven = Driven()  # the servers made over the rows (server()), each held weakly
         self.setup_seconds = time.perf_counter() - begun  # a subclass's _warm_up adds its own, capture() too
 
     def _warm_up(self) -> None:
@@ -278,8 +278,9 @@ class RoundDecoder:
         (server(mode).serve): a slot takes the next request as soon as its own stops, between
         bursts, and every step runs all slots. One Served a request, in order; a request that
         cannot run (its prompt and budget past the caches' room in this mode, a token outside
-        the vocabulary) is refused alone, its Served's `refused` saying why."""
-        return self.server(mode).serve(requests)
+        the vocabulary) is refused alone, its Served's `refused` saying why. Where it raises (an
+        interrupt), its server drives the rows no more (Driven.serve)."""
+        return self.driven.serve(self.server(mode), requests)
 
     def acceptance(self, committed: int | Sequence[int]) -> float:
         """The share of drafted tokens accepted, given each row's committed tokens."""

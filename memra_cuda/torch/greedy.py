@@ -81,7 +81,7 @@ class GraphedGreedy:
         self.advance = self.stack.compiled(advance)  # with the step, as gpt-fast compiles its argmax with it
         self.graph: torch.cuda.CUDAGraph | None = None
         self._stops: list[_Stop | None] = [None] * batch  # each row's request's stop; None: vacant
-        self.driven = Driven()  # the server driving the rows, if any (server())
+        self.driven = Driven()  # the servers made over the rows (server()), each held weakly
 
     def _burst(self) -> None:
         for step in range(self.steps):
@@ -192,8 +192,9 @@ class GraphedGreedy:
     def serve(self, requests: Sequence[Request]) -> list[Served]:
         """Continuous batching, as a speculative decoder's serve(): the requests, queued in
         order, through the batch's slots (server().serve). One Served a request, in order; a
-        request that cannot run is refused alone, its Served's `refused` saying why."""
-        return self.server().serve(requests)
+        request that cannot run is refused alone, its Served's `refused` saying why. Where it
+        raises (an interrupt), its server drives the rows no more (Driven.serve)."""
+        return self.driven.serve(self.server(), requests)
 
 
 def hf_generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: int | None = None,

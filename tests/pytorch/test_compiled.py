@@ -170,6 +170,48 @@ def test_a_laws_probabilities_compiled_fill_each_draft_steps_rows_as_eagerly(law
         assert q.max(-1).values.min() == 1
 
 
+def test_a_compiled_step_compiles_once_whatever_autograd_says():
+    """The step, as the arithmetic around it: a decoder warmed up under grad mode (its
+    constructor's) and captured under torch.no_grad() (`with torch.no_grad(): spec.generate(...)`,
+    whose first burst captures) recompiled the step inside the capture. It runs with autograd
+    off, so its logits carry no grad history even where the model's parameters require grad."""
+    stack = CompiledStack(tiny().requires_grad_(True), 40, batch=2, attention="sdpa")
+    stack.prefill(range(2), [[1, 2, 3], [4, 5, 6, 7]])
+    tokens, positions = torch.tensor([[3], [7]]), torch.tensor([[2], [3]])
+    want = stack.logits(tokens, positions)  # the warm-up, under grad mode
+    assert not want.requires_grad
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        got = stack.logits(tokens, positions)  # the capture's
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_rounds_compiled_arithmetic_compiles_once_whatever_autograd_says():
+    """A decoder's warm-up compiles its round's arithmetic and its capture replays that
+    compilation (one compiling there fails the capture), so nothing autograd says may fail a guard
+    in between. Under the caller's autograd, a law's q_d slice filled from logits that require
+    grad (a model whose parameters do, Hugging Face's from_pretrained's, run under grad mode)
+    made q_d require grad, and the next slice recompiled; chain_start warmed up under grad mode
+    recompiled in a capture under torch.no_grad()."""
+    from memra_cuda.torch.chain import chain_start
+    stack, law = CompiledStack(tiny(), 40), SamplingParams(0.7)
+    fill, start = stack.compiled(law.fill), stack.compiled(chain_start)
+    logits = torch.randn(2, 3, VOCAB, generator=torch.Generator().manual_seed(6)).requires_grad_()
+    q = torch.zeros(2, 3, VOCAB)
+    inputs = (torch.tensor([[5], [7]], dtype=torch.int32), torch.tensor([[3], [0]], dtype=torch.int32),
+              torch.zeros(2, 1, dtype=torch.int32), torch.arange(10, dtype=torch.int32).view(2, 5),
+              torch.tensor([[2], [1]], dtype=torch.int32), torch.arange(5))
+    fill(q[:, 0], logits[:, 0])  # the warm-up, under grad mode
+    want = start(*inputs)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        fill(q[:, 1], logits[:, 1])  # the capture's
+        with torch.no_grad():
+            fill(q[:, 2], logits[:, 2])
+            got = start(*inputs)
+    assert not q.requires_grad
+    torch.testing.assert_close(q, law.probs(logits).detach(), atol=1e-6, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.gpu
 def test_a_tiny_temperature_compiled_on_a_gpu_gives_the_likeliest_token_all_the_mass(engine):
     """On a GPU inductor divides by a constant (a law's temperature, which torch.compile takes as

@@ -612,6 +612,40 @@ def test_the_plain_loop_parks_only_rows_it_has_and_each_checked_before_any_is_pa
     assert decoder._stops == [stops[0], None]
 
 
+def test_a_serve_interrupted_leaves_the_rows_to_the_next_serve():
+    """serve() makes its own server, which no caller holds; interrupted mid-burst (Ctrl-C), it
+    lived on in the traceback (a REPL keeps the last one, pytest.raises its own) with requests in
+    flight that nobody could step or cancel, and every later serve(), server() and
+    generate_batch of the decoder was refused for them. Now that server drives the rows no more
+    (the plain loop over a stand-in graph and stack: the host side alone)."""
+    from types import SimpleNamespace
+
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import GraphedGreedy, Request
+
+    class Graph:  # a burst's replay: every column the replay's count; the second interrupted
+        replays = 0
+
+        def replay(self):
+            self.replays += 1
+            if self.replays == 2:
+                raise KeyboardInterrupt
+            decoder.out.fill_(self.replays)
+
+    decoder = object.__new__(GraphedGreedy)
+    decoder.batch, decoder.steps, decoder.vocab, decoder.eager, decoder.stream = 2, 4, VOCAB, False, None
+    decoder.stack = SimpleNamespace(kv=SimpleNamespace(capacity=64), capture_prefills=lambda: None,
+                                    prefill=lambda rows, prompts: None)
+    decoder.graph, decoder._stops, decoder.driven = Graph(), [None, None], Driven()
+    decoder.token, decoder.position = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long)
+    decoder.out = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        decoder.serve([Request([1, 2], 30)] * 3)
+    assert interrupted.traceback, "the traceback, and the server in it, live on"
+    (served,) = decoder.serve([Request([1, 2], 4)])
+    assert served.tokens == [3] * 4
+
+
 def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
     """RoundDecoder.prefill checked a cap after both caches had taken the prompts, which left
     the rows live without a budget; a seed past 64 bits raised after the target's prefill. Each

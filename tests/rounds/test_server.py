@@ -441,3 +441,19 @@ def test_a_decoders_rows_are_not_taken_from_a_server_with_requests_in_flight():
     server.submit(mixed(1)[0])
     del server  # dropped with a request queued: nothing drives the rows
     driven.take("a new server")
+
+
+def test_a_decoders_rows_are_not_taken_from_any_of_its_servers_with_requests_in_flight():
+    """Driven kept the last server made alone: a second server, made while the first was idle,
+    left the first unguarded, so a batch (or a third server) was allowed while the first ran
+    requests, and ended them. Every server made over the rows is kept, each weakly."""
+    decoder, driven = Counting(2), Driven()
+    first = driven.by(Server(decoder, clock=decoder.clock))
+    second = driven.by(Server(decoder, clock=decoder.clock))  # the first idle: allowed
+    first.submit(Request([1, 2, 3], 30))
+    first.step()
+    with pytest.raises(RuntimeError, match="generate_batch would take the rows of this decoder's server"):
+        driven.take("generate_batch")
+    del first  # dropped with a request running: nothing it holds is anyone's
+    driven.take("generate_batch")
+    assert second.idle
