@@ -126,6 +126,11 @@ class StreamBufs:
         self.holder: object | None = None
         self._held_why = ""
 
+    @property
+    def arena(self) -> DeviceBuffer:
+        """The one allocation every field is a window of (carve's), the rings first."""
+        return self._arena
+
     # -- the holder ----------------------------------------------------------------------------
     def hold(self, holder: object, why: str) -> None:
         """Give the buffers to `holder` (a device loop, from its launch until it is finished):

@@ -335,6 +335,12 @@ class TreeBufs:
     def batch(self) -> int:
         return self.bufs.batch
 
+    @property
+    def arena(self) -> DeviceBuffer:
+        """The one allocation every field is a window of (carve's): the tree kernels find each
+        field from its address."""
+        return self._arena
+
     def read(self) -> dict[str, np.ndarray]:
         """Every field of every row, read back, [B][...] (for tests and debugging), named
         without its `_d`."""

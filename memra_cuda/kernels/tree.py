@@ -44,7 +44,7 @@ class TreeKernels:
         if not isinstance(tree, TreeBufs) or tree.bufs is not bufs:
             raise ValueError(f"the tree's buffers must be TreeBufs made over these StreamBufs, not {tree!r}")
         nodes, words, depth = _tree_counts(bufs, tree)
-        return dict(tree=tree._arena, T1=nodes, W=words, D=depth, B=bufs.batch)
+        return dict(tree=tree.arena, T1=nodes, W=words, D=depth, B=bufs.batch)
 
     def prepare_begin(self, bufs: StreamBufs, tree: TreeBufs) -> Launch:
         """Kernel 10: node 0 is the pending token at pos_start = pos_ctr."""
@@ -254,8 +254,8 @@ def _tree_counts(bufs: StreamBufs, tree: TreeBufs) -> tuple[int, int, int]:
         raise ValueError(f"the tree's T1 = {nodes}, D = {depth} and levels {levels} disagree with those of the tree "
                          f"its buffers were made for, {shape!r}")
     words_held = bufs.batch * (nodes * (6 + words) + depth + 1)
-    if tree._arena.len != words_held:
-        raise ValueError(f"the tree's allocation holds {tree._arena.len} words, not the {words_held} of B = "
+    if tree.arena.len != words_held:
+        raise ValueError(f"the tree's allocation holds {tree.arena.len} words, not the {words_held} of B = "
                          f"{bufs.batch} rows of T1 = {nodes}, W = {words}, D = {depth}")
     if tree.shape_d is not None and tree.shape_d.len != 3 * nodes:
         raise ValueError(f"the tree's shape holds {tree.shape_d.len} words, not 3 T1 = {3 * nodes}")

@@ -8,6 +8,8 @@ takes a buffer takes a tensor too.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..buffers.layout import ACC_ROUND, ACC_WORDS, CTL_DONE, CTL_WORDS
@@ -65,9 +67,24 @@ def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.as_tensor(source, device=device)
 
 
+def windows(arena: DeviceBuffer) -> Callable[[DeviceBuffer], torch.Tensor]:
+    """Each window of `arena` (carve's: 32-bit fields side by side) as an int32 slice of one
+    tensor over the whole allocation, at its storage offset. torch.compile reads a tensor's
+    alignment from its storage offset: a field's own tensor, at offset 0, was taken as 16-byte
+    aligned, and where its address was not inductor cloned it before every call, a kernel each
+    (four of a chain round's views at B = 1)."""
+    words = tensor(arena, torch.int32)
+
+    def window(buf: DeviceBuffer) -> torch.Tensor:
+        start = (buf.ptr - arena.ptr) // arena.dtype.itemsize
+        return words[start:start + buf.len]
+    return window
+
+
 class RoundViews:
     """The words of StreamBufs a chain's callables read, as tensors of one column a row where
-    the buffer has one word a row, so that they broadcast against [B][T] positions:
+    the buffer has one word a row, so that they broadcast against [B][T] positions (int32
+    slices of one tensor over the fields' allocation: windows):
 
     - `pend` [B][1] int32: the pending token, committed, its KV not yet computed;
     - `pos_ctr` [B][1] int32: its position (the draft chain's first);
@@ -79,18 +96,18 @@ class RoundViews:
     """
 
     def __init__(self, bufs: StreamBufs):
-        rows, k = bufs.batch, bufs.k
-        self.pend = tensor(bufs.pend_d, torch.int32)[:, None]
-        self.pos_ctr = tensor(bufs.pos_ctr_d)[:, None]
-        self.pos_start = tensor(bufs.pos_start_d)[:, None]
-        self.vtok = tensor(bufs.vtok_d, torch.int32).view(rows, k + 1)
-        self.accepted = tensor(bufs.acc_d, torch.int32).view(rows, ACC_WORDS)[:, ACC_ROUND:ACC_ROUND + 1]
-        self.done = tensor(bufs.ctl_d).view(rows, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
+        rows, k, window = bufs.batch, bufs.k, windows(bufs.arena)
+        self.pend = window(bufs.pend_d)[:, None]
+        self.pos_ctr = window(bufs.pos_ctr_d)[:, None]
+        self.pos_start = window(bufs.pos_start_d)[:, None]
+        self.vtok = window(bufs.vtok_d).view(rows, k + 1)
+        self.accepted = window(bufs.acc_d).view(rows, ACC_WORDS)[:, ACC_ROUND:ACC_ROUND + 1]
+        self.done = window(bufs.ctl_d).view(rows, CTL_WORDS)[:, CTL_DONE:CTL_DONE + 1]
 
 
 class TreeViews:
     """The words of TreeBufs a tree's callables read, as tensors (T + 1 nodes, W mask words,
-    depth D):
+    depth D; int32 slices of one tensor over the fields' allocation: windows):
 
     - `tok` [B][T+1] int32: node i's token (node 0 the pending one);
     - `pos` [B][T+1] int32: node i's position, the root's plus its depth (for RoPE);
@@ -100,9 +117,9 @@ class TreeViews:
     """
 
     def __init__(self, tree_bufs: TreeBufs):
-        rows, nodes = tree_bufs.bufs.batch, tree_bufs.nodes
-        self.tok = tensor(tree_bufs.tok_d, torch.int32).view(rows, nodes)
-        self.pos = tensor(tree_bufs.pos_d).view(rows, nodes)
-        self.parents = tensor(tree_bufs.parent_d, torch.int32).view(rows, nodes)
-        self.words = tensor(tree_bufs.mask_d, torch.int32).view(rows, nodes, tree_bufs.words)
-        self.path = tensor(tree_bufs.path_d, torch.int32).view(rows, tree_bufs.depth + 1)
+        rows, nodes, window = tree_bufs.bufs.batch, tree_bufs.nodes, windows(tree_bufs.arena)
+        self.tok = window(tree_bufs.tok_d).view(rows, nodes)
+        self.pos = window(tree_bufs.pos_d).view(rows, nodes)
+        self.parents = window(tree_bufs.parent_d).view(rows, nodes)
+        self.words = window(tree_bufs.mask_d).view(rows, nodes, tree_bufs.words)
+        self.path = window(tree_bufs.path_d).view(rows, tree_bufs.depth + 1)

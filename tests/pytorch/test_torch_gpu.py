@@ -141,6 +141,30 @@ def test_a_tensor_on_a_freed_buffer_keeps_the_memory_until_it_is_gone(engine):
     assert ids.tolist() == [list(range(8, 16))]
 
 
+def test_a_rounds_views_are_slices_of_its_allocation_at_their_true_offsets(engine):
+    """RoundViews and TreeViews: each field an int32 slice of one tensor over its allocation, at
+    the field's address and at a storage offset that is its place there, so torch.compile reads
+    the field's true alignment (a field's own tensor, at offset 0, was taken as 16-byte aligned
+    and cloned before every compiled call where it was not: pos_ctr at B = 1, say); what the
+    engine writes into a field reads back through its view."""
+    from memra_cuda import TreeShape
+    from memra_cuda.buffers.tree import TreeBufs
+    shared = memra_torch.engine()
+    tree = TreeShape.chain_with_leaves(3, 1)
+    bufs = StreamBufs(shared, Geometry.of_tree(tree, 4, 1))
+    tree_bufs = TreeBufs(bufs, tree)
+    views, nodes = memra_torch.RoundViews(bufs), memra_torch.TreeViews(tree_bufs)
+    fields = [(views.pend, bufs.pend_d, bufs.arena), (views.pos_ctr, bufs.pos_ctr_d, bufs.arena),
+              (views.pos_start, bufs.pos_start_d, bufs.arena), (views.vtok, bufs.vtok_d, bufs.arena),
+              (nodes.tok, tree_bufs.tok_d, tree_bufs.arena), (nodes.pos, tree_bufs.pos_d, tree_bufs.arena)]
+    for view, buf, arena in fields:
+        assert view.dtype == torch.int32 and view.data_ptr() == buf.ptr, buf
+        assert view.storage_offset() * 4 == buf.ptr - arena.ptr, buf
+    assert any(view.data_ptr() % 16 for view, _, _ in fields), "no field is off 16 bytes: nothing tested"
+    shared.copy_htod(bufs.pos_ctr_d, [123])
+    assert views.pos_ctr.tolist() == [[123]]
+
+
 # -- capture through torch ----------------------------------------------------------------------
 
 def test_replays_of_an_adapter_capture_leave_later_tensors_untouched(engine, side_stream):
