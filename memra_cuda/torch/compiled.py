@@ -55,7 +55,10 @@ Projection = Literal["inductor", "few_rows"]
 PROJECTIONS: tuple[Projection, ...] = ("inductor", "few_rows")
 PROJECTION: Projection = "inductor"
 FEW_ROWS = range(2, 17)  # one row stays inductor's tuned reduction
-RECOMPILES = 256  # torch.compile's 8 a function: a server's models, kinds of step and capacities pass it
+# The compilations a function keeps (torch.compile's 8, and 256 in all): a process's decoders compile
+# each step, law and round arithmetic a shape, a batch and a width apart (flex's steps, every
+# arithmetic), and past either limit a fullgraph compile raises (a benchmark's decoders of every B pass 256)
+RECOMPILES = 1024
 
 
 def _step(fused: FusedLlama, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
@@ -88,7 +91,9 @@ def compiled_step(dynamic: bool = True, tuning: bool = True, autotune: bool = Fa
     decoder's."""
     if (dynamic, tuning, autotune, pdl) not in _COMPILED:
         import torch._dynamo
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILES)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILES)
         options = {"coordinate_descent_tuning": tuning, **({"max_autotune_gemm": True} if autotune else {}),
                    **({"triton.enable_pdl": True} if pdl else {})}
         _COMPILED[dynamic, tuning, autotune, pdl] = torch.compile(_step, fullgraph=True,

@@ -77,7 +77,9 @@ class GraphedGreedy:
             self.stack = stack_for(model, as_capacity(capacity, None), batch, compiled=compiled, attention=attention)
             self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # each row's next input, [B][1]
             self.position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # its position, [B][1]
-            self.out = torch.zeros(batch, steps, dtype=torch.long, device="cuda")  # a burst's tokens, [B][steps]
+            # a burst's tokens, [steps][B] (read back [B][steps]), a step's row of whole 16 bytes: advance()
+            # writes it compiled, and inductor cloned a row off 16 bytes before every call
+            self.out = torch.zeros(steps, batch + batch % 2, dtype=torch.long, device="cuda")
         self.advance = self.stack.compiled(advance)  # with the step, as gpt-fast compiles its argmax with it
         self.graph: torch.cuda.CUDAGraph | None = None
         self._stops: list[_Stop | None] = [None] * batch  # each row's request's stop; None: vacant
@@ -86,7 +88,7 @@ class GraphedGreedy:
     def _burst(self) -> None:
         for step in range(self.steps):
             self.advance(self.stack.logits(self.token, self.position), self.token, self.position,
-                         self.out[:, step:step + 1])
+                         self.out[step, :self.batch, None])
 
     def _start(self, requests: Sequence[Request]) -> None:
         self.stack.prefill(range(self.batch), [r.prompt[:-1] for r in requests])
@@ -140,7 +142,7 @@ class GraphedGreedy:
                 self._burst()
             else:
                 self.graph.replay()
-            out = self.out.tolist()  # [B][steps]
+            out = self.out[:, :self.batch].T.tolist()  # [B][steps]
         tokens: list[list[int]] = []
         for row, stop in enumerate(self._stops):
             tokens.append([] if stop is None else stop.take(out[row]))
