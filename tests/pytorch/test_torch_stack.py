@@ -638,7 +638,7 @@ def test_a_serve_interrupted_leaves_the_rows_to_the_next_serve():
                                     prefill=lambda rows, prompts: None)
     decoder.graph, decoder._stops, decoder.driven = Graph(), [None, None], Driven()
     decoder.token, decoder.position = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long)
-    decoder.out = torch.zeros(2, 4, dtype=torch.long)
+    decoder.out = torch.zeros(4, 2, dtype=torch.long)  # [steps][B]
     with pytest.raises(KeyboardInterrupt) as interrupted:
         decoder.serve([Request([1, 2], 30)] * 3)
     assert interrupted.traceback, "the traceback, and the server in it, live on"
