@@ -219,6 +219,11 @@ class CompiledStack(LayerStack):
             # flex_attention's kernels fail on a symbolic batch or width in torch 2.11 (an illegal
             # address at B = 64, a lowering error at T = 2): its steps compile a shape apart
             shapes = (0, 1) if attention != "flex" else ()
+            # the rows through an alias of this call's own: they are one tensor every step takes (the cache's
+            # every_row), where each call's marks stayed (a one-token step's dynamic batch, a flex step's static
+            # one), and torch 2.12 and later guard on them: a step compiled before another marked the rows
+            # compiled again after it, in a capture
+            rows = rows.view(rows.shape)
             for tensor in (tokens, positions, slots):
                 _sizes(tensor, *shapes)  # rows, tokens a row
             _sizes(rows, *shapes[:1])

@@ -185,6 +185,29 @@ def test_a_compiled_step_compiles_once_whatever_autograd_says():
     torch.testing.assert_close(got, want, **TOL)
 
 
+def test_a_rounds_steps_compile_once_whatever_attention_each_width_takes():
+    """A chain round's draft steps as its warm-up runs them and its capture again: the fold's two
+    tokens (flex, each shape static) then a token a step (SDPA, the batch marked dynamic), every
+    one over the cache's rows (StaticKV.every_row, one tensor). Its marks stayed on it, so the
+    flex step compiled before the first one-token step marked the rows found them marked in the
+    capture, and torch 2.12 and later (which guard on maybe_mark_dynamic's and mark_static's
+    marks) compiled it again inside the capture; as did a verify after a width-0 body's."""
+    draft = CompiledStack(tiny(), 40, batch=2)  # each width's attention: flex for several tokens, SDPA for one
+    assert draft.attends == {False: "sdpa", True: "flex"}
+    draft.prefill(range(2), [[1, 2, 3] * 5, [4, 5, 6] * 4])
+
+    def chain_round() -> list[torch.Tensor]:
+        logits = [draft.logits(torch.tensor([[4, 5], [7, 8]]), torch.tensor([[14, 15], [11, 12]]), last=True)]
+        for step in range(1, 4):
+            logits.append(draft.logits(torch.tensor([[6], [9]]), torch.tensor([[15 + step], [12 + step]])))
+        return logits
+    want = chain_round()  # the warm-up
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = chain_round()  # the capture's
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+
+
 def test_a_rounds_compiled_arithmetic_compiles_once_whatever_autograd_says():
     """A decoder's warm-up compiles its round's arithmetic and its capture replays that
     compilation (one compiling there fails the capture), so nothing autograd says may fail a guard
