@@ -50,10 +50,11 @@ def advance(logits: torch.Tensor, token: torch.Tensor, position: torch.Tensor, o
 
 class GraphedGreedy:
     """Plain greedy decoding of a batch, the target alone: `steps` steps a burst (a token a row
-    each), the burst captured once as a CUDA graph and replayed (or, with `eager`, run op by op:
-    the loop an engine writes first), the host reading each burst's tokens back once, as a
-    server streaming them would, until every row has its budget or its EOS (a row's tokens past
-    its stop are dropped). The model's step is compiled where it fuses (`compiled`, as a
+    each), the burst captured once as a CUDA graph and replayed (or, with `eager`, no graph:
+    each step's kernels launched from the host, compiled where the step is, the loop an engine
+    writes first), the host reading each burst's tokens back once, as a server streaming them
+    would, until every row has its budget or its EOS (a row's tokens past its stop are
+    dropped). The model's step is compiled where it fuses (`compiled`, as a
     decoder's: memra_cuda.torch.compiled.stack_for), so this is the best plain loop a PyTorch
     user writes, the baseline every speculative figure is measured against. A hybrid model's
     reference too, which Hugging Face's forward cannot run: its step updates the live state in
