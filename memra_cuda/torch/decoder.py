@@ -242,7 +242,8 @@ class RoundDecoder:
     def generate_batch(self, requests: Sequence[Request], mode: str = "graph") -> list[list[int]]:
         """One request per row, all started together and generated until each stops. A request
         that is malformed or names a token outside the vocabulary is refused (RequestRefused,
-        naming its row) before anything runs."""
+        naming its row) before anything runs; so is the batch (RuntimeError) while a server over
+        the rows has a request in flight (Driven.take: step it until it is idle)."""
         requests = batch_admitted(requests, self.vocab, self.batch)
         self.driven.take("generate_batch")
         self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests],
@@ -261,7 +262,9 @@ class RoundDecoder:
         step of `mode`: submit, cancel and step requests through it. Every graph is captured
         first where capture() has not been (a capture mid-serving would stall every row), and
         every slot is parked now. "overlap" and "device" are refused: a server admits requests
-        between bursts, and they keep a burst in flight or run a whole generation in one launch."""
+        between bursts, and they keep a burst in flight or run a whole generation in one launch.
+        RuntimeError while another server over the rows has a request in flight (Driven.take:
+        step it until it is idle), whose rows this one would park."""
         mode = as_mode(mode)
         if mode is Mode.OVERLAP:
             raise ValueError('a server steps one burst at a time: "overlap" keeps two in flight (generate_batch)')

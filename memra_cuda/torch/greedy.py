@@ -161,7 +161,9 @@ class GraphedGreedy:
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
         """One request a row, started together, each until its budget or its EOS. A request that
         is malformed, names a token outside the vocabulary or does not fit its row's cache is
-        refused (RequestRefused, naming its row) before anything runs."""
+        refused (RequestRefused, naming its row) before anything runs; so is the batch
+        (RuntimeError) while a server over the rows has a request in flight (Driven.take: step it
+        until it is idle)."""
         requests = batch_admitted(requests, self.vocab, self.batch)
         for row, request in enumerate(requests):
             if (reason := self.refusal(request)) is not None:
@@ -185,7 +187,8 @@ class GraphedGreedy:
         """A Server (memra_cuda.rounds.serving) over the batch's slots, every slot vacant. The
         burst's graph and every one-row prefill graph are captured first, as a speculative
         decoder's capture() does: a capture synchronises the device, which a server must not do
-        mid-request."""
+        mid-request. RuntimeError while another server over the rows has a request in flight
+        (Driven.take: step it until it is idle), whose rows this one would park."""
         self.driven.take("a new server")
         self.capture()
         with torch.cuda.stream(self.stream):
