@@ -449,7 +449,7 @@ class Driven:
         or waiting for its cancel."""
         if any(not server.idle for server in list(self._servers)):
             raise RuntimeError(f"{what} would take the rows of this decoder's server, which has requests in flight: "
-                               "step it until it is idle, or cancel them first")
+                               "step it until it is idle (a cancel ends its request at the next step)")
 
     def by(self, server: Server) -> Server:
         """`server`, from now one of those driving the rows."""
