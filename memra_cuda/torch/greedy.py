@@ -40,7 +40,8 @@ class _Stop:
 
 def advance(logits: torch.Tensor, token: torch.Tensor, position: torch.Tensor, out: torch.Tensor) -> None:
     """A plain step's end: each row's greedy token after `logits` ([B][1][V]) becomes its next
-    input (`token`, [B][1]) and its burst's column (`out`, [B][1]), and its `position` ([B][1])
+    input (`token`, [B][1]) and its entry of the burst's step (`out`, [B][1]: a row of the
+    [steps][B] burst, seen as a column), and its `position` ([B][1])
     moves on one; four launches op by op, one kernel compiled (LayerStack.compiled)."""
     best = logits.argmax(-1)
     token.copy_(best)
