@@ -12,8 +12,9 @@ from typing import Any
 class MemraError(Exception):
     """The base of every error of memra_cuda's own (memra_cuda.errors lists them): `except
     MemraError` catches what the library raises and nothing else. Each is also the builtin that
-    says what kind of failure it is (RuntimeError, ValueError), so `except RuntimeError` works
-    too. Bad arguments raise the builtins themselves (ValueError, TypeError)."""
+    says what kind of failure it is (RuntimeError, ValueError; NotFused a TypeError, RankRefused a
+    PermissionError), so `except RuntimeError` works too. Bad arguments raise the builtins
+    themselves (ValueError, TypeError)."""
 
 
 class CudaError(MemraError, RuntimeError):
