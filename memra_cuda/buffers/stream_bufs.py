@@ -262,8 +262,8 @@ class StreamBufs:
     def receive(self, slot: int = 0, event: Event | None = None) -> Readback:
         """Wait for the readback queued into `slot` (one readback for all rows; only up to
         `event`, if given), and learn each row's done flag, position, ring count and accepted
-        drafts from it. The slot is found first: one but 0 or 1 waited, and was counted as a
-        readback, before it raised."""
+        drafts from it. The slot is found first: one that indexes neither (2, "0") is refused,
+        naming it, before anything is waited for or counted as a readback (-1 indexes slot 1)."""
         self.check_free()
         try:
             host = self._host[slot]

@@ -181,8 +181,7 @@ class RoundStream:
     def graph_for(self, slot: int, rounds: int | None = None) -> Graph:
         """The burst graph of `rounds` rounds (default M) reading back into pinned slot `slot`
         (0 or 1), captured the first time it is asked for (once per length). The slot is checked
-        first (a burst's _queue finds its graph without this call): -1 captured a second graph of
-        slot 1, and 2 raised inside the capture."""
+        first, before anything is captured: any other (-1, 2, a bool) is refused, naming it."""
         slot, rounds = as_slot(slot), self._burst_rounds(rounds)
         if (slot, rounds) not in self._graphs:
             if self.sealed:
