@@ -33,8 +33,8 @@ Step = Callable[[], None]
 
 def chain(launches: Sequence[Step]) -> Step:
     """One callable issuing `launches` in order: a draft chain or verify trunk from its kernels.
-    Each is checked callable here, not when the round first issues it (chain(fn) of one callable,
-    not a list of it, met "'function' object is not iterable")."""
+    Each is checked callable here, not when the round first issues it: a launch that is not
+    callable, or one callable given alone (chain(fn), not chain([fn])), is a TypeError saying so."""
     if callable(launches) or isinstance(launches, (str, bytes)) or not isinstance(launches, Iterable):
         raise TypeError(f"chain takes a list of launches (callables), not {launches!r}: chain([launch])")
     steps = tuple(launches)
