@@ -101,8 +101,8 @@ class Cache:
 
     def lengths(self, engine: Engine, row: int = 0) -> list[int | None]:
         """Each layer's length for sequence `row`, read back (one readback per layer: for tests
-        and debugging). `row` is checked first, a row of every layer's batch: numpy's indexing
-        read -1 as the last row, a debugging aid answering for another sequence."""
+        and debugging). `row` is checked first, a row of every layer's batch (ValueError or
+        TypeError naming it): -1 is refused, not read as numpy's last row, another sequence's."""
         batches = [layer.batch for layer in self.kv if layer is not None]
         row = as_size(row, "row", 0, min(batches) - 1 if batches else None)
         return [None if layer is None else int(engine.dtoh(layer.len_d)[row]) for layer in self.kv]
