@@ -232,9 +232,11 @@ class RoundStream:
         row's stop: each length is its own graph, captured on first use (or capture_graphs)."""
         mode = as_mode(mode)
         if mode is Mode.OVERLAP:
-            raise ValueError('"overlap" keeps two bursts in flight: use generate()')
+            raise ValueError('"overlap" keeps two bursts in flight, which a step of one burst cannot: '
+                             'use generate() (one row) or generate_batch(), or step in "graph"')
         if mode is Mode.DEVICE:
-            raise ValueError('"device" generates until every row is done, in one launch: use generate() or follow()')
+            raise ValueError('"device" generates until every row is done, in one launch: use generate() (one row), '
+                             'generate_batch() or follow(), or step in "graph"')
         rounds = self._burst_rounds(rounds, self.rounds_per_step(mode))
         self._queue(mode, rounds)
         return self._receive(0, rounds)

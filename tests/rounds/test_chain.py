@@ -1,5 +1,6 @@
 """memra_cuda.chain, a round's draft chain or verify trunk made of launches: what it is given is
-checked when it is made (no driver needed), its launches issued in order."""
+checked when it is made (no driver needed), its launches issued in order; and RoundStream.step's
+refusal of the modes that generate, which needs no driver either."""
 from __future__ import annotations
 
 import pytest
@@ -57,3 +58,17 @@ def test_a_chain_rounds_steps_that_are_no_callables_are_refused_before_anything_
                     rollback_tables=[]), **steps}
     with pytest.raises(TypeError, match=message):
         ChainRound(Untouched(), Untouched(), **given)
+
+
+@pytest.mark.parametrize(("mode", "message"), [
+    ("overlap", r'"overlap" keeps two bursts.*generate\(\) \(one row\) or generate_batch\(\), or step in "graph"'),
+    ("device", r'"device" generates until.*generate_batch\(\) or follow\(\), or step in "graph"'),
+])
+def test_a_step_refuses_the_generating_modes_naming_the_calls_that_run_them(mode, message):
+    """Refused before anything is asked of the buffers (no driver needed). The refusal named
+    generate() alone, which refuses a batch: a batch's step("overlap") was sent to a call that
+    refused it in turn; generate_batch() runs both modes for every row."""
+    from memra_cuda import RoundStream
+    stream = object.__new__(RoundStream)  # nothing built: the mode is refused first
+    with pytest.raises(ValueError, match=message):
+        stream.step(mode)
