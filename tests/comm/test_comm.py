@@ -296,7 +296,7 @@ def nccl():
     try:
         return library.nccl()
     except NcclUnavailable as exc:
-        pytest.skip(f"needs NCCL ({library.EXTRA}): {exc}")
+        pytest.skip(f"needs NCCL: {exc}")  # which names the wheel to install (library.EXTRA) and what was tried
 
 
 def test_the_installed_nccl_has_a_version_and_makes_ids(nccl):
