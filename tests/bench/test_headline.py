@@ -138,7 +138,7 @@ def test_the_hbm_floor_is_the_weights_read_once_at_the_copys_bandwidth():
 
 
 def test_the_weights_a_step_reads_leave_out_the_input_embedding_but_not_a_tied_head():
-    torch = pytest.importorskip("torch", reason="needs PyTorch")
+    torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
     transformers = pytest.importorskip("transformers", reason="needs transformers")
     from benchmarks.headline import streamed_bytes
     shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
