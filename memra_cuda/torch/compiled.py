@@ -153,8 +153,8 @@ class CompiledStack(LayerStack):
     mask; "flex": the blocks each row holds, every shape compiled apart); left out, each width
     attends the way the H200 measured faster (WIDTHS_ATTEND); where `batch` times the KV heads
     pass flex's grid (GRID_Y), every width attends through SDPA, and "flex" is refused
-    (attends); `compile=False` runs
-    the same step eagerly (a CPU's check of the arithmetic); `dynamic=False` compiles every shape
+    (ValueError, by `attends`); `compile=False` runs the same step eagerly (a CPU's check of the
+    arithmetic); `dynamic=False` compiles every shape
     apart; `tuning` (inductor's coordinate descent, gpt-fast's setting) tunes each kernel's
     launch of the one-token step at its compilation: None, at B = 1 alone (a step of several
     rows, a verify and a prefill compile untuned: there it costs compile time and gains
