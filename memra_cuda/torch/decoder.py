@@ -227,7 +227,7 @@ class RoundDecoder:
         capture synchronises the device, which a server must not do mid-request. From then on a
         burst graph of another mode is a CaptureError, not a capture (the rounds are sealed).
         setup_seconds is then what the decoder spent compiling and capturing before its first
-        request. Each mode is checked first (a name misspelt captured as "graph"); "device"
+        request. Each mode is checked first: a misspelt one is a ValueError, not a "graph"; "device"
         mode's loop graph is captured at its first generation of each size (device mode runs a
         whole batch in one launch, no server's mode: RoundStream.device_loop)."""
         overlap = Mode.OVERLAP in [as_mode(mode) for mode in ((modes,) if isinstance(modes, str) else modes)]
