@@ -411,7 +411,8 @@ class ToyLM:
 
     def prefill(self, bufs: StreamBufs, prompt: Sequence[int], seed: int = 0) -> int:
         """Fill both caches with the prompt but its last token, which becomes pending, and
-        reset the request's buffers (bufs.reset; the stop rule is generate's). Returns the
+        reset the request's buffers (prefill_row of row 0: bufs.reset_row, for one sequence all
+        that bufs.reset does; the stop rule is generate's). Returns the
         start position, len(prompt) - 1. For one sequence; a batch fills its rows with
         prefill_row."""
         if self.batch != 1:
