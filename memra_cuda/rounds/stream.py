@@ -243,7 +243,7 @@ class RoundStream:
 
     def generate(self, max_new_tokens: int, *, eos: int | None = None, mode: Mode | str = Mode.GRAPH) -> np.ndarray:
         """Generate one sequence (a batch of 1) until EOS or max_new_tokens (the device's token
-        budget), from where the last bufs.reset left it: generate_batch for a single row."""
+        budget), from where the last bufs.reset (or readback) left it: generate_batch for a single row."""
         if self.bufs.batch != 1:
             raise ValueError(f"generate() serves a batch of 1; these buffers hold {self.bufs.batch}: "
                              f"use generate_batch")
