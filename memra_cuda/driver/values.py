@@ -163,3 +163,19 @@ def as_listed(values: Any, what: str, of: str, most: int | None = None) -> list[
     if most is not None and len(values) > most:
         raise ValueError(f"{what} holds at most {most} {of}, not {len(values)}")
     return list(values)
+
+
+def distinct_rows(rows: Any, batch: int, what: str) -> list[int]:
+    """`rows` as ints, each a row of a batch of `batch` rows and none twice, else TypeError
+    (what is no sequence, a row that is no int: a bool was read as row 1, a float truncated) or
+    ValueError (a row outside 0..batch - 1: a device index past the batch asserts and loses the
+    context, -1 was the last row; a row twice was two writes racing for it) naming `what`. A
+    tensor of rows is read a row at a time: what takes rows checks them on the host."""
+    try:
+        listed = list(rows)
+    except TypeError:
+        raise TypeError(f"{what} are a sequence of row indices, not {reprlib.repr(rows)}") from None
+    checked = [as_size(row, "a row", 0, batch - 1) for row in listed]
+    if len(set(checked)) != len(checked):
+        raise ValueError(f"{what} must be distinct rows of 0..{batch - 1}, not {checked}")
+    return checked

@@ -213,7 +213,7 @@ class RoundDecoder:
             index = torch.tensor(rows, device="cuda")
             self.target.prefill(rows, heads)
             if self.shared:
-                self.draft.kv.copy_rows(self.target.kv, index)
+                self.draft.kv.copy_rows(self.target.kv, rows)
             else:
                 self.draft.prefill(rows, heads)
             self._prefilled(index, prompts)
