@@ -64,11 +64,12 @@ class Prefills:
         if len(rows) != len(prompts):
             raise ValueError(f"a prefill takes one prompt for each of distinct rows of 0..{batch - 1}, not rows "
                              f"{rows} and {len(prompts)} prompt(s)")
-        longest = max((len(prompt) for prompt in prompts), default=0)
+        checked = [token_ids(prompt, self.vocab, f"row {row}'s prompt").astype(np.int64)
+                   for row, prompt in zip(rows, prompts)]  # first: len() of a generator or an int raised deep inside
+        longest = max((len(prompt) for prompt in checked), default=0)
         if longest > self.kv.capacity:
             raise ValueError(f"a prompt of {longest} tokens does not fit a cache of {self.kv.capacity}")
-        return rows, [token_ids(prompt, self.vocab, f"row {row}'s prompt").astype(np.int64)
-                      for row, prompt in zip(rows, prompts)]
+        return rows, checked
 
     def run(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         """Each prompt's K and V at positions 0.. of its row; the row's lengths become the prompt's."""

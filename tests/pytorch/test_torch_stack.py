@@ -400,6 +400,9 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
             ([1], [[-1]], ValueError, "row 1's prompt token -1 \\(at 0\\) is outside"),
             ([0], [[1, 1.7]], TypeError, "row 0's prompt must be token ids"),
             ([0], [[True, 1]], TypeError, "row 0's prompt must be token ids"),
+            # len() met these deep inside: "object of type 'generator' has no len()"
+            ([0], [(token for token in [1, 2])], TypeError, "row 0's prompt must be token ids"),
+            ([1], [np.int64(5)], TypeError, "row 1's prompt must be token ids"),
             # what is no sequence of rows, or of prompts (a dict's keys were read as prompts): named
             (0, [[1, 2]], TypeError, "a prefill's rows are a sequence of row indices, not 0"),
             ([0], {0: [1, 2]}, TypeError, "a prefill's prompts must be a list, a tuple or a 1-D array")):
@@ -590,8 +593,12 @@ def test_a_decoders_admission_takes_every_prompt_a_server_takes(monkeypatch):
     monkeypatch.setattr(torch, "tensor", lambda data, *args, device=None, **kwargs: tensor(data, *args, **kwargs))
     assert decoder._fill([1, 0], [np.array([5, 6, 7]), (8,)], None) == ([2, 0], [7, 8])
     assert decoder.target.calls == decoder.draft.calls == [([1, 0], [[5, 6], []])]
-    with pytest.raises(ValueError, match="one prompt of at least one token for each of the 1 rows"):
-        decoder._fill([0], [np.array([], np.int64)], None)
+    for prompt, error in ((np.array([], np.int64), ValueError), ((token for token in [5, 6]), TypeError),
+                          (np.int64(5), TypeError)):  # the last two met len() deep inside
+        with pytest.raises(error, match="row 0's prompt must be a sequence of at least one token id"):
+            decoder._fill([0], [prompt], None)
+    with pytest.raises(ValueError, match="need one prompt for each of the 2 rows, not 1"):
+        decoder._fill([0, 1], [[5]], None)
 
 
 @pytest.mark.parametrize(("steps", "error"), [(2.5, TypeError), (0, ValueError), (True, TypeError)])
@@ -704,7 +711,7 @@ def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
     # the last token, which becomes pending (looked up only by the draft's first step), checked with the rest:
     # it went to the buffers as int(token), 7.9 as 7, "42" as 42, 10**6 to fault the device
     for last, error in ((10**6, ValueError), (7.9, TypeError), ("42", TypeError), (True, TypeError)):
-        with pytest.raises(error, match="row 1's prompt (token 1000000 .at 1. is outside|must be token ids)"):
+        with pytest.raises(error, match="row 1's prompt('s token 1000000 .at 1. is outside| must be a sequence of)"):
             decoder.prefill([0, 1], [[5, 6], [7, last]])
     for args, error, named in ((([0, 1], [[5, 6], [7, 8]], None, [0, 5]), ValueError, "a most draft length"),
                                (([0, 2], [[5, 6], [7, 8]]), ValueError, "a row must be an int from 0 to 1"),
