@@ -25,7 +25,7 @@ from ...rounds.tree_round import TreeRound
 from ...rounds.stream import RoundStream
 from ...buffers.tables import (Cache, KVData, KVLayer, PointerTable, StateIndexTable, StateLayer, StateTable,
                                kv_data_table, kv_len_ptr_table, state_copy_table, state_flip_table)
-from ...buffers.geometry import Geometry, as_batch
+from ...buffers.geometry import Geometry, as_batch, as_geometry
 from ...buffers.tree import Candidates, DynamicTree, TreeBufs, TreeShape
 
 if TYPE_CHECKING:
@@ -213,6 +213,16 @@ class ToyModel:
                 tokens[j] = (pred + 2) % self.vocab if decoy == pred else decoy
         logp = np.array([np.float32(-float(j * gap)) / np.float32(1000.0) for j in range(k)], np.float32)
         return tokens, logp
+
+
+def as_chain(geometry: object) -> Geometry:
+    """`geometry` if it is a chain's Geometry (the toy's ranks and pipeline run chain rounds),
+    else TypeError (as_geometry's: the loose k, M and B it replaces named) or ValueError (a
+    tree's width)."""
+    geometry = as_geometry(geometry)
+    if not geometry.chain:
+        raise ValueError(f"the toy's ranks and pipeline run chain rounds, of width k + 1: not {geometry}")
+    return geometry
 
 
 def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
