@@ -332,7 +332,7 @@ def bench_pipeline(engine: Engine, quick: bool) -> list[dict]:
         lm = ToyLM(engine, MODEL, capacity, cost)
         bufs = StreamBufs(engine, Geometry(k, m_rounds))
         single = lm.round_stream(bufs)
-        pipe = ToyPipeline([engine, second], MODEL, capacity, split, k, m_rounds,
+        pipe = ToyPipeline([engine, second], MODEL, capacity, split, Geometry(k, m_rounds),
                            costs=(half, ToyCost(verify_bytes=cost.verify_bytes // 2)))
         piped = pipe.round_stream()
         for mode in ("eager", "graph"):

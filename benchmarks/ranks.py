@@ -30,14 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("m_rounds", type=int, metavar="M", help="rounds per burst")
     args = cli.parse_args(argv)
     comm = Communicator.from_env(timeout=60)
-    capacity = kv_capacity(len(PROMPT), args.tokens, Geometry(args.k, args.m_rounds))
+    geometry = Geometry(args.k, args.m_rounds)
+    capacity = kv_capacity(len(PROMPT), args.tokens, geometry)
     kinds: tuple[tuple[type[ToyRank], str], ...] = ((ToyPipelineStage, "pipeline stages"),
                                                     (ToyTensorParallel, "tensor-parallel"))
     rows = []
     for name, cost in (("bare", ToyCost()), ("8B/0.5B", COST_8B_05B)):
         share = ToyCost(verify_bytes=cost.verify_bytes // comm.world, draft_bytes=cost.draft_bytes)
         for kind, label in kinds:
-            ranks = kind(comm, MODEL, capacity, args.k, args.m_rounds, cost=share)
+            ranks = kind(comm, MODEL, capacity, geometry, cost=share)
             us = us_per_round(comm.engine, ranks.round_stream(), lambda: ranks.prefill_row(0, PROMPT), args.tokens,
                               "graph")
             rows.append(dict(model=name, kind=label, us_per_round=us))

@@ -151,6 +151,27 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
     return tokens
 
 
+def as_prompt(prompt: Any, vocab: int, what: str) -> np.ndarray:
+    """`prompt` as token_ids' checked copy, of at least one token (its last is the pending one a
+    decoding starts from): the one check of a prompt where it enters (a request's, rounds.serving;
+    a decoder's prefill; the toy's prefill, its numpy loops and target_greedy). TypeError naming
+    `what` ("its prompt", "row 0's prompt") for what is no sequence of ints (a generator or a bare
+    numpy integer met len() deep inside: "object of type ... has no len()"), ValueError for an
+    empty one or a token outside [0, vocab) ("row 0's prompt's token 7 (at 2)")."""
+    try:
+        tokens = token_ids(prompt, vocab, f"{what}'s")
+    except TypeError:
+        raise TypeError(_no_prompt(prompt, what)) from None
+    if not tokens.size:
+        raise ValueError(_no_prompt(prompt, what))
+    return tokens
+
+
+def _no_prompt(prompt: Any, what: str) -> str:
+    """as_prompt's refusal of what is no prompt, made only where one is refused."""
+    return f"{what} must be a sequence of at least one token id (an int), not {reprlib.repr(prompt)}"
+
+
 def as_listed(values: Any, what: str, of: str, most: int | None = None) -> list[Any]:
     """`values` as a list, if it is a list, a tuple (a sequence but a string) or a 1-D array:
     where the order is the meaning (a tree's nodes, a cost a width), a mapping's or a set's
@@ -163,3 +184,19 @@ def as_listed(values: Any, what: str, of: str, most: int | None = None) -> list[
     if most is not None and len(values) > most:
         raise ValueError(f"{what} holds at most {most} {of}, not {len(values)}")
     return list(values)
+
+
+def distinct_rows(rows: Any, batch: int, what: str) -> list[int]:
+    """`rows` as ints, each a row of a batch of `batch` rows and none twice, else TypeError
+    (what is no sequence, a row that is no int: a bool was read as row 1, a float truncated) or
+    ValueError (a row outside 0..batch - 1: a device index past the batch asserts and loses the
+    context, -1 was the last row; a row twice was two writes racing for it) naming `what`. A
+    tensor of rows is read a row at a time: what takes rows checks them on the host."""
+    try:
+        listed = list(rows)
+    except TypeError:
+        raise TypeError(f"{what} are a sequence of row indices, not {reprlib.repr(rows)}") from None
+    checked = [as_size(row, "a row", 0, batch - 1) for row in listed]
+    if len(set(checked)) != len(checked):
+        raise ValueError(f"{what} must be distinct rows of 0..{batch - 1}, not {checked}")
+    return checked

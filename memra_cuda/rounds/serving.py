@@ -19,10 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-import numpy as np
-
 from ..driver.errors import MemraError
-from ..driver.values import as_index, as_size, token_ids
+from ..driver.values import as_index, as_prompt, as_size
 
 
 class Request(NamedTuple):
@@ -207,14 +205,7 @@ def _checked(request: Request, vocab: int) -> Request | str:
     unchecked token or a budget past the room refusal() measured into a row."""
     request = as_request(request)
     try:
-        prompt = token_ids(request.prompt, vocab, "its prompt's")  # a copy, never the caller's list itself
-    except TypeError:
-        prompt = np.zeros(0)
-    except ValueError as exc:
-        return str(exc)
-    if not prompt.size:
-        return f"its prompt must be a sequence of at least one token id (an int), not {reprlib.repr(request.prompt)}"
-    try:
+        prompt = as_prompt(request.prompt, vocab, "its prompt")  # a copy, never the caller's list itself
         budget = as_size(request.max_new_tokens, "max_new_tokens", 0)
         seed = as_seed(request.seed)
         eos = None if request.eos is None else as_size(request.eos, "eos", 0, also="None")

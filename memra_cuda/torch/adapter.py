@@ -36,10 +36,17 @@ from ..driver.stream import Stream
 
 
 def engine(stream: torch.cuda.Stream | None = None) -> Engine:
-    """An Engine on `stream` (default: torch's current stream), borrowed and never destroyed;
-    the stream object is kept alive with the engine. The engine carries torch's Framework: the
-    model's work runs with that stream as torch's current stream, and graphs capture through
-    torch (so its allocator knows what a graph uses, and its random numbers move on)."""
+    """An Engine on `stream`, borrowed and never destroyed; the stream object is kept alive with
+    the engine. Left out, `stream` is torch's current stream: inside `with torch.cuda.stream(s):`
+    that is s (the decoders make theirs so, on a stream of their own), elsewhere normally torch's
+    default stream, the legacy stream 0, which waits for and holds up the work of every other
+    stream on the device and which no graph can capture (eager rounds run; graph and overlap
+    modes raise CaptureError at their first capture). An engine's own stream:
+    `engine(torch.cuda.Stream())`; tensors made on another stream are then ready for it only once
+    it waits for them (`engine.wait(...)`, or torch.cuda.synchronize()). The engine carries
+    torch's Framework: the model's work runs with that stream as torch's current stream, and
+    graphs capture through torch (so its allocator knows what a graph uses, and its random
+    numbers move on)."""
     stream = stream if stream is not None else torch.cuda.current_stream()
     return Engine(stream.device.index, stream=stream, framework=framework(stream))
 

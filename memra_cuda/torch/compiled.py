@@ -33,7 +33,7 @@ from ..driver.values import as_size
 from .fused import FusedLlama, Linear, fuse
 from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
-from .stack import LayerStack, Stack, rotary, sliding_window
+from .stack import LayerStack, Stack, op_by_op, rotary, sliding_window
 from .state import LiveState, StateLayout
 
 # How a step of one token (False) and of several, a verify (True), attend when a stack is not told:
@@ -250,7 +250,7 @@ class CompiledStack(LayerStack):
         probabilities of a row's logits: six launches for one kernel's work); op by op where
         this stack runs its step eagerly (compile=False). It runs with autograd off (_no_grad)."""
         if not self.compiles:
-            return arithmetic
+            return op_by_op(arithmetic)
         return _no_grad(torch.compile(arithmetic, fullgraph=True, dynamic=False))
 
     def _fill(self, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:

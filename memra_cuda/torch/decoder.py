@@ -22,7 +22,7 @@ from ..buffers.geometry import Geometry, as_geometry
 from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
-from ..driver.values import as_size, token_ids
+from ..driver.values import as_listed, as_prompt, as_size
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row, as_seed,
                               batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
@@ -200,20 +200,20 @@ class RoundDecoder:
         for the rows (_prefilled) and their seeds are set: everything of a request's start but
         the buffers' row. Returns the rows' start positions and pending tokens (every token
         checked, ints of the vocabulary, before any row is written)."""
-        # len(): a server takes a prompt that is an array, whose truth is ambiguous
-        if any(len(prompt) == 0 for prompt in prompts) or len(prompts) != len(rows):
-            raise ValueError(f"need one prompt of at least one token for each of the {len(rows)} rows")
+        prompts = as_listed(prompts, "a prefill's prompts", "prompts, one a row")
+        if len(prompts) != len(rows):
+            raise ValueError(f"need one prompt for each of the {len(rows)} rows, not {len(prompts)}")
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")
         seeds = None if seeds is None else [as_seed(seed) for seed in seeds]
         # the whole prompt, its last (pending) token too, which only the draft's first step looks up
-        prompts = [token_ids(prompt, self.vocab, f"row {row}'s prompt").tolist() for row, prompt in zip(rows, prompts)]
+        prompts = [as_prompt(prompt, self.vocab, f"row {row}'s prompt").tolist() for row, prompt in zip(rows, prompts)]
         heads = [prompt[:-1] for prompt in prompts]
         with torch.cuda.stream(self.stream):
             index = torch.tensor(rows, device="cuda")
             self.target.prefill(rows, heads)
             if self.shared:
-                self.draft.kv.copy_rows(self.target.kv, index)
+                self.draft.kv.copy_rows(self.target.kv, rows)
             else:
                 self.draft.prefill(rows, heads)
             self._prefilled(index, prompts)

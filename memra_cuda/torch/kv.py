@@ -15,7 +15,7 @@ caller for the forward) and return those rows' whole caches, masked by the calle
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 from ..buffers.capacity import kv_capacity
 from ..buffers.geometry import Geometry, as_batch
 from ..buffers.tables import Cache, KVData, KVLayer
-from ..driver.values import as_size
+from ..driver.values import as_size, distinct_rows
 
 
 def head_size(config: Any) -> int:
@@ -129,14 +129,31 @@ class StaticKV:
                        pos_stride=entry, nbytes=entry, capacity=capacity, batch=batch)
                 for k, v in flat for head in range(heads)]
 
-    def copy_rows(self, other: StaticKV, rows: torch.Tensor) -> None:
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__} of {len(self.k)} layer(s), batch {self.lengths.shape[1]}, capacity "
+                f"{self.capacity}, entries {list(self.k[0].shape)} {self.k[0].dtype} on {self.k[0].device}")
+
+    def copy_rows(self, other: StaticKV, rows: Sequence[int]) -> None:
         """`other`'s first layers' entries and lengths in `rows` (what a stack of those same
         layers computes over the same tokens: a self-speculative draft's prefill), from a cache
-        of the same layout, batch and capacity."""
-        held = self._held(rows)  # the first index of each layer's tensor that holds the rows' entries
+        of the same layout, batch and capacity. Both are checked first, naming what is wrong
+        (nothing copied): `other` a cache of this one's kind, batch, capacity, heads, head size,
+        dtype and device with at least its layers (index_copy_ met a shorter capacity with a
+        shape error, a PagedKV's pages as a StaticKV's rows); `rows` distinct rows of the batch
+        (distinct_rows: a row past it would be a device-side assert)."""
+        if not isinstance(other, StaticKV):
+            raise TypeError(f"copy_rows copies from a StaticKV or a PagedKV, not a {type(other).__name__}")
+        if type(other) is not type(self) or len(other.k) < len(self.k) or other.capacity != self.capacity or \
+                other.k[0].shape != self.k[0].shape or other.k[0].dtype != self.k[0].dtype or \
+                other.k[0].device != self.k[0].device:
+            raise ValueError(f"copy_rows copies from a cache of its own layout, batch and capacity and at least its "
+                             f"layers: not a {other!r} into a {self!r}")
+        index = torch.tensor(distinct_rows(rows, self.lengths.shape[1], "copy_rows' rows"), dtype=torch.long,
+                             device=self.lengths.device)
+        held = self._held(index)  # the first index of each layer's tensor that holds the rows' entries
         for mine, theirs in zip(self.k + self.v, other.k[:len(self.k)] + other.v[:len(self.v)]):
             mine.index_copy_(0, held, theirs.index_select(0, held))
-        self.lengths.index_copy_(1, rows, other.lengths[:len(self.lengths)].index_select(1, rows))
+        self.lengths.index_copy_(1, index, other.lengths[:len(self.lengths)].index_select(1, index))
 
     def _held(self, rows: torch.Tensor) -> torch.Tensor:
         """Where `rows`' entries are in a layer's tensor, by its first index: the rows themselves."""

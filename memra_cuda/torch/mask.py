@@ -8,20 +8,10 @@ mask over the whole cache.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from ..buffers.tree import Tree, TreeShape
-
-
-Compile = Callable[[Callable[..., Any]], Callable[..., Any]]  # LayerStack.compiled: arithmetic as a stack runs it
-
-
-def _as_is(arithmetic: Callable[..., Any]) -> Callable[..., Any]:
-    """Arithmetic run op by op (a TreeMask made outside a decoder, the modules' Stack's way)."""
-    return arithmetic
+from .stack import Compile, op_by_op
 
 
 class TreeMask:
@@ -40,7 +30,7 @@ class TreeMask:
     a dozen launches a round); left out, op by op."""
 
     def __init__(self, words: torch.Tensor, capacity: int, dtype: torch.dtype, tree: Tree | None = None, *,
-                 compiled: Compile = _as_is):
+                 compiled: Compile = op_by_op):
         self.words = words
         self.nodes = 32 * words.shape[2]
         every = torch.arange(self.nodes, device=words.device)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..driver.values import as_listed, as_size, token_ids
+from ..driver.values import as_listed, as_size, distinct_rows, token_ids
 from .kv import StaticKV
 
 Fill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -60,24 +60,21 @@ class Prefills:
         cache; a token that is not an int of the vocabulary (its embedding lookup would fault
         the device; a float was truncated)."""
         batch = self.kv.lengths.shape[1]
-        rows = [as_size(row, "a row", 0, batch - 1) for row in rows]
-        if len(rows) != len(prompts) or len(set(rows)) != len(rows):
+        rows = distinct_rows(rows, batch, "a prefill's rows")
+        if len(rows) != len(prompts):
             raise ValueError(f"a prefill takes one prompt for each of distinct rows of 0..{batch - 1}, not rows "
                              f"{rows} and {len(prompts)} prompt(s)")
-        longest = max((len(prompt) for prompt in prompts), default=0)
+        checked = [token_ids(prompt, self.vocab, f"row {row}'s prompt").astype(np.int64)
+                   for row, prompt in zip(rows, prompts)]  # first: len() of a generator or an int raised deep inside
+        longest = max((len(prompt) for prompt in checked), default=0)
         if longest > self.kv.capacity:
             raise ValueError(f"a prompt of {longest} tokens does not fit a cache of {self.kv.capacity}")
-        return rows, [token_ids(prompt, self.vocab, f"row {row}'s prompt").astype(np.int64)
-                      for row, prompt in zip(rows, prompts)]
+        return rows, checked
 
     def run(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         """Each prompt's K and V at positions 0.. of its row; the row's lengths become the prompt's."""
         prompts = as_listed(prompts, "a prefill's prompts", "prompts, one a row")  # a dict's keys are no prompts
-        try:
-            listed = list(rows)
-        except TypeError:
-            raise TypeError(f"a prefill's rows are a sequence of row indices, not {rows!r}") from None
-        rows, checked = self._check(listed, prompts)
+        rows, checked = self._check(rows, prompts)
         if not rows:  # nothing to prefill
             return
         lengths = [len(prompt) for prompt in checked]

@@ -16,13 +16,16 @@ the compiled graph (and of inductor's cache key), as the kernel's source is. Nee
 (torch's own, on a CUDA machine); this module is imported only where the step is compiled with
 it. A CPU tensor, called eagerly, goes to F.linear.
 """
-from typing import NamedTuple, Optional
+from dataclasses import astuple, dataclass, replace
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.library import wrap_triton
+
+from ..driver.values import as_size
 
 BLOCK_M = 16  # the rows a block multiplies: the tensor cores' least; fewer are padded, more take more blocks
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 stays with F.linear: its products must be cuBLAS's own, not TF32's
@@ -66,11 +69,15 @@ def _linear(x, weight, bias, out, rows, n, k, x_row, w_row, out_row, STEPS: tl.c
     tl.store(at, sums.to(out.dtype.element_ty), mask=(m[:, None] < rows) & (cols[None, :] < n))
 
 
-class Tiles(NamedTuple):
+@dataclass(frozen=True)
+class Tiles:
     """How _linear cuts one projection: `block_n` columns and `block_k` of k a step, `split_k`
     slices of k (blocks of partial sums, summed after), `swap` (the product as weight @ x^T),
-    `warps` and `stages` (Triton's launch and software pipelining). A named tuple: the compiled
-    step builds one as it is traced, and hands it to the op as its ints."""
+    `warps` and `stages` (Triton's launch and software pipelining). The compiled step builds one
+    as it is traced, and hands it to the op as its values (`astuple`). Each is checked as it is
+    built, TypeError or ValueError naming it: block_n and block_k powers of two of at least 16
+    (tl.arange's lengths, tl.dot's least), warps a power of two (Triton's), split_k and stages at
+    least 1, swap a bool; a block_n of 0 divided by zero at the launch."""
 
     block_n: int = 16
     block_k: int = 128
@@ -78,6 +85,16 @@ class Tiles(NamedTuple):
     swap: bool = False
     warps: int = 4
     stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name, least, power in (("block_n", 16, True), ("block_k", 16, True), ("split_k", 1, False),
+                                   ("warps", 1, True), ("stages", 1, False)):
+            value = as_size(getattr(self, name), name, least)
+            if power and value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, not {value}")
+            object.__setattr__(self, name, value)
+        if not isinstance(self.swap, bool):
+            raise TypeError(f"swap must be a bool, not {self.swap!r}")
 
 
 SMS = 132  # an H200's streaming multiprocessors: the blocks a projection should at least give
@@ -93,7 +110,7 @@ def tiles(n: int, k: int) -> Tiles:
         return Tiles(block_n=64)
     cut = Tiles()
     slices = -(-n // cut.block_n)
-    return cut._replace(split_k=min(-(-k // cut.block_k), max(1, -(-SMS // slices))))
+    return replace(cut, split_k=min(-(-k // cut.block_k), max(1, -(-SMS // slices))))
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,  # noqa: UP045
@@ -150,9 +167,10 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 @few_rows_linear.register_kernel("cpu")
 def _on_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], block_n: int,  # noqa: UP045
             block_k: int, split_k: int, swap: bool, warps: int, stages: int) -> torch.Tensor:
+    Tiles(block_n, block_k, split_k, swap, warps, stages)  # the GPU body's refusals of a cut, on any device
     return F.linear(x, weight, bias)
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear's arguments to few_rows_linear, cut as tiles() says for the weight's shape."""
-    return torch.ops.memra_cuda.few_rows_linear(x, weight, bias, *tiles(*weight.shape))
+    return torch.ops.memra_cuda.few_rows_linear(x, weight, bias, *astuple(tiles(*weight.shape)))

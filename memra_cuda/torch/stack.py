@@ -86,6 +86,16 @@ def rotary(model: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return cos[0], sin[0]
 
 
+Compile = Callable[[Callable[..., Any]], Callable[..., Any]]  # LayerStack.compiled: arithmetic as a stack runs it
+
+
+def op_by_op(arithmetic: Callable[..., Any]) -> Callable[..., Any]:
+    """`arithmetic` as it is, run op by op: the Compile of a stack that runs the model's own
+    modules (Stack.compiled, a CompiledStack's with compile=False) and of a TreeMask made
+    outside a decoder."""
+    return arithmetic
+
+
 class LayerStack:
     """What every stack of a model's layers over a static cache does the same way, whichever runs
     the layers (Stack: the model's own modules; CompiledStack: its compiled step): `model`,
@@ -140,8 +150,8 @@ class LayerStack:
     def compiled(self, arithmetic: Callable[..., Any]) -> Callable[..., Any]:
         """`arithmetic` (the tensor arithmetic a round runs around this stack's forward: its
         inputs from the round's buffers, a law's probabilities of its logits) run as the forward
-        runs: here op by op, as the model's modules are (a CompiledStack compiles it)."""
-        return arithmetic
+        runs: here op by op (op_by_op), as the model's modules are (a CompiledStack compiles it)."""
+        return op_by_op(arithmetic)
 
     def greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The next token after each of `tokens`, [B][T] int64."""

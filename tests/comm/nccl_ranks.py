@@ -109,7 +109,7 @@ def ranks_job(kind: type, comm: Communicator, engine: Engine) -> dict:
     cases = {}
     for mode, batch, sampled in CASES:
         sampling = ToySampling() if sampled else None
-        ranks = kind(comm, MODEL, CAPACITY, K, M, batch=batch, sampling=sampling)
+        ranks = kind(comm, MODEL, CAPACITY, Geometry(K, M, batch), sampling=sampling)
         for row, prompt in enumerate(prompts(batch)):
             ranks.prefill_row(row, prompt, seed=10 + row)
         rounds = ranks.round_stream()
@@ -133,7 +133,7 @@ def ranks_job(kind: type, comm: Communicator, engine: Engine) -> dict:
 
 def diverge(comm: Communicator, engine: Engine) -> dict:
     """Both ranks generate alike; rank 1 then reports one token other than it committed."""
-    ranks = ToyTensorParallel(comm, MODEL, CAPACITY, K, M)
+    ranks = ToyTensorParallel(comm, MODEL, CAPACITY, Geometry(K, M))
     ranks.prefill_row(0, prompts(1)[0])
     tokens = [row.tolist() for row in ranks.round_stream().generate_batch(TOKENS, mode="graph")]
     if comm.rank == 1:

@@ -15,6 +15,7 @@ import types
 import numpy as np
 import pytest
 
+from memra_cuda import Geometry
 from memra_cuda.comm import NcclError, NcclUnavailable, RankFailure, Ranks, Watch, exchange_id, nccl_dtype, nccl_op
 from memra_cuda.comm import library
 from memra_cuda.comm.communicator import _Guard, _State
@@ -659,6 +660,28 @@ def test_the_toys_ranks_refuse_recurrent_layers_and_a_verify_past_a_block():
     from memra_cuda.testing.toy.lm import BLOCK, ToyModel
     comm = types.SimpleNamespace(engine=None, world=2, rank=0)
     with pytest.raises(ValueError, match="recurrent layers run whole"):
-        ToyTensorParallel(comm, ToyModel(kv_mask=(True, False), rec_mask=(False, True)), 64, 4, 2)
+        ToyTensorParallel(comm, ToyModel(kv_mask=(True, False), rec_mask=(False, True)), 64, Geometry(4, 2))
     with pytest.raises(ValueError, match=f"k must be < {BLOCK}"):
-        ToyTensorParallel(comm, ToyModel(), 64, BLOCK, 2)
+        ToyTensorParallel(comm, ToyModel(), 64, Geometry(BLOCK, 2))
+
+
+def test_the_toys_ranks_and_pipeline_take_one_geometry_checked_before_anything_is_made():
+    """The toy's ranks and pipeline took loose k, M and B, which nothing checked before the first
+    use: a k of "3" met `k + 1` as a str's TypeError, and the pipeline allocated both stages'
+    caches before StreamBufs' Geometry refused a bad B. They take one Geometry (the package's
+    shape of rounds, as_geometry naming the loose integers), a chain's (a tree's width is
+    refused), before any engine is touched: these engines are None."""
+    from memra_cuda.buffers.tree import TreeShape
+    from memra_cuda.testing.toy.lm import ToyModel
+    from memra_cuda.testing.toy.pipeline import ToyPipeline
+    from memra_cuda.testing.toy.ranks import ToyPipelineStage, ToyTensorParallel
+    comm, model = types.SimpleNamespace(engine=None, world=2, rank=0), ToyModel()
+    makes = (lambda shape: ToyTensorParallel(comm, model, 64, shape),
+             lambda shape: ToyPipelineStage(comm, model, 64, shape),
+             lambda shape: ToyPipeline([None, None], model, 64, 1, shape))
+    for make in makes:
+        for loose in (4, (4, 2), "3"):
+            with pytest.raises(TypeError, match="a round's shape is one memra_cuda.Geometry"):
+                make(loose)
+        with pytest.raises(ValueError, match="chain rounds, of width k \\+ 1"):
+            make(Geometry.of_tree(TreeShape.from_choices([[0], [1]]), 2))

@@ -128,7 +128,13 @@ def test_a_step_compiled_for_programmatic_dependent_launch_is_the_eager_steps_ar
 
 def test_a_rounds_arithmetic_runs_as_its_stack_runs_its_step():
     """LayerStack.compiled: the modules' Stack and an eager CompiledStack run a round's arithmetic
-    as it is; a compiled stack compiles it (one graph) to the same numbers."""
+    as it is; a compiled stack compiles it (one graph) to the same numbers. Op by op is one
+    name, stack.op_by_op, what a TreeMask made outside a decoder runs its arithmetic by too (it
+    had an identity of its own, mask._as_is)."""
+    import inspect
+
+    from memra_cuda.torch.stack import op_by_op
+    assert inspect.signature(TreeMask).parameters["compiled"].default is op_by_op
     model = tiny()
 
     def arithmetic(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from dataclasses import astuple
 
 import pytest
 
@@ -98,9 +99,44 @@ def test_operands_that_are_not_f_linears_are_refused_as_the_op_is_traced():
                       (x, cuda(48, 64, dtype=torch.float16), None), (x, weight, cuda(48, dtype=torch.float32)),
                       (x, cuda(48, 64, 1), None)):
             with pytest.raises(ValueError, match=re.escape("few_rows_linear multiplies x [..., k] by a weight [n][k]")):
-                skinny.few_rows_linear(*given, *skinny.Tiles())
+                skinny.few_rows_linear(*given, *astuple(skinny.Tiles()))
         with pytest.raises(ValueError, match="reads its weight in place: a contiguous"):
             skinny.few_rows(x, cuda(64, 48).t(), None)
+
+
+@pytest.mark.parametrize(("field", "value", "error", "why"), [
+    ("block_n", 0, ValueError, "block_n must be an int of at least 16, not 0"),  # divided by zero at the launch
+    ("block_n", 48, ValueError, "block_n must be a power of two, not 48"),  # tl.arange's length
+    ("block_k", 8, ValueError, "block_k must be an int of at least 16, not 8"),  # under tl.dot's least
+    ("block_k", 64.0, TypeError, "block_k must be an integer"),
+    ("split_k", 0, ValueError, "split_k must be an int of at least 1, not 0"),
+    ("warps", 3, ValueError, "warps must be a power of two, not 3"),
+    ("stages", -1, ValueError, "stages must be an int of at least 1, not -1"),
+    ("swap", 1, TypeError, "swap must be a bool, not 1")])
+def test_a_cut_the_kernel_cannot_take_is_refused_as_it_is_built_naming_its_field(field, value, error, why):
+    """Tiles, built by hand, by tiles() (dataclasses.replace) or by the op from its arguments (on
+    a GPU's fake tensors as torch.compile traces it, and on the CPU, whose kernel is F.linear):
+    few_rows_linear(block_n=0) divided by zero sizing its grid, a block_n of 48 met tl.arange's
+    refusal inside Triton."""
+    pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
+    from dataclasses import fields, replace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memra_cuda.torch import skinny
+    for build in (lambda: skinny.Tiles(**{field: value}), lambda: replace(skinny.tiles(768, 2048), **{field: value})):
+        with pytest.raises(error, match=why):
+            build()
+    if error is TypeError:
+        return  # the op's schema refuses a float for an int and an int for a bool itself, naming the argument
+    cut = [value if named.name == field else getattr(skinny.Tiles(), named.name) for named in fields(skinny.Tiles)]
+    with pytest.raises(error, match=why):
+        skinny.few_rows_linear(torch.ones(5, 32), torch.ones(48, 32), None, *cut)
+    with FakeTensorMode():
+        x, weight = torch.empty(5, 64, dtype=torch.bfloat16, device="cuda"), torch.empty(48, 64, dtype=torch.bfloat16,
+                                                                                          device="cuda")
+        with pytest.raises(error, match=why):
+            skinny.few_rows_linear(x, weight, None, *cut)
 
 
 def test_a_projection_the_kernel_cannot_serve_is_refused_naming_why():

@@ -391,8 +391,8 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
     for rows, prompts, error, why in (
             ([0, 2], [[1], [2]], ValueError, "a row must be an int from 0 to 1, not 2"),
             ([-1], [[1]], ValueError, "a row must be an int from 0 to 1, not -1"),
-            ([1, 1], [[1], [2]], ValueError, "one prompt for each of distinct rows of 0..1"),
-            (torch.tensor([0, 0]), [[1], [2]], ValueError, "one prompt for each of distinct rows"),  # 0-d tensors
+            ([1, 1], [[1], [2]], ValueError, "a prefill's rows must be distinct rows of 0..1, not \\[1, 1\\]"),
+            (torch.tensor([0, 0]), [[1], [2]], ValueError, "a prefill's rows must be distinct rows"),  # 0-d tensors
             ([True], [[1]], TypeError, "a row must be an integer, not True"),
             ([0, 1], [[1]], ValueError, "one prompt for each of distinct rows of 0..1"),
             # a token outside the vocabulary faults the device in the embedding lookup; a float was truncated
@@ -400,12 +400,62 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
             ([1], [[-1]], ValueError, "row 1's prompt token -1 \\(at 0\\) is outside"),
             ([0], [[1, 1.7]], TypeError, "row 0's prompt must be token ids"),
             ([0], [[True, 1]], TypeError, "row 0's prompt must be token ids"),
+            # len() met these deep inside: "object of type 'generator' has no len()"
+            ([0], [(token for token in [1, 2])], TypeError, "row 0's prompt must be token ids"),
+            ([1], [np.int64(5)], TypeError, "row 1's prompt must be token ids"),
             # what is no sequence of rows, or of prompts (a dict's keys were read as prompts): named
             (0, [[1, 2]], TypeError, "a prefill's rows are a sequence of row indices, not 0"),
             ([0], {0: [1, 2]}, TypeError, "a prefill's prompts must be a list, a tuple or a 1-D array")):
         with pytest.raises(error, match=why):
             stack.prefill(rows, prompts)
     assert torch.equal(stack.kv.lengths, lengths), "a refused prefill changed a row"
+
+
+def test_a_caches_rows_are_copied_only_from_a_cache_of_its_layout_each_row_checked_first():
+    """StaticKV.copy_rows (a self-speculative draft's prefill: the target's first layers' rows)
+    took a device index it never checked (a row past the batch is a device-side assert on a GPU,
+    a row twice two copies racing) from any cache (one of another capacity met a shape error
+    after the K of earlier layers were copied, a PagedKV's pages were read as rows). Each is
+    refused naming what, nothing copied; rows as a list, a range or a tensor are the same rows."""
+    from types import SimpleNamespace
+
+    from memra_cuda.torch import PagedKV
+    config = SimpleNamespace(num_key_value_heads=2, head_dim=4, hidden_size=8, num_attention_heads=2)
+
+    def filled(kind=StaticKV, layers=3, batch=3, capacity=16, dtype=torch.float32, **extra):
+        cache = kind(config, layers, batch, capacity, dtype, "cpu", **extra)
+        for i, kv in enumerate(cache.k + cache.v):
+            kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(i)))
+        cache.lengths.copy_(torch.arange(layers * batch, dtype=torch.int32).view(layers, batch))
+        return cache
+    target = filled()
+    for rows in ([2, 0], range(0, 3, 2), torch.tensor([0, 2])):
+        draft = StaticKV(config, 2, 3, 16, torch.float32, "cpu")
+        draft.copy_rows(target, rows)
+        for mine, theirs in zip(draft.k + draft.v, target.k[:2] + target.v[:2]):
+            assert torch.equal(mine[[0, 2]], theirs[[0, 2]]) and not mine[1].any()
+        assert torch.equal(draft.lengths, target.lengths[:2] * torch.tensor([1, 0, 1], dtype=torch.int32))
+    paged = filled(PagedKV, page=4)
+    draft = PagedKV(config, 1, 3, 16, torch.float32, "cpu", page=4)
+    draft.copy_rows(paged, [1])
+    assert torch.equal(draft.gather(0, torch.tensor([1]))[0], paged.gather(0, torch.tensor([1]))[0])
+    draft = StaticKV(config, 2, 3, 16, torch.float32, "cpu")
+    for other, rows, error, why in (
+            (target, [3], ValueError, "a row must be an int from 0 to 2, not 3"),
+            (target, [-1], ValueError, "a row must be an int from 0 to 2, not -1"),
+            (target, [True], TypeError, "a row must be an integer, not True"),
+            (target, [1.0], TypeError, "a row must be an integer"),
+            (target, [1, 1], ValueError, "copy_rows' rows must be distinct rows of 0..2, not \\[1, 1\\]"),
+            (target, 1, TypeError, "copy_rows' rows are a sequence of row indices, not 1"),
+            (filled(capacity=32), [0], ValueError, "capacity 32.* into a StaticKV of 2 layer.s., batch 3, capacity 16"),
+            (filled(batch=4), [0], ValueError, "batch 4"),
+            (filled(layers=1), [0], ValueError, "StaticKV of 1 layer"),
+            (filled(dtype=torch.float64), [0], ValueError, "torch.float64"),
+            (paged, [0], ValueError, "not a PagedKV of 3 layer"),
+            (target.k[0], [0], TypeError, "copy_rows copies from a StaticKV or a PagedKV, not a Tensor")):
+        with pytest.raises(error, match=why):
+            draft.copy_rows(other, rows)
+    assert not any(kv.any() for kv in draft.k + draft.v) and not draft.lengths.any(), "a refused copy wrote"
 
 
 class Fickle(list):
@@ -543,8 +593,12 @@ def test_a_decoders_admission_takes_every_prompt_a_server_takes(monkeypatch):
     monkeypatch.setattr(torch, "tensor", lambda data, *args, device=None, **kwargs: tensor(data, *args, **kwargs))
     assert decoder._fill([1, 0], [np.array([5, 6, 7]), (8,)], None) == ([2, 0], [7, 8])
     assert decoder.target.calls == decoder.draft.calls == [([1, 0], [[5, 6], []])]
-    with pytest.raises(ValueError, match="one prompt of at least one token for each of the 1 rows"):
-        decoder._fill([0], [np.array([], np.int64)], None)
+    for prompt, error in ((np.array([], np.int64), ValueError), ((token for token in [5, 6]), TypeError),
+                          (np.int64(5), TypeError)):  # the last two met len() deep inside
+        with pytest.raises(error, match="row 0's prompt must be a sequence of at least one token id"):
+            decoder._fill([0], [prompt], None)
+    with pytest.raises(ValueError, match="need one prompt for each of the 2 rows, not 1"):
+        decoder._fill([0, 1], [[5]], None)
 
 
 @pytest.mark.parametrize(("steps", "error"), [(2.5, TypeError), (0, ValueError), (True, TypeError)])
@@ -657,7 +711,7 @@ def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
     # the last token, which becomes pending (looked up only by the draft's first step), checked with the rest:
     # it went to the buffers as int(token), 7.9 as 7, "42" as 42, 10**6 to fault the device
     for last, error in ((10**6, ValueError), (7.9, TypeError), ("42", TypeError), (True, TypeError)):
-        with pytest.raises(error, match="row 1's prompt (token 1000000 .at 1. is outside|must be token ids)"):
+        with pytest.raises(error, match="row 1's prompt('s token 1000000 .at 1. is outside| must be a sequence of)"):
             decoder.prefill([0, 1], [[5, 6], [7, last]])
     for args, error, named in ((([0, 1], [[5, 6], [7, 8]], None, [0, 5]), ValueError, "a most draft length"),
                                (([0, 2], [[5, 6], [7, 8]]), ValueError, "a row must be an int from 0 to 1"),

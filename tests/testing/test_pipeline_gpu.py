@@ -47,7 +47,7 @@ def test_two_stages_equal_one_gpu_burst_by_burst(engines, mode, split, k, m_roun
     eos = [full[len(full) // 2], None]
     capacity = kv_capacity(5, max(budgets), Geometry(k, m_rounds, 2))
     lm, bufs, single = one_gpu(e0, k, m_rounds, capacity, batch=2)
-    pipe = ToyPipeline(engines, MODEL, capacity, split, k, m_rounds, batch=2)
+    pipe = ToyPipeline(engines, MODEL, capacity, split, Geometry(k, m_rounds, 2))
     piped = pipe.round_stream()
     for row, prompt in enumerate(prompts):
         assert pipe.prefill_row(row, prompt) == lm.prefill_row(bufs, row, prompt)
@@ -73,7 +73,7 @@ def test_generate_batch_through_the_pipeline(engines):
     """The plain driver entry (generate_batch, graph mode) on the pipeline, three rows."""
     prompts = [[1], [2, 3, 4], [5] * 20]
     capacity = kv_capacity(20, 100, Geometry(4, 16, 3))
-    pipe = ToyPipeline(engines, MODEL, capacity, 2, 4, 16, batch=3)
+    pipe = ToyPipeline(engines, MODEL, capacity, 2, Geometry(4, 16, 3))
     stream = pipe.round_stream()
     for row, prompt in enumerate(prompts):
         pipe.prefill_row(row, prompt)
@@ -84,8 +84,8 @@ def test_generate_batch_through_the_pipeline(engines):
 
 def test_a_pipeline_needs_two_stages_with_layers(engines):
     with pytest.raises(ValueError, match="split"):
-        ToyPipeline(engines, MODEL, 64, 0, 4, 4)
+        ToyPipeline(engines, MODEL, 64, 0, Geometry(4, 4))
     with pytest.raises(ValueError, match="split"):
-        ToyPipeline(engines, MODEL, 64, len(MODEL.kv_mask), 4, 4)
+        ToyPipeline(engines, MODEL, 64, len(MODEL.kv_mask), Geometry(4, 4))
     with pytest.raises(ValueError, match="two stages"):
-        ToyPipeline(engines[:1], MODEL, 64, 2, 4, 4)
+        ToyPipeline(engines[:1], MODEL, 64, 2, Geometry(4, 4))

@@ -215,3 +215,29 @@ def test_the_toys_verify_steps_refuse_what_their_sums_cannot_fill():
         toy.ToyLM.probs_step(lm, sums, SimpleNamespace(len=299))
     with pytest.raises(ValueError, match="a token for each of the 6 sums"):
         toy.ToyLM.finish_step(lm, sums, SimpleNamespace(len=5))
+
+
+def test_a_prompt_that_is_no_sequence_of_token_ids_is_refused_naming_it_where_it_enters():
+    """Every way a prompt enters the toy (its GPU prefill, its numpy loops, target_greedy) checks
+    it first (driver.values.as_prompt): a generator or a bare numpy integer met len() deep inside
+    ("object of type 'generator' has no len()"), a token past the vocabulary was hashed as any
+    other. The GPU prefill's refusal comes before it touches its engine or buffers."""
+    from memra_cuda.buffers.tree import TreeShape
+    model = toy.ToyModel(seed=3, vocab=50)
+    lm = object.__new__(toy.ToyLM)  # its host side: the check comes before any device work
+    lm.model, lm.capacity = model, 32
+    entries = [("row 1's prompt", lambda prompt: lm.prefill_row(None, 1, prompt)),
+               ("the prompt", lambda prompt: numpy_loop.speculative_generate(model, prompt, 2, 4)),
+               ("the prompt", lambda prompt: numpy_loop.tree_speculative_generate(
+                   model, prompt, TreeShape.from_choices([[0], [1]]), 4)),
+               ("the prompt", lambda prompt: toy.target_greedy(model, prompt, 4))]
+    for prompt, error in (((token for token in [1, 2]), TypeError), (np.int64(5), TypeError), (5, TypeError),
+                          ("12", TypeError), ([1, 2.5], TypeError), ([True, 2], TypeError), ([], ValueError),
+                          (np.array([[1, 2]]), TypeError)):
+        for what, entry in entries:
+            with pytest.raises(error, match=f"{what} must be a sequence of at least one token id"):
+                entry(prompt)
+    for what, entry in entries:
+        with pytest.raises(ValueError, match=f"{what}'s token 50 \\(at 1\\) is outside the vocabulary of 50"):
+            entry([3, 50])
+    assert toy.target_greedy(model, np.array([3, 4], np.uint32), 4) == toy.target_greedy(model, (3, 4), 4)

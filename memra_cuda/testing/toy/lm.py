@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
-from ...driver.values import as_real, as_size, exact_int
+from ...driver.values import as_prompt, as_real, as_size, exact_int
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
@@ -25,7 +25,7 @@ from ...rounds.tree_round import TreeRound
 from ...rounds.stream import RoundStream
 from ...buffers.tables import (Cache, KVData, KVLayer, PointerTable, StateIndexTable, StateLayer, StateTable,
                                kv_data_table, kv_len_ptr_table, state_copy_table, state_flip_table)
-from ...buffers.geometry import Geometry, as_batch
+from ...buffers.geometry import Geometry, as_batch, as_geometry
 from ...buffers.tree import Candidates, DynamicTree, TreeBufs, TreeShape
 
 if TYPE_CHECKING:
@@ -215,11 +215,22 @@ class ToyModel:
         return tokens, logp
 
 
+def as_chain(geometry: object) -> Geometry:
+    """`geometry` if it is a chain's Geometry (the toy's ranks and pipeline run chain rounds),
+    else TypeError (as_geometry's: the loose k, M and B it replaces named) or ValueError (a
+    tree's width)."""
+    geometry = as_geometry(geometry)
+    if not geometry.chain:
+        raise ValueError(f"the toy's ranks and pipeline run chain rounds, of width k + 1: not {geometry}")
+    return geometry
+
+
 def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
                   eos: int | None = None) -> list[int]:
     """The target's own greedy continuation: the output speculative decoding must equal."""
+    prompt = as_prompt(prompt, model.vocab, "the prompt").tolist()
     history, states = model.history(prompt[:-1]), model.rec_states(prompt[:-1])
-    token, pos = int(prompt[-1]), len(prompt) - 1
+    token, pos = prompt[-1], len(prompt) - 1
     out: list[int] = []
     while len(out) < max_new_tokens:
         states = model.recur(states, token, pos)
@@ -422,10 +433,11 @@ class ToyLM:
     def prefill_row(self, bufs: StreamBufs, row: int, prompt: Sequence[int], seed: int = 0) -> int:
         """prefill() for the sequence in slot `row` (bufs.reset_row), leaving the other rows
         alone: a new request joins between bursts. `seed` is the request's (sampling mode): its
-        tokens depend on it alone (a u64, checked before the row is reset). Returns its start
-        position."""
+        tokens depend on it alone (a u64, checked before the row is reset), its prompt ints of the
+        model's vocabulary (as_prompt). Returns its start position."""
+        prompt = as_prompt(prompt, self.model.vocab, f"row {row}'s prompt").tolist()
         n = len(prompt) - 1
-        if not 0 <= n <= self.capacity:
+        if n > self.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a cache of {self.capacity}")
         self._check_batch(bufs)
         seed = exact_int(seed, np.uint64)

@@ -17,6 +17,7 @@ from ...buffers.layout import CTL_DONE, ROOT_PARENT
 from ...buffers.capacity import Capacity, kv_capacity
 from ...buffers.geometry import Geometry
 from ...buffers.tree import DynamicTree, Tree
+from ...driver.values import as_prompt
 from .lm import M32, STATE_ROLLBACKS, ToyModel, fmix, fmix_array, live_slot, salt
 
 
@@ -107,6 +108,7 @@ class NumpyRoundStream:
         self.rounds = 0
 
     def prefill(self, prompt: Sequence[int]) -> int:
+        prompt = as_prompt(prompt, self.model.vocab, "the prompt").tolist()
         n = len(prompt) - 1
         for j, token in enumerate(prompt[:-1]):
             e = self.model.embed(token, j)
@@ -189,6 +191,7 @@ class NumpyRoundStream:
 def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new_tokens: int,
                          eos: int | None = None, m_rounds: int = 4, state_rollback: str = "copy") -> list[int]:
     """The whole speculative loop in numpy (see NumpyRoundStream)."""
+    prompt = as_prompt(prompt, model.vocab, "the prompt").tolist()
     capacity = kv_capacity(len(prompt), max_new_tokens, Geometry(k, m_rounds))
     return NumpyRoundStream(model, k, m_rounds, capacity, state_rollback).generate(prompt, max_new_tokens, eos)
 
@@ -309,6 +312,7 @@ def tree_speculative_generate(model: ToyModel, prompt: Sequence[int], tree: Tree
                               eos: int | None = None, m_rounds: int = 4, candidates: int = 8,
                               state_rollback: str = "copy") -> list[int]:
     """The whole tree speculative loop in numpy (see NumpyTreeRoundStream)."""
+    prompt = as_prompt(prompt, model.vocab, "the prompt").tolist()
     capacity = kv_capacity(len(prompt), max_new_tokens, Geometry.of_tree(tree, m_rounds))
     stream = NumpyTreeRoundStream(model, tree, m_rounds, capacity, candidates, state_rollback)
     return stream.generate(prompt, max_new_tokens, eos)

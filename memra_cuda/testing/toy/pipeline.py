@@ -29,7 +29,7 @@ from ...kernels.spec import SpecKernels
 from ...rounds.round import Stages, chain
 from ...rounds.stream import RoundStream
 from ...buffers.tables import Cache, kv_len_ptr_table_range
-from .lm import ToyCost, ToyLM, ToyModel
+from .lm import ToyCost, ToyLM, ToyModel, as_chain
 
 if TYPE_CHECKING:
     from ...driver.engine import Engine
@@ -37,11 +37,13 @@ if TYPE_CHECKING:
 
 class ToyPipeline:
     """The toy split at layer `split` over `engines` (two: stage 0 with the draft, stage 1 with
-    accept and commit), each stage with its caches, StreamBufs and kernels on its own device.
-    `costs` are the stages' cost knobs (stage 0's draft bytes are the draft's)."""
+    accept and commit), each stage with its caches, StreamBufs of chain rounds of `geometry` (a
+    Geometry(k, M, batch)) and kernels on its own device. `costs` are the stages' cost knobs
+    (stage 0's draft bytes are the draft's)."""
 
-    def __init__(self, engines: Sequence[Engine], model: ToyModel, capacity: int, split: int, k: int,
-                 m_rounds: int, batch: int = 1, costs: Sequence[ToyCost] = (ToyCost(), ToyCost())):
+    def __init__(self, engines: Sequence[Engine], model: ToyModel, capacity: int, split: int, geometry: Geometry,
+                 costs: Sequence[ToyCost] = (ToyCost(), ToyCost())):
+        geometry = as_chain(geometry)
         if len(engines) != 2 or len(costs) != 2:
             raise ValueError(f"a toy pipeline has two stages: give two engines and two costs, not {len(engines)}")
         n_layers = len(model.kv_mask)
@@ -49,10 +51,11 @@ class ToyPipeline:
             raise ValueError(f"split must leave each stage at least one of the {n_layers} layers, not {split}")
         self.engines = tuple(engines)
         self.split = split
+        batch = geometry.batch
         self.stages = [ToyLM(engines[0], model, capacity, costs[0], batch=batch, layers=range(0, split)),
                        ToyLM(engines[1], model, capacity, costs[1], batch=batch, layers=range(split, n_layers),
                              with_draft=False)]
-        self.bufs = [StreamBufs(engine, Geometry(k, m_rounds, batch)) for engine in engines]
+        self.bufs = [StreamBufs(engine, geometry) for engine in engines]
         self.spec = [SpecKernels(engine) for engine in engines]
         # The whole model's KV as one cache, draft first: each stage's range is contiguous.
         self.cache = Cache(self.stages[0].draft.kv + self.stages[0].target.kv + self.stages[1].target.kv)

@@ -36,7 +36,7 @@ from ...comm.communicator import digest
 from ...kernels.spec import SpecKernels
 from ...rounds.round import Step
 from ...rounds.stream import RoundStream
-from .lm import BLOCK, ToyCost, ToyLM, ToyModel, ToySampling
+from .lm import BLOCK, ToyCost, ToyLM, ToyModel, ToySampling, as_chain
 
 if TYPE_CHECKING:
     from ...comm.communicator import Communicator
@@ -56,21 +56,23 @@ def shard(layers: int, world: int, rank: int) -> range:
 
 class ToyRank:
     """This rank's part of the toy over `comm`'s ranks (on its engine's device): its shard of the
-    target's layers, the whole draft, StreamBufs of k drafts, M rounds and `batch` rows, greedy
-    or with `sampling`. A kind of rank says how the ranks' verify sums become the model's
-    (`_sums`)."""
+    target's layers, the whole draft, StreamBufs of chain rounds of `geometry` (a Geometry(k, M,
+    batch): k drafts, M rounds a burst, B rows), greedy or with `sampling`. A kind of rank says
+    how the ranks' verify sums become the model's (`_sums`)."""
 
-    def __init__(self, comm: Communicator, model: ToyModel, capacity: int, k: int, m_rounds: int,
-                 batch: int = 1, cost: ToyCost = ToyCost(), sampling: ToySampling | None = None):
+    def __init__(self, comm: Communicator, model: ToyModel, capacity: int, geometry: Geometry,
+                 cost: ToyCost = ToyCost(), sampling: ToySampling | None = None):
+        geometry = as_chain(geometry)
         if model.rec_layers:
             raise ValueError("the toy's ranks hold layers with KV or none: its recurrent layers run whole (ToyLM)")
-        if k + 1 > BLOCK:
+        if geometry.k + 1 > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
         self.comm = comm
         self.engine: Engine = comm.engine
         self.layers = shard(len(model.kv_mask), comm.world, comm.rank)
-        self.lm = ToyLM(self.engine, model, capacity, cost, batch=batch, layers=self.layers, sampling=sampling)
-        self.bufs = StreamBufs(self.engine, Geometry(k, m_rounds, batch))
+        self.lm = ToyLM(self.engine, model, capacity, cost, batch=geometry.batch, layers=self.layers,
+                        sampling=sampling)
+        self.bufs = StreamBufs(self.engine, geometry)
         self.spec = SpecKernels(self.engine)
 
     def prefill_row(self, row: int, prompt: Sequence[int], seed: int = 0) -> int:
