@@ -172,7 +172,7 @@ bench:
 # BENCH_ARGS="--json PATH" also writes the headline's figures as they come (PATH's .headline.json)
 # and the pictures, PATH's .headline.png and .png (with
 # matplotlib, the plot extra); BENCH_ARGS="--sections headline" runs some sections alone (the whole
-# run takes longer than a GPU machine's ten-minute command: the pair five minutes, the headline
+# run takes longer than a GPU machine's ten-minute command: the pair minutes of its own, the headline
 # about six). The headline measures the pair of pair.py's default settings
 # (python -m benchmarks.headline --pair DIR measures another).
 bench-torch: pair

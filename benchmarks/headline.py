@@ -24,7 +24,7 @@ One table; with --json, the figures as JSON, written again as each batch size en
 short keeps what it measured), and at the end a picture beside it (PATH with .png; under
 bench-torch PATH's .headline.json and .headline.png; matplotlib, the `plot` extra). The table's header, its summary,
 the picks and the picture name the pair (its cache key and losses) and the machine. Needs
-torch, transformers and tokenizers, a GPU, and the pair: `make pair` trains it (five minutes)
+torch, transformers and tokenizers, a GPU, and the pair: `make pair` trains it (minutes)
 or finds it in its cache (seconds); `make bench-torch` runs it first.
 
     PYTHONPATH=. python -m benchmarks.headline [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,128]

@@ -15,7 +15,8 @@ for _name in ("torch", "transformers", "tokenizers"):
     pytest.importorskip(_name, reason="benchmarks/pair.py trains with torch, transformers and tokenizers")
 import torch  # noqa: E402
 
-from benchmarks.pair import Doc, by_package, heldout_losses, llama, make_up, package, read_docs, train  # noqa: E402
+from benchmarks.pair import (Doc, by_package, divergence, heldout_losses, llama, make_up, package,  # noqa: E402
+                             read_docs, train)
 
 
 def doc(rel: str, text: str) -> Doc:
@@ -82,3 +83,34 @@ def test_training_stops_at_its_step_count_and_a_second_run_is_the_first_again():
     (first, weights), (second, again) = runs
     assert first["steps"] == second["steps"] == 7 and first["train_loss"] == second["train_loss"]
     assert all(torch.equal(weights[name], again[name]) for name in weights)
+
+
+class Successor(torch.nn.Module):
+    """A teacher that a data stream of random tokens does not teach: after token t it puts most of
+    its mass on t + 1 (mod 64)."""
+
+    def forward(self, input_ids):
+        return type("Out", (), {"logits": torch.nn.functional.one_hot((input_ids + 1) % 64, 64).float() * 6})()
+
+
+def test_a_distilled_draft_learns_its_teachers_distribution_not_the_datas_next_token():
+    """The pair's draft learns the target's distribution (forward KL, `draft_learns="target"`): what
+    the target accepts, not what the data holds. Over random tokens, the data teaches nothing of
+    the teacher's successor rule, the teacher teaches it; the loss is the KL itself (zero against
+    itself), and a distilled run reproduces bit for bit as a data run does."""
+    args = argparse.Namespace(seq_len=16, precision="amp")
+    data = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    x = data[:64].long()[None]
+    taught = Successor()(input_ids=x).logits.log_softmax(-1)
+    assert divergence(taught, x, taught).abs().item() < 1e-6  # KL(p || p) = 0
+    assert divergence(taught, x, None).item() > 1.0  # the data's next token is no successor
+    hits, weights = {}, []
+    for teacher in (None, Successor(), Successor()):
+        torch.manual_seed(5)
+        model = llama(1, 64, 64, 16, 0, torch.device("cpu"))
+        stats = train(model, data, args, batch=8, lr=1e-2, steps=40, seed=5, name="tiny", teacher=teacher)
+        with torch.no_grad():
+            hits[stats["learns"]] = (model(input_ids=x).logits.argmax(-1) == (x + 1) % 64).float().mean().item()
+        weights.append(model.state_dict())
+    assert hits["target"] > 0.9 and hits["data"] < 0.2
+    assert all(torch.equal(weights[1][name], weights[2][name]) for name in weights[1])
