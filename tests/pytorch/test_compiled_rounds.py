@@ -108,14 +108,8 @@ def laws(decoder, sampling: SamplingParams | None, verified: int, drafted: int) 
                      for step in range(drafted)]
 
 
-@pytest.mark.parametrize("batch, sampling, widths", [(1, None, ()), (2, LAW, (0, 1))],
-                         ids=["greedy", "sampled-widths"])
-def test_a_chain_round_compiles_nothing_after_its_warm_up(monkeypatch, batch, sampling, widths):
-    """SpeculativeLlama: its warm-up round (k); with narrower widths, each width's body as
-    _measure_widths runs it (eagerly, then in the graph it times); then every width's body again
-    as the burst graphs capture them (the SWITCH's bodies): nothing compiles after each shape's
-    first run."""
-    k = 3
+def chain(monkeypatch, batch: int, sampling: SamplingParams | None, k: int = 3) -> SpeculativeLlama:
+    """A SpeculativeLlama of `batch` rows drafting k tokens a round, as its callables read it."""
     decoder = object.__new__(SpeculativeLlama)
     decoder.k, decoder.batch = k, batch
     decoder.views, _ = round_views(monkeypatch, Geometry(k, 4, batch))
@@ -123,19 +117,56 @@ def test_a_chain_round_compiles_nothing_after_its_warm_up(monkeypatch, batch, sa
     decoder.draft_d, decoder.steps = torch.zeros(batch, k, dtype=torch.long), torch.arange(k + 1)
     decoder.start = decoder.draft.compiled(chain_start)
     laws(decoder, sampling, k + 1, k)
+    return decoder
 
-    def body(width: int | None, seed: int) -> None:
-        scramble(decoder.views, k, seed)
-        decoder.draft_chain(width)
-        decoder.verify_trunk(width)
-    body(None, 0)  # the warm-up round
+
+def body(decoder: SpeculativeLlama, width: int | None, seed: int) -> None:
+    """A chain round's body at `width` (None: k) over other values in every buffer."""
+    scramble(decoder.views, decoder.k, seed)
+    decoder.draft_chain(width)
+    decoder.verify_trunk(width)
+
+
+@pytest.mark.parametrize("batch, sampling, widths", [(1, None, ()), (2, LAW, (0, 1))],
+                         ids=["greedy", "sampled-widths"])
+def test_a_chain_round_compiles_nothing_after_its_warm_up(monkeypatch, batch, sampling, widths):
+    """SpeculativeLlama: its warm-up round (k); with narrower widths, each width's body as
+    _measure_widths runs it (eagerly, then in the graph it times); then every width's body again
+    as the burst graphs capture them (the SWITCH's bodies): nothing compiles after each shape's
+    first run."""
+    decoder = chain(monkeypatch, batch, sampling)
+    k = decoder.k
+    body(decoder, None, 0)  # the warm-up round
     for width in (*widths, k) if widths else ():  # _measure_widths, where there are bodies to choose from
-        body(width, 1)
+        body(decoder, width, 1)
         with torch._dynamo.config.patch(error_on_recompile=True):
-            body(width, 2)
+            body(decoder, width, 2)
     with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():  # `with torch.no_grad(): generate()`
         for seed, width in enumerate((None, *widths, k) * 2):
-            body(width, 3 + seed)
+            body(decoder, width, 3 + seed)
+
+
+def test_a_rounds_model_work_runs_in_the_mode_its_engine_was_made_in(monkeypatch):
+    """memra_cuda.torch's scope around a burst's model work (adapter.scope, entered by the rounds
+    once a burst): autograd off and torch.inference_mode() as when the engine was made. A decoder
+    made outside inference mode and generating inside it (`with torch.inference_mode():
+    spec.generate(...)`, how a model is commonly run) captured its first burst there, where its
+    tensors' dispatch keys were not its warm-up's: every step and arithmetic compiled again
+    inside the capture. One made inside inference mode and run outside it wrote its inference
+    tensors in place, which torch refuses."""
+    from memra_cuda.torch.adapter import framework
+    decoder, scope = chain(monkeypatch, 1, None), framework(None).scope  # the engine made with the decoder
+    with scope():
+        body(decoder, None, 0)  # the warm-up round (rounds.step)
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True), scope():
+        body(decoder, None, 1)  # the capture's
+    with torch.inference_mode():
+        decoder, scope = chain(monkeypatch, 1, None), framework(None).scope
+        with scope():
+            body(decoder, None, 0)
+    with torch._dynamo.config.patch(error_on_recompile=True), scope():
+        body(decoder, None, 1)
+    assert decoder.draft_d.is_inference()
 
 
 @pytest.mark.parametrize("tree, batch, sampling", [(TREE, 2, None), (DynamicTree(2, 2, 2), 1, LAW)],
