@@ -7,6 +7,10 @@ What a user forgets must not give wrong tokens or overwrite tensors, so an engin
 - **One stream.** The draft chain and verify trunk run with the engine's stream as torch's
   current stream, so their torch ops and memra's kernels are ordered by the stream itself,
   with no synchronisation in between and no wrapping of each callable.
+- **One mode.** They run with autograd off and `torch.inference_mode()` as it was when the
+  engine was made, whatever the caller's at each burst (scope): a compiled step's guards see
+  its tensors' dispatch keys, so a decoder warmed up outside inference mode and captured inside
+  it compiled every step again inside the capture.
 - **Capture torch knows about.** Bursts are captured through `torch.cuda.graph` with a private
   memory pool kept alive with the graph (capture), so torch's allocator never hands the graph's
   scratch memory to tensors allocated later.
@@ -21,9 +25,10 @@ capture needs a stream other than the default one: create the engine inside
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,8 +58,23 @@ def engine(stream: torch.cuda.Stream | None = None) -> Engine:
 
 def framework(stream: torch.cuda.Stream) -> Framework:
     """torch's Framework for an engine on `stream` (see memra_cuda.driver.framework): capture and
-    loop_capture below, and `stream` made torch's current stream around the model's work."""
-    return Framework(capture=capture, loop_capture=loop_capture, scope=functools.partial(torch.cuda.stream, stream))
+    loop_capture below, and the model's work scoped as torch's mode is now (scope)."""
+    return Framework(capture=capture, loop_capture=loop_capture,
+                     scope=functools.partial(scope, stream, torch.is_inference_mode_enabled()))
+
+
+@contextlib.contextmanager
+def scope(stream: torch.cuda.Stream | None, inference: bool) -> Iterator[None]:
+    """A burst's model work: on `stream` (torch's current stream), autograd off, and
+    torch.inference_mode() on where `inference` (as the engine was made), whatever the caller's.
+    A decoder's warm-up round compiles every step and arithmetic its rounds run, and its capture
+    replays them, so the two must pass the same guards: under the caller's inference mode the
+    tensors' dispatch keys differed (`with torch.inference_mode(): spec.generate(...)` after a
+    construction outside it compiled every step again inside the first burst's capture); and a
+    decoder made inside inference mode holds inference tensors, which a burst outside it may not
+    write in place."""
+    with torch.cuda.stream(stream), torch.inference_mode(inference), torch.no_grad():
+        yield
 
 
 def _torch_stream(engine: Stream) -> torch.cuda.ExternalStream:

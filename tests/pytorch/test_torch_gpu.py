@@ -259,6 +259,19 @@ def test_a_prompt_of_one_token(decoder):
     assert spec.generate([1], 64, mode="graph") == memra_torch.hf_greedy(model, [1], 64)
 
 
+def test_a_decoder_made_outside_inference_mode_generates_inside_it(small):
+    """`with torch.inference_mode(): spec.generate(...)`, how a model is commonly run, on a decoder
+    made outside it: its first burst is captured there, where its tensors' dispatch keys are not
+    its warm-up's, so every step compiled again inside the capture (a failed capture). Its rounds
+    run as its engine was made (memra_cuda.torch.adapter.scope): Hugging Face's tokens."""
+    from memra_cuda.torch.testing import PROMPT
+    capacity = memra_torch.capacity_for(len(PROMPT), 256, Geometry(4, 16))  # the module's decoder's: its compilations
+    spec = memra_torch.SpeculativeLlama(small, memra_torch.self_draft(small), k=4, m_rounds=16, capacity=capacity)
+    with torch.inference_mode():
+        got = spec.generate(PROMPT, 64, mode="graph")
+    assert got == memra_torch.hf_greedy(small, PROMPT, 64)
+
+
 # -- safe by default: what a user forgets must not give wrong tokens or overwrite tensors ------
 
 VOCAB = 1000
