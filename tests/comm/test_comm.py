@@ -350,6 +350,22 @@ def test_launch_kills_every_rank_past_its_timeout():
     assert [e.returncode for e in ended] == [0, None] and time.monotonic() - start < 20
 
 
+@pytest.mark.parametrize("world, timeout, error, match", [
+    (0, 60, ValueError, "world must be an int from 1 to"),  # ran nothing: [], every rank "passed"
+    (True, 60, TypeError, "world must be an integer, not True"),  # one rank told WORLD_SIZE=True
+    (2.0, 60, TypeError, "world must be an integer"),
+    (1, float("nan"), ValueError, "timeout must be a number of seconds above 0, not nan"),  # waited for ever
+    (1, 0, ValueError, "timeout must be a number of seconds above 0"),
+    (1, "60", TypeError, "timeout must be a real number")])
+def test_launch_refuses_a_world_or_a_timeout_it_cannot_keep_before_starting_a_rank(tmp_path, world, timeout, error,
+                                                                                   match):
+    from memra_cuda.comm.launch import launch
+    ran = tmp_path / "ran"
+    with pytest.raises(error, match=match):
+        launch([sys.executable, "-c", f"open({str(ran)!r}, 'w')"], world, timeout=timeout)
+    assert not ran.exists()
+
+
 def _gone(pid: int) -> bool:
     """No such process, or only its zombie left for its new parent to reap."""
     try:
