@@ -599,6 +599,13 @@ def test_a_communicator_refuses_what_it_cannot_join_or_queue(fake):
         Communicator(FakeEngine(), 2, 2, bytes(128))
     with pytest.raises(ValueError, match="128 bytes"):
         Communicator(FakeEngine(), 0, 2, b"short")
+    # the watchdog's sleep(poll) raised on its thread (the watchdog gone, every wait untimed), and a bool was 1 s
+    for poll in (-1.0, 0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="poll is the watchdog's positive, finite number of seconds"):
+            Communicator(FakeEngine(), 0, 2, bytes(128), poll=poll)
+    for args in (dict(poll="0.05"), dict(timeout=True)):
+        with pytest.raises(TypeError, match="must be a real number"):
+            Communicator(FakeEngine(), 0, 2, bytes(128), **args)
     comm, lib, engine = fake()
     four = DeviceBuffer.wrap(0x10, np.float32, 4)
     with pytest.raises(TypeError, match="DeviceBuffer"):
