@@ -427,8 +427,11 @@ class Server:
                                                                       f"{type(exc).__name__}: {exc}")))
 
     def _end(self, ident: int, at: float, cancelled: bool = False, refused: str | None = None) -> Served:
-        """Request `ident` ended at `at`: its row (if it held one) is free, and the server forgets it."""
+        """Request `ident` ended at `at`: its row (if it held one) is free, and the server forgets it,
+        a cancel asked for it too (one asked during the step that ended it: from another thread,
+        or the clock or the decoder called back, met a KeyError at every later step)."""
         running = self._live.pop(ident)
+        self._cancels.discard(ident)
         if running.row is not None:
             self._slots[running.row] = None
         return running.ended(at, cancelled, refused)

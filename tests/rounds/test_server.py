@@ -146,6 +146,33 @@ def test_cancel_refuses_an_id_never_given_and_says_false_for_one_that_ended():
     assert list(server.step().finished) == [again] and server.idle
 
 
+def test_a_cancel_asked_during_the_step_that_ends_its_request_is_dropped_with_it():
+    """A cancel from another thread (a client hanging up while a burst runs), or from a clock or
+    a decoder calling back, of a request that burst then finished: the request ended, and its
+    cancel stayed queued, so every later step raised KeyError naming it and the server served
+    no more."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    first = server.submit(Request([1, 2], 1))
+    burst = decoder.burst
+
+    def cancelling():
+        out = burst()
+        assert server.cancel(first), "still running: its cancel is taken"
+        return out
+
+    decoder.burst = cancelling
+    assert list(server.step().finished) == [first], "its burst finished it: it ended so, not cancelled"
+    decoder.burst = burst
+    assert server.idle and server.step() == (None, {}, {})
+    second = server.submit(Request([3], 2))
+    finished = {}
+    while not server.idle:
+        finished.update(server.step().finished)
+    assert list(finished) == [second] and not finished[second].cancelled
+    assert server.cancel(first) is False, "ended: its result stands"
+
+
 def test_each_token_carries_its_readback_time_and_the_first_one_the_time_to_first_token():
     """The clock moves a second a burst: a burst's tokens share its readback's time, a request
     queued behind a full slot is admitted at the boundary its slot was freed at, and its time to
