@@ -374,7 +374,10 @@ class Server:
 
     def _cancel(self, now: float, finished: dict[int, Served]) -> None:
         """The cancels asked for since the last step: queued requests leave the queue, running
-        ones' rows are parked (one call) and freed."""
+        ones' rows are parked (one call) and freed. Each leaves the set as its request ends
+        (_end), so a cancel asked meanwhile (the park calling back, another thread) stays for
+        the next step: clearing the set dropped it, its request then running to its end though
+        cancel() had said True."""
         cancels = sorted(self._cancels)
         rows = [row for ident in cancels if (row := self._live[ident].row) is not None]
         if rows:
@@ -383,7 +386,6 @@ class Server:
             if self._live[ident].row is None:
                 self._queue.remove(ident)
             finished[ident] = self._end(ident, now, cancelled=True)
-        self._cancels.clear()
 
     def _admit(self, now: float, finished: dict[int, Served]) -> None:
         """Queued requests into the free rows, in order; one of budget 0 ends at the head of the

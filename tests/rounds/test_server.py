@@ -173,6 +173,27 @@ def test_a_cancel_asked_during_the_step_that_ends_its_request_is_dropped_with_it
     assert server.cancel(first) is False, "ended: its result stands"
 
 
+def test_a_cancel_asked_while_the_boundary_parks_the_rows_of_others_takes_effect_at_the_next():
+    """The boundary's cancels were cleared all at once after the rows were parked: one asked
+    meanwhile (the park calling back, or another thread) was dropped, though cancel() said True,
+    and its request ran to the end of its budget."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    first, second = server.submit(Request([1, 2], 30)), server.submit(Request([3], 30))
+    server.step()
+    park = decoder.park
+
+    def parking(rows):
+        park(rows)
+        assert server.cancel(second)
+
+    decoder.park = parking
+    assert server.cancel(first) and list(server.step().finished) == [first]
+    decoder.park = park
+    ended = server.step().finished
+    assert list(ended) == [second] and ended[second].cancelled and len(ended[second].tokens) < 30
+
+
 def test_each_token_carries_its_readback_time_and_the_first_one_the_time_to_first_token():
     """The clock moves a second a burst: a burst's tokens share its readback's time, a request
     queued behind a full slot is admitted at the boundary its slot was freed at, and its time to
