@@ -283,6 +283,7 @@ class Server:
         self._cancels: set[int] = set()  # ids to end at the next step's start
         self._next = 0
         self._unreported: dict[int, Served] = {}  # ended at a step that raised: the next step hands them out
+        self._stepping = False  # a step runs: one inside it is refused
         decoder.park(range(batch))
 
     @property
@@ -325,7 +326,20 @@ class Server:
     def step(self) -> Progress:
         """One boundary and one burst: cancels take effect, queued requests take the free rows,
         then one burst of every row runs and is read back; a request found stopped gives its row
-        back. Where no row is busy, no burst runs."""
+        back. Where no row is busy, no burst runs. RuntimeError, before anything is done, for a
+        step inside a step (the decoder or the clock calling back, another thread): the inner one
+        took the rows' next burst and ended its requests, so the outer read a request that had
+        ended (KeyError) and lost its burst's tokens, the request ending with fewer, silently."""
+        if self._stepping:
+            raise RuntimeError("step() was called while a step of this server runs (from its decoder or its clock, "
+                               "or another thread): step one at a time, from one loop")
+        self._stepping = True
+        try:
+            return self._step()
+        finally:
+            self._stepping = False
+
+    def _step(self) -> Progress:
         finished, self._unreported = self._unreported, {}
         now = self.clock()
         try:

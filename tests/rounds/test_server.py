@@ -194,6 +194,31 @@ def test_a_cancel_asked_while_the_boundary_parks_the_rows_of_others_takes_effect
     assert list(ended) == [second] and ended[second].cancelled and len(ended[second].tokens) < 30
 
 
+def test_a_step_inside_a_step_is_refused_and_the_outer_step_goes_on():
+    """A step called back from the decoder's burst (or the clock, or another thread) ran the
+    rows' next burst and ended their requests; the outer step then met a request that had ended
+    (KeyError), its burst's tokens lost: request 0 ended with 1 of its 3 tokens, silently."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    first, second = server.submit(Request([1, 2], 3)), server.submit(Request([3], 3))
+    burst, inner = decoder.burst, []
+
+    def stepping():
+        out = burst()
+        with pytest.raises(RuntimeError, match="step\\(\\) was called while a step of this server runs"):
+            server.step()
+        inner.append(True)
+        return out
+
+    decoder.burst = stepping
+    ended = dict(server.step().finished)
+    decoder.burst = burst
+    while not server.idle:
+        ended.update(server.step().finished)
+    assert inner == [True]
+    assert [ended[ident].tokens for ident in (first, second)] == [alone(Request([1, 2], 3)), alone(Request([3], 3))]
+
+
 def test_each_token_carries_its_readback_time_and_the_first_one_the_time_to_first_token():
     """The clock moves a second a burst: a burst's tokens share its readback's time, a request
     queued behind a full slot is admitted at the boundary its slot was freed at, and its time to
