@@ -325,12 +325,7 @@ def per_row(values: int | None | Sequence[int | None] | np.ndarray, rows: int, w
     an int from 0 to ROW_VALUE_MOST (ids, counts, positions), or None where `optional`. A
     refusal (TypeError for the wrong kind, ValueError out of range) names `what` and, in a
     sequence, the row: one bad value among a batch's is found by its row, not by a search."""
-    if isinstance(values, (list, tuple, np.ndarray)):
-        if len(values) != rows:
-            raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
-        given, many = list(values), True
-    else:
-        given, many = [values] * rows, False
+    given, many = row_values(values, rows, what)
     out: list[int | None] = []
     for i, value in enumerate(given):
         if value is None and optional:
@@ -343,6 +338,18 @@ def per_row(values: int | None | Sequence[int | None] | np.ndarray, rows: int, w
                 raise
             raise type(exc)(f"{exc} (row {i})") from None
     return out
+
+
+def row_values(values: object, rows: int, what: str) -> tuple[list[object], bool]:
+    """`values` for each of `rows` rows, and whether they came one a row: a list, a tuple or an
+    array of one or more dimensions holds one a row (ValueError naming `what` unless it holds
+    `rows`); anything else is one value for every row, a 0-d array too (np.array(5), an index
+    as an int is: its len() raised a TypeError naming nothing)."""
+    if isinstance(values, (list, tuple)) or (isinstance(values, np.ndarray) and values.ndim):
+        if len(values) != rows:
+            raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
+        return list(values), True
+    return [values] * rows, False
 
 
 def _ring_tokens(ring: np.ndarray, ring_cap: int) -> np.ndarray:

@@ -121,6 +121,19 @@ def test_a_request_starts_in_a_row_in_one_call_checked_before_anything_is_writte
     assert bufs.done.tolist() == [False, False, True], "a budget of 0 is done at once"
 
 
+def test_a_zero_dimensional_array_is_one_value_for_every_row():
+    """A 0-d array (np.array(5)) is an index as an int is, but per_row took it for one value a
+    row and its len() raised a TypeError naming nothing: set_stop(budget=np.array(5)),
+    generate_batch(np.array(5))."""
+    bufs = row_bufs()
+    bufs.set_stop(eos=np.array(9), budget=np.array(5))
+    (_, start, ctl), = bufs.engine.copies
+    assert start == 0 and [ctl[CTL_WORDS * row + CTL_BUDGET] for row in range(3)] == [5, 5, 5]
+    assert [ctl[CTL_WORDS * row + CTL_EOS] for row in range(3)] == [9, 9, 9]
+    with pytest.raises(TypeError, match="budget must be an integer"):
+        bufs.set_stop(budget=np.array(5.0))
+
+
 class Named(Stream):
     """A Stream without its context: what the methods are given, not what they use."""
 
