@@ -170,8 +170,17 @@ def test_each_rows_rounds_are_its_tokens_less_its_accepted_drafts_and_tau_and_th
     assert bufs.rounds_run(committed).tolist() == [8, 5, 10]
     assert bufs.drafts_accepted(committed) == (42, 4 * 23)
     assert bufs.tokens_per_round(committed) == 65 / 23
-    with pytest.raises(ValueError, match="one committed count per row"):
+    with pytest.raises(ValueError, match=r"committed needs one value per row \(3\), not 2"):
         bufs.rounds_run([1, 2])
+    # numpy's int64 cast truncated 20.9 to 20, read "5" as 5 and took -1: each a statistic silently wrong
+    for call in (bufs.rounds_run, bufs.drafts_accepted, bufs.tokens_per_round):
+        for bad, error, named in (([20.9, 5, 40], TypeError, r"committed must be an integer, not 20.9 \(row 0\)"),
+                                  ([20, "5", 40], TypeError, r"committed must be an integer, not '5' \(row 1\)"),
+                                  ([20, 5, -1], ValueError, r"committed must be an int from 0 to .*\(row 2\)"),
+                                  ([20, True, 40], TypeError, r"not True \(row 1\)"),
+                                  (25, ValueError, r"committed needs one value per row \(3\), not 1")):
+            with pytest.raises(error, match=named):
+                call(bad)
     bufs.batch, bufs.accepted = 1, np.zeros(1, np.int64)
     assert bufs.tokens_per_round(0) == 1.0  # no round ran
 
