@@ -68,7 +68,12 @@ def test_the_examples_share_their_command_line_and_its_refusals(cli, capsys):
                # the most, at parsing too (each was refused by the decoder, after the models were built)
                ("--batch", "65536"): "batch must be an int from 1 to 65535, not 65536",
                ("--m-rounds", str(2**31)): "m_rounds must be at most",
-               ("--tokens", str(2**31)): f"--tokens takes at most {2**31 - 1}", ("--eos", "-1"): "--eos is a token id"}
+               ("--tokens", str(2**31)): f"--tokens takes at most {2**31 - 1}", ("--eos", "-1"): "--eos is a token id",
+               # the random model's, at parsing (a RequestRefused, or self_draft's or build_model's refusal, after
+               # the model was built)
+               ("--eos", "32000"): "--eos is a token id of the random model's vocabulary (0 to 31999), not 32000",
+               ("--draft-layers", "8"): "--draft-layers takes at most 7 of the small model's layers",
+               ("--draft-layers", "3", "--hybrid"): "--draft-layers takes at most 2 of the small model's layers"}
     for argv, message in refused.items():
         with pytest.raises(SystemExit):
             cli.parse(parser, list(argv))
