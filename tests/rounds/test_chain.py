@@ -45,6 +45,7 @@ def launch():
     (dict(narrower={1: launch}), "narrower.1. must be a pair .draft_chain, verify_trunk. of width 1"),
     (dict(narrower={1: (launch, [launch])}), "narrower.1.'s verify_trunk must be a callable"),
     (dict(narrower=[(launch, launch)]), "narrower maps widths below k"),
+    (dict(seed_gather=[launch]), "seed_gather must be a callable"),  # issued after the chooser's launch, else
 ])
 def test_a_chain_rounds_steps_that_are_no_callables_are_refused_before_anything_else(steps, message):
     """A list of launches given as the draft chain (chain() of them was meant) was taken, and
