@@ -61,6 +61,9 @@ class Stages:
     capacity: int | Unchecked | None = None
 
     def __post_init__(self) -> None:
+        if self.round_tail is not None and not callable(self.round_tail):  # queued after every round's commit
+            raise TypeError(f"round_tail must be a callable that queues the other stages' work, or None, not "
+                            f"{self.round_tail!r}")
         if (self.engines or self.round_tail is not None) and self.capacity is None:
             raise ValueError("Stages must say how many KV entries the other stages' caches hold (capacity=), "
                              "or capacity=UNCHECKED: their rollback runs in round_tail, out of the check's sight")
