@@ -191,6 +191,18 @@ def test_the_toys_numbers_are_checked_plain_ints():
             toy.ToyModel(**{field: bad})
 
 
+def test_the_numpy_streams_sizes_are_kept_as_plain_ints():
+    """NumpyRoundStream computed its ring from the k and M it was given, before Geometry checked
+    them: numpy ints' arithmetic wraps, so M a uint8 200 made a ring of 232 tokens (200 x 5 is
+    1000), and a burst's tokens past them were dropped: 232 of 900 tokens, and no error."""
+    model = toy.ToyModel(noise_ppm=0)
+    stream = numpy_loop.NumpyRoundStream(model, np.uint8(4), np.uint8(200), np.uint16(4000))
+    assert (stream.k, stream.m, stream.capacity, stream.ring_cap) == (4, 200, 4000, 1000)
+    assert stream.generate([1, 2, 3], 900) == toy.target_greedy(model, [1, 2, 3], 900)
+    with pytest.raises(TypeError, match="capacity must be an integer, not 256.0"):
+        numpy_loop.NumpyRoundStream(model, 4, 2, 256.0)
+
+
 def test_p_min_is_a_probability():
     """ToyModel(p_min=2) (a percentage, say) was taken: every draft step broke, and nothing said
     why. A real number from 0 to 1, else refused naming p_min."""
