@@ -67,6 +67,12 @@ def salt(layer: int) -> int:
     return fmix(0x27D4EB2F * (layer + 1))
 
 
+def as_candidates(candidates: object) -> int:
+    """The toy's tree draft's candidates a node, K, as an int from 1 to MAX_CANDIDATES (as_size's
+    refusals: int() took 2.7 as 2, True as 1 and "8" as 8, and the numpy oracle took 0 too)."""
+    return as_size(candidates, "the toy's tree draft's candidates a node", 1, MAX_CANDIDATES)
+
+
 def live_slot(idx: int | np.ndarray, k: int) -> int | np.ndarray:
     """The slot a FLIP index names, by kernel 9's bank rule: a garbage index still names a slot."""
     return np.minimum(idx // (k + 1), 1) * (k + 1) + idx % (k + 1)
@@ -702,9 +708,7 @@ class ToyLM:
                              "has no tree verify")
         if tree.nodes > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tree nodes a round, not {tree.nodes}")
-        candidates = int(candidates)
-        if not 1 <= candidates <= MAX_CANDIDATES:
-            raise ValueError(f"the toy's tree draft offers 1 to {MAX_CANDIDATES} candidates a node, not {candidates}")
+        candidates = as_candidates(candidates)
         if self.sampling is None and tree.draws > candidates:
             raise ValueError(f"the tree asks for {tree.draws} candidates a node, but the draft offers {candidates}")
         if self.sampling is not None:

@@ -18,7 +18,7 @@ from ...buffers.capacity import Capacity, kv_capacity
 from ...buffers.geometry import Geometry
 from ...buffers.tree import DynamicTree, Tree
 from ...driver.values import as_size
-from .lm import M32, STATE_ROLLBACKS, ToyModel, fmix, fmix_array, live_slot, salt
+from .lm import M32, STATE_ROLLBACKS, ToyModel, as_candidates, fmix, fmix_array, live_slot, salt
 
 
 class NumpyStates:
@@ -208,7 +208,7 @@ class NumpyTreeRoundStream(NumpyRoundStream):
     def __init__(self, model: ToyModel, tree: Tree, m_rounds: int, capacity: int, candidates: int = 8,
                  state_rollback: str = "copy"):
         super().__init__(model, tree.depth, m_rounds, capacity, state_rollback, width=tree.nodes)
-        self.tree, self.K, self.T1 = tree, int(candidates), tree.nodes
+        self.tree, self.K, self.T1 = tree, as_candidates(candidates), tree.nodes
         self.levels = list(tree.levels)
         self.t = ref_tree.TreeArrays.zeros(self.T1, tree.depth, 1)
         self.cand_tok = np.zeros(self.T1 * self.K, np.uint32)
