@@ -127,6 +127,17 @@ def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_cha
     assert done.returncode == 2 and "name a --tree" in done.stderr, done.stderr
 
 
+@pytest.mark.torch
+def test_a_tree_the_decoder_would_refuse_is_refused_before_any_model_is_built(torch_stack, tmp_path):
+    """A sampled tree drawing more children a node than a draw gives, or a tree whose rounds of
+    M a burst overrun a ring, was TreeLlama's refusal, a traceback after both models were built;
+    the parser's error now (exit 2; this machine has no GPU to build them on)."""
+    for argv, said in ((["--tree", "dynamic:2,4,9", "--temperature", "0.7"], "a sampled node draws at most 8"),
+                       (["--tree", "dynamic:3,4,2", "--m-rounds", str(2**30)], "m_rounds must be at most")):
+        done = run_example("torch_tree.py", *argv, cwd=tmp_path)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
 # -- what is missing, in one line -------------------------------------------------------------
 
 TORCH_EXAMPLES = ("torch_llama.py", "torch_tree.py", "torch_tp.py")
