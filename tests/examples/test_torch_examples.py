@@ -196,6 +196,18 @@ def test_where_torch_reaches_no_cuda_device_an_example_says_so_in_one_line(name,
 
 
 @pytest.mark.torch
+def test_torch_tp_refuses_its_sizes_before_its_ranks_start(torch_stack, tmp_path):
+    """--k 0, --batch 0, a negative --tokens or an M past the ring's room: each was refused on
+    every rank, after it had joined the process group, built and sharded the model and decoded
+    the reference; the parser's error now (exit 2), as the other examples' are, with no launcher."""
+    for argv, said in ((["--k", "0"], "--k takes at least 1, not 0"), (["--batch", "0"], "--batch takes at least 1"),
+                       (["--tokens", "-1"], "--tokens takes at least 0"),
+                       (["--m-rounds", str(2**31)], "m_rounds must be at most")):
+        done = run_example("torch_tp.py", *argv, cwd=tmp_path)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+@pytest.mark.torch
 def test_torch_tp_run_without_torchrun_says_how_to_start_its_ranks(torch_stack, tmp_path):
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER}
     line = one_line(run_example("torch_tp.py", "--batch", "2", cwd=tmp_path, env=env), "torch_tp.py")
