@@ -12,7 +12,7 @@ import numpy as np
 
 from ..driver.errors import MemraError
 from ..driver.engine import as_engine
-from ..driver.values import as_index, as_size
+from ..driver.values import I32_MOST, as_index, as_size
 from .arena import carve
 from .geometry import Geometry, as_geometry
 from .layout import ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT, RING_TOKENS
@@ -323,7 +323,7 @@ class StreamBufs:
             buf.free()
 
 
-ROW_VALUE_MOST = 2**31 - 1  # a row's word holds an i32: a token id, a budget, a count, a position
+ROW_VALUE_MOST = I32_MOST  # a row's word holds an i32: a token id, a budget, a count, a position
 
 
 def per_row(values: object, rows: int, what: str, optional: bool = True) -> list[int | None]:

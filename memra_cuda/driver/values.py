@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 
 
+I32_MOST = 2**31 - 1  # an i32's most: a row's word on the device (a token id, a budget, a position)
+
+
 def device_dtype(dtype: Any) -> np.dtype:
     """`dtype` if device memory can hold it: bool, integers and floats of 1 to 8 bytes, in the
     machine's byte order (objects, strings and complex numbers have no meaning there)."""

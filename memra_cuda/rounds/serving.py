@@ -22,7 +22,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ..driver.errors import MemraError
-from ..driver.values import as_index, as_size, token_ids
+from ..driver.values import I32_MOST, as_index, as_size, token_ids
 
 
 class Request(NamedTuple):
@@ -215,7 +215,9 @@ def _checked(request: Request, vocab: int) -> Request | str:
     if not prompt.size:
         return f"its prompt must be a sequence of at least one token id (an int), not {reprlib.repr(request.prompt)}"
     try:
-        budget = as_size(request.max_new_tokens, "max_new_tokens", 0)
+        # a row's budget is an i32 on the device (StreamBufs' ROW_VALUE_MOST): past it, a decoder's
+        # generate_batch and admit() prefilled the rows before the budget was refused
+        budget = as_size(request.max_new_tokens, "max_new_tokens", 0, I32_MOST)
         seed = as_seed(request.seed)
         eos = None if request.eos is None else as_size(request.eos, "eos", 0, also="None")
         most = None if request.max_draft is None else as_size(request.max_draft, "max_draft", 0, also="None")

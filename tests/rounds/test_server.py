@@ -56,7 +56,7 @@ def test_a_request_that_cannot_run_is_refused_alone_naming_it():
            5: (Request([], 5), "at least one token id"),
            6: (Request([1, 2.5], 5), "at least one token id"),
            7: (Request([True], 5), "at least one token id"),
-           8: (Request([2], -1), "max_new_tokens must be an int of at least 0, not -1"),
+           8: (Request([2], -1), "max_new_tokens must be an int from 0 to 2147483647, not -1"),
            9: (Request([2], 4, seed=1.5), "its seed must be an integer"),
            10: (Request([2], 4, seed=2**63), f"its seed {2**63} is outside a 64-bit int"),
            11: (Request([2], 4, max_draft=-1), "max_draft must be None or an int of at least 0, not -1"),
@@ -217,6 +217,20 @@ def test_a_step_inside_a_step_is_refused_and_the_outer_step_goes_on():
         ended.update(server.step().finished)
     assert inner == [True]
     assert [ended[ident].tokens for ident in (first, second)] == [alone(Request([1, 2], 3)), alone(Request([3], 3))]
+
+
+def test_a_budget_past_a_rows_i32_is_malformed_before_any_row_is_touched():
+    """A row's budget is an i32 on the device: a speculative decoder's generate_batch and admit()
+    prefilled the rows (their caches overwritten) before StreamBufs refused 2**31; it is a
+    malformed request now, refused where every request is checked (as the server's, naming it)."""
+    from memra_cuda.rounds.serving import batch_admitted, malformed
+    assert malformed(Request([1], 2**31 - 1), VOCAB) is None
+    assert "max_new_tokens must be an int from 0 to 2147483647, not 2147483648" in malformed(Request([1], 2**31), VOCAB)
+    with pytest.raises(RequestRefused, match="request 0 refused: max_new_tokens must be an int from 0 to"):
+        batch_admitted([Request([1], 2**31)], VOCAB, 1)
+    decoder = Counting(1, capacity=2**40)
+    with pytest.raises(RequestRefused, match="max_new_tokens must be an int from 0 to 2147483647"):
+        Server(decoder).submit(Request([1], 2**32))
 
 
 def test_each_token_carries_its_readback_time_and_the_first_one_the_time_to_first_token():
