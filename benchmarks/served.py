@@ -281,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.resume and args.json is None:
         parser.error("--resume adds to the report at --json PATH: name one")
+    try:  # every B's widest round at this M, before the pair loads: Geometry's refusal came after it
+        for batch in args.batches or BATCHES:
+            Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), args.rounds, batch)
+    except ValueError as exc:
+        parser.error(f"--rounds: {exc}")
     served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume)
     return 0
 

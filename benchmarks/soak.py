@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from memra_cuda.buffers.geometry import MAX_BATCH
+from memra_cuda.driver.values import as_size
 from memra_cuda.rounds.serving import Request, RequestRefused, Served, Server
 
 DRIFT = 0.01  # the most device memory may move once warm, as a share of what it held then
@@ -206,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=48)
     p.add_argument("--json", help="write the findings here")
     args = p.parse_args(argv)
+    # Said before the model is built: a --checked below 1 met numpy's refusal (or a verdict that could
+    # only fail) after the whole soak, minutes of GPU time; a negative --seed numpy's, past the build.
+    for name, least, most in (("requests", 1, None), ("batch", 1, MAX_BATCH), ("checked", 1, None),
+                              ("seed", 0, None)):
+        try:
+            as_size(getattr(args, name), f"--{name}", least, most)
+        except ValueError as exc:
+            p.error(str(exc))
     report = on_gpu(args.requests, args.batch, args.checked, args.seed)
     if args.json:
         with open(args.json, "w") as f:

@@ -270,11 +270,13 @@ def plot_trees(rows: list[dict], path: str | Path, title: str | None = None) -> 
 
 
 def listed(text: str, known: Sequence[Any], kind: Callable[[str], Any] = str) -> list[Any]:
-    """A comma-separated subset of `known` (argparse's type: a wrong item is its error)."""
+    """A comma-separated subset of `known`, each once (argparse's type: a wrong item is its error;
+    one named twice ran twice, a B's whole measurement again, and its rows twice in the report)."""
     try:
         items = [kind(item) for item in text.split(",")]
     except ValueError:
         items = [text]
-    if set(items) - set(known):
-        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(map(str, known))}, not {text!r}")
+    if set(items) - set(known) or len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(map(str, known))}, each once, "
+                                         f"not {text!r}")
     return items

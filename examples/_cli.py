@@ -22,7 +22,7 @@ from memra_cuda.rounds import MODES
 from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, hf_greedy, load_model, load_tokenizer,
                               self_draft)
 from memra_cuda.torch.models import DTYPES as DTYPE_NAMES
-from memra_cuda.torch.testing import HYBRID, PROMPT, SIZES, build_model, prompts
+from memra_cuda.torch.testing import HYBRID, PROMPT, SIZES, VOCAB, build_model, prompts
 
 DTYPES = {name: name if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}  # --dtype's
 
@@ -78,16 +78,15 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
         parser.error("--hybrid is the random-weight model's variant: leave out --model")
     if args.draft_layers < 1:
         parser.error(f"--draft-layers takes at least one layer, not {args.draft_layers}")
-    # the sizes, here, before any model is built or loaded (a traceback from a decoder's refusal after)
-    for name, least in (("batch", 1), ("tokens", 0), ("k", 1), ("m_rounds", 1)):
-        if getattr(args, name, least) < least:
-            parser.error(f"--{name.replace('_', '-')} takes at least {least}, not {getattr(args, name)}")
-    try:  # their most: the rounds' shape (a tree's depth is its own, checked with the tree)
-        Geometry(getattr(args, "k", 1), args.m_rounds, args.batch)
-    except ValueError as exc:
-        parser.error(f"--k, --m-rounds and --batch: {exc}")
-    if args.tokens > ROW_VALUE_MOST:
-        parser.error(f"--tokens takes at most {ROW_VALUE_MOST} (a row's budget is an i32), not {args.tokens}")
+    if args.model is None:  # the random model's layers and vocabulary are known now, before it is built
+        most = min(HYBRID) if args.hybrid else SIZES[args.size]["num_hidden_layers"] - 1
+        if args.draft_layers > most:
+            parser.error(f"--draft-layers takes at most {most} of the {args.size} model's layers (the draft's are "
+                         f"the target's first{', before its recurrent ones' if args.hybrid else ''}), "
+                         f"not {args.draft_layers}")
+        if args.eos is not None and args.eos >= VOCAB:
+            parser.error(f"--eos is a token id of the random model's vocabulary (0 to {VOCAB - 1}), not {args.eos}")
+    sizes(parser, args)
     if args.eos is not None and args.eos < 0:
         parser.error(f"--eos is a token id (0 or more), not {args.eos}")
     if args.temperature is None and (args.top_k != 0 or args.top_p != 1.0):
@@ -98,6 +97,21 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
     except ValueError as exc:
         parser.error(str(exc))
     return args, sampling
+
+
+def sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--batch, --tokens, --k (where the parser has it) and --m-rounds checked, the parser's error
+    where one is wrong: here, before any model is built or loaded (a traceback from a decoder's
+    refusal after). examples/torch_tp.py's too."""
+    for name, least in (("batch", 1), ("tokens", 0), ("k", 1), ("m_rounds", 1)):
+        if getattr(args, name, least) < least:
+            parser.error(f"--{name.replace('_', '-')} takes at least {least}, not {getattr(args, name)}")
+    try:  # their most: the rounds' shape (a tree's depth is its own, checked with the tree)
+        Geometry(getattr(args, "k", 1), args.m_rounds, args.batch)
+    except ValueError as exc:
+        parser.error(f"--k, --m-rounds and --batch: {exc}")
+    if args.tokens > ROW_VALUE_MOST:
+        parser.error(f"--tokens takes at most {ROW_VALUE_MOST} (a row's budget is an i32), not {args.tokens}")
 
 
 def models(args: argparse.Namespace) -> tuple[Any, Any, Any]:

@@ -28,6 +28,7 @@ import shlex
 import sys
 
 import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
+from _cli import sizes
 import torch
 import torch.distributed as dist
 
@@ -82,7 +83,9 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=256, help="new tokens a row (default 256)")
     parser.add_argument("--k", type=int, default=4, help="drafts a round (default 4)")
     parser.add_argument("--m-rounds", type=int, default=16, metavar="M", help="rounds a burst, M (default 16)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    sizes(parser, args)  # before torchrun's ranks build and shard a model each: a traceback on every rank after
+    return args
 
 
 def launched() -> None:

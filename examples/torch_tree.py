@@ -24,6 +24,7 @@ from pathlib import Path
 import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
 from _cli import command_line, describe, finish, models, parse, requests
 
+from memra_cuda import Geometry
 from memra_cuda.buffers.tree import Tree
 from memra_cuda.torch import Room, TreeLlama
 from memra_cuda.torch.testing import parse_tree
@@ -64,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
             tree = parse_tree(args.tree)
         except ValueError as exc:
             parser.error(str(exc))
+    try:  # the decoder's refusals, before any model is built: each was a traceback after it
+        if sampling is not None:
+            tree.check_sampled()
+        Geometry.of_tree(tree, args.m_rounds, args.batch)
+    except ValueError as exc:
+        parser.error(f"--tree {args.tree}: {exc}")
     _needs.gpu()
     target, draft, tokenizer = models(args)
     queue = requests(args, tokenizer)

@@ -47,6 +47,9 @@ def test_pipeline_stages_name_the_capacity_of_their_caches():
         with pytest.raises(ValueError, match="capacity must be None, UNCHECKED or an int of at least 1"):
             Stages(["stage"], capacity=bad)
     assert Stages(()).capacity is None
+    # a tail that is no callable was taken, and raised at every round, after its commit and rollback
+    with pytest.raises(TypeError, match="round_tail must be a callable that queues the other stages' work"):
+        Stages(["stage"], round_tail=[lambda: None], capacity=64)
 
 
 def test_a_round_refuses_kernels_of_another_engine_and_a_lone_table_before_any_device_work():

@@ -16,7 +16,7 @@ import numpy as np
 from ..driver.values import as_listed, as_real, as_size
 from .arena import carve
 from .layout import COST_DRAFT, COST_VERIFY, RATE_ACCEPTED, RATE_REJECTED, RATE_WORDS
-from .stream_bufs import StreamBufs
+from .stream_bufs import StreamBufs, row_values
 
 if TYPE_CHECKING:
     from ..driver.buffer import DeviceBuffer
@@ -74,10 +74,7 @@ class DraftLengths:
     def set_caps(self, caps: int | Sequence[int] | np.ndarray) -> None:
         """Every row's most draft length, one for all or one per row, each from 0 (speculation off:
         the row decodes as the plain target does) to k."""
-        given = list(caps) if isinstance(caps, (list, tuple, np.ndarray)) else [caps] * self.batch
-        if len(given) != self.batch:
-            raise ValueError(f"caps needs one value per row ({self.batch}), not {len(given)}")
-        self._write_caps(0, given)
+        self._write_caps(0, row_values(caps, self.batch, "caps")[0])
 
     def set_cap_row(self, row: int, cap: int) -> None:
         """Row `row`'s most draft length (0 to k): its request's, set when the row is admitted."""

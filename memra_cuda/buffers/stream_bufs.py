@@ -12,7 +12,7 @@ import numpy as np
 
 from ..driver.errors import MemraError
 from ..driver.engine import as_engine
-from ..driver.values import as_index, as_size
+from ..driver.values import I32_MOST, as_index, as_size
 from .arena import carve
 from .geometry import Geometry, as_geometry
 from .layout import ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT, RING_TOKENS
@@ -283,7 +283,7 @@ class StreamBufs:
         generated (per row, for a batch): `drafted` counts k a round of rounds_run's, the drafts a
         round of width k offers (a row capped below k, or a round of a narrower body, is counted
         so too). As of the last readback, no readback of its own."""
-        tokens = np.asarray(committed, np.int64).reshape(-1)
+        tokens = self._committed(committed)
         rounds = self.rounds_run(tokens)
         return int((tokens - rounds).sum()), self.k * int(rounds.sum())
 
@@ -293,17 +293,24 @@ class StreamBufs:
         accepted drafts plus one. A batch runs as many rounds as its slowest row; its rows' mean
         against that maximum is the share of the batch's rounds its rows used. As of the last
         readback (`accepted`, which every burst's readback brings), no readback of its own."""
-        tokens = np.asarray(committed, np.int64).reshape(-1)
-        if tokens.size != self.batch:
-            raise ValueError(f"need one committed count per row ({self.batch}), not {tokens.size}")
+        tokens = self._committed(committed)
         self.check_free()
         return tokens - self.accepted
 
     def tokens_per_round(self, committed: int | Sequence[int] | np.ndarray) -> float:
         """Tokens committed per round a row ran (tau), over every row since its request began, for
         `committed` tokens generated (per row, for a batch), rounds_run's: 1 where no round ran."""
-        rounds = int(self.rounds_run(committed).sum())
-        return int(np.sum(committed)) / rounds if rounds else 1.0
+        tokens = self._committed(committed)
+        rounds = int(self.rounds_run(tokens).sum())
+        return int(tokens.sum()) / rounds if rounds else 1.0
+
+    def _committed(self, committed: int | Sequence[int] | np.ndarray) -> np.ndarray:
+        """The rows' committed counts as int64 [B], one a row (a lone count for a batch of one),
+        each checked as per_row checks a row's value: numpy's int64 cast truncated 3.9 to 3, read
+        "5" as 5 and took -2, each a statistic silently wrong."""
+        one_a_row = isinstance(committed, (list, tuple)) or (isinstance(committed, np.ndarray) and committed.ndim)
+        return np.array(per_row(committed if one_a_row else [committed], self.batch, "committed",
+                                optional=False), np.int64)
 
     def buffers(self) -> dict[str, DeviceBuffer]:
         """The device fields by name (windows of one allocation), in their order in it."""
@@ -316,21 +323,15 @@ class StreamBufs:
             buf.free()
 
 
-ROW_VALUE_MOST = 2**31 - 1  # a row's word holds an i32: a token id, a budget, a count, a position
+ROW_VALUE_MOST = I32_MOST  # a row's word holds an i32: a token id, a budget, a count, a position
 
 
-def per_row(values: int | None | Sequence[int | None] | np.ndarray, rows: int, what: str,
-            optional: bool = True) -> list[int | None]:
+def per_row(values: object, rows: int, what: str, optional: bool = True) -> list[int | None]:
     """`values` for each of `rows` rows: one value for all, or a sequence of one per row; each
     an int from 0 to ROW_VALUE_MOST (ids, counts, positions), or None where `optional`. A
     refusal (TypeError for the wrong kind, ValueError out of range) names `what` and, in a
     sequence, the row: one bad value among a batch's is found by its row, not by a search."""
-    if isinstance(values, (list, tuple, np.ndarray)):
-        if len(values) != rows:
-            raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
-        given, many = list(values), True
-    else:
-        given, many = [values] * rows, False
+    given, many = row_values(values, rows, what)
     out: list[int | None] = []
     for i, value in enumerate(given):
         if value is None and optional:
@@ -343,6 +344,18 @@ def per_row(values: int | None | Sequence[int | None] | np.ndarray, rows: int, w
                 raise
             raise type(exc)(f"{exc} (row {i})") from None
     return out
+
+
+def row_values(values: object, rows: int, what: str) -> tuple[list[object], bool]:
+    """`values` for each of `rows` rows, and whether they came one a row: a list, a tuple or an
+    array of one or more dimensions holds one a row (ValueError naming `what` unless it holds
+    `rows`); anything else is one value for every row, a 0-d array too (np.array(5), an index
+    as an int is: its len() raised a TypeError naming nothing)."""
+    if isinstance(values, (list, tuple)) or (isinstance(values, np.ndarray) and values.ndim):
+        if len(values) != rows:
+            raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
+        return list(values), True
+    return [values] * rows, False
 
 
 def _ring_tokens(ring: np.ndarray, ring_cap: int) -> np.ndarray:

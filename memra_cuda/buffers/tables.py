@@ -259,6 +259,7 @@ class KVDataTable(AddressTable):
         batches = {layer.batch for layer in self.layers if layer is not None}
         if len(batches) > 1:
             raise ValueError(f"{label}: every layer must hold the same batch B, not {sorted(batches)}")
+        _named_once(self.layers, label)
         self.batch = batches.pop() if batches else None
         engine = as_engine(engine)
         words = np.zeros((len(self.layers), self.RECORD), np.uint64)
@@ -278,6 +279,26 @@ class KVDataTable(AddressTable):
     def capacity(self) -> int | None:
         caps = [layer.capacity for layer in self.layers if layer is not None]
         return min(caps) if caps else None
+
+
+def _named_once(layers: Sequence[KVData | None], label: str) -> None:
+    """ValueError where a table's records name one address twice (a layer listed twice, or a
+    layer's V its K): kernel 15 gives each record's K and V a block of its own, each moving the
+    path's entries depth by depth, so two blocks over one memory race, one reading a slot the
+    other has already overwritten, and the accepted path's KV comes out wrong, silently (the
+    numpy reference, which moves every layer at one depth before the next, shows nothing)."""
+    seen: dict[int, str] = {}
+    for i, layer in enumerate(layers):
+        if layer is None:
+            continue
+        for name, buf in (("K", layer.k_d), ("V", layer.v_d)):
+            if buf is None:
+                continue
+            if buf.ptr in seen:
+                raise ValueError(f"{label}: layer {i}'s {name} is at the address of {seen[buf.ptr]} ({buf!r}): the "
+                                 "compaction would move that memory twice at once; name each K and V once (a "
+                                 "layer of one buffer gives v_d=None)")
+            seen[buf.ptr] = f"layer {i}'s {name}"
 
 
 def kv_data_table(engine: Engine, layers: Sequence[KVData | None]) -> KVDataTable:

@@ -34,7 +34,7 @@ from ..driver.buffer import DeviceBuffer
 from ..driver.call import Prepared
 from ..driver.graph import Graph
 from ..driver.handle import Handle
-from ..driver.values import as_index
+from ..driver.values import as_index, as_real
 from .library import IN_PROGRESS, UNIQUE_ID_BYTES, Nccl, NcclError, UniqueIdArg, nccl, nccl_op, nccl_type, result_name
 from .rendezvous import Ranks, exchange_id
 
@@ -79,7 +79,7 @@ class Watch:
     error, is a failure; the first failure stays the verdict."""
 
     def __init__(self, timeout: float, rank: int):
-        if not timeout > 0:
+        if not as_real(timeout, "a communicator's timeout") > 0:  # a bool is none (True was 1 s)
             raise ValueError(f"a communicator's timeout is a positive number of seconds, not {timeout}")
         self.timeout, self.rank = float(timeout), rank
         self.waits: dict[int, float] = {}  # thread -> when its host wait began
@@ -301,12 +301,17 @@ class Communicator(Handle):
             raise ValueError(f"a rank is 0 <= rank < world, not rank {rank} of {world}")
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise ValueError(f"a communicator id is {UNIQUE_ID_BYTES} bytes (Nccl.unique_id), not {len(unique_id)}")
+        # Both checked before NCCL is loaded or joined: the watchdog's sleep(poll) raised on its
+        # thread for a negative or NaN poll, which ended the watchdog silently, and with it the
+        # timeout of every host wait (a dead peer then hung them).
+        watch = Watch(timeout, rank)
+        if not 0 < as_real(poll, "poll") < float("inf"):
+            raise ValueError(f"poll is the watchdog's positive, finite number of seconds between looks, not {poll!r}")
         self.engine, self.rank, self.world = engine, rank, world
         self.lib = lib = nccl()
         # Every connection made while joining, inside its timeout: NCCL otherwise connects a peer
         # at the first operation with it, out of the watchdog's reach.
         os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
-        watch = Watch(timeout, rank)
         ctx = engine.activate()
         comm = self._join(lib, ctx, rank, world, unique_id, watch.timeout)
         self._state = state = _State(lib, comm, watch, ctx)

@@ -12,7 +12,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .rendezvous import SECRET_VARIABLE
+from ..driver.values import as_real, as_size
+from .rendezvous import MAX_WORLD, SECRET_VARIABLE
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,12 @@ def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None
     them, at most `timeout` seconds. Past it, or if this process fails while they run, every rank
     still running is stopped with what it started (torchrun's workers): each rank leads a session
     of its own, which gets SIGTERM, then SIGKILL GRACE seconds later. Output goes to files, so no
-    rank stalls on a full pipe."""
+    rank stalls on a full pipe. `world` is checked, 1 to MAX_WORLD (0 ran nothing, and its empty
+    list read as every rank having passed; True ran one rank told WORLD_SIZE=True), and `timeout`
+    is a number of seconds above 0 (a NaN waited for ever, a hung rank with it)."""
+    world = as_size(world, "world", 1, MAX_WORLD)
+    if not as_real(timeout, "timeout") > 0:
+        raise ValueError(f"timeout must be a number of seconds above 0, not {timeout!r}")
     master, exchange = free_ports(2)
     base = {**os.environ, "NCCL_NVLS_ENABLE": "0", "MEMRA_NCCL_PORT": str(exchange),
             SECRET_VARIABLE: secrets.token_hex(32), **(env or {}),

@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 
 
+I32_MOST = 2**31 - 1  # an i32's most: a row's word on the device (a token id, a budget, a position)
+
+
 def device_dtype(dtype: Any) -> np.dtype:
     """`dtype` if device memory can hold it: bool, integers and floats of 1 to 8 bytes, in the
     machine's byte order (objects, strings and complex numbers have no meaning there)."""
@@ -47,10 +50,20 @@ def exact_int(value: Any, dtype: Any) -> int:
     return number
 
 
-def _hides_bools(values: Any) -> bool:
-    """Whether a list or a tuple holds a bool among its numbers, which numpy then reads as an int
-    (np.asarray([True, 5]) is int64): the one place a bool slips past a dtype's kind."""
-    return isinstance(values, (list, tuple)) and any(type(v) in (bool, np.bool_) for v in values)
+def hides_bools(values: Any) -> bool:
+    """Whether a list or a tuple holds a bool among its numbers, in a nested list or tuple or as
+    a bool array in it too, which numpy then reads as an int (np.asarray([True, 5]), [[True, 5]]
+    and [np.array([1]), np.array([True])] are int64): the one place a bool slips past a dtype's
+    kind."""
+    if not isinstance(values, (list, tuple)):
+        return False
+    for v in values:
+        if isinstance(v, np.ndarray):
+            if v.dtype.kind == "b":
+                return True
+        elif hides_bools(v) or type(v) in (bool, np.bool_):
+            return True
+    return False
 
 
 def _inexact(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -78,7 +91,7 @@ def exact_array(values: Any, dtype: Any) -> np.ndarray:
     a bool buffer takes bools, 0 and 1 (0.5 and -1 were stored as True)."""
     dtype = np.dtype(dtype)
     arr = values if isinstance(values, np.ndarray) else np.asarray(values)
-    if dtype.kind in "iu" and (arr.dtype.kind == "b" or _hides_bools(values)):
+    if dtype.kind in "iu" and (arr.dtype.kind == "b" or hides_bools(values)):
         raise TypeError(f"bools given for a {dtype.name} buffer: {reprlib.repr(values)}")
     if arr.dtype == dtype:
         return arr.reshape(-1)
@@ -142,7 +155,7 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
         tokens = np.array(values)
     except (TypeError, ValueError):  # ragged, or not numbers at all
         tokens = np.array(None)
-    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu") or _hides_bools(values):
+    if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu") or hides_bools(values):
         raise TypeError(f"{what} must be token ids (ints), not {reprlib.repr(values)}")
     outside = np.flatnonzero((tokens < 0) | (tokens >= vocab))
     if outside.size:

@@ -61,6 +61,9 @@ class Stages:
     capacity: int | Unchecked | None = None
 
     def __post_init__(self) -> None:
+        if self.round_tail is not None and not callable(self.round_tail):  # queued after every round's commit
+            raise TypeError(f"round_tail must be a callable that queues the other stages' work, or None, not "
+                            f"{self.round_tail!r}")
         if (self.engines or self.round_tail is not None) and self.capacity is None:
             raise ValueError("Stages must say how many KV entries the other stages' caches hold (capacity=), "
                              "or capacity=UNCHECKED: their rollback runs in round_tail, out of the check's sight")
@@ -190,7 +193,7 @@ class ChainRound(Round):
                  state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
                  lengths: DraftLengths | None = None, narrower: Mapping[int, tuple[Step, Step]] | None = None,
                  capture: Capture | None = None, stages: Stages | None = None):
-        _check_steps(draft_chain, verify_trunk, narrower)
+        _check_steps(draft_chain, verify_trunk, narrower, seed_gather)
         if not isinstance(acceptance, (Greedy, Sampling)):
             raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
                             f"not {acceptance!r}")
@@ -242,10 +245,12 @@ class ChainRound(Round):
         return self.conditional_capture(build)
 
 
-def _check_steps(draft_chain: object, verify_trunk: object, narrower: Mapping[int, tuple[Step, Step]] | None) -> None:
+def _check_steps(draft_chain: object, verify_trunk: object, narrower: Mapping[int, tuple[Step, Step]] | None,
+                 seed_gather: object = None) -> None:
     """TypeError naming the first of a chain's steps that is not a callable (what queues the
-    model's work; chain() makes one of launches), and each of `narrower`'s bodies unless it is
-    such a pair: checked first, when the round is built, as TreeRound checks its steps. A list of
+    model's work; chain() makes one of launches; `seed_gather`, where given, a prepared launch),
+    and each of `narrower`'s bodies unless it is such a pair: checked first, when the round is
+    built, as TreeRound checks its steps. A list of
     launches given as the draft chain was taken, and raised only when the round first issued it:
     after the length chooser's launch (moving each row's statistics on by a round that never ran)
     and the seed gather's were queued, or inside a graph's capture."""
@@ -257,6 +262,8 @@ def _check_steps(draft_chain: object, verify_trunk: object, narrower: Mapping[in
             raise TypeError(f"narrower[{width!r}] must be a pair (draft_chain, verify_trunk) of width {width!r}, "
                             f"not {body!r}")
         steps += [(f"narrower[{width!r}]'s draft_chain", body[0]), (f"narrower[{width!r}]'s verify_trunk", body[1])]
+    if seed_gather is not None:
+        steps.append(("seed_gather", seed_gather))
     for name, step in steps:
         if not callable(step):
             raise TypeError(f"{name} must be a callable that queues the model's work (chain([...]) of its launches), "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from ..driver.errors import MemraError
-from ..driver.values import as_index, as_prompt, as_size
+from ..driver.values import I32_MOST, as_index, as_prompt, as_size
 
 
 class Request(NamedTuple):
@@ -206,7 +206,9 @@ def _checked(request: Request, vocab: int) -> Request | str:
     request = as_request(request)
     try:
         prompt = as_prompt(request.prompt, vocab, "its prompt")  # a copy, never the caller's list itself
-        budget = as_size(request.max_new_tokens, "max_new_tokens", 0)
+        # a row's budget is an i32 on the device (StreamBufs' ROW_VALUE_MOST): past it, a decoder's
+        # generate_batch and admit() prefilled the rows before the budget was refused
+        budget = as_size(request.max_new_tokens, "max_new_tokens", 0, I32_MOST)
         seed = as_seed(request.seed)
         eos = None if request.eos is None else as_size(request.eos, "eos", 0, also="None")
         most = None if request.max_draft is None else as_size(request.max_draft, "max_draft", 0, also="None")
@@ -274,6 +276,7 @@ class Server:
         self._cancels: set[int] = set()  # ids to end at the next step's start
         self._next = 0
         self._unreported: dict[int, Served] = {}  # ended at a step that raised: the next step hands them out
+        self._stepping = False  # a step runs: one inside it is refused
         decoder.park(range(batch))
 
     @property
@@ -316,7 +319,20 @@ class Server:
     def step(self) -> Progress:
         """One boundary and one burst: cancels take effect, queued requests take the free rows,
         then one burst of every row runs and is read back; a request found stopped gives its row
-        back. Where no row is busy, no burst runs."""
+        back. Where no row is busy, no burst runs. RuntimeError, before anything is done, for a
+        step inside a step (the decoder or the clock calling back, another thread): the inner one
+        took the rows' next burst and ended its requests, so the outer read a request that had
+        ended (KeyError) and lost its burst's tokens, the request ending with fewer, silently."""
+        if self._stepping:
+            raise RuntimeError("step() was called while a step of this server runs (from its decoder or its clock, "
+                               "or another thread): step one at a time, from one loop")
+        self._stepping = True
+        try:
+            return self._step()
+        finally:
+            self._stepping = False
+
+    def _step(self) -> Progress:
         finished, self._unreported = self._unreported, {}
         now = self.clock()
         try:
@@ -365,7 +381,10 @@ class Server:
 
     def _cancel(self, now: float, finished: dict[int, Served]) -> None:
         """The cancels asked for since the last step: queued requests leave the queue, running
-        ones' rows are parked (one call) and freed."""
+        ones' rows are parked (one call) and freed. Each leaves the set as its request ends
+        (_end), so a cancel asked meanwhile (the park calling back, another thread) stays for
+        the next step: clearing the set dropped it, its request then running to its end though
+        cancel() had said True."""
         cancels = sorted(self._cancels)
         rows = [row for ident in cancels if (row := self._live[ident].row) is not None]
         if rows:
@@ -374,7 +393,6 @@ class Server:
             if self._live[ident].row is None:
                 self._queue.remove(ident)
             finished[ident] = self._end(ident, now, cancelled=True)
-        self._cancels.clear()
 
     def _admit(self, now: float, finished: dict[int, Served]) -> None:
         """Queued requests into the free rows, in order; one of budget 0 ends at the head of the
@@ -418,8 +436,11 @@ class Server:
                                                                       f"{type(exc).__name__}: {exc}")))
 
     def _end(self, ident: int, at: float, cancelled: bool = False, refused: str | None = None) -> Served:
-        """Request `ident` ended at `at`: its row (if it held one) is free, and the server forgets it."""
+        """Request `ident` ended at `at`: its row (if it held one) is free, and the server forgets it,
+        a cancel asked for it too (one asked during the step that ended it: from another thread,
+        or the clock or the decoder called back, met a KeyError at every later step)."""
         running = self._live.pop(ident)
+        self._cancels.discard(ident)
         if running.row is not None:
             self._slots[running.row] = None
         return running.ended(at, cancelled, refused)

@@ -55,7 +55,7 @@ class TreeRound(Round):
             raise ValueError(f"a tree of depth {tree.depth} takes {tree.depth + 1} draft levels (callables, level 0 "
                              f"the root), not {len(levels)}")
         for name, step in (("verify_tree", verify_tree), ("compact", compact)):
-            if step is not None and not callable(step):
+            if not callable(step) and not (name == "compact" and step is None):  # verify_tree None: every round's
                 raise TypeError(f"{name} must be a callable that queues the model's work, not {step!r}")
         if isinstance(acceptance, Greedy):
             if not isinstance(candidates, Candidates):

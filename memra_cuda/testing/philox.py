@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ..driver.values import hides_bools
+
 MULTIPLIERS = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
 WEYL = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))  # the key schedule's increments
 ROUNDS = 10
@@ -31,8 +33,7 @@ def words(values: Any) -> np.ndarray:
     array = np.asarray(values)
     if array.dtype.kind not in "iu":
         raise TypeError(f"Philox counters, keys and seeds are integers, not {array.dtype} ({values!r})")
-    if isinstance(values, (list, tuple)) and any(
-            isinstance(v, (bool, np.bool_)) for v in np.asarray(values, dtype=object).flat):
+    if hides_bools(values):
         raise TypeError(f"Philox counters, keys and seeds are integers, not bools ({values!r})")
     return array.astype(np.uint64)
 

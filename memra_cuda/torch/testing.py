@@ -30,6 +30,7 @@ SIZES: dict[str, dict[str, Any]] = {  # the issue's prototype model, and one abo
     "large": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
                   num_key_value_heads=8, dtype=torch.bfloat16),
 }
+VOCAB = 32000  # the random-weight models' vocabulary (a Llama tokenizer's size)
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]
 HYBRID = (2, 5)  # the hybrid variant's recurrent layers: the target's, past the draft's
 GATE_BIAS = 3.0  # sigmoid(3) = 0.95: a recurrent state remembers about the last twenty tokens
@@ -40,7 +41,7 @@ def prompts(batch: int, seed: int = 0, shortest: int = 2, longest: int = 40) -> 
     with BOS: requests as a server sees them."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(shortest, longest + 1, (batch,), generator=gen).tolist()
-    return [[1] + torch.randint(2, 32000, (n - 1,), generator=gen).tolist() for n in lengths]
+    return [[1] + torch.randint(2, VOCAB, (n - 1,), generator=gen).tolist() for n in lengths]
 
 
 def build_model(size: str = "small", *, draft_layers: int = 1, residual_scale: float = 0.01,
@@ -59,7 +60,7 @@ def build_model(size: str = "small", *, draft_layers: int = 1, residual_scale: f
                          f"not {tuple(recurrent_layers)}")
     shape = dict(SIZES[size], **({"head_dim": head_dim} if head_dim else {}))
     dtype = shape.pop("dtype")
-    config = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=4096, rms_norm_eps=1e-5,
                          tie_word_embeddings=False, attn_implementation="sdpa", **shape)
     torch.manual_seed(seed)
     with torch.device(device):

@@ -32,11 +32,13 @@ def test_a_chain_and_a_tree_tell_the_capacity_rule_their_depth_and_width():
 def test_the_trees_sections_parts_are_lists_of_known_names():
     assert listed("1,128", TREE_BATCHES, int) == [1, 128]
     assert listed("large", ("small", "large")) == ["large"]
-    for text in ("2", "1,x", ""):
+    for text in ("2", "1,x", "", "1,1", "8,1,8"):  # one named twice ran twice: a B's whole measurement again
         with pytest.raises(argparse.ArgumentTypeError, match="comma-separated list of"):
             listed(text, TREE_BATCHES, int)
-    with pytest.raises(argparse.ArgumentTypeError, match="small, large, not 'medium'"):
+    with pytest.raises(argparse.ArgumentTypeError, match="small, large, each once, not 'medium'"):
         listed("medium", ("small", "large"))
+    with pytest.raises(argparse.ArgumentTypeError, match="each once, not 'large,large'"):
+        listed("large,large", ("small", "large"))
 
 
 def test_the_rows_share_is_their_mean_rounds_over_the_slowest_rows_and_1_where_none_ran():

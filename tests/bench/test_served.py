@@ -82,3 +82,17 @@ def test_a_resumed_report_keeps_its_other_batches_only_where_it_is_of_this_pair_
     for mine, what in (((retrained, 16, False), "pair"), ((pair, 8, False), "M"), ((pair, 16, True), "quick")):
         with pytest.raises(ValueError, match=f"another {what} "):
             resumed(path, *mine, [64])
+
+
+def test_the_rounds_a_burst_are_refused_at_parsing_before_the_pair_loads(monkeypatch, capsys):
+    """--rounds 0 (or past a ring's room) met Geometry's refusal in the first B's decoders, after
+    the pair had loaded; argparse's error naming --rounds now (exit 2), with nothing run."""
+    from benchmarks import served as serving
+    ran = []
+    monkeypatch.setattr(serving, "served_headline", lambda *args: ran.append(args))
+    assert serving.main(["--rounds", "8", "--batches", "1"]) == 0 and ran[0][-2] == 8
+    for rounds in ("0", "-3", str(2**31)):
+        with pytest.raises(SystemExit) as exited:
+            serving.main(["--rounds", rounds])
+        assert exited.value.code == 2 and "--rounds: m_rounds must be" in capsys.readouterr().err
+    assert len(ran) == 1

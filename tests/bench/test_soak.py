@@ -78,3 +78,21 @@ def test_the_verdict_fails_where_admissions_fail_and_nothing_is_checked():
     assert checked == 0 and not held and f"refused at their admission {len(found.unadmitted)}" in line, line
     requests, _, found = run()
     assert not verdict(found, [], 0)[0], "a soak that checked nothing held"
+
+
+def test_the_command_line_refuses_what_the_soak_could_only_fail_on_before_building_a_model(monkeypatch, capsys):
+    """--checked 0 could only fail the verdict, and a negative one met numpy's refusal in check(),
+    after the whole soak on the GPU; a negative --seed met numpy's after the model was built.
+    argparse's error naming the option (exit 2), with nothing run."""
+    import pytest
+
+    from benchmarks import soak as soaking
+    ran = []
+    monkeypatch.setattr(soaking, "on_gpu", lambda *args: ran.append(args) or {"held": True})
+    assert soaking.main(["--requests", "10", "--batch", "2", "--checked", "3", "--seed", "0"]) == 0
+    for option, value in (("--checked", "0"), ("--checked", "-5"), ("--seed", "-1"), ("--requests", "0"),
+                          ("--batch", "0"), ("--batch", "65536")):
+        with pytest.raises(SystemExit) as exited:
+            soaking.main([option, value])
+        assert exited.value.code == 2 and f"{option} must be an int" in capsys.readouterr().err
+    assert ran == [(10, 2, 3, 0)]

@@ -121,6 +121,19 @@ def test_a_request_starts_in_a_row_in_one_call_checked_before_anything_is_writte
     assert bufs.done.tolist() == [False, False, True], "a budget of 0 is done at once"
 
 
+def test_a_zero_dimensional_array_is_one_value_for_every_row():
+    """A 0-d array (np.array(5)) is an index as an int is, but per_row took it for one value a
+    row and its len() raised a TypeError naming nothing: set_stop(budget=np.array(5)),
+    generate_batch(np.array(5))."""
+    bufs = row_bufs()
+    bufs.set_stop(eos=np.array(9), budget=np.array(5))
+    (_, start, ctl), = bufs.engine.copies
+    assert start == 0 and [ctl[CTL_WORDS * row + CTL_BUDGET] for row in range(3)] == [5, 5, 5]
+    assert [ctl[CTL_WORDS * row + CTL_EOS] for row in range(3)] == [9, 9, 9]
+    with pytest.raises(TypeError, match="budget must be an integer"):
+        bufs.set_stop(budget=np.array(5.0))
+
+
 class Named(Stream):
     """A Stream without its context: what the methods are given, not what they use."""
 
@@ -157,8 +170,17 @@ def test_each_rows_rounds_are_its_tokens_less_its_accepted_drafts_and_tau_and_th
     assert bufs.rounds_run(committed).tolist() == [8, 5, 10]
     assert bufs.drafts_accepted(committed) == (42, 4 * 23)
     assert bufs.tokens_per_round(committed) == 65 / 23
-    with pytest.raises(ValueError, match="one committed count per row"):
+    with pytest.raises(ValueError, match=r"committed needs one value per row \(3\), not 2"):
         bufs.rounds_run([1, 2])
+    # numpy's int64 cast truncated 20.9 to 20, read "5" as 5 and took -1: each a statistic silently wrong
+    for call in (bufs.rounds_run, bufs.drafts_accepted, bufs.tokens_per_round):
+        for bad, error, named in (([20.9, 5, 40], TypeError, r"committed must be an integer, not 20.9 \(row 0\)"),
+                                  ([20, "5", 40], TypeError, r"committed must be an integer, not '5' \(row 1\)"),
+                                  ([20, 5, -1], ValueError, r"committed must be an int from 0 to .*\(row 2\)"),
+                                  ([20, True, 40], TypeError, r"not True \(row 1\)"),
+                                  (25, ValueError, r"committed needs one value per row \(3\), not 1")):
+            with pytest.raises(error, match=named):
+                call(bad)
     bufs.batch, bufs.accepted = 1, np.zeros(1, np.int64)
     assert bufs.tokens_per_round(0) == 1.0  # no round ran
 

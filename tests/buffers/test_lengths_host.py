@@ -104,8 +104,9 @@ def test_caps_are_written_for_every_row_or_one():
     lengths.set_caps([0, 1, 2, 3])
     lengths.set_caps(np.array([3, 3, 0, 0]))
     lengths.set_cap_row(3, 1)
+    lengths.set_caps(np.array(1))  # a 0-d array is one value, as an int is (its len() raised a TypeError)
     assert engine.writes == [("cap_d", [2, 2, 2, 2], 0), ("cap_d", [0, 1, 2, 3], 0), ("cap_d", [3, 3, 0, 0], 0),
-                             ("cap_d", [1], 3)]
+                             ("cap_d", [1], 3), ("cap_d", [1, 1, 1, 1], 0)]
 
 
 @pytest.mark.parametrize(("call", "error", "message"), [

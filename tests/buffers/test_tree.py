@@ -277,6 +277,11 @@ def test_kv_data_of_a_layer_and_a_table_refuse_what_kernel_15_cannot_read():
         KVDataTable(None, [two, "k"])
     with pytest.raises(ValueError, match=r"the same batch B, not \[1, 2\]"):
         KVDataTable(None, [two, None, one])
+    # one memory named twice: kernel 15's blocks (one a record's K or V) would race over it, depth by depth
+    with pytest.raises(ValueError, match="layer 2's K is at the address of layer 0's K"):
+        KVDataTable(None, [two, None, two])
+    with pytest.raises(ValueError, match="layer 0's V is at the address of layer 0's K"):
+        KVDataTable(None, [KVData(two.k_d, two.k_d, row_stride=160, pos_stride=16, nbytes=16, capacity=10, batch=2)])
 
 
 @pytest.mark.parametrize("kind", NUMPY_INTS)

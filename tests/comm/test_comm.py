@@ -351,6 +351,22 @@ def test_launch_kills_every_rank_past_its_timeout():
     assert [e.returncode for e in ended] == [0, None] and time.monotonic() - start < 20
 
 
+@pytest.mark.parametrize("world, timeout, error, match", [
+    (0, 60, ValueError, "world must be an int from 1 to"),  # ran nothing: [], every rank "passed"
+    (True, 60, TypeError, "world must be an integer, not True"),  # one rank told WORLD_SIZE=True
+    (2.0, 60, TypeError, "world must be an integer"),
+    (1, float("nan"), ValueError, "timeout must be a number of seconds above 0, not nan"),  # waited for ever
+    (1, 0, ValueError, "timeout must be a number of seconds above 0"),
+    (1, "60", TypeError, "timeout must be a real number")])
+def test_launch_refuses_a_world_or_a_timeout_it_cannot_keep_before_starting_a_rank(tmp_path, world, timeout, error,
+                                                                                   match):
+    from memra_cuda.comm.launch import launch
+    ran = tmp_path / "ran"
+    with pytest.raises(error, match=match):
+        launch([sys.executable, "-c", f"open({str(ran)!r}, 'w')"], world, timeout=timeout)
+    assert not ran.exists()
+
+
 def _gone(pid: int) -> bool:
     """No such process, or only its zombie left for its new parent to reap."""
     try:
@@ -584,6 +600,13 @@ def test_a_communicator_refuses_what_it_cannot_join_or_queue(fake):
         Communicator(FakeEngine(), 2, 2, bytes(128))
     with pytest.raises(ValueError, match="128 bytes"):
         Communicator(FakeEngine(), 0, 2, b"short")
+    # the watchdog's sleep(poll) raised on its thread (the watchdog gone, every wait untimed), and a bool was 1 s
+    for poll in (-1.0, 0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="poll is the watchdog's positive, finite number of seconds"):
+            Communicator(FakeEngine(), 0, 2, bytes(128), poll=poll)
+    for args in (dict(poll="0.05"), dict(timeout=True)):
+        with pytest.raises(TypeError, match="must be a real number"):
+            Communicator(FakeEngine(), 0, 2, bytes(128), **args)
     comm, lib, engine = fake()
     four = DeviceBuffer.wrap(0x10, np.float32, 4)
     with pytest.raises(TypeError, match="DeviceBuffer"):

@@ -326,8 +326,9 @@ def test_exact_array_refuses_what_is_not_numbers(values, dtype):
         exact_array(values, dtype)
 
 
-@pytest.mark.parametrize("values", [[True, 5], (5, np.True_), [True, False], np.array([True, False])],
-                         ids=["list", "tuple", "bools", "bool-array"])
+@pytest.mark.parametrize("values", [[True, 5], (5, np.True_), [True, False], np.array([True, False]), [[5, True]],
+                                    [(1, 2), [3, np.True_]], (np.array([1]), np.array([True]))],
+                         ids=["list", "tuple", "bools", "bool-array", "nested", "nested-tuple", "arrays"])
 def test_exact_array_refuses_bools_for_an_integer_buffer(values):
     """A bool is no token, position or row: [True, 5] was uploaded as token 1 (numpy reads the
     list as int64); a float buffer takes them as 0 and 1, as numpy would."""

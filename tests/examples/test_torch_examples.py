@@ -68,7 +68,12 @@ def test_the_examples_share_their_command_line_and_its_refusals(cli, capsys):
                # the most, at parsing too (each was refused by the decoder, after the models were built)
                ("--batch", "65536"): "batch must be an int from 1 to 65535, not 65536",
                ("--m-rounds", str(2**31)): "m_rounds must be at most",
-               ("--tokens", str(2**31)): f"--tokens takes at most {2**31 - 1}", ("--eos", "-1"): "--eos is a token id"}
+               ("--tokens", str(2**31)): f"--tokens takes at most {2**31 - 1}", ("--eos", "-1"): "--eos is a token id",
+               # the random model's, at parsing (a RequestRefused, or self_draft's or build_model's refusal, after
+               # the model was built)
+               ("--eos", "32000"): "--eos is a token id of the random model's vocabulary (0 to 31999), not 32000",
+               ("--draft-layers", "8"): "--draft-layers takes at most 7 of the small model's layers",
+               ("--draft-layers", "3", "--hybrid"): "--draft-layers takes at most 2 of the small model's layers"}
     for argv, message in refused.items():
         with pytest.raises(SystemExit):
             cli.parse(parser, list(argv))
@@ -120,6 +125,17 @@ def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_cha
         assert done.returncode == 2 and "faster by the chain" in done.stderr, done.stderr
     done = run_example("torch_tree.py", "--tree", "auto", "--model", "somewhere", cwd=tmp_path)
     assert done.returncode == 2 and "name a --tree" in done.stderr, done.stderr
+
+
+@pytest.mark.torch
+def test_a_tree_the_decoder_would_refuse_is_refused_before_any_model_is_built(torch_stack, tmp_path):
+    """A sampled tree drawing more children a node than a draw gives, or a tree whose rounds of
+    M a burst overrun a ring, was TreeLlama's refusal, a traceback after both models were built;
+    the parser's error now (exit 2; this machine has no GPU to build them on)."""
+    for argv, said in ((["--tree", "dynamic:2,4,9", "--temperature", "0.7"], "a sampled node draws at most 8"),
+                       (["--tree", "dynamic:3,4,2", "--m-rounds", str(2**30)], "m_rounds must be at most")):
+        done = run_example("torch_tree.py", *argv, cwd=tmp_path)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
 
 
 # -- what is missing, in one line -------------------------------------------------------------
@@ -177,6 +193,18 @@ def test_where_torch_reaches_no_cuda_device_an_example_says_so_in_one_line(name,
     assert "CUDA" in line and "NVIDIA GPU" in line, line
     if torch_without_cuda.version.cuda is None:
         assert f"PyTorch {torch_without_cuda.__version__} is built without CUDA" in line, line
+
+
+@pytest.mark.torch
+def test_torch_tp_refuses_its_sizes_before_its_ranks_start(torch_stack, tmp_path):
+    """--k 0, --batch 0, a negative --tokens or an M past the ring's room: each was refused on
+    every rank, after it had joined the process group, built and sharded the model and decoded
+    the reference; the parser's error now (exit 2), as the other examples' are, with no launcher."""
+    for argv, said in ((["--k", "0"], "--k takes at least 1, not 0"), (["--batch", "0"], "--batch takes at least 1"),
+                       (["--tokens", "-1"], "--tokens takes at least 0"),
+                       (["--m-rounds", str(2**31)], "m_rounds must be at most")):
+        done = run_example("torch_tp.py", *argv, cwd=tmp_path)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
 
 
 @pytest.mark.torch

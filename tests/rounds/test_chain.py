@@ -46,6 +46,7 @@ def launch():
     (dict(narrower={1: launch}), "narrower.1. must be a pair .draft_chain, verify_trunk. of width 1"),
     (dict(narrower={1: (launch, [launch])}), "narrower.1.'s verify_trunk must be a callable"),
     (dict(narrower=[(launch, launch)]), "narrower maps widths below k"),
+    (dict(seed_gather=[launch]), "seed_gather must be a callable"),  # issued after the chooser's launch, else
 ])
 def test_a_chain_rounds_steps_that_are_no_callables_are_refused_before_anything_else(steps, message):
     """A list of launches given as the draft chain (chain() of them was meant) was taken, and
@@ -72,3 +73,23 @@ def test_a_step_refuses_the_generating_modes_naming_the_calls_that_run_them(mode
     stream = object.__new__(RoundStream)  # nothing built: the mode is refused first
     with pytest.raises(ValueError, match=message):
         stream.step(mode)
+
+
+@pytest.mark.parametrize(("steps", "message"), [
+    (dict(verify_tree=None), "verify_tree must be a callable that queues the model's work, not None"),
+    (dict(verify_tree="verify"), "verify_tree must be a callable"),
+    (dict(compact=[launch]), "compact must be a callable"),
+])
+def test_a_tree_rounds_verify_that_is_no_callable_is_refused_before_anything_else(steps, message):
+    """verify_tree=None was taken (compact's None, no compaction of one's own, is a choice; a
+    verify is not): every round then called None, inside a burst's capture or after the draft's
+    levels were queued. Refused with the other steps, before the kernels are loaded."""
+    from memra_cuda import Greedy, TreeRound, TreeShape
+    from memra_cuda.buffers import TreeBufs
+    bufs = object()
+    tree = TreeBufs.__new__(TreeBufs)
+    tree.bufs, tree.tree = bufs, TreeShape.chain(2)
+    given = {**dict(draft_levels=[launch] * 3, verify_tree=launch, acceptance=Greedy(None), rollback_tables=[],
+                    compact=launch), **steps}
+    with pytest.raises(TypeError, match=message):
+        TreeRound(bufs, tree, Untouched(), **given)

@@ -56,7 +56,7 @@ def test_a_request_that_cannot_run_is_refused_alone_naming_it():
            5: (Request([], 5), "at least one token id"),
            6: (Request([1, 2.5], 5), "at least one token id"),
            7: (Request([True], 5), "at least one token id"),
-           8: (Request([2], -1), "max_new_tokens must be an int of at least 0, not -1"),
+           8: (Request([2], -1), "max_new_tokens must be an int from 0 to 2147483647, not -1"),
            9: (Request([2], 4, seed=1.5), "its seed must be an integer"),
            10: (Request([2], 4, seed=2**63), f"its seed {2**63} is outside a 64-bit int"),
            11: (Request([2], 4, max_draft=-1), "max_draft must be None or an int of at least 0, not -1"),
@@ -144,6 +144,93 @@ def test_cancel_refuses_an_id_never_given_and_says_false_for_one_that_ended():
     again = server.submit(Request([1], 9))
     assert server.cancel(again) and server.cancel(again), "a second cancel before the boundary"
     assert list(server.step().finished) == [again] and server.idle
+
+
+def test_a_cancel_asked_during_the_step_that_ends_its_request_is_dropped_with_it():
+    """A cancel from another thread (a client hanging up while a burst runs), or from a clock or
+    a decoder calling back, of a request that burst then finished: the request ended, and its
+    cancel stayed queued, so every later step raised KeyError naming it and the server served
+    no more."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    first = server.submit(Request([1, 2], 1))
+    burst = decoder.burst
+
+    def cancelling():
+        out = burst()
+        assert server.cancel(first), "still running: its cancel is taken"
+        return out
+
+    decoder.burst = cancelling
+    assert list(server.step().finished) == [first], "its burst finished it: it ended so, not cancelled"
+    decoder.burst = burst
+    assert server.idle and server.step() == (None, {}, {})
+    second = server.submit(Request([3], 2))
+    finished = {}
+    while not server.idle:
+        finished.update(server.step().finished)
+    assert list(finished) == [second] and not finished[second].cancelled
+    assert server.cancel(first) is False, "ended: its result stands"
+
+
+def test_a_cancel_asked_while_the_boundary_parks_the_rows_of_others_takes_effect_at_the_next():
+    """The boundary's cancels were cleared all at once after the rows were parked: one asked
+    meanwhile (the park calling back, or another thread) was dropped, though cancel() said True,
+    and its request ran to the end of its budget."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    first, second = server.submit(Request([1, 2], 30)), server.submit(Request([3], 30))
+    server.step()
+    park = decoder.park
+
+    def parking(rows):
+        park(rows)
+        assert server.cancel(second)
+
+    decoder.park = parking
+    assert server.cancel(first) and list(server.step().finished) == [first]
+    decoder.park = park
+    ended = server.step().finished
+    assert list(ended) == [second] and ended[second].cancelled and len(ended[second].tokens) < 30
+
+
+def test_a_step_inside_a_step_is_refused_and_the_outer_step_goes_on():
+    """A step called back from the decoder's burst (or the clock, or another thread) ran the
+    rows' next burst and ended their requests; the outer step then met a request that had ended
+    (KeyError), its burst's tokens lost: request 0 ended with 1 of its 3 tokens, silently."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    first, second = server.submit(Request([1, 2], 3)), server.submit(Request([3], 3))
+    burst, inner = decoder.burst, []
+
+    def stepping():
+        out = burst()
+        with pytest.raises(RuntimeError, match="step\\(\\) was called while a step of this server runs"):
+            server.step()
+        inner.append(True)
+        return out
+
+    decoder.burst = stepping
+    ended = dict(server.step().finished)
+    decoder.burst = burst
+    while not server.idle:
+        ended.update(server.step().finished)
+    assert inner == [True]
+    assert [ended[ident].tokens for ident in (first, second)] == [alone(Request([1, 2], 3)), alone(Request([3], 3))]
+
+
+def test_a_budget_past_a_rows_i32_is_malformed_before_any_row_is_touched():
+    """A row's budget is an i32 on the device: a speculative decoder's generate_batch and admit()
+    prefilled the rows (their caches overwritten) before StreamBufs refused 2**31; it is a
+    malformed request now, refused where every request is checked (as the server's, naming it)."""
+    from memra_cuda.rounds.serving import batch_admitted, malformed
+    assert malformed(Request([1], 2**31 - 1), VOCAB) is None
+    assert "max_new_tokens must be an int from 0 to 2147483647, not 2147483648" in malformed(Request([1], 2**31), VOCAB)
+    with pytest.raises(RequestRefused, match="request 0 refused: max_new_tokens must be an int from 0 to"):
+        batch_admitted([Request([1], 2**31)], VOCAB, 1)
+    decoder = Counting(1, capacity=2**40)
+    with pytest.raises(RequestRefused, match="max_new_tokens must be an int from 0 to 2147483647"):
+        Server(decoder).submit(Request([1], 2**32))
 
 
 def test_each_token_carries_its_readback_time_and_the_first_one_the_time_to_first_token():

@@ -172,6 +172,37 @@ def test_models_refuse_ill_formed_recurrent_layers():
         HYBRID.predict(0, 1, 0)
 
 
+def test_the_toys_numbers_are_checked_plain_ints():
+    """A float seed met a TypeError deep in the hash, np.uint32(7) an OverflowError there (numpy's
+    u32 arithmetic), a uint16 vocab likewise, and True was seed 1: each refused naming it, or kept
+    as the plain int it is."""
+    model = toy.ToyModel(seed=np.uint32(7), vocab=np.uint16(300), noise_ppm=np.int64(5), tree_spread=np.uint8(2))
+    assert model == toy.ToyModel(seed=7, vocab=300, noise_ppm=5, tree_spread=2)
+    assert all(type(getattr(model, name)) is int for name in ("seed", "vocab", "noise_ppm", "tree_spread"))
+    assert toy.target_greedy(model, [1, 2, 3], 5) == toy.target_greedy(toy.ToyModel(seed=7, vocab=300), [1, 2, 3], 5)
+    for field, bad, error, named in (("seed", 7.0, TypeError, "seed must be an integer, not 7.0"),
+                                     ("seed", True, TypeError, "seed must be an integer, not True"),
+                                     ("seed", 2**32, ValueError, "seed must be an int from 0 to 4294967295"),
+                                     ("vocab", 0, ValueError, "vocab must be an int from 1"),
+                                     ("noise_ppm", 0.5, TypeError, "noise_ppm must be an integer"),
+                                     ("noise_ppm", 10**6 + 1, ValueError, "noise_ppm must be an int from 0 to 1000000"),
+                                     ("tree_spread", 0, ValueError, "tree_spread must be an int from 1")):
+        with pytest.raises(error, match=named):
+            toy.ToyModel(**{field: bad})
+
+
+def test_the_numpy_streams_sizes_are_kept_as_plain_ints():
+    """NumpyRoundStream computed its ring from the k and M it was given, before Geometry checked
+    them: numpy ints' arithmetic wraps, so M a uint8 200 made a ring of 232 tokens (200 x 5 is
+    1000), and a burst's tokens past them were dropped: 232 of 900 tokens, and no error."""
+    model = toy.ToyModel(noise_ppm=0)
+    stream = numpy_loop.NumpyRoundStream(model, np.uint8(4), np.uint8(200), np.uint16(4000))
+    assert (stream.k, stream.m, stream.capacity, stream.ring_cap) == (4, 200, 4000, 1000)
+    assert stream.generate([1, 2, 3], 900) == toy.target_greedy(model, [1, 2, 3], 900)
+    with pytest.raises(TypeError, match="capacity must be an integer, not 256.0"):
+        numpy_loop.NumpyRoundStream(model, 4, 2, 256.0)
+
+
 def test_p_min_is_a_probability():
     """ToyModel(p_min=2) (a percentage, say) was taken: every draft step broke, and nothing said
     why. A real number from 0 to 1, else refused naming p_min."""

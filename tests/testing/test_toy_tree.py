@@ -229,3 +229,15 @@ def test_any_tree_equals_target_greedy(data, seed, vocab, noise_ppm, spread, hyb
     got = numpy_loop.tree_speculative_generate(model, prompt, tree, max_new, eos, m_rounds, max(4, tree.draws),
                                                   state)
     assert got == toy.target_greedy(model, prompt, max_new, eos)
+
+
+def test_the_tree_oracles_candidates_a_node_are_a_size_of_the_toys_draft():
+    """NumpyTreeRoundStream took int(candidates): 2.7 as 2, True as 1, "8" as 8, and 0 met an
+    AssertionError inside the grow reference; ToyLM.tree_round, the same knob on the GPU, refused
+    only the range. One check for both now, naming it."""
+    tree, model = TreeShape.from_choices([[0], [1], [0, 0]]), toy.ToyModel()
+    assert numpy_loop.NumpyTreeRoundStream(model, tree, 2, 256, candidates=np.uint8(4)).K == 4
+    for bad, error in ((0, ValueError), (toy.MAX_CANDIDATES + 1, ValueError), (2.7, TypeError), (True, TypeError),
+                       ("8", TypeError)):
+        with pytest.raises(error, match="the toy's tree draft's candidates a node must be"):
+            numpy_loop.NumpyTreeRoundStream(model, tree, 2, 256, candidates=bad)

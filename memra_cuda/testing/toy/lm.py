@@ -67,6 +67,12 @@ def salt(layer: int) -> int:
     return fmix(0x27D4EB2F * (layer + 1))
 
 
+def as_candidates(candidates: object) -> int:
+    """The toy's tree draft's candidates a node, K, as an int from 1 to MAX_CANDIDATES (as_size's
+    refusals: int() took 2.7 as 2, True as 1 and "8" as 8, and the numpy oracle took 0 too)."""
+    return as_size(candidates, "the toy's tree draft's candidates a node", 1, MAX_CANDIDATES)
+
+
 def live_slot(idx: int | np.ndarray, k: int) -> int | np.ndarray:
     """The slot a FLIP index names, by kernel 9's bank rule: a garbage index still names a slot."""
     return np.minimum(idx // (k + 1), 1) * (k + 1) + idx % (k + 1)
@@ -89,22 +95,20 @@ class ToyModel:
     tree_spread: int = 3
 
     def __post_init__(self) -> None:
+        """The numbers are kept as the checked plain ints (as_size's refusals, naming each): a
+        float seed met a TypeError deep in the hash, np.uint32(7) an OverflowError there (numpy's
+        u32 arithmetic), and True was seed 1."""
         if not 1 <= len(self.kv_mask) <= 32:
             raise ValueError(f"the toy has 1 to 32 target layers, not {len(self.kv_mask)}")
-        if not 0 <= self.seed <= M32 or not 1 <= self.vocab <= M32:
-            raise ValueError("seed must be a u32 and vocab a positive u32")
-        if not 0 <= self.noise_ppm <= 1_000_000:
-            raise ValueError(f"noise_ppm must be in [0, 1e6], not {self.noise_ppm}")
+        for name, least, most in (("seed", 0, M32), ("vocab", 1, M32), ("noise_ppm", 0, 1_000_000),
+                                  ("state_words", 1, BLOCK), ("tree_spread", 1, M32)):
+            object.__setattr__(self, name, as_size(getattr(self, name), name, least, most))
         if self.rec_mask and len(self.rec_mask) != len(self.kv_mask):
             raise ValueError(f"rec_mask must be empty or name each of the {len(self.kv_mask)} layers, not "
                              f"{len(self.rec_mask)}")
         both = [layer for layer in self.rec_layers if self.kv_mask[layer]]
         if both:
             raise ValueError(f"layer {both[0]} cannot keep both a KV cache and a recurrent state")
-        if not 1 <= self.state_words <= BLOCK:  # the kernels give a layer's words one block
-            raise ValueError(f"state_words must be in [1, {BLOCK}], not {self.state_words}")
-        if not 1 <= self.tree_spread <= M32:
-            raise ValueError(f"tree_spread must be a positive u32, not {self.tree_spread}")
         # A probability: the draft breaks where its confidence is below it (0, never; 1, always), so
         # a value past 1 (a percentage, say) would break every round without saying why.
         if not 0 <= as_real(self.p_min, "p_min") <= 1:
@@ -717,9 +721,7 @@ class ToyLM:
                              "has no tree verify")
         if tree.nodes > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tree nodes a round, not {tree.nodes}")
-        candidates = int(candidates)
-        if not 1 <= candidates <= MAX_CANDIDATES:
-            raise ValueError(f"the toy's tree draft offers 1 to {MAX_CANDIDATES} candidates a node, not {candidates}")
+        candidates = as_candidates(candidates)
         if self.sampling is None and tree.draws > candidates:
             raise ValueError(f"the tree asks for {tree.draws} candidates a node, but the draft offers {candidates}")
         if self.sampling is not None:

@@ -17,8 +17,8 @@ from ...buffers.layout import CTL_DONE, ROOT_PARENT
 from ...buffers.capacity import Capacity, kv_capacity
 from ...buffers.geometry import Geometry
 from ...buffers.tree import DynamicTree, Tree
-from ...driver.values import as_prompt
-from .lm import M32, STATE_ROLLBACKS, ToyModel, fmix, fmix_array, live_slot, salt
+from ...driver.values import as_prompt, as_size
+from .lm import M32, STATE_ROLLBACKS, ToyModel, as_candidates, fmix, fmix_array, live_slot, salt
 
 
 class NumpyStates:
@@ -91,18 +91,22 @@ class NumpyRoundStream:
 
     def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int, state_rollback: str = "copy",
                  width: int | None = None):
-        self.model, self.k, self.m, self.capacity = model, k, m_rounds, capacity
-        self.ring_cap = m_rounds * (k + 1)
+        # k, M and the capacity checked first, and kept as the plain ints they are: numpy ints'
+        # arithmetic wraps (M a uint8 200 made a ring of 232 tokens, and a burst's past them were
+        # dropped, the output cut short silently)
+        geometry = Geometry(k, m_rounds, 1, width)
+        self.model, self.k, self.m, self.capacity = model, geometry.k, geometry.m_rounds, as_size(capacity, "capacity")
+        k, self.ring_cap = self.k, self.m * (self.k + 1)
         # the rule generate() checks before each burst (`width`: what a round writes, a tree's T + 1)
-        self.room = Capacity(capacity, Geometry(k, m_rounds, 1, width))
+        self.room = Capacity(self.capacity, geometry)
         u32 = lambda n: np.zeros(n, np.uint32)  # noqa: E731
         self.vtok, self.brk, self.pend, self.last_pred = u32(k + 1), u32(2), u32(1), u32(1)
         self.ring, self.acc, self.draft, self.pred = u32(self.ring_cap + 1), u32(2), u32(max(k, 1)), u32(k + 1)
         self.pos_ctr, self.pos_start = np.zeros(1, np.int32), np.zeros(1, np.int32)
         self.ctl = np.array([-1, -1, 0, 0], np.int32)
-        self.tgt = [np.zeros(capacity, np.uint32) if kv else None for kv in model.kv_mask]
+        self.tgt = [np.zeros(self.capacity, np.uint32) if kv else None for kv in model.kv_mask]
         self.tgt_len = [np.zeros(1, np.int32) if kv else None for kv in model.kv_mask]
-        self.draft_kv, self.draft_len = np.zeros(capacity, np.uint32), np.zeros(1, np.int32)
+        self.draft_kv, self.draft_len = np.zeros(self.capacity, np.uint32), np.zeros(1, np.int32)
         self.tgt_states = NumpyStates(model, k, state_rollback)
         self.draft_states = NumpyStates(model, k, state_rollback)
         self.rounds = 0
@@ -206,7 +210,7 @@ class NumpyTreeRoundStream(NumpyRoundStream):
     def __init__(self, model: ToyModel, tree: Tree, m_rounds: int, capacity: int, candidates: int = 8,
                  state_rollback: str = "copy"):
         super().__init__(model, tree.depth, m_rounds, capacity, state_rollback, width=tree.nodes)
-        self.tree, self.K, self.T1 = tree, int(candidates), tree.nodes
+        self.tree, self.K, self.T1 = tree, as_candidates(candidates), tree.nodes
         self.levels = list(tree.levels)
         self.t = ref_tree.TreeArrays.zeros(self.T1, tree.depth, 1)
         self.cand_tok = np.zeros(self.T1 * self.K, np.uint32)
