@@ -23,8 +23,8 @@ from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_listed, as_prompt, as_size
-from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row, as_seed,
-                              batch_admitted)
+from ..rounds.serving import (Burst, Driven, Request, RequestRefused, Served, Server, admitted, as_row,
+                              as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import engine
 from .kv import CacheLayout, Room, StaticKV, as_capacity
@@ -241,16 +241,34 @@ class RoundDecoder:
 
     def generate_batch(self, requests: Sequence[Request], mode: str = "graph") -> list[list[int]]:
         """One request per row, all started together and generated until each stops. A request
-        that is malformed or names a token outside the vocabulary is refused (RequestRefused,
-        naming its row) before anything runs; so is the batch (RuntimeError) while a server over
-        the rows has a request in flight (Driven.take: step it until it is idle)."""
-        requests = batch_admitted(requests, self.vocab, self.batch)
+        that is malformed, names a token outside the vocabulary or needs more room than the
+        caches hold in `mode` (room) is refused (RequestRefused, naming its row) before anything
+        runs: past the room, a burst's capacity check raised mid-generation, every row's tokens
+        lost. So is the batch (RuntimeError) while a server over the rows has a request in
+        flight (Driven.take: step it until it is idle)."""
+        requests, mode = batch_admitted(requests, self.vocab, self.batch), as_mode(mode)
+        for row, request in enumerate(requests):
+            if (reason := self.room(request, mode)) is not None:
+                raise RequestRefused(row, reason)
         self.driven.take("generate_batch")
         self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests],
                      [self._cap(r) for r in requests])
         out = self.rounds.generate_batch([r.max_new_tokens for r in requests],
                                          eos=[r.eos for r in requests], mode=mode)
         return [tokens.tolist() for tokens in out]
+
+    def room(self, request: Request, mode: Mode) -> str | None:
+        """Why a checked `request` cannot run in a row in `mode` (its prompt and budget past the
+        caches' room: kv_capacity of this decoder's rounds, a burst of `mode`'s, one more in
+        flight for "overlap"), as a clause that follows "request N refused: "; None where it can."""
+        rule, capacity = self.rounds.round.capacity, self.target.kv.capacity
+        prompt, new = len(request.prompt), request.max_new_tokens
+        need = kv_capacity(prompt, new, rule.geometry.with_rounds(self.rounds.rounds_per_step(mode)),
+                           overlap=mode is Mode.OVERLAP)
+        if need > capacity:
+            return (f"{prompt} prompt tokens and {new} new need a KV cache of {need} entries in {mode.value} "
+                    f"mode; these hold {capacity}")
+        return None
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, eos: int | None = None,
                  mode: str = "graph", seed: int = 0) -> list[int]:
@@ -301,13 +319,7 @@ class _Slots:
         self.batch, self.vocab = decoder.batch, decoder.vocab
 
     def refusal(self, request: Request) -> str | None:
-        rule, capacity = self.decoder.rounds.round.capacity, self.decoder.target.kv.capacity
-        prompt, new = len(request.prompt), request.max_new_tokens
-        need = kv_capacity(prompt, new, rule.geometry.with_rounds(self.decoder.rounds.rounds_per_step(self.mode)))
-        if need > capacity:
-            return (f"{prompt} prompt tokens and {new} new need a KV cache of {need} entries in {self.mode.value} "
-                    f"mode; these hold {capacity}")
-        return None
+        return self.decoder.room(request, self.mode)
 
     def admit(self, row: int, request: Request) -> None:
         self.decoder.admit(row, request)

@@ -196,6 +196,10 @@ def test_serve_refuses_a_request_its_caches_cannot_hold_alone(small):
     with pytest.raises(ValueError, match="overlap"):
         server.serve([fits], "overlap")
     assert server.rounds.rounds == rounds_before_overlap, "a step ran before the refusal"
+    with pytest.raises(ValueError, match="request 1 refused: 10 prompt tokens and 200 new need a KV cache of "):
+        server.generate_batch([fits, Request([1] * 10, 200)])  # was a CapacityError mid-generation
+    assert server.rounds.rounds == rounds_before_overlap, "a round ran before the refusal"
+    assert server.generate_batch([fits, fits])[1] == alone
 
 
 def test_the_plain_loop_refuses_a_request_its_cache_cannot_hold_and_reads_a_burst_back_once(small):

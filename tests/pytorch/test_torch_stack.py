@@ -745,6 +745,44 @@ def test_an_admission_refuses_a_bad_draft_length_before_the_row_is_touched():
     assert decoder.target.calls == decoder.draft.calls == []
 
 
+def test_a_batch_refuses_a_request_past_the_caches_room_before_anything_runs():
+    """RoundDecoder.generate_batch refused a malformed request up front but not one past the
+    caches' room: a burst's capacity check raised CapacityError mid-generation, every row's tokens
+    lost. Now each request is measured as a server measures it (room: kv_capacity of the rounds'
+    geometry, a burst of the mode's rounds, one more in flight for "overlap"), the first too large
+    refused naming its row, at the limit taken (the host side alone: stand-in rounds and caches,
+    Driven.take recording that nothing started)."""
+    from types import SimpleNamespace
+
+    from memra_cuda import Geometry, kv_capacity
+    from memra_cuda.rounds.serving import RequestRefused
+    from memra_cuda.rounds.stream import Mode
+    from memra_cuda.torch import Request
+    from memra_cuda.torch.decoder import RoundDecoder
+    geometry = Geometry(k=4, m_rounds=8, batch=2)
+    fits = kv_capacity(5, 40, geometry)  # a prompt of 5 and 40 new tokens, a burst of M rounds
+    decoder = object.__new__(RoundDecoder)
+    decoder.vocab, decoder.batch, decoder.k = VOCAB, 2, 4
+    decoder.rounds = SimpleNamespace(round=SimpleNamespace(capacity=SimpleNamespace(geometry=geometry)),
+                                     rounds_per_step=lambda mode: 1 if mode.value == "readback" else 8)
+    decoder.target = SimpleNamespace(kv=SimpleNamespace(capacity=fits))
+    started = []
+    decoder.driven = SimpleNamespace(take=started.append)
+    prompt = [1, 2, 3, 4, 5]
+    for requests, mode, named in (([Request(prompt, 40), Request(prompt, 41)], "graph", "request 1 refused: 5 "
+                                   f"prompt tokens and 41 new need a KV cache of {kv_capacity(5, 41, geometry)} "
+                                   f"entries in graph mode; these hold {fits}"),
+                                  ([Request(prompt, 40), Request([1], 0)], "overlap", "request 0 refused: .* in "
+                                   "overlap mode")):
+        with pytest.raises(RequestRefused, match=named):
+            decoder.generate_batch(requests, mode)
+        assert started == []
+    assert decoder.room(Request(prompt, 40), Mode.GRAPH) is None  # at the limit
+    one_round = max(new for new in range(40, 200) if kv_capacity(5, new, geometry.with_rounds(1)) <= fits)
+    assert one_round > 40 and decoder.room(Request(prompt, one_round), Mode.READBACK) is None  # a burst reaches less
+    assert decoder.room(Request(prompt, one_round + 1), Mode.READBACK) is not None
+
+
 def test_a_one_row_prefill_replays_the_graph_of_its_power_of_two_two_the_least():
     """A prompt of one token shares the bucket of two (a width of one would compile a step of its
     own: torch.compile specialises a size of one); the capacity is the last bucket."""
