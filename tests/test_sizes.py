@@ -109,7 +109,7 @@ def test_what_the_issue_found_is_refused():
     with pytest.raises(TypeError, match="prompt_len must be an integer, not '5'"):
         kv_capacity("5", 256, Geometry(4, 16))
     for overlap in (-3, 1, "yes", None):
-        with pytest.raises(TypeError, match=f"overlap must be a bool, not {overlap!r}"):
+        with pytest.raises(TypeError, match=f"overlap must be True or False, not {overlap!r}"):
             kv_capacity(5, 256, Geometry(4, 16), overlap=overlap)
     geometry = Geometry(4, 16)
     assert kv_capacity(5, 256, geometry, overlap=np.bool_(True)) == kv_capacity(5, 256, geometry, overlap=True) == 421
@@ -200,3 +200,29 @@ def test_a_burst_graphs_readback_slot_is_0_or_1_checked_before_anything_is_captu
     stream.bufs = SimpleNamespace(m_rounds=4)  # what a length is checked against
     stream._graphs[1, 1] = graph = object()  # captured: found, nothing asked of the round
     assert stream.graph_for(np.int64(1), 1) is graph
+
+
+def _switches() -> list[tuple[str, Callable[[Any], Any]]]:
+    """Each public switch of the layer that runs without a GPU up to its check, by name."""
+    from memra_cuda import Engine, Event, RoundStream
+    from memra_cuda.rounds.round import ChainRound
+    from memra_cuda.rounds.schedule import Schedule
+    from memra_cuda.testing.toy import ToyLM, ToyModel
+    return [("pace", lambda flag: RoundStream.of(object.__new__(ChainRound), pace=flag)),
+            ("seal", lambda flag: object.__new__(RoundStream).capture_graphs(seal=flag)),
+            ("spin", lambda flag: Schedule(spin=flag)),
+            ("zeroed", lambda flag: object.__new__(Engine).alloc(np.uint32, 4, zeroed=flag)),
+            ("timing", lambda flag: Event(object(), timing=flag)),
+            ("with_draft", lambda flag: ToyLM(None, ToyModel(), 64, with_draft=flag)),
+            ("overlap", lambda flag: kv_capacity(5, 256, Geometry(4, 16), overlap=flag))]
+
+
+@pytest.mark.parametrize("flag", ["False", "", 0, 1, None, 1.0])
+@pytest.mark.parametrize("name", [name for name, _ in _switches()])
+def test_a_switch_takes_true_or_false_alone_naming_itself(name, flag):
+    """A switch given a string or a number was read by its truth: pace="False" paced, an
+    Event(timing="no") timed, alloc(zeroed="False") queued a memset. Each is refused now, naming
+    itself, before anything is made (as_flag, the one check of a switch)."""
+    make = dict(_switches())[name]
+    with pytest.raises(TypeError, match=f"{name} must be True or False, not {flag!r}"):
+        make(flag)

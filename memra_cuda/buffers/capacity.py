@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..driver.values import as_size
+from ..driver.values import as_flag, as_size
 from ..driver.errors import MemraError
 from .geometry import Geometry, as_geometry
 
@@ -151,8 +151,7 @@ def kv_capacity(prompt_len: int, max_new_tokens: int, geometry: Geometry, *, ove
     its pending token: at least one), and `overlap` must be a bool, so that a bad one is refused
     by name instead of sizing a cache wrongly."""
     geometry = as_geometry(geometry)
-    if not isinstance(overlap, (bool, np.bool_)):
-        raise TypeError(f"overlap must be a bool, not {overlap!r}")
+    overlap = as_flag(overlap, "overlap")
     prompt_len, max_new_tokens = as_size(prompt_len, "prompt_len"), as_size(max_new_tokens, "max_new_tokens", 0)
     rule = Capacity(None, geometry)
     m_rounds = rule.geometry.m_rounds

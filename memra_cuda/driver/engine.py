@@ -15,7 +15,7 @@ from .framework import DRIVER, Framework
 from .module import Module, packaged_ptx
 from .signature import Signature
 from .stream import Stream
-from .values import as_index, exact_array, exact_int
+from .values import as_flag, as_index, exact_array, exact_int
 
 
 class Engine(Stream):
@@ -48,6 +48,7 @@ class Engine(Stream):
     def alloc(self, dtype: DTypeLike, length: int, zeroed: bool = False, *, label: str | None = None) -> DeviceBuffer:
         """A new owned buffer of `length` elements of `dtype`, freed exactly once (free(), a `with`
         block, or collection); `zeroed` queues a memset to 0 on the stream (what zeros() does)."""
+        zeroed = as_flag(zeroed, "zeroed")  # "False" was read by its truth: a memset asked for none
         buf = DeviceBuffer.allocate(self, dtype, length, label=label)
         if zeroed:
             self.memset(buf, 0)

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 from .errors import driver
 from .handle import Handle
+from .values import as_flag
 
 if TYPE_CHECKING:
     from .stream import Stream
@@ -20,6 +21,7 @@ class Event(Handle):
     """
 
     def __init__(self, engine: Stream, *, timing: bool = True):
+        timing = as_flag(timing, "timing")
         self.engine = engine
         ctx = engine.activate()
         flags = 0 if timing else int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING)

@@ -120,6 +120,15 @@ def as_index(value: Any, what: str) -> int:
         raise TypeError(f"{what} must be an integer, not {value!r}") from None
 
 
+def as_flag(value: Any, what: str, *, also: str = "") -> bool:
+    """`value` as a bool (Python's or numpy's), else TypeError naming `what`: a switch given a
+    string or a number was read by its truth, so "False" (a command line's word, a config's) turned
+    a mode on. `also` names what else the caller takes ("None"), for the message."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be {f'{also} or ' if also else ''}True or False, not {value!r}")
+    return bool(value)
+
+
 def as_size(value: Any, what: str, least: int = 1, most: int | None = None, *, also: str = "") -> int:
     """`value` as an int from `least` to `most` (no bound: None): a size or a count the host is
     given (k, rounds, a batch, a capacity, a budget), checked where it is given, so a bad one is

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from ..driver.values import as_real
+from ..driver.values import as_flag, as_real
 
 MASK32 = 2**32 - 1  # the device's stamps are the low 32 bits of its %globaltimer (ns)
 
@@ -91,7 +91,7 @@ class Schedule:
                  *, look_s: float = LOOK_S, spin: bool = False,
                  slack: Callable[[], contextlib.AbstractContextManager[object]] = fine_timer):
         self.clock, self.sleep, self.slack = clock, sleep, slack
-        self.look_s, self.spin = look_s, spin
+        self.look_s, self.spin = look_s, as_flag(spin, "spin")
         self._start(0)
 
     @property

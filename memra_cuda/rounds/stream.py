@@ -23,7 +23,7 @@ from .device_loop import DeviceLoop, Landed, RoundCapError
 from ..driver.errors import CaptureError
 from ..driver.event import Event
 from ..driver.graph import Capture, Graph
-from ..driver.values import as_size
+from ..driver.values import as_flag, as_size
 from ..kernels.spec import SpecKernels
 from .pace import Pace
 from .round import ChainRound, Round, Stages, Step
@@ -106,6 +106,7 @@ class RoundStream:
         return stream
 
     def _start(self, round: Round, pace: bool) -> None:
+        pace = as_flag(pace, "pace")
         if not isinstance(round, Round):
             raise TypeError(f"RoundStream.of takes a Round (ChainRound, TreeRound), not {round!r}")
         self.round, self.bufs, self.engine, self.kernels = round, round.bufs, round.engine, round.kernels
@@ -209,6 +210,7 @@ class RoundStream:
         synchronises the device and empties its cache for each) then never stalls a server
         mid-generation. With `seal`, any other graph asked for later is a CaptureError: what is
         served or timed captures nothing."""
+        seal = as_flag(seal, "seal")
         for slot in slots:
             as_slot(slot)
             for rounds in Pace.lengths(self.bufs.m_rounds) if lengths is None else lengths:

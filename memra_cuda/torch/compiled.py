@@ -29,7 +29,7 @@ from .attention import ATTENTIONS, Attention, aligned, causal, masked
 from ..buffers.geometry import as_batch
 from ..driver.errors import NotFused
 from ..driver.module import GRID_LIMITS
-from ..driver.values import as_size
+from ..driver.values import as_flag, as_size
 from .fused import FusedLlama, Linear, fuse
 from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
@@ -166,6 +166,8 @@ class CompiledStack(LayerStack):
                  compile: bool = True, dynamic: bool = True, tuning: bool | None = None,
                  projection: Projection | None = None):
         batch = as_batch(batch)  # before flex's grid is counted: "2" * 8 heads met a bare TypeError there
+        compile, dynamic = as_flag(compile, "compile"), as_flag(dynamic, "dynamic")
+        tuning = None if tuning is None else as_flag(tuning, "tuning", also="None")
         self.attends = attends(attention, batch * model.config.num_key_value_heads)
         capacity = as_size(capacity, "capacity")  # before it is rounded up: "64" and True are no capacities
         self.few_rows = self._projection(model, PROJECTION if projection is None else projection)
@@ -273,6 +275,7 @@ def stack_for(model: Any, capacity: int, batch: int = 1, *, state: StateLayout =
     recurrent layers and their `state`, a paged cache, a tensor-parallel rank). `compiled` True
     insists (NotFused says why not), False refuses; so does an `attention` named, which only the
     compiled step has."""
+    compiled = None if compiled is None else as_flag(compiled, "compiled", also="None")
     if compiled is not False and cache is StaticKV:
         try:
             return CompiledStack(model, capacity, batch, attention=attention)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..driver.values import as_size
+from ..driver.values import as_flag, as_size
 from ..rounds.serving import (Burst, Driven, Request, RequestRefused, Served, Server, admitted, as_row,
                               batch_admitted)
 from .sampling import SamplingParams
@@ -71,7 +71,7 @@ class GraphedGreedy:
 
     def __init__(self, model: Any, capacity: int | Room, batch: int = 1, *, steps: int = 16, eager: bool = False,
                  compiled: bool | None = None, attention: Attention | None = None):
-        steps = as_size(steps, "steps")  # a burst runs at least one
+        steps, eager = as_size(steps, "steps"), as_flag(eager, "eager")  # a burst runs at least one
         self.stream = torch.cuda.Stream()
         self.batch, self.steps, self.eager = batch, steps, eager
         self.vocab: int = model.config.vocab_size  # every token a request names is below it

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from ..driver.values import as_size
+from ..driver.values import as_flag, as_size
 
 BLOCK_M = 16  # the rows a block multiplies: the tensor cores' least; fewer are padded, more take more blocks
 DTYPES = (torch.bfloat16, torch.float16)  # fp32 stays with F.linear: its products must be cuBLAS's own, not TF32's
@@ -93,8 +93,7 @@ class Tiles:
             if power and value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, not {value}")
             object.__setattr__(self, name, value)
-        if not isinstance(self.swap, bool):
-            raise TypeError(f"swap must be a bool, not {self.swap!r}")
+        object.__setattr__(self, "swap", as_flag(self.swap, "swap"))
 
 
 SMS = 132  # an H200's streaming multiprocessors: the blocks a projection should at least give

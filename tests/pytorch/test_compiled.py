@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
 
-from memra_cuda.torch import PagedKV, SamplingParams, Stack, TreeMask, self_draft  # noqa: E402
+from memra_cuda.torch import GraphedGreedy, PagedKV, SamplingParams, Stack, TreeMask, self_draft  # noqa: E402
 from memra_cuda.torch.attention import BLOCK, block_counts  # noqa: E402
 from memra_cuda.torch.compiled import CompiledStack, compiled_step, stack_for  # noqa: E402
 from memra_cuda.torch.fused import fuse  # noqa: E402
@@ -109,6 +109,21 @@ def test_the_compiled_step_is_the_eager_steps_arithmetic_in_one_graph():
         tokens = torch.tensor([[4 + i for i in range(width)], [9 + i for i in range(width)]])
         positions = torch.tensor([[len(p) + i for i in range(width)] for p in prompts])
         torch.testing.assert_close(compiled.logits(tokens, positions), eager.logits(tokens, positions), **TOL)
+
+
+@pytest.mark.parametrize("flag", ["False", 0, 1.0])
+@pytest.mark.parametrize(("name", "make"), [
+    ("compile", lambda flag: CompiledStack(tiny(), 40, compile=flag)),
+    ("dynamic", lambda flag: CompiledStack(tiny(), 40, dynamic=flag)),
+    ("tuning", lambda flag: CompiledStack(tiny(), 40, tuning=flag)),
+    ("compiled", lambda flag: stack_for(tiny(), 40, compiled=flag)),
+    ("eager", lambda flag: GraphedGreedy(tiny(), 40, eager=flag))])
+def test_a_stacks_switches_take_true_or_false_alone(name, make, flag):
+    """compile="False" compiled, eager="False" ran the plain loop eagerly, compiled=0 chose the
+    modules: each switch read by its truth. Refused now, naming itself (None also, where it is
+    one of the switch's values), before a stream or a compilation is made."""
+    with pytest.raises(TypeError, match=f"{name} must be (None or )?True or False, not {flag!r}"):
+        make(flag)
 
 
 def test_a_step_compiled_for_programmatic_dependent_launch_is_the_eager_steps_arithmetic():

@@ -112,7 +112,7 @@ def test_operands_that_are_not_f_linears_are_refused_as_the_op_is_traced():
     ("split_k", 0, ValueError, "split_k must be an int of at least 1, not 0"),
     ("warps", 3, ValueError, "warps must be a power of two, not 3"),
     ("stages", -1, ValueError, "stages must be an int of at least 1, not -1"),
-    ("swap", 1, TypeError, "swap must be a bool, not 1")])
+    ("swap", 1, TypeError, "swap must be True or False, not 1")])
 def test_a_cut_the_kernel_cannot_take_is_refused_as_it_is_built_naming_its_field(field, value, error, why):
     """Tiles, built by hand, by tiles() (dataclasses.replace) or by the op from its arguments (on
     a GPU's fake tensors as torch.compile traces it, and on the CPU, whose kernel is F.linear):

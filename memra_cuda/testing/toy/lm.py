@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
-from ...driver.values import as_prompt, as_real, as_size, exact_int
+from ...driver.values import as_flag, as_prompt, as_real, as_size, exact_int
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
@@ -389,7 +389,7 @@ class ToyLM:
         allocated when the cost needs it and none is given). `capacity` and `batch` are sizes,
         refused by name before anything is allocated ("512" or 2.7 is no size: int() would take it)."""
         self.engine, self.model, self.capacity, self.cost = engine, model, as_size(capacity, "capacity"), cost
-        self.batch = as_batch(batch)
+        self.batch, with_draft = as_batch(batch), as_flag(with_draft, "with_draft")
         self.layers = range(len(model.kv_mask)) if layers is None else layers
         if not (self.layers.step == 1 and 0 <= self.layers.start < self.layers.stop <= len(model.kv_mask)):
             raise ValueError(f"a stage holds a contiguous, non-empty range of the model's {len(model.kv_mask)} "
