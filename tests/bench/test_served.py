@@ -26,6 +26,9 @@ def test_each_b_serves_four_requests_a_slot_of_held_out_prompts_in_order_from_th
         stream_for({"prompts": []}, 1, eos=None)
     assert set(CHAINS) == set(ADAPTIVE) == {1, 8, 32, 64, 128}
     assert all(0 in widths and max(widths) < k for k, widths in ADAPTIVE.values())
+    # the adaptive configuration can run every chain measured beside it: at B = 32, T = 1, widths 0, 1
+    # and 3 lost to the chain of 2 it lacked
+    assert all(set(CHAINS[batch]) <= {k, *widths} for batch, (k, widths) in ADAPTIVE.items())
 
 
 def test_tau_is_tokens_over_rounds_and_none_without_drafts():
