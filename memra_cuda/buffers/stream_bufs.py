@@ -284,7 +284,7 @@ class StreamBufs:
         round of width k offers (a row capped below k, or a round of a narrower body, is counted
         so too). As of the last readback, no readback of its own."""
         tokens = self._committed(committed)
-        rounds = self.rounds_run(tokens)
+        rounds = self._rounds_run(tokens)
         return int((tokens - rounds).sum()), self.k * int(rounds.sum())
 
     def rounds_run(self, committed: int | Sequence[int] | np.ndarray) -> np.ndarray:
@@ -293,7 +293,10 @@ class StreamBufs:
         accepted drafts plus one. A batch runs as many rounds as its slowest row; its rows' mean
         against that maximum is the share of the batch's rounds its rows used. As of the last
         readback (`accepted`, which every burst's readback brings), no readback of its own."""
-        tokens = self._committed(committed)
+        return self._rounds_run(self._committed(committed))
+
+    def _rounds_run(self, tokens: np.ndarray) -> np.ndarray:
+        """rounds_run of counts _committed has checked."""
         self.check_free()
         return tokens - self.accepted
 
@@ -301,14 +304,14 @@ class StreamBufs:
         """Tokens committed per round a row ran (tau), over every row since its request began, for
         `committed` tokens generated (per row, for a batch), rounds_run's: 1 where no round ran."""
         tokens = self._committed(committed)
-        rounds = int(self.rounds_run(tokens).sum())
+        rounds = int(self._rounds_run(tokens).sum())
         return int(tokens.sum()) / rounds if rounds else 1.0
 
     def _committed(self, committed: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """The rows' committed counts as int64 [B], one a row (a lone count for a batch of one),
         each checked as per_row checks a row's value: numpy's int64 cast truncated 3.9 to 3, read
         "5" as 5 and took -2, each a statistic silently wrong."""
-        one_a_row = isinstance(committed, (list, tuple)) or (isinstance(committed, np.ndarray) and committed.ndim)
+        one_a_row = row_values(committed, self.batch, "committed")[1]
         return np.array(per_row(committed if one_a_row else [committed], self.batch, "committed",
                                 optional=False), np.int64)
 

@@ -148,17 +148,21 @@ def malformed(request: Request, vocab: int) -> str | None:
     return checked if isinstance(checked, str) else None
 
 
-def batch_admitted(requests: Sequence[Request], vocab: int, batch: int) -> list[Request]:
+def batch_admitted(requests: Sequence[Request], vocab: int, batch: int,
+                   refusal: Callable[[Request], str | None] | None = None) -> list[Request]:
     """What a decoder's generate_batch starts, one request a row of its `batch`: the copies
-    Server.submit would keep (admitted's), or RequestRefused naming the first malformed one's row
-    (ValueError where they are not one a row). The copies, not the caller's requests, run: a
-    budget given as a 0-d array was counted down in place, so the same request given again
-    generated nothing."""
+    Server.submit would keep (admitted's), or RequestRefused naming the first malformed one's row,
+    or the first whose checked copy `refusal` refuses (a decoder's room: past it a burst's capacity
+    check raised mid-generation, every row's tokens lost); ValueError where they are not one a
+    row. The copies, not the caller's requests, run: a budget given as a 0-d array was counted
+    down in place, so the same request given again generated nothing."""
     if len(requests) != batch:
         raise ValueError(f"need one request per row ({batch}), not {len(requests)}")
     kept: list[Request] = []
     for row, request in enumerate(requests):
         checked = _checked(request, vocab)
+        if not isinstance(checked, str) and refusal is not None:
+            checked = refusal(checked) or checked
         if isinstance(checked, str):
             raise RequestRefused(row, checked)
         kept.append(checked)

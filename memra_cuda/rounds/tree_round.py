@@ -54,9 +54,10 @@ class TreeRound(Round):
         if len(levels) != tree.depth + 1 or not all(callable(step) for step in levels):
             raise ValueError(f"a tree of depth {tree.depth} takes {tree.depth + 1} draft levels (callables, level 0 "
                              f"the root), not {len(levels)}")
-        for name, step in (("verify_tree", verify_tree), ("compact", compact)):
-            if not callable(step) and not (name == "compact" and step is None):  # verify_tree None: every round's
-                raise TypeError(f"{name} must be a callable that queues the model's work, not {step!r}")
+        if not callable(verify_tree):  # None too: every round's verify
+            raise TypeError(f"verify_tree must be a callable that queues the model's work, not {verify_tree!r}")
+        if compact is not None and not callable(compact):  # None: no compaction of the model's own
+            raise TypeError(f"compact must be a callable that queues the model's work, not {compact!r}")
         if isinstance(acceptance, Greedy):
             if not isinstance(candidates, Candidates):
                 raise TypeError("a greedy tree round needs the draft's candidates=Candidates(tok_d, logp_d)")

@@ -23,7 +23,7 @@ from ..buffers.stream_bufs import StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_listed, as_prompt, as_size
-from ..rounds.serving import (Burst, Driven, Request, RequestRefused, Served, Server, admitted, as_row,
+from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
                               as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import engine
@@ -246,10 +246,8 @@ class RoundDecoder:
         runs: past the room, a burst's capacity check raised mid-generation, every row's tokens
         lost. So is the batch (RuntimeError) while a server over the rows has a request in
         flight (Driven.take: step it until it is idle)."""
-        requests, mode = batch_admitted(requests, self.vocab, self.batch), as_mode(mode)
-        for row, request in enumerate(requests):
-            if (reason := self.room(request, mode)) is not None:
-                raise RequestRefused(row, reason)
+        mode = as_mode(mode)
+        requests = batch_admitted(requests, self.vocab, self.batch, lambda request: self.room(request, mode))
         self.driven.take("generate_batch")
         self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests],
                      [self._cap(r) for r in requests])

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..driver.values import as_flag, as_size
-from ..rounds.serving import (Burst, Driven, Request, RequestRefused, Served, Server, admitted, as_row,
+from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
                               batch_admitted)
 from .sampling import SamplingParams
 from .attention import Attention
@@ -165,10 +165,7 @@ class GraphedGreedy:
         refused (RequestRefused, naming its row) before anything runs; so is the batch
         (RuntimeError) while a server over the rows has a request in flight (Driven.take: step it
         until it is idle)."""
-        requests = batch_admitted(requests, self.vocab, self.batch)
-        for row, request in enumerate(requests):
-            if (reason := self.refusal(request)) is not None:
-                raise RequestRefused(row, reason)
+        requests = batch_admitted(requests, self.vocab, self.batch, self.refusal)
         self.driven.take("generate_batch")
         self.capture()
         with torch.cuda.stream(self.stream):

@@ -143,7 +143,7 @@ class StaticKV:
         (distinct_rows: a row past it would be a device-side assert)."""
         if not isinstance(other, StaticKV):
             raise TypeError(f"copy_rows copies from a StaticKV or a PagedKV, not a {type(other).__name__}")
-        if type(other) is not type(self) or len(other.k) < len(self.k) or other.capacity != self.capacity or \
+        if type(other) is not type(self) or len(other.k) < len(self.k) or \
                 other.k[0].shape != self.k[0].shape or other.k[0].dtype != self.k[0].dtype or \
                 other.k[0].device != self.k[0].device:
             raise ValueError(f"copy_rows copies from a cache of its own layout, batch and capacity and at least its "
