@@ -279,7 +279,8 @@ class Server:
         self._live: dict[int, _Running] = {}  # every request submitted that has not ended, by id
         self._cancels: set[int] = set()  # ids to end at the next step's start
         self._next = 0
-        self._unreported: dict[int, Served] = {}  # ended at a step that raised: the next step hands them out
+        # ended at a step that raised, or another's inside serve(): the next step hands them out
+        self._unreported: dict[int, Served] = {}
         self._stepping = False  # a step runs: one inside it is refused
         decoder.park(range(batch))
 
@@ -363,9 +364,13 @@ class Server:
         return Progress(at, tokens, finished)
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
-        """Every request submitted now, then steps until the server is idle: one Served a
+        """Every request submitted now, then steps until each of them has ended: one Served a
         request, in order; a refused one's `refused` says why, and the others run on. What is
-        not a Request is a TypeError before any request is submitted."""
+        not a Request is a TypeError before any request is submitted. A request submitted
+        meanwhile by someone else (the decoder calling back, another thread) is not serve()'s:
+        it runs in the same bursts, and its end, where one of them reaches it, is handed out by
+        the next step(), as its submitter steps for it (serve() read it as one of its own: a
+        KeyError, and every result of the call lost)."""
         if not self.idle:
             raise ValueError(f"serve() takes an idle server to idle; {len(self._live)} request(s) are in this one: "
                              "step() until it is idle")
@@ -378,9 +383,16 @@ class Server:
             except RequestRefused as refusal:
                 at = self.clock()
                 out[i] = Served([], at, None, [], at, refused=str(refusal))
-        while not self.idle:
-            for ident, served in self.step().finished.items():
-                out[place[ident]] = served
+        others: dict[int, Served] = {}
+        try:
+            while len(out) < len(requests):
+                for ident, served in self.step().finished.items():
+                    if ident in place:
+                        out[place[ident]] = served
+                    else:
+                        others[ident] = served
+        finally:
+            self._unreported.update(others)
         return [out[i] for i in range(len(requests))]
 
     def _cancel(self, now: float, finished: dict[int, Served]) -> None:

@@ -544,3 +544,27 @@ def test_a_decoders_rows_are_not_taken_from_any_of_its_servers_with_requests_in_
     del first  # dropped with a request running: nothing it holds is anyone's
     driven.take("generate_batch")
     assert second.idle
+
+
+def test_a_request_submitted_by_another_during_serve_is_handed_out_by_the_next_step():
+    """serve() read every request that ended as one of its own: a request submitted meanwhile
+    (the decoder calling back, another thread) was a KeyError, and every result of the call
+    was lost. Its own come back in order; the other's end comes from the next step()."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    mine, theirs = [Request([1, 2], 6), Request([3], 2)], Request([4, 5], 3)
+    burst, given = decoder.burst, []
+
+    def submitting():
+        if not given:
+            given.append(server.submit(theirs))
+        return burst()
+
+    decoder.burst = submitting
+    served = server.serve(mine)
+    decoder.burst = burst
+    assert [out.tokens for out in served] == [alone(r) for r in mine]
+    ended: dict = {}
+    while not server.idle:
+        ended.update(server.step().finished)
+    assert list(ended) == given and ended[given[0]].tokens == alone(theirs)
