@@ -34,7 +34,7 @@ from ..driver.buffer import DeviceBuffer
 from ..driver.call import Prepared
 from ..driver.graph import Graph
 from ..driver.handle import Handle
-from ..driver.values import as_index, as_real
+from ..driver.values import as_index, as_real, as_seconds
 from .library import IN_PROGRESS, UNIQUE_ID_BYTES, Nccl, NcclError, UniqueIdArg, nccl, nccl_op, nccl_type, result_name
 from .rendezvous import Ranks, exchange_id
 
@@ -79,9 +79,7 @@ class Watch:
     error, is a failure; the first failure stays the verdict."""
 
     def __init__(self, timeout: float, rank: int):
-        if not as_real(timeout, "a communicator's timeout") > 0:  # a bool is none (True was 1 s)
-            raise ValueError(f"a communicator's timeout is a positive number of seconds, not {timeout}")
-        self.timeout, self.rank = float(timeout), rank
+        self.timeout, self.rank = as_seconds(timeout, "a communicator's timeout"), rank  # a bool is none (True was 1 s)
         self.waits: dict[int, float] = {}  # thread -> when its host wait began
         self.failure: str | None = None
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..driver.values import as_real, as_size
+from ..driver.values import as_seconds, as_size
 from .rendezvous import MAX_WORLD, SECRET_VARIABLE
 
 
@@ -59,8 +59,7 @@ def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None
     list read as every rank having passed; True ran one rank told WORLD_SIZE=True), and `timeout`
     is a number of seconds above 0 (a NaN waited for ever, a hung rank with it)."""
     world = as_size(world, "world", 1, MAX_WORLD)
-    if not as_real(timeout, "timeout") > 0:
-        raise ValueError(f"timeout must be a number of seconds above 0, not {timeout!r}")
+    timeout = as_seconds(timeout, "timeout")
     master, exchange = free_ports(2)
     base = {**os.environ, "NCCL_NVLS_ENABLE": "0", "MEMRA_NCCL_PORT": str(exchange),
             SECRET_VARIABLE: secrets.token_hex(32), **(env or {}),

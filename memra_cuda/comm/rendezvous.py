@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..driver.errors import MemraError
-from ..driver.values import as_index
+from ..driver.values import as_index, as_seconds
 from .library import UNIQUE_ID_BYTES
 
 log = logging.getLogger(__name__)
@@ -146,8 +146,10 @@ def exchange_id(ranks: Ranks, make_id: Callable[[], bytes], timeout: float = 60.
     on rank 0, whom it served and whom not; on a rank, what it was told, or that nothing listened
     (a rank 0 not yet started, or one that has served every rank and gone). RankRefused where rank
     0 refuses a rank for good and proves it; ValueError, before anything else, where there is no
-    secret and the address is not a loopback one. Each connection has `hello_budget` seconds for
-    its handshake."""
+    secret and the address is not a loopback one, or where `timeout` or `hello_budget` is no
+    number of seconds above 0 (a NaN deadline is never reached: a rank waited for ever). Each
+    connection has `hello_budget` seconds for its handshake."""
+    timeout, hello_budget = as_seconds(timeout, "the id exchange's timeout"), as_seconds(hello_budget, "hello_budget")
     if not ranks.secret and not _loopback(ranks.address):
         raise ValueError(f"the id exchange at {_where(ranks.address, ranks.port)} is reachable beyond this host, and "
                          f"the rank has no secret to prove: set {SECRET_VARIABLE} to one random value on every rank of "

@@ -154,6 +154,15 @@ def as_real(value: Any, what: str) -> float:
         raise ValueError(f"{what} must be a finite number, not one past a float's range") from None
 
 
+def as_seconds(value: Any, what: str) -> float:
+    """`value` as a span of seconds above 0 (as_real's TypeError for what is no real number):
+    ValueError naming `what` for 0, a negative or a NaN, which compares as no number does, so
+    a deadline made of it was never reached and a wait with it lasted for ever."""
+    if not as_real(value, what) > 0:
+        raise ValueError(f"{what} must be a number of seconds above 0, not {value!r}")
+    return float(value)
+
+
 def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
     """`values` as a copy (the caller's list or array, changed later, is not what was checked)
     of token ids below `vocab`, 1-D, maybe empty: TypeError naming `what` unless they are ints

@@ -129,9 +129,22 @@ def test_an_asynchronous_error_is_a_failure_at_once():
     assert "ncclRemoteError" in watch.verdict(now=0.0, async_error=6)
 
 
-def test_a_timeout_is_a_positive_number_of_seconds():
-    with pytest.raises(ValueError, match="positive"):
-        Watch(timeout=0, rank=0)
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
+def test_a_timeout_is_a_number_of_seconds_above_0(timeout):
+    with pytest.raises(ValueError, match="a communicator's timeout must be a number of seconds above 0"):
+        Watch(timeout=timeout, rank=0)
+    with pytest.raises(TypeError, match="a communicator's timeout must be a real number, not True"):
+        Watch(timeout=True, rank=0)
+
+
+@pytest.mark.parametrize("given", [{"timeout": float("nan")}, {"timeout": 0}, {"hello_budget": float("nan")}])
+def test_the_id_exchange_refuses_a_timeout_it_could_never_reach_before_anything_is_made(given):
+    """A NaN timeout made a deadline no clock reaches: a rank whose rank 0 never came waited for
+    ever (and rank 0 called make_id first); now a ValueError, before either."""
+    made = []
+    with pytest.raises(ValueError, match="must be a number of seconds above 0"):
+        exchange_id(Ranks(0, 2, port=free_port()), lambda: made.append(1) or b"x" * 128, **given)
+    assert made == []
 
 
 class Lib:
