@@ -16,7 +16,7 @@ from .capacity import Unchecked, kv_entries
 from .geometry import as_batch
 from ..driver.buffer import DeviceBuffer, as_buffer, device_allocation
 from ..driver.engine import as_engine
-from ..driver.values import as_index, as_size
+from ..driver.values import I32_MOST, as_index, as_size
 
 if TYPE_CHECKING:
     from ..driver.engine import Engine
@@ -29,7 +29,8 @@ class KVLayer:
     Only `len_d` matters to round-stream (rollback rewrites it); `data_d` belongs to the model.
     Either may be a DeviceBuffer or a __cuda_array_interface__ object (a torch tensor). Where
     `data_d` is given it holds the capacity it is said to (at least `capacity` elements for each
-    sequence): the capacity rule trusts the number, and bursts run up to it.
+    sequence): the capacity rule trusts the number, and bursts run up to it. A capacity past an
+    i32's most is refused: the lengths that run up to it are i32 and would wrap past it.
     """
 
     def __init__(self, len_d: Any, capacity: int, data_d: Any = None):
@@ -37,7 +38,7 @@ class KVLayer:
         if len_d.dtype != np.int32:
             raise ValueError(f"KV lengths must be an i32[B] device buffer (one per sequence), not {len_d!r}")
         self.len_d = len_d
-        self.capacity = as_size(capacity, "capacity")
+        self.capacity = as_size(capacity, "capacity", 1, I32_MOST)  # a length of len_d's i32 reaches it
         self.data_d = None if data_d is None else as_buffer(data_d, "data_d")
         if self.data_d is not None and self.data_d.len < len_d.len * self.capacity:
             raise ValueError(f"data_d of {self.data_d.len} elements cannot hold a capacity of {self.capacity} for each "
@@ -52,7 +53,7 @@ class KVLayer:
                  batch: int = 1) -> AllocatedKV:
         """A zero-length layer of `capacity` entries of `width` elements for each of `batch`
         sequences: data_d is [batch][capacity][width], there for certain (AllocatedKV)."""
-        capacity, width = as_size(capacity, "capacity"), as_size(width, "width")
+        capacity, width = as_size(capacity, "capacity", 1, I32_MOST), as_size(width, "width")
         batch, engine = as_batch(batch), as_engine(engine)
         return AllocatedKV(engine.zeros(np.int32, batch, label="len_d"), capacity,
                            engine.alloc(dtype, batch * capacity * width, zeroed=True, label="data_d"))

@@ -267,6 +267,10 @@ def test_kv_data_of_a_layer_and_a_table_refuse_what_kernel_15_cannot_read():
     with pytest.raises(ValueError, match="data_d of 19 elements cannot hold a capacity of 10 for each of 2 seq"):
         KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10 - 1))
     assert KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10)).capacity == 10
+    # the lengths are i32: a capacity past 2**31 - 1 let them wrap; at the limit it is taken
+    assert KVLayer(lengths, 2**31 - 1).capacity == 2**31 - 1
+    with pytest.raises(ValueError, match=r"capacity must be an int from 1 to 2147483647, not 2147483648"):
+        KVLayer(lengths, 2**31)
     two = KVData.from_layer(KVLayer(lengths, 10, DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2 * 10 * 4)))
     assert (two.batch, two.row_stride, two.pos_stride, two.nbytes) == (2, 160, 16, 16)
     one = KVData(DeviceBuffer.wrap(FAKE_PTR, np.uint8, 160), row_stride=160, pos_stride=16, nbytes=16, capacity=10,
