@@ -282,6 +282,8 @@ class Server:
         # ended at a step that raised, or another's inside serve(): the next step hands them out
         self._unreported: dict[int, Served] = {}
         self._stepping = False  # a step runs: one inside it is refused
+        # a burst read back whose readback time the clock failed to give: the next step records it
+        self._unstamped: tuple[list[tuple[int, int]], Burst] | None = None
         decoder.park(range(batch))
 
     @property
@@ -324,10 +326,12 @@ class Server:
     def step(self) -> Progress:
         """One boundary and one burst: cancels take effect, queued requests take the free rows,
         then one burst of every row runs and is read back; a request found stopped gives its row
-        back. Where no row is busy, no burst runs. RuntimeError, before anything is done, for a
-        step inside a step (the decoder or the clock calling back, another thread): the inner one
-        took the rows' next burst and ended its requests, so the outer read a request that had
-        ended (KeyError) and lost its burst's tokens, the request ending with fewer, silently."""
+        back. Where no row is busy, no burst runs; nor where the last step's clock raised as it
+        read its burst back: this step records that burst instead (_record). RuntimeError, before
+        anything is done, for a step inside a step (the decoder or the clock calling back, another
+        thread): the inner one took the rows' next burst and ended its requests, so the outer read
+        a request that had ended (KeyError) and lost its burst's tokens, the request ending with
+        fewer, silently."""
         if self._stepping:
             raise RuntimeError("step() was called while a step of this server runs (from its decoder or its clock, "
                                "or another thread): step one at a time, from one loop")
@@ -341,25 +345,39 @@ class Server:
         finished, self._unreported = self._unreported, {}
         now = self.clock()
         try:
+            if self._unstamped is not None:
+                return self._record(*self._unstamped, finished)
             self._cancel(now, finished)
             self._admit(now, finished)
             busy = [(row, ident) for row, ident in enumerate(self._slots) if ident is not None]
             if not busy:
                 return Progress(None, {}, finished)
-            burst = self.decoder.burst()
+            self._unstamped = busy, self.decoder.burst()
+            return self._record(*self._unstamped, finished)
         except BaseException:
             self._unreported = finished  # requests that ended here (cancelled, budget 0) are not lost
             raise
+
+    def _record(self, busy: list[tuple[int, int]], burst: Burst, finished: dict[int, Served]) -> Progress:
+        """The `busy` rows' news from `burst`, stamped with the clock's reading: each request's
+        tokens, and its end where its row is done. Where the clock raises, the burst is kept
+        (_unstamped) and the next step records it, with its own reading and no burst of its own:
+        the decoder's rows had gone on, so the burst's tokens were lost, and a request that
+        stopped in it ended at a later burst with fewer tokens, silently. Its news is read
+        whole before any request changes, so a burst that cannot be read changes none."""
         at = self.clock()
+        self._unstamped = None
+        news = [(ident, list(burst.tokens[row]), None if burst.accepted is None else int(burst.accepted[row]),
+                 bool(burst.done[row])) for row, ident in busy]
         tokens: dict[int, list[int]] = {}
-        for row, ident in busy:
-            running, new = self._live[ident], list(burst.tokens[row])
+        for ident, new, accepted, done in news:
+            running = self._live[ident]
             running.tokens += new
             running.arrivals += [at] * len(new)
-            if burst.accepted is not None:
-                running.accepted = int(burst.accepted[row])
+            if accepted is not None:
+                running.accepted = accepted
             tokens[ident] = new
-            if burst.done[row]:
+            if done:
                 finished[ident] = self._end(ident, at)
         return Progress(at, tokens, finished)
 

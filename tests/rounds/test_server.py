@@ -568,3 +568,48 @@ def test_a_request_submitted_by_another_during_serve_is_handed_out_by_the_next_s
     while not server.idle:
         ended.update(server.step().finished)
     assert list(ended) == given and ended[given[0]].tokens == alone(theirs)
+
+
+class FailingClock(Clock):
+    """The test's clock, raising at its next reading once `failing` is set."""
+
+    failing = False
+
+    def __call__(self) -> float:
+        if self.failing:
+            self.failing = False
+            raise OSError("the clock failed")
+        return self.now
+
+
+def test_a_burst_whose_readback_time_the_clock_failed_to_give_is_recorded_by_the_next_step():
+    """The clock raised as the step read its burst back: the burst's tokens were dropped (the
+    decoder's rows had gone on), and so were the ends of the requests that ended earlier in the
+    step; a request that stopped in the burst ended at a later one with none of its tokens. The
+    next step records that burst, stamped with its own reading, and runs none of its own."""
+    clock = FailingClock()
+    decoder = Counting(2, clock)
+    server = Server(decoder, clock=clock)
+    requests = [Request([1, 2], 1), Request([3], 9), Request([4], 0)]
+    ids = [server.submit(request) for request in requests]
+    burst = decoder.burst
+
+    def failing():
+        out = burst()
+        clock.failing = True
+        return out
+
+    decoder.burst = failing
+    with pytest.raises(OSError, match="the clock failed"):
+        server.step()
+    decoder.burst = burst
+    assert not server.idle
+    clock.now = 7.0
+    progress = server.step()
+    assert decoder.calls.count(("burst",)) == 1, "the step that records the burst ran one of its own"
+    assert progress.at == 7.0 and set(progress.tokens) == {ids[0], ids[1]} and sorted(progress.finished) == ids[::2]
+    out = dict(progress.finished)
+    while not server.idle:
+        out.update(server.step().finished)
+    assert [out[ident].tokens for ident in ids] == [alone(request) for request in requests]
+    assert out[ids[0]].arrivals == [7.0] and out[ids[0]].finished == 7.0
