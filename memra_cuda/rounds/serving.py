@@ -343,10 +343,10 @@ class Server:
 
     def _step(self) -> Progress:
         finished, self._unreported = self._unreported, {}
-        now = self.clock()
         try:
             if self._unstamped is not None:
                 return self._record(*self._unstamped, finished)
+            now = self.clock()  # in here: where it raised, the ends the last step left to this one were dropped
             self._cancel(now, finished)
             self._admit(now, finished)
             busy = [(row, ident) for row, ident in enumerate(self._slots) if ident is not None]

@@ -613,3 +613,26 @@ def test_a_burst_whose_readback_time_the_clock_failed_to_give_is_recorded_by_the
         out.update(server.step().finished)
     assert [out[ident].tokens for ident in ids] == [alone(request) for request in requests]
     assert out[ids[0]].arrivals == [7.0] and out[ids[0]].finished == 7.0
+
+
+def test_ends_left_to_a_step_whose_clock_raised_at_its_start_are_handed_out_by_the_next():
+    """A step that raised leaves the requests that ended in it to the next; where that one's
+    clock raised as it began, they were dropped, never reported."""
+    clock = FailingClock()
+    decoder = Counting(1, clock)
+    server = Server(decoder, clock=clock)
+    running = server.submit(Request([1], 9))
+    server.step()
+    queued = server.submit(Request([3], 3))
+    assert server.cancel(running)
+    decoder.failing = 1
+    with pytest.raises(RuntimeError, match="the admission failed"):
+        server.step()
+    clock.failing = True
+    with pytest.raises(OSError, match="the clock failed"):
+        server.step()
+    finished = server.step().finished
+    assert finished[running].cancelled
+    while not server.idle:
+        finished.update(server.step().finished)
+    assert sorted(finished) == [running, queued] and finished[queued].tokens == alone(Request([3], 3))
