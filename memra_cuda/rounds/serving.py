@@ -388,7 +388,10 @@ class Server:
         meanwhile by someone else (the decoder calling back, another thread) is not serve()'s:
         it runs in the same bursts, and its end, where one of them reaches it, is handed out by
         the next step(), as its submitter steps for it (serve() read it as one of its own: a
-        KeyError, and every result of the call lost)."""
+        KeyError, and every result of the call lost). Where a step raises (an interrupt, a device
+        fault), serve() raises it, and its requests that had ended are handed out by the next
+        step(), as those still in flight are by the steps that end them: they were lost, the
+        server's steps reporting the others alone."""
         if not self.idle:
             raise ValueError(f"serve() takes an idle server to idle; {len(self._live)} request(s) are in this one: "
                              "step() until it is idle")
@@ -409,6 +412,9 @@ class Server:
                         out[place[ident]] = served
                     else:
                         others[ident] = served
+        except BaseException:
+            others.update((ident, out[i]) for ident, i in place.items() if i in out)
+            raise
         finally:
             self._unreported.update(others)
         return [out[i] for i in range(len(requests))]

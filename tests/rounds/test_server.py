@@ -636,3 +636,26 @@ def test_ends_left_to_a_step_whose_clock_raised_at_its_start_are_handed_out_by_t
     while not server.idle:
         finished.update(server.step().finished)
     assert sorted(finished) == [running, queued] and finished[queued].tokens == alone(Request([3], 3))
+
+
+def test_the_requests_of_a_serve_that_raised_that_had_ended_are_handed_out_by_the_next_step():
+    """serve() raised (an interrupt in a burst): the requests of it still in flight were handed
+    out by later steps, but those that had ended before were lost, reported nowhere."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    requests = [Request([1, 2], 1), Request([3], 9)]
+    burst = decoder.burst
+
+    def interrupted():
+        if decoder.calls.count(("burst",)) == 1:
+            raise KeyboardInterrupt
+        return burst()
+
+    decoder.burst = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        server.serve(requests)
+    decoder.burst = burst
+    finished = {}
+    while not server.idle:
+        finished.update(server.step().finished)
+    assert sorted(finished) == [0, 1] and [finished[i].tokens for i in (0, 1)] == [alone(r) for r in requests]
