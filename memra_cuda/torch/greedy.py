@@ -72,6 +72,7 @@ class GraphedGreedy:
     def __init__(self, model: Any, capacity: int | Room, batch: int = 1, *, steps: int = 16, eager: bool = False,
                  compiled: bool | None = None, attention: Attention | None = None):
         steps, eager = as_size(steps, "steps"), as_flag(eager, "eager")  # a burst runs at least one
+        batch = as_size(batch, "batch")  # True was a batch of 1 whose server() was refused, 0 one never served
         self.stream = torch.cuda.Stream()
         self.batch, self.steps, self.eager = batch, steps, eager
         self.vocab: int = model.config.vocab_size  # every token a request names is below it

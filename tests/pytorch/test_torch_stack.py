@@ -610,6 +610,16 @@ def test_the_plain_loop_refuses_a_burst_of_no_whole_steps_before_anything_is_mad
         GraphedGreedy(tiny(), 64, steps=steps)
 
 
+@pytest.mark.parametrize(("batch", "error"), [(True, TypeError), (2.0, TypeError), (0, ValueError), (-1, ValueError)])
+def test_the_plain_loop_refuses_a_batch_of_no_rows_before_anything_is_made(batch, error):
+    """GraphedGreedy's `batch`, its rows (a Server's slots), is checked as a size, naming it,
+    before any stream or tensor is made: True made a loop of one row whose server() then raised
+    TypeError, 0 one that no server takes, -1 met torch's negative dimension."""
+    from memra_cuda.torch import GraphedGreedy
+    with pytest.raises(error, match="batch must be an"):
+        GraphedGreedy(tiny(), 64, batch=batch)
+
+
 def test_a_speculative_decoders_server_parks_the_rows_it_names_each_checked_first():
     """A RoundDecoder's rows as its server drives them (decoder._Slots.park): as many rows as the
     batch stopped every row, so [0, 0] of two rows parked row 1 too (its request ended as if it
