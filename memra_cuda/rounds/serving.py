@@ -139,6 +139,15 @@ def as_request(request: object) -> Request:
     return request
 
 
+def as_requests(requests: Sequence[Request], what: str) -> Sequence[Request]:
+    """`requests`, unless it is one Request: TypeError saying that `what` takes a sequence of
+    them. A Request is a tuple of its five fields, each then read as a request: serve() refused
+    the prompt as no Request, and a batch of two counted five requests."""
+    if isinstance(requests, Request):
+        raise TypeError(f"{what} takes a sequence of requests, not one Request: give [request]")
+    return requests
+
+
 def malformed(request: Request, vocab: int) -> str | None:
     """Why `request` is none a decoder over `vocab` tokens can run, whatever its room: a prompt
     that is not one or more token ids, a budget, EOS, seed (of 64 bits) or most draft length that
@@ -156,7 +165,7 @@ def batch_admitted(requests: Sequence[Request], vocab: int, batch: int,
     check raised mid-generation, every row's tokens lost); ValueError where they are not one a
     row. The copies, not the caller's requests, run: a budget given as a 0-d array was counted
     down in place, so the same request given again generated nothing."""
-    if len(requests) != batch:
+    if len(as_requests(requests, "a batch")) != batch:
         raise ValueError(f"need one request per row ({batch}), not {len(requests)}")
     kept: list[Request] = []
     for row, request in enumerate(requests):
@@ -395,7 +404,7 @@ class Server:
         if not self.idle:
             raise ValueError(f"serve() takes an idle server to idle; {len(self._live)} request(s) are in this one: "
                              "step() until it is idle")
-        requests = [as_request(request) for request in requests]
+        requests = [as_request(request) for request in as_requests(requests, "serve()")]
         out: dict[int, Served] = {}
         place: dict[int, int] = {}  # a request's id -> its place in `requests`
         for i, request in enumerate(requests):

@@ -659,3 +659,18 @@ def test_the_requests_of_a_serve_that_raised_that_had_ended_are_handed_out_by_th
     while not server.idle:
         finished.update(server.step().finished)
     assert sorted(finished) == [0, 1] and [finished[i].tokens for i in (0, 1)] == [alone(r) for r in requests]
+
+
+def test_one_request_given_for_a_sequence_of_them_is_a_type_error_saying_so():
+    """A Request is a tuple of its five fields: serve(request) read each field as a request
+    (refusing its prompt as no Request), and a batch of two given one counted five requests."""
+    from memra_cuda.rounds.serving import batch_admitted
+    request = Request([1, 2], 3)
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    with pytest.raises(TypeError, match=r"serve\(\) takes a sequence of requests, not one Request: give \[request\]"):
+        server.serve(request)
+    for batch in (2, 5):
+        with pytest.raises(TypeError, match="a batch takes a sequence of requests, not one Request"):
+            batch_admitted(request, VOCAB, batch)
+    assert server.idle and server.serve([request])[0].tokens == alone(request)
