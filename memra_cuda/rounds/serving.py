@@ -402,8 +402,9 @@ class Server:
         step(), as those still in flight are by the steps that end them: they were lost, the
         server's steps reporting the others alone."""
         if not self.idle:
-            raise ValueError(f"serve() takes an idle server to idle; {len(self._live)} request(s) are in this one: "
-                             "step() until it is idle")
+            # the ends left for the next step to hand out count too: "0 request(s)" said nothing was in it
+            raise ValueError(f"serve() takes an idle server to idle; {len(self._live)} request(s) are in this one, "
+                             f"{len(self._unreported)} ended for the next step to hand out: step() until it is idle")
         requests = [as_request(request) for request in as_requests(requests, "serve()")]
         out: dict[int, Served] = {}
         place: dict[int, int] = {}  # a request's id -> its place in `requests`

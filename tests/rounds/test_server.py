@@ -295,6 +295,27 @@ def test_an_idle_server_runs_no_burst_and_serve_wants_one():
         server.serve([Request([2], 3)])
 
 
+def test_serve_refusing_a_server_whose_ends_wait_for_the_next_step_counts_them():
+    """A request another submitted during serve() and that ended in it waits for the next
+    step to hand it out: the server is not idle, and serve() said "0 request(s) are in this one"."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    burst = decoder.burst
+
+    def submitting():
+        if decoder.calls.count(("burst",)) == 0:
+            server.submit(Request([4], 1))
+        return burst()
+
+    decoder.burst = submitting
+    assert [out.tokens for out in server.serve([Request([1, 2], 6)])] == [alone(Request([1, 2], 6))]
+    assert not server.idle
+    with pytest.raises(ValueError, match="takes an idle server to idle; 0 request\\(s\\) are in this one, 1 ended "
+                                         "for the next step to hand out: step\\(\\) until it is idle"):
+        server.serve([Request([2], 3)])
+    assert list(server.step().finished) == [1] and server.idle
+
+
 def device_fault() -> CudaError:
     return CudaError(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered", "cuLaunchKernel")
 
