@@ -43,10 +43,10 @@ SIZES = [
     ("Geometry", GEOMETRY, "batch", 1, MAX_BATCH),
     ("Geometry", GEOMETRY, "width", 5, None),  # a round writes at least the k + 1 it may advance
     ("Capacity", with_(Capacity, entries=64, geometry=Geometry(4, 16)), "entries", 1, None),
-    ("KVLayer.allocate", with_(KVLayer.allocate, engine=NO_ENGINE, capacity=64), "capacity", 1, None),
+    ("KVLayer.allocate", with_(KVLayer.allocate, engine=NO_ENGINE, capacity=64), "capacity", 1, 2**31 - 1),
     ("KVLayer.allocate", with_(KVLayer.allocate, engine=NO_ENGINE, capacity=64), "width", 1, None),
     ("KVLayer.allocate", with_(KVLayer.allocate, engine=NO_ENGINE, capacity=64), "batch", 1, MAX_BATCH),
-    ("KVLayer", with_(KVLayer, len_d=words(1, np.int32), capacity=64), "capacity", 1, None),
+    ("KVLayer", with_(KVLayer, len_d=words(1, np.int32), capacity=64), "capacity", 1, 2**31 - 1),
     ("StateLayer", with_(StateLayer, live_d=words(10), slots_d=words(20), row_words=5, k=1), "row_words", 1, None),
     ("StateLayer", with_(StateLayer, live_d=words(10), slots_d=words(20), row_words=5, k=1), "k", 0, None),
     *(("KVData", with_(KVData, k_d=words(80), row_stride=160, pos_stride=16, nbytes=16, capacity=10, batch=2),
