@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     # Out of range is the parser's error (exit status 2), said before any engine is made: inside one,
     # Geometry's refusal of `--k -1` or `--m-rounds 0` was a traceback on a machine with a GPU.
     try:
-        geometry = Geometry(args.k, args.m_rounds)  # its errors name k and m_rounds, --k and --m-rounds
+        geometry = Geometry(args.k, args.m_rounds)
+    except ValueError as exc:  # its errors name k and m_rounds: the options are --k and --m-rounds
+        cli.error(f"--k {args.k} --m-rounds {args.m_rounds}: {exc}")
+    try:
         as_size(args.tokens, "--tokens", 0, ROW_VALUE_MOST)  # the budget, a row's i32 (past it: after the engine)
         for token in (*args.prompt, *([] if args.eos is None else [args.eos])):  # the toy's tokens are i32s
             as_size(token, "--prompt and --eos take token ids, each", 0, ROW_VALUE_MOST)

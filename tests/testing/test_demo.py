@@ -40,9 +40,10 @@ def test_an_option_out_of_range_is_a_usage_error_before_any_engine(monkeypatch, 
         raise AssertionError("an engine was made for options out of range")
 
     monkeypatch.setattr(demo, "Engine", no_engine)
-    for argv, message in ((["--k", "-1"], "k must be an int of at least 0, not -1"),
-                          (["--m-rounds", "0"], "m_rounds must be an int of at least 1, not 0"),
-                          (["--k", "4", "--m-rounds", str(2**32)], "m_rounds must be at most"),
+    for argv, message in ((["--k", "-1"], "--k -1 --m-rounds 16: k must be an int of at least 0, not -1"),
+                          (["--m-rounds", "0"], "--k 4 --m-rounds 0: m_rounds must be an int of at least 1, not 0"),
+                          (["--k", "4", "--m-rounds", str(2**32)],
+                           f"--k 4 --m-rounds {2**32}: m_rounds must be at most"),
                           (["--tokens", "-3"], "--tokens must be an int from 0 to 2147483647, not -3"),
                           # a row's budget is an i32: past it, the caches were allocated for it (tens of GB)
                           # and generate() refused it after, a traceback
