@@ -272,7 +272,11 @@ class Server:
     too. `clock` (seconds) stamps the times Served records: a test gives its own.
 
     The decoder's batch and vocabulary (at least one row, one token) are checked here, naming
-    them: a decoder of no rows would leave serve() waiting for ever.
+    them: a decoder of no rows would leave serve() waiting for ever. A decoder that keeps its
+    servers (a `driven`, as GraphedGreedy has) is told of this one, made directly as its own
+    server() makes it: RuntimeError while another of them has requests in flight, whose rows
+    this one would park, and this one's requests are guarded from the decoder's batches (a
+    server made directly drove rows the decoder's generate_batch then prefilled over).
     """
 
     def __init__(self, decoder: Decoder, *, clock: Callable[[], float] = time.perf_counter):
@@ -282,6 +286,9 @@ class Server:
                             f"type {type(decoder).__name__} has no {', '.join(missing)}")
         batch = as_size(decoder.batch, "a decoder's batch")
         as_size(decoder.vocab, "a decoder's vocab")
+        driven = getattr(decoder, "driven", None)  # a decoder's own servers (GraphedGreedy's server() makes them)
+        if isinstance(driven, Driven):
+            driven.take("a new server")
         self.decoder, self.clock = decoder, clock
         self._slots: list[int | None] = [None] * batch  # the id of the request in each row
         self._queue: collections.deque[int] = collections.deque()  # ids waiting for a row, in order
@@ -294,6 +301,8 @@ class Server:
         # a burst read back whose readback time the clock failed to give: the next step records it
         self._unstamped: tuple[list[tuple[int, int]], Burst] | None = None
         decoder.park(range(batch))
+        if isinstance(driven, Driven):
+            driven.by(self)
 
     @property
     def idle(self) -> bool:

@@ -290,7 +290,7 @@ class RoundDecoder:
         self.driven.take("a new server")
         if not self.rounds.sealed:
             self.capture(("graph",))
-        return self.driven.by(Server(_Slots(self, mode), clock=clock))
+        return Server(_Slots(self, mode), clock=clock)
 
     def serve(self, requests: Sequence[Request], mode: str = "graph") -> list[Served]:
         """Continuous batching: the requests, queued in order, through the batch's slots
@@ -314,7 +314,7 @@ class _Slots:
 
     def __init__(self, decoder: RoundDecoder, mode: Mode):
         self.decoder, self.mode = decoder, mode
-        self.batch, self.vocab = decoder.batch, decoder.vocab
+        self.batch, self.vocab, self.driven = decoder.batch, decoder.vocab, decoder.driven  # Server tells driven
 
     def refusal(self, request: Request) -> str | None:
         return self.decoder.room(request, self.mode)

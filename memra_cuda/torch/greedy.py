@@ -192,7 +192,7 @@ class GraphedGreedy:
         self.capture()
         with torch.cuda.stream(self.stream):
             self.stack.capture_prefills()
-        return self.driven.by(Server(self, clock=clock))
+        return Server(self, clock=clock)  # which tells self.driven
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
         """Continuous batching, as a speculative decoder's serve(): the requests, queued in

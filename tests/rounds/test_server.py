@@ -695,3 +695,21 @@ def test_one_request_given_for_a_sequence_of_them_is_a_type_error_saying_so():
         with pytest.raises(TypeError, match="a batch takes a sequence of requests, not one Request"):
             batch_admitted(request, VOCAB, batch)
     assert server.idle and server.serve([request])[0].tokens == alone(request)
+
+
+def test_a_server_made_directly_over_a_decoder_that_keeps_its_servers_is_one_of_them():
+    """Server(decoder) over a decoder with a `driven` (GraphedGreedy's) was unknown to it: its
+    requests ran in rows the decoder's batch then prefilled over, and a second server parked
+    them. Now the server tells the decoder's Driven, as the decoder's own server() does."""
+    decoder = Counting(2)
+    decoder.driven = Driven()
+    server = Server(decoder, clock=decoder.clock)
+    server.submit(Request([1, 2, 3], 30))
+    with pytest.raises(RuntimeError, match="generate_batch would take the rows of this decoder's server"):
+        decoder.driven.take("generate_batch")
+    with pytest.raises(RuntimeError, match="a new server would take the rows"):
+        Server(decoder, clock=decoder.clock)
+    assert decoder.calls == [("park", (0, 1))], "the refused server parked the rows"
+    while not server.idle:
+        server.step()
+    Server(decoder, clock=decoder.clock)  # idle: allowed
