@@ -639,7 +639,7 @@ def test_a_speculative_decoders_server_parks_the_rows_it_names_each_checked_firs
         def set_stop_row(self, row, budget):
             self.calls.append((row, budget))
 
-    decoder = type("Decoder", (), dict(batch=2, vocab=VOCAB, bufs=Bufs()))()
+    decoder = type("Decoder", (), dict(batch=2, vocab=VOCAB, bufs=Bufs(), driven=None))()
     slots = _Slots(decoder, Mode.GRAPH)
     for rows, error, named in (([5, 9], ValueError, "row 5 is not one of the decoder's 2"),
                                ([0, -1], ValueError, "row -1 is not one of the decoder's 2"),
