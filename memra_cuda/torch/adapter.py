@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +39,8 @@ from ..driver.errors import CaptureError, driver
 from ..driver.framework import Framework
 from ..driver.graph import Capture, LoopBuilder, loops
 from ..driver.stream import Stream
+
+log = logging.getLogger("memra_cuda")
 
 
 def engine(stream: torch.cuda.Stream | None = None) -> Engine:
@@ -94,30 +97,70 @@ def loop_capture(build: Callable[[LoopBuilder], None]) -> Capture:
     replays its body with the capture's offsets at every pass, so the same numbers would come
     back (device mode samples with memra's position-keyed draws)."""
     def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
-        pool, generator = torch.cuda.MemPool(), torch.cuda.default_generators[engine.device]
+        pool, generator = _Pool(engine.device), torch.cuda.default_generators[engine.device]
         offset = generator.get_offset()
         try:
-            with torch.cuda.use_mem_pool(pool, device=engine.device):
+            with pool.allocating():
                 graph, _ = loops(build)(engine, issue)
         except RuntimeError as exc:  # torch refuses a draw in a capture it did not begin
+            pool.release()
             if "generator" in str(exc):
                 raise CaptureError(_RNG_REFUSAL) from exc
             raise
+        except BaseException:
+            pool.release()
+            raise
         owner = _PooledGraph(engine, graph, pool)
         if generator.get_offset() != offset:
-            del owner  # destroys the graph
+            del owner  # destroys the graph, then releases the pool
             raise CaptureError(_RNG_REFUSAL)
         return graph, owner
     return capture
+
+
+class _Pool:
+    """A private pool of torch's caching allocator, held by its id as torch.cuda.graph holds a
+    graph's: this thread's allocations go to it inside allocating(), and release() gives its
+    memory back to the allocator, which frees it when it next empties its cache. Not
+    torch.cuda.MemPool: its destructor empties the pool at once, and torch (2.11) aborts the
+    process there ("captures_underway.empty() INTERNAL ASSERT FAILED") while any capture is under
+    way in the process, and a loop's pool goes whenever its graph's last reference does, which
+    may be in the middle of another decoder's capture or the user's own."""
+
+    def __init__(self, device: int):
+        self.device, self.id, self._held = device, torch.cuda.graph_pool_handle(), False
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        torch._C._cuda_beginAllocateCurrentThreadToPool(self.device, self.id)  # makes the pool, held once
+        self._held = True
+        try:
+            yield
+        finally:
+            torch._C._cuda_endAllocateToPool(self.device, self.id)
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            torch._C._cuda_releasePool(self.device, self.id)
+
+
+def _destroy(ctx: Any, graph: Any, pool: _Pool) -> None:
+    """The finaliser of a _PooledGraph, which must not raise (see Context.finalize)."""
+    ctx.finalize("cuGraphExecDestroy", graph)
+    try:
+        pool.release()
+    except Exception as exc:  # noqa: BLE001 - at interpreter exit torch may be gone first
+        log.warning("memra_cuda: releasing a loop's torch memory pool failed: %s", exc)
 
 
 class _PooledGraph:
     """Owns an executable graph memra built and the torch memory pool its kernels use: the graph
     is destroyed first, then the pool goes."""
 
-    def __init__(self, engine: Stream, graph: Any, pool: Any):
+    def __init__(self, engine: Stream, graph: Any, pool: _Pool):
         self.pool = pool
-        weakref.finalize(self, engine.ctx.finalize, "cuGraphExecDestroy", graph)
+        weakref.finalize(self, _destroy, engine.ctx, graph, pool)
 
 
 class _TorchGraph:

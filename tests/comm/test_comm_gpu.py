@@ -142,7 +142,7 @@ def test_one_rank_of_the_toy_equals_the_toy(engine, lib, kind, mode, sampled):
     model, sampling, batch = ToyModel(), ToySampling() if sampled else None, 3
     comm = Communicator(engine, 0, 1, lib.unique_id(), timeout=20)
     try:
-        ranks = getattr(toy_ranks, kind)(comm, model, 256, 4, 8, batch=batch, sampling=sampling)
+        ranks = getattr(toy_ranks, kind)(comm, model, 256, Geometry(4, 8, batch), sampling=sampling)
         lm, bufs = ToyLM(engine, model, 256, batch=batch, sampling=sampling), StreamBufs(engine, Geometry(4, 8, batch))
         for row, prompt in enumerate(prompts(batch)):
             ranks.prefill_row(row, prompt, seed=row)

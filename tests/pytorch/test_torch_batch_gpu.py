@@ -117,29 +117,47 @@ def test_a_request_samples_the_same_tokens_whatever_its_slot_batch_m_and_mode(pe
     assert len({tuple(tokens) for tokens in first.values()}) == len(every), "different seeds, same tokens"
 
 
+# The theorems' draws: 20 000 rows of one prompt, each its own seed, decoded THEOREM_BATCH at a
+# time, a batch whose grid passes the most blocks a grid holds in y (flex's decoding kernel puts a
+# batch's rows times its 8 K/V heads there) and whose laws fit an 80 GB GPU (20 000 at once took
+# all of an H100's)
+THEOREM_ROWS, THEOREM_BATCH = 20_000, 10_000
+
+
+def theorem_rows(spec, prompt, drawn) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's first committed token ([THEOREM_ROWS]) and what `drawn()` reads of the drafts
+    after each batch ([THEOREM_ROWS][...]): a request a seed, 0 to THEOREM_ROWS - 1."""
+    first, drafts = [], []
+    for start in range(0, THEOREM_ROWS, THEOREM_BATCH):
+        got = spec.generate_batch([Request(prompt, 1, None, seed) for seed in range(start, start + THEOREM_BATCH)],
+                                  "readback")
+        first += [tokens[0] for tokens in got]
+        drafts.append(drawn().cpu().numpy())
+    return np.array(first), np.concatenate(drafts)
+
+
 def assert_first_sampled_token_is_the_targets_softmax(peaked, draft_model) -> None:
-    """The theorem on the real model: 20 000 rows of one prompt, each its own seed, one round
+    """The theorem on the real model: THEOREM_ROWS rows of one prompt, each its own seed, one round
     with `draft_model` sampled at temperature 0.5 (so its law differs from the target's): the
     first committed token, accepted draft or resampled residual, is distributed as the target's
     softmax at T = 1 after the prompt (chi-square over cells of at least 50 expected draws)."""
     gc.collect()  # the decoders earlier tests left in cycles (a RoundStream holds its decoder's methods)
-    rows, prompt = 20_000, PROMPT
+    prompt = PROMPT
     target, draft = SamplingParams(1.0), SamplingParams(0.5)
     spec = SpeculativeLlama(peaked, draft_model, k=1, m_rounds=1,
-                            capacity=capacity_for(len(prompt), 1, Geometry(1, 1, rows)),
-                            batch=rows, sampling=target, draft_sampling=draft)
-    got = spec.generate_batch([Request(prompt, 1, None, seed) for seed in range(rows)], "readback")
-    first = np.array([tokens[0] for tokens in got])
+                            capacity=capacity_for(len(prompt), 1, Geometry(1, 1, THEOREM_BATCH)),
+                            batch=THEOREM_BATCH, sampling=target, draft_sampling=draft)
+    first, drafted = theorem_rows(spec, prompt, lambda: spec.draft_d[:, :1])
     with torch.no_grad():
         logits = peaked(torch.tensor([prompt], device="cuda")).logits[0, -1].double()
     law = logits.softmax(-1).cpu().numpy()  # Hugging Face's own forward, not the example's
-    index = cells(law, rows)
+    index = cells(law, THEOREM_ROWS)
     p, q = (probs[0, 0].double().cpu().numpy() for probs in (spec.p_d, spec.q_d))  # every row's, one prompt
     assert 0.5 * np.abs(p - q).sum() > 0.1, "the draft's law must differ from the target's"
     assert law.max() > 0.01, "a law this flat tests little"
     # A rejected draft x had p(x) < q(x), so the residual never gives x back: the first token is
     # the draft exactly where it was accepted, which happens with probability sum(min(p, q)).
-    accepted = float(np.mean(first == spec.draft_d[:, 0].cpu().numpy()))
+    accepted = float(np.mean(first == drafted[:, 0]))
     assert abs(accepted - np.minimum(p, q).sum()) < 0.02, f"acceptance {accepted:.3f}, sum(min(p, q)) " \
                                                           f"{np.minimum(p, q).sum():.3f}"
     assert_distributed_as(index[first], np.bincount(index, weights=law), "the first sampled token")
