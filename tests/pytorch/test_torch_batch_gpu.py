@@ -121,7 +121,7 @@ def test_a_request_samples_the_same_tokens_whatever_its_slot_batch_m_and_mode(pe
 # time, a batch whose grid passes the most blocks a grid holds in y (flex's decoding kernel puts a
 # batch's rows times its 8 K/V heads there) and whose laws fit an 80 GB GPU (20 000 at once took
 # all of an H100's)
-THEOREM_ROWS, THEOREM_BATCH = 20_000, 10_000
+THEOREM_ROWS, THEOREM_BATCH = 20_000, 10_000  # whole batches: a batch takes a request a row
 
 
 def theorem_rows(spec, prompt, drawn) -> tuple[np.ndarray, np.ndarray]:

@@ -383,10 +383,11 @@ def test_device_mode_refuses_torchs_random_numbers(engine, side_stream):
 
 
 # A device-mode loop (loop_capture) whose last reference goes while torch captures a graph of its
-# own on another stream: torch.cuda.MemPool's destructor aborted the process there (torch 2.11,
-# "captures_underway.empty() INTERNAL ASSERT FAILED"), which a test process cannot survive to report
+# own on another stream, in each of CUDA's capture modes: torch.cuda.MemPool's destructor aborted the
+# process there (torch 2.11, "captures_underway.empty() INTERNAL ASSERT FAILED"), which a test process
+# cannot survive to report, and a capture of the default mode ("global") refuses a graph's destroy
 DROPPED_DURING_A_CAPTURE = """
-import gc, torch
+import gc, sys, weakref, torch
 import memra_cuda.torch as memra_torch
 from memra_cuda import Graph
 with torch.cuda.stream(torch.cuda.Stream()):
@@ -395,22 +396,26 @@ with torch.cuda.stream(torch.cuda.Stream()):
     loop = Graph(engine, lambda: None, capture=memra_torch.loop_capture(lambda b: b.issue(lambda: x.copy_(x + 1))))
     loop.launch()
     engine.synchronize()
+    gone = []
+    weakref.finalize(loop._owner, gone.append, "gone")  # the loop's graph and pool go with it
     theirs, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.graph(theirs, stream=side, capture_error_mode="relaxed"):
+    with torch.cuda.graph(theirs, stream=side, capture_error_mode=sys.argv[1]):
         y = x * 2
         del loop
         gc.collect()
+        inside = list(gone)
     theirs.replay()
     torch.cuda.synchronize()
-    print("survived", int(x[0]), int(y[0]))
+    print("survived", int(x[0]), int(y[0]), *inside)
 """
 
 
-def test_a_loop_dropped_while_torch_captures_leaves_the_process_running(engine):  # engine: skipped without a GPU
-    done = subprocess.run([sys.executable, "-c", DROPPED_DURING_A_CAPTURE], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [str(Path(memra_torch.__file__).parents[2]), os.environ.get("PYTHONPATH", "")])})
-    assert done.returncode == 0 and "survived 1 2" in done.stdout, done.stderr[-3000:]
+@pytest.mark.parametrize("capture_mode", ["global", "thread_local", "relaxed"])
+def test_a_loop_dropped_while_torch_captures_leaves_the_process_and_the_capture_running(engine, capture_mode):
+    path = [str(Path(memra_torch.__file__).parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])]
+    done = subprocess.run([sys.executable, "-c", DROPPED_DURING_A_CAPTURE, capture_mode], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(path)})
+    assert done.returncode == 0 and "survived 1 2 gone" in done.stdout, (done.stdout, done.stderr[-3000:])
 
 
 def test_every_burst_length_is_captured_up_front(engine, side_stream):
