@@ -54,7 +54,9 @@ class SamplingParams:
             ascending, order = logits.sort(dim=-1)
             drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
             drop[..., -1] = False  # the likeliest token always stays
-            logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+            # back in vocabulary order into a tensor of its own, so that the compiled law never orders
+            # a scatter whose source is its destination (Hugging Face's drop.scatter(-1, order, drop))
+            logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -math.inf)
         return logits.softmax(-1)
 
     def fill(self, out: torch.Tensor, logits: torch.Tensor) -> None:

@@ -100,6 +100,47 @@ def sampled(model, batch: int, m_rounds: int, mode: str, order: list[int], param
     return out
 
 
+@pytest.mark.parametrize("law", [SamplingParams(1.0, top_k=200, top_p=0.95), SamplingParams(0.8),
+                                 SamplingParams(1.0, top_p=0.9)], ids=["top-k-top-p", "T", "top-p"])
+def test_a_compiled_law_keeps_the_tokens_and_numbers_of_the_eager_one_every_call_and_replay(peaked, law):
+    """SamplingParams.fill as a decoder runs it (CompiledStack.compiled), into each draft step's
+    slice of q ([B][k][V]) and a verify's p ([B][k+1][V]), against probs() op by op on the GPU:
+    the same tokens kept (a token's mass 0 or not) and the same numbers within float rounding,
+    at every call and at every replay of a graph that captured it, which must also agree with
+    each other bit for bit (a sampled token is a draw against these numbers: any drift between
+    two runs of one compiled law moves draws)."""
+    from memra_cuda.torch.compiled import CompiledStack
+    stack = CompiledStack(peaked, 128, batch=3)
+    fill = stack.compiled(law.fill)
+    batch, k = 3, K
+    logits = torch.randn(batch, k + 1, peaked.config.vocab_size, device="cuda",
+                         generator=torch.Generator("cuda").manual_seed(5)) * 8  # peaked, as the model's
+    want = law.probs(logits)
+    q, p = torch.zeros(batch, k, logits.shape[-1], device="cuda"), torch.zeros_like(want)
+
+    def laws() -> None:
+        for step in range(k):
+            fill(q[:, step], logits[:, step])
+        fill(p, logits)
+    laws()
+    first = q.clone(), p.clone()
+    for got, expected in ((q, want[:, :k]), (p, want)):
+        assert torch.equal(got > 0, expected > 0), "the compiled law kept other tokens than the eager one"
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        laws()  # warm on the capture's stream
+        with torch.cuda.graph(graph, stream=side):
+            laws()
+    torch.cuda.current_stream().wait_stream(side)
+    for run in range(10):
+        q.zero_(), p.zero_()
+        graph.replay() if run % 2 else laws()
+        torch.cuda.synchronize()
+        assert torch.equal(q, first[0]) and torch.equal(p, first[1]), f"run {run} ({'replay' if run % 2 else 'call'})"
+
+
 def test_a_request_samples_the_same_tokens_whatever_its_slot_batch_m_and_mode(peaked):
     params = SamplingParams(temperature=1.0, top_k=200, top_p=0.95)
     every = list(range(len(SAMPLING_REQUESTS)))
