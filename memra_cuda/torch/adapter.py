@@ -102,13 +102,10 @@ def loop_capture(build: Callable[[LoopBuilder], None]) -> Capture:
         try:
             with pool.allocating():
                 graph, _ = loops(build)(engine, issue)
-        except RuntimeError as exc:  # torch refuses a draw in a capture it did not begin
+        except BaseException as exc:
             pool.release()
-            if "generator" in str(exc):
-                raise CaptureError(_RNG_REFUSAL) from exc
-            raise
-        except BaseException:
-            pool.release()
+            if isinstance(exc, RuntimeError) and "generator" in str(exc):  # torch refuses a draw in a capture
+                raise CaptureError(_RNG_REFUSAL) from exc  # it did not begin
             raise
         owner = _PooledGraph(engine, graph, pool)
         if generator.get_offset() != offset:
@@ -162,8 +159,8 @@ def _destroy(ctx: Any, graph: Any, pool: _Pool) -> None:
     """The finaliser of a _PooledGraph, which must not raise (see Context.finalize). It runs
     whenever the last reference goes, the collector's too, which may be inside a capture (the
     user's torch.cuda.graph, another thread's): the destroy goes with the thread's capture mode
-    relaxed, as torch's allocator makes its calls during a capture, where a capture in the
-    default ("global") mode refused it, breaking that capture and leaving the graph."""
+    relaxed, as torch's allocator makes its calls during a capture, since a capture in the default
+    ("global") mode may refuse it, breaking that capture and leaving the graph."""
     with _relaxed():
         ctx.finalize("cuGraphExecDestroy", graph)
     try:
@@ -177,8 +174,7 @@ class _PooledGraph:
     is destroyed first, then the pool goes."""
 
     def __init__(self, engine: Stream, graph: Any, pool: _Pool):
-        self.pool = pool
-        weakref.finalize(self, _destroy, engine.ctx, graph, pool)
+        weakref.finalize(self, _destroy, engine.ctx, graph, pool)  # which holds the pool till then
 
 
 class _TorchGraph:

@@ -54,8 +54,8 @@ class SamplingParams:
             ascending, order = logits.sort(dim=-1)
             drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
             drop[..., -1] = False  # the likeliest token always stays
-            # back in vocabulary order into a tensor of its own, so that the compiled law never orders
-            # a scatter whose source is its destination (Hugging Face's drop.scatter(-1, order, drop))
+            # back in vocabulary order into a tensor of its own, where Hugging Face writes
+            # drop.scatter(-1, order, drop): no scatter whose source is its destination to compile
             logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -math.inf)
         return logits.softmax(-1)
 

@@ -385,7 +385,7 @@ def test_device_mode_refuses_torchs_random_numbers(engine, side_stream):
 # A device-mode loop (loop_capture) whose last reference goes while torch captures a graph of its
 # own on another stream, in each of CUDA's capture modes: torch.cuda.MemPool's destructor aborted the
 # process there (torch 2.11, "captures_underway.empty() INTERNAL ASSERT FAILED"), which a test process
-# cannot survive to report, and a capture of the default mode ("global") refuses a graph's destroy
+# cannot survive to report, and a capture of the default mode ("global") may refuse a graph's destroy
 DROPPED_DURING_A_CAPTURE = """
 import gc, sys, weakref, torch
 import memra_cuda.torch as memra_torch

@@ -19,14 +19,14 @@ import pytest
 from memra_cuda import Geometry
 from memra_cuda import DynamicTree, TreeShape, kv_capacity
 from memra_cuda.rounds import MODES
-from laws import assert_distributed_as, cells
+from laws import ROWS, assert_distributed_as, cells
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
 from memra_cuda.torch.testing import PROMPT, prompts  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, PagedKV, Request, SamplingParams, Stack, TreeLlama,  # noqa: E402
                               capacity_for, hf_greedy, self_draft)
-from test_torch_batch_gpu import THEOREM_BATCH, THEOREM_ROWS, first_difference, theorem_rows  # noqa: E402  (imports torch)
+from test_torch_batch_gpu import DRAW_BATCH, draws_in_batches, first_difference  # noqa: E402  (imports torch)
 from test_torch_hybrid_gpu import BUDGETS, EOS_ROWS, TOKENS, generate  # noqa: E402  (the same budgets and stops)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.torch]
@@ -172,26 +172,25 @@ def test_sampled_tree_tokens_are_the_same_in_every_mode_for_a_seed(peaked, name)
 
 
 def assert_first_sampled_tree_token_is_the_targets_softmax(peaked, draft_model) -> None:
-    """The theorem on the real model: THEOREM_ROWS rows of one prompt, each its own seed, one round of
+    """The theorem on the real model: ROWS rows of one prompt, each its own seed, one round of
     a tree of two children at the root (two draws without replacement from `draft_model` at
     temperature 0.5, so its law differs from the target's): the first committed token is
     distributed as the target's softmax after the prompt (chi-square)."""
     gc.collect()  # the decoders earlier tests left in cycles (a RoundStream holds its decoder's methods)
-    prompt = PROMPT
     tree = TreeShape.from_choices([[0], [1]])
-    spec = TreeLlama(peaked, draft_model, tree, m_rounds=1, batch=THEOREM_BATCH, sampling=SamplingParams(1.0),
+    spec = TreeLlama(peaked, draft_model, tree, m_rounds=1, batch=DRAW_BATCH, sampling=SamplingParams(1.0),
                      draft_sampling=SamplingParams(0.5),
-                     capacity=capacity_for(len(prompt), 1, Geometry(1, 1, THEOREM_BATCH, tree.nodes)))
-    first, drawn = theorem_rows(spec, prompt, lambda: spec.tree_views.tok[:, 1:3])
+                     capacity=capacity_for(len(PROMPT), 1, Geometry(1, 1, DRAW_BATCH, tree.nodes)))
+    first, drawn = draws_in_batches(spec, PROMPT, lambda: spec.tree_views.tok[:, 1:3])
     with torch.no_grad():
-        logits = peaked(torch.tensor([prompt], device="cuda")).logits[0, -1].double()
+        logits = peaked(torch.tensor([PROMPT], device="cuda")).logits[0, -1].double()
     law = logits.softmax(-1).cpu().numpy()
     p, q = (probs[0, 0].double().cpu().numpy() for probs in (spec.p_d, spec.q_d))
     assert 0.5 * np.abs(p - q).sum() > 0.1, "the draft's law must differ from the target's"
     assert (drawn[:, 0] != drawn[:, 1]).all(), "two draws without replacement"
     accepted = float(np.mean((first[:, None] == drawn).any(1)))
     assert accepted > np.minimum(p, q).sum() + 0.02, "a second child must accept more than one"
-    index = cells(law, THEOREM_ROWS)
+    index = cells(law, ROWS)
     assert_distributed_as(index[first], np.bincount(index, weights=law), "the first sampled tree token")
 
 
