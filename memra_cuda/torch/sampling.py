@@ -55,8 +55,9 @@ class SamplingParams:
             drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
             drop[..., -1] = False  # the likeliest token always stays
             # back in vocabulary order into a tensor of its own, where Hugging Face writes
-            # drop.scatter(-1, order, drop): no scatter whose source is its destination to compile
-            logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -math.inf)
+            # drop.scatter(-1, order, drop): no scatter whose source is its destination to compile;
+            # `order` is a permutation, so the scatter writes every entry and none needs a fill first
+            logits = logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), -math.inf)
         return logits.softmax(-1)
 
     def fill(self, out: torch.Tensor, logits: torch.Tensor) -> None:

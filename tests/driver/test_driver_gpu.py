@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +20,7 @@ from memra_cuda.driver.errors import call
 from memra_cuda.driver.module import Module
 from memra_cuda.driver.signature import Signature
 from memra_cuda.kernels.signatures import SIGNATURES, load
+from run_python import run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -654,10 +651,7 @@ cycle.append(cycle)  # left for the collector to meet at interpreter exit
 def test_interpreter_exit_with_live_objects_is_clean(engine):
     """Buffers, a view, a graph, a module and a closed engine's buffer all alive at exit: the
     finalisers run in a safe order and none fails (a failing one would log to stderr)."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT], capture_output=True, text=True,
-                         timeout=120, env=env)
+    run = run_script(SHUTDOWN_SCRIPT)
     assert (run.returncode, run.stderr) == (0, "")
 
 

@@ -9,12 +9,8 @@ is untouched as well as that the call raised.
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import threading
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,10 +24,9 @@ from memra_cuda.errors import CapacityError, CaptureError
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.testing.toy import lm as toy, numpy_loop as toy_reference
 from memra_cuda.buffers.tables import Cache
+from run_python import run_script
 
 pytestmark = pytest.mark.gpu
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +37,6 @@ def spec(engine):
 def increment(engine, n: int):
     """probe_increment (x[i] += 1 for i < n), prepared for n elements."""
     return engine.load_ptx("probe").kernel("probe_increment").prepare(["ptr", "u32"], grid=-(-n // 128), block=128)
-
-
-def run_script(script: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
 
 
 # -- 1. launches and graphs hold the buffers they captured ---------------------------------

@@ -3,12 +3,8 @@ here reproduces a case that once went wrong without an error (see the numbered c
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import threading
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,10 +17,10 @@ from memra_cuda.errors import CapacityError, CaptureError
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.driver.errors import driver
 from memra_cuda.testing.toy import lm as toy
+from run_python import run_script
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[2]
 SPIN_CYCLES = 400_000_000  # ~0.2 s of a ~2 GHz clock: still running when the host looks
 
 
@@ -44,11 +40,6 @@ def stream_busy(engine: Engine) -> bool:
         return True
     assert err == driver().CUresult.CUDA_SUCCESS, err
     return False
-
-
-def run_script(script: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
 
 
 # -- 1. capacity: an unchecked rollback table is asked for by name, never by omission -------

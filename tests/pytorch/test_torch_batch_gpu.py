@@ -167,12 +167,12 @@ def test_a_request_samples_the_same_tokens_whatever_its_slot_batch_m_and_mode(pe
 DRAW_BATCH = 10_000
 
 
-def draws_in_batches(spec, prompt, drawn) -> tuple[np.ndarray, np.ndarray]:
+def draws_in_batches(spec, drawn) -> tuple[np.ndarray, np.ndarray]:
     """Each row's first committed token ([ROWS]) and what `drawn()` reads of the drafts
-    after each batch ([ROWS][...]): a request a seed, 0 to ROWS - 1."""
+    after each batch ([ROWS][...]): a request of PROMPT a seed, 0 to ROWS - 1."""
     first, drafts = [], []
     for start in range(0, ROWS, DRAW_BATCH):
-        got = spec.generate_batch([Request(prompt, 1, None, seed) for seed in range(start, start + DRAW_BATCH)],
+        got = spec.generate_batch([Request(PROMPT, 1, None, seed) for seed in range(start, start + DRAW_BATCH)],
                                   "readback")
         first += [tokens[0] for tokens in got]
         drafts.append(drawn().cpu().numpy())
@@ -189,7 +189,7 @@ def assert_first_sampled_token_is_the_targets_softmax(peaked, draft_model) -> No
     spec = SpeculativeLlama(peaked, draft_model, k=1, m_rounds=1,
                             capacity=capacity_for(len(PROMPT), 1, Geometry(1, 1, DRAW_BATCH)),
                             batch=DRAW_BATCH, sampling=target, draft_sampling=draft)
-    first, drafted = draws_in_batches(spec, PROMPT, lambda: spec.draft_d[:, :1])
+    first, drafted = draws_in_batches(spec, lambda: spec.draft_d[:, :1])
     with torch.no_grad():
         logits = peaked(torch.tensor([PROMPT], device="cuda")).logits[0, -1].double()
     law = logits.softmax(-1).cpu().numpy()  # Hugging Face's own forward, not the example's

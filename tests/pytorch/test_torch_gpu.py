@@ -10,11 +10,7 @@ core package and `make test` never import them.
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +20,7 @@ from memra_cuda import (Cache, DeviceBuffer, Engine, Event, Graph, Greedy, KVLay
                         kv_len_ptr_table)
 from memra_cuda.errors import CaptureError
 from memra_cuda.rounds import MODES
+from run_python import run_script
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 memra_torch = pytest.importorskip("memra_cuda.torch")
@@ -412,9 +409,7 @@ with torch.cuda.stream(torch.cuda.Stream()):
 
 @pytest.mark.parametrize("capture_mode", ["global", "thread_local", "relaxed"])
 def test_a_loop_dropped_while_torch_captures_leaves_the_process_and_the_capture_running(engine, capture_mode):
-    path = [str(Path(memra_torch.__file__).parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])]
-    done = subprocess.run([sys.executable, "-c", DROPPED_DURING_A_CAPTURE, capture_mode], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(path)})
+    done = run_script(DROPPED_DURING_A_CAPTURE, capture_mode, timeout=300)
     assert done.returncode == 0 and "survived 1 2 gone" in done.stdout, (done.stdout, done.stderr[-3000:])
 
 

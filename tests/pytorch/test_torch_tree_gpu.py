@@ -181,7 +181,7 @@ def assert_first_sampled_tree_token_is_the_targets_softmax(peaked, draft_model) 
     spec = TreeLlama(peaked, draft_model, tree, m_rounds=1, batch=DRAW_BATCH, sampling=SamplingParams(1.0),
                      draft_sampling=SamplingParams(0.5),
                      capacity=capacity_for(len(PROMPT), 1, Geometry(1, 1, DRAW_BATCH, tree.nodes)))
-    first, drawn = draws_in_batches(spec, PROMPT, lambda: spec.tree_views.tok[:, 1:3])
+    first, drawn = draws_in_batches(spec, lambda: spec.tree_views.tok[:, 1:3])
     with torch.no_grad():
         logits = peaked(torch.tensor([PROMPT], device="cuda")).logits[0, -1].double()
     law = logits.softmax(-1).cpu().numpy()

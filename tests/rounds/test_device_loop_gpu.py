@@ -15,6 +15,7 @@ from memra_cuda.errors import BuffersHeld, CapacityError, LoopUnsupported, Round
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.driver import graph as driver_graph
 from memra_cuda.testing.toy import lm as toy
+from run_python import run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -221,14 +222,7 @@ except CudaFault as exc:
 def test_a_fault_inside_the_loop_raises_instead_of_hanging_the_host(engine):
     """A loop that faults never sets its last word: the host, finding nothing for a while, asks
     the driver and raises the fault (in a fresh interpreter: the fault is sticky)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", FAULT_IN_LOOP], capture_output=True, text=True, timeout=60, env=env)
+    run = run_script(FAULT_IN_LOOP, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "raised CUDA_ERROR_ILLEGAL_ADDRESS", run.stdout + run.stderr
 

@@ -7,11 +7,7 @@ last one's tokens, an unread device-mode stream at interpreter exit, a stream sp
 stream protocol."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,11 +18,11 @@ from memra_cuda.errors import BuffersHeld, CaptureError
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.driver.errors import driver
 from memra_cuda.testing.toy import lm as toy
+from run_python import run_script
 
 pytestmark = pytest.mark.gpu
 
 MODEL = toy.ToyModel(seed=41, vocab=80, kv_mask=(True, True, False), noise_ppm=200_000, p_min=0.1)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def toy_stream(engine, batch=1, k=3, m_rounds=4, budget=64):
@@ -173,8 +169,7 @@ def test_an_unread_device_stream_at_interpreter_exit_says_nothing(engine):
     """Finding 2: a device-mode stream left unread when the interpreter exits printed "Exception
     ignored in _Following.close" with CUDA_ERROR_CONTEXT_IS_DESTROYED (in a fresh interpreter,
     its loop still running at exit)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", UNREAD_AT_EXIT], capture_output=True, text=True, timeout=120, env=env)
+    run = run_script(UNREAD_AT_EXIT)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "first True"
     for noise in ("Exception ignored", "Traceback", "CUDA_ERROR"):
