@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .errors import STICKY, CudaError, CudaFault, call, driver, error, values
@@ -119,15 +120,36 @@ class PrimaryContext:
         Finalisers run from the garbage collector or at interpreter exit, where an exception
         has nowhere to go: failures are logged instead. After a fault nothing is released: the
         context is lost with everything in it, and the driver would only repeat the fault.
+
+        The collector runs whenever Python allocates, inside someone's stream capture too (a
+        user's torch.cuda.graph, another thread's): in CUDA's default capture mode ("global") the
+        driver refuses a free or a destroy there and invalidates that capture, whose next call
+        fails ("operation failed due to a previous error during capture"). So the call goes with
+        the thread's capture mode relaxed (relaxed_capture), as torch's allocator calls the
+        driver during a capture.
         """
         if self.fault is not None:
             return
         try:
-            self.call(name, *args)
+            with relaxed_capture():
+                self.call(name, *args)
         except CudaFault:
             log.debug("memra_cuda: %s skipped: device %d has faulted", name, self.device)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
             log.warning("memra_cuda: %s during cleanup failed: %s", name, exc)
+
+
+@contextmanager
+def relaxed_capture() -> Iterator[None]:
+    """This thread's stream-capture mode relaxed while it lasts (cuThreadExchangeStreamCaptureMode:
+    no context, never raises), then restored."""
+    drv = driver()
+    err, was = drv.cuThreadExchangeStreamCaptureMode(drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    try:
+        yield
+    finally:
+        if not err:
+            drv.cuThreadExchangeStreamCaptureMode(was)
 
 
 def _release_primary(cu_device: Any, device: int) -> None:

@@ -142,27 +142,10 @@ class _Pool:
             torch._C._cuda_releasePool(self.device, self.id)
 
 
-@contextlib.contextmanager
-def _relaxed() -> Iterator[None]:
-    """This thread's stream-capture mode relaxed while it lasts (cuThreadExchangeStreamCaptureMode:
-    no context, never raises), then restored."""
-    drv = driver()
-    err, was = drv.cuThreadExchangeStreamCaptureMode(drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
-    try:
-        yield
-    finally:
-        if not err:
-            drv.cuThreadExchangeStreamCaptureMode(was)
-
-
 def _destroy(ctx: Any, graph: Any, pool: _Pool) -> None:
-    """The finaliser of a _PooledGraph, which must not raise (see Context.finalize). It runs
-    whenever the last reference goes, the collector's too, which may be inside a capture (the
-    user's torch.cuda.graph, another thread's): the destroy goes with the thread's capture mode
-    relaxed, as torch's allocator makes its calls during a capture, since a capture in the default
-    ("global") mode may refuse it, breaking that capture and leaving the graph."""
-    with _relaxed():
-        ctx.finalize("cuGraphExecDestroy", graph)
+    """The finaliser of a _PooledGraph, which must not raise: the graph destroyed as every memra
+    finaliser releases (Context.finalize: inside someone's capture too), then the pool released."""
+    ctx.finalize("cuGraphExecDestroy", graph)
     try:
         pool.release()
     except Exception as exc:  # noqa: BLE001 - at interpreter exit torch may be gone first

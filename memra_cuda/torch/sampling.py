@@ -15,6 +15,22 @@ import torch
 from ..driver.values import as_real, as_size
 
 
+@torch.library.custom_op("memra_cuda::running_mass", mutates_args=())
+def _running_mass(probs: torch.Tensor) -> torch.Tensor:
+    """probs.cumsum(-1), an operator torch.compile does not look into: top-p's running mass over
+    a vocabulary sorted ascending ([..., V] -> [..., V], f32). Inductor (torch 2.11, CUDA) splits
+    a scan of a few rows over a vocabulary across blocks and failed to generate that kernel
+    ("InductorError: TypeError: list indices must be integers or slices, not NoneType", seen on
+    an H100: every compiled law with top-p); aten's cumsum, the one Hugging Face's top-p runs,
+    leaves the rest of the law compiled."""
+    return probs.cumsum(-1)
+
+
+@_running_mass.register_fake
+def _running_mass_shape(probs: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(probs)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Temperature, then top-k (0: off), then top-p (1: off), as Hugging Face's logits
@@ -52,11 +68,9 @@ class SamplingParams:
             logits = logits.masked_fill(logits < kth, -math.inf)
         if self.top_p < 1:  # drop the least likely tokens whose mass together is at most 1 - top_p
             ascending, order = logits.sort(dim=-1)
-            drop = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
+            drop = torch.ops.memra_cuda.running_mass(ascending.softmax(-1)) <= 1 - self.top_p
             drop[..., -1] = False  # the likeliest token always stays
-            # back in vocabulary order into a tensor of its own, where Hugging Face writes
-            # drop.scatter(-1, order, drop): no scatter whose source is its destination to compile;
-            # `order` is a permutation, so the scatter writes every entry and none needs a fill first
+            # back in vocabulary order (`order` is a permutation: the scatter writes every entry)
             logits = logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), -math.inf)
         return logits.softmax(-1)
 

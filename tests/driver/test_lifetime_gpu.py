@@ -20,6 +20,7 @@ from memra_cuda import (DeviceBuffer, Engine, Event, Graph, Greedy, RoundStream,
                         kv_len_ptr_table)
 from memra_cuda.buffers import PointerTable
 from memra_cuda.driver import KernelArgs
+from memra_cuda.driver.errors import driver
 from memra_cuda.errors import CapacityError, CaptureError
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.testing.toy import lm as toy, numpy_loop as toy_reference
@@ -231,6 +232,37 @@ def test_destroyed_event_is_refused_and_leaves_the_next_event_alone(engine):
             use()
     live.record()
     live.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["GLOBAL", "THREAD_LOCAL", "RELAXED"])
+def test_memory_freed_inside_someone_elses_capture_leaves_that_capture_whole(engine, mode, caplog):
+    """The collector frees memra's memory whenever Python allocates, inside another library's
+    stream capture too (torch.cuda.graph's default mode is global): the free must neither fail
+    nor invalidate that capture, in any mode (a broken capture fails its next call, a GEMM's
+    "operation failed due to a previous error during capture")."""
+    drv = driver()
+    ctx, counter = engine.ctx, engine.zeros(np.uint32, 1)
+    doomed = [engine.zeros(np.uint8, 1 << 20), engine.pinned(np.uint8, 4096), Event(engine)]
+    gone = [weakref.finalize(handle, lambda: None) for handle in doomed]
+    engine.synchronize()
+    theirs = ctx.call("cuStreamCreate", 1)  # non-blocking: someone else's stream
+    try:
+        ctx.call("cuStreamBeginCapture", theirs, getattr(drv.CUstreamCaptureMode, f"CU_STREAM_CAPTURE_MODE_{mode}"))
+        ctx.call("cuMemsetD32Async", counter.ptr, 7, 1, theirs)
+        del doomed
+        gc.collect()
+        ctx.call("cuMemsetD32Async", counter.ptr, 9, 1, theirs)  # the capture still takes work
+        graph = ctx.call("cuStreamEndCapture", theirs)
+        run = ctx.call("cuGraphInstantiate", graph, 0)
+        ctx.call("cuGraphLaunch", run, theirs)
+        ctx.call("cuStreamSynchronize", theirs)
+        ctx.call("cuGraphExecDestroy", run)
+        ctx.call("cuGraphDestroy", graph)
+    finally:
+        ctx.call("cuStreamDestroy", theirs)
+    assert not any(g.alive for g in gone), "a handle outlived its last reference"
+    assert engine.dtoh(counter).tolist() == [9]
+    assert not [r.message for r in caplog.records if "cleanup failed" in r.message]
 
 
 # -- 6. the capacity check cannot be switched off by omission -------------------------------

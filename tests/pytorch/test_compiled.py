@@ -191,6 +191,24 @@ def test_a_laws_probabilities_compiled_fill_each_draft_steps_rows_as_eagerly(law
         assert q.max(-1).values.min() == 1
 
 
+def test_top_ps_running_mass_is_aten_s_cumsum_where_the_law_compiles():
+    """Top-p's running mass reaches the compiler as one opaque operator (memra_cuda::running_mass),
+    not as a cumsum for inductor to lower: inductor (torch 2.11, CUDA) split a few rows' scan over a
+    vocabulary and failed to generate it, every compiled law with top-p (an H100)."""
+    graphs = []
+
+    def keep(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    law = SamplingParams(0.5, top_k=20, top_p=0.9)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5)) * 4
+    torch.testing.assert_close(torch.compile(law.probs, backend=keep, fullgraph=True)(logits), law.probs(logits))
+    targets = [str(node.target) for graph in graphs for node in graph.graph.nodes]
+    assert any("running_mass" in target for target in targets), targets
+    assert not any("cumsum" in target for target in targets), targets
+
+
 def test_a_compiled_step_compiles_once_whatever_autograd_says():
     """The step, as the arithmetic around it: a decoder warmed up under grad mode (its
     constructor's) and captured under torch.no_grad() (`with torch.no_grad(): spec.generate(...)`,
