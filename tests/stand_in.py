@@ -46,7 +46,9 @@ class Counting:
     (`calls`), refusing a prompt and budget over `capacity`; it holds the server to the protocol:
     a request admitted only into a vacant row, at most its budget's tokens, none past its EOS.
     With `drafts`, a burst is one round of a speculative decoder: its tokens but one were drafts
-    accepted, and each row's count since its request began comes back with them (Burst.accepted)."""
+    accepted, and each row's count since its request began comes back with them (Burst.accepted).
+    With `interrupting`, a burst runs and its readback is cut short (the rows moved on, the
+    tokens kept for recover()), as an interrupt in a device decoder's wait leaves one."""
 
     def __init__(self, batch: int, clock: Clock | None = None, capacity: int = CAPACITY, drafts: bool = False):
         self.batch, self.vocab, self.capacity, self.clock = batch, VOCAB, capacity, clock or Clock()
@@ -56,6 +58,8 @@ class Counting:
         self.accepted = [0] * batch
         self.calls: list[tuple] = []
         self.failing = 0  # admissions still to fail
+        self.interrupting = 0  # bursts still to be cut short in their readback's wait (KeyboardInterrupt)
+        self.cut: Burst | None = None  # the burst an interrupt cut short: recover() hands it out
         self.failure: Callable[[], Exception] = lambda: RuntimeError("the admission failed")  # what one raises
 
     def refusal(self, request: Request) -> str | None:
@@ -69,10 +73,11 @@ class Counting:
             self.failing -= 1
             raise self.failure()
         self.calls.append(("admit", row, tuple(request.prompt)))
-        self.rows[row], self.made[row], self.accepted[row] = request, [], 0
+        self.rows[row], self.made[row], self.accepted[row], self.cut = request, [], 0, None
 
     def burst(self) -> Burst:
         self.calls.append(("burst",))
+        self.cut = None  # as a device decoder's next burst overwrites the last one's tokens
         self.clock.now += 1.0
         tokens: list[list[int]] = []
         for row, request in enumerate(self.rows):
@@ -87,10 +92,21 @@ class Counting:
                         break
             tokens.append(new)
             self.accepted[row] += max(len(new) - 1, 0)
-        return Burst(tokens, [request is None for request in self.rows], list(self.accepted) if self.drafts else None)
+        out = Burst(tokens, [request is None for request in self.rows], list(self.accepted) if self.drafts else None)
+        if self.interrupting:
+            self.interrupting -= 1
+            self.cut = out
+            raise KeyboardInterrupt
+        return out
+
+    def recover(self) -> Burst | None:
+        self.calls.append(("recover",))
+        out, self.cut = self.cut, None
+        return out
 
     def park(self, rows) -> None:
         self.calls.append(("park", tuple(rows)))
+        self.cut = None  # rows changed: the cut burst is not their requests' any more
         for row in rows:
             self.rows[row] = None
 

@@ -33,13 +33,16 @@ def slot_refusal(slot: object) -> Exception:
 
 class Ledger:
     """Rounds queued on one StreamBufs, and what the host has seen of them. Its methods are the
-    events (queued, received, reset, drained); `unseen_rounds` is what they imply, and
-    `ring_rounds` what no count of rounds gives (a drain empties the rings, not the unseen)."""
+    events (queued, received, reset, drained, rows_written); `unseen_rounds` is what they imply,
+    and `ring_rounds` what no count of rounds gives (a drain empties the rings, not the unseen)."""
 
-    __slots__ = ("rounds", "covers", "learnt", "ring_rounds")
+    __slots__ = ("rounds", "covers", "learnt", "ring_rounds", "events")
 
     def __init__(self) -> None:
         self.rounds = 0  # rounds queued in all
+        # the events entered, received() apart: a step's readback, unreceived, is still the newest news
+        # of the rows while none has followed it (RoundStream.recover)
+        self.events = 0
         self.covers = [0, 0]  # per pinned readback slot: the rounds queued before its last readback
         self.learnt = 0  # the rounds the last received readback (or a reset) covers: the host knows the rows as of them
         self.ring_rounds = 0  # rounds committed into the rings since they were last emptied
@@ -58,11 +61,17 @@ class Ledger:
         else:
             self.ring_rounds += rounds
         self.rounds = total
+        self.events += 1
 
     def received(self, slot: int) -> None:
         """The readback queued into `slot` was received: the rows are known as of the rounds it
         covers (a slot received again, or behind a newer one, teaches nothing new)."""
         self.learnt = max(self.learnt, self.covers[slot])
+
+    def unreceived(self, slot: int) -> bool:
+        """A readback was queued into `slot` that would teach the host rounds it has not seen: not
+        received, nor covered by one received since (a newer slot's, or a reset)."""
+        return self.covers[slot] > self.learnt
 
     @property
     def unseen_rounds(self) -> int:
@@ -73,11 +82,18 @@ class Ledger:
     def reset(self) -> None:
         """Every row was reset: their positions are the host's, their rings empty."""
         self.learnt, self.ring_rounds = self.rounds, 0
+        self.events += 1
+
+    def rows_written(self) -> None:
+        """Rows' requests or stop rules were written (a row started, reset, stopped, parked): a
+        readback queued before describes those rows as they were."""
+        self.events += 1
 
     def drained(self) -> None:
         """The rings were emptied without a readback (drain_ring of the only row); the
         positions are no better known."""
         self.ring_rounds = 0
+        self.events += 1
 
     def __repr__(self) -> str:
         return f"Ledger({self.rounds} rounds queued, {self.unseen_rounds} unseen, {self.ring_rounds} in the rings)"

@@ -231,6 +231,7 @@ class StreamBufs:
     def _write_stop(self, rows: range, ctl: np.ndarray) -> None:
         self.engine.copy_htod(self.ctl_d, ctl.reshape(-1), start=CTL_WORDS * rows.start)
         self.done = _frozen(_replaced(self.done, rows, ctl[:, CTL_DONE] != 0))
+        self.ledger.rows_written()  # every reset and stop comes here
 
     # -- reading back --------------------------------------------------------------------------
     def drain_ring(self, row: int = 0) -> np.ndarray:

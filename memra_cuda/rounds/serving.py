@@ -112,6 +112,12 @@ class Decoder(Protocol):
     def burst(self) -> Burst:
         """Run one burst of every row, and read it back once."""
 
+    # A decoder may also have recover() -> Burst | None: the last burst, where an interrupt cut its
+    # readback's wait short (it ran: its tokens are the decoder's alone), read back now; None where
+    # it was read or a row changed hands since. A Server whose burst() raised asks for it at its next
+    # step, before any row changes hands; without it, that burst's tokens are lost (not in DECODES:
+    # optional).
+
     def park(self, rows: Sequence[int]) -> None:
         """Stop `rows` (vacant ones, or cancelled requests'): they sit the bursts out, done,
         until a request is admitted into them."""
@@ -300,6 +306,9 @@ class Server:
         self._stepping = False  # a step runs: one inside it is refused
         # a burst read back whose readback time the clock failed to give: the next step records it
         self._unstamped: tuple[list[tuple[int, int]], Burst] | None = None
+        # the busy rows of a burst while the decoder runs it: where burst() raised, the next step
+        # asks the decoder to recover that burst before anything else
+        self._cut: list[tuple[int, int]] | None = None
         decoder.park(range(batch))
         if isinstance(driven, Driven):
             driven.by(self)
@@ -364,17 +373,39 @@ class Server:
         try:
             if self._unstamped is not None:
                 return self._record(*self._unstamped, finished)
+            if self._cut is not None and (recovered := self._recovered()) is not None:
+                return self._record(*recovered, finished)
             now = self.clock()  # in here: where it raised, the ends the last step left to this one were dropped
             self._cancel(now, finished)
             self._admit(now, finished)
             busy = [(row, ident) for row, ident in enumerate(self._slots) if ident is not None]
             if not busy:
                 return Progress(None, {}, finished)
-            self._unstamped = busy, self.decoder.burst()
+            self._cut = busy
+            burst = self.decoder.burst()
+            self._unstamped, self._cut = (busy, burst), None
             return self._record(*self._unstamped, finished)
         except BaseException:
             self._unreported = finished  # requests that ended here (cancelled, budget 0) are not lost
             raise
+
+    def _recovered(self) -> tuple[list[tuple[int, int]], Burst] | None:
+        """The burst the last step's burst() raised in, where the decoder recovers it (an
+        interrupt cut its readback's wait short: it ran, and a burst run now would overwrite its
+        tokens, each request that stopped in it then ending with fewer, silently), with the rows
+        it ran: kept as _unstamped for _record. None where there is none (burst() raised before
+        anything ran, or the decoder has no recover): that step is over, and this one goes on."""
+        recover = getattr(self.decoder, "recover", None)
+        try:
+            burst = None if recover is None else recover()
+        except Exception:  # the decoder's failure, which asking again would repeat: only an interrupt keeps it
+            self._cut = None
+            raise
+        busy, self._cut = self._cut, None
+        if burst is None or busy is None:
+            return None
+        self._unstamped = busy, burst
+        return self._unstamped
 
     def _record(self, busy: list[tuple[int, int]], burst: Burst, finished: dict[int, Served]) -> Progress:
         """The `busy` rows' news from `burst`, stamped with the clock's reading: each request's

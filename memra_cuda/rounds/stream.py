@@ -116,6 +116,8 @@ class RoundStream:
         self._events: list[Event] = []
         self._device: DeviceLoop | None = None
         self.rounds = self.bursts = 0  # rounds sent to the GPU, host readbacks they waited for
+        # the last step()'s readback while it is waited for: (the ledger's events then, its rounds)
+        self._cut: tuple[int, int] | None = None
 
     @property
     def capacity(self) -> int | None:
@@ -231,7 +233,8 @@ class RoundStream:
         """One burst (one round in "readback" mode) of every row, and its one readback: the unit
         of continuous batching (between steps, bufs.start_row starts a request in a slot:
         memra_cuda.rounds.Server). `rounds` (1 to M, default M) shortens a burst that would run past every
-        row's stop: each length is its own graph, captured on first use (or capture_graphs)."""
+        row's stop: each length is its own graph, captured on first use (or capture_graphs). Where
+        an interrupt cuts its wait short, recover() hands its readback out."""
         mode = as_mode(mode)
         if mode is Mode.OVERLAP:
             raise ValueError('"overlap" keeps two bursts in flight, which a step of one burst cannot: '
@@ -240,8 +243,34 @@ class RoundStream:
             raise ValueError('"device" generates until every row is done, in one launch: use generate() (one row), '
                              'generate_batch() or follow(), or step in "graph"')
         rounds = self._burst_rounds(rounds, self.rounds_per_step(mode))
+        self._cut = None  # a step that queues nothing (refused) leaves nothing to recover either
         self._queue(mode, rounds)
-        return self._receive(0, rounds)
+        self._cut = self.bufs.ledger.events, rounds
+        return self._received(rounds)
+
+    def recover(self) -> Readback | None:
+        """The readback of the last step() where its wait was cut short (an interrupt): that burst
+        ran, and its tokens are in pinned slot 0 alone, which the next burst overwrites; received
+        now. None where that step's readback was received, or the ledger has entered anything
+        since (rounds or a readback queued, a row started, reset or stopped: the readback would
+        describe rows that have moved on). A Server's next step asks for it
+        (rounds.serving.Decoder.recover) before any row changes hands."""
+        ledger = self.bufs.ledger
+        if self._cut is None or self._cut[0] != ledger.events or not ledger.unreceived(0):
+            return None
+        return self._received(self._cut[1])
+
+    def _received(self, rounds: int) -> Readback:
+        """The readback of the step `_cut` names (a burst of `rounds`): kept for recover() where only
+        an interrupt cut it, not an Exception (a fault, a refused readback: a second reading would
+        repeat it)."""
+        try:
+            readback = self._receive(0, rounds)
+        except Exception:
+            self._cut = None
+            raise
+        self._cut = None
+        return readback
 
     def generate(self, max_new_tokens: int, *, eos: int | None = None, mode: Mode | str = Mode.GRAPH) -> np.ndarray:
         """Generate one sequence (a batch of 1) until EOS or max_new_tokens (the device's token

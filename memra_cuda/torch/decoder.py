@@ -19,7 +19,7 @@ import torch
 from ..buffers.capacity import kv_capacity
 from ..buffers.lengths import DraftLengths
 from ..buffers.geometry import Geometry, as_geometry
-from ..buffers.stream_bufs import StreamBufs
+from ..buffers.stream_bufs import Readback, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_listed, as_prompt, as_size
@@ -323,9 +323,12 @@ class _Slots:
         self.decoder.admit(row, request)
 
     def burst(self) -> Burst:
-        readback = self.decoder.rounds.step(self.mode)
-        return Burst([tokens.tolist() for tokens in readback.tokens], readback.done.tolist(),
-                     readback.accepted.tolist())
+        return _burst(self.decoder.rounds.step(self.mode))
+
+    def recover(self) -> Burst | None:
+        """The last burst, where an interrupt cut its readback's wait short (RoundStream.recover)."""
+        readback = self.decoder.rounds.recover()
+        return None if readback is None else _burst(readback)
 
     def park(self, rows: Sequence[int]) -> None:
         """The rows stopped (budget 0), each checked before any is (rounds.serving.as_row): every
@@ -336,6 +339,11 @@ class _Slots:
         else:
             for row in sorted(parked):
                 bufs.set_stop_row(row, budget=0)
+
+
+def _burst(readback: Readback) -> Burst:
+    """A step's readback as a Server reads a burst: each row's new tokens, done flag and accepted drafts."""
+    return Burst([tokens.tolist() for tokens in readback.tokens], readback.done.tolist(), readback.accepted.tolist())
 
 
 def refuse(model: Any, draft: Any, state_rollback: str) -> None:

@@ -85,6 +85,7 @@ class GraphedGreedy:
             self.out = torch.zeros(steps, batch + batch % 2, dtype=torch.long, device="cuda")
         self.advance = self.stack.compiled(advance)  # with the step, as gpt-fast compiles its argmax with it
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._cut = False  # a replayed burst's tokens not yet read (recover)
         self._stops: list[_Stop | None] = [None] * batch  # each row's request's stop; None: vacant
         self.driven = Driven()  # the servers made over the rows (server()), each held weakly
 
@@ -94,6 +95,7 @@ class GraphedGreedy:
                          self.out[step, :self.batch, None])
 
     def _start(self, requests: Sequence[Request]) -> None:
+        self._cut = False  # every row starts again: no burst of theirs to recover
         self.stack.prefill(range(self.batch), [r.prompt[:-1] for r in requests])
         self.token.copy_(torch.tensor([[r.prompt[-1]] for r in requests]))
         self.position.copy_(torch.tensor([[len(r.prompt) - 1] for r in requests]))
@@ -130,6 +132,7 @@ class GraphedGreedy:
         if (why := self.refusal(request)) is not None:
             raise ValueError(f"a request not admitted: {why}")
         prompt = request.prompt
+        self._cut = False  # a row changes hands: the last burst's tokens are not its request's
         with torch.cuda.stream(self.stream):
             self.stack.prefill([row], [prompt[:-1]])
             self.token[row, 0] = int(prompt[-1])
@@ -140,12 +143,27 @@ class GraphedGreedy:
         """One burst of every row (the graph's replay, or its steps run eagerly) and its one
         readback: each row's tokens up to its stop (a vacant row's none); a row that reached its
         stop is done, and vacant from then on."""
+        self._cut = False
         with torch.cuda.stream(self.stream):
             if self.graph is None:
                 self._burst()
             else:
                 self.graph.replay()
+        self._cut = True  # till its tokens are read: recover() reads them where an interrupt cuts the wait
+        return self._read()
+
+    def recover(self) -> Burst | None:
+        """The last burst, where an interrupt cut its readback's wait short (it ran, and its tokens
+        are in `out` until the next burst); None where they were read, where a row was admitted,
+        parked or every row started since, or where the interrupt came before the burst was
+        queued whole (an eager one is many launches)."""
+        return self._read() if self._cut else None
+
+    def _read(self) -> Burst:
+        """The burst's tokens read back (the wait for it), each row's up to its stop."""
+        with torch.cuda.stream(self.stream):
             out = self.out[:, :self.batch].T.tolist()  # [B][steps]
+        self._cut = False
         tokens: list[list[int]] = []
         for row, stop in enumerate(self._stops):
             tokens.append([] if stop is None else stop.take(out[row]))
@@ -159,6 +177,7 @@ class GraphedGreedy:
         as if it had stopped, its tokens cut short, and True row 1."""
         for row in [as_row(row, self.batch) for row in rows]:
             self._stops[row] = None
+        self._cut = False  # rows changed hands: the last burst is not their requests' any more
 
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
         """One request a row, started together, each until its budget or its EOS. A request that

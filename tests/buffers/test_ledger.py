@@ -27,6 +27,31 @@ def test_the_ledger_counts_rounds_until_a_readback_that_covers_them_is_received(
     assert "7 rounds queued, 0 unseen, 0 in the rings" in repr(ledger)
 
 
+def test_a_readback_queued_is_unreceived_until_it_or_a_newer_one_is_received_or_the_rows_reset():
+    """What RoundStream.recover reads: a step whose wait an interrupt cut short left its slot's
+    readback unreceived, and the count of events says whether anything came after it (rounds or a
+    readback queued, a reset, a drain, rows written), receiving apart."""
+    ledger = Ledger()
+    assert not ledger.unreceived(0) and not ledger.unreceived(1) and ledger.events == 0
+    ledger.queued(4, readback=0)
+    assert ledger.unreceived(0) and not ledger.unreceived(1) and ledger.events == 1
+    ledger.received(0)
+    assert not ledger.unreceived(0) and ledger.events == 1, "receiving is no event"
+    ledger.queued(4, readback=0)
+    ledger.queued(4, readback=1)
+    assert ledger.unreceived(0) and ledger.unreceived(1) and ledger.events == 3
+    ledger.received(1)
+    assert not ledger.unreceived(0), "a newer slot's readback, received, covers the older"
+    ledger.queued(2)
+    ledger.drained()
+    ledger.rows_written()
+    assert ledger.events == 6
+    ledger.queued(0, readback=0)
+    assert ledger.unreceived(0)
+    ledger.reset()
+    assert not ledger.unreceived(0) and ledger.events == 8
+
+
 def test_a_reset_of_every_row_sees_everything_and_a_drain_empties_the_rings_alone():
     ledger = Ledger()
     ledger.queued(3)

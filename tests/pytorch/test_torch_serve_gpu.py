@@ -131,6 +131,45 @@ def test_a_cancelled_request_keeps_its_tokens_and_gives_its_row_to_the_next(stre
                 f"request {i}: first difference at token {first_difference(out.tokens, want[i])}"
 
 
+def interrupted_once(decoder, monkeypatch) -> None:
+    """The next burst's readback cut short by an interrupt in its wait (KeyboardInterrupt), once:
+    the plain loop's before its tokens are read (the wait is the read), a round decoder's as the
+    wait for its pinned slot ends, before the slot is read."""
+    plain = isinstance(decoder, GraphedGreedy)
+    owner, name = (decoder, "_read") if plain else (decoder.bufs.engine, "finish_readback")
+    original, cut = getattr(owner, name), []
+
+    def interrupting(*args):
+        if cut:
+            return original(*args)
+        cut.append(name)
+        if not plain:
+            original(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, interrupting)
+
+
+def test_a_burst_whose_wait_an_interrupt_cut_short_is_handed_out_by_the_next_step(stream, decoder, monkeypatch):
+    """A step interrupted as it waited for its burst: that burst ran, and its tokens are the
+    decoder's alone until the next burst overwrites them. The next step hands them out (recover)
+    before any row changes hands, so every request is still its own greedy output: without it,
+    each lost that burst's tokens, silently."""
+    requests, want = stream
+    server = decoder.server()
+    ids = [server.submit(request) for request in requests]
+    first = server.step()
+    interrupted_once(decoder, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        server.step()
+    served = dict(first.finished)
+    while not server.idle:
+        served.update(server.step().finished)
+    for i, ident in enumerate(ids):
+        assert served[ident].tokens == want[i], \
+            f"request {i}: first difference at token {first_difference(served[ident].tokens, want[i])}"
+
+
 def test_requests_at_their_own_draft_lengths_are_each_their_own_greedy_output(stream, decoder):
     """Every request with a most draft length of its own, 0 (speculation off) to past k, served
     together: each is its own greedy output (the plain loop takes the lengths and has no drafts).

@@ -713,3 +713,91 @@ def test_a_server_made_directly_over_a_decoder_that_keeps_its_servers_is_one_of_
     while not server.idle:
         server.step()
     Server(decoder, clock=decoder.clock)  # idle: allowed
+
+
+def test_a_burst_whose_readback_an_interrupt_cut_short_is_handed_out_by_the_next_step_first():
+    """An interrupt in a burst's wait: the burst ran (the rows moved on), its tokens unread. The
+    next step asks the decoder to recover it before any cancel or admission (a row changing hands
+    would make it another request's), so every request keeps every token; a cancel asked
+    meanwhile takes effect at the step after. Without it, the next burst overwrote the tokens:
+    each request lost that burst's, and one that stopped in it ended later with fewer, silently."""
+    decoder = Counting(2, drafts=True)
+    server = Server(decoder, clock=decoder.clock)
+    requests = mixed(6)
+    ids = [server.submit(request) for request in requests]
+    out = dict(server.step().finished)
+    decoder.interrupting = 1
+    with pytest.raises(KeyboardInterrupt):
+        server.step()
+    running = [ident for ident in server._slots if ident is not None]  # the rows the cut burst ran
+    assert server.cancel(running[0])
+    decoder.calls.clear()
+    recovered = server.step()
+    assert decoder.calls == [("recover",)], "the step that recovers a burst ran anything else"
+    assert set(recovered.tokens) == set(running) and recovered.at is not None
+    out.update(recovered.finished)
+    while not server.idle:
+        out.update(server.step().finished)
+    assert out[running[0]].cancelled or running[0] in recovered.finished
+    for ident, request in zip(ids, requests):
+        if not out[ident].cancelled:
+            assert out[ident].tokens == alone(request), f"request {ident} lost tokens"
+        assert out[ident].tokens == alone(request)[:len(out[ident].tokens)]
+
+
+@pytest.mark.parametrize("decoder_recovers", [True, False], ids=["nothing to recover", "no recover"])
+def test_a_burst_that_raised_with_nothing_to_recover_leaves_the_next_step_to_go_on(decoder_recovers):
+    """burst() raised before it ran anything (a capacity refusal, say), or the decoder has no
+    recover(): the next step is a whole one, its cancels first; it does not ask again (a burst
+    that raised as it was queued, asked for at every step, left the server stuck)."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    ids = [server.submit(Request([1], 9)), server.submit(Request([2], 3))]
+    server.step()
+    burst, asked = decoder.burst, []
+
+    def refused():
+        decoder.burst = burst
+        raise CapacityError("a row would pass its cache")
+
+    decoder.burst = refused
+    if not decoder_recovers:
+        decoder.recover = None  # getattr finds None: the server asks a decoder without recover nothing
+    else:
+        recover = decoder.recover
+        decoder.recover = lambda: asked.append(1) or recover()
+    with pytest.raises(CapacityError):
+        server.step()
+    assert server.cancel(ids[0])
+    done = server.step().finished
+    assert done[ids[0]].cancelled, "the cancel waited for a step that only asked for a burst"
+    while not server.idle:
+        done.update(server.step().finished)
+    assert done[ids[1]].tokens == alone(Request([2], 3))
+    assert asked == ([1] if decoder_recovers else [])
+
+
+def test_a_recover_that_raises_is_not_asked_again():
+    """The decoder's recover() raised an Exception (its failure, which asking again would repeat):
+    the server asks no more, and the step after goes on as a whole one, its cancels first; an
+    interrupt cut short at every step asked for ever, none of them taking a cancel."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    ids = [server.submit(Request([1], 9)), server.submit(Request([2], 3))]
+    server.step()
+    decoder.interrupting = 1
+    with pytest.raises(KeyboardInterrupt):
+        server.step()
+
+    def failing():
+        raise RuntimeError("the readback could not be read")
+
+    decoder.recover = failing
+    with pytest.raises(RuntimeError, match="could not be read"):
+        server.step()
+    assert server.cancel(ids[0])
+    done = server.step().finished
+    assert done[ids[0]].cancelled
+    while not server.idle:
+        done.update(server.step().finished)
+    assert done[ids[1]].tokens == alone(Request([2], 3))

@@ -119,6 +119,66 @@ def test_step_rounds_are_checked_and_each_length_is_its_own_graph(engine, spec):
     assert got == toy.target_greedy(model, [3, 1, 4], 40)
 
 
+@pytest.mark.parametrize("mode", ["graph", "readback", "eager"])
+def test_a_step_whose_wait_an_interrupt_cut_short_is_recovered_once(engine, spec, mode, monkeypatch):
+    """A step interrupted as the wait for its readback ended (KeyboardInterrupt), before the slot
+    was read: its burst ran, its tokens in the pinned slot alone. recover() receives that readback,
+    once, and every step's tokens with it are the target's greedy output; before any step, and
+    after the readback was received, there is nothing to recover."""
+    model = toy.ToyModel(seed=9, noise_ppm=100_000)
+    lm, bufs, stream, start = setup(engine, spec, model, [3, 1, 4], k=2, m_rounds=4, capacity=512)
+    bufs.set_stop(budget=40)
+    assert stream.recover() is None
+    got = list(stream.step(mode).tokens[0])
+    assert stream.recover() is None, "a step's readback that was received was recovered"
+    original, cut = engine.finish_readback, []
+
+    def interrupting(*args):
+        if cut:
+            return original(*args)
+        cut.append(1)
+        original(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "finish_readback", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        stream.step(mode)
+    recovered = stream.recover()
+    assert recovered is not None and stream.recover() is None, "a readback recovered twice, or never"
+    got += list(recovered.tokens[0])
+    while not bufs.done.all():
+        got += list(stream.step(mode).tokens[0])
+    assert got == toy.target_greedy(model, [3, 1, 4], 40)
+
+
+@pytest.mark.parametrize("touch", ["stop", "reset", "step"])
+def test_a_cut_steps_readback_is_not_recovered_once_the_rows_were_touched(engine, spec, touch, monkeypatch):
+    """The readback of a step an interrupt cut short describes the rows as that burst left them:
+    once a row's stop was written, every row reset, or another step run, recover() gives None (a
+    server would otherwise read those rows' positions and done flags back as they were)."""
+    model = toy.ToyModel(seed=10, noise_ppm=100_000)
+    lm, bufs, stream, start = setup(engine, spec, model, [2, 7], k=2, m_rounds=4, capacity=512)
+    bufs.set_stop(budget=30)
+    original, cut = engine.finish_readback, []
+
+    def interrupting(*args):
+        original(*args)
+        if not cut:
+            cut.append(1)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "finish_readback", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        stream.step("graph")
+    if touch == "stop":
+        bufs.set_stop_row(0, budget=0)
+    elif touch == "reset":
+        bufs.reset(2, 1)
+    else:
+        stream.step("graph")
+    assert stream.recover() is None
+
+
 def _device_state(engine, lm, bufs):
     state = {name: engine.dtoh(getattr(bufs, name)).tolist()
              for name in ("pos_ctr_d", "pend_d", "last_pred_d", "brk_d")}
