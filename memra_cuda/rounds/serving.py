@@ -304,11 +304,10 @@ class Server:
         # ended at a step that raised, or another's inside serve(): the next step hands them out
         self._unreported: dict[int, Served] = {}
         self._stepping = False  # a step runs: one inside it is refused
-        # a burst read back whose readback time the clock failed to give: the next step records it
-        self._unstamped: tuple[list[tuple[int, int]], Burst] | None = None
-        # the busy rows of a burst while the decoder runs it: where burst() raised, the next step
-        # asks the decoder to recover that burst before anything else
-        self._cut: list[tuple[int, int]] | None = None
+        # the burst this server ran and has not recorded, with the rows it ran: None as the decoder
+        # runs it (burst() raised: the next step asks the decoder to recover it), or read back but
+        # not stamped (the clock raised: the next step records it)
+        self._unrecorded: tuple[list[tuple[int, int]], Burst | None] | None = None
         decoder.park(range(batch))
         if isinstance(driven, Driven):
             driven.by(self)
@@ -371,51 +370,52 @@ class Server:
     def _step(self) -> Progress:
         finished, self._unreported = self._unreported, {}
         try:
-            if self._unstamped is not None:
-                return self._record(*self._unstamped, finished)
-            if self._cut is not None and (recovered := self._recovered()) is not None:
-                return self._record(*recovered, finished)
+            if self._unrecorded is not None and (unrecorded := self._recovered(*self._unrecorded)) is not None:
+                return self._record(*unrecorded, finished)
             now = self.clock()  # in here: where it raised, the ends the last step left to this one were dropped
             self._cancel(now, finished)
             self._admit(now, finished)
             busy = [(row, ident) for row, ident in enumerate(self._slots) if ident is not None]
             if not busy:
                 return Progress(None, {}, finished)
-            self._cut = busy
+            self._unrecorded = busy, None  # as the decoder runs it: kept where burst() raises
             burst = self.decoder.burst()
-            self._unstamped, self._cut = (busy, burst), None
-            return self._record(*self._unstamped, finished)
+            self._unrecorded = busy, burst
+            return self._record(busy, burst, finished)
         except BaseException:
             self._unreported = finished  # requests that ended here (cancelled, budget 0) are not lost
             raise
 
-    def _recovered(self) -> tuple[list[tuple[int, int]], Burst] | None:
-        """The burst the last step's burst() raised in, where the decoder recovers it (an
-        interrupt cut its readback's wait short: it ran, and a burst run now would overwrite its
-        tokens, each request that stopped in it then ending with fewer, silently), with the rows
-        it ran: kept as _unstamped for _record. None where there is none (burst() raised before
-        anything ran, or the decoder has no recover): that step is over, and this one goes on."""
-        recover = getattr(self.decoder, "recover", None)
-        try:
-            burst = None if recover is None else recover()
-        except Exception:  # the decoder's failure, which asking again would repeat: only an interrupt keeps it
-            self._cut = None
-            raise
-        busy, self._cut = self._cut, None
-        if burst is None or busy is None:
-            return None
-        self._unstamped = busy, burst
-        return self._unstamped
+    def _recovered(self, busy: list[tuple[int, int]],
+                   burst: Burst | None) -> tuple[list[tuple[int, int]], Burst] | None:
+        """The burst this server has not recorded, run over the `busy` rows: read back already,
+        or (None) the one whose burst() raised, where the decoder recovers it (an interrupt cut
+        its readback's wait short: it ran, and a burst run now would overwrite its tokens, each
+        request that stopped in it then ending with fewer, silently). None where the decoder
+        has none to give (burst() raised before anything ran, or it has no recover): that step is
+        over, and this one goes on, its cancels first."""
+        if burst is None:
+            recover = getattr(self.decoder, "recover", None)
+            try:
+                burst = None if recover is None else recover()
+            except Exception:  # the decoder's failure, which asking again would repeat: only an interrupt keeps it
+                self._unrecorded = None
+                raise
+            if burst is None:
+                self._unrecorded = None
+                return None
+            self._unrecorded = busy, burst
+        return busy, burst
 
     def _record(self, busy: list[tuple[int, int]], burst: Burst, finished: dict[int, Served]) -> Progress:
         """The `busy` rows' news from `burst`, stamped with the clock's reading: each request's
         tokens, and its end where its row is done. Where the clock raises, the burst is kept
-        (_unstamped) and the next step records it, with its own reading and no burst of its own:
+        (_unrecorded) and the next step records it, with its own reading and no burst of its own:
         the decoder's rows had gone on, so the burst's tokens were lost, and a request that
         stopped in it ended at a later burst with fewer tokens, silently. Its news is read
         whole before any request changes, so a burst that cannot be read changes none."""
         at = self.clock()
-        self._unstamped = None
+        self._unrecorded = None
         news = [(ident, list(burst.tokens[row]), None if burst.accepted is None else int(burst.accepted[row]),
                  bool(burst.done[row])) for row, ident in busy]
         tokens: dict[int, list[int]] = {}

@@ -18,6 +18,7 @@ from memra_cuda import Geometry  # noqa: E402
 from memra_cuda.buffers.layout import BRK_COUNT  # noqa: E402
 from memra_cuda.torch.testing import prompts  # noqa: E402
 from test_torch_batch_gpu import first_difference  # noqa: E402  (imports torch)
+from interrupt import interrupt_once  # noqa: E402
 from memra_cuda import TreeShape  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, Request, SpeculativeLlama, TreeLlama, capacity_for,  # noqa: E402
                               hf_greedy, self_draft)
@@ -131,25 +132,6 @@ def test_a_cancelled_request_keeps_its_tokens_and_gives_its_row_to_the_next(stre
                 f"request {i}: first difference at token {first_difference(out.tokens, want[i])}"
 
 
-def interrupted_once(decoder, monkeypatch) -> None:
-    """The next burst's readback cut short by an interrupt in its wait (KeyboardInterrupt), once:
-    the plain loop's before its tokens are read (the wait is the read), a round decoder's as the
-    wait for its pinned slot ends, before the slot is read."""
-    plain = isinstance(decoder, GraphedGreedy)
-    owner, name = (decoder, "_read") if plain else (decoder.bufs.engine, "finish_readback")
-    original, cut = getattr(owner, name), []
-
-    def interrupting(*args):
-        if cut:
-            return original(*args)
-        cut.append(name)
-        if not plain:
-            original(*args)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(owner, name, interrupting)
-
-
 def test_a_burst_whose_wait_an_interrupt_cut_short_is_handed_out_by_the_next_step(stream, decoder, monkeypatch):
     """A step interrupted as it waited for its burst: that burst ran, and its tokens are the
     decoder's alone until the next burst overwrites them. The next step hands them out (recover)
@@ -159,7 +141,10 @@ def test_a_burst_whose_wait_an_interrupt_cut_short_is_handed_out_by_the_next_ste
     server = decoder.server()
     ids = [server.submit(request) for request in requests]
     first = server.step()
-    interrupted_once(decoder, monkeypatch)
+    if isinstance(decoder, GraphedGreedy):  # its wait is the read of its tokens
+        interrupt_once(monkeypatch, decoder, "_read", waited=False)
+    else:  # the wait for the pinned slot ends, the slot unread
+        interrupt_once(monkeypatch, decoder.bufs.engine, "finish_readback")
     with pytest.raises(KeyboardInterrupt):
         server.step()
     served = dict(first.finished)

@@ -15,6 +15,8 @@ from memra_cuda.kernels import SpecKernels
 from memra_cuda.rounds import MODES
 from memra_cuda.testing.toy import lm as toy, numpy_loop as toy_reference
 
+from interrupt import interrupt_once
+
 pytestmark = pytest.mark.gpu
 
 
@@ -131,16 +133,7 @@ def test_a_step_whose_wait_an_interrupt_cut_short_is_recovered_once(engine, spec
     assert stream.recover() is None
     got = list(stream.step(mode).tokens[0])
     assert stream.recover() is None, "a step's readback that was received was recovered"
-    original, cut = engine.finish_readback, []
-
-    def interrupting(*args):
-        if cut:
-            return original(*args)
-        cut.append(1)
-        original(*args)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(engine, "finish_readback", interrupting)
+    interrupt_once(monkeypatch, engine, "finish_readback")
     with pytest.raises(KeyboardInterrupt):
         stream.step(mode)
     recovered = stream.recover()
@@ -159,15 +152,7 @@ def test_a_cut_steps_readback_is_not_recovered_once_the_rows_were_touched(engine
     model = toy.ToyModel(seed=10, noise_ppm=100_000)
     lm, bufs, stream, start = setup(engine, spec, model, [2, 7], k=2, m_rounds=4, capacity=512)
     bufs.set_stop(budget=30)
-    original, cut = engine.finish_readback, []
-
-    def interrupting(*args):
-        original(*args)
-        if not cut:
-            cut.append(1)
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(engine, "finish_readback", interrupting)
+    interrupt_once(monkeypatch, engine, "finish_readback")
     with pytest.raises(KeyboardInterrupt):
         stream.step("graph")
     if touch == "stop":
