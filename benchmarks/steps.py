@@ -146,9 +146,9 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
     """Every row through the modules and compiled with each attention (and, with `static`, every
     shape compiled apart; with `autotune`, a row of several tokens with its GEMMs autotuned too;
     with `few_rows`, a row of FEW_ROWS rows with its projections through memra_cuda.torch.skinny's
-    kernel too: two probes of the verify's GEMMs; with `pdl`, every row with its Triton kernels
-    launched by programmatic dependent launch too, a probe of the gaps between kernels), with
-    the floor."""
+    kernel too: two probes of the verify's GEMMs; with `pdl`, every row attending as the decoders
+    attend with its Triton kernels launched by programmatic dependent launch too, a probe of the
+    gaps between kernels, and with both, the two together), with the floor."""
     import torch
     from memra_cuda.torch import Stack
     from memra_cuda.torch.compiled import FEW_ROWS, CompiledStack, compiled_step
@@ -184,11 +184,14 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
             stack.wide_step = compiled_step(False, False, autotune=True)
             row["compiled flex autotune"] = timed_step(stack, batch, tokens)
             del stack
-        if pdl:  # the first attention, tuned as the decoders tune, inductor's kernels launched by PDL
-            stack = CompiledStack(model, CAPACITY, batch, attention=attentions[0])  # type: ignore[arg-type]
+        # each width attending and tuned as the decoders do, inductor's kernels launched by PDL; with
+        # few_rows, also its projections through skinny's kernel: the two probes together
+        both = few_rows and batch * tokens in FEW_ROWS
+        for projection in (("inductor", "few_rows") if both else ("inductor",)) if pdl else ():
+            stack = CompiledStack(model, CAPACITY, batch, projection=projection)  # type: ignore[arg-type]
             stack.step = compiled_step(True, batch == 1, pdl=True)
             stack.wide_step = compiled_step(True, False, pdl=True)
-            row[f"compiled {attentions[0]} pdl"] = timed_step(stack, batch, tokens)
+            row["compiled pdl" + ("" if projection == "inductor" else " few rows")] = timed_step(stack, batch, tokens)
             del stack
         out.append(row)
         say(line(row))
@@ -238,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                    "max_autotune_gemm (Triton GEMM templates benchmarked at compile: slow to compile)")
     p.add_argument("--few-rows", action="store_true", help="also each row of 2 to 16 rows with its projections "
                    "through memra_cuda.torch.skinny's Triton kernel (CompiledStack's projection 'few_rows')")
-    p.add_argument("--pdl", action="store_true", help="also each row with inductor's Triton kernels launched by "
-                   "programmatic dependent launch (triton.enable_pdl)")
+    p.add_argument("--pdl", action="store_true", help="also each row, attending as the decoders do, with inductor's "
+                   "Triton kernels launched by programmatic dependent launch (triton.enable_pdl); with --few-rows, "
+                   "also both")
     args = p.parse_args(argv)
     rows = ROWS if args.rows is None else [ROWS[i] for i in args.rows]  # indices checked at parsing: -1 was the last
     setup = setup_seconds() if args.setup else None

@@ -49,8 +49,9 @@ GRID_Y = GRID_LIMITS[1]
 # one-row GEMV a reduction fused with its norm); "few_rows", a step of FEW_ROWS rows, 2 to 16 (a
 # verify's at a small batch; a prefill never), through memra_cuda.torch.skinny's Triton kernel, which
 # reads each weight once over narrow slices of its columns, where cuBLAS's wide tiles left an H200's
-# SMs idle (4.7 µs a GEMM of the verify of 5 rows). The default is what measured faster: not yet
-# measured, "inductor" until then (benchmarks.steps --few-rows)
+# SMs idle (4.7 µs a GEMM of the verify of 5 rows). The default is what measured faster: "inductor"
+# until an H200 has measured every width "few_rows" would serve (benchmarks.steps --few-rows; an H100
+# measured the verify of 5 rows at B = 1 in 0.424 ms against inductor's 0.458, 2026-12-05)
 Projection = Literal["inductor", "few_rows"]
 PROJECTIONS: tuple[Projection, ...] = ("inductor", "few_rows")
 PROJECTION: Projection = "inductor"
