@@ -19,3 +19,25 @@ def interrupt_once(monkeypatch, owner, name: str, *, waited: bool = True) -> Non
         raise KeyboardInterrupt
 
     monkeypatch.setattr(owner, name, interrupted)
+
+
+def interrupt_before(module, source_line: str) -> list[str]:
+    """A KeyboardInterrupt raised once, as `module` is about to run its line whose text (stripped)
+    is `source_line`: a Ctrl-C landing between two statements of its bookkeeping (Python delivers
+    one between any two). A line trace, on this thread alone, removed once it fired; the caller
+    removes it where it did not (sys.settrace(None)). Gives the list it appends to once fired."""
+    import sys
+    lines = open(module.__file__).read().splitlines()
+    found = [i + 1 for i, text in enumerate(lines) if text.strip() == source_line]
+    assert len(found) == 1, f"{module.__name__} has {len(found)} lines {source_line!r}"
+    fired: list[str] = []
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == found[0] and not fired:
+            fired.append(source_line)
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename == module.__file__ else None)
+    return fired

@@ -41,13 +41,20 @@ def exact_int(value: Any, dtype: Any) -> int:
     dtype = np.dtype(dtype)
     if isinstance(value, (float, np.floating)):
         raise ValueError(f"{value!r} is not an integer ({dtype.name} expected)")
-    if isinstance(value, (bool, np.bool_)):
+    if is_bool(value):
         raise TypeError(f"{value!r} is a bool, not an integer ({dtype.name} expected)")
     number = as_index(value, f"a {dtype.name} value")
     info = np.iinfo(dtype)
     if not info.min <= number <= info.max:
         raise ValueError(f"{value!r} is outside the range of {dtype.name}")
     return number
+
+
+def is_bool(value: Any) -> bool:
+    """Whether `value` is a bool: Python's, numpy's, or an array library's scalar or array of a
+    bool dtype (torch.tensor(True), whose __index__ gives 1, so that as an id, a budget or a
+    token it was read as 1, as True was before it was refused)."""
+    return isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")).endswith("bool")
 
 
 def hides_bools(values: Any) -> bool:
@@ -61,7 +68,7 @@ def hides_bools(values: Any) -> bool:
         if isinstance(v, np.ndarray):
             if v.dtype.kind == "b":
                 return True
-        elif hides_bools(v) or type(v) in (bool, np.bool_):
+        elif hides_bools(v) or is_bool(v):
             return True
     return False
 
@@ -111,8 +118,9 @@ def exact_array(values: Any, dtype: Any) -> np.ndarray:
 
 def as_index(value: Any, what: str) -> int:
     """`value` as an int (ints and numpy integers, never floats, nor a bool: True would be read
-    as 1, a seed, an id or a parent of 1), TypeError naming `what`."""
-    if isinstance(value, (bool, np.bool_)):
+    as 1, a seed, an id or a parent of 1; nor an array library's bool, is_bool), TypeError naming
+    `what`."""
+    if is_bool(value):
         raise TypeError(f"{what} must be an integer, not {value!r}")
     try:
         return operator.index(value)
@@ -173,13 +181,24 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
         tokens = np.array(values)
     except (TypeError, ValueError):  # ragged, or not numbers at all
         tokens = np.array(None)
+    if tokens.ndim == 1 and tokens.dtype.kind in "fO" and _past_int64(values):
+        tokens = np.array([v if 0 <= v < vocab else -1 for v in map(int, values)])  # -1: outside, as below
     if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu") or hides_bools(values):
         raise TypeError(f"{what} must be token ids (ints), not {reprlib.repr(values)}")
     outside = np.flatnonzero((tokens < 0) | (tokens >= vocab))
     if outside.size:
         at = int(outside[0])
-        raise ValueError(f"{what} token {tokens[at]} (at {at}) is outside the vocabulary of {vocab} tokens")
+        shown = values[at] if isinstance(values, (list, tuple)) else tokens[at]  # one past int64 is no -1
+        raise ValueError(f"{what} token {shown} (at {at}) is outside the vocabulary of {vocab} tokens")
     return tokens
+
+
+def _past_int64(values: Any) -> bool:
+    """Whether `values` is a list or tuple of integers (Python's or numpy's, no bool) that numpy
+    read as objects or floats: some past int64 (2**64, or a uint64 beside a negative), each of
+    them outside any vocabulary, where "not token ids (ints)" was said of them."""
+    return isinstance(values, (list, tuple)) and all(
+        isinstance(v, (int, np.integer)) and not is_bool(v) for v in values)
 
 
 def as_prompt(prompt: Any, vocab: int, what: str) -> np.ndarray:

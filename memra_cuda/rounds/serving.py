@@ -12,6 +12,7 @@ of plain Python. Nothing here touches the device.
 from __future__ import annotations
 
 import collections
+import contextlib
 import reprlib
 import time
 import weakref
@@ -292,6 +293,8 @@ class Server:
                             f"type {type(decoder).__name__} has no {', '.join(missing)}")
         batch = as_size(decoder.batch, "a decoder's batch")
         as_size(decoder.vocab, "a decoder's vocab")
+        if not callable(clock):  # else the first submit met "'NoneType' object is not callable", its id taken
+            raise TypeError(f"a server's clock is a function giving seconds (time.perf_counter), not {clock!r}")
         driven = getattr(decoder, "driven", None)  # a decoder's own servers (GraphedGreedy's server() makes them)
         if isinstance(driven, Driven):
             driven.take("a new server")
@@ -331,8 +334,11 @@ class Server:
             raise RequestRefused(ident, checked)
         if (reason := self.decoder.refusal(checked)) is not None:
             raise RequestRefused(ident, reason)
-        self._live[ident] = _Running(checked, self.clock())
+        submitted = self.clock()
+        # queued before it is live: an interrupt between the two leaves an id no step admits (_admit drops
+        # it), where one live but not queued never ran nor ended, and the server was never idle again
         self._queue.append(ident)
+        self._live[ident] = _Running(checked, submitted)
         return ident
 
     def cancel(self, ident: int) -> bool:
@@ -447,15 +453,16 @@ class Server:
                              f"{len(self._unreported)} ended for the next step to hand out: step() until it is idle")
         requests = [as_request(request) for request in as_requests(requests, "serve()")]
         out: dict[int, Served] = {}
-        place: dict[int, int] = {}  # a request's id -> its place in `requests`
-        for i, request in enumerate(requests):
-            try:
-                place[self.submit(request)] = i
-            except RequestRefused as refusal:
-                at = self.clock()
-                out[i] = Served([], at, None, [], at, refused=str(refusal))
+        place: dict[int, int] = {}  # a request's id -> its place in `requests`, a refused one's too
         others: dict[int, Served] = {}
         try:
+            for i, request in enumerate(requests):
+                try:
+                    place[self.submit(request)] = i
+                except RequestRefused as refusal:
+                    place[refusal.ident] = i  # so that a serve() that raises hands its refusal out too
+                    at = self.clock()
+                    out[i] = Served([], at, None, [], at, refused=str(refusal))
             while len(out) < len(requests):
                 for ident, served in self.step().finished.items():
                     if ident in place:
@@ -488,27 +495,41 @@ class Server:
         """Queued requests into the free rows, in order; one of budget 0 ends at the head of the
         queue without a row. A request the decoder's admit refuses (ValueError or TypeError: a
         value of its own the decoder cannot take) ends refused there, alone (_refuse), and the
-        next takes the row; anything else the admission raises (a device fault, say) is the
-        decoder's, not the request's, and leaves it at the head of the queue for the next step,
-        as does a decoder that cannot park the row after (its buffers held by a device loop)."""
+        next takes the row; anything else the admission raises (a device fault, an interrupt) is
+        the decoder's, not the request's, and leaves it at the head of the queue for the next
+        step, the row parked where the decoder can park it (the admission may have started it), as
+        does a decoder that cannot park the row after a refusal (its buffers held by a device loop)."""
         if not self._queue:
             return
         free = collections.deque(row for row, ident in enumerate(self._slots) if ident is None)
         while self._queue:
             ident = self._queue[0]
-            running = self._live[ident]
-            if running.request.max_new_tokens == 0:
+            running = self._live.get(ident)
+            if running is None or running.row is not None:
+                pass  # a submit or an admission an interrupt cut short after its queueing or its row
+            elif running.request.max_new_tokens == 0:
                 running.admitted = now
                 finished[ident] = self._end(ident, now)
             elif free:
-                row = free[0]
+                row = free.popleft()
+                # the row is the request's before the decoder's admit: an interrupt after admit
+                # returned, before the request left the queue, finds it so, and the next step takes
+                # it off the queue (above), where it admitted it again, into a second row
+                running.admitted, running.row, self._slots[row] = now, row, ident
                 try:
                     self.decoder.admit(row, running.request)
-                except (ValueError, TypeError) as exc:
-                    finished[ident] = self._refuse(ident, row, now, exc)
-                    continue
-                free.popleft()
-                running.admitted, running.row, self._slots[row] = now, row, ident
+                except BaseException as exc:
+                    running.admitted, running.row, self._slots[row] = None, None, None
+                    free.appendleft(row)
+                    if isinstance(exc, (ValueError, TypeError)):
+                        finished[ident] = self._refuse(ident, row, now, exc)
+                        continue
+                    # the decoder's failure, or an interrupt: whatever the admission started in the row
+                    # sits the bursts out (it ran on, a request the server had not given it, and
+                    # the next admission into the row met a live one)
+                    with contextlib.suppress(Exception):
+                        self.decoder.park([row])
+                    raise
             else:
                 return
             self._queue.popleft()  # only now: a request whose admission raised is still at the head

@@ -194,6 +194,33 @@ def test_a_bool_is_refused_for_every_integer_and_pointer_argument(kind, value):
         exact_int(value, np.uint32)  # what memset and set_u32 take their values through
 
 
+class ArrayBool:
+    """An array library's bool scalar as numpy does not know it (torch.tensor(True)): a bool
+    dtype, and an __index__ that gives 1."""
+
+    dtype = "torch.bool"
+
+    def __index__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return "tensor(True)"
+
+
+def test_an_array_librarys_bool_is_no_integer_either():
+    """torch.tensor(True) passed every bool check (Python's and numpy's), and __index__ read it
+    as 1: a request's budget, seed or EOS, a prompt's token, a request id to cancel, a row, a
+    top_k of 1. One check (is_bool) refuses it wherever True is."""
+    from memra_cuda.driver.values import as_index, hides_bools, is_bool
+    assert is_bool(ArrayBool()) and is_bool(np.array([True])) and not is_bool(np.array([1])) and not is_bool(1)
+    with pytest.raises(TypeError, match="a row must be an integer, not tensor\\(True\\)"):
+        as_index(ArrayBool(), "a row")
+    with pytest.raises(TypeError, match="is a bool, not an integer"):
+        exact_int(ArrayBool(), np.uint32)
+    assert hides_bools([ArrayBool(), 5]) and hides_bools([[5, ArrayBool()]]) and not hides_bools([5, 6])
+    assert as_index(np.int64(3), "a row") == 3
+
+
 def test_kernel_args_refuse_a_freed_buffer():
     buf = fake_buffer()
     buf.free()

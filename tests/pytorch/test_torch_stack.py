@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch
 pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM  # noqa: E402
 
-from memra_cuda.errors import NotFused  # noqa: E402
+from memra_cuda.errors import NotFused, RequestRefused  # noqa: E402
 from memra_cuda.torch.compiled import stack_for  # noqa: E402
 from memra_cuda.torch.testing import RecurrentLayer, separate_draft  # noqa: E402
 from memra_cuda.buffers.capacity import kv_capacity  # noqa: E402
@@ -814,3 +814,24 @@ def test_a_buffer_read_as_bfloat16_says_how():
         tensor(halves, torch.bfloat16)
     with pytest.raises(ValueError, match="cannot be read as torch.float32: elements of 2 bytes"):
         tensor(halves, torch.float32)
+
+
+def test_a_torch_bool_is_no_budget_token_id_or_top_k():
+    """torch.tensor(True)'s __index__ gives 1: it was a budget, a seed, an EOS or a prompt's token of
+    1, request 1 to cancel, and a top_k of 1, where True itself is refused (TypeError) as each."""
+    from memra_cuda.rounds import Request, Server
+    from stand_in import Counting
+    true = torch.tensor(True)
+    server = Server(Counting(1))
+    for request in (Request([1], true), Request([1], 3, seed=true), Request([1], 3, eos=true),
+                    Request([true, 5], 3), Request([1], 3, max_draft=true)):
+        with pytest.raises(RequestRefused, match="tensor\\(True\\)"):
+            server.submit(request)
+    server.submit(Request([1], 3))
+    second = server.submit(Request([2], 3))
+    with pytest.raises(TypeError, match="a request's id must be an integer, not tensor\\(True\\)"):
+        server.cancel(true)
+    with pytest.raises(TypeError, match="top_k"):
+        SamplingParams(top_k=true)
+    assert server.cancel(torch.tensor(second)) and list(server.step().finished) == [second], \
+        "a torch integer is an id"

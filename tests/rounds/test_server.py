@@ -8,14 +8,16 @@ refusals, cancels and the times each token was read back."""
 from __future__ import annotations
 
 import re
+import sys
 
 import numpy as np
 import pytest
 
 from memra_cuda.errors import BuffersHeld, CapacityError, CudaError, MemraError, RequestRefused
-from memra_cuda.rounds import Request, Server
+from memra_cuda.rounds import Request, Served, Server, serving
 from memra_cuda.rounds.serving import Driven
 
+from interrupt import interrupt_before, interrupt_once
 from stand_in import VOCAB, Clock, Counting, alone, commits, mixed, token
 
 
@@ -801,3 +803,110 @@ def test_a_recover_that_raises_is_not_asked_again():
     while not server.idle:
         done.update(server.step().finished)
     assert done[ids[1]].tokens == alone(Request([2], 3))
+
+
+def _idle(server: Server) -> dict[int, Served]:
+    """Every request's end, stepping until the server is idle: none ends twice, and it goes idle."""
+    out: dict[int, Served] = {}
+    for _ in range(200):
+        if server.idle:
+            return out
+        for ident, served in server.step().finished.items():
+            assert ident not in out, f"request {ident} ended twice"
+            out[ident] = served
+    raise AssertionError("the server never went idle")
+
+
+def test_a_serve_that_raised_hands_out_its_refusals_too(monkeypatch):
+    """A request refused at submit inside a serve() that an interrupt then cut short: its end is
+    handed out by the next step, as those of its requests that ran are (it was in serve()'s own
+    list alone, and reported nowhere)."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    interrupt_once(monkeypatch, decoder, "burst", waited=False)
+    requests = [Request([1], 3), Request([VOCAB], 3)]  # the second names a token outside the vocabulary: id 1
+    with pytest.raises(KeyboardInterrupt):
+        server.serve(requests)
+    out = _idle(server)
+    assert sorted(out) == [0, 1] and out[0].tokens == alone(requests[0])
+    assert out[1].refused is not None and "outside the vocabulary" in out[1].refused
+
+
+@pytest.mark.parametrize("lower_row_freed", [False, True], ids=["same row", "another row"])
+def test_an_admission_an_interrupt_cut_short_leaves_no_row_running_for_no_request(monkeypatch, lower_row_freed):
+    """Ctrl-C as the decoder's admit returns (the row started): the row is parked, the request
+    admitted again by a later step, its output its own. It stayed started while the server held
+    the row free: the next admission into it met a live row, or, where another row freed first
+    took the request, the decoder ran it twice."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    first = server.submit(Request([1], 30))
+    server.step()
+    second = server.submit(Request([2], 6))
+    interrupt_once(monkeypatch, decoder, "admit", waited=True)
+    with pytest.raises(KeyboardInterrupt):
+        server.step()  # request `second` started in row 1, then the interrupt
+    assert decoder.rows[1] is None, "the row the admission started runs on, though the server holds it free"
+    if lower_row_freed:
+        server.cancel(first)
+    out = _idle(server)
+    assert out[second].tokens == alone(Request([2], 6))
+    assert out[first].cancelled if lower_row_freed else out[first].tokens == alone(Request([1], 30))
+
+
+def test_an_interrupt_between_a_rows_admission_and_the_queue_admits_it_once():
+    """Ctrl-C after the admission, before the request leaves the queue: the next step finds it
+    admitted and runs it in its row (it admitted it again, into a second row, its tokens twice
+    over, and the next request starved)."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    requests = [Request([1], 6), Request([2], 6)]
+    ids = [server.submit(request) for request in requests]
+    try:
+        fired = interrupt_before(serving, "self._queue.popleft()  # only now: a request whose admission raised is "
+                                          "still at the head")
+        with pytest.raises(KeyboardInterrupt):
+            server.step()
+    finally:
+        sys.settrace(None)
+    assert fired
+    out = _idle(server)
+    assert [out[i].tokens for i in ids] == [alone(request) for request in requests]
+
+
+def test_a_submit_an_interrupt_cut_short_leaves_the_server_idle():
+    """Ctrl-C inside submit, between its queueing and its request's record: no id given, nothing
+    runs, and the server goes idle (a request kept but never queued never ran nor ended: idle
+    never again, and a loop stepping until idle stepped for ever)."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    try:
+        fired = interrupt_before(serving, "self._live[ident] = _Running(checked, submitted)")
+        with pytest.raises(KeyboardInterrupt):
+            server.submit(Request([1], 3))
+    finally:
+        sys.settrace(None)
+    assert fired
+    assert _idle(server) == {} and server.idle
+    assert _idle(server) == {} and server.serve([Request([2], 3)])[0].tokens == alone(Request([2], 3))
+
+
+def test_a_clock_that_is_no_function_is_refused_where_the_server_is_made():
+    """A clock of None met "'NoneType' object is not callable" at the first submit, its id taken."""
+    for clock in (None, 3.0, "perf_counter"):
+        with pytest.raises(TypeError, match="a server's clock is a function giving seconds"):
+            Server(Counting(1), clock=clock)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("prompt, named", [([2**64], f"{2**64} \\(at 0\\)"), ([1, 2**63], f"{2**63} \\(at 1\\)"),
+                                           ([-1, 2**63], "-1 \\(at 0\\)"), ([np.uint64(3), -1], "-1 \\(at 1\\)")],
+                         ids=["2**64", "2**63", "negative first", "uint64 beside a negative"])
+def test_a_prompt_of_ints_past_int64_is_refused_as_outside_the_vocabulary(prompt, named):
+    """numpy reads such a list as objects or floats, and the refusal said the prompt was no token
+    ids (ints), which it is: its first token outside the vocabulary is named, as any other's."""
+    server = Server(Counting(1))
+    with pytest.raises(RequestRefused, match=f"its prompt's token {named} is outside the vocabulary of {VOCAB}"):
+        server.submit(Request(prompt, 3))
+    for prompt in ([1.0, 2], [True, 2], [[1], [2]]):
+        with pytest.raises(RequestRefused, match="must be a sequence of at least one token id"):
+            server.submit(Request(prompt, 3))
