@@ -3,6 +3,10 @@ readback an interrupt cut short (RoundStream.recover, a Server's next step). The
 it would; only the host's wait is cut."""
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+
 
 def interrupt_once(monkeypatch, owner, name: str, *, waited: bool = True) -> None:
     """`owner.name`'s next call raises KeyboardInterrupt, once: after the call (`waited`: the wait
@@ -21,23 +25,26 @@ def interrupt_once(monkeypatch, owner, name: str, *, waited: bool = True) -> Non
     monkeypatch.setattr(owner, name, interrupted)
 
 
-def interrupt_before(module, source_line: str) -> list[str]:
-    """A KeyboardInterrupt raised once, as `module` is about to run its line whose text (stripped)
-    is `source_line`: a Ctrl-C landing between two statements of its bookkeeping (Python delivers
-    one between any two). A line trace, on this thread alone, removed once it fired; the caller
-    removes it where it did not (sys.settrace(None)). Gives the list it appends to once fired."""
-    import sys
+@contextlib.contextmanager
+def interrupt_before(module, source_line: str) -> Iterator[list[str]]:
+    """Inside the block, a KeyboardInterrupt raised once, as `module` is about to run its line
+    whose text (stripped) is `source_line`: a Ctrl-C landing between two statements of its
+    bookkeeping. A line trace of this thread's, the tracer before it (coverage's, a debugger's)
+    back when the block ends. Gives the list it appends to once fired."""
     lines = open(module.__file__).read().splitlines()
     found = [i + 1 for i, text in enumerate(lines) if text.strip() == source_line]
     assert len(found) == 1, f"{module.__name__} has {len(found)} lines {source_line!r}"
     fired: list[str] = []
+    previous = sys.gettrace()
 
     def local(frame, event, arg):
         if event == "line" and frame.f_lineno == found[0] and not fired:
             fired.append(source_line)
-            sys.settrace(None)
             raise KeyboardInterrupt
         return local
 
     sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename == module.__file__ else None)
-    return fired
+    try:
+        yield fired
+    finally:
+        sys.settrace(previous)

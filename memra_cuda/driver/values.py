@@ -195,8 +195,9 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
 
 def _past_int64(values: Any) -> bool:
     """Whether `values` is a list or tuple of integers (Python's or numpy's, no bool) that numpy
-    read as objects or floats: some past int64 (2**64, or a uint64 beside a negative), each of
-    them outside any vocabulary, where "not token ids (ints)" was said of them."""
+    read as objects or floats (one past int64, such as 2**64, or a uint64 beside an int): they are
+    read one by one, and one outside the vocabulary is named as any other ("not token ids (ints)"
+    was said of them)."""
     return isinstance(values, (list, tuple)) and all(
         isinstance(v, (int, np.integer)) and not is_bool(v) for v in values)
 

@@ -457,10 +457,11 @@ class Server:
         others: dict[int, Served] = {}
         try:
             for i, request in enumerate(requests):
+                ident = self._next  # the id submit takes, whatever a refusal names (a decoder's own)
                 try:
                     place[self.submit(request)] = i
                 except RequestRefused as refusal:
-                    place[refusal.ident] = i  # so that a serve() that raises hands its refusal out too
+                    place[ident] = i  # so that a serve() that raises hands its refusal out too
                     at = self.clock()
                     out[i] = Served([], at, None, [], at, refused=str(refusal))
             while len(out) < len(requests):
@@ -487,9 +488,10 @@ class Server:
         if rows:
             self.decoder.park(rows)
         for ident in cancels:
-            if self._live[ident].row is None:
-                self._queue.remove(ident)
+            queued = self._live[ident].row is None
             finished[ident] = self._end(ident, now, cancelled=True)
+            if queued:  # after its end: an interrupt between the two leaves an id _admit drops, where one
+                self._queue.remove(ident)  # out of the queue but not ended made every later step raise
 
     def _admit(self, now: float, finished: dict[int, Served]) -> None:
         """Queued requests into the free rows, in order; one of budget 0 ends at the head of the
@@ -512,17 +514,17 @@ class Server:
                 finished[ident] = self._end(ident, now)
             elif free:
                 row = free.popleft()
-                # the row is the request's before the decoder's admit: an interrupt after admit
-                # returned, before the request left the queue, finds it so, and the next step takes
-                # it off the queue (above), where it admitted it again, into a second row
-                running.admitted, running.row, self._slots[row] = now, row, ident
                 try:
+                    # the row is the request's before the decoder's admit: an interrupt after admit
+                    # returned, before the request left the queue, finds it so, and the next step
+                    # takes it off the queue (above), where it admitted it again, into a second row
+                    running.admitted, running.row, self._slots[row] = now, row, ident
                     self.decoder.admit(row, running.request)
                 except BaseException as exc:
                     running.admitted, running.row, self._slots[row] = None, None, None
                     free.appendleft(row)
                     if isinstance(exc, (ValueError, TypeError)):
-                        finished[ident] = self._refuse(ident, row, now, exc)
+                        self._refuse(ident, row, now, exc, finished)
                         continue
                     # the decoder's failure, or an interrupt: whatever the admission started in the row
                     # sits the bursts out (it ran on, a request the server had not given it, and
@@ -534,27 +536,30 @@ class Server:
                 return
             self._queue.popleft()  # only now: a request whose admission raised is still at the head
 
-    def _refuse(self, ident: int, row: int, now: float, exc: Exception) -> Served:
+    def _refuse(self, ident: int, row: int, now: float, exc: Exception, finished: dict[int, Served]) -> None:
         """Request `ident`, at the queue's head, whose admission into `row` raised `exc`, ended
         refused (issue 48: a request that cannot be served is refused alone, naming it, and the
         others go on); without this, it stayed at the head and every later step raised. The row
         is parked first, so whatever the failed admission left in it sits the bursts out; where
         the decoder cannot park it, the failure is the decoder's (BuffersHeld, say): raised, the
-        request still at the head."""
+        request still at the head. Its end is in `finished` before it leaves the queue, as in
+        _cancel: a request out of the queue but not ended never ended."""
         self.decoder.park([row])
+        finished[ident] = self._end(ident, now, refused=str(RequestRefused(ident, f"its admission raised "
+                                                                                  f"{type(exc).__name__}: {exc}")))
         self._queue.popleft()
-        return self._end(ident, now, refused=str(RequestRefused(ident, f"its admission raised "
-                                                                      f"{type(exc).__name__}: {exc}")))
 
     def _end(self, ident: int, at: float, cancelled: bool = False, refused: str | None = None) -> Served:
         """Request `ident` ended at `at`: its row (if it held one) is free, and the server forgets it,
         a cancel asked for it too (one asked during the step that ended it: from another thread,
         or the clock or the decoder called back, met a KeyError at every later step)."""
-        running = self._live.pop(ident)
+        running = self._live[ident]
+        served = running.ended(at, cancelled, refused)  # first: an interrupt in it leaves the request as it was
+        del self._live[ident]
         self._cancels.discard(ident)
         if running.row is not None:
             self._slots[running.row] = None
-        return running.ended(at, cancelled, refused)
+        return served
 
 
 class Driven:

@@ -8,7 +8,6 @@ refusals, cancels and the times each token was read back."""
 from __future__ import annotations
 
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -862,13 +861,9 @@ def test_an_interrupt_between_a_rows_admission_and_the_queue_admits_it_once():
     server = Server(decoder, clock=decoder.clock)
     requests = [Request([1], 6), Request([2], 6)]
     ids = [server.submit(request) for request in requests]
-    try:
-        fired = interrupt_before(serving, "self._queue.popleft()  # only now: a request whose admission raised is "
-                                          "still at the head")
-        with pytest.raises(KeyboardInterrupt):
-            server.step()
-    finally:
-        sys.settrace(None)
+    line = "self._queue.popleft()  # only now: a request whose admission raised is still at the head"
+    with interrupt_before(serving, line) as fired, pytest.raises(KeyboardInterrupt):
+        server.step()
     assert fired
     out = _idle(server)
     assert [out[i].tokens for i in ids] == [alone(request) for request in requests]
@@ -876,19 +871,68 @@ def test_an_interrupt_between_a_rows_admission_and_the_queue_admits_it_once():
 
 def test_a_submit_an_interrupt_cut_short_leaves_the_server_idle():
     """Ctrl-C inside submit, between its queueing and its request's record: no id given, nothing
-    runs, and the server goes idle (a request kept but never queued never ran nor ended: idle
-    never again, and a loop stepping until idle stepped for ever)."""
+    runs, and the next step drops the id (a request kept but never queued never ran nor ended:
+    idle never again, and a loop stepping until idle stepped for ever)."""
     decoder = Counting(1)
     server = Server(decoder, clock=decoder.clock)
-    try:
-        fired = interrupt_before(serving, "self._live[ident] = _Running(checked, submitted)")
-        with pytest.raises(KeyboardInterrupt):
-            server.submit(Request([1], 3))
-    finally:
-        sys.settrace(None)
+    with interrupt_before(serving, "self._live[ident] = _Running(checked, submitted)") as fired, \
+            pytest.raises(KeyboardInterrupt):
+        server.submit(Request([1], 3))
+    assert fired and server.idle and len(server._queue) == 1
+    assert server.step() == (None, {}, {}) and not server._queue and ("admit", 0, (1,)) not in decoder.calls
+    assert server.serve([Request([2], 3)])[0].tokens == alone(Request([2], 3))
+
+
+@pytest.mark.parametrize("line", ["if queued:  # after its end: an interrupt between the two leaves an id _admit "
+                                  "drops, where one", "self._queue.popleft()"], ids=["cancel", "refusal"])
+def test_an_interrupt_between_an_end_and_the_queue_leaves_it_ended_once(line):
+    """Ctrl-C as a queued request cancelled, or refused at its admission, has ended but not yet
+    left the queue: the next step hands its end out and drops its id (it left the queue but had
+    not ended: every later step raised, or it never ended)."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    running = server.submit(Request([1], 9))
+    server.step()
+    queued = server.submit(Request([2], 3))
+    if line == "self._queue.popleft()":
+        server.cancel(running)
+        decoder.failure, decoder.failing = (lambda: ValueError("no room")), 1
+    else:
+        server.cancel(queued)
+    with interrupt_before(serving, line) as fired, pytest.raises(KeyboardInterrupt):
+        server.step()
     assert fired
-    assert _idle(server) == {} and server.idle
-    assert _idle(server) == {} and server.serve([Request([2], 3)])[0].tokens == alone(Request([2], 3))
+    out = _idle(server)
+    refusal = line == "self._queue.popleft()"
+    assert sorted(out) == [running, queued] and out[running].cancelled == refusal
+    assert "no room" in (out[queued].refused or "") if refusal else out[queued].cancelled
+
+
+def test_a_decoders_own_refusal_naming_another_request_leaves_serve_its_own():
+    """A decoder whose refusal() raises a RequestRefused of its own (naming its row 0) inside a
+    serve(): the refusal is the request's serve() submitted, and serve() returns (it read the
+    refusal's id as the request's and waited for ever for the other's place)."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    own, calls = decoder.refusal, []
+
+    def refusal(request):
+        calls.append(request)
+        if len(calls) == 2:
+            raise RequestRefused(0, "the decoder's own, naming its row 0")
+        return own(request)
+
+    decoder.refusal = refusal
+    steps, step = [], server.step
+
+    def bounded():
+        steps.append(1)
+        assert len(steps) < 100, "serve() never returned"
+        return step()
+
+    server.step = bounded  # type: ignore[method-assign]
+    first, second = server.serve([Request([1], 3), Request([2], 3)])
+    assert first.tokens == alone(Request([1], 3)) and "the decoder's own" in (second.refused or "")
 
 
 def test_a_clock_that_is_no_function_is_refused_where_the_server_is_made():
