@@ -30,7 +30,7 @@ from ..buffers.geometry import as_batch
 from ..driver.errors import NotFused
 from ..driver.module import GRID_LIMITS
 from ..driver.values import as_flag, as_size
-from .fused import FusedLlama, Linear, fuse
+from .fused import FusedLlama, Linear, check_fuses, fuse
 from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
 from .stack import LayerStack, Stack, op_by_op, rotary, sliding_window
@@ -66,14 +66,16 @@ def _step(fused: FusedLlama, cos: torch.Tensor, sin: torch.Tensor, keys: list[to
           values: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
           rows: torch.Tensor, mask: torch.Tensor | None, attention: str, last: bool, linear: Linear) -> torch.Tensor:
     """What is compiled: positions and slots kept inside the cache (a garbage one never writes
-    outside), the rotary rows gathered, the attention chosen, the fused forward, its projections
-    through `linear` (F.linear, or memra_cuda.torch.skinny.few_rows)."""
+    outside) and tokens inside the vocabulary (nor reads past the embeddings), the rotary rows
+    gathered, the attention chosen, the fused forward, its projections through `linear`
+    (F.linear, or memra_cuda.torch.skinny.few_rows)."""
     capacity = keys[0].shape[2]
     positions, slots = positions.long().clamp(0, capacity - 1), slots.long().clamp(0, capacity - 1)
+    tokens = tokens.long().clamp(0, fused.embed.shape[0] - 1)  # nor a garbage token read past the embeddings
     shape = fused.shape
     attend = (causal(shape.scale, shape.gqa) if attention == "prefill"
               else masked(attention, slots, capacity, shape.scale, shape.gqa, keys[0].dtype, mask))  # type: ignore[arg-type]
-    return fused(tokens.long(), cos[positions], sin[positions], keys, values, rows, slots, attend, last, linear)
+    return fused(tokens, cos[positions], sin[positions], keys, values, rows, slots, attend, last, linear)
 
 
 _COMPILED: dict[tuple[bool, bool, bool, bool], Any] = {}
@@ -167,6 +169,7 @@ class CompiledStack(LayerStack):
                  compile: bool = True, dynamic: bool = True, tuning: bool | None = None,
                  projection: Projection | None = None):
         batch = as_batch(batch)  # before flex's grid is counted: "2" * 8 heads met a bare TypeError there
+        check_fuses(model)  # before its config's heads are read: GPT-2's has none, a bare AttributeError
         compile, dynamic = as_flag(compile, "compile"), as_flag(dynamic, "dynamic")
         tuning = None if tuning is None else as_flag(tuning, "tuning", also="None")
         self.attends = attends(attention, batch * model.config.num_key_value_heads)

@@ -14,15 +14,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..buffers.capacity import kv_capacity
+from ..buffers.capacity import Capacity, CapacityError, kv_capacity
 from ..buffers.lengths import DraftLengths
 from ..buffers.geometry import Geometry, as_geometry
 from ..buffers.stream_bufs import Readback, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
-from ..driver.values import as_listed, as_prompt, as_size
+from ..driver.values import as_flag, as_listed, as_prompt, as_size
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
                               as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
@@ -93,11 +94,22 @@ class RoundDecoder:
         for name, law in (("sampling", sampling), ("draft_sampling", draft_sampling)):
             if law is not None and not isinstance(law, SamplingParams):  # a float met .probs after the warm-up
                 raise TypeError(f"{name} is a memra_cuda.torch.SamplingParams (or None: greedy), not {law!r}")
+        # before the stream and the engine: both were made, and on_engine=5 raised as it was called
+        compiled = None if compiled is None else as_flag(compiled, "compiled", also="None")
+        if on_engine is not None and not callable(on_engine):
+            raise TypeError(f"on_engine is a function called with the decoder's Engine, or None, not {on_engine!r}")
         self.k: int = geometry.k
         self.batch: int = geometry.batch
         batch = self.batch
         self.vocab: int = model.config.vocab_size  # every token a request names is below it
         capacity = aligned(capacity)  # both models' caches and a tree's masks alike, compiled or not
+        # the warm-up's round (a prompt of two tokens, its pending one at position 1): refused there, after both
+        # models were compiled, as a "next burst" no one had asked for
+        need = int(Capacity(None, geometry).burst_reach(np.ones(1, dtype=object), np.zeros(1, bool), 1)[0])
+        if need > capacity:
+            raise CapacityError(f"a cache of {capacity} slots a row (whole blocks) cannot take one round of "
+                                f"{geometry.width} tokens a row at k = {geometry.k}, B = {geometry.batch}: it needs "
+                                f"{need} (a Room sizes the caches for the requests: memra_cuda.torch.Room)")
         self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
         self.stream = torch.cuda.Stream()
         with torch.cuda.stream(self.stream):
@@ -352,9 +364,11 @@ def refuse(model: Any, draft: Any, state_rollback: str) -> None:
     target's first layers), a rollback it has no strategy for, a draft of another vocabulary,
     and a recurrent layer in the draft."""
     for name, given in (("model", model), ("draft", draft)):
-        if not hasattr(getattr(given, "config", None), "vocab_size") or not hasattr(given, "model"):
+        if not hasattr(getattr(given, "config", None), "vocab_size") or not hasattr(getattr(given, "model", None),
+                                                                                    "layers"):  # OPT's: .model.decoder
+            shown = type(given).__name__ if isinstance(given, torch.nn.Module) else repr(given)  # not a page of modules
             raise TypeError(f"the {name} is a transformers causal LM (LlamaForCausalLM-shaped; a draft of the "
-                            f"target's first layers is memra_cuda.torch.self_draft(model, layers)), not {given!r}")
+                            f"target's first layers is memra_cuda.torch.self_draft(model, layers)), not {shown}")
     if state_rollback not in ("copy", "flip"):
         raise ValueError(f'state_rollback is "copy" or "flip", not {state_rollback!r}')
     if draft.config.vocab_size != model.config.vocab_size:

@@ -70,6 +70,22 @@ class FusedLayer(torch.nn.Module):
         self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
         self.attention_norm, self.mlp_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
 
+    def holds(self, layer: Any) -> bool:
+        """Whether `layer`'s weights are still these: its q, k, v and gate, up views of the fused
+        matrices (and biases), its others the same tensors of the same dtype. A weight replaced
+        since (load_state_dict(assign=True), a parameter set anew, model.to(dtype), which gives
+        the views new storage) is not."""
+        attention, mlp = layer.self_attn, layer.mlp
+        views = [(linear, self.qkv, self.qkv_bias) for linear in (attention.q_proj, attention.k_proj, attention.v_proj)]
+        views += [(linear, self.gate_up, self.gate_up_bias) for linear in (mlp.gate_proj, mlp.up_proj)]
+        same = [(attention.o_proj.weight, self.o), (attention.o_proj.bias, self.o_bias),
+                (mlp.down_proj.weight, self.down), (mlp.down_proj.bias, self.down_bias),
+                (layer.input_layernorm.weight, self.attention_norm),
+                (layer.post_attention_layernorm.weight, self.mlp_norm)]
+        return (all(_view_of(linear.weight, weight) and (linear.bias is None or _view_of(linear.bias, bias))
+                    for linear, weight, bias in views)
+                and all(mine is fused and (mine is None or mine.dtype == self.qkv.dtype) for mine, fused in same))
+
 
 def _fuse(*linears: torch.nn.Linear) -> tuple[torch.nn.Parameter, torch.nn.Parameter | None]:
     """One weight (and bias) for `linears`, stacked by output rows, as parameters (a compiled
@@ -92,11 +108,18 @@ def _fuse(*linears: torch.nn.Linear) -> tuple[torch.nn.Parameter, torch.nn.Param
     return weight, bias
 
 
+def _view_of(tensor: torch.Tensor, base: torch.Tensor | None) -> bool:
+    """Whether `tensor` lies in `base`'s memory, of its dtype."""
+    return (base is not None and tensor.dtype == base.dtype
+            and tensor.untyped_storage().data_ptr() == base.untyped_storage().data_ptr())
+
+
 _LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, FusedLayer] = weakref.WeakKeyDictionary()
 
 
-def _check(model: Any) -> None:
-    """Refuse, naming why, a model the step cannot run."""
+def check_fuses(model: Any) -> None:
+    """Refuse (NotFused), naming why, a model the step cannot run; reads nothing but its config and
+    its modules' types."""
     config = model.config
     if getattr(config, "model_type", None) not in _MODEL_TYPES:
         raise NotFused(f"the compiled step runs {', '.join(_MODEL_TYPES)} models, not {config.model_type!r}")
@@ -124,7 +147,7 @@ class FusedLlama(torch.nn.Module):
 
     def __init__(self, model: Any):
         super().__init__()
-        _check(model)
+        check_fuses(model)
         config, inner = model.config, model.model
         self.shape = Heads(config.num_attention_heads, config.num_key_value_heads, head_size(config),
                            float(config.rms_norm_eps))
@@ -134,9 +157,18 @@ class FusedLlama(torch.nn.Module):
 
     @staticmethod
     def _layer(layer: torch.nn.Module) -> FusedLayer:
-        if layer not in _LAYERS:
+        """`layer` fused once, whoever asks, and again where its weights were replaced since."""
+        if layer not in _LAYERS or not _LAYERS[layer].holds(layer):
             _LAYERS[layer] = FusedLayer(layer)
         return _LAYERS[layer]
+
+    def holds(self, model: Any) -> bool:
+        """Whether `model`'s weights are still those fused here (FusedLayer.holds, layer by layer;
+        the embeddings, the final norm and the head the same tensors)."""
+        inner, count = model.model, model.config.num_hidden_layers
+        return (self.embed is inner.embed_tokens.weight and self.norm is inner.norm.weight
+                and self.head is model.lm_head.weight and len(self.layers) == len(inner.layers[:count])
+                and all(fused.holds(layer) for fused, layer in zip(self.layers, inner.layers[:count])))
 
     def forward(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tensor,
@@ -193,7 +225,9 @@ _MODELS: weakref.WeakKeyDictionary[Any, FusedLlama] = weakref.WeakKeyDictionary(
 
 def fuse(model: Any) -> FusedLlama:
     """`model`'s weights fused (see the module's docstring), the first time it is asked for and
-    then the same FusedLlama; or NotFused saying why not."""
-    if model not in _MODELS:
+    then the same FusedLlama, while the model's weights are those it fused (FusedLlama.holds):
+    where one was replaced since, fused again (a stack made then ran the weights fused before, its
+    logits another model's, silently; or met mixed dtypes after model.to); or NotFused saying why not."""
+    if model not in _MODELS or not _MODELS[model].holds(model):
         _MODELS[model] = FusedLlama(model)
     return _MODELS[model]

@@ -73,11 +73,13 @@ class GraphedGreedy:
                  compiled: bool | None = None, attention: Attention | None = None):
         steps, eager = as_size(steps, "steps"), as_flag(eager, "eager")  # a burst runs at least one
         batch = as_size(batch, "batch")  # True was a batch of 1 whose server() was refused, 0 one never served
+        capacity = as_capacity(capacity, None)  # these before the stream, as a round decoder checks its own
+        compiled = None if compiled is None else as_flag(compiled, "compiled", also="None")
         self.stream = torch.cuda.Stream()
         self.batch, self.steps, self.eager = batch, steps, eager
         self.vocab: int = model.config.vocab_size  # every token a request names is below it
         with torch.cuda.stream(self.stream):
-            self.stack = stack_for(model, as_capacity(capacity, None), batch, compiled=compiled, attention=attention)
+            self.stack = stack_for(model, capacity, batch, compiled=compiled, attention=attention)
             self.token = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # each row's next input, [B][1]
             self.position = torch.zeros(batch, 1, dtype=torch.long, device="cuda")  # its position, [B][1]
             # a burst's tokens, [steps][B] (read back [B][steps]), a step's row of whole 16 bytes: advance()

@@ -6,8 +6,9 @@ batch without padding, and each row attends over the whole static cache masked a
 position. transformers' own forward cannot do that (its cache positions are one per batch), so
 Stack calls the model's modules itself: the embeddings, each decoder layer (with the cache as
 its `past_key_values`, the mask and the rotary embedding of each row's positions), the final
-norm and the head. Every LlamaForCausalLM-shaped model fits: Llama, Mistral, Qwen2 (`.model.
-embed_tokens`, `.model.layers`, `.model.norm`, `.model.rotary_emb`, `.lm_head`).
+norm and the head. LlamaForCausalLM-shaped models fit (`.model.embed_tokens`, `.model.layers`,
+`.model.norm`, `.model.rotary_emb`, `.lm_head`) whose forward is those parts alone: Llama,
+Mistral, Qwen2, Qwen3, OLMo2, Phi-3 (MODEL_TYPES).
 """
 from __future__ import annotations
 
@@ -26,18 +27,30 @@ from .state import LiveState, Recurrent, State, StateLayout
 
 INDICES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))  # a forward's ids' dtypes
 _PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head", "config")
+# The model types whose forward is what Stack runs, embeddings, layers, final norm and head with
+# nothing around them (each checked against Hugging Face's logits, tests/pytorch/test_torch_stack.py).
+# Others of the same parts scale or cap outside the layers, which Stack would skip, silently:
+# Granite's embedding multiplier and logit scaling, Cohere's logit scale, Gemma's embedding
+# normaliser and final soft-capping
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
 
 
 def _check_shape(model: Any, capacity: int) -> None:
-    """Refuse, naming what is missing, a model Stack cannot run (not LlamaForCausalLM-shaped), and
-    a sliding window shorter than the cache, which Stack's causal mask would not apply."""
+    """Refuse, naming what is missing, a model Stack cannot run (not LlamaForCausalLM-shaped, or
+    of a type whose forward does more than its parts: MODEL_TYPES), and a sliding window shorter
+    than the cache, which Stack's causal mask would not apply."""
     for path in _PARTS:
         owner = model
         for name in path.split("."):
             if not hasattr(owner, name):
                 raise TypeError(f"{type(model).__name__} has no {path}: Stack runs LlamaForCausalLM-shaped models "
-                                "(Llama, Mistral, Qwen2)")
+                                f"({', '.join(MODEL_TYPES)})")
             owner = getattr(owner, name)
+    kind = getattr(model.config, "model_type", None)
+    if kind not in MODEL_TYPES:
+        raise TypeError(f"Stack runs {', '.join(MODEL_TYPES)} models, whose forward is the embeddings, the layers, "
+                        f"the final norm and the head alone, not {kind!r} (a model that scales or caps outside its "
+                        "layers would decode wrongly, silently)")
     window = sliding_window(model.config)
     if window and capacity > window:
         raise ValueError(f"the model attends within a sliding window of {window} positions, which Stack does not "
@@ -252,11 +265,13 @@ class Stack(LayerStack):
         `mask` ([R][1][T][capacity], additive: 0 attends, -inf not) says, and a recurrent layer
         steps each node from its parent's state (`parents`, [R][T]). Otherwise the slots are the
         positions and the mask causal."""
+        self._check_append(tokens, positions, rows, slots)
         inner = self.model.model
         top = self.kv.capacity - 1
         positions = positions.long().clamp(0, top)  # a garbage position never writes outside
         slots = positions if slots is None else slots.long().clamp(0, top)
-        hidden = inner.embed_tokens(tokens.long())
+        # nor a garbage token reads outside the embeddings (on a GPU, a device-side assert: the context lost)
+        hidden = inner.embed_tokens(tokens.long().clamp(0, inner.embed_tokens.num_embeddings - 1))
         rope = self.cos[positions], self.sin[positions]
         if mask is None:
             # causal over each row's absolute positions, additive (SDPA turns a boolean mask into
@@ -276,6 +291,23 @@ class Stack(LayerStack):
                             cache_position=slots[0], position_embeddings=rope, **self._cache)
                 hidden = out[0] if isinstance(out, tuple) else out
         return inner.norm(hidden)
+
+    def _check_append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
+                      slots: torch.Tensor | None) -> None:
+        """append's rows, as _check_rows checks a forward's (shapes and dtypes alone): [R][T]
+        integer tokens, positions and slots, R the batch's rows or, with `rows`, as many as it
+        names (an integer [R], at most the batch). One row of tokens given for two was written into
+        every row's K and V before a shape error, and float tokens were truncated."""
+        batch = self.kv.lengths.shape[1]
+        for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots), ("rows", rows)):
+            if given is not None and getattr(given, "dtype", None) not in INDICES:
+                raise TypeError(f"append's {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
+        want = batch if rows is None else (rows.shape[0] if rows.dim() == 1 and rows.shape[0] <= batch else -1)
+        if tokens.dim() != 2 or tokens.shape[0] != want or positions.shape != tokens.shape or (
+                slots is not None and slots.shape != tokens.shape):
+            raise ValueError(f"append takes [R][T] tokens, positions and slots, R the batch's {batch} rows or as many "
+                             f"as `rows` names: not tokens {list(tokens.shape)}, positions {list(positions.shape)}"
+                             + ("" if rows is None else f", rows {list(rows.shape)}"))
 
     def _recurrent(self, layer: Recurrent, n: int, hidden: torch.Tensor, rows: torch.Tensor | None,
                    lengths: torch.Tensor | None, parents: torch.Tensor | None) -> torch.Tensor:

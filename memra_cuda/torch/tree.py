@@ -91,8 +91,11 @@ class TreeLlama(RoundDecoder):
         self.candidates = tree.draws if candidates is None else as_size(
             candidates, f"candidates (the tree draws {tree.draws} a node; the kernels rank at most {most})",
             tree.draws, most)
+        if sampling is not None:
+            tree.check_sampled()  # before any model or buffer is made (TreeRound checks it again, for its own callers)
         self.tree = tree
-        cache: CacheLayout = StaticKV if paged is None else functools.partial(PagedKV, page=paged)
+        # the page checked here, not where the caches are made after both models' stacks
+        cache: CacheLayout = StaticKV if paged is None else functools.partial(PagedKV, page=as_size(paged, "paged"))
         super().__init__(model, draft, Geometry.of_tree(tree, m_rounds, batch),
                          capacity=capacity, sampling=sampling, draft_sampling=draft_sampling,
                          state_rollback=state_rollback, cache=cache, compiled=compiled)

@@ -512,3 +512,26 @@ def test_what_does_not_fuse_is_refused_naming_why_and_runs_through_its_modules()
     for kwargs in (dict(compiled=False), dict(cache=PagedKV)):
         with pytest.raises(ValueError, match="attention='flex' is the compiled step's"):
             stack_for(tiny(), 40, attention="flex", **kwargs)
+
+
+@pytest.mark.parametrize("change", ["load_state_dict(assign=True)", "a weight set anew", "model.double()"])
+def test_a_model_whose_weights_were_replaced_is_fused_again(change):
+    """fuse() kept a model's fused weights for good: a stack made after its weights were replaced
+    ran the ones fused before (another model's logits, silently), or met mixed dtypes after
+    model.double(). Now a stack made after the change gives the changed model's logits; one made
+    before keeps its own."""
+    model, prompt = tiny(), [1, 5, 9, 3, 4, 7]
+    before = fuse(model)
+    if change == "load_state_dict(assign=True)":
+        model.load_state_dict(tiny(seed=5).state_dict(), assign=True)
+    elif change == "a weight set anew":
+        layer = model.model.layers[1]
+        layer.mlp.up_proj.weight = torch.nn.Parameter(torch.randn_like(layer.mlp.up_proj.weight) * 0.02,
+                                                     requires_grad=False)
+    else:
+        model.double()
+    assert fuse(model) is not before and fuse(model) is fuse(model), "fused again once, then kept"
+    stack = CompiledStack(model, 40, compile=False)
+    stack.prefill([0], [prompt[:-1]])
+    got = stack.logits(torch.tensor([prompt[-1:]]), torch.tensor([[len(prompt) - 1]]))[0, -1]
+    torch.testing.assert_close(got, hf_logits(model, prompt).to(got.dtype), **TOL)

@@ -6,6 +6,7 @@ self-speculative and the separate draft, SamplingParams against Hugging Face's w
 a checkpoint directory, and what the decoders refuse before any device work."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -835,3 +836,130 @@ def test_a_torch_bool_is_no_budget_token_id_or_top_k():
         SamplingParams(top_k=true)
     assert server.cancel(torch.tensor(second)) and list(server.step().finished) == [second], \
         "a torch integer is an id"
+
+
+def _family(name: str):
+    """A tiny random model of transformers' family `name` (its Config and ForCausalLM classes), two
+    layers, grouped KV heads."""
+    import transformers
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)  # Phi-3's defaults name token 32000, past this vocabulary
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, f"{name}ForCausalLM")(config).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("name", ["Mistral", "Qwen2", "Qwen3", "Olmo2", "Phi3"])
+def test_every_model_type_stack_runs_gives_hugging_faces_logits(name):
+    """Stack.MODEL_TYPES, each against Hugging Face's own forward (Llama's: above)."""
+    from memra_cuda.torch.stack import MODEL_TYPES
+    model = _family(name)
+    assert model.config.model_type in MODEL_TYPES
+    rows_give_hugging_faces_logits(model, Stack(model, CAPACITY, batch=3))
+
+
+@pytest.mark.parametrize("name, extra", [("Granite", dict(embedding_multiplier=12.0, logits_scaling=8.0)),
+                                         ("Cohere", dict(logit_scale=0.0625)), ("Gemma", {})])
+def test_a_model_that_scales_outside_its_layers_is_refused_by_every_stack(name, extra):
+    """Granite, Cohere and Gemma have every part Stack calls, and their forward scales or caps
+    around them (an embedding multiplier or normaliser, a logit scale): Stack ran them without,
+    their logits wrong, silently, and a decoder (stack_for falls back to Stack where the compiled
+    step refuses a model type) decoded them so."""
+    model = _family(name)
+    for key, value in extra.items():
+        setattr(model.config, key, value)
+    kind = model.config.model_type
+    with pytest.raises(TypeError, match=f"Stack runs llama, .* models, .* not {kind!r}"):
+        Stack(model, CAPACITY)
+    with pytest.raises(TypeError, match=f"not {kind!r}"):
+        stack_for(model, CAPACITY)
+
+
+@pytest.mark.parametrize("kind", ["modules", "compiled step"])
+def test_a_garbage_token_is_clamped_into_the_vocabulary(kind):
+    """A token past the vocabulary or below 0 reached the embedding lookup: an IndexError on a CPU,
+    a device-side assert on a GPU (the context lost). Clamped in the step, as a garbage position is
+    (a decoder's tokens are its own; a prompt is refused at its admission)."""
+    from memra_cuda.torch.compiled import CompiledStack
+    model = tiny()
+    stacks = [(Stack if kind == "modules" else functools.partial(CompiledStack, compile=False))(model, 16)
+              for _ in range(2)]
+    got = stacks[0].logits(torch.tensor([[VOCAB + 5, -3]]), torch.tensor([[0, 1]]))
+    torch.testing.assert_close(got, stacks[1].logits(torch.tensor([[VOCAB - 1, 0]]), torch.tensor([[0, 1]])))
+
+
+def test_append_refuses_rows_it_was_not_given_before_writing_any():
+    """Stack.append's tokens are the batch's rows, or as many as `rows` names: one row given for two
+    was written into every row's K and V before a shape error, float tokens were truncated."""
+    stack = Stack(tiny(), 16, batch=2)
+    with pytest.raises(ValueError, match="append takes \\[R\\]\\[T\\] tokens, positions and slots, R the batch's 2"):
+        stack.append(torch.tensor([[3]]), torch.tensor([[0]]))
+    with pytest.raises(ValueError, match="rows \\[3\\]"):
+        stack.append(torch.tensor([[3]] * 3), torch.tensor([[0]] * 3), torch.tensor([0, 1, 1]))
+    with pytest.raises(TypeError, match="append's tokens are an integer tensor, not torch.float32"):
+        stack.append(torch.tensor([[3.0], [4.0]]), torch.tensor([[0], [0]]))
+    assert stack.kv.lengths.tolist() == [[0, 0]] * len(stack.kv.lengths) and not stack.kv.k[0].any()
+    stack.append(torch.tensor([[3]]), torch.tensor([[0]]), torch.tensor([1]))  # one row, named
+
+
+class _NoStream(Exception):
+    """What a test's torch.cuda.Stream raises: the decoder got as far as making its stream."""
+
+
+def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
+    """An option a decoder cannot serve is refused before its stream, engine or stacks are made:
+    a flag not a bool, an on_engine not a function, a page, a sampled tree's draws, a plain loop's
+    capacity (each was found after the stream, some after both models' stacks); and a cache that
+    cannot take one round, at the limit (found at the warm-up, after both models compiled, as a
+    "next burst"). Where all is well, the decoder gets as far as its stream."""
+    from memra_cuda.errors import CapacityError
+    from memra_cuda.torch import GraphedGreedy
+
+    def no_stream(*args, **kwargs):
+        raise _NoStream
+
+    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    model = tiny()
+    draft = self_draft(model)
+    cases = [
+        (lambda: SpeculativeLlama(model, draft, compiled="yes"), TypeError, "compiled must be None or True or False"),
+        (lambda: SpeculativeLlama(model, draft, on_engine=5), TypeError, "on_engine is a function"),
+        (lambda: TreeLlama(model, draft, TREE, paged=0), ValueError, "paged must be an int of at least 1, not 0"),
+        (lambda: TreeLlama(model, draft, TreeShape.from_choices([[0], [2]]), sampling=SamplingParams()), ValueError,
+         "a sampled tree's children are their parent's first draws"),
+        (lambda: GraphedGreedy(model, 0), ValueError, "capacity must be a Room or an int of at least 1"),
+        (lambda: GraphedGreedy(model, 64, compiled="no"), TypeError, "compiled must be None or True or False"),
+        (lambda: SpeculativeLlama(model, draft, k=254, capacity=255 - 128), CapacityError,
+         "a cache of 128 slots a row \\(whole blocks\\) cannot take one round of 255 tokens a row at k = 254, "
+         "B = 1: it needs 256"),
+    ]
+    for make, error, message in cases:
+        with pytest.raises(error, match=message):
+            make()
+    for make in (lambda: SpeculativeLlama(model, draft, k=254, capacity=256), lambda: GraphedGreedy(model, 64),
+                 lambda: TreeLlama(model, draft, TREE, paged=16)):
+        with pytest.raises(_NoStream):
+            make()
+
+
+def test_a_causal_lm_of_another_shape_is_refused_by_name():
+    """OPT (its layers under .model.decoder) passed the decoders' first check and met an
+    AttributeError after their stream; GPT-2's config (no num_key_value_heads) met a bare
+    AttributeError in the compiled step before its model type was looked at."""
+    import transformers
+    from memra_cuda.torch.compiled import CompiledStack
+    from memra_cuda.torch.decoder import refuse
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=1, num_attention_heads=4,
+        word_embed_proj_dim=64, pad_token_id=1, bos_token_id=2, eos_token_id=2))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=VOCAB,
+                                                                bos_token_id=0, eos_token_id=0))
+    with pytest.raises(TypeError, match="the model is a transformers causal LM .* not OPTForCausalLM$"):
+        refuse(opt, opt, "copy")
+    with pytest.raises(NotFused, match="the compiled step runs llama, mistral, qwen2 models, not 'gpt2'"):
+        CompiledStack(gpt2, 48, compile=False)
+    for model in (opt, gpt2):
+        with pytest.raises(TypeError, match=f"{type(model).__name__} has no model.embed_tokens"):
+            stack_for(model, 48)
