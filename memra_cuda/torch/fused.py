@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..driver.errors import NotFused
 from .kv import head_size
+from .stack import SCALED_FIELDS
 from .state import Recurrent
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -123,6 +124,9 @@ def check_fuses(model: Any) -> None:
     config = model.config
     if getattr(config, "model_type", None) not in _MODEL_TYPES:
         raise NotFused(f"the compiled step runs {', '.join(_MODEL_TYPES)} models, not {config.model_type!r}")
+    fields = [name for name in SCALED_FIELDS if getattr(config, name, None) is not None]
+    if fields:  # a Llama's config may carry them too, and the step would skip them
+        raise NotFused(f"the model scales or caps outside its layers ({', '.join(fields)}), which the step does not")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise NotFused(f"the compiled step's MLP is SwiGLU: {config.hidden_act!r} is not SiLU")
     for i, layer in enumerate(model.model.layers[:config.num_hidden_layers]):
@@ -228,6 +232,7 @@ def fuse(model: Any) -> FusedLlama:
     then the same FusedLlama, while the model's weights are those it fused (FusedLlama.holds):
     where one was replaced since, fused again (a stack made then ran the weights fused before, its
     logits another model's, silently; or met mixed dtypes after model.to); or NotFused saying why not."""
+    check_fuses(model)  # first: holds() reads parts a model no longer fusing may lack (a shard's, a recurrent layer)
     if model not in _MODELS or not _MODELS[model].holds(model):
         _MODELS[model] = FusedLlama(model)
     return _MODELS[model]

@@ -8,7 +8,7 @@ Stack calls the model's modules itself: the embeddings, each decoder layer (with
 its `past_key_values`, the mask and the rotary embedding of each row's positions), the final
 norm and the head. LlamaForCausalLM-shaped models fit (`.model.embed_tokens`, `.model.layers`,
 `.model.norm`, `.model.rotary_emb`, `.lm_head`) whose forward is those parts alone: Llama,
-Mistral, Qwen2, Qwen3, OLMo2, Phi-3 (MODEL_TYPES).
+Mistral, Qwen2 and their like, not a family that scales outside its layers (SCALED_TYPES).
 """
 from __future__ import annotations
 
@@ -27,30 +27,35 @@ from .state import LiveState, Recurrent, State, StateLayout
 
 INDICES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))  # a forward's ids' dtypes
 _PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head", "config")
-# The model types whose forward is what Stack runs, embeddings, layers, final norm and head with
-# nothing around them (each checked against Hugging Face's logits, tests/pytorch/test_torch_stack.py).
-# Others of the same parts scale or cap outside the layers, which Stack would skip, silently:
+# Model families whose forward does more than Stack runs (embeddings, layers, final norm, head):
 # Granite's embedding multiplier and logit scaling, Cohere's logit scale, Gemma's embedding
-# normaliser and final soft-capping
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
+# normaliser and soft-capping; Stack would skip it, their logits wrong, silently. By model type,
+# and by the config fields that say it (a family of another name that has them)
+SCALED_TYPES = ("granite", "cohere", "gemma")  # a prefix of config.model_type: gemma2, gemma3_text, cohere2
+SCALED_FIELDS = ("embedding_multiplier", "logits_scaling", "logit_scale", "final_logit_softcapping")
+# Rotary embeddings whose frequencies follow the sequence's length (transformers' dynamic_rope_update):
+# computed once over the cache, they are the model's own only while the cache is within the length
+# they were trained to, past which a short sequence would get a long one's
+LENGTH_ROPES = ("dynamic", "longrope")
 
 
 def _check_shape(model: Any, capacity: int) -> None:
     """Refuse, naming what is missing, a model Stack cannot run (not LlamaForCausalLM-shaped, or
-    of a type whose forward does more than its parts: MODEL_TYPES), and a sliding window shorter
-    than the cache, which Stack's causal mask would not apply."""
+    one whose forward does more than its parts: SCALED_TYPES, SCALED_FIELDS), and a sliding
+    window shorter than the cache, which Stack's causal mask would not apply."""
     for path in _PARTS:
         owner = model
         for name in path.split("."):
             if not hasattr(owner, name):
                 raise TypeError(f"{type(model).__name__} has no {path}: Stack runs LlamaForCausalLM-shaped models "
-                                f"({', '.join(MODEL_TYPES)})")
+                                "(Llama, Mistral, Qwen2 and their like)")
             owner = getattr(owner, name)
-    kind = getattr(model.config, "model_type", None)
-    if kind not in MODEL_TYPES:
-        raise TypeError(f"Stack runs {', '.join(MODEL_TYPES)} models, whose forward is the embeddings, the layers, "
-                        f"the final norm and the head alone, not {kind!r} (a model that scales or caps outside its "
-                        "layers would decode wrongly, silently)")
+    kind = str(getattr(model.config, "model_type", ""))
+    fields = [name for name in SCALED_FIELDS if getattr(model.config, name, None) is not None]
+    if kind.startswith(SCALED_TYPES) or fields:
+        raise TypeError(f"a {kind!r} model scales or caps outside its layers ({', '.join(fields) or 'its family'}), "
+                        "which Stack, running its embeddings, layers, norm and head, would skip: its logits "
+                        "wrong, silently")
     window = sliding_window(model.config)
     if window and capacity > window:
         raise ValueError(f"the model attends within a sliding window of {window} positions, which Stack does not "
@@ -94,9 +99,27 @@ def rotary(model: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """The rotary embedding of every one of `slots` ([capacity]), cos and sin [capacity][d] in the
     model's dtype, computed once by the model's own module (the same numbers it computes per
     call, its scaling included): a step then gathers rows instead of recomputing them."""
+    module = model.model.rotary_emb
+    kind, trained = str(getattr(module, "rope_type", "default")), _trained_length(model.config, module)
+    if kind.startswith(LENGTH_ROPES) and trained is not None and slots.shape[0] > trained:
+        raise ValueError(f"the model's rotary embedding ({kind!r}) changes with the sequence's length past {trained} "
+                         f"positions, so computed once over a cache of {slots.shape[0]} it would not be the "
+                         f"model's own for a shorter sequence: use a capacity of at most {trained}")
     dummy = torch.zeros(1, 1, 1, dtype=model.dtype, device=slots.device)
-    cos, sin = model.model.rotary_emb(dummy, slots[None])
+    cos, sin = module(dummy, slots[None])
     return cos[0], sin[0]
+
+
+def _trained_length(config: Any, module: Any) -> int | None:
+    """The length past which a LENGTH_ROPES embedding changes: LongRoPE's original length (in
+    transformers 5's rope_parameters, 4's rope_scaling, or the config), a dynamic one's
+    (the module's original_max_seq_len, the config's max_position_embeddings)."""
+    if str(getattr(module, "rope_type", "")) == "longrope":
+        for where in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+            if isinstance(where, dict) and where.get("original_max_position_embeddings") is not None:
+                return int(where["original_max_position_embeddings"])
+        return getattr(config, "original_max_position_embeddings", None)
+    return getattr(module, "original_max_seq_len", None)
 
 
 Compile = Callable[[Callable[..., Any]], Callable[..., Any]]  # LayerStack.compiled: arithmetic as a stack runs it

@@ -518,8 +518,7 @@ def test_what_does_not_fuse_is_refused_naming_why_and_runs_through_its_modules()
 def test_a_model_whose_weights_were_replaced_is_fused_again(change):
     """fuse() kept a model's fused weights for good: a stack made after its weights were replaced
     ran the ones fused before (another model's logits, silently), or met mixed dtypes after
-    model.double(). Now a stack made after the change gives the changed model's logits; one made
-    before keeps its own."""
+    model.double(). Now a stack made after the change gives the changed model's logits."""
     model, prompt = tiny(), [1, 5, 9, 3, 4, 7]
     before = fuse(model)
     if change == "load_state_dict(assign=True)":
@@ -535,3 +534,14 @@ def test_a_model_whose_weights_were_replaced_is_fused_again(change):
     stack.prefill([0], [prompt[:-1]])
     got = stack.logits(torch.tensor([prompt[-1:]]), torch.tensor([[len(prompt) - 1]]))[0, -1]
     torch.testing.assert_close(got, hf_logits(model, prompt).to(got.dtype), **TOL)
+
+
+def test_a_model_that_no_longer_fuses_is_refused_as_such_when_fused_again():
+    """A model fused, then cut into a tensor-parallel rank's share (or given a recurrent layer):
+    fuse() looked at the fused weights first and met an AttributeError on the parts the model no
+    longer has; NotFused says why."""
+    model = tiny()
+    fuse(model)
+    shard(model, 0, 2, lambda tensor: None)
+    with pytest.raises(NotFused, match="layer 0's o_proj is Reduced, not a torch.nn.Linear"):
+        fuse(model)

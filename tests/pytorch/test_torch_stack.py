@@ -851,30 +851,52 @@ def _family(name: str):
     return getattr(transformers, f"{name}ForCausalLM")(config).eval().requires_grad_(False)
 
 
-@pytest.mark.parametrize("name", ["Mistral", "Qwen2", "Qwen3", "Olmo2", "Phi3"])
-def test_every_model_type_stack_runs_gives_hugging_faces_logits(name):
-    """Stack.MODEL_TYPES, each against Hugging Face's own forward (Llama's: above)."""
-    from memra_cuda.torch.stack import MODEL_TYPES
+@pytest.mark.parametrize("name", ["Mistral", "Qwen2", "Qwen3", "Olmo2", "Phi3", "Mixtral"])
+def test_a_family_whose_forward_is_its_parts_gives_hugging_faces_logits(name):
+    """Llama's kin that Stack runs (Llama's: above), each against Hugging Face's own forward."""
     model = _family(name)
-    assert model.config.model_type in MODEL_TYPES
     rows_give_hugging_faces_logits(model, Stack(model, CAPACITY, batch=3))
 
 
 @pytest.mark.parametrize("name, extra", [("Granite", dict(embedding_multiplier=12.0, logits_scaling=8.0)),
-                                         ("Cohere", dict(logit_scale=0.0625)), ("Gemma", {})])
+                                         ("Cohere", dict(logit_scale=0.0625)), ("Gemma", {}),
+                                         ("Llama", dict(final_logit_softcapping=30.0))])
 def test_a_model_that_scales_outside_its_layers_is_refused_by_every_stack(name, extra):
     """Granite, Cohere and Gemma have every part Stack calls, and their forward scales or caps
     around them (an embedding multiplier or normaliser, a logit scale): Stack ran them without,
     their logits wrong, silently, and a decoder (stack_for falls back to Stack where the compiled
-    step refuses a model type) decoded them so."""
+    step refuses a model type) decoded them so. A config of another family with such a field too."""
     model = _family(name)
     for key, value in extra.items():
         setattr(model.config, key, value)
     kind = model.config.model_type
-    with pytest.raises(TypeError, match=f"Stack runs llama, .* models, .* not {kind!r}"):
+    with pytest.raises(TypeError, match=f"a {kind!r} model scales or caps outside its layers"):
         Stack(model, CAPACITY)
-    with pytest.raises(TypeError, match=f"not {kind!r}"):
+    with pytest.raises(TypeError, match="scales or caps outside its layers"):
         stack_for(model, CAPACITY)
+
+
+@pytest.mark.parametrize("rope", [dict(rope_type="dynamic", factor=2.0),
+                                  dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8)],
+                         ids=["dynamic", "longrope"])
+def test_a_rotary_embedding_that_follows_the_length_is_refused_past_its_trained_length(rope):
+    """A dynamic or LongRoPE rotary embedding is its trained one up to its original length and
+    another past it (transformers recomputes it from the sequence's length); computed once over
+    a longer cache, a short sequence got a long one's (most logits differ), silently. Up to that
+    length, at the limit, it is the model's own."""
+    import transformers
+    name = "Phi3" if rope["rope_type"] == "longrope" else "Llama"
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64 if name == "Llama" else 256, rope_scaling=rope,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **({} if name == "Llama" else dict(
+            original_max_position_embeddings=64)))
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval().requires_grad_(False)
+    with pytest.raises(ValueError, match="changes with the sequence's length past 64 positions.* at most 64"):
+        Stack(model, 80)
+    rows_give_hugging_faces_logits(model, Stack(model, 64, batch=3))
 
 
 @pytest.mark.parametrize("kind", ["modules", "compiled step"])
@@ -934,11 +956,15 @@ def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
         (lambda: SpeculativeLlama(model, draft, k=254, capacity=255 - 128), CapacityError,
          "a cache of 128 slots a row \\(whole blocks\\) cannot take one round of 255 tokens a row at k = 254, "
          "B = 1: it needs 256"),
+        (lambda: SpeculativeLlama(model, draft, k=255, capacity=256), CapacityError, "at k = 255, B = 1: it needs 257"),
+        (lambda: SpeculativeLlama(model, draft, k=127, batch=2, capacity=256), CapacityError,
+         "at k = 127, B = 2: it needs 257"),  # a row of a batch may move k + 1 more before it sits a round out
     ]
     for make, error, message in cases:
         with pytest.raises(error, match=message):
             make()
-    for make in (lambda: SpeculativeLlama(model, draft, k=254, capacity=256), lambda: GraphedGreedy(model, 64),
+    for make in (lambda: SpeculativeLlama(model, draft, k=254, capacity=256),
+                 lambda: SpeculativeLlama(model, draft, k=126, batch=2, capacity=256), lambda: GraphedGreedy(model, 64),
                  lambda: TreeLlama(model, draft, TREE, paged=16)):
         with pytest.raises(_NoStream):
             make()
