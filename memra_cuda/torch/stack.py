@@ -112,8 +112,8 @@ def rotary(model: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def _trained_length(config: Any, module: Any) -> int | None:
     """The length past which a LENGTH_ROPES embedding changes: LongRoPE's original length (in
-    transformers 5's rope_parameters, 4's rope_scaling, or the config), a dynamic one's
-    (the module's original_max_seq_len, the config's max_position_embeddings)."""
+    transformers 5's rope_parameters, 4's rope_scaling, or the config), a dynamic one's (the
+    module's original_max_seq_len, which transformers sets from max_position_embeddings)."""
     if str(getattr(module, "rope_type", "")) == "longrope":
         for where in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
             if isinstance(where, dict) and where.get("original_max_position_embeddings") is not None:
