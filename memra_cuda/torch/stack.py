@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..driver.values import as_size
 from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
 from .state import LiveState, Recurrent, State, StateLayout
@@ -163,9 +164,10 @@ class LayerStack:
         for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots)):
             if given is not None and getattr(given, "dtype", None) not in INDICES:
                 raise TypeError(f"a forward's {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
-        if tokens.dim() != 2 or tokens.shape[0] != batch or positions.shape != tokens.shape or (
+        width = tokens.shape[1] if tokens.dim() == 2 else 0  # T = 0: no logits, not even `last`'s [B][1][V]
+        if not width or tokens.shape[0] != batch or positions.shape != tokens.shape or (
                 slots is not None and slots.shape != tokens.shape):
-            raise ValueError(f"a forward takes [B][T] tokens, positions and slots, B = {batch}: not tokens "
+            raise ValueError(f"a forward takes [B][T] tokens, positions and slots, B = {batch}, T >= 1: not tokens "
                              f"{list(tokens.shape)}, positions {list(positions.shape)}"
                              + ("" if slots is None else f", slots {list(slots.shape)}"))
         self._check_mask(mask, tokens.shape[1])
@@ -224,6 +226,7 @@ class Stack(LayerStack):
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
                  cache: CacheLayout = StaticKV):
+        capacity = as_size(capacity, "capacity")  # before the window compares with it: "64" met a bare TypeError
         _check_shape(model, capacity)
         self.model = model
         self.layers = model.model.layers[:model.config.num_hidden_layers]
@@ -326,10 +329,12 @@ class Stack(LayerStack):
             if given is not None and getattr(given, "dtype", None) not in INDICES:
                 raise TypeError(f"append's {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
         want = batch if rows is None else (rows.shape[0] if rows.dim() == 1 and rows.shape[0] <= batch else -1)
-        if tokens.dim() != 2 or tokens.shape[0] != want or positions.shape != tokens.shape or (
+        width = tokens.shape[1] if tokens.dim() == 2 else 0
+        if not width or tokens.shape[0] != want or positions.shape != tokens.shape or (
                 slots is not None and slots.shape != tokens.shape):
-            raise ValueError(f"append takes [R][T] tokens, positions and slots, R the batch's {batch} rows or as many "
-                             f"as `rows` names: not tokens {list(tokens.shape)}, positions {list(positions.shape)}"
+            raise ValueError(f"append takes [R][T] tokens, positions and slots, T >= 1, R the batch's {batch} rows or "
+                             f"as many as `rows` names: not tokens {list(tokens.shape)}, "
+                             f"positions {list(positions.shape)}"
                              + ("" if rows is None else f", rows {list(rows.shape)}"))
 
     def _recurrent(self, layer: Recurrent, n: int, hidden: torch.Tensor, rows: torch.Tensor | None,

@@ -402,8 +402,11 @@ def test_a_forward_of_rows_that_are_not_the_batchs_is_refused_before_a_cache_is_
                                          (torch.tensor([3, 4]), torch.tensor([5, 5]), None),
                                          (torch.tensor([[3], [4]]), torch.tensor([[3, 4]]), None),
                                          (torch.tensor([[3], [4]]), torch.tensor([[3], [2]]),
-                                          torch.tensor([[5, 6]] * 2))):
-            with pytest.raises(ValueError, match="a forward takes \\[B\\]\\[T\\] tokens, positions and slots, B = 2"):
+                                          torch.tensor([[5, 6]] * 2)),
+                                         (torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long),
+                                          None)):  # T = 0 gave [B][0][V], even as `last`'s [B][1][V]
+            with pytest.raises(ValueError, match="a forward takes \\[B\\]\\[T\\] tokens, positions and slots, "
+                                                 "B = 2, T >= 1"):
                 stack.logits(tokens, positions, slots=slots)
         # float tokens were truncated to other tokens (1.7 as 1), a list met an AttributeError
         for tokens, positions, named in ((torch.tensor([[1.7], [2.2]]), torch.tensor([[3], [2]]), "tokens"),

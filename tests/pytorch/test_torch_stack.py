@@ -916,8 +916,11 @@ def test_append_refuses_rows_it_was_not_given_before_writing_any():
     """Stack.append's tokens are the batch's rows, or as many as `rows` names: one row given for two
     was written into every row's K and V before a shape error, float tokens were truncated."""
     stack = Stack(tiny(), 16, batch=2)
-    with pytest.raises(ValueError, match="append takes \\[R\\]\\[T\\] tokens, positions and slots, R the batch's 2"):
+    with pytest.raises(ValueError, match="append takes \\[R\\]\\[T\\] tokens, positions and slots, T >= 1, "
+                                         "R the batch's 2"):
         stack.append(torch.tensor([[3]]), torch.tensor([[0]]))
+    with pytest.raises(ValueError, match="not tokens \\[2, 0\\]"):
+        stack.append(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long))
     with pytest.raises(ValueError, match="rows \\[3\\]"):
         stack.append(torch.tensor([[3]] * 3), torch.tensor([[0]] * 3), torch.tensor([0, 1, 1]))
     with pytest.raises(TypeError, match="append's tokens are an integer tensor, not torch.float32"):
@@ -989,3 +992,14 @@ def test_a_causal_lm_of_another_shape_is_refused_by_name():
     for model in (opt, gpt2):
         with pytest.raises(TypeError, match=f"{type(model).__name__} has no model.embed_tokens"):
             stack_for(model, 48)
+
+
+def test_a_capacity_is_checked_before_a_sliding_window_is_compared_with_it():
+    """Stack(windowed, "64") met "'>' not supported" comparing it with the window."""
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
+    windowed = MistralForCausalLM(config).eval()
+    for capacity, error in (("64", TypeError), (None, TypeError), (0, ValueError)):
+        with pytest.raises(error, match="capacity must be an int"):
+            Stack(windowed, capacity)  # type: ignore[arg-type]
+    Stack(windowed, 32)  # at the window
