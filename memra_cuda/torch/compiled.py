@@ -271,6 +271,12 @@ def _layout_name(cache: CacheLayout) -> str:
     return str(getattr(getattr(cache, "func", cache), "__name__", cache))
 
 
+def as_compiled(compiled: Any) -> bool | None:
+    """A decoder's `compiled=` checked (None, True or False, as_flag's TypeError naming it): where
+    a decoder is made, before its stream, and again by stack_for for its own callers."""
+    return None if compiled is None else as_flag(compiled, "compiled", also="None")
+
+
 def stack_for(model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
               cache: CacheLayout = StaticKV, compiled: bool | None = None,
               attention: Attention | None = None) -> Stack | CompiledStack:
@@ -279,7 +285,7 @@ def stack_for(model: Any, capacity: int, batch: int = 1, *, state: StateLayout =
     recurrent layers and their `state`, a paged cache, a tensor-parallel rank). `compiled` True
     insists (NotFused says why not), False refuses; so does an `attention` named, which only the
     compiled step has."""
-    compiled = None if compiled is None else as_flag(compiled, "compiled", also="None")
+    compiled = as_compiled(compiled)
     if compiled is not False and cache is StaticKV:
         try:
             return CompiledStack(model, capacity, batch, attention=attention)

@@ -14,16 +14,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..buffers.capacity import Capacity, CapacityError, kv_capacity
+from ..buffers.capacity import CapacityError, kv_capacity
 from ..buffers.lengths import DraftLengths
 from ..buffers.geometry import Geometry, as_geometry
 from ..buffers.stream_bufs import Readback, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
-from ..driver.values import as_flag, as_listed, as_prompt, as_size
+from ..driver.values import as_listed, as_prompt, as_size
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
                               as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
@@ -31,7 +30,7 @@ from .adapter import engine
 from .kv import CacheLayout, Room, StaticKV, as_capacity
 from .sampling import SamplingParams
 from .attention import aligned
-from .compiled import stack_for
+from .compiled import as_compiled, stack_for
 from .state import CopyState, FlipState, Recurrent, rollback
 from .views import RoundViews
 
@@ -95,7 +94,7 @@ class RoundDecoder:
             if law is not None and not isinstance(law, SamplingParams):  # a float met .probs after the warm-up
                 raise TypeError(f"{name} is a memra_cuda.torch.SamplingParams (or None: greedy), not {law!r}")
         # before the stream and the engine: both were made, and on_engine=5 raised as it was called
-        compiled = None if compiled is None else as_flag(compiled, "compiled", also="None")
+        compiled = as_compiled(compiled)
         if on_engine is not None and not callable(on_engine):
             raise TypeError(f"on_engine is a function called with the decoder's Engine, or None, not {on_engine!r}")
         self.k: int = geometry.k
@@ -105,7 +104,7 @@ class RoundDecoder:
         capacity = aligned(capacity)  # both models' caches and a tree's masks alike, compiled or not
         # the warm-up's round (a prompt of two tokens, its pending one at position 1): refused there, after both
         # models were compiled, as a "next burst" no one had asked for
-        need = int(Capacity(None, geometry).burst_reach(np.ones(1, dtype=object), np.zeros(1, bool), 1)[0])
+        need = kv_capacity(1, 0, geometry.with_rounds(1))
         if need > capacity:
             raise CapacityError(f"a cache of {capacity} slots a row (whole blocks) cannot take one round of "
                                 f"{geometry.width} tokens a row at k = {geometry.k}, B = {geometry.batch}: it needs "

@@ -14,7 +14,7 @@ from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, 
                               batch_admitted)
 from .sampling import SamplingParams
 from .attention import Attention
-from .compiled import stack_for
+from .compiled import as_compiled, stack_for
 from .kv import Room, as_capacity
 
 
@@ -74,7 +74,7 @@ class GraphedGreedy:
         steps, eager = as_size(steps, "steps"), as_flag(eager, "eager")  # a burst runs at least one
         batch = as_size(batch, "batch")  # True was a batch of 1 whose server() was refused, 0 one never served
         capacity = as_capacity(capacity, None)  # these before the stream, as a round decoder checks its own
-        compiled = None if compiled is None else as_flag(compiled, "compiled", also="None")
+        compiled = as_compiled(compiled)
         self.stream = torch.cuda.Stream()
         self.batch, self.steps, self.eager = batch, steps, eager
         self.vocab: int = model.config.vocab_size  # every token a request names is below it

@@ -252,7 +252,7 @@ class Stack(LayerStack):
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                parents: torch.Tensor | None = None) -> torch.Tensor:
         self._check_rows(tokens, positions, slots, mask)
-        hidden = self.append(tokens, positions, slots=slots, mask=mask, parents=parents)
+        hidden = self._append(tokens, positions, slots=slots, mask=mask, parents=parents)  # checked just above
         hidden = hidden[:, -1:] if last else hidden
         with self._blas(hidden.shape[0] * hidden.shape[1]):  # the head's rows: B where `last`
             return self.model.lm_head(hidden)
@@ -290,8 +290,14 @@ class Stack(LayerStack):
         go to `slots` ([R][T], the root's position plus the node's index), each attends where
         `mask` ([R][1][T][capacity], additive: 0 attends, -inf not) says, and a recurrent layer
         steps each node from its parent's state (`parents`, [R][T]). Otherwise the slots are the
-        positions and the mask causal."""
+        positions and the mask causal. Its rows' shapes and dtypes are checked first (_check_append);
+        logits() and a prefill, which check or make their own, run _append."""
         self._check_append(tokens, positions, rows, slots)
+        return self._append(tokens, positions, rows, lengths, slots=slots, mask=mask, parents=parents)
+
+    def _append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None, *, slots: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, parents: torch.Tensor | None = None) -> torch.Tensor:
         inner = self.model.model
         top = self.kv.capacity - 1
         positions = positions.long().clamp(0, top)  # a garbage position never writes outside
@@ -351,5 +357,5 @@ class Stack(LayerStack):
 
     def _fill(self, tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prefills' forward: the recurrent layers skip each row's padding."""
-        self.append(tokens, self.slots[:tokens.shape[1]].expand(*tokens.shape), rows,
-                    lengths if self.state is not None else None)
+        self._append(tokens, self.slots[:tokens.shape[1]].expand(*tokens.shape), rows,
+                     lengths if self.state is not None else None)
