@@ -53,8 +53,12 @@ def exact_int(value: Any, dtype: Any) -> int:
 def is_bool(value: Any) -> bool:
     """Whether `value` is a bool: Python's, numpy's, or an array library's scalar or array of a
     bool dtype (torch.tensor(True), whose __index__ gives 1, so that as an id, a budget or a
-    token it was read as 1, as True was before it was refused)."""
-    return isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")).endswith("bool")
+    token it was read as 1, as True was before it was refused). An int is answered by its type
+    alone: torch.compile traces these checks where a size is symbolic (memra_cuda.torch.skinny's
+    Tiles of a weight's shape), and cannot trace looking for a dtype on one."""
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    return not isinstance(value, (int, np.integer)) and str(getattr(value, "dtype", "")).endswith("bool")
 
 
 def hides_bools(values: Any) -> bool:

@@ -548,3 +548,18 @@ def test_a_model_that_no_longer_fuses_is_refused_as_such_when_fused_again():
     shard(model, 0, 2, lambda tensor: None)
     with pytest.raises(NotFused, match="layer 0's o_proj is Reduced, not a torch.nn.Linear"):
         fuse(model)
+
+
+def test_the_hosts_checks_of_a_size_trace_where_the_size_is_symbolic():
+    """A size check inside a compiled function of dynamic shapes (skinny's Tiles of a weight's
+    shape, in the GPU test of few_rows) sees a SymInt: is_bool looked for a dtype on it, which
+    dynamo cannot trace (fullgraph: an error, where it passed before is_bool). Each check still
+    refuses a bool there."""
+    from memra_cuda.driver.values import as_index, as_size, is_bool
+    sized = torch.compile(lambda x: x * as_size(x.shape[0], "rows") + as_index(x.shape[-1], "k"),
+                          fullgraph=True, dynamic=True)
+    for rows in (3, 5):
+        assert torch.equal(sized(torch.ones(rows, 2)), torch.full((rows, 2), rows + 2.0))
+    assert is_bool(torch.tensor(True)) and not is_bool(torch.tensor(1)) and not is_bool(7)
+    with pytest.raises(TypeError, match="rows"):
+        as_size(torch.tensor(True), "rows")
