@@ -97,6 +97,7 @@ def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats:
     eager run took (a compiled step's compilation)."""
     import torch
 
+    from memra_cuda.torch.adapter import capturing
     from memra_cuda.torch.timing import replay_ms
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -115,7 +116,7 @@ def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats:
         first = time.perf_counter() - begun
         step()
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph, stream=stream):
+        with capturing(graph, stream):
             step()
         graph.instantiate()
     runs = [replay_ms(graph, stream, replays) for _ in range(repeats)]

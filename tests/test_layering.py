@@ -164,3 +164,20 @@ def test_only_the_torch_subpackage_imports_torch_or_transformers():
             found += [f"{path.relative_to(PACKAGE)} imports {name}" for name in names
                       if name.split(".")[0] in optional]
     assert not found, found
+
+
+def test_every_torch_graph_is_captured_with_the_collector_held():
+    """torch no longer collects before a capture, and a collection inside one destroyed a dropped
+    decoder's graph there, which invalidates the capture: every torch.cuda.graph of the package
+    and of the benchmarks is memra_cuda.torch.adapter.capturing's, which holds the collector off
+    as memra's own captures do."""
+    found = []
+    for path in [*sorted(PACKAGE.rglob("*.py")), *sorted(BENCHMARKS.rglob("*.py"))]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        allowed = {id(node) for function in ast.walk(tree)
+                   if isinstance(function, ast.FunctionDef) and function.name == "capturing"
+                   and path == PACKAGE / "torch" / "adapter.py" for node in ast.walk(function)}
+        found += [f"{path.name}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "graph"
+                  and ast.unparse(node.func.value).endswith("cuda") and id(node) not in allowed]
+    assert not found, f"torch.cuda.graph outside adapter.capturing: {found}"

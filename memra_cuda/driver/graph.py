@@ -250,7 +250,7 @@ class Graph(Handle):
         for e in engines:
             e.capture_hold = self.hold
         try:
-            with _collector_held():
+            with collector_held():
                 self.handle, self._owner = (capture or engine.framework.capture or stream_capture)(engine, issue)
         finally:
             for e in engines:
@@ -293,10 +293,11 @@ _collector_was_on = False
 
 
 @contextlib.contextmanager
-def _collector_held() -> Iterator[None]:
+def collector_held() -> Iterator[None]:
     """Python's garbage collector off while any thread captures: the first capture to begin
     turns it off, the last to end restores it (a process-wide switch, so a per-capture
-    save-and-restore would let one thread turn it back on under another's capture)."""
+    save-and-restore would let one thread turn it back on under another's capture). memra's
+    own captures (Graph) and the torch graphs memra_cuda.torch captures (adapter.capturing)."""
     global _captures, _collector_was_on
     with _captures_lock:
         if _captures == 0:

@@ -13,7 +13,8 @@ What a user forgets must not give wrong tokens or overwrite tensors, so an engin
   it compiled every step again inside the capture.
 - **Capture torch knows about.** Bursts are captured through `torch.cuda.graph` with a private
   memory pool kept alive with the graph (capture), so torch's allocator never hands the graph's
-  scratch memory to tensors allocated later.
+  scratch memory to tensors allocated later; every torch graph memra_cuda.torch captures, with
+  Python's collector held off while it does (capturing).
 - **Random numbers that move on.** A captured burst replays through `CUDAGraph.replay`, which
   advances torch's random-number offsets, so `torch.rand` in a burst draws new numbers at
   every launch.
@@ -37,7 +38,7 @@ import torch
 from ..driver.engine import Engine
 from ..driver.errors import CaptureError, driver
 from ..driver.framework import Framework
-from ..driver.graph import Capture, LoopBuilder, loops
+from ..driver.graph import Capture, LoopBuilder, collector_held, loops
 from ..driver.stream import Stream
 
 log = logging.getLogger("memra_cuda")
@@ -173,6 +174,20 @@ class _TorchGraph:
             self.graph.replay()
 
 
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None,
+              mode: str = "global") -> Iterator[None]:
+    """torch.cuda.graph(graph, stream=stream, capture_error_mode=mode), with Python's garbage
+    collector held off while it captures, as memra's own captures hold it (collector_held).
+    torch no longer collects before a capture (since 2.6, unless told to), so garbage made before
+    it, such as a dropped decoder's CUDAGraph in a reference cycle, was collected inside it when
+    Python allocated there: the driver refuses a graph's destruction during a capture ("operation
+    not permitted when stream is capturing") and invalidates the capture, whose next cuBLAS call
+    then failed (seen in a GPU test worker, a decoder's capture after other tests' decoders)."""
+    with collector_held(), torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
+        yield
+
+
 def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
     """A `Capture` (see memra_cuda.driver.graph) through `torch.cuda.graph` on the engine's
     stream, with the private memory pool torch gives a graph. The torch graph owns the
@@ -183,6 +198,6 @@ def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
         raise CaptureError("the default stream cannot be captured: create the engine inside "
                            "`with torch.cuda.stream(torch.cuda.Stream()):`")
     graph, stream = torch.cuda.CUDAGraph(), _torch_stream(engine)
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+    with capturing(graph, stream, "thread_local"):
         issue()
     return driver().CUgraphExec(int(graph.raw_cuda_graph_exec())), _TorchGraph(graph, stream)

@@ -12,6 +12,7 @@ import torch
 from ..driver.values import as_flag, as_size
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
                               batch_admitted)
+from .adapter import capturing
 from .sampling import SamplingParams
 from .attention import Attention
 from .compiled import as_compiled, stack_for
@@ -111,7 +112,7 @@ class GraphedGreedy:
             self._start([Request([0, 0], 0)] * self.batch)
             self._burst()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, stream=self.stream):
+            with capturing(self.graph, self.stream):
                 self._burst()
 
     def refusal(self, request: Request) -> str | None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..driver.values import as_listed, as_size, distinct_rows, token_ids
+from .adapter import capturing
 from .kv import StaticKV
 
 Fill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -104,7 +105,7 @@ class Prefills:
             # go on the stream they run on, examples/torch_tp.py); from the default stream, which
             # cannot be captured, on torch's own side stream.
             current = torch.cuda.current_stream()
-            with torch.cuda.graph(graph, stream=None if current == torch.cuda.default_stream() else current):
+            with capturing(graph, None if current == torch.cuda.default_stream() else current):
                 self.fill(self.prompt[:, :width], self.row, self.length)
         return self.graphs[width]
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .adapter import capturing
+
 
 def replay_ms(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, replays: int = 200) -> float:
     """Device milliseconds of one replay of `graph` on `stream`, between CUDA events around
@@ -30,6 +32,6 @@ def graph_ms(run: Callable[[], Any], stream: torch.cuda.Stream | None = None, re
     with torch.cuda.stream(stream):
         run()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        with capturing(graph, stream):
             run()
     return replay_ms(graph, stream, replays)

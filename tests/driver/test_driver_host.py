@@ -625,9 +625,9 @@ def test_the_collector_stays_off_until_the_last_of_overlapping_captures_ends():
     """Captures on two engines from two threads overlap: the first to end must not turn the
     garbage collector back on under the other (a collection there can free memory the other
     capture's graph addresses, which invalidates it)."""
-    from memra_cuda.driver.graph import _collector_held
+    from memra_cuda.driver.graph import collector_held
     assert gc.isenabled()
-    first, second = _collector_held(), _collector_held()
+    first, second = collector_held(), collector_held()
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)

@@ -169,6 +169,34 @@ def test_a_rounds_model_work_runs_in_the_mode_its_engine_was_made_in(monkeypatch
     assert decoder.draft_d.is_inference()
 
 
+def test_a_torch_capture_holds_the_collector_off_from_its_beginning_to_its_end(monkeypatch):
+    """adapter.capturing, the one way memra_cuda.torch captures a torch graph (a test of the
+    package's source keeps it so): Python's collector off before torch's capture begins and until
+    it has ended, as memra's own captures hold it (torch no longer collects before a capture; a
+    collection inside one destroyed a dropped decoder's graph there, invalidating the capture),
+    and back on after, a capture that raised too. torch.cuda.graph replaced by a recorder: the
+    order is what is tested here; the GPU test drops a graph inside a real capture."""
+    import contextlib
+    import gc
+    from memra_cuda.torch.adapter import capturing
+    seen = []
+
+    @contextlib.contextmanager
+    def graph(graph, stream=None, capture_error_mode="global"):
+        seen.append(("begins", gc.isenabled(), stream, capture_error_mode))
+        yield
+        seen.append(("ends", gc.isenabled()))
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    assert gc.isenabled()
+    with capturing(object(), "stream", "thread_local"):
+        seen.append(("captures", gc.isenabled()))
+    assert seen == [("begins", False, "stream", "thread_local"), ("captures", False), ("ends", False)]
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="refused"), capturing(object()):
+        raise RuntimeError("the capture refused")
+    assert gc.isenabled() and seen[-1] == ("begins", False, None, "global")
+
+
 @pytest.mark.parametrize("tree, batch, sampling", [(TREE, 2, None), (DynamicTree(2, 2, 2), 1, LAW)],
                          ids=["static-greedy", "dynamic-sampled"])
 def test_a_tree_round_compiles_nothing_after_its_warm_up(monkeypatch, tree, batch, sampling):

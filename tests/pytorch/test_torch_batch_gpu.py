@@ -8,6 +8,7 @@ output. Skipped with the reason where torch or transformers is missing.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -271,6 +272,44 @@ def test_the_plain_loop_refuses_a_request_its_cache_cannot_hold_and_reads_a_burs
         greedy.generate(list(range(1, 11)), 127)
     assert greedy.graph is None, "a step ran before the refusal"
     assert greedy.generate(PROMPT, 21) == hf_greedy(small, PROMPT, 21)  # one burst and five steps of another
+
+
+def test_a_graph_dropped_inside_a_decoders_capture_is_destroyed_after_it(small):
+    """torch (2.6 on) no longer collects before a capture, so a dropped decoder's CUDAGraph,
+    garbage in a reference cycle, could meet the collector inside another decoder's capture:
+    the driver refuses a graph's destruction there ("operation not permitted when stream is
+    capturing") and the capture is invalidated (a hybrid decoder's, in a GPU test worker, its
+    next cuBLAS call failing). Here the old graph becomes garbage inside the plain loop's
+    capture, with a collection at every allocation: it must go once the capture is over, and
+    the loop decode as Hugging Face's greedy decoding."""
+    stream, x = torch.cuda.Stream(), torch.zeros(8, device="cuda")
+    old = [torch.cuda.CUDAGraph()]
+    with torch.cuda.stream(stream), torch.cuda.graph(old[0], stream=stream):
+        x.add_(1)
+    gone = weakref.ref(old[0])
+    greedy, bursts = GraphedGreedy(small, 128, steps=4), []
+    burst = greedy._burst
+
+    def dropping_burst() -> None:
+        bursts.append(1)
+        if len(bursts) != 2:  # capture() runs a warm-up burst (compiling) first, then the captured one
+            return burst()
+        cycle = [old.pop()]
+        cycle.append(cycle)  # garbage now, which only the collector frees
+        del cycle
+        threshold = gc.get_threshold()
+        gc.set_threshold(1)
+        try:
+            [[] for _ in range(1000)]  # allocations: with threshold 1, collections
+            burst()
+        finally:
+            gc.set_threshold(*threshold)
+    greedy._burst = dropping_burst
+    greedy.capture()
+    assert len(bursts) == 2
+    gc.collect()
+    assert gone() is None, "collected once the capture was over"
+    assert greedy.generate(PROMPT, 9) == hf_greedy(small, PROMPT, 9)
 
 
 def test_the_headlines_plain_step_is_one_step_of_its_burst(small):
