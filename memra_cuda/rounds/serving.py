@@ -147,11 +147,14 @@ def as_request(request: object) -> Request:
 
 
 def as_requests(requests: Sequence[Request], what: str) -> Sequence[Request]:
-    """`requests`, unless it is one Request: TypeError saying that `what` takes a sequence of
-    them. A Request is a tuple of its five fields, each then read as a request: serve() refused
-    the prompt as no Request, and a batch of two counted five requests."""
+    """`requests`, unless it is one Request or no sequence at all: TypeError saying that `what`
+    takes a sequence of them. A Request is a tuple of its five fields, each then read as a
+    request: serve() refused the prompt as no Request, and a batch of two counted five requests;
+    None or a number met "object of type 'int' has no len()"."""
     if isinstance(requests, Request):
         raise TypeError(f"{what} takes a sequence of requests, not one Request: give [request]")
+    if not isinstance(requests, Sequence) or isinstance(requests, (str, bytes)):
+        raise TypeError(f"{what} takes a sequence of requests (a list), not {reprlib.repr(requests)}")
     return requests
 
 

@@ -27,11 +27,25 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     run: transformers would ask at a terminal whether to, and run it on a yes."""
     if not isinstance(dtype, torch.dtype) and dtype not in DTYPES:
         raise ValueError(f"dtype is a torch.dtype or one of {DTYPES}, not {dtype!r}")
+    device = _as_device(device)
     from transformers import AutoModelForCausalLM
     _check_directory(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
                                                  attn_implementation="sdpa", trust_remote_code=False)
     return model.to(device).eval().requires_grad_(False)
+
+
+def _as_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device this machine has, else ValueError naming it: checked before a
+    checkpoint is read (a misspelt device, or a GPU past the machine's, met torch's error only once
+    every weight had been loaded)."""
+    try:
+        checked = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is no torch device: {e}") from None
+    if checked.type == "cuda" and (checked.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} is not on this machine: it has {torch.cuda.device_count()} CUDA device(s)")
+    return checked
 
 
 def load_tokenizer(directory: str | Path) -> Any:

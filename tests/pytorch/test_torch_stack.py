@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -328,6 +329,19 @@ def test_a_model_directory_loads_for_inference_with_its_tokenizer(tmp_path, dtyp
         stack.prefill([0], [[5, 9]])
         torch.testing.assert_close(stack.logits(torch.tensor([[3]]), torch.tensor([[2]]))[0, 0],
                                    hf_logits(target, [5, 9, 3]), **TOL)
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:99", 3.5])
+def test_a_device_the_machine_lacks_is_refused_before_the_checkpoint_is_read(tmp_path, monkeypatch, device):
+    """load_model(device="gpu") (or a GPU past the machine's) met torch's error only once every
+    weight had been read: a ValueError naming the device now comes first."""
+    import transformers
+    save_pair(tmp_path)
+    read = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: read.append(a))
+    with pytest.raises(ValueError, match=re.escape(f"device {device!r} is ")):
+        load_model(tmp_path / "target", device=device)
+    assert not read
 
 
 def test_a_directorys_own_python_is_never_run(tmp_path, monkeypatch):
