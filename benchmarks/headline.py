@@ -14,7 +14,10 @@ tokens, TOKENS), greedy and sampled at temperature 1, graph mode, M = 16:
   the likeliest trees for this pair's own top-1 and top-2 agreement in report.json) and dynamic
   trees (TreeLlama), fewer and smaller as B grows (STATIC, DYNAMIC): tokens/s, tokens a round
   (tau), the round's verify and draft in target steps (v, d), the ideal tau / (v + d) and the
-  share of it reached, as the trees section reports them (reach());
+  share of it reached, as the trees section reports them (reach()), and where the rest went:
+  `used`, the share of the rounds sent that committed a row's tokens, and `busy`, the share of
+  the time the verifies and drafts fill, beside the plain loop's own busy share (reached = used x
+  busy / the plain loop's: torch_common.figures);
 - Hugging Face's generate and its assisted generation with the same pair (assistant_model,
   k = HF_K), at B = 1 only: it serves one sequence at a time;
 - tree_for_batch's picks derived again on this pair: the fastest configuration at each B and
@@ -44,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from .common import depth_and_width
-from .torch_common import (TORCH_M, TREE_BATCHES, listed, measure_config, plain_decoding, plot_trees, release,
-                           row_label, summary_line, time_generations, token_count, tree_label, tree_summary)
+from .torch_common import (TORCH_M, TREE_BATCHES, busy_share, listed, measure_config, plain_decoding, plot_trees,
+                           release, row_label, summary_line, time_generations, token_count, tree_label, tree_summary)
 from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
@@ -254,21 +257,25 @@ def picks_text(picks: Mapping[str, Mapping[int, dict[str, Any]]], name: str) -> 
 # -- the table ----------------------------------------------------------------------------------
 
 HEADER = (f"{'B':>4} {'decoding':8} {'kind':7} {'config':22} {'tokens/s':>9} {'vs plain':>8} {'tau':>5} {'v':>6} "
-          f"{'d':>6} {'ideal':>6} {'reached':>7} {'rows':>5} {'batch':>5} {'setup':>6}")
+          f"{'d':>6} {'ideal':>6} {'reached':>7} {'rows':>5} {'batch':>5} {'setup':>6} {'used':>5} {'busy':>5}")
 
 
 def format_row(row: dict[str, Any]) -> str:
-    """A row of the table: the baseline with its step beside the HBM floor, Hugging Face's with
-    its tokens/s alone, a chain's or a tree's with its tau, costs and the share of its ideal."""
+    """A row of the table: the baseline with its step beside the HBM floor (and its busy share),
+    Hugging Face's with its tokens/s alone, a chain's or a tree's with its tau, costs, the share
+    of its ideal, and where the rest went (used x busy / the plain loop's busy = reached:
+    torch_common.figures)."""
     head = f"{row['batch']:4} {row['mode']:8} {row['kind']:7} {row_label(row):22} {row['tokens_per_s']:9.0f} " \
            f"{row['vs_plain']:7.2f}x"
     if row["kind"] == "plain":
+        busy = f"; its steps {row['busy']:.0%} of its time" if "busy" in row else ""
         return head + (f"   a step {row['step_ms']:.3f} ms: {row['step_ms'] / row['floor_ms']:.1f}x the weights' "
-                       f"HBM floor, {row['floor_ms']:.3f} ms")
+                       f"HBM floor, {row['floor_ms']:.3f} ms{busy}")
     if row["kind"] == "HF":
         return head
+    spent = f" {row['used']:5.0%} {row['busy']:5.0%}" if "used" in row else ""
     return head + (f" {row['tau']:5.2f} {row['v']:6.2f} {row['draft']:6.2f} {row['ideal']:5.2f}x {row['reached']:7.0%}"
-                   f" {row['rows_share']:5.0%} {row['batch_reached']:5.0%} {row.get('setup_s', 0):6.0f}")
+                   f" {row['rows_share']:5.0%} {row['batch_reached']:5.0%} {row.get('setup_s', 0):6.0f}{spent}")
 
 
 def summarise(rows: Sequence[dict[str, Any]]) -> list[dict]:
@@ -380,7 +387,8 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     plain, step_ms = plain_decoding(target, capacity, groups)
     release()
     rows = [dict(size=SIZE, batch=batch, mode="greedy", kind="plain", config="graphed greedy", source="PLAIN",
-                 tokens_per_s=plain, vs_plain=1.0, step_ms=step_ms, floor_ms=floor)]
+                 tokens_per_s=plain, vs_plain=1.0, step_ms=step_ms, floor_ms=floor,
+                 busy=busy_share(plain, step_ms, batch))]
     print(format_row(rows[0]), flush=True)
     if batch == 1:
         rows += _hugging_face(target, draft, groups, plain)

@@ -114,15 +114,22 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
     holds p and q of [B][T+1][32000] floats."""
     from memra_cuda.torch.timing import graph_ms
     spec, verify, draft_levels = decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft)
+    sent: list[int] = []  # the rounds each generation sent to the GPU (its stream's count; the untimed first's too)
+
+    def generate(group: Sequence[Any]) -> list[list[int]]:
+        before = spec.rounds.rounds
+        out = spec.generate_batch(group)
+        sent.append(spec.rounds.rounds - before)
+        return out
 
     def after(out: list[list[int]]) -> tuple[list[int], np.ndarray]:
         lengths = [len(row) for row in out]
         return lengths, spec.bufs.rounds_run(lengths)
 
-    seconds, taken = time_generations(spec.generate_batch, groups, after)
+    seconds, taken = time_generations(generate, groups, after)
     v, d = (graph_ms(run, spec.stream) / step_ms for run in (verify, draft_levels))
-    return dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d),
-                setup_s=spec.setup_seconds)
+    return dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d,
+                        sum(sent[1:]), step_ms), setup_s=spec.setup_seconds)
 
 
 def measure_config(model: Any, kind: str, spec: Any, groups: Sequence[Sequence[Any]], capacity: int, sampling: Any,
@@ -132,20 +139,38 @@ def measure_config(model: Any, kind: str, spec: Any, groups: Sequence[Sequence[A
     is built."""
     row = dict(fields, kind=kind, **_bench_tree_config(model, kind, spec, groups, capacity, sampling, step_ms, draft))
     release()
-    row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]))
+    row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]),
+               plain_busy=busy_share(plain, step_ms, len(groups[0])))
     return row
 
 
 def figures(lengths: Sequence[Sequence[int]], rounds: Sequence[np.ndarray], seconds: float, v: float,
-            d: float) -> dict[str, float]:
+            d: float, sent: int | None = None, step_ms: float | None = None) -> dict[str, float]:
     """A configuration's row from its generations (each one's rows' token counts and rounds) and
     its round's verify and draft in target steps: tokens/s, tau over every row, the ideal
-    tau / (v + d) and the rows' share of the batches' rounds."""
+    tau / (v + d) and the rows' share of the batches' rounds. Given the rounds the generations
+    `sent` to the GPU and the target's step, where the rest of the ideal went: `used`, the share
+    of the rounds sent (each a row's) that committed a row's tokens (not one past its end, nor a
+    finished row's in a batch still running), and `busy`, the share of the timed seconds the
+    rounds' verifies and drafts fill at the costs v and d (the rest: the round's own kernels,
+    prefills, the host's readbacks and launches). With the plain loop's own busy share
+    (busy_share), reached = used x busy / plain_busy exactly."""
     tokens = sum(sum(group) for group in lengths)
     ran = sum(int(np.sum(r)) for r in rounds)
     tau = tokens / ran if ran else 1.0
-    return dict(tokens_per_s=tokens / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
-                rows_share=rows_share(rounds))
+    out = dict(tokens_per_s=tokens / seconds, tau=tau, v=v, draft=d, ideal=tau / (v + d),
+               rows_share=rows_share(rounds))
+    if sent and step_ms is not None:
+        batch = len(lengths[0])
+        out.update(sent=sent, used=ran / (batch * sent), busy=sent * (v + d) * step_ms / (1e3 * seconds))
+    return out
+
+
+def busy_share(tokens_per_s: float, step_ms: float, batch: int) -> float:
+    """The plain loop's busy share: its steps' device time (a step a token of each of its `batch`
+    rows) over its timed seconds, the rest its prefills, readbacks, launches and steps past a
+    row's end: what `busy` is for a round, the unit of figures()'s decomposition of reached."""
+    return tokens_per_s * step_ms / (1e3 * batch)
 
 
 def rows_share(rounds: Sequence[np.ndarray]) -> float:

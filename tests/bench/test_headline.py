@@ -129,6 +129,28 @@ def test_a_rows_figures_are_its_tokens_over_its_rounds_and_the_ideal_its_costs_a
     assert reach(1.8, got["ideal"], got["rows_share"])["reached"] == pytest.approx(0.9)
 
 
+def test_where_a_rows_ideal_went_multiplies_back_to_what_it_reached():
+    """figures() given the rounds sent and the step: `used`, the share of the rounds sent that
+    committed a row's tokens, `busy`, the share of the seconds the verifies and drafts fill; with
+    the plain loop's busy share, used x busy / plain_busy is `reached`, whatever the numbers."""
+    from benchmarks.torch_common import busy_share
+    # B = 2, two batches: rows of 128 and 96 tokens in 40 and 30 rounds, then 64 and 128 in 20 and
+    # 32; 48 and 36 rounds sent (past the slower row's end: 8 and 4); 0.05 s; a step of 0.4 ms
+    got = figures([[128, 96], [64, 128]], [np.array([40, 30]), np.array([20, 32])], 0.05, v=1.2, d=0.8,
+                  sent=84, step_ms=0.4)
+    assert got["sent"] == 84 and got["used"] == pytest.approx(122 / (2 * 84))
+    assert got["busy"] == pytest.approx(84 * 2.0 * 0.4 / 50)
+    plain = 4000.0  # tokens/s, B = 2
+    plain_busy = busy_share(plain, 0.4, 2)
+    assert plain_busy == pytest.approx(0.8)
+    reached = reach(got["tokens_per_s"] / plain, got["ideal"], got["rows_share"])["reached"]
+    assert got["used"] * got["busy"] / plain_busy == pytest.approx(reached)
+    assert "used" not in figures([[8]], [np.array([4])], 0.01, v=1.0, d=1.0)  # not given: not claimed
+    line = format_row(dict(row(2, "greedy", "chain", 4, got["tokens_per_s"]), **got,
+                           **reach(got["tokens_per_s"] / plain, got["ideal"], got["rows_share"])))
+    assert line.endswith(f" {got['used']:5.0%} {got['busy']:5.0%}")
+
+
 def test_the_hbm_floor_is_the_weights_read_once_at_the_copys_bandwidth():
     # 20 copies of 1 GiB in 10 ms: each reads and writes it, 4.29 TB/s
     bandwidth = copy_bytes_per_s(1 << 30, 20, 10.0)
@@ -159,7 +181,7 @@ def row(batch, mode, kind, config, tokens_per_s, source=None, **more):
 def measured(batch, mode, kind, config, tokens_per_s, source=None, plain=1000.0, tau=3.0, v=1.1, d=0.5):
     """A chain's or tree's row as _bench_batch makes it."""
     out = row(batch, mode, kind, config, tokens_per_s, source, tau=tau, v=v, draft=d, ideal=tau / (v + d),
-              rows_share=1.0, setup_s=95.0)
+              rows_share=1.0, setup_s=95.0, sent=100, used=0.9, busy=0.8)
     out.update(reach(tokens_per_s / plain, out["ideal"], out["rows_share"]))
     return out
 
@@ -223,7 +245,7 @@ def test_the_tables_rows_line_up_under_its_header():
     assert all(line[width - 1] == "x" for line in lines), "tokens/s and vs plain under their heads"
     chain = format_row(TABLE[2])
     assert chain.split() == ["1", "greedy", "chain", "k=4", "1900", "1.90x", "3.00", "1.10", "0.50", "1.88x", "101%",
-                             "100%", "101%", "95"]
+                             "100%", "101%", "95", "90%", "80%"]
     assert len(chain) == len(HEADER)
     assert "a step 0.300 ms: 6.0x the weights' HBM floor, 0.050 ms" in lines[0]
     assert lines[1].split() == ["1", "greedy", "HF", "assisted,", "k=4", "200", "0.20x"]
