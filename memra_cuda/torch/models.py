@@ -27,9 +27,9 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     run: transformers would ask at a terminal whether to, and run it on a yes."""
     if not isinstance(dtype, torch.dtype) and dtype not in DTYPES:
         raise ValueError(f"dtype is a torch.dtype or one of {DTYPES}, not {dtype!r}")
+    _check_directory(directory)
     device = _as_device(device)
     from transformers import AutoModelForCausalLM
-    _check_directory(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
                                                  attn_implementation="sdpa", trust_remote_code=False)
     return model.to(device).eval().requires_grad_(False)
