@@ -97,7 +97,7 @@ def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats:
     eager run took (a compiled step's compilation)."""
     import torch
 
-    from memra_cuda.torch.adapter import capturing
+    from memra_cuda.torch.adapter import torch_graph
     from memra_cuda.torch.timing import replay_ms
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -115,8 +115,7 @@ def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats:
         torch.cuda.synchronize()
         first = time.perf_counter() - begun
         step()
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with capturing(graph, stream):
+        with torch_graph(stream, keep_graph=True) as graph:
             step()
         graph.instantiate()
     runs = [replay_ms(graph, stream, replays) for _ in range(repeats)]

@@ -297,7 +297,7 @@ def collector_held() -> Iterator[None]:
     """Python's garbage collector off while any thread captures: the first capture to begin
     turns it off, the last to end restores it (a process-wide switch, so a per-capture
     save-and-restore would let one thread turn it back on under another's capture). memra's
-    own captures (Graph) and the torch graphs memra_cuda.torch captures (adapter.capturing)."""
+    own captures (Graph) and the torch graphs memra_cuda.torch captures (adapter.torch_graph)."""
     global _captures, _collector_was_on
     with _captures_lock:
         if _captures == 0:

@@ -16,7 +16,7 @@ import contextlib
 import reprlib
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -146,16 +146,17 @@ def as_request(request: object) -> Request:
     return request
 
 
-def as_requests(requests: Sequence[Request], what: str) -> Sequence[Request]:
-    """`requests`, unless it is one Request or no sequence at all: TypeError saying that `what`
-    takes a sequence of them. A Request is a tuple of its five fields, each then read as a
-    request: serve() refused the prompt as no Request, and a batch of two counted five requests;
-    None or a number met "object of type 'int' has no len()"."""
+def as_requests(requests: Iterable[Request], what: str) -> list[Request]:
+    """`requests` as a list (a generator's too), unless it is one Request or nothing to iterate
+    over: TypeError saying that `what` takes a sequence of them. A Request is a tuple of its five
+    fields, each then read as a request: serve() refused the prompt as no Request, and a batch of
+    two counted five requests; None or a number met "object of type 'int' has no len()", and a
+    string's characters were read as requests."""
     if isinstance(requests, Request):
         raise TypeError(f"{what} takes a sequence of requests, not one Request: give [request]")
-    if not isinstance(requests, Sequence) or isinstance(requests, (str, bytes)):
+    if not isinstance(requests, Iterable) or isinstance(requests, (str, bytes)):
         raise TypeError(f"{what} takes a sequence of requests (a list), not {reprlib.repr(requests)}")
-    return requests
+    return list(requests)
 
 
 def malformed(request: Request, vocab: int) -> str | None:
@@ -175,7 +176,8 @@ def batch_admitted(requests: Sequence[Request], vocab: int, batch: int,
     check raised mid-generation, every row's tokens lost); ValueError where they are not one a
     row. The copies, not the caller's requests, run: a budget given as a 0-d array was counted
     down in place, so the same request given again generated nothing."""
-    if len(as_requests(requests, "a batch")) != batch:
+    requests = as_requests(requests, "a batch")
+    if len(requests) != batch:
         raise ValueError(f"need one request per row ({batch}), not {len(requests)}")
     kept: list[Request] = []
     for row, request in enumerate(requests):

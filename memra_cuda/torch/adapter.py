@@ -14,7 +14,8 @@ What a user forgets must not give wrong tokens or overwrite tensors, so an engin
 - **Capture torch knows about.** Bursts are captured through `torch.cuda.graph` with a private
   memory pool kept alive with the graph (capture), so torch's allocator never hands the graph's
   scratch memory to tensors allocated later; every torch graph memra_cuda.torch captures, with
-  Python's collector held off while it does (capturing).
+  Python's collector held off while it does, and destroyed without breaking another's capture
+  (torch_graph).
 - **Random numbers that move on.** A captured burst replays through `CUDAGraph.replay`, which
   advances torch's random-number offsets, so `torch.rand` in a burst draws new numbers at
   every launch.
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from ..driver.engine import Engine
+from ..driver.context import relaxed_capture
 from ..driver.errors import CaptureError, driver
 from ..driver.framework import Framework
 from ..driver.graph import Capture, LoopBuilder, collector_held, loops
@@ -174,18 +176,33 @@ class _TorchGraph:
             self.graph.replay()
 
 
+class _RelaxedGraph(torch.cuda.CUDAGraph):
+    """A torch CUDA graph of memra_cuda.torch's, destroyed with this thread's capture mode
+    relaxed, as memra's own releases are (context.finalize): a decoder dropped in a reference
+    cycle goes when the collector meets it, which may be inside a caller's own torch.cuda.graph,
+    and a graph destroyed there in CUDA's default mode invalidates that capture."""
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception), relaxed_capture():  # under the collector: nowhere to raise to
+            self.reset()
+        with contextlib.suppress(Exception):
+            getattr(super(), "__del__", lambda: None)()  # torch's own (2.12 and later: its liveness tracker)
+
+
 @contextlib.contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None,
-              mode: str = "global") -> Iterator[None]:
-    """torch.cuda.graph(graph, stream=stream, capture_error_mode=mode), with Python's garbage
-    collector held off while it captures, as memra's own captures hold it (collector_held).
-    torch no longer collects before a capture (since 2.6, unless told to), so garbage made before
-    it, such as a dropped decoder's CUDAGraph in a reference cycle, was collected inside it when
-    Python allocated there: the driver refuses a graph's destruction during a capture ("operation
-    not permitted when stream is capturing") and invalidates the capture, whose next cuBLAS call
-    then failed (seen in a GPU test worker, a decoder's capture after other tests' decoders)."""
+def torch_graph(stream: torch.cuda.Stream | None = None, mode: str = "global",
+                keep_graph: bool = False) -> Iterator[torch.cuda.CUDAGraph]:
+    """A new CUDAGraph, captured on `stream` as torch.cuda.graph captures (capture_error_mode
+    `mode`) while the block runs; the one way memra_cuda.torch captures torch work. Python's
+    garbage collector is held off meanwhile, as memra's own captures hold it (collector_held):
+    torch no longer collects before a capture (from 2.6, unless told to), so garbage made before,
+    such as a dropped decoder's graph in a reference cycle, was collected inside it when Python
+    allocated there, and a graph's destruction there invalidated the capture (seen: a decoder's
+    capture after other tests' decoders, its next cuBLAS call failing). The graph itself is
+    destroyed relaxed (_RelaxedGraph), so it never breaks another's capture either."""
+    graph = _RelaxedGraph(keep_graph=keep_graph)
     with collector_held(), torch.cuda.graph(graph, stream=stream, capture_error_mode=mode):
-        yield
+        yield graph
 
 
 def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
@@ -197,7 +214,7 @@ def capture(engine: Stream, issue: Callable[[], None]) -> tuple[Any, Any]:
     if engine.stream_handle in (0, 1, 2):
         raise CaptureError("the default stream cannot be captured: create the engine inside "
                            "`with torch.cuda.stream(torch.cuda.Stream()):`")
-    graph, stream = torch.cuda.CUDAGraph(), _torch_stream(engine)
-    with capturing(graph, stream, "thread_local"):
+    stream = _torch_stream(engine)
+    with torch_graph(stream, "thread_local") as graph:
         issue()
     return driver().CUgraphExec(int(graph.raw_cuda_graph_exec())), _TorchGraph(graph, stream)

@@ -12,7 +12,7 @@ import torch
 from ..driver.values import as_flag, as_size
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
                               batch_admitted)
-from .adapter import capturing
+from .adapter import torch_graph
 from .sampling import SamplingParams
 from .attention import Attention
 from .compiled import as_compiled, stack_for
@@ -111,9 +111,9 @@ class GraphedGreedy:
         with torch.cuda.stream(self.stream):
             self._start([Request([0, 0], 0)] * self.batch)
             self._burst()
-            self.graph = torch.cuda.CUDAGraph()
-            with capturing(self.graph, self.stream):
+            with torch_graph(self.stream) as graph:
                 self._burst()
+            self.graph = graph  # kept once captured: a capture that raised left none to replay
 
     def refusal(self, request: Request) -> str | None:
         """Why `request` does not fit a row's cache (its prompt but the last token and its

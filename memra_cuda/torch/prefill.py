@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..driver.values import as_listed, as_size, distinct_rows, token_ids
-from .adapter import capturing
+from .adapter import torch_graph
 from .kv import StaticKV
 
 Fill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -100,13 +100,13 @@ class Prefills:
         width = bucket(length, self.kv.capacity)
         if width not in self.graphs:
             self.fill(self.prompt[:, :width], self.row, self.length)  # torch's lazy set-up off the graph
-            self.graphs[width] = graph = torch.cuda.CUDAGraph()
             # Captured on the caller's stream (a decoder's: a tensor-parallel model's all-reduces
             # go on the stream they run on, examples/torch_tp.py); from the default stream, which
-            # cannot be captured, on torch's own side stream.
+            # cannot be captured, on torch's own side stream. Kept once captured.
             current = torch.cuda.current_stream()
-            with capturing(graph, None if current == torch.cuda.default_stream() else current):
+            with torch_graph(None if current == torch.cuda.default_stream() else current) as graph:
                 self.fill(self.prompt[:, :width], self.row, self.length)
+            self.graphs[width] = graph
         return self.graphs[width]
 
     def capture(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .adapter import capturing
+from .adapter import torch_graph
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, replays: int = 200) -> float:
@@ -31,7 +31,6 @@ def graph_ms(run: Callable[[], Any], stream: torch.cuda.Stream | None = None, re
     stream = torch.cuda.Stream() if stream is None else stream
     with torch.cuda.stream(stream):
         run()
-        graph = torch.cuda.CUDAGraph()
-        with capturing(graph, stream):
+        with torch_graph(stream) as graph:
             run()
     return replay_ms(graph, stream, replays)

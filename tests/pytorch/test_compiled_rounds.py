@@ -170,31 +170,34 @@ def test_a_rounds_model_work_runs_in_the_mode_its_engine_was_made_in(monkeypatch
 
 
 def test_a_torch_capture_holds_the_collector_off_from_its_beginning_to_its_end(monkeypatch):
-    """adapter.capturing, the one way memra_cuda.torch captures a torch graph (a test of the
-    package's source keeps it so): Python's collector off before torch's capture begins and until
-    it has ended, as memra's own captures hold it (torch no longer collects before a capture; a
-    collection inside one destroyed a dropped decoder's graph there, invalidating the capture),
-    and back on after, a capture that raised too. torch.cuda.graph replaced by a recorder: the
-    order is what is tested here; the GPU test drops a graph inside a real capture."""
+    """adapter.torch_graph, the one way memra_cuda.torch makes and captures a torch graph (a test
+    of the package's source keeps it so): Python's collector off before torch's capture begins
+    and until it has ended, as memra's own captures hold it (torch no longer collects before a
+    capture; a collection inside one destroyed a dropped decoder's graph there, invalidating the
+    capture), and back on after, a capture that raised too; the graph made for it, of the kind
+    destroyed relaxed. torch.cuda.graph and the graph replaced by recorders (no CUDA here): the
+    order is what is tested; the GPU tests drop graphs inside real captures."""
     import contextlib
     import gc
-    from memra_cuda.torch.adapter import capturing
+    from memra_cuda.torch import adapter
     seen = []
 
     @contextlib.contextmanager
     def graph(graph, stream=None, capture_error_mode="global"):
-        seen.append(("begins", gc.isenabled(), stream, capture_error_mode))
+        seen.append(("begins", gc.isenabled(), graph, stream, capture_error_mode))
         yield
         seen.append(("ends", gc.isenabled()))
     monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(adapter, "_RelaxedGraph", lambda keep_graph: ("a graph", keep_graph))
     assert gc.isenabled()
-    with capturing(object(), "stream", "thread_local"):
+    with adapter.torch_graph("stream", "thread_local", keep_graph=True) as made:
         seen.append(("captures", gc.isenabled()))
-    assert seen == [("begins", False, "stream", "thread_local"), ("captures", False), ("ends", False)]
+    assert made == ("a graph", True)
+    assert seen == [("begins", False, made, "stream", "thread_local"), ("captures", False), ("ends", False)]
     assert gc.isenabled()
-    with pytest.raises(RuntimeError, match="refused"), capturing(object()):
+    with pytest.raises(RuntimeError, match="refused"), adapter.torch_graph():
         raise RuntimeError("the capture refused")
-    assert gc.isenabled() and seen[-1] == ("begins", False, None, "global")
+    assert gc.isenabled() and seen[-1] == ("begins", False, ("a graph", False), None, "global")
 
 
 @pytest.mark.parametrize("tree, batch, sampling", [(TREE, 2, None), (DynamicTree(2, 2, 2), 1, LAW)],

@@ -305,11 +305,37 @@ def test_a_graph_dropped_inside_a_decoders_capture_is_destroyed_after_it(small):
         finally:
             gc.set_threshold(*threshold)
     greedy._burst = dropping_burst
-    greedy.capture()
-    assert len(bursts) == 2
+    try:
+        greedy.capture()
+        assert len(bursts) == 2 and gone() is not None, "the old graph was collected inside the capture"
+    finally:
+        del greedy._burst  # the override's cycle (greedy, its closure, its bound burst) goes with it
     gc.collect()
     assert gone() is None, "collected once the capture was over"
     assert greedy.generate(PROMPT, 9) == hf_greedy(small, PROMPT, 9)
+
+
+def test_a_decoder_dropped_in_a_cycle_and_collected_inside_a_callers_capture_leaves_it_whole(small):
+    """memra's torch graphs (the plain loop's burst, its prefills) are destroyed with the thread's
+    capture mode relaxed, as its own releases are: a decoder dropped in a reference cycle goes
+    when the collector meets it, here inside the caller's own torch.cuda.graph in CUDA's default
+    (global) mode, where a graph destroyed otherwise invalidates that capture."""
+    greedy = GraphedGreedy(small, 128, steps=4)
+    assert greedy.generate(PROMPT, 9) == hf_greedy(small, PROMPT, 9)  # its burst and a prefill captured
+    cycle = [greedy]
+    cycle.append(cycle)
+    gone = weakref.ref(greedy)
+    del greedy, cycle
+    x, theirs, side = torch.zeros(8, device="cuda"), torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(side), torch.cuda.graph(theirs, stream=side):
+        x.add_(1)
+        gc.collect()
+        collected = gone() is None
+        x.add_(1)
+    assert collected, "the decoder was collected inside the capture"
+    theirs.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [2.0] * 8
 
 
 def test_the_headlines_plain_step_is_one_step_of_its_burst(small):

@@ -701,7 +701,8 @@ def test_one_request_given_for_a_sequence_of_them_is_a_type_error_saying_so():
 @pytest.mark.parametrize("given", [None, 5, "ab"], ids=["None", "int", "str"])
 def test_what_is_no_sequence_of_requests_is_a_type_error_naming_it(given):
     """serve(None), serve(5) and a batch of None met "object of type 'NoneType' has no len()";
-    a string was read one character a request. Each is refused naming what was given."""
+    a string was read one character a request. Each is refused naming what was given; any
+    other iterable of requests is taken, a generator too."""
     from memra_cuda.rounds.serving import batch_admitted
     decoder = Counting(2)
     server = Server(decoder, clock=decoder.clock)
@@ -709,7 +710,9 @@ def test_what_is_no_sequence_of_requests_is_a_type_error_naming_it(given):
         server.serve(given)
     with pytest.raises(TypeError, match=rf"a batch takes a sequence of requests \(a list\), not {given!r}"):
         batch_admitted(given, VOCAB, 2)
-    assert server.idle and server.serve((Request([1, 2], 3),))[0].tokens == alone(Request([1, 2], 3))
+    requests = [Request([1, 2], 3), Request([4], 2)]
+    assert [s.tokens for s in server.serve(r for r in requests)] == [alone(r) for r in requests]  # any iterable
+    assert batch_admitted((r for r in requests), VOCAB, 2) == batch_admitted(requests, VOCAB, 2)
 
 
 def test_a_server_made_directly_over_a_decoder_that_keeps_its_servers_is_one_of_them():
