@@ -31,6 +31,7 @@ torch, transformers and tokenizers, a GPU, and the pair: `make pair` trains it (
 or finds it in its cache (seconds); `make bench-torch` runs it first.
 
     PYTHONPATH=. python -m benchmarks.headline [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,128]
+                                              [--chains 3,6] [--trees N]
 
 Run time on one H200 (2026-12-02): B = 1 to 32 and B = 128's greedy rows took about four and a
 half minutes, most of it building, capturing and timing the decoders, so the whole about six;
@@ -110,8 +111,11 @@ def tree_rates(top: Mapping[str, float]) -> tuple[float, float]:
     return right, min(max(round(second / right, 3), 0.001), 1.0)
 
 
-def configurations(batch: int, top: Mapping[str, float], quick: bool = False) -> list[Config]:
-    """Every chain and tree measured at `batch` (the first of each kind where `quick`)."""
+def configurations(batch: int, top: Mapping[str, float], quick: bool = False, chains: Sequence[int] | None = None,
+                   trees: int | None = None) -> list[Config]:
+    """Every chain and tree measured at `batch` (the first of each kind where `quick`); `chains`
+    the chains' ks instead of CHAIN_KS, `trees` the first so many static and dynamic trees each
+    (a lease short of time measures the configurations an earlier run found best)."""
     right, fall = tree_rates(top)
 
     def static(shape: tuple[str, int, int]) -> Config:
@@ -121,9 +125,10 @@ def configurations(batch: int, top: Mapping[str, float], quick: bool = False) ->
         return Config("static", TreeShape.likeliest(a, depth=b, right=right, fall=fall, ranks=RANKS),
                       f"TreeShape.likeliest({a}, depth={b}, right={right}, fall={fall}, ranks={RANKS})")
 
-    chains: Sequence[int] = (4,) if quick else CHAIN_KS
-    statics, dynamics = (STATIC[batch][:1], DYNAMIC[batch][:1]) if quick else (STATIC[batch], DYNAMIC[batch])
-    return ([Config("chain", k, None) for k in chains] + [static(shape) for shape in statics]
+    ks: Sequence[int] = (4,) if quick else CHAIN_KS if chains is None else chains
+    most = 1 if quick else trees
+    statics, dynamics = STATIC[batch][:most], DYNAMIC[batch][:most]
+    return ([Config("chain", k, None) for k in ks] + [static(shape) for shape in statics]
             + [Config("dynamic", DynamicTree(*shape), "DynamicTree({}, {}, {})".format(*shape)) for shape in dynamics])
 
 
@@ -373,14 +378,15 @@ def _hugging_face(target: Any, draft: Any, groups: Sequence[Sequence[Any]], plai
 
 
 def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, top: Mapping[str, float],
-                 quick: bool, tokens: int, one_row: int, floor: float) -> list[dict]:
+                 quick: bool, tokens: int, one_row: int, floor: float, chains: Sequence[int] | None = None,
+                 trees: int | None = None) -> list[dict]:
     """One B: the baseline, Hugging Face's at B = 1, then every chain and tree greedy and sampled,
     in caches of one capacity that each of them fits (attention reads the whole cache: one
     capacity keeps their costs comparable)."""
     from memra_cuda.torch import Request, SamplingParams, capacity_for
     groups = [[Request(ids, tokens, None, seed) for seed, ids in group]
               for group in prompt_groups(heldout, batch, one_row)]
-    configs = configurations(batch, top, quick)
+    configs = configurations(batch, top, quick, chains, trees)
     depth, width = (max(values) for values in zip(*(depth_and_width(config.spec) for config in configs)))
     longest = max(len(r.prompt) for group in groups for r in group)
     capacity = capacity_for(longest, tokens, Geometry(depth, TORCH_M, batch, width))
@@ -404,12 +410,14 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
 
 
 def headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
-             json_path: str | Path | None = None) -> dict:
+             json_path: str | Path | None = None, chains: Sequence[int] | None = None,
+             trees: int | None = None) -> dict:
     """The section: the pair in `pair` (default: `make pair`'s), at `batches` (default BATCHES,
     or QUICK_BATCHES where `quick`); prints the table, the best at each B and the picks, and
     returns assemble()'s report. With `json_path`, the report so far is written there after each
     batch size (a run cut short by a machine's time limit keeps what it measured), and the picture
-    beside it at the end (its name with .png)."""
+    beside it at the end (its name with .png). `chains` and `trees` cut the configurations
+    (configurations(); the report's settings say so)."""
     import torch
     import transformers
 
@@ -429,7 +437,8 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     tokens, one_row = (QUICK_TOKENS, QUICK_ONE_ROW) if quick else (TOKENS, ONE_ROW_PROMPTS)
     settings = dict(batches=batches, tokens=tokens, one_row_prompts=one_row, prompt_len=heldout["prompt_len"],
                     m_rounds=TORCH_M, hf_k=HF_K, dtype=str(target.dtype).removeprefix("torch."), quick=quick,
-                    pair_dir=str(where))
+                    pair_dir=str(where), chains=None if quick else list(chains or CHAIN_KS),
+                    trees=None if quick else trees)
     print(f"\nheadline: {name}")
     print(f"prompts: heldout.json's first B ({heldout['prompt_len']} tokens, cut from held-out files), {tokens} new "
           f"tokens a row (B = 1: {one_row} prompts one after another), {settings['dtype']}, graph mode, "
@@ -445,7 +454,8 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     print(HEADER, flush=True)
     floors = dict(weight_bytes=weights, copy_bytes_per_s=bandwidth, floor_ms=floor)
     rows = measure_batches(
-        batches, lambda batch: _bench_batch(target, draft, heldout, batch, info["top"], quick, tokens, one_row, floor),
+        batches, lambda batch: _bench_batch(target, draft, heldout, batch, info["top"], quick, tokens, one_row, floor,
+                                            chains, trees),
         None if json_path is None else lambda rows: save(_report(info, machine, date, settings, floors, rows),
                                                          json_path))
     print(f"\nbest at each B and decoding ({name}):")
@@ -472,10 +482,26 @@ def pair_arguments(program: str, doc: str, batches: Sequence[int], quick: str) -
     return parser
 
 
+def tree_count(text: str) -> int:
+    """--trees' N, a count of 0 or more (argparse's type: another is its error)."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"a count of 0 or more, not {text!r}")
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = pair_arguments("benchmarks.headline", __doc__ or "", BATCHES, "B = 1 and 8, one configuration of each "
-                          f"kind, {QUICK_TOKENS} tokens a row").parse_args(argv)
-    headline(args.quick, args.pair, args.batches, args.json)
+    parser = pair_arguments("benchmarks.headline", __doc__ or "", BATCHES, "B = 1 and 8, one configuration of "
+                            f"each kind, {QUICK_TOKENS} tokens a row")
+    parser.add_argument("--chains", type=lambda text: listed(text, range(1, 33), int),
+                        help=f"the chains' ks (default {','.join(map(str, CHAIN_KS))})")
+    parser.add_argument("--trees", type=tree_count, metavar="N",
+                        help="the first N static trees and the first N dynamic trees of each B (default all)")
+    args = parser.parse_args(argv)
+    headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees)
     return 0
 
 

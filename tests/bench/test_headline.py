@@ -73,6 +73,23 @@ def test_the_quick_run_takes_one_configuration_of_each_kind_at_two_batch_sizes()
         assert [c.kind for c in configurations(batch, TOP, quick=True)] == ["chain", "static", "dynamic"]
 
 
+def test_a_short_lease_measures_the_chains_and_the_first_trees_it_names():
+    """--chains and --trees cut the configurations (a lease short of time measures those an earlier
+    run found best): the chains named, in their order, and the first N static and dynamic trees;
+    --trees 0 no tree; a bad value is argparse's error, naming what it takes."""
+    import argparse
+    from benchmarks.headline import tree_count
+    configs = configurations(1, TOP, chains=[6, 3], trees=1)
+    assert [(c.kind, c.label) for c in configs] == [("chain", "k=6"), ("chain", "k=3"), ("static", "k=6, 1 leaf"),
+                                                     ("dynamic", "6x2, branch 2")]
+    assert [c.kind for c in configurations(8, TOP, chains=[2], trees=0)] == ["chain"]
+    assert configurations(32, TOP, trees=9) == configurations(32, TOP)  # past the trees a B has: every one
+    assert tree_count("2") == 2 and tree_count("0") == 0
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="a count of 0 or more"):
+            tree_count(bad)
+
+
 def write_heldout(tmp_path, count: int, length: int = 5) -> dict:
     """A heldout.json as benchmarks/pair.py writes it, of `count` prompts, and the pair's other files."""
     pool = [dict(path=f"stdlib/m{i}.py", start=3 * i, ids=list(range(100 * i, 100 * i + length)), text=f"t{i}")
