@@ -161,16 +161,25 @@ class LayerStack:
         others). Shapes and dtypes alone: nothing is read from the device. Then the mask's
         (_check_mask)."""
         batch = self.kv.lengths.shape[1]
-        for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots)):
-            if given is not None and getattr(given, "dtype", None) not in INDICES:
-                raise TypeError(f"a forward's {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
-        width = tokens.shape[1] if tokens.dim() == 2 else 0  # T = 0: no logits, not even `last`'s [B][1][V]
-        if not width or tokens.shape[0] != batch or positions.shape != tokens.shape or (
-                slots is not None and slots.shape != tokens.shape):
-            raise ValueError(f"a forward takes [B][T] tokens, positions and slots, B = {batch}, T >= 1: not tokens "
-                             f"{list(tokens.shape)}, positions {list(positions.shape)}"
-                             + ("" if slots is None else f", slots {list(slots.shape)}"))
+        self._check_ids("a forward", f"[B][T] tokens, positions and slots, B = {batch}, T >= 1", batch,
+                        tokens, positions, slots)
         self._check_mask(mask, tokens.shape[1])
+
+    def _check_ids(self, what: str, shape: str, rows: int, tokens: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor | None, named: torch.Tensor | None = None) -> None:
+        """_check_rows' and Stack.append's check (`what` names the caller, `shape` what it takes):
+        TypeError unless the tokens, positions, slots and `named` rows are integer tensors,
+        ValueError unless the tokens are `rows` rows of T >= 1 (T = 0: no logits, not even `last`'s
+        [B][1][V]) and the positions and slots one a token."""
+        for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots), ("rows", named)):
+            if given is not None and getattr(given, "dtype", None) not in INDICES:
+                raise TypeError(f"{what}'s {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
+        width = tokens.shape[1] if tokens.dim() == 2 else 0
+        if not width or tokens.shape[0] != rows or positions.shape != tokens.shape or (
+                slots is not None and slots.shape != tokens.shape):
+            raise ValueError(f"{what} takes {shape}: not tokens {list(tokens.shape)}, positions {list(positions.shape)}"
+                             + ("" if slots is None else f", slots {list(slots.shape)}")
+                             + ("" if named is None else f", rows {list(named.shape)}"))
 
     def _check_mask(self, mask: torch.Tensor | None, tokens: int) -> None:
         """TypeError unless `mask` (where given) is a bool or float tensor (an int one was taken as
@@ -331,17 +340,11 @@ class Stack(LayerStack):
         names (an integer [R], at most the batch). One row of tokens given for two was written into
         every row's K and V before a shape error, and float tokens were truncated."""
         batch = self.kv.lengths.shape[1]
-        for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots), ("rows", rows)):
-            if given is not None and getattr(given, "dtype", None) not in INDICES:
-                raise TypeError(f"append's {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
-        want = batch if rows is None else (rows.shape[0] if rows.dim() == 1 and rows.shape[0] <= batch else -1)
-        width = tokens.shape[1] if tokens.dim() == 2 else 0
-        if not width or tokens.shape[0] != want or positions.shape != tokens.shape or (
-                slots is not None and slots.shape != tokens.shape):
-            raise ValueError(f"append takes [R][T] tokens, positions and slots, T >= 1, R the batch's {batch} rows or "
-                             f"as many as `rows` names: not tokens {list(tokens.shape)}, "
-                             f"positions {list(positions.shape)}"
-                             + ("" if rows is None else f", rows {list(rows.shape)}"))
+        # a `rows` that is no tensor counts -1 here, and is refused by its dtype first
+        counted = getattr(rows, "ndim", 0) == 1 and rows.shape[0] <= batch  # type: ignore[union-attr]
+        want = batch if rows is None else rows.shape[0] if counted else -1
+        self._check_ids("append", f"[R][T] tokens, positions and slots, T >= 1, R the batch's {batch} rows or as "
+                        "many as `rows` names", want, tokens, positions, slots, rows)
 
     def _recurrent(self, layer: Recurrent, n: int, hidden: torch.Tensor, rows: torch.Tensor | None,
                    lengths: torch.Tensor | None, parents: torch.Tensor | None) -> torch.Tensor:
