@@ -29,9 +29,11 @@ bench-torch PATH's .headline.json and .headline.png; matplotlib, the `plot` extr
 the picks and the picture name the pair (its cache key and losses) and the machine. Needs
 torch, transformers and tokenizers, a GPU, and the pair: `make pair` trains it (minutes)
 or finds it in its cache (seconds); `make bench-torch` runs it first.
+--projection sets how every compiled step multiplies its projections, the baseline's too
+(docs/compiled.md; the settings say which).
 
     PYTHONPATH=. python -m benchmarks.headline [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,128]
-                                              [--chains 3,6] [--trees N]
+                                              [--chains 3,6] [--trees N] [--projection few_rows]
 
 Run time on one H200 (2026-12-02): B = 1 to 32 and B = 128's greedy rows took about four and a
 half minutes, most of it building, capturing and timing the decoders, so the whole about six;
@@ -48,8 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from .common import depth_and_width
-from .torch_common import (TORCH_M, TREE_BATCHES, busy_share, listed, measure_config, plain_decoding, plot_trees,
-                           release, row_label, summary_line, time_generations, token_count, tree_label, tree_summary)
+from .torch_common import (PROJECTIONS, TORCH_M, TREE_BATCHES, busy_share, listed, measure_config, plain_decoding,
+                           plot_trees, project_by, release, row_label, summary_line, time_generations, token_count,
+                           tree_label, tree_summary)
 from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
@@ -411,13 +414,14 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
 
 def headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
              json_path: str | Path | None = None, chains: Sequence[int] | None = None,
-             trees: int | None = None) -> dict:
+             trees: int | None = None, projection: str | None = None) -> dict:
     """The section: the pair in `pair` (default: `make pair`'s), at `batches` (default BATCHES,
     or QUICK_BATCHES where `quick`); prints the table, the best at each B and the picks, and
     returns assemble()'s report. With `json_path`, the report so far is written there after each
     batch size (a run cut short by a machine's time limit keeps what it measured), and the picture
     beside it at the end (its name with .png). `chains` and `trees` cut the configurations
-    (configurations(); the report's settings say so)."""
+    (configurations(); the report's settings say so). `projection`: every compiled step's,
+    the baseline's too (project_by; None: the library's default; the settings say which)."""
     import torch
     import transformers
 
@@ -425,6 +429,7 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     transformers.utils.logging.disable_progress_bar()  # from_pretrained's bars, noise in a table (as pair.py)
     where = pair_dir() if pair is None else Path(pair)
     report, heldout = load_pair(where)
+    projection = project_by(projection)
     info, machine, date = pair_info(report), torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
     name = describe(info, machine, date)
     target, draft = load_model(where / "target"), load_model(where / "draft")  # as saved: bf16
@@ -438,7 +443,7 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     settings = dict(batches=batches, tokens=tokens, one_row_prompts=one_row, prompt_len=heldout["prompt_len"],
                     m_rounds=TORCH_M, hf_k=HF_K, dtype=str(target.dtype).removeprefix("torch."), quick=quick,
                     pair_dir=str(where), chains=None if quick else list(chains or CHAIN_KS),
-                    trees=None if quick else trees)
+                    trees=None if quick else trees, projection=projection)
     print(f"\nheadline: {name}")
     print(f"prompts: heldout.json's first B ({heldout['prompt_len']} tokens, cut from held-out files), {tokens} new "
           f"tokens a row (B = 1: {one_row} prompts one after another), {settings['dtype']}, graph mode, "
@@ -446,7 +451,8 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
           "16 steps a readback (sampled rows too); v and d: the round's verify and draft in target steps; ideal = "
           "tau / (v + d); reached: the share of it got; rows: the rows' mean rounds over the slowest row's; batch: "
           "the share got of the batch's ideal, ideal x rows; setup: the seconds a decoder compiled and captured "
-          "before its first request. Hugging Face at B = 1 only (it serves one sequence at a time)")
+          f"before its first request; every compiled step's projections: {projection!r}. Hugging Face at B = 1 "
+          "only (it serves one sequence at a time)")
     print("no graph is captured inside a timed run: every decoder is captured before its first request and sealed "
           "(a capture there would be a CaptureError, ending the run)")
     print(f"weights' HBM floor: {weights / 1e6:.1f} MB of the target's weights a step (all but the input "
@@ -469,7 +475,8 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
 
 def pair_arguments(program: str, doc: str, batches: Sequence[int], quick: str) -> argparse.ArgumentParser:
     """The command line of a program that measures the pair: its whole docstring as --help, and
-    --quick (`quick` says what it cuts), --json, --pair and --batches (some of `batches`)."""
+    --quick (`quick` says what it cuts), --json, --pair, --batches (some of `batches`) and
+    --projection."""
     parser = argparse.ArgumentParser(prog=f"python -m {program}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"{quick} (a smoke run, not for figures)")
@@ -479,6 +486,9 @@ def pair_arguments(program: str, doc: str, batches: Sequence[int], quick: str) -
                         "default settings, in its cache)")
     parser.add_argument("--batches", type=lambda text: listed(text, batches, int),
                         help=f"these of {','.join(map(str, batches))} only")
+    parser.add_argument("--projection", choices=PROJECTIONS, help="how every compiled step multiplies its "
+                        "projections, the plain loop's too (default: memra_cuda.torch.compiled.PROJECTION; "
+                        "docs/compiled.md)")
     return parser
 
 
@@ -501,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trees", type=tree_count, metavar="N",
                         help="the first N static trees and the first N dynamic trees of each B (default all)")
     args = parser.parse_args(argv)
-    headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees)
+    headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees, args.projection)
     return 0
 
 

@@ -26,10 +26,11 @@ decoder's setup seconds. Then the best chain at each B and decoding against the 
 table; with --json, the figures, written again as each B ends, and a picture beside them (PATH with
 .png; matplotlib, the plot extra); with --resume too, added to the report there: a run of every B
 that one call's time limit cuts into several, on one machine's pair, is one table and one picture.
-Needs torch, transformers and tokenizers, a GPU and the pair (`make pair`).
+--projection sets how every compiled step multiplies its projections, the plain decoding's too
+(docs/compiled.md; the report says which). Needs torch, transformers and tokenizers, a GPU and the pair (`make pair`).
 
     PYTHONPATH=. python -m benchmarks.served [--quick] [--json PATH [--resume]] [--pair DIR] [--batches 1,8,32,64,128]
-        [--rounds M]
+        [--rounds M] [--projection few_rows]
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from typing import Any
 
 from .headline import MODES, describe, load_pair, measure_batches, pair_arguments, pair_dir, pair_info, save
 from .serving import figures, request_stream
-from .torch_common import PLAIN_ATTENDS, TORCH_M, pyplot, release
+from .torch_common import PLAIN_ATTENDS, TORCH_M, project_by, pyplot, release
 from memra_cuda import Geometry
 from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.rounds.serving import Request, Served
@@ -205,15 +206,16 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
 
 
 def resumed(path: str | Path, pair: Mapping[str, Any], m_rounds: int, quick: bool,
-            batches: Sequence[int]) -> list[dict]:
+            batches: Sequence[int], projection: str) -> list[dict]:
     """The rows of an earlier run's report at `path` to keep beside this run's: those of the B's
     this run does not serve, where the report is of this pair (its key, sizes, held-out losses
-    and agreement: the same trained weights) at this M and `quick`; ValueError naming what
-    differs otherwise. One machine's time limit cuts a run of every B into several; a run
+    and agreement: the same trained weights) at this M, `quick` and projection; ValueError naming
+    what differs otherwise. One machine's time limit cuts a run of every B into several; a run
     resumed on a pair trained again is another pair."""
     report = json.loads(Path(path).read_text())
     for what, mine, theirs in (("pair", pair, report.get("pair")), ("M", m_rounds, report.get("m_rounds")),
-                               ("quick", quick, report.get("quick"))):
+                               ("quick", quick, report.get("quick")),
+                               ("projection", projection, report.get("projection"))):
         if mine != theirs:
             raise ValueError(f"{path} was served with another {what} ({theirs!r}, this run {mine!r}): "
                              "not resumed")
@@ -221,10 +223,12 @@ def resumed(path: str | Path, pair: Mapping[str, Any], m_rounds: int, quick: boo
 
 
 def served_headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
-                    json_path: str | Path | None = None, m_rounds: int = TORCH_M, resume: bool = False) -> dict:
+                    json_path: str | Path | None = None, m_rounds: int = TORCH_M, resume: bool = False,
+                    projection: str | None = None) -> dict:
     """The section (the module's docstring): prints the table and the best at each B, returns
     the report; with `json_path`, written after each B and at the end, the picture beside it;
-    with `resume`, the report there keeps its other B's rows (resumed)."""
+    with `resume`, the report there keeps its other B's rows (resumed). `projection`: every
+    compiled step's, the plain decoding's too (project_by; None: the library's default)."""
     import torch
     import transformers
 
@@ -232,6 +236,7 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
     transformers.utils.logging.disable_progress_bar()
     where = pair_dir() if pair is None else Path(pair)
     report, heldout = load_pair(where)
+    projection = project_by(projection)
     info, machine, date = pair_info(report), torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
     name = "served: " + describe(info, machine, date)
     target, draft = load_model(where / "target"), load_model(where / "draft")
@@ -241,18 +246,19 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
     if resume:
         if json_path is None:
             raise ValueError("resume adds to the report at json_path: name one")
-        kept = resumed(json_path, info, m_rounds, quick, batches) if Path(json_path).exists() else []
+        kept = resumed(json_path, info, m_rounds, quick, batches, projection) if Path(json_path).exists() else []
     print(f"\n{name}")
     print(f"a stream of max(16, 4 B) held-out requests, {'8 to 16' if quick else '32 to 512'} new tokens each "
           f"(seed {STREAM_SEED}), the EOS honoured, all submitted at once, through B slots by continuous batching; "
           f"graph mode, M = {m_rounds} (a slot freed mid-burst waits for the burst's end), every graph captured "
           "first; vs plain: tokens/s against the target's own compiled greedy decoding served alike, the faster "
-          "of its two attentions (sampled rows too)")
+          f"of its two attentions (sampled rows too); every compiled step's projections: {projection!r}")
     print(HEADER, flush=True)
 
     def out(rows: list[dict]) -> dict:
         rows = kept + rows
         return dict(name=name, machine=machine, date=date, pair=info, quick=quick, m_rounds=m_rounds,
+                    projection=projection,
                     batches=sorted({row["batch"] for row in rows} | set(batches)), rows=rows, best=best(rows))
     rows = measure_batches(batches, lambda batch: _bench_batch(target, draft, heldout, batch, quick, m_rounds),
                            None if json_path is None else lambda rows: save(out(rows), json_path))
@@ -288,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), args.rounds, batch)
     except ValueError as exc:
         parser.error(f"--rounds: {exc}")
-    served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume)
+    served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume, args.projection)
     return 0
 
 

@@ -59,6 +59,11 @@ ROWS = (  # shape, B, T
     ("Llama 16 x 2048 (0.9 B)", 64, 1), ("draft 2 x 384", 1, 1), ("target 12 x 768", 1, 5),
     ("target 12 x 768", 64, 5), ("Llama 3.2 1B shape", 1, 1), ("Llama 3.2 1B shape", 64, 1),
     ("target 12 x 768", 1, 9), ("target 12 x 768", 8, 1), ("target 12 x 768", 2, 5),  # k = 8; B = 8; B = 2, k = 4
+    # the headline's best at B = 1 (chain k = 3 at T = 1, k = 6 greedy; the width of the k = 6 tree with a
+    # leaf each, 12 nodes, causal here: its projections' rows), B = 16's step (FEW_ROWS' widest) and the
+    # draft's step of two rows (a tree's level)
+    ("target 12 x 768", 1, 4), ("target 12 x 768", 1, 7), ("target 12 x 768", 1, 13),
+    ("target 12 x 768", 16, 1), ("draft 2 x 384", 1, 2),
 )
 
 

@@ -68,6 +68,21 @@ def row_label(row: dict) -> str:
 # of a generation holds its prompt and what it has made so far, often half its cache): the faster of
 # the two is the baseline of every ratio
 PLAIN_ATTENDS = (None, "flex")
+# How every compiled step of a run multiplies its projections (memra_cuda.torch.compiled's
+# PROJECTIONS, named here without torch for --help): --projection's choices
+PROJECTIONS = ("inductor", "few_rows")
+
+
+def project_by(projection: str | None) -> str:
+    """Every compiled step this run builds from now on, the plain loop's and the decoders' alike,
+    multiplies its projections by `projection` (None: the library's default, PROJECTION), so a
+    ratio compares one arithmetic; the projection in force, for the report's settings."""
+    from memra_cuda.torch import compiled
+    if projection is not None:
+        if projection not in compiled.PROJECTIONS:
+            raise ValueError(f"projection is one of {compiled.PROJECTIONS}, not {projection!r}")
+        compiled.PROJECTION = projection
+    return compiled.PROJECTION
 
 
 def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:

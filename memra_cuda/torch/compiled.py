@@ -51,7 +51,8 @@ GRID_Y = GRID_LIMITS[1]
 # reads each weight once over narrow slices of its columns, where cuBLAS's wide tiles left an H200's
 # SMs idle (4.7 µs a GEMM of the verify of 5 rows). The default is what measured faster: "inductor"
 # until an H200 has measured every width "few_rows" would serve (benchmarks.steps --few-rows; an H100
-# measured the verify of 5 rows at B = 1 in 0.424 ms against inductor's 0.458, 2026-12-05)
+# measured the verify of 5 rows at B = 1 in 0.424 ms against inductor's 0.458, 2026-12-05). Read as
+# each stack is built: a program sets it before its decoders are made (the benchmarks' --projection)
 Projection = Literal["inductor", "few_rows"]
 PROJECTIONS: tuple[Projection, ...] = ("inductor", "few_rows")
 PROJECTION: Projection = "inductor"

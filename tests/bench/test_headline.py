@@ -90,6 +90,46 @@ def test_a_short_lease_measures_the_chains_and_the_first_trees_it_names():
             tree_count(bad)
 
 
+@pytest.mark.parametrize("program", ["headline", "served"])
+def test_the_projection_named_reaches_the_run_and_another_is_argparses_error(program, monkeypatch, capsys):
+    """--projection (both programs that measure the pair) is passed to the run, which sets it for
+    every compiled step, the baseline's too; left out, None (the library's default); a name that
+    is none of the projections is refused before anything runs."""
+    import importlib
+    module = importlib.import_module(f"benchmarks.{program}")
+    ran = []
+    run = "headline" if program == "headline" else "served_headline"
+    monkeypatch.setattr(module, run, lambda *args: ran.append(args))
+    assert module.main(["--projection", "few_rows", "--batches", "1"]) == 0 and ran[-1][-1] == "few_rows"
+    assert module.main(["--batches", "1"]) == 0 and ran[-1][-1] is None
+    with pytest.raises(SystemExit) as exited:
+        module.main(["--projection", "cublas"])
+    assert exited.value.code == 2 and "invalid choice: 'cublas'" in capsys.readouterr().err and len(ran) == 2
+
+
+def test_a_runs_projection_is_the_librarys_names_and_every_stack_built_after_takes_it(monkeypatch):
+    """project_by sets the default every compiled step reads as it is built (a stack on a CPU,
+    fp32, refuses "few_rows", naming why: the setting reached it), the choices are the library's
+    own, and a name the library lacks is refused without changing the default."""
+    torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
+    from benchmarks.torch_common import PROJECTIONS, project_by
+    from memra_cuda.torch import CompiledStack, compiled
+    assert PROJECTIONS == compiled.PROJECTIONS
+    monkeypatch.setattr(compiled, "PROJECTION", compiled.PROJECTION)  # undone after the test
+    assert project_by(None) == compiled.PROJECTION == "inductor"
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    CompiledStack(model, 64, compile=False)
+    assert project_by("few_rows") == "few_rows"
+    with pytest.raises(ValueError, match="projection 'few_rows' serves a bf16 or fp16 model on a GPU"):
+        CompiledStack(model, 64, compile=False)
+    with pytest.raises(ValueError, match="projection is one of"):
+        project_by("cublas")
+    assert compiled.PROJECTION == "few_rows"
+
+
 def write_heldout(tmp_path, count: int, length: int = 5) -> dict:
     """A heldout.json as benchmarks/pair.py writes it, of `count` prompts, and the pair's other files."""
     pool = [dict(path=f"stdlib/m{i}.py", start=3 * i, ids=list(range(100 * i, 100 * i + length)), text=f"t{i}")

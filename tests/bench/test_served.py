@@ -72,19 +72,25 @@ def test_the_baseline_at_each_b_is_the_faster_plain_decoding():
 
 def test_a_resumed_report_keeps_its_other_batches_only_where_it_is_of_this_pair_and_m(tmp_path):
     """--resume: the rows of the B's this run does not serve are kept from the report of the same
-    pair (the same trained weights), M and --quick; anything else is refused naming what differs."""
+    pair (the same trained weights), M, --quick and projection; anything else is refused naming
+    what differs (a report from before projections were recorded among them)."""
     import json
 
     from benchmarks.served import resumed
     pair = {"key": "620e7b973acb", "target": {"heldout_loss": 2.1208}}
     rows = [row_of(b, "greedy", "plain", [served(100, None)], 1.0, None) for b in (32, 1, 64)]
     path = tmp_path / "s.json"
-    path.write_text(json.dumps(dict(pair=pair, m_rounds=16, quick=False, rows=rows)))
-    assert [row["batch"] for row in resumed(path, pair, 16, False, [64, 128])] == [32, 1]
+    path.write_text(json.dumps(dict(pair=pair, m_rounds=16, quick=False, projection="inductor", rows=rows)))
+    assert [row["batch"] for row in resumed(path, pair, 16, False, [64, 128], "inductor")] == [32, 1]
     retrained = {"key": "620e7b973acb", "target": {"heldout_loss": 2.1301}}
     for mine, what in (((retrained, 16, False), "pair"), ((pair, 8, False), "M"), ((pair, 16, True), "quick")):
         with pytest.raises(ValueError, match=f"another {what} "):
-            resumed(path, *mine, [64])
+            resumed(path, *mine, [64], "inductor")
+    with pytest.raises(ValueError, match="another projection \\('inductor', this run 'few_rows'\\)"):
+        resumed(path, pair, 16, False, [64], "few_rows")
+    path.write_text(json.dumps(dict(pair=pair, m_rounds=16, quick=False, rows=rows)))
+    with pytest.raises(ValueError, match="another projection \\(None, "):
+        resumed(path, pair, 16, False, [64], "inductor")
 
 
 def test_the_rounds_a_burst_are_refused_at_parsing_before_the_pair_loads(monkeypatch, capsys):
@@ -93,7 +99,7 @@ def test_the_rounds_a_burst_are_refused_at_parsing_before_the_pair_loads(monkeyp
     from benchmarks import served as serving
     ran = []
     monkeypatch.setattr(serving, "served_headline", lambda *args: ran.append(args))
-    assert serving.main(["--rounds", "8", "--batches", "1"]) == 0 and ran[0][-2] == 8
+    assert serving.main(["--rounds", "8", "--batches", "1"]) == 0 and ran[0][-3] == 8
     for rounds in ("0", "-3", str(2**31)):
         with pytest.raises(SystemExit) as exited:
             serving.main(["--rounds", rounds])
