@@ -159,6 +159,12 @@ def as_requests(requests: Iterable[Request], what: str) -> list[Request]:
     return list(requests)
 
 
+def _serve_requests(requests: Iterable[Request]) -> list[Request]:
+    """serve()'s `requests` as a list, each a Request, else TypeError (as_requests, as_request):
+    Server.serve checks them before it submits any, Driven.serve before it makes a server."""
+    return [as_request(request) for request in as_requests(requests, "serve()")]
+
+
 def malformed(request: Request, vocab: int) -> str | None:
     """Why `request` is none a decoder over `vocab` tokens can run, whatever its room: a prompt
     that is not one or more token ids, a budget, EOS, seed (of 64 bits) or most draft length that
@@ -330,16 +336,27 @@ class Server:
         """Queue `request` and give its id; RequestRefused naming the id and why, where it is
         malformed, names a token outside the vocabulary or cannot fit a row (nothing else
         changes: no slot, no queue, no device work); TypeError, taking no id, for what is not a
-        Request. The server keeps a copy, its prompt the tuple of ints that was checked: the
-        caller's list, changed later, is never what a row is given."""
+        Request. Anything else it raises (its clock, the decoder's refusal(), an interrupt) takes
+        no id and queues nothing. The server keeps a copy, its prompt the tuple of ints that was
+        checked: the caller's list, changed later, is never what a row is given."""
         request = as_request(request)
-        ident, self._next = self._next, self._next + 1
+        return self._submit(request, self.clock())
+
+    def _submit(self, request: Request, submitted: float) -> int:
+        """submit() of a Request stamped `submitted` (the clock read before: where it raises,
+        nothing is taken). Its id is taken after the decoder's refusal(), so a submit that raised
+        anything but a refusal (which names the id it takes) took none, and the next submit gets
+        it: the id was taken first, and the next request's skipped it."""
         checked = _checked(request, self.decoder.vocab)
-        if isinstance(checked, str):
-            raise RequestRefused(ident, checked)
-        if (reason := self.decoder.refusal(checked)) is not None:
-            raise RequestRefused(ident, reason)
-        submitted = self.clock()
+        try:
+            if isinstance(checked, str):
+                raise RequestRefused(self._next, checked)
+            if (reason := self.decoder.refusal(checked)) is not None:
+                raise RequestRefused(self._next, reason)
+        except RequestRefused:  # the server's, or the decoder's own (naming its row): the request's refusal
+            self._next += 1
+            raise
+        ident, self._next = self._next, self._next + 1
         # queued before it is live: an interrupt between the two leaves an id no step admits (_admit drops
         # it), where one live but not queued never ran nor ended, and the server was never idle again
         self._queue.append(ident)
@@ -381,6 +398,8 @@ class Server:
     def _step(self) -> Progress:
         finished, self._unreported = self._unreported, {}
         try:
+            for ident in finished.keys() & self._live.keys():  # ended where the step raised as it forgot them (_end)
+                self._forget(ident)
             if self._unrecorded is not None and (unrecorded := self._recovered(*self._unrecorded)) is not None:
                 return self._record(*unrecorded, finished)
             now = self.clock()  # in here: where it raised, the ends the last step left to this one were dropped
@@ -424,21 +443,24 @@ class Server:
         (_unrecorded) and the next step records it, with its own reading and no burst of its own:
         the decoder's rows had gone on, so the burst's tokens were lost, and a request that
         stopped in it ended at a later burst with fewer tokens, silently. Its news is read
-        whole before any request changes, so a burst that cannot be read changes none."""
+        whole before any request changes, so a burst that cannot be read changes none, and every
+        request has its tokens before any ends: an exception as one ends (_end) leaves the others
+        running with them, to end at the next burst (their rows done), where they lost the burst's."""
         at = self.clock()
         self._unrecorded = None
         news = [(ident, list(burst.tokens[row]), None if burst.accepted is None else int(burst.accepted[row]),
                  bool(burst.done[row])) for row, ident in busy]
         tokens: dict[int, list[int]] = {}
-        for ident, new, accepted, done in news:
+        for ident, new, accepted, _ in news:
             running = self._live[ident]
             running.tokens += new
             running.arrivals += [at] * len(new)
             if accepted is not None:
                 running.accepted = accepted
             tokens[ident] = new
+        for ident, _, _, done in news:
             if done:
-                finished[ident] = self._end(ident, at)
+                self._end(ident, at, finished)
         return Progress(at, tokens, finished)
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
@@ -451,23 +473,26 @@ class Server:
         KeyError, and every result of the call lost). Where a step raises (an interrupt, a device
         fault), serve() raises it, and its requests that had ended are handed out by the next
         step(), as those still in flight are by the steps that end them: they were lost, the
-        server's steps reporting the others alone."""
+        server's steps reporting the others alone. Each request is stamped before it is submitted,
+        so a refusal is recorded as it is made; where the clock raises, serve() raises with that
+        request and those after it never submitted (a refusal stamped after it was made was lost
+        with the clock's failure, its id taken)."""
         if not self.idle:
             # the ends left for the next step to hand out count too: "0 request(s)" said nothing was in it
             raise ValueError(f"serve() takes an idle server to idle; {len(self._live)} request(s) are in this one, "
                              f"{len(self._unreported)} ended for the next step to hand out: step() until it is idle")
-        requests = [as_request(request) for request in as_requests(requests, "serve()")]
+        requests = _serve_requests(requests)
         out: dict[int, Served] = {}
         place: dict[int, int] = {}  # a request's id -> its place in `requests`, a refused one's too
         others: dict[int, Served] = {}
         try:
             for i, request in enumerate(requests):
-                ident = self._next  # the id submit takes, whatever a refusal names (a decoder's own)
+                at = self.clock()  # before its submission: a refusal is stamped as it is made
                 try:
-                    place[self.submit(request)] = i
+                    place[self._submit(request, at)] = i
                 except RequestRefused as refusal:
-                    place[ident] = i  # so that a serve() that raises hands its refusal out too
-                    at = self.clock()
+                    # by the id it took, whatever it names (a decoder's own): a serve() that raises hands it out too
+                    place[self._next - 1] = i
                     out[i] = Served([], at, None, [], at, refused=str(refusal))
             while len(out) < len(requests):
                 for ident, served in self.step().finished.items():
@@ -494,7 +519,7 @@ class Server:
             self.decoder.park(rows)
         for ident in cancels:
             queued = self._live[ident].row is None
-            finished[ident] = self._end(ident, now, cancelled=True)
+            self._end(ident, now, finished, cancelled=True)
             if queued:  # after its end: an interrupt between the two leaves an id _admit drops, where one
                 self._queue.remove(ident)  # out of the queue but not ended made every later step raise
 
@@ -516,7 +541,7 @@ class Server:
                 pass  # a submit or an admission an interrupt cut short after its queueing or its row
             elif running.request.max_new_tokens == 0:
                 running.admitted = now
-                finished[ident] = self._end(ident, now)
+                self._end(ident, now, finished)
             elif free:
                 row = free.popleft()
                 try:
@@ -550,21 +575,30 @@ class Server:
         request still at the head. Its end is in `finished` before it leaves the queue, as in
         _cancel: a request out of the queue but not ended never ended."""
         self.decoder.park([row])
-        finished[ident] = self._end(ident, now, refused=str(RequestRefused(ident, f"its admission raised "
-                                                                                  f"{type(exc).__name__}: {exc}")))
+        self._end(ident, now, finished, refused=str(RequestRefused(ident, f"its admission raised "
+                                                                           f"{type(exc).__name__}: {exc}")))
         self._queue.popleft()
 
-    def _end(self, ident: int, at: float, cancelled: bool = False, refused: str | None = None) -> Served:
-        """Request `ident` ended at `at`: its row (if it held one) is free, and the server forgets it,
-        a cancel asked for it too (one asked during the step that ended it: from another thread,
-        or the clock or the decoder called back, met a KeyError at every later step)."""
+    def _end(self, ident: int, at: float, finished: dict[int, Served], cancelled: bool = False,
+             refused: str | None = None) -> None:
+        """Request `ident` ended at `at`: its Served in `finished`, then the server forgets it
+        (_forget). An exception before its Served is in `finished` (in ended(), say) leaves it
+        running; one after, ended, its end handed out by the next step, which forgets it first
+        (_step). It was half ended: forgotten with its row held or its cancel asked (KeyError at
+        every later step), or forgotten with its end never handed out."""
+        finished[ident] = self._live[ident].ended(at, cancelled, refused)
+        self._forget(ident)
+
+    def _forget(self, ident: int) -> None:
+        """Request `ident`, ended, forgotten: a cancel asked for it (one asked during the step that
+        ended it: from another thread, or the clock or the decoder called back, met a KeyError at
+        every later step), its row (if it held one), and itself last, so that, cut short, it is
+        still live and the next step forgets it again."""
         running = self._live[ident]
-        served = running.ended(at, cancelled, refused)  # first: an interrupt in it leaves the request as it was
-        del self._live[ident]
         self._cancels.discard(ident)
         if running.row is not None:
             self._slots[running.row] = None
-        return served
+        del self._live[ident]
 
 
 class Driven:
@@ -589,12 +623,16 @@ class Driven:
         self._servers.add(server)
         return server
 
-    def serve(self, server: Server, requests: Sequence[Request]) -> list[Served]:
-        """server.serve(requests) for a decoder's own serve(), whose server no caller holds: where
-        it raises (an interrupt, a device fault), that server drives the rows no more. Its requests
+    def serve(self, make: Callable[[], Server], requests: Iterable[Request]) -> list[Served]:
+        """make().serve(requests) for a decoder's own serve(), whose server no caller holds. The
+        requests are checked first, as serve() checks them: the server was made before (its
+        graphs captured, every row parked, one of these) for requests that were none. Where serve()
+        raises (an interrupt, a device fault), that server drives the rows no more. Its requests
         in flight are nobody's to step or cancel, and the traceback that holds it lives on (a
         REPL's sys.last_exc, a caught exception): every later serve(), server() and
         generate_batch of the decoder was refused until the traceback went."""
+        requests = _serve_requests(requests)
+        server = make()
         try:
             return server.serve(requests)
         except BaseException:

@@ -310,7 +310,7 @@ class RoundDecoder:
         cannot run (its prompt and budget past the caches' room in this mode, a token outside
         the vocabulary) is refused alone, its Served's `refused` saying why. Where it raises (an
         interrupt), its server drives the rows no more (Driven.serve)."""
-        return self.driven.serve(self.server(mode), requests)
+        return self.driven.serve(lambda: self.server(mode), requests)  # made once the requests are checked
 
     def acceptance(self, committed: int | Sequence[int]) -> float:
         """The share of drafted tokens accepted, given each row's committed tokens."""

@@ -221,7 +221,7 @@ class GraphedGreedy:
         order, through the batch's slots (server().serve). One Served a request, in order; a
         request that cannot run is refused alone, its Served's `refused` saying why. Where it
         raises (an interrupt), its server drives the rows no more (Driven.serve)."""
-        return self.driven.serve(self.server(), requests)
+        return self.driven.serve(self.server, requests)  # made once the requests are checked
 
 
 def hf_generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: int | None = None,

@@ -971,3 +971,130 @@ def test_a_prompt_of_ints_past_int64_is_refused_as_outside_the_vocabulary(prompt
     for prompt in ([1.0, 2], [True, 2], [[1], [2]]):
         with pytest.raises(RequestRefused, match="must be a sequence of at least one token id"):
             server.submit(Request(prompt, 3))
+
+
+def test_a_refusal_in_serve_whose_clock_then_raised_is_handed_out_by_the_next_step():
+    """serve() stamped a request refused at its submission with a reading taken after the
+    refusal: where the clock raised there, serve() raised and the refusal, its id taken, was
+    handed out by nothing. Each submission is stamped first now: the refusal is recorded as it is
+    made, handed out by the next step as serve()'s other ends are, and the request whose stamp
+    raised was never submitted (the next submit takes its id)."""
+    clock = FailingClock()
+    decoder = Counting(1, clock)
+    server = Server(decoder, clock=clock)
+    refusal = decoder.refusal
+
+    def failing(request):
+        reason = refusal(request)
+        clock.failing = reason is not None  # the clock's next reading raises
+        return reason
+
+    decoder.refusal = failing
+    requests = [Request([1], 3), Request([1] * 40, 5), Request([2], 3)]
+    with pytest.raises(OSError, match="the clock failed"):
+        server.serve(requests)
+    decoder.refusal = refusal
+    out = _idle(server)
+    assert sorted(out) == [0, 1] and out[0].tokens == alone(requests[0])
+    assert (out[1].refused or "").startswith("request 1 refused: 45 entries needed") and out[1].latency == 0
+    assert server.submit(requests[2]) == 2, "the request whose stamp raised was submitted"
+
+
+@pytest.mark.parametrize("point", ["ended", "self._cancels.discard(ident)", "self._slots[running.row] = None",
+                                   "del self._live[ident]"], ids=["in ended()", "its cancel", "its row", "itself"])
+@pytest.mark.parametrize("by", ["burst", "cancel"])
+def test_an_interrupt_as_a_request_ends_leaves_it_ended_once_and_the_others_whole(monkeypatch, point, by):
+    """Ctrl-C as a request ends (by its burst, or by its cancel at the boundary), inside
+    _Running.ended or between the server's changes as it forgets the request: the request ends
+    once, handed out by this step or the next, every other keeps its tokens, and the server goes
+    on. It was forgotten with its row still held or its cancel still asked (KeyError at every
+    later step), or its end was lost; and an end cut short in a burst's record left the requests
+    after it without that burst's tokens."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    requests = [Request([1, 2], 1), Request([3], 1), Request([4], 30)]  # 0 and 1 end in the first burst
+    ids = [server.submit(request) for request in requests]
+    out: dict[int, Served] = {}
+    if by == "burst":
+        burst = decoder.burst
+
+        def cancelling():  # its cancel asked as the burst that ends it runs: the set holds it as it ends
+            decoder.burst = burst
+            assert server.cancel(ids[0])
+            return burst()
+
+        decoder.burst = cancelling
+    else:
+        out.update(server.step().finished)
+        out.update(server.step().finished)  # request 2 runs in row 0
+        assert server.cancel(ids[2])
+    if point == "ended":
+        interrupt_once(monkeypatch, serving._Running, "ended", waited=False)
+        with pytest.raises(KeyboardInterrupt):
+            out.update(server.step().finished)
+    else:
+        with interrupt_before(serving, point) as fired, pytest.raises(KeyboardInterrupt):
+            out.update(server.step().finished)
+        assert fired
+    for ident, served in _idle(server).items():
+        assert ident not in out, f"request {ident} ended twice"
+        out[ident] = served
+    assert sorted(out) == ids
+    assert [out[ident].tokens for ident in ids[:2]] == [alone(request) for request in requests[:2]]
+    assert out[ids[2]].tokens == alone(requests[2])[:len(out[ids[2]].tokens)]
+    assert out[ids[2]].cancelled == (by == "cancel")
+    assert server.serve([Request([5], 4)])[0].tokens == alone(Request([5], 4))
+
+
+@pytest.mark.parametrize("failing", ["clock", "refusal"])
+def test_a_submit_that_raised_takes_no_id_and_queues_nothing(failing):
+    """A submit whose clock raised, or whose decoder's refusal() did (an interrupt, a fault of the
+    decoder's own), had taken an id: the next request's skipped it, and cancel() of the skipped id
+    said it was submitted. Such a submit now leaves no trace: the next one takes the id it would
+    have taken, and nothing but it runs."""
+    clock = FailingClock()
+    decoder = Counting(1, clock)
+    server = Server(decoder, clock=clock)
+    assert server.submit(Request([1], 3)) == 0
+    refusal = decoder.refusal
+    if failing == "clock":
+        clock.failing = True
+    else:
+        def interrupted(request):
+            decoder.refusal = refusal
+            raise KeyboardInterrupt
+
+        decoder.refusal = interrupted
+    with pytest.raises(OSError if failing == "clock" else KeyboardInterrupt):
+        server.submit(Request([2], 3))
+    assert server.submit(Request([3], 3)) == 1, "the submit that raised took an id"
+    with pytest.raises(ValueError, match="no request 2 was submitted to this server \\(2 so far\\)"):
+        server.cancel(2)
+    out = _idle(server)
+    assert sorted(out) == [0, 1] and out[1].tokens == alone(Request([3], 3))
+
+
+@pytest.mark.parametrize("given, named", [(None, r"serve\(\) takes a sequence of requests \(a list\), not None"),
+                                          (Request([1], 3), r"serve\(\) takes a sequence of requests, not one "
+                                                            r"Request: give \[request\]"),
+                                          ([Request([1], 3), ([2], 3)], r"a request is a memra_cuda\.rounds\.Request")],
+                         ids=["None", "one Request", "a tuple among them"])
+def test_a_decoders_serve_checks_its_requests_before_it_makes_its_server(given, named):
+    """A decoder's serve() (Driven.serve) made its server first, its graphs captured and every
+    row parked, one of the decoder's servers, and only then met requests that were none: the
+    same TypeError, after that work. The requests are checked first now, as serve() checks them,
+    and the server is made only for requests it can take."""
+    decoder = Counting(2)
+    decoder.driven = Driven()
+    made: list[Server] = []
+
+    def server() -> Server:
+        made.append(Server(decoder, clock=decoder.clock))
+        return made[-1]
+
+    with pytest.raises(TypeError, match=named):
+        decoder.driven.serve(server, given)
+    assert made == [] and decoder.calls == [] and not list(decoder.driven._servers)
+    requests = [Request([1, 2], 3), Request([4], 2)]
+    served = decoder.driven.serve(server, (request for request in requests))  # any iterable, as serve() takes
+    assert [out.tokens for out in served] == [alone(request) for request in requests] and len(made) == 1
