@@ -30,6 +30,11 @@ ATTENTIONS: tuple[Attention, ...] = ("flex", "sdpa")
 BLOCK = 128  # flex_attention's block of queries and of cache slots (its default)
 
 
+# The most slots a capacity may ask for: a row's lengths are i32 (KVLayer), and aligned() rounds up
+# to whole blocks, so the most whole blocks an i32 counts (2**31 - 1 asked was a cache of 2**31)
+MOST_SLOTS = 2**31 - BLOCK
+
+
 def aligned(capacity: int) -> int:
     """A compiled stack's capacity for one asked for: whole blocks, so that no block of the cache
     is cut short (flex_attention's kernels then never mask a block's tail)."""

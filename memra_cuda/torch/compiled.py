@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from .attention import ATTENTIONS, Attention, aligned, causal, masked
+from .attention import ATTENTIONS, MOST_SLOTS, Attention, aligned, causal, masked
 from ..buffers.geometry import as_batch
 from ..driver.errors import NotFused
 from ..driver.module import GRID_LIMITS
@@ -174,7 +174,8 @@ class CompiledStack(LayerStack):
         compile, dynamic = as_flag(compile, "compile"), as_flag(dynamic, "dynamic")
         tuning = None if tuning is None else as_flag(tuning, "tuning", also="None")
         self.attends = attends(attention, batch * model.config.num_key_value_heads)
-        capacity = as_size(capacity, "capacity")  # before it is rounded up: "64" and True are no capacities
+        # before it is rounded up: "64" and True are no capacities, and 2**31 - 1 rounded up passed an i32's most
+        capacity = as_size(capacity, "capacity", most=MOST_SLOTS)
         self.few_rows = self._projection(model, PROJECTION if projection is None else projection)
         window = sliding_window(model.config)
         if window and aligned(capacity) > window:  # the step attends to the whole cache a row holds

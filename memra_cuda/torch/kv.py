@@ -25,6 +25,7 @@ from ..buffers.capacity import kv_capacity
 from ..buffers.geometry import Geometry, as_batch
 from ..buffers.tables import Cache, KVData, KVLayer
 from ..driver.values import as_size, distinct_rows
+from .attention import MOST_SLOTS
 
 
 def head_size(config: Any) -> int:
@@ -66,12 +67,17 @@ class Room:
 
 def as_capacity(capacity: int | Room, geometry: Geometry | None) -> int:
     """A decoder's `capacity`, a number of cache slots or a Room sized for `geometry`, as slots
-    (as_size's refusals, naming it)."""
+    (as_size's refusals, naming it), at most MOST_SLOTS: past it, refused before any cache is
+    allocated (KVLayer refused it only once the caches were)."""
     if isinstance(capacity, Room):
-        return capacity.entries(geometry)
+        slots = capacity.entries(geometry)
+        if slots > MOST_SLOTS:
+            raise ValueError(f"{capacity} takes a cache of {slots} slots a row, past the most a row holds, "
+                             f"{MOST_SLOTS} (its lengths are i32)")
+        return slots
     if isinstance(capacity, (tuple, list)):  # as_size's TypeError would not say what else it takes
         raise TypeError(f"capacity is a Room(prompt_len, tokens) or an int of slots, not {capacity!r}")
-    return as_size(capacity, "capacity", also="a Room")
+    return as_size(capacity, "capacity", most=MOST_SLOTS, also="a Room")
 
 
 class StaticKV:
@@ -93,7 +99,7 @@ class StaticKV:
     def _bookkeeping(self, layers: int, batch: int, capacity: int, device: torch.device | str) -> None:
         """What every layout keeps beside its entries: lengths, rows and positions (its sizes
         checked first, so a bad one is named, not left to torch)."""
-        layers, capacity = as_size(layers, "layers"), as_size(capacity, "capacity")
+        layers, capacity = as_size(layers, "layers"), as_size(capacity, "capacity", most=MOST_SLOTS)
         batch = as_batch(batch)
         self.capacity = capacity
         self.lengths = torch.zeros(layers, batch, dtype=torch.int32, device=device)

@@ -43,8 +43,11 @@ def _as_device(device: torch.device | str) -> torch.device:
         checked = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {device!r} is no torch device: {e}") from None
-    if checked.type == "cuda" and (checked.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r} is not on this machine: it has {torch.cuda.device_count()} CUDA device(s)")
+    if checked.type == "meta":  # loaded there, a model's weights are shapes alone, and a decoder's outputs garbage
+        raise ValueError(f"device {device!r} is no place for weights: load a model onto the CPU or a GPU")
+    count = getattr(getattr(torch, checked.type, None), "device_count", None)  # torch.cuda's, .xpu's, .mps'
+    if checked.type != "cpu" and callable(count) and (checked.index or 0) >= count():
+        raise ValueError(f"device {device!r} is not on this machine: it has {count()} {checked.type} device(s)")
     return checked
 
 

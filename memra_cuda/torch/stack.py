@@ -22,6 +22,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..driver.values import as_size
+from .attention import MOST_SLOTS
 from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
 from .state import LiveState, Recurrent, State, StateLayout
@@ -140,6 +141,7 @@ class LayerStack:
 
     model: Any
     layers: Sequence[Any]
+    device: torch.device  # the model's: every tensor a forward takes is on it
     kv: StaticKV
     prefills: Prefills
 
@@ -169,11 +171,14 @@ class LayerStack:
                    slots: torch.Tensor | None, named: torch.Tensor | None = None) -> None:
         """_check_rows' and Stack.append's check (`what` names the caller, `shape` what it takes):
         TypeError unless the tokens, positions, slots and `named` rows are integer tensors,
-        ValueError unless the tokens are `rows` rows of T >= 1 (T = 0: no logits, not even `last`'s
-        [B][1][V]) and the positions and slots one a token."""
+        ValueError unless they are on the stack's device (meta tokens embedded as zeros, silently),
+        the tokens are `rows` rows of T >= 1 (T = 0: no logits, not even `last`'s [B][1][V]) and
+        the positions and slots one a token."""
         for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots), ("rows", named)):
             if given is not None and getattr(given, "dtype", None) not in INDICES:
                 raise TypeError(f"{what}'s {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
+            if given is not None and given.device != self.device:
+                raise ValueError(f"{what}'s {name} are on {given.device}, not the stack's device, {self.device}")
         width = tokens.shape[1] if tokens.dim() == 2 else 0
         if not width or tokens.shape[0] != rows or positions.shape != tokens.shape or (
                 slots is not None and slots.shape != tokens.shape):
@@ -190,6 +195,8 @@ class LayerStack:
             return
         if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
             raise TypeError(f"a forward's mask is a tensor of bools or floats, not {getattr(mask, 'dtype', mask)!r}")
+        if mask.device != self.device:
+            raise ValueError(f"a forward's mask is on {mask.device}, not the stack's device, {self.device}")
         want = [self.kv.lengths.shape[1], 1, tokens, self.kv.capacity]
         if list(mask.shape) != want:
             raise ValueError(f"a forward's mask is [B][1][T][capacity], {want}: not {list(mask.shape)}")
@@ -235,7 +242,8 @@ class Stack(LayerStack):
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
                  cache: CacheLayout = StaticKV):
-        capacity = as_size(capacity, "capacity")  # before the window compares with it: "64" met a bare TypeError
+        # before the window compares with it ("64" met a bare TypeError), and past MOST_SLOTS before a cache is made
+        capacity = as_size(capacity, "capacity", most=MOST_SLOTS)
         _check_shape(model, capacity)
         self.model = model
         self.layers = model.model.layers[:model.config.num_hidden_layers]

@@ -424,6 +424,13 @@ def test_a_forward_of_rows_that_are_not_the_batchs_is_refused_before_a_cache_is_
                 stack.logits(tokens, positions, mask=mask)
         with pytest.raises(TypeError, match="a forward's mask is a tensor of bools or floats, not torch.int32"):
             stack.logits(tokens, positions, mask=seen.int())
+        # a meta tensor embedded as zeros (no error): each of a forward's tensors is on the stack's device
+        for named, given in (("tokens", dict(tokens=tokens.to("meta"))),
+                             ("positions", dict(positions=positions.to("meta"))),
+                             ("slots", dict(slots=positions.to("meta"))), ("mask", dict(mask=seen.to("meta")))):
+            verb = "is" if named == "mask" else "are"
+            with pytest.raises(ValueError, match=f"a forward's {named} {verb} on meta, not the stack's device, cpu"):
+                stack.logits(**{**dict(tokens=tokens, positions=positions), **given})
         assert all(torch.equal(a, b) for a, b in zip(before, (*stack.kv.k, *stack.kv.v))), type(stack).__name__
         stack.logits(tokens, positions, mask=seen)  # the mask at its shape, bools
 
@@ -439,6 +446,32 @@ def test_a_capacity_is_whole_blocks_and_a_garbage_position_stays_inside():
             CompiledStack(tiny(), capacity, compile=False)
     stack.prefill([], [])  # nothing to prefill: no rows, nothing written
     assert stack.kv.lengths.tolist() == [[0]] * 3
+
+
+def test_a_capacity_past_the_most_whole_blocks_an_i32_counts_is_refused_before_a_cache_is_made(monkeypatch):
+    """2**31 - 1 slots rounded up to whole blocks was a cache of 2**31, whose i32 lengths wrap:
+    KVLayer refused it only once every cache had been allocated (or torch ran out of memory
+    first). Every way a cache's size is given (a decoder's capacity or Room, a stack's, a
+    StaticKV's) refuses one past MOST_SLOTS naming it, before a tensor is made; MOST_SLOTS
+    itself stays whole blocks an i32 counts."""
+    from memra_cuda.torch import Room
+    from memra_cuda.torch.attention import MOST_SLOTS, aligned
+    from memra_cuda.torch.kv import StaticKV, as_capacity
+    assert aligned(MOST_SLOTS) == MOST_SLOTS <= 2**31 - 1 < aligned(MOST_SLOTS + 1)
+    assert as_capacity(MOST_SLOTS, None) == MOST_SLOTS  # the limit (a cache that large is not made here)
+    model, made = tiny(), []
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: made.append(a) or pytest.fail("a cache was made"))
+    too_many = f"capacity must be {{}}an int from 1 to {MOST_SLOTS}, not {MOST_SLOTS + 1}"
+    with pytest.raises(ValueError, match=too_many.format("a Room or ")):
+        as_capacity(MOST_SLOTS + 1, None)
+    with pytest.raises(ValueError, match=r"Room\(prompt_len=2147483000, tokens=1000\) takes a cache of \d+ slots a "
+                       f"row, past the most a row holds, {MOST_SLOTS}"):
+        as_capacity(Room(2_147_483_000, 1000), None)
+    for build in (lambda: Stack(model, MOST_SLOTS + 1), lambda: CompiledStack(model, MOST_SLOTS + 1, compile=False),
+                  lambda: StaticKV(model.config, 1, 1, MOST_SLOTS + 1, torch.float32, "cpu")):
+        with pytest.raises(ValueError, match=too_many.format("")):
+            build()
+    assert not made
 
 
 def test_a_batch_is_checked_before_flexs_grid_is_sized_by_it():

@@ -331,10 +331,11 @@ def test_a_model_directory_loads_for_inference_with_its_tokenizer(tmp_path, dtyp
                                    hf_logits(target, [5, 9, 3]), **TOL)
 
 
-@pytest.mark.parametrize("device", ["gpu", "cuda:99", 3.5])
+@pytest.mark.parametrize("device", ["gpu", "cuda:99", 3.5, "meta", "xpu:99", "mps:99"])
 def test_a_device_the_machine_lacks_is_refused_before_the_checkpoint_is_read(tmp_path, monkeypatch, device):
-    """load_model(device="gpu") (or a GPU past the machine's) met torch's error only once every
-    weight had been read: a ValueError naming the device now comes first."""
+    """load_model(device="gpu") (or a GPU past the machine's, an Intel or Apple one past its
+    count, the meta device, where weights are shapes alone) met torch's error, or none, only once
+    every weight had been read: a ValueError naming the device now comes first."""
     import transformers
     save_pair(tmp_path)
     read = []
@@ -525,7 +526,7 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
         (lambda: SpeculativeLlama(model, draft, k=0), "k \\(no drafts: GraphedGreedy, or a request's max_draft=0\\) "
                                                       "must be an int of at least 1, not 0"),
         (lambda: SpeculativeLlama(model, draft, m_rounds=0), "m_rounds must be an int of at least 1"),
-        (lambda: SpeculativeLlama(model, draft, capacity=-1), "capacity must be a Room or an int of at least 1"),
+        (lambda: SpeculativeLlama(model, draft, capacity=-1), "capacity must be a Room or an int from 1 to 2147483520"),
         (lambda: SpeculativeLlama(model, draft, draft_sampling=SamplingParams()), "give sampling= too"),
         (lambda: SpeculativeLlama(model, draft, capacity=Room(0, 8)), "prompt_len must be an int of at least 1"),
         (lambda: TreeLlama(model, draft, TREE, capacity=Room(4, -1)), "tokens must be an int of at least 0"),
@@ -968,7 +969,7 @@ def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
         (lambda: TreeLlama(model, draft, TREE, paged=0), ValueError, "paged must be an int of at least 1, not 0"),
         (lambda: TreeLlama(model, draft, TreeShape.from_choices([[0], [2]]), sampling=SamplingParams()), ValueError,
          "a sampled tree's children are their parent's first draws"),
-        (lambda: GraphedGreedy(model, 0), ValueError, "capacity must be a Room or an int of at least 1"),
+        (lambda: GraphedGreedy(model, 0), ValueError, "capacity must be a Room or an int from 1 to 2147483520"),
         (lambda: GraphedGreedy(model, 64, compiled="no"), TypeError, "compiled must be None or True or False"),
         (lambda: SpeculativeLlama(model, draft, k=254, capacity=255 - 128), CapacityError,
          "a cache of 128 slots a row \\(whole blocks\\) cannot take one round of 255 tokens a row at k = 254, "
