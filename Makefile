@@ -20,7 +20,7 @@ PICK_TEST = py=$$(sh tools/pick-python test) || exit 1;
 WHEELS12 ?= cuda-python==12.6.2.post1 numpy==1.26.4
 SITE12   ?= /tmp/site12
 
-.PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch pair soak served ptx clean
+.PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch pair pair-twice soak served ptx clean
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)
@@ -183,6 +183,13 @@ bench-torch: pair
 # kept in .cache/pair/ and reused (a second run lists the corpus and finds it, seconds).
 pair:
 	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.pair $(PAIR_ARGS)
+
+# Whether the pair reproduces (benchmarks/pair_twice.py, issue 47 item 5): pair.py twice into two
+# empty caches (PAIR_CACHES="DIR DIR"; default two temporary folders), its PAIR_ARGS each time, then
+# both reports side by side; fails unless the losses are within 0.02 nats/token and the draft's
+# top-1 agreement within a point.
+pair-twice:
+	$(PICK) PYTHONPATH=. "$$py" -m benchmarks.pair_twice $(if $(PAIR_CACHES),--caches $(PAIR_CACHES)) -- $(PAIR_ARGS)
 
 # A server's soak (benchmarks/soak.py; torch and transformers, a GPU): 5,000 requests through 64
 # slots of a chain decoder, refusals and cancels mixed in; fails unless nothing is lost, device

@@ -16,7 +16,7 @@ import benchmarks
 
 
 @pytest.mark.parametrize("program", ["benchmarks.bench", "benchmarks.ranks", "benchmarks.headline", "benchmarks.soak",
-                                     "benchmarks.served"])
+                                     "benchmarks.served", "benchmarks.pair_twice"])
 def test_each_benchmark_program_prints_its_whole_description_with_help(program):
     root = Path(benchmarks.__file__).absolute().parents[1]  # where this run found `benchmarks`
     run = subprocess.run([sys.executable, "-m", program, "--help"], cwd=root, capture_output=True, text=True,
