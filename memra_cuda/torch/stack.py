@@ -151,7 +151,9 @@ class LayerStack:
         """The head's logits after each of `tokens` ([B][T] at `positions`), [B][T][V], or after
         the last of each row's, [B][1][V] (the head then runs on one token a row). A tree's nodes
         give `slots` (where their K and V go, [B][T]), `mask` (TreeMask's rows) and `parents`
-        (for recurrent layers): see Stack.append."""
+        (for recurrent layers): see Stack.append. A mask of bools is True where a token sees a
+        slot; one of floats is added to the scores, as SDPA adds it (0 seen, -inf not): a float
+        mask of 0s and 1s hides nothing, and which it is cannot be told without reading it."""
         raise NotImplementedError
 
     def _check_rows(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
