@@ -336,8 +336,8 @@ class Server:
         """Queue `request` and give its id; RequestRefused naming the id and why, where it is
         malformed, names a token outside the vocabulary or cannot fit a row (nothing else
         changes: no slot, no queue, no device work); TypeError, taking no id, for what is not a
-        Request. Anything else it raises (its clock, the decoder's refusal(), an interrupt) takes
-        no id and queues nothing. The server keeps a copy, its prompt the tuple of ints that was
+        Request. Anything else its clock or the decoder's refusal() raises (an interrupt there)
+        takes no id and queues nothing. The server keeps a copy, its prompt the tuple of ints that was
         checked: the caller's list, changed later, is never what a row is given."""
         request = as_request(request)
         return self._submit(request, self.clock())
@@ -345,16 +345,19 @@ class Server:
     def _submit(self, request: Request, submitted: float) -> int:
         """submit() of a Request stamped `submitted` (the clock read before: where it raises,
         nothing is taken). Its id is taken after the decoder's refusal(), so a submit that raised
-        anything but a refusal (which names the id it takes) took none, and the next submit gets
-        it: the id was taken first, and the next request's skipped it."""
+        anything but a refusal took none, and the next submit gets it: the id was taken first,
+        and the next request's skipped it. A refusal takes the id and names it, a decoder's own
+        RequestRefused too (naming its row, it named another request, a live one perhaps)."""
         checked = _checked(request, self.decoder.vocab)
         try:
             if isinstance(checked, str):
                 raise RequestRefused(self._next, checked)
             if (reason := self.decoder.refusal(checked)) is not None:
                 raise RequestRefused(self._next, reason)
-        except RequestRefused:  # the server's, or the decoder's own (naming its row): the request's refusal
-            self._next += 1
+        except RequestRefused as refused:  # the server's, or the decoder's own: the request's refusal
+            ident, self._next = self._next, self._next + 1
+            if refused.ident != ident:
+                raise RequestRefused(ident, refused.reason) from refused
             raise
         ident, self._next = self._next, self._next + 1
         # queued before it is live: an interrupt between the two leaves an id no step admits (_admit drops
@@ -372,8 +375,8 @@ class Server:
         ident = as_index(ident, "a request's id")
         if not 0 <= ident < self._next:
             raise ValueError(f"no request {ident} was submitted to this server ({self._next} so far)")
-        if ident not in self._live:
-            return False
+        if ident not in self._live or ident in self._unreported:  # the latter ended at a step that raised
+            return False  # as it forgot the request: the next step hands its end out (True said it would be cancelled)
         self._cancels.add(ident)
         return True
 
@@ -485,27 +488,29 @@ class Server:
         out: dict[int, Served] = {}
         place: dict[int, int] = {}  # a request's id -> its place in `requests`, a refused one's too
         others: dict[int, Served] = {}
+        ended: dict[int, Served] = {}  # the last step's ends, kept whole: an interrupt as serve() sorts them loses none
         try:
             for i, request in enumerate(requests):
                 at = self.clock()  # before its submission: a refusal is stamped as it is made
                 try:
                     place[self._submit(request, at)] = i
                 except RequestRefused as refusal:
-                    # by the id it took, whatever it names (a decoder's own): a serve() that raises hands it out too
-                    place[self._next - 1] = i
+                    place[refusal.ident] = i  # so that a serve() that raises hands it out too
                     out[i] = Served([], at, None, [], at, refused=str(refusal))
             while len(out) < len(requests):
-                for ident, served in self.step().finished.items():
+                ended = self.step().finished
+                for ident, served in ended.items():
                     if ident in place:
                         out[place[ident]] = served
                     else:
                         others[ident] = served
+            return [out[i] for i in range(len(requests))]  # in here: an interrupt as it is built hands them out
         except BaseException:
+            others.update(ended)  # those it had not sorted yet (each sorted one is the same Served, by the same id)
             others.update((ident, out[i]) for ident, i in place.items() if i in out)
             raise
         finally:
             self._unreported.update(others)
-        return [out[i] for i in range(len(requests))]
 
     def _cancel(self, now: float, finished: dict[int, Served]) -> None:
         """The cancels asked for since the last step: queued requests leave the queue, running
@@ -513,6 +518,10 @@ class Server:
         (_end), so a cancel asked meanwhile (the park calling back, another thread) stays for
         the next step: clearing the set dropped it, its request then running to its end though
         cancel() had said True."""
+        # a cancel of a request that has ended since it was asked is dropped: another thread's cancel() between its
+        # check and its add, or between _forget's discard and its del, left an id no step could end (KeyError at
+        # every later step)
+        self._cancels.difference_update(self._cancels.difference(self._live))
         cancels = sorted(self._cancels)
         rows = [row for ident in cancels if (row := self._live[ident].row) is not None]
         if rows:

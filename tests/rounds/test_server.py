@@ -7,7 +7,10 @@ is checked is the server's part: which request a row runs, when, and whose token
 refusals, cancels and the times each token was read back."""
 from __future__ import annotations
 
+import contextlib
 import re
+import sys
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -950,6 +953,13 @@ def test_a_decoders_own_refusal_naming_another_request_leaves_serve_its_own():
     server.step = bounded  # type: ignore[method-assign]
     first, second = server.serve([Request([1], 3), Request([2], 3)])
     assert first.tokens == alone(Request([1], 3)) and "the decoder's own" in (second.refused or "")
+    # the refusal names the id the request took, not the decoder's row (request 0 was served)
+    assert (second.refused or "").startswith("request 1 refused: the decoder's own")
+    calls.clear()
+    server.submit(Request([1], 3))
+    with pytest.raises(RequestRefused, match="request 3 refused: the decoder's own") as refused:
+        server.submit(Request([2], 3))
+    assert refused.value.ident == 3 and refused.value.__cause__.ident == 0
 
 
 def test_a_clock_that_is_no_function_is_refused_where_the_server_is_made():
@@ -1098,3 +1108,87 @@ def test_a_decoders_serve_checks_its_requests_before_it_makes_its_server(given, 
     requests = [Request([1, 2], 3), Request([4], 2)]
     served = decoder.driven.serve(server, (request for request in requests))  # any iterable, as serve() takes
     assert [out.tokens for out in served] == [alone(request) for request in requests] and len(made) == 1
+
+
+@contextlib.contextmanager
+def acting_before(module, source_line: str, action: Callable[[], object]) -> Iterator[list[str]]:
+    """Inside the block, `action()` run once as `module` is about to run its line whose text
+    (stripped) is `source_line`: another thread's call landing between two statements (as
+    interrupt.interrupt_before lands a Ctrl-C there). Gives the list it appends to once run."""
+    lines = open(module.__file__).read().splitlines()
+    found = [i + 1 for i, text in enumerate(lines) if text.strip() == source_line]
+    assert len(found) == 1, f"{module.__name__} has {len(found)} lines {source_line!r}"
+    fired: list[str] = []
+    previous = sys.gettrace()
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == found[0] and not fired:
+            fired.append(source_line)
+            action()  # untraced: a trace function runs with tracing off
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename == module.__file__ else None)
+    try:
+        yield fired
+    finally:
+        sys.settrace(previous)
+
+
+@pytest.mark.parametrize("line", ["del self._live[ident]", "self._cancels.add(ident)"],
+                         ids=["as the step forgets it", "inside cancel()"])
+def test_a_cancel_from_another_thread_as_its_request_ends_is_dropped_with_it(line):
+    """Another thread's cancel() of a request as a step forgets it (after _forget dropped its
+    cancel, before it dropped the request: the order 58c419a gave it), or a step on another
+    thread ending the request inside cancel() (after its check, before its add): the cancel was
+    kept for a request no longer live, and every later step raised KeyError naming it, the
+    server serving no more. The request ends as its burst ended it, the cancel dropped."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    first, second = server.submit(Request([1, 2], 1)), server.submit(Request([3], 9))  # the first ends in a burst
+    out: dict[int, Served] = {}
+    said: list[bool] = []
+    if line == "del self._live[ident]":
+        with acting_before(serving, line, lambda: said.append(server.cancel(first))) as fired:
+            out.update(server.step().finished)
+    else:
+        with acting_before(serving, line, lambda: out.update(server.step().finished)) as fired:
+            said.append(server.cancel(first))
+    assert fired and said == [True] and list(out) == [first] and not out[first].cancelled
+    for ident, served in _idle(server).items():
+        assert ident not in out, f"request {ident} ended twice"
+        out[ident] = served
+    assert sorted(out) == [first, second] and out[second].tokens == alone(Request([3], 9))
+    assert server.serve([Request([5], 4)])[0].tokens == alone(Request([5], 4))
+
+
+def test_a_cancel_of_a_request_whose_end_waits_for_the_next_step_says_false():
+    """Ctrl-C as a step forgets a request its burst ended: its end waits for the next step to
+    hand out, and the request is still live until then (58c419a). cancel() said True, that it
+    would be cancelled, and the next step handed it out not cancelled; it had ended: False."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    first, second = server.submit(Request([1, 2], 1)), server.submit(Request([3], 9))
+    with interrupt_before(serving, "del self._live[ident]") as fired, pytest.raises(KeyboardInterrupt):
+        server.step()
+    assert fired and not server.idle
+    assert server.cancel(first) is False, "a request that had ended was to be cancelled"
+    assert server.cancel(second) is True
+    out = _idle(server)
+    assert sorted(out) == [first, second] and not out[first].cancelled and out[second].cancelled
+    assert out[first].tokens == alone(Request([1, 2], 1))
+
+
+def test_an_interrupt_as_serve_sorts_a_steps_ends_loses_none():
+    """Ctrl-C as serve() sorted the ends a step handed it into its list (a loop's back edge is
+    where CPython raises a pending interrupt): the step had handed them out, serve() had not
+    kept them, and no later step handed them out: lost. Each is handed out by the next step,
+    once, as those of serve()'s requests still in flight are by the steps that end them."""
+    decoder = Counting(3)
+    server = Server(decoder, clock=decoder.clock)
+    requests = [Request([1, 2], 1), Request([3], 1), Request([4], 9)]  # the first two end in the first burst
+    with interrupt_before(serving, "out[place[ident]] = served") as fired, pytest.raises(KeyboardInterrupt):
+        server.serve(requests)
+    assert fired
+    out = _idle(server)
+    assert sorted(out) == [0, 1, 2], "a request serve() was handed was lost"
+    assert [out[i].tokens for i in range(3)] == [alone(request) for request in requests]
