@@ -27,7 +27,8 @@ table; with --json, the figures, written again as each B ends, and a picture bes
 .png; matplotlib, the plot extra); with --resume too, added to the report there: a run of every B
 that one call's time limit cuts into several, on one machine's pair, is one table and one picture.
 --projection sets how every compiled step multiplies its projections, the plain decoding's too
-(docs/compiled.md; the report says which). Needs torch, transformers and tokenizers, a GPU and the pair (`make pair`).
+(docs/compiled.md; the report says which). Needs torch, transformers and tokenizers, a GPU and the
+pair (`make pair`).
 
     PYTHONPATH=. python -m benchmarks.served [--quick] [--json PATH [--resume]] [--pair DIR] [--batches 1,8,32,64,128]
         [--rounds M] [--projection few_rows]
