@@ -55,10 +55,12 @@ def is_bool(value: Any) -> bool:
     bool dtype (torch.tensor(True), whose __index__ gives 1, so that as an id, a budget or a
     token it was read as 1, as True was before it was refused). An int is answered by its type
     alone: torch.compile traces these checks where a size is symbolic (memra_cuda.torch.skinny's
-    Tiles of a weight's shape), and cannot trace looking for a dtype on one."""
+    Tiles of a weight's shape), and cannot trace looking for a dtype on one. A dtype is a bool's
+    where its name holds "bool": torch's "torch.bool", pandas' "boolean", TensorFlow's
+    "<dtype: 'bool'>"."""
     if isinstance(value, (bool, np.bool_)):
         return True
-    return not isinstance(value, (int, np.integer)) and str(getattr(value, "dtype", "")).endswith("bool")
+    return not isinstance(value, (int, np.integer)) and "bool" in str(getattr(value, "dtype", ""))
 
 
 def hides_bools(values: Any) -> bool:

@@ -219,6 +219,11 @@ def test_an_array_librarys_bool_is_no_integer_either():
         exact_int(ArrayBool(), np.uint32)
     assert hides_bools([ArrayBool(), 5]) and hides_bools([[5, ArrayBool()]]) and not hides_bools([5, 6])
     assert as_index(np.int64(3), "a row") == 3
+    # pandas' nullable bool and TensorFlow's dtypes name themselves otherwise (was read as 1)
+    for name in ("boolean", "<dtype: 'bool'>"):
+        with pytest.raises(TypeError, match="a row must be an integer"):
+            as_index(type("Scalar", (ArrayBool,), {"dtype": name})(), "a row")
+    assert not is_bool(type("Scalar", (ArrayBool,), {"dtype": "int64"})())
 
 
 def test_kernel_args_refuse_a_freed_buffer():
