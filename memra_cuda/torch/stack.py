@@ -343,6 +343,15 @@ class Stack(LayerStack):
                 hidden = out[0] if isinstance(out, tuple) else out
         return inner.norm(hidden)
 
+    def _check_mask(self, mask: torch.Tensor | None, tokens: int) -> None:
+        """LayerStack's check, and TypeError for a float mask of another dtype than the model's:
+        the model's own attention adds it to scores of its dtype, and SDPA refused it only once the
+        first layer's K and V had been written (a CompiledStack casts it)."""
+        super()._check_mask(mask, tokens)
+        if mask is not None and mask.dtype.is_floating_point and mask.dtype != self.zero.dtype:
+            raise TypeError(f"a forward's float mask is added to the scores in the model's dtype, {self.zero.dtype}: "
+                            f"not {mask.dtype} (or a mask of bools)")
+
     def _check_append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
                       slots: torch.Tensor | None) -> None:
         """append's rows, as _check_rows checks a forward's (shapes and dtypes alone): [R][T]
