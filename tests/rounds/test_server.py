@@ -7,10 +7,7 @@ is checked is the server's part: which request a row runs, when, and whose token
 refusals, cancels and the times each token was read back."""
 from __future__ import annotations
 
-import contextlib
 import re
-import sys
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -19,7 +16,7 @@ from memra_cuda.errors import BuffersHeld, CapacityError, CudaError, MemraError,
 from memra_cuda.rounds import Request, Served, Server, serving
 from memra_cuda.rounds.serving import Driven
 
-from interrupt import interrupt_before, interrupt_once
+from interrupt import acting_before, interrupt_before, interrupt_once
 from stand_in import VOCAB, Clock, Counting, alone, commits, mixed, token
 
 
@@ -1108,30 +1105,6 @@ def test_a_decoders_serve_checks_its_requests_before_it_makes_its_server(given, 
     requests = [Request([1, 2], 3), Request([4], 2)]
     served = decoder.driven.serve(server, (request for request in requests))  # any iterable, as serve() takes
     assert [out.tokens for out in served] == [alone(request) for request in requests] and len(made) == 1
-
-
-@contextlib.contextmanager
-def acting_before(module, source_line: str, action: Callable[[], object]) -> Iterator[list[str]]:
-    """Inside the block, `action()` run once as `module` is about to run its line whose text
-    (stripped) is `source_line`: another thread's call landing between two statements (as
-    interrupt.interrupt_before lands a Ctrl-C there). Gives the list it appends to once run."""
-    lines = open(module.__file__).read().splitlines()
-    found = [i + 1 for i, text in enumerate(lines) if text.strip() == source_line]
-    assert len(found) == 1, f"{module.__name__} has {len(found)} lines {source_line!r}"
-    fired: list[str] = []
-    previous = sys.gettrace()
-
-    def local(frame, event, arg):
-        if event == "line" and frame.f_lineno == found[0] and not fired:
-            fired.append(source_line)
-            action()  # untraced: a trace function runs with tracing off
-        return local
-
-    sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename == module.__file__ else None)
-    try:
-        yield fired
-    finally:
-        sys.settrace(previous)
 
 
 @pytest.mark.parametrize("line", ["del self._live[ident]", "self._cancels.add(ident)"],
