@@ -49,13 +49,14 @@ GRID_Y = GRID_LIMITS[1]
 # one-row GEMV a reduction fused with its norm); "few_rows", a step of FEW_ROWS rows, 2 to 16 (a
 # verify's at a small batch; a prefill never), through memra_cuda.torch.skinny's Triton kernel, which
 # reads each weight once over narrow slices of its columns, where cuBLAS's wide tiles left an H200's
-# SMs idle (4.7 µs a GEMM of the verify of 5 rows). The default is what measured faster: "inductor"
-# until an H200 has measured every width "few_rows" would serve (benchmarks.steps --few-rows; an H100
-# measured the verify of 5 rows at B = 1 in 0.424 ms against inductor's 0.458, 2026-12-05). Read as
-# each stack is built: a program sets it before its decoders are made (the benchmarks' --projection)
+# SMs idle (4.7 µs a GEMM of the verify of 5 rows). The default is what measured faster: "few_rows",
+# faster than inductor's at every width an H100 measured (5, 8, 9 and 10 rows: 2 to 11%, 2026-12-05;
+# benchmarks.steps --few-rows), where it serves the model (a 16-bit one on a GPU, triton there), and
+# inductor's where not; the H200's widths are to measure (RESULTS.md). Read as each stack is built: a
+# program sets it before its decoders are made (the benchmarks' --projection)
 Projection = Literal["inductor", "few_rows"]
 PROJECTIONS: tuple[Projection, ...] = ("inductor", "few_rows")
-PROJECTION: Projection = "inductor"
+PROJECTION: Projection = "few_rows"
 FEW_ROWS = range(2, 17)  # one row stays inductor's tuned reduction
 # The compilations a function keeps (torch.compile's 8, and 256 in all): a process's decoders compile
 # each step, law and round arithmetic a shape, a batch and a width apart (flex's steps, every
@@ -163,8 +164,9 @@ class CompiledStack(LayerStack):
     launch of the one-token step at its compilation: None, at B = 1 alone (a step of several
     rows, a verify and a prefill compile untuned: there it costs compile time and gains
     nothing); True or False, at any B. `projection` is how a decode step's or a verify's
-    projections multiply (PROJECTIONS; left out, PROJECTION): "few_rows" needs triton and a
-    16-bit model on a GPU, and serves steps of FEW_ROWS rows."""
+    projections multiply (PROJECTIONS): "few_rows" needs triton and a 16-bit model on a GPU
+    (ValueError, naming what is missing), and serves steps of FEW_ROWS rows; left out,
+    PROJECTION where it serves the model, inductor's where not (an fp32 model, a CPU's)."""
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, attention: Attention | None = None,
                  compile: bool = True, dynamic: bool = True, tuning: bool | None = None,
@@ -176,7 +178,7 @@ class CompiledStack(LayerStack):
         self.attends = attends(attention, batch * model.config.num_key_value_heads)
         # before it is rounded up: "64" and True are no capacities, and 2**31 - 1 rounded up passed an i32's most
         capacity = as_size(capacity, "capacity", most=MOST_SLOTS)
-        self.few_rows = self._projection(model, PROJECTION if projection is None else projection)
+        self.few_rows = self._projection(model, projection)
         window = sliding_window(model.config)
         if window and aligned(capacity) > window:  # the step attends to the whole cache a row holds
             raise NotFused(f"the model attends within a sliding window of {window} positions, which the compiled "
@@ -205,19 +207,27 @@ class CompiledStack(LayerStack):
         self.prefills = Prefills(self.kv, self._fill, self.device, model.config.vocab_size)
 
     @staticmethod
-    def _projection(model: Any, projection: Projection) -> Linear | None:
+    def _projection(model: Any, projection: Projection | None) -> Linear | None:
         """The projection of a step of FEW_ROWS rows: memra_cuda.torch.skinny.few_rows for
-        "few_rows" (refused, naming why, where it cannot serve `model`), None for "inductor"."""
+        "few_rows" (refused, naming why, where it cannot serve `model`), None for "inductor";
+        left out (None), PROJECTION's where it serves `model`, else None."""
+        named = projection is not None
+        projection = projection if named else PROJECTION
         if projection not in PROJECTIONS:
-            raise ValueError(f"projection is one of {PROJECTIONS} (or left out: {PROJECTION!r}), not {projection!r}")
+            raise ValueError(f"projection is one of {PROJECTIONS} (or left out: {PROJECTION!r} where it serves), "
+                             f"not {projection!r}" + ("" if named else " (memra_cuda.torch.compiled.PROJECTION)"))
         if projection == "inductor":
             return None
         if model.device.type != "cuda" or model.dtype not in (torch.bfloat16, torch.float16):
+            if not named:
+                return None
             raise ValueError(f"projection 'few_rows' serves a bf16 or fp16 model on a GPU, not {model.dtype} on "
                              f"{model.device.type} (fp32's products stay cuBLAS's own)")
         try:
             from .skinny import few_rows
         except ImportError as e:
+            if not named:
+                return None
             raise ValueError(f"projection 'few_rows' needs triton (torch's own on a CUDA machine): {e}") from None
         return few_rows
 

@@ -117,17 +117,20 @@ def test_a_runs_projection_is_the_librarys_names_and_every_stack_built_after_tak
     from memra_cuda.torch import CompiledStack, compiled
     assert PROJECTIONS == compiled.PROJECTIONS
     monkeypatch.setattr(compiled, "PROJECTION", compiled.PROJECTION)  # undone after the test
-    assert project_by(None) == compiled.PROJECTION == "inductor"
+    default = compiled.PROJECTION
+    assert project_by(None) == compiled.PROJECTION == default
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
-    CompiledStack(model, 64, compile=False)
-    assert project_by("few_rows") == "few_rows"
-    with pytest.raises(ValueError, match="projection 'few_rows' serves a bf16 or fp16 model on a GPU"):
-        CompiledStack(model, 64, compile=False)
+    for projection in ("inductor", "few_rows"):
+        assert project_by(projection) == compiled.PROJECTION == projection
+        CompiledStack(model, 64, compile=False)  # each where it serves: inductor's on a CPU
     with pytest.raises(ValueError, match="projection is one of"):
         project_by("cublas")
     assert compiled.PROJECTION == "few_rows"
+    compiled.PROJECTION = "cublas"  # what project_by refuses, set by hand: a stack built after reads it
+    with pytest.raises(ValueError, match="\\(memra_cuda.torch.compiled.PROJECTION\\)"):
+        CompiledStack(model, 64, compile=False)
 
 
 def write_heldout(tmp_path, count: int, length: int = 5) -> dict:

@@ -483,6 +483,25 @@ def test_a_capacity_past_the_most_whole_blocks_an_i32_counts_is_refused_before_a
     assert not made
 
 
+def test_left_out_the_projection_is_the_defaults_where_it_serves_and_inductors_where_not(monkeypatch):
+    """The default projection ("few_rows", PROJECTION) serves a 16-bit model on a GPU: left out,
+    a stack of an fp32 model or one on the CPU multiplies by inductor's projections, where
+    "few_rows" named is refused naming why; a default that is none of the projections (a program
+    that set it wrong) is refused naming PROJECTION, as each stack is built."""
+    from memra_cuda.torch import compiled
+    assert compiled.PROJECTION == "few_rows" and compiled.PROJECTIONS == ("inductor", "few_rows")
+    for model in (tiny(), tiny().to(torch.bfloat16)):  # fp32, and bf16 on the CPU
+        assert CompiledStack(model, 40, compile=False).few_rows is None
+        assert CompiledStack(model, 40, compile=False, projection="inductor").few_rows is None
+        with pytest.raises(ValueError, match="projection 'few_rows' serves a bf16 or fp16 model on a GPU"):
+            CompiledStack(model, 40, compile=False, projection="few_rows")
+    with pytest.raises(ValueError, match="projection is one of \\('inductor', 'few_rows'\\).* not 'cublas'$"):
+        CompiledStack(tiny(), 40, compile=False, projection="cublas")  # type: ignore[arg-type]
+    monkeypatch.setattr(compiled, "PROJECTION", "cublas")
+    with pytest.raises(ValueError, match="not 'cublas' \\(memra_cuda.torch.compiled.PROJECTION\\)"):
+        CompiledStack(tiny(), 40, compile=False)
+
+
 def test_a_batch_is_checked_before_flexs_grid_is_sized_by_it():
     """The batch sized flex's grid before it was checked: "2" (times 2 KV heads, "22") met a bare
     comparison's TypeError, None a multiplication's, and one past MAX_BATCH with flex asked for

@@ -227,7 +227,9 @@ def test_a_verify_through_few_rows_is_inductors_verify_in_bf16(engine):
     pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
     from memra_cuda.torch.compiled import CompiledStack
     from memra_cuda.torch.testing import build_model
+    from memra_cuda.torch.skinny import few_rows
     model = build_model("small").to(torch.bfloat16)
+    assert CompiledStack(model, 64).few_rows is few_rows, "left out, the projection is few_rows where it serves"
     for batch, width in ((1, 5), (2, 3)):
         stacks = [CompiledStack(model, 64, batch, projection=projection) for projection in ("inductor", "few_rows")]
         prompts = [[1, 5, 9, 3, 7][:4 + r] for r in range(batch)]
