@@ -51,7 +51,7 @@ from typing import Any
 
 from .common import depth_and_width
 from .torch_common import (PROJECTIONS, TORCH_M, TREE_BATCHES, busy_share, listed, measure_config, plain_decoding,
-                           plot_trees, project_by, release, row_label, summary_line, time_generations, token_count,
+                           plot_trees, projected, release, row_label, summary_line, time_generations, token_count,
                            tree_label, tree_summary)
 from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
@@ -421,7 +421,14 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     batch size (a run cut short by a machine's time limit keeps what it measured), and the picture
     beside it at the end (its name with .png). `chains` and `trees` cut the configurations
     (configurations(); the report's settings say so). `projection`: every compiled step's,
-    the baseline's too (project_by; None: the library's default; the settings say which)."""
+    the baseline's too (projected; None: the library's default; the settings say which)."""
+    with projected(projection) as used:
+        return _headline(quick, pair, batches, json_path, chains, trees, used)
+
+
+def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | None, json_path: str | Path | None,
+              chains: Sequence[int] | None, trees: int | None, projection: str) -> dict:
+    """headline()'s run, every compiled step's projections `projection`'s."""
     import torch
     import transformers
 
@@ -429,7 +436,6 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     transformers.utils.logging.disable_progress_bar()  # from_pretrained's bars, noise in a table (as pair.py)
     where = pair_dir() if pair is None else Path(pair)
     report, heldout = load_pair(where)
-    projection = project_by(projection)
     info, machine, date = pair_info(report), torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
     name = describe(info, machine, date)
     target, draft = load_model(where / "target"), load_model(where / "draft")  # as saved: bf16

@@ -43,7 +43,7 @@ from typing import Any
 
 from .headline import MODES, describe, load_pair, measure_batches, pair_arguments, pair_dir, pair_info, save
 from .serving import figures, request_stream
-from .torch_common import PLAIN_ATTENDS, TORCH_M, project_by, pyplot, release
+from .torch_common import PLAIN_ATTENDS, TORCH_M, projected, pyplot, release
 from memra_cuda import Geometry
 from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.rounds.serving import Request, Served
@@ -229,7 +229,14 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
     """The section (the module's docstring): prints the table and the best at each B, returns
     the report; with `json_path`, written after each B and at the end, the picture beside it;
     with `resume`, the report there keeps its other B's rows (resumed). `projection`: every
-    compiled step's, the plain decoding's too (project_by; None: the library's default)."""
+    compiled step's, the plain decoding's too (projected; None: the library's default)."""
+    with projected(projection) as used:
+        return _served_headline(quick, pair, batches, json_path, m_rounds, resume, used)
+
+
+def _served_headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | None,
+                     json_path: str | Path | None, m_rounds: int, resume: bool, projection: str) -> dict:
+    """served_headline()'s run, every compiled step's projections `projection`'s."""
     import torch
     import transformers
 
@@ -237,7 +244,6 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
     transformers.utils.logging.disable_progress_bar()
     where = pair_dir() if pair is None else Path(pair)
     report, heldout = load_pair(where)
-    projection = project_by(projection)
     info, machine, date = pair_info(report), torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
     name = "served: " + describe(info, machine, date)
     target, draft = load_model(where / "target"), load_model(where / "draft")

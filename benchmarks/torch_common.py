@@ -10,9 +10,10 @@ imported where a function runs, not here: bench.py reads the sections' names wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,16 +74,22 @@ PLAIN_ATTENDS = (None, "flex")
 PROJECTIONS = ("inductor", "few_rows")
 
 
-def project_by(projection: str | None) -> str:
-    """Every compiled step this run builds from now on, the plain loop's and the decoders' alike,
+@contextlib.contextmanager
+def projected(projection: str | None) -> Iterator[str]:
+    """Inside the block, every compiled step built, the plain loop's and the decoders' alike,
     multiplies its projections by `projection` (None: the library's default, PROJECTION), so a
-    ratio compares one arithmetic; the projection in force, for the report's settings."""
+    ratio compares one arithmetic; gives the projection in force, for the report's settings. The
+    default is back as it was after the block (a test or a program that runs a section goes on
+    with its own)."""
     from memra_cuda.torch import compiled
-    if projection is not None:
-        if projection not in compiled.PROJECTIONS:
-            raise ValueError(f"projection is one of {compiled.PROJECTIONS}, not {projection!r}")
-        compiled.PROJECTION = projection
-    return compiled.PROJECTION
+    if projection is not None and projection not in compiled.PROJECTIONS:
+        raise ValueError(f"projection is one of {compiled.PROJECTIONS}, not {projection!r}")
+    before = compiled.PROJECTION
+    compiled.PROJECTION = before if projection is None else projection  # type: ignore[assignment]
+    try:
+        yield compiled.PROJECTION
+    finally:
+        compiled.PROJECTION = before
 
 
 def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:

@@ -107,28 +107,35 @@ def test_the_projection_named_reaches_the_run_and_another_is_argparses_error(pro
     assert exited.value.code == 2 and "invalid choice: 'cublas'" in capsys.readouterr().err and len(ran) == 2
 
 
-def test_a_runs_projection_is_the_librarys_names_and_every_stack_built_after_takes_it(monkeypatch):
-    """project_by sets the default every compiled step reads as it is built (a stack on a CPU,
-    fp32, refuses "few_rows", naming why: the setting reached it), the choices are the library's
-    own, and a name the library lacks is refused without changing the default."""
+def test_a_runs_projection_holds_inside_it_alone_and_is_one_of_the_librarys(monkeypatch):
+    """projected() sets the default every compiled step reads as it is built, inside its block
+    alone (a test or program that runs a section goes on with its own default after it, an
+    exception too); the choices are the library's own, and a name the library lacks is refused
+    without changing the default. A default set wrong by hand reaches a stack built after it."""
     torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
     transformers = pytest.importorskip("transformers", reason="needs transformers")
-    from benchmarks.torch_common import PROJECTIONS, project_by
+    from benchmarks.torch_common import PROJECTIONS, projected
     from memra_cuda.torch import CompiledStack, compiled
     assert PROJECTIONS == compiled.PROJECTIONS
     monkeypatch.setattr(compiled, "PROJECTION", compiled.PROJECTION)  # undone after the test
     default = compiled.PROJECTION
-    assert project_by(None) == compiled.PROJECTION == default
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    with projected(None) as used:
+        assert used == compiled.PROJECTION == default
     for projection in ("inductor", "few_rows"):
-        assert project_by(projection) == compiled.PROJECTION == projection
-        CompiledStack(model, 64, compile=False)  # each where it serves: inductor's on a CPU
-    with pytest.raises(ValueError, match="projection is one of"):
-        project_by("cublas")
-    assert compiled.PROJECTION == "few_rows"
-    compiled.PROJECTION = "cublas"  # what project_by refuses, set by hand: a stack built after reads it
+        with projected(projection) as used:
+            assert used == compiled.PROJECTION == projection
+            CompiledStack(model, 64, compile=False)  # each where it serves: inductor's on a CPU
+        assert compiled.PROJECTION == default
+    with pytest.raises(RuntimeError, match="inside"), projected("inductor"):
+        raise RuntimeError("inside")
+    assert compiled.PROJECTION == default
+    with pytest.raises(ValueError, match="projection is one of"), projected("cublas"):
+        pass
+    assert compiled.PROJECTION == default
+    compiled.PROJECTION = "cublas"  # what projected refuses, set by hand: a stack built after reads it
     with pytest.raises(ValueError, match="\\(memra_cuda.torch.compiled.PROJECTION\\)"):
         CompiledStack(model, 64, compile=False)
 

@@ -220,9 +220,10 @@ def test_few_rows_on_a_gpu_are_f_linears_eager_compiled_and_captured(engine):
 
 @pytest.mark.gpu
 def test_a_verify_through_few_rows_is_inductors_verify_in_bf16(engine):
-    """The small random-weight Llama in bf16, compiled both ways at B = 1: a verify of 5 tokens and
-    a step of 2 rows of 3 (both in FEW_ROWS) give inductor's logits within bf16's rounding, and
-    the same greedy tokens wherever inductor's top two are not within that rounding."""
+    """The small random-weight Llama in bf16, compiled both ways at B = 1: a verify of 5 tokens, a
+    step of 2 rows of 3 and a one-token step of 8 rows (SDPA's, its batch symbolic: the draft's
+    and the plain loop's at B = 8; all in FEW_ROWS) give inductor's logits within bf16's
+    rounding, and the same greedy tokens wherever inductor's top two are not within that rounding."""
     pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
     pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
     from memra_cuda.torch.compiled import CompiledStack
@@ -230,7 +231,7 @@ def test_a_verify_through_few_rows_is_inductors_verify_in_bf16(engine):
     from memra_cuda.torch.skinny import few_rows
     model = build_model("small").to(torch.bfloat16)
     assert CompiledStack(model, 64).few_rows is few_rows, "left out, the projection is few_rows where it serves"
-    for batch, width in ((1, 5), (2, 3)):
+    for batch, width in ((1, 5), (2, 3), (8, 1)):
         stacks = [CompiledStack(model, 64, batch, projection=projection) for projection in ("inductor", "few_rows")]
         prompts = [[1, 5, 9, 3, 7][:4 + r] for r in range(batch)]
         tokens = torch.tensor([[4 + i + r for i in range(width)] for r in range(batch)], device="cuda")
