@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,10 +21,11 @@ from ..rounds.switch import Widths
 from .decoder import RoundDecoder, fold
 from .kv import Room
 from .sampling import SamplingParams
-from .timing import graph_ms
+from .timing import captured, replay_ms
 
 
-MEASURED_REPLAYS = 20  # replays of each width's body timed
+MEASURED_REPLAYS = 20  # replays of each width's body timed, in each of MEASURED_PASSES
+MEASURED_PASSES = 3  # the widths timed in turn this many times, each keeping its fastest pass
 
 
 def chain_start(pend: torch.Tensor, pos_ctr: torch.Tensor, done: torch.Tensor, vtok: torch.Tensor,
@@ -118,6 +120,9 @@ class SpeculativeLlama(RoundDecoder):
         """Each width's body (its draft chain and verify) timed on the device, as a CUDA graph
         replayed, and given to the chooser as that width's cost (draft_cost 0: a body's time is
         its whole cost); each compiled first by an eager run, so no compile is left for a capture.
+        The widths are timed in turn, MEASURED_PASSES times, each keeping its fastest: a body
+        timed once, alone, took whatever else the GPU ran then, and the first a ramp's (width 0
+        measured dearer than width 2, which runs it and more).
         Every row at half the cache (attention over what a row holds costs more as it grows): the
         rows are vacant, and the next prefill writes over what this wrote. What every width's
         round shares (the chooser, acceptance, commit, rollback: a few small kernels) is not in
@@ -127,8 +132,12 @@ class SpeculativeLlama(RoundDecoder):
         with torch.cuda.stream(self.stream):
             self.views.pos_ctr.fill_(self.target.kv.capacity // 2)
             self.views.pos_start.fill_(self.target.kv.capacity // 2)
-            times = {width: graph_ms(functools.partial(self._body, width), self.stream, MEASURED_REPLAYS)
-                     for width in self.widths.widths}
+            graphs = {width: captured(functools.partial(self._body, width), self.stream)
+                      for width in self.widths.widths}
+            times = dict.fromkeys(graphs, math.inf)
+            for _ in range(MEASURED_PASSES):  # in turn: what else ran on the GPU meanwhile weighs on each alike
+                for width, graph in graphs.items():
+                    times[width] = min(times[width], replay_ms(graph, self.stream, MEASURED_REPLAYS))
             narrowest = times[self.widths.widths[0]]
             self.width_ms.update(times)
             self.lengths.set_costs(self.widths.costs({width: ms / narrowest for width, ms in times.items()}), 0.0)
