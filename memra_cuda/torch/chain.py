@@ -121,8 +121,9 @@ class SpeculativeLlama(RoundDecoder):
         replayed, and given to the chooser as that width's cost (draft_cost 0: a body's time is
         its whole cost); each compiled first by an eager run, so no compile is left for a capture.
         The widths are timed in turn, MEASURED_PASSES times, each keeping its fastest: a body
-        timed once, alone, took whatever else the GPU ran then, and the first a ramp's (width 0
-        measured dearer than width 2, which runs it and more).
+        timed once, alone, took whatever else the GPU ran then as its own cost. (A width's body
+        need not cost more than a narrower one's: width 0's target step attends by SDPA over the
+        whole cache, a verify by flex over what the rows hold.)
         Every row at half the cache (attention over what a row holds costs more as it grows): the
         rows are vacant, and the next prefill writes over what this wrote. What every width's
         round shares (the chooser, acceptance, commit, rollback: a few small kernels) is not in

@@ -14,8 +14,7 @@ from .adapter import torch_graph
 def replay_ms(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, replays: int = 200) -> float:
     """Device milliseconds of one replay of `graph` on `stream`, between CUDA events around
     `replays` of them, after one untimed: a graph's first launch also uploads it to the device,
-    which counted in a few replays' mean (a width's body of 20 replays measured dearer than a
-    wider one's)."""
+    which counted in a few replays' mean."""
     with torch.cuda.stream(stream):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.replay()

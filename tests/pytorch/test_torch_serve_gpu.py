@@ -69,8 +69,8 @@ def decoder(request, small):
     if widths:  # each width's body timed, and its time the chooser's cost of it
         assert set(spec.width_ms) == {0, 2, K} and all(ms > 0 for ms in spec.width_ms.values())
         # then costs of the test's own, under which a row at the prior's acceptance drafts (width 2) and
-        # one that agrees widens (K): timed beside other workers' tests, width 0 once measured cheapest
-        # enough that no row ever drafted (a row's acceptance is learnt from judged drafts alone)
+        # one that agrees widens (K): with the costs timed beside other workers' tests, no row drafted in
+        # any request once (width 0 chosen throughout: a row's acceptance is learnt from judged drafts alone)
         spec.lengths.set_costs(spec.widths.costs({0: 1.0, 2: 1.2, K: 1.4}), 0.0)
     with pytest.raises(ValueError, match="mode must be one of"):
         spec.capture(("grpah",))  # a name misspelt: it captured as "graph"
