@@ -3,8 +3,8 @@ modules (memra_cuda.torch.Stack, the reference) and compiled (CompiledStack, wha
 run), beside the step's HBM floor.
 
 Each row is one shape at one batch B and one width T (T = 1: a decode step; T = 5: a chain's
-verify of k = 4), bf16, random weights, a static cache of CAPACITY slots of which VALID hold
-entries (random, never zeros): the step is the greedy step of a graphed decoding (the head's
+verify of k = 4), bf16, random weights, a static cache of CAPACITY slots of which VALID (--valid)
+hold entries (random, never zeros): the step is the greedy step of a graphed decoding (the head's
 argmax after each token), captured as a CUDA graph and timed over replays with CUDA events (the
 device's time, not the host's). Its figures: milliseconds, the kernels in the graph, the HBM
 floor (the bytes of the weights a step reads and of the valid K/V, over a device-to-device
@@ -13,7 +13,7 @@ step took to compile the first time it ran (on this process's cache: cold where
 TORCHINDUCTOR_CACHE_DIR is empty).
 
     PYTHONPATH=. python -m benchmarks.steps [--json PATH] [--rows N,...] [--attention sdpa,flex] [--static]
-        [--untuned] [--names] [--setup] [--autotune] [--few-rows] [--pdl]
+        [--untuned] [--names] [--setup] [--autotune] [--few-rows] [--pdl] [--valid N]
 
 Run time on one H200 (2026-12-04), the first seven rows on a cold inductor cache with --setup:
 400 s, most of it compiling.
@@ -32,6 +32,7 @@ from .headline import copy_bandwidth, floor_ms, streamed_bytes
 from .torch_common import listed
 
 CAPACITY, VALID = 576, 512
+WIDEST = 16  # the most tokens a row's step takes here (ROWS' widest, 13): --valid leaves them room
 
 
 @dataclass(frozen=True)
@@ -96,9 +97,10 @@ def kernels(graph: Any) -> int:
     return sum(kind == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL for kind in kinds)
 
 
-def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats: int = 7) -> dict[str, Any]:
-    """A greedy step of `stack` at VALID (rows of random tokens), graphed: its median device
-    milliseconds over `repeats` runs of `replays` replays, its kernels and the seconds its first
+def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats: int = 7,
+               valid: int = VALID) -> dict[str, Any]:
+    """A greedy step of `stack` at `valid` entries a row (rows of random tokens), graphed: its median
+    device milliseconds over `repeats` runs of `replays` replays, its kernels and the seconds its first
     eager run took (a compiled step's compilation)."""
     import torch
 
@@ -108,9 +110,9 @@ def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats:
     with torch.cuda.stream(stream):
         for cache in (*stack.kv.k, *stack.kv.v):
             cache.normal_()
-        stack.kv.lengths.fill_(VALID)
+        stack.kv.lengths.fill_(valid)
         token = torch.randint(0, stack.model.config.vocab_size, (batch, tokens), device="cuda")
-        position = (VALID + torch.arange(tokens, device="cuda"))[None].expand(batch, tokens)
+        position = (valid + torch.arange(tokens, device="cuda"))[None].expand(batch, tokens)
         out = torch.zeros(batch, tokens, dtype=torch.long, device="cuda")
 
         def step() -> None:
@@ -128,13 +130,14 @@ def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats:
                 first_s=round(first, 1))
 
 
-def kernel_names(stack: Any, batch: int, tokens: int, most: int = 25) -> list[tuple[str, int, float]]:
-    """The kernels one eager greedy step of `stack` at VALID runs, by name: (name, count, total
-    device microseconds), the commonest first (torch's profiler)."""
+def kernel_names(stack: Any, batch: int, tokens: int, most: int = 25,
+                 valid: int = VALID) -> list[tuple[str, int, float]]:
+    """The kernels one eager greedy step of `stack` at `valid` entries a row runs, by name: (name,
+    count, total device microseconds), the commonest first (torch's profiler)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     token = torch.zeros(batch, tokens, dtype=torch.long, device="cuda")
-    position = (VALID + torch.arange(tokens, device="cuda"))[None].expand(batch, tokens)
+    position = (valid + torch.arange(tokens, device="cuda"))[None].expand(batch, tokens)
     stack.logits(token, position).argmax(-1)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -147,7 +150,7 @@ def kernel_names(stack: Any, batch: int, tokens: int, most: int = 25) -> list[tu
 
 def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], static: bool, untuned: bool = False,
             names: bool = False, say: Callable[[str], None] = print, autotune: bool = False,
-            few_rows: bool = False, pdl: bool = False) -> dict[str, Any]:
+            few_rows: bool = False, pdl: bool = False, valid: int = VALID) -> dict[str, Any]:
     """Every row through the modules and compiled with each attention (and, with `static`, every
     shape compiled apart; with `autotune`, a row of several tokens with its GEMMs autotuned too;
     with `few_rows`, a row of FEW_ROWS rows with its projections through memra_cuda.torch.skinny's
@@ -158,16 +161,16 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
     from memra_cuda.torch import Stack
     from memra_cuda.torch.compiled import FEW_ROWS, CompiledStack, compiled_step
     bandwidth = copy_bandwidth()
-    say(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; cache {CAPACITY} slots, {VALID} valid")
+    say(f"device-to-device copy: {bandwidth / 1e12:.2f} TB/s; cache {CAPACITY} slots, {valid} valid")
     out, models = [], {}
     for name, batch, tokens in rows:
         shape = SHAPES[name]
         if name not in models:
             models[name] = build(shape)
         model = models[name]
-        floor = floor_ms(streamed_bytes(model) + kv_bytes(shape, batch, VALID), bandwidth)
+        floor = floor_ms(streamed_bytes(model) + kv_bytes(shape, batch, valid), bandwidth)
         row: dict[str, Any] = dict(shape=name, batch=batch, tokens=tokens, floor_ms=round(floor, 4))
-        row["modules"] = timed_step(Stack(model, CAPACITY, batch), batch, tokens)
+        row["modules"] = timed_step(Stack(model, CAPACITY, batch), batch, tokens, valid=valid)
         # tuned None: the decoders' choice (the one-token step of one row tuned, CompiledStack)
         variants = [(attention, True, None, "inductor") for attention in attentions] + \
             ([(attentions[0], False, None, "inductor")] if static else []) + \
@@ -178,16 +181,16 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
                                   tuning=tuned, projection=projection)  # type: ignore[arg-type]
             key = f"compiled {attention}" + ("" if dynamic else " static") + ("" if tuned is None else " untuned") \
                 + ("" if projection == "inductor" else " few rows")
-            row[key] = timed_step(stack, batch, tokens)
+            row[key] = timed_step(stack, batch, tokens, valid=valid)
             if names:
-                row[key]["names"] = kernel_names(stack, batch, tokens)
+                row[key]["names"] = kernel_names(stack, batch, tokens, valid=valid)
                 for name, count, us in row[key]["names"]:
                     say(f"    {key}: {count:4d} x {us:8.1f} us  {name}")
             del stack
         if autotune and tokens > 1:  # the verify's step (flex: its shapes static) with max_autotune_gemm
             stack = CompiledStack(model, CAPACITY, batch, attention="flex")
             stack.wide_step = compiled_step(False, False, autotune=True)
-            row["compiled flex autotune"] = timed_step(stack, batch, tokens)
+            row["compiled flex autotune"] = timed_step(stack, batch, tokens, valid=valid)
             del stack
         # each width attending and tuned as the decoders do, inductor's kernels launched by PDL; with
         # few_rows, also its projections through skinny's kernel: the two probes together
@@ -196,12 +199,13 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
             stack = CompiledStack(model, CAPACITY, batch, projection=projection)  # type: ignore[arg-type]
             stack.step = compiled_step(True, batch == 1, pdl=True)
             stack.wide_step = compiled_step(True, False, pdl=True)
-            row["compiled pdl" + ("" if projection == "inductor" else " few rows")] = timed_step(stack, batch, tokens)
+            row["compiled pdl" + ("" if projection == "inductor" else " few rows")] = timed_step(stack, batch, tokens,
+                                                                                                 valid=valid)
             del stack
         out.append(row)
         say(line(row))
         torch.cuda.empty_cache()
-    return dict(bandwidth=bandwidth, capacity=CAPACITY, valid=VALID, rows=out, device=torch.cuda.get_device_name())
+    return dict(bandwidth=bandwidth, capacity=CAPACITY, valid=valid, rows=out, device=torch.cuda.get_device_name())
 
 
 def setup_seconds(k: int = 4, batch: int = 1) -> float:
@@ -219,6 +223,18 @@ def setup_seconds(k: int = 4, batch: int = 1) -> float:
     print(compile_times(repr="str", aggregate=True))
     print("inductor:", {key: value for key, value in sorted(counters["inductor"].items()) if "cache" in key})
     return spec.setup_seconds
+
+
+def valid_entries(text: str) -> int:
+    """--valid's N: the entries a row holds, from 1 to CAPACITY - WIDEST (argparse's type: another
+    is its error, where a step's tokens would have run past the cache)."""
+    try:
+        valid = int(text)
+    except ValueError:
+        valid = 0
+    if not 1 <= valid <= CAPACITY - WIDEST:
+        raise argparse.ArgumentTypeError(f"an int from 1 to {CAPACITY - WIDEST}, not {text!r}")
+    return valid
 
 
 def line(row: dict[str, Any]) -> str:
@@ -249,11 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pdl", action="store_true", help="also each row, attending as the decoders do, with inductor's "
                    "Triton kernels launched by programmatic dependent launch (triton.enable_pdl); with --few-rows, "
                    "also both")
+    p.add_argument("--valid", type=valid_entries, default=VALID, help=f"the entries each row holds of the cache's "
+                   f"{CAPACITY} (default {VALID}; from 1 to {CAPACITY - WIDEST}): SDPA reads the whole cache, flex "
+                   "only what rows hold, so a served stream's rows, far from full, are measured at fewer")
     args = p.parse_args(argv)
     rows = ROWS if args.rows is None else [ROWS[i] for i in args.rows]  # indices checked at parsing: -1 was the last
     setup = setup_seconds() if args.setup else None
     report = measure(rows, args.attention.split(","), args.static, args.untuned, args.names, autotune=args.autotune,
-                     few_rows=args.few_rows, pdl=args.pdl)
+                     few_rows=args.few_rows, pdl=args.pdl, valid=args.valid)
     report["setup_seconds"] = setup
     if args.json:
         with open(args.json, "w") as f:

@@ -37,3 +37,24 @@ def test_rows_are_indices_into_the_table_refused_at_parsing_outside_it(monkeypat
             steps.main(["--rows", rows])
         assert exited.value.code == 2 and "argument --rows" in capsys.readouterr().err
     assert len(ran) == 1
+
+
+def test_the_entries_a_row_holds_reach_the_run_and_leave_the_widest_step_room(monkeypatch, capsys):
+    """--valid (default VALID) is what every row holds when a step is timed: SDPA reads the whole
+    cache and flex what rows hold, so a served stream's rows, far from full, are measured at
+    fewer. From 1 to CAPACITY - WIDEST, at both ends; past them argparse's error (exit 2), where
+    the widest step's tokens would have run past the cache."""
+    import pytest
+
+    from benchmarks import steps
+    assert max(tokens for _, _, tokens in ROWS) <= steps.WIDEST
+    ran = []
+    monkeypatch.setattr(steps, "measure", lambda rows, *args, **kwargs: ran.append(kwargs["valid"]) or {})
+    for argv, valid in (([], steps.VALID), (["--valid", "1"], 1), (["--valid", str(steps.CAPACITY - steps.WIDEST)],
+                                                                    steps.CAPACITY - steps.WIDEST)):
+        assert steps.main(["--rows", "0", *argv]) == 0 and ran[-1] == valid
+    for bad in ("0", str(steps.CAPACITY - steps.WIDEST + 1), "half"):
+        with pytest.raises(SystemExit) as exited:
+            steps.main(["--rows", "0", "--valid", bad])
+        assert exited.value.code == 2 and "argument --valid" in capsys.readouterr().err
+    assert len(ran) == 3
