@@ -50,9 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from .common import depth_and_width
-from .torch_common import (PROJECTIONS, TORCH_M, TREE_BATCHES, busy_share, listed, measure_config, plain_decoding,
-                           plot_trees, projected, release, row_label, summary_line, time_generations, token_count,
-                           tree_label, tree_summary)
+from .torch_common import (PROJECTIONS, TORCH_M, TREE_BATCHES, bounded, busy_share, listed, measure_config,
+                           plain_decoding, plot_trees, projected, release, row_label, summary_line, time_generations,
+                           token_count, tree_label, tree_summary)
 from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
@@ -500,13 +500,7 @@ def pair_arguments(program: str, doc: str, batches: Sequence[int], quick: str) -
 
 def tree_count(text: str) -> int:
     """--trees' N, a count of 0 or more (argparse's type: another is its error)."""
-    try:
-        count = int(text)
-    except ValueError:
-        count = -1
-    if count < 0:
-        raise argparse.ArgumentTypeError(f"a count of 0 or more, not {text!r}")
-    return count
+    return bounded(text, 0)
 
 
 def main(argv: list[str] | None = None) -> int:

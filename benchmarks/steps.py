@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .headline import copy_bandwidth, floor_ms, streamed_bytes
-from .torch_common import listed
+from .torch_common import bounded, listed
 
 CAPACITY, VALID = 576, 512
 WIDEST = 16  # the most tokens a row's step takes here (ROWS' widest, 13): --valid leaves them room
@@ -104,8 +104,7 @@ def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats:
     eager run took (a compiled step's compilation)."""
     import torch
 
-    from memra_cuda.torch.adapter import torch_graph
-    from memra_cuda.torch.timing import replay_ms
+    from memra_cuda.torch.timing import captured, replay_ms
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for cache in (*stack.kv.k, *stack.kv.v):
@@ -121,9 +120,7 @@ def timed_step(stack: Any, batch: int, tokens: int, replays: int = 100, repeats:
         step()
         torch.cuda.synchronize()
         first = time.perf_counter() - begun
-        step()
-        with torch_graph(stream, keep_graph=True) as graph:
-            step()
+        graph = captured(step, stream, keep_graph=True)
         graph.instantiate()
     runs = [replay_ms(graph, stream, replays) for _ in range(repeats)]
     return dict(ms=round(statistics.median(runs), 4), spread=round(max(runs) - min(runs), 4), kernels=kernels(graph),
@@ -228,13 +225,7 @@ def setup_seconds(k: int = 4, batch: int = 1) -> float:
 def valid_entries(text: str) -> int:
     """--valid's N: the entries a row holds, from 1 to CAPACITY - WIDEST (argparse's type: another
     is its error, where a step's tokens would have run past the cache)."""
-    try:
-        valid = int(text)
-    except ValueError:
-        valid = 0
-    if not 1 <= valid <= CAPACITY - WIDEST:
-        raise argparse.ArgumentTypeError(f"an int from 1 to {CAPACITY - WIDEST}, not {text!r}")
-    return valid
+    return bounded(text, 1, CAPACITY - WIDEST)
 
 
 def line(row: dict[str, Any]) -> str:

@@ -316,6 +316,19 @@ def plot_trees(rows: list[dict], path: str | Path, title: str | None = None) -> 
     print(f"trees: the picture is {path}")
 
 
+def bounded(text: str, least: int, most: int | None = None) -> int:
+    """An int from `least` to `most` (no bound: None), as an argparse type: another is its error,
+    naming the span."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = least - 1
+    if number < least or (most is not None and number > most):
+        span = f"an int from {least} to {most}" if most is not None else f"a count of {least} or more"
+        raise argparse.ArgumentTypeError(f"{span}, not {text!r}")
+    return number
+
+
 def listed(text: str, known: Sequence[Any], kind: Callable[[str], Any] = str) -> list[Any]:
     """A comma-separated subset of `known`, each once (argparse's type: a wrong item is its error;
     one named twice ran twice, a B's whole measurement again, and its rows twice in the report)."""

@@ -50,8 +50,8 @@ GRID_Y = GRID_LIMITS[1]
 # verify's at a small batch; a prefill never), through memra_cuda.torch.skinny's Triton kernel, which
 # reads each weight once over narrow slices of its columns, where cuBLAS's wide tiles left an H200's
 # SMs idle (4.7 µs a GEMM of the verify of 5 rows). The default is what measured faster: "few_rows",
-# faster than inductor's at every width an H100 measured (5, 8, 9 and 10 rows: 2 to 11%, 2026-12-05;
-# benchmarks.steps --few-rows), where it serves the model (a 16-bit one on a GPU, triton there), and
+# faster than inductor's at every width an H100 measured (2, 4, 5, 7, 8, 9, 10, 13 and 16 rows: 2 to
+# 13%, 2026-12-05; benchmarks.steps --few-rows), where it serves the model (a 16-bit one on a GPU, triton there), and
 # inductor's where not; the H200's widths are to measure (RESULTS.md). Read as each stack is built: a
 # program sets it before its decoders are made (the benchmarks' --projection)
 Projection = Literal["inductor", "few_rows"]

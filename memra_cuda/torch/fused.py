@@ -149,9 +149,8 @@ class FusedLlama(torch.nn.Module):
     tensors, writing each token's K and V into its own slot of its layer's cache, and attending
     the way `attend` says (memra_cuda.torch.attention)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any):  # made by fuse(), which checks the model first (check_fuses)
         super().__init__()
-        check_fuses(model)
         config, inner = model.config, model.model
         self.shape = Heads(config.num_attention_heads, config.num_key_value_heads, head_size(config),
                            float(config.rms_norm_eps))

@@ -22,7 +22,6 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..driver.values import as_size
-from .attention import MOST_SLOTS
 from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
 from .state import LiveState, Recurrent, State, StateLayout
@@ -244,8 +243,7 @@ class Stack(LayerStack):
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
                  cache: CacheLayout = StaticKV):
-        # before the window compares with it ("64" met a bare TypeError), and past MOST_SLOTS before a cache is made
-        capacity = as_size(capacity, "capacity", most=MOST_SLOTS)
+        capacity = as_size(capacity, "capacity")  # before the window compares with it: "64" met a bare TypeError
         _check_shape(model, capacity)
         self.model = model
         self.layers = model.model.layers[:model.config.num_hidden_layers]

@@ -34,11 +34,11 @@ def graph_ms(run: Callable[[], Any], stream: torch.cuda.Stream | None = None, re
     return replay_ms(captured(run, stream), stream, replays)
 
 
-def captured(run: Callable[[], Any], stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+def captured(run: Callable[[], Any], stream: torch.cuda.Stream, keep_graph: bool = False) -> torch.cuda.CUDAGraph:
     """run() captured in one CUDA graph on `stream`, after one eager run (graph_ms's capture, for
-    a caller that times several graphs in turn)."""
+    a caller that times several graphs in turn; `keep_graph`, torch's, for one that reads its nodes)."""
     with torch.cuda.stream(stream):
         run()
-        with torch_graph(stream) as graph:
+        with torch_graph(stream, keep_graph=keep_graph) as graph:
             run()
     return graph
