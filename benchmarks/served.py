@@ -165,7 +165,6 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     sampled, in caches of one capacity."""
     from memra_cuda.torch import GraphedGreedy, SamplingParams, SpeculativeLlama, capacity_for
     from memra_cuda.errors import NotFused
-    from memra_cuda.torch.compiled import WIDTHS_ATTEND
     requests = stream_for(heldout, batch, target.config.eos_token_id, quick)
     chains = CHAINS[batch][:1] if quick else CHAINS[batch]
     capacity = capacity_for(max(len(r.prompt) for r in requests), max(r.max_new_tokens for r in requests),
@@ -179,7 +178,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
             continue
         plain_decoder.server()  # its burst's graph and every prefill graph, as a chain's setup_seconds count them
         setup = time.perf_counter() - begun
-        label = f"plain {attention or WIDTHS_ATTEND[False]}"
+        label = f"plain {attention}"
         rows.append(row_of(batch, "greedy", label, _served(plain_decoder, requests, batch), setup, None))
         del plain_decoder
         release()

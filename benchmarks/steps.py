@@ -65,6 +65,8 @@ ROWS = (  # shape, B, T
     # draft's step of two rows (a tree's level)
     ("target 12 x 768", 1, 4), ("target 12 x 768", 1, 7), ("target 12 x 768", 1, 13),
     ("target 12 x 768", 16, 1), ("draft 2 x 384", 1, 2),
+    # a decode step at two rows and the draft's at B = 64: where one token's attention turns to flex
+    ("target 12 x 768", 2, 1), ("draft 2 x 384", 64, 1),
 )
 
 

@@ -64,11 +64,11 @@ def row_label(row: dict) -> str:
     return f"k={row['config']}" if row["kind"] == "chain" else row["config"]
 
 
-# The plain decoding's one-token step, attending by SDPA over the whole cache (None: WIDTHS_ATTEND's,
-# measured faster where rows hold nearly all of it) and by flex (only the blocks a row holds: a row
-# of a generation holds its prompt and what it has made so far, often half its cache): the faster of
-# the two is the baseline of every ratio
-PLAIN_ATTENDS = (None, "flex")
+# The plain decoding's one-token step, attending by SDPA over the whole cache (measured faster at one
+# row, and where rows hold nearly all of it) and by flex (only the blocks a row holds: a row of a
+# generation holds its prompt and what it has made so far, often half its cache): the faster of the
+# two is the baseline of every ratio, whichever the library's default at the batch (compiled.attends)
+PLAIN_ATTENDS = ("sdpa", "flex")
 # How every compiled step of a run multiplies its projections (memra_cuda.torch.compiled's
 # PROJECTIONS, named here without torch for --help): --projection's choices
 PROJECTIONS = ("inductor", "few_rows")

@@ -122,8 +122,8 @@ class SpeculativeLlama(RoundDecoder):
         its whole cost); each compiled first by an eager run, so no compile is left for a capture.
         The widths are timed in turn, MEASURED_PASSES times, each keeping its fastest: a body
         timed once, alone, took whatever else the GPU ran then as its own cost. (A width's body
-        need not cost more than a narrower one's: width 0's target step attends by SDPA over the
-        whole cache, a verify by flex over what the rows hold.)
+        need not cost more than a narrower one's: at one row width 0's target step attends by
+        SDPA over the whole cache, a verify by flex over what the rows hold.)
         Every row at half the cache (attention over what a row holds costs more as it grows): the
         rows are vacant, and the next prefill writes over what this wrote. What every width's
         round shares (the chooser, acceptance, commit, rollback: a few small kernels) is not in

@@ -14,8 +14,8 @@ warm-up round), never inside one.
 Shapes are dynamic but for sizes of one (torch.compile's rule) and the capacity: one
 compilation serves every batch and width of a kind (a decode step or a verify, a tree's, a
 prefill) at a capacity, so a server's decoders of several B and k share it, and a row of one
-token, the common decode step, gets its own. A step that attends through flex (a verify, by
-default) is the exception: its every shape compiles apart (_run).
+token, the common decode step, gets its own. A step that attends through flex (by default a
+verify, and a decode step of several rows) is the exception: its every shape compiles apart (_run).
 """
 from __future__ import annotations
 
@@ -36,12 +36,16 @@ from .prefill import Prefills
 from .stack import LayerStack, Stack, op_by_op, rotary, sliding_window
 from .state import LiveState, StateLayout
 
-# How a step of one token (False) and of several, a verify (True), attend when a stack is not told:
-# the H200 (bf16, the pair's target, 512 of 576 slots held, 2026-12-04, benchmarks.steps) measured
-# one token through SDPA 0.381 ms against flex's 0.397 at B = 1 (0.829 against 0.833 at B = 64),
-# and a 5-token verify through flex 0.469 against SDPA's 0.520 at B = 1, 0.906 against 1.248 at
-# B = 64: SDPA's 64-query tiles read the whole capacity for 5 queries, flex only the blocks held
-WIDTHS_ATTEND: dict[bool, Attention] = {False: "sdpa", True: "flex"}
+# How a step of one token (False) and of several, a verify (True), attend when a stack is not told,
+# by its rows. A verify through flex: 0.469 ms against SDPA's 0.520 at B = 1, 0.906 against 1.248 at
+# B = 64 (an H200, bf16, the pair's target, 512 of 576 slots held, 2026-12-04, benchmarks.steps):
+# SDPA's 64-query tiles read the whole capacity for 5 queries, flex only the blocks held. One token,
+# one row through SDPA, which led at every fill (0.381 against flex's 0.397 on that H200; an H100 0.356
+# against 0.363 with 128, 256 and 512 of 640 held); rows of a batch through flex, for they hold less
+# than the cache as a server's do (B = 64 on an H100, 2026-12-05: 0.660 against SDPA's 0.953 with 128
+# of 576 held, 0.967 against 0.952 with 512; the H200 0.833 against 0.829 with 512)
+ONE_ROW_ATTENDS: dict[bool, Attention] = {False: "sdpa", True: "flex"}
+ROWS_ATTEND: dict[bool, Attention] = {False: "flex", True: "flex"}
 # The most blocks a CUDA grid holds in y (the driver's GRID_LIMITS), where flex_attention's decoding
 # kernel puts a batch's rows times its KV heads (torch 2.11: "invalid argument" at B = 20 000 of 8 heads)
 GRID_Y = GRID_LIMITS[1]
@@ -134,18 +138,20 @@ def _no_grad(compiled: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def attends(attention: Attention | None, flex_rows: int) -> dict[bool, Attention]:
-    """How a step of one token (False) and of several (True) attend, for a stack told `attention`
-    (or not: WIDTHS_ATTEND) whose flex kernels would put `flex_rows` blocks (its rows times its KV
-    heads) in a grid's y: SDPA, not told, where flex's grid cannot hold them; told flex, refused."""
+def attends(attention: Attention | None, batch: int, kv_heads: int) -> dict[bool, Attention]:
+    """How a step of one token (False) and of several (True) attend, for a stack of `batch` rows
+    of `kv_heads` KV heads told `attention` (or not: ONE_ROW_ATTENDS at one row, ROWS_ATTEND at
+    several): SDPA, not told, where flex's kernels would put more blocks (rows times KV heads) in
+    a grid's y than it holds (GRID_Y); told flex, refused there."""
     if attention is not None and attention not in ATTENTIONS:
         raise ValueError(f"attention is one of {ATTENTIONS} (or left out: each width's faster), not {attention!r}")
-    if flex_rows > GRID_Y:
+    if batch * kv_heads > GRID_Y:
         if attention == "flex":
             raise ValueError(f"attention 'flex' serves at most {GRID_Y} rows x KV heads (its kernel's grid), not "
-                             f"{flex_rows}: a smaller batch, or attention='sdpa'")
+                             f"{batch} x {kv_heads}: a smaller batch, or attention='sdpa'")
         return {False: "sdpa", True: "sdpa"}
-    return {wide: attention or WIDTHS_ATTEND[wide] for wide in (False, True)}
+    faster = ONE_ROW_ATTENDS if batch == 1 else ROWS_ATTEND
+    return {wide: attention or faster[wide] for wide in (False, True)}
 
 
 class CompiledStack(LayerStack):
@@ -156,7 +162,8 @@ class CompiledStack(LayerStack):
 
     `attention` is how a decode step or a verify attends ("sdpa": the whole capacity under a
     mask; "flex": the blocks each row holds, every shape compiled apart); left out, each width
-    attends the way the H200 measured faster (WIDTHS_ATTEND); where `batch` times the KV heads
+    attends the way that measured faster at its rows (`attends`: SDPA for one row's decode step,
+    flex for every other); where `batch` times the KV heads
     pass flex's grid (GRID_Y), every width attends through SDPA, and "flex" is refused
     (ValueError, by `attends`); `compile=False` runs the same step eagerly (a CPU's check of the
     arithmetic); `dynamic=False` compiles every shape
@@ -175,7 +182,7 @@ class CompiledStack(LayerStack):
         check_fuses(model)  # before its config's heads are read: GPT-2's has none, a bare AttributeError
         compile, dynamic = as_flag(compile, "compile"), as_flag(dynamic, "dynamic")
         tuning = None if tuning is None else as_flag(tuning, "tuning", also="None")
-        self.attends = attends(attention, batch * model.config.num_key_value_heads)
+        self.attends = attends(attention, batch, model.config.num_key_value_heads)
         # before it is rounded up: "64" and True are no capacities, and 2**31 - 1 rounded up passed an i32's most
         capacity = as_size(capacity, "capacity", most=MOST_SLOTS)
         self.few_rows = self._projection(model, projection)

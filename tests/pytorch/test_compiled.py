@@ -26,7 +26,7 @@ from test_torch_stack import (TOL, TREE, VOCAB, ancestors, hf_logits, hybrid, ma
 
 pytestmark = pytest.mark.torch
 
-ATTENTIONS = ("sdpa", "flex", None)  # None: each width its own (WIDTHS_ATTEND)
+ATTENTIONS = ("sdpa", "flex", None)  # None: each width its own (compiled.attends)
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
@@ -224,21 +224,24 @@ def test_a_compiled_step_compiles_once_whatever_autograd_says():
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_a_rounds_steps_compile_once_whatever_attention_each_width_takes():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_rounds_steps_compile_once_whatever_attention_each_width_takes(batch):
     """A chain round's draft steps as its warm-up runs them and its capture again: the fold's two
-    tokens (flex, each shape static) then a token a step (SDPA, the batch marked dynamic), every
-    one over the cache's rows (StaticKV.every_row, one tensor). Its marks stayed on it, so the
-    flex step compiled before the first one-token step marked the rows found them marked in the
-    capture, and torch 2.12 and later (which guard on maybe_mark_dynamic's and mark_static's
-    marks) compiled it again inside the capture; as did a verify after a width-0 body's."""
-    draft = CompiledStack(tiny(), 40, batch=2)  # each width's attention: flex for several tokens, SDPA for one
-    assert draft.attends == {False: "sdpa", True: "flex"}
-    draft.prefill(range(2), [[1, 2, 3] * 5, [4, 5, 6] * 4])
+    tokens (flex, each shape static) then a token a step (at one row SDPA, its batch marked
+    dynamic; at two flex, static), every one over the cache's rows (StaticKV.every_row, one
+    tensor). Its marks stayed on it, so the flex step compiled before the first one-token step
+    marked the rows found them marked in the capture, and torch 2.12 and later (which guard on
+    maybe_mark_dynamic's and mark_static's marks) compiled it again inside the capture; as did a
+    verify after a width-0 body's."""
+    draft = CompiledStack(tiny(), 40, batch=batch)
+    assert draft.attends == {False: "sdpa" if batch == 1 else "flex", True: "flex"}
+    draft.prefill(range(batch), [[1, 2, 3] * 5, [4, 5, 6] * 4][:batch])
+    folds, ones, at = torch.tensor([[4, 5], [7, 8]]), torch.tensor([[6], [9]]), torch.tensor([[14], [11]])
 
     def chain_round() -> list[torch.Tensor]:
-        logits = [draft.logits(torch.tensor([[4, 5], [7, 8]]), torch.tensor([[14, 15], [11, 12]]), last=True)]
+        logits = [draft.logits(folds[:batch], torch.cat([at, at + 1], 1)[:batch], last=True)]
         for step in range(1, 4):
-            logits.append(draft.logits(torch.tensor([[6], [9]]), torch.tensor([[15 + step], [12 + step]])))
+            logits.append(draft.logits(ones[:batch], (at + 1 + step)[:batch]))
         return logits
     want = chain_round()  # the warm-up
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -516,15 +519,21 @@ def test_a_batch_is_checked_before_flexs_grid_is_sized_by_it():
 
 def test_flex_is_chosen_only_where_its_grid_holds_the_batch():
     """flex_attention's decoding kernel puts rows x KV heads in a grid's y (at most GRID_Y): at the
-    limit each width attends as WIDTHS_ATTEND says; one past it both take SDPA, and flex asked for
-    is refused, naming the limit (it met "invalid argument" at the launch, 20 000 rows of 8)."""
-    from memra_cuda.torch.compiled import GRID_Y, WIDTHS_ATTEND, attends
-    assert attends(None, GRID_Y) == WIDTHS_ATTEND and attends("flex", GRID_Y) == {False: "flex", True: "flex"}
-    assert attends(None, GRID_Y + 1) == {False: "sdpa", True: "sdpa"} == attends("sdpa", GRID_Y + 1)
-    with pytest.raises(ValueError, match=f"'flex' serves at most {GRID_Y} rows x KV heads .* not {GRID_Y + 1}"):
-        attends("flex", GRID_Y + 1)
+    limit each width attends as measured faster at its rows (one row's decode step through SDPA,
+    every other through flex); one past it both take SDPA, and flex asked for is refused, naming
+    the limit (it met "invalid argument" at the launch, 20 000 rows of 8)."""
+    from memra_cuda.torch.compiled import GRID_Y, attends
+    assert attends(None, 1, 8) == {False: "sdpa", True: "flex"} == attends(None, 1, GRID_Y)
+    assert attends(None, 2, 8) == {False: "flex", True: "flex"} == attends(None, GRID_Y // 8, 8)
+    assert attends("flex", 1, GRID_Y) == {False: "flex", True: "flex"} == attends("flex", GRID_Y, 1)
+    assert attends("sdpa", 2, 8) == {False: "sdpa", True: "sdpa"}
+    assert attends(None, 2, GRID_Y // 2 + 1) == {False: "sdpa", True: "sdpa"} == attends("sdpa", 1, GRID_Y + 1)
+    with pytest.raises(ValueError, match=f"'flex' serves at most {GRID_Y} rows x KV heads .* not 1 x {GRID_Y + 1}"):
+        attends("flex", 1, GRID_Y + 1)
     with pytest.raises(ValueError, match="attention is one of"):
         CompiledStack(tiny(), 40, attention="math", compile=False)  # type: ignore[arg-type]
+    assert CompiledStack(tiny(), 40, 1, compile=False).attends == {False: "sdpa", True: "flex"}
+    assert CompiledStack(tiny(), 40, 3, compile=False).attends == {False: "flex", True: "flex"}
 
 
 def test_fusing_holds_the_weights_once_and_leaves_the_model_as_it_was():
