@@ -169,6 +169,18 @@ def prompt_groups(heldout: Mapping[str, Any], batch: int, one_row: int) -> list[
     return [[row] for row in chosen] if batch == 1 else [chosen]
 
 
+def opened(pair: str | Path | None) -> tuple[Path, dict[str, Any], dict[str, Any], dict[str, Any], str, str]:
+    """A run's pair (`pair`, default `make pair`'s) and what names it: its directory, report.json,
+    heldout.json, pair_info(), this machine's GPU and today's date (the headline's and the
+    served table's start; torch and transformers imported here, their progress bars off)."""
+    import torch
+    import transformers
+    transformers.utils.logging.disable_progress_bar()  # from_pretrained's bars, noise in a table (as pair.py)
+    where = pair_dir() if pair is None else Path(pair)
+    report, heldout = load_pair(where)
+    return where, report, heldout, pair_info(report), torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
+
+
 def pair_info(report: Mapping[str, Any]) -> dict[str, Any]:
     """What names the pair beside every figure: its key, shapes, sizes and held-out losses, and
     the draft's agreement (report.json)."""
@@ -429,14 +441,8 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
 def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | None, json_path: str | Path | None,
               chains: Sequence[int] | None, trees: int | None, projection: str) -> dict:
     """headline()'s run, every compiled step's projections `projection`'s."""
-    import torch
-    import transformers
-
     from memra_cuda.torch import load_model
-    transformers.utils.logging.disable_progress_bar()  # from_pretrained's bars, noise in a table (as pair.py)
-    where = pair_dir() if pair is None else Path(pair)
-    report, heldout = load_pair(where)
-    info, machine, date = pair_info(report), torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
+    where, report, heldout, info, machine, date = opened(pair)
     name = describe(info, machine, date)
     target, draft = load_model(where / "target"), load_model(where / "draft")  # as saved: bf16
     for model in (target, draft):  # every row makes its whole budget, as the engine's requests here (no eos)
@@ -448,7 +454,7 @@ def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | Non
     tokens, one_row = (QUICK_TOKENS, QUICK_ONE_ROW) if quick else (TOKENS, ONE_ROW_PROMPTS)
     settings = dict(batches=batches, tokens=tokens, one_row_prompts=one_row, prompt_len=heldout["prompt_len"],
                     m_rounds=TORCH_M, hf_k=HF_K, dtype=str(target.dtype).removeprefix("torch."), quick=quick,
-                    pair_dir=str(where), chains=None if quick else list(chains or CHAIN_KS),
+                    pair_dir=str(where), chains=None if quick else list(CHAIN_KS if chains is None else chains),
                     trees=None if quick else trees, projection=projection)
     print(f"\nheadline: {name}")
     print(f"prompts: heldout.json's first B ({heldout['prompt_len']} tokens, cut from held-out files), {tokens} new "

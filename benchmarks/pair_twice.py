@@ -22,16 +22,24 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .headline import load_pair
+
 LOSS_TOLERANCE = 0.02  # nats/token, each model's held-out loss
 TOP1_TOLERANCE = 0.01  # the draft's top-1 agreement, a share (one point)
 
 
-def train(cache: Path, flags: Sequence[str]) -> Path:
-    """One `python -m benchmarks.pair --cache CACHE FLAGS` into `cache`, which must be empty of
-    pairs; the directory of the pair it trained (its one key's)."""
+def refuse_held(cache: Path) -> None:
+    """ValueError where `cache` holds a pair already: a run there would find it and train nothing."""
     if any(cache.glob("*/report.json")):
         raise ValueError(f"{cache} holds a pair already: a run there would find it and train nothing")
-    subprocess.run([sys.executable, "-m", "benchmarks.pair", "--cache", str(cache), *flags], check=True)
+
+
+def train(cache: Path, flags: Sequence[str]) -> Path:
+    """One `python -m benchmarks.pair FLAGS --cache CACHE` into `cache` (after the flags, so that a
+    --cache among them cannot send both runs into one), which must be empty of pairs; the
+    directory of the pair it trained (its one key's)."""
+    refuse_held(cache)
+    subprocess.run([sys.executable, "-m", "benchmarks.pair", *flags, "--cache", str(cache)], check=True)
     found = sorted(path.parent for path in cache.glob("*/report.json"))
     if len(found) != 1:
         raise RuntimeError(f"benchmarks.pair left {len(found)} pairs in {cache}, not one")
@@ -80,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     caches = args.caches or [Path(tempfile.mkdtemp(prefix=f"pair{i}-")) for i in (1, 2)]
     if caches[0].resolve() == caches[1].resolve():
         parser.error("--caches: two folders, not one twice (the second run would find the first's pair)")
+    for cache in caches:  # both before either trains: the second found full after the first's minutes of training
+        refuse_held(cache)
     pairs = [train(cache, args.flags) for cache in caches]
-    reports = [json.loads((pair / "report.json").read_text()) for pair in pairs]
+    reports = [load_pair(pair)[0] for pair in pairs]
     result = dict(agreement(*reports), pairs=[str(pair) for pair in pairs])
     print("\n".join(lines(result)), flush=True)
     if args.json:

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .headline import MODES, describe, load_pair, measure_batches, pair_arguments, pair_dir, pair_info, save
+from .headline import MODES, describe, measure_batches, opened, pair_arguments, save
 from .serving import figures, request_stream
 from .torch_common import PLAIN_ATTENDS, TORCH_M, projected, pyplot, release
 from memra_cuda import Geometry
@@ -236,23 +236,17 @@ def served_headline(quick: bool = False, pair: str | Path | None = None, batches
 def _served_headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | None,
                      json_path: str | Path | None, m_rounds: int, resume: bool, projection: str) -> dict:
     """served_headline()'s run, every compiled step's projections `projection`'s."""
-    import torch
-    import transformers
-
     from memra_cuda.torch import load_model
-    transformers.utils.logging.disable_progress_bar()
-    where = pair_dir() if pair is None else Path(pair)
-    report, heldout = load_pair(where)
-    info, machine, date = pair_info(report), torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
+    where, _, heldout, info, machine, date = opened(pair)
     name = "served: " + describe(info, machine, date)
-    target, draft = load_model(where / "target"), load_model(where / "draft")
     batches = list(batches or (QUICK_BATCHES if quick else BATCHES))
-    servable(heldout, batches, target.config.eos_token_id, quick)
     kept: list[dict] = []
-    if resume:
+    if resume:  # before the models load: a report it may not resume is refused at once
         if json_path is None:
             raise ValueError("resume adds to the report at json_path: name one")
         kept = resumed(json_path, info, m_rounds, quick, batches, projection) if Path(json_path).exists() else []
+    target, draft = load_model(where / "target"), load_model(where / "draft")
+    servable(heldout, batches, target.config.eos_token_id, quick)
     print(f"\n{name}")
     print(f"a stream of max(16, 4 B) held-out requests, {'8 to 16' if quick else '32 to 512'} new tokens each "
           f"(seed {STREAM_SEED}), the EOS honoured, all submitted at once, through B slots by continuous batching; "
@@ -290,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"(default {TORCH_M}): a slot freed mid-burst waits for the burst's end, so a second run at "
                         "another M says what that costs")
     parser.add_argument("--resume", action="store_true", help="add to the report at --json: its rows of other B's "
-                        "are kept where it is of this pair, M and --quick (a run of every B cut into several by a "
-                        "machine's time limit, on one machine's pair)")
+                        "are kept where it is of this pair, M, --quick and --projection (a run of every B cut into "
+                        "several by a machine's time limit, on one machine's pair)")
     args = parser.parse_args(argv)
     if args.resume and args.json is None:
         parser.error("--resume adds to the report at --json PATH: name one")

@@ -32,7 +32,7 @@ from .headline import copy_bandwidth, floor_ms, streamed_bytes
 from .torch_common import bounded, listed
 
 CAPACITY, VALID = 576, 512
-WIDEST = 16  # the most tokens a row's step takes here (ROWS' widest, 13): --valid leaves them room
+WIDEST = 16  # the most tokens a row's step may take here (FEW_ROWS' widest; ROWS' is 13): --valid leaves them room
 
 
 @dataclass(frozen=True)

@@ -521,6 +521,8 @@ class Server:
         # a cancel of a request that has ended since it was asked is dropped: another thread's cancel() between its
         # check and its add, or between _forget's discard and its del, left an id no step could end (KeyError at
         # every later step)
+        if not self._cancels:  # the common step: no walk of every live request
+            return
         self._cancels.intersection_update(self._live)
         cancels = sorted(self._cancels)
         rows = [row for ident in cancels if (row := self._live[ident].row) is not None]

@@ -25,6 +25,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from ..driver.values import I32_MOST
+
 Attention = Literal["flex", "sdpa"]
 ATTENTIONS: tuple[Attention, ...] = ("flex", "sdpa")
 BLOCK = 128  # flex_attention's block of queries and of cache slots (its default)
@@ -32,7 +34,7 @@ BLOCK = 128  # flex_attention's block of queries and of cache slots (its default
 
 # The most slots a capacity may ask for: a row's lengths are i32 (KVLayer), and aligned() rounds up
 # to whole blocks, so the most whole blocks an i32 counts (2**31 - 1 asked was a cache of 2**31)
-MOST_SLOTS = 2**31 - BLOCK
+MOST_SLOTS = I32_MOST // BLOCK * BLOCK
 
 
 def aligned(capacity: int) -> int:

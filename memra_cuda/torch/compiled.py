@@ -44,8 +44,7 @@ from .state import LiveState, StateLayout
 # against 0.363 with 128, 256 and 512 of 640 held); rows of a batch through flex, for they hold less
 # than the cache as a server's do (B = 64 on an H100, 2026-12-05: 0.660 against SDPA's 0.953 with 128
 # of 576 held, 0.967 against 0.952 with 512; the H200 0.833 against 0.829 with 512)
-ONE_ROW_ATTENDS: dict[bool, Attention] = {False: "sdpa", True: "flex"}
-ROWS_ATTEND: dict[bool, Attention] = {False: "flex", True: "flex"}
+ONE_ROW_STEP: Attention = "sdpa"  # one row's decode step; every other width attends through flex
 # The most blocks a CUDA grid holds in y (the driver's GRID_LIMITS), where flex_attention's decoding
 # kernel puts a batch's rows times its KV heads (torch 2.11: "invalid argument" at B = 20 000 of 8 heads)
 GRID_Y = GRID_LIMITS[1]
@@ -140,9 +139,9 @@ def _no_grad(compiled: Callable[..., Any]) -> Callable[..., Any]:
 
 def attends(attention: Attention | None, batch: int, kv_heads: int) -> dict[bool, Attention]:
     """How a step of one token (False) and of several (True) attend, for a stack of `batch` rows
-    of `kv_heads` KV heads told `attention` (or not: ONE_ROW_ATTENDS at one row, ROWS_ATTEND at
-    several): SDPA, not told, where flex's kernels would put more blocks (rows times KV heads) in
-    a grid's y than it holds (GRID_Y); told flex, refused there."""
+    of `kv_heads` KV heads told `attention` (or not: one row's decode step ONE_ROW_STEP, every
+    other width flex): SDPA, not told, where flex's kernels would put more blocks (rows times KV
+    heads) in a grid's y than it holds (GRID_Y); told flex, refused there."""
     if attention is not None and attention not in ATTENTIONS:
         raise ValueError(f"attention is one of {ATTENTIONS} (or left out: each width's faster), not {attention!r}")
     if batch * kv_heads > GRID_Y:
@@ -150,7 +149,7 @@ def attends(attention: Attention | None, batch: int, kv_heads: int) -> dict[bool
             raise ValueError(f"attention 'flex' serves at most {GRID_Y} rows x KV heads (its kernel's grid), not "
                              f"{batch} x {kv_heads}: a smaller batch, or attention='sdpa'")
         return {False: "sdpa", True: "sdpa"}
-    faster = ONE_ROW_ATTENDS if batch == 1 else ROWS_ATTEND
+    faster: dict[bool, Attention] = {False: ONE_ROW_STEP if batch == 1 else "flex", True: "flex"}
     return {wide: attention or faster[wide] for wide in (False, True)}
 
 
@@ -226,17 +225,17 @@ class CompiledStack(LayerStack):
         if projection == "inductor":
             return None
         if model.device.type != "cuda" or model.dtype not in (torch.bfloat16, torch.float16):
-            if not named:
-                return None
-            raise ValueError(f"projection 'few_rows' serves a bf16 or fp16 model on a GPU, not {model.dtype} on "
-                             f"{model.device.type} (fp32's products stay cuBLAS's own)")
-        try:
-            from .skinny import few_rows
-        except ImportError as e:
-            if not named:
-                return None
-            raise ValueError(f"projection 'few_rows' needs triton (torch's own on a CUDA machine): {e}") from None
-        return few_rows
+            why = (f"serves a bf16 or fp16 model on a GPU, not {model.dtype} on {model.device.type} (fp32's "
+                   "products stay cuBLAS's own)")
+        else:
+            try:
+                from .skinny import few_rows
+                return few_rows
+            except ImportError as e:
+                why = f"needs triton (torch's own on a CUDA machine): {e}"
+        if named:
+            raise ValueError(f"projection 'few_rows' {why}") from None
+        return None
 
     def _run(self, step: Any, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
              mask: torch.Tensor | None, attention: str, last: bool, linear: Linear = F.linear) -> torch.Tensor:

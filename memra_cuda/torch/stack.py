@@ -164,13 +164,14 @@ class LayerStack:
         others). Shapes and dtypes alone: nothing is read from the device. Then the mask's
         (_check_mask)."""
         batch = self.kv.lengths.shape[1]
-        self._check_ids("a forward", f"[B][T] tokens, positions and slots, B = {batch}, T >= 1", batch,
+        self._check_ids("a forward", "[B][T] tokens, positions and slots, B = {batch}, T >= 1", batch,
                         tokens, positions, slots)
         self._check_mask(mask, tokens.shape[1])
 
     def _check_ids(self, what: str, shape: str, rows: int, tokens: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor | None, named: torch.Tensor | None = None) -> None:
-        """_check_rows' and Stack.append's check (`what` names the caller, `shape` what it takes):
+        """_check_rows' and Stack.append's check (`what` names the caller, `shape` what it takes, its
+        {batch} the batch's rows, formatted only for a refusal: a forward in eager mode checks each step):
         TypeError unless the tokens, positions, slots and `named` rows are integer tensors,
         ValueError unless they are on the stack's device (meta tokens embedded as zeros, silently),
         the tokens are `rows` rows of T >= 1 (T = 0: no logits, not even `last`'s [B][1][V]) and
@@ -183,7 +184,8 @@ class LayerStack:
         width = tokens.shape[1] if tokens.dim() == 2 else 0
         if not width or tokens.shape[0] != rows or positions.shape != tokens.shape or (
                 slots is not None and slots.shape != tokens.shape):
-            raise ValueError(f"{what} takes {shape}: not tokens {list(tokens.shape)}, positions {list(positions.shape)}"
+            takes = shape.format(batch=self.kv.lengths.shape[1])
+            raise ValueError(f"{what} takes {takes}: not tokens {list(tokens.shape)}, positions {list(positions.shape)}"
                              + ("" if slots is None else f", slots {list(slots.shape)}")
                              + ("" if named is None else f", rows {list(named.shape)}"))
 
@@ -360,7 +362,7 @@ class Stack(LayerStack):
         # a `rows` that is no tensor counts -1 here, and is refused by its dtype first
         counted = getattr(rows, "ndim", 0) == 1 and rows.shape[0] <= batch  # type: ignore[union-attr]
         want = batch if rows is None else rows.shape[0] if counted else -1
-        self._check_ids("append", f"[R][T] tokens, positions and slots, T >= 1, R the batch's {batch} rows or as "
+        self._check_ids("append", "[R][T] tokens, positions and slots, T >= 1, R the batch's {batch} rows or as "
                         "many as `rows` names", want, tokens, positions, slots, rows)
 
     def _recurrent(self, layer: Recurrent, n: int, hidden: torch.Tensor, rows: torch.Tensor | None,

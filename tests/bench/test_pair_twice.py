@@ -5,6 +5,7 @@ CPU agree (where torch, transformers and tokenizers are)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,36 @@ def test_a_cache_that_holds_a_pair_already_is_refused_before_anything_runs(tmp_p
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a run was started"))
     with pytest.raises(ValueError, match="holds a pair already"):
         train(tmp_path, ["--quick"])
+    with pytest.raises(ValueError, match="holds a pair already"):  # the second cache: found before the first trains
+        main(["--caches", str(tmp_path / "empty"), str(tmp_path)])
+
+
+def trained(tmp_path, monkeypatch, reports: list[dict]) -> list[list[str]]:
+    """pair_twice's runs as pair.py would leave them, each cache a whole pair whose report is the
+    next of `reports`: the commands it ran."""
+    import subprocess
+    ran: list[list[str]] = []
+
+    def run(command, check):
+        where = Path(command[len(command) - command[::-1].index("--cache")]) / "k"  # the last --cache, as argparse
+        for name in ("target", "draft"):
+            (where / name).mkdir(parents=True)
+        (where / "heldout.json").write_text("{}")
+        (where / "report.json").write_text(json.dumps(reports[len(ran)]))
+        ran.append(command)
+    monkeypatch.setattr(subprocess, "run", run)
+    return ran
+
+
+def test_two_runs_that_disagree_exit_1_and_say_so(tmp_path, monkeypatch):
+    ran = trained(tmp_path, monkeypatch, [report(), report(target=2.0)])
+    out = tmp_path / "twice.json"
+    assert main(["--caches", str(tmp_path / "a"), str(tmp_path / "b"), "--json", str(out), "--",
+                 "--quick", "--cache", str(tmp_path / "elsewhere")]) == 1
+    assert json.loads(out.read_text())["agree"] is False
+    assert [command[-1] for command in ran] == [str(tmp_path / "a"), str(tmp_path / "b")]  # each its own cache
+    ran = trained(tmp_path / "again", monkeypatch, [report(), report()])
+    assert main(["--caches", str(tmp_path / "again" / "a"), str(tmp_path / "again" / "b")]) == 0
 
 
 def test_one_folder_twice_is_argparses_error(tmp_path, capsys):

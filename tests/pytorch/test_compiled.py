@@ -505,6 +505,18 @@ def test_left_out_the_projection_is_the_defaults_where_it_serves_and_inductors_w
         CompiledStack(tiny(), 40, compile=False)
 
 
+def test_without_triton_the_default_falls_back_to_inductors_and_few_rows_named_is_refused(monkeypatch):
+    """A 16-bit model on a GPU where memra_cuda.torch.skinny cannot be imported (no triton): left
+    out, the projection is inductor's; "few_rows" named is refused naming triton."""
+    import sys
+    from types import SimpleNamespace
+    monkeypatch.setitem(sys.modules, "memra_cuda.torch.skinny", None)  # its import raises ImportError
+    gpu_bf16 = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+    assert CompiledStack._projection(gpu_bf16, None) is None
+    with pytest.raises(ValueError, match="projection 'few_rows' needs triton"):
+        CompiledStack._projection(gpu_bf16, "few_rows")
+
+
 def test_a_batch_is_checked_before_flexs_grid_is_sized_by_it():
     """The batch sized flex's grid before it was checked: "2" (times 2 KV heads, "22") met a bare
     comparison's TypeError, None a multiplication's, and one past MAX_BATCH with flex asked for

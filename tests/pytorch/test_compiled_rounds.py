@@ -255,3 +255,58 @@ def test_the_plain_loops_burst_compiles_nothing_after_its_warm_up():
             with torch.no_grad() if position == 30 else torch.enable_grad():
                 decoder._burst()
     assert decoder.position.item() == 30 + decoder.steps
+
+
+def test_a_decoders_widths_are_timed_in_turn_each_keeping_its_fastest(monkeypatch):
+    """_measure_widths times every width's body in turn, MEASURED_PASSES times, and each width's
+    cost is the fastest of its passes: a body timed once, alone, took whatever else the GPU ran
+    then as its own cost (a self-draft's width 0 then won at every row, and no draft was judged)."""
+    import contextlib
+    from memra_cuda.torch import chain as chain_module
+    decoder = object.__new__(SpeculativeLlama)
+    decoder.views, _ = round_views(monkeypatch, Geometry(3, 4, 1))
+    decoder.stream, decoder.target = None, SimpleNamespace(kv=SimpleNamespace(capacity=CAPACITY))
+    decoder.widths = SimpleNamespace(widths=(0, 2, 3), costs=lambda relative: relative)
+    given, decoder.width_ms, decoder.setup_seconds = [], {}, 0.0
+    decoder.lengths = SimpleNamespace(set_costs=lambda costs, draft: given.append((costs, draft)))
+    passes = iter([5.0, 4.0, 9.0, 3.0, 6.0, 8.0, 4.0, 5.0, 7.0])  # each pass's times of widths 0, 2 and 3
+    timed: list[int] = []
+
+    def replay_ms(graph, stream, replays):
+        timed.append(graph)
+        return next(passes)
+    monkeypatch.setattr(chain_module, "captured", lambda run, stream: run.args[0])  # a width's "graph": the width
+    monkeypatch.setattr(chain_module, "replay_ms", replay_ms)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    decoder._measure_widths()
+    assert chain_module.MEASURED_PASSES == 3 and timed == [0, 2, 3] * 3
+    assert decoder.width_ms == {0: 3.0, 2: 4.0, 3: 7.0}
+    assert given == [({0: 1.0, 2: 4.0 / 3.0, 3: 7.0 / 3.0}, 0.0)]
+    assert decoder.views.pos_ctr.eq(CAPACITY // 2).all() and decoder.views.pos_start.eq(CAPACITY // 2).all()
+
+
+def test_a_graphs_time_leaves_out_its_first_replay(monkeypatch):
+    """replay_ms replays once before its first event: a graph's first launch also uploads it to
+    the device, which counted in a few replays' mean."""
+    import contextlib
+    from memra_cuda.torch.timing import replay_ms
+    order: list[str] = []
+
+    class Event:
+        made = 0
+
+        def __init__(self, enable_timing: bool):
+            self.name, Event.made = ("start", "end")[Event.made], Event.made + 1
+
+        def record(self) -> None:
+            order.append(self.name)
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: Event) -> float:
+            return 10.0
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    assert replay_ms(SimpleNamespace(replay=lambda: order.append("replay")), None, 5) == 2.0
+    assert order == ["replay", "start", *["replay"] * 5, "end"]

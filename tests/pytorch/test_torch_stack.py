@@ -940,6 +940,8 @@ def test_append_refuses_rows_it_was_not_given_before_writing_any():
         stack.append(torch.tensor([[3]] * 3), torch.tensor([[0]] * 3), torch.tensor([0, 1, 1]))
     with pytest.raises(TypeError, match="append's tokens are an integer tensor, not torch.float32"):
         stack.append(torch.tensor([[3.0], [4.0]]), torch.tensor([[0], [0]]))
+    with pytest.raises(ValueError, match="append's rows are on meta, not the stack's device, cpu"):
+        stack.append(torch.tensor([[3]]), torch.tensor([[0]]), torch.tensor([1], device="meta"))
     assert stack.kv.lengths.tolist() == [[0, 0]] * len(stack.kv.lengths) and not stack.kv.k[0].any()
     stack.append(torch.tensor([[3]]), torch.tensor([[0]]), torch.tensor([1]))  # one row, named
 

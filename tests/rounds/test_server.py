@@ -1054,7 +1054,7 @@ def test_an_interrupt_as_a_request_ends_leaves_it_ended_once_and_the_others_whol
 
 
 @pytest.mark.parametrize("failing", ["clock", "refusal"])
-def test_a_submit_that_raised_takes_no_id_and_queues_nothing(failing):
+def test_a_submit_that_raised_takes_no_id_and_queues_nothing(failing, monkeypatch):
     """A submit whose clock raised, or whose decoder's refusal() did (an interrupt, a fault of the
     decoder's own), had taken an id: the next request's skipped it, and cancel() of the skipped id
     said it was submitted. Such a submit now leaves no trace: the next one takes the id it would
@@ -1063,15 +1063,10 @@ def test_a_submit_that_raised_takes_no_id_and_queues_nothing(failing):
     decoder = Counting(1, clock)
     server = Server(decoder, clock=clock)
     assert server.submit(Request([1], 3)) == 0
-    refusal = decoder.refusal
     if failing == "clock":
         clock.failing = True
     else:
-        def interrupted(request):
-            decoder.refusal = refusal
-            raise KeyboardInterrupt
-
-        decoder.refusal = interrupted
+        interrupt_once(monkeypatch, decoder, "refusal", waited=False)
     with pytest.raises(OSError if failing == "clock" else KeyboardInterrupt):
         server.submit(Request([2], 3))
     assert server.submit(Request([3], 3)) == 1, "the submit that raised took an id"
@@ -1164,4 +1159,20 @@ def test_an_interrupt_as_serve_sorts_a_steps_ends_loses_none():
     assert fired
     out = _idle(server)
     assert sorted(out) == [0, 1, 2], "a request serve() was handed was lost"
+    assert [out[i].tokens for i in range(3)] == [alone(request) for request in requests]
+
+
+def test_an_interrupt_as_serve_builds_its_list_loses_none():
+    """Ctrl-C as serve() built the list it returns, every request ended: each end had been
+    handed to serve() alone, and the list was never returned. Each is handed out by the next
+    step, once."""
+    decoder = Counting(3)
+    server = Server(decoder, clock=decoder.clock)
+    requests = [Request([1, 2], 1), Request([3], 1), Request([4], 2)]
+    with interrupt_before(serving, "return [out[i] for i in range(len(requests))]  # in here: an interrupt as it is "
+                                   "built hands them out") as fired, pytest.raises(KeyboardInterrupt):
+        server.serve(requests)
+    assert fired
+    out = _idle(server)
+    assert sorted(out) == [0, 1, 2], "a request serve() had ended was lost"
     assert [out[i].tokens for i in range(3)] == [alone(request) for request in requests]
