@@ -166,7 +166,7 @@ class LayerStack:
         batch = self.kv.lengths.shape[1]
         self._check_ids("a forward", "[B][T] tokens, positions and slots, B = {batch}, T >= 1", batch,
                         tokens, positions, slots)
-        self._check_mask(mask, tokens.shape[1])
+        self._check_mask(mask, batch, tokens.shape[1])
 
     def _check_ids(self, what: str, shape: str, rows: int, tokens: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor | None, named: torch.Tensor | None = None) -> None:
@@ -189,20 +189,21 @@ class LayerStack:
                              + ("" if slots is None else f", slots {list(slots.shape)}")
                              + ("" if named is None else f", rows {list(named.shape)}"))
 
-    def _check_mask(self, mask: torch.Tensor | None, tokens: int) -> None:
+    def _check_mask(self, mask: torch.Tensor | None, rows: int, tokens: int) -> None:
         """TypeError unless `mask` (where given) is a bool or float tensor (an int one was taken as
-        additive, 0 and 1: every slot seen), ValueError unless it is [B][1][T][capacity], a row a
-        row and a slot a slot (one row's was broadcast to every row through SDPA, and flex read a
-        mask narrower than the cache at its last slot for every slot past it), each silently."""
+        additive, 0 and 1: every slot seen), ValueError unless it is [R][1][T][capacity] (R the
+        forward's `rows`), a row a row and a slot a slot (one row's was broadcast to every row
+        through SDPA, and flex read a mask narrower than the cache at its last slot for every slot
+        past it), each silently."""
         if mask is None:
             return
         if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
             raise TypeError(f"a forward's mask is a tensor of bools or floats, not {getattr(mask, 'dtype', mask)!r}")
         if mask.device != self.device:
             raise ValueError(f"a forward's mask is on {mask.device}, not the stack's device, {self.device}")
-        want = [self.kv.lengths.shape[1], 1, tokens, self.kv.capacity]
+        want = [rows, 1, tokens, self.kv.capacity]
         if list(mask.shape) != want:
-            raise ValueError(f"a forward's mask is [B][1][T][capacity], {want}: not {list(mask.shape)}")
+            raise ValueError(f"a forward's mask is [R][1][T][capacity], {want}: not {list(mask.shape)}")
 
     def compiled(self, arithmetic: Callable[..., Any]) -> Callable[..., Any]:
         """`arithmetic` (the tensor arithmetic a round runs around this stack's forward: its
@@ -311,7 +312,7 @@ class Stack(LayerStack):
         steps each node from its parent's state (`parents`, [R][T]). Otherwise the slots are the
         positions and the mask causal. Its rows' shapes and dtypes are checked first (_check_append);
         logits() and a prefill, which check or make their own, run _append."""
-        self._check_append(tokens, positions, rows, slots)
+        self._check_append(tokens, positions, rows, lengths, slots, mask, parents)
         return self._append(tokens, positions, rows, lengths, slots=slots, mask=mask, parents=parents)
 
     def _append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
@@ -343,27 +344,39 @@ class Stack(LayerStack):
                 hidden = out[0] if isinstance(out, tuple) else out
         return inner.norm(hidden)
 
-    def _check_mask(self, mask: torch.Tensor | None, tokens: int) -> None:
+    def _check_mask(self, mask: torch.Tensor | None, rows: int, tokens: int) -> None:
         """LayerStack's check, and TypeError for a float mask of another dtype than the model's:
         the model's own attention adds it to scores of its dtype, and SDPA refused it only once the
         first layer's K and V had been written (a CompiledStack casts it)."""
-        super()._check_mask(mask, tokens)
+        super()._check_mask(mask, rows, tokens)
         if mask is not None and mask.dtype.is_floating_point and mask.dtype != self.zero.dtype:
             raise TypeError(f"a forward's float mask is added to the scores in the model's dtype, {self.zero.dtype}: "
                             f"not {mask.dtype} (or a mask of bools)")
 
     def _check_append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None,
-                      slots: torch.Tensor | None) -> None:
-        """append's rows, as _check_rows checks a forward's (shapes and dtypes alone): [R][T]
-        integer tokens, positions and slots, R the batch's rows or, with `rows`, as many as it
-        names (an integer [R], at most the batch). One row of tokens given for two was written into
-        every row's K and V before a shape error, and float tokens were truncated."""
+                      lengths: torch.Tensor | None, slots: torch.Tensor | None, mask: torch.Tensor | None,
+                      parents: torch.Tensor | None) -> None:
+        """append's arguments, as _check_rows checks a forward's (shapes and dtypes alone): [R][T]
+        integer tokens, positions, slots and parents, R the batch's rows or, with `rows`, as many
+        as it names (an integer [R], at most the batch); integer `lengths` [R]; the mask R rows of
+        _check_mask's. One row of tokens given for two was written into every row's K and V before
+        a shape error, and float tokens were truncated; a mask, lengths or parents of other rows
+        were broadcast, or refused by the first layer that read them, after the embeddings ran."""
         batch = self.kv.lengths.shape[1]
         # a `rows` that is no tensor counts -1 here, and is refused by its dtype first
         counted = getattr(rows, "ndim", 0) == 1 and rows.shape[0] <= batch  # type: ignore[union-attr]
         want = batch if rows is None else rows.shape[0] if counted else -1
         self._check_ids("append", "[R][T] tokens, positions and slots, T >= 1, R the batch's {batch} rows or as "
                         "many as `rows` names", want, tokens, positions, slots, rows)
+        for name, given, shape in (("lengths", lengths, [want]), ("parents", parents, list(tokens.shape))):
+            if given is None:
+                continue
+            if getattr(given, "dtype", None) not in INDICES:
+                raise TypeError(f"append's {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
+            if given.device != self.device or list(given.shape) != shape:
+                raise ValueError(f"append's {name} are {shape} on the stack's device, {self.device}: "
+                                 f"not {list(given.shape)} on {given.device}")
+        self._check_mask(mask, want, tokens.shape[1])
 
     def _recurrent(self, layer: Recurrent, n: int, hidden: torch.Tensor, rows: torch.Tensor | None,
                    lengths: torch.Tensor | None, parents: torch.Tensor | None) -> torch.Tensor:

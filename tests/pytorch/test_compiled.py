@@ -422,7 +422,7 @@ def test_a_forward_of_rows_that_are_not_the_batchs_is_refused_before_a_cache_is_
         tokens, positions = torch.tensor([[3, 4], [4, 5]]), torch.tensor([[3, 4], [2, 3]])
         seen = torch.arange(stack.kv.capacity) <= positions[..., None, None].transpose(1, 2)  # [B][1][T][capacity]
         for mask in (seen[..., :-1], seen[:1], seen[:, :, :1], torch.cat([seen, seen[..., :1]], -1)):
-            with pytest.raises(ValueError, match=re.escape(f"a forward's mask is [B][1][T][capacity], "
+            with pytest.raises(ValueError, match=re.escape(f"a forward's mask is [R][1][T][capacity], "
                                                            f"{[2, 1, 2, stack.kv.capacity]}: not {list(mask.shape)}")):
                 stack.logits(tokens, positions, mask=mask)
         with pytest.raises(TypeError, match="a forward's mask is a tensor of bools or floats, not torch.int32"):

@@ -928,8 +928,9 @@ def test_a_garbage_token_is_clamped_into_the_vocabulary(kind):
 
 
 def test_append_refuses_rows_it_was_not_given_before_writing_any():
-    """Stack.append's tokens are the batch's rows, or as many as `rows` names: one row given for two
-    was written into every row's K and V before a shape error, float tokens were truncated."""
+    """Stack.append's tokens are the batch's rows, or as many as `rows` names, and its mask, lengths
+    and parents are those rows': one row given for two was written into every row's K and V before
+    a shape error, float tokens were truncated."""
     stack = Stack(tiny(), 16, batch=2)
     with pytest.raises(ValueError, match="append takes \\[R\\]\\[T\\] tokens, positions and slots, T >= 1, "
                                          "R the batch's 2"):
@@ -942,8 +943,24 @@ def test_append_refuses_rows_it_was_not_given_before_writing_any():
         stack.append(torch.tensor([[3.0], [4.0]]), torch.tensor([[0], [0]]))
     with pytest.raises(ValueError, match="append's rows are on meta, not the stack's device, cpu"):
         stack.append(torch.tensor([[3]]), torch.tensor([[0]]), torch.tensor([1], device="meta"))
+    one, zero, row = torch.tensor([[3]]), torch.tensor([[0]]), torch.tensor([1])
+    seen = torch.ones(1, 1, 1, 16, dtype=torch.bool)  # [R][1][T][capacity], R = 1: the row named
+    # a mask, lengths or parents of the batch's rows where `rows` names one (or of the wrong dtype)
+    with pytest.raises(ValueError, match=re.escape("a forward's mask is [R][1][T][capacity], [1, 1, 1, 16]: "
+                                                   "not [2, 1, 1, 16]")):
+        stack.append(one, zero, row, mask=seen.expand(2, 1, 1, 16))
+    with pytest.raises(ValueError, match=re.escape("append's lengths are [1] on the stack's device, cpu: "
+                                                   "not [2] on cpu")):
+        stack.append(one, zero, row, torch.tensor([1, 1]))
+    with pytest.raises(TypeError, match="append's lengths are an integer tensor, not torch.float32"):
+        stack.append(one, zero, row, torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=re.escape("append's parents are [1, 1] on the stack's device, cpu: "
+                                                   "not [1, 1] on meta")):
+        stack.append(one, zero, row, parents=torch.tensor([[0]], device="meta"))
+    with pytest.raises(TypeError, match="append's parents are an integer tensor, not torch.float32"):
+        stack.append(one, zero, row, parents=torch.tensor([[0.0]]))
     assert stack.kv.lengths.tolist() == [[0, 0]] * len(stack.kv.lengths) and not stack.kv.k[0].any()
-    stack.append(torch.tensor([[3]]), torch.tensor([[0]]), torch.tensor([1]))  # one row, named
+    stack.append(one, zero, row, torch.tensor([1]), mask=seen, parents=torch.tensor([[0]]))  # one row, named
 
 
 class _NoStream(Exception):
