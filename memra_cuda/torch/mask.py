@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..buffers.tree import Tree, TreeShape
+from ..driver.values import as_size
+from .attention import MOST_SLOTS
 from .stack import Compile, op_by_op
 
 
@@ -27,12 +29,25 @@ class TreeMask:
     at a time, from TreeBufs.mask_d's words (`words`, [B][T+1][W] int32: node j at bit j % 32 of
     word j // 32), read as each level's mask is asked for. `compiled` runs that arithmetic
     (a decoder's is its draft stack's LayerStack.compiled: a kernel or two where op by op it was
-    a dozen launches a round); left out, op by op."""
+    a dozen launches a round); left out, op by op.
+
+    Refused as it is made, naming what is wrong: `words` that are no int32 tensor or not 3-D (a
+    2-D one met a bare IndexError), a `capacity` that is no int from 1 to MOST_SLOTS (as_size: 2.5
+    made 3 slots, True 1), a `tree` of more nodes than the words' 32W bits hold (a bare IndexError)."""
 
     def __init__(self, words: torch.Tensor, capacity: int, dtype: torch.dtype, tree: Tree | None = None, *,
                  compiled: Compile = op_by_op):
+        if not isinstance(words, torch.Tensor) or words.dtype != torch.int32:
+            raise TypeError(f"TreeMask's words are mask_d's 32-bit words, an int32 tensor, not "
+                            f"{words.dtype if isinstance(words, torch.Tensor) else type(words).__name__}")
+        if words.dim() != 3:
+            raise ValueError(f"TreeMask's words are [B][T+1][W], not {list(words.shape)}")
+        capacity = as_size(capacity, "capacity", most=MOST_SLOTS)
         self.words = words
         self.nodes = 32 * words.shape[2]
+        if tree is not None and tree.nodes > self.nodes:
+            raise ValueError(f"a tree of {tree.nodes} nodes takes {-(-tree.nodes // 32)} mask words a node, "
+                             f"not the {words.shape[2]} TreeMask's words have")
         every = torch.arange(self.nodes, device=words.device)
         self.word, self.bit = every // 32, (every % 32).to(torch.int32)
         self.slots = torch.arange(capacity, device=words.device)

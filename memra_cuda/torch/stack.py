@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..driver.values import as_size
+from ..driver.values import as_flag, as_size
 from .kv import CacheLayout, StaticKV
 from .prefill import Prefills
 from .state import LiveState, Recurrent, State, StateLayout
@@ -155,18 +155,20 @@ class LayerStack:
         mask of 0s and 1s hides nothing, and which it is cannot be told without reading it."""
         raise NotImplementedError
 
-    def _check_rows(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
-                    mask: torch.Tensor | None = None) -> None:
+    def _check_rows(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool, slots: torch.Tensor | None,
+                    mask: torch.Tensor | None = None) -> bool:
         """ValueError, before any K or V is written, unless `tokens` are the batch's rows ([B][T])
         and `positions` (and `slots`) one a token: fewer rows wrote over another row's cache
         before a shape error, more attended to row 0's, and a [B][2] of slots for one token each
         wrote two; TypeError unless each is an integer tensor (float tokens were truncated to
         others). Shapes and dtypes alone: nothing is read from the device. Then the mask's
-        (_check_mask)."""
+        (_check_mask). Returns `last` as a bool (as_flag: "False" was read by its truth, a [B][1][V]
+        where [B][T][V] was asked, and a tensor met torch's "ambiguous" truth)."""
         batch = self.kv.lengths.shape[1]
         self._check_ids("a forward", "[B][T] tokens, positions and slots, B = {batch}, T >= 1", batch,
                         tokens, positions, slots)
         self._check_mask(mask, batch, tokens.shape[1])
+        return as_flag(last, "a forward's last")
 
     def _check_ids(self, what: str, shape: str, rows: int, tokens: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor | None, named: torch.Tensor | None = None) -> None:
@@ -271,7 +273,7 @@ class Stack(LayerStack):
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                parents: torch.Tensor | None = None) -> torch.Tensor:
-        self._check_rows(tokens, positions, slots, mask)
+        last = self._check_rows(tokens, positions, last, slots, mask)
         hidden = self._append(tokens, positions, slots=slots, mask=mask, parents=parents)  # checked just above
         hidden = hidden[:, -1:] if last else hidden
         with self._blas(hidden.shape[0] * hidden.shape[1]):  # the head's rows: B where `last`

@@ -22,6 +22,7 @@ import torch
 
 from ..buffers.tables import StateIndexTable, StateLayer, StateTable, state_copy_table, state_flip_table
 from ..driver.engine import Engine
+from ..driver.values import as_size
 from .views import tensor
 
 
@@ -91,10 +92,13 @@ class CopyState(LiveState):
     """Rollback by copy: the live state as LiveState's, and `slots` [layers][B][k+1][...]. A
     forward over every row (the verify) reads live and writes the state after its token i to
     slot i, never live, so a rejected draft's state never reaches it; round-stream's rollback
-    copies slot keep - 1 over live (`table`). A tree keeps a slot a node (k = T)."""
+    copies slot keep - 1 over live (`table`). A tree keeps a slot a node (k = T). k is an int of
+    at least 0 (one slot: the pending token's alone), refused as it is given (as_size: -1 made no
+    slot, True two, and the verify's store met a bare IndexError)."""
 
     def __init__(self, layers: int, batch: int, shape: tuple[int, ...], device: torch.device | str = "cuda", *,
                  k: int):
+        k = as_size(k, "k", 0)
         super().__init__(layers, batch, shape, device)
         self.k = k
         self.slots = torch.zeros(layers, batch, k + 1, *shape, device=device)
@@ -122,7 +126,7 @@ class FlipState:
 
     def __init__(self, layers: int, batch: int, shape: tuple[int, ...], device: torch.device | str = "cuda", *,
                  k: int, engine: Engine):
-        self.k = k
+        self.k = k = as_size(k, "k", 0)  # as CopyState's
         self.slots = torch.zeros(layers, batch, 2 * (k + 1), *shape, device=device)
         self.index_d = engine.zeros(np.uint32, batch, label="state slot index")
         self.index = tensor(self.index_d, torch.int32)

@@ -19,8 +19,9 @@ from ..buffers.tree import MAX_TREE_CANDIDATES, Candidates, DynamicTree, Tree, T
 from ..driver.values import as_size
 from ..rounds.stream import RoundStream
 from ..rounds.tree_round import TreeRound
+from .attention import aligned
 from .decoder import RoundDecoder, fold, refuse
-from .kv import CacheLayout, PagedKV, Room, StaticKV
+from .kv import CacheLayout, PagedKV, Room, StaticKV, as_capacity
 from .mask import TreeMask
 from .sampling import SamplingParams
 from .views import TreeViews
@@ -94,9 +95,12 @@ class TreeLlama(RoundDecoder):
         if sampling is not None:
             tree.check_sampled()  # before any model or buffer is made (TreeRound checks it again, for its own callers)
         self.tree = tree
-        # the page checked here, not where the caches are made after both models' stacks
-        cache: CacheLayout = StaticKV if paged is None else functools.partial(PagedKV, page=as_size(paged, "paged"))
-        super().__init__(model, draft, Geometry.of_tree(tree, m_rounds, batch),
+        geometry = Geometry.of_tree(tree, m_rounds, batch)
+        # the page checked here, not where the caches are made after the stream and both models' stacks: at most
+        # the slots a row each cache gets (RoundDecoder's, whole blocks; a longer page was allocated whole)
+        cache: CacheLayout = StaticKV if paged is None else functools.partial(
+            PagedKV, page=as_size(paged, "paged", 1, aligned(as_capacity(capacity, geometry))))
+        super().__init__(model, draft, geometry,
                          capacity=capacity, sampling=sampling, draft_sampling=draft_sampling,
                          state_rollback=state_rollback, cache=cache, compiled=compiled)
         batch = self.batch

@@ -8,6 +8,7 @@ takes a buffer takes a tensor too.
 """
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable
 
 import torch
@@ -60,7 +61,13 @@ def tensor(buf: DeviceBuffer, dtype: torch.dtype | None = None) -> torch.Tensor:
     (Stream.precede): torch.as_tensor does not wait on the stream a buffer names (2.11), so a
     buffer just uploaded on an engine's own stream read back as garbage under load. Later work on
     the two streams is the caller's to order. Inside a capture that wait is refused
-    (CaptureError): make the tensor before capturing."""
+    (CaptureError): make the tensor before capturing. A `buf` that is no DeviceBuffer and a `dtype`
+    that is no torch.dtype are refused first (TypeError: "int32" met a bare AttributeError,
+    np.int32 a ValueError of its size, a numpy array torch's device())."""
+    if not isinstance(buf, DeviceBuffer):
+        raise TypeError(f"tensor's buf is a memra_cuda DeviceBuffer, not {reprlib.repr(buf)}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"tensor's dtype is a torch.dtype (torch.int32, say) or None, not {dtype!r}")
     device, source = torch.device("cuda", buf.device), _Held(buf, dtype)
     if buf.engine is not None and not buf.engine.closed:  # a closed engine finished its work
         buf.engine.precede(torch.cuda.current_stream(device), f"tensor({buf!r})")

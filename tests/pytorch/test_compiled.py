@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
@@ -445,6 +446,20 @@ def test_a_forward_of_rows_that_are_not_the_batchs_is_refused_before_a_cache_is_
                 stack.logits(**{**dict(tokens=tokens, positions=positions), **given})
         assert all(torch.equal(a, b) for a, b in zip(before, (*stack.kv.k, *stack.kv.v))), type(stack).__name__
         stack.logits(tokens, positions, mask=seen)  # the mask at its shape, bools
+
+
+def test_a_forwards_last_is_true_or_false():
+    """last="False" was read by its truth (the last token's [B][1][V] where every token's was asked),
+    None as False, and a tensor met torch's "Boolean value of Tensor is ambiguous": each stack
+    refuses what is no bool by name, before its cache is written."""
+    tokens, positions = torch.tensor([[3, 4], [4, 5]]), torch.tensor([[0, 1], [0, 1]])
+    for stack in (Stack(tiny(), 40, batch=2), CompiledStack(tiny(), 40, batch=2, compile=False)):
+        for last in ("False", None, 1, torch.tensor(True)):
+            with pytest.raises(TypeError, match=re.escape(f"a forward's last must be True or False, not {last!r}")):
+                stack.logits(tokens, positions, last=last)  # type: ignore[arg-type]
+        assert not any(cache.any() for cache in (*stack.kv.k, *stack.kv.v)), type(stack).__name__
+        assert stack.logits(tokens, positions, last=np.False_).shape == (2, 2, VOCAB)  # numpy's bool is a bool
+        assert stack.logits(tokens, positions, last=True).shape == (2, 1, VOCAB)
 
 
 def test_a_capacity_is_whole_blocks_and_a_garbage_position_stays_inside():

@@ -209,6 +209,20 @@ def test_a_verify_leaves_the_state_after_each_token_in_its_slot_and_live_untouch
         torch.testing.assert_close(stack.state.slots[:, 0, i], want, **TOL)
 
 
+def test_a_states_k_is_a_count_of_drafts():
+    """CopyState(k=-1) made no slot and k=True two, and the verify's store met a bare IndexError
+    (FlipState's likewise): k is refused by name where it is given, k = 0 (one slot) taken."""
+    from memra_cuda.torch.state import FlipState
+    for k, error, message in ((-1, ValueError, "k must be an int of at least 0, not -1"),
+                              (True, TypeError, "k must be an integer, not True"),
+                              (2.0, TypeError, "k must be an integer, not 2.0")):
+        for make in (lambda: CopyState(1, 2, (3,), "cpu", k=k),
+                     lambda: FlipState(1, 2, (3,), "cpu", k=k, engine=None)):  # type: ignore[arg-type]
+            with pytest.raises(error, match=message):
+                make()
+    assert CopyState(1, 2, (3,), "cpu", k=0).slots.shape == (1, 2, 1, 3)
+
+
 def test_a_trees_nodes_step_from_their_parents_state():
     """A hybrid verify over TREE's nodes (parents given) leaves in slot i the state after node i's
     root path, stepped token by token."""
@@ -558,8 +572,13 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
             make()
     with pytest.raises(TypeError, match="candidates .* must be an integer, not 'abc'"):
         TreeLlama(model, draft, TREE, candidates="abc")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="page must be an int of at least 1, not 0"):
+    with pytest.raises(ValueError, match="page must be an int from 1 to 64, not 0"):
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu", page=0)
+    # a page past the capacity was allocated whole for every row (4096 positions for 16; 2**40 tried 140 TB)
+    for page in (65, 2**40):
+        with pytest.raises(ValueError, match=f"page must be an int from 1 to 64, not {page}"):
+            PagedKV(model.config, 1, 1, 64, torch.float32, "cpu", page=page)
+    assert PagedKV(model.config, 1, 1, 64, torch.float32, "cpu", page=64).pool_k.shape[1:4] == (1, 2, 64)  # one a row
     with pytest.raises(TypeError, match="paged cache"):
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu").data()
 
@@ -832,6 +851,21 @@ def test_a_buffer_read_as_bfloat16_says_how():
         tensor(halves, torch.float32)
 
 
+def test_a_tensor_is_made_of_a_device_buffer_read_as_a_torch_dtype():
+    """tensor(buf, "int16") met a bare AttributeError, np.int16 a ValueError of its size, and a
+    numpy array torch's device() TypeError: each is refused by name, before any device work."""
+    from memra_cuda import DeviceBuffer
+    from memra_cuda.torch import tensor
+    halves = DeviceBuffer.wrap(0x1000, np.int16, 4)
+    for dtype in ("int16", np.int16, np.dtype(np.int16)):
+        with pytest.raises(TypeError, match=re.escape(f"tensor's dtype is a torch.dtype (torch.int32, say) or None, "
+                                                      f"not {dtype!r}")):
+            tensor(halves, dtype)  # type: ignore[arg-type]
+    for buf, named in ((np.zeros(3), re.escape("array([0., 0., 0.])")), (torch.zeros(3), "tensor"), (None, "None")):
+        with pytest.raises(TypeError, match=f"tensor's buf is a memra_cuda DeviceBuffer, not {named}"):
+            tensor(buf)  # type: ignore[arg-type]
+
+
 def test_a_torch_bool_is_no_budget_token_id_or_top_k():
     """torch.tensor(True)'s __index__ gives 1: it was a budget, a seed, an EOS or a prompt's token of
     1, request 1 to cancel, and a top_k of 1, where True itself is refused (TypeError) as each."""
@@ -969,7 +1003,7 @@ class _NoStream(Exception):
 
 def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
     """An option a decoder cannot serve is refused before its stream, engine or stacks are made:
-    a flag not a bool, an on_engine not a function, a page, a sampled tree's draws, a plain loop's
+    a flag not a bool, an on_engine not a function, a page (past the cache too), a sampled tree's draws, a plain loop's
     capacity (each was found after the stream, some after both models' stacks); and a cache that
     cannot take one round, at the limit (found at the warm-up, after both models compiled, as a
     "next burst"). Where all is well, the decoder gets as far as its stream."""
@@ -985,7 +1019,10 @@ def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
     cases = [
         (lambda: SpeculativeLlama(model, draft, compiled="yes"), TypeError, "compiled must be None or True or False"),
         (lambda: SpeculativeLlama(model, draft, on_engine=5), TypeError, "on_engine is a function"),
-        (lambda: TreeLlama(model, draft, TREE, paged=0), ValueError, "paged must be an int of at least 1, not 0"),
+        (lambda: TreeLlama(model, draft, TREE, paged=0), ValueError, "paged must be an int from 1 to 1024, not 0"),
+        # past the caches' slots a row (a capacity of 1000 is 1024, whole blocks): allocated whole, after the stream
+        (lambda: TreeLlama(model, draft, TREE, capacity=1000, paged=1025), ValueError,
+         "paged must be an int from 1 to 1024, not 1025"),
         (lambda: TreeLlama(model, draft, TreeShape.from_choices([[0], [2]]), sampling=SamplingParams()), ValueError,
          "a sampled tree's children are their parent's first draws"),
         (lambda: GraphedGreedy(model, 0), ValueError, "capacity must be a Room or an int from 1 to 2147483520"),
@@ -1002,7 +1039,8 @@ def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
             make()
     for make in (lambda: SpeculativeLlama(model, draft, k=254, capacity=256),
                  lambda: SpeculativeLlama(model, draft, k=126, batch=2, capacity=256), lambda: GraphedGreedy(model, 64),
-                 lambda: TreeLlama(model, draft, TREE, paged=16)):
+                 lambda: TreeLlama(model, draft, TREE, paged=16),
+                 lambda: TreeLlama(model, draft, TREE, capacity=1000, paged=1024)):
         with pytest.raises(_NoStream):
             make()
 

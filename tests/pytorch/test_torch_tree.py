@@ -5,6 +5,8 @@ size (benchmarks/picks.py), a tree named in a line (parse_tree), and the trees t
 section measures and how it names them. The examples' command line: tests/examples."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -44,6 +46,31 @@ def test_the_mask_is_each_nodes_ancestors_and_the_prefix(static):
         for i in range(n):
             want = [0.0 if s < at or (s - at in ancestors[i]) else -np.inf for s in range(80)]
             assert got[b, 0, i].float().tolist() == want, f"row {b}, node {i}"
+
+
+def test_a_mask_refuses_a_capacity_a_tree_and_words_it_cannot_serve():
+    """A capacity of 2.5 made 3 slots and True 1; a tree of more nodes than the words' 32W bits,
+    and words not [B][T+1][W], met a bare IndexError. Each is refused by name, a tree of 32 nodes
+    on one word and the capacities from 1 to MOST_SLOTS taken."""
+    from memra_cuda.torch.attention import MOST_SLOTS
+    one = torch.zeros(1, 33, 1, dtype=torch.int32)
+    for capacity, error, message in ((2.5, TypeError, "capacity must be an integer, not 2.5"),
+                                     (True, TypeError, "capacity must be an integer, not True"),
+                                     (0, ValueError, f"capacity must be an int from 1 to {MOST_SLOTS}, not 0"),
+                                     (MOST_SLOTS + 1, ValueError, f"capacity must be an int from 1 to {MOST_SLOTS}")):
+        with pytest.raises(error, match=message):
+            TreeMask(one, capacity, torch.float32)
+    assert TreeMask(one, 1, torch.float32).slots.tolist() == [0]
+    with pytest.raises(ValueError, match="a tree of 33 nodes takes 2 mask words a node, not the 1 TreeMask's words"):
+        TreeMask(one, 64, torch.float32, TreeShape.chain(32))
+    whole = TreeMask(one, 64, torch.float32, TreeShape.chain(31)).at(torch.tensor([[0]])).rows(0, 32)
+    assert whole.shape == (1, 1, 32, 64) and (whole[0, 0, 31, :32] == 0).all()  # the last node sees every node
+    with pytest.raises(ValueError, match=re.escape("TreeMask's words are [B][T+1][W], not [33, 1]")):
+        TreeMask(one[0], 64, torch.float32)
+    for words, named in ((one.long(), "torch.int64"), (one.numpy(), "ndarray"), ([[[0]]], "list")):
+        with pytest.raises(TypeError, match=f"TreeMask's words are mask_d's 32-bit words, an int32 tensor, "
+                                            f"not {named}$"):
+            TreeMask(words, 64, torch.float32)
 
 
 def test_a_levels_best_candidates_are_torch_topks_best_first_ties_to_the_lower_index():
