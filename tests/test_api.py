@@ -36,20 +36,23 @@ def test_the_constructor_shows_acceptance_required_and_hides_nothing_in_kwargs()
 
 def test_pipeline_stages_name_the_capacity_of_their_caches():
     """The other stages roll back in round_tail, out of the capacity check's sight: their
-    capacity is given, or UNCHECKED by name, never left out."""
+    capacity is given, or UNCHECKED by name, never left out. An Engine is checked by its type: one
+    made without its device (__new__) stands for a stage."""
+    from memra_cuda.driver.engine import Engine
+    stage = [object.__new__(Engine)]
     with pytest.raises(ValueError, match="capacity"):
-        Stages(["stage"])
+        Stages(stage)
     with pytest.raises(ValueError, match="capacity"):
         Stages((), round_tail=lambda: None)
-    assert Stages(["stage"], capacity=memra_cuda.UNCHECKED).capacity is memra_cuda.UNCHECKED
-    assert type(Stages(["stage"], capacity=np.int64(64)).capacity) is int
+    assert Stages(stage, capacity=memra_cuda.UNCHECKED).capacity is memra_cuda.UNCHECKED
+    assert type(Stages(stage, capacity=np.int64(64)).capacity) is int
     for bad in (0, -5):  # the rule of a table's capacity: a burst could never be checked against these
         with pytest.raises(ValueError, match="capacity must be None, UNCHECKED or an int of at least 1"):
-            Stages(["stage"], capacity=bad)
+            Stages(stage, capacity=bad)
     assert Stages(()).capacity is None
     # a tail that is no callable was taken, and raised at every round, after its commit and rollback
     with pytest.raises(TypeError, match="round_tail must be a callable that queues the other stages' work"):
-        Stages(["stage"], round_tail=[lambda: None], capacity=64)
+        Stages(stage, round_tail=[lambda: None], capacity=64)
 
 
 def test_a_round_refuses_kernels_of_another_engine_and_a_lone_table_before_any_device_work():

@@ -20,10 +20,10 @@ def as_slot(slot: object) -> int:
 
 
 def slot_refusal(slot: object) -> Exception:
-    """as_slot's refusal of `slot`, for the per-burst paths (queue_readback, receive, queued):
-    they test nothing, but index by the slot first and raise this where the index failed, before
-    anything has changed. A test would cost each burst more than the index, and -1 is slot 1
-    in every one of them alike."""
+    """as_slot's refusal of `slot`, for the per-burst paths (queue_readback, receive, and the
+    ledger's queued, received and unreceived): they test nothing, but index by the slot first
+    and raise this where the index failed, before anything has changed. A test would cost each
+    burst more than the index, and -1 is slot 1 in every one of them alike."""
     try:
         as_slot(slot)
     except (TypeError, ValueError) as refusal:
@@ -50,7 +50,10 @@ class Ledger:
     def queued(self, rounds: int, readback: int | None = None) -> None:
         """`rounds` rounds were queued, and after them (readback = a slot) a readback into that
         pinned slot, which empties the rings and covers every round queued so far once received.
-        Whoever queues rounds says so here, a graph's replay too (its readback is not seen)."""
+        Whoever queues rounds says so here, a graph's replay too (its readback is not seen).
+        `rounds` is an int of at least 0, checked first: -5 or 2.5 became the unseen rounds the
+        capacity check adds."""
+        rounds = as_size(rounds, "rounds", 0)
         total = self.rounds + rounds
         if readback is not None:
             try:  # first: a slot but 0 or 1 counted the rounds, then raised
@@ -65,13 +68,23 @@ class Ledger:
 
     def received(self, slot: int) -> None:
         """The readback queued into `slot` was received: the rows are known as of the rounds it
-        covers (a slot received again, or behind a newer one, teaches nothing new)."""
-        self.learnt = max(self.learnt, self.covers[slot])
+        covers (a slot received again, or behind a newer one, teaches nothing new). The slot is
+        found as queued finds it (slot_refusal: -1 is slot 1, as StreamBufs.receive, which
+        calls this once it has read that slot, takes it)."""
+        self.learnt = max(self.learnt, self._covered(slot))
 
     def unreceived(self, slot: int) -> bool:
         """A readback was queued into `slot` that would teach the host rounds it has not seen: not
         received, nor covered by one received since (a newer slot's, or a reset)."""
-        return self.covers[slot] > self.learnt
+        return self._covered(slot) > self.learnt
+
+    def _covered(self, slot: int) -> int:
+        """The rounds the readback of `slot` covers; slot_refusal's exception for a slot that
+        indexes neither (2 was a bare IndexError, "a" a bare TypeError)."""
+        try:
+            return self.covers[slot]
+        except (IndexError, TypeError):
+            raise slot_refusal(slot) from None
 
     @property
     def unseen_rounds(self) -> int:

@@ -16,7 +16,7 @@ from .capacity import Unchecked, kv_entries
 from .geometry import as_batch
 from ..driver.buffer import DeviceBuffer, as_buffer, device_allocation
 from ..driver.engine import as_engine
-from ..driver.values import I32_MOST, as_index, as_size
+from ..driver.values import I32_MOST, as_index, as_listed, as_size
 
 if TYPE_CHECKING:
     from ..driver.engine import Engine
@@ -74,10 +74,15 @@ class AllocatedKV(KVLayer):
 
 class Cache:
     """A model's KV layers in order; None stands for a layer without KV (linear attention,
-    KV shared with another layer)."""
+    KV shared with another layer). Each is checked here, TypeError naming its index: a string
+    was taken as layers of its characters, and a layer that is no KVLayer failed only when a
+    capacity or a table read it."""
 
     def __init__(self, kv: Sequence[KVLayer | None]):
-        self.kv = list(kv)
+        self.kv: list[KVLayer | None] = as_listed(kv, "kv", "KVLayers or None")
+        for i, layer in enumerate(self.kv):
+            if layer is not None and not isinstance(layer, KVLayer):
+                raise TypeError(f"kv entry {i} must be a KVLayer (or None), not {layer!r}")
 
     @classmethod
     def allocate(cls, engine: Engine, kv_mask: Sequence[bool], capacity: int, width: int = 1,
@@ -90,8 +95,11 @@ class Cache:
     def __len__(self) -> int:
         return len(self.kv)
 
-    def __add__(self, other: Cache) -> Cache:
-        """Both caches' layers in one: one pointer table can then roll back target and draft."""
+    def __add__(self, other: object) -> Cache:
+        """Both caches' layers in one: one pointer table can then roll back target and draft.
+        Another operand is Python's TypeError (NotImplemented), naming both types."""
+        if not isinstance(other, Cache):
+            return NotImplemented
         return Cache(self.kv + other.kv)
 
     @property

@@ -33,8 +33,8 @@ _NODE_INTS = "ints, one a node"  # what a tree's parent and rank hold, for as_li
 @dataclass(frozen=True)
 class TreeShape:
     """A static tree: `parent` and `rank` of every node in level order (node 0 the root, its
-    parent -1), built by from_choices or from_parents, which check it. A node of rank r holds
-    its parent's r-th best candidate (greedy) or r-th draw (sampling)."""
+    parent -1 and its rank 0), built by from_choices or from_parents, which check it. A node of
+    rank r holds its parent's r-th best candidate (greedy) or r-th draw (sampling)."""
 
     parent: tuple[int, ...]
     rank: tuple[int, ...]
@@ -56,6 +56,8 @@ class TreeShape:
         object.__setattr__(self, "rank", rank)
         if parent[0] != -1:
             raise ValueError("a tree's parent and rank name every node, node 0 (the root, parent -1) first")
+        if rank[0] != 0:  # the root is no parent's candidate: spec_tree_begin writes its rank 0, whatever is given
+            raise ValueError(f"node 0's rank must be 0 (the root is no parent's candidate), not {rank[0]}")
         depth = [0]
         for i, p in enumerate(parent[1:], 1):
             if not 0 <= p < i:

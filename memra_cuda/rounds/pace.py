@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..driver.values import as_flag, as_size, exact_array
+
 
 class Pace:
     """How many rounds the next burst of a generation runs.
@@ -18,18 +20,27 @@ class Pace:
     the most any row needs, rounded down to a power of two (so a stream captures at most
     log2(M) graphs more), at most M. A burst that falls short costs one short burst more; a
     row that stops at an EOS cannot be foreseen. With `cut` False every burst runs M rounds.
+
+    Each argument is checked here (TypeError or ValueError naming it): budgets are ints (2.7
+    was truncated to 2, "5" read as 5), M an int of at least 1 (0 made every burst 0 rounds),
+    `cut` a bool.
     """
 
     def __init__(self, budgets: np.ndarray, m_rounds: int, cut: bool = True):
-        self.budgets = np.asarray(budgets, np.int64)
-        self.m_rounds, self.cut = m_rounds, cut
+        try:  # exact_array's refusal names no argument
+            self.budgets = exact_array(budgets, np.int64)
+        except (TypeError, ValueError) as refusal:
+            raise type(refusal)(f"budgets: {refusal}") from None
+        self.m_rounds, self.cut = as_size(m_rounds, "m_rounds"), as_flag(cut, "cut")
         self.generated = np.zeros_like(self.budgets)
         self._rounds = np.zeros_like(self.budgets)  # rounds each row ran live, start to end
         self._leanest = np.ones(self.budgets.shape)  # fewest tokens per round one of its bursts gave
 
     @staticmethod
     def lengths(m_rounds: int) -> list[int]:
-        """Every burst length rounds() may ask for: the powers of two below M, and M."""
+        """Every burst length rounds() may ask for: the powers of two below M, and M (an int of
+        at least 1, as_size's refusals naming it)."""
+        m_rounds = as_size(m_rounds, "m_rounds")
         return [1 << i for i in range(m_rounds.bit_length()) if 1 << i < m_rounds] + [m_rounds]
 
     def rounds(self, live: np.ndarray, in_flight: int = 0) -> int:
@@ -65,7 +76,9 @@ def pass_lengths(m_rounds: int, paced: bool) -> list[int]:
     """The rounds a device loop's pass runs, loop by loop: M while some live row is expected to
     need M rounds more, then (paced) every power of four below it, then one, which also ends a
     generation the round cap cuts inside a longer pass. The tail wastes few rounds, and the long
-    middle pays the per-pass cost once per M rounds."""
+    middle pays the per-pass cost once per M rounds. M is an int of at least 1 and `paced` a
+    bool (0 gave a pass of 0 rounds)."""
+    m_rounds, paced = as_size(m_rounds, "m_rounds"), as_flag(paced, "paced")
     lengths = [m_rounds]
     if paced:
         lengths += [4**i for i in range((m_rounds - 1).bit_length() // 2, 0, -1) if 4**i < m_rounds]

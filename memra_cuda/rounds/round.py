@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 from ..buffers.acceptance import Greedy, Sampling
 from ..buffers.capacity import UNCHECKED, Capacity, Unchecked, kv_entries
 from ..buffers.tables import AddressTable, PointerTable, StateIndexTable, StateTable, state_targets_disjoint
+from ..driver.engine import as_engine
 from ..driver.graph import Capture, LoopBuilder, LoopUnsupported, loops
+from ..driver.values import as_listed
 from ..kernels.spec import SpecKernels
 from .switch import Widths, WidthSwitch
 
@@ -54,13 +56,16 @@ class Stages:
     round: `engines`, the other stages' engines, whose streams the callables fork to and join
     back from (their work joins the burst graph); `round_tail`, queued after this stage's
     rollback (the accept state sent back, the other stages' rollbacks); `capacity`, the fewest
-    KV entries the other stages' caches hold."""
+    KV entries the other stages' caches hold. `engines` is kept as a tuple of Engines, each
+    checked here: a string was taken as one engine a character, a number failed only in the Round."""
 
     engines: Sequence[Engine]
     round_tail: Step | None = None
     capacity: int | Unchecked | None = None
 
     def __post_init__(self) -> None:
+        engines = as_listed(self.engines, "Stages' engines", "Engines")
+        object.__setattr__(self, "engines", tuple(as_engine(e, f"Stages' engine {i}") for i, e in enumerate(engines)))
         if self.round_tail is not None and not callable(self.round_tail):  # queued after every round's commit
             raise TypeError(f"round_tail must be a callable that queues the other stages' work, or None, not "
                             f"{self.round_tail!r}")

@@ -67,7 +67,8 @@ class Schedule:
 
     `clock` gives the host's time in ns (its low 32 bits are compared with the stamps), `sleep`
     sleeps for seconds, and `slack` is entered while a follow runs (on Linux: the thread's timer
-    slack lowered to 1 µs). begin() starts each follow anew.
+    slack lowered to 1 µs), each callable (TypeError naming it: None failed only at begin()).
+    begin() starts each follow anew.
 
     `look_s` is checked where it is set (here, or `schedule.look_s = ...` later): a real number
     from 0 (a look a retry after each) to LOOK_MOST_S, TypeError or ValueError naming it.
@@ -90,6 +91,9 @@ class Schedule:
     def __init__(self, clock: Callable[[], int] = time.perf_counter_ns, sleep: Callable[[float], object] = time.sleep,
                  *, look_s: float = LOOK_S, spin: bool = False,
                  slack: Callable[[], contextlib.AbstractContextManager[object]] = fine_timer):
+        for name, given in (("clock", clock), ("sleep", sleep), ("slack", slack)):
+            if not callable(given):  # else a follow's first use of it failed, not the schedule's making
+                raise TypeError(f"a schedule's {name} must be callable, not {given!r}")
         self.clock, self.sleep, self.slack = clock, sleep, slack
         self.look_s, self.spin = look_s, as_flag(spin, "spin")
         self._start(0)

@@ -323,3 +323,23 @@ def test_a_readback_slot_but_0_or_1_is_refused_before_anything_waits_or_is_queue
     bufs.queue_readback(1)
     bufs.receive(1)
     assert waits == [None] and queued == [1]
+
+
+def test_a_caches_layers_are_kv_layers_or_none_checked_when_it_is_made():
+    """Cache("ab") held the layers "a" and "b", and Cache(None) was a bare TypeError; an entry that
+    is no KVLayer (Cache([1])) failed only where its capacity or a table read it, an
+    AttributeError naming nothing; cache + None an AttributeError too."""
+    from memra_cuda.buffers import Cache, KVLayer
+    layer = KVLayer(DeviceBuffer.wrap(0x7F0000000000, np.int32, 2), 64)  # an address nobody reads
+    for kv in ("ab", None, 7, {layer}):
+        with pytest.raises(TypeError, match=r"^kv must be a list, a tuple or a 1-D array of KVLayers or None, not "):
+            Cache(kv)
+    for kv, at in (([1], 0), ([layer, None, "layer"], 2), ((None, layer.len_d), 1)):
+        with pytest.raises(TypeError, match=rf"^kv entry {at} must be a KVLayer \(or None\), not "):
+            Cache(kv)
+    cache = Cache((layer, None))
+    assert cache.kv == [layer, None] and cache.capacity == 64
+    assert (cache + Cache([None])).kv == [layer, None, None] and Cache(np.array([None, layer])).kv == [None, layer]
+    for other in (None, [layer], (layer,)):
+        with pytest.raises(TypeError, match=r"^unsupported operand type\(s\) for \+: 'Cache' and "):
+            cache + other

@@ -89,13 +89,13 @@ def test_a_device_loop_is_checked_for_its_whole_budget():
 def test_pipeline_stages_bound_the_rule_with_their_caches():
     """The other stages roll back in round_tail, out of the tables' sight: their capacity joins
     the tables', and the fewest entries anywhere is the rule's."""
-    stages = Stages(["stage 0"], capacity=20)
+    stages = Stages((), round_tail=lambda: None, capacity=20)
     rule = Capacity.of((stages.capacity, 64, None), Geometry(4, 4))
     assert rule.entries == 20
     rule.check_burst(at(0), ONE, rounds=4)  # 20: the stage's last entry
     with pytest.raises(CapacityError, match="20 entries"):
         rule.check_burst(at(1), ONE, rounds=4)
-    assert Capacity.of((Stages(["stage"], capacity=UNCHECKED).capacity, 64), Geometry(4, 4)).entries == 64
+    assert Capacity.of((Stages((), lambda: None, UNCHECKED).capacity, 64), Geometry(4, 4)).entries == 64
     unchecked = Capacity.of((UNCHECKED, None), Geometry(4, 4))
     assert unchecked.entries is None
     unchecked.check_burst(at(10**9), ONE, rounds=4)  # nothing to check against

@@ -3,6 +3,8 @@ with no device behind it, checked against a simulated stream whose rows move one
 round and whose readbacks copy the position into a pinned slot, in stream order."""
 from __future__ import annotations
 
+import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -119,3 +121,31 @@ def test_a_readback_slot_but_0_or_1_is_refused_before_the_ledger_counts_anything
     ledger.queued(3, readback=1)
     ledger.queued(2, readback=-1)
     assert (ledger.rounds, ledger.ring_rounds, ledger.covers) == (5, 0, [0, 5])
+
+
+def test_rounds_and_a_received_slot_are_refused_naming_them_before_the_ledger_changes():
+    """queued(-5) and queued(2.5) were taken, and unseen_rounds, the capacity check's margin,
+    became -2 or 5.5; received(2) was a bare IndexError and unreceived("a") a bare TypeError,
+    naming nothing. Found as queued finds its slot: -1 is slot 1 in each."""
+    ledger = Ledger()
+    ledger.queued(3, readback=0)
+    for rounds, error in ((-1, ValueError), (-5, ValueError), (2.5, TypeError), ("1", TypeError), (True, TypeError),
+                          (None, TypeError)):
+        for readback in (None, 1):
+            with pytest.raises(error, match=rf"^rounds must be an int.*, not {rounds!r}$"):
+                ledger.queued(rounds, readback=readback)
+        assert (ledger.rounds, ledger.ring_rounds, ledger.covers, ledger.events) == (3, 0, [3, 0], 1)
+    for slot, error in ((2, ValueError), (-3, ValueError), ("a", TypeError), (1.0, TypeError), (None, TypeError)):
+        with pytest.raises(error, match="^a readback slot must be an int"):
+            ledger.received(slot)
+        with pytest.raises(error, match="^a readback slot must be an int"):
+            ledger.unreceived(slot)
+        assert ledger.learnt == 0
+    ledger.queued(0)  # the least: nothing queued, still an event
+    ledger.queued(np.int64(2))
+    assert ledger.rounds == 5 and type(ledger.rounds) is int and ledger.ring_rounds == 2
+    assert not ledger.unreceived(1) and not ledger.unreceived(-1) and ledger.unreceived(np.int64(0))
+    ledger.received(-1)  # slot 1: it covers nothing yet
+    assert ledger.unseen_rounds == 5
+    ledger.received(0)
+    assert ledger.unseen_rounds == 2

@@ -119,6 +119,16 @@ def test_out_of_level_order_and_duplicate_ranks_are_refused_when_given_directly(
         TreeShape((-1, 0, 0), (0, 1, 1))
 
 
+def test_the_roots_rank_is_0_as_every_constructor_makes_it():
+    """TreeShape((-1, 0), (5, 0)) took a root of rank 5, which nothing reads (spec_tree_begin
+    writes rank 0), so it compared and hashed unequal to the same tree of root rank 0."""
+    for root in (1, 5, MAX_TREE_CANDIDATES - 1):
+        with pytest.raises(ValueError, match=rf"^node 0's rank must be 0 \(the root is no parent's candidate\), "
+                                             rf"not {root}$"):
+            TreeShape((-1, 0), (root, 0))
+    assert TreeShape((-1, 0), (np.int64(0), 0)) == TreeShape.chain(1) == TreeShape.from_parents([-1, 0])
+
+
 @pytest.mark.parametrize("choices,why", [([[0, 0]], "prefix"), ([[0], [0]], "distinct"), ([[]], "non-empty")])
 def test_bad_choices_are_refused(choices, why):
     with pytest.raises(ValueError, match=why):

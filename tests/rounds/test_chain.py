@@ -1,6 +1,7 @@
 """memra_cuda.chain, a round's draft chain or verify trunk made of launches: what it is given is
-checked when it is made (no driver needed), its launches issued in order; and RoundStream.step's
-refusal of the modes that generate, which needs no driver either."""
+checked when it is made (no driver needed), its launches issued in order; a pipeline's Stages,
+checked as they are made; and RoundStream.step's refusal of the modes that generate, which needs
+no driver either."""
 from __future__ import annotations
 
 import pytest
@@ -27,6 +28,34 @@ def test_a_chain_of_what_is_no_list_of_launches_is_refused_when_it_is_made(given
     a launch that is no callable raised only when the round first issued it."""
     with pytest.raises(TypeError, match=message):
         chain(given)
+
+
+@pytest.mark.parametrize(("engines", "message"), [
+    ("abc", "^Stages' engines must be a list, a tuple or a 1-D array of Engines, not 'abc'$"),
+    (7, "^Stages' engines must be a list, a tuple or a 1-D array of Engines, not 7$"),
+    ({None}, "^Stages' engines must be a list, a tuple or a 1-D array of Engines, not "),
+    ([None], "^Stages' engine 0 must be an Engine, not None$"),
+    (("stage 0", "stage 1"), "^Stages' engine 0 must be an Engine, not 'stage 0'$"),
+])
+def test_a_pipelines_stages_are_engines_checked_when_they_are_made(engines, message):
+    """Stages("abc", capacity=5) was taken as three engines, one a character, and Stages(7, ...)
+    too, which failed only in the Round, at tuple(7)."""
+    from memra_cuda import Stages
+    with pytest.raises(TypeError, match=message):
+        Stages(engines, capacity=5)
+
+
+def test_a_pipelines_stages_keep_their_engines_as_a_tuple():
+    """A list of engines was kept as given: the frozen Stages was unhashable, and the caller's
+    list, changed later, changed the stages. No device is needed: an Engine is checked by type."""
+    from memra_cuda import Stages
+    from memra_cuda.driver.engine import Engine
+    engines = [object.__new__(Engine), object.__new__(Engine)]
+    stages = Stages(engines, capacity=5)
+    engines.append(object.__new__(Engine))
+    assert type(stages.engines) is tuple and len(stages.engines) == 2 and stages.engines[0] is engines[0]
+    assert hash(stages) == hash(Stages(tuple(engines[:2]), capacity=5))
+    assert Stages((), round_tail=lambda: None, capacity=5).engines == ()
 
 
 class Untouched:

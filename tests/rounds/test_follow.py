@@ -312,6 +312,14 @@ def test_a_schedule_kept_across_follows_starts_each_anew():
     assert sum(piece.total for piece in landed) == again.per_round.sum()
 
 
+def test_a_schedules_clock_sleep_and_slack_are_callables_checked_when_it_is_made():
+    """Schedule(clock=None) was taken, and failed only as a follow began (begin() called it)."""
+    for name in ("clock", "sleep", "slack"):
+        for given in (None, 5, "time.sleep"):
+            with pytest.raises(TypeError, match=rf"^a schedule's {name} must be callable, not {given!r}$"):
+                Schedule(**{name: given})
+
+
 def test_look_s_is_a_number_of_seconds_from_0_to_a_second_checked_as_it_is_set():
     """Schedule(look_s=...) and `schedule.look_s = ...` (as docs/device-mode.md sets it) take a
     number of seconds from 0 to LOOK_MOST_S, a second: a NaN met int() as a follow began, a

@@ -3,8 +3,9 @@ need, so a request's last burst does not run rounds past every stop (on the host
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from memra_cuda.rounds.pace import Pace
+from memra_cuda.rounds.pace import Pace, pass_lengths
 
 LIVE = np.array([True])
 
@@ -86,3 +87,28 @@ def test_every_length_rounds_asks_for_is_one_capture_graphs_makes():
             live = rng.random(3) < 0.7
             assert pace.rounds(live, in_flight=int(rng.integers(0, m_rounds + 1))) in lengths
             assert Pace(budgets, m_rounds).rounds(live) in lengths
+
+
+def test_budgets_m_and_the_switches_are_refused_naming_them_where_they_are_given():
+    """Pace([2.7], 4) paced a budget of 2 and Pace(["5"], 4) one of 5; Pace(b, 0) ran bursts of 0
+    rounds, pass_lengths(0, True) a pass of 0; Pace.lengths(2.5) was an AttributeError (a float
+    has no bit_length)."""
+    for budgets, error, message in (([2.7], ValueError, "2.7 is not an integer"), (["5"], ValueError, "numbers only"),
+                                    ([5, True], TypeError, "bools given"), (np.array([2.5]), ValueError, "float64")):
+        with pytest.raises(error, match=f"^budgets: .*{message}"):
+            Pace(budgets, 4)
+    for m, error in ((0, ValueError), (-1, ValueError), (2.5, TypeError), ("4", TypeError), (True, TypeError)):
+        with pytest.raises(error, match=rf"^m_rounds must be an int.*, not {m!r}$"):
+            Pace(np.array([5]), m)
+        with pytest.raises(error, match=rf"^m_rounds must be an int.*, not {m!r}$"):
+            Pace.lengths(m)
+        with pytest.raises(error, match=rf"^m_rounds must be an int.*, not {m!r}$"):
+            pass_lengths(m, True)
+    for flag in ("False", 0, None):
+        with pytest.raises(TypeError, match="^cut must be True or False"):
+            Pace(np.array([5]), 4, cut=flag)
+        with pytest.raises(TypeError, match="^paced must be True or False"):
+            pass_lengths(4, flag)
+    pace = Pace([5, 2**40], np.int64(1), cut=np.bool_(True))  # M at its least
+    assert pace.rounds(np.array([True, True])) == 1 and pace.budgets.tolist() == [5, 2**40]
+    assert Pace.lengths(1) == [1] and pass_lengths(1, True) == [1] and Pace.lengths(np.uint8(4)) == [1, 2, 4]
