@@ -19,7 +19,7 @@ from .buffers.geometry import Geometry
 from .buffers.stream_bufs import ROW_VALUE_MOST, StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable
-from .driver.values import as_size
+from .driver.values import I32_MOST, as_size
 from .rounds.stream import MODES
 from .testing.toy.lm import ToyLM, ToyModel, target_greedy
 
@@ -52,20 +52,27 @@ def main(argv: list[str] | None = None) -> int:
         geometry = Geometry(args.k, args.m_rounds)
     except ValueError as exc:  # its errors name k and m_rounds: the options are --k and --m-rounds
         cli.error(f"--k {args.k} --m-rounds {args.m_rounds}: {exc}")
+    model = ToyModel(seed=7, noise_ppm=100_000, p_min=0.05)
+    overlap = args.mode == "overlap"
     try:
-        as_size(args.tokens, "--tokens", 0, ROW_VALUE_MOST)  # the budget, a row's i32 (past it: after the engine)
-        for token in (*args.prompt, *([] if args.eos is None else [args.eos])):  # the toy's tokens are i32s
-            as_size(token, "--prompt and --eos take token ids, each", 0, ROW_VALUE_MOST)
+        as_size(args.tokens, "--tokens", 0, ROW_VALUE_MOST)  # the budget, a row's i32
+        # the toy's tokens: past its vocabulary, its prefill (and target_greedy) refused them after the engine's work
+        for token in (*args.prompt, *([] if args.eos is None else [args.eos])):
+            as_size(token, "--prompt and --eos take the toy's token ids, each", 0, model.vocab - 1)
     except ValueError as exc:
         cli.error(str(exc))
-    model = ToyModel(seed=7, noise_ppm=100_000, p_min=0.05)
+    # a cache's positions are i32s too: past them, ToyLM refused the capacity once the engine was made
+    capacity = kv_capacity(len(args.prompt), args.tokens, geometry, overlap=overlap)
+    if capacity > I32_MOST:
+        cli.error(f"--tokens {args.tokens} needs a KV cache of {capacity} entries at --k {args.k} --m-rounds "
+                  f"{args.m_rounds}{' in overlap' if overlap else ''}, past the {I32_MOST} an i32 position reaches")
     try:
         engine = Engine()
     except CudaUnavailable as exc:  # no driver or no GPU: one line, no traceback
         print(f"memra_cuda: no GPU to run the demo on: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     with engine:
-        lm = ToyLM(engine, model, kv_capacity(len(args.prompt), args.tokens, geometry, overlap=args.mode == "overlap"))
+        lm = ToyLM(engine, model, capacity)
         bufs = StreamBufs(engine, geometry)
         stream = lm.round_stream(bufs)
         lm.prefill(bufs, args.prompt)

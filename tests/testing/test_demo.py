@@ -10,6 +10,9 @@ import sys
 import pytest
 
 import memra_cuda.__main__ as demo
+from memra_cuda.buffers.capacity import kv_capacity
+from memra_cuda.buffers.geometry import Geometry
+from memra_cuda.driver.values import I32_MOST
 
 
 def _help() -> str:
@@ -49,19 +52,29 @@ def test_an_option_out_of_range_is_a_usage_error_before_any_engine(monkeypatch, 
                           # and generate() refused it after, a traceback
                           (["--tokens", str(2**31)], f"--tokens must be an int from 0 to 2147483647, not {2**31}"),
                           # token ids, at their limits (a negative one met a traceback in the engine's copy)
-                          (["--prompt", "5", "-1"], "--prompt and --eos take token ids, each must be an int from 0 "
-                                                    "to 2147483647, not -1"),
-                          (["--prompt", str(2**31)], "--prompt and --eos take token ids, each must be an int from 0 "
-                                                     f"to 2147483647, not {2**31}"),
-                          (["--eos", "-1"], "--prompt and --eos take token ids")):
+                          (["--prompt", "5", "-1"], "--prompt and --eos take the toy's token ids, each must be an int "
+                                                    "from 0 to 31999, not -1"),
+                          # past the toy's vocabulary: its prefill's refusal after the engine's work, exit status 1
+                          (["--prompt", "5", "32000"], "--prompt and --eos take the toy's token ids, each must be an "
+                                                       "int from 0 to 31999, not 32000"),
+                          (["--eos", "32000"], "--prompt and --eos take the toy's token ids, each must be an int "
+                                               "from 0 to 31999, not 32000"),
+                          (["--eos", "-1"], "--prompt and --eos take the toy's token ids"),
+                          # a budget whose cache's positions pass an i32: ToyLM refused it after the engine was made
+                          (["--tokens", str(2**31 - 1)], f"--tokens {2**31 - 1} needs a KV cache of 2147483732 entries "
+                                                         "at --k 4 --m-rounds 16, past the 2147483647"),
+                          (["--tokens", str(2**31 - 81), "--mode", "overlap"],
+                           f"--tokens {2**31 - 81} needs a KV cache of 2147483732 entries at --k 4 --m-rounds 16 "
+                           "in overlap")):
         with pytest.raises(SystemExit) as exit_:
             demo.main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"python -m memra_cuda: error: {message}" in err, err
 
 
-def test_the_most_tokens_a_row_may_take_pass_the_parser(monkeypatch):
-    """--tokens at its limit, a row's i32 budget, is no usage error: the demo goes on to its engine."""
+def test_the_most_tokens_and_token_ids_the_toy_takes_pass_the_parser(monkeypatch, capsys):
+    """--tokens at its limit, the most whose cache (kv_capacity) an i32 position reaches, and the
+    toy's last token id are no usage error: the demo goes on to its engine; one token more is."""
     class Made(Exception):
         pass
 
@@ -69,5 +82,12 @@ def test_the_most_tokens_a_row_may_take_pass_the_parser(monkeypatch):
         raise Made
 
     monkeypatch.setattr(demo, "Engine", engine)
-    with pytest.raises(Made):
-        demo.main(["--tokens", str(2**31 - 1)])
+    prompt = ["0", "1", "2", "3", "31999"]  # as long as the default one, its last token the toy's last
+    for mode in ("graph", "overlap"):
+        most = I32_MOST - kv_capacity(len(prompt), 0, Geometry(4, 16), overlap=mode == "overlap")
+        with pytest.raises(Made):
+            demo.main(["--tokens", str(most), "--mode", mode, "--prompt", *prompt, "--eos", "31999"])
+        with pytest.raises(SystemExit) as exit_:
+            demo.main(["--tokens", str(most + 1), "--mode", mode, "--prompt", *prompt])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"--tokens {most + 1} needs a KV cache of 2147483648 entries" in err, err

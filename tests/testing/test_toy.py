@@ -191,6 +191,25 @@ def test_the_toys_numbers_are_checked_plain_ints():
             toy.ToyModel(**{field: bad})
 
 
+def test_the_masks_are_tuples_of_bools_each_checked_naming_its_layer():
+    """A mask's entries were read by their truth ("False" a KV layer; 0.5, None and "abc" taken
+    too), and a list was kept as given, so hash(ToyModel(kv_mask=[True])) raised "unhashable"."""
+    model = toy.ToyModel(kv_mask=[True, np.True_], rec_mask=np.array([False, False]))
+    assert model.kv_mask == (True, True) and model.rec_mask == (False, False)
+    assert all(type(flag) is bool for flag in (*model.kv_mask, *model.rec_mask))
+    assert model == toy.ToyModel(kv_mask=(True, True), rec_mask=(False, False)) and hash(model) == hash(
+        toy.ToyModel(kv_mask=(True, True), rec_mask=(False, False)))
+    for kv_mask, rec_mask, named in (((True, "False"), (), "kv_mask\\[1\\] must be True or False, not 'False'"),
+                                     ((0.5,), (), "kv_mask\\[0\\] must be True or False, not 0.5"),
+                                     ((True, 1), (), "kv_mask\\[1\\] must be True or False, not 1"),
+                                     ((False, False), (None, True), "rec_mask\\[0\\] must be True or False, not None"),
+                                     ((False,), ("abc",), "rec_mask\\[0\\] must be True or False, not 'abc'"),
+                                     ("ab", (), "kv_mask must be a list, a tuple or a 1-D array of bools"),
+                                     (True, (), "kv_mask must be a list, a tuple or a 1-D array of bools")):
+        with pytest.raises(TypeError, match=named):
+            toy.ToyModel(kv_mask=kv_mask, rec_mask=rec_mask)
+
+
 def test_the_numpy_streams_sizes_are_kept_as_plain_ints():
     """NumpyRoundStream computed its ring from the k and M it was given, before Geometry checked
     them: numpy ints' arithmetic wraps, so M a uint8 200 made a ring of 232 tokens (200 x 5 is
@@ -203,6 +222,60 @@ def test_the_numpy_streams_sizes_are_kept_as_plain_ints():
         numpy_loop.NumpyRoundStream(model, 4, 2, 256.0)
 
 
+def test_target_greedy_takes_a_budget_and_an_eos_of_the_model():
+    """target_greedy read its budget by comparison: infinity ran for ever, 2.5 gave 3 tokens, NaN
+    none, True one and "3" a bare TypeError; its EOS was compared with each token unchecked (a
+    string or one past the vocabulary never met). A budget from 0 to 2**31 - 1 and an EOS below
+    the vocabulary are taken, at their limits."""
+    model = toy.ToyModel(vocab=100)
+    first = toy.target_greedy(model, [1, 2], 1)[0]
+    assert toy.target_greedy(model, [1, 2], 2**31 - 1, eos=np.int64(first)) == [first]
+    assert toy.target_greedy(model, [1, 2], 0) == [] and len(toy.target_greedy(model, [1, 2], 3, eos=99)) == 3
+    for budget, eos, error, named in ((float("inf"), None, TypeError, "max_new_tokens must be an integer, not inf"),
+                                      (2.5, None, TypeError, "max_new_tokens must be an integer, not 2.5"),
+                                      (float("nan"), None, TypeError, "max_new_tokens must be an integer, not nan"),
+                                      (True, None, TypeError, "max_new_tokens must be an integer, not True"),
+                                      ("3", None, TypeError, "max_new_tokens must be an integer, not '3'"),
+                                      (-1, None, ValueError, "max_new_tokens must be an int from 0 to 2147483647"),
+                                      (2**31, None, ValueError, "max_new_tokens must be an int from 0 to 2147483647"),
+                                      (3, "3", TypeError, "eos must be an integer, not '3'"),
+                                      (3, 2.0, TypeError, "eos must be an integer, not 2.0"),
+                                      (3, 100, ValueError, "eos must be None or an int from 0 to 99, not 100"),
+                                      (3, -1, ValueError, "eos must be None or an int from 0 to 99, not -1")):
+        with pytest.raises(error, match=named):
+            toy.target_greedy(model, [1, 2], budget, eos)
+
+
+def test_the_numpy_loops_check_the_budget_and_eos_as_the_gpu_stream_does():
+    """The ctl words' numpy cast read eos "3" as 3 and truncated 2.9 to 2, met 2**31 with a bare
+    OverflowError, truncated a budget of 2.5 and took -1 for no limit; None met a bare TypeError
+    after the prefill. Now each an int from 0 to 2**31 - 1 (the eos or None), as RoundStream's
+    per_row checks them, refused before the stream is touched or a cache sized."""
+    from memra_cuda.buffers.tree import TreeShape
+    model = toy.ToyModel(vocab=100)
+    first = toy.target_greedy(model, [1, 2], 1)[0]
+    stream = numpy_loop.NumpyRoundStream(model, 2, 4, 64)
+    assert stream.generate([1, 2], 2**31 - 1, eos=first) == [first]  # the budget at its limit
+    assert numpy_loop.speculative_generate(model, [1, 2], 2, 4, eos=2**31 - 1) == toy.target_greedy(model, [1, 2], 4)
+    tree = TreeShape.from_choices([[0], [1]])
+    entries = [lambda budget, eos: numpy_loop.speculative_generate(model, [1, 2], 2, budget, eos),
+               lambda budget, eos: numpy_loop.tree_speculative_generate(model, [1, 2], tree, budget, eos),
+               lambda budget, eos: stream.generate([3, 4, 5], budget, eos)]
+    before = (stream.pend.copy(), stream.pos_ctr.copy(), stream.ctl.copy())
+    for budget, eos, error, named in ((2.5, None, TypeError, "max_new_tokens must be an integer, not 2.5"),
+                                      (None, None, TypeError, "max_new_tokens must be an integer, not None"),
+                                      (-1, None, ValueError, "max_new_tokens must be an int from 0 to 2147483647"),
+                                      (2**31, None, ValueError, "max_new_tokens must be an int from 0 to 2147483647"),
+                                      (5, "3", TypeError, "eos must be an integer, not '3'"),
+                                      (5, 2.9, TypeError, "eos must be an integer, not 2.9"),
+                                      (5, True, TypeError, "eos must be an integer, not True"),
+                                      (5, 2**31, ValueError, "eos must be None or an int from 0 to 2147483647")):
+        for entry in entries:
+            with pytest.raises(error, match=named):
+                entry(budget, eos)
+    assert all((now == then).all() for now, then in zip((stream.pend, stream.pos_ctr, stream.ctl), before))
+
+
 def test_p_min_is_a_probability():
     """ToyModel(p_min=2) (a percentage, say) was taken: every draft step broke, and nothing said
     why. A real number from 0 to 1, else refused naming p_min."""
@@ -212,6 +285,26 @@ def test_p_min_is_a_probability():
     for bad in ("0.1", True, None):
         with pytest.raises(TypeError, match=f"p_min must be a real number, not {bad!r}"):
             toy.ToyModel(p_min=bad)
+
+
+def test_the_sampling_modes_numbers_are_real_numbers_kept_as_floats():
+    """ToySampling(temperature=True) was taken as 1, floor=None met a bare comparison's TypeError,
+    and .target(0) divided the floor by a vocabulary of 0 (ZeroDivisionError)."""
+    sampling = toy.ToySampling(temperature=1, floor=np.float32(0.5), draft_temperature=np.int64(2), draft_floor=1)
+    assert sampling == toy.ToySampling(1.0, 0.5, 2.0, 1.0)
+    assert all(type(getattr(sampling, name)) is float for name in ("temperature", "floor", "draft_temperature",
+                                                                   "draft_floor"))
+    for field, bad in (("temperature", True), ("floor", None), ("draft_temperature", "1.0"), ("draft_floor", np.True_)):
+        with pytest.raises(TypeError, match=f"{field} must be a real number, not {bad!r}"):
+            toy.ToySampling(**{field: bad})
+    with pytest.raises(ValueError, match="floor must be >= 0 \\(a floor at most 1\\), not 1.5"):
+        toy.ToySampling(floor=1.5)
+    assert toy.ToySampling().target(np.int64(1))[0] == np.float32(0.05)  # the vocabulary at its least
+    for vocab, error, named in ((0, ValueError, "vocab must be an int of at least 1, not 0"),
+                                (True, TypeError, "vocab must be an integer, not True"),
+                                (2.0, TypeError, "vocab must be an integer, not 2.0")):
+        with pytest.raises(error, match=named):
+            toy.ToySampling().target(vocab)
 
 
 def test_the_toy_lm_refuses_a_capacity_or_a_batch_that_is_no_size():

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
-from ...driver.values import as_flag, as_prompt, as_real, as_size, exact_int
+from ...driver.values import I32_MOST, as_flag, as_listed, as_prompt, as_real, as_size, exact_int
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
@@ -97,15 +97,21 @@ class ToyModel:
     def __post_init__(self) -> None:
         """The numbers are kept as the checked plain ints (as_size's refusals, naming each): a
         float seed met a TypeError deep in the hash, np.uint32(7) an OverflowError there (numpy's
-        u32 arithmetic), and True was seed 1."""
-        if not 1 <= len(self.kv_mask) <= 32:
-            raise ValueError(f"the toy has 1 to 32 target layers, not {len(self.kv_mask)}")
+        u32 arithmetic), and True was seed 1. The masks are kept as tuples of bools (as_flag's
+        refusal, naming the layer): an entry was read by its truth ("False" a KV layer), and a
+        list left the model unhashable."""
+        kv_mask = as_listed(self.kv_mask, "kv_mask", "bools, one a layer")
+        rec_mask = as_listed(self.rec_mask, "rec_mask", "bools, one a layer")
+        if not 1 <= len(kv_mask) <= 32:
+            raise ValueError(f"the toy has 1 to 32 target layers, not {len(kv_mask)}")
+        if rec_mask and len(rec_mask) != len(kv_mask):
+            raise ValueError(f"rec_mask must be empty or name each of the {len(kv_mask)} layers, not "
+                             f"{len(rec_mask)}")
+        for name, mask in (("kv_mask", kv_mask), ("rec_mask", rec_mask)):
+            object.__setattr__(self, name, tuple(as_flag(flag, f"{name}[{layer}]") for layer, flag in enumerate(mask)))
         for name, least, most in (("seed", 0, M32), ("vocab", 1, M32), ("noise_ppm", 0, 1_000_000),
                                   ("state_words", 1, BLOCK), ("tree_spread", 1, M32)):
             object.__setattr__(self, name, as_size(getattr(self, name), name, least, most))
-        if self.rec_mask and len(self.rec_mask) != len(self.kv_mask):
-            raise ValueError(f"rec_mask must be empty or name each of the {len(self.kv_mask)} layers, not "
-                             f"{len(self.rec_mask)}")
         both = [layer for layer in self.rec_layers if self.kv_mask[layer]]
         if both:
             raise ValueError(f"layer {both[0]} cannot keep both a KV cache and a recurrent state")
@@ -231,8 +237,14 @@ def as_chain(geometry: object) -> Geometry:
 
 def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
                   eos: int | None = None) -> list[int]:
-    """The target's own greedy continuation: the output speculative decoding must equal."""
+    """The target's own greedy continuation: the output speculative decoding must equal.
+    `max_new_tokens` is a row's budget (0 to I32_MOST: infinity ran for ever, 2.5 gave 3 tokens)
+    and `eos` None or a token id of the model (a string, a float or one past the vocabulary was
+    compared with each token and never met)."""
     prompt = as_prompt(prompt, model.vocab, "the prompt").tolist()
+    max_new_tokens = as_size(max_new_tokens, "max_new_tokens", 0, I32_MOST)
+    if eos is not None:
+        eos = as_size(eos, "eos", 0, model.vocab - 1, also="None")
     history, states = model.history(prompt[:-1]), model.rec_states(prompt[:-1])
     token, pos = prompt[-1], len(prompt) - 1
     out: list[int] = []
@@ -261,14 +273,19 @@ class ToySampling:
     draft_floor: float = 0.1
 
     def __post_init__(self) -> None:
+        """Each field kept as the float it is (as_real's refusal, naming it): True was a
+        temperature of 1, and None met a bare comparison's TypeError."""
         for name in ("temperature", "floor", "draft_temperature", "draft_floor"):
-            value = getattr(self, name)
+            value = as_real(getattr(self, name), name)
             if not (value >= 0 and (value <= 1 or "temperature" in name)):
                 raise ValueError(f"{name} must be >= 0 (a floor at most 1), not {value}")
+            object.__setattr__(self, name, value)
 
     @staticmethod
     def weights(vocab: int, temperature: float, floor: float) -> tuple[float, ...]:
-        """(floor / vocab, c_0 .. c_3) as the kernels take them (f32 values)."""
+        """(floor / vocab, c_0 .. c_3) as the kernels take them (f32 values); `vocab` a size (0
+        divided the floor by zero)."""
+        vocab = as_size(vocab, "vocab")
         j = np.arange(4)
         c = np.exp(-j / temperature) if temperature > 0 else (j == 0).astype(float)
         c = (1 - floor) * c / c.sum()

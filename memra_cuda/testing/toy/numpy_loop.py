@@ -17,7 +17,7 @@ from ...buffers.layout import CTL_DONE, ROOT_PARENT
 from ...buffers.capacity import Capacity, kv_capacity
 from ...buffers.geometry import Geometry
 from ...buffers.tree import DynamicTree, Tree
-from ...driver.values import as_prompt, as_size
+from ...driver.values import I32_MOST, as_prompt, as_size
 from .lm import M32, STATE_ROLLBACKS, ToyModel, as_candidates, fmix, fmix_array, live_slot, salt
 
 
@@ -179,6 +179,7 @@ class NumpyRoundStream:
         self.draft_states.roll_back(self.ctl)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+        max_new_tokens, eos = stop_rule(max_new_tokens, eos)
         pos = self.prefill(prompt)
         self.ctl[:] = [-1 if eos is None else eos, max_new_tokens, 0, 0]
         out: list[int] = []
@@ -192,10 +193,19 @@ class NumpyRoundStream:
         return out
 
 
+def stop_rule(max_new_tokens: int, eos: int | None) -> tuple[int, int | None]:
+    """A row's budget and EOS as the GPU's stream checks them (stream_bufs.per_row): each an int
+    from 0 to I32_MOST, the EOS or None. The ctl words' numpy cast read eos "3" as 3 and truncated
+    2.9, raised a bare OverflowError at 2**31, truncated a budget of 2.5, and took -1 for none."""
+    max_new_tokens = as_size(max_new_tokens, "max_new_tokens", 0, I32_MOST)
+    return max_new_tokens, None if eos is None else as_size(eos, "eos", 0, I32_MOST, also="None")
+
+
 def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new_tokens: int,
                          eos: int | None = None, m_rounds: int = 4, state_rollback: str = "copy") -> list[int]:
     """The whole speculative loop in numpy (see NumpyRoundStream)."""
     prompt = as_prompt(prompt, model.vocab, "the prompt").tolist()
+    max_new_tokens, eos = stop_rule(max_new_tokens, eos)  # before a cache is sized for the budget
     capacity = kv_capacity(len(prompt), max_new_tokens, Geometry(k, m_rounds))
     return NumpyRoundStream(model, k, m_rounds, capacity, state_rollback).generate(prompt, max_new_tokens, eos)
 
@@ -317,6 +327,7 @@ def tree_speculative_generate(model: ToyModel, prompt: Sequence[int], tree: Tree
                               state_rollback: str = "copy") -> list[int]:
     """The whole tree speculative loop in numpy (see NumpyTreeRoundStream)."""
     prompt = as_prompt(prompt, model.vocab, "the prompt").tolist()
+    max_new_tokens, eos = stop_rule(max_new_tokens, eos)  # before a cache is sized for the budget
     capacity = kv_capacity(len(prompt), max_new_tokens, Geometry.of_tree(tree, m_rounds))
     stream = NumpyTreeRoundStream(model, tree, m_rounds, capacity, candidates, state_rollback)
     return stream.generate(prompt, max_new_tokens, eos)
