@@ -60,6 +60,7 @@ from memra_cuda.testing.toy.lm import COST_8B_05B, ToyCost, ToyLM, ToyModel, Toy
 
 from .common import MODEL, PROMPT, batch_prompts, device_us, replay_ms, us_per_round
 from .device import bench_device, summary
+from .needs import PAIR, needs
 from .state import bench_state
 from .tree import bench_tree
 
@@ -393,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         sections = listed(args.sections, tuple(SECTIONS)) if args.sections else tuple(SECTIONS)
     except argparse.ArgumentTypeError as exc:
         parser.error(f"--sections: {exc}")
+    if args.only == "torch":  # as the other parts' GPU below: said before a section's import or tensor fails
+        needs("benchmarks.bench", PAIR, gpu=True)
     try:
         engine = Engine()
     except CudaUnavailable as exc:

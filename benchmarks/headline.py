@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import depth_and_width
+from .needs import PAIR, needs
 from .torch_common import (PROJECTIONS, TORCH_M, TREE_BATCHES, bounded, busy_share, listed, measure_config,
                            plain_decoding, plot_trees, projected, release, row_label, summary_line, time_generations,
                            token_count, tree_label, tree_summary)
@@ -517,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trees", type=tree_count, metavar="N",
                         help="the first N static trees and the first N dynamic trees of each B (default all)")
     args = parser.parse_args(argv)
+    needs("benchmarks.headline", PAIR, gpu=True)
     headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees, args.projection)
     return 0
 

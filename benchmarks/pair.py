@@ -45,12 +45,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tokenizers
-import torch
-import torch.nn.functional as F
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from .needs import PAIR, needs
+
+try:
+    import tokenizers
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM,
+                              PreTrainedTokenizerFast)
+except ModuleNotFoundError:
+    if __name__ == "__main__":  # the program: a missing one said in one line (a CPU will do: no GPU asked for)
+        needs("benchmarks.pair", PAIR, gpu=False)
+    raise  # imported, or a package's own dependency missing: the import's error
 
 EOT = "<|endoftext|>"  # between documents; the tokenizer's bos, eos and pad (it adds none by itself)
 HELDOUT_OF_256 = 5  # a file is held out when its path's sha256 starts with a byte below this: 2.0 %

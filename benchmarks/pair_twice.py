@@ -9,12 +9,16 @@ side by side: the same key, the target's and the draft's held-out losses within 
 The caches must not hold the key already (a run that finds its pair trains nothing: no second
 run); left out, two new folders under the system's temporary one. The first cache's pair is the
 one to measure with (`benchmarks.headline --pair`), so one lease trains it once for both. Exits 1
-where the two disagree. Imports no torch itself: each run is pair.py's own process.
+where the two disagree, and where a run fails, in one line after the run's own (where torch,
+transformers or tokenizers is missing, pair.py's one line), the new folders that hold no pair
+removed. Imports no torch itself: each run is pair.py's own process.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -90,7 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--caches: two folders, not one twice (the second run would find the first's pair)")
     for cache in caches:  # both before either trains: the second found full after the first's minutes of training
         refuse_held(cache)
-    pairs = [train(cache, args.flags) for cache in caches]
+    try:
+        pairs = [train(cache, args.flags) for cache in caches]
+    except subprocess.CalledProcessError as exc:  # its own lines say why (pair.py's, one where a package is missing)
+        print(f"benchmarks.pair_twice: {shlex.join(exc.cmd)} exited with status {exc.returncode}: no pair to "
+              "compare", file=sys.stderr)
+        for cache in () if args.caches else caches:  # the new folders, where no run left a pair (else kept)
+            with contextlib.suppress(OSError):
+                cache.rmdir()
+        return 1
     reports = [load_pair(pair)[0] for pair in pairs]
     result = dict(agreement(*reports), pairs=[str(pair) for pair in pairs])
     print("\n".join(lines(result)), flush=True)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .headline import MODES, describe, measure_batches, opened, pair_arguments, save
+from .needs import PAIR, needs
 from .serving import figures, request_stream
 from .torch_common import PLAIN_ATTENDS, TORCH_M, projected, pyplot, release
 from memra_cuda import Geometry
@@ -294,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), args.rounds, batch)
     except ValueError as exc:
         parser.error(f"--rounds: {exc}")
+    needs("benchmarks.served", PAIR, gpu=True)
     served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume, args.projection)
     return 0
 

@@ -34,6 +34,8 @@ from memra_cuda.buffers.geometry import MAX_BATCH
 from memra_cuda.driver.values import as_size
 from memra_cuda.rounds.serving import Request, RequestRefused, Served, Server
 
+from .needs import TORCH, needs
+
 DRIFT = 0.01  # the most device memory may move once warm, as a share of what it held then
 
 
@@ -216,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             as_size(getattr(args, name), f"--{name}", least, most)
         except ValueError as exc:
             p.error(str(exc))
+    needs("benchmarks.soak", TORCH, gpu=True)
     report = on_gpu(args.requests, args.batch, args.checked, args.seed)
     if args.json:
         with open(args.json, "w") as f:

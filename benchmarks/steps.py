@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .headline import copy_bandwidth, floor_ms, streamed_bytes
+from .needs import TORCH, needs
 from .torch_common import bounded, listed
 
 CAPACITY, VALID = 576, 512
@@ -262,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"{CAPACITY} (default {VALID}; from 1 to {CAPACITY - WIDEST}): SDPA reads the whole cache, flex "
                    "only what rows hold, so a served stream's rows, far from full, are measured at fewer")
     args = p.parse_args(argv)
+    needs("benchmarks.steps", TORCH, gpu=True)
     rows = ROWS if args.rows is None else [ROWS[i] for i in args.rows]  # indices checked at parsing: -1 was the last
     setup = setup_seconds() if args.setup else None
     report = measure(rows, args.attention.split(","), args.static, args.untuned, args.names, autotune=args.autotune,

@@ -37,6 +37,47 @@ def test_the_torch_sections_are_refused_before_any_gpu_is_asked_for_unless_they_
     assert run.returncode == 2 and error in run.stderr, run.stderr
 
 
+# The PyTorch programs, each with what it needs beside torch (benchmarks/needs.py's TORCH or PAIR)
+TORCH_PROGRAMS = [("benchmarks.steps", [], "transformers"), ("benchmarks.soak", [], "transformers"),
+                  ("benchmarks.headline", [], "tokenizers"), ("benchmarks.served", [], "tokenizers"),
+                  ("benchmarks.bench", ["--only", "torch"], "tokenizers")]
+# `python -m PROGRAM ARGV...` where torch, transformers and tokenizers are not installed, here or not
+WITHOUT_TORCH = ("import runpy, sys; sys.modules.update(dict.fromkeys(('torch', 'transformers', 'tokenizers'))); "
+                 "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def one_line_refusal(run: subprocess.CompletedProcess, program: str) -> str:
+    """The one line of stderr that `run` of `program` exited 1 with (no traceback): its words after the name."""
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    [line] = run.stderr.splitlines()
+    assert line.startswith(f"{program}: "), line
+    return line
+
+
+@pytest.mark.parametrize("program, argv, also", [*TORCH_PROGRAMS, ("benchmarks.pair", [], "tokenizers")])
+def test_a_pytorch_benchmark_without_torch_says_so_in_one_line(program, argv, also):
+    """Each died with an import's ModuleNotFoundError traceback (pair.py's at its import of tokenizers)."""
+    root = Path(benchmarks.__file__).absolute().parents[1]
+    run = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, program, *argv], cwd=root, capture_output=True,
+                         text=True, timeout=60)
+    line = one_line_refusal(run, program)
+    assert "no module named 'torch'" in line and also in line and "[torch]" in line, line
+
+
+@pytest.mark.parametrize("program, argv", [(program, argv) for program, argv, _ in TORCH_PROGRAMS])
+def test_a_pytorch_benchmark_without_a_gpu_says_so_in_one_line(program, argv):
+    """Each died with torch's "Torch not compiled with CUDA enabled" traceback (steps in headline's copy_bandwidth)."""
+    for name in ("torch", "transformers", "tokenizers"):
+        pytest.importorskip(name, reason="the PyTorch benchmarks need torch, transformers and tokenizers")
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("torch reaches a GPU here: the programs would measure on it")
+    root = Path(benchmarks.__file__).absolute().parents[1]
+    run = subprocess.run([sys.executable, "-m", program, *argv], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert one_line_refusal(run, program).startswith(f"{program}: no GPU to measure on: PyTorch ")
+
+
 OPTIONAL = {"torch", "transformers", "tokenizers", "matplotlib"}  # what a module may need that is not here
 
 

@@ -85,3 +85,34 @@ def test_a_quick_pair_trained_twice_on_the_cpu_agrees(tmp_path, capsys):
     assert result["agree"] and result["same_key"] and len(result["pairs"]) == 2
     assert result["pairs"][0].startswith(str(first)) and result["pairs"][1].startswith(str(second))
     assert "the two runs agree" in capsys.readouterr().out
+
+
+def test_a_run_that_fails_is_one_line_and_the_second_never_starts(tmp_path):
+    """A run's nonzero exit was a CalledProcessError traceback."""
+    import subprocess
+    import sys
+
+    import benchmarks
+    first, second = tmp_path / "one", tmp_path / "two"
+    # --bogus: pair.py's argparse error (exit 2), or where torch is not installed its one line (exit 1)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.pair_twice", "--caches", str(first), str(second), "--",
+                          "--bogus"], cwd=Path(benchmarks.__file__).absolute().parents[1], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    last = run.stderr.splitlines()[-1]
+    assert last.startswith("benchmarks.pair_twice: ") and f"--bogus --cache {first} exited with status" in last, last
+    assert run.stderr.count("benchmarks.pair_twice") == 1 and not second.exists() and not run.stdout
+
+
+def test_the_folders_it_made_are_removed_where_a_run_fails(tmp_path):
+    """Each failed run left its two new temporary folders behind, empty."""
+    import os
+    import subprocess
+    import sys
+
+    import benchmarks
+    run = subprocess.run([sys.executable, "-m", "benchmarks.pair_twice", "--", "--bogus"],
+                         cwd=Path(benchmarks.__file__).absolute().parents[1], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert run.returncode == 1 and f"--cache {tmp_path}{os.sep}pair1-" in run.stderr.splitlines()[-1], run.stderr
+    assert not list(tmp_path.glob("pair*"))  # (torch may leave its inductor cache there)

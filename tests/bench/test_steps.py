@@ -30,6 +30,7 @@ def test_rows_are_indices_into_the_table_refused_at_parsing_outside_it(monkeypat
 
     from benchmarks import steps
     ran = []
+    monkeypatch.setattr(steps, "needs", lambda *args, **kwargs: None)  # the run is stubbed: nothing to need
     monkeypatch.setattr(steps, "measure", lambda rows, *args, **kwargs: ran.append(list(rows)) or {})
     assert steps.main(["--rows", f"0,{len(ROWS) - 1}"]) == 0 and ran == [[ROWS[0], ROWS[-1]]]
     for rows in ("-1", str(len(ROWS)), "0,-1", "1.0", ""):
@@ -49,6 +50,7 @@ def test_the_entries_a_row_holds_reach_the_run_and_leave_the_widest_step_room(mo
     from benchmarks import steps
     assert max(tokens for _, _, tokens in ROWS) <= steps.WIDEST
     ran = []
+    monkeypatch.setattr(steps, "needs", lambda *args, **kwargs: None)  # the run is stubbed: nothing to need
     monkeypatch.setattr(steps, "measure", lambda rows, *args, **kwargs: ran.append(kwargs["valid"]) or {})
     for argv, valid in (([], steps.VALID), (["--valid", "1"], 1), (["--valid", str(steps.CAPACITY - steps.WIDEST)],
                                                                     steps.CAPACITY - steps.WIDEST)):
