@@ -170,6 +170,9 @@ CacheLayout = Callable[[Any, int, int, int, torch.dtype, torch.device], StaticKV
 """How a Stack makes its cache: (config, layers, batch, capacity, dtype, device) -> the cache."""
 
 
+PAGE = 16  # PagedKV's positions a page, left out
+
+
 class PagedKV(StaticKV):
     """StaticKV's cache laid out in pages of `page` positions, as a paged engine keeps it: one pool
     of pages a layer ([layers][pages][heads][page][d]), a row's logical page j at physical page
@@ -177,13 +180,14 @@ class PagedKV(StaticKV):
     kernel cannot describe it (its entries are not one stride apart), so a tree round moves the
     accepted path by the model's own callable: compact(), a few torch ops a depth. Each forward
     gathers a row's pages into logical order for the attention: a reference of the route, not a
-    fast paged attention. A page holds at most the capacity (one page a row): a longer one was
-    allocated whole for every row, 4096 positions a row for a capacity of 16."""
+    fast paged attention. A page holds at most the capacity, or PAGE where that is longer (one
+    page a row): a longer one was allocated whole for every row, 4096 positions a row for a
+    capacity of 16."""
 
     def __init__(self, config: Any, layers: int, batch: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device | str = "cuda", page: int = 16):
+                 device: torch.device | str = "cuda", page: int = PAGE):
         capacity = as_size(capacity, "capacity", most=MOST_SLOTS)  # _bookkeeping's check, before the page's
-        page = as_size(page, "page", 1, capacity)  # positions a page holds
+        page = as_size(page, "page", 1, max(capacity, PAGE))  # positions a page holds
         self._bookkeeping(layers, batch, capacity, device)
         per_row = -(-capacity // page)
         self.pool_k = torch.zeros(layers, batch * per_row, config.num_key_value_heads, page, head_size(config),

@@ -579,6 +579,10 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
         with pytest.raises(ValueError, match=f"page must be an int from 1 to 64, not {page}"):
             PagedKV(model.config, 1, 1, 64, torch.float32, "cpu", page=page)
     assert PagedKV(model.config, 1, 1, 64, torch.float32, "cpu", page=64).pool_k.shape[1:4] == (1, 2, 64)  # one a row
+    # the default page over a cache shorter than it: a stack's PagedKV of 8 slots, as before the bound
+    assert Stack(model, 8, cache=PagedKV).kv.pool_k.shape[1:4] == (1, 2, 16)
+    with pytest.raises(ValueError, match="page must be an int from 1 to 16, not 17"):
+        PagedKV(model.config, 1, 1, 8, torch.float32, "cpu", page=17)
     with pytest.raises(TypeError, match="paged cache"):
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu").data()
 
