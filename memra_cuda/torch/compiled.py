@@ -259,7 +259,7 @@ class CompiledStack(LayerStack):
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                parents: torch.Tensor | None = None) -> torch.Tensor:
-        last = self._check_rows(tokens, positions, last, slots, mask)
+        last = self._check_rows(tokens, positions, last, slots, mask, parents)
         wide = tokens.shape[1] > 1  # a verify's, or the one-token step (tuned)
         attention, step = self.attends[wide], self.wide_step if wide else self.step
         few = tokens.shape[0] * tokens.shape[1] in FEW_ROWS  # rows x tokens a row: the GEMMs' rows

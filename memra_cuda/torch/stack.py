@@ -156,9 +156,9 @@ class LayerStack:
         raise NotImplementedError
 
     def _check_rows(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool, slots: torch.Tensor | None,
-                    mask: torch.Tensor | None = None) -> bool:
+                    mask: torch.Tensor | None = None, parents: torch.Tensor | None = None) -> bool:
         """ValueError, before any K or V is written, unless `tokens` are the batch's rows ([B][T])
-        and `positions` (and `slots`) one a token: fewer rows wrote over another row's cache
+        and `positions` (and `slots`, `parents`) one a token: fewer rows wrote over another row's cache
         before a shape error, more attended to row 0's, and a [B][2] of slots for one token each
         wrote two; TypeError unless each is an integer tensor (float tokens were truncated to
         others). Shapes and dtypes alone: nothing is read from the device. Then the mask's
@@ -166,30 +166,34 @@ class LayerStack:
         where [B][T][V] was asked, and a tensor met torch's "ambiguous" truth)."""
         batch = self.kv.lengths.shape[1]
         self._check_ids("a forward", "[B][T] tokens, positions and slots, B = {batch}, T >= 1", batch,
-                        tokens, positions, slots)
+                        tokens, positions, slots, parents=parents)
         self._check_mask(mask, batch, tokens.shape[1])
         return as_flag(last, "a forward's last")
 
     def _check_ids(self, what: str, shape: str, rows: int, tokens: torch.Tensor, positions: torch.Tensor,
-                   slots: torch.Tensor | None, named: torch.Tensor | None = None) -> None:
+                   slots: torch.Tensor | None, named: torch.Tensor | None = None, *,
+                   parents: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> None:
         """_check_rows' and Stack.append's check (`what` names the caller, `shape` what it takes, its
         {batch} the batch's rows, formatted only for a refusal: a forward in eager mode checks each step):
-        TypeError unless the tokens, positions, slots and `named` rows are integer tensors,
-        ValueError unless they are on the stack's device (meta tokens embedded as zeros, silently),
-        the tokens are `rows` rows of T >= 1 (T = 0: no logits, not even `last`'s [B][1][V]) and
-        the positions and slots one a token."""
-        for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots), ("rows", named)):
+        TypeError unless the tokens, positions, slots, parents, lengths and `named` rows are integer
+        tensors, ValueError unless they are on the stack's device (meta tokens embedded as zeros,
+        silently), the tokens are `rows` rows of T >= 1 (T = 0: no logits, not even `last`'s
+        [B][1][V]), the positions, slots and parents one a token and the lengths one a row."""
+        for name, given in (("tokens", tokens), ("positions", positions), ("slots", slots), ("rows", named),
+                            ("parents", parents), ("lengths", lengths)):
             if given is not None and getattr(given, "dtype", None) not in INDICES:
                 raise TypeError(f"{what}'s {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
             if given is not None and given.device != self.device:
                 raise ValueError(f"{what}'s {name} are on {given.device}, not the stack's device, {self.device}")
         width = tokens.shape[1] if tokens.dim() == 2 else 0
-        if not width or tokens.shape[0] != rows or positions.shape != tokens.shape or (
-                slots is not None and slots.shape != tokens.shape):
+        if not width or tokens.shape[0] != rows or positions.shape != tokens.shape or any(
+                given is not None and given.shape != tokens.shape for given in (slots, parents)) or (
+                lengths is not None and lengths.shape != (rows,)):
             takes = shape.format(batch=self.kv.lengths.shape[1])
             raise ValueError(f"{what} takes {takes}: not tokens {list(tokens.shape)}, positions {list(positions.shape)}"
-                             + ("" if slots is None else f", slots {list(slots.shape)}")
-                             + ("" if named is None else f", rows {list(named.shape)}"))
+                             + "".join(f", {name} {list(given.shape)}" for name, given in (
+                                 ("slots", slots), ("rows", named), ("parents", parents), ("lengths", lengths))
+                                       if given is not None))
 
     def _check_mask(self, mask: torch.Tensor | None, rows: int, tokens: int) -> None:
         """TypeError unless `mask` (where given) is a bool or float tensor (an int one was taken as
@@ -273,7 +277,7 @@ class Stack(LayerStack):
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                parents: torch.Tensor | None = None) -> torch.Tensor:
-        last = self._check_rows(tokens, positions, last, slots, mask)
+        last = self._check_rows(tokens, positions, last, slots, mask, parents)
         hidden = self._append(tokens, positions, slots=slots, mask=mask, parents=parents)  # checked just above
         hidden = hidden[:, -1:] if last else hidden
         with self._blas(hidden.shape[0] * hidden.shape[1]):  # the head's rows: B where `last`
@@ -369,15 +373,7 @@ class Stack(LayerStack):
         counted = getattr(rows, "ndim", 0) == 1 and rows.shape[0] <= batch  # type: ignore[union-attr]
         want = batch if rows is None else rows.shape[0] if counted else -1
         self._check_ids("append", "[R][T] tokens, positions and slots, T >= 1, R the batch's {batch} rows or as "
-                        "many as `rows` names", want, tokens, positions, slots, rows)
-        for name, given, shape in (("lengths", lengths, [want]), ("parents", parents, list(tokens.shape))):
-            if given is None:
-                continue
-            if getattr(given, "dtype", None) not in INDICES:
-                raise TypeError(f"append's {name} are an integer tensor, not {getattr(given, 'dtype', given)!r}")
-            if given.device != self.device or list(given.shape) != shape:
-                raise ValueError(f"append's {name} are {shape} on the stack's device, {self.device}: "
-                                 f"not {list(given.shape)} on {given.device}")
+                        "many as `rows` names", want, tokens, positions, slots, rows, parents=parents, lengths=lengths)
         self._check_mask(mask, want, tokens.shape[1])
 
     def _recurrent(self, layer: Recurrent, n: int, hidden: torch.Tensor, rows: torch.Tensor | None,

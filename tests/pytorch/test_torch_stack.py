@@ -987,16 +987,16 @@ def test_append_refuses_rows_it_was_not_given_before_writing_any():
     with pytest.raises(ValueError, match=re.escape("a forward's mask is [R][1][T][capacity], [1, 1, 1, 16]: "
                                                    "not [2, 1, 1, 16]")):
         stack.append(one, zero, row, mask=seen.expand(2, 1, 1, 16))
-    with pytest.raises(ValueError, match=re.escape("append's lengths are [1] on the stack's device, cpu: "
-                                                   "not [2] on cpu")):
+    with pytest.raises(ValueError, match=re.escape("rows [1], lengths [2]")):
         stack.append(one, zero, row, torch.tensor([1, 1]))
     with pytest.raises(TypeError, match="append's lengths are an integer tensor, not torch.float32"):
         stack.append(one, zero, row, torch.tensor([1.0]))
-    with pytest.raises(ValueError, match=re.escape("append's parents are [1, 1] on the stack's device, cpu: "
-                                                   "not [1, 1] on meta")):
+    with pytest.raises(ValueError, match="append's parents are on meta, not the stack's device, cpu"):
         stack.append(one, zero, row, parents=torch.tensor([[0]], device="meta"))
     with pytest.raises(TypeError, match="append's parents are an integer tensor, not torch.float32"):
         stack.append(one, zero, row, parents=torch.tensor([[0.0]]))
+    with pytest.raises(ValueError, match=re.escape("not tokens [2, 1], positions [2, 1], parents [1, 1]")):
+        stack.logits(torch.tensor([[3], [4]]), torch.tensor([[0], [0]]), parents=one)  # a forward's parents too
     assert stack.kv.lengths.tolist() == [[0, 0]] * len(stack.kv.lengths) and not stack.kv.k[0].any()
     stack.append(one, zero, row, torch.tensor([1]), mask=seen, parents=torch.tensor([[0]]))  # one row, named
 

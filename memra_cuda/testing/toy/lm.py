@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
-from ...driver.values import I32_MOST, as_flag, as_listed, as_prompt, as_real, as_size, exact_int
+from ...buffers.stream_bufs import ROW_VALUE_MOST
+from ...driver.values import as_flag, as_listed, as_prompt, as_real, as_size, exact_int
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
@@ -238,11 +239,11 @@ def as_chain(geometry: object) -> Geometry:
 def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
                   eos: int | None = None) -> list[int]:
     """The target's own greedy continuation: the output speculative decoding must equal.
-    `max_new_tokens` is a row's budget (0 to I32_MOST: infinity ran for ever, 2.5 gave 3 tokens)
+    `max_new_tokens` is a row's budget (0 to ROW_VALUE_MOST: infinity ran for ever, 2.5 gave 3 tokens)
     and `eos` None or a token id of the model (a string, a float or one past the vocabulary was
     compared with each token and never met)."""
     prompt = as_prompt(prompt, model.vocab, "the prompt").tolist()
-    max_new_tokens = as_size(max_new_tokens, "max_new_tokens", 0, I32_MOST)
+    max_new_tokens = as_size(max_new_tokens, "max_new_tokens", 0, ROW_VALUE_MOST)
     if eos is not None:
         eos = as_size(eos, "eos", 0, model.vocab - 1, also="None")
     history, states = model.history(prompt[:-1]), model.rec_states(prompt[:-1])

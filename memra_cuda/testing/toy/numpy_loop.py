@@ -17,7 +17,8 @@ from ...buffers.layout import CTL_DONE, ROOT_PARENT
 from ...buffers.capacity import Capacity, kv_capacity
 from ...buffers.geometry import Geometry
 from ...buffers.tree import DynamicTree, Tree
-from ...driver.values import I32_MOST, as_prompt, as_size
+from ...buffers.stream_bufs import ROW_VALUE_MOST
+from ...driver.values import as_prompt, as_size
 from .lm import M32, STATE_ROLLBACKS, ToyModel, as_candidates, fmix, fmix_array, live_slot, salt
 
 
@@ -195,10 +196,10 @@ class NumpyRoundStream:
 
 def stop_rule(max_new_tokens: int, eos: int | None) -> tuple[int, int | None]:
     """A row's budget and EOS as the GPU's stream checks them (stream_bufs.per_row): each an int
-    from 0 to I32_MOST, the EOS or None. The ctl words' numpy cast read eos "3" as 3 and truncated
+    from 0 to ROW_VALUE_MOST, the EOS or None. The ctl words' numpy cast read eos "3" as 3 and truncated
     2.9, raised a bare OverflowError at 2**31, truncated a budget of 2.5, and took -1 for none."""
-    max_new_tokens = as_size(max_new_tokens, "max_new_tokens", 0, I32_MOST)
-    return max_new_tokens, None if eos is None else as_size(eos, "eos", 0, I32_MOST, also="None")
+    max_new_tokens = as_size(max_new_tokens, "max_new_tokens", 0, ROW_VALUE_MOST)
+    return max_new_tokens, None if eos is None else as_size(eos, "eos", 0, ROW_VALUE_MOST, also="None")
 
 
 def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new_tokens: int,
