@@ -40,7 +40,7 @@ def test_the_torch_sections_are_refused_before_any_gpu_is_asked_for_unless_they_
 # The PyTorch programs, each with what it needs beside torch (benchmarks/needs.py's TORCH or PAIR)
 TORCH_PROGRAMS = [("benchmarks.steps", [], "transformers"), ("benchmarks.soak", [], "transformers"),
                   ("benchmarks.headline", [], "tokenizers"), ("benchmarks.served", [], "tokenizers"),
-                  ("benchmarks.bench", ["--only", "torch"], "tokenizers")]
+                  ("benchmarks.bench", ["--only", "torch"], "tokenizers"), ("benchmarks.tiles", [], "triton")]
 # `python -m PROGRAM ARGV...` where torch, transformers and tokenizers are not installed, here or not
 WITHOUT_TORCH = ("import runpy, sys; sys.modules.update(dict.fromkeys(('torch', 'transformers', 'tokenizers'))); "
                  "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
@@ -78,7 +78,7 @@ def test_a_pytorch_benchmark_without_a_gpu_says_so_in_one_line(program, argv):
     assert one_line_refusal(run, program).startswith(f"{program}: no GPU to measure on: PyTorch ")
 
 
-OPTIONAL = {"torch", "transformers", "tokenizers", "matplotlib"}  # what a module may need that is not here
+OPTIONAL = {"torch", "transformers", "tokenizers", "matplotlib", "triton"}  # what a module may need that is not here
 
 
 def test_every_name_a_benchmark_imports_is_there():
