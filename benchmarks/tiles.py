@@ -27,6 +27,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 from .needs import needs
@@ -157,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     needs("benchmarks.tiles", ("torch", "triton"), gpu=True)
     report = measure(args.shape, args.rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 
