@@ -130,14 +130,14 @@ def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print) -> dict
 
 def measure(shape_name: str, rows: Sequence[int], say: Callable[[str], None] = print) -> dict[str, Any]:
     """Every projection of the shape at each of `rows`, and a verify's sum under each choice."""
-    from .headline import copy_bandwidth
+    from .headline import copy_bandwidth, floor_ms
     shape, bandwidth = SHAPES[shape_name], copy_bandwidth()
     say(f"{shape_name}: device-to-device copy {bandwidth / 1e12:.2f} TB/s")
     report: dict[str, Any] = dict(shape=shape_name, bandwidth=bandwidth, rows={})
     for count in rows:
         figures = {}
         for name, (n, k) in projections(shape).items():
-            say(f"{name} (its weight's floor {2 * n * k / bandwidth * 1e6:.2f} µs)")
+            say(f"{name} (its weight's floor {1e3 * floor_ms(2 * n * k, bandwidth):.2f} µs)")
             figures[name] = sweep(n, k, count, say)
         sums = {way: verify_us(shape, {name: f[f"{way}_us"] for name, f in figures.items()})
                 for way in ("cublas", "chosen", "best")}

@@ -27,9 +27,8 @@ from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, 
                               as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import engine
-from .kv import CacheLayout, Room, StaticKV, as_capacity
+from .kv import CacheLayout, Room, StaticKV, cache_slots
 from .sampling import SamplingParams
-from .attention import aligned
 from .compiled import as_compiled, stack_for
 from .state import CopyState, FlipState, Recurrent, rollback
 from .views import RoundViews
@@ -87,7 +86,7 @@ class RoundDecoder:
         begun = time.perf_counter()
         geometry = as_geometry(geometry)
         refuse(model, draft, state_rollback)
-        capacity = as_capacity(capacity, geometry)
+        capacity = cache_slots(capacity, geometry)  # whole blocks
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
         for name, law in (("sampling", sampling), ("draft_sampling", draft_sampling)):
@@ -101,7 +100,6 @@ class RoundDecoder:
         self.batch: int = geometry.batch
         batch = self.batch
         self.vocab: int = model.config.vocab_size  # every token a request names is below it
-        capacity = aligned(capacity)  # both models' caches and a tree's masks alike, compiled or not
         # the warm-up's round (a prompt of two tokens, its pending one at position 1): refused there, after both
         # models were compiled, as a "next burst" no one had asked for
         need = kv_capacity(1, 0, geometry.with_rounds(1))

@@ -25,7 +25,7 @@ from ..buffers.capacity import kv_capacity
 from ..buffers.geometry import Geometry, as_batch
 from ..buffers.tables import Cache, KVData, KVLayer
 from ..driver.values import as_size, distinct_rows
-from .attention import MOST_SLOTS
+from .attention import MOST_SLOTS, aligned
 
 
 def head_size(config: Any) -> int:
@@ -78,6 +78,12 @@ def as_capacity(capacity: int | Room, geometry: Geometry | None) -> int:
     if isinstance(capacity, (tuple, list)):  # as_size's TypeError would not say what else it takes
         raise TypeError(f"capacity is a Room(prompt_len, tokens) or an int of slots, not {capacity!r}")
     return as_size(capacity, "capacity", most=MOST_SLOTS, also="a Room")
+
+
+def cache_slots(capacity: int | Room, geometry: Geometry) -> int:
+    """A round decoder's cache slots a row for `capacity` (as_capacity's), in whole blocks
+    (aligned): both models' caches and a tree's masks alike, compiled or not."""
+    return aligned(as_capacity(capacity, geometry))
 
 
 class StaticKV:

@@ -19,9 +19,8 @@ from ..buffers.tree import MAX_TREE_CANDIDATES, Candidates, DynamicTree, Tree, T
 from ..driver.values import as_size
 from ..rounds.stream import RoundStream
 from ..rounds.tree_round import TreeRound
-from .attention import aligned
 from .decoder import RoundDecoder, fold, refuse
-from .kv import CacheLayout, PagedKV, Room, StaticKV, as_capacity
+from .kv import CacheLayout, PagedKV, Room, StaticKV, cache_slots
 from .mask import TreeMask
 from .sampling import SamplingParams
 from .views import TreeViews
@@ -97,9 +96,9 @@ class TreeLlama(RoundDecoder):
         self.tree = tree
         geometry = Geometry.of_tree(tree, m_rounds, batch)
         # the page checked here, not where the caches are made after the stream and both models' stacks: at most
-        # the slots a row each cache gets (RoundDecoder's, whole blocks; a longer page was allocated whole)
+        # the slots a row each cache gets (cache_slots, as RoundDecoder sizes them; a longer page was allocated whole)
         cache: CacheLayout = StaticKV if paged is None else functools.partial(
-            PagedKV, page=as_size(paged, "paged", 1, aligned(as_capacity(capacity, geometry))))
+            PagedKV, page=as_size(paged, "paged", 1, cache_slots(capacity, geometry)))
         super().__init__(model, draft, geometry,
                          capacity=capacity, sampling=sampling, draft_sampling=draft_sampling,
                          state_rollback=state_rollback, cache=cache, compiled=compiled)
