@@ -104,7 +104,29 @@ def _load_driver() -> ModuleType:
         ) from None
     if err:
         raise CudaUnavailable(f"the NVIDIA driver found no usable GPU ({_name(err)})")
+    err, version = drv.cuDriverGetVersion()
+    refusal = None if err else bindings_refusal(_bindings_version(), _release(version))
+    if refusal:
+        raise CudaUnavailable(refusal)
     return drv
+
+
+def _bindings_version() -> str:
+    from cuda import bindings
+    return str(getattr(bindings, "__version__", ""))
+
+
+def bindings_refusal(bindings: str, driver: tuple[int, int]) -> str | None:
+    """Why cuda-python's bindings of release `bindings` ("13.3.0") cannot serve a driver of CUDA
+    release `driver` ((12, 9)), or None where they can: bindings of a newer major release than the
+    driver's call functions it lacks, each failing later with a code that names no version (CUDA
+    13's bindings want a driver of 580 or later; a CUDA 12 driver is served by the 12.x bindings)."""
+    major = bindings.split(".", 1)[0]
+    if not major.isdigit() or int(major) <= driver[0]:
+        return None
+    return (f"cuda-python's bindings {bindings} are for a CUDA {major} driver, and this machine's driver is CUDA "
+            f"{driver[0]}.{driver[1]}: install the bindings of its release (pip install 'cuda-bindings=="
+            f"{driver[0]}.*') or a newer driver")
 
 
 def _name(err: Any) -> str:
@@ -144,5 +166,9 @@ def call(name: str, *args: Any) -> Any:
 def driver_version() -> tuple[int, int]:
     """The CUDA release of this machine's driver, (major, minor) (cuDriverGetVersion, which needs
     no context); CudaUnavailable where there is no driver."""
-    version = int(call("cuDriverGetVersion"))
-    return version // 1000, version % 1000 // 10
+    return _release(call("cuDriverGetVersion"))
+
+
+def _release(version: Any) -> tuple[int, int]:
+    """cuDriverGetVersion's int (12090) as its CUDA release, (major, minor) ((12, 9))."""
+    return int(version) // 1000, int(version) % 1000 // 10

@@ -19,8 +19,9 @@ from memra_cuda.driver import KernelArgs
 from memra_cuda.errors import CudaError, CudaUnavailable
 from memra_cuda.driver import Handle, as_buffer
 from memra_cuda.driver.values import exact_array, exact_int
-from memra_cuda.driver.errors import check
-from memra_cuda.driver.module import packaged_ptx
+from memra_cuda.driver.context import LEAST_CAPABILITY, capability_refusal
+from memra_cuda.driver.errors import bindings_refusal, check
+from memra_cuda.driver.module import _PTX_DIRS, packaged_ptx
 
 # A made-up device address: wrap() only stores it, so it never has to be valid.
 FAKE_PTR = 0x1000
@@ -71,6 +72,32 @@ def test_engine_without_driver_raises_one_clear_line():
     assert "\n" not in message, "CudaUnavailable must be one sentence, not a loader traceback"
     assert "driver" in message.lower()
     assert isinstance(err, CudaError) and err.name == "CUDA_UNAVAILABLE"
+
+
+@pytest.mark.parametrize("bindings, driver", [("13.0.0", (13, 0)), ("13.3.0", (13, 2)), ("12.9.4", (13, 0)),
+                                             ("12.6.2.post1", (12, 4)), ("", (12, 9)), ("dev", (12, 9))])
+def test_bindings_of_the_drivers_release_or_older_are_served(bindings, driver):
+    """At the limit: bindings of the driver's own major release pass, whatever the minor; a
+    version the bindings do not state is not refused for it."""
+    assert bindings_refusal(bindings, driver) is None
+
+
+def test_bindings_newer_than_the_driver_are_refused_naming_both_and_the_fix():
+    message = bindings_refusal("13.3.0", (12, 9))
+    assert message is not None and "\n" not in message
+    assert "13.3.0" in message and "CUDA 12.9" in message and "cuda-bindings==12.*" in message
+
+
+@pytest.mark.parametrize("major, minor, served", [(8, 0, True), (9, 0, True), (12, 0, True), (7, 5, False),
+                                                  (7, 0, False), (6, 1, False)])
+def test_a_gpu_below_compute_capability_8_0_is_refused_as_its_context_is_made(major, minor, served):
+    message = capability_refusal(3, major, minor)
+    assert (message is None) == served
+    if not served:
+        assert f"device 3 is of compute capability {major}.{minor}" in message and "8.0" in message
+    assert LEAST_CAPABILITY == (8, 0)
+    shipped = [path for folder in _PTX_DIRS for path in folder.glob("*.ptx")]
+    assert shipped and all(".target sm_80\n" in path.read_text() for path in shipped)  # what the bound stands for
 
 
 # -- KernelArgs ---------------------------------------------------------------------------
