@@ -40,6 +40,7 @@ def clock_offset(engine: Engine, trials: int = 40) -> int:
     flag, stamp = MappedBuffer(engine, np.uint32, 4), MappedBuffer(engine, np.uint64, 1)
     launch = load(engine, "probe").kernel("probe_clock").prepare(grid=1, block=1)
     launch.set(flag=flag.device, device_ns=stamp.device)
+    assert flag.live is not None and stamp.live is not None  # None only once freed, at the end
     trips = []  # (round trip, device minus host at its middle)
     for _ in range(trials):
         flag.live[:] = 0

@@ -15,11 +15,14 @@ import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from memra_cuda.buffers.tree import DynamicTree, TreeShape
+
+if TYPE_CHECKING:  # memra_cuda.torch imports torch, which this module leaves to the functions that run
+    from memra_cuda.torch.attention import Attention
 
 TORCH_K, TORCH_M = 4, 16  # every torch section's chain k and rounds a burst, M
 TREE_BATCHES = (1, 8, 32, 128)  # the trees section's and the headline's batch sizes
@@ -68,7 +71,7 @@ def row_label(row: dict) -> str:
 # row, and where rows hold nearly all of it) and by flex (only the blocks a row holds: a row of a
 # generation holds its prompt and what it has made so far, often half its cache): the faster of the
 # two is the baseline of every ratio, whichever the library's default at the batch (compiled.attends)
-PLAIN_ATTENDS = ("sdpa", "flex")
+PLAIN_ATTENDS: tuple[Attention, ...] = ("sdpa", "flex")
 # How every compiled step of a run multiplies its projections (memra_cuda.torch.compiled's
 # PROJECTIONS, named here without torch for --help): --projection's choices
 PROJECTIONS = ("inductor", "few_rows")
@@ -85,7 +88,7 @@ def projected(projection: str | None) -> Iterator[str]:
     if projection is not None and projection not in compiled.PROJECTIONS:
         raise ValueError(f"projection is one of {compiled.PROJECTIONS}, not {projection!r}")
     before = compiled.PROJECTION
-    compiled.PROJECTION = before if projection is None else projection  # type: ignore[assignment]
+    compiled.PROJECTION = before if projection is None else projection
     try:
         yield compiled.PROJECTION
     finally:
@@ -219,7 +222,12 @@ def decoder(model: Any, kind: str, config: Any, capacity: int, batch: int = 1, s
     spec = TreeLlama(model, draft, config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
                      sampling=sampling)
     spec.capture(("graph",))
-    return spec, spec.verify_tree, lambda: [spec.draft_level(d) for d in range(spec.tree.depth + 1)]
+
+    def draft_levels() -> None:
+        for d in range(spec.tree.depth + 1):
+            spec.draft_level(d)
+
+    return spec, spec.verify_tree, draft_levels
 
 
 def release() -> None:

@@ -51,6 +51,7 @@ batch sizes alone where asked.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -118,15 +119,15 @@ def bench_one_request(quick: bool) -> list[dict]:
         spec = SpeculativeLlama(model, draft, k=TORCH_K, m_rounds=TORCH_M, capacity=capacity)
         greedy = GraphedGreedy(model, capacity)
         eager = GraphedGreedy(model, capacity, eager=True)
-        methods = {
+        methods: dict[str, tuple[Callable[[int], list[int]], SpeculativeLlama | None]] = {
             "HF generate": (lambda n: hf_greedy(model, PROMPT, n), None),
             "HF assisted": (lambda n: hf_greedy(model, PROMPT, n, assistant=draft, k=TORCH_K), None),
             "greedy, eager loop": (lambda n: eager.generate(PROMPT, n), None),
             "greedy, torch graph": (lambda n: greedy.generate(PROMPT, n), None),
         }
         for mode in ("readback", "graph", "overlap", "device"):
-            methods[f"round-stream {mode}"] = (lambda n, mode=mode: spec.generate(PROMPT, n, mode=mode), spec)
-        measured = {}
+            methods[f"round-stream {mode}"] = (functools.partial(spec.generate, PROMPT, mode=mode), spec)
+        measured: dict[str, dict[str, Any]] = {}
         for name, (run, speculative) in methods.items():
             rate, out = _tokens_per_s(run, tokens)
             measured[name] = row = dict(size=size, method=name, tokens_per_s=rate, acceptance=None)
@@ -196,7 +197,7 @@ def _bench_batch(model: Any, size: str, batch: int, tokens: int) -> list[dict]:
         "round-stream graph, greedy": (lambda: spec.generate_batch(requests), spec),
         "round-stream graph, sampling": (lambda: sampler.generate_batch(requests), sampler),
     }
-    measured = {}
+    measured: dict[str, dict[str, Any]] = {}
     for name, (run, speculative) in methods.items():
         seconds, out = _timed(run)
         count = sum(map(len, out))
@@ -242,8 +243,8 @@ def bench_serving(quick: bool) -> list[dict]:
     print(f"{'method':34} {'tokens/s':>9} {'TTFT p50 ms':>11} {'p99':>8} {'TBT p50 ms':>10} {'p99':>8} {'total s':>8}")
     rows = []
     for name, server in servers.items():
-        seconds, served = _timed(lambda server=server: server.serve(requests))
-        row = dict(method=name, **figures(served), total_s=seconds)
+        seconds, served = _timed(lambda: server.serve(requests))
+        row: dict[str, Any] = dict(method=name, **figures(served), total_s=seconds)
         print(f"{name:34} {row['tokens_per_s']:9.0f} {1e3 * row['ttft_p50_s']:11.1f} {1e3 * row['ttft_p99_s']:8.1f} "
               f"{1e3 * row['tbt_p50_s']:10.2f} {1e3 * row['tbt_p99_s']:8.2f} {seconds:8.2f}", flush=True)
         rows.append(row)
@@ -280,8 +281,9 @@ def _bench_hybrid_batch(model: Any, batch: int, tokens: int) -> list[dict]:
                                 batch=batch, state_rollback=state)
         for mode in ("graph", "overlap"):
             methods[f"round-stream {mode}, {state}"] = (
-                lambda spec=spec, mode=mode: spec.generate_batch(requests, mode), spec)
-    measured, outputs = {}, {}
+                functools.partial(spec.generate_batch, requests, mode), spec)
+    measured: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[list[int]]] = {}
     for name, (run, speculative) in methods.items():
         seconds, outputs[name] = _timed(run)
         measured[name] = row = dict(batch=batch, method=name, tokens_per_s=sum(map(len, outputs[name])) / seconds,
@@ -398,9 +400,9 @@ def bench_tree_costs(quick: bool) -> list[dict]:
         release()
         for width in (1, 8):
             logits = torch.randn(1, width, model.config.vocab_size, device="cuda", dtype=model.dtype)
-            parts[f"top-2 of {width} node(s), torch.topk"] = graph_ms(lambda x=logits: x.topk(2, dim=-1))
+            parts[f"top-2 of {width} node(s), torch.topk"] = graph_ms(lambda: logits.topk(2, dim=-1))
             best = torch.empty(1, width, 2, dtype=torch.long, device="cuda")
-            parts[f"top-2 of {width} node(s), 2 argmaxes"] = graph_ms(lambda x=logits, y=best: best_ranks(x, y))
+            parts[f"top-2 of {width} node(s), 2 argmaxes"] = graph_ms(lambda: best_ranks(logits, best))
         for part, ms in parts.items():
             rows.append(dict(size=size, part=part, ms=ms, target_steps=ms / step_ms))
             print(f"{size:6} {part:40} {ms:8.4f} ms {ms / step_ms:7.3f}", flush=True)
@@ -435,7 +437,7 @@ def _tree_parts(model: Any, tree: Any, capacity: int, requests: Sequence[Any]) -
     from memra_cuda.torch.timing import graph_ms
     spec, verify, _ = decoder(model, "static", tree, capacity)
     spec.generate_batch(requests)
-    parts = {f"tree level {level} ({stop - start} nodes)": graph_ms(lambda level=level: spec.draft_level(level),
+    parts = {f"tree level {level} ({stop - start} nodes)": graph_ms(lambda: spec.draft_level(level),
                                                                     spec.stream)
              for level, (start, stop) in enumerate(tree.expanded) if stop > start}
     parts[f"tree verify ({tree.nodes} tokens)"] = graph_ms(verify, spec.stream)
@@ -448,8 +450,10 @@ def bench_headline(quick: bool, json_path: str | Path | None = None) -> dict:
     return headline(quick, json_path=json_path)
 
 
-SECTIONS = {"headline": bench_headline, "one_request": bench_one_request, "batches": bench_batches,
-            "serving": bench_serving, "hybrid": bench_hybrid, "trees": bench_trees, "tree_costs": bench_tree_costs}
+# Callable[..., Any]: the sections' keywords differ (the trees' sizes= and batches=, the headline's json_path=)
+SECTIONS: dict[str, Callable[..., Any]] = {"headline": bench_headline, "one_request": bench_one_request,
+                                           "batches": bench_batches, "serving": bench_serving, "hybrid": bench_hybrid,
+                                           "trees": bench_trees, "tree_costs": bench_tree_costs}
 
 
 def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_path: str | Path | None = None,
