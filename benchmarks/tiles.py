@@ -7,9 +7,14 @@ is checked against F.linear's before it is timed (an AssertionError naming it, w
 The projections are a shape's of benchmarks/steps.py (the pair's target by default, --shape):
 q, k and v fused, the attention's output, gate and up fused, down, the head; bf16, random weights,
 ROWS rows (--rows: 5, a chain's verify of k = 4 at B = 1). A cut's time is its kernel's alone,
-CALLS launches captured in one CUDA graph and replayed between CUDA events (the median of RUNS):
-in the compiled step a split cut's partial sums are summed by the kernel after it, which inductor
-fuses with the residual's add, so a cut pays nothing more there. The sweep is in two stages:
+a launch over each of several copies of the weight captured in one CUDA graph and replayed
+between CUDA events (the median of RUNS): the copies pass twice the GPU's L2 cache, so each
+launch reads its weight from HBM, as a step does, whose other layers' weights evict it. (Timed
+over one weight, which stays in L2, the cuts best alone took 55 µs off a verify's projections on
+an H100 and made the compiled verify 3-6% slower: 2026-12-06, RESULTS.md.) A split cut's partial
+sums are summed by the kernel after it, which inductor fuses with the residual's add where the
+split is small: the step's kernels (benchmarks.steps --few-rows) are the measure of a cut that
+wins here. The sweep is in two stages:
 the slice (block_n), the split of k (split_k) and block_k at skinny's other defaults; then, for
 the FINALISTS fastest of those, the product's orientation (swap), warps and stages. Each line
 gives the weight's HBM floor (its bytes over a device-to-device copy's bandwidth, measured here).
@@ -35,7 +40,8 @@ from .steps import SHAPES, Shape
 from .torch_common import listed
 
 ROWS = (5,)
-CALLS, RUNS, REPLAYS = 20, 5, 50
+RUNS, REPLAYS = 5, 50
+L2_PASSES = 2  # the weight's copies a launch cycles through hold this many times the L2 cache
 BLOCK_NS, BLOCK_KS, SPLITS = (16, 32, 64), (64, 128), (1, 2, 3, 4, 6, 8)
 SWAPS, WARPS, STAGES = (False, True), (2, 4, 8), (2, 3, 4)
 FINALISTS = 2
@@ -70,19 +76,28 @@ def second_cuts(best: Any) -> list[Any]:
             for swap, warps, stages in itertools.product(SWAPS, WARPS, STAGES)]
 
 
-def timed_us(launch: Callable[[], None]) -> float:
-    """µs of one launch(): CALLS of them captured in a CUDA graph (after one eager, which compiles),
-    replayed REPLAYS times between events, the median of RUNS."""
+def copies_of(weight: Any) -> list[Any]:
+    """`weight` and as many copies as make L2_PASSES times the GPU's L2 cache: launches that take
+    them in turn read each from HBM."""
+    import torch
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    count = max(2, -(-L2_PASSES * l2 // (weight.numel() * weight.element_size())))
+    return [weight, *(weight.clone() for _ in range(count - 1))]
+
+
+def timed_us(launch: Callable[[Any], None], weights: Sequence[Any]) -> float:
+    """µs of one launch(weight): one over each of `weights` captured in a CUDA graph (after one
+    eager pass, which compiles), replayed REPLAYS times between events, the median of RUNS."""
     import torch
 
     from memra_cuda.torch.timing import captured, replay_ms
 
     def calls() -> None:
-        for _ in range(CALLS):
-            launch()
+        for weight in weights:
+            launch(weight)
     stream = torch.cuda.Stream()
     graph = captured(calls, stream)
-    return 1000 * statistics.median(replay_ms(graph, stream, REPLAYS) for _ in range(RUNS)) / CALLS
+    return 1000 * statistics.median(replay_ms(graph, stream, REPLAYS) for _ in range(RUNS)) / len(weights)
 
 
 def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -97,6 +112,7 @@ def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print) -> dict
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     want = F.linear(x.float(), weight.float())
+    weights = copies_of(weight)
     outs: dict[int, torch.Tensor] = {}
 
     def kernel_us(cut: Any) -> float:
@@ -112,7 +128,7 @@ def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print) -> dict
         got = (out.sum(0) if cut.split_k > 1 else out).float()
         if not torch.allclose(got, want, rtol=TOLERANCE, atol=TOLERANCE):  # a fast wrong cut is no cut
             raise AssertionError(f"{asdict(cut)} is not F.linear at {n} x {k}: {(got - want).abs().max():.3g} off")
-        return timed_us(lambda: launch(x, weight, None, out, cut))
+        return timed_us(lambda w: launch(x, w, None, out, cut), weights)
     chosen = tiles(n, k)
     timed: dict[Any, float] = {}
     for cut in [chosen, *first_cuts(k)]:
@@ -121,7 +137,7 @@ def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print) -> dict
         for cut in second_cuts(best):
             timed[cut] = timed[cut] if cut in timed else kernel_us(cut)
     best = min(timed, key=timed.__getitem__)
-    cublas = timed_us(lambda: F.linear(x, weight))
+    cublas = timed_us(lambda w: F.linear(x, w), weights)
     say(f"  {n} x {k}, {rows} rows: F.linear {cublas:.2f} µs | tiles() {timed[chosen]:.2f} µs {asdict(chosen)} | "
         f"best of {len(timed)} {timed[best]:.2f} µs {asdict(best)}")
     return dict(n=n, k=k, rows=rows, cuts=len(timed), cublas_us=round(cublas, 3), chosen=asdict(chosen),

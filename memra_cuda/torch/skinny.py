@@ -104,7 +104,10 @@ def tiles(n: int, k: int) -> Tiles:
     a few thousand columns spreads over more blocks than an H200 has SMs; where its slices are
     still fewer (768 columns: 48), k split into as many slices as fill them (of whole BLOCK_Ks);
     past 8192 columns (a head, and a large model's fused gate and up: Llama 3 8B's 28 672) wider
-    slices, k whole. Not yet measured (the probe of issue 47 sweeps them)."""
+    slices, k whole. A guess that measured faster in the compiled verify (an H100, 2026-12-06)
+    than three rules built on benchmarks.tiles' best cuts alone, whose wider splits of k add the
+    partial sums' kernel; that sweep timed its weights from L2, and runs again over copies that
+    pass it (RESULTS.md)."""
     if n > 8192:
         return Tiles(block_n=64)
     cut = Tiles()
