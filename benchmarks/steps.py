@@ -150,13 +150,17 @@ def kernel_names(stack: Any, batch: int, tokens: int, most: int = 25,
 
 def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], static: bool, untuned: bool = False,
             names: bool = False, say: Callable[[str], None] = print, autotune: bool = False,
-            few_rows: bool = False, pdl: bool = False, valid: int = VALID) -> dict[str, Any]:
+            few_rows: bool = False, pdl: bool = False, valid: int = VALID,
+            flex_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every row through the modules and compiled with each attention (and, with `static`, every
     shape compiled apart; with `autotune`, a row of several tokens with its GEMMs autotuned too;
     with `few_rows`, a row of FEW_ROWS rows with its projections through memra_cuda.torch.skinny's
     kernel too: two probes of the verify's GEMMs; with `pdl`, every row attending as the decoders
     attend with its Triton kernels launched by programmatic dependent launch too, a probe of the
-    gaps between kernels, and with both, the two together), with the floor."""
+    gaps between kernels, and with both, the two together; with `flex_options`, every row of
+    several tokens attending through flex with those kernel_options too, beside flex's own choice
+    (with `few_rows`, its projections through skinny's kernel as well): a probe of the attention of
+    a verify, whose flex decoding kernel comes with three more a layer), with the floor."""
     import torch
     from memra_cuda.torch import Stack
     from memra_cuda.torch.compiled import FEW_ROWS, CompiledStack, compiled_step
@@ -172,15 +176,19 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
         row: dict[str, Any] = dict(shape=name, batch=batch, tokens=tokens, floor_ms=round(floor, 4))
         row["modules"] = timed_step(Stack(model, CAPACITY, batch), batch, tokens, valid=valid)
         # tuned None: the decoders' choice (the one-token step of one row tuned, CompiledStack)
-        variants = [(attention, True, None, "inductor") for attention in attentions] + \
-            ([(attentions[0], False, None, "inductor")] if static else []) + \
-            ([(attentions[0], True, False, "inductor")] if untuned else []) + \
-            ([(attentions[0], True, None, "few_rows")] if few_rows and batch * tokens in FEW_ROWS else [])
-        for attention, dynamic, tuned, projection in variants:
+        few = few_rows and batch * tokens in FEW_ROWS
+        probed = flex_options if flex_options and tokens > 1 else None
+        variants = [(attention, True, None, "inductor", None) for attention in attentions] + \
+            ([(attentions[0], False, None, "inductor", None)] if static else []) + \
+            ([(attentions[0], True, False, "inductor", None)] if untuned else []) + \
+            ([(attentions[0], True, None, "few_rows", None)] if few else []) + \
+            ([("flex", True, None, projection, probed) for projection in ("inductor", "few_rows")[:1 + few]]
+             if probed else [])
+        for attention, dynamic, tuned, projection, options in variants:
             stack = CompiledStack(model, CAPACITY, batch, attention=attention, dynamic=dynamic,  # type: ignore[arg-type]
-                                  tuning=tuned, projection=projection)  # type: ignore[arg-type]
+                                  tuning=tuned, projection=projection, flex_options=options)  # type: ignore[arg-type]
             key = f"compiled {attention}" + ("" if dynamic else " static") + ("" if tuned is None else " untuned") \
-                + ("" if projection == "inductor" else " few rows")
+                + ("" if projection == "inductor" else " few rows") + ("" if options is None else f" {options}")
             row[key] = timed_step(stack, batch, tokens, valid=valid)
             if names:
                 row[key]["names"] = kernel_names(stack, batch, tokens, valid=valid)
@@ -231,6 +239,17 @@ def valid_entries(text: str) -> int:
     return bounded(text, 1, CAPACITY - WIDEST)
 
 
+def kernel_options(text: str) -> dict[str, Any]:
+    """--flex-options' JSON object (argparse's type: anything else is its error, before any GPU work)."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of kernel_options by name, not {text!r}")
+    return options
+
+
 def line(row: dict[str, Any]) -> str:
     """One row of the table as text."""
     parts = [f"{row['shape']:<16} B={row['batch']:<3} T={row['tokens']}  floor {row['floor_ms']:.3f} ms"]
@@ -259,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pdl", action="store_true", help="also each row, attending as the decoders do, with inductor's "
                    "Triton kernels launched by programmatic dependent launch (triton.enable_pdl); with --few-rows, "
                    "also both")
+    p.add_argument("--flex-options", type=kernel_options, metavar="JSON", help="also each row of several tokens "
+                   "attending through flex with these kernel_options (a JSON object, e.g. "
+                   "'{\"FORCE_USE_FLEX_ATTENTION\": true}': one kernel a layer, not flex decoding's four)")
     p.add_argument("--valid", type=valid_entries, default=VALID, help=f"the entries each row holds of the cache's "
                    f"{CAPACITY} (default {VALID}; from 1 to {CAPACITY - WIDEST}): SDPA reads the whole cache, flex "
                    "only what rows hold, so a served stream's rows, far from full, are measured at fewer")
@@ -267,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = ROWS if args.rows is None else [ROWS[i] for i in args.rows]  # indices checked at parsing: -1 was the last
     setup = setup_seconds() if args.setup else None
     report = measure(rows, args.attention.split(","), args.static, args.untuned, args.names, autotune=args.autotune,
-                     few_rows=args.few_rows, pdl=args.pdl, valid=args.valid)
+                     few_rows=args.few_rows, pdl=args.pdl, valid=args.valid, flex_options=args.flex_options)
     report["setup_seconds"] = setup
     if args.json:
         with open(args.json, "w") as f:

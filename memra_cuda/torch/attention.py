@@ -19,8 +19,8 @@ additive mask (what gpt-fast does), kept to measure against and for a CPU.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,21 @@ def aligned(capacity: int) -> int:
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# flex_attention's kernel_options as sorted (name, value) pairs: a compiled step's argument, whose
+# every value compiles apart (a dict's would not be one hashable constant)
+FlexOptions = tuple[tuple[str, Any], ...]
+
+
+def as_flex_options(options: Mapping[str, Any] | None) -> FlexOptions:
+    """`options` (flex_attention's kernel_options, or None) as FlexOptions; TypeError naming
+    flex_options where it is no mapping of names, so that a typo's kind fails here, not in a
+    compile. Their values are torch's to judge, as its compile reads them."""
+    if options is None:
+        return ()
+    if not isinstance(options, Mapping) or not all(isinstance(name, str) for name in options):
+        raise TypeError(f"flex_options is a mapping of flex_attention's kernel_options by name, or None, "
+                        f"not {options!r}")
+    return tuple(sorted(options.items()))
 
 
 def causal(scale: float, gqa: bool) -> Attend:
@@ -79,11 +94,12 @@ def block_counts(slots: torch.Tensor, seen: torch.Tensor | None = None) -> tuple
 
 
 def masked(kind: Attention, slots: torch.Tensor, capacity: int, scale: float, gqa: bool, dtype: torch.dtype,
-           mask: torch.Tensor | None = None) -> Attend:
+           mask: torch.Tensor | None = None, flex_options: FlexOptions = ()) -> Attend:
     """The attention of R rows of T tokens at `slots` ([R][T] int64, within the capacity) over the
     whole cache (every row of it, in order): to every slot <= a token's own, or where `mask`
     ([R][1][T][capacity]) is 0, or True for a bool one (SDPA's sense, as Stack reads it); `dtype`
-    the queries' (SDPA's mask is made in it once, not cast in every layer)."""
+    the queries' (SDPA's mask is made in it once, not cast in every layer); `flex_options`,
+    flex_attention's kernel_options as (name, value) pairs (none: torch's own choice)."""
     if kind == "sdpa":
         if mask is None:
             mask = torch.zeros((), dtype=dtype, device=slots.device).where(
@@ -117,7 +133,8 @@ def masked(kind: Attention, slots: torch.Tensor, capacity: int, scale: float, gq
 
     def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
              cache_v: torch.Tensor) -> torch.Tensor:
-        out = flex_attention(q, cache_k, cache_v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out = flex_attention(q, cache_k, cache_v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                             kernel_options=dict(flex_options) or None)
         assert isinstance(out, torch.Tensor)
         return out
     return flex

@@ -19,13 +19,13 @@ verify, and a decode step of several rows) is the exception: its every shape com
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from .attention import ATTENTIONS, MOST_SLOTS, Attention, aligned, causal, masked
+from .attention import ATTENTIONS, MOST_SLOTS, Attention, FlexOptions, aligned, as_flex_options, causal, masked
 from ..buffers.geometry import as_batch
 from ..driver.errors import NotFused
 from ..driver.module import GRID_LIMITS
@@ -69,17 +69,19 @@ RECOMPILES = 1024
 
 def _step(fused: FusedLlama, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
           values: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-          rows: torch.Tensor, mask: torch.Tensor | None, attention: str, last: bool, linear: Linear) -> torch.Tensor:
+          rows: torch.Tensor, mask: torch.Tensor | None, attention: str, last: bool, linear: Linear,
+          flex: FlexOptions = ()) -> torch.Tensor:
     """What is compiled: positions and slots kept inside the cache (a garbage one never writes
     outside) and tokens inside the vocabulary (nor reads past the embeddings), the rotary rows
-    gathered, the attention chosen, the fused forward, its projections through `linear`
-    (F.linear, or memra_cuda.torch.skinny.few_rows)."""
+    gathered, the attention chosen (flex's with `flex`'s kernel_options), the fused forward, its
+    projections through `linear` (F.linear, or memra_cuda.torch.skinny.few_rows)."""
     capacity = keys[0].shape[2]
     positions, slots = positions.long().clamp(0, capacity - 1), slots.long().clamp(0, capacity - 1)
     tokens = tokens.long().clamp(0, fused.embed.shape[0] - 1)  # nor a garbage token read past the embeddings
     shape = fused.shape
     attend = (causal(shape.scale, shape.gqa) if attention == "prefill"
-              else masked(attention, slots, capacity, shape.scale, shape.gqa, keys[0].dtype, mask))  # type: ignore[arg-type]
+              else masked(attention, slots, capacity, shape.scale, shape.gqa, keys[0].dtype, mask,  # type: ignore[arg-type]
+                          flex))
     return fused(tokens, cos[positions], sin[positions], keys, values, rows, slots, attend, last, linear)
 
 
@@ -172,16 +174,21 @@ class CompiledStack(LayerStack):
     nothing); True or False, at any B. `projection` is how a decode step's or a verify's
     projections multiply (PROJECTIONS): "few_rows" needs triton and a 16-bit model on a GPU
     (ValueError, naming what is missing), and serves steps of FEW_ROWS rows; left out,
-    PROJECTION where it serves the model, inductor's where not (an fp32 model, a CPU's)."""
+    PROJECTION where it serves the model, inductor's where not (an fp32 model, a CPU's).
+    `flex_options` are flex_attention's kernel_options for every step that attends through flex
+    (left out, torch's choice: below 128 queries its decoding kernel, which splits each row's
+    cache and sums the splits in kernels of their own; {"FORCE_USE_FLEX_ATTENTION": True} takes
+    its one-kernel attention instead, which benchmarks.steps --flex-options measures)."""
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, attention: Attention | None = None,
                  compile: bool = True, dynamic: bool = True, tuning: bool | None = None,
-                 projection: Projection | None = None):
+                 projection: Projection | None = None, flex_options: Mapping[str, Any] | None = None):
         batch = as_batch(batch)  # before flex's grid is counted: "2" * 8 heads met a bare TypeError there
         check_fuses(model)  # before its config's heads are read: GPT-2's has none, a bare AttributeError
         compile, dynamic = as_flag(compile, "compile"), as_flag(dynamic, "dynamic")
         tuning = None if tuning is None else as_flag(tuning, "tuning", also="None")
         self.attends = attends(attention, batch, model.config.num_key_value_heads)
+        self.flex = as_flex_options(flex_options)
         # before it is rounded up: "64" and True are no capacities, and 2**31 - 1 rounded up passed an i32's most
         capacity = as_size(capacity, "capacity", most=MOST_SLOTS)
         self.few_rows = self._projection(model, projection)
@@ -254,7 +261,7 @@ class CompiledStack(LayerStack):
             _sizes(mask, *(0, 2) if shapes else ())  # [R][1][T][capacity]
         with torch.no_grad():  # the same guards at the warm-up and in a capture, whatever the caller's grad mode
             return step(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots, rows, mask,
-                        attention, last, linear)
+                        attention, last, linear, self.flex)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,

@@ -60,3 +60,22 @@ def test_the_entries_a_row_holds_reach_the_run_and_leave_the_widest_step_room(mo
             steps.main(["--rows", "0", "--valid", bad])
         assert exited.value.code == 2 and "argument --valid" in capsys.readouterr().err
     assert len(ran) == 3
+
+
+def test_flex_options_are_a_json_object_handed_to_the_run(monkeypatch, capsys):
+    """--flex-options' JSON object reaches measure() as a dict (none given: None); JSON that is
+    not an object, or no JSON, is argparse's error naming it (exit 2), before any GPU work."""
+    import pytest
+
+    from benchmarks import steps
+    ran = []
+    monkeypatch.setattr(steps, "needs", lambda *args, **kwargs: None)  # the run is stubbed: nothing to need
+    monkeypatch.setattr(steps, "measure", lambda rows, *args, **kwargs: ran.append(kwargs["flex_options"]) or {})
+    assert steps.main(["--rows", "5"]) == 0 and ran == [None]
+    assert steps.main(["--rows", "5", "--flex-options", '{"FORCE_USE_FLEX_ATTENTION": true, "BLOCK_M": 16}']) == 0
+    assert ran[-1] == {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16}
+    for bad in ("[1, 2]", "true", "{force}"):
+        with pytest.raises(SystemExit) as exited:
+            steps.main(["--rows", "5", "--flex-options", bad])
+        assert exited.value.code == 2 and "argument --flex-options" in capsys.readouterr().err
+    assert len(ran) == 2

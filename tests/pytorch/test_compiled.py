@@ -39,6 +39,36 @@ def test_rows_at_their_own_positions_give_hugging_faces_logits(attention):
     rows_give_hugging_faces_logits(model, CompiledStack(model, 40, batch=3, attention=attention, compile=False))
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_flex_options_reach_every_flex_attention_call_and_leave_its_logits_hugging_faces(monkeypatch, compile):
+    """CompiledStack(flex_options=) hands flex_attention its kernel_options at every call of a step
+    that attends through flex (a probe's: FORCE_USE_FLEX_ATTENTION takes one kernel a layer where
+    flex decoding took four), eagerly and as the compiled step is traced, and its rows' logits stay
+    Hugging Face's; left out, none are given (torch's own choice)."""
+    import torch.nn.attention.flex_attention as flex_module
+    given = []
+    original = flex_module.flex_attention
+
+    def spy(*args, **kwargs):
+        given.append(kwargs.get("kernel_options"))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(flex_module, "flex_attention", spy)
+    model = tiny()
+    options = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16}
+    rows_give_hugging_faces_logits(model, CompiledStack(model, 40, batch=3, attention="flex", compile=compile,
+                                                        flex_options=options))
+    assert given and all(kernel == options for kernel in given)
+    given.clear()
+    rows_give_hugging_faces_logits(model, CompiledStack(model, 40, batch=3, attention="flex", compile=compile))
+    assert given and all(kernel is None for kernel in given)
+
+
+@pytest.mark.parametrize("options", [[("FORCE_USE_FLEX_ATTENTION", True)], {1: True}, "BLOCK_M=16", True])
+def test_flex_options_that_are_no_mapping_of_names_are_refused_naming_it(options):
+    with pytest.raises(TypeError, match="flex_options is a mapping of flex_attention's kernel_options"):
+        CompiledStack(tiny(), 40, attention="flex", compile=False, flex_options=options)
+
+
 @pytest.mark.parametrize("static", [True, False], ids=["static", "from-words"])
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_a_trees_nodes_see_the_prefix_and_their_ancestors_only(attention, static):
