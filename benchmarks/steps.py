@@ -151,14 +151,14 @@ def kernel_names(stack: Any, batch: int, tokens: int, most: int = 25,
 def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], static: bool, untuned: bool = False,
             names: bool = False, say: Callable[[str], None] = print, autotune: bool = False,
             few_rows: bool = False, pdl: bool = False, valid: int = VALID,
-            flex_options: dict[str, Any] | None = None) -> dict[str, Any]:
+            flex_options: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """Every row through the modules and compiled with each attention (and, with `static`, every
     shape compiled apart; with `autotune`, a row of several tokens with its GEMMs autotuned too;
     with `few_rows`, a row of FEW_ROWS rows with its projections through memra_cuda.torch.skinny's
     kernel too: two probes of the verify's GEMMs; with `pdl`, every row attending as the decoders
     attend with its Triton kernels launched by programmatic dependent launch too, a probe of the
     gaps between kernels, and with both, the two together; with `flex_options`, every row of
-    several tokens attending through flex with those kernel_options too, beside flex's own choice
+    several tokens attending through flex with each of those kernel_options too, beside flex's own choice
     (with `few_rows`, its projections through skinny's kernel as well): a probe of the attention of
     a verify, whose flex decoding kernel comes with three more a layer), with the floor."""
     import torch
@@ -177,13 +177,13 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
         row["modules"] = timed_step(Stack(model, CAPACITY, batch), batch, tokens, valid=valid)
         # tuned None: the decoders' choice (the one-token step of one row tuned, CompiledStack)
         few = few_rows and batch * tokens in FEW_ROWS
-        probed = flex_options if flex_options and tokens > 1 else None
+        probed = flex_options if tokens > 1 else ()
         variants = [(attention, True, None, "inductor", None) for attention in attentions] + \
             ([(attentions[0], False, None, "inductor", None)] if static else []) + \
             ([(attentions[0], True, False, "inductor", None)] if untuned else []) + \
             ([(attentions[0], True, None, "few_rows", None)] if few else []) + \
-            ([("flex", True, None, projection, probed) for projection in ("inductor", "few_rows")[:1 + few]]
-             if probed else [])
+            [("flex", True, None, projection, options) for options in probed
+             for projection in ("inductor", "few_rows")[:1 + few]]
         for attention, dynamic, tuned, projection, options in variants:
             stack = CompiledStack(model, CAPACITY, batch, attention=attention, dynamic=dynamic,  # type: ignore[arg-type]
                                   tuning=tuned, projection=projection, flex_options=options)  # type: ignore[arg-type]
@@ -278,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pdl", action="store_true", help="also each row, attending as the decoders do, with inductor's "
                    "Triton kernels launched by programmatic dependent launch (triton.enable_pdl); with --few-rows, "
                    "also both")
-    p.add_argument("--flex-options", type=kernel_options, metavar="JSON", help="also each row of several tokens "
-                   "attending through flex with these kernel_options (a JSON object, e.g. "
-                   "'{\"FORCE_USE_FLEX_ATTENTION\": true}': one kernel a layer, not flex decoding's four)")
+    p.add_argument("--flex-options", type=kernel_options, metavar="JSON", action="append", default=[],
+                   help="also each row of several tokens attending through flex with these kernel_options (a JSON "
+                   "object, e.g. '{\"FORCE_USE_FLEX_ATTENTION\": true}': one kernel a layer, not flex decoding's "
+                   "four); given again, each set apart")
     p.add_argument("--valid", type=valid_entries, default=VALID, help=f"the entries each row holds of the cache's "
                    f"{CAPACITY} (default {VALID}; from 1 to {CAPACITY - WIDEST}): SDPA reads the whole cache, flex "
                    "only what rows hold, so a served stream's rows, far from full, are measured at fewer")

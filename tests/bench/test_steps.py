@@ -63,17 +63,19 @@ def test_the_entries_a_row_holds_reach_the_run_and_leave_the_widest_step_room(mo
 
 
 def test_flex_options_are_a_json_object_handed_to_the_run(monkeypatch, capsys):
-    """--flex-options' JSON object reaches measure() as a dict (none given: None); JSON that is
-    not an object, or no JSON, is argparse's error naming it (exit 2), before any GPU work."""
+    """Each --flex-options' JSON object reaches measure() as a dict, in order (none given: none);
+    JSON that is not an object, or no JSON, is argparse's error naming it (exit 2), before any
+    GPU work."""
     import pytest
 
     from benchmarks import steps
     ran = []
     monkeypatch.setattr(steps, "needs", lambda *args, **kwargs: None)  # the run is stubbed: nothing to need
     monkeypatch.setattr(steps, "measure", lambda rows, *args, **kwargs: ran.append(kwargs["flex_options"]) or {})
-    assert steps.main(["--rows", "5"]) == 0 and ran == [None]
-    assert steps.main(["--rows", "5", "--flex-options", '{"FORCE_USE_FLEX_ATTENTION": true, "BLOCK_M": 16}']) == 0
-    assert ran[-1] == {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16}
+    assert steps.main(["--rows", "5"]) == 0 and ran == [[]]
+    assert steps.main(["--rows", "5", "--flex-options", '{"FORCE_USE_FLEX_ATTENTION": true, "BLOCK_M": 16}',
+                       "--flex-options", '{"SPLIT_KV": 1}']) == 0
+    assert ran[-1] == [{"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16}, {"SPLIT_KV": 1}]
     for bad in ("[1, 2]", "true", "{force}"):
         with pytest.raises(SystemExit) as exited:
             steps.main(["--rows", "5", "--flex-options", bad])
