@@ -175,10 +175,14 @@ def _open(path: Path) -> Nvrtc:
 
 
 def _driver_version() -> tuple[int, int] | None:
-    """The CUDA release of this machine's driver (cuDriverGetVersion); None where there is none."""
+    """The CUDA release of this machine's driver (cuDriverGetVersion); None where there is none.
+    Bindings newer than the driver are refused here as everywhere (errors.bindings_refusal): the
+    NVRTC to choose depends on a driver they cannot serve."""
     try:
         return driver_version()
-    except CudaUnavailable:
+    except CudaUnavailable as exc:
+        if exc.call == "cuDriverGetVersion":
+            raise
         return None
 
 

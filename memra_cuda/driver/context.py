@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import STICKY, CudaError, CudaFault, CudaUnavailable, call, driver, error, values
+from .errors import STICKY, CudaError, CudaFault, call, driver, error, values
 
 log = logging.getLogger("memra_cuda")
 
@@ -36,22 +36,6 @@ log = logging.getLogger("memra_cuda")
 _live: weakref.WeakValueDictionary[int, PrimaryContext] = weakref.WeakValueDictionary()
 _live_lock = threading.Lock()
 _faults: dict[int, CudaFault] = {}
-
-
-# The least compute capability memra's kernels serve: their PTX targets sm_80 (ptx/), which a
-# driver compiles for that GPU or a newer one, and refuses (CUDA_ERROR_NO_BINARY_FOR_GPU, at the
-# first kernel's load) below it
-LEAST_CAPABILITY = (8, 0)
-
-
-def capability_refusal(device: int, major: int, minor: int) -> str | None:
-    """Why device `device`, of compute capability `major`.`minor`, cannot run memra's kernels, or
-    None where it can: said as its context is made, not at the first kernel's load."""
-    if (major, minor) >= LEAST_CAPABILITY:
-        return None
-    least = ".".join(map(str, LEAST_CAPABILITY))
-    return (f"device {device} is of compute capability {major}.{minor}, and memra_cuda's kernels need "
-            f"{least} or later (an Ampere GPU or newer: their PTX targets sm_80)")
 
 
 class PrimaryContext:
@@ -72,11 +56,6 @@ class PrimaryContext:
         self.device = device
         self.fault: CudaFault | None = _faults.get(device)
         self.cu_device = call("cuDeviceGet", device)
-        refusal = capability_refusal(device, *(call("cuDeviceGetAttribute", getattr(
-            driver().CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_{part}"), self.cu_device)
-            for part in ("MAJOR", "MINOR")))
-        if refusal:
-            raise CudaUnavailable(refusal)
         self.handle = call("cuDevicePrimaryCtxRetain", self.cu_device)
         self.address = int(self.handle)
         drv = driver()

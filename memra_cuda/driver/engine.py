@@ -9,13 +9,30 @@ from numpy.typing import ArrayLike, DTypeLike
 
 from .buffer import BufferLike, DeviceBuffer, PinnedBuffer, as_buffer
 from .call import Prepared
-from .errors import CaptureError, CudaError, driver
+from .errors import CaptureError, CudaError, CudaUnavailable, driver
 from .event import Event
 from .framework import DRIVER, Framework
 from .module import Module, packaged_ptx
 from .signature import Signature
 from .stream import Stream
 from .values import as_flag, as_index, exact_array, exact_int
+
+
+# The least compute capability memra's own kernels serve: their PTX targets sm_80 (ptx/), which a
+# driver compiles for that GPU or a newer one, and refuses below it (CUDA_ERROR_NO_BINARY_FOR_GPU).
+# The rest of the driver layer (buffers, copies, graphs, a module of the caller's own PTX) serves any
+LEAST_CAPABILITY = (8, 0)
+
+
+def capability_refusal(device: int, major: int, minor: int) -> str | None:
+    """Why device `device`, of compute capability `major`.`minor`, cannot run memra's own
+    kernels, or None where it can: said as the first of them loads, in one line."""
+    if (major, minor) >= LEAST_CAPABILITY:
+        return None
+    least = ".".join(map(str, LEAST_CAPABILITY))
+    return (f"device {device} is of compute capability {major}.{minor}, and memra_cuda's kernels need "
+            f"{least} or later (an Ampere GPU or newer: their PTX targets sm_80, which the driver cannot "
+            f"compile for it)")
 
 
 class Engine(Stream):
@@ -220,6 +237,9 @@ class Engine(Stream):
         own table: memra_cuda.kernels.signatures, whose `load` passes it)."""
         module = self._modules.get(name)
         if module is None or module.freed:
+            refusal = capability_refusal(self.device, *self.capability)
+            if refusal:
+                raise CudaUnavailable(refusal, call="cuModuleLoadData")
             module = self._modules[name] = Module(self, packaged_ptx(name), signatures)
         elif signatures is not None:
             module.declare(signatures)

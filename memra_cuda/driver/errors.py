@@ -31,8 +31,8 @@ class CudaError(MemraError, RuntimeError):
 class CudaUnavailable(CudaError):
     """No NVIDIA driver (or no usable GPU) on this machine."""
 
-    def __init__(self, reason: str):
-        self.code, self.name, self.message, self.call = -1, "CUDA_UNAVAILABLE", reason, "cuInit"
+    def __init__(self, reason: str, call: str = "cuInit"):
+        self.code, self.name, self.message, self.call = -1, "CUDA_UNAVAILABLE", reason, call
         RuntimeError.__init__(self, reason)
 
 
@@ -107,7 +107,7 @@ def _load_driver() -> ModuleType:
     err, version = drv.cuDriverGetVersion()
     refusal = None if err else bindings_refusal(_bindings_version(), _release(version))
     if refusal:
-        raise CudaUnavailable(refusal)
+        raise CudaUnavailable(refusal, call="cuDriverGetVersion")
     return drv
 
 
@@ -124,9 +124,10 @@ def bindings_refusal(bindings: str, driver: tuple[int, int]) -> str | None:
     major = bindings.split(".", 1)[0]
     if not major.isdigit() or int(major) <= driver[0]:
         return None
+    fix = ("pip install 'cuda-python>=12.6.2.post1,<13', the CUDA 12 bindings, or a newer driver" if driver[0] == 12
+           else "a driver of CUDA 12 or later")
     return (f"cuda-python's bindings {bindings} are for a CUDA {major} driver, and this machine's driver is CUDA "
-            f"{driver[0]}.{driver[1]}: install the bindings of its release (pip install 'cuda-bindings=="
-            f"{driver[0]}.*') or a newer driver")
+            f"{driver[0]}.{driver[1]}: {fix}")
 
 
 def _name(err: Any) -> str:

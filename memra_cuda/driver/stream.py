@@ -104,6 +104,15 @@ class Stream(Handle):
         return int(self.ctx.call("cuDeviceGetAttribute", attr, self.ctx.cu_device))
 
     @property
+    def capability(self) -> tuple[int, int]:
+        """The device's compute capability, (major, minor): (9, 0) for an H100 or H200."""
+        attrs = driver().CUdevice_attribute
+        major, minor = (int(self.ctx.call("cuDeviceGetAttribute", getattr(attrs, f"CU_DEVICE_ATTRIBUTE_COMPUTE_"
+                                                                          f"CAPABILITY_{part}"), self.ctx.cu_device))
+                        for part in ("MAJOR", "MINOR"))
+        return major, minor
+
+    @property
     def closed(self) -> bool:
         return self._freed
 

@@ -282,3 +282,22 @@ def test_the_ptx_loads_on_this_driver_and_runs_with_its_signature_checked(engine
     assert (engine.dtoh(y) == np.arange(1000, dtype=np.uint32) * np.uint32(7919)).all()
     with pytest.raises(TypeError, match="scale: parameter 'n' is u32, not f32"):
         module.kernel("scale").prepare(["ptr", "ptr", "f32"], grid=4, block=256)
+
+
+def test_bindings_newer_than_the_driver_are_refused_where_nvrtc_is_chosen(monkeypatch):
+    """No driver: any NVRTC will do (None). Bindings the driver cannot serve (refused as the
+    driver loads, errors.bindings_refusal): the refusal, not a choice made as if no driver were
+    there, which took an NVRTC newer than that driver loads."""
+    from memra_cuda.driver import compiler
+    from memra_cuda.errors import CudaUnavailable
+
+    def refused(call: str):
+        def version():
+            raise CudaUnavailable("refused", call=call)
+        return version
+    monkeypatch.setattr(compiler, "driver_version", refused("cuInit"))
+    assert compiler._driver_version() is None
+    monkeypatch.setattr(compiler, "driver_version", refused("cuDriverGetVersion"))
+    with pytest.raises(CudaUnavailable, match="refused") as raised:
+        compiler._driver_version()
+    assert raised.value.call == "cuDriverGetVersion"

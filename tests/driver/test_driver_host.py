@@ -19,7 +19,7 @@ from memra_cuda.driver import KernelArgs
 from memra_cuda.errors import CudaError, CudaUnavailable
 from memra_cuda.driver import Handle, as_buffer
 from memra_cuda.driver.values import exact_array, exact_int
-from memra_cuda.driver.context import LEAST_CAPABILITY, capability_refusal
+from memra_cuda.driver.engine import LEAST_CAPABILITY, capability_refusal
 from memra_cuda.driver.errors import bindings_refusal, check
 from memra_cuda.driver.module import _PTX_DIRS, packaged_ptx
 
@@ -85,12 +85,14 @@ def test_bindings_of_the_drivers_release_or_older_are_served(bindings, driver):
 def test_bindings_newer_than_the_driver_are_refused_naming_both_and_the_fix():
     message = bindings_refusal("13.3.0", (12, 9))
     assert message is not None and "\n" not in message
-    assert "13.3.0" in message and "CUDA 12.9" in message and "cuda-bindings==12.*" in message
+    assert "13.3.0" in message and "CUDA 12.9" in message and "'cuda-python>=12.6.2.post1,<13'" in message
+    older = bindings_refusal("12.9.4", (11, 8))  # below the package's floor: a newer driver, no bindings to name
+    assert older is not None and "a driver of CUDA 12 or later" in older and "pip" not in older
 
 
 @pytest.mark.parametrize("major, minor, served", [(8, 0, True), (9, 0, True), (12, 0, True), (7, 5, False),
                                                   (7, 0, False), (6, 1, False)])
-def test_a_gpu_below_compute_capability_8_0_is_refused_as_its_context_is_made(major, minor, served):
+def test_a_gpu_below_compute_capability_8_0_is_refused_as_memras_kernels_load(major, minor, served):
     message = capability_refusal(3, major, minor)
     assert (message is None) == served
     if not served:
