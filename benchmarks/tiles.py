@@ -118,8 +118,10 @@ def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print) -> dict
     def kernel_us(cut: Any) -> float:
         """The cut's µs; infinite where Triton cannot build it for this GPU (a cut past its shared
         memory or registers: said, and left out of the best)."""
-        out = outs.setdefault(cut.split_k, x.new_empty(cut.split_k, rows, n, dtype=torch.float32)
-                              if cut.split_k > 1 else x.new_empty(rows, n))
+        if cut.split_k not in outs:  # one output a split, made once (partial sums in fp32)
+            outs[cut.split_k] = (x.new_empty(cut.split_k, rows, n, dtype=torch.float32) if cut.split_k > 1
+                                 else x.new_empty(rows, n))
+        out = outs[cut.split_k]
         try:
             launch(x, weight, None, out, cut)
         except (CompilationError, OutOfResources) as exc:

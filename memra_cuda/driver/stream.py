@@ -97,20 +97,20 @@ class Stream(Handle):
         """Whether the stream belongs to someone else (and is never destroyed here)."""
         return self._finalizer is None
 
+    def _attribute(self, name: str) -> int:
+        """The device's attribute CU_DEVICE_ATTRIBUTE_<name> (cuDeviceGetAttribute)."""
+        attr = getattr(driver().CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
+        return int(self.ctx.call("cuDeviceGetAttribute", attr, self.ctx.cu_device))
+
     @property
     def multiprocessors(self) -> int:
         """Streaming multiprocessors on the device: how wide a grid-wide kernel should be."""
-        attr = driver().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-        return int(self.ctx.call("cuDeviceGetAttribute", attr, self.ctx.cu_device))
+        return self._attribute("MULTIPROCESSOR_COUNT")
 
     @property
     def capability(self) -> tuple[int, int]:
         """The device's compute capability, (major, minor): (9, 0) for an H100 or H200."""
-        attrs = driver().CUdevice_attribute
-        major, minor = (int(self.ctx.call("cuDeviceGetAttribute", getattr(attrs, f"CU_DEVICE_ATTRIBUTE_COMPUTE_"
-                                                                          f"CAPABILITY_{part}"), self.ctx.cu_device))
-                        for part in ("MAJOR", "MINOR"))
-        return major, minor
+        return self._attribute("COMPUTE_CAPABILITY_MAJOR"), self._attribute("COMPUTE_CAPABILITY_MINOR")
 
     @property
     def closed(self) -> bool:
