@@ -158,7 +158,7 @@ def measure(rows: Sequence[tuple[str, int, int]], attentions: Sequence[str], sta
     kernel too: two probes of the verify's GEMMs; with `pdl`, every row attending as the decoders
     attend with its Triton kernels launched by programmatic dependent launch too, a probe of the
     gaps between kernels, and with both, the two together; with `flex_options`, every row of
-    several tokens attending through flex with each of those kernel_options too, beside flex's own choice
+    several tokens attending through flex with each of those kernel_options too, beside the stack's default
     (with `few_rows`, its projections through skinny's kernel as well): a probe of the attention of
     a verify, whose flex decoding kernel comes with three more a layer), with the floor."""
     import torch
@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flex-options", type=kernel_options, metavar="JSON", action="append", default=[],
                    help="also each row of several tokens attending through flex with these kernel_options (a JSON "
                    "object, e.g. '{\"FORCE_USE_FLEX_ATTENTION\": true}': one kernel a layer, not flex decoding's "
-                   "four); given again, each set apart")
+                   "four; '{}': torch's own choice, where the default gives a verify of one row "
+                   "compiled.ONE_ROW_VERIFY); given again, each set apart")
     p.add_argument("--valid", type=valid_entries, default=VALID, help=f"the entries each row holds of the cache's "
                    f"{CAPACITY} (default {VALID}; from 1 to {CAPACITY - WIDEST}): SDPA reads the whole cache, flex "
                    "only what rows hold, so a served stream's rows, far from full, are measured at fewer")

@@ -5,8 +5,9 @@ F.linear's (cuBLAS), and the projections of a whole verify summed under each. Ea
 is checked against F.linear's before it is timed (an AssertionError naming it, where it is not).
 
 The projections are a shape's of benchmarks/steps.py (the pair's target by default, --shape):
-q, k and v fused, the attention's output, gate and up fused, down, the head; bf16, random weights,
-ROWS rows (--rows: 5, a chain's verify of k = 4 at B = 1). A cut's time is its kernel's alone,
+q, k and v fused, the attention's output, gate and up fused, down (over the gate and up,
+SwiGLU's product made in the kernel as a step makes it: skinny.few_rows_gated), the head; bf16,
+random weights, ROWS rows (--rows: 5, a chain's verify of k = 4 at B = 1). A cut's time is its kernel's alone,
 a launch over each of several copies of the weight captured in one CUDA graph and replayed
 between CUDA events (the median of RUNS): the copies pass twice the GPU's L2 cache, so each
 launch reads its weight from HBM, as a step does, whose other layers' weights evict it. (Timed
@@ -100,8 +101,11 @@ def timed_us(launch: Callable[[Any], None], weights: Sequence[Any]) -> float:
     return 1000 * statistics.median(replay_ms(graph, stream, REPLAYS) for _ in range(RUNS)) / len(weights)
 
 
-def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """The cuts of a projection [n][k] at `rows`, timed: F.linear's, tiles()' and the best of the sweep."""
+def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print, gated: bool = False) -> dict[str, Any]:
+    """The cuts of a projection [n][k] at `rows`, timed: F.linear's, tiles()' and the best of the
+    sweep; `gated`, the MLP's down as the step runs it (skinny.few_rows_gated: x the fused gate and
+    up, [rows][2 k], SwiGLU's product made in the kernel; F.linear's time is its GEMM over the
+    product made beforehand, which a step makes in a kernel of its own)."""
     import torch
     import torch.nn.functional as F
 
@@ -109,9 +113,11 @@ def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print) -> dict
     from triton.runtime.errors import OutOfResources
 
     from memra_cuda.torch.skinny import launch, tiles
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    want = F.linear(x.float(), weight.float())
+    gate, up = x.float().chunk(2, -1)
+    product = (gate * torch.sigmoid(gate) * up).to(x.dtype) if gated else x  # the kernel's, rounded once
+    want = F.linear(product.float(), weight.float())
     weights = copies_of(weight)
     outs: dict[int, torch.Tensor] = {}
 
@@ -123,14 +129,14 @@ def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print) -> dict
                                  else x.new_empty(rows, n))
         out = outs[cut.split_k]
         try:
-            launch(x, weight, None, out, cut)
+            launch(x, weight, None, out, cut, gated=gated)
         except (CompilationError, OutOfResources) as exc:
             say(f"    {asdict(cut)}: not built ({type(exc).__name__})")
             return math.inf
         got = (out.sum(0) if cut.split_k > 1 else out).float()
         if not torch.allclose(got, want, rtol=TOLERANCE, atol=TOLERANCE):  # a fast wrong cut is no cut
             raise AssertionError(f"{asdict(cut)} is not F.linear at {n} x {k}: {(got - want).abs().max():.3g} off")
-        return timed_us(lambda w: launch(x, w, None, out, cut), weights)
+        return timed_us(lambda w: launch(x, w, None, out, cut, gated=gated), weights)
     chosen = tiles(n, k)
     timed: dict[Any, float] = {}
     for cut in [chosen, *first_cuts(k)]:
@@ -139,7 +145,7 @@ def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print) -> dict
         for cut in second_cuts(best):
             timed[cut] = timed[cut] if cut in timed else kernel_us(cut)
     best = min(timed, key=timed.__getitem__)
-    cublas = timed_us(lambda w: F.linear(x, w), weights)
+    cublas = timed_us(lambda w: F.linear(product, w), weights)
     say(f"  {n} x {k}, {rows} rows: F.linear {cublas:.2f} µs | tiles() {timed[chosen]:.2f} µs {asdict(chosen)} | "
         f"best of {len(timed)} {timed[best]:.2f} µs {asdict(best)}")
     return dict(n=n, k=k, rows=rows, cuts=len(timed), cublas_us=round(cublas, 3), chosen=asdict(chosen),
@@ -156,7 +162,7 @@ def measure(shape_name: str, rows: Sequence[int], say: Callable[[str], None] = p
         figures = {}
         for name, (n, k) in projections(shape).items():
             say(f"{name} (its weight's floor {1e3 * floor_ms(2 * n * k, bandwidth):.2f} µs)")
-            figures[name] = sweep(n, k, count, say)
+            figures[name] = sweep(n, k, count, say, gated=name == "down")
         sums = {way: verify_us(shape, {name: f[f"{way}_us"] for name, f in figures.items()})
                 for way in ("cublas", "chosen", "best")}
         say(f"a verify's projections at {count} rows: F.linear {sums['cublas']:.1f} µs, tiles() {sums['chosen']:.1f}, "

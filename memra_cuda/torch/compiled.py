@@ -6,10 +6,11 @@ host's launches but not the kernels (509 for the pair's 12-layer target at B = 1
 H200). CompiledStack runs gpt-fast's recipe instead: the model's weights fused (FusedLlama), one
 K and one V tensor a layer (StaticKV) written at each token's own slot in place, and the step
 compiled by torch.compile (inductor, no graph break), which fuses the norms, the rotary
-embedding and the MLP's activation around the GEMMs. Attention reads only the cache blocks a row
-holds (memra_cuda.torch.attention). The compiled code is what a round's graph captures: a step
-is compiled the first time it runs at a shape, which a decoder does before any capture (its
-warm-up round), never inside one.
+embedding and the MLP's activation around the GEMMs (in a step of a few rows, skinny's kernel
+makes the activation's product itself, as it reads the down projection's input). Attention
+reads only the cache blocks a row holds (memra_cuda.torch.attention). The compiled code is what
+a round's graph captures: a step is compiled the first time it runs at a shape, which a decoder
+does before any capture (its warm-up round), never inside one.
 
 Shapes are dynamic but for sizes of one (torch.compile's rule) and the capacity: one
 compilation serves every batch and width of a kind (a decode step or a verify, a tree's, a
@@ -45,6 +46,17 @@ from .state import LiveState, StateLayout
 # than the cache as a server's do (B = 64 on an H100, 2026-12-05: 0.660 against SDPA's 0.953 with 128
 # of 576 held, 0.967 against 0.952 with 512; the H200 0.833 against 0.829 with 512)
 ONE_ROW_STEP: Attention = "sdpa"  # one row's decode step; every other width attends through flex
+# flex_attention's kernel_options for a verify (several tokens) of one row, where a stack is told none:
+# flex's one-kernel attention over tiles of 16 queries. Torch's own choice below 128 queries is its
+# decoding kernel, which splits the row's cache over thread blocks and sums the splits in three
+# kernels more a layer, and its one-kernel attention's own tiles are of 64 or 128 queries, nearly all
+# idle for a verify's 5. The pair's target, B = 1, 512 of 576 held, projections few_rows (an H100,
+# 2026-12-06, benchmarks.steps): T = 4, 5, 7 at 0.397, 0.396, 0.398 ms against torch's choice's 0.433,
+# 0.416, 0.442 and the one-token step's 0.362 (1.10 steps where it was 1.15 to 1.22); the one kernel
+# at its own tiles 0.52. Every other step keeps torch's choice: at B = 64, T = 5, the one-kernel
+# attention (its own tiles) stopped that run with an illegal address, unexplained, where torch's
+# choice served.
+ONE_ROW_VERIFY: FlexOptions = (("BLOCK_M", 16), ("FORCE_USE_FLEX_ATTENTION", True))
 # The most blocks a CUDA grid holds in y (the driver's GRID_LIMITS), where flex_attention's decoding
 # kernel puts a batch's rows times its KV heads (torch 2.11: "invalid argument" at B = 20 000 of 8 heads)
 GRID_Y = GRID_LIMITS[1]
@@ -70,11 +82,12 @@ RECOMPILES = 1024
 def _step(fused: FusedLlama, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
           values: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
           rows: torch.Tensor, mask: torch.Tensor | None, attention: str, last: bool, linear: Linear,
-          flex: FlexOptions = ()) -> torch.Tensor:
+          flex: FlexOptions = (), down: Linear | None = None) -> torch.Tensor:
     """What is compiled: positions and slots kept inside the cache (a garbage one never writes
     outside) and tokens inside the vocabulary (nor reads past the embeddings), the rotary rows
     gathered, the attention chosen (flex's with `flex`'s kernel_options), the fused forward, its
-    projections through `linear` (F.linear, or memra_cuda.torch.skinny.few_rows)."""
+    projections through `linear` (F.linear, or memra_cuda.torch.skinny.few_rows) and its MLP's
+    down projection through `down` (None: `linear`'s; skinny.few_rows_gated)."""
     capacity = keys[0].shape[2]
     positions, slots = positions.long().clamp(0, capacity - 1), slots.long().clamp(0, capacity - 1)
     tokens = tokens.long().clamp(0, fused.embed.shape[0] - 1)  # nor a garbage token read past the embeddings
@@ -82,7 +95,7 @@ def _step(fused: FusedLlama, cos: torch.Tensor, sin: torch.Tensor, keys: list[to
     attend = (causal(shape.scale, shape.gqa) if attention == "prefill"
               else masked(attention, slots, capacity, shape.scale, shape.gqa, keys[0].dtype, mask,  # type: ignore[arg-type]
                           flex))
-    return fused(tokens, cos[positions], sin[positions], keys, values, rows, slots, attend, last, linear)
+    return fused(tokens, cos[positions], sin[positions], keys, values, rows, slots, attend, last, linear, down)
 
 
 _COMPILED: dict[tuple[bool, bool, bool, bool], Any] = {}
@@ -175,10 +188,9 @@ class CompiledStack(LayerStack):
     projections multiply (PROJECTIONS): "few_rows" needs triton and a 16-bit model on a GPU
     (ValueError, naming what is missing), and serves steps of FEW_ROWS rows; left out,
     PROJECTION where it serves the model, inductor's where not (an fp32 model, a CPU's).
-    `flex_options` are flex_attention's kernel_options for every step that attends through flex
-    (left out, torch's choice: below 128 queries its decoding kernel, which splits each row's
-    cache and sums the splits in kernels of their own; {"FORCE_USE_FLEX_ATTENTION": True} takes
-    its one-kernel attention instead, which benchmarks.steps --flex-options measures)."""
+    `flex_options` are flex_attention's kernel_options for every step that attends through flex;
+    left out, ONE_ROW_VERIFY's for a verify of one row (flex's one kernel over tiles of 16
+    queries) and torch's own choice for every other step ({} asks torch's choice for all)."""
 
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, attention: Attention | None = None,
                  compile: bool = True, dynamic: bool = True, tuning: bool | None = None,
@@ -188,7 +200,9 @@ class CompiledStack(LayerStack):
         compile, dynamic = as_flag(compile, "compile"), as_flag(dynamic, "dynamic")
         tuning = None if tuning is None else as_flag(tuning, "tuning", also="None")
         self.attends = attends(attention, batch, model.config.num_key_value_heads)
-        self.flex = as_flex_options(flex_options)
+        told = None if flex_options is None else as_flex_options(flex_options)
+        self.flex = {wide: told if told is not None else ONE_ROW_VERIFY if wide and batch == 1 else ()
+                     for wide in (False, True)}
         # before it is rounded up: "64" and True are no capacities, and 2**31 - 1 rounded up passed an i32's most
         capacity = as_size(capacity, "capacity", most=MOST_SLOTS)
         self.few_rows = self._projection(model, projection)
@@ -220,10 +234,11 @@ class CompiledStack(LayerStack):
         self.prefills = Prefills(self.kv, self._fill, self.device, model.config.vocab_size)
 
     @staticmethod
-    def _projection(model: Any, projection: Projection | None) -> Linear | None:
-        """The projection of a step of FEW_ROWS rows: memra_cuda.torch.skinny.few_rows for
-        "few_rows" (refused, naming why, where it cannot serve `model`), None for "inductor";
-        left out (None), PROJECTION's where it serves `model`, else None."""
+    def _projection(model: Any, projection: Projection | None) -> tuple[Linear, Linear] | None:
+        """The projections of a step of FEW_ROWS rows, every one's and the MLP's down of its gate
+        and up: memra_cuda.torch.skinny's few_rows and few_rows_gated for "few_rows" (refused,
+        naming why, where it cannot serve `model`), None for "inductor"; left out (None),
+        PROJECTION's where it serves `model`, else None."""
         named = projection is not None
         projection = projection if named else PROJECTION
         if projection not in PROJECTIONS:
@@ -236,8 +251,8 @@ class CompiledStack(LayerStack):
                    "products stay cuBLAS's own)")
         else:
             try:
-                from .skinny import few_rows
-                return few_rows
+                from .skinny import few_rows, few_rows_gated
+                return few_rows, few_rows_gated
             except ImportError as e:
                 why = f"needs triton (torch's own on a CUDA machine): {e}"
         if named:
@@ -245,7 +260,8 @@ class CompiledStack(LayerStack):
         return None
 
     def _run(self, step: Any, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-             mask: torch.Tensor | None, attention: str, last: bool, linear: Linear = F.linear) -> torch.Tensor:
+             mask: torch.Tensor | None, attention: str, last: bool, linear: Linear = F.linear,
+             flex: FlexOptions = (), down: Linear | None = None) -> torch.Tensor:
         if self.dynamic:
             # flex_attention's kernels fail on a symbolic batch or width in torch 2.11 (an illegal
             # address at B = 64, a lowering error at T = 2): its steps compile a shape apart
@@ -261,7 +277,7 @@ class CompiledStack(LayerStack):
             _sizes(mask, *(0, 2) if shapes else ())  # [R][1][T][capacity]
         with torch.no_grad():  # the same guards at the warm-up and in a capture, whatever the caller's grad mode
             return step(self.fused, self.cos, self.sin, self.kv.k, self.kv.v, tokens, positions, slots, rows, mask,
-                        attention, last, linear, self.flex)
+                        attention, last, linear, flex, down)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, last: bool = False, *,
                slots: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -270,9 +286,9 @@ class CompiledStack(LayerStack):
         wide = tokens.shape[1] > 1  # a verify's, or the one-token step (tuned)
         attention, step = self.attends[wide], self.wide_step if wide else self.step
         few = tokens.shape[0] * tokens.shape[1] in FEW_ROWS  # rows x tokens a row: the GEMMs' rows
-        linear = self.few_rows if few and self.few_rows is not None else F.linear
+        linear, down = self.few_rows if few and self.few_rows is not None else (F.linear, None)
         return self._run(step, tokens, positions, positions if slots is None else slots, self.kv.every_row, mask,
-                         attention, last, linear)
+                         attention, last, linear, self.flex[wide], down)
 
     def compiled(self, arithmetic: Callable[..., Any]) -> Callable[..., Any]:
         """`arithmetic` compiled whole (no graph break, every shape apart: a decoder runs it at its

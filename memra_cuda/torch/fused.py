@@ -29,7 +29,9 @@ from .stack import SCALED_FIELDS
 from .state import Recurrent
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2")
-# A projection's arithmetic: F.linear's (x, weight, bias), or memra_cuda.torch.skinny's few_rows
+# A projection's arithmetic: F.linear's (x, weight, bias), or memra_cuda.torch.skinny's few_rows; and
+# the MLP's down projection of SwiGLU's fused gate and up ([..., 2 x inner]), where one kernel makes
+# silu(gate) * up as it reads it (skinny's few_rows_gated): None, the projection of swiglu()'s product
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
@@ -175,21 +177,23 @@ class FusedLlama(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tensor,
-                attend: Callable[..., torch.Tensor], last: bool = False, linear: Linear = F.linear) -> torch.Tensor:
+                attend: Callable[..., torch.Tensor], last: bool = False, linear: Linear = F.linear,
+                down: Linear | None = None) -> torch.Tensor:
         """The head's logits ([R][T][V], or [R][1][V] after each row's last token where `last`)
         after `tokens` ([R][T] int64) whose rotary embedding is `cos`, `sin` ([R][T][d]), their
         K and V written at `slots` ([R][T]) of cache rows `rows` ([R][1]) in every layer's
         `keys` and `values` ([B][H_kv][capacity][d] each), attending by `attend(q, k, v, cache_k,
         cache_v)` (q [R][H][T][d], this forward's k and v [R][H_kv][T][d], the layer's caches),
-        every projection and the head through `linear` (F.linear's arguments)."""
+        every projection and the head through `linear` (F.linear's arguments), the MLP's down
+        projection of its gate and up through `down` where given (else `linear` of swiglu's)."""
         shape = self.shape
         hidden = F.embedding(tokens, self.embed)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [R][T][1][d]: one for every head
         for layer, cache_k, cache_v in zip(self.layers, keys, values):
             hidden = hidden + self._attention(layer, hidden, cos, sin, cache_k, cache_v, rows, slots, attend, linear)
             mixed = linear(_rms(hidden, layer.mlp_norm, shape.eps), layer.gate_up, layer.gate_up_bias)
-            gate, up = mixed.chunk(2, -1)
-            hidden = hidden + linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            hidden = hidden + (down(mixed, layer.down, layer.down_bias) if down is not None
+                               else linear(swiglu(mixed), layer.down, layer.down_bias))
         hidden = _rms(hidden[:, -1:] if last else hidden, self.norm, shape.eps)
         return linear(hidden, self.head, None)
 
@@ -207,6 +211,13 @@ class FusedLlama(torch.nn.Module):
         cache_v[rows, :, slots] = v
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache_k, cache_v)  # [R][H][T][d]
         return linear(out.transpose(1, 2).reshape(r, t, shape.heads * shape.dim), layer.o, layer.o_bias)
+
+
+def swiglu(mixed: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's product of the fused gate and up projections' output ([..., 2 x inner], the gate
+    first): silu(gate) * up, [..., inner]."""
+    gate, up = mixed.chunk(2, -1)
+    return F.silu(gate) * up
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="memra_cuda.torch's models need trans
 
 from memra_cuda.torch import GraphedGreedy, PagedKV, SamplingParams, Stack, TreeMask, self_draft  # noqa: E402
 from memra_cuda.torch.attention import BLOCK, block_counts  # noqa: E402
-from memra_cuda.torch.compiled import CompiledStack, compiled_step, stack_for  # noqa: E402
+from memra_cuda.torch.compiled import ONE_ROW_VERIFY, CompiledStack, compiled_step, stack_for  # noqa: E402
 from memra_cuda.torch.fused import fuse  # noqa: E402
 from memra_cuda.errors import NotFused  # noqa: E402
 from memra_cuda.torch.parallel import shard  # noqa: E402
@@ -44,7 +44,8 @@ def test_flex_options_reach_every_flex_attention_call_and_leave_its_logits_huggi
     """CompiledStack(flex_options=) hands flex_attention its kernel_options at every call of a step
     that attends through flex (a probe's: FORCE_USE_FLEX_ATTENTION takes one kernel a layer where
     flex decoding took four), eagerly and as the compiled step is traced, and its rows' logits stay
-    Hugging Face's; left out, none are given (torch's own choice)."""
+    Hugging Face's; left out, ONE_ROW_VERIFY's for a verify of one row, and none (torch's own
+    choice) for every other step."""
     import torch.nn.attention.flex_attention as flex_module
     given = []
     original = flex_module.flex_attention
@@ -61,6 +62,18 @@ def test_flex_options_reach_every_flex_attention_call_and_leave_its_logits_huggi
     given.clear()
     rows_give_hugging_faces_logits(model, CompiledStack(model, 40, batch=3, attention="flex", compile=compile))
     assert given and all(kernel is None for kernel in given)
+    for told, verify in ((None, dict(ONE_ROW_VERIFY)), ({}, None)):  # one row: {} asks torch's choice
+        one = CompiledStack(model, 40, attention="flex", compile=compile, flex_options=told)
+        row = [1, 5, 9, 3, 4, 8]
+        one.prefill([0], [row[:-1]])
+        for width, kernel in ((1, None), (3, verify)):
+            given.clear()
+            tokens = torch.tensor([row[-1:] + [(7 * i) % VOCAB for i in range(1, width)]])
+            got = one.logits(tokens, len(row) - 1 + torch.arange(width)[None])
+            for i in range(width):
+                torch.testing.assert_close(got[0, i], hf_logits(model, row + tokens[0, 1:i + 1].tolist()), **TOL)
+            assert given and all(each == kernel for each in given), (told, width, given)
+            row = row + tokens[0, 1:].tolist() + [int(got[0, -1].argmax())]
 
 
 @pytest.mark.parametrize("options", [[("FORCE_USE_FLEX_ATTENTION", True)], {1: True}, "BLOCK_M=16", True])

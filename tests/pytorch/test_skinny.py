@@ -47,6 +47,16 @@ def test_the_kernel_is_f_linear_in_tritons_interpreter():
                     got = out.sum(0) + (0 if b is None else b.float()) if cut.split_k > 1 else out.float()
                     want = F.linear(x.float(), w.float(), None if b is None else b.float())
                     assert torch.equal(got, want), (rows, n, k, bias, cut, dtype, (got - want).abs().max())
+                # gated: x is SwiGLU's gate and up side by side, the product made in fp32 and rounded once
+                mixed = torch.randn(rows, 2 * k).to(torch.float16)
+                w = torch.randint(-3, 4, (n, k)).to(torch.float16)
+                gate, up = mixed.float().chunk(2, -1)
+                a = (gate * torch.sigmoid(gate) * up).to(torch.float16)
+                out = torch.full((cut.split_k, rows, n) if cut.split_k > 1 else (rows, n), float("nan"))
+                skinny.launch(mixed, w, None, out, cut, gated=True)
+                got = out.sum(0) if cut.split_k > 1 else out
+                want = F.linear(a.float(), w.float())
+                torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
         print("same")
     """).replace("CUTS", CUTS)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
@@ -68,11 +78,12 @@ def test_the_kernel_compiles_for_hopper_without_a_gpu():
     ints = ("rows", "n", "k", "x_row", "w_row", "out_row")
     signature = {**{name: "*bf16" for name in ("x", "weight", "bias", "out")}, **dict.fromkeys(ints, "i32")}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "rows"}
-    for cut in (skinny.tiles(768, 2048), skinny.tiles(128256, 2048), skinny.Tiles(block_n=64, swap=True)):
+    cuts = (skinny.tiles(768, 2048), skinny.tiles(128256, 2048), skinny.Tiles(block_n=64, swap=True))
+    for cut, gated in (*((cut, False) for cut in cuts), (skinny.tiles(768, 2048), True)):
         assert cut.split_k == 3 or cut.block_n == 64, cut  # the cuts meant: k split, wide slices, swapped
         constants = dict(STEPS=-(-2048 // (cut.split_k * cut.block_k)), HAS_BIAS=cut.split_k == 1,
                          BLOCK_M=skinny.BLOCK_M, BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT_K=cut.split_k,
-                         SWAP=cut.swap)
+                         SWAP=cut.swap, GATED=gated)
         source = ASTSource(fn=skinny._linear, signature={**signature, **dict.fromkeys(constants, "constexpr")},
                            constexprs=constants, attrs=aligned)
         built = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -82,7 +93,7 @@ def test_the_kernel_compiles_for_hopper_without_a_gpu():
 
 def test_operands_that_are_not_f_linears_are_refused_as_the_op_is_traced():
     """The op's GPU body, traced as torch.compile traces it (fake CUDA tensors: on any machine),
-    refuses what F.linear refuses: the kernel read k from x and n from the weight, so an x one
+    refuses what F.linear refuses: when the kernel read k from x and n from the weight, an x one
     column narrower than the weight was multiplied by its first columns (Triton's interpreter:
     x @ weight[:, :k]^T), one wider read past the weight's rows, and a bias one short past its
     end. Operands of F.linear's shapes are traced."""
@@ -99,7 +110,11 @@ def test_operands_that_are_not_f_linears_are_refused_as_the_op_is_traced():
                       (x, cuda(48, 64, dtype=torch.float16), None), (x, weight, cuda(48, dtype=torch.float32)),
                       (x, cuda(48, 64, 1), None)):
             with pytest.raises(ValueError, match=re.escape("few_rows_linear multiplies x [..., k] by a weight [n][k]")):
-                skinny.few_rows_linear(*given, *astuple(skinny.Tiles()))
+                skinny.few_rows_linear(*given, *astuple(skinny.Tiles()), False)
+        # gated: x is the gate and the up, twice the weight's k; F.linear's width is refused there
+        assert skinny.few_rows_gated(cuda(5, 128), weight, bias).shape == (5, 48)
+        with pytest.raises(ValueError, match=re.escape("few_rows_linear multiplies x [..., 2 k] by a weight [n][k]")):
+            skinny.few_rows_gated(x, weight, bias)
         with pytest.raises(ValueError, match="reads its weight in place: a contiguous"):
             skinny.few_rows(x, cuda(64, 48).t(), None)
 
@@ -131,12 +146,12 @@ def test_a_cut_the_kernel_cannot_take_is_refused_as_it_is_built_naming_its_field
         return  # the op's schema refuses a float for an int and an int for a bool itself, naming the argument
     cut = [value if named.name == field else getattr(skinny.Tiles(), named.name) for named in fields(skinny.Tiles)]
     with pytest.raises(error, match=why):
-        skinny.few_rows_linear(torch.ones(5, 32), torch.ones(48, 32), None, *cut)
+        skinny.few_rows_linear(torch.ones(5, 32), torch.ones(48, 32), None, *cut, False)
     with FakeTensorMode():
         x, weight = torch.empty(5, 64, dtype=torch.bfloat16, device="cuda"), torch.empty(48, 64, dtype=torch.bfloat16,
                                                                                           device="cuda")
         with pytest.raises(error, match=why):
-            skinny.few_rows_linear(x, weight, None, *cut)
+            skinny.few_rows_linear(x, weight, None, *cut, False)
 
 
 def test_a_projection_the_kernel_cannot_serve_is_refused_naming_why():
@@ -151,21 +166,23 @@ def test_a_projection_the_kernel_cannot_serve_is_refused_naming_why():
 
 def test_a_step_of_few_rows_takes_the_op_and_a_prefill_never():
     """The plumbing, on the CPU (the op's CPU kernel is F.linear): a step of 2 to 16 rows calls
-    few_rows for every projection and the head, and gives the logits the step without it gives;
-    one row, more than 16 and a prefill never call it."""
+    few_rows for every projection and the head, few_rows_gated for every MLP's down, and gives
+    the logits the step without it gives; one row, more than 16 and a prefill never call them."""
     pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
     pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
     from memra_cuda.torch.compiled import CompiledStack
-    from memra_cuda.torch.skinny import few_rows
+    from memra_cuda.torch.skinny import few_rows, few_rows_gated
     from test_torch_stack import tiny
     model = tiny()
     calls = []
 
-    def counted(x, weight, bias):
-        calls.append(x.shape[:-1])
-        return few_rows(x, weight, bias)
+    def counted(projection):
+        def call(x, weight, bias):
+            calls.append(projection)
+            return projection(x, weight, bias)
+        return call
     plain, few = (CompiledStack(model, 40, batch=3, compile=False) for _ in range(2))
-    few.few_rows = counted  # the CPU's stand-in: CompiledStack refuses "few_rows" off a GPU
+    few.few_rows = counted(few_rows), counted(few_rows_gated)  # the CPU's stand-in: refused off a GPU
     for stack in (plain, few):
         stack.prefill(range(3), [[1, 5, 9, 3], [2, 8, 6], [4, 4, 7, 7, 1]])
     assert not calls, "a prefill took the op"
@@ -174,7 +191,9 @@ def test_a_step_of_few_rows_takes_the_op_and_a_prefill_never():
         positions = torch.tensor([[5 + i for i in range(width)]] * 3)
         calls.clear()
         torch.testing.assert_close(few.logits(tokens, positions), plain.logits(tokens, positions))
-        assert len(calls) == (4 * len(model.model.layers) + 1 if 2 <= rows <= 16 else 0), (width, calls)
+        layers = len(model.model.layers)
+        want = [few_rows] * (3 * layers + 1) + [few_rows_gated] * layers if 2 <= rows <= 16 else []
+        assert sorted(calls, key=id) == sorted(want, key=id), (width, calls)
 
 
 @pytest.mark.gpu
@@ -196,7 +215,8 @@ def test_few_rows_on_a_gpu_are_f_linears_eager_compiled_and_captured(engine):
     for rows, n, k, bias in SHAPES:
         x, w, b = small(rows, k), small(n, k), small(n) if bias else None
         for cut in (Tiles(), Tiles(block_k=32, split_k=4), Tiles(block_n=64, swap=True)):
-            got = few_rows_linear(x, w, b, cut.block_n, cut.block_k, cut.split_k, cut.swap, cut.warps, cut.stages)
+            got = few_rows_linear(x, w, b, cut.block_n, cut.block_k, cut.split_k, cut.swap, cut.warps, cut.stages,
+                                  False)
             assert torch.equal(got, want(x, w, b)), (rows, n, k, bias, cut)
         assert torch.equal(compiled(x, w, b), want(x, w, b)), (rows, n, k, bias)
         stream = torch.cuda.Stream()
@@ -219,6 +239,26 @@ def test_few_rows_on_a_gpu_are_f_linears_eager_compiled_and_captured(engine):
 
 
 @pytest.mark.gpu
+def test_few_rows_gated_is_the_down_projection_of_swiglus_product_on_a_gpu(engine):
+    """bf16 on the GPU, a verify's 5 rows of the pair's down projection (768 x 2048): few_rows_gated
+    of the fused gate and up is F.linear of silu(gate) * up made in fp32 and rounded once to bf16
+    (inductor's fused kernel's product), eagerly under tiles()' cut (k split in three) and a
+    swapped one, and compiled (fullgraph: no break)."""
+    pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
+    from memra_cuda.torch.skinny import Tiles, few_rows_gated, few_rows_linear
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    mixed = torch.randn(5, 2 * 2048, device="cuda", generator=generator).to(torch.bfloat16)
+    w = (torch.randn(768, 2048, device="cuda", generator=generator) / 45).to(torch.bfloat16)
+    gate, up = mixed.float().chunk(2, -1)
+    want = torch.nn.functional.linear((gate * torch.sigmoid(gate) * up).to(torch.bfloat16).float(), w.float())
+    compiled = torch.compile(lambda x, w: few_rows_gated(x, w, None) * 1, fullgraph=True)
+    swapped = Tiles(block_n=64, swap=True)
+    for got in (few_rows_gated(mixed, w, None), compiled(mixed, w),
+                few_rows_linear(mixed, w, None, *astuple(swapped), True)):
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+@pytest.mark.gpu
 def test_a_verify_through_few_rows_is_inductors_verify_in_bf16(engine):
     """The small random-weight Llama in bf16, compiled both ways at B = 1: a verify of 5 tokens, a
     step of 2 rows of 3 and a one-token step of 8 rows (SDPA's, its batch symbolic: the draft's
@@ -228,9 +268,9 @@ def test_a_verify_through_few_rows_is_inductors_verify_in_bf16(engine):
     pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
     from memra_cuda.torch.compiled import CompiledStack
     from memra_cuda.torch.testing import build_model
-    from memra_cuda.torch.skinny import few_rows
+    from memra_cuda.torch.skinny import few_rows, few_rows_gated
     model = build_model("small").to(torch.bfloat16)
-    assert CompiledStack(model, 64).few_rows is few_rows, "left out, the projection is few_rows where it serves"
+    assert CompiledStack(model, 64).few_rows == (few_rows, few_rows_gated), "left out, few_rows where it serves"
     for batch, width in ((1, 5), (2, 3), (8, 1)):
         stacks = [CompiledStack(model, 64, batch, projection=projection) for projection in ("inductor", "few_rows")]
         prompts = [[1, 5, 9, 3, 7][:4 + r] for r in range(batch)]
