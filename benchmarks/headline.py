@@ -25,7 +25,8 @@ tokens, TOKENS), greedy and sampled at temperature 1, graph mode, M = 16:
 
 One table; with --json, the figures as JSON, written again as each batch size ends (a run cut
 short keeps what it measured), and at the end a picture beside it (PATH with .png; under
-bench-torch PATH's .headline.json and .headline.png; matplotlib, the `plot` extra). The table's header, its summary,
+bench-torch PATH's .headline.json and .headline.png; matplotlib, the `plot` extra; `python -m
+benchmarks.picture PATH` draws it again from the JSON elsewhere). The table's header, its summary,
 the picks and the picture name the pair (its cache key and losses) and the machine. Needs
 torch, transformers and tokenizers, a GPU, and the pair: `make pair` trains it (minutes)
 or finds it in its cache (seconds); `make bench-torch` runs it first.

@@ -25,7 +25,9 @@ tokens a round (tau, from each request's accepted drafts read back with its toke
 decoder's setup seconds. Then the best chain at each B and decoding against the plain decoding. One
 table; with --json, the figures, written again as each B ends, and a picture beside them (PATH with
 .png; matplotlib, the plot extra); with --resume too, added to the report there: a run of every B
-that one call's time limit cuts into several, on one machine's pair, is one table and one picture.
+that one call's time limit cuts into several, on one machine's pair, is one table and one picture
+(`python -m benchmarks.picture PATH` draws it again from the JSON where the GPU's machine had no
+matplotlib).
 --projection sets how every compiled step multiplies its projections, the plain decoding's too
 (docs/compiled.md; the report says which). Needs torch, transformers and tokenizers, a GPU and the
 pair (`make pair`).
