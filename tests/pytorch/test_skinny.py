@@ -113,6 +113,8 @@ def test_operands_that_are_not_f_linears_are_refused_as_the_op_is_traced():
                 skinny.few_rows_linear(*given, *astuple(skinny.Tiles()), False)
         # gated: x is the gate and the up, twice the weight's k; F.linear's width is refused there
         assert skinny.few_rows_gated(cuda(5, 128), weight, bias).shape == (5, 48)
+        assert skinny.tiles(768, 2048).split_k > 1  # a down projection's cut: its partial sums traced too
+        assert skinny.few_rows_gated(cuda(5, 4096), cuda(768, 2048), cuda(768)).shape == (5, 768)
         with pytest.raises(ValueError, match=re.escape("few_rows_linear multiplies x [..., 2 k] by a weight [n][k]")):
             skinny.few_rows_gated(x, weight, bias)
         with pytest.raises(ValueError, match="reads its weight in place: a contiguous"):
