@@ -24,11 +24,12 @@ from .served import plot
 def drawer(report: Mapping[str, Any]) -> Callable[[Mapping[str, Any], Path], None]:
     """The program's picture for `report`: served's or the headline's; ValueError naming the
     fields found where it is neither's."""
-    if isinstance(report, Mapping) and {"m_rounds", "rows", "best", "name"} <= report.keys():
+    fields = set(report) if isinstance(report, Mapping) else set()
+    if {"m_rounds", "rows", "best", "name"} <= fields:
         return plot
-    if isinstance(report, Mapping) and {"model", "machine", "date", "best"} <= report.keys():
+    if {"model", "machine", "date", "best"} <= fields:
         return plot_headline
-    found = sorted(report) if isinstance(report, Mapping) else type(report).__name__
+    found = sorted(fields) if isinstance(report, Mapping) else type(report).__name__
     raise ValueError(f"neither benchmarks.served's report (its m_rounds, rows, best and name) nor "
                      f"benchmarks.headline's (its model, machine, date and best): found {found}")
 

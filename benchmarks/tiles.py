@@ -1,6 +1,6 @@
 """How memra_cuda.torch.skinny's kernel of a few rows should cut each projection (issue 47): its
 Tiles swept over the pair's projections at a verify's rows, each cut's kernel timed on the device
-beside the cut skinny.tiles() chooses (a guess from an H200's SM count, never measured) and
+beside the cut skinny.tiles() chooses (a guess from an H200's SM count, which the compiled step kept) and
 F.linear's (cuBLAS), and the projections of a whole verify summed under each. Each cut's product
 is checked against F.linear's before it is timed (an AssertionError naming it, where it is not).
 
@@ -112,11 +112,11 @@ def sweep(n: int, k: int, rows: int, say: Callable[[str], None] = print, gated: 
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
+    from memra_cuda.torch.fused import swiglu
     from memra_cuda.torch.skinny import launch, tiles
     x = torch.randn(rows, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    gate, up = x.float().chunk(2, -1)
-    product = (gate * torch.sigmoid(gate) * up).to(x.dtype) if gated else x  # the kernel's, rounded once
+    product = swiglu(x) if gated else x  # F.linear's operand (the kernel rounds once less: within TOLERANCE)
     want = F.linear(product.float(), weight.float())
     weights = copies_of(weight)
     outs: dict[int, torch.Tensor] = {}

@@ -190,12 +190,13 @@ def _on_cpu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return F.linear(swiglu(x) if gated else x, weight, bias)
 
 
-def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear's arguments to few_rows_linear, cut as tiles() says for the weight's shape."""
-    return torch.ops.memra_cuda.few_rows_linear(x, weight, bias, *astuple(tiles(*weight.shape)), False)
+def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    """F.linear's arguments to few_rows_linear, cut as tiles() says for the weight's shape
+    (`gated`: x is SwiGLU's fused gate and up, few_rows_gated's)."""
+    return torch.ops.memra_cuda.few_rows_linear(x, weight, bias, *astuple(tiles(*weight.shape)), gated)
 
 
 def few_rows_gated(mixed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The MLP's down projection of SwiGLU's fused gate and up (`mixed`, [..., 2 k]) as one
-    few_rows_linear: the product silu(gate) * up made as the kernel reads it (a down's Gated)."""
-    return torch.ops.memra_cuda.few_rows_linear(mixed, weight, bias, *astuple(tiles(*weight.shape)), True)
+    few_rows_linear: the product silu(gate) * up made as the kernel reads it."""
+    return few_rows(mixed, weight, bias, gated=True)
