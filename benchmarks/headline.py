@@ -32,9 +32,14 @@ torch, transformers and tokenizers, a GPU, and the pair: `make pair` trains it (
 or finds it in its cache (seconds); `make bench-torch` runs it first.
 --projection sets how every compiled step multiplies its projections, the baseline's too
 (docs/compiled.md; the settings say which).
+--modes graph,device times each chain and tree in each of round-stream's modes, from one decoder
+captured for both (device mode: one launch a generation, its loop captured before the first
+request; its rows say "device"); the baseline stays the graphed plain loop, a graph of 16 steps a
+readback.
 
     PYTHONPATH=. python -m benchmarks.headline [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,128]
-                                              [--chains 3,6] [--trees N] [--projection few_rows]
+                                              [--chains 3,6] [--trees N] [--modes graph,device]
+                                              [--projection few_rows]
 
 Run time on one H200 (2026-12-02): B = 1 to 32 and B = 128's greedy rows took about four and a
 half minutes, most of it building, capturing and timing the decoders, so the whole about six;
@@ -63,6 +68,11 @@ BATCHES, QUICK_BATCHES = TREE_BATCHES, (1, 8)
 TOKENS, QUICK_TOKENS = 128, 32  # new tokens a row: as many as the pair's agreement was measured over
 ONE_ROW_PROMPTS, QUICK_ONE_ROW = 8, 2  # B = 1: one prompt's tau is one file's luck (code repeats itself)
 CHAIN_KS = (2, 3, 4, 6, 8)
+# round-stream's modes a chain or tree may be timed in (--modes): a burst graph and a readback each
+# up to M rounds (the default, a server's), or device mode's one launch a generation, no readback
+# until its end (at B = 1 the readbacks between bursts are a share of a request's time: RESULTS.md,
+# "The headline at B = 1 with a verify in one kernel")
+LAUNCHES = ("graph", "device")
 # Hugging Face's drafts a round. Its eager steps are the host's launches, a target step (11.2 ms on
 # the H200) about five draft steps whatever their tokens, so by pair.py's costs and chain tau its
 # time a token is near flat from k = 4 to 8 (5.2 to 5.5 ms): 4, its examples' and hf_generate's.
@@ -396,7 +406,7 @@ def _hugging_face(target: Any, draft: Any, groups: Sequence[Sequence[Any]], plai
 
 def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, top: Mapping[str, float],
                  quick: bool, tokens: int, one_row: int, floor: float, chains: Sequence[int] | None = None,
-                 trees: int | None = None) -> list[dict]:
+                 trees: int | None = None, launches: Sequence[str] = ("graph",)) -> list[dict]:
     """One B: the baseline, Hugging Face's at B = 1, then every chain and tree greedy and sampled,
     in caches of one capacity that each of them fits (attention reads the whole cache: one
     capacity keeps their costs comparable)."""
@@ -418,17 +428,17 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
         release()
     for mode, sampling in zip(MODES, (None, SamplingParams(1.0))):
         for config in configs:
-            row = measure_config(target, config.kind, config.spec, groups, capacity, sampling, step_ms, plain, draft,
-                                 size=SIZE, batch=batch, mode=mode, source=config.source,
-                                 config=config.spec if config.kind == "chain" else config.label)
-            print(format_row(row), flush=True)
-            rows.append(row)
+            for row in measure_config(target, config.kind, config.spec, groups, capacity, sampling, step_ms, plain,
+                                      draft, launches, size=SIZE, batch=batch, mode=mode, source=config.source,
+                                      config=config.spec if config.kind == "chain" else config.label):
+                print(format_row(row), flush=True)
+                rows.append(row)
     return rows
 
 
 def headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
              json_path: str | Path | None = None, chains: Sequence[int] | None = None,
-             trees: int | None = None, projection: str | None = None) -> dict:
+             trees: int | None = None, launches: Sequence[str] | None = None, projection: str | None = None) -> dict:
     """The section: the pair in `pair` (default: `make pair`'s), at `batches` (default BATCHES,
     or QUICK_BATCHES where `quick`); prints the table, the best at each B and the picks, and
     returns assemble()'s report. With `json_path`, the report so far is written there after each
@@ -437,11 +447,11 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     (configurations(); the report's settings say so). `projection`: every compiled step's,
     the baseline's too (projected; None: the library's default; the settings say which)."""
     with projected(projection) as used:
-        return _headline(quick, pair, batches, json_path, chains, trees, used)
+        return _headline(quick, pair, batches, json_path, chains, trees, tuple(launches or LAUNCHES[:1]), used)
 
 
 def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | None, json_path: str | Path | None,
-              chains: Sequence[int] | None, trees: int | None, projection: str) -> dict:
+              chains: Sequence[int] | None, trees: int | None, launches: Sequence[str], projection: str) -> dict:
     """headline()'s run, every compiled step's projections `projection`'s."""
     from memra_cuda.torch import load_model
     where, report, heldout, info, machine, date = opened(pair)
@@ -457,7 +467,7 @@ def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | Non
     settings = dict(batches=batches, tokens=tokens, one_row_prompts=one_row, prompt_len=heldout["prompt_len"],
                     m_rounds=TORCH_M, hf_k=HF_K, dtype=str(target.dtype).removeprefix("torch."), quick=quick,
                     pair_dir=str(where), chains=None if quick else list(CHAIN_KS if chains is None else chains),
-                    trees=None if quick else trees, projection=projection)
+                    trees=None if quick else trees, launches=list(launches), projection=projection)
     print(f"\nheadline: {name}")
     print(f"prompts: heldout.json's first B ({heldout['prompt_len']} tokens, cut from held-out files), {tokens} new "
           f"tokens a row (B = 1: {one_row} prompts one after another), {settings['dtype']}, graph mode, "
@@ -475,7 +485,7 @@ def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | Non
     floors = dict(weight_bytes=weights, copy_bytes_per_s=bandwidth, floor_ms=floor)
     rows = measure_batches(
         batches, lambda batch: _bench_batch(target, draft, heldout, batch, info["top"], quick, tokens, one_row, floor,
-                                            chains, trees),
+                                            chains, trees, launches),
         None if json_path is None else lambda rows: save(_report(info, machine, date, settings, floors, rows),
                                                          json_path))
     print(f"\nbest at each B and decoding ({name}):")
@@ -518,9 +528,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the chains' ks (default {','.join(map(str, CHAIN_KS))})")
     parser.add_argument("--trees", type=tree_count, metavar="N",
                         help="the first N static trees and the first N dynamic trees of each B (default all)")
+    parser.add_argument("--modes", type=lambda text: listed(text, LAUNCHES),
+                        help=f"round-stream's modes each chain and tree runs in, of {','.join(LAUNCHES)} (default "
+                        f"{LAUNCHES[0]}; device: one launch a generation, its loop captured before the first)")
     args = parser.parse_args(argv)
     needs("benchmarks.headline", PAIR, gpu=True)
-    headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees, args.projection)
+    headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees, args.modes, args.projection)
     return 0
 
 

@@ -63,8 +63,10 @@ def tree_label(tree: Any) -> str:
 
 
 def row_label(row: dict) -> str:
-    """A measured configuration's name in the table: k=... for a chain."""
-    return f"k={row['config']}" if row["kind"] == "chain" else row["config"]
+    """A measured configuration's name in the table: k=... for a chain; ", device" where it ran
+    in device mode (`launch`; graph mode unsaid)."""
+    name = f"k={row['config']}" if row["kind"] == "chain" else row["config"]
+    return name + (", device" if row.get("launch") == "device" else "")
 
 
 # The plain decoding's one-token step, attending by SDPA over the whole cache (measured faster at one
@@ -131,42 +133,53 @@ def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -
 
 
 def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequence[Any]], capacity: int,
-                       sampling: Any, step_ms: float, draft: Any = None) -> dict:
+                       sampling: Any, step_ms: float, draft: Any = None,
+                       modes: Sequence[str] = ("graph",)) -> list[dict]:
     """figures() of one chain or tree of `model` and `draft` (default its self-speculative one)
-    over the groups of requests (a generation each, time_generations), its round's verify and
-    draft each captured alone on the decoder's stream after the generations, in target steps. The decoder
-    goes when this returns, for release() to give its memory back: at B = 128 a sampled tree
-    holds p and q of [B][T+1][32000] floats."""
+    over the groups of requests (a generation each, time_generations) in each of round-stream's
+    `modes` ("graph": a burst graph and a readback each up to M rounds; "device": one launch a
+    generation), one decoder captured for them all, its round's verify and draft each captured
+    alone on the decoder's stream after the generations, in target steps: a dict a mode, its
+    `launch`. The decoder goes when this returns, for release() to give its memory back: at
+    B = 128 a sampled tree holds p and q of [B][T+1][32000] floats."""
     from memra_cuda.torch.timing import graph_ms
-    spec, verify, draft_levels = decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft)
-    sent: list[int] = []  # the rounds each generation sent to the GPU (its stream's count; the untimed first's too)
-
-    def generate(group: Sequence[Any]) -> list[list[int]]:
-        before = spec.rounds.rounds
-        out = spec.generate_batch(group)
-        sent.append(spec.rounds.rounds - before)
-        return out
+    spec, verify, draft_levels = decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft,
+                                         modes=modes)
 
     def after(out: list[list[int]]) -> tuple[list[int], np.ndarray]:
         lengths = [len(row) for row in out]
         return lengths, spec.bufs.rounds_run(lengths)
 
-    seconds, taken = time_generations(generate, groups, after)
+    timed = []
+    for mode in modes:
+        sent: list[int] = []  # the rounds each generation sent to the GPU (its stream's count; the untimed first's too)
+
+        def generate(group: Sequence[Any], mode: str = mode, sent: list[int] = sent) -> list[list[int]]:
+            before = spec.rounds.rounds
+            out = spec.generate_batch(group, mode)
+            sent.append(spec.rounds.rounds - before)
+            return out
+
+        timed.append((mode, sent, *time_generations(generate, groups, after)))
     v, d = (graph_ms(run, spec.stream) / step_ms for run in (verify, draft_levels))
-    return dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d,
-                        sum(sent[1:]), step_ms), setup_s=spec.setup_seconds)
+    return [dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d,
+                         sum(sent[1:]), step_ms), setup_s=spec.setup_seconds, launch=mode)
+            for mode, sent, seconds, taken in timed]
 
 
 def measure_config(model: Any, kind: str, spec: Any, groups: Sequence[Sequence[Any]], capacity: int, sampling: Any,
-                   step_ms: float, plain: float, draft: Any = None, **fields: Any) -> dict:
-    """One chain's or tree's row: `fields` and its kind, its figures (_bench_tree_config) and how
-    near its ideal it got against `plain` tokens/s (reach), its decoder released before the next
-    is built."""
-    row = dict(fields, kind=kind, **_bench_tree_config(model, kind, spec, groups, capacity, sampling, step_ms, draft))
+                   step_ms: float, plain: float, draft: Any = None, modes: Sequence[str] = ("graph",),
+                   **fields: Any) -> list[dict]:
+    """One chain's or tree's rows, one for each of `modes`: `fields` and its kind, its figures
+    (_bench_tree_config) and how near its ideal it got against `plain` tokens/s (reach), its
+    decoder released before the next is built."""
+    rows = [dict(fields, kind=kind, **figured)
+            for figured in _bench_tree_config(model, kind, spec, groups, capacity, sampling, step_ms, draft, modes)]
     release()
-    row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]),
-               plain_busy=busy_share(plain, step_ms, len(groups[0])))
-    return row
+    for row in rows:
+        row.update(reach(row["tokens_per_s"] / plain, row["ideal"], row["rows_share"]),
+                   plain_busy=busy_share(plain, step_ms, len(groups[0])))
+    return rows
 
 
 def figures(lengths: Sequence[Sequence[int]], rounds: Sequence[np.ndarray], seconds: float, v: float,
@@ -208,20 +221,21 @@ def rows_share(rounds: Sequence[np.ndarray]) -> float:
 
 
 def decoder(model: Any, kind: str, config: Any, capacity: int, batch: int = 1, sampling: Any = None,
-            draft: Any = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
+            draft: Any = None, modes: Sequence[str] = ("graph",)) -> tuple[Any, Callable[[], None], Callable[[], None]]:
     """A chain's decoder (`config` its k) or a tree's (`config` the tree) of `model` and `draft`
-    (default its self-speculative one), every graph of graph mode captured and the decoder sealed
-    (RoundDecoder.capture), and the two callables its round runs: the verify and the whole draft."""
+    (default its self-speculative one), every graph of `modes` captured (device mode's loop for any
+    budget its caches hold) and the decoder sealed (RoundDecoder.capture), and the two callables
+    its round runs: the verify and the whole draft."""
     from memra_cuda.torch import SpeculativeLlama, TreeLlama, self_draft
     draft = self_draft(model) if draft is None else draft
     if kind == "chain":
         chain = SpeculativeLlama(model, draft, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
                                  sampling=sampling)
-        chain.capture(("graph",))
+        chain.capture(tuple(modes))
         return chain, chain.verify_trunk, chain.draft_chain
     spec = TreeLlama(model, draft, config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
                      sampling=sampling)
-    spec.capture(("graph",))
+    spec.capture(tuple(modes))
 
     def draft_levels() -> None:
         for d in range(spec.tree.depth + 1):

@@ -363,7 +363,7 @@ def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[di
     for mode, sampling in (("greedy", None), ("sampling", SamplingParams(1.0))):
         measured = []
         for kind, config in candidates:
-            row = measure_config(model, kind, config, [requests], capacity, sampling, step_ms, plain, size=size,
+            row, = measure_config(model, kind, config, [requests], capacity, sampling, step_ms, plain, size=size,
                                  batch=batch, mode=mode, config=config if kind == "chain" else tree_label(config))
             print(f"{size:6} {batch:4} {mode:8} {kind:7} {row_label(row):18} {row['tokens_per_s']:9.0f} "
                   f"{row['tau']:5.2f} {row['v']:6.2f} {row['draft']:6.2f} {row['ideal']:5.2f}x "

@@ -182,3 +182,25 @@ def test_every_torch_graph_is_made_and_captured_by_torch_graph():
                   and (node.func.attr == "graph" and ast.unparse(node.func.value).endswith("cuda")
                        or node.func.attr == "CUDAGraph")]
     assert not found, f"a torch graph outside adapter.torch_graph: {found}"
+
+
+def test_the_torch_side_puts_host_values_on_the_device_without_waiting_for_it():
+    """torch.tensor(values, device=...) synchronises the stream after its copy: a request's start
+    made six such waits, the GPU idle after each while the host queued the next step. The package's
+    torch code uploads through memra_cuda.torch.uploads.uploaded (pinned memory, a non-blocking
+    copy) or copies from a CPU tensor with non_blocking=True; Hugging Face's own generate
+    (greedy.hf_generate, a reference, not a decoder) is left as its callers write it."""
+    found = []
+    for path in sorted((PACKAGE / "torch").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        allowed = {id(node) for function in ast.walk(tree)
+                   if isinstance(function, ast.FunctionDef) and function.name == "hf_generate"
+                   and path.name == "greedy.py" for node in ast.walk(function)}
+        found += [f"{path.name}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and id(node) not in allowed
+                  and (node.func.attr == "tensor" and ast.unparse(node.func.value) == "torch"
+                       and any(keyword.arg == "device" for keyword in node.keywords)
+                       or node.func.attr == "copy_" and bool(node.args)
+                       and ast.unparse(node.args[0]).startswith("torch.tensor(")
+                       and not any(keyword.arg == "non_blocking" for keyword in node.keywords))]
+    assert not found, f"torch.tensor(..., device=...) waits for the stream: uploads.uploaded instead: {found}"

@@ -242,10 +242,10 @@ class DeviceLoop:
         with the largest budget to capture it once). A failed capture leaves the last loop; a
         running one is never replaced (BuffersHeld)."""
         self.bufs.check_free()
+        if self.holds(cap, paced):
+            return
         cap = 1 << (max(cap, 1) - 1).bit_length()
         last_feed, last_graph = self._feed, self._graph
-        if last_graph is not None and last_feed is not None and last_feed.cap >= cap and self._paced == paced:
-            return
         feed = TokenFeed(self.engine, self.bufs.batch, max(cap, last_feed.cap if last_feed else 0))
         try:
             graph = self._capture(feed, paced)
@@ -258,6 +258,12 @@ class DeviceLoop:
             last_feed.free()
         self._feed, self._graph, self._paced = feed, graph, paced
         self.captures += 1
+
+    def holds(self, cap: int, paced: bool) -> bool:
+        """Whether the loop captured serves a generation of `cap` tokens a row with this pacing:
+        prepare() would capture nothing."""
+        feed = self._feed
+        return self._graph is not None and feed is not None and feed.cap >= cap and self._paced == paced
 
     def launch(self, max_rounds: int) -> None:
         """Take the buffers, clear the feed, set the round cap and launch the loop (prepare

@@ -219,6 +219,14 @@ class RoundStream:
                 self.graph_for(slot, rounds)
         self.sealed = self.sealed or seal
 
+    def capture_loop(self, tokens: int) -> None:
+        """Capture device mode's loop now, for generations of up to `tokens` new tokens a row (its
+        token feed holds the next power of two), with this stream's pacing: a sealed stream
+        refuses device mode for a generation that the loop captured here cannot take, where an
+        unsealed one captures it at that generation. LoopUnsupported where the driver has no
+        conditional nodes, or for pipeline stages (DeviceLoop)."""
+        self.device_loop.prepare(as_size(tokens, "tokens"), self.pace)
+
     @property
     def graphs(self) -> tuple[tuple[int, int], ...]:
         """The (readback slot, rounds) of every burst graph captured so far."""
@@ -394,6 +402,9 @@ class RoundStream:
                 self._device.skip()
             return iter(())
         loop = self.device_loop
+        if self.sealed and not loop.holds(int(most.max()), self.pace):
+            raise CaptureError(f"device mode's loop for {int(most.max())} tokens a row was not captured before the "
+                               "first request (capture_graphs sealed this stream): capture_loop() it there")
         loop.prepare(int(most.max()), self.pace)
         bufs.set_stop(stops, budgets)
         loop.launch(max_rounds)

@@ -22,6 +22,7 @@ from .decoder import RoundDecoder, fold
 from .kv import Room
 from .sampling import SamplingParams
 from .timing import captured, replay_ms
+from .uploads import uploaded
 
 
 MEASURED_REPLAYS = 20  # replays of each width's body timed, in each of MEASURED_PASSES
@@ -183,5 +184,5 @@ class SpeculativeLlama(RoundDecoder):
     def _prefilled(self, index: torch.Tensor, prompts: Sequence[Sequence[int]]) -> None:
         """reset zeroes acc_d, so the first draft step reads vtok_d[0] as the token behind the
         pending one: the prompt's last but one."""
-        behind = torch.tensor([prompt[-2] if len(prompt) > 1 else 0 for prompt in prompts], device="cuda")
-        self.views.vtok[index, 0] = behind.to(torch.int32)
+        self.views.vtok[index, 0] = uploaded([prompt[-2] if len(prompt) > 1 else 0 for prompt in prompts],
+                                             torch.int32, "cuda")

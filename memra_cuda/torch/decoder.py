@@ -31,6 +31,7 @@ from .kv import CacheLayout, Room, StaticKV, cache_slots
 from .sampling import SamplingParams
 from .compiled import as_compiled, stack_for
 from .state import CopyState, FlipState, Recurrent, rollback
+from .uploads import uploaded
 from .views import RoundViews
 
 
@@ -219,7 +220,7 @@ class RoundDecoder:
         prompts = [as_prompt(prompt, self.vocab, f"row {row}'s prompt").tolist() for row, prompt in zip(rows, prompts)]
         heads = [prompt[:-1] for prompt in prompts]
         with torch.cuda.stream(self.stream):
-            index = torch.tensor(rows, device="cuda")
+            index = uploaded(rows, torch.long, "cuda")
             self.target.prefill(rows, heads)
             if self.shared:
                 self.draft.kv.copy_rows(self.target.kv, rows)
@@ -227,25 +228,27 @@ class RoundDecoder:
                 self.draft.prefill(rows, heads)
             self._prefilled(index, prompts)
             if self.sampling is not None:
-                self.seed_d[index] = torch.tensor(list(seeds) if seeds is not None else [0] * len(rows), device="cuda")
+                self.seed_d[index] = uploaded(list(seeds) if seeds is not None else [0] * len(rows), torch.long, "cuda")
         return [len(prompt) - 1 for prompt in prompts], [prompt[-1] for prompt in prompts]
 
     def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:
-        """Every graph the modes may replay (each burst length pacing may ask for), and every
-        one-row prefill graph of both models, captured now, before any request: through torch a
-        capture synchronises the device, which a server must not do mid-request. From then on a
-        burst graph of another mode is a CaptureError, not a capture (the rounds are sealed).
-        setup_seconds is then what the decoder spent compiling and capturing before its first
-        request. Each mode is checked first: a misspelt one is a ValueError, not a "graph"; "device"
-        mode's loop graph is captured at its first generation of each size (device mode runs a
-        whole batch in one launch, no server's mode: RoundStream.device_loop)."""
-        overlap = Mode.OVERLAP in [as_mode(mode) for mode in ((modes,) if isinstance(modes, str) else modes)]
+        """Every graph the modes may replay (each burst length pacing may ask for; with "device",
+        device mode's loop for any budget the caches hold), and every one-row prefill graph of
+        both models, captured now, before any request: through torch a capture synchronises the
+        device, which a server must not do mid-request. From then on a graph of another mode is a
+        CaptureError, not a capture (the rounds are sealed). setup_seconds is then what the
+        decoder spent compiling and capturing before its first request. Each mode is checked
+        first: a misspelt one is a ValueError, not a "graph". Device mode runs a whole batch in one
+        launch (generate_batch), no server's mode."""
+        wanted = {as_mode(mode) for mode in ((modes,) if isinstance(modes, str) else modes)}
         begun = time.perf_counter()
         with torch.cuda.stream(self.stream):
             self.target.capture_prefills()
             if not self.shared:
                 self.draft.capture_prefills()
-            self.rounds.capture_graphs(slots=(0, 1) if overlap else (0,), seal=True)
+            self.rounds.capture_graphs(slots=(0, 1) if Mode.OVERLAP in wanted else (0,), seal=True)
+            if Mode.DEVICE in wanted:  # a row's new tokens never outnumber its cache's slots
+                self.rounds.capture_loop(self.target.kv.capacity)
         self.setup_seconds += time.perf_counter() - begun
 
     def generate_batch(self, requests: Sequence[Request], mode: str = "graph") -> list[list[int]]:

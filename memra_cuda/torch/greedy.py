@@ -17,6 +17,7 @@ from .sampling import SamplingParams
 from .attention import Attention
 from .compiled import as_compiled, stack_for
 from .kv import Room, as_capacity
+from .uploads import uploaded
 
 
 class _Stop:
@@ -100,8 +101,9 @@ class GraphedGreedy:
     def _start(self, requests: Sequence[Request]) -> None:
         self._cut = False  # every row starts again: no burst of theirs to recover
         self.stack.prefill(range(self.batch), [r.prompt[:-1] for r in requests])
-        self.token.copy_(torch.tensor([[r.prompt[-1]] for r in requests]))
-        self.position.copy_(torch.tensor([[len(r.prompt) - 1] for r in requests]))
+        self.token.copy_(uploaded([[r.prompt[-1]] for r in requests], self.token.dtype, self.token.device))
+        self.position.copy_(uploaded([[len(r.prompt) - 1] for r in requests], self.position.dtype,
+                                     self.position.device))
 
     def capture(self) -> None:
         """The burst's graph, now (a warm-up burst first, which compiles the step), so that no

@@ -26,6 +26,7 @@ from ..buffers.geometry import Geometry, as_batch
 from ..buffers.tables import Cache, KVData, KVLayer
 from ..driver.values import as_size, distinct_rows
 from .attention import MOST_SLOTS, aligned
+from .uploads import uploaded
 
 
 def head_size(config: Any) -> int:
@@ -160,8 +161,8 @@ class StaticKV:
                 other.k[0].device != self.k[0].device:
             raise ValueError(f"copy_rows copies from a cache of its own layout, batch and capacity and at least its "
                              f"layers: not a {other!r} into a {self!r}")
-        index = torch.tensor(distinct_rows(rows, self.lengths.shape[1], "copy_rows' rows"), dtype=torch.long,
-                             device=self.lengths.device)
+        index = uploaded(distinct_rows(rows, self.lengths.shape[1], "copy_rows' rows"), torch.long,
+                         self.lengths.device)
         held = self._held(index)  # the first index of each layer's tensor that holds the rows' entries
         for mine, theirs in zip(self.k + self.v, other.k[:len(self.k)] + other.v[:len(self.v)]):
             mine.index_copy_(0, held, theirs.index_select(0, held))

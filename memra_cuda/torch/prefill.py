@@ -20,6 +20,7 @@ import torch
 from ..driver.values import as_listed, as_size, distinct_rows, token_ids
 from .adapter import torch_graph
 from .kv import StaticKV
+from .uploads import uploaded
 
 Fill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 """A stack's forward of R prompts from position 0: (tokens [R][W] int64, their cache rows [R],
@@ -79,8 +80,7 @@ class Prefills:
         if not rows:  # nothing to prefill
             return
         lengths = [len(prompt) for prompt in checked]
-        index = torch.tensor(rows, device=self.device)
-        counts = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+        index, counts = uploaded(rows, torch.long, self.device), uploaded(lengths, torch.int32, self.device)
         if self.reset is not None:
             self.reset(index)
         if len(rows) == 1 and lengths[0] and self.device.type == "cuda":

@@ -108,6 +108,28 @@ def test_the_projection_named_reaches_the_run_and_another_is_argparses_error(pro
     assert exited.value.code == 2 and "invalid choice: 'cublas'" in capsys.readouterr().err and len(ran) == 2
 
 
+def test_the_modes_named_reach_the_run_and_a_device_row_says_so(monkeypatch, capsys):
+    """--modes (round-stream's graph and device) is passed to the run, each once; left out, None
+    (graph mode alone); another mode (readback, overlap: no headline's) is argparse's error. A row
+    timed in device mode is labelled so, one in graph mode as before."""
+    from benchmarks import headline
+    from benchmarks.torch_common import row_label
+    ran = []
+    monkeypatch.setattr(headline, "needs", lambda *args, **kwargs: None)
+    monkeypatch.setattr(headline, "headline", lambda *args: ran.append(args))
+    assert headline.main(["--modes", "graph,device", "--batches", "1"]) == 0 and ran[-1][-2] == ["graph", "device"]
+    assert headline.main(["--batches", "1"]) == 0 and ran[-1][-2] is None
+    for bad in ("overlap", "device,device"):
+        with pytest.raises(SystemExit) as exited:
+            headline.main(["--modes", bad])
+        assert exited.value.code == 2 and "graph, device, each once" in capsys.readouterr().err
+    assert len(ran) == 2
+    chain = dict(kind="chain", config=4)
+    assert row_label(chain) == row_label(dict(chain, launch="graph")) == "k=4"
+    assert row_label(dict(chain, launch="device")) == "k=4, device"
+    assert row_label(dict(kind="static", config="k=8, 1 leaf", launch="device")) == "k=8, 1 leaf, device"
+
+
 def test_a_runs_projection_holds_inside_it_alone_and_is_one_of_the_librarys(monkeypatch):
     """projected() sets the default every compiled step reads as it is built, inside its block
     alone (a test or program that runs a section goes on with its own default after it, an

@@ -101,14 +101,17 @@ def test_a_trained_pairs_greedy_tokens_are_the_targets_own(pair, batches, kind, 
 
 def test_the_headline_runs_on_the_trained_pair(trained, capsys):
     from benchmarks.headline import HEADER, SPECULATIVE, headline
-    report = json.loads(json.dumps(headline(quick=True, pair=trained, batches=(1,))))
+    report = json.loads(json.dumps(headline(quick=True, pair=trained, batches=(1,), launches=("graph", "device"))))
     out = capsys.readouterr().out
     assert HEADER in out and f"pair {trained.name} (" in out and torch.cuda.get_device_name() in out
     assert report["machine"] == torch.cuda.get_device_name() and report["model"]["key"] == trained.name
     rows = report["rows"]
-    assert [(row["mode"], row["kind"]) for row in rows] == [
-        ("greedy", "plain"), ("greedy", "HF"), ("greedy", "HF"), ("sampling", "HF"),
-        *((mode, kind) for mode in ("greedy", "sampling") for kind in SPECULATIVE)]
+    assert [(row["mode"], row["kind"], row.get("launch")) for row in rows] == [
+        ("greedy", "plain", None), ("greedy", "HF", None), ("greedy", "HF", None), ("sampling", "HF", None),
+        *((mode, kind, launch) for mode in ("greedy", "sampling") for kind in SPECULATIVE
+          for launch in ("graph", "device"))]
+    for graphed, device in zip(rows[4::2], rows[5::2]):  # the same tokens, so the same rounds, whatever the launch
+        assert device["tau"] == graphed["tau"] and device["config"] == graphed["config"], (graphed, device)
     plain = rows[0]
     assert 0 < report["floor"]["floor_ms"] == plain["floor_ms"] < plain["step_ms"], "no step reads faster than HBM"
     for row in rows:

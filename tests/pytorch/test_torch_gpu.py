@@ -467,3 +467,19 @@ def test_tensor_of_a_buffer_as_any_type_of_its_size(engine):
     same = memra_torch.tensor(ids, torch.uint32)
     assert same.dtype == torch.uint32 and same.data_ptr() == ids.ptr
     assert memra_torch.tensor(ids, torch.int32).cpu().tolist() == [7, -1]
+
+
+def test_an_upload_queues_behind_the_streams_work_without_waiting_for_it(engine, side_stream):
+    """memra_cuda.torch.uploads.uploaded: the host goes on while the stream is busy (a request's
+    start went through torch.tensor(..., device=), which waits for every kernel queued before
+    its copy), and the values land in stream order, behind that work; a CPU device gets the
+    values as they are."""
+    from memra_cuda.torch.uploads import uploaded
+    out = torch.zeros(3, dtype=torch.int32, device="cuda")
+    torch.cuda._sleep(500_000_000)  # a kernel that spins a quarter of a second or more
+    out.copy_(uploaded([5, 6, 7], torch.int32, "cuda"))
+    assert not side_stream.query(), "the upload waited for the kernel queued before it"
+    side_stream.synchronize()
+    assert out.tolist() == [5, 6, 7]
+    on_cpu = uploaded([[1], [2]], torch.long, "cpu")
+    assert on_cpu.device.type == "cpu" and on_cpu.dtype == torch.long and on_cpu.tolist() == [[1], [2]]

@@ -20,6 +20,7 @@ from memra_cuda.torch.testing import prompts  # noqa: E402
 from test_torch_batch_gpu import first_difference  # noqa: E402  (imports torch)
 from interrupt import interrupt_once  # noqa: E402
 from memra_cuda import TreeShape  # noqa: E402
+from memra_cuda.errors import CaptureError  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, Request, SpeculativeLlama, TreeLlama, capacity_for,  # noqa: E402
                               hf_greedy, self_draft)
 
@@ -182,6 +183,27 @@ def test_requests_at_their_own_draft_lengths_are_each_their_own_greedy_output(st
     assert decoder.engine.dtoh(decoder.lengths.cap_d).tolist() == [K] * SLOTS
     with pytest.raises(ValueError, match="one most draft length for each of the 1 rows, not 2"):
         decoder.prefill([0], [requests[0].prompt], caps=[0, 1])
+
+
+def test_a_decoder_captured_for_device_mode_generates_a_batch_in_one_launch_capturing_nothing(small, stream):
+    """capture(("graph", "device")) captures device mode's loop with the burst graphs, for any
+    budget the caches hold: a batch generated in device mode then captures nothing and gives the
+    target's own greedy decoding, as graph mode does; a decoder captured for graph mode alone
+    refuses device mode (CaptureError) rather than capture its loop mid-generation."""
+    requests, want = stream
+    capacity = capacity_for(40, 96, Geometry(K, M, SLOTS))
+    spec = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M, capacity=capacity, batch=SLOTS)
+    spec.capture(("graph", "device"))
+    loop, captured = spec.rounds.device_loop, graphs(spec)
+    assert loop.captures == 1
+    for start in range(0, REQUESTS - SLOTS + 1, SLOTS):
+        batch = requests[start:start + SLOTS]
+        assert spec.generate_batch(batch, "device") == want[start:start + SLOTS]
+    assert loop.captures == 1 and graphs(spec) == captured, "a generation captured a graph"
+    graph_only = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M, capacity=capacity, batch=SLOTS)
+    graph_only.capture(("graph",))
+    with pytest.raises(CaptureError, match="capture_loop"):
+        graph_only.generate_batch(requests[:SLOTS], "device")
 
 
 def test_a_decoders_server_captures_every_graph_first_where_capture_was_not_called(small, stream):

@@ -624,12 +624,11 @@ def test_a_decoders_admission_takes_every_prompt_a_server_takes(monkeypatch):
     speculative decoder's admission must too: its check of the prompts was `not prompt`, which
     raises for an array, so the request sat at the queue's head and every step raised. The
     decoder here is its host side alone: stand-in stacks, no stream, tensors on the CPU."""
-    from memra_cuda.torch.decoder import RoundDecoder
-    decoder = object.__new__(RoundDecoder)
+    from memra_cuda.torch import decoder as decoders
+    decoder = object.__new__(decoders.RoundDecoder)
     decoder.stream, decoder.shared, decoder.sampling, decoder.vocab = None, False, None, 100
     decoder.target, decoder.draft = Prefilled(), Prefilled()
-    tensor = torch.tensor
-    monkeypatch.setattr(torch, "tensor", lambda data, *args, device=None, **kwargs: tensor(data, *args, **kwargs))
+    monkeypatch.setattr(decoders, "uploaded", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
     assert decoder._fill([1, 0], [np.array([5, 6, 7]), (8,)], None) == ([2, 0], [7, 8])
     assert decoder.target.calls == decoder.draft.calls == [([1, 0], [[5, 6], []])]
     for prompt, error in ((np.array([], np.int64), ValueError), ((token for token in [5, 6]), TypeError),

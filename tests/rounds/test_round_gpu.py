@@ -223,3 +223,31 @@ def test_a_sealed_stream_generates_on_the_graphs_captured_before_and_refuses_any
     with pytest.raises(CaptureError, match="not captured before the first request"):
         rounds.graph_for(1)  # overlap's second readback slot: never captured
     assert rounds.graphs == captured
+
+
+def test_a_sealed_stream_runs_device_mode_on_the_loop_captured_before_and_refuses_a_longer_one(engine):
+    """Device mode under the seal (issue 47: nothing captured inside a timed generation): without
+    capture_loop its first generation is a CaptureError, not the loop's capture; capture_loop(N)
+    captures the loop once, for a token feed of the power of two at least N; generations of up to
+    that many tokens a row then capture nothing, and a longer one is refused, naming its tokens."""
+    lm, bufs, rounds = toy_stream(engine, m_rounds=8, budget=200)
+    rounds.capture_graphs(seal=True)
+    prompt = [3, 1, 4, 1, 5]
+    lm.prefill(bufs, prompt)
+    with pytest.raises(CaptureError, match="capture_loop"):
+        rounds.generate(40, mode="device")
+    with pytest.raises(ValueError, match="tokens must be an int"):
+        rounds.capture_loop(0)
+    rounds.capture_loop(100)  # a feed of 128 tokens a row
+    loop = rounds.device_loop
+    assert loop.captures == 1
+    for budget in (1, 40, 128):
+        lm.prefill(bufs, prompt)
+        assert rounds.generate(budget, mode="device").tolist() == toy.target_greedy(MODEL, prompt, budget)
+    assert loop.captures == 1, "a sealed stream captured device mode's loop mid-generation"
+    lm.prefill(bufs, prompt)
+    with pytest.raises(CaptureError, match="129 tokens a row"):
+        rounds.generate(129, mode="device")
+    assert loop.captures == 1
+    lm.prefill(bufs, prompt)  # the refusal queued nothing: the stream goes on
+    assert rounds.generate(40, mode="graph").tolist() == toy.target_greedy(MODEL, prompt, 40)
