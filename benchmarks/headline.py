@@ -236,13 +236,21 @@ def floor_ms(weight_bytes: int, bytes_per_s: float) -> float:
 
 # -- the picks ----------------------------------------------------------------------------------
 
+def served_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows a server's choice is made from: every row but those timed in device mode, which
+    runs a whole batch in one launch and serves no stream (a server steps bursts)."""
+    return [row for row in rows if row.get("launch", "graph") == "graph"]
+
+
 def derive_picks(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
-    """mode -> B -> the fastest chain or tree measured there: tree_for_batch's rule (PICKED: the
-    fastest configuration, a tree where one beat every chain), on one run. Greedy, the graphed
-    greedy target's own row where even the fastest is slower (PLAIN: not speculated; the row keeps
-    the fastest it beat as `instead_of`), so that a greedy pick is never slower than decoding
-    without a draft. Sampled, never PLAIN: the graphed greedy target does not sample."""
+    """mode -> B -> the fastest chain or tree measured there in graph mode: tree_for_batch's rule
+    (PICKED: the fastest configuration, a tree where one beat every chain), on one run, for the
+    servers it picks for (served_rows). Greedy, the graphed greedy target's own row where even the
+    fastest is slower (PLAIN: not speculated; the row keeps the fastest it beat as `instead_of`),
+    so that a greedy pick is never slower than decoding without a draft. Sampled, never PLAIN: the
+    graphed greedy target does not sample."""
     picks: dict[str, dict[int, dict[str, Any]]] = {}
+    rows = served_rows(rows)
     for row in rows:
         if row["kind"] in SPECULATIVE:
             by_b = picks.setdefault(row["mode"], {})
@@ -311,13 +319,41 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 def summarise(rows: Sequence[dict[str, Any]]) -> list[dict]:
-    """The trees section's summary (tree_summary) of each B and decoding (best chain, static and
-    dynamic tree, and the pick against the best chain), the pick being the fastest."""
+    """The trees section's summary (tree_summary) of each B and decoding in graph mode (best chain,
+    static and dynamic tree, and the pick against the best chain), the pick being the fastest."""
+    rows = served_rows(rows)
     plain = {row["batch"]: row["tokens_per_s"] for row in rows if row["kind"] == "plain"}
     picks = derive_picks(rows)
     return [tree_summary([row for row in rows if row["kind"] in SPECULATIVE and row["mode"] == mode
                           and row["batch"] == batch], picks[mode][batch], plain[batch])
             for batch in sorted(plain) for mode in MODES if batch in picks.get(mode, {})]
+
+
+def device_summary(rows: Sequence[dict[str, Any]]) -> list[dict]:
+    """Each B and decoding that ran in device mode (--modes): its fastest chain or tree there
+    beside graph mode's fastest, each with its speed-up and the share of its ideal it reached."""
+    out = []
+    for batch in sorted({row["batch"] for row in rows}):
+        for mode in MODES:
+            fastest: dict[str, dict[str, Any]] = {}
+            for row in rows:
+                launch = row.get("launch", "graph")
+                if row["kind"] in SPECULATIVE and (row["batch"], row["mode"]) == (batch, mode) and (
+                        launch not in fastest or row["tokens_per_s"] > fastest[launch]["tokens_per_s"]):
+                    fastest[launch] = row
+            if set(fastest) == set(LAUNCHES):
+                out.append(dict(batch=batch, mode=mode, **{
+                    f"{launch}_{field}": row_label(row) if field == "config" else row[field]
+                    for launch, row in fastest.items() for field in ("config", "tokens_per_s", "vs_plain", "reached")}))
+    return out
+
+
+def device_line(summary: Mapping[str, Any]) -> str:
+    """device_summary's line: B and decoding, device mode's fastest, then graph mode's."""
+    return (f"B = {summary['batch']} {summary['mode']}: " + ", ".join(
+        f"{launch} mode's fastest {summary[f'{launch}_config']} {summary[f'{launch}_tokens_per_s']:.0f} tok/s "
+        f"({summary[f'{launch}_vs_plain']:.2f}x, {summary[f'{launch}_reached']:.0%} of its ideal)"
+        for launch in ("device", "graph")))
 
 
 def _report(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[str, Any],
@@ -327,17 +363,20 @@ def _report(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[
     null for the chain, "PLAIN" not to speculate)."""
     picks = derive_picks(rows)
     return dict(model=dict(info), machine=machine, date=date, settings=dict(settings), floor=dict(floor),
-                rows=[dict(row) for row in rows], best=summarise(rows),
+                rows=[dict(row) for row in rows], best=summarise(rows), device=device_summary(rows),
                 picks={mode: {batch: row["source"] for batch, row in sorted(by_b.items())}
                        for mode, by_b in picks.items()})
 
 
 def assemble(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[str, Any],
              floor: Mapping[str, float], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The section's JSON (_report), its summary printed, a line a B and decoding."""
+    """The section's JSON (_report), its summary printed, a line a B and decoding (and, where
+    some ran in device mode, a line a B and decoding of the fastest in each mode)."""
     report = _report(info, machine, date, settings, floor, rows)
     for summary in report["best"]:
         print(summary_line(summary), flush=True)
+    for summary in report["device"]:
+        print(device_line(summary), flush=True)
     return report
 
 
@@ -470,7 +509,8 @@ def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | Non
                     trees=None if quick else trees, launches=list(launches), projection=projection)
     print(f"\nheadline: {name}")
     print(f"prompts: heldout.json's first B ({heldout['prompt_len']} tokens, cut from held-out files), {tokens} new "
-          f"tokens a row (B = 1: {one_row} prompts one after another), {settings['dtype']}, graph mode, "
+          f"tokens a row (B = 1: {one_row} prompts one after another), {settings['dtype']}, "
+          f"{' and '.join(launches)} mode{'s' if len(launches) > 1 else ''}, "
           f"M={TORCH_M}, sampling at T=1. vs plain: against the target's compiled greedy decoding, a graph of "
           "16 steps a readback (sampled rows too); v and d: the round's verify and draft in target steps; ideal = "
           "tau / (v + d); reached: the share of it got; rows: the rows' mean rounds over the slowest row's; batch: "

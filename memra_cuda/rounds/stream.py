@@ -227,6 +227,14 @@ class RoundStream:
         conditional nodes, or for pipeline stages (DeviceLoop)."""
         self.device_loop.prepare(as_size(tokens, "tokens"), self.pace)
 
+    def require_loop(self, tokens: int) -> None:
+        """CaptureError where this stream is sealed and the device loop captured before it cannot
+        take a generation of `tokens` new tokens a row: follow() would capture one mid-generation.
+        A decoder asks before it prefills its rows, so a refusal leaves them as they were."""
+        if self.sealed and not self.device_loop.holds(tokens, self.pace):
+            raise CaptureError(f"device mode's loop for {tokens} tokens a row was not captured before the first "
+                               "request (capture_graphs sealed this stream): capture_loop() it there")
+
     @property
     def graphs(self) -> tuple[tuple[int, int], ...]:
         """The (readback slot, rounds) of every burst graph captured so far."""
@@ -402,9 +410,7 @@ class RoundStream:
                 self._device.skip()
             return iter(())
         loop = self.device_loop
-        if self.sealed and not loop.holds(int(most.max()), self.pace):
-            raise CaptureError(f"device mode's loop for {int(most.max())} tokens a row was not captured before the "
-                               "first request (capture_graphs sealed this stream): capture_loop() it there")
+        self.require_loop(int(most.max()))
         loop.prepare(int(most.max()), self.pace)
         bufs.set_stop(stops, budgets)
         loop.launch(max_rounds)

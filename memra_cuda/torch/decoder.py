@@ -257,9 +257,13 @@ class RoundDecoder:
         caches hold in `mode` (room) is refused (RequestRefused, naming its row) before anything
         runs: past the room, a burst's capacity check raised mid-generation, every row's tokens
         lost. So is the batch (RuntimeError) while a server over the rows has a request in
-        flight (Driven.take: step it until it is idle)."""
+        flight (Driven.take: step it until it is idle), and, in device mode on sealed rounds, one
+        whose budgets the loop captured before cannot take (CaptureError: capture(("device",)))."""
         mode = as_mode(mode)
         requests = batch_admitted(requests, self.vocab, self.batch, lambda request: self.room(request, mode))
+        most = max(r.max_new_tokens for r in requests)
+        if mode is Mode.DEVICE and most:  # refused before the rows are touched, where follow() would capture its loop
+            self.rounds.require_loop(most)
         self.driven.take("generate_batch")
         self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests],
                      [self._cap(r) for r in requests])

@@ -93,7 +93,7 @@ class Prefills:
             padded = torch.zeros(len(checked), width, dtype=torch.long)
             for r, prompt in enumerate(checked):
                 padded[r, :len(prompt)] = torch.from_numpy(prompt)
-            self.fill(padded.to(self.device), index, counts)
+            self.fill(uploaded(padded, torch.long, self.device), index, counts)
         self.kv.lengths[:, index] = counts
 
     def _graph(self, length: int) -> torch.cuda.CUDAGraph:

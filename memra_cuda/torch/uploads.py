@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 
-def uploaded(values: Sequence[Any], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """`values` as a tensor of `dtype` on `device`, queued on the current stream without
-    synchronising it (a CPU device gets the tensor itself)."""
-    host = torch.tensor(values, dtype=dtype)
+def uploaded(values: Sequence[Any] | torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`values` (a sequence, or a tensor on the host) as a tensor of `dtype` on `device`, queued on
+    the current stream without synchronising it (a CPU device gets the host's tensor)."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

@@ -312,6 +312,32 @@ def test_the_picks_print_as_picked_takes_them():
     assert "PLAIN where" not in text  # every pick beats the graphed greedy target
 
 
+def test_device_modes_rows_are_summed_up_apart_and_never_picked_for_a_server():
+    """--modes graph,device: the picks (tree_for_batch's, for servers, which step bursts) and the
+    best of each kind come from graph mode's rows alone, whatever device mode's; a line a B and
+    decoding sets the fastest in each mode side by side, labelled."""
+    from benchmarks.headline import device_line, device_summary, summarise
+    graphed = [dict(r, launch="graph") if r["kind"] in ("chain", "static", "dynamic") else r for r in TABLE]
+    fast = [dict(r, launch="device", tokens_per_s=r["tokens_per_s"] * 1.5, vs_plain=r["vs_plain"] * 1.5,
+                 reached=r["reached"] * 1.5)
+            for r in graphed if r.get("launch") == "graph" and r["batch"] == 1 and r["kind"] == "chain"]
+    both = graphed + fast  # B = 1: the chain in device mode outruns every tree in graph mode
+    def named(picks):
+        return {mode: {b: (r["kind"], r["config"]) for b, r in by_b.items()} for mode, by_b in picks.items()}
+    assert named(derive_picks(both)) == named(derive_picks(TABLE))
+    assert summarise(both) == summarise(graphed) and [s["chosen"] for s in summarise(both)] == \
+        [s["chosen"] for s in summarise(TABLE)]
+    assert device_summary(TABLE) == [] and device_summary(graphed) == []
+    (greedy, sampled) = device_summary(both)
+    assert (greedy["batch"], greedy["mode"], greedy["device_config"], greedy["graph_config"]) == \
+        (1, "greedy", "k=4, device", "k=6, 1 leaf")
+    assert greedy["device_tokens_per_s"] == 2850.0 and greedy["graph_tokens_per_s"] == 2100.0
+    assert sampled["device_config"] == "k=4, device" and sampled["graph_config"] == "k=4"
+    line = device_line(greedy)
+    assert line.startswith("B = 1 greedy: device mode's fastest k=4, device 2850 tok/s (2.85x, ")
+    assert "graph mode's fastest k=6, 1 leaf 2100 tok/s (2.10x, " in line
+
+
 def test_where_every_configuration_loses_to_greedy_decoding_the_greedy_pick_is_not_to_speculate():
     slow = [dict(r, tokens_per_s=r["tokens_per_s"] / 2.5, vs_plain=r["vs_plain"] / 2.5)  # B = 1's best: greedy
             if r["batch"] == 1 and r["kind"] != "plain" else r for r in TABLE]  # 0.84x, sampled 0.60x
@@ -346,7 +372,8 @@ def test_the_json_holds_the_pair_the_machine_the_floor_the_rows_the_best_and_the
     settings = dict(batches=[1, 8], tokens=128, one_row_prompts=8, prompt_len=128, m_rounds=16, hf_k=4)
     floor = dict(weight_bytes=182_000_000, copy_bytes_per_s=4.0e12, floor_ms=0.0455)
     report = json.loads(json.dumps(assemble(info, "NVIDIA H200", "2026-12-03", settings, floor, TABLE)))
-    assert set(report) == {"model", "machine", "date", "settings", "floor", "rows", "best", "picks"}
+    assert set(report) == {"model", "machine", "date", "settings", "floor", "rows", "best", "device", "picks"}
+    assert report["device"] == [], "no row ran in device mode"
     assert report["model"]["key"] == "3f2a9c1e0b7d" and report["model"]["target"]["heldout_loss"] == 2.187
     assert report["machine"] == "NVIDIA H200" and report["floor"] == floor and report["settings"] == settings
     assert len(report["rows"]) == len(TABLE)

@@ -475,11 +475,14 @@ def test_an_upload_queues_behind_the_streams_work_without_waiting_for_it(engine,
     its copy), and the values land in stream order, behind that work; a CPU device gets the
     values as they are."""
     from memra_cuda.torch.uploads import uploaded
-    out = torch.zeros(3, dtype=torch.int32, device="cuda")
-    torch.cuda._sleep(500_000_000)  # a kernel that spins a quarter of a second or more
-    out.copy_(uploaded([5, 6, 7], torch.int32, "cuda"))
-    assert not side_stream.query(), "the upload waited for the kernel queued before it"
+    first, second = (torch.zeros(3, dtype=torch.int32, device="cuda") for _ in range(2))
+    uploaded([0], torch.int32, "cuda")  # torch's pinned allocator takes its first block (cudaHostAlloc waits)
     side_stream.synchronize()
-    assert out.tolist() == [5, 6, 7]
+    torch.cuda._sleep(500_000_000)  # a kernel that spins a quarter of a second or more
+    first.copy_(uploaded([5, 6, 7], torch.int32, "cuda"))
+    second.copy_(uploaded([8, 9, 10], torch.int32, "cuda"))  # a pinned block of its own: the first's copy is queued
+    assert not side_stream.query(), "an upload waited for the kernel queued before it"
+    side_stream.synchronize()
+    assert first.tolist() == [5, 6, 7] and second.tolist() == [8, 9, 10]
     on_cpu = uploaded([[1], [2]], torch.long, "cpu")
     assert on_cpu.device.type == "cpu" and on_cpu.dtype == torch.long and on_cpu.tolist() == [[1], [2]]

@@ -202,8 +202,11 @@ def test_a_decoder_captured_for_device_mode_generates_a_batch_in_one_launch_capt
     assert loop.captures == 1 and graphs(spec) == captured, "a generation captured a graph"
     graph_only = SpeculativeLlama(small, self_draft(small), k=K, m_rounds=M, capacity=capacity, batch=SLOTS)
     graph_only.capture(("graph",))
+    positions = graph_only.bufs.positions.tolist()
     with pytest.raises(CaptureError, match="capture_loop"):
         graph_only.generate_batch(requests[:SLOTS], "device")
+    assert graph_only.bufs.positions.tolist() == positions, "the refused batch's rows were prefilled"
+    assert graph_only.generate_batch(requests[:SLOTS], "graph") == want[:SLOTS]
 
 
 def test_a_decoders_server_captures_every_graph_first_where_capture_was_not_called(small, stream):
