@@ -38,7 +38,7 @@ request; its rows say "device"); the baseline stays the graphed plain loop, a gr
 readback.
 
     PYTHONPATH=. python -m benchmarks.headline [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,128]
-                                              [--chains 3,6] [--trees N] [--modes graph,device]
+                                              [--chains 3,6] [--trees N|S,D] [--modes graph,device]
                                               [--projection few_rows]
 
 Run time on one H200 (2026-12-02): B = 1 to 32 and B = 128's greedy rows took about four and a
@@ -73,6 +73,7 @@ CHAIN_KS = (2, 3, 4, 6, 8)
 # until its end (at B = 1 the readbacks between bursts are a share of a request's time: RESULTS.md,
 # "The headline at B = 1 with a verify in one kernel")
 LAUNCHES = ("graph", "device")
+TreeCounts = int | tuple[int, int]  # --trees: the first N static and dynamic trees each, or (static, dynamic)
 # Hugging Face's drafts a round. Its eager steps are the host's launches, a target step (11.2 ms on
 # the H200) about five draft steps whatever their tokens, so by pair.py's costs and chain tau its
 # time a token is near flat from k = 4 to 8 (5.2 to 5.5 ms): 4, its examples' and hf_generate's.
@@ -127,10 +128,11 @@ def tree_rates(top: Mapping[str, float]) -> tuple[float, float]:
 
 
 def configurations(batch: int, top: Mapping[str, float], quick: bool = False, chains: Sequence[int] | None = None,
-                   trees: int | None = None) -> list[Config]:
+                   trees: TreeCounts | None = None) -> list[Config]:
     """Every chain and tree measured at `batch` (the first of each kind where `quick`); `chains`
-    the chains' ks instead of CHAIN_KS, `trees` the first so many static and dynamic trees each
-    (a lease short of time measures the configurations an earlier run found best)."""
+    the chains' ks instead of CHAIN_KS, `trees` the first so many static and dynamic trees each,
+    or (static, dynamic) so many of each (a lease short of time measures the configurations an
+    earlier run found best)."""
     right, fall = tree_rates(top)
 
     def static(shape: tuple[str, int, int]) -> Config:
@@ -141,8 +143,8 @@ def configurations(batch: int, top: Mapping[str, float], quick: bool = False, ch
                       f"TreeShape.likeliest({a}, depth={b}, right={right}, fall={fall}, ranks={RANKS})")
 
     ks: Sequence[int] = (4,) if quick else CHAIN_KS if chains is None else chains
-    most = 1 if quick else trees
-    statics, dynamics = STATIC[batch][:most], DYNAMIC[batch][:most]
+    most = (1, 1) if quick else trees if isinstance(trees, tuple) else (trees, trees)
+    statics, dynamics = STATIC[batch][:most[0]], DYNAMIC[batch][:most[1]]
     return ([Config("chain", k, None) for k in ks] + [static(shape) for shape in statics]
             + [Config("dynamic", DynamicTree(*shape), "DynamicTree({}, {}, {})".format(*shape)) for shape in dynamics])
 
@@ -445,7 +447,7 @@ def _hugging_face(target: Any, draft: Any, groups: Sequence[Sequence[Any]], plai
 
 def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, top: Mapping[str, float],
                  quick: bool, tokens: int, one_row: int, floor: float, chains: Sequence[int] | None = None,
-                 trees: int | None = None, launches: Sequence[str] = ("graph",)) -> list[dict]:
+                 trees: TreeCounts | None = None, launches: Sequence[str] = ("graph",)) -> list[dict]:
     """One B: the baseline, Hugging Face's at B = 1, then every chain and tree greedy and sampled,
     in caches of one capacity that each of them fits (attention reads the whole cache: one
     capacity keeps their costs comparable)."""
@@ -477,7 +479,8 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
 
 def headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
              json_path: str | Path | None = None, chains: Sequence[int] | None = None,
-             trees: int | None = None, launches: Sequence[str] | None = None, projection: str | None = None) -> dict:
+             trees: TreeCounts | None = None, launches: Sequence[str] | None = None,
+             projection: str | None = None) -> dict:
     """The section: the pair in `pair` (default: `make pair`'s), at `batches` (default BATCHES,
     or QUICK_BATCHES where `quick`); prints the table, the best at each B and the picks, and
     returns assemble()'s report. With `json_path`, the report so far is written there after each
@@ -490,7 +493,7 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
 
 
 def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | None, json_path: str | Path | None,
-              chains: Sequence[int] | None, trees: int | None, launches: Sequence[str], projection: str) -> dict:
+              chains: Sequence[int] | None, trees: TreeCounts | None, launches: Sequence[str], projection: str) -> dict:
     """headline()'s run, every compiled step's projections `projection`'s."""
     from memra_cuda.torch import load_model
     where, report, heldout, info, machine, date = opened(pair)
@@ -556,8 +559,12 @@ def pair_arguments(program: str, doc: str, batches: Sequence[int], quick: str) -
     return parser
 
 
-def tree_count(text: str) -> int:
-    """--trees' N, a count of 0 or more (argparse's type: another is its error)."""
+def tree_count(text: str) -> TreeCounts:
+    """--trees' N (the first N static and N dynamic trees) or S,D (S static, D dynamic), counts of
+    0 or more (argparse's type: another is its error)."""
+    if "," in text:
+        static, dynamic = text.split(",", 1)
+        return bounded(static, 0), bounded(dynamic, 0)
     return bounded(text, 0)
 
 
@@ -566,8 +573,9 @@ def main(argv: list[str] | None = None) -> int:
                             f"each kind, {QUICK_TOKENS} tokens a row")
     parser.add_argument("--chains", type=lambda text: listed(text, range(1, 33), int),
                         help=f"the chains' ks (default {','.join(map(str, CHAIN_KS))})")
-    parser.add_argument("--trees", type=tree_count, metavar="N",
-                        help="the first N static trees and the first N dynamic trees of each B (default all)")
+    parser.add_argument("--trees", type=tree_count, metavar="N|S,D",
+                        help="the first N static trees and the first N dynamic trees of each B, or the first S "
+                        "static and D dynamic (default all)")
     parser.add_argument("--modes", type=lambda text: listed(text, LAUNCHES),
                         help=f"round-stream's modes each chain and tree runs in, of {','.join(LAUNCHES)} (default "
                         f"{LAUNCHES[0]}; device: one launch a generation, its loop captured before the first)")

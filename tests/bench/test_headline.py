@@ -84,8 +84,11 @@ def test_a_short_lease_measures_the_chains_and_the_first_trees_it_names():
                                                      ("dynamic", "6x2, branch 2")]
     assert [c.kind for c in configurations(8, TOP, chains=[2], trees=0)] == ["chain"]
     assert configurations(32, TOP, trees=9) == configurations(32, TOP)  # past the trees a B has: every one
-    assert tree_count("2") == 2 and tree_count("0") == 0
-    for bad in ("-1", "two", "1.5"):
+    assert [(c.kind, c.label) for c in configurations(1, TOP, chains=[4], trees=(2, 0))] == [
+        ("chain", "k=4"), ("static", "k=6, 1 leaf"), ("static", "k=8, 1 leaf")]  # S,D: no dynamic tree
+    assert [c.kind for c in configurations(1, TOP, chains=[], trees=(0, 1))] == ["dynamic"]
+    assert tree_count("2") == 2 and tree_count("0") == 0 and tree_count("2,0") == (2, 0)
+    for bad in ("-1", "two", "1.5", "2,-1", "1,2,3", ","):
         with pytest.raises(argparse.ArgumentTypeError, match="a count of 0 or more"):
             tree_count(bad)
 
