@@ -244,6 +244,17 @@ def served_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [row for row in rows if row.get("launch", "graph") == "graph"]
 
 
+def fastest(rows: Sequence[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[str, Any]]:
+    """key(row) -> the fastest chain or tree of `rows` with that key, in the order the keys come."""
+    found: dict[Any, dict[str, Any]] = {}
+    for row in rows:
+        if row["kind"] in SPECULATIVE:
+            at = key(row)
+            if at not in found or row["tokens_per_s"] > found[at]["tokens_per_s"]:
+                found[at] = row
+    return found
+
+
 def derive_picks(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
     """mode -> B -> the fastest chain or tree measured there in graph mode: tree_for_batch's rule
     (PICKED: the fastest configuration, a tree where one beat every chain), on one run, for the
@@ -253,16 +264,13 @@ def derive_picks(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str
     graphed greedy target does not sample."""
     picks: dict[str, dict[int, dict[str, Any]]] = {}
     rows = served_rows(rows)
-    for row in rows:
-        if row["kind"] in SPECULATIVE:
-            by_b = picks.setdefault(row["mode"], {})
-            if row["batch"] not in by_b or row["tokens_per_s"] > by_b[row["batch"]]["tokens_per_s"]:
-                by_b[row["batch"]] = row
+    for (mode, batch), row in fastest(rows, lambda row: (row["mode"], row["batch"])).items():
+        picks.setdefault(mode, {})[batch] = row
     plain = {row["batch"]: row for row in rows if row["kind"] == "plain"}
     greedy = picks.get("greedy", {})
-    for batch, fastest in greedy.items():
-        if batch in plain and fastest["tokens_per_s"] < plain[batch]["tokens_per_s"]:
-            greedy[batch] = dict(plain[batch], instead_of=fastest)
+    for batch, quickest in greedy.items():
+        if batch in plain and quickest["tokens_per_s"] < plain[batch]["tokens_per_s"]:
+            greedy[batch] = dict(plain[batch], instead_of=quickest)
     return picks
 
 
@@ -334,20 +342,13 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict]:
 def device_summary(rows: Sequence[dict[str, Any]]) -> list[dict]:
     """Each B and decoding that ran in device mode (--modes): its fastest chain or tree there
     beside graph mode's fastest, each with its speed-up and the share of its ideal it reached."""
-    out = []
-    for batch in sorted({row["batch"] for row in rows}):
-        for mode in MODES:
-            fastest: dict[str, dict[str, Any]] = {}
-            for row in rows:
-                launch = row.get("launch", "graph")
-                if row["kind"] in SPECULATIVE and (row["batch"], row["mode"]) == (batch, mode) and (
-                        launch not in fastest or row["tokens_per_s"] > fastest[launch]["tokens_per_s"]):
-                    fastest[launch] = row
-            if set(fastest) == set(LAUNCHES):
-                out.append(dict(batch=batch, mode=mode, **{
-                    f"{launch}_{field}": row_label(row) if field == "config" else row[field]
-                    for launch, row in fastest.items() for field in ("config", "tokens_per_s", "vs_plain", "reached")}))
-    return out
+    best = fastest(rows, lambda row: (row["batch"], row["mode"], row.get("launch", "graph")))
+    return [dict(batch=batch, mode=mode, **{
+                f"{launch}_{field}": row_label(row) if field == "config" else row[field]
+                for launch, row in ((launch, best[batch, mode, launch]) for launch in LAUNCHES)
+                for field in ("config", "tokens_per_s", "vs_plain", "reached")})
+            for batch in sorted({row["batch"] for row in rows}) for mode in MODES
+            if all((batch, mode, launch) in best for launch in LAUNCHES)]
 
 
 def device_line(summary: Mapping[str, Any]) -> str:
