@@ -57,9 +57,9 @@ from typing import Any
 
 from .common import depth_and_width
 from .needs import PAIR, needs
-from .torch_common import (PROJECTIONS, TORCH_M, TREE_BATCHES, bounded, busy_share, listed, measure_config,
-                           plain_decoding, plot_trees, projected, release, row_label, summary_line, time_generations,
-                           token_count, tree_label, tree_summary)
+from .torch_common import (PROJECTIONS, SPECULATIVE, TORCH_M, TREE_BATCHES, bounded, busy_share, listed,
+                           measure_config, plain_decoding, plot_trees, projected, release, row_label, summary_line,
+                           time_generations, token_count, tree_label, tree_summary)
 from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
@@ -95,7 +95,6 @@ STATIC: dict[int, tuple[tuple[str, int, int], ...]] = {
 # (report.json: k = 8 gains little over 6), widths shrinking with B as the static trees do.
 DYNAMIC: dict[int, tuple[tuple[int, int, int], ...]] = {
     1: ((6, 2, 2), (8, 4, 2)), 8: ((6, 2, 2),), 32: ((4, 2, 2),), 128: ((3, 2, 2),)}
-SPECULATIVE = ("chain", "static", "dynamic")
 MODES = ("greedy", "sampling")  # sampling: at temperature 1
 
 

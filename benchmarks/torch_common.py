@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # memra_cuda.torch imports torch, which this module leaves to
 
 TORCH_K, TORCH_M = 4, 16  # every torch section's chain k and rounds a burst, M
 TREE_BATCHES = (1, 8, 32, 128)  # the trees section's and the headline's batch sizes
+SPECULATIVE = ("chain", "static", "dynamic")  # the kinds of a speculative row, the chain first
 
 
 def time_generations(generate: Callable[[Any], Any], groups: Sequence[Any],
@@ -138,11 +139,11 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
     """figures() of one chain or tree of `model` and `draft` (default its self-speculative one)
     over the groups of requests (a generation each, time_generations) in each of round-stream's
     `modes` ("graph": a burst graph and a readback each up to M rounds; "device": one launch a
-    generation), one decoder captured for them all, its round's verify and draft each captured
-    alone on the decoder's stream after the generations, in target steps: a dict a mode, its
+    generation), one decoder captured for them all, its round's draft and then its verify each
+    captured alone on the decoder's stream after the generations, in target steps: a dict a mode, its
     `launch`. The decoder goes when this returns, for release() to give its memory back: at
     B = 128 a sampled tree holds p and q of [B][T+1][32000] floats."""
-    from memra_cuda.torch.timing import graph_ms
+    from memra_cuda.torch.timing import captured, graph_ms, replay_ms
     spec, verify, draft_levels = decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft,
                                          modes=modes)
 
@@ -161,7 +162,13 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
             return out
 
         timed.append((mode, sent, *time_generations(generate, groups, after)))
-    v, d = (graph_ms(run, spec.stream) / step_ms for run in (verify, draft_levels))
+    # The verify reads what its round's draft made (a tree's node slots and mask, tensors of whichever graph drew
+    # them last: after device mode's loop, memory nothing wrote since), so the draft is captured and replayed first
+    # and held while the verify is timed, as a round runs them.
+    drafted = captured(draft_levels, spec.stream)
+    d = replay_ms(drafted, spec.stream) / step_ms
+    v = graph_ms(verify, spec.stream) / step_ms
+    del drafted
     return [dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d,
                          sum(sent[1:]), step_ms), setup_s=spec.setup_seconds, launch=mode)
             for mode, sent, seconds, taken in timed]
@@ -254,36 +261,41 @@ def release() -> None:
 
 
 def tree_summary(measured: list[dict], chosen: dict | None, plain: float) -> dict:
-    """One size, B and mode of section 5: the best of each kind, and the pick (`chosen`; the best
-    chain where tree_for_batch says the chain; plain decoding's row where it says PLAIN, which
-    has no ideal to reach) against the best chain."""
-    best = {kind: max((row for row in measured if row["kind"] == kind), key=lambda row: row["tokens_per_s"])
-            for kind in ("chain", "static", "dynamic")}
-    tree = max(best["static"], best["dynamic"], key=lambda row: row["tokens_per_s"])
+    """One size, B and mode of section 5: the best of each kind measured (a run may leave a kind
+    out: --chains, --trees), and the pick (`chosen`; the best chain where tree_for_batch says the
+    chain; plain decoding's row where it says PLAIN, which has no ideal to reach), each against the
+    best chain where a chain ran. `best_tree` and its figures where a tree ran."""
+    best = {kind: max(mine, key=lambda row: row["tokens_per_s"])
+            for kind in SPECULATIVE if (mine := [row for row in measured if row["kind"] == kind])}
     chosen = chosen or best["chain"]
-    chain = best["chain"]["tokens_per_s"]
+    chain = best["chain"]["tokens_per_s"] if "chain" in best else None
     first = measured[0]
     summary = dict(size=first["size"], batch=first["batch"], mode=first["mode"], kind="best",
                    plain_tokens_per_s=plain, chosen=chosen["config"], chosen_kind=chosen["kind"],
-                   chosen_tokens_per_s=chosen["tokens_per_s"], chosen_vs_chain=chosen["tokens_per_s"] / chain,
-                   best_tree=tree["config"], best_tree_kind=tree["kind"],
-                   best_tree_tokens_per_s=tree["tokens_per_s"], best_tree_vs_chain=tree["tokens_per_s"] / chain,
-                   best_tree_ideal=tree["ideal"], best_tree_reached=tree["reached"],
+                   chosen_tokens_per_s=chosen["tokens_per_s"],
+                   chosen_vs_chain=chain and chosen["tokens_per_s"] / chain,
                    chosen_reached=chosen.get("reached"), chosen_batch_reached=chosen.get("batch_reached"))
+    trees = [best[kind] for kind in SPECULATIVE[1:] if kind in best]
+    if trees:
+        tree = max(trees, key=lambda row: row["tokens_per_s"])
+        summary.update(best_tree=tree["config"], best_tree_kind=tree["kind"],
+                       best_tree_tokens_per_s=tree["tokens_per_s"],
+                       best_tree_vs_chain=chain and tree["tokens_per_s"] / chain,
+                       best_tree_ideal=tree["ideal"], best_tree_reached=tree["reached"])
     for kind, row in best.items():
         summary.update({kind: row["config"], f"{kind}_tokens_per_s": row["tokens_per_s"]})
     return summary
 
 
 def summary_line(summary: dict) -> str:
-    """tree_summary's line: the best of each kind and the pick against the best chain."""
+    """tree_summary's line: the best of each kind measured and the pick against the best chain."""
     def label(kind: str, config: Any) -> str:
         return row_label(dict(kind=kind, config=config))
+    against = f" = {summary['chosen_vs_chain']:.2f}x the chain" if summary["chosen_vs_chain"] else ""
     return (f"{summary['size']:6} {summary['batch']:4} {summary['mode']:8} " + ", ".join(
         f"best {kind} {label(kind, summary[kind])} {summary[f'{kind}_tokens_per_s']:.0f} tok/s"
-        for kind in ("chain", "static", "dynamic")) +
-        f", chosen {summary['chosen_kind']} {label(summary['chosen_kind'], summary['chosen'])} = "
-        f"{summary['chosen_vs_chain']:.2f}x the chain")
+        for kind in SPECULATIVE if kind in summary) +
+        f", chosen {summary['chosen_kind']} {label(summary['chosen_kind'], summary['chosen'])}{against}")
 
 
 def pyplot(who: str, path: str | Path) -> Any:
@@ -311,18 +323,19 @@ def plot_trees(rows: list[dict], path: str | Path, title: str | None = None) -> 
     sizes = list(dict.fromkeys(row["size"] for row in best))
     if not sizes:
         return
-    series = {"plain decoding": lambda r: r["plain_tokens_per_s"], "best chain": lambda r: r["chain_tokens_per_s"],
-              "best tree": lambda r: r["best_tree_tokens_per_s"],
-              "ideal of the best tree": lambda r: r["best_tree_ideal"] * r["plain_tokens_per_s"]}
+    series = {"plain decoding": lambda r: r["plain_tokens_per_s"], "best chain": lambda r: r.get("chain_tokens_per_s"),
+              "best tree": lambda r: r.get("best_tree_tokens_per_s"),
+              "ideal of the best tree": lambda r: r.get("best_tree_ideal", 0) * r["plain_tokens_per_s"] or None}
     figure, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.5), squeeze=False)
     for axis, size in zip(axes[0], sizes):
         for mode, style in (("greedy", "-"), ("sampling", "--")):
             mine = sorted((row for row in best if row["size"] == size and row["mode"] == mode),
                           key=lambda row: row["batch"])
             for color, (name, value) in enumerate(series.items()):
-                if not mine or (name == "plain decoding" and mode == "sampling"):  # plain decoding is greedy
+                points = [(row["batch"], value(row)) for row in mine if value(row)]  # a kind a run left out: none
+                if not points or (name == "plain decoding" and mode == "sampling"):  # plain decoding is greedy
                     continue
-                axis.plot([row["batch"] for row in mine], [value(row) for row in mine], style, color=f"C{color}",
+                axis.plot(*zip(*points), style, color=f"C{color}",
                           marker="o", label=name if name == "plain decoding" else f"{name}, {mode}")
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")

@@ -198,7 +198,9 @@ class TreeLlama(RoundDecoder):
             self.cand_logp[:, start:stop] = best.values
 
     def verify_tree(self) -> None:
-        """The target over all T + 1 nodes under the ancestor mask, in one forward."""
+        """The target over all T + 1 nodes under the ancestor mask, in one forward: it reads the
+        node slots and the mask its round's draft_level(0) made, so it runs after that, as the
+        round does (alone, after the draft has run, to time it)."""
         nodes = self.tree_views
         self._verdict(self.target.logits(nodes.tok, nodes.pos, parents=nodes.parents,
                                          **self._nodes(0, self.tree.nodes, self.target_mask)))  # [B][T+1][V]

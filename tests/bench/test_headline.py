@@ -4,6 +4,7 @@ the arithmetic of the ideal, the rows' share and the HBM floor, the picks derive
 results and printed in PICKED's form, the table's rows and the JSON's shape."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -339,6 +340,28 @@ def test_device_modes_rows_are_summed_up_apart_and_never_picked_for_a_server():
     line = device_line(greedy)
     assert line.startswith("B = 1 greedy: device mode's fastest k=4, device 2850 tok/s (2.85x, ")
     assert "graph mode's fastest k=6, 1 leaf 2100 tok/s (2.10x, " in line
+
+
+@pytest.mark.parametrize("left_out", [("dynamic",), ("static", "dynamic"), ("chain",)])
+def test_a_run_that_left_a_kind_out_sums_up_prints_and_draws_the_kinds_it_ran(left_out, tmp_path):
+    """--trees S,0 (no dynamic tree: stop 72's lease, whose summary met max() of nothing) or
+    --chains with none: the best of each kind that ran, against the chain where one ran, the line
+    naming those alone; the picture drawn where matplotlib is."""
+    from benchmarks.headline import plot_headline, summarise, summary_line
+    rows = [r for r in TABLE if r["kind"] not in left_out]
+    summaries = summarise(rows)
+    assert [(s["batch"], s["mode"]) for s in summaries] == [(1, "greedy"), (1, "sampling"), (8, "greedy"),
+                                                            (8, "sampling")]
+    for summary in summaries:
+        line = summary_line(summary)
+        assert all(f"best {kind} " not in line for kind in left_out) and "best " in line, line
+        assert ("the chain" in line) == ("chain" not in left_out), line
+        assert ("best_tree" in summary) == ("static" not in left_out or "dynamic" not in left_out)
+    report = json.loads(json.dumps(assemble(pair_info(REPORT), "NVIDIA H100", "2026-12-06", {}, {}, rows)))
+    assert report["best"] == json.loads(json.dumps(summaries))
+    if importlib.util.find_spec("matplotlib"):
+        plot_headline(report, tmp_path / "headline.png")
+        assert (tmp_path / "headline.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_where_every_configuration_loses_to_greedy_decoding_the_greedy_pick_is_not_to_speculate():
