@@ -162,9 +162,10 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
             return out
 
         timed.append((mode, sent, *time_generations(generate, groups, after)))
-    # The verify reads what its round's draft made (a tree's node slots and mask, tensors of whichever graph drew
-    # them last: after device mode's loop, memory nothing wrote since), so the draft is captured and replayed first
-    # and held while the verify is timed, as a round runs them.
+    # The verify reads what its round's draft made (a tree's node slots and mask: tensors of whichever graph
+    # captured the draft last, whose memory other graphs' replays may have written since; after device mode's
+    # loop, slots out of range), so the draft is captured and replayed first and held while the verify is timed,
+    # as a round runs them.
     drafted = captured(draft_levels, spec.stream)
     d = replay_ms(drafted, spec.stream) / step_ms
     v = graph_ms(verify, spec.stream) / step_ms
