@@ -22,7 +22,9 @@ each with tokens/s over the span served, time to the first token and time betwee
 p99 (benchmarks/serving.py says how each is taken; every request arrives at the start, so a
 request's time to its first token includes its wait for a slot: at B = 1, up to 15 requests'),
 tokens a round (tau, from each request's accepted drafts read back with its tokens) and the
-decoder's setup seconds. Then the best chain at each B and decoding against the plain decoding. One
+decoder's setup seconds. Then, at each B and decoding, the best chain and the adaptive configuration
+against the plain decoding (--fixed-at B,B: the fixed chains at those B's alone, elsewhere the plain decoding
+and the adaptive configuration, which issue 48's bars read; a lease short of time). One
 table; with --json, the figures, written again as each B ends, and a picture beside them (PATH with
 .png; matplotlib, the plot extra); with --resume too, added to the report there: a run of every B
 that one call's time limit cuts into several, on one machine's pair, is one table and one picture
@@ -33,7 +35,7 @@ matplotlib).
 pair (`make pair`).
 
     PYTHONPATH=. python -m benchmarks.served [--quick] [--json PATH [--resume]] [--pair DIR] [--batches 1,8,32,64,128]
-        [--rounds M] [--projection few_rows]
+        [--rounds M] [--projection few_rows] [--fixed-at 1]
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from typing import Any
 from .headline import MODES, describe, measure_batches, opened, pair_arguments, save
 from .needs import PAIR, needs
 from .serving import figures, request_stream
-from .torch_common import PLAIN_ATTENDS, TORCH_M, projected, pyplot, release
+from .torch_common import PLAIN_ATTENDS, TORCH_M, listed, projected, pyplot, release
 from memra_cuda import Geometry
 from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.rounds.serving import Request, Served
@@ -121,6 +123,24 @@ def best(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def summary_lines(rows: Sequence[Mapping[str, Any]], tops: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A line for each B and decoding served: its best fixed chain (best(); none where --fixed-at
+    left the chains out) and the adaptive configuration, each against the plain decoding, the
+    adaptive against the best chain too, with their p99 times between tokens."""
+    lines = []
+    for batch, mode in sorted({(row["batch"], row["mode"]) for row in rows if not row["config"].startswith("plain")}):
+        top = next((top for top in tops if (top["batch"], top["mode"]) == (batch, mode)), None)
+        parts = [] if top is None else [f"best chain {top['config']} {top['tokens_per_s']:.0f} tokens/s, "
+                                         f"{top['vs_plain']:.2f}x plain, TBT p99 {1e3 * top['tbt_p99_s']:.2f} ms"]
+        for row in rows:
+            if (row["batch"], row["mode"]) == (batch, mode) and row["config"].startswith("adaptive"):
+                against = "" if top is None else f", {row['tokens_per_s'] / top['tokens_per_s']:.1%} of the best chain"
+                parts.append(f"{row['config']} {row['tokens_per_s']:.0f} tokens/s, {row['vs_plain']:.2f}x plain"
+                             f"{against}, TBT p99 {1e3 * row['tbt_p99_s']:.2f} ms")
+        lines.append(f"  B = {batch:>3} {mode:9} " + "; ".join(parts))
+    return lines
+
+
 HEADER = (f"{'B':>4} {'decoding':9} {'config':10} {'tokens/s':>9} {'vs plain':>8} {'tau':>5} {'TTFT p50 ms':>11} "
           f"{'p99':>8} {'TBT p50 ms':>10} {'p99':>7} {'setup s':>7}")
 
@@ -164,15 +184,15 @@ def _served(decoder: Any, requests: Sequence[Request], batch: int) -> list[Serve
 
 
 def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, quick: bool,
-                 m_rounds: int) -> list[dict]:
-    """B's rows: the plain decoding, then each chain and the adaptive configuration, greedy and
-    sampled, in caches of one capacity."""
+                 m_rounds: int, fixed: bool = True) -> list[dict]:
+    """B's rows: the plain decoding, then each chain (where `fixed`) and the adaptive
+    configuration, greedy and sampled, in caches of one capacity."""
     from memra_cuda.torch import GraphedGreedy, SamplingParams, SpeculativeLlama, capacity_for
     from memra_cuda.errors import NotFused
     requests = stream_for(heldout, batch, target.config.eos_token_id, quick)
-    chains = CHAINS[batch][:1] if quick else CHAINS[batch]
+    chains = (CHAINS[batch][:1] if quick else CHAINS[batch]) if fixed else ()
     capacity = capacity_for(max(len(r.prompt) for r in requests), max(r.max_new_tokens for r in requests),
-                            Geometry(max(*chains, ADAPTIVE[batch][0]), m_rounds, batch))
+                            Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), m_rounds, batch))
     rows = []
     for attention in PLAIN_ATTENDS:
         begun = time.perf_counter()
@@ -228,17 +248,20 @@ def resumed(path: str | Path, pair: Mapping[str, Any], m_rounds: int, quick: boo
 
 def served_headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
                     json_path: str | Path | None = None, m_rounds: int = TORCH_M, resume: bool = False,
-                    projection: str | None = None) -> dict:
+                    projection: str | None = None, fixed_at: Sequence[int] | None = None) -> dict:
     """The section (the module's docstring): prints the table and the best at each B, returns
     the report; with `json_path`, written after each B and at the end, the picture beside it;
     with `resume`, the report there keeps its other B's rows (resumed). `projection`: every
-    compiled step's, the plain decoding's too (projected; None: the library's default)."""
+    compiled step's, the plain decoding's too (projected; None: the library's default).
+    `fixed_at`: the B's whose fixed chains run (None: every B; elsewhere the plain decoding and
+    the adaptive configuration alone, what issue 48's bars read there)."""
     with projected(projection) as used:
-        return _served_headline(quick, pair, batches, json_path, m_rounds, resume, used)
+        return _served_headline(quick, pair, batches, json_path, m_rounds, resume, used, fixed_at)
 
 
 def _served_headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | None,
-                     json_path: str | Path | None, m_rounds: int, resume: bool, projection: str) -> dict:
+                     json_path: str | Path | None, m_rounds: int, resume: bool, projection: str,
+                     fixed_at: Sequence[int] | None = None) -> dict:
     """served_headline()'s run, every compiled step's projections `projection`'s."""
     from memra_cuda.torch import load_model
     where, _, heldout, info, machine, date = opened(pair)
@@ -264,18 +287,13 @@ def _served_headline(quick: bool, pair: str | Path | None, batches: Sequence[int
         return dict(name=name, machine=machine, date=date, pair=info, quick=quick, m_rounds=m_rounds,
                     projection=projection,
                     batches=sorted({row["batch"] for row in rows} | set(batches)), rows=rows, best=best(rows))
-    rows = measure_batches(batches, lambda batch: _bench_batch(target, draft, heldout, batch, quick, m_rounds),
+    rows = measure_batches(batches, lambda batch: _bench_batch(target, draft, heldout, batch, quick, m_rounds,
+                                                               fixed_at is None or batch in fixed_at),
                            None if json_path is None else lambda rows: save(out(rows), json_path))
     result = out(rows)
-    rows = result["rows"]
-    print(f"\nbest chain at each B and decoding ({name}):")
-    for top in result["best"]:
-        adaptive = [row for row in rows if (row["batch"], row["mode"]) == (top["batch"], top["mode"])
-                    and row["config"].startswith("adaptive")]
-        beside = "".join(f"; adaptive {row['vs_plain']:.2f}x plain, {row['tokens_per_s'] / top['tokens_per_s']:.1%} "
-                         f"of the best chain, TBT p99 {1e3 * row['tbt_p99_s']:.2f} ms" for row in adaptive)
-        print(f"  B = {top['batch']:>3} {top['mode']:9} {top['config']:10} {top['tokens_per_s']:9.0f} tokens/s, "
-              f"{top['vs_plain']:.2f}x plain, TBT p99 {1e3 * top['tbt_p99_s']:.2f} ms{beside}", flush=True)
+    print(f"\nthe best chain and the adaptive configuration at each B and decoding ({name}):")
+    for line in summary_lines(result["rows"], result["best"]):
+        print(line, flush=True)
     if json_path is not None:
         save(result, json_path)
         plot(result, Path(json_path).with_suffix(".png"))
@@ -290,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="add to the report at --json: its rows of other B's "
                         "are kept where it is of this pair, M, --quick and --projection (a run of every B cut into "
                         "several by a machine's time limit, on one machine's pair)")
+    parser.add_argument("--fixed-at", type=lambda text: listed(text, BATCHES, int), metavar="B,B",
+                        help="the B's whose fixed chains run (default every B; elsewhere the plain decoding and the "
+                        "adaptive configuration alone: a lease short of time)")
     args = parser.parse_args(argv)
     if args.resume and args.json is None:
         parser.error("--resume adds to the report at --json PATH: name one")
@@ -299,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--rounds: {exc}")
     needs("benchmarks.served", PAIR, gpu=True)
-    served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume, args.projection)
+    served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume, args.projection,
+                    args.fixed_at)
     return 0
 
 

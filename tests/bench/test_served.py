@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.served import ADAPTIVE, CHAINS, best, format_row, plains, row_of, servable, stream_for, tau
+from benchmarks.served import (ADAPTIVE, CHAINS, best, format_row, plains, row_of, servable, stream_for,
+                               summary_lines, tau)
 from benchmarks.torch_common import PLAIN_ATTENDS
 from memra_cuda.rounds import Served
 
@@ -100,9 +101,36 @@ def test_the_rounds_a_burst_are_refused_at_parsing_before_the_pair_loads(monkeyp
     ran = []
     monkeypatch.setattr(serving, "needs", lambda *args, **kwargs: None)  # the run is stubbed: nothing to need
     monkeypatch.setattr(serving, "served_headline", lambda *args: ran.append(args))
-    assert serving.main(["--rounds", "8", "--batches", "1"]) == 0 and ran[0][-3] == 8
+    assert serving.main(["--rounds", "8", "--batches", "1"]) == 0 and ran[0][-4] == 8
     for rounds in ("0", "-3", str(2**31)):
         with pytest.raises(SystemExit) as exited:
             serving.main(["--rounds", rounds])
         assert exited.value.code == 2 and "--rounds: m_rounds must be" in capsys.readouterr().err
     assert len(ran) == 1
+
+
+def test_the_summary_sets_the_adaptive_configuration_beside_the_best_chain_or_alone_where_none_ran():
+    """A line a B and decoding: the best fixed chain and the adaptive configuration against the
+    plain decoding (and the adaptive against that chain); where --fixed-at left B's chains out,
+    the adaptive configuration alone, against the plain decoding."""
+    plain = row_of(8, "greedy", "plain sdpa", [served(100, None, at=2.0)], 1.0, None)
+    chain = dict(row_of(8, "greedy", "chain k=2", [served(150, 90, at=2.0)], 30.0, 50.0), tbt_p99_s=0.0011)
+    adaptive = dict(row_of(8, "greedy", "adaptive k=4", [served(120, 60, at=2.0)], 30.0, 50.0), tbt_p99_s=0.0009)
+    alone = dict(row_of(32, "sampling", "adaptive k=3", [served(200, 90, at=2.0)], 30.0, 80.0), tbt_p99_s=0.002)
+    rows = [plain, chain, adaptive, row_of(32, "greedy", "plain flex", [served(160, None, at=2.0)], 1.0, None), alone]
+    first, second = summary_lines(rows, best(rows))
+    assert first == ("  B =   8 greedy    best chain chain k=2 75 tokens/s, 1.50x plain, TBT p99 1.10 ms; "
+                     "adaptive k=4 60 tokens/s, 1.20x plain, 80.0% of the best chain, TBT p99 0.90 ms")
+    assert second == "  B =  32 sampling  adaptive k=3 100 tokens/s, 1.25x plain, TBT p99 2.00 ms"
+
+
+def test_fixed_at_names_the_batches_whose_chains_run_and_refuses_another(monkeypatch, capsys):
+    from benchmarks import served as serving
+    ran = []
+    monkeypatch.setattr(serving, "needs", lambda *args, **kwargs: None)
+    monkeypatch.setattr(serving, "served_headline", lambda *args: ran.append(args))
+    assert serving.main(["--fixed-at", "1,128"]) == 0 and ran[-1][-1] == [1, 128]
+    assert serving.main([]) == 0 and ran[-1][-1] is None
+    with pytest.raises(SystemExit) as exited:
+        serving.main(["--fixed-at", "2"])
+    assert exited.value.code == 2 and "--fixed-at" in capsys.readouterr().err
