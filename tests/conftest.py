@@ -2,6 +2,11 @@
 with the driver's reason where there is no GPU, or fails them under MEMRA_REQUIRE_GPU=1 (set by
 `make gpu-test`, so a machine that lost its GPU cannot pass for a green GPU run).
 
+A test that leaves the device with a sticky fault (a kernel's illegal address, a device-side
+assert: sticky_fault) ends its pytest-xdist worker after its report, and xdist starts a fresh
+one for the tests still to run: in the worker that went on, every later test failed at its
+set-up (stop 72: one fault, 92 failures after it).
+
 Skips are summarised at the end as one line per distinct reason with its count (pyproject's
 addopts report failures and errors in full, `-rfE`, not each skip): without a GPU, hundreds of
 tests skip for the same reason. `-rs` (or `-ra`) lists them one by one instead."""
@@ -10,12 +15,18 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from collections import Counter
 
 import pytest
 
 from memra_cuda import Engine
+from memra_cuda.driver.errors import STICKY
 from memra_cuda.errors import CudaUnavailable
+
+# torch's words for the sticky faults (its own CUDA errors name no CUDA_ERROR_ code)
+TORCH_STICKY = ("device-side assert triggered", "an illegal memory access was encountered",
+                "unspecified launch failure", "misaligned address", "an illegal instruction was encountered")
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +97,39 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     torch = sys.modules.get("torch")  # imported by an earlier test, never here
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def sticky_fault(text: str) -> bool:
+    """Whether a failure's text names a fault after which the process's CUDA context is unusable."""
+    return any(name in text for name in STICKY) or any(words in text for words in TORCH_STICKY)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Marks a test whose setup or call failed on a sticky fault (sticky_fault), for its teardown."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when in ("setup", "call") and report.failed and sticky_fault(str(report.longrepr)):
+        item.stash[FAULTED] = True
+
+
+FAULTED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """In a pytest-xdist worker, after the report of a test that left a sticky fault was sent,
+    the worker ends: xdist names the test as the one its worker crashed in and runs the rest in a
+    fresh worker, where this one's context would fail every test after it."""
+    if item.stash.get(FAULTED, False) and os.environ.get("PYTEST_XDIST_WORKER"):
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:  # the words reach the worker's stderr, not the test's captured output
+            capture.suspend_global_capture(in_=False)
+        sys.stderr.write(f"{item.nodeid} left a sticky CUDA fault: ending worker "
+                         f"{os.environ['PYTEST_XDIST_WORKER']} for a fresh one\n")
+        sys.stderr.flush()
+        time.sleep(1.0)  # execnet's thread sends the call's report before the process goes
+        os._exit(70)
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

@@ -1,6 +1,7 @@
 """The suite's own rules, checked on the CPU: a GPU test that wants the GPU to itself (it reads the
 device's free memory, or fills most of its memory) is marked `alone`, so that `make gpu-test
-GPU_JOBS=N` runs it after the others and by itself, and a pytest-xdist worker skips it."""
+GPU_JOBS=N` runs it after the others and by itself, and a pytest-xdist worker skips it; a test
+that leaves a sticky fault ends its pytest-xdist worker, whose tests after it would all fail."""
 from __future__ import annotations
 
 import ast
@@ -45,3 +46,21 @@ def test_a_pytest_xdist_worker_skips_the_tests_marked_alone_with_the_reason():
     assert run.returncode == 0, run.stdout + run.stderr
     assert "2 skipped" in run.stdout and "SKIPPED [2]" in run.stdout and "wants the GPU to itself" in run.stdout, \
         run.stdout
+
+
+def test_a_worker_ends_after_the_report_of_a_test_that_left_a_sticky_fault_and_not_before():
+    """conftest's teardown hook, in a pytest-xdist worker (PYTEST_XDIST_WORKER, as test_a_pytest_
+    xdist_worker_skips... sets it: xdist itself starts a fresh worker for the rest): a plain
+    failure goes on, the sticky fault's report is written and the process ends (70) before the
+    next test; outside a worker the fault is one failure among the others."""
+    stand_in = str(TESTS / "sticky_stand_in.py")
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", stand_in]
+    env = dict(os.environ, PYTEST_XDIST_WORKER="gw0")
+    worker = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 70, worker.stdout + worker.stderr
+    assert "test_a_plain_failure_first FAILED" in worker.stdout and "test_then_a_sticky_fault FAILED" in worker.stdout
+    assert "test_then_one_the_faulted_context_would_fail" not in worker.stdout, worker.stdout
+    assert "test_then_a_sticky_fault left a sticky CUDA fault: ending worker gw0" in worker.stderr
+    env.pop("PYTEST_XDIST_WORKER")
+    alone = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 1 and "2 failed, 1 passed" in alone.stdout, alone.stdout + alone.stderr
