@@ -104,6 +104,9 @@ def sticky_fault(text: str) -> bool:
     return any(name in text for name in STICKY) or any(words in text for words in TORCH_STICKY)
 
 
+FAULTED = pytest.StashKey[bool]()  # a test's setup or call failed on a sticky fault
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Marks a test whose setup or call failed on a sticky fault (sticky_fault), for its teardown."""
@@ -111,9 +114,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     if report.when in ("setup", "call") and report.failed and sticky_fault(str(report.longrepr)):
         item.stash[FAULTED] = True
-
-
-FAULTED = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(tryfirst=True)
