@@ -248,7 +248,7 @@ def resumed(path: str | Path, pair: Mapping[str, Any], m_rounds: int, quick: boo
 
 def served_headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
                     json_path: str | Path | None = None, m_rounds: int = TORCH_M, resume: bool = False,
-                    projection: str | None = None, fixed_at: Sequence[int] | None = None) -> dict:
+                    fixed_at: Sequence[int] | None = None, projection: str | None = None) -> dict:
     """The section (the module's docstring): prints the table and the best at each B, returns
     the report; with `json_path`, written after each B and at the end, the picture beside it;
     with `resume`, the report there keeps its other B's rows (resumed). `projection`: every
@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--rounds: {exc}")
     needs("benchmarks.served", PAIR, gpu=True)
-    served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume, args.projection,
-                    args.fixed_at)
+    served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume, args.fixed_at,
+                    args.projection)
     return 0
 
 

@@ -129,8 +129,8 @@ def test_fixed_at_names_the_batches_whose_chains_run_and_refuses_another(monkeyp
     ran = []
     monkeypatch.setattr(serving, "needs", lambda *args, **kwargs: None)
     monkeypatch.setattr(serving, "served_headline", lambda *args: ran.append(args))
-    assert serving.main(["--fixed-at", "1,128"]) == 0 and ran[-1][-1] == [1, 128]
-    assert serving.main([]) == 0 and ran[-1][-1] is None
+    assert serving.main(["--fixed-at", "1,128"]) == 0 and ran[-1][-2] == [1, 128]
+    assert serving.main([]) == 0 and ran[-1][-2] is None
     with pytest.raises(SystemExit) as exited:
         serving.main(["--fixed-at", "2"])
     assert exited.value.code == 2 and "--fixed-at" in capsys.readouterr().err
