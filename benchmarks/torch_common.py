@@ -169,7 +169,6 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
     drafted = captured(draft_levels, spec.stream)
     d = replay_ms(drafted, spec.stream) / step_ms
     v = graph_ms(verify, spec.stream) / step_ms
-    del drafted
     return [dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d,
                          sum(sent[1:]), step_ms), setup_s=spec.setup_seconds, launch=mode)
             for mode, sent, seconds, taken in timed]
