@@ -32,13 +32,13 @@ torch, transformers and tokenizers, a GPU, and the pair: `make pair` trains it (
 or finds it in its cache (seconds); `make bench-torch` runs it first.
 --projection sets how every compiled step multiplies its projections, the baseline's too
 (docs/compiled.md; the settings say which).
---modes graph,device times each chain and tree in each of round-stream's modes, from one decoder
-captured for both (device mode: one launch a generation, its loop captured before the first
-request; its rows say "device"); the baseline stays the graphed plain loop, a graph of 16 steps a
-readback.
+--modes graph,overlap,device times each chain and tree in each of round-stream's modes named, from
+one decoder captured for them all (overlap: the burst graphs two deep, the next queued before the
+last is read; device mode: one launch a generation, its loop captured before the first request;
+their rows say so); the baseline stays the graphed plain loop, a graph of 16 steps a readback.
 
     PYTHONPATH=. python -m benchmarks.headline [--quick] [--json PATH] [--pair DIR] [--batches 1,8,32,128]
-                                              [--chains 3,6] [--trees N|S,D] [--modes graph,device]
+                                              [--chains 3,6] [--trees N|S,D] [--modes graph,overlap]
                                               [--projection few_rows]
 
 Run time on one H200 (2026-12-02): B = 1 to 32 and B = 128's greedy rows took about four and a
@@ -69,10 +69,12 @@ TOKENS, QUICK_TOKENS = 128, 32  # new tokens a row: as many as the pair's agreem
 ONE_ROW_PROMPTS, QUICK_ONE_ROW = 8, 2  # B = 1: one prompt's tau is one file's luck (code repeats itself)
 CHAIN_KS = (2, 3, 4, 6, 8)
 # round-stream's modes a chain or tree may be timed in (--modes): a burst graph and a readback each
-# up to M rounds (the default, a server's), or device mode's one launch a generation, no readback
-# until its end (at B = 1 the readbacks between bursts are a share of a request's time: RESULTS.md,
-# "The headline at B = 1 with a verify in one kernel")
-LAUNCHES = ("graph", "device")
+# up to M rounds (the default, a server's); overlap's burst graphs two deep, the next queued before
+# the last is read, so the host's turn-around between bursts (its wait, Pace, the next graph's
+# launch) runs beside the GPU's rounds; or device mode's one launch a generation, no readback
+# until its end (at B = 1 the time between bursts is a share of a request's: RESULTS.md, "The
+# headline at B = 1 in graph and device mode" and "... served at B = 8 to 128")
+LAUNCHES = ("graph", "overlap", "device")
 TreeCounts = int | tuple[int, int]  # --trees: the first N static and dynamic trees each, or (static, dynamic)
 # Hugging Face's drafts a round. Its eager steps are the host's launches, a target step (11.2 ms on
 # the H200) about five draft steps whatever their tokens, so by pair.py's costs and chain tau its
@@ -238,8 +240,8 @@ def floor_ms(weight_bytes: int, bytes_per_s: float) -> float:
 # -- the picks ----------------------------------------------------------------------------------
 
 def served_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows a server's choice is made from: every row but those timed in device mode, which
-    runs a whole batch in one launch and serves no stream (a server steps bursts)."""
+    """The rows a server's choice is made from, graph mode's: a server steps one burst at a time,
+    where overlap keeps two in flight and device mode runs a whole batch in one launch."""
     return [row for row in rows if row.get("launch", "graph") == "graph"]
 
 
@@ -338,24 +340,29 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict]:
             for batch in sorted(plain) for mode in MODES if batch in picks.get(mode, {})]
 
 
-def device_summary(rows: Sequence[dict[str, Any]]) -> list[dict]:
-    """Each B and decoding that ran in device mode (--modes): its fastest chain or tree there
-    beside graph mode's fastest, each with its speed-up and the share of its ideal it reached."""
+def launch_summary(rows: Sequence[dict[str, Any]]) -> list[dict]:
+    """Each B and decoding where some chain or tree ran in a mode beside graph mode (--modes):
+    the fastest in each mode that ran there, in LAUNCHES' order, with its speed-up and the share
+    of its ideal it reached (`launches` names the modes; `{mode}_{field}` holds each figure)."""
     best = fastest(rows, lambda row: (row["batch"], row["mode"], row.get("launch", "graph")))
-    return [dict(batch=batch, mode=mode, **{
-                f"{launch}_{field}": row_label(row) if field == "config" else row[field]
-                for launch, row in ((launch, best[batch, mode, launch]) for launch in LAUNCHES)
-                for field in ("config", "tokens_per_s", "vs_plain", "reached")})
-            for batch in sorted({row["batch"] for row in rows}) for mode in MODES
-            if all((batch, mode, launch) in best for launch in LAUNCHES)]
+    out = []
+    for batch in sorted({row["batch"] for row in rows}):
+        for mode in MODES:
+            ran = [launch for launch in LAUNCHES if (batch, mode, launch) in best]
+            if len(ran) > 1:
+                out.append(dict(batch=batch, mode=mode, launches=ran, **{
+                    f"{launch}_{field}": row_label(row) if field == "config" else row[field]
+                    for launch, row in ((launch, best[batch, mode, launch]) for launch in ran)
+                    for field in ("config", "tokens_per_s", "vs_plain", "reached")}))
+    return out
 
 
-def device_line(summary: Mapping[str, Any]) -> str:
-    """device_summary's line: B and decoding, device mode's fastest, then graph mode's."""
+def launch_line(summary: Mapping[str, Any]) -> str:
+    """launch_summary's line: B and decoding, then each mode's fastest."""
     return (f"B = {summary['batch']} {summary['mode']}: " + ", ".join(
         f"{launch} mode's fastest {summary[f'{launch}_config']} {summary[f'{launch}_tokens_per_s']:.0f} tok/s "
         f"({summary[f'{launch}_vs_plain']:.2f}x, {summary[f'{launch}_reached']:.0%} of its ideal)"
-        for launch in ("device", "graph")))
+        for launch in summary["launches"]))
 
 
 def _report(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[str, Any],
@@ -365,7 +372,7 @@ def _report(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[
     null for the chain, "PLAIN" not to speculate)."""
     picks = derive_picks(rows)
     return dict(model=dict(info), machine=machine, date=date, settings=dict(settings), floor=dict(floor),
-                rows=[dict(row) for row in rows], best=summarise(rows), device=device_summary(rows),
+                rows=[dict(row) for row in rows], best=summarise(rows), launches=launch_summary(rows),
                 picks={mode: {batch: row["source"] for batch, row in sorted(by_b.items())}
                        for mode, by_b in picks.items()})
 
@@ -373,12 +380,12 @@ def _report(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[
 def assemble(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[str, Any],
              floor: Mapping[str, float], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The section's JSON (_report), its summary printed, a line a B and decoding (and, where
-    some ran in device mode, a line a B and decoding of the fastest in each mode)."""
+    some ran in overlap or device mode, a line a B and decoding of the fastest in each mode)."""
     report = _report(info, machine, date, settings, floor, rows)
     for summary in report["best"]:
         print(summary_line(summary), flush=True)
-    for summary in report["device"]:
-        print(device_line(summary), flush=True)
+    for summary in report["launches"]:
+        print(launch_line(summary), flush=True)
     return report
 
 
@@ -578,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
                         "static and D dynamic (default all)")
     parser.add_argument("--modes", type=lambda text: listed(text, LAUNCHES),
                         help=f"round-stream's modes each chain and tree runs in, of {','.join(LAUNCHES)} (default "
-                        f"{LAUNCHES[0]}; device: one launch a generation, its loop captured before the first)")
+                        f"{LAUNCHES[0]}; overlap: two bursts in flight; device: one launch a generation, its "
+                        "loop captured before the first)")
     args = parser.parse_args(argv)
     needs("benchmarks.headline", PAIR, gpu=True)
     headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees, args.modes, args.projection)

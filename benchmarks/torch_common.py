@@ -64,10 +64,10 @@ def tree_label(tree: Any) -> str:
 
 
 def row_label(row: dict) -> str:
-    """A measured configuration's name in the table: k=... for a chain; ", device" where it ran
-    in device mode (`launch`; graph mode unsaid)."""
+    """A measured configuration's name in the table: k=... for a chain; ", overlap" or ", device"
+    where it ran in that mode (`launch`; graph mode unsaid)."""
     name = f"k={row['config']}" if row["kind"] == "chain" else row["config"]
-    return name + (", device" if row.get("launch") == "device" else "")
+    return name + ("" if row.get("launch", "graph") == "graph" else f", {row['launch']}")
 
 
 # The plain decoding's one-token step, attending by SDPA over the whole cache (measured faster at one
@@ -138,11 +138,12 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
                        modes: Sequence[str] = ("graph",)) -> list[dict]:
     """figures() of one chain or tree of `model` and `draft` (default its self-speculative one)
     over the groups of requests (a generation each, time_generations) in each of round-stream's
-    `modes` ("graph": a burst graph and a readback each up to M rounds; "device": one launch a
-    generation), one decoder captured for them all, its round's draft and then its verify each
-    captured alone on the decoder's stream after the generations, in target steps: a dict a mode, its
-    `launch`. The decoder goes when this returns, for release() to give its memory back: at
-    B = 128 a sampled tree holds p and q of [B][T+1][32000] floats."""
+    `modes` ("graph": a burst graph and a readback each up to M rounds; "overlap": two such bursts
+    in flight; "device": one launch a generation), one decoder captured for them all, its round's
+    draft and then its verify each captured alone on the decoder's stream after the generations,
+    in target steps: a dict a mode, its `launch`. The decoder goes when this returns, for
+    release() to give its memory back: at B = 128 a sampled tree holds p and q of [B][T+1][32000]
+    floats."""
     from memra_cuda.torch.timing import captured, graph_ms, replay_ms
     spec, verify, draft_levels = decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft,
                                          modes=modes)

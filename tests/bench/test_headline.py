@@ -113,24 +113,26 @@ def test_the_projection_named_reaches_the_run_and_another_is_argparses_error(pro
 
 
 def test_the_modes_named_reach_the_run_and_a_device_row_says_so(monkeypatch, capsys):
-    """--modes (round-stream's graph and device) is passed to the run, each once; left out, None
-    (graph mode alone); another mode (readback, overlap: no headline's) is argparse's error. A row
-    timed in device mode is labelled so, one in graph mode as before."""
+    """--modes (round-stream's graph, overlap and device) is passed to the run, each once; left
+    out, None (graph mode alone); another mode (readback, eager: no headline's) is argparse's
+    error. A row timed in overlap or device mode is labelled so, one in graph mode as before."""
     from benchmarks import headline
     from benchmarks.torch_common import row_label
     ran = []
     monkeypatch.setattr(headline, "needs", lambda *args, **kwargs: None)
     monkeypatch.setattr(headline, "headline", lambda *args: ran.append(args))
     assert headline.main(["--modes", "graph,device", "--batches", "1"]) == 0 and ran[-1][-2] == ["graph", "device"]
+    assert headline.main(["--modes", "overlap,graph", "--batches", "1"]) == 0 and ran[-1][-2] == ["overlap", "graph"]
     assert headline.main(["--batches", "1"]) == 0 and ran[-1][-2] is None
-    for bad in ("overlap", "device,device"):
+    for bad in ("readback", "eager", "device,device"):
         with pytest.raises(SystemExit) as exited:
             headline.main(["--modes", bad])
-        assert exited.value.code == 2 and "graph, device, each once" in capsys.readouterr().err
-    assert len(ran) == 2
+        assert exited.value.code == 2 and "graph, overlap, device, each once" in capsys.readouterr().err
+    assert len(ran) == 3
     chain = dict(kind="chain", config=4)
     assert row_label(chain) == row_label(dict(chain, launch="graph")) == "k=4"
     assert row_label(dict(chain, launch="device")) == "k=4, device"
+    assert row_label(dict(chain, launch="overlap")) == "k=4, overlap"
     assert row_label(dict(kind="static", config="k=8, 1 leaf", launch="device")) == "k=8, 1 leaf, device"
 
 
@@ -316,30 +318,41 @@ def test_the_picks_print_as_picked_takes_them():
     assert "PLAIN where" not in text  # every pick beats the graphed greedy target
 
 
-def test_device_modes_rows_are_summed_up_apart_and_never_picked_for_a_server():
-    """--modes graph,device: the picks (tree_for_batch's, for servers, which step bursts) and the
-    best of each kind come from graph mode's rows alone, whatever device mode's; a line a B and
-    decoding sets the fastest in each mode side by side, labelled."""
-    from benchmarks.headline import device_line, device_summary, summarise
+def test_other_modes_rows_are_summed_up_apart_and_never_picked_for_a_server():
+    """--modes graph,overlap,device: the picks (tree_for_batch's, for servers, which step one
+    burst at a time) and the best of each kind come from graph mode's rows alone, whatever the
+    other modes'; a line a B and decoding sets the fastest in each mode that ran there side by
+    side, in graph, overlap, device order, labelled; a B where graph mode alone ran has none."""
+    from benchmarks.headline import launch_line, launch_summary, summarise
     graphed = [dict(r, launch="graph") if r["kind"] in ("chain", "static", "dynamic") else r for r in TABLE]
-    fast = [dict(r, launch="device", tokens_per_s=r["tokens_per_s"] * 1.5, vs_plain=r["vs_plain"] * 1.5,
-                 reached=r["reached"] * 1.5)
-            for r in graphed if r.get("launch") == "graph" and r["batch"] == 1 and r["kind"] == "chain"]
-    both = graphed + fast  # B = 1: the chain in device mode outruns every tree in graph mode
+
+    def sped(launch, by):
+        return [dict(r, launch=launch, tokens_per_s=r["tokens_per_s"] * by, vs_plain=r["vs_plain"] * by,
+                     reached=r["reached"] * by)
+                for r in graphed if r.get("launch") == "graph" and r["batch"] == 1 and r["kind"] == "chain"]
+    device, overlap = sped("device", 1.5), sped("overlap", 1.25)
+    both = graphed + device  # B = 1: the chain in device mode outruns every tree in graph mode
+    every = graphed + device + overlap
     def named(picks):
         return {mode: {b: (r["kind"], r["config"]) for b, r in by_b.items()} for mode, by_b in picks.items()}
-    assert named(derive_picks(both)) == named(derive_picks(TABLE))
-    assert summarise(both) == summarise(graphed) and [s["chosen"] for s in summarise(both)] == \
-        [s["chosen"] for s in summarise(TABLE)]
-    assert device_summary(TABLE) == [] and device_summary(graphed) == []
-    (greedy, sampled) = device_summary(both)
+    assert named(derive_picks(both)) == named(derive_picks(every)) == named(derive_picks(TABLE))
+    assert summarise(both) == summarise(every) == summarise(graphed) and \
+        [s["chosen"] for s in summarise(every)] == [s["chosen"] for s in summarise(TABLE)]
+    assert launch_summary(TABLE) == [] and launch_summary(graphed) == []
+    (greedy, sampled) = launch_summary(both)
+    assert greedy["launches"] == ["graph", "device"] and "overlap_config" not in greedy
     assert (greedy["batch"], greedy["mode"], greedy["device_config"], greedy["graph_config"]) == \
         (1, "greedy", "k=4, device", "k=6, 1 leaf")
     assert greedy["device_tokens_per_s"] == 2850.0 and greedy["graph_tokens_per_s"] == 2100.0
     assert sampled["device_config"] == "k=4, device" and sampled["graph_config"] == "k=4"
-    line = device_line(greedy)
-    assert line.startswith("B = 1 greedy: device mode's fastest k=4, device 2850 tok/s (2.85x, ")
-    assert "graph mode's fastest k=6, 1 leaf 2100 tok/s (2.10x, " in line
+    line = launch_line(greedy)
+    assert line.startswith("B = 1 greedy: graph mode's fastest k=6, 1 leaf 2100 tok/s (2.10x, ")
+    assert line.index("graph mode's") < line.index("device mode's fastest k=4, device 2850 tok/s (2.85x, ")
+    (greedy, _) = launch_summary(every)
+    assert greedy["launches"] == ["graph", "overlap", "device"] and greedy["overlap_config"] == "k=4, overlap"
+    line = launch_line(greedy)
+    assert line.index("graph mode's") < line.index("overlap mode's fastest k=4, overlap 2375 tok/s") < \
+        line.index("device mode's")
 
 
 @pytest.mark.parametrize("left_out", [("dynamic",), ("static", "dynamic"), ("chain",)])
@@ -398,8 +411,8 @@ def test_the_json_holds_the_pair_the_machine_the_floor_the_rows_the_best_and_the
     settings = dict(batches=[1, 8], tokens=128, one_row_prompts=8, prompt_len=128, m_rounds=16, hf_k=4)
     floor = dict(weight_bytes=182_000_000, copy_bytes_per_s=4.0e12, floor_ms=0.0455)
     report = json.loads(json.dumps(assemble(info, "NVIDIA H200", "2026-12-03", settings, floor, TABLE)))
-    assert set(report) == {"model", "machine", "date", "settings", "floor", "rows", "best", "device", "picks"}
-    assert report["device"] == [], "no row ran in device mode"
+    assert set(report) == {"model", "machine", "date", "settings", "floor", "rows", "best", "launches", "picks"}
+    assert report["launches"] == [], "no row ran in overlap or device mode"
     assert report["model"]["key"] == "3f2a9c1e0b7d" and report["model"]["target"]["heldout_loss"] == 2.187
     assert report["machine"] == "NVIDIA H200" and report["floor"] == floor and report["settings"] == settings
     assert len(report["rows"]) == len(TABLE)

@@ -101,7 +101,8 @@ def test_a_trained_pairs_greedy_tokens_are_the_targets_own(pair, batches, kind, 
 
 def test_the_headline_runs_on_the_trained_pair(trained, capsys):
     from benchmarks.headline import HEADER, SPECULATIVE, headline
-    report = json.loads(json.dumps(headline(quick=True, pair=trained, batches=(1,), launches=("graph", "device"))))
+    launches = ("graph", "overlap", "device")
+    report = json.loads(json.dumps(headline(quick=True, pair=trained, batches=(1,), launches=launches)))
     out = capsys.readouterr().out
     assert HEADER in out and f"pair {trained.name} (" in out and torch.cuda.get_device_name() in out
     assert report["machine"] == torch.cuda.get_device_name() and report["model"]["key"] == trained.name
@@ -109,9 +110,12 @@ def test_the_headline_runs_on_the_trained_pair(trained, capsys):
     assert [(row["mode"], row["kind"], row.get("launch")) for row in rows] == [
         ("greedy", "plain", None), ("greedy", "HF", None), ("greedy", "HF", None), ("sampling", "HF", None),
         *((mode, kind, launch) for mode in ("greedy", "sampling") for kind in SPECULATIVE
-          for launch in ("graph", "device"))]
-    for graphed, device in zip(rows[4::2], rows[5::2]):  # the same tokens, so the same rounds, whatever the launch
-        assert device["tau"] == graphed["tau"] and device["config"] == graphed["config"], (graphed, device)
+          for launch in launches)]
+    for graphed, *others in zip(*(rows[4 + i::3] for i in range(3))):  # the same tokens, so the same rounds
+        for other in others:
+            assert other["tau"] == graphed["tau"] and other["config"] == graphed["config"], (graphed, other)
+    assert [(s["batch"], s["mode"], s["launches"]) for s in report["launches"]] == \
+        [(1, mode, list(launches)) for mode in ("greedy", "sampling")]
     plain = rows[0]
     assert 0 < report["floor"]["floor_ms"] == plain["floor_ms"] < plain["step_ms"], "no step reads faster than HBM"
     for row in rows:
