@@ -40,6 +40,7 @@ pair (`make pair`).
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -119,26 +120,35 @@ def best(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         chains = [row for row in rows if (row["batch"], row["mode"]) == key and row["config"].startswith("chain")]
         top = max(chains, key=lambda row: row["tokens_per_s"])
         out.append(dict(batch=key[0], mode=key[1], config=top["config"], tokens_per_s=top["tokens_per_s"],
-                        vs_plain=top["vs_plain"], tbt_p99_s=top["tbt_p99_s"]))
+                        vs_plain=top["vs_plain"], tbt_p99_s=top["tbt_p99_s"],
+                        tbt_p99_mid_s=top.get("tbt_p99_mid_s")))
     return out
 
 
 def summary_lines(rows: Sequence[Mapping[str, Any]], tops: Sequence[Mapping[str, Any]]) -> list[str]:
     """A line for each B and decoding served: its best fixed chain (best(); none where --fixed-at
     left the chains out) and the adaptive configuration, each against the plain decoding, the
-    adaptive against the best chain too, with their p99 times between tokens."""
+    adaptive against the best chain too, with their p99 times between tokens (and, where the row
+    has it, that p99 without each request's last readback: benchmarks/serving.py)."""
     lines = []
     for batch, mode in sorted({(row["batch"], row["mode"]) for row in rows if not row["config"].startswith("plain")}):
         top = next((top for top in tops if (top["batch"], top["mode"]) == (batch, mode)), None)
         parts = [] if top is None else [f"best chain {top['config']} {top['tokens_per_s']:.0f} tokens/s, "
-                                         f"{top['vs_plain']:.2f}x plain, TBT p99 {1e3 * top['tbt_p99_s']:.2f} ms"]
+                                         f"{top['vs_plain']:.2f}x plain, {tbt_text(top)}"]
         for row in rows:
             if (row["batch"], row["mode"]) == (batch, mode) and row["config"].startswith("adaptive"):
                 against = "" if top is None else f", {row['tokens_per_s'] / top['tokens_per_s']:.1%} of the best chain"
                 parts.append(f"{row['config']} {row['tokens_per_s']:.0f} tokens/s, {row['vs_plain']:.2f}x plain"
-                             f"{against}, TBT p99 {1e3 * row['tbt_p99_s']:.2f} ms")
+                             f"{against}, {tbt_text(row)}")
         lines.append(f"  B = {batch:>3} {mode:9} " + "; ".join(parts))
     return lines
+
+
+def tbt_text(row: Mapping[str, Any]) -> str:
+    """A row's p99 time between tokens, and without each request's last readback where it has it."""
+    mid = row.get("tbt_p99_mid_s")  # NaN where no request read back thrice; absent from earlier runs' rows
+    return f"TBT p99 {1e3 * row['tbt_p99_s']:.2f} ms" + ("" if mid is None or math.isnan(mid) else
+                                                          f" ({1e3 * mid:.2f} without a request's last readback)")
 
 
 HEADER = (f"{'B':>4} {'decoding':9} {'config':10} {'tokens/s':>9} {'vs plain':>8} {'tau':>5} {'TTFT p50 ms':>11} "

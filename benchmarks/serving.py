@@ -10,7 +10,10 @@ The figures, for a stream served through B slots, plain and speculative alike:
   at once (a burst's), so each token after a request's first readback is given that readback's
   wait since the request's previous one, shared by the tokens it brought. A token costs its share
   of a burst; a slow burst (a prefill of another row's request ahead of it) shows in p99. The
-  tokens of a request's first readback count in its TTFT, not here.
+  tokens of a request's first readback count in its TTFT, not here. Beside it, the p99 without
+  each request's last readback (tbt_p99_mid_s): a request that stops mid-burst waits for the
+  burst's end, so its last readback's few tokens share a whole burst's wait, and the longer a
+  burst (a speculative round makes several tokens a row), the more that weighs in p99.
 
 Percentiles are nearest-rank: a value observed, never one between two.
 """
@@ -49,16 +52,20 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[math.ceil(q / 100 * len(ordered)) - 1] if ordered else math.nan
 
 
-def between_tokens(served: Served) -> list[float]:
+def between_tokens(served: Served, last: bool = True) -> list[float]:
     """The time between tokens of each of a request's tokens after its first readback (the
-    module's docstring says how), one value a token; its readbacks told apart by their times."""
+    module's docstring says how), one value a token; its readbacks told apart by their times.
+    `last=False` leaves out its last readback's (the burst it stopped in)."""
     readbacks = [(at, len(list(tokens))) for at, tokens in itertools.groupby(served.arrivals)]
+    if not last:
+        readbacks = readbacks[:-1]
     return [(at - before) / count for (before, _), (at, count) in zip(readbacks, readbacks[1:]) for _ in range(count)]
 
 
 def figures(served: Sequence[Served]) -> dict[str, float]:
     """A stream's figures (the module's docstring): tokens_per_s, ttft_p50_s, ttft_p99_s,
-    tbt_p50_s, tbt_p99_s, and the requests, refused and cancelled among them, and tokens."""
+    tbt_p50_s, tbt_p99_s, tbt_p99_mid_s, and the requests, refused and cancelled among them, and
+    tokens."""
     ran = [out for out in served if out.refused is None]
     tokens = sum(len(out.tokens) for out in ran)
     span = max((out.finished for out in ran), default=0.0) - min((out.submitted for out in ran), default=0.0)
@@ -67,5 +74,6 @@ def figures(served: Sequence[Served]) -> dict[str, float]:
     return dict(tokens_per_s=tokens / span if span > 0 else math.nan,
                 ttft_p50_s=percentile(first, 50), ttft_p99_s=percentile(first, 99),
                 tbt_p50_s=percentile(gaps, 50), tbt_p99_s=percentile(gaps, 99),
+                tbt_p99_mid_s=percentile([gap for out in ran for gap in between_tokens(out, last=False)], 99),
                 requests=len(served), refused=len(served) - len(ran), cancelled=sum(out.cancelled for out in ran),
                 tokens=tokens)

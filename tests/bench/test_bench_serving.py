@@ -39,6 +39,7 @@ def test_a_readbacks_wait_is_shared_by_the_tokens_it_brought():
     next two waited 3 s between them (1.5 s each), the last 1 s."""
     served = Served([1] * 6, 0.0, 0.0, [2.0] * 3 + [5.0] * 2 + [6.0], 6.0)
     assert between_tokens(served) == [1.5, 1.5, 1.0]
+    assert between_tokens(served, last=False) == [1.5, 1.5], "the last readback (at 6 s) left out"
     assert between_tokens(Served([1], 0.0, 0.0, [2.0], 2.0)) == []
     assert between_tokens(Served([], 0.0, 0.0, [], 0.0)) == []
 
@@ -52,6 +53,7 @@ def test_the_figures_of_a_stream():
     assert got["tokens_per_s"] == pytest.approx(9 / 8)  # 9 tokens from 0 s to 8 s
     assert (got["ttft_p50_s"], got["ttft_p99_s"]) == (3.0, 5.0)  # 2, 3 and 5 s
     assert (got["tbt_p50_s"], got["tbt_p99_s"]) == (1.5, 4.0)  # 1.5, 1.5, 1 and 4 s
+    assert got["tbt_p99_mid_s"] == 1.5, "without each request's last readback: 1.5 and 1.5 s"
     assert (got["requests"], got["refused"], got["cancelled"], got["tokens"]) == (4, 1, 1, 9)
     empty = figures([Served([], 0.0, None, [], 0.0, refused="request 0 refused: no")])
     assert math.isnan(empty["tokens_per_s"]) and math.isnan(empty["ttft_p50_s"]) and empty["tokens"] == 0
