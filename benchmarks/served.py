@@ -24,7 +24,10 @@ request's time to its first token includes its wait for a slot: at B = 1, up to 
 tokens a round (tau, from each request's accepted drafts read back with its tokens) and the
 decoder's setup seconds. Then, at each B and decoding, the best chain and the adaptive configuration
 against the plain decoding (--fixed-at B,B: the fixed chains at those B's alone, elsewhere the plain decoding
-and the adaptive configuration, which issue 48's bars read; a lease short of time). One
+and the adaptive configuration, which issue 48's bars read; a lease short of time). --adaptive-rounds M,M
+serves the adaptive configuration again at each of those M's (its rows say "M=..."): a request that stops
+mid-burst waits for the burst's end, so its last tokens' wait, and the p99 time between tokens, grow with a
+burst's wall, which a speculative round of several tokens a row lengthens. One
 table; with --json, the figures, written again as each B ends, and a picture beside them (PATH with
 .png; matplotlib, the plot extra); with --resume too, added to the report there: a run of every B
 that one call's time limit cuts into several, on one machine's pair, is one table and one picture
@@ -35,10 +38,11 @@ matplotlib).
 pair (`make pair`).
 
     PYTHONPATH=. python -m benchmarks.served [--quick] [--json PATH [--resume]] [--pair DIR] [--batches 1,8,32,64,128]
-        [--rounds M] [--projection few_rows] [--fixed-at 1]
+        [--rounds M] [--projection few_rows] [--fixed-at 1] [--adaptive-rounds 8,4]
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -49,7 +53,7 @@ from typing import Any
 from .headline import MODES, describe, measure_batches, opened, pair_arguments, save
 from .needs import PAIR, needs
 from .serving import figures, request_stream
-from .torch_common import PLAIN_ATTENDS, TORCH_M, listed, projected, pyplot, release
+from .torch_common import PLAIN_ATTENDS, TORCH_M, bounded, listed, projected, pyplot, release
 from memra_cuda import Geometry
 from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.rounds.serving import Request, Served
@@ -151,13 +155,13 @@ def tbt_text(row: Mapping[str, Any]) -> str:
                                                           f" ({1e3 * mid:.2f} without a request's last readback)")
 
 
-HEADER = (f"{'B':>4} {'decoding':9} {'config':10} {'tokens/s':>9} {'vs plain':>8} {'tau':>5} {'TTFT p50 ms':>11} "
+HEADER = (f"{'B':>4} {'decoding':9} {'config':16} {'tokens/s':>9} {'vs plain':>8} {'tau':>5} {'TTFT p50 ms':>11} "
           f"{'p99':>8} {'TBT p50 ms':>10} {'p99':>7} {'setup s':>7}")
 
 
 def format_row(row: Mapping[str, Any]) -> str:
     tau_text = "" if row["tau"] is None else f"{row['tau']:.2f}"
-    return (f"{row['batch']:>4} {row['mode']:9} {row['config']:10} {row['tokens_per_s']:9.0f} {row['vs_plain']:7.2f}x "
+    return (f"{row['batch']:>4} {row['mode']:9} {row['config']:16} {row['tokens_per_s']:9.0f} {row['vs_plain']:7.2f}x "
             f"{tau_text:>5} {1e3 * row['ttft_p50_s']:11.1f} {1e3 * row['ttft_p99_s']:8.1f} "
             f"{1e3 * row['tbt_p50_s']:10.2f} {1e3 * row['tbt_p99_s']:7.2f} {row['setup_s']:7.1f}")
 
@@ -174,7 +178,8 @@ def plot(report: Mapping[str, Any], path: str | Path) -> None:
     for mode, color in zip(MODES, ("b", "r")):
         top = [row for row in report["best"] if row["mode"] == mode]
         ax.plot([r["batch"] for r in top], [r["tokens_per_s"] for r in top], f"{color}-s", label=f"best chain, {mode}")
-        adaptive = [row for row in report["rows"] if row["mode"] == mode and row["config"].startswith("adaptive")]
+        adaptive = [row for row in report["rows"] if row["mode"] == mode and row["config"].startswith("adaptive")
+                    and row.get("rounds", report["m_rounds"]) == report["m_rounds"]]  # --adaptive-rounds' apart
         ax.plot([r["batch"] for r in adaptive], [r["tokens_per_s"] for r in adaptive], f"{color}--^",
                 label=f"adaptive, {mode}")
     ax.set(xscale="log", yscale="log", xlabel="slots (B)", ylabel="tokens/s served", title=report["name"])
@@ -194,15 +199,16 @@ def _served(decoder: Any, requests: Sequence[Request], batch: int) -> list[Serve
 
 
 def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, quick: bool,
-                 m_rounds: int, fixed: bool = True) -> list[dict]:
+                 m_rounds: int, fixed: bool = True, adaptive_rounds: Sequence[int] = ()) -> list[dict]:
     """B's rows: the plain decoding, then each chain (where `fixed`) and the adaptive
-    configuration, greedy and sampled, in caches of one capacity."""
+    configuration (again at each of `adaptive_rounds`' other M's), greedy and sampled, in caches
+    of one capacity, every row's M its `rounds`."""
     from memra_cuda.torch import GraphedGreedy, SamplingParams, SpeculativeLlama, capacity_for
     from memra_cuda.errors import NotFused
     requests = stream_for(heldout, batch, target.config.eos_token_id, quick)
     chains = (CHAINS[batch][:1] if quick else CHAINS[batch]) if fixed else ()
     capacity = capacity_for(max(len(r.prompt) for r in requests), max(r.max_new_tokens for r in requests),
-                            Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), m_rounds, batch))
+                            Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), max(m_rounds, *adaptive_rounds), batch))
     rows = []
     for attention in PLAIN_ATTENDS:
         begun = time.perf_counter()
@@ -213,7 +219,8 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
         plain_decoder.server()  # its burst's graph and every prefill graph, as a chain's setup_seconds count them
         setup = time.perf_counter() - begun
         label = f"plain {attention}"
-        rows.append(row_of(batch, "greedy", label, _served(plain_decoder, requests, batch), setup, None))
+        rows.append(dict(row_of(batch, "greedy", label, _served(plain_decoder, requests, batch), setup, None),
+                         rounds=m_rounds))
         del plain_decoder
         release()
     plain = max(row["tokens_per_s"] for row in rows)  # the baseline: the faster plain decoding
@@ -221,18 +228,21 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
         row["vs_plain"] = row["tokens_per_s"] / plain
         print(format_row(row), flush=True)
     k, widths = ADAPTIVE[batch]
-    configs = [(f"chain k={chain}", chain, ()) for chain in chains] + [(f"adaptive k={k}", k, widths)]
+    configs = [(f"chain k={chain}", chain, (), m_rounds) for chain in chains]
+    configs += [(f"adaptive k={k}" + ("" if m == m_rounds else f" M={m}"), k, widths, m)
+                for m in dict.fromkeys((m_rounds, *adaptive_rounds))]
     for mode, sampling in zip(MODES, (None, SamplingParams(1.0))):
-        for label, chain, narrower in configs:
+        for label, chain, narrower, rounds in configs:
             try:
-                spec = SpeculativeLlama(target, draft, k=chain, m_rounds=m_rounds, capacity=capacity, batch=batch,
+                spec = SpeculativeLlama(target, draft, k=chain, m_rounds=rounds, capacity=capacity, batch=batch,
                                         sampling=sampling, widths=narrower)
             except SwitchUnsupported as missing:
                 release()
-                print(f"{batch:>4} {mode:9} {label:10} skipped: {missing}", flush=True)
+                print(f"{batch:>4} {mode:9} {label:16} skipped: {missing}", flush=True)
                 continue
             spec.capture(("graph",))
-            rows.append(row_of(batch, mode, label, _served(spec, requests, batch), spec.setup_seconds, plain))
+            rows.append(dict(row_of(batch, mode, label, _served(spec, requests, batch), spec.setup_seconds, plain),
+                             rounds=rounds))
             del spec
             release()
             print(format_row(rows[-1]), flush=True)
@@ -258,20 +268,22 @@ def resumed(path: str | Path, pair: Mapping[str, Any], m_rounds: int, quick: boo
 
 def served_headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
                     json_path: str | Path | None = None, m_rounds: int = TORCH_M, resume: bool = False,
-                    fixed_at: Sequence[int] | None = None, projection: str | None = None) -> dict:
+                    fixed_at: Sequence[int] | None = None, adaptive_rounds: Sequence[int] = (),
+                    projection: str | None = None) -> dict:
     """The section (the module's docstring): prints the table and the best at each B, returns
     the report; with `json_path`, written after each B and at the end, the picture beside it;
     with `resume`, the report there keeps its other B's rows (resumed). `projection`: every
     compiled step's, the plain decoding's too (projected; None: the library's default).
     `fixed_at`: the B's whose fixed chains run (None: every B; elsewhere the plain decoding and
-    the adaptive configuration alone, what issue 48's bars read there)."""
+    the adaptive configuration alone, what issue 48's bars read there). `adaptive_rounds`: other
+    M's the adaptive configuration is served at too."""
     with projected(projection) as used:
-        return _served_headline(quick, pair, batches, json_path, m_rounds, resume, used, fixed_at)
+        return _served_headline(quick, pair, batches, json_path, m_rounds, resume, used, fixed_at, adaptive_rounds)
 
 
 def _served_headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | None,
                      json_path: str | Path | None, m_rounds: int, resume: bool, projection: str,
-                     fixed_at: Sequence[int] | None = None) -> dict:
+                     fixed_at: Sequence[int] | None = None, adaptive_rounds: Sequence[int] = ()) -> dict:
     """served_headline()'s run, every compiled step's projections `projection`'s."""
     from memra_cuda.torch import load_model
     where, _, heldout, info, machine, date = opened(pair)
@@ -298,7 +310,8 @@ def _served_headline(quick: bool, pair: str | Path | None, batches: Sequence[int
                     projection=projection,
                     batches=sorted({row["batch"] for row in rows} | set(batches)), rows=rows, best=best(rows))
     rows = measure_batches(batches, lambda batch: _bench_batch(target, draft, heldout, batch, quick, m_rounds,
-                                                               fixed_at is None or batch in fixed_at),
+                                                               fixed_at is None or batch in fixed_at,
+                                                               adaptive_rounds),
                            None if json_path is None else lambda rows: save(out(rows), json_path))
     result = out(rows)
     print(f"\nthe best chain and the adaptive configuration at each B and decoding ({name}):")
@@ -308,6 +321,15 @@ def _served_headline(quick: bool, pair: str | Path | None, batches: Sequence[int
         save(result, json_path)
         plot(result, Path(json_path).with_suffix(".png"))
     return result
+
+
+def rounds_listed(text: str) -> list[int]:
+    """--adaptive-rounds' M's: positive ints, each once (argparse's type; what a ring holds is
+    checked against each B's geometry after parsing)."""
+    rounds = [bounded(item, 1) for item in text.split(",")]
+    if len(set(rounds)) != len(rounds):
+        raise argparse.ArgumentTypeError(f"M's each once, not {text!r}")
+    return rounds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixed-at", type=lambda text: listed(text, BATCHES, int), metavar="B,B",
                         help="the B's whose fixed chains run (default every B; elsewhere the plain decoding and the "
                         "adaptive configuration alone: a lease short of time)")
+    parser.add_argument("--adaptive-rounds", type=rounds_listed, metavar="M,M",
+                        default=(), help="other M's the adaptive configuration is served at too, each its own rows "
+                        "(a request's last tokens wait for its burst's end: what a shorter burst buys and costs)")
     args = parser.parse_args(argv)
     if args.resume and args.json is None:
         parser.error("--resume adds to the report at --json PATH: name one")
@@ -329,9 +354,15 @@ def main(argv: list[str] | None = None) -> int:
             Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), args.rounds, batch)
     except ValueError as exc:
         parser.error(f"--rounds: {exc}")
+    try:
+        for batch in args.batches or BATCHES:
+            for rounds in args.adaptive_rounds:
+                Geometry(ADAPTIVE[batch][0], rounds, batch)
+    except ValueError as exc:
+        parser.error(f"--adaptive-rounds: {exc}")
     needs("benchmarks.served", PAIR, gpu=True)
     served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume, args.fixed_at,
-                    args.projection)
+                    args.adaptive_rounds, args.projection)
     return 0
 
 

@@ -101,7 +101,7 @@ def test_the_rounds_a_burst_are_refused_at_parsing_before_the_pair_loads(monkeyp
     ran = []
     monkeypatch.setattr(serving, "needs", lambda *args, **kwargs: None)  # the run is stubbed: nothing to need
     monkeypatch.setattr(serving, "served_headline", lambda *args: ran.append(args))
-    assert serving.main(["--rounds", "8", "--batches", "1"]) == 0 and ran[0][-4] == 8
+    assert serving.main(["--rounds", "8", "--batches", "1"]) == 0 and ran[0][-5] == 8
     for rounds in ("0", "-3", str(2**31)):
         with pytest.raises(SystemExit) as exited:
             serving.main(["--rounds", rounds])
@@ -134,8 +134,70 @@ def test_fixed_at_names_the_batches_whose_chains_run_and_refuses_another(monkeyp
     ran = []
     monkeypatch.setattr(serving, "needs", lambda *args, **kwargs: None)
     monkeypatch.setattr(serving, "served_headline", lambda *args: ran.append(args))
-    assert serving.main(["--fixed-at", "1,128"]) == 0 and ran[-1][-2] == [1, 128]
-    assert serving.main([]) == 0 and ran[-1][-2] is None
+    assert serving.main(["--fixed-at", "1,128"]) == 0 and ran[-1][-3] == [1, 128]
+    assert serving.main([]) == 0 and ran[-1][-3] is None
     with pytest.raises(SystemExit) as exited:
         serving.main(["--fixed-at", "2"])
     assert exited.value.code == 2 and "--fixed-at" in capsys.readouterr().err
+
+
+def test_adaptive_rounds_names_other_ms_the_adaptive_configuration_is_served_at(monkeypatch, capsys):
+    """--adaptive-rounds M,M reaches the run (before the projection, which stays last); none
+    given, none; a repeated or non-positive M is argparse's error, and so is one no B's ring
+    holds (Geometry's refusal at parsing, naming the option), nothing run."""
+    from benchmarks import served as serving
+    ran = []
+    monkeypatch.setattr(serving, "needs", lambda *args, **kwargs: None)
+    monkeypatch.setattr(serving, "served_headline", lambda *args: ran.append(args))
+    assert serving.main(["--adaptive-rounds", "8,4", "--batches", "128"]) == 0 and ran[-1][-2] == [8, 4]
+    assert serving.main(["--projection", "inductor"]) == 0 and ran[-1][-2] == () and ran[-1][-1] == "inductor"
+    for bad, why in (("8,8", "each once"), ("0", "a count of 1 or more"), ("x", "a count of 1 or more"),
+                     (str(2**31), "--adaptive-rounds: m_rounds must be")):
+        with pytest.raises(SystemExit) as exited:
+            serving.main(["--adaptive-rounds", bad])
+        assert exited.value.code == 2 and why in capsys.readouterr().err, bad
+    assert len(ran) == 2
+
+
+def test_each_m_of_adaptive_rounds_serves_the_adaptive_configuration_again_its_rows_saying_so(monkeypatch):
+    """_bench_batch with --adaptive-rounds 8,4,16 at M = 16: the plain decoding at M = 16, then the
+    adaptive configuration at M = 16 (unsaid), 8 and 4 (said, 16 not twice), greedy and sampled,
+    each decoder built with its own M, in caches sized for the widest M; every row its `rounds`.
+    The decoders are stand-ins (the plumbing is what is checked; tests/pytorch serve for real)."""
+    pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
+    import memra_cuda.torch as mt
+    from benchmarks import served as serving
+    built, sized = [], []
+
+    class Plain:
+        def __init__(self, target, capacity, batch, steps, attention):
+            built.append(("plain", attention, steps, capacity))
+
+        def server(self):
+            return self
+
+    class Spec:
+        setup_seconds = 1.0
+
+        def __init__(self, target, draft, *, k, m_rounds, capacity, batch, sampling, widths):
+            built.append(("spec", k, m_rounds, capacity, tuple(widths), sampling is None))
+
+        def capture(self, modes):
+            assert modes == ("graph",)
+
+    monkeypatch.setattr(mt, "GraphedGreedy", Plain)
+    monkeypatch.setattr(mt, "SpeculativeLlama", Spec)
+    monkeypatch.setattr(mt, "capacity_for", lambda prompt, new, geometry: sized.append(geometry.m_rounds) or 999)
+    monkeypatch.setattr(serving, "release", lambda: None)
+    monkeypatch.setattr(serving, "_served", lambda decoder, requests, batch: [
+        Served([1] * 10, 0.0, 0.0, [1.0] * 5 + [2.0] * 5, 2.0, accepted=None if isinstance(decoder, Plain) else 4)])
+    target = type("Target", (), {"config": type("Config", (), {"eos_token_id": 0})()})()
+    rows = serving._bench_batch(target, None, HELDOUT, 128, False, 16, fixed=False, adaptive_rounds=[8, 4, 16])
+    k, widths = ADAPTIVE[128]
+    assert sized == [16]
+    assert [(row["mode"], row["config"], row["rounds"]) for row in rows] == [
+        *(("greedy", f"plain {attention}", 16) for attention in PLAIN_ATTENDS),
+        *((mode, f"adaptive k={k}{label}", m) for mode in ("greedy", "sampling")
+          for label, m in (("", 16), (" M=8", 8), (" M=4", 4)))]
+    assert [b[2] for b in built if b[0] == "spec"] == [16, 8, 4, 16, 8, 4]
+    assert all(b[1] == k and b[4] == tuple(widths) for b in built if b[0] == "spec")
