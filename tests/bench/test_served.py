@@ -94,6 +94,22 @@ def test_a_resumed_report_keeps_its_other_batches_only_where_it_is_of_this_pair_
         resumed(path, pair, 16, False, [64], "inductor")
 
 
+def test_a_pair_is_the_same_where_its_weights_are_and_its_agreement_measured_again_may_move():
+    """same_pair: one key's deterministic training, measured again on another lease (top-1 93.04%
+    against 93.1%, a loss 0.0004 nats off), is the same pair; another key, shape or size, or a
+    held-out loss past the evaluation's noise (a pair trained again another way), is not."""
+    from benchmarks.served import LOSS_NOISE, same_pair
+    mine = {"key": "431e93f7075e", "target": {"layers": 12, "params": 97536768, "heldout_loss": 2.12},
+            "draft": {"layers": 2, "params": 9832320, "heldout_loss": 2.2111}, "top": {"1": 0.9304},
+            "overlap_t1": 0.7767}
+    again = dict(mine, top={"1": 0.931}, overlap_t1=0.7771, draft=dict(mine["draft"], heldout_loss=2.2115))
+    assert same_pair(mine, again) and same_pair(again, mine)
+    for other in (dict(mine, key="620e7b973acb"), dict(mine, target=dict(mine["target"], layers=16)),
+                  dict(mine, target=dict(mine["target"], heldout_loss=2.12 + 2 * LOSS_NOISE)),
+                  {k: v for k, v in mine.items() if k != "draft"}, None):
+        assert not same_pair(mine, other), other
+
+
 def test_the_rounds_a_burst_are_refused_at_parsing_before_the_pair_loads(monkeypatch, capsys):
     """--rounds 0 (or past a ring's room) met Geometry's refusal in the first B's decoders, after
     the pair had loaded; argparse's error naming --rounds now (exit 2), with nothing run."""
