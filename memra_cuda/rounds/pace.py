@@ -9,32 +9,41 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..driver.values import as_flag, as_size, exact_array
+import math
+
+from ..driver.values import as_flag, as_real, as_size, exact_array
 
 
 class Pace:
     """How many rounds the next burst of a generation runs.
 
     Each live row is expected to need its budget left over the tokens a round has committed
-    for it so far (one, before its first readback: no round commits fewer), and the burst runs
-    the most any row needs, rounded down to a power of two (so a stream captures at most
+    for it so far (before its first readback, `rate`: the tokens a round its decoder's last
+    generation made, RoundStream.rate, or one, fewer than which no round commits), and the burst
+    runs the most any row needs, rounded down to a power of two (so a stream captures at most
     log2(M) graphs more), at most M. A burst that falls short costs one short burst more; a
     row that stops at an EOS cannot be foreseen. With `cut` False every burst runs M rounds.
+    A burst queued behind one in flight (overlap mode) counts that one's expected tokens, so
+    without `rate` it ran a whole M past a request that needed a few rounds more.
 
     Each argument is checked here (TypeError or ValueError naming it): budgets are ints (2.7
     was truncated to 2, "5" read as 5), M an int of at least 1 (0 made every burst 0 rounds),
-    `cut` a bool.
+    `cut` a bool, `rate` a finite number of at least 1.
     """
 
-    def __init__(self, budgets: np.ndarray, m_rounds: int, cut: bool = True):
+    def __init__(self, budgets: np.ndarray, m_rounds: int, cut: bool = True, rate: float = 1.0):
         try:  # exact_array's refusal names no argument
             self.budgets = exact_array(budgets, np.int64)
         except (TypeError, ValueError) as refusal:
             raise type(refusal)(f"budgets: {refusal}") from None
         self.m_rounds, self.cut = as_size(m_rounds, "m_rounds"), as_flag(cut, "cut")
+        self.rate = as_real(rate, "rate")
+        if not (math.isfinite(self.rate) and self.rate >= 1.0):
+            raise ValueError(f"rate is the tokens a round commits, at least 1 and finite, not {rate!r}")
         self.generated = np.zeros_like(self.budgets)
         self._rounds = np.zeros_like(self.budgets)  # rounds each row ran live, start to end
         self._leanest = np.ones(self.budgets.shape)  # fewest tokens per round one of its bursts gave
+        self._whole = np.zeros_like(self.budgets)  # tokens of the bursts each row ran whole (live throughout)
 
     @staticmethod
     def lengths(m_rounds: int) -> list[int]:
@@ -48,7 +57,7 @@ class Pace:
         tokens the host has not seen yet."""
         if not self.cut:
             return self.m_rounds
-        rate = np.where(self._rounds > 0, self.generated / np.maximum(self._rounds, 1), 1.0)
+        rate = np.where(self._rounds > 0, self.generated / np.maximum(self._rounds, 1), self.rate)
         left = (self.budgets - self.generated - rate * in_flight)[live]
         # A row that has committed nothing in the rounds it ran gives no rate to divide by: it
         # may need any number of rounds, so it gets the whole M.
@@ -70,6 +79,14 @@ class Pace:
         self._leanest = np.where(first, rate, np.where(stayed_live, np.minimum(self._leanest, rate), self._leanest))
         self.generated += got
         self._rounds[stayed_live] += rounds
+        self._whole[stayed_live] += np.asarray(got)[stayed_live]
+
+    def observed(self) -> float | None:
+        """Tokens a round a row committed over the bursts the rows ran whole (a row's last burst,
+        which it stopped inside, says nothing of its rate); None before any: the next
+        generation's `rate`."""
+        rounds = int(self._rounds.sum())
+        return float(self._whole.sum()) / rounds if rounds else None
 
 
 def pass_lengths(m_rounds: int, paced: bool) -> list[int]:

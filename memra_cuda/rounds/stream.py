@@ -116,6 +116,9 @@ class RoundStream:
         self._events: list[Event] = []
         self._device: DeviceLoop | None = None
         self.rounds = self.bursts = 0  # rounds sent to the GPU, host readbacks they waited for
+        # tokens a round a row made in the last generation that measured one (Pace.observed): the
+        # next generation's rate before its first readback, which sizes a burst queued ahead of it
+        self.rate = 1.0
         # the last step()'s readback while it is waited for: (the ledger's events then, its rounds)
         self._cut: tuple[int, int] | None = None
 
@@ -320,7 +323,7 @@ class RoundStream:
             self.round.capacity.check_burst(bufs.positions, budgets == 0, rounds, bufs.ledger.unseen_rounds)
         bufs.set_stop(stops, budgets.tolist())
         out: list[list[np.ndarray]] = [[] for _ in range(bufs.batch)]
-        pace = Pace(budgets, rounds, cut=self.pace and rounds > 1)
+        pace = Pace(budgets, rounds, cut=self.pace and rounds > 1, rate=self.rate)
         if mode is Mode.OVERLAP:
             if not bufs.done.all():  # rows with nothing to generate need no burst
                 self._generate_overlapped(pace, out)
@@ -340,6 +343,8 @@ class RoundStream:
                 _append(readback, out)
                 if not more:
                     break
+        if (observed := pace.observed()) is not None:
+            self.rate = max(observed, 1.0)
         return [np.concatenate(row) if row else np.zeros(0, np.uint32) for row in out]
 
     def _generate_overlapped(self, pace: Pace, out: list[list[np.ndarray]]) -> None:

@@ -112,3 +112,39 @@ def test_budgets_m_and_the_switches_are_refused_naming_them_where_they_are_given
     pace = Pace([5, 2**40], np.int64(1), cut=np.bool_(True))  # M at its least
     assert pace.rounds(np.array([True, True])) == 1 and pace.budgets.tolist() == [5, 2**40]
     assert Pace.lengths(1) == [1] and pass_lengths(1, True) == [1] and Pace.lengths(np.uint8(4)) == [1, 2, 4]
+
+
+def test_a_known_rate_sizes_the_bursts_before_a_generations_first_readback():
+    """`rate` (the tokens a round the decoder's last generation made) stands for a row's rate until
+    its first readback: a 128-token request at 6.5 a round still opens with M, but the burst
+    queued behind that one (overlap) is the four rounds the rest needs, where one token a round
+    queued a whole M more; a short request opens short. After a readback the row's own rate rules."""
+    assert Pace(np.array([128]), 16, rate=6.5).rounds(LIVE) == 16
+    assert Pace(np.array([128]), 16).rounds(LIVE, in_flight=16) == 16
+    assert Pace(np.array([128]), 16, rate=6.5).rounds(LIVE, in_flight=16) == 4  # 24 left: 3.7 rounds
+    assert Pace(np.array([32]), 16, rate=6.5).rounds(LIVE) == 4
+    assert Pace(np.array([32]), 16, rate=1).rounds(LIVE) == 16
+    pace = Pace(np.array([128]), 16, rate=6.5)
+    pace.record(16, np.array([32]), LIVE)  # two a round, this request's own
+    assert pace.rounds(LIVE) == 16  # 96 left: 48 rounds at its own two
+    assert pace.needed(LIVE, in_flight=16)  # whether a burst is queued ahead: the leanest rate, as before
+
+
+def test_a_generation_observes_the_rate_of_the_bursts_its_rows_ran_whole():
+    """observed(): tokens over rounds of the bursts each row was live throughout (the next
+    generation's rate); a row's burst that it stopped inside, and a generation that ran none
+    whole, say nothing (None)."""
+    pace = Pace(np.array([1000, 1000]), 16)
+    assert pace.observed() is None
+    pace.record(16, np.array([80, 3]), np.array([True, False]))  # row 1 stopped inside
+    assert pace.observed() == 5.0
+    pace.record(8, np.array([16, 0]), np.array([True, False]))
+    assert pace.observed() == 96 / 24
+
+
+def test_a_rate_under_one_token_a_round_or_no_number_is_refused_naming_it():
+    for rate, error in ((0.5, ValueError), (0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+                        (True, TypeError), ("2", TypeError), (None, TypeError)):
+        with pytest.raises(error, match="rate"):
+            Pace(np.array([5]), 4, rate=rate)
+    assert Pace(np.array([5]), 4, rate=np.float32(1.0)).rate == 1.0 and Pace(np.array([5]), 4, rate=3).rate == 3.0
