@@ -7,9 +7,9 @@ the rounds a cut saves, and pacing is turned off.
 """
 from __future__ import annotations
 
-import numpy as np
-
 import math
+
+import numpy as np
 
 from ..driver.values import as_flag, as_real, as_size, exact_array
 
