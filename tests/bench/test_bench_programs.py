@@ -16,7 +16,7 @@ import benchmarks
 
 
 @pytest.mark.parametrize("program", ["benchmarks.bench", "benchmarks.ranks", "benchmarks.headline", "benchmarks.soak",
-                                     "benchmarks.served", "benchmarks.pair_twice"])
+                                     "benchmarks.served", "benchmarks.pair_twice", "benchmarks.launches"])
 def test_each_benchmark_program_prints_its_whole_description_with_help(program):
     root = Path(benchmarks.__file__).absolute().parents[1]  # where this run found `benchmarks`
     run = subprocess.run([sys.executable, "-m", program, "--help"], cwd=root, capture_output=True, text=True,
@@ -40,7 +40,8 @@ def test_the_torch_sections_are_refused_before_any_gpu_is_asked_for_unless_they_
 # The PyTorch programs, each with what it needs beside torch (benchmarks/needs.py's TORCH or PAIR)
 TORCH_PROGRAMS = [("benchmarks.steps", [], "transformers"), ("benchmarks.soak", [], "transformers"),
                   ("benchmarks.headline", [], "tokenizers"), ("benchmarks.served", [], "tokenizers"),
-                  ("benchmarks.bench", ["--only", "torch"], "tokenizers"), ("benchmarks.tiles", [], "triton")]
+                  ("benchmarks.bench", ["--only", "torch"], "tokenizers"), ("benchmarks.tiles", [], "triton"),
+                  ("benchmarks.launches", [], "transformers")]
 # `python -m PROGRAM ARGV...` where torch, transformers and tokenizers are not installed, here or not
 WITHOUT_TORCH = ("import runpy, sys; sys.modules.update(dict.fromkeys(('torch', 'transformers', 'tokenizers'))); "
                  "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")

@@ -1,0 +1,243 @@
+"""What the GPU waits for between a generation's bursts (issue 47): a burst graph's launch on an
+idle GPU against bursts queued back to back, and one request's wall in each of round-stream's
+modes, on random-weight bf16 Llamas of the trained pair's shapes (benchmarks.steps' "target 12 x
+768" and "draft 2 x 384"), B = 1.
+
+At B = 1 a speculative generation spent about 20% of its wall outside its rounds' verifies and
+drafts where the plain loop spent 4%, most of it at the bursts' starts (RESULTS.md, "where a
+round's time goes at B = 1"). Two measurements place it:
+
+- the launch probe: for a graph, the host's time in one launch on an idle GPU ("host"), that
+  launch's whole time to its burst's end ("alone") and a burst's time where five are queued back
+  to back ("queued": the launches' host time hidden behind the GPU's work); alone - queued is
+  what the GPU waits for a launch between bursts in graph mode. On torch graphs of N one-element
+  adds, alone and with one more thing a burst graph holds (a copy to pinned memory, a driver
+  memset, a branch on a second stream joined again); on the plain loop's burst (GraphedGreedy, 16
+  steps); on a chain's (k = 4) and a static tree's (k = 8, a leaf each) burst of 16 rounds as
+  graph mode launches it (RoundStream.graph_for), and on the same 16 rounds alone (no readback);
+- modes: one request of --prompt tokens and --new new ones in graph, overlap and device mode (the
+  fastest of three, after one untimed), its wall, the rounds its row ran and the GPU was sent, and
+  the share of the wall the round's verify and draft fill (v + d, each timed alone as a graph);
+  the plain loop's wall beside its step. Random weights: the draft is never right, so every
+  round makes one token, and a request is many bursts.
+
+    PYTHONPATH=. python -m benchmarks.launches [--new 256] [--prompt 128] [--json PATH] [--quick]
+
+Most of its time is compiling the three decoders' steps (--quick: shorter graphs and a shorter
+request, a smoke run).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .needs import TORCH, needs
+from .torch_common import bounded, release
+
+MODES = ("graph", "overlap", "device")
+EXTRAS = ("", "a copy to pinned memory", "a driver memset", "a branch")  # what a synthetic graph holds beside its adds
+QUEUED = 5  # bursts queued back to back for a launch's "queued" time
+BURST = 16  # the rounds (the plain loop's steps) of the bursts probed: M
+
+
+def launched(label: str, launch: Callable[[], None], synchronize: Callable[[], None],
+             clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """The launch probe of one graph (the module's docstring): `launch` queues it, `synchronize`
+    waits for the GPU. One untimed launch first: a graph's first launch also uploads it."""
+    launch()
+    synchronize()
+    begun = clock()
+    launch()
+    host = clock() - begun
+    synchronize()
+    alone = clock() - begun
+    begun = clock()
+    for _ in range(QUEUED):
+        launch()
+    synchronize()
+    queued = (clock() - begun) / QUEUED
+    return dict(label=label, host_ms=1e3 * host, alone_ms=1e3 * alone, queued_ms=1e3 * queued,
+                wait_ms=1e3 * (alone - queued))
+
+
+def launch_line(row: dict[str, Any]) -> str:
+    return (f"launch probe: {row['label']}: the host's launch {row['host_ms']:.3f} ms; one burst alone "
+            f"{row['alone_ms']:.3f} ms; queued back to back {row['queued_ms']:.3f} ms a burst: the GPU waits "
+            f"{row['wait_ms']:.3f} ms a launch")
+
+
+def mode_line(name: str, mode: str, row: dict[str, Any]) -> str:
+    return (f"modes: {name}, {mode}: {row['tokens']} tokens in {row['rounds']} rounds ({row['sent']} sent) in "
+            f"{row['wall_ms']:.2f} ms, {1e3 * row['wall_ms'] / row['rounds']:.1f} us a round; v + d "
+            f"{row['vd_us']:.1f} us: {row['busy']:.0%} busy")
+
+
+def synthetic(adds: Sequence[int]) -> list[dict[str, Any]]:
+    """The launch probe on a torch graph of each of `adds` one-element adds with each of EXTRAS."""
+    import torch
+    from cuda.bindings import driver as cu
+    x, src, other = (torch.zeros(64, device="cuda") for _ in range(3))
+    pinned = torch.zeros(64, pin_memory=True)
+
+    def probe(n: int, extra: str) -> dict[str, Any]:
+        stream, side, graph = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            x.add_(1)  # torch's lazy set-up, outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(n):
+                x.add_(1)
+                if extra == "a branch" and i == n // 2:
+                    side.wait_stream(stream)
+                    with torch.cuda.stream(side):
+                        other.add_(1)
+                    stream.wait_stream(side)
+            if extra == "a copy to pinned memory":
+                pinned.copy_(src, non_blocking=True)
+            elif extra == "a driver memset":
+                (err,) = cu.cuMemsetD32Async(other.data_ptr(), 0, other.numel(), stream.cuda_stream)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"cuMemsetD32Async: {err!r}")
+
+        def replay() -> None:
+            with torch.cuda.stream(stream):
+                graph.replay()
+        return launched(f"{n} adds{' and ' + extra if extra else ''}", replay, torch.cuda.synchronize)
+
+    return [probe(n, extra) for n in adds for extra in EXTRAS]
+
+
+def spec_rows(name: str, spec: Any, request: Sequence[Any], vd_us: float) -> tuple[dict, list[dict]]:
+    """A speculative decoder's rows: its request's wall in each of MODES, then the launch probe on
+    its graph mode burst of BURST rounds and on the same rounds alone, as a graph of their own."""
+    import torch
+    from memra_cuda import Graph
+    modes = {}
+    for mode in MODES:
+        spec.generate_batch(request, mode)
+        walls, before = [], spec.rounds.rounds
+        for _ in range(3):
+            torch.cuda.synchronize()
+            begun = time.perf_counter()
+            got = spec.generate_batch(request, mode)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - begun)
+        rounds = int(spec.bufs.rounds_run([len(row) for row in got]).max())
+        wall_ms = 1e3 * min(walls)
+        modes[mode] = dict(tokens=len(got[0]), rounds=rounds, sent=(spec.rounds.rounds - before) // 3,
+                           wall_ms=wall_ms, vd_us=vd_us, busy=rounds * vd_us / (1e3 * wall_ms))
+        print(mode_line(name, mode, modes[mode]), flush=True)
+    round_ = spec.rounds.round
+    alone = Graph(spec.engine, functools.partial(round_.issue, BURST), capture=round_.capture, joined=round_.joined)
+    probes = [launched(f"{name}, a burst of {BURST} rounds as graph mode launches it",
+                       spec.rounds.graph_for(0, BURST).launch, torch.cuda.synchronize),
+              launched(f"{name}, the same {BURST} rounds alone", alone.launch, torch.cuda.synchronize)]
+    for row in probes:
+        print(launch_line(row), flush=True)
+    return modes, probes
+
+
+def plain_rows(target: Any, request: Sequence[Any], new: int, prompt: int) -> tuple[dict, dict]:
+    """The plain loop's (GraphedGreedy's) wall for the request beside its step, and the launch
+    probe on its burst of BURST steps."""
+    import torch
+    from memra_cuda.torch import GraphedGreedy
+    from memra_cuda.torch.timing import replay_ms
+    greedy = GraphedGreedy(target, prompt + new + 64, 1, steps=BURST)
+    greedy.capture()
+    greedy.generate_batch(request)
+    torch.cuda.synchronize()
+    begun = time.perf_counter()
+    greedy.generate_batch(request)
+    torch.cuda.synchronize()
+    wall_ms = 1e3 * (time.perf_counter() - begun)
+    graph = greedy.graph
+    if graph is None:
+        raise RuntimeError("GraphedGreedy.capture() left no burst graph to time")
+    step_us = 1e3 * replay_ms(graph, greedy.stream) / greedy.steps
+    plain = dict(wall_ms=wall_ms, step_us=step_us, busy=new * step_us / (1e3 * wall_ms))
+    print(f"modes: plain, graph: {new} tokens in {wall_ms:.2f} ms, {1e3 * wall_ms / new:.1f} us a step; its graph's "
+          f"{step_us:.1f} us: {plain['busy']:.0%} busy", flush=True)
+
+    def replay() -> None:
+        with torch.cuda.stream(greedy.stream):
+            graph.replay()
+    probe = launched(f"the plain loop, a burst of {greedy.steps} steps", replay, torch.cuda.synchronize)
+    print(launch_line(probe), flush=True)
+    return plain, probe
+
+
+def speculative(name: str, spec: Any, request: Sequence[Any], step_us: float) -> tuple[dict, list[dict]]:
+    """A speculative decoder's config row (its verify and draft timed alone, each a graph, the
+    draft first: the verify reads what its round's draft made) and its launch probes (spec_rows)."""
+    import torch
+    from memra_cuda.torch import TreeLlama
+    from memra_cuda.torch.timing import captured, graph_ms, replay_ms
+    spec.capture(MODES)
+    if isinstance(spec, TreeLlama):
+        def drafting() -> None:
+            for level in range(spec.tree.depth + 1):
+                spec.draft_level(level)
+        verify = spec.verify_tree
+    else:
+        drafting, verify = spec.draft_chain, spec.verify_trunk
+    d_us = 1e3 * replay_ms(captured(drafting, spec.stream), spec.stream)
+    v_us = 1e3 * graph_ms(verify, spec.stream)
+    print(f"{name}: v {v_us:.1f} us ({v_us / step_us:.2f} steps), d {d_us:.1f} us ({d_us / step_us:.2f})", flush=True)
+    modes, probes = spec_rows(name, spec, request, v_us + d_us)
+    torch.cuda.synchronize()
+    return dict(name=name, v_us=v_us, d_us=d_us, modes=modes), probes
+
+
+def on_gpu(new: int, prompt: int, adds: Sequence[int]) -> dict[str, Any]:
+    """The whole run (the module's docstring), printed as it goes; its report."""
+    import numpy as np
+    import torch
+    from memra_cuda.buffers.tree import TreeShape
+    from memra_cuda.torch import Request, Room, SpeculativeLlama, TreeLlama
+    from .steps import SHAPES, build
+    report: dict[str, Any] = dict(machine=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), new=new,
+                                  prompt=prompt)
+    report["synthetic"] = synthetic(adds)
+    for row in report["synthetic"]:
+        print(launch_line(row), flush=True)
+    target, draft = build(SHAPES["target 12 x 768"]), build(SHAPES["draft 2 x 384"])
+    request = [Request([int(t) for t in np.random.default_rng(0).integers(1, 8000, prompt)], new, None, 0)]
+    report["plain"], probe = plain_rows(target, request, new, prompt)
+    report["launches"], report["configs"] = [probe], []
+    release()
+    room = Room(prompt, new)
+    for name, make in (("chain k = 4", lambda: SpeculativeLlama(target, draft, k=4, m_rounds=BURST, batch=1,
+                                                                   capacity=room)),
+                       ("static k = 8, 1 leaf", lambda: TreeLlama(target, draft, TreeShape.chain_with_leaves(8, 1),
+                                                                  m_rounds=BURST, batch=1, capacity=room))):
+        config, probes = speculative(name, make(), request, report["plain"]["step_us"])
+        report["configs"].append(config)
+        report["launches"] += probes
+        release()  # the decoder's memory back before the next is built
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.launches", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--new", type=lambda text: bounded(text, 1), default=256, help="new tokens of the request")
+    p.add_argument("--prompt", type=lambda text: bounded(text, 2), default=128, help="its prompt's tokens")
+    p.add_argument("--json", metavar="PATH", help="also write the report here")
+    p.add_argument("--quick", action="store_true", help="graphs of 200 adds and a request of 32 new tokens (a smoke "
+                   "run, not for figures)")
+    args = p.parse_args(argv)
+    needs("benchmarks.launches", TORCH, gpu=True)
+    report = on_gpu(32 if args.quick else args.new, args.prompt, (200,) if args.quick else (2000, 5000))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
