@@ -80,15 +80,16 @@ def synthetic(adds: Sequence[int]) -> list[dict[str, Any]]:
     """The launch probe on a torch graph of each of `adds` one-element adds with each of EXTRAS."""
     import torch
     from cuda.bindings import driver as cu
+    from memra_cuda.torch.adapter import torch_graph
     x, src, other = (torch.zeros(64, device="cuda") for _ in range(3))
     pinned = torch.zeros(64, pin_memory=True)
 
     def probe(n: int, extra: str) -> dict[str, Any]:
-        stream, side, graph = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        stream, side = torch.cuda.Stream(), torch.cuda.Stream()
         with torch.cuda.stream(stream):
             x.add_(1)  # torch's lazy set-up, outside the capture
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
+        with torch_graph(stream) as graph:
             for i in range(n):
                 x.add_(1)
                 if extra == "a branch" and i == n // 2:
