@@ -174,7 +174,8 @@ def plain_rows(target: Any, request: Sequence[Any], new: int, prompt: int) -> tu
 
 def speculative(name: str, spec: Any, request: Sequence[Any], step_us: float) -> tuple[dict, list[dict]]:
     """A speculative decoder's config row (its verify and draft timed alone, each a graph, the
-    draft first: the verify reads what its round's draft made) and its launch probes (spec_rows)."""
+    draft first and held meanwhile: the verify reads what its round's draft made, a tree's node
+    slots from tensors of the graph that captured it last) and its launch probes (spec_rows)."""
     import torch
     from memra_cuda.torch import TreeLlama
     from memra_cuda.torch.timing import captured, graph_ms, replay_ms
@@ -186,8 +187,10 @@ def speculative(name: str, spec: Any, request: Sequence[Any], step_us: float) ->
         verify = spec.verify_tree
     else:
         drafting, verify = spec.draft_chain, spec.verify_trunk
-    d_us = 1e3 * replay_ms(captured(drafting, spec.stream), spec.stream)
+    drafted = captured(drafting, spec.stream)  # held while the verify is timed: it reads this graph's tensors
+    d_us = 1e3 * replay_ms(drafted, spec.stream)
     v_us = 1e3 * graph_ms(verify, spec.stream)
+    del drafted
     print(f"{name}: v {v_us:.1f} us ({v_us / step_us:.2f} steps), d {d_us:.1f} us ({d_us / step_us:.2f})", flush=True)
     modes, probes = spec_rows(name, spec, request, v_us + d_us)
     torch.cuda.synchronize()
