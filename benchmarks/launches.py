@@ -112,9 +112,10 @@ def synthetic(adds: Sequence[int]) -> list[dict[str, Any]]:
     return [probe(n, extra) for n in adds for extra in EXTRAS]
 
 
-def spec_rows(name: str, spec: Any, request: Sequence[Any], vd_us: float) -> tuple[dict, list[dict]]:
-    """A speculative decoder's rows: its request's wall in each of MODES, then the launch probe on
-    its graph mode burst of BURST rounds and on the same rounds alone, as a graph of their own."""
+def spec_rows(name: str, spec: Any, request: Sequence[Any]) -> tuple[dict, list[dict]]:
+    """A speculative decoder's rows: its request's wall in each of MODES (busy is speculative()'s),
+    then the launch probe on its graph mode burst of BURST rounds and on the same rounds alone, as
+    a graph of their own."""
     import torch
     from memra_cuda import Graph
     modes = {}
@@ -130,8 +131,7 @@ def spec_rows(name: str, spec: Any, request: Sequence[Any], vd_us: float) -> tup
         rounds = int(spec.bufs.rounds_run([len(row) for row in got]).max())
         wall_ms = 1e3 * min(walls)
         modes[mode] = dict(tokens=len(got[0]), rounds=rounds, sent=(spec.rounds.rounds - before) // 3,
-                           wall_ms=wall_ms, vd_us=vd_us, busy=rounds * vd_us / (1e3 * wall_ms))
-        print(mode_line(name, mode, modes[mode]), flush=True)
+                           wall_ms=wall_ms)
     round_ = spec.rounds.round
     alone = Graph(spec.engine, functools.partial(round_.issue, BURST), capture=round_.capture, joined=round_.joined)
     probes = [launched(f"{name}, a burst of {BURST} rounds as graph mode launches it",
@@ -173,9 +173,10 @@ def plain_rows(target: Any, request: Sequence[Any], new: int, prompt: int) -> tu
 
 
 def speculative(name: str, spec: Any, request: Sequence[Any], step_us: float) -> tuple[dict, list[dict]]:
-    """A speculative decoder's config row (its verify and draft timed alone, each a graph, the
-    draft first and held meanwhile: the verify reads what its round's draft made, a tree's node
-    slots from tensors of the graph that captured it last) and its launch probes (spec_rows)."""
+    """A speculative decoder's config row and its launch probes (spec_rows): its generations
+    first, then its verify and draft timed alone, each a graph (the draft first and held
+    meanwhile: the verify reads what its round's draft made, a tree's node slots from tensors of
+    the graph that captured it last, as the headline times them), and each mode's busy share."""
     import torch
     from memra_cuda.torch import TreeLlama
     from memra_cuda.torch.timing import captured, graph_ms, replay_ms
@@ -187,12 +188,15 @@ def speculative(name: str, spec: Any, request: Sequence[Any], step_us: float) ->
         verify = spec.verify_tree
     else:
         drafting, verify = spec.draft_chain, spec.verify_trunk
-    drafted = captured(drafting, spec.stream)  # held while the verify is timed: it reads this graph's tensors
+    modes, probes = spec_rows(name, spec, request)
+    drafted = captured(drafting, spec.stream)
     d_us = 1e3 * replay_ms(drafted, spec.stream)
     v_us = 1e3 * graph_ms(verify, spec.stream)
     del drafted
     print(f"{name}: v {v_us:.1f} us ({v_us / step_us:.2f} steps), d {d_us:.1f} us ({d_us / step_us:.2f})", flush=True)
-    modes, probes = spec_rows(name, spec, request, v_us + d_us)
+    for mode, row in modes.items():
+        row.update(vd_us=v_us + d_us, busy=row["rounds"] * (v_us + d_us) / (1e3 * row["wall_ms"]))
+        print(mode_line(name, mode, row), flush=True)
     torch.cuda.synchronize()
     return dict(name=name, v_us=v_us, d_us=d_us, modes=modes), probes
 
