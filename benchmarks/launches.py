@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .headline import save
 from .needs import TORCH, needs
 from .torch_common import bounded, release
 
@@ -242,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     needs("benchmarks.launches", TORCH, gpu=True)
     report = on_gpu(32 if args.quick else args.new, args.prompt, (200,) if args.quick else (2000, 5000))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        save(report, args.json)
     return 0
 
 
