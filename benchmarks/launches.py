@@ -13,8 +13,9 @@ round's time goes at B = 1"). Two measurements place it:
   what the GPU waits for a launch between bursts in graph mode. On torch graphs of N one-element
   adds, alone and with one more thing a burst graph holds (a copy to pinned memory, a driver
   memset, a branch on a second stream joined again); on the plain loop's burst (GraphedGreedy, 16
-  steps); on a chain's (k = 4) and a static tree's (k = 8, a leaf each) burst of 16 rounds as
-  graph mode launches it (RoundStream.graph_for), and on the same 16 rounds alone (no readback);
+  steps); on a chain's (k = 4) and a static tree's (k = 8, a leaf each) burst graph of 16 rounds
+  (RoundStream.graph_for's), on the same 16 rounds alone, and on those with their readback (one
+  copy to pinned memory, one memset) queued after the graph instead of inside it;
 - modes: one request of --prompt tokens and --new new ones in graph, overlap and device mode (the
   fastest of three, after one untimed), its wall, the rounds its row ran and the GPU was sent, and
   the share of the wall the round's verify and draft fill (v + d, each timed alone as a graph);
@@ -40,14 +41,18 @@ from .torch_common import bounded, release
 
 MODES = ("graph", "overlap", "device")
 EXTRAS = ("", "a copy to pinned memory", "a driver memset", "a branch")  # what a synthetic graph holds beside its adds
-QUEUED = 5  # bursts queued back to back for a launch's "queued" time
+QUEUED = 10  # bursts queued back to back for a launch's "queued" time (the clock starts after the first)
 BURST = 16  # the rounds (the plain loop's steps) of the bursts probed: M
 
 
 def launched(label: str, launch: Callable[[], None], synchronize: Callable[[], None],
              clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """The launch probe of one graph (the module's docstring): `launch` queues it, `synchronize`
-    waits for the GPU. One untimed launch first: a graph's first launch also uploads it."""
+    waits for the GPU. One untimed launch first: a graph's first launch also uploads it. The
+    queued bursts' clock starts once the first of them is launched: its launch is hidden behind
+    no burst, and counted in the bursts' time it hid a share of the wait (where the GPU starts a
+    burst while it is being launched, this reads up to a launch's host time / QUEUED short of a
+    burst)."""
     launch()
     synchronize()
     begun = clock()
@@ -55,8 +60,9 @@ def launched(label: str, launch: Callable[[], None], synchronize: Callable[[], N
     host = clock() - begun
     synchronize()
     alone = clock() - begun
+    launch()
     begun = clock()
-    for _ in range(QUEUED):
+    for _ in range(QUEUED - 1):
         launch()
     synchronize()
     queued = (clock() - begun) / QUEUED
@@ -114,8 +120,9 @@ def synthetic(adds: Sequence[int]) -> list[dict[str, Any]]:
 
 def spec_rows(name: str, spec: Any, request: Sequence[Any]) -> tuple[dict, list[dict]]:
     """A speculative decoder's rows: its request's wall in each of MODES (busy is speculative()'s),
-    then the launch probe on its graph mode burst of BURST rounds and on the same rounds alone, as
-    a graph of their own."""
+    then the launch probe on its burst graph of BURST rounds, on the same rounds alone (a graph of
+    their own), and on those with the readback queued after them. The rows are done: the rounds
+    change nothing, and the probe's bursts need no reading back."""
     import torch
     from memra_cuda import Graph
     modes = {}
@@ -134,9 +141,15 @@ def spec_rows(name: str, spec: Any, request: Sequence[Any]) -> tuple[dict, list[
                            wall_ms=wall_ms)
     round_ = spec.rounds.round
     alone = Graph(spec.engine, functools.partial(round_.issue, BURST), capture=round_.capture, joined=round_.joined)
-    probes = [launched(f"{name}, a burst of {BURST} rounds as graph mode launches it",
-                       spec.rounds.graph_for(0, BURST).launch, torch.cuda.synchronize),
-              launched(f"{name}, the same {BURST} rounds alone", alone.launch, torch.cuda.synchronize)]
+    def alone_then_readback() -> None:  # the readback's copy and ring reset queued after the graph, not in it
+        alone.launch()
+        spec.bufs.queue_readback(0)
+    probes = [launched(f"{name}, its burst graph of {BURST} rounds (RoundStream.graph_for's: the rounds, and its "
+                       "readback where the graph holds it)", spec.rounds.graph_for(0, BURST).launch,
+                       torch.cuda.synchronize),
+              launched(f"{name}, the same {BURST} rounds alone", alone.launch, torch.cuda.synchronize),
+              launched(f"{name}, the same {BURST} rounds alone, their readback queued after the graph",
+                       alone_then_readback, torch.cuda.synchronize)]
     for row in probes:
         print(launch_line(row), flush=True)
     return modes, probes

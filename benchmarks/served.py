@@ -201,14 +201,14 @@ def _served(decoder: Any, requests: Sequence[Request], batch: int) -> list[Serve
 def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, quick: bool,
                  m_rounds: int, fixed: bool = True, adaptive_rounds: Sequence[int] = ()) -> list[dict]:
     """B's rows: the plain decoding, then each chain (where `fixed`) and the adaptive
-    configuration (again at each of `adaptive_rounds`' other M's), greedy and sampled, in caches
-    of one capacity, every row's M its `rounds`."""
+    configuration (again at each of `adaptive_rounds`' other M's, none above m_rounds), greedy and
+    sampled, in caches of one capacity (sized at m_rounds), every row's M its `rounds`."""
     from memra_cuda.torch import GraphedGreedy, SamplingParams, SpeculativeLlama, capacity_for
     from memra_cuda.errors import NotFused
     requests = stream_for(heldout, batch, target.config.eos_token_id, quick)
     chains = (CHAINS[batch][:1] if quick else CHAINS[batch]) if fixed else ()
     capacity = capacity_for(max(len(r.prompt) for r in requests), max(r.max_new_tokens for r in requests),
-                            Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), max(m_rounds, *adaptive_rounds), batch))
+                            Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), m_rounds, batch))
     rows = []
     for attention in PLAIN_ATTENDS:
         begun = time.perf_counter()
@@ -380,12 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), args.rounds, batch)
     except ValueError as exc:
         parser.error(f"--rounds: {exc}")
-    try:
-        for batch in args.batches or BATCHES:
-            for rounds in args.adaptive_rounds:
-                Geometry(ADAPTIVE[batch][0], rounds, batch)
-    except ValueError as exc:
-        parser.error(f"--adaptive-rounds: {exc}")
+    if any(rounds > args.rounds for rounds in args.adaptive_rounds):  # the caches, every row's, are sized at M
+        parser.error(f"--adaptive-rounds: each M at most --rounds ({args.rounds}), for which every decoder's caches "
+                     f"are sized (the plain decoding's too), not {args.adaptive_rounds}")
     needs("benchmarks.served", PAIR, gpu=True)
     served_headline(args.quick, args.pair, args.batches, args.json, args.rounds, args.resume, args.fixed_at,
                     args.adaptive_rounds, args.projection)

@@ -159,8 +159,8 @@ def test_fixed_at_names_the_batches_whose_chains_run_and_refuses_another(monkeyp
 
 def test_adaptive_rounds_names_other_ms_the_adaptive_configuration_is_served_at(monkeypatch, capsys):
     """--adaptive-rounds M,M reaches the run (before the projection, which stays last); none
-    given, none; a repeated or non-positive M is argparse's error, and so is one no B's ring
-    holds (Geometry's refusal at parsing, naming the option), nothing run."""
+    given, none; a repeated or non-positive M is argparse's error, and so is one above --rounds
+    (every decoder's caches, the plain decoding's too, are sized at --rounds' M), nothing run."""
     from benchmarks import served as serving
     ran = []
     monkeypatch.setattr(serving, "needs", lambda *args, **kwargs: None)
@@ -168,7 +168,7 @@ def test_adaptive_rounds_names_other_ms_the_adaptive_configuration_is_served_at(
     assert serving.main(["--adaptive-rounds", "8,4", "--batches", "128"]) == 0 and ran[-1][-2] == [8, 4]
     assert serving.main(["--projection", "inductor"]) == 0 and ran[-1][-2] == () and ran[-1][-1] == "inductor"
     for bad, why in (("8,8", "each once"), ("0", "a count of 1 or more"), ("x", "a count of 1 or more"),
-                     (str(2**31), "--adaptive-rounds: m_rounds must be")):
+                     ("17", "--adaptive-rounds: each M at most --rounds (16)"), (str(2**31), "at most --rounds")):
         with pytest.raises(SystemExit) as exited:
             serving.main(["--adaptive-rounds", bad])
         assert exited.value.code == 2 and why in capsys.readouterr().err, bad
