@@ -57,7 +57,7 @@ from typing import Any
 
 from .common import depth_and_width
 from .needs import PAIR, needs
-from .torch_common import (PROJECTIONS, SPECULATIVE, TORCH_M, TREE_BATCHES, bounded, busy_share, listed,
+from .torch_common import (PROJECTIONS, SPECULATIVE, TORCH_M, TREE_BATCHES, bounded, busy_share, launch_of, listed,
                            measure_config, plain_decoding, plot_trees, projected, release, row_label, summary_line,
                            time_generations, token_count, tree_label, tree_summary)
 from memra_cuda import Geometry
@@ -242,7 +242,7 @@ def floor_ms(weight_bytes: int, bytes_per_s: float) -> float:
 def served_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows a server's choice is made from, graph mode's: a server steps one burst at a time,
     where overlap keeps two in flight and device mode runs a whole batch in one launch."""
-    return [row for row in rows if row.get("launch", "graph") == "graph"]
+    return [row for row in rows if launch_of(row) == "graph"]
 
 
 def fastest(rows: Sequence[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[str, Any]]:
@@ -344,7 +344,7 @@ def launch_summary(rows: Sequence[dict[str, Any]]) -> list[dict]:
     """Each B and decoding where some chain or tree ran in a mode beside graph mode (--modes):
     the fastest in each mode that ran there, in LAUNCHES' order, with its speed-up and the share
     of its ideal it reached (`launches` names the modes; `{mode}_{field}` holds each figure)."""
-    best = fastest(rows, lambda row: (row["batch"], row["mode"], row.get("launch", "graph")))
+    best = fastest(rows, lambda row: (row["batch"], row["mode"], launch_of(row)))
     out = []
     for batch in sorted({row["batch"] for row in rows}):
         for mode in MODES:

@@ -37,12 +37,12 @@ from typing import Any
 
 from .headline import save
 from .needs import TORCH, needs
-from .torch_common import bounded, release
+from .torch_common import TORCH_M, bounded, decoder, release, round_costs
 
 MODES = ("graph", "overlap", "device")
 EXTRAS = ("", "a copy to pinned memory", "a driver memset", "a branch")  # what a synthetic graph holds beside its adds
 QUEUED = 10  # bursts queued back to back for a launch's "queued" time (the clock starts after the first)
-BURST = 16  # the rounds (the plain loop's steps) of the bursts probed: M
+BURST = TORCH_M  # the rounds (the plain loop's steps) of the bursts probed: M, torch_common.decoder's
 
 
 def launched(label: str, launch: Callable[[], None], synchronize: Callable[[], None],
@@ -185,27 +185,15 @@ def plain_rows(target: Any, request: Sequence[Any], new: int, prompt: int) -> tu
     return plain, probe
 
 
-def speculative(name: str, spec: Any, request: Sequence[Any], step_us: float) -> tuple[dict, list[dict]]:
-    """A speculative decoder's config row and its launch probes (spec_rows): its generations
-    first, then its verify and draft timed alone, each a graph (the draft first and held
-    meanwhile: the verify reads what its round's draft made, a tree's node slots from tensors of
-    the graph that captured it last, as the headline times them), and each mode's busy share."""
+def speculative(name: str, kind: str, config: Any, target: Any, draft: Any, request: Sequence[Any], room: Any,
+                step_us: float) -> tuple[dict, list[dict]]:
+    """A speculative decoder's config row and its launch probes (spec_rows): the decoder of every
+    mode (torch_common.decoder), its generations first, then its verify and draft timed alone
+    (torch_common.round_costs, as the headline times them), and each mode's busy share."""
     import torch
-    from memra_cuda.torch import TreeLlama
-    from memra_cuda.torch.timing import captured, graph_ms, replay_ms
-    spec.capture(MODES)
-    if isinstance(spec, TreeLlama):
-        def drafting() -> None:
-            for level in range(spec.tree.depth + 1):
-                spec.draft_level(level)
-        verify = spec.verify_tree
-    else:
-        drafting, verify = spec.draft_chain, spec.verify_trunk
+    spec, verify, drafting = decoder(target, kind, config, room, 1, None, draft=draft, modes=MODES)
     modes, probes = spec_rows(name, spec, request)
-    drafted = captured(drafting, spec.stream)
-    d_us = 1e3 * replay_ms(drafted, spec.stream)
-    v_us = 1e3 * graph_ms(verify, spec.stream)
-    del drafted
+    v_us, d_us = (1e3 * ms for ms in round_costs(spec, verify, drafting))
     print(f"{name}: v {v_us:.1f} us ({v_us / step_us:.2f} steps), d {d_us:.1f} us ({d_us / step_us:.2f})", flush=True)
     for mode, row in modes.items():
         row.update(vd_us=v_us + d_us, busy=row["rounds"] * (v_us + d_us) / (1e3 * row["wall_ms"]))
@@ -219,7 +207,7 @@ def on_gpu(new: int, prompt: int, adds: Sequence[int]) -> dict[str, Any]:
     import numpy as np
     import torch
     from memra_cuda.buffers.tree import TreeShape
-    from memra_cuda.torch import Request, Room, SpeculativeLlama, TreeLlama
+    from memra_cuda.torch import Request, Room
     from .steps import SHAPES, build
     report: dict[str, Any] = dict(machine=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), new=new,
                                   prompt=prompt)
@@ -231,13 +219,11 @@ def on_gpu(new: int, prompt: int, adds: Sequence[int]) -> dict[str, Any]:
     report["plain"], probe = plain_rows(target, request, new, prompt)
     report["launches"], report["configs"] = [probe], []
     release()
-    room = Room(prompt, new)
-    for name, make in (("chain k = 4", lambda: SpeculativeLlama(target, draft, k=4, m_rounds=BURST, batch=1,
-                                                                   capacity=room)),
-                       ("static k = 8, 1 leaf", lambda: TreeLlama(target, draft, TreeShape.chain_with_leaves(8, 1),
-                                                                  m_rounds=BURST, batch=1, capacity=room))):
-        config, probes = speculative(name, make(), request, report["plain"]["step_us"])
-        report["configs"].append(config)
+    for name, kind, config in (("chain k = 4", "chain", 4), ("static k = 8, 1 leaf", "static",
+                                                              TreeShape.chain_with_leaves(8, 1))):
+        row, probes = speculative(name, kind, config, target, draft, request, Room(prompt, new),
+                                  report["plain"]["step_us"])
+        report["configs"].append(row)
         report["launches"] += probes
         release()  # the decoder's memory back before the next is built
     return report

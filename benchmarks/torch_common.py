@@ -23,6 +23,7 @@ from memra_cuda.buffers.tree import DynamicTree, TreeShape
 
 if TYPE_CHECKING:  # memra_cuda.torch imports torch, which this module leaves to the functions that run
     from memra_cuda.torch.attention import Attention
+    from memra_cuda.torch.kv import Room
 
 TORCH_K, TORCH_M = 4, 16  # every torch section's chain k and rounds a burst, M
 TREE_BATCHES = (1, 8, 32, 128)  # the trees section's and the headline's batch sizes
@@ -63,11 +64,16 @@ def tree_label(tree: Any) -> str:
     return f"T={tree.nodes - 1}, depth {tree.depth}"
 
 
+def launch_of(row: dict) -> str:
+    """The round-stream mode a measured row ran in (its `launch`; graph mode, where it says none)."""
+    return row.get("launch", "graph")
+
+
 def row_label(row: dict) -> str:
     """A measured configuration's name in the table: k=... for a chain; ", overlap" or ", device"
-    where it ran in that mode (`launch`; graph mode unsaid)."""
+    where it ran in that mode (launch_of; graph mode unsaid)."""
     name = f"k={row['config']}" if row["kind"] == "chain" else row["config"]
-    return name + ("" if row.get("launch", "graph") == "graph" else f", {row['launch']}")
+    return name + ("" if launch_of(row) == "graph" else f", {launch_of(row)}")
 
 
 # The plain decoding's one-token step, attending by SDPA over the whole cache (measured faster at one
@@ -144,7 +150,6 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
     in target steps: a dict a mode, its `launch`. The decoder goes when this returns, for
     release() to give its memory back: at B = 128 a sampled tree holds p and q of [B][T+1][32000]
     floats."""
-    from memra_cuda.torch.timing import captured, graph_ms, replay_ms
     spec, verify, draft_levels = decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft,
                                          modes=modes)
 
@@ -163,16 +168,23 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
             return out
 
         timed.append((mode, sent, *time_generations(generate, groups, after)))
-    # The verify reads what its round's draft made (a tree's node slots and mask: tensors of whichever graph
-    # captured the draft last, whose memory other graphs' replays may have written since; after device mode's
-    # loop, slots out of range), so the draft is captured and replayed first and held while the verify is timed,
-    # as a round runs them.
-    drafted = captured(draft_levels, spec.stream)
-    d = replay_ms(drafted, spec.stream) / step_ms
-    v = graph_ms(verify, spec.stream) / step_ms
+    v, d = (ms / step_ms for ms in round_costs(spec, verify, draft_levels))
     return [dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d,
                          sum(sent[1:]), step_ms), setup_s=spec.setup_seconds, launch=mode)
             for mode, sent, seconds, taken in timed]
+
+
+def round_costs(spec: Any, verify: Callable[[], None], draft: Callable[[], None]) -> tuple[float, float]:
+    """Device milliseconds of a decoder's round's verify and its whole draft (decoder()'s two
+    callables), each captured alone on the decoder's stream and replayed, after its generations.
+    The verify reads what its round's draft made (a tree's node slots and mask: tensors of
+    whichever graph captured the draft last, whose memory other graphs' replays may have written
+    since; after device mode's loop, slots out of range), so the draft is captured and replayed
+    first and held while the verify is timed, as a round runs them."""
+    from memra_cuda.torch.timing import captured, graph_ms, replay_ms
+    drafted = captured(draft, spec.stream)
+    draft_ms = replay_ms(drafted, spec.stream)
+    return graph_ms(verify, spec.stream), draft_ms
 
 
 def measure_config(model: Any, kind: str, spec: Any, groups: Sequence[Sequence[Any]], capacity: int, sampling: Any,
@@ -228,7 +240,7 @@ def rows_share(rounds: Sequence[np.ndarray]) -> float:
     return sum(float(np.sum(r)) for r in rounds) / ran if ran else 1.0
 
 
-def decoder(model: Any, kind: str, config: Any, capacity: int, batch: int = 1, sampling: Any = None,
+def decoder(model: Any, kind: str, config: Any, capacity: int | Room, batch: int = 1, sampling: Any = None,
             draft: Any = None, modes: Sequence[str] = ("graph",)) -> tuple[Any, Callable[[], None], Callable[[], None]]:
     """A chain's decoder (`config` its k) or a tree's (`config` the tree) of `model` and `draft`
     (default its self-speculative one), every graph of `modes` captured (device mode's loop for any

@@ -43,7 +43,7 @@ class Pace:
         self.generated = np.zeros_like(self.budgets)
         self._rounds = np.zeros_like(self.budgets)  # rounds each row ran live, start to end
         self._leanest = np.ones(self.budgets.shape)  # fewest tokens per round one of its bursts gave
-        self._whole = np.zeros_like(self.budgets)  # tokens of the bursts each row ran whole (live throughout)
+        self._whole = 0  # tokens of the bursts the rows ran whole (live throughout), in all
 
     @staticmethod
     def lengths(m_rounds: int) -> list[int]:
@@ -79,14 +79,14 @@ class Pace:
         self._leanest = np.where(first, rate, np.where(stayed_live, np.minimum(self._leanest, rate), self._leanest))
         self.generated += got
         self._rounds[stayed_live] += rounds
-        self._whole[stayed_live] += np.asarray(got)[stayed_live]
+        self._whole += int(np.sum(got, where=stayed_live))
 
     def observed(self) -> float | None:
         """Tokens a round a row committed over the bursts the rows ran whole (a row's last burst,
         which it stopped inside, says nothing of its rate); None before any: the next
         generation's `rate`."""
         rounds = int(self._rounds.sum())
-        return float(self._whole.sum()) / rounds if rounds else None
+        return self._whole / rounds if rounds else None
 
 
 def pass_lengths(m_rounds: int, paced: bool) -> list[int]:
