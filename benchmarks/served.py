@@ -16,7 +16,9 @@ of B requests of 8 tokens first, untimed), the stream is timed by its Served rec
   sampled at temperature 1;
 - the adaptive configuration (ADAPTIVE): a chain with bodies of narrower widths, 0 among them,
   the width chosen each round on the device from the rows' acceptance and each body's measured
-  time (docs/lengths.md; where the driver has no SWITCH nodes, the row says so and is skipped);
+  time (docs/lengths.md; where the driver has no SWITCH nodes, the row says so and is skipped), at
+  an M of its own where a shorter burst keeps the p99 time between tokens (8 at B = 128, its row
+  "adaptive k=2 M=8");
 
 each with tokens/s over the span served, time to the first token and time between tokens at p50 and
 p99 (benchmarks/serving.py says how each is taken; every request arrives at the start, so a
@@ -45,8 +47,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import textwrap
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +65,30 @@ from memra_cuda.rounds.serving import Request, Served
 BATCHES, QUICK_BATCHES = (1, 8, 32, 64, 128), (1, 8)
 # a verify's cost grows with B; at B = 1 the distilled pair's chain of 8 makes 6.70 tokens a round (k = 6: 5.67)
 CHAINS = {1: (2, 3, 4, 6, 8), 8: (2, 3, 4), 32: (1, 2, 3), 64: (1, 2), 128: (1, 2)}
-# The adaptive configuration at each B: a chain of k with bodies of narrower widths, one chosen each
-# round on the device (SpeculativeLlama's widths; a CUDA 12.8+ driver), 0 among them (plain decoding),
-# and every chain CHAINS measures at that B among its widths: at B = 32, T = 1, widths 0, 1 and 3 alone
-# (1.10x) lost to the chain of 2 (1.16x) that it could not run
-ADAPTIVE = {1: (8, (0, 2, 3, 4, 6)), 8: (4, (0, 1, 2, 3)), 32: (3, (0, 1, 2)), 64: (2, (0, 1)), 128: (2, (0, 1))}
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """The adaptive configuration at one B: a chain of `k` with bodies of the narrower `widths`, one
+    chosen each round on the device (SpeculativeLlama's widths; a CUDA 12.8+ driver), 0 among them
+    (plain decoding), and every chain CHAINS measures at that B among them (at B = 32, T = 1, widths
+    0, 1 and 3 alone, 1.10x, lost to the chain of 2, 1.16x, that they could not run); served at
+    `rounds` a burst (at most --rounds, which sizes every cache). A request that stops mid-burst
+    waits for the burst's end, so its last tokens wait a whole burst, and a burst's wall grows
+    with B: where a round costs most, a shorter burst keeps the p99 time between tokens at the
+    plain decoding's (B = 128, an H100: M = 8 against 16 kept the tokens/s and brought the p99
+    under the plain decoding's; M = 4 paid a readback too often. benchmarks/RESULTS.md)."""
+    k: int
+    widths: tuple[int, ...]
+    rounds: int = TORCH_M
+
+    def at(self, m_rounds: int) -> int:
+        """Its M in a run whose bursts (and caches) are at most `m_rounds`."""
+        return min(self.rounds, m_rounds)
+
+
+ADAPTIVE = {1: Adaptive(8, (0, 2, 3, 4, 6)), 8: Adaptive(4, (0, 1, 2, 3)), 32: Adaptive(3, (0, 1, 2)),
+            64: Adaptive(2, (0, 1)), 128: Adaptive(2, (0, 1), 8)}
 STREAM_SEED = 48
 WARM_TOKENS = 8  # the warm-up stream's budget a request
 
@@ -148,6 +171,20 @@ def summary_lines(rows: Sequence[Mapping[str, Any]], tops: Sequence[Mapping[str,
     return lines
 
 
+def is_adaptive(row: Mapping[str, Any], m_rounds: int) -> bool:
+    """Whether `row` is the adaptive configuration of its B, at ADAPTIVE's M for a run at most
+    `m_rounds` a burst (--adaptive-rounds' other M's are rows apart; an earlier run's row without
+    `rounds` was served at the run's M)."""
+    return row["config"].startswith("adaptive") and row.get("rounds", m_rounds) == ADAPTIVE[row["batch"]].at(m_rounds)
+
+
+def adaptive_rows(report: Mapping[str, Any], mode: str) -> list[Mapping[str, Any]]:
+    """The adaptive configuration's rows of one decoding, by B (a resumed report's rows are in the
+    order its runs served them: a line through them in that order doubled back)."""
+    return sorted((row for row in report["rows"] if row["mode"] == mode and is_adaptive(row, report["m_rounds"])),
+                  key=lambda row: row["batch"])
+
+
 def tbt_text(row: Mapping[str, Any]) -> str:
     """A row's p99 time between tokens, and without each request's last readback where it has it."""
     mid = row.get("tbt_p99_mid_s")  # NaN where no request read back thrice; absent from earlier runs' rows
@@ -178,11 +215,11 @@ def plot(report: Mapping[str, Any], path: str | Path) -> None:
     for mode, color in zip(MODES, ("b", "r")):
         top = [row for row in report["best"] if row["mode"] == mode]
         ax.plot([r["batch"] for r in top], [r["tokens_per_s"] for r in top], f"{color}-s", label=f"best chain, {mode}")
-        adaptive = [row for row in report["rows"] if row["mode"] == mode and row["config"].startswith("adaptive")
-                    and row.get("rounds", report["m_rounds"]) == report["m_rounds"]]  # --adaptive-rounds' apart
+        adaptive = adaptive_rows(report, mode)
         ax.plot([r["batch"] for r in adaptive], [r["tokens_per_s"] for r in adaptive], f"{color}--^",
                 label=f"adaptive, {mode}")
-    ax.set(xscale="log", yscale="log", xlabel="slots (B)", ylabel="tokens/s served", title=report["name"])
+    ax.set(xscale="log", yscale="log", xlabel="slots (B)", ylabel="tokens/s served",
+           title=textwrap.fill(report["name"], 110))  # one line of it ran past the picture
     ax.title.set_fontsize(7)
     ax.legend()
     fig.tight_layout()
@@ -208,7 +245,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     requests = stream_for(heldout, batch, target.config.eos_token_id, quick)
     chains = (CHAINS[batch][:1] if quick else CHAINS[batch]) if fixed else ()
     capacity = capacity_for(max(len(r.prompt) for r in requests), max(r.max_new_tokens for r in requests),
-                            Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), m_rounds, batch))
+                            Geometry(max(*CHAINS[batch], ADAPTIVE[batch].k), m_rounds, batch))
     rows = []
     for attention in PLAIN_ATTENDS:
         begun = time.perf_counter()
@@ -227,10 +264,11 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     for row in rows:
         row["vs_plain"] = row["tokens_per_s"] / plain
         print(format_row(row), flush=True)
-    k, widths = ADAPTIVE[batch]
-    configs = [(f"chain k={chain}", chain, (), m_rounds) for chain in chains]
-    configs += [(f"adaptive k={k}" + ("" if m == m_rounds else f" M={m}"), k, widths, m)
-                for m in dict.fromkeys((m_rounds, *adaptive_rounds))]
+    adaptive = ADAPTIVE[batch]
+    configs: list[tuple[str, int, tuple[int, ...], int]] = [(f"chain k={chain}", chain, (), m_rounds)
+                                                            for chain in chains]
+    configs += [(f"adaptive k={adaptive.k}" + ("" if m == m_rounds else f" M={m}"), adaptive.k, adaptive.widths, m)
+                for m in dict.fromkeys((adaptive.at(m_rounds), *adaptive_rounds))]
     for mode, sampling in zip(MODES, (None, SamplingParams(1.0))):
         for label, chain, narrower, rounds in configs:
             try:
@@ -377,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--resume adds to the report at --json PATH: name one")
     try:  # every B's widest round at this M, before the pair loads: Geometry's refusal came after it
         for batch in args.batches or BATCHES:
-            Geometry(max(*CHAINS[batch], ADAPTIVE[batch][0]), args.rounds, batch)
+            Geometry(max(*CHAINS[batch], ADAPTIVE[batch].k), args.rounds, batch)
     except ValueError as exc:
         parser.error(f"--rounds: {exc}")
     if any(rounds > args.rounds for rounds in args.adaptive_rounds):  # the caches, every row's, are sized at M

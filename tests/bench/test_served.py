@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.served import (ADAPTIVE, CHAINS, best, format_row, plains, row_of, servable, stream_for,
-                               summary_lines, tau)
-from benchmarks.torch_common import PLAIN_ATTENDS
+from benchmarks.served import (ADAPTIVE, CHAINS, adaptive_rows, best, format_row, is_adaptive, plains, row_of, servable,
+                               stream_for, summary_lines, tau)
+from benchmarks.torch_common import PLAIN_ATTENDS, TORCH_M
 from memra_cuda.rounds import Served
 
 HELDOUT = {"prompts": [{"ids": [1, 2 + i, 3]} for i in range(473)]}  # the pair's pool: B = 128 serves 512
@@ -26,10 +26,27 @@ def test_each_b_serves_four_requests_a_slot_of_held_out_prompts_in_order_from_th
     with pytest.raises(ValueError, match="heldout.json holds no prompts"):
         stream_for({"prompts": []}, 1, eos=None)
     assert set(CHAINS) == set(ADAPTIVE) == {1, 8, 32, 64, 128}
-    assert all(0 in widths and max(widths) < k for k, widths in ADAPTIVE.values())
+    assert all(0 in a.widths and max(a.widths) < a.k and 1 <= a.rounds <= TORCH_M for a in ADAPTIVE.values())
     # the adaptive configuration can run every chain measured beside it: at B = 32, T = 1, widths 0, 1
     # and 3 lost to the chain of 2 it lacked
-    assert all(set(CHAINS[batch]) <= {k, *widths} for batch, (k, widths) in ADAPTIVE.items())
+    assert all(set(CHAINS[batch]) <= {a.k, *a.widths} for batch, a in ADAPTIVE.items())
+
+
+def test_the_adaptive_configuration_is_its_rows_at_its_own_m_never_past_the_runs():
+    """B = 128's adaptive configuration bursts 8 rounds (a request's last tokens wait a whole
+    burst); a run at a shorter --rounds serves it at that M; its rows at other M's (--adaptive-rounds)
+    and a chain's are not it; an earlier run's row without `rounds` was at its run's M."""
+    assert ADAPTIVE[128].rounds == 8 and ADAPTIVE[128].at(16) == 8 and ADAPTIVE[128].at(4) == 4
+    assert ADAPTIVE[8].at(16) == TORCH_M
+    row = {"batch": 128, "config": "adaptive k=2 M=8", "rounds": 8}
+    assert is_adaptive(row, 16) and not is_adaptive(dict(row, rounds=16), 16)
+    assert not is_adaptive(dict(row, config="chain k=2"), 16)
+    assert is_adaptive({"batch": 8, "config": "adaptive k=4"}, 16) and not is_adaptive({"batch": 128,
+                                                                                        "config": "adaptive k=2"}, 16)
+    rows = [dict(row, mode="greedy"), {"batch": 32, "config": "adaptive k=3", "mode": "greedy", "rounds": 16},
+            {"batch": 8, "config": "adaptive k=4", "mode": "greedy", "rounds": 16},
+            {"batch": 8, "config": "adaptive k=4", "mode": "sampling", "rounds": 16}]
+    assert [r["batch"] for r in adaptive_rows({"rows": rows, "m_rounds": 16}, "greedy")] == [8, 32, 128]
 
 
 def test_tau_is_tokens_over_rounds_and_none_without_drafts():
@@ -208,8 +225,8 @@ def test_each_m_of_adaptive_rounds_serves_the_adaptive_configuration_again_its_r
     monkeypatch.setattr(serving, "_served", lambda decoder, requests, batch: [
         Served([1] * 10, 0.0, 0.0, [1.0] * 5 + [2.0] * 5, 2.0, accepted=None if isinstance(decoder, Plain) else 4)])
     target = type("Target", (), {"config": type("Config", (), {"eos_token_id": 0})()})()
-    rows = serving._bench_batch(target, None, HELDOUT, 128, False, 16, fixed=False, adaptive_rounds=[8, 4, 16])
-    k, widths = ADAPTIVE[128]
+    rows = serving._bench_batch(target, None, HELDOUT, 32, False, 16, fixed=False, adaptive_rounds=[8, 4, 16])
+    k, widths = ADAPTIVE[32].k, ADAPTIVE[32].widths
     assert sized == [16]
     assert [(row["mode"], row["config"], row["rounds"]) for row in rows] == [
         *(("greedy", f"plain {attention}", 16) for attention in PLAIN_ATTENDS),
@@ -217,3 +234,8 @@ def test_each_m_of_adaptive_rounds_serves_the_adaptive_configuration_again_its_r
           for label, m in (("", 16), (" M=8", 8), (" M=4", 4)))]
     assert [b[2] for b in built if b[0] == "spec"] == [16, 8, 4, 16, 8, 4]
     assert all(b[1] == k and b[4] == tuple(widths) for b in built if b[0] == "spec")
+    # B = 128's configuration is at its own M (8) first, then the others asked for; 8 not twice
+    built.clear()
+    rows = serving._bench_batch(target, None, HELDOUT, 128, False, 16, fixed=False, adaptive_rounds=[16, 8])
+    assert [(row["config"], row["rounds"]) for row in rows if row["mode"] == "greedy"][-2:] == [
+        ("adaptive k=2 M=8", 8), ("adaptive k=2", 16)]
