@@ -18,6 +18,11 @@ tokens, TOKENS), greedy and sampled at temperature 1, graph mode, M = 16:
   `used`, the share of the rounds sent that committed a row's tokens, and `busy`, the share of
   the time the verifies and drafts fill, beside the plain loop's own busy share (reached = used x
   busy / the plain loop's: torch_common.figures);
+- at B = 1, where a request's time went, a line a row under the summary (the plain loop's and every
+  chain's and tree's in each mode): its wall, the rounds (steps) it sent at a round's device time
+  inside its burst graph (beside the round's verify and draft alone), its start (the prefills,
+  the host's issue included) and the rest, the GPU idle while the host works, over the request's
+  readbacks (torch_common.request_split; the rows' round_ms, start_ms, bursts and the rest);
 - Hugging Face's generate and its assisted generation with the same pair (assistant_model,
   k = HF_K), at B = 1 only: it serves one sequence at a time;
 - tree_for_batch's picks derived again on this pair: the fastest configuration at each B and
@@ -365,6 +370,28 @@ def launch_line(summary: Mapping[str, Any]) -> str:
         for launch in summary["launches"]))
 
 
+def counted(count: float, noun: str) -> str:
+    """A mean count of `noun` as split_line says it: to a tenth, a whole one bare and a single one
+    singular ("8 readbacks", "20.4 rounds", "1 readback")."""
+    number = f"{count:.1f}".removesuffix(".0")
+    return f"{number} {noun}" if number == "1" else f"{number} {noun}s"
+
+
+def split_line(row: dict[str, Any]) -> str:
+    """Where a B = 1 row's request's time went (torch_common.request_split): its wall, its rounds
+    (the plain loop's steps) at their device time inside a burst graph (a round's verify and
+    draft, timed alone, beside it), its start, and the rest, over its readbacks."""
+    if row["kind"] == "plain":
+        name, sent, alone = "plain graphed greedy", "step", ""
+    else:
+        label = row_label(dict(kind=row["kind"], config=row["config"]))
+        name, sent, alone = (f"{row['mode']} {label} ({launch_of(row)})", "round",
+                             f" (v + d {row['vd_ms']:.3f} ms a round)")
+    return (f"where a request's time went, {name}: {row['request_ms']:.1f} ms: {counted(row['request_rounds'], sent)}"
+            f" x {row['round_ms']:.3f} ms = {row['rounds_ms']:.1f} ms{alone}, its start {row['start_ms']:.1f} ms, "
+            f"the rest {row['rest_ms']:.1f} ms over {counted(row['bursts'], 'readback')}")
+
+
 def _report(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[str, Any],
             floor: Mapping[str, float], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The section's JSON: the pair, the machine and date, the settings, the HBM floor, the rows,
@@ -380,12 +407,17 @@ def _report(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[
 def assemble(info: Mapping[str, Any], machine: str, date: str, settings: Mapping[str, Any],
              floor: Mapping[str, float], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The section's JSON (_report), its summary printed, a line a B and decoding (and, where
-    some ran in overlap or device mode, a line a B and decoding of the fastest in each mode)."""
+    some ran in overlap or device mode, a line a B and decoding of the fastest in each mode),
+    then where a request's time went, a line a row that measured it (B = 1's plain and
+    speculative rows: split_line)."""
     report = _report(info, machine, date, settings, floor, rows)
     for summary in report["best"]:
         print(summary_line(summary), flush=True)
     for summary in report["launches"]:
         print(launch_line(summary), flush=True)
+    for row in rows:
+        if "request_ms" in row:
+            print(split_line(row), flush=True)
     return report
 
 
@@ -465,11 +497,11 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
     depth, width = (max(values) for values in zip(*(depth_and_width(config.spec) for config in configs)))
     longest = max(len(r.prompt) for group in groups for r in group)
     capacity = capacity_for(longest, tokens, Geometry(depth, TORCH_M, batch, width))
-    plain, step_ms = plain_decoding(target, capacity, groups)
+    baseline = plain_decoding(target, capacity, groups)
+    plain, step_ms = baseline["tokens_per_s"], baseline["step_ms"]
     release()
     rows = [dict(size=SIZE, batch=batch, mode="greedy", kind="plain", config="graphed greedy", source="PLAIN",
-                 tokens_per_s=plain, vs_plain=1.0, step_ms=step_ms, floor_ms=floor,
-                 busy=busy_share(plain, step_ms, batch))]
+                 **baseline, vs_plain=1.0, floor_ms=floor, busy=busy_share(plain, step_ms, batch))]
     print(format_row(rows[0]), flush=True)
     if batch == 1:
         rows += _hugging_face(target, draft, groups, plain)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +29,8 @@ if TYPE_CHECKING:  # memra_cuda.torch imports torch, which this module leaves to
 TORCH_K, TORCH_M = 4, 16  # every torch section's chain k and rounds a burst, M
 TREE_BATCHES = (1, 8, 32, 128)  # the trees section's and the headline's batch sizes
 SPECULATIVE = ("chain", "static", "dynamic")  # the kinds of a speculative row, the chain first
+TIMED_STARTS = 5  # a request's start timed so many times, its median kept (issued_ms)
+TIMED_BURSTS = 10  # burst graphs launched back to back to time a round inside one (burst_round_ms)
 
 
 def time_generations(generate: Callable[[Any], Any], groups: Sequence[Any],
@@ -117,11 +120,16 @@ def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:
                 batch_reached=vs_plain / batch_ideal)
 
 
-def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -> tuple[float, float]:
-    """Tokens/s of graphed plain greedy over the groups of requests (a generation each,
-    time_generations), and the device milliseconds of its step, the unit of v and d: the replay of
-    the graph a generation leaves, a burst of `steps` steps, over its steps. Where the model's
-    step compiles, with each attention of PLAIN_ATTENDS, and the faster's figures: the baseline."""
+def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """Graphed plain greedy over the groups of requests (a generation each, time_generations): its
+    `tokens_per_s`, and `step_ms`, the device milliseconds of its step, the unit of v and d: the
+    replay of the graph a generation leaves, a burst of `steps` steps, over its steps. Where each
+    group is one request (B = 1), where a request's time went too (request_split): its steps a
+    step_ms each (the burst graph's own time), its start (greedy_start_ms) and its bursts,
+    computed, as GraphedGreedy counts none: a generation of one row reads a burst of `steps`
+    tokens back until the row has its own, ceil(tokens / steps), the one an EOS ends too, and
+    each burst runs all its steps. Where the model's step compiles, with each attention of
+    PLAIN_ATTENDS, and the faster's figures: the baseline."""
     from memra_cuda.errors import NotFused
     from memra_cuda.torch import GraphedGreedy
     from memra_cuda.torch.timing import replay_ms
@@ -133,10 +141,16 @@ def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -
             continue
         greedy.capture()
         seconds, outs = time_generations(greedy.generate_batch, groups)
-        found.append((token_count(outs) / seconds, replay_ms(greedy.graph, greedy.stream) / greedy.steps))
+        step_ms = replay_ms(greedy.graph, greedy.stream) / greedy.steps
+        plain: dict[str, Any] = dict(tokens_per_s=token_count(outs) / seconds, step_ms=step_ms)
+        if len(groups[0]) == 1:
+            bursts = sum(math.ceil(len(row) / greedy.steps) for out in outs for row in out)
+            plain.update(request_split(seconds, len(groups), bursts * greedy.steps, step_ms, None,
+                                       greedy_start_ms(greedy, groups[0][0]), bursts))
+        found.append(plain)
         del greedy
         release()
-    return max(found)
+    return max(found, key=lambda row: row["tokens_per_s"])
 
 
 def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequence[Any]], capacity: int,
@@ -147,9 +161,12 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
     `modes` ("graph": a burst graph and a readback each up to M rounds; "overlap": two such bursts
     in flight; "device": one launch a generation), one decoder captured for them all, its round's
     draft and then its verify each captured alone on the decoder's stream after the generations,
-    in target steps: a dict a mode, its `launch`. The decoder goes when this returns, for
-    release() to give its memory back: at B = 128 a sampled tree holds p and q of [B][T+1][32000]
-    floats."""
+    in target steps: a dict a mode, its `launch`. At B = 1, where a request's time went too
+    (request_split): its rounds sent and bursts read back in each mode's timed generations, and
+    a round inside the burst graph (burst_round_ms) and a request's start (decoder_start_ms),
+    timed once after the verify and draft, every mode's row the same. The decoder goes when
+    this returns, for release() to give its memory back: at B = 128 a sampled tree holds p and q
+    of [B][T+1][32000] floats."""
     spec, verify, draft_levels = decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft,
                                          modes=modes)
 
@@ -159,19 +176,30 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
 
     timed = []
     for mode in modes:
-        sent: list[int] = []  # the rounds each generation sent to the GPU (its stream's count; the untimed first's too)
+        # the rounds each generation sent to the GPU and the bursts it read back (its stream's counts; the
+        # untimed first's too)
+        counts: list[tuple[int, int]] = []
 
-        def generate(group: Sequence[Any], mode: str = mode, sent: list[int] = sent) -> list[list[int]]:
-            before = spec.rounds.rounds
+        def generate(group: Sequence[Any], mode: str = mode, counts: list[tuple[int, int]] = counts) -> list[list[int]]:
+            rounds, bursts = spec.rounds.rounds, spec.rounds.bursts
             out = spec.generate_batch(group, mode)
-            sent.append(spec.rounds.rounds - before)
+            counts.append((spec.rounds.rounds - rounds, spec.rounds.bursts - bursts))
             return out
 
-        timed.append((mode, sent, *time_generations(generate, groups, after)))
-    v, d = (ms / step_ms for ms in round_costs(spec, verify, draft_levels))
-    return [dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds, v, d,
-                         sum(sent[1:]), step_ms), setup_s=spec.setup_seconds, launch=mode)
-            for mode, sent, seconds, taken in timed]
+        timed.append((mode, counts, *time_generations(generate, groups, after)))
+    v_ms, d_ms = round_costs(spec, verify, draft_levels)
+    # B = 1: where a request's time went (request_split); the start last, its prefill moves the row's positions
+    costs = (burst_round_ms(spec), decoder_start_ms(spec, groups[0][0])) if len(groups[0]) == 1 else None
+    rows = []
+    for mode, counts, seconds, taken in timed:
+        sent, bursts = (sum(column) for column in zip(*counts[1:]))  # the timed generations'
+        row = dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds,
+                           v_ms / step_ms, d_ms / step_ms, sent, step_ms), setup_s=spec.setup_seconds, launch=mode)
+        if costs is not None:
+            round_ms, start_ms = costs
+            row.update(request_split(seconds, len(groups), sent, round_ms, v_ms + d_ms, start_ms, bursts))
+        rows.append(row)
+    return rows
 
 
 def round_costs(spec: Any, verify: Callable[[], None], draft: Callable[[], None]) -> tuple[float, float]:
@@ -185,6 +213,80 @@ def round_costs(spec: Any, verify: Callable[[], None], draft: Callable[[], None]
     drafted = captured(draft, spec.stream)
     draft_ms = replay_ms(drafted, spec.stream)
     return graph_ms(verify, spec.stream), draft_ms
+
+
+def burst_round_ms(spec: Any, launches: int = TIMED_BURSTS) -> float:
+    """Device milliseconds of a decoder's round inside its burst graph: its verify and draft, the
+    round's own kernels (acceptance, commit, rollback and the like) and its share of the burst's
+    readback. The graph of M rounds (the decoder's m_rounds: capture() captures it whatever the
+    modes, and a sealed stream's graph_for hands it out, never captures) launched `launches`
+    times back to back, timed on the device (common.replay_ms), over its rounds, after one
+    untimed launch (a graph's first also uploads it, and device mode's rows never launched it).
+    Every mode's round, as far as this says: overlap's bursts are these rounds read back into
+    another slot, and device mode's loop runs them in conditional nodes, not timed apart. After
+    the decoder's generations: its rows are done, so the rounds commit nothing (launches.spec_rows
+    relies on the same), each row's position frozen where its last generation left it, where
+    round_costs timed the verify and draft."""
+    from .common import replay_ms
+    rounds = spec.bufs.m_rounds
+    burst = spec.rounds.graph_for(0, rounds)
+    burst.launch()
+    return replay_ms(spec.engine, burst, launches) / (launches * rounds)
+
+
+def issued_ms(run: Callable[[], Any], stream: Any, times: int = TIMED_STARTS) -> float:
+    """Device milliseconds of run() on `stream`, idle before it, between CUDA events recorded on it
+    before and after the call: the host's issue included, which the GPU waits for at a request's
+    start (a prefill's launches and uploads); the median of `times` (one may meet the collector)."""
+    import torch
+    spans = []
+    for _ in range(times):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record(stream)
+        run()
+        end.record(stream)
+        end.synchronize()
+        spans.append(start.elapsed_time(end))
+    return float(np.median(spans))
+
+
+def decoder_start_ms(spec: Any, request: Any) -> float:
+    """Device milliseconds of `request`'s start in a decoder of one row (issued_ms): both models'
+    prefills of its prompt (a self-speculative draft's cache copied from the target's instead) and
+    the row's buffers reset (RoundDecoder.prefill, as generate_batch starts it), after the
+    decoder's generations. The row is left done again (budget 0, as RoundDecoder._warm_up leaves
+    its rows: a prefill lifts the stop rule), so that nothing after finds it live."""
+    ms = issued_ms(lambda: spec.prefill([0], [request.prompt], [request.seed]), spec.stream)
+    spec.bufs.set_stop(budget=0)
+    return ms
+
+
+def greedy_start_ms(greedy: Any, request: Any) -> float:
+    """Device milliseconds of `request`'s start in row 0 of a GraphedGreedy (issued_ms): its
+    prefill of the prompt but its last token, which becomes the row's next input at its position
+    (GraphedGreedy.admit, the one-row prefill graph generate_batch's start replays), after its
+    generations; the row parked after."""
+    ms = issued_ms(lambda: greedy.admit(0, request), greedy.stream)
+    greedy.park([0])
+    return ms
+
+
+def request_split(seconds: float, requests: int, rounds: int, round_ms: float, vd_ms: float | None,
+                  start_ms: float, bursts: int) -> dict[str, float | None]:
+    """Where a request's time went, of `requests` timed one after another (B = 1) in `seconds`,
+    which sent the GPU `rounds` rounds (the plain loop: steps) and read `bursts` bursts back: its
+    wall (`request_ms`); its rounds (`request_rounds`) at `round_ms` each inside their burst
+    graphs (`rounds_ms`), of which `vd_ms` the round's verify and draft timed alone (None: the
+    plain loop's step, which is the whole of it); its start (`start_ms`, its prefills, the host's
+    issue included); and the rest (`rest_ms`), the GPU idle while the host works: at its `bursts`
+    readbacks (each a request's: the wait, the tokens taken apart, the next burst's pacing and
+    launch) and at the generation's end. The rounds and readbacks are the ones measured, not the
+    budget's: an EOS may end a request early."""
+    request_ms, request_rounds = 1e3 * seconds / requests, rounds / requests
+    rounds_ms = request_rounds * round_ms
+    return dict(request_ms=request_ms, request_rounds=request_rounds, round_ms=round_ms, rounds_ms=rounds_ms,
+                vd_ms=vd_ms, start_ms=start_ms, rest_ms=request_ms - rounds_ms - start_ms, bursts=bursts / requests)
 
 
 def measure_config(model: Any, kind: str, spec: Any, groups: Sequence[Sequence[Any]], capacity: int, sampling: Any,

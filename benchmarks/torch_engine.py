@@ -354,12 +354,12 @@ def _bench_tree_batch(model: Any, size: str, batch: int, quick: bool) -> list[di
                                   quick)
     depth, width = (max(values) for values in zip(*(depth_and_width(config) for _, config in candidates)))
     capacity = capacity_for(max(map(len, prompts)), tokens, Geometry(depth, TORCH_M, batch, width))
-    plain, step_ms = plain_decoding(model, capacity, [requests])
+    baseline = plain_decoding(model, capacity, [requests])
+    plain, step_ms = baseline["tokens_per_s"], baseline["step_ms"]
     release()
     print(f"{size:6} {batch:4} {'greedy':8} {'plain':7} {'':18} {plain:9.0f}   (a target step: {step_ms:.3f} ms)",
           flush=True)
-    rows = [dict(size=size, batch=batch, mode="greedy", kind="plain", config="graphed greedy", tokens_per_s=plain,
-                 step_ms=step_ms)]
+    rows = [dict(size=size, batch=batch, mode="greedy", kind="plain", config="graphed greedy", **baseline)]
     for mode, sampling in (("greedy", None), ("sampling", SamplingParams(1.0))):
         measured = []
         for kind, config in candidates:
@@ -395,7 +395,7 @@ def bench_tree_costs(quick: bool) -> list[dict]:
         tree = static_tree(64, 10)
         requests = [Request(PROMPT, 64)]
         capacity = capacity_for(len(PROMPT), 64, Geometry.of_tree(tree, TORCH_M, 1))
-        _, step_ms = plain_decoding(model, capacity, [requests])
+        step_ms = plain_decoding(model, capacity, [requests])["step_ms"]
         parts = {**_chain_parts(model, capacity, requests), **_tree_parts(model, tree, capacity, requests)}
         release()
         for width in (1, 8):

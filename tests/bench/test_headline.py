@@ -16,8 +16,9 @@ import pytest
 from memra_cuda import DynamicTree, TreeShape
 from benchmarks.headline import (BATCHES, CHAIN_KS, HEADER, QUICK_BATCHES, STATIC, Config, assemble, configurations,
                                  copy_bytes_per_s, derive_picks, describe, floor_ms, format_row, load_pair, pair_info,
-                                 measure_batches, picked_dict, picks_text, prompt_groups, save, summarise, tree_rates)
-from benchmarks.torch_common import figures, reach, rows_share
+                                 measure_batches, picked_dict, picks_text, prompt_groups, save, split_line, summarise,
+                                 tree_rates)
+from benchmarks.torch_common import figures, reach, request_split, rows_share
 
 TOP = {"1": 0.865, "2": 0.93, "4": 0.958, "8": 0.974}  # report.json's agreement (JSON keys), 2026-12-02's pair
 REPORT = dict(key="3f2a9c1e0b7d", vocab=8192,
@@ -247,6 +248,44 @@ def test_where_a_rows_ideal_went_multiplies_back_to_what_it_reached():
     assert line.endswith(f" {got['used']:5.0%} {got['busy']:5.0%}")
 
 
+def test_where_a_requests_time_went_adds_up_to_its_wall_from_what_was_measured():
+    """request_split: B = 1's requests timed one after another, each one's wall its rounds (the
+    plain loop's steps) at their cost inside a burst graph, its start and the rest, the rounds and
+    readbacks a request's mean of those measured (an EOS may end a request early), not a budget's."""
+    # 8 requests in 0.2 s sent 164 rounds and read 20 bursts back; a round 1.0 ms in its burst graph
+    # (its verify and draft 0.9 ms of it, timed alone), a start 2.5 ms
+    spec = request_split(0.2, 8, 164, 1.0, 0.9, 2.5, 20)
+    assert spec == pytest.approx(dict(request_ms=25.0, request_rounds=20.5, round_ms=1.0, rounds_ms=20.5, vd_ms=0.9,
+                                      start_ms=2.5, rest_ms=2.0, bursts=2.5))
+    # the plain loop: 8 requests in 0.4 s, 8 bursts of 16 steps each, a step 0.367 ms; its step is the whole round
+    plain = request_split(0.4, 8, 8 * 8 * 16, 0.367, None, 2.6, 64)
+    assert plain.pop("vd_ms") is None
+    assert plain == pytest.approx(dict(request_ms=50.0, request_rounds=128, round_ms=0.367, rounds_ms=128 * 0.367,
+                                       start_ms=2.6, rest_ms=50.0 - 128 * 0.367 - 2.6, bursts=8))
+    for split in (spec, plain):
+        assert split["rounds_ms"] + split["start_ms"] + split["rest_ms"] == pytest.approx(split["request_ms"])
+    assert request_split(0.2, 8, 8 * 20, 1.0, 0.9, 2.5, 8)["rest_ms"] == pytest.approx(2.5)  # one burst each
+
+
+def test_where_a_requests_time_went_is_a_line_a_row():
+    """split_line: the plain loop's steps, a chain's or tree's rounds with its verify and draft
+    alone beside them, named with the decoding and the mode (graph mode's too); a mean to a
+    tenth, a whole one bare, one readback singular (device mode's, a launch a request)."""
+    tree = dict(row(1, "greedy", "static", "k=8, 1 leaf", 5000.0, LEAVES),
+                **request_split(0.2, 8, 164, 1.0, 0.9, 2.5, 20))
+    assert split_line(tree) == ("where a request's time went, greedy k=8, 1 leaf (graph): 25.0 ms: 20.5 rounds x "
+                                "1.000 ms = 20.5 ms (v + d 0.900 ms a round), its start 2.5 ms, the rest 2.0 ms over "
+                                "2.5 readbacks")
+    chain = dict(row(1, "sampling", "chain", 4, 3000.0), launch="device",
+                 **request_split(0.3, 8, 240, 1.1, 1.0, 2.4, 8))
+    assert split_line(chain) == ("where a request's time went, sampling k=4 (device): 37.5 ms: 30 rounds x 1.100 ms = "
+                                 "33.0 ms (v + d 1.000 ms a round), its start 2.4 ms, the rest 2.1 ms over 1 readback")
+    plain = dict(row(1, "greedy", "plain", "graphed greedy", 2560.0, "PLAIN", step_ms=0.367),
+                 **request_split(0.4, 8, 8 * 8 * 16, 0.367, None, 2.6, 64))
+    assert split_line(plain) == ("where a request's time went, plain graphed greedy: 50.0 ms: 128 steps x 0.367 ms = "
+                                 "47.0 ms, its start 2.6 ms, the rest 0.4 ms over 8 readbacks")
+
+
 def test_the_hbm_floor_is_the_weights_read_once_at_the_copys_bandwidth():
     # 20 copies of 1 GiB in 10 ms: each reads and writes it, 4.29 TB/s
     bandwidth = copy_bytes_per_s(1 << 30, 20, 10.0)
@@ -423,6 +462,14 @@ def test_the_json_holds_the_pair_the_machine_the_floor_the_rows_the_best_and_the
         2100 / 1900)
     assert best[8, "greedy"]["chain"] == 4 and best[8, "greedy"]["plain_tokens_per_s"] == 8000.0
     assert len(capsys.readouterr().out.splitlines()) == 4, "the summary: a line a batch size and decoding"
+    split = request_split(0.2, 8, 164, 1.0, 0.9, 2.5, 20)
+    timed = [dict(r, **split) if r["batch"] == 1 and r["kind"] != "HF" else r for r in TABLE]  # as _bench_batch's
+    report = json.loads(json.dumps(assemble(info, "NVIDIA H200", "2026-12-03", settings, floor, timed)))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[4:] == [split_line(r) for r in timed if r["batch"] == 1 and r["kind"] != "HF"], \
+        "then where a request's time went, a line a B = 1 row that measured it, in the table's order"
+    assert len(lines) == 4 + 7 and lines[4].startswith("where a request's time went, plain graphed greedy: 25.0 ms")
+    assert sum({"round_ms", "start_ms", "bursts"} <= set(r) for r in report["rows"]) == 7, "the JSON's rows carry them"
 
 
 @pytest.mark.parametrize("matplotlib", [False, True], ids=["without matplotlib", "with matplotlib"])

@@ -122,6 +122,13 @@ def test_the_headline_runs_on_the_trained_pair(trained, capsys):
         assert row["tokens_per_s"] > 0 and row["batch"] == 1
         if row["kind"] in SPECULATIVE:
             assert row["tau"] >= 1 and row["v"] > 0 and row["draft"] > 0 and row["rows_share"] == 1.0, row
+            # a round inside its burst graph holds its verify and draft (timed alone, each replay a launch of its own:
+            # a little slack) and the round's own kernels
+            assert row["round_ms"] >= 0.8 * row["vd_ms"] > 0, row
+        if row["kind"] != "HF":  # where a request's time went, B = 1's plain and speculative rows
+            assert row["round_ms"] > 0 and row["start_ms"] > 0 and row["bursts"] >= 1 and row["request_rounds"] > 0, row
+    assert plain["round_ms"] == plain["step_ms"] and plain["vd_ms"] is None, "the plain loop's step is its round"
+    assert out.count("where a request's time went, ") == len(rows) - 3, "a line a row but Hugging Face's"
     assert set(report["picks"]) == {"greedy", "sampling"} and all(set(p) == {"1"} for p in report["picks"].values())
     assert len(report["best"]) == 2
 

@@ -348,7 +348,7 @@ def test_the_headlines_plain_step_is_one_step_of_its_burst(small):
     graph at 1.07 ms against the burst's 0.39 ms a step."""
     from benchmarks.torch_common import plain_decoding
     from memra_cuda.torch.timing import replay_ms
-    _, step_ms = plain_decoding(small, 128, [[Request(PROMPT, 20)]])
+    step_ms = plain_decoding(small, 128, [[Request(PROMPT, 20)]])["step_ms"]
     one = GraphedGreedy(small, 128, steps=1)
     one.capture()
     one_ms = replay_ms(one.graph, one.stream)
