@@ -14,6 +14,17 @@ import numpy as np
 from ..driver.values import as_flag, as_real, as_size, exact_array
 
 
+# A burst queued behind one in flight, while some live row's rate is still `rate`'s guess (it has
+# run no burst whole: a generation's first readback is not in), runs this share of the rounds the
+# rows are expected to need after it (1 / AHEAD), unless they are expected to need two whole bursts
+# more: the rounds it runs past a row's end are lost, while all it must do is keep the GPU busy as
+# the host reads the one in flight back; the next is sized on what that one saw. A simulation of a
+# B = 1 request (128 tokens at 3.9 and 6.5 a round with the guess right on average, rounds of 0.72
+# and 0.98 ms, a turn-around of 0.3 to 1 ms) gave overlap 5-6% less wall than the whole need queued
+# ahead (benchmarks/RESULTS.md measures it); once a row's rate is its own, the whole need.
+AHEAD = 4
+
+
 class Pace:
     """How many rounds the next burst of a generation runs.
 
@@ -23,8 +34,10 @@ class Pace:
     runs the most any row needs, rounded down to a power of two (so a stream captures at most
     log2(M) graphs more), at most M. A burst that falls short costs one short burst more; a
     row that stops at an EOS cannot be foreseen. With `cut` False every burst runs M rounds.
-    A burst queued behind one in flight (overlap mode) counts that one's expected tokens, so
-    without `rate` it ran a whole M past a request that needed a few rounds more.
+    A burst queued behind one in flight (overlap mode) counts that one's expected tokens (so
+    without `rate` it ran a whole M past a request that needed a few rounds more), and, while
+    some live row's rate is still the guess, runs a share of what the rows then need (AHEAD),
+    where that is under two whole bursts.
 
     Each argument is checked here (TypeError or ValueError naming it): budgets are ints (2.7
     was truncated to 2, "5" read as 5), M an int of at least 1 (0 made every burst 0 rounds),
@@ -54,7 +67,7 @@ class Pace:
 
     def rounds(self, live: np.ndarray, in_flight: int = 0) -> int:
         """Rounds for the next burst of the `live` rows, queued behind `in_flight` rounds whose
-        tokens the host has not seen yet."""
+        tokens the host has not seen yet (on a guessed rate, a share of the need: AHEAD)."""
         if not self.cut:
             return self.m_rounds
         rate = np.where(self._rounds > 0, self.generated / np.maximum(self._rounds, 1), self.rate)
@@ -62,6 +75,8 @@ class Pace:
         # A row that has committed nothing in the rounds it ran gives no rate to divide by: it
         # may need any number of rounds, so it gets the whole M.
         need = np.divide(left, rate[live], out=np.full(left.shape, np.inf), where=rate[live] > 0).max(initial=1)
+        if in_flight and need < 2 * self.m_rounds and bool((self._rounds[live] == 0).any()):
+            need /= AHEAD  # queued ahead on a guessed rate: enough to cover the readback (AHEAD)
         if need >= self.m_rounds:
             return self.m_rounds
         return 1 << (max(int(np.ceil(need)), 1).bit_length() - 1)

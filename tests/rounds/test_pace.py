@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memra_cuda.rounds.pace import Pace, pass_lengths
+from memra_cuda.rounds.pace import AHEAD, Pace, pass_lengths
 
 LIVE = np.array([True])
 
@@ -53,6 +53,23 @@ def test_a_burst_queued_behind_one_in_flight_counts_that_ones_expected_tokens():
     pace.record(16, np.array([64]), LIVE)
     assert pace.rounds(LIVE, in_flight=5) == 4  # 36 - 5 * 4 = 16 tokens left
     assert pace.rounds(LIVE, in_flight=16) == 1  # expected to finish: the shortest burst
+
+
+def test_a_burst_queued_ahead_on_a_guessed_rate_runs_a_share_of_what_the_rows_then_need():
+    """Before a row's first readback its rate is `rate`'s guess: a burst queued behind 16 rounds in
+    flight at 6.5 a round runs a quarter of the rounds then needed (AHEAD), rounded down to a power
+    of two, at least one (128 tokens: 24 left, 3.7 rounds: 1; 300: 30 rounds: 8), and a whole M
+    where two bursts more are needed (400: 45 rounds). A row with a rate of its own, or a burst
+    not queued ahead, gets the whole need; so does a batch whose live rows all have one."""
+    assert AHEAD == 4
+    for budget, ahead in ((128, 1), (300, 8), (400, 16)):
+        assert Pace(np.array([budget]), 16, rate=6.5).rounds(LIVE, in_flight=16) == ahead, budget
+    assert Pace(np.array([300]), 16, rate=6.5).rounds(LIVE) == 16
+    pace = Pace(np.array([300, 300]), 16, rate=6.5)
+    pace.record(16, np.array([104, 104]), np.array([True, False]))  # row 1 stopped inside: no rate of its own
+    # 92 tokens left a row after the 16 in flight, 14.2 rounds: a quarter while row 1's rate is the guess
+    assert pace.rounds(np.array([True, True]), in_flight=16) == 4
+    assert pace.rounds(np.array([True, False]), in_flight=16) == 8  # row 0 alone, on its own rate: the whole need
 
 
 def test_a_burst_ahead_is_needed_while_the_leanest_rate_leaves_budget_over():
@@ -117,11 +134,11 @@ def test_budgets_m_and_the_switches_are_refused_naming_them_where_they_are_given
 def test_a_known_rate_sizes_the_bursts_before_a_generations_first_readback():
     """`rate` (the tokens a round the decoder's last generation made) stands for a row's rate until
     its first readback: a 128-token request at 6.5 a round still opens with M, but the burst
-    queued behind that one (overlap) is the four rounds the rest needs, where one token a round
-    queued a whole M more; a short request opens short. After a readback the row's own rate rules."""
+    queued behind that one (overlap) is a quarter of the four rounds the rest needs, where one
+    token a round queued a whole M more; a short request opens short. After a readback the row's own rate rules."""
     assert Pace(np.array([128]), 16, rate=6.5).rounds(LIVE) == 16
     assert Pace(np.array([128]), 16).rounds(LIVE, in_flight=16) == 16
-    assert Pace(np.array([128]), 16, rate=6.5).rounds(LIVE, in_flight=16) == 4  # 24 left: 3.7 rounds
+    assert Pace(np.array([128]), 16, rate=6.5).rounds(LIVE, in_flight=16) == 1  # 24 left: 3.7 rounds, a quarter
     assert Pace(np.array([32]), 16, rate=6.5).rounds(LIVE) == 4
     assert Pace(np.array([32]), 16, rate=1).rounds(LIVE) == 16
     pace = Pace(np.array([128]), 16, rate=6.5)
