@@ -247,6 +247,11 @@ def test_an_array_librarys_bool_is_no_integer_either():
     with pytest.raises(TypeError, match="is a bool, not an integer"):
         exact_int(ArrayBool(), np.uint32)
     assert hides_bools([ArrayBool(), 5]) and hides_bools([[5, ArrayBool()]]) and not hides_bools([5, 6])
+    # a prompt's plain ints (and floats) are answered by their types; a bool or anything else among them is looked at
+    prompt = list(range(1, 129))
+    assert not hides_bools(prompt) and not hides_bools((*prompt, 2.5)) and hides_bools([*prompt, True])
+    assert hides_bools((True, *prompt)) and hides_bools([*prompt, np.bool_(False)]) and hides_bools([*prompt, [True]])
+    assert hides_bools([*prompt, ArrayBool()]) and not hides_bools([*prompt, np.int64(3)])
     assert as_index(np.int64(3), "a row") == 3
     # pandas' nullable bool and TensorFlow's dtypes name themselves otherwise (was read as 1)
     for name in ("boolean", "<dtype: 'bool'>"):
