@@ -63,19 +63,22 @@ def is_bool(value: Any) -> bool:
     return not isinstance(value, (int, np.integer)) and "bool" in str(getattr(value, "dtype", ""))
 
 
-_PLAIN_NUMBERS = frozenset((int, float))  # types no bool hides in (bool is a type of its own)
+# types no bool hides in (bool and numpy's bool_ are types of their own): Python's numbers and numpy's
+# integer and float scalars, a list's members where it came from an array's iteration
+_PLAIN_NUMBERS = frozenset((int, float, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                            np.uint64, np.float16, np.float32, np.float64))
 
 
 def hides_bools(values: Any) -> bool:
     """Whether a list or a tuple holds a bool among its numbers, in a nested list or tuple or as
     a bool array in it too, which numpy then reads as an int (np.asarray([True, 5]), [[True, 5]]
     and [np.array([1]), np.array([True])] are int64): the one place a bool slips past a dtype's
-    kind. A list of plain ints and floats alone, a prompt's, is answered by its members' types
-    (a set of them: 128 tokens in ~3 us, where the walk below took ~60 us, four times a request's
-    admission)."""
+    kind. A list of plain numbers alone (Python's or numpy's ints and floats), a prompt's, is
+    answered by its members' types (a set of them: 128 tokens in ~3 us, where the walk below took
+    ~60 us, and a prompt is checked four times on its way into a decoder)."""
     if not isinstance(values, (list, tuple)):
         return False
-    if set(map(type, values)) <= _PLAIN_NUMBERS:  # exactly int or float: no bool, no container, no array
+    if set(map(type, values)) <= _PLAIN_NUMBERS:  # numbers exactly: no bool, no container, no array
         return False
     for v in values:
         if isinstance(v, np.ndarray):

@@ -252,6 +252,7 @@ def test_an_array_librarys_bool_is_no_integer_either():
     assert not hides_bools(prompt) and not hides_bools((*prompt, 2.5)) and hides_bools([*prompt, True])
     assert hides_bools((True, *prompt)) and hides_bools([*prompt, np.bool_(False)]) and hides_bools([*prompt, [True]])
     assert hides_bools([*prompt, ArrayBool()]) and not hides_bools([*prompt, np.int64(3)])
+    assert not hides_bools(list(np.arange(5, dtype=np.uint16))) and hides_bools([*np.arange(5), np.True_])
     assert as_index(np.int64(3), "a row") == 3
     # pandas' nullable bool and TensorFlow's dtypes name themselves otherwise (was read as 1)
     for name in ("boolean", "<dtype: 'bool'>"):
