@@ -4,8 +4,9 @@ modes, on random-weight bf16 Llamas of the trained pair's shapes (benchmarks.ste
 768" and "draft 2 x 384"), B = 1.
 
 At B = 1 a speculative generation spent about 20% of its wall outside its rounds' verifies and
-drafts where the plain loop spent 4%, most of it at the bursts' starts (RESULTS.md, "where a
-round's time goes at B = 1"). Two measurements place it:
+drafts where the plain loop spent 4% (RESULTS.md, "where a round's time goes at B = 1"), and a
+burst's launch was the suspect. Two measurements place it (on an H100 they cleared the launch:
+the GPU waits 0.01 to 0.3 ms a burst of 16 rounds; RESULTS.md, "The launch probe"):
 
 - the launch probe: for a graph, the host's time in one launch on an idle GPU ("host"), that
   launch's whole time to its burst's end ("alone") and a burst's time where five are queued back
@@ -70,7 +71,7 @@ def launched(label: str, launch: Callable[[], None], synchronize: Callable[[], N
                 wait_ms=1e3 * (alone - queued))
 
 
-def launch_line(row: dict[str, Any]) -> str:
+def probe_line(row: dict[str, Any]) -> str:
     return (f"launch probe: {row['label']}: the host's launch {row['host_ms']:.3f} ms; one burst alone "
             f"{row['alone_ms']:.3f} ms; queued back to back {row['queued_ms']:.3f} ms a burst: the GPU waits "
             f"{row['wait_ms']:.3f} ms a launch")
@@ -151,7 +152,7 @@ def spec_rows(name: str, spec: Any, request: Sequence[Any]) -> tuple[dict, list[
               launched(f"{name}, the same {BURST} rounds alone, their readback queued after the graph",
                        alone_then_readback, torch.cuda.synchronize)]
     for row in probes:
-        print(launch_line(row), flush=True)
+        print(probe_line(row), flush=True)
     return modes, probes
 
 
@@ -181,7 +182,7 @@ def plain_rows(target: Any, request: Sequence[Any], new: int, prompt: int) -> tu
         with torch.cuda.stream(greedy.stream):
             graph.replay()
     probe = launched(f"the plain loop, a burst of {greedy.steps} steps", replay, torch.cuda.synchronize)
-    print(launch_line(probe), flush=True)
+    print(probe_line(probe), flush=True)
     return plain, probe
 
 
@@ -213,7 +214,7 @@ def on_gpu(new: int, prompt: int, adds: Sequence[int]) -> dict[str, Any]:
                                   prompt=prompt)
     report["synthetic"] = synthetic(adds)
     for row in report["synthetic"]:
-        print(launch_line(row), flush=True)
+        print(probe_line(row), flush=True)
     target, draft = build(SHAPES["target 12 x 768"]), build(SHAPES["draft 2 x 384"])
     request = [Request([int(t) for t in np.random.default_rng(0).integers(1, 8000, prompt)], new, None, 0)]
     report["plain"], probe = plain_rows(target, request, new, prompt)

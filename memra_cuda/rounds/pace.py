@@ -21,7 +21,7 @@ from ..driver.values import as_flag, as_real, as_size, exact_array
 # the host reads the one in flight back; the next is sized on what that one saw. A simulation of a
 # B = 1 request (128 tokens at 3.9 and 6.5 a round with the guess right on average, rounds of 0.72
 # and 0.98 ms, a turn-around of 0.3 to 1 ms) gave overlap 5-6% less wall than the whole need queued
-# ahead (benchmarks/RESULTS.md measures it); once a row's rate is its own, the whole need.
+# ahead (the headline's overlap rows measure it); once a row's rate is its own, the whole need.
 AHEAD = 4
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.launches import QUEUED, launch_line, launched, mode_line
+from benchmarks.launches import QUEUED, launched, mode_line, probe_line
 
 
 def test_the_probe_times_one_launch_alone_after_an_untimed_one_then_bursts_queued_back_to_back():
@@ -31,7 +31,7 @@ def test_the_probe_times_one_launch_alone_after_an_untimed_one_then_bursts_queue
 
 def test_the_lines_name_what_they_measured():
     row = dict(label="chain k = 4, a burst of 16 rounds", host_ms=2.1, alone_ms=16.0, queued_ms=14.0, wait_ms=2.0)
-    assert launch_line(row) == ("launch probe: chain k = 4, a burst of 16 rounds: the host's launch 2.100 ms; one "
+    assert probe_line(row) == ("launch probe: chain k = 4, a burst of 16 rounds: the host's launch 2.100 ms; one "
                                 "burst alone 16.000 ms; queued back to back 14.000 ms a burst: the GPU waits 2.000 ms "
                                 "a launch")
     modes = dict(tokens=256, rounds=256, sent=256, wall_ms=229.6, vd_us=712.7, busy=256 * 712.7 / 229600)
