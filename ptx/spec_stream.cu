@@ -8,12 +8,13 @@
 // to the sizes the launcher passes. Rows are laid out as ptx/layout.cuh says.
 
 #include "layout.cuh"
+#include "round_tail.cuh"
 #include "state.cuh"
 
 #define GRID_STRIDE(i, n) \
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
-// The warp kernels (accept, commit) serve a row with a whole warp: warp w of the grid takes rows
+// The warp kernels (accept, commit, the greedy round tail) serve a row with a whole warp: warp w of the grid takes rows
 // w, w + (the grid's warps), ..., so any grid covers any B (the launcher caps the grid at 1024
 // blocks). blockDim.x is a multiple of 32, so a warp's lanes walk the same rows together and every
 // ballot and shuffle of a row's body has all 32 of them.
@@ -112,54 +113,8 @@ extern "C" __global__ void spec_accept_greedy_dc_t64(const u32* vtok_d, const u6
     accept_greedy(vtok_d, pred_d, k, B, brk_d, acc_d, last_pred_d, ctl_d);
 }
 
-// 4. Commit the accepted drafts and the bonus token to the ring, applying EOS and the budget.
-//    k bounds the accept count read from acc_d (the contract's arguments, plus this bound).
-//    One warp a row: lanes load 32 tokens at once; every lane then walks them in the same order
-//    (the state is uniform across the warp) and lane 0 stores. Ring rows are RING_TOKENS + ring_cap long.
-__device__ void ring_commit_row(u32 b, const u32* vtok_d, u32* acc_d, const u32* last_pred_d, int* ctl_d,
-                                u32* pend_d, u32* ring_d, u32 ring_cap, u32 k) {
-    const u32 lane = threadIdx.x & 31;
-    const u32* vtok = vtok_d + (u64)b * (k + 1);
-    int* ctl = ctl_d + CTL_WORDS * b;
-    u32* ring = ring_d + (u64)b * (RING_TOKENS + ring_cap);
-    const int done_at_entry = ctl[CTL_DONE], eos = ctl[CTL_EOS];
-    int budget = ctl[CTL_BUDGET];
-    const u32 n = min(acc_d[ACC_WORDS * b + ACC_ROUND], k);
-    const u32 bonus = last_pred_d[b];
-    u32 count = min(ring[RING_COUNT], ring_cap);
-    if (done_at_entry != 0) return;  // the whole warp: every lane read the same flag
-    int done = 0;
-    u32 walked = 0;  // tokens committed this round (the ring may have had room for fewer)
-    for (u32 base = 0; base <= n && !done; base += 32) {
-        const u32 i = base + lane;
-        const u32 mine = i < n ? vtok[1 + i] : bonus;
-        for (u32 j = 0; j < 32 && base + j <= n; ++j) {
-            const u32 tok = __shfl_sync(0xffffffffu, mine, j);
-            if (budget == 0) {
-                done = 1;
-                break;
-            }
-            if (count < ring_cap) {
-                if (lane == 0) ring[RING_TOKENS + count] = tok;
-                ++count;
-            }
-            ++walked;
-            if (budget > 0) --budget;
-            done = (eos >= 0 && tok == (u32)eos) || budget == 0;
-            if (done) break;
-        }
-    }
-    if (lane == 0) {
-        // A stop inside the drafts commits fewer than n + 1 tokens: the total counts only the
-        // drafts it committed before the last, so committed - accepted still counts the rounds.
-        if (walked <= n) acc_d[ACC_WORDS * b + ACC_TOTAL] -= n + 1 - max(walked, 1u);
-        ring[RING_COUNT] = count;
-        ctl[CTL_BUDGET] = budget;
-        ctl[CTL_DONE] = done;
-        pend_d[b] = bonus;
-    }
-}
-
+// 4. Commit the accepted drafts and the bonus token to the ring, applying EOS and the budget
+//    (ring_commit_row, round_tail.cuh). One warp a row.
 extern "C" __global__ void spec_ring_commit(const u32* vtok_d, u32* acc_d, const u32* last_pred_d,
                                             int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap, u32 k, u32 B) {
     WARP_STRIDE(b, B) ring_commit_row((u32)b, vtok_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, k);
@@ -218,11 +173,38 @@ extern "C" __global__ void spec_ring_publish(u32* ring_d, u32 ring_cap, u32 B, u
 //    each non-zero entry points at an i32[B], whose element b becomes row b's pos_start + keep.
 extern "C" __global__ void spec_rollback_stream(const u64* len_ptrs, u32 n_ptrs, u32 B,
                                                 const int* pos_start_d, const int* ctl_d) {
-    GRID_STRIDE(i, (u64)n_ptrs * B) {
-        const u32 entry = (u32)(i / B), b = (u32)(i % B);
-        int* p = (int*)len_ptrs[entry];
-        if (p) p[b] = (int)((u32)pos_start_d[b] + (u32)ctl_d[CTL_WORDS * b + CTL_KEEP]);  // wraps, as the reference
+    GRID_STRIDE(i, (u64)n_ptrs * B) rollback_entry(len_ptrs, (u32)(i / B), (u32)(i % B), pos_start_d, ctl_d);
+}
+
+// 3 + 4 + 5. A greedy chain round's tail in one launch: for each row, what kernel 3, then kernel
+//    4, then kernel 5 over `len_ptrs` do to it, one warp a row (round_tail.cuh). Each of the three
+//    reads and writes only its row's words, so running them a row at a time is running them one
+//    after another; one launch instead of three on the round's critical path.
+template <typename Tok>
+__device__ void round_tail_greedy(const u32* vtok_d, const Tok* pred_d, u32 k, u32 B, u32* brk_d, u32* acc_d,
+                                  u32* last_pred_d, int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap,
+                                  const u64* len_ptrs, u32 n_ptrs, const int* pos_start_d) {
+    WARP_STRIDE(b, B) {
+        accept_greedy_row((u32)b, vtok_d, pred_d, k, brk_d, acc_d, last_pred_d, ctl_d);
+        commit_and_roll_back_row((u32)b, vtok_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, k, len_ptrs,
+                                 n_ptrs, pos_start_d);
     }
+}
+
+extern "C" __global__ void spec_round_tail_greedy(const u32* vtok_d, const u32* pred_d, u32 k, u32 B, u32* brk_d,
+                                                  u32* acc_d, u32* last_pred_d, int* ctl_d, u32* pend_d, u32* ring_d,
+                                                  u32 ring_cap, const u64* len_ptrs, u32 n_ptrs,
+                                                  const int* pos_start_d) {
+    round_tail_greedy(vtok_d, pred_d, k, B, brk_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, len_ptrs,
+                      n_ptrs, pos_start_d);
+}
+
+extern "C" __global__ void spec_round_tail_greedy_t64(const u32* vtok_d, const u64* pred_d, u32 k, u32 B,
+                                                      u32* brk_d, u32* acc_d, u32* last_pred_d, int* ctl_d,
+                                                      u32* pend_d, u32* ring_d, u32 ring_cap, const u64* len_ptrs,
+                                                      u32 n_ptrs, const int* pos_start_d) {
+    round_tail_greedy(vtok_d, pred_d, k, B, brk_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, len_ptrs,
+                      n_ptrs, pos_start_d);
 }
 
 // Recurrent state (hybrid models, ptx/state.cuh): the verify keeps the state after each of the

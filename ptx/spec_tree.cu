@@ -10,6 +10,7 @@
 
 #include "layout.cuh"
 #include "philox.cuh"
+#include "round_tail.cuh"
 #include "state.cuh"
 
 #define TREE_THREADS 256  // the block of the draw, judge pass and race kernels (memra_cuda/kernels/tree.py)
@@ -296,44 +297,50 @@ __device__ void settle_tree_row(const TreeRows& t, u32 T1, u32 D, u32 b, u32 n, 
 //     judges nodes lane, lane + 32, ...; a ballot per 32 nodes makes the set of agreeing nodes,
 //     and a node qualifies when its ancestor mask lies in that set.
 template <typename Tok>
-__device__ void tree_accept_greedy(u32* tree, u32 T1, u32 W, u32 D, u32 B, const Tok* pred_d, u32* vtok_d, u32* brk_d,
-                                   u32* acc_d, u32* last_pred_d, int* ctl_d) {
+__device__ void tree_accept_greedy_row(u32 b, u32* tree, u32 T1, u32 W, u32 D, u32 B, const Tok* pred_d, u32* vtok_d,
+                                       u32* brk_d, u32* acc_d, u32* last_pred_d, int* ctl_d) {
     __shared__ u32 agree[MAX_TREE_NODES / 32];
     const u32 lane = threadIdx.x & 31;
-    for (u32 b = blockIdx.x; b < B; b += gridDim.x) {
-        const TreeRows t = tree_rows(tree, T1, W, D, B, b);
-        const Tok* pred = pred_d + (u64)b * T1;
-        const u32 cap = marked_limit(brk_d[BRK_WORDS * b + BRK_MARK], D);  // every lane alike
-        for (u32 w = 0; w < W; ++w) {
-            const u32 i = 32 * w + lane;
-            bool ok = i == 0;
-            if (i > 0 && i < T1) {
-                const u32 p = t.parent[i];
-                ok = t.rank[i] != VOID_RANK && p < i && t.tok[i] == (u32)pred[p];
-            }
-            const u32 bits = __ballot_sync(0xffffffffu, ok);
-            if (lane == 0) agree[w] = bits;
+    const TreeRows t = tree_rows(tree, T1, W, D, B, b);
+    const Tok* pred = pred_d + (u64)b * T1;
+    const u32 cap = marked_limit(brk_d[BRK_WORDS * b + BRK_MARK], D);  // every lane alike
+    for (u32 w = 0; w < W; ++w) {
+        const u32 i = 32 * w + lane;
+        bool ok = i == 0;
+        if (i > 0 && i < T1) {
+            const u32 p = t.parent[i];
+            ok = t.rank[i] != VOID_RANK && p < i && t.tok[i] == (u32)pred[p];
         }
-        __syncwarp();
-        u64 best = 0;  // (depth, ~index) of the deepest qualifying node, smaller index first
-        for (u32 i = lane; i < T1; i += 32) {
-            const u32 depth = t.depth[i];
-            if (depth <= cap && all_agree(t.mask + (u64)i * W, agree, W)) {
-                const u64 key = (u64)depth << 32 | (u32)~i;
-                best = key > best ? key : best;
-            }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const u64 other = __shfl_xor_sync(0xffffffffu, best, o);
-            best = other > best ? other : best;
-        }
-        if (lane == 0) {
-            const u32 n = ~(u32)best;  // node 0 always qualifies: best is never 0
-            const bool done = ctl_d[CTL_WORDS * b + CTL_DONE] != 0;
-            settle_tree_row(t, T1, D, b, n, (u32)pred[n < T1 ? n : 0], done, vtok_d, brk_d, acc_d, last_pred_d, ctl_d);
-        }
-        __syncwarp();
+        const u32 bits = __ballot_sync(0xffffffffu, ok);
+        if (lane == 0) agree[w] = bits;
     }
+    __syncwarp();
+    u64 best = 0;  // (depth, ~index) of the deepest qualifying node, smaller index first
+    for (u32 i = lane; i < T1; i += 32) {
+        const u32 depth = t.depth[i];
+        if (depth <= cap && all_agree(t.mask + (u64)i * W, agree, W)) {
+            const u64 key = (u64)depth << 32 | (u32)~i;
+            best = key > best ? key : best;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+    }
+    if (lane == 0) {
+        const u32 n = ~(u32)best;  // node 0 always qualifies: best is never 0
+        const bool done = ctl_d[CTL_WORDS * b + CTL_DONE] != 0;
+        settle_tree_row(t, T1, D, b, n, (u32)pred[n < T1 ? n : 0], done, vtok_d, brk_d, acc_d, last_pred_d, ctl_d);
+    }
+    __syncwarp();  // agree[] is the next row's
+}
+
+// A block of one warp a row (agree[] is the block's), blocks striding over the rows.
+template <typename Tok>
+__device__ void tree_accept_greedy(u32* tree, u32 T1, u32 W, u32 D, u32 B, const Tok* pred_d, u32* vtok_d, u32* brk_d,
+                                   u32* acc_d, u32* last_pred_d, int* ctl_d) {
+    for (u32 b = blockIdx.x; b < B; b += gridDim.x)
+        tree_accept_greedy_row(b, tree, T1, W, D, B, pred_d, vtok_d, brk_d, acc_d, last_pred_d, ctl_d);
 }
 
 extern "C" __global__ void spec_tree_accept_greedy(u32* tree, u32 T1, u32 W, u32 D, u32 B, const u32* pred_d,
@@ -345,6 +352,40 @@ extern "C" __global__ void spec_tree_accept_greedy_t64(u32* tree, u32 T1, u32 W,
                                                        u32* vtok_d, u32* brk_d, u32* acc_d, u32* last_pred_d,
                                                        int* ctl_d) {
     tree_accept_greedy(tree, T1, W, D, B, pred_d, vtok_d, brk_d, acc_d, last_pred_d, ctl_d);
+}
+
+// 13 + 4 + 5. A greedy tree round's tail in one launch: for each row, kernel 13's acceptance,
+//    then kernel 4's commit and kernel 5's rollback over `len_ptrs` (round_tail.cuh; vtok rows are
+//    D + 1 words, so the commit's k is D), a block of one warp a row as kernel 13's. Kernel 15's
+//    compaction runs after it: it reads keep, acc[ACC_ROUND], the path and pos_start, which the
+//    commit and the rollback leave as the acceptance wrote them, and the commit and the rollback
+//    read nothing the compaction writes (the KV entries).
+template <typename Tok>
+__device__ void tree_round_tail_greedy(u32* tree, u32 T1, u32 W, u32 D, u32 B, const Tok* pred_d, u32* vtok_d,
+                                       u32* brk_d, u32* acc_d, u32* last_pred_d, int* ctl_d, u32* pend_d, u32* ring_d,
+                                       u32 ring_cap, const u64* len_ptrs, u32 n_ptrs, const int* pos_start_d) {
+    for (u32 b = blockIdx.x; b < B; b += gridDim.x) {
+        tree_accept_greedy_row(b, tree, T1, W, D, B, pred_d, vtok_d, brk_d, acc_d, last_pred_d, ctl_d);
+        commit_and_roll_back_row(b, vtok_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d, ring_cap, D, len_ptrs, n_ptrs,
+                                 pos_start_d);
+    }
+}
+
+extern "C" __global__ void spec_tree_round_tail_greedy(u32* tree, u32 T1, u32 W, u32 D, u32 B, const u32* pred_d,
+                                                       u32* vtok_d, u32* brk_d, u32* acc_d, u32* last_pred_d,
+                                                       int* ctl_d, u32* pend_d, u32* ring_d, u32 ring_cap,
+                                                       const u64* len_ptrs, u32 n_ptrs, const int* pos_start_d) {
+    tree_round_tail_greedy(tree, T1, W, D, B, pred_d, vtok_d, brk_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d,
+                           ring_cap, len_ptrs, n_ptrs, pos_start_d);
+}
+
+extern "C" __global__ void spec_tree_round_tail_greedy_t64(u32* tree, u32 T1, u32 W, u32 D, u32 B,
+                                                           const u64* pred_d, u32* vtok_d, u32* brk_d, u32* acc_d,
+                                                           u32* last_pred_d, int* ctl_d, u32* pend_d, u32* ring_d,
+                                                           u32 ring_cap, const u64* len_ptrs, u32 n_ptrs,
+                                                           const int* pos_start_d) {
+    tree_round_tail_greedy(tree, T1, W, D, B, pred_d, vtok_d, brk_d, acc_d, last_pred_d, ctl_d, pend_d, ring_d,
+                           ring_cap, len_ptrs, n_ptrs, pos_start_d);
 }
 
 // 14. Sampling, recursive rejection without replacement. Every node judges its own children,

@@ -38,6 +38,13 @@ _DRAFT_SAMPLE = _sig(step="u32", k="u32", V="u32", B="u32", q_d="ptr", pos_ctr_d
 _TREE_GROW = _sig(**_TREE, level="u32", prev_start="u32", prev_stop="u32", start="u32", stop="u32", cand_tok="ptr",
                  cand_logq="ptr", cand_sel="ptr", K="u32", shape="ptr", branch="u32", pos_start_d="ptr")
 _TREE_GREEDY = _sig(**_TREE, pred_d="ptr", vtok_d="ptr", brk_d="ptr", acc_d="ptr", last_pred_d="ptr", ctl_d="ptr")
+# What a greedy round's tail adds to its acceptance's: the commit's ring and the rollback's table.
+_TAIL: dict[str, ArgType] = {"pend_d": "ptr", "ring_d": "ptr", "ring_cap": "u32", "len_ptrs": "ptr", "n_ptrs": "u32",
+                             "pos_start_d": "ptr"}
+_ROUND_TAIL = _sig(vtok_d="ptr", pred_d="ptr", k="u32", B="u32", brk_d="ptr", acc_d="ptr", last_pred_d="ptr",
+                  ctl_d="ptr", **_TAIL)
+_TREE_ROUND_TAIL = _sig(**_TREE, pred_d="ptr", vtok_d="ptr", brk_d="ptr", acc_d="ptr", last_pred_d="ptr", ctl_d="ptr",
+                       **_TAIL)
 
 SIGNATURES: Mapping[str, Signature] = {
     # ptx/spec_stream.cu: the round's bookkeeping (docs/kernels.md)
@@ -51,6 +58,8 @@ SIGNATURES: Mapping[str, Signature] = {
     "spec_ring_publish": _sig(ring_d="ptr", ring_cap="u32", B="u32", pub_d="ptr", seq_d="ptr", out_head="ptr",
                              out_count="ptr", out_tokens="ptr", out_stamps="ptr", out_cap="u32"),
     "spec_rollback_stream": _sig(len_ptrs="ptr", n_ptrs="u32", B="u32", pos_start_d="ptr", ctl_d="ptr"),
+    "spec_round_tail_greedy": _ROUND_TAIL,  # 3, 4 and 5 in one launch
+    "spec_round_tail_greedy_t64": _ROUND_TAIL,
     "spec_state_copy": _sig(table="ptr", n_entries="u32", B="u32", k="u32", ctl_d="ptr"),
     "spec_state_flip": _sig(idx_ptrs="ptr", n_ptrs="u32", B="u32", k="u32", ctl_d="ptr"),
     "spec_choose_lengths": _sig(ctl_d="ptr", acc_d="ptr", brk_d="ptr", rate_d="ptr", cap_d="ptr", cost_d="ptr",
@@ -69,6 +78,8 @@ SIGNATURES: Mapping[str, Signature] = {
                           cand_sel="ptr", keys="ptr", counts="ptr"),
     "spec_tree_accept_greedy": _TREE_GREEDY,
     "spec_tree_accept_greedy_t64": _TREE_GREEDY,
+    "spec_tree_round_tail_greedy": _TREE_ROUND_TAIL,  # 13, 4 and 5 in one launch
+    "spec_tree_round_tail_greedy_t64": _TREE_ROUND_TAIL,
     "spec_tree_judge": _sig(**_TREE, p_d="ptr", q_d="ptr", V="u32", seed_d="ptr", pos_start_d="ptr", ctl_d="ptr",
                            judged="ptr"),
     "spec_tree_judge_pass": _sig(**_TREE, p_d="ptr", q_d="ptr", V="u32", seed_d="ptr", pos_start_d="ptr", judged="ptr",

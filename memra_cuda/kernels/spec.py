@@ -36,7 +36,8 @@ CHOOSE_THREADS = 512  # spec_stream.cu's: the length chooser's one block
 class SpecKernels:
     """The nine round-stream kernels: seven of ptx/spec_stream.ptx (loaded once per engine),
     stochastic acceptance and the draft's draw (ptx/spec_sample.ptx, through sampling.py); device
-    mode's publish (4', spec_stream.ptx too); and the length chooser (spec_stream.ptx).
+    mode's publish (4', spec_stream.ptx too); the length chooser (spec_stream.ptx); and the
+    greedy round tail, kernels 3, 4 and 5 in one launch (spec_stream.ptx).
 
     `prepare_*` validates the buffers and returns a prepared launch to keep and call every
     round; the plain methods make that launch and queue it once, checked at each call (a one-off:
@@ -122,16 +123,24 @@ class SpecKernels:
     def prepare_rollback(self, bufs: StreamBufs, table_d: PointerTable) -> Launch:
         """Kernel 5: every i32[B] length `table_d` names set to the round's start plus what each row
         kept (kv_len_ptr_table builds it; with pos_ctr_d in it, the position moves on too)."""
-        if not isinstance(table_d, PointerTable):
-            raise TypeError(f"a rollback table must be a PointerTable (kv_len_ptr_table builds one), which holds "
-                            f"the lengths it names; not {table_d!r}")
-        wrong = [t for t in table_d.targets if t is not None and (t.dtype != np.int32 or t.len != bufs.batch)]
-        if wrong:
-            raise ValueError(f"a rollback table for a batch of {bufs.batch} must name i32[{bufs.batch}] lengths "
-                             f"(one per sequence), not {wrong[0]!r}")
+        table_d = rollback_table(bufs, table_d)
         return self._launch("spec_rollback_stream", dict(len_ptrs=table_d, n_ptrs=table_d.len, B=bufs.batch,
                                                          pos_start_d=bufs.pos_start_d, ctl_d=bufs.ctl_d),
                             threads=table_d.len * bufs.batch)
+
+    def prepare_round_tail_greedy(self, bufs: StreamBufs, pred_d: BufferLike, table_d: PointerTable) -> Launch:
+        """Kernels 3, 4 and 5 in one launch, a greedy chain round's tail: each row's acceptance of
+        `pred_d` (as prepare_accept_greedy's), its commit (prepare_ring_commit's), then the
+        rollback of the lengths `table_d` names (prepare_rollback's), one warp a row. The same
+        buffers after it as after the three launches in that order, checked as each of them checks."""
+        pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, bufs.k + 1)
+        table_d = rollback_table(bufs, table_d)
+        return self._launch(width_kernel("spec_round_tail_greedy", pred_d),
+                            dict(vtok_d=bufs.vtok_d, pred_d=pred_d, k=bufs.k, B=bufs.batch, brk_d=bufs.brk_d,
+                                 acc_d=bufs.acc_d, last_pred_d=bufs.last_pred_d, ctl_d=bufs.ctl_d, pend_d=bufs.pend_d,
+                                 ring_d=bufs.ring_d, ring_cap=bufs.ring_cap, len_ptrs=table_d, n_ptrs=table_d.len,
+                                 pos_start_d=bufs.pos_start_d),
+                            threads=32 * bufs.batch)
 
     def prepare_state_copy(self, bufs: StreamBufs, table: StateTable) -> Launch:
         """Kernel 8: each row's live recurrent state becomes its kept slot (keep - 1), by copy.
@@ -197,6 +206,10 @@ class SpecKernels:
         """prepare_rollback's launch, made and queued once (see the class)."""
         self.prepare_rollback(bufs, table_d)()
 
+    def round_tail_greedy(self, bufs: StreamBufs, pred_d: BufferLike, table_d: PointerTable) -> None:
+        """prepare_round_tail_greedy's launch, made and queued once (see the class)."""
+        self.prepare_round_tail_greedy(bufs, pred_d, table_d)()
+
     def state_copy(self, bufs: StreamBufs, table: StateTable) -> None:
         """prepare_state_copy's launch, made and queued once (see the class)."""
         self.prepare_state_copy(bufs, table)()
@@ -234,6 +247,19 @@ def spread(module: Module, name: str, args: Mapping[str, object], threads: int =
     block = min(max(32, threads), 256)
     grid = min((threads + block - 1) // block, 1024)
     return module.kernel(name).prepare(grid=(grid, rows) if rows > 1 else grid, block=block).set(**args)
+
+
+def rollback_table(bufs: StreamBufs, table_d: PointerTable) -> PointerTable:
+    """`table_d`, checked to be a rollback table of kernel 5 for these buffers: a PointerTable
+    (which holds what it names) of i32[B] lengths, one per sequence."""
+    if not isinstance(table_d, PointerTable):
+        raise TypeError(f"a rollback table must be a PointerTable (kv_len_ptr_table builds one), which holds "
+                        f"the lengths it names; not {table_d!r}")
+    wrong = [t for t in table_d.targets if t is not None and (t.dtype != np.int32 or t.len != bufs.batch)]
+    if wrong:
+        raise ValueError(f"a rollback table for a batch of {bufs.batch} must name i32[{bufs.batch}] lengths "
+                         f"(one per sequence), not {wrong[0]!r}")
+    return table_d
 
 
 def check_flip_table(table: StateIndexTable, batch: int) -> None:

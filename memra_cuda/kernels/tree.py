@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..buffers.layout import MAX_TREE_DRAWS, MAX_TREE_NODES
-from ..buffers.tables import KVDataTable, StateIndexTable, StateTable
+from ..buffers.tables import KVDataTable, PointerTable, StateIndexTable, StateTable
 from ..buffers.tree import MAX_TREE_CANDIDATES, DynamicTree, TreeBufs
 from ..driver.buffer import BufferLike, DeviceBuffer
 from ..driver.module import Launch
 from ..driver.values import as_index, as_size
 from .sampling import _exact
 from .signatures import load
-from .spec import batch_rows, check_flip_table, spread, state_copy_grid, token_buffer, width_kernel
+from .spec import (batch_rows, check_flip_table, rollback_table, spread, state_copy_grid, token_buffer,
+                   width_kernel)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -32,7 +33,8 @@ PASS_PER_THREAD = 4  # spec_tree.cu's PASS_PER_THREAD: entries of V a thread of 
 
 
 class TreeKernels:
-    """The tree round's kernels (10 to 17), loaded once per engine."""
+    """The tree round's kernels (10 to 17, and the greedy round tail: 13, 4 and 5 in one launch),
+    loaded once per engine."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -105,6 +107,26 @@ class TreeKernels:
             grid=min(bufs.batch, 4096), block=32).set(
             **args, pred_d=pred_d, vtok_d=bufs.vtok_d, brk_d=bufs.brk_d, acc_d=bufs.acc_d,
             last_pred_d=bufs.last_pred_d, ctl_d=bufs.ctl_d)
+
+    def prepare_round_tail_greedy(self, bufs: StreamBufs, tree: TreeBufs, pred_d: BufferLike,
+                                  table_d: PointerTable) -> Launch:
+        """Kernels 13, 4 and 5 in one launch, a greedy tree round's tail: each row's path the
+        predictions agree with (prepare_accept_greedy's), its commit, then the rollback of the
+        lengths `table_d` names (SpecKernels' prepare_ring_commit and prepare_rollback), a block
+        of one warp a row. Kernel 15's compaction may run after it (it reads keep, the accepted
+        count, the path and pos_start, which the commit and the rollback leave as they are), so
+        the table may not name pos_start_d: the rollback would move the compaction's anchor."""
+        args = self._tree(bufs, tree)
+        pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, tree.nodes)
+        table_d = rollback_table(bufs, table_d)
+        if table_d.holds(bufs.pos_start_d):
+            raise ValueError("a tree round's rollback table may not name bufs.pos_start_d: the compaction after its "
+                             "tail reads the round's start there")
+        return self.module.kernel(width_kernel("spec_tree_round_tail_greedy", pred_d)).prepare(
+            grid=min(bufs.batch, 4096), block=32).set(
+            **args, pred_d=pred_d, vtok_d=bufs.vtok_d, brk_d=bufs.brk_d, acc_d=bufs.acc_d,
+            last_pred_d=bufs.last_pred_d, ctl_d=bufs.ctl_d, pend_d=bufs.pend_d, ring_d=bufs.ring_d,
+            ring_cap=bufs.ring_cap, len_ptrs=table_d, n_ptrs=table_d.len, pos_start_d=bufs.pos_start_d)
 
     def prepare_accept_sample(self, bufs: StreamBufs, tree: TreeBufs, p_d: BufferLike, q_d: BufferLike,
                               seed_d: BufferLike, vocab: int) -> Callable[[], None]:

@@ -204,16 +204,18 @@ class DeviceLoop:
     pacing) and the host's side of the token feed. RoundStream.follow and
     generate_batch(mode="device") use it; it is not built by hand.
 
-    It takes its rounds from `round` (a Round: the steps before the commit, kernel 4's commit and
-    the steps after it, issued inside the round's scope and captured by its engine's framework's
-    loop capture); it holds no reference to any RoundStream. From launch to finish it holds the
-    round's buffers (StreamBufs.hold): no other loop, burst, reset or readback may use them
-    meanwhile, whichever RoundStream asks.
+    It takes its rounds from `round` (a Round: the steps before the commit, kernel 4's commit (a
+    greedy round's tail: acceptance, commit and a rollback in one launch) and the steps after it,
+    issued inside the round's scope and captured by its engine's framework's loop capture); it
+    holds no reference to any RoundStream. From launch to finish it holds the round's buffers
+    (StreamBufs.hold): no other loop, burst, reset or readback may use them meanwhile, whichever
+    RoundStream asks.
 
     Each round's tokens are published by kernel 4' on a branch of the graph (driver.graph.branch)
     beside the next round's draft and verify, joined before that round's commit (which refills
-    the ring it empties): no round waits for writes to host memory, which take longer the
-    deeper the host's cores sleep.
+    the ring it empties; a greedy tail's acceptance, in the same launch, waits for the publish
+    too, and touches nothing of it): no round waits for writes to host memory, which take longer
+    the deeper the host's cores sleep.
     """
 
     def __init__(self, round: Round):

@@ -2,11 +2,12 @@
 
 A round, in stream order: [seed_gather] → draft → assemble → verify → accept → commit →
 rollback of the KV lengths [→ rollback of recurrent state] [→ the other pipeline stages'
-tail], for every row of the batch at once. A Round checks what it is given (tables, stages),
-takes how the model's work is scoped and captured from its engine's Framework, and issues R rounds;
-it knows nothing of modes, which are RoundStream's (stream.py), nor of models, whose work
-reaches it as callables. ChainRound verifies a chain of k drafts; TreeRound (tree_round.py) a tree
-of drafts (docs/trees.md), the second kind of the same thing.
+tail], for every row of the batch at once; a greedy round's accept, commit and rollback of its
+first table are one launch (the greedy round tail). A Round checks what it is given (tables,
+stages), takes how the model's work is scoped and captured from its engine's Framework, and
+issues R rounds; it knows nothing of modes, which are RoundStream's (stream.py), nor of models,
+whose work reaches it as callables. ChainRound verifies a chain of k drafts; TreeRound
+(tree_round.py) a tree of drafts (docs/trees.md), the second kind of the same thing.
 """
 from __future__ import annotations
 
@@ -92,7 +93,11 @@ class Round:
     is checked, and the `capacities` of any other caches its steps write (the KV a tree round
     compacts); the bufs' geometry says how far a round writes past a row's position; the
     commit (kernel 4) and the rollbacks after it are the same for every kind, but for which
-    slot of recurrent state is kept (_roll_back_state).
+    slot of recurrent state is kept (_roll_back_state). A kind whose acceptance fuses with them
+    (greedy: the greedy round tail) gives `fused_tail` instead of its acceptance's launch:
+    given the first rollback table, it makes the one launch that accepts, commits and rolls
+    that table back, and the steps to run right after it (a tree's compaction); that launch is
+    then the round's `commit`, and the other tables' rollbacks follow the steps.
     `steps` is one whole round, `issue(R)` queues R of them, and device mode publishes each
     commit on a branch beside the next round, so it takes the three parts apart. A round whose
     bodies a SWITCH chooses by width (ChainRound's `narrower`) gives its graphs' capture
@@ -105,7 +110,8 @@ class Round:
     def __init__(self, bufs: StreamBufs, kernels: SpecKernels, before_commit: Callable[[], Sequence[Step]], *,
                  rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable], capture: Capture | None,
-                 stages: Stages | None, capacities: Sequence[int | None] = ()):
+                 stages: Stages | None, capacities: Sequence[int | None] = (),
+                 fused_tail: Callable[[PointerTable], tuple[Launch, Sequence[Step]]] | None = None):
         if kernels.engine is not bufs.engine:
             raise ValueError(f"the kernels belong to {kernels.engine!r}, the buffers to {bufs.engine!r}")
         tables, states = _kv_tables(bufs, rollback_tables), _state_tables(state_tables)
@@ -120,8 +126,14 @@ class Round:
         self.joined = tuple(stages.engines)  # the other stages' engines, whose work a burst graph holds
         self.pipelined = bool(self.joined) or stages.round_tail is not None
         self.before_commit: tuple[Step, ...] = tuple(before_commit())
-        self.commit = kernels.prepare_ring_commit(bufs)
+        then: Sequence[Step] = ()
+        if fused_tail is None:
+            self.commit = kernels.prepare_ring_commit(bufs)
+        else:  # the acceptance, the commit and the first table's rollback: one launch
+            self.commit, then = fused_tail(tables[0])
+            tables = tables[1:]
         self.after_commit: tuple[Step, ...] = (
+            *then,
             *(kernels.prepare_rollback(bufs, table) for table in tables),
             *(self._roll_back_state(table) for table in states),
             *([stages.round_tail] if stages.round_tail is not None else []),
@@ -207,7 +219,11 @@ class ChainRound(Round):
                              f"says {bufs.geometry.width} (a tree's: TreeRound)")
         self.acceptance, self.lengths = acceptance, lengths
         choose = [] if lengths is None else [kernels.prepare_choose_lengths(bufs, lengths)]  # refuses others' buffers
-        assemble, accept = kernels.prepare_assemble_verify(bufs, draft_d), kernels.prepare_accept(bufs, acceptance)
+        assemble = kernels.prepare_assemble_verify(bufs, draft_d)
+        # Greedy acceptance is the greedy round tail's first part (the round's commit); sampled
+        # acceptance is a launch of its own before the commit.
+        self.accept: tuple[Step, ...] = () if isinstance(acceptance, Greedy) else \
+            (kernels.prepare_accept(bufs, acceptance),)
         self.head: tuple[Step, ...] = (*choose, *([seed_gather] if seed_gather is not None else []))
         # with `narrower`: each width's draft, assembly and verify, in the widths' order
         self.bodies: tuple[tuple[Step, ...], ...] = ()
@@ -222,12 +238,18 @@ class ChainRound(Round):
             widths = Widths(bufs.k, (*narrower, bufs.k))
             given = {**narrower, bufs.k: (draft_chain, verify_trunk)}
             self.bodies = tuple((given[width][0], assemble, given[width][1]) for width in widths.widths)
-        self.accept = accept
 
         def before_commit() -> tuple[Step, ...]:
-            return (*self.head, draft_chain, assemble, verify_trunk, accept)
+            return (*self.head, draft_chain, assemble, verify_trunk, *self.accept)
+        fused_tail = None
+        if isinstance(acceptance, Greedy):
+            pred_d = acceptance.pred_d
+
+            def fused_tail(table: PointerTable) -> tuple[Launch, Sequence[Step]]:
+                return kernels.prepare_round_tail_greedy(bufs, pred_d, table), ()
         super().__init__(bufs, kernels, before_commit,
-                         rollback_tables=rollback_tables, state_tables=state_tables, capture=capture, stages=stages)
+                         rollback_tables=rollback_tables, state_tables=state_tables, capture=capture, stages=stages,
+                         fused_tail=fused_tail)
         if lengths is not None and self.bodies:
             refuse_conditionals(self, "a round of bodies by width", "give it no narrower bodies")
             self.switch = WidthSwitch(lengths, widths)  # SwitchUnsupported on a driver before 12.8
@@ -239,7 +261,7 @@ class ChainRound(Round):
         if self.switch is None:
             return None
         switch, head, bodies = self.switch, self.scoped(self.head), [self.scoped(body) for body in self.bodies]
-        tail = self.scoped((self.accept, self.commit, *self.after_commit))
+        tail = self.scoped((*self.accept, self.commit, *self.after_commit))
 
         def build(builder: LoopBuilder) -> None:
             for _ in range(rounds):

@@ -2,7 +2,8 @@
 
 Between the draft's levels the layer grows the tree (kernels 11, 12); after the verify it
 accepts the deepest agreeing path (13, 14) and moves that path's KV to consecutive slots (15, or
-the model's own compaction), so the commit and rollbacks after it are a chain's.
+the model's own compaction), so the commit and rollbacks after it are a chain's. A greedy tree
+that kernel 15 compacts accepts, commits and rolls back in one launch, then compacts.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from ..buffers.lengths import DraftLengths
     from ..buffers.stream_bufs import StreamBufs
     from ..buffers.tables import PointerTable
+    from ..driver.module import Launch
 
 
 class TreeRound(Round):
@@ -77,6 +79,19 @@ class TreeRound(Round):
         self.acceptance, self.tree_bufs, self.tree_kernels, self.lengths = acceptance, tree_bufs, trees, lengths
         choose = [] if lengths is None else [kernels.prepare_choose_lengths(bufs, lengths)]  # refuses others' buffers
 
+        # A greedy tree whose KV the layer compacts (kernel 15) accepts, commits and rolls back in
+        # one launch (the greedy round tail), and compacts after it: kernel 15 reads keep, the
+        # accepted count, the path and pos_start, which the commit and the rollback leave as the
+        # acceptance wrote them. A model's own `compact` may read what they move (a length, the
+        # position), so with one the acceptance stays a launch of its own before it.
+        fused_tail = None
+        if isinstance(acceptance, Greedy) and compact is None and kv_data is not None:
+            pred_d, data = acceptance.pred_d, kv_data
+
+            def fused_tail(table: PointerTable) -> tuple[Launch, Sequence[Step]]:
+                return (trees.prepare_round_tail_greedy(bufs, tree_bufs, pred_d, table),
+                        (trees.prepare_compact(bufs, tree_bufs, data),))
+
         def before_commit() -> list[Step]:
             steps: list[Step] = [*choose, trees.prepare_begin(bufs, tree_bufs)]
             if isinstance(acceptance, Sampling):
@@ -93,6 +108,8 @@ class TreeRound(Round):
                 for level in range(1, tree.depth + 1):
                     steps += [levels[level - 1],
                               trees.prepare_grow(bufs, tree_bufs, level, offered.tok_d, offered.logp_d)]
+                if fused_tail is not None:  # the acceptance and the compaction are the tail's
+                    return [*steps, levels[-1], verify_tree]
                 accept = trees.prepare_accept_greedy(bufs, tree_bufs, acceptance.pred_d)
             steps += [levels[-1], verify_tree, accept]
             if kv_data is not None:
@@ -100,7 +117,7 @@ class TreeRound(Round):
             return [*steps, *([compact] if compact is not None else [])]
         super().__init__(bufs, kernels, before_commit, rollback_tables=rollback_tables,
                          state_tables=state_tables, capture=capture, stages=stages,
-                         capacities=(kv_data.capacity if kv_data is not None else None,))
+                         capacities=(kv_data.capacity if kv_data is not None else None,), fused_tail=fused_tail)
 
     def _roll_back_state(self, table: StateTable | StateIndexTable) -> Step:
         """The live state after the path's last node: its slot of T + 1 (kernels 16, 17)."""

@@ -160,6 +160,16 @@ def spec_rollback_stream(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray,
                 length[b] = value
 
 
+def spec_round_tail_greedy(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.ndarray, acc: np.ndarray,
+                           last_pred: np.ndarray, ctl: np.ndarray, pend: np.ndarray, ring: np.ndarray, ring_cap: int,
+                           len_ptrs: list, pos_start: np.ndarray, batch: int = 1) -> None:
+    """Kernels 3, 4 and 5 in one launch (a greedy chain round's tail): exactly
+    spec_accept_greedy_dc, then spec_ring_commit, then spec_rollback_stream over `len_ptrs`."""
+    spec_accept_greedy_dc(vtok, pred, k, brk, acc, last_pred, ctl, batch)
+    spec_ring_commit(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
+    spec_rollback_stream(len_ptrs, pos_start, ctl, batch)
+
+
 # -- 6. spec_accept_sample (ptx/spec_sample.cu): stochastic acceptance ------------------------
 
 PURPOSE_ACCEPT, PURPOSE_SAMPLE, PURPOSE_DRAFT = range(3)  # U's purpose word: the draws never coincide

@@ -27,7 +27,8 @@ from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MA
                               CTL_WORDS, MAX_TREE_DRAWS, ROOT_PARENT, VOID_RANK)
 from .philox import uniform
 from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, ids, kept_states, marked_limit,
-                        race_scores, row_views, sample_race, spec_state_copy, spec_state_flip)
+                        race_scores, row_views, sample_race, spec_ring_commit, spec_rollback_stream, spec_state_copy,
+                        spec_state_flip)
 from .reference import probabilities as chain_probabilities
 
 _U32 = 0xFFFFFFFF
@@ -315,6 +316,19 @@ def spec_tree_accept_greedy(t: TreeArrays, pred: np.ndarray, k: int, vtok: np.nd
                 hops[i] = hops[p] + 1
         n = max(range(T1), key=lambda i: (hops[i], -i))
         _settle(r, _root_path(r, n), int(preds[b, n]), vtok_b, brk_b, acc_b, last_pred_b, ctl_b)
+
+
+def spec_tree_round_tail_greedy(t: TreeArrays, pred: np.ndarray, k: int, vtok: np.ndarray, brk: np.ndarray,
+                                acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray, pend: np.ndarray,
+                                ring: np.ndarray, ring_cap: int, len_ptrs: list, pos_start: np.ndarray,
+                                batch: int = 1) -> None:
+    """Kernels 13, 4 and 5 in one launch (a greedy tree round's tail): exactly
+    spec_tree_accept_greedy, then the chain's spec_ring_commit (vtok rows of k + 1 = D + 1
+    words), then spec_rollback_stream over `len_ptrs`. What kernel 15 reads after it (keep,
+    acc[ACC_ROUND], the path, pos_start) is what the acceptance left."""
+    spec_tree_accept_greedy(t, pred, k, vtok, brk, acc, last_pred, ctl, batch)
+    spec_ring_commit(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
+    spec_rollback_stream(len_ptrs, pos_start, ctl, batch)
 
 
 def tree_children(r: TreeRow, n: int) -> list[int]:

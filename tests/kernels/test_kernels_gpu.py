@@ -402,6 +402,106 @@ def test_rollback_touches_exactly_the_nonzero_pointers(engine, spec, n_slots, po
                            f"are {got[bad[:8]].tolist()}, expected {want[bad[:8]].tolist()}")
 
 
+# -- 3 + 4 + 5. round_tail_greedy ------------------------------------------------------------
+
+def tail_inputs(rng: np.random.Generator, k: int, ring_cap: int, s: dict[str, np.ndarray]) -> None:
+    """One row of a greedy round's tail: accept_inputs' drafts, predictions, mark, counters and
+    done flag; then what the commit reads past them: a ring count at or past every edge (a full
+    ring too), an EOS that is often a draft or a prediction (so a stop inside the accepted
+    drafts, or at the bonus), budgets 0, 1, 2, small or unlimited; a position at the i32 edges;
+    keep garbage (the acceptance writes it before the rollback reads it)."""
+    accept_inputs(rng, k, s)
+    s["ring_d"][0] = edge_count(rng, ring_cap)
+    taken = [int(t) for t in (*s["vtok_d"][1:1 + k], *ref.ids(s["pred_d"])) if t < 2**31]  # ids eos can be
+    s["ctl_d"][EOS] = pick(rng, [-1, -1, -7, -2**31, int(rng.integers(0, 2**31)),
+                                 *([pick(rng, taken)] * 4 if taken else [])])
+    s["ctl_d"][BUDGET] = pick(rng, [0, 0, 1, 2, -1, -1, -7, 2**31 - 1, int(rng.integers(0, k + 3))])
+    s["ctl_d"][KEEP] = int(rng.integers(-2**31, 2**31))
+    s["pos_start_d"][0] = position(rng)
+
+
+TAIL_TABLES = (1, 7, 40)  # rollback entries: 40 is past a warp's lanes, which stride over them
+TAIL_CONFIGS = [(k, m, width, batch, n_ptrs) for k in KS for m in RING_ROUNDS for width in TOKEN_DTYPES
+                for batch in BATCHES for n_ptrs in TAIL_TABLES if m == 1 or n_ptrs == 7]
+
+
+def check_round_tail_greedy(engine, spec, k: int, m: int, width: int, batch: int, n_ptrs: int,
+                            runs: Iterable[tuple[np.random.Generator, str]], live: tuple[int, ...] = ()) -> None:
+    """round_tail_greedy against the three launches it replaces (accept_greedy_dc, ring_commit,
+    rollback_stream, in that order, from the same state) and against the reference's three
+    functions, every buffer compared whole both ways. The table mixes null entries, pos_ctr_d
+    and i32[B] windows of a target array (repeats allowed); the rows `live` are never done."""
+    n_targets = n_ptrs + 3
+    rig = Rig(engine, k, m, batch, pred_d=engine.alloc(TOKEN_DTYPES[width], batch * (k + 1), zeroed=True),
+              targets=engine.zeros(np.int32, n_targets * batch))
+    ring_cap = rig.bufs.ring_cap
+    rng = np.random.default_rng((SEED, zlib.crc32(b"round_tail_greedy table"), k, m, width, batch, n_ptrs))
+    kind = rng.choice(3, n_ptrs, p=[0.25, 0.1, 0.65])  # null, pos_ctr_d, a target window
+    kind[-1] = 1  # pos_ctr_d last, as kv_len_ptr_table puts it
+    index = rng.integers(0, n_targets, n_ptrs)
+    windows = [rig.device["targets"].view(i * batch, batch) for i in range(n_targets)]
+    table = PointerTable(engine, [None if c == 0 else rig.bufs.pos_ctr_d if c == 1 else windows[i]
+                                  for c, i in zip(kind, index)])
+    fused = spec.prepare_round_tail_greedy(rig.bufs, rig.device["pred_d"], table)
+    assert fused.kernel.name == ("spec_round_tail_greedy" if width == 32 else "spec_round_tail_greedy_t64")
+    three = [spec.prepare_accept_greedy(rig.bufs, rig.device["pred_d"]), spec.prepare_ring_commit(rig.bufs),
+             spec.prepare_rollback(rig.bufs, table)]
+
+    def reference(s):
+        lengths = [None if c == 0 else s["pos_ctr_d"] if c == 1 else s["targets"][i * batch:(i + 1) * batch]
+                   for c, i in zip(kind, index)]
+        ref.spec_round_tail_greedy(s["vtok_d"], s["pred_d"], k, s["brk_d"], s["acc_d"], s["last_pred_d"], s["ctl_d"],
+                                   s["pend_d"], s["ring_d"], ring_cap, lengths, s["pos_start_d"], batch)
+
+    for rng, where in runs:
+        state = rig.random_state(rng)
+        for row in rig.rows(state, "vtok_d", "pred_d", "brk_d", "acc_d", "ctl_d", "ring_d", "pos_start_d"):
+            tail_inputs(rng, k, ring_cap, row)
+        state["ctl_d"].reshape(batch, -1)[list(live), DONE] = 0
+        for name, buf in rig.device.items():  # the three launches, from the same state
+            engine.copy_htod(buf, state[name])
+        for launch in three:
+            launch()
+        separate = {name: engine.dtoh(buf) for name, buf in rig.device.items()}
+
+        def as_separate(s, separate=separate):
+            for name, words in separate.items():
+                s[name][:] = words
+        rig.check(fused, state, as_separate, f"{where}: against the three launches")
+        rig.check(fused, state, reference, f"{where}: against the reference")
+
+
+@pytest.mark.parametrize("k,m,width,batch,n_ptrs", TAIL_CONFIGS)
+def test_round_tail_greedy_is_accept_commit_rollback(engine, spec, k, m, width, batch, n_ptrs):
+    check_round_tail_greedy(engine, spec, k, m, width, batch, n_ptrs,
+                            cases("round_tail_greedy", (k, m, width, batch, n_ptrs), len(TAIL_CONFIGS)))
+
+
+@pytest.mark.parametrize("batch", LARGE_BATCHES)
+@pytest.mark.parametrize("width", list(TOKEN_DTYPES))
+def test_round_tail_greedy_serves_every_row_of_a_large_batch(engine, spec, width, batch):
+    """More rows than the grid has warps: the last row is live, so a row no warp served differs."""
+    k, m = 4, 3
+    check_round_tail_greedy(engine, spec, k, m, width, batch, 7,
+                            islice(cases("round_tail_greedy", (k, m, width, batch), 1), LARGE_CASES),
+                            live=(batch - 1,))
+
+
+def test_round_tail_greedy_refuses_what_its_three_launches_refuse(engine, spec):
+    """Its pred_d is checked as the accept's, its table as the rollback's, when it is prepared."""
+    bufs = StreamBufs(engine, Geometry(4, 1, 3))
+    table = kv_len_ptr_table(engine, Cache.allocate(engine, (True,), capacity=8, batch=3), bufs.pos_ctr_d)
+    with pytest.raises(ValueError, match="pred_d must hold exactly 3 x 5 = 15 elements"):
+        spec.prepare_round_tail_greedy(bufs, engine.zeros(np.uint32, 5), table)
+    with pytest.raises(ValueError, match="pred_d must be a buffer of 32- or 64-bit integer tokens"):
+        spec.prepare_round_tail_greedy(bufs, engine.alloc(np.float32, 15), table)
+    with pytest.raises(TypeError, match="a rollback table must be a PointerTable"):
+        spec.prepare_round_tail_greedy(bufs, engine.zeros(np.uint32, 15), bufs.pos_ctr_d)
+    single = kv_len_ptr_table(engine, Cache.allocate(engine, (True,), capacity=8))
+    with pytest.raises(ValueError, match=r"must name i32\[3\] lengths"):
+        spec.prepare_round_tail_greedy(bufs, engine.zeros(np.uint32, 15), single)
+
+
 # -- the ring fills exactly to capacity ------------------------------------------------------
 
 @pytest.mark.parametrize("k", (0, 1, 4))

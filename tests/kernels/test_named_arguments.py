@@ -318,3 +318,31 @@ def test_the_reading_catches_a_swap_a_misspelling_an_order_and_what_it_cannot_te
     found, _ = problems_of(Source(path))
     assert any(problem in line for line in found), found
 
+
+
+# A fused launch and the launches it replaces, whose arguments it must pass alike.
+FUSED = {"spec_round_tail_greedy": ("spec_accept_greedy_dc", "spec_ring_commit", "spec_rollback_stream"),
+         "spec_tree_round_tail_greedy": ("spec_tree_accept_greedy", "spec_ring_commit", "spec_rollback_stream")}
+
+
+def test_a_round_tail_passes_what_the_launches_it_replaces_pass():
+    """The greedy round tails' launchers give each parameter the value the accept's, the commit's
+    or the rollback's launcher gives it, spelled alike (ring_cap=bufs.ring_cap, n_ptrs=table_d.len,
+    B=bufs.batch): the GPU tests compare the tail with those launches, but only through the
+    launchers' own buffers, so a value wired to another buffer of the same size would pass them."""
+    if not (ROOT / "examples").is_dir():
+        pytest.skip(f"no sources at {ROOT} (an installed package, not a checkout)")
+    given: dict[str, dict[str, set[str]]] = {}
+    for path in (ROOT / "memra_cuda" / "kernels" / "spec.py", ROOT / "memra_cuda" / "kernels" / "tree.py"):
+        for _, kernels, named, _ in launches(Source(path)):
+            for kernel in kernels:
+                for name, value in named.items():
+                    if value is not None:
+                        given.setdefault(kernel.removesuffix("_t64"), {}).setdefault(name, set()).add(
+                            ast.unparse(value))
+    for tail, parts in FUSED.items():
+        assert tail in given, f"no launch of {tail} found"
+        for name, spelled in given[tail].items():
+            theirs = set().union(*(given[part].get(name, set()) for part in parts))
+            assert theirs, f"{tail}: {name} is no parameter its parts are given"
+            assert spelled == theirs, f"{tail}: {name}={spelled}, its parts pass {name}={theirs}"

@@ -230,3 +230,39 @@ def test_a_refused_argument_names_the_kernel_and_the_parameter():
     unnamed = KernelArgs(["ptr", "u32"], kernel="my_own_kernel")
     with pytest.raises(ValueError, match=r"^my_own_kernel: argument 1 \(u32\): 4294967296 is outside"):
         unnamed.set(0x1000, 2**32)
+
+
+# The greedy round tails and the launches each replaces (kernels 3 or 13, 4, 5).
+ROUND_TAILS = [("spec_round_tail_greedy", ("spec_accept_greedy_dc", "spec_ring_commit", "spec_rollback_stream")),
+               ("spec_tree_round_tail_greedy",
+                ("spec_tree_accept_greedy", "spec_ring_commit", "spec_rollback_stream"))]
+
+
+@pytest.mark.parametrize("width", ["", "_t64"])
+@pytest.mark.parametrize(("tail", "parts"), ROUND_TAILS)
+def test_a_round_tail_takes_the_parameters_of_the_launches_it_replaces(tail, parts, width):
+    """Each parameter of a fused tail is one of its parts', of the same type, and each of the
+    parts' is the tail's: but the commit's k, which a tree's tail reads as its depth D (its vtok
+    rows are D + 1 words). Its acceptance's token width is the tail's."""
+    params = {param.name: param.type for param in SIGNATURES[tail + width].params}
+    of_parts: dict[str, set[str]] = {}
+    for part in parts:
+        for param in SIGNATURES[part + width if "accept" in part else part].params:
+            of_parts.setdefault(param.name, set()).add(param.type)
+    assert all(len(types) == 1 for types in of_parts.values()), of_parts
+    depth_for_k = tail.startswith("spec_tree")
+    assert {name: types.pop() for name, types in of_parts.items() if not (depth_for_k and name == "k")} == params
+
+
+def test_a_round_tail_takes_its_arguments_by_name():
+    """Fourteen arguments, five of them u32: by name each lands in its slot, in order none does."""
+    launch = launch_without_a_driver("spec_round_tail_greedy_t64")
+    pointers = dict(vtok_d=0x1000, pred_d=0x2000, brk_d=0x3000, acc_d=0x4000, last_pred_d=0x5000, ctl_d=0x6000,
+                    pend_d=0x7000, ring_d=0x8000, len_ptrs=0x9000, pos_start_d=0xA000)
+    launch.set(n_ptrs=15, ring_cap=20, B=8, k=4, **pointers)
+    assert launch.args.storage.tolist() == [0x1000, 0x2000, 4, 8, 0x3000, 0x4000, 0x5000, 0x6000, 0x7000, 0x8000, 20,
+                                            0x9000, 15, 0xA000]
+    with pytest.raises(TypeError, match=r"spec_round_tail_greedy_t64\(.*\): missing n_ptrs; no parameter n$"):
+        launch.set(n=15, ring_cap=20, B=8, k=4, **pointers)
+    with pytest.raises(TypeError, match="spec_round_tail_greedy_t64 takes its arguments by name"):
+        launch.set(*pointers.values())

@@ -23,11 +23,11 @@ import pytest
 
 from memra_cuda import Geometry
 from memra_cuda import DynamicTree, StateLayer, StreamBufs, TreeBufs, TreeShape, kv_data_table, state_copy_table
-from memra_cuda.buffers import KVData, state_flip_table
-from memra_cuda.kernels import TreeKernels
+from memra_cuda.buffers import KVData, PointerTable, state_flip_table
+from memra_cuda.kernels import SpecKernels, TreeKernels
 from memra_cuda.testing import reference as ref
 from memra_cuda.testing import reference_tree as rt
-from memra_cuda.buffers.layout import BRK_MARK, BRK_WORDS, CTL_DONE, CTL_WORDS, VOID_RANK
+from memra_cuda.buffers.layout import BRK_MARK, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, VOID_RANK
 from memra_cuda.kernels.tree import SampledCandidates
 
 pytestmark = pytest.mark.gpu
@@ -281,24 +281,8 @@ def kv_host(rig: Rig, state: dict) -> list:
 
 def run_round(rig: Rig, rng: np.random.Generator, tokens: int, what: str) -> None:
     """One tree round's layer kernels, each against the reference."""
-    state = rig.random_state(rng, tokens)
+    state = grown(rig, rig.random_state(rng, tokens), what)
     B, D, T1 = rig.B, rig.tree.depth, rig.T1
-    tree = rig.tree
-
-    def begin(s):
-        rt.spec_tree_begin(rig.arrays(s), s["pend"], s["pos_ctr"], s["pos_start"], s["vtok"], D, batch=B)
-    state = step(rig, state, rig.begin, begin, f"{what} begin")
-    for level in range(1, D + 1):
-        if rig.sampling:
-            state = draw_step(rig, state, level, f"{what} draw {level}")
-
-        def grow(s, level=level):
-            shape = {} if isinstance(tree, DynamicTree) else dict(
-                shape_parent=np.array([0, *tree.parent[1:]], np.uint32), shape_rank=np.array(tree.rank, np.uint32))
-            dyn = dict(width=tree.width, branch=tree.branch) if isinstance(tree, DynamicTree) else {}
-            rt.spec_tree_grow(rig.arrays(s), level, rig.levels, s["cand_tok"], s["cand_logq"], s["cand_sel"], rig.K,
-                              s["pos_start"], **shape, **dyn, batch=B)
-        state = step(rig, state, rig.grow[level], grow, f"{what} grow {level}")
     if rig.sampling:
         state = accept_sample_step(rig, state, f"{what} accept")
     else:
@@ -318,6 +302,29 @@ def run_round(rig: Rig, rng: np.random.Generator, tokens: int, what: str) -> Non
     def flip(s):
         rt.spec_tree_state_flip([s["idx"]], T1, rig.arrays(s), s["ctl"], D, batch=B)
     step(rig, state, rig.flip, flip, f"{what} state flip")
+
+
+def grown(rig: Rig, state: dict, what: str) -> dict:
+    """From `state`, kernel 10 and each level's kernels 12 (sampled) and 11, each against the
+    reference: the GPU's state once the tree is placed, ready to be verified and accepted."""
+    B, D = rig.B, rig.tree.depth
+    tree = rig.tree
+
+    def begin(s):
+        rt.spec_tree_begin(rig.arrays(s), s["pend"], s["pos_ctr"], s["pos_start"], s["vtok"], D, batch=B)
+    state = step(rig, state, rig.begin, begin, f"{what} begin")
+    for level in range(1, D + 1):
+        if rig.sampling:
+            state = draw_step(rig, state, level, f"{what} draw {level}")
+
+        def grow(s, level=level):
+            shape = {} if isinstance(tree, DynamicTree) else dict(
+                shape_parent=np.array([0, *tree.parent[1:]], np.uint32), shape_rank=np.array(tree.rank, np.uint32))
+            dyn = dict(width=tree.width, branch=tree.branch) if isinstance(tree, DynamicTree) else {}
+            rt.spec_tree_grow(rig.arrays(s), level, rig.levels, s["cand_tok"], s["cand_logq"], s["cand_sel"], rig.K,
+                              s["pos_start"], **shape, **dyn, batch=B)
+        state = step(rig, state, rig.grow[level], grow, f"{what} grow {level}")
+    return state
 
 
 def cases(name: str, config: tuple, share: int):
@@ -342,3 +349,108 @@ def test_sampled_tree_round_matches_the_reference(engine, name, tree, B, V):
     rig = Rig(engine, tree, B, V, sampling=True)
     for rng, what in cases("sampled", (name, B, V), 200 if V < 100_000 else 1000):
         run_round(rig, rng, min(V, 3), what)
+
+
+# -- 13 + 4 + 5: the greedy round tail, then compaction ----------------------------------------
+
+LENS = 4  # i32[B] length arrays the tail's rollback table names (with pos_ctr_d and null entries)
+
+
+class TailRig(Rig):
+    """A greedy Rig plus what the round's tail touches past the acceptance: the ring, KV lengths
+    in a rollback table (nulls, windows of `lens`, a repeat, pos_ctr_d last), and the launches
+    the tail replaces: kernel 13 (at the predictions' width), kernel 4 and kernel 5."""
+
+    def __init__(self, engine, tree, batch: int, width: int):
+        super().__init__(engine, tree, batch, 1, sampling=False)
+        kernels, spec = TreeKernels(engine), SpecKernels(engine)
+        if width == 64:
+            self.dev["pred"] = engine.alloc(np.int64, batch * self.T1, zeroed=True)
+            self.accept = kernels.prepare_accept_greedy(self.bufs, self.tb, self.dev["pred"])
+        self.dev["ring"] = self.bufs.ring_d
+        self.dev["lens"] = engine.zeros(np.int32, LENS * batch)
+        self.entries = [None, 0, 2, None, 0, 3, "pos_ctr"]  # a window's index, or pos_ctr_d
+        self.table = PointerTable(engine, [None if e is None else self.bufs.pos_ctr_d if e == "pos_ctr" else
+                                           self.dev["lens"].view(e * batch, batch) for e in self.entries])
+        self.commit = spec.prepare_ring_commit(self.bufs)
+        self.rollback = spec.prepare_rollback(self.bufs, self.table)
+        self.tail = kernels.prepare_round_tail_greedy(self.bufs, self.tb, self.dev["pred"], self.table)
+        assert self.tail.kernel.name == "spec_tree_round_tail_greedy" + ("_t64" if width == 64 else "")
+
+    def random_state(self, rng: np.random.Generator, tokens: int) -> dict:
+        """Rig's, and rings at or past every edge (a full one too), an EOS that is often a token of
+        the tiny vocabulary (so a stop inside the accepted path), budgets 0, 1, 2 or unlimited;
+        64-bit predictions carry garbage above their 32 bits."""
+        state = super().random_state(rng, tokens)
+        cap, B = self.bufs.ring_cap, self.B
+        ring, ctl = state["ring"].reshape(B, 1 + cap), state["ctl"].reshape(B, CTL_WORDS)
+        ring[:, 0] = rng.choice([0, 1, cap - 1, cap, cap + 1, 2**32 - 1], B)
+        ctl[:, CTL_EOS] = np.where(rng.random(B) < 0.6, rng.integers(0, tokens, B), rng.choice([-1, -7, 10**6], B))
+        ctl[:, CTL_BUDGET] = rng.choice([0, 0, 1, 2, 3, -1, -1, 2**31 - 1], B)
+        if self.dev["pred"].dtype == np.int64:
+            high = np.where(rng.random(B * self.T1) < 0.3, rng.integers(1, 2**31, B * self.T1), 0)
+            state["pred"] = state["pred"].astype(np.int64) + (high << 32)
+        return state
+
+    def lengths(self, s: dict) -> list:
+        """The table's entries as the reference takes them: the arrays themselves."""
+        B = self.B
+        return [None if e is None else s["pos_ctr"] if e == "pos_ctr" else s["lens"][e * B:(e + 1) * B]
+                for e in self.entries]
+
+
+TAIL_CONFIGS = [(name, tree, B, width) for name, tree in TREES for B in (1, 3, 32) for width in (32, 64)]
+
+
+@pytest.mark.parametrize("name,tree,B,width", TAIL_CONFIGS,
+                         ids=[f"{name}-B{B}-t{width}" for name, _, B, width in TAIL_CONFIGS])
+def test_greedy_tree_round_tail_then_compaction_is_the_rounds_order(engine, name, tree, B, width):
+    """The tail (13, 4 and 5 in one launch) and then kernel 15, from a grown tree, leave every
+    buffer (the tree, the round-stream rows, the ring, the lengths and pos_ctr, the KV entries)
+    as the round's order without it does, on the GPU (13, 15, 4, 5 as four launches) and in the
+    reference; and the tail alone is the reference's 13, 4 and 5. So compaction may follow the
+    tail: it reads keep, the accepted count, the path and pos_start, which the commit and the
+    rollback leave alone, and they read nothing it moves."""
+    rig = TailRig(engine, tree, B, width)
+    D, ring_cap = tree.depth, rig.bufs.ring_cap
+
+    def tail(s):
+        rt.spec_tree_round_tail_greedy(rig.arrays(s), s["pred"], D, s["vtok"], s["brk"], s["acc"], s["last_pred"],
+                                       s["ctl"], s["pend"], s["ring"], ring_cap, rig.lengths(s), s["pos_start"],
+                                       batch=B)
+
+    def in_order(s):  # the round's order before the tail: accept, compact, commit, rollback
+        rt.spec_tree_accept_greedy(rig.arrays(s), s["pred"], D, s["vtok"], s["brk"], s["acc"], s["last_pred"],
+                                   s["ctl"], batch=B)
+        rt.spec_tree_compact(kv_host(rig, s), rig.arrays(s), s["acc"], s["pos_start"], s["ctl"], D, batch=B)
+        ref.spec_ring_commit(s["vtok"], s["acc"], s["last_pred"], s["ctl"], s["pend"], s["ring"], ring_cap, D, B)
+        ref.spec_rollback_stream(rig.lengths(s), s["pos_start"], s["ctl"], B)
+
+    def tail_then_compact():
+        rig.tail()
+        rig.compact()
+
+    for rng, what in cases("tree tail", (name, B, width), len(TAIL_CONFIGS) * 4):
+        state = grown(rig, rig.random_state(rng, int(rng.choice([2, 3, 50]))), what)
+        rig.put(state)
+        for launch in (rig.accept, rig.compact, rig.commit, rig.rollback):
+            launch()
+        separate = rig.get()
+
+        def as_separate(s, separate=separate):
+            for key, value in separate.items():
+                s[key][...] = value
+        step(rig, state, tail_then_compact, as_separate, f"{what}: tail, compact against 13, 15, 4, 5 on the GPU")
+        step(rig, state, tail_then_compact, in_order, f"{what}: tail, compact against the reference's 13, 15, 4, 5")
+        step(rig, state, rig.tail, tail, f"{what}: tail against the reference's")
+
+
+def test_greedy_tree_round_tail_refuses_a_table_naming_pos_start(engine):
+    """Compaction runs after the tail and reads pos_start_d: a rollback table that names it would
+    move the compaction's anchor, so the tail refuses it (kernel 5 alone takes it)."""
+    bufs = StreamBufs(engine, Geometry.of_tree(TREES[0][1], 1, 2))
+    tb = TreeBufs(bufs, TREES[0][1])
+    pred = engine.zeros(np.uint32, 2 * tb.nodes)
+    with pytest.raises(ValueError, match="may not name bufs.pos_start_d"):
+        TreeKernels(engine).prepare_round_tail_greedy(bufs, tb, pred, PointerTable(engine, [bufs.pos_start_d]))
+    SpecKernels(engine).prepare_rollback(bufs, PointerTable(engine, [bufs.pos_start_d]))

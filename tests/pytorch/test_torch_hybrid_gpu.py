@@ -153,7 +153,7 @@ def test_without_the_state_rollback_the_tokens_go_wrong(hybrid, batches):
 
     requests, want, _, capacity = batches[1]
     spec = Unrolled(hybrid, self_draft(hybrid), k=K, m_rounds=M, capacity=capacity)
-    assert spec.rounds.round.after_commit[-1].kernel.name == "spec_rollback_stream"  # no state rollback queued
+    assert spec.rounds.round.after_commit == ()  # no state rollback queued (the lengths' is the greedy tail's)
     assert spec.generate_batch(requests, "graph") != want
 
 

@@ -892,3 +892,60 @@ def test_begin_places_the_pending_token_at_the_round_start():
         r = t.row(b)
         assert (r.tok[0], r.parent[0], r.depth[0], r.rank[0], r.pos[0], r.score[0]) == (tok, ROOT_PARENT, 0, 0, pos, 0)
         assert r.mask[0].tolist() == [1, 0] and rt.mask_bits(r.mask[1]) == set(range(64))
+
+
+
+# -- 13 + 4 + 5: the greedy round tail, then compaction ---------------------------------------
+
+TREE_FIELDS = ("tok", "parent", "depth", "rank", "pos", "mask", "score", "path")
+
+
+def test_the_greedy_tail_then_compaction_is_accept_compact_commit_rollback():
+    """The tail (13, 4 and 5 in one launch, spec_tree_round_tail_greedy) followed by kernel 15
+    leaves every buffer as the round's order without it (13, 15, 4, 5): the commit and the
+    rollback write nothing the compaction reads (keep, the accepted count, the path,
+    pos_start), and read nothing it writes (KV entries). Random static trees of tiny
+    vocabularies (deep accepts), EOS ids among the tokens (a stop inside the path), budgets of 0,
+    full rings, marks, done rows, slots past the capacity; a table with pos_ctr and a repeat."""
+    rng = np.random.default_rng(13)
+    batch, K = 3, 3
+    moved = 0
+    for case in range(200):
+        parents, ranks = random_tree(rng, int(rng.integers(2, 20)), int(rng.integers(1, 5)), False)
+        ranks = [r if r == VOID_RANK else min(r, K - 1) for r in ranks]
+        T1, D = len(parents), len(levels_of(parents)) - 1
+        cand = rng.integers(0, 3, (batch, T1, K))
+        pend, pos_ctr = rng.integers(0, 3, batch).astype(np.uint32), rng.integers(0, 12, batch).astype(np.int32)
+        s = round_state(batch, D, rng, [b for b in range(batch) if rng.random() < 0.2], marks=D + 2)
+        t = static_tree(parents, ranks, cand, np.zeros(cand.shape, np.float32), pend, pos_ctr, s["vtok"], D, batch)
+        ring_cap = int(rng.integers(1, 2 * (D + 1)))
+        ring = rng.integers(0, 2**32, batch * (1 + ring_cap), dtype=np.uint64).astype(np.uint32)
+        ring[::1 + ring_cap] = rng.choice([0, 1, ring_cap, ring_cap + 1], batch)
+        s["ctl"][0::CTL_WORDS] = np.where(rng.random(batch) < 0.6, rng.integers(0, 3, batch), -1)  # EOS
+        s["ctl"][1::CTL_WORDS] = rng.choice([0, 1, 2, -1, 2**31 - 1], batch)  # budget
+        before = dict(s, pred=rng.integers(0, 3, batch * T1).astype(np.int64), pend=pend, ring=ring,
+                      pos_ctr=pos_ctr, pos_start=pos_ctr.copy(), lens=np.zeros(2 * batch, np.int32),
+                      k0=kv(batch, 16, 2, rng), v0=kv(batch, 16, 2, rng), k2=kv(batch, 14, 1, rng),
+                      **{name: getattr(t, name) for name in TREE_FIELDS})
+        runs = []
+        for fused in (False, True):
+            x = {name: words.copy() for name, words in before.items()}
+            tree = rt.TreeArrays(T1, D, batch, **{name: x[name] for name in TREE_FIELDS})
+            table = [(x["k0"], x["v0"], 32, 2, 2, 16), None, (x["k2"], None, 14, 1, 1, 14)]
+            lengths = [x["lens"][:batch], None, x["pos_ctr"], x["lens"][batch:], x["lens"][:batch]]
+            state = (x["vtok"], x["brk"], x["acc"], x["last_pred"], x["ctl"])
+            if fused:
+                rt.spec_tree_round_tail_greedy(tree, x["pred"], D, *state, x["pend"], x["ring"], ring_cap, lengths,
+                                               x["pos_start"], batch)
+                rt.spec_tree_compact(table, tree, x["acc"], x["pos_start"], x["ctl"], D, batch)
+            else:
+                rt.spec_tree_accept_greedy(tree, x["pred"], D, *state, batch)
+                rt.spec_tree_compact(table, tree, x["acc"], x["pos_start"], x["ctl"], D, batch)
+                ref.spec_ring_commit(x["vtok"], x["acc"], x["last_pred"], x["ctl"], x["pend"], x["ring"], ring_cap, D,
+                                     batch)
+                ref.spec_rollback_stream(lengths, x["pos_start"], x["ctl"], batch)
+            runs.append(x)
+        for name in before:
+            assert runs[0][name].tobytes() == runs[1][name].tobytes(), f"case {case}: {name}"
+        moved += not np.array_equal(runs[1]["k0"], before["k0"])
+    assert moved > 20, "compaction moved KV in too few cases to tell the orders apart"

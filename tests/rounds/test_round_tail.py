@@ -1,0 +1,188 @@
+"""Which launches a round issues, and in which of its parts, on the host alone: a greedy round's
+acceptance, commit and first rollback are one launch (the greedy round tail: kernels 3, 4 and 5,
+or a tree's 13, 4 and 5) and that launch is the round's `commit`; a sampled round keeps its
+acceptance's own launches before kernel 4. Every mode issues these parts: eager, readback, graph
+and overlap issue `steps`, the SWITCH of bodies by width `accept`, `commit` and `after_commit`
+after its bodies, device mode `before_commit`, its join, `commit`, its publish, `after_commit`.
+The kernels and buffers are stand-ins that record what was prepared (no driver); the kernels
+themselves are tested against the launches they replace in tests/kernels (GPU)."""
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+
+from memra_cuda import Geometry, TreeShape
+from memra_cuda.buffers import PointerTable
+from memra_cuda.buffers.acceptance import Greedy, Sampling
+from memra_cuda.buffers.tables import KVDataTable
+from memra_cuda.buffers.tree import Candidates, TreeBufs
+from memra_cuda.rounds import tree_round
+from memra_cuda.rounds.round import ChainRound
+
+
+class Step:
+    """A prepared launch's stand-in: its kernel's name and what it was prepared with."""
+
+    def __init__(self, name: str, *given: object):
+        self.name, self.given = name, given
+
+    def __call__(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Kernels:
+    """SpecKernels' launchers as the rounds call them, each making a Step named after its kernel."""
+
+    def __init__(self, engine: object):
+        self.engine = engine
+
+    def prepare_assemble_verify(self, bufs, draft_d):
+        return Step("assemble")
+
+    def prepare_accept(self, bufs, rule):
+        return Step("accept_greedy" if isinstance(rule, Greedy) else "accept_sample")
+
+    def prepare_ring_commit(self, bufs):
+        return Step("commit")
+
+    def prepare_rollback(self, bufs, table):
+        return Step("rollback", table)
+
+    def prepare_round_tail_greedy(self, bufs, pred_d, table):
+        return Step("round_tail", pred_d, table)
+
+
+class TreeKernels:
+    """TreeKernels' launchers as TreeRound calls them."""
+
+    def __init__(self, engine: object):
+        self.engine = engine
+
+    def prepare_begin(self, bufs, tree):
+        return Step("begin")
+
+    def prepare_grow(self, bufs, tree, level, *candidates):
+        return Step(f"grow{level}")
+
+    def prepare_draw(self, bufs, tree, level, *law):
+        return Step(f"draw{level}")
+
+    def prepare_accept_greedy(self, bufs, tree, pred_d):
+        return Step("tree_accept")
+
+    def prepare_accept_sample(self, bufs, tree, *law):
+        return Step("tree_accept_sample")
+
+    def prepare_compact(self, bufs, tree, table):
+        return Step("compact")
+
+    def prepare_round_tail_greedy(self, bufs, tree, pred_d, table):
+        return Step("tree_round_tail", pred_d, table)
+
+
+def table(bufs, *targets: object) -> PointerTable:
+    """A PointerTable's stand-in naming `targets` (no device memory), of a capacity of 64."""
+    made = object.__new__(PointerTable)
+    made.targets, made.capacity = targets, 64
+    return made
+
+
+def buffers(geometry: Geometry) -> SimpleNamespace:
+    engine = SimpleNamespace(framework=SimpleNamespace(scope=contextlib.nullcontext, loop_capture=None), guards=())
+    return SimpleNamespace(engine=engine, geometry=geometry, k=geometry.k, batch=geometry.batch,
+                           pos_ctr_d=object(), pos_start_d=object())
+
+
+def names(steps) -> list[str]:
+    return [step.name if isinstance(step, Step) else "model" for step in steps]
+
+
+def model(name: str):
+    def step() -> None:
+        pass
+    step.__name__ = name
+    return step
+
+
+PRED = object()
+
+
+def chain_round(acceptance, tables: int = 1) -> tuple[ChainRound, list[PointerTable]]:
+    bufs = buffers(Geometry(4, 2, 3))
+    rollback = [table(bufs, bufs.pos_ctr_d), *(table(bufs, object()) for _ in range(tables - 1))]
+    return ChainRound(bufs, Kernels(bufs.engine), draft_chain=model("draft"), verify_trunk=model("verify"),
+                      draft_d=object(), acceptance=acceptance, rollback_tables=rollback), rollback
+
+
+def test_a_greedy_chain_round_accepts_commits_and_rolls_back_in_one_launch():
+    """The tail replaces accept, commit and the first table's rollback; a second table's
+    rollback follows it as before. Device mode joins its publish before `commit`, which now
+    accepts too: the acceptance reads nothing the publish writes."""
+    round_, tables = chain_round(Greedy(PRED), tables=2)
+    assert names(round_.before_commit) == ["model", "assemble", "model"]  # draft, assemble, verify
+    assert round_.commit.name == "round_tail" and round_.commit.given == (PRED, tables[0])
+    assert names(round_.after_commit) == ["rollback"] and round_.after_commit[0].given == (tables[1],)
+    assert round_.steps == (*round_.before_commit, round_.commit, *round_.after_commit)
+    assert round_.accept == ()  # what a SWITCH of bodies issues between its bodies and the commit
+
+
+def test_a_sampled_chain_round_keeps_its_acceptance_launch():
+    round_, tables = chain_round(Sampling(object(), object(), object(), 7))
+    assert names(round_.steps) == ["model", "assemble", "model", "accept_sample", "commit", "rollback"]
+    assert round_.commit.name == "commit" and names(round_.accept) == ["accept_sample"]
+    assert round_.after_commit[0].given == (tables[0],)
+
+
+def tree_round_of(monkeypatch, acceptance, **model_side) -> tuple[tree_round.TreeRound, PointerTable]:
+    monkeypatch.setattr(tree_round, "TreeKernels", TreeKernels)
+    monkeypatch.setattr(tree_round, "SampledCandidates", lambda *args: SimpleNamespace(tok_d=0, logq_d=0, sel_d=0))
+    tree = TreeShape.chain(2)
+    bufs = buffers(Geometry.of_tree(tree, 2, 3))
+    tree_bufs = object.__new__(TreeBufs)
+    tree_bufs.bufs, tree_bufs.tree, tree_bufs.nodes = bufs, tree, tree.nodes
+    rollback = table(bufs, bufs.pos_ctr_d)
+    candidates = Candidates(object(), object()) if isinstance(acceptance, Greedy) else None
+    made = tree_round.TreeRound(bufs, tree_bufs, Kernels(bufs.engine), draft_levels=[model(f"level{d}") for d in
+                                                                                      range(3)],
+                                verify_tree=model("verify"), acceptance=acceptance, candidates=candidates,
+                                rollback_tables=[rollback], **model_side)
+    return made, rollback
+
+
+def kv_data() -> KVDataTable:
+    made = object.__new__(KVDataTable)
+    made.layers, made.batch = [SimpleNamespace(capacity=64)], 3
+    return made
+
+
+def test_a_greedy_tree_round_compacts_after_its_tail(monkeypatch):
+    """13, 4 and 5 in one launch, then kernel 15: compaction reads keep, the accepted count, the
+    path and pos_start, which the commit and the rollback leave alone (the GPU test
+    test_greedy_tree_round_tail_then_compaction_is_the_rounds_order checks the buffers)."""
+    round_, rollback = tree_round_of(monkeypatch, Greedy(PRED), kv_data=kv_data())
+    assert names(round_.before_commit) == ["begin", "model", "grow1", "model", "grow2", "model", "model"]
+    assert round_.commit.name == "tree_round_tail" and round_.commit.given == (PRED, rollback)
+    assert names(round_.after_commit) == ["compact"]
+
+
+@pytest.mark.parametrize("with_kv_data", [False, True])
+def test_a_greedy_tree_round_with_its_models_compaction_keeps_the_rounds_order(monkeypatch, with_kv_data):
+    """A model's own compact= may read what the commit and the rollback move (a length, the
+    position): its round accepts, compacts, then commits and rolls back, as before."""
+    given = dict(kv_data=kv_data()) if with_kv_data else {}
+    round_, _ = tree_round_of(monkeypatch, Greedy(PRED), compact=model("compact_paged"), **given)
+    verify_to_compact = ["model", "tree_accept", *(["compact"] if with_kv_data else []), "model"]
+    assert names(round_.before_commit)[-len(verify_to_compact):] == verify_to_compact
+    assert round_.commit.name == "commit"
+    assert names(round_.after_commit) == ["rollback"]
+
+
+def test_a_sampled_tree_round_keeps_its_acceptance_launches(monkeypatch):
+    round_, _ = tree_round_of(monkeypatch, Sampling(object(), object(), object(), 7), kv_data=kv_data())
+    assert names(round_.before_commit)[-3:] == ["model", "tree_accept_sample", "compact"]
+    assert round_.commit.name == "commit" and names(round_.after_commit) == ["rollback"]
