@@ -204,6 +204,22 @@ class TreeShape:
         """Candidates a node must offer: the highest rank asked for, plus one."""
         return max(self.rank[1:]) + 1
 
+    def fixed_fields(self) -> dict[str, np.ndarray]:
+        """The fields of a row's nodes that are the same every round, as TreeBufs holds them (u32):
+        `parent` (node 0's ROOT_PARENT), `depth`, `rank` ([T+1] each) and `mask` ([T+1][W], node
+        j at bit j % 32 of word j // 32: the node and its ancestors). Kernel 10 writes node 0's so,
+        and kernel 11 every other node's wherever its candidate is live (a finite log-probability
+        of a rank below K under a live parent: always, for a greedy draft's ranks alone); only
+        the tokens and positions change from round to round."""
+        n, words = self.nodes, -(-self.nodes // 32)
+        mask = np.zeros((n, words), np.uint32)
+        for i, p in enumerate(self.parent):
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i // 32] |= np.uint32(1 << i % 32)
+        return {"parent": np.array([ROOT_PARENT, *self.parent[1:]], np.uint32),
+                "depth": np.array(self.depths, np.uint32), "rank": np.array(self.rank, np.uint32), "mask": mask}
+
     def check_sampled(self) -> None:
         """A sampled tree's children are their parent's first draws, at most MAX_TREE_DRAWS."""
         children: dict[int, list[int]] = {}
@@ -296,7 +312,9 @@ class TreeBufs:
     the model's draft and verify read (tokens, parents, depths, ranks, positions, ancestor masks,
     cumulative scores) and the accepted path. One allocation, written by the layer's kernels
     every round, which find each field from its address in this order (T1, W, D, B give the
-    sizes); a static tree's topology (shape_d: parents, ranks, child counts) is uploaded once."""
+    sizes); a static tree's topology (shape_d: parents, ranks, child counts) is uploaded once,
+    and so are its nodes' fixed fields (TreeShape.fixed_fields: parent, depth, rank, mask; score,
+    where no grow writes it, stays the zeroed allocation's 0, what a greedy grow of ranks writes)."""
 
     # The nodes, [B][per row] each, u32 unless said (T + 1 nodes, W mask words, depth D):
     tok_d: DeviceBuffer  # [T+1]: node i's token (node 0: the pending token)
@@ -332,6 +350,10 @@ class TreeBufs:
             shape = np.array([[ROOT_PARENT, *tree.parent[1:]], tree.rank, children], np.uint32)
             self.shape_d = engine.alloc(np.uint32, 3 * n, label="tree shape")
             engine.copy_htod(self.shape_d, shape.reshape(-1))
+            # every row's fixed fields now, once: a draft that places its children itself (TreeRound's
+            # draft_places) runs no grow to write them; the grows a round runs otherwise write them alike
+            for name, values in tree.fixed_fields().items():
+                engine.copy_htod(self._fields[f"{name}_d"], np.tile(values.reshape(-1), batch))
 
     @property
     def batch(self) -> int:

@@ -1,9 +1,10 @@
 """TreeRound: a round that verifies a tree of drafts (docs/trees.md), the second kind of Round.
 
-Between the draft's levels the layer grows the tree (kernels 11, 12); after the verify it
-accepts the deepest agreeing path (13, 14) and moves that path's KV to consecutive slots (15, or
-the model's own compaction), so the commit and rollbacks after it are a chain's. A greedy tree
-that kernel 15 compacts accepts, commits and rolls back in one launch, then compacts.
+Between the draft's levels the layer grows the tree (kernels 11, 12), unless the draft places a
+greedy static tree's children itself (draft_places); after the verify it accepts the deepest
+agreeing path (13, 14) and moves that path's KV to consecutive slots (15, or the model's own
+compaction), so the commit and rollbacks after it are a chain's. A greedy tree that kernel 15
+compacts accepts, commits and rolls back in one launch, then compacts.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from typing import TYPE_CHECKING
 
 from ..buffers.acceptance import Greedy, Sampling
 from ..buffers.tables import KVDataTable, StateIndexTable, StateTable
-from ..buffers.tree import Candidates, TreeBufs
+from ..buffers.tree import Candidates, TreeBufs, TreeShape
 from ..driver.graph import Capture
+from ..driver.values import as_flag
 from ..kernels.spec import SpecKernels
 from ..kernels.tree import SampledCandidates, TreeKernels
 from .round import Round, Stages, Step
@@ -42,6 +44,11 @@ class TreeRound(Round):
     length chooser: each row's acceptance stops at its length, min(width, its request's cap), as
     deep as the tree goes (docs/lengths.md). The tree is drafted and verified whole whatever the
     lengths, so give it flat costs: each row then runs at its own cap (docs/lengths.md#trees).
+    With `draft_places` (a greedy static tree), the draft's levels place the children themselves
+    and no grow runs: step d writes tok of level d + 1's nodes (its parents' candidates of their
+    ranks, what kernel 11 would place) and step 0 every node's pos (pos_start + depth); the other
+    fields are the ones TreeBufs wrote when it was made (TreeShape.fixed_fields), and no
+    candidates are given.
     """
 
     def __init__(self, bufs: StreamBufs, tree_bufs: TreeBufs, kernels: SpecKernels | None = None, *,
@@ -49,7 +56,7 @@ class TreeRound(Round):
                  candidates: Candidates | None = None, rollback_tables: Sequence[PointerTable],
                  kv_data: KVDataTable | None = None, compact: Step | None = None,
                  state_tables: Sequence[StateTable | StateIndexTable] = (), lengths: DraftLengths | None = None,
-                 capture: Capture | None = None, stages: Stages | None = None):
+                 draft_places: bool = False, capture: Capture | None = None, stages: Stages | None = None):
         if not isinstance(tree_bufs, TreeBufs) or tree_bufs.bufs is not bufs:
             raise ValueError(f"tree_bufs must be TreeBufs(bufs, tree) over these StreamBufs, not {tree_bufs!r}")
         tree, levels = tree_bufs.tree, list(draft_levels)
@@ -60,8 +67,16 @@ class TreeRound(Round):
             raise TypeError(f"verify_tree must be a callable that queues the model's work, not {verify_tree!r}")
         if compact is not None and not callable(compact):  # None: no compaction of the model's own
             raise TypeError(f"compact must be a callable that queues the model's work, not {compact!r}")
+        draft_places = as_flag(draft_places, "draft_places")
+        if draft_places and not (isinstance(acceptance, Greedy) and isinstance(tree, TreeShape)):
+            raise ValueError("only a greedy static tree's draft places its own children (draft_places): a dynamic "
+                             "tree's are weighed and a sampled tree's drawn by the layer's kernels")
         if isinstance(acceptance, Greedy):
-            if not isinstance(candidates, Candidates):
+            if draft_places:
+                if candidates is not None:
+                    raise ValueError("a draft that places its own children offers no candidates: candidates= is "
+                                     "for the grow kernel")
+            elif not isinstance(candidates, Candidates):
                 raise TypeError("a greedy tree round needs the draft's candidates=Candidates(tok_d, logp_d)")
             offered = candidates
         elif isinstance(acceptance, Sampling):
@@ -105,9 +120,13 @@ class TreeRound(Round):
                 accept = trees.prepare_accept_sample(bufs, tree_bufs, acceptance.p_d, acceptance.q_d,
                                                      acceptance.seed_d, vocab)
             else:
-                for level in range(1, tree.depth + 1):
-                    steps += [levels[level - 1],
-                              trees.prepare_grow(bufs, tree_bufs, level, offered.tok_d, offered.logp_d)]
+                if draft_places:  # each level writes its children's tokens, TreeBufs wrote the rest once
+                    steps += levels[:-1]
+                else:
+                    assert offered is not None
+                    for level in range(1, tree.depth + 1):
+                        steps += [levels[level - 1],
+                                  trees.prepare_grow(bufs, tree_bufs, level, offered.tok_d, offered.logp_d)]
                 if fused_tail is not None:  # the acceptance and the compaction are the tail's
                     return [*steps, levels[-1], verify_tree]
                 accept = trees.prepare_accept_greedy(bufs, tree_bufs, acceptance.pred_d)

@@ -23,6 +23,8 @@ from .decoder import RoundDecoder, fold, refuse
 from .kv import CacheLayout, PagedKV, Room, StaticKV, cache_slots
 from .mask import TreeMask
 from .sampling import SamplingParams
+from .stack import Compile, op_by_op
+from .uploads import uploaded
 from .views import TreeViews
 
 ARGMAX_RANKS = 4  # the most candidates a node takes by argmaxes (best_ranks); past it, torch.topk
@@ -35,7 +37,7 @@ def best_ranks(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     masked out of `logits` in place (a level's own logits, read by nothing else), a tie to the
     lower index; torch.topk's radix select is a dozen kernels, which cost a small random-weight
     model's tree level 0.056 target steps at one node against 0.025 for two argmaxes (H200).
-    More, by torch.topk."""
+    More, by torch.topk. top_ranks takes the same ranks out of place, for a compiled level."""
     k = out.shape[-1]
     if k > ARGMAX_RANKS:
         return out.copy_(logits.topk(k, dim=-1).indices)
@@ -46,15 +48,80 @@ def best_ranks(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def top_ranks(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """best_ranks' ranks ([..., k] int64: the indices of the k largest of each row of `logits`,
+    best first, a tie to the lower index), out of place: each argmax over the logits with the
+    ones before it masked to -inf by torch.where, which a compiled level fuses into the next
+    argmax (no scatter into the logits, which are left as they are). Past ARGMAX_RANKS, torch.topk's."""
+    if k > ARGMAX_RANKS:
+        return logits.topk(k, dim=-1).indices
+    every = torch.arange(logits.shape[-1], device=logits.device)
+    ranks = []
+    for rank in range(k):
+        ranks.append(torch.argmax(logits, -1, keepdim=True))
+        if rank + 1 < k:
+            logits = torch.where(every == ranks[-1], -torch.inf, logits)
+    return torch.cat(ranks, -1)
+
+
+def place_children(logits: torch.Tensor, tok: torch.Tensor, taken: torch.Tensor, children: torch.Tensor,
+                   k: int) -> None:
+    """A static greedy tree's level places its children: `tok` ([B][T+1], TreeViews.tok) at the
+    nodes `children` (int64 [C]) = their parents' candidates of their ranks, entries `taken`
+    (int64 [C]: (parent - level's first node) * k + rank) of the level's top_ranks(logits, k)
+    ([B][n][k], flattened), as int32 ids: what the grow kernel (11) placed from best_ranks'
+    candidates, a token straight into the node, with no candidates between. Compiled with the
+    draft's step (ChildPlacement)."""
+    tok[:, children] = top_ranks(logits, k).flatten(1)[:, taken].to(tok.dtype)
+
+
 def tree_start(root: torch.Tensor, pos_start: torch.Tensor, accepted: torch.Tensor, done: torch.Tensor,
-               vtok: torch.Tensor, node_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               vtok: torch.Tensor, node_index: torch.Tensor, pos: torch.Tensor | None = None,
+               depths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tree round's inputs from its buffers, at level 0: the root's tokens and positions ([B][2]
     each, fold's), none appended where the last round accepted no draft (that entry is there
     already), and every node's slot ([B][T+1]: the root's plus the node's index), which each
-    level and the verify slice. Compiled with the draft's step (LayerStack.compiled)."""
+    level and the verify slice. With `pos` (TreeViews.pos, [B][T+1] int32) and `depths` (int64
+    [T+1]), every node's position too, the root's plus its depth, as the grows would write a level
+    at a time (a static tree whose draft places its children runs none: ChildPlacement).
+    Compiled with the draft's step (LayerStack.compiled)."""
     start = pos_start.long()
     lone = (accepted == 0) | (done != 0) | (start == 0)
+    if pos is not None and depths is not None:
+        pos.copy_(start + depths)
     return (*fold(root, start, lone, vtok, accepted), start + node_index)
+
+
+class ChildPlacement:
+    """How a static greedy tree's draft levels place its children themselves, with no grow
+    kernel between them (TreeRound's draft_places): a child holds its parent's candidate of its
+    rank, and everything else about it is fixed (TreeBufs writes parent, depth, rank and mask
+    once, TreeShape.fixed_fields), so level d's top ranks go straight into level d + 1's tokens
+    (place_children, compiled with the draft's step: `compiled`), and the round's level 0 writes
+    every node's position (tree_start, with `pos` and `depths`). A level takes the ranks its
+    children ask (argmaxes up to the highest: a rank's argmax is the same however many follow it),
+    or torch.topk's `candidates` past ARGMAX_RANKS, as best_ranks took them.
+
+    `tok` and `pos` are views of TreeViews' of their own: a compiled forward marks the dims of
+    the tensors it is given (the verify's, TreeViews' own), which a compiled level's guards, made
+    before, would then fail at the next round: a compilation inside the capture."""
+
+    def __init__(self, tree: TreeShape, candidates: int, nodes: TreeViews, compiled: Compile = op_by_op):
+        self.tok, self.pos = nodes.tok[:], nodes.pos[:]
+        device = self.tok.device
+        self.depths = uploaded(tree.depths, torch.long, device)
+        self.levels: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # each parent level's (taken, children, k)
+        for level, (start, _) in enumerate(tree.expanded[:-1]):
+            children = range(*tree.levels[level + 1])
+            k = candidates if candidates > ARGMAX_RANKS else max(tree.rank[c] for c in children) + 1
+            taken = [(tree.parent[c] - start) * k + tree.rank[c] for c in children]  # parents: level's expanded
+            self.levels.append((uploaded(taken, torch.long, device), uploaded(list(children), torch.long, device), k))
+        self._place = compiled(place_children)
+
+    def __call__(self, level: int, logits: torch.Tensor) -> None:
+        """Level `level + 1`'s tokens from level `level`'s logits ([B][n][V], n its expanded nodes)."""
+        taken, children, k = self.levels[level]
+        self._place(logits, self.tok, taken, children, k)
 
 
 class TreeLlama(RoundDecoder):
@@ -116,17 +183,18 @@ class TreeLlama(RoundDecoder):
             self.node_index = self.target.slots[:nodes]
             self.start = self.draft.compiled(tree_start)
             vocab = model.config.vocab_size
+            # A greedy static tree places a child by its rank alone, so its draft's levels place the
+            # children themselves (no grow kernel, no candidates, no softmax); a dynamic tree's offers
+            # are weighed by the layer.
+            self.placement = ChildPlacement(tree, self.candidates, self.tree_views, self.draft.compiled) \
+                if sampling is None and isinstance(tree, TreeShape) else None
             if sampling is None:
-                self.cand_tok = torch.zeros(batch, nodes, self.candidates, dtype=torch.long, device="cuda")
-                # A static tree places a child by its rank alone: the layer only asks its candidate's
-                # log-probability to be finite (and adds it into score_d, which nothing here reads),
-                # so the draft's levels leave them 0 and skip the softmax.
-                self.ranks_only = isinstance(tree, TreeShape)
-                self.cand_logp = torch.full((batch, nodes, self.candidates), 0.0 if self.ranks_only else -torch.inf,
-                                            device="cuda")
                 self.pred_d = torch.zeros(batch, nodes, dtype=torch.long, device="cuda")
-                rule: dict[str, Any] = dict(acceptance=Greedy(self.pred_d),
-                                            candidates=Candidates(self.cand_tok, self.cand_logp))
+                rule: dict[str, Any] = dict(acceptance=Greedy(self.pred_d))
+                if self.placement is None:
+                    self.cand_tok = torch.zeros(batch, nodes, self.candidates, dtype=torch.long, device="cuda")
+                    self.cand_logp = torch.full((batch, nodes, self.candidates), -torch.inf, device="cuda")
+                    rule["candidates"] = Candidates(self.cand_tok, self.cand_logp)
             else:
                 self.p_d = torch.zeros(batch, nodes, vocab, device="cuda")
                 self.q_d = torch.zeros(batch, nodes, vocab, device="cuda")
@@ -140,9 +208,15 @@ class TreeLlama(RoundDecoder):
                                verify_tree=self.verify_tree,
                                rollback_tables=[kv_len_ptr_table(self.engine, layers, pos_ctr=self.bufs.pos_ctr_d)],
                                state_tables=self.state_tables(), lengths=self.lengths, **rule,
-                               **self._compaction(paged))
+                               draft_places=self.draft_places, **self._compaction(paged))
             self.rounds = RoundStream.of(round_)
             self._warm_up()
+
+    @property
+    def draft_places(self) -> bool:
+        """Whether the draft's levels place the tree's children themselves (a greedy static tree:
+        ChildPlacement), so the round runs no grow kernel between them (TreeRound's draft_places)."""
+        return self.placement is not None
 
     def _compaction(self, paged: int | None) -> dict[str, Any]:
         """TreeRound's way to move the accepted path: the layer's kernel over both static caches,
@@ -182,16 +256,17 @@ class TreeLlama(RoundDecoder):
         if level == 0:
             for mask in self.masks:
                 mask.at(views.pos_start)
+            positions = () if self.placement is None else (self.placement.pos, self.placement.depths)
             tokens, first, self.node_slots = self.start(nodes.tok[:, :1], views.pos_start, views.accepted,
-                                                        views.done, views.vtok, self.node_index)
+                                                        views.done, views.vtok, self.node_index, *positions)
             logits = self.draft.logits(tokens, first, last=True)  # [B][1][V]
         else:  # [B][stop - start][V]
             logits = self.draft.logits(nodes.tok[:, start:stop], nodes.pos[:, start:stop],
                                        **self._nodes(start, stop, self.draft_mask))
         if self.draft_law is not None:
             self.draft_law(self.q_d[:, start:stop], logits)
-        elif self.ranks_only:
-            best_ranks(logits, self.cand_tok[:, start:stop])
+        elif self.placement is not None:
+            self.placement(level, logits)
         else:
             best = logits.float().log_softmax(-1).topk(self.candidates, dim=-1)
             self.cand_tok[:, start:stop] = best.indices

@@ -12,9 +12,10 @@ import pytest
 from memra_cuda import Geometry
 from memra_cuda import DeviceBuffer, DynamicTree, StreamBufs, TreeBufs, TreeShape, kv_capacity
 from memra_cuda.buffers.capacity import Capacity
-from memra_cuda.buffers.layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS
+from memra_cuda.buffers.layout import MAX_TREE_DRAWS, MAX_TREE_NODES, MAX_TREE_OFFERS, ROOT_PARENT
 from memra_cuda.buffers.tree import MAX_TREE_CANDIDATES
 from memra_cuda.kernels.tree import TreeKernels
+from memra_cuda.testing import reference_tree as rt
 
 FAKE_PTR = 0x7F0000000000  # a device address no buffer of these tests is ever read at
 NUMPY_INTS = (np.uint8, np.uint16, np.uint32, np.int64)
@@ -26,6 +27,7 @@ class AddressOnly:
 
     def __init__(self) -> None:
         self.writes: list[list[int]] = []
+        self.where: list[int] = []  # each write's address
 
     def zeros(self, dtype, length, *, label=None):
         return DeviceBuffer.wrap(FAKE_PTR, dtype, length)
@@ -35,6 +37,7 @@ class AddressOnly:
 
     def copy_htod(self, dst, values, start=0):
         self.writes.append(np.asarray(values).tolist())
+        self.where.append(dst.ptr)
 
 
 def tree_bufs(tree: TreeShape | DynamicTree, batch: int = 2) -> TreeBufs:
@@ -71,6 +74,46 @@ def test_a_level_is_expanded_up_to_its_last_node_with_a_child():
     assert tree.expanded == ((0, 1), (1, 3), (4, 7), (7, 8), (10, 10))
     assert TreeShape.chain(3).expanded == ((0, 1), (1, 2), (2, 3), (3, 3))
     assert DynamicTree(3, 2, 2).expanded == ((0, 1), (1, 3), (3, 5), (5, 5))
+
+
+def test_a_static_trees_fixed_fields_are_what_its_grows_write():
+    """TreeShape.fixed_fields, which TreeBufs uploads once for a draft that places its own
+    children, are the parent, depth, rank and mask that kernel 10 and kernel 11 (the numpy
+    reference) write every round for candidates of finite log-probability: for a chain with
+    leaves, a tree of rank gaps, and a likeliest tree of two mask words (bit 31 and past it),
+    over candidates of random tokens; score 0 both ways."""
+    for tree in (TreeShape.chain_with_leaves(8, 1), TreeShape.from_choices([[0], [2], [0, 1], [2, 3]]),
+                 TreeShape.likeliest(40, depth=6, ranks=4)):
+        batch, K, n = 2, tree.draws + 1, tree.nodes
+        t = rt.TreeArrays.zeros(n, tree.depth, batch)
+        t.tok[:], t.parent[:], t.rank[:], t.mask[:] = 7, 9, 9, 0xFFFF  # none of it left as it was
+        pos = np.array([3, 30], np.int32)
+        rt.spec_tree_begin(t, np.array([1, 2], np.uint32), pos, np.zeros(batch, np.int32),
+                           np.zeros(batch * (tree.depth + 1), np.uint32), tree.depth, batch)
+        tokens = np.random.default_rng(n).integers(0, 1000, batch * n * K).astype(np.uint32)
+        logq = np.zeros(batch * n * K, np.float32)
+        for level in range(1, tree.depth + 1):
+            rt.spec_tree_grow(t, level, tree.levels, tokens, logq, logq, K, pos,
+                              shape_parent=np.array([ROOT_PARENT, *tree.parent[1:]], np.uint32),
+                              shape_rank=np.array(tree.rank, np.uint32), batch=batch)
+        fixed = tree.fixed_fields()
+        assert fixed["mask"].shape == (n, -(-n // 32)) and all(values.dtype == np.uint32 for values in fixed.values())
+        for name, values in fixed.items():
+            assert np.array_equal(np.tile(values.reshape(-1), batch), getattr(t, name)), name
+        assert not t.score.any()
+
+
+def test_a_static_trees_fixed_fields_are_uploaded_with_its_shape_a_dynamic_trees_never():
+    """TreeBufs of a static tree writes the shape, then every row's parent, depth, rank and mask
+    (TreeShape.fixed_fields), each into its own field; a dynamic tree's writes nothing."""
+    tree = TreeShape.likeliest(40, depth=6, ranks=4)
+    made = tree_bufs(tree, batch=3)
+    engine, fixed = made.engine, tree.fixed_fields()
+    names = ("parent", "depth", "rank", "mask")
+    assert engine.where == [made.shape_d.ptr, *(getattr(made, f"{name}_d").ptr for name in names)]
+    assert engine.writes[1:] == [np.tile(fixed[name].reshape(-1), 3).tolist() for name in names]
+    assert fixed["parent"][:3].tolist() == [ROOT_PARENT, 0, 0] and fixed["mask"][0].tolist() == [1, 0]
+    assert tree_bufs(DynamicTree(3, 2, 2)).engine.writes == []
 
 
 def test_a_chain_with_leaves_expands_its_line_alone():

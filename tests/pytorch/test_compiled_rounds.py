@@ -29,7 +29,7 @@ from memra_cuda.torch import views  # noqa: E402
 from memra_cuda.torch.chain import chain_start  # noqa: E402
 from memra_cuda.torch.compiled import CompiledStack  # noqa: E402
 from memra_cuda.torch.greedy import advance  # noqa: E402
-from memra_cuda.torch.tree import tree_start  # noqa: E402
+from memra_cuda.torch.tree import ChildPlacement, tree_start  # noqa: E402
 
 from test_torch_stack import TREE, VOCAB, mask_words, tiny  # noqa: E402
 
@@ -217,7 +217,10 @@ def test_a_tree_round_compiles_nothing_after_its_warm_up(monkeypatch, tree, batc
     decoder.masks = [mask]
     decoder.node_index, decoder.start = decoder.target.slots[:nodes], decoder.draft.compiled(tree_start)
     laws(decoder, sampling, nodes, nodes)
-    decoder.ranks_only, decoder.candidates = isinstance(tree, TreeShape), tree.draws
+    decoder.candidates = tree.draws
+    # a greedy static tree's levels place its children (ChildPlacement); the others offer candidates
+    decoder.placement = ChildPlacement(tree, tree.draws, decoder.tree_views, decoder.draft.compiled) \
+        if sampling is None and isinstance(tree, TreeShape) else None
     decoder.cand_tok = torch.zeros(batch, nodes, tree.draws, dtype=torch.long)
     decoder.cand_logp = torch.zeros(batch, nodes, tree.draws)
 

@@ -6,16 +6,20 @@ section measures and how it names them. The examples' command line: tests/exampl
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from memra_cuda import DynamicTree, TreeShape
+from memra_cuda.buffers.layout import ROOT_PARENT
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
 from memra_cuda.torch.testing import parse_tree, static_tree  # noqa: E402
+from memra_cuda.testing import reference_tree as rt  # noqa: E402
 from memra_cuda.torch import TreeMask, best_ranks  # noqa: E402
+from memra_cuda.torch.tree import ChildPlacement, top_ranks, tree_start  # noqa: E402
 from memra_cuda.torch.stack import blas_for  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -83,6 +87,96 @@ def test_a_levels_best_candidates_are_torch_topks_best_first_ties_to_the_lower_i
     tied = torch.zeros(1, 1, 8)
     tied[0, 0, [2, 6]] = 1.0
     assert best_ranks(tied, torch.empty(1, 1, 3, dtype=torch.long)).tolist() == [[[2, 6, 0]]]
+
+
+def tied_logits(*shape: int, seed: int) -> torch.Tensor:
+    """Logits with ties everywhere: rows of a few integer values (the best value many times),
+    rows of a few values and -inf (fewer finite values than ranks, some), and plain normal rows."""
+    gen = torch.Generator().manual_seed(seed)
+    coarse = torch.randint(0, 3, shape, generator=gen).float()
+    sparse = torch.where(torch.rand(shape, generator=gen) < 0.998, -torch.inf, coarse)
+    kind = torch.randint(0, 3, (*shape[:-1], 1), generator=gen)
+    return torch.where(kind == 0, coarse, torch.where(kind == 1, sparse, torch.randn(shape, generator=gen)))
+
+
+def test_a_levels_ranks_out_of_place_are_best_ranks_ties_and_all():
+    """top_ranks, which a compiled level places its children by, masks a rank out of place (by
+    torch.where) where best_ranks scatters -inf into the level's logits: the same ranks, ties to
+    the lower index (a row of fewer finite values than ranks repeats its last index, as the
+    scatter does), and the logits left as they were."""
+    logits = tied_logits(3, 5, 1000, seed=1)
+    kept = logits.clone()
+    for k in (1, 2, 3, 4, 6):  # 6: past ARGMAX_RANKS, torch.topk's on both sides
+        want = best_ranks(logits.clone(), torch.full((3, 5, k), -1))
+        assert torch.equal(top_ranks(logits, k), want), f"k = {k}"
+    assert torch.equal(logits, kept) and torch.isinf(logits).any(), "a level's logits are read, not written"
+    tied = torch.zeros(1, 1, 8)
+    tied[0, 0, [2, 6]] = 1.0
+    assert top_ranks(tied, 3).tolist() == [[[2, 6, 0]]]
+
+
+def grown_tree(tree: TreeShape, candidates: int, logits: list, pend: np.ndarray,
+               pos_start: np.ndarray) -> rt.TreeArrays:
+    """A round's nodes as the grow kernel's rounds made them (the numpy reference's kernels 10
+    and 11): begin, then for each level its candidates by best_ranks over its logits (log-
+    probabilities 0: ranks alone) and the next level grown from them."""
+    batch = len(pend)
+    t = rt.TreeArrays.zeros(tree.nodes, tree.depth, batch)
+    rt.spec_tree_begin(t, pend.astype(np.uint32), pos_start.astype(np.int32), np.zeros(batch, np.int32),
+                       np.zeros(batch * (tree.depth + 1), np.uint32), tree.depth, batch)
+    cand_tok = torch.zeros(batch, tree.nodes, candidates, dtype=torch.long)
+    zero = np.zeros(batch * tree.nodes * candidates, np.float32)
+    for level, (start, stop) in enumerate(tree.expanded[:-1]):
+        best_ranks(logits[level].clone(), cand_tok[:, start:stop])
+        rt.spec_tree_grow(t, level + 1, tree.levels, cand_tok.numpy().reshape(-1), zero, zero, candidates, pos_start,
+                          shape_parent=np.array([ROOT_PARENT, *tree.parent[1:]], np.uint32),
+                          shape_rank=np.array(tree.rank, np.uint32), batch=batch)
+    return t
+
+
+PLACED_TREES = {"chain8,1": (TreeShape.chain_with_leaves(8, 1), 2), "leaves": (TreeShape.from_choices(
+    [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [1, 0, 0], [0, 0, 0, 0]]), 3),
+    "gapped": (TreeShape.from_choices([[0], [2], [0, 1], [2, 3]]), 4),
+    "more-candidates": (TreeShape.likeliest(24, depth=5, ranks=3), 4),
+    "topk": (TreeShape.likeliest(24, depth=5, ranks=3), 6)}
+
+
+PLACED_CASES = [(name, False) for name in PLACED_TREES] + [("chain8,1", True), ("gapped", True)]
+
+
+@pytest.mark.parametrize("name, compiled", PLACED_CASES,
+                         ids=[f"{name}{'-compiled' if compiled else ''}" for name, compiled in PLACED_CASES])
+def test_a_static_levels_placed_children_are_the_grown_trees(name, compiled):
+    """ChildPlacement, the levels of a greedy static tree placing their children with no grow
+    kernel: over logits with ties, every node's token is what the grown rounds' candidates and
+    kernel 11 made it, tree_start's positions theirs too, and TreeShape.fixed_fields (TreeBufs'
+    upload) their parent, depth, rank and mask; score 0 both ways. Three rows at other roots;
+    op by op, and compiled as a decoder's draft compiles them (the CPU's inductor)."""
+    tree, candidates = PLACED_TREES[name]
+    compile_ = (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if compiled else (lambda fn: fn)
+    batch, vocab, nodes = 3, 500, tree.nodes
+    pend, pos_start = np.array([7, 11, 13]), np.array([5, 40, 1])
+    logits = [tied_logits(batch, stop - start, vocab, seed=level) for level, (start, stop)
+              in enumerate(tree.expanded[:-1])]
+    want = grown_tree(tree, candidates, logits, pend, pos_start)
+    made = SimpleNamespace(tok=torch.full((batch, nodes), -5, dtype=torch.int32),
+                           pos=torch.full((batch, nodes), -5, dtype=torch.int32))
+    made.tok[:, 0] = torch.from_numpy(pend)  # kernel 10's
+    placement = ChildPlacement(tree, candidates, made, compile_)
+    start = torch.from_numpy(pos_start).int()[:, None]
+    zero = torch.zeros(batch, 1, dtype=torch.int32)
+    compile_(tree_start)(made.tok[:, :1], start, zero, zero, torch.zeros(batch, tree.depth + 1, dtype=torch.int32),
+                         torch.arange(nodes), placement.pos, placement.depths)
+    for level, level_logits in enumerate(logits):
+        kept = level_logits.clone()
+        placement(level, level_logits)
+        assert torch.equal(level_logits, kept)
+    assert made.tok.numpy().astype(np.uint32).reshape(-1).tolist() == want.tok.tolist()
+    assert made.pos.numpy().reshape(-1).tolist() == want.pos.tolist()
+    for field, values in tree.fixed_fields().items():
+        assert np.tile(values.reshape(-1), batch).tolist() == getattr(want, field).tolist(), field
+    assert not want.score.any()
+    assert want.tok.reshape(batch, nodes)[:, 1:].any(), "the tokens placed must not all be 0"
 
 
 def test_a_forwards_rows_take_cublaslt_from_two_rows_up_to_LT_ROWS():

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch
 pytest.importorskip("transformers", reason="memra_cuda.torch.testing needs transformers")
 from memra_cuda.torch.testing import PROMPT, prompts  # noqa: E402
 from memra_cuda.torch import (GraphedGreedy, PagedKV, Request, SamplingParams, Stack, TreeLlama,  # noqa: E402
-                              capacity_for, hf_greedy, self_draft)
+                              best_ranks, capacity_for, hf_greedy, self_draft)
 from test_torch_batch_gpu import DRAW_BATCH, draws_in_batches, first_difference  # noqa: E402  (imports torch)
 from test_torch_hybrid_gpu import BUDGETS, EOS_ROWS, TOKENS, generate  # noqa: E402  (the same budgets and stops)
 
@@ -151,6 +151,63 @@ def test_served_tree_requests_equal_hugging_face_each_alone(small):
     for i, (request, out) in enumerate(zip(requests, served)):
         want = hf_greedy(small, request.prompt, request.max_new_tokens)
         assert out.tokens == want, f"request {i}: first difference at token {first_difference(out.tokens, want)}"
+
+
+# -- a static tree's children, placed by its draft ----------------------------------------------
+
+PLACED = {"chain8,1": (TreeShape.chain_with_leaves(8, 1), None), "static": (TREES["static"], None),
+          "gapped": (TreeShape.from_choices([[0], [2], [0, 1], [2, 3]]), None),
+          "topk": (TreeShape.likeliest(16, depth=4, ranks=3), 6)}  # 6 candidates: torch.topk's on both sides
+FIELDS = ("tok", "pos", "parent", "depth", "rank", "mask", "score")
+
+
+@pytest.mark.parametrize("name", PLACED)
+def test_a_static_trees_placed_nodes_are_what_the_layers_grows_make(small, monkeypatch, name):
+    """After one round of a greedy static tree, whose draft's levels place the children with no
+    grow kernel (TreeLlama.draft_places), TreeBufs' tok, pos, parent, depth, rank, mask and score
+    are what the layer's grows make of the same round: every node past the root scribbled over,
+    then grown a level at a time by kernel 11 from the candidates the grown rounds took
+    (best_ranks: argmaxes and an in-place scatter, ties to the lower index) of the draft's logits
+    that round, which a stand-in swaps for logits with ties everywhere (after the real forward,
+    so the KV is written as ever). Three rows at other positions, compiled as every decoder is;
+    a child placed from the wrong rank, parent or row, or a tie broken the other way, differs."""
+    from memra_cuda.kernels import TreeKernels
+    from test_torch_tree import tied_logits
+    tree, candidates = PLACED[name]
+    batch, rows = 3, prompts(3, seed=21)
+    spec = tree_decoder(small, tree, max(map(len, rows)), 8, batch, candidates=candidates)
+    assert spec.draft_places and spec.placement is not None
+    forward, seen = spec.draft.logits, []
+
+    def tied(tokens, positions, **kwargs):
+        real = forward(tokens, positions, **kwargs)
+        logits = tied_logits(*real.shape, seed=len(seen)).to(real.device, real.dtype)
+        seen.append(logits.clone())
+        return logits
+    monkeypatch.setattr(spec.draft, "logits", tied)
+    spec.prefill(range(batch), rows)
+    spec.rounds.step("readback")
+    assert len(seen) == tree.depth, "a draft level a parent level"
+    placed, nodes, words = spec.tree_bufs.read(), tree.nodes, spec.tree_bufs.words
+    cand_tok = torch.zeros(batch, nodes, spec.candidates, dtype=torch.long, device="cuda")
+    for level, (start, stop) in enumerate(tree.expanded[:-1]):
+        best_ranks(seen[level].clone(), cand_tok[:, start:stop])
+    cand_logp = torch.zeros(batch, nodes, spec.candidates, device="cuda")  # ranks alone, as the grown rounds' were
+    torch.cuda.synchronize()
+    rng = np.random.default_rng(5)
+    for field in FIELDS:  # every node past the root scribbled over (its mask words past node 0's)
+        values = placed[field].copy()
+        past_root = words if field == "mask" else 1
+        values[:, past_root:] = rng.integers(0, 2**32, values[:, past_root:].shape, dtype=np.uint32).view(values.dtype)
+        spec.engine.copy_htod(getattr(spec.tree_bufs, f"{field}_d"), values.reshape(-1))
+    kernels = TreeKernels(spec.engine)
+    for level in range(1, tree.depth + 1):
+        kernels.prepare_grow(spec.bufs, spec.tree_bufs, level, cand_tok, cand_logp)()
+    grown = spec.tree_bufs.read()
+    for field in FIELDS:
+        assert np.array_equal(placed[field].view(np.uint32), grown[field].view(np.uint32)), \
+            f"{name}: {field} differs at (row, word) {np.argwhere(placed[field] != grown[field])[:8].tolist()}"
+    assert placed["tok"][:, 1:].any(), "the tokens placed must not all be 0"
 
 
 # -- sampling -----------------------------------------------------------------------------------
