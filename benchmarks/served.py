@@ -7,7 +7,9 @@ heldout.json in order (from the first again past its end), each with a budget dr
 new tokens by a seeded generator and the pair's end-of-text token honoured
 (benchmarks/serving.py's request_stream), every request submitted at the start. Through each
 decoder, graph mode, M = 16 (--rounds), every graph captured before the stream (a warm-up stream
-of B requests of 8 tokens first, untimed), the stream is timed by its Served records:
+of B requests of 8 tokens first, untimed), the stream is served three times (TIMED_RUNS), each run
+timed by its Served records, and a row is the median run's (its column "spread": how far the runs lay
+apart, (fastest - slowest) / median):
 
 - the plain decoding: the target alone, compiled, graphed, a readback a burst of 16 steps
   (GraphedGreedy), its one-token step attending by SDPA over the whole cache and by flex over the
@@ -91,6 +93,10 @@ ADAPTIVE = {1: Adaptive(8, (0, 2, 3, 4, 6)), 8: Adaptive(4, (0, 1, 2, 3)), 32: A
             64: Adaptive(2, (0, 1)), 128: Adaptive(2, (0, 1), 8)}
 STREAM_SEED = 48
 WARM_TOKENS = 8  # the warm-up stream's budget a request
+# The stream is served this many times a decoder, each run timed, and a row is its median run's: one run
+# of ~1 to 3 s measured B = 128's adaptive configuration at 1.25x in one lease and 1.88x in the next
+# (the same pair, card and stream), and a run more costs seconds where a decoder's setup costs tens.
+TIMED_RUNS = 3
 
 
 def stream_for(heldout: Mapping[str, Any], batch: int, eos: int | None, quick: bool = False) -> list[Request]:
@@ -120,13 +126,27 @@ def tau(served: Sequence[Served]) -> float | None:
     return sum(tokens for tokens, _ in ran) / sum(rounds for _, rounds in ran) if ran else None
 
 
-def row_of(batch: int, mode: str, config: str, served: Sequence[Served], setup_s: float,
+def row_of(batch: int, mode: str, config: str, runs: Sequence[Sequence[Served]], setup_s: float,
            plain: float | None) -> dict[str, Any]:
-    """One decoder's row: its stream's figures, tau, setup, and its tokens/s over the plain
-    decoding's (`plain`; None: this is the plain decoding)."""
-    found = figures(served)
-    vs_plain = 1.0 if plain is None else found["tokens_per_s"] / plain
-    return dict(batch=batch, mode=mode, config=config, **found, tau=tau(served), setup_s=setup_s, vs_plain=vs_plain)
+    """One decoder's row from its timed `runs` of the stream (each run one Served a request): the
+    figures of the median run by tokens/s (every run serves the same requests to the same tokens,
+    greedy or seeded, so they differ only in time), each run's tokens/s in run order
+    (`runs_tokens_per_s`), tau, setup, and its tokens/s over the plain decoding's (`plain`; None:
+    this is the plain decoding)."""
+    if not runs:
+        raise ValueError(f"{config} at B = {batch}: no timed run of the stream")
+    found = [figures(served) for served in runs]
+    middle = sorted(range(len(runs)), key=lambda run: found[run]["tokens_per_s"])[len(runs) // 2]
+    vs_plain = 1.0 if plain is None else found[middle]["tokens_per_s"] / plain
+    return dict(batch=batch, mode=mode, config=config, **found[middle], tau=tau(runs[middle]), setup_s=setup_s,
+                vs_plain=vs_plain, runs_tokens_per_s=[run["tokens_per_s"] for run in found])
+
+
+def spread(row: Mapping[str, Any]) -> float | None:
+    """How far a row's timed runs lay apart: (fastest - slowest) / the median's tokens/s; None for
+    a row of one run (or an earlier report's, which kept none)."""
+    runs = row.get("runs_tokens_per_s") or []
+    return (max(runs) - min(runs)) / row["tokens_per_s"] if len(runs) > 1 else None
 
 
 def plains(rows: Sequence[Mapping[str, Any]]) -> dict[int, float]:
@@ -193,14 +213,16 @@ def tbt_text(row: Mapping[str, Any]) -> str:
 
 
 HEADER = (f"{'B':>4} {'decoding':9} {'config':16} {'tokens/s':>9} {'vs plain':>8} {'tau':>5} {'TTFT p50 ms':>11} "
-          f"{'p99':>8} {'TBT p50 ms':>10} {'p99':>7} {'setup s':>7}")
+          f"{'p99':>8} {'TBT p50 ms':>10} {'p99':>7} {'setup s':>7} {'spread':>6}")
 
 
 def format_row(row: Mapping[str, Any]) -> str:
     tau_text = "" if row["tau"] is None else f"{row['tau']:.2f}"
+    apart = spread(row)
     return (f"{row['batch']:>4} {row['mode']:9} {row['config']:16} {row['tokens_per_s']:9.0f} {row['vs_plain']:7.2f}x "
             f"{tau_text:>5} {1e3 * row['ttft_p50_s']:11.1f} {1e3 * row['ttft_p99_s']:8.1f} "
-            f"{1e3 * row['tbt_p50_s']:10.2f} {1e3 * row['tbt_p99_s']:7.2f} {row['setup_s']:7.1f}")
+            f"{1e3 * row['tbt_p50_s']:10.2f} {1e3 * row['tbt_p99_s']:7.2f} {row['setup_s']:7.1f}"
+            + ("" if apart is None else f" {apart:6.1%}"))
 
 
 def plot(report: Mapping[str, Any], path: str | Path) -> None:
@@ -227,12 +249,13 @@ def plot(report: Mapping[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
-def _served(decoder: Any, requests: Sequence[Request], batch: int) -> list[Served]:
-    """The stream through `decoder`'s server, after an untimed warm-up stream of B short
-    requests (the server's first steps, the host's caches), every graph captured before either."""
+def _served(decoder: Any, requests: Sequence[Request], batch: int) -> list[list[Served]]:
+    """The stream through `decoder`'s server TIMED_RUNS times, each run timed, after an untimed
+    warm-up stream of B short requests (the server's first steps, the host's caches), every
+    graph captured before any."""
     server = decoder.server()
     server.serve([request._replace(max_new_tokens=WARM_TOKENS) for request in requests[:batch]])
-    return server.serve(requests)
+    return [server.serve(requests) for _ in range(TIMED_RUNS)]
 
 
 def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int, quick: bool,

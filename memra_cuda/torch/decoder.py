@@ -110,6 +110,10 @@ class RoundDecoder:
                                 f"{need} (a Room sizes the caches for the requests: memra_cuda.torch.Room)")
         self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
         self.stream = torch.cuda.Stream()
+        # torch's streams are non-blocking: nothing orders this one after the caller's, where the
+        # models' weights may still be being written (a draft made, cast or loaded a moment ago),
+        # and fusing them (stack_for) copies them here. A wait on the GPU; the host goes on.
+        self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             self.engine = engine()
             if on_engine is not None:

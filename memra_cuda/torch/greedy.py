@@ -78,6 +78,7 @@ class GraphedGreedy:
         capacity = as_capacity(capacity, None)  # these before the stream, as a round decoder checks its own
         compiled = as_compiled(compiled)
         self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())  # the model's weights, as RoundDecoder's
         self.batch, self.steps, self.eager = batch, steps, eager
         self.vocab: int = model.config.vocab_size  # every token a request names is below it
         with torch.cuda.stream(self.stream):

@@ -17,8 +17,8 @@ from test_headline import REPORT, TABLE
 
 def served_report() -> dict:
     """benchmarks.served's JSON of one B, as its run writes it."""
-    def stream(tokens: int, accepted: int | None) -> list[Served]:
-        return [Served(list(range(tokens)), 0.0, 0.0, [2.0] * tokens, 2.0, accepted=accepted)]
+    def stream(tokens: int, accepted: int | None) -> list[list[Served]]:  # one timed run
+        return [[Served(list(range(tokens)), 0.0, 0.0, [2.0] * tokens, 2.0, accepted=accepted)]]
     plain = row_of(8, "greedy", "plain sdpa", stream(100, None), 1.0, None)
     rows = [plain, row_of(8, "greedy", "chain k=2", stream(150, 90), 30.0, plain["tokens_per_s"]),
             row_of(8, "greedy", "adaptive k=3 (0, 1)", stream(160, 95), 30.0, plain["tokens_per_s"])]

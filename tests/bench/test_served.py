@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.served import (ADAPTIVE, CHAINS, adaptive_rows, best, format_row, is_adaptive, plains, row_of, servable,
-                               stream_for, summary_lines, tau)
+                               spread, stream_for, summary_lines, tau)
 from benchmarks.torch_common import PLAIN_ATTENDS, TORCH_M
 from memra_cuda.rounds import Served
 
@@ -55,17 +55,32 @@ def test_tau_is_tokens_over_rounds_and_none_without_drafts():
 
 
 def test_rows_compare_with_the_plain_decoding_and_the_best_chain_is_picked():
-    plain = row_of(8, "greedy", "plain", [served(100, None, at=2.0)], 1.0, None)
+    plain = row_of(8, "greedy", "plain", [[served(100, None, at=2.0)]], 1.0, None)
     assert plain["vs_plain"] == 1.0 and plain["tokens_per_s"] == 50.0 and plain["tau"] is None
-    fast = row_of(8, "greedy", "chain k=2", [served(150, 90, at=2.0)], 30.0, plain["tokens_per_s"])
-    slow = row_of(8, "greedy", "chain k=4", [served(120, 80, at=2.0)], 30.0, plain["tokens_per_s"])
-    sampled = row_of(8, "sampling", "chain k=2", [served(60, 20, at=2.0)], 30.0, plain["tokens_per_s"])
+    fast = row_of(8, "greedy", "chain k=2", [[served(150, 90, at=2.0)]], 30.0, plain["tokens_per_s"])
+    slow = row_of(8, "greedy", "chain k=4", [[served(120, 80, at=2.0)]], 30.0, plain["tokens_per_s"])
+    sampled = row_of(8, "sampling", "chain k=2", [[served(60, 20, at=2.0)]], 30.0, plain["tokens_per_s"])
     assert fast["vs_plain"] == 1.5 and fast["tau"] == 150 / 60
-    adaptive = row_of(8, "greedy", "adaptive k=4", [served(300, 200, at=2.0)], 30.0, plain["tokens_per_s"])
+    adaptive = row_of(8, "greedy", "adaptive k=4", [[served(300, 200, at=2.0)]], 30.0, plain["tokens_per_s"])
     picked = best([plain, slow, fast, sampled, adaptive])  # the best fixed chain: the adaptive one is measured by it
     assert [(b["batch"], b["mode"], b["config"], b["vs_plain"]) for b in picked] == [
         (8, "greedy", "chain k=2", 1.5), (8, "sampling", "chain k=2", 0.6)]
     assert "1.50x" in format_row(fast) and " 2.50 " in format_row(fast) and format_row(plain).split()[3] == "50"
+
+
+def test_a_row_is_its_median_run_and_says_how_far_its_runs_lay_apart():
+    """Three timed runs of one stream, the same tokens in different times: the row is the median
+    run's (its TTFT and TBT too, not a mix), every run's tokens/s kept in run order; no run refused."""
+    runs = [[served(100, 60, at=2.0)], [served(100, 60, at=1.0)], [served(100, 60, at=4.0)]]
+    row = row_of(8, "greedy", "chain k=2", runs, 30.0, 25.0)
+    assert row["runs_tokens_per_s"] == [50.0, 100.0, 25.0] and row["tokens_per_s"] == 50.0
+    assert row["vs_plain"] == 2.0 and row["ttft_p50_s"] == 2.0 and row["tau"] == 100 / 40
+    assert spread(row) == (100.0 - 25.0) / 50.0 and format_row(row).endswith(" 150.0%")
+    alone = row_of(8, "greedy", "chain k=2", runs[:1], 30.0, 25.0)
+    assert spread(alone) is None and format_row(alone).endswith(" 30.0"), "one run: no spread to say"
+    assert spread({"tokens_per_s": 1.0}) is None, "an earlier report's row kept no runs"
+    with pytest.raises(ValueError, match="no timed run"):
+        row_of(8, "greedy", "chain k=2", [], 30.0, 25.0)
 
 
 def test_a_pair_that_cannot_serve_every_b_is_refused_before_any_runs():
@@ -80,11 +95,11 @@ def test_the_baseline_at_each_b_is_the_faster_plain_decoding():
     """The plain decoding is measured with each attention of its one-token step (SDPA over the
     whole cache, flex over what a row holds): the picture's baseline at each B is the faster."""
     assert sorted(PLAIN_ATTENDS) == ["flex", "sdpa"]
-    rows = [row_of(8, "greedy", "plain sdpa", [served(100, None, at=2.0)], 1.0, None),
-            row_of(8, "greedy", "plain flex", [served(120, None, at=2.0)], 1.0, None),
-            row_of(1, "greedy", "plain sdpa", [served(30, None, at=1.0)], 1.0, None),
-            row_of(1, "greedy", "plain flex", [served(20, None, at=1.0)], 1.0, None),
-            row_of(8, "greedy", "chain k=2", [served(300, 90, at=2.0)], 1.0, 60.0)]
+    rows = [row_of(8, "greedy", "plain sdpa", [[served(100, None, at=2.0)]], 1.0, None),
+            row_of(8, "greedy", "plain flex", [[served(120, None, at=2.0)]], 1.0, None),
+            row_of(1, "greedy", "plain sdpa", [[served(30, None, at=1.0)]], 1.0, None),
+            row_of(1, "greedy", "plain flex", [[served(20, None, at=1.0)]], 1.0, None),
+            row_of(8, "greedy", "chain k=2", [[served(300, 90, at=2.0)]], 1.0, 60.0)]
     assert plains(rows) == {1: 30.0, 8: 60.0}
 
 
@@ -96,7 +111,7 @@ def test_a_resumed_report_keeps_its_other_batches_only_where_it_is_of_this_pair_
 
     from benchmarks.served import resumed
     pair = {"key": "620e7b973acb", "target": {"heldout_loss": 2.1208}}
-    rows = [row_of(b, "greedy", "plain", [served(100, None)], 1.0, None) for b in (32, 1, 64)]
+    rows = [row_of(b, "greedy", "plain", [[served(100, None)]], 1.0, None) for b in (32, 1, 64)]
     path = tmp_path / "s.json"
     path.write_text(json.dumps(dict(pair=pair, m_rounds=16, quick=False, projection="inductor", rows=rows)))
     assert [row["batch"] for row in resumed(path, pair, 16, False, [64, 128], "inductor")] == [32, 1]
@@ -148,13 +163,13 @@ def test_the_summary_sets_the_adaptive_configuration_beside_the_best_chain_or_al
     the adaptive configuration alone, against the plain decoding. The p99 without each request's
     last readback follows where a row has it (not a NaN: no request read back thrice; not an
     earlier run's row, which lacks it)."""
-    plain = row_of(8, "greedy", "plain sdpa", [served(100, None, at=2.0)], 1.0, None)
-    chain = dict(row_of(8, "greedy", "chain k=2", [served(150, 90, at=2.0)], 30.0, 50.0), tbt_p99_s=0.0011,
+    plain = row_of(8, "greedy", "plain sdpa", [[served(100, None, at=2.0)]], 1.0, None)
+    chain = dict(row_of(8, "greedy", "chain k=2", [[served(150, 90, at=2.0)]], 30.0, 50.0), tbt_p99_s=0.0011,
                  tbt_p99_mid_s=0.0007)
-    adaptive = dict(row_of(8, "greedy", "adaptive k=4", [served(120, 60, at=2.0)], 30.0, 50.0), tbt_p99_s=0.0009)
-    alone = dict(row_of(32, "sampling", "adaptive k=3", [served(200, 90, at=2.0)], 30.0, 80.0), tbt_p99_s=0.002)
+    adaptive = dict(row_of(8, "greedy", "adaptive k=4", [[served(120, 60, at=2.0)]], 30.0, 50.0), tbt_p99_s=0.0009)
+    alone = dict(row_of(32, "sampling", "adaptive k=3", [[served(200, 90, at=2.0)]], 30.0, 80.0), tbt_p99_s=0.002)
     del adaptive["tbt_p99_mid_s"]
-    rows = [plain, chain, adaptive, row_of(32, "greedy", "plain flex", [served(160, None, at=2.0)], 1.0, None), alone]
+    rows = [plain, chain, adaptive, row_of(32, "greedy", "plain flex", [[served(160, None, at=2.0)]], 1.0, None), alone]
     first, second = summary_lines(rows, best(rows))
     assert first == ("  B =   8 greedy    best chain chain k=2 75 tokens/s, 1.50x plain, TBT p99 1.10 ms (0.70 "
                      "without a request's last readback); "
@@ -222,8 +237,8 @@ def test_each_m_of_adaptive_rounds_serves_the_adaptive_configuration_again_its_r
     monkeypatch.setattr(mt, "SpeculativeLlama", Spec)
     monkeypatch.setattr(mt, "capacity_for", lambda prompt, new, geometry: sized.append(geometry.m_rounds) or 999)
     monkeypatch.setattr(serving, "release", lambda: None)
-    monkeypatch.setattr(serving, "_served", lambda decoder, requests, batch: [
-        Served([1] * 10, 0.0, 0.0, [1.0] * 5 + [2.0] * 5, 2.0, accepted=None if isinstance(decoder, Plain) else 4)])
+    monkeypatch.setattr(serving, "_served", lambda decoder, requests, batch: [[
+        Served([1] * 10, 0.0, 0.0, [1.0] * 5 + [2.0] * 5, 2.0, accepted=None if isinstance(decoder, Plain) else 4)]])
     target = type("Target", (), {"config": type("Config", (), {"eos_token_id": 0})()})()
     rows = serving._bench_batch(target, None, HELDOUT, 32, False, 16, fixed=False, adaptive_rounds=[8, 4, 16])
     k, widths = ADAPTIVE[32].k, ADAPTIVE[32].widths

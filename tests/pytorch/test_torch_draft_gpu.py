@@ -157,6 +157,24 @@ def test_served_requests_with_a_separate_draft_equal_hugging_face_each_alone(sma
         assert out.tokens == want, f"request {i}: first difference at token {first_difference(out.tokens, want)}"
 
 
+def test_a_decoder_waits_for_the_weights_its_callers_stream_is_still_writing(small, greedy_batches):
+    """A draft made a moment before its decoder, its weights still queued on the caller's stream
+    behind a kernel that sleeps: the decoder's own stream (non-blocking, as torch's are) waits for
+    them before fusing them. Unordered, the fused copies read memory not yet written, and the draft
+    never agrees (its tokens still the target's: a failure only its acceptance shows)."""
+    requests, want, longest = greedy_batches[1]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of the current stream, ahead of the draft's weights
+    made = separate_draft(small)
+    spec = chain(small, made, longest, 1)
+    mine, theirs = made.model.layers[0], small.model.layers[0]
+    for name in ("q_proj", "k_proj", "v_proj"):  # fused: views of one weight, copied on the decoder's stream
+        assert torch.equal(getattr(mine.self_attn, name).weight, getattr(theirs.self_attn, name).weight.bfloat16())
+    got = spec.generate_batch(requests, "graph")
+    assert_rows_equal(got, want, "a draft made just before its decoder")
+    assert spec.acceptance([len(row) for row in got]) > 0.0
+
+
 # -- sampling -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["chain", "tree"])
