@@ -142,7 +142,7 @@ def row_of(batch: int, mode: str, config: str, runs: Sequence[Sequence[Served]],
                 vs_plain=vs_plain, runs_tokens_per_s=[run["tokens_per_s"] for run in found])
 
 
-def spread(row: Mapping[str, Any]) -> float | None:
+def run_spread(row: Mapping[str, Any]) -> float | None:
     """How far a row's timed runs lay apart: (fastest - slowest) / the median's tokens/s; None for
     a row of one run (or an earlier report's, which kept none)."""
     runs = row.get("runs_tokens_per_s") or []
@@ -218,7 +218,7 @@ HEADER = (f"{'B':>4} {'decoding':9} {'config':16} {'tokens/s':>9} {'vs plain':>8
 
 def format_row(row: Mapping[str, Any]) -> str:
     tau_text = "" if row["tau"] is None else f"{row['tau']:.2f}"
-    apart = spread(row)
+    apart = run_spread(row)
     return (f"{row['batch']:>4} {row['mode']:9} {row['config']:16} {row['tokens_per_s']:9.0f} {row['vs_plain']:7.2f}x "
             f"{tau_text:>5} {1e3 * row['ttft_p50_s']:11.1f} {1e3 * row['ttft_p99_s']:8.1f} "
             f"{1e3 * row['tbt_p50_s']:10.2f} {1e3 * row['tbt_p99_s']:7.2f} {row['setup_s']:7.1f}"

@@ -93,6 +93,9 @@ class GraphedGreedy:
         self._cut = False  # a replayed burst's tokens not yet read (recover)
         self._stops: list[_Stop | None] = [None] * batch  # each row's request's stop; None: vacant
         self.driven = Driven()  # the servers made over the rows (server()), each held weakly
+        # and the caller's stream waits for the weights fused here, which the model's own modules are views of
+        # now (a round decoder's warm-up reads back, so its constructor returns with them written)
+        torch.cuda.current_stream().wait_stream(self.stream)
 
     def _burst(self) -> None:
         for step in range(self.steps):

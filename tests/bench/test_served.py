@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.served import (ADAPTIVE, CHAINS, adaptive_rows, best, format_row, is_adaptive, plains, row_of, servable,
-                               spread, stream_for, summary_lines, tau)
+from benchmarks.served import (ADAPTIVE, CHAINS, adaptive_rows, best, format_row, is_adaptive, plains, row_of,
+                               run_spread, servable, stream_for, summary_lines, tau)
 from benchmarks.torch_common import PLAIN_ATTENDS, TORCH_M
 from memra_cuda.rounds import Served
 
@@ -75,10 +75,10 @@ def test_a_row_is_its_median_run_and_says_how_far_its_runs_lay_apart():
     row = row_of(8, "greedy", "chain k=2", runs, 30.0, 25.0)
     assert row["runs_tokens_per_s"] == [50.0, 100.0, 25.0] and row["tokens_per_s"] == 50.0
     assert row["vs_plain"] == 2.0 and row["ttft_p50_s"] == 2.0 and row["tau"] == 100 / 40
-    assert spread(row) == (100.0 - 25.0) / 50.0 and format_row(row).endswith(" 150.0%")
+    assert run_spread(row) == (100.0 - 25.0) / 50.0 and format_row(row).endswith(" 150.0%")
     alone = row_of(8, "greedy", "chain k=2", runs[:1], 30.0, 25.0)
-    assert spread(alone) is None and format_row(alone).endswith(" 30.0"), "one run: no spread to say"
-    assert spread({"tokens_per_s": 1.0}) is None, "an earlier report's row kept no runs"
+    assert run_spread(alone) is None and format_row(alone).endswith(" 30.0"), "one run: no spread to say"
+    assert run_spread({"tokens_per_s": 1.0}) is None, "an earlier report's row kept no runs"
     with pytest.raises(ValueError, match="no timed run"):
         row_of(8, "greedy", "chain k=2", [], 30.0, 25.0)
 
