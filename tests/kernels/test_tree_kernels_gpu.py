@@ -446,11 +446,14 @@ def test_greedy_tree_round_tail_then_compaction_is_the_rounds_order(engine, name
 
 
 def test_greedy_tree_round_tail_refuses_a_table_naming_pos_start(engine):
-    """Compaction runs after the tail and reads pos_start_d: a rollback table that names it would
-    move the compaction's anchor, so the tail refuses it (kernel 5 alone takes it)."""
+    """Compaction runs after the tail and reads pos_start_d (and ctl, acc, the path): a rollback
+    table that names any of their memory, as itself or through a view of it, would move the
+    compaction's anchor, so the tail refuses it (kernel 5 alone takes it)."""
     bufs = StreamBufs(engine, Geometry.of_tree(TREES[0][1], 1, 2))
     tb = TreeBufs(bufs, TREES[0][1])
     pred = engine.zeros(np.uint32, 2 * tb.nodes)
-    with pytest.raises(ValueError, match="may not name bufs.pos_start_d"):
-        TreeKernels(engine).prepare_round_tail_greedy(bufs, tb, pred, PointerTable(engine, [bufs.pos_start_d]))
+    for name, target in (("bufs.pos_start_d", bufs.pos_start_d), ("bufs.pos_start_d", bufs.pos_start_d.view(0, 2)),
+                         ("bufs.ctl_d", bufs.ctl_d.view(0, 2, np.int32))):
+        with pytest.raises(ValueError, match=f"may not name memory of {name}"):
+            TreeKernels(engine).prepare_round_tail_greedy(bufs, tb, pred, PointerTable(engine, [target]))
     SpecKernels(engine).prepare_rollback(bufs, PointerTable(engine, [bufs.pos_start_d]))
