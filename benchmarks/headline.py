@@ -3,7 +3,8 @@ pair benchmarks/pair.py trains on the machine's own Python sources, decoding pro
 held-out files, where the random-weight Llamas of the other sections set agreement by hand.
 
 At B = 1, 8, 32 and 128 (B = 1: 8 prompts one after another, ONE_ROW_PROMPTS; each row 128 new
-tokens, TOKENS), greedy and sampled at temperature 1, graph mode, M = 16:
+tokens, TOKENS; timed in three passes, the median pass kept, TIMED_PASSES), greedy and sampled at
+temperature 1, graph mode, M = 16:
 
 - the target's own greedy decoding, each step a CUDA graph (GraphedGreedy), its one-token step
   attending by SDPA over the whole cache and by flex over what a row holds (PLAIN_ATTENDS): the
@@ -62,9 +63,9 @@ from typing import Any
 
 from .common import depth_and_width
 from .needs import PAIR, needs
-from .torch_common import (PROJECTIONS, SPECULATIVE, TORCH_M, TREE_BATCHES, bounded, busy_share, launch_of, listed,
-                           measure_config, plain_decoding, plot_trees, projected, release, row_label, summary_line,
-                           time_generations, token_count, tree_label, tree_summary)
+from .torch_common import (PROJECTIONS, SPECULATIVE, TIMED_PASSES, TORCH_M, TREE_BATCHES, bounded, busy_share,
+                           launch_of, listed, measure_config, plain_decoding, plot_trees, projected, release, row_label,
+                           summary_line, time_generations, token_count, tree_label, tree_summary)
 from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
@@ -476,7 +477,7 @@ def _hugging_face(target: Any, draft: Any, groups: Sequence[Sequence[Any]], plai
         def generate(group: Sequence[Any], sampling: Any = sampling, assistant: Any = assistant) -> list[list[int]]:
             return [hf_generate(target, [r.prompt], r.max_new_tokens, sampling=sampling, assistant=assistant,
                                 k=HF_K)[0] for r in group]
-        seconds, outs = time_generations(generate, groups)
+        seconds, outs, _ = time_generations(generate, groups, passes=1)  # ~40 s a pass: its spread is not a bar's
         rate = token_count(outs) / seconds
         rows.append(dict(size=SIZE, batch=1, mode=mode, kind="HF", config=label, source=None, tokens_per_s=rate,
                          vs_plain=rate / plain))
@@ -551,7 +552,8 @@ def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | Non
                     trees=None if quick else trees, launches=list(launches), projection=projection)
     print(f"\nheadline: {name}")
     print(f"prompts: heldout.json's first B ({heldout['prompt_len']} tokens, cut from held-out files), {tokens} new "
-          f"tokens a row (B = 1: {one_row} prompts one after another), {settings['dtype']}, "
+          f"tokens a row (B = 1: {one_row} prompts one after another; the median of {TIMED_PASSES} passes), "
+          f"{settings['dtype']}, "
           f"{' and '.join(launches)} mode{'s' if len(launches) > 1 else ''}, "
           f"M={TORCH_M}, sampling at T=1. vs plain: against the target's compiled greedy decoding, a graph of "
           "16 steps a readback (sampled rows too); v and d: the round's verify and draft in target steps; ideal = "

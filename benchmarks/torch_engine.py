@@ -87,7 +87,7 @@ DYNAMIC = {1: (DynamicTree(10, 4, 4),), 8: (DynamicTree(8, 2, 2),), 32: (Dynamic
 
 def _timed(run: Callable[[], Any]) -> tuple[float, Any]:
     """Seconds of run() after one untimed warm-up run (graph captures, first loads), and its output."""
-    seconds, (out,) = time_generations(lambda _: run(), [None])
+    seconds, (out,), _ = time_generations(lambda _: run(), [None], passes=1)
     return seconds, out
 
 

@@ -267,6 +267,28 @@ def test_where_a_requests_time_went_adds_up_to_its_wall_from_what_was_measured()
     assert request_split(0.2, 8, 8 * 20, 1.0, 0.9, 2.5, 8)["rest_ms"] == pytest.approx(2.5)  # one burst each
 
 
+def test_a_configuration_is_timed_in_the_median_of_its_passes(monkeypatch):
+    """time_generations: one untimed run of the first group, then every group timed alone in each
+    of three passes; the median pass's seconds and its outputs (after each generation, read
+    outside the timed spans), and which pass it was: its rounds' counts are that pass's."""
+    torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
+    from benchmarks import torch_common
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    # each group's start and end: the passes take 10 (5 + 5), 4 (3 + 1) and 2 (1 + 1) seconds
+    ticks = iter([0.0, 5.0, 5.0, 10.0, 10.0, 13.0, 13.0, 14.0, 14.0, 15.0, 15.0, 16.0])
+    monkeypatch.setattr(torch_common.time, "perf_counter", lambda: next(ticks))
+    ran: list[str] = []
+    pass_of = iter(p for p in range(3) for _ in range(2))
+
+    def generate(group: str) -> str:
+        ran.append(group)
+        return group
+
+    seconds, taken, chosen = torch_common.time_generations(generate, ["a", "b"], after=lambda out: (out, next(pass_of)))
+    assert ran == ["a", "a", "b", "a", "b", "a", "b"], "the first group untimed, then three passes"
+    assert (seconds, chosen) == (4.0, 1) and taken == [("a", 1), ("b", 1)], "the median pass's, its own outputs"
+
+
 def test_where_a_requests_time_went_is_a_line_a_row():
     """split_line: the plain loop's steps, a chain's or tree's rounds with its verify and draft
     alone beside them, named with the decoding and the mode (graph mode's too); a mean to a
