@@ -38,7 +38,7 @@ from typing import Any
 
 from .headline import save
 from .needs import TORCH, needs
-from .torch_common import TORCH_M, bounded, decoder, release, round_costs
+from .torch_common import TORCH_M, bounded, decoder, release, round_costs, time_generations
 
 MODES = ("graph", "overlap", "device")
 EXTRAS = ("", "a copy to pinned memory", "a driver memset", "a branch")  # what a synthetic graph holds beside its adds
@@ -164,12 +164,8 @@ def plain_rows(target: Any, request: Sequence[Any], new: int, prompt: int) -> tu
     from memra_cuda.torch.timing import replay_ms
     greedy = GraphedGreedy(target, prompt + new + 64, 1, steps=BURST)
     greedy.capture()
-    greedy.generate_batch(request)
-    torch.cuda.synchronize()
-    begun = time.perf_counter()
-    greedy.generate_batch(request)
-    torch.cuda.synchronize()
-    wall_ms = 1e3 * (time.perf_counter() - begun)
+    seconds, _, _ = time_generations(greedy.generate_batch, [request], passes=1)
+    wall_ms = 1e3 * seconds
     graph = greedy.graph
     if graph is None:
         raise RuntimeError("GraphedGreedy.capture() left no burst graph to time")

@@ -318,11 +318,10 @@ def resumed(path: str | Path, pair: Mapping[str, Any], m_rounds: int, quick: boo
     machine's time limit cuts a run of every B into several; a run resumed on a pair trained again
     is another pair."""
     report = json.loads(Path(path).read_text())
-    for what, mine, theirs, same in (("pair", pair, report.get("pair"), same_pair),
-                                     ("M", m_rounds, report.get("m_rounds"), None),
-                                     ("quick", quick, report.get("quick"), None),
-                                     ("projection", projection, report.get("projection"), None)):
-        if not (same(mine, theirs) if same is not None else mine == theirs):
+    for what, mine, theirs in (("pair", pair, report.get("pair")), ("M", m_rounds, report.get("m_rounds")),
+                               ("quick", quick, report.get("quick")),
+                               ("projection", projection, report.get("projection"))):
+        if not (same_pair(mine, theirs) if what == "pair" else mine == theirs):
             raise ValueError(f"{path} was served with another {what} ({theirs!r}, this run {mine!r}): "
                              "not resumed")
     return [row for row in report["rows"] if row["batch"] not in batches]

@@ -62,6 +62,16 @@ def engine(stream: torch.cuda.Stream | None = None) -> Engine:
     return Engine(stream.device.index, stream=stream, framework=framework(stream))
 
 
+def decoder_stream() -> torch.cuda.Stream:
+    """A stream of a decoder's own, ordered after the caller's current stream: torch's streams are
+    non-blocking, so nothing else orders it after the work queued there, such as a model's
+    weights made, cast or loaded a moment ago, which the decoder fuses (copies) on its stream. A
+    wait on the GPU; the host goes on."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return stream
+
+
 def framework(stream: torch.cuda.Stream) -> Framework:
     """torch's Framework for an engine on `stream` (see memra_cuda.driver.framework): capture and
     loop_capture below, and the model's work scoped as torch's mode is now (scope)."""

@@ -26,7 +26,7 @@ from ..driver.values import as_listed, as_prompt, as_size
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
                               as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
-from .adapter import engine
+from .adapter import decoder_stream, engine
 from .kv import CacheLayout, Room, StaticKV, cache_slots
 from .sampling import SamplingParams
 from .compiled import as_compiled, stack_for
@@ -109,11 +109,7 @@ class RoundDecoder:
                                 f"{geometry.width} tokens a row at k = {geometry.k}, B = {geometry.batch}: it needs "
                                 f"{need} (a Room sizes the caches for the requests: memra_cuda.torch.Room)")
         self.sampling, self.draft_sampling = sampling, draft_sampling or sampling
-        self.stream = torch.cuda.Stream()
-        # torch's streams are non-blocking: nothing orders this one after the caller's, where the
-        # models' weights may still be being written (a draft made, cast or loaded a moment ago),
-        # and fusing them (stack_for) copies them here. A wait on the GPU; the host goes on.
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream = decoder_stream()  # after the caller's: stack_for fuses the models' weights on it
         with torch.cuda.stream(self.stream):
             self.engine = engine()
             if on_engine is not None:

@@ -12,7 +12,7 @@ import torch
 from ..driver.values import as_flag, as_size
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
                               batch_admitted)
-from .adapter import torch_graph
+from .adapter import decoder_stream, torch_graph
 from .sampling import SamplingParams
 from .attention import Attention
 from .compiled import as_compiled, stack_for
@@ -77,8 +77,7 @@ class GraphedGreedy:
         batch = as_size(batch, "batch")  # True was a batch of 1 whose server() was refused, 0 one never served
         capacity = as_capacity(capacity, None)  # these before the stream, as a round decoder checks its own
         compiled = as_compiled(compiled)
-        self.stream = torch.cuda.Stream()
-        self.stream.wait_stream(torch.cuda.current_stream())  # the model's weights, as RoundDecoder's
+        self.stream = decoder_stream()  # after the caller's: stack_for fuses the model's weights on it
         self.batch, self.steps, self.eager = batch, steps, eager
         self.vocab: int = model.config.vocab_size  # every token a request names is below it
         with torch.cuda.stream(self.stream):

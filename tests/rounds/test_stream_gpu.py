@@ -93,7 +93,9 @@ def test_perfect_draft_bursts_and_rounds_are_exactly_counted(engine, spec, mode,
     lm, bufs, stream, start = setup(engine, spec, model, [9], k, m_rounds, capacity)
     stream.pace = pace
     before = engine.readbacks
+    assert stream.rate == 1.0, "before any generation: one token a round, fewer than which none commits"
     assert stream.generate(max_new, mode=mode).tolist() == toy.target_greedy(model, [9], max_new)
+    assert stream.rate == k + 1, "the rate of the bursts its row ran whole: the next generation's first guess"
     full, tail = divmod(max_new, m_rounds * (k + 1))
     if pace:
         assert stream.rounds == max_new // (k + 1) == full * m_rounds + 8 + 2
