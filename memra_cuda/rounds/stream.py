@@ -116,7 +116,8 @@ class RoundStream:
         self._events: list[Event] = []
         self._device: DeviceLoop | None = None
         self.rounds = self.bursts = 0  # rounds sent to the GPU, host readbacks they waited for
-        # tokens a round a row made in the last generation that measured one (Pace.observed): the
+        # tokens a round a row made in the last generation that measured one (Pace.observed: a paced
+        # or overlapped one; an unpaced eager or graph burst runs M rounds whatever the rate): the
         # next generation's rate before its first readback, which sizes a burst queued ahead of it
         self.rate = 1.0
         # the last step()'s readback while it is waited for: (the ledger's events then, its rounds)
