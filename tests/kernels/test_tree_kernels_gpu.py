@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from itertools import islice
 
 import numpy as np
 import pytest
@@ -411,7 +412,23 @@ def test_greedy_tree_round_tail_then_compaction_is_the_rounds_order(engine, name
     reference; and the tail alone is the reference's 13, 4 and 5. So compaction may follow the
     tail: it reads keep, the accepted count, the path and pos_start, which the commit and the
     rollback leave alone, and they read nothing it moves."""
-    rig = TailRig(engine, tree, B, width)
+    check_tree_tail(TailRig(engine, tree, B, width), cases("tree tail", (name, B, width), len(TAIL_CONFIGS) * 4))
+
+
+@pytest.mark.parametrize("width", [32, 64])
+def test_greedy_tree_round_tail_serves_every_row_past_one_grid(engine, width):
+    """More rows than the launch has blocks (4096, a row each): the blocks stride on, so a row
+    none served (the last) would differ from the reference and the separate launches."""
+    B = 4096 + 1
+    runs = islice(cases("tree tail", ("chain4", B, width), 1), 1)
+    check_tree_tail(TailRig(engine, TreeShape.chain(4), B, width), runs, last_live=True)
+
+
+def check_tree_tail(rig: TailRig, runs, last_live: bool = False) -> None:
+    """For each (rng, what) of `runs`: the tail then kernel 15 against 13, 15, 4 and 5 launched
+    apart and against the reference's, and the tail alone against the reference's (`last_live`:
+    the last row live in every state)."""
+    tree, B = rig.tree, rig.B
     D, ring_cap = tree.depth, rig.bufs.ring_cap
 
     def tail(s):
@@ -430,8 +447,11 @@ def test_greedy_tree_round_tail_then_compaction_is_the_rounds_order(engine, name
         rig.tail()
         rig.compact()
 
-    for rng, what in cases("tree tail", (name, B, width), len(TAIL_CONFIGS) * 4):
-        state = grown(rig, rig.random_state(rng, int(rng.choice([2, 3, 50]))), what)
+    for rng, what in runs:
+        state = rig.random_state(rng, int(rng.choice([2, 3, 50])))
+        if last_live:
+            state["ctl"].reshape(B, CTL_WORDS)[-1, CTL_DONE] = 0
+        state = grown(rig, state, what)
         rig.put(state)
         for launch in (rig.accept, rig.compact, rig.commit, rig.rollback):
             launch()
