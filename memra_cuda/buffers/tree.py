@@ -346,13 +346,14 @@ class TreeBufs:
         vars(self).update(self._fields)  # each the attribute the class declares
         self.shape_d = None
         if isinstance(tree, TreeShape):
+            fixed = tree.fixed_fields()
             children = np.bincount(tree.parent[1:], minlength=n)
-            shape = np.array([[ROOT_PARENT, *tree.parent[1:]], tree.rank, children], np.uint32)
+            shape = np.array([fixed["parent"], fixed["rank"], children], np.uint32)
             self.shape_d = engine.alloc(np.uint32, 3 * n, label="tree shape")
             engine.copy_htod(self.shape_d, shape.reshape(-1))
             # every row's fixed fields now, once: a draft that places its children itself (TreeRound's
             # draft_places) runs no grow to write them; the grows a round runs otherwise write them alike
-            for name, values in tree.fixed_fields().items():
+            for name, values in fixed.items():
                 engine.copy_htod(self._fields[f"{name}_d"], np.tile(values.reshape(-1), batch))
 
     @property

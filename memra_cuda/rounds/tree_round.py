@@ -33,7 +33,8 @@ class TreeRound(Round):
     StreamBufs, whose k is the tree's depth D) holds the nodes. The model gives `draft_levels`,
     D + 1 steps, step d processing the nodes of level d (steps 0..D-1 also write what their
     children are made of: greedy, `candidates`, the K best tokens and log-probabilities of each
-    node; sampling, Sampling's q_d, [B][T+1][V]), and `verify_tree`, which scores all T + 1 nodes
+    node; sampling, Sampling's q_d, [B][T+1][V]; with `draft_places`, a greedy static tree's
+    step d writes level d + 1's tokens itself, step 0 every position), and `verify_tree`, which scores all T + 1 nodes
     under the ancestor mask into Greedy's pred_d ([B][T+1]) or Sampling's p_d ([B][T+1][V]).
     Between the levels the layer grows the tree (kernels 11, 12); after the verify it accepts
     (13 or 14) and moves the accepted path's KV to consecutive slots: in the layers of `kv_data`

@@ -123,6 +123,9 @@ class RoundDecoder:
             self.views = RoundViews(self.bufs)
             # each row's request's sampling seed, set at its prefill
             self.seed_d = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        # and the caller's stream waits for the weights fused there, as GraphedGreedy's does (the
+        # models' own modules are views of them), not on a warm-up's readback to have ordered it
+        torch.cuda.current_stream().wait_stream(self.stream)
         # each law's probabilities written where the round reads them (SamplingParams.fill), run
         # as the stack of the logits it reads runs its forward: compiled, one kernel where six
         # launched (LayerStack.compiled)

@@ -8,6 +8,7 @@ mask over the whole cache.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..buffers.tree import Tree, TreeShape
@@ -55,11 +56,10 @@ class TreeMask:
         self.never = torch.full((), -torch.inf, dtype=dtype, device=words.device)
         self.ancestors: torch.Tensor | None = None
         if isinstance(tree, TreeShape):  # [1][T+1][32W], mask_d's bits as bools: row i node i's ancestors
+            mask = tree.fixed_fields()["mask"]  # [T+1][W'] u32, W' <= W: node j at bit j % 32 of word j // 32
+            bit = np.arange(32 * mask.shape[1])
             ancestors = torch.zeros(tree.nodes, self.nodes, dtype=torch.bool)
-            for i, p in enumerate(tree.parent):
-                if p >= 0:
-                    ancestors[i] = ancestors[p]
-                ancestors[i, i] = True
+            ancestors[:, :bit.size] = torch.from_numpy((mask[:, bit // 32] >> (bit % 32).astype(np.uint32)) & 1 != 0)
             self.ancestors = ancestors[None].to(words.device)
         self._round, self._level = compiled(round_part), compiled(level_mask)
 

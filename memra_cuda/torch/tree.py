@@ -87,7 +87,7 @@ def tree_start(root: torch.Tensor, pos_start: torch.Tensor, accepted: torch.Tens
     Compiled with the draft's step (LayerStack.compiled)."""
     start = pos_start.long()
     lone = (accepted == 0) | (done != 0) | (start == 0)
-    if pos is not None and depths is not None:
+    if pos is not None:  # `depths` with it: None there is an error, not a level left unwritten
         pos.copy_(start + depths)
     return (*fold(root, start, lone, vtok, accepted), start + node_index)
 
