@@ -477,7 +477,7 @@ def _hugging_face(target: Any, draft: Any, groups: Sequence[Sequence[Any]], plai
         def generate(group: Sequence[Any], sampling: Any = sampling, assistant: Any = assistant) -> list[list[int]]:
             return [hf_generate(target, [r.prompt], r.max_new_tokens, sampling=sampling, assistant=assistant,
                                 k=HF_K)[0] for r in group]
-        seconds, outs, _ = time_generations(generate, groups, passes=1)  # ~40 s a pass: its spread is not a bar's
+        seconds, outs = time_generations(generate, groups, passes=1)  # ~40 s a pass: its spread is not a bar's
         rate = token_count(outs) / seconds
         rows.append(dict(size=SIZE, batch=1, mode=mode, kind="HF", config=label, source=None, tokens_per_s=rate,
                          vs_plain=rate / plain))

@@ -164,7 +164,7 @@ def plain_rows(target: Any, request: Sequence[Any], new: int, prompt: int) -> tu
     from memra_cuda.torch.timing import replay_ms
     greedy = GraphedGreedy(target, prompt + new + 64, 1, steps=BURST)
     greedy.capture()
-    seconds, _, _ = time_generations(greedy.generate_batch, [request], passes=1)
+    seconds, _ = time_generations(greedy.generate_batch, [request], passes=1)
     wall_ms = 1e3 * seconds
     graph = greedy.graph
     if graph is None:

@@ -59,7 +59,7 @@ from typing import Any
 from .headline import MODES, describe, measure_batches, opened, pair_arguments, save
 from .needs import PAIR, needs
 from .serving import figures, request_stream
-from .torch_common import PLAIN_ATTENDS, TORCH_M, bounded, listed, projected, pyplot, release
+from .torch_common import PLAIN_ATTENDS, TORCH_M, bounded, listed, median_index, projected, pyplot, release
 from memra_cuda import Geometry
 from memra_cuda.errors import SwitchUnsupported
 from memra_cuda.rounds.serving import Request, Served
@@ -136,7 +136,7 @@ def row_of(batch: int, mode: str, config: str, runs: Sequence[Sequence[Served]],
     if not runs:
         raise ValueError(f"{config} at B = {batch}: no timed run of the stream")
     found = [figures(served) for served in runs]
-    middle = sorted(range(len(runs)), key=lambda run: found[run]["tokens_per_s"])[len(runs) // 2]
+    middle = median_index([run["tokens_per_s"] for run in found])
     vs_plain = 1.0 if plain is None else found[middle]["tokens_per_s"] / plain
     return dict(batch=batch, mode=mode, config=config, **found[middle], tau=tau(runs[middle]), setup_s=setup_s,
                 vs_plain=vs_plain, runs_tokens_per_s=[run["tokens_per_s"] for run in found])
@@ -318,10 +318,11 @@ def resumed(path: str | Path, pair: Mapping[str, Any], m_rounds: int, quick: boo
     machine's time limit cuts a run of every B into several; a run resumed on a pair trained again
     is another pair."""
     report = json.loads(Path(path).read_text())
-    for what, mine, theirs in (("pair", pair, report.get("pair")), ("M", m_rounds, report.get("m_rounds")),
-                               ("quick", quick, report.get("quick")),
+    if not same_pair(pair, theirs := report.get("pair")):
+        raise ValueError(f"{path} was served with another pair ({theirs!r}, this run {pair!r}): not resumed")
+    for what, mine, theirs in (("M", m_rounds, report.get("m_rounds")), ("quick", quick, report.get("quick")),
                                ("projection", projection, report.get("projection"))):
-        if not (same_pair(mine, theirs) if what == "pair" else mine == theirs):
+        if mine != theirs:
             raise ValueError(f"{path} was served with another {what} ({theirs!r}, this run {mine!r}): "
                              "not resumed")
     return [row for row in report["rows"] if row["batch"] not in batches]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import math
 import time
@@ -37,28 +38,38 @@ TIMED_BURSTS = 10  # burst graphs launched back to back to time a round inside o
 
 
 def time_generations(generate: Callable[[Any], Any], groups: Sequence[Any],
-                     after: Callable[[Any], Any] = lambda out: out,
-                     passes: int = TIMED_PASSES) -> tuple[float, list[Any], int]:
+                     after: Callable[[Any], Any] = lambda out: out, passes: int = TIMED_PASSES,
+                     synchronize: Callable[[], None] | None = None,
+                     clock: Callable[[], float] = time.perf_counter) -> tuple[float, list[Any]]:
     """Seconds of generate(group) over every group, each timed alone between synchronisations
-    after one untimed run of the first (first loads; the decoders measured are captured before,
-    and sealed: a capture inside a timed run is a CaptureError, not a slow figure), in the median
-    of `passes` passes over the groups; after(its output) of each of that pass's, read outside the
-    timed spans; and which pass it was (0: the first)."""
-    import torch
+    (`synchronize`; None: the device's, torch.cuda.synchronize) after one untimed run of the first
+    (first loads; the decoders measured are captured before, and sealed: a capture inside a timed
+    run is a CaptureError, not a slow figure), in the median of `passes` passes over the groups
+    (median_index); and after(its output) of each of that pass's, read outside the timed spans.
+    What a generation counts (the rounds it sent) travels in its output, so the pass kept brings
+    its own counts."""
+    if synchronize is None:
+        import torch
+        synchronize = torch.cuda.synchronize
     generate(groups[0])
     timed: list[tuple[float, list[Any]]] = []
     for _ in range(passes):
         seconds, taken = 0.0, []
         for group in groups:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
+            synchronize()
+            start = clock()
             out = generate(group)
-            torch.cuda.synchronize()
-            seconds += time.perf_counter() - start
+            synchronize()
+            seconds += clock() - start
             taken.append(after(out))
         timed.append((seconds, taken))
-    chosen = sorted(range(passes), key=lambda run: timed[run][0])[passes // 2]
-    return (*timed[chosen], chosen)
+    return timed[median_index([seconds for seconds, _ in timed])]
+
+
+def median_index(values: Sequence[float]) -> int:
+    """Which of `values` is their median (of an even count, the upper middle one): a timed pass or
+    run is kept whole, its outputs beside its own time, not a mix of several."""
+    return sorted(range(len(values)), key=values.__getitem__)[len(values) // 2]
 
 
 def token_count(outs: Sequence[Sequence[Sequence[int]]]) -> int:
@@ -129,9 +140,10 @@ def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:
                 batch_reached=vs_plain / batch_ideal)
 
 
-def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -> dict[str, Any]:
-    """Graphed plain greedy over the groups of requests (a generation each, time_generations): its
-    `tokens_per_s`, and `step_ms`, the device milliseconds of its step, the unit of v and d: the
+def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]],
+                   passes: int = TIMED_PASSES) -> dict[str, Any]:
+    """Graphed plain greedy over the groups of requests (a generation each, time_generations, in
+    `passes` passes): its `tokens_per_s`, and `step_ms`, the device milliseconds of its step, the unit of v and d: the
     replay of the graph a generation leaves, a burst of `steps` steps, over its steps. Where each
     group is one request (B = 1), where a request's time went too (request_split): its steps a
     step_ms each (the burst graph's own time), its start (greedy_start_ms) and its bursts,
@@ -149,7 +161,7 @@ def plain_decoding(model: Any, capacity: int, groups: Sequence[Sequence[Any]]) -
         except NotFused:  # the model's own modules: no attention to choose
             continue
         greedy.capture()
-        seconds, outs, _ = time_generations(greedy.generate_batch, groups)
+        seconds, outs = time_generations(greedy.generate_batch, groups, passes=passes)
         step_ms = replay_ms(greedy.graph, greedy.stream) / greedy.steps
         plain: dict[str, Any] = dict(tokens_per_s=token_count(outs) / seconds, step_ms=step_ms)
         if len(groups[0]) == 1:
@@ -179,32 +191,28 @@ def _bench_tree_config(model: Any, kind: str, config: Any, groups: Sequence[Sequ
     spec, verify, draft_levels = decoder(model, kind, config, capacity, len(groups[0]), sampling, draft=draft,
                                          modes=modes)
 
-    def after(out: list[list[int]]) -> tuple[list[int], np.ndarray]:
+    def generate(group: Sequence[Any], mode: str) -> tuple[list[list[int]], tuple[int, int]]:
+        """A generation's rows, with the rounds it sent to the GPU and the bursts it read back (its
+        stream's counts, which run on across generations)."""
+        rounds, bursts = spec.rounds.rounds, spec.rounds.bursts
+        out = spec.generate_batch(group, mode)
+        return out, (spec.rounds.rounds - rounds, spec.rounds.bursts - bursts)
+
+    def after(generated: tuple[list[list[int]], tuple[int, int]]) -> tuple[list[int], np.ndarray, tuple[int, int]]:
+        out, counts = generated
         lengths = [len(row) for row in out]
-        return lengths, spec.bufs.rounds_run(lengths)
+        return lengths, spec.bufs.rounds_run(lengths), counts
 
-    timed = []
-    for mode in modes:
-        # the rounds each generation sent to the GPU and the bursts it read back (its stream's counts; the
-        # untimed first's too, then each pass's)
-        counts: list[tuple[int, int]] = []
-
-        def generate(group: Sequence[Any], mode: str = mode, counts: list[tuple[int, int]] = counts) -> list[list[int]]:
-            rounds, bursts = spec.rounds.rounds, spec.rounds.bursts
-            out = spec.generate_batch(group, mode)
-            counts.append((spec.rounds.rounds - rounds, spec.rounds.bursts - bursts))
-            return out
-
-        timed.append((mode, counts, *time_generations(generate, groups, after)))
+    timed = [(mode, *time_generations(functools.partial(generate, mode=mode), groups, after)) for mode in modes]
     v_ms, d_ms = round_costs(spec, verify, draft_levels)
     # B = 1: where a request's time went (request_split); the start last, its prefill moves the row's positions
     costs = (burst_round_ms(spec), decoder_start_ms(spec, groups[0][0])) if len(groups[0]) == 1 else None
     rows = []
-    for mode, counts, seconds, taken, chosen in timed:
-        first = 1 + chosen * len(groups)  # the timed pass's generations
-        sent, bursts = (sum(column) for column in zip(*counts[first:first + len(groups)]))
-        row = dict(figures([lengths for lengths, _ in taken], [rounds for _, rounds in taken], seconds,
-                           v_ms / step_ms, d_ms / step_ms, sent, step_ms), setup_s=spec.setup_seconds, launch=mode)
+    for mode, seconds, taken in timed:
+        lengths, rounds, counts = zip(*taken)
+        sent, bursts = (sum(column) for column in zip(*counts))
+        row = dict(figures(lengths, rounds, seconds, v_ms / step_ms, d_ms / step_ms, sent, step_ms),
+                   setup_s=spec.setup_seconds, launch=mode)
         if costs is not None:
             round_ms, start_ms = costs
             row.update(request_split(seconds, len(groups), sent, round_ms, v_ms + d_ms, start_ms, bursts))

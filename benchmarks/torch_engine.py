@@ -87,7 +87,7 @@ DYNAMIC = {1: (DynamicTree(10, 4, 4),), 8: (DynamicTree(8, 2, 2),), 32: (Dynamic
 
 def _timed(run: Callable[[], Any]) -> tuple[float, Any]:
     """Seconds of run() after one untimed warm-up run (graph captures, first loads), and its output."""
-    seconds, (out,), _ = time_generations(lambda _: run(), [None], passes=1)
+    seconds, (out,) = time_generations(lambda _: run(), [None], passes=1)
     return seconds, out
 
 
@@ -395,7 +395,8 @@ def bench_tree_costs(quick: bool) -> list[dict]:
         tree = static_tree(64, 10)
         requests = [Request(PROMPT, 64)]
         capacity = capacity_for(len(PROMPT), 64, Geometry.of_tree(tree, TORCH_M, 1))
-        step_ms = plain_decoding(model, capacity, [requests])["step_ms"]
+        # its step alone is read (its graph replayed after the generations, however many passes ran): one pass
+        step_ms = plain_decoding(model, capacity, [requests], passes=1)["step_ms"]
         parts = {**_chain_parts(model, capacity, requests), **_tree_parts(model, tree, capacity, requests)}
         release()
         for width in (1, 8):

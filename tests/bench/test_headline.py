@@ -4,6 +4,7 @@ the arithmetic of the ideal, the rows' share and the HBM floor, the picks derive
 results and printed in PICKED's form, the table's rows and the JSON's shape."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -18,7 +19,7 @@ from benchmarks.headline import (BATCHES, CHAIN_KS, HEADER, QUICK_BATCHES, STATI
                                  copy_bytes_per_s, derive_picks, describe, floor_ms, format_row, load_pair, pair_info,
                                  measure_batches, picked_dict, picks_text, prompt_groups, save, split_line, summarise,
                                  tree_rates)
-from benchmarks.torch_common import figures, reach, request_split, rows_share
+from benchmarks.torch_common import figures, median_index, reach, request_split, rows_share, time_generations
 
 TOP = {"1": 0.865, "2": 0.93, "4": 0.958, "8": 0.974}  # report.json's agreement (JSON keys), 2026-12-02's pair
 REPORT = dict(key="3f2a9c1e0b7d", vocab=8192,
@@ -267,26 +268,78 @@ def test_where_a_requests_time_went_adds_up_to_its_wall_from_what_was_measured()
     assert request_split(0.2, 8, 8 * 20, 1.0, 0.9, 2.5, 8)["rest_ms"] == pytest.approx(2.5)  # one burst each
 
 
-def test_a_configuration_is_timed_in_the_median_of_its_passes(monkeypatch):
+def test_a_configuration_is_timed_in_the_median_of_its_passes():
     """time_generations: one untimed run of the first group, then every group timed alone in each
-    of three passes; the median pass's seconds and its outputs (after each generation, read
-    outside the timed spans), and which pass it was: its rounds' counts are that pass's."""
-    torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
-    from benchmarks import torch_common
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    of three passes, between synchronisations; the median pass's seconds and its outputs (after
+    each generation, read outside the timed spans), which carry what that pass counted."""
     # each group's start and end: the passes take 10 (5 + 5), 4 (3 + 1) and 2 (1 + 1) seconds
     ticks = iter([0.0, 5.0, 5.0, 10.0, 10.0, 13.0, 13.0, 14.0, 14.0, 15.0, 15.0, 16.0])
-    monkeypatch.setattr(torch_common.time, "perf_counter", lambda: next(ticks))
     ran: list[str] = []
+    synchronised: list[int] = []
     pass_of = iter(p for p in range(3) for _ in range(2))
 
     def generate(group: str) -> str:
         ran.append(group)
         return group
 
-    seconds, taken, chosen = torch_common.time_generations(generate, ["a", "b"], after=lambda out: (out, next(pass_of)))
+    seconds, taken = time_generations(generate, ["a", "b"], after=lambda out: (out, next(pass_of)),
+                                      synchronize=lambda: synchronised.append(len(ran)), clock=lambda: next(ticks))
     assert ran == ["a", "a", "b", "a", "b", "a", "b"], "the first group untimed, then three passes"
-    assert (seconds, chosen) == (4.0, 1) and taken == [("a", 1), ("b", 1)], "the median pass's, its own outputs"
+    assert seconds == 4.0 and taken == [("a", 1), ("b", 1)], "the median pass's, its own outputs"
+    assert synchronised == [n for generated in range(2, 8) for n in (generated - 1, generated)], \
+        "each timed generation between two synchronisations"
+
+
+def test_the_median_is_one_whole_pass_or_run():
+    """median_index: the median's index (of an even count the upper middle one), for the caller to
+    keep that pass's or run's figures whole."""
+    assert median_index([10.0, 4.0, 2.0]) == 1 and median_index([2.0, 9.0, 4.0]) == 2
+    assert median_index([5.0]) == 0 and median_index([3.0, 1.0]) == 0 and median_index([1.0, 1.0, 1.0]) == 1
+
+
+def test_a_rows_rounds_and_readbacks_are_its_median_passes_own(monkeypatch):
+    """_bench_tree_config at B = 1: each mode's row counts the rounds sent and the bursts read back
+    by the generations of its median pass alone (each generation brings its own counts), not the
+    untimed first's nor another pass's or mode's, beside that pass's seconds and tokens."""
+    from benchmarks import torch_common
+    now = [0.0]
+    durations = [100.0, 5.0, 5.0, 2.0, 2.0, 1.0, 1.0] * 2  # a mode's untimed first, then passes of 10, 4 and 2 s
+
+    class Rounds:
+        rounds, bursts = 7, 3  # the stream's counts run on from before the generations
+
+    class Bufs:
+        @staticmethod
+        def rounds_run(lengths: list[int]) -> np.ndarray:
+            return np.array(lengths) // 2
+
+    class Spec:
+        rounds, bufs, setup_seconds, calls = Rounds(), Bufs(), 1.5, 0
+
+        def generate_batch(self, group: list[str], mode: str) -> list[list[int]]:
+            call = self.calls
+            self.calls += 1
+            now[0] += durations[call]
+            self.rounds.rounds += 10 + call
+            self.rounds.bursts += 1 + call
+            return [[0] * (4 + 2 * call) for _ in group]
+
+    spec = Spec()
+    monkeypatch.setattr(torch_common, "decoder", lambda *args, **kwargs: (spec, None, None))
+    monkeypatch.setattr(torch_common, "round_costs", lambda *args: (0.6, 0.3))
+    monkeypatch.setattr(torch_common, "burst_round_ms", lambda spec: 1.0)
+    monkeypatch.setattr(torch_common, "decoder_start_ms", lambda spec, request: 2.5)
+    monkeypatch.setattr(torch_common, "time_generations", functools.partial(
+        torch_common.time_generations, synchronize=lambda: None, clock=lambda: now[0]))
+    graph, overlap = torch_common._bench_tree_config(None, "chain", 4, [["p"], ["q"]], 999, None, 0.1,
+                                                     modes=("graph", "overlap"))
+    # the median passes: the graph mode's 3rd and 4th generations (calls 3 and 4), the overlap's 10th and 11th
+    for row, (first, second) in ((graph, (3, 4)), (overlap, (10, 11))):
+        tokens = (4 + 2 * first) + (4 + 2 * second)
+        assert row["sent"] == (10 + first) + (10 + second) and row["bursts"] == ((1 + first) + (1 + second)) / 2
+        assert row["request_rounds"] == row["sent"] / 2 and row["request_ms"] == pytest.approx(2e3)
+        assert row["tokens_per_s"] == tokens / 4.0 and row["tau"] == tokens / (tokens // 2)
+    assert (graph["launch"], overlap["launch"]) == ("graph", "overlap") and spec.calls == 14
 
 
 def test_where_a_requests_time_went_is_a_line_a_row():

@@ -83,6 +83,32 @@ def test_a_row_is_its_median_run_and_says_how_far_its_runs_lay_apart():
         row_of(8, "greedy", "chain k=2", [], 30.0, 25.0)
 
 
+def test_a_decoder_serves_one_untimed_warm_up_then_the_stream_timed_runs_times():
+    """_served: through one server, a warm-up stream of B requests at WARM_TOKENS new tokens
+    each (untimed, its records dropped), then the whole stream TIMED_RUNS times, a run's records
+    each, in run order."""
+    from benchmarks.served import TIMED_RUNS, WARM_TOKENS, _served
+    served_calls: list[list] = []
+
+    class Server:
+        def serve(self, requests: list) -> list[int]:
+            served_calls.append(list(requests))
+            return [len(served_calls)]  # a run's records: which call served them
+
+    class Decoder:
+        servers = 0
+
+        def server(self) -> Server:
+            self.servers += 1
+            return Server()
+
+    decoder, stream = Decoder(), stream_for(HELDOUT, 8, eos=0)
+    runs = _served(decoder, stream, 8)
+    assert decoder.servers == 1 and len(served_calls) == 1 + TIMED_RUNS == 4
+    assert served_calls[0] == [r._replace(max_new_tokens=WARM_TOKENS) for r in stream[:8]], "B short requests first"
+    assert served_calls[1:] == [stream] * TIMED_RUNS and runs == [[2], [3], [4]], "then the stream, each run timed"
+
+
 def test_a_pair_that_cannot_serve_every_b_is_refused_before_any_runs():
     servable(HELDOUT, [1, 8, 128], eos=0)
     with pytest.raises(ValueError, match="holds no prompts"):
@@ -123,6 +149,9 @@ def test_a_resumed_report_keeps_its_other_batches_only_where_it_is_of_this_pair_
         resumed(path, pair, 16, False, [64], "few_rows")
     path.write_text(json.dumps(dict(pair=pair, m_rounds=16, quick=False, rows=rows)))
     with pytest.raises(ValueError, match="another projection \\(None, "):
+        resumed(path, pair, 16, False, [64], "inductor")
+    path.write_text(json.dumps(dict(m_rounds=16, quick=False, projection="inductor", rows=rows)))
+    with pytest.raises(ValueError, match="another pair \\(None, this run \\{'key': '620e7b973acb'"):
         resumed(path, pair, 16, False, [64], "inductor")
 
 
