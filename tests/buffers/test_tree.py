@@ -86,7 +86,8 @@ def test_a_static_trees_fixed_fields_are_what_its_grows_write():
                  TreeShape.likeliest(40, depth=6, ranks=4)):
         batch, K, n = 2, tree.draws + 1, tree.nodes
         t = rt.TreeArrays.zeros(n, tree.depth, batch)
-        t.tok[:], t.parent[:], t.rank[:], t.mask[:] = 7, 9, 9, 0xFFFF  # none of it left as it was
+        t.tok[:], t.parent[:], t.depth[:], t.rank[:], t.mask[:] = 7, 9, 9, 9, 0xFFFF  # none of it left as it was
+        t.score[:] = np.nan  # so a score the kernels never wrote is no 0
         pos = np.array([3, 30], np.int32)
         rt.spec_tree_begin(t, np.array([1, 2], np.uint32), pos, np.zeros(batch, np.int32),
                            np.zeros(batch * (tree.depth + 1), np.uint32), tree.depth, batch)

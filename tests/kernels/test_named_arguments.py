@@ -22,6 +22,8 @@ import pytest
 from memra_cuda.driver.signature import Signature, arguments
 from memra_cuda.kernels.signatures import SIGNATURES
 
+from test_signatures import ROUND_TAILS  # each greedy round tail and the launches it replaces
+
 ROOT = Path(__file__).resolve().parents[2]
 # Helpers that launch the kernel they are given: its name's and its arguments' positions.
 FORWARDERS = {"spread": (1, 2), "_launch": (0, 1)}
@@ -319,12 +321,6 @@ def test_the_reading_catches_a_swap_a_misspelling_an_order_and_what_it_cannot_te
     assert any(problem in line for line in found), found
 
 
-
-# A fused launch and the launches it replaces, whose arguments it must pass alike.
-FUSED = {"spec_round_tail_greedy": ("spec_accept_greedy_dc", "spec_ring_commit", "spec_rollback_stream"),
-         "spec_tree_round_tail_greedy": ("spec_tree_accept_greedy", "spec_ring_commit", "spec_rollback_stream")}
-
-
 def test_a_round_tail_passes_what_the_launches_it_replaces_pass():
     """The greedy round tails' launchers give each parameter the value the accept's, the commit's
     or the rollback's launcher gives it, spelled alike (ring_cap=bufs.ring_cap, n_ptrs=table_d.len,
@@ -340,7 +336,7 @@ def test_a_round_tail_passes_what_the_launches_it_replaces_pass():
                     if value is not None:
                         given.setdefault(kernel.removesuffix("_t64"), {}).setdefault(name, set()).add(
                             ast.unparse(value))
-    for tail, parts in FUSED.items():
+    for tail, parts in ROUND_TAILS.items():
         assert tail in given, f"no launch of {tail} found"
         for name, spelled in given[tail].items():
             theirs = set().union(*(given[part].get(name, set()) for part in parts))

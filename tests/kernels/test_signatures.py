@@ -232,14 +232,14 @@ def test_a_refused_argument_names_the_kernel_and_the_parameter():
         unnamed.set(0x1000, 2**32)
 
 
-# The greedy round tails and the launches each replaces (kernels 3 or 13, 4, 5).
-ROUND_TAILS = [("spec_round_tail_greedy", ("spec_accept_greedy_dc", "spec_ring_commit", "spec_rollback_stream")),
-               ("spec_tree_round_tail_greedy",
-                ("spec_tree_accept_greedy", "spec_ring_commit", "spec_rollback_stream"))]
+# The greedy round tails and the launches each replaces (kernels 3 or 13, 4, 5): the tail takes
+# their parameters (here) and its launcher passes what theirs pass (test_named_arguments.py).
+ROUND_TAILS = {"spec_round_tail_greedy": ("spec_accept_greedy_dc", "spec_ring_commit", "spec_rollback_stream"),
+               "spec_tree_round_tail_greedy": ("spec_tree_accept_greedy", "spec_ring_commit", "spec_rollback_stream")}
 
 
 @pytest.mark.parametrize("width", ["", "_t64"])
-@pytest.mark.parametrize(("tail", "parts"), ROUND_TAILS)
+@pytest.mark.parametrize(("tail", "parts"), list(ROUND_TAILS.items()))
 def test_a_round_tail_takes_the_parameters_of_the_launches_it_replaces(tail, parts, width):
     """Each parameter of a fused tail is one of its parts', of the same type, and each of the
     parts' is the tail's: but the commit's k, which a tree's tail reads as its depth D (its vtok

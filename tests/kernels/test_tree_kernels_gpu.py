@@ -28,7 +28,8 @@ from memra_cuda.buffers import KVData, PointerTable, state_flip_table
 from memra_cuda.kernels import SpecKernels, TreeKernels
 from memra_cuda.testing import reference as ref
 from memra_cuda.testing import reference_tree as rt
-from memra_cuda.buffers.layout import BRK_MARK, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, VOID_RANK
+from memra_cuda.buffers.layout import (ACC_ROUND, ACC_WORDS, BRK_MARK, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS,
+                                       CTL_WORDS, RING_COUNT, VOID_RANK)
 from memra_cuda.kernels.tree import SampledCandidates
 
 pytestmark = pytest.mark.gpu
@@ -424,10 +425,29 @@ def test_greedy_tree_round_tail_serves_every_row_past_one_grid(engine, width):
     check_tree_tail(TailRig(engine, TreeShape.chain(4), B, width), runs, last_live=True)
 
 
-def check_tree_tail(rig: TailRig, runs, last_live: bool = False) -> None:
+@pytest.mark.parametrize("width", [32, 64])
+def test_greedy_tree_round_tail_commits_a_path_deeper_than_a_warp(engine, width):
+    """A line of 40 drafts with a leaf beside each (81 nodes, three mask words) where every draft
+    agrees (a vocabulary of one token): the last row, live, uncapped and unstopped, accepts the
+    whole line and commits 41 tokens, past the 32 its warp's lanes load at once; the path's nodes
+    past depth 1 are not their depths, so the compaction after the tail moves their entries (those
+    inside the capacity)."""
+    tree = TreeShape.chain_with_leaves(40, 1)
+    B, D = 32, tree.depth
+    rig = TailRig(engine, tree, B, width)
+    got = check_tree_tail(rig, cases("tree tail", ("chain40,1", B, width), len(TAIL_CONFIGS) * 4), agreeing=True)
+    assert got["acc"].reshape(B, ACC_WORDS)[-1, ACC_ROUND] == D
+    assert got["ring"].reshape(B, -1)[-1, RING_COUNT] == D + 1
+    line = [node for node in range(tree.nodes) if tree.rank[node] == 0]  # the root and the line's drafts
+    assert got["path"].reshape(B, D + 1)[-1].tolist() == line
+
+
+def check_tree_tail(rig: TailRig, runs, last_live: bool = False, agreeing: bool = False) -> dict:
     """For each (rng, what) of `runs`: the tail then kernel 15 against 13, 15, 4 and 5 launched
     apart and against the reference's, and the tail alone against the reference's (`last_live`:
-    the last row live in every state)."""
+    the last row live in every state; `agreeing`: a vocabulary of one token, so every draft
+    agrees, and the last row live, uncapped, with no EOS or budget and an empty ring, so it
+    commits all it accepts). Returns the GPU's state after the last run's tail."""
     tree, B = rig.tree, rig.B
     D, ring_cap = tree.depth, rig.bufs.ring_cap
 
@@ -447,10 +467,15 @@ def check_tree_tail(rig: TailRig, runs, last_live: bool = False) -> None:
         rig.tail()
         rig.compact()
 
+    got: dict = {}
     for rng, what in runs:
-        state = rig.random_state(rng, int(rng.choice([2, 3, 50])))
-        if last_live:
+        state = rig.random_state(rng, 1 if agreeing else int(rng.choice([2, 3, 50])))
+        if last_live or agreeing:
             state["ctl"].reshape(B, CTL_WORDS)[-1, CTL_DONE] = 0
+        if agreeing:
+            state["ctl"].reshape(B, CTL_WORDS)[-1, [CTL_EOS, CTL_BUDGET]] = -1
+            state["brk"].reshape(B, BRK_WORDS)[-1, BRK_MARK] = 0
+            state["ring"].reshape(B, -1)[-1, RING_COUNT] = 0
         state = grown(rig, state, what)
         rig.put(state)
         for launch in (rig.accept, rig.compact, rig.commit, rig.rollback):
@@ -462,18 +487,30 @@ def check_tree_tail(rig: TailRig, runs, last_live: bool = False) -> None:
                 s[key][...] = value
         step(rig, state, tail_then_compact, as_separate, f"{what}: tail, compact against 13, 15, 4, 5 on the GPU")
         step(rig, state, tail_then_compact, in_order, f"{what}: tail, compact against the reference's 13, 15, 4, 5")
-        step(rig, state, rig.tail, tail, f"{what}: tail against the reference's")
+        got = step(rig, state, rig.tail, tail, f"{what}: tail against the reference's")
+    return got
 
 
 def test_greedy_tree_round_tail_refuses_a_table_naming_pos_start(engine):
     """Compaction runs after the tail and reads pos_start_d (and ctl, acc, the path): a rollback
     table that names any of their memory, as itself or through a view of it, would move the
-    compaction's anchor, so the tail refuses it (kernel 5 alone takes it)."""
+    compaction's anchor, so the tail refuses it (kernel 5 alone takes it). Memory right beside
+    theirs is the table's to name: pos_ctr_d, between ctl_d and acc_d in the buffers' arena, and
+    last_pred_d's words read as i32, which end where pos_start_d begins (the check is by bytes)."""
     bufs = StreamBufs(engine, Geometry.of_tree(TREES[0][1], 1, 2))
     tb = TreeBufs(bufs, TREES[0][1])
     pred = engine.zeros(np.uint32, 2 * tb.nodes)
+    kernels = TreeKernels(engine)
     for name, target in (("bufs.pos_start_d", bufs.pos_start_d), ("bufs.pos_start_d", bufs.pos_start_d.view(0, 2)),
-                         ("bufs.ctl_d", bufs.ctl_d.view(0, 2, np.int32))):
+                         ("bufs.ctl_d", bufs.ctl_d.view(0, 2, np.int32)),
+                         ("bufs.acc_d", bufs.acc_d.view(2, 2, np.int32)),  # row 1's words, as i32
+                         ("path_d", tb.path_d.view(tb.path_d.len - 2, 2, np.int32))):  # its last words
         with pytest.raises(ValueError, match=f"may not name memory of {name}"):
-            TreeKernels(engine).prepare_round_tail_greedy(bufs, tb, pred, PointerTable(engine, [target]))
+            kernels.prepare_round_tail_greedy(bufs, tb, pred, PointerTable(engine, [target]))
     SpecKernels(engine).prepare_rollback(bufs, PointerTable(engine, [bufs.pos_start_d]))
+    beside = bufs.last_pred_d.view(0, 2, np.int32)
+    assert beside.ptr + beside.nbytes == bufs.pos_start_d.ptr
+    assert bufs.ctl_d.ptr + bufs.ctl_d.nbytes == bufs.pos_ctr_d.ptr
+    assert bufs.pos_ctr_d.ptr + bufs.pos_ctr_d.nbytes == bufs.acc_d.ptr
+    tail = kernels.prepare_round_tail_greedy(bufs, tb, pred, PointerTable(engine, [None, beside, bufs.pos_ctr_d]))
+    assert tail.kernel.name == "spec_tree_round_tail_greedy"

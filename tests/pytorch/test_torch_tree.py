@@ -119,9 +119,11 @@ def grown_tree(tree: TreeShape, candidates: int, logits: list, pend: np.ndarray,
                pos_start: np.ndarray) -> rt.TreeArrays:
     """A round's nodes as the grow kernel's rounds made them (the numpy reference's kernels 10
     and 11): begin, then for each level its candidates by best_ranks over its logits (log-
-    probabilities 0: ranks alone) and the next level grown from them."""
+    probabilities 0: ranks alone) and the next level grown from them. Every score starts NaN, so
+    one the kernels never wrote is no 0."""
     batch = len(pend)
     t = rt.TreeArrays.zeros(tree.nodes, tree.depth, batch)
+    t.score[:] = np.nan
     rt.spec_tree_begin(t, pend.astype(np.uint32), pos_start.astype(np.int32), np.zeros(batch, np.int32),
                        np.zeros(batch * (tree.depth + 1), np.uint32), tree.depth, batch)
     cand_tok = torch.zeros(batch, tree.nodes, candidates, dtype=torch.long)

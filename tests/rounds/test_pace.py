@@ -64,6 +64,9 @@ def test_a_burst_queued_ahead_on_a_guessed_rate_runs_a_share_of_what_the_rows_th
     assert AHEAD == 4
     for budget, ahead in ((128, 1), (300, 8), (400, 16)):
         assert Pace(np.array([budget]), 16, rate=6.5).rounds(LIVE, in_flight=16) == ahead, budget
+    # the limit: 311 leaves 207 tokens, 31.8 rounds, under 2 M (a quarter: 8); 312 leaves 208, 2 M exactly
+    assert Pace(np.array([311]), 16, rate=6.5).rounds(LIVE, in_flight=16) == 8
+    assert Pace(np.array([312]), 16, rate=6.5).rounds(LIVE, in_flight=16) == 16
     assert Pace(np.array([300]), 16, rate=6.5).rounds(LIVE) == 16
     pace = Pace(np.array([300, 300]), 16, rate=6.5)
     pace.record(16, np.array([104, 104]), np.array([True, False]))  # row 1 stopped inside: no rate of its own

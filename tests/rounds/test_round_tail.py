@@ -5,7 +5,9 @@ acceptance's own launches before kernel 4. Every mode issues these parts: eager,
 and overlap issue `steps`, the SWITCH of bodies by width `accept`, `commit` and `after_commit`
 after its bodies, device mode `before_commit`, its join, `commit`, its publish, `after_commit`.
 The kernels and buffers are stand-ins that record what was prepared (no driver); the kernels
-themselves are tested against the launches they replace in tests/kernels (GPU)."""
+themselves are tested against the launches they replace in tests/kernels (GPU). A model's steps
+are named functions, so a round's steps read as the names of its kernels and the model's work;
+tests/rounds/test_tree_round.py builds its tree rounds here too (tree_round_of)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from memra_cuda import Geometry, TreeShape
+from memra_cuda import DynamicTree, Geometry, TreeShape
 from memra_cuda.buffers import PointerTable
 from memra_cuda.buffers.acceptance import Greedy, Sampling
 from memra_cuda.buffers.tables import KVDataTable
@@ -45,7 +47,8 @@ class Kernels:
         return Step("assemble")
 
     def prepare_accept(self, bufs, rule):
-        return Step("accept_greedy" if isinstance(rule, Greedy) else "accept_sample")
+        assert isinstance(rule, Sampling), f"a greedy round accepts in its tail, not by prepare_accept: {rule!r}"
+        return Step("accept_sample")
 
     def prepare_ring_commit(self, bufs):
         return Step("commit")
@@ -79,13 +82,13 @@ class TreeKernels:
         return Step("tree_accept_sample")
 
     def prepare_compact(self, bufs, tree, table):
-        return Step("compact")
+        return Step("compact", table)
 
     def prepare_round_tail_greedy(self, bufs, tree, pred_d, table):
         return Step("tree_round_tail", pred_d, table)
 
 
-def table(bufs, *targets: object) -> PointerTable:
+def table(*targets: object) -> PointerTable:
     """A PointerTable's stand-in naming `targets` (no device memory), of a capacity of 64."""
     made = object.__new__(PointerTable)
     made.targets, made.capacity = targets, 64
@@ -99,7 +102,8 @@ def buffers(geometry: Geometry) -> SimpleNamespace:
 
 
 def names(steps) -> list[str]:
-    return [step.name if isinstance(step, Step) else "model" for step in steps]
+    """Each launch's kernel, or the name model() gave the model's step."""
+    return [step.name if isinstance(step, Step) else step.__name__ for step in steps]
 
 
 def model(name: str):
@@ -114,7 +118,7 @@ PRED = object()
 
 def chain_round(acceptance, tables: int = 1) -> tuple[ChainRound, list[PointerTable]]:
     bufs = buffers(Geometry(4, 2, 3))
-    rollback = [table(bufs, bufs.pos_ctr_d), *(table(bufs, object()) for _ in range(tables - 1))]
+    rollback = [table(bufs.pos_ctr_d), *(table(object()) for _ in range(tables - 1))]
     return ChainRound(bufs, Kernels(bufs.engine), draft_chain=model("draft"), verify_trunk=model("verify"),
                       draft_d=object(), acceptance=acceptance, rollback_tables=rollback), rollback
 
@@ -124,7 +128,7 @@ def test_a_greedy_chain_round_accepts_commits_and_rolls_back_in_one_launch():
     rollback follows it as before. Device mode joins its publish before `commit`, which now
     accepts too: the acceptance reads nothing the publish writes."""
     round_, tables = chain_round(Greedy(PRED), tables=2)
-    assert names(round_.before_commit) == ["model", "assemble", "model"]  # draft, assemble, verify
+    assert names(round_.before_commit) == ["draft", "assemble", "verify"]
     assert round_.commit.name == "round_tail" and round_.commit.given == (PRED, tables[0])
     assert names(round_.after_commit) == ["rollback"] and round_.after_commit[0].given == (tables[1],)
     assert round_.steps == (*round_.before_commit, round_.commit, *round_.after_commit)
@@ -133,25 +137,27 @@ def test_a_greedy_chain_round_accepts_commits_and_rolls_back_in_one_launch():
 
 def test_a_sampled_chain_round_keeps_its_acceptance_launch():
     round_, tables = chain_round(Sampling(object(), object(), object(), 7))
-    assert names(round_.steps) == ["model", "assemble", "model", "accept_sample", "commit", "rollback"]
+    assert names(round_.steps) == ["draft", "assemble", "verify", "accept_sample", "commit", "rollback"]
     assert round_.commit.name == "commit" and names(round_.accept) == ["accept_sample"]
     assert round_.after_commit[0].given == (tables[0],)
 
 
-def tree_round_of(monkeypatch, acceptance, **model_side) -> tuple[tree_round.TreeRound, PointerTable]:
+def tree_round_of(monkeypatch, acceptance, tree: TreeShape | DynamicTree = TreeShape.chain(2), tables: int = 1,
+                  **given) -> tuple[tree_round.TreeRound, list[PointerTable]]:
+    """A TreeRound over `tree` (B = 3) and its rollback tables, the first holding pos_ctr_d: the
+    draft's levels are model steps level0, level1, ..., its verify `verify`; a greedy round's
+    candidates are the draft's; `given` adds to or replaces TreeRound's arguments (kv_data,
+    compact, draft_places, candidates=None)."""
     monkeypatch.setattr(tree_round, "TreeKernels", TreeKernels)
     monkeypatch.setattr(tree_round, "SampledCandidates", lambda *args: SimpleNamespace(tok_d=0, logq_d=0, sel_d=0))
-    tree = TreeShape.chain(2)
     bufs = buffers(Geometry.of_tree(tree, 2, 3))
     tree_bufs = object.__new__(TreeBufs)
     tree_bufs.bufs, tree_bufs.tree, tree_bufs.nodes = bufs, tree, tree.nodes
-    rollback = table(bufs, bufs.pos_ctr_d)
+    rollback = [table(bufs.pos_ctr_d), *(table(object()) for _ in range(tables - 1))]
     candidates = Candidates(object(), object()) if isinstance(acceptance, Greedy) else None
-    made = tree_round.TreeRound(bufs, tree_bufs, Kernels(bufs.engine), draft_levels=[model(f"level{d}") for d in
-                                                                                      range(3)],
-                                verify_tree=model("verify"), acceptance=acceptance, candidates=candidates,
-                                rollback_tables=[rollback], **model_side)
-    return made, rollback
+    args = dict(draft_levels=[model(f"level{d}") for d in range(tree.depth + 1)], verify_tree=model("verify"),
+                acceptance=acceptance, candidates=candidates, rollback_tables=rollback)
+    return tree_round.TreeRound(bufs, tree_bufs, Kernels(bufs.engine), **{**args, **given}), rollback
 
 
 def kv_data() -> KVDataTable:
@@ -164,10 +170,22 @@ def test_a_greedy_tree_round_compacts_after_its_tail(monkeypatch):
     """13, 4 and 5 in one launch, then kernel 15: compaction reads keep, the accepted count, the
     path and pos_start, which the commit and the rollback leave alone (the GPU test
     test_greedy_tree_round_tail_then_compaction_is_the_rounds_order checks the buffers)."""
-    round_, rollback = tree_round_of(monkeypatch, Greedy(PRED), kv_data=kv_data())
-    assert names(round_.before_commit) == ["begin", "model", "grow1", "model", "grow2", "model", "model"]
-    assert round_.commit.name == "tree_round_tail" and round_.commit.given == (PRED, rollback)
+    round_, tables = tree_round_of(monkeypatch, Greedy(PRED), kv_data=kv_data())
+    assert names(round_.before_commit) == ["begin", "level0", "grow1", "level1", "grow2", "level2", "verify"]
+    assert round_.commit.name == "tree_round_tail" and round_.commit.given == (PRED, tables[0])
     assert names(round_.after_commit) == ["compact"]
+
+
+def test_a_greedy_tree_round_rolls_its_other_tables_back_after_the_compaction(monkeypatch):
+    """The tail rolls back the first table alone (its launch names one); the other tables'
+    rollbacks (kernel 5) follow the compaction, as a chain's follow its tail: they read keep and
+    pos_start, which the compaction leaves alone, and write no KV entry it moves."""
+    data = kv_data()
+    round_, tables = tree_round_of(monkeypatch, Greedy(PRED), tables=2, kv_data=data)
+    assert round_.commit.name == "tree_round_tail" and round_.commit.given == (PRED, tables[0])
+    assert names(round_.after_commit) == ["compact", "rollback"]
+    assert round_.after_commit[0].given == (data,) and round_.after_commit[1].given == (tables[1],)
+    assert round_.steps == (*round_.before_commit, round_.commit, *round_.after_commit)
 
 
 @pytest.mark.parametrize("with_kv_data", [False, True])
@@ -176,7 +194,7 @@ def test_a_greedy_tree_round_with_its_models_compaction_keeps_the_rounds_order(m
     position): its round accepts, compacts, then commits and rolls back, as before."""
     given = dict(kv_data=kv_data()) if with_kv_data else {}
     round_, _ = tree_round_of(monkeypatch, Greedy(PRED), compact=model("compact_paged"), **given)
-    verify_to_compact = ["model", "tree_accept", *(["compact"] if with_kv_data else []), "model"]
+    verify_to_compact = ["verify", "tree_accept", *(["compact"] if with_kv_data else []), "compact_paged"]
     assert names(round_.before_commit)[-len(verify_to_compact):] == verify_to_compact
     assert round_.commit.name == "commit"
     assert names(round_.after_commit) == ["rollback"]
@@ -184,5 +202,5 @@ def test_a_greedy_tree_round_with_its_models_compaction_keeps_the_rounds_order(m
 
 def test_a_sampled_tree_round_keeps_its_acceptance_launches(monkeypatch):
     round_, _ = tree_round_of(monkeypatch, Sampling(object(), object(), object(), 7), kv_data=kv_data())
-    assert names(round_.before_commit)[-3:] == ["model", "tree_accept_sample", "compact"]
+    assert names(round_.before_commit)[-3:] == ["verify", "tree_accept_sample", "compact"]
     assert round_.commit.name == "commit" and names(round_.after_commit) == ["rollback"]
