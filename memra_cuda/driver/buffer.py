@@ -268,10 +268,14 @@ class PinnedBuffer(Handle):
     def names(self, handle: Handle) -> bool:
         return handle is self
 
-    def read(self) -> np.ndarray:
-        """A copy of the contents (wait for the copies into it first)."""
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """A copy of elements `start` to `stop` (the end where None; wait for the copies into it
+        first): a copy, so no array outlives the memory. Bounds outside the buffer, or a stop
+        before the start, are a ValueError naming them (a slice would have shortened quietly)."""
         self._usable()
-        return self._array.copy()
+        first = as_size(start, "read's start", 0, self.len)
+        last = self.len if stop is None else as_size(stop, "read's stop", first, self.len, also="None")
+        return self._array[first:last].copy()
 
     def __repr__(self) -> str:
         label = f"{self.label} " if self.label else ""
@@ -284,9 +288,12 @@ class MappedBuffer(PinnedBuffer):
     stream synchronise.
 
     `device` gives the memory as a DeviceBuffer for kernel arguments, which keeps this buffer
-    alive and is poisoned with everything that holds it when this buffer is freed. `live` is
-    the host's view of the memory itself, not a copy: what a kernel wrote is there as soon as
-    it is visible, so read a count before the words it publishes.
+    alive and is poisoned with everything that holds it when this buffer is freed. The host
+    reads it as a PinnedBuffer is read, a copy of a range (`read(start, stop)`): what a kernel
+    wrote is there as soon as it is visible, so read a count before the words it publishes. No
+    view of the memory is handed out: a numpy view cannot refuse to run once the memory is
+    freed (by `free()`, or with its engine), and would read or write it after. The package's
+    own token feed holds `_live`, the view, and drops it when it frees the buffer.
     """
 
     _flags = 2  # CU_MEMHOSTALLOC_DEVICEMAP
@@ -294,7 +301,7 @@ class MappedBuffer(PinnedBuffer):
     def __init__(self, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None):
         super().__init__(engine, dtype, length, label=label)
         self._address = int(engine.activate().call("cuMemHostGetDevicePointer", self._ptr, 0))
-        self.live: np.ndarray | None = self._array  # None once freed: no view of the memory outlives it
+        self._live: np.ndarray | None = self._array  # the token feed's; None once freed
 
     @property
     def device(self) -> DeviceBuffer:
@@ -307,7 +314,7 @@ class MappedBuffer(PinnedBuffer):
         return view
 
     def free(self) -> None:
-        self.live = None
+        self._live = None
         super().free()
 
 

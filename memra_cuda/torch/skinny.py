@@ -78,7 +78,7 @@ def _linear(x, weight, bias, out, rows, n, k, x_row, w_row, out_row, STEPS: tl.c
         sums = tl.trans(sums)
     if HAS_BIAS and SPLIT_K == 1:
         sums += tl.load(bias + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
-    at = out + tl.program_id(2) * rows * out_row + m[:, None] * out_row + cols[None, :]
+    at = out + tl.program_id(2).to(tl.int64) * rows * out_row + m[:, None] * out_row + cols[None, :]
     tl.store(at, sums.to(out.dtype.element_ty), mask=(m[:, None] < rows) & (cols[None, :] < n))
 
 

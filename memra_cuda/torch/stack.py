@@ -305,6 +305,9 @@ class Stack(LayerStack):
                mask: torch.Tensor | None = None, parents: torch.Tensor | None = None) -> torch.Tensor:
         """`tokens` and `positions` are [R][T]; `rows` ([R], a device index) are the cache rows
         they belong to, every row where None. Returns the final hidden states, [R][T][hidden].
+        Tokens, positions, slots and rows are device values, so they are clamped, not checked (a
+        check would wait for the GPU): a token past the vocabulary reads the last embedding, a
+        position or a row past the cache writes its last slot or row, never outside it.
 
         A prefill gives `lengths` ([R]: each row's prompt tokens, the rest padding): its
         recurrent layers start from zero and leave each row's state after its last prompt token
@@ -327,6 +330,8 @@ class Stack(LayerStack):
         inner = self.model.model
         top = self.kv.capacity - 1
         positions = positions.long().clamp(0, top)  # a garbage position never writes outside
+        if rows is not None:  # nor a garbage row (an index past the batch was a device-side assert, -1 the last row)
+            rows = rows.long().clamp(0, self.kv.lengths.shape[1] - 1)
         slots = positions if slots is None else slots.long().clamp(0, top)
         # nor a garbage token reads outside the embeddings (on a GPU, a device-side assert: the context lost)
         hidden = inner.embed_tokens(tokens.long().clamp(0, inner.embed_tokens.num_embeddings - 1))

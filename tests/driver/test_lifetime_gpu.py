@@ -176,6 +176,28 @@ def test_copy_into_freed_pinned_memory_is_refused(engine):
         pinned.read()
 
 
+def test_a_mapped_buffer_is_read_as_copies_of_a_range_and_hands_out_no_view(engine):
+    """What the device wrote into mapped memory, read back as a copy of any range; bounds outside
+    the buffer refused by name; no view of the memory to keep past free() (a numpy view cannot
+    refuse to run), and every read refused after it."""
+    from memra_cuda.driver import MappedBuffer
+    mapped = MappedBuffer(engine, np.uint32, 6)
+    engine.copy_htod(mapped.device, [10, 11, 12, 13, 14, 15])
+    engine.synchronize()
+    assert mapped.read().tolist() == [10, 11, 12, 13, 14, 15]
+    assert mapped.read(2, 5).tolist() == [12, 13, 14] and mapped.read(6).tolist() == []
+    got = mapped.read(1, 3)
+    got[:] = 0  # a copy: the memory is untouched
+    assert mapped.read(1, 3).tolist() == [11, 12]
+    for start, stop, what in ((7, None, "start"), (0, 7, "stop"), (4, 3, "stop"), (-1, None, "start")):
+        with pytest.raises(ValueError, match=f"read's {what}"):
+            mapped.read(start, stop)
+    assert not hasattr(mapped, "live")
+    mapped.free()
+    with pytest.raises(ValueError, match="after free"):
+        mapped.read(0, 1)
+
+
 @pytest.mark.parametrize("mode", ["graph", "overlap"])
 def test_burst_graph_refuses_to_replay_after_its_buffers_are_freed(engine, spec, mode):
     model = toy.ToyModel(seed=3)

@@ -287,3 +287,24 @@ def test_a_verify_through_few_rows_is_inductors_verify_in_bf16(engine):
         top2 = inductor.topk(2, -1).values
         clear = (top2[..., 0] - top2[..., 1]) > 0.05 * float(inductor.abs().max())
         assert torch.equal(few.argmax(-1)[clear], inductor.argmax(-1)[clear])
+
+
+@pytest.mark.gpu
+@pytest.mark.alone
+def test_split_k_partial_sums_past_two_to_the_31_elements_land_in_their_slice(engine):
+    """The public op over enough rows that a slice of k's partial sums starts past 2**31 elements
+    of its [split_k][rows][n] buffer (slice 7 of 8 at 300 000 rows x 1 024 columns: 2.15e9): each
+    slice's offset is int64 as the rows' are (int32, slice 7 wrapped to about 8.6 GB before the
+    buffer: another tensor overwritten or the context lost, its own sums never written). Small
+    integers, so the sum of the slices is F.linear's exactly; the buffer takes 9.8 GB (alone)."""
+    pytest.importorskip("triton", reason="the kernel is Triton's (torch's own on a CUDA machine)")
+    from memra_cuda.torch.skinny import Tiles, few_rows_linear
+    rows, n, k, cut = 300_000, 1024, 256, Tiles(block_n=64, block_k=32, split_k=8)
+    assert (cut.split_k - 1) * rows * n >= 2**31 and cut.split_k * cut.block_k == k  # every slice of k non-empty
+    x = torch.randint(-3, 4, (rows, k), device="cuda").to(torch.bfloat16)
+    w = torch.randint(-3, 4, (n, k), device="cuda").to(torch.bfloat16)
+    got = few_rows_linear(x, w, None, *astuple(cut), False)
+    torch.cuda.synchronize()
+    for part in (slice(0, 4096), slice(rows - 4096, rows)):  # the first rows and the last, where slice 7 ends
+        want = torch.nn.functional.linear(x[part].float(), w.float()).to(torch.bfloat16)
+        assert torch.equal(got[part], want), part

@@ -105,6 +105,21 @@ def test_a_garbage_position_is_clamped_into_the_cache():
     assert stack.kv.positions.tolist() == [[0, 15]]
 
 
+@pytest.mark.parametrize(("row", "written"), [(-1, 0), (7, 2)])
+def test_a_garbage_row_is_clamped_into_the_batch(row, written):
+    """A row past the batch writes its last row's K and V, and a negative one the first's: a
+    device value is clamped as positions are (a row of 7 was an index error after the K and V of
+    the rows before it were written, on a GPU a device-side assert; -1 wrote the last row as
+    torch indexes, then failed)."""
+    stack = Stack(tiny(), 16, batch=3)
+    before = [k.clone() for k in stack.kv.k]
+    with torch.no_grad():
+        hidden = stack.append(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]), rows=torch.tensor([row]))
+    assert hidden.shape[:2] == (1, 2)
+    changed = [r for r in range(3) if not torch.equal(before[0][r], stack.kv.k[0][r])]
+    assert changed == [written]
+
+
 # -- trees --------------------------------------------------------------------------------------
 
 TREE = TreeShape.from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])  # 7 nodes, depth 3
