@@ -249,9 +249,14 @@ def spread(module: Module, name: str, args: Mapping[str, object], threads: int =
     return module.kernel(name).prepare(grid=(grid, rows) if rows > 1 else grid, block=block).set(**args)
 
 
-def rollback_table(bufs: StreamBufs, table_d: PointerTable) -> PointerTable:
+def rollback_table(bufs: StreamBufs, table_d: PointerTable, read: Mapping[str, DeviceBuffer] | None = None,
+                   why: str = "the rollback reads the round's start and keep there as it writes each length"
+                   ) -> PointerTable:
     """`table_d`, checked to be a rollback table of kernel 5 for these buffers: a PointerTable
-    (which holds what it names) of i32[B] lengths, one per sequence."""
+    (which holds what it names) of i32[B] lengths, one per sequence, none of them memory the
+    rollback reads (pos_start_d, ctl_d) or `read` names (what runs after it reads, `why`): by
+    bytes, so a view of it is refused too. Each (length, row) is a thread of its own, so a
+    length over pos_start moved the anchor of the others as they read it."""
     if not isinstance(table_d, PointerTable):
         raise TypeError(f"a rollback table must be a PointerTable (kv_len_ptr_table builds one), which holds "
                         f"the lengths it names; not {table_d!r}")
@@ -259,6 +264,11 @@ def rollback_table(bufs: StreamBufs, table_d: PointerTable) -> PointerTable:
     if wrong:
         raise ValueError(f"a rollback table for a batch of {bufs.batch} must name i32[{bufs.batch}] lengths "
                          f"(one per sequence), not {wrong[0]!r}")
+    reads = {"bufs.pos_start_d": bufs.pos_start_d, "bufs.ctl_d": bufs.ctl_d, **(read or {})}
+    for target in (t for t in table_d.targets if t is not None):
+        for name, buf in reads.items():
+            if target.ptr < buf.ptr + buf.nbytes and buf.ptr < target.ptr + target.nbytes:
+                raise ValueError(f"a rollback table may not name memory of {name} ({target!r}): {why}")
     return table_d
 
 

@@ -118,14 +118,8 @@ class TreeKernels:
         the table may name none of their memory: the rollback would move the compaction's anchor."""
         args = self._tree(bufs, tree)
         pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, tree.nodes)
-        table_d = rollback_table(bufs, table_d)
-        read = {"bufs.pos_start_d": bufs.pos_start_d, "bufs.ctl_d": bufs.ctl_d, "bufs.acc_d": bufs.acc_d,
-                "path_d": tree.path_d}  # what kernel 15 reads after the tail, by memory, not by object
-        for target in (t for t in table_d.targets if t is not None):
-            for name, buf in read.items():
-                if target.ptr < buf.ptr + buf.nbytes and buf.ptr < target.ptr + target.nbytes:
-                    raise ValueError(f"a tree round's rollback table may not name memory of {name} ({target!r}): "
-                                     "the compaction after its tail reads it as the acceptance left it")
+        table_d = rollback_table(bufs, table_d, {"bufs.acc_d": bufs.acc_d, "path_d": tree.path_d},
+                                 "the compaction after a tree round's tail reads it as the acceptance left it")
         return self.module.kernel(width_kernel("spec_tree_round_tail_greedy", pred_d)).prepare(
             grid=min(bufs.batch, 4096), block=32).set(
             **args, pred_d=pred_d, vtok_d=bufs.vtok_d, brk_d=bufs.brk_d, acc_d=bufs.acc_d,

@@ -15,6 +15,7 @@ MEMRA_CASES (default 2000) scales the cases, MEMRA_SEED varies them.
 """
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from itertools import islice
@@ -494,7 +495,9 @@ def check_tree_tail(rig: TailRig, runs, last_live: bool = False, agreeing: bool 
 def test_greedy_tree_round_tail_refuses_a_table_naming_pos_start(engine):
     """Compaction runs after the tail and reads pos_start_d (and ctl, acc, the path): a rollback
     table that names any of their memory, as itself or through a view of it, would move the
-    compaction's anchor, so the tail refuses it (kernel 5 alone takes it). Memory right beside
+    compaction's anchor, so the tail refuses it. Kernel 5, alone or in a chain's tail, refuses
+    pos_start_d and ctl_d, which it reads as it writes each length (a (length, row) a thread).
+    Memory right beside
     theirs is the table's to name: pos_ctr_d, between ctl_d and acc_d in the buffers' arena, and
     last_pred_d's words read as i32, which end where pos_start_d begins (the check is by bytes)."""
     bufs = StreamBufs(engine, Geometry.of_tree(TREES[0][1], 1, 2))
@@ -507,7 +510,13 @@ def test_greedy_tree_round_tail_refuses_a_table_naming_pos_start(engine):
                          ("path_d", tb.path_d.view(tb.path_d.len - 2, 2, np.int32))):  # its last words
         with pytest.raises(ValueError, match=f"may not name memory of {name}"):
             kernels.prepare_round_tail_greedy(bufs, tb, pred, PointerTable(engine, [target]))
-    SpecKernels(engine).prepare_rollback(bufs, PointerTable(engine, [bufs.pos_start_d]))
+    spec, chain = SpecKernels(engine), StreamBufs(engine, Geometry(2, 1, 2))
+    for name, target in (("bufs.pos_start_d", chain.pos_start_d), ("bufs.ctl_d", chain.ctl_d.view(2, 2))):
+        for prepare in (functools.partial(spec.prepare_rollback, chain),
+                        functools.partial(spec.prepare_round_tail_greedy, chain, engine.zeros(np.uint32, 2 * 3))):
+            with pytest.raises(ValueError, match=f"may not name memory of {name}"):
+                prepare(PointerTable(engine, [chain.pos_ctr_d, target]))
+    spec.prepare_rollback(chain, PointerTable(engine, [chain.pos_ctr_d]))
     beside = bufs.last_pred_d.view(0, 2, np.int32)
     assert beside.ptr + beside.nbytes == bufs.pos_start_d.ptr
     assert bufs.ctl_d.ptr + bufs.ctl_d.nbytes == bufs.pos_ctr_d.ptr
