@@ -279,7 +279,7 @@ class PinnedBuffer(Handle):
 
     def __repr__(self) -> str:
         label = f"{self.label} " if self.label else ""
-        return f"PinnedBuffer({label}{short_name(self.dtype)}[{self.len}]{' freed' if self.freed else ''})"
+        return f"{type(self).__name__}({label}{short_name(self.dtype)}[{self.len}]{' freed' if self.freed else ''})"
 
 
 class MappedBuffer(PinnedBuffer):
@@ -288,12 +288,13 @@ class MappedBuffer(PinnedBuffer):
     stream synchronise.
 
     `device` gives the memory as a DeviceBuffer for kernel arguments, which keeps this buffer
-    alive and is poisoned with everything that holds it when this buffer is freed. The host
-    reads it as a PinnedBuffer is read, a copy of a range (`read(start, stop)`): what a kernel
-    wrote is there as soon as it is visible, so read a count before the words it publishes. No
-    view of the memory is handed out: a numpy view cannot refuse to run once the memory is
-    freed (by `free()`, or with its engine), and would read or write it after. The package's
-    own token feed holds `_live`, the view, and drops it when it frees the buffer.
+    alive and is poisoned with everything that holds it when this buffer is freed. `live` is
+    the host's view of the memory itself, not a copy (a flag the host writes and spins on,
+    the token feed's words): what a kernel wrote is there as soon as it is visible, so read a
+    count before the words it publishes. A numpy view cannot refuse to run, so the view holds
+    the memory instead: it keeps this buffer alive (the collector never frees the memory
+    under it), and free() refuses while any view of it, or a slice of one, is still held.
+    `read(start, stop)` takes a copy.
     """
 
     _flags = 2  # CU_MEMHOSTALLOC_DEVICEMAP
@@ -301,7 +302,7 @@ class MappedBuffer(PinnedBuffer):
     def __init__(self, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None):
         super().__init__(engine, dtype, length, label=label)
         self._address = int(engine.activate().call("cuMemHostGetDevicePointer", self._ptr, 0))
-        self._live: np.ndarray | None = self._array  # the token feed's; None once freed
+        self._viewed: list[weakref.ref] = []  # the memory under each view live() handed out
 
     @property
     def device(self) -> DeviceBuffer:
@@ -313,8 +314,22 @@ class MappedBuffer(PinnedBuffer):
         self.depend(view)
         return view
 
+    @property
+    def live(self) -> np.ndarray:
+        """A view of the memory itself, which holds this buffer (see the class): take it once,
+        not in a loop (a new view each time, ~2 us), and drop it, with its slices, before free()."""
+        self._usable()
+        words = (ctypes.c_char * self.nbytes).from_address(self._ptr)
+        words.owner = self  # type: ignore[attr-defined]  # every view and slice of it holds `words`
+        self._viewed = [ref for ref in self._viewed if ref() is not None] + [weakref.ref(words)]
+        return np.frombuffer(memoryview(words), self.dtype)
+
     def free(self) -> None:
-        self._live = None
+        """PinnedBuffer's free, refused while a view of the memory (live, or a slice of it) is
+        held: it would read and write freed memory, and no numpy array can refuse to."""
+        if any(ref() is not None for ref in self._viewed):
+            raise ValueError(f"{self!r} is still viewed (its live, or a slice of it, is held): drop every view "
+                             "before free(), which would leave them on freed memory")
         super().free()
 
 

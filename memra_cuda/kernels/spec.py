@@ -134,7 +134,7 @@ class SpecKernels:
         rollback of the lengths `table_d` names (prepare_rollback's), one warp a row. The same
         buffers after it as after the three launches in that order, checked as each of them checks."""
         pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, bufs.k + 1)
-        table_d = rollback_table(bufs, table_d)
+        table_d = rollback_table(bufs, table_d, tail_reads(bufs, pred_d), TAIL_READS)
         return self._launch(width_kernel("spec_round_tail_greedy", pred_d),
                             dict(vtok_d=bufs.vtok_d, pred_d=pred_d, k=bufs.k, B=bufs.batch, brk_d=bufs.brk_d,
                                  acc_d=bufs.acc_d, last_pred_d=bufs.last_pred_d, ctl_d=bufs.ctl_d, pend_d=bufs.pend_d,
@@ -270,6 +270,18 @@ def rollback_table(bufs: StreamBufs, table_d: PointerTable, read: Mapping[str, D
             if target.ptr < buf.ptr + buf.nbytes and buf.ptr < target.ptr + target.nbytes:
                 raise ValueError(f"a rollback table may not name memory of {name} ({target!r}): {why}")
     return table_d
+
+
+TAIL_READS = "the tail's other rows accept and commit from it while this row's rollback writes"
+
+
+def tail_reads(bufs: StreamBufs, pred_d: DeviceBuffer) -> dict[str, DeviceBuffer]:
+    """What a greedy round's tail reads and writes besides the rollback's own (rollback_table):
+    a warp a row, so one row's rollback runs beside the other rows' acceptance and commit, and a
+    length over their words (an i32[B] view passes the table's shape check) would race them."""
+    return {"bufs.vtok_d": bufs.vtok_d, "bufs.brk_d": bufs.brk_d, "bufs.acc_d": bufs.acc_d,
+            "bufs.last_pred_d": bufs.last_pred_d, "bufs.pend_d": bufs.pend_d, "bufs.ring_d": bufs.ring_d,
+            "pred_d": pred_d}
 
 
 def check_flip_table(table: StateIndexTable, batch: int) -> None:

@@ -18,8 +18,8 @@ from ..driver.module import Launch
 from ..driver.values import as_index, as_size
 from .sampling import _exact
 from .signatures import load
-from .spec import (batch_rows, check_flip_table, rollback_table, spread, state_copy_grid, token_buffer,
-                   width_kernel)
+from .spec import (TAIL_READS, batch_rows, check_flip_table, rollback_table, spread, state_copy_grid, tail_reads,
+                   token_buffer, width_kernel)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -118,8 +118,8 @@ class TreeKernels:
         the table may name none of their memory: the rollback would move the compaction's anchor."""
         args = self._tree(bufs, tree)
         pred_d = batch_rows("pred_d", token_buffer(self.engine, "pred_d", pred_d), bufs.batch, tree.nodes)
-        table_d = rollback_table(bufs, table_d, {"bufs.acc_d": bufs.acc_d, "path_d": tree.path_d},
-                                 "the compaction after a tree round's tail reads it as the acceptance left it")
+        table_d = rollback_table(bufs, table_d, {**tail_reads(bufs, pred_d), "the tree's buffers": tree.arena},
+                                 f"{TAIL_READS}, and the compaction after it reads it as the acceptance left it")
         return self.module.kernel(width_kernel("spec_tree_round_tail_greedy", pred_d)).prepare(
             grid=min(bufs.batch, 4096), block=32).set(
             **args, pred_d=pred_d, vtok_d=bufs.vtok_d, brk_d=bufs.brk_d, acc_d=bufs.acc_d,

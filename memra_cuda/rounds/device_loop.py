@@ -111,7 +111,7 @@ class TokenFeed:
         self.count_d = device.view(HEAD_WORDS, batch)
         self.tokens_d = device.view(rows, batch * cap)
         self.stamps_d = device.view(rows + batch * cap, batch * cap)
-        self._views(self._memory._live)
+        self._views(self._memory.live)
         self.launches = 0  # clear()s: which launch's tokens the feed holds
         self.clear()  # pinned memory comes uninitialised
 

@@ -176,10 +176,11 @@ def test_copy_into_freed_pinned_memory_is_refused(engine):
         pinned.read()
 
 
-def test_a_mapped_buffer_is_read_as_copies_of_a_range_and_hands_out_no_view(engine):
-    """What the device wrote into mapped memory, read back as a copy of any range; bounds outside
-    the buffer refused by name; no view of the memory to keep past free() (a numpy view cannot
-    refuse to run), and every read refused after it."""
+def test_a_mapped_buffers_views_hold_its_memory_and_reads_copy_a_range(engine):
+    """What the device wrote into mapped memory, read back as a copy of any range (bounds outside
+    the buffer refused by name) and seen through live; a view (a slice of one too) holds the
+    buffer, so free() refuses while one is held (a numpy view cannot refuse to run), and every
+    read and view is refused after it."""
     from memra_cuda.driver import MappedBuffer
     mapped = MappedBuffer(engine, np.uint32, 6)
     engine.copy_htod(mapped.device, [10, 11, 12, 13, 14, 15])
@@ -192,10 +193,19 @@ def test_a_mapped_buffer_is_read_as_copies_of_a_range_and_hands_out_no_view(engi
     for start, stop, what in ((7, None, "start"), (0, 7, "stop"), (4, 3, "stop"), (-1, None, "start")):
         with pytest.raises(ValueError, match=f"read's {what}"):
             mapped.read(start, stop)
-    assert not hasattr(mapped, "live")
+    view = mapped.live
+    assert view.tolist() == [10, 11, 12, 13, 14, 15]
+    view[0] = 99  # the memory itself
+    assert mapped.read(0, 1).tolist() == [99]
+    kept = view[4:]
+    del view
+    with pytest.raises(ValueError, match="still viewed"):
+        mapped.free()
+    del kept
     mapped.free()
-    with pytest.raises(ValueError, match="after free"):
-        mapped.read(0, 1)
+    for use in (lambda: mapped.read(0, 1), lambda: mapped.live):
+        with pytest.raises(ValueError, match="after free"):
+            use()
 
 
 @pytest.mark.parametrize("mode", ["graph", "overlap"])

@@ -496,10 +496,10 @@ def test_greedy_tree_round_tail_refuses_a_table_naming_pos_start(engine):
     """Compaction runs after the tail and reads pos_start_d (and ctl, acc, the path): a rollback
     table that names any of their memory, as itself or through a view of it, would move the
     compaction's anchor, so the tail refuses it. Kernel 5, alone or in a chain's tail, refuses
-    pos_start_d and ctl_d, which it reads as it writes each length (a (length, row) a thread).
-    Memory right beside
-    theirs is the table's to name: pos_ctr_d, between ctl_d and acc_d in the buffers' arena, and
-    last_pred_d's words read as i32, which end where pos_start_d begins (the check is by bytes)."""
+    pos_start_d and ctl_d, which it reads as it writes each length (a (length, row) a thread),
+    and a tail, a warp a row, also the words the other rows accept and commit from (vtok, the
+    ring, pred_d, ...). Memory right beside theirs is the table's to name: pos_ctr_d, between
+    ctl_d and acc_d in the buffers' arena (the check is by bytes)."""
     bufs = StreamBufs(engine, Geometry.of_tree(TREES[0][1], 1, 2))
     tb = TreeBufs(bufs, TREES[0][1])
     pred = engine.zeros(np.uint32, 2 * tb.nodes)
@@ -507,19 +507,26 @@ def test_greedy_tree_round_tail_refuses_a_table_naming_pos_start(engine):
     for name, target in (("bufs.pos_start_d", bufs.pos_start_d), ("bufs.pos_start_d", bufs.pos_start_d.view(0, 2)),
                          ("bufs.ctl_d", bufs.ctl_d.view(0, 2, np.int32)),
                          ("bufs.acc_d", bufs.acc_d.view(2, 2, np.int32)),  # row 1's words, as i32
-                         ("path_d", tb.path_d.view(tb.path_d.len - 2, 2, np.int32))):  # its last words
+                         ("the tree's buffers", tb.path_d.view(tb.path_d.len - 2, 2, np.int32)),  # the path's end
+                         ("bufs.vtok_d", bufs.vtok_d.view(0, 2, np.int32)), ("pred_d", pred.view(0, 2, np.int32))):
         with pytest.raises(ValueError, match=f"may not name memory of {name}"):
             kernels.prepare_round_tail_greedy(bufs, tb, pred, PointerTable(engine, [target]))
     spec, chain = SpecKernels(engine), StreamBufs(engine, Geometry(2, 1, 2))
-    for name, target in (("bufs.pos_start_d", chain.pos_start_d), ("bufs.ctl_d", chain.ctl_d.view(2, 2))):
-        for prepare in (functools.partial(spec.prepare_rollback, chain),
-                        functools.partial(spec.prepare_round_tail_greedy, chain, engine.zeros(np.uint32, 2 * 3))):
+    chain_pred = engine.zeros(np.uint32, 2 * 3)
+    rollback, tail = (functools.partial(spec.prepare_rollback, chain),
+                      functools.partial(spec.prepare_round_tail_greedy, chain, chain_pred))
+    for name, target, refusing in (("bufs.pos_start_d", chain.pos_start_d, (rollback, tail)),
+                                   ("bufs.ctl_d", chain.ctl_d.view(2, 2), (rollback, tail)),
+                                   ("bufs.vtok_d", chain.vtok_d.view(0, 2, np.int32), (tail,)),  # other rows' words
+                                   ("bufs.ring_d", chain.ring_d.view(0, 2, np.int32), (tail,)),
+                                   ("pred_d", chain_pred.view(4, 2, np.int32), (tail,))):
+        for prepare in refusing:
             with pytest.raises(ValueError, match=f"may not name memory of {name}"):
                 prepare(PointerTable(engine, [chain.pos_ctr_d, target]))
-    spec.prepare_rollback(chain, PointerTable(engine, [chain.pos_ctr_d]))
-    beside = bufs.last_pred_d.view(0, 2, np.int32)
-    assert beside.ptr + beside.nbytes == bufs.pos_start_d.ptr
+    for prepare in (rollback, tail):
+        prepare(PointerTable(engine, [chain.pos_ctr_d]))
     assert bufs.ctl_d.ptr + bufs.ctl_d.nbytes == bufs.pos_ctr_d.ptr
     assert bufs.pos_ctr_d.ptr + bufs.pos_ctr_d.nbytes == bufs.acc_d.ptr
-    tail = kernels.prepare_round_tail_greedy(bufs, tb, pred, PointerTable(engine, [None, beside, bufs.pos_ctr_d]))
+    lengths = engine.zeros(np.int32, 2)
+    tail = kernels.prepare_round_tail_greedy(bufs, tb, pred, PointerTable(engine, [None, lengths, bufs.pos_ctr_d]))
     assert tail.kernel.name == "spec_tree_round_tail_greedy"
