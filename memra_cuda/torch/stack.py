@@ -322,6 +322,8 @@ class Stack(LayerStack):
         positions and the mask causal. Its rows' shapes and dtypes are checked first (_check_append);
         logits() and a prefill, which check or make their own, run _append."""
         self._check_append(tokens, positions, rows, lengths, slots, mask, parents)
+        if rows is not None:  # a prefill's rows are checked host ints: only a caller's are clamped
+            rows = rows.long().clamp(0, self.kv.lengths.shape[1] - 1)
         return self._append(tokens, positions, rows, lengths, slots=slots, mask=mask, parents=parents)
 
     def _append(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None,
@@ -330,8 +332,6 @@ class Stack(LayerStack):
         inner = self.model.model
         top = self.kv.capacity - 1
         positions = positions.long().clamp(0, top)  # a garbage position never writes outside
-        if rows is not None:  # nor a garbage row (an index past the batch was a device-side assert, -1 the last row)
-            rows = rows.long().clamp(0, self.kv.lengths.shape[1] - 1)
         slots = positions if slots is None else slots.long().clamp(0, top)
         # nor a garbage token reads outside the embeddings (on a GPU, a device-side assert: the context lost)
         hidden = inner.embed_tokens(tokens.long().clamp(0, inner.embed_tokens.num_embeddings - 1))
