@@ -75,7 +75,8 @@ def hides_bools(values: Any) -> bool:
     and [np.array([1]), np.array([True])] are int64): the one place a bool slips past a dtype's
     kind. A list of plain numbers alone (Python's or numpy's ints and floats), a prompt's, is
     answered by its members' types (a set of them: 128 tokens in ~3 us, where the walk below took
-    ~60 us, and a prompt is checked four times on its way into a decoder)."""
+    ~60 us, and every prompt a decoder takes is checked so, once, where it enters: a Server's
+    submit, a decoder's prefill, admit or batch)."""
     if not isinstance(values, (list, tuple)):
         return False
     if set(map(type, values)) <= _PLAIN_NUMBERS:  # numbers exactly: no bool, no container, no array

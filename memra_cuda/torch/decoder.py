@@ -22,7 +22,7 @@ from ..buffers.geometry import Geometry, as_geometry
 from ..buffers.stream_bufs import Readback, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
-from ..driver.values import as_listed, as_prompt, as_size
+from ..driver.values import as_listed, as_prompt, as_size, distinct_rows
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
                               as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
@@ -169,14 +169,20 @@ class RoundDecoder:
         """Both caches of each row take its prompt but the last token, which becomes pending;
         `seeds` are the rows' requests' (sampling), `caps` their most draft lengths (default k:
         a new request drafts at the full length unless it says). The rows' stop rules are lifted
-        (set_stop sets the next ones). Returns the rows' start positions. Rows, caps and seeds
-        are checked before any row is written: a cap refused after the caches were filled left
-        the rows live with no budget."""
-        rows = [as_size(row, "a row", 0, self.batch - 1) for row in rows]
+        (set_stop sets the next ones). Returns the rows' start positions. Rows (distinct rows of
+        the batch), caps, seeds and prompts are checked before any row is written: a cap refused
+        after the caches were filled left the rows live with no budget."""
+        rows = distinct_rows(rows, self.batch, "a prefill's rows")
         caps = [self.k] * len(rows) if caps is None else [as_size(c, "a most draft length", 0, self.k) for c in caps]
         if len(caps) != len(rows):
             raise ValueError(f"need one most draft length for each of the {len(rows)} rows, not {len(caps)}")
-        starts, pending = self._fill(rows, prompts, seeds)
+        return self._prefill_trusted(rows, *self._checked_prompts(rows, prompts, seeds), caps)
+
+    def _prefill_trusted(self, rows: list[int], prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None,
+                         caps: Sequence[int]) -> list[int]:
+        """prefill() of what is checked already: prefill's own arguments, or generate_batch's
+        requests (rounds.serving.batch_admitted's copies) and their caps (_cap)."""
+        starts, pending = self._fill_trusted(rows, prompts, seeds)
         with torch.cuda.stream(self.stream):
             if rows == list(range(self.batch)):
                 self.bufs.reset(pending, starts)
@@ -194,41 +200,54 @@ class RoundDecoder:
         rows run on untouched: continuous batching's unit (a Server's admission). The request
         is checked as Server.submit checks it (rounds.serving.admitted): well formed, its tokens
         in the vocabulary; its room is checked by every burst (CapacityError)."""
-        request = admitted(request, self.vocab, row, self.batch)  # a bad one refused before the row is touched
-        prompt, cap = request.prompt, self._cap(request)
-        (start,), (pending,) = self._fill([row], [prompt], [request.seed])
+        # a bad one refused before the row is touched
+        self._admit_trusted(row, admitted(request, self.vocab, row, self.batch))
+
+    def _admit_trusted(self, row: int, request: Request) -> None:
+        """admit() of a request checked already into `row`, one of the batch's: admitted's copy,
+        or the copy a Server keeps from its submit, checked there against this vocabulary
+        (_Slots.admit), which checked again cost an admission ~40 us a 300-token prompt."""
+        (start,), (pending,) = self._fill_trusted([row], [request.prompt], [request.seed])
         with torch.cuda.stream(self.stream):
             self.bufs.start_row(row, pending, start, budget=request.max_new_tokens, eos=request.eos)
-            self.lengths.set_cap_row(row, cap)
+            self.lengths.set_cap_row(row, self._cap(request))
 
     def _cap(self, request: Request) -> int:
-        """The request's most draft length in this decoder: its own, at most k."""
-        if request.max_draft is None:
-            return self.k
-        return min(as_size(request.max_draft, "max_draft", 0, also="None"), self.k)
+        """A checked request's most draft length in this decoder (its own, a plain int since its
+        check: rounds.serving's admitted and batch_admitted), at most k."""
+        return self.k if request.max_draft is None else min(request.max_draft, self.k)
 
-    def _fill(self, rows: list[int], prompts: Sequence[Sequence[int]],
-              seeds: Sequence[int] | None) -> tuple[list[int], list[int]]:
-        """Both caches of each row take its prompt but the last token, and what a subclass sets
-        for the rows (_prefilled) and their seeds are set: everything of a request's start but
-        the buffers' row. Returns the rows' start positions and pending tokens (every token
-        checked, ints of the vocabulary, before any row is written)."""
+    def _checked_prompts(self, rows: list[int], prompts: Sequence[Sequence[int]],
+                         seeds: Sequence[int] | None) -> tuple[list[list[int]], list[int] | None]:
+        """A prefill's prompts, one a row, each as the list of ints that was checked (at least one
+        token, each of the vocabulary: as_prompt), and its seeds (None: none given), one a row,
+        as 64-bit ints (as_seed), or a refusal naming what, before any row is written."""
         prompts = as_listed(prompts, "a prefill's prompts", "prompts, one a row")
         if len(prompts) != len(rows):
             raise ValueError(f"need one prompt for each of the {len(rows)} rows, not {len(prompts)}")
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")
-        seeds = None if seeds is None else [as_seed(seed) for seed in seeds]
+        checked = None if seeds is None else [as_seed(seed) for seed in seeds]
         # the whole prompt, its last (pending) token too, which only the draft's first step looks up
-        prompts = [as_prompt(prompt, self.vocab, f"row {row}'s prompt").tolist() for row, prompt in zip(rows, prompts)]
+        return [as_prompt(prompt, self.vocab, f"row {row}'s prompt").tolist()
+                for row, prompt in zip(rows, prompts)], checked
+
+    def _fill_trusted(self, rows: list[int], prompts: Sequence[Sequence[int]],
+                      seeds: Sequence[int] | None) -> tuple[list[int], list[int]]:
+        """Both caches of each row take its prompt but the last token, and what a subclass sets
+        for the rows (_prefilled) and their seeds are set: everything of a request's start but
+        the buffers' row. The rows, prompts and seeds are checked already, where they entered
+        (prefill's checks, admitted's, batch_admitted's, a Server's submit): each prompt a
+        sequence of ints of the vocabulary, which both stacks take unchecked (their
+        _prefill_trusted). Returns the rows' start positions and pending tokens."""
         heads = [prompt[:-1] for prompt in prompts]
         with torch.cuda.stream(self.stream):
             index = uploaded(rows, torch.long, "cuda")
-            self.target.prefill(rows, heads)
+            self.target._prefill_trusted(rows, heads)
             if self.shared:
                 self.draft.kv.copy_rows(self.target.kv, rows)
             else:
-                self.draft.prefill(rows, heads)
+                self.draft._prefill_trusted(rows, heads)
             self._prefilled(index, prompts)
             if self.sampling is not None:
                 self.seed_d[index] = uploaded(list(seeds) if seeds is not None else [0] * len(rows), torch.long, "cuda")
@@ -268,8 +287,8 @@ class RoundDecoder:
         if mode is Mode.DEVICE and most:  # refused before the rows are touched, where follow() would capture its loop
             self.rounds.require_loop(most)
         self.driven.take("generate_batch")
-        self.prefill(range(self.batch), [r.prompt for r in requests], [r.seed for r in requests],
-                     [self._cap(r) for r in requests])
+        self._prefill_trusted(list(range(self.batch)), [r.prompt for r in requests], [r.seed for r in requests],
+                              [self._cap(r) for r in requests])
         out = self.rounds.generate_batch([r.max_new_tokens for r in requests],
                                          eos=[r.eos for r in requests], mode=mode)
         return [tokens.tolist() for tokens in out]
@@ -339,7 +358,9 @@ class _Slots:
         return self.decoder.room(request, self.mode)
 
     def admit(self, row: int, request: Request) -> None:
-        self.decoder.admit(row, request)
+        """The request as the Server keeps it, checked at its submit against the decoder's
+        vocabulary, into one of the Server's rows: admitted without admit()'s second check."""
+        self.decoder._admit_trusted(row, request)
 
     def burst(self) -> Burst:
         return _burst(self.decoder.rounds.step(self.mode))

@@ -102,8 +102,10 @@ class GraphedGreedy:
                          self.out[step, :self.batch, None])
 
     def _start(self, requests: Sequence[Request]) -> None:
+        """Every row starts its request (one a row, each checked already: batch_admitted's
+        copies, or capture's own), its prompt taken by the stack unchecked."""
         self._cut = False  # every row starts again: no burst of theirs to recover
-        self.stack.prefill(range(self.batch), [r.prompt[:-1] for r in requests])
+        self.stack._prefill_trusted(range(self.batch), [r.prompt[:-1] for r in requests])
         self.token.copy_(uploaded([[r.prompt[-1]] for r in requests], self.token.dtype, self.token.device))
         self.position.copy_(uploaded([[len(r.prompt) - 1] for r in requests], self.position.dtype,
                                      self.position.device))
@@ -139,10 +141,17 @@ class GraphedGreedy:
         request = admitted(request, self.vocab, row, self.batch)
         if (why := self.refusal(request)) is not None:
             raise ValueError(f"a request not admitted: {why}")
+        self._admit_trusted(row, request)
+
+    def _admit_trusted(self, row: int, request: Request) -> None:
+        """admit() of a request checked already into `row`, one of the batch's: admit's own, or
+        the copy its server keeps from its submit (_Served), checked there against this
+        vocabulary and this room, which checked again cost an admission ~40 us a 300-token
+        prompt. The stack takes its prompt unchecked (LayerStack._prefill_trusted)."""
         prompt = request.prompt
         self._cut = False  # a row changes hands: the last burst's tokens are not its request's
         with torch.cuda.stream(self.stream):
-            self.stack.prefill([row], [prompt[:-1]])
+            self.stack._prefill_trusted([row], [prompt[:-1]])
             self.token[row, 0] = int(prompt[-1])
             self.position[row, 0] = len(prompt) - 1
         self._stops[row] = _Stop(request.eos, request.max_new_tokens)
@@ -219,7 +228,7 @@ class GraphedGreedy:
         self.capture()
         with torch.cuda.stream(self.stream):
             self.stack.capture_prefills()
-        return Server(self, clock=clock)  # which tells self.driven
+        return Server(_Served(self), clock=clock)  # which tells self.driven
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
         """Continuous batching, as a speculative decoder's serve(): the requests, queued in
@@ -227,6 +236,32 @@ class GraphedGreedy:
         request that cannot run is refused alone, its Served's `refused` saying why. Where it
         raises (an interrupt), its server drives the rows no more (Driven.serve)."""
         return self.driven.serve(self.server, requests)  # made once the requests are checked
+
+
+class _Served:
+    """A GraphedGreedy's rows as its own server() drives them (memra_cuda.rounds.serving.Decoder):
+    the loop's own, but admit takes the copy of a request that the Server kept from its submit,
+    checked there against the loop's vocabulary and room (refusal), without admit()'s check
+    again. A Server made directly over the loop admits through its public admit, checked."""
+
+    def __init__(self, loop: GraphedGreedy):
+        self.loop = loop
+        self.batch, self.vocab, self.driven = loop.batch, loop.vocab, loop.driven  # Server tells driven
+
+    def refusal(self, request: Request) -> str | None:
+        return self.loop.refusal(request)
+
+    def admit(self, row: int, request: Request) -> None:
+        self.loop._admit_trusted(row, request)
+
+    def burst(self) -> Burst:
+        return self.loop.burst()
+
+    def recover(self) -> Burst | None:
+        return self.loop.recover()
+
+    def park(self, rows: Sequence[int]) -> None:
+        self.loop.park(rows)
 
 
 def hf_generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: int | None = None,

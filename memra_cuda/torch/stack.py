@@ -226,6 +226,11 @@ class LayerStack:
         hybrid stack's recurrent state after it live (memra_cuda.torch.prefill: a row as a graph)."""
         self.prefills.run(rows, prompts)
 
+    def _prefill_trusted(self, rows: Sequence[int], heads: Sequence[Sequence[int]]) -> None:
+        """prefill() of rows and prompts a decoder has checked already (Prefills._run_trusted):
+        a request's prompt is checked once, where it enters, not again at each stack."""
+        self.prefills._run_trusted(rows, heads)
+
     def capture_prefills(self) -> None:
         """Every one-row prefill graph, now (Prefills.capture)."""
         self.prefills.capture()

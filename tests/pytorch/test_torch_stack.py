@@ -625,12 +625,17 @@ def test_a_room_is_sized_by_the_geometry_of_the_decoder_it_is_given_to():
 
 
 class Prefilled:
-    """A stack's prefill alone, for a decoder's host side: the rows and heads it was given."""
+    """A stack's prefill alone, for a decoder's host side: the rows and heads it was given at its
+    unchecked entry (_prefill_trusted), which a decoder hands the prompts it has checked; its
+    public prefill, which would check them a second time, fails the test."""
 
     def __init__(self):
         self.calls = []
 
     def prefill(self, rows, heads):
+        raise AssertionError("a decoder's stack was given checked prompts through its public prefill, checked again")
+
+    def _prefill_trusted(self, rows, heads):
         self.calls.append((list(rows), [list(head) for head in heads]))
 
 
@@ -644,14 +649,15 @@ def test_a_decoders_admission_takes_every_prompt_a_server_takes(monkeypatch):
     decoder.stream, decoder.shared, decoder.sampling, decoder.vocab = None, False, None, 100
     decoder.target, decoder.draft = Prefilled(), Prefilled()
     monkeypatch.setattr(decoders, "uploaded", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
-    assert decoder._fill([1, 0], [np.array([5, 6, 7]), (8,)], None) == ([2, 0], [7, 8])
+    checked = decoder._checked_prompts([1, 0], [np.array([5, 6, 7]), (8,)], None)
+    assert decoder._fill_trusted([1, 0], *checked) == ([2, 0], [7, 8])
     assert decoder.target.calls == decoder.draft.calls == [([1, 0], [[5, 6], []])]
     for prompt, error in ((np.array([], np.int64), ValueError), ((token for token in [5, 6]), TypeError),
                           (np.int64(5), TypeError)):  # the last two met len() deep inside
         with pytest.raises(error, match="row 0's prompt must be a sequence of at least one token id"):
-            decoder._fill([0], [prompt], None)
+            decoder._checked_prompts([0], [prompt], None)
     with pytest.raises(ValueError, match="need one prompt for each of the 2 rows, not 1"):
-        decoder._fill([0, 1], [[5]], None)
+        decoder._checked_prompts([0, 1], [[5]], None)
 
 
 @pytest.mark.parametrize(("steps", "error"), [(2.5, TypeError), (0, ValueError), (True, TypeError)])
@@ -752,7 +758,7 @@ def test_a_serve_interrupted_leaves_the_rows_to_the_next_serve():
     decoder = object.__new__(GraphedGreedy)
     decoder.batch, decoder.steps, decoder.vocab, decoder.eager, decoder.stream = 2, 4, VOCAB, False, None
     decoder.stack = SimpleNamespace(kv=SimpleNamespace(capacity=64), capture_prefills=lambda: None,
-                                    prefill=lambda rows, prompts: None)
+                                    _prefill_trusted=lambda rows, prompts: None)
     decoder.graph, decoder._stops, decoder.driven = Graph(), [None, None], Driven()
     decoder.token, decoder.position = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long)
     decoder.out = torch.zeros(4, 2, dtype=torch.long)  # [steps][B]
@@ -806,6 +812,118 @@ def test_an_admission_refuses_a_bad_draft_length_before_the_row_is_touched():
         with pytest.raises(error, match=named):
             decoder.admit(row, request)
     assert decoder.target.calls == decoder.draft.calls == []
+
+
+def prompt_checks(monkeypatch) -> list[str]:
+    """Every check of a prompt's tokens from now on (memra_cuda.driver.values.token_ids: as_prompt's,
+    and a stack's public prefill's), each recorded by what it names ("its prompt's", "row 0's
+    prompt")."""
+    from memra_cuda.driver import values
+    from memra_cuda.torch import prefill
+    checks, check = [], values.token_ids
+
+    def counted(tokens, vocab, what):
+        checks.append(what)
+        return check(tokens, vocab, what)
+
+    for module in (values, prefill):
+        monkeypatch.setattr(module, "token_ids", counted)
+    return checks
+
+
+class Recorded:
+    """A stand-in whose every method records its call (name, then its arguments) and does nothing:
+    a decoder's buffers and draft lengths as a row's start and park call them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, *args, *kwargs.values()))
+
+
+def test_a_servers_admission_checks_a_prompt_once_and_a_public_prefill_still_refuses_a_bad_one(monkeypatch):
+    """A request's prompt was checked five times on its way into a speculative decoder's row (the
+    Server's submit, the decoder's admit and its prefill, then each stack's prefill), ~40 us each
+    for 300 tokens. Now once, where it enters (a Server's submit, or the decoder's own admit or
+    prefill), and handed down as checked, into both stacks' caches all the same. What a public
+    prefill refused it still refuses, naming it, before any row is written (the decoder's host
+    side over two real stacks on the CPU, a draft of its own: stand-in buffers and rounds)."""
+    from types import SimpleNamespace
+
+    from memra_cuda import Geometry
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import Request
+    from memra_cuda.torch import decoder as decoders
+    decoder = object.__new__(decoders.RoundDecoder)
+    decoder.stream, decoder.sampling, decoder.vocab, decoder.k, decoder.batch = None, None, VOCAB, 4, 2
+    decoder.target, decoder.draft = Stack(tiny(), CAPACITY, batch=2), Stack(tiny(1, seed=1), CAPACITY, batch=2)
+    decoder.shared, decoder.driven, decoder.bufs, decoder.lengths = False, Driven(), Recorded(), Recorded()
+    burst = SimpleNamespace(tokens=[np.array([3]), np.array([], int)], done=np.array([True, True]),
+                            accepted=np.array([0, 0]))  # row 0's one token, and it is done
+    decoder.rounds = SimpleNamespace(round=SimpleNamespace(capacity=SimpleNamespace(geometry=Geometry(4, 1, 2))),
+                                     rounds_per_step=lambda mode: 1, step=lambda mode: burst, sealed=True)
+    monkeypatch.setattr(decoders, "uploaded", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
+    checks = prompt_checks(monkeypatch)
+    prompt = list(range(1, 21))
+    (served,) = decoder.serve([Request(prompt, 4, max_draft=9)])
+    assert served.tokens == [3] and checks == ["its prompt's"], "the server's admission checked its prompt again"
+    for stack in (decoder.target, decoder.draft):
+        assert stack.kv.lengths[:, 0].tolist() == [19] * len(stack.layers), "a stack did not take the prompt"
+    assert ("start_row", 0, 20, 19, 4, None) in decoder.bufs.calls and decoder.lengths.calls == [("set_cap_row", 0, 4)]
+    del checks[:]
+    decoder.admit(1, Request(prompt[:7], 4))  # public: checked as a Server checks it, once
+    assert checks == ["its prompt's"] and decoder.draft.kv.lengths[:, 1].tolist() == [6]
+    del checks[:]
+    assert decoder.prefill([1, 0], [prompt[:3], prompt[:5]]) == [2, 4]
+    assert checks == ["row 1's prompt's", "row 0's prompt's"] and decoder.draft.kv.lengths[0].tolist() == [4, 2]
+    before = [stack.kv.lengths.clone() for stack in (decoder.target, decoder.draft)]
+    distinct = "a prefill's rows must be distinct rows of 0..1, not \\[1, 1\\]"
+    for rows, prompts, error, by_decoder, by_stack in (
+            ([1, 1], [[5, 6], [7, 8]], ValueError, distinct, distinct),
+            ([0], [[5, VOCAB]], ValueError, f"row 0's prompt's token {VOCAB} \\(at 1\\) is outside the vocabulary",
+             f"row 0's prompt token {VOCAB} \\(at 1\\) is outside the vocabulary"),
+            ([0], [[5, 1.5]], TypeError, "row 0's prompt must be a sequence of at least one token id",
+             "row 0's prompt must be token ids")):
+        with pytest.raises(error, match=by_decoder):
+            decoder.prefill(rows, prompts)
+        with pytest.raises(error, match=by_stack):
+            decoder.target.prefill(rows, prompts)  # a stack's own public prefill checks as it did
+    assert all(torch.equal(stack.kv.lengths, lengths) for stack, lengths in
+               zip((decoder.target, decoder.draft), before)), "a refused prefill wrote a row"
+
+
+def test_the_plain_loops_server_checks_a_prompt_once_and_runs_it_as_its_own_greedy_decoding(monkeypatch):
+    """GraphedGreedy's server admitted a request through the loop's public admit, which checked
+    the prompt (and its room) again, and its stack's prefill a third time. Its own server now
+    admits the copy the Server checked, and the request's tokens are the model's own greedy
+    decoding of it; the public admit checks once (the host side over a real stack on the CPU,
+    its bursts eager)."""
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import GraphedGreedy, Request
+    from memra_cuda.torch.greedy import advance
+    model = tiny()
+    decoder = object.__new__(GraphedGreedy)
+    decoder.batch, decoder.steps, decoder.vocab, decoder.eager, decoder.stream = 2, 3, VOCAB, True, None
+    decoder.stack = Stack(model, CAPACITY, batch=2)
+    monkeypatch.setattr(decoder.stack, "capture_prefills", lambda: None)  # no CUDA graphs on the CPU
+    decoder.advance, decoder.graph, decoder._cut = advance, None, False  # eager: advance op by op, as Stack runs it
+    decoder._stops, decoder.driven = [None, None], Driven()
+    decoder.token, decoder.position = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long)
+    decoder.out = torch.zeros(3, 2, dtype=torch.long)  # [steps][B]
+    checks = prompt_checks(monkeypatch)
+    prompt = [5, 17, 3, 40, 8]
+    (served,) = decoder.serve([Request(prompt, 3)])
+    assert checks == ["its prompt's"], "the loop's server checked its prompt again"
+    greedy = list(prompt)
+    for _ in range(3):
+        greedy.append(int(hf_logits(model, greedy).argmax()))
+    assert served.tokens == greedy[len(prompt):]
+    del checks[:]
+    decoder.admit(1, Request(prompt, 2))  # public: checked as a Server checks it, once
+    assert checks == ["its prompt's"] and decoder.stack.kv.lengths[:, 1].tolist() == [4] * 3
+    with pytest.raises(ValueError, match=f"its prompt's token {VOCAB} \\(at 0\\) is outside the vocabulary"):
+        decoder.admit(0, Request([VOCAB, 1], 2))
 
 
 def test_a_batch_refuses_a_request_past_the_caches_room_before_anything_runs():
