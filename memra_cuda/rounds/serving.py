@@ -206,17 +206,17 @@ def as_seed(value: object) -> int:
     return seed
 
 
-def admitted(request: Request, vocab: int, row: int, batch: int) -> Request:
-    """What a decoder's admit() starts in `row` of its `batch`: the copy of `request` that
-    Server.submit keeps (its prompt a tuple of ints in the `vocab`, its numbers plain ints), or
-    ValueError or TypeError naming what is wrong. admit() is public: an engine may call it
-    without a Server, and a token outside the vocabulary would fault the device in the embedding
-    lookup, a bool row be read as row 1."""
-    as_row(row, batch)
+def admitted(request: Request, vocab: int, row: int, batch: int) -> tuple[int, Request]:
+    """What a decoder's admit() starts, and where: `row` as a plain int of its `batch`, and the
+    copy of `request` that Server.submit keeps (its prompt a tuple of ints in the `vocab`, its
+    numbers plain ints), or ValueError or TypeError naming what is wrong. admit() is public: an
+    engine may call it without a Server, and a token outside the vocabulary would fault the
+    device in the embedding lookup, a bool row be read as row 1."""
+    row = as_row(row, batch)
     checked = _checked(request, vocab)
     if isinstance(checked, str):
         raise ValueError(f"a request not admitted: {checked}")
-    return checked
+    return row, checked
 
 
 def as_row(row: object, batch: int) -> int:

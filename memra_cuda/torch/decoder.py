@@ -201,7 +201,7 @@ class RoundDecoder:
         is checked as Server.submit checks it (rounds.serving.admitted): well formed, its tokens
         in the vocabulary; its room is checked by every burst (CapacityError)."""
         # a bad one refused before the row is touched
-        self._admit_trusted(row, admitted(request, self.vocab, row, self.batch))
+        self._admit_trusted(*admitted(request, self.vocab, row, self.batch))
 
     def _admit_trusted(self, row: int, request: Request) -> None:
         """admit() of a request checked already into `row`, one of the batch's: admitted's copy,

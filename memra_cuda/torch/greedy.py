@@ -138,7 +138,7 @@ class GraphedGreedy:
         stop (EOS, budget) is kept on the host. The other rows run on untouched. The request is
         checked as Server.submit checks it (rounds.serving.admitted) and for its room (refusal:
         a row past its cache would run at clamped positions, its tokens wrong, silently)."""
-        request = admitted(request, self.vocab, row, self.batch)
+        row, request = admitted(request, self.vocab, row, self.batch)
         if (why := self.refusal(request)) is not None:
             raise ValueError(f"a request not admitted: {why}")
         self._admit_trusted(row, request)
