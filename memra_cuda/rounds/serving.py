@@ -18,7 +18,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ..driver.errors import MemraError
 from ..driver.values import I32_MOST, as_index, as_prompt, as_size
@@ -228,6 +228,25 @@ def as_row(row: object, batch: int) -> int:
     return row
 
 
+class _Kept(Request):
+    """A Server's checked copy of a request, which only _checked makes: its prompt a tuple of
+    ints, its numbers plain ints. A copy changed by _replace is a plain Request again, to be
+    checked anew."""
+
+    __slots__ = ()
+
+    def _replace(self, **changes: Any) -> Request:  # type: ignore[override]  # a plain one: unchecked
+        return Request(*self)._replace(**changes)
+
+
+def is_kept(request: Request, vocab: int) -> bool:
+    """Whether `request` is a copy a Server kept from its submit (_checked's), its tokens inside
+    `vocab`: a decoder's own server admits it without admitted()'s whole check again (~40 us a
+    300-token prompt; this is a type check and one max()). What a caller hands the server's
+    decoder itself (server.decoder.admit) is no such copy, and is checked in full."""
+    return type(request) is _Kept and max(request.prompt, default=vocab) < vocab
+
+
 def _checked(request: Request, vocab: int) -> Request | str:
     """`request` with its prompt a tuple of ints taken from the very copy that was checked, and
     its budget, EOS, seed and most draft length the plain ints checked, or why it is malformed
@@ -247,7 +266,7 @@ def _checked(request: Request, vocab: int) -> Request | str:
         return str(exc)
     if eos is not None and eos >= vocab:
         return f"its EOS {eos} is outside the vocabulary of {vocab} tokens"
-    return request._replace(prompt=tuple(prompt.tolist()), max_new_tokens=budget, eos=eos, seed=seed, max_draft=most)
+    return _Kept(tuple(prompt.tolist()), budget, eos, seed, most)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_listed, as_prompt, as_size, distinct_rows
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
-                              as_seed, batch_admitted)
+                              as_seed, batch_admitted, is_kept)
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import decoder_stream, engine
 from .kv import CacheLayout, Room, StaticKV, cache_slots
@@ -359,8 +359,12 @@ class _Slots:
 
     def admit(self, row: int, request: Request) -> None:
         """The request as the Server keeps it, checked at its submit against the decoder's
-        vocabulary, into one of the Server's rows: admitted without admit()'s second check."""
-        self.decoder._admit_trusted(row, request)
+        vocabulary, into one of the Server's rows: admitted without admit()'s second check. Any
+        other request (a caller's own, handed to server.decoder.admit) goes through admit()."""
+        if is_kept(request, self.vocab):
+            self.decoder._admit_trusted(as_row(row, self.batch), request)
+        else:
+            self.decoder.admit(row, request)
 
     def burst(self) -> Burst:
         return _burst(self.decoder.rounds.step(self.mode))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..driver.values import as_flag, as_size
-from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
+from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row, is_kept,
                               batch_admitted)
 from .adapter import decoder_stream, torch_graph
 from .sampling import SamplingParams
@@ -252,7 +252,12 @@ class _Served:
         return self.loop.refusal(request)
 
     def admit(self, row: int, request: Request) -> None:
-        self.loop._admit_trusted(row, request)
+        """The Server's kept copy, whose room is a comparison, admitted unchecked; any other
+        request (a caller's own, handed to server.decoder.admit) through the loop's admit()."""
+        if is_kept(request, self.vocab) and self.loop.refusal(request) is None:
+            self.loop._admit_trusted(as_row(row, self.batch), request)
+        else:
+            self.loop.admit(row, request)
 
     def burst(self) -> Burst:
         return self.loop.burst()
