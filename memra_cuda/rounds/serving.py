@@ -229,9 +229,9 @@ def as_row(row: object, batch: int) -> int:
 
 
 class _Kept(Request):
-    """A Server's checked copy of a request, which only _checked makes: its prompt a tuple of
-    ints, its numbers plain ints. A copy changed by _replace is a plain Request again, to be
-    checked anew."""
+    """A checked copy of a request, which only _checked makes (the copy a Server keeps from its
+    submit): its prompt a tuple of ints, its numbers plain ints, each immutable. A copy changed
+    by _replace is a plain Request again, to be checked anew."""
 
     __slots__ = ()
 
@@ -239,20 +239,17 @@ class _Kept(Request):
         return Request(*self)._replace(**changes)
 
 
-def is_kept(request: Request, vocab: int) -> bool:
-    """Whether `request` is a copy a Server kept from its submit (_checked's), its tokens inside
-    `vocab`: a decoder's own server admits it without admitted()'s whole check again (~40 us a
-    300-token prompt; this is a type check and one max()). What a caller hands the server's
-    decoder itself (server.decoder.admit) is no such copy, and is checked in full."""
-    return type(request) is _Kept and max(request.prompt, default=vocab) < vocab
-
-
 def _checked(request: Request, vocab: int) -> Request | str:
     """`request` with its prompt a tuple of ints taken from the very copy that was checked, and
     its budget, EOS, seed and most draft length the plain ints checked, or why it is malformed
     (malformed's reasons). The copy is what a server keeps: a caller who changes the list, or the
     0-d array of a budget (an index as any int is), it gave after submit() cannot slip an
-    unchecked token or a budget past the room refusal() measured into a row."""
+    unchecked token or a budget past the room refusal() measured into a row. A copy made here
+    comes back as it is where its tokens lie in `vocab` (a type check and one max(), where the
+    whole check cost ~40 us a 300-token prompt): the request a Server kept from its submit is
+    admitted by its decoder's admit() without being checked again."""
+    if type(request) is _Kept and max(request.prompt, default=vocab) < vocab and (request.eos or 0) < vocab:
+        return request
     request = as_request(request)
     try:
         prompt = as_prompt(request.prompt, vocab, "its prompt")  # a copy, never the caller's list itself

@@ -24,7 +24,7 @@ from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_listed, as_prompt, as_size, distinct_rows
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
-                              as_seed, batch_admitted, is_kept)
+                              as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import decoder_stream, engine
 from .kv import CacheLayout, Room, StaticKV, cache_slots
@@ -198,15 +198,10 @@ class RoundDecoder:
         its prompt but the last token, which becomes pending, and the row takes its stop rule
         with it (StreamBufs.start_row), so no burst finds it live without its budget. The other
         rows run on untouched: continuous batching's unit (a Server's admission). The request
-        is checked as Server.submit checks it (rounds.serving.admitted): well formed, its tokens
-        in the vocabulary; its room is checked by every burst (CapacityError)."""
-        # a bad one refused before the row is touched
-        self._admit_trusted(*admitted(request, self.vocab, row, self.batch))
-
-    def _admit_trusted(self, row: int, request: Request) -> None:
-        """admit() of a request checked already into `row`, one of the batch's: admitted's copy,
-        or the copy a Server keeps from its submit, checked there against this vocabulary
-        (_Slots.admit), which checked again cost an admission ~40 us a 300-token prompt."""
+        is checked as Server.submit checks it (rounds.serving.admitted: the copy a Server kept
+        from its submit passes at once): well formed, its tokens in the vocabulary; its room is
+        checked by every burst (CapacityError)."""
+        row, request = admitted(request, self.vocab, row, self.batch)  # refused before the row is touched
         (start,), (pending,) = self._fill_trusted([row], [request.prompt], [request.seed])
         with torch.cuda.stream(self.stream):
             self.bufs.start_row(row, pending, start, budget=request.max_new_tokens, eos=request.eos)
@@ -358,13 +353,7 @@ class _Slots:
         return self.decoder.room(request, self.mode)
 
     def admit(self, row: int, request: Request) -> None:
-        """The request as the Server keeps it, checked at its submit against the decoder's
-        vocabulary, into one of the Server's rows: admitted without admit()'s second check. Any
-        other request (a caller's own, handed to server.decoder.admit) goes through admit()."""
-        if is_kept(request, self.vocab):
-            self.decoder._admit_trusted(as_row(row, self.batch), request)
-        else:
-            self.decoder.admit(row, request)
+        self.decoder.admit(row, request)
 
     def burst(self) -> Burst:
         return _burst(self.decoder.rounds.step(self.mode))

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..driver.values import as_flag, as_size
-from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row, is_kept,
+from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
                               batch_admitted)
 from .adapter import decoder_stream, torch_graph
 from .sampling import SamplingParams
@@ -136,18 +136,13 @@ class GraphedGreedy:
         """Start `request` in slot `row` between bursts, in one call: the row's cache takes its
         prompt but the last token, which becomes the row's next input at its position, and its
         stop (EOS, budget) is kept on the host. The other rows run on untouched. The request is
-        checked as Server.submit checks it (rounds.serving.admitted) and for its room (refusal:
-        a row past its cache would run at clamped positions, its tokens wrong, silently)."""
+        checked as Server.submit checks it (rounds.serving.admitted: the copy a Server kept from
+        its submit passes at once) and for its room (refusal: a row past its cache would run at
+        clamped positions, its tokens wrong, silently); the stack takes the checked prompt as it
+        is (LayerStack._prefill_trusted)."""
         row, request = admitted(request, self.vocab, row, self.batch)
         if (why := self.refusal(request)) is not None:
             raise ValueError(f"a request not admitted: {why}")
-        self._admit_trusted(row, request)
-
-    def _admit_trusted(self, row: int, request: Request) -> None:
-        """admit() of a request checked already into `row`, one of the batch's: admit's own, or
-        the copy its server keeps from its submit (_Served), checked there against this
-        vocabulary and this room, which checked again cost an admission ~40 us a 300-token
-        prompt. The stack takes its prompt unchecked (LayerStack._prefill_trusted)."""
         prompt = request.prompt
         self._cut = False  # a row changes hands: the last burst's tokens are not its request's
         with torch.cuda.stream(self.stream):
@@ -228,7 +223,7 @@ class GraphedGreedy:
         self.capture()
         with torch.cuda.stream(self.stream):
             self.stack.capture_prefills()
-        return Server(_Served(self), clock=clock)  # which tells self.driven
+        return Server(self, clock=clock)  # which tells self.driven
 
     def serve(self, requests: Sequence[Request]) -> list[Served]:
         """Continuous batching, as a speculative decoder's serve(): the requests, queued in
@@ -236,37 +231,6 @@ class GraphedGreedy:
         request that cannot run is refused alone, its Served's `refused` saying why. Where it
         raises (an interrupt), its server drives the rows no more (Driven.serve)."""
         return self.driven.serve(self.server, requests)  # made once the requests are checked
-
-
-class _Served:
-    """A GraphedGreedy's rows as its own server() drives them (memra_cuda.rounds.serving.Decoder):
-    the loop's own, but admit takes the copy of a request that the Server kept from its submit,
-    checked there against the loop's vocabulary and room (refusal), without admit()'s check
-    again. A Server made directly over the loop admits through its public admit, checked."""
-
-    def __init__(self, loop: GraphedGreedy):
-        self.loop = loop
-        self.batch, self.vocab, self.driven = loop.batch, loop.vocab, loop.driven  # Server tells driven
-
-    def refusal(self, request: Request) -> str | None:
-        return self.loop.refusal(request)
-
-    def admit(self, row: int, request: Request) -> None:
-        """The Server's kept copy, whose room is a comparison, admitted unchecked; any other
-        request (a caller's own, handed to server.decoder.admit) through the loop's admit()."""
-        if is_kept(request, self.vocab) and self.loop.refusal(request) is None:
-            self.loop._admit_trusted(as_row(row, self.batch), request)
-        else:
-            self.loop.admit(row, request)
-
-    def burst(self) -> Burst:
-        return self.loop.burst()
-
-    def recover(self) -> Burst | None:
-        return self.loop.recover()
-
-    def park(self, rows: Sequence[int]) -> None:
-        self.loop.park(rows)
 
 
 def hf_generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: int | None = None,

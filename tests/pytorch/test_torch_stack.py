@@ -898,23 +898,22 @@ def test_a_servers_admission_checks_a_prompt_once_and_a_public_prefill_still_ref
             decoder.target.prefill(rows, prompts)  # a stack's own public prefill checks as it did
     assert all(torch.equal(stack.kv.lengths, lengths) for stack, lengths in
                zip((decoder.target, decoder.draft), before)), "a refused prefill wrote a row"
-    # a server's decoder (server.decoder) admits unchecked only the copy its Server kept: a caller's
-    # own request handed to it, or a kept copy changed, is checked in full, a bad token refused
+    # admit takes the copy a Server kept at once, the same request changed, or a caller's own, is
+    # checked in full (a bad token refused before the row is touched), and the Server's own adapter
+    # (server.decoder) admits through it
     slots = decoders._Slots(decoder, Mode.GRAPH)
     for request in (Request([5, VOCAB], 2), served_copy(Request([5, 6], 2))._replace(prompt=(5, VOCAB))):
-        with pytest.raises(ValueError, match=f"its prompt's token {VOCAB} \\(at 1\\) is outside the vocabulary"):
-            slots.admit(0, request)
+        for admit in (decoder.admit, slots.admit):
+            with pytest.raises(ValueError, match=f"its prompt's token {VOCAB} \\(at 1\\) is outside the vocabulary"):
+                admit(0, request)
     assert all(torch.equal(stack.kv.lengths, lengths) for stack, lengths in
                zip((decoder.target, decoder.draft), before)), "a refused admission wrote a row"
-    checks.clear()
-    slots.admit(1, Request(prompt[:4], 2))
-    assert checks == ["its prompt's"] and decoder.draft.kv.lengths[:, 1].tolist() == [3]
     kept = served_copy(Request(prompt[:6], 2))
     checks.clear()
     slots.admit(1, kept)
     assert checks == [] and decoder.draft.kv.lengths[:, 1].tolist() == [5]
     with pytest.raises(ValueError, match="row 2 is not one of the decoder's 2"):
-        slots.admit(2, kept)
+        decoder.admit(2, kept)
 
 
 def test_the_plain_loops_server_checks_a_prompt_once_and_runs_it_as_its_own_greedy_decoding(monkeypatch):
@@ -925,7 +924,7 @@ def test_the_plain_loops_server_checks_a_prompt_once_and_runs_it_as_its_own_gree
     its bursts eager)."""
     from memra_cuda.rounds.serving import Driven
     from memra_cuda.torch import GraphedGreedy, Request
-    from memra_cuda.torch.greedy import _Served, advance
+    from memra_cuda.torch.greedy import advance
     model = tiny()
     decoder = object.__new__(GraphedGreedy)
     decoder.batch, decoder.steps, decoder.vocab, decoder.eager, decoder.stream = 2, 3, VOCAB, True, None
@@ -948,19 +947,12 @@ def test_the_plain_loops_server_checks_a_prompt_once_and_runs_it_as_its_own_gree
     assert checks == ["its prompt's"] and decoder.stack.kv.lengths[:, 1].tolist() == [4] * 3
     with pytest.raises(ValueError, match=f"its prompt's token {VOCAB} \\(at 0\\) is outside the vocabulary"):
         decoder.admit(0, Request([VOCAB, 1], 2))
-    # its server's decoder (server.decoder) admits unchecked only the copy the Server kept and whose
-    # room holds: a caller's own request handed to it is checked in full, its room too
-    served_rows = _Served(decoder)
-    with pytest.raises(ValueError, match=f"its prompt's token {VOCAB} \\(at 0\\) is outside the vocabulary"):
-        served_rows.admit(0, Request([VOCAB, 1], 2))
+    # the copy a Server kept is admitted at once, but its room is still measured
     with pytest.raises(ValueError, match=f"need a cache of {CAPACITY + 1}"):
-        served_rows.admit(0, served_copy(Request([1, 2], CAPACITY)))
-    del checks[:]
-    served_rows.admit(0, Request(prompt[:3], 2))
-    assert checks == ["its prompt's"] and decoder.stack.kv.lengths[:, 0].tolist() == [2] * 3
+        decoder.admit(0, served_copy(Request([1, 2], CAPACITY)))
     kept = served_copy(Request(prompt[:4], 2))
     del checks[:]
-    served_rows.admit(0, kept)
+    decoder.admit(0, kept)
     assert checks == [] and decoder.stack.kv.lengths[:, 0].tolist() == [3] * 3
 
 

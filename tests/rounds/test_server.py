@@ -422,6 +422,31 @@ def test_a_budget_changed_after_submit_is_not_the_one_admitted():
     assert all(type(v) is int for v in (kept.max_new_tokens, kept.eos, kept.seed, kept.max_draft)), ident
 
 
+def test_the_copy_a_server_kept_is_admitted_without_its_tokens_read_again_and_a_changed_one_is_checked(monkeypatch):
+    """A decoder's admit() checks what it is given (rounds.serving.admitted), but the copy its
+    Server kept from the submit was checked already (~40 us a 300-token prompt): that copy comes
+    back as it is, its tokens unread, where they lie in the decoder's vocabulary. The same copy
+    changed (_replace), against a smaller vocabulary, or a caller's own request is read in full
+    and refused naming what is wrong."""
+    from memra_cuda.rounds.serving import admitted
+    kept = admitted(Request([1, 2, 3], 4, eos=5), VOCAB, 0, 1)[1]
+    reads = []
+    real = serving.as_prompt
+    monkeypatch.setattr(serving, "as_prompt", lambda *args: reads.append(args[0]) or real(*args))
+    assert admitted(kept, VOCAB, 1, 2) == (1, kept) and admitted(kept, VOCAB, 1, 2)[1] is kept and reads == []
+    with pytest.raises(ValueError, match="row 2 is not one of the decoder's 2"):
+        admitted(kept, VOCAB, 2, 2)
+    changed = kept._replace(prompt=(1, VOCAB))
+    assert type(changed) is Request
+    with pytest.raises(ValueError, match=f"its prompt's token {VOCAB} \\(at 1\\) is outside the vocabulary"):
+        admitted(changed, VOCAB, 0, 1)
+    with pytest.raises(ValueError, match="its prompt's token 3 \\(at 2\\) is outside the vocabulary of 3"):
+        admitted(kept, 3, 0, 1)
+    with pytest.raises(ValueError, match="its EOS 5 is outside the vocabulary of 5"):
+        admitted(admitted(Request([1], 4, eos=5), VOCAB, 0, 1)[1], 5, 0, 1)  # its tokens in, its EOS not
+    assert admitted(Request(list(kept.prompt), 4, eos=5), VOCAB, 0, 1)[1] == kept and len(reads) == 5
+
+
 def test_a_server_over_a_decoder_of_no_rows_is_refused_naming_its_batch():
     """A batch of 0 left serve() stepping for ever: no row ever took a request."""
     for batch, error in ((0, ValueError), (-1, ValueError), (True, TypeError), (2.0, TypeError)):
