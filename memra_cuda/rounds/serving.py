@@ -229,14 +229,27 @@ def as_row(row: object, batch: int) -> int:
 
 
 class _Kept(Request):
-    """A checked copy of a request, which only _checked makes (the copy a Server keeps from its
-    submit): its prompt a tuple of ints, its numbers plain ints, each immutable. A copy changed
-    by _replace is a plain Request again, to be checked anew."""
+    """A checked copy of a request (the copy a Server keeps from its submit), which _checked
+    makes: its prompt a tuple of ints, its numbers plain ints, each immutable. Every way a
+    NamedTuple makes another from it (_make, which _replace and copy.replace call; a pickle's
+    round trip) makes a plain Request, to be checked anew; only its private name builds one
+    unchecked, as only a private name reaches the stacks' unchecked prefill. It reads as the
+    Request it is a copy of."""
 
     __slots__ = ()
 
+    @classmethod
+    def _make(cls, iterable: Iterable[Any]) -> Request:  # type: ignore[override]  # a plain one: unchecked
+        return Request._make(iterable)
+
     def _replace(self, **changes: Any) -> Request:  # type: ignore[override]  # a plain one: unchecked
         return Request(*self)._replace(**changes)
+
+    def __reduce__(self) -> tuple[type[Request], tuple[Any, ...]]:
+        return Request, tuple(self)
+
+    def __repr__(self) -> str:
+        return repr(Request(*self))
 
 
 def _checked(request: Request, vocab: int) -> Request | str:

@@ -353,6 +353,7 @@ class _Slots:
         return self.decoder.room(request, self.mode)
 
     def admit(self, row: int, request: Request) -> None:
+        """The decoder's own admit: the copy the Server kept passes its check at once."""
         self.decoder.admit(row, request)
 
     def burst(self) -> Burst:

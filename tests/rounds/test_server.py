@@ -7,6 +7,7 @@ is checked is the server's part: which request a row runs, when, and whose token
 refusals, cancels and the times each token was read back."""
 from __future__ import annotations
 
+import pickle
 import re
 
 import numpy as np
@@ -445,6 +446,18 @@ def test_the_copy_a_server_kept_is_admitted_without_its_tokens_read_again_and_a_
     with pytest.raises(ValueError, match="its EOS 5 is outside the vocabulary of 5"):
         admitted(admitted(Request([1], 4, eos=5), VOCAB, 0, 1)[1], 5, 0, 1)  # its tokens in, its EOS not
     assert admitted(Request(list(kept.prompt), 4, eos=5), VOCAB, 0, 1)[1] == kept and len(reads) == 5
+    # whatever a NamedTuple makes from the copy is a plain Request, checked anew: _make (a classmethod,
+    # which _replace called unbound from Request calls too) and a pickle's round trip made the copy's
+    # own type, a negative token or budget passed as checked
+    assert repr(kept) == "Request(prompt=(1, 2, 3), max_new_tokens=4, eos=5, seed=0, max_draft=None)"
+    for made in (kept._make([(1, -3), 4, None, 0, None]), Request._replace(kept, prompt=(1, -3)),
+                 pickle.loads(pickle.dumps(kept._replace(prompt=(1, -3))))):
+        assert type(made) is Request
+        with pytest.raises(ValueError, match="its prompt's token -3 \\(at 1\\) is outside the vocabulary"):
+            admitted(made, VOCAB, 0, 1)
+    server = Server(Counting(1), clock=Clock())
+    with pytest.raises(RequestRefused, match="max_new_tokens must be"):
+        server.submit(kept._make([(1, 2), -4, None, 0, None]))
 
 
 def test_a_server_over_a_decoder_of_no_rows_is_refused_naming_its_batch():
