@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from ..driver.values import as_size
+from ..driver.values import I32_MOST, as_size
 from .layout import MAX_TREE_NODES, RING_TOKENS
 
 
@@ -29,6 +29,12 @@ MAX_BATCH = 65535  # some kernels give each sequence a grid row (y), which CUDA 
 # u32 (spec_ring_commit, spec_ring_publish), so M·(k + 1) is at most MAX_RING, and k + 1 (M = 1)
 # too: the kernels' own k + 1 cannot wrap either.
 MAX_RING = 2**32 - 1 - RING_TOKENS
+# A round's k + 1 tokens are an i32 count on the device (ctl's keep: a round's committed tokens),
+# and the greedy and sampled acceptance and the ring's commit step a warp over a row's drafts 32 at
+# a time in u32 up to k: at k of 2**32 - 32 or more that step wrapped to 0 below its limit and the
+# kernel ran for ever (a round whose rollback table names no cache, and so no capacity, reached
+# it). So k + 1 is at most I32_MOST: a step then ends below 2**31 + 32.
+MAX_K = I32_MOST - 1
 
 
 def as_batch(batch: object) -> int:
@@ -45,10 +51,11 @@ class Geometry:
 
     Each is checked as it is built (an int, k at least 0, M and B at least 1 and B at most
     MAX_BATCH, width at least k + 1), ValueError or TypeError naming it; and bounded by what the
-    kernels hold, so no size or count computed from them can wrap: M·(k + 1), a burst's tokens
-    a row, at most the ring's MAX_RING (a u32: k at most MAX_RING - 1, M at most MAX_RING //
-    (k + 1)); a width past a chain's k + 1 is a tree's nodes, at most MAX_TREE_NODES (the tree
-    kernels' shared arrays and a node's ancestor mask words)."""
+    kernels hold, so no size or count computed from them can wrap: k at most MAX_K (k + 1 an
+    i32, a round's count of tokens on the device); M·(k + 1), a burst's tokens a row, at most the
+    ring's MAX_RING (a u32: M at most MAX_RING // (k + 1)); a width past a chain's k + 1 is a
+    tree's nodes, at most MAX_TREE_NODES (the tree kernels' shared arrays and a node's ancestor
+    mask words)."""
 
     k: int
     m_rounds: int
@@ -58,8 +65,7 @@ class Geometry:
     def __init__(self, k: int, m_rounds: int, batch: int = 1, width: int | None = None):
         """`width` None: a chain's k + 1, a default computed from another field, which a
         dataclass field cannot have; so the frozen fields are set here."""
-        k = _at_most(as_size(k, "k", 0), "k", MAX_RING - 1,
-                     f"a round's k + 1 tokens fill a ring row of at most {MAX_RING}")
+        k = _at_most(as_size(k, "k", 0), "k", MAX_K, "a round's k + 1 tokens are an i32 count on the device")
         m_rounds = _at_most(as_size(m_rounds, "m_rounds"), "m_rounds", MAX_RING // (k + 1),
                             f"a burst's M * (k + 1) tokens fill a ring row of at most {MAX_RING}")
         if width is not None:

@@ -227,8 +227,7 @@ class SampledCandidates:
     placed by kernel 11 (tokens, their log q, and the log of the j-th largest q)."""
 
     def __init__(self, engine: Engine, batch: int, nodes: int, draws: int):
-        if not 1 <= draws <= MAX_TREE_DRAWS:
-            raise ValueError(f"a sampled node draws 1 to {MAX_TREE_DRAWS} children, not {draws}")
+        draws = as_size(draws, "a sampled node's draws (children)", 1, MAX_TREE_DRAWS)  # True was 1 draw
         n = batch * nodes * draws
         self.rows, self.draws = batch * nodes, draws
         self.tok_d = engine.zeros(np.uint32, n, label="tree draws")

@@ -329,8 +329,9 @@ class Server:
     def __init__(self, decoder: Decoder, *, clock: Callable[[], float] = time.perf_counter):
         missing = [name for name in DECODES if not hasattr(decoder, name)]
         if missing:
+            own = "; it makes its own: decoder.server()" if callable(getattr(decoder, "server", None)) else ""
             raise TypeError(f"a decoder has {', '.join(DECODES)} (memra_cuda.rounds.serving.Decoder): "
-                            f"type {type(decoder).__name__} has no {', '.join(missing)}")
+                            f"type {type(decoder).__name__} has no {', '.join(missing)}{own}")
         batch = as_size(decoder.batch, "a decoder's batch")
         as_size(decoder.vocab, "a decoder's vocab")
         if not callable(clock):  # else the first submit met "'NoneType' object is not callable", its id taken

@@ -7,7 +7,7 @@ import pytest
 
 from memra_cuda import DynamicTree, Geometry, StreamBufs, TreeShape, kv_capacity
 from memra_cuda.buffers import Capacity
-from memra_cuda.buffers.geometry import MAX_RING
+from memra_cuda.buffers.geometry import MAX_K, MAX_RING
 from memra_cuda.buffers.layout import MAX_TREE_NODES, RING_TOKENS
 
 NO_ENGINE = object()  # refused only after the geometry is: nothing here reaches an engine
@@ -61,14 +61,18 @@ def test_the_capacity_rule_reads_the_width_from_the_geometry():
 
 
 def test_k_m_and_the_width_are_bounded_by_the_ring_and_the_tree_kernels_at_the_limit_and_one_past():
-    """The kernels take k, M·(k + 1) (the ring's row, RING_TOKENS more words in u32) and a tree's
-    nodes as u32s and shared arrays: Geometry(2**61, 4) was built, and kv_capacity of it came back
-    negative (int64 wrapped). Each bound holds at its limit and refuses one past it, naming it."""
-    assert MAX_RING == 2**32 - 1 - RING_TOKENS
-    assert Geometry(MAX_RING - 1, 1).width == MAX_RING, "k + 1 tokens fill a ring row exactly"
-    with pytest.raises(ValueError, match=f"k must be at most {MAX_RING - 1} \\(a round's k \\+ 1 tokens fill a ring "
-                                         f"row of at most {MAX_RING}\\), not {MAX_RING}"):
-        Geometry(MAX_RING, 1)
+    """The kernels take k + 1 as an i32 count (and step a warp over k drafts in u32: at k of
+    MAX_RING - 1, allowed before, the step wrapped and the kernel never ended), M·(k + 1) (the
+    ring's row, RING_TOKENS more words in u32) and a tree's nodes as u32s and shared arrays:
+    Geometry(2**61, 4) was built, and kv_capacity of it came back negative (int64 wrapped). Each
+    bound holds at its limit and refuses one past it, naming it."""
+    assert MAX_RING == 2**32 - 1 - RING_TOKENS and MAX_K == 2**31 - 2
+    assert Geometry(MAX_K, 1).width == 2**31 - 1, "k + 1 tokens are an i32 count exactly"
+    with pytest.raises(ValueError, match=f"k must be at most {MAX_K} \\(a round's k \\+ 1 tokens are an i32 count on "
+                                         f"the device\\), not {MAX_K + 1}"):
+        Geometry(MAX_K + 1, 1)
+    with pytest.raises(ValueError, match="k must be at most"):  # the warp's u32 step over the drafts wrapped: a hang
+        Geometry(MAX_RING - 1, 1)
     with pytest.raises(ValueError, match="k must be at most"):
         Geometry(2**61, 4)
     for k in (0, 3, 1000):
@@ -93,7 +97,7 @@ def test_kv_capacity_is_never_negative_or_wrapped():
     is the exact sum, never an int64 wrapped negative."""
     k, m = 1, MAX_RING // 2  # a live row at position 1 (prompt and budget) may write M rounds of k + 1 past it
     assert kv_capacity(1, 0, Geometry(k, m)) == 1 + m * (k + 1) == 2**32 - 1
-    assert kv_capacity(1, 0, Geometry(MAX_RING - 1, 1)) == 1 + MAX_RING
+    assert kv_capacity(1, 0, Geometry(MAX_K, 1)) == 2**31
     assert kv_capacity(1, 0, Geometry(k, m, 2), overlap=True) == 1 + 2 * m * (k + 1) + k + 1 > 2**32
     assert kv_capacity(2**63 - 2, 1, Geometry(4, 4)) == 2**63 - 1 + 4 * 5, "past int64: wrapped negative"
     long = kv_capacity(2**70, 5, Geometry(4, 4), overlap=True)  # 4 rounds in flight, 4 more, of 5 tokens each

@@ -1241,3 +1241,20 @@ def test_a_capacity_is_checked_before_a_sliding_window_is_compared_with_it():
         with pytest.raises(error, match="capacity must be an int"):
             Stack(windowed, capacity)  # type: ignore[arg-type]
     Stack(windowed, 32)  # at the window
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a CUDA GPU here: nothing to refuse")
+def test_without_a_gpu_torchs_layer_raises_cuda_unavailable_naming_the_call():
+    """On a machine where torch sees no GPU, memra_cuda.torch's engine() met torch's
+    AssertionError ("Torch not compiled with CUDA enabled") and a decoder torch's RuntimeError
+    from inside its stream: the CudaUnavailable the rest of the package raises for a missing
+    GPU, which docs/errors.md promises, is raised instead, before anything is built."""
+    from memra_cuda.errors import CudaUnavailable
+    from memra_cuda.torch import GraphedGreedy, engine
+    with pytest.raises(CudaUnavailable, match=r"memra_cuda.torch.engine\(\) needs a CUDA GPU") as raised:
+        engine()
+    assert raised.value.call == "torch.cuda.is_available" and raised.value.name == "CUDA_UNAVAILABLE"
+    with pytest.raises(CudaUnavailable, match="a decoder needs a CUDA GPU"):
+        GraphedGreedy(tiny(), 64)
+    with pytest.raises(CudaUnavailable, match="a decoder needs a CUDA GPU"):
+        SpeculativeLlama(tiny(), tiny(1, seed=1), k=2, m_rounds=4, capacity=64)

@@ -472,6 +472,17 @@ def test_a_server_over_a_decoder_of_no_rows_is_refused_naming_its_batch():
     with pytest.raises(TypeError, match=r"a decoder has batch, vocab, refusal, admit, burst, park \(memra_cuda"
                                         r"\.rounds\.serving\.Decoder\): type object has no batch, vocab"):
         Server(object())  # type: ignore[arg-type]
+
+    class Speculative:  # a speculative decoder's face: rows, a vocabulary, admit, and a server of its own
+        batch, vocab = 1, 8
+
+        def admit(self, row, request): ...
+
+        def server(self): ...
+
+    with pytest.raises(TypeError, match=r"type Speculative has no refusal, burst, park; it makes its own: "
+                                        r"decoder.server\(\)$"):
+        Server(Speculative())  # type: ignore[arg-type]
     decoder = Counting(1)
     decoder.vocab = 0
     with pytest.raises(ValueError, match="a decoder's vocab must be an int of at least 1, not 0"):

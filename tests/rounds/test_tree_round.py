@@ -48,3 +48,15 @@ def test_what_cannot_place_its_own_children_is_refused(monkeypatch, change, erro
     given = {"acceptance": Greedy(PRED), "draft_places": True, "candidates": None, "kv_data": kv_data(), **change}
     with pytest.raises(error, match=message):
         tree_round_of(monkeypatch, **given)
+
+
+@pytest.mark.parametrize(("draws", "error"), [(True, TypeError), (2.0, TypeError), (0, ValueError), (9, ValueError)])
+def test_a_sampled_trees_draws_are_refused_naming_them_before_anything_is_allocated(draws, error):
+    """SampledCandidates took draws=True as 1 draw (a bool passed its range test), refused only
+    later by a launch's argument named R; its draws are checked where it is built, naming them,
+    before the engine allocates (no engine needed to see it)."""
+    from memra_cuda.buffers.layout import MAX_TREE_DRAWS
+    from memra_cuda.kernels.tree import SampledCandidates
+    assert MAX_TREE_DRAWS == 8
+    with pytest.raises(error, match="a sampled node's draws \\(children\\) must be an int"):
+        SampledCandidates(None, 1, 4, draws)  # type: ignore[arg-type]
