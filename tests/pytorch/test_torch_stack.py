@@ -1180,6 +1180,7 @@ def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
         raise _NoStream
 
     monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as far as the stream, on a GPU's machine
     model = tiny()
     draft = self_draft(model)
     cases = [
