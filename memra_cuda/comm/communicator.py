@@ -316,7 +316,7 @@ class Communicator(Handle):
         self._guard = guard = _Guard(state)
         self._finalizer = weakref.finalize(self, _release, state, guard)
         state.owner = weakref.ref(self)
-        self._on(engine)
+        self._watch(engine)
         self._comm = ctypes.c_void_p(comm)
         threading.Thread(target=_watchdog, args=(state, poll), daemon=True, name=f"memra-nccl-rank{rank}").start()
 
@@ -499,15 +499,20 @@ class Communicator(Handle):
             return _current(self._state.ctx, self.lib.lib.ncclGroupEnd)
 
     def _on(self, engine: Engine | None) -> Engine:
-        """The engine an operation queues on: the communicator's, or another of its device, whose
-        host waits the guard joins."""
+        """The engine an operation queues on: the communicator's, or another of its device."""
         engine = self.engine if engine is None else engine
         if engine.device != self.engine.device:
             raise ValueError(f"{engine!r} is not on the communicator's device {self.engine.device}")
+        return engine
+
+    def _watch(self, engine: Engine) -> None:
+        """The guard joins `engine`'s host waits (the watchdog's timeout bounds them, a peer's
+        failure raises in them), once an operation is prepared on it: a prepare refused before
+        (its buffers, a freed communicator) left the guard on another engine for good, a freed
+        communicator's raising RankFailure in every later synchronize."""
         if self._guard not in engine.guards:
             engine.guards.append(self._guard)
             self._state.engines.append(engine)
-        return engine
 
     def _pair(self, engine: Engine, buf: DeviceBuffer, out: DeviceBuffer, dtype: DTypeLike | None) -> tuple[int, int]:
         for what, b in (("buf", buf), ("out", out)):
@@ -532,7 +537,10 @@ class Communicator(Handle):
     def _prepare(self, engine: Engine, name: str, args: tuple, uses: tuple) -> NcclCall:
         """The NCCL call `name` over `args`, then the communicator and `engine`'s stream, checked
         and bound once (NcclCall)."""
-        return NcclCall(self, engine, name, (*args, self._comm, ctypes.c_void_p(engine.stream_handle)), uses)
+        self._usable()
+        call = NcclCall(self, engine, name, (*args, self._comm, ctypes.c_void_p(engine.stream_handle)), uses)
+        self._watch(engine)
+        return call
 
     def __repr__(self) -> str:
         reason = self.failure_reason

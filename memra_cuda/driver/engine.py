@@ -223,12 +223,29 @@ class Engine(Stream):
     def wait(self, other: Any) -> None:
         """Order this engine's stream after `other` without the host: after an Event's last
         record(), or after everything queued so far on another stream (a handle, a CUstream,
-        an object speaking __cuda_stream__ or one with `cuda_stream`; see Stream.wait_stream)."""
+        an object speaking __cuda_stream__ or one with `cuda_stream`; see Stream.wait_stream).
+
+        An event recorded inside a graph's capture on another engine joins this stream to that
+        capture: its work is then the graph's, and the graph holds what it names only where this
+        engine is one of the capture's `joined` engines (a RoundStream's stages are). Elsewhere,
+        CaptureError before the wait: the graph would replay work over memory it does not hold."""
         if isinstance(other, Event):
             other._usable()
+            self._joins(other.engine)
             self.activate().call("cuStreamWaitEvent", self.stream, other.handle, 0)
         else:
+            if isinstance(other, Stream):
+                self._joins(other)
             self.wait_stream(other)
+
+    def _joins(self, other: Stream) -> None:
+        """CaptureError where a wait after `other`'s stream would join a capture under way there
+        that this engine is not one of (Graph's `joined`): its launches would hold nothing."""
+        hold = other.capture_hold
+        if hold is not None and hold is not self.capture_hold:
+            raise CaptureError(f"{self!r} would wait on a graph being captured on {other!r} that does not hold its "
+                               "work (what it names could be freed under the graph): capture with this engine among "
+                               "the graph's joined engines (Graph(engine, issue, joined=[...]))")
 
     # -- modules --------------------------------------------------------------------------
     def load_ptx(self, name: str, signatures: Mapping[str, Signature] | None = None) -> Module:

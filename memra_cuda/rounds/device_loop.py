@@ -267,16 +267,30 @@ class DeviceLoop:
         feed = self._feed
         return self._graph is not None and feed is not None and feed.cap >= cap and self._paced == paced
 
-    def launch(self, max_rounds: int) -> None:
-        """Take the buffers, clear the feed, set the round cap and launch the loop (prepare
-        first); its readback, at the end, covers every round it runs."""
+    def ready(self) -> tuple[TokenFeed, Graph]:
+        """The loop's feed and graph, or ValueError where launch() would refuse: nothing captured
+        yet (prepare first), or the graph poisoned (a buffer it holds freed). A caller asks
+        before it changes anything for the launch (RoundStream.follow sets the rows' stops)."""
         feed, graph = self._feed, self._graph
         if feed is None or graph is None:
             raise ValueError("the device loop is launched once prepare() has captured it")
+        graph._usable()
+        return feed, graph
+
+    def launch(self, max_rounds: int) -> None:
+        """Take the buffers, clear the feed, set the round cap and launch the loop (prepare
+        first); its readback, at the end, covers every round it runs. Refused (ready), the
+        buffers are never taken; a launch that raises gives them back: a refused launch held them
+        for good, every later burst refused as if a loop still ran."""
+        feed, graph = self.ready()
         self.bufs.hold(self, RUNNING)
-        feed.clear()
-        self.engine.set_u32(self._state_d, 0, max_rounds)
-        graph.launch()
+        try:
+            feed.clear()
+            self.engine.set_u32(self._state_d, 0, max_rounds)
+            graph.launch()
+        except BaseException:
+            self.bufs.release(self)
+            raise
         self._event.record()
         self.bufs.ledger.queued(0, readback=0)
 

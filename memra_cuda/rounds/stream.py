@@ -239,6 +239,23 @@ class RoundStream:
             raise CaptureError(f"device mode's loop for {tokens} tokens a row was not captured before the first "
                                "request (capture_graphs sealed this stream): capture_loop() it there")
 
+    def require_graphs(self, mode: Mode | str) -> None:
+        """CaptureError where this stream is sealed and a burst graph `mode` may ask for was not
+        captured before it: a readback slot of the mode's (0; overlap's 1 too) at a burst length
+        pacing may choose. Met mid-generation, the refusal came after the first burst had run, its
+        tokens lost. generate_batch asks before it queues anything, a decoder before it prefills."""
+        mode = as_mode(mode)
+        if not self.sealed or mode not in (Mode.GRAPH, Mode.OVERLAP):
+            return
+        rounds = self.rounds_per_step(mode)
+        lengths = Pace.lengths(rounds) if self.pace and rounds > 1 else [rounds]
+        missing = [(slot, n) for slot in ((0, 1) if mode is Mode.OVERLAP else (0,)) for n in lengths
+                   if (slot, n) not in self._graphs]
+        if missing:
+            raise CaptureError(f"{mode.value} mode's burst graphs {missing} ((readback slot, rounds)) were not "
+                               "captured before the first request (capture_graphs sealed this stream): capture them "
+                               "there (overlap reads back into slots 0 and 1)")
+
     @property
     def graphs(self) -> tuple[tuple[int, int], ...]:
         """The (readback slot, rounds) of every burst graph captured so far."""
@@ -319,6 +336,7 @@ class RoundStream:
                 pass  # the tokens stay in the token feed until the next launch
             return self._device.tokens() if self._device else [np.zeros(0, np.uint32) for _ in range(bufs.batch)]
         bufs.check_free()
+        self.require_graphs(mode)
         rounds = self.rounds_per_step(mode)
         if budgets.any():
             self.round.capacity.check_burst(bufs.positions, budgets == 0, rounds, bufs.ledger.unseen_rounds)
@@ -418,6 +436,7 @@ class RoundStream:
         loop = self.device_loop
         self.require_loop(int(most.max()))
         loop.prepare(int(most.max()), self.pace)
+        loop.ready()  # a refusal before the rows' stops change
         bufs.set_stop(stops, budgets)
         loop.launch(max_rounds)
         return _Following(self, loop, max_rounds)

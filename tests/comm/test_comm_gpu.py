@@ -91,6 +91,32 @@ def test_a_communicator_refuses_what_it_cannot_queue(engine, one):
         Communicator(one.engine, 0, 1, b"short")
 
 
+def test_an_operation_refused_leaves_no_watch_on_another_engine(engine, lib):
+    """An operation prepared on another engine joins the communicator's guard to that engine's
+    host waits; a prepare refused (its buffer, a freed communicator) attached the guard all the
+    same, for good: after the communicator was freed, every later synchronize of that engine
+    raised RankFailure from its release. The guard joins once an operation is prepared."""
+    from memra_cuda import Engine
+    comm = Communicator(engine, 0, 1, lib.unique_id(), timeout=20)
+    other = Engine(engine.device)
+    try:
+        with pytest.raises(TypeError, match="DeviceBuffer"):
+            comm.all_reduce(np.zeros(4, np.float32), engine=other)
+        assert other.guards == [], "a refused prepare watched the engine"
+        buf = other.zeros(np.float32, 4)
+        comm.prepare_all_reduce(buf, engine=other)
+        assert len(other.guards) == 1
+        comm.free()
+        assert other.guards == [], "the freed communicator's guard stayed"
+        with pytest.raises(ValueError, match="after free"):
+            comm.prepare_all_reduce(buf, engine=other)
+        assert other.guards == []
+        other.synchronize()
+    finally:
+        comm.free()
+        other.close()
+
+
 # -- two processes ---------------------------------------------------------------------------------
 
 def run_ranks(job: str, extra: dict[str, str] | None = None, timeout: float = 120) -> list[dict]:

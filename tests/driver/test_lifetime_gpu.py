@@ -65,6 +65,42 @@ def test_graph_keeps_the_buffer_it_captured_after_the_launch_is_rebound(engine):
     assert engine.dtoh(new, np.uint32).tolist() == [2, 3, 4, 5]
 
 
+def test_a_wait_joining_a_capture_that_does_not_hold_its_engines_work_is_refused(engine):
+    """An engine left out of a capture's joined engines that waited on an event recorded inside
+    the capture joined it: its launches' buffers were not held by the graph, which then replayed
+    them after they were freed. The wait is refused before it is queued, naming joined=; an
+    engine the capture joins waits, and its buffers are held, as before."""
+    other = Engine(engine.device)
+    try:
+        buf = other.zeros(np.uint32, 4, label="other's")
+        launch = increment(other, 4).set(buf, 4)
+        fork, back = Event(engine, timing=False), Event(other, timing=False)
+
+        def unjoined():
+            fork.record()
+            other.wait(fork)
+
+        with pytest.raises(CaptureError, match=r"would wait on a graph being captured .* joined=\[\.\.\.\]"):
+            Graph(engine, unjoined)
+
+        def joined():
+            fork.record()
+            other.wait(fork)
+            launch()
+            back.record()
+            engine.wait(back)
+
+        graph = Graph(engine, joined, joined=[other])
+        graph.launch()
+        engine.synchronize()
+        assert other.dtoh(buf, np.uint32).tolist() == [1] * 4
+        buf.free()
+        with pytest.raises(ValueError, match=r"Graph refuses to run.*other's"):
+            graph.launch()
+    finally:
+        other.close()
+
+
 def test_launch_refuses_after_its_buffer_is_freed_until_rebound(engine):
     buf = engine.zeros(np.uint32, 4, label="victim")
     launch = increment(engine, 4).set(buf, 4)

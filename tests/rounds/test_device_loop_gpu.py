@@ -170,6 +170,24 @@ def test_the_buffers_are_the_loops_until_its_stream_is_read_or_closed(engine, sp
     assert [row.tolist() for row in got] == [toy.target_greedy(MODEL, p, n) for p, n in zip(prompts, [40, 30])]
 
 
+def test_a_loop_refused_at_its_launch_leaves_the_buffers_to_the_other_modes(engine, spec):
+    """A device loop whose graph refuses to run (a buffer it holds was freed) was refused after
+    the buffers were given to it, and nothing gave them back: every later burst raised
+    BuffersHeld saying a loop still ran, with nothing to close. The refusal comes before the
+    buffers are taken (and before the rows' stops change), and graph mode runs on them."""
+    lm, bufs, stream = setup(engine, spec, 2, k=3, m_rounds=4)
+    prompts = [[5, 6, 7], [9]]
+    prefill(lm, bufs, prompts)
+    assert len(stream.generate_batch([10, 10], mode="device")) == 2  # the loop captured
+    stream.device_loop._state_d.free()  # a buffer the loop's graph holds
+    prefill(lm, bufs, prompts)
+    with pytest.raises(ValueError, match="refuses to run"):
+        stream.generate_batch([40, 30], mode="device")
+    bufs.check_free()
+    got = stream.generate_batch([40, 30], mode="graph")
+    assert [row.tolist() for row in got] == [toy.target_greedy(MODEL, p, n) for p, n in zip(prompts, [40, 30])]
+
+
 def test_a_stream_closed_or_dropped_before_its_first_token_frees_the_buffers(engine, spec):
     """The loop is launched at the call, so an iterator never read still owns the buffers until
     it is closed or dropped, which waits for the loop; and the loop is never recaptured under a

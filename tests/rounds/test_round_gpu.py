@@ -7,6 +7,8 @@ last one's tokens, an unread device-mode stream at interpreter exit, a stream sp
 stream protocol."""
 from __future__ import annotations
 
+import re
+
 import warnings
 
 import numpy as np
@@ -223,6 +225,28 @@ def test_a_sealed_stream_generates_on_the_graphs_captured_before_and_refuses_any
     with pytest.raises(CaptureError, match="not captured before the first request"):
         rounds.graph_for(1)  # overlap's second readback slot: never captured
     assert rounds.graphs == captured
+
+
+def test_a_sealed_stream_refuses_overlap_mode_without_its_second_slot_before_anything_is_queued(engine):
+    """Sealed with graph mode's graphs alone (readback slot 0), an overlap generation ran its first
+    burst, then met the CaptureError of slot 1's graph: that burst's tokens lost, the rows moved on.
+    It is refused before anything is queued, naming the graphs; the rows then generate in graph
+    mode as before, and overlap runs once its slot is captured."""
+    lm, bufs, rounds = toy_stream(engine, m_rounds=8, budget=200)
+    rounds.capture_graphs(seal=True)
+    prompt = [3, 1, 4, 1, 5]
+    lm.prefill(bufs, prompt)
+    positions = bufs.positions.copy()
+    missing = [(1, n) for n in ((1, 2, 4, 8) if rounds.pace else (8,))]  # the lengths pacing may ask for
+    with pytest.raises(CaptureError, match=re.escape(f"overlap mode's burst graphs {missing} ((readback slot, "
+                                                     "rounds)) were not captured")):
+        rounds.generate(40, mode="overlap")
+    assert (bufs.positions == positions).all() and rounds.rounds == 0, "the refused generation ran a burst"
+    assert rounds.generate(40, mode="graph").tolist() == toy.target_greedy(MODEL, prompt, 40)
+    rounds.sealed = False
+    rounds.capture_graphs(slots=(1,), seal=True)
+    lm.prefill(bufs, prompt)
+    assert rounds.generate(40, mode="overlap").tolist() == toy.target_greedy(MODEL, prompt, 40)
 
 
 def test_a_sealed_stream_runs_device_mode_on_the_loop_captured_before_and_refuses_a_longer_one(engine):
