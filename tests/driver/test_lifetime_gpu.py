@@ -83,14 +83,14 @@ def test_a_wait_joining_a_capture_that_does_not_hold_its_engines_work_is_refused
         with pytest.raises(CaptureError, match=r"would wait on a graph being captured .* joined=\[\.\.\.\]"):
             Graph(engine, unjoined)
 
-        def joined():
+        def forked():
             fork.record()
             other.wait(fork)
             launch()
             back.record()
             engine.wait(back)
 
-        graph = Graph(engine, joined, joined=[other])
+        graph = Graph(engine, forked, joined=[other])
         graph.launch()
         engine.synchronize()
         assert other.dtoh(buf, np.uint32).tolist() == [1] * 4

@@ -181,8 +181,8 @@ def test_a_loop_refused_at_its_launch_leaves_the_buffers_to_the_other_modes(engi
     assert len(stream.generate_batch([10, 10], mode="device")) == 2  # the loop captured
     stream.device_loop._state_d.free()  # a buffer the loop's graph holds
     prefill(lm, bufs, prompts)
-    with pytest.raises(ValueError, match="refuses to run"):
-        stream.generate_batch([40, 30], mode="device")
+    with pytest.raises(ValueError, match="refuses to run|after free"):
+        stream.generate_batch([10, 10], mode="device")  # the budgets the loop was captured for: no recapture
     bufs.check_free()
     got = stream.generate_batch([40, 30], mode="graph")
     assert [row.tolist() for row in got] == [toy.target_greedy(MODEL, p, n) for p, n in zip(prompts, [40, 30])]
