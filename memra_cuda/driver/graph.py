@@ -247,8 +247,9 @@ class Graph(Handle):
         engines = [engine, *(e for e in joined if e is not engine)]
         if any(e.capture_hold is not None for e in engines):
             raise CaptureError("a graph is already being captured on one of these engines' streams")
+        hold = self.hold  # one object for every engine: a joined engine's wait knows its capture by it (Engine.wait)
         for e in engines:
-            e.capture_hold = self.hold
+            e.capture_hold = hold
         try:
             with collector_held():
                 self.handle, self._owner = (capture or engine.framework.capture or stream_capture)(engine, issue)

@@ -336,9 +336,9 @@ class RoundStream:
                 pass  # the tokens stay in the token feed until the next launch
             return self._device.tokens() if self._device else [np.zeros(0, np.uint32) for _ in range(bufs.batch)]
         bufs.check_free()
-        self.require_graphs(mode)
         rounds = self.rounds_per_step(mode)
-        if budgets.any():
+        if budgets.any():  # nothing to generate queues no burst, and needs no graph
+            self.require_graphs(mode)
             self.round.capacity.check_burst(bufs.positions, budgets == 0, rounds, bufs.ledger.unseen_rounds)
         bufs.set_stop(stops, budgets.tolist())
         out: list[list[np.ndarray]] = [[] for _ in range(bufs.batch)]

@@ -281,7 +281,8 @@ class RoundDecoder:
         most = max(r.max_new_tokens for r in requests)
         if mode is Mode.DEVICE and most:  # refused before the rows are touched, where follow() would capture its loop
             self.rounds.require_loop(most)
-        self.rounds.require_graphs(mode)  # overlap's second slot, where capture() left it out: refused here too
+        if most:  # overlap's second slot, where capture() left it out: refused before the rows are touched too
+            self.rounds.require_graphs(mode)
         self.driven.take("generate_batch")
         self._prefill_trusted(list(range(self.batch)), [r.prompt for r in requests], [r.seed for r in requests],
                               [self._cap(r) for r in requests])

@@ -789,3 +789,35 @@ def test_the_drivers_version_is_read_as_its_release(monkeypatch, reported, relea
     from memra_cuda.driver import errors
     monkeypatch.setattr(errors, "call", lambda name: {"cuDriverGetVersion": reported}[name])
     assert errors.driver_version() == release
+
+
+def test_a_captures_engines_share_one_hold_so_a_joined_engines_wait_is_taken_and_an_outsiders_refused():
+    """A capture marks each of its engines (its own and `joined`) with the graph's hold, by which
+    an engine's wait on an event of another knows whether it joins a capture it is one of. Each
+    engine was given a bound method of its own (`self.hold` read anew), never the same object:
+    every joined wait, a pipeline's between its stages, would have been refused. Host logic
+    alone: stand-in engines, a capture that runs `issue` and stops before the driver."""
+    from memra_cuda.driver.graph import Graph
+    from memra_cuda.errors import CaptureError
+
+    class Stop(Exception):
+        pass
+
+    main, joined, outsider = (types.SimpleNamespace(capture_hold=None, activate=lambda: None) for _ in range(3))
+    waits = []
+
+    def issue():
+        Engine._joins(joined, main)  # a joined stage waits on the capturing engine's event, and back
+        Engine._joins(main, joined)
+        with pytest.raises(CaptureError, match=r"would wait on a graph being captured .* joined=\[\.\.\.\]"):
+            Engine._joins(outsider, main)
+        waits.append("checked")
+
+    def capture(engine, issue):
+        issue()
+        raise Stop
+
+    with pytest.raises(Stop):
+        Graph(main, issue, capture=capture, joined=[joined])  # type: ignore[arg-type]
+    assert waits == ["checked"] and all(e.capture_hold is None for e in (main, joined, outsider))
+    Engine._joins(outsider, main)  # no capture under way: nothing to join

@@ -75,6 +75,7 @@ def test_a_wait_joining_a_capture_that_does_not_hold_its_engines_work_is_refused
         buf = other.zeros(np.uint32, 4, label="other's")
         launch = increment(other, 4).set(buf, 4)
         fork, back = Event(engine, timing=False), Event(other, timing=False)
+        other.synchronize()  # its buffer's zeros are written before the graph runs on the other stream
 
         def unjoined():
             fork.record()
