@@ -103,8 +103,6 @@ class RoundViews:
     """
 
     def __init__(self, bufs: StreamBufs):
-        if not isinstance(bufs, StreamBufs):  # else an AttributeError from deep inside
-            raise TypeError(f"RoundViews are made for a StreamBufs, not {reprlib.repr(bufs)}")
         rows, k, window = bufs.batch, bufs.k, windows(bufs.arena)
         self.pend = window(bufs.pend_d)[:, None]
         self.pos_ctr = window(bufs.pos_ctr_d)[:, None]
@@ -126,8 +124,6 @@ class TreeViews:
     """
 
     def __init__(self, tree_bufs: TreeBufs):
-        if not isinstance(tree_bufs, TreeBufs):  # else an AttributeError from deep inside
-            raise TypeError(f"TreeViews are made for a TreeBufs, not {reprlib.repr(tree_bufs)}")
         rows, nodes, window = tree_bufs.bufs.batch, tree_bufs.nodes, windows(tree_bufs.arena)
         self.tok = window(tree_bufs.tok_d).view(rows, nodes)
         self.pos = window(tree_bufs.pos_d).view(rows, nodes)

@@ -1259,14 +1259,3 @@ def test_without_a_gpu_torchs_layer_raises_cuda_unavailable_naming_the_call():
         GraphedGreedy(tiny(), 64)
     with pytest.raises(CudaUnavailable, match="a decoder needs a CUDA GPU"):
         SpeculativeLlama(tiny(), tiny(1, seed=1), k=2, m_rounds=4, capacity=64)
-
-
-@pytest.mark.parametrize("given", [None, 5, "bufs"])
-def test_views_of_what_is_no_round_buffers_are_a_type_error_naming_it(given):
-    """RoundViews(None) met an AttributeError from inside (bufs.batch): the views say what they
-    are made for, naming what was given, before anything is read."""
-    from memra_cuda.torch import RoundViews, TreeViews
-    with pytest.raises(TypeError, match=f"RoundViews are made for a StreamBufs, not {given!r}"):
-        RoundViews(given)
-    with pytest.raises(TypeError, match=f"TreeViews are made for a TreeBufs, not {given!r}"):
-        TreeViews(given)
