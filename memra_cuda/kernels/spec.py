@@ -260,6 +260,7 @@ def rollback_table(bufs: StreamBufs, table_d: PointerTable, read: Mapping[str, D
     if not isinstance(table_d, PointerTable):
         raise TypeError(f"a rollback table must be a PointerTable (kv_len_ptr_table builds one), which holds "
                         f"the lengths it names; not {table_d!r}")
+    table_d._usable()  # a freed length: the table's own refusal names it (its address, read below, would not)
     wrong = [t for t in table_d.targets if t is not None and (t.dtype != np.int32 or t.len != bufs.batch)]
     if wrong:
         raise ValueError(f"a rollback table for a batch of {bufs.batch} must name i32[{bufs.batch}] lengths "
