@@ -240,10 +240,7 @@ class _Kept(Request):
 
     @classmethod
     def _make(cls, iterable: Iterable[Any]) -> Request:  # type: ignore[override]  # a plain one: unchecked
-        return Request._make(iterable)
-
-    def _replace(self, **changes: Any) -> Request:  # type: ignore[override]  # a plain one: unchecked
-        return Request(*self)._replace(**changes)
+        return Request._make(iterable)  # _replace and copy.replace make theirs here too
 
     def __reduce__(self) -> tuple[type[Request], tuple[Any, ...]]:
         return Request, tuple(self)

@@ -8,7 +8,6 @@ stream protocol."""
 from __future__ import annotations
 
 import re
-
 import warnings
 
 import numpy as np
