@@ -38,3 +38,30 @@ def test_a_cited_section_is_a_heading_of_the_page_cited():
     stale = [f"{path.relative_to(ROOT)}: {doc}, {section!r}" for path, doc, section in cited
              if not any(heading.startswith(section.lower()) for heading in headings(ROOT / doc))]
     assert stale == [], "sections cited that their page does not have:\n" + "\n".join(stale)
+
+
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *ROOT.glob("docs/*.md"), *ROOT.glob("benchmarks/*.md")]
+LINK = re.compile(r"\]\(([^)\s#]*)(?:#([^)\s]+))?\)")
+
+
+def anchor(heading: str) -> str:
+    """A heading's anchor as GitHub writes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading).replace(" ", "-")
+
+
+def test_a_pages_links_reach_a_file_and_its_heading():
+    """Every relative link of a page, `[text](other.md#section)`, names a file of the repository
+    and, where it names a section, a heading of that file: a heading renamed, or a section cited
+    from memory, leaves a link that opens the page at its top."""
+    assert len(PAGES) > 10, "the pages were not found next to the tests"
+    broken = []
+    for page in PAGES:
+        for target, section in LINK.findall(page.read_text("utf-8")):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            linked = (page.parent / target).resolve() if target else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif section and linked.suffix == ".md" and section not in map(anchor, headings(linked)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{section} (no such heading)")
+    assert broken == [], "links that reach nothing:\n" + "\n".join(broken)
