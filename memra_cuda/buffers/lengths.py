@@ -8,7 +8,7 @@ brk_d. The host writes caps and costs between bursts; graphs captured over them 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,9 +31,9 @@ class DraftLengths:
     `verify_costs[w]`, w = 0..k, is the measured cost of the batch's verify of w + 1 tokens a
     row, in plain steps (`verify_costs[0]`, the plain step, is 1), or None for a width the
     rounds do not run (the chooser never picks it); `draft_cost` a draft step's,
-    in the same unit. `decay` (0 to 1) is what a round's statistics weigh a round later, `prior`
-    (0 to 1) the acceptance a row starts from when it is admitted, and the one a round at length
-    0 (nothing judged) decays its statistics toward. Every row's cap starts at k
+    in the same unit. `decay` (0 to below 1) is what a round's statistics weigh a round later,
+    `prior` (above 0, up to 1) the acceptance a row starts from when it is admitted, and the one
+    a round at length 0 (nothing judged) decays its statistics toward. Every row's cap starts at k
     (speculation on, at the full width); set a request's cap when its row is admitted
     (`set_cap_row`, beside `bufs.start_row`), before its first round.
     """
@@ -49,7 +49,10 @@ class DraftLengths:
         if not isinstance(bufs, StreamBufs):
             raise TypeError(f"DraftLengths are made for a StreamBufs, not {bufs!r}")
         self.bufs, self.engine, self.k, self.batch = bufs, bufs.engine, bufs.k, bufs.batch
-        self.decay, self.prior = _fraction(decay, "decay"), _fraction(prior, "prior")
+        # a decay of 1 or a prior of 0 would settle the width at 0 for good: a round at length 0
+        # moves no statistics (decay 1), or moves them toward an acceptance of 0 (prior 0)
+        self.decay = _fraction(decay, "decay", lambda x: 0.0 <= x < 1.0, "from 0 to below 1")
+        self.prior = _fraction(prior, "prior", lambda x: 0.0 < x <= 1.0, "above 0, up to 1")
         costs = self._costs(verify_costs, draft_cost)
         self._arena, fields = carve(self.engine, 1, {
             "rate_d": (np.float32, self.batch * RATE_WORDS), "cap_d": (np.uint32, self.batch),
@@ -108,10 +111,15 @@ class DraftLengths:
         return f"DraftLengths(k={self.k}, batch={self.batch}, decay={self.decay}, prior={self.prior})"
 
 
-def _fraction(value: object, what: str) -> float:
+def _fraction(value: object, what: str, within: Callable[[float], bool], bounds: str) -> float:
+    """`value` as a float, refused unless `within` as the f32 the chooser reads (NaN never is):
+    at a decay of 1 or a prior of 0 (0.99999999 is 1 as an f32, 1e-50 is 0), a batch whose width
+    fell to 0 would keep it there, no row judged again."""
     number = as_real(value, what)
-    if not 0.0 <= number <= 1.0:
-        raise ValueError(f"{what} must be a number from 0 to 1, not {value!r}")
+    with np.errstate(over="ignore"):
+        if not within(float(np.float32(number))):
+            raise ValueError(f"{what} must be a number {bounds} as an f32, not {value!r}: a width at 0 would stay "
+                             "there, every row's speculation off for good")
     return number
 
 

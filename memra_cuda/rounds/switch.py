@@ -27,6 +27,13 @@ if TYPE_CHECKING:
     from ..driver.module import Launch
 
 
+def _collection(widths: object, bounds: str) -> Iterable[int]:
+    """`widths` where it is a collection of widths: not a string, nor a mapping, whose keys are
+    not widths given as such (a decoder took a dict's keys without a word)."""
+    if isinstance(widths, (str, bytes, Mapping)) or not isinstance(widths, Iterable):
+        raise TypeError(f"widths must be a collection of ints {bounds}, not {widths!r}")
+    return widths
+
 @dataclass(frozen=True)
 class Widths:
     """The widths, 0 to `k`, that a round has a body of, k always among them (the widest: every
@@ -41,13 +48,18 @@ class Widths:
         are any collection of ints (sorted here) but a string or a mapping, whose keys are not
         widths given as such."""
         k = as_size(self.k, "k", 0)
-        if isinstance(self.widths, (str, bytes, Mapping)) or not isinstance(self.widths, Iterable):
-            raise TypeError(f"widths must be a collection of ints from 0 to k (k among them), not {self.widths!r}")
-        widths = tuple(as_size(width, "a width", 0, k) for width in self.widths)
+        given = _collection(self.widths, "from 0 to k (k among them)")
+        widths = tuple(as_size(width, "a width", 0, k) for width in given)
         if k not in widths:
             raise ValueError(f"the widths a round has bodies of must include k = {k} (the widest), not {widths}")
         object.__setattr__(self, "k", k)
         object.__setattr__(self, "widths", tuple(sorted(set(widths))))
+
+    @classmethod
+    def beside(cls, k: int, narrower: Iterable[int]) -> Widths:
+        """A chain decoder's widths: the `narrower` ones its caller gave (any of 0 to k), checked
+        as a collection before k joins them, and k."""
+        return cls(k, (*_collection(narrower, "from 0 to k (k is added)"), k))
 
     @property
     def body_of(self) -> tuple[int, ...]:

@@ -77,7 +77,7 @@ class SpeculativeLlama(RoundDecoder):
                  widths: Sequence[int] = ()):
         # a chain drafts at least one token a round; no drafts at all is the plain loop
         k = as_size(k, "k (no drafts: GraphedGreedy, or a request's max_draft=0)")
-        built = Widths(k, (*widths, k))  # refused before anything is made
+        built = Widths.beside(k, widths)  # refused before anything is made
         super().__init__(model, draft, Geometry(k, m_rounds, batch), capacity=capacity,
                          sampling=sampling, draft_sampling=draft_sampling, state_rollback=state_rollback,
                          on_engine=on_engine, compiled=compiled)

@@ -145,12 +145,26 @@ def test_a_wrong_cap_or_cost_is_refused_naming_it_before_anything_is_written(cal
 @pytest.mark.parametrize(("keyword", "value", "error"), [
     ("decay", 1.5, ValueError), ("decay", -0.1, ValueError), ("decay", float("nan"), ValueError),
     ("prior", 2, ValueError), ("prior", None, TypeError), ("prior", True, TypeError), ("decay", "0.9", TypeError),
-    pytest.param("decay", 10**400, ValueError, id="decay-past-a-float")])
-def test_a_decay_or_prior_outside_0_to_1_is_refused_before_anything_is_allocated(keyword, value, error):
+    pytest.param("decay", 10**400, ValueError, id="decay-past-a-float"),
+    # at the limits: a decay of 1 moves nothing in a round at length 0, a prior of 0 moves it toward no
+    # acceptance, so a batch whose width fell to 0 stayed there, speculation off for good
+    ("decay", 1.0, ValueError), ("decay", 1, ValueError), ("prior", 0.0, ValueError), ("prior", -0.0, ValueError),
+    ("decay", 0.99999999, ValueError), ("prior", 1e-50, ValueError)])  # 1 and 0 as the chooser's f32
+def test_a_decay_or_prior_that_could_hold_the_width_at_0_is_refused_before_anything_is_allocated(keyword, value,
+                                                                                                 error):
     bufs = host_bufs()
     with pytest.raises(error, match=f"{keyword} must be a"):
         DraftLengths(bufs, [1.0] * 4, 0.0, **{keyword: value})
     assert bufs.engine.writes == []
+
+
+def test_a_decay_just_below_1_and_a_prior_just_above_0_are_taken_and_1_is_a_prior():
+    """The limits on the allowed side, as f32s: the statistics still move, or start somewhere."""
+    one, zero = np.float32(1), np.float32(0)
+    below_1, above_0 = float(np.nextafter(one, zero)), float(np.nextafter(zero, one))
+    for decay, prior in ((below_1, 1.0), (0.0, above_0), (0.0, 1.0)):
+        lengths = DraftLengths(host_bufs(), [1.0] * 4, 0.0, decay=decay, prior=prior)
+        assert (lengths.decay, lengths.prior) == (decay, prior)
 
 
 def test_only_round_stream_buffers_take_lengths():

@@ -1169,7 +1169,7 @@ class _NoStream(Exception):
 
 def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
     """An option a decoder cannot serve is refused before its stream, engine or stacks are made:
-    a flag not a bool, an on_engine not a function, a page (past the cache too), a sampled tree's draws, a plain loop's
+    a flag not a bool, an on_engine not a function, widths not a collection, a page (past the cache too), a sampled tree's draws, a plain loop's
     capacity (each was found after the stream, some after both models' stacks); and a cache that
     cannot take one round, at the limit (found at the warm-up, after both models compiled, as a
     "next burst"). Where all is well, the decoder gets as far as its stream."""
@@ -1186,6 +1186,9 @@ def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
     cases = [
         (lambda: SpeculativeLlama(model, draft, compiled="yes"), TypeError, "compiled must be None or True or False"),
         (lambda: SpeculativeLlama(model, draft, on_engine=5), TypeError, "on_engine is a function"),
+        # a dict's keys were taken as widths, an int's refusal named no argument
+        (lambda: SpeculativeLlama(model, draft, widths={2: 1.3}), TypeError, "widths must be a collection of ints"),
+        (lambda: SpeculativeLlama(model, draft, widths=2), TypeError, "widths must be a collection of ints"),
         (lambda: TreeLlama(model, draft, TREE, paged=0), ValueError, "paged must be an int from 1 to 1024, not 0"),
         # past the caches' slots a row (a capacity of 1000 is 1024, whole blocks): allocated whole, after the stream
         (lambda: TreeLlama(model, draft, TREE, capacity=1000, paged=1025), ValueError,

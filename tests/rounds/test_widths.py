@@ -39,6 +39,23 @@ def test_widths_outside_0_to_k_or_without_k_are_refused(k, widths, error, messag
         Widths(k, widths)
 
 
+@pytest.mark.parametrize("narrower", [3, None, {2: 1.3}, "02", b"\x00"])
+def test_a_decoders_narrower_widths_are_checked_as_a_collection_before_k_joins_them(narrower):
+    """SpeculativeLlama(widths=...) gives Widths.beside its caller's widths: they were unpacked
+    beside k first, so a dict's keys became widths without a word and an int's TypeError named
+    no argument ("Value after * must be an iterable")."""
+    with pytest.raises(TypeError, match=r"widths must be a collection of ints from 0 to k \(k is added\), not "):
+        Widths.beside(4, narrower)
+
+
+def test_a_decoders_widths_are_its_callers_and_k():
+    assert Widths.beside(4, ()).widths == (4,)
+    assert Widths.beside(4, (2, 0, 2)).widths == (0, 2, 4)
+    assert Widths.beside(4, iter([4, 1])).widths == (1, 4)
+    with pytest.raises(ValueError, match="a width must be an int from 0 to 4"):
+        Widths.beside(4, (5,))
+
+
 @pytest.mark.parametrize("kind", [np.uint8, np.uint16, np.uint32, np.int64])
 def test_numpy_widths_make_the_same_bodies_as_plain_ints(kind):
     """k was kept as given: Widths(np.uint8(255), (np.uint8(255),)).body_of was () (range(255 + 1)
