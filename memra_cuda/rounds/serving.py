@@ -16,7 +16,7 @@ import contextlib
 import reprlib
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -154,7 +154,8 @@ def as_requests(requests: Iterable[Request], what: str) -> list[Request]:
     string's characters were read as requests."""
     if isinstance(requests, Request):
         raise TypeError(f"{what} takes a sequence of requests, not one Request: give [request]")
-    if not isinstance(requests, Iterable) or isinstance(requests, (str, bytes)):
+    if not isinstance(requests, Iterable) or isinstance(requests, (str, bytes, Set, Mapping)):
+        # a set's order is its hashes': results in order were in no order the caller could read
         raise TypeError(f"{what} takes a sequence of requests (a list), not {reprlib.repr(requests)}")
     return list(requests)
 
@@ -334,8 +335,9 @@ class Server:
         if not callable(clock):  # else the first submit met "'NoneType' object is not callable", its id taken
             raise TypeError(f"a server's clock is a function giving seconds (time.perf_counter), not {clock!r}")
         driven = getattr(decoder, "driven", None)  # a decoder's own servers (GraphedGreedy's server() makes them)
-        if isinstance(driven, Driven):
-            driven.take("a new server")
+        self._driven = driven if isinstance(driven, Driven) else None
+        if self._driven is not None:
+            self._driven.take("a new server")
         self.decoder, self.clock = decoder, clock
         self._slots: list[int | None] = [None] * batch  # the id of the request in each row
         self._queue: collections.deque[int] = collections.deque()  # ids waiting for a row, in order
@@ -375,6 +377,10 @@ class Server:
         anything but a refusal took none, and the next submit gets it: the id was taken first,
         and the next request's skipped it. A refusal takes the id and names it, a decoder's own
         RequestRefused too (naming its row, it named another request, a live one perhaps)."""
+        if self._driven is not None and self.idle:
+            # two servers made while both were idle each held every row free: the second's requests
+            # were admitted into the first's rows, one request ending with another's tokens
+            self._driven.take("a request submitted to another server over its rows", beside=self)
         checked = _checked(request, self.decoder.vocab)
         try:
             if isinstance(checked, str):
@@ -443,7 +449,8 @@ class Server:
             self._unrecorded = busy, burst
             return self._record(busy, burst, finished)
         except BaseException:
-            self._unreported = finished  # requests that ended here (cancelled, budget 0) are not lost
+            # requests that ended here (cancelled, budget 0) are not lost, nor those left meanwhile
+            self._unreported = {**finished, **self._unreported}
             raise
 
     def _recovered(self, busy: list[tuple[int, int]],
@@ -507,6 +514,9 @@ class Server:
         so a refusal is recorded as it is made; where the clock raises, serve() raises with that
         request and those after it never submitted (a refusal stamped after it was made was lost
         with the clock's failure, its id taken)."""
+        if self._stepping:  # its step would be refused after its submissions, their refusals lost
+            raise RuntimeError("serve() was called while a step of this server runs (its clock or its decoder "
+                               "calling back): serve() steps the server itself")
         if not self.idle:
             # the ends left for the next step to hand out count too: "0 request(s)" said nothing was in it
             raise ValueError(f"serve() takes an idle server to idle; {len(self._live)} request(s) are in this one, "
@@ -525,6 +535,10 @@ class Server:
                     place[refusal.ident] = i  # so that a serve() that raises hands it out too
                     out[i] = Served([], at, None, [], at, refused=str(refusal))
             while len(out) < len(requests):
+                if self.idle:  # a step not serve()'s (its clock or the decoder's refusal calling step()) took them
+                    missing = sorted(ident for ident, i in place.items() if i not in out)
+                    raise RuntimeError(f"serve()'s request(s) {missing} ended in a step not serve()'s (its clock or "
+                                       "its decoder calling step()), which handed out their results")
                 ended = self.step().finished
                 for ident, served in ended.items():
                     if ident in place:
@@ -649,10 +663,10 @@ class Driven:
     def __init__(self) -> None:
         self._servers: weakref.WeakSet[Server] = weakref.WeakSet()
 
-    def take(self, what: str) -> None:
-        """RuntimeError naming `what` where a server over the rows has a request queued, running
-        or waiting for its cancel."""
-        if any(not server.idle for server in list(self._servers)):
+    def take(self, what: str, beside: Server | None = None) -> None:
+        """RuntimeError naming `what` where a server over the rows (but `beside`) has a request
+        queued, running or waiting for its cancel."""
+        if any(server is not beside and not server.idle for server in list(self._servers)):
             raise RuntimeError(f"{what} would take the rows of this decoder's server, which has requests in flight: "
                                "step it until it is idle (a cancel ends its request at the next step)")
 

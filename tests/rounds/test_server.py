@@ -617,6 +617,92 @@ def test_a_decoders_rows_are_not_taken_from_any_of_its_servers_with_requests_in_
     assert second.idle
 
 
+
+def test_two_servers_over_one_decoder_never_run_requests_at_once():
+    """Two servers made while both were idle each held every row free: the second's requests were
+    admitted into the rows the first's ran in, and a request ended with another's tokens (on
+    GraphedGreedy, one request's from its fourth token on, the other's cut short, neither
+    cancelled, nothing raised). A submit to one is refused while the other has requests in
+    flight, before it takes an id; once that one is idle, each serves its own."""
+    decoder = Counting(1)
+    decoder.driven = Driven()
+    first, second = Server(decoder, clock=decoder.clock), Server(decoder, clock=decoder.clock)
+    a, b = Request([1, 2, 3], 9), Request([4, 5], 9)
+    ident = first.submit(a)
+    first.step()
+    with pytest.raises(RuntimeError, match="a request submitted to another server over its rows would take the rows"):
+        second.submit(b)
+    assert second.idle
+    ended: dict = {}
+    while not first.idle:
+        ended.update(first.step().finished)
+    assert ended[ident].tokens == alone(a) and not ended[ident].cancelled
+    assert second.submit(b) == 0  # the refused submit took no id
+    with pytest.raises(RuntimeError, match="would take the rows of this decoder's server"):
+        first.serve([a])
+    while not second.idle:
+        ended = second.step().finished
+    assert ended[0].tokens == alone(b)
+    assert [out.tokens for out in first.serve([a, b])] == [alone(a), alone(b)]
+
+
+def test_a_serve_whose_request_a_step_not_its_own_ended_raises_rather_than_steps_forever():
+    """A step outside serve() (its clock, or the decoder's refusal, calling step() between its
+    submissions) handed out one of serve()'s requests' ends: serve() stepped the idle server for
+    ever, waiting for it. It raises naming the request, once nothing is left in flight, and its
+    other requests' ends come from the next step, as after any serve() that raised."""
+    decoder = Counting(2)
+    readings, took = [], {}
+
+    def clock() -> float:
+        readings.append(decoder.clock())
+        assert len(readings) < 1000, "serve() kept stepping an idle server"
+        if len(readings) == 2:  # before serve()'s second submission: its first is queued
+            took.update(server.step().finished)
+        return decoder.clock()
+
+    server = Server(decoder, clock=clock)
+    quick, slow = Request([1, 2], 1), Request([3], 4)
+    with pytest.raises(RuntimeError, match=r"serve\(\)'s request\(s\) \[0\] ended in a step not serve\(\)'s"):
+        server.serve([quick, slow])
+    assert list(took) == [0] and took[0].tokens == alone(quick)
+    rest = server.step().finished  # as after any serve() that raised: its requests that had ended
+    assert list(rest) == [1] and rest[1].tokens == alone(slow) and server.idle
+
+
+def test_serve_inside_a_step_is_refused_before_it_submits_anything():
+    """serve() called by the clock of a step of the same server submitted its requests, then met
+    the refusal of its own step inside that step; the ends it left (a refusal's) were dropped as
+    the outer step raised, an id taken and never handed out. It is refused first."""
+    decoder = Counting(2)
+    calls = []
+
+    def clock() -> float:
+        if not calls:
+            calls.append(1)
+            server.serve([Request([1], 2), Request([VOCAB], 2)])  # the second would be refused
+        return decoder.clock()
+
+    server = Server(decoder, clock=clock)
+    with pytest.raises(RuntimeError, match=r"serve\(\) was called while a step of this server runs"):
+        server.step()
+    assert server.idle and server.submit(Request([1], 2)) == 0
+
+
+def test_a_set_of_requests_is_refused_its_order_being_its_hashes():
+    """serve() and a batch took a set, and handed the results back in its iteration order, the
+    hashes' (a row each in that order too): the caller could not tell whose each was."""
+    from memra_cuda.rounds.serving import batch_admitted
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    requests = [Request((9,), 1), Request((1,), 1)]
+    for given in (set(requests), frozenset(requests), dict.fromkeys(requests)):
+        with pytest.raises(TypeError, match=r"serve\(\) takes a sequence of requests \(a list\)"):
+            server.serve(given)
+        with pytest.raises(TypeError, match=r"a batch takes a sequence of requests \(a list\)"):
+            batch_admitted(given, VOCAB, 2)
+    assert server.idle
+
 def test_a_request_submitted_by_another_during_serve_is_handed_out_by_the_next_step():
     """serve() read every request that ended as one of its own: a request submitted meanwhile
     (the decoder calling back, another thread) was a KeyError, and every result of the call
