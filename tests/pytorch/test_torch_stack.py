@@ -1169,8 +1169,9 @@ class _NoStream(Exception):
 
 def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
     """An option a decoder cannot serve is refused before its stream, engine or stacks are made:
-    a flag not a bool, an on_engine not a function, widths not a collection, a page (past the cache too), a sampled tree's draws, a plain loop's
-    capacity (each was found after the stream, some after both models' stacks); and a cache that
+    a flag not a bool, an on_engine not a function, widths not a collection, a page (past the
+    cache too), a sampled tree's draws, a plain loop's capacity (each was found after the stream,
+    some after both models' stacks); and a cache that
     cannot take one round, at the limit (found at the warm-up, after both models compiled, as a
     "next burst"). Where all is well, the decoder gets as far as its stream."""
     from memra_cuda.errors import CapacityError
