@@ -117,9 +117,10 @@ def _fraction(value: object, what: str, within: Callable[[float], bool], bounds:
     fell to 0 would keep it there, no row judged again."""
     number = as_real(value, what)
     with np.errstate(over="ignore"):
-        if not within(float(np.float32(number))):
-            raise ValueError(f"{what} must be a number {bounds} as an f32, not {value!r}: a width at 0 would stay "
-                             "there, every row's speculation off for good")
+        as_f32 = float(np.float32(number))
+    if not within(as_f32):
+        why = ": a width at 0 would stay there, every row's speculation off for good" if 0.0 <= as_f32 <= 1.0 else ""
+        raise ValueError(f"{what} must be a number {bounds} as an f32, not {value!r}{why}")
     return number
 
 

@@ -377,10 +377,6 @@ class Server:
         anything but a refusal took none, and the next submit gets it: the id was taken first,
         and the next request's skipped it. A refusal takes the id and names it, a decoder's own
         RequestRefused too (naming its row, it named another request, a live one perhaps)."""
-        if self._driven is not None and self.idle:
-            # two servers made while both were idle each held every row free: the second's requests
-            # were admitted into the first's rows, one request ending with another's tokens
-            self._driven.take("a request submitted to another server over its rows", beside=self)
         checked = _checked(request, self.decoder.vocab)
         try:
             if isinstance(checked, str):
@@ -392,6 +388,10 @@ class Server:
             if refused.ident != ident:
                 raise RequestRefused(ident, refused.reason) from refused
             raise
+        if self._driven is not None and not self._live:  # asked after refusal(), which may call back
+            # two servers made while both were idle each held every row free: the second's requests
+            # were admitted into the first's rows, one request ending with another's tokens
+            self._driven.take("a request submitted to another server over its rows", beside=self)
         ident, self._next = self._next, self._next + 1
         # queued before it is live: an interrupt between the two leaves an id no step admits (_admit drops
         # it), where one live but not queued never ran nor ended, and the server was never idle again
@@ -449,8 +449,7 @@ class Server:
             self._unrecorded = busy, burst
             return self._record(busy, burst, finished)
         except BaseException:
-            # requests that ended here (cancelled, budget 0) are not lost, nor those left meanwhile
-            self._unreported = {**finished, **self._unreported}
+            self._unreported = finished  # requests that ended here (cancelled, budget 0) are not lost
             raise
 
     def _recovered(self, busy: list[tuple[int, int]],

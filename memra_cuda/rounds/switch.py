@@ -34,6 +34,7 @@ def _collection(widths: object, bounds: str) -> Iterable[int]:
         raise TypeError(f"widths must be a collection of ints {bounds}, not {widths!r}")
     return widths
 
+
 @dataclass(frozen=True)
 class Widths:
     """The widths, 0 to `k`, that a round has a body of, k always among them (the widest: every

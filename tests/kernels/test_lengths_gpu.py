@@ -37,7 +37,10 @@ pytestmark = pytest.mark.gpu
 NAN, INF = float("nan"), float("inf")
 KS = (0, 1, 4, 15, 16, 40)  # the chooser sums 16 widths a pass: one pass, its edge, three passes
 BATCHES = (1, 3, 32, 513)  # 513: past the chooser's one block of 512 threads
-DECAYS = ((DECAY, PRIOR), (0.0, 1.0), (1.0, 0.0), (0.37, 0.123))  # (decay, prior)
+# (decay, prior): the defaults, each end of what DraftLengths takes (a decay of 1 and a prior of 0 it
+# refuses: the nearest f32s to them), and two others
+DECAYS = ((DECAY, PRIOR), (0.0, 1.0), (float(np.nextafter(np.float32(1), np.float32(0))),
+                                      float(np.nextafter(np.float32(0), np.float32(1)))), (0.37, 0.123))
 CONFIGS = [(k, batch, i) for k in KS for batch in BATCHES for i in range(len(DECAYS))]
 LENGTH_BUFFERS = ("rate_d", "cap_d", "cost_d", "width_d")
 

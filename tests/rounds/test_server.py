@@ -617,7 +617,6 @@ def test_a_decoders_rows_are_not_taken_from_any_of_its_servers_with_requests_in_
     assert second.idle
 
 
-
 def test_two_servers_over_one_decoder_never_run_requests_at_once():
     """Two servers made while both were idle each held every row free: the second's requests were
     admitted into the rows the first's ran in, and a request ended with another's tokens (on
@@ -645,6 +644,35 @@ def test_two_servers_over_one_decoder_never_run_requests_at_once():
     assert ended[0].tokens == alone(b)
     assert [out.tokens for out in first.serve([a, b])] == [alone(a), alone(b)]
 
+
+
+def test_a_server_holding_only_ends_to_hand_out_is_refused_a_submit_while_another_runs():
+    """The check asked whether the server was idle, which a server is not while an end waits for
+    its next step: one holding only a refusal's end (its serve() cut short as the other server
+    took the rows from its clock) took a submit, and admitted it into the row the other's
+    request ran in. What counts is a request in flight, not an end to hand out."""
+    decoder = Counting(1)
+    decoder.driven = Driven()
+    readings = []
+
+    def clock() -> float:
+        readings.append(1)
+        if len(readings) == 2:  # between serve()'s two submissions, the other server takes the row
+            second.submit(Request([4, 5], 9))
+            second.step()
+        return decoder.clock()
+
+    first, second = Server(decoder, clock=clock), Server(decoder, clock=decoder.clock)
+    with pytest.raises(RuntimeError, match="would take the rows of this decoder's server"):
+        first.serve([Request([VOCAB], 2), Request([1, 2], 3)])  # the first refused, the second stopped
+    assert not first.idle  # the refusal's end, for its next step
+    with pytest.raises(RuntimeError, match="a request submitted to another server over its rows would take"):
+        first.submit(Request([1, 2], 3))
+    ended: dict = {}
+    while not second.idle:
+        ended.update(second.step().finished)
+    assert ended[0].tokens == alone(Request([4, 5], 9))
+    assert first.step().finished[0].refused is not None and first.idle
 
 def test_a_serve_whose_request_a_step_not_its_own_ended_raises_rather_than_steps_forever():
     """A step outside serve() (its clock, or the decoder's refusal, calling step() between its
@@ -702,6 +730,7 @@ def test_a_set_of_requests_is_refused_its_order_being_its_hashes():
         with pytest.raises(TypeError, match=r"a batch takes a sequence of requests \(a list\)"):
             batch_admitted(given, VOCAB, 2)
     assert server.idle
+
 
 def test_a_request_submitted_by_another_during_serve_is_handed_out_by_the_next_step():
     """serve() read every request that ended as one of its own: a request submitted meanwhile
