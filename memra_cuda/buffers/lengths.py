@@ -8,7 +8,7 @@ brk_d. The host writes caps and costs between bursts; graphs captured over them 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,8 +51,7 @@ class DraftLengths:
         self.bufs, self.engine, self.k, self.batch = bufs, bufs.engine, bufs.k, bufs.batch
         # a decay of 1 or a prior of 0 would settle the width at 0 for good: a round at length 0
         # moves no statistics (decay 1), or moves them toward an acceptance of 0 (prior 0)
-        self.decay = _fraction(decay, "decay", lambda x: 0.0 <= x < 1.0, "from 0 to below 1")
-        self.prior = _fraction(prior, "prior", lambda x: 0.0 < x <= 1.0, "above 0, up to 1")
+        self.decay, self.prior = _fraction(decay, "decay", refused=1.0), _fraction(prior, "prior", refused=0.0)
         costs = self._costs(verify_costs, draft_cost)
         self._arena, fields = carve(self.engine, 1, {
             "rate_d": (np.float32, self.batch * RATE_WORDS), "cap_d": (np.uint32, self.batch),
@@ -111,15 +110,16 @@ class DraftLengths:
         return f"DraftLengths(k={self.k}, batch={self.batch}, decay={self.decay}, prior={self.prior})"
 
 
-def _fraction(value: object, what: str, within: Callable[[float], bool], bounds: str) -> float:
-    """`value` as a float, refused unless `within` as the f32 the chooser reads (NaN never is):
-    at a decay of 1 or a prior of 0 (0.99999999 is 1 as an f32, 1e-50 is 0), a batch whose width
-    fell to 0 would keep it there, no row judged again."""
+def _fraction(value: object, what: str, refused: float) -> float:
+    """`value` as a float from 0 to 1 but its `refused` end, as the f32 the chooser reads (NaN
+    never is): at a decay of 1 or a prior of 0 (0.99999999 is 1 as an f32, 1e-50 is 0), a batch
+    whose width fell to 0 would keep it there, no row judged again."""
     number = as_real(value, what)
     with np.errstate(over="ignore"):
         as_f32 = float(np.float32(number))
-    if not within(as_f32):
-        why = ": a width at 0 would stay there, every row's speculation off for good" if 0.0 <= as_f32 <= 1.0 else ""
+    if not 0.0 <= as_f32 <= 1.0 or as_f32 == refused:
+        bounds = "from 0 to below 1" if refused else "above 0, up to 1"
+        why = ": a width at 0 would stay there, every row's speculation off for good" if as_f32 == refused else ""
         raise ValueError(f"{what} must be a number {bounds} as an f32, not {value!r}{why}")
     return number
 

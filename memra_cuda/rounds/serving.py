@@ -352,8 +352,8 @@ class Server:
         # not stamped (the clock raised: the next step records it)
         self._unrecorded: tuple[list[tuple[int, int]], Burst | None] | None = None
         decoder.park(range(batch))
-        if isinstance(driven, Driven):
-            driven.by(self)
+        if self._driven is not None:
+            self._driven.by(self)
 
     @property
     def idle(self) -> bool:
