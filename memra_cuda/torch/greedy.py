@@ -122,6 +122,13 @@ class GraphedGreedy:
                 self._burst()
             self.graph = graph  # kept once captured: a capture that raised left none to replay
 
+    @property
+    def longest_prompt(self) -> int:
+        """The most tokens a prompt can have: all but its last fill a row's cache (refusal's rule
+        at a budget of 0). A longer one is refused by its length, before its tokens are read
+        (rounds.serving's Decoder)."""
+        return self.stack.kv.capacity + 1
+
     def refusal(self, request: Request) -> str | None:
         """Why `request` does not fit a row's cache (its prompt but the last token and its
         budget), or None. A burst may run a row past its stop: those steps' positions are
@@ -140,7 +147,7 @@ class GraphedGreedy:
         its submit passes at once) and for its room (refusal: a row past its cache would run at
         clamped positions, its tokens wrong, silently); the stack takes the checked prompt as it
         is (LayerStack._prefill_trusted)."""
-        row, request = admitted(request, self.vocab, row, self.batch)
+        row, request = admitted(request, self.vocab, row, self.batch, self.longest_prompt)
         if (why := self.refusal(request)) is not None:
             raise ValueError(f"a request not admitted: {why}")
         prompt = request.prompt
@@ -197,7 +204,7 @@ class GraphedGreedy:
         refused (RequestRefused, naming its row) before anything runs; so is the batch
         (RuntimeError) while a server over the rows has a request in flight (Driven.take: step it
         until it is idle)."""
-        requests = batch_admitted(requests, self.vocab, self.batch, self.refusal)
+        requests = batch_admitted(requests, self.vocab, self.batch, self.refusal, self.longest_prompt)
         self.driven.take("generate_batch")
         self.capture()
         with torch.cuda.stream(self.stream):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -627,10 +628,12 @@ def test_a_room_is_sized_by_the_geometry_of_the_decoder_it_is_given_to():
 class Prefilled:
     """A stack's prefill alone, for a decoder's host side: the rows and heads it was given at its
     unchecked entry (_prefill_trusted), which a decoder hands the prompts it has checked; its
-    public prefill, which would check them a second time, fails the test."""
+    public prefill, which would check them a second time, fails the test. Its cache's capacity
+    is CAPACITY (a decoder's longest_prompt reads it)."""
 
     def __init__(self):
         self.calls = []
+        self.kv = SimpleNamespace(capacity=CAPACITY)
 
     def prefill(self, rows, heads):
         raise AssertionError("a decoder's stack was given checked prompts through its public prefill, checked again")
@@ -954,6 +957,59 @@ def test_the_plain_loops_server_checks_a_prompt_once_and_runs_it_as_its_own_gree
     del checks[:]
     decoder.admit(0, kept)
     assert checks == [] and decoder.stack.kv.lengths[:, 0].tolist() == [3] * 3
+
+
+def plain_loop(monkeypatch, batch: int = 2):
+    """GraphedGreedy's host side over a real stack on the CPU (CAPACITY slots a row), its bursts
+    eager (three steps each): its rows, its server and its admissions as a device's run them."""
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import GraphedGreedy
+    from memra_cuda.torch.greedy import advance
+    decoder = object.__new__(GraphedGreedy)
+    decoder.batch, decoder.steps, decoder.vocab, decoder.eager, decoder.stream = batch, 3, VOCAB, True, None
+    decoder.stack = Stack(tiny(), CAPACITY, batch=batch)
+    monkeypatch.setattr(decoder.stack, "capture_prefills", lambda: None)  # no CUDA graphs on the CPU
+    decoder.advance, decoder.graph, decoder._cut = advance, None, False
+    decoder._stops, decoder.driven = [None] * batch, Driven()
+    decoder.token = torch.zeros(batch, 1, dtype=torch.long)
+    decoder.position = torch.zeros(batch, 1, dtype=torch.long)
+    decoder.out = torch.zeros(3, batch + batch % 2, dtype=torch.long)  # [steps][B]
+    return decoder
+
+
+def test_a_decoders_prompt_longer_than_its_caches_is_refused_by_its_length_before_it_is_read(monkeypatch):
+    """A lazy or huge prompt (range(3 * 10**7)) was made a numpy array and a tuple of its ints
+    (seconds, hundreds of MB) before a decoder's room refused it. A decoder's longest_prompt
+    (its cache's slots and the pending token) refuses a longer one by its len(), unread: at a
+    Server's submit over it, in its generate_batch, its admit and (a speculative decoder's) its
+    prefill, each naming it (the host sides: the plain loop over a real stack, a speculative
+    decoder over stand-in stacks)."""
+    from stand_in import Unread
+
+    from memra_cuda.rounds import Server
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.rounds.stream import Mode
+    from memra_cuda.torch import Request
+    from memra_cuda.torch import decoder as decoders
+    longer = Unread(CAPACITY + 2)
+    named = f"its prompt of {CAPACITY + 2} tokens does not fit a row \\(at most {CAPACITY + 1}\\)"
+    plain = plain_loop(monkeypatch, batch=1)
+    speculative = object.__new__(decoders.RoundDecoder)
+    speculative.vocab, speculative.batch, speculative.k, speculative.driven = VOCAB, 1, 4, Driven()
+    speculative.target, speculative.draft, speculative.bufs = Prefilled(), Prefilled(), Recorded()
+    for decoder, server in ((plain, plain.server()), (speculative, Server(decoders._Slots(speculative, Mode.GRAPH)))):
+        assert decoder.longest_prompt == CAPACITY + 1
+        for ident, prompt in enumerate((longer, torch.zeros(CAPACITY + 2, dtype=torch.long))):  # a tensor's too
+            with pytest.raises(RequestRefused, match=f"request {ident} refused: {named}"):
+                server.submit(Request(prompt, 2))
+        with pytest.raises(RequestRefused, match=f"request 0 refused: {named}"):
+            decoder.generate_batch([Request(longer, 2)])
+        with pytest.raises(ValueError, match=f"a request not admitted: {named}"):
+            decoder.admit(0, Request(longer, 2))
+    with pytest.raises(ValueError, match=f"row 0's prompt of {CAPACITY + 2} tokens does not fit a row"):
+        speculative.prefill([0], [longer])
+    assert speculative.target.calls == speculative.draft.calls == []
+    assert plain.stack.kv.lengths.eq(0).all(), "a refused prompt reached the plain loop's cache"
 
 
 def test_a_batch_refuses_a_request_past_the_caches_room_before_anything_runs():

@@ -18,7 +18,7 @@ from memra_cuda.rounds import Request, Served, Server, serving
 from memra_cuda.rounds.serving import Driven
 
 from interrupt import acting_before, interrupt_before, interrupt_once
-from stand_in import VOCAB, Clock, Counting, alone, commits, mixed, token
+from stand_in import CAPACITY, VOCAB, Clock, Counting, Unread, UnreadArray, alone, commits, mixed, token
 
 
 def test_every_request_gets_its_own_output_through_fewer_slots():
@@ -90,6 +90,44 @@ def test_submit_refuses_at_once_and_changes_nothing_else():
     assert server.idle and decoder.calls == [("park", (0, 1))]
     assert server.submit(Request([1], 3)) == 1, "ids count refused requests too"
     assert server.step().finished == {} and decoder.calls[1:] == [("admit", 0, (1,)), ("burst",)]
+
+
+def test_a_prompt_longer_than_a_row_takes_is_refused_by_its_length_before_it_is_read():
+    """A lazy or huge prompt was read whole before the decoder's room refused it: submit() of
+    Request(range(3 * 10**7), 8) made it a numpy array and a tuple of its ints (8 s, hundreds of
+    MB), to be refused by refusal() (or, here, by its 51st token, outside the vocabulary). Past
+    the decoder's longest_prompt it is refused by its len(), unread, naming the request (an
+    array of any library's, a len() past sys.maxsize too), at submit, in a batch and at an admission, the copy a Server
+    kept from a larger decoder too; at the limit it is read and checked as before, and a
+    decoder without longest_prompt reads every prompt as before."""
+    from memra_cuda.rounds.serving import admitted, batch_admitted
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    for ident, (prompt, shown) in enumerate(((Unread(CAPACITY + 1), f"{CAPACITY + 1} tokens"),
+                                             (range(3 * 10**7), f"{3 * 10**7} tokens"),
+                                             (np.zeros(CAPACITY + 1, np.int64), f"{CAPACITY + 1} tokens"),
+                                             (UnreadArray(CAPACITY + 1), f"{CAPACITY + 1} tokens"),
+                                             (range(10**20), r"more than \d+ tokens"))):
+        with pytest.raises(RequestRefused, match=f"request {ident} refused: its prompt of {shown} does not fit a row "
+                                                 rf"\(at most {CAPACITY}\)"):
+            server.submit(Request(prompt, 8))
+    assert server.idle and decoder.calls == [("park", (0, 1))]
+    assert server.submit(Request(list(range(CAPACITY)), 0)) == 5  # at the limit, read and checked
+    with pytest.raises(RequestRefused, match=f"request 1 refused: its prompt of {CAPACITY + 1} tokens does not fit"):
+        batch_admitted([Request([1], 2), Request(Unread(CAPACITY + 1), 2)], VOCAB, 2, longest=CAPACITY)
+    with pytest.raises(ValueError, match=f"a request not admitted: its prompt of {CAPACITY + 1} tokens does not fit"):
+        admitted(Request(Unread(CAPACITY + 1), 2), VOCAB, 0, 1, CAPACITY)
+    kept = admitted(Request(list(range(CAPACITY + 1)), 2), VOCAB, 0, 1)[1]  # a larger decoder's server's copy
+    with pytest.raises(ValueError, match=f"its prompt of {CAPACITY + 1} tokens does not fit a row"):
+        admitted(kept, VOCAB, 0, 1, CAPACITY)
+    unbounded = Counting(1)
+    del unbounded.longest_prompt  # optional: without it, every prompt is read first
+    with pytest.raises(AssertionError, match="was read"):
+        Server(unbounded, clock=unbounded.clock).submit(Request(Unread(CAPACITY + 1), 8))
+    for longest, error in ((0, ValueError), (True, TypeError), (2.5, TypeError)):
+        decoder.longest_prompt = longest
+        with pytest.raises(error, match="a decoder's longest_prompt must be an"):
+            Server(decoder)
 
 
 def cancelled_run(requests: list[Request], victim: int, after: int, batch: int = 2):
