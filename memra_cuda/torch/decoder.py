@@ -171,7 +171,9 @@ class RoundDecoder:
         a new request drafts at the full length unless it says). The rows' stop rules are lifted
         (set_stop sets the next ones). Returns the rows' start positions. Rows (distinct rows of
         the batch), caps, seeds and prompts are checked before any row is written: a cap refused
-        after the caches were filled left the rows live with no budget."""
+        after the caches were filled left the rows live with no budget. RuntimeError while a
+        server over the rows has a request in flight (Driven.take): a row may be one it holds."""
+        self.driven.take("prefill()")
         rows = distinct_rows(rows, self.batch, "a prefill's rows")
         caps = [self.k] * len(rows) if caps is None else [as_size(c, "a most draft length", 0, self.k) for c in caps]
         if len(caps) != len(rows):
@@ -200,7 +202,10 @@ class RoundDecoder:
         rows run on untouched: continuous batching's unit (a Server's admission). The request
         is checked as Server.submit checks it (rounds.serving.admitted: the copy a Server kept
         from its submit passes at once): well formed, its tokens in the vocabulary; its room is
-        checked by every burst (CapacityError)."""
+        checked by every burst (CapacityError). RuntimeError, from anything but a server's own
+        step, while a server over the rows has a request in flight (Driven.take_row): the row
+        may be one it holds."""
+        self.driven.take_row("admit()")
         # refused before the row is touched
         row, request = admitted(request, self.vocab, row, self.batch, self.longest_prompt)
         (start,), (pending,) = self._fill_trusted([row], [request.prompt], [request.seed])

@@ -146,7 +146,10 @@ class GraphedGreedy:
         checked as Server.submit checks it (rounds.serving.admitted: the copy a Server kept from
         its submit passes at once) and for its room (refusal: a row past its cache would run at
         clamped positions, its tokens wrong, silently); the stack takes the checked prompt as it
-        is (LayerStack._prefill_trusted)."""
+        is (LayerStack._prefill_trusted). RuntimeError, from anything but a server's own step,
+        while a server over the rows has a request in flight (Driven.take_row): the row may be
+        one it holds."""
+        self.driven.take_row("admit()")
         row, request = admitted(request, self.vocab, row, self.batch, self.longest_prompt)
         if (why := self.refusal(request)) is not None:
             raise ValueError(f"a request not admitted: {why}")
@@ -193,7 +196,10 @@ class GraphedGreedy:
     def park(self, rows: Sequence[int]) -> None:
         """The rows' requests dropped: their tokens are read no more. Every row is checked before
         any is parked (rounds.serving.as_row): -1 parked the last row, whose request then ended
-        as if it had stopped, its tokens cut short, and True row 1."""
+        as if it had stopped, its tokens cut short, and True row 1. RuntimeError, from anything
+        but a server's own step, while a server over the rows has a request in flight
+        (Driven.take_row): its request would end so too (a cancel is server.cancel)."""
+        self.driven.take_row("park()")
         for row in [as_row(row, self.batch) for row in rows]:
             self._stops[row] = None
         self._cut = False  # rows changed hands: the last burst is not their requests' any more

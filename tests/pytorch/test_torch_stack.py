@@ -721,10 +721,11 @@ def test_the_plain_loop_parks_only_rows_it_has_and_each_checked_before_any_is_pa
     short, and True parked row 1; a row past the batch raised IndexError after the ones before it
     were parked. Each is refused now, naming it, with no row parked (the host side alone: no
     stream, no model)."""
+    from memra_cuda.rounds.serving import Driven
     from memra_cuda.torch import GraphedGreedy
     from memra_cuda.torch.greedy import _Stop
     decoder = object.__new__(GraphedGreedy)
-    decoder.batch = 2
+    decoder.batch, decoder.driven = 2, Driven()
     stops = [_Stop(None, 5), _Stop(None, 5)]
     decoder._stops = list(stops)
     for rows, error, named in (([-1], ValueError, "row -1 is not one of the decoder's 2"),
@@ -776,10 +777,11 @@ def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
     """RoundDecoder.prefill checked a cap after both caches had taken the prompts, which left
     the rows live without a budget; a seed past 64 bits raised after the target's prefill. Each
     is refused now with neither cache touched (the decoder's host side: stand-in stacks)."""
+    from memra_cuda.rounds.serving import Driven
     from memra_cuda.torch.decoder import RoundDecoder
     decoder = object.__new__(RoundDecoder)
     decoder.stream, decoder.shared, decoder.sampling, decoder.k, decoder.batch = None, False, None, 4, 2
-    decoder.target, decoder.draft, decoder.vocab = Prefilled(), Prefilled(), 100
+    decoder.target, decoder.draft, decoder.vocab, decoder.driven = Prefilled(), Prefilled(), 100, Driven()
     # the last token, which becomes pending (looked up only by the draft's first step), checked with the rest:
     # it went to the buffers as int(token), 7.9 as 7, "42" as 42, 10**6 to fault the device
     for last, error in ((10**6, ValueError), (7.9, TypeError), ("42", TypeError), (True, TypeError)):
@@ -800,11 +802,12 @@ def test_an_admission_refuses_a_bad_draft_length_before_the_row_is_touched():
     most draft length, a token outside the vocabulary (an embedding lookup that would fault the
     device), a bool or a missing row raise naming what, and neither cache took the prompt (the
     row keeps what it had). admit is public: an engine may call it without a Server."""
+    from memra_cuda.rounds.serving import Driven
     from memra_cuda.torch import Request
     from memra_cuda.torch.decoder import RoundDecoder
     decoder = object.__new__(RoundDecoder)
     decoder.stream, decoder.shared, decoder.sampling, decoder.k = None, False, None, 4
-    decoder.vocab, decoder.batch = 10, 2
+    decoder.vocab, decoder.batch, decoder.driven = 10, 2, Driven()
     decoder.target, decoder.draft = Prefilled(), Prefilled()
     for row, request, error, named in ((0, Request([5, 6], 4, max_draft=-1), ValueError, "max_draft"),
                                        (0, Request([5, 6], 4, max_draft=2.5), ValueError, "max_draft"),
@@ -1010,6 +1013,60 @@ def test_a_decoders_prompt_longer_than_its_caches_is_refused_by_its_length_befor
         speculative.prefill([0], [longer])
     assert speculative.target.calls == speculative.draft.calls == []
     assert plain.stack.kv.lengths.eq(0).all(), "a refused prompt reached the plain loop's cache"
+
+
+def test_an_engines_admit_or_park_is_refused_while_a_server_holds_the_rows(monkeypatch):
+    """decoder.admit(row, request) by the engine's own hand, while a Server over the same decoder
+    had requests in flight, overwrote a row the server held for one of them without a word, and
+    GraphedGreedy.park stopped one: that request ended with tokens of another's prompt, or cut
+    short, as finished. Driven guarded a new server, serve() and generate_batch, not these. Each
+    is a RuntimeError naming it now (Driven.take_row), where the server's own step admits and
+    parks as before; a speculative decoder's public prefill is refused too (Driven.take). Once
+    the server is idle, the engine takes the rows again (the host sides: the plain loop over a
+    real stack, a speculative decoder over real stacks, stand-in buffers and rounds)."""
+    from memra_cuda import Geometry
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import Request
+    from memra_cuda.torch import decoder as decoders
+    decoder = plain_loop(monkeypatch)
+    prompt, other = [5, 17, 3, 40, 8], [9, 9, 2]
+    server = decoder.server()
+    ident = server.submit(Request(prompt, 8))
+    ended = dict(server.step().finished)  # admitted into row 0, three of its tokens read back
+    for call, what in ((lambda: decoder.admit(0, Request(other, 2)), "admit\\(\\)"),
+                       (lambda: decoder.park([0]), "park\\(\\)")):
+        with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+            call()
+    while not server.idle:
+        ended.update(server.step().finished)
+    alone = decoder.generate_batch([Request(prompt, 8), Request([1], 0)])[0]
+    assert ended[ident].tokens == alone and not ended[ident].cancelled, "the server's request lost its row"
+    decoder.admit(1, Request(other, 2))  # the server idle: the rows are the engine's again
+    decoder.park([1])
+
+    speculative = object.__new__(decoders.RoundDecoder)
+    speculative.stream, speculative.sampling, speculative.vocab, speculative.k = None, None, VOCAB, 4
+    speculative.batch, speculative.shared, speculative.driven = 2, False, Driven()
+    speculative.target = Stack(tiny(), CAPACITY, batch=2)
+    speculative.draft = Stack(tiny(1, seed=1), CAPACITY, batch=2)
+    speculative.bufs, speculative.lengths = Recorded(), Recorded()
+    burst = SimpleNamespace(tokens=[np.array([3]), np.array([], int)], done=np.array([True, True]),
+                            accepted=np.array([0, 0]))
+    speculative.rounds = SimpleNamespace(round=SimpleNamespace(capacity=SimpleNamespace(geometry=Geometry(4, 1, 2))),
+                                         rounds_per_step=lambda mode: 1, step=lambda mode: burst, sealed=True)
+    monkeypatch.setattr(decoders, "uploaded", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
+    server = speculative.server()  # which parks every row
+    ident = server.submit(Request(prompt, 4))  # queued: in flight, its row not yet taken
+    parked = list(speculative.bufs.calls)
+    for call, what in ((lambda: speculative.admit(0, Request(other, 2)), "admit\\(\\)"),
+                       (lambda: speculative.prefill([0], [other]), "prefill\\(\\)")):
+        with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+            call()
+    assert speculative.target.kv.lengths.eq(0).all() and speculative.bufs.calls == parked
+    assert server.step().finished[ident].tokens == [3]  # its own step admits it
+    assert ("start_row", 0, 8, 4, 4, None) in speculative.bufs.calls
+    speculative.admit(1, Request(other, 2))  # idle: the engine's again
+    assert speculative.prefill([0], [other]) == [2]
 
 
 def test_a_batch_refuses_a_request_past_the_caches_room_before_anything_runs():

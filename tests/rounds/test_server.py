@@ -655,6 +655,45 @@ def test_a_decoders_rows_are_not_taken_from_any_of_its_servers_with_requests_in_
     assert second.idle
 
 
+def test_a_rows_admission_or_park_by_the_engine_is_refused_while_a_server_has_requests_in_flight():
+    """A decoder's admit() (and the plain loop's park()) called by the engine while a server over
+    the rows had requests in flight took a row the server held: an admission overwrote a running
+    request's row (GraphedGreedy: it ended cut short, its last tokens of another prompt), a park
+    ended it as stopped. Driven.take_row refuses them, naming the call, from anything but a
+    server's own step, whose admissions and parks (a cancel's, a refusal's) go on as before;
+    once the server is idle, the rows are the engine's again."""
+
+    class Guarded(Counting):  # a decoder that guards its rows as GraphedGreedy does
+        def admit(self, row, request):
+            self.driven.take_row("admit()")
+            super().admit(row, request)
+
+        def park(self, rows):
+            self.driven.take_row("park()")
+            super().park(rows)
+
+    decoder = Guarded(2)
+    decoder.driven = Driven()
+    server = Server(decoder, clock=decoder.clock)  # its parking of every row is allowed: nothing in flight
+    first, second = server.submit(Request([1, 2, 3], 30)), server.submit(Request([4, 5], 30))
+    for call, what in ((lambda: decoder.admit(1, Request([6], 2)), "admit\\(\\)"),
+                       (lambda: decoder.park([0]), "park\\(\\)")):
+        with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+            call()  # queued, not yet in a row: the rows are the server's all the same
+    server.step()  # its own admissions
+    assert decoder.calls[1:3] == [("admit", 0, (1, 2, 3)), ("admit", 1, (4, 5))]
+    with pytest.raises(RuntimeError, match="admit\\(\\) would take the rows"):
+        decoder.admit(0, Request([6], 2))
+    assert server.cancel(first)
+    ended = server.step().finished  # its own park, the cancel's
+    assert ended[first].cancelled and ("park", (0,)) in decoder.calls
+    while not server.idle:
+        ended = server.step().finished
+    assert ended[second].tokens == alone(Request([4, 5], 30)), "the server's request lost its row"
+    decoder.admit(0, Request([6], 2))  # idle: the engine's rows again
+    decoder.park([0])
+
+
 def test_two_servers_over_one_decoder_never_run_requests_at_once():
     """Two servers made while both were idle each held every row free: the second's requests were
     admitted into the rows the first's ran in, and a request ended with another's tokens (on
