@@ -171,11 +171,14 @@ class RoundDecoder:
         a new request drafts at the full length unless it says). The rows' stop rules are lifted
         (set_stop sets the next ones). Returns the rows' start positions. Rows (distinct rows of
         the batch), caps, seeds and prompts are checked before any row is written: a cap refused
-        after the caches were filled left the rows live with no budget. RuntimeError while a
-        server over the rows has a request in flight (Driven.take): a row may be one it holds."""
+        after the caches were filled left the rows live with no budget. Caps and seeds are lists
+        (as_listed): a mapping's keys were taken for them, {row: seed} sampling each row with its
+        row's number for a seed, without a word. RuntimeError while a server over the rows has a
+        request in flight (Driven.take): a row may be one it holds."""
         self.driven.take("prefill()")
         rows = distinct_rows(rows, self.batch, "a prefill's rows")
-        caps = [self.k] * len(rows) if caps is None else [as_size(c, "a most draft length", 0, self.k) for c in caps]
+        listed = [self.k] * len(rows) if caps is None else as_listed(caps, "a prefill's caps", "ints, one a row")
+        caps = [as_size(c, "a most draft length", 0, self.k) for c in listed]
         if len(caps) != len(rows):
             raise ValueError(f"need one most draft length for each of the {len(rows)} rows, not {len(caps)}")
         return self._prefill_trusted(rows, *self._checked_prompts(rows, prompts, seeds), caps)
@@ -226,6 +229,7 @@ class RoundDecoder:
         prompts = as_listed(prompts, "a prefill's prompts", "prompts, one a row")
         if len(prompts) != len(rows):
             raise ValueError(f"need one prompt for each of the {len(rows)} rows, not {len(prompts)}")
+        seeds = None if seeds is None else as_listed(seeds, "a prefill's seeds", "ints, one a row")
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")
         checked = None if seeds is None else [as_seed(seed) for seed in seeds]

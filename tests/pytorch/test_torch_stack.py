@@ -791,7 +791,12 @@ def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
                                (([0, 2], [[5, 6], [7, 8]]), ValueError, "a row must be an int from 0 to 1"),
                                (([True], [[5, 6]]), TypeError, "a row must be an integer"),
                                (([0], [[5, 6]], [2**63]), ValueError, "its seed 9223372036854775808 is outside"),
-                               (([0], [[5, 6]], [1.5]), TypeError, "its seed must be an integer")):
+                               (([0], [[5, 6]], [1.5]), TypeError, "its seed must be an integer"),
+                               # {row: value}: its keys were taken, each row sampled with its own number for a
+                               # seed, or its cap its row's, without a word; a generator's seeds met len() inside
+                               (([1], [[5, 6]], {1: 7}), TypeError, "a prefill's seeds must be a list"),
+                               (([1], [[5, 6]], (s for s in [7])), TypeError, "a prefill's seeds must be a list"),
+                               (([1], [[5, 6]], None, {1: 0}), TypeError, "a prefill's caps must be a list")):
         with pytest.raises(error, match=named):
             decoder.prefill(*args)
     assert decoder.target.calls == decoder.draft.calls == []
