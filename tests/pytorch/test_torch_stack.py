@@ -1074,6 +1074,30 @@ def test_an_engines_admit_or_park_is_refused_while_a_server_holds_the_rows(monke
     assert speculative.prefill([0], [other]) == [2]
 
 
+def test_the_plain_loops_capture_is_refused_while_a_server_holds_the_rows(monkeypatch):
+    """GraphedGreedy.capture() starts every row (a prompt of two tokens each) and runs a warm-up
+    burst before it captures: called while a Server made directly over the loop (its bursts run
+    eagerly until a graph is captured) had a request running, it started that request's row
+    again, and the request went on from the warm-up's tokens, silently. It is a RuntimeError
+    naming it now, before any row is touched (Driven.take), as a new server and generate_batch
+    are; the server's request ends as its own (the host side over a real stack on the CPU)."""
+    from memra_cuda.rounds import Server
+    from memra_cuda.torch import Request
+    decoder = plain_loop(monkeypatch)
+    decoder.eager = False  # a graph to capture, none captured yet: the bursts run eagerly meanwhile
+    server = Server(decoder)
+    ident = server.submit(Request([5, 17, 3, 40, 8], 8))
+    ended = dict(server.step().finished)
+    lengths, positions = decoder.stack.kv.lengths.clone(), decoder.position.clone()
+    with pytest.raises(RuntimeError, match="capture\\(\\) would take the rows of this decoder's server"):
+        decoder.capture()
+    assert torch.equal(decoder.stack.kv.lengths, lengths) and torch.equal(decoder.position, positions)
+    while not server.idle:
+        ended.update(server.step().finished)
+    decoder.eager = True  # the reference: the same decoding, in a batch of its own
+    assert ended[ident].tokens == decoder.generate_batch([Request([5, 17, 3, 40, 8], 8), Request([1], 0)])[0]
+
+
 def test_a_batch_refuses_a_request_past_the_caches_room_before_anything_runs():
     """RoundDecoder.generate_batch refused a malformed request up front but not one past the
     caches' room: a burst's capacity check raised CapacityError mid-generation, every row's tokens
