@@ -6,7 +6,7 @@ same in any row, beside any others), and a burst commits one to three tokens a r
 speculative round commits its accepted drafts and one."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from memra_cuda.rounds import Burst, Request
 
@@ -43,7 +43,8 @@ class Clock:
 
 class Counting:
     """A Decoder of `batch` rows over the stand-in model, logging every call the server makes
-    (`calls`), refusing a prompt and budget over `capacity`; it holds the server to the protocol:
+    (`calls`), refusing a prompt and budget over `capacity` (a prompt longer than it by its
+    length, unread: `longest_prompt`); it holds the server to the protocol:
     a request admitted only into a vacant row, at most its budget's tokens, none past its EOS.
     With `drafts`, a burst is one round of a speculative decoder: its tokens but one were drafts
     accepted, and each row's count since its request began comes back with them (Burst.accepted).
@@ -52,6 +53,7 @@ class Counting:
 
     def __init__(self, batch: int, clock: Clock | None = None, capacity: int = CAPACITY, drafts: bool = False):
         self.batch, self.vocab, self.capacity, self.clock = batch, VOCAB, capacity, clock or Clock()
+        self.longest_prompt = capacity  # refusal() refuses any longer prompt, whatever its budget
         self.rows: list[Request | None] = [None] * batch
         self.made: list[list[int]] = [[] for _ in range(batch)]
         self.drafts = drafts
@@ -109,6 +111,37 @@ class Counting:
         self.cut = None  # rows changed: the cut burst is not their requests' any more
         for row in rows:
             self.rows[row] = None
+
+
+class Unread(Sequence):
+    """A prompt of `length` tokens that must not be read: a lazy one, such as range(3 * 10**7),
+    which a check reading it all made a numpy array (seconds, hundreds of MB) before refusing it
+    by its length. Its len() alone may be asked."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index):
+        raise AssertionError(f"a prompt of {self.length} tokens was read where its length refused it")
+
+
+class UnreadArray:
+    """An array of one dimension of `length` tokens, of no library memra knows (a tensor, say),
+    that must not be read: its shape and len() alone may be asked."""
+
+    def __init__(self, length: int):
+        self.shape = (length,)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError(f"an array of {self.shape[0]} tokens was read where its length refused it")
+
+    __getitem__ = __iter__ = __array__
 
 
 def mixed(n: int, offset: int = 0) -> list[Request]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import operator
 import reprlib
+import sys
 from collections.abc import Sequence
 from numbers import Real
 from typing import Any
@@ -219,13 +220,18 @@ def _past_int64(values: Any) -> bool:
         isinstance(v, (int, np.integer)) and not is_bool(v) for v in values)
 
 
-def as_prompt(prompt: Any, vocab: int, what: str) -> np.ndarray:
+def as_prompt(prompt: Any, vocab: int, what: str, most: int | None = None) -> np.ndarray:
     """`prompt` as token_ids' checked copy, of at least one token (its last is the pending one a
     decoding starts from): the one check of a prompt where it enters (a request's, rounds.serving;
     a decoder's prefill; the toy's prefill, its numpy loops and target_greedy). TypeError naming
     `what` ("its prompt", "row 0's prompt") for what is no sequence of ints (a generator or a bare
     numpy integer met len() deep inside: "object of type ... has no len()"), ValueError for an
-    empty one or a token outside [0, vocab) ("row 0's prompt's token 7 (at 2)")."""
+    empty one or a token outside [0, vocab) ("row 0's prompt's token 7 (at 2)"). A prompt of more
+    than `most` tokens (None: no bound), the most a row takes (its cache's slots and the pending
+    token), is refused by its len() before it is read, as as_listed refuses: range(3 * 10**7) was
+    read whole (8 s, and a tuple of its ints) before a decoder's room refused it."""
+    if most is not None:
+        _fits(prompt, what, most)
     try:
         tokens = token_ids(prompt, vocab, f"{what}'s")
     except TypeError:
@@ -233,6 +239,24 @@ def as_prompt(prompt: Any, vocab: int, what: str) -> np.ndarray:
     if not tokens.size:
         raise ValueError(_no_prompt(prompt, what))
     return tokens
+
+
+def _fits(prompt: Any, what: str, most: int) -> None:
+    """ValueError naming `what` where `prompt`, a sequence or an array of one dimension (any
+    library's: a tensor's tokens were read and made a tuple of ints as a list's), holds more than
+    `most` tokens by its len(), its tokens unread; what is none is token_ids' to refuse. A len()
+    past sys.maxsize (range(10**20)'s OverflowError) is past any row too."""
+    shape = getattr(prompt, "shape", None)
+    if not (isinstance(shape, tuple) and len(shape) == 1) and (
+            not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes))):
+        return
+    try:
+        count = len(prompt)
+    except OverflowError:
+        count = None
+    if count is None or count > most:
+        shown = f"more than {sys.maxsize} tokens" if count is None else f"{count} tokens"
+        raise ValueError(f"{what} of {shown} does not fit a row (at most {most})")
 
 
 def _no_prompt(prompt: Any, what: str) -> str:

@@ -118,6 +118,11 @@ class Decoder(Protocol):
     # it was read or a row changed hands since. A Server whose burst() raised asks for it at its next
     # step, before any row changes hands; without it, that burst's tokens are lost (not in DECODES:
     # optional).
+    #
+    # And longest_prompt: int, the most tokens a prompt can have in a row (its cache's slots and the
+    # pending token; refusal() refuses any longer): a Server refuses a longer prompt by its len(),
+    # before its tokens are read (as_prompt's most), where range(3 * 10**7) was read whole, seconds
+    # and hundreds of MB, for refusal() to refuse. Without it, every prompt is read first (optional).
 
     def park(self, rows: Sequence[int]) -> None:
         """Stop `rows` (vacant ones, or cancelled requests'): they sit the bursts out, done,
@@ -176,9 +181,11 @@ def malformed(request: Request, vocab: int) -> str | None:
 
 
 def batch_admitted(requests: Sequence[Request], vocab: int, batch: int,
-                   refusal: Callable[[Request], str | None] | None = None) -> list[Request]:
+                   refusal: Callable[[Request], str | None] | None = None,
+                   longest: int | None = None) -> list[Request]:
     """What a decoder's generate_batch starts, one request a row of its `batch`: the copies
-    Server.submit would keep (admitted's), or RequestRefused naming the first malformed one's row,
+    Server.submit would keep (admitted's), or RequestRefused naming the first malformed one's row
+    (a prompt past the decoder's `longest` among them, refused by its length before it is read),
     or the first whose checked copy `refusal` refuses (a decoder's room: past it a burst's capacity
     check raised mid-generation, every row's tokens lost); ValueError where they are not one a
     row. The copies, not the caller's requests, run: a budget given as a 0-d array was counted
@@ -188,7 +195,7 @@ def batch_admitted(requests: Sequence[Request], vocab: int, batch: int,
         raise ValueError(f"need one request per row ({batch}), not {len(requests)}")
     kept: list[Request] = []
     for row, request in enumerate(requests):
-        checked = _checked(request, vocab)
+        checked = _checked(request, vocab, longest)
         if not isinstance(checked, str) and refusal is not None:
             checked = refusal(checked) or checked
         if isinstance(checked, str):
@@ -207,14 +214,16 @@ def as_seed(value: object) -> int:
     return seed
 
 
-def admitted(request: Request, vocab: int, row: int, batch: int) -> tuple[int, Request]:
+def admitted(request: Request, vocab: int, row: int, batch: int,
+             longest: int | None = None) -> tuple[int, Request]:
     """What a decoder's admit() starts, and where: `row` as a plain int of its `batch`, and the
-    copy of `request` that Server.submit keeps (its prompt a tuple of ints in the `vocab`, its
-    numbers plain ints), or ValueError or TypeError naming what is wrong. admit() is public: an
-    engine may call it without a Server, and a token outside the vocabulary would fault the
-    device in the embedding lookup, a bool row be read as row 1."""
+    copy of `request` that Server.submit keeps (its prompt a tuple of ints in the `vocab`, of at
+    most `longest` tokens, refused by its length before it is read; its numbers plain ints), or
+    ValueError or TypeError naming what is wrong. admit() is public: an engine may call it without
+    a Server, and a token outside the vocabulary would fault the device in the embedding lookup, a
+    bool row be read as row 1."""
     row = as_row(row, batch)
-    checked = _checked(request, vocab)
+    checked = _checked(request, vocab, longest)
     if isinstance(checked, str):
         raise ValueError(f"a request not admitted: {checked}")
     return row, checked
@@ -250,20 +259,23 @@ class _Kept(Request):
         return repr(Request(*self))
 
 
-def _checked(request: Request, vocab: int) -> Request | str:
+def _checked(request: Request, vocab: int, longest: int | None = None) -> Request | str:
     """`request` with its prompt a tuple of ints taken from the very copy that was checked, and
     its budget, EOS, seed and most draft length the plain ints checked, or why it is malformed
-    (malformed's reasons). The copy is what a server keeps: a caller who changes the list, or the
-    0-d array of a budget (an index as any int is), it gave after submit() cannot slip an
-    unchecked token or a budget past the room refusal() measured into a row. A copy made here
-    comes back as it is where its tokens lie in `vocab` (a type check and one max(), where the
-    whole check cost ~40 us a 300-token prompt): the request a Server kept from its submit is
+    (malformed's reasons), or why its prompt, of more than `longest` tokens (a decoder's
+    longest_prompt; None: no bound), fits no row, said by its length before it is read. The
+    copy is what a server keeps: a caller who changes the list, or the 0-d array of a budget (an
+    index as any int is), it gave after submit() cannot slip an unchecked token or a budget past
+    the room refusal() measured into a row. A copy made here comes back as it is where its tokens
+    lie in `vocab` and it is no longer than `longest` (a type check, one max() and a len(), where
+    the whole check cost ~40 us a 300-token prompt): the request a Server kept from its submit is
     admitted by its decoder's admit() without being checked again."""
-    if type(request) is _Kept and max(request.prompt, default=vocab) < vocab and (request.eos or 0) < vocab:
+    if (type(request) is _Kept and max(request.prompt, default=vocab) < vocab and (request.eos or 0) < vocab
+            and (longest is None or len(request.prompt) <= longest)):
         return request
     request = as_request(request)
     try:
-        prompt = as_prompt(request.prompt, vocab, "its prompt")  # a copy, never the caller's list itself
+        prompt = as_prompt(request.prompt, vocab, "its prompt", longest)  # a copy, never the caller's list itself
         # a row's budget is an i32 on the device (StreamBufs' ROW_VALUE_MOST): past it, a decoder's
         # generate_batch and admit() prefilled the rows before the budget was refused
         budget = as_size(request.max_new_tokens, "max_new_tokens", 0, I32_MOST)
@@ -316,8 +328,9 @@ class Server:
     the queue's head, without a slot. Ids count from 0 in submission order, a refused request's
     too. `clock` (seconds) stamps the times Served records: a test gives its own.
 
-    The decoder's batch and vocabulary (at least one row, one token) are checked here, naming
-    them: a decoder of no rows would leave serve() waiting for ever. A decoder that keeps its
+    The decoder's batch and vocabulary (at least one row, one token), and its longest_prompt
+    where it has one, are checked here, naming them: a decoder of no rows would leave serve()
+    waiting for ever. A decoder that keeps its
     servers (a `driven`, as GraphedGreedy has) is told of this one, made directly as its own
     server() makes it: RuntimeError while another of them has requests in flight, whose rows
     this one would park, and this one's requests are guarded from the decoder's batches (a
@@ -332,6 +345,8 @@ class Server:
                             f"type {type(decoder).__name__} has no {', '.join(missing)}{own}")
         batch = as_size(decoder.batch, "a decoder's batch")
         as_size(decoder.vocab, "a decoder's vocab")
+        longest = getattr(decoder, "longest_prompt", None)  # optional: a prompt past it is refused unread
+        self._longest = None if longest is None else as_size(longest, "a decoder's longest_prompt")
         if not callable(clock):  # else the first submit met "'NoneType' object is not callable", its id taken
             raise TypeError(f"a server's clock is a function giving seconds (time.perf_counter), not {clock!r}")
         driven = getattr(decoder, "driven", None)  # a decoder's own servers (GraphedGreedy's server() makes them)
@@ -377,7 +392,7 @@ class Server:
         anything but a refusal took none, and the next submit gets it: the id was taken first,
         and the next request's skipped it. A refusal takes the id and names it, a decoder's own
         RequestRefused too (naming its row, it named another request, a live one perhaps)."""
-        checked = _checked(request, self.decoder.vocab)
+        checked = _checked(request, self.decoder.vocab, self._longest)
         try:
             if isinstance(checked, str):
                 raise RequestRefused(self._next, checked)
@@ -656,8 +671,9 @@ class Driven:
     """The Servers made over a decoder's rows (held weakly: a server dropped drives nothing), so
     that nothing else takes the rows from one with requests in flight: a new server parks every
     row and a batch prefills every row, either of which ended that server's requests, each then
-    reported as finished, its tokens cut short. Every server made is kept, not the last alone: a
-    second server made while the first was idle left the first's later requests unguarded."""
+    reported as finished, its tokens cut short; an admission or a park by hand (take_row) takes
+    one. Every server made is kept, not the last alone: a second server made while the first was
+    idle left the first's later requests unguarded."""
 
     def __init__(self) -> None:
         self._servers: weakref.WeakSet[Server] = weakref.WeakSet()
@@ -666,8 +682,21 @@ class Driven:
         """RuntimeError naming `what` where a server over the rows (but `beside`) has a request
         queued, running or waiting for its cancel."""
         if any(server is not beside and not server.idle for server in list(self._servers)):
-            raise RuntimeError(f"{what} would take the rows of this decoder's server, which has requests in flight: "
-                               "step it until it is idle (a cancel ends its request at the next step)")
+            raise RuntimeError(self._taken(what))
+
+    def take_row(self, what: str) -> None:
+        """take(what) of a call a server's own step makes into the rows too (a decoder's admit(),
+        the plain loop's park()): a server in its step is the one calling, and is not refused
+        (its _stepping, set already: nothing is added to a step). Called by the engine while a
+        server had requests in flight, admit() overwrote a row the server held for one of them,
+        and park() stopped one: that request ended with another's tokens, or cut short, silently."""
+        if any(not server._stepping and not server.idle for server in list(self._servers)):
+            raise RuntimeError(self._taken(what))
+
+    @staticmethod
+    def _taken(what: str) -> str:
+        return (f"{what} would take the rows of this decoder's server, which has requests in flight: "
+                "step it until it is idle (a cancel ends its request at the next step)")
 
     def by(self, server: Server) -> Server:
         """`server`, from now one of those driving the rows."""

@@ -171,9 +171,14 @@ class RoundDecoder:
         a new request drafts at the full length unless it says). The rows' stop rules are lifted
         (set_stop sets the next ones). Returns the rows' start positions. Rows (distinct rows of
         the batch), caps, seeds and prompts are checked before any row is written: a cap refused
-        after the caches were filled left the rows live with no budget."""
+        after the caches were filled left the rows live with no budget. Caps and seeds are lists
+        (as_listed): a mapping's keys were taken for them, {row: seed} sampling each row with its
+        row's number for a seed, without a word. RuntimeError while a server over the rows has a
+        request in flight (Driven.take): a row may be one it holds."""
+        self.driven.take("prefill()")
         rows = distinct_rows(rows, self.batch, "a prefill's rows")
-        caps = [self.k] * len(rows) if caps is None else [as_size(c, "a most draft length", 0, self.k) for c in caps]
+        listed = [self.k] * len(rows) if caps is None else as_listed(caps, "a prefill's caps", "ints, one a row")
+        caps = [as_size(c, "a most draft length", 0, self.k) for c in listed]
         if len(caps) != len(rows):
             raise ValueError(f"need one most draft length for each of the {len(rows)} rows, not {len(caps)}")
         return self._prefill_trusted(rows, *self._checked_prompts(rows, prompts, seeds), caps)
@@ -200,8 +205,12 @@ class RoundDecoder:
         rows run on untouched: continuous batching's unit (a Server's admission). The request
         is checked as Server.submit checks it (rounds.serving.admitted: the copy a Server kept
         from its submit passes at once): well formed, its tokens in the vocabulary; its room is
-        checked by every burst (CapacityError)."""
-        row, request = admitted(request, self.vocab, row, self.batch)  # refused before the row is touched
+        checked by every burst (CapacityError). RuntimeError, from anything but a server's own
+        step, while a server over the rows has a request in flight (Driven.take_row): the row
+        may be one it holds."""
+        self.driven.take_row("admit()")
+        # refused before the row is touched
+        row, request = admitted(request, self.vocab, row, self.batch, self.longest_prompt)
         (start,), (pending,) = self._fill_trusted([row], [request.prompt], [request.seed])
         with torch.cuda.stream(self.stream):
             self.bufs.start_row(row, pending, start, budget=request.max_new_tokens, eos=request.eos)
@@ -220,11 +229,12 @@ class RoundDecoder:
         prompts = as_listed(prompts, "a prefill's prompts", "prompts, one a row")
         if len(prompts) != len(rows):
             raise ValueError(f"need one prompt for each of the {len(rows)} rows, not {len(prompts)}")
+        seeds = None if seeds is None else as_listed(seeds, "a prefill's seeds", "ints, one a row")
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")
         checked = None if seeds is None else [as_seed(seed) for seed in seeds]
         # the whole prompt, its last (pending) token too, which only the draft's first step looks up
-        return [as_prompt(prompt, self.vocab, f"row {row}'s prompt").tolist()
+        return [as_prompt(prompt, self.vocab, f"row {row}'s prompt", self.longest_prompt).tolist()
                 for row, prompt in zip(rows, prompts)], checked
 
     def _fill_trusted(self, rows: list[int], prompts: Sequence[Sequence[int]],
@@ -277,7 +287,8 @@ class RoundDecoder:
         flight (Driven.take: step it until it is idle), and, in device mode on sealed rounds, one
         whose budgets the loop captured before cannot take (CaptureError: capture(("device",)))."""
         mode = as_mode(mode)
-        requests = batch_admitted(requests, self.vocab, self.batch, lambda request: self.room(request, mode))
+        requests = batch_admitted(requests, self.vocab, self.batch, lambda request: self.room(request, mode),
+                                  self.longest_prompt)
         most = max(r.max_new_tokens for r in requests)
         if mode is Mode.DEVICE and most:  # refused before the rows are touched, where follow() would capture its loop
             self.rounds.require_loop(most)
@@ -289,6 +300,14 @@ class RoundDecoder:
         out = self.rounds.generate_batch([r.max_new_tokens for r in requests],
                                          eos=[r.eos for r in requests], mode=mode)
         return [tokens.tolist() for tokens in out]
+
+    @property
+    def longest_prompt(self) -> int:
+        """The most tokens a prompt can have: all but its last (pending) token fill a row's caches,
+        as a stack's prefill takes them (room() refuses a prompt shorter still wherever a burst is
+        to run). A longer one is refused by its length, before its tokens are read
+        (rounds.serving's Decoder)."""
+        return self.target.kv.capacity + 1
 
     def room(self, request: Request, mode: Mode) -> str | None:
         """Why a checked `request` cannot run in a row in `mode` (its prompt and budget past the
@@ -350,6 +369,11 @@ class _Slots:
     def __init__(self, decoder: RoundDecoder, mode: Mode):
         self.decoder, self.mode = decoder, mode
         self.batch, self.vocab, self.driven = decoder.batch, decoder.vocab, decoder.driven  # Server tells driven
+
+    @property
+    def longest_prompt(self) -> int:
+        """The decoder's: a longer prompt is refused by its length, unread (Server.submit)."""
+        return self.decoder.longest_prompt
 
     def refusal(self, request: Request) -> str | None:
         return self.decoder.room(request, self.mode)

@@ -112,15 +112,26 @@ class GraphedGreedy:
 
     def capture(self) -> None:
         """The burst's graph, now (a warm-up burst first, which compiles the step), so that no
-        generation captures: a capture synchronises the device."""
+        generation captures: a capture synchronises the device. The warm-up starts every row
+        (a prompt of two tokens each) and runs it: RuntimeError while a server over the rows has
+        a request in flight (Driven.take), whose rows it took (a Server made directly, its bursts
+        run eagerly until then, had its requests' rows started again, their tokens wrong)."""
         if self.graph is not None or self.eager:
             return
+        self.driven.take("capture()")
         with torch.cuda.stream(self.stream):
             self._start([Request([0, 0], 0)] * self.batch)
             self._burst()
             with torch_graph(self.stream) as graph:
                 self._burst()
             self.graph = graph  # kept once captured: a capture that raised left none to replay
+
+    @property
+    def longest_prompt(self) -> int:
+        """The most tokens a prompt can have: all but its last fill a row's cache (refusal's rule
+        at a budget of 0). A longer one is refused by its length, before its tokens are read
+        (rounds.serving's Decoder)."""
+        return self.stack.kv.capacity + 1
 
     def refusal(self, request: Request) -> str | None:
         """Why `request` does not fit a row's cache (its prompt but the last token and its
@@ -139,8 +150,11 @@ class GraphedGreedy:
         checked as Server.submit checks it (rounds.serving.admitted: the copy a Server kept from
         its submit passes at once) and for its room (refusal: a row past its cache would run at
         clamped positions, its tokens wrong, silently); the stack takes the checked prompt as it
-        is (LayerStack._prefill_trusted)."""
-        row, request = admitted(request, self.vocab, row, self.batch)
+        is (LayerStack._prefill_trusted). RuntimeError, from anything but a server's own step,
+        while a server over the rows has a request in flight (Driven.take_row): the row may be
+        one it holds."""
+        self.driven.take_row("admit()")
+        row, request = admitted(request, self.vocab, row, self.batch, self.longest_prompt)
         if (why := self.refusal(request)) is not None:
             raise ValueError(f"a request not admitted: {why}")
         prompt = request.prompt
@@ -186,7 +200,10 @@ class GraphedGreedy:
     def park(self, rows: Sequence[int]) -> None:
         """The rows' requests dropped: their tokens are read no more. Every row is checked before
         any is parked (rounds.serving.as_row): -1 parked the last row, whose request then ended
-        as if it had stopped, its tokens cut short, and True row 1."""
+        as if it had stopped, its tokens cut short, and True row 1. RuntimeError, from anything
+        but a server's own step, while a server over the rows has a request in flight
+        (Driven.take_row): its request would end so too (a cancel is server.cancel)."""
+        self.driven.take_row("park()")
         for row in [as_row(row, self.batch) for row in rows]:
             self._stops[row] = None
         self._cut = False  # rows changed hands: the last burst is not their requests' any more
@@ -197,7 +214,7 @@ class GraphedGreedy:
         refused (RequestRefused, naming its row) before anything runs; so is the batch
         (RuntimeError) while a server over the rows has a request in flight (Driven.take: step it
         until it is idle)."""
-        requests = batch_admitted(requests, self.vocab, self.batch, self.refusal)
+        requests = batch_admitted(requests, self.vocab, self.batch, self.refusal, self.longest_prompt)
         self.driven.take("generate_batch")
         self.capture()
         with torch.cuda.stream(self.stream):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -627,10 +628,12 @@ def test_a_room_is_sized_by_the_geometry_of_the_decoder_it_is_given_to():
 class Prefilled:
     """A stack's prefill alone, for a decoder's host side: the rows and heads it was given at its
     unchecked entry (_prefill_trusted), which a decoder hands the prompts it has checked; its
-    public prefill, which would check them a second time, fails the test."""
+    public prefill, which would check them a second time, fails the test. Its cache's capacity
+    is CAPACITY (a decoder's longest_prompt reads it)."""
 
     def __init__(self):
         self.calls = []
+        self.kv = SimpleNamespace(capacity=CAPACITY)
 
     def prefill(self, rows, heads):
         raise AssertionError("a decoder's stack was given checked prompts through its public prefill, checked again")
@@ -718,10 +721,11 @@ def test_the_plain_loop_parks_only_rows_it_has_and_each_checked_before_any_is_pa
     short, and True parked row 1; a row past the batch raised IndexError after the ones before it
     were parked. Each is refused now, naming it, with no row parked (the host side alone: no
     stream, no model)."""
+    from memra_cuda.rounds.serving import Driven
     from memra_cuda.torch import GraphedGreedy
     from memra_cuda.torch.greedy import _Stop
     decoder = object.__new__(GraphedGreedy)
-    decoder.batch = 2
+    decoder.batch, decoder.driven = 2, Driven()
     stops = [_Stop(None, 5), _Stop(None, 5)]
     decoder._stops = list(stops)
     for rows, error, named in (([-1], ValueError, "row -1 is not one of the decoder's 2"),
@@ -773,10 +777,11 @@ def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
     """RoundDecoder.prefill checked a cap after both caches had taken the prompts, which left
     the rows live without a budget; a seed past 64 bits raised after the target's prefill. Each
     is refused now with neither cache touched (the decoder's host side: stand-in stacks)."""
+    from memra_cuda.rounds.serving import Driven
     from memra_cuda.torch.decoder import RoundDecoder
     decoder = object.__new__(RoundDecoder)
     decoder.stream, decoder.shared, decoder.sampling, decoder.k, decoder.batch = None, False, None, 4, 2
-    decoder.target, decoder.draft, decoder.vocab = Prefilled(), Prefilled(), 100
+    decoder.target, decoder.draft, decoder.vocab, decoder.driven = Prefilled(), Prefilled(), 100, Driven()
     # the last token, which becomes pending (looked up only by the draft's first step), checked with the rest:
     # it went to the buffers as int(token), 7.9 as 7, "42" as 42, 10**6 to fault the device
     for last, error in ((10**6, ValueError), (7.9, TypeError), ("42", TypeError), (True, TypeError)):
@@ -786,7 +791,12 @@ def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
                                (([0, 2], [[5, 6], [7, 8]]), ValueError, "a row must be an int from 0 to 1"),
                                (([True], [[5, 6]]), TypeError, "a row must be an integer"),
                                (([0], [[5, 6]], [2**63]), ValueError, "its seed 9223372036854775808 is outside"),
-                               (([0], [[5, 6]], [1.5]), TypeError, "its seed must be an integer")):
+                               (([0], [[5, 6]], [1.5]), TypeError, "its seed must be an integer"),
+                               # {row: value}: its keys were taken, each row sampled with its own number for a
+                               # seed, or its cap its row's, without a word; a generator's seeds met len() inside
+                               (([1], [[5, 6]], {1: 7}), TypeError, "a prefill's seeds must be a list"),
+                               (([1], [[5, 6]], (s for s in [7])), TypeError, "a prefill's seeds must be a list"),
+                               (([1], [[5, 6]], None, {1: 0}), TypeError, "a prefill's caps must be a list")):
         with pytest.raises(error, match=named):
             decoder.prefill(*args)
     assert decoder.target.calls == decoder.draft.calls == []
@@ -797,11 +807,12 @@ def test_an_admission_refuses_a_bad_draft_length_before_the_row_is_touched():
     most draft length, a token outside the vocabulary (an embedding lookup that would fault the
     device), a bool or a missing row raise naming what, and neither cache took the prompt (the
     row keeps what it had). admit is public: an engine may call it without a Server."""
+    from memra_cuda.rounds.serving import Driven
     from memra_cuda.torch import Request
     from memra_cuda.torch.decoder import RoundDecoder
     decoder = object.__new__(RoundDecoder)
     decoder.stream, decoder.shared, decoder.sampling, decoder.k = None, False, None, 4
-    decoder.vocab, decoder.batch = 10, 2
+    decoder.vocab, decoder.batch, decoder.driven = 10, 2, Driven()
     decoder.target, decoder.draft = Prefilled(), Prefilled()
     for row, request, error, named in ((0, Request([5, 6], 4, max_draft=-1), ValueError, "max_draft"),
                                        (0, Request([5, 6], 4, max_draft=2.5), ValueError, "max_draft"),
@@ -954,6 +965,137 @@ def test_the_plain_loops_server_checks_a_prompt_once_and_runs_it_as_its_own_gree
     del checks[:]
     decoder.admit(0, kept)
     assert checks == [] and decoder.stack.kv.lengths[:, 0].tolist() == [3] * 3
+
+
+def plain_loop(monkeypatch, batch: int = 2):
+    """GraphedGreedy's host side over a real stack on the CPU (CAPACITY slots a row), its bursts
+    eager (three steps each): its rows, its server and its admissions as a device's run them."""
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import GraphedGreedy
+    from memra_cuda.torch.greedy import advance
+    decoder = object.__new__(GraphedGreedy)
+    decoder.batch, decoder.steps, decoder.vocab, decoder.eager, decoder.stream = batch, 3, VOCAB, True, None
+    decoder.stack = Stack(tiny(), CAPACITY, batch=batch)
+    monkeypatch.setattr(decoder.stack, "capture_prefills", lambda: None)  # no CUDA graphs on the CPU
+    decoder.advance, decoder.graph, decoder._cut = advance, None, False
+    decoder._stops, decoder.driven = [None] * batch, Driven()
+    decoder.token = torch.zeros(batch, 1, dtype=torch.long)
+    decoder.position = torch.zeros(batch, 1, dtype=torch.long)
+    decoder.out = torch.zeros(3, batch + batch % 2, dtype=torch.long)  # [steps][B]
+    return decoder
+
+
+def test_a_decoders_prompt_longer_than_its_caches_is_refused_by_its_length_before_it_is_read(monkeypatch):
+    """A lazy or huge prompt (range(3 * 10**7)) was made a numpy array and a tuple of its ints
+    (seconds, hundreds of MB) before a decoder's room refused it. A decoder's longest_prompt
+    (its cache's slots and the pending token) refuses a longer one by its len(), unread: at a
+    Server's submit over it, in its generate_batch, its admit and (a speculative decoder's) its
+    prefill, each naming it (the host sides: the plain loop over a real stack, a speculative
+    decoder over stand-in stacks)."""
+    from stand_in import Unread
+
+    from memra_cuda.rounds import Server
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.rounds.stream import Mode
+    from memra_cuda.torch import Request
+    from memra_cuda.torch import decoder as decoders
+    longer = Unread(CAPACITY + 2)
+    named = f"its prompt of {CAPACITY + 2} tokens does not fit a row \\(at most {CAPACITY + 1}\\)"
+    plain = plain_loop(monkeypatch, batch=1)
+    speculative = object.__new__(decoders.RoundDecoder)
+    speculative.vocab, speculative.batch, speculative.k, speculative.driven = VOCAB, 1, 4, Driven()
+    speculative.target, speculative.draft, speculative.bufs = Prefilled(), Prefilled(), Recorded()
+    for decoder, server in ((plain, plain.server()), (speculative, Server(decoders._Slots(speculative, Mode.GRAPH)))):
+        assert decoder.longest_prompt == CAPACITY + 1
+        for ident, prompt in enumerate((longer, torch.zeros(CAPACITY + 2, dtype=torch.long))):  # a tensor's too
+            with pytest.raises(RequestRefused, match=f"request {ident} refused: {named}"):
+                server.submit(Request(prompt, 2))
+        with pytest.raises(RequestRefused, match=f"request 0 refused: {named}"):
+            decoder.generate_batch([Request(longer, 2)])
+        with pytest.raises(ValueError, match=f"a request not admitted: {named}"):
+            decoder.admit(0, Request(longer, 2))
+    with pytest.raises(ValueError, match=f"row 0's prompt of {CAPACITY + 2} tokens does not fit a row"):
+        speculative.prefill([0], [longer])
+    assert speculative.target.calls == speculative.draft.calls == []
+    assert plain.stack.kv.lengths.eq(0).all(), "a refused prompt reached the plain loop's cache"
+
+
+def test_an_engines_admit_or_park_is_refused_while_a_server_holds_the_rows(monkeypatch):
+    """decoder.admit(row, request) by the engine's own hand, while a Server over the same decoder
+    had requests in flight, overwrote a row the server held for one of them without a word, and
+    GraphedGreedy.park stopped one: that request ended with tokens of another's prompt, or cut
+    short, as finished. Driven guarded a new server, serve() and generate_batch, not these. Each
+    is a RuntimeError naming it now (Driven.take_row), where the server's own step admits and
+    parks as before; a speculative decoder's public prefill is refused too (Driven.take). Once
+    the server is idle, the engine takes the rows again (the host sides: the plain loop over a
+    real stack, a speculative decoder over real stacks, stand-in buffers and rounds)."""
+    from memra_cuda import Geometry
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import Request
+    from memra_cuda.torch import decoder as decoders
+    decoder = plain_loop(monkeypatch)
+    prompt, other = [5, 17, 3, 40, 8], [9, 9, 2]
+    server = decoder.server()
+    ident = server.submit(Request(prompt, 8))
+    ended = dict(server.step().finished)  # admitted into row 0, three of its tokens read back
+    for call, what in ((lambda: decoder.admit(0, Request(other, 2)), "admit\\(\\)"),
+                       (lambda: decoder.park([0]), "park\\(\\)")):
+        with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+            call()
+    while not server.idle:
+        ended.update(server.step().finished)
+    alone = decoder.generate_batch([Request(prompt, 8), Request([1], 0)])[0]
+    assert ended[ident].tokens == alone and not ended[ident].cancelled, "the server's request lost its row"
+    decoder.admit(1, Request(other, 2))  # the server idle: the rows are the engine's again
+    decoder.park([1])
+
+    speculative = object.__new__(decoders.RoundDecoder)
+    speculative.stream, speculative.sampling, speculative.vocab, speculative.k = None, None, VOCAB, 4
+    speculative.batch, speculative.shared, speculative.driven = 2, False, Driven()
+    speculative.target = Stack(tiny(), CAPACITY, batch=2)
+    speculative.draft = Stack(tiny(1, seed=1), CAPACITY, batch=2)
+    speculative.bufs, speculative.lengths = Recorded(), Recorded()
+    burst = SimpleNamespace(tokens=[np.array([3]), np.array([], int)], done=np.array([True, True]),
+                            accepted=np.array([0, 0]))
+    speculative.rounds = SimpleNamespace(round=SimpleNamespace(capacity=SimpleNamespace(geometry=Geometry(4, 1, 2))),
+                                         rounds_per_step=lambda mode: 1, step=lambda mode: burst, sealed=True)
+    monkeypatch.setattr(decoders, "uploaded", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
+    server = speculative.server()  # which parks every row
+    ident = server.submit(Request(prompt, 4))  # queued: in flight, its row not yet taken
+    parked = list(speculative.bufs.calls)
+    for call, what in ((lambda: speculative.admit(0, Request(other, 2)), "admit\\(\\)"),
+                       (lambda: speculative.prefill([0], [other]), "prefill\\(\\)")):
+        with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+            call()
+    assert speculative.target.kv.lengths.eq(0).all() and speculative.bufs.calls == parked
+    assert server.step().finished[ident].tokens == [3]  # its own step admits it
+    assert ("start_row", 0, 8, 4, 4, None) in speculative.bufs.calls
+    speculative.admit(1, Request(other, 2))  # idle: the engine's again
+    assert speculative.prefill([0], [other]) == [2]
+
+
+def test_the_plain_loops_capture_is_refused_while_a_server_holds_the_rows(monkeypatch):
+    """GraphedGreedy.capture() starts every row (a prompt of two tokens each) and runs a warm-up
+    burst before it captures: called while a Server made directly over the loop (its bursts run
+    eagerly until a graph is captured) had a request running, it started that request's row
+    again, and the request went on from the warm-up's tokens, silently. It is a RuntimeError
+    naming it now, before any row is touched (Driven.take), as a new server and generate_batch
+    are; the server's request ends as its own (the host side over a real stack on the CPU)."""
+    from memra_cuda.rounds import Server
+    from memra_cuda.torch import Request
+    decoder = plain_loop(monkeypatch)
+    decoder.eager = False  # a graph to capture, none captured yet: the bursts run eagerly meanwhile
+    server = Server(decoder)
+    ident = server.submit(Request([5, 17, 3, 40, 8], 8))
+    ended = dict(server.step().finished)
+    lengths, positions = decoder.stack.kv.lengths.clone(), decoder.position.clone()
+    with pytest.raises(RuntimeError, match="capture\\(\\) would take the rows of this decoder's server"):
+        decoder.capture()
+    assert torch.equal(decoder.stack.kv.lengths, lengths) and torch.equal(decoder.position, positions)
+    while not server.idle:
+        ended.update(server.step().finished)
+    decoder.eager = True  # the reference: the same decoding, in a batch of its own
+    assert ended[ident].tokens == decoder.generate_batch([Request([5, 17, 3, 40, 8], 8), Request([1], 0)])[0]
 
 
 def test_a_batch_refuses_a_request_past_the_caches_room_before_anything_runs():

@@ -18,7 +18,7 @@ from memra_cuda.rounds import Request, Served, Server, serving
 from memra_cuda.rounds.serving import Driven
 
 from interrupt import acting_before, interrupt_before, interrupt_once
-from stand_in import VOCAB, Clock, Counting, alone, commits, mixed, token
+from stand_in import CAPACITY, VOCAB, Clock, Counting, Unread, UnreadArray, alone, commits, mixed, token
 
 
 def test_every_request_gets_its_own_output_through_fewer_slots():
@@ -90,6 +90,44 @@ def test_submit_refuses_at_once_and_changes_nothing_else():
     assert server.idle and decoder.calls == [("park", (0, 1))]
     assert server.submit(Request([1], 3)) == 1, "ids count refused requests too"
     assert server.step().finished == {} and decoder.calls[1:] == [("admit", 0, (1,)), ("burst",)]
+
+
+def test_a_prompt_longer_than_a_row_takes_is_refused_by_its_length_before_it_is_read():
+    """A lazy or huge prompt was read whole before the decoder's room refused it: submit() of
+    Request(range(3 * 10**7), 8) made it a numpy array and a tuple of its ints (8 s, hundreds of
+    MB), to be refused by refusal() (or, here, by its 51st token, outside the vocabulary). Past
+    the decoder's longest_prompt it is refused by its len(), unread, naming the request (an
+    array of any library's, a len() past sys.maxsize too), at submit, in a batch and at an admission, the copy a Server
+    kept from a larger decoder too; at the limit it is read and checked as before, and a
+    decoder without longest_prompt reads every prompt as before."""
+    from memra_cuda.rounds.serving import admitted, batch_admitted
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    for ident, (prompt, shown) in enumerate(((Unread(CAPACITY + 1), f"{CAPACITY + 1} tokens"),
+                                             (range(3 * 10**7), f"{3 * 10**7} tokens"),
+                                             (np.zeros(CAPACITY + 1, np.int64), f"{CAPACITY + 1} tokens"),
+                                             (UnreadArray(CAPACITY + 1), f"{CAPACITY + 1} tokens"),
+                                             (range(10**20), r"more than \d+ tokens"))):
+        with pytest.raises(RequestRefused, match=f"request {ident} refused: its prompt of {shown} does not fit a row "
+                                                 rf"\(at most {CAPACITY}\)"):
+            server.submit(Request(prompt, 8))
+    assert server.idle and decoder.calls == [("park", (0, 1))]
+    assert server.submit(Request(list(range(CAPACITY)), 0)) == 5  # at the limit, read and checked
+    with pytest.raises(RequestRefused, match=f"request 1 refused: its prompt of {CAPACITY + 1} tokens does not fit"):
+        batch_admitted([Request([1], 2), Request(Unread(CAPACITY + 1), 2)], VOCAB, 2, longest=CAPACITY)
+    with pytest.raises(ValueError, match=f"a request not admitted: its prompt of {CAPACITY + 1} tokens does not fit"):
+        admitted(Request(Unread(CAPACITY + 1), 2), VOCAB, 0, 1, CAPACITY)
+    kept = admitted(Request(list(range(CAPACITY + 1)), 2), VOCAB, 0, 1)[1]  # a larger decoder's server's copy
+    with pytest.raises(ValueError, match=f"its prompt of {CAPACITY + 1} tokens does not fit a row"):
+        admitted(kept, VOCAB, 0, 1, CAPACITY)
+    unbounded = Counting(1)
+    del unbounded.longest_prompt  # optional: without it, every prompt is read first
+    with pytest.raises(AssertionError, match="was read"):
+        Server(unbounded, clock=unbounded.clock).submit(Request(Unread(CAPACITY + 1), 8))
+    for longest, error in ((0, ValueError), (True, TypeError), (2.5, TypeError)):
+        decoder.longest_prompt = longest
+        with pytest.raises(error, match="a decoder's longest_prompt must be an"):
+            Server(decoder)
 
 
 def cancelled_run(requests: list[Request], victim: int, after: int, batch: int = 2):
@@ -615,6 +653,45 @@ def test_a_decoders_rows_are_not_taken_from_any_of_its_servers_with_requests_in_
     del first  # dropped with a request running: nothing it holds is anyone's
     driven.take("generate_batch")
     assert second.idle
+
+
+def test_a_rows_admission_or_park_by_the_engine_is_refused_while_a_server_has_requests_in_flight():
+    """A decoder's admit() (and the plain loop's park()) called by the engine while a server over
+    the rows had requests in flight took a row the server held: an admission overwrote a running
+    request's row (GraphedGreedy: it ended cut short, its last tokens of another prompt), a park
+    ended it as stopped. Driven.take_row refuses them, naming the call, from anything but a
+    server's own step, whose admissions and parks (a cancel's, a refusal's) go on as before;
+    once the server is idle, the rows are the engine's again."""
+
+    class Guarded(Counting):  # a decoder that guards its rows as GraphedGreedy does
+        def admit(self, row, request):
+            self.driven.take_row("admit()")
+            super().admit(row, request)
+
+        def park(self, rows):
+            self.driven.take_row("park()")
+            super().park(rows)
+
+    decoder = Guarded(2)
+    decoder.driven = Driven()
+    server = Server(decoder, clock=decoder.clock)  # its parking of every row is allowed: nothing in flight
+    first, second = server.submit(Request([1, 2, 3], 30)), server.submit(Request([4, 5], 30))
+    for call, what in ((lambda: decoder.admit(1, Request([6], 2)), "admit\\(\\)"),
+                       (lambda: decoder.park([0]), "park\\(\\)")):
+        with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+            call()  # queued, not yet in a row: the rows are the server's all the same
+    server.step()  # its own admissions
+    assert decoder.calls[1:3] == [("admit", 0, (1, 2, 3)), ("admit", 1, (4, 5))]
+    with pytest.raises(RuntimeError, match="admit\\(\\) would take the rows"):
+        decoder.admit(0, Request([6], 2))
+    assert server.cancel(first)
+    ended = server.step().finished  # its own park, the cancel's
+    assert ended[first].cancelled and ("park", (0,)) in decoder.calls
+    while not server.idle:
+        ended = server.step().finished
+    assert ended[second].tokens == alone(Request([4, 5], 30)), "the server's request lost its row"
+    decoder.admit(0, Request([6], 2))  # idle: the engine's rows again
+    decoder.park([0])
 
 
 def test_two_servers_over_one_decoder_never_run_requests_at_once():

@@ -365,3 +365,21 @@ def test_a_prompt_that_is_no_sequence_of_token_ids_is_refused_naming_it_where_it
         with pytest.raises(ValueError, match=f"{what}'s token 50 \\(at 1\\) is outside the vocabulary of 50"):
             entry([3, 50])
     assert toy.target_greedy(model, np.array([3, 4], np.uint32), 4) == toy.target_greedy(model, (3, 4), 4)
+
+
+def test_a_prompt_longer_than_the_toys_caches_is_refused_by_its_length_before_it_is_read():
+    """The toy's GPU prefill read a prompt whole (range(3 * 10**7): seconds) before it compared
+    its length with the caches, and its numpy loop's prefill wrote the caches' every slot, then
+    met an IndexError. Each refuses a prompt of more than the caches hold and the pending token
+    by its len(), unread, the caches untouched; at the limit, it is taken."""
+    from stand_in import Unread
+    model = toy.ToyModel(seed=3, vocab=50)
+    lm = object.__new__(toy.ToyLM)  # its host side: the check comes before any device work
+    lm.model, lm.capacity = model, 32
+    with pytest.raises(ValueError, match="row 1's prompt of 34 tokens does not fit a row \\(at most 33\\)"):
+        lm.prefill_row(None, 1, Unread(34))
+    stream = numpy_loop.NumpyRoundStream(model, 2, 2, 8)
+    with pytest.raises(ValueError, match="the prompt of 10 tokens does not fit a row \\(at most 9\\)"):
+        stream.prefill([1] * 10)
+    assert not stream.draft_kv.any() and stream.draft_len[0] == 0, "a refused prefill wrote the caches"
+    assert stream.prefill([1] * 9) == 8

@@ -457,10 +457,9 @@ class ToyLM:
         alone: a new request joins between bursts. `seed` is the request's (sampling mode): its
         tokens depend on it alone (a u64, checked before the row is reset), its prompt ints of the
         model's vocabulary (as_prompt). Returns its start position."""
-        prompt = as_prompt(prompt, self.model.vocab, f"row {row}'s prompt").tolist()
+        # all but its last token fill the caches: a longer prompt is refused by its length, unread
+        prompt = as_prompt(prompt, self.model.vocab, f"row {row}'s prompt", self.capacity + 1).tolist()
         n = len(prompt) - 1
-        if n > self.capacity:
-            raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a cache of {self.capacity}")
         self._check_batch(bufs)
         seed = exact_int(seed, np.uint64)
         states = self._states(bufs, self._prefill_k(bufs))

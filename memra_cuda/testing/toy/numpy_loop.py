@@ -113,7 +113,10 @@ class NumpyRoundStream:
         self.rounds = 0
 
     def prefill(self, prompt: Sequence[int]) -> int:
-        prompt = as_prompt(prompt, self.model.vocab, "the prompt").tolist()
+        """The prompt but its last token into the caches (its last pending), as the toy's
+        prefill_row: a prompt longer than they hold is refused by its length (it wrote the
+        caches' slots, then met an IndexError)."""
+        prompt = as_prompt(prompt, self.model.vocab, "the prompt", self.capacity + 1).tolist()
         n = len(prompt) - 1
         for j, token in enumerate(prompt[:-1]):
             e = self.model.embed(token, j)
