@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import reprlib
 import sys
+from collections import UserString
 from collections.abc import Sequence
 from numbers import Real
 from typing import Any
@@ -17,8 +18,9 @@ import numpy as np
 I32_MOST = 2**31 - 1  # an i32's most: a row's word on the device (a token id, a budget, a position)
 
 # text and bytes, whose items are characters or bytes, never token ids: refused as prompts alike (a
-# bytearray or a memoryview was read as its bytes' ints where bytes was refused)
-_TEXT = (str, bytes, bytearray, memoryview)
+# bytearray or a memoryview was read as its bytes' ints where bytes was refused; a UserString, a
+# Sequence numpy reads by its characters, an empty one a ValueError, where "" was a TypeError)
+_TEXT = (str, UserString, bytes, bytearray, memoryview)
 
 
 def device_dtype(dtype: Any) -> np.dtype:
@@ -199,8 +201,8 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
     (floats, strings, a ragged or nested list, and bools, which a list of ints hides from numpy:
     True would be token 1), ValueError naming the first outside [0, vocab) (its embedding lookup
     would fault the device). `what` reads "{what} token 7 (at 2)": "its prompt's", "row 0's prompt".
-    Text and bytes are no token ids, in a bytearray or a memoryview too (TypeError: numpy read
-    those as their bytes' ints)."""
+    Text and bytes are no token ids, a UserString's, a bytearray's or a memoryview's too
+    (TypeError: numpy read the last two as their bytes' ints)."""
     try:
         tokens = np.array(None) if isinstance(values, _TEXT) else np.array(values)  # text: refused below
     except (TypeError, ValueError):  # ragged, or not numbers at all
@@ -232,11 +234,12 @@ def as_prompt(prompt: Any, vocab: int, what: str, most: int | None = None) -> np
     a decoder's prefill; the toy's prefill, its numpy loops and target_greedy). TypeError naming
     `what` ("its prompt", "row 0's prompt") for what is no sequence of ints (a generator or a bare
     numpy integer met len() deep inside: "object of type ... has no len()"; text or bytes, empty or
-    not, in a bytearray or a memoryview too, which were read as their bytes' ints), ValueError for
-    an empty sequence or a token outside [0, vocab) ("row 0's prompt's token 7 (at 2)"). A prompt
-    of more than `most` tokens (None: no bound), the most a row takes (its cache's slots and the
-    pending token), is refused by its len() before it is read, as as_listed refuses: range(3 *
-    10**7) was read whole (8 s, and a tuple of its ints) before a decoder's room refused it."""
+    not, a UserString's too, and a bytearray or a memoryview, which were read as their bytes'
+    ints), ValueError for an empty sequence or a token outside [0, vocab) ("row 0's prompt's
+    token 7 (at 2)"). A prompt of more than `most` tokens (None: no bound), the most a row takes
+    (its cache's slots and the pending token), is refused by its len() before it is read, as
+    as_listed refuses: range(3 * 10**7) was read whole (8 s, and a tuple of its ints) before a
+    decoder's room refused it."""
     if most is not None:
         _fits(prompt, what, most)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import re
 import reprlib
+from collections import UserString
 
 import numpy as np
 import pytest
@@ -1253,6 +1254,17 @@ def test_a_prompt_of_bytes_is_refused_as_bytes_is_whatever_holds_them(given):
     bytearray or a memoryview of the same bytes was read as their ints, tokens 5 and 17 run
     without a word; an empty one was a ValueError, one past a row's room a ValueError by its
     length. Each is refused as bytes is now, the same TypeError."""
+    refused_as_no_prompt(given)
+
+
+@pytest.mark.parametrize("given", ["", "\x05\x11", np.str_(""), UserString(""), UserString("\x05\x11"),
+                                   UserString("x" * (CAPACITY + 1))],
+                         ids=["empty", "str", "numpy's", "empty UserString", "UserString", "a UserString past a row"])
+def test_a_string_prompt_is_refused_alike_empty_or_not(given):
+    """A str prompt was a TypeError, "" and "ab" alike, but a UserString (a Sequence, of its
+    characters) was not: an empty one was a ValueError, one past a row's room a ValueError by its
+    length, each saying another thing. Every string prompt is refused as a str is now: the same
+    TypeError, as_prompt's, whatever its length."""
     refused_as_no_prompt(given)
 
 
