@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import reprlib
 import sys
+from collections import UserString
 from collections.abc import Sequence
 from numbers import Real
 from typing import Any
@@ -15,6 +16,11 @@ import numpy as np
 
 
 I32_MOST = 2**31 - 1  # an i32's most: a row's word on the device (a token id, a budget, a position)
+
+# text and bytes, whose items are characters or bytes, never token ids: refused as prompts alike (a
+# bytearray or a memoryview was read as its bytes' ints where bytes was refused; a UserString, a
+# Sequence numpy reads by its characters, an empty one a ValueError, where "" was a TypeError)
+_TEXT = (str, UserString, bytes, bytearray, memoryview)
 
 
 def device_dtype(dtype: Any) -> np.dtype:
@@ -194,9 +200,11 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
     of token ids below `vocab`, 1-D, maybe empty: TypeError naming `what` unless they are ints
     (floats, strings, a ragged or nested list, and bools, which a list of ints hides from numpy:
     True would be token 1), ValueError naming the first outside [0, vocab) (its embedding lookup
-    would fault the device). `what` reads "{what} token 7 (at 2)": "its prompt's", "row 0's prompt"."""
+    would fault the device). `what` reads "{what} token 7 (at 2)": "its prompt's", "row 0's prompt".
+    Text and bytes are no token ids, a UserString's, a bytearray's or a memoryview's too
+    (TypeError: numpy read the last two as their bytes' ints)."""
     try:
-        tokens = np.array(values)
+        tokens = np.array(None) if isinstance(values, _TEXT) else np.array(values)  # text: refused below
     except (TypeError, ValueError):  # ragged, or not numbers at all
         tokens = np.array(None)
     if tokens.ndim == 1 and tokens.dtype.kind in "fO" and _past_int64(values):
@@ -225,11 +233,13 @@ def as_prompt(prompt: Any, vocab: int, what: str, most: int | None = None) -> np
     decoding starts from): the one check of a prompt where it enters (a request's, rounds.serving;
     a decoder's prefill; the toy's prefill, its numpy loops and target_greedy). TypeError naming
     `what` ("its prompt", "row 0's prompt") for what is no sequence of ints (a generator or a bare
-    numpy integer met len() deep inside: "object of type ... has no len()"), ValueError for an
-    empty one or a token outside [0, vocab) ("row 0's prompt's token 7 (at 2)"). A prompt of more
-    than `most` tokens (None: no bound), the most a row takes (its cache's slots and the pending
-    token), is refused by its len() before it is read, as as_listed refuses: range(3 * 10**7) was
-    read whole (8 s, and a tuple of its ints) before a decoder's room refused it."""
+    numpy integer met len() deep inside: "object of type ... has no len()"; text or bytes, empty or
+    not, a UserString's too, and a bytearray or a memoryview, which were read as their bytes'
+    ints), ValueError for an empty sequence or a token outside [0, vocab) ("row 0's prompt's
+    token 7 (at 2)"). A prompt of more than `most` tokens (None: no bound), the most a row takes
+    (its cache's slots and the pending token), is refused by its len() before it is read, as
+    as_listed refuses: range(3 * 10**7) was read whole (8 s, and a tuple of its ints) before a
+    decoder's room refused it."""
     if most is not None:
         _fits(prompt, what, most)
     try:
@@ -245,10 +255,12 @@ def _fits(prompt: Any, what: str, most: int) -> None:
     """ValueError naming `what` where `prompt`, a sequence or an array of one dimension (any
     library's: a tensor's tokens were read and made a tuple of ints as a list's), holds more than
     `most` tokens by its len(), its tokens unread; what is none is token_ids' to refuse. A len()
-    past sys.maxsize (range(10**20)'s OverflowError) is past any row too."""
+    past sys.maxsize (range(10**20)'s OverflowError) is past any row too. Text and bytes are not
+    measured (a memoryview has a shape): token_ids refuses them, a TypeError whatever their length."""
+    if isinstance(prompt, _TEXT):
+        return
     shape = getattr(prompt, "shape", None)
-    if not (isinstance(shape, tuple) and len(shape) == 1) and (
-            not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes))):
+    if not (isinstance(shape, tuple) and len(shape) == 1) and not isinstance(prompt, Sequence):
         return
     try:
         count = len(prompt)

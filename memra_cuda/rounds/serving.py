@@ -671,8 +671,8 @@ class Driven:
     """The Servers made over a decoder's rows (held weakly: a server dropped drives nothing), so
     that nothing else takes the rows from one with requests in flight: a new server parks every
     row and a batch prefills every row, either of which ended that server's requests, each then
-    reported as finished, its tokens cut short; an admission or a park by hand (take_row) takes
-    one. Every server made is kept, not the last alone: a second server made while the first was
+    reported as finished, its tokens cut short; an admission, a park or a burst by hand (take_row)
+    takes one. Every server made is kept, not the last alone: a second server made while the first was
     idle left the first's later requests unguarded."""
 
     def __init__(self) -> None:
@@ -686,10 +686,11 @@ class Driven:
 
     def take_row(self, what: str) -> None:
         """take(what) of a call a server's own step makes into the rows too (a decoder's admit(),
-        the plain loop's park()): a server in its step is the one calling, and is not refused
+        park(), burst() and recover()): a server in its step is the one calling, and is not refused
         (its _stepping, set already: nothing is added to a step). Called by the engine while a
         server had requests in flight, admit() overwrote a row the server held for one of them,
-        and park() stopped one: that request ended with another's tokens, or cut short, silently."""
+        park() stopped one, and burst() ran them, reading tokens the server never saw: that
+        request ended with another's tokens, or cut short, silently."""
         if any(not server._stepping and not server.idle for server in list(self._servers)):
             raise RuntimeError(self._taken(what))
 

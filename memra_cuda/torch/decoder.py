@@ -383,16 +383,25 @@ class _Slots:
         self.decoder.admit(row, request)
 
     def burst(self) -> Burst:
+        """One step of the mode. RuntimeError, from anything but a server's own step, while a
+        server over the rows has a request in flight (Driven.take_row, as the decoder's admit):
+        server.decoder.burst() ran the server's rows, and their tokens never reached it."""
+        self.driven.take_row("burst()")
         return _burst(self.decoder.rounds.step(self.mode))
 
     def recover(self) -> Burst | None:
-        """The last burst, where an interrupt cut its readback's wait short (RoundStream.recover)."""
+        """The last burst, where an interrupt cut its readback's wait short (RoundStream.recover);
+        refused so too (Driven.take_row): it is the server's to recover."""
+        self.driven.take_row("recover()")
         readback = self.decoder.rounds.recover()
         return None if readback is None else _burst(readback)
 
     def park(self, rows: Sequence[int]) -> None:
         """The rows stopped (budget 0), each checked before any is (rounds.serving.as_row): every
-        row was stopped where as many rows as the batch were given, [0, 0] of two rows too."""
+        row was stopped where as many rows as the batch were given, [0, 0] of two rows too. Refused
+        so too (Driven.take_row), as GraphedGreedy's park: a request in a row parked by hand
+        ended as if it had stopped."""
+        self.driven.take_row("park()")
         parked, bufs = {as_row(row, self.batch) for row in rows}, self.decoder.bufs
         if len(parked) == self.batch:
             bufs.set_stop(budget=0)

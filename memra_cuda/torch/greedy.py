@@ -168,7 +168,12 @@ class GraphedGreedy:
     def burst(self) -> Burst:
         """One burst of every row (the graph's replay, or its steps run eagerly) and its one
         readback: each row's tokens up to its stop (a vacant row's none); a row that reached its
-        stop is done, and vacant from then on."""
+        stop is done, and vacant from then on. RuntimeError, from anything but a server's own
+        step, while a server over the rows has a request in flight (Driven.take_row): the burst
+        ran its requests' rows and read their tokens here, counting down their budgets, and the
+        server never saw them (a request ended with a burst's tokens missing, or as finished
+        short of its budget)."""
+        self.driven.take_row("burst()")
         self._cut = False
         with torch.cuda.stream(self.stream):
             if self.graph is None:
@@ -182,7 +187,10 @@ class GraphedGreedy:
         """The last burst, where an interrupt cut its readback's wait short (it ran, and its tokens
         are in `out` until the next burst); None where they were read, where a row was admitted,
         parked or every row started since, or where the interrupt came before the burst was
-        queued whole (an eager one is many launches)."""
+        queued whole (an eager one is many launches). RuntimeError, from anything but a server's
+        own step, while a server over the rows has a request in flight (Driven.take_row): the
+        burst is that server's to recover, and read here its tokens were lost to it."""
+        self.driven.take_row("recover()")
         return self._read() if self._cut else None
 
     def _read(self) -> Burst:

@@ -688,6 +688,7 @@ def test_a_speculative_decoders_server_parks_the_rows_it_names_each_checked_firs
     had stopped) and [5, 9] parked both without a word. Now each row is checked before any is
     stopped, a row named twice stops once, and every row stops at once only where every row is
     named (the host side alone: the buffers' calls recorded)."""
+    from memra_cuda.rounds.serving import Driven
     from memra_cuda.rounds.stream import Mode
     from memra_cuda.torch.decoder import _Slots
 
@@ -701,7 +702,7 @@ def test_a_speculative_decoders_server_parks_the_rows_it_names_each_checked_firs
         def set_stop_row(self, row, budget):
             self.calls.append((row, budget))
 
-    decoder = type("Decoder", (), dict(batch=2, vocab=VOCAB, bufs=Bufs(), driven=None))()
+    decoder = type("Decoder", (), dict(batch=2, vocab=VOCAB, bufs=Bufs(), driven=Driven()))()
     slots = _Slots(decoder, Mode.GRAPH)
     for rows, error, named in (([5, 9], ValueError, "row 5 is not one of the decoder's 2"),
                                ([0, -1], ValueError, "row -1 is not one of the decoder's 2"),
@@ -1072,6 +1073,63 @@ def test_an_engines_admit_or_park_is_refused_while_a_server_holds_the_rows(monke
     assert ("start_row", 0, 8, 4, 4, None) in speculative.bufs.calls
     speculative.admit(1, Request(other, 2))  # idle: the engine's again
     assert speculative.prefill([0], [other]) == [2]
+
+
+def test_an_engines_burst_is_refused_while_a_server_holds_the_rows(monkeypatch):
+    """GraphedGreedy.burst() by the engine's own hand, while a Server over the loop had a request
+    in flight, ran that request's row and read its tokens there, counting its budget down: the
+    server never saw them, and the request ended as finished with a burst's tokens missing from
+    the middle of its output, silently (recover() took an interrupted burst of the server's so
+    too). A speculative decoder's server.decoder.burst() (its _Slots) ran the rows the same way,
+    and its park() stopped a row the server held. Each is a RuntimeError naming it now
+    (Driven.take_row), where the server's own step runs, recovers and parks as before, and once
+    the server is idle the engine's burst runs (the host sides: the plain loop over a real stack,
+    a speculative decoder over stand-in buffers and rounds)."""
+    from memra_cuda import Geometry
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.rounds.stream import Mode
+    from memra_cuda.torch import Request
+    from memra_cuda.torch import decoder as decoders
+    decoder = plain_loop(monkeypatch)
+    prompt = [5, 17, 3, 40, 8]
+    server = decoder.server()
+    ident = server.submit(Request(prompt, 8))
+    ended = dict(server.step().finished)  # admitted into row 0, three of its tokens read back
+    positions, left = decoder.position.clone(), decoder._stops[0].left
+    for call, what in ((decoder.burst, "burst\\(\\)"), (decoder.recover, "recover\\(\\)")):
+        with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+            call()
+    assert torch.equal(decoder.position, positions) and decoder._stops[0].left == left, "a refused burst ran"
+    while not server.idle:
+        ended.update(server.step().finished)
+    alone = decoder.generate_batch([Request(prompt, 8), Request([1], 0)])[0]
+    assert ended[ident].tokens == alone and len(alone) == 8, "the server's request lost a burst's tokens"
+    assert decoder.burst().tokens == [[], []] and decoder.recover() is None  # idle: the engine's rows again
+
+    speculative = object.__new__(decoders.RoundDecoder)
+    speculative.stream, speculative.sampling, speculative.vocab, speculative.k = None, None, VOCAB, 4
+    speculative.batch, speculative.shared, speculative.driven = 2, False, Driven()
+    speculative.target = Stack(tiny(), CAPACITY, batch=2)
+    speculative.draft = Stack(tiny(1, seed=1), CAPACITY, batch=2)
+    speculative.bufs, speculative.lengths = Recorded(), Recorded()
+    burst = SimpleNamespace(tokens=[np.array([3]), np.array([], int)], done=np.array([True, True]),
+                            accepted=np.array([0, 0]))
+    steps = []
+    speculative.rounds = SimpleNamespace(round=SimpleNamespace(capacity=SimpleNamespace(geometry=Geometry(4, 1, 2))),
+                                         rounds_per_step=lambda mode: 1, sealed=True, recover=lambda: None,
+                                         step=lambda mode: steps.append(mode) or burst)
+    monkeypatch.setattr(decoders, "uploaded", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
+    server = speculative.server()  # which parks every row
+    ident = server.submit(Request(prompt, 4))  # queued: in flight, its row not yet taken
+    parked = list(speculative.bufs.calls)
+    for call, what in ((server.decoder.burst, "burst\\(\\)"), (server.decoder.recover, "recover\\(\\)"),
+                       (lambda: server.decoder.park([0]), "park\\(\\)")):
+        with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+            call()
+    assert steps == [] and speculative.bufs.calls == parked
+    assert server.step().finished[ident].tokens == [3] and steps == [Mode.GRAPH]  # its own step's burst
+    assert server.decoder.burst().tokens == [[3], []] and server.decoder.recover() is None  # idle
+    server.decoder.park([0])
 
 
 def test_the_plain_loops_capture_is_refused_while_a_server_holds_the_rows(monkeypatch):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pickle
 import re
+import reprlib
+from collections import UserString
 
 import numpy as np
 import pytest
@@ -1219,6 +1221,51 @@ def test_a_prompt_of_ints_past_int64_is_refused_as_outside_the_vocabulary(prompt
     for prompt in ([1.0, 2], [True, 2], [[1], [2]]):
         with pytest.raises(RequestRefused, match="must be a sequence of at least one token id"):
             server.submit(Request(prompt, 3))
+
+
+def refused_as_no_prompt(given):
+    """`given`, as a request's prompt, refused as what is no prompt at every entry, a TypeError
+    whatever its length (a row's most given or not), the server's refusal saying so alike."""
+    from memra_cuda.driver.values import as_prompt, token_ids
+    from memra_cuda.rounds.serving import admitted, batch_admitted
+    shown = re.escape(reprlib.repr(given))
+    named = f"its prompt must be a sequence of at least one token id \\(an int\\), not {shown}$"
+    for most in (None, 1, CAPACITY):
+        with pytest.raises(TypeError, match=f"^{named}"):
+            as_prompt(given, VOCAB, "its prompt", most)
+    with pytest.raises(TypeError, match="^row 0's prompt must be token ids \\(ints\\)"):
+        token_ids(given, VOCAB, "row 0's prompt")  # a stack's prefill's check
+    server = Server(Counting(1))
+    with pytest.raises(RequestRefused, match=f"^request 0 refused: {named}"):
+        server.submit(Request(given, 3))
+    with pytest.raises(RequestRefused, match=f"^request 0 refused: {named}"):
+        batch_admitted([Request(given, 3)], VOCAB, 1, longest=CAPACITY)
+    with pytest.raises(ValueError, match=f"^a request not admitted: {named}"):
+        admitted(Request(given, 3), VOCAB, 0, 1, CAPACITY)
+    assert server.idle and server.submit(Request([5, 17], 3)) == 1
+
+
+@pytest.mark.parametrize("given", [b"\x05\x11", bytearray(b"\x05\x11"), memoryview(b"\x05\x11"), b"", bytearray(),
+                                   memoryview(b""), bytearray(CAPACITY + 1)],
+                         ids=["bytes", "bytearray", "memoryview", "no bytes", "no bytearray", "no memoryview",
+                              "a bytearray past a row"])
+def test_a_prompt_of_bytes_is_refused_as_bytes_is_whatever_holds_them(given):
+    """A prompt of bytes was refused (a TypeError: numpy read them as one string), while a
+    bytearray or a memoryview of the same bytes was read as their ints, tokens 5 and 17 run
+    without a word; an empty one was a ValueError, one past a row's room a ValueError by its
+    length. Each is refused as bytes is now, the same TypeError."""
+    refused_as_no_prompt(given)
+
+
+@pytest.mark.parametrize("given", ["", "\x05\x11", np.str_(""), UserString(""), UserString("\x05\x11"),
+                                   UserString("x" * (CAPACITY + 1))],
+                         ids=["empty", "str", "numpy's", "empty UserString", "UserString", "a UserString past a row"])
+def test_a_string_prompt_is_refused_alike_empty_or_not(given):
+    """A str prompt was a TypeError, "" and "ab" alike, but a UserString (a Sequence, of its
+    characters) was not: an empty one was a ValueError, one past a row's room a ValueError by its
+    length, each saying another thing. Every string prompt is refused as a str is now: the same
+    TypeError, as_prompt's, whatever its length."""
+    refused_as_no_prompt(given)
 
 
 def test_a_refusal_in_serve_whose_clock_then_raised_is_handed_out_by_the_next_step():
