@@ -1,9 +1,10 @@
 """The user pages stay what a user reads: a README of at most 120 lines, no docs page over 250,
 no performance figure in them (they live in benchmarks/RESULTS.md, each with its machine, date
 and model), no name the library no longer has, docs/errors.md listing exactly the errors of
-memra_cuda.errors, install lines that work from a checkout or a wheel, no address the project
-does not have, the toy page's ToyModel signature whole, and the Unreleased section's migration
-table for the calls the Geometry changed. CPU only: it runs in every `make test`.
+memra_cuda.errors, every name memra_cuda and memra_cuda.torch export named on a page, install
+lines that work from a checkout or a wheel, no address the project does not have, the toy page's
+ToyModel signature whole, and the Unreleased section's migration table for the calls the
+Geometry changed. CPU only: it runs in every `make test`.
 """
 from __future__ import annotations
 
@@ -239,3 +240,22 @@ def test_the_unreleased_breaks_come_with_a_migration_table_that_runs():
             eval(code, {"kv_capacity": kv_capacity})
     for code in news:
         assert eval(code, {"kv_capacity": kv_capacity, "Geometry": Geometry}) > 256, code
+
+
+def exported(path: Path) -> list[str]:
+    """A module's `__all__`, read from its source (memra_cuda.torch's needs torch to import)."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{path} has no __all__")
+
+
+@pytest.mark.parametrize("package", ["memra_cuda", "memra_cuda.torch"])
+def test_every_public_name_is_documented(package):
+    """Each name of memra_cuda's __all__ and memra_cuda.torch's is named, in backticks, on a page of
+    docs/ (memra_cuda.torch.best_ranks was exported and on none)."""
+    text = "\n".join(" ".join(page.read_text(encoding="utf-8").split()) for page in pages())
+    names = exported(ROOT.joinpath(*package.split("."), "__init__.py"))
+    assert names
+    missing = [name for name in names if not re.search(rf"`[^`]*(?<![\w.]){re.escape(name)}\b[^`]*`", text)]
+    assert not missing, f"{package} exports names no page of docs/ names: {missing}"
