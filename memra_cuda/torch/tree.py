@@ -35,8 +35,8 @@ def best_ranks(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     largest of each row of `logits` (its last dim), best first: for the few a static tree asks
     (at most ARGMAX_RANKS), by k argmaxes written straight into it, each after the one before is
     masked out of `logits` in place (a level's own logits, read by nothing else), a tie to the
-    lower index; torch.topk's radix select is a dozen kernels, which cost a small random-weight
-    model's tree level 0.056 target steps at one node against 0.025 for two argmaxes (H200).
+    lower index; torch.topk's radix select is a dozen kernels, which cost a small model's tree
+    level twice what two argmaxes do (benchmarks/RESULTS.md, "The PyTorch engine's kernels").
     More, by torch.topk. top_ranks takes the same ranks out of place, for a compiled level."""
     k = out.shape[-1]
     if k > ARGMAX_RANKS:
