@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import reprlib
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
@@ -361,7 +362,9 @@ class Server:
         self._next = 0
         # ended at a step that raised, or another's inside serve(): the next step hands them out
         self._unreported: dict[int, Served] = {}
-        self._stepping = False  # a step runs: one inside it is refused
+        # the thread a step runs on (threading.get_ident), None between steps: a step inside one is refused,
+        # and that thread alone is the server calling its decoder (Driven.take_row)
+        self._stepping: int | None = None
         # the burst this server ran and has not recorded, with the rows it ran: None as the decoder
         # runs it (burst() raised: the next step asks the decoder to recover it), or read back but
         # not stamped (the clock raised: the next step records it)
@@ -437,14 +440,14 @@ class Server:
         thread): the inner one took the rows' next burst and ended its requests, so the outer read
         a request that had ended (KeyError) and lost its burst's tokens, the request ending with
         fewer, silently."""
-        if self._stepping:
+        if self._stepping is not None:
             raise RuntimeError("step() was called while a step of this server runs (from its decoder or its clock, "
                                "or another thread): step one at a time, from one loop")
-        self._stepping = True
+        self._stepping = threading.get_ident()
         try:
             return self._step()
         finally:
-            self._stepping = False
+            self._stepping = None
 
     def _step(self) -> Progress:
         finished, self._unreported = self._unreported, {}
@@ -528,7 +531,7 @@ class Server:
         so a refusal is recorded as it is made; where the clock raises, serve() raises with that
         request and those after it never submitted (a refusal stamped after it was made was lost
         with the clock's failure, its id taken)."""
-        if self._stepping:  # its step would be refused after its submissions, their refusals lost
+        if self._stepping is not None:  # its step would be refused after its submissions, their refusals lost
             raise RuntimeError("serve() was called while a step of this server runs (its clock or its decoder "
                                "calling back): serve() steps the server itself")
         if not self.idle:
@@ -686,12 +689,15 @@ class Driven:
 
     def take_row(self, what: str) -> None:
         """take(what) of a call a server's own step makes into the rows too (a decoder's admit(),
-        park(), burst() and recover()): a server in its step is the one calling, and is not refused
-        (its _stepping, set already: nothing is added to a step). Called by the engine while a
-        server had requests in flight, admit() overwrote a row the server held for one of them,
-        park() stopped one, and burst() ran them, reading tokens the server never saw: that
-        request ended with another's tokens, or cut short, silently."""
-        if any(not server._stepping and not server.idle for server in list(self._servers)):
+        park(), burst() and recover()): a server in its step, on the thread it steps on, is the one
+        calling, and is not refused (its _stepping, that thread's id, set already: one get_ident
+        is added to a call). Called by the engine while a server had requests in flight, admit()
+        overwrote a row the server held for one of them, park() stopped one, and burst() ran them,
+        reading tokens the server never saw: that request ended with another's tokens, or cut
+        short, silently. Another thread's call as the server steps on its own is refused too: a
+        step exempted every caller, so an engine's thread took the rows mid-step."""
+        me = threading.get_ident()
+        if any(server._stepping != me and not server.idle for server in list(self._servers)):
             raise RuntimeError(self._taken(what))
 
     @staticmethod

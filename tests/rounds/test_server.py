@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import re
 import reprlib
+import threading
 from collections import UserString
 
 import numpy as np
@@ -694,6 +695,81 @@ def test_a_rows_admission_or_park_by_the_engine_is_refused_while_a_server_has_re
     assert ended[second].tokens == alone(Request([4, 5], 30)), "the server's request lost its row"
     decoder.admit(0, Request([6], 2))  # idle: the engine's rows again
     decoder.park([0])
+
+
+class Guarded(Counting):
+    """A decoder that guards its rows as GraphedGreedy and a speculative decoder's server.decoder
+    do (Driven.take_row, in each of admit, park, burst and recover). With `pausing`, its next
+    burst, once past its guard, signals `inside` and waits for `go_on`: another thread calls in
+    there, mid-step."""
+
+    def __init__(self, batch: int):
+        super().__init__(batch)
+        self.driven = Driven()
+        self.pausing = False
+        self.inside, self.go_on = threading.Event(), threading.Event()
+
+    def admit(self, row, request):
+        self.driven.take_row("admit()")
+        super().admit(row, request)
+
+    def burst(self):
+        self.driven.take_row("burst()")
+        if self.pausing:
+            self.pausing = False
+            self.inside.set()
+            assert self.go_on.wait(30), "the test never let the step go on"
+        return super().burst()
+
+    def recover(self):
+        self.driven.take_row("recover()")
+        return super().recover()
+
+    def park(self, rows):
+        self.driven.take_row("park()")
+        super().park(rows)
+
+
+def test_a_rows_admission_park_or_burst_from_another_thread_is_refused_as_a_server_steps():
+    """Driven.take_row exempted every call made while a server over the rows stepped (its flag a
+    bool): another thread's decoder.admit(), park(), burst() or recover(), made as the server
+    stepped on its own thread, got through and took the server's rows (an admission over the row
+    its request ran in, a park that ended it as stopped, a burst whose tokens the server never
+    saw). The exemption is the stepping thread's alone: the other thread is refused mid-step, as
+    between steps, the server's own calls go on, and its request ends as its own."""
+    decoder = Guarded(2)
+    server = Server(decoder, clock=decoder.clock)
+    request = Request([1, 2, 3], 30)
+    ident = server.submit(request)
+    ended: dict = {}
+    failed: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            ended.update(server.step().finished)
+        except BaseException as exc:  # handed to the test's thread
+            failed.append(exc)
+
+    decoder.pausing = True
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    try:
+        assert decoder.inside.wait(30), "the step never reached its burst"
+        for call, what in ((lambda: decoder.admit(1, Request([6], 2)), "admit\\(\\)"),
+                           (lambda: decoder.park([0]), "park\\(\\)"), (decoder.burst, "burst\\(\\)"),
+                           (decoder.recover, "recover\\(\\)")):
+            with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+                call()  # from this thread, as the server steps on its own
+    finally:
+        decoder.go_on.set()
+        stepper.join(30)
+    assert not stepper.is_alive() and not failed, failed
+    assert decoder.calls == [("park", (0, 1)), ("admit", 0, (1, 2, 3)), ("burst",)], "a call by hand got through"
+    while not server.idle:
+        ended.update(server.step().finished)
+    assert ended[ident].tokens == alone(request) and not ended[ident].cancelled, "the server's request lost its row"
+    decoder.admit(1, Request([6], 2))  # idle: the rows are the engine's again, from any thread
+    decoder.park([1])
 
 
 def test_two_servers_over_one_decoder_never_run_requests_at_once():
