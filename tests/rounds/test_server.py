@@ -1321,6 +1321,25 @@ def refused_as_no_prompt(given):
     assert server.idle and server.submit(Request([5, 17], 3)) == 1
 
 
+@pytest.mark.parametrize("given", [bytearray(b"\x00\x01"), memoryview(b"\x00\x01"), bytearray(), UserString("ab"),
+                                   b"\x00\x01"],
+                         ids=["bytearray", "memoryview", "empty bytearray", "UserString", "bytes"])
+def test_requests_in_bytes_or_text_are_no_sequence_of_requests_whatever_holds_them(given):
+    """str and bytes were refused as no sequence of requests, a bytearray, a memoryview or a
+    UserString read as one: each of its ints or characters then refused as no Request (another
+    message), and an empty bytearray served as no requests at all, [] without a word. Each is
+    refused as bytes is, the same TypeError (as_requests, _TEXT)."""
+    from memra_cuda.rounds.serving import batch_admitted
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    shown = re.escape(reprlib.repr(given))
+    with pytest.raises(TypeError, match=rf"^serve\(\) takes a sequence of requests \(a list\), not {shown}$"):
+        server.serve(given)
+    with pytest.raises(TypeError, match=rf"^a batch takes a sequence of requests \(a list\), not {shown}$"):
+        batch_admitted(given, VOCAB, 2)
+    assert server.idle and decoder.calls == [("park", (0, 1))]
+
+
 @pytest.mark.parametrize("given", [b"\x05\x11", bytearray(b"\x05\x11"), memoryview(b"\x05\x11"), b"", bytearray(),
                                    memoryview(b""), bytearray(CAPACITY + 1)],
                          ids=["bytes", "bytearray", "memoryview", "no bytes", "no bytearray", "no memoryview",
