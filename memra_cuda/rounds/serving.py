@@ -696,9 +696,13 @@ class Driven:
         overwrote a row the server held for one of them, park() stopped one, and burst() ran them,
         reading tokens the server never saw: that request ended with another's tokens, or cut
         short, silently. Another thread's call as the server steps on its own is refused too: a
-        step exempted every caller, so an engine's thread took the rows mid-step."""
+        step exempted every caller, so an engine's thread took the rows mid-step. What counts is
+        a request in flight (queued, running, or waiting for its cancel), which holds the rows:
+        a server holding only ends for its next step to hand out holds none (a serve() cut short
+        as another server took the rows), where it refused the other's own step, every admission
+        and burst of it, until it stepped."""
         me = threading.get_ident()
-        if any(server._stepping != me and not server.idle for server in list(self._servers)):
+        if any(server._stepping != me and server._live for server in list(self._servers)):
             raise RuntimeError(self._taken(what))
 
     @staticmethod

@@ -829,6 +829,37 @@ def test_a_server_holding_only_ends_to_hand_out_is_refused_a_submit_while_anothe
     assert ended[0].tokens == alone(Request([4, 5], 9))
     assert first.step().finished[0].refused is not None and first.idle
 
+def test_a_server_holding_only_ends_to_hand_out_does_not_refuse_another_servers_own_step():
+    """Driven.take_row refused a call into the rows while any other server over them was not
+    idle, which a server holding only ends for its next step to hand out is not (its serve() cut
+    short as the other server took the rows from its clock): it holds no row, yet the other's own
+    step was refused, its burst (and any admission) a RuntimeError at every step until the first
+    stepped. What counts is a request in flight; the other's step runs, and its request ends as
+    its own (a decoder that guards its rows as GraphedGreedy does)."""
+    decoder = Guarded(1)
+    readings = []
+
+    def clock() -> float:
+        readings.append(1)
+        if len(readings) == 2:  # between serve()'s two submissions, the other server takes the row
+            second.submit(Request([4, 5], 9))
+            second.step()
+        return decoder.clock()
+
+    first, second = Server(decoder, clock=clock), Server(decoder, clock=decoder.clock)
+    with pytest.raises(RuntimeError, match="would take the rows of this decoder's server"):
+        first.serve([Request([VOCAB], 2), Request([1, 2], 3)])
+    assert not first.idle and not first._live  # the refusal's end, for its next step: no row held
+    assert not second.idle
+    with pytest.raises(RuntimeError, match="burst\\(\\) would take the rows"):
+        decoder.burst()  # by hand, though, while the second's request runs
+    ended: dict = {}
+    while not second.idle:
+        ended.update(second.step().finished)
+    assert ended[0].tokens == alone(Request([4, 5], 9)) and not ended[0].cancelled
+    assert first.step().finished[0].refused is not None and first.idle
+
+
 def test_a_serve_whose_request_a_step_not_its_own_ended_raises_rather_than_steps_forever():
     """A step outside serve() (its clock, or the decoder's refusal, calling step() between its
     submissions) handed out one of serve()'s requests' ends: serve() stepped the idle server for
