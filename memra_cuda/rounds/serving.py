@@ -412,10 +412,16 @@ class Server:
             # were admitted into the first's rows, one request ending with another's tokens
             self._driven.take("a request submitted to another server over its rows", beside=self)
         ident, self._next = self._next, self._next + 1
-        # queued before it is live: an interrupt between the two leaves an id no step admits (_admit drops
-        # it), where one live but not queued never ran nor ended, and the server was never idle again
-        self._queue.append(ident)
+        # live before it is queued: another thread's step between the two finds it live, not yet queued, and
+        # the next admits it (queued first, that step dropped its id as an interrupted submit's, and the
+        # request, live, never ran nor ended: the server never idle again); an interrupt as it is queued
+        # takes it back, so no request is left live but never queued
         self._live[ident] = _Running(checked, submitted)
+        try:
+            self._queue.append(ident)
+        except BaseException:
+            self._live.pop(ident)
+            raise
         return ident
 
     def cancel(self, ident: int) -> bool:
@@ -608,7 +614,7 @@ class Server:
             ident = self._queue[0]
             running = self._live.get(ident)
             if running is None or running.row is not None:
-                pass  # a submit or an admission an interrupt cut short after its queueing or its row
+                pass  # a cancel or a refusal an interrupt cut short after its end, an admission after its row
             elif running.request.max_new_tokens == 0:
                 running.admitted = now
                 self._end(ident, now, finished)

@@ -1237,17 +1237,37 @@ def test_an_interrupt_between_a_rows_admission_and_the_queue_admits_it_once():
 
 
 def test_a_submit_an_interrupt_cut_short_leaves_the_server_idle():
-    """Ctrl-C inside submit, between its queueing and its request's record: no id given, nothing
-    runs, and the next step drops the id (a request kept but never queued never ran nor ended:
-    idle never again, and a loop stepping until idle stepped for ever)."""
+    """Ctrl-C inside submit, as its recorded request is queued: no id given, nothing runs, the
+    request taken back (a request kept but never queued never ran nor ended: idle never again,
+    and a loop stepping until idle stepped for ever)."""
     decoder = Counting(1)
     server = Server(decoder, clock=decoder.clock)
-    with interrupt_before(serving, "self._live[ident] = _Running(checked, submitted)") as fired, \
-            pytest.raises(KeyboardInterrupt):
+    with interrupt_before(serving, "self._queue.append(ident)") as fired, pytest.raises(KeyboardInterrupt):
         server.submit(Request([1], 3))
-    assert fired and server.idle and len(server._queue) == 1
-    assert server.step() == (None, {}, {}) and not server._queue and ("admit", 0, (1,)) not in decoder.calls
+    assert fired and server.idle and not server._queue
+    assert server.step() == (None, {}, {}) and ("admit", 0, (1,)) not in decoder.calls
     assert server.serve([Request([2], 3)])[0].tokens == alone(Request([2], 3))
+
+
+@pytest.mark.parametrize("line", ["self._live[ident] = _Running(checked, submitted)", "self._queue.append(ident)"],
+                         ids=["before its record", "before its queueing"])
+def test_a_step_by_another_thread_inside_a_submit_never_loses_the_request(line):
+    """Another thread's step landing inside a submit, between its queueing and its request's
+    record (a submit meanwhile is allowed: serve()'s and step()'s docstrings), found an id queued
+    with no request and dropped it, as an interrupted submit's: the request, recorded after, was
+    live but in no queue and no row, never ran nor ended, and the server was never idle again (a
+    loop stepping until idle stepped for ever, serve() too). Recorded before it is queued, the
+    request is one that step leaves for the next, which admits it; a step before either sees
+    nothing of it."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    steps: list = []
+    request = Request([1, 2], 5)
+    with acting_before(serving, line, lambda: steps.append(server.step())) as fired:
+        ident = server.submit(request)
+    assert fired and steps == [(None, {}, {})]
+    ended = _idle(server)
+    assert ended[ident].tokens == alone(request) and not ended[ident].cancelled
 
 
 @pytest.mark.parametrize("line", ["if queued:  # after its end: an interrupt between the two leaves an id _admit "
