@@ -277,13 +277,15 @@ def _no_prompt(prompt: Any, what: str) -> str:
 
 
 def as_listed(values: Any, what: str, of: str, most: int | None = None) -> list[Any]:
-    """`values` as a list, if it is a list, a tuple (a sequence but a string) or a 1-D array:
+    """`values` as a list, if it is a list, a tuple (a sequence but text or bytes) or a 1-D array:
     where the order is the meaning (a tree's nodes, a cost a width), a mapping's or a set's
-    iteration gives keys or an order of its own, and a string its characters; anything else a
-    TypeError naming `what` and what it holds (`of`). More than `most` values are refused by
-    their count, before they are listed (range(10**8) took 9 s and 4 GB to be refused after)."""
+    iteration gives keys or an order of its own, a string its characters and bytes their ints
+    (a bytearray's, a memoryview's and a UserString's too, which were listed where str and bytes
+    were refused: a bytearray of seeds or caps read as ints); anything else a TypeError naming
+    `what` and what it holds (`of`). More than `most` values are refused by their count, before
+    they are listed (range(10**8) took 9 s and 4 GB to be refused after)."""
     if not (isinstance(values, np.ndarray) and values.ndim == 1) and (
-            not isinstance(values, Sequence) or isinstance(values, (str, bytes))):
+            not isinstance(values, Sequence) or isinstance(values, _TEXT)):
         raise TypeError(f"{what} must be a list, a tuple or a 1-D array of {of}, not {reprlib.repr(values)}")
     if most is not None and len(values) > most:
         raise ValueError(f"{what} holds at most {most} {of}, not {len(values)}")
@@ -295,8 +297,12 @@ def distinct_rows(rows: Any, batch: int, what: str) -> list[int]:
     (what is no sequence, a row that is no int: a bool was read as row 1, a float truncated) or
     ValueError (a row outside 0..batch - 1: a device index past the batch asserts and loses the
     context, -1 was the last row; a row twice was two writes racing for it) naming `what`. A
-    tensor of rows is read a row at a time: what takes rows checks them on the host."""
+    tensor of rows is read a row at a time: what takes rows checks them on the host. Text and
+    bytes are no rows (TypeError: bytes, a bytearray and a memoryview were read as their ints,
+    b"\\x00\\x01" rows 0 and 1)."""
     try:
+        if isinstance(rows, _TEXT):
+            raise TypeError
         listed = list(rows)
     except TypeError:
         raise TypeError(f"{what} are a sequence of row indices, not {reprlib.repr(rows)}") from None

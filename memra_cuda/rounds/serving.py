@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import reprlib
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from ..driver.errors import MemraError
-from ..driver.values import I32_MOST, as_index, as_prompt, as_size
+from ..driver.values import _TEXT, I32_MOST, as_index, as_prompt, as_size
 
 
 class Request(NamedTuple):
@@ -156,10 +157,11 @@ def as_requests(requests: Iterable[Request], what: str) -> list[Request]:
     over: TypeError saying that `what` takes a sequence of them. A Request is a tuple of its five
     fields, each then read as a request: serve() refused the prompt as no Request, and a batch of
     two counted five requests; None or a number met "object of type 'int' has no len()", and a
-    string's characters were read as requests."""
+    string's characters were read as requests (text and bytes alike: a bytearray, a memoryview
+    or a UserString was read as its ints or characters, each refused as no Request)."""
     if isinstance(requests, Request):
         raise TypeError(f"{what} takes a sequence of requests, not one Request: give [request]")
-    if not isinstance(requests, Iterable) or isinstance(requests, (str, bytes, Set, Mapping)):
+    if not isinstance(requests, Iterable) or isinstance(requests, (*_TEXT, Set, Mapping)):
         # a set's order is its hashes': results in order were in no order the caller could read
         raise TypeError(f"{what} takes a sequence of requests (a list), not {reprlib.repr(requests)}")
     return list(requests)
@@ -361,7 +363,9 @@ class Server:
         self._next = 0
         # ended at a step that raised, or another's inside serve(): the next step hands them out
         self._unreported: dict[int, Served] = {}
-        self._stepping = False  # a step runs: one inside it is refused
+        # the thread a step runs on (threading.get_ident), None between steps: a step inside one is refused,
+        # and that thread alone is the server calling its decoder (Driven.take_row)
+        self._stepping: int | None = None
         # the burst this server ran and has not recorded, with the rows it ran: None as the decoder
         # runs it (burst() raised: the next step asks the decoder to recover it), or read back but
         # not stamped (the clock raised: the next step records it)
@@ -408,10 +412,16 @@ class Server:
             # were admitted into the first's rows, one request ending with another's tokens
             self._driven.take("a request submitted to another server over its rows", beside=self)
         ident, self._next = self._next, self._next + 1
-        # queued before it is live: an interrupt between the two leaves an id no step admits (_admit drops
-        # it), where one live but not queued never ran nor ended, and the server was never idle again
-        self._queue.append(ident)
+        # live before it is queued: another thread's step between the two finds it live, not yet queued, and
+        # the next admits it (queued first, that step dropped its id as an interrupted submit's, and the
+        # request, live, never ran nor ended: the server never idle again); an interrupt as it is queued
+        # takes it back, so no request is left live but never queued
         self._live[ident] = _Running(checked, submitted)
+        try:
+            self._queue.append(ident)
+        except BaseException:
+            self._live.pop(ident)
+            raise
         return ident
 
     def cancel(self, ident: int) -> bool:
@@ -437,14 +447,14 @@ class Server:
         thread): the inner one took the rows' next burst and ended its requests, so the outer read
         a request that had ended (KeyError) and lost its burst's tokens, the request ending with
         fewer, silently."""
-        if self._stepping:
+        if self._stepping is not None:
             raise RuntimeError("step() was called while a step of this server runs (from its decoder or its clock, "
                                "or another thread): step one at a time, from one loop")
-        self._stepping = True
+        self._stepping = threading.get_ident()
         try:
             return self._step()
         finally:
-            self._stepping = False
+            self._stepping = None
 
     def _step(self) -> Progress:
         finished, self._unreported = self._unreported, {}
@@ -528,7 +538,7 @@ class Server:
         so a refusal is recorded as it is made; where the clock raises, serve() raises with that
         request and those after it never submitted (a refusal stamped after it was made was lost
         with the clock's failure, its id taken)."""
-        if self._stepping:  # its step would be refused after its submissions, their refusals lost
+        if self._stepping is not None:  # its step would be refused after its submissions, their refusals lost
             raise RuntimeError("serve() was called while a step of this server runs (its clock or its decoder "
                                "calling back): serve() steps the server itself")
         if not self.idle:
@@ -604,7 +614,7 @@ class Server:
             ident = self._queue[0]
             running = self._live.get(ident)
             if running is None or running.row is not None:
-                pass  # a submit or an admission an interrupt cut short after its queueing or its row
+                pass  # a cancel or a refusal an interrupt cut short after its end, an admission after its row
             elif running.request.max_new_tokens == 0:
                 running.admitted = now
                 self._end(ident, now, finished)
@@ -686,12 +696,19 @@ class Driven:
 
     def take_row(self, what: str) -> None:
         """take(what) of a call a server's own step makes into the rows too (a decoder's admit(),
-        park(), burst() and recover()): a server in its step is the one calling, and is not refused
-        (its _stepping, set already: nothing is added to a step). Called by the engine while a
-        server had requests in flight, admit() overwrote a row the server held for one of them,
-        park() stopped one, and burst() ran them, reading tokens the server never saw: that
-        request ended with another's tokens, or cut short, silently."""
-        if any(not server._stepping and not server.idle for server in list(self._servers)):
+        park(), burst() and recover()): a server in its step, on the thread it steps on, is the one
+        calling, and is not refused (its _stepping, that thread's id, set already: one get_ident
+        is added to a call). Called by the engine while a server had requests in flight, admit()
+        overwrote a row the server held for one of them, park() stopped one, and burst() ran them,
+        reading tokens the server never saw: that request ended with another's tokens, or cut
+        short, silently. Another thread's call as the server steps on its own is refused too: a
+        step exempted every caller, so an engine's thread took the rows mid-step. What counts is
+        a request in flight (queued, running, or waiting for its cancel), which holds the rows:
+        a server holding only ends for its next step to hand out holds none (a serve() cut short
+        as another server took the rows), where it refused the other's own step, every admission
+        and burst of it, until it stepped."""
+        me = threading.get_ident()
+        if any(server._stepping != me and server._live for server in list(self._servers)):
             raise RuntimeError(self._taken(what))
 
     @staticmethod

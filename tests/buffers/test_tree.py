@@ -5,6 +5,7 @@ made before a kernel is asked for. CPU only: TreeBufs over an address nobody rea
 from __future__ import annotations
 
 import time
+from collections import UserString
 
 import numpy as np
 import pytest
@@ -384,6 +385,11 @@ def test_a_tree_given_directly_keeps_tuples_of_plain_ints_whatever_it_was_given(
      f"node 1's rank must be an int from 0 to {MAX_TREE_CANDIDATES - 1}, not {MAX_TREE_CANDIDATES}"),
     ((-1, 0), (0, -1), ValueError, "node 1's rank must be an int from 0"),
     ((-1, 0), {0: 0, 1: 0}, TypeError, "rank must be a list, a tuple or a 1-D array"),
+    # bytes in a bytearray or a memoryview were listed as their ints where bytes were refused
+    ((-1, 0), bytearray(2), TypeError, "rank must be a list, a tuple or a 1-D array of ints, one a node, not "
+                                       "bytearray"),
+    ((-1, 0), memoryview(bytes(2)), TypeError, "rank must be a list, a tuple or a 1-D array"),
+    ((-1, 0), b"\x00\x00", TypeError, "rank must be a list, a tuple or a 1-D array"),
     ("-10", (0, 0, 0), TypeError, "parent must be a list, a tuple or a 1-D array"),
     (np.array([[-1, 0]]), (0, 0), TypeError, "parent must be a list, a tuple or a 1-D array"),
 ])
@@ -413,6 +419,12 @@ def test_a_tree_given_directly_refuses_what_is_no_int_naming_the_field_and_the_n
      rf"choices\[1\]\[0\] must be an int from 0 to {MAX_TREE_CANDIDATES - 1}"),
     (lambda: TreeShape.from_choices("01"), TypeError, "choices must be a list, a tuple or a 1-D array of paths"),
     (lambda: TreeShape.from_choices([[0], "1"]), TypeError, r"choices\[1\] must be a list, a tuple or a 1-D array"),
+    # text and bytes alike: a bytearray path was read as ranks, a UserString's characters as what is no rank
+    (lambda: TreeShape.from_choices([[0], bytearray(b"\x00\x01")]), TypeError,
+     r"choices\[1\] must be a list, a tuple or a 1-D array of ranks, not bytearray"),
+    (lambda: TreeShape.from_choices([[0], memoryview(b"\x00")]), TypeError, r"choices\[1\] must be a list, a tuple"),
+    (lambda: TreeShape.from_choices([[0], UserString("1")]), TypeError, r"choices\[1\] must be a list, a tuple"),
+    (lambda: TreeShape.from_choices(UserString("01")), TypeError, "choices must be a list, a tuple or a 1-D array"),
 ])
 def test_parents_and_choices_refuse_floats_strings_and_bools_naming_them(make, error, message):
     """int(p) made [-1, 0.7] a tree of parent 0 and parsed [-1, "0"]; a choice of True was rank 1."""

@@ -451,6 +451,10 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
             ([1], [np.int64(5)], TypeError, "row 1's prompt must be token ids"),
             # what is no sequence of rows, or of prompts (a dict's keys were read as prompts): named
             (0, [[1, 2]], TypeError, "a prefill's rows are a sequence of row indices, not 0"),
+            # bytes are no rows: a bytearray or bytes were read as their ints, b"\\x00\\x01" rows 0 and 1
+            (b"\x00\x01", [[1], [2]], TypeError, "a prefill's rows are a sequence of row indices, not b"),
+            (bytearray(b"\x01"), [[1]], TypeError, "a prefill's rows are a sequence of row indices, not bytearray"),
+            ([0], bytearray(b"\x01"), TypeError, "a prefill's prompts must be a list, a tuple or a 1-D array"),
             ([0], {0: [1, 2]}, TypeError, "a prefill's prompts must be a list, a tuple or a 1-D array")):
         with pytest.raises(error, match=why):
             stack.prefill(rows, prompts)
@@ -797,7 +801,13 @@ def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
                                # seed, or its cap its row's, without a word; a generator's seeds met len() inside
                                (([1], [[5, 6]], {1: 7}), TypeError, "a prefill's seeds must be a list"),
                                (([1], [[5, 6]], (s for s in [7])), TypeError, "a prefill's seeds must be a list"),
-                               (([1], [[5, 6]], None, {1: 0}), TypeError, "a prefill's caps must be a list")):
+                               (([1], [[5, 6]], None, {1: 0}), TypeError, "a prefill's caps must be a list"),
+                               # a bytearray (or a memoryview) of seeds or caps was read as its ints, where bytes
+                               # were refused
+                               (([1], [[5, 6]], bytearray(b"\x07")), TypeError, "a prefill's seeds must be a list"),
+                               (([1], [[5, 6]], memoryview(b"\x07")), TypeError, "a prefill's seeds must be a list"),
+                               (([1], [[5, 6]], None, bytearray(b"\x02")), TypeError,
+                                "a prefill's caps must be a list")):
         with pytest.raises(error, match=named):
             decoder.prefill(*args)
     assert decoder.target.calls == decoder.draft.calls == []

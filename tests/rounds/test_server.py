@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import re
 import reprlib
+import threading
 from collections import UserString
 
 import numpy as np
@@ -696,6 +697,81 @@ def test_a_rows_admission_or_park_by_the_engine_is_refused_while_a_server_has_re
     decoder.park([0])
 
 
+class Guarded(Counting):
+    """A decoder that guards its rows as GraphedGreedy and a speculative decoder's server.decoder
+    do (Driven.take_row, in each of admit, park, burst and recover). With `pausing`, its next
+    burst, once past its guard, signals `inside` and waits for `go_on`: another thread calls in
+    there, mid-step."""
+
+    def __init__(self, batch: int):
+        super().__init__(batch)
+        self.driven = Driven()
+        self.pausing = False
+        self.inside, self.go_on = threading.Event(), threading.Event()
+
+    def admit(self, row, request):
+        self.driven.take_row("admit()")
+        super().admit(row, request)
+
+    def burst(self):
+        self.driven.take_row("burst()")
+        if self.pausing:
+            self.pausing = False
+            self.inside.set()
+            assert self.go_on.wait(30), "the test never let the step go on"
+        return super().burst()
+
+    def recover(self):
+        self.driven.take_row("recover()")
+        return super().recover()
+
+    def park(self, rows):
+        self.driven.take_row("park()")
+        super().park(rows)
+
+
+def test_a_rows_admission_park_or_burst_from_another_thread_is_refused_as_a_server_steps():
+    """Driven.take_row exempted every call made while a server over the rows stepped (its flag a
+    bool): another thread's decoder.admit(), park(), burst() or recover(), made as the server
+    stepped on its own thread, got through and took the server's rows (an admission over the row
+    its request ran in, a park that ended it as stopped, a burst whose tokens the server never
+    saw). The exemption is the stepping thread's alone: the other thread is refused mid-step, as
+    between steps, the server's own calls go on, and its request ends as its own."""
+    decoder = Guarded(2)
+    server = Server(decoder, clock=decoder.clock)
+    request = Request([1, 2, 3], 30)
+    ident = server.submit(request)
+    ended: dict = {}
+    failed: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            ended.update(server.step().finished)
+        except BaseException as exc:  # handed to the test's thread
+            failed.append(exc)
+
+    decoder.pausing = True
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    try:
+        assert decoder.inside.wait(30), "the step never reached its burst"
+        for call, what in ((lambda: decoder.admit(1, Request([6], 2)), "admit\\(\\)"),
+                           (lambda: decoder.park([0]), "park\\(\\)"), (decoder.burst, "burst\\(\\)"),
+                           (decoder.recover, "recover\\(\\)")):
+            with pytest.raises(RuntimeError, match=f"{what} would take the rows of this decoder's server"):
+                call()  # from this thread, as the server steps on its own
+    finally:
+        decoder.go_on.set()
+        stepper.join(30)
+    assert not stepper.is_alive() and not failed, failed
+    assert decoder.calls == [("park", (0, 1)), ("admit", 0, (1, 2, 3)), ("burst",)], "a call by hand got through"
+    while not server.idle:
+        ended.update(server.step().finished)
+    assert ended[ident].tokens == alone(request) and not ended[ident].cancelled, "the server's request lost its row"
+    decoder.admit(1, Request([6], 2))  # idle: the rows are the engine's again, from any thread
+    decoder.park([1])
+
+
 def test_two_servers_over_one_decoder_never_run_requests_at_once():
     """Two servers made while both were idle each held every row free: the second's requests were
     admitted into the rows the first's ran in, and a request ended with another's tokens (on
@@ -752,6 +828,37 @@ def test_a_server_holding_only_ends_to_hand_out_is_refused_a_submit_while_anothe
         ended.update(second.step().finished)
     assert ended[0].tokens == alone(Request([4, 5], 9))
     assert first.step().finished[0].refused is not None and first.idle
+
+def test_a_server_holding_only_ends_to_hand_out_does_not_refuse_another_servers_own_step():
+    """Driven.take_row refused a call into the rows while any other server over them was not
+    idle, which a server holding only ends for its next step to hand out is not (its serve() cut
+    short as the other server took the rows from its clock): it holds no row, yet the other's own
+    step was refused, its burst (and any admission) a RuntimeError at every step until the first
+    stepped. What counts is a request in flight; the other's step runs, and its request ends as
+    its own (a decoder that guards its rows as GraphedGreedy does)."""
+    decoder = Guarded(1)
+    readings = []
+
+    def clock() -> float:
+        readings.append(1)
+        if len(readings) == 2:  # between serve()'s two submissions, the other server takes the row
+            second.submit(Request([4, 5], 9))
+            second.step()
+        return decoder.clock()
+
+    first, second = Server(decoder, clock=clock), Server(decoder, clock=decoder.clock)
+    with pytest.raises(RuntimeError, match="would take the rows of this decoder's server"):
+        first.serve([Request([VOCAB], 2), Request([1, 2], 3)])
+    assert not first.idle and not first._live  # the refusal's end, for its next step: no row held
+    assert not second.idle
+    with pytest.raises(RuntimeError, match="burst\\(\\) would take the rows"):
+        decoder.burst()  # by hand, though, while the second's request runs
+    ended: dict = {}
+    while not second.idle:
+        ended.update(second.step().finished)
+    assert ended[0].tokens == alone(Request([4, 5], 9)) and not ended[0].cancelled
+    assert first.step().finished[0].refused is not None and first.idle
+
 
 def test_a_serve_whose_request_a_step_not_its_own_ended_raises_rather_than_steps_forever():
     """A step outside serve() (its clock, or the decoder's refusal, calling step() between its
@@ -1130,17 +1237,37 @@ def test_an_interrupt_between_a_rows_admission_and_the_queue_admits_it_once():
 
 
 def test_a_submit_an_interrupt_cut_short_leaves_the_server_idle():
-    """Ctrl-C inside submit, between its queueing and its request's record: no id given, nothing
-    runs, and the next step drops the id (a request kept but never queued never ran nor ended:
-    idle never again, and a loop stepping until idle stepped for ever)."""
+    """Ctrl-C inside submit, as its recorded request is queued: no id given, nothing runs, the
+    request taken back (a request kept but never queued never ran nor ended: idle never again,
+    and a loop stepping until idle stepped for ever)."""
     decoder = Counting(1)
     server = Server(decoder, clock=decoder.clock)
-    with interrupt_before(serving, "self._live[ident] = _Running(checked, submitted)") as fired, \
-            pytest.raises(KeyboardInterrupt):
+    with interrupt_before(serving, "self._queue.append(ident)") as fired, pytest.raises(KeyboardInterrupt):
         server.submit(Request([1], 3))
-    assert fired and server.idle and len(server._queue) == 1
-    assert server.step() == (None, {}, {}) and not server._queue and ("admit", 0, (1,)) not in decoder.calls
+    assert fired and server.idle and not server._queue
+    assert server.step() == (None, {}, {}) and ("admit", 0, (1,)) not in decoder.calls
     assert server.serve([Request([2], 3)])[0].tokens == alone(Request([2], 3))
+
+
+@pytest.mark.parametrize("line", ["self._live[ident] = _Running(checked, submitted)", "self._queue.append(ident)"],
+                         ids=["before its record", "before its queueing"])
+def test_a_step_by_another_thread_inside_a_submit_never_loses_the_request(line):
+    """Another thread's step landing inside a submit, between its queueing and its request's
+    record (a submit meanwhile is allowed: serve()'s and step()'s docstrings), found an id queued
+    with no request and dropped it, as an interrupted submit's: the request, recorded after, was
+    live but in no queue and no row, never ran nor ended, and the server was never idle again (a
+    loop stepping until idle stepped for ever, serve() too). Recorded before it is queued, the
+    request is one that step leaves for the next, which admits it; a step before either sees
+    nothing of it."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    steps: list = []
+    request = Request([1, 2], 5)
+    with acting_before(serving, line, lambda: steps.append(server.step())) as fired:
+        ident = server.submit(request)
+    assert fired and steps == [(None, {}, {})]
+    ended = _idle(server)
+    assert ended[ident].tokens == alone(request) and not ended[ident].cancelled
 
 
 @pytest.mark.parametrize("line", ["if queued:  # after its end: an interrupt between the two leaves an id _admit "
@@ -1243,6 +1370,25 @@ def refused_as_no_prompt(given):
     with pytest.raises(ValueError, match=f"^a request not admitted: {named}"):
         admitted(Request(given, 3), VOCAB, 0, 1, CAPACITY)
     assert server.idle and server.submit(Request([5, 17], 3)) == 1
+
+
+@pytest.mark.parametrize("given", [bytearray(b"\x00\x01"), memoryview(b"\x00\x01"), bytearray(), UserString("ab"),
+                                   b"\x00\x01"],
+                         ids=["bytearray", "memoryview", "empty bytearray", "UserString", "bytes"])
+def test_requests_in_bytes_or_text_are_no_sequence_of_requests_whatever_holds_them(given):
+    """str and bytes were refused as no sequence of requests, a bytearray, a memoryview or a
+    UserString read as one: each of its ints or characters then refused as no Request (another
+    message), and an empty bytearray served as no requests at all, [] without a word. Each is
+    refused as bytes is, the same TypeError (as_requests, _TEXT)."""
+    from memra_cuda.rounds.serving import batch_admitted
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    shown = re.escape(reprlib.repr(given))
+    with pytest.raises(TypeError, match=rf"^serve\(\) takes a sequence of requests \(a list\), not {shown}$"):
+        server.serve(given)
+    with pytest.raises(TypeError, match=rf"^a batch takes a sequence of requests \(a list\), not {shown}$"):
+        batch_admitted(given, VOCAB, 2)
+    assert server.idle and decoder.calls == [("park", (0, 1))]
 
 
 @pytest.mark.parametrize("given", [b"\x05\x11", bytearray(b"\x05\x11"), memoryview(b"\x05\x11"), b"", bytearray(),
