@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..driver.values import as_flag, as_size
+from ..driver.values import TEXT_LIKE, as_flag, as_size
 from ..driver.errors import MemraError
 from .geometry import Geometry, as_geometry
 
@@ -77,7 +77,7 @@ class Capacity:
         the fewest is taken (min() of a string and an int raised a TypeError naming neither); one
         capacity where the many are asked for is refused naming `capacities` (iterating an int
         raised "'int' object is not iterable", and a string's characters would be read as numbers)."""
-        if isinstance(capacities, (str, bytes)) or not isinstance(capacities, Iterable):
+        if isinstance(capacities, TEXT_LIKE) or not isinstance(capacities, Iterable):
             raise TypeError(f"capacities must be an iterable of KV capacities (each a positive int, None or "
                             f"UNCHECKED), not {capacities!r}: Capacity(entries, geometry) takes one")
         stated = [kv_entries(c, f"capacities[{i}]") for i, c in enumerate(capacities)]

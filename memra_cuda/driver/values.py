@@ -20,7 +20,7 @@ I32_MOST = 2**31 - 1  # an i32's most: a row's word on the device (a token id, a
 # text and bytes, whose items are characters or bytes, never token ids: refused as prompts alike (a
 # bytearray or a memoryview was read as its bytes' ints where bytes was refused; a UserString, a
 # Sequence numpy reads by its characters, an empty one a ValueError, where "" was a TypeError)
-_TEXT = (str, UserString, bytes, bytearray, memoryview)
+TEXT_LIKE = (str, UserString, bytes, bytearray, memoryview)
 
 
 def device_dtype(dtype: Any) -> np.dtype:
@@ -204,7 +204,7 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
     Text and bytes are no token ids, a UserString's, a bytearray's or a memoryview's too
     (TypeError: numpy read the last two as their bytes' ints)."""
     try:
-        tokens = np.array(None) if isinstance(values, _TEXT) else np.array(values)  # text: refused below
+        tokens = np.array(None) if isinstance(values, TEXT_LIKE) else np.array(values)  # text: refused below
     except (TypeError, ValueError):  # ragged, or not numbers at all
         tokens = np.array(None)
     if tokens.ndim == 1 and tokens.dtype.kind in "fO" and _past_int64(values):
@@ -257,7 +257,7 @@ def _fits(prompt: Any, what: str, most: int) -> None:
     `most` tokens by its len(), its tokens unread; what is none is token_ids' to refuse. A len()
     past sys.maxsize (range(10**20)'s OverflowError) is past any row too. Text and bytes are not
     measured (a memoryview has a shape): token_ids refuses them, a TypeError whatever their length."""
-    if isinstance(prompt, _TEXT):
+    if isinstance(prompt, TEXT_LIKE):
         return
     shape = getattr(prompt, "shape", None)
     if not (isinstance(shape, tuple) and len(shape) == 1) and not isinstance(prompt, Sequence):
@@ -285,7 +285,7 @@ def as_listed(values: Any, what: str, of: str, most: int | None = None) -> list[
     `what` and what it holds (`of`). More than `most` values are refused by their count, before
     they are listed (range(10**8) took 9 s and 4 GB to be refused after)."""
     if not (isinstance(values, np.ndarray) and values.ndim == 1) and (
-            not isinstance(values, Sequence) or isinstance(values, _TEXT)):
+            not isinstance(values, Sequence) or isinstance(values, TEXT_LIKE)):
         raise TypeError(f"{what} must be a list, a tuple or a 1-D array of {of}, not {reprlib.repr(values)}")
     if most is not None and len(values) > most:
         raise ValueError(f"{what} holds at most {most} {of}, not {len(values)}")
@@ -301,7 +301,7 @@ def distinct_rows(rows: Any, batch: int, what: str) -> list[int]:
     bytes are no rows (TypeError: bytes, a bytearray and a memoryview were read as their ints,
     b"\\x00\\x01" rows 0 and 1)."""
     try:
-        if isinstance(rows, _TEXT):
+        if isinstance(rows, TEXT_LIKE):
             raise TypeError
         listed = list(rows)
     except TypeError:

@@ -20,7 +20,7 @@ from ..buffers.capacity import UNCHECKED, Capacity, Unchecked, kv_entries
 from ..buffers.tables import AddressTable, PointerTable, StateIndexTable, StateTable, state_targets_disjoint
 from ..driver.engine import as_engine
 from ..driver.graph import Capture, LoopBuilder, LoopUnsupported, loops
-from ..driver.values import as_listed
+from ..driver.values import TEXT_LIKE, as_listed
 from ..kernels.spec import SpecKernels
 from .switch import Widths, WidthSwitch
 
@@ -38,7 +38,7 @@ def chain(launches: Sequence[Step]) -> Step:
     """One callable issuing `launches` in order: a draft chain or verify trunk from its kernels.
     Each is checked callable here, not when the round first issues it: a launch that is not
     callable, or one callable given alone (chain(fn), not chain([fn])), is a TypeError saying so."""
-    if callable(launches) or isinstance(launches, (str, bytes)) or not isinstance(launches, Iterable):
+    if callable(launches) or isinstance(launches, TEXT_LIKE) or not isinstance(launches, Iterable):
         raise TypeError(f"chain takes a list of launches (callables), not {launches!r}: chain([launch])")
     steps = tuple(launches)
     for i, step in enumerate(steps):
@@ -285,7 +285,7 @@ def _check_steps(draft_chain: object, verify_trunk: object, narrower: Mapping[in
     if narrower is not None and not isinstance(narrower, Mapping):
         raise TypeError(f"narrower maps widths below k to their (draft_chain, verify_trunk), not {narrower!r}")
     for width, body in (narrower or {}).items():
-        if not (isinstance(body, Sequence) and not isinstance(body, (str, bytes)) and len(body) == 2):
+        if not (isinstance(body, Sequence) and not isinstance(body, TEXT_LIKE) and len(body) == 2):
             raise TypeError(f"narrower[{width!r}] must be a pair (draft_chain, verify_trunk) of width {width!r}, "
                             f"not {body!r}")
         steps += [(f"narrower[{width!r}]'s draft_chain", body[0]), (f"narrower[{width!r}]'s verify_trunk", body[1])]

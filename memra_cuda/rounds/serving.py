@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from ..driver.errors import MemraError
-from ..driver.values import _TEXT, I32_MOST, as_index, as_prompt, as_size
+from ..driver.values import I32_MOST, TEXT_LIKE, as_index, as_prompt, as_size
 
 
 class Request(NamedTuple):
@@ -161,7 +161,7 @@ def as_requests(requests: Iterable[Request], what: str) -> list[Request]:
     or a UserString was read as its ints or characters, each refused as no Request)."""
     if isinstance(requests, Request):
         raise TypeError(f"{what} takes a sequence of requests, not one Request: give [request]")
-    if not isinstance(requests, Iterable) or isinstance(requests, (*_TEXT, Set, Mapping)):
+    if not isinstance(requests, Iterable) or isinstance(requests, (*TEXT_LIKE, Set, Mapping)):
         # a set's order is its hashes': results in order were in no order the caller could read
         raise TypeError(f"{what} takes a sequence of requests (a list), not {reprlib.repr(requests)}")
     return list(requests)

@@ -1379,7 +1379,7 @@ def test_requests_in_bytes_or_text_are_no_sequence_of_requests_whatever_holds_th
     """str and bytes were refused as no sequence of requests, a bytearray, a memoryview or a
     UserString read as one: each of its ints or characters then refused as no Request (another
     message), and an empty bytearray served as no requests at all, [] without a word. Each is
-    refused as bytes is, the same TypeError (as_requests, _TEXT)."""
+    refused as bytes is, the same TypeError (as_requests, TEXT_LIKE)."""
     from memra_cuda.rounds.serving import batch_admitted
     decoder = Counting(2)
     server = Server(decoder, clock=decoder.clock)
