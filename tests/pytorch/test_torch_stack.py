@@ -1031,6 +1031,28 @@ def test_a_decoders_prompt_longer_than_its_caches_is_refused_by_its_length_befor
     assert plain.stack.kv.lengths.eq(0).all(), "a refused prompt reached the plain loop's cache"
 
 
+def stand_in_speculative(monkeypatch, steps: list):
+    """A speculative decoder of two rows over two real stacks and stand-in buffers and rounds (the
+    host side of its admissions, prefills and server): each step of its rounds, its mode appended
+    to `steps`, reads back one token (3) for row 0 and row 1 done; nothing to recover."""
+    from memra_cuda import Geometry
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import decoder as decoders
+    speculative = object.__new__(decoders.RoundDecoder)
+    speculative.stream, speculative.sampling, speculative.vocab, speculative.k = None, None, VOCAB, 4
+    speculative.batch, speculative.shared, speculative.driven = 2, False, Driven()
+    speculative.target = Stack(tiny(), CAPACITY, batch=2)
+    speculative.draft = Stack(tiny(1, seed=1), CAPACITY, batch=2)
+    speculative.bufs, speculative.lengths = Recorded(), Recorded()
+    burst = SimpleNamespace(tokens=[np.array([3]), np.array([], int)], done=np.array([True, True]),
+                            accepted=np.array([0, 0]))
+    speculative.rounds = SimpleNamespace(round=SimpleNamespace(capacity=SimpleNamespace(geometry=Geometry(4, 1, 2))),
+                                         rounds_per_step=lambda mode: 1, sealed=True, recover=lambda: None,
+                                         step=lambda mode: steps.append(mode) or burst)
+    monkeypatch.setattr(decoders, "uploaded", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
+    return speculative
+
+
 def test_an_engines_admit_or_park_is_refused_while_a_server_holds_the_rows(monkeypatch):
     """decoder.admit(row, request) by the engine's own hand, while a Server over the same decoder
     had requests in flight, overwrote a row the server held for one of them without a word, and
@@ -1040,10 +1062,7 @@ def test_an_engines_admit_or_park_is_refused_while_a_server_holds_the_rows(monke
     parks as before; a speculative decoder's public prefill is refused too (Driven.take). Once
     the server is idle, the engine takes the rows again (the host sides: the plain loop over a
     real stack, a speculative decoder over real stacks, stand-in buffers and rounds)."""
-    from memra_cuda import Geometry
-    from memra_cuda.rounds.serving import Driven
     from memra_cuda.torch import Request
-    from memra_cuda.torch import decoder as decoders
     decoder = plain_loop(monkeypatch)
     prompt, other = [5, 17, 3, 40, 8], [9, 9, 2]
     server = decoder.server()
@@ -1060,17 +1079,7 @@ def test_an_engines_admit_or_park_is_refused_while_a_server_holds_the_rows(monke
     decoder.admit(1, Request(other, 2))  # the server idle: the rows are the engine's again
     decoder.park([1])
 
-    speculative = object.__new__(decoders.RoundDecoder)
-    speculative.stream, speculative.sampling, speculative.vocab, speculative.k = None, None, VOCAB, 4
-    speculative.batch, speculative.shared, speculative.driven = 2, False, Driven()
-    speculative.target = Stack(tiny(), CAPACITY, batch=2)
-    speculative.draft = Stack(tiny(1, seed=1), CAPACITY, batch=2)
-    speculative.bufs, speculative.lengths = Recorded(), Recorded()
-    burst = SimpleNamespace(tokens=[np.array([3]), np.array([], int)], done=np.array([True, True]),
-                            accepted=np.array([0, 0]))
-    speculative.rounds = SimpleNamespace(round=SimpleNamespace(capacity=SimpleNamespace(geometry=Geometry(4, 1, 2))),
-                                         rounds_per_step=lambda mode: 1, step=lambda mode: burst, sealed=True)
-    monkeypatch.setattr(decoders, "uploaded", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
+    speculative = stand_in_speculative(monkeypatch, [])
     server = speculative.server()  # which parks every row
     ident = server.submit(Request(prompt, 4))  # queued: in flight, its row not yet taken
     parked = list(speculative.bufs.calls)
@@ -1095,11 +1104,8 @@ def test_an_engines_burst_is_refused_while_a_server_holds_the_rows(monkeypatch):
     (Driven.take_row), where the server's own step runs, recovers and parks as before, and once
     the server is idle the engine's burst runs (the host sides: the plain loop over a real stack,
     a speculative decoder over stand-in buffers and rounds)."""
-    from memra_cuda import Geometry
-    from memra_cuda.rounds.serving import Driven
     from memra_cuda.rounds.stream import Mode
     from memra_cuda.torch import Request
-    from memra_cuda.torch import decoder as decoders
     decoder = plain_loop(monkeypatch)
     prompt = [5, 17, 3, 40, 8]
     server = decoder.server()
@@ -1116,19 +1122,8 @@ def test_an_engines_burst_is_refused_while_a_server_holds_the_rows(monkeypatch):
     assert ended[ident].tokens == alone and len(alone) == 8, "the server's request lost a burst's tokens"
     assert decoder.burst().tokens == [[], []] and decoder.recover() is None  # idle: the engine's rows again
 
-    speculative = object.__new__(decoders.RoundDecoder)
-    speculative.stream, speculative.sampling, speculative.vocab, speculative.k = None, None, VOCAB, 4
-    speculative.batch, speculative.shared, speculative.driven = 2, False, Driven()
-    speculative.target = Stack(tiny(), CAPACITY, batch=2)
-    speculative.draft = Stack(tiny(1, seed=1), CAPACITY, batch=2)
-    speculative.bufs, speculative.lengths = Recorded(), Recorded()
-    burst = SimpleNamespace(tokens=[np.array([3]), np.array([], int)], done=np.array([True, True]),
-                            accepted=np.array([0, 0]))
     steps = []
-    speculative.rounds = SimpleNamespace(round=SimpleNamespace(capacity=SimpleNamespace(geometry=Geometry(4, 1, 2))),
-                                         rounds_per_step=lambda mode: 1, sealed=True, recover=lambda: None,
-                                         step=lambda mode: steps.append(mode) or burst)
-    monkeypatch.setattr(decoders, "uploaded", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
+    speculative = stand_in_speculative(monkeypatch, steps)
     server = speculative.server()  # which parks every row
     ident = server.submit(Request(prompt, 4))  # queued: in flight, its row not yet taken
     parked = list(speculative.bufs.calls)

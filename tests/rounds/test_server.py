@@ -800,6 +800,22 @@ def test_two_servers_over_one_decoder_never_run_requests_at_once():
     assert [out.tokens for out in first.serve([a, b])] == [alone(a), alone(b)]
 
 
+def taken_mid_serve(decoder) -> tuple[Server, Server]:
+    """Two servers over `decoder`'s one row, the first's clock letting the second take it between the
+    first serve()'s two submissions (its second reading): the second submits a request of its own
+    and steps, admitting it, so the first's serve() is refused its next admission."""
+    readings = []
+
+    def clock() -> float:
+        readings.append(1)
+        if len(readings) == 2:
+            second.submit(Request([4, 5], 9))
+            second.step()
+        return decoder.clock()
+
+    first, second = Server(decoder, clock=clock), Server(decoder, clock=decoder.clock)
+    return first, second
+
 
 def test_a_server_holding_only_ends_to_hand_out_is_refused_a_submit_while_another_runs():
     """The check asked whether the server was idle, which a server is not while an end waits for
@@ -808,16 +824,7 @@ def test_a_server_holding_only_ends_to_hand_out_is_refused_a_submit_while_anothe
     request ran in. What counts is a request in flight, not an end to hand out."""
     decoder = Counting(1)
     decoder.driven = Driven()
-    readings = []
-
-    def clock() -> float:
-        readings.append(1)
-        if len(readings) == 2:  # between serve()'s two submissions, the other server takes the row
-            second.submit(Request([4, 5], 9))
-            second.step()
-        return decoder.clock()
-
-    first, second = Server(decoder, clock=clock), Server(decoder, clock=decoder.clock)
+    first, second = taken_mid_serve(decoder)
     with pytest.raises(RuntimeError, match="would take the rows of this decoder's server"):
         first.serve([Request([VOCAB], 2), Request([1, 2], 3)])  # the first refused, the second stopped
     assert not first.idle  # the refusal's end, for its next step
@@ -829,6 +836,7 @@ def test_a_server_holding_only_ends_to_hand_out_is_refused_a_submit_while_anothe
     assert ended[0].tokens == alone(Request([4, 5], 9))
     assert first.step().finished[0].refused is not None and first.idle
 
+
 def test_a_server_holding_only_ends_to_hand_out_does_not_refuse_another_servers_own_step():
     """Driven.take_row refused a call into the rows while any other server over them was not
     idle, which a server holding only ends for its next step to hand out is not (its serve() cut
@@ -837,16 +845,7 @@ def test_a_server_holding_only_ends_to_hand_out_does_not_refuse_another_servers_
     stepped. What counts is a request in flight; the other's step runs, and its request ends as
     its own (a decoder that guards its rows as GraphedGreedy does)."""
     decoder = Guarded(1)
-    readings = []
-
-    def clock() -> float:
-        readings.append(1)
-        if len(readings) == 2:  # between serve()'s two submissions, the other server takes the row
-            second.submit(Request([4, 5], 9))
-            second.step()
-        return decoder.clock()
-
-    first, second = Server(decoder, clock=clock), Server(decoder, clock=decoder.clock)
+    first, second = taken_mid_serve(decoder)
     with pytest.raises(RuntimeError, match="would take the rows of this decoder's server"):
         first.serve([Request([VOCAB], 2), Request([1, 2], 3)])
     assert not first.idle and not first._live  # the refusal's end, for its next step: no row held
