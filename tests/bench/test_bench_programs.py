@@ -65,11 +65,13 @@ def test_a_pytorch_benchmark_without_torch_says_so_in_one_line(program, argv, al
     assert "no module named 'torch'" in line and also in line and "[torch]" in line, line
 
 
-@pytest.mark.parametrize("program, argv", [(program, argv) for program, argv, _ in TORCH_PROGRAMS])
-def test_a_pytorch_benchmark_without_a_gpu_says_so_in_one_line(program, argv):
-    """Each died with torch's "Torch not compiled with CUDA enabled" traceback (steps in headline's copy_bandwidth)."""
-    for name in ("torch", "transformers", "tokenizers"):
-        pytest.importorskip(name, reason="the PyTorch benchmarks need torch, transformers and tokenizers")
+@pytest.mark.parametrize("program, argv, also", TORCH_PROGRAMS)
+def test_a_pytorch_benchmark_without_a_gpu_says_so_in_one_line(program, argv, also):
+    """Each died with torch's "Torch not compiled with CUDA enabled" traceback (steps in headline's copy_bandwidth).
+    Where what a program needs beside torch is absent (a CPU torch without triton: tiles), it says that
+    first, in its one line (test_a_pytorch_benchmark_without_torch_says_so_in_one_line's refusal)."""
+    for name in ("torch", "transformers", "tokenizers", also):
+        pytest.importorskip(name, reason=f"the PyTorch benchmarks need torch, transformers, tokenizers; this {also}")
     import torch
     if torch.cuda.is_available():
         pytest.skip("torch reaches a GPU here: the programs would measure on it")
