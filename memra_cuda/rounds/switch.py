@@ -20,7 +20,7 @@ import numpy as np
 
 from ..buffers.lengths import DraftLengths
 from ..driver.graph import LoopBuilder, check_switch
-from ..driver.values import as_size
+from ..driver.values import TEXT_LIKE, as_size
 from ..kernels.signatures import load
 
 if TYPE_CHECKING:
@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 
 
 def _collection(widths: object, bounds: str) -> Iterable[int]:
-    """`widths` where it is a collection of widths: not a string, nor a mapping, whose keys are
-    not widths given as such (a decoder took a dict's keys without a word)."""
-    if isinstance(widths, (str, bytes, Mapping)) or not isinstance(widths, Iterable):
+    """`widths` where it is a collection of widths: not text or bytes (a bytearray's ints were
+    read as widths), nor a mapping, whose keys are not widths given as such (a decoder took a
+    dict's keys without a word)."""
+    if isinstance(widths, (*TEXT_LIKE, Mapping)) or not isinstance(widths, Iterable):
         raise TypeError(f"widths must be a collection of ints {bounds}, not {widths!r}")
     return widths
 

@@ -31,6 +31,7 @@ def test_the_chooser_is_given_the_costs_of_the_widths_with_bodies_only():
     (-1, (0,), ValueError, "k must be an int of at least 0"),
     (2, 2, TypeError, "widths must be a collection of ints from 0 to k"),
     (2, "2", TypeError, "widths must be a collection of ints from 0 to k"),
+    (2, bytearray(b"\x00\x02"), TypeError, "widths must be a collection of ints from 0 to k"),
     (2, {0: 1.0, 2: 1.3}, TypeError, "widths must be a collection of ints from 0 to k"),
     (2, (True, 2), TypeError, "a width must be an integer"),
 ])
@@ -39,7 +40,8 @@ def test_widths_outside_0_to_k_or_without_k_are_refused(k, widths, error, messag
         Widths(k, widths)
 
 
-@pytest.mark.parametrize("narrower", [3, None, {2: 1.3}, "02", b"\x00"])
+@pytest.mark.parametrize("narrower", [3, None, {2: 1.3}, "02", b"\x00", bytearray(b"\x00\x02"),
+                                      memoryview(b"\x01")])
 def test_a_decoders_narrower_widths_are_checked_as_a_collection_before_k_joins_them(narrower):
     """SpeculativeLlama(widths=...) gives Widths.beside its caller's widths: they were unpacked
     beside k first, so a dict's keys became widths without a word and an int's TypeError named
