@@ -240,6 +240,15 @@ def as_row(row: object, batch: int) -> int:
     return row
 
 
+def as_rows(rows: object, batch: int, what: str) -> list[int]:
+    """`rows` (a list, a range, a set: a row given twice is one row) as rows of a decoder's `batch`,
+    each checked (as_row) before any is used, else TypeError or ValueError naming it. Text and
+    bytes are no rows: a park() of b"\\x00\\x01" stopped rows 0 and 1."""
+    if isinstance(rows, TEXT_LIKE) or not isinstance(rows, Iterable):
+        raise TypeError(f"{what} takes rows, ints of the decoder's {batch}, not {reprlib.repr(rows)}")
+    return [as_row(row, batch) for row in rows]
+
+
 class _Kept(Request):
     """A checked copy of a request (the copy a Server keeps from its submit), which _checked
     makes: its prompt a tuple of ints, its numbers plain ints, each immutable. Every way a
@@ -366,6 +375,7 @@ class Server:
         # the thread a step runs on (threading.get_ident), None between steps: a step inside one is refused,
         # and that thread alone is the server calling its decoder (Driven.take_row)
         self._stepping: int | None = None
+        self._step_held = threading.Lock()  # held by the step that runs: step() takes it or is refused
         # the burst this server ran and has not recorded, with the rows it ran: None as the decoder
         # runs it (burst() raised: the next step asks the decoder to recover it), or read back but
         # not stamped (the clock raised: the next step records it)
@@ -446,15 +456,17 @@ class Server:
         anything is done, for a step inside a step (the decoder or the clock calling back, another
         thread): the inner one took the rows' next burst and ended its requests, so the outer read
         a request that had ended (KeyError) and lost its burst's tokens, the request ending with
-        fewer, silently."""
-        if self._stepping is not None:
+        fewer, silently. The refusal takes a lock at once: a flag read and then set let a second
+        thread through between the two, and both steps ran the rows."""
+        if not self._step_held.acquire(blocking=False):
             raise RuntimeError("step() was called while a step of this server runs (from its decoder or its clock, "
                                "or another thread): step one at a time, from one loop")
-        self._stepping = threading.get_ident()
         try:
+            self._stepping = threading.get_ident()
             return self._step()
         finally:
             self._stepping = None
+            self._step_held.release()
 
     def _step(self) -> Progress:
         finished, self._unreported = self._unreported, {}

@@ -23,7 +23,7 @@ from ..buffers.stream_bufs import Readback, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
 from ..driver.values import as_listed, as_prompt, as_size, distinct_rows
-from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
+from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_rows,
                               as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import decoder_stream, engine
@@ -397,12 +397,12 @@ class _Slots:
         return None if readback is None else _burst(readback)
 
     def park(self, rows: Sequence[int]) -> None:
-        """The rows stopped (budget 0), each checked before any is (rounds.serving.as_row): every
+        """The rows stopped (budget 0), each checked before any is (rounds.serving.as_rows): every
         row was stopped where as many rows as the batch were given, [0, 0] of two rows too. Refused
         so too (Driven.take_row), as GraphedGreedy's park: a request in a row parked by hand
         ended as if it had stopped."""
         self.driven.take_row("park()")
-        parked, bufs = {as_row(row, self.batch) for row in rows}, self.decoder.bufs
+        parked, bufs = set(as_rows(rows, self.batch, "park()")), self.decoder.bufs
         if len(parked) == self.batch:
             bufs.set_stop(budget=0)
         else:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..driver.values import as_flag, as_size
-from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_row,
+from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_rows,
                               batch_admitted)
 from .adapter import decoder_stream, torch_graph
 from .sampling import SamplingParams
@@ -207,12 +207,12 @@ class GraphedGreedy:
 
     def park(self, rows: Sequence[int]) -> None:
         """The rows' requests dropped: their tokens are read no more. Every row is checked before
-        any is parked (rounds.serving.as_row): -1 parked the last row, whose request then ended
+        any is parked (rounds.serving.as_rows): -1 parked the last row, whose request then ended
         as if it had stopped, its tokens cut short, and True row 1. RuntimeError, from anything
         but a server's own step, while a server over the rows has a request in flight
         (Driven.take_row): its request would end so too (a cancel is server.cancel)."""
         self.driven.take_row("park()")
-        for row in [as_row(row, self.batch) for row in rows]:
+        for row in as_rows(rows, self.batch, "park()"):
             self._stops[row] = None
         self._cut = False  # rows changed hands: the last burst is not their requests' any more
 

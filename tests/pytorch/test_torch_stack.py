@@ -710,7 +710,11 @@ def test_a_speculative_decoders_server_parks_the_rows_it_names_each_checked_firs
     slots = _Slots(decoder, Mode.GRAPH)
     for rows, error, named in (([5, 9], ValueError, "row 5 is not one of the decoder's 2"),
                                ([0, -1], ValueError, "row -1 is not one of the decoder's 2"),
-                               ([True], TypeError, "a row must be an integer, not True")):
+                               ([True], TypeError, "a row must be an integer, not True"),
+                               (b"\x00\x01", TypeError, "park\\(\\) takes rows, ints of the decoder's 2, not b'"),
+                               (bytearray(2), TypeError, "park\\(\\) takes rows"),
+                               ("01", TypeError, "park\\(\\) takes rows"),
+                               (3, TypeError, "park\\(\\) takes rows")):
         with pytest.raises(error, match=named):
             slots.park(rows)
         assert decoder.bufs.calls == []
@@ -736,7 +740,9 @@ def test_the_plain_loop_parks_only_rows_it_has_and_each_checked_before_any_is_pa
     for rows, error, named in (([-1], ValueError, "row -1 is not one of the decoder's 2"),
                                ([0, 2], ValueError, "row 2 is not one of the decoder's 2"),
                                ([True], TypeError, "a row must be an integer, not True"),
-                               ([1.0], TypeError, "a row must be an integer, not 1.0")):
+                               ([1.0], TypeError, "a row must be an integer, not 1.0"),
+                               (b"\x01", TypeError, "park\\(\\) takes rows, ints of the decoder's 2, not b'"),
+                               (memoryview(b"\x01"), TypeError, "park\\(\\) takes rows")):
         with pytest.raises(error, match=named):
             decoder.park(rows)
         assert decoder._stops == stops

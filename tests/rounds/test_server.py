@@ -262,6 +262,40 @@ def test_a_step_inside_a_step_is_refused_and_the_outer_step_goes_on():
     assert [ended[ident].tokens for ident in (first, second)] == [alone(Request([1, 2], 3)), alone(Request([3], 3))]
 
 
+def test_a_second_thread_stepping_as_the_first_sets_its_flag_is_refused(monkeypatch):
+    """step() read its flag and then set it: a second thread stepping between the two passed the
+    check, and both steps ran the rows' bursts. The second thread steps here at that moment (the
+    first step's get_ident, which sets the flag) and is refused; the first runs on, its request
+    its own greedy decoding alone."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    ident = server.submit(Request([1, 2], 3))
+    first, seen = threading.get_ident(), []
+
+    def outcome():
+        try:
+            seen.append(server.step())
+        except RuntimeError as error:
+            seen.append(error)
+
+    def between():  # the first step, as it sets its flag: another thread steps, once
+        me = threading.get_ident()
+        if me == first and not seen:
+            other = threading.Thread(target=outcome)
+            other.start()
+            other.join()
+        return me
+
+    monkeypatch.setattr(serving, "threading", type("Threading", (), {"get_ident": staticmethod(between)}))
+    ended = dict(server.step().finished)
+    monkeypatch.undo()
+    assert len(seen) == 1 and isinstance(seen[0], RuntimeError), seen
+    assert "step() was called while a step of this server runs" in str(seen[0])
+    while not server.idle:
+        ended.update(server.step().finished)
+    assert ended[ident].tokens == alone(Request([1, 2], 3))
+
+
 def test_a_budget_past_a_rows_i32_is_malformed_before_any_row_is_touched():
     """A row's budget is an i32 on the device: a speculative decoder's generate_batch and admit()
     prefilled the rows (their caches overwritten) before StreamBufs refused 2**31; it is a
