@@ -19,10 +19,12 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from ..driver.errors import MemraError
 from ..driver.values import I32_MOST, TEXT_LIKE, as_index, as_prompt, as_size
+
+_T = TypeVar("_T")
 
 
 class Request(NamedTuple):
@@ -372,9 +374,11 @@ class Server:
         self._next = 0
         # ended at a step that raised, or another's inside serve(): the next step hands them out
         self._unreported: dict[int, Served] = {}
-        # the thread a step runs on (threading.get_ident), None between steps: a step inside one is refused,
-        # and that thread alone is the server calling its decoder (Driven.take_row)
+        # the thread a step runs on (threading.get_ident), None between steps: a step inside one is refused
         self._stepping: int | None = None
+        # the thread the server calls its decoder's rows on (_into), None otherwise: that call alone is the
+        # server's (Driven.take_row), not its clock's, nor a callback's, on the same thread mid-step
+        self._calling: int | None = None
         self._step_held = threading.Lock()  # held by the step that runs: step() takes it or is refused
         # the burst this server ran and has not recorded, with the rows it ran: None as the decoder
         # runs it (burst() raised: the next step asks the decoder to recover it), or read back but
@@ -482,7 +486,7 @@ class Server:
             if not busy:
                 return Progress(None, {}, finished)
             self._unrecorded = busy, None  # as the decoder runs it: kept where burst() raises
-            burst = self.decoder.burst()
+            burst = self._into(self.decoder.burst)
             self._unrecorded = busy, burst
             return self._record(busy, burst, finished)
         except BaseException:
@@ -500,7 +504,7 @@ class Server:
         if burst is None:
             recover = getattr(self.decoder, "recover", None)
             try:
-                burst = None if recover is None else recover()
+                burst = None if recover is None else self._into(recover)
             except Exception:  # the decoder's failure, which asking again would repeat: only an interrupt keeps it
                 self._unrecorded = None
                 raise
@@ -604,7 +608,7 @@ class Server:
         cancels = sorted(self._cancels)
         rows = [row for ident in cancels if (row := self._live[ident].row) is not None]
         if rows:
-            self.decoder.park(rows)
+            self._into(self.decoder.park, rows)
         for ident in cancels:
             queued = self._live[ident].row is None
             self._end(ident, now, finished, cancelled=True)
@@ -637,7 +641,7 @@ class Server:
                     # returned, before the request left the queue, finds it so, and the next step
                     # takes it off the queue (above), where it admitted it again, into a second row
                     running.admitted, running.row, self._slots[row] = now, row, ident
-                    self.decoder.admit(row, running.request)
+                    self._into(self.decoder.admit, row, running.request)
                 except BaseException as exc:
                     running.admitted, running.row, self._slots[row] = None, None, None
                     free.appendleft(row)
@@ -648,7 +652,7 @@ class Server:
                     # sits the bursts out (it ran on, a request the server had not given it, and
                     # the next admission into the row met a live one)
                     with contextlib.suppress(Exception):
-                        self.decoder.park([row])
+                        self._into(self.decoder.park, [row])
                     raise
             else:
                 return
@@ -662,10 +666,21 @@ class Server:
         the decoder cannot park it, the failure is the decoder's (BuffersHeld, say): raised, the
         request still at the head. Its end is in `finished` before it leaves the queue, as in
         _cancel: a request out of the queue but not ended never ended."""
-        self.decoder.park([row])
+        self._into(self.decoder.park, [row])
         self._end(ident, now, finished, refused=str(RequestRefused(ident, f"its admission raised "
                                                                            f"{type(exc).__name__}: {exc}")))
         self._queue.popleft()
+
+    def _into(self, call: Callable[..., _T], *args: Any) -> _T:
+        """`call(*args)`, a call of this server's into its decoder's rows (admit, park, burst,
+        recover): the one Driven.take_row lets through. The step's thread was exempt throughout
+        the step, so its clock (or a callback) calling decoder.burst() by hand mid-step got
+        through, a burst whose tokens the server never saw."""
+        self._calling = threading.get_ident()
+        try:
+            return call(*args)
+        finally:
+            self._calling = None
 
     def _end(self, ident: int, at: float, finished: dict[int, Served], cancelled: bool = False,
              refused: str | None = None) -> None:
@@ -708,9 +723,9 @@ class Driven:
 
     def take_row(self, what: str) -> None:
         """take(what) of a call a server's own step makes into the rows too (a decoder's admit(),
-        park(), burst() and recover()): a server in its step, on the thread it steps on, is the one
-        calling, and is not refused (its _stepping, that thread's id, set already: one get_ident
-        is added to a call). Called by the engine while a server had requests in flight, admit()
+        park(), burst() and recover()): a server's own call (Server._into, on the thread that makes
+        it: its _calling, that thread's id, set already: one get_ident is added to a call) is not
+        refused. Called by the engine while a server had requests in flight, admit()
         overwrote a row the server held for one of them, park() stopped one, and burst() ran them,
         reading tokens the server never saw: that request ended with another's tokens, or cut
         short, silently. Another thread's call as the server steps on its own is refused too: a
@@ -720,7 +735,7 @@ class Driven:
         as another server took the rows), where it refused the other's own step, every admission
         and burst of it, until it stepped."""
         me = threading.get_ident()
-        if any(server._stepping != me and server._live for server in list(self._servers)):
+        if any(server._calling != me and server._live for server in list(self._servers)):
             raise RuntimeError(self._taken(what))
 
     @staticmethod

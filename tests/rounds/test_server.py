@@ -806,6 +806,41 @@ def test_a_rows_admission_park_or_burst_from_another_thread_is_refused_as_a_serv
     decoder.park([1])
 
 
+def test_a_rows_admission_park_or_burst_from_the_servers_own_clock_is_refused_mid_step():
+    """The stepping thread was exempt for the whole step, so a call by hand on it mid-step got
+    through: the server's clock (or any callback it runs) calling decoder.burst() ran the rows,
+    a burst whose tokens the server never saw. The exemption is the server's own calls into the
+    rows now (Server._into): the clock's calls are refused, the server's go on, and its request
+    ends as its own."""
+    decoder = Guarded(2)
+    tick, by_hand = decoder.clock, []
+
+    def clock() -> float:
+        if by_hand == []:  # armed: the step's first reading
+            for call, what in ((lambda: decoder.admit(1, Request([6], 2)), "admit"),
+                               (lambda: decoder.park([0]), "park"), (decoder.burst, "burst"),
+                               (decoder.recover, "recover")):
+                try:
+                    call()
+                    by_hand.append(f"{what} got through")
+                except RuntimeError as exc:
+                    by_hand.append(str(exc))
+        return tick()
+
+    server = Server(decoder, clock=tick)
+    request = Request([1, 2, 3], 30)
+    ident = server.submit(request)
+    server.clock, by_hand = clock, []
+    ended = dict(server.step().finished)
+    server.clock = tick
+    refused = "would take the rows of this decoder's server"
+    assert len(by_hand) == 4 and all(refused in said for said in by_hand), by_hand
+    assert decoder.calls == [("park", (0, 1)), ("admit", 0, (1, 2, 3)), ("burst",)], "a call by hand got through"
+    while not server.idle:
+        ended.update(server.step().finished)
+    assert ended[ident].tokens == alone(request) and not ended[ident].cancelled
+
+
 def test_two_servers_over_one_decoder_never_run_requests_at_once():
     """Two servers made while both were idle each held every row free: the second's requests were
     admitted into the rows the first's ran in, and a request ended with another's tokens (on
