@@ -266,8 +266,11 @@ class RoundDecoder:
         CaptureError, not a capture (the rounds are sealed). setup_seconds is then what the
         decoder spent compiling and capturing before its first request. Each mode is checked
         first: a misspelt one is a ValueError, not a "graph". Device mode runs a whole batch in one
-        launch (generate_batch), no server's mode."""
+        launch (generate_batch), no server's mode. RuntimeError while a server over the rows has a
+        request in flight (Driven.take), as GraphedGreedy's: a prefill graph's warm-up writes
+        into the last prefilled row, and a capture synchronises the device mid-serving."""
         wanted = {as_mode(mode) for mode in ((modes,) if isinstance(modes, str) else modes)}
+        self.driven.take("capture()")
         begun = time.perf_counter()
         with torch.cuda.stream(self.stream):
             self.target.capture_prefills()

@@ -1167,6 +1167,23 @@ def test_the_plain_loops_capture_is_refused_while_a_server_holds_the_rows(monkey
     assert ended[ident].tokens == decoder.generate_batch([Request([5, 17, 3, 40, 8], 8), Request([1], 0)])[0]
 
 
+def test_a_speculative_decoders_capture_is_refused_while_a_server_holds_the_rows(monkeypatch):
+    """RoundDecoder.capture() had no Driven.take where GraphedGreedy's had: called by the engine
+    while the decoder's server had a request in flight, it went on to capture (a prefill graph's
+    warm-up writes into the last prefilled row, a capture synchronises the device mid-serving).
+    It is a RuntimeError naming it now, before anything is captured (the host side alone)."""
+    from memra_cuda.torch import Request
+    steps, captured = [], []
+    speculative = stand_in_speculative(monkeypatch, steps)
+    server = speculative.server()
+    speculative.target.capture_prefills = lambda: captured.append("target")
+    ident = server.submit(Request([5, 17, 3], 4))
+    with pytest.raises(RuntimeError, match="capture\\(\\) would take the rows of this decoder's server"):
+        speculative.capture(("graph",))
+    assert captured == [] and steps == []
+    assert server.step().finished[ident].tokens == [3]
+
+
 def test_a_batch_refuses_a_request_past_the_caches_room_before_anything_runs():
     """RoundDecoder.generate_batch refused a malformed request up front but not one past the
     caches' room: a burst's capacity check raised CapacityError mid-generation, every row's tokens
