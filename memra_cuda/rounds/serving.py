@@ -243,8 +243,8 @@ def as_row(row: object, batch: int) -> int:
 
 
 def as_rows(rows: object, batch: int, what: str) -> list[int]:
-    """`rows` (a list, a range, a set: a row given twice is one row) as rows of a decoder's `batch`,
-    each checked (as_row) before any is used, else TypeError or ValueError naming it. Text and
+    """`rows` (a list, a range, a set; a row given twice is the caller's to fold) as rows of a
+    decoder's `batch`, each checked (as_row) before any is used, else TypeError or ValueError naming it. Text and
     bytes are no rows: a park() of b"\\x00\\x01" stopped rows 0 and 1."""
     if isinstance(rows, TEXT_LIKE) or not isinstance(rows, Iterable):
         raise TypeError(f"{what} takes rows, ints of the decoder's {batch}, not {reprlib.repr(rows)}")
@@ -374,12 +374,10 @@ class Server:
         self._next = 0
         # ended at a step that raised, or another's inside serve(): the next step hands them out
         self._unreported: dict[int, Served] = {}
-        # the thread a step runs on (threading.get_ident), None between steps: a step inside one is refused
-        self._stepping: int | None = None
         # the thread the server calls its decoder's rows on (_into), None otherwise: that call alone is the
         # server's (Driven.take_row), not its clock's, nor a callback's, on the same thread mid-step
         self._calling: int | None = None
-        self._step_held = threading.Lock()  # held by the step that runs: step() takes it or is refused
+        self._step_held = threading.Lock()  # held by the step that runs: step() and serve() inside one are refused
         # the burst this server ran and has not recorded, with the rows it ran: None as the decoder
         # runs it (burst() raised: the next step asks the decoder to recover it), or read back but
         # not stamped (the clock raised: the next step records it)
@@ -466,10 +464,8 @@ class Server:
             raise RuntimeError("step() was called while a step of this server runs (from its decoder or its clock, "
                                "or another thread): step one at a time, from one loop")
         try:
-            self._stepping = threading.get_ident()
             return self._step()
         finally:
-            self._stepping = None
             self._step_held.release()
 
     def _step(self) -> Progress:
@@ -554,7 +550,7 @@ class Server:
         so a refusal is recorded as it is made; where the clock raises, serve() raises with that
         request and those after it never submitted (a refusal stamped after it was made was lost
         with the clock's failure, its id taken)."""
-        if self._stepping is not None:  # its step would be refused after its submissions, their refusals lost
+        if self._step_held.locked():  # its step would be refused after its submissions, their refusals lost
             raise RuntimeError("serve() was called while a step of this server runs (its clock or its decoder "
                                "calling back): serve() steps the server itself")
         if not self.idle:

@@ -206,7 +206,7 @@ class RoundDecoder:
         is checked as Server.submit checks it (rounds.serving.admitted: the copy a Server kept
         from its submit passes at once): well formed, its tokens in the vocabulary; its room is
         checked by every burst (CapacityError). RuntimeError, from anything but a server's own
-        step, while a server over the rows has a request in flight (Driven.take_row): the row
+        calls, while a server over the rows has a request in flight (Driven.take_row): the row
         may be one it holds."""
         self.driven.take_row("admit()")
         # refused before the row is touched
@@ -386,7 +386,7 @@ class _Slots:
         self.decoder.admit(row, request)
 
     def burst(self) -> Burst:
-        """One step of the mode. RuntimeError, from anything but a server's own step, while a
+        """One step of the mode. RuntimeError, from anything but a server's own calls, while a
         server over the rows has a request in flight (Driven.take_row, as the decoder's admit):
         server.decoder.burst() ran the server's rows, and their tokens never reached it."""
         self.driven.take_row("burst()")

@@ -150,7 +150,7 @@ class GraphedGreedy:
         checked as Server.submit checks it (rounds.serving.admitted: the copy a Server kept from
         its submit passes at once) and for its room (refusal: a row past its cache would run at
         clamped positions, its tokens wrong, silently); the stack takes the checked prompt as it
-        is (LayerStack._prefill_trusted). RuntimeError, from anything but a server's own step,
+        is (LayerStack._prefill_trusted). RuntimeError, from anything but a server's own calls,
         while a server over the rows has a request in flight (Driven.take_row): the row may be
         one it holds."""
         self.driven.take_row("admit()")
@@ -169,7 +169,7 @@ class GraphedGreedy:
         """One burst of every row (the graph's replay, or its steps run eagerly) and its one
         readback: each row's tokens up to its stop (a vacant row's none); a row that reached its
         stop is done, and vacant from then on. RuntimeError, from anything but a server's own
-        step, while a server over the rows has a request in flight (Driven.take_row): the burst
+        calls, while a server over the rows has a request in flight (Driven.take_row): the burst
         ran its requests' rows and read their tokens here, counting down their budgets, and the
         server never saw them (a request ended with a burst's tokens missing, or as finished
         short of its budget)."""
@@ -188,7 +188,7 @@ class GraphedGreedy:
         are in `out` until the next burst); None where they were read, where a row was admitted,
         parked or every row started since, or where the interrupt came before the burst was
         queued whole (an eager one is many launches). RuntimeError, from anything but a server's
-        own step, while a server over the rows has a request in flight (Driven.take_row): the
+        own calls, while a server over the rows has a request in flight (Driven.take_row): the
         burst is that server's to recover, and read here its tokens were lost to it."""
         self.driven.take_row("recover()")
         return self._read() if self._cut else None
@@ -209,7 +209,7 @@ class GraphedGreedy:
         """The rows' requests dropped: their tokens are read no more. Every row is checked before
         any is parked (rounds.serving.as_rows): -1 parked the last row, whose request then ended
         as if it had stopped, its tokens cut short, and True row 1. RuntimeError, from anything
-        but a server's own step, while a server over the rows has a request in flight
+        but a server's own calls, while a server over the rows has a request in flight
         (Driven.take_row): its request would end so too (a cancel is server.cancel)."""
         self.driven.take_row("park()")
         for row in as_rows(rows, self.batch, "park()"):

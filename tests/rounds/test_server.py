@@ -769,7 +769,7 @@ def test_a_rows_admission_park_or_burst_from_another_thread_is_refused_as_a_serv
     bool): another thread's decoder.admit(), park(), burst() or recover(), made as the server
     stepped on its own thread, got through and took the server's rows (an admission over the row
     its request ran in, a park that ended it as stopped, a burst whose tokens the server never
-    saw). The exemption is the stepping thread's alone: the other thread is refused mid-step, as
+    saw). The exemption is the server's own calls alone (Server._into): the other thread is refused mid-step, as
     between steps, the server's own calls go on, and its request ends as its own."""
     decoder = Guarded(2)
     server = Server(decoder, clock=decoder.clock)
