@@ -262,11 +262,12 @@ def test_a_step_inside_a_step_is_refused_and_the_outer_step_goes_on():
     assert [ended[ident].tokens for ident in (first, second)] == [alone(Request([1, 2], 3)), alone(Request([3], 3))]
 
 
-def test_a_second_thread_stepping_as_the_first_sets_its_flag_is_refused(monkeypatch):
+def test_a_second_thread_stepping_as_the_first_begins_is_refused(monkeypatch):
     """step() read its flag and then set it: a second thread stepping between the two passed the
-    check, and both steps ran the rows' bursts. The second thread steps here at that moment (the
-    first step's get_ident, which sets the flag) and is refused; the first runs on, its request
-    its own greedy decoding alone."""
+    check, and both steps ran the rows' bursts. The second thread steps here at the first step's
+    first get_ident (where the flag was set; now its first call into the decoder, the lock held
+    since the step began) and is refused; the first runs on, its request its own greedy decoding
+    alone."""
     decoder = Counting(1)
     server = Server(decoder, clock=decoder.clock)
     ident = server.submit(Request([1, 2], 3))
