@@ -244,8 +244,8 @@ def as_row(row: object, batch: int) -> int:
 
 def as_rows(rows: object, batch: int, what: str) -> list[int]:
     """`rows` (a list, a range, a set; a row given twice is the caller's to fold) as rows of a
-    decoder's `batch`, each checked (as_row) before any is used, else TypeError or ValueError naming it. Text and
-    bytes are no rows: a park() of b"\\x00\\x01" stopped rows 0 and 1."""
+    decoder's `batch`, each checked (as_row) before any is used, else TypeError or ValueError
+    naming it. Text and bytes are no rows: a park() of b"\\x00\\x01" stopped rows 0 and 1."""
     if isinstance(rows, TEXT_LIKE) or not isinstance(rows, Iterable):
         raise TypeError(f"{what} takes rows, ints of the decoder's {batch}, not {reprlib.repr(rows)}")
     return [as_row(row, batch) for row in rows]
