@@ -343,11 +343,11 @@ class Server:
 
     The decoder's batch and vocabulary (at least one row, one token), and its longest_prompt
     where it has one, are checked here, naming them: a decoder of no rows would leave serve()
-    waiting for ever. A decoder that keeps its
-    servers (a `driven`, as GraphedGreedy has) is told of this one, made directly as its own
-    server() makes it: RuntimeError while another of them has requests in flight, whose rows
-    this one would park, and this one's requests are guarded from the decoder's batches (a
-    server made directly drove rows the decoder's generate_batch then prefilled over).
+    waiting for ever. A decoder that keeps its servers (a `driven`, as GraphedGreedy has) is
+    told of this one, made directly as its own server() makes it: RuntimeError while another
+    of them has requests in flight, whose rows this one would park, and this one's requests are
+    guarded from the decoder's batches (a server made directly drove rows the decoder's
+    generate_batch then prefilled over).
     """
 
     def __init__(self, decoder: Decoder, *, clock: Callable[[], float] = time.perf_counter):
@@ -705,15 +705,16 @@ class Driven:
     that nothing else takes the rows from one with requests in flight: a new server parks every
     row and a batch prefills every row, either of which ended that server's requests, each then
     reported as finished, its tokens cut short; an admission, a park or a burst by hand (take_row)
-    takes one. Every server made is kept, not the last alone: a second server made while the first was
-    idle left the first's later requests unguarded."""
+    takes one. Every server made is kept, not the last alone: a second server made while the
+    first was idle left the first's later requests unguarded."""
 
     def __init__(self) -> None:
         self._servers: weakref.WeakSet[Server] = weakref.WeakSet()
 
     def take(self, what: str, beside: Server | None = None) -> None:
-        """RuntimeError naming `what` where a server over the rows (but `beside`) has a request
-        queued, running or waiting for its cancel."""
+        """RuntimeError naming `what` where a server over the rows (but `beside`) is not idle: a
+        request queued, running or waiting for its cancel, or an end its next step hands out.
+        take_row counts the requests in flight alone."""
         if any(server is not beside and not server.idle for server in list(self._servers)):
             raise RuntimeError(self._taken(what))
 
