@@ -39,12 +39,18 @@ def capacity_for(prompt_len: int, tokens: int, geometry: Geometry | None) -> int
     of `geometry` (a chain's Geometry(k, M, B), a tree's Geometry.of_tree); None: the plain
     decoding's (GraphedGreedy: the prompt but its last token, and the budget). Rounded up to 16
     slots: SDPA's memory-efficient kernel copies a mask whose rows are not 16-aligned into a
-    padded one at every call."""
+    padded one at every call. A size past MOST_SLOTS, the most a row holds, is a ValueError naming
+    prompt_len and tokens: said here, where the size is asked for (it was returned, and the
+    decoder given it refused "capacity", a number the caller never wrote)."""
     if geometry is None:
         need = max(as_size(prompt_len, "prompt_len") - 1 + as_size(tokens, "tokens", 0), 1)
     else:
         need = kv_capacity(prompt_len, tokens, geometry, overlap=True)
-    return -(-need // 16) * 16
+    slots = -(-need // 16) * 16
+    if slots > MOST_SLOTS:
+        raise ValueError(f"prompt_len {prompt_len} and tokens {tokens} take a cache of {slots} slots a row, past "
+                         f"the most a row holds, {MOST_SLOTS} (its lengths are i32)")
+    return slots
 
 
 @dataclass(frozen=True)
@@ -68,14 +74,10 @@ class Room:
 
 def as_capacity(capacity: int | Room, geometry: Geometry | None) -> int:
     """A decoder's `capacity`, a number of cache slots or a Room sized for `geometry`, as slots
-    (as_size's refusals, naming it), at most MOST_SLOTS: past it, refused before any cache is
-    allocated (KVLayer refused it only once the caches were)."""
+    (as_size's refusals, naming it; a Room's, capacity_for's), at most MOST_SLOTS: past it,
+    refused before any cache is allocated (KVLayer refused it only once the caches were)."""
     if isinstance(capacity, Room):
-        slots = capacity.entries(geometry)
-        if slots > MOST_SLOTS:
-            raise ValueError(f"{capacity} takes a cache of {slots} slots a row, past the most a row holds, "
-                             f"{MOST_SLOTS} (its lengths are i32)")
-        return slots
+        return capacity.entries(geometry)
     if isinstance(capacity, (tuple, list)):  # as_size's TypeError would not say what else it takes
         raise TypeError(f"capacity is a Room(prompt_len, tokens) or an int of slots, not {capacity!r}")
     return as_size(capacity, "capacity", most=MOST_SLOTS, also="a Room")

@@ -534,7 +534,7 @@ def test_a_capacity_past_the_most_whole_blocks_an_i32_counts_is_refused_before_a
     too_many = f"capacity must be {{}}an int from 1 to {MOST_SLOTS}, not {MOST_SLOTS + 1}"
     with pytest.raises(ValueError, match=too_many.format("a Room or ")):
         as_capacity(MOST_SLOTS + 1, None)
-    with pytest.raises(ValueError, match=r"Room\(prompt_len=2147483000, tokens=1000\) takes a cache of \d+ slots a "
+    with pytest.raises(ValueError, match=r"prompt_len 2147483000 and tokens 1000 take a cache of \d+ slots a "
                        f"row, past the most a row holds, {MOST_SLOTS}"):
         as_capacity(Room(2_147_483_000, 1000), None)
     for build in (lambda: Stack(model, MOST_SLOTS + 1), lambda: CompiledStack(model, MOST_SLOTS + 1, compile=False),

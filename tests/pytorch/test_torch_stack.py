@@ -629,6 +629,28 @@ def test_a_room_is_sized_by_the_geometry_of_the_decoder_it_is_given_to():
         as_capacity((40, 96), Geometry(4, 16))
 
 
+def test_capacity_for_refuses_a_cache_past_the_most_a_row_holds_where_it_is_asked():
+    """capacity_for gave a size past MOST_SLOTS, which the decoder it was given to refused as its
+    "capacity", a number the caller never wrote: refused now where it is asked, naming the
+    prompt_len and tokens, at the first size past the limit; the largest under it is given."""
+    from memra_cuda import Geometry
+    from memra_cuda.torch.attention import MOST_SLOTS
+    from memra_cuda.torch.kv import as_capacity
+    assert MOST_SLOTS % 16 == 0  # so a need of MOST_SLOTS is itself the size, and one more rounds past it
+    for geometry in (None, Geometry(4, 16), Geometry(2, 8, 64), Geometry.of_tree(TREE, 16, 4)):
+        beyond = 0 if geometry is None else kv_capacity(1, 0, geometry, overlap=True)  # its need past p - 1 + t
+        largest = MOST_SLOTS + 1 - beyond  # the longest prompt whose need is MOST_SLOTS, with no token
+        assert capacity_for(largest, 0, geometry) == capacity_for(1, largest - 1, geometry) == MOST_SLOTS
+        assert as_capacity(Room(largest, 0), geometry) == MOST_SLOTS
+        for prompt_len, tokens in ((largest + 1, 0), (1, largest)):
+            named = (f"prompt_len {prompt_len} and tokens {tokens} take a cache of {MOST_SLOTS + 16} slots a row, "
+                     f"past the most a row holds, {MOST_SLOTS}")
+            with pytest.raises(ValueError, match=named):
+                capacity_for(prompt_len, tokens, geometry)
+            with pytest.raises(ValueError, match=named):
+                as_capacity(Room(prompt_len, tokens), geometry)
+
+
 class Prefilled:
     """A stack's prefill alone, for a decoder's host side: the rows and heads it was given at its
     unchecked entry (_prefill_trusted), which a decoder hands the prompts it has checked; its
