@@ -228,6 +228,14 @@ def _past_int64(values: Any) -> bool:
         isinstance(v, (int, np.integer)) and not is_bool(v) for v in values)
 
 
+def longest_prompt_for(capacity: int) -> int:
+    """The most tokens a prompt can have in a row whose caches hold `capacity` slots: all but its
+    last fill them, and the last is pending (its entry is the next forward's). Named once, for
+    as_prompt's `most` wherever a row is filled (a decoder's longest_prompt, the toy's prefills),
+    so that they cannot drift apart."""
+    return capacity + 1
+
+
 def as_prompt(prompt: Any, vocab: int, what: str, most: int | None = None) -> np.ndarray:
     """`prompt` as token_ids' checked copy, of at least one token (its last is the pending one a
     decoding starts from): the one check of a prompt where it enters (a request's, rounds.serving;
@@ -237,9 +245,9 @@ def as_prompt(prompt: Any, vocab: int, what: str, most: int | None = None) -> np
     not, a UserString's too, and a bytearray or a memoryview, which were read as their bytes'
     ints), ValueError for an empty sequence or a token outside [0, vocab) ("row 0's prompt's
     token 7 (at 2)"). A prompt of more than `most` tokens (None: no bound), the most a row takes
-    (its cache's slots and the pending token), is refused by its len() before it is read, as
-    as_listed refuses: range(3 * 10**7) was read whole (8 s, and a tuple of its ints) before a
-    decoder's room refused it."""
+    (longest_prompt_for: its cache's slots and the pending token), is refused by its len() before
+    it is read, as as_listed refuses: range(3 * 10**7) was read whole (8 s, and a tuple of its
+    ints) before a decoder's room refused it."""
     if most is not None:
         _fits(prompt, what, most)
     try:

@@ -22,7 +22,7 @@ from ..buffers.geometry import Geometry, as_geometry
 from ..buffers.stream_bufs import Readback, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
-from ..driver.values import as_listed, as_prompt, as_size, distinct_rows
+from ..driver.values import as_listed, as_prompt, as_size, distinct_rows, longest_prompt_for
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_rows,
                               as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
@@ -310,7 +310,7 @@ class RoundDecoder:
         as a stack's prefill takes them (room() refuses a prompt shorter still wherever a burst is
         to run). A longer one is refused by its length, before its tokens are read
         (rounds.serving's Decoder)."""
-        return self.target.kv.capacity + 1
+        return longest_prompt_for(self.target.kv.capacity)
 
     def room(self, request: Request, mode: Mode) -> str | None:
         """Why a checked `request` cannot run in a row in `mode` (its prompt and budget past the

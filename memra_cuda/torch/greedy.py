@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..driver.values import as_flag, as_size
+from ..driver.values import as_flag, as_size, longest_prompt_for
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_rows,
                               batch_admitted)
 from .adapter import decoder_stream, torch_graph
@@ -131,7 +131,7 @@ class GraphedGreedy:
         """The most tokens a prompt can have: all but its last fill a row's cache (refusal's rule
         at a budget of 0). A longer one is refused by its length, before its tokens are read
         (rounds.serving's Decoder)."""
-        return self.stack.kv.capacity + 1
+        return longest_prompt_for(self.stack.kv.capacity)
 
     def refusal(self, request: Request) -> str | None:
         """Why `request` does not fit a row's cache (its prompt but the last token and its

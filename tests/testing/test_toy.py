@@ -383,3 +383,14 @@ def test_a_prompt_longer_than_the_toys_caches_is_refused_by_its_length_before_it
         stream.prefill([1] * 10)
     assert not stream.draft_kv.any() and stream.draft_len[0] == 0, "a refused prefill wrote the caches"
     assert stream.prefill([1] * 9) == 8
+
+
+def test_the_longest_prompt_a_row_takes_is_its_caches_slots_and_its_pending_token():
+    """The "capacity + 1" written in each place a row is filled (the toy's two prefills, the
+    torch decoders' longest_prompt): one rule, named once (longest_prompt_for), so they cannot
+    drift apart. At its limit a prompt is taken, one token more refused by its length."""
+    from memra_cuda.driver.values import as_prompt, longest_prompt_for
+    assert [longest_prompt_for(slots) for slots in (1, 8, 32)] == [2, 9, 33]
+    assert as_prompt(range(33), 50, "the prompt", longest_prompt_for(32)).size == 33
+    with pytest.raises(ValueError, match="the prompt of 34 tokens does not fit a row \\(at most 33\\)"):
+        as_prompt(range(34), 50, "the prompt", longest_prompt_for(32))

@@ -18,7 +18,7 @@ import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
 from ...buffers.stream_bufs import ROW_VALUE_MOST
-from ...driver.values import as_flag, as_listed, as_prompt, as_real, as_size, exact_int
+from ...driver.values import as_flag, as_listed, as_prompt, as_real, as_size, exact_int, longest_prompt_for
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
@@ -458,7 +458,7 @@ class ToyLM:
         tokens depend on it alone (a u64, checked before the row is reset), its prompt ints of the
         model's vocabulary (as_prompt). Returns its start position."""
         # all but its last token fill the caches: a longer prompt is refused by its length, unread
-        prompt = as_prompt(prompt, self.model.vocab, f"row {row}'s prompt", self.capacity + 1).tolist()
+        prompt = as_prompt(prompt, self.model.vocab, f"row {row}'s prompt", longest_prompt_for(self.capacity)).tolist()
         n = len(prompt) - 1
         self._check_batch(bufs)
         seed = exact_int(seed, np.uint64)

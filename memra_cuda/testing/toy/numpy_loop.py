@@ -18,7 +18,7 @@ from ...buffers.capacity import Capacity, kv_capacity
 from ...buffers.geometry import Geometry
 from ...buffers.tree import DynamicTree, Tree
 from ...buffers.stream_bufs import ROW_VALUE_MOST
-from ...driver.values import as_prompt, as_size
+from ...driver.values import as_prompt, as_size, longest_prompt_for
 from .lm import M32, STATE_ROLLBACKS, ToyModel, as_candidates, fmix, fmix_array, live_slot, salt
 
 
@@ -116,7 +116,7 @@ class NumpyRoundStream:
         """The prompt but its last token into the caches (its last pending), as the toy's
         prefill_row: a prompt longer than they hold is refused by its length (it wrote the
         caches' slots, then met an IndexError)."""
-        prompt = as_prompt(prompt, self.model.vocab, "the prompt", self.capacity + 1).tolist()
+        prompt = as_prompt(prompt, self.model.vocab, "the prompt", longest_prompt_for(self.capacity)).tolist()
         n = len(prompt) - 1
         for j, token in enumerate(prompt[:-1]):
             e = self.model.embed(token, j)
