@@ -24,11 +24,14 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     parameter requiring grad (a model whose parameters did would make every in-place write into
     a KV cache a node of an autograd graph the cache keeps alive), attention through SDPA (which
     takes Stack's additive masks). A directory's own Python (config.json's auto_map) is never
-    run: transformers would ask at a terminal whether to, and run it on a yes."""
+    run: transformers would ask at a terminal whether to, and run it on a yes. The arguments are
+    checked before the directory: a device the machine lacks (the default "cuda" on a machine
+    without CUDA) is the more fundamental refusal, which no directory mends, and it was told only
+    once a directory had been found."""
     if not isinstance(dtype, torch.dtype) and dtype not in DTYPES:
         raise ValueError(f"dtype is a torch.dtype or one of {DTYPES}, not {dtype!r}")
-    _check_directory(directory)
     device = _as_device(device)
+    _check_directory(directory)
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
                                                  attn_implementation="sdpa", trust_remote_code=False)

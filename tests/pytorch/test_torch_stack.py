@@ -361,6 +361,16 @@ def test_a_model_directory_loads_for_inference_with_its_tokenizer(tmp_path, dtyp
                                    hf_logits(target, [5, 9, 3]), **TOL)
 
 
+def test_a_device_the_machine_lacks_is_refused_before_a_missing_directory():
+    """load_model on a machine without CUDA (its default device "cuda") said first that the
+    directory held no config.json, and only once one was found that the machine has no GPU: the
+    device, which no directory mends, is refused first. A GPU one past the machine's stands for
+    it where the machine has CUDA."""
+    device = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=re.escape(f"device {device!r} is not on this machine")):
+        load_model("/nowhere/at/all", device=device)
+
+
 @pytest.mark.parametrize("device", ["gpu", "cuda:99", 3.5, "meta", "xpu:99", "mps:99"])
 def test_a_device_the_machine_lacks_is_refused_before_the_checkpoint_is_read(tmp_path, monkeypatch, device):
     """load_model(device="gpu") (or a GPU past the machine's, an Intel or Apple one past its
@@ -394,7 +404,7 @@ def test_a_directorys_own_python_is_never_run(tmp_path, monkeypatch):
 
 
 def test_a_directory_without_a_model_is_refused_by_name(tmp_path):
-    for load in (load_model, load_tokenizer):
+    for load in (functools.partial(load_model, device="cpu"), load_tokenizer):
         with pytest.raises(FileNotFoundError, match="holds no config.json"):
             load(tmp_path / "nowhere")
     # a dtype by a name torch does not have met AttributeError: module 'torch' has no attribute 'bf16'
