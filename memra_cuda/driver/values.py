@@ -264,7 +264,11 @@ def _fits(prompt: Any, what: str, most: int) -> None:
     library's: a tensor's tokens were read and made a tuple of ints as a list's), holds more than
     `most` tokens by its len(), its tokens unread; what is none is token_ids' to refuse. A len()
     past sys.maxsize (range(10**20)'s OverflowError) is past any row too. Text and bytes are not
-    measured (a memoryview has a shape): token_ids refuses them, a TypeError whatever their length."""
+    measured (a memoryview has a shape): token_ids refuses them, a TypeError whatever their length.
+    A list or a tuple of prompts given for one (its first item itself a sequence or an array),
+    too long, is refused as no prompt (as_prompt's TypeError), as a short one is, where it was
+    refused as a prompt of that many tokens, each of them a prompt: a list's first item is there
+    to look at, where a lazy sequence's or an array's is not read."""
     if isinstance(prompt, TEXT_LIKE):
         return
     shape = getattr(prompt, "shape", None)
@@ -275,8 +279,16 @@ def _fits(prompt: Any, what: str, most: int) -> None:
     except OverflowError:
         count = None
     if count is None or count > most:
+        if isinstance(prompt, (list, tuple)) and _nested(prompt[0]):  # looked at only here: one that fits is not
+            raise TypeError(_no_prompt(prompt, what))
         shown = f"more than {sys.maxsize} tokens" if count is None else f"{count} tokens"
         raise ValueError(f"{what} of {shown} does not fit a row (at most {most})")
+
+
+def _nested(item: Any) -> bool:
+    """Whether a prompt's `item` is itself a sequence or an array (of one dimension or more): a
+    prompt, where a token is expected."""
+    return isinstance(item, Sequence) or bool(getattr(item, "ndim", 0))
 
 
 def _no_prompt(prompt: Any, what: str) -> str:

@@ -1472,6 +1472,17 @@ def test_a_prompt_of_bytes_is_refused_as_bytes_is_whatever_holds_them(given):
     refused_as_no_prompt(given)
 
 
+@pytest.mark.parametrize("given", [[[1], [2]], [[5, 17]] * (CAPACITY + 2), ((5,),) * (CAPACITY + 2),
+                                   [np.array([5, 17])] * (CAPACITY + 2)],
+                         ids=["two prompts", "prompts past a row", "tuples past a row", "arrays past a row"])
+def test_a_list_of_prompts_given_for_one_is_refused_as_no_prompt_whatever_its_length(given):
+    """A list of prompts where one prompt is expected was a TypeError (no token ids) while it
+    was short, but one of more prompts than a row takes tokens was refused by its length, as a
+    prompt of that many tokens: its type is refused first now, the same TypeError whatever its
+    length, its items unread."""
+    refused_as_no_prompt(given)
+
+
 @pytest.mark.parametrize("given", ["", "\x05\x11", np.str_(""), UserString(""), UserString("\x05\x11"),
                                    UserString("x" * (CAPACITY + 1))],
                          ids=["empty", "str", "numpy's", "empty UserString", "UserString", "a UserString past a row"])
