@@ -107,6 +107,13 @@ class Ranks:
         (OverflowError on the rank), and rank 0 waited for ranks that no launch has."""
         for name in ("rank", "world", "local_rank", "port"):
             object.__setattr__(self, name, as_index(getattr(self, name), name))
+        # text, checked here: a bytes secret (os.urandom's) met "'bytes' object has no attribute 'encode'",
+        # and None passed to fail on rank 0 alone, inside the exchange; the secret's value is never shown
+        if not isinstance(self.address, str):
+            raise TypeError(f"address must be a host name or an IP address (a str), not {self.address!r}")
+        if not isinstance(self.secret, str):
+            raise TypeError(f"secret must be a str ({SECRET_VARIABLE}'s value; '' for none), not a "
+                            f"{type(self.secret).__name__}: random bytes are given as text, their .hex()")
         if self.world > MAX_WORLD:
             raise ValueError(f"a world is at most {MAX_WORLD} ranks (NCCL's), not {self.world}")
         if not (0 <= self.rank < self.world and self.local_rank >= 0 and 0 < self.port < 65536):

@@ -316,12 +316,20 @@ def test_rank_0_of_a_large_world_times_out_on_time_naming_the_first_ranks_it_wai
     (dict(rank=0, world=2, port="29501"), TypeError, "port must be an integer"),
     (dict(rank=1, world=2**32), ValueError, f"a world is at most {2**31 - 1} ranks .NCCL's., not {2**32}"),
     (dict(rank=0, world=2**31), ValueError, "a world is at most"),
+    (dict(rank=0, world=2, secret=SECRET.encode()), TypeError, "secret must be a str .* not a bytes: .*hex"),
+    (dict(rank=0, world=2, secret=None), TypeError, "secret must be a str .* not a NoneType"),
+    (dict(rank=0, world=2, address=None), TypeError, "address must be a host name or an IP address .a str., not None"),
+    (dict(rank=0, world=2, address=b"127.0.0.1"), TypeError, "address must be .* not b'127.0.0.1'"),
 ])
 def test_a_rank_or_world_that_is_no_int_or_past_nccls_most_is_refused_where_ranks_are_made(given, error, named):
     """Ranks compared its numbers only: a world of 2.0 met range() once rank 0 listened, True was
-    rank 1, and a world past 4 bytes an OverflowError in a rank's hello (rank 0 waited for it)."""
-    with pytest.raises(error, match=named):
-        Ranks(**given, secret=SECRET)
+    rank 1, and a world past 4 bytes an OverflowError in a rank's hello (rank 0 waited for it). Its
+    address and secret were not checked at all: a bytes secret (os.urandom's) was an AttributeError
+    ('bytes' object has no attribute 'encode'), None one on rank 0 alone inside the exchange, and an
+    address of None a TypeError of the membership test it met; the message never shows the secret."""
+    with pytest.raises(error, match=named) as refused:
+        Ranks(**{"secret": SECRET, **given})
+    assert SECRET not in str(refused.value)
     ranks = Ranks(np.int64(1), rendezvous.MAX_WORLD, secret=SECRET)  # numpy ints are ints; the world at its most
     assert (type(ranks.rank), ranks.world) == (int, 2**31 - 1)
 
