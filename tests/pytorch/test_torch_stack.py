@@ -784,6 +784,36 @@ def test_a_serve_interrupted_leaves_the_rows_to_the_next_serve():
     assert served.tokens == [3] * 4
 
 
+def test_the_plain_loops_capture_leaves_no_row_running_on_from_its_warm_up(monkeypatch):
+    """GraphedGreedy.capture() starts every row with its warm-up's prompt and runs it, so a
+    request an engine had admitted by hand (admit() is public) lost its row: its stop was kept,
+    and the next burst handed the warm-up's tokens out as the request's, silently. The rows it
+    starts are vacant after it, as a server's or a batch's start leaves them (the host side
+    alone: a stand-in stack and graph, whose every token is the warm-up's 9)."""
+    import contextlib
+
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import GraphedGreedy, Request
+    from memra_cuda.torch import greedy
+
+    class Graph:
+        def replay(self):
+            decoder.out.fill_(9)
+
+    monkeypatch.setattr(greedy, "torch_graph", lambda stream: contextlib.nullcontext(Graph()))
+    decoder = object.__new__(GraphedGreedy)
+    decoder.batch, decoder.steps, decoder.vocab, decoder.eager, decoder.stream = 2, 4, VOCAB, False, None
+    decoder.stack = SimpleNamespace(kv=SimpleNamespace(capacity=64), logits=lambda token, position: None,
+                                    _prefill_trusted=lambda rows, prompts: None)
+    decoder.advance = lambda logits, token, position, out: out.fill_(9)
+    decoder.graph, decoder._stops, decoder.driven, decoder._cut = None, [None, None], Driven(), False
+    decoder.token, decoder.position = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long)
+    decoder.out = torch.zeros(4, 2, dtype=torch.long)  # [steps][B]
+    decoder.admit(0, Request([5, 6], 8))
+    decoder.capture()
+    assert decoder.burst().tokens == [[], []], "a request admitted before the capture took the warm-up's tokens"
+
+
 def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
     """RoundDecoder.prefill checked a cap after both caches had taken the prompts, which left
     the rows live without a budget; a seed past 64 bits raised after the target's prefill. Each
