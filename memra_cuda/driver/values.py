@@ -8,7 +8,7 @@ import operator
 import reprlib
 import sys
 from collections import UserString
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from numbers import Real
 from typing import Any
 
@@ -299,9 +299,11 @@ def distinct_rows(rows: Any, batch: int, what: str) -> list[int]:
     context, -1 was the last row; a row twice was two writes racing for it) naming `what`. A
     tensor of rows is read a row at a time: what takes rows checks them on the host. Text and
     bytes are no rows (TypeError: bytes, a bytearray and a memoryview were read as their ints,
-    b"\\x00\\x01" rows 0 and 1)."""
+    b"\\x00\\x01" rows 0 and 1), nor is a set or a mapping: rows are paired with prompts by their
+    order, and a set's is its hashes' (a prefill's rows {1, 0} were rows 0 and 1, each given the
+    other's prompt)."""
     try:
-        if isinstance(rows, TEXT_LIKE):
+        if isinstance(rows, (*TEXT_LIKE, Set, Mapping)):
             raise TypeError
         listed = list(rows)
     except TypeError:

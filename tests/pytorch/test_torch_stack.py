@@ -454,6 +454,9 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
             # bytes are no rows: a bytearray or bytes were read as their ints, b"\\x00\\x01" rows 0 and 1
             (b"\x00\x01", [[1], [2]], TypeError, "a prefill's rows are a sequence of row indices, not b"),
             (bytearray(b"\x01"), [[1]], TypeError, "a prefill's rows are a sequence of row indices, not bytearray"),
+            # a set's order is its hashes': {1, 0} was rows 0 and 1, each given the other's prompt; a dict's its keys'
+            ({1, 0}, [[1], [2]], TypeError, "a prefill's rows are a sequence of row indices, not \\{0, 1\\}"),
+            ({1: [1]}, [[1]], TypeError, "a prefill's rows are a sequence of row indices, not \\{1: \\[1\\]\\}"),
             ([0], bytearray(b"\x01"), TypeError, "a prefill's prompts must be a list, a tuple or a 1-D array"),
             ([0], {0: [1, 2]}, TypeError, "a prefill's prompts must be a list, a tuple or a 1-D array")):
         with pytest.raises(error, match=why):
