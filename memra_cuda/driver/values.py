@@ -301,14 +301,20 @@ def distinct_rows(rows: Any, batch: int, what: str) -> list[int]:
     bytes are no rows (TypeError: bytes, a bytearray and a memoryview were read as their ints,
     b"\\x00\\x01" rows 0 and 1), nor is a set or a mapping: rows are paired with prompts by their
     order, and a set's is its hashes' (a prefill's rows {1, 0} were rows 0 and 1, each given the
-    other's prompt)."""
+    other's prompt). Each row is checked as it is read, and none past the batch's count and one
+    (a row twice by then): itertools.count() or range(10**10) was listed whole first, for ever or
+    tens of GB, to be refused by its third row."""
     try:
         if isinstance(rows, (*TEXT_LIKE, Set, Mapping)):
             raise TypeError
-        listed = list(rows)
+        given = iter(rows)
     except TypeError:
         raise TypeError(f"{what} are a sequence of row indices, not {reprlib.repr(rows)}") from None
-    checked = [as_size(row, "a row", 0, batch - 1) for row in listed]
+    checked: list[int] = []
+    for row in given:
+        checked.append(as_size(row, "a row", 0, batch - 1))
+        if len(checked) > batch:
+            break
     if len(set(checked)) != len(checked):
         raise ValueError(f"{what} must be distinct rows of 0..{batch - 1}, not {checked}")
     return checked

@@ -7,6 +7,7 @@ a checkpoint directory, and what the decoders refuse before any device work."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from types import SimpleNamespace
@@ -431,6 +432,11 @@ def test_a_stack_refuses_what_it_cannot_run():
 def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them():
     """A row past the batch would be a device-side assert on a GPU (the context lost), a row
     twice two prefills racing for its KV, a prompt short or over silently misplaced."""
+    def endless():  # itertools.count(), which was listed whole before a row was checked: for ever
+        for row in itertools.count():
+            assert row <= 2, "rows were read past the first that is none of the batch's"
+            yield row
+
     stack = Stack(tiny(), CAPACITY, batch=2)
     stack.prefill([0, 1], [[1, 2, 3], [4, 5]])
     lengths = stack.kv.lengths.clone()
@@ -438,6 +444,8 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
             ([0, 2], [[1], [2]], ValueError, "a row must be an int from 0 to 1, not 2"),
             ([-1], [[1]], ValueError, "a row must be an int from 0 to 1, not -1"),
             ([1, 1], [[1], [2]], ValueError, "a prefill's rows must be distinct rows of 0..1, not \\[1, 1\\]"),
+            (endless(), [[1], [2]], ValueError, "a row must be an int from 0 to 1, not 2"),
+            ((row for row in itertools.repeat(1)), [[1]], ValueError, "distinct rows of 0..1, not \\[1, 1, 1\\]"),
             (torch.tensor([0, 0]), [[1], [2]], ValueError, "a prefill's rows must be distinct rows"),  # 0-d tensors
             ([True], [[1]], TypeError, "a row must be an integer, not True"),
             ([0, 1], [[1]], ValueError, "one prompt for each of distinct rows of 0..1"),
