@@ -283,12 +283,19 @@ def as_listed(values: Any, what: str, of: str, most: int | None = None) -> list[
     (a bytearray's, a memoryview's and a UserString's too, which were listed where str and bytes
     were refused: a bytearray of seeds or caps read as ints); anything else a TypeError naming
     `what` and what it holds (`of`). More than `most` values are refused by their count, before
-    they are listed (range(10**8) took 9 s and 4 GB to be refused after)."""
+    they are listed (range(10**8) took 9 s and 4 GB to be refused after), a len() past
+    sys.maxsize too (range(10**20) met OverflowError, naming nothing)."""
     if not (isinstance(values, np.ndarray) and values.ndim == 1) and (
             not isinstance(values, Sequence) or isinstance(values, TEXT_LIKE)):
         raise TypeError(f"{what} must be a list, a tuple or a 1-D array of {of}, not {reprlib.repr(values)}")
-    if most is not None and len(values) > most:
-        raise ValueError(f"{what} holds at most {most} {of}, not {len(values)}")
+    if most is not None:
+        try:
+            count: int | None = len(values)
+        except OverflowError:
+            count = None
+        if count is None or count > most:
+            shown = f"more than {sys.maxsize}" if count is None else count
+            raise ValueError(f"{what} holds at most {most} {of}, not {shown}")
     return list(values)
 
 
