@@ -8,7 +8,7 @@ import operator
 import reprlib
 import sys
 from collections import UserString
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from numbers import Real
 from typing import Any
 
@@ -303,12 +303,19 @@ def as_listed(values: Any, what: str, of: str, most: int | None = None) -> list[
     (a bytearray's, a memoryview's and a UserString's too, which were listed where str and bytes
     were refused: a bytearray of seeds or caps read as ints); anything else a TypeError naming
     `what` and what it holds (`of`). More than `most` values are refused by their count, before
-    they are listed (range(10**8) took 9 s and 4 GB to be refused after)."""
+    they are listed (range(10**8) took 9 s and 4 GB to be refused after), a len() past
+    sys.maxsize too (range(10**20) met OverflowError, naming nothing)."""
     if not (isinstance(values, np.ndarray) and values.ndim == 1) and (
             not isinstance(values, Sequence) or isinstance(values, TEXT_LIKE)):
         raise TypeError(f"{what} must be a list, a tuple or a 1-D array of {of}, not {reprlib.repr(values)}")
-    if most is not None and len(values) > most:
-        raise ValueError(f"{what} holds at most {most} {of}, not {len(values)}")
+    if most is not None:
+        try:
+            count: int | None = len(values)
+        except OverflowError:
+            count = None
+        if count is None or count > most:
+            shown = f"more than {sys.maxsize}" if count is None else count
+            raise ValueError(f"{what} holds at most {most} {of}, not {shown}")
     return list(values)
 
 
@@ -319,14 +326,22 @@ def distinct_rows(rows: Any, batch: int, what: str) -> list[int]:
     context, -1 was the last row; a row twice was two writes racing for it) naming `what`. A
     tensor of rows is read a row at a time: what takes rows checks them on the host. Text and
     bytes are no rows (TypeError: bytes, a bytearray and a memoryview were read as their ints,
-    b"\\x00\\x01" rows 0 and 1)."""
+    b"\\x00\\x01" rows 0 and 1), nor is a set or a mapping: rows are paired with prompts by their
+    order, and a set's is its hashes' (a prefill's rows {1, 0} were rows 0 and 1, each given the
+    other's prompt). Each row is checked as it is read, and none past the batch's count and one
+    (a row twice by then): itertools.count() or range(10**10) was listed whole first, for ever or
+    tens of GB, to be refused by its third row."""
     try:
-        if isinstance(rows, TEXT_LIKE):
+        if isinstance(rows, (*TEXT_LIKE, Set, Mapping)):
             raise TypeError
-        listed = list(rows)
+        given = iter(rows)
     except TypeError:
         raise TypeError(f"{what} are a sequence of row indices, not {reprlib.repr(rows)}") from None
-    checked = [as_size(row, "a row", 0, batch - 1) for row in listed]
+    checked: list[int] = []
+    for row in given:
+        checked.append(as_size(row, "a row", 0, batch - 1))
+        if len(checked) > batch:
+            break
     if len(set(checked)) != len(checked):
         raise ValueError(f"{what} must be distinct rows of 0..{batch - 1}, not {checked}")
     return checked

@@ -713,10 +713,16 @@ class Driven:
 
     def take(self, what: str, beside: Server | None = None) -> None:
         """RuntimeError naming `what` where a server over the rows (but `beside`) is not idle: a
-        request queued, running or waiting for its cancel, or an end its next step hands out.
-        take_row counts the requests in flight alone."""
-        if any(server is not beside and not server.idle for server in list(self._servers)):
-            raise RuntimeError(self._taken(what))
+        request queued, running or waiting for its cancel, or an end its next step hands out
+        (named so: "has requests in flight" was said of a server that had none). take_row counts
+        the requests in flight alone."""
+        for server in list(self._servers):
+            if server is not beside and not server.idle:
+                if server._live:
+                    raise RuntimeError(self._taken(what))
+                raise RuntimeError(f"{what} would take the rows of this decoder's server, which holds the end of "
+                                   f"request(s) {sorted(server._unreported)} for its next step() to hand out: "
+                                   "step it until it is idle")
 
     def take_row(self, what: str) -> None:
         """take(what) of a call a server's own step makes into the rows too (a decoder's admit(),

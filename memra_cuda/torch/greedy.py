@@ -113,12 +113,15 @@ class GraphedGreedy:
     def capture(self) -> None:
         """The burst's graph, now (a warm-up burst first, which compiles the step), so that no
         generation captures: a capture synchronises the device. The warm-up starts every row
-        (a prompt of two tokens each) and runs it: RuntimeError while a server over the rows has
-        a request in flight (Driven.take), whose rows it took (a Server made directly, its bursts
-        run eagerly until then, had its requests' rows started again, their tokens wrong)."""
+        (a prompt of two tokens each) and runs it, each row vacant after it (a request admitted
+        by hand kept its stop, and the next burst handed it the warm-up's tokens): RuntimeError
+        while a server over the rows has a request in flight (Driven.take), whose rows it took (a
+        Server made directly, its bursts run eagerly until then, had its requests' rows started
+        again, their tokens wrong)."""
         if self.graph is not None or self.eager:
             return
         self.driven.take("capture()")
+        self._stops = [None] * self.batch
         with torch.cuda.stream(self.stream):
             self._start([Request([0, 0], 0)] * self.batch)
             self._burst()

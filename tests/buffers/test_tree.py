@@ -410,6 +410,9 @@ def test_a_tree_given_directly_refuses_what_is_no_int_naming_the_field_and_the_n
     # counted before they are listed: range(10**8) was listed (9 s, 4 GB) before it was refused
     (lambda: TreeShape.from_parents(range(10**8)), ValueError, f"parents holds at most {MAX_TREE_NODES} ints"),
     (lambda: TreeShape(range(10**8), range(10**8)), ValueError, f"parent holds at most {MAX_TREE_NODES} ints"),
+    # a len() past sys.maxsize met OverflowError: "Python int too large to convert to C ssize_t", naming nothing
+    (lambda: TreeShape.from_parents(range(10**20)), ValueError,
+     rf"parents holds at most {MAX_TREE_NODES} ints, one a node, not more than \d+"),
     (lambda: TreeShape.from_choices([[0]] * MAX_TREE_NODES), ValueError,
      f"choices holds at most {MAX_TREE_NODES - 1} paths of ranks, not {MAX_TREE_NODES}"),
     (lambda: TreeShape.from_choices([range(10**8)]), ValueError, rf"choices\[0\] holds at most {MAX_TREE_NODES - 1}"),

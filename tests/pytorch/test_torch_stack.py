@@ -7,6 +7,7 @@ a checkpoint directory, and what the decoders refuse before any device work."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from types import SimpleNamespace
@@ -441,6 +442,11 @@ def test_a_stack_refuses_what_it_cannot_run():
 def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them():
     """A row past the batch would be a device-side assert on a GPU (the context lost), a row
     twice two prefills racing for its KV, a prompt short or over silently misplaced."""
+    def endless():  # itertools.count(), which was listed whole before a row was checked: for ever
+        for row in itertools.count():
+            assert row <= 2, "rows were read past the first that is none of the batch's"
+            yield row
+
     stack = Stack(tiny(), CAPACITY, batch=2)
     stack.prefill([0, 1], [[1, 2, 3], [4, 5]])
     lengths = stack.kv.lengths.clone()
@@ -448,6 +454,8 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
             ([0, 2], [[1], [2]], ValueError, "a row must be an int from 0 to 1, not 2"),
             ([-1], [[1]], ValueError, "a row must be an int from 0 to 1, not -1"),
             ([1, 1], [[1], [2]], ValueError, "a prefill's rows must be distinct rows of 0..1, not \\[1, 1\\]"),
+            (endless(), [[1], [2]], ValueError, "a row must be an int from 0 to 1, not 2"),
+            ((row for row in itertools.repeat(1)), [[1]], ValueError, "distinct rows of 0..1, not \\[1, 1, 1\\]"),
             (torch.tensor([0, 0]), [[1], [2]], ValueError, "a prefill's rows must be distinct rows"),  # 0-d tensors
             ([True], [[1]], TypeError, "a row must be an integer, not True"),
             ([0, 1], [[1]], ValueError, "one prompt for each of distinct rows of 0..1"),
@@ -464,6 +472,9 @@ def test_a_stack_refuses_a_prefill_of_rows_it_does_not_hold_before_touching_them
             # bytes are no rows: a bytearray or bytes were read as their ints, b"\\x00\\x01" rows 0 and 1
             (b"\x00\x01", [[1], [2]], TypeError, "a prefill's rows are a sequence of row indices, not b"),
             (bytearray(b"\x01"), [[1]], TypeError, "a prefill's rows are a sequence of row indices, not bytearray"),
+            # a set's order is its hashes': {1, 0} was rows 0 and 1, each given the other's prompt; a dict's its keys'
+            ({1, 0}, [[1], [2]], TypeError, "a prefill's rows are a sequence of row indices, not \\{0, 1\\}"),
+            ({1: [1]}, [[1]], TypeError, "a prefill's rows are a sequence of row indices, not \\{1: \\[1\\]\\}"),
             ([0], bytearray(b"\x01"), TypeError, "a prefill's prompts must be a list, a tuple or a 1-D array"),
             ([0], {0: [1, 2]}, TypeError, "a prefill's prompts must be a list, a tuple or a 1-D array")):
         with pytest.raises(error, match=why):
@@ -814,6 +825,36 @@ def test_a_serve_interrupted_leaves_the_rows_to_the_next_serve():
     assert interrupted.traceback, "the traceback, and the server in it, live on"
     (served,) = decoder.serve([Request([1, 2], 4)])
     assert served.tokens == [3] * 4
+
+
+def test_the_plain_loops_capture_leaves_no_row_running_on_from_its_warm_up(monkeypatch):
+    """GraphedGreedy.capture() starts every row with its warm-up's prompt and runs it, so a
+    request an engine had admitted by hand (admit() is public) lost its row: its stop was kept,
+    and the next burst handed the warm-up's tokens out as the request's, silently. The rows it
+    starts are vacant after it, as a server's or a batch's start leaves them (the host side
+    alone: a stand-in stack and graph, whose every token is the warm-up's 9)."""
+    import contextlib
+
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import GraphedGreedy, Request
+    from memra_cuda.torch import greedy
+
+    class Graph:
+        def replay(self):
+            decoder.out.fill_(9)
+
+    monkeypatch.setattr(greedy, "torch_graph", lambda stream: contextlib.nullcontext(Graph()))
+    decoder = object.__new__(GraphedGreedy)
+    decoder.batch, decoder.steps, decoder.vocab, decoder.eager, decoder.stream = 2, 4, VOCAB, False, None
+    decoder.stack = SimpleNamespace(kv=SimpleNamespace(capacity=64), logits=lambda token, position: None,
+                                    _prefill_trusted=lambda rows, prompts: None)
+    decoder.advance = lambda logits, token, position, out: out.fill_(9)
+    decoder.graph, decoder._stops, decoder.driven, decoder._cut = None, [None, None], Driven(), False
+    decoder.token, decoder.position = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long)
+    decoder.out = torch.zeros(4, 2, dtype=torch.long)  # [steps][B]
+    decoder.admit(0, Request([5, 6], 8))
+    decoder.capture()
+    assert decoder.burst().tokens == [[], []], "a request admitted before the capture took the warm-up's tokens"
 
 
 def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():

@@ -1011,6 +1011,30 @@ def test_a_request_submitted_by_another_during_serve_is_handed_out_by_the_next_s
     assert list(ended) == given and ended[given[0]].tokens == alone(theirs)
 
 
+def test_a_server_holding_only_ends_to_hand_out_is_named_so_where_it_keeps_the_rows():
+    """Driven.take counts a server not idle, its ends for the next step to hand out too (a
+    request another submitted during serve(), say): it said that server "has requests in
+    flight", which it had none of, and "a cancel ends its request", of a request already ended.
+    It says what the server holds, and that step() hands it out."""
+    decoder, driven = Counting(2), Driven()
+    server = driven.by(Server(decoder, clock=decoder.clock))
+    burst, given = decoder.burst, []
+
+    def submitting():
+        if not given:
+            given.append(server.submit(Request([4, 5], 1)))
+        return burst()
+
+    decoder.burst = submitting
+    server.serve([Request([1, 2], 12)])
+    assert not server._live and not server.idle, "the other's request did not end inside serve()"
+    with pytest.raises(RuntimeError, match=r"generate_batch would take the rows of this decoder's server, which "
+                                           r"holds the end of request\(s\) \[1\] for its next step\(\) to hand out"):
+        driven.take("generate_batch")
+    assert list(server.step().finished) == given and server.idle
+    driven.take("generate_batch")
+
+
 class FailingClock(Clock):
     """The test's clock, raising at its next reading once `failing` is set."""
 
