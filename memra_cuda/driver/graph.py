@@ -171,6 +171,12 @@ def branch(launch: Launch) -> Any:
     return launch.add_node(graph, after)
 
 
+def capturing(engine: Stream) -> bool:
+    """Whether the engine's stream is being captured: the work queued on it now lands in a graph
+    (where branch() may add a node), not on the GPU."""
+    return _capture_end(engine)[0] is not None
+
+
 def join(engine: Stream, node: Any) -> None:
     """Make the next work captured on the engine's stream wait for `node` (a branch) as well."""
     add = int(driver().CUstreamUpdateCaptureDependencies_flags.CU_STREAM_ADD_CAPTURE_DEPENDENCIES)

@@ -19,8 +19,8 @@ from ..buffers.acceptance import Greedy, Sampling
 from ..buffers.capacity import UNCHECKED, Capacity, Unchecked, kv_entries
 from ..buffers.tables import AddressTable, PointerTable, StateIndexTable, StateTable, state_targets_disjoint
 from ..driver.engine import as_engine
-from ..driver.graph import Capture, LoopBuilder, LoopUnsupported, loops
-from ..driver.values import TEXT_LIKE, as_listed
+from ..driver.graph import Capture, LoopBuilder, LoopUnsupported, branch, capturing, join, loops
+from ..driver.values import TEXT_LIKE, as_flag, as_listed
 from ..kernels.spec import SpecKernels
 from .switch import Widths, WidthSwitch
 
@@ -49,6 +49,49 @@ def chain(launches: Sequence[Step]) -> Step:
         for step in steps:
             step()
     return issue
+
+
+class Beside:
+    """A launch off a round's path where a graph is captured: a branch at the round's start
+    (driver.graph.branch), beside the model's draft and verify, joined before the acceptance,
+    its first reader; in line where nothing is captured (eager and readback modes). The length
+    chooser's (`choose_beside`), for a model whose draft and verify neither read nor write what
+    it does (bufs.ctl_d, acc_d and brk_d, the DraftLengths'): a node fewer on a round's path,
+    where at B = 1 each costs about 5 us of a 0.7-0.9 ms round."""
+
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        self._node: Any = None  # the branch of the round being captured, till its join
+
+    def fork(self) -> None:
+        self._node = None  # a capture that raised between a fork and its join left one
+        if capturing(self.launch.engine):
+            self._node = branch(self.launch)
+        else:
+            self.launch()
+
+    def join(self) -> None:
+        node, self._node = self._node, None
+        if node is not None:
+            join(self.launch.engine, node)
+
+
+def length_chooser(kernels: SpecKernels, bufs: StreamBufs, lengths: DraftLengths | None,
+                   beside: bool) -> tuple[tuple[Step, ...], tuple[Step, ...]]:
+    """The length chooser's steps (docs/lengths.md): those that open a round and those its
+    acceptance waits for. In line, its launch opens the round; `beside` (a bool, and only with
+    `lengths`), it is a Beside's fork there and its join before the acceptance."""
+    beside = as_flag(beside, "choose_beside")
+    if lengths is None:
+        if beside:
+            raise ValueError("choose_beside runs the length chooser beside the draft: it needs lengths= (a "
+                             "DraftLengths)")
+        return (), ()
+    launch = kernels.prepare_choose_lengths(bufs, lengths)  # refuses others' buffers
+    if not beside:
+        return (launch,), ()
+    off_path = Beside(launch)
+    return (off_path.fork,), (off_path.join,)
 
 
 @dataclass(frozen=True)
@@ -197,6 +240,9 @@ class ChainRound(Round):
     `seed_gather` (kernel 1), when given, opens the round: an EAGLE-style draft's hidden row.
     `lengths` (DraftLengths of these bufs), when given, opens it before that: the length chooser
     (docs/lengths.md) caps each row's acceptance at its length, min(width, its request's cap).
+    With `choose_beside` it runs beside the draft and the verify where a graph is captured, off
+    the round's path (Beside): only for a model whose draft and verify neither read nor write
+    what it does (the toy's draft writes brk_d), and with no narrower bodies.
 
     `narrower` ({W: (draft_chain_W, verify_trunk_W)}, widths below k) gives the round bodies of
     those widths, a draft chain of W steps and a verify of W + 1 tokens a row writing the same
@@ -209,7 +255,7 @@ class ChainRound(Round):
                  draft_d: Any, acceptance: Acceptance, rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
                  lengths: DraftLengths | None = None, narrower: Mapping[int, tuple[Step, Step]] | None = None,
-                 capture: Capture | None = None, stages: Stages | None = None):
+                 choose_beside: bool = False, capture: Capture | None = None, stages: Stages | None = None):
         _check_steps(draft_chain, verify_trunk, narrower, seed_gather)
         if not isinstance(acceptance, (Greedy, Sampling)):
             raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
@@ -218,7 +264,10 @@ class ChainRound(Round):
             raise ValueError(f"a chain's round verifies k + 1 = {bufs.k + 1} tokens a row, but its buffers' geometry "
                              f"says {bufs.geometry.width} (a tree's: TreeRound)")
         self.acceptance, self.lengths = acceptance, lengths
-        choose = [] if lengths is None else [kernels.prepare_choose_lengths(bufs, lengths)]  # refuses others' buffers
+        choose, chosen = length_chooser(kernels, bufs, lengths, choose_beside)
+        if narrower and chosen:
+            raise ValueError("a SWITCH of bodies by width reads the width the chooser picks before the body runs: "
+                             "choose_beside takes no narrower bodies")
         assemble = kernels.prepare_assemble_verify(bufs, draft_d)
         # Greedy acceptance is the greedy round tail's first part (the round's commit); sampled
         # acceptance is a launch of its own before the commit.
@@ -240,7 +289,7 @@ class ChainRound(Round):
             self.bodies = tuple((given[width][0], assemble, given[width][1]) for width in widths.widths)
 
         def before_commit() -> tuple[Step, ...]:
-            return (*self.head, draft_chain, assemble, verify_trunk, *self.accept)
+            return (*self.head, draft_chain, assemble, verify_trunk, *chosen, *self.accept)
         fused_tail = None
         if isinstance(acceptance, Greedy):
             pred_d = acceptance.pred_d

@@ -85,19 +85,21 @@ class RoundStream:
     several GPUs; `kernels` (SpecKernels) is built when not given. `lengths` (DraftLengths of
     `bufs`) has every round choose each row's draft length on the device first (docs/lengths.md);
     `narrower` adds bodies of narrower widths, one of which a burst graph runs each round, by the
-    width chosen (ChainRound's).
+    width chosen (ChainRound's); without them, `choose_beside` runs the chooser beside the draft
+    and the verify in a graph, off the round's path (ChainRound's).
     """
 
     def __init__(self, bufs: StreamBufs, *, draft_chain: Step, verify_trunk: Step, draft_d: Any,
                  acceptance: Acceptance, rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
                  lengths: DraftLengths | None = None, narrower: Mapping[int, tuple[Step, Step]] | None = None,
-                 capture: Capture | None = None, pace: bool = True, stages: Stages | None = None,
-                 kernels: SpecKernels | None = None):
+                 choose_beside: bool = False, capture: Capture | None = None, pace: bool = True,
+                 stages: Stages | None = None, kernels: SpecKernels | None = None):
         self._start(ChainRound(bufs, kernels or SpecKernels(bufs.engine), draft_chain=draft_chain,
                                verify_trunk=verify_trunk, draft_d=draft_d, acceptance=acceptance,
                                rollback_tables=rollback_tables, state_tables=state_tables, seed_gather=seed_gather,
-                               lengths=lengths, narrower=narrower, capture=capture, stages=stages), pace)
+                               lengths=lengths, narrower=narrower, choose_beside=choose_beside, capture=capture,
+                               stages=stages), pace)
 
     @classmethod
     def of(cls, round: Round, *, pace: bool = True) -> RoundStream:

@@ -18,7 +18,7 @@ from ..driver.graph import Capture
 from ..driver.values import as_flag
 from ..kernels.spec import SpecKernels
 from ..kernels.tree import SampledCandidates, TreeKernels
-from .round import Round, Stages, Step
+from .round import Round, Stages, Step, length_chooser
 
 if TYPE_CHECKING:
     from ..buffers.acceptance import Acceptance
@@ -45,6 +45,8 @@ class TreeRound(Round):
     length chooser: each row's acceptance stops at its length, min(width, its request's cap), as
     deep as the tree goes (docs/lengths.md). The tree is drafted and verified whole whatever the
     lengths, so give it flat costs: each row then runs at its own cap (docs/lengths.md#trees).
+    With `choose_beside` the chooser runs beside the draft's levels and the verify where a graph
+    is captured, off the round's path (ChainRound's, Beside).
     With `draft_places` (a greedy static tree), the draft's levels place the children themselves
     and no grow runs: step d writes tok of level d + 1's nodes (its parents' candidates of their
     ranks, what kernel 11 would place) and step 0 every node's pos (pos_start + depth); the other
@@ -57,7 +59,8 @@ class TreeRound(Round):
                  candidates: Candidates | None = None, rollback_tables: Sequence[PointerTable],
                  kv_data: KVDataTable | None = None, compact: Step | None = None,
                  state_tables: Sequence[StateTable | StateIndexTable] = (), lengths: DraftLengths | None = None,
-                 draft_places: bool = False, capture: Capture | None = None, stages: Stages | None = None):
+                 draft_places: bool = False, choose_beside: bool = False, capture: Capture | None = None,
+                 stages: Stages | None = None):
         if not isinstance(tree_bufs, TreeBufs) or tree_bufs.bufs is not bufs:
             raise ValueError(f"tree_bufs must be TreeBufs(bufs, tree) over these StreamBufs, not {tree_bufs!r}")
         tree, levels = tree_bufs.tree, list(draft_levels)
@@ -93,7 +96,7 @@ class TreeRound(Round):
         kernels = kernels or SpecKernels(bufs.engine)
         trees = TreeKernels(bufs.engine)
         self.acceptance, self.tree_bufs, self.tree_kernels, self.lengths = acceptance, tree_bufs, trees, lengths
-        choose = [] if lengths is None else [kernels.prepare_choose_lengths(bufs, lengths)]  # refuses others' buffers
+        choose, chosen = length_chooser(kernels, bufs, lengths, choose_beside)
 
         # A greedy tree whose KV the layer compacts (kernel 15) accepts, commits and rolls back in
         # one launch (the greedy round tail), and compacts after it: kernel 15 reads keep, the
@@ -129,9 +132,9 @@ class TreeRound(Round):
                         steps += [levels[level - 1],
                                   trees.prepare_grow(bufs, tree_bufs, level, offered.tok_d, offered.logp_d)]
                 if fused_tail is not None:  # the acceptance and the compaction are the tail's
-                    return [*steps, levels[-1], verify_tree]
+                    return [*steps, levels[-1], verify_tree, *chosen]
                 accept = trees.prepare_accept_greedy(bufs, tree_bufs, acceptance.pred_d)
-            steps += [levels[-1], verify_tree, accept]
+            steps += [levels[-1], verify_tree, *chosen, accept]
             if kv_data is not None:
                 steps.append(trees.prepare_compact(bufs, tree_bufs, kv_data))
             return [*steps, *([compact] if compact is not None else [])]

@@ -111,7 +111,7 @@ class SpeculativeLlama(RoundDecoder):
             self.rounds = RoundStream(bufs, kernels=spec, draft_chain=self.draft_chain, verify_trunk=self.verify_trunk,
                                       draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table],
                                       state_tables=self.state_tables(), lengths=self.lengths,
-                                      narrower=narrower or None)
+                                      narrower=narrower or None, choose_beside=not narrower)
             self._warm_up()
             self.width_ms: dict[int, float] = {}  # each width's body, device milliseconds (with `widths`)
             if narrower:

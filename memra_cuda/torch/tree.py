@@ -208,7 +208,7 @@ class TreeLlama(RoundDecoder):
                                verify_tree=self.verify_tree,
                                rollback_tables=[kv_len_ptr_table(self.engine, layers, pos_ctr=self.bufs.pos_ctr_d)],
                                state_tables=self.state_tables(), lengths=self.lengths, **rule,
-                               draft_places=self.draft_places, **self._compaction(paged))
+                               draft_places=self.draft_places, choose_beside=True, **self._compaction(paged))
             self.rounds = RoundStream.of(round_)
             self._warm_up()
 

@@ -59,6 +59,9 @@ class Kernels:
     def prepare_round_tail_greedy(self, bufs, pred_d, table):
         return Step("round_tail", pred_d, table)
 
+    def prepare_choose_lengths(self, bufs, lengths):
+        return Step("choose", lengths)
+
 
 class TreeKernels:
     """TreeKernels' launchers as TreeRound calls them."""
@@ -116,11 +119,13 @@ def model(name: str):
 PRED = object()
 
 
-def chain_round(acceptance, tables: int = 1) -> tuple[ChainRound, list[PointerTable]]:
+def chain_round(acceptance, tables: int = 1, **given) -> tuple[ChainRound, list[PointerTable]]:
+    """A ChainRound (k = 4, B = 3) and its rollback tables; `given` adds to its arguments
+    (lengths, choose_beside, narrower)."""
     bufs = buffers(Geometry(4, 2, 3))
     rollback = [table(bufs.pos_ctr_d), *(table(object()) for _ in range(tables - 1))]
     return ChainRound(bufs, Kernels(bufs.engine), draft_chain=model("draft"), verify_trunk=model("verify"),
-                      draft_d=object(), acceptance=acceptance, rollback_tables=rollback), rollback
+                      draft_d=object(), acceptance=acceptance, rollback_tables=rollback, **given), rollback
 
 
 def test_a_greedy_chain_round_accepts_commits_and_rolls_back_in_one_launch():
@@ -204,3 +209,70 @@ def test_a_sampled_tree_round_keeps_its_acceptance_launches(monkeypatch):
     round_, _ = tree_round_of(monkeypatch, Sampling(object(), object(), object(), 7), kv_data=kv_data())
     assert names(round_.before_commit)[-3:] == ["verify", "tree_accept_sample", "compact"]
     assert round_.commit.name == "commit" and names(round_.after_commit) == ["rollback"]
+
+
+LENGTHS = object()  # a DraftLengths' stand-in: the stand-in kernels take it as it is
+
+
+def test_the_length_chooser_opens_a_round_or_runs_beside_it_till_its_acceptance(monkeypatch):
+    """In line, the chooser opens the round; `choose_beside` forks it off the round's path at the
+    round's start (a Beside: a branch where a graph is captured) and joins it just before the
+    acceptance, its first reader (a greedy round's tail, a sampled round's accept launch), so
+    the draft and the verify run beside it (a node fewer on a round's path)."""
+    sampling = Sampling(object(), object(), object(), 7)
+    chain_steps = lambda acceptance, beside: names(chain_round(acceptance, lengths=LENGTHS,  # noqa: E731
+                                                               choose_beside=beside)[0].steps)
+    assert chain_steps(Greedy(PRED), False) == ["choose", "draft", "assemble", "verify", "round_tail"]
+    assert chain_steps(Greedy(PRED), True) == ["fork", "draft", "assemble", "verify", "join", "round_tail"]
+    assert chain_steps(sampling, True) == ["fork", "draft", "assemble", "verify", "join", "accept_sample", "commit",
+                                           "rollback"]
+    tree = dict(lengths=LENGTHS, choose_beside=True, kv_data=kv_data())
+    assert names(tree_round_of(monkeypatch, Greedy(PRED), **tree)[0].steps) == [
+        "fork", "begin", "level0", "grow1", "level1", "grow2", "level2", "verify", "join", "tree_round_tail", "compact"]
+    assert names(tree_round_of(monkeypatch, sampling, **tree)[0].steps)[-6:] == [
+        "verify", "join", "tree_accept_sample", "compact", "commit", "rollback"]
+    own = names(tree_round_of(monkeypatch, Greedy(PRED), lengths=LENGTHS, choose_beside=True,
+                              compact=model("compact_paged"))[0].steps)
+    assert own[0] == "fork" and own[-6:] == ["verify", "join", "tree_accept", "compact_paged", "commit", "rollback"]
+
+
+@pytest.mark.parametrize("given, error, message", [
+    (dict(choose_beside=True), ValueError, "choose_beside runs the length chooser beside the draft: it needs lengths="),
+    (dict(lengths=LENGTHS, choose_beside=1), TypeError, "choose_beside must be True or False, not 1"),
+    (dict(lengths=LENGTHS, choose_beside=True, narrower={2: (model("draft2"), model("verify2"))}), ValueError,
+     "choose_beside takes no narrower bodies"),
+], ids=["no-lengths", "an-int", "narrower"])
+def test_a_chooser_beside_what_it_cannot_run_beside_is_refused(given, error, message):
+    with pytest.raises(error, match=message):
+        chain_round(Greedy(PRED), **given)
+
+
+def test_beside_branches_where_a_graph_is_captured_and_launches_in_line_where_not(monkeypatch):
+    """Beside.fork adds its launch as a branch while the stream is captured, and join() makes
+    the stream's next work wait for it; in line (eager and readback modes) there is nothing to
+    join. A capture that raised between a fork and its join leaves no branch for the next
+    round's join to name (the driver's calls are stand-ins: what is checked is which is made)."""
+    from memra_cuda.rounds import round as round_module
+
+    made: list[tuple] = []
+    capturing = [True]
+    monkeypatch.setattr(round_module, "capturing", lambda engine: capturing[0])
+    monkeypatch.setattr(round_module, "branch", lambda launch: made.append(("branch",)) or "node")
+    monkeypatch.setattr(round_module, "join", lambda engine, node: made.append(("join", node)))
+    launched: list[str] = []
+
+    class Launch:
+        engine = object()
+
+        def __call__(self) -> None:
+            launched.append("in line")
+
+    beside = round_module.Beside(Launch())
+    beside.fork()
+    beside.join()
+    assert made == [("branch",), ("join", "node")] and launched == []
+    beside.fork()  # captured, then the capture raised before the join
+    capturing[0] = False
+    beside.fork()
+    beside.join()
+    assert launched == ["in line"] and made == [("branch",), ("join", "node"), ("branch",)]
