@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from memra_cuda import Geometry
-from memra_cuda.comm import NcclError, NcclUnavailable, RankFailure, Ranks, Watch, exchange_id, nccl_dtype, nccl_op
+from memra_cuda.comm import NcclError, NcclUnavailable, RankFailure, Ranks, exchange_id
 from memra_cuda.comm import library
-from memra_cuda.comm.communicator import _Guard, _State
-from memra_cuda.comm.library import IN_PROGRESS, UNIQUE_ID_BYTES
+from memra_cuda.comm.communicator import Watch, _Guard, _State
+from memra_cuda.comm.library import IN_PROGRESS, UNIQUE_ID_BYTES, nccl_dtype, nccl_op
 from memra_cuda.comm.launch import free_port
 from memra_cuda.driver.stream import Stream
 

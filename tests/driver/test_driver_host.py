@@ -15,9 +15,10 @@ import pytest
 from cuda.bindings.driver import CUresult
 
 from memra_cuda import DeviceBuffer, Engine
-from memra_cuda.driver import KernelArgs
+from memra_cuda.driver.module import KernelArgs
 from memra_cuda.errors import CudaError, CudaUnavailable
-from memra_cuda.driver import Handle, as_buffer
+from memra_cuda.driver import Handle
+from memra_cuda.driver.buffer import as_buffer
 from memra_cuda.driver.values import exact_array, exact_int
 from memra_cuda.driver.engine import LEAST_CAPABILITY, capability_refusal
 from memra_cuda.driver.errors import bindings_refusal, check

@@ -19,7 +19,7 @@ from memra_cuda import Geometry
 from memra_cuda import (DeviceBuffer, Engine, Event, Graph, Greedy, RoundStream, StreamBufs, kv_capacity,
                         kv_len_ptr_table)
 from memra_cuda.buffers import PointerTable
-from memra_cuda.driver import KernelArgs
+from memra_cuda.driver.module import KernelArgs
 from memra_cuda.driver.errors import driver
 from memra_cuda.errors import CapacityError, CaptureError
 from memra_cuda.kernels import SpecKernels
