@@ -138,11 +138,12 @@ DECODES = ("batch", "vocab", "refusal", "admit", "burst", "park")  # what a Serv
 class RequestRefused(MemraError, ValueError):
     """A request refused before it took a slot: malformed, naming a token outside the
     vocabulary, or needing more room than the caches hold. `ident` names it (a server's id, or
-    its place in a batch), `reason` says why; nothing else changed, and the other requests go on."""
+    its place in a batch), `reason` says why (an empty reason, a decoder's refusal() returning "",
+    says none was given); nothing else changed, and the other requests go on."""
 
     def __init__(self, ident: int, reason: str):
-        self.ident, self.reason = ident, reason
-        super().__init__(f"request {ident} refused: {reason}")
+        self.ident, self.reason = ident, reason or "no reason given"
+        super().__init__(f"request {ident} refused: {self.reason}")
 
 
 def as_request(request: object) -> Request:
@@ -191,19 +192,20 @@ def batch_admitted(requests: Sequence[Request], vocab: int, batch: int,
     Server.submit would keep (admitted's), or RequestRefused naming the first malformed one's row
     (a prompt past the decoder's `longest` among them, refused by its length before it is read),
     or the first whose checked copy `refusal` refuses (a decoder's room: past it a burst's capacity
-    check raised mid-generation, every row's tokens lost); ValueError where they are not one a
-    row. The copies, not the caller's requests, run: a budget given as a 0-d array was counted
-    down in place, so the same request given again generated nothing."""
+    check raised mid-generation, every row's tokens lost), as Server.submit does: anything but
+    None, "" too, is a refusal; ValueError where they are not one a row. The copies, not the
+    caller's requests, run: a budget given as a 0-d array was counted down in place, so the same
+    request given again generated nothing."""
     requests = as_requests(requests, "a batch")
     if len(requests) != batch:
         raise ValueError(f"need one request per row ({batch}), not {len(requests)}")
     kept: list[Request] = []
     for row, request in enumerate(requests):
         checked = _checked(request, vocab, longest)
-        if not isinstance(checked, str) and refusal is not None:
-            checked = refusal(checked) or checked
         if isinstance(checked, str):
             raise RequestRefused(row, checked)
+        if refusal is not None and (reason := refusal(checked)) is not None:  # "" refuses too, as in Server
+            raise RequestRefused(row, reason)
         kept.append(checked)
     return kept
 

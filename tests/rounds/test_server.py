@@ -652,6 +652,26 @@ def test_a_batch_runs_the_checked_copies_of_its_requests():
         batch_admitted(given, VOCAB, 3)
 
 
+def test_an_empty_refusal_refuses_a_batch_as_a_server_saying_no_reason_was_given():
+    """A decoder's refusal() returning "" refuses, in a batch (rounds.serving.batch_admitted) as at
+    a Server's submit: anything but None is a refusal (the batch admitted the row, where a
+    burst's capacity check then raised mid-generation). The message says no reason was given
+    rather than ending at "refused: "; None admits."""
+    from memra_cuda.rounds.serving import batch_admitted
+    given = [Request((1,), 2), Request((2,), 2)]
+    refusal = {(1,): None, (2,): ""}
+    with pytest.raises(RequestRefused, match=r"^request 1 refused: no reason given$") as refused:
+        batch_admitted(given, VOCAB, 2, lambda request: refusal[request.prompt])
+    assert (refused.value.ident, refused.value.reason) == (1, "no reason given")
+    assert batch_admitted(given, VOCAB, 2, lambda request: None) == given
+    decoder = Counting(2)
+    decoder.refusal = lambda request: refusal[request.prompt]  # type: ignore[method-assign]
+    server = Server(decoder, clock=decoder.clock)
+    assert server.submit(given[0]) == 0
+    with pytest.raises(RequestRefused, match=r"^request 1 refused: no reason given$"):
+        server.submit(given[1])
+
+
 def test_a_decoders_rows_are_not_taken_from_a_server_with_requests_in_flight():
     """Driven, as the decoders hold it: a new server (which parks every row) and a batch (which
     prefills every row) ended a running server's requests, each reported as finished, its tokens
