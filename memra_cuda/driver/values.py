@@ -274,15 +274,21 @@ def _fits(prompt: Any, what: str, most: int) -> None:
     shape = getattr(prompt, "shape", None)
     if not (isinstance(shape, tuple) and len(shape) == 1) and not isinstance(prompt, Sequence):
         return
-    try:
-        count = len(prompt)
-    except OverflowError:
-        count = None
+    count = _count(prompt)
     if count is None or count > most:
         if isinstance(prompt, (list, tuple)) and _nested(prompt[0]):  # looked at only here: one that fits is not
             raise TypeError(_no_prompt(prompt, what))
         shown = f"more than {sys.maxsize} tokens" if count is None else f"{count} tokens"
         raise ValueError(f"{what} of {shown} does not fit a row (at most {most})")
+
+
+def _count(values: Any) -> int | None:
+    """len(values), or None past sys.maxsize (range(10**20)'s len() raises OverflowError): more
+    than any bound a prompt or a list is measured against."""
+    try:
+        return len(values)
+    except OverflowError:
+        return None
 
 
 def _nested(item: Any) -> bool:
@@ -309,10 +315,7 @@ def as_listed(values: Any, what: str, of: str, most: int | None = None) -> list[
             not isinstance(values, Sequence) or isinstance(values, TEXT_LIKE)):
         raise TypeError(f"{what} must be a list, a tuple or a 1-D array of {of}, not {reprlib.repr(values)}")
     if most is not None:
-        try:
-            count: int | None = len(values)
-        except OverflowError:
-            count = None
+        count = _count(values)
         if count is None or count > most:
             shown = f"more than {sys.maxsize}" if count is None else count
             raise ValueError(f"{what} holds at most {most} {of}, not {shown}")

@@ -103,8 +103,11 @@ class GraphedGreedy:
 
     def _start(self, requests: Sequence[Request]) -> None:
         """Every row starts its request (one a row, each checked already: batch_admitted's
-        copies, or capture's own), its prompt taken by the stack unchecked."""
+        copies, or capture's own), its prompt taken by the stack unchecked; each row is vacant
+        until its caller gives it a stop (generate_batch): a request admitted by hand before
+        kept its stop, and capture()'s warm-up handed its tokens out as that request's."""
         self._cut = False  # every row starts again: no burst of theirs to recover
+        self._stops = [None] * self.batch
         self.stack._prefill_trusted(range(self.batch), [r.prompt[:-1] for r in requests])
         self.token.copy_(uploaded([[r.prompt[-1]] for r in requests], self.token.dtype, self.token.device))
         self.position.copy_(uploaded([[len(r.prompt) - 1] for r in requests], self.position.dtype,
@@ -121,7 +124,6 @@ class GraphedGreedy:
         if self.graph is not None or self.eager:
             return
         self.driven.take("capture()")
-        self._stops = [None] * self.batch
         with torch.cuda.stream(self.stream):
             self._start([Request([0, 0], 0)] * self.batch)
             self._burst()
