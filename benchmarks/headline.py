@@ -65,7 +65,7 @@ from .common import depth_and_width
 from .needs import PAIR, needs
 from .torch_common import (PROJECTIONS, SPECULATIVE, TIMED_PASSES, TORCH_M, TREE_BATCHES, bounded, busy_share,
                            launch_of, listed, measure_config, plain_decoding, plot_trees, projected, release, row_label,
-                           summary_line, time_generations, token_count, tree_label, tree_summary)
+                           skipping, summary_line, time_generations, token_count, tree_label, tree_summary)
 from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
@@ -520,20 +520,23 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
 def headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
              json_path: str | Path | None = None, chains: Sequence[int] | None = None,
              trees: TreeCounts | None = None, launches: Sequence[str] | None = None,
-             projection: str | None = None) -> dict:
+             projection: str | None = None, skip_done: bool | None = None) -> dict:
     """The section: the pair in `pair` (default: `make pair`'s), at `batches` (default BATCHES,
     or QUICK_BATCHES where `quick`); prints the table, the best at each B and the picks, and
     returns assemble()'s report. With `json_path`, the report so far is written there after each
     batch size (a run cut short by a machine's time limit keeps what it measured), and the picture
     beside it at the end (its name with .png). `chains` and `trees` cut the configurations
     (configurations(); the report's settings say so). `projection`: every compiled step's,
-    the baseline's too (projected; None: the library's default; the settings say which)."""
-    with projected(projection) as used:
-        return _headline(quick, pair, batches, json_path, chains, trees, tuple(launches or LAUNCHES[:1]), used)
+    the baseline's too (projected; None: the library's default; the settings say which).
+    `skip_done`: every decoder's (skipping; None: the decoders' default; the settings say)."""
+    with projected(projection) as used, skipping(skip_done):
+        return _headline(quick, pair, batches, json_path, chains, trees, tuple(launches or LAUNCHES[:1]), used,
+                         skip_done)
 
 
 def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | None, json_path: str | Path | None,
-              chains: Sequence[int] | None, trees: TreeCounts | None, launches: Sequence[str], projection: str) -> dict:
+              chains: Sequence[int] | None, trees: TreeCounts | None, launches: Sequence[str], projection: str,
+              skip_done: bool | None = None) -> dict:
     """headline()'s run, every compiled step's projections `projection`'s."""
     from memra_cuda.torch import load_model
     where, report, heldout, info, machine, date = opened(pair)
@@ -549,7 +552,8 @@ def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | Non
     settings = dict(batches=batches, tokens=tokens, one_row_prompts=one_row, prompt_len=heldout["prompt_len"],
                     m_rounds=TORCH_M, hf_k=HF_K, dtype=str(target.dtype).removeprefix("torch."), quick=quick,
                     pair_dir=str(where), chains=None if quick else list(CHAIN_KS if chains is None else chains),
-                    trees=None if quick else trees, launches=list(launches), projection=projection)
+                    trees=None if quick else trees, launches=list(launches), projection=projection,
+                    skip_done=skip_done)
     print(f"\nheadline: {name}")
     print(f"prompts: heldout.json's first B ({heldout['prompt_len']} tokens, cut from held-out files), {tokens} new "
           f"tokens a row (B = 1: {one_row} prompts one after another; the median of {TIMED_PASSES} passes), "
@@ -621,9 +625,13 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"round-stream's modes each chain and tree runs in, of {','.join(LAUNCHES)} (default "
                         f"{LAUNCHES[0]}; overlap: two bursts in flight; device: one launch a generation, its "
                         "loop captured before the first)")
+    parser.add_argument("--skip-done", choices=("on", "off"),
+                        help="whether the decoders' burst graphs skip the rounds past every row's end (default: "
+                        "the decoders' own, wherever the driver can; docs/capacity.md)")
     args = parser.parse_args(argv)
     needs("benchmarks.headline", PAIR, gpu=True)
-    headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees, args.modes, args.projection)
+    headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees, args.modes, args.projection,
+             {"on": True, "off": False, None: None}[args.skip_done])
     return 0
 
 

@@ -35,6 +35,9 @@ TIMED_STARTS = 5  # a request's start timed so many times, its median kept (issu
 # 8 requests at B = 1 lasts ~0.2 s, and one pass a lease read a configuration 4-10% apart from the last lease's.
 TIMED_PASSES = 3
 TIMED_BURSTS = 10  # burst graphs launched back to back to time a round inside one (burst_round_ms)
+# Whether the decoders a run builds skip rounds past every row's end (their skip_done; None: their
+# default, wherever the driver can): --skip-done's, for the run (skipping)
+SKIP_DONE: bool | None = None
 
 
 def time_generations(generate: Callable[[Any], Any], groups: Sequence[Any],
@@ -125,6 +128,18 @@ def projected(projection: str | None) -> Iterator[str]:
         yield compiled.PROJECTION
     finally:
         compiled.PROJECTION = before
+
+
+@contextlib.contextmanager
+def skipping(skip_done: bool | None) -> Iterator[None]:
+    """Inside the block, every decoder built by decoder() is given `skip_done` (None: its own
+    default), so a run can set the rounds past the end against their skipping; as it was after."""
+    global SKIP_DONE
+    before, SKIP_DONE = SKIP_DONE, skip_done
+    try:
+        yield
+    finally:
+        SKIP_DONE = before
 
 
 def reach(vs_plain: float, ideal: float, rows_share: float) -> dict:
@@ -244,12 +259,37 @@ def burst_round_ms(spec: Any, launches: int = TIMED_BURSTS) -> float:
     another slot, and device mode's loop runs them in conditional nodes, not timed apart. After
     the decoder's generations: its rows are done, so the rounds commit nothing (launches.spec_rows
     relies on the same), each row's position frozen where its last generation left it, where
-    round_costs timed the verify and draft."""
+    round_costs timed the verify and draft. A decoder that skips rounds past every row's end
+    (skip_done) would skip these: its burst is timed over live rows instead (live_burst_ms)."""
     from .common import replay_ms
     rounds = spec.bufs.m_rounds
     burst = spec.rounds.graph_for(0, rounds)
+    if spec.rounds.round.gate is not None:
+        return live_burst_ms(spec, burst, launches) / rounds
     burst.launch()
     return replay_ms(spec.engine, burst, launches) / (launches * rounds)
+
+
+def live_burst_ms(spec: Any, burst: Any, launches: int) -> float:
+    """Device milliseconds of one launch of `burst` (a graph of the decoder's M rounds) over rows
+    live throughout: before each launch every row starts again from a two-token prompt with a
+    budget past the burst's tokens (its capacity checked for it, as a step checks it), then the
+    launch alone is timed between events; the median of `launches` after an untimed one. The rows
+    are left done, their budgets 0, as the decoder's generations leave them."""
+    from memra_cuda.driver.event import Event
+    bufs, times = spec.bufs, []
+    start, end = Event(spec.engine), Event(spec.engine)
+    for _ in range(launches + 1):
+        spec.prefill(range(spec.batch), [[0, 0]] * spec.batch)
+        bufs.set_stop(budget=(bufs.m_rounds + 1) * (bufs.k + 1))
+        spec.rounds.round.capacity.check_burst(bufs.positions, bufs.done, bufs.m_rounds, bufs.ledger.unseen_rounds)
+        start.record()
+        burst.launch()
+        end.record()
+        end.synchronize()
+        times.append(end.elapsed_ms(start))
+    bufs.set_stop(budget=0)
+    return float(np.median(times[1:]))
 
 
 def issued_ms(run: Callable[[], Any], stream: Any, times: int = TIMED_STARTS) -> float:
@@ -361,20 +401,23 @@ def rows_share(rounds: Sequence[np.ndarray]) -> float:
 
 
 def decoder(model: Any, kind: str, config: Any, capacity: int | Room, batch: int = 1, sampling: Any = None,
-            draft: Any = None, modes: Sequence[str] = ("graph",)) -> tuple[Any, Callable[[], None], Callable[[], None]]:
+            draft: Any = None, modes: Sequence[str] = ("graph",),
+            skip_done: bool | None = None) -> tuple[Any, Callable[[], None], Callable[[], None]]:
     """A chain's decoder (`config` its k) or a tree's (`config` the tree) of `model` and `draft`
     (default its self-speculative one), every graph of `modes` captured (device mode's loop for any
     budget its caches hold) and the decoder sealed (RoundDecoder.capture), and the two callables
-    its round runs: the verify and the whole draft."""
+    its round runs: the verify and the whole draft. `skip_done`: the decoder's (None: the run's,
+    SKIP_DONE)."""
     from memra_cuda.torch import SpeculativeLlama, TreeLlama, self_draft
     draft = self_draft(model) if draft is None else draft
+    skip_done = SKIP_DONE if skip_done is None else skip_done
     if kind == "chain":
         chain = SpeculativeLlama(model, draft, k=config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
-                                 sampling=sampling)
+                                 sampling=sampling, skip_done=skip_done)
         chain.capture(tuple(modes))
         return chain, chain.verify_trunk, chain.draft_chain
     spec = TreeLlama(model, draft, config, m_rounds=TORCH_M, capacity=capacity, batch=batch,
-                     sampling=sampling)
+                     sampling=sampling, skip_done=skip_done)
     spec.capture(tuple(modes))
 
     def draft_levels() -> None:

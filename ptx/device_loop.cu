@@ -44,6 +44,18 @@ extern "C" __global__ void spec_loop_decide(const int* ctl_d, const u32* pub_d, 
     }
 }
 
+// The gate of a round's model work in a burst graph (docs/capacity.md, "Rounds past the end"):
+// the conditional IF node after this kernel runs the round's draft and verify while some row is
+// live, and skips them once every row is done, so a burst that runs past its rows' ends costs
+// its rounds' small kernels, not their forwards. The round's own kernels around the node take a
+// done row's path as ever. One block.
+extern "C" __global__ void spec_rows_live(const int* ctl_d, u32 B, u64 handle) {
+    int live = 0;
+    for (u32 b = threadIdx.x; b < B; b += blockDim.x) live |= ctl_d[CTL_WORDS * b + CTL_DONE] == 0;
+    live = __syncthreads_or(live);
+    if (threadIdx.x == 0) cudaGraphSetConditional(handle, live ? 1u : 0u);
+}
+
 // The switch of a round's bodies by width (docs/lengths.md, "Running the chosen width"):
 // the conditional SWITCH node after this kernel runs body body_of[W] of its bodies, W the width
 // the length chooser wrote to width_d[0] this round (past k read as k). body_of is u32[k + 1],

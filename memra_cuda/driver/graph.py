@@ -95,7 +95,8 @@ class LoopBuilder:
     handle() makes a loop's condition, to give the kernels that set it (cudaGraphSetConditional)
     before they are captured; issue() captures work after everything so far; loop() adds a
     WHILE node on a handle after everything so far, its body captured from `body`, which runs
-    as long as the last kernel to set the condition set it non-zero; switch() adds a SWITCH
+    as long as the last kernel to set the condition set it non-zero; when() adds an IF node,
+    which runs its body once where the condition is non-zero; switch() adds a SWITCH
     node, which runs the one of its `bodies` the condition names (none where it names no body;
     check_switch says whether the driver has them). The condition has no default value at
     launch: a kernel issued before the node must set it, deciding what runs.
@@ -115,6 +116,9 @@ class LoopBuilder:
 
     def loop(self, handle: Any, body: Callable[[], None]) -> None:
         self._conditional(handle, "CU_GRAPH_COND_TYPE_WHILE", [body])
+
+    def when(self, handle: Any, body: Callable[[], None]) -> None:
+        self._conditional(handle, "CU_GRAPH_COND_TYPE_IF", [body])
 
     def switch(self, handle: Any, bodies: Sequence[Callable[[], None]]) -> None:
         if not bodies:

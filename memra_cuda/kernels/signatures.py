@@ -93,6 +93,7 @@ SIGNATURES: Mapping[str, Signature] = {
     "spec_loop_decide": _sig(ctl_d="ptr", pub_d="ptr", acc_d="ptr", B="u32", loop_d="ptr", handle="u64", ran="u32",
                             body="u32", paced="u32"),
     "spec_select_width": _sig(width_d="ptr", body_of="ptr", k="u32", handle="u64"),  # a SWITCH of bodies by width
+    "spec_rows_live": _sig(ctl_d="ptr", B="u32", handle="u64"),  # the IF gate of a round's model work
     # ptx/toy_lm.cu: the toy model (memra_cuda.testing.toy, docs/toy-model.md)
     "toy_prefill": _sig(tokens="ptr", n="u32", row="u32", capacity="u32", tgt_data="ptr", tgt_len="ptr",
                        n_layers="u32", layer0="u32", draft_data="ptr", draft_len="ptr", seed="u32"),

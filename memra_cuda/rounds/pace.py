@@ -39,17 +39,24 @@ class Pace:
     some live row's rate is still the guess, runs a share of what the rows then need (AHEAD),
     where that is under two whole bursts.
 
+    With `skips` (a burst graph that skips the model's work of a round once every row is done:
+    rounds.gate), a round past the end costs a few small kernels, far less than a readback, so
+    a burst covers what the rows are expected to need: it runs the need rounded up to a power of
+    two (at most M), and one queued ahead runs the whole need.
+
     Each argument is checked here (TypeError or ValueError naming it): budgets are ints (2.7
     was truncated to 2, "5" read as 5), M an int of at least 1 (0 made every burst 0 rounds),
-    `cut` a bool, `rate` a finite number of at least 1.
+    `cut` and `skips` bools, `rate` a finite number of at least 1.
     """
 
-    def __init__(self, budgets: np.ndarray, m_rounds: int, cut: bool = True, rate: float = 1.0):
+    def __init__(self, budgets: np.ndarray, m_rounds: int, cut: bool = True, rate: float = 1.0,
+                 skips: bool = False):
         try:  # exact_array's refusal names no argument
             self.budgets = exact_array(budgets, np.int64)
         except (TypeError, ValueError) as refusal:
             raise type(refusal)(f"budgets: {refusal}") from None
         self.m_rounds, self.cut = as_size(m_rounds, "m_rounds"), as_flag(cut, "cut")
+        self.skips = as_flag(skips, "skips")
         self.rate = as_real(rate, "rate")
         if not (math.isfinite(self.rate) and self.rate >= 1.0):
             raise ValueError(f"rate is the tokens a round commits, at least 1 and finite, not {rate!r}")
@@ -75,11 +82,14 @@ class Pace:
         # A row that has committed nothing in the rounds it ran gives no rate to divide by: it
         # may need any number of rounds, so it gets the whole M.
         need = np.divide(left, rate[live], out=np.full(left.shape, np.inf), where=rate[live] > 0).max(initial=1)
-        if in_flight and need < 2 * self.m_rounds and bool((self._rounds[live] == 0).any()):
+        if in_flight and not self.skips and need < 2 * self.m_rounds and bool((self._rounds[live] == 0).any()):
             need /= AHEAD  # queued ahead on a guessed rate: enough to cover the readback (AHEAD)
         if need >= self.m_rounds:
             return self.m_rounds
-        return 1 << (max(int(np.ceil(need)), 1).bit_length() - 1)
+        rounds = max(int(np.ceil(need)), 1)
+        if self.skips:  # rounds past the end cost little: cover the need
+            return min(self.m_rounds, 1 << (rounds - 1).bit_length())
+        return 1 << (rounds.bit_length() - 1)
 
     def needed(self, live: np.ndarray, in_flight: int) -> bool:
         """Whether some live row may have budget left after `in_flight` rounds, if they commit

@@ -22,6 +22,7 @@ from ..driver.engine import as_engine
 from ..driver.graph import Capture, LoopBuilder, LoopUnsupported, branch, capturing, join, loops
 from ..driver.values import TEXT_LIKE, as_flag, as_listed
 from ..kernels.spec import SpecKernels
+from .gate import LiveGate
 from .switch import Widths, WidthSwitch
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from ..driver.module import Launch
 
 Step = Callable[[], None]
+# A kind of round's steps up to its acceptance: those that open the round, the model's work (its
+# draft and verify), and those that close it (Round's `before_commit`)
+Parts = tuple[Sequence[Step], Sequence[Step], Sequence[Step]]
 
 
 def chain(launches: Sequence[Step]) -> Step:
@@ -133,7 +137,9 @@ class Round:
       `memra_cuda.torch.engine()` scopes and captures the way its framework needs.
 
     A kind of round gives `before_commit`, which composes the steps up to acceptance once all this
-    is checked, and the `capacities` of any other caches its steps write (the KV a tree round
+    is checked, as three parts: those that open the round, the model's work (its draft and
+    verify, and what runs between their launches), and those that close it; and the
+    `capacities` of any other caches its steps write (the KV a tree round
     compacts); the bufs' geometry says how far a round writes past a row's position; the
     commit (kernel 4) and the rollbacks after it are the same for every kind, but for which
     slot of recurrent state is kept (_roll_back_state). A kind whose acceptance fuses with them
@@ -144,17 +150,20 @@ class Round:
     `steps` is one whole round, `issue(R)` queues R of them, and device mode publishes each
     commit on a branch beside the next round, so it takes the three parts apart. A round whose
     bodies a SWITCH chooses by width (ChainRound's `narrower`) gives its graphs' capture
-    (burst_capture); every other round's graphs capture `issue`.
+    (burst_capture); so does one that skips rounds past every row's end (`skip_done`: its burst
+    graphs hold each round's model work in an IF node, open while some row is live, LiveGate;
+    a CUDA 12.4+ driver); every other round's graphs capture `issue`.
     """
 
     acceptance: Acceptance
     switch: WidthSwitch | None = None  # a SWITCH of the round's bodies by width (ChainRound's `narrower`)
 
-    def __init__(self, bufs: StreamBufs, kernels: SpecKernels, before_commit: Callable[[], Sequence[Step]], *,
+    def __init__(self, bufs: StreamBufs, kernels: SpecKernels, before_commit: Callable[[], Parts], *,
                  rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable], capture: Capture | None,
                  stages: Stages | None, capacities: Sequence[int | None] = (),
-                 fused_tail: Callable[[PointerTable], tuple[Launch, Sequence[Step]]] | None = None):
+                 fused_tail: Callable[[PointerTable], tuple[Launch, Sequence[Step]]] | None = None,
+                 skip_done: bool = False):
         if kernels.engine is not bufs.engine:
             raise ValueError(f"the kernels belong to {kernels.engine!r}, the buffers to {bufs.engine!r}")
         tables, states = _kv_tables(bufs, rollback_tables), _state_tables(state_tables)
@@ -168,7 +177,13 @@ class Round:
         self.capture = capture
         self.joined = tuple(stages.engines)  # the other stages' engines, whose work a burst graph holds
         self.pipelined = bool(self.joined) or stages.round_tail is not None
-        self.before_commit: tuple[Step, ...] = tuple(before_commit())
+        self.gate: LiveGate | None = None  # skip_done's, made last: everything else is refused first
+        skip_done = as_flag(skip_done, "skip_done")
+        if skip_done and capture is not None:
+            raise ValueError("a round that skips rounds past the end builds its graphs itself: it takes no capture=")
+        opening, work, closing = (tuple(part) for part in before_commit())
+        self.opening, self.work, self.closing = opening, work, closing
+        self.before_commit: tuple[Step, ...] = (*opening, *work, *closing)
         then: Sequence[Step] = ()
         if fused_tail is None:
             self.commit = kernels.prepare_ring_commit(bufs)
@@ -182,6 +197,9 @@ class Round:
             *([stages.round_tail] if stages.round_tail is not None else []),
         )
         self.steps: tuple[Step, ...] = (*self.before_commit, self.commit, *self.after_commit)
+        if skip_done:
+            refuse_conditionals(self, "skipping rounds past the end (skip_done)", "pass skip_done=False")
+            self.gate = LiveGate(bufs)  # LoopUnsupported on a driver before 12.4
 
     def _roll_back_state(self, table: StateTable | StateIndexTable) -> Step:
         """The live state after the round's kept tokens: a chain's slot keep - 1 (kernels 8, 9)."""
@@ -199,8 +217,21 @@ class Round:
 
     def burst_capture(self, rounds: int, then: Step) -> Capture | None:
         """How the graph of a burst of `rounds` rounds and `then` (its readback) is captured:
-        None, the round's own way (`capture`, or the framework's) of capturing `issue`."""
-        return None
+        None, the round's own way (`capture`, or the framework's) of capturing `issue`; with
+        `skip_done`, built node by node (the engine's framework's way of building conditional
+        nodes, or the driver's), each round's model work in an IF node (LiveGate)."""
+        gate = self.gate
+        if gate is None:
+            return None
+        opening, work = self.scoped(self.opening), self.scoped(self.work)
+        tail = self.scoped((*self.closing, self.commit, *self.after_commit))
+
+        def build(builder: LoopBuilder) -> None:
+            for _ in range(rounds):
+                gate.add(builder, opening, work)
+                builder.issue(tail)
+            builder.issue(then)
+        return self.conditional_capture(build)
 
     def scoped(self, steps: Sequence[Step]) -> Step:
         """chain(steps) issued inside the model's scope."""
@@ -242,7 +273,8 @@ class ChainRound(Round):
     (docs/lengths.md) caps each row's acceptance at its length, min(width, its request's cap).
     With `choose_beside` it runs beside the draft and the verify where a graph is captured, off
     the round's path (Beside): only for a model whose draft and verify neither read nor write
-    what it does (the toy's draft writes brk_d), and with no narrower bodies.
+    what it does (the toy's draft writes brk_d), and with no narrower bodies. With `skip_done`
+    its burst graphs skip the draft and the verify of a round once every row is done (Round's).
 
     `narrower` ({W: (draft_chain_W, verify_trunk_W)}, widths below k) gives the round bodies of
     those widths, a draft chain of W steps and a verify of W + 1 tokens a row writing the same
@@ -255,7 +287,8 @@ class ChainRound(Round):
                  draft_d: Any, acceptance: Acceptance, rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
                  lengths: DraftLengths | None = None, narrower: Mapping[int, tuple[Step, Step]] | None = None,
-                 choose_beside: bool = False, capture: Capture | None = None, stages: Stages | None = None):
+                 choose_beside: bool = False, skip_done: bool = False, capture: Capture | None = None,
+                 stages: Stages | None = None):
         _check_steps(draft_chain, verify_trunk, narrower, seed_gather)
         if not isinstance(acceptance, (Greedy, Sampling)):
             raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
@@ -288,8 +321,12 @@ class ChainRound(Round):
             given = {**narrower, bufs.k: (draft_chain, verify_trunk)}
             self.bodies = tuple((given[width][0], assemble, given[width][1]) for width in widths.widths)
 
-        def before_commit() -> tuple[Step, ...]:
-            return (*self.head, draft_chain, assemble, verify_trunk, *chosen, *self.accept)
+        if narrower and as_flag(skip_done, "skip_done"):
+            raise ValueError("a round of bodies by width runs a SWITCH of them, not an IF: skip_done takes no "
+                             "narrower bodies")
+
+        def before_commit() -> Parts:
+            return self.head, (draft_chain, assemble, verify_trunk), (*chosen, *self.accept)
         fused_tail = None
         if isinstance(acceptance, Greedy):
             pred_d = acceptance.pred_d
@@ -298,7 +335,7 @@ class ChainRound(Round):
                 return kernels.prepare_round_tail_greedy(bufs, pred_d, table), ()
         super().__init__(bufs, kernels, before_commit,
                          rollback_tables=rollback_tables, state_tables=state_tables, capture=capture, stages=stages,
-                         fused_tail=fused_tail)
+                         fused_tail=fused_tail, skip_done=skip_done)
         if lengths is not None and self.bodies:
             refuse_conditionals(self, "a round of bodies by width", "give it no narrower bodies")
             self.switch = WidthSwitch(lengths, widths)  # SwitchUnsupported on a driver before 12.8
@@ -306,9 +343,9 @@ class ChainRound(Round):
     def burst_capture(self, rounds: int, then: Step) -> Capture | None:
         """With bodies by width: the graph built node by node (the engine's framework's way of
         building conditional nodes, or the driver's), each round its head, the SWITCH of its
-        bodies, then acceptance and what follows it; then `then`."""
+        bodies, then acceptance and what follows it; then `then`. Without: Round's."""
         if self.switch is None:
-            return None
+            return super().burst_capture(rounds, then)
         switch, head, bodies = self.switch, self.scoped(self.head), [self.scoped(body) for body in self.bodies]
         tail = self.scoped((*self.accept, self.commit, *self.after_commit))
 

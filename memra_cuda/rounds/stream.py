@@ -86,20 +86,22 @@ class RoundStream:
     `bufs`) has every round choose each row's draft length on the device first (docs/lengths.md);
     `narrower` adds bodies of narrower widths, one of which a burst graph runs each round, by the
     width chosen (ChainRound's); without them, `choose_beside` runs the chooser beside the draft
-    and the verify in a graph, off the round's path (ChainRound's).
+    and the verify in a graph, off the round's path (ChainRound's). `skip_done` has the burst
+    graphs skip the draft and the verify of a round once every row is done (Round's; CUDA
+    12.4+), and pacing size a burst to cover the rows' need (Pace's `skips`).
     """
 
     def __init__(self, bufs: StreamBufs, *, draft_chain: Step, verify_trunk: Step, draft_d: Any,
                  acceptance: Acceptance, rollback_tables: Sequence[PointerTable],
                  state_tables: Sequence[StateTable | StateIndexTable] = (), seed_gather: Launch | None = None,
                  lengths: DraftLengths | None = None, narrower: Mapping[int, tuple[Step, Step]] | None = None,
-                 choose_beside: bool = False, capture: Capture | None = None, pace: bool = True,
-                 stages: Stages | None = None, kernels: SpecKernels | None = None):
+                 choose_beside: bool = False, skip_done: bool = False, capture: Capture | None = None,
+                 pace: bool = True, stages: Stages | None = None, kernels: SpecKernels | None = None):
         self._start(ChainRound(bufs, kernels or SpecKernels(bufs.engine), draft_chain=draft_chain,
                                verify_trunk=verify_trunk, draft_d=draft_d, acceptance=acceptance,
                                rollback_tables=rollback_tables, state_tables=state_tables, seed_gather=seed_gather,
-                               lengths=lengths, narrower=narrower, choose_beside=choose_beside, capture=capture,
-                               stages=stages), pace)
+                               lengths=lengths, narrower=narrower, choose_beside=choose_beside, skip_done=skip_done,
+                               capture=capture, stages=stages), pace)
 
     @classmethod
     def of(cls, round: Round, *, pace: bool = True) -> RoundStream:
@@ -344,7 +346,10 @@ class RoundStream:
             self.round.capacity.check_burst(bufs.positions, budgets == 0, rounds, bufs.ledger.unseen_rounds)
         bufs.set_stop(stops, budgets.tolist())
         out: list[list[np.ndarray]] = [[] for _ in range(bufs.batch)]
-        pace = Pace(budgets, rounds, cut=self.pace and rounds > 1, rate=self.rate)
+        # a burst graph that skips rounds past every row's end (the round's skip_done) is sized to
+        # cover the rows' need; rounds issued from the host (eager, readback) skip nothing
+        skips = self.round.gate is not None and mode in (Mode.GRAPH, Mode.OVERLAP)
+        pace = Pace(budgets, rounds, cut=self.pace and rounds > 1, rate=self.rate, skips=skips)
         if mode is Mode.OVERLAP:
             if not bufs.done.all():  # rows with nothing to generate need no burst
                 self._generate_overlapped(pace, out)

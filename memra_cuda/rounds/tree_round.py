@@ -18,7 +18,7 @@ from ..driver.graph import Capture
 from ..driver.values import as_flag
 from ..kernels.spec import SpecKernels
 from ..kernels.tree import SampledCandidates, TreeKernels
-from .round import Round, Stages, Step, length_chooser
+from .round import Parts, Round, Stages, Step, length_chooser
 
 if TYPE_CHECKING:
     from ..buffers.acceptance import Acceptance
@@ -46,7 +46,8 @@ class TreeRound(Round):
     deep as the tree goes (docs/lengths.md). The tree is drafted and verified whole whatever the
     lengths, so give it flat costs: each row then runs at its own cap (docs/lengths.md#trees).
     With `choose_beside` the chooser runs beside the draft's levels and the verify where a graph
-    is captured, off the round's path (ChainRound's, Beside).
+    is captured, off the round's path (ChainRound's, Beside). With `skip_done` its burst graphs
+    skip the draft's levels and the verify of a round once every row is done (Round's).
     With `draft_places` (a greedy static tree), the draft's levels place the children themselves
     and no grow runs: step d writes tok of level d + 1's nodes (its parents' candidates of their
     ranks, what kernel 11 would place) and step 0 every node's pos (pos_start + depth); the other
@@ -59,8 +60,8 @@ class TreeRound(Round):
                  candidates: Candidates | None = None, rollback_tables: Sequence[PointerTable],
                  kv_data: KVDataTable | None = None, compact: Step | None = None,
                  state_tables: Sequence[StateTable | StateIndexTable] = (), lengths: DraftLengths | None = None,
-                 draft_places: bool = False, choose_beside: bool = False, capture: Capture | None = None,
-                 stages: Stages | None = None):
+                 draft_places: bool = False, choose_beside: bool = False, skip_done: bool = False,
+                 capture: Capture | None = None, stages: Stages | None = None):
         if not isinstance(tree_bufs, TreeBufs) or tree_bufs.bufs is not bufs:
             raise ValueError(f"tree_bufs must be TreeBufs(bufs, tree) over these StreamBufs, not {tree_bufs!r}")
         tree, levels = tree_bufs.tree, list(draft_levels)
@@ -111,8 +112,9 @@ class TreeRound(Round):
                 return (trees.prepare_round_tail_greedy(bufs, tree_bufs, pred_d, table),
                         (trees.prepare_compact(bufs, tree_bufs, data),))
 
-        def before_commit() -> list[Step]:
-            steps: list[Step] = [*choose, trees.prepare_begin(bufs, tree_bufs)]
+        def before_commit() -> Parts:
+            opening: list[Step] = [*choose, trees.prepare_begin(bufs, tree_bufs)]
+            steps: list[Step] = []
             if isinstance(acceptance, Sampling):
                 drawn = SampledCandidates(bufs.engine, bufs.batch, tree_bufs.nodes, tree.draws)
                 vocab = _vocab(acceptance, bufs, tree_bufs)
@@ -132,15 +134,16 @@ class TreeRound(Round):
                         steps += [levels[level - 1],
                                   trees.prepare_grow(bufs, tree_bufs, level, offered.tok_d, offered.logp_d)]
                 if fused_tail is not None:  # the acceptance and the compaction are the tail's
-                    return [*steps, levels[-1], verify_tree, *chosen]
+                    return opening, [*steps, levels[-1], verify_tree], chosen
                 accept = trees.prepare_accept_greedy(bufs, tree_bufs, acceptance.pred_d)
-            steps += [levels[-1], verify_tree, *chosen, accept]
+            closing = [*chosen, accept]
             if kv_data is not None:
-                steps.append(trees.prepare_compact(bufs, tree_bufs, kv_data))
-            return [*steps, *([compact] if compact is not None else [])]
+                closing.append(trees.prepare_compact(bufs, tree_bufs, kv_data))
+            return opening, [*steps, levels[-1], verify_tree], [*closing, *([compact] if compact is not None else [])]
         super().__init__(bufs, kernels, before_commit, rollback_tables=rollback_tables,
                          state_tables=state_tables, capture=capture, stages=stages,
-                         capacities=(kv_data.capacity if kv_data is not None else None,), fused_tail=fused_tail)
+                         capacities=(kv_data.capacity if kv_data is not None else None,), fused_tail=fused_tail,
+                         skip_done=skip_done)
 
     def _roll_back_state(self, table: StateTable | StateIndexTable) -> Step:
         """The live state after the path's last node: its slot of T + 1 (kernels 16, 17)."""

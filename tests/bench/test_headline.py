@@ -107,11 +107,26 @@ def test_the_projection_named_reaches_the_run_and_another_is_argparses_error(pro
     run = "headline" if program == "headline" else "served_headline"
     monkeypatch.setattr(module, "needs", lambda *args, **kwargs: None)  # the run is stubbed: nothing to need
     monkeypatch.setattr(module, run, lambda *args: ran.append(args))
-    assert module.main(["--projection", "few_rows", "--batches", "1"]) == 0 and ran[-1][-1] == "few_rows"
-    assert module.main(["--batches", "1"]) == 0 and ran[-1][-1] is None
+    at = -2 if program == "headline" else -1  # the headline's last: --skip-done
+    assert module.main(["--projection", "few_rows", "--batches", "1"]) == 0 and ran[-1][at] == "few_rows"
+    assert module.main(["--batches", "1"]) == 0 and ran[-1][at] is None
     with pytest.raises(SystemExit) as exited:
         module.main(["--projection", "cublas"])
     assert exited.value.code == 2 and "invalid choice: 'cublas'" in capsys.readouterr().err and len(ran) == 2
+
+
+def test_skip_done_named_reaches_the_run_as_a_bool(monkeypatch, capsys):
+    """--skip-done on|off is passed to the run as True or False (left out, None: the decoders'
+    own default); another word is argparse's error, before anything runs."""
+    from benchmarks import headline
+    ran = []
+    monkeypatch.setattr(headline, "needs", lambda *args, **kwargs: None)
+    monkeypatch.setattr(headline, "headline", lambda *args: ran.append(args))
+    for given, want in ((["--skip-done", "on"], True), (["--skip-done", "off"], False), ([], None)):
+        assert headline.main([*given, "--batches", "1"]) == 0 and ran[-1][-1] is want
+    with pytest.raises(SystemExit) as exited:
+        headline.main(["--skip-done", "yes"])
+    assert exited.value.code == 2 and "invalid choice: 'yes'" in capsys.readouterr().err and len(ran) == 3
 
 
 def test_the_modes_named_reach_the_run_and_a_device_row_says_so(monkeypatch, capsys):
@@ -123,9 +138,9 @@ def test_the_modes_named_reach_the_run_and_a_device_row_says_so(monkeypatch, cap
     ran = []
     monkeypatch.setattr(headline, "needs", lambda *args, **kwargs: None)
     monkeypatch.setattr(headline, "headline", lambda *args: ran.append(args))
-    assert headline.main(["--modes", "graph,device", "--batches", "1"]) == 0 and ran[-1][-2] == ["graph", "device"]
-    assert headline.main(["--modes", "overlap,graph", "--batches", "1"]) == 0 and ran[-1][-2] == ["overlap", "graph"]
-    assert headline.main(["--batches", "1"]) == 0 and ran[-1][-2] is None
+    assert headline.main(["--modes", "graph,device", "--batches", "1"]) == 0 and ran[-1][-3] == ["graph", "device"]
+    assert headline.main(["--modes", "overlap,graph", "--batches", "1"]) == 0 and ran[-1][-3] == ["overlap", "graph"]
+    assert headline.main(["--batches", "1"]) == 0 and ran[-1][-3] is None
     for bad in ("readback", "eager", "device,device"):
         with pytest.raises(SystemExit) as exited:
             headline.main(["--modes", bad])

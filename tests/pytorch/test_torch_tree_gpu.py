@@ -94,6 +94,24 @@ def test_tree_decoding_equals_hugging_face_greedy(decoders, greedy_batches, name
     assert 1.5 < tau < spec.k + 1, f"{tau:.2f} tokens a round: the tree must accept some drafts and reject others"
 
 
+def test_rounds_past_the_end_are_skipped_by_default_and_change_no_token(small, decoders, greedy_batches):
+    """Every decoder of this module skips the draft and verify of its rounds past every row's end
+    (skip_done's default, on a driver with conditional nodes); one told not to gives the same
+    tokens, its burst graphs captured the torch way."""
+    from memra_cuda.driver.graph import LoopUnsupported, check_loops
+    try:
+        check_loops()
+    except LoopUnsupported as missing:
+        pytest.skip(str(missing))
+    requests, want, longest = greedy_batches[1]
+    assert decoders("static", 1).rounds.round.gate is not None
+    whole = tree_decoder(small, TREES["static"], longest, TOKENS, 1, skip_done=False)
+    assert whole.rounds.round.gate is None
+    assert generate(whole, requests, "graph") == want
+    with pytest.raises(TypeError, match="skip_done must be True or False"):
+        tree_decoder(small, TREES["static"], longest, TOKENS, 1, skip_done="off")
+
+
 def assert_kv_is_a_fresh_prefill(spec, requests, got) -> None:
     """Each row's entries of both models at every position below its pos_ctr equal a fresh
     prefill of the row's committed tokens by the same model (in logical order, for a paged

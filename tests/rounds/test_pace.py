@@ -94,6 +94,27 @@ def test_a_live_row_that_committed_nothing_may_need_the_whole_burst():
     assert pace.rounds(np.array([False, True])) == 1  # row 1: 2 tokens a round, 2 left
 
 
+def test_where_rounds_past_the_end_are_skipped_a_burst_covers_the_need():
+    """With `skips` (a burst graph that skips a round's model work once every row is done) the
+    need is rounded up to a power of two, at most M, and a burst queued ahead runs the whole need
+    even on a guessed rate: a round past the end costs a few small kernels, a readback far more."""
+    pace = Pace(np.array([100]), 16, skips=True)
+    pace.record(16, np.array([64]), LIVE)  # four tokens a round
+    assert pace.rounds(LIVE) == 16  # 36 tokens left: nine rounds, up to 16 (not down to 8)
+    pace.record(8, np.array([30]), LIVE)  # 94 / 24 a round: 6 tokens are 1.5 rounds
+    assert pace.rounds(LIVE) == 2
+    assert [Pace(np.array([n]), 12, skips=True).rounds(LIVE) for n in (1, 2, 3, 5, 8, 9, 12, 13)] == \
+        [1, 2, 4, 8, 8, 12, 12, 12]
+    guessed = Pace(np.array([128]), 16, rate=6.5, skips=True)
+    assert guessed.rounds(LIVE) == 16
+    assert guessed.rounds(LIVE, in_flight=16) == 4  # 24 tokens left at 6.5: 3.7 rounds, no quarter of them
+    stalled = Pace(np.array([10]), 8, skips=True)
+    stalled.record(4, np.array([0]), LIVE)
+    assert stalled.rounds(LIVE) == 8  # no rate to divide by: the whole M
+    with pytest.raises(TypeError, match="^skips must be True or False"):
+        Pace(np.array([5]), 4, skips=1)
+
+
 def test_every_length_rounds_asks_for_is_one_capture_graphs_makes():
     """capture_graphs() captures Pace.lengths(M) up front: a burst of any other length would
     capture mid-request, which through torch synchronises the device."""
@@ -107,6 +128,7 @@ def test_every_length_rounds_asks_for_is_one_capture_graphs_makes():
             live = rng.random(3) < 0.7
             assert pace.rounds(live, in_flight=int(rng.integers(0, m_rounds + 1))) in lengths
             assert Pace(budgets, m_rounds).rounds(live) in lengths
+            assert Pace(budgets, m_rounds, skips=True).rounds(live) in lengths
 
 
 def test_budgets_m_and_the_switches_are_refused_naming_them_where_they_are_given():

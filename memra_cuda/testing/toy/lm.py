@@ -630,7 +630,8 @@ class ToyLM:
 
     def round_stream(self, bufs: StreamBufs, *, kernels: SpecKernels | None = None,
                      sums: tuple[Sequence[Step], DeviceBuffer] | None = None,
-                     lengths: DraftLengths | None = None, widths: Sequence[int] = ()) -> RoundStream:
+                     lengths: DraftLengths | None = None, widths: Sequence[int] = (),
+                     skip_done: bool = False) -> RoundStream:
         """A RoundStream driving this model: rollback walks one table over target and draft
         layers with pos_ctr last, then one over their recurrent states (state_tables).
         `sums`: the steps of a verify that leaves the model's sums ([B][k+1] u32) in the buffer
@@ -639,7 +640,8 @@ class ToyLM:
         default this model's verify_steps: greedy, they make its tokens themselves; sampling,
         they leave the sums for toy_probs. `lengths`: each row's draft length chosen on the
         device every round (RoundStream's); `widths` (below k), bodies of those widths, which a
-        burst graph switches among by the width chosen (RoundStream's `narrower`)."""
+        burst graph switches among by the width chosen (RoundStream's `narrower`). `skip_done`: the
+        burst graphs skip a round's draft and verify once every row is done (RoundStream's)."""
         if bufs.k + 1 > BLOCK:
             raise ValueError(f"the toy verifies at most {BLOCK} tokens a round: k must be < {BLOCK}")
         self._check_batch(bufs)
@@ -671,7 +673,8 @@ class ToyLM:
                             chain(verify)) for width in widths}
         return RoundStream(bufs, draft_chain=chain(draft), verify_trunk=chain(verify), draft_d=draft_d,
                            acceptance=acceptance, rollback_tables=rollback_tables, state_tables=state_tables,
-                           lengths=lengths, narrower=narrower or None, pace=self.cost.paced, kernels=kernels)
+                           lengths=lengths, narrower=narrower or None, skip_done=skip_done, pace=self.cost.paced,
+                           kernels=kernels)
 
     def tree_draft_levels(self, bufs: StreamBufs, nodes: TreeBufs, *, cand_tok_d: DeviceBuffer | None = None,
                           cand_logp_d: DeviceBuffer | None = None, candidates: int = 8,
@@ -717,7 +720,8 @@ class ToyLM:
         return [*self.weight_reads(self.cost.verify_bytes), verify]
 
     def tree_round_stream(self, bufs: StreamBufs, tree: Tree, *, candidates: int = 8,
-                          kernels: SpecKernels | None = None, lengths: DraftLengths | None = None) -> RoundStream:
+                          kernels: SpecKernels | None = None, lengths: DraftLengths | None = None,
+                          skip_done: bool = False) -> RoundStream:
         """A RoundStream of tree rounds (docs/trees.md) driving this model: TreeBufs(bufs, tree), the
         draft's D + 1 levels (toy_tree_draft, candidates=K of them a node, or in sampling mode the
         draft's q rows), the verify of every node under its ancestor mask (toy_tree_verify, and
@@ -727,7 +731,8 @@ class ToyLM:
         of Geometry.of_tree(tree, ...); a model with recurrent layers lays its states out for the tree, so build
         this stream before the first prefill. The round's tree buffers: stream.round.tree_bufs.
         `lengths`: each row's acceptance capped at the length chosen for it on the device, as deep
-        as the tree goes (TreeRound's lengths=)."""
+        as the tree goes (TreeRound's lengths=). `skip_done`: the burst graphs skip a round's draft
+        and verify once every row is done (TreeRound's)."""
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
         if bufs.geometry != Geometry.of_tree(tree, bufs.m_rounds, bufs.batch):
@@ -774,7 +779,7 @@ class ToyLM:
             acceptance = Sampling(p_d, q_d, self.seed_d, vocab)
         rnd = TreeRound(bufs, nodes, kernels=kernels, draft_levels=[chain(level) for level in levels],
                         verify_tree=chain(verify), acceptance=acceptance, candidates=drafted, rollback_tables=[table],
-                        kv_data=kv_data, state_tables=state_tables, lengths=lengths)
+                        kv_data=kv_data, state_tables=state_tables, lengths=lengths, skip_done=skip_done)
         self.tree = tree  # prefills lay the states out for it from now on
         return RoundStream.of(rnd, pace=self.cost.paced)
 
