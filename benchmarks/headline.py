@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
                         "loop captured before the first)")
     parser.add_argument("--skip-done", choices=("on", "off"),
                         help="whether the decoders' burst graphs skip the rounds past every row's end (default: "
-                        "the decoders' own, wherever the driver can; docs/capacity.md)")
+                        "the decoders' own, off; docs/capacity.md)")
     args = parser.parse_args(argv)
     needs("benchmarks.headline", PAIR, gpu=True)
     headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees, args.modes, args.projection,

@@ -36,7 +36,7 @@ TIMED_STARTS = 5  # a request's start timed so many times, its median kept (issu
 TIMED_PASSES = 3
 TIMED_BURSTS = 10  # burst graphs launched back to back to time a round inside one (burst_round_ms)
 # Whether the decoders a run builds skip rounds past every row's end (their skip_done; None: their
-# default, wherever the driver can): --skip-done's, for the run (skipping)
+# default, off): --skip-done's, for the run (skipping)
 SKIP_DONE: bool | None = None
 
 
@@ -50,22 +50,32 @@ def time_generations(generate: Callable[[Any], Any], groups: Sequence[Any],
     run is a CaptureError, not a slow figure), in the median of `passes` passes over the groups
     (median_index); and after(its output) of each of that pass's, read outside the timed spans.
     What a generation counts (the rounds it sent) travels in its output, so the pass kept brings
-    its own counts."""
+    its own counts. The objects alive before the passes are frozen out of the collector's sight
+    while they run (gc.freeze, as a server does once it is warm): a collection of the models'
+    and torch's objects inside a span of ~20 ms would time the process's heap, not the decoding,
+    and every row, the plain loop's too, is timed so."""
     if synchronize is None:
         import torch
         synchronize = torch.cuda.synchronize
     generate(groups[0])
     timed: list[tuple[float, list[Any]]] = []
-    for _ in range(passes):
-        seconds, taken = 0.0, []
-        for group in groups:
-            synchronize()
-            start = clock()
-            out = generate(group)
-            synchronize()
-            seconds += clock() - start
-            taken.append(after(out))
-        timed.append((seconds, taken))
+    thawed = gc.get_freeze_count() == 0  # a caller's own freeze is left as it was
+    gc.collect()
+    gc.freeze()
+    try:
+        for _ in range(passes):
+            seconds, taken = 0.0, []
+            for group in groups:
+                synchronize()
+                start = clock()
+                out = generate(group)
+                synchronize()
+                seconds += clock() - start
+                taken.append(after(out))
+            timed.append((seconds, taken))
+    finally:
+        if thawed:
+            gc.unfreeze()
     return timed[median_index([seconds for seconds, _ in timed])]
 
 

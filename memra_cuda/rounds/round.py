@@ -181,6 +181,9 @@ class Round:
         skip_done = as_flag(skip_done, "skip_done")
         if skip_done and capture is not None:
             raise ValueError("a round that skips rounds past the end builds its graphs itself: it takes no capture=")
+        if skip_done and states:
+            raise ValueError("skip_done takes no state tables: the recurrent state's rollback after the commit reads "
+                             "the slots the round's verify writes, which a skipped round leaves as they were")
         opening, work, closing = (tuple(part) for part in before_commit())
         self.opening, self.work, self.closing = opening, work, closing
         self.before_commit: tuple[Step, ...] = (*opening, *work, *closing)

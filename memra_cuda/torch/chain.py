@@ -70,20 +70,19 @@ class SpeculativeLlama(RoundDecoder):
     whatever the width. Each width compiles its own steps.
 
     `skip_done` has the burst graphs skip a round's draft and verify once every row is done, and
-    size a burst to cover the rows' need (RoundStream's); None: wherever the driver can
-    (conditional nodes, CUDA 12.4+) and there are no `widths`, whose SWITCH it does not join.
+    size a burst to cover the rows' need (RoundStream's; CUDA 12.4+; no `widths`, whose SWITCH it
+    does not join, and no hybrid target, whose state rollback reads what the skipped verify writes).
     """
 
     def __init__(self, model: Any, draft: Any, *, k: int = 4, m_rounds: int = 16, capacity: int | Room = 1024,
                  batch: int = 1, sampling: SamplingParams | None = None,
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
                  on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None,
-                 widths: Sequence[int] = (), skip_done: bool | None = None):
+                 widths: Sequence[int] = (), skip_done: bool = False):
         # a chain drafts at least one token a round; no drafts at all is the plain loop
         k = as_size(k, "k (no drafts: GraphedGreedy, or a request's max_draft=0)")
         built = Widths.beside(k, widths)  # refused before anything is made
-        if skip_done is not None:  # checked before anything is made, as the round checks it again
-            as_flag(skip_done, "skip_done")
+        skip_done = as_flag(skip_done, "skip_done")  # before anything is made
         super().__init__(model, draft, Geometry(k, m_rounds, batch), capacity=capacity,
                          sampling=sampling, draft_sampling=draft_sampling, state_rollback=state_rollback,
                          on_engine=on_engine, compiled=compiled)
@@ -118,7 +117,7 @@ class SpeculativeLlama(RoundDecoder):
                                       draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table],
                                       state_tables=self.state_tables(), lengths=self.lengths,
                                       narrower=narrower or None, choose_beside=not narrower,
-                                      skip_done=False if narrower and skip_done is None else self._skips(skip_done))
+                                      skip_done=skip_done)
             self._warm_up()
             self.width_ms: dict[int, float] = {}  # each width's body, device milliseconds (with `widths`)
             if narrower:

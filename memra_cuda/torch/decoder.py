@@ -22,8 +22,7 @@ from ..buffers.geometry import Geometry, as_geometry
 from ..buffers.stream_bufs import Readback, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
-from ..driver.graph import LoopUnsupported, check_loops
-from ..driver.values import as_flag, as_listed, as_prompt, as_size, distinct_rows, longest_prompt_for
+from ..driver.values import as_listed, as_prompt, as_size, distinct_rows, longest_prompt_for
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_rows,
                               as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
@@ -145,17 +144,6 @@ class RoundDecoder:
         self.rounds.step("readback")
         self.bufs.set_stop(budget=0)
         self.setup_seconds += time.perf_counter() - begun
-
-    def _skips(self, skip_done: bool | None) -> bool:
-        """The round's skip_done: as given (a bool), or, where None, wherever it can be: a driver
-        with conditional nodes (CUDA 12.4+) and an engine that serves no communicator's rank."""
-        if skip_done is not None:
-            return as_flag(skip_done, "skip_done")
-        try:
-            check_loops()
-        except LoopUnsupported:
-            return False
-        return not self.engine.guards
 
     def _verdict(self, logits: torch.Tensor) -> None:
         """What a verify leaves its acceptance kernel from the target's logits over the verified

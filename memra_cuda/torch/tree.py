@@ -139,8 +139,7 @@ class TreeLlama(RoundDecoder):
     the model's own callable (TreeRound's compact=). A hybrid target keeps T + 1 state slots.
 
     `skip_done` has the burst graphs skip a round's draft and verify once every row is done, and
-    size a burst to cover the rows' need (TreeRound's); None: wherever the driver can
-    (conditional nodes, CUDA 12.4+).
+    size a burst to cover the rows' need (TreeRound's; CUDA 12.4+; no hybrid target).
 
     The model's side is two callables, each queuing torch work on the engine's stream:
     draft_level(d), the draft over level d's nodes up to its last with children, and
@@ -151,10 +150,9 @@ class TreeLlama(RoundDecoder):
     def __init__(self, model: Any, draft: Any, tree: Tree, *, candidates: int | None = None, m_rounds: int = 16,
                  capacity: int | Room = 1024, batch: int = 1, sampling: SamplingParams | None = None,
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
-                 paged: int | None = None, compiled: bool | None = None, skip_done: bool | None = None):
+                 paged: int | None = None, compiled: bool | None = None, skip_done: bool = False):
         refuse(model, draft, state_rollback)  # before the candidates read the model's vocabulary
-        if skip_done is not None:  # checked before anything is made, as the round checks it again
-            as_flag(skip_done, "skip_done")
+        skip_done = as_flag(skip_done, "skip_done")  # before anything is made
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
         if sampling is not None and candidates is not None:
@@ -214,7 +212,7 @@ class TreeLlama(RoundDecoder):
                                verify_tree=self.verify_tree,
                                rollback_tables=[kv_len_ptr_table(self.engine, layers, pos_ctr=self.bufs.pos_ctr_d)],
                                state_tables=self.state_tables(), lengths=self.lengths, **rule,
-                               draft_places=self.draft_places, choose_beside=True, skip_done=self._skips(skip_done),
+                               draft_places=self.draft_places, choose_beside=True, skip_done=skip_done,
                                **self._compaction(paged))
             self.rounds = RoundStream.of(round_)
             self._warm_up()

@@ -305,6 +305,29 @@ def test_a_configuration_is_timed_in_the_median_of_its_passes():
         "each timed generation between two synchronisations"
 
 
+def test_the_timed_passes_run_with_the_heap_before_them_frozen():
+    """What was alive before the passes is out of the collector's sight while they run (a
+    collection of the models' objects inside a timed span would time the heap), and back in it
+    after, the untimed first run outside; a caller's own freeze is left as it was."""
+    import gc
+    frozen: list[int] = []
+
+    def generate(group: str) -> str:
+        frozen.append(gc.get_freeze_count())
+        return group
+
+    assert gc.get_freeze_count() == 0
+    time_generations(generate, ["a", "b"], synchronize=lambda: None)
+    assert frozen[0] == 0 and all(count > 0 for count in frozen[1:]) and len(frozen) == 7
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        time_generations(generate, ["a"], synchronize=lambda: None, passes=1)
+        assert gc.get_freeze_count() > 0, "the caller's freeze stays"
+    finally:
+        gc.unfreeze()
+
+
 def test_the_median_is_one_whole_pass_or_run():
     """median_index: the median's index (of an even count the upper middle one), for the caller to
     keep that pass's or run's figures whole."""

@@ -94,22 +94,29 @@ def test_tree_decoding_equals_hugging_face_greedy(decoders, greedy_batches, name
     assert 1.5 < tau < spec.k + 1, f"{tau:.2f} tokens a round: the tree must accept some drafts and reject others"
 
 
-def test_rounds_past_the_end_are_skipped_by_default_and_change_no_token(small, decoders, greedy_batches):
-    """Every decoder of this module skips the draft and verify of its rounds past every row's end
-    (skip_done's default, on a driver with conditional nodes); one told not to gives the same
-    tokens, its burst graphs captured the torch way."""
+@pytest.mark.parametrize("mode", ["graph", "overlap"])
+def test_a_decoder_that_skips_rounds_past_the_end_gives_the_same_tokens(small, decoders, greedy_batches, mode):
+    """A decoder told to skip the draft and verify of its rounds past every row's end
+    (skip_done=True: its burst graphs built node by node, torch's work in IF nodes) gives
+    Hugging Face's greedy tokens at B = 1 and 8, as this module's decoders, which skip nothing
+    (the default), do; a hybrid target's is refused, and so is a skip_done that is no bool."""
     from memra_cuda.driver.graph import LoopUnsupported, check_loops
     try:
         check_loops()
     except LoopUnsupported as missing:
         pytest.skip(str(missing))
-    requests, want, longest = greedy_batches[1]
-    assert decoders("static", 1).rounds.round.gate is not None
-    whole = tree_decoder(small, TREES["static"], longest, TOKENS, 1, skip_done=False)
-    assert whole.rounds.round.gate is None
-    assert generate(whole, requests, "graph") == want
+    assert decoders("static", 1).rounds.round.gate is None
+    for batch in (1, 8):
+        requests, want, longest = greedy_batches[batch]
+        skipping = tree_decoder(small, TREES["static"], longest, TOKENS, batch, skip_done=True)
+        assert skipping.rounds.round.gate is not None
+        got = generate(skipping, requests, mode)
+        for row, (mine, theirs) in enumerate(zip(got, want)):
+            assert mine == theirs, f"B = {batch}, row {row}: first difference at token {first_difference(mine, theirs)}"
+        del skipping
+        gc.collect()
     with pytest.raises(TypeError, match="skip_done must be True or False"):
-        tree_decoder(small, TREES["static"], longest, TOKENS, 1, skip_done="off")
+        tree_decoder(small, TREES["static"], 8, TOKENS, 1, skip_done="off")
 
 
 def assert_kv_is_a_fresh_prefill(spec, requests, got) -> None:
@@ -299,6 +306,8 @@ def test_hybrid_tree_equals_its_own_plain_greedy(hybrid, state, batch, mode):
 
 def test_a_tree_llama_refuses_what_it_cannot_serve(small, hybrid):
     draft = self_draft(small)
+    with pytest.raises(ValueError, match="skip_done takes no state tables"):
+        TreeLlama(hybrid, self_draft(hybrid), TREES["static"], capacity=64, skip_done=True)
     with pytest.raises(ValueError, match="candidates"):
         TreeLlama(small, draft, TREES["dynamic"], candidates=2, capacity=64)
     with pytest.raises(ValueError, match="attention"):

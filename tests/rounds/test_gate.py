@@ -11,6 +11,7 @@ import pytest
 
 from memra_cuda import Greedy, Sampling
 from memra_cuda.buffers.capacity import UNCHECKED
+from memra_cuda.buffers.tables import StateTable
 from memra_cuda.errors import LoopUnsupported
 from memra_cuda.rounds import Stages, round as round_module
 from test_round_tail import PRED, chain_round, kv_data, model, names, tree_round_of
@@ -97,6 +98,10 @@ def test_what_cannot_sit_in_a_conditional_node_is_refused_before_the_driver(monk
         chain_round(Greedy(PRED), skip_done=True, capture=lambda engine, issue: None)
     with pytest.raises(ValueError, match="skip_done takes no narrower bodies"):
         chain_round(Greedy(PRED), lengths=LENGTHS, skip_done=True, narrower={1: (model("d1"), model("v1"))})
+    states = object.__new__(StateTable)
+    states.targets = ()
+    with pytest.raises(ValueError, match="skip_done takes no state tables"):
+        chain_round(Greedy(PRED), skip_done=True, state_tables=[states])
     for flag in ("yes", 1, None):
         with pytest.raises(TypeError, match="^skip_done must be True or False"):
             chain_round(Greedy(PRED), skip_done=flag)
