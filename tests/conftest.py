@@ -52,6 +52,18 @@ def _random_llama(hybrid: bool = False, **kwargs):
 
 
 @pytest.fixture
+def conditionals(engine):
+    """A test that builds conditional IF or WHILE nodes: skipped, naming what is missing, where
+    the driver or the binding has none (CUDA 12.4+)."""
+    from memra_cuda.driver.graph import check_loops
+    from memra_cuda.errors import LoopUnsupported
+    try:
+        check_loops()
+    except LoopUnsupported as missing:
+        pytest.skip(str(missing))
+
+
+@pytest.fixture
 def switches(engine):
     """A test that builds a SWITCH of bodies by width: skipped, naming what is missing, where
     the driver or the binding has no SWITCH nodes (CUDA 12.8+)."""

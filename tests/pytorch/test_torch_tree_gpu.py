@@ -95,16 +95,12 @@ def test_tree_decoding_equals_hugging_face_greedy(decoders, greedy_batches, name
 
 
 @pytest.mark.parametrize("mode", ["graph", "overlap"])
-def test_a_decoder_that_skips_rounds_past_the_end_gives_the_same_tokens(small, decoders, greedy_batches, mode):
+def test_a_decoder_that_skips_rounds_past_the_end_gives_the_same_tokens(small, decoders, greedy_batches, mode,
+                                                                       conditionals):
     """A decoder told to skip the draft and verify of its rounds past every row's end
     (skip_done=True: its burst graphs built node by node, torch's work in IF nodes) gives
     Hugging Face's greedy tokens at B = 1 and 8, as this module's decoders, which skip nothing
     (the default), do; a hybrid target's is refused, and so is a skip_done that is no bool."""
-    from memra_cuda.driver.graph import LoopUnsupported, check_loops
-    try:
-        check_loops()
-    except LoopUnsupported as missing:
-        pytest.skip(str(missing))
     assert decoders("static", 1).rounds.round.gate is None
     for batch in (1, 8):
         requests, want, longest = greedy_batches[batch]

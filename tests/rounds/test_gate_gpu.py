@@ -13,25 +13,17 @@ from memra_cuda import Geometry, Greedy, RoundStream, StreamBufs, chain, kv_capa
 from memra_cuda.buffers import DraftLengths
 from memra_cuda.buffers.capacity import UNCHECKED
 from memra_cuda.buffers.tree import TreeShape
-from memra_cuda.driver.graph import Graph, LoopUnsupported, check_loops, loops, stream_capture
+from memra_cuda.driver.graph import Graph, LoopUnsupported, loops, stream_capture
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.rounds import Stages
 from memra_cuda.rounds.gate import LiveGate
 from memra_cuda.testing.toy import lm as toy
 from toy_requests import requests
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("conditionals")]
 
 MODEL = toy.ToyModel(seed=33, vocab=50, kv_mask=(True, False, True), noise_ppm=150_000, p_min=0.1)
 K, M = 3, 16
-
-
-@pytest.fixture(autouse=True)
-def conditionals(engine):
-    try:
-        check_loops()
-    except LoopUnsupported as missing:
-        pytest.skip(str(missing))
 
 
 @pytest.fixture(scope="module")
