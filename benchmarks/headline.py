@@ -520,7 +520,7 @@ def _bench_batch(target: Any, draft: Any, heldout: Mapping[str, Any], batch: int
 def headline(quick: bool = False, pair: str | Path | None = None, batches: Sequence[int] | None = None,
              json_path: str | Path | None = None, chains: Sequence[int] | None = None,
              trees: TreeCounts | None = None, launches: Sequence[str] | None = None,
-             projection: str | None = None, skip_done: bool | None = None) -> dict:
+             projection: str | None = None, skip_done: bool = False) -> dict:
     """The section: the pair in `pair` (default: `make pair`'s), at `batches` (default BATCHES,
     or QUICK_BATCHES where `quick`); prints the table, the best at each B and the picks, and
     returns assemble()'s report. With `json_path`, the report so far is written there after each
@@ -528,7 +528,7 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
     beside it at the end (its name with .png). `chains` and `trees` cut the configurations
     (configurations(); the report's settings say so). `projection`: every compiled step's,
     the baseline's too (projected; None: the library's default; the settings say which).
-    `skip_done`: every decoder's (skipping; None: the decoders' default; the settings say)."""
+    `skip_done`: every decoder's (skipping; the settings say)."""
     with projected(projection) as used, skipping(skip_done):
         return _headline(quick, pair, batches, json_path, chains, trees, tuple(launches or LAUNCHES[:1]), used,
                          skip_done)
@@ -536,7 +536,7 @@ def headline(quick: bool = False, pair: str | Path | None = None, batches: Seque
 
 def _headline(quick: bool, pair: str | Path | None, batches: Sequence[int] | None, json_path: str | Path | None,
               chains: Sequence[int] | None, trees: TreeCounts | None, launches: Sequence[str], projection: str,
-              skip_done: bool | None = None) -> dict:
+              skip_done: bool = False) -> dict:
     """headline()'s run, every compiled step's projections `projection`'s."""
     from memra_cuda.torch import load_model
     where, report, heldout, info, machine, date = opened(pair)
@@ -625,13 +625,13 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"round-stream's modes each chain and tree runs in, of {','.join(LAUNCHES)} (default "
                         f"{LAUNCHES[0]}; overlap: two bursts in flight; device: one launch a generation, its "
                         "loop captured before the first)")
-    parser.add_argument("--skip-done", choices=("on", "off"),
-                        help="whether the decoders' burst graphs skip the rounds past every row's end (default: "
-                        "the decoders' own, off; docs/capacity.md)")
+    parser.add_argument("--skip-done", choices=("on", "off"), default="off",
+                        help="whether the decoders' burst graphs skip the rounds past every row's end (default "
+                        "off, the decoders' own; docs/capacity.md)")
     args = parser.parse_args(argv)
     needs("benchmarks.headline", PAIR, gpu=True)
     headline(args.quick, args.pair, args.batches, args.json, args.chains, args.trees, args.modes, args.projection,
-             {"on": True, "off": False, None: None}[args.skip_done])
+             args.skip_done == "on")
     return 0
 
 

@@ -188,7 +188,7 @@ def speculative(name: str, kind: str, config: Any, target: Any, draft: Any, requ
     mode (torch_common.decoder), its generations first, then its verify and draft timed alone
     (torch_common.round_costs, as the headline times them), and each mode's busy share."""
     import torch
-    # its rows are done when the bursts are probed: rounds that skipped them would time nothing
+    # never skipping: its rows are done when the bursts are probed, and skipped rounds would time nothing
     spec, verify, drafting = decoder(target, kind, config, room, 1, None, draft=draft, modes=MODES, skip_done=False)
     modes, probes = spec_rows(name, spec, request)
     v_us, d_us = (1e3 * ms for ms in round_costs(spec, verify, drafting))

@@ -35,9 +35,9 @@ TIMED_STARTS = 5  # a request's start timed so many times, its median kept (issu
 # 8 requests at B = 1 lasts ~0.2 s, and one pass a lease read a configuration 4-10% apart from the last lease's.
 TIMED_PASSES = 3
 TIMED_BURSTS = 10  # burst graphs launched back to back to time a round inside one (burst_round_ms)
-# Whether the decoders a run builds skip rounds past every row's end (their skip_done; None: their
-# default, off): --skip-done's, for the run (skipping)
-SKIP_DONE: bool | None = None
+# Whether the decoders a run builds skip rounds past every row's end (their skip_done, off unless
+# asked): --skip-done's, for the run (skipping)
+SKIP_DONE = False
 
 
 def time_generations(generate: Callable[[Any], Any], groups: Sequence[Any],
@@ -60,8 +60,9 @@ def time_generations(generate: Callable[[Any], Any], groups: Sequence[Any],
     generate(groups[0])
     timed: list[tuple[float, list[Any]]] = []
     thawed = gc.get_freeze_count() == 0  # a caller's own freeze is left as it was
-    gc.collect()
-    gc.freeze()
+    if thawed:
+        gc.collect()
+        gc.freeze()
     try:
         for _ in range(passes):
             seconds, taken = 0.0, []
@@ -141,9 +142,9 @@ def projected(projection: str | None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def skipping(skip_done: bool | None) -> Iterator[None]:
-    """Inside the block, every decoder built by decoder() is given `skip_done` (None: its own
-    default), so a run can set the rounds past the end against their skipping; as it was after."""
+def skipping(skip_done: bool) -> Iterator[None]:
+    """Inside the block, every decoder built by decoder() is given `skip_done`, so a run can set
+    the rounds past the end against their skipping; as it was after."""
     global SKIP_DONE
     before, SKIP_DONE = SKIP_DONE, skip_done
     try:
@@ -417,7 +418,7 @@ def decoder(model: Any, kind: str, config: Any, capacity: int | Room, batch: int
     (default its self-speculative one), every graph of `modes` captured (device mode's loop for any
     budget its caches hold) and the decoder sealed (RoundDecoder.capture), and the two callables
     its round runs: the verify and the whole draft. `skip_done`: the decoder's (None: the run's,
-    SKIP_DONE)."""
+    SKIP_DONE, a bool)."""
     from memra_cuda.torch import SpeculativeLlama, TreeLlama, self_draft
     draft = self_draft(model) if draft is None else draft
     skip_done = SKIP_DONE if skip_done is None else skip_done

@@ -14,11 +14,11 @@ from ..buffers.geometry import Geometry
 from ..buffers.lengths import DraftLengths
 from ..buffers.tables import kv_len_ptr_table
 from ..driver.engine import Engine
-from ..driver.values import as_flag, as_size
+from ..driver.values import as_size
 from ..kernels.spec import SpecKernels
 from ..rounds.stream import RoundStream
 from ..rounds.switch import Widths
-from .decoder import RoundDecoder, fold
+from .decoder import RoundDecoder, as_skip_done, fold, refuse
 from .kv import Room
 from .sampling import SamplingParams
 from .timing import captured, replay_ms
@@ -82,7 +82,8 @@ class SpeculativeLlama(RoundDecoder):
         # a chain drafts at least one token a round; no drafts at all is the plain loop
         k = as_size(k, "k (no drafts: GraphedGreedy, or a request's max_draft=0)")
         built = Widths.beside(k, widths)  # refused before anything is made
-        skip_done = as_flag(skip_done, "skip_done")  # before anything is made
+        refuse(model, draft, state_rollback)  # the model read by as_skip_done()
+        skip_done = as_skip_done(model, skip_done, widths=len(built.widths) > 1)
         super().__init__(model, draft, Geometry(k, m_rounds, batch), capacity=capacity,
                          sampling=sampling, draft_sampling=draft_sampling, state_rollback=state_rollback,
                          on_engine=on_engine, compiled=compiled)

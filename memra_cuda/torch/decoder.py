@@ -22,7 +22,7 @@ from ..buffers.geometry import Geometry, as_geometry
 from ..buffers.stream_bufs import Readback, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
-from ..driver.values import as_listed, as_prompt, as_size, distinct_rows, longest_prompt_for
+from ..driver.values import as_flag, as_listed, as_prompt, as_size, distinct_rows, longest_prompt_for
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_rows,
                               as_seed, batch_admitted)
 from ..rounds.stream import Mode, RoundStream, as_mode
@@ -416,6 +416,19 @@ class _Slots:
 def _burst(readback: Readback) -> Burst:
     """A step's readback as a Server reads a burst: each row's new tokens, done flag and accepted drafts."""
     return Burst([tokens.tolist() for tokens in readback.tokens], readback.done.tolist(), readback.accepted.tolist())
+
+
+def as_skip_done(model: Any, skip_done: object, widths: bool = False) -> bool:
+    """A decoder's skip_done as a bool, refused before anything is made where its round could not
+    skip (rounds.gate): with bodies of narrower `widths` (a SWITCH of them, not an IF) or a
+    recurrent layer in the target (its state's rollback reads what the skipped verify writes)."""
+    skip_done = as_flag(skip_done, "skip_done")
+    if skip_done and widths:
+        raise ValueError("skip_done takes no widths: a round of bodies by width runs a SWITCH of them, not an IF")
+    if skip_done and any(isinstance(layer, Recurrent) for layer in model.model.layers):
+        raise ValueError("skip_done takes no hybrid target: its recurrent state's rollback after the commit reads "
+                         "the slots the round's verify writes, which a skipped round leaves as they were")
+    return skip_done
 
 
 def refuse(model: Any, draft: Any, state_rollback: str) -> None:

@@ -16,10 +16,10 @@ from ..buffers.geometry import Geometry
 from ..buffers.lengths import DraftLengths
 from ..buffers.tables import kv_data_table, kv_len_ptr_table
 from ..buffers.tree import MAX_TREE_CANDIDATES, Candidates, DynamicTree, Tree, TreeBufs, TreeShape
-from ..driver.values import as_flag, as_size
+from ..driver.values import as_size
 from ..rounds.stream import RoundStream
 from ..rounds.tree_round import TreeRound
-from .decoder import RoundDecoder, fold, refuse
+from .decoder import RoundDecoder, as_skip_done, fold, refuse
 from .kv import CacheLayout, PagedKV, Room, StaticKV, cache_slots
 from .mask import TreeMask
 from .sampling import SamplingParams
@@ -152,7 +152,7 @@ class TreeLlama(RoundDecoder):
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
                  paged: int | None = None, compiled: bool | None = None, skip_done: bool = False):
         refuse(model, draft, state_rollback)  # before the candidates read the model's vocabulary
-        skip_done = as_flag(skip_done, "skip_done")  # before anything is made
+        skip_done = as_skip_done(model, skip_done)  # before anything is made
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
         if sampling is not None and candidates is not None:

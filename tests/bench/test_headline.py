@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -116,17 +117,47 @@ def test_the_projection_named_reaches_the_run_and_another_is_argparses_error(pro
 
 
 def test_skip_done_named_reaches_the_run_as_a_bool(monkeypatch, capsys):
-    """--skip-done on|off is passed to the run as True or False (left out, None: the decoders'
+    """--skip-done on|off is passed to the run as True or False (left out, False: the decoders'
     own default); another word is argparse's error, before anything runs."""
     from benchmarks import headline
     ran = []
     monkeypatch.setattr(headline, "needs", lambda *args, **kwargs: None)
     monkeypatch.setattr(headline, "headline", lambda *args: ran.append(args))
-    for given, want in ((["--skip-done", "on"], True), (["--skip-done", "off"], False), ([], None)):
+    for given, want in ((["--skip-done", "on"], True), (["--skip-done", "off"], False), ([], False)):
         assert headline.main([*given, "--batches", "1"]) == 0 and ran[-1][-1] is want
     with pytest.raises(SystemExit) as exited:
         headline.main(["--skip-done", "yes"])
     assert exited.value.code == 2 and "invalid choice: 'yes'" in capsys.readouterr().err and len(ran) == 3
+
+
+def test_every_decoder_a_run_builds_is_given_its_skip_done_as_a_bool(monkeypatch):
+    """decoder() gives each decoder the run's skip_done (skipping; off unless asked) or its own
+    argument, always a bool: a None reached the decoders, which refuse anything but a bool."""
+    import memra_cuda.torch as memra_torch
+    from benchmarks import torch_common
+    given = []
+
+    class Decoder:
+        tree = SimpleNamespace(depth=0)
+
+        def __init__(self, *args, skip_done, **kwargs):
+            given.append(skip_done)
+
+        def capture(self, modes):
+            pass
+
+        verify_trunk = draft_chain = verify_tree = draft_level = None
+
+    monkeypatch.setattr(memra_torch, "SpeculativeLlama", Decoder)
+    monkeypatch.setattr(memra_torch, "TreeLlama", Decoder)
+    monkeypatch.setattr(memra_torch, "self_draft", lambda model: model)
+    torch_common.decoder(object(), "chain", 4, 64)
+    torch_common.decoder(object(), "static", object(), 64)
+    with torch_common.skipping(True):
+        torch_common.decoder(object(), "chain", 4, 64)
+        torch_common.decoder(object(), "chain", 4, 64, skip_done=False)
+    torch_common.decoder(object(), "static", object(), 64, skip_done=True)
+    assert given == [False, False, True, False, True] and torch_common.SKIP_DONE is False
 
 
 def test_the_modes_named_reach_the_run_and_a_device_row_says_so(monkeypatch, capsys):

@@ -592,6 +592,9 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
          "from 1 to 8, not 9"),
         (lambda: TreeLlama(model, draft, TREE, candidates=2, sampling=SamplingParams()), "candidates= is for greedy"),
         (lambda: TreeLlama(model, draft, TREE, state_rollback="swap"), "not 'swap'"),
+        (lambda: SpeculativeLlama(model, draft, widths=(2,), skip_done=True), "skip_done takes no widths"),
+        (lambda: SpeculativeLlama(hybrid(), self_draft(hybrid()), skip_done=True), "skip_done takes no hybrid target"),
+        (lambda: TreeLlama(hybrid(), self_draft(hybrid()), TREE, skip_done=True), "skip_done takes no hybrid target"),
     ]
     for make, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -610,6 +613,10 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
                           (lambda: SpeculativeLlama(model, None), "the draft is a transformers causal LM"),
                           (lambda: TreeLlama(None, draft, TREE), "the model is a transformers causal LM")):
         with pytest.raises(TypeError, match=message):
+            make()
+    for make in (lambda: SpeculativeLlama(model, draft, skip_done=None),
+                 lambda: TreeLlama(model, draft, TREE, skip_done=1)):
+        with pytest.raises(TypeError, match="^skip_done must be True or False"):
             make()
     with pytest.raises(TypeError, match="candidates .* must be an integer, not 'abc'"):
         TreeLlama(model, draft, TREE, candidates="abc")  # type: ignore[arg-type]
