@@ -133,6 +133,7 @@ def test_skip_done_named_reaches_the_run_as_a_bool(monkeypatch, capsys):
 def test_every_decoder_a_run_builds_is_given_its_skip_done_as_a_bool(monkeypatch):
     """decoder() gives each decoder the run's skip_done (skipping; off unless asked) or its own
     argument, always a bool: a None reached the decoders, which refuse anything but a bool."""
+    pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
     import memra_cuda.torch as memra_torch
     from benchmarks import torch_common
     given = []
