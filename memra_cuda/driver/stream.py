@@ -18,7 +18,7 @@ from .context import PrimaryContext
 from .errors import CaptureError, CudaError, driver
 from .framework import DRIVER, Framework
 from .handle import Handle
-from .values import as_index
+from .values import as_index, as_size
 
 log = logging.getLogger("memra_cuda")
 
@@ -49,7 +49,8 @@ class Stream(Handle):
             raise TypeError(f"framework must be a Framework (how graphs are captured, the model's work scoped), "
                             f"not {framework!r}")
         self.framework = framework
-        self.ctx = PrimaryContext.of(as_index(device, "device"))
+        # a device index below 0 names no device on any machine: refused before the driver is asked
+        self.ctx = PrimaryContext.of(as_size(device, "device", 0))
         self.ctx.adopt_thread()
         self.readbacks = 0
         self.syncs = 0

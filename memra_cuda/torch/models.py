@@ -54,11 +54,20 @@ def _as_device(device: torch.device | str) -> torch.device:
     return checked
 
 
+# What a tokenizer's save_pretrained writes, one of them at least (a fast tokenizer's, its config, a
+# SentencePiece model, a BPE vocabulary): a directory with none holds a model without its tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(directory: str | Path) -> Any:
     """The tokenizer saved in `directory` (AutoTokenizer, local files only; the directory's own
-    Python never run, as load_model's)."""
+    Python never run, as load_model's). A directory of a model saved without its tokenizer is a
+    FileNotFoundError naming the files looked for (transformers' own error named none of them)."""
     from transformers import AutoTokenizer
     _check_directory(directory)
+    if not any((Path(directory) / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{directory} holds a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                                "save the tokenizer beside it (tokenizer.save_pretrained(directory))")
     return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
 
 

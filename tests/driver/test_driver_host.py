@@ -75,6 +75,18 @@ def test_engine_without_driver_raises_one_clear_line():
     assert isinstance(err, CudaError) and err.name == "CUDA_UNAVAILABLE"
 
 
+def test_an_engine_of_a_negative_device_is_refused_before_the_driver():
+    """Engine(-1) on a machine without a driver said the driver was missing, and on one with a
+    driver that device -1 does not exist: an index below 0 names no device anywhere, so it is a
+    ValueError naming the device before the driver is asked; a bool or a string is a TypeError."""
+    for device, message in ((-1, "an int of at least 0, not -1"), (-2**40, "an int of at least 0")):
+        with pytest.raises(ValueError, match=f"^device must be {message}"):
+            Engine(device)
+    for device in (True, "0", 0.0):
+        with pytest.raises(TypeError, match="^device must be an integer"):
+            Engine(device)
+
+
 @pytest.mark.parametrize("bindings, driver", [("13.0.0", (13, 0)), ("13.3.0", (13, 2)), ("12.9.4", (13, 0)),
                                              ("12.6.2.post1", (12, 4)), ("", (12, 9)), ("dev", (12, 9))])
 def test_bindings_of_the_drivers_release_or_older_are_served(bindings, driver):

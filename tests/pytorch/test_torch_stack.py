@@ -408,6 +408,9 @@ def test_a_directory_without_a_model_is_refused_by_name(tmp_path):
     for load in (functools.partial(load_model, device="cpu"), load_tokenizer):
         with pytest.raises(FileNotFoundError, match="holds no config.json"):
             load(tmp_path / "nowhere")
+    tiny().save_pretrained(tmp_path / "alone")  # a model saved without its tokenizer
+    with pytest.raises(FileNotFoundError, match=r"holds a model but no tokenizer \(none of tokenizer.json, "):
+        load_tokenizer(tmp_path / "alone")
     # a dtype by a name torch does not have met AttributeError: module 'torch' has no attribute 'bf16'
     with pytest.raises(ValueError, match="dtype is a torch.dtype or one of .*'bfloat16'.*, not 'bf16'"):
         load_model(tmp_path, dtype="bf16")
