@@ -227,11 +227,18 @@ class Round:
         if gate is None:
             return None
         opening, work = self.scoped(self.opening), self.scoped(self.work)
+        return self.built_burst(rounds, then, lambda builder: gate.add(builder, opening, work))
+
+    def built_burst(self, rounds: int, then: Step, opened: Callable[[LoopBuilder], None]) -> Capture:
+        """The Capture of a burst graph built node by node (the engine's framework's way of
+        building conditional nodes, or the driver's): each of `rounds` rounds `opened(builder)`
+        (its opening and its model's work, in conditional nodes of some kind), then its closing,
+        its commit and what follows; then `then`, its readback."""
         tail = self.scoped((*self.closing, self.commit, *self.after_commit))
 
         def build(builder: LoopBuilder) -> None:
             for _ in range(rounds):
-                gate.add(builder, opening, work)
+                opened(builder)
                 builder.issue(tail)
             builder.issue(then)
         return self.conditional_capture(build)
@@ -350,15 +357,11 @@ class ChainRound(Round):
         if self.switch is None:
             return super().burst_capture(rounds, then)
         switch, head, bodies = self.switch, self.scoped(self.head), [self.scoped(body) for body in self.bodies]
-        tail = self.scoped((*self.accept, self.commit, *self.after_commit))
 
-        def build(builder: LoopBuilder) -> None:
-            for _ in range(rounds):
-                builder.issue(head)
-                switch.add(builder, bodies)
-                builder.issue(tail)
-            builder.issue(then)
-        return self.conditional_capture(build)
+        def opened(builder: LoopBuilder) -> None:
+            builder.issue(head)
+            switch.add(builder, bodies)
+        return self.built_burst(rounds, then, opened)  # its closing is its acceptance (no chooser beside)
 
 
 def _check_steps(draft_chain: object, verify_trunk: object, narrower: Mapping[int, tuple[Step, Step]] | None,

@@ -30,7 +30,7 @@ from .adapter import decoder_stream, engine
 from .kv import CacheLayout, Room, StaticKV, cache_slots
 from .sampling import SamplingParams
 from .compiled import as_compiled, stack_for
-from .state import CopyState, FlipState, Recurrent, rollback
+from .state import CopyState, FlipState, has_recurrent, rollback
 from .uploads import uploaded
 from .views import RoundViews
 
@@ -425,7 +425,7 @@ def as_skip_done(model: Any, skip_done: object, widths: bool = False) -> bool:
     skip_done = as_flag(skip_done, "skip_done")
     if skip_done and widths:
         raise ValueError("skip_done takes no widths: a round of bodies by width runs a SWITCH of them, not an IF")
-    if skip_done and any(isinstance(layer, Recurrent) for layer in model.model.layers):
+    if skip_done and has_recurrent(model.model.layers):
         raise ValueError("skip_done takes no hybrid target: its recurrent state's rollback after the commit reads "
                          "the slots the round's verify writes, which a skipped round leaves as they were")
     return skip_done
@@ -447,7 +447,7 @@ def refuse(model: Any, draft: Any, state_rollback: str) -> None:
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) is not the target's "
                          f"({model.config.vocab_size}): the two must share a tokenizer")
-    if any(isinstance(layer, Recurrent) for layer in draft.model.layers):
+    if has_recurrent(draft.model.layers):
         raise ValueError("the draft's layers must be attention: its first step folds in the last round's deepest "
                          "draft (docs/model-side.md), which a recurrent layer's state cannot take; put recurrent "
                          "layers past the draft's")

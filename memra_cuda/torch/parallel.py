@@ -16,7 +16,7 @@ import torch
 
 from ..driver.values import as_index
 from .kv import head_size
-from .state import Recurrent
+from .state import has_recurrent
 
 
 class Reduced(torch.nn.Module):
@@ -49,7 +49,7 @@ def shard(model: Any, rank: int, world: int, reduce: Callable[[torch.Tensor], No
     if heads % world or kv_heads % world or inner % world:
         raise ValueError(f"{world} ranks cannot share {heads} heads, {kv_heads} KV heads and {inner} MLP columns "
                          "evenly")
-    if any(isinstance(layer, Recurrent) for layer in model.model.layers):
+    if has_recurrent(model.model.layers):
         raise ValueError("shard() splits attention layers: a recurrent layer's state is not split")
     if any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
            for layer in model.model.layers):

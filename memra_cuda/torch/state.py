@@ -14,8 +14,8 @@ and set_prompt() for a new request.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -40,6 +40,13 @@ class Recurrent(torch.nn.Module):
     the last token. memra_cuda.torch.testing.RecurrentLayer is one."""
 
     state_shape: tuple[int, ...]
+
+
+def has_recurrent(layers: Iterable[Any]) -> bool:
+    """Whether any of a model's decoder `layers` (model.model.layers, or the first few of them) is
+    Recurrent: what a draft, a shard, a draft of the target's first layers and a decoder that
+    skips rounds past the end each refuse."""
+    return any(isinstance(layer, Recurrent) for layer in layers)
 
 
 class State(Protocol):

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..buffers.tree import DynamicTree, Tree, TreeShape
 from .kv import head_size
-from .state import Recurrent
+from .state import Recurrent, has_recurrent
 
 SIZES: dict[str, dict[str, Any]] = {  # the issue's prototype model, and one about 16 times its parameters
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -91,7 +91,7 @@ def separate_draft(target: LlamaForCausalLM, layers: int = 2, dtype: torch.dtype
     layers, final norm and head, so that it agrees with the target often (the target's layers
     past the first are scaled down) while it shares no module, and so no cache, with it: the
     stand-in of a trained draft (a model with its own prefill, graphs, dtype and layer count)."""
-    if any(isinstance(layer, Recurrent) for layer in target.model.layers[:layers]):
+    if has_recurrent(target.model.layers[:layers]):
         raise ValueError(f"the target's first {layers} layers must be attention to make a draft of")
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = layers

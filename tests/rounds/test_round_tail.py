@@ -2,7 +2,7 @@
 acceptance, commit and first rollback are one launch (the greedy round tail: kernels 3, 4 and 5,
 or a tree's 13, 4 and 5) and that launch is the round's `commit`; a sampled round keeps its
 acceptance's own launches before kernel 4. Every mode issues these parts: eager, readback, graph
-and overlap issue `steps`, the SWITCH of bodies by width `accept`, `commit` and `after_commit`
+and overlap issue `steps`, the SWITCH of bodies by width `closing`, `commit` and `after_commit`
 after its bodies, device mode `before_commit`, its join, `commit`, its publish, `after_commit`.
 The kernels and buffers are stand-ins that record what was prepared (no driver); the kernels
 themselves are tested against the launches they replace in tests/kernels (GPU). A model's steps
@@ -137,7 +137,7 @@ def test_a_greedy_chain_round_accepts_commits_and_rolls_back_in_one_launch():
     assert round_.commit.name == "round_tail" and round_.commit.given == (PRED, tables[0])
     assert names(round_.after_commit) == ["rollback"] and round_.after_commit[0].given == (tables[1],)
     assert round_.steps == (*round_.before_commit, round_.commit, *round_.after_commit)
-    assert round_.accept == ()  # what a SWITCH of bodies issues between its bodies and the commit
+    assert round_.accept == ()  # its closing: what a SWITCH of bodies issues between its bodies and the commit
 
 
 def test_a_sampled_chain_round_keeps_its_acceptance_launch():
