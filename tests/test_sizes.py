@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from memra_cuda import DeviceBuffer, DynamicTree, Geometry, KVLayer, StateLayer, StreamBufs, TreeShape, kv_capacity
+from memra_cuda import (DeviceBuffer, DynamicTree, Geometry, Greedy, KVLayer, Module, RoundStream, StateLayer, StreamBufs,
+                        TreeShape, kv_capacity)
 from memra_cuda.buffers import Capacity, KVData
 from memra_cuda.buffers.geometry import MAX_BATCH
 from memra_cuda.buffers.stream_bufs import per_row
@@ -98,7 +99,8 @@ def test_numpy_integers_are_sizes(call, name, least, most):
 def test_what_the_issue_found_is_refused():
     """Issue 49's findings, one by one: a negative budget once gave a capacity of -171, a negative
     k one too small, a float prompt length 341, overlap=-3 counted as true, a string prompt length
-    Python's own concatenation error, and StreamBufs(None, ...) an AttributeError."""
+    Python's own concatenation error, and StreamBufs(None, ...) an AttributeError (so did
+    Module(None, ptx), and a RoundStream given its engine, or anything else, for its buffers)."""
     assert kv_capacity(5, 256, Geometry(4, 16)) == 341 and type(kv_capacity(np.int64(5), 256, Geometry(4, 16))) is int
     with pytest.raises(ValueError, match="max_new_tokens must be an int of at least 0, not -256"):
         kv_capacity(5, -256, Geometry(4, 16))
@@ -113,9 +115,13 @@ def test_what_the_issue_found_is_refused():
             kv_capacity(5, 256, Geometry(4, 16), overlap=overlap)
     geometry = Geometry(4, 16)
     assert kv_capacity(5, 256, geometry, overlap=np.bool_(True)) == kv_capacity(5, 256, geometry, overlap=True) == 421
-    for make in (lambda: StreamBufs(None, Geometry(4, 16)), lambda: KVLayer.allocate(None, 64)):
+    for make in (lambda: StreamBufs(None, Geometry(4, 16)), lambda: KVLayer.allocate(None, 64),
+                 lambda: Module(None, ".version 8.0")):
         with pytest.raises(TypeError, match="engine must be an Engine, not None"):
             make()
+    with pytest.raises(TypeError, match=r"^RoundStream's bufs must be a StreamBufs\(engine, geometry\), not 'engine'$"):
+        RoundStream("engine", draft_chain=print, verify_trunk=print, draft_d=None, acceptance=Greedy(None),
+                    rollback_tables=[])
 
 
 def test_a_value_a_row_is_named_with_its_row():

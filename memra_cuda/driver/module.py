@@ -27,11 +27,11 @@ from .call import Prepared
 from .errors import CudaError, CudaFault, driver
 from .handle import Handle
 from .signature import ARG_TYPES, Signature, arguments
+from .stream import Stream
 from .values import as_index, as_size, exact_int
 
 if TYPE_CHECKING:
     from .context import PrimaryContext
-    from .stream import Stream
 
 _PTX_DIRS = (Path(__file__).parent.parent / "ptx", Path(__file__).parent.parent.parent / "ptx")
 
@@ -313,6 +313,8 @@ class Module(Handle):
     """
 
     def __init__(self, engine: Stream, ptx: str | bytes, signatures: Mapping[str, Signature] | None = None):
+        if not isinstance(engine, Stream):  # None failed on an attribute it lacks
+            raise TypeError(f"engine must be an Engine, not {engine!r}")
         image = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
         image = image[:-1] if image.endswith(b"\0") else image
         if b"\0" in image:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..buffers.ledger import as_slot
-from ..buffers.stream_bufs import Readback, per_row
+from ..buffers.stream_bufs import Readback, StreamBufs, per_row
 from .device_loop import DeviceLoop, Landed, RoundCapError
 from ..driver.errors import CaptureError
 from ..driver.event import Event
@@ -31,7 +31,6 @@ from .round import ChainRound, Round, Stages, Step
 if TYPE_CHECKING:
     from ..buffers.acceptance import Acceptance
     from ..buffers.lengths import DraftLengths
-    from ..buffers.stream_bufs import StreamBufs
     from ..driver.module import Launch
     from ..buffers.tables import PointerTable, StateIndexTable, StateTable
 
@@ -97,6 +96,8 @@ class RoundStream:
                  lengths: DraftLengths | None = None, narrower: Mapping[int, tuple[Step, Step]] | None = None,
                  choose_beside: bool = False, skip_done: bool = False, capture: Capture | None = None,
                  pace: bool = True, stages: Stages | None = None, kernels: SpecKernels | None = None):
+        if not isinstance(bufs, StreamBufs):  # an engine given for its buffers failed on an attribute
+            raise TypeError(f"RoundStream's bufs must be a StreamBufs(engine, geometry), not {bufs!r}")
         self._start(ChainRound(bufs, kernels or SpecKernels(bufs.engine), draft_chain=draft_chain,
                                verify_trunk=verify_trunk, draft_d=draft_d, acceptance=acceptance,
                                rollback_tables=rollback_tables, state_tables=state_tables, seed_gather=seed_gather,
