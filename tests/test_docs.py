@@ -1,10 +1,10 @@
 """The user pages stay what a user reads: a README of at most 120 lines, no docs page over 250,
 no performance figure in them (they live in benchmarks/RESULTS.md, each with its machine, date
 and model), no name the library no longer has, docs/errors.md listing exactly the errors of
-memra_cuda.errors, every name memra_cuda and memra_cuda.torch export named on a page, install
-lines that work from a checkout or a wheel, no address the project does not have, the toy page's
-ToyModel signature whole, and the Unreleased section's migration table for the calls the
-Geometry changed. CPU only: it runs in every `make test`.
+memra_cuda.errors, every name memra_cuda and memra_cuda.torch export named on a page, every name
+a page's python block imports there, install lines that work from a checkout or a wheel, no
+address the project does not have, the toy page's ToyModel signature whole, and the Unreleased
+section's migration table for the calls the Geometry changed. CPU only: it runs in every `make test`.
 """
 from __future__ import annotations
 
@@ -267,3 +267,32 @@ def test_every_public_name_is_documented(package):
         assert importlib.import_module(package).__all__ == names
     missing = [name for name in names if not re.search(rf"`[^`]*(?<![\w.]){re.escape(name)}\b[^`]*`", text)]
     assert not missing, f"{package} exports names no page of docs/ names: {missing}"
+
+
+def test_the_pages_python_blocks_import_what_exists():
+    """Every name a ```python block of docs/ imports from memra_cuda is there (the README's blocks
+    are tests/test_readme_gpu.py's): a name renamed or moved fails here, not in a newcomer's first
+    paste. A module that needs torch is read from its source's `__all__`, so no torch is needed."""
+    blocks = [(page.name, block) for page in pages()
+              for block in re.findall(r"^```python\s*\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S)]
+    imports = [(name, statement) for name, block in blocks for line in block.splitlines()
+               if line.startswith(("from memra_cuda", "import memra_cuda"))
+               for statement in ast.parse(line).body]
+    assert len(imports) >= 5, f"the pages' imports were not found: {imports}"
+    missing = []
+    for name, statement in imports:
+        if isinstance(statement, ast.Import):
+            modules = [(alias.name, []) for alias in statement.names]
+        else:
+            assert isinstance(statement, ast.ImportFrom) and statement.module
+            modules = [(statement.module, [alias.name for alias in statement.names])]
+        for module, names in modules:
+            path = ROOT.joinpath(*module.split("."))
+            path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+            if not path.is_file():
+                missing.append(f"{name}: no module {module}")
+            elif module.startswith("memra_cuda.torch"):
+                missing += [f"{name}: {module}.{n}" for n in names if n not in exported(path)]
+            else:
+                missing += [f"{name}: {module}.{n}" for n in names if not hasattr(importlib.import_module(module), n)]
+    assert not missing, "the pages import what memra_cuda does not have:\n" + "\n".join(missing)
