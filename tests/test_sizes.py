@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from memra_cuda import (DeviceBuffer, DynamicTree, Geometry, Greedy, KVLayer, Module, RoundStream, StateLayer, StreamBufs,
-                        TreeShape, kv_capacity)
+from memra_cuda import (DeviceBuffer, DynamicTree, Geometry, Greedy, KVLayer, Module, RoundStream, StateLayer,
+                        StreamBufs, TreeShape, kv_capacity)
 from memra_cuda.buffers import Capacity, KVData
 from memra_cuda.buffers.geometry import MAX_BATCH
 from memra_cuda.buffers.stream_bufs import per_row
@@ -119,8 +119,8 @@ def test_what_the_issue_found_is_refused():
                  lambda: Module(None, ".version 8.0")):
         with pytest.raises(TypeError, match="engine must be an Engine, not None"):
             make()
-    with pytest.raises(TypeError, match=r"^RoundStream's bufs must be a StreamBufs\(engine, geometry\), not 'engine'$"):
-        RoundStream("engine", draft_chain=print, verify_trunk=print, draft_d=None, acceptance=Greedy(None),
+    with pytest.raises(TypeError, match=r"^RoundStream's bufs must be a StreamBufs\(engine, geometry\), not 'x'$"):
+        RoundStream("x", draft_chain=print, verify_trunk=print, draft_d=None, acceptance=Greedy(None),
                     rollback_tables=[])
 
 

@@ -313,8 +313,6 @@ class Module(Handle):
     """
 
     def __init__(self, engine: Stream, ptx: str | bytes, signatures: Mapping[str, Signature] | None = None):
-        if not isinstance(engine, Stream):  # None failed on an attribute it lacks
-            raise TypeError(f"engine must be an Engine, not {engine!r}")
         image = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
         image = image[:-1] if image.endswith(b"\0") else image
         if b"\0" in image:
@@ -322,6 +320,8 @@ class Module(Handle):
         self.engine = engine
         self.signatures: Mapping[str, Signature] = _table(signatures)
         self._kernels: dict[str, Kernel] = {}
+        if not isinstance(engine, Stream):  # None failed on an attribute it lacks
+            raise TypeError(f"engine must be an Engine, not {engine!r}")
         ctx = engine.activate()
         self.handle = _load(ctx, image + b"\0")
         self._own(ctx, "cuModuleUnload", self.handle, at_exit=False)
