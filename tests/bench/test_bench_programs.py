@@ -70,8 +70,10 @@ def test_a_pytorch_benchmark_without_a_gpu_says_so_in_one_line(program, argv, al
     """Each died with torch's "Torch not compiled with CUDA enabled" traceback (steps in headline's copy_bandwidth).
     Where what a program needs beside torch is absent (a CPU torch without triton: tiles), it says that
     first, in its one line (test_a_pytorch_benchmark_without_torch_says_so_in_one_line's refusal)."""
+    need = "the PyTorch benchmarks need torch, transformers and tokenizers"  # a skip's one line in `make test`
+    need += "" if also in ("transformers", "tokenizers") else f"; {program}, {also} too"
     for name in ("torch", "transformers", "tokenizers", also):
-        pytest.importorskip(name, reason=f"the PyTorch benchmarks need torch, transformers, tokenizers; this {also}")
+        pytest.importorskip(name, reason=need)
     import torch
     if torch.cuda.is_available():
         pytest.skip("torch reaches a GPU here: the programs would measure on it")
