@@ -90,7 +90,9 @@ class Stream(Handle):
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol (version 0, the raw handle): cuda.core, CuPy and others take
-        this stream as it is."""
+        this stream as it is. ValueError once closed: the destroyed handle may name another
+        stream by then (an Engine.wait on a closed engine recorded an event onto it)."""
+        self.activate()
         return 0, self.stream_handle
 
     @property

@@ -23,6 +23,7 @@ from memra_cuda.driver.values import exact_array, exact_int
 from memra_cuda.driver.engine import LEAST_CAPABILITY, capability_refusal
 from memra_cuda.driver.errors import bindings_refusal, check
 from memra_cuda.driver.module import _PTX_DIRS, packaged_ptx
+from memra_cuda.driver.stream import Stream, handle_of
 
 # A made-up device address: wrap() only stores it, so it never has to be valid.
 FAKE_PTR = 0x1000
@@ -373,6 +374,28 @@ def test_cuda_array_interface_names_its_engines_stream_until_the_engine_closes()
     assert buf.__cuda_array_interface__["stream"] == 0x5000
     engine.closed = True  # its work finished and its stream destroyed: nothing to wait on, no handle to name
     assert "stream" not in buf.__cuda_array_interface__
+
+
+def closed_stream_stand_in(handle: int) -> Stream:
+    """A Stream in the state close() leaves, without a driver: its stream borrowed (nothing to
+    destroy), its last work taken as finished."""
+    stream = Stream.__new__(Stream)
+    stream.ctx = types.SimpleNamespace(device=0, fault=None)
+    stream.stream_handle, stream.synchronize = handle, lambda: None
+    assert stream.__cuda_stream__() == (0, handle)
+    stream.close()
+    return stream
+
+
+def test_a_closed_stream_hands_out_no_handle():
+    """A closed stream's handle is destroyed, and the driver may give it to the next stream made:
+    __cuda_stream__() handed it out still, so another engine's wait on the closed one (which
+    reads the protocol) recorded an event onto whatever stream it named by then."""
+    stream = closed_stream_stand_in(0x5000)
+    with pytest.raises(ValueError, match=r"Stream\(device=0, closed\) is closed"):
+        stream.__cuda_stream__()
+    with pytest.raises(ValueError, match="is closed"):
+        handle_of(stream)  # what Engine.wait and wait_stream read a stream by
 
 
 # -- packaged PTX -------------------------------------------------------------------------
