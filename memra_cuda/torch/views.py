@@ -103,6 +103,8 @@ class RoundViews:
     """
 
     def __init__(self, bufs: StreamBufs):
+        if not isinstance(bufs, StreamBufs):  # None met an AttributeError of NoneType, naming no argument
+            raise TypeError(f"RoundViews' bufs must be a StreamBufs, not {reprlib.repr(bufs)}")
         rows, k, window = bufs.batch, bufs.k, windows(bufs.arena)
         self.pend = window(bufs.pend_d)[:, None]
         self.pos_ctr = window(bufs.pos_ctr_d)[:, None]
@@ -124,6 +126,8 @@ class TreeViews:
     """
 
     def __init__(self, tree_bufs: TreeBufs):
+        if not isinstance(tree_bufs, TreeBufs):
+            raise TypeError(f"TreeViews' tree_bufs must be a TreeBufs, not {reprlib.repr(tree_bufs)}")
         rows, nodes, window = tree_bufs.bufs.batch, tree_bufs.nodes, windows(tree_bufs.arena)
         self.tok = window(tree_bufs.tok_d).view(rows, nodes)
         self.pos = window(tree_bufs.pos_d).view(rows, nodes)

@@ -60,6 +60,7 @@ def round_views(monkeypatch, geometry: Geometry, tree: TreeShape | DynamicTree |
                           "last_pred_d": 1, "pos_start_d": 1}, batch, k=k)
     with monkeypatch.context() as patch:
         patch.setattr(views, "tensor", lambda buf, dtype=None: words)
+        patch.setattr(views, "StreamBufs", SimpleNamespace)  # the stand-ins pass as what they stand in for
         made = views.RoundViews(bufs)
     if tree is None:
         return made, None
@@ -69,6 +70,7 @@ def round_views(monkeypatch, geometry: Geometry, tree: TreeShape | DynamicTree |
                                    bufs=bufs, nodes=n, words=w, depth=tree.depth)
     with monkeypatch.context() as patch:
         patch.setattr(views, "tensor", lambda buf, dtype=None: tree_words)
+        patch.setattr(views, "TreeBufs", SimpleNamespace)
         return made, views.TreeViews(tree_bufs)
 
 

@@ -1343,6 +1343,19 @@ def test_a_tensor_is_made_of_a_device_buffer_read_as_a_torch_dtype():
             tensor(buf)  # type: ignore[arg-type]
 
 
+def test_round_and_tree_views_are_made_of_their_buffers_alone():
+    """RoundViews(None) met an AttributeError ('NoneType' object has no attribute 'batch'), and a
+    TreeBufs given for the StreamBufs (or the other way round) another, naming no argument: each
+    is a TypeError naming it, before any tensor is made."""
+    from memra_cuda import DeviceBuffer
+    from memra_cuda.torch import RoundViews, TreeViews
+    for given, named in ((None, "None"), ("bufs", "'bufs'"), (DeviceBuffer.wrap(0x1000, np.uint32, 4), "DeviceBuffer")):
+        with pytest.raises(TypeError, match=f"^RoundViews' bufs must be a StreamBufs, not {named}"):
+            RoundViews(given)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=f"^TreeViews' tree_bufs must be a TreeBufs, not {named}"):
+            TreeViews(given)  # type: ignore[arg-type]
+
+
 def test_a_torch_bool_is_no_budget_token_id_or_top_k():
     """torch.tensor(True)'s __index__ gives 1: it was a budget, a seed, an EOS or a prompt's token of
     1, request 1 to cancel, and a top_k of 1, where True itself is refused (TypeError) as each."""
