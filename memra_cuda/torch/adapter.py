@@ -58,19 +58,19 @@ def engine(stream: torch.cuda.Stream | None = None) -> Engine:
     torch's Framework: the model's work runs with that stream as torch's current stream, and
     graphs capture through torch (so its allocator knows what a graph uses, and its random
     numbers move on)."""
-    _need_cuda("memra_cuda.torch.engine()")
+    need_cuda("memra_cuda.torch.engine()")
     stream = stream if stream is not None else torch.cuda.current_stream()
     return Engine(stream.device.index, stream=stream, framework=framework(stream))
 
 
-def _need_cuda(what: str) -> None:
-    """CudaUnavailable, naming `what`, where torch sees no CUDA GPU (a CPU build of torch, no
-    driver, no GPU): the error memra_cuda raises for a missing GPU everywhere else, where
-    torch's own was an AssertionError ("Torch not compiled with CUDA enabled") or a RuntimeError
-    from inside its stream."""
+def need_cuda(what: str, instead: str = "") -> None:
+    """CudaUnavailable, naming `what` (and what to do `instead`, where there is something), where
+    torch sees no CUDA GPU (a CPU build of torch, no driver, no GPU): the error memra_cuda raises
+    for a missing GPU everywhere else, where torch's own was an AssertionError ("Torch not
+    compiled with CUDA enabled") or a RuntimeError from inside its stream."""
     if not torch.cuda.is_available():
         raise CudaUnavailable(f"{what} needs a CUDA GPU, and torch {torch.__version__} sees none "
-                              "(torch.cuda.is_available() is False)", call="torch.cuda.is_available")
+                              f"(torch.cuda.is_available() is False){instead}", call="torch.cuda.is_available")
 
 
 def decoder_stream() -> torch.cuda.Stream:
@@ -78,7 +78,7 @@ def decoder_stream() -> torch.cuda.Stream:
     non-blocking, so nothing else orders it after the work queued there, such as a model's
     weights made, cast or loaded a moment ago, which the decoder fuses (copies) on its stream. A
     wait on the GPU; the host goes on."""
-    _need_cuda("a decoder")
+    need_cuda("a decoder")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     return stream

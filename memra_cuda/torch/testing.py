@@ -21,6 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..buffers.tree import DynamicTree, Tree, TreeShape
+from .adapter import need_cuda
 from .kv import head_size
 from .state import Recurrent, has_recurrent
 
@@ -46,13 +47,17 @@ def prompts(batch: int, seed: int = 0, shortest: int = 2, longest: int = 40) -> 
 
 def build_model(size: str = "small", *, draft_layers: int = 1, residual_scale: float = 0.01,
                 logit_scale: float = 1.0, head_dim: int | None = None, recurrent_layers: Sequence[int] = (),
-                seed: int = 0, device: str = "cuda") -> LlamaForCausalLM:
+                seed: int = 0, device: str | torch.device = "cuda") -> LlamaForCausalLM:
     """A random-weight Llama of `size`, with layers past the first `draft_layers` scaled down.
     `logit_scale` multiplies the head's weights: random ones give logits so flat that sampling
     is near uniform; a scale of a few makes the sampled law peaked, as a trained model's is.
     `head_dim` sets a head size other than hidden_size / heads, as some configs do.
     `recurrent_layers` (the hybrid variant: HYBRID) become RecurrentLayers, scaled down alike;
-    Hugging Face's own forward cannot run them, memra_cuda.torch's Stack can."""
+    Hugging Face's own forward cannot run them, memra_cuda.torch's Stack can. It is made on
+    `device`, a CUDA GPU unless another is given: where torch sees none, CudaUnavailable says so
+    first (torch's own error came from deep inside the model's construction)."""
+    if torch.device(device).type == "cuda":
+        need_cuda(f"build_model(device={device!r})", ": device='cpu' builds it on the CPU")
     count = SIZES[size]["num_hidden_layers"]
     if any(not draft_layers <= i < count for i in recurrent_layers):
         raise ValueError(f"recurrent layers must be among layers {draft_layers}..{count - 1}, past the draft's "

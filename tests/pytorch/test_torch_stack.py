@@ -1574,7 +1574,7 @@ def test_a_capacity_is_checked_before_a_sliding_window_is_compared_with_it():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a CUDA GPU here: nothing to refuse")
 def test_without_a_gpu_torchs_layer_raises_cuda_unavailable_naming_the_call():
-    """On a machine where torch sees no GPU, memra_cuda.torch's engine() met torch's
+    """On a machine where torch sees no GPU, memra_cuda.torch's engine() and build_model() met torch's
     AssertionError ("Torch not compiled with CUDA enabled") and a decoder torch's RuntimeError
     from inside its stream: the CudaUnavailable the rest of the package raises for a missing
     GPU, which docs/errors.md promises, is raised instead, before anything is built."""
@@ -1587,3 +1587,7 @@ def test_without_a_gpu_torchs_layer_raises_cuda_unavailable_naming_the_call():
         GraphedGreedy(tiny(), 64)
     with pytest.raises(CudaUnavailable, match="a decoder needs a CUDA GPU"):
         SpeculativeLlama(tiny(), tiny(1, seed=1), k=2, m_rounds=4, capacity=64)
+    # build_model's default device is the GPU: torch's AssertionError came from inside the model's construction
+    from memra_cuda.torch.testing import build_model
+    with pytest.raises(CudaUnavailable, match=r"^build_model\(device='cuda'\) needs a CUDA GPU.*: device='cpu' builds"):
+        build_model()
