@@ -14,7 +14,7 @@ from .event import Event
 from .framework import DRIVER, Framework
 from .module import Module, packaged_ptx
 from .signature import Signature
-from .stream import Stream
+from .stream import Stream, as_stream
 from .values import as_flag, as_index, exact_array, exact_int
 
 
@@ -228,14 +228,22 @@ class Engine(Stream):
         An event recorded inside a graph's capture on another engine joins this stream to that
         capture: its work is then the graph's, and the graph holds what it names only where this
         engine is one of the capture's `joined` engines (a RoundStream's stages are). Elsewhere,
-        CaptureError before the wait: the graph would replay work over memory it does not hold."""
+        CaptureError before the wait: the graph would replay work over memory it does not hold.
+        The other way round, a stream being captured waits only on work of its own capture: CUDA
+        forbids a wait on an event recorded outside it (before it began, say), or on a stream not
+        in it, and invalidates the capture; CaptureError before the wait here too."""
         if isinstance(other, Event):
             other._usable()
             self._joins(other.engine)
+            if self.capture_hold is not None:
+                self._waits_inside(other.recorded_in(self.capture_hold), other)
             self.activate().call("cuStreamWaitEvent", self.stream, other.handle, 0)
         else:
             if isinstance(other, Stream):
                 self._joins(other)
+            if self.capture_hold is not None:
+                self._waits_inside(other.capture_hold is self.capture_hold if isinstance(other, Stream)
+                                   else self._is_capturing(other), other)
             self.wait_stream(other)
 
     def _joins(self, other: Stream) -> None:
@@ -246,6 +254,20 @@ class Engine(Stream):
             raise CaptureError(f"{self!r} would wait on a graph being captured on {other!r} that does not hold its "
                                "work (what it names could be freed under the graph): capture with this engine among "
                                "the graph's joined engines (Graph(engine, issue, joined=[...]))")
+
+    def _waits_inside(self, inside: bool, other: Any) -> None:
+        """CaptureError where this stream is being captured and `other` (what it would wait on)
+        is not `inside` its capture. Asked only during a capture of memra's, never a round."""
+        if not inside and self.capturing:
+            raise CaptureError(f"{self!r} is being captured and would wait on {other!r}, which is not of its capture "
+                               "(an event recorded outside it, before it began say, or a stream not in it): CUDA "
+                               "forbids the wait and invalidates the capture; wait before capturing, or record the "
+                               "event inside the capture")
+
+    def _is_capturing(self, other: Any) -> bool:
+        """Whether the stream `other` (anything as_stream takes) is being captured."""
+        status = self.activate().call("cuStreamIsCapturing", as_stream(other))
+        return status != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
     # -- modules --------------------------------------------------------------------------
     def load_ptx(self, name: str, signatures: Mapping[str, Signature] | None = None) -> Module:

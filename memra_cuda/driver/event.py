@@ -1,6 +1,7 @@
 """CUDA events: a point in the stream the host can wait for, or time the device against."""
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from .errors import driver
@@ -20,6 +21,10 @@ class Event(Handle):
     every use after free is refused here.
     """
 
+    # The capture (its hold, weakly: no graph kept alive) the last record() was queued in, if any:
+    # a stream being captured may wait only on an event of its own capture (Engine.wait).
+    _captured: weakref.ref | None = None
+
     def __init__(self, engine: Stream, *, timing: bool = True):
         timing = as_flag(timing, "timing")
         self.engine = engine
@@ -31,7 +36,13 @@ class Event(Handle):
     def record(self) -> None:
         """Mark the current end of the engine's stream."""
         self._usable()
+        hold = self.engine.capture_hold
+        self._captured = None if hold is None else weakref.ref(hold)
         self.engine.activate().call("cuEventRecord", self.handle, self.engine.stream)
+
+    def recorded_in(self, hold: object) -> bool:
+        """Whether the last record() was queued inside the capture of `hold` (a capture_hold)."""
+        return self._captured is not None and self._captured() is hold
 
     def synchronize(self) -> None:
         """Wait until the stream has reached the last record()."""

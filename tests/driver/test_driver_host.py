@@ -857,3 +857,60 @@ def test_a_captures_engines_share_one_hold_so_a_joined_engines_wait_is_taken_and
         Graph(main, issue, capture=capture, joined=[joined])  # type: ignore[arg-type]
     assert waits == ["checked"] and all(e.capture_hold is None for e in (main, joined, outsider))
     Engine._joins(outsider, main)  # no capture under way: nothing to join
+
+
+def test_an_engine_being_captured_waits_only_on_work_of_its_own_capture():
+    """CUDA forbids a stream being captured to wait on an event recorded outside its capture
+    (before it began, say) or on a stream not in it, and invalidates the capture: the driver's
+    refusal came as a bare CudaError from inside the capture. Refused before the wait now, naming
+    both; a joined engine not yet forked into the capture still waits on what it likes. Host
+    logic alone: stand-in engines whose context records the calls and which say themselves
+    which streams are captured, a capture that runs `issue` and stops before the driver."""
+    from memra_cuda.driver.event import Event
+    from memra_cuda.driver.graph import Graph
+    from memra_cuda.errors import CaptureError
+
+    captured, calls = set(), []
+
+    class StandIn(Engine):
+        @property
+        def capturing(self) -> bool:
+            return self.stream in captured
+
+        def _is_capturing(self, other) -> bool:
+            return other in captured
+
+    def engine(stream: int) -> Engine:
+        made = StandIn.__new__(StandIn)
+        made.ctx = types.SimpleNamespace(device=0, call=lambda name, *args: calls.append(name))
+        made.stream, made.capture_hold = stream, None
+        return made
+
+    def event(on: Engine) -> Event:
+        made = Event.__new__(Event)
+        made.engine, made.handle = on, 0xe0
+        return made
+
+    class Stop(Exception):
+        pass
+
+    main, joined, outsider = engine(0x10), engine(0x20), engine(0x30)
+    before = event(main)
+    before.record()
+
+    def issue():
+        captured.add(0x10)  # the capture began on main's stream
+        inside = event(main)
+        inside.record()
+        Engine.wait(joined, before)  # not forked into the capture yet: an eager wait, taken
+        Engine.wait(joined, inside)  # the fork: joined's stream is in the capture from now on
+        captured.add(0x20)
+        Engine.wait(main, inside)
+        for waiter, other in ((main, before), (joined, before), (main, outsider), (main, 0x30)):
+            with pytest.raises(CaptureError, match=r"^StandIn\(device=0\) is being captured and would wait on "):
+                Engine.wait(waiter, other)
+        assert calls.count("cuStreamWaitEvent") == 3, "a refused wait reached the driver"
+        raise Stop
+
+    with pytest.raises(Stop):
+        Graph(main, issue, capture=lambda engine, issue: issue(), joined=[joined])  # type: ignore[arg-type]
