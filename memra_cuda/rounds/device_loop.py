@@ -244,7 +244,7 @@ class DeviceLoop:
         with the largest budget to capture it once). A failed capture leaves the last loop; a
         running one is never replaced (BuffersHeld)."""
         self.bufs.check_free()
-        if self.holds(cap, paced):
+        if self.serves(cap, paced):
             return
         cap = 1 << (max(cap, 1) - 1).bit_length()
         last_feed, last_graph = self._feed, self._graph
@@ -261,9 +261,9 @@ class DeviceLoop:
         self._feed, self._graph, self._paced = feed, graph, paced
         self.captures += 1
 
-    def holds(self, cap: int, paced: bool) -> bool:
+    def serves(self, cap: int, paced: bool) -> bool:
         """Whether the loop captured serves a generation of `cap` tokens a row with this pacing:
-        prepare() would capture nothing."""
+        prepare() would capture nothing. (Not whether it can run: ready() says that.)"""
         feed = self._feed
         return self._graph is not None and feed is not None and feed.cap >= cap and self._paced == paced
 

@@ -240,7 +240,7 @@ class RoundStream:
         """CaptureError where this stream is sealed and the device loop captured before it cannot
         take a generation of `tokens` new tokens a row: follow() would capture one mid-generation.
         A decoder asks before it prefills its rows, so a refusal leaves them as they were."""
-        if self.sealed and not self.device_loop.holds(tokens, self.pace):
+        if self.sealed and not self.device_loop.serves(tokens, self.pace):
             raise CaptureError(f"device mode's loop for {tokens} tokens a row was not captured before the first "
                                "request (capture_graphs sealed this stream): capture_loop() it there")
 
