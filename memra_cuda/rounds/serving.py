@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import reprlib
 import threading
 import time
@@ -247,10 +248,15 @@ def as_row(row: object, batch: int) -> int:
 def as_rows(rows: object, batch: int, what: str) -> list[int]:
     """`rows` (a list, a range, a set; a row given twice is the caller's to fold) as rows of a
     decoder's `batch`, each checked (as_row) before any is used, else TypeError or ValueError
-    naming it. Text and bytes are no rows: a park() of b"\\x00\\x01" stopped rows 0 and 1."""
+    naming it. Text and bytes are no rows: a park() of b"\\x00\\x01" stopped rows 0 and 1. At
+    most `batch` are read, a row given twice counted twice, and one more is a ValueError naming
+    `what`: itertools.repeat(0) was read for ever (each 0 a row), never refused."""
     if isinstance(rows, TEXT_LIKE) or not isinstance(rows, Iterable):
         raise TypeError(f"{what} takes rows, ints of the decoder's {batch}, not {reprlib.repr(rows)}")
-    return [as_row(row, batch) for row in rows]
+    checked = [as_row(row, batch) for row in itertools.islice(rows, batch + 1)]
+    if len(checked) > batch:
+        raise ValueError(f"{what} names more rows than the decoder's {batch}")
+    return checked
 
 
 class _Kept(Request):

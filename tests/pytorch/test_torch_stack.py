@@ -744,7 +744,8 @@ def test_a_speculative_decoders_server_parks_the_rows_it_names_each_checked_firs
     batch stopped every row, so [0, 0] of two rows parked row 1 too (its request ended as if it
     had stopped) and [5, 9] parked both without a word. Now each row is checked before any is
     stopped, a row named twice stops once, and every row stops at once only where every row is
-    named (the host side alone: the buffers' calls recorded)."""
+    named; more rows than the batch are refused, itertools.repeat(0) (read for ever) too (the
+    host side alone: the buffers' calls recorded)."""
     from memra_cuda.rounds.serving import Driven
     from memra_cuda.rounds.stream import Mode
     from memra_cuda.torch.decoder import _Slots
@@ -767,7 +768,9 @@ def test_a_speculative_decoders_server_parks_the_rows_it_names_each_checked_firs
                                (b"\x00\x01", TypeError, "park\\(\\) takes rows, ints of the decoder's 2, not b'"),
                                (bytearray(2), TypeError, "park\\(\\) takes rows"),
                                ("01", TypeError, "park\\(\\) takes rows"),
-                               (3, TypeError, "park\\(\\) takes rows")):
+                               (3, TypeError, "park\\(\\) takes rows"),
+                               ([0, 0, 0], ValueError, "park\\(\\) names more rows than the decoder's 2"),
+                               (itertools.repeat(0), ValueError, "park\\(\\) names more rows")):  # read for ever
         with pytest.raises(error, match=named):
             slots.park(rows)
         assert decoder.bufs.calls == []
@@ -781,8 +784,8 @@ def test_the_plain_loop_parks_only_rows_it_has_and_each_checked_before_any_is_pa
     """GraphedGreedy.park (a Server's Decoder, public) indexed its rows' stops by what it was
     given: -1 parked the last row, whose request a server then ended as stopped, its tokens cut
     short, and True parked row 1; a row past the batch raised IndexError after the ones before it
-    were parked. Each is refused now, naming it, with no row parked (the host side alone: no
-    stream, no model)."""
+    were parked, and itertools.repeat(1) was read for ever. Each is refused now, naming it, with
+    no row parked (the host side alone: no stream, no model)."""
     from memra_cuda.rounds.serving import Driven
     from memra_cuda.torch import GraphedGreedy
     from memra_cuda.torch.greedy import _Stop
@@ -795,11 +798,14 @@ def test_the_plain_loop_parks_only_rows_it_has_and_each_checked_before_any_is_pa
                                ([True], TypeError, "a row must be an integer, not True"),
                                ([1.0], TypeError, "a row must be an integer, not 1.0"),
                                (b"\x01", TypeError, "park\\(\\) takes rows, ints of the decoder's 2, not b'"),
-                               (memoryview(b"\x01"), TypeError, "park\\(\\) takes rows")):
+                               (memoryview(b"\x01"), TypeError, "park\\(\\) takes rows"),
+                               ([1, 1, 1], ValueError, "park\\(\\) names more rows than the decoder's 2"),
+                               (itertools.repeat(1), ValueError, "park\\(\\) names more rows")):  # read for ever
         with pytest.raises(error, match=named):
             decoder.park(rows)
         assert decoder._stops == stops
     decoder.park([np.int64(1)])  # the last row, at the limit
+    decoder.park([1, 1])  # as many as the batch, a row twice
     assert decoder._stops == [stops[0], None]
 
 

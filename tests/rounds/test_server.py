@@ -7,6 +7,7 @@ is checked is the server's part: which request a row runs, when, and whose token
 refusals, cancels and the times each token was read back."""
 from __future__ import annotations
 
+import itertools
 import pickle
 import re
 import reprlib
@@ -1734,3 +1735,27 @@ def test_an_interrupt_as_serve_builds_its_list_loses_none():
     out = _idle(server)
     assert sorted(out) == [0, 1, 2], "a request serve() had ended was lost"
     assert [out[i].tokens for i in range(3)] == [alone(request) for request in requests]
+
+
+def test_rows_to_park_are_read_no_further_than_the_batch_and_one():
+    """A decoder's park() (as_rows, public through GraphedGreedy's and a speculative decoder's
+    server) read any iterable whole: park(itertools.repeat(0)) never returned. At most the batch
+    and one are read now, a row given twice counted twice: the batch's count passes (park([0, 0])
+    of two rows, as the plain loop's tests give it), one more is a ValueError naming the call."""
+    from memra_cuda.rounds.serving import as_rows
+
+    def endless(batch):  # itertools.repeat(0), failing where it is read past the batch and one
+        for _ in range(batch + 1):
+            yield 0
+        raise AssertionError("rows were read past the batch and one")
+
+    for batch in (1, 2, 5):
+        assert as_rows([0] * batch, batch, "park()") == [0] * batch  # at the limit
+        assert as_rows(range(batch), batch, "park()") == list(range(batch))
+        for rows in ([0] * (batch + 1), endless(batch), iter([0] * (batch + 1) + ["never read"])):
+            with pytest.raises(ValueError, match=f"park\\(\\) names more rows than the decoder's {batch}$"):
+                as_rows(rows, batch, "park()")
+    with pytest.raises(ValueError, match="names more rows"):
+        as_rows(itertools.repeat(0), 2, "park()")
+    with pytest.raises(ValueError, match="row 2 is not one of the decoder's 2"):  # each row checked as it is read
+        as_rows(itertools.count(), 2, "park()")
