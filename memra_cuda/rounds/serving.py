@@ -400,6 +400,24 @@ class Server:
         hands out its end, after one that raised)."""
         return not self._live and not self._unreported
 
+    @property
+    def in_flight(self) -> bool:
+        """A request waits, runs or waits for its cancel to take effect: the server holds its
+        decoder's rows (Driven), where one holding only ends for its next step to hand out
+        (`unreported`) holds none."""
+        return bool(self._live)
+
+    @property
+    def unreported(self) -> list[int]:
+        """The ids, in order, of requests that have ended and whose ends the next step() hands out
+        (ended in a step that raised, or another's ended inside serve())."""
+        return sorted(self._unreported)
+
+    def calling(self, thread: int) -> bool:
+        """Whether the server is calling its decoder's rows (admit, park, burst, recover: _into)
+        on `thread` (threading.get_ident()) now: that call is its own (Driven.take_row)."""
+        return self._calling == thread
+
     def submit(self, request: Request) -> int:
         """Queue `request` and give its id; RequestRefused naming the id and why, where it is
         malformed, names a token outside the vocabulary or cannot fit a row (nothing else
@@ -726,10 +744,10 @@ class Driven:
         the requests in flight alone."""
         for server in list(self._servers):
             if server is not beside and not server.idle:
-                if server._live:
+                if server.in_flight:
                     raise RuntimeError(self._taken(what))
                 raise RuntimeError(f"{what} would take the rows of this decoder's server, which holds the end of "
-                                   f"request(s) {sorted(server._unreported)} for its next step() to hand out: "
+                                   f"request(s) {server.unreported} for its next step() to hand out: "
                                    "step it until it is idle")
 
     def take_row(self, what: str) -> None:
@@ -746,7 +764,7 @@ class Driven:
         as another server took the rows), where it refused the other's own step, every admission
         and burst of it, until it stepped."""
         me = threading.get_ident()
-        if any(server._calling != me and server._live for server in list(self._servers)):
+        if any(server.in_flight and not server.calling(me) for server in list(self._servers)):
             raise RuntimeError(self._taken(what))
 
     @staticmethod

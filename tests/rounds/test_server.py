@@ -939,7 +939,7 @@ def test_a_server_holding_only_ends_to_hand_out_does_not_refuse_another_servers_
     first, second = taken_mid_serve(decoder)
     with pytest.raises(RuntimeError, match="would take the rows of this decoder's server"):
         first.serve([Request([VOCAB], 2), Request([1, 2], 3)])
-    assert not first.idle and not first._live  # the refusal's end, for its next step: no row held
+    assert not first.idle and not first.in_flight and first.unreported == [0]  # the refusal's end: no row held
     assert not second.idle
     with pytest.raises(RuntimeError, match="burst\\(\\) would take the rows"):
         decoder.burst()  # by hand, though, while the second's request runs
@@ -1048,12 +1048,32 @@ def test_a_server_holding_only_ends_to_hand_out_is_named_so_where_it_keeps_the_r
 
     decoder.burst = submitting
     server.serve([Request([1, 2], 12)])
-    assert not server._live and not server.idle, "the other's request did not end inside serve()"
+    assert not server.in_flight and not server.idle, "the other's request did not end inside serve()"
+    assert server.unreported == [1]
     with pytest.raises(RuntimeError, match=r"generate_batch would take the rows of this decoder's server, which "
                                            r"holds the end of request\(s\) \[1\] for its next step\(\) to hand out"):
         driven.take("generate_batch")
-    assert list(server.step().finished) == given and server.idle
+    assert list(server.step().finished) == given and server.idle and server.unreported == []
     driven.take("generate_batch")
+
+
+def test_what_a_server_holds_is_said_by_its_own_members():
+    """Driven read a server's privates (its live requests, its ends for the next step, the
+    thread it calls its rows on) to say whether the rows are taken. The server says so itself:
+    in_flight (a request queued, running or waiting for its cancel), unreported (the ends its
+    next step hands out) and calling(thread) (its own call into the rows, on that thread)."""
+    decoder = Counting(1)
+    server = Server(decoder, clock=decoder.clock)
+    me = threading.get_ident()
+    assert not server.in_flight and server.unreported == [] and not server.calling(me)
+    first, second = server.submit(Request([1], 1)), server.submit(Request([2], 1))
+    assert server.in_flight and not server.idle
+    seen = []
+    burst = decoder.burst
+    decoder.burst = lambda: seen.append((server.calling(me), server.calling(me + 1))) or burst()
+    assert list(server.step().finished) == [first] and seen == [(True, False)] and not server.calling(me)
+    assert server.cancel(second) and server.in_flight
+    assert list(server.step().finished) == [second] and not server.in_flight and server.idle
 
 
 class FailingClock(Clock):
