@@ -262,12 +262,17 @@ def as_rows(rows: object, batch: int, what: str) -> list[int]:
 class _Kept(Request):
     """A checked copy of a request (the copy a Server keeps from its submit), which _checked
     makes: its prompt a tuple of ints, its numbers plain ints, each immutable. Every way a
-    NamedTuple makes another from it (_make, which _replace and copy.replace call; a pickle's
-    round trip) makes a plain Request, to be checked anew; only its private name builds one
-    unchecked, as only a private name reaches the stacks' unchecked prefill. It reads as the
-    Request it is a copy of."""
+    NamedTuple makes another from it (its type called, as type(kept)(*fields) and a pytree's
+    map rebuild one; _make, which _replace and copy.replace call; a copy, a pickle's round trip)
+    makes a plain Request, to be checked anew: a type called made one of negative tokens and
+    budget that _checked then trusted, a device fault at the row's embedding lookup. Only
+    _checked builds one (Request.__new__ given this type), as only a private name reaches the
+    stacks' unchecked prefill. It reads as the Request it is a copy of."""
 
     __slots__ = ()
+
+    def __new__(cls, *fields: Any, **named: Any) -> Request:  # type: ignore[misc]  # a plain one: unchecked
+        return Request(*fields, **named)
 
     @classmethod
     def _make(cls, iterable: Iterable[Any]) -> Request:  # type: ignore[override]  # a plain one: unchecked
@@ -307,7 +312,7 @@ def _checked(request: Request, vocab: int, longest: int | None = None) -> Reques
         return str(exc)
     if eos is not None and eos >= vocab:
         return f"its EOS {eos} is outside the vocabulary of {vocab} tokens"
-    return _Kept(tuple(prompt.tolist()), budget, eos, seed, most)
+    return Request.__new__(_Kept, tuple(prompt.tolist()), budget, eos, seed, most)
 
 
 @dataclass

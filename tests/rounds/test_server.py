@@ -7,6 +7,7 @@ is checked is the server's part: which request a row runs, when, and whose token
 refusals, cancels and the times each token was read back."""
 from __future__ import annotations
 
+import copy
 import itertools
 import pickle
 import re
@@ -1779,3 +1780,34 @@ def test_rows_to_park_are_read_no_further_than_the_batch_and_one():
         as_rows(itertools.repeat(0), 2, "park()")
     with pytest.raises(ValueError, match="row 2 is not one of the decoder's 2"):  # each row checked as it is read
         as_rows(itertools.count(), 2, "park()")
+
+
+def test_a_checked_copy_rebuilt_by_calling_its_type_is_a_plain_request_checked_anew():
+    """The copy admitted() and batch_admitted() hand back (_Kept) passes their check at once by its
+    type; calling that type, as type(kept)(*fields) does and a pytree's map rebuilds a NamedTuple
+    (torch.utils._pytree.tree_map), made another of it from fields never checked: a negative
+    token, a budget past a row's i32, a seed that is no int, a negative EOS or most draft length
+    were admitted as checked (the token a device fault at the row's embedding lookup). It makes
+    a plain Request now, refused naming what is wrong; a copy's too, and the fields that were
+    checked pass as before."""
+    from memra_cuda.rounds.serving import admitted, batch_admitted
+    kept = admitted(Request([1, 2, 3], 4, eos=5), VOCAB, 0, 1)[1]
+    assert admitted(kept, VOCAB, 0, 1)[1] is kept
+    for made, named in ((type(kept)((1, -3), 4), "token -3 \\(at 1\\) is outside the vocabulary"),
+                        (type(kept)(*(-v if type(v) is int else v for v in kept)), "max_new_tokens must be"),
+                        (kept.__class__(prompt=(1,), max_new_tokens=2**31), "max_new_tokens must be an int from"),
+                        (type(kept)((1,), 4, None, "seed"), "its seed must be an integer"),
+                        (type(kept)((1,), 4, -1), "eos must be None or an int of at least 0, not -1"),
+                        (type(kept)((1,), 4, None, 0, -2), "max_draft must be None or an int of at least 0"),
+                        (type(kept)((0.5,), 4), "its prompt must be a sequence of at least one token id")):
+        assert type(made) is Request
+        with pytest.raises(ValueError, match=named):
+            admitted(made, VOCAB, 0, 1)
+        with pytest.raises(RequestRefused, match=named):
+            batch_admitted([made], VOCAB, 1)
+        with pytest.raises(RequestRefused, match=named):
+            Server(Counting(1), clock=Clock()).submit(made)
+    rebuilt = type(kept)(*kept)  # at the limit: the fields that were checked
+    assert type(rebuilt) is Request and rebuilt == kept and admitted(rebuilt, VOCAB, 0, 1)[1] == kept
+    for copied in (copy.copy(kept), copy.deepcopy(kept)):
+        assert type(copied) is Request and copied == kept
