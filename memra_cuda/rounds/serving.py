@@ -156,19 +156,20 @@ def as_request(request: object) -> Request:
     return request
 
 
-def as_requests(requests: Iterable[Request], what: str) -> list[Request]:
-    """`requests` as a list (a generator's too), unless it is one Request or nothing to iterate
-    over: TypeError saying that `what` takes a sequence of them. A Request is a tuple of its five
-    fields, each then read as a request: serve() refused the prompt as no Request, and a batch of
-    two counted five requests; None or a number met "object of type 'int' has no len()", and a
-    string's characters were read as requests (text and bytes alike: a bytearray, a memoryview
-    or a UserString was read as its ints or characters, each refused as no Request)."""
+def as_requests(requests: Iterable[Request], what: str, most: int | None = None) -> list[Request]:
+    """`requests` as a list (a generator's too; no more than `most` and one read, None: no bound),
+    unless it is one Request or nothing to iterate over: TypeError saying that `what` takes a
+    sequence of them. A Request is a tuple of its five fields, each then read as a request:
+    serve() refused the prompt as no Request, and a batch of two counted five requests; None or a
+    number met "object of type 'int' has no len()", and a string's characters were read as
+    requests (text and bytes alike: a bytearray, a memoryview or a UserString was read as its
+    ints or characters, each refused as no Request)."""
     if isinstance(requests, Request):
         raise TypeError(f"{what} takes a sequence of requests, not one Request: give [request]")
     if not isinstance(requests, Iterable) or isinstance(requests, (*TEXT_LIKE, Set, Mapping)):
         # a set's order is its hashes': results in order were in no order the caller could read
         raise TypeError(f"{what} takes a sequence of requests (a list), not {reprlib.repr(requests)}")
-    return list(requests)
+    return list(requests if most is None else itertools.islice(requests, most + 1))
 
 
 def _serve_requests(requests: Iterable[Request]) -> list[Request]:
@@ -196,10 +197,12 @@ def batch_admitted(requests: Sequence[Request], vocab: int, batch: int,
     check raised mid-generation, every row's tokens lost), as Server.submit does: anything but
     None, "" too, is a refusal; ValueError where they are not one a row. The copies, not the
     caller's requests, run: a budget given as a 0-d array was counted down in place, so the same
-    request given again generated nothing."""
-    requests = as_requests(requests, "a batch")
+    request given again generated nothing. No more than `batch` and one are read: a generate_batch
+    of itertools.repeat(request) was listed for ever."""
+    requests = as_requests(requests, "a batch", batch)
     if len(requests) != batch:
-        raise ValueError(f"need one request per row ({batch}), not {len(requests)}")
+        given = len(requests) if len(requests) < batch else f"more than {batch}"
+        raise ValueError(f"need one request per row ({batch}), not {given}")
     kept: list[Request] = []
     for row, request in enumerate(requests):
         checked = _checked(request, vocab, longest)

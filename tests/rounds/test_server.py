@@ -1811,3 +1811,25 @@ def test_a_checked_copy_rebuilt_by_calling_its_type_is_a_plain_request_checked_a
     assert type(rebuilt) is Request and rebuilt == kept and admitted(rebuilt, VOCAB, 0, 1)[1] == kept
     for copied in (copy.copy(kept), copy.deepcopy(kept)):
         assert type(copied) is Request and copied == kept
+
+
+def test_a_batchs_requests_are_read_no_further_than_the_batch_and_one():
+    """A batch's requests (batch_admitted: every decoder's generate_batch) were listed whole before
+    their count was compared with the batch: generate_batch(itertools.repeat(request)) never
+    returned, its list growing until memory ran out. No more than the batch and one are read now:
+    the batch's count runs, one more is refused as more than the batch, before any is checked."""
+    from memra_cuda.rounds.serving import batch_admitted
+    request = Request((1, 2), 3)  # as its checked copy reads
+
+    def endless(batch):  # itertools.repeat(request), failing where it is read past the batch and one
+        yield from [request] * (batch + 1)
+        raise AssertionError("requests were read past the batch and one")
+
+    for batch in (1, 2, 5):
+        assert batch_admitted(iter([request] * batch), VOCAB, batch) == [request] * batch  # at the limit
+        for requests in (endless(batch), itertools.repeat(request), [request] * (batch + 1),
+                         iter([request] * (batch + 1) + ["never read"])):
+            with pytest.raises(ValueError, match=rf"need one request per row \({batch}\), not more than {batch}$"):
+                batch_admitted(requests, VOCAB, batch)
+    with pytest.raises(ValueError, match=r"need one request per row \(3\), not 2$"):
+        batch_admitted(iter([request] * 2), VOCAB, 3)
