@@ -177,7 +177,8 @@ class RoundDecoder:
         request in flight (Driven.take): a row may be one it holds."""
         self.driven.take("prefill()")
         rows = distinct_rows(rows, self.batch, "a prefill's rows")
-        listed = [self.k] * len(rows) if caps is None else as_listed(caps, "a prefill's caps", "ints, one a row")
+        listed = ([self.k] * len(rows) if caps is None
+                  else as_listed(caps, "a prefill's caps", "ints, one a row", len(rows)))  # more: unread
         caps = [as_size(c, "a most draft length", 0, self.k) for c in listed]
         if len(caps) != len(rows):
             raise ValueError(f"need one most draft length for each of the {len(rows)} rows, not {len(caps)}")
@@ -225,11 +226,13 @@ class RoundDecoder:
                          seeds: Sequence[int] | None) -> tuple[list[list[int]], list[int] | None]:
         """A prefill's prompts, one a row, each as the list of ints that was checked (at least one
         token, each of the vocabulary: as_prompt), and its seeds (None: none given), one a row,
-        as 64-bit ints (as_seed), or a refusal naming what, before any row is written."""
-        prompts = as_listed(prompts, "a prefill's prompts", "prompts, one a row")
+        as 64-bit ints (as_seed), or a refusal naming what, before any row is written. More of
+        either than the rows are refused by their count, unread: range(10**10) was listed whole
+        (tens of GB, a MemoryError) to be refused as one a row."""
+        prompts = as_listed(prompts, "a prefill's prompts", "prompts, one a row", len(rows))
         if len(prompts) != len(rows):
             raise ValueError(f"need one prompt for each of the {len(rows)} rows, not {len(prompts)}")
-        seeds = None if seeds is None else as_listed(seeds, "a prefill's seeds", "ints, one a row")
+        seeds = None if seeds is None else as_listed(seeds, "a prefill's seeds", "ints, one a row", len(rows))
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")
         checked = None if seeds is None else [as_seed(seed) for seed in seeds]

@@ -720,6 +720,31 @@ def test_a_decoders_admission_takes_every_prompt_a_server_takes(monkeypatch):
         decoder._checked_prompts([0, 1], [[5]], None)
 
 
+def test_a_prefills_prompts_seeds_and_caps_past_its_rows_are_refused_by_their_count_unread():
+    """A speculative decoder's prefill listed its prompts, seeds and caps whole before comparing
+    their count with its rows': range(10**10) given for one of them met a MemoryError (tens of
+    GB) to be refused as one a row. Past the rows' count each is refused by its len(), unread
+    (an Unread sequence's items are never asked for); at the count they are read as before. The
+    decoder here is its host side alone: no stream, no model."""
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch import decoder as decoders
+    from stand_in import Unread
+    decoder = object.__new__(decoders.RoundDecoder)
+    decoder.vocab, decoder.batch, decoder.k, decoder.driven = 100, 2, 4, Driven()
+    decoder.target = SimpleNamespace(kv=SimpleNamespace(capacity=16))  # longest_prompt's
+    decoder._prefill_trusted = lambda *args: args  # what the checks pass on
+    for given in (dict(prompts=Unread(3)), dict(prompts=range(10**10)), dict(seeds=Unread(3)),
+                  dict(caps=Unread(3)), dict(caps=range(10**10))):
+        name = next(iter(given))
+        args = {"prompts": [[1], [2]], **given}
+        with pytest.raises(ValueError, match=f"a prefill's {name} holds at most 2 .*, not (3|10000000000)$"):
+            decoder.prefill([0, 1], **args)
+    rows, prompts, seeds, caps = decoder.prefill([0, 1], [[1], (2, 3)], seeds=[5, 6], caps=[4, 0])  # at the count
+    assert (rows, prompts, seeds, caps) == ([0, 1], [[1], [2, 3]], [5, 6], [4, 0])
+    with pytest.raises(ValueError, match="need one seed for each of the 2 rows, not 1"):
+        decoder.prefill([0, 1], [[1], [2]], seeds=[5])
+
+
 @pytest.mark.parametrize(("steps", "error"), [(2.5, TypeError), (0, ValueError), (True, TypeError)])
 def test_the_plain_loop_refuses_a_burst_of_no_whole_steps_before_anything_is_made(steps, error):
     """GraphedGreedy's `steps` (a burst's steps, which size its output and its loop) is checked
