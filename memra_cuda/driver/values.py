@@ -143,13 +143,17 @@ def exact_array(values: Any, dtype: Any) -> np.ndarray:
 def as_index(value: Any, what: str) -> int:
     """`value` as an int (ints and numpy integers, never floats, nor a bool: True would be read
     as 1, a seed, an id or a parent of 1; nor an array library's bool, is_bool), TypeError naming
-    `what`."""
+    `what`. Nor an array of one: torch's tensor([3]) gives 3 to operator.index, where numpy's
+    array([3]) is refused; both are now (an int is answered by its type, as is_bool's)."""
     if is_bool(value):
         raise TypeError(f"{what} must be an integer, not {value!r}")
     try:
-        return operator.index(value)
+        number = operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an integer, not {value!r}") from None
+    if not isinstance(value, (int, np.integer)) and getattr(value, "ndim", 0):
+        raise TypeError(f"{what} must be an integer, not an array of one: {value!r}")
+    return number
 
 
 def as_flag(value: Any, what: str, *, also: str = "") -> bool:

@@ -275,6 +275,29 @@ def test_an_array_librarys_bool_is_no_integer_either():
     assert not is_bool(type("Scalar", (ArrayBool,), {"dtype": "int64"})())
 
 
+class ArrayOfOne:
+    """An array library's array of one integer as numpy does not refuse it (torch.tensor([3])):
+    an int dtype, one dimension, and an __index__ that gives its element."""
+
+    dtype, ndim = "torch.int64", 1
+
+    def __index__(self) -> int:
+        return 3
+
+
+def test_an_array_of_one_integer_is_no_integer():
+    """torch.tensor([3]) gave 3 to operator.index, so a row, an id or a budget read it as 3,
+    where numpy's array([3]) was refused: both are TypeErrors naming what was wrong; a 0-d
+    array is the integer it holds."""
+    from memra_cuda.driver.values import as_index, as_size
+    for value in (ArrayOfOne(), np.array([3])):
+        with pytest.raises(TypeError, match="a row must be an integer"):
+            as_index(value, "a row")
+    with pytest.raises(TypeError, match="not an array of one"):
+        as_size(ArrayOfOne(), "a budget", 0)
+    assert as_index(np.array(3), "a row") == 3 and as_index(np.int32(3), "a row") == 3
+
+
 def test_kernel_args_refuse_a_freed_buffer():
     buf = fake_buffer()
     buf.free()

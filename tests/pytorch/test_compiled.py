@@ -703,3 +703,6 @@ def test_the_hosts_checks_of_a_size_trace_where_the_size_is_symbolic():
     assert is_bool(torch.tensor(True)) and not is_bool(torch.tensor(1)) and not is_bool(7)
     with pytest.raises(TypeError, match="rows"):
         as_size(torch.tensor(True), "rows")
+    with pytest.raises(TypeError, match="rows must be an integer, not an array of one"):
+        as_size(torch.tensor([3]), "rows")  # operator.index read it as 3
+    assert as_index(torch.tensor(3), "k") == 3
