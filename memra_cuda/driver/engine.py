@@ -241,9 +241,10 @@ class Engine(Stream):
         else:
             if isinstance(other, Stream):
                 self._joins(other)
-            if self.capture_hold is not None:
-                self._waits_inside(other.capture_hold is self.capture_hold if isinstance(other, Stream)
-                                   else self._is_capturing(other), other)
+            if self.capture_hold is not None:  # a stream of the capture: memra's joined, or forked in by hand
+                self._waits_inside((isinstance(other, Stream) and other.capture_hold is self.capture_hold)
+                                   or (getattr(other, "capture_hold", None) is None and self._is_capturing(other)),
+                                   other)
             self.wait_stream(other)
 
     def _joins(self, other: Stream) -> None:

@@ -901,7 +901,10 @@ def test_an_engine_being_captured_waits_only_on_work_of_its_own_capture():
             return self.stream in captured
 
         def _is_capturing(self, other) -> bool:
-            return other in captured
+            return getattr(other, "stream", other) in captured
+
+        def wait_stream(self, other) -> None:
+            calls.append("wait_stream")
 
     def engine(stream: int) -> Engine:
         made = StandIn.__new__(StandIn)
@@ -929,10 +932,13 @@ def test_an_engine_being_captured_waits_only_on_work_of_its_own_capture():
         Engine.wait(joined, inside)  # the fork: joined's stream is in the capture from now on
         captured.add(0x20)
         Engine.wait(main, inside)
+        forked = engine(0x40)  # forked into the capture by hand (no memra Graph's joined): of it all the same
+        captured.add(0x40)
+        Engine.wait(main, forked)
         for waiter, other in ((main, before), (joined, before), (main, outsider), (main, 0x30)):
             with pytest.raises(CaptureError, match=r"^StandIn\(device=0\) is being captured and would wait on "):
                 Engine.wait(waiter, other)
-        assert calls.count("cuStreamWaitEvent") == 3, "a refused wait reached the driver"
+        assert calls.count("cuStreamWaitEvent") == 3 and calls.count("wait_stream") == 1, "a refused wait was made"
         raise Stop
 
     with pytest.raises(Stop):
