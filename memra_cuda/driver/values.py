@@ -151,7 +151,7 @@ def as_index(value: Any, what: str) -> int:
         number = operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an integer, not {value!r}") from None
-    if not isinstance(value, (int, np.integer)) and getattr(value, "ndim", 0):
+    if not isinstance(value, (int, np.integer)) and getattr(value, "ndim", 0) != 0:
         raise TypeError(f"{what} must be an integer, not an array of one: {value!r}")
     return number
 
