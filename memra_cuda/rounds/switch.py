@@ -12,6 +12,7 @@ SWITCH of a round's bodies to a graph being built (LoopBuilder).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
 def _collection(widths: object, bounds: str) -> Iterable[int]:
     """`widths` where it is a collection of widths: not text or bytes (a bytearray's ints were
     read as widths), nor a mapping, whose keys are not widths given as such (a decoder took a
-    dict's keys without a word)."""
-    if isinstance(widths, (*TEXT_LIKE, Mapping)) or not isinstance(widths, Iterable):
+    dict's keys without a word), nor a 0-d array (its iteration's TypeError named nothing)."""
+    if (isinstance(widths, (*TEXT_LIKE, Mapping)) or not isinstance(widths, Iterable)
+            or getattr(widths, "ndim", None) == 0):
         raise TypeError(f"widths must be a collection of ints {bounds}, not {widths!r}")
     return widths
 
@@ -48,10 +50,14 @@ class Widths:
         """The checked plain ints are kept, k among them: a numpy k's arithmetic wraps (uint8 255
         + 1 is 0, so body_of was empty), and the selector on the device reads body_of. The widths
         are any collection of ints (sorted here) but a string or a mapping, whose keys are not
-        widths given as such."""
+        widths given as such; at most k + 2 of them (each of 0..k once, and k again: a decoder's k
+        beside its caller's), read no further, so an endless iterator is refused, where
+        itertools.repeat(1) was read for ever."""
         k = as_size(self.k, "k", 0)
         given = _collection(self.widths, "from 0 to k (k among them)")
-        widths = tuple(as_size(width, "a width", 0, k) for width in given)
+        widths = tuple(as_size(width, "a width", 0, k) for width in itertools.islice(given, k + 3))
+        if len(widths) > k + 2:
+            raise ValueError(f"widths name at most k + 2 = {k + 2} widths (each of 0..k once, and k again), not more")
         if k not in widths:
             raise ValueError(f"the widths a round has bodies of must include k = {k} (the widest), not {widths}")
         object.__setattr__(self, "k", k)
@@ -60,8 +66,10 @@ class Widths:
     @classmethod
     def beside(cls, k: int, narrower: Iterable[int]) -> Widths:
         """A chain decoder's widths: the `narrower` ones its caller gave (any of 0 to k), checked
-        as a collection before k joins them, and k."""
-        return cls(k, (*_collection(narrower, "from 0 to k (k is added)"), k))
+        as a collection before k joins them, and k; read up to one past the most Widths takes (k + 1
+        of the caller's: an endless iterator was unpacked for ever, Ctrl-C unheard, before it)."""
+        k = as_size(k, "k", 0)  # before it bounds the read: a numpy k + 2 wraps
+        return cls(k, (*itertools.islice(_collection(narrower, "from 0 to k (k is added)"), k + 2), k))
 
     @property
     def body_of(self) -> tuple[int, ...]:

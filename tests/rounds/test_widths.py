@@ -3,6 +3,8 @@
 no body, so it is never picked)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -34,10 +36,25 @@ def test_the_chooser_is_given_the_costs_of_the_widths_with_bodies_only():
     (2, bytearray(b"\x00\x02"), TypeError, "widths must be a collection of ints from 0 to k"),
     (2, {0: 1.0, 2: 1.3}, TypeError, "widths must be a collection of ints from 0 to k"),
     (2, (True, 2), TypeError, "a width must be an integer"),
+    (2, np.array(2), TypeError, "widths must be a collection of ints from 0 to k"),  # its iteration named nothing
 ])
 def test_widths_outside_0_to_k_or_without_k_are_refused(k, widths, error, message):
     with pytest.raises(error, match=message):
         Widths(k, widths)
+
+
+def test_widths_are_read_up_to_k_plus_2_so_an_endless_iterator_is_refused_at_the_limit():
+    """Widths(3, itertools.repeat(1)) was read for ever, and Widths.beside (SpeculativeLlama's
+    widths=) unpacked it for ever, Ctrl-C unheard: at most k + 2 are read now (each of 0..k once,
+    and k again, a decoder's k beside its caller's), the most taken, and one more refused."""
+    assert Widths(3, (0, 1, 2, 3, 3)).widths == (0, 1, 2, 3)
+    assert Widths.beside(3, (0, 1, 2, 3)).widths == (0, 1, 2, 3)
+    for make in (lambda: Widths(3, (0, 1, 2, 3, 3, 3)), lambda: Widths.beside(3, (0, 1, 2, 3, 3)),
+                 lambda: Widths(3, itertools.repeat(1)), lambda: Widths.beside(3, itertools.repeat(1))):
+        with pytest.raises(ValueError, match=r"widths name at most k \+ 2 = 5 widths"):
+            make()
+    with pytest.raises(TypeError, match="k must be an integer"):
+        Widths.beside(3.0, (1,))
 
 
 @pytest.mark.parametrize("narrower", [3, None, {2: 1.3}, "02", b"\x00", bytearray(b"\x00\x02"),
