@@ -157,8 +157,7 @@ def attends(attention: Attention | None, batch: int, kv_heads: int) -> dict[bool
     of `kv_heads` KV heads told `attention` (or not: one row's decode step ONE_ROW_STEP, every
     other width flex): SDPA, not told, where flex's kernels would put more blocks (rows times KV
     heads) in a grid's y than it holds (GRID_Y); told flex, refused there."""
-    if attention is not None and attention not in ATTENTIONS:
-        raise ValueError(f"attention is one of {ATTENTIONS} (or left out: each width's faster), not {attention!r}")
+    attention = as_attention(attention)
     if batch * kv_heads > GRID_Y:
         if attention == "flex":
             raise ValueError(f"attention 'flex' serves at most {GRID_Y} rows x KV heads (its kernel's grid), not "
@@ -310,6 +309,15 @@ def _layout_name(cache: CacheLayout) -> str:
     """A cache layout's name for a message: PagedKV's where a decoder gave functools.partial(PagedKV,
     page=...), whose repr says little."""
     return str(getattr(getattr(cache, "func", cache), "__name__", cache))
+
+
+def as_attention(attention: Any) -> Attention | None:
+    """A stack's `attention=` checked (None, or one of ATTENTIONS by name: an array of the name
+    compared equal to it), ValueError naming it: where a decoder is made, before its stream (an
+    unknown one was refused by the compiled step, after the stream), and again by attends."""
+    if attention is not None and not (isinstance(attention, str) and attention in ATTENTIONS):
+        raise ValueError(f"attention is one of {ATTENTIONS} (or left out: each width's faster), not {attention!r}")
+    return attention
 
 
 def as_compiled(compiled: Any) -> bool | None:

@@ -9,13 +9,14 @@ from typing import Any
 
 import torch
 
+from ..buffers.geometry import as_batch
 from ..driver.values import as_flag, as_size, longest_prompt_for
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_rows,
                               batch_admitted)
 from .adapter import decoder_stream, torch_graph
 from .sampling import SamplingParams
 from .attention import Attention
-from .compiled import as_compiled, stack_for
+from .compiled import as_attention, as_compiled, stack_for
 from .kv import Room, as_capacity
 from .uploads import uploaded
 
@@ -74,9 +75,11 @@ class GraphedGreedy:
     def __init__(self, model: Any, capacity: int | Room, batch: int = 1, *, steps: int = 16, eager: bool = False,
                  compiled: bool | None = None, attention: Attention | None = None):
         steps, eager = as_size(steps, "steps"), as_flag(eager, "eager")  # a burst runs at least one
-        batch = as_size(batch, "batch")  # True was a batch of 1 whose server() was refused, 0 one never served
+        # True was a batch of 1 whose server() was refused, 0 one never served; past MAX_BATCH, its cache
+        # refused it after the stream and the model's fused weights
+        batch = as_batch(batch)
         capacity = as_capacity(capacity, None)  # these before the stream, as a round decoder checks its own
-        compiled = as_compiled(compiled)
+        compiled, attention = as_compiled(compiled), as_attention(attention)  # an unknown attention met the stream
         self.stream = decoder_stream()  # after the caller's: stack_for fuses the model's weights on it
         self.batch, self.steps, self.eager = batch, steps, eager
         self.vocab: int = model.config.vocab_size  # every token a request names is below it

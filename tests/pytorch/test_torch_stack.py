@@ -1524,11 +1524,11 @@ class _NoStream(Exception):
 
 def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
     """An option a decoder cannot serve is refused before its stream, engine or stacks are made:
-    a flag not a bool, an on_engine not a function, widths not a collection, a page (past the
-    cache too), a sampled tree's draws, a plain loop's capacity (each was found after the stream,
-    some after both models' stacks); and a cache that
-    cannot take one round, at the limit (found at the warm-up, after both models compiled, as a
-    "next burst"). Where all is well, the decoder gets as far as its stream."""
+    a flag not a bool, an on_engine not a function, widths not a collection (or endless), a page
+    (past the cache too), a sampled tree's draws, a plain loop's capacity, batch (past MAX_BATCH)
+    and attention (each was found after the stream, some after both models' stacks); and a cache
+    that cannot take one round, at the limit (found at the warm-up, after both models compiled, as
+    a "next burst"). Where all is well, the decoder gets as far as its stream."""
     from memra_cuda.errors import CapacityError
     from memra_cuda.torch import GraphedGreedy
 
@@ -1553,6 +1553,13 @@ def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
          "a sampled tree's children are their parent's first draws"),
         (lambda: GraphedGreedy(model, 0), ValueError, "capacity must be a Room or an int from 1 to 2147483520"),
         (lambda: GraphedGreedy(model, 64, compiled="no"), TypeError, "compiled must be None or True or False"),
+        # a batch past MAX_BATCH and an attention of no name were refused by its cache and its compiled step
+        (lambda: GraphedGreedy(model, 64, batch=65536), ValueError, "batch must be an int from 1 to 65535, not 65536"),
+        (lambda: GraphedGreedy(model, 64, attention="flash"), ValueError, "attention is one of \\('flex', 'sdpa'\\)"),
+        (lambda: GraphedGreedy(model, 64, attention=np.array("flex")), ValueError, "attention is one of"),
+        # read for ever, Ctrl-C unheard
+        (lambda: SpeculativeLlama(model, draft, widths=itertools.repeat(1)), ValueError,
+         "widths name at most k \\+ 2 = 6 widths"),
         (lambda: SpeculativeLlama(model, draft, k=254, capacity=255 - 128), CapacityError,
          "a cache of 128 slots a row \\(whole blocks\\) cannot take one round of 255 tokens a row at k = 254, "
          "B = 1: it needs 256"),
@@ -1565,6 +1572,7 @@ def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
             make()
     for make in (lambda: SpeculativeLlama(model, draft, k=254, capacity=256),
                  lambda: SpeculativeLlama(model, draft, k=126, batch=2, capacity=256), lambda: GraphedGreedy(model, 64),
+                 lambda: GraphedGreedy(model, 64, batch=65535, attention="sdpa"),
                  lambda: TreeLlama(model, draft, TREE, paged=16),
                  lambda: TreeLlama(model, draft, TREE, capacity=1000, paged=1024)):
         with pytest.raises(_NoStream):
