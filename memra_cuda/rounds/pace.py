@@ -8,6 +8,7 @@ the rounds a cut saves, and pacing is turned off.
 from __future__ import annotations
 
 import math
+import reprlib
 
 import numpy as np
 
@@ -45,8 +46,10 @@ class Pace:
     two (at most M), and one queued ahead runs the whole need.
 
     Each argument is checked here (TypeError or ValueError naming it): budgets are ints (2.7
-    was truncated to 2, "5" read as 5), M an int of at least 1 (0 made every burst 0 rounds),
-    `cut` and `skips` bools, `rate` a finite number of at least 1.
+    was truncated to 2, "5" read as 5), one a row (a list or a 1-D array: [[5, 6]] was flattened
+    into two rows, a bare 5 read as one) and none negative (the device's "unlimited", which paced
+    a row as needing one round), M an int of at least 1 (0 made every burst 0 rounds), `cut` and
+    `skips` bools, `rate` a finite number of at least 1.
     """
 
     def __init__(self, budgets: np.ndarray, m_rounds: int, cut: bool = True, rate: float = 1.0,
@@ -55,6 +58,10 @@ class Pace:
             self.budgets = exact_array(budgets, np.int64)
         except (TypeError, ValueError) as refusal:
             raise type(refusal)(f"budgets: {refusal}") from None
+        if np.ndim(budgets) != 1:
+            raise TypeError(f"budgets: one a row, a list or a 1-D array, not {reprlib.repr(budgets)}")
+        if self.budgets.size and self.budgets.min() < 0:
+            raise ValueError(f"budgets: a row's tokens to commit, at least 0, not {reprlib.repr(budgets)}")
         self.m_rounds, self.cut = as_size(m_rounds, "m_rounds"), as_flag(cut, "cut")
         self.skips = as_flag(skips, "skips")
         self.rate = as_real(rate, "rate")

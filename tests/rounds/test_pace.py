@@ -132,11 +132,15 @@ def test_every_length_rounds_asks_for_is_one_capture_graphs_makes():
 
 
 def test_budgets_m_and_the_switches_are_refused_naming_them_where_they_are_given():
-    """Pace([2.7], 4) paced a budget of 2 and Pace(["5"], 4) one of 5; Pace(b, 0) ran bursts of 0
-    rounds, pass_lengths(0, True) a pass of 0; Pace.lengths(2.5) was an AttributeError (a float
-    has no bit_length)."""
+    """Pace([2.7], 4) paced a budget of 2 and Pace(["5"], 4) one of 5, Pace([[5, 6]], 4) two rows
+    and Pace([-1], 4) a row needing one round (-1 is the device's "unlimited"); Pace(b, 0) ran
+    bursts of 0 rounds, pass_lengths(0, True) a pass of 0; Pace.lengths(2.5) was an
+    AttributeError (a float has no bit_length)."""
     for budgets, error, message in (([2.7], ValueError, "2.7 is not an integer"), (["5"], ValueError, "numbers only"),
-                                    ([5, True], TypeError, "bools given"), (np.array([2.5]), ValueError, "float64")):
+                                    ([5, True], TypeError, "bools given"), (np.array([2.5]), ValueError, "float64"),
+                                    ([[5, 6]], TypeError, "one a row"), (np.array([[5], [6]]), TypeError, "one a row"),
+                                    (5, TypeError, "one a row"), (np.array(5), TypeError, "one a row"),
+                                    ([5, -1], ValueError, "at least 0"), (np.array([-1]), ValueError, "at least 0")):
         with pytest.raises(error, match=f"^budgets: .*{message}"):
             Pace(budgets, 4)
     for m, error in ((0, ValueError), (-1, ValueError), (2.5, TypeError), ("4", TypeError), (True, TypeError)):
@@ -153,6 +157,7 @@ def test_budgets_m_and_the_switches_are_refused_naming_them_where_they_are_given
             pass_lengths(4, flag)
     pace = Pace([5, 2**40], np.int64(1), cut=np.bool_(True))  # M at its least
     assert pace.rounds(np.array([True, True])) == 1 and pace.budgets.tolist() == [5, 2**40]
+    assert Pace([0], 4).budgets.tolist() == [0] and Pace([], 4).budgets.size == 0  # the least budget, and no rows
     assert Pace.lengths(1) == [1] and pass_lengths(1, True) == [1] and Pace.lengths(np.uint8(4)) == [1, 2, 4]
 
 
