@@ -11,7 +11,7 @@ sizes a cache by the same rule.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,8 +76,11 @@ class Capacity:
         checked as kv_entries checks one, the error naming its place ("capacities[2]"), before
         the fewest is taken (min() of a string and an int raised a TypeError naming neither); one
         capacity where the many are asked for is refused naming `capacities` (iterating an int
-        raised "'int' object is not iterable", and a string's characters would be read as numbers)."""
-        if isinstance(capacities, TEXT_LIKE) or not isinstance(capacities, Iterable):
+        raised "'int' object is not iterable", and a string's characters would be read as numbers),
+        and so are a mapping, whose keys were read as the capacities ({64: "draft"} was 64), and a
+        0-d array (its iteration's TypeError named nothing)."""
+        if (isinstance(capacities, (*TEXT_LIKE, Mapping)) or not isinstance(capacities, Iterable)
+                or getattr(capacities, "ndim", None) == 0):
             raise TypeError(f"capacities must be an iterable of KV capacities (each a positive int, None or "
                             f"UNCHECKED), not {capacities!r}: Capacity(entries, geometry) takes one")
         stated = [kv_entries(c, f"capacities[{i}]") for i, c in enumerate(capacities)]

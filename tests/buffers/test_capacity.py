@@ -131,8 +131,10 @@ def test_capacity_of_checks_each_capacity_naming_its_place():
 def test_capacity_of_one_capacity_names_the_capacities_it_wants():
     """Capacity.of(10, geometry) raised "'int' object is not iterable", naming nothing; a string
     would have been read a character at a time, and a bytearray as its bytes' ints (capacities 64 and
-    32, where bytes were refused)."""
-    for bad in (10, "512", None, UNCHECKED, bytearray(b"\x40\x20"), memoryview(b"\x40")):
+    32, where bytes were refused); a mapping's keys were read as the capacities ({64: "draft"} was
+    64), and a 0-d array's iteration raised a TypeError naming nothing."""
+    for bad in (10, "512", None, UNCHECKED, bytearray(b"\x40\x20"), memoryview(b"\x40"), {64: "draft", 128: "target"},
+                np.array(64)):
         with pytest.raises(TypeError, match=r"capacities must be an iterable of KV capacities .* not "
                                             + re.escape(repr(bad))):
             Capacity.of(bad, Geometry(4, 8))
