@@ -206,9 +206,10 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
     True would be token 1), ValueError naming the first outside [0, vocab) (its embedding lookup
     would fault the device). `what` reads "{what} token 7 (at 2)": "its prompt's", "row 0's prompt".
     Text and bytes are no token ids, a UserString's, a bytearray's or a memoryview's too
-    (TypeError: numpy read the last two as their bytes' ints)."""
-    try:
-        tokens = np.array(None) if isinstance(values, TEXT_LIKE) else np.array(values)  # text: refused below
+    (TypeError: numpy read the last two as their bytes' ints); so is a numpy masked array, whose
+    masked entries np.array read as tokens."""
+    try:  # text and a masked array: refused below
+        tokens = np.array(None) if isinstance(values, (*TEXT_LIKE, np.ma.MaskedArray)) else np.array(values)
     except (TypeError, ValueError):  # ragged, or not numbers at all
         tokens = np.array(None)
     if tokens.ndim == 1 and tokens.dtype.kind in "fO" and _past_int64(values):

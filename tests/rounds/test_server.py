@@ -1833,3 +1833,12 @@ def test_a_batchs_requests_are_read_no_further_than_the_batch_and_one():
                 batch_admitted(requests, VOCAB, batch)
     with pytest.raises(ValueError, match=r"need one request per row \(3\), not 2$"):
         batch_admitted(iter([request] * 2), VOCAB, 3)
+
+
+@pytest.mark.parametrize("given", [np.ma.array([5], mask=[True]), np.ma.array([5], mask=[False])],
+                         ids=["its token masked", "nothing masked"])
+def test_a_masked_array_is_no_prompt(given):
+    """A numpy masked array was read by its data, the masked entries as tokens: a prompt's
+    masked token ran as any other. Masked or not, it is refused as no prompt: its mask says
+    which entries are none, and a prompt has no such entries."""
+    refused_as_no_prompt(given)
