@@ -89,12 +89,17 @@ def driver() -> ModuleType:
     return _driver
 
 
+# The CUDA 12 driver's cuda-python (pyproject's floor, below CUDA 13's): named once for each refusal that says it.
+CUDA12_BINDINGS = "cuda-python>=12.6.2.post1,<13"
+
+
 def _load_driver() -> ModuleType:
     try:
         from cuda.bindings import driver as drv
     except ImportError:
         raise CudaUnavailable(
-            "cuda-python is not installed (pip install cuda-python), so memra_cuda cannot reach the GPU"
+            f"cuda-python is not installed, so memra_cuda cannot reach the GPU: pip install '{CUDA12_BINDINGS}' for a "
+            "CUDA 12 driver, 'cuda-python>=13,<14' for a CUDA 13 one (nvidia-smi names the driver's CUDA)"
         ) from None
     try:
         (err,) = drv.cuInit(0)
@@ -124,7 +129,7 @@ def bindings_refusal(bindings: str, driver: tuple[int, int]) -> str | None:
     major = bindings.split(".", 1)[0]
     if not major.isdigit() or int(major) <= driver[0]:
         return None
-    fix = ("pip install 'cuda-python>=12.6.2.post1,<13', the CUDA 12 bindings, or a newer driver" if driver[0] == 12
+    fix = (f"pip install '{CUDA12_BINDINGS}', the CUDA 12 bindings, or a newer driver" if driver[0] == 12
            else "a driver of CUDA 12 or later")
     return (f"cuda-python's bindings {bindings} are for a CUDA {major} driver, and this machine's driver is CUDA "
             f"{driver[0]}.{driver[1]}: {fix}")

@@ -76,6 +76,22 @@ def test_engine_without_driver_raises_one_clear_line():
     assert isinstance(err, CudaError) and err.name == "CUDA_UNAVAILABLE"
 
 
+def test_without_cuda_python_the_refusal_names_the_release_for_each_driver(monkeypatch):
+    """Without cuda-python the message said `pip install cuda-python`, which installs the CUDA 13
+    bindings whatever the driver: on a CUDA 12 driver the next error was the bindings' mismatch.
+    It names both releases' pins now, and where to read the driver's CUDA, in one line."""
+    import sys
+
+    from memra_cuda.driver import errors
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # its import fails as where it is missing
+    monkeypatch.setattr(errors, "_driver", None)
+    with pytest.raises(CudaUnavailable) as refused:
+        errors.driver()
+    message = str(refused.value)
+    assert "\n" not in message and "cuda-python is not installed" in message
+    assert "'cuda-python>=12.6.2.post1,<13' for a CUDA 12 driver" in message and "'cuda-python>=13,<14'" in message
+
+
 def test_an_engine_of_a_negative_device_is_refused_before_the_driver():
     """Engine(-1) on a machine without a driver said the driver was missing, and on one with a
     driver that device -1 does not exist: an index below 0 names no device anywhere, so it is a
