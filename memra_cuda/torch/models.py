@@ -7,6 +7,8 @@ weights, and beside them the tokenizer's files), and nothing is downloaded.
 from __future__ import annotations
 
 import copy
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +34,83 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
         raise ValueError(f"dtype is a torch.dtype or one of {DTYPES}, not {dtype!r}")
     device = _as_device(device)
     _check_directory(directory)
+    _check_config(Path(directory))
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
-                                                 attn_implementation="sdpa", trust_remote_code=False)
+    model, info = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
+                                                       attn_implementation="sdpa", trust_remote_code=False,
+                                                       output_loading_info=True)
+    for kind in ("missing", "unexpected"):  # transformers logs them and loads: random weights, or weights unused
+        if info[f"{kind}_keys"]:
+            keys = sorted(info[f"{kind}_keys"])
+            raise ValueError(f"{directory}'s weights do not match its config.json: {len(keys)} {kind} "
+                             f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
     return model.to(device).eval().requires_grad_(False)
+
+
+# config.json's sizes, as a Llama-family config names them (null where a default stands: head_dim, KV heads)
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _check_config(directory: Path) -> None:
+    """config.json's sizes checked before any weight is made: transformers met a negative one with
+    torch's "negative dimension", a string with an error of no ValueError's kind, heads its KV heads
+    do not divide with a shape mismatch, an unknown rope type with a KeyError, all naming no field;
+    and a layer count past the weights' made (2**20: for ever) and randomly initialised the layers
+    the weights lack. The weights' layers are read from safetensors' headers alone (a count short
+    of theirs is refused once loaded, by the keys left over: a checkpoint may hold layers past it,
+    as DeepSeek's next-token layers, which transformers drops)."""
+    path = directory / "config.json"
+    config = _json(path)
+    sizes = {name: as_size(config[name], f"{path}'s {name}") for name in SIZES if config.get(name) is not None}
+    heads = sizes.get("num_attention_heads", 1)
+    if heads % sizes.get("num_key_value_heads", heads):
+        raise ValueError(f"{path}'s num_key_value_heads ({sizes['num_key_value_heads']}) does not divide its "
+                         f"num_attention_heads ({heads})")
+    if "head_dim" not in sizes and sizes.get("hidden_size", heads) % heads:
+        raise ValueError(f"{path}'s num_attention_heads ({heads}) does not divide its hidden_size "
+                         f"({sizes['hidden_size']}), and it names no head_dim")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    for field in ("rope_parameters", "rope_scaling"):  # transformers 5's, and 4's which it still reads
+        rope = config.get(field)
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"{path}'s {field} names rope type {kind!r}, none transformers knows "
+                             f"({', '.join(ROPE_INIT_FUNCTIONS)})")
+    layers = _saved_layers(directory)
+    if layers is not None and sizes.get("num_hidden_layers", 0) > layers:  # fewer: their keys left over, below
+        raise ValueError(f"{path}'s num_hidden_layers is {sizes['num_hidden_layers']}, but its weights hold "
+                         f"{layers} layers")
+
+
+def _json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, else ValueError naming the file."""
+    try:
+        loaded = json.loads(path.read_text())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} holds a JSON object, not {type(loaded).__name__}")
+    return loaded
+
+
+def _saved_layers(directory: Path) -> int | None:
+    """How many decoder layers the safetensors weights in `directory` hold (model.layers.N.*), by
+    their names alone; None where there are none to read (another format: transformers' to check)."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = list(_json(index).get("weight_map", {}))
+    elif (directory / "model.safetensors").is_file():
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(directory / "model.safetensors", framework="pt") as weights:
+                names = list(weights.keys())
+        except SafetensorError as e:  # its own message named no file
+            raise ValueError(f"{directory / 'model.safetensors'} is no safetensors file: {e}") from None
+    else:
+        return None
+    found = {int(match[1]) for name in names if (match := re.search(r"\blayers\.(\d+)\.", name))}
+    return max(found) + 1 if found else 0
 
 
 def _as_device(device: torch.device | str) -> torch.device:

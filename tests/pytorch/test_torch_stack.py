@@ -416,6 +416,78 @@ def test_a_directory_without_a_model_is_refused_by_name(tmp_path):
         load_model(tmp_path, dtype="bf16")
 
 
+
+def edited(directory, **fields) -> None:
+    """`directory`'s config.json with `fields` set."""
+    import json
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    (dict(hidden_size=-64), ValueError, "hidden_size must be an int of at least 1, not -64"),
+    (dict(vocab_size=0), ValueError, "vocab_size must be an int of at least 1, not 0"),
+    (dict(hidden_size="64"), TypeError, "hidden_size must be an integer, not '64'"),
+    (dict(num_attention_heads=4, num_key_value_heads=3), ValueError,
+     r"num_key_value_heads \(3\) does not divide its num_attention_heads \(4\)"),
+    (dict(num_attention_heads=5, num_key_value_heads=5, head_dim=None), ValueError,
+     r"num_attention_heads \(5\) does not divide its hidden_size \(64\)"),
+    (dict(rope_scaling={"rope_type": "wibble", "factor": 2.0}), ValueError, "rope_scaling names rope type 'wibble'"),
+    (dict(num_hidden_layers=5), ValueError, "num_hidden_layers is 5, but its weights hold 4 layers"),
+    (dict(num_hidden_layers=2**20), ValueError, "num_hidden_layers is 1048576, but its weights hold 4 layers"),
+])
+def test_a_config_json_that_does_not_hold_is_refused_by_its_field_before_any_weight(tmp_path, monkeypatch, fields,
+                                                                                    error, message):
+    """transformers met a negative size with torch's "negative dimension", a string with an error of
+    no ValueError's kind, KV heads that do not divide the heads with a shape mismatch, an unknown
+    rope type with a KeyError, naming no field; a layer count past the weights' initialised the
+    layers they lack at random (2**20 of them: for ever)."""
+    import transformers
+    save_pair(tmp_path)
+    edited(tmp_path / "target", **fields)
+    read = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: read.append(a))
+    with pytest.raises(error, match=re.escape(str(tmp_path / "target" / "config.json")) + "'s " + message):
+        load_model(tmp_path / "target", device="cpu")
+    assert not read
+
+
+@pytest.mark.parametrize("text, message", [("{not json", "is not JSON: "), ("[1, 2]", "holds a JSON object, not list")])
+def test_a_config_json_that_is_no_json_object_is_refused_by_name(tmp_path, text, message):
+    save_pair(tmp_path)
+    (tmp_path / "target" / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'target' / 'config.json'} {message}")):
+        load_model(tmp_path / "target", device="cpu")
+
+
+@pytest.mark.parametrize("kind", ["missing", "unexpected"])
+def test_weights_that_do_not_match_the_config_are_refused_not_made_up(tmp_path, kind):
+    """A checkpoint without its lm_head (a tied model's, under a config that unties it) loaded with a
+    randomly initialised head, and one with a tensor the model has no place for loaded without it,
+    transformers only logging either: a silently wrong model, now a ValueError naming the key."""
+    from safetensors.torch import load_file, save_file
+    save_pair(tmp_path)
+    path = tmp_path / "target" / "model.safetensors"
+    weights = load_file(path)
+    if kind == "missing":
+        del weights["lm_head.weight"]
+    else:
+        weights["model.extra.weight"] = torch.zeros(2)
+    save_file(weights, path, metadata={"format": "pt"})
+    key = "lm_head.weight" if kind == "missing" else "model.extra.weight"
+    with pytest.raises(ValueError, match=re.escape(f"weights do not match its config.json: 1 {kind} ({key})")):
+        load_model(tmp_path / "target", device="cpu")
+
+
+def test_a_layer_count_short_of_the_weights_is_refused_not_truncated(tmp_path):
+    """num_hidden_layers one short of the weights' loaded a model without its last layer."""
+    save_pair(tmp_path)
+    edited(tmp_path / "target", num_hidden_layers=3)
+    with pytest.raises(ValueError, match=re.escape("weights do not match its config.json: 9 unexpected "
+                                                   "(model.layers.3.input_layernorm.weight, ")):
+        load_model(tmp_path / "target", device="cpu")
+
+
 # -- the face -----------------------------------------------------------------------------------
 
 def test_every_public_name_of_memra_cuda_torch_says_what_it_is():
