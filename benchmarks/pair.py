@@ -569,7 +569,30 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, QUICK.get(name, value) if args.quick else value)
+    refuse(p, args)
     return args
+
+
+def refuse(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The parser's error for a setting no run can take, here: it met a traceback (or a SystemExit)
+    only as it was used, after a minute of listing files and training the tokenizer, or none (a
+    negative step count trained nothing)."""
+    if args.seed < 0:
+        p.error(f"--seed takes 0 or more, not {args.seed}")
+    for name, value in DEFAULTS.items():
+        got, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if isinstance(value, float) and not (math.isfinite(got) and got > 0):
+            p.error(f"{flag} takes a finite number above 0, not {got}")
+        if isinstance(value, int) and got < (name != "max_files"):  # --max-files 0: every file
+            p.error(f"{flag} takes {name != 'max_files':d} or more, not {got}")
+        if name.endswith("_hidden") and got % 64:
+            p.error(f"{flag} takes a multiple of 64 (heads of 64), not {got}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device takes a torch device (cpu, cuda, cuda:1), not {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch sees no GPU")
 
 
 def main(argv: list[str] | None = None) -> int:

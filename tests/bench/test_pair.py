@@ -16,7 +16,7 @@ for _name in ("torch", "transformers", "tokenizers"):
 import torch  # noqa: E402
 
 from benchmarks.pair import (Doc, by_package, divergence, heldout_losses, llama, make_up, package,  # noqa: E402
-                             read_docs, train)
+                             parse, read_docs, train)
 
 
 def doc(rel: str, text: str) -> Doc:
@@ -114,3 +114,18 @@ def test_a_distilled_draft_learns_its_teachers_distribution_not_the_datas_next_t
         weights.append(model.state_dict())
     assert hits["target"] > 0.9 and hits["data"] < 0.2
     assert all(torch.equal(weights[1][name], weights[2][name]) for name in weights[1])
+
+
+@pytest.mark.parametrize("argv", [["--vocab", "-1"], ["--seq-len", "0"], ["--target-steps", "-1"], ["--prompts", "0"],
+                                  ["--target-lr", "nan"], ["--draft-lr", "-1"], ["--tokenizer-mb", "inf"],
+                                  ["--seed", "-1"], ["--draft-hidden", "100"], ["--device", "bogus"]])
+def test_a_setting_no_run_can_take_is_the_parsers_error_before_the_corpus_is_read(argv, capsys):
+    """Each met a traceback (or nothing: a negative step count trained no step) only after a minute of
+    listing files and training the tokenizer."""
+    with pytest.raises(SystemExit) as exc:
+        parse(argv)
+    assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_max_files_0_is_every_file_and_the_quick_settings_parse():
+    assert parse(["--max-files", "0"]).max_files == 0 and parse(["--quick"]).device == "cpu"
