@@ -62,6 +62,7 @@ from .common import MODEL, PROMPT, batch_prompts, device_us, replay_ms, us_per_r
 from .device import bench_device, summary
 from .needs import PAIR, needs
 from .state import bench_state
+from .torch_common import listed, writable
 from .tree import bench_tree
 
 KS = (0, 2, 4, 8)
@@ -378,7 +379,7 @@ def _nccl_ranks(tokens: int, k: int, m_rounds: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--json", type=writable, metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--only", choices=["launch", "host", "rounds", "batch", "sampling", "pipeline", "device",
                                            "state", "tree", "torch"],
                         help="run one part (torch runs only when asked for)")
@@ -388,7 +389,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sections and args.only != "torch":
         parser.error("--sections names sections of the torch part: give --only torch with it")
-    from .torch_common import listed
     from .torch_engine import SECTIONS  # numpy only: torch and transformers as its sections run
     try:
         sections = listed(args.sections, tuple(SECTIONS)) if args.sections else tuple(SECTIONS)

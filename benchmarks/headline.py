@@ -65,7 +65,8 @@ from .common import depth_and_width
 from .needs import PAIR, needs
 from .torch_common import (PROJECTIONS, SPECULATIVE, TIMED_PASSES, TORCH_M, TREE_BATCHES, bounded, busy_share,
                            launch_of, listed, measure_config, plain_decoding, plot_trees, projected, release, row_label,
-                           skipping, summary_line, time_generations, token_count, tree_label, tree_summary)
+                           skipping, summary_line, time_generations, token_count, tree_label, tree_summary,
+                           writable)
 from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree, Tree, TreeShape
 
@@ -592,8 +593,8 @@ def pair_arguments(program: str, doc: str, batches: Sequence[int], quick: str) -
     parser = argparse.ArgumentParser(prog=f"python -m {program}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=f"{quick} (a smoke run, not for figures)")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON, and the picture beside "
-                        "(PATH with .png; needs matplotlib)")
+    parser.add_argument("--json", type=writable, metavar="PATH", help="also write the figures as JSON, and the "
+                        "picture beside (PATH with .png; needs matplotlib)")
     parser.add_argument("--pair", metavar="DIR", help="the pair's directory (default: `make pair`'s, of pair.py's "
                         "default settings, in its cache)")
     parser.add_argument("--batches", type=lambda text: listed(text, batches, int),

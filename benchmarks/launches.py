@@ -38,7 +38,7 @@ from typing import Any
 
 from .headline import save
 from .needs import TORCH, needs
-from .torch_common import TORCH_M, bounded, decoder, release, round_costs, time_generations
+from .torch_common import TORCH_M, bounded, decoder, release, round_costs, time_generations, writable
 
 MODES = ("graph", "overlap", "device")
 EXTRAS = ("", "a copy to pinned memory", "a driver memset", "a branch")  # what a synthetic graph holds beside its adds
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--new", type=lambda text: bounded(text, 1), default=256, help="new tokens of the request")
     p.add_argument("--prompt", type=lambda text: bounded(text, 2), default=128, help="its prompt's tokens")
-    p.add_argument("--json", metavar="PATH", help="also write the report here")
+    p.add_argument("--json", type=writable, metavar="PATH", help="also write the report here")
     p.add_argument("--quick", action="store_true", help="graphs of 200 adds and a request of 32 new tokens (a smoke "
                    "run, not for figures)")
     args = p.parse_args(argv)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .headline import load_pair
+from .torch_common import writable
 
 LOSS_TOLERANCE = 0.02  # nats/token, each model's held-out loss
 TOP1_TOLERANCE = 0.01  # the draft's top-1 agreement, a share (one point)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--caches", nargs=2, type=Path, metavar="DIR", help="the two runs' caches (default: two new "
                         "temporary folders)")
-    parser.add_argument("--json", metavar="PATH", help="also write the comparison as JSON")
+    parser.add_argument("--json", type=writable, metavar="PATH", help="also write the comparison as JSON")
     parser.add_argument("flags", nargs="*", help="pair.py's own flags, after --")
     args = parser.parse_args(argv)
     caches = args.caches or [Path(tempfile.mkdtemp(prefix=f"pair{i}-")) for i in (1, 2)]

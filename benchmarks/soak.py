@@ -35,6 +35,7 @@ from memra_cuda.driver.values import as_size
 from memra_cuda.rounds.serving import Request, RequestRefused, Served, Server
 
 from .needs import TORCH, needs
+from .torch_common import writable
 
 DRIFT = 0.01  # the most device memory may move once warm, as a share of what it held then
 
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--checked", type=int, default=200, help="requests checked against their decoding alone")
     p.add_argument("--seed", type=int, default=48)
-    p.add_argument("--json", help="write the findings here")
+    p.add_argument("--json", type=writable, metavar="PATH", help="write the findings here")
     args = p.parse_args(argv)
     # Said before the model is built: a --checked below 1 met numpy's refusal (or a verdict that could
     # only fail) after the whole soak, minutes of GPU time; a negative --seed numpy's, past the build.

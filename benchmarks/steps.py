@@ -30,7 +30,7 @@ from typing import Any
 
 from .headline import copy_bandwidth, floor_ms, streamed_bytes
 from .needs import TORCH, needs
-from .torch_common import bounded, listed
+from .torch_common import bounded, listed, writable
 
 CAPACITY, VALID = 576, 512
 WIDEST = 16  # the most tokens a row's step may take here (FEW_ROWS' widest; ROWS' is 13): --valid leaves them room
@@ -262,7 +262,7 @@ def line(row: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--json", type=writable, metavar="PATH", help="write the figures here")
     p.add_argument("--rows", type=lambda text: listed(text, range(len(ROWS)), int),
                    help="the rows to run, by index (0-based), comma-separated (default all)")
     p.add_argument("--attention", default="flex,sdpa", help="compiled attentions to measure (default flex,sdpa)")

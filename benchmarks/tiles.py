@@ -38,7 +38,7 @@ from typing import Any
 
 from .needs import needs
 from .steps import SHAPES, Shape
-from .torch_common import listed
+from .torch_common import listed, writable
 
 ROWS = (5,)
 RUNS, REPLAYS = 5, 50
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the rows of each projection, comma-separated, each from 1 to 16 (default 5)")
     p.add_argument("--shape", choices=tuple(SHAPES), default="target 12 x 768", help="the model's shape (default "
                    "the pair's target)")
-    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--json", type=writable, metavar="PATH", help="write the figures here")
     args = p.parse_args(argv)
     needs("benchmarks.tiles", ("torch", "triton"), gpu=True)
     report = measure(args.shape, args.rows)

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import gc
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -549,6 +550,16 @@ def bounded(text: str, least: int, most: int | None = None) -> int:
         span = f"an int from {least} to {most}" if most is not None else f"a count of {least} or more"
         raise argparse.ArgumentTypeError(f"{span}, not {text!r}")
     return number
+
+
+def writable(text: str) -> str:
+    """--json's PATH, as an argparse type: a file that can be written, in a folder that exists (a
+    folder, a missing folder or one not ours is its error). The programs open it only once their
+    figures are in, minutes into a run that the refusal then threw away."""
+    path = Path(text)
+    if path.is_dir() or not path.parent.is_dir() or not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"a file to write, in a folder that exists, not {text!r}")
+    return text
 
 
 def listed(text: str, known: Sequence[Any], kind: Callable[[str], Any] = str) -> list[Any]:

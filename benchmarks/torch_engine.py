@@ -61,7 +61,8 @@ from .common import depth_and_width
 from .headline import headline
 from .serving import figures, request_stream
 from .torch_common import (TORCH_K, TORCH_M, TREE_BATCHES, decoder, listed, measure_config, plain_decoding,
-                           plot_trees, release, row_label, summary_line, time_generations, tree_label, tree_summary)
+                           plot_trees, release, row_label, summary_line, time_generations, tree_label, tree_summary,
+                           writable)
 from memra_cuda import Geometry
 from memra_cuda.buffers.tree import DynamicTree
 
@@ -477,7 +478,8 @@ def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_pat
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="round-stream on memra_cuda.torch's decoders, some sections alone")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON (and the trees' picture beside)")
+    parser.add_argument("--json", type=writable, metavar="PATH",
+                        help="also write the figures as JSON (and the trees' picture beside)")
     parser.add_argument("--tree-sizes", type=lambda text: listed(text, ("small", "large")),
                         help="the trees section at these model sizes only")
     parser.add_argument("--tree-batches", type=lambda text: listed(text, TREE_BATCHES, int),

@@ -37,6 +37,27 @@ def test_the_torch_sections_are_refused_before_any_gpu_is_asked_for_unless_they_
     assert run.returncode == 2 and error in run.stderr, run.stderr
 
 
+@pytest.mark.parametrize("program", ["benchmarks.bench", "benchmarks.headline", "benchmarks.served", "benchmarks.steps",
+                                     "benchmarks.soak", "benchmarks.tiles", "benchmarks.launches",
+                                     "benchmarks.torch_engine", "benchmarks.pair_twice"])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(program, tmp_path):
+    """Each opened --json only once its figures were in: a folder, or a file in none, was an
+    IsADirectoryError or FileNotFoundError minutes (pair_twice: two trainings) into the run."""
+    root = Path(benchmarks.__file__).absolute().parents[1]
+    for path in (tmp_path, tmp_path / "missing" / "figures.json"):
+        run = subprocess.run([sys.executable, "-m", program, "--json", str(path)], cwd=root, capture_output=True,
+                             text=True, timeout=60)
+        want = f"--json: a file to write, in a folder that exists, not '{path}'"
+        assert run.returncode == 2 and want in run.stderr, run.stderr
+
+
+def test_a_json_path_to_a_new_or_existing_file_in_a_folder_is_taken(tmp_path):
+    from benchmarks.torch_common import writable
+    (tmp_path / "old.json").write_text("{}")
+    assert writable(str(tmp_path / "new.json")) == str(tmp_path / "new.json")
+    assert writable(str(tmp_path / "old.json")) == str(tmp_path / "old.json")
+
+
 # The PyTorch programs, each with what it needs beside torch (benchmarks/needs.py's TORCH or PAIR)
 TORCH_PROGRAMS = [("benchmarks.steps", [], "transformers"), ("benchmarks.soak", [], "transformers"),
                   ("benchmarks.headline", [], "tokenizers"), ("benchmarks.served", [], "tokenizers"),
