@@ -165,6 +165,9 @@ def exchange_id(ranks: Ranks, make_id: Callable[[], bytes], timeout: float = 60.
     deadline = time.monotonic() + timeout
     if ranks.rank == 0:
         unique_id = make_id()
+        if not isinstance(unique_id, bytes):  # a str, list or bytearray of 128 was served, or failed in the thread
+            raise TypeError(f"make_id must return the communicator id as bytes (Nccl.unique_id's), not a "
+                            f"{type(unique_id).__name__}")
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise ValueError(f"a communicator id is {UNIQUE_ID_BYTES} bytes, not {len(unique_id)}")
         if not ranks.secret:
