@@ -3,6 +3,7 @@ use to run a command over several GPUs of this host, one process a GPU."""
 from __future__ import annotations
 
 import os
+import resource
 import secrets
 import signal
 import socket
@@ -44,6 +45,7 @@ def free_ports(count: int) -> list[int]:
 
 
 GRACE = 10.0  # seconds a rank killed past the timeout has between SIGTERM and SIGKILL
+OWN_FILES = 64  # of the open files' limit, what a launch leaves to this process's own
 
 
 def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None, timeout: float = 300.0
@@ -57,9 +59,21 @@ def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None
     of its own, which gets SIGTERM, then SIGKILL GRACE seconds later. Output goes to files, so no
     rank stalls on a full pipe. `world` is checked, 1 to MAX_WORLD (0 ran nothing, and its empty
     list read as every rank having passed; True ran one rank told WORLD_SIZE=True), and `timeout`
-    is a number of seconds above 0 (a NaN waited for ever, a hung rank with it)."""
+    is a number of seconds above 0 (a NaN waited for ever, a hung rank with it), as are `argv` (a
+    list of str: a str's letters were run as the command) and `env` (str to str), before any rank
+    starts. So is a world past what this process may open files for: 10**9 ranks started
+    processes for half a minute, to an OSError of too many open files."""
     world = as_size(world, "world", 1, MAX_WORLD)
     timeout = as_seconds(timeout, "timeout")
+    if isinstance(argv, (str, bytes)) or not argv:
+        raise TypeError(f"argv is the command as a non-empty list of its words (['python', 'x.py']), not {argv!r}")
+    if env is not None and not (isinstance(env, Mapping) and all(isinstance(x, str) for x in (*env, *env.values()))):
+        raise TypeError(f"env maps names to values, both str, not {env!r}")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and 2 * world > soft - OWN_FILES:
+        raise ValueError(f"a launch of {world} ranks holds {2 * world} files open (each rank's output), past what "
+                         f"this process may open ({soft}, ulimit -n, less {OWN_FILES} of its own): at most "
+                         f"{(soft - OWN_FILES) // 2} ranks")
     master, exchange = free_ports(2)
     base = {**os.environ, "NCCL_NVLS_ENABLE": "0", "MEMRA_NCCL_PORT": str(exchange),
             SECRET_VARIABLE: secrets.token_hex(32), **(env or {}),

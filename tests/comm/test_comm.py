@@ -99,6 +99,13 @@ def test_an_id_of_the_wrong_size_is_refused():
         exchange_id(Ranks(0, 1, port=free_port()), lambda: b"short", timeout=1)
 
 
+@pytest.mark.parametrize("made", ["i" * 128, bytearray(128), [0] * 128])
+def test_an_id_that_is_no_bytes_is_refused_though_of_128(made):
+    """Each was rank 0's id, of the right length, served as it was (a str returned as the id)."""
+    with pytest.raises(TypeError, match=f"as bytes .* not a {type(made).__name__}$"):
+        exchange_id(Ranks(0, 1, port=free_port()), lambda: made, timeout=1)
+
+
 # -- the watchdog's rule, on a fake clock -----------------------------------------------------------
 
 def test_a_wait_past_the_timeout_is_a_failure_and_stays_one():
@@ -377,6 +384,29 @@ def test_launch_refuses_a_world_or_a_timeout_it_cannot_keep_before_starting_a_ra
     ran = tmp_path / "ran"
     with pytest.raises(error, match=match):
         launch([sys.executable, "-c", f"open({str(ran)!r}, 'w')"], world, timeout=timeout)
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize("argv, env, match", [
+    ("python", None, "argv is the command as a non-empty list"),  # its letters were run: No such file 'p'
+    ([], None, "argv is the command as a non-empty list"),  # an IndexError from inside Popen
+    (None, {"X": 1}, "env maps names to values, both str"),  # Popen's TypeError naming no env
+    (None, "X=1", "env maps names to values, both str")])
+def test_launch_refuses_a_command_or_an_environment_it_cannot_run_before_starting_a_rank(tmp_path, argv, env, match):
+    from memra_cuda.comm.launch import launch
+    ran = tmp_path / "ran"
+    with pytest.raises(TypeError, match=match):
+        launch([sys.executable, "-c", f"open({str(ran)!r}, 'w')"] if argv is None else argv, 1, env=env, timeout=60)
+    assert not ran.exists()
+
+
+def test_launch_refuses_more_ranks_than_it_may_hold_the_output_files_of(tmp_path, monkeypatch):
+    """10**9 ranks started processes for half a minute, to an OSError of too many open files."""
+    from memra_cuda.comm import launch as launching
+    monkeypatch.setattr(launching.resource, "getrlimit", lambda _: (100, 100))
+    ran = tmp_path / "ran"
+    with pytest.raises(ValueError, match="a launch of 19 ranks holds 38 files open .* at most 18 ranks"):
+        launching.launch([sys.executable, "-c", f"open({str(ran)!r}, 'w')"], 19, timeout=60)
     assert not ran.exists()
 
 
