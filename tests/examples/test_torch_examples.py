@@ -38,6 +38,13 @@ def torch_stack():
 
 # -- the command line, in-process -----------------------------------------------------------------
 
+def model_dir(folder: Path) -> Path:
+    """A folder that parses as --model's: config.json and a tokenizer's file (no weights: nothing here loads it)."""
+    for name in ("config.json", "tokenizer.json"):
+        (folder / name).write_text("{}")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def cli(torch_stack):
     """examples/_cli.py, imported as an example run as a script imports it (its folder on sys.path)."""
@@ -81,7 +88,7 @@ def test_the_examples_share_their_command_line_and_its_refusals(cli, capsys):
 
 
 @pytest.mark.torch
-def test_the_requests_are_the_random_models_prompts_or_a_loaded_tokenizers(cli):
+def test_the_requests_are_the_random_models_prompts_or_a_loaded_tokenizers(cli, tmp_path):
     from memra_cuda.torch import Request
     from memra_cuda.torch.testing import PROMPT
     parser = cli.command_line("chains")
@@ -96,10 +103,33 @@ def test_the_requests_are_the_random_models_prompts_or_a_loaded_tokenizers(cli):
         def encode(self, text: str) -> list[int]:
             return [len(word) for word in text.split()]
 
-    loaded = cli.parse(parser, ["--model", "m", "--prompt", "a bb", "--prompt", "ccc", "--batch", "3", "--eos", "7"])[0]
+    m = str(model_dir(tmp_path))
+    loaded = cli.parse(parser, ["--model", m, "--prompt", "a bb", "--prompt", "ccc", "--batch", "3", "--eos", "7"])[0]
     assert cli.requests(loaded, Words()) == [Request([1, 2], 256, 7, 0), Request([3], 256, 7, 1),
                                              Request([1, 2], 256, 7, 2)]
-    assert cli.requests(cli.parse(parser, ["--model", "m"])[0], Words(), 2)[1].eos == 1  # the tokenizer's EOS
+    assert cli.requests(cli.parse(parser, ["--model", m])[0], Words(), 2)[1].eos == 1  # the tokenizer's EOS
+
+
+@pytest.mark.torch
+def test_a_model_or_draft_that_is_no_model_directory_is_refused_at_parsing(cli, capsys, tmp_path):
+    """Each was found only past the GPU check, as the model loaded; a model directory without its
+    tokenizer only once the target's weights had loaded."""
+    parser = cli.command_line("chains")
+    for folder in ("m", "bare"):
+        (tmp_path / folder).mkdir()
+    model = model_dir(tmp_path / "m")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "bare" / "config.json").write_text("{}")
+    refused = {("--model", str(tmp_path / "missing")): "--model is a directory save_pretrained wrote (config.json",
+               ("--model", str(tmp_path / "file")): "--model is a directory save_pretrained wrote",
+               ("--model", str(model), "--draft", str(tmp_path)): "--draft is a directory save_pretrained wrote",
+               ("--model", str(tmp_path / "bare")): "holds no tokenizer (none of tokenizer.json"}
+    for argv, message in refused.items():
+        with pytest.raises(SystemExit):
+            cli.parse(parser, list(argv))
+        assert message in capsys.readouterr().err
+    bare = str(tmp_path / "bare")  # a draft's tokenizer is its target's
+    assert cli.parse(parser, ["--model", str(model), "--draft", bare])[0].draft == bare
 
 
 # -- the examples as programs, before any model is built ------------------------------------------
@@ -123,7 +153,7 @@ def test_auto_takes_the_pick_of_the_decoding_asked_for_and_refuses_where_the_cha
     for argv in (["--tree", "auto", "--batch", "8"], ["--tree", "auto", "--size", "large", "--temperature", "1"]):
         done = run_example("torch_tree.py", *argv, cwd=tmp_path)
         assert done.returncode == 2 and "faster by the chain" in done.stderr, done.stderr
-    done = run_example("torch_tree.py", "--tree", "auto", "--model", "somewhere", cwd=tmp_path)
+    done = run_example("torch_tree.py", "--tree", "auto", "--model", str(model_dir(tmp_path)), cwd=tmp_path)
     assert done.returncode == 2 and "name a --tree" in done.stderr, done.stderr
 
 
