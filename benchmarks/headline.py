@@ -179,6 +179,16 @@ def load_pair(where: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return json.loads((where / "report.json").read_text()), json.loads((where / "heldout.json").read_text())
 
 
+def trained_pair(text: str) -> str:
+    """--pair's DIR, as an argparse type: a whole trained pair, load_pair's refusal its error (it
+    came after the GPU check, and a file given met a traceback)."""
+    try:
+        load_pair(Path(text))
+    except (OSError, ValueError) as exc:  # a file unreadable, or JSON that is none
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def prompt_groups(heldout: Mapping[str, Any], batch: int, one_row: int) -> list[list[tuple[int, list[int]]]]:
     """What each timed generation decodes: (its index in heldout.json, the prompt's ids) a row.
     B = 1: the first `one_row` prompts, one a generation; else one generation of the first
@@ -595,8 +605,8 @@ def pair_arguments(program: str, doc: str, batches: Sequence[int], quick: str) -
     parser.add_argument("--quick", action="store_true", help=f"{quick} (a smoke run, not for figures)")
     parser.add_argument("--json", type=writable, metavar="PATH", help="also write the figures as JSON, and the "
                         "picture beside (PATH with .png; needs matplotlib)")
-    parser.add_argument("--pair", metavar="DIR", help="the pair's directory (default: `make pair`'s, of pair.py's "
-                        "default settings, in its cache)")
+    parser.add_argument("--pair", type=trained_pair, metavar="DIR", help="the pair's directory (default: `make "
+                        "pair`'s, of pair.py's default settings, in its cache)")
     parser.add_argument("--batches", type=lambda text: listed(text, batches, int),
                         help=f"these of {','.join(map(str, batches))} only")
     parser.add_argument("--projection", choices=PROJECTIONS, help="how every compiled step multiplies its "

@@ -51,6 +51,17 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(program, t
         assert run.returncode == 2 and want in run.stderr, run.stderr
 
 
+@pytest.mark.parametrize("program", ["benchmarks.headline", "benchmarks.served"])
+def test_a_pair_that_is_no_trained_pair_is_refused_before_any_gpu_is_asked_for(program, tmp_path):
+    """Refused after the GPU check, as the run opened the pair (a traceback from load_pair's FileNotFoundError)."""
+    root = Path(benchmarks.__file__).absolute().parents[1]
+    (tmp_path / "file").write_text("x")
+    for path in (tmp_path / "missing", tmp_path / "file", tmp_path):
+        run = subprocess.run([sys.executable, "-m", program, "--pair", str(path)], cwd=root, capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 2 and f"--pair: {path} is not a trained pair" in run.stderr, run.stderr
+
+
 def test_a_json_path_to_a_new_or_existing_file_in_a_folder_is_taken(tmp_path):
     from benchmarks.torch_common import writable
     (tmp_path / "old.json").write_text("{}")
