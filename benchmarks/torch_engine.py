@@ -59,6 +59,7 @@ from typing import Any
 
 from .common import depth_and_width
 from .headline import headline
+from .needs import PAIR, needs
 from .serving import figures, request_stream
 from .torch_common import (TORCH_K, TORCH_M, TREE_BATCHES, decoder, listed, measure_config, plain_decoding,
                            plot_trees, release, row_label, summary_line, time_generations, tree_label, tree_summary,
@@ -486,8 +487,9 @@ if __name__ == "__main__":
                         help="the trees section at these batch sizes only")
     parser.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)} (default: all)")
     args = parser.parse_args()
-    if set(args.sections) - set(SECTIONS):
-        parser.error(f"sections are {', '.join(SECTIONS)}, not {', '.join(sorted(set(args.sections) - set(SECTIONS)))}")
+    if set(args.sections) - set(SECTIONS) or len(set(args.sections)) != len(args.sections):  # twice: measured twice
+        parser.error(f"sections are {', '.join(SECTIONS)}, each once, not {' '.join(args.sections)}")
+    needs("benchmarks.torch_engine", PAIR, gpu=True)  # else a traceback from the first section (the pair's, the GPU's)
     trees = {name: value for name, value in (("sizes", args.tree_sizes), ("batches", args.tree_batches)) if value}
     report = bench_torch(args.quick, args.sections or tuple(SECTIONS), args.json, **trees)
     if args.json:

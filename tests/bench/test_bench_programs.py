@@ -37,6 +37,14 @@ def test_the_torch_sections_are_refused_before_any_gpu_is_asked_for_unless_they_
     assert run.returncode == 2 and error in run.stderr, run.stderr
 
 
+def test_torch_engine_refuses_a_section_named_twice_before_any_gpu_is_asked_for():
+    """It ran twice, a whole section measured again, its first figures dropped from the report."""
+    root = Path(benchmarks.__file__).absolute().parents[1]
+    run = subprocess.run([sys.executable, "-m", "benchmarks.torch_engine", "trees", "trees"], cwd=root,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "each once, not trees trees" in run.stderr, run.stderr
+
+
 @pytest.mark.parametrize("program", ["benchmarks.bench", "benchmarks.headline", "benchmarks.served", "benchmarks.steps",
                                      "benchmarks.soak", "benchmarks.tiles", "benchmarks.launches",
                                      "benchmarks.torch_engine", "benchmarks.pair_twice"])
@@ -73,7 +81,7 @@ def test_a_json_path_to_a_new_or_existing_file_in_a_folder_is_taken(tmp_path):
 TORCH_PROGRAMS = [("benchmarks.steps", [], "transformers"), ("benchmarks.soak", [], "transformers"),
                   ("benchmarks.headline", [], "tokenizers"), ("benchmarks.served", [], "tokenizers"),
                   ("benchmarks.bench", ["--only", "torch"], "tokenizers"), ("benchmarks.tiles", [], "triton"),
-                  ("benchmarks.launches", [], "transformers")]
+                  ("benchmarks.launches", [], "transformers"), ("benchmarks.torch_engine", [], "tokenizers")]
 # `python -m PROGRAM ARGV...` where torch, transformers and tokenizers are not installed, here or not
 WITHOUT_TORCH = ("import runpy, sys; sys.modules.update(dict.fromkeys(('torch', 'transformers', 'tokenizers'))); "
                  "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
