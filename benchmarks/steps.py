@@ -30,7 +30,7 @@ from typing import Any
 
 from .headline import copy_bandwidth, floor_ms, streamed_bytes
 from .needs import TORCH, needs
-from .torch_common import bounded, listed, writable
+from .torch_common import PLAIN_ATTENDS, bounded, listed, writable
 
 CAPACITY, VALID = 576, 512
 WIDEST = 16  # the most tokens a row's step may take here (FEW_ROWS' widest; ROWS' is 13): --valid leaves them room
@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=writable, metavar="PATH", help="write the figures here")
     p.add_argument("--rows", type=lambda text: listed(text, range(len(ROWS)), int),
                    help="the rows to run, by index (0-based), comma-separated (default all)")
-    p.add_argument("--attention", default="flex,sdpa", help="compiled attentions to measure (default flex,sdpa)")
+    p.add_argument("--attention", type=lambda text: listed(text, PLAIN_ATTENDS), default="flex,sdpa",
+                   help="compiled attentions to measure, each once (default flex,sdpa)")
     p.add_argument("--static", action="store_true", help="also the first attention compiled per shape")
     p.add_argument("--untuned", action="store_true", help="also the first attention without coordinate descent tuning")
     p.add_argument("--setup", action="store_true", help="first, the seconds a chain decoder of the pair's shapes "
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     needs("benchmarks.steps", TORCH, gpu=True)
     rows = ROWS if args.rows is None else [ROWS[i] for i in args.rows]  # indices checked at parsing: -1 was the last
     setup = setup_seconds() if args.setup else None
-    report = measure(rows, args.attention.split(","), args.static, args.untuned, args.names, autotune=args.autotune,
+    report = measure(rows, args.attention, args.static, args.untuned, args.names, autotune=args.autotune,
                      few_rows=args.few_rows, pdl=args.pdl, valid=args.valid, flex_options=args.flex_options)
     report["setup_seconds"] = setup
     if args.json:

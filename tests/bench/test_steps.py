@@ -81,3 +81,21 @@ def test_flex_options_are_a_json_object_handed_to_the_run(monkeypatch, capsys):
             steps.main(["--rows", "5", "--flex-options", bad])
         assert exited.value.code == 2 and "argument --flex-options" in capsys.readouterr().err
     assert len(ran) == 2
+
+
+def test_attentions_are_named_each_once_and_refused_at_parsing_otherwise(monkeypatch, capsys):
+    """A misspelt one (or ',') reached CompiledStack's refusal after the GPU check, rows into the run;
+    one named twice was measured twice."""
+    import pytest
+
+    from benchmarks import steps
+    ran = []
+    monkeypatch.setattr(steps, "needs", lambda *args, **kwargs: None)  # the run is stubbed: nothing to need
+    monkeypatch.setattr(steps, "measure", lambda rows, attentions, *args, **kwargs: ran.append(attentions) or {})
+    assert steps.main(["--rows", "0"]) == 0 and steps.main(["--rows", "0", "--attention", "sdpa"]) == 0
+    assert ran == [["flex", "sdpa"], ["sdpa"]]
+    for attention in ("bogus", ",", "flex,flex", ""):
+        with pytest.raises(SystemExit) as exited:
+            steps.main(["--attention", attention])
+        assert exited.value.code == 2 and "argument --attention" in capsys.readouterr().err
+    assert len(ran) == 2
