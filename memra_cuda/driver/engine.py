@@ -14,7 +14,7 @@ from .event import Event
 from .framework import DRIVER, Framework
 from .module import Module, packaged_ptx
 from .signature import Signature
-from .stream import Stream, as_stream
+from .stream import Stream
 from .values import as_flag, as_index, exact_array, exact_int
 
 
@@ -243,7 +243,7 @@ class Engine(Stream):
                 self._joins(other)
             if self.capture_hold is not None:  # a stream of the capture: memra's joined, or forked in by hand
                 self._waits_inside((isinstance(other, Stream) and other.capture_hold is self.capture_hold)
-                                   or (getattr(other, "capture_hold", None) is None and self._is_capturing(other)),
+                                   or (getattr(other, "capture_hold", None) is None and self.captures(other)),
                                    other)
             self.wait_stream(other)
 
@@ -264,11 +264,6 @@ class Engine(Stream):
                                "(an event recorded outside it, before it began say, or a stream not in it): CUDA "
                                "forbids the wait and invalidates the capture; wait before capturing, or record the "
                                "event inside the capture")
-
-    def _is_capturing(self, other: Any) -> bool:
-        """Whether the stream `other` (anything as_stream takes) is being captured."""
-        status = self.activate().call("cuStreamIsCapturing", as_stream(other))
-        return status != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
     # -- modules --------------------------------------------------------------------------
     def load_ptx(self, name: str, signatures: Mapping[str, Signature] | None = None) -> Module:

@@ -162,7 +162,12 @@ class Stream(Handle):
     @property
     def capturing(self) -> bool:
         """Whether the stream is being captured into a graph, by memra or anyone else."""
-        status = self.activate().call("cuStreamIsCapturing", self.stream)
+        return self.captures(self.stream)
+
+    def captures(self, stream: Any) -> bool:
+        """Whether `stream` (anything as_stream takes; a stream of this context) is being captured
+        into a graph, by memra or anyone else."""
+        status = self.activate().call("cuStreamIsCapturing", as_stream(stream))
         return status != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
     def no_capture(self, what: str, why: str) -> None:
@@ -227,8 +232,7 @@ class Stream(Handle):
         then = as_stream(other)
         if _same_stream(int(then), self.stream_handle):
             return
-        status = self.activate().call("cuStreamIsCapturing", then)
-        if status != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+        if self.captures(then):
             raise CaptureError(f"{what} would order a stream being captured after {self!r}'s queued work, which the "
                                f"capture cannot wait for: do it before capturing")
         self._order(self.stream, then)

@@ -14,11 +14,11 @@ from ..buffers.geometry import Geometry
 from ..buffers.lengths import DraftLengths
 from ..buffers.tables import kv_len_ptr_table
 from ..driver.engine import Engine
-from ..driver.values import as_size
+from ..driver.values import as_flag, as_size
 from ..kernels.spec import SpecKernels
 from ..rounds.stream import RoundStream
 from ..rounds.switch import Widths
-from .decoder import RoundDecoder, as_skip_done, fold, refuse
+from .decoder import RoundDecoder, fold
 from .kv import Room
 from .sampling import SamplingParams
 from .timing import captured, replay_ms
@@ -82,11 +82,11 @@ class SpeculativeLlama(RoundDecoder):
         # a chain drafts at least one token a round; no drafts at all is the plain loop
         k = as_size(k, "k (no drafts: GraphedGreedy, or a request's max_draft=0)")
         built = Widths.beside(k, widths)  # refused before anything is made
-        refuse(model, draft, state_rollback)  # the model read by as_skip_done()
-        skip_done = as_skip_done(model, skip_done, widths=len(built.widths) > 1)
+        if as_flag(skip_done, "skip_done") and len(built.widths) > 1:
+            raise ValueError("skip_done takes no widths: a round of bodies by width runs a SWITCH of them, not an IF")
         super().__init__(model, draft, Geometry(k, m_rounds, batch), capacity=capacity,
                          sampling=sampling, draft_sampling=draft_sampling, state_rollback=state_rollback,
-                         on_engine=on_engine, compiled=compiled)
+                         on_engine=on_engine, compiled=compiled, skip_done=skip_done)
         batch = self.batch
         with torch.cuda.stream(self.stream):
             bufs = self.bufs
@@ -118,7 +118,7 @@ class SpeculativeLlama(RoundDecoder):
                                       draft_d=self.draft_d, acceptance=acceptance, rollback_tables=[table],
                                       state_tables=self.state_tables(), lengths=self.lengths,
                                       narrower=narrower or None, choose_beside=not narrower,
-                                      skip_done=skip_done)
+                                      skip_done=self.skip_done)
             self._warm_up()
             self.width_ms: dict[int, float] = {}  # each width's body, device milliseconds (with `widths`)
             if narrower:

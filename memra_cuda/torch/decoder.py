@@ -77,7 +77,8 @@ class RoundDecoder:
     def __init__(self, model: Any, draft: Any, geometry: Geometry, *,
                  capacity: int | Room, sampling: SamplingParams | None, draft_sampling: SamplingParams | None,
                  state_rollback: str, cache: CacheLayout = StaticKV,
-                 on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None):
+                 on_engine: Callable[[Engine], None] | None = None, compiled: bool | None = None,
+                 skip_done: bool = False):
         """`capacity`: each model's cache slots a row, or a Room the geometry sizes them for
         (capacity_for). `on_engine` is called with the engine as soon as it exists, before anything runs on it
         (examples/torch_tp.py lets its communicator time the engine's waits and its graphs hold it).
@@ -87,6 +88,7 @@ class RoundDecoder:
         begun = time.perf_counter()
         geometry = as_geometry(geometry)
         refuse(model, draft, state_rollback)
+        self.skip_done = as_skip_done(model, skip_done)  # the round's (Round's skip_done), refused here
         capacity = cache_slots(capacity, geometry)  # whole blocks
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
@@ -421,13 +423,11 @@ def _burst(readback: Readback) -> Burst:
     return Burst([tokens.tolist() for tokens in readback.tokens], readback.done.tolist(), readback.accepted.tolist())
 
 
-def as_skip_done(model: Any, skip_done: object, widths: bool = False) -> bool:
+def as_skip_done(model: Any, skip_done: object) -> bool:
     """A decoder's skip_done as a bool, refused before anything is made where its round could not
-    skip (rounds.gate): with bodies of narrower `widths` (a SWITCH of them, not an IF) or a
-    recurrent layer in the target (its state's rollback reads what the skipped verify writes)."""
+    skip (rounds.gate): with a recurrent layer in the target (its state's rollback reads what the
+    skipped verify writes). A chain's bodies of narrower widths refuse it too (SpeculativeLlama)."""
     skip_done = as_flag(skip_done, "skip_done")
-    if skip_done and widths:
-        raise ValueError("skip_done takes no widths: a round of bodies by width runs a SWITCH of them, not an IF")
     if skip_done and has_recurrent(model.model.layers):
         raise ValueError("skip_done takes no hybrid target: its recurrent state's rollback after the commit reads "
                          "the slots the round's verify writes, which a skipped round leaves as they were")

@@ -19,7 +19,7 @@ from ..buffers.tree import MAX_TREE_CANDIDATES, Candidates, DynamicTree, Tree, T
 from ..driver.values import as_size
 from ..rounds.stream import RoundStream
 from ..rounds.tree_round import TreeRound
-from .decoder import RoundDecoder, as_skip_done, fold, refuse
+from .decoder import RoundDecoder, fold, refuse
 from .kv import CacheLayout, PagedKV, Room, StaticKV, cache_slots
 from .mask import TreeMask
 from .sampling import SamplingParams
@@ -152,7 +152,6 @@ class TreeLlama(RoundDecoder):
                  draft_sampling: SamplingParams | None = None, state_rollback: str = "copy",
                  paged: int | None = None, compiled: bool | None = None, skip_done: bool = False):
         refuse(model, draft, state_rollback)  # before the candidates read the model's vocabulary
-        skip_done = as_skip_done(model, skip_done)  # before anything is made
         if not isinstance(tree, (TreeShape, DynamicTree)):
             raise TypeError(f"a tree is a TreeShape or a DynamicTree, not {tree!r}")
         if sampling is not None and candidates is not None:
@@ -172,7 +171,7 @@ class TreeLlama(RoundDecoder):
             PagedKV, page=as_size(paged, "paged", 1, cache_slots(capacity, geometry)))
         super().__init__(model, draft, geometry,
                          capacity=capacity, sampling=sampling, draft_sampling=draft_sampling,
-                         state_rollback=state_rollback, cache=cache, compiled=compiled)
+                         state_rollback=state_rollback, cache=cache, compiled=compiled, skip_done=skip_done)
         batch = self.batch
         nodes = tree.nodes
         with torch.cuda.stream(self.stream):
@@ -212,7 +211,7 @@ class TreeLlama(RoundDecoder):
                                verify_tree=self.verify_tree,
                                rollback_tables=[kv_len_ptr_table(self.engine, layers, pos_ctr=self.bufs.pos_ctr_d)],
                                state_tables=self.state_tables(), lengths=self.lengths, **rule,
-                               draft_places=self.draft_places, choose_beside=True, skip_done=skip_done,
+                               draft_places=self.draft_places, choose_beside=True, skip_done=self.skip_done,
                                **self._compaction(paged))
             self.rounds = RoundStream.of(round_)
             self._warm_up()

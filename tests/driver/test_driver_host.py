@@ -916,8 +916,8 @@ def test_an_engine_being_captured_waits_only_on_work_of_its_own_capture():
         def capturing(self) -> bool:
             return self.stream in captured
 
-        def _is_capturing(self, other) -> bool:
-            return getattr(other, "stream", other) in captured
+        def captures(self, stream) -> bool:
+            return getattr(stream, "stream", stream) in captured
 
         def wait_stream(self, other) -> None:
             calls.append("wait_stream")
