@@ -11,7 +11,7 @@ sizes a cache by the same rule.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,18 +71,25 @@ class Capacity:
         object.__setattr__(self, "geometry", as_geometry(geometry))
 
     @classmethod
-    def of(cls, capacities: Iterable[int | Unchecked | None], geometry: Geometry) -> Capacity:
+    def of(cls, capacities: Collection[int | Unchecked | None], geometry: Geometry) -> Capacity:
         """The rule for caches of the given capacities (None and UNCHECKED say nothing). Each is
         checked as kv_entries checks one, the error naming its place ("capacities[2]"), before
         the fewest is taken (min() of a string and an int raised a TypeError naming neither); one
         capacity where the many are asked for is refused naming `capacities` (iterating an int
         raised "'int' object is not iterable", and a string's characters would be read as numbers),
         and so are a mapping, whose keys were read as the capacities ({64: "draft"} was 64), and a
-        0-d array (its iteration's TypeError named nothing)."""
+        0-d array (its iteration's TypeError named nothing). So is what has no len(), an iterator:
+        the fewest is taken of them all, so one was read to its end, and one that never ends
+        (itertools.repeat(5)) never returned; no count of caches bounds them (a round's are its
+        tables' and stages', each a capacity), and a round gives them counted, as a tuple."""
         if (isinstance(capacities, (*TEXT_LIKE, Mapping)) or not isinstance(capacities, Iterable)
                 or getattr(capacities, "ndim", None) == 0):
             raise TypeError(f"capacities must be an iterable of KV capacities (each a positive int, None or "
                             f"UNCHECKED), not {capacities!r}: Capacity(entries, geometry) takes one")
+        if not isinstance(capacities, Sized):
+            raise TypeError(f"capacities must have a len() (a list, a tuple or an array), not {capacities!r}: the "
+                            "fewest is taken of them all, so an iterator would be read to its end, one that never "
+                            "ends for ever")
         stated = [kv_entries(c, f"capacities[{i}]") for i, c in enumerate(capacities)]
         known = [c for c in stated if isinstance(c, int)]
         return cls(min(known) if known else None, geometry)

@@ -4,6 +4,7 @@ the rule of a pipeline's stages; the fast path against every row; kv_capacity ag
 position a live row can burst from."""
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -124,8 +125,26 @@ def test_capacity_of_checks_each_capacity_naming_its_place():
                                                 r"not 0")):
         with pytest.raises(error, match=message):
             Capacity.of([5, None, bad], Geometry(1, 1))
-    rule = Capacity.of(iter([np.int64(9), UNCHECKED, None, 12]), Geometry(1, 1))
+    rule = Capacity.of((np.int64(9), UNCHECKED, None, 12), Geometry(1, 1))
     assert rule.entries == 9 and type(rule.entries) is int
+
+
+def test_capacity_of_an_iterator_is_refused_unread_naming_capacities():
+    """Capacity.of(itertools.repeat(5), geometry) never returned: the fewest is taken of them all,
+    and an iterator was read to its end. What has no len() is refused now, before it is read; what
+    has one is read as before."""
+    read = []
+
+    def capacities():
+        read.append(1)
+        yield 64
+
+    for unsized in (iter([64, 32]), capacities(), itertools.repeat(5), itertools.count(1)):
+        with pytest.raises(TypeError, match=r"capacities must have a len\(\) \(a list, a tuple or an array\), not "
+                                            + re.escape(repr(unsized))):
+            Capacity.of(unsized, Geometry(4, 8))
+    assert read == [], "the generator was read before it was refused"
+    assert Capacity.of(range(64, 16, -16), Geometry(4, 8)).entries == 32  # a range has a len()
 
 
 def test_capacity_of_one_capacity_names_the_capacities_it_wants():
