@@ -552,7 +552,18 @@ class Server:
         stopped in it ended at a later burst with fewer tokens, silently. Its news is read
         whole before any request changes, so a burst that cannot be read changes none, and every
         request has its tokens before any ends: an exception as one ends (_end) leaves the others
-        running with them, to end at the next burst (their rows done), where they lost the burst's."""
+        running with them, to end at the next burst (their rows done), where they lost the burst's.
+        A burst of fewer rows than the batch (a decoder's own Burst) is a ValueError naming both,
+        before the clock is read or any request changes: it met an IndexError as its news was read.
+        That burst is dropped, as recording it again would raise again, every later step with it."""
+        rows = len(self._slots)  # a len() or three a burst: nothing beside the burst's own readback
+        given = (len(burst.tokens), len(burst.done), rows if burst.accepted is None else len(burst.accepted))
+        if min(given) < rows:
+            self._unrecorded = None
+            shown = "" if burst.accepted is None else f", accepted of {given[2]}"
+            raise ValueError(f"the decoder's burst has news of fewer rows than its batch of {rows} (tokens of "
+                             f"{given[0]}, done of {given[1]}{shown}): a Burst gives every row's, a vacant "
+                             "row's too")
         at = self.clock()
         self._unrecorded = None
         news = [(ident, list(burst.tokens[row]), None if burst.accepted is None else int(burst.accepted[row]),

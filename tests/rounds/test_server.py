@@ -1306,6 +1306,35 @@ def test_a_recover_that_raises_is_not_asked_again():
     assert done[ids[1]].tokens == alone(Request([2], 3))
 
 
+@pytest.mark.parametrize("short", ["tokens", "done", "accepted"])
+def test_a_burst_of_fewer_rows_than_the_batch_is_refused_naming_both_and_changes_no_request(short):
+    """A decoder whose Burst held fewer rows than its batch met an IndexError as the server read
+    its news. A ValueError naming the burst's rows and the batch now, before any request changes:
+    their tokens are the last burst's, and the next step goes on (the burst dropped: recorded
+    again, it would raise again, at every step)."""
+    decoder = Counting(2, drafts=True)
+    server = Server(decoder, clock=decoder.clock)
+    ids = [server.submit(Request([1], 9)), server.submit(Request([2], 9))]
+    before = server.step().tokens
+    burst = decoder.burst
+
+    def one_row():  # the burst ran every row, and its decoder gives one row's `short`
+        out = burst()
+        return out._replace(**{short: getattr(out, short)[:1]})
+
+    decoder.burst = one_row
+    counts = {"tokens": 2, "done": 2, "accepted": 2, short: 1}
+    with pytest.raises(ValueError, match=re.escape(
+            "the decoder's burst has news of fewer rows than its batch of 2 (tokens of {tokens}, done of {done}, "
+            "accepted of {accepted})".format(**counts))):
+        server.step()
+    decoder.burst = burst
+    assert all(server.cancel(ident) for ident in ids)
+    done = server.step().finished
+    assert [done[ident].tokens for ident in ids] == [before[ident] for ident in ids], "the burst's news was recorded"
+    assert all(done[ident].cancelled for ident in ids) and server.idle
+
+
 def _idle(server: Server) -> dict[int, Served]:
     """Every request's end, stepping until the server is idle: none ends twice, and it goes idle."""
     out: dict[int, Served] = {}
