@@ -30,18 +30,28 @@ import sys
 import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
 from _cli import command_line, describe, finish, models, parse, requests
 
+from memra_cuda.buffers import MAX_BATCH
 from memra_cuda.torch import Room, SpeculativeLlama
+
+# --serve's most: as many requests as the largest batch has rows, which is what the example builds
+# without --serve (one a row). It builds every request before the first runs (requests()), and keeps
+# each one's tokens and their arrival times until the last ends, then (greedy fp32) decodes each again
+# with Hugging Face: --serve 10**9 was taken, and the requests were built until memory ran out.
+SERVE_MOST = MAX_BATCH
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = command_line((__doc__ or "").split("\n\n")[0])
     parser.add_argument("--serve", type=int, metavar="N", default=None,
-                        help="serve N requests continuously through the --batch slots (default: one batch, every "
-                        "row started together)")
+                        help=f"serve N requests continuously through the --batch slots, at most {SERVE_MOST} "
+                        "(default: one batch, every row started together)")
     args, sampling = parse(parser, argv)
     if args.serve is not None and (args.serve < 1 or args.mode in ("overlap", "device")):
         parser.error("--serve takes N >= 1 requests, in any mode but overlap and device (they keep two bursts in "
                      "flight, or run a whole generation in one launch)")
+    if args.serve is not None and args.serve > SERVE_MOST:
+        parser.error(f"--serve takes at most {SERVE_MOST} requests (a batch's most rows: each is built before the "
+                     f"first runs), not {args.serve}")
     _needs.gpu()
     target, draft, tokenizer = models(args)
     queue = requests(args, tokenizer, args.serve)

@@ -132,6 +132,31 @@ def test_a_model_or_draft_that_is_no_model_directory_is_refused_at_parsing(cli, 
     assert cli.parse(parser, ["--model", str(model), "--draft", bare])[0].draft == bare
 
 
+@pytest.mark.torch
+def test_serve_takes_at_most_as_many_requests_as_a_batch_has_rows_at_parsing(cli, capsys, monkeypatch):
+    """--serve had no most: every request is built before the first runs, so --serve 10**9 built
+    requests until memory ran out, past the GPU check and the models. The parser's error naming
+    the most now, MAX_BATCH (what the example builds without --serve, one a row); at the most,
+    the example goes on to the GPU check."""
+    from memra_cuda.buffers import MAX_BATCH
+    llama = importlib.import_module("torch_llama")  # beside _cli, on the path the cli fixture gives
+
+    class Parsed(Exception):
+        """The example's GPU check, reached once its command line is read."""
+
+    def parsed() -> None:
+        raise Parsed
+
+    monkeypatch.setattr(llama._needs, "gpu", parsed)
+    for serve in (MAX_BATCH + 1, 10**9):
+        with pytest.raises(SystemExit) as refused:
+            llama.main(["--serve", str(serve)])
+        assert refused.value.code == 2
+        assert f"--serve takes at most {MAX_BATCH} requests" in capsys.readouterr().err
+    with pytest.raises(Parsed):
+        llama.main(["--serve", str(MAX_BATCH), "--batch", "8"])
+
+
 # -- the examples as programs, before any model is built ------------------------------------------
 
 @pytest.mark.torch
