@@ -129,11 +129,17 @@ class Ranks:
         """torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK (default 0), MASTER_ADDR (default
         127.0.0.1); the exchange's port is MEMRA_NCCL_PORT, else MASTER_PORT + 1 (default 29500
         + 1): torchrun's own store listens on MASTER_PORT. Its secret is MEMRA_NCCL_SECRET (none
-        by default: then only a loopback MASTER_ADDR is served), of SECRET_MIN_BYTES at least."""
+        by default: then only a loopback MASTER_ADDR is served), of SECRET_MIN_BYTES at least. A
+        MASTER_ADDR set empty (or blank) is refused by name: it was taken, and found out only in
+        the exchange, under its timeout."""
         environ = os.environ if environ is None else environ
         missing = [name for name in ("RANK", "WORLD_SIZE") if name not in environ]
         if missing:
             raise ValueError(f"a rank's environment names {' and '.join(missing)} (as torchrun sets them)")
+        address = environ.get("MASTER_ADDR", "127.0.0.1")
+        if not address.strip():
+            raise ValueError(f"MASTER_ADDR is rank 0's host name or IP address, not {address!r}: set it, or leave it "
+                             "unset for 127.0.0.1")
         try:
             numbers = {name: int(environ.get(name, default)) for name, default in
                        (("RANK", ""), ("WORLD_SIZE", ""), ("LOCAL_RANK", "0"), ("MASTER_PORT", "29500"))}
@@ -142,7 +148,7 @@ class Ranks:
             raise ValueError(f"RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT and MEMRA_NCCL_PORT are integers: "
                              f"{exc}") from None
         return cls(numbers["RANK"], numbers["WORLD_SIZE"], numbers["LOCAL_RANK"],
-                   environ.get("MASTER_ADDR", "127.0.0.1"), port, environ.get(SECRET_VARIABLE, ""))
+                   address, port, environ.get(SECRET_VARIABLE, ""))
 
 
 def exchange_id(ranks: Ranks, make_id: Callable[[], bytes], timeout: float = 60.0, *,
