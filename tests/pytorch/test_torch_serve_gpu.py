@@ -181,7 +181,7 @@ def test_requests_at_their_own_draft_lengths_are_each_their_own_greedy_output(st
     assert capped[0] == len(want[0]), "the row at length 0 commits one token a round, each round capped"
     decoder.prefill([0], [requests[0].prompt])  # a prefill's row drafts at the full length unless it says
     assert decoder.engine.dtoh(decoder.lengths.cap_d).tolist() == [K] * SLOTS
-    with pytest.raises(ValueError, match="one most draft length for each of the 1 rows, not 2"):
+    with pytest.raises(ValueError, match="caps holds at most 1 ints, one a row, not 2"):
         decoder.prefill([0], [requests[0].prompt], caps=[0, 1])
 
 
