@@ -57,6 +57,9 @@ class DeviceBuffer(Handle):
         self._storage: Any = None
         self._streams: weakref.WeakSet | None = None  # streams that queued work on borrowed memory
         self._holders: weakref.WeakSet | None = None  # what another framework keeps with this memory (hold)
+        # whether __cuda_array_interface__ handed this memory's address out: its consumer keeps the buffer
+        # object (the protocol's rule), not a holder, so free() leaves the release to the buffer's collection
+        self._exported = False
 
     @classmethod
     def allocate(cls, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None) -> DeviceBuffer:
@@ -206,7 +209,9 @@ class DeviceBuffer(Handle):
         at once), so work already queued on it must finish first: the streams of everything
         that holds its address (launches, graphs, tables) are waited for before the borrow is
         dropped. Memory a holder keeps (hold) goes back when the last holder is collected: its
-        release (or its owner, borrowed) stays with this buffer, which every holder keeps."""
+        release (or its owner, borrowed) stays with this buffer, which every holder keeps. So does
+        memory whose address __cuda_array_interface__ handed out: it goes back when this buffer is
+        collected, which the consumer's array (keeping the buffer, as the protocol asks) prevents."""
         if self._freed:
             return
         if self._keepalive is not None:
@@ -214,7 +219,7 @@ class DeviceBuffer(Handle):
             for stream in {id(s): s for s in users}.values():
                 if not stream.closed and stream.ctx.fault is None and stream.capture_hold is None:
                     stream.synchronize()
-        if self._holders:
+        if self._holders or self._exported:
             release, self._finalizer = self._finalizer, None
             super().free()  # refused from now on, dependents poisoned; the memory not yet released
             self._finalizer = release
@@ -224,7 +229,21 @@ class DeviceBuffer(Handle):
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        """Zero-copy access for CuPy, Numba, PyTorch (version 3 of the protocol)."""
+        """Zero-copy access for CuPy, Numba, PyTorch (version 3 of the protocol).
+
+        The array a consumer makes of it (torch.as_tensor(buf), cupy.asarray(buf)) holds the
+        address and cannot refuse to run, so reading it exports the memory: the consumer keeps
+        this buffer (the protocol's rule), and free() then refuses memra's use at once but gives
+        the memory back only when the buffer is collected, once the arrays on it are gone (else
+        free() pulled the memory from under them, their reads and writes landing in whatever the
+        allocator handed it to next). memra_cuda.torch.tensor holds it more closely (hold)."""
+        iface = self._interface()
+        (self._base or self)._exported = True
+        return iface
+
+    def _interface(self) -> dict:
+        """The protocol's dictionary, exporting nothing: for a reader that holds the memory its
+        own way (memra_cuda.torch.tensor's hold)."""
         iface = {"shape": (self.len,), "typestr": self.dtype.str, "data": (self.ptr, False),
                  "strides": None, "version": 3}
         if self.engine is not None and not self.engine.closed:  # a closed engine finished its work, and

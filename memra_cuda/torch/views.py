@@ -45,7 +45,7 @@ class _Held:
             raise ValueError(f"{buf!r} cannot be read as {dtype}: torch makes no tensor of it from a "
                              f"__cuda_array_interface__; {how}")
         self.buf = buf  # torch keeps this object, and so the buffer, alive with the tensor
-        iface = buf.__cuda_array_interface__
+        iface = buf._interface()  # held above, not exported: the memory goes back once these tensors are gone
         self.__cuda_array_interface__ = iface if dtype is None else {**iface, "typestr": _TYPESTR[dtype]}
         buf.hold(self)
 

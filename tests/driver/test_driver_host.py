@@ -664,6 +664,43 @@ def test_memory_another_framework_holds_goes_back_only_once_its_holders_are_gone
     assert kept() is None
 
 
+def test_memory_whose_address_the_array_interface_handed_out_goes_back_only_once_the_buffer_is_collected():
+    """torch.as_tensor(buf) or cupy.asarray(buf) read __cuda_array_interface__ and keep the buffer
+    object, not a holder: free() released the memory under the array, whose reads and writes then
+    landed in whatever the allocator handed it to next. Now reading the interface (of the buffer or
+    a view of it) exports the memory: free() refuses memra's use at once, as always, and the
+    release waits for the buffer's collection, which the array's reference prevents. A buffer whose
+    interface was never read, and memra_cuda.torch.tensor's reading (_interface, which holds the
+    memory its own way), release at free() as before."""
+    for exported in (lambda buf: buf, lambda buf: buf.view(1, 2)):
+        released = Releases()
+        buf = DeviceBuffer(FAKE_PTR, np.uint32, 8)
+        buf._own(released, "cuMemFree", FAKE_PTR)
+        consumer = [exported(buf)]  # what an array made from the interface keeps
+        consumer[0].__cuda_array_interface__
+        launch = Holder()
+        buf.depend(launch)
+        buf.free()
+        assert buf.freed and released.calls == [], "the consumer's array still reads the memory"
+        with pytest.raises(ValueError, match="used after free"):
+            buf.ptr
+        with pytest.raises(ValueError, match="which was freed"):
+            launch._usable()
+        del buf
+        gc.collect()
+        assert released.calls == [], "the consumer keeps the buffer, and so the memory"
+        consumer.clear()
+        gc.collect()
+        assert released.calls == [("cuMemFree", FAKE_PTR)]
+    released = Releases()
+    buf = DeviceBuffer(FAKE_PTR, np.uint32, 8)
+    buf._own(released, "cuMemFree", FAKE_PTR)
+    buf._interface()
+    kept = buf
+    buf.free()
+    assert kept is buf and released.calls == [("cuMemFree", FAKE_PTR)], "nothing exported: released at free()"
+
+
 # -- adopting __cuda_array_interface__ objects (what needs no driver) ------------------------
 
 
