@@ -701,6 +701,41 @@ def test_memory_whose_address_the_array_interface_handed_out_goes_back_only_once
     assert kept is buf and released.calls == [("cuMemFree", FAKE_PTR)], "nothing exported: released at free()"
 
 
+def test_freeing_borrowed_memory_waits_for_the_stream_of_a_call_or_graph_dropped_since():
+    """Borrowed memory (a tensor's) goes back to its owner's allocator at free(), so free() waits
+    for the streams that queued work on it: it found them among its dependents, and a launch made,
+    run and dropped in one line (kernel.prepare().set(x=buf)()), or a graph dropped while its
+    replay was queued, was no dependent any more: the memory went back with the kernel still
+    queued on it. A prepared call or a graph now tells the memory its stream as it binds it, as
+    the engine's copies do. (No driver: a stand-in stream, whose waits are counted.)"""
+    from memra_cuda.driver.call import Prepared
+    from memra_cuda.driver.graph import Graph
+
+    def stand_in() -> Stream:
+        stream = Stream.__new__(Stream)
+        stream.ctx = types.SimpleNamespace(device=0, fault=None, run=lambda fn, name, argv: fn(*argv))
+        stream.capture_hold, stream.waits = None, 0
+
+        def synchronize() -> None:
+            stream.waits += 1
+        stream.synchronize = synchronize  # type: ignore[method-assign]
+        return stream
+
+    for made in ("call", "graph"):
+        stream, tensor = stand_in(), Holder()
+        borrowed = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, keepalive=tensor)
+        if made == "call":
+            Prepared(stream, lambda: (0,), "a launch", (), (borrowed.view(1, 2),))()
+        else:
+            graph = Graph.__new__(Graph)
+            graph.engine, graph._held = stream, {}
+            graph.hold(borrowed)
+            del graph
+        gc.collect()
+        borrowed.free()
+        assert stream.waits == 1, f"the {made}'s stream was not waited for before the memory went back"
+
+
 # -- adopting __cuda_array_interface__ objects (what needs no driver) ------------------------
 
 
