@@ -312,7 +312,8 @@ class MappedBuffer(PinnedBuffer):
     the token feed's words): what a kernel wrote is there as soon as it is visible, so read a
     count before the words it publishes. A numpy view cannot refuse to run, so the view holds
     the memory instead: it keeps this buffer alive (the collector never frees the memory
-    under it), and free() refuses while any view of it, or a slice of one, is still held.
+    under it), and free() refuses while any view of it, or a slice of one, is still held; and
+    so while a tensor made from `device` (memra_cuda.torch.tensor, or its array interface) is.
     `read(start, stop)` takes a copy.
     """
 
@@ -322,6 +323,7 @@ class MappedBuffer(PinnedBuffer):
         super().__init__(engine, dtype, length, label=label)
         self._address = int(engine.activate().call("cuMemHostGetDevicePointer", self._ptr, 0))
         self._viewed: list[weakref.ref] = []  # the memory under each view live() handed out
+        self._devices: list[weakref.ref] = []  # each DeviceBuffer `device` handed out
 
     @property
     def device(self) -> DeviceBuffer:
@@ -331,6 +333,7 @@ class MappedBuffer(PinnedBuffer):
         view = DeviceBuffer(self._address, self.dtype, self.len, engine=self.engine, keepalive=self,
                             label=self.label and f"{self.label} (mapped)")
         self.depend(view)
+        self._devices = [ref for ref in self._devices if ref() is not None] + [weakref.ref(view)]
         return view
 
     @property
@@ -349,6 +352,14 @@ class MappedBuffer(PinnedBuffer):
         if any(ref() is not None for ref in self._viewed):
             raise ValueError(f"{self!r} is still viewed (its live, or a slice of it, is held): drop every view "
                              "before free(), which would leave them on freed memory")
+        # A tensor on `device` (memra_cuda.torch.tensor's hold, or an array made from its
+        # __cuda_array_interface__) cannot refuse to run either: its memory is this buffer's.
+        tensors = [buf for buf in (ref() for ref in self._devices)
+                   if buf is not None and (buf._holders or buf._exported)]
+        if tensors:
+            raise ValueError(f"{self!r} is still read by a tensor or an array made from {tensors[0]!r} (its device, "
+                             "handed to another framework): drop them, and that buffer, before free(), which would "
+                             "leave them on freed memory")
         super().free()
 
 

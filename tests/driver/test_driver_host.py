@@ -736,6 +736,45 @@ def test_freeing_borrowed_memory_waits_for_the_stream_of_a_call_or_graph_dropped
         assert stream.waits == 1, f"the {made}'s stream was not waited for before the memory went back"
 
 
+def test_mapped_memory_is_not_freed_under_a_tensor_made_from_its_device_buffer():
+    """MappedBuffer.free() refused while a numpy view of the memory lived, but not while a tensor
+    on its `device` buffer did (memra_cuda.torch.tensor's hold, or torch.as_tensor of its array
+    interface): the pinned memory went back under the tensor. It is refused now too, naming the
+    buffer, and goes once the tensor and that buffer are dropped; a device buffer only launches
+    held is poisoned as before. (No driver: the buffer is built by hand, its release counted.)"""
+    from memra_cuda.driver.buffer import MappedBuffer
+
+    def mapped() -> tuple[MappedBuffer, Releases]:
+        buf, released = MappedBuffer.__new__(MappedBuffer), Releases()
+        buf.dtype, buf.len, buf.label = np.dtype(np.uint32), 4, "feed"
+        buf.engine = types.SimpleNamespace(device=0, closed=True)
+        buf._ptr, buf._address, buf._viewed, buf._devices = FAKE_PTR, FAKE_PTR + 4096, [], []
+        buf._own(released, "cuMemFreeHost", FAKE_PTR)
+        return buf, released
+
+    for read in ("hold", "interface"):
+        buf, released = mapped()
+        device, tensor = buf.device, Holder()
+        if read == "hold":
+            device.view(1, 2).hold(tensor)
+        else:
+            device.view(1, 2).__cuda_array_interface__
+        with pytest.raises(ValueError, match=r"still read by a tensor or an array made from DeviceBuffer\(feed"):
+            buf.free()
+        assert released.calls == [] and not buf.freed
+        del tensor, device
+        gc.collect()
+        buf.free()
+        assert released.calls == [("cuMemFreeHost", FAKE_PTR)]
+    buf, released = mapped()
+    device, launch = buf.device, Holder()
+    device.depend(launch)
+    buf.free()
+    assert released.calls == [("cuMemFreeHost", FAKE_PTR)]
+    with pytest.raises(ValueError, match="which was freed"):
+        launch._usable()
+
+
 # -- adopting __cuda_array_interface__ objects (what needs no driver) ------------------------
 
 
