@@ -44,6 +44,8 @@ class Stream(Handle):
     stream from other threads while a Graph is being captured.
     """
 
+    _exported = False  # whether the handle was handed out (__cuda_stream__, a borrower): see close()
+
     def __init__(self, device: int = 0, stream: Any = None, framework: Framework = DRIVER):
         if not isinstance(framework, Framework):
             raise TypeError(f"framework must be a Framework (how graphs are captured, the model's work scoped), "
@@ -68,6 +70,8 @@ class Stream(Handle):
             self._check_stream_context()
             if not isinstance(stream, (int, driver().CUstream)):
                 self._stream_owner = stream  # its owner destroys the stream when it goes
+            if isinstance(stream, Stream):
+                stream._exported = True  # this one works on its handle: its close() must leave it (close)
         self.stream_handle = int(self.stream)
         self._synchronize = driver().cuStreamSynchronize
 
@@ -91,8 +95,11 @@ class Stream(Handle):
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol (version 0, the raw handle): cuda.core, CuPy and others take
         this stream as it is. ValueError once closed: the destroyed handle may name another
-        stream by then (an Engine.wait on a closed engine recorded an event onto it)."""
+        stream by then (an Engine.wait on a closed engine recorded an event onto it). The
+        consumer keeps this object and works on the handle for as long as it likes, so the handle
+        is exported: close() then leaves the stream to this object's collection (close)."""
         self.activate()
+        self._exported = True
         return 0, self.stream_handle
 
     @property
@@ -130,7 +137,12 @@ class Stream(Handle):
     def close(self) -> None:
         """Finish queued work and release the stream (an owned one); buffers still alive keep
         the context. Never raises: after a fault, or if the last work fails, it logs and
-        releases what it can."""
+        releases what it can.
+
+        A stream whose handle was handed out (__cuda_stream__: a cuda.core or CuPy stream made
+        from this one, or an Engine borrowing it) is closed to memra at once, but destroyed (and
+        a borrowed one's owner let go) only when this object is collected: the consumer keeps it,
+        and destroyed now, the handle would name whatever stream the driver made next."""
         if self._freed:
             return
         if self.ctx.fault is None:
@@ -138,6 +150,11 @@ class Stream(Handle):
                 self.synchronize()
             except Exception as exc:  # noqa: BLE001 - close() is cleanup: report, go on
                 log.warning("memra_cuda: closing %r: %s", self, exc)
+        if self._exported:
+            release, self._finalizer = self._finalizer, None
+            super().free()  # closed from now on, dependents poisoned; the stream not yet destroyed
+            self._finalizer = release
+            return
         super().free()
         self._stream_owner = None
 
@@ -264,6 +281,9 @@ def handle_of(stream: Any) -> int:
     """The raw handle of a stream given as an int, by the CUDA stream protocol
     (`__cuda_stream__()` -> (0, handle): cuda.core, CuPy and others), or by `cuda_stream`
     (PyTorch); TypeError naming the forms otherwise."""
+    if isinstance(stream, Stream):  # read for a wait now, not handed out (__cuda_stream__ exports it)
+        stream.activate()
+        return stream.stream_handle
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
         given = protocol()

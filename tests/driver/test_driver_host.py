@@ -437,6 +437,63 @@ def test_a_closed_stream_hands_out_no_handle():
         handle_of(stream)  # what Engine.wait and wait_stream read a stream by
 
 
+def test_a_stream_whose_handle_was_handed_out_is_destroyed_only_once_collected(monkeypatch):
+    """close() destroyed an owned stream at once, though a consumer of __cuda_stream__ (a cuda.core
+    or CuPy stream made from the engine, or an Engine borrowing it, which keeps it as its stream's
+    owner) went on queueing work on the handle, which the driver hands the next stream made. Now a
+    handed-out stream is closed to memra at once and destroyed when the object is collected, which
+    the consumer's reference prevents; one only read for a wait (handle_of) is destroyed at close()
+    as before. (No driver: stand-in contexts, the destroy counted.)"""
+    import memra_cuda.driver.stream as stream_module
+
+    def owned(handle: int) -> tuple[Stream, Releases]:
+        stream, released = Stream.__new__(Stream), Releases()
+        stream.ctx = types.SimpleNamespace(device=0, fault=None)
+        stream.stream_handle, stream.synchronize = handle, lambda: None
+        stream._stream_owner = None
+        stream._own(released, "cuStreamDestroy", handle)
+        return stream, released
+
+    stream, released = owned(0x5000)
+    assert handle_of(stream) == 0x5000
+    stream.close()
+    assert released.calls == [("cuStreamDestroy", 0x5000)], "read for a wait only: destroyed at close()"
+    stream, released = owned(0x6000)
+    consumer = [stream]  # what cuda.core's Stream keeps of the object it read the protocol of
+    assert stream.__cuda_stream__() == (0, 0x6000)
+    launch = Holder()
+    stream.depend(launch)
+    stream.close()
+    assert stream.closed and released.calls == [], "the consumer still queues work on the handle"
+    with pytest.raises(ValueError, match="is closed"):
+        stream.__cuda_stream__()
+    with pytest.raises(ValueError, match="which was freed"):
+        launch._usable()
+    del stream
+    gc.collect()
+    assert released.calls == []
+    consumer.clear()
+    gc.collect()
+    assert released.calls == [("cuStreamDestroy", 0x6000)]
+    # an Engine borrowing the stream keeps it as its owner: the owner's close() leaves the stream to it
+    owner, released = owned(0x7000)
+    monkeypatch.setattr(stream_module.PrimaryContext, "of", classmethod(lambda cls, device: types.SimpleNamespace(
+        device=0, fault=None, handle=1, adopt_thread=lambda: None, call=lambda name, *args: 1)))
+    from cuda.bindings import driver as bindings
+    monkeypatch.setattr(stream_module, "driver", lambda: bindings)  # its types, no cuInit
+    borrower = Stream(0, stream=owner)
+    assert borrower.stream_handle == 0x7000 and borrower.stream_owner is owner
+    owner.close()
+    del owner
+    gc.collect()
+    assert released.calls == [], "the borrower's stream was destroyed under it"
+    borrower.synchronize = lambda: None  # type: ignore[method-assign]
+    borrower.close()
+    del borrower
+    gc.collect()
+    assert released.calls == [("cuStreamDestroy", 0x7000)]
+
+
 # -- packaged PTX -------------------------------------------------------------------------
 
 
