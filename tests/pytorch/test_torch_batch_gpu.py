@@ -358,7 +358,8 @@ def test_the_headlines_plain_step_is_one_step_of_its_burst(small):
 def test_a_prefill_needs_a_seed_a_row_and_greedy_a_request_a_row(small):
     sampled = chain(small, capacity=capacity_for(10, 20, Geometry(K, M, 2)), batch=2, sampling=SamplingParams(1.0))
     for seeds in ([7], [], [7, 8, 9]):
-        says = "seeds holds at most 2 ints, one a row, not 3" if len(seeds) > 2 else f"one seed for each of the 2 rows, not {len(seeds)}"
+        says = ("seeds holds at most 2 ints, one a row, not 3" if len(seeds) > 2
+                else f"one seed for each of the 2 rows, not {len(seeds)}")
         with pytest.raises(ValueError, match=says):
             sampled.prefill([0, 1], [[1, 2], [3, 4]], seeds)
     assert sampled.prefill([0, 1], [[1, 2], [3, 4]], [7, 8]) == [1, 1]
