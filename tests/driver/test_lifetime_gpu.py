@@ -129,6 +129,31 @@ def test_launches_of_a_closed_engine_refuse_to_run(engine):
         launch(buf, 4)
 
 
+def test_a_handed_out_stream_or_memory_outlives_close_and_free_while_its_reader_lives(engine):
+    """An Engine borrowing another's stream keeps that engine: the owner's close() finishes its work
+    and refuses its own use, but destroyed the stream at once, under the borrower's next work; now
+    the stream goes once the borrower lets go. Likewise memory whose __cuda_array_interface__ was
+    read (here by an adoption, which keeps the buffer as torch.as_tensor does): free() refuses
+    memra's use of the buffer, and the memory stays the reader's, not handed to the next
+    allocation."""
+    owner = Engine(engine.device)
+    borrower = Engine(engine.device, stream=owner)
+    owner.close()
+    with pytest.raises(ValueError, match="closed"):
+        owner.zeros(np.uint32, 4)
+    buf = borrower.zeros(np.uint32, 4)
+    increment(borrower, 4)(buf, 4)
+    assert borrower.dtoh(buf).tolist() == [1] * 4
+    borrower.close()
+    exported = engine.htod(np.full(4, 5, np.uint32), label="exported")
+    reader = DeviceBuffer.from_cuda_array(exported)
+    exported.free()
+    with pytest.raises(ValueError, match="used after free"):
+        exported.ptr
+    fresh = engine.htod(np.full(4, 9, np.uint32))
+    assert fresh.ptr != reader.ptr and engine.dtoh(reader).tolist() == [5] * 4
+
+
 def test_launch_before_any_arguments_is_refused(engine):
     with pytest.raises(ValueError, match="no arguments yet"):
         increment(engine, 4)()
