@@ -393,7 +393,10 @@ class Server:
         # the thread the server calls its decoder's rows on (_into), None otherwise: that call alone is the
         # server's (Driven.take_row), not its clock's, nor a callback's, on the same thread mid-step
         self._calling: int | None = None
-        self._step_held = threading.Lock()  # held by the step that runs: step() and serve() inside one are refused
+        # a step runs: step() and serve() inside one are refused; set and read under _step_held, held for that
+        # alone (step)
+        self._stepping = False
+        self._step_held = threading.Lock()
         # the burst this server ran and has not recorded, with the rows it ran: None as the decoder
         # runs it (burst() raised: the next step asks the decoder to recover it), or read back but
         # not stamped (the clock raised: the next step records it)
@@ -492,15 +495,22 @@ class Server:
         anything is done, for a step inside a step (the decoder or the clock calling back, another
         thread): the inner one took the rows' next burst and ended its requests, so the outer read
         a request that had ended (KeyError) and lost its burst's tokens, the request ending with
-        fewer, silently. The refusal takes a lock at once: a flag read and then set let a second
-        thread through between the two, and both steps ran the rows."""
-        if not self._step_held.acquire(blocking=False):
-            raise RuntimeError("step() was called while a step of this server runs (from its decoder or its clock, "
-                               "or another thread): step one at a time, from one loop")
+        fewer, silently. The flag is read and set under a lock: read and then set, it let a second
+        thread through between the two, and both steps ran the rows. It is set inside the try that
+        clears it: the lock, held for the whole step and taken before its try, was kept for good
+        where an interrupt came as it was taken (a signal is handled as a call returns), every
+        later step refused as if one still ran, the server never usable again."""
+        stepping = False
         try:
+            with self._step_held:  # held for the check and the set alone
+                if self._stepping:
+                    raise RuntimeError("step() was called while a step of this server runs (from its decoder or its "
+                                       "clock, or another thread): step one at a time, from one loop")
+                self._stepping = stepping = True
             return self._step()
         finally:
-            self._step_held.release()
+            if stepping:
+                self._stepping = False
 
     def _step(self) -> Progress:
         finished, self._unreported = self._unreported, {}
@@ -595,7 +605,7 @@ class Server:
         so a refusal is recorded as it is made; where the clock raises, serve() raises with that
         request and those after it never submitted (a refusal stamped after it was made was lost
         with the clock's failure, its id taken)."""
-        if self._step_held.locked():  # its step would be refused after its submissions, their refusals lost
+        if self._stepping:  # its step would be refused after its submissions, their refusals lost
             raise RuntimeError("serve() was called while a step of this server runs (its clock or its decoder "
                                "calling back): serve() steps the server itself")
         if not self.idle:

@@ -1871,3 +1871,60 @@ def test_a_masked_array_is_no_prompt(given):
     masked token ran as any other. Masked or not, it is refused as no prompt: its mask says
     which entries are none, and a prompt has no such entries."""
     refused_as_no_prompt(given)
+
+
+
+class _Interrupting:
+    """A server's step lock where a Ctrl-C is handled as a call returns (CPython handles a signal as
+    a call returns, not as a `with` block takes a lock): acquire() and a `with` block's exit raise
+    KeyboardInterrupt once, after taking or releasing the lock, as a signal that came in the call."""
+
+    def __init__(self, lock):
+        self.lock, self.fired = lock, []
+
+    def _interrupt(self):
+        if not self.fired:
+            self.fired.append(True)
+            raise KeyboardInterrupt
+
+    def acquire(self, *args, **kwargs):
+        taken = self.lock.acquire(*args, **kwargs)
+        self._interrupt()
+        return taken
+
+    def release(self):
+        self.lock.release()
+
+    def locked(self):
+        return self.lock.locked()
+
+    def __enter__(self):
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        self.lock.__exit__(*exc)
+        if exc == (None, None, None):
+            self._interrupt()
+
+
+def test_an_interrupt_as_a_step_takes_its_lock_leaves_the_server_to_step_on():
+    """step() took its lock before the try that released it: a Ctrl-C handled as the lock's
+    acquire returned left it held for good, and every later step was refused as if one still ran
+    ("step() was called while a step of this server runs"), the server's requests never served.
+    The interrupt is raised; the server then steps on to idle, each request its own greedy
+    decoding alone."""
+    decoder = Counting(2)
+    server = Server(decoder, clock=decoder.clock)
+    requests = mixed(4)
+    idents = [server.submit(request) for request in requests]
+    server._step_held = interrupting = _Interrupting(server._step_held)
+    with pytest.raises(KeyboardInterrupt):
+        server.step()
+    assert interrupting.fired
+    ended: dict[int, Served] = {}
+    for _ in range(100):
+        if server.idle:
+            break
+        ended.update(server.step().finished)
+    assert server.idle
+    assert [ended[ident].tokens for ident in idents] == [alone(request) for request in requests]
