@@ -313,7 +313,8 @@ class MappedBuffer(PinnedBuffer):
     count before the words it publishes. A numpy view cannot refuse to run, so the view holds
     the memory instead: it keeps this buffer alive (the collector never frees the memory
     under it), and free() refuses while any view of it, or a slice of one, is still held; and
-    so while a tensor made from `device` (memra_cuda.torch.tensor, or its array interface) is.
+    so while a tensor made from `device` (memra_cuda.torch.tensor) is, or while that `device` buffer
+    lives once its array interface was read (an array made so keeps the buffer, not a count).
     `read(start, stop)` takes a copy.
     """
 

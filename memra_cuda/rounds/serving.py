@@ -393,8 +393,8 @@ class Server:
         # the thread the server calls its decoder's rows on (_into), None otherwise: that call alone is the
         # server's (Driven.take_row), not its clock's, nor a callback's, on the same thread mid-step
         self._calling: int | None = None
-        # a step runs: step() and serve() inside one are refused; set and read under _step_held, held for that
-        # alone (step)
+        # a step runs: step() and serve() inside one are refused; set under _step_held, held for that alone
+        # (step), and read by serve() without it
         self._stepping = False
         self._step_held = threading.Lock()
         # the burst this server ran and has not recorded, with the rows it ran: None as the decoder
@@ -506,7 +506,7 @@ class Server:
                 if self._stepping:
                     raise RuntimeError("step() was called while a step of this server runs (from its decoder or its "
                                        "clock, or another thread): step one at a time, from one loop")
-                self._stepping = stepping = True
+                stepping = self._stepping = True  # the local first: its finally clears what it set
             return self._step()
         finally:
             if stepping:
@@ -565,11 +565,15 @@ class Server:
         running with them, to end at the next burst (their rows done), where they lost the burst's.
         A burst of fewer rows than the batch (a decoder's own Burst) is a ValueError naming both,
         before the clock is read or any request changes: it met an IndexError as its news was read.
-        That burst is dropped, as recording it again would raise again, every later step with it."""
+        That burst is dropped, as recording it again would raise again, every later step with it;
+        and its rows' requests are cancelled (they end at the next step with the tokens read before
+        it), as their rows went on past tokens no step can give them: run on, each would have a
+        hole in its output, silently."""
         rows = len(self._slots)  # a len() or three a burst: nothing beside the burst's own readback
         given = (len(burst.tokens), len(burst.done), rows if burst.accepted is None else len(burst.accepted))
         if min(given) < rows:
             self._unrecorded = None
+            self._cancels.update(ident for _, ident in busy)
             shown = "" if burst.accepted is None else f", accepted of {given[2]}"
             raise ValueError(f"the decoder's burst has news of fewer rows than its batch of {rows} (tokens of "
                              f"{given[0]}, done of {given[1]}{shown}): a Burst gives every row's, a vacant "

@@ -267,7 +267,7 @@ def test_a_step_inside_a_step_is_refused_and_the_outer_step_goes_on():
 def test_a_second_thread_stepping_as_the_first_begins_is_refused(monkeypatch):
     """step() read its flag and then set it: a second thread stepping between the two passed the
     check, and both steps ran the rows' bursts. The second thread steps here at the first step's
-    first get_ident (where the flag was set; now its first call into the decoder, the lock held
+    first get_ident (where the flag was set; now its first call into the decoder, the flag set
     since the step began) and is refused; the first runs on, its request its own greedy decoding
     alone."""
     decoder = Counting(1)
@@ -1310,8 +1310,9 @@ def test_a_recover_that_raises_is_not_asked_again():
 def test_a_burst_of_fewer_rows_than_the_batch_is_refused_naming_both_and_changes_no_request(short):
     """A decoder whose Burst held fewer rows than its batch met an IndexError as the server read
     its news. A ValueError naming the burst's rows and the batch now, before any request changes:
-    their tokens are the last burst's, and the next step goes on (the burst dropped: recorded
-    again, it would raise again, at every step)."""
+    their tokens are the last burst's, and the next step ends them cancelled (the burst dropped:
+    recorded again, it would raise again, at every step; run on, each request would lack its
+    tokens, a hole in its output)."""
     decoder = Counting(2, drafts=True)
     server = Server(decoder, clock=decoder.clock)
     ids = [server.submit(Request([1], 9)), server.submit(Request([2], 9))]
@@ -1329,8 +1330,7 @@ def test_a_burst_of_fewer_rows_than_the_batch_is_refused_naming_both_and_changes
             "accepted of {accepted})".format(**counts))):
         server.step()
     decoder.burst = burst
-    assert all(server.cancel(ident) for ident in ids)
-    done = server.step().finished
+    done = server.step().finished  # the rows ran past the dropped burst's tokens: their requests end cancelled
     assert [done[ident].tokens for ident in ids] == [before[ident] for ident in ids], "the burst's news was recorded"
     assert all(done[ident].cancelled for ident in ids) and server.idle
 
