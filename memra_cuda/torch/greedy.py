@@ -20,6 +20,8 @@ from .compiled import as_attention, as_compiled, stack_for
 from .kv import Room, as_capacity
 from .uploads import uploaded
 
+NO_BURST = -1  # out's first token until a replay's first step writes a token there (recover)
+
 
 class _Stop:
     """A row's request's stop, kept on the host: its EOS, and the tokens it may still take."""
@@ -90,6 +92,7 @@ class GraphedGreedy:
             # a burst's tokens, [steps][B] (read back [B][steps]), a step's row of whole 16 bytes: advance()
             # writes it compiled, and inductor cloned a row off 16 bytes before every call
             self.out = torch.zeros(steps, batch + batch % 2, dtype=torch.long, device="cuda")
+            self._first = self.out[0, :1]  # the burst's first token: NO_BURST until a replay writes it
         self.advance = self.stack.compiled(advance)  # with the step, as gpt-fast compiles its argmax with it
         self.graph: torch.cuda.CUDAGraph | None = None
         self._cut = False  # a replayed burst's tokens not yet read (recover)
@@ -187,25 +190,40 @@ class GraphedGreedy:
             if self.graph is None:
                 self._burst()
             else:
+                # An interrupt as the replay returns came after its launch, one as torch's replay()
+                # began before it; the host cannot tell which, so the device does: the first token
+                # is NO_BURST until the replay's first step writes it (recover)
+                self._first.fill_(NO_BURST)
+                self._cut = True
                 self.graph.replay()
         self._cut = True  # till its tokens are read: recover() reads them where an interrupt cuts the wait
-        return self._read()
+        return self._read(self._tokens())
 
     def recover(self) -> Burst | None:
         """The last burst, where an interrupt cut its readback's wait short (it ran, and its tokens
         are in `out` until the next burst); None where they were read, where a row was admitted,
         parked or every row started since, or where the interrupt came before the burst was
-        queued whole (an eager one is many launches). RuntimeError, from anything but a server's
+        queued whole (an eager one is many launches; a graph's replay not launched leaves its
+        first token NO_BURST). An interrupt as a replay returned, after its launch, was taken
+        for one before it: its rows had gone on past tokens no step was given, a hole in each
+        request's output, silently. RuntimeError, from anything but a server's
         own calls, while a server over the rows has a request in flight (Driven.take_row): the
         burst is that server's to recover, and read here its tokens were lost to it."""
         self.driven.take_row("recover()")
-        return self._read() if self._cut else None
+        if not self._cut:
+            return None
+        out = self._tokens()
+        return None if out[0][0] == NO_BURST else self._read(out)
 
-    def _read(self) -> Burst:
-        """The burst's tokens read back (the wait for it), each row's up to its stop."""
+    def _tokens(self) -> list[list[int]]:
+        """The last burst's tokens, [B][steps], read back (the wait for it)."""
         with torch.cuda.stream(self.stream):
-            out = self.out[:, :self.batch].T.tolist()  # [B][steps]
+            out = self.out[:, :self.batch].T.tolist()
         self._cut = False
+        return out
+
+    def _read(self, out: list[list[int]]) -> Burst:
+        """The burst of tokens `out` ([B][steps]): each row's up to its stop."""
         tokens: list[list[int]] = []
         for row, stop in enumerate(self._stops):
             tokens.append([] if stop is None else stop.take(out[row]))

@@ -252,6 +252,7 @@ def test_the_plain_loops_burst_compiles_nothing_after_its_warm_up():
     decoder.stack.prefill([0], [[0, 0]])
     decoder.token, decoder.position = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long)
     decoder.out = torch.zeros(decoder.steps, 2, dtype=torch.long)
+    decoder._first = decoder.out[0, :1]  # the burst's first token, marked before a replay
     decoder.advance = decoder.stack.compiled(advance)
     decoder._burst()
     with torch._dynamo.config.patch(error_on_recompile=True):

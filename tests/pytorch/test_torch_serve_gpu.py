@@ -147,12 +147,34 @@ def test_a_burst_whose_wait_an_interrupt_cut_short_is_handed_out_by_the_next_ste
     ids = [server.submit(request) for request in requests]
     first = server.step()
     if isinstance(decoder, GraphedGreedy):  # its wait is the read of its tokens
-        interrupt_once(monkeypatch, decoder, "_read", waited=False)
+        interrupt_once(monkeypatch, decoder, "_tokens", waited=False)
     else:  # the wait for the pinned slot ends, the slot unread
         interrupt_once(monkeypatch, decoder.bufs.engine, "finish_readback")
     with pytest.raises(KeyboardInterrupt):
         server.step()
     served = dict(first.finished)
+    while not server.idle:
+        served.update(server.step().finished)
+    for i, ident in enumerate(ids):
+        assert served[ident].tokens == want[i], \
+            f"request {i}: first difference at token {first_difference(served[ident].tokens, want[i])}"
+
+
+@pytest.mark.parametrize("launched", [True, False], ids=["as the replay returns", "before its launch"])
+def test_a_plain_burst_an_interrupt_cut_at_its_replay_leaves_no_hole(stream, small, monkeypatch, launched):
+    """A Ctrl-C as the plain loop's replay returned (launched) came after the burst's launch, and
+    recover() took it for one before: the rows had gone on, and every request lacked that burst's
+    tokens in the middle of its output, silently. The device marks the burst's first token until
+    the replay writes it, so the next step hands the burst out where it ran, and runs it where it
+    did not: every request is its own greedy output either way."""
+    requests, want = stream
+    decoder = GraphedGreedy(small, capacity_for(40, 96, Geometry(K, M, SLOTS)), SLOTS)
+    server = decoder.server()
+    ids = [server.submit(request) for request in requests]
+    served = dict(server.step().finished)
+    interrupt_once(monkeypatch, decoder.graph, "replay", waited=launched)
+    with pytest.raises(KeyboardInterrupt):
+        server.step()
     while not server.idle:
         served.update(server.step().finished)
     for i, ident in enumerate(ids):

@@ -933,6 +933,7 @@ def test_a_serve_interrupted_leaves_the_rows_to_the_next_serve():
     decoder.graph, decoder._stops, decoder.driven = Graph(), [None, None], Driven()
     decoder.token, decoder.position = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long)
     decoder.out = torch.zeros(4, 2, dtype=torch.long)  # [steps][B]
+    decoder._first = decoder.out[0, :1]  # the burst's first token, marked before a replay
     with pytest.raises(KeyboardInterrupt) as interrupted:
         decoder.serve([Request([1, 2], 30)] * 3)
     assert interrupted.traceback, "the traceback, and the server in it, live on"
@@ -965,6 +966,7 @@ def test_the_plain_loops_capture_leaves_no_row_running_on_from_its_warm_up(monke
     decoder.graph, decoder._stops, decoder.driven, decoder._cut = None, [None, None], Driven(), False
     decoder.token, decoder.position = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long)
     decoder.out = torch.zeros(4, 2, dtype=torch.long)  # [steps][B]
+    decoder._first = decoder.out[0, :1]  # the burst's first token, marked before a replay
     decoder.admit(0, Request([5, 6], 8))
     decoder.capture()
     assert decoder.burst().tokens == [[], []], "a request admitted before the capture took the warm-up's tokens"
@@ -1148,6 +1150,7 @@ def test_the_plain_loops_server_checks_a_prompt_once_and_runs_it_as_its_own_gree
     decoder._stops, decoder.driven = [None, None], Driven()
     decoder.token, decoder.position = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long)
     decoder.out = torch.zeros(3, 2, dtype=torch.long)  # [steps][B]
+    decoder._first = decoder.out[0, :1]  # the burst's first token, marked before a replay
     checks = prompt_checks(monkeypatch)
     prompt = [5, 17, 3, 40, 8]
     (served,) = decoder.serve([Request(prompt, 3)])
@@ -1185,6 +1188,7 @@ def plain_loop(monkeypatch, batch: int = 2):
     decoder.token = torch.zeros(batch, 1, dtype=torch.long)
     decoder.position = torch.zeros(batch, 1, dtype=torch.long)
     decoder.out = torch.zeros(3, batch + batch % 2, dtype=torch.long)  # [steps][B]
+    decoder._first = decoder.out[0, :1]  # the burst's first token, marked before a replay
     return decoder
 
 
