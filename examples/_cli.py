@@ -133,7 +133,7 @@ def models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     target, tokenizer = load_model(args.model, dtype=dtype), load_tokenizer(args.model)
     if args.draft is None:
         return target, self_draft(target, args.draft_layers), tokenizer
-    has_tokenizer = any((Path(args.draft) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    has_tokenizer = any((Path(args.draft) / name).is_file() for name in TOKENIZER_FILES)
     if has_tokenizer and load_tokenizer(args.draft).get_vocab() != tokenizer.get_vocab():
         raise SystemExit(f"the draft in {args.draft} has another tokenizer than the target in {args.model}")
     return target, load_model(args.draft, dtype=dtype), tokenizer

@@ -33,24 +33,20 @@ from _cli import command_line, describe, finish, models, parse, requests
 from memra_cuda.buffers import MAX_BATCH
 from memra_cuda.torch import Room, SpeculativeLlama
 
-# --serve's most: as many requests as the largest batch has rows, which is what the example builds
-# without --serve (one a row). It builds every request before the first runs (requests()), and keeps
-# each one's tokens and their arrival times until the last ends, then (greedy fp32) decodes each again
-# with Hugging Face: --serve 10**9 was taken, and the requests were built until memory ran out.
-SERVE_MOST = MAX_BATCH
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = command_line((__doc__ or "").split("\n\n")[0])
     parser.add_argument("--serve", type=int, metavar="N", default=None,
-                        help=f"serve N requests continuously through the --batch slots, at most {SERVE_MOST} "
+                        help=f"serve N requests continuously through the --batch slots, at most {MAX_BATCH} "
                         "(default: one batch, every row started together)")
     args, sampling = parse(parser, argv)
     if args.serve is not None and (args.serve < 1 or args.mode in ("overlap", "device")):
         parser.error("--serve takes N >= 1 requests, in any mode but overlap and device (they keep two bursts in "
                      "flight, or run a whole generation in one launch)")
-    if args.serve is not None and args.serve > SERVE_MOST:
-        parser.error(f"--serve takes at most {SERVE_MOST} requests (a batch's most rows: each is built before the "
+    # --serve's most is the largest batch's rows, what the example builds without it (one a row): every
+    # request is built before the first runs (requests()), and --serve 10**9 built them till memory ran out
+    if args.serve is not None and args.serve > MAX_BATCH:
+        parser.error(f"--serve takes at most {MAX_BATCH} requests (a batch's most rows: each is built before the "
                      f"first runs), not {args.serve}")
     _needs.gpu()
     target, draft, tokenizer = models(args)

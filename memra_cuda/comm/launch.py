@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..driver.values import as_seconds, as_size
+from ..driver.values import TEXT_LIKE, as_seconds, as_size
 from .rendezvous import MAX_WORLD, SECRET_VARIABLE
 
 
@@ -65,7 +65,7 @@ def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None
     processes for half a minute, to an OSError of too many open files."""
     world = as_size(world, "world", 1, MAX_WORLD)
     timeout = as_seconds(timeout, "timeout")
-    if isinstance(argv, (str, bytes)) or not argv:
+    if isinstance(argv, TEXT_LIKE) or not argv:
         raise TypeError(f"argv is the command as a non-empty list of its words (['python', 'x.py']), not {argv!r}")
     if env is not None and not (isinstance(env, Mapping) and all(isinstance(x, str) for x in (*env, *env.values()))):
         raise TypeError(f"env maps names to values, both str, not {env!r}")

@@ -174,10 +174,15 @@ class DeviceBuffer(Handle):
                             base=self._base or self, device=self.device, label=label or self.label)
 
     def depend(self, dependent: Handle) -> None:
-        """A dependent of a view also depends on the memory's owner."""
+        """A dependent of a view also depends on the memory's owner; one that queues work on an
+        engine (a launch, a graph, a table) tells borrowed memory that stream (queued_on), so its
+        free() waits for it even once the dependent is gone (a launch made, run and dropped in
+        one line, a graph dropped with its replay queued)."""
         super().depend(dependent)
         if self._base is not None:
             self._base.depend(dependent)
+        elif self._keepalive is not None and (engine := getattr(dependent, "engine", None)) is not None:
+            self.queued_on(engine)
 
     def queued_on(self, stream: Stream) -> None:
         """Work on this memory was queued on `stream` (a copy, a memset): if the memory is
@@ -215,14 +220,11 @@ class DeviceBuffer(Handle):
         if self._freed:
             return
         if self._keepalive is not None:
-            users = [d.engine for d in self._dependents or () if hasattr(d, "engine")] + list(self._streams or ())
-            for stream in {id(s): s for s in users}.values():
+            for stream in list(self._streams or ()):  # every dependent's engine among them (depend)
                 if not stream.closed and stream.ctx.fault is None and stream.capture_hold is None:
                     stream.synchronize()
         if self._holders or self._exported:
-            release, self._finalizer = self._finalizer, None
-            super().free()  # refused from now on, dependents poisoned; the memory not yet released
-            self._finalizer = release
+            self._retire()  # refused from now on, dependents poisoned; the memory not yet released
             return
         self._keepalive = self._storage = None
         super().free()
@@ -324,7 +326,6 @@ class MappedBuffer(PinnedBuffer):
         super().__init__(engine, dtype, length, label=label)
         self._address = int(engine.activate().call("cuMemHostGetDevicePointer", self._ptr, 0))
         self._viewed: list[weakref.ref] = []  # the memory under each view live() handed out
-        self._devices: list[weakref.ref] = []  # each DeviceBuffer `device` handed out
 
     @property
     def device(self) -> DeviceBuffer:
@@ -334,7 +335,6 @@ class MappedBuffer(PinnedBuffer):
         view = DeviceBuffer(self._address, self.dtype, self.len, engine=self.engine, keepalive=self,
                             label=self.label and f"{self.label} (mapped)")
         self.depend(view)
-        self._devices = [ref for ref in self._devices if ref() is not None] + [weakref.ref(view)]
         return view
 
     @property
@@ -355,8 +355,8 @@ class MappedBuffer(PinnedBuffer):
                              "before free(), which would leave them on freed memory")
         # A tensor on `device` (memra_cuda.torch.tensor's hold, or an array made from its
         # __cuda_array_interface__) cannot refuse to run either: its memory is this buffer's.
-        tensors = [buf for buf in (ref() for ref in self._devices)
-                   if buf is not None and (buf._holders or buf._exported)]
+        tensors = [buf for buf in list(self._dependents or ()) if isinstance(buf, DeviceBuffer)
+                   and buf._keepalive is self and (buf._holders or buf._exported)]
         if tensors:
             raise ValueError(f"{self!r} is still read by a tensor or an array made from {tensors[0]!r} (its device, "
                              "handed to another framework): drop them, and that buffer, before free(), which would "

@@ -38,15 +38,9 @@ class Prepared(Handle):
         self._bind(holds)
 
     def _bind(self, holds: Sequence[Handle | None]) -> None:
-        """Hold `holds`, and tell borrowed memory among them that work on it goes on this stream
-        (DeviceBuffer.queued_on): its free() waits for the stream even once this call is gone (a
-        launch made, run and dropped in one line), before its owner's allocator may hand it out."""
         self._holds = tuple(h for h in holds if h is not None)
         for handle in self._holds:
             handle.depend(self)
-            queued_on = getattr(handle, "queued_on", None)
-            if queued_on is not None:
-                queued_on(self.engine)
 
     def set(self, *values: object, **named: object) -> Prepared:
         """New argument values: only launches take them (Launch.set)."""

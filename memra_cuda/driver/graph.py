@@ -274,16 +274,11 @@ class Graph(Handle):
 
     def hold(self, *handles: Handle | None) -> None:
         """Keep `handles` alive with the graph and refuse to replay if one is freed (called by
-        launches and copies while they are being captured). Borrowed memory among them learns
-        that the graph's replays go on its engine's stream (DeviceBuffer.queued_on), so its free()
-        waits for them even once the graph is dropped."""
+        launches and copies while they are being captured)."""
         for handle in handles:
             if handle is not None and id(handle) not in self._held:
                 self._held[id(handle)] = handle
                 handle.depend(self)
-                queued_on = getattr(handle, "queued_on", None)
-                if queued_on is not None:
-                    queued_on(self.engine)
 
     def launch(self) -> None:
         """Replay on the engine's stream: what was checked at capture is not checked again."""

@@ -56,6 +56,14 @@ class Handle:
             self._finalizer()
         self._notify(f"{name}, which was freed")
 
+    def _retire(self) -> None:
+        """Refuse every use from now on and poison the dependents, as free() does, but leave the
+        release to this handle's collection: for what something outside memra still uses (an
+        array keeping an exported buffer, a consumer of an exported stream's handle)."""
+        release, self._finalizer = self._finalizer, None
+        Handle.free(self)
+        self._finalizer = release
+
     def __enter__(self: _Self) -> _Self:
         return self
 

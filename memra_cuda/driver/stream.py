@@ -151,9 +151,7 @@ class Stream(Handle):
             except Exception as exc:  # noqa: BLE001 - close() is cleanup: report, go on
                 log.warning("memra_cuda: closing %r: %s", self, exc)
         if self._exported:
-            release, self._finalizer = self._finalizer, None
-            super().free()  # closed from now on, dependents poisoned; the stream not yet destroyed
-            self._finalizer = release
+            self._retire()  # closed from now on, dependents poisoned; the stream not yet destroyed
             return
         super().free()
         self._stream_owner = None

@@ -563,25 +563,29 @@ class Server:
         whole before any request changes, so a burst that cannot be read changes none, and every
         request has its tokens before any ends: an exception as one ends (_end) leaves the others
         running with them, to end at the next burst (their rows done), where they lost the burst's.
-        A burst of fewer rows than the batch (a decoder's own Burst) is a ValueError naming both,
-        before the clock is read or any request changes: it met an IndexError as its news was read.
-        That burst is dropped, as recording it again would raise again, every later step with it;
-        and its rows' requests are cancelled (they end at the next step with the tokens read before
-        it), as their rows went on past tokens no step can give them: run on, each would have a
-        hole in its output, silently."""
-        rows = len(self._slots)  # a len() or three a burst: nothing beside the burst's own readback
-        given = (len(burst.tokens), len(burst.done), rows if burst.accepted is None else len(burst.accepted))
-        if min(given) < rows:
+        A burst of fewer rows than the batch (a decoder's own Burst) is a ValueError naming both: it
+        met an IndexError as its news was read. A burst whose news cannot be read (that one, or a
+        row's tokens None) raises before the clock is read or any request changes, and is dropped,
+        as recording it again would raise again, every later step with it; and its rows' requests
+        are cancelled (they end at the next step with the tokens read before it), as their rows
+        went on past tokens no step can give them: run on, each would have a hole in its output,
+        silently."""
+        try:
+            rows = len(self._slots)  # a len() or three a burst: nothing beside the burst's own readback
+            given = (len(burst.tokens), len(burst.done), rows if burst.accepted is None else len(burst.accepted))
+            if min(given) < rows:
+                shown = "" if burst.accepted is None else f", accepted of {given[2]}"
+                raise ValueError(f"the decoder's burst has news of fewer rows than its batch of {rows} (tokens of "
+                                 f"{given[0]}, done of {given[1]}{shown}): a Burst gives every row's, a vacant "
+                                 "row's too")
+            news = [(ident, list(burst.tokens[row]), None if burst.accepted is None else int(burst.accepted[row]),
+                     bool(burst.done[row])) for row, ident in busy]
+        except Exception:  # unreadable news (a short burst, a row's tokens None): dropped, its requests ended
             self._unrecorded = None
             self._cancels.update(ident for _, ident in busy)
-            shown = "" if burst.accepted is None else f", accepted of {given[2]}"
-            raise ValueError(f"the decoder's burst has news of fewer rows than its batch of {rows} (tokens of "
-                             f"{given[0]}, done of {given[1]}{shown}): a Burst gives every row's, a vacant "
-                             "row's too")
+            raise
         at = self.clock()
         self._unrecorded = None
-        news = [(ident, list(burst.tokens[row]), None if burst.accepted is None else int(burst.accepted[row]),
-                 bool(burst.done[row])) for row, ident in busy]
         tokens: dict[int, list[int]] = {}
         for ident, new, accepted, _ in news:
             running = self._live[ident]

@@ -189,6 +189,7 @@ class GraphedGreedy:
         with torch.cuda.stream(self.stream):
             if self.graph is None:
                 self._burst()
+                self._cut = True  # till its tokens are read: recover() reads them where an interrupt cuts the wait
             else:
                 # An interrupt as the replay returns came after its launch, one as torch's replay()
                 # began before it; the host cannot tell which, so the device does: the first token
@@ -196,7 +197,6 @@ class GraphedGreedy:
                 self._first.fill_(NO_BURST)
                 self._cut = True
                 self.graph.replay()
-        self._cut = True  # till its tokens are read: recover() reads them where an interrupt cuts the wait
         return self._read(self._tokens())
 
     def recover(self) -> Burst | None:

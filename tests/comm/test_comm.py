@@ -390,6 +390,13 @@ def test_launch_refuses_a_world_or_a_timeout_it_cannot_keep_before_starting_a_ra
     assert not ran.exists()
 
 
+def test_rank_0_refuses_a_communicator_id_that_is_not_bytes_before_serving_it():
+    """A str (or list, bytearray) of 128 made by make_id was served, or failed inside the serving
+    thread: a TypeError naming make_id now, before any rank is served."""
+    with pytest.raises(TypeError, match="make_id must return the communicator id as bytes .* not a str"):
+        exchange_id(Ranks(0, 2, port=free_port()), lambda: "x" * 128, 1.0)
+
+
 @pytest.mark.parametrize("argv, env, match", [
     ("python", None, "argv is the command as a non-empty list"),  # its letters were run: No such file 'p'
     ([], None, "argv is the command as a non-empty list"),  # an IndexError from inside Popen

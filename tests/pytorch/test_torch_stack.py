@@ -460,6 +460,15 @@ def test_a_config_json_that_is_no_json_object_is_refused_by_name(tmp_path, text,
         load_model(tmp_path / "target", device="cpu")
 
 
+def test_weights_that_are_no_safetensors_file_are_refused_naming_the_file(tmp_path):
+    """safetensors' own error on a file that is not one named no file."""
+    save_pair(tmp_path)
+    path = tmp_path / "target" / "model.safetensors"
+    path.write_bytes(b"\x10" * 64)
+    with pytest.raises(ValueError, match=re.escape(f"{path} is no safetensors file: ")):
+        load_model(tmp_path / "target", device="cpu")
+
+
 @pytest.mark.parametrize("kind", ["missing", "unexpected"])
 def test_weights_that_do_not_match_the_config_are_refused_not_made_up(tmp_path, kind):
     """A checkpoint without its lm_head (a tied model's, under a config that unties it) loaded with a

@@ -1335,6 +1335,29 @@ def test_a_burst_of_fewer_rows_than_the_batch_is_refused_naming_both_and_changes
     assert all(done[ident].cancelled for ident in ids) and server.idle
 
 
+def test_a_burst_whose_news_cannot_be_read_ends_its_requests_rather_than_leave_a_hole():
+    """A burst of every row whose news cannot be read (a row's tokens None) raised as it was read,
+    and was dropped; its requests ran on from rows that had gone past its tokens, each with a hole
+    in its output, silently. They end cancelled at the next step, with the tokens read before."""
+    decoder = Counting(2, drafts=True)
+    server = Server(decoder, clock=decoder.clock)
+    ids = [server.submit(Request([1], 9)), server.submit(Request([2], 9))]
+    before = server.step().tokens
+    burst = decoder.burst
+
+    def unreadable():  # the burst ran every row, and its decoder gives row 1's tokens as None
+        out = burst()
+        return out._replace(tokens=[out.tokens[0], None])
+
+    decoder.burst = unreadable
+    with pytest.raises(TypeError):
+        server.step()
+    decoder.burst = burst
+    done = server.step().finished
+    assert [done[ident].tokens for ident in ids] == [before[ident] for ident in ids], "the burst's news was recorded"
+    assert all(done[ident].cancelled for ident in ids) and server.idle
+
+
 def _idle(server: Server) -> dict[int, Served]:
     """Every request's end, stepping until the server is idle: none ends twice, and it goes idle."""
     out: dict[int, Served] = {}
