@@ -15,7 +15,7 @@ from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, 
                               batch_admitted)
 from .adapter import decoder_stream, torch_graph
 from .sampling import SamplingParams
-from .attention import Attention
+from .attention import Attention, aligned
 from .compiled import as_attention, as_compiled, stack_for
 from .kv import Room, as_capacity
 from .uploads import uploaded
@@ -65,7 +65,9 @@ class GraphedGreedy:
     user writes, the baseline every speculative figure is measured against. A hybrid model's
     reference too, which Hugging Face's forward cannot run: its step updates the live state in
     place (LiveState). `capacity`: the cache's slots a row, or a Room (a row holds its prompt but
-    the last token, and its budget: capacity_for's plain rule). `attention` is its compiled
+    the last token, and its budget: capacity_for's plain rule). `steps` is at most a row's cache
+    slots (`capacity` rounded up to whole blocks, attention.aligned): no request takes more tokens
+    than its row holds, so a step past them is past every row's stop. `attention` is its compiled
     step's (CompiledStack's: left out, each width's measured faster; a served stream's rows hold
     less than the whole cache, which "flex" reads only as far as they hold).
 
@@ -76,11 +78,15 @@ class GraphedGreedy:
 
     def __init__(self, model: Any, capacity: int | Room, batch: int = 1, *, steps: int = 16, eager: bool = False,
                  compiled: bool | None = None, attention: Attention | None = None):
-        steps, eager = as_size(steps, "steps"), as_flag(eager, "eager")  # a burst runs at least one
+        capacity = as_capacity(capacity, None)  # these before the stream, as a round decoder checks its own
+        # a burst runs at least one step, and at most a row's cache slots (its capacity in whole blocks, the
+        # compiled stack's, the most any stack has): a request takes no more tokens than its row holds, so a
+        # step past them is past every row's stop (2**40 met torch's out of memory for `out`, 16 TB, after the
+        # stream and the model's fused weights; 10**7 fitted, and its capture ran ten million steps)
+        steps, eager = as_size(steps, "steps", 1, aligned(capacity)), as_flag(eager, "eager")
         # True was a batch of 1 whose server() was refused, 0 one never served; past MAX_BATCH, its cache
         # refused it after the stream and the model's fused weights
         batch = as_batch(batch)
-        capacity = as_capacity(capacity, None)  # these before the stream, as a round decoder checks its own
         compiled, attention = as_compiled(compiled), as_attention(attention)  # an unknown attention met the stream
         self.stream = decoder_stream()  # after the caller's: stack_for fuses the model's weights on it
         self.batch, self.steps, self.eager = batch, steps, eager

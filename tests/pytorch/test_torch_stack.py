@@ -835,6 +835,27 @@ def test_the_plain_loop_refuses_a_burst_of_no_whole_steps_before_anything_is_mad
         GraphedGreedy(tiny(), 64, steps=steps)
 
 
+def test_the_plain_loop_refuses_a_burst_of_more_steps_than_a_row_holds_before_anything_is_made(monkeypatch):
+    """GraphedGreedy's `steps` is at most a row's cache slots (its capacity in whole blocks: 128 for
+    64 or 128, 256 for 129): no request takes more tokens than its row holds, so every step past
+    them is past every row's stop. steps=2**40 was taken, to torch's out of memory for its output
+    (16 TB) after the stream and the model's fused weights. At the most, it gets as far as its stream."""
+    from memra_cuda.torch import GraphedGreedy
+
+    def no_stream(*args, **kwargs):
+        raise _NoStream
+
+    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as far as the stream, on a GPU's machine
+    model = tiny()
+    for capacity, most in ((64, 128), (128, 128), (129, 256), (Room(10, 54), 128)):
+        for steps in (most + 1, 2**40):
+            with pytest.raises(ValueError, match=f"^steps must be an int from 1 to {most}, not {steps}$"):
+                GraphedGreedy(model, capacity, steps=steps)
+        with pytest.raises(_NoStream):
+            GraphedGreedy(model, capacity, steps=most)
+
+
 @pytest.mark.parametrize(("batch", "error"), [(True, TypeError), (2.0, TypeError), (0, ValueError), (-1, ValueError)])
 def test_the_plain_loop_refuses_a_batch_of_no_rows_before_anything_is_made(batch, error):
     """GraphedGreedy's `batch`, its rows (a Server's slots), is checked as a size, naming it,
