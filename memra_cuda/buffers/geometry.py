@@ -66,8 +66,7 @@ class Geometry:
         """`width` None: a chain's k + 1, a default computed from another field, which a
         dataclass field cannot have; so the frozen fields are set here."""
         k = _at_most(as_size(k, "k", 0), "k", MAX_K, "a round's k + 1 tokens are an i32 count on the device")
-        m_rounds = _at_most(as_size(m_rounds, "m_rounds"), "m_rounds", MAX_RING // (k + 1),
-                            f"a burst's M * (k + 1) tokens fill a ring row of at most {MAX_RING}")
+        m_rounds = as_rounds(m_rounds, k)
         if width is not None:
             width = _at_most(as_size(width, "width", k + 1), "width", max(k + 1, MAX_TREE_NODES),
                              f"past a chain's k + 1 it is a tree's nodes, at most {MAX_TREE_NODES}")
@@ -92,6 +91,16 @@ class Geometry:
     def chain(self) -> bool:
         """Whether a round verifies a chain (width k + 1), not a tree."""
         return self.width == self.k + 1
+
+
+def as_rounds(m_rounds: object, k: int = 0) -> int:
+    """`m_rounds` as M, a burst's rounds, for rounds of k drafts (k checked already): an int of at
+    least 1 (as_size's refusals, naming it) and at most MAX_RING // (k + 1), a burst's M·(k + 1)
+    tokens filling a ring row of at most MAX_RING. The one check of an M: a geometry's, and, at
+    k = 0 (the most any geometry takes), a Pace's and a device loop's passes', which are told no k
+    (Pace(b, 2**40) was taken, every burst paced as 2**40 rounds)."""
+    return _at_most(as_size(m_rounds, "m_rounds"), "m_rounds", MAX_RING // (k + 1),
+                    f"a burst's M * (k + 1) tokens fill a ring row of at most {MAX_RING}")
 
 
 def _at_most(value: int, what: str, most: int, why: str) -> int:

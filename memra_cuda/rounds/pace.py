@@ -12,7 +12,8 @@ import reprlib
 
 import numpy as np
 
-from ..driver.values import as_flag, as_real, as_size, exact_array
+from ..buffers.geometry import as_rounds
+from ..driver.values import as_flag, as_real, exact_array
 
 
 # A burst queued behind one in flight, while some live row's rate is still `rate`'s guess (it has
@@ -48,7 +49,9 @@ class Pace:
     Each argument is checked here (TypeError or ValueError naming it): budgets are ints (2.7
     was truncated to 2, "5" read as 5), one a row (a list or a 1-D array: [[5, 6]] was flattened
     into two rows, a bare 5 read as one) and none negative (the device's "unlimited", which paced
-    a row as needing one round), M an int of at least 1 (0 made every burst 0 rounds), `cut` and
+    a row as needing one round), M an int of at least 1 (0 made every burst 0 rounds) and at most
+    the most any geometry takes (buffers.geometry.as_rounds: MAX_RING, a ring row's tokens at
+    k = 0; 2**40 was taken, as no burst of a stream can be), `cut` and
     `skips` bools, `rate` a finite number of at least 1.
     """
 
@@ -62,7 +65,7 @@ class Pace:
             raise TypeError(f"budgets: one a row, a list or a 1-D array, not {reprlib.repr(budgets)}")
         if self.budgets.size and self.budgets.min() < 0:
             raise ValueError(f"budgets: a row's tokens to commit, at least 0, not {reprlib.repr(budgets)}")
-        self.m_rounds, self.cut = as_size(m_rounds, "m_rounds"), as_flag(cut, "cut")
+        self.m_rounds, self.cut = as_rounds(m_rounds), as_flag(cut, "cut")
         self.skips = as_flag(skips, "skips")
         self.rate = as_real(rate, "rate")
         if not (math.isfinite(self.rate) and self.rate >= 1.0):
@@ -75,8 +78,8 @@ class Pace:
     @staticmethod
     def lengths(m_rounds: int) -> list[int]:
         """Every burst length rounds() may ask for: the powers of two below M, and M (an int of
-        at least 1, as_size's refusals naming it)."""
-        m_rounds = as_size(m_rounds, "m_rounds")
+        at least 1 and at most a geometry's most, as_rounds' refusals naming it)."""
+        m_rounds = as_rounds(m_rounds)
         return [1 << i for i in range(m_rounds.bit_length()) if 1 << i < m_rounds] + [m_rounds]
 
     def rounds(self, live: np.ndarray, in_flight: int = 0) -> int:
@@ -125,9 +128,9 @@ def pass_lengths(m_rounds: int, paced: bool) -> list[int]:
     """The rounds a device loop's pass runs, loop by loop: M while some live row is expected to
     need M rounds more, then (paced) every power of four below it, then one, which also ends a
     generation the round cap cuts inside a longer pass. The tail wastes few rounds, and the long
-    middle pays the per-pass cost once per M rounds. M is an int of at least 1 and `paced` a
-    bool (0 gave a pass of 0 rounds)."""
-    m_rounds, paced = as_size(m_rounds, "m_rounds"), as_flag(paced, "paced")
+    middle pays the per-pass cost once per M rounds. M is an int from 1 to a geometry's most
+    (as_rounds) and `paced` a bool (0 gave a pass of 0 rounds)."""
+    m_rounds, paced = as_rounds(m_rounds), as_flag(paced, "paced")
     lengths = [m_rounds]
     if paced:
         lengths += [4**i for i in range((m_rounds - 1).bit_length() // 2, 0, -1) if 4**i < m_rounds]

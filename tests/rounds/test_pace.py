@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memra_cuda.buffers.geometry import MAX_RING, Geometry
 from memra_cuda.rounds.pace import AHEAD, Pace, pass_lengths
 
 LIVE = np.array([True])
@@ -159,6 +160,22 @@ def test_budgets_m_and_the_switches_are_refused_naming_them_where_they_are_given
     assert pace.rounds(np.array([True, True])) == 1 and pace.budgets.tolist() == [5, 2**40]
     assert Pace([0], 4).budgets.tolist() == [0] and Pace([], 4).budgets.size == 0  # the least budget, and no rows
     assert Pace.lengths(1) == [1] and pass_lengths(1, True) == [1] and Pace.lengths(np.uint8(4)) == [1, 2, 4]
+
+
+def test_m_past_what_any_geometry_takes_is_refused_naming_it():
+    """Pace(b, 2**40) was taken (and Pace.lengths, pass_lengths too): M is at most the most any
+    Geometry takes (MAX_RING, a ring row's M * (k + 1) tokens at k = 0), checked by the one check
+    a Geometry's M has (as_rounds), its message too."""
+    for m in (MAX_RING + 1, 2**40):
+        refusal = (rf"^m_rounds must be at most {MAX_RING} \(a burst's M \* \(k \+ 1\) tokens fill a ring row "
+                   rf".*, not {m}$")
+        for check in (lambda: Pace(np.array([5]), m), lambda: Pace.lengths(m), lambda: pass_lengths(m, True),
+                      lambda: Geometry(0, m)):
+            with pytest.raises(ValueError, match=refusal):
+                check()
+    pace = Pace(np.array([5]), MAX_RING)  # at the most
+    assert pace.m_rounds == Geometry(0, MAX_RING).m_rounds == MAX_RING and pace.rounds(LIVE) == 4
+    assert Pace.lengths(MAX_RING)[-2:] == [2**31, MAX_RING] and pass_lengths(MAX_RING, False) == [MAX_RING, 1]
 
 
 def test_a_known_rate_sizes_the_bursts_before_a_generations_first_readback():
