@@ -104,13 +104,18 @@ class Ranks:
         """The numbers are checked ints, kept as plain ones (as_index: a float, a bool or a string
         is refused, naming it; 2.0 ranks met range() only once rank 0 listened, and True was rank
         1), and the world at most MAX_WORLD, NCCL's: a hello could not carry a world past 4 bytes
-        (OverflowError on the rank), and rank 0 waited for ranks that no launch has."""
+        (OverflowError on the rank), and rank 0 waited for ranks that no launch has. The address is
+        a str, not empty or blank (from_env's MASTER_ADDR too: one check, one message), which was
+        found out only in the exchange, under its timeout."""
         for name in ("rank", "world", "local_rank", "port"):
             object.__setattr__(self, name, as_index(getattr(self, name), name))
         # text, checked here: a bytes secret (os.urandom's) met "'bytes' object has no attribute 'encode'",
         # and None passed to fail on rank 0 alone, inside the exchange; the secret's value is never shown
         if not isinstance(self.address, str):
             raise TypeError(f"address must be a host name or an IP address (a str), not {self.address!r}")
+        if not self.address.strip():  # taken, and found out only in the exchange, under its timeout
+            raise ValueError(f"address (MASTER_ADDR) is rank 0's host name or IP address, not {self.address!r}: "
+                             "name it, or leave it out (MASTER_ADDR unset) for 127.0.0.1")
         if not isinstance(self.secret, str):
             raise TypeError(f"secret must be a str ({SECRET_VARIABLE}'s value; '' for none), not a "
                             f"{type(self.secret).__name__}: random bytes are given as text, their .hex()")
@@ -130,16 +135,13 @@ class Ranks:
         127.0.0.1); the exchange's port is MEMRA_NCCL_PORT, else MASTER_PORT + 1 (default 29500
         + 1): torchrun's own store listens on MASTER_PORT. Its secret is MEMRA_NCCL_SECRET (none
         by default: then only a loopback MASTER_ADDR is served), of SECRET_MIN_BYTES at least. A
-        MASTER_ADDR set empty (or blank) is refused by name: it was taken, and found out only in
-        the exchange, under its timeout."""
+        MASTER_ADDR set empty (or blank) is refused by name, as any Ranks' address is: it was
+        taken, and found out only in the exchange, under its timeout."""
         environ = os.environ if environ is None else environ
         missing = [name for name in ("RANK", "WORLD_SIZE") if name not in environ]
         if missing:
             raise ValueError(f"a rank's environment names {' and '.join(missing)} (as torchrun sets them)")
-        address = environ.get("MASTER_ADDR", "127.0.0.1")
-        if not address.strip():
-            raise ValueError(f"MASTER_ADDR is rank 0's host name or IP address, not {address!r}: set it, or leave it "
-                             "unset for 127.0.0.1")
+        address = environ.get("MASTER_ADDR", "127.0.0.1")  # set empty or blank: refused as Ranks' address
         try:
             numbers = {name: int(environ.get(name, default)) for name, default in
                        (("RANK", ""), ("WORLD_SIZE", ""), ("LOCAL_RANK", "0"), ("MASTER_PORT", "29500"))}

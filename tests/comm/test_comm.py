@@ -42,8 +42,9 @@ def test_a_rank_reads_torchruns_variables():
     ({"RANK": "0", "WORLD_SIZE": "2", "MEMRA_NCCL_PORT": "x"}, "MEMRA_NCCL_PORT are integers"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "local_rank"),
     # taken, and found out only in the exchange, under its timeout
-    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": ""}, "MASTER_ADDR is rank 0's host name or IP address, not ''"),
-    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": " \t"}, r"MASTER_ADDR is .*, not ' \\t'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": ""},
+     r"^address \(MASTER_ADDR\) is rank 0's host name or IP address, not '': name it, or leave it out"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": " \t"}, r"^address \(MASTER_ADDR\) is .*, not ' \\t'"),
 ])
 def test_a_rank_refuses_an_environment_it_cannot_serve(env, match):
     with pytest.raises(ValueError, match=match):

@@ -320,6 +320,10 @@ def test_rank_0_of_a_large_world_times_out_on_time_naming_the_first_ranks_it_wai
     (dict(rank=0, world=2, secret=None), TypeError, "secret must be a str .* not a NoneType"),
     (dict(rank=0, world=2, address=None), TypeError, "address must be a host name or an IP address .a str., not None"),
     (dict(rank=0, world=2, address=b"127.0.0.1"), TypeError, "address must be .* not b'127.0.0.1'"),
+    # taken, and found out only in the exchange, under its timeout: refused as from_env's MASTER_ADDR is
+    (dict(rank=0, world=2, address=""), ValueError,
+     r"^address \(MASTER_ADDR\) is rank 0's host name or IP address, not '': name it, or leave it out"),
+    (dict(rank=1, world=2, address=" \t\n"), ValueError, r"^address \(MASTER_ADDR\) is .*, not ' \\t\\n'"),
 ])
 def test_a_rank_or_world_that_is_no_int_or_past_nccls_most_is_refused_where_ranks_are_made(given, error, named):
     """Ranks compared its numbers only: a world of 2.0 met range() once rank 0 listened, True was
@@ -332,6 +336,7 @@ def test_a_rank_or_world_that_is_no_int_or_past_nccls_most_is_refused_where_rank
     assert SECRET not in str(refused.value)
     ranks = Ranks(np.int64(1), rendezvous.MAX_WORLD, secret=SECRET)  # numpy ints are ints; the world at its most
     assert (type(ranks.rank), ranks.world) == (int, 2**31 - 1)
+    assert Ranks(0, 2, address="h", secret=SECRET).address == "h"  # the shortest address, one not blank
 
 
 def test_a_rank_whose_claim_is_mid_handshake_is_told_to_come_again_and_served_once_it_ends(caplog):
