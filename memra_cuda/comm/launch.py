@@ -62,11 +62,14 @@ def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None
     is a number of seconds above 0 (a NaN waited for ever, a hung rank with it), as are `argv` (a
     list of str: a str's letters were run as the command) and `env` (str to str), before any rank
     starts. So is a world past what this process may open files for: 10**9 ranks started
-    processes for half a minute, to an OSError of too many open files."""
+    processes for half a minute, to an OSError of too many open files. A program named by a path
+    (argv[0] with a separator: run as it is, not looked up on PATH) that does not exist is a
+    FileNotFoundError naming it, as Popen's was, but before any port, folder or file is made."""
     world = as_size(world, "world", 1, MAX_WORLD)
     timeout = as_seconds(timeout, "timeout")
     if isinstance(argv, TEXT_LIKE) or not argv:
         raise TypeError(f"argv is the command as a non-empty list of its words (['python', 'x.py']), not {argv!r}")
+    _runnable(argv[0])
     if env is not None and not (isinstance(env, Mapping) and all(isinstance(x, str) for x in (*env, *env.values()))):
         raise TypeError(f"env maps names to values, both str, not {env!r}")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -99,6 +102,19 @@ def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None
             out.close()
             err.close()
         return ended
+
+
+def _runnable(program: object) -> None:
+    """FileNotFoundError naming `program` (argv[0]) where it is a path (a separator in it: Popen
+    runs it as it is, where a bare name is looked up on PATH) to nothing: Popen found it out only
+    once the launch's ports, folder and output files were made. What else Popen refuses (a bare
+    name not on PATH, a folder, a file not executable) is Popen's to say, as before."""
+    if not isinstance(program, (str, bytes, os.PathLike)):
+        return
+    path = os.fsdecode(program)
+    if any(sep in path for sep in (os.sep, os.altsep) if sep) and not os.path.exists(path):
+        raise FileNotFoundError(f"argv[0], the program each rank runs, is {path!r}: no such file (a path is run as "
+                                "it is, from the current folder if relative, not looked up on PATH)")
 
 
 def _stop(procs: Sequence[subprocess.Popen]) -> None:

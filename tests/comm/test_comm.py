@@ -6,6 +6,7 @@ host wait answers to its guards, where libnccl is looked for, and, where an NCCL
 from __future__ import annotations
 
 import functools
+import re
 import socket
 import sys
 import threading
@@ -409,6 +410,25 @@ def test_launch_refuses_a_command_or_an_environment_it_cannot_run_before_startin
     with pytest.raises(TypeError, match=match):
         launch([sys.executable, "-c", f"open({str(ran)!r}, 'w')"] if argv is None else argv, 1, env=env, timeout=60)
     assert not ran.exists()
+
+
+def test_launch_refuses_a_program_path_to_nothing_before_making_anything(tmp_path, monkeypatch):
+    """A program named by a path that does not exist met Popen's FileNotFoundError only once the
+    launch's ports, folder and output files were made: it is refused first, naming the path. A
+    path that exists (sys.executable's, as every launch here runs) is run."""
+    from memra_cuda.comm import launch as launching
+    real_free_ports = launching.free_ports
+
+    def no_ports(count):
+        raise AssertionError("a launch made its ports")
+
+    monkeypatch.setattr(launching, "free_ports", no_ports)
+    for program in (str(tmp_path / "no-such-program"), "./no-such-program", tmp_path / "gone.sh"):
+        with pytest.raises(FileNotFoundError, match=rf"^argv\[0\], the program each rank runs, is "
+                                                    rf"'{re.escape(str(program))}': no such file"):
+            launching.launch([program, "-c", "pass"], 2, timeout=60)
+    monkeypatch.setattr(launching, "free_ports", real_free_ports)
+    assert launching.launch([sys.executable, "-c", "print('ran')"], 1, timeout=60)[0].stdout == "ran\n"
 
 
 def test_launch_refuses_more_ranks_than_it_may_hold_the_output_files_of(tmp_path, monkeypatch):
