@@ -485,13 +485,15 @@ if __name__ == "__main__":
                         help="the trees section at these model sizes only")
     parser.add_argument("--tree-batches", type=lambda text: listed(text, TREE_BATCHES, int),
                         help="the trees section at these batch sizes only")
-    parser.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument("sections", nargs="*", help=f"any of {', '.join(SECTIONS)}, each once (default: all)")
     args = parser.parse_args()
-    if set(args.sections) - set(SECTIONS) or len(set(args.sections)) != len(args.sections):  # twice: measured twice
-        parser.error(f"sections are {', '.join(SECTIONS)}, each once, not {' '.join(args.sections)}")
+    try:  # as bench.py's --sections: a section named twice was measured twice
+        sections = listed(",".join(args.sections), tuple(SECTIONS)) if args.sections else tuple(SECTIONS)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"sections: {exc}")
     needs("benchmarks.torch_engine", PAIR, gpu=True)  # else a traceback from the first section (the pair's, the GPU's)
     trees = {name: value for name, value in (("sizes", args.tree_sizes), ("batches", args.tree_batches)) if value}
-    report = bench_torch(args.quick, args.sections or tuple(SECTIONS), args.json, **trees)
+    report = bench_torch(args.quick, sections, args.json, **trees)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

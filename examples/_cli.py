@@ -22,7 +22,7 @@ from memra_cuda.rounds import MODES
 from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, hf_greedy, load_model, load_tokenizer,
                               self_draft)
 from memra_cuda.torch.models import DTYPES as DTYPE_NAMES
-from memra_cuda.torch.models import TOKENIZER_FILES
+from memra_cuda.torch.models import TOKENIZER_FILES, _check_directory, _check_tokenizer
 from memra_cuda.torch.testing import HYBRID, PROMPT, SIZES, VOCAB, build_model, prompts
 
 DTYPES = {name: name if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}  # --dtype's
@@ -79,12 +79,14 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
         parser.error("--draft, --prompt and --dtype are for a loaded model: add --model DIR")
     if args.model is not None and args.hybrid:
         parser.error("--hybrid is the random-weight model's variant: leave out --model")
-    for flag, directory in (("--model", args.model), ("--draft", args.draft)):
-        if directory is not None and not (Path(directory) / "config.json").is_file():
-            parser.error(f"{flag} is a directory save_pretrained wrote (config.json in it), not {directory!r}")
-    if args.model is not None and not any((Path(args.model) / name).is_file() for name in TOKENIZER_FILES):
-        parser.error(f"--model {args.model} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save it beside "
-                     "the model (tokenizer.save_pretrained)")
+    # load_tokenizer's check and load_model's, said here (a draft's tokenizer is its target's: it may have none)
+    for flag, directory, check in (("--model", args.model, _check_tokenizer),
+                                   ("--draft", args.draft, _check_directory)):
+        try:
+            if directory is not None:
+                check(directory)
+        except FileNotFoundError as exc:
+            parser.error(f"{flag}: {exc}")
     if args.draft_layers < 1:
         parser.error(f"--draft-layers takes at least one layer, not {args.draft_layers}")
     if args.model is None:  # the random model's layers and vocabulary are known now, before it is built

@@ -22,8 +22,9 @@ import numpy as np
 from memra_cuda import Geometry
 from memra_cuda import (Cache, DeviceBuffer, Engine, Greedy, KVLayer, Mode, Module, RoundStream, StreamBufs,
                         compile_ptx, kv_capacity, kv_len_ptr_table)
+from memra_cuda.buffers.capacity import i32_kv_capacity
 from memra_cuda.driver import Signature
-from memra_cuda.driver.values import I32_MOST, as_size
+from memra_cuda.driver.values import as_size
 from memra_cuda.errors import CudaUnavailable, NvrtcUnavailable
 
 SOURCE = r"""
@@ -133,14 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         geometry = Geometry(args.k, args.m_rounds)  # its errors name k and m_rounds, --k and --m-rounds
         as_size(args.tokens, "--tokens", 0)
+        # the caches' positions are i32s (a KVLayer's count): past them, KVLayer refused the caches only after the
+        # engine had compiled the model and been asked for them (tens of GB), a traceback
+        i32_kv_capacity(len(args.prompt), args.tokens, geometry, overlap=args.mode == "overlap", what="--tokens")
     except ValueError as exc:
         cli.error(str(exc))
-    # the caches' positions are i32s (a KVLayer's count): past them, KVLayer refused the caches only after the
-    # engine had compiled the model and been asked for them (tens of GB), a traceback
-    capacity = kv_capacity(len(args.prompt), args.tokens, geometry, overlap=args.mode == "overlap")
-    if capacity > I32_MOST:
-        cli.error(f"--tokens {args.tokens} needs caches of {capacity} entries at --k {args.k} --m-rounds "
-                  f"{args.m_rounds}, past the {I32_MOST} an i32 position reaches")
     try:
         with Engine() as engine:
             tokens, summary = decode(engine, args.prompt, args.tokens, args.k, args.m_rounds, args.mode)

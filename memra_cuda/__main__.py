@@ -14,12 +14,12 @@ import argparse
 import sys
 import time
 
-from .buffers.capacity import kv_capacity
+from .buffers.capacity import i32_kv_capacity
 from .buffers.geometry import Geometry
 from .buffers.stream_bufs import ROW_VALUE_MOST, StreamBufs
 from .driver.engine import Engine
 from .driver.errors import CudaUnavailable
-from .driver.values import I32_MOST, as_size
+from .driver.values import as_size
 from .rounds.stream import MODES
 from .testing.toy.lm import ToyLM, ToyModel, target_greedy
 
@@ -59,13 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         # the toy's tokens: past its vocabulary, its prefill (and target_greedy) refused them after the engine's work
         for token in (*args.prompt, *([] if args.eos is None else [args.eos])):
             as_size(token, "--prompt and --eos take the toy's token ids, each", 0, model.vocab - 1)
+        # a cache's positions are i32s too: past them, ToyLM refused the capacity once the engine was made
+        capacity = i32_kv_capacity(len(args.prompt), args.tokens, geometry, overlap=overlap, what="--tokens")
     except ValueError as exc:
         cli.error(str(exc))
-    # a cache's positions are i32s too: past them, ToyLM refused the capacity once the engine was made
-    capacity = kv_capacity(len(args.prompt), args.tokens, geometry, overlap=overlap)
-    if capacity > I32_MOST:
-        cli.error(f"--tokens {args.tokens} needs a KV cache of {capacity} entries at --k {args.k} --m-rounds "
-                  f"{args.m_rounds}{' in overlap' if overlap else ''}, past the {I32_MOST} an i32 position reaches")
     try:
         engine = Engine()
     except CudaUnavailable as exc:  # no driver or no GPU: one line, no traceback

@@ -11,13 +11,13 @@ sizes a cache by the same rule.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sized
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..driver.values import TEXT_LIKE, as_flag, as_size
+from ..driver.values import I32_MOST, as_flag, as_listed, as_size
 from ..driver.errors import MemraError
 from .geometry import Geometry, as_geometry
 
@@ -71,25 +71,19 @@ class Capacity:
         object.__setattr__(self, "geometry", as_geometry(geometry))
 
     @classmethod
-    def of(cls, capacities: Collection[int | Unchecked | None], geometry: Geometry) -> Capacity:
+    def of(cls, capacities: Sequence[int | Unchecked | None], geometry: Geometry) -> Capacity:
         """The rule for caches of the given capacities (None and UNCHECKED say nothing). Each is
         checked as kv_entries checks one, the error naming its place ("capacities[2]"), before
-        the fewest is taken (min() of a string and an int raised a TypeError naming neither); one
-        capacity where the many are asked for is refused naming `capacities` (iterating an int
-        raised "'int' object is not iterable", and a string's characters would be read as numbers),
-        and so are a mapping, whose keys were read as the capacities ({64: "draft"} was 64), and a
-        0-d array (its iteration's TypeError named nothing). So is what has no len(), an iterator:
-        the fewest is taken of them all, so one was read to its end, and one that never ends
+        the fewest is taken (min() of a string and an int raised a TypeError naming neither). They
+        are counted ones, a list, a tuple or a 1-D array (as_listed, else a TypeError naming
+        `capacities`): one capacity where the many are asked for (iterating an int raised "'int'
+        object is not iterable", and a string's characters would be read as numbers), a mapping,
+        whose keys were read as the capacities ({64: "draft"} was 64), a 0-d array (its
+        iteration's TypeError named nothing) and an iterator are refused: the fewest is taken of
+        them all, so an iterator was read to its end, and one that never ends
         (itertools.repeat(5)) never returned; no count of caches bounds them (a round's are its
         tables' and stages', each a capacity), and a round gives them counted, as a tuple."""
-        if (isinstance(capacities, (*TEXT_LIKE, Mapping)) or not isinstance(capacities, Iterable)
-                or getattr(capacities, "ndim", None) == 0):
-            raise TypeError(f"capacities must be an iterable of KV capacities (each a positive int, None or "
-                            f"UNCHECKED), not {capacities!r}: Capacity(entries, geometry) takes one")
-        if not isinstance(capacities, Sized):
-            raise TypeError(f"capacities must have a len() (a list, a tuple or an array), not {capacities!r}: the "
-                            "fewest is taken of them all, so an iterator would be read to its end, one that never "
-                            "ends for ever")
+        capacities = as_listed(capacities, "capacities", "KV capacities (each a positive int, None or UNCHECKED)")
         stated = [kv_entries(c, f"capacities[{i}]") for i, c in enumerate(capacities)]
         known = [c for c in stated if isinstance(c, int)]
         return cls(min(known) if known else None, geometry)
@@ -169,3 +163,18 @@ def kv_capacity(prompt_len: int, max_new_tokens: int, geometry: Geometry, *, ove
     reach = rule.burst_reach(np.array([prompt_len + max_new_tokens], dtype=object), np.zeros(1, bool), m_rounds,
                              m_rounds if overlap else 0)
     return int(reach[0])
+
+
+def i32_kv_capacity(prompt_len: int, max_new_tokens: int, geometry: Geometry, *, overlap: bool = False,
+                    what: str = "max_new_tokens") -> int:
+    """kv_capacity for a cache whose positions are i32s (a KVLayer's length, the toy's): past
+    I32_MOST, the most one reaches, a CapacityError naming the budget as `what`, said where the
+    size is asked for. The demo's and examples/own_kernels.py's command lines ask it before any
+    engine is made: the cache refused the size only once the engine had been made (own_kernels:
+    its model compiled and tens of GB asked for)."""
+    capacity = kv_capacity(prompt_len, max_new_tokens, geometry, overlap=overlap)
+    if capacity > I32_MOST:
+        raise CapacityError(f"{what} {max_new_tokens} needs a KV cache of {capacity} entries in rounds of "
+                            f"{geometry}{' in overlap' if overlap else ''}, past the {I32_MOST} an i32 position "
+                            "reaches")
+    return capacity

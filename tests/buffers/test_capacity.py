@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import reprlib
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ import pytest
 from memra_cuda import Geometry
 from memra_cuda import Stages, UNCHECKED, kv_capacity
 from memra_cuda.errors import CapacityError
-from memra_cuda.buffers.capacity import Capacity, kv_entries
+from memra_cuda.buffers.capacity import Capacity, i32_kv_capacity, kv_entries
+from memra_cuda.driver.values import I32_MOST
 
 ONE, TWO = np.array([False]), np.array([False, False])
 
@@ -129,19 +131,24 @@ def test_capacity_of_checks_each_capacity_naming_its_place():
     assert rule.entries == 9 and type(rule.entries) is int
 
 
+# Capacity.of's refusal of what is no capacities (as_listed's), as a pattern
+NOT_CAPACITIES = (r"capacities must be a list, a tuple or a 1-D array of KV capacities \(each a positive int, None or "
+                  r"UNCHECKED\)")
+
+
 def test_capacity_of_an_iterator_is_refused_unread_naming_capacities():
     """Capacity.of(itertools.repeat(5), geometry) never returned: the fewest is taken of them all,
-    and an iterator was read to its end. What has no len() is refused now, before it is read; what
-    has one is read as before."""
+    and an iterator was read to its end. What is no list, tuple or 1-D array is refused now, before
+    it is read; a range is read as before."""
     read = []
 
     def capacities():
         read.append(1)
         yield 64
 
-    for unsized in (iter([64, 32]), capacities(), itertools.repeat(5), itertools.count(1)):
-        with pytest.raises(TypeError, match=r"capacities must have a len\(\) \(a list, a tuple or an array\), not "
-                                            + re.escape(repr(unsized))):
+    # as_listed's refusal, which a set and a mapping's values (counted, with no order of their own) meet too
+    for unsized in (iter([64, 32]), capacities(), itertools.repeat(5), itertools.count(1), {64, 32}, {0: 64}.values()):
+        with pytest.raises(TypeError, match=f"{NOT_CAPACITIES}, not {re.escape(reprlib.repr(unsized))}$"):
             Capacity.of(unsized, Geometry(4, 8))
     assert read == [], "the generator was read before it was refused"
     assert Capacity.of(range(64, 16, -16), Geometry(4, 8)).entries == 32  # a range has a len()
@@ -154,8 +161,7 @@ def test_capacity_of_one_capacity_names_the_capacities_it_wants():
     64), and a 0-d array's iteration raised a TypeError naming nothing."""
     for bad in (10, "512", None, UNCHECKED, bytearray(b"\x40\x20"), memoryview(b"\x40"), {64: "draft", 128: "target"},
                 np.array(64)):
-        with pytest.raises(TypeError, match=r"capacities must be an iterable of KV capacities .* not "
-                                            + re.escape(repr(bad))):
+        with pytest.raises(TypeError, match=f"{NOT_CAPACITIES}, not {re.escape(reprlib.repr(bad))}$"):
             Capacity.of(bad, Geometry(4, 8))
     assert Capacity.of(np.array([64, 32]), Geometry(4, 8)).entries == 32  # an array is iterable
 
@@ -192,3 +198,18 @@ def test_kv_capacity_holds_every_burst_a_live_row_can_start(batch, overlap):
         tight.check_burst(positions, live, m_rounds, ahead)
         with pytest.raises(CapacityError):
             tight.check_burst(positions + 1, live, m_rounds, ahead)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_i32_kv_capacity_is_kv_capacity_up_to_the_most_an_i32_position_reaches(overlap):
+    """The demo's and own_kernels' check, one for both (each had its own copy and message): the
+    most budget whose cache an i32 reaches is kv_capacity's size; one token more is refused by the
+    budget's name, its cache's size and the rounds'."""
+    geometry = Geometry(4, 16)
+    most = I32_MOST - kv_capacity(5, 0, geometry, overlap=overlap)
+    assert i32_kv_capacity(5, most, geometry, overlap=overlap) == kv_capacity(5, most, geometry, overlap=overlap)
+    assert i32_kv_capacity(5, most, geometry, overlap=overlap) == I32_MOST
+    with pytest.raises(CapacityError, match=re.escape(
+            f"--tokens {most + 1} needs a KV cache of {I32_MOST + 1} entries in rounds of {geometry!r}"
+            f"{' in overlap' if overlap else ''}, past the {I32_MOST} an i32 position reaches")):
+        i32_kv_capacity(5, most + 1, geometry, overlap=overlap, what="--tokens")

@@ -120,10 +120,12 @@ def test_a_model_or_draft_that_is_no_model_directory_is_refused_at_parsing(cli, 
     model = model_dir(tmp_path / "m")
     (tmp_path / "file").write_text("x")
     (tmp_path / "bare" / "config.json").write_text("{}")
-    refused = {("--model", str(tmp_path / "missing")): "--model is a directory save_pretrained wrote (config.json",
-               ("--model", str(tmp_path / "file")): "--model is a directory save_pretrained wrote",
-               ("--model", str(model), "--draft", str(tmp_path)): "--draft is a directory save_pretrained wrote",
-               ("--model", str(tmp_path / "bare")): "holds no tokenizer (none of tokenizer.json"}
+    no_model = "holds no config.json: a model directory is what transformers' save_pretrained writes"  # load_model's
+    refused = {("--model", str(tmp_path / "missing")): f"--model: {tmp_path / 'missing'} {no_model}",
+               ("--model", str(tmp_path / "file")): f"--model: {tmp_path / 'file'} {no_model}",
+               ("--model", str(model), "--draft", str(tmp_path)): f"--draft: {tmp_path} {no_model}",
+               ("--model", str(tmp_path / "bare")): f"--model: {tmp_path / 'bare'} holds a model but no tokenizer "
+                                                    "(none of tokenizer.json"}  # load_tokenizer's
     for argv, message in refused.items():
         with pytest.raises(SystemExit):
             cli.parse(parser, list(argv))
