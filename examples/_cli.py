@@ -22,7 +22,7 @@ from memra_cuda.rounds import MODES
 from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, hf_greedy, load_model, load_tokenizer,
                               self_draft)
 from memra_cuda.torch.models import DTYPES as DTYPE_NAMES
-from memra_cuda.torch.models import TOKENIZER_FILES, _check_directory, _check_tokenizer
+from memra_cuda.torch.models import TOKENIZER_FILES, check_model_directory, check_tokenizer_directory
 from memra_cuda.torch.testing import HYBRID, PROMPT, SIZES, VOCAB, build_model, prompts
 
 DTYPES = {name: name if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}  # --dtype's
@@ -80,8 +80,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
     if args.model is not None and args.hybrid:
         parser.error("--hybrid is the random-weight model's variant: leave out --model")
     # load_tokenizer's check and load_model's, said here (a draft's tokenizer is its target's: it may have none)
-    for flag, directory, check in (("--model", args.model, _check_tokenizer),
-                                   ("--draft", args.draft, _check_directory)):
+    for flag, directory, check in (("--model", args.model, check_tokenizer_directory),
+                                   ("--draft", args.draft, check_model_directory)):
         try:
             if directory is not None:
                 check(directory)

@@ -33,7 +33,7 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     if not isinstance(dtype, torch.dtype) and dtype not in DTYPES:
         raise ValueError(f"dtype is a torch.dtype or one of {DTYPES}, not {dtype!r}")
     device = _as_device(device)
-    _check_directory(directory)
+    check_model_directory(directory)
     _check_config(Path(directory))
     from transformers import AutoModelForCausalLM
     model, info = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
@@ -139,21 +139,21 @@ def load_tokenizer(directory: str | Path) -> Any:
     Python never run, as load_model's). A directory of a model saved without its tokenizer is a
     FileNotFoundError naming the files looked for (transformers' own error named none of them)."""
     from transformers import AutoTokenizer
-    _check_tokenizer(directory)
+    check_tokenizer_directory(directory)
     return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
 
 
-def _check_tokenizer(directory: str | Path) -> None:
-    """`directory` a model directory (_check_directory) that holds a tokenizer too, else
+def check_tokenizer_directory(directory: str | Path) -> None:
+    """`directory` a model directory (check_model_directory) that holds a tokenizer too, else
     FileNotFoundError naming the files looked for: load_tokenizer's check, and the examples'
     command line's (examples/_cli.py) before any model is loaded."""
-    _check_directory(directory)
+    check_model_directory(directory)
     if not any((Path(directory) / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"{directory} holds a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
                                 "save the tokenizer beside it (tokenizer.save_pretrained(directory))")
 
 
-def _check_directory(directory: str | Path) -> None:
+def check_model_directory(directory: str | Path) -> None:
     """`directory` one that save_pretrained wrote (config.json in it), else FileNotFoundError:
     load_model's and load_tokenizer's check, and the examples' command line's (examples/_cli.py)."""
     if not (Path(directory) / "config.json").is_file():
