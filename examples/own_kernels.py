@@ -22,9 +22,8 @@ import numpy as np
 from memra_cuda import Geometry
 from memra_cuda import (Cache, DeviceBuffer, Engine, Greedy, KVLayer, Mode, Module, RoundStream, StreamBufs,
                         compile_ptx, kv_capacity, kv_len_ptr_table)
-from memra_cuda.buffers.capacity import i32_kv_capacity
+from memra_cuda.buffers import i32_kv_capacity
 from memra_cuda.driver import Signature
-from memra_cuda.driver.values import as_size
 from memra_cuda.errors import CudaUnavailable, NvrtcUnavailable
 
 SOURCE = r"""
@@ -133,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         cli.error(f"--prompt takes token ids from 0 to {VOCAB - 1}, not {' '.join(map(str, outside))}")
     try:
         geometry = Geometry(args.k, args.m_rounds)  # its errors name k and m_rounds, --k and --m-rounds
-        as_size(args.tokens, "--tokens", 0)
         # the caches' positions are i32s (a KVLayer's count): past them, KVLayer refused the caches only after the
         # engine had compiled the model and been asked for them (tens of GB), a traceback
         i32_kv_capacity(len(args.prompt), args.tokens, geometry, overlap=args.mode == "overlap", what="--tokens")

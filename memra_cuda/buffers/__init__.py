@@ -5,7 +5,7 @@ a tree), the tables of what a round rolls back (KV lengths, recurrent state, KV 
 capacity rule, the acceptance rules, and the row words (layout) that ptx/layout.cuh shares; and
 the length chooser's buffers (DraftLengths)."""
 from .acceptance import Acceptance, Greedy, Sampling
-from .capacity import UNCHECKED, Capacity, CapacityError, kv_capacity
+from .capacity import UNCHECKED, Capacity, CapacityError, i32_kv_capacity, kv_capacity
 from .geometry import MAX_BATCH, Geometry
 from .ledger import Ledger
 from .lengths import DraftLengths
@@ -18,6 +18,6 @@ from .tree import Candidates, DynamicTree, Tree, TreeBufs, TreeShape
 __all__ = ["Acceptance", "AddressTable", "AllocatedKV", "BuffersHeld", "Cache", "Candidates", "Capacity",
            "CapacityError", "DraftLengths", "DynamicTree", "Geometry", "Greedy", "KVData", "KVDataTable", "KVLayer",
            "Ledger", "MAX_BATCH", "PointerTable", "Readback", "Sampling", "StateIndexTable", "StateLayer",
-           "StateTable", "StreamBufs", "Tree", "TreeBufs", "TreeShape", "UNCHECKED", "kv_capacity", "kv_data_table",
-           "kv_len_ptr_table", "kv_len_ptr_table_range", "state_copy_table", "state_copy_table_range",
+           "StateTable", "StreamBufs", "Tree", "TreeBufs", "TreeShape", "UNCHECKED", "i32_kv_capacity", "kv_capacity",
+           "kv_data_table", "kv_len_ptr_table", "kv_len_ptr_table_range", "state_copy_table", "state_copy_table_range",
            "state_flip_table"]

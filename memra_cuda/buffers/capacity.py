@@ -171,8 +171,9 @@ def i32_kv_capacity(prompt_len: int, max_new_tokens: int, geometry: Geometry, *,
     I32_MOST, the most one reaches, a CapacityError naming the budget as `what`, said where the
     size is asked for. The demo's and examples/own_kernels.py's command lines ask it before any
     engine is made: the cache refused the size only once the engine had been made (own_kernels:
-    its model compiled and tens of GB asked for)."""
-    capacity = kv_capacity(prompt_len, max_new_tokens, geometry, overlap=overlap)
+    its model compiled and tens of GB asked for). The budget is checked by that name too (an int
+    of at least 0), so a command line asks nothing else of it."""
+    capacity = kv_capacity(prompt_len, as_size(max_new_tokens, what, 0), geometry, overlap=overlap)
     if capacity > I32_MOST:
         raise CapacityError(f"{what} {max_new_tokens} needs a KV cache of {capacity} entries in rounds of "
                             f"{geometry}{' in overlap' if overlap else ''}, past the {I32_MOST} an i32 position "

@@ -213,3 +213,14 @@ def test_i32_kv_capacity_is_kv_capacity_up_to_the_most_an_i32_position_reaches(o
             f"--tokens {most + 1} needs a KV cache of {I32_MOST + 1} entries in rounds of {geometry!r}"
             f"{' in overlap' if overlap else ''}, past the {I32_MOST} an i32 position reaches")):
         i32_kv_capacity(5, most + 1, geometry, overlap=overlap, what="--tokens")
+
+
+def test_i32_kv_capacity_checks_the_budget_by_its_name():
+    """A command line asks nothing else of its budget: a negative one, or one not an int, is
+    refused naming the option (kv_capacity's own check named max_new_tokens)."""
+    geometry = Geometry(4, 16)
+    assert i32_kv_capacity(5, 0, geometry, what="--tokens") == kv_capacity(5, 0, geometry)
+    with pytest.raises(ValueError, match="^--tokens .*-1"):
+        i32_kv_capacity(5, -1, geometry, what="--tokens")
+    with pytest.raises(TypeError, match="^--tokens"):
+        i32_kv_capacity(5, 2.5, geometry, what="--tokens")
