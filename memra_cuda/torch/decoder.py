@@ -28,7 +28,7 @@ from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, 
 from ..rounds.stream import Mode, RoundStream, as_mode
 from .adapter import decoder_stream, engine
 from .kv import CacheLayout, Room, StaticKV, cache_slots
-from .sampling import SamplingParams
+from .sampling import SamplingParams, as_sampling
 from .compiled import as_compiled, stack_for
 from .state import CopyState, FlipState, has_recurrent, rollback
 from .uploads import uploaded
@@ -92,9 +92,7 @@ class RoundDecoder:
         capacity = cache_slots(capacity, geometry)  # whole blocks
         if sampling is None and draft_sampling is not None:
             raise ValueError("draft_sampling is the draft's law of a sampled decoder: give sampling= too")
-        for name, law in (("sampling", sampling), ("draft_sampling", draft_sampling)):
-            if law is not None and not isinstance(law, SamplingParams):  # a float met .probs after the warm-up
-                raise TypeError(f"{name} is a memra_cuda.torch.SamplingParams (or None: greedy), not {law!r}")
+        sampling, draft_sampling = as_sampling(sampling), as_sampling(draft_sampling, "draft_sampling")
         # before the stream and the engine: both were made, and on_engine=5 raised as it was called
         compiled = as_compiled(compiled)
         if on_engine is not None and not callable(on_engine):

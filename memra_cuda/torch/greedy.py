@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from ..buffers.geometry import as_batch
-from ..driver.values import as_flag, as_size, longest_prompt_for
+from ..driver.values import as_flag, as_listed, as_size, longest_prompt_for
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_rows,
                               batch_admitted)
 from .adapter import decoder_stream, torch_graph
-from .sampling import SamplingParams
+from .sampling import SamplingParams, as_sampling
 from .attention import Attention, aligned
 from .compiled import as_attention, as_compiled, stack_for
 from .kv import Room, as_capacity
@@ -294,7 +294,22 @@ def hf_generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: in
                 sampling: SamplingParams | None = None, assistant: Any = None, k: int = 4) -> list[list[int]]:
     """Hugging Face's own decoding of a batch (prompts left-padded; greedy, or `sampling` from
     torch's generator), assisted by `assistant` (a draft model), k tokens at a time, if given.
-    Each row's tokens stop at its EOS."""
+    Each row's tokens stop at its EOS. The prompts, the budget and EOS are checked before the
+    model runs as a decoder's generate_batch checks its requests (rounds.serving.batch_admitted:
+    RequestRefused naming the prompt's row), the reference held to the rules of what it checks:
+    a token outside the vocabulary met the embedding's IndexError (a device assert on a GPU), a
+    budget of 2.5 or True was taken (3 tokens, 1), an EOS outside the vocabulary stopped no row,
+    and no prompts met max()'s. A budget of 0 gives each row no tokens, as a decoder's does (Hugging
+    Face's generate refuses it)."""
+    listed = as_listed(prompts, "hf_generate's prompts", "prompts, one a row")
+    if not listed:
+        raise ValueError("hf_generate takes at least one prompt")
+    requests = batch_admitted([Request(prompt, max_new_tokens, eos) for prompt in listed], model.config.vocab_size,
+                              len(listed))
+    sampling, k = as_sampling(sampling), as_size(k, "k (the assistant's drafts a round)")
+    max_new_tokens, eos, prompts = requests[0].max_new_tokens, requests[0].eos, [r.prompt for r in requests]
+    if not max_new_tokens:
+        return [[] for _ in prompts]
     width = max(len(prompt) for prompt in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)

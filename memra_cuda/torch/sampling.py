@@ -78,3 +78,12 @@ class SamplingParams:
         """probs(logits) written into `out` (f32, the shape of `logits`): a round's p or q, which
         a decoder runs as its stack runs its forward (LayerStack.compiled: one kernel compiled)."""
         out.copy_(self.probs(logits))
+
+
+def as_sampling(law: object, name: str = "sampling") -> SamplingParams | None:
+    """`law` if it is a SamplingParams or None (greedy), else TypeError naming `name`: a decoder's
+    `sampling` and `draft_sampling` (a float met .probs after the warm-up) and hf_generate's (a
+    float met "'float' object has no attribute 'temperature'")."""
+    if law is not None and not isinstance(law, SamplingParams):
+        raise TypeError(f"{name} is a memra_cuda.torch.SamplingParams (or None: greedy), not {law!r}")
+    return law

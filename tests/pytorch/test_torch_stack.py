@@ -329,6 +329,50 @@ def test_sampling_params_refuse_what_is_no_law_and_a_small_temperature_is_nearly
     assert torch.isfinite(probs).all() and probs.argmax(-1).tolist() == [1, 1] and probs.max(-1).values.min() == 1
 
 
+def test_hugging_faces_reference_refuses_what_a_decoder_refuses_before_the_model_runs(monkeypatch):
+    """hf_generate (and hf_greedy), what every decoder is checked against, took what no decoder
+    takes: a token outside the vocabulary met the embedding's IndexError (a device assert on a
+    GPU), a budget of 2.5 or True ran (3 tokens, 1), an EOS outside the vocabulary or negative
+    stopped no row, a float prompt met the embedding's dtype error, no prompts max()'s, a float
+    for `sampling` an AttributeError. Each is refused now as a decoder's generate_batch refuses its
+    requests (RequestRefused naming the row), before the model runs; at the limits (the last token
+    and EOS of the vocabulary, a budget of 2**31 - 1) the model is asked as before, and a budget of 0
+    gives no tokens, as a decoder's does (Hugging Face's generate refused it)."""
+    from memra_cuda.torch import hf_generate, hf_greedy
+    model = tiny(1)
+    want = hf_greedy(model, [1, VOCAB - 1], 3, eos=VOCAB - 1)
+    assert len(want) <= 3 and all(0 <= token < VOCAB for token in want)
+    asked = []
+    monkeypatch.setattr(model, "generate", lambda ids, **given: asked.append((ids.tolist(), given)) or ids)
+    for args, given, error, named in (
+            (([[1, VOCAB]], 3), {}, RequestRefused, f"request 0 refused: its prompt's token {VOCAB} \\(at 1\\) is "
+                                                     f"outside the vocabulary of {VOCAB} tokens"),
+            (([[1], [-1]], 3), {}, RequestRefused, "request 1 refused: its prompt's token -1"),
+            (([[1, 2.0]], 3), {}, RequestRefused, "request 0 refused: its prompt must be a sequence of at least one"),
+            (([[]], 3), {}, RequestRefused, "its prompt must be a sequence of at least one token id"),
+            (("abc", 3), {}, TypeError, "hf_generate's prompts must be a list, a tuple or a 1-D array of prompts"),
+            (([], 3), {}, ValueError, "^hf_generate takes at least one prompt$"),
+            (({1: [1]}, 3), {}, TypeError, "hf_generate's prompts must be a list"),
+            (([[1]], 2.5), {}, RequestRefused, "max_new_tokens must be an integer, not 2.5"),
+            (([[1]], True), {}, RequestRefused, "max_new_tokens must be an integer, not True"),
+            (([[1]], -1), {}, RequestRefused, "max_new_tokens must be an int from 0 to 2147483647, not -1"),
+            (([[1]], 2**31), {}, RequestRefused, "max_new_tokens must be an int from 0 to 2147483647, not 2147483648"),
+            (([[1]], 3), dict(eos=VOCAB), RequestRefused, f"its EOS {VOCAB} is outside the vocabulary of {VOCAB}"),
+            (([[1]], 3), dict(eos=-1), RequestRefused, "eos must be None or an int of at least 0, not -1"),
+            (([[1]], 3), dict(sampling=0.7), TypeError, "sampling is a memra_cuda.torch.SamplingParams"),
+            (([[1]], 3), dict(k=0), ValueError, "k \\(the assistant's drafts a round\\) must be an int of at least 1")):
+        with pytest.raises(error, match=named):
+            hf_generate(model, *args, **given)
+    with pytest.raises(RequestRefused, match="request 0 refused: its prompt must be a sequence"):
+        hf_greedy(model, "abc", 3)
+    assert asked == []
+    assert hf_generate(model, [[1], [2, 3]], 0) == [[], []] and asked == []
+    hf_generate(model, [np.array([1, VOCAB - 1])], 2**31 - 1, eos=VOCAB - 1)
+    assert asked == [([[1, VOCAB - 1]], dict(attention_mask=asked[0][1]["attention_mask"], max_new_tokens=2**31 - 1,
+                                             min_new_tokens=0, eos_token_id=VOCAB - 1, pad_token_id=0,
+                                             do_sample=False))]
+
+
 # -- loading ------------------------------------------------------------------------------------
 
 def save_pair(where) -> tuple:
