@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import math
 import reprlib
 import threading
 import time
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from ..driver.errors import MemraError
-from ..driver.values import I32_MOST, TEXT_LIKE, as_index, as_prompt, as_size
+from ..driver.values import I32_MOST, TEXT_LIKE, as_index, as_prompt, as_real, as_size
 
 _T = TypeVar("_T")
 
@@ -405,6 +406,17 @@ class Server:
         if self._driven is not None:
             self._driven.by(self)
 
+    def _now(self) -> float:
+        """The clock's reading, a finite number of seconds (as_real's TypeError for what is no real
+        number, a ValueError naming it for an infinity or a NaN), raised as a clock's own failure is
+        (nothing taken at a submit, a burst kept for the next step): a clock giving None or text was
+        taken, its readings stamped on every Served, whose latency then met a TypeError naming
+        nothing, and one giving NaN made every time NaN, silently."""
+        reading = as_real(self.clock(), "a server's clock reading")
+        if not math.isfinite(reading):
+            raise ValueError(f"a server's clock reading must be a finite number of seconds, not {reading}")
+        return reading
+
     @property
     def idle(self) -> bool:
         """No request waits, runs or waits for its cancel to take effect (or for the step that
@@ -437,7 +449,7 @@ class Server:
         takes no id and queues nothing. The server keeps a copy, its prompt the tuple of ints that was
         checked: the caller's list, changed later, is never what a row is given."""
         request = as_request(request)
-        return self._submit(request, self.clock())
+        return self._submit(request, self._now())
 
     def _submit(self, request: Request, submitted: float) -> int:
         """submit() of a Request stamped `submitted` (the clock read before: where it raises,
@@ -519,7 +531,7 @@ class Server:
                 self._forget(ident)
             if self._unrecorded is not None and (unrecorded := self._recovered(*self._unrecorded)) is not None:
                 return self._record(*unrecorded, finished)
-            now = self.clock()  # in here: where it raised, the ends the last step left to this one were dropped
+            now = self._now()  # in here: where it raised, the ends the last step left to this one were dropped
             self._cancel(now, finished)
             self._admit(now, finished)
             busy = [(row, ident) for row, ident in enumerate(self._slots) if ident is not None]
@@ -584,7 +596,7 @@ class Server:
             self._unrecorded = None
             self._cancels.update(ident for _, ident in busy)
             raise
-        at = self.clock()
+        at = self._now()
         self._unrecorded = None
         tokens: dict[int, list[int]] = {}
         for ident, new, accepted, _ in news:
@@ -627,7 +639,7 @@ class Server:
         ended: dict[int, Served] = {}  # the last step's ends, kept whole: an interrupt as serve() sorts them loses none
         try:
             for i, request in enumerate(requests):
-                at = self.clock()  # before its submission: a refusal is stamped as it is made
+                at = self._now()  # before its submission: a refusal is stamped as it is made
                 try:
                     place[self._submit(request, at)] = i
                 except RequestRefused as refusal:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import pickle
 import re
 import reprlib
+import sys
 import threading
 from collections import UserString
 
@@ -1521,6 +1523,39 @@ def test_a_clock_that_is_no_function_is_refused_where_the_server_is_made():
     for clock in (None, 3.0, "perf_counter"):
         with pytest.raises(TypeError, match="a server's clock is a function giving seconds"):
             Server(Counting(1), clock=clock)  # type: ignore[arg-type]
+
+
+def test_a_clock_reading_that_is_no_finite_number_is_refused_as_the_clocks_failure():
+    """A clock giving None or text was taken, its readings stamped on every Served, whose latency
+    then met "unsupported operand type(s) for -" naming nothing; one giving NaN made every time
+    and latency NaN, silently. A reading that is no finite real number (a bool neither: True was
+    1 second) is refused, naming it, as a clock that raises is: a submit takes no id and queues
+    nothing, and a burst read back is kept for the next step to record. The largest finite
+    readings are taken, as floats (a numpy float's too)."""
+    for reading, error, named in ((None, TypeError, "must be a real number, not None"),
+                                  ("1.0", TypeError, "must be a real number, not '1.0'"),
+                                  (True, TypeError, "must be a real number, not True"),
+                                  (math.nan, ValueError, "must be a finite number of seconds, not nan"),
+                                  (math.inf, ValueError, "must be a finite number of seconds, not inf"),
+                                  (-math.inf, ValueError, "must be a finite number of seconds, not -inf")):
+        decoder = Counting(1)
+        server = Server(decoder, clock=lambda reading=reading: reading)
+        with pytest.raises(error, match=f"^a server's clock reading {named}$"):
+            server.submit(Request([1, 2], 3))
+        assert server.idle and decoder.calls == [("park", (0,))]
+        server.clock = decoder.clock
+        assert server.submit(Request([1, 2], 3)) == 0, "the refused reading took an id"
+        server.step()
+        server.clock = lambda reading=reading: reading
+        with pytest.raises(error, match=f"^a server's clock reading {named}$"):
+            server.step()  # its burst read back, and kept
+        server.clock = decoder.clock
+        out = server.step()
+        assert decoder.calls.count(("burst",)) == 2 and out.at == decoder.clock.now
+    for reading in (sys.float_info.max, -sys.float_info.max, np.float32(2.5), 10**300):
+        server = Server(Counting(1), clock=lambda reading=reading: reading)
+        served = server.serve([Request([1, 2], 3)])[0]
+        assert type(served.submitted) is float and served.submitted == served.finished == float(reading)
 
 
 @pytest.mark.parametrize("prompt, named", [([2**64], f"{2**64} \\(at 0\\)"), ([1, 2**63], f"{2**63} \\(at 1\\)"),
