@@ -315,10 +315,14 @@ class RoundDecoder:
         (rounds.serving's Decoder)."""
         return longest_prompt_for(self.target.kv.capacity)
 
-    def room(self, request: Request, mode: Mode) -> str | None:
+    def room(self, request: Request, mode: Mode | str) -> str | None:
         """Why a checked `request` cannot run in a row in `mode` (its prompt and budget past the
         caches' room: kv_capacity of this decoder's rounds, a burst of `mode`'s, one more in
-        flight for "overlap"), as a clause that follows "request N refused: "; None where it can."""
+        flight for "overlap"), as a clause that follows "request N refused: "; None where it can.
+        `mode` is a Mode or its name, as everywhere else a decoder takes one (as_mode; ValueError
+        naming the choices): "overlap" by its name was measured without its burst in flight, a
+        request said to fit that generate_batch in overlap mode then refused."""
+        mode = as_mode(mode)
         rule, capacity = self.rounds.round.capacity, self.target.kv.capacity
         prompt, new = len(request.prompt), request.max_new_tokens
         need = kv_capacity(prompt, new, rule.geometry.with_rounds(self.rounds.rounds_per_step(mode)),

@@ -870,6 +870,33 @@ def test_a_prefills_prompts_seeds_and_caps_past_its_rows_are_refused_by_their_co
         decoder.prefill([0, 1], [[1], [2]], seeds=[5])
 
 
+def test_a_decoders_room_reads_a_mode_by_its_name_as_the_mode():
+    """room(request, "overlap") compared the name with Mode.OVERLAP, and measured a burst of
+    "graph"'s without the one in flight: a request past overlap's room was said to fit. A mode's
+    name is the mode (as_mode, as generate_batch and server() read it): at overlap's most budget
+    the request fits, one more is refused, by name as by Mode, and a name of no mode is a
+    ValueError naming the choices. The decoder here is its host side alone: no stream, no model."""
+    from memra_cuda import Geometry
+    from memra_cuda.rounds import Request
+    from memra_cuda.rounds.stream import Mode, as_mode
+    from memra_cuda.torch import decoder as decoders
+    decoder = object.__new__(decoders.RoundDecoder)
+    geometry, capacity = Geometry(4, 16, 1), 256
+    decoder.rounds = SimpleNamespace(round=SimpleNamespace(capacity=SimpleNamespace(geometry=geometry)),
+                                     rounds_per_step=lambda mode: 1 if as_mode(mode) is Mode.READBACK else 16)
+    decoder.target = SimpleNamespace(kv=SimpleNamespace(capacity=capacity))
+    most = max(n for n in range(capacity) if kv_capacity(10, n, geometry, overlap=True) <= capacity)
+    assert kv_capacity(10, most + 1, geometry) <= capacity, "graph's room is overlap's: nothing to tell apart"
+    for mode in (Mode.OVERLAP, "overlap"):
+        assert decoder.room(Request([1] * 10, most), mode) is None
+        assert decoder.room(Request([1] * 10, most + 1), mode) == (
+            f"10 prompt tokens and {most + 1} new need a KV cache of {capacity + 1} entries in overlap mode; "
+            f"these hold {capacity}")
+    assert decoder.room(Request([1] * 10, most + 1), "graph") is None
+    with pytest.raises(ValueError, match="mode must be one of .*, not 'overlapped'"):
+        decoder.room(Request([1] * 10, 1), "overlapped")
+
+
 @pytest.mark.parametrize(("steps", "error"), [(2.5, TypeError), (0, ValueError), (True, TypeError)])
 def test_the_plain_loop_refuses_a_burst_of_no_whole_steps_before_anything_is_made(steps, error):
     """GraphedGreedy's `steps` (a burst's steps, which size its output and its loop) is checked
