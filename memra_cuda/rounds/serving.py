@@ -576,13 +576,17 @@ class Server:
         request has its tokens before any ends: an exception as one ends (_end) leaves the others
         running with them, to end at the next burst (their rows done), where they lost the burst's.
         A burst of fewer rows than the batch (a decoder's own Burst) is a ValueError naming both: it
-        met an IndexError as its news was read. A burst whose news cannot be read (that one, or a
-        row's tokens None) raises before the clock is read or any request changes, and is dropped,
-        as recording it again would raise again, every later step with it; and its rows' requests
+        met an IndexError as its news was read; what is no Burst (None, a bare tuple) a TypeError
+        saying what burst() returns. A burst whose news cannot be read (those, or a row's tokens
+        None) raises before the clock is read or any request changes, and is dropped, as recording
+        it again would raise again, every later step with it; and its rows' requests
         are cancelled (they end at the next step with the tokens read before it), as their rows
         went on past tokens no step can give them: run on, each would have a hole in its output,
         silently."""
         try:
+            if not isinstance(burst, Burst):  # None or a bare (tokens, done) met "has no attribute 'tokens'"
+                raise TypeError(f"a decoder's burst() returns a memra_cuda.rounds.Burst(tokens, done, accepted), not "
+                                f"{reprlib.repr(burst)}")
             rows = len(self._slots)  # a len() or three a burst: nothing beside the burst's own readback
             given = (len(burst.tokens), len(burst.done), rows if burst.accepted is None else len(burst.accepted))
             if min(given) < rows:

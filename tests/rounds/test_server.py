@@ -1337,22 +1337,27 @@ def test_a_burst_of_fewer_rows_than_the_batch_is_refused_naming_both_and_changes
     assert all(done[ident].cancelled for ident in ids) and server.idle
 
 
-def test_a_burst_whose_news_cannot_be_read_ends_its_requests_rather_than_leave_a_hole():
-    """A burst of every row whose news cannot be read (a row's tokens None) raised as it was read,
-    and was dropped; its requests ran on from rows that had gone past its tokens, each with a hole
-    in its output, silently. They end cancelled at the next step, with the tokens read before."""
+@pytest.mark.parametrize("news, said", [
+    (lambda out: out._replace(tokens=[out.tokens[0], None]), "NoneType"),
+    (lambda out: None, "a decoder's burst() returns a memra_cuda.rounds.Burst(tokens, done, accepted), not None"),
+    (lambda out: (out.tokens, out.done), "a decoder's burst() returns a memra_cuda.rounds.Burst(tokens, done, "
+                                          "accepted), not ([")])
+def test_a_burst_whose_news_cannot_be_read_ends_its_requests_rather_than_leave_a_hole(news, said):
+    """A burst of every row whose news cannot be read (a row's tokens None; no Burst at all, which
+    met "'NoneType' object has no attribute 'tokens'", naming nothing) raised as it was read, and
+    was dropped; its requests ran on from rows that had gone past its tokens, each with a hole in
+    its output, silently. They end cancelled at the next step, with the tokens read before."""
     decoder = Counting(2, drafts=True)
     server = Server(decoder, clock=decoder.clock)
     ids = [server.submit(Request([1], 9)), server.submit(Request([2], 9))]
     before = server.step().tokens
     burst = decoder.burst
 
-    def unreadable():  # the burst ran every row, and its decoder gives row 1's tokens as None
-        out = burst()
-        return out._replace(tokens=[out.tokens[0], None])
+    def unreadable():  # the burst ran every row, and its decoder gives news that cannot be read
+        return news(burst())
 
     decoder.burst = unreadable
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=re.escape(said)):
         server.step()
     decoder.burst = burst
     done = server.step().finished
