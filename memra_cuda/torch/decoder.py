@@ -25,7 +25,7 @@ from ..driver.engine import Engine
 from ..driver.values import as_flag, as_listed, as_prompt, as_size, distinct_rows, longest_prompt_for
 from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_rows,
                               as_seed, batch_admitted)
-from ..rounds.stream import Mode, RoundStream, as_mode
+from ..rounds.stream import MODES, Mode, RoundStream, as_mode
 from .adapter import decoder_stream, engine
 from .kv import CacheLayout, Room, StaticKV, cache_slots
 from .sampling import SamplingParams, as_sampling
@@ -271,8 +271,15 @@ class RoundDecoder:
         first: a misspelt one is a ValueError, not a "graph". Device mode runs a whole batch in one
         launch (generate_batch), no server's mode. RuntimeError while a server over the rows has a
         request in flight (Driven.take), as GraphedGreedy's: a prefill graph's warm-up writes
-        into the last prefilled row, and a capture synchronises the device mid-serving."""
-        wanted = {as_mode(mode) for mode in ((modes,) if isinstance(modes, str) else modes)}
+        into the last prefilled row, and a capture synchronises the device mid-serving. `modes` is
+        one mode's name or a list or tuple of at least one (as_listed: None met "'NoneType' object
+        is not iterable", b"graph" a mode 103, and () captured graph mode's graphs and sealed the
+        rounds, refusing every other mode's from then on)."""
+        listed = [modes] if isinstance(modes, (str, Mode)) else as_listed(modes, "capture()'s modes", "mode names")
+        if not listed:
+            raise ValueError(f"capture() takes at least one mode of {', '.join(MODES)}, not none: the rounds are "
+                             "sealed after it, and a mode not captured is refused from then on")
+        wanted = {as_mode(mode) for mode in listed}
         self.driven.take("capture()")
         begun = time.perf_counter()
         with torch.cuda.stream(self.stream):

@@ -1807,3 +1807,29 @@ def test_without_a_gpu_torchs_layer_raises_cuda_unavailable_naming_the_call():
     from memra_cuda.torch.testing import build_model
     with pytest.raises(CudaUnavailable, match=r"^build_model\(device='cuda'\) needs a CUDA GPU.*: device='cpu' builds"):
         build_model()
+
+
+def test_capture_takes_one_mode_or_a_list_of_at_least_one_and_refuses_the_rest_before_any_capture():
+    """capture(None) met "'NoneType' object is not iterable", capture(b"graph") a mode 103, and
+    capture(()) captured graph mode's graphs and sealed the rounds, every other mode refused from
+    then on: each is refused now, naming capture()'s modes, before anything is captured (the
+    decoder's host side: stand-ins that count the captures)."""
+    from memra_cuda.rounds.serving import Driven
+    from memra_cuda.torch.decoder import RoundDecoder
+    captured = []
+    decoder = object.__new__(RoundDecoder)
+    decoder.stream, decoder.shared, decoder.driven, decoder.setup_seconds = None, True, Driven(), 0.0
+    decoder.target = SimpleNamespace(capture_prefills=lambda: captured.append("prefills"))
+    decoder.rounds = SimpleNamespace(capture_graphs=lambda slots, seal: captured.append(slots))
+    for modes, error, said in ((None, TypeError, "capture()'s modes must be a list, a tuple or a 1-D array of mode"),
+                               (b"graph", TypeError, "capture()'s modes must be a list"),
+                               ({"graph"}, TypeError, "capture()'s modes must be a list"),
+                               ((), ValueError, "capture() takes at least one mode of readback, eager, graph, "
+                                                "overlap, device, not none"),
+                               (["graph", "graf"], ValueError, "mode must be one of")):
+        with pytest.raises(error, match=re.escape(said)):
+            decoder.capture(modes)
+    assert not captured, "a refused capture() captured"
+    decoder.capture("overlap")
+    decoder.capture(["graph"])
+    assert captured == ["prefills", (0, 1), "prefills", (0,)]
