@@ -77,6 +77,32 @@ def test_the_buffers_have_one_holder_at_a_time():
     assert bufs.holder is other
 
 
+class Freed:
+    """A stand-in buffer that counts its free()."""
+
+    def __init__(self, freed: list[str], name: str) -> None:
+        self.freed, self.name = freed, name
+
+    def free(self) -> None:
+        self.freed.append(self.name)
+
+
+def test_buffers_a_device_loop_holds_are_not_freed_under_it():
+    """free() freed every buffer while a running device loop held them: its rounds went on
+    writing memory the allocator hands out again. It refuses now, as every other use is refused
+    (BuffersHeld, the holder's words), before anything is freed; once released, it frees them."""
+    bufs, loop, freed = host_bufs(), object(), []
+    bufs._fields = {name: Freed(freed, name) for name in ("ring_d", "ctl_d")}
+    bufs._arena, bufs._host = Freed(freed, "arena"), [Freed(freed, "slot 0"), Freed(freed, "slot 1")]
+    bufs.hold(loop, "a device-mode loop is still running on these buffers")
+    with pytest.raises(BuffersHeld, match="a device-mode loop is still running on these buffers"):
+        bufs.free()
+    assert freed == [], "a buffer was freed under the loop"
+    bufs.release(loop)
+    bufs.free()
+    assert freed == ["ring_d", "ctl_d", "arena", "slot 0", "slot 1"]
+
+
 class Recording:
     """An engine that records the host-to-device copies asked of it and writes nothing."""
 
