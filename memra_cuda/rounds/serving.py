@@ -445,9 +445,10 @@ class Server:
         """Queue `request` and give its id; RequestRefused naming the id and why, where it is
         malformed, names a token outside the vocabulary or cannot fit a row (nothing else
         changes: no slot, no queue, no device work); TypeError, taking no id, for what is not a
-        Request. Anything else its clock or the decoder's refusal() raises (an interrupt there)
-        takes no id and queues nothing. The server keeps a copy, its prompt the tuple of ints that was
-        checked: the caller's list, changed later, is never what a row is given."""
+        Request. Anything else its clock or the decoder's refusal() raises (an interrupt there),
+        or an interrupt as the request is queued, takes no id and queues nothing. The server
+        keeps a copy, its prompt the tuple of ints that was checked: the caller's list, changed
+        later, is never what a row is given."""
         request = as_request(request)
         return self._submit(request, self._now())
 
@@ -472,16 +473,21 @@ class Server:
             # two servers made while both were idle each held every row free: the second's requests
             # were admitted into the first's rows, one request ending with another's tokens
             self._driven.take("a request submitted to another server over its rows", beside=self)
-        ident, self._next = self._next, self._next + 1
+        ident = self._next
         # live before it is queued: another thread's step between the two finds it live, not yet queued, and
         # the next admits it (queued first, that step dropped its id as an interrupted submit's, and the
-        # request, live, never ran nor ended: the server never idle again); an interrupt as it is queued
-        # takes it back, so no request is left live but never queued
-        self._live[ident] = _Running(checked, submitted)
+        # request, live, never ran nor ended: the server never idle again); an interrupt as it is recorded or
+        # queued takes it back, so no request is left live but never queued, and its id with it (the next
+        # submit's skipped it: ids not consecutive, the counter ahead of the queue), unless another submit
+        # (another thread's) has taken one since
         try:
+            self._next = ident + 1
+            self._live[ident] = _Running(checked, submitted)
             self._queue.append(ident)
         except BaseException:
-            self._live.pop(ident)
+            self._live.pop(ident, None)
+            if self._next == ident + 1:
+                self._next = ident
             raise
         return ident
 
