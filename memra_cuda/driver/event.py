@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import driver
 from .handle import Handle
@@ -30,8 +30,15 @@ class Event(Handle):
         self.engine = engine
         ctx = engine.activate()
         flags = 0 if timing else int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        self.handle = ctx.call("cuEventCreate", flags)
-        self._own(ctx, "cuEventDestroy", self.handle)
+        self._handle = ctx.call("cuEventCreate", flags)
+        self._own(ctx, "cuEventDestroy", self._handle)
+
+    @property
+    def handle(self) -> Any:
+        """The raw CUevent; ValueError once freed (the driver may reuse it for the next event, as
+        a freed buffer's `ptr` refuses). The finalizer holds its own copy."""
+        self._usable()
+        return self._handle
 
     def record(self) -> None:
         """Mark the current end of the engine's stream."""
@@ -70,5 +77,5 @@ class Event(Handle):
         return float(self.engine.ctx.call("cuEventElapsedTime", start.handle, self.handle))
 
     def __repr__(self) -> str:
-        return f"Event({'freed' if self.freed else int(self.handle)})"
+        return f"Event({'freed' if self.freed else int(self._handle)})"
 

@@ -63,24 +63,48 @@ class Stream(Handle):
         self._stream_owner: Any = None
         if stream is None:
             flags = driver().CUstream_flags.CU_STREAM_NON_BLOCKING
-            self.stream = self.ctx.call("cuStreamCreate", flags)
-            self._own(self.ctx, "cuStreamDestroy", self.stream)
+            self._stream = self.ctx.call("cuStreamCreate", flags)
+            self._own(self.ctx, "cuStreamDestroy", self._stream)
         else:
-            self.stream = as_stream(stream)
+            self._stream = as_stream(stream)
             self._check_stream_context()
             if not isinstance(stream, (int, driver().CUstream)):
                 self._stream_owner = stream  # its owner destroys the stream when it goes
             if isinstance(stream, Stream):
                 stream._exported = True  # this one works on its handle: its close() must leave it (close)
-        self.stream_handle = int(self.stream)
+        self._stream_handle = int(self._stream)
         self._synchronize = driver().cuStreamSynchronize
 
+    # The raw handle, read through `stream` and `stream_handle` while the stream is open: once
+    # closed it is destroyed (or left to the consumer it was handed to) and may name another stream
+    # by then, so both refuse, as a freed buffer's `ptr` does. The finalizer holds its own copy.
+    _stream: Any = None
+    _stream_handle = 0
+
+    @property
+    def stream(self) -> Any:
+        """The CUstream work is queued on; ValueError once closed (see close)."""
+        if self._freed:
+            raise self._closed_handle()
+        return self._stream
+
+    @property
+    def stream_handle(self) -> int:
+        """The stream's raw handle, an int; ValueError once closed (see close)."""
+        if self._freed:
+            raise self._closed_handle()
+        return self._stream_handle
+
+    def _closed_handle(self) -> ValueError:
+        return ValueError(f"{self!r} is closed: its stream handle used after close (destroyed, or left to the "
+                          "consumer it was handed to, it may name another stream by now)")
+
     def _check_stream_context(self) -> None:
-        if int(self.stream) in (0, 1, 2):  # the legacy and per-thread default streams: any context
+        if int(self._stream) in (0, 1, 2):  # the legacy and per-thread default streams: any context
             return
-        owner = self.ctx.call("cuStreamGetCtx", self.stream)
+        owner = self.ctx.call("cuStreamGetCtx", self._stream)
         if int(owner) != int(self.ctx.handle):
-            raise ValueError(f"stream {int(self.stream):#x} belongs to another context than device {self.device}'s")
+            raise ValueError(f"stream {int(self._stream):#x} belongs to another context than device {self.device}'s")
 
     @property
     def device(self) -> int:

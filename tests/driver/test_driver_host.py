@@ -420,7 +420,7 @@ def closed_stream_stand_in(handle: int) -> Stream:
     destroy), its last work taken as finished."""
     stream = Stream.__new__(Stream)
     stream.ctx = types.SimpleNamespace(device=0, fault=None)
-    stream.stream_handle, stream.synchronize = handle, lambda: None
+    stream._stream_handle, stream.synchronize = handle, lambda: None
     assert stream.__cuda_stream__() == (0, handle)
     stream.close()
     return stream
@@ -437,6 +437,37 @@ def test_a_closed_stream_hands_out_no_handle():
         handle_of(stream)  # what Engine.wait and wait_stream read a stream by
 
 
+def test_a_closed_stream_or_a_freed_event_refuses_its_raw_handle_and_is_released_all_the_same():
+    """`stream`, `stream_handle` and an Event's `handle` stayed readable after close() or free():
+    the driver may give the destroyed handle to the next stream or event made, so whatever took it
+    then queued work on, or waited for, another one. Each refuses now (ValueError), as a freed
+    buffer's `ptr` does; the release, which holds its own copy, destroys it all the same. (No
+    driver: stand-ins whose release is recorded.)"""
+    from memra_cuda.driver.event import Event
+
+    stream, released = Stream.__new__(Stream), Releases()
+    stream.ctx = types.SimpleNamespace(device=0, fault=None)
+    stream._stream, stream._stream_handle, stream.synchronize = "CUstream 0x5000", 0x5000, lambda: None
+    stream._stream_owner = None
+    stream._own(released, "cuStreamDestroy", stream._stream)
+    assert (stream.stream, stream.stream_handle) == ("CUstream 0x5000", 0x5000)
+    stream.close()
+    assert released.calls == [("cuStreamDestroy", "CUstream 0x5000")]
+    for name in ("stream", "stream_handle"):
+        with pytest.raises(ValueError, match=r"Stream\(device=0, closed\) is closed: its stream handle used after "
+                                             "close"):
+            getattr(stream, name)
+
+    event, released = Event.__new__(Event), Releases()
+    event.engine, event._handle = stream, 0xE0
+    event._own(released, "cuEventDestroy", event._handle)
+    assert event.handle == 0xE0 and repr(event) == "Event(224)"
+    event.free()
+    assert released.calls == [("cuEventDestroy", 0xE0)] and repr(event) == "Event(freed)"
+    with pytest.raises(ValueError, match="^Event used after free$"):
+        event.handle
+
+
 def test_a_stream_whose_handle_was_handed_out_is_destroyed_only_once_collected(monkeypatch):
     """close() destroyed an owned stream at once, though a consumer of __cuda_stream__ (a cuda.core
     or CuPy stream made from the engine, or an Engine borrowing it, which keeps it as its stream's
@@ -449,7 +480,7 @@ def test_a_stream_whose_handle_was_handed_out_is_destroyed_only_once_collected(m
     def owned(handle: int) -> tuple[Stream, Releases]:
         stream, released = Stream.__new__(Stream), Releases()
         stream.ctx = types.SimpleNamespace(device=0, fault=None)
-        stream.stream_handle, stream.synchronize = handle, lambda: None
+        stream._stream_handle, stream.synchronize = handle, lambda: None
         stream._stream_owner = None
         stream._own(released, "cuStreamDestroy", handle)
         return stream, released
@@ -1093,12 +1124,12 @@ def test_an_engine_being_captured_waits_only_on_work_of_its_own_capture():
     def engine(stream: int) -> Engine:
         made = StandIn.__new__(StandIn)
         made.ctx = types.SimpleNamespace(device=0, call=lambda name, *args: calls.append(name))
-        made.stream, made.capture_hold = stream, None
+        made._stream, made.capture_hold = stream, None
         return made
 
     def event(on: Engine) -> Event:
         made = Event.__new__(Event)
-        made.engine, made.handle = on, 0xe0
+        made.engine, made._handle = on, 0xe0
         return made
 
     class Stop(Exception):
