@@ -158,6 +158,9 @@ class TreeLlama(RoundDecoder):
             raise ValueError("a sampled tree draws its children from the draft's q: candidates= is for greedy trees")
         # a node's candidates: at least the tree's draws, at most the grow kernel's K (and the vocabulary)
         most = min(MAX_TREE_CANDIDATES, model.config.vocab_size)
+        if sampling is None and tree.draws > most:  # the default too: topk met it past the stacks, argmax gave 0 twice
+            raise ValueError(f"a greedy tree asks a node for {tree.draws} candidates (its highest rank + 1, a dynamic "
+                             f"tree's branch), more than the vocabulary's {model.config.vocab_size} tokens")
         self.candidates = tree.draws if candidates is None else as_size(
             candidates, f"candidates (the tree draws {tree.draws} a node; the kernels rank at most {most})",
             tree.draws, most)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from memra_cuda import TreeShape
+from memra_cuda import DynamicTree, TreeShape
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
 pytest.importorskip("transformers", reason="memra_cuda.torch's models need transformers")
@@ -761,6 +761,38 @@ def test_the_decoders_refuse_their_models_and_options_before_any_device_work():
         PagedKV(model.config, 1, 1, 8, torch.float32, "cpu", page=17)
     with pytest.raises(TypeError, match="paged cache"):
         PagedKV(model.config, 1, 1, 64, torch.float32, "cpu").data()
+
+
+def test_a_greedy_tree_asking_more_candidates_than_the_vocabulary_is_refused_before_any_device_work(monkeypatch):
+    """A greedy tree whose node asks for more candidates than the vocabulary holds (a rank of 9 or a
+    dynamic branch of 12 over 8 tokens), candidates= left out, was taken: torch.topk refused it
+    past both models' stacks, and up to 4 ranks the argmaxes gave token 0 twice (3 over 2 tokens). Refused by name
+    before the decoder's stream is made; as many candidates as tokens pass, and a sampled tree
+    short of tokens too (its node draws void children, docs/trees.md)."""
+    import memra_cuda.torch.decoder as decoder
+
+    class Reached(Exception):
+        """The decoder's stream, the first device work: every check passed."""
+
+    def reached():
+        raise Reached
+
+    monkeypatch.setattr(decoder, "decoder_stream", reached)
+    model = tiny(vocab=8)
+    draft = self_draft(model)
+    for tree, draws in ((TreeShape.from_choices([[9]]), 10), (DynamicTree(2, 4, 12), 12)):
+        for candidates in (None, 9):  # given, it was "from 10 to 8"
+            with pytest.raises(ValueError, match=re.escape(f"a greedy tree asks a node for {draws} candidates (its "
+                                                           "highest rank + 1, a dynamic tree's branch), more than "
+                                                           "the vocabulary's 8 tokens")):
+                TreeLlama(model, draft, tree, candidates=candidates)
+    two = tiny(vocab=2)  # 3 ranks by argmaxes: the third was token 0 again
+    with pytest.raises(ValueError, match="a greedy tree asks a node for 3 candidates .* vocabulary's 2 tokens"):
+        TreeLlama(two, self_draft(two), TreeShape.from_choices([[0], [2]]))
+    for tree, sampling in ((TreeShape.from_choices([[7]]), None), (DynamicTree(2, 4, 8), None),
+                           (DynamicTree(2, 4, 8), SamplingParams()), (TreeShape.from_choices([[0], [1]]), None)):
+        with pytest.raises(Reached):
+            TreeLlama(model, draft, tree, sampling=sampling)
 
 
 def test_a_room_is_sized_by_the_geometry_of_the_decoder_it_is_given_to():
