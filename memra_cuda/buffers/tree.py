@@ -93,7 +93,8 @@ class TreeShape:
         """Each node's parent (node 0's -1), a parent before its child; siblings ranked in their
         given order. Reordered into level order (by depth, then parent, then rank). Each parent
         an int (a float, a string or a bool refused, not converted), at most MAX_TREE_NODES of
-        them (refused before the reordering, which takes their square)."""
+        them (refused before the reordering, which takes their square), a node's children at
+        most MAX_TREE_CANDIDATES (refused naming the index given)."""
         given = as_listed(parents, "parents", _NODE_INTS, MAX_TREE_NODES)
         parents = [as_index(p, f"parents[{i}]") for i, p in enumerate(given)]
         if not parents or parents[0] != -1:
@@ -104,7 +105,9 @@ class TreeShape:
             if not 0 <= p < i:
                 raise ValueError(f"node {i}'s parent {p} is not before it: a parent must come before its child")
             depth.append(depth[p] + 1)
-            rank.append(seen.get(p, 0))
+            # checked here, by the index given: past the reordering it was another node's rank ("node 35's")
+            rank.append(_rank(seen.get(p, 0),
+                              f"parents[{i}]'s rank among node {p}'s children (at most {MAX_TREE_CANDIDATES} a node)"))
             seen[p] = rank[-1] + 1
         order = [0]
         for d in range(1, max(depth) + 1):

@@ -435,6 +435,22 @@ def test_parents_and_choices_refuse_floats_strings_and_bools_naming_them(make, e
         make()
 
 
+def test_from_parents_refuses_a_node_of_too_many_children_naming_the_index_given():
+    """A node's 33rd child has no candidate to hold (ranks are below MAX_TREE_CANDIDATES): it was
+    refused as the reordered tree's "node 35's rank", another node of the parents given (35: a
+    child of the root of rank 1). Named by its index in `parents` now; 32 children are taken."""
+    most = [-1, 0] + [1] * MAX_TREE_CANDIDATES + [0]  # node 1's 32 children, then the root's second
+    tree = TreeShape.from_parents(most)
+    assert tree.nodes == MAX_TREE_CANDIDATES + 3 and tree.draws == MAX_TREE_CANDIDATES
+    assert tree.rank[-1] == MAX_TREE_CANDIDATES - 1 and tree.parent[-1] == 1
+    with pytest.raises(ValueError, match=rf"^parents\[{MAX_TREE_CANDIDATES + 2}\]'s rank among node 1's children "
+                                         rf"\(at most {MAX_TREE_CANDIDATES} a node\) must be an int from 0 to "
+                                         rf"{MAX_TREE_CANDIDATES - 1}, not {MAX_TREE_CANDIDATES}$"):
+        TreeShape.from_parents([-1, 0] + [1] * (MAX_TREE_CANDIDATES + 1) + [0])
+    with pytest.raises(ValueError, match=rf"^parents\[{MAX_TREE_CANDIDATES + 1}\]'s rank among node 0's"):
+        TreeShape.from_parents([-1] + [0] * (MAX_TREE_CANDIDATES + 1))
+
+
 def test_parents_and_choices_of_numpy_ints_are_the_trees_of_plain_ones():
     assert TreeShape.from_parents(np.array([-1, 0, 1, 0])) == TreeShape.from_parents([-1, 0, 1, 0])
     assert TreeShape.from_choices([np.array([0]), (np.uint8(1),)]) == TreeShape.from_choices([[0], [1]])
