@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Literal
 
+from memra_cuda.buffers.geometry import as_batch
 from memra_cuda.buffers.tree import Tree, TreeShape
+from memra_cuda.driver.values import as_flag
 from memra_cuda.torch.testing import static_tree
 
 PLAIN: Literal["plain"] = "plain"  # a pick's word for "do not speculate": GraphedGreedy, the target alone
@@ -37,8 +39,13 @@ def tree_for_batch(size: str, batch: int, sampled: bool = False) -> Pick:
     """The tree to verify at `batch` rows of the `size` model, greedy or `sampled`, None where
     the chain is faster, or PLAIN where speculating at all is slower: the measured pick of the
     largest batch size measured not above `batch`; sampled, always None (no tree was ahead of the
-    chain in two runs at any B)."""
-    if sampled:
+    chain in two runs at any B). Each argument is checked first, `batch` as a decoder's (1 to
+    MAX_BATCH): True was a batch of 1, 0 or -5 the smallest measured, 2.5 B = 1's, a size of
+    none measured a KeyError, and sampled="no" the chain, whatever the size."""
+    if not isinstance(size, str) or size not in PICKED:
+        raise ValueError(f"size is one of {', '.join(map(repr, PICKED))}: the models measured, not {size!r}")
+    batch = as_batch(batch)
+    if as_flag(sampled, "sampled"):
         return None
     picks = PICKED[size]
     below = [b for b in picks if b <= batch]

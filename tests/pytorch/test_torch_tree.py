@@ -199,6 +199,28 @@ def test_the_measured_tree_of_the_largest_batch_measured_below_is_picked():
     assert tree_for_batch("small", 200) == static_tree(6, 4)
 
 
+def test_the_tree_picked_for_a_batch_refuses_what_names_no_batch_size_or_mode():
+    """tree_for_batch read True as a batch of 1, 0 and -5 as the smallest measured, 2.5 as B = 1;
+    a size of none measured was a bare KeyError, and sampled= was read by its truth ("no": the
+    chain), before the size was looked at. Each refused by name; the most rows a decoder takes
+    pass (MAX_BATCH), one more is refused."""
+    from benchmarks.picks import tree_for_batch
+    from memra_cuda.buffers.geometry import MAX_BATCH
+    assert tree_for_batch("large", MAX_BATCH) == tree_for_batch("large", np.int64(200)) == static_tree(6, 4)
+    for batch, error, message in ((True, TypeError, "batch must be an integer, not True"),
+                                  (2.5, TypeError, "batch must be an integer, not 2.5"),
+                                  (0, ValueError, f"batch must be an int from 1 to {MAX_BATCH}, not 0"),
+                                  (-5, ValueError, "batch must be an int from 1"),
+                                  (MAX_BATCH + 1, ValueError, f"batch must be an int from 1 to {MAX_BATCH}, not")):
+        with pytest.raises(error, match=f"^{message}"):
+            tree_for_batch("large", batch)
+    for size in ("medium", None, ["large"]):
+        with pytest.raises(ValueError, match=re.escape("size is one of 'small', 'large': the models measured, not ")):
+            tree_for_batch(size, 1, sampled=True)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^sampled must be True or False, not 'no'"):
+        tree_for_batch("large", 1, sampled="no")  # type: ignore[arg-type]
+
+
 def test_a_tree_on_the_command_line_is_static_or_dynamic_or_refused():
     assert parse_tree("static:16") == static_tree(16)
     assert parse_tree("static:16,4") == static_tree(16, 4) != static_tree(16)
