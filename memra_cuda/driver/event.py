@@ -45,7 +45,7 @@ class Event(Handle):
         self._usable()
         hold = self.engine.capture_hold
         self._captured = None if hold is None else weakref.ref(hold)
-        self.engine.activate().call("cuEventRecord", self.handle, self.engine.stream)
+        self.engine.activate().call("cuEventRecord", self._handle, self.engine._stream)  # both checked above
 
     def recorded_in(self, hold: object) -> bool:
         """Whether the last record() was queued inside the capture of `hold` (a capture_hold)."""
@@ -54,7 +54,7 @@ class Event(Handle):
     def synchronize(self) -> None:
         """Wait until the stream has reached the last record()."""
         self._usable()
-        self.engine.host_wait(self.engine.activate().call, "cuEventSynchronize", self.handle)
+        self.engine.host_wait(self.engine.activate().call, "cuEventSynchronize", self._handle)
 
     def query(self) -> bool:
         """Whether the stream has reached the last record(), without waiting."""
@@ -63,7 +63,7 @@ class Event(Handle):
         ctx = self.engine.activate()
         if ctx.fault is not None:
             raise ctx.fault.again("cuEventQuery")
-        (err,) = drv.cuEventQuery(self.handle)  # NOT_READY is an answer, not a failure
+        (err,) = drv.cuEventQuery(self._handle)  # NOT_READY is an answer, not a failure
         if err == drv.CUresult.CUDA_ERROR_NOT_READY:
             return False
         if err:
@@ -74,7 +74,7 @@ class Event(Handle):
         """Device milliseconds from `start` to this event (both recorded, this one waited for)."""
         start._usable()
         self.synchronize()
-        return float(self.engine.ctx.call("cuEventElapsedTime", start.handle, self.handle))
+        return float(self.engine.ctx.call("cuEventElapsedTime", start._handle, self._handle))
 
     def __repr__(self) -> str:
         return f"Event({'freed' if self.freed else int(self._handle)})"

@@ -77,27 +77,22 @@ class Stream(Handle):
 
     # The raw handle, read through `stream` and `stream_handle` while the stream is open: once
     # closed it is destroyed (or left to the consumer it was handed to) and may name another stream
-    # by then, so both refuse, as a freed buffer's `ptr` does. The finalizer holds its own copy.
+    # by then, so both refuse, as a freed buffer's `ptr` does, by activate()'s one check. The
+    # finalizer holds its own copy; memra's own calls read _stream once they have activated.
     _stream: Any = None
     _stream_handle = 0
 
     @property
     def stream(self) -> Any:
-        """The CUstream work is queued on; ValueError once closed (see close)."""
-        if self._freed:
-            raise self._closed_handle()
+        """The CUstream work is queued on; ValueError once closed (activate)."""
+        self.activate()
         return self._stream
 
     @property
     def stream_handle(self) -> int:
-        """The stream's raw handle, an int; ValueError once closed (see close)."""
-        if self._freed:
-            raise self._closed_handle()
+        """The stream's raw handle, an int; ValueError once closed (activate)."""
+        self.activate()
         return self._stream_handle
-
-    def _closed_handle(self) -> ValueError:
-        return ValueError(f"{self!r} is closed: its stream handle used after close (destroyed, or left to the "
-                          "consumer it was handed to, it may name another stream by now)")
 
     def _check_stream_context(self) -> None:
         if int(self._stream) in (0, 1, 2):  # the legacy and per-thread default streams: any context
@@ -201,7 +196,7 @@ class Stream(Handle):
     @property
     def capturing(self) -> bool:
         """Whether the stream is being captured into a graph, by memra or anyone else."""
-        return self.captures(self.stream)
+        return self.captures(self._stream)  # captures() activates: refused once closed
 
     def captures(self, stream: Any) -> bool:
         """Whether `stream` (anything as_stream takes; a stream of this context) is being captured
@@ -225,7 +220,7 @@ class Stream(Handle):
 
     def _wait_host(self) -> None:
         try:
-            self.host_wait(self.activate().run, self._synchronize, "cuStreamSynchronize", (self.stream,))
+            self.host_wait(self.activate().run, self._synchronize, "cuStreamSynchronize", (self._stream,))
         except CudaError as exc:
             if exc.name in _CAPTURE_ERRORS:
                 raise CaptureError("a host wait cannot happen inside a graph capture (the driver refused it and "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -274,8 +275,10 @@ class RoundDecoder:
         into the last prefilled row, and a capture synchronises the device mid-serving. `modes` is
         one mode's name or a list or tuple of at least one (as_listed: None met "'NoneType' object
         is not iterable", b"graph" a mode 103, and () captured graph mode's graphs and sealed the
-        rounds, refusing every other mode's from then on)."""
-        listed = [modes] if isinstance(modes, (str, Mode)) else as_listed(modes, "capture()'s modes", "mode names")
+        rounds, refusing every other mode's from then on); a set of them is taken too."""
+        # a set's order is no matter here (the modes are a set): as_listed refuses one, for its order
+        listed = ([modes] if isinstance(modes, str) else list(modes) if isinstance(modes, AbstractSet)
+                  else as_listed(modes, "capture()'s modes", "mode names"))
         if not listed:
             raise ValueError(f"capture() takes at least one mode of {', '.join(MODES)}, not none: the rounds are "
                              "sealed after it, and a mode not captured is refused from then on")

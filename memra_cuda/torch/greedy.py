@@ -83,7 +83,8 @@ class GraphedGreedy:
         # compiled stack's, the most any stack has): a request takes no more tokens than its row holds, so a
         # step past them is past every row's stop (2**40 met torch's out of memory for `out`, 16 TB, after the
         # stream and the model's fused weights; 10**7 fitted, and its capture ran ten million steps)
-        steps, eager = as_size(steps, "steps", 1, aligned(capacity)), as_flag(eager, "eager")
+        slots = aligned(capacity)
+        steps, eager = as_size(steps, f"steps (a row's cache holds {slots} slots)", 1, slots), as_flag(eager, "eager")
         # True was a batch of 1 whose server() was refused, 0 one never served; past MAX_BATCH, its cache
         # refused it after the stream and the model's fused weights
         batch = as_batch(batch)

@@ -454,8 +454,7 @@ def test_a_closed_stream_or_a_freed_event_refuses_its_raw_handle_and_is_released
     stream.close()
     assert released.calls == [("cuStreamDestroy", "CUstream 0x5000")]
     for name in ("stream", "stream_handle"):
-        with pytest.raises(ValueError, match=r"Stream\(device=0, closed\) is closed: its stream handle used after "
-                                             "close"):
+        with pytest.raises(ValueError, match=r"^Stream\(device=0, closed\) is closed$"):  # activate()'s words
             getattr(stream, name)
 
     event, released = Event.__new__(Event), Releases()

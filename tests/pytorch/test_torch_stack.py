@@ -953,7 +953,8 @@ def test_the_plain_loop_refuses_a_burst_of_more_steps_than_a_row_holds_before_an
     model = tiny()
     for capacity, most in ((64, 128), (128, 128), (129, 256), (Room(10, 54), 128)):
         for steps in (most + 1, 2**40):
-            with pytest.raises(ValueError, match=f"^steps must be an int from 1 to {most}, not {steps}$"):
+            said = rf"^steps \(a row's cache holds {most} slots\) must be an int from 1 to {most}, not {steps}$"
+            with pytest.raises(ValueError, match=said):
                 GraphedGreedy(model, capacity, steps=steps)
         with pytest.raises(_NoStream):
             GraphedGreedy(model, capacity, steps=most)
@@ -1845,7 +1846,7 @@ def test_capture_takes_one_mode_or_a_list_of_at_least_one_and_refuses_the_rest_b
     """capture(None) met "'NoneType' object is not iterable", capture(b"graph") a mode 103, and
     capture(()) captured graph mode's graphs and sealed the rounds, every other mode refused from
     then on: each is refused now, naming capture()'s modes, before anything is captured (the
-    decoder's host side: stand-ins that count the captures)."""
+    decoder's host side: stand-ins that count the captures). A set of modes is taken as before."""
     from memra_cuda.rounds.serving import Driven
     from memra_cuda.torch.decoder import RoundDecoder
     captured = []
@@ -1855,7 +1856,8 @@ def test_capture_takes_one_mode_or_a_list_of_at_least_one_and_refuses_the_rest_b
     decoder.rounds = SimpleNamespace(capture_graphs=lambda slots, seal: captured.append(slots))
     for modes, error, said in ((None, TypeError, "capture()'s modes must be a list, a tuple or a 1-D array of mode"),
                                (b"graph", TypeError, "capture()'s modes must be a list"),
-                               ({"graph"}, TypeError, "capture()'s modes must be a list"),
+                               ((m for m in ["graph"]), TypeError, "capture()'s modes must be a list"),
+                               (set(), ValueError, "capture() takes at least one mode"),
                                ((), ValueError, "capture() takes at least one mode of readback, eager, graph, "
                                                 "overlap, device, not none"),
                                (["graph", "graf"], ValueError, "mode must be one of")):
@@ -1864,4 +1866,5 @@ def test_capture_takes_one_mode_or_a_list_of_at_least_one_and_refuses_the_rest_b
     assert not captured, "a refused capture() captured"
     decoder.capture("overlap")
     decoder.capture(["graph"])
-    assert captured == ["prefills", (0, 1), "prefills", (0,)]
+    decoder.capture({"overlap", "graph"})  # a set: its order is no matter
+    assert captured == ["prefills", (0, 1), "prefills", (0,), "prefills", (0, 1)]
