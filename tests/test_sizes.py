@@ -128,6 +128,9 @@ def test_a_value_a_row_is_named_with_its_row():
     """Budgets, EOS ids, pending tokens and positions (per_row: one for all rows, or one a row):
     the value's name, and in a sequence its row."""
     assert per_row(np.int64(7), 2, "budget") == [7, 7] and per_row([None, 3], 2, "eos") == [None, 3]
+    assert per_row(range(3), 3, "cap") == [0, 1, 2]  # one a row: it was one value for all, refused as row 0's
+    with pytest.raises(ValueError, match=r"^cap needs one value per row \(3\), not 2$"):
+        per_row(range(2), 3, "cap")
     with pytest.raises(ValueError, match=r"^eos must be None or an int from 0 to 2147483647, not -1 \(row 1\)$"):
         per_row([4, -1], 2, "eos")
     with pytest.raises(ValueError, match=r"^position must be an int from 0 to 2147483647, not 2147483648$"):

@@ -355,11 +355,12 @@ def per_row(values: object, rows: int, what: str, optional: bool = True) -> list
 
 
 def row_values(values: object, rows: int, what: str) -> tuple[list[object], bool]:
-    """`values` for each of `rows` rows, and whether they came one a row: a list, a tuple or an
-    array of one or more dimensions holds one a row (ValueError naming `what` unless it holds
-    `rows`); anything else is one value for every row, a 0-d array too (np.array(5), an index
-    as an int is: its len() raised a TypeError naming nothing)."""
-    if isinstance(values, (list, tuple)) or (isinstance(values, np.ndarray) and values.ndim):
+    """`values` for each of `rows` rows, and whether they came one a row: a list, a tuple, a range
+    or an array of one or more dimensions holds one a row (ValueError naming `what` unless it
+    holds `rows`; a range was one value for every row, refused as row 0's, not an integer);
+    anything else is one value for every row, a 0-d array too (np.array(5), an index as an int
+    is: its len() raised a TypeError naming nothing)."""
+    if isinstance(values, (list, tuple, range)) or (isinstance(values, np.ndarray) and values.ndim):
         if len(values) != rows:
             raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
         return list(values), True

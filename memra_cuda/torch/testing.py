@@ -183,7 +183,11 @@ def static_tree(size: int, depth: int = 10) -> TreeShape:
 
 def parse_tree(text: str) -> Tree:
     """"static:N" or "static:N,DEPTH" (static_tree of N drafts), "chain:K,LEAVES"
-    (TreeShape.chain_with_leaves) or "dynamic:D,W,B" (DynamicTree)."""
+    (TreeShape.chain_with_leaves) or "dynamic:D,W,B" (DynamicTree); what is no str is a
+    TypeError naming the forms (5 met "'int' object has no attribute 'partition'")."""
+    if not isinstance(text, str):
+        raise TypeError(f'a tree is "static:N[,DEPTH]", "chain:K,LEAVES" or "dynamic:DEPTH,WIDTH,BRANCH" (a str), '
+                        f"not {text!r}")
     kind, _, spec = text.partition(":")
     try:
         numbers = [int(x) for x in spec.split(",")]

@@ -229,6 +229,9 @@ def test_a_tree_on_the_command_line_is_static_or_dynamic_or_refused():
     for text in ("static", "static:a", "static:1,2,3", "dynamic:4,3", "tree:3", "chain:10"):
         with pytest.raises(ValueError, match="a tree is"):
             parse_tree(text)
+    for given in (5, None, b"static:16"):  # 5 met "'int' object has no attribute 'partition'"
+        with pytest.raises(TypeError, match=r'^a tree is "static:N\[,DEPTH\]", .* \(a str\), not '):
+            parse_tree(given)  # type: ignore[arg-type]
 
 
 def test_the_bench_measures_each_pick_once_among_its_kind():
