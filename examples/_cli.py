@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from memra_cuda.rounds import MODES
 from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, hf_greedy, load_model, load_tokenizer,
                               self_draft)
 from memra_cuda.torch.models import DTYPES as DTYPE_NAMES
-from memra_cuda.torch.models import TOKENIZER_FILES, check_model_directory, check_tokenizer_directory
+from memra_cuda.torch.models import check_model_directory, check_tokenizer_directory, has_tokenizer
 from memra_cuda.torch.testing import HYBRID, PROMPT, SIZES, VOCAB, build_model, prompts
 
 DTYPES = {name: name if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}  # --dtype's
@@ -135,8 +134,7 @@ def models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     target, tokenizer = load_model(args.model, dtype=dtype), load_tokenizer(args.model)
     if args.draft is None:
         return target, self_draft(target, args.draft_layers), tokenizer
-    has_tokenizer = any((Path(args.draft) / name).is_file() for name in TOKENIZER_FILES)
-    if has_tokenizer and load_tokenizer(args.draft).get_vocab() != tokenizer.get_vocab():
+    if has_tokenizer(args.draft) and load_tokenizer(args.draft).get_vocab() != tokenizer.get_vocab():
         raise SystemExit(f"the draft in {args.draft} has another tokenizer than the target in {args.model}")
     return target, load_model(args.draft, dtype=dtype), tokenizer
 

@@ -325,8 +325,7 @@ class StreamBufs:
         readback slots; every graph captured over them then refuses to replay. BuffersHeld, with
         nothing freed, while someone holds them (a device loop, which runs on them until it is
         finished: freed under it, its rounds wrote memory the allocator hands out again)."""
-        if self.holder is not None:
-            raise BuffersHeld(self._held_why)
+        self.check_free()
         for buf in [*self._fields.values(), self._arena, *self._host]:
             buf.free()
 

@@ -119,7 +119,7 @@ class Stream(Handle):
         is exported: close() then leaves the stream to this object's collection (close)."""
         self.activate()
         self._exported = True
-        return 0, self.stream_handle
+        return 0, self._stream_handle
 
     @property
     def borrowed(self) -> bool:
@@ -299,8 +299,7 @@ def handle_of(stream: Any) -> int:
     (`__cuda_stream__()` -> (0, handle): cuda.core, CuPy and others), or by `cuda_stream`
     (PyTorch); TypeError naming the forms otherwise."""
     if isinstance(stream, Stream):  # read for a wait now, not handed out (__cuda_stream__ exports it)
-        stream.activate()
-        return stream.stream_handle
+        return stream.stream_handle  # refused once closed
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
         given = protocol()

@@ -148,9 +148,15 @@ def check_tokenizer_directory(directory: str | Path) -> None:
     FileNotFoundError naming the files looked for: load_tokenizer's check, and the examples'
     command line's (examples/_cli.py) before any model is loaded."""
     check_model_directory(directory)
-    if not any((Path(directory) / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer(directory):
         raise FileNotFoundError(f"{directory} holds a model but no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
                                 "save the tokenizer beside it (tokenizer.save_pretrained(directory))")
+
+
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether `directory` holds a tokenizer's files (any of TOKENIZER_FILES): a draft's may not,
+    its tokenizer being its target's."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def check_model_directory(directory: str | Path) -> None:
