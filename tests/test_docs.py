@@ -1,10 +1,12 @@
 """The user pages stay what a user reads: a README of at most 120 lines, no docs page over 250,
 no performance figure in them (they live in benchmarks/RESULTS.md, each with its machine, date
 and model), no name the library no longer has, docs/errors.md listing exactly the errors of
-memra_cuda.errors, every name memra_cuda and memra_cuda.torch export named on a page, every name
-a page's python block imports there, install lines that work from a checkout or a wheel, no
-address the project does not have, the toy page's ToyModel signature whole, and the Unreleased
-section's migration table for the calls the Geometry changed. CPU only: it runs in every `make test`.
+memra_cuda.errors, every name memra_cuda and memra_cuda.torch export named in a page's code, every
+name a page's python block imports there and every memra name it uses bound on the page, each
+kernel's parameters as a page writes them the signature table's, install lines that work from a
+checkout or a wheel, no address the project does not have, the toy page's ToyModel signature
+whole, and the Unreleased section's migration table for the calls the Geometry changed. CPU only:
+it runs in every `make test`.
 """
 from __future__ import annotations
 
@@ -55,6 +57,24 @@ def pages() -> list[Path]:
 
 def lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
+
+
+FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
+
+
+def code(path: Path) -> list[str]:
+    """What a page writes as code: each fenced block's text, and each inline `span` of its prose,
+    whitespace made one space. Spans are paired paragraph by paragraph (none crosses a blank
+    line), so the prose between two spans is not taken for code, as a pattern over the whole
+    text took it (`digest`, named only in "a digest of its tokens" between two spans, passed for
+    documented); a paragraph whose backticks do not pair fails here."""
+    text = path.read_text(encoding="utf-8")
+    spans = FENCED.findall(text)
+    for paragraph in re.split(r"\n\s*\n", FENCED.sub("", text)):
+        flat = " ".join(paragraph.split())
+        assert flat.count("`") % 2 == 0, f"{path.name}: a paragraph's backticks do not pair: {flat[:80]}"
+        spans += re.findall(r"`([^`]+)`", flat)
+    return spans
 
 
 def test_the_readme_is_at_most_120_lines():
@@ -259,13 +279,16 @@ def test_every_public_name_is_documented(package):
     named, in backticks, on a page of docs/ (memra_cuda.torch.best_ranks was exported and on none,
     and so were memra_cuda.driver.KernelArgs, memra_cuda.comm.Watch, memra_cuda.buffers.AddressTable
     and others). Every package but memra_cuda.torch imports here, without a GPU (NCCL is loaded
-    by a communicator), and its `__all__` is the one its source declares."""
-    text = "\n".join(" ".join(page.read_text(encoding="utf-8").split()) for page in pages())
+    by a communicator), and its `__all__` is the one its source declares. A name counts where a
+    page's code names it, alone or as `package.name` (an attribute of something else, `x.name`,
+    does not), not in the prose between two spans."""
+    spans = "\n".join(span for page in pages() for span in code(page))
     names = exported(ROOT.joinpath(*package.split("."), "__init__.py"))
     assert names
     if package != "memra_cuda.torch":
         assert importlib.import_module(package).__all__ == names
-    missing = [name for name in names if not re.search(rf"`[^`]*(?<![\w.]){re.escape(name)}\b[^`]*`", text)]
+    missing = [name for name in names
+               if not re.search(rf"(?:(?<![\w.])|(?<={re.escape(package)}\.)){re.escape(name)}\b", spans)]
     assert not missing, f"{package} exports names no page of docs/ names: {missing}"
 
 
@@ -296,3 +319,66 @@ def test_the_pages_python_blocks_import_what_exists():
             else:
                 missing += [f"{name}: {module}.{n}" for n in names if not hasattr(importlib.import_module(module), n)]
     assert not missing, "the pages import what memra_cuda does not have:\n" + "\n".join(missing)
+
+
+def memra_names() -> set[str]:
+    """What a block could use of memra_cuda's: every class a module of it defines (not private)
+    and every name a module exports (`__all__`), read from the source (memra_cuda.torch's needs
+    torch to import)."""
+    names: set[str] = set()
+    for path in sorted(ROOT.glob("memra_cuda/**/*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                names.update(ast.literal_eval(node.value))
+    return names
+
+
+def test_the_pages_python_blocks_bind_the_memra_names_they_use():
+    """A ```python block that uses a name of memra_cuda's imports it, there or in a block before it
+    on the same page (a fragment goes on from the blocks above it): docs/nccl.md's toy over ranks
+    used ToyTensorParallel, ToyModel and Geometry and imported none of them, so a newcomer's paste
+    met a NameError. A fragment's own placeholders (`cache`, `decoder`) are no names of memra's;
+    a block that is a signature, not code, does not parse and is left out."""
+    known = memra_names()
+    assert {"RoundStream", "ToyTensorParallel", "Geometry"} <= known
+    unbound, read = [], 0
+    for page in pages():
+        bound = set(dir(builtins))
+        for block in re.findall(r"^```python\s*\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S):
+            try:
+                tree = ast.parse(block)
+            except SyntaxError:
+                continue
+            read += 1
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+                elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    bound.add(node.name)
+                elif isinstance(node, ast.arg):
+                    bound.add(node.arg)
+                elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                    bound.add(node.id)
+            used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+            unbound += [f"{page.name}: {name}" for name in sorted(used & known - bound)]
+    assert read >= 5, f"the pages' python blocks were not found ({read})"
+    assert not unbound, "python blocks use memra names no block of their page imports:\n" + "\n".join(unbound)
+
+
+def test_the_kernel_signatures_a_page_writes_are_the_tables():
+    """Where a page writes a kernel with its parameters (`spec_ring_commit(vtok_d, acc_d, ...)`),
+    they are the ones memra_cuda.kernels.SIGNATURES gives it, by name and in order: the table is
+    checked against ptx/*.cu (tests/kernels/test_signatures.py), and this the pages against it."""
+    from memra_cuda.kernels import SIGNATURES
+
+    written = [(page.name, match.group(1), [arg.strip() for arg in match.group(2).split(",")])
+               for page in pages() for span in code(page)
+               for match in [re.fullmatch(r"((?:spec|toy|probe)_\w+)\(([^()]*)\)", span)] if match]
+    assert len(written) >= 10, f"the pages' kernel signatures were not found: {written}"
+    wrong = [f"{page}: {name}({', '.join(args)}), but SIGNATURES has "
+             + (f"{name}{SIGNATURES[name]}" if name in SIGNATURES else "no such kernel")
+             for page, name, args in written
+             if name not in SIGNATURES or args != [param.name for param in SIGNATURES[name].params]]
+    assert not wrong, "kernel signatures the pages write wrong:\n" + "\n".join(wrong)
