@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from memra_cuda import (DeviceBuffer, DynamicTree, Geometry, Greedy, KVLayer, Module, RoundStream, StateLayer,
-                        StreamBufs, TreeShape, kv_capacity)
+from memra_cuda import (DeviceBuffer, DynamicTree, Geometry, Greedy, KVLayer, Module, RoundStream, Sampling,
+                        StateLayer, StreamBufs, TreeShape, kv_capacity)
 from memra_cuda.buffers import Capacity, KVData
 from memra_cuda.buffers.geometry import MAX_BATCH
 from memra_cuda.buffers.stream_bufs import per_row
@@ -64,6 +64,8 @@ SIZES = [
     ("DynamicTree", with_(DynamicTree, depth=4, width=4, branch=4), "branch", 1, MAX_TREE_CANDIDATES),
     ("DeviceBuffer.wrap", with_(DeviceBuffer.wrap, ptr=FAKE_PTR, dtype=np.uint32), "length", 1, None),
     ("DeviceBuffer.view", with_(words(16).view, start=0), "count", 1, None),
+    # refused where the rule is built, not where its kernel is prepared (as a round is made)
+    ("Sampling", with_(Sampling, p_d=None, q_d=None, seed_d=None), "vocab", 1, 2**31 - 1),
 ]
 CASES = [pytest.param(call, name, least, most, id=f"{what}-{name}") for what, call, name, least, most in SIZES]
 
@@ -145,6 +147,57 @@ def test_a_value_a_row_is_named_with_its_row():
             per_row(values, len(values), "position", optional=False)
     with pytest.raises(TypeError, match=r"^eos must be an integer, not 'x' \(row 2\)$"):
         per_row([None, 5, "x"], 3, "eos")
+
+
+class Tensorish:
+    """An array of another library (a tensor), as row_values knows one without importing it: an
+    int `ndim`, a len() and a tolist(), and no numpy type."""
+
+    def __init__(self, values: Any):
+        self.values = np.asarray(values)
+        self.ndim = self.values.ndim
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def tolist(self) -> Any:
+        return self.values.tolist()
+
+    def __index__(self) -> int:  # a 0-d one is an index, as torch's tensor(5) is
+        if self.ndim:
+            raise TypeError("only a 0-d array is an index")
+        return int(self.values)
+
+
+def test_an_array_of_any_library_is_one_value_a_row():
+    """A 1-D array that is no numpy array (a torch tensor of a budget or an EOS a row) was one
+    value for every row, refused as no integer; it is one a row now, as a list, a range and a
+    numpy array are, its length checked by `what`; a 0-d one is one value for every row. A
+    memoryview, which has an ndim and a tolist() too, is still no values (its bytes' ints)."""
+    assert per_row(Tensorish([3, 4, 5]), 3, "budget") == [3, 4, 5]
+    assert per_row(Tensorish([None, 9]), 2, "eos") == [None, 9]
+    assert per_row(Tensorish(6), 3, "budget") == [6, 6, 6]
+    assert per_row(np.array([1, 2]), 2, "eos") == [1, 2] and per_row(np.array(5), 2, "eos") == [5, 5]
+    for values in (Tensorish([3, 4]), np.array([3, 4])):
+        with pytest.raises(ValueError, match=r"^budget needs one value per row \(3\), not 2$"):
+            per_row(values, 3, "budget")
+    with pytest.raises(TypeError, match=r"^position must be an integer, not 2.5 \(row 1\)$"):
+        per_row(Tensorish(np.array([1, 2.5], object)), 2, "position", optional=False)
+    with pytest.raises(TypeError, match=r"^budget must be an integer, not True \(row 0\)$"):
+        per_row(Tensorish([True, False]), 2, "budget")
+    with pytest.raises(TypeError, match="^budget must be an integer, not <memory at "):
+        per_row(memoryview(b"\x01\x02"), 2, "budget")
+
+
+def test_a_sampling_rules_vocab_is_kept_as_the_int_checked():
+    """Sampling's vocab is checked as the rule is built and kept as a plain int (a numpy integer
+    too); None is still the rule's leave to derive it from p_d where its kernel is prepared."""
+    rule = Sampling(None, None, None, np.int64(7))
+    assert rule.vocab == 7 and type(rule.vocab) is int
+    assert Sampling(None, None, None, None).vocab is None
+    for bad, error in ((-5, ValueError), (0, ValueError), (True, TypeError), (7.0, TypeError), ("7", TypeError)):
+        with pytest.raises(error, match=f"^vocab must be .*, not {bad!r}$"):
+            Sampling(None, None, None, bad)
 
 
 def test_a_caches_lengths_are_read_for_a_row_of_every_layers_batch():

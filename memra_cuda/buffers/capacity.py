@@ -176,6 +176,15 @@ def i32_kv_capacity(prompt_len: int, max_new_tokens: int, geometry: Geometry, *,
     capacity = kv_capacity(prompt_len, as_size(max_new_tokens, what, 0), geometry, overlap=overlap)
     if capacity > I32_MOST:
         raise CapacityError(f"{what} {max_new_tokens} needs a KV cache of {capacity} entries in rounds of "
-                            f"{geometry}{' in overlap' if overlap else ''}, past the {I32_MOST} an i32 position "
-                            "reaches")
+                            f"{_rounds(geometry)}{' in overlap' if overlap else ''}, past the {I32_MOST} an i32 "
+                            "position reaches")
     return capacity
+
+
+def _rounds(geometry: Geometry) -> str:
+    """`geometry` in a message, by what sizes a cache: k=4, M=16 (docs/capacity.md's rule), and
+    B and the width where they count (a batch's k + 1 more; a tree's T + 1 slots, not a chain's
+    k + 1), where its repr, Geometry(k=4, m_rounds=16, batch=1, width=5), named every field."""
+    batch = f", B={geometry.batch}" if geometry.batch > 1 else ""
+    width = "" if geometry.chain else f", width={geometry.width}"
+    return f"k={geometry.k}, M={geometry.m_rounds}{batch}{width}"

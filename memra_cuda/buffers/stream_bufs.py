@@ -6,13 +6,13 @@ rounds without looking, and a graph captured over them replays unchanged.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..driver.errors import MemraError
 from ..driver.engine import as_engine
-from ..driver.values import I32_MOST, as_index, as_size
+from ..driver.values import I32_MOST, TEXT_LIKE, as_index, as_size
 from .arena import carve
 from .geometry import Geometry, as_geometry
 from .layout import ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT, RING_TOKENS
@@ -358,12 +358,25 @@ def row_values(values: object, rows: int, what: str) -> tuple[list[object], bool
     or an array of one or more dimensions holds one a row (ValueError naming `what` unless it
     holds `rows`; a range was one value for every row, refused as row 0's, not an integer);
     anything else is one value for every row, a 0-d array too (np.array(5), an index as an int
-    is: its len() raised a TypeError naming nothing)."""
-    if isinstance(values, (list, tuple, range)) or (isinstance(values, np.ndarray) and values.ndim):
-        if len(values) != rows:
-            raise ValueError(f"{what} needs one value per row ({rows}), not {len(values)}")
-        return list(values), True
-    return [values] * rows, False
+    is: its len() raised a TypeError naming nothing). An array is any library's (_is_array: a
+    tensor of a budget or an EOS a row was one value for every row, refused as no integer), its
+    values read by its tolist(), one copy to the host."""
+    if not (isinstance(values, (list, tuple, range)) or _is_array(values)):
+        return [values] * rows, False
+    given: Any = values  # a sequence, or an array: each has a len(), an array a tolist()
+    if len(given) != rows:
+        raise ValueError(f"{what} needs one value per row ({rows}), not {len(given)}")
+    return (list(given) if isinstance(given, (list, tuple, range)) else given.tolist()), True
+
+
+def _is_array(values: object) -> bool:
+    """Whether `values` is an array of one or more dimensions, numpy's or another library's
+    (torch's, CuPy's), told by its duck (an int `ndim` of at least 1 and a tolist()), so that
+    buffers need not import them. A memoryview has both and is no array of values here: its
+    bytes' ints would be read as rows' values (TEXT_LIKE's refusal, as elsewhere)."""
+    ndim = getattr(values, "ndim", None)
+    return (isinstance(ndim, int) and ndim >= 1 and callable(getattr(values, "tolist", None))
+            and not isinstance(values, TEXT_LIKE))
 
 
 def _ring_tokens(ring: np.ndarray, ring_cap: int) -> np.ndarray:

@@ -178,6 +178,30 @@ def as_size(value: Any, what: str, least: int = 1, most: int | None = None, *, a
     return number
 
 
+SEED_MOST = 2**64 - 1  # a request's seed is the 64-bit Philox key of its draws (docs/sampling.md)
+
+
+def as_seed(value: Any, what: str = "seed") -> int:
+    """`value` as a request's seed, an int from 0 to SEED_MOST: the Philox key of its draws,
+    `(seed & 0xffffffff, seed >> 32)`, 64 bits unsigned (docs/sampling.md), so a negative one
+    names no key (-1 was taken, by a Server's submit and a decoder's prefill, as the int64 bits of
+    2**64 - 1, and refused by the toy's prefill). The one check of a seed wherever one enters (a
+    Server's submit, a decoder's admission and prefill, the toy's prefill): TypeError naming
+    `what` unless it is an int (a bool is none: True was seed 1), ValueError outside the range."""
+    seed = as_index(value, what)
+    if not 0 <= seed <= SEED_MOST:
+        raise ValueError(f"{what} must be an int from 0 to 2**64 - 1 (a 64-bit key), not {seed}")
+    return seed
+
+
+def seed_bits(seed: int) -> int:
+    """A checked seed (as_seed) as the int64 of its 64 bits, for a framework without a u64
+    (torch): 2**64 - 1 is -1. The kernels read an i64 seed_d as its bits (docs/kernels.md), so
+    the row draws with the key of `seed` itself; seeds of 2**63 and more were refused, as past
+    the int64 tensor that holds them."""
+    return seed - 2**64 if seed > 2**63 - 1 else seed
+
+
 def as_real(value: Any, what: str) -> float:
     """`value` as a float: TypeError naming `what` unless it is a real number (a bool is not),
     ValueError where no float holds it (an int of over 1024 bits: float() raises OverflowError;

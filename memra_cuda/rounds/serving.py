@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from ..driver.errors import MemraError
-from ..driver.values import I32_MOST, TEXT_LIKE, as_index, as_prompt, as_real, as_size
+from ..driver.values import I32_MOST, TEXT_LIKE, as_index, as_prompt, as_real, as_seed, as_size
 
 _T = TypeVar("_T")
 
@@ -181,7 +181,7 @@ def _serve_requests(requests: Iterable[Request]) -> list[Request]:
 
 def malformed(request: Request, vocab: int) -> str | None:
     """Why `request` is none a decoder over `vocab` tokens can run, whatever its room: a prompt
-    that is not one or more token ids, a budget, EOS, seed (of 64 bits) or most draft length that
+    that is not one or more token ids, a budget, EOS, seed (0 to 2**64 - 1) or most draft length that
     is not one, a token outside the vocabulary (whose embedding lookup would fault the device).
     None where it is well formed; TypeError for what is not a Request at all."""
     checked = _checked(request, vocab)
@@ -213,16 +213,6 @@ def batch_admitted(requests: Sequence[Request], vocab: int, batch: int,
             raise RequestRefused(row, reason)
         kept.append(checked)
     return kept
-
-
-def as_seed(value: object) -> int:
-    """A request's seed as an int, a 64-bit one (a sampled decoder keeps its rows' seeds in an
-    int64 tensor: past it, a row's admission raised after its prefill), else TypeError or
-    ValueError naming it."""
-    seed = as_index(value, "its seed")
-    if not -2**63 <= seed < 2**63:
-        raise ValueError(f"its seed {seed} is outside a 64-bit int")
-    return seed
 
 
 def admitted(request: Request, vocab: int, row: int, batch: int,
@@ -309,7 +299,7 @@ def _checked(request: Request, vocab: int, longest: int | None = None) -> Reques
         # a row's budget is an i32 on the device (StreamBufs' ROW_VALUE_MOST): past it, a decoder's
         # generate_batch and admit() prefilled the rows before the budget was refused
         budget = as_size(request.max_new_tokens, "max_new_tokens", 0, I32_MOST)
-        seed = as_seed(request.seed)
+        seed = as_seed(request.seed, "its seed")  # 0 to 2**64 - 1: a Philox key (values.as_seed)
         eos = None if request.eos is None else as_size(request.eos, "eos", 0, also="None")
         most = None if request.max_draft is None else as_size(request.max_draft, "max_draft", 0, also="None")
     except (TypeError, ValueError) as exc:

@@ -23,9 +23,9 @@ from ..buffers.geometry import Geometry, as_geometry
 from ..buffers.stream_bufs import Readback, StreamBufs
 from ..buffers.tables import StateIndexTable, StateTable
 from ..driver.engine import Engine
-from ..driver.values import as_flag, as_listed, as_prompt, as_size, distinct_rows, longest_prompt_for
-from ..rounds.serving import (Burst, Driven, Request, Served, Server, admitted, as_rows,
-                              as_seed, batch_admitted)
+from ..driver.values import (as_flag, as_listed, as_prompt, as_seed, as_size, distinct_rows, longest_prompt_for,
+                             seed_bits)
+from ..rounds.serving import Burst, Driven, Request, Served, Server, admitted, as_rows, batch_admitted
 from ..rounds.stream import MODES, Mode, RoundStream, as_mode
 from .adapter import decoder_stream, engine
 from .kv import CacheLayout, Room, StaticKV, cache_slots
@@ -227,16 +227,16 @@ class RoundDecoder:
                          seeds: Sequence[int] | None) -> tuple[list[list[int]], list[int] | None]:
         """A prefill's prompts, one a row, each as the list of ints that was checked (at least one
         token, each of the vocabulary: as_prompt), and its seeds (None: none given), one a row,
-        as 64-bit ints (as_seed), or a refusal naming what, before any row is written. More of
-        either than the rows are refused by their count, unread: range(10**10) was listed whole
-        (tens of GB, a MemoryError) to be refused as one a row."""
+        as ints from 0 to 2**64 - 1 (as_seed), or a refusal naming what, before any row is
+        written. More of either than the rows are refused by their count, unread: range(10**10)
+        was listed whole (tens of GB, a MemoryError) to be refused as one a row."""
         prompts = as_listed(prompts, "a prefill's prompts", "prompts, one a row", len(rows))
         if len(prompts) != len(rows):
             raise ValueError(f"need one prompt for each of the {len(rows)} rows, not {len(prompts)}")
         seeds = None if seeds is None else as_listed(seeds, "a prefill's seeds", "ints, one a row", len(rows))
         if seeds is not None and len(seeds) != len(rows):
             raise ValueError(f"need one seed for each of the {len(rows)} rows, not {len(seeds)}")
-        checked = None if seeds is None else [as_seed(seed) for seed in seeds]
+        checked = None if seeds is None else [as_seed(seed, "its seed") for seed in seeds]
         # the whole prompt, its last (pending) token too, which only the draft's first step looks up
         return [as_prompt(prompt, self.vocab, f"row {row}'s prompt", self.longest_prompt).tolist()
                 for row, prompt in zip(rows, prompts)], checked
@@ -259,7 +259,9 @@ class RoundDecoder:
                 self.draft._prefill_trusted(rows, heads)
             self._prefilled(index, prompts)
             if self.sampling is not None:
-                self.seed_d[index] = uploaded(list(seeds) if seeds is not None else [0] * len(rows), torch.long, "cuda")
+                # int64 holds a seed's 64 bits (seed_bits: 2**64 - 1 is -1), which the kernels read as its key
+                bits = [seed_bits(seed) for seed in seeds] if seeds is not None else [0] * len(rows)
+                self.seed_d[index] = uploaded(bits, torch.long, "cuda")
         return [len(prompt) - 1 for prompt in prompts], [prompt[-1] for prompt in prompts]
 
     def capture(self, modes: Sequence[str] = ("graph", "overlap")) -> None:

@@ -210,9 +210,22 @@ def test_i32_kv_capacity_is_kv_capacity_up_to_the_most_an_i32_position_reaches(o
     assert i32_kv_capacity(5, most, geometry, overlap=overlap) == kv_capacity(5, most, geometry, overlap=overlap)
     assert i32_kv_capacity(5, most, geometry, overlap=overlap) == I32_MOST
     with pytest.raises(CapacityError, match=re.escape(
-            f"--tokens {most + 1} needs a KV cache of {I32_MOST + 1} entries in rounds of {geometry!r}"
+            f"--tokens {most + 1} needs a KV cache of {I32_MOST + 1} entries in rounds of k=4, M=16"
             f"{' in overlap' if overlap else ''}, past the {I32_MOST} an i32 position reaches")):
         i32_kv_capacity(5, most + 1, geometry, overlap=overlap, what="--tokens")
+
+
+@pytest.mark.parametrize("geometry, named", [(Geometry(4, 16), "k=4, M=16"), (Geometry(2, 8, 64), "k=2, M=8, B=64"),
+                                             (Geometry(3, 4, 2, 9), "k=3, M=4, B=2, width=9")],
+                         ids=["chain", "batch", "tree"])
+def test_i32_kv_capacity_names_the_rounds_by_what_sizes_the_cache(geometry, named):
+    """The refusal named its rounds by the Geometry's repr, Geometry(k=4, m_rounds=16, batch=1,
+    width=5), in a command line's one-line error: now by k and M, and B and the width where they
+    count (a batch's k + 1 more, a tree's slots), as docs/capacity.md's rule reads them."""
+    with pytest.raises(CapacityError) as refused:
+        i32_kv_capacity(5, I32_MOST, geometry)
+    assert f" entries in rounds of {named}, past the {I32_MOST} an i32 position reaches" in str(refused.value)
+    assert "Geometry(" not in str(refused.value)
 
 
 def test_i32_kv_capacity_checks_the_budget_by_its_name():

@@ -19,7 +19,7 @@ from memra_cuda.driver.module import KernelArgs
 from memra_cuda.errors import CudaError, CudaUnavailable
 from memra_cuda.driver import Handle
 from memra_cuda.driver.buffer import as_buffer
-from memra_cuda.driver.values import exact_array, exact_int
+from memra_cuda.driver.values import as_seed, exact_array, exact_int, seed_bits
 from memra_cuda.driver.engine import LEAST_CAPABILITY, capability_refusal
 from memra_cuda.driver.errors import bindings_refusal, check
 from memra_cuda.driver.module import _PTX_DIRS, packaged_ptx
@@ -586,6 +586,24 @@ def test_exact_array_converts_big_python_ints_exactly():
     assert exact_array([1, 2**63, 2**64 - 1], np.uint64).tolist() == [1, 2**63, 2**64 - 1]
     with pytest.raises(ValueError):
         exact_array([1.5], np.uint32)
+
+
+def test_a_seed_is_an_int_from_0_to_2_64_less_1_and_its_bits_an_int64():
+    """as_seed, the one check of a request's seed (a Server's submit, a decoder's prefill and
+    admission, the toy's prefill): the 64-bit Philox key, unsigned (docs/sampling.md), named by
+    `what`; seed_bits, the int64 of its bits that a torch decoder's seed tensor holds."""
+    for seed in (0, 1, 2**63 - 1, 2**63, 2**64 - 1, np.uint64(2**64 - 1), np.int64(5)):
+        assert as_seed(seed) == int(seed) and type(as_seed(seed)) is int
+    for seed in (-1, -(2**63), 2**64, 2**80):
+        with pytest.raises(ValueError, match=rf"^seed must be an int from 0 to 2\*\*64 - 1 \(a 64-bit key\), "
+                                             rf"not {seed}$"):
+            as_seed(seed)
+    for seed in (True, np.True_, 1.0, "1", None):
+        with pytest.raises(TypeError, match=f"^its seed must be an integer, not {seed!r}$"):
+            as_seed(seed, "its seed")
+    assert [seed_bits(s) for s in (0, 2**63 - 1, 2**63, 2**64 - 1)] == [0, 2**63 - 1, -(2**63), -1]
+    for seed in (0, 5, 2**63 - 1, 2**63, 2**64 - 1):
+        assert np.array([seed_bits(seed)], np.int64).view(np.uint64)[0] == seed, "the same 64 bits"
 
 
 @pytest.mark.parametrize("ptr, length, kind", [(0, 4, ValueError), (FAKE_PTR, -5, ValueError), (0, -5, ValueError),

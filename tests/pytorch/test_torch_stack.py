@@ -1123,7 +1123,10 @@ def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
     for args, error, named in ((([0, 1], [[5, 6], [7, 8]], None, [0, 5]), ValueError, "a most draft length"),
                                (([0, 2], [[5, 6], [7, 8]]), ValueError, "a row must be an int from 0 to 1"),
                                (([True], [[5, 6]]), TypeError, "a row must be an integer"),
-                               (([0], [[5, 6]], [2**63]), ValueError, "its seed 9223372036854775808 is outside"),
+                               (([0], [[5, 6]], [2**64]), ValueError,
+                                rf"its seed must be an int from 0 to 2\*\*64 - 1 \(a 64-bit key\), not {2**64}"),
+                               # a negative seed was taken, the int64 bits of another key
+                               (([0], [[5, 6]], [-1]), ValueError, r"its seed must be an int from 0 .*, not -1$"),
                                (([0], [[5, 6]], [1.5]), TypeError, "its seed must be an integer"),
                                # {row: value}: its keys were taken, each row sampled with its own number for a
                                # seed, or its cap its row's, without a word; a generator's seeds met len() inside
@@ -1139,6 +1142,44 @@ def test_a_prefill_refuses_its_rows_caps_and_seeds_before_a_row_is_written():
         with pytest.raises(error, match=named):
             decoder.prefill(*args)
     assert decoder.target.calls == decoder.draft.calls == []
+
+
+def test_a_seed_past_2_63_is_written_as_the_int64_of_its_bits(monkeypatch):
+    """A seed is a 64-bit key, 0 to 2**64 - 1 (docs/sampling.md): one of 2**63 or more was refused
+    as past the int64 tensor that holds the rows' seeds, and a negative one was taken, the bits of
+    another key. The decoder now writes a seed's bits (seed_bits: 2**64 - 1 as -1), which the
+    kernels read as its key; a negative seed is refused where it enters (as_seed). The decoder
+    here is its host side alone: stand-in stacks, its seeds a tensor on the CPU."""
+    from memra_cuda.torch import decoder as decoders
+    decoder = object.__new__(decoders.RoundDecoder)
+    decoder.stream, decoder.shared, decoder.sampling, decoder.vocab = None, False, SamplingParams(), 100
+    decoder.target, decoder.draft = Prefilled(), Prefilled()
+    decoder.seed_d = torch.full((3,), 7, dtype=torch.int64)
+    decoder._prefilled = lambda index, prompts: None
+    monkeypatch.setattr(decoders, "uploaded", lambda values, dtype, device: torch.tensor(values, dtype=dtype))
+    seeds = [2**64 - 1, 2**63, 5]
+    checked = decoder._checked_prompts([2, 0, 1], [[5], [6], [7]], seeds)
+    assert checked[1] == seeds, "the seeds checked are the request's own"
+    decoder._fill_trusted([2, 0, 1], *checked)
+    assert decoder.seed_d.tolist() == [-(2**63), 5, -1]
+    assert decoder.seed_d.numpy().view(np.uint64).tolist() == [2**63, 5, 2**64 - 1], "the bits are the keys"
+
+
+def test_a_tensor_of_values_a_row_is_one_a_row():
+    """A 1-D tensor of a budget or an EOS a row (per_row: StreamBufs.set_stop, a RoundStream's
+    max_new_tokens and eos; DraftLengths.set_caps) was one value for every row, refused as no
+    integer; it is one a row now, as a list is, its length checked, and a 0-d tensor is one value
+    for every row. buffers reads it by its tolist(), without importing torch."""
+    from memra_cuda.buffers.stream_bufs import per_row, row_values
+    assert per_row(torch.tensor([3, 4, 5]), 3, "budget") == [3, 4, 5]
+    assert row_values(torch.tensor([3, 4, 5]), 3, "caps") == ([3, 4, 5], True)
+    assert per_row(torch.tensor(6), 3, "budget") == [6, 6, 6]
+    with pytest.raises(ValueError, match=r"^eos needs one value per row \(3\), not 2$"):
+        per_row(torch.tensor([1, 2]), 3, "eos")
+    with pytest.raises(TypeError, match=r"^budget must be an integer, not True \(row 0\)$"):
+        per_row(torch.tensor([True, False]), 2, "budget")
+    with pytest.raises(TypeError, match=r"^position must be an integer, not 1.5 \(row 0\)$"):
+        per_row(torch.tensor([1.5, 2.0]), 2, "position", optional=False)
 
 
 def test_an_admission_refuses_a_bad_draft_length_before_the_row_is_touched():

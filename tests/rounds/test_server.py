@@ -68,12 +68,14 @@ def test_a_request_that_cannot_run_is_refused_alone_naming_it():
            7: (Request([True], 5), "at least one token id"),
            8: (Request([2], -1), "max_new_tokens must be an int from 0 to 2147483647, not -1"),
            9: (Request([2], 4, seed=1.5), "its seed must be an integer"),
-           10: (Request([2], 4, seed=2**63), f"its seed {2**63} is outside a 64-bit int"),
+           10: (Request([2], 4, seed=2**64), rf"its seed must be an int from 0 to 2\*\*64 - 1 .*not {2**64}"),
            11: (Request([2], 4, max_draft=-1), "max_draft must be None or an int of at least 0, not -1"),
            12: (Request([2], 4, max_draft=True), "max_draft must be an integer, not True"),
            13: (Request([2], 4, seed=True), "its seed must be an integer, not True"),
            14: (Request([2], 4, seed=np.True_), "its seed must be an integer, not np.True_"),
-           15: (Request([True, 5], 5), "at least one token id")}  # numpy reads the list as ints: True was token 1
+           15: (Request([True, 5], 5), "at least one token id"),  # numpy reads the list as ints: True was token 1
+           # a seed is a 64-bit key: -1 was taken, the int64 bits of another
+           16: (Request([2], 4, seed=-1), r"its seed must be an int from 0 to 2\*\*64 - 1 \(a 64-bit key\), not -1$")}
     requests = list(good)
     for place, (request, _) in sorted(bad.items()):
         requests.insert(place, request)
@@ -86,6 +88,23 @@ def test_a_request_that_cannot_run_is_refused_alone_naming_it():
         assert re.search(reason, out.refused), out.refused
     assert [out.tokens for out in served if out.refused is None] == [alone(r) for r in good]
     assert sum(call[0] == "admit" for call in decoder.calls) == len(good), "a refused request took a row"
+
+
+def test_a_seed_is_a_64_bit_key_from_0():
+    """A request's seed keys its draws, the 64-bit Philox key (docs/sampling.md): every key from 0
+    to 2**64 - 1 is well formed (2**63 and more were refused, as past the int64 a sampled decoder
+    keeps them in, which now holds their bits), and a negative seed is malformed (it was taken as
+    the bits of another key), naming it, at submit as everywhere a seed enters (values.as_seed)."""
+    for seed in (0, 2**63 - 1, 2**63, 2**64 - 1, np.uint64(2**64 - 1)):
+        assert serving.malformed(Request([2], 4, seed=seed), VOCAB) is None, seed
+    kept = serving.admitted(Request([2], 4, seed=np.uint64(2**64 - 1)), VOCAB, 0, 1)[1]
+    assert kept.seed == 2**64 - 1 and type(kept.seed) is int
+    for seed in (-1, -(2**63), 2**64):
+        assert serving.malformed(Request([2], 4, seed=seed), VOCAB) == (
+            f"its seed must be an int from 0 to 2**64 - 1 (a 64-bit key), not {seed}")
+    server = Server(Counting(2))
+    with pytest.raises(RequestRefused, match=r"request 0 refused: its seed must be an int from 0 .*, not -5$"):
+        server.submit(Request([1], 3, seed=-5))
 
 
 def test_submit_refuses_at_once_and_changes_nothing_else():

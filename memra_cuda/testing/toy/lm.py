@@ -18,7 +18,7 @@ import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
 from ...buffers.stream_bufs import ROW_VALUE_MOST
-from ...driver.values import as_flag, as_listed, as_prompt, as_real, as_size, exact_int, longest_prompt_for
+from ...driver.values import as_flag, as_listed, as_prompt, as_real, as_seed, as_size, longest_prompt_for
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
@@ -455,13 +455,13 @@ class ToyLM:
     def prefill_row(self, bufs: StreamBufs, row: int, prompt: Sequence[int], seed: int = 0) -> int:
         """prefill() for the sequence in slot `row` (bufs.reset_row), leaving the other rows
         alone: a new request joins between bursts. `seed` is the request's (sampling mode): its
-        tokens depend on it alone (a u64, checked before the row is reset), its prompt ints of the
-        model's vocabulary (as_prompt). Returns its start position."""
+        tokens depend on it alone (an int from 0 to 2**64 - 1, as_seed, checked before the row is
+        reset), its prompt ints of the model's vocabulary (as_prompt). Returns its start position."""
         # all but its last token fill the caches: a longer prompt is refused by its length, unread
         prompt = as_prompt(prompt, self.model.vocab, f"row {row}'s prompt", longest_prompt_for(self.capacity)).tolist()
         n = len(prompt) - 1
         self._check_batch(bufs)
-        seed = exact_int(seed, np.uint64)
+        seed = as_seed(seed)
         states = self._states(bufs, self._prefill_k(bufs))
         engine = self.engine
         bufs.reset_row(row, prompt[-1], n)
