@@ -16,6 +16,7 @@ from numpy.typing import DTypeLike
 from .errors import CaptureError, call, driver
 from .values import as_index, as_size, device_dtype, short_name
 from .handle import Handle
+from .release import release_after
 
 if TYPE_CHECKING:
     from .context import PrimaryContext
@@ -28,7 +29,8 @@ class DeviceBuffer(Handle):
     An owning buffer (`allocate`, `Engine.alloc`) frees its allocation once: by free(), by
     leaving a `with` block, or by its finaliser when it is collected. Views and adopted
     foreign memory own nothing: a view keeps its parent alive and dies with it; a foreign
-    buffer keeps `keepalive` (the other framework's tensor, say) alive until it is freed.
+    buffer keeps `keepalive` (the other framework's tensor, say) alive until it is freed, or,
+    collected, until the streams that queued work on the memory have run it (queued_on).
     Any use after free raises ValueError without touching the driver, and so does every
     launch, graph or pointer table that holds this buffer's address (see Handle).
 
@@ -55,7 +57,11 @@ class DeviceBuffer(Handle):
         # an adopted tensor's storage (from_cuda_array), whose memory a set_() leaves alive: where
         # held, the tensor (keepalive) is asked for its address at every use of ptr
         self._storage: Any = None
-        self._streams: weakref.WeakSet | None = None  # streams that queued work on borrowed memory
+        # The streams that queued work on borrowed memory, held (the buffer keeps the stream that orders
+        # its work, as an owning buffer keeps its engine), and from the first such work the release of what
+        # the buffer keeps of the memory's owner at its collection, after that work (queued_on)
+        self._streams: set[Stream] | None = None
+        self._let_go: weakref.finalize | None = None
         self._holders: weakref.WeakSet | None = None  # what another framework keeps with this memory (hold)
         # whether __cuda_array_interface__ handed this memory's address out: its consumer keeps the buffer
         # object (the protocol's rule), not a holder, so free() leaves the release to the buffer's collection
@@ -86,6 +92,12 @@ class DeviceBuffer(Handle):
         Empty, masked, non-contiguous or host memory is a ValueError (a CPU tensor raises
         AttributeError when asked for the interface: that is host memory too), and so is a
         bfloat16 array, numpy having no bfloat16: adopt its memory as tensor.view(torch.int16).
+
+        The buffer keeps `obj` as long as work memra queued on its memory may run: free() waits
+        for the streams that queued it, and a buffer collected unfreed (an API's temporary
+        adoption of a tensor passed in, say) lets go of `obj` only once those streams have run it
+        (release.release_after), so a tensor dropped right after it was passed in does not hand
+        its memory to the next tensor while memra's kernels still write it.
 
         A tensor (an object with `data_ptr()`, as torch's) can be moved under its owner's feet:
         `resize_`, `set_` or its storage resized to 0 (as FSDP does) leave this buffer's address
@@ -186,11 +198,17 @@ class DeviceBuffer(Handle):
 
     def queued_on(self, stream: Stream) -> None:
         """Work on this memory was queued on `stream` (a copy, a memset): if the memory is
-        borrowed, free() waits for that stream before giving it back."""
+        borrowed, free() waits for that stream before giving it back, and so does the buffer's
+        collection, without waiting on the host: from the first such work, the buffer's finaliser
+        hands what it keeps of the memory's owner to release_after, which drops it once the
+        streams have run what they queued (release.py)."""
         owner = self._base or self
         if owner._keepalive is not None:
             if owner._streams is None:
-                owner._streams = weakref.WeakSet()
+                owner._streams = set()
+                owner._let_go = weakref.finalize(owner, release_after, owner._streams,
+                                                 (owner._keepalive, owner._storage))
+                owner._let_go.atexit = False  # at exit nothing is handed out again
             owner._streams.add(stream)
 
     def hold(self, holder: Any) -> None:
@@ -213,19 +231,30 @@ class DeviceBuffer(Handle):
         Borrowed memory goes back to its owner (a framework's allocator may hand it out again
         at once), so work already queued on it must finish first: the streams of everything
         that holds its address (launches, graphs, tables) are waited for before the borrow is
-        dropped. Memory a holder keeps (hold) goes back when the last holder is collected: its
-        release (or its owner, borrowed) stays with this buffer, which every holder keeps. So does
-        memory whose address __cuda_array_interface__ handed out: it goes back when this buffer is
-        collected, which the consumer's array (keeping the buffer, as the protocol asks) prevents."""
+        dropped; a stream being captured, which no host may wait for, keeps the borrow until it
+        has run that work (release_after). Memory a holder keeps (hold) goes back when the last
+        holder is collected: its release (or its owner, borrowed) stays with this buffer, which
+        every holder keeps. So does memory whose address __cuda_array_interface__ handed out: it
+        goes back when this buffer is collected, which the consumer's array (keeping the buffer,
+        as the protocol asks) prevents."""
         if self._freed:
             return
+        captured: list[Stream] = []
         if self._keepalive is not None:
             for stream in list(self._streams or ()):  # every dependent's engine among them (depend)
-                if not stream.closed and stream.ctx.fault is None and stream.capture_hold is None:
+                if stream.closed or stream.ctx.fault is not None:  # its work done, or lost with the context
+                    continue
+                if stream.capture_hold is not None or stream.capturing:
+                    captured.append(stream)
+                else:
                     stream.synchronize()
         if self._holders or self._exported:
             self._retire()  # refused from now on, dependents poisoned; the memory not yet released
             return
+        if self._let_go is not None:
+            self._let_go.detach()  # released here, not at collection
+        if captured:
+            release_after(captured, (self._keepalive, self._storage))
         self._keepalive = self._storage = None
         super().free()
 

@@ -114,6 +114,22 @@ class PrimaryContext:
             return self.fault
         return self.fault.again(call)
 
+    def reached(self, event: Any) -> bool:
+        """Whether the stream `event` (a CUevent of this context) was recorded on has run up to it,
+        without waiting: cuEventQuery, whose NOT_READY is an answer, not a failure. Asked with the
+        thread's capture mode relaxed, as a release is (finalize): a deferred release of borrowed
+        memory (release.py) asks from a collection, inside anyone's capture."""
+        if self.fault is not None:
+            raise self.fault.again("cuEventQuery")
+        drv = driver()
+        with relaxed_capture():
+            (err,) = drv.cuEventQuery(event)
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        if err:
+            raise self.failure(err, "cuEventQuery")
+        return True
+
     def finalize(self, name: str, *args: Any) -> None:
         """Run a destroy/free call in this context, from any thread, never raising.
 

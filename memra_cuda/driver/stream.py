@@ -14,10 +14,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .context import PrimaryContext
+from .context import PrimaryContext, relaxed_capture
 from .errors import CaptureError, CudaError, driver
 from .framework import DRIVER, Framework
 from .handle import Handle
+from .release import drain
 from .values import as_index, as_size
 
 log = logging.getLogger("memra_cuda")
@@ -171,9 +172,10 @@ class Stream(Handle):
                 log.warning("memra_cuda: closing %r: %s", self, exc)
         if self._exported:
             self._retire()  # closed from now on, dependents poisoned; the stream not yet destroyed
-            return
-        super().free()
-        self._stream_owner = None
+        else:
+            super().free()
+            self._stream_owner = None
+        drain()  # borrowed memory kept for this stream's work goes back, that work done (release.py)
 
     def free(self) -> None:
         self.close()
@@ -217,6 +219,7 @@ class Stream(Handle):
             raise CaptureError("synchronize waits for the GPU: it cannot happen inside a graph capture")
         self._wait_host()
         self.syncs += 1
+        drain()  # borrowed memory kept for work now done goes back (release.py)
 
     def _wait_host(self) -> None:
         try:
@@ -270,6 +273,24 @@ class Stream(Handle):
             raise CaptureError(f"{what} would order a stream being captured after {self!r}'s queued work, which the "
                                f"capture cannot wait for: do it before capturing")
         self._order(self.stream, then)
+
+    def _mark(self) -> Any:
+        """A new event recorded at the end of the stream, or None while the stream is captured
+        (recorded there, an event marks a point of the graph, not the work queued before the
+        capture): what a deferred release of borrowed memory waits for (release.py), the caller's
+        to destroy. Made with the thread's capture mode relaxed: a release runs from a collection,
+        inside anyone's capture (PrimaryContext.finalize)."""
+        if self.capture_hold is not None or self.capturing:
+            return None
+        ctx = self.activate()
+        with relaxed_capture():
+            event = ctx.call("cuEventCreate", int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING))
+            try:
+                ctx.call("cuEventRecord", event, self._stream)
+            except BaseException:
+                ctx.finalize("cuEventDestroy", event)
+                raise
+        return event
 
     def _order(self, first: Any, then: Any) -> None:
         """`then` after everything queued so far on `first` (CUstreams of this context). Each call

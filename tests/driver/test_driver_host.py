@@ -816,18 +816,8 @@ def test_freeing_borrowed_memory_waits_for_the_stream_of_a_call_or_graph_dropped
     from memra_cuda.driver.call import Prepared
     from memra_cuda.driver.graph import Graph
 
-    def stand_in() -> Stream:
-        stream = Stream.__new__(Stream)
-        stream.ctx = types.SimpleNamespace(device=0, fault=None, run=lambda fn, name, argv: fn(*argv))
-        stream.capture_hold, stream.waits = None, 0
-
-        def synchronize() -> None:
-            stream.waits += 1
-        stream.synchronize = synchronize  # type: ignore[method-assign]
-        return stream
-
     for made in ("call", "graph"):
-        stream, tensor = stand_in(), Holder()
+        stream, tensor = StandInStream(), Holder()
         borrowed = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, keepalive=tensor)
         if made == "call":
             Prepared(stream, lambda: (0,), "a launch", (), (borrowed.view(1, 2),))()
@@ -839,6 +829,133 @@ def test_freeing_borrowed_memory_waits_for_the_stream_of_a_call_or_graph_dropped
         gc.collect()
         borrowed.free()
         assert stream.waits == 1, f"the {made}'s stream was not waited for before the memory went back"
+
+
+class StandInStream(Stream):
+    """A Stream with no driver under it: its host waits are counted (`waits`), the events a
+    deferred release records on it are numbered (`marks`), the device reaches them only as the
+    stream is waited for, and their destruction is recorded (`destroyed`); `capturing` may be set
+    (a framework's capture, torch.cuda.graph, on it). The Stream's own synchronize, close, _mark's
+    refusal during a capture and the release's bookkeeping (release.py) run as they are."""
+
+    capturing = False  # type: ignore[assignment]  # a property of Stream's: asks the driver
+
+    def __init__(self) -> None:  # no Stream.__init__: no context, no stream
+        self.waits, self.marks, self.reached, self.destroyed = 0, [], set(), []
+        self.capture_hold, self.guards, self.syncs, self._stream = None, [], 0, None
+        self.ctx = types.SimpleNamespace(device=0, fault=None, run=lambda fn, name, argv: fn(*argv),
+                                         reached=lambda event: event in self.reached,
+                                         finalize=lambda name, *args: self.destroyed.append((name, *args)))
+
+        def wait(stream: object) -> tuple:  # cuStreamSynchronize: the device reaches every mark
+            self.waits += 1
+            self.reached.update(self.marks)
+            return (0,)
+        self._synchronize = wait
+
+    def _mark(self) -> int | None:
+        if self.capture_hold is not None or self.capturing:
+            return None
+        self.marks.append(len(self.marks) + 1)
+        return self.marks[-1]
+
+
+def test_a_collected_borrowed_buffer_keeps_its_owner_until_the_streams_ran_its_work():
+    """A buffer on a tensor's memory (from_cuda_array: engine.memset(tensor, 0) adopts it for the
+    call alone) dropped its keepalive when collected, work queued on the memory or not: with the
+    caller's last reference to the tensor gone, torch's allocator gave the block to the next tensor
+    while memra's memset or kernel still wrote it. The collected buffer now hands the tensor to
+    release_after, which holds it until each stream that queued work on the memory has reached an
+    event recorded as the buffer went, and lets go at the next release or a stream's synchronize()
+    or close(), never waiting; a closed stream's work is done, a faulted context's memory lost, and
+    a buffer no work was queued on holds nothing. (No driver: stand-in streams, release.py as it is.)"""
+    from memra_cuda.driver import release
+
+    before = release.pending()
+    stream, other, tensor = StandInStream(), StandInStream(), Holder()
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, keepalive=tensor)
+    buf.view(1, 2).queued_on(stream)  # a copy into a view: the memory's owner learns the stream
+    buf.queued_on(other)
+    kept = weakref.ref(tensor)
+    del tensor, buf
+    gc.collect()
+    assert kept() is not None, "the tensor went back with the buffer, its memory's work still queued"
+    assert (stream.marks, other.marks, release.pending()) == ([1], [1], before + 2)
+    release.drain()
+    assert kept() is not None, "released before the streams reached the work"
+    stream.synchronize()
+    assert kept() is not None and release.pending() == before + 1, "one stream has run its work, not both"
+    assert stream.destroyed == [("cuEventDestroy", 1)], "the reached event is destroyed"
+    other.close()
+    assert kept() is None and release.pending() == before, "the last stream ran its work: the tensor goes"
+    assert other.destroyed == [("cuEventDestroy", 1)]
+
+    for ended in ("closed", "faulted", "no work"):
+        stream, tensor = StandInStream(), Holder()
+        buf, kept = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, keepalive=tensor), weakref.ref(tensor)
+        if ended != "no work":
+            buf.queued_on(stream)
+        if ended == "closed":
+            stream.close()
+        elif ended == "faulted":
+            stream.ctx.fault = CudaError(700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal address", "cuLaunchKernel")
+        del tensor, buf
+        gc.collect()
+        assert kept() is None and stream.marks == [] and release.pending() == before, ended
+
+
+def test_borrowed_memory_freed_while_a_stream_is_captured_is_kept_until_that_stream_ran_its_work():
+    """free() waits on the host for the streams that queued work on borrowed memory, but no host
+    may wait for a stream being captured (memra's Graph, or torch.cuda.graph on it): the borrow was
+    dropped at once under memra's capture, and under a framework's the wait failed and invalidated
+    that capture. Such a stream now keeps the borrow (release_after): no event can mark its queued
+    work while the capture lasts, so one is recorded at the first release or synchronize() after
+    it, and the borrow goes once it is reached, or once the stream is closed. A stream not captured
+    is waited for as before, and what free() released its collection does not release again."""
+    from memra_cuda.driver import release
+
+    before = release.pending()
+    for capture in ("memra", "framework"):
+        stream, tensor = StandInStream(), Holder()
+        buf, kept = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, keepalive=tensor), weakref.ref(tensor)
+        buf.queued_on(stream)
+        if capture == "memra":
+            stream.capture_hold = lambda *held: None
+        else:
+            stream.capturing = True
+        del tensor
+        buf.free()
+        assert stream.waits == 0 and kept() is not None and stream.marks == [], capture
+        release.drain()
+        assert kept() is not None and stream.marks == [], f"{capture}: marked inside the capture"
+        stream.capture_hold, stream.capturing = None, False
+        release.drain()
+        assert kept() is not None and stream.marks == [1], f"{capture}: the capture over, the work is marked"
+        stream.synchronize()
+        assert kept() is None and release.pending() == before, capture
+        del buf
+        gc.collect()
+        assert stream.marks == [1], "a buffer freed is released again at its collection"
+
+    stream, tensor = StandInStream(), Holder()
+    buf, kept = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, keepalive=tensor), weakref.ref(tensor)
+    buf.queued_on(stream)
+    stream.capturing = True
+    del tensor, buf
+    gc.collect()
+    assert kept() is not None and stream.marks == []
+    stream.close()  # close() waits for the stream's work (its capture ended first, here by hand)
+    assert kept() is None and release.pending() == before, "a closed stream ran its work"
+
+    stream, tensor = StandInStream(), Holder()
+    buf, kept = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, keepalive=tensor), weakref.ref(tensor)
+    buf.queued_on(stream)
+    del tensor
+    buf.free()
+    assert stream.waits == 1 and kept() is None, "a stream not captured is waited for, the borrow dropped"
+    del buf
+    gc.collect()
+    assert stream.marks == [] and release.pending() == before
 
 
 def test_mapped_memory_is_not_freed_under_a_tensor_made_from_its_device_buffer():

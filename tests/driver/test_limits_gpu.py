@@ -240,6 +240,29 @@ def test_freeing_a_borrowed_buffer_waits_for_the_work_queued_on_it(engine):
     assert not stream_busy(engine), "free() dropped the borrow while a memset on it was still queued"
 
 
+@pytest.mark.parametrize("queued", ["memset", "launch"])
+def test_a_borrowed_buffer_collected_keeps_the_memorys_owner_until_the_work_queued_on_it_ran(engine, queued):
+    """Memory passed in for one call (engine.memset(array, 0), a launch prepared on it, run and
+    dropped) is adopted by a buffer collected as the call returns: it dropped the array at once,
+    its memory's work still queued, and an array's last reference gone then, its allocator could
+    hand the memory out under that work. The buffer's collection now keeps the owner until the
+    stream has run the work (release_after): alive while the stream spins, gone at synchronize()."""
+    flag = engine.zeros(np.uint32, 1)  # kept: a cuMemFree would wait for the device, spin and all
+    foreign = ForeignMemory(engine, 4)
+    owner = weakref.ref(foreign)
+    if queued == "memset":
+        spin(engine, flag)()
+        engine.memset(foreign, 0)  # queued behind the spin
+    else:
+        spin(engine, DeviceBuffer.from_cuda_array(foreign))()  # made, run and dropped in one line
+    del foreign
+    gc.collect()
+    assert owner() is not None, "the memory's owner went with its buffer, the work on the memory still queued"
+    assert stream_busy(engine)
+    engine.synchronize()
+    assert owner() is None, "the stream ran the work: the owner goes at its synchronize()"
+
+
 # -- 8 and 10. a fault refuses before the driver, and is remembered for the process ---------
 
 FAULT_SCRIPT = """

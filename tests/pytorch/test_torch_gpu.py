@@ -142,6 +142,42 @@ def test_a_tensor_on_a_freed_buffer_keeps_the_memory_until_it_is_gone(engine):
     assert ids.tolist() == [list(range(8, 16))]
 
 
+@pytest.mark.parametrize("queued", ["memset", "launch"])
+def test_a_tensor_dropped_with_work_queued_on_it_is_handed_to_no_new_tensor_before_that_work_ran(engine, queued):
+    """A tensor passed to memra (engine.memset(tensor, v), a launch prepared on it, run and dropped)
+    is adopted by a buffer collected as the call returns, which dropped its hold at once: the
+    caller's `del tensor` then gave the block back to torch's allocator with memra's memset or
+    kernel still queued behind a spin on the engine's stream, torch handed it to the next tensor
+    of its size on its own stream, which filled it at once, and memra's work landed in that new
+    tensor afterwards. The collected buffer now keeps the tensor until the engine's stream has
+    run that work (release_after; the CPU test sees the bookkeeping): the new tensor gets other
+    memory and keeps its values, and the old one goes at the engine's synchronize()."""
+    n = 1 << 20  # 4 MiB of int32: a block of torch's large pool, handed out whole to the next of its size
+    first = torch.empty(n, dtype=torch.int32, device="cuda")
+    address = first.data_ptr()
+    del first
+    if torch.empty(n, dtype=torch.int32, device="cuda").data_ptr() != address:
+        pytest.skip("torch's allocator did not hand a freed block to the next tensor of its size: the hazard this "
+                    "test guards against cannot happen here")
+    flag = engine.zeros(np.uint32, 1)  # kept: a cuMemFree would wait for the device, spin and all
+    tensor = torch.zeros(n, dtype=torch.int32, device="cuda")
+    held, address = weakref.ref(tensor), tensor.data_ptr()
+    if queued == "memset":
+        spin(engine, flag)
+        engine.memset(tensor, 12345)  # adopted for the call alone, queued behind the spin
+    else:
+        spin(engine, tensor)  # spins, then tensor[0] += 1
+    del tensor
+    gc.collect()
+    assert held() is not None, "the tensor went back to torch's allocator with memra's work on it still queued"
+    fresh = torch.full((n,), 7, dtype=torch.int32, device="cuda")  # torch's stream: it does not wait for memra's
+    torch.cuda.synchronize()
+    assert fresh.data_ptr() != address, "torch handed the memory memra's queued work writes to a new tensor"
+    assert int((fresh != 7).sum()) == 0, "memra's queued work wrote the tensor torch made after the drop"
+    engine.synchronize()
+    assert held() is None, "the engine's stream ran the work: the tensor goes back at its synchronize()"
+
+
 def test_a_rounds_views_are_slices_of_its_allocation_at_their_true_offsets(engine):
     """RoundViews and TreeViews: each field an int32 slice of one tensor over its allocation, at
     the field's address and at a storage offset that is its place there, so torch.compile reads

@@ -1,0 +1,110 @@
+"""Borrowed memory let go in stream order: what a collected DeviceBuffer on another framework's
+memory kept of its owner (a torch tensor and its storage, a CuPy array) is dropped only once the
+streams that queued work on that memory have run it.
+
+Memory memra allocates goes back by cuMemFree, which waits for the device first. Borrowed
+memory goes back to its owner's allocator the moment the last reference to the owner drops, and
+torch's caching allocator hands the block to the next tensor of its size at once, on the stream
+the tensor was made on: a kernel still queued on memra's stream would then write into that new
+tensor. free() waits for those streams on the host (DeviceBuffer.free); a buffer that is
+collected cannot (its finaliser would block on the GPU), nor can free() wait for a stream being
+captured. So `release_after` keeps the references here, with an event recorded at the end of
+each such stream, and `drain` drops them once their events are reached (cuEventQuery, never
+waiting): at the next release, and at every Stream's synchronize() and close(). Nothing here
+runs on the per-round path, nor from a host callback.
+
+The list is the process's, not a stream's: a Stream collected unclosed is destroyed at once,
+its queued work running on, and an event recorded on it before still tells when that work is
+done; each entry holds its context, so the context (and every allocation in it) outlives it.
+A stream being captured cannot mark its queued work (an event recorded there is a point of the
+graph), so its entry keeps the stream and records the event at a later drain, once the capture
+is over, or lets go once the stream is closed (close() waits for its work). torch's own answer,
+`tensor.record_stream`, is not used: it records an event on memra's stream whenever the tensor
+is freed, by which time memra may have destroyed that stream.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from .context import PrimaryContext
+
+log = logging.getLogger("memra_cuda")
+
+
+class StreamLike(Protocol):
+    """What a release asks of a stream (a driver.stream.Stream, which imports this module)."""
+
+    ctx: PrimaryContext
+
+    @property
+    def closed(self) -> bool: ...
+
+    def _mark(self) -> Any: ...
+
+
+class _Later:
+    """`keep`, held until its stream has run what was queued on it before `event` (None until
+    recorded: the stream was being captured)."""
+
+    __slots__ = ("ctx", "stream", "event", "keep")
+
+    def __init__(self, stream: StreamLike, keep: Any):
+        self.ctx, self.stream, self.event, self.keep = stream.ctx, stream, None, keep
+
+    def settled(self) -> bool:
+        """Whether `keep` may go now; never raises (a failure keeps it, for the next drain)."""
+        try:
+            if self.ctx.fault is not None:  # the context is lost, with every allocation in it
+                return True
+            if self.event is None:
+                stream = self.stream
+                if stream.closed:  # close() waited for its work
+                    return True
+                self.event = stream._mark()
+                if self.event is None:  # still captured
+                    return False
+                self.stream = None  # an owned stream may be destroyed now: the event still tells
+            if not self.ctx.reached(self.event):
+                return False
+            self.ctx.finalize("cuEventDestroy", self.event)
+            return True
+        except Exception as exc:  # noqa: BLE001 - run from finalisers: report, keep, try again later
+            log.warning("memra_cuda: borrowed memory kept for a later release: %s", exc)
+            return False
+
+
+# What waits for its stream. A deque, whose appends and pops are atomic: drains on several
+# threads, or one that a collection runs in the middle of another, each take entries of their own,
+# with no lock for a finaliser to deadlock on.
+_pending: collections.deque[_Later] = collections.deque()
+
+
+def release_after(streams: Iterable[StreamLike], keep: Any) -> None:
+    """Drop `keep` (what borrowed memory's buffer held of its owner) only once each of `streams`
+    has run the work queued on it so far. A closed stream's work is done (close() waited for it),
+    and a faulted context's memory is lost: neither holds anything. Never raises: it runs from a
+    buffer's finaliser, at any allocation, on any thread."""
+    drain()
+    for stream in list(streams):
+        later = _Later(stream, keep)
+        if not later.settled():
+            _pending.append(later)
+
+
+def drain() -> None:
+    """Drop what each reached event kept, without waiting; cheap when nothing waits."""
+    for _ in range(len(_pending)):
+        try:
+            later = _pending.popleft()
+        except IndexError:  # another thread's drain took the rest
+            return
+        if not later.settled():
+            _pending.append(later)
+
+
+def pending() -> int:
+    """How many releases wait for their streams (for tests and diagnostics)."""
+    return len(_pending)
