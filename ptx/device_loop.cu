@@ -23,6 +23,10 @@ extern "C" __device__ void cudaGraphSetConditional(u64 handle, unsigned int valu
 // (pub_d: its tokens in this launch; acc_d's total: its accepted drafts since its reset, so
 // the estimate is exact for a request that starts with the launch), or at one before it
 // committed any. A row with no budget always may. One block.
+//
+// Whatever loop_d holds, the loop ends: the rounds are counted in 64 bits, saturating at
+// 2**32 - 1, so rounds + body never wraps below the cap (in u32, a cap word near 2**32 or a
+// count word near it wrapped the test, and a loop of live rows never ended).
 extern "C" __global__ void spec_loop_decide(const int* ctl_d, const u32* pub_d, const u32* acc_d, u32 B,
                                             u32* loop_d, u64 handle, u32 ran, u32 body, u32 paced) {
     int live = 0, long_way = 0;
@@ -38,8 +42,8 @@ extern "C" __global__ void spec_loop_decide(const int* ctl_d, const u32* pub_d, 
     live = __syncthreads_or(live);
     long_way = __syncthreads_or(long_way);
     if (threadIdx.x == 0) {
-        const u32 rounds = loop_d[1] + ran;
-        loop_d[1] = rounds;
+        const u64 rounds = min((u64)loop_d[1] + ran, 0xFFFFFFFFull);
+        loop_d[1] = (u32)rounds;
         cudaGraphSetConditional(handle, (paced ? long_way : live) && rounds + body <= loop_d[0] ? 1u : 0u);
     }
 }

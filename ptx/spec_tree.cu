@@ -229,7 +229,8 @@ spec_tree_draw(u32* tree, u32 T1, u32 W, u32 D, u32 B, u32 level, u32 prev_start
     if (threadIdx.x != 0) return;
     __threadfence();
     if (atomic_inc_acq_rel(&counts[(u64)b * T1 + p], slices - 1) != slices - 1) return;
-    // The parent's last block: merge every slice's keys, R rounds of a maximum over them.
+    // The parent's last block: merge every slice's keys, R rounds of a maximum over them. A key
+    // naming no entry of V (scratch garbage: its token would index q) is never drawn.
     const u64* all = keys + ((u64)b * T1 + p) * slices * 2 * R;
     const u64 at = ((u64)b * T1 + p) * R;
     for (u32 list = 0; list < 2; ++list) {
@@ -239,7 +240,7 @@ spec_tree_draw(u32* tree, u32 T1, u32 W, u32 D, u32 B, u32 level, u32 prev_start
             for (u32 s = 0; s < slices; ++s)
                 for (u32 i = 0; i < R; ++i) {
                     const u64 x = all[(u64)s * 2 * R + list * R + i];
-                    if (x < last && x > best) best = x;
+                    if (x < last && x > best && race_token(x) < V) best = x;
                 }
             last = best;
             const float logv = best ? logf(tree_prob(q[race_token(best)])) : -__int_as_float(0x7f800000);

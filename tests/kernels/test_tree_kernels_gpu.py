@@ -354,6 +354,43 @@ def test_sampled_tree_round_matches_the_reference(engine, name, tree, B, V):
         run_round(rig, rng, min(V, 3), what)
 
 
+
+def test_a_draw_never_takes_a_scratch_key_naming_no_token(engine):
+    """Kernel 12's last block of a parent merges every slice's keys from its scratch, and a key's
+    token indexes q. Scratch garbage (a parent's count left at slices - 1, so its first block
+    merges; every other slice's keys naming tokens V, V + 1 and 2**32 - 1, each ranked above any
+    draw) is never drawn: each row's draws are R distinct tokens below V with ln q of their own
+    (token 2**32 - 1 read 16 GiB past q)."""
+    tree = TreeShape.from_choices([[0], [1], [2]])
+    B, V, slices = 2, 4096, 4  # four slices of 1024 tokens, each with R draws of its own
+    R, T1 = tree.draws, tree.nodes
+    bufs = StreamBufs(engine, Geometry.of_tree(tree, 1, B))
+    tb = TreeBufs(bufs, tree)
+    kernels = TreeKernels(engine)
+    engine.copy_htod(bufs.pos_ctr_d, np.array([5, 9], np.int32))
+    kernels.prepare_begin(bufs, tb)()  # node 0 of each row: not void, at pos_start = pos_ctr
+    rng = np.random.default_rng(12)
+    q = rng.exponential(1.0, (B, T1, V)).astype(np.float32)
+    q /= q.sum(axis=-1, keepdims=True)
+    hostile = [0xFFFFFFFF << 32 | (~token & 0xFFFFFFFF) for token in (V, V + 1, 2**32 - 1)]
+    keys = engine.htod(np.resize(np.array(hostile, np.uint64), B * T1 * slices * 2 * R), np.uint64)
+    counts = engine.htod(np.full(B * T1, slices - 1), np.uint32)
+    out = SampledCandidates(engine, B, T1, R)
+    prev_start, prev_stop = tb.levels[0]
+    draw = kernels.module.kernel("spec_tree_draw").prepare(grid=(slices * (prev_stop - prev_start), B), block=256)
+    draw.set(tree=tb.arena, T1=T1, W=tb.words, D=tb.depth, B=B, level=1, prev_start=prev_start, prev_stop=prev_stop,
+             shape=tb.shape_d, q_d=engine.htod(q.reshape(-1), np.float32), V=V,
+             seed_d=engine.htod([3, 4], np.uint64), pos_start_d=bufs.pos_start_d, R=R, slices=slices,
+             cand_tok=out.tok_d, cand_logq=out.logq_d, cand_sel=out.sel_d, keys=keys, counts=counts)()
+    engine.synchronize()
+    tok, logq, sel = (engine.dtoh(buf).reshape(B, T1, R)[:, 0] for buf in (out.tok_d, out.logq_d, out.sel_d))
+    for b in range(B):
+        assert (tok[b] < V).all() and len(set(tok[b].tolist())) == R, f"row {b} drew {tok[b].tolist()}"
+        assert np.allclose(logq[b], np.log(q[b, 0, tok[b]]), rtol=1e-6), f"row {b}: ln q {logq[b].tolist()}"
+        assert np.isfinite(sel[b]).all() and (np.diff(sel[b]) <= 0).all(), f"row {b}: sel {sel[b].tolist()}"
+        assert all(np.isclose(np.exp(x), q[b, 0], rtol=1e-5).any() for x in sel[b]), f"row {b}: sel {sel[b].tolist()}"
+
+
 # -- 13 + 4 + 5: the greedy round tail, then compaction ----------------------------------------
 
 LENS = 4  # i32[B] length arrays the tail's rollback table names (with pos_ctr_d and null entries)

@@ -413,6 +413,51 @@ def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec
     out.free()
 
 
+
+@pytest.mark.parametrize("cap,count,passes", [(7, 0, 7), (2**32 - 1, 2**32 - 16, 15), (100, 2**32 - 1, 0)],
+                         ids=["cap", "cap-word-at-the-top", "count-word-at-the-top"])
+def test_the_decider_ends_a_loop_at_its_cap_whatever_its_words_hold(engine, spec, cap, count, passes):
+    """The decider counts the rounds in 64 bits, saturating at 2**32 - 1, so a loop ends where its
+    words say whatever they hold: from `count`, passes of one round run while count + 1 fits
+    under `cap`, and the count stops at the top. Rows live with a budget of 40, a token a pass
+    (kernel 4 at k = 0), so the budget spent is the passes run: in u32, both words at the top
+    wrapped the test, and the loop ran on to the budget (rows without one, for ever)."""
+    from memra_cuda.driver.graph import Graph, loops
+    from memra_cuda.buffers.layout import CTL_BUDGET, CTL_WORDS
+    from memra_cuda.kernels.signatures import load
+
+    batch, budget = 2, 40
+    bufs = StreamBufs(engine, Geometry(0, 64, batch))
+    bufs.set_stop(budget=budget)
+    loop_d = engine.htod([cap, count], np.uint32)  # as the host leaves it, but for the hostile words
+    published = engine.zeros(np.uint32, batch)
+    decide = load(engine, "device_loop").kernel("spec_loop_decide").prepare(grid=1, block=256)
+    commit = spec.prepare_ring_commit(bufs)
+
+    def decider(handle, ran):
+        def issue():
+            decide.set(ctl_d=bufs.ctl_d, pub_d=published, acc_d=bufs.acc_d, B=batch, loop_d=loop_d,
+                       handle=int(handle), ran=ran, body=1, paced=0)
+            decide()
+        return issue
+
+    def build(graph):
+        handle = graph.handle()
+        graph.issue(decider(handle, 0))
+
+        def body():
+            commit()
+            decider(handle, 1)()
+        graph.loop(handle, body)
+
+    loop = Graph(engine, lambda: None, capture=loops(build))
+    loop.launch()
+    engine.synchronize()
+    assert engine.dtoh(bufs.ctl_d).reshape(batch, CTL_WORDS)[:, CTL_BUDGET].tolist() == [budget - passes] * batch
+    assert engine.dtoh(loop_d).tolist() == [cap, min(count + passes, 2**32 - 1)]
+    loop.free()
+
+
 def test_tokens_are_taken_from_the_stream_until_its_next_launch(engine, spec):
     """A Landed copies its tokens when first asked; asked after the next device launch on the
     same buffers, it refuses rather than answer with the next request's tokens."""
