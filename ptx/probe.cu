@@ -20,6 +20,16 @@ extern "C" __global__ void probe_spin(unsigned* x, unsigned long long cycles) {
     if (threadIdx.x == 0) x[0] += 1u;
 }
 
+// Holds its stream until the host writes go[0] (mapped host memory), or for at most `most` clock
+// cycles: work queued behind it is still queued when the host looks, whatever the machine's load
+// (a spin of fixed cycles could end while the host was descheduled, the suites sharing one GPU and
+// its cores), and a test that fails before it says go holds its stream for `most`, not for ever.
+extern "C" __global__ void probe_gate(volatile unsigned* go, unsigned long long most) {
+    const long long start = clock64();
+    while (go[0] == 0u && (unsigned long long)(clock64() - start) < most) {
+    }
+}
+
 // The device's clock against the host's: flag is mapped host memory, u32 [go, answered, waiting].
 // The kernel says it is waiting, spins until the host says go, stores %globaltimer (ns) and
 // answers; the host's time halfway between go and the answer is the same instant, to within half

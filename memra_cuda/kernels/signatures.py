@@ -124,6 +124,7 @@ SIGNATURES: Mapping[str, Signature] = {
     "probe_increment": _sig(x="ptr", n="u32"),
     "probe_touch": _sig(x="ptr"),
     "probe_spin": _sig(x="ptr", cycles="u64"),
+    "probe_gate": _sig(go="ptr", most="u64"),
     "probe_clock": _sig(flag="ptr", device_ns="ptr"),
 }
 

@@ -17,6 +17,7 @@ from memra_cuda.errors import CapacityError, CaptureError
 from memra_cuda.kernels import SpecKernels
 from memra_cuda.driver.errors import driver
 from memra_cuda.testing.toy import lm as toy
+from gate import Gate
 from run_python import run_script
 
 pytestmark = pytest.mark.gpu
@@ -247,19 +248,19 @@ def test_a_borrowed_buffer_collected_keeps_the_memorys_owner_until_the_work_queu
     its memory's work still queued, and an array's last reference gone then, its allocator could
     hand the memory out under that work. The buffer's collection now keeps the owner until the
     stream has run the work (release_after): alive while the stream spins, gone at synchronize()."""
-    flag = engine.zeros(np.uint32, 1)  # kept: a cuMemFree would wait for the device, spin and all
     foreign = ForeignMemory(engine, 4)
     owner = weakref.ref(foreign)
-    if queued == "memset":
-        spin(engine, flag)()
-        engine.memset(foreign, 0)  # queued behind the spin
-    else:
-        spin(engine, DeviceBuffer.from_cuda_array(foreign))()  # made, run and dropped in one line
-    del foreign
-    gc.collect()
-    assert owner() is not None, "the memory's owner went with its buffer, the work on the memory still queued"
-    assert stream_busy(engine)
-    engine.synchronize()
+    touch = engine.load_ptx("probe").kernel("probe_touch").prepare(["ptr"])
+    with Gate(engine):  # the stream runs nothing queued here until the block ends (tests/gate.py)
+        if queued == "memset":
+            engine.memset(foreign, 0)
+        else:
+            touch.set(DeviceBuffer.from_cuda_array(foreign))()  # adopted for the launch alone
+            touch.set(engine.zeros(np.uint32, 1))  # the launch lets go of the adopted buffer
+        del foreign
+        gc.collect()
+        assert owner() is not None, "the memory's owner went with its buffer, the work on the memory still queued"
+        assert stream_busy(engine)
     assert owner() is None, "the stream ran the work: the owner goes at its synchronize()"
 
 

@@ -27,8 +27,8 @@ from test_signatures import ROUND_TAILS  # each greedy round tail and the launch
 ROOT = Path(__file__).resolve().parents[2]
 # Helpers that launch the kernel they are given: its name's and its arguments' positions.
 FORWARDERS = {"spread": (1, 2), "_launch": (0, 1)}
-# Launched by the driver's tests alone (tests/driver), not by any source read here.
-TESTS_ONLY = {"probe_increment", "probe_spin"}
+# Launched by the tests alone (tests/driver, tests/gate.py), not by any source read here.
+TESTS_ONLY = {"probe_increment", "probe_spin", "probe_gate"}
 
 
 class Unresolved(Exception):

@@ -20,6 +20,7 @@ from memra_cuda import (Cache, DeviceBuffer, Engine, Event, Graph, Greedy, KVLay
                         kv_len_ptr_table)
 from memra_cuda.errors import CaptureError
 from memra_cuda.rounds import MODES
+from gate import Gate
 from run_python import run_script
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
@@ -159,22 +160,23 @@ def test_a_tensor_dropped_with_work_queued_on_it_is_handed_to_no_new_tensor_befo
     if torch.empty(n, dtype=torch.int32, device="cuda").data_ptr() != address:
         pytest.skip("torch's allocator did not hand a freed block to the next tensor of its size: the hazard this "
                     "test guards against cannot happen here")
-    flag = engine.zeros(np.uint32, 1)  # kept: a cuMemFree would wait for the device, spin and all
     tensor = torch.zeros(n, dtype=torch.int32, device="cuda")
     held, address = weakref.ref(tensor), tensor.data_ptr()
-    if queued == "memset":
-        spin(engine, flag)
-        engine.memset(tensor, 12345)  # adopted for the call alone, queued behind the spin
-    else:
-        spin(engine, tensor)  # spins, then tensor[0] += 1
-    del tensor
-    gc.collect()
-    assert held() is not None, "the tensor went back to torch's allocator with memra's work on it still queued"
-    fresh = torch.full((n,), 7, dtype=torch.int32, device="cuda")  # torch's stream: it does not wait for memra's
+    touch = engine.load_ptx("probe").kernel("probe_touch").prepare(["ptr"])
+    torch.cuda.synchronize()  # the tensor's zeros written: the gate below holds only memra's work
+    with Gate(engine):  # the engine's stream runs nothing queued here until the block ends (tests/gate.py)
+        if queued == "memset":
+            engine.memset(tensor, 12345)  # adopted for the call alone
+        else:
+            touch.set(tensor)()  # tensor[0] += 1, adopted for the launch alone
+            touch.set(engine.zeros(np.uint32, 1))  # the launch lets go of the adopted tensor
+        del tensor
+        gc.collect()
+        assert held() is not None, "the tensor went back to torch's allocator with memra's work on it still queued"
+        fresh = torch.full((n,), 7, dtype=torch.int32, device="cuda")  # torch's stream: it does not wait for memra's
+        assert fresh.data_ptr() != address, "torch handed the memory memra's queued work writes to a new tensor"
     torch.cuda.synchronize()
-    assert fresh.data_ptr() != address, "torch handed the memory memra's queued work writes to a new tensor"
     assert int((fresh != 7).sum()) == 0, "memra's queued work wrote the tensor torch made after the drop"
-    engine.synchronize()
     assert held() is None, "the engine's stream ran the work: the tensor goes back at its synchronize()"
 
 
