@@ -16,7 +16,7 @@ from numpy.typing import DTypeLike
 from .errors import CaptureError, call, driver
 from .values import as_index, as_size, device_dtype, short_name
 from .handle import Handle
-from .release import release_after
+from .release import AtCollection, release_after
 
 if TYPE_CHECKING:
     from .context import PrimaryContext
@@ -61,7 +61,7 @@ class DeviceBuffer(Handle):
         # its work, as an owning buffer keeps its engine), and from the first such work the release of what
         # the buffer keeps of the memory's owner at its collection, after that work (queued_on)
         self._streams: set[Stream] | None = None
-        self._let_go: weakref.finalize | None = None
+        self._let_go: AtCollection | None = None
         self._holders: weakref.WeakSet | None = None  # what another framework keeps with this memory (hold)
         # whether __cuda_array_interface__ handed this memory's address out: its consumer keeps the buffer
         # object (the protocol's rule), not a holder, so free() leaves the release to the buffer's collection
@@ -206,9 +206,9 @@ class DeviceBuffer(Handle):
         if owner._keepalive is not None:
             if owner._streams is None:
                 owner._streams = set()
-                owner._let_go = weakref.finalize(owner, release_after, owner._streams,
-                                                 (owner._keepalive, owner._storage))
-                owner._let_go.atexit = False  # at exit nothing is handed out again
+                # a __del__ of its own (AtCollection), not a finalize on the owner, which held the owner's
+                # keepalive from its registry: a tensor keeping its buffer was never collected
+                owner._let_go = AtCollection(owner._streams, (owner._keepalive, owner._storage))
             owner._streams.add(stream)
 
     def hold(self, holder: Any) -> None:
@@ -252,7 +252,7 @@ class DeviceBuffer(Handle):
             self._retire()  # refused from now on, dependents poisoned; the memory not yet released
             return
         if self._let_go is not None:
-            self._let_go.detach()  # released here, not at collection
+            self._let_go.keep = None  # released here, not at collection
         if captured:
             release_after(captured, (self._keepalive, self._storage))
         self._keepalive = self._storage = None

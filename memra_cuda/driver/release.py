@@ -24,9 +24,10 @@ is freed, by which time memra may have destroyed that stream.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from .context import PrimaryContext
@@ -103,6 +104,39 @@ def drain() -> None:
             return
         if not later.settled():
             _pending.append(later)
+
+
+class AtCollection:
+    """release_after(streams, keep) as this object is collected, unless free() let go first
+    (`keep` set to None): a borrowed buffer's, which alone holds it (DeviceBuffer.queued_on), so
+    it runs as the buffer goes, with the buffer's set of streams as it last filled it.
+
+    A __del__, not a weakref.finalize on the buffer: a finalize's arguments are held from its
+    registry, so where what the buffer keeps reaches the buffer back (a tensor keeping its adoption
+    as an attribute, a stream whose owner holds the buffer), the buffer was reachable from that
+    registry for good: it, the tensor and the streams were never collected. A __del__ runs in such
+    a cycle too, once (PEP 442): the release holds the cycle until the streams have run its work,
+    and the collector frees it then. At exit nothing is handed out again: `exiting` is set by a
+    hook registered with the first, after the contexts' own (a stream came first), so it runs
+    before weakref's at-exit finalisers release them."""
+
+    __slots__ = ("streams", "keep")
+    exiting = False
+    _hooked = False
+
+    def __init__(self, streams: Iterable[StreamLike], keep: Any):
+        self.streams, self.keep = streams, keep
+        if not AtCollection._hooked:
+            AtCollection._hooked = True
+            atexit.register(AtCollection._exit)
+
+    @staticmethod
+    def _exit() -> None:
+        AtCollection.exiting = True
+
+    def __del__(self, release: Callable[[Iterable[StreamLike], Any], None] = release_after) -> None:
+        if self.keep is not None and not self.exiting:  # names bound here: module globals may be gone
+            release(self.streams, self.keep)
 
 
 def pending() -> int:

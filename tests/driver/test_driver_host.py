@@ -958,6 +958,42 @@ def test_borrowed_memory_freed_while_a_stream_is_captured_is_kept_until_that_str
     assert stream.marks == [] and release.pending() == before
 
 
+def test_a_borrowed_buffer_that_its_owner_keeps_is_collected_once_the_streams_ran_its_work():
+    """What a collected borrowed buffer keeps goes to release_after as the buffer goes. A
+    weakref.finalize on the buffer did it, whose arguments (the tensor) its registry held: a tensor
+    keeping its own adoption (an attribute, a cache of it), or a stream's owner holding the buffer,
+    made the buffer reachable from that registry, and once any work was queued on its memory the
+    buffer, the tensor and the streams were never collected. The cycle is collected now, after the
+    streams have run its work: until then the release holds it. (The collector clears weak
+    references into a cycle it resurrects, so the objects are looked for among its own.)"""
+    from memra_cuda.driver import release
+
+    def alive(label: str) -> bool:
+        return any(isinstance(o, DeviceBuffer) and o.label == label for o in gc.get_objects())
+
+    before = release.pending()
+    for reached_back in ("tensor", "stream's owner"):
+        stream, tensor = StandInStream(), Holder()
+        marks, reached, destroyed, label = stream.marks, stream.reached, stream.destroyed, f"kept by its {reached_back}"
+        buf = DeviceBuffer(FAKE_PTR, np.uint32, 4, keepalive=tensor, label=label)  # wrap(), labelled
+        if reached_back == "tensor":
+            tensor.adopted = buf  # type: ignore[attr-defined]
+        else:
+            stream._stream_owner = types.SimpleNamespace(buffer=buf)
+        buf.view(0, 2).queued_on(stream)
+        del tensor, buf, stream
+        gc.collect()
+        release.drain()
+        assert release.pending() == before + 1 and marks == [1], \
+            f"a buffer its {reached_back} reaches was never collected: nothing went to the release"
+        assert alive(label), "the work queued on the memory not yet run: the release holds the buffer and its owner"
+        reached.update(marks)  # the device ran the stream's work
+        release.drain()
+        gc.collect()
+        assert release.pending() == before and not alive(label), f"{reached_back}: the work ran, the cycle is let go"
+        assert destroyed == [("cuEventDestroy", 1)]
+
+
 def test_mapped_memory_is_not_freed_under_a_tensor_made_from_its_device_buffer():
     """MappedBuffer.free() refused while a numpy view of the memory lived, but not while a tensor
     on its `device` buffer did (memra_cuda.torch.tensor's hold, or torch.as_tensor of its array
