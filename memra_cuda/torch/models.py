@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -29,22 +30,77 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     run: transformers would ask at a terminal whether to, and run it on a yes. The arguments are
     checked before the directory: a device the machine lacks (the default "cuda" on a machine
     without CUDA) is the more fundamental refusal, which no directory mends, and it was told only
-    once a directory had been found."""
+    once a directory had been found. Weights that do not fit config.json (a tensor of another
+    shape, one missing, one left over) are a ValueError naming them (_check_weights)."""
     if not isinstance(dtype, torch.dtype) and dtype not in DTYPES:
         raise ValueError(f"dtype is a torch.dtype or one of {DTYPES}, not {dtype!r}")
     device = _as_device(device)
     check_model_directory(directory)
-    _check_config(Path(directory))
+    saved = _saved_shapes(Path(directory))
+    _check_config(Path(directory), saved)
+    if saved is not None:
+        _check_shapes(Path(directory), saved)
     from transformers import AutoModelForCausalLM
+    # ignore_mismatched_sizes: a tensor of another shape is reported in `info`, refused below by name (transformers
+    # raised a RuntimeError naming none, pointing at a report in its log)
     model, info = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
                                                        attn_implementation="sdpa", trust_remote_code=False,
-                                                       output_loading_info=True)
-    for kind in ("missing", "unexpected"):  # transformers logs them and loads: random weights, or weights unused
-        if info[f"{kind}_keys"]:
-            keys = sorted(info[f"{kind}_keys"])
-            raise ValueError(f"{directory}'s weights do not match its config.json: {len(keys)} {kind} "
-                             f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
+                                                       output_loading_info=True, ignore_mismatched_sizes=True)
+    order = {name: at for at, name in enumerate(model.state_dict())}
+    shaped = sorted(info["mismatched_keys"], key=lambda key: (order.get(key[0], len(order)), key[0]))
+    _check_weights(directory, [(name, tuple(found), tuple(made)) for name, found, made in shaped],
+                   info["missing_keys"], info["unexpected_keys"])
     return model.to(device).eval().requires_grad_(False)
+
+
+def _check_weights(directory: str | Path, shaped: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+                   missing: Collection[str] = (), unexpected: Collection[str] = ()) -> None:
+    """ValueError naming `directory` and, a few of each, the tensors its weights hold in another
+    shape than its config.json makes (`shaped`: name, the weights' shape, config.json's, in the
+    model's order), and the keys missing from them or left over (in name order), if any: a model
+    loaded so would be silently wrong (transformers initialises a missing or mismatched weight at
+    random and drops one left over, only logging it)."""
+    parts = []
+    if shaped:
+        parts.append(f"{len(shaped)} of another shape ("
+                     + _few([f"{name}: {list(found)} in the weights, {list(made)} by config.json"
+                             for name, found, made in shaped], "; ") + ")")
+    for kind, keys in (("missing", missing), ("unexpected", unexpected)):
+        if keys:
+            parts.append(f"{len(keys)} {kind} ({_few(sorted(keys), ', ')})")
+    if parts:
+        raise ValueError(f"{directory}'s weights do not match its config.json: {'; '.join(parts)}")
+
+
+def _few(items: list[str], between: str, most: int = 3) -> str:
+    """The first `most` of `items` joined by `between`, an ellipsis after them where there are more."""
+    return between.join(items[:most]) + (f"{between}..." if len(items) > most else "")
+
+
+def _check_shapes(directory: Path, saved: dict[str, tuple[int, ...] | None]) -> None:
+    """_check_weights on the shapes the safetensors headers give (`saved`) against those of the
+    model config.json makes, built on the meta device (no memory), before any weight is made:
+    transformers met a config.json edited to another size, or another model's weights, with a
+    RuntimeError naming no tensor (its report went to its log), once it had made the model at
+    config.json's sizes. Tensors of one name are compared; one that only one side has is left to
+    the check once loaded (a tied head, a renamed key), and so is a quantized checkpoint (its
+    packed shapes are the quantizer's) and a model whose weights transformers converts as it
+    loads (a mixture of experts' fused into one tensor)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    if getattr(config, "quantization_config", None) is not None:
+        return
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        if get_model_conversion_mapping(model, add_legacy=False):
+            return
+    except ImportError:  # another transformers: its loading checks alone
+        return
+    shaped = [(name, found, made) for name, tensor in model.state_dict().items()
+              if (found := saved.get(name)) is not None and found != (made := tuple(tensor.shape))]
+    _check_weights(directory, shaped)
 
 
 # config.json's sizes, as a Llama-family config names them (null where a default stands: head_dim, KV heads)
@@ -52,7 +108,7 @@ SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", 
          "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
-def _check_config(directory: Path) -> None:
+def _check_config(directory: Path, saved: dict[str, tuple[int, ...] | None] | None) -> None:
     """config.json's sizes checked before any weight is made: transformers met a negative one with
     torch's "negative dimension", a string with an error of no ValueError's kind, heads its KV heads
     do not divide with a shape mismatch, an unknown rope type with a KeyError, all naming no field;
@@ -77,7 +133,7 @@ def _check_config(directory: Path) -> None:
         if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"{path}'s {field} names rope type {kind!r}, none transformers knows "
                              f"({', '.join(ROPE_INIT_FUNCTIONS)})")
-    layers = _saved_layers(directory)
+    layers = _saved_layers(saved)
     if layers is not None and sizes.get("num_hidden_layers", 0) > layers:  # fewer: their keys left over, below
         raise ValueError(f"{path}'s num_hidden_layers is {sizes['num_hidden_layers']}, but its weights hold "
                          f"{layers} layers")
@@ -94,22 +150,41 @@ def _json(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def _saved_layers(directory: Path) -> int | None:
-    """How many decoder layers the safetensors weights in `directory` hold (model.layers.N.*), by
-    their names alone; None where there are none to read (another format: transformers' to check)."""
+def _saved_shapes(directory: Path) -> dict[str, tuple[int, ...] | None] | None:
+    """The safetensors weights in `directory`, each tensor's name and shape, from the files'
+    headers alone (no tensor is read); a shard the index names that is not there gives its names
+    without shapes (transformers' to refuse). None where there are none (another format:
+    transformers' to check)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        names = list(_json(index).get("weight_map", {}))
+        files: dict[str, list[str]] = {}
+        for name, file in _json(index).get("weight_map", {}).items():
+            files.setdefault(str(file), []).append(name)
     elif (directory / "model.safetensors").is_file():
-        from safetensors import SafetensorError, safe_open
-        try:
-            with safe_open(directory / "model.safetensors", framework="pt") as weights:
-                names = list(weights.keys())
-        except SafetensorError as e:  # its own message named no file
-            raise ValueError(f"{directory / 'model.safetensors'} is no safetensors file: {e}") from None
+        files = {"model.safetensors": []}
     else:
         return None
-    found = {int(match[1]) for name in names if (match := re.search(r"\blayers\.(\d+)\.", name))}
+    from safetensors import SafetensorError, safe_open
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    for file, names in files.items():
+        path = directory / file
+        if not path.is_file():
+            shapes.update(dict.fromkeys(names))
+            continue
+        try:
+            with safe_open(path, framework="pt") as weights:
+                shapes.update({name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()})
+        except SafetensorError as e:  # its own message named no file
+            raise ValueError(f"{path} is no safetensors file: {e}") from None
+    return shapes
+
+
+def _saved_layers(saved: dict[str, Any] | None) -> int | None:
+    """How many decoder layers the weights named in `saved` hold (model.layers.N.*), by their
+    names alone; None where there are none to read (another format: transformers' to check)."""
+    if saved is None:
+        return None
+    found = {int(match[1]) for name in saved if (match := re.search(r"\blayers\.(\d+)\.", name))}
     return max(found) + 1 if found else 0
 
 

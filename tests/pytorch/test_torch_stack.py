@@ -541,6 +541,95 @@ def test_a_layer_count_short_of_the_weights_is_refused_not_truncated(tmp_path):
         load_model(tmp_path / "target", device="cpu")
 
 
+def shaped(directory, count: int, *mismatches: tuple) -> str:
+    """load_model's refusal of weights of another shape than `directory`'s config.json makes: a
+    pattern of its start, naming `count` and the first of `mismatches` (name, the weights' shape,
+    config.json's)."""
+    first = "; ".join(f"{name}: {list(found)} in the weights, {list(made)} by config.json"
+                      for name, found, made in mismatches)
+    return re.escape(f"{directory}'s weights do not match its config.json: {count} of another shape ({first}")
+
+
+@pytest.mark.parametrize("fields, count, first", [
+    (dict(hidden_size=128), 39, ("model.embed_tokens.weight", (VOCAB, 64), (VOCAB, 128))),
+    (dict(intermediate_size=128), 12, ("model.layers.0.mlp.gate_proj.weight", (96, 64), (128, 64))),
+    (dict(vocab_size=100), 2, ("model.embed_tokens.weight", (VOCAB, 64), (100, 64))),
+    (dict(num_key_value_heads=4), 8, ("model.layers.0.self_attn.k_proj.weight", (32, 64), (64, 64))),
+    (dict(head_dim=32), 16, ("model.layers.0.self_attn.q_proj.weight", (64, 64), (128, 64))),
+], ids=["hidden", "intermediate", "vocab", "kv_heads", "head_dim"])
+def test_weights_of_another_shape_than_the_config_makes_are_refused_by_name_before_any_weight(
+        tmp_path, monkeypatch, fields, count, first):
+    """A config.json edited to another size met transformers' RuntimeError "You set
+    `ignore_mismatched_sizes` to `False`, thus raising an error. For details look at the above
+    report!", naming no tensor (the report went to its log), once the model was made: a
+    ValueError naming the directory, the tensors and both shapes now, from the safetensors
+    headers against the model config.json makes on the meta device, before from_pretrained."""
+    import transformers
+    save_pair(tmp_path)
+    edited(tmp_path / "target", **fields)
+    read = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: read.append(a))
+    with pytest.raises(ValueError, match=shaped(tmp_path / "target", count, first)):
+        load_model(tmp_path / "target", device="cpu")
+    assert not read
+
+
+def test_another_models_weights_are_refused_naming_the_first_tensors_of_another_shape(tmp_path):
+    """A model.safetensors of another model (as deep, half as wide) under the directory's config.json."""
+    import shutil
+    save_pair(tmp_path)
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "narrow")
+    shutil.copy(tmp_path / "narrow" / "model.safetensors", tmp_path / "target" / "model.safetensors")
+    with pytest.raises(ValueError, match=shaped(tmp_path / "target", 39, ("model.embed_tokens.weight", (VOCAB, 32),
+                                                                         (VOCAB, 64)),
+                                                 ("model.layers.0.self_attn.q_proj.weight", (32, 32), (64, 64)),
+                                                 ("model.layers.0.self_attn.k_proj.weight", (16, 32), (32, 64)))
+                       + re.escape("; ...)")):
+        load_model(tmp_path / "target", device="cpu")
+
+
+def test_sharded_weights_are_checked_shard_by_shard(tmp_path, monkeypatch):
+    """A checkpoint saved in shards (model.safetensors.index.json): each shard's header is read,
+    so a size edited is refused as with one file, and the directory unedited loads as it did."""
+    import transformers
+    target = tiny(4, seed=1)
+    target.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    loaded = load_model(tmp_path / "sharded", device="cpu")
+    torch.testing.assert_close(loaded.lm_head.weight, target.lm_head.weight, atol=0, rtol=0)
+    edited(tmp_path / "sharded", intermediate_size=128)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: None)
+    with pytest.raises(ValueError, match=shaped(tmp_path / "sharded", 12,
+                                                ("model.layers.0.mlp.gate_proj.weight", (96, 64), (128, 64)))):
+        load_model(tmp_path / "sharded", device="cpu")
+
+
+def test_weights_of_another_shape_that_only_loading_meets_are_refused_by_name_too(tmp_path, monkeypatch):
+    """Where the headers are not compared (a model whose weights transformers converts as it
+    loads, a quantized one, keys by other names), loading meets the shapes: transformers'
+    report of them (ignore_mismatched_sizes=True, so that it reports rather than raises) is
+    refused by name, with the keys missing beside them. The comparison of the headers is taken
+    away here to reach it."""
+    from safetensors.torch import load_file, save_file
+    from memra_cuda.torch import models
+    save_pair(tmp_path)
+    path = tmp_path / "target" / "model.safetensors"
+    weights = load_file(path)
+    del weights["model.norm.weight"]
+    save_file(weights, path, metadata={"format": "pt"})
+    edited(tmp_path / "target", intermediate_size=128)
+    monkeypatch.setattr(models, "_check_shapes", lambda directory, saved: None, raising=False)
+    first = [(f"model.layers.0.mlp.{name}_proj.weight", found, made)
+             for name, found, made in (("gate", (96, 64), (128, 64)), ("up", (96, 64), (128, 64)),
+                                       ("down", (64, 96), (64, 128)))]
+    with pytest.raises(ValueError, match=shaped(tmp_path / "target", 12, *first)
+                       + re.escape("; ...); 1 missing (model.norm.weight)")):
+        load_model(tmp_path / "target", device="cpu")
+
+
 # -- the face -----------------------------------------------------------------------------------
 
 def test_every_public_name_of_memra_cuda_torch_says_what_it_is():
