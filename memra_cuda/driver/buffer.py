@@ -88,7 +88,12 @@ class DeviceBuffer(Handle):
         CuPy array) without owning it, keeping `obj` alive.
 
         With `engine`, work the engine queues on this memory is ordered after the stream the
-        producer names (v3's `stream`), so nothing reads the tensor before it is written.
+        producer names (v3's `stream`: a handle, 1 the legacy default stream, 2 the per-thread
+        one; None or none, nothing to wait for; 0, which the interface disallows, a ValueError),
+        so nothing reads the tensor before it is written. A wait no capture can take is a
+        CaptureError before anything is queued (Stream.check_wait): the engine's stream being
+        captured and the producer's not of its capture, or the producer's being captured and the
+        engine's not. Adopt such an array before capturing.
         Empty, masked, non-contiguous or host memory is a ValueError (a CPU tensor raises
         AttributeError when asked for the interface: that is host memory too), and so is a
         bfloat16 array, numpy having no bfloat16: adopt its memory as tensor.view(torch.int16).
@@ -128,16 +133,18 @@ class DeviceBuffer(Handle):
         if strides is not None and not _c_contiguous(shape, strides, dtype.itemsize):
             raise ValueError(f"array of shape {shape} with strides {tuple(strides)} is not contiguous: "
                              "pass a contiguous copy")
+        producer = None if engine is None or iface.get("stream") is None else _producer(iface["stream"])
         if engine is not None:
             engine.activate()
+            if producer is not None:
+                engine.check_wait(producer, f"{type(obj).__name__}'s __cuda_array_interface__")
         device = _device_of(ptr)
         buf = cls(ptr, dtype, count, keepalive=obj, device=device)
         storage = getattr(obj, "untyped_storage", None)
         if callable(getattr(obj, "data_ptr", None)) and callable(storage):
             buf._storage = storage()  # a tensor's: it can move (above)
-        stream = iface.get("stream")
-        if engine is not None and stream is not None:
-            engine.wait_stream(stream)
+        if engine is not None and producer is not None:
+            engine.wait_stream(producer)
         return buf
 
     @property
@@ -439,6 +446,18 @@ def _c_contiguous(shape: tuple[int, ...], strides: Any, itemsize: int) -> bool:
             return False
         expected *= dim
     return True
+
+
+def _producer(stream: Any) -> int:
+    """The producer's stream an array interface names (v3's `stream`, given): its handle, 1 the
+    legacy default stream, 2 the per-thread one. 0 is disallowed by the interface (it would read
+    as None, no wait, to one consumer, and as the legacy stream to another): a ValueError, as a
+    negative one is; an int it must be (TypeError)."""
+    handle = as_index(stream, "an array interface's stream")
+    if handle <= 0:
+        raise ValueError(f"an array interface's stream is a stream handle, 1 (the legacy default stream) or 2 (the "
+                         f"per-thread one), or None where no wait is needed; not {handle} (the interface disallows 0)")
+    return handle
 
 
 def _device_of(ptr: int) -> int:

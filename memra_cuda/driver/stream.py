@@ -261,6 +261,38 @@ class Stream(Handle):
         takes), without the host."""
         self._order(as_stream(other), self.stream)
 
+    def check_wait(self, other: int, what: str) -> None:
+        """CaptureError, before anything is queued, unless this stream may wait on the stream of
+        handle `other` (a producer's, named by an array interface, `what`): neither being captured,
+        or both in one capture (CUDA joins them). Where only this one is captured, CUDA forbids the
+        wait and invalidates the capture; where only `other` is, the wait would pull this stream
+        into that capture (its work captured, not run, the capture left unjoined). Asked only
+        where there is a stream to wait on: a cuStreamIsCapturing each (and their captures' ids
+        where both are captured)."""
+        if _same_stream(other, self.stream_handle):
+            return
+        try:
+            mine, theirs = self.capturing, self.captures(other)
+            if mine and theirs and self._capture_id(self._stream) == self._capture_id(other):
+                return
+        except CudaError as exc:
+            if exc.name in _CAPTURE_ERRORS:  # the legacy stream asked while a blocking stream is captured
+                raise CaptureError(f"{what} names {_stream_name(other)}, which cannot be waited on while a stream "
+                                   f"is being captured: adopt the array before capturing") from exc
+            raise
+        if mine:
+            raise CaptureError(f"{self!r} is being captured and {what} names {_stream_name(other)}, which is not of "
+                               "its capture: CUDA forbids the wait there and invalidates the capture; adopt the "
+                               "array before capturing (the captured work then uses its buffer as it is)")
+        if theirs:
+            raise CaptureError(f"{what} names {_stream_name(other)}, which is being captured and {self!r}'s stream "
+                               "is not: the wait would pull this stream into that capture (its work captured, not "
+                               "run); adopt the array before capturing, or with an engine on the capturing stream")
+
+    def _capture_id(self, stream: Any) -> int:
+        """The id of the capture `stream` (a stream of this context being captured) is in."""
+        return int(self.activate().call("cuStreamGetCaptureInfo", as_stream(stream))[1])
+
     def precede(self, other: Any, what: str = "work") -> None:
         """Order what `other` (anything as_stream takes) queues from now on after everything
         queued so far on this stream, without the host: a consumer of this stream's buffers on a
@@ -333,6 +365,11 @@ def handle_of(stream: Any) -> int:
     except TypeError:
         raise TypeError(f"a stream must be an int handle, a CUstream, speak __cuda_stream__ or have `cuda_stream`, "
                         f"not {stream!r}") from None
+
+
+def _stream_name(handle: int) -> str:
+    """A stream handle in words: 1 and 2 name the default streams (the array interface's values)."""
+    return {1: "the legacy default stream", 2: "the per-thread default stream"}.get(handle, f"stream {handle:#x}")
 
 
 def _same_stream(a: int, b: int) -> bool:

@@ -1098,6 +1098,88 @@ def test_from_cuda_array_says_how_to_adopt_a_bfloat16_array():
         DeviceBuffer.from_cuda_array(Bf16())  # type: ignore[arg-type]
 
 
+def test_an_adoption_waits_on_its_producers_stream_only_where_no_capture_is_crossed(monkeypatch):
+    """from_cuda_array(obj, engine) waits on the stream the interface names (v3's `stream`) by
+    an event: with the engine's stream being captured (memra's Graph, torch.cuda.graph on it) and
+    the producer's not of that capture, CUDA refused the wait (a CudaError from inside the
+    capture, CUDA_ERROR_STREAM_CAPTURE_ISOLATION) and invalidated the capture; with the producer's
+    being captured and the engine's not, the wait pulled the engine's stream into that capture,
+    its later work captured and never run. Each is a CaptureError now, before anything is
+    queued, naming the remedy; a wait inside one capture (cross-stream: both streams in it) is
+    taken, as one outside any. The interface's values: None, no wait; 1 and 2 the default
+    streams; 0 (disallowed by the interface) and a negative one a ValueError, before the driver
+    is asked. Host logic alone: a stand-in engine told which streams are captured, and in which
+    capture; the device lookup stands in."""
+    import memra_cuda.driver.buffer as buffer_module
+    from memra_cuda.errors import CaptureError
+
+    captures: dict[int, int] = {}  # a stream's handle -> the id of the capture it is in
+    waits: list[int] = []
+    implicit = CudaError(906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT", "an implicit dependency", "cuStreamIsCapturing")
+
+    class StandIn(Stream):
+        @property
+        def capturing(self) -> bool:
+            return self._stream_handle in captures
+
+        def captures(self, stream) -> bool:
+            if stream == 1 and "implicit" in captures:  # the legacy stream, asked while a blocking one is captured
+                raise implicit
+            return stream in captures
+
+        def _capture_id(self, stream) -> int:
+            return captures[getattr(stream, "handle", stream)]
+
+        def wait_stream(self, other) -> None:
+            waits.append(other)
+
+    engine = StandIn.__new__(StandIn)
+    engine.ctx, engine._stream_handle, engine.capture_hold = types.SimpleNamespace(device=0), 0x10, None
+    engine._stream = types.SimpleNamespace(handle=0x10)
+    monkeypatch.setattr(buffer_module, "_device_of", lambda ptr: 0)
+
+    def adopt(**iface) -> DeviceBuffer:
+        return DeviceBuffer.from_cuda_array(FakeArray(**iface), engine)  # type: ignore[arg-type]
+
+    for stream, waited in ((None, []), (0x10, [0x10]), (1, [1]), (2, [2]), (0x20, [0x20])):
+        waits.clear()
+        assert adopt(stream=stream).ptr == FAKE_PTR and waits == waited, stream
+    waits.clear()
+    adopt()  # a v2 interface: no stream named
+    for stream, error, message in ((0, ValueError, r"1 \(the legacy default stream\) .* not 0 \(the interface "
+                                                   r"disallows 0\)"),
+                                   (-3, ValueError, "not -3"),
+                                   ("0x20", TypeError, "an array interface's stream must be an integer, not '0x20'")):
+        with pytest.raises(error, match=message):
+            adopt(stream=stream)
+
+    captures[0x10] = 7  # the engine's stream being captured
+    adopt(stream=0x10)  # its own: nothing to wait for, nothing crossed
+    for stream, named in ((0x20, "stream 0x20"), (1, "the legacy default stream"),
+                          (2, "the per-thread default stream")):
+        with pytest.raises(CaptureError, match=rf"^StandIn\(device=0\) is being captured and FakeArray's "
+                                               rf"__cuda_array_interface__ names {named}, which is not of its capture: "
+                                               r".*adopt the array before capturing"):
+            adopt(stream=stream)
+    captures[0x20] = 8  # another capture's stream: CUDA would refuse to merge them
+    with pytest.raises(CaptureError, match="which is not of its capture"):
+        adopt(stream=0x20)
+    assert waits == [0x10]
+    captures[0x20] = 7  # forked into the engine's capture: the wait joins it
+    adopt(stream=0x20)
+    assert waits == [0x10, 0x20]
+
+    del captures[0x10]  # the producer's being captured, the engine's not
+    with pytest.raises(CaptureError, match=r"names stream 0x20, which is being captured and StandIn\(device=0\)'s "
+                                           r"stream is not: the wait would pull this stream into that capture"):
+        adopt(stream=0x20)
+    captures["implicit"] = 0  # type: ignore[index]
+    with pytest.raises(CaptureError, match="names the legacy default stream, which cannot be waited on while a "
+                                           "stream is being captured") as refused:
+        adopt(stream=1)
+    assert refused.value.__cause__ is implicit and waits == [0x10, 0x20], "a refused wait was made"
+
+
 def test_as_buffer_names_what_it_cannot_adopt():
     with pytest.raises(TypeError, match="draft_d must be a DeviceBuffer"):
         as_buffer(np.zeros(3, np.uint32), "draft_d")

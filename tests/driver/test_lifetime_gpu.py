@@ -102,6 +102,55 @@ def test_a_wait_joining_a_capture_that_does_not_hold_its_engines_work_is_refused
         other.close()
 
 
+class Produced:
+    """An array of `buf`'s memory whose interface names `stream` as its producer's (v3), as a
+    CuPy array's does (read by hand: reading the buffer's own would export it)."""
+
+    def __init__(self, buf: DeviceBuffer, stream: int):
+        self.__cuda_array_interface__ = {"shape": (buf.len,), "typestr": "<u4", "data": (buf.ptr, False),
+                                         "version": 3, "stream": stream}
+
+
+def test_an_adoption_whose_wait_would_cross_a_capture_is_refused_before_it_is_queued(engine):
+    """from_cuda_array(obj, engine) waits on the producer's stream the interface names: inside a
+    capture of the engine's stream, a wait on a stream not of the capture was made (CUDA refuses
+    it and invalidates the capture), and inside a capture of the producer's stream the wait
+    pulled the engine's stream into it. A CaptureError now, before anything is queued, each
+    capture abandoned cleanly; adopted before capturing, the array serves the graph, and a wait
+    on a stream forked into the engine's capture joins it back, as CUDA allows."""
+    other = Engine(engine.device)
+    try:
+        buf = engine.zeros(np.uint32, 4)
+        launch = increment(engine, 4)
+        for stream, named in ((other.stream_handle, "stream 0x"), (1, "the legacy default stream")):
+            with pytest.raises(CaptureError, match=f"Produced's __cuda_array_interface__ names {named}.*adopt the "
+                                                   "array before capturing"):
+                Graph(engine, lambda stream=stream: DeviceBuffer.from_cuda_array(Produced(buf, stream), engine))
+            assert not engine.capturing
+        with pytest.raises(CaptureError, match="which is being captured and .* the wait would pull this stream into"):
+            Graph(other, lambda: DeviceBuffer.from_cuda_array(Produced(buf, other.stream_handle), engine))
+        assert not engine.capturing and not other.capturing
+
+        adopted = DeviceBuffer.from_cuda_array(Produced(buf, other.stream_handle), engine)  # before: waits eagerly
+        graph = Graph(engine, lambda: launch(adopted, 4))
+        graph.launch()
+        assert engine.dtoh(buf, np.uint32).tolist() == [1] * 4
+
+        fork = Event(engine, timing=False)
+
+        def forked():
+            fork.record()
+            other.wait(fork)  # other's stream in the capture from here
+            DeviceBuffer.from_cuda_array(Produced(buf, other.stream_handle), engine)  # its wait joins other back
+            launch(adopted, 4)
+
+        graph = Graph(engine, forked, joined=[other])
+        graph.launch()
+        assert engine.dtoh(buf, np.uint32).tolist() == [2] * 4
+    finally:
+        other.close()
+
+
 def test_launch_refuses_after_its_buffer_is_freed_until_rebound(engine):
     buf = engine.zeros(np.uint32, 4, label="victim")
     launch = increment(engine, 4).set(buf, 4)

@@ -77,6 +77,31 @@ def test_engine_wait_joins_a_torch_stream_and_an_event(engine, side_stream):
         assert y.cpu().tolist() == [2 * i for i in range(1, 1001)]
 
 
+def test_an_adoption_inside_torchs_capture_refuses_a_wait_across_it(engine, side_stream):
+    """An array whose interface names its producer's stream (v3, as CuPy's does) adopted with an
+    engine on torch's stream inside torch.cuda.graph: the engine's wait on the producer's
+    stream, not of the capture, invalidated torch's capture (CUDA forbids the wait), which then
+    failed to end. A CaptureError now, before anything is queued: the capture goes on and
+    replays; adopted before capturing, the array is waited for as before."""
+    x = torch.zeros(8, dtype=torch.int32, device="cuda")
+
+    class Produced:
+        __cuda_array_interface__ = {**x.__cuda_array_interface__, "version": 3, "stream": engine.stream_handle}
+
+    graph = torch.cuda.CUDAGraph()
+    with Engine(engine.device, stream=side_stream.cuda_stream) as borrowed:
+        DeviceBuffer.from_cuda_array(Produced(), borrowed)  # before the capture: a wait, as before
+        with torch.cuda.graph(graph, stream=side_stream):
+            with pytest.raises(CaptureError, match=r"is being captured and Produced's __cuda_array_interface__ names "
+                                                   r"stream 0x.*adopt the array before capturing"):
+                DeviceBuffer.from_cuda_array(Produced(), borrowed)
+            x.add_(1)
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+    assert x.tolist() == [2] * 8
+
+
 # -- tensors where buffers are taken ----------------------------------------------------------
 
 def test_tensors_are_adopted_kept_alive_and_checked(engine):
