@@ -23,6 +23,17 @@ MODEL = toy.ToyModel(seed=33, vocab=60, kv_mask=(True, False, True), noise_ppm=1
 SAMPLING = toy.ToySampling(temperature=0.8, floor=0.1, draft_temperature=1.4, draft_floor=0.2)
 
 
+def deciding(decide, **words):
+    """decider(handle, ran): the loop's decider over `words` (its buffers and B), a body of one
+    round, unpaced, as issued before the loop (ran 0) and at each body's end (ran 1)."""
+    def decider(handle, ran):
+        def issue():
+            decide.set(**words, handle=int(handle), ran=ran, body=1, paced=0)
+            decide()
+        return issue
+    return decider
+
+
 @pytest.fixture(scope="module")
 def spec(engine):
     return SpecKernels(engine)
@@ -375,12 +386,7 @@ def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec
     width = RING_TOKENS + bufs.ring_cap
     beside = engine.zeros(np.uint32, 1)
 
-    def decider(handle, ran):
-        def issue():
-            decide.set(ctl_d=ctl, pub_d=state.view(1, batch), acc_d=acc, B=batch, loop_d=loop_d, handle=int(handle),
-                       ran=ran, body=1, paced=0)
-            decide()
-        return issue
+    decider = deciding(decide, ctl_d=ctl, pub_d=state.view(1, batch), acc_d=acc, B=batch, loop_d=loop_d)
 
     def build(graph):
         handle = graph.handle()
@@ -434,12 +440,7 @@ def test_the_decider_ends_a_loop_at_its_cap_whatever_its_words_hold(engine, spec
     decide = load(engine, "device_loop").kernel("spec_loop_decide").prepare(grid=1, block=256)
     commit = spec.prepare_ring_commit(bufs)
 
-    def decider(handle, ran):
-        def issue():
-            decide.set(ctl_d=bufs.ctl_d, pub_d=published, acc_d=bufs.acc_d, B=batch, loop_d=loop_d,
-                       handle=int(handle), ran=ran, body=1, paced=0)
-            decide()
-        return issue
+    decider = deciding(decide, ctl_d=bufs.ctl_d, pub_d=published, acc_d=bufs.acc_d, B=batch, loop_d=loop_d)
 
     def build(graph):
         handle = graph.handle()
