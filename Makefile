@@ -20,7 +20,28 @@ PICK_TEST = py=$$(sh tools/pick-python test) || exit 1;
 WHEELS12 ?= cuda-python==12.6.2.post1 numpy==1.26.4
 SITE12   ?= /tmp/site12
 
-.PHONY: test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch pair pair-twice soak served ptx clean
+.PHONY: help test gpu-test gpu-test-cuda12 wheels-cuda12 sanitize racecheck demo bench bench-torch pair pair-twice soak served ptx clean
+
+# `make` alone lists the targets (it made .venv, the first rule's file, and said nothing).
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make test             lint, type-check, build the wheel and run the suite against it (GPU tests skip without a GPU)"
+	@echo "make demo             the toy model decoded speculatively on GPU 0, checked against its greedy output"
+	@echo "make gpu-test         the GPU suite from the tree (GPU_JOBS=N: in N processes; PYTEST_ARGS: more of pytest's)"
+	@echo "make gpu-test-cuda12  the GPU suite on the CUDA 12 bindings of .whl12/, which make wheels-cuda12 downloads"
+	@echo "make wheels-cuda12    the wheels of the lowest CUDA 12 bindings and numpy 1.26, into .whl12/"
+	@echo "make sanitize         the GPU suite under compute-sanitizer's memcheck, but the PyTorch tests"
+	@echo "make racecheck        the kernels' GPU tests under compute-sanitizer's racecheck"
+	@echo "make bench            benchmarks/bench.py on the GPU (BENCH_ARGS: its flags, --quick for a smoke run)"
+	@echo "make ptx              rebuild ptx/*.ptx from ptx/'s CUDA sources"
+	@echo "make clean            remove .venv and the caches"
+	@echo "With the torch extra and a GPU (a pair trains on the CPU too, slowly):"
+	@echo "make pair             train the target and draft the PyTorch benchmarks measure, or find them in .cache/pair/"
+	@echo "make pair-twice       train the pair twice and check that it reproduces"
+	@echo "make bench-torch      the PyTorch benchmarks: the pair, then the random-weight Llamas"
+	@echo "make served           the pair serving a request stream through B slots (SERVED_ARGS: its flags)"
+	@echo "make soak             5,000 requests through a server's slots, each checked (SOAK_ARGS: its flags)"
 
 $(VPY):
 	$(PYTHON) -m venv $(VENV)

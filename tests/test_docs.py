@@ -5,7 +5,8 @@ memra_cuda.errors, every name memra_cuda and memra_cuda.torch export named in a 
 name a page's python block imports there and every memra name it uses bound on the page, each
 kernel's parameters as a page writes them the signature table's, install lines that work from a
 checkout or a wheel, no address the project does not have, the toy page's ToyModel signature
-whole, and the Unreleased section's migration table for the calls the Geometry changed. CPU only:
+whole, the Unreleased section's migration table for the calls the Geometry changed, and `make`
+alone listing the Makefile's targets, each the README names among them. CPU only:
 it runs in every `make test`.
 """
 from __future__ import annotations
@@ -14,8 +15,11 @@ import ast
 import builtins
 import fnmatch
 import importlib
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -80,6 +84,26 @@ def code(path: Path) -> list[str]:
 def test_the_readme_is_at_most_120_lines():
     pages()
     assert len(lines(README)) <= 120, f"README.md has {len(lines(README))} lines: the details belong in docs/"
+
+
+def test_make_alone_says_what_each_target_the_readme_names_does():
+    """`make help` was no target, and `make` alone ran the first rule (made .venv) and said
+    nothing. Both list the Makefile's targets now, each the README names among them, a line each."""
+    pages()
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    phony = re.search(r"^\.PHONY: (.+)$", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M)
+    assert phony, "the Makefile lists no .PHONY targets"
+    targets = set(phony.group(1).split()) - {"help"}
+    others = README.read_text(encoding="utf-8").split("The Makefile's others", 1)[1].split("\n\n", 1)[0]
+    named = {"test", "demo", *re.findall(r"`([a-z][\w-]*)`", others)} - {"make help", "torch"}
+    assert named <= targets, f"the README names targets the Makefile does not have: {sorted(named - targets)}"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MAKE")}  # not `make test`'s
+    said = [subprocess.run(["make", "-s", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            for argv in ([], ["help"])]
+    assert said[0].returncode == 0 and said[0].stdout == said[1].stdout, said[0].stdout + said[0].stderr
+    listed = {line.split()[1] for line in said[1].stdout.splitlines() if line.startswith("make ")}
+    assert listed == targets, f"make help lists {sorted(listed)}, not the targets {sorted(targets)}"
 
 
 def test_no_docs_page_is_over_250_lines():
