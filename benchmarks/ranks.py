@@ -13,9 +13,10 @@ import argparse
 import json
 import sys
 
-from memra_cuda import Geometry
+from memra_cuda import Geometry, MemraError
 from memra_cuda.buffers.capacity import kv_capacity
 from memra_cuda.comm import Communicator
+from memra_cuda.driver.values import as_size
 from memra_cuda.testing.toy.lm import COST_8B_05B, ToyCost
 from memra_cuda.testing.toy.ranks import ToyPipelineStage, ToyRank, ToyTensorParallel
 
@@ -29,9 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("k", type=int, help="draft tokens per round")
     cli.add_argument("m_rounds", type=int, metavar="M", help="rounds per burst")
     args = cli.parse_args(argv)
-    comm = Communicator.from_env(timeout=60)
-    geometry = Geometry(args.k, args.m_rounds)
+    # the parser's errors, before the rank joins its peers (each was a traceback, TOKENS < 1 none till the rounds)
+    try:
+        as_size(args.tokens, "TOKENS", 1)
+    except ValueError as exc:
+        cli.error(str(exc))
+    try:
+        geometry = Geometry(args.k, args.m_rounds)
+    except ValueError as exc:  # its errors name k and m_rounds: the arguments are K and M
+        cli.error(f"K {args.k} M {args.m_rounds}: {exc}")
     capacity = kv_capacity(len(PROMPT), args.tokens, geometry)
+    try:
+        comm = Communicator.from_env(timeout=60)
+    except (ValueError, MemraError) as exc:  # no launcher's environment, no GPU, no NCCL: one line, no traceback
+        print(f"benchmarks.ranks: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
     kinds: tuple[tuple[type[ToyRank], str], ...] = ((ToyPipelineStage, "pipeline stages"),
                                                     (ToyTensorParallel, "tensor-parallel"))
     rows = []

@@ -261,7 +261,7 @@ def line(row: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.steps", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=writable, metavar="PATH", help="write the figures here")
     p.add_argument("--rows", type=lambda text: listed(text, range(len(ROWS)), int),
                    help="the rows to run, by index (0-based), comma-separated (default all)")

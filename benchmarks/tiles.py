@@ -172,7 +172,7 @@ def measure(shape_name: str, rows: Sequence[int], say: Callable[[str], None] = p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tiles", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=lambda text: listed(text, range(1, 17), int), default=ROWS,
                    help="the rows of each projection, comma-separated, each from 1 to 16 (default 5)")
     p.add_argument("--shape", choices=tuple(SHAPES), default="target 12 x 768", help="the model's shape (default "

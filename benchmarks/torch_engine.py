@@ -477,7 +477,8 @@ def bench_torch(quick: bool, sections: Sequence[str] = tuple(SECTIONS), json_pat
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="round-stream on memra_cuda.torch's decoders, some sections alone")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.torch_engine",
+                                     description="round-stream on memra_cuda.torch's decoders, some sections alone")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=writable, metavar="PATH",
                         help="also write the figures as JSON (and the trees' picture beside)")

@@ -104,8 +104,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
                      "add --temperature T")
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p) if args.temperature is not None else None
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValueError as exc:  # its errors name temperature, top_k and top_p: the options are these
+        parser.error(f"--temperature {args.temperature} --top-k {args.top_k} --top-p {args.top_p}: {exc}")
     return args, sampling
 
 

@@ -131,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     if outside:
         cli.error(f"--prompt takes token ids from 0 to {VOCAB - 1}, not {' '.join(map(str, outside))}")
     try:
-        geometry = Geometry(args.k, args.m_rounds)  # its errors name k and m_rounds, --k and --m-rounds
-        # the caches' positions are i32s (a KVLayer's count): past them, KVLayer refused the caches only after the
-        # engine had compiled the model and been asked for them (tens of GB), a traceback
+        geometry = Geometry(args.k, args.m_rounds)
+    except ValueError as exc:  # its errors name k and m_rounds, as the demo's: the options are --k and --m-rounds
+        cli.error(f"--k {args.k} --m-rounds {args.m_rounds}: {exc}")
+    try:  # the caches' positions are i32s (a KVLayer's count): past them, KVLayer refused the caches only after
+        # the engine had compiled the model and been asked for them (tens of GB), a traceback
         i32_kv_capacity(len(args.prompt), args.tokens, geometry, overlap=args.mode == "overlap", what="--tokens")
     except ValueError as exc:
         cli.error(str(exc))

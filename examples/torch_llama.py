@@ -26,6 +26,10 @@ the `torch` extra and an NVIDIA GPU: without them, says so in one line (exit sta
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+if __package__:  # python -m examples.NAME: the examples' own modules beside it, as a script finds them
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
 from _cli import command_line, describe, finish, models, parse, requests
@@ -40,9 +44,11 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"serve N requests continuously through the --batch slots, at most {MAX_BATCH} "
                         "(default: one batch, every row started together)")
     args, sampling = parse(parser, argv)
-    if args.serve is not None and (args.serve < 1 or args.mode in ("overlap", "device")):
-        parser.error("--serve takes N >= 1 requests, in any mode but overlap and device (they keep two bursts in "
-                     "flight, or run a whole generation in one launch)")
+    if args.serve is not None and args.serve < 1:
+        parser.error(f"--serve takes at least 1 request, not {args.serve}")
+    if args.serve is not None and args.mode in ("overlap", "device"):
+        parser.error("--serve runs in any mode but overlap and device (they keep two bursts in flight, or run a whole "
+                     "generation in one launch)")
     # --serve's most is the largest batch's rows, what the example builds without it (one a row): every
     # request is built before the first runs (requests()), and --serve 10**9 built them till memory ran out
     if args.serve is not None and args.serve > MAX_BATCH:

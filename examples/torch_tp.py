@@ -26,6 +26,10 @@ import argparse
 import os
 import shlex
 import sys
+from pathlib import Path
+
+if __package__:  # python -m examples.NAME: the examples' own modules beside it, as a script finds them
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
 from _cli import sizes

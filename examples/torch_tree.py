@@ -21,6 +21,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+if __package__:  # python -m examples.NAME: the examples' own modules beside it, as a script finds them
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import _needs  # before torch: says in one line, and exits, where torch or transformers is missing
 from _cli import command_line, describe, finish, models, parse, requests
 
@@ -63,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             tree = parse_tree(args.tree)
-        except ValueError as exc:
-            parser.error(str(exc))
+        except ValueError as exc:  # named by the option: "size must be ..." named none
+            parser.error(f"--tree {args.tree}: {exc}")
     try:  # the decoder's refusals, before any model is built: each was a traceback after it
         if sampling is not None:
             tree.check_sampled()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,18 @@ def test_each_benchmark_program_prints_its_whole_description_with_help(program):
     assert doc and " ".join(doc.split()) in " ".join(run.stdout.split())
 
 
+@pytest.mark.parametrize("program", ["benchmarks.steps", "benchmarks.tiles", "benchmarks.torch_engine"])
+def test_a_pytorch_benchmarks_usage_says_how_it_is_run(program):
+    """Their usage named the file ("usage: steps.py"), which runs only as a module of the
+    checkout (its relative imports): `python -m PROGRAM`, as the others' usage says."""
+    for name in ("torch", "transformers"):
+        pytest.importorskip(name, reason="the PyTorch benchmarks need torch, transformers and tokenizers")
+    root = Path(benchmarks.__file__).absolute().parents[1]
+    run = subprocess.run([sys.executable, "-m", program, "--help"], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith(f"usage: python -m {program} "), run.stdout + run.stderr
+
+
 @pytest.mark.parametrize("argv, error", [
     (["--sections", "headline"], "give --only torch with it"),
     (["--only", "torch", "--sections", "headline,bogus"], "not 'headline,bogus'")])
@@ -35,6 +48,21 @@ def test_the_torch_sections_are_refused_before_any_gpu_is_asked_for_unless_they_
     run = subprocess.run([sys.executable, "-m", "benchmarks.bench", *argv], cwd=root, capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 2 and error in run.stderr, run.stderr
+
+
+def test_ranks_refuses_its_sizes_and_a_missing_launcher_without_a_traceback():
+    """bench.py prints a failed rank's stderr: each was a traceback (Geometry's, Ranks.from_env's
+    ValueError), and TOKENS < 1 was taken. Its sizes are the parser's errors, before the rank joins
+    its peers; no launcher's environment (or no GPU, no NCCL) is one line, exit status 1."""
+    root = Path(benchmarks.__file__).absolute().parents[1]
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
+    for argv, status, said in ((["0", "4", "16"], 2, "error: TOKENS must be an int of at least 1, not 0"),
+                               (["8", "-1", "16"], 2, "error: K -1 M 16: k must be an int of at least 0, not -1"),
+                               (["8", "4", "0"], 2, "error: K 4 M 0: m_rounds must be an int of at least 1, not 0"),
+                               (["8", "4", "16"], 1, "benchmarks.ranks: a rank's environment names RANK and WORLD")):
+        run = subprocess.run([sys.executable, "-m", "benchmarks.ranks", *argv], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == status and said in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 def test_torch_engine_refuses_a_section_named_twice_before_any_gpu_is_asked_for():

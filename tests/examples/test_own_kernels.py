@@ -28,8 +28,9 @@ def own_kernels(monkeypatch):
 def test_options_out_of_range_are_usage_errors_before_any_engine(own_kernels, capsys):
     for argv, message in ((["--prompt", "17", "1000"], "--prompt takes token ids from 0 to 999, not 1000"),
                           (["--prompt", "-1", "5", "4000"], "--prompt takes token ids from 0 to 999, not -1 4000"),
-                          (["--k", "-1"], "k must be an int of at least 0, not -1"),
-                          (["--m-rounds", "0"], "m_rounds must be an int of at least 1, not 0"),
+                          # named by the options, as the demo's are (they were "k must be ...": no option's name)
+                          (["--k", "-1"], "--k -1 --m-rounds 8: k must be an int of at least 0, not -1"),
+                          (["--m-rounds", "0"], "--k 4 --m-rounds 0: m_rounds must be an int of at least 1, not 0"),
                           (["--tokens", "-2"], "--tokens must be an int of at least 0, not -2"),
                           # an engine was made, and the model compiled, for caches past an i32's positions
                           (["--tokens", str(2**31)], f"--tokens {2**31} needs a KV cache of 2147483692 entries in "

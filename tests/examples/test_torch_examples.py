@@ -69,6 +69,8 @@ def test_the_examples_share_their_command_line_and_its_refusals(cli, capsys):
     refused = {("--state-rollback", "flip"): "add --hybrid", ("--draft", "d"): "add --model DIR",
                ("--prompt", "x"): "add --model DIR", ("--model", "m", "--hybrid"): "leave out --model",
                ("--temperature", "0"): "temperature must be finite", ("--draft-layers", "0"): "at least one layer",
+               # sampling's refusals named by the options (they were SamplingParams' words alone: "top_p must be")
+               ("--temperature", "1", "--top-p", "2"): "--temperature 1.0 --top-k 0 --top-p 2.0: top_p must be in",
                ("--top-k", "5"): "add --temperature T", ("--top-p", "0.9"): "add --temperature T",
                ("--batch", "0"): "--batch takes at least 1, not 0", ("--tokens", "-1"): "--tokens takes at least 0",
                ("--m-rounds", "0"): "--m-rounds takes at least 1, not 0",
@@ -155,6 +157,11 @@ def test_serve_takes_at_most_as_many_requests_as_a_batch_has_rows_at_parsing(cli
             llama.main(["--serve", str(serve)])
         assert refused.value.code == 2
         assert f"--serve takes at most {MAX_BATCH} requests" in capsys.readouterr().err
+    for serve in ("0", "-2"):  # the least by itself (said with the modes it refuses: "N >= 1 ..., in any mode")
+        with pytest.raises(SystemExit) as refused:
+            llama.main(["--serve", serve])
+        assert refused.value.code == 2
+        assert f"error: --serve takes at least 1 request, not {serve}\n" in capsys.readouterr().err
     with pytest.raises(Parsed):
         llama.main(["--serve", str(MAX_BATCH), "--batch", "8"])
 
@@ -190,9 +197,26 @@ def test_a_tree_the_decoder_would_refuse_is_refused_before_any_model_is_built(to
     M a burst overrun a ring, was TreeLlama's refusal, a traceback after both models were built;
     the parser's error now (exit 2; this machine has no GPU to build them on)."""
     for argv, said in ((["--tree", "dynamic:2,4,9", "--temperature", "0.7"], "a sampled node draws at most 8"),
-                       (["--tree", "dynamic:3,4,2", "--m-rounds", str(2**30)], "m_rounds must be at most")):
+                       (["--tree", "dynamic:3,4,2", "--m-rounds", str(2**30)], "m_rounds must be at most"),
+                       # a tree parse_tree refuses, named by the option ("size must be ..." named none)
+                       (["--tree", "static:0"], "--tree static:0: size must be an int of at least 1, not 0"),
+                       (["--tree", "bogus"], "--tree bogus: a tree is \"static:N[,DEPTH]\"")):
         done = run_example("torch_tree.py", *argv, cwd=tmp_path)
         assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", ["torch_llama", "torch_tree", "torch_tp"])
+def test_an_example_runs_as_a_module_of_the_checkout_too(torch_stack, name):
+    """python -m examples.NAME from the checkout's root, as the benchmarks and the demo run: the
+    PyTorch examples met ModuleNotFoundError for _needs, their own module beside them."""
+    checkout = EXAMPLES.parent  # python's first path under -m: `examples` is found there
+    done = subprocess.run([sys.executable, "-m", f"examples.{name}", "--help"], cwd=checkout, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "usage: " in done.stdout and "--batch" in done.stdout, done.stderr
+    done = subprocess.run([sys.executable, "-m", f"examples.{name}", "--batch", "0"], cwd=checkout,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--batch takes at least 1, not 0" in done.stderr, done.stderr
 
 
 # -- what is missing, in one line -------------------------------------------------------------
