@@ -7,6 +7,12 @@ speculation), `buffers` (the device state of a burst and the tables a round roll
 `kernels` (the launchers of the committed PTX), `rounds` (a round as an object, RoundStream's
 modes, the device loop), `comm` (NCCL ranks) and, at the edge, `torch` (the PyTorch engine)
 and `testing` (the kernels' numpy contract and the toy model). Every error: `errors`.
+
+New here: the README's quick start (the toy model decoded on GPU 0; `python -m memra_cuda` runs
+it as a demo), then docs/README.md, which orders the contract's pages: docs/model-side.md (what
+your model supplies), docs/round-stream.md and docs/buffers.md (what runs it); a PyTorch engine
+starts at docs/torch.md (`memra_cuda.torch`). The pages are the checkout's docs/, and an
+installed wheel carries them as memra_cuda/docs/.
 """
 from .buffers.acceptance import Greedy, Sampling
 from .buffers.capacity import UNCHECKED, kv_capacity

@@ -106,6 +106,40 @@ def test_the_face_is_what_a_user_needs_each_name_documented_and_no_builtin_shado
     assert not undocumented, undocumented
 
 
+@pytest.mark.parametrize("package", ["memra_cuda", "memra_cuda.torch"])
+def test_what_an_exported_class_offers_is_documented(package):
+    """help() on a class of the face shows a line for each public method and property: those of
+    memra_cuda's own classes had none for DeviceBuffer.ptr, nbytes and owns_memory, Stream.closed,
+    the trees' nodes and depth, FlipState's methods and others. Inherited ones count (CopyState's
+    store is LiveState's)."""
+    import importlib
+    import inspect
+
+    if package == "memra_cuda.torch":
+        pytest.importorskip("torch", reason="needs PyTorch (pip install '.[torch]' in the checkout)")
+    module = importlib.import_module(package)
+    bare = []
+    for name in module.__all__:
+        cls = getattr(module, name)
+        if not inspect.isclass(cls):
+            continue
+        for attr in dir(cls):
+            owner = next((k for k in cls.__mro__ if attr in vars(k)), None)
+            if attr.startswith("_") or owner is None or not owner.__module__.startswith("memra_cuda"):
+                continue
+            found = inspect.getattr_static(cls, attr)
+            if isinstance(found, property):
+                doc = next((p.__doc__ for k in cls.__mro__ if isinstance(p := vars(k).get(attr), property)
+                            and p.__doc__), None)
+            elif isinstance(found, (staticmethod, classmethod)) or inspect.isfunction(found):
+                doc = inspect.getdoc(getattr(cls, attr))
+            else:
+                continue
+            if not (doc or "").strip():
+                bare.append(f"{name}.{attr}")
+    assert not bare, f"undocumented: {bare}"
+
+
 def test_no_deprecation_layer_is_left():
     """Issue 39, item 2: 0.3.0 dropped every alias, moved-name hook, legacy parameter and
     deprecated method (CHANGELOG.md has the migration table); none may creep back."""

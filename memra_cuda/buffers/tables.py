@@ -46,6 +46,7 @@ class KVLayer:
 
     @property
     def batch(self) -> int:
+        """The sequences (rows) the layer holds: one length each in `len_d`."""
         return self.len_d.len
 
     @classmethod
@@ -341,6 +342,7 @@ class StateLayer:
 
     @property
     def batch(self) -> int:
+        """The rows the state holds: `live_d`'s words, `row_words` a row."""
         return self.live_d.len // self.row_words
 
 

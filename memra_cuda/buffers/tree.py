@@ -174,14 +174,17 @@ class TreeShape:
 
     @property
     def nodes(self) -> int:
+        """The tree's nodes, the root included: T + 1."""
         return len(self.parent)
 
     @property
     def depths(self) -> tuple[int, ...]:
+        """Each node's depth, in level order: the root's 0."""
         return self._depths  # type: ignore[attr-defined]
 
     @property
     def depth(self) -> int:
+        """The deepest node's depth: the most drafts a round can accept a row."""
         return self.depths[-1]
 
     @property
@@ -264,10 +267,12 @@ class DynamicTree:
 
     @property
     def nodes(self) -> int:
+        """The tree's nodes, the root included: depth x width + 1."""
         return self.depth * self.width + 1
 
     @property
     def levels(self) -> tuple[tuple[int, int], ...]:
+        """(start, stop) of each depth's nodes, depth 0 (the root) first, then `width` a level."""
         return ((0, 1), *((1 + d * self.width, 1 + (d + 1) * self.width) for d in range(self.depth)))
 
     @property
@@ -279,9 +284,11 @@ class DynamicTree:
 
     @property
     def draws(self) -> int:
+        """Candidates a node must offer: `branch`."""
         return self.branch
 
     def check_sampled(self) -> None:
+        """A sampled node draws its `branch` children, at most MAX_TREE_DRAWS."""
         if self.branch > MAX_TREE_DRAWS:
             raise ValueError(f"a sampled node draws at most {MAX_TREE_DRAWS} children: branch {self.branch}")
 
@@ -361,6 +368,7 @@ class TreeBufs:
 
     @property
     def batch(self) -> int:
+        """The rows, B: those of `bufs`."""
         return self.bufs.batch
 
     @property

@@ -69,6 +69,9 @@ class DeviceBuffer(Handle):
 
     @classmethod
     def allocate(cls, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None) -> DeviceBuffer:
+        """A new buffer of `length` elements of `dtype` in the engine's device memory (cuMemAlloc),
+        owned: released by free(), a `with` block or its collection. Refused inside a capture.
+        engine.alloc (and zeros) is the usual way to it."""
         dtype, length = device_dtype(dtype), as_size(length, "length")
         ctx, ptr = device_allocation(engine, length * dtype.itemsize)
         buf = cls(ptr, dtype, length, engine=engine, label=label)
@@ -149,10 +152,13 @@ class DeviceBuffer(Handle):
 
     @property
     def freed(self) -> bool:
+        """Whether this buffer, or the buffer it is a view of, was freed."""
         return self._freed or (self._base is not None and self._base._freed)
 
     @property
     def ptr(self) -> int:
+        """The device address: ValueError once freed, or where an adopted tensor no longer holds
+        this memory (from_cuda_array)."""
         if self._refusal is not None:
             raise ValueError(self._refusal)
         owner = self._base or self
@@ -165,10 +171,13 @@ class DeviceBuffer(Handle):
 
     @property
     def nbytes(self) -> int:
+        """The size in bytes: `len` elements of `dtype`."""
         return self.len * self.dtype.itemsize
 
     @property
     def owns_memory(self) -> bool:
+        """Whether this buffer releases its memory (allocate's, engine.alloc's): a view, and
+        memory wrapped or adopted (wrap, from_cuda_array), own none."""
         return self._finalizer is not None
 
     @property
@@ -315,11 +324,13 @@ class PinnedBuffer(Handle):
 
     @property
     def ptr(self) -> int:
+        """The host address of the pinned memory: ValueError once freed."""
         self._usable()
         return self._ptr
 
     @property
     def nbytes(self) -> int:
+        """The size in bytes: `len` elements of `dtype`."""
         return self.len * self.dtype.itemsize
 
     def names(self, handle: Handle) -> bool:

@@ -42,6 +42,7 @@ class Handle:
 
     @property
     def freed(self) -> bool:
+        """Whether free() has run: every use is refused from then on (ValueError)."""
         return self._freed
 
     def free(self) -> None:

@@ -104,6 +104,7 @@ class Stream(Handle):
 
     @property
     def device(self) -> int:
+        """The ordinal of the device this stream's context is on (0: the first GPU)."""
         return self.ctx.device
 
     @property
@@ -144,6 +145,7 @@ class Stream(Handle):
 
     @property
     def closed(self) -> bool:
+        """Whether close() (or free()) has run: the stream refuses every use from then on."""
         return self._freed
 
     def activate(self) -> PrimaryContext:

@@ -141,22 +141,29 @@ class FlipState:
         self.tokens = torch.arange(k + 1, device=device)  # a forward's token i writes its bank's slot i
 
     def begin(self) -> None:
+        """From the slot index, once a forward: the slot each row reads (the state its index
+        points at) and the slots it writes (the other bank's)."""
         index = self.index.long() % 2**32  # the u32 the rollback kernel reads, garbage included
         bank = (index // (self.k + 1)).clamp(max=1)
         self.reading = bank * (self.k + 1) + index % (self.k + 1)  # [B]
         self.writing = (1 - bank)[:, None] * (self.k + 1) + self.tokens  # [B][k+1]
 
     def read(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s state of every row before the forward: the slot its index points at."""
         return self.slots[layer, self.rows, self.reading]
 
     def store(self, layer: int, token: int, state: torch.Tensor) -> None:
+        """The state after token `token` of the forward, every row, into its slot of the bank it
+        does not read."""
         self.slots[layer, self.rows, self.writing[:, token]] = state
 
     def reset(self, rows: torch.Tensor) -> None:
+        """Zero state for a new request in each of `rows`: slot 0 zeroed, the index at it."""
         self.slots[:, rows, 0] = 0
         self.index[rows] = 0
 
     def set_prompt(self, layer: int, rows: torch.Tensor, state: torch.Tensor) -> None:
+        """Each of `rows` starts from `state` (its prompt's, [rows][...]), in slot 0."""
         self.slots[layer, rows, 0] = state
 
     def table(self, engine: Engine) -> StateIndexTable:
