@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             tree = parse_tree(args.tree)
-        except ValueError as exc:  # named by the option: "size must be ..." named none
-            parser.error(f"--tree {args.tree}: {exc}")
+        except ValueError as exc:  # named by the option: "size must be ..." named none; parse_tree knows no auto
+            parser.error(f'--tree {args.tree}: {exc} (or "auto", the pick measured fastest)')
     try:  # the decoder's refusals, before any model is built: each was a traceback after it
         if sampling is not None:
             tree.check_sampled()

@@ -200,7 +200,8 @@ def test_a_tree_the_decoder_would_refuse_is_refused_before_any_model_is_built(to
                        (["--tree", "dynamic:3,4,2", "--m-rounds", str(2**30)], "m_rounds must be at most"),
                        # a tree parse_tree refuses, named by the option ("size must be ..." named none)
                        (["--tree", "static:0"], "--tree static:0: size must be an int of at least 1, not 0"),
-                       (["--tree", "bogus"], "--tree bogus: a tree is \"static:N[,DEPTH]\"")):
+                       (["--tree", "bogus"], "--tree bogus: a tree is \"static:N[,DEPTH]\""),
+                       (["--tree", "bogus"], '(or "auto", the pick measured fastest)')):  # which parse_tree knows not
         done = run_example("torch_tree.py", *argv, cwd=tmp_path)
         assert done.returncode == 2 and said in done.stderr, done.stderr
 
