@@ -116,9 +116,9 @@ class PrimaryContext:
 
     def reached(self, event: Any) -> bool:
         """Whether the stream `event` (a CUevent of this context) was recorded on has run up to it,
-        without waiting: cuEventQuery, whose NOT_READY is an answer, not a failure. Asked with the
-        thread's capture mode relaxed, as a release is (finalize): a deferred release of borrowed
-        memory (release.py) asks from a collection, inside anyone's capture."""
+        without waiting: cuEventQuery, whose NOT_READY is an answer, not a failure; Event.query's
+        and a deferred release's of borrowed memory. Asked with the thread's capture mode relaxed,
+        as a release is (finalize): release.py asks from a collection, inside anyone's capture."""
         if self.fault is not None:
             raise self.fault.again("cuEventQuery")
         drv = driver()

@@ -59,16 +59,7 @@ class Event(Handle):
     def query(self) -> bool:
         """Whether the stream has reached the last record(), without waiting."""
         self._usable()
-        drv = driver()
-        ctx = self.engine.activate()
-        if ctx.fault is not None:
-            raise ctx.fault.again("cuEventQuery")
-        (err,) = drv.cuEventQuery(self._handle)  # NOT_READY is an answer, not a failure
-        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        if err:
-            raise ctx.failure(err, "cuEventQuery")
-        return True
+        return self.engine.activate().reached(self._handle)
 
     def elapsed_ms(self, start: Event) -> float:
         """Device milliseconds from `start` to this event (both recorded, this one waited for)."""

@@ -318,12 +318,18 @@ class Stream(Handle):
             return None
         ctx = self.activate()
         with relaxed_capture():
-            event = ctx.call("cuEventCreate", int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING))
-            try:
-                ctx.call("cuEventRecord", event, self._stream)
-            except BaseException:
-                ctx.finalize("cuEventDestroy", event)
-                raise
+            return self._recorded(ctx, self._stream)
+
+    @staticmethod
+    def _recorded(ctx: PrimaryContext, stream: Any) -> Any:
+        """A new event (no timing) recorded at the end of `stream` now, the caller's to destroy;
+        destroyed here where the record fails."""
+        event = ctx.call("cuEventCreate", int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        try:
+            ctx.call("cuEventRecord", event, stream)
+        except BaseException:
+            ctx.finalize("cuEventDestroy", event)
+            raise
         return event
 
     def _order(self, first: Any, then: Any) -> None:
@@ -332,9 +338,8 @@ class Stream(Handle):
         if _same_stream(int(first), int(then)):
             return
         ctx = self.activate()
-        event = ctx.call("cuEventCreate", int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        event = self._recorded(ctx, first)
         try:
-            ctx.call("cuEventRecord", event, first)
             ctx.call("cuStreamWaitEvent", then, event, 0)
         finally:
             ctx.call("cuEventDestroy", event)  # released once the wait is satisfied
