@@ -311,10 +311,11 @@ class StreamBufs:
     def _committed(self, committed: int | Sequence[int] | np.ndarray) -> np.ndarray:
         """The rows' committed counts as int64 [B], one a row (a lone count for a batch of one),
         each checked as per_row checks a row's value: numpy's int64 cast truncated 3.9 to 3, read
-        "5" as 5 and took -2, each a statistic silently wrong."""
-        one_a_row = row_values(committed, self.batch, "committed")[1]
-        return np.array(per_row(committed if one_a_row else [committed], self.batch, "committed",
-                                optional=False), np.int64)
+        "5" as 5 and took -2, each a statistic silently wrong. Read once (row_values): an array's
+        tolist() is a copy to the host, a tensor's a device sync."""
+        given, one_a_row = row_values(committed, self.batch, "committed")
+        return np.array(per_row(given if one_a_row else [committed], self.batch, "committed", optional=False),
+                        np.int64)
 
     def buffers(self) -> dict[str, DeviceBuffer]:
         """The device fields by name (windows of one allocation), in their order in it."""
