@@ -81,6 +81,11 @@ def code(path: Path) -> list[str]:
     return spans
 
 
+def python_blocks(page: Path) -> list[str]:
+    """The text of each ```python block of a page, in order."""
+    return re.findall(r"^```python\s*\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S)
+
+
 def test_the_readme_is_at_most_120_lines():
     pages()
     assert len(lines(README)) <= 120, f"README.md has {len(lines(README))} lines: the details belong in docs/"
@@ -320,8 +325,7 @@ def test_the_pages_python_blocks_import_what_exists():
     """Every name a ```python block of docs/ imports from memra_cuda is there (the README's blocks
     are tests/test_readme_gpu.py's): a name renamed or moved fails here, not in a newcomer's first
     paste. A module that needs torch is read from its source's `__all__`, so no torch is needed."""
-    blocks = [(page.name, block) for page in pages()
-              for block in re.findall(r"^```python\s*\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S)]
+    blocks = [(page.name, block) for page in pages() for block in python_blocks(page)]
     imports = [(name, statement) for name, block in blocks for line in block.splitlines()
                if line.startswith(("from memra_cuda", "import memra_cuda"))
                for statement in ast.parse(line).body]
@@ -370,7 +374,7 @@ def test_the_pages_python_blocks_bind_the_memra_names_they_use():
     unbound, read = [], 0
     for page in pages():
         bound = set(dir(builtins))
-        for block in re.findall(r"^```python\s*\n(.*?)^```", page.read_text(encoding="utf-8"), re.M | re.S):
+        for block in python_blocks(page):
             try:
                 tree = ast.parse(block)
             except SyntaxError:

@@ -15,13 +15,19 @@ import pytest
 
 import benchmarks
 
+ROOT = Path(benchmarks.__file__).absolute().parents[1]  # where this run found `benchmarks`
+
+
+def helped(program: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -m PROGRAM --help` from the checkout's root."""
+    return subprocess.run([sys.executable, "-m", program, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
 
 @pytest.mark.parametrize("program", ["benchmarks.bench", "benchmarks.ranks", "benchmarks.headline", "benchmarks.soak",
                                      "benchmarks.served", "benchmarks.pair_twice", "benchmarks.launches"])
 def test_each_benchmark_program_prints_its_whole_description_with_help(program):
-    root = Path(benchmarks.__file__).absolute().parents[1]  # where this run found `benchmarks`
-    run = subprocess.run([sys.executable, "-m", program, "--help"], cwd=root, capture_output=True, text=True,
-                         timeout=60)
+    run = helped(program)
     assert run.returncode == 0 and not run.stderr, run.stderr
     assert run.stdout.startswith(f"usage: python -m {program} "), run.stdout
     doc = importlib.import_module(program).__doc__
@@ -34,9 +40,7 @@ def test_a_pytorch_benchmarks_usage_says_how_it_is_run(program):
     checkout (its relative imports): `python -m PROGRAM`, as the others' usage says."""
     for name in ("torch", "transformers"):
         pytest.importorskip(name, reason="the PyTorch benchmarks need torch, transformers and tokenizers")
-    root = Path(benchmarks.__file__).absolute().parents[1]
-    run = subprocess.run([sys.executable, "-m", program, "--help"], cwd=root, capture_output=True, text=True,
-                         timeout=120)
+    run = helped(program, timeout=120)
     assert run.returncode == 0 and run.stdout.startswith(f"usage: python -m {program} "), run.stdout + run.stderr
 
 
@@ -44,8 +48,7 @@ def test_a_pytorch_benchmarks_usage_says_how_it_is_run(program):
     (["--sections", "headline"], "give --only torch with it"),
     (["--only", "torch", "--sections", "headline,bogus"], "not 'headline,bogus'")])
 def test_the_torch_sections_are_refused_before_any_gpu_is_asked_for_unless_they_name_sections(argv, error):
-    root = Path(benchmarks.__file__).absolute().parents[1]
-    run = subprocess.run([sys.executable, "-m", "benchmarks.bench", *argv], cwd=root, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "benchmarks.bench", *argv], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 2 and error in run.stderr, run.stderr
 
@@ -54,13 +57,12 @@ def test_ranks_refuses_its_sizes_and_a_missing_launcher_without_a_traceback():
     """bench.py prints a failed rank's stderr: each was a traceback (Geometry's, Ranks.from_env's
     ValueError), and TOKENS < 1 was taken. Its sizes are the parser's errors, before the rank joins
     its peers; no launcher's environment (or no GPU, no NCCL) is one line, exit status 1."""
-    root = Path(benchmarks.__file__).absolute().parents[1]
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
     for argv, status, said in ((["0", "4", "16"], 2, "error: TOKENS must be an int of at least 1, not 0"),
                                (["8", "-1", "16"], 2, "error: K -1 M 16: k must be an int of at least 0, not -1"),
                                (["8", "4", "0"], 2, "error: K 4 M 0: m_rounds must be an int of at least 1, not 0"),
                                (["8", "4", "16"], 1, "benchmarks.ranks: a rank's environment names RANK and WORLD")):
-        run = subprocess.run([sys.executable, "-m", "benchmarks.ranks", *argv], cwd=root, env=env,
+        run = subprocess.run([sys.executable, "-m", "benchmarks.ranks", *argv], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=60)
         assert run.returncode == status and said in run.stderr and "Traceback" not in run.stderr, run.stderr
 
@@ -68,8 +70,7 @@ def test_ranks_refuses_its_sizes_and_a_missing_launcher_without_a_traceback():
 def test_torch_engine_refuses_a_section_named_twice_before_any_gpu_is_asked_for():
     """It ran twice, a whole section measured again, its first figures dropped from the report.
     Refused by listed, as bench.py's --sections are."""
-    root = Path(benchmarks.__file__).absolute().parents[1]
-    run = subprocess.run([sys.executable, "-m", "benchmarks.torch_engine", "trees", "trees"], cwd=root,
+    run = subprocess.run([sys.executable, "-m", "benchmarks.torch_engine", "trees", "trees"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and ("sections: a comma-separated list of headline, one_request, batches, serving, "
                                     "hybrid, trees, tree_costs, each once, not 'trees,trees'") in run.stderr, run.stderr
@@ -81,9 +82,8 @@ def test_torch_engine_refuses_a_section_named_twice_before_any_gpu_is_asked_for(
 def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(program, tmp_path):
     """Each opened --json only once its figures were in: a folder, or a file in none, was an
     IsADirectoryError or FileNotFoundError minutes (pair_twice: two trainings) into the run."""
-    root = Path(benchmarks.__file__).absolute().parents[1]
     for path in (tmp_path, tmp_path / "missing" / "figures.json"):
-        run = subprocess.run([sys.executable, "-m", program, "--json", str(path)], cwd=root, capture_output=True,
+        run = subprocess.run([sys.executable, "-m", program, "--json", str(path)], cwd=ROOT, capture_output=True,
                              text=True, timeout=60)
         want = f"--json: a file to write, in a folder that exists, not '{path}'"
         assert run.returncode == 2 and want in run.stderr, run.stderr
@@ -92,10 +92,9 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(program, t
 @pytest.mark.parametrize("program", ["benchmarks.headline", "benchmarks.served"])
 def test_a_pair_that_is_no_trained_pair_is_refused_before_any_gpu_is_asked_for(program, tmp_path):
     """Refused after the GPU check, as the run opened the pair (a traceback from load_pair's FileNotFoundError)."""
-    root = Path(benchmarks.__file__).absolute().parents[1]
     (tmp_path / "file").write_text("x")
     for path in (tmp_path / "missing", tmp_path / "file", tmp_path):
-        run = subprocess.run([sys.executable, "-m", program, "--pair", str(path)], cwd=root, capture_output=True,
+        run = subprocess.run([sys.executable, "-m", program, "--pair", str(path)], cwd=ROOT, capture_output=True,
                              text=True, timeout=60)
         assert run.returncode == 2 and f"--pair: {path} is not a trained pair" in run.stderr, run.stderr
 
@@ -128,8 +127,7 @@ def one_line_refusal(run: subprocess.CompletedProcess, program: str) -> str:
 @pytest.mark.parametrize("program, argv, also", [*TORCH_PROGRAMS, ("benchmarks.pair", [], "tokenizers")])
 def test_a_pytorch_benchmark_without_torch_says_so_in_one_line(program, argv, also):
     """Each died with an import's ModuleNotFoundError traceback (pair.py's at its import of tokenizers)."""
-    root = Path(benchmarks.__file__).absolute().parents[1]
-    run = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, program, *argv], cwd=root, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, program, *argv], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     line = one_line_refusal(run, program)
     assert "no module named 'torch'" in line and also in line and "[torch]" in line, line
@@ -147,8 +145,7 @@ def test_a_pytorch_benchmark_without_a_gpu_says_so_in_one_line(program, argv, al
     import torch
     if torch.cuda.is_available():
         pytest.skip("torch reaches a GPU here: the programs would measure on it")
-    root = Path(benchmarks.__file__).absolute().parents[1]
-    run = subprocess.run([sys.executable, "-m", program, *argv], cwd=root, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", program, *argv], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert one_line_refusal(run, program).startswith(f"{program}: no GPU to measure on: PyTorch ")
 

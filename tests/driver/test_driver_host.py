@@ -426,6 +426,18 @@ def closed_stream_stand_in(handle: int) -> Stream:
     return stream
 
 
+def owned_stream(handle: int, cu_stream: object = None) -> tuple[Stream, Releases]:
+    """A Stream owning its stream, without a driver: `cu_stream` its CUstream (`handle` where not
+    given), whose destroy is recorded (Releases); its last work taken as finished."""
+    stream, released = Stream.__new__(Stream), Releases()
+    stream.ctx = types.SimpleNamespace(device=0, fault=None)
+    stream._stream = handle if cu_stream is None else cu_stream
+    stream._stream_handle, stream.synchronize = handle, lambda: None
+    stream._stream_owner = None
+    stream._own(released, "cuStreamDestroy", stream._stream)
+    return stream, released
+
+
 def test_a_closed_stream_hands_out_no_handle():
     """A closed stream's handle is destroyed, and the driver may give it to the next stream made:
     __cuda_stream__() handed it out still, so another engine's wait on the closed one (which
@@ -445,11 +457,7 @@ def test_a_closed_stream_or_a_freed_event_refuses_its_raw_handle_and_is_released
     driver: stand-ins whose release is recorded.)"""
     from memra_cuda.driver.event import Event
 
-    stream, released = Stream.__new__(Stream), Releases()
-    stream.ctx = types.SimpleNamespace(device=0, fault=None)
-    stream._stream, stream._stream_handle, stream.synchronize = "CUstream 0x5000", 0x5000, lambda: None
-    stream._stream_owner = None
-    stream._own(released, "cuStreamDestroy", stream._stream)
+    stream, released = owned_stream(0x5000, "CUstream 0x5000")
     assert (stream.stream, stream.stream_handle) == ("CUstream 0x5000", 0x5000)
     stream.close()
     assert released.calls == [("cuStreamDestroy", "CUstream 0x5000")]
@@ -476,19 +484,11 @@ def test_a_stream_whose_handle_was_handed_out_is_destroyed_only_once_collected(m
     as before. (No driver: stand-in contexts, the destroy counted.)"""
     import memra_cuda.driver.stream as stream_module
 
-    def owned(handle: int) -> tuple[Stream, Releases]:
-        stream, released = Stream.__new__(Stream), Releases()
-        stream.ctx = types.SimpleNamespace(device=0, fault=None)
-        stream._stream_handle, stream.synchronize = handle, lambda: None
-        stream._stream_owner = None
-        stream._own(released, "cuStreamDestroy", handle)
-        return stream, released
-
-    stream, released = owned(0x5000)
+    stream, released = owned_stream(0x5000)
     assert handle_of(stream) == 0x5000
     stream.close()
     assert released.calls == [("cuStreamDestroy", 0x5000)], "read for a wait only: destroyed at close()"
-    stream, released = owned(0x6000)
+    stream, released = owned_stream(0x6000)
     consumer = [stream]  # what cuda.core's Stream keeps of the object it read the protocol of
     assert stream.__cuda_stream__() == (0, 0x6000)
     launch = Holder()
@@ -506,7 +506,7 @@ def test_a_stream_whose_handle_was_handed_out_is_destroyed_only_once_collected(m
     gc.collect()
     assert released.calls == [("cuStreamDestroy", 0x6000)]
     # an Engine borrowing the stream keeps it as its owner: the owner's close() leaves the stream to it
-    owner, released = owned(0x7000)
+    owner, released = owned_stream(0x7000)
     monkeypatch.setattr(stream_module.PrimaryContext, "of", classmethod(lambda cls, device: types.SimpleNamespace(
         device=0, fault=None, handle=1, adopt_thread=lambda: None, call=lambda name, *args: 1)))
     from cuda.bindings import driver as bindings

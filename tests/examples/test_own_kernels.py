@@ -34,8 +34,8 @@ def test_options_out_of_range_are_usage_errors_before_any_engine(own_kernels, ca
                           (["--tokens", "-2"], "--tokens must be an int of at least 0, not -2"),
                           # an engine was made, and the model compiled, for caches past an i32's positions
                           (["--tokens", str(2**31)], f"--tokens {2**31} needs a KV cache of 2147483692 entries in "
-                                                     "rounds of k=4, M=8, past the "
-                                                     "2147483647 an i32 position reaches")):
+                                                     "rounds of k=4, M=8, past the 2147483647 an i32 position "
+                                                     "reaches")):
         with pytest.raises(SystemExit) as exit_:
             own_kernels.main(argv)
         err = capsys.readouterr().err

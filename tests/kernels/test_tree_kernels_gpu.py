@@ -354,7 +354,6 @@ def test_sampled_tree_round_matches_the_reference(engine, name, tree, B, V):
         run_round(rig, rng, min(V, 3), what)
 
 
-
 def test_a_draw_never_takes_a_scratch_key_naming_no_token(engine):
     """Kernel 12's last block of a parent merges every slice's keys from its scratch, and a key's
     token indexes q. Scratch garbage (a parent's count left at slices - 1, so its first block

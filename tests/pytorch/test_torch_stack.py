@@ -858,15 +858,7 @@ def test_a_greedy_tree_asking_more_candidates_than_the_vocabulary_is_refused_bef
     past both models' stacks, and up to 4 ranks the argmaxes gave token 0 twice (3 over 2 tokens). Refused by name
     before the decoder's stream is made; as many candidates as tokens pass, and a sampled tree
     short of tokens too (its node draws void children, docs/trees.md)."""
-    import memra_cuda.torch.decoder as decoder
-
-    class Reached(Exception):
-        """The decoder's stream, the first device work: every check passed."""
-
-    def reached():
-        raise Reached
-
-    monkeypatch.setattr(decoder, "decoder_stream", reached)
+    stop_at_the_stream(monkeypatch)
     model = tiny(vocab=8)
     draft = self_draft(model)
     for tree, draws in ((TreeShape.from_choices([[9]]), 10), (DynamicTree(2, 4, 12), 12)):
@@ -880,7 +872,7 @@ def test_a_greedy_tree_asking_more_candidates_than_the_vocabulary_is_refused_bef
         TreeLlama(two, self_draft(two), TreeShape.from_choices([[0], [2]]))
     for tree, sampling in ((TreeShape.from_choices([[7]]), None), (DynamicTree(2, 4, 8), None),
                            (DynamicTree(2, 4, 8), SamplingParams()), (TreeShape.from_choices([[0], [1]]), None)):
-        with pytest.raises(Reached):
+        with pytest.raises(_NoStream):
             TreeLlama(model, draft, tree, sampling=sampling)
 
 
@@ -1034,11 +1026,7 @@ def test_the_plain_loop_refuses_a_burst_of_more_steps_than_a_row_holds_before_an
     (16 TB) after the stream and the model's fused weights. At the most, it gets as far as its stream."""
     from memra_cuda.torch import GraphedGreedy
 
-    def no_stream(*args, **kwargs):
-        raise _NoStream
-
-    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as far as the stream, on a GPU's machine
+    stop_at_the_stream(monkeypatch)
     model = tiny()
     for capacity, most in ((64, 128), (128, 128), (129, 256), (Room(10, 54), 128)):
         for steps in (most + 1, 2**40):
@@ -1862,6 +1850,17 @@ class _NoStream(Exception):
     """What a test's torch.cuda.Stream raises: the decoder got as far as making its stream."""
 
 
+def stop_at_the_stream(monkeypatch) -> None:
+    """torch.cuda.Stream raises _NoStream, on what is said to be a GPU's machine: a decoder whose
+    checks all pass gets as far as its stream (decoder_stream), the first device work."""
+
+    def no_stream(*args, **kwargs):
+        raise _NoStream
+
+    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
 def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
     """An option a decoder cannot serve is refused before its stream, engine or stacks are made:
     a flag not a bool, an on_engine not a function, widths not a collection (or endless), a page
@@ -1872,11 +1871,7 @@ def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
     from memra_cuda.errors import CapacityError
     from memra_cuda.torch import GraphedGreedy
 
-    def no_stream(*args, **kwargs):
-        raise _NoStream
-
-    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as far as the stream, on a GPU's machine
+    stop_at_the_stream(monkeypatch)
     model = tiny()
     draft = self_draft(model)
     cases = [

@@ -419,7 +419,6 @@ def test_the_ring_protocol_streams_every_publish_of_a_loop_in_order(engine, spec
     out.free()
 
 
-
 @pytest.mark.parametrize("cap,count,passes", [(7, 0, 7), (2**32 - 1, 2**32 - 16, 15), (100, 2**32 - 1, 0)],
                          ids=["cap", "cap-word-at-the-top", "count-word-at-the-top"])
 def test_the_decider_ends_a_loop_at_its_cap_whatever_its_words_hold(engine, spec, cap, count, passes):

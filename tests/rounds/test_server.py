@@ -7,7 +7,6 @@ is checked is the server's part: which request a row runs, when, and whose token
 refusals, cancels and the times each token was read back."""
 from __future__ import annotations
 
-import collections
 import copy
 import itertools
 import math
@@ -1463,19 +1462,6 @@ def test_a_submit_an_interrupt_cut_short_leaves_the_server_idle():
     assert server.serve([Request([2], 3)])[0].tokens == alone(Request([2], 3))
 
 
-class AppendInterrupted(collections.deque):
-    """A server's queue whose next append raises KeyboardInterrupt, once (a Ctrl-C as a submit
-    queues its request), appending nothing."""
-
-    cut = False
-
-    def append(self, ident) -> None:
-        if not self.cut:
-            self.cut = True
-            raise KeyboardInterrupt
-        super().append(ident)
-
-
 def test_a_submit_interrupted_as_it_queues_takes_no_id():
     """Ctrl-C as a submit queued its request took the request back but not its id: the counter
     stayed ahead, the next request's id skipped one, and ids no longer counted the requests in
@@ -1484,9 +1470,9 @@ def test_a_submit_interrupted_as_it_queues_takes_no_id():
     decoder = Counting(2)
     server = Server(decoder, clock=decoder.clock)
     first = server.submit(Request([1], 4))
-    server._queue = AppendInterrupted(server._queue)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupt_before(serving, "self._queue.append(ident)") as fired, pytest.raises(KeyboardInterrupt):
         server.submit(Request([2], 4))
+    assert fired
     requests = [Request([3], 5), Request([4, 5], 3)]
     ids = [server.submit(request) for request in requests]
     assert [first, *ids] == [0, 1, 2] and list(server._queue) == [0, 1, 2] and sorted(server._live) == [0, 1, 2]

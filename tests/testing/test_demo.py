@@ -62,8 +62,7 @@ def test_an_option_out_of_range_is_a_usage_error_before_any_engine(monkeypatch, 
                           (["--eos", "-1"], "--prompt and --eos take the toy's token ids"),
                           # a budget whose cache's positions pass an i32: ToyLM refused it after the engine was made
                           (["--tokens", str(2**31 - 1)], f"--tokens {2**31 - 1} needs a KV cache of 2147483732 entries "
-                                                         "in rounds of k=4, M=16, "
-                                                         "past the 2147483647"),
+                                                         "in rounds of k=4, M=16, past the 2147483647"),
                           (["--tokens", str(2**31 - 81), "--mode", "overlap"],
                            f"--tokens {2**31 - 81} needs a KV cache of 2147483732 entries in rounds of "
                            "k=4, M=16 in overlap")):
