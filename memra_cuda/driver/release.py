@@ -48,12 +48,17 @@ class StreamLike(Protocol):
 
 class _Later:
     """`keep`, held until its stream has run what was queued on it before `event` (None until
-    recorded: the stream was being captured)."""
+    recorded: the stream was being captured), an event of the release's own or, for a stream
+    destroyed by its collection, its StreamEnd's (`end`, kept with it)."""
 
-    __slots__ = ("ctx", "stream", "event", "keep")
+    __slots__ = ("ctx", "stream", "event", "keep", "end")
 
     def __init__(self, stream: StreamLike, keep: Any):
-        self.ctx, self.stream, self.event, self.keep = stream.ctx, stream, None, keep
+        self.ctx: PrimaryContext = stream.ctx
+        self.stream: StreamLike | None = stream  # None once the event is recorded
+        self.event: Any = None
+        self.keep: Any = keep
+        self.end: StreamEnd | None = None
 
     def settled(self) -> bool:
         """Whether `keep` may go now; never raises (a failure keeps it, for the next drain)."""
@@ -62,15 +67,22 @@ class _Later:
                 return True
             if self.event is None:
                 stream = self.stream
-                if stream.closed:  # close() waited for its work
+                if stream is None or stream.closed:  # close() waited for its work
                     return True
-                self.event = stream._mark()
-                if self.event is None:  # still captured
-                    return False
+                end = getattr(stream, "_end", None)
+                if end is not None and end.destroyed:  # collected: destroyed, its end marked as it went
+                    if end.event is None:  # none could be (captured, or the record failed): as a failed close()
+                        return True
+                    self.event, self.end = end.event, end
+                else:
+                    self.event = stream._mark()
+                    if self.event is None:  # still captured
+                        return False
                 self.stream = None  # an owned stream may be destroyed now: the event still tells
             if not self.ctx.reached(self.event):
                 return False
-            self.ctx.finalize("cuEventDestroy", self.event)
+            if self.end is None:  # a StreamEnd's event goes with it
+                self.ctx.finalize("cuEventDestroy", self.event)
             return True
         except Exception as exc:  # noqa: BLE001 - run from finalisers: report, keep, try again later
             log.warning("memra_cuda: borrowed memory kept for a later release: %s", exc)
@@ -126,6 +138,11 @@ class AtCollection:
 
     def __init__(self, streams: Iterable[StreamLike], keep: Any):
         self.streams, self.keep = streams, keep
+        AtCollection.hook()
+
+    @staticmethod
+    def hook() -> None:
+        """Register the at-exit hook that sets `exiting`, once (after the contexts' finalisers)."""
         if not AtCollection._hooked:
             AtCollection._hooked = True
             atexit.register(AtCollection._exit)
@@ -137,6 +154,30 @@ class AtCollection:
     def __del__(self, release: Callable[[Iterable[StreamLike], Any], None] = release_after) -> None:
         if self.keep is not None and not self.exiting:  # names bound here: module globals may be gone
             release(self.streams, self.keep)
+
+
+class StreamEnd:
+    """An owned stream's end, marked as its collection destroys it (Stream's finaliser, which
+    records `event` there first, unless close() ran: it waited for the stream's work).
+
+    The collector runs a weakref.finalize's callback before any __del__ of the same garbage: a
+    stream collected with a borrowed buffer that queued work on it (an object holding the engine
+    and the adoption, in a reference cycle) was destroyed before the buffer's AtCollection asked
+    for its mark, which then named a destroyed stream (cuStreamIsCapturing and cuEventRecord on a
+    freed handle), failed at every drain, and kept the owner for good. Such a release waits for
+    this event instead (_Later): the stream's work queued before it was destroyed runs on, and the
+    event tells when it has. The event is this object's, destroyed as it goes (the stream keeps
+    it, and a release waiting for its event keeps it too)."""
+
+    __slots__ = ("ctx", "event", "destroyed", "wanted")
+
+    def __init__(self, ctx: PrimaryContext):
+        self.ctx, self.event, self.destroyed, self.wanted = ctx, None, False, True
+        AtCollection.hook()  # at exit, no stream is marked (Stream's _destroy) and no end destroyed
+
+    def __del__(self, at_collection: type[AtCollection] = AtCollection) -> None:
+        if self.event is not None and not at_collection.exiting:  # names bound here: globals may be gone
+            self.ctx.finalize("cuEventDestroy", self.event)
 
 
 def pending() -> int:

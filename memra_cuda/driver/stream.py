@@ -11,6 +11,7 @@ the handle cannot be recycled under us.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from .context import PrimaryContext, relaxed_capture
 from .errors import CaptureError, CudaError, driver
 from .framework import DRIVER, Framework
 from .handle import Handle
-from .release import drain
+from .release import AtCollection, StreamEnd, drain
 from .values import as_index, as_size
 
 log = logging.getLogger("memra_cuda")
@@ -65,7 +66,8 @@ class Stream(Handle):
         if stream is None:
             flags = driver().CUstream_flags.CU_STREAM_NON_BLOCKING
             self._stream = self.ctx.call("cuStreamCreate", flags)
-            self._own(self.ctx, "cuStreamDestroy", self._stream)
+            self._end = StreamEnd(self.ctx)  # marked as its collection destroys it (release.StreamEnd)
+            self._finalizer = weakref.finalize(self, _destroy, self.ctx, self._stream, self._end)
         else:
             self._stream = as_stream(stream)
             self._check_stream_context()
@@ -82,6 +84,7 @@ class Stream(Handle):
     # finalizer holds its own copy; memra's own calls read _stream once they have activated.
     _stream: Any = None
     _stream_handle = 0
+    _end: StreamEnd | None = None  # an owned stream's end, marked as its collection destroys it
 
     @property
     def stream(self) -> Any:
@@ -172,6 +175,8 @@ class Stream(Handle):
                 self.synchronize()
             except Exception as exc:  # noqa: BLE001 - close() is cleanup: report, go on
                 log.warning("memra_cuda: closing %r: %s", self, exc)
+        if self._end is not None:
+            self._end.wanted = False  # its work waited for: a release of it lets go at once (release.py)
         if self._exported:
             self._retire()  # closed from now on, dependents poisoned; the stream not yet destroyed
         else:
@@ -372,6 +377,22 @@ def handle_of(stream: Any) -> int:
     except TypeError:
         raise TypeError(f"a stream must be an int handle, a CUstream, speak __cuda_stream__ or have `cuda_stream`, "
                         f"not {stream!r}") from None
+
+
+def _destroy(ctx: PrimaryContext, stream: Any, end: StreamEnd) -> None:
+    """An owned stream's finaliser: cuStreamDestroy, and first, unless close() waited for its work
+    (or the interpreter is exiting), an event recorded at its end into `end`, for the releases of
+    borrowed memory that its collection comes before (release.StreamEnd). Never raises."""
+    end.destroyed = True
+    if end.wanted and ctx.fault is None and not AtCollection.exiting:
+        try:
+            with relaxed_capture():
+                status = ctx.call("cuStreamIsCapturing", stream)
+                if status == driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+                    end.event = Stream._recorded(ctx, stream)
+        except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
+            log.warning("memra_cuda: marking the end of a stream collected unclosed failed: %s", exc)
+    ctx.finalize("cuStreamDestroy", stream)
 
 
 def _stream_name(handle: int) -> str:

@@ -994,6 +994,69 @@ def test_a_borrowed_buffer_that_its_owner_keeps_is_collected_once_the_streams_ra
         assert destroyed == [("cuEventDestroy", 1)]
 
 
+def test_a_borrowed_buffer_collected_with_its_owned_stream_waits_for_the_streams_end_marked_as_it_went(monkeypatch):
+    """An owned stream in one garbage cycle with a borrowed buffer that queued work on it (an object
+    holding the engine and an adoption, in a cycle): the collector runs weakref.finalize callbacks
+    before any __del__, so the stream's finaliser destroyed it before the buffer's release asked for
+    its mark, which then named a destroyed stream (cuStreamIsCapturing and cuEventRecord on a freed
+    handle) and, refused, kept the owner for good. The finaliser now records the stream's end first
+    (release.StreamEnd), and the release waits for that event; it is destroyed once, with the end,
+    not by the release. A stream close() waited for records nothing. (No driver: a stand-in stream
+    with Stream's own finaliser, its context's calls recorded.)"""
+    import memra_cuda.driver.stream as stream_module
+    from cuda.bindings import driver as bindings
+    from memra_cuda.driver import release
+
+    import contextlib
+    monkeypatch.setattr(stream_module, "driver", lambda: bindings)
+    monkeypatch.setattr(stream_module, "relaxed_capture", contextlib.nullcontext)
+    none = bindings.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    before = release.pending()
+    for closed in (False, True):
+        stream, tensor = StandInStream(), Holder()
+        calls: list[tuple] = []
+        reached: set[str] = set()
+        label = f"collected with its stream, closed {closed}"
+
+        def call(name: str, *args: object, calls: list = calls) -> object:
+            calls.append((name, *args))
+            return none if name == "cuStreamIsCapturing" else "end event" if name == "cuEventCreate" else None
+
+        def mark() -> None:
+            raise AssertionError("the release asked a destroyed stream for its mark")
+
+        # a context that, as a PrimaryContext, does not reach the stream back (the finaliser holds it)
+        stream.ctx = types.SimpleNamespace(device=0, fault=None, call=call, reached=reached.__contains__,
+                                           run=lambda fn, name, argv: fn(*argv),
+                                           finalize=lambda name, *args, calls=calls: calls.append((name, *args)))
+        stream._mark = mark
+        stream._end = release.StreamEnd(stream.ctx)  # as Stream.__init__ makes an owned stream's
+        stream._finalizer = weakref.finalize(stream, stream_module._destroy, stream.ctx, "CUstream", stream._end)
+        buf = DeviceBuffer(FAKE_PTR, np.uint32, 4, keepalive=tensor, label=label)
+        stream._stream_owner = types.SimpleNamespace(buffer=buf)  # the cycle: the stream's owner holds the buffer
+        buf.queued_on(stream)
+        if closed:
+            stream.close()
+            assert calls == [("cuStreamDestroy", "CUstream")], "close() waited for the stream: no end is marked"
+            calls.clear()
+        del tensor, buf, stream, mark
+        gc.collect()
+        release.drain()
+        if closed:
+            assert calls == [] and release.pending() == before, "a closed stream ran its work"
+            continue
+        assert calls == [("cuStreamIsCapturing", "CUstream"), ("cuEventCreate", 2),
+                         ("cuEventRecord", "end event", "CUstream"), ("cuStreamDestroy", "CUstream")], \
+            "the stream's end is marked before it is destroyed"
+        assert release.pending() == before + 1, "the owner went with the stream, its work not known to have run"
+        reached.add("end event")  # the device ran the destroyed stream's work
+        release.drain()
+        gc.collect()
+        assert release.pending() == before
+        assert calls[4:] == [("cuEventDestroy", "end event")], "the end's event is destroyed once, with the end"
+        assert not any(isinstance(o, DeviceBuffer) and o.label == label for o in gc.get_objects())
+
+
 def test_mapped_memory_is_not_freed_under_a_tensor_made_from_its_device_buffer():
     """MappedBuffer.free() refused while a numpy view of the memory lived, but not while a tensor
     on its `device` buffer did (memra_cuda.torch.tensor's hold, or torch.as_tensor of its array
