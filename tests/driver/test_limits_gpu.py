@@ -3,7 +3,9 @@ here reproduces a case that once went wrong without an error (see the numbered c
 from __future__ import annotations
 
 import gc
+import logging
 import threading
+import types
 import weakref
 
 import numpy as np
@@ -262,6 +264,35 @@ def test_a_borrowed_buffer_collected_keeps_the_memorys_owner_until_the_work_queu
         assert owner() is not None, "the memory's owner went with its buffer, the work on the memory still queued"
         assert stream_busy(engine)
     assert owner() is None, "the stream ran the work: the owner goes at its synchronize()"
+
+
+def test_a_borrowed_buffer_collected_with_its_engine_in_a_cycle_keeps_the_owner_until_that_engines_work_ran(
+        engine, caplog):
+    """An engine collected unclosed in one garbage cycle with a borrowed buffer that queued work on
+    it (an object holding both, in a cycle): the collector ran the engine's finaliser (its
+    cuStreamDestroy) before the buffer's release, which then asked the destroyed stream for a mark,
+    was refused at every drain and kept the owner for good. The finaliser now marks the stream's
+    end as it destroys it, and the release waits for that mark: the owner is kept while the work
+    is held (behind a gate on `engine`, which the engine collected waits for), and goes once it ran."""
+    from memra_cuda.driver import release
+
+    other = Engine(engine.device)
+    foreign = ForeignMemory(engine, 4)
+    owner = weakref.ref(foreign)
+    with caplog.at_level(logging.WARNING, logger="memra_cuda"):
+        with Gate(engine):  # `other` waits for engine's stream: its memset is queued behind the gate
+            other.wait(engine.stream)  # its CUstream: the fixture's stream is not handed out (__cuda_stream__)
+            buf = DeviceBuffer.from_cuda_array(foreign)
+            other.memset(buf, 0)
+            holder = types.SimpleNamespace(engine=other, buf=buf)
+            holder.itself = holder  # the cycle: collected by the collector alone, engine and buffer at once
+            del foreign, buf, other, holder
+            gc.collect()
+            assert owner() is not None, "the owner went with its buffer, the work on its memory still queued"
+        engine.ctx.call("cuCtxSynchronize")  # the collected engine's stream ran its work
+        release.drain()
+    assert owner() is None, "the collected engine's work ran: the owner goes"
+    assert not [r for r in caplog.records if r.name == "memra_cuda"], [r.getMessage() for r in caplog.records]
 
 
 # -- 8 and 10. a fault refuses before the driver, and is remembered for the process ---------
