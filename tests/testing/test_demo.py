@@ -1,6 +1,6 @@
 """`python -m memra_cuda --help` (the demo, `make demo`), on the CPU: a user who asks what the
 demo does reads its whole description and what each option is for; an option out of range is
-the parser's error, before any engine is made."""
+the parser's error, before any engine is made; no GPU is one line and exit status 1."""
 from __future__ import annotations
 
 import re
@@ -12,6 +12,7 @@ import pytest
 import memra_cuda.__main__ as demo
 from memra_cuda.buffers.capacity import kv_capacity
 from memra_cuda.buffers.geometry import Geometry
+from memra_cuda.driver.errors import CudaUnavailable
 from memra_cuda.driver.values import I32_MOST
 
 
@@ -91,3 +92,20 @@ def test_the_most_tokens_and_token_ids_the_toy_takes_pass_the_parser(monkeypatch
             demo.main(["--tokens", str(most + 1), "--mode", mode, "--prompt", *prompt])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"--tokens {most + 1} needs a KV cache of 2147483648 entries" in err, err
+
+
+def test_no_gpu_is_one_line_and_the_status_the_examples_give(monkeypatch, capsys):
+    """Without a GPU the demo exited 2, argparse's status for a command line it refuses, where
+    examples/own_kernels.py, the PyTorch examples and the benchmarks exit 1 (as a script of one's
+    own does, its CudaUnavailable uncaught): a wrapper took a machine without a GPU for a mistyped
+    option. Now 1, in one line; 2 stays the options' alone."""
+    def no_driver():
+        raise CudaUnavailable("no NVIDIA driver found (libcuda could not be loaded): memra_cuda needs an NVIDIA "
+                              "GPU and its driver")
+
+    monkeypatch.setattr(demo, "Engine", no_driver)
+    assert demo.main([]) == 1
+    said = capsys.readouterr()
+    assert not said.out and said.err.splitlines() == [
+        "memra_cuda: no GPU to run the demo on: no NVIDIA driver found (libcuda could not be loaded): memra_cuda "
+        "needs an NVIDIA GPU and its driver"], said.err
