@@ -1,6 +1,7 @@
 """What the PyTorch examples need, said in one line where it is missing, as `make demo` and
 examples/own_kernels.py say a missing GPU or NVRTC: PyTorch and transformers (the `torch` extra),
-checked as this module is imported, and a CUDA device torch reaches (gpu()).
+checked as this module is imported (--help then gives the example's description and what to
+install), and a CUDA device torch reaches (gpu()).
 
 An example imports this module before torch: its own `import torch` would fail first, with a
 traceback that names neither the extra nor how to install it; and a model built on a CPU-only
@@ -41,6 +42,18 @@ def gpu() -> None:
         refuse("PyTorch finds no CUDA device: the example runs on an NVIDIA GPU, with its driver")
 
 
+def described(install: str) -> NoReturn:
+    """--help where torch is missing: the example's description (its docstring, which gives its
+    usage) and what its --help needs, exit status 0 as argparse's --help. The parser is made of
+    memra_cuda.torch's sizes and modes, so it cannot list the options without torch."""
+    print((getattr(sys.modules.get("__main__"), "__doc__", None) or "").strip())
+    print(f"\n--help lists the options once the torch extra (PyTorch and transformers) is installed: {install}")
+    raise SystemExit(0)
+
+
 if missing is not None:
+    install = f"pip install {shlex.quote(f'{CHECKOUT}[torch]')}"
+    if {"-h", "--help"} & set(sys.argv[1:]):  # what the example does, read before installing what it needs
+        described(install)
     refuse(f"no module named {missing.name!r}: the PyTorch examples need the torch extra (PyTorch and "
-           f"transformers): pip install {shlex.quote(f'{CHECKOUT}[torch]')}")
+           f"transformers): {install}")

@@ -4,6 +4,7 @@ torch and transformers are missing, where torch reaches no CUDA device and where
 run without torchrun, each says in one line what is missing and how to get it (no traceback)."""
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import subprocess
@@ -263,6 +264,20 @@ def test_without_torch_an_example_names_the_torch_extra_in_one_line(name, tmp_pa
     line = one_line(run_example(name, cwd=tmp_path, paths=(tmp_path,)), name)
     assert "no module named 'torch'" in line and "torch extra" in line and "pip install" in line, line
     assert f"{EXAMPLES.parent}[torch]" in line, line  # the checkout's extra, from any cwd
+
+
+@pytest.mark.parametrize("name", TORCH_EXAMPLES)
+def test_without_torch_help_gives_the_examples_description_and_what_to_install(name, tmp_path):
+    """The README says each example's --help says what it takes; without torch it was the refusal,
+    exit status 1, so what an example does could not be read before installing what it needs. Now
+    its description (the docstring, its usage among it) and the install line, exit status 0."""
+    (tmp_path / "sitecustomize.py").write_text(WITHOUT_TORCH)
+    done = run_example(name, "--help", cwd=tmp_path, paths=(tmp_path,))
+    assert done.returncode == 0 and not done.stderr, done.stdout + done.stderr
+    described = ast.get_docstring(ast.parse((EXAMPLES / name).read_text(encoding="utf-8")), clean=False)
+    assert described and done.stdout.startswith(described.strip()), done.stdout
+    last = done.stdout.rstrip().splitlines()[-1]
+    assert "torch extra" in last and "pip install" in last and f"{EXAMPLES.parent}[torch]" in last, done.stdout
 
 
 @pytest.mark.torch
