@@ -2,7 +2,8 @@
 no performance figure in them (they live in benchmarks/RESULTS.md, each with its machine, date
 and model), no name the library no longer has, docs/errors.md listing exactly the errors of
 memra_cuda.errors, every name memra_cuda and memra_cuda.torch export named in a page's code, every
-name a page's python block imports there and every memra name it uses bound on the page, each
+name a page's python block imports there and every memra name it uses bound on the page, every
+fenced block tagged with its language and every python one parsing or a signature the code has, each
 kernel's parameters as a page writes them the signature table's, install lines that work from a
 checkout or a wheel, no address the project does not have, the toy page's ToyModel signature
 whole, the Unreleased section's migration table for the calls the Geometry changed, and `make`
@@ -15,6 +16,7 @@ import ast
 import builtins
 import fnmatch
 import importlib
+import inspect
 import os
 import re
 import shlex
@@ -361,6 +363,66 @@ def memra_names() -> set[str]:
             elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
                 names.update(ast.literal_eval(node.value))
     return names
+
+
+def fences(page: Path) -> list[tuple[int, str]]:
+    """Each fenced block's opening line of a page: its number and the language it names ("" for none)."""
+    opened, found = False, []
+    for number, line in enumerate(lines(page), 1):
+        if line.startswith("```"):
+            if not opened:
+                found.append((number, line[3:].strip()))
+            opened = not opened
+    return found
+
+
+REQUIRED = "(no default)"  # a parameter without one, on the page and in the code
+
+
+def signature_of(name: str) -> inspect.Signature:
+    """The signature of `Name` or `Name.method`, a name memra_cuda or one of its subpackages exports."""
+    head, _, method = name.partition(".")
+    for package in ("memra_cuda", "memra_cuda.buffers", "memra_cuda.rounds", "memra_cuda.driver",
+                    "memra_cuda.kernels", "memra_cuda.testing.toy"):
+        found = getattr(importlib.import_module(package), head, None)
+        if found is not None:
+            return inspect.signature(getattr(found, method) if method else found)
+    raise AssertionError(f"{name} is no name memra_cuda exports")
+
+
+def test_a_pages_code_names_its_language_and_its_python_parses_or_is_the_codes_signature():
+    """Every fenced block names its language (trees.md's untagged one, python, escaped every check
+    of the python blocks: its names imported nowhere), and each ```python block parses or is a
+    signature, `RoundStream(bufs, *, ...)`, whose parameters, in order, and defaults are the
+    code's (round-stream.md's was left out of every check as a block that does not parse)."""
+    untagged = [f"{page.name}:{number}" for page in [README, *pages()] for number, tag in fences(page) if not tag]
+    assert not untagged, "fenced blocks that name no language (```python, ```sh):\n" + "\n".join(untagged)
+    signatures = 0
+    for page in [README, *pages()]:
+        for block in python_blocks(page):
+            try:
+                ast.parse(block)
+                continue
+            except SyntaxError:
+                written = re.fullmatch(r"([A-Za-z]\w*(?:\.\w+)?)\((.*)\)\s*", block, re.S)
+            assert written, f"{page.name}: a python block that neither parses nor is a signature:\n{block}"
+            name, params = written.groups()
+            args = ast.parse(f"def f({params}): pass").body[0].args
+            positional = [*args.posonlyargs, *args.args]
+            page_form = [(a.arg, REQUIRED) for a in positional[:len(positional) - len(args.defaults)]]
+            page_form += [(a.arg, ast.literal_eval(d)) for a, d in zip(positional[len(page_form):], args.defaults)]
+            page_form += [("*", REQUIRED)] * bool(args.kwonlyargs) + [
+                (a.arg, REQUIRED if d is None else ast.literal_eval(d))
+                for a, d in zip(args.kwonlyargs, args.kw_defaults)]
+            code_form = []
+            for param in signature_of(name).parameters.values():
+                if param.kind is param.KEYWORD_ONLY and ("*", REQUIRED) not in code_form:
+                    code_form.append(("*", REQUIRED))
+                if param.name not in ("self", "cls"):
+                    code_form.append((param.name, REQUIRED if param.default is param.empty else param.default))
+            assert page_form == code_form, f"{page.name}: {name}'s signature, not the code's:\n{page_form}\n{code_form}"
+            signatures += 1
+    assert signatures, "no python block is a signature: the pattern no longer finds round-stream.md's"
 
 
 def test_the_pages_python_blocks_bind_the_memra_names_they_use():
