@@ -1,6 +1,7 @@
 """Shared fixtures. GPU tests are marked `gpu` and take the `engine` fixture, which skips them
 with the driver's reason where there is no GPU, or fails them under MEMRA_REQUIRE_GPU=1 (set by
-`make gpu-test`, so a machine that lost its GPU cannot pass for a green GPU run).
+`make gpu-test`, so a machine that lost its GPU cannot pass for a green GPU run): where the driver
+is missing, the whole run, in one line, before any test.
 
 A test that leaves the device with a sticky fault (a kernel's illegal address, a device-side
 assert: sticky_fault) ends its pytest-xdist worker after its report, and xdist starts a fresh
@@ -21,12 +22,23 @@ from collections import Counter
 import pytest
 
 from memra_cuda import Engine
-from memra_cuda.driver.errors import STICKY
+from memra_cuda.driver.errors import STICKY, driver
 from memra_cuda.errors import CudaUnavailable
 
 # torch's words for the sticky faults (its own CUDA errors name no CUDA_ERROR_ code)
 TORCH_STICKY = ("device-side assert triggered", "an illegal memory access was encountered",
                 "unspecified launch failure", "misaligned address", "an illegal instruction was encountered")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under MEMRA_REQUIRE_GPU on a machine without a GPU, the run ends before any test, in one line
+    and exit status 1: `make gpu-test` there failed every GPU test's set-up instead, each reported
+    in full (-rfE), thousands of lines saying the same (9 000 for tests/driver alone)."""
+    if os.environ.get("MEMRA_REQUIRE_GPU"):
+        try:
+            driver()
+        except CudaUnavailable as exc:
+            pytest.exit(f"MEMRA_REQUIRE_GPU is set (make gpu-test, sanitize, racecheck), but {exc}", returncode=1)
 
 
 @pytest.fixture(scope="session")

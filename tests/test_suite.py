@@ -1,7 +1,8 @@
 """The suite's own rules, checked on the CPU: a GPU test that wants the GPU to itself (it reads the
 device's free memory, or fills most of its memory) is marked `alone`, so that `make gpu-test
 GPU_JOBS=N` runs it after the others and by itself, and a pytest-xdist worker skips it; a test
-that leaves a sticky fault ends its pytest-xdist worker, whose tests after it would all fail."""
+that leaves a sticky fault ends its pytest-xdist worker, whose tests after it would all fail; a
+GPU run (MEMRA_REQUIRE_GPU) on a machine without a GPU ends in a line, before any test."""
 from __future__ import annotations
 
 import ast
@@ -9,6 +10,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from memra_cuda.driver.errors import driver
+from memra_cuda.errors import CudaUnavailable
 
 TESTS = Path(__file__).resolve().parent
 # Helpers whose callers want the GPU alone: the device's free memory, and the 20 000-row theorems
@@ -64,3 +70,24 @@ def test_a_worker_ends_after_the_report_of_a_test_that_left_a_sticky_fault_and_n
     env.pop("PYTEST_XDIST_WORKER")
     alone = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert alone.returncode == 1 and "2 failed, 1 passed" in alone.stdout, alone.stdout + alone.stderr
+
+
+def test_a_gpu_run_without_a_gpu_ends_in_a_line_before_any_test():
+    """`make gpu-test` on a machine without a GPU failed every GPU test's set-up, each reported in
+    full: thousands of lines, the same reason in each. Now the run ends at its start, exit status
+    1, the reason said once on each stream."""
+    try:
+        driver()
+    except CudaUnavailable as exc:
+        reason = str(exc)
+    else:
+        pytest.skip("there is a GPU here: the GPU tests run")
+    env = dict(os.environ, MEMRA_REQUIRE_GPU="1")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
+                          str(TESTS / "driver" / "test_driver_gpu.py")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    said = (run.stdout + run.stderr).splitlines()
+    assert len(said) <= 2 and all(f"MEMRA_REQUIRE_GPU is set (make gpu-test, sanitize, racecheck), but {reason}"
+                                  in line for line in said), said
