@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from .buffers.capacity import i32_kv_capacity
 from .buffers.geometry import Geometry
@@ -29,7 +30,8 @@ PROMPT = [101, 2023, 2003, 1037, 3231]
 
 def parser() -> argparse.ArgumentParser:
     """The demo's options, each with its help and default."""
-    cli = argparse.ArgumentParser(prog="python -m memra_cuda", description=__doc__,
+    script = Path(sys.argv[0]).stem == "memra-cuda-demo"  # the wheel's script: its usage names it, not -m
+    cli = argparse.ArgumentParser(prog="memra-cuda-demo" if script else "python -m memra_cuda", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--k", type=int, default=4, help="draft tokens per round (default: %(default)s)")
     cli.add_argument("--m-rounds", type=int, default=16, metavar="M",

@@ -84,6 +84,12 @@ def _demo_script() -> Path:
     return script
 
 
+def test_the_demo_script_names_itself_in_its_usage():
+    """memra-cuda-demo --help said `usage: python -m memra_cuda`, another command than the one typed."""
+    run = subprocess.run([str(_demo_script()), "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("usage: memra-cuda-demo "), run.stdout + run.stderr
+
+
 def test_demo_without_a_gpu_says_so_in_one_line():
     from memra_cuda.driver.errors import CudaUnavailable, driver
 
