@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from ..driver.values import as_size
+from ..driver.values import as_index, as_real, as_size
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # load_model's dtype by name ("auto": the checkpoint's)
+
+
+def _is_weight_dtype(dtype: object) -> bool:
+    """Whether `dtype` is a torch.dtype a model's weights are made in: a float of 2 bytes or more
+    (transformers refuses an integer one, once the checkpoint is read, and a float8 one met
+    "TypeError: couldn't find storage object Float8_e4m3fnStorage")."""
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2
 
 
 def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", device: torch.device | str = "cuda") -> Any:
@@ -32,8 +40,8 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     without CUDA) is the more fundamental refusal, which no directory mends, and it was told only
     once a directory had been found. Weights that do not fit config.json (a tensor of another
     shape, one missing, one left over) are a ValueError naming them (_check_weights)."""
-    if not isinstance(dtype, torch.dtype) and dtype not in DTYPES:
-        raise ValueError(f"dtype is a torch.dtype or one of {DTYPES}, not {dtype!r}")
+    if not (_is_weight_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype in DTYPES):
+        raise ValueError(f"dtype is a floating-point torch.dtype of 2 bytes or more or one of {DTYPES}, not {dtype!r}")
     device = _as_device(device)
     check_model_directory(directory)
     saved = _saved_shapes(Path(directory))
@@ -77,7 +85,7 @@ def _few(items: list[str], between: str, most: int = 3) -> str:
     return between.join(items[:most]) + (f"{between}..." if len(items) > most else "")
 
 
-def _check_shapes(directory: Path, saved: dict[str, tuple[int, ...] | None]) -> None:
+def _check_shapes(directory: Path, saved: dict[str, Saved | None]) -> None:
     """_check_weights on the shapes the safetensors headers give (`saved`) against those of the
     model config.json makes, built on the meta device (no memory), before any weight is made:
     transformers met a config.json edited to another size, or another model's weights, with a
@@ -85,22 +93,58 @@ def _check_shapes(directory: Path, saved: dict[str, tuple[int, ...] | None]) -> 
     config.json's sizes. Tensors of one name are compared; one that only one side has is left to
     the check once loaded (a tied head, a renamed key), and so is a quantized checkpoint (its
     packed shapes are the quantizer's) and a model whose weights transformers converts as it
-    loads (a mixture of experts' fused into one tensor)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
-    if getattr(config, "quantization_config", None) is not None:
+    loads (a mixture of experts' fused into one tensor). A tensor whose dtype the headers give as
+    no float's (I32, BOOL) where the model's is a float is refused too, naming it: transformers
+    cast it to the model's dtype as it loaded, saying nothing."""
+    model = _made(directory)
+    if model is None:
         return
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         if get_model_conversion_mapping(model, add_legacy=False):
             return
     except ImportError:  # another transformers: its loading checks alone
         return
-    shaped = [(name, found, made) for name, tensor in model.state_dict().items()
-              if (found := saved.get(name)) is not None and found != (made := tuple(tensor.shape))]
+    made = model.state_dict()
+    shaped = [(name, found.shape, shape) for name, tensor in made.items()
+              if (found := saved.get(name)) is not None and found.shape != (shape := tuple(tensor.shape))]
     _check_weights(directory, shaped)
+    # a float weight saved as integers or bools (no quantization_config says how to read them) was cast to
+    # the model's dtype as it loaded, a bool head 0s and 1s, and nothing said so
+    unfloat = sorted(f"{name}: {found.dtype}" for name, tensor in made.items()
+                     if (found := saved.get(name)) is not None and tensor.is_floating_point()
+                     and not _floating(found.dtype))
+    if unfloat:
+        raise ValueError(f"{directory}'s weights are of no floating-point dtype where its model's are floats: "
+                         f"{len(unfloat)} ({_few(unfloat, ', ')}); a quantized checkpoint names its "
+                         "quantization_config in config.json")
+
+
+def _made(directory: Path) -> Any:
+    """The model `directory`'s config.json makes, on the meta device (shapes alone, no memory), or
+    None for a quantized checkpoint (its packed shapes are the quantizer's). What transformers
+    refuses as it reads the config or makes the model is a ValueError naming the file, its words
+    kept: they were a KeyError (a rope type's missing factor), a TypeError from deep inside (a
+    string rope_theta: "unsupported operand type(s) for ** or pow(): 'str' and 'Tensor'") or
+    huggingface_hub's StrictDataclassError (a string where a bool stands), of no ValueError's
+    kind, none naming the file."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+        if getattr(config, "quantization_config", None) is not None:
+            return None
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except (KeyError, TypeError, ValueError, StrictDataclassError) as e:
+        said = " ".join(str(e).split())  # one line: the dataclasses' errors span several
+        raise ValueError(f"{directory / 'config.json'} makes no model transformers builds: {type(e).__name__}: "
+                         f"{said}") from None
+
+
+def _floating(dtype: str) -> bool:
+    """Whether a safetensors header's dtype (F32, BF16, F8_E4M3, I32, BOOL, ...) is a float's."""
+    return dtype.startswith(("F", "BF"))
 
 
 # config.json's sizes, as a Llama-family config names them (null where a default stands: head_dim, KV heads)
@@ -108,14 +152,18 @@ SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", 
          "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
-def _check_config(directory: Path, saved: dict[str, tuple[int, ...] | None] | None) -> None:
+def _check_config(directory: Path, saved: dict[str, Saved | None] | None) -> None:
     """config.json's sizes checked before any weight is made: transformers met a negative one with
     torch's "negative dimension", a string with an error of no ValueError's kind, heads its KV heads
     do not divide with a shape mismatch, an unknown rope type with a KeyError, all naming no field;
     and a layer count past the weights' made (2**20: for ever) and randomly initialised the layers
-    the weights lack. The weights' layers are read from safetensors' headers alone (a count short
-    of theirs is refused once loaded, by the keys left over: a checkpoint may hold layers past it,
-    as DeepSeek's next-token layers, which transformers drops)."""
+    the weights lack. A dtype torch lacks (dtype, torch_dtype) met torch's AttributeError naming
+    no field, an activation transformers lacks (hidden_act) a KeyError of its name alone, a
+    pad_token_id past the vocabulary torch's AssertionError, and a negative or NaN rms_norm_eps
+    loaded a model whose logits were NaN. The weights' layers are
+    read from safetensors' headers alone (a count short of theirs is refused once loaded, by the
+    keys left over: a checkpoint may hold layers past it, as DeepSeek's next-token layers, which
+    transformers drops)."""
     path = directory / "config.json"
     config = _json(path)
     sizes = {name: as_size(config[name], f"{path}'s {name}") for name in SIZES if config.get(name) is not None}
@@ -126,6 +174,24 @@ def _check_config(directory: Path, saved: dict[str, tuple[int, ...] | None] | No
     if "head_dim" not in sizes and sizes.get("hidden_size", heads) % heads:
         raise ValueError(f"{path}'s num_attention_heads ({heads}) does not divide its hidden_size "
                          f"({sizes['hidden_size']}), and it names no head_dim")
+    for field in ("dtype", "torch_dtype"):  # transformers 5's, and 4's; "float32" is getattr(torch, "float32")
+        named = config.get(field)
+        if named is not None and not (isinstance(named, str) and _is_weight_dtype(getattr(torch, named, None))):
+            raise ValueError(f"{path}'s {field} names no floating-point dtype of torch's, not {named!r}")
+    if config.get("rms_norm_eps") is not None:  # negative or NaN: NaN logits, loaded without a word
+        eps = as_real(config["rms_norm_eps"], f"{path}'s rms_norm_eps")
+        if not 0 <= eps < math.inf:
+            raise ValueError(f"{path}'s rms_norm_eps must be a finite number of at least 0, not {eps}")
+    vocab = sizes.get("vocab_size")
+    if config.get("pad_token_id") is not None and vocab is not None:  # the embedding's padding_idx, as torch reads it
+        pad = as_index(config["pad_token_id"], f"{path}'s pad_token_id")
+        if not -vocab <= pad < vocab:  # torch's AssertionError "Padding_idx must be within num_embeddings"
+            raise ValueError(f"{path}'s pad_token_id must be None or an int from -{vocab} to {vocab - 1} (its "
+                             f"embedding's padding_idx), not {pad}")
+    from transformers.activations import ACT2FN
+    act = config.get("hidden_act")
+    if act is not None and not (isinstance(act, str) and act in ACT2FN):  # its KeyError named the activation alone
+        raise ValueError(f"{path}'s hidden_act names activation {act!r}, none transformers knows ({', '.join(ACT2FN)})")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     for field in ("rope_parameters", "rope_scaling"):  # transformers 5's, and 4's which it still reads
         rope = config.get(field)
@@ -150,10 +216,17 @@ def _json(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def _saved_shapes(directory: Path) -> dict[str, tuple[int, ...] | None] | None:
-    """The safetensors weights in `directory`, each tensor's name and shape, from the files'
-    headers alone (no tensor is read); a shard the index names that is not there gives its names
-    without shapes (transformers' to refuse). None where there are none (another format:
+class Saved(NamedTuple):
+    """A tensor as a safetensors header gives it: its shape and its dtype's name (F32, BF16, I32)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _saved_shapes(directory: Path) -> dict[str, Saved | None] | None:
+    """The safetensors weights in `directory`, each tensor's name, shape and dtype, from the
+    files' headers alone (no tensor is read); a shard the index names that is not there gives its
+    names without them (transformers' to refuse). None where there are none (another format:
     transformers' to check)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -165,7 +238,7 @@ def _saved_shapes(directory: Path) -> dict[str, tuple[int, ...] | None] | None:
     else:
         return None
     from safetensors import SafetensorError, safe_open
-    shapes: dict[str, tuple[int, ...] | None] = {}
+    shapes: dict[str, Saved | None] = {}
     for file, names in files.items():
         path = directory / file
         if not path.is_file():
@@ -173,7 +246,8 @@ def _saved_shapes(directory: Path) -> dict[str, tuple[int, ...] | None] | None:
             continue
         try:
             with safe_open(path, framework="pt") as weights:
-                shapes.update({name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()})
+                shapes.update({name: Saved(tuple((part := weights.get_slice(name)).get_shape()), part.get_dtype())
+                               for name in weights.keys()})
         except SafetensorError as e:  # its own message named no file
             raise ValueError(f"{path} is no safetensors file: {e}") from None
     return shapes

@@ -456,7 +456,8 @@ def test_a_directory_without_a_model_is_refused_by_name(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"holds a model but no tokenizer \(none of tokenizer.json, "):
         load_tokenizer(tmp_path / "alone")
     # a dtype by a name torch does not have met AttributeError: module 'torch' has no attribute 'bf16'
-    with pytest.raises(ValueError, match="dtype is a torch.dtype or one of .*'bfloat16'.*, not 'bf16'"):
+    with pytest.raises(ValueError, match="dtype is a floating-point torch.dtype of 2 bytes or more or one of "
+                                         ".*'bfloat16'.*, not 'bf16'"):
         load_model(tmp_path, dtype="bf16")
 
 
@@ -479,13 +480,27 @@ def edited(directory, **fields) -> None:
     (dict(rope_scaling={"rope_type": "wibble", "factor": 2.0}), ValueError, "rope_scaling names rope type 'wibble'"),
     (dict(num_hidden_layers=5), ValueError, "num_hidden_layers is 5, but its weights hold 4 layers"),
     (dict(num_hidden_layers=2**20), ValueError, "num_hidden_layers is 1048576, but its weights hold 4 layers"),
+    (dict(dtype="wibble"), ValueError, "dtype names no floating-point dtype of torch's, not 'wibble'"),
+    (dict(torch_dtype="int8"), ValueError, "torch_dtype names no floating-point dtype of torch's, not 'int8'"),
+    (dict(hidden_act="wibble"), ValueError, "hidden_act names activation 'wibble', none transformers knows"),
+    (dict(rms_norm_eps=-1e-6), ValueError, "rms_norm_eps must be a finite number of at least 0, not -1e-06"),
+    (dict(rms_norm_eps=float("nan")), ValueError, "rms_norm_eps must be a finite number of at least 0, not nan"),
+    (dict(rms_norm_eps="1e-6"), TypeError, "rms_norm_eps must be a real number, not '1e-6'"),
+    (dict(pad_token_id=VOCAB), ValueError, f"pad_token_id must be None or an int from -{VOCAB} to {VOCAB - 1} "
+                                           f"\\(its embedding's padding_idx\\), not {VOCAB}"),
+    (dict(pad_token_id=-VOCAB - 1), ValueError, f"pad_token_id must be None or an int from -{VOCAB} to "
+                                                f"{VOCAB - 1} \\(its embedding's padding_idx\\), not -{VOCAB + 1}"),
 ])
 def test_a_config_json_that_does_not_hold_is_refused_by_its_field_before_any_weight(tmp_path, monkeypatch, fields,
                                                                                     error, message):
     """transformers met a negative size with torch's "negative dimension", a string with an error of
     no ValueError's kind, KV heads that do not divide the heads with a shape mismatch, an unknown
     rope type with a KeyError, naming no field; a layer count past the weights' initialised the
-    layers they lack at random (2**20 of them: for ever)."""
+    layers they lack at random (2**20 of them: for ever); a dtype torch lacks met torch's
+    AttributeError ("module 'torch' has no attribute 'wibble'"), an unknown activation a KeyError
+    of its name alone, a pad_token_id past the vocabulary torch's AssertionError ("Padding_idx must
+    be within num_embeddings"), and a negative or NaN rms_norm_eps loaded a model whose logits were
+    NaN."""
     import transformers
     save_pair(tmp_path)
     edited(tmp_path / "target", **fields)
@@ -502,6 +517,69 @@ def test_a_config_json_that_is_no_json_object_is_refused_by_name(tmp_path, text,
     (tmp_path / "target" / "config.json").write_text(text)
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'target' / 'config.json'} {message}")):
         load_model(tmp_path / "target", device="cpu")
+
+
+def test_a_config_json_at_its_limits_is_taken(tmp_path):
+    """An rms_norm_eps of 0 (a norm without one) and a float64 dtype are configs transformers
+    makes: the checks above stop short of them."""
+    from memra_cuda.torch import models
+    save_pair(tmp_path)
+    edited(tmp_path / "target", rms_norm_eps=0.0, dtype="float64", torch_dtype="bfloat16", pad_token_id=VOCAB - 1)
+    models._check_config(tmp_path / "target", None)
+    edited(tmp_path / "target", pad_token_id=-VOCAB)  # -1, some Llamas' "none", is the last token's, as torch reads it
+    models._check_config(tmp_path / "target", None)
+
+
+@pytest.mark.parametrize("fields, error", [
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}), "KeyError: \"Missing required keys in "
+                                                                       "`rope_parameters` for 'rope_type'='linear'"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "x"}), "TypeError: unsupported operand"),
+    (dict(attention_bias="yes"), "StrictDataclassFieldValidationError: Validation error for field 'attention_bias'"),
+])
+def test_a_config_json_transformers_makes_no_model_of_is_refused_naming_the_file(tmp_path, monkeypatch, fields, error):
+    """What transformers refuses as it reads config.json or makes its model met its own error, a
+    KeyError, a TypeError from deep inside ("'str' and 'Tensor'"), or huggingface_hub's
+    StrictDataclassError, which is none of ValueError's kind, none naming the file: a ValueError
+    naming it now, transformers' words after it, before any weight is made."""
+    import transformers
+    save_pair(tmp_path)
+    edited(tmp_path / "target", **fields)
+    read = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: read.append(a))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'target' / 'config.json'} makes no model transformers "
+                                                   "builds: ") + error):
+        load_model(tmp_path / "target", device="cpu")
+    assert not read
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn])
+def test_a_dtype_no_model_is_made_in_is_refused_before_the_directory(tmp_path, dtype):
+    """load_model(dtype=torch.int64) met transformers' refusal once the checkpoint was read, and a
+    float8 dtype "TypeError: couldn't find storage object Float8_e4m3fnStorage"."""
+    with pytest.raises(ValueError, match=re.escape(f"dtype is a floating-point torch.dtype of 2 bytes or more or one "
+                                                   f"of ('auto', 'bfloat16', 'float16', 'float32'), not {dtype}")):
+        load_model(tmp_path / "nowhere", dtype=dtype, device="cpu")
+
+
+def test_weights_of_no_floating_point_dtype_are_refused_by_name_before_any_weight(tmp_path, monkeypatch):
+    """A checkpoint whose norm is i32 and head bool under a float model (no quantization_config)
+    loaded, each cast to the model's dtype (the head 0s and 1s), transformers saying nothing."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    save_pair(tmp_path)
+    path = tmp_path / "target" / "model.safetensors"
+    weights = load_file(path)
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int32)
+    weights["lm_head.weight"] = weights["lm_head.weight"] > 0
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"].half()  # a float: cast, as ever
+    save_file(weights, path, metadata={"format": "pt"})
+    read = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: read.append(a))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'target'}'s weights are of no floating-point dtype "
+                                                   "where its model's are floats: 2 (lm_head.weight: BOOL, "
+                                                   "model.norm.weight: I32)")):
+        load_model(tmp_path / "target", device="cpu")
+    assert not read
 
 
 def test_weights_that_are_no_safetensors_file_are_refused_naming_the_file(tmp_path):
