@@ -21,7 +21,7 @@ from memra_cuda.rounds import MODES
 from memra_cuda.torch import (GraphedGreedy, Request, SamplingParams, hf_greedy, load_model, load_tokenizer,
                               self_draft)
 from memra_cuda.torch.models import DTYPES as DTYPE_NAMES
-from memra_cuda.torch.models import check_model_directory, check_tokenizer_directory, has_tokenizer
+from memra_cuda.torch.models import check_model, check_tokenizer_directory, has_tokenizer
 from memra_cuda.torch.testing import HYBRID, PROMPT, SIZES, VOCAB, build_model, prompts
 
 DTYPES = {name: name if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}  # --dtype's
@@ -70,7 +70,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
     """command_line's arguments and the sampling they ask for; options that do not go together
     are the parser's errors, as are --model and --draft where they name no model directory (found
     only after the GPU check, or after the target's weights had loaded, where its tokenizer was
-    missing)."""
+    missing), and where load_model refuses them before any weight is made (config.json's fields,
+    the weights' shapes and dtypes: load_model's check_model)."""
     args = parser.parse_args(argv)
     if args.state_rollback != "copy" and not args.hybrid:
         parser.error("--state-rollback is for the model with recurrent layers: add --hybrid")
@@ -78,13 +79,13 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
         parser.error("--draft, --prompt and --dtype are for a loaded model: add --model DIR")
     if args.model is not None and args.hybrid:
         parser.error("--hybrid is the random-weight model's variant: leave out --model")
-    # load_tokenizer's check and load_model's, said here (a draft's tokenizer is its target's: it may have none)
-    for flag, directory, check in (("--model", args.model, check_tokenizer_directory),
-                                   ("--draft", args.draft, check_model_directory)):
+    # load_model's checks and load_tokenizer's, said here (a draft's tokenizer is its target's: it may have none)
+    for flag, directory, checks in (("--model", args.model, (check_model, check_tokenizer_directory)),
+                                    ("--draft", args.draft, (check_model,))):
         try:
-            if directory is not None:
+            for check in checks if directory is not None else ():
                 check(directory)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, ValueError, TypeError) as exc:  # a config.json's field, a tensor's shape
             parser.error(f"{flag}: {exc}")
     if args.draft_layers < 1:
         parser.error(f"--draft-layers takes at least one layer, not {args.draft_layers}")

@@ -43,11 +43,7 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     if not (_is_weight_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype in DTYPES):
         raise ValueError(f"dtype is a floating-point torch.dtype of 2 bytes or more or one of {DTYPES}, not {dtype!r}")
     device = _as_device(device)
-    check_model_directory(directory)
-    saved = _saved_shapes(Path(directory))
-    _check_config(Path(directory), saved)
-    if saved is not None:
-        _check_shapes(Path(directory), saved)
+    check_model(directory)
     from transformers import AutoModelForCausalLM
     # ignore_mismatched_sizes: a tensor of another shape is reported in `info`, refused below by name (transformers
     # raised a RuntimeError naming none, pointing at a report in its log)
@@ -306,6 +302,19 @@ def has_tokenizer(directory: str | Path) -> bool:
     """Whether `directory` holds a tokenizer's files (any of TOKENIZER_FILES): a draft's may not,
     its tokenizer being its target's."""
     return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def check_model(directory: str | Path) -> None:
+    """What load_model checks of `directory` before any weight is made (no memory, no device): a
+    model directory (check_model_directory), its config.json's fields (_check_config) and the
+    safetensors headers against the model it makes (_check_shapes), each refusal naming the field
+    or the tensors: load_model's checks, and the examples' command line's (examples/_cli.py), which
+    met them only past the GPU check, once the target had loaded."""
+    check_model_directory(directory)
+    saved = _saved_shapes(Path(directory))
+    _check_config(Path(directory), saved)
+    if saved is not None:
+        _check_shapes(Path(directory), saved)
 
 
 def check_model_directory(directory: str | Path) -> None:

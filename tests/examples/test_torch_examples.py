@@ -138,6 +138,35 @@ def test_a_model_or_draft_that_is_no_model_directory_is_refused_at_parsing(cli, 
 
 
 @pytest.mark.torch
+def test_a_model_or_draft_that_load_model_refuses_is_refused_at_parsing(cli, capsys, tmp_path):
+    """A directory whose config.json or weights load_model refuses before any weight is made (an
+    unknown activation, weights of another shape) met that refusal as a traceback, past the GPU
+    check, once the target (for --draft: and its tokenizer) had loaded: the parser's error now,
+    naming the option; the directory unedited parses."""
+    import json
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    for name in ("good", "act", "shape"):
+        LlamaForCausalLM(config).save_pretrained(tmp_path / name)
+        (tmp_path / name / "tokenizer.json").write_text("{}")
+        edits = dict(act=dict(hidden_act="wibble"), shape=dict(intermediate_size=128)).get(name, {})
+        written = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps({**written, **edits}))
+    parser = cli.command_line("chains")
+    good = str(tmp_path / "good")
+    refused = {("--model", str(tmp_path / "act")): f"--model: {tmp_path / 'act' / 'config.json'}'s hidden_act names "
+                                                   "activation 'wibble'",
+               ("--model", good, "--draft", str(tmp_path / "shape")): f"--draft: {tmp_path / 'shape'}'s weights do "
+                                                                       "not match its config.json: 6 of another shape"}
+    for argv, message in refused.items():
+        with pytest.raises(SystemExit):
+            cli.parse(parser, list(argv))
+        assert message in capsys.readouterr().err
+    assert cli.parse(parser, ["--model", good, "--draft", good])[0].draft == good
+
+
+@pytest.mark.torch
 def test_serve_takes_at_most_as_many_requests_as_a_batch_has_rows_at_parsing(cli, capsys, monkeypatch):
     """--serve had no most: every request is built before the first runs, so --serve 10**9 built
     requests until memory ran out, past the GPU check and the models. The parser's error naming
