@@ -28,7 +28,7 @@ from ..driver.values import (as_flag, as_listed, as_prompt, as_seed, as_size, di
 from ..rounds.serving import Burst, Driven, Request, Served, Server, admitted, as_rows, batch_admitted
 from ..rounds.stream import MODES, Mode, RoundStream, as_mode
 from .adapter import decoder_stream, engine
-from .kv import CacheLayout, Room, StaticKV, cache_slots
+from .kv import CACHE_LAYOUTS, CacheLayout, Room, StaticKV, as_layout, cache_slots
 from .sampling import SamplingParams, as_sampling
 from .compiled import as_compiled, stack_for
 from .state import CopyState, FlipState, has_recurrent, rollback
@@ -96,6 +96,7 @@ class RoundDecoder:
         sampling, draft_sampling = as_sampling(sampling), as_sampling(draft_sampling, "draft_sampling")
         # before the stream and the engine: both were made, and on_engine=5 raised as it was called
         compiled = as_compiled(compiled)
+        cache = as_layout(cache, "cache", CACHE_LAYOUTS)
         if on_engine is not None and not callable(on_engine):
             raise TypeError(f"on_engine is a function called with the decoder's Engine, or None, not {on_engine!r}")
         self.k: int = geometry.k

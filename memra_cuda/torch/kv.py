@@ -178,6 +178,19 @@ class StaticKV:
 CacheLayout = Callable[[Any, int, int, int, torch.dtype, torch.device], StaticKV]
 """How a Stack makes its cache: (config, layers, batch, capacity, dtype, device) -> the cache."""
 
+CACHE_LAYOUTS = "StaticKV, PagedKV"  # a Stack's cache layouts, as as_layout's refusal names them
+
+
+def as_layout(layout: Any, what: str, kinds: str) -> Any:
+    """`layout` (a Stack's `cache` or `state`: a class, or a function, that makes one) where it can be
+    called, else TypeError naming `what` and the `kinds` there are: a name ("paged"), or a cache made
+    already, met "'str' object is not callable" as the stack was made (a decoder's after its stream
+    and engine), and a state layout no stack without recurrent layers calls was taken, silently."""
+    if not callable(layout):
+        raise TypeError(f"{what} is a {what} layout ({kinds}, or a function making one as they are called), "
+                        f"not {layout!r}")
+    return layout
+
 
 PAGE = 16  # PagedKV's positions a page, left out
 

@@ -22,9 +22,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..driver.values import as_flag, as_size
-from .kv import CacheLayout, StaticKV
+from .kv import CACHE_LAYOUTS, CacheLayout, StaticKV, as_layout
 from .prefill import Prefills
-from .state import LiveState, Recurrent, State, StateLayout
+from .state import STATE_LAYOUTS, LiveState, Recurrent, State, StateLayout
 
 INDICES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))  # a forward's ids' dtypes
 _PARTS = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head", "config")
@@ -258,6 +258,7 @@ class Stack(LayerStack):
     def __init__(self, model: Any, capacity: int, batch: int = 1, *, state: StateLayout = LiveState,
                  cache: CacheLayout = StaticKV):
         capacity = as_size(capacity, "capacity")  # before the window compares with it: "64" met a bare TypeError
+        cache, state = as_layout(cache, "cache", CACHE_LAYOUTS), as_layout(state, "state", STATE_LAYOUTS)
         _check_shape(model, capacity)
         self.model = model
         self.layers = model.model.layers[:model.config.num_hidden_layers]

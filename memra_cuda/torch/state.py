@@ -66,6 +66,8 @@ class State(Protocol):
 StateLayout = Callable[[int, int, tuple[int, ...], torch.device], State]
 """How a Stack makes its state: (recurrent layers, batch, one row's state shape, device) -> it."""
 
+STATE_LAYOUTS = "LiveState, CopyState, FlipState"  # a Stack's state layouts, as kv.as_layout's refusal names them
+
 
 class LiveState:
     """The state of a Stack's recurrent layers for plain decoding: `live` [layers][B][...], which

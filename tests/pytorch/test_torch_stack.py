@@ -1992,6 +1992,28 @@ def test_the_decoders_check_every_option_before_their_stream(monkeypatch):
             make()
 
 
+def test_a_layout_that_makes_no_cache_or_state_is_refused_where_it_is_given(monkeypatch):
+    """Stack(cache="paged") or a StaticKV made already met "'str' object is not callable" (a
+    RoundDecoder's after its stream and engine were made), and Stack(state="copy") over a model
+    without recurrent layers was taken, silently (it met the same TypeError only on a hybrid one):
+    each a TypeError naming the argument now, a decoder's before its stream."""
+    from memra_cuda.torch import RoundDecoder
+    from memra_cuda import Geometry
+    model = tiny()
+    for given in ("paged", StaticKV(model.config, 3, 1, 16, torch.float32, "cpu")):
+        with pytest.raises(TypeError, match=re.escape(f"cache is a cache layout (StaticKV, PagedKV, or a function "
+                                                      f"making one as they are called), not {given!r}")):
+            Stack(model, 16, cache=given)
+    with pytest.raises(TypeError, match=re.escape("state is a state layout (LiveState, CopyState, FlipState, or a "
+                                                  "function making one as they are called), not 'copy'")):
+        Stack(model, 16, state="copy")
+    stop_at_the_stream(monkeypatch)
+    with pytest.raises(TypeError, match="cache is a cache layout"):
+        RoundDecoder(model, self_draft(model), Geometry(4, 8), capacity=64, sampling=None, draft_sampling=None,
+                     state_rollback="copy", cache="paged")
+    assert Stack(model, 16, cache=PagedKV, state=CopyState).kv.capacity == 16  # the layouts themselves: taken
+
+
 def test_a_causal_lm_of_another_shape_is_refused_by_name():
     """OPT (its layers under .model.decoder) passed the decoders' first check and met an
     AttributeError after their stream; GPT-2's config (no num_key_value_heads) met a bare
