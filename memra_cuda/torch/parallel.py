@@ -40,10 +40,14 @@ def shard(model: Any, rank: int, world: int, reduce: Callable[[torch.Tensor], No
     and MLP columns, as its caches are made from it (a self-speculative draft made after
     sharding shares both). Refused, with nothing changed, where `rank` is not one of the world,
     the ranks cannot share the heads and columns evenly, a layer is recurrent (its state is not
-    split) or a row-parallel linear has a bias (it would be added once a rank)."""
+    split) or a row-parallel linear has a bias (it would be added once a rank), and where `reduce`
+    is no function (TypeError)."""
     rank, world = as_index(rank, "rank"), as_index(world, "world")  # True was rank 1
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not one of a world of {world} ranks")  # its share would be empty
+    if not callable(reduce):  # else every layer was split, the first forward meeting "object is not callable"
+        raise TypeError(f"reduce is a function summing a tensor over the ranks in place (an all-reduce), "
+                        f"not {reduce!r}")
     config = model.config
     heads, kv_heads, inner = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     if heads % world or kv_heads % world or inner % world:

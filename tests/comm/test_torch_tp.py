@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def test_shard_refuses_what_it_cannot_split_and_changes_nothing_then():
     model.model.layers[1].mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(64))
     with pytest.raises(ValueError, match="bias"):
         shard(model, 0, 2, lambda t: None)
+    # no function to sum with: taken, every layer split, "'NoneType' object is not callable" at the first forward
+    model.model.layers[1].mlp.down_proj.bias = None
+    for reduce in (None, "all_reduce"):
+        with pytest.raises(TypeError, match=re.escape(f"reduce is a function summing a tensor over the ranks in "
+                                                      f"place (an all-reduce), not {reduce!r}")):
+            shard(model, 0, 2, reduce)
     assert model.model.layers[0].self_attn.q_proj.weight.shape == (64, 64) and model.config.num_attention_heads == 4
 
 
