@@ -300,14 +300,20 @@ def hf_generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: in
     RequestRefused naming the prompt's row), the reference held to the rules of what it checks:
     a token outside the vocabulary met the embedding's IndexError (a device assert on a GPU), a
     budget of 2.5 or True was taken (3 tokens, 1), an EOS outside the vocabulary stopped no row,
-    and no prompts met max()'s. A budget of 0 gives each row no tokens, as a decoder's does (Hugging
-    Face's generate refuses it)."""
+    and no prompts met max()'s; an `assistant` that is no model is a TypeError naming it. A
+    budget of 0 gives each row no tokens, as a decoder's does (Hugging Face's generate refuses
+    it)."""
     listed = as_listed(prompts, "hf_generate's prompts", "prompts, one a row")
     if not listed:
         raise ValueError("hf_generate takes at least one prompt")
     requests = batch_admitted([Request(prompt, max_new_tokens, eos) for prompt in listed], model.config.vocab_size,
                               len(listed))
     sampling, k = as_sampling(sampling), as_size(k, "k (the assistant's drafts a round)")
+    if assistant is not None and not (hasattr(assistant, "generation_config")
+                                      and hasattr(getattr(assistant, "config", None), "vocab_size")):
+        # its generation_config is set below: a name or a path met "'str' object has no attribute 'generation_config'"
+        shown = type(assistant).__name__ if isinstance(assistant, torch.nn.Module) else repr(assistant)
+        raise TypeError(f"hf_generate's assistant is a transformers causal LM (a draft model) or None, not {shown}")
     max_new_tokens, eos, prompts = requests[0].max_new_tokens, requests[0].eos, [r.prompt for r in requests]
     if not max_new_tokens:
         return [[] for _ in prompts]

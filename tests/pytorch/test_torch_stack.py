@@ -360,6 +360,9 @@ def test_hugging_faces_reference_refuses_what_a_decoder_refuses_before_the_model
             (([[1]], 3), dict(eos=VOCAB), RequestRefused, f"its EOS {VOCAB} is outside the vocabulary of {VOCAB}"),
             (([[1]], 3), dict(eos=-1), RequestRefused, "eos must be None or an int of at least 0, not -1"),
             (([[1]], 3), dict(sampling=0.7), TypeError, "sampling is a memra_cuda.torch.SamplingParams"),
+            # a draft that is no model met "'str' object has no attribute 'generation_config'"
+            (([[1]], 3), dict(assistant="draft"), TypeError, "hf_generate's assistant is a transformers causal LM "
+                                                             "\\(a draft model\\) or None, not 'draft'"),
             (([[1]], 3), dict(k=0), ValueError, "k \\(the assistant's drafts a round\\) must be an int of at least 1")):
         with pytest.raises(error, match=named):
             hf_generate(model, *args, **given)
