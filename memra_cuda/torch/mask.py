@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..buffers.tree import Tree, TreeShape
+from ..buffers.tree import DynamicTree, Tree, TreeShape
 from ..driver.values import as_size
 from .attention import MOST_SLOTS
+from .models import is_float_dtype
 from .stack import Compile, op_by_op
 
 
@@ -34,7 +35,9 @@ class TreeMask:
 
     Refused as it is made, naming what is wrong: `words` that are no int32 tensor or not 3-D (a
     2-D one met a bare IndexError), a `capacity` that is no int from 1 to MOST_SLOTS (as_size: 2.5
-    made 3 slots, True 1), a `tree` of more nodes than the words' 32W bits hold (a bare IndexError)."""
+    made 3 slots, True 1), a `tree` of more nodes than the words' 32W bits hold (a bare IndexError),
+    or none at all, and a `dtype` that is no float of 2 bytes or more (TypeError: a bool one was
+    taken, its -inf True, every slot attended)."""
 
     def __init__(self, words: torch.Tensor, capacity: int, dtype: torch.dtype, tree: Tree | None = None, *,
                  compiled: Compile = op_by_op):
@@ -44,6 +47,12 @@ class TreeMask:
         if words.dim() != 3:
             raise ValueError(f"TreeMask's words are [B][T+1][W], not {list(words.shape)}")
         capacity = as_size(capacity, "capacity", most=MOST_SLOTS)
+        if not is_float_dtype(dtype):  # an int one met "cannot be converted ... without overflow" (-inf); a bool one
+            # was taken, a mask whose -inf is True (attend) in a boolean mask, and float8_e4m3fn holds no -inf
+            raise TypeError(f"TreeMask's dtype is a floating-point torch.dtype of 2 bytes or more (the model's: its 0 "
+                            f"and -inf), not {dtype!r}")
+        if tree is not None and not isinstance(tree, (TreeShape, DynamicTree)):  # its .nodes an AttributeError
+            raise TypeError(f"TreeMask's tree is a TreeShape, a DynamicTree or None, not {tree!r}")
         self.words = words
         self.nodes = 32 * words.shape[2]
         if tree is not None and tree.nodes > self.nodes:

@@ -22,10 +22,11 @@ from ..driver.values import as_index, as_real, as_size
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # load_model's dtype by name ("auto": the checkpoint's)
 
 
-def _is_weight_dtype(dtype: object) -> bool:
-    """Whether `dtype` is a torch.dtype a model's weights are made in: a float of 2 bytes or more
-    (transformers refuses an integer one, once the checkpoint is read, and a float8 one met
-    "TypeError: couldn't find storage object Float8_e4m3fnStorage")."""
+def is_float_dtype(dtype: object) -> bool:
+    """Whether `dtype` is a torch.dtype a model's weights and activations are made in: a float of 2
+    bytes or more (transformers refuses an integer one, once the checkpoint is read, and a float8
+    one met "TypeError: couldn't find storage object Float8_e4m3fnStorage"; float8_e4m3fn holds no
+    -inf, an additive mask's)."""
     return isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2
 
 
@@ -40,7 +41,7 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     without CUDA) is the more fundamental refusal, which no directory mends, and it was told only
     once a directory had been found. Weights that do not fit config.json (a tensor of another
     shape, one missing, one left over) are a ValueError naming them (_check_weights)."""
-    if not (_is_weight_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype in DTYPES):
+    if not (is_float_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype in DTYPES):
         raise ValueError(f"dtype is a floating-point torch.dtype of 2 bytes or more or one of {DTYPES}, not {dtype!r}")
     device = _as_device(device)
     check_model(directory)
@@ -172,7 +173,7 @@ def _check_config(directory: Path, saved: dict[str, Saved | None] | None) -> Non
                          f"({sizes['hidden_size']}), and it names no head_dim")
     for field in ("dtype", "torch_dtype"):  # transformers 5's, and 4's; "float32" is getattr(torch, "float32")
         named = config.get(field)
-        if named is not None and not (isinstance(named, str) and _is_weight_dtype(getattr(torch, named, None))):
+        if named is not None and not (isinstance(named, str) and is_float_dtype(getattr(torch, named, None))):
             raise ValueError(f"{path}'s {field} names no floating-point dtype of torch's, not {named!r}")
     if config.get("rms_norm_eps") is not None:  # negative or NaN: NaN logits, loaded without a word
         eps = as_real(config["rms_norm_eps"], f"{path}'s rms_norm_eps")

@@ -75,6 +75,16 @@ def test_a_mask_refuses_a_capacity_a_tree_and_words_it_cannot_serve():
         with pytest.raises(TypeError, match=f"TreeMask's words are mask_d's 32-bit words, an int32 tensor, "
                                             f"not {named}$"):
             TreeMask(words, 64, torch.float32)
+    # an int dtype met torch's "value cannot be converted to type int without overflow" (-inf), a name its
+    # "zeros(): argument 'dtype'", and a bool or float8 one was taken: a bool mask that never is True, attending
+    # everywhere, and no -inf in float8_e4m3fn; a tree that is none met "'str' object has no attribute 'nodes'"
+    for dtype in (torch.int32, torch.bool, torch.float8_e4m3fn, "float32"):
+        with pytest.raises(TypeError, match=re.escape(f"TreeMask's dtype is a floating-point torch.dtype of 2 bytes "
+                                                      f"or more (the model's: its 0 and -inf), not {dtype!r}")):
+            TreeMask(one, 64, dtype)
+    with pytest.raises(TypeError, match="TreeMask's tree is a TreeShape, a DynamicTree or None, not 'chain'"):
+        TreeMask(one, 64, torch.float32, "chain")
+    assert TreeMask(one, 64, torch.float16).never.dtype == torch.float16  # 2 bytes: taken
 
 
 def test_a_levels_best_candidates_are_torch_topks_best_first_ties_to_the_lower_index():
