@@ -26,6 +26,7 @@ from ..buffers.geometry import Geometry, as_batch
 from ..buffers.tables import Cache, KVData, KVLayer
 from ..driver.values import as_size, distinct_rows
 from .attention import MOST_SLOTS, aligned
+from .models import is_float_dtype
 from .uploads import uploaded
 
 
@@ -100,15 +101,20 @@ class StaticKV:
 
     def __init__(self, config: Any, layers: int, batch: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str = "cuda"):
-        self._bookkeeping(layers, batch, capacity, device)
+        self._bookkeeping(layers, batch, capacity, device, dtype)
         shape = (batch, config.num_key_value_heads, capacity, head_size(config))
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
-    def _bookkeeping(self, layers: int, batch: int, capacity: int, device: torch.device | str) -> None:
+    def _bookkeeping(self, layers: int, batch: int, capacity: int, device: torch.device | str,
+                     dtype: torch.dtype) -> None:
         """What every layout keeps beside its entries: lengths, rows and positions (its sizes
-        checked first, so a bad one is named, not left to torch)."""
+        checked first, so a bad one is named, not left to torch; and the entries' `dtype`, a
+        model's float: an int cache took a forward's K and V truncated, silently)."""
         layers, capacity = as_size(layers, "layers"), as_size(capacity, "capacity", most=MOST_SLOTS)
+        if not is_float_dtype(dtype):
+            raise TypeError(f"{type(self).__name__}'s dtype is a floating-point torch.dtype of 2 bytes or more (the "
+                            f"model's), not {dtype!r}")
         batch = as_batch(batch)
         self.capacity = capacity
         self.lengths = torch.zeros(layers, batch, dtype=torch.int32, device=device)
@@ -210,7 +216,7 @@ class PagedKV(StaticKV):
                  device: torch.device | str = "cuda", page: int = PAGE):
         capacity = as_size(capacity, "capacity", most=MOST_SLOTS)  # _bookkeeping's check, before the page's
         page = as_size(page, "page", 1, max(capacity, PAGE))  # positions a page holds
-        self._bookkeeping(layers, batch, capacity, device)
+        self._bookkeeping(layers, batch, capacity, device, dtype)
         per_row = -(-capacity // page)
         self.pool_k = torch.zeros(layers, batch * per_row, config.num_key_value_heads, page, head_size(config),
                                   dtype=dtype, device=device)

@@ -2017,6 +2017,19 @@ def test_a_layout_that_makes_no_cache_or_state_is_refused_where_it_is_given(monk
     assert Stack(model, 16, cache=PagedKV, state=CopyState).kv.capacity == 16  # the layouts themselves: taken
 
 
+def test_a_cache_of_a_dtype_no_model_runs_in_is_refused_as_it_is_made():
+    """StaticKV(..., torch.int32) (PagedKV's too) made a cache of ints, into which a forward wrote
+    its K and V truncated, silently; a name met torch's zeros() error. A TypeError naming dtype now,
+    as TreeMask's; the model's float dtypes taken."""
+    model = tiny()
+    for layout in (StaticKV, PagedKV):
+        for dtype in (torch.int32, torch.bool, "float16"):
+            with pytest.raises(TypeError, match=re.escape(f"{layout.__name__}'s dtype is a floating-point torch.dtype "
+                                                          f"of 2 bytes or more (the model's), not {dtype!r}")):
+                layout(model.config, 1, 1, 16, dtype, "cpu")
+        assert layout(model.config, 1, 1, 16, torch.bfloat16, "cpu").k[0].dtype == torch.bfloat16
+
+
 def test_a_causal_lm_of_another_shape_is_refused_by_name():
     """OPT (its layers under .model.decoder) passed the decoders' first check and met an
     AttributeError after their stream; GPT-2's config (no num_key_value_heads) met a bare
