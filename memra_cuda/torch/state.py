@@ -22,7 +22,8 @@ import torch
 
 from ..buffers.tables import StateIndexTable, StateLayer, StateTable, state_copy_table, state_flip_table
 from ..driver.engine import Engine
-from ..driver.values import as_size
+from ..buffers.geometry import as_batch
+from ..driver.values import as_listed, as_size
 from .views import tensor
 
 
@@ -69,11 +70,21 @@ StateLayout = Callable[[int, int, tuple[int, ...], torch.device], State]
 STATE_LAYOUTS = "LiveState, CopyState, FlipState"  # a Stack's state layouts, as kv.as_layout's refusal names them
 
 
+def state_sizes(layers: int, batch: int, shape: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
+    """A state layout's sizes as plain ints, each refused by name (as_size's, as_batch's, as_listed's):
+    a batch of True was one row, a negative count met torch's "negative dimension", and a shape of
+    ("4",) or 4 its zeros() error, naming no argument."""
+    layers, batch = as_size(layers, "layers"), as_batch(batch)
+    sizes = as_listed(shape, "a state's shape", "sizes, one a dimension")
+    return layers, batch, tuple(as_size(size, f"a state's shape[{i}]") for i, size in enumerate(sizes))
+
+
 class LiveState:
     """The state of a Stack's recurrent layers for plain decoding: `live` [layers][B][...], which
     every forward reads and leaves, in place, as the state after its last token."""
 
     def __init__(self, layers: int, batch: int, shape: tuple[int, ...], device: torch.device | str = "cuda"):
+        layers, batch, shape = state_sizes(layers, batch, shape)
         self.live = torch.zeros(layers, batch, *shape, device=device)
 
     def begin(self) -> None:
@@ -108,6 +119,7 @@ class CopyState(LiveState):
     def __init__(self, layers: int, batch: int, shape: tuple[int, ...], device: torch.device | str = "cuda", *,
                  k: int):
         k = as_size(k, "k", 0)
+        layers, batch, shape = state_sizes(layers, batch, shape)
         super().__init__(layers, batch, shape, device)
         self.k = k
         self.slots = torch.zeros(layers, batch, k + 1, *shape, device=device)
@@ -136,6 +148,7 @@ class FlipState:
     def __init__(self, layers: int, batch: int, shape: tuple[int, ...], device: torch.device | str = "cuda", *,
                  k: int, engine: Engine):
         self.k = k = as_size(k, "k", 0)  # as CopyState's
+        layers, batch, shape = state_sizes(layers, batch, shape)  # before the engine is asked for the index
         self.slots = torch.zeros(layers, batch, 2 * (k + 1), *shape, device=device)
         self.index_d = engine.zeros(np.uint32, batch, label="state slot index")
         self.index = tensor(self.index_d, torch.int32)

@@ -240,6 +240,26 @@ def test_a_states_k_is_a_count_of_drafts():
     assert CopyState(1, 2, (3,), "cpu", k=0).slots.shape == (1, 2, 1, 3)
 
 
+
+def test_a_states_sizes_are_counts_refused_by_name():
+    """LiveState(1, True, (4,)) was a batch of one, LiveState(-1, ...) met torch's "negative
+    dimension", a shape of ("4",) or 4 its zeros() error naming no argument (CopyState's and
+    FlipState's likewise): each refused by name as the state is made, before FlipState asks its
+    engine for anything; a state of one layer, one row and one word taken."""
+    from memra_cuda.torch.state import FlipState
+    for args, error, message in (((1, True, (4,)), TypeError, "batch must be an integer, not True"),
+                                 ((-1, 1, (4,)), ValueError, "layers must be an int of at least 1, not -1"),
+                                 ((1, 0, (4,)), ValueError, "batch must be an int from 1 to 65535, not 0"),
+                                 ((1, 1, ("4",)), TypeError, "a state's shape\\[0\\] must be an integer, not '4'"),
+                                 ((1, 1, (4, 0)), ValueError, "a state's shape\\[1\\] must be an int of at least 1"),
+                                 ((1, 1, 4), TypeError, "a state's shape must be a list, a tuple or a 1-D array")):
+        for make in (lambda: LiveState(*args, "cpu"), lambda: CopyState(*args, "cpu", k=1),
+                     lambda: FlipState(*args, "cpu", k=1, engine=None)):  # type: ignore[arg-type]
+            with pytest.raises(error, match=message):
+                make()
+    assert LiveState(1, 1, (1,), "cpu").live.shape == (1, 1, 1)
+
+
 def test_a_trees_nodes_step_from_their_parents_state():
     """A hybrid verify over TREE's nodes (parents given) leaves in slot i the state after node i's
     root path, stepped token by token."""
