@@ -283,10 +283,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def load_tokenizer(directory: str | Path) -> Any:
     """The tokenizer saved in `directory` (AutoTokenizer, local files only; the directory's own
     Python never run, as load_model's). A directory of a model saved without its tokenizer is a
-    FileNotFoundError naming the files looked for (transformers' own error named none of them)."""
+    FileNotFoundError naming the files looked for (transformers' own error named none of them), and
+    one whose tokenizer transformers cannot read a ValueError naming the directory, its words kept
+    (a tokenizer.json of "{}" met a KeyError of 'added_tokens', one of no JSON json's error)."""
     from transformers import AutoTokenizer
     check_tokenizer_directory(directory)
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except (KeyError, TypeError, ValueError) as e:  # a tokenizer.json of "{}": KeyError 'added_tokens'; no JSON:
+        # json's JSONDecodeError; either naming no file
+        said = " ".join(str(e).split())
+        raise ValueError(f"{directory} holds a tokenizer transformers cannot read: {type(e).__name__}: "
+                         f"{said}") from None
 
 
 def check_tokenizer_directory(directory: str | Path) -> None:

@@ -605,6 +605,18 @@ def test_weights_of_no_floating_point_dtype_are_refused_by_name_before_any_weigh
     assert not read
 
 
+@pytest.mark.parametrize("text, said", [("{}", "KeyError: 'added_tokens'"), ("{not json", "JSONDecodeError: ")])
+def test_a_tokenizer_transformers_cannot_read_is_refused_naming_the_directory(tmp_path, text, said):
+    """A tokenizer.json that is no tokenizer met transformers' KeyError ('added_tokens') or json's
+    JSONDecodeError, naming no file: a ValueError naming the directory, their words after it."""
+    from memra_cuda.torch import load_tokenizer
+    save_pair(tmp_path)
+    (tmp_path / "draft" / "tokenizer.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'draft'} holds a tokenizer transformers cannot read: "
+                                                   f"{said}")):
+        load_tokenizer(tmp_path / "draft")
+
+
 def test_weights_that_are_no_safetensors_file_are_refused_naming_the_file(tmp_path):
     """safetensors' own error on a file that is not one named no file."""
     save_pair(tmp_path)
