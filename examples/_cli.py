@@ -143,14 +143,20 @@ def models(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def requests(args: argparse.Namespace, tokenizer: Any, count: int | None = None) -> list[Request]:
     """`count` requests (default: a row each): PROMPT (one) or prompts() of 2 to 40 random tokens
     for a random model; the --prompt texts in turn (default, a line of Python) for a loaded one,
-    which stops at its tokenizer's EOS unless --eos says another. Each samples with its own seed."""
+    which stops at its tokenizer's EOS unless --eos says another. Each samples with its own seed.
+    A --prompt the tokenizer makes no tokens of ends the program naming it (SystemExit)."""
     count = args.batch if count is None else count
     if tokenizer is None:
         batch = [PROMPT] if count == 1 else prompts(count)
         return [Request(prompt, args.tokens, args.eos, seed) for seed, prompt in enumerate(batch)]
     texts = args.prompt or ["def fibonacci(n):\n"]
     eos = args.eos if args.eos is not None else tokenizer.eos_token_id
-    return [Request(tokenizer.encode(texts[i % len(texts)]), args.tokens, eos, i) for i in range(count)]
+    encoded = [tokenizer.encode(text) for text in texts]
+    for text, tokens in zip(texts, encoded):  # a decoder refused it, a traceback once the models had loaded
+        if not len(tokens):
+            raise SystemExit(f"--prompt {text!r} is no tokens to the tokenizer of {args.model}: a prompt holds at "
+                             "least one")
+    return [Request(encoded[i % len(texts)], args.tokens, eos, i) for i in range(count)]
 
 
 def describe(args: argparse.Namespace) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,10 @@ def test_the_requests_are_the_random_models_prompts_or_a_loaded_tokenizers(cli, 
     assert cli.requests(loaded, Words()) == [Request([1, 2], 256, 7, 0), Request([3], 256, 7, 1),
                                              Request([1, 2], 256, 7, 2)]
     assert cli.requests(cli.parse(parser, ["--model", m])[0], Words(), 2)[1].eos == 1  # the tokenizer's EOS
+    # a text the tokenizer makes no tokens of met the decoder's RequestRefused as a traceback, once the models loaded
+    empty = cli.parse(parser, ["--model", m, "--prompt", "a", "--prompt", " "])[0]
+    with pytest.raises(SystemExit, match=re.escape("--prompt ' ' is no tokens to the tokenizer of ")):
+        cli.requests(empty, Words())
 
 
 @pytest.mark.torch
