@@ -171,10 +171,11 @@ def _check_config(directory: Path, saved: dict[str, Saved | None] | None) -> Non
     if "head_dim" not in sizes and sizes.get("hidden_size", heads) % heads:
         raise ValueError(f"{path}'s num_attention_heads ({heads}) does not divide its hidden_size "
                          f"({sizes['hidden_size']}), and it names no head_dim")
-    for field in ("dtype", "torch_dtype"):  # transformers 5's, and 4's; "float32" is getattr(torch, "float32")
-        named = config.get(field)
-        if named is not None and not (isinstance(named, str) and is_float_dtype(getattr(torch, named, None))):
-            raise ValueError(f"{path}'s {field} names no floating-point dtype of torch's, not {named!r}")
+    # transformers 5's dtype, else 4's torch_dtype (the one it reads: getattr(torch, "float32"))
+    field = "dtype" if config.get("dtype") is not None else "torch_dtype"
+    named = config.get(field)
+    if named is not None and not (isinstance(named, str) and is_float_dtype(getattr(torch, named, None))):
+        raise ValueError(f"{path}'s {field} names no floating-point dtype of torch's, not {named!r}")
     if config.get("rms_norm_eps") is not None:  # negative or NaN: NaN logits, loaded without a word
         eps = as_real(config["rms_norm_eps"], f"{path}'s rms_norm_eps")
         if not 0 <= eps < math.inf:

@@ -504,7 +504,8 @@ def edited(directory, **fields) -> None:
     (dict(num_hidden_layers=5), ValueError, "num_hidden_layers is 5, but its weights hold 4 layers"),
     (dict(num_hidden_layers=2**20), ValueError, "num_hidden_layers is 1048576, but its weights hold 4 layers"),
     (dict(dtype="wibble"), ValueError, "dtype names no floating-point dtype of torch's, not 'wibble'"),
-    (dict(torch_dtype="int8"), ValueError, "torch_dtype names no floating-point dtype of torch's, not 'int8'"),
+    (dict(dtype=None, torch_dtype="int8"), ValueError, "torch_dtype names no floating-point dtype of torch's, "
+                                                       "not 'int8'"),
     (dict(hidden_act="wibble"), ValueError, "hidden_act names activation 'wibble', none transformers knows"),
     (dict(rms_norm_eps=-1e-6), ValueError, "rms_norm_eps must be a finite number of at least 0, not -1e-06"),
     (dict(rms_norm_eps=float("nan")), ValueError, "rms_norm_eps must be a finite number of at least 0, not nan"),
@@ -547,8 +548,8 @@ def test_a_config_json_at_its_limits_is_taken(tmp_path):
     makes: the checks above stop short of them."""
     from memra_cuda.torch import models
     save_pair(tmp_path)
-    edited(tmp_path / "target", rms_norm_eps=0.0, dtype="float64", torch_dtype="bfloat16", pad_token_id=VOCAB - 1)
-    models._check_config(tmp_path / "target", None)
+    edited(tmp_path / "target", rms_norm_eps=0.0, dtype="float64", torch_dtype="wibble", pad_token_id=VOCAB - 1)
+    models._check_config(tmp_path / "target", None)  # beside a dtype, transformers reads no torch_dtype
     edited(tmp_path / "target", pad_token_id=-VOCAB)  # -1, some Llamas' "none", is the last token's, as torch reads it
     models._check_config(tmp_path / "target", None)
 
