@@ -171,10 +171,13 @@ def _check_config(directory: Path, saved: dict[str, Saved | None] | None) -> Non
     if "head_dim" not in sizes and sizes.get("hidden_size", heads) % heads:
         raise ValueError(f"{path}'s num_attention_heads ({heads}) does not divide its hidden_size "
                          f"({sizes['hidden_size']}), and it names no head_dim")
-    # transformers 5's dtype, else 4's torch_dtype (the one it reads: getattr(torch, "float32"))
+    # transformers 5's dtype, else 4's torch_dtype (the one it reads: getattr(torch, "float32")); a quantized
+    # checkpoint's may name its storage's (an FP8 one's "float8_e4m3fn", beside its quantization_config)
     field = "dtype" if config.get("dtype") is not None else "torch_dtype"
     named = config.get(field)
-    if named is not None and not (isinstance(named, str) and is_float_dtype(getattr(torch, named, None))):
+    made = getattr(torch, named, None) if isinstance(named, str) else None
+    if named is not None and not (is_float_dtype(made) or (isinstance(made, torch.dtype)
+                                                           and config.get("quantization_config") is not None)):
         raise ValueError(f"{path}'s {field} names no floating-point dtype of torch's, not {named!r}")
     if config.get("rms_norm_eps") is not None:  # negative or NaN: NaN logits, loaded without a word
         eps = as_real(config["rms_norm_eps"], f"{path}'s rms_norm_eps")

@@ -552,6 +552,14 @@ def test_a_config_json_at_its_limits_is_taken(tmp_path):
     models._check_config(tmp_path / "target", None)  # beside a dtype, transformers reads no torch_dtype
     edited(tmp_path / "target", pad_token_id=-VOCAB)  # -1, some Llamas' "none", is the last token's, as torch reads it
     models._check_config(tmp_path / "target", None)
+    # a quantized checkpoint names its storage's dtype (FP8 ones on the Hub: "torch_dtype": "float8_e4m3fn");
+    # its weights are the quantizer's to read, and load_model's own dtype is the model's
+    edited(tmp_path / "target", dtype=None, torch_dtype="float8_e4m3fn",
+           quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    models.check_model(tmp_path / "target")
+    edited(tmp_path / "target", torch_dtype="wibble")  # a name torch lacks is refused still
+    with pytest.raises(ValueError, match="torch_dtype names no floating-point dtype of torch's, not 'wibble'"):
+        models.check_model(tmp_path / "target")
 
 
 @pytest.mark.parametrize("fields, error", [
