@@ -75,6 +75,7 @@ class Stream(Handle):
                 self._stream_owner = stream  # its owner destroys the stream when it goes
             if isinstance(stream, Stream):
                 stream._exported = True  # this one works on its handle: its close() must leave it (close)
+                self._end = stream._end  # its end is the owner's: marked as the owner's collection destroys it
         self._stream_handle = int(self._stream)
         self._synchronize = driver().cuStreamSynchronize
 
@@ -84,7 +85,7 @@ class Stream(Handle):
     # finalizer holds its own copy; memra's own calls read _stream once they have activated.
     _stream: Any = None
     _stream_handle = 0
-    _end: StreamEnd | None = None  # an owned stream's end, marked as its collection destroys it
+    _end: StreamEnd | None = None  # an owned stream's end (a borrowed Stream's: its owner's), marked as destroyed
 
     @property
     def stream(self) -> Any:
@@ -175,11 +176,11 @@ class Stream(Handle):
                 self.synchronize()
             except Exception as exc:  # noqa: BLE001 - close() is cleanup: report, go on
                 log.warning("memra_cuda: closing %r: %s", self, exc)
-        if self._end is not None:
-            self._end.wanted = False  # its work waited for: a release of it lets go at once (release.py)
         if self._exported:
             self._retire()  # closed from now on, dependents poisoned; the stream not yet destroyed
         else:
+            if self._end is not None and not self.borrowed:  # its own end: its work waited for (a handed-out
+                self._end.wanted = False  # handle's users may queue more); a release of it lets go at once
             super().free()
             self._stream_owner = None
         drain()  # borrowed memory kept for this stream's work goes back, that work done (release.py)

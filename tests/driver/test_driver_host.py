@@ -1001,8 +1001,10 @@ def test_a_borrowed_buffer_collected_with_its_owned_stream_waits_for_the_streams
     its mark, which then named a destroyed stream (cuStreamIsCapturing and cuEventRecord on a freed
     handle) and, refused, kept the owner for good. The finaliser now records the stream's end first
     (release.StreamEnd), and the release waits for that event; it is destroyed once, with the end,
-    not by the release. A stream close() waited for records nothing. (No driver: a stand-in stream
-    with Stream's own finaliser, its context's calls recorded.)"""
+    not by the release. A stream close() waited for records nothing, unless its handle was handed
+    out (__cuda_stream__, a borrowing Engine), whose users may queue more after the close: it is
+    marked as it goes. (No driver: a stand-in stream with Stream's own finaliser, its context's
+    calls recorded.)"""
     import memra_cuda.driver.stream as stream_module
     from cuda.bindings import driver as bindings
     from memra_cuda.driver import release
@@ -1012,7 +1014,9 @@ def test_a_borrowed_buffer_collected_with_its_owned_stream_waits_for_the_streams
     monkeypatch.setattr(stream_module, "relaxed_capture", contextlib.nullcontext)
     none = bindings.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
     before = release.pending()
-    for closed in (False, True):
+    marked = [("cuStreamIsCapturing", "CUstream"), ("cuEventCreate", 2), ("cuEventRecord", "end event", "CUstream"),
+              ("cuStreamDestroy", "CUstream")]
+    for closed in (False, True, "handed out"):
         stream, tensor = StandInStream(), Holder()
         calls: list[tuple] = []
         reached: set[str] = set()
@@ -1035,19 +1039,26 @@ def test_a_borrowed_buffer_collected_with_its_owned_stream_waits_for_the_streams
         buf = DeviceBuffer(FAKE_PTR, np.uint32, 4, keepalive=tensor, label=label)
         stream._stream_owner = types.SimpleNamespace(buffer=buf)  # the cycle: the stream's owner holds the buffer
         buf.queued_on(stream)
-        if closed:
+        if closed == "handed out":
+            stream._exported = True  # as __cuda_stream__ leaves it
+            stream.close()
+            assert calls == [], "a handed-out stream is closed to memra, destroyed only as it is collected"
+        elif closed:
             stream.close()
             assert calls == [("cuStreamDestroy", "CUstream")], "close() waited for the stream: no end is marked"
             calls.clear()
         del tensor, buf, stream, mark
         gc.collect()
         release.drain()
+        if closed == "handed out":
+            assert release.pending() == before, "close() waited for the work queued on the memory before it"
+            assert calls == marked + [("cuEventDestroy", "end event")], \
+                "its handle's users may have queued more since: its end is marked as it goes, and destroyed once"
+            continue
         if closed:
             assert calls == [] and release.pending() == before, "a closed stream ran its work"
             continue
-        assert calls == [("cuStreamIsCapturing", "CUstream"), ("cuEventCreate", 2),
-                         ("cuEventRecord", "end event", "CUstream"), ("cuStreamDestroy", "CUstream")], \
-            "the stream's end is marked before it is destroyed"
+        assert calls == marked, "the stream's end is marked before it is destroyed"
         assert release.pending() == before + 1, "the owner went with the stream, its work not known to have run"
         reached.add("end event")  # the device ran the destroyed stream's work
         release.drain()

@@ -266,14 +266,17 @@ def test_a_borrowed_buffer_collected_keeps_the_memorys_owner_until_the_work_queu
     assert owner() is None, "the stream ran the work: the owner goes at its synchronize()"
 
 
+@pytest.mark.parametrize("queued_on", ["its engine", "an engine borrowing its stream"])
 def test_a_borrowed_buffer_collected_with_its_engine_in_a_cycle_keeps_the_owner_until_that_engines_work_ran(
-        engine, caplog):
+        engine, caplog, queued_on):
     """An engine collected unclosed in one garbage cycle with a borrowed buffer that queued work on
     it (an object holding both, in a cycle): the collector ran the engine's finaliser (its
     cuStreamDestroy) before the buffer's release, which then asked the destroyed stream for a mark,
     was refused at every drain and kept the owner for good. The finaliser now marks the stream's
     end as it destroys it, and the release waits for that mark: the owner is kept while the work
-    is held (behind a gate on `engine`, which the engine collected waits for), and goes once it ran."""
+    is held (behind a gate on `engine`, which the engine collected waits for), and goes once it ran.
+    An engine borrowing that engine's stream (Engine(stream=other)) shares its mark: the owner's
+    finaliser destroys the stream before the borrower's release, as it did before."""
     from memra_cuda.driver import release
 
     other = Engine(engine.device)
@@ -283,10 +286,11 @@ def test_a_borrowed_buffer_collected_with_its_engine_in_a_cycle_keeps_the_owner_
         with Gate(engine):  # `other` waits for engine's stream: its memset is queued behind the gate
             other.wait(engine.stream)  # its CUstream: the fixture's stream is not handed out (__cuda_stream__)
             buf = DeviceBuffer.from_cuda_array(foreign)
-            other.memset(buf, 0)
-            holder = types.SimpleNamespace(engine=other, buf=buf)
+            user = other if queued_on == "its engine" else Engine(engine.device, stream=other)
+            user.memset(buf, 0)
+            holder = types.SimpleNamespace(engine=other, user=user, buf=buf)
             holder.itself = holder  # the cycle: collected by the collector alone, engine and buffer at once
-            del foreign, buf, other, holder
+            del foreign, buf, other, user, holder
             gc.collect()
             assert owner() is not None, "the owner went with its buffer, the work on its memory still queued"
         engine.ctx.call("cuCtxSynchronize")  # the collected engine's stream ran its work
