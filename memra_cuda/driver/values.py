@@ -214,12 +214,21 @@ def as_real(value: Any, what: str) -> float:
         raise ValueError(f"{what} must be a finite number, not one past a float's range") from None
 
 
+# The longest wait a timeout may ask for: 2**31 - 1 ms (24.8 days), a socket's longest in one call (its
+# milliseconds a C int: 4294967.396 s wrapped to a wait of 0.1 s). Past threading.TIMEOUT_MAX (an
+# infinity too), a thread's join, a socket's settimeout and time.sleep raise OverflowError.
+SECONDS_MOST = (2**31 - 1) / 1000
+
+
 def as_seconds(value: Any, what: str) -> float:
-    """`value` as a span of seconds above 0 (as_real's TypeError for what is no real number):
-    ValueError naming `what` for 0, a negative or a NaN, which compares as no number does, so
-    a deadline made of it was never reached and a wait with it lasted for ever."""
-    if not as_real(value, what) > 0:
-        raise ValueError(f"{what} must be a number of seconds above 0, not {value!r}")
+    """`value` as a span of seconds above 0 and at most SECONDS_MOST (as_real's TypeError for what
+    is no real number): ValueError naming `what` for 0, a negative or a NaN, which compares as no
+    number does, so a deadline made of it was never reached and a wait with it lasted for ever,
+    and for a span past SECONDS_MOST, an infinity too, which a socket's wait wrapped to a short
+    one, or a thread's join met OverflowError for, once the work it bounds had begun."""
+    if not 0 < as_real(value, what) <= SECONDS_MOST:
+        raise ValueError(f"{what} must be a number of seconds above 0 and at most {SECONDS_MOST} (2**31 - 1 ms, "
+                         f"a socket's longest wait), not {value!r}")
     return float(value)
 
 

@@ -159,6 +159,44 @@ def test_the_id_exchange_refuses_a_timeout_it_could_never_reach_before_anything_
     assert made == []
 
 
+PAST_MOST = float(np.nextafter(2147483.647, 3e6))  # values.SECONDS_MOST's next float
+
+
+@pytest.mark.parametrize("seconds", [PAST_MOST, 4294967.396, 1e10, float("inf")])
+def test_a_timeout_past_a_sockets_longest_wait_is_refused_before_anything_is_made(seconds, monkeypatch):
+    """A wait is at most SECONDS_MOST (2**31 - 1 ms, a socket's longest: past it a socket's
+    timeout wrapped, 4294967.396 s timing out after 0.1 s; past threading.TIMEOUT_MAX, an infinity
+    too, joining met OverflowError: timestamp out of range, after NCCL was loaded and its join
+    begun, and a poll of 1e10 s ended the watchdog on its thread, silently, every wait untimed).
+    Refused by name before make_id, NCCL or any rank; the limit itself is taken."""
+    from memra_cuda.comm import communicator
+    from memra_cuda.comm.launch import launch
+    from memra_cuda.driver.values import SECONDS_MOST
+    assert SECONDS_MOST == 2147483.647
+    most = r"must be a number of seconds above 0 and at most 2147483\.647 \(2\*\*31 - 1 ms"
+    with pytest.raises(ValueError, match=f"^a communicator's timeout {most}.*not {seconds!r}"):
+        Watch(timeout=seconds, rank=0)
+    assert Watch(timeout=SECONDS_MOST, rank=0).timeout == SECONDS_MOST
+    made = []
+    for given in ({"timeout": seconds}, {"hello_budget": seconds}):
+        with pytest.raises(ValueError, match=most):
+            exchange_id(Ranks(0, 2, port=free_port()), lambda: made.append(1) or b"x" * 128, **given)
+    with pytest.raises(ValueError, match=f"^timeout {most}"):
+        launch([sys.executable, "-c", "raise SystemExit(3)"], 1, timeout=seconds)
+    joined = []
+    engine = FakeEngine()
+    lib = FakeNccl(engine.memory)
+    lib.lib.ncclCommInitRank = lambda *args: joined.append(args) or 0
+    monkeypatch.setattr(communicator, "nccl", lambda: lib)
+    with pytest.raises(ValueError, match=f"^a communicator's timeout {most}"):
+        communicator.Communicator(engine, 0, 2, bytes(128), timeout=seconds)
+    with pytest.raises(ValueError, match=r"^poll is the watchdog's positive, finite number of seconds between looks, "
+                                         r"at most 2147483\.647 \(values\.SECONDS_MOST\)"):
+        communicator.Communicator(engine, 0, 2, bytes(128), poll=seconds)
+    assert made == [] and joined == [] and engine.guards == []
+    assert launch([sys.executable, "-c", "raise SystemExit(3)"], 1, timeout=SECONDS_MOST)[0].returncode == 3
+
+
 class Lib:
     """What _State calls of libnccl, recorded (the watchdog's side, not a GPU's); `stuck`: the
     calls that never return."""
@@ -380,7 +418,7 @@ def test_launch_kills_every_rank_past_its_timeout():
     (0, 60, ValueError, "world must be an int from 1 to"),  # ran nothing: [], every rank "passed"
     (True, 60, TypeError, "world must be an integer, not True"),  # one rank told WORLD_SIZE=True
     (2.0, 60, TypeError, "world must be an integer"),
-    (1, float("nan"), ValueError, "timeout must be a number of seconds above 0, not nan"),  # waited for ever
+    (1, float("nan"), ValueError, "timeout must be a number of seconds above 0 .*, not nan"),  # waited for ever
     (1, 0, ValueError, "timeout must be a number of seconds above 0"),
     (1, "60", TypeError, "timeout must be a real number")])
 def test_launch_refuses_a_world_or_a_timeout_it_cannot_keep_before_starting_a_rank(tmp_path, world, timeout, error,
