@@ -705,6 +705,39 @@ def test_agree_passes_where_the_ranks_agree_and_raises_where_they_do_not(fake):
     assert comm.failure_reason and "differ" in comm.failure_reason
 
 
+@pytest.mark.parametrize("unique_id, error, match", [
+    (None, TypeError, "unique_id must be the communicator id as bytes .*, not a NoneType"),  # has no len()
+    ("x" * 128, TypeError, "unique_id must be the communicator id as bytes .*, not a str"),  # ctypes', past NCCL
+    ([0] * 128, TypeError, "unique_id must be the communicator id as bytes .*, not a list"),
+    (bytes(127), ValueError, "a communicator id is 128 bytes"),
+    (bytes(129), ValueError, "a communicator id is 128 bytes")])
+def test_a_communicator_refuses_an_id_that_is_no_128_bytes_before_nccl_is_loaded(unique_id, error, match,
+                                                                                monkeypatch):
+    """None met "object of type 'NoneType' has no len()", and a str or a list of 128 passed, to
+    meet ctypes' "a bytes-like object is required" once NCCL was loaded and the engine's context
+    made current: a TypeError naming unique_id now, before either. A bytearray is bytes too."""
+    from memra_cuda.comm import communicator
+    loaded = []
+    monkeypatch.setattr(communicator, "nccl", lambda: loaded.append(1) or FakeNccl({}))
+    with pytest.raises(error, match=match):
+        communicator.Communicator(FakeEngine(), 0, 2, unique_id)
+    assert loaded == []
+    communicator.Communicator(FakeEngine(), 0, 2, bytearray(128)).free()
+
+
+def test_a_communicator_of_more_ranks_than_nccl_counts_is_refused_before_nccl_is_loaded(monkeypatch):
+    """NCCL's nranks is a C int: a world of 2**31 was taken (Ranks refuses it), handed to
+    ncclCommInitRank wrapped by ctypes. A ValueError naming MAX_WORLD; the limit itself is taken."""
+    from memra_cuda.comm import communicator
+    from memra_cuda.comm.rendezvous import MAX_WORLD
+    lib = FakeNccl({})
+    monkeypatch.setattr(communicator, "nccl", lambda: lib)
+    with pytest.raises(ValueError, match=f"a world is at most {MAX_WORLD} ranks \\(NCCL's\\), not {MAX_WORLD + 1}"):
+        communicator.Communicator(FakeEngine(), 0, MAX_WORLD + 1, bytes(128))
+    assert lib.joined_with is None
+    communicator.Communicator(FakeEngine(), MAX_WORLD - 1, MAX_WORLD, bytes(128)).free()
+
+
 def test_a_communicator_refuses_what_it_cannot_join_or_queue(fake):
     from memra_cuda.comm import Communicator
     from memra_cuda.driver.buffer import DeviceBuffer
