@@ -44,6 +44,7 @@ import ipaddress
 import itertools
 import logging
 import os
+import reprlib
 import secrets
 import socket
 import threading
@@ -142,15 +143,31 @@ class Ranks:
         if missing:
             raise ValueError(f"a rank's environment names {' and '.join(missing)} (as torchrun sets them)")
         address = environ.get("MASTER_ADDR", "127.0.0.1")  # set empty or blank: refused as Ranks' address
-        try:
-            numbers = {name: int(environ.get(name, default)) for name, default in
-                       (("RANK", ""), ("WORLD_SIZE", ""), ("LOCAL_RANK", "0"), ("MASTER_PORT", "29500"))}
-            port = int(environ["MEMRA_NCCL_PORT"]) if "MEMRA_NCCL_PORT" in environ else numbers["MASTER_PORT"] + 1
-        except ValueError as exc:
-            raise ValueError(f"RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT and MEMRA_NCCL_PORT are integers: "
-                             f"{exc}") from None
+        numbers = {name: _decimal(environ, name, default) for name, default in
+                   (("RANK", ""), ("WORLD_SIZE", ""), ("LOCAL_RANK", "0"), ("MASTER_PORT", "29500"))}
+        if "MEMRA_NCCL_PORT" in environ:
+            port = _decimal(environ, "MEMRA_NCCL_PORT", "")
+        else:  # named: refused as Ranks' port of 65536, it was a port no variable held
+            port = numbers["MASTER_PORT"] + 1
+            if not 0 < port < 65536:
+                raise ValueError(f"the id exchange listens on MEMRA_NCCL_PORT, else MASTER_PORT + 1: MASTER_PORT "
+                                 f"{numbers['MASTER_PORT']} makes port {port}, not one of 1..65535: set "
+                                 "MEMRA_NCCL_PORT to a free port")
         return cls(numbers["RANK"], numbers["WORLD_SIZE"], numbers["LOCAL_RANK"],
                    address, port, environ.get(SECRET_VARIABLE, ""))
+
+
+def _decimal(environ: Mapping[str, str], name: str, default: str) -> int:
+    """The variable `name` (else `default`) as torchrun writes an integer: decimal digits, a sign
+    and spaces around them allowed, as int() takes them. Each is named: which of five variables
+    was empty or garbage went unsaid, and int()'s own literals were taken (RANK=1_0 as rank 10,
+    an Arabic-Indic digit as its value), silently."""
+    value = environ.get(name, default)
+    digits = value.strip()
+    digits = digits[1:] if digits.startswith(("+", "-")) else digits
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):  # past 20 digits, no port or rank
+        raise ValueError(f"{name} must be a decimal integer (as torchrun sets it), not {reprlib.repr(value)}")
+    return int(value)
 
 
 def exchange_id(ranks: Ranks, make_id: Callable[[], bytes], timeout: float = 60.0, *,

@@ -37,10 +37,10 @@ def test_a_rank_reads_torchruns_variables():
 @pytest.mark.parametrize("env, match", [
     ({"WORLD_SIZE": "2"}, "names RANK"),
     ({}, "RANK and WORLD_SIZE"),
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "integers"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be a decimal integer"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, "0 <= rank < world"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "port"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "MEMRA_NCCL_PORT": "x"}, "MEMRA_NCCL_PORT are integers"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MEMRA_NCCL_PORT": "x"}, "MEMRA_NCCL_PORT must be a decimal integer"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "local_rank"),
     # taken, and found out only in the exchange, under its timeout
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": ""},
@@ -50,6 +50,36 @@ def test_a_rank_reads_torchruns_variables():
 def test_a_rank_refuses_an_environment_it_cannot_serve(env, match):
     with pytest.raises(ValueError, match=match):
         Ranks.from_env(env)
+
+
+@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MEMRA_NCCL_PORT"])
+@pytest.mark.parametrize("value", ["", "x", "1e3", "1_0", "\u0663", "1" * 5000])
+def test_a_rank_names_the_variable_that_is_no_decimal_integer(name, value):
+    """Each variable is read by its name: an empty or garbage one was "RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_PORT and MEMRA_NCCL_PORT are integers: invalid literal for int() with base
+    10: ''", which of the five not said; and Python's own literals were taken, RANK=1_0 as rank 10
+    and an Arabic-Indic three as 3, silently. A ValueError naming the variable and its value."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", name: value}
+    shown = re.escape(repr(value)) if len(value) < 100 else ".*"
+    with pytest.raises(ValueError, match=f"^{name} must be a decimal integer \\(as torchrun sets it\\), not {shown}"):
+        Ranks.from_env(env)
+
+
+def test_the_exchanges_port_past_65535_names_master_port_plus_one():
+    """MASTER_PORT=65535 without MEMRA_NCCL_PORT was refused as "port=65536", a port no variable
+    held: it names both now. The limits are taken."""
+    env = {"RANK": "0", "WORLD_SIZE": "2"}
+    with pytest.raises(ValueError, match=r"^the id exchange listens on MEMRA_NCCL_PORT, else MASTER_PORT \+ 1: "
+                                         r"MASTER_PORT 65535 makes port 65536, not one of 1\.\.65535: "
+                                         r"set MEMRA_NCCL_PORT"):
+        Ranks.from_env({**env, "MASTER_PORT": "65535"})
+    assert Ranks.from_env({**env, "MASTER_PORT": "65534"}).port == 65535
+    assert Ranks.from_env({**env, "MASTER_PORT": "65535", "MEMRA_NCCL_PORT": "65535"}).port == 65535
+    assert Ranks.from_env({**env, "MEMRA_NCCL_PORT": "1"}).port == 1
+    assert Ranks.from_env({**env, "RANK": " 1\n", "WORLD_SIZE": "+2"}).rank == 1  # int()'s spaces and sign, kept
+    for port in ("0", "65536", "-1"):
+        with pytest.raises(ValueError, match=f"port={int(port)}"):
+            Ranks.from_env({**env, "MEMRA_NCCL_PORT": port})
 
 
 # -- the id exchange ------------------------------------------------------------------------------
