@@ -180,8 +180,11 @@ def exchange_id(ranks: Ranks, make_id: Callable[[], bytes], timeout: float = 60.
     0 refuses a rank for good and proves it; ValueError, before anything else, where there is no
     secret and the address is not a loopback one, or where `timeout` or `hello_budget` is no
     number of seconds above 0 (a NaN deadline is never reached: a rank waited for ever). Each
-    connection has `hello_budget` seconds for its handshake."""
+    connection has `hello_budget` seconds for its handshake. A world of one rank exchanges
+    nothing: its id is made and returned, and nothing listens."""
     timeout, hello_budget = as_seconds(timeout, "the id exchange's timeout"), as_seconds(hello_budget, "hello_budget")
+    if ranks.world == 1:  # no rank to serve: it listened all the same (a port held elsewhere failed a one-rank run)
+        return _made_id(make_id)
     if not ranks.secret and not _loopback(ranks.address):
         raise ValueError(f"the id exchange at {_where(ranks.address, ranks.port)} is reachable beyond this host, and "
                          f"the rank has no secret to prove: set {SECRET_VARIABLE} to one random value on every rank of "
@@ -189,18 +192,24 @@ def exchange_id(ranks: Ranks, make_id: Callable[[], bytes], timeout: float = 60.
                          f"Ranks(secret=...)")
     deadline = time.monotonic() + timeout
     if ranks.rank == 0:
-        unique_id = make_id()
-        if not isinstance(unique_id, bytes):  # a str, list or bytearray of 128 was served, or failed in the thread
-            raise TypeError(f"make_id must return the communicator id as bytes (Nccl.unique_id's), not a "
-                            f"{type(unique_id).__name__}")
-        if len(unique_id) != UNIQUE_ID_BYTES:
-            raise ValueError(f"a communicator id is {UNIQUE_ID_BYTES} bytes, not {len(unique_id)}")
+        unique_id = _made_id(make_id)
         if not ranks.secret:
             log.warning("the id exchange at %s has no %s: any process of this host can fetch the id",
                         _where(ranks.address, ranks.port), SECRET_VARIABLE)
         _Server(ranks, unique_id, hello_budget).serve(deadline)
         return unique_id
     return _Client(ranks).fetch(deadline, hello_budget)
+
+
+def _made_id(make_id: Callable[[], bytes]) -> bytes:
+    """Rank 0's id, made and checked: bytes, UNIQUE_ID_BYTES of them."""
+    unique_id = make_id()
+    if not isinstance(unique_id, bytes):  # a str, list or bytearray of 128 was served, or failed in the thread
+        raise TypeError(f"make_id must return the communicator id as bytes (Nccl.unique_id's), not a "
+                        f"{type(unique_id).__name__}")
+    if len(unique_id) != UNIQUE_ID_BYTES:
+        raise ValueError(f"a communicator id is {UNIQUE_ID_BYTES} bytes, not {len(unique_id)}")
+    return unique_id
 
 
 def _where(address: str, port: int) -> str:

@@ -6,6 +6,8 @@ host wait answers to its guards, where libnccl is looked for, and, where an NCCL
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import re
 import socket
 import sys
@@ -458,6 +460,28 @@ def test_launch_refuses_a_world_or_a_timeout_it_cannot_keep_before_starting_a_ra
     with pytest.raises(error, match=match):
         launch([sys.executable, "-c", f"open({str(ran)!r}, 'w')"], world, timeout=timeout)
     assert not ran.exists()
+
+
+def test_a_world_of_one_rank_exchanges_nothing_and_listens_nowhere(caplog):
+    """Rank 0 alone has no rank to serve: it listened all the same, so a one-rank run failed with
+    "Address already in use" where another process held the port, a cluster address without a
+    secret was refused as reachable beyond this host, and a warning said any process of this host
+    could fetch the id, which nothing served. Its id is made and checked, and returned."""
+    made = os.urandom(128)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="memra_cuda.comm.rendezvous"):
+            assert exchange_id(Ranks(0, 1, port=port), lambda: made, 1.0) == made
+            assert exchange_id(Ranks(0, 1, address="10.1.2.3", port=port), lambda: made, 1.0) == made
+    assert caplog.records == []
+    with pytest.raises(TypeError, match="make_id must return the communicator id as bytes"):
+        exchange_id(Ranks(0, 1, port=port), lambda: "x" * 128, 1.0)
+    with pytest.raises(ValueError, match="a communicator id is 128 bytes, not 127"):
+        exchange_id(Ranks(0, 1, port=port), lambda: made[:127], 1.0)
+    with pytest.raises(ValueError, match="hello_budget must be a number of seconds above 0"):
+        exchange_id(Ranks(0, 1, port=port), lambda: made, 1.0, hello_budget=0)
 
 
 def test_rank_0_refuses_a_communicator_id_that_is_not_bytes_before_serving_it():
