@@ -183,6 +183,9 @@ def exchange_id(ranks: Ranks, make_id: Callable[[], bytes], timeout: float = 60.
     connection has `hello_budget` seconds for its handshake. A world of one rank exchanges
     nothing: its id is made and returned, and nothing listens."""
     timeout, hello_budget = as_seconds(timeout, "the id exchange's timeout"), as_seconds(hello_budget, "hello_budget")
+    if not callable(make_id):  # the id itself: rank 0 met "'bytes' object is not callable", the others waited for it
+        raise TypeError(f"make_id is a function making the communicator id (lambda: nccl().unique_id()), not a "
+                        f"{type(make_id).__name__}")
     if ranks.world == 1:  # no rank to serve: it listened all the same (a port held elsewhere failed a one-rank run)
         return _made_id(make_id)
     if not ranks.secret and not _loopback(ranks.address):

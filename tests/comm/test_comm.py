@@ -484,6 +484,17 @@ def test_a_world_of_one_rank_exchanges_nothing_and_listens_nowhere(caplog):
         exchange_id(Ranks(0, 1, port=port), lambda: made, 1.0, hello_budget=0)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_rank_refuses_a_make_id_that_is_no_function_before_anything_is_made(rank):
+    """The id itself given for make_id (bytes(128), or None) met "'bytes' object is not callable"
+    on rank 0 alone, once its timeout and secret were checked, and the other ranks took it and
+    waited for that rank 0 until their timeout. A TypeError naming make_id on every rank now."""
+    for given in (bytes(128), None):
+        with pytest.raises(TypeError, match=f"^make_id is a function making the communicator id "
+                                            f"\\(lambda: nccl\\(\\).unique_id\\(\\)\\), not a {type(given).__name__}"):
+            exchange_id(Ranks(rank, 2, port=free_port()), given, 30.0)
+
+
 def test_rank_0_refuses_a_communicator_id_that_is_not_bytes_before_serving_it():
     """A str (or list, bytearray) of 128 made by make_id was served, or failed inside the serving
     thread: a TypeError naming make_id now, before any rank is served."""
