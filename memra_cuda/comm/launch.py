@@ -60,18 +60,29 @@ def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None
     rank stalls on a full pipe. `world` is checked, 1 to MAX_WORLD (0 ran nothing, and its empty
     list read as every rank having passed; True ran one rank told WORLD_SIZE=True), and `timeout`
     is a number of seconds above 0 (a NaN waited for ever, a hung rank with it), as are `argv` (a
-    list of str: a str's letters were run as the command) and `env` (str to str), before any rank
-    starts. So is a world past what this process may open files for: 10**9 ranks started
+    list of words, str, bytes or paths, none holding a NUL byte: a str's letters were run as the
+    command) and `env` (str to str, no "=" in a name, no NUL byte), before any rank starts. So is
+    a world past what this process may open files for: 10**9 ranks started
     processes for half a minute, to an OSError of too many open files. A program named by a path
     (argv[0] with a separator: run as it is, not looked up on PATH) that does not exist is a
     FileNotFoundError naming it, as Popen's was, but before any port, folder or file is made."""
     world = as_size(world, "world", 1, MAX_WORLD)
     timeout = as_seconds(timeout, "timeout")
-    if isinstance(argv, TEXT_LIKE) or not argv:
-        raise TypeError(f"argv is the command as a non-empty list of its words (['python', 'x.py']), not {argv!r}")
+    # a list or tuple of words Popen runs: a word of no such type (5, None), a generator (read whole by the first
+    # rank, the second given no command) or a dict met Popen's errors, naming nothing, once ports and files were made
+    if (isinstance(argv, TEXT_LIKE) or not isinstance(argv, Sequence) or not argv
+            or not all(isinstance(word, (str, bytes, os.PathLike)) for word in argv)):
+        raise TypeError(f"argv is the command as a non-empty list of its words (['python', 'x.py']: str, bytes or "
+                        f"paths), not {argv!r}")
+    for word in argv:
+        if b"\0" in os.fsencode(word):  # Popen's "embedded null byte", naming nothing
+            raise ValueError(f"argv's words are C strings, with no NUL byte: {word!r}")
     _runnable(argv[0])
     if env is not None and not (isinstance(env, Mapping) and all(isinstance(x, str) for x in (*env, *env.values()))):
         raise TypeError(f"env maps names to values, both str, not {env!r}")
+    if env is not None and any("=" in name or "\0" in name or "\0" in value for name, value in env.items()):
+        raise ValueError(f"env's names hold no '=' or NUL byte, its values no NUL byte (a process's environment is C "
+                         f"strings), not {env!r}")
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and 2 * world > soft - OWN_FILES:
         raise ValueError(f"a launch of {world} ranks holds {2 * world} files open (each rank's output), past what "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pathlib
 import re
 import socket
 import sys
@@ -513,6 +514,48 @@ def test_launch_refuses_a_command_or_an_environment_it_cannot_run_before_startin
     with pytest.raises(TypeError, match=match):
         launch([sys.executable, "-c", f"open({str(ran)!r}, 'w')"] if argv is None else argv, 1, env=env, timeout=60)
     assert not ran.exists()
+
+
+@pytest.mark.parametrize("argv, error, match", [
+    ([sys.executable, 5], TypeError, r"argv is the command as a non-empty list of its words .*, not \[.*, 5\]"),
+    ([sys.executable, None], TypeError, "argv is the command as a non-empty list of its words"),
+    ((word for word in [sys.executable, "-c", "0"]), TypeError, "argv is the command as a non-empty list"),
+    (iter([sys.executable, "-c", "0"]), TypeError, "argv is the command as a non-empty list"),
+    ({sys.executable: 1}, TypeError, "argv is the command as a non-empty list"),  # KeyError 0
+    ([sys.executable, "-c", "0", "a\x00b"], ValueError, r"argv's words are C strings, with no NUL byte: 'a\\x00b'"),
+])
+def test_launch_refuses_a_command_whose_words_no_process_takes_before_making_anything(tmp_path, monkeypatch, argv,
+                                                                                      error, match):
+    """A word that is no str (5, None) met Popen's "expected str, bytes or os.PathLike object, not
+    int", a generator "'generator' object is not subscriptable" (a generator read whole gave the
+    second rank no command), a dict KeyError 0, and a NUL byte Popen's "embedded null byte", each
+    naming nothing and once the launch's ports, folder and output files were made. Refused first,
+    naming argv; a tuple, bytes and a path are words too."""
+    from memra_cuda.comm import launch as launching
+    made = []
+    monkeypatch.setattr(launching, "free_ports", lambda count: made.append(count) or [1, 2])
+    with pytest.raises(error, match=match):
+        launching.launch(argv, 2, timeout=60)
+    assert made == []
+    monkeypatch.undo()
+    ran = tmp_path / "ran"
+    words = (os.fsencode(sys.executable), "-c", f"open({str(ran)!r}, 'w')")
+    assert [e.returncode for e in launching.launch(words, 1, timeout=60)] == [0] and ran.exists()
+    assert [e.returncode for e in launching.launch([pathlib.Path(sys.executable), "-c", "0"], 1, timeout=60)] == [0]
+
+
+@pytest.mark.parametrize("env", [{"A=B": "1"}, {"A\x00": "1"}, {"A": "1\x00"}])
+def test_launch_refuses_an_environment_no_process_takes_before_making_anything(monkeypatch, env):
+    """A name with "=" or a NUL, and a value with a NUL, met Popen's "illegal environment
+    variable name" or "embedded null byte" once the ports, folder and files were made. Refused
+    first, naming env."""
+    from memra_cuda.comm import launch as launching
+    made = []
+    monkeypatch.setattr(launching, "free_ports", lambda count: made.append(count) or [1, 2])
+    with pytest.raises(ValueError, match=r"^env's names hold no '=' or NUL byte, its values no "
+                                         r"NUL byte \(a process's environment is C strings\), not "):
+        launching.launch([sys.executable, "-c", "0"], 1, env=env, timeout=60)
+    assert made == []
 
 
 def test_launch_refuses_a_program_path_to_nothing_before_making_anything(tmp_path, monkeypatch):
