@@ -39,6 +39,7 @@ class StreamLike(Protocol):
     """What a release asks of a stream (a driver.stream.Stream, which imports this module)."""
 
     ctx: PrimaryContext
+    _end: StreamEnd | None  # an owned stream's end, marked as its collection destroys it
 
     @property
     def closed(self) -> bool: ...
@@ -69,7 +70,7 @@ class _Later:
                 stream = self.stream
                 if stream is None or stream.closed:  # close() waited for its work
                     return True
-                end = getattr(stream, "_end", None)
+                end = stream._end
                 if end is not None and end.destroyed:  # collected: destroyed, its end marked as it went
                     if end.event is None:  # none could be (captured, or the record failed): as a failed close()
                         return True

@@ -320,11 +320,18 @@ class Stream(Handle):
         capture): what a deferred release of borrowed memory waits for (release.py), the caller's
         to destroy. Made with the thread's capture mode relaxed: a release runs from a collection,
         inside anyone's capture (PrimaryContext.finalize)."""
-        if self.capture_hold is not None or self.capturing:
+        if self.capture_hold is not None:
             return None
-        ctx = self.activate()
+        return self._marked(self.activate(), self._stream)
+
+    @staticmethod
+    def _marked(ctx: PrimaryContext, stream: Any) -> Any:
+        """A new event recorded at the end of `stream` now, or None while it is captured (by anyone),
+        asked with the thread's capture mode relaxed: _mark's, and an owned stream's finaliser's."""
         with relaxed_capture():
-            return self._recorded(ctx, self._stream)
+            if ctx.call("cuStreamIsCapturing", stream) != driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+                return None
+            return Stream._recorded(ctx, stream)
 
     @staticmethod
     def _recorded(ctx: PrimaryContext, stream: Any) -> Any:
@@ -387,10 +394,7 @@ def _destroy(ctx: PrimaryContext, stream: Any, end: StreamEnd) -> None:
     end.destroyed = True
     if end.wanted and ctx.fault is None and not AtCollection.exiting:
         try:
-            with relaxed_capture():
-                status = ctx.call("cuStreamIsCapturing", stream)
-                if status == driver().CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-                    end.event = Stream._recorded(ctx, stream)
+            end.event = Stream._marked(ctx, stream)
         except Exception as exc:  # noqa: BLE001 - a finaliser must not raise
             log.warning("memra_cuda: marking the end of a stream collected unclosed failed: %s", exc)
     ctx.finalize("cuStreamDestroy", stream)
