@@ -41,7 +41,7 @@ def load_model(directory: str | Path, *, dtype: torch.dtype | str = "auto", devi
     without CUDA) is the more fundamental refusal, which no directory mends, and it was told only
     once a directory had been found. Weights that do not fit config.json (a tensor of another
     shape, one missing, one left over) are a ValueError naming them (_check_weights)."""
-    if not (is_float_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype in DTYPES):
+    if not (is_float_dtype(dtype) or dtype in DTYPES):
         raise ValueError(f"dtype is a floating-point torch.dtype of 2 bytes or more or one of {DTYPES}, not {dtype!r}")
     device = _as_device(device)
     check_model(directory)

@@ -119,10 +119,9 @@ class CopyState(LiveState):
     def __init__(self, layers: int, batch: int, shape: tuple[int, ...], device: torch.device | str = "cuda", *,
                  k: int):
         k = as_size(k, "k", 0)
-        layers, batch, shape = state_sizes(layers, batch, shape)
-        super().__init__(layers, batch, shape, device)
+        super().__init__(layers, batch, shape, device)  # its sizes checked there (state_sizes)
         self.k = k
-        self.slots = torch.zeros(layers, batch, k + 1, *shape, device=device)
+        self.slots = torch.zeros(*self.live.shape[:2], k + 1, *self.live.shape[2:], device=device)
 
     def store(self, layer: int, token: int, state: torch.Tensor) -> None:
         self.slots[layer, :, token].copy_(state)
