@@ -21,6 +21,7 @@ from memra_cuda.testing.toy.lm import COST_8B_05B, ToyCost
 from memra_cuda.testing.toy.ranks import ToyPipelineStage, ToyRank, ToyTensorParallel
 
 from .common import MODEL, PROMPT, us_per_round
+from .needs import refuse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         comm = Communicator.from_env(timeout=60)
     except (ValueError, MemraError) as exc:  # no launcher's environment, no GPU, no NCCL: one line, no traceback
-        print(f"benchmarks.ranks: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 1
+        refuse("benchmarks.ranks", str(exc))
     kinds: tuple[tuple[type[ToyRank], str], ...] = ((ToyPipelineStage, "pipeline stages"),
                                                     (ToyTensorParallel, "tensor-parallel"))
     rows = []

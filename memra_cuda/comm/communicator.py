@@ -35,8 +35,8 @@ from ..driver.call import Prepared
 from ..driver.graph import Graph
 from ..driver.handle import Handle
 from ..driver.values import SECONDS_MOST, as_index, as_real, as_seconds
-from .library import IN_PROGRESS, UNIQUE_ID_BYTES, Nccl, NcclError, UniqueIdArg, nccl, nccl_op, nccl_type, result_name
-from .rendezvous import MAX_WORLD, Ranks, exchange_id
+from .library import IN_PROGRESS, Nccl, NcclError, UniqueIdArg, check_id, nccl, nccl_op, nccl_type, result_name
+from .rendezvous import Ranks, check_world, exchange_id
 
 if TYPE_CHECKING:
     from ..driver.context import PrimaryContext
@@ -295,16 +295,11 @@ class Communicator(Handle):
     def __init__(self, engine: Engine, rank: int, world: int, unique_id: bytes, *, timeout: float = 30.0,
                  poll: float = 0.05):
         rank, world = as_index(rank, "rank"), as_index(world, "world")
-        if world > MAX_WORLD:  # NCCL's nranks is a C int: ctypes handed it on wrapped
-            raise ValueError(f"a world is at most {MAX_WORLD} ranks (NCCL's), not {world}")
+        check_world(world)  # NCCL's nranks is a C int: ctypes handed it on wrapped
         if not 0 <= rank < world:
             raise ValueError(f"a rank is 0 <= rank < world, not rank {rank} of {world}")
         # None met "has no len()", a str or list of 128 ctypes' TypeError once NCCL was loaded and joining began
-        if not isinstance(unique_id, (bytes, bytearray)):
-            raise TypeError(f"unique_id must be the communicator id as bytes (Nccl.unique_id's, exchange_id's), "
-                            f"not a {type(unique_id).__name__}")
-        if len(unique_id) != UNIQUE_ID_BYTES:
-            raise ValueError(f"a communicator id is {UNIQUE_ID_BYTES} bytes (Nccl.unique_id), not {len(unique_id)}")
+        check_id(unique_id, "unique_id must be", (bytes, bytearray))
         # Both checked before NCCL is loaded or joined: the watchdog's sleep(poll) raised on its
         # thread for a negative or NaN poll, which ended the watchdog silently, and with it the
         # timeout of every host wait (a dead peer then hung them).

@@ -115,13 +115,11 @@ def launch(argv: Sequence[str], world: int, env: Mapping[str, str] | None = None
         return ended
 
 
-def _runnable(program: object) -> None:
-    """FileNotFoundError naming `program` (argv[0]) where it is a path (a separator in it: Popen
-    runs it as it is, where a bare name is looked up on PATH) to nothing: Popen found it out only
-    once the launch's ports, folder and output files were made. What else Popen refuses (a bare
-    name not on PATH, a folder, a file not executable) is Popen's to say, as before."""
-    if not isinstance(program, (str, bytes, os.PathLike)):
-        return
+def _runnable(program: str | bytes | os.PathLike) -> None:
+    """FileNotFoundError naming `program` (argv[0], a word launch has checked) where it is a path (a
+    separator in it: Popen runs it as it is, where a bare name is looked up on PATH) to nothing: Popen
+    found it out only once the launch's ports, folder and output files were made. What else Popen
+    refuses (a bare name not on PATH, a folder, a file not executable) is Popen's to say, as before."""
     path = os.fsdecode(program)
     if any(sep in path for sep in (os.sep, os.altsep) if sep) and not os.path.exists(path):
         raise FileNotFoundError(f"argv[0], the program each rank runs, is {path!r}: no such file (a path is run as "

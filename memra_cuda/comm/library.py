@@ -40,6 +40,17 @@ OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 _COMM = ctypes.c_void_p
 
 
+def check_id(unique_id: object, what: str, kinds: tuple[type[bytes | bytearray], ...] = (bytes,)) -> None:
+    """Whether `unique_id` is a communicator id, one of `kinds` of UNIQUE_ID_BYTES bytes: else a
+    TypeError that `what` opens ("unique_id must be", "make_id must return") or a ValueError
+    naming its length. The one check of an id, where a Communicator is given one and where rank 0
+    makes the one it serves (exchange_id)."""
+    if not isinstance(unique_id, kinds):
+        raise TypeError(f"{what} the communicator id as bytes (Nccl.unique_id's), not a {type(unique_id).__name__}")
+    if len(unique_id) != UNIQUE_ID_BYTES:
+        raise ValueError(f"a communicator id is {UNIQUE_ID_BYTES} bytes, not {len(unique_id)} (Nccl.unique_id's)")
+
+
 class UniqueIdArg(ctypes.Structure):
     """ncclUniqueId, passed by value."""
     _fields_ = [("internal", ctypes.c_char * UNIQUE_ID_BYTES)]

@@ -55,7 +55,7 @@ from typing import Any
 
 from ..driver.errors import MemraError
 from ..driver.values import as_index, as_seconds
-from .library import UNIQUE_ID_BYTES
+from .library import UNIQUE_ID_BYTES, check_id
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +120,7 @@ class Ranks:
         if not isinstance(self.secret, str):
             raise TypeError(f"secret must be a str ({SECRET_VARIABLE}'s value; '' for none), not a "
                             f"{type(self.secret).__name__}: random bytes are given as text, their .hex()")
-        if self.world > MAX_WORLD:
-            raise ValueError(f"a world is at most {MAX_WORLD} ranks (NCCL's), not {self.world}")
+        check_world(self.world)
         if not (0 <= self.rank < self.world and self.local_rank >= 0 and 0 < self.port < 65536):
             raise ValueError(f"a rank is 0 <= rank < world with local_rank >= 0 and a port in 1..65535, not "
                              f"rank={self.rank}, world={self.world}, local_rank={self.local_rank}, port={self.port}")
@@ -155,6 +154,12 @@ class Ranks:
                                  "MEMRA_NCCL_PORT to a free port")
         return cls(numbers["RANK"], numbers["WORLD_SIZE"], numbers["LOCAL_RANK"],
                    address, port, environ.get(SECRET_VARIABLE, ""))
+
+
+def check_world(world: int) -> None:
+    """ValueError for a world (an int) past MAX_WORLD, NCCL's: Ranks' and a Communicator's one check."""
+    if world > MAX_WORLD:
+        raise ValueError(f"a world is at most {MAX_WORLD} ranks (NCCL's), not {world}")
 
 
 def _decimal(environ: Mapping[str, str], name: str, default: str) -> int:
@@ -207,11 +212,7 @@ def exchange_id(ranks: Ranks, make_id: Callable[[], bytes], timeout: float = 60.
 def _made_id(make_id: Callable[[], bytes]) -> bytes:
     """Rank 0's id, made and checked: bytes, UNIQUE_ID_BYTES of them."""
     unique_id = make_id()
-    if not isinstance(unique_id, bytes):  # a str, list or bytearray of 128 was served, or failed in the thread
-        raise TypeError(f"make_id must return the communicator id as bytes (Nccl.unique_id's), not a "
-                        f"{type(unique_id).__name__}")
-    if len(unique_id) != UNIQUE_ID_BYTES:
-        raise ValueError(f"a communicator id is {UNIQUE_ID_BYTES} bytes, not {len(unique_id)}")
+    check_id(unique_id, "make_id must return")  # a str, list or bytearray of 128 was served, or failed in the thread
     return unique_id
 
 
