@@ -103,9 +103,7 @@ def release_after(streams: Iterable[StreamLike], keep: Any) -> None:
     buffer's finaliser, at any allocation, on any thread."""
     drain()
     for stream in list(streams):
-        later = _Later(stream, keep)
-        if not later.settled():
-            _pending.append(later)
+        _hold(_Later(stream, keep))
 
 
 def drain() -> None:
@@ -115,7 +113,19 @@ def drain() -> None:
             later = _pending.popleft()
         except IndexError:  # another thread's drain took the rest
             return
-        if not later.settled():
+        _hold(later)
+
+
+def _hold(later: _Later) -> None:
+    """Keep `later` in the list unless it may go now. An interrupt in its query (a KeyboardInterrupt,
+    or a signal handler's exception, which settled() lets through as it must) keeps it too: it was
+    dropped, between the drain's pop and its append, and the memory went back to its owner while
+    the stream could still be writing it (a notebook's interrupted synchronize() goes on running)."""
+    settled = False
+    try:
+        settled = later.settled()
+    finally:
+        if not settled:
             _pending.append(later)
 
 

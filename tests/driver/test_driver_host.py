@@ -904,6 +904,36 @@ def test_a_collected_borrowed_buffer_keeps_its_owner_until_the_streams_ran_its_w
         assert kept() is None and stream.marks == [] and release.pending() == before, ended
 
 
+
+def test_an_interrupt_in_a_drain_keeps_what_waits():
+    """A KeyboardInterrupt (or a signal handler's exception) arriving in a release's query of its
+    event went through settled(), which catches only Exception, between drain()'s pop of the entry
+    and its append: the entry was lost, and the tensor with it, its memory back in torch's pool
+    while memra's stream could still write it (a notebook's interrupted synchronize() goes on).
+    The entry is kept, the interrupt goes on to the caller, and a later drain lets it go."""
+    from memra_cuda.driver import release
+
+    before = release.pending()
+    stream, tensor = StandInStream(), Holder()
+    buf = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, keepalive=tensor)
+    buf.queued_on(stream)
+    kept = weakref.ref(tensor)
+    del tensor, buf
+    gc.collect()
+    assert kept() is not None and release.pending() == before + 1
+    reached = stream.ctx.reached
+
+    def interrupted(event: object) -> bool:
+        raise KeyboardInterrupt
+
+    stream.ctx.reached = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        release.drain()
+    assert kept() is not None and release.pending() == before + 1, "an interrupted drain let the tensor go"
+    stream.ctx.reached = reached
+    stream.synchronize()
+    assert kept() is None and release.pending() == before, "the next drain, the work run, lets it go"
+
 def test_borrowed_memory_freed_while_a_stream_is_captured_is_kept_until_that_stream_ran_its_work():
     """free() waits on the host for the streams that queued work on borrowed memory, but no host
     may wait for a stream being captured (memra's Graph, or torch.cuda.graph on it): the borrow was
