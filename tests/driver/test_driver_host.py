@@ -567,6 +567,18 @@ def test_exact_array_refuses_bools_for_an_integer_buffer(values):
     assert exact_array(np.array([True]), np.bool_).tolist() == [True]
 
 
+def test_exact_array_refuses_a_masked_array_with_values_masked():
+    """numpy's masked array is an ndarray whose masked values still hold data: a copy to the device
+    read that data (token 0, or whatever the array held), as if nothing were masked. One with
+    nothing masked is its values."""
+    masked = np.ma.array([7, 8, 9], mask=[False, True, False])
+    for dtype in (np.uint32, np.float32, np.int64):
+        with pytest.raises(ValueError, match=r"^a masked array with 1 masked values: fill them"):
+            exact_array(masked, dtype)
+    assert exact_array(np.ma.array([7, 8, 9], mask=False), np.uint32).tolist() == [7, 8, 9]
+    assert exact_array(masked.compressed(), np.uint32).tolist() == [7, 9]
+
+
 def test_a_float_or_bool_buffer_takes_a_value_only_as_given_or_rounded():
     """A float rounded to the buffer's precision is taken; a finite value that would overflow to
     inf, an int the float cannot hold exactly and a bool buffer's 0.5 or -1 are refused (they were
