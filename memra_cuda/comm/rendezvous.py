@@ -117,6 +117,9 @@ class Ranks:
         if not self.address.strip():  # taken, and found out only in the exchange, under its timeout
             raise ValueError(f"address (MASTER_ADDR) is rank 0's host name or IP address, not {self.address!r}: "
                              "name it, or leave it out (MASTER_ADDR unset) for 127.0.0.1")
+        if self.address != self.address.strip():  # " 127.0.0.1" was no loopback: "reachable beyond this host"
+            raise ValueError(f"address (MASTER_ADDR) {self.address!r} has white space around it: give the host "
+                             "name or IP address alone")
         if not isinstance(self.secret, str):
             raise TypeError(f"secret must be a str ({SECRET_VARIABLE}'s value; '' for none), not a "
                             f"{type(self.secret).__name__}: random bytes are given as text, their .hex()")

@@ -324,6 +324,10 @@ def test_rank_0_of_a_large_world_times_out_on_time_naming_the_first_ranks_it_wai
     (dict(rank=0, world=2, address=""), ValueError,
      r"^address \(MASTER_ADDR\) is rank 0's host name or IP address, not '': name it, or leave it out"),
     (dict(rank=1, world=2, address=" \t\n"), ValueError, r"^address \(MASTER_ADDR\) is .*, not ' \\t\\n'"),
+    # a loopback address with a space: no loopback to _loopback, refused as "reachable beyond this host"
+    (dict(rank=0, world=2, address=" 127.0.0.1", secret=""), ValueError,
+     r"^address \(MASTER_ADDR\) ' 127.0.0.1' has white space around it: give the host name or IP address alone$"),
+    (dict(rank=0, world=2, address="localhost\n"), ValueError, r"^address .*'localhost\\n' has white space"),
 ])
 def test_a_rank_or_world_that_is_no_int_or_past_nccls_most_is_refused_where_ranks_are_made(given, error, named):
     """Ranks compared its numbers only: a world of 2.0 met range() once rank 0 listened, True was
