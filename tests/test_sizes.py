@@ -264,6 +264,31 @@ def test_a_burst_graphs_readback_slot_is_0_or_1_checked_before_anything_is_captu
     assert stream.graph_for(np.int64(1), 1) is graph
 
 
+def test_capture_graphs_checks_every_slot_and_length_before_it_captures_any():
+    """capture_graphs read its lengths once per slot: an iterator of them was used up by slot 0,
+    slot 1's graphs left uncaptured, silently (a sealed stream then refused overlap mode); a bad
+    slot or length was refused only once the graphs before it were captured (each a device sync
+    through torch); one length or one slot given bare met "'int' object is not iterable"."""
+    from types import SimpleNamespace
+
+    from memra_cuda import RoundStream
+    stream = RoundStream.__new__(RoundStream)
+    stream.bufs, stream._graphs, stream.sealed = SimpleNamespace(m_rounds=4), {}, False
+    captured: list[tuple[int, int | None]] = []
+    stream.graph_for = lambda slot, rounds=None: captured.append((slot, rounds))
+    stream.capture_graphs([1, np.int64(2), None], slots=np.array([0, 1]))
+    assert captured == [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4)]
+    captured.clear()
+    for lengths, slots, error, named in (((n for n in (1, 2)), (0, 1), TypeError, "lengths"),
+                                         ([1, 2], (0, 2), ValueError, "a readback slot"),
+                                         ([1, 2, 8], (0,), ValueError, "rounds"), ([1, 0], (0,), ValueError, "rounds"),
+                                         (4, (0,), TypeError, "lengths"), ([1], 0, TypeError, "slots"),
+                                         ("12", (0,), TypeError, "lengths"), ({1, 2}, (0,), TypeError, "lengths")):
+        with pytest.raises(error, match=f"^{named} "):
+            stream.capture_graphs(lengths, slots=slots)
+        assert captured == [], f"graphs were captured before {lengths!r}, {slots!r} was refused"
+
+
 def _switches() -> list[tuple[str, Callable[[Any], Any]]]:
     """Each public switch of the layer that runs without a GPU up to its check, by name."""
     from memra_cuda import Engine, Event, RoundStream

@@ -23,7 +23,7 @@ from .device_loop import DeviceLoop, Landed, RoundCapError
 from ..driver.errors import CaptureError
 from ..driver.event import Event
 from ..driver.graph import Capture, Graph
-from ..driver.values import as_flag, as_size
+from ..driver.values import as_flag, as_listed, as_size
 from ..kernels.spec import SpecKernels
 from .pace import Pace
 from .round import ChainRound, Round, Stages, Step
@@ -220,11 +220,16 @@ class RoundStream:
         mode; 0 and 1 for overlap) now, before any request: a capture through a framework (torch
         synchronises the device and empties its cache for each) then never stalls a server
         mid-generation. With `seal`, any other graph asked for later is a CaptureError: what is
-        served or timed captures nothing."""
+        served or timed captures nothing. `lengths` and `slots` are counted ones (a list, a tuple
+        or a 1-D array: as_listed), each checked before anything is captured: an iterator of
+        lengths was used up by the first slot, the second's graphs left uncaptured, silently, and
+        a bad slot or length was refused once the graphs before it had been captured."""
         seal = as_flag(seal, "seal")
+        slots = [as_slot(slot) for slot in as_listed(slots, "slots", "readback slots (0 or 1)")]
+        lengths = Pace.lengths(self.bufs.m_rounds) if lengths is None else [
+            self._burst_rounds(rounds) for rounds in as_listed(lengths, "lengths", "burst lengths (rounds)")]
         for slot in slots:
-            as_slot(slot)
-            for rounds in Pace.lengths(self.bufs.m_rounds) if lengths is None else lengths:
+            for rounds in lengths:
                 self.graph_for(slot, rounds)
         self.sealed = self.sealed or seal
 
