@@ -237,6 +237,25 @@ def test_a_pipeline_stages_layer_bounds_are_ints_not_bools():
             table((0, 3))
 
 
+def test_a_pipeline_stages_layers_are_a_range_or_a_pair_refused_by_name_otherwise():
+    """A stage's layers of another shape were unpacked as they came: a slice or None met "cannot
+    unpack non-iterable ...", three bounds or one "too many values to unpack" / "not enough", each
+    naming nothing, and bytes (b"\\x00\\x02") or a mapping ({0: .., 2: ..}) were taken as layers
+    [0, 2), read as their ints or keys."""
+    from memra_cuda.buffers import Cache, kv_len_ptr_table_range, state_copy_table_range
+    tables = (lambda layers: kv_len_ptr_table_range(NO_ENGINE, Cache([None, None]), layers),
+              lambda layers: state_copy_table_range(NO_ENGINE, [None, None], layers))
+    for table in tables:
+        for layers, error in ((slice(0, 2), TypeError), (None, TypeError), (b"\x00\x02", TypeError),
+                              ({0: "a", 2: "b"}, TypeError), ({0, 2}, TypeError), (iter((0, 2)), TypeError),
+                              ((0, 1, 2), ValueError), ((2,), ValueError), ([], ValueError)):
+            with pytest.raises(error, match="^a layer range "):
+                table(layers)
+        for layers in ([0, 2], np.array([0, 2])):
+            with pytest.raises(TypeError, match="engine must be an Engine"):  # the bounds taken: on to the engine
+                table(layers)
+
+
 class Untouched:
     """Buffers or a round that a call may not ask anything of before it has checked its slot."""
 

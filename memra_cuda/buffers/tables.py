@@ -194,8 +194,17 @@ def kv_len_ptr_table_range(engine: Engine, cache: Cache, layers: range | tuple[i
 
 def _layer_range(layers: range | tuple[int, int], count: int) -> tuple[int, int]:
     """(start, stop) of the contiguous layers [start, stop) of a model of `count` layers, each an
-    int (a bool is no layer: (False, True) was taken as [0, 1))."""
-    start, stop = (layers.start, layers.stop) if isinstance(layers, range) else layers
+    int (a bool is no layer: (False, True) was taken as [0, 1)), given as a range or a pair (a
+    list, a tuple or a 1-D array of two: as_listed): anything else is a TypeError or ValueError
+    naming the range, where a slice, None or three bounds met the unpacking's "cannot unpack" or
+    "too many values", naming nothing, and bytes or a mapping were read as their ints or keys."""
+    if isinstance(layers, range):
+        start, stop = layers.start, layers.stop
+    else:
+        pair = as_listed(layers, "a layer range", "ints, its start and stop", 2)
+        if len(pair) != 2:
+            raise ValueError(f"a layer range is its start and stop, two ints (or a range), not {pair}")
+        start, stop = pair
     start, stop = as_index(start, "a layer range's start"), as_index(stop, "a layer range's stop")
     if isinstance(layers, range) and layers.step != 1:
         raise ValueError(f"layer range must be contiguous, not {layers}")
