@@ -244,8 +244,10 @@ def as_rows(rows: object, batch: int, what: str) -> list[int]:
     decoder's `batch`, each checked (as_row) before any is used, else TypeError or ValueError
     naming it. Text and bytes are no rows: a park() of b"\\x00\\x01" stopped rows 0 and 1. At
     most `batch` are read, a row given twice counted twice, and one more is a ValueError naming
-    `what`: itertools.repeat(0) was read for ever (each 0 a row), never refused."""
-    if isinstance(rows, TEXT_LIKE) or not isinstance(rows, Iterable):
+    `what`: itertools.repeat(0) was read for ever (each 0 a row), never refused. A 0-d array (one
+    row given bare, numpy's or a tensor) is no rows either: its iteration's "iteration over a 0-d
+    array" named nothing."""
+    if isinstance(rows, TEXT_LIKE) or not isinstance(rows, Iterable) or getattr(rows, "ndim", None) == 0:
         raise TypeError(f"{what} takes rows, ints of the decoder's {batch}, not {reprlib.repr(rows)}")
     checked = [as_row(row, batch) for row in itertools.islice(rows, batch + 1)]
     if len(checked) > batch:

@@ -1912,6 +1912,16 @@ def test_rows_to_park_are_read_no_further_than_the_batch_and_one():
         as_rows(itertools.count(), 2, "park()")
 
 
+def test_rows_to_park_given_as_a_0_d_array_are_refused_naming_the_call():
+    """A row given bare as a 0-d array (numpy's, or a tensor's: an Iterable by its type) met
+    "iteration over a 0-d array" inside as_rows, naming nothing; it is refused as a bare int is."""
+    from memra_cuda.rounds.serving import as_rows
+    for rows in (np.array(1), np.array([1]).reshape(())):
+        with pytest.raises(TypeError, match=r"^park\(\) takes rows, ints of the decoder's 2, not array\(1\)$"):
+            as_rows(rows, 2, "park()")
+    assert as_rows(np.array([1, 0]), 2, "park()") == [1, 0]
+
+
 def test_a_checked_copy_rebuilt_by_calling_its_type_is_a_plain_request_checked_anew():
     """The copy admitted() and batch_admitted() hand back (_Kept) passes their check at once by its
     type; calling that type, as type(kept)(*fields) does and a pytree's map rebuilds a NamedTuple
