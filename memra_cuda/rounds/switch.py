@@ -79,7 +79,12 @@ class Widths:
 
     def costs(self, measured: Mapping[int, float]) -> list[float | None]:
         """DraftLengths' verify_costs: each width's measured cost where it has a body (`measured`
-        must give every one), None where it has none, so the chooser never picks it."""
+        must give every one, a mapping of width to cost), None where it has none, so the chooser
+        never picks it. A list or an array of costs is refused (TypeError naming `measured`): its
+        widths were looked for among its values (`in`), then its costs read by index, so one was
+        taken by chance where a cost equalled a width, and refused as missing where none did."""
+        if not isinstance(measured, Mapping):
+            raise TypeError(f"measured must map each width to its cost ({{width: cost}}), not {measured!r}")
         missing = [width for width in self.widths if width not in measured]
         if missing:
             raise ValueError(f"no measured cost for the width(s) {missing} the round has bodies of")

@@ -25,6 +25,16 @@ def test_the_chooser_is_given_the_costs_of_the_widths_with_bodies_only():
         widths.costs({0: 1.0, 4: 1.7})
 
 
+def test_the_measured_costs_map_widths_to_costs_a_list_of_them_refused_by_name():
+    """A list or an array of costs (one a width, in order) was read as a mapping: its widths
+    looked for among its values, then its costs taken by index, so [1.0, 1.3, 1.6, 1.9] was
+    refused as missing width 3's cost, and a set met "'set' object is not subscriptable"."""
+    widths = Widths(3, (1, 3))
+    for measured in ([1.0, 1.3, 1.6, 1.9], [0.0, 1.0, 2.0, 3.0], np.array([1.0, 1.3, 1.6, 1.9]), {1, 3}):
+        with pytest.raises(TypeError, match=r"^measured must map each width to its cost"):
+            widths.costs(measured)
+
+
 @pytest.mark.parametrize(("k", "widths", "error", "message"), [
     (4, (0, 2), ValueError, "must include k = 4"),
     (4, (0, 5), ValueError, "a width must be an int from 0 to 4"),
