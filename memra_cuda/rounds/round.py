@@ -11,7 +11,7 @@ whose work reaches it as callables. ChainRound verifies a chain of k drafts; Tre
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +41,12 @@ Parts = tuple[Sequence[Step], Sequence[Step], Sequence[Step]]
 def chain(launches: Sequence[Step]) -> Step:
     """One callable issuing `launches` in order: a draft chain or verify trunk from its kernels.
     Each is checked callable here, not when the round first issues it: a launch that is not
-    callable, or one callable given alone (chain(fn), not chain([fn])), is a TypeError saying so."""
-    if callable(launches) or isinstance(launches, TEXT_LIKE) or not isinstance(launches, Iterable):
+    callable, or one callable given alone (chain(fn), not chain([fn])), is a TypeError saying so.
+    The launches come in their order: a set of them is refused (its order is its members'
+    hashes', the launches' addresses, so a draft chain's steps were issued in an order of the
+    allocator's, silently), and a mapping (its keys, not launches given as such)."""
+    if (callable(launches) or isinstance(launches, (*TEXT_LIKE, Set, Mapping))
+            or not isinstance(launches, Iterable)):
         raise TypeError(f"chain takes a list of launches (callables), not {launches!r}: chain([launch])")
     steps = tuple(launches)
     for i, step in enumerate(steps):

@@ -22,6 +22,10 @@ def test_a_chain_issues_its_launches_in_order():
     (5, "chain takes a list of launches"),
     ("ab", "chain takes a list of launches"),
     ([print, 5], "chain's launch 1 is not callable: 5"),
+    ({print, repr}, "chain takes a list of launches"),  # issued in its hashes' order, the launches' addresses
+    (frozenset({print}), "chain takes a list of launches"),
+    ({print: "first"}, "chain takes a list of launches"),
+    ({print: 0}.keys(), "chain takes a list of launches"),
 ])
 def test_a_chain_of_what_is_no_list_of_launches_is_refused_when_it_is_made(given, message):
     """chain(fn), one callable where a list is asked, met "'function' object is not iterable";
