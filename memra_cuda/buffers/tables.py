@@ -16,7 +16,7 @@ from .capacity import Unchecked, kv_entries
 from .geometry import as_batch
 from ..driver.buffer import DeviceBuffer, as_buffer, device_allocation
 from ..driver.engine import as_engine
-from ..driver.values import I32_MOST, as_index, as_listed, as_size
+from ..driver.values import I32_MOST, U64_MOST, as_index, as_listed, as_size
 
 if TYPE_CHECKING:
     from ..driver.engine import Engine
@@ -226,7 +226,10 @@ class KVData:
         self.batch = as_batch(batch)
         self.k_d = as_buffer(k_d, "k_d")
         self.v_d = None if v_d is None else as_buffer(v_d, "v_d")
-        self.row_stride, self.pos_stride = as_size(row_stride, "row_stride", 0), as_size(pos_stride, "pos_stride", 0)
+        # the record's words are u64: one row's stride is never used (row 0 starts at the buffer), so no extent
+        # bounds it, and 2**64 met KVDataTable's packing as a bare OverflowError
+        self.row_stride = as_size(row_stride, "row_stride", 0, U64_MOST)
+        self.pos_stride = as_size(pos_stride, "pos_stride", 0)
         self.nbytes, self.capacity = as_size(nbytes, "nbytes"), as_size(capacity, "capacity")
         if any(x % 4 for x in (self.row_stride, self.pos_stride, self.nbytes)):
             raise ValueError(f"KV data moves in 32-bit words: strides and nbytes must be multiples of 4, not "

@@ -16,6 +16,7 @@ import numpy as np
 
 
 I32_MOST = 2**31 - 1  # an i32's most: a row's word on the device (a token id, a budget, a position)
+U64_MOST = 2**64 - 1  # a u64's most: a table's word (an address, a stride)
 
 # text and bytes, whose items are characters or bytes, never token ids: refused as prompts alike (a
 # bytearray or a memoryview was read as its bytes' ints where bytes was refused; a UserString, a
@@ -182,7 +183,7 @@ def as_size(value: Any, what: str, least: int = 1, most: int | None = None, *, a
     return number
 
 
-SEED_MOST = 2**64 - 1  # a request's seed is the 64-bit Philox key of its draws (docs/sampling.md)
+SEED_MOST = U64_MOST  # a request's seed is the 64-bit Philox key of its draws (docs/sampling.md)
 
 
 def as_seed(value: Any, what: str = "seed") -> int:

@@ -330,6 +330,11 @@ def test_kv_data_of_a_layer_and_a_table_refuse_what_kernel_15_cannot_read():
     assert (two.batch, two.row_stride, two.pos_stride, two.nbytes) == (2, 160, 16, 16)
     one = KVData(DeviceBuffer.wrap(FAKE_PTR, np.uint8, 160), row_stride=160, pos_stride=16, nbytes=16, capacity=10,
                  batch=1)
+    # one row's stride bounds nothing, but is a u64 of the record: 2**64 met the packing's bare OverflowError
+    assert KVData(one.k_d, row_stride=2**64 - 4, pos_stride=16, nbytes=16, capacity=10, batch=1).row_stride == 2**64 - 4
+    with pytest.raises(ValueError, match=r"^row_stride must be an int from 0 to 18446744073709551615, "
+                                         r"not 18446744073709551616$"):
+        KVData(one.k_d, row_stride=2**64, pos_stride=16, nbytes=16, capacity=10, batch=1)
     with pytest.raises(ValueError, match="at least one entry"):
         KVDataTable(None, [])
     with pytest.raises(TypeError, match="entry 1 must be a KVData"):
