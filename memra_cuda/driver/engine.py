@@ -15,7 +15,7 @@ from .framework import DRIVER, Framework
 from .module import Module, packaged_ptx
 from .signature import Signature
 from .stream import Stream
-from .values import as_flag, as_index, exact_array, exact_int
+from .values import as_flag, as_index, device_dtype, exact_array, exact_int
 
 
 # The least compute capability memra's own kernels serve: their PTX targets sm_80 (ptx/), which a
@@ -175,11 +175,14 @@ class Engine(Stream):
     # -- device to host -------------------------------------------------------------------
     def dtoh(self, buf: BufferLike, dtype: DTypeLike | None = None) -> np.ndarray:
         """Wait for the stream and copy `buf` back (one readback), as `dtype` of the same size
-        (u32 of an i32 buffer, say) if given."""
+        (u32 of an i32 buffer, say) if given: an element type device memory holds (device_dtype),
+        so a big-endian one (">u4": every word byte-swapped), text ("S4", "U1") or a complex is
+        refused, not a reading of the words as it."""
         buf = self.buffer(buf)
         ptr = buf.ptr
-        if dtype is not None and np.dtype(dtype).itemsize != buf.dtype.itemsize:
-            raise ValueError(f"cannot read {buf!r} as {np.dtype(dtype).name}")
+        dtype = None if dtype is None else device_dtype(dtype)
+        if dtype is not None and dtype.itemsize != buf.dtype.itemsize:
+            raise ValueError(f"cannot read {buf!r} as {dtype.name}")
         self.no_capture("dtoh", "waits for the GPU")
         out = np.empty(buf.len, buf.dtype)
         # A copy to pageable memory waits for the stream itself: a host wait, which the guards see.

@@ -1361,6 +1361,25 @@ def test_a_readback_on_a_guarded_stream_waits_once_for_the_copy_and_the_guards_s
     assert engine.readbacks == 1
 
 
+@pytest.mark.parametrize("dtype", [">u4", "S4", "U1", np.complex64, object])
+def test_a_readback_is_read_only_as_an_element_type_device_memory_holds(dtype):
+    """dtoh(buf, dtype) checked `dtype`'s size alone: a u32 buffer read as ">u4" came back every
+    word byte-swapped (7 as 117440512), as "S4" or "U1" as text, silently. The type is
+    device_dtype's, as a view's, refused before the copy (ValueError; object, whose size is 8 on a
+    64-bit machine, too)."""
+    from types import SimpleNamespace
+
+    log: list[str] = []
+    engine = SimpleNamespace(guards=[], stream="s", readbacks=0, buffer=lambda b: b,
+                             no_capture=lambda what, why: None, _wait_host=lambda: log.append("synchronize"),
+                             host_wait=lambda wait, *args: wait(*args),
+                             ctx=SimpleNamespace(call=lambda name, *args: log.append(name)))
+    with pytest.raises(ValueError, match="cannot be the element type of device memory"):
+        Engine.dtoh(engine, fake_buffer(4, np.uint64 if dtype is object else np.uint32), dtype)
+    assert log == [], "refused before the copy"
+    assert Engine.dtoh(engine, fake_buffer(4), np.int32).dtype == np.int32  # another type of the size: taken
+
+
 def test_a_launch_past_cudas_grid_limits_is_refused_at_prepare_naming_the_axis():
     from memra_cuda.driver.module import GRID_LIMITS, _dim3
     assert _dim3((64, 65535), "toy_probs's grid", GRID_LIMITS) == (64, 65535, 1)  # at the limit
