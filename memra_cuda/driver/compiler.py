@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CudaUnavailable, MemraError, driver_version
+from .values import as_listed
 
 __all__ = ["CompileError", "Nvrtc", "NvrtcUnavailable", "compile_ptx", "nvrtc", "ptx_isa", "EXTRA", "REQUIREMENT",
            "OPTIONS"]
@@ -288,6 +289,9 @@ def compile_ptx(source: str, *, name: str = "kernel.cu", headers: Mapping[str, s
     """
     if isinstance(options, str):
         raise TypeError(f"options is a sequence of options, not one string: ({options!r},)")
+    # listed once: an iterator was used up looking for the defaults' flags (_defaults), so none of
+    # its options reached NVRTC, silently (-DBLOCK=256 dropped); a set's order is its hashes'
+    options = as_listed(options, "options", "NVRTC options (strings)")
     headers = dict(headers or {})
     all_options = [*_defaults(options), *options]
     texts = [("source", source), ("name", name), *(("header name", key) for key in headers),

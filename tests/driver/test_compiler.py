@@ -132,6 +132,18 @@ def test_arguments_are_checked_before_nvrtc_sees_them():
         compiler.compile_ptx(KERNEL, headers={"scale.cuh": "#define SCALE 3u\0"})
 
 
+@pytest.mark.parametrize("options", [iter(["-DSCALE=104729u"]), (o for o in ["-DSCALE=104729u"]),
+                                     {"-DSCALE=104729u"}, {"-DSCALE=104729u": 1}],
+                         ids=["iterator", "generator", "set", "mapping"])
+def test_options_are_a_list_not_an_iterator_used_up_looking_for_the_defaults_flags(options):
+    """An iterator of options was used up by the search for the flags they replace, so none of them
+    reached NVRTC: -DSCALE=104729u was dropped and the header's default compiled, silently. A set's
+    order is its hashes' and a mapping's items its keys: options are a list or a tuple (as_listed),
+    a TypeError naming them, before any NVRTC is looked for."""
+    with pytest.raises(TypeError, match="^options must be a list, a tuple or a 1-D array of NVRTC options"):
+        compiler.compile_ptx(KERNEL, headers=HEADERS, options=options)
+
+
 def _one_error(exc: NvrtcUnavailable) -> str:
     message = str(exc)
     assert isinstance(exc, CompileError) and len(message.splitlines()) == 1, message
