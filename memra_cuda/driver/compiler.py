@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CudaUnavailable, MemraError, driver_version
-from .values import as_listed
+from .values import as_flag, as_listed
 
 __all__ = ["CompileError", "Nvrtc", "NvrtcUnavailable", "compile_ptx", "nvrtc", "ptx_isa", "EXTRA", "REQUIREMENT",
            "OPTIONS"]
@@ -292,6 +292,7 @@ def compile_ptx(source: str, *, name: str = "kernel.cu", headers: Mapping[str, s
     # listed once: an iterator was used up looking for the defaults' flags (_defaults), so none of
     # its options reached NVRTC, silently (-DBLOCK=256 dropped); a set's order is its hashes'
     options = as_listed(options, "options", "NVRTC options (strings)")
+    portable = as_flag(portable, "portable")  # "False" was read by its truth: NVRTC 12.0 or nothing
     headers = dict(headers or {})
     all_options = [*_defaults(options), *options]
     texts = [("source", source), ("name", name), *(("header name", key) for key in headers),

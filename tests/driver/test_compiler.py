@@ -144,6 +144,15 @@ def test_options_are_a_list_not_an_iterator_used_up_looking_for_the_defaults_fla
         compiler.compile_ptx(KERNEL, headers=HEADERS, options=options)
 
 
+@pytest.mark.parametrize("portable", ["False", "True", 0, None, [True]])
+def test_portable_is_true_or_false_not_read_by_its_truth(portable):
+    """portable="False" (a command line's word, a config's) was read by its truth: NVRTC 12.0 or
+    nothing, where any NVRTC the driver loads was asked for; a list met functools.cache's
+    "unhashable type". A TypeError naming portable, before any NVRTC is looked for."""
+    with pytest.raises(TypeError, match="^portable must be True or False"):
+        compiler.compile_ptx(KERNEL, headers=HEADERS, portable=portable)
+
+
 def _one_error(exc: NvrtcUnavailable) -> str:
     message = str(exc)
     assert isinstance(exc, CompileError) and len(message.splitlines()) == 1, message
