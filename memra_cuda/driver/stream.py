@@ -370,7 +370,9 @@ def as_stream(stream: Any) -> Any:
 def handle_of(stream: Any) -> int:
     """The raw handle of a stream given as an int, by the CUDA stream protocol
     (`__cuda_stream__()` -> (0, handle): cuda.core, CuPy and others), or by `cuda_stream`
-    (PyTorch); TypeError naming the forms otherwise."""
+    (PyTorch); TypeError naming the forms otherwise, ValueError for an int no handle is (below 0
+    or past 64 bits: the binding's CUstream met "can't convert negative value to unsigned
+    PY_LONG_LONG", an OverflowError naming nothing)."""
     if isinstance(stream, Stream):  # read for a wait now, not handed out (__cuda_stream__ exports it)
         return stream.stream_handle  # refused once closed
     protocol = getattr(stream, "__cuda_stream__", None)
@@ -381,10 +383,13 @@ def handle_of(stream: Any) -> int:
                             f"not {given!r}")
         stream = given[1]
     try:
-        return as_index(getattr(stream, "cuda_stream", stream), "stream")
+        handle = as_index(getattr(stream, "cuda_stream", stream), "stream")
     except TypeError:
         raise TypeError(f"a stream must be an int handle, a CUstream, speak __cuda_stream__ or have `cuda_stream`, "
                         f"not {stream!r}") from None
+    if not 0 <= handle < 2**64:
+        raise ValueError(f"a stream handle is an address, an int from 0 to 2**64 - 1, not {handle}")
+    return handle
 
 
 def _destroy(ctx: PrimaryContext, stream: Any, end: StreamEnd) -> None:
