@@ -87,8 +87,12 @@ class Engine(Stream):
 
     # -- host to device -------------------------------------------------------------------
     def htod(self, values: ArrayLike, dtype: DTypeLike | None = None, *, label: str | None = None) -> DeviceBuffer:
-        """A new device buffer holding `values` (queued on the stream)."""
-        host = np.ascontiguousarray(values if dtype is None else exact_array(values, dtype)).reshape(-1)
+        """A new device buffer holding `values` (queued on the stream), of `dtype` or, where None,
+        of the type numpy reads them as: checked by exact_array either way, so a masked array's
+        masked values are not sent and bools among ints not stored as 1 (both were, without a
+        dtype, silently)."""
+        given = np.asarray(values).dtype if dtype is None else dtype
+        host = np.ascontiguousarray(exact_array(values, given)).reshape(-1)
         buf = self.alloc(host.dtype, host.size, label=label)
         self.copy_htod(buf, host)
         return buf

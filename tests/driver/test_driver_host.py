@@ -1380,6 +1380,25 @@ def test_a_readback_is_read_only_as_an_element_type_device_memory_holds(dtype):
     assert Engine.dtoh(engine, fake_buffer(4), np.int32).dtype == np.int32  # another type of the size: taken
 
 
+def test_an_upload_without_a_dtype_is_checked_as_one_with_a_dtype():
+    """htod(values) without a dtype sent np.ascontiguousarray(values): a masked array's masked
+    values (the data under the mask) were uploaded, and a bool among ints stored as 1, silently,
+    where with a dtype exact_array refuses both. Checked alike now, before anything is allocated."""
+    from types import SimpleNamespace
+
+    log: list[object] = []
+    engine = SimpleNamespace(alloc=lambda dtype, length, label=None: log.append(("alloc", dtype, length)) or "buf",
+                             copy_htod=lambda buf, host: log.append(host.tolist()))
+    with pytest.raises(ValueError, match="a masked array with 1 masked values"):
+        Engine.htod(engine, np.ma.array([1, 2, 3], mask=[0, 1, 0]))
+    with pytest.raises(TypeError, match="bools given for a int64 buffer"):
+        Engine.htod(engine, [True, 5])
+    assert log == [], "refused before anything was allocated"
+    assert Engine.htod(engine, np.ma.array([[1, 2], [3, 4]])) == "buf"  # nothing masked: taken, flattened
+    assert Engine.htod(engine, [True, False]) == "buf"  # a bool buffer's bools: taken
+    assert log == [("alloc", np.dtype(np.int64), 4), [1, 2, 3, 4], ("alloc", np.dtype(bool), 2), [True, False]]
+
+
 def test_a_launch_past_cudas_grid_limits_is_refused_at_prepare_naming_the_axis():
     from memra_cuda.driver.module import GRID_LIMITS, _dim3
     assert _dim3((64, 65535), "toy_probs's grid", GRID_LIMITS) == (64, 65535, 1)  # at the limit
