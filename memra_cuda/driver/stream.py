@@ -20,7 +20,7 @@ from .errors import CaptureError, CudaError, driver
 from .framework import DRIVER, Framework
 from .handle import Handle
 from .release import AtCollection, StreamEnd, drain
-from .values import as_index, as_size
+from .values import U64_MOST, as_index, as_size
 
 log = logging.getLogger("memra_cuda")
 
@@ -387,7 +387,7 @@ def handle_of(stream: Any) -> int:
     except TypeError:
         raise TypeError(f"a stream must be an int handle, a CUstream, speak __cuda_stream__ or have `cuda_stream`, "
                         f"not {stream!r}") from None
-    if not 0 <= handle < 2**64:
+    if not 0 <= handle <= U64_MOST:
         raise ValueError(f"a stream handle is an address, an int from 0 to 2**64 - 1, not {handle}")
     return handle
 
