@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -307,12 +308,20 @@ class Module(Handle):
     signatures={"scale": Signature.of(x="ptr", y="ptr", n="u32")})`, whose launches are then set
     by name: `set(x=src, y=dst, n=1000)`.
 
+    `ptx` is the PTX text itself, a str or bytes (a bytearray, a memoryview): a file's is
+    `Path(...).read_text()`, its Path being no PTX (a TypeError, as is anything else).
+
     Freed (unloaded) once, by free() or when the last kernel, launch or graph using it is
     gone; at interpreter exit the context takes its modules with it. Launches of an unloaded
     module refuse to run.
     """
 
     def __init__(self, engine: Stream, ptx: str | bytes, signatures: Mapping[str, Signature] | None = None):
+        if not isinstance(ptx, (str, bytes, bytearray, memoryview)):
+            # bytes() made a Path its name's bytes (loaded as PTX: the JIT's log, not the file's name),
+            # an int that many NULs ("a NUL byte before its end") and a list of ints its bytes
+            raise TypeError(f"ptx must be the PTX text (a str or bytes: a file's Path(...).read_text()), not "
+                            f"{reprlib.repr(ptx)}")
         image = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
         image = image[:-1] if image.endswith(b"\0") else image
         if b"\0" in image:

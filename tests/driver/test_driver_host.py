@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import types
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -536,6 +537,21 @@ def test_packaged_ptx_is_the_committed_text():
 def test_packaged_ptx_unknown_name():
     with pytest.raises(FileNotFoundError, match="no_such_module"):
         packaged_ptx("no_such_module")
+
+
+@pytest.mark.parametrize("ptx", [Path("k.ptx"), 5, [46, 118], None], ids=["path", "int", "ints", "none"])
+def test_a_module_takes_ptx_text_not_a_path_nor_what_bytes_makes_of_anything(ptx):
+    """Module(engine, ptx) read ptx as bytes(ptx): a Path was its name's bytes, loaded as PTX (the
+    JIT's log, not a file's name, said what was wrong), 5 five NUL bytes ("a NUL byte before its
+    end") and a list of ints its bytes. A TypeError naming ptx, before any engine is asked (none
+    here); text and bytes of every kind go on to the engine's check."""
+    from memra_cuda.driver import Module
+
+    with pytest.raises(TypeError, match=r"^ptx must be the PTX text \(a str or bytes: a file's Path\(\.\.\.\)\."):
+        Module(None, ptx)  # type: ignore[arg-type]
+    for text in (".version 8.0\n", b".version 8.0\n", bytearray(b".version 8.0"), memoryview(b".version 8.0")):
+        with pytest.raises(TypeError, match="^engine must be an Engine, not None$"):
+            Module(None, text)  # type: ignore[arg-type]
 
 
 # -- what device memory can hold, and constructor arguments --------------------------------
