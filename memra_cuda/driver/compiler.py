@@ -26,6 +26,7 @@ import ctypes
 import functools
 import logging
 import re
+import reprlib
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -276,8 +277,9 @@ def compile_ptx(source: str, *, name: str = "kernel.cu", headers: Mapping[str, s
     `portable`, NVRTC 12.0 or nothing: PTX to ship to other machines' drivers.
 
     `name` is the program's name, the file name NVRTC's messages cite. `headers` maps the names
-    the source `#include`s to their text: they reach NVRTC in memory, so nothing is read from
-    disk and the PTX depends on the texts alone. `options` are NVRTC options added after
+    the source `#include`s to their text (a Mapping, or None for none: a list of names or pairs is
+    a TypeError): they reach NVRTC in memory, so nothing is read from disk and the PTX depends on
+    the texts alone. `options` are NVRTC options added after
     OPTIONS (`-DBLOCK=256`, `--use_fast_math`, ...), or replacing the one of the same flag
     (`--std=c++20`; `--gpu-architecture=compute_90` gives PTX that only GPUs of sm_90 and up
     load). Declare kernels `extern "C"`, so that `module.kernel(name)` finds them by their
@@ -293,6 +295,11 @@ def compile_ptx(source: str, *, name: str = "kernel.cu", headers: Mapping[str, s
     # its options reached NVRTC, silently (-DBLOCK=256 dropped); a set's order is its hashes'
     options = as_listed(options, "options", "NVRTC options (strings)")
     portable = as_flag(portable, "portable")  # "False" was read by its truth: NVRTC 12.0 or nothing
+    if headers is not None and not isinstance(headers, Mapping):
+        # dict() took a list of (name, text) pairs silently, and met a list of names as "dictionary
+        # update sequence element #0 has length 3", naming nothing
+        raise TypeError(f"headers must map the names the source #includes to their text (a dict), not "
+                        f"{reprlib.repr(headers)}")
     headers = dict(headers or {})
     all_options = [*_defaults(options), *options]
     texts = [("source", source), ("name", name), *(("header name", key) for key in headers),

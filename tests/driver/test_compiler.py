@@ -153,6 +153,16 @@ def test_portable_is_true_or_false_not_read_by_its_truth(portable):
         compiler.compile_ptx(KERNEL, headers=HEADERS, portable=portable)
 
 
+@pytest.mark.parametrize("headers", [["scale.cuh"], [("scale.cuh", "#define SCALE 3u\n")], "scale.cuh"],
+                         ids=["names", "pairs", "name"])
+def test_headers_are_a_mapping_of_names_to_texts(headers):
+    """headers went through dict(): a list of names met "dictionary update sequence element #0 has
+    length 9", naming nothing, and a list of (name, text) pairs was taken, silently. A Mapping it
+    is (None for none, as before): a TypeError naming headers, before any NVRTC is looked for."""
+    with pytest.raises(TypeError, match="^headers must map the names the source #includes to their text"):
+        compiler.compile_ptx(KERNEL, headers=headers)
+
+
 def _one_error(exc: NvrtcUnavailable) -> str:
     message = str(exc)
     assert isinstance(exc, CompileError) and len(message.splitlines()) == 1, message
