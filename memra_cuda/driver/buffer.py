@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import reprlib
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
@@ -120,7 +121,7 @@ class DeviceBuffer(Handle):
         except AttributeError as exc:
             raise ValueError(f"{type(obj).__name__} is not device memory (no __cuda_array_interface__: a CUDA tensor "
                              f"or a CuPy array is): {exc}") from None
-        shape = tuple(as_index(d, "shape") for d in iface["shape"])
+        shape = _shape(iface["shape"])
         if isinstance(iface["typestr"], str) and iface["typestr"][1:] == "V2":  # torch's and ml_dtypes' bfloat16
             raise ValueError(f"a bfloat16 array (typestr {iface['typestr']!r}) cannot be a device buffer: numpy has no "
                              "bfloat16; adopt its memory as 2-byte ints, tensor.view(torch.int16) (an NCCL operation "
@@ -448,6 +449,16 @@ def _no_alloc_in_capture(engine: Stream, what: str) -> None:
     if engine.capture_hold is not None or engine.capturing:
         raise CaptureError(f"{what} cannot be allocated inside a graph capture (the driver forbids it while "
                            "the stream is captured): allocate before capturing")
+
+
+def _shape(given: Any) -> tuple[int, ...]:
+    """An array interface's `shape`: a tuple (or a list) of ints of at least 0, else a TypeError or
+    a ValueError naming it. Its dimensions were read as ints alone, so (-1, -2) was 2 elements,
+    adopted, and a bare int met "'int' object is not iterable", naming nothing."""
+    if not isinstance(given, (tuple, list)):
+        raise TypeError(f"an array interface's shape must be a tuple of ints, not {reprlib.repr(given)}")
+    what = f"each dimension of an array interface's shape {reprlib.repr(given)}"
+    return tuple(as_size(d, what, 0) for d in given)
 
 
 def _c_contiguous(shape: tuple[int, ...], strides: Any, itemsize: int) -> bool:

@@ -1182,6 +1182,26 @@ def test_from_cuda_array_refuses_before_asking_the_driver(iface):
         DeviceBuffer.from_cuda_array(FakeArray(**iface))
 
 
+@pytest.mark.parametrize("shape, kind, message", [
+    ((-1, -2), ValueError, r"^each dimension of an array interface's shape \(-1, -2\) must be an int of at least 0, "
+                           r"not -1$"),
+    ((4, -1), ValueError, r"^each dimension of an array interface's shape \(4, -1\) must be an int of at least 0"),
+    (4, TypeError, r"^an array interface's shape must be a tuple of ints, not 4$"),
+    ((2.0,), TypeError, r"^each dimension of an array interface's shape \(2\.0,\) must be an integer, not 2\.0$")],
+    ids=["negatives", "one-negative", "bare-int", "float"])
+def test_from_cuda_array_refuses_a_shape_of_anything_but_sizes_naming_it(monkeypatch, shape, kind, message):
+    """An interface's shape was read as ints alone: (-1, -2) multiplied to 2 elements and was
+    adopted, and a bare int met "'int' object is not iterable", naming nothing. Each dimension an
+    int of at least 0 (as_size), in a tuple or a list, refused naming the shape before the driver
+    is asked (here, a stand-in device lookup that would take it)."""
+    import memra_cuda.driver.buffer as buffer_module
+
+    monkeypatch.setattr(buffer_module, "_device_of", lambda ptr: 0)
+    with pytest.raises(kind, match=message):
+        DeviceBuffer.from_cuda_array(FakeArray(shape=shape))  # type: ignore[arg-type]
+    assert len(DeviceBuffer.from_cuda_array(FakeArray(shape=[2, np.int64(3)]))) == 6  # type: ignore[arg-type]
+
+
 def test_an_adopted_tensor_that_moved_is_refused_at_its_next_use(monkeypatch):
     """A tensor's memory can move under its owner (resize_, set_, its storage resized to 0): every
     use of an adopted buffer's ptr (a launch's arguments, a table, a copy) asks the tensor for its
