@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import CaptureError, MemraError, driver, driver_version
 from .handle import Handle
+from .values import as_listed
 
 if TYPE_CHECKING:
     from .module import Launch
@@ -239,9 +240,9 @@ class Graph(Handle):
     (the driver's own capture, or through `torch.cuda.graph` for an engine from
     `memra_cuda.torch.engine()`, so that PyTorch's allocator knows memory used inside the
     capture belongs to the graph). `joined` are other
-    engines (pipeline stages, on other devices too) whose streams `issue` forks from and joins
-    back to the engine's stream with events: their work is in the graph, and the graph holds
-    what it names as well.
+    engines (pipeline stages, on other devices too), a list or a tuple of them (one alone is
+    `[other]`), whose streams `issue` forks from and joins back to the engine's stream with
+    events: their work is in the graph, and the graph holds what it names as well.
 
     Python's garbage collector is held off while the stream is captured: a collection there
     would free unreachable buffers (or a framework's graphs), and a free during capture is an
@@ -250,6 +251,8 @@ class Graph(Handle):
 
     def __init__(self, engine: Stream, issue: Callable[[], None], *, capture: Capture | None = None,
                  joined: Sequence[Stream] = ()):
+        # a list or a tuple: one engine given for them met "'Engine' object is not iterable", naming nothing
+        joined = as_listed(joined, "joined", "engines")
         self.engine = engine
         self._held: dict[int, Handle] = {}
         self._owner: Any = None

@@ -1539,6 +1539,34 @@ def test_a_captures_engines_share_one_hold_so_a_joined_engines_wait_is_taken_and
     Engine._joins(outsider, main)  # no capture under way: nothing to join
 
 
+def test_a_graphs_joined_engines_are_a_list_not_one_engine():
+    """Graph(engine, issue, joined=other), one engine given for the list, met "'Engine' object is
+    not iterable" as the capture's engines were gathered, naming nothing. A list or a tuple
+    (as_listed): a TypeError naming joined, before the engine is activated or anything captured.
+    Host logic alone: stand-in engines, a capture that runs `issue` and stops before the driver."""
+    from memra_cuda.driver.graph import Graph
+
+    class Stop(Exception):
+        pass
+
+    activated: list[str] = []
+    main, other = (types.SimpleNamespace(capture_hold=None, activate=lambda: activated.append("activate"))
+                   for _ in range(2))
+    issued: list[str] = []
+
+    def capture(engine, issue):
+        issue()
+        raise Stop
+
+    for joined in (other, iter([other]), {"stage": other}):
+        with pytest.raises(TypeError, match="^joined must be a list, a tuple or a 1-D array of engines, not "):
+            Graph(main, lambda: issued.append("issued"), capture=capture, joined=joined)  # type: ignore[arg-type]
+    assert activated == [] and issued == [] and main.capture_hold is None is other.capture_hold
+    with pytest.raises(Stop):
+        Graph(main, lambda: issued.append("issued"), capture=capture, joined=(other,))  # type: ignore[arg-type]
+    assert activated == ["activate"] and issued == ["issued"]
+
+
 def test_an_engine_being_captured_waits_only_on_work_of_its_own_capture():
     """CUDA forbids a stream being captured to wait on an event recorded outside its capture
     (before it began, say) or on a stream not in it, and invalidates the capture: the driver's
