@@ -62,7 +62,10 @@ class Event(Handle):
         return self.engine.activate().reached(self._handle)
 
     def elapsed_ms(self, start: Event) -> float:
-        """Device milliseconds from `start` to this event (both recorded, this one waited for)."""
+        """Device milliseconds from `start`, an Event, to this event (both recorded, this one waited
+        for): anything else is a TypeError naming `start` (it met AttributeError '_usable')."""
+        if not isinstance(start, Event):
+            raise TypeError(f"start must be an Event, not {start!r}")
         start._usable()
         self.synchronize()
         return float(self.engine.ctx.call("cuEventElapsedTime", start._handle, self._handle))

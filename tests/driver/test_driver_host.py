@@ -7,6 +7,7 @@ lifetime rules can be exercised without a device.
 from __future__ import annotations
 
 import gc
+import re
 import types
 import weakref
 from pathlib import Path
@@ -474,6 +475,20 @@ def test_a_closed_stream_or_a_freed_event_refuses_its_raw_handle_and_is_released
     assert released.calls == [("cuEventDestroy", 0xE0)] and repr(event) == "Event(freed)"
     with pytest.raises(ValueError, match="^Event used after free$"):
         event.handle
+
+
+@pytest.mark.parametrize("start", [None, 0.5, "start", types.SimpleNamespace(_handle=0xE1)],
+                         ids=["none", "float", "str", "stand-in"])
+def test_an_events_elapsed_time_is_from_an_event(start):
+    """Event.elapsed_ms(start) given anything but an Event met AttributeError '_usable', naming
+    nothing. A TypeError naming start, before this event is waited for. (No driver: a stand-in
+    event whose wait would raise.)"""
+    from memra_cuda.driver.event import Event
+
+    event = Event.__new__(Event)
+    event.engine, event._handle = None, 0xE0  # no engine: a wait would raise AttributeError
+    with pytest.raises(TypeError, match=f"^start must be an Event, not {re.escape(repr(start))}$"):
+        event.elapsed_ms(start)
 
 
 def test_a_stream_whose_handle_was_handed_out_is_destroyed_only_once_collected(monkeypatch):
