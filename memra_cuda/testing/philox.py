@@ -24,18 +24,43 @@ _MASK = np.uint64(0xFFFFFFFF)
 _32 = np.uint64(32)
 
 
+WORD_LEAST, WORD_MOST = -2**63, 2**64 - 1  # a 64-bit word's ints, signed or unsigned
+
+
 def words(values: Any) -> np.ndarray:
     """Integers as uint64, wrapping like a cast to an unsigned 64-bit word (-1 is 2**64 - 1).
 
     Floats and booleans are refused: a silently truncated float would be a different draw. A
     list or a tuple is looked through for bools too, nested ones as well: numpy reads
-    [True, 5] as int64, True as 1."""
-    array = np.asarray(values)
-    if array.dtype.kind not in "iu":
-        raise TypeError(f"Philox counters, keys and seeds are integers, not {array.dtype} ({values!r})")
+    [True, 5] as int64, True as 1. Ints numpy reads as floats or objects, a list's seeds past
+    int64 ([2**64 - 1, 5] is float64) or beside a negative one, are read one by one, exactly (such
+    a list was refused as "not float64", valid seeds); an int that is no 64-bit word, from -2**63
+    to 2**64 - 1 (2**64, a seed one past the most), is a ValueError (it was "not object")."""
     if hides_bools(values):
         raise TypeError(f"Philox counters, keys and seeds are integers, not bools ({values!r})")
+    array = np.asarray(values)
+    if array.dtype.kind == "O" or (array.dtype.kind == "f" and not isinstance(values, np.ndarray)):
+        array = _exact_words(values, array)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"Philox counters, keys and seeds are integers, not {array.dtype} ({values!r})")
     return array.astype(np.uint64)
+
+
+def _exact_words(values: Any, array: np.ndarray) -> np.ndarray:
+    """`values`, which numpy read as `array` of floats or objects, as the uint64 words of their
+    ints where each is an int (bools were refused before); else `array` as numpy read it, for
+    words() to refuse by its dtype."""
+    try:
+        items = np.array(values, dtype=object)
+    except ValueError:  # ragged
+        return array
+    if not all(isinstance(v, (int, np.integer)) for v in items.flat):
+        return array
+    outside = [int(v) for v in items.flat if not WORD_LEAST <= int(v) <= WORD_MOST]
+    if outside:
+        raise ValueError(f"Philox counters, keys and seeds are 64-bit words, ints from -2**63 to 2**64 - 1: "
+                         f"not {outside[0]}")
+    return np.array([int(v) % 2**64 for v in items.flat], np.uint64).reshape(items.shape)
 
 
 def philox4x32_10(counter: tuple[Any, Any, Any, Any], key: tuple[Any, Any]) -> tuple[np.ndarray, ...]:

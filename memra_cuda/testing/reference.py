@@ -20,7 +20,7 @@ import numpy.typing as npt
 from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MARK, BRK_WORDS, COST_DRAFT, COST_VERIFY,
                               CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_KEEP, CTL_WORDS, RATE_ACCEPTED, RATE_REJECTED,
                               RATE_WORDS, RING_COUNT, RING_TOKENS)
-from .philox import uniform
+from .philox import uniform, words
 
 # ctl_d's words by the short names the tests and the toy (testing.toy) index it with
 EOS, BUDGET, DONE, KEEP = CTL_EOS, CTL_BUDGET, CTL_DONE, CTL_KEEP
@@ -189,8 +189,9 @@ def race_scores(w: np.ndarray, seed: npt.ArrayLike, position: npt.ArrayLike, pur
     the last axis of w (leading axes are rows; seed and position broadcast against them); -inf where
     w[v] is not positive (zero, negative, NaN), so such an entry never wins."""
     w = np.asarray(w, np.float64)
-    e = -np.log(uniform(np.asarray(seed)[..., None], np.asarray(position)[..., None], np.arange(w.shape[-1]),
-                        purpose, np.asarray(node)[..., None]))
+    # words(), not np.asarray: a list of seeds past int64 is float64 to numpy, its low bits lost
+    e = -np.log(uniform(words(seed)[..., None], words(position)[..., None], np.arange(w.shape[-1]),
+                        purpose, words(node)[..., None]))
     return np.where(w > 0, w / e, -np.inf)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from memra_cuda.testing import philox
+from memra_cuda.testing import reference as ref
 from memra_cuda.testing.philox import philox4x32_10, uniform, uniform_of_word
 
 # (counter, key, output) from Random123's kat_vectors, philox4x32_10.
@@ -94,3 +95,21 @@ def test_uniform_range_and_cells():
     assert np.array_equal(u.astype(np.float32), u)
     assert abs(u.mean() - 0.5) < 0.003
     assert np.allclose(np.histogram(u, bins=10, range=(0, 1))[0], 25_000, rtol=0.03)
+
+
+def test_a_list_of_64_bit_seeds_is_read_exactly_and_one_past_them_is_refused():
+    """numpy reads [2**64 - 1, 5] (and [2**63, -1]) as float64 and 2**64 as an object: valid seeds
+    were refused as "not float64", and a seed one past 2**64 - 1 as "not object", a TypeError. Now
+    a list of ints is read one by one, exactly, as each alone is, and an int that is no 64-bit word
+    (from -2**63 to 2**64 - 1) is a ValueError saying so; floats and bools are refused as before."""
+    assert philox.words([2**64 - 1, 5]).tolist() == [2**64 - 1, 5]
+    assert philox.words([[2**63], [-1]]).tolist() == [[2**63], [2**64 - 1]]
+    assert uniform([2**64 - 1, 5], 3, 1, 2).tolist() == [uniform(-1, 3, 1, 2), uniform(5, 3, 1, 2)]
+    rows = ref.race_scores(np.ones(8), [2**64 - 1, 5], 3, 1)  # a row a seed
+    assert np.array_equal(rows, [ref.race_scores(np.ones(8), -1, 3, 1), ref.race_scores(np.ones(8), 5, 3, 1)])
+    for past in (2**64, [5, 2**64], -2**63 - 1, [[2**70]]):
+        with pytest.raises(ValueError, match="64-bit words, ints from -2\\*\\*63 to 2\\*\\*64 - 1: not "):
+            philox.words(past)
+    for bad in ([1.5, 2**64], [True, 2**64], [2**64 - 1, 2.0]):
+        with pytest.raises(TypeError, match="Philox counters, keys and seeds are integers"):
+            philox.words(bad)
