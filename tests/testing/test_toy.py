@@ -307,6 +307,26 @@ def test_the_sampling_modes_numbers_are_real_numbers_kept_as_floats():
             toy.ToySampling().target(vocab)
 
 
+
+def test_the_target_law_takes_a_context_of_the_models_tokens():
+    """ToySampling.target_law(model, []) met an IndexError, a float token a TypeError deep in the
+    hash ("unsupported operand type(s) for &="), a uint32 array an OverflowError there (numpy's u32
+    arithmetic), and a token past the vocabulary was hashed into a
+    law no request has, silently. Refused naming the context (as_prompt); a context of the model's
+    tokens gives the law it gave, a distribution over the vocabulary."""
+    model, sampling = toy.ToyModel(vocab=100), toy.ToySampling()
+    law = sampling.target_law(model, [1, 2, 3])
+    assert law.shape == (100,) and abs(law.sum() - 1) < 1e-12
+    assert np.array_equal(sampling.target_law(model, np.array([1, 2, 3], np.uint32)), law)
+    no_context = "the context must be a sequence of at least one token id"
+    for context, error, named in (([], ValueError, no_context),
+                                  ([1, 100], ValueError, "the context's token 100 \\(at 1\\) is outside the vocab"),
+                                  ([1, -1], ValueError, "the context's token -1 \\(at 1\\) is outside the vocab"),
+                                  ([1, 2.0], TypeError, no_context), ([True, 2], TypeError, no_context),
+                                  ("ab", TypeError, no_context)):
+        with pytest.raises(error, match=named):
+            sampling.target_law(model, context)
+
 def test_the_toy_lm_refuses_a_capacity_or_a_batch_that_is_no_size():
     """ToyLM(engine, model, "512") and batch=2.7 were taken through int(); refused by name now,
     before the engine is touched (so no GPU is needed here)."""

@@ -300,7 +300,12 @@ class ToySampling:
 
     def target_law(self, model: ToyModel, context: Sequence[int]) -> np.ndarray:
         """The target's law of the token after `context` (toy_lm.cu's mixture at its hash state),
-        over the vocabulary: what a sampled request's next token is distributed as."""
+        over the vocabulary: what a sampled request's next token is distributed as. `context` is a
+        prompt of the model's tokens (as_prompt's refusals, naming it): an empty one met an
+        IndexError, a float token a TypeError deep in the hash, a uint32 array an OverflowError
+        there (numpy's u32 arithmetic), and a token past the vocabulary, which no request holds,
+        was hashed into a law, silently."""
+        context = as_prompt(context, model.vocab, "the context").tolist()
         state = model.state(model.history(context[:-1]), context[-1], len(context) - 1)
         floor, *weights = self.target(model.vocab)
         law = np.full(model.vocab, floor, np.float64)
