@@ -327,6 +327,21 @@ def test_the_target_law_takes_a_context_of_the_models_tokens():
         with pytest.raises(error, match=named):
             sampling.target_law(model, context)
 
+
+def test_the_target_law_of_a_model_with_recurrent_layers_counts_their_states():
+    """target_law on a model with recurrent layers (which ToyLM samples, its toy_verify adding their
+    states to the sums toy_probs reads) met "a model with recurrent layers needs their states after
+    the token". Their states after the context count now: at temperature 0 and floor 0 the law is
+    the target's greedy token, target_greedy's, at every step, and the states change the law."""
+    model = toy.ToyModel(seed=4, vocab=64, kv_mask=(True, False, False), rec_mask=(False, True, False))
+    greedy = toy.ToySampling(temperature=0.0, floor=0.0)
+    prompt = [3, 1, 4]
+    out = toy.target_greedy(model, prompt, 12)
+    assert [int(np.argmax(greedy.target_law(model, prompt + out[:t]))) for t in range(12)] == out
+    assert all(greedy.target_law(model, prompt + out[:t]).max() == 1 for t in range(12))
+    plain = replace(model, rec_mask=())
+    assert not np.array_equal(toy.ToySampling().target_law(model, prompt), toy.ToySampling().target_law(plain, prompt))
+
 def test_the_toy_lm_refuses_a_capacity_or_a_batch_that_is_no_size():
     """ToyLM(engine, model, "512") and batch=2.7 were taken through int(); refused by name now,
     before the engine is touched (so no GPU is needed here)."""

@@ -304,9 +304,12 @@ class ToySampling:
         prompt of the model's tokens (as_prompt's refusals, naming it): an empty one met an
         IndexError, a float token a TypeError deep in the hash, a uint32 array an OverflowError
         there (numpy's u32 arithmetic), and a token past the vocabulary, which no request holds,
-        was hashed into a law, silently."""
+        was hashed into a law, silently. A model's recurrent layers count with their states after
+        the context, as toy_verify adds them to the sums toy_probs reads (a model with recurrent
+        layers, which ToyLM samples, met "needs their states after the token")."""
         context = as_prompt(context, model.vocab, "the context").tolist()
-        state = model.state(model.history(context[:-1]), context[-1], len(context) - 1)
+        states = model.rec_states(context) if model.rec_layers else None
+        state = model.state(model.history(context[:-1]), context[-1], len(context) - 1, states)
         floor, *weights = self.target(model.vocab)
         law = np.full(model.vocab, floor, np.float64)
         for token, weight in zip(model.candidates(state), weights):
