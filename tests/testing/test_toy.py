@@ -4,6 +4,7 @@ recurrent, plain), state rollback and stop rule; and a wrong state rollback show
 tokens (the target's) or in the rounds (the draft's)."""
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -311,9 +312,9 @@ def test_the_sampling_modes_numbers_are_real_numbers_kept_as_floats():
 def test_the_target_law_takes_a_context_of_the_models_tokens():
     """ToySampling.target_law(model, []) met an IndexError, a float token a TypeError deep in the
     hash ("unsupported operand type(s) for &="), a uint32 array an OverflowError there (numpy's u32
-    arithmetic), and a token past the vocabulary was hashed into a
-    law no request has, silently. Refused naming the context (as_prompt); a context of the model's
-    tokens gives the law it gave, a distribution over the vocabulary."""
+    arithmetic), and a token past the vocabulary was hashed into a law no request has, silently.
+    Refused naming the context (as_prompt); a context of the model's tokens gives the law it gave,
+    a distribution over the vocabulary."""
     model, sampling = toy.ToyModel(vocab=100), toy.ToySampling()
     law = sampling.target_law(model, [1, 2, 3])
     assert law.shape == (100,) and abs(law.sum() - 1) < 1e-12
@@ -341,6 +342,35 @@ def test_the_target_law_of_a_model_with_recurrent_layers_counts_their_states():
     assert all(greedy.target_law(model, prompt + out[:t]).max() == 1 for t in range(12))
     plain = replace(model, rec_mask=())
     assert not np.array_equal(toy.ToySampling().target_law(model, prompt), toy.ToySampling().target_law(plain, prompt))
+
+
+def test_the_toys_model_and_tree_are_checked_where_they_enter():
+    """Anything but a ToyModel given for the model (None, a dict of its fields) met an
+    AttributeError deep inside ("'NoneType' object has no attribute 'vocab'"), naming nothing, in
+    the oracle, the numpy loops and the engines' constructors; NumpyTreeRoundStream's tree None met
+    "no attribute 'depth'" where tree_speculative_generate's was refused. Each a TypeError naming
+    what it is, before an engine, a communicator or a cache is touched (so no GPU is needed here)."""
+    from memra_cuda import Geometry
+    from memra_cuda.buffers.tree import TreeShape
+    from memra_cuda.testing.toy import pipeline, ranks
+    model = toy.ToyModel(vocab=100)
+    tree = TreeShape.from_choices([[0], [1]])
+    entries = [lambda m: toy.target_greedy(m, [1, 2], 3), lambda m: toy.ToySampling().target_law(m, [1, 2]),
+               lambda m: numpy_loop.speculative_generate(m, [1, 2], 2, 3),
+               lambda m: numpy_loop.tree_speculative_generate(m, [1, 2], tree, 3),
+               lambda m: numpy_loop.NumpyRoundStream(m, 2, 4, 64),
+               lambda m: numpy_loop.NumpyTreeRoundStream(m, tree, 4, 64), lambda m: toy.ToyLM(None, m, 64),
+               lambda m: pipeline.ToyPipeline([None, None], m, 64, 1, Geometry(2, 4)),
+               lambda m: ranks.ToyTensorParallel(None, m, 64, Geometry(2, 4))]
+    for bad in (None, {"vocab": 100}, "model"):
+        for entry in entries:
+            with pytest.raises(TypeError, match=f"the toy's model is a ToyModel, not {re.escape(repr(bad))}"):
+                entry(bad)
+    assert entries[0](model) == toy.target_greedy(model, [1, 2], 3)
+    for bad in (None, [[0], [1]]):
+        with pytest.raises(TypeError, match="a tree is a TreeShape or a DynamicTree"):
+            numpy_loop.NumpyTreeRoundStream(model, bad, 4, 64)
+
 
 def test_the_toy_lm_refuses_a_capacity_or_a_batch_that_is_no_size():
     """ToyLM(engine, model, "512") and batch=2.7 were taken through int(); refused by name now,

@@ -226,6 +226,15 @@ class ToyModel:
         return tokens, logp
 
 
+def as_toy_model(model: object) -> ToyModel:
+    """`model` if it is a ToyModel, else TypeError naming it: the toy's oracle, its numpy loops and
+    its engines read its fields, so anything else (None, a dict of its fields) met an
+    AttributeError ("'NoneType' object has no attribute 'vocab'") deep inside, naming nothing."""
+    if not isinstance(model, ToyModel):
+        raise TypeError(f"the toy's model is a ToyModel, not {model!r}")
+    return model
+
+
 def as_chain(geometry: object) -> Geometry:
     """`geometry` if it is a chain's Geometry (the toy's ranks and pipeline run chain rounds),
     else TypeError (as_geometry's: the loose k, M and B it replaces named) or ValueError (a
@@ -242,6 +251,7 @@ def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
     `max_new_tokens` is a row's budget (0 to ROW_VALUE_MOST: infinity ran for ever, 2.5 gave 3 tokens)
     and `eos` None or a token id of the model (a string, a float or one past the vocabulary was
     compared with each token and never met)."""
+    model = as_toy_model(model)
     prompt = as_prompt(prompt, model.vocab, "the prompt").tolist()
     max_new_tokens = as_size(max_new_tokens, "max_new_tokens", 0, ROW_VALUE_MOST)
     if eos is not None:
@@ -307,6 +317,7 @@ class ToySampling:
         was hashed into a law, silently. A model's recurrent layers count with their states after
         the context, as toy_verify adds them to the sums toy_probs reads (a model with recurrent
         layers, which ToyLM samples, met "needs their states after the token")."""
+        model = as_toy_model(model)
         context = as_prompt(context, model.vocab, "the context").tolist()
         states = model.rec_states(context) if model.rec_layers else None
         state = model.state(model.history(context[:-1]), context[-1], len(context) - 1, states)
@@ -414,6 +425,7 @@ class ToyLM:
         """`weights`: a buffer to stream for the cost knob, shareable between models (one is
         allocated when the cost needs it and none is given). `capacity` and `batch` are sizes,
         refused by name before anything is allocated ("512" or 2.7 is no size: int() would take it)."""
+        model = as_toy_model(model)
         self.engine, self.model, self.capacity, self.cost = engine, model, as_size(capacity, "capacity"), cost
         self.batch, with_draft = as_batch(batch), as_flag(with_draft, "with_draft")
         self.layers = range(len(model.kv_mask)) if layers is None else layers

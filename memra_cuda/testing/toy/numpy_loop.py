@@ -19,7 +19,7 @@ from ...buffers.geometry import Geometry
 from ...buffers.tree import DynamicTree, Tree
 from ...buffers.stream_bufs import ROW_VALUE_MOST
 from ...driver.values import as_prompt, as_size, longest_prompt_for
-from .lm import M32, STATE_ROLLBACKS, ToyModel, as_candidates, fmix, fmix_array, live_slot, salt
+from .lm import M32, STATE_ROLLBACKS, ToyModel, as_candidates, as_toy_model, fmix, fmix_array, live_slot, salt
 
 
 class NumpyStates:
@@ -95,7 +95,7 @@ class NumpyRoundStream:
         # k, M and the capacity checked first, and kept as the plain ints they are: numpy ints'
         # arithmetic wraps (M a uint8 200 made a ring of 232 tokens, and a burst's past them were
         # dropped, the output cut short silently)
-        geometry = Geometry(k, m_rounds, 1, width)
+        geometry, model = Geometry(k, m_rounds, 1, width), as_toy_model(model)
         self.model, self.k, self.m, self.capacity = model, geometry.k, geometry.m_rounds, as_size(capacity, "capacity")
         k, self.ring_cap = self.k, self.m * (self.k + 1)
         # the rule generate() checks before each burst (`width`: what a round writes, a tree's T + 1)
@@ -208,6 +208,7 @@ def stop_rule(max_new_tokens: int, eos: int | None) -> tuple[int, int | None]:
 def speculative_generate(model: ToyModel, prompt: Sequence[int], k: int, max_new_tokens: int,
                          eos: int | None = None, m_rounds: int = 4, state_rollback: str = "copy") -> list[int]:
     """The whole speculative loop in numpy (see NumpyRoundStream)."""
+    model = as_toy_model(model)
     prompt = as_prompt(prompt, model.vocab, "the prompt").tolist()
     max_new_tokens, eos = stop_rule(max_new_tokens, eos)  # before a cache is sized for the budget
     capacity = kv_capacity(len(prompt), max_new_tokens, Geometry(k, m_rounds))
@@ -223,6 +224,8 @@ class NumpyTreeRoundStream(NumpyRoundStream):
 
     def __init__(self, model: ToyModel, tree: Tree, m_rounds: int, capacity: int, candidates: int = 8,
                  state_rollback: str = "copy"):
+        # the tree checked first (Geometry.of_tree's TypeError): None met "no attribute 'depth'"
+        Geometry.of_tree(tree, m_rounds)
         super().__init__(model, tree.depth, m_rounds, capacity, state_rollback, width=tree.nodes)
         self.tree, self.K, self.T1 = tree, as_candidates(candidates), tree.nodes
         self.levels = list(tree.levels)
@@ -330,6 +333,7 @@ def tree_speculative_generate(model: ToyModel, prompt: Sequence[int], tree: Tree
                               eos: int | None = None, m_rounds: int = 4, candidates: int = 8,
                               state_rollback: str = "copy") -> list[int]:
     """The whole tree speculative loop in numpy (see NumpyTreeRoundStream)."""
+    model = as_toy_model(model)
     prompt = as_prompt(prompt, model.vocab, "the prompt").tolist()
     max_new_tokens, eos = stop_rule(max_new_tokens, eos)  # before a cache is sized for the budget
     capacity = kv_capacity(len(prompt), max_new_tokens, Geometry.of_tree(tree, m_rounds))

@@ -29,7 +29,7 @@ from ...kernels.spec import SpecKernels
 from ...rounds.round import Stages, chain
 from ...rounds.stream import RoundStream
 from ...buffers.tables import Cache, kv_len_ptr_table_range
-from .lm import ToyCost, ToyLM, ToyModel, as_chain
+from .lm import ToyCost, ToyLM, ToyModel, as_chain, as_toy_model
 
 if TYPE_CHECKING:
     from ...driver.engine import Engine
@@ -43,7 +43,7 @@ class ToyPipeline:
 
     def __init__(self, engines: Sequence[Engine], model: ToyModel, capacity: int, split: int, geometry: Geometry,
                  costs: Sequence[ToyCost] = (ToyCost(), ToyCost())):
-        geometry = as_chain(geometry)
+        geometry, model = as_chain(geometry), as_toy_model(model)
         if len(engines) != 2 or len(costs) != 2:
             raise ValueError(f"a toy pipeline has two stages: give two engines and two costs, not {len(engines)}")
         n_layers = len(model.kv_mask)

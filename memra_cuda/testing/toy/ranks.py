@@ -36,7 +36,7 @@ from ...comm.communicator import digest
 from ...kernels.spec import SpecKernels
 from ...rounds.round import Step
 from ...rounds.stream import RoundStream
-from .lm import BLOCK, ToyCost, ToyLM, ToyModel, ToySampling, as_chain
+from .lm import BLOCK, ToyCost, ToyLM, ToyModel, ToySampling, as_chain, as_toy_model
 
 if TYPE_CHECKING:
     from ...comm.communicator import Communicator
@@ -62,7 +62,7 @@ class ToyRank:
 
     def __init__(self, comm: Communicator, model: ToyModel, capacity: int, geometry: Geometry,
                  cost: ToyCost = ToyCost(), sampling: ToySampling | None = None):
-        geometry = as_chain(geometry)
+        geometry, model = as_chain(geometry), as_toy_model(model)
         if model.rec_layers:
             raise ValueError("the toy's ranks hold layers with KV or none: its recurrent layers run whole (ToyLM)")
         if geometry.k + 1 > BLOCK:
