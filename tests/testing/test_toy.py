@@ -372,6 +372,22 @@ def test_the_toys_model_and_tree_are_checked_where_they_enter():
             numpy_loop.NumpyTreeRoundStream(model, bad, 4, 64)
 
 
+def test_the_toys_cost_is_bytes():
+    """ToyCost(-5) was taken and paced the bursts (to meet a u64's refusal of -1 words at the
+    verify's launch), 2.5 and NaN reached the weights' allocation, True paced the bursts as a byte,
+    and ToyLM's cost=None met "no attribute 'verify_bytes'". Each field an int from 0 to
+    2**64 - 1, kept as a plain int, refused naming it; a cost a ToyCost (no GPU is needed here)."""
+    assert toy.ToyCost(np.int64(16), 2**64 - 1) == toy.ToyCost(16, 2**64 - 1)
+    assert type(toy.ToyCost(np.uint32(32)).verify_bytes) is int and not toy.ToyCost().paced
+    for field in ("verify_bytes", "draft_bytes"):
+        for bad, error in ((-5, ValueError), (2**64, ValueError), (2.5, TypeError), (float("nan"), TypeError),
+                           (True, TypeError), ("16", TypeError), (None, TypeError)):
+            with pytest.raises(error, match=f"{field} must be "):
+                toy.ToyCost(**{field: bad})
+    with pytest.raises(TypeError, match="the toy's cost is a ToyCost, not None"):
+        toy.ToyLM(None, toy.ToyModel(), 64, cost=None)
+
+
 def test_the_toy_lm_refuses_a_capacity_or_a_batch_that_is_no_size():
     """ToyLM(engine, model, "512") and batch=2.7 were taken through int(); refused by name now,
     before the engine is touched (so no GPU is needed here)."""

@@ -18,7 +18,8 @@ import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
 from ...buffers.stream_bufs import ROW_VALUE_MOST
-from ...driver.values import as_flag, as_listed, as_prompt, as_real, as_seed, as_size, longest_prompt_for
+from ...driver.values import (U64_MOST, as_flag, as_listed, as_prompt, as_real, as_seed, as_size,
+                              longest_prompt_for)
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
 from ...rounds.round import Step, chain
@@ -336,6 +337,14 @@ class ToyCost:
     verify_bytes: int = 0
     draft_bytes: int = 0
 
+    def __post_init__(self) -> None:
+        """Each kept as the checked plain int it is, 0 to 2**64 - 1 bytes (as_size's refusals,
+        naming it; the kernel's count of 16-byte words is a u64): -5 was taken and paced the
+        bursts, to meet a u64's refusal of -1 words at the verify's launch, 2.5 and NaN reached
+        the weights' allocation, and True paced the bursts as a byte."""
+        for name in ("verify_bytes", "draft_bytes"):
+            object.__setattr__(self, name, as_size(getattr(self, name), name, 0, U64_MOST))
+
     @property
     def paced(self) -> bool:
         """Whether bursts should be paced (RoundStream's `pace`): a toy that streams weights
@@ -426,6 +435,8 @@ class ToyLM:
         allocated when the cost needs it and none is given). `capacity` and `batch` are sizes,
         refused by name before anything is allocated ("512" or 2.7 is no size: int() would take it)."""
         model = as_toy_model(model)
+        if not isinstance(cost, ToyCost):  # its fields are read below: None met "no attribute 'verify_bytes'"
+            raise TypeError(f"the toy's cost is a ToyCost, not {cost!r}")
         self.engine, self.model, self.capacity, self.cost = engine, model, as_size(capacity, "capacity"), cost
         self.batch, with_draft = as_batch(batch), as_flag(with_draft, "with_draft")
         self.layers = range(len(model.kv_mask)) if layers is None else layers
