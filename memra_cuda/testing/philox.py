@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..driver.values import hides_bools
+from ..driver.values import U64_MOST, hides_bools
 
 MULTIPLIERS = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
 WEYL = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))  # the key schedule's increments
@@ -24,7 +24,7 @@ _MASK = np.uint64(0xFFFFFFFF)
 _32 = np.uint64(32)
 
 
-WORD_LEAST, WORD_MOST = -2**63, 2**64 - 1  # a 64-bit word's ints, signed or unsigned
+WORD_LEAST = -2**63  # a 64-bit word's least int, signed (its most, unsigned, U64_MOST)
 
 
 def words(values: Any) -> np.ndarray:
@@ -56,7 +56,7 @@ def _exact_words(values: Any, array: np.ndarray) -> np.ndarray:
         return array
     if not all(isinstance(v, (int, np.integer)) for v in items.flat):
         return array
-    outside = [int(v) for v in items.flat if not WORD_LEAST <= int(v) <= WORD_MOST]
+    outside = [int(v) for v in items.flat if not WORD_LEAST <= int(v) <= U64_MOST]
     if outside:
         raise ValueError(f"Philox counters, keys and seeds are 64-bit words, ints from -2**63 to 2**64 - 1: "
                          f"not {outside[0]}")
