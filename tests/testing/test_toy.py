@@ -308,6 +308,24 @@ def test_the_sampling_modes_numbers_are_real_numbers_kept_as_floats():
             toy.ToySampling().target(vocab)
 
 
+def test_the_sampling_weights_check_their_temperature_and_floor_as_the_fields_are():
+    """ToySampling.weights is public, and its temperature and floor were unchecked: NaN and -1
+    were read as greedy, True as 1.0, and a floor of 1.5 gave negative weights. Refused with the
+    fields' own rules, naming each; what the fields take, it takes alike."""
+    assert toy.ToySampling.weights(8, np.float32(1), np.int64(0)) == toy.ToySampling(1.0, 0.0).target(8)
+    assert toy.ToySampling.weights(8, 0.0, 1.0) == (np.float32(1 / 8), 0.0, 0.0, 0.0, 0.0)
+    for temperature, floor, error, named in (
+            (float("nan"), 0.1, ValueError, "temperature must be >= 0 \\(a floor at most 1\\), not nan"),
+            (-1.0, 0.1, ValueError, "temperature must be >= 0 \\(a floor at most 1\\), not -1.0"),
+            (True, 0.1, TypeError, "temperature must be a real number, not True"),
+            (1.0, 1.5, ValueError, "floor must be >= 0 \\(a floor at most 1\\), not 1.5"),
+            (1.0, float("nan"), ValueError, "floor must be >= 0 \\(a floor at most 1\\), not nan"),
+            (1.0, np.True_, TypeError, f"floor must be a real number, not {np.True_!r}"),
+            (1.0, None, TypeError, "floor must be a real number, not None")):
+        with pytest.raises(error, match=named):
+            toy.ToySampling.weights(8, temperature, floor)
+
+
 
 def test_the_target_law_takes_a_context_of_the_models_tokens():
     """ToySampling.target_law(model, []) met an IndexError, a float token a TypeError deep in the

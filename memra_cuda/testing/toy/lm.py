@@ -271,6 +271,17 @@ def target_greedy(model: ToyModel, prompt: Sequence[int], max_new_tokens: int,
     return out
 
 
+def _law_number(value: object, name: str) -> float:
+    """A sampling law's temperature or floor (`name` holds which) as a float (as_real's
+    TypeError, naming it), ValueError unless it is >= 0 and, a floor, at most 1: a NaN or a
+    negative temperature would be read as greedy, and a floor above 1 gives negative weights.
+    The one check of them, for ToySampling's fields and its public `weights` alike."""
+    number = as_real(value, name)
+    if not (number >= 0 and (number <= 1 or "temperature" in name)):
+        raise ValueError(f"{name} must be >= 0 (a floor at most 1), not {number}")
+    return number
+
+
 @dataclass(frozen=True)
 class ToySampling:
     """The toy's sampling mode (toy_lm.cu, "Sampling mode"): at each position the target's
@@ -285,19 +296,19 @@ class ToySampling:
     draft_floor: float = 0.1
 
     def __post_init__(self) -> None:
-        """Each field kept as the float it is (as_real's refusal, naming it): True was a
+        """Each field kept as the float it is (_law_number's refusals, naming it): True was a
         temperature of 1, and None met a bare comparison's TypeError."""
         for name in ("temperature", "floor", "draft_temperature", "draft_floor"):
-            value = as_real(getattr(self, name), name)
-            if not (value >= 0 and (value <= 1 or "temperature" in name)):
-                raise ValueError(f"{name} must be >= 0 (a floor at most 1), not {value}")
-            object.__setattr__(self, name, value)
+            object.__setattr__(self, name, _law_number(getattr(self, name), name))
 
     @staticmethod
     def weights(vocab: int, temperature: float, floor: float) -> tuple[float, ...]:
         """(floor / vocab, c_0 .. c_3) as the kernels take them (f32 values); `vocab` a size (0
-        divided the floor by zero)."""
+        divided the floor by zero), `temperature` and `floor` checked as the fields are
+        (_law_number, naming each): this is public, and a NaN or a negative temperature was read
+        as greedy, True as 1.0, and a floor above 1 gave negative weights."""
         vocab = as_size(vocab, "vocab")
+        temperature, floor = _law_number(temperature, "temperature"), _law_number(floor, "floor")
         j = np.arange(4)
         c = np.exp(-j / temperature) if temperature > 0 else (j == 0).astype(float)
         c = (1 - floor) * c / c.sum()
