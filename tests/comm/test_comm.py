@@ -424,6 +424,22 @@ def test_shards_cover_the_layers_once_in_order_the_first_ones_larger():
         shard(4, 3, 3)
 
 
+def test_a_shards_numbers_are_ints_named_where_they_are_not():
+    """shard(4, 2, True) was rank 1's shard, and a float met "'float' object cannot be interpreted
+    as an integer", naming none of the three: each is checked as an int, naming it."""
+    from memra_cuda.testing.toy.ranks import shard
+    assert shard(np.int64(4), np.int32(2), np.uint8(1)) == range(2, 4)
+    for args, error, named in (((4, 2, True), TypeError, "rank must be an integer, not True"),
+                               ((4, 2, 1.0), TypeError, "rank must be an integer, not 1.0"),
+                               ((4.0, 2, 0), TypeError, "layers must be an integer, not 4.0"),
+                               ((4, 2.0, 0), TypeError, "world must be an integer, not 2.0"),
+                               ((4, True, 0), TypeError, "world must be an integer, not True"),
+                               ((4, 0, 0), ValueError, "world must be an int of at least 1, not 0"),
+                               ((4, 2, -1), ValueError, "rank -1")):
+        with pytest.raises(error, match=named):
+            shard(*args)
+
+
 # -- ranks started as torchrun would ------------------------------------------------------------------
 
 def test_launch_starts_every_rank_with_torchruns_variables_and_a_port_of_its_own_for_the_exchange(monkeypatch):

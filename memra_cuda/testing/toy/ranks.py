@@ -33,6 +33,7 @@ import numpy as np
 from ...buffers.geometry import Geometry
 from ...buffers.stream_bufs import StreamBufs
 from ...comm.communicator import digest
+from ...driver.values import as_index, as_size
 from ...kernels.spec import SpecKernels
 from ...rounds.round import Step
 from ...rounds.stream import RoundStream
@@ -46,7 +47,10 @@ if TYPE_CHECKING:
 
 def shard(layers: int, world: int, rank: int) -> range:
     """Rank `rank`'s contiguous share of `layers` layers among `world` ranks, the first
-    layers % world ranks one layer more."""
+    layers % world ranks one layer more. Each checked as an int, naming it (as_size, as_index):
+    rank=True was rank 1, and a float met "'float' object cannot be interpreted as an integer",
+    naming none of them."""
+    layers, world, rank = as_size(layers, "layers"), as_size(world, "world"), as_index(rank, "rank")
     if not 0 <= rank < world or layers < world:
         raise ValueError(f"{layers} layer(s) cannot give each of {world} ranks at least one (rank {rank})")
     base, extra = divmod(layers, world)
