@@ -202,7 +202,17 @@ def sample_race(w: np.ndarray, seed: npt.ArrayLike, position: npt.ArrayLike, pur
     can race a vocabulary across many blocks with one max-reduction.
 
     -1 when no weight is positive. spec_accept_sample then races p[n] instead of an empty residual,
-    and commits NO_MASS_TOKEN when p[n] is empty too; a draft must give its own rows weight."""
+    and commits NO_MASS_TOKEN when p[n] is empty too; a draft must give its own rows weight.
+
+    An empty w has no positive weight either, so -1 too (as the kernels' race over V = 0 entries
+    keeps no key, ptx/philox.cuh's race_draw): np.argmax met "attempt to get argmax of an empty
+    sequence". w is one row (ValueError naming it otherwise): race_scores races rows, but one
+    token is drawn here, and a 2-D w met "truth value ... is ambiguous"."""
+    w = np.asarray(w)
+    if w.ndim != 1:
+        raise ValueError(f"w must be one row of weights (1-D), not an array of shape {w.shape}")
+    if not w.size:
+        return -1
     scores = race_scores(w, seed, position, purpose, node)
     best = int(np.argmax(scores))
     return best if scores[best] > -np.inf else -1

@@ -9,6 +9,8 @@ the test says which weights and which draw (position, purpose) the contract uses
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -59,6 +61,18 @@ def test_race_nan_negative_and_zero_weights_never_win():
 def test_race_without_positive_weight_is_minus_one():
     assert ref.sample_race(np.array([0.0, -1.0, NAN, -np.inf]), 5, 9, 1) == -1
     assert ref.sample_race(np.zeros(1), 5, 9, 1) == -1
+
+
+def test_race_over_no_weights_is_minus_one_and_over_rows_refused():
+    """An empty w has no positive weight, so -1 as the docstring says (the kernels' race over V = 0
+    keeps no key), where np.argmax met "attempt to get argmax of an empty sequence"; a 2-D w (one
+    token is drawn) met "truth value ... is ambiguous", and a bare number an IndexError."""
+    assert ref.sample_race(np.zeros(0), 5, 9, 1) == -1
+    assert ref.sample_race([], 5, 9, 1) == -1
+    for bad in (np.ones((2, 3)), np.ones((1, 4)), np.float64(1.0)):
+        with pytest.raises(ValueError, match=f"w must be one row of weights \\(1-D\\), not an array of shape "
+                                             f"{re.escape(str(np.shape(bad)))}"):
+            ref.sample_race(bad, 5, 9, 1)
 
 
 def test_race_infinite_weights_tie_to_the_smallest_index():
