@@ -15,7 +15,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from .errors import CaptureError, call, driver
-from .values import as_index, as_size, device_dtype, short_name
+from .values import as_index, as_listed, as_size, device_dtype, short_name
 from .handle import Handle
 from .release import AtCollection, release_after
 
@@ -452,13 +452,11 @@ def _no_alloc_in_capture(engine: Stream, what: str) -> None:
 
 
 def _shape(given: Any) -> tuple[int, ...]:
-    """An array interface's `shape`: a tuple (or a list) of ints of at least 0, else a TypeError or
-    a ValueError naming it. Its dimensions were read as ints alone, so (-1, -2) was 2 elements,
-    adopted, and a bare int met "'int' object is not iterable", naming nothing."""
-    if not isinstance(given, (tuple, list)):
-        raise TypeError(f"an array interface's shape must be a tuple of ints, not {reprlib.repr(given)}")
+    """An array interface's `shape`: a tuple (or a list: as_listed) of ints of at least 0, else a
+    TypeError or a ValueError naming it. Its dimensions were read as ints alone, so (-1, -2) was 2
+    elements, adopted, and a bare int met "'int' object is not iterable", naming nothing."""
     what = f"each dimension of an array interface's shape {reprlib.repr(given)}"
-    return tuple(as_size(d, what, 0) for d in given)
+    return tuple(as_size(d, what, 0) for d in as_listed(given, "an array interface's shape", "ints"))
 
 
 def _c_contiguous(shape: tuple[int, ...], strides: Any, itemsize: int) -> bool:

@@ -1201,7 +1201,7 @@ def test_from_cuda_array_refuses_before_asking_the_driver(iface):
     ((-1, -2), ValueError, r"^each dimension of an array interface's shape \(-1, -2\) must be an int of at least 0, "
                            r"not -1$"),
     ((4, -1), ValueError, r"^each dimension of an array interface's shape \(4, -1\) must be an int of at least 0"),
-    (4, TypeError, r"^an array interface's shape must be a tuple of ints, not 4$"),
+    (4, TypeError, r"^an array interface's shape must be a list, a tuple or a 1-D array of ints, not 4$"),
     ((2.0,), TypeError, r"^each dimension of an array interface's shape \(2\.0,\) must be an integer, not 2\.0$")],
     ids=["negatives", "one-negative", "bare-int", "float"])
 def test_from_cuda_array_refuses_a_shape_of_anything_but_sizes_naming_it(monkeypatch, shape, kind, message):
