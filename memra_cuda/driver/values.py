@@ -120,7 +120,8 @@ def exact_array(values: Any, dtype: Any) -> np.ndarray:
     (TypeError, as exact_int: True would be stored as 1, a token, a position or a row). For a
     float buffer, a float rounded to its precision is the one change taken: a finite value that
     would overflow to inf, or an int it cannot hold exactly (2**24 + 1 in float32), is refused;
-    a bool buffer takes bools, 0 and 1 (0.5 and -1 were stored as True)."""
+    a bool buffer takes bools, 0 and 1 (0.5 and -1 were stored as True). A numpy masked array
+    with any value masked is refused (ValueError): the copy reads the data under the mask."""
     dtype = np.dtype(dtype)
     arr = values if isinstance(values, np.ndarray) else np.asarray(values)
     if isinstance(arr, np.ma.MaskedArray) and np.ma.getmaskarray(arr).any():
