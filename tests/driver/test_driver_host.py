@@ -947,7 +947,6 @@ def test_a_collected_borrowed_buffer_keeps_its_owner_until_the_streams_ran_its_w
         assert kept() is None and stream.marks == [] and release.pending() == before, ended
 
 
-
 def test_an_interrupt_in_a_drain_keeps_what_waits():
     """A KeyboardInterrupt (or a signal handler's exception) arriving in a release's query of its
     event went through settled(), which catches only Exception, between drain()'s pop of the entry
@@ -976,6 +975,7 @@ def test_an_interrupt_in_a_drain_keeps_what_waits():
     stream.ctx.reached = reached
     stream.synchronize()
     assert kept() is None and release.pending() == before, "the next drain, the work run, lets it go"
+
 
 def test_borrowed_memory_freed_while_a_stream_is_captured_is_kept_until_that_stream_ran_its_work():
     """free() waits on the host for the streams that queued work on borrowed memory, but no host

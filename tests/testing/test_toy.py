@@ -326,7 +326,6 @@ def test_the_sampling_weights_check_their_temperature_and_floor_as_the_fields_ar
             toy.ToySampling.weights(8, temperature, floor)
 
 
-
 def test_the_target_law_takes_a_context_of_the_models_tokens():
     """ToySampling.target_law(model, []) met an IndexError, a float token a TypeError deep in the
     hash ("unsupported operand type(s) for &="), a uint32 array an OverflowError there (numpy's u32
