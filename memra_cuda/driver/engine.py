@@ -1,6 +1,7 @@
 """Engine: a Stream with memory, copies and modules on top, the facade engines embed."""
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ from .framework import DRIVER, Framework
 from .module import Module, packaged_ptx
 from .signature import Signature
 from .stream import Stream
-from .values import as_flag, as_index, device_dtype, exact_array, exact_int
+from .values import _past_int64, as_flag, as_index, device_dtype, exact_array, exact_int
 
 
 # The least compute capability memra's own kernels serve: their PTX targets sm_80 (ptx/), which a
@@ -90,8 +91,14 @@ class Engine(Stream):
         """A new device buffer holding `values` (queued on the stream), of `dtype` or, where None,
         of the type numpy reads them as: checked by exact_array either way, so a masked array's
         masked values are not sent and bools among ints not stored as 1 (both were, without a
-        dtype, silently)."""
-        given = np.asarray(values).dtype if dtype is None else dtype
+        dtype, silently). Ints past int64 without a dtype are a ValueError: numpy reads a list of
+        them ([2**63 + 1, 1], a u64 beside an int) as float64, and they were sent rounded, silently."""
+        given = dtype
+        if dtype is None:
+            given = read = np.asarray(values).dtype
+            if read.kind in "fO" and _past_int64(values) and np.size(values):
+                raise ValueError(f"ints past int64 given without a dtype, which numpy reads as {read.name}: give one "
+                                 f"(htod(values, np.uint64)), not {reprlib.repr(values)}")
         host = np.ascontiguousarray(exact_array(values, given)).reshape(-1)
         buf = self.alloc(host.dtype, host.size, label=label)
         self.copy_htod(buf, host)

@@ -1450,6 +1450,24 @@ def test_an_upload_without_a_dtype_is_checked_as_one_with_a_dtype():
     assert log == [("alloc", np.dtype(np.int64), 4), [1, 2, 3, 4], ("alloc", np.dtype(bool), 2), [True, False]]
 
 
+def test_an_upload_of_ints_past_int64_without_a_dtype_is_refused_not_sent_as_floats():
+    """numpy reads [2**63 + 1, 1] (a u64 beside an int, [2**64 - 1, 5] too) as float64: htod
+    without a dtype sent them rounded (2**63 + 1 as 2**63), silently. A ValueError asking for a
+    dtype, before anything is allocated; floats, ints within int64 and an empty list as before."""
+    from types import SimpleNamespace
+
+    log: list[object] = []
+    engine = SimpleNamespace(alloc=lambda dtype, length, label=None: log.append(("alloc", dtype, length)) or "buf",
+                             copy_htod=lambda buf, host: log.append(host.tolist()))
+    for values in ([2**63 + 1, 1], [2**64 - 1, 5], (np.uint64(2**64 - 1), -1), [2**64, 1]):
+        with pytest.raises(ValueError, match=r"^ints past int64 given without a dtype, which numpy reads as "
+                                             r"(float64|object): give one \(htod\(values, np.uint64\)\)"):
+            Engine.htod(engine, values)
+    assert log == [], "refused before anything was allocated"
+    assert Engine.htod(engine, [1.5, 2]) == Engine.htod(engine, [2**63 - 1, -1]) == "buf"
+    assert log[1::2] == [[1.5, 2.0], [2**63 - 1, -1]] and log[2] == ("alloc", np.dtype(np.int64), 2)
+
+
 def test_a_launch_past_cudas_grid_limits_is_refused_at_prepare_naming_the_axis():
     from memra_cuda.driver.module import GRID_LIMITS, _dim3
     assert _dim3((64, 65535), "toy_probs's grid", GRID_LIMITS) == (64, 65535, 1)  # at the limit
