@@ -16,7 +16,7 @@ from .framework import DRIVER, Framework
 from .module import Module, packaged_ptx
 from .signature import Signature
 from .stream import Stream
-from .values import _past_int64, as_flag, as_index, device_dtype, exact_array, exact_int
+from .values import as_flag, as_index, device_dtype, exact_array, exact_int, past_int64
 
 
 # The least compute capability memra's own kernels serve: their PTX targets sm_80 (ptx/), which a
@@ -96,7 +96,7 @@ class Engine(Stream):
         given = dtype
         if dtype is None:
             given = read = np.asarray(values).dtype
-            if read.kind in "fO" and _past_int64(values) and np.size(values):
+            if read.kind in "fO" and past_int64(values) and np.size(values):
                 raise ValueError(f"ints past int64 given without a dtype, which numpy reads as {read.name}: give one "
                                  f"(htod(values, np.uint64)), not {reprlib.repr(values)}")
         host = np.ascontiguousarray(exact_array(values, given)).reshape(-1)

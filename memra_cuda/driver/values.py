@@ -251,7 +251,7 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
         tokens = np.array(None) if isinstance(values, (*TEXT_LIKE, np.ma.MaskedArray)) else np.array(values)
     except (TypeError, ValueError):  # ragged, or not numbers at all
         tokens = np.array(None)
-    if tokens.ndim == 1 and tokens.dtype.kind in "fO" and _past_int64(values):
+    if tokens.ndim == 1 and tokens.dtype.kind in "fO" and past_int64(values):
         tokens = np.array([v if 0 <= v < vocab else -1 for v in map(int, values)])  # -1: outside, as below
     if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu") or hides_bools(values):
         raise TypeError(f"{what} must be token ids (ints), not {reprlib.repr(values)}")
@@ -263,7 +263,7 @@ def token_ids(values: Any, vocab: int, what: str) -> np.ndarray:
     return tokens
 
 
-def _past_int64(values: Any) -> bool:
+def past_int64(values: Any) -> bool:
     """Whether `values` is a list or tuple of integers (Python's or numpy's, no bool) that numpy
     read as objects or floats (one past int64, such as 2**64, or a uint64 beside an int): they are
     read one by one, and one outside the vocabulary is named as any other ("not token ids (ints)"
