@@ -93,13 +93,12 @@ class Engine(Stream):
         masked values are not sent and bools among ints not stored as 1 (both were, without a
         dtype, silently). Ints past int64 without a dtype are a ValueError: numpy reads a list of
         them ([2**63 + 1, 1], a u64 beside an int) as float64, and they were sent rounded, silently."""
-        given = dtype
         if dtype is None:
-            given = read = np.asarray(values).dtype
-            if read.kind in "fO" and past_int64(values) and np.size(values):
-                raise ValueError(f"ints past int64 given without a dtype, which numpy reads as {read.name}: give one "
+            dtype = np.asarray(values).dtype
+            if dtype.kind in "fO" and np.size(values) and past_int64(values):
+                raise ValueError(f"ints past int64 given without a dtype, which numpy reads as {dtype.name}: give one "
                                  f"(htod(values, np.uint64)), not {reprlib.repr(values)}")
-        host = np.ascontiguousarray(exact_array(values, given)).reshape(-1)
+        host = np.ascontiguousarray(exact_array(values, dtype)).reshape(-1)
         buf = self.alloc(host.dtype, host.size, label=label)
         self.copy_htod(buf, host)
         return buf

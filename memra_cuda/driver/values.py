@@ -124,10 +124,10 @@ def exact_array(values: Any, dtype: Any) -> np.ndarray:
     with any value masked is refused (ValueError): the copy reads the data under the mask."""
     dtype = np.dtype(dtype)
     arr = values if isinstance(values, np.ndarray) else np.asarray(values)
-    if isinstance(arr, np.ma.MaskedArray) and np.ma.getmaskarray(arr).any():
+    if isinstance(arr, np.ma.MaskedArray) and (masked := int(np.ma.getmaskarray(arr).sum())):
         # the copy reads the data under the mask as it is stored: a masked token would be sent
-        raise ValueError(f"a masked array with {int(np.ma.getmaskarray(arr).sum())} masked values: fill them "
-                         "(arr.filled(value)) or give the unmasked ones (arr.compressed())")
+        raise ValueError(f"a masked array with {masked} masked values: fill them (arr.filled(value)) or give the "
+                         "unmasked ones (arr.compressed())")
     if dtype.kind in "iu" and (arr.dtype.kind == "b" or hides_bools(values)):
         raise TypeError(f"bools given for a {dtype.name} buffer: {reprlib.repr(values)}")
     if arr.dtype == dtype:
