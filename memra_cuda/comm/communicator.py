@@ -34,7 +34,7 @@ from ..driver.buffer import DeviceBuffer
 from ..driver.call import Prepared
 from ..driver.graph import Graph
 from ..driver.handle import Handle
-from ..driver.values import SECONDS_MOST, as_index, as_real, as_seconds
+from ..driver.values import as_index, as_seconds
 from .library import IN_PROGRESS, Nccl, NcclError, UniqueIdArg, check_id, nccl, nccl_op, nccl_type, result_name
 from .rendezvous import Ranks, check_world, exchange_id
 
@@ -304,9 +304,7 @@ class Communicator(Handle):
         # thread for a negative or NaN poll, which ended the watchdog silently, and with it the
         # timeout of every host wait (a dead peer then hung them).
         watch = Watch(timeout, rank)
-        if not 0 < as_real(poll, "poll") <= SECONDS_MOST:  # 1e10 s: time.sleep's OverflowError ended it too
-            raise ValueError(f"poll is the watchdog's positive, finite number of seconds between looks, at most "
-                             f"{SECONDS_MOST} (values.SECONDS_MOST), not {poll!r}")
+        poll = as_seconds(poll, "poll (the watchdog's time between looks)")  # 1e10 s: time.sleep's OverflowError too
         self.engine, self.rank, self.world = engine, rank, world
         self.lib = lib = nccl()
         # Every connection made while joining, inside its timeout: NCCL otherwise connects a peer

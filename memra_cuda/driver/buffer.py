@@ -15,7 +15,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from .errors import CaptureError, call, driver
-from .values import as_index, as_listed, as_size, device_dtype, short_name
+from .values import U64_MOST, as_index, as_listed, as_size, device_dtype, short_name
 from .handle import Handle
 from .release import AtCollection, release_after
 
@@ -73,7 +73,8 @@ class DeviceBuffer(Handle):
         """A new buffer of `length` elements of `dtype` in the engine's device memory (cuMemAlloc),
         owned: released by free(), a `with` block or its collection. Refused inside a capture.
         engine.alloc (and zeros) is the usual way to it."""
-        dtype, length = device_dtype(dtype), as_size(length, "length")
+        dtype = device_dtype(dtype)
+        length = alloc_length(length, dtype)
         ctx, ptr = device_allocation(engine, length * dtype.itemsize)
         buf = cls(ptr, dtype, length, engine=engine, label=label)
         buf._own(ctx, "cuMemFree", ptr)
@@ -314,7 +315,7 @@ class PinnedBuffer(Handle):
 
     def __init__(self, engine: Stream, dtype: DTypeLike, length: int, *, label: str | None = None):
         self.dtype = device_dtype(dtype)
-        self.len = as_size(length, "length")
+        self.len = alloc_length(length, self.dtype)
         self.engine = engine
         self.label = label
         _no_alloc_in_capture(engine, "pinned memory")
@@ -432,6 +433,13 @@ def as_buffer(obj: BufferLike, what: str = "buffer", engine: Stream | None = Non
         return DeviceBuffer.from_cuda_array(obj, engine)
     raise TypeError(f"{what} must be a DeviceBuffer or an object with __cuda_array_interface__, "
                     f"not {type(obj).__name__}")
+
+
+def alloc_length(length: Any, dtype: np.dtype) -> int:
+    """`length` elements of `dtype` to allocate: as_size's, of at least 1 and at most what a size_t
+    of bytes holds (cuMemAlloc's and cuMemHostAlloc's), so a length past it is a ValueError naming
+    it, where the binding raised OverflowError ("int too big to convert"), naming nothing."""
+    return as_size(length, "length", 1, U64_MOST // dtype.itemsize)
 
 
 def device_allocation(engine: Stream, nbytes: int) -> tuple[PrimaryContext, int]:

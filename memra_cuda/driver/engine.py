@@ -143,14 +143,19 @@ class Engine(Stream):
         return Prepared(self, drv.cuMemsetD32Async, "cuMemsetD32Async", (ptr, bits, 1, self.stream), (buf,))
 
     def memset(self, buf: BufferLike, value: int) -> None:
-        """Fill an integer buffer of 8-, 16- or 32-bit elements with `value` (any buffer with 0)."""
+        """Fill an integer buffer of 8-, 16- or 32-bit elements with `value` (any buffer with 0).
+        `value` is an int (a numpy integer too), by exact_int's rules, as set_u32's: a float is
+        refused (ValueError), 0.0 too, and a bool (TypeError), False too; both were taken as 0."""
         buf = self.buffer(buf)
-        size, ptr = buf.dtype.itemsize, buf.ptr
-        if value != 0 and (size > 4 or buf.dtype.kind not in "iu"):
-            raise ValueError(f"memset of {buf.dtype.name} elements supports only 0")
-        bits = exact_int(value, buf.dtype) & ((1 << 8 * size) - 1) if value else 0
+        dtype = buf.dtype
+        size, ptr = dtype.itemsize, buf.ptr
+        # an int, 0 above all (zeros()), costs the type test alone
+        number = value if type(value) is int else _memset_value(value, dtype)
+        if number and (size > 4 or dtype.kind not in "iu"):
+            raise ValueError(f"memset of {dtype.name} elements supports only the int 0, not {value!r}")
+        bits = exact_int(number, dtype) & ((1 << 8 * size) - 1) if number else 0
         ctx = self.activate()
-        if value == 0 or size == 1:
+        if number == 0 or size == 1:
             ctx.call("cuMemsetD8Async", ptr, bits, buf.nbytes, self.stream)
         elif size == 2:
             ctx.call("cuMemsetD16Async", ptr, bits, buf.len, self.stream)
@@ -292,6 +297,19 @@ class Engine(Stream):
         elif signatures is not None:
             module.declare(signatures)
         return module
+
+
+def _memset_value(value: Any, dtype: np.dtype) -> int:
+    """memset's `value`, given as something other than an int, as one by exact_int's rules (a
+    float, 0.0 too, ValueError; a bool, False too, TypeError: `value != 0` was asked first, and
+    took both as 0): within `dtype`'s range for an integer buffer; for a float or a bool one, whose
+    one value is the int 0, refused in memset's own words (exact_int's would name int64)."""
+    if dtype.kind in "iu":
+        return exact_int(value, dtype)
+    try:
+        return exact_int(value, np.int64)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"memset of {dtype.name} elements supports only the int 0, not {value!r}") from None
 
 
 def as_engine(engine: object, what: str = "engine") -> Engine:

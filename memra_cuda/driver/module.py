@@ -182,7 +182,7 @@ class Launch(Prepared):
         self.args = KernelArgs.of_kernel(kernel.name, self.signature, declared, engine)
         kernel.check_sizes(self.args.types)
         argv = (kernel.handle, *_dim3(grid, f"{kernel.name}'s grid", GRID_LIMITS),
-                *_dim3(block, f"{kernel.name}'s block"),
+                *_block(block, f"{kernel.name}'s block"),
                 as_size(shared, f"{kernel.name}'s dynamic shared memory (bytes)", 0, SHARED_MOST), engine.stream,
                 self.args.pointer, 0)
         super().__init__(engine, driver().cuLaunchKernel, f"cuLaunchKernel({kernel.name})", argv, (module,))
@@ -226,7 +226,7 @@ class Kernel:
 
     def __init__(self, module: Module, name: str):
         self.module = module
-        self.name = name
+        self.name = name = kernel_name(name)
         try:
             self.handle = module.engine.ctx.call("cuModuleGetFunction", module.handle, name.encode())
         except CudaError as exc:
@@ -339,6 +339,7 @@ class Module(Handle):
         """The module's kernel `name`, fetched from the driver once and the same Kernel after
         (ValueError where the module has no such kernel, or has been unloaded)."""
         self._usable()
+        name = kernel_name(name)  # before the lookup: a list met its bare "unhashable type"
         if name not in self._kernels:
             self._kernels[name] = Kernel(self, name)
         return self._kernels[name]
@@ -354,6 +355,17 @@ class Module(Handle):
 
     def __repr__(self) -> str:
         return f"Module({', '.join(self._kernels) or 'no kernels fetched'}{', unloaded' if self.freed else ''})"
+
+
+def kernel_name(name: Any) -> str:
+    """`name`, a kernel's, if it is a str with no NUL: TypeError for anything else (an int met
+    "'int' object has no attribute 'encode'", a list "unhashable type"), ValueError for a NUL,
+    which would end the C string cuModuleGetFunction reads early ("scale\\0x" would be "scale")."""
+    if not isinstance(name, str):
+        raise TypeError(f"a kernel's name must be a str, not {reprlib.repr(name)}")
+    if "\0" in name:
+        raise ValueError(f"a kernel's name holds a NUL character, which would end its C string early: {name!r}")
+    return name
 
 
 def _table(signatures: Mapping[str, Signature] | None) -> Mapping[str, Signature]:
@@ -384,6 +396,8 @@ def _load(ctx: PrimaryContext, image: bytes) -> Any:
 
 
 GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's gridDim.x, .y, .z: a kernel giving rows a grid row has 65535
+BLOCK_LIMITS = (1024, 1024, 64)  # CUDA's blockDim.x, .y, .z, on every GPU memra serves (sm_80 and up)
+BLOCK_THREADS = 1024  # and a block's threads, x * y * z
 SHARED_MOST = 2**32 - 1  # cuLaunchKernel's sharedMemBytes is an unsigned int
 
 
@@ -404,4 +418,16 @@ def _dim3(dims: int | Sequence[int], what: str, limits: tuple[int, int, int] | N
     for axis, size, most in zip("xyz", (x, y, z), limits or (x, y, z)):
         if size > most:
             raise ValueError(f"{what} {(x, y, z)} is past CUDA's limit of {most} in {axis}")
+    return x, y, z
+
+
+def _block(dims: int | Sequence[int], what: str) -> tuple[int, int, int]:
+    """`dims` as a block's (x, y, z), checked as _dim3 checks a grid, against BLOCK_LIMITS, and
+    its threads against BLOCK_THREADS: ValueError naming `what` at prepare. A block was checked
+    for its type and sign alone, and one past an unsigned int (2**32) reached cuLaunchKernel's
+    binding at the first launch, an OverflowError naming nothing; one the driver refuses, its
+    CUDA_ERROR_INVALID_VALUE at every launch."""
+    x, y, z = _dim3(dims, what, BLOCK_LIMITS)
+    if x * y * z > BLOCK_THREADS:
+        raise ValueError(f"{what} {(x, y, z)} holds {x * y * z} threads, past CUDA's limit of {BLOCK_THREADS} a block")
     return x, y, z

@@ -35,7 +35,8 @@ class Param:
     def __post_init__(self) -> None:
         if not (isinstance(self.name, str) and self.name.isidentifier()):
             raise ValueError(f"a parameter's name is an identifier, not {self.name!r}")
-        if self.type not in ARG_TYPES:
+        # a str first: a list or a dict met the `in`'s bare "unhashable type", naming no parameter
+        if not isinstance(self.type, str) or self.type not in ARG_TYPES:
             raise ValueError(f"parameter {self.name!r}: unknown type {self.type!r}; use one of {sorted(ARG_TYPES)}")
 
 

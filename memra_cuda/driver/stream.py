@@ -20,7 +20,7 @@ from .errors import CaptureError, CudaError, driver
 from .framework import DRIVER, Framework
 from .handle import Handle
 from .release import AtCollection, StreamEnd, drain
-from .values import U64_MOST, as_index, as_size
+from .values import U64_MOST, as_size
 
 log = logging.getLogger("memra_cuda")
 
@@ -372,7 +372,7 @@ def handle_of(stream: Any) -> int:
     (`__cuda_stream__()` -> (0, handle): cuda.core, CuPy and others), or by `cuda_stream`
     (PyTorch); TypeError naming the forms otherwise, ValueError for an int no handle is (below 0
     or past 64 bits: the binding's CUstream met "can't convert negative value to unsigned
-    PY_LONG_LONG", an OverflowError naming nothing)."""
+    PY_LONG_LONG", an OverflowError naming nothing), as_size's range check naming the handle."""
     if isinstance(stream, Stream):  # read for a wait now, not handed out (__cuda_stream__ exports it)
         return stream.stream_handle  # refused once closed
     protocol = getattr(stream, "__cuda_stream__", None)
@@ -383,13 +383,10 @@ def handle_of(stream: Any) -> int:
                             f"not {given!r}")
         stream = given[1]
     try:
-        handle = as_index(getattr(stream, "cuda_stream", stream), "stream")
+        return as_size(getattr(stream, "cuda_stream", stream), "a stream handle (an address)", 0, U64_MOST)
     except TypeError:
         raise TypeError(f"a stream must be an int handle, a CUstream, speak __cuda_stream__ or have `cuda_stream`, "
                         f"not {stream!r}") from None
-    if not 0 <= handle <= U64_MOST:
-        raise ValueError(f"a stream handle is an address, an int from 0 to 2**64 - 1, not {handle}")
-    return handle
 
 
 def _destroy(ctx: PrimaryContext, stream: Any, end: StreamEnd) -> None:

@@ -569,6 +569,26 @@ def test_a_module_takes_ptx_text_not_a_path_nor_what_bytes_makes_of_anything(ptx
             Module(None, text)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("name, error", [(5, TypeError), (["scale"], TypeError), (b"scale", TypeError),
+                                         (None, TypeError), ("scale\0x", ValueError)],
+                         ids=["int", "list", "bytes", "none", "nul"])
+def test_a_kernels_name_is_a_str_without_a_nul_refused_before_the_driver(name, error):
+    """module.kernel(5) met "'int' object has no attribute 'encode'" and module.kernel(["scale"])
+    the kernel cache's bare "unhashable type", naming nothing; a NUL ended the C string the driver
+    looks the name up by ("scale\\0x" is "scale" to it). Refused naming the kernel's name, before
+    the cache or the driver (neither is here)."""
+    from types import SimpleNamespace
+
+    from memra_cuda.driver.module import Kernel, Module
+    stand_in = SimpleNamespace(_usable=lambda: None, _kernels={})
+    message = "a kernel's name must be a str" if error is TypeError else "a kernel's name holds a NUL character"
+    with pytest.raises(error, match=f"^{message}"):
+        Module.kernel(stand_in, name)  # type: ignore[arg-type]
+    with pytest.raises(error, match=f"^{message}"):
+        Kernel(SimpleNamespace(), name)  # type: ignore[arg-type]
+    assert stand_in._kernels == {}
+
+
 # -- what device memory can hold, and constructor arguments --------------------------------
 
 
@@ -656,6 +676,26 @@ def test_a_seed_is_an_int_from_0_to_2_64_less_1_and_its_bits_an_int64():
 def test_device_buffer_constructor_validates(ptr, length, kind):
     with pytest.raises(kind):
         DeviceBuffer(ptr, np.uint32, length)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint32, np.uint64])
+def test_an_allocation_past_a_size_t_of_bytes_is_refused_naming_its_length(dtype):
+    """engine.alloc(np.uint64, 2**61) and engine.pinned(...) handed cuMemAlloc (cuMemHostAlloc) a
+    byte count past a size_t, and the binding raised OverflowError ("Python int too large to
+    convert to C unsigned long"), naming nothing. The length is as_size's, at most what a size_t
+    of bytes holds, refused before the engine is asked (none here); at the limit, taken."""
+    from types import SimpleNamespace
+
+    from memra_cuda.driver.buffer import PinnedBuffer
+    most = (2**64 - 1) // np.dtype(dtype).itemsize
+    for length in (most + 1, 2**64, 2**100):
+        for make in (DeviceBuffer.allocate, PinnedBuffer):
+            with pytest.raises(ValueError, match=f"^length must be an int from 1 to {most}, not {length}$"):
+                make(None, dtype, length)  # type: ignore[arg-type]
+    engine = SimpleNamespace(capture_hold=None)  # past the length's check, the stand-in's missing `capturing`
+    for make in (DeviceBuffer.allocate, PinnedBuffer):
+        with pytest.raises(AttributeError, match="capturing"):
+            make(engine, dtype, most)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("start, count", [(1.5, 2), (1, 2.0), ("1", 2)])
@@ -1468,6 +1508,59 @@ def test_an_upload_of_ints_past_int64_without_a_dtype_is_refused_not_sent_as_flo
     assert log[1::2] == [[1.5, 2.0], [2**63 - 1, -1]] and log[2] == ("alloc", np.dtype(np.int64), 2)
 
 
+def memset_stand_in(log: list) -> object:
+    """An engine for Engine.memset with no driver under it: its driver calls logged (name, bits)."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(call=lambda name, ptr, bits, count, stream: log.append((name, bits)))
+    return SimpleNamespace(buffer=lambda buf: buf, activate=lambda: ctx, stream="s", _uses=lambda *handles: None)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.uint32, np.int32, np.uint64, np.float32, np.float64,
+                                   np.bool_])
+def test_memset_takes_an_int_not_a_bool_nor_a_float_equal_to_0(dtype):
+    """memset asked `value != 0` before anything else: False, np.False_, 0.0, np.float64(0) and
+    Fraction(0) equal 0, so they were taken as 0, where set_u32 (exact_int) refused them. By
+    exact_int's rules now, as set_u32's and copy_htod's: a bool TypeError, a float ValueError, what
+    is no number a TypeError; refused before the driver. An int, a numpy one too, as before."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    log: list = []
+    engine, buf = memset_stand_in(log), fake_buffer(8, dtype)
+    for value, error in ((False, TypeError), (np.False_, TypeError), (0.0, ValueError), (-0.0, ValueError),
+                         (np.float64(0), ValueError), (np.float32(0), ValueError), (Fraction(0), TypeError),
+                         (Decimal(0), TypeError), ("0", TypeError), (None, TypeError),
+                         (np.array([0, 0]), TypeError), (ArrayBool(), TypeError)):
+        with pytest.raises(error):
+            Engine.memset(engine, buf, value)
+    assert log == [], "a refused value reached the driver"
+    for value in (0, np.int32(0), np.uint64(0), np.int8(0)):
+        Engine.memset(engine, buf, value)
+    assert log == [("cuMemsetD8Async", 0)] * 4
+    kind, size = np.dtype(dtype).kind, np.dtype(dtype).itemsize
+    if kind not in "iu" or size > 4:  # a u64 buffer's 0.0 is exact_int's ("0.0 is not an integer (uint64 expected)")
+        for value in (1, np.int64(1), 2**70, *((0.0, np.float32(0)) if kind not in "iu" else ())):
+            with pytest.raises(ValueError, match=rf"^memset of {np.dtype(dtype).name} elements supports only the int "
+                                                 rf"0, not {re.escape(repr(value))}$"):
+                Engine.memset(engine, buf, value)
+
+
+def test_memset_sends_a_numpy_integer_as_its_bits_and_refuses_one_out_of_range():
+    log: list = []
+    engine = memset_stand_in(log)
+    Engine.memset(engine, fake_buffer(8, np.uint32), np.int32(7))
+    Engine.memset(engine, fake_buffer(8, np.int8), np.int8(-3))
+    Engine.memset(engine, fake_buffer(8, np.int16), -2)
+    assert log == [("cuMemsetD32Async", 7), ("cuMemsetD8Async", 0xFD), ("cuMemsetD16Async", 0xFFFE)]
+    for value in (np.int64(2**32), 2**32, -1):
+        with pytest.raises(ValueError, match="outside the range of uint32"):
+            Engine.memset(engine, fake_buffer(8, np.uint32), value)
+    with pytest.raises(ValueError, match=r"^1\.5 is not an integer \(uint32 expected\)"):
+        Engine.memset(engine, fake_buffer(8, np.uint32), 1.5)
+    assert len(log) == 3
+
+
 def test_a_launch_past_cudas_grid_limits_is_refused_at_prepare_naming_the_axis():
     from memra_cuda.driver.module import GRID_LIMITS, _dim3
     assert _dim3((64, 65535), "toy_probs's grid", GRID_LIMITS) == (64, 65535, 1)  # at the limit
@@ -1493,6 +1586,31 @@ def test_a_kernels_launch_is_refused_past_the_grid_limits_before_the_driver_is_a
         Launch(kernel, [], grid=(64, 65536), block=256)
     with pytest.raises(ValueError, match="toy_probs's block .* 1 to 3 positive sizes"):
         Launch(kernel, [], grid=1, block=(256, 0))
+
+
+def test_a_block_past_cudas_limits_is_refused_at_prepare_not_met_by_the_bindings_overflow():
+    """A block was checked for its type and sign alone: one of 2**32 threads in x reached
+    cuLaunchKernel's binding at the first launch ("value too large to convert to unsigned int", an
+    OverflowError naming nothing, on the per-burst path), and one the driver refuses (2048 in x,
+    65 in z, 32 x 64 threads) its CUDA_ERROR_INVALID_VALUE at every launch. Refused at prepare,
+    naming the kernel and the axis, or the threads; at the limits, taken."""
+    from types import SimpleNamespace
+
+    from memra_cuda.driver.module import Launch, _block
+    assert _block(1024, "block") == (1024, 1, 1) and _block((1, 1024), "block") == (1, 1024, 1)
+    assert _block((16, 1, 64), "block") == (16, 1, 64) and _block(np.array([32, 32]), "block") == (32, 32, 1)
+    for dims, axis, most in ((1025, "x", 1024), ((1, 1025), "y", 1024), ((1, 1, 65), "z", 64), (2**32, "x", 1024)):
+        with pytest.raises(ValueError, match=f"^block .* is past CUDA's limit of {most} in {axis}$"):
+            _block(dims, "block")
+    with pytest.raises(ValueError, match=r"^block \(32, 64, 1\) holds 2048 threads, past CUDA's limit of 1024 a block"):
+        _block((32, 64), "block")
+    module = SimpleNamespace(_usable=lambda: None, engine=None)
+    kernel = SimpleNamespace(module=module, name="toy_probs", handle=None, declared=tuple, signature=None,
+                             check_sizes=lambda types: None)
+    with pytest.raises(ValueError, match=r"^toy_probs's block \(4294967296, 1, 1\) is past CUDA's limit of 1024 in x"):
+        Launch(kernel, [], grid=1, block=2**32)
+    with pytest.raises(AttributeError):  # past every check, the stand-in's missing engine: the limit is taken
+        Launch(kernel, [], grid=1, block=(8, 8, 16))
 
 
 @pytest.mark.parametrize("dims", ["128", 2.5, (64, 2.9), True, (True, 2), [1, "2"], None])

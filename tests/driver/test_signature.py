@@ -4,6 +4,7 @@ a table that is not one before it reaches the engine. No GPU: the refusals all c
 driver is asked for anything."""
 from __future__ import annotations
 
+import re
 from typing import get_args
 
 import pytest
@@ -28,6 +29,17 @@ def test_a_signature_of_keywords_keeps_their_order():
 def test_a_param_is_an_identifier_of_a_known_type(name, kind, message):
     with pytest.raises(ValueError, match=message):
         Param(name, kind)  # what a caller without mypy may pass
+
+
+@pytest.mark.parametrize("kind", [["u32"], {"u32": 4}, {"u32"}, None, 4, b"u32"],
+                         ids=["list", "dict", "set", "none", "int", "bytes"])
+def test_a_param_of_a_type_that_is_no_name_is_refused_naming_the_parameter(kind):
+    """A list, a dict or a set for a type met `in ARG_TYPES`'s bare "unhashable type", naming no
+    parameter; it is the ValueError every unknown type is."""
+    with pytest.raises(ValueError, match=f"^parameter 'n': unknown type {re.escape(repr(kind))}; use one of"):
+        Param("n", kind)
+    with pytest.raises(ValueError, match="parameter 'n': unknown type"):
+        Signature.of(x="ptr", n=kind)
 
 
 def test_every_known_type_packs_into_a_slot():
