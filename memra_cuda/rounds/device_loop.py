@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..buffers.layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
+from ..buffers.stream_bufs import ROW_VALUE_MOST
 from ..driver.buffer import MappedBuffer
 from ..driver.errors import MemraError
 from ..driver.event import Event
 from ..driver.graph import Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join
+from ..driver.values import as_flag, as_size
 from ..kernels.signatures import load
 from .pace import pass_lengths
 from .round import refuse_conditionals
@@ -242,11 +244,12 @@ class DeviceLoop:
         unless one that large with that pacing is captured already. The feed holds the next
         power of two, so a server's requests capture it a few times at most (call this up front
         with the largest budget to capture it once). A failed capture leaves the last loop; a
-        running one is never replaced (BuffersHeld)."""
+        running one is never replaced (BuffersHeld). The arguments are checked first (_loop_shape)."""
+        cap, paced = _loop_shape(cap, paced)
         self.bufs.check_free()
-        if self.serves(cap, paced):
+        if self._serves(cap, paced):
             return
-        cap = 1 << (max(cap, 1) - 1).bit_length()
+        cap = 1 << (cap - 1).bit_length()
         last_feed, last_graph = self._feed, self._graph
         feed = TokenFeed(self.engine, self.bufs.batch, max(cap, last_feed.cap if last_feed else 0))
         try:
@@ -263,7 +266,12 @@ class DeviceLoop:
 
     def serves(self, cap: int, paced: bool) -> bool:
         """Whether the loop captured serves a generation of `cap` tokens a row with this pacing:
-        prepare() would capture nothing. (Not whether it can run: ready() says that.)"""
+        prepare() would capture nothing. (Not whether it can run: ready() says that.) The
+        arguments are checked as prepare() checks them (_loop_shape)."""
+        return self._serves(*_loop_shape(cap, paced))
+
+    def _serves(self, cap: int, paced: bool) -> bool:
+        """serves() of arguments checked already."""
         feed = self._feed
         return self._graph is not None and feed is not None and feed.cap >= cap and self._paced == paced
 
@@ -373,6 +381,16 @@ class DeviceLoop:
             graph.issue(read_back)
 
         return Graph(engine, lambda: None, capture=rounds.conditional_capture(build))
+
+
+def _loop_shape(cap: object, paced: object) -> tuple[int, bool]:
+    """A loop's `cap` and `paced` (DeviceLoop.prepare's, serves'), checked before anything is
+    allocated or captured: cap an int from 1 to ROW_VALUE_MOST, the most tokens a row's budget
+    asks for (its feed holds the next power of two, a u32 the kernels take), and paced a bool.
+    True and -5 were caps of 1, silently, 2.5 met "'float' object has no attribute 'bit_length'",
+    naming nothing, and 2**40 asked the driver for a feed of terabytes; a paced of 1 or "yes" was
+    refused by the pass lengths inside the capture, once the feed was allocated."""
+    return as_size(cap, "cap", 1, ROW_VALUE_MOST), as_flag(paced, "paced")
 
 
 __all__ = ["DeviceLoop", "Landed", "LoopUnsupported", "RUNNING", "RoundCapError", "TokenFeed"]

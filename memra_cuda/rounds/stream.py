@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..buffers.ledger import as_slot
-from ..buffers.stream_bufs import Readback, StreamBufs, per_row
+from ..buffers.stream_bufs import ROW_VALUE_MOST, Readback, StreamBufs, per_row
 from .device_loop import DeviceLoop, Landed, RoundCapError
 from ..driver.errors import CaptureError
 from ..driver.event import Event
@@ -238,8 +238,9 @@ class RoundStream:
         token feed holds the next power of two), with this stream's pacing: a sealed stream
         refuses device mode for a generation that the loop captured here cannot take, where an
         unsealed one captures it at that generation. LoopUnsupported where the driver has no
-        conditional nodes, or for pipeline stages (DeviceLoop)."""
-        self.device_loop.prepare(as_size(tokens, "tokens"), self.pace)
+        conditional nodes, or for pipeline stages (DeviceLoop). `tokens` is an int from 1 to a row's
+        most budget (ROW_VALUE_MOST), refused naming it before the loop is made."""
+        self.device_loop.prepare(as_size(tokens, "tokens", 1, ROW_VALUE_MOST), self.pace)
 
     def require_loop(self, tokens: int) -> None:
         """CaptureError where this stream is sealed and the device loop captured before it cannot

@@ -1,0 +1,96 @@
+"""DeviceLoop's host side, on the CPU: what it is given is checked before anything is allocated,
+captured or launched (device mode's loop itself runs in test_device_loop_gpu.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memra_cuda import RoundStream
+from memra_cuda.rounds import device_loop
+from memra_cuda.rounds.device_loop import DeviceLoop
+
+ROW_MOST = 2**31 - 1  # a row's budget, an i32 (stream_bufs.ROW_VALUE_MOST)
+
+
+class Bufs:
+    """A loop's buffers: a batch, and whether they were asked if they are free."""
+
+    batch = 2
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def check_free(self) -> None:
+        self.asked += 1
+
+
+def loop_on_host(monkeypatch: pytest.MonkeyPatch) -> tuple[DeviceLoop, list[tuple[int, int]]]:
+    """A DeviceLoop with nothing captured whose feeds and captures touch no device: the feeds
+    made (batch, cap) are listed, and a capture gives a stand-in graph."""
+    made: list[tuple[int, int]] = []
+
+    class Feed:
+        def __init__(self, engine: object, batch: int, cap: int):
+            self.batch, self.cap = batch, cap
+            made.append((batch, cap))
+
+        def free(self) -> None:
+            pass
+
+    class Graph:
+        def free(self) -> None:
+            pass
+
+    monkeypatch.setattr(device_loop, "TokenFeed", Feed)
+    loop = DeviceLoop.__new__(DeviceLoop)  # __init__ would load the decider's module
+    loop.engine, loop.bufs = object(), Bufs()
+    loop._feed = loop._graph = loop._paced = None
+    loop.captures = 0
+    monkeypatch.setattr(loop, "_capture", lambda feed, paced: Graph())
+    return loop, made
+
+
+def test_prepare_checks_its_cap_and_pacing_before_anything_is_allocated(monkeypatch):
+    """prepare(cap, paced) took True and -5 as caps of 1, silently; 2.5 met "'float' object has no
+    attribute 'bit_length'", naming nothing; 2**40 asked the driver for a feed of terabytes; a
+    paced of 1 or "yes" was refused by the pass lengths inside the capture, once the feed was
+    allocated. Each is refused naming the argument, before the buffers are asked about or a feed
+    made, and serves() refuses them alike (RoundStream.require_loop asks it)."""
+    loop, made = loop_on_host(monkeypatch)
+    for cap, error in ((True, TypeError), (np.True_, TypeError), (2.5, TypeError), ("4", TypeError), (None, TypeError),
+                       (np.array([4]), TypeError), (0, ValueError), (-5, ValueError), (ROW_MOST + 1, ValueError),
+                       (2**40, ValueError)):
+        with pytest.raises(error, match=r"^cap must be an int"):
+            loop.prepare(cap, True)
+        with pytest.raises(error, match=r"^cap must be an int"):
+            loop.serves(cap, True)
+    for paced in (1, 0, "yes", None, np.array([True])):
+        with pytest.raises(TypeError, match=r"^paced must be True or False, not "):
+            loop.prepare(4, paced)
+        with pytest.raises(TypeError, match=r"^paced must be True or False, not "):
+            loop.serves(4, paced)
+    assert loop.bufs.asked == 0 and made == [] and loop.captures == 0
+    loop.prepare(np.int64(100), np.True_)  # a numpy int and bool: taken, as their plain values
+    assert made == [(2, 128)] and loop.captures == 1 and loop._paced is True
+    assert loop.serves(128, True) and not loop.serves(129, True) and not loop.serves(1, False)
+    loop.prepare(ROW_MOST, False)  # a row's most budget: a feed of 2**31 tokens a row
+    assert made[-1] == (2, 2**31)
+
+
+def test_capture_loop_names_its_tokens_where_they_are_past_a_rows_budget():
+    """RoundStream.capture_loop(tokens) bounds its tokens as the loop bounds its cap, so a refusal
+    names the argument the caller gave (capture_loop(2**31) was the loop's "cap must be ...")."""
+    stream = RoundStream.__new__(RoundStream)
+    prepared: list[tuple[int, bool]] = []
+
+    class Loop:
+        def prepare(self, cap: int, paced: bool) -> None:
+            prepared.append((cap, paced))
+
+    stream._device, stream.pace = Loop(), True
+    for tokens, error in ((ROW_MOST + 1, ValueError), (0, ValueError), (True, TypeError), (7.0, TypeError)):
+        with pytest.raises(error, match=r"^tokens must be an int"):
+            stream.capture_loop(tokens)
+    assert prepared == []
+    stream.capture_loop(ROW_MOST)
+    assert prepared == [(ROW_MOST, True)]
