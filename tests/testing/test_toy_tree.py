@@ -156,6 +156,19 @@ def test_a_tree_stream_refuses_a_cache_that_holds_a_chains_bursts_but_not_its_t_
     assert len(tree_stream(PLAIN, tree, 3, len(prompt), budget).generate(prompt, budget)) == budget
 
 
+def test_a_tree_stream_runs_its_trees_own_geometry():
+    """NumpyTreeRoundStream built Geometry.of_tree(tree, M) only to check the tree, threw it away
+    and built another of the tree's depth and nodes; it keeps the tree's own now, its rounds'
+    shape (k the depth, width the T + 1 nodes), and its room checks each burst by that very one.
+    A chain's stream keeps its own alike."""
+    for tree in TREES.values():
+        stream = tree_stream(PLAIN, tree, m_rounds=3)
+        assert stream.geometry == Geometry.of_tree(tree, 3) and stream.room.geometry is stream.geometry
+        assert (stream.k, stream.m, stream.T1) == (tree.depth, 3, tree.nodes)
+    chain = numpy_loop.NumpyRoundStream(PLAIN, 4, 2, 64)
+    assert chain.geometry == Geometry(4, 2) and chain.room.geometry is chain.geometry
+
+
 @pytest.mark.parametrize("tree", ["static16", "dynamic16", "static64", "dynamic64"])
 def test_a_bushy_tree_accepts_more_a_round_than_the_chain(tree):
     """On a noisy draft the chain stops at the first noisy position; a bushy tree holds the

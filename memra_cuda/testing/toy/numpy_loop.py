@@ -88,14 +88,20 @@ class NumpyRoundStream:
     Same buffers, same round order, same clamps as on the GPU; the draft's KV stores
     E(t, j) and it recomputes the target's sums from them, as toy_lm.cu does, and it keeps its
     own copy of the target's recurrent states, rolled back as the target's are (`state_rollback`).
+    Its rounds' shape is `geometry` (k, M, one row, the width a round writes).
     """
 
     def __init__(self, model: ToyModel, k: int, m_rounds: int, capacity: int, state_rollback: str = "copy",
                  width: int | None = None):
-        # k, M and the capacity checked first, and kept as the plain ints they are: numpy ints'
-        # arithmetic wraps (M a uint8 200 made a ring of 232 tokens, and a burst's past them were
-        # dropped, the output cut short silently)
-        geometry, model = Geometry(k, m_rounds, 1, width), as_toy_model(model)
+        self._start(Geometry(k, m_rounds, 1, width), model, capacity, state_rollback)
+
+    def _start(self, geometry: Geometry, model: ToyModel, capacity: int, state_rollback: str) -> None:
+        """The buffers of rounds of `geometry` (checked as it was built: before the model and the
+        capacity), whose k and M are kept as the plain ints it holds: numpy ints' arithmetic wraps
+        (M a uint8 200 made a ring of 232 tokens, and a burst's past them were dropped, the output
+        cut short silently)."""
+        model = as_toy_model(model)
+        self.geometry = geometry
         self.model, self.k, self.m, self.capacity = model, geometry.k, geometry.m_rounds, as_size(capacity, "capacity")
         k, self.ring_cap = self.k, self.m * (self.k + 1)
         # the rule generate() checks before each burst (`width`: what a round writes, a tree's T + 1)
@@ -224,12 +230,12 @@ class NumpyTreeRoundStream(NumpyRoundStream):
 
     def __init__(self, model: ToyModel, tree: Tree, m_rounds: int, capacity: int, candidates: int = 8,
                  state_rollback: str = "copy"):
-        # the tree checked first (Geometry.of_tree's TypeError): None met "no attribute 'depth'"
-        Geometry.of_tree(tree, m_rounds)
-        super().__init__(model, tree.depth, m_rounds, capacity, state_rollback, width=tree.nodes)
-        self.tree, self.K, self.T1 = tree, as_candidates(candidates), tree.nodes
+        # the tree's geometry first (k its depth, width its T + 1 nodes): Geometry.of_tree refuses
+        # what is no tree (a TypeError; None met "no attribute 'depth'")
+        self._start(Geometry.of_tree(tree, m_rounds), model, capacity, state_rollback)
+        self.tree, self.K, self.T1 = tree, as_candidates(candidates), self.geometry.width
         self.levels = list(tree.levels)
-        self.t = ref_tree.TreeArrays.zeros(self.T1, tree.depth, 1)
+        self.t = ref_tree.TreeArrays.zeros(self.T1, self.k, 1)
         self.cand_tok = np.zeros(self.T1 * self.K, np.uint32)
         self.cand_logp = np.zeros(self.T1 * self.K, np.float32)
         self.pred = np.zeros(self.T1, np.uint32)
