@@ -21,9 +21,11 @@ def as_slot(slot: object) -> int:
 
 def slot_refusal(slot: object) -> Exception:
     """as_slot's refusal of `slot`, for the per-burst paths (queue_readback, receive, and the
-    ledger's queued, received and unreceived): they test nothing, but index by the slot first
-    and raise this where the index failed, before anything has changed. A test would cost each
-    burst more than the index, and -1 is slot 1 in every one of them alike."""
+    ledger's queued, received and unreceived): they test nothing but a bool's type (True indexes
+    the slots as 1, False as 0: True was slot 1), index by the slot first and raise this where
+    the index failed, before anything has changed. A range test would cost each burst more than
+    the index, and -1 is slot 1 in every one of them alike. Never a round's path: queued() without
+    a readback finds no slot."""
     try:
         as_slot(slot)
     except (TypeError, ValueError) as refusal:
@@ -59,6 +61,8 @@ class Ledger:
         total = self.rounds + rounds
         if readback is not None:
             try:  # first: a slot but 0 or 1 counted the rounds, then raised
+                if type(readback) is bool:  # indexes the slots, as 0 or 1: True was slot 1
+                    raise TypeError
                 self.covers[readback] = total
             except (IndexError, TypeError):
                 raise slot_refusal(readback) from None
@@ -84,6 +88,8 @@ class Ledger:
         """The rounds the readback of `slot` covers; slot_refusal's exception for a slot that
         indexes neither (2 was a bare IndexError, "a" a bare TypeError)."""
         try:
+            if type(slot) is bool:  # indexes the slots, as 0 or 1: True was slot 1
+                raise TypeError
             return self.covers[slot]
         except (IndexError, TypeError):
             raise slot_refusal(slot) from None

@@ -252,6 +252,8 @@ class StreamBufs:
         Queued now (not recorded into a graph), it goes into the ledger at once."""
         self.check_free()
         try:
+            if type(slot) is bool:  # indexes the slots, as 0 or 1: True was slot 1 (slot_refusal)
+                raise TypeError
             copy = self._readback_copies[slot]
         except (IndexError, TypeError):
             raise slot_refusal(slot) from None
@@ -263,10 +265,13 @@ class StreamBufs:
     def receive(self, slot: int = 0, event: Event | None = None) -> Readback:
         """Wait for the readback queued into `slot` (one readback for all rows; only up to
         `event`, if given), and learn each row's done flag, position, ring count and accepted
-        drafts from it. The slot is found first: one that indexes neither (2, "0") is refused,
-        naming it, before anything is waited for or counted as a readback (-1 indexes slot 1)."""
+        drafts from it. The slot is found first: one that indexes neither (2, "0"), or a bool, is
+        refused, naming it, before anything is waited for or counted as a readback (-1 indexes
+        slot 1)."""
         self.check_free()
         try:
+            if type(slot) is bool:  # indexes the slots, as 0 or 1: True was slot 1 (slot_refusal)
+                raise TypeError
             host = self._host[slot]
         except (IndexError, TypeError):
             raise slot_refusal(slot) from None

@@ -358,6 +358,26 @@ def test_a_readback_slot_but_0_or_1_is_refused_before_anything_waits_or_is_queue
     assert waits == [None] and queued == [1]
 
 
+def test_a_bool_readback_slot_is_refused_before_anything_waits_or_is_queued():
+    """receive(True) and queue_readback(True) read and filled slot 1 (False slot 0), as a list
+    indexes by a bool, and entered it in the ledger so: a TypeError naming the slot now, before
+    anything is waited for, queued or entered, as as_slot refuses one where a slot is chosen."""
+    engine = HostOnly()
+    engine.capture_hold, waits, queued = None, [], []
+    engine.finish_readback = lambda event=None: waits.append(event)
+    bufs = StreamBufs(engine, Geometry(2, 2, 3))
+    bufs._readback_copies = [lambda: queued.append(0), lambda: queued.append(1)]
+    for slot in (True, False):
+        with pytest.raises(TypeError, match=rf"^a readback slot must be an integer, not {slot}$"):
+            bufs.queue_readback(slot)
+        with pytest.raises(TypeError, match=rf"^a readback slot must be an integer, not {slot}$"):
+            bufs.receive(slot)
+    assert waits == [] and queued == [] and bufs.ledger.covers == [0, 0] and bufs.ledger.events == 0
+    bufs.queue_readback(np.int64(1))
+    bufs.receive(np.int64(1))
+    assert waits == [None] and queued == [1] and bufs.ledger.covers == [0, 0]
+
+
 def test_a_caches_layers_are_kv_layers_or_none_checked_when_it_is_made():
     """Cache("ab") held the layers "a" and "b", and Cache(None) was a bare TypeError; an entry that
     is no KVLayer (Cache([1])) failed only where its capacity or a table read it, an

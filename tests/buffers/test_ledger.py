@@ -124,6 +124,26 @@ def test_a_readback_slot_but_0_or_1_is_refused_before_the_ledger_counts_anything
     assert (ledger.rounds, ledger.ring_rounds, ledger.covers) == (5, 0, [0, 5])
 
 
+def test_a_bool_is_no_readback_slot_though_it_indexes_one():
+    """queued(rounds, readback=True), received(True) and unreceived(True) took True as slot 1
+    (False as slot 0), as a list indexes by a bool: a TypeError naming the slot now, before the
+    ledger counts anything, as as_slot refuses one where a slot is chosen (graph_for). A round's
+    own entry (queued without a readback) finds no slot and tests nothing more."""
+    ledger = Ledger()
+    for slot in (True, False):
+        with pytest.raises(TypeError, match=rf"^a readback slot must be an integer, not {slot}$"):
+            ledger.queued(3, readback=slot)
+        assert (ledger.rounds, ledger.ring_rounds, ledger.covers, ledger.events) == (0, 0, [0, 0], 0)
+        with pytest.raises(TypeError, match=rf"^a readback slot must be an integer, not {slot}$"):
+            ledger.received(slot)
+        with pytest.raises(TypeError, match=rf"^a readback slot must be an integer, not {slot}$"):
+            ledger.unreceived(slot)
+        assert ledger.learnt == 0
+    ledger.queued(3, readback=1)
+    ledger.received(np.int64(1))
+    assert ledger.unseen_rounds == 0 and ledger.covers == [0, 3]
+
+
 def test_rounds_and_a_received_slot_are_refused_naming_them_before_the_ledger_changes():
     """queued(-5) and queued(2.5) were taken, and unseen_rounds, the capacity check's margin,
     became -2 or 5.5; received(2) was a bare IndexError and unreceived("a") a bare TypeError,
