@@ -22,7 +22,7 @@ from ..driver.buffer import MappedBuffer
 from ..driver.errors import MemraError
 from ..driver.event import Event
 from ..driver.graph import Graph, LoopBuilder, LoopUnsupported, branch, check_loops, join
-from ..driver.values import as_flag, as_size
+from ..driver.values import I32_MOST, as_flag, as_size
 from ..kernels.signatures import load
 from .pace import pass_lengths
 from .round import refuse_conditionals
@@ -289,7 +289,11 @@ class DeviceLoop:
         """Take the buffers, clear the feed, set the round cap and launch the loop (prepare
         first); its readback, at the end, covers every round it runs. Refused (ready), the
         buffers are never taken; a launch that raises gives them back: a refused launch held them
-        for good, every later burst refused as if a loop still ran."""
+        for good, every later burst refused as if a loop still ran. `max_rounds` is an int from 1
+        to I32_MOST (follow's round cap), checked first: a bool, a float or a negative one was
+        refused by the cap word's write, once the feed was cleared (the last launch's tokens, and
+        every Landed of it, gone), and 0 launched a loop that ran no round."""
+        max_rounds = as_size(max_rounds, "max_rounds", 1, I32_MOST)
         feed, graph = self.ready()
         self.bufs.hold(self, RUNNING)
         try:

@@ -23,7 +23,7 @@ from .device_loop import DeviceLoop, Landed, RoundCapError
 from ..driver.errors import CaptureError
 from ..driver.event import Event
 from ..driver.graph import Capture, Graph
-from ..driver.values import as_flag, as_listed, as_size
+from ..driver.values import I32_MOST, as_flag, as_listed, as_size
 from ..kernels.spec import SpecKernels
 from .pace import Pace
 from .round import ChainRound, Round, Stages, Step
@@ -518,7 +518,7 @@ def _loop_budget(budgets: list[int | None], max_rounds: int | None, k: int) -> t
             raise ValueError("a row without a token budget needs a round cap: pass max_rounds")
         cap = max(n for n in budgets if n is not None)
     else:
-        cap = as_size(max_rounds, "max_rounds", 1, 2**31 - 1)
+        cap = as_size(max_rounds, "max_rounds", 1, I32_MOST)  # DeviceLoop.launch's bound
     most = [cap * (k + 1) if n is None else min(n, cap * (k + 1)) for n in budgets]
     return cap, np.array(most, np.int64)
 

@@ -94,3 +94,50 @@ def test_capture_loop_names_its_tokens_where_they_are_past_a_rows_budget():
     assert prepared == []
     stream.capture_loop(ROW_MOST)
     assert prepared == [(ROW_MOST, True)]
+
+
+def test_launch_checks_its_round_cap_before_the_feed_is_cleared_or_the_buffers_taken():
+    """launch(max_rounds) met a bad cap only at the cap word's write (set_u32: True "a bool, not an
+    integer", 2.5 or -1 outside a u32), once the buffers were taken and the feed cleared: the last
+    launch's tokens, and every Landed of it, gone; 0 launched a loop that ran no round, its rows
+    then refused as stopped at the cap. An int from 1 to I32_MOST (follow's round cap) is checked
+    first now, naming it."""
+    done: list[str] = []
+
+    class Feed:
+        def clear(self) -> None:
+            done.append("clear")
+
+    class Graph:
+        def _usable(self) -> None:
+            pass
+
+        def launch(self) -> None:
+            done.append("launch")
+
+    class Held(Bufs):
+        class ledger:
+            @staticmethod
+            def queued(rounds: int, readback: int) -> None:
+                done.append("queued")
+
+        def hold(self, holder: object, why: str) -> None:
+            done.append("hold")
+
+        def release(self, holder: object) -> None:
+            done.append("release")
+
+    class Engine:
+        def set_u32(self, buf: object, index: int, value: int) -> None:
+            done.append(f"cap {value}")
+
+    loop = DeviceLoop.__new__(DeviceLoop)
+    loop.engine, loop.bufs, loop._feed, loop._graph, loop._state_d = Engine(), Held(), Feed(), Graph(), None
+    loop._event = type("Event", (), {"record": lambda self: done.append("record")})()
+    for rounds, error in ((True, TypeError), (2.5, TypeError), ("7", TypeError), (None, TypeError), (0, ValueError),
+                          (-1, ValueError), (ROW_MOST + 1, ValueError)):
+        with pytest.raises(error, match=r"^max_rounds must be an int"):
+            loop.launch(rounds)
+    assert done == []
+    loop.launch(np.int64(7))
+    assert done == ["hold", "clear", "cap 7", "launch", "record", "queued"]
