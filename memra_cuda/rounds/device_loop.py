@@ -25,12 +25,11 @@ from ..driver.graph import Graph, LoopBuilder, LoopUnsupported, branch, check_lo
 from ..driver.values import I32_MOST, as_flag, as_size
 from ..kernels.signatures import load
 from .pace import pass_lengths
-from .round import refuse_conditionals
+from .round import Round, refuse_conditionals
 from .schedule import Schedule
 
 if TYPE_CHECKING:
     from ..driver.engine import Engine
-    from .round import Round
 
 Step = Callable[[], None]
 
@@ -221,6 +220,9 @@ class DeviceLoop:
     """
 
     def __init__(self, round: Round):
+        if not isinstance(round, Round):  # a RoundStream or its buffers met "no attribute 'pipelined'" or "'bufs'"
+            raise TypeError(f"a device loop runs a Round's rounds (ChainRound, TreeRound: a RoundStream's .round), "
+                            f"not {round!r}")
         engine, bufs = round.engine, round.bufs
         refuse_conditionals(round, "device mode", "use graph or overlap mode",
                             also="its tokens come through a host loop that the communicator's watchdog does not time, "

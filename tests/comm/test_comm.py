@@ -941,8 +941,10 @@ def test_a_join_that_never_returns_is_a_rank_failure_within_the_timeout(monkeypa
 
 def test_device_mode_refuses_a_rank_of_a_communicator_before_touching_the_driver():
     from memra_cuda.errors import LoopUnsupported
+    from memra_cuda.rounds import Round
     from memra_cuda.rounds.device_loop import DeviceLoop
-    rank = types.SimpleNamespace(engine=types.SimpleNamespace(guards=[object()]), bufs=None, pipelined=False)
+    rank = Round.__new__(Round)  # a rank's round: its engine guarded by a communicator, nothing built
+    rank.engine, rank.bufs, rank.pipelined = types.SimpleNamespace(guards=[object()]), None, False
     with pytest.raises(LoopUnsupported, match="a rank of a communicator"):
         DeviceLoop(rank)
 

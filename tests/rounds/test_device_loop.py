@@ -141,3 +141,18 @@ def test_launch_checks_its_round_cap_before_the_feed_is_cleared_or_the_buffers_t
     assert done == []
     loop.launch(np.int64(7))
     assert done == ["hold", "clear", "cap 7", "launch", "record", "queued"]
+
+
+def test_a_device_loop_takes_a_round_checked_before_anything_is_loaded():
+    """DeviceLoop(round) read its round's attributes first: None met "'NoneType' object has no
+    attribute 'engine'", a RoundStream "no attribute 'pipelined'" and its buffers "no attribute
+    'bufs'", each naming nothing. A TypeError saying what it takes, before the driver is asked."""
+    from memra_cuda import Geometry, StreamBufs
+    from memra_cuda.driver.engine import Engine
+
+    bufs = StreamBufs.__new__(StreamBufs)
+    bufs.engine, bufs.geometry = Engine.__new__(Engine), Geometry(2, 2)
+    for given in (None, RoundStream.__new__(RoundStream), bufs, "round"):
+        with pytest.raises(TypeError, match=r"^a device loop runs a Round's rounds \(ChainRound, TreeRound: a "
+                                            r"RoundStream's \.round\), not "):
+            DeviceLoop(given)
