@@ -15,7 +15,7 @@ from ..buffers.acceptance import Greedy, Sampling
 from ..buffers.tables import KVDataTable, StateIndexTable, StateTable
 from ..buffers.tree import Candidates, TreeBufs, TreeShape
 from ..driver.graph import Capture
-from ..driver.values import as_flag
+from ..driver.values import as_flag, as_listed
 from ..kernels.spec import SpecKernels
 from ..kernels.tree import SampledCandidates, TreeKernels
 from .round import Parts, Round, Stages, Step, length_chooser
@@ -64,10 +64,15 @@ class TreeRound(Round):
                  capture: Capture | None = None, stages: Stages | None = None):
         if not isinstance(tree_bufs, TreeBufs) or tree_bufs.bufs is not bufs:
             raise ValueError(f"tree_bufs must be TreeBufs(bufs, tree) over these StreamBufs, not {tree_bufs!r}")
-        tree, levels = tree_bufs.tree, list(draft_levels)
-        if len(levels) != tree.depth + 1 or not all(callable(step) for step in levels):
+        tree = tree_bufs.tree
+        # in their order, level 0 first: a set's is its members' hashes' (as_listed, as chain() refuses one)
+        levels = as_listed(draft_levels, "draft_levels", "callables, one a level (level 0 the root)")
+        if len(levels) != tree.depth + 1:
             raise ValueError(f"a tree of depth {tree.depth} takes {tree.depth + 1} draft levels (callables, level 0 "
                              f"the root), not {len(levels)}")
+        for depth, step in enumerate(levels):
+            if not callable(step):
+                raise TypeError(f"draft level {depth} must be a callable that queues the model's work, not {step!r}")
         if not callable(verify_tree):  # None too: every round's verify
             raise TypeError(f"verify_tree must be a callable that queues the model's work, not {verify_tree!r}")
         if compact is not None and not callable(compact):  # None: no compaction of the model's own

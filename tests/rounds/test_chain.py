@@ -108,6 +108,32 @@ def test_a_step_refuses_the_generating_modes_naming_the_calls_that_run_them(mode
         stream.step(mode)
 
 
+@pytest.mark.parametrize(("levels", "error", "message"), [
+    ({launch, print, repr}, TypeError, "^draft_levels must be a list, a tuple or a 1-D array of callables, one a level "
+                                       r"\(level 0 the root\), not "),
+    ((step for step in [launch] * 3), TypeError, "^draft_levels must be a list, a tuple or a 1-D array of "),
+    ({0: launch, 1: launch, 2: launch}, TypeError, "^draft_levels must be a list, a tuple or a 1-D array of "),
+    (launch, TypeError, "^draft_levels must be a list, a tuple or a 1-D array of "),
+    ([launch, launch, None], TypeError, "^draft level 2 must be a callable that queues the model's work, not None$"),
+    ([launch, "level 1", launch], TypeError, "^draft level 1 must be a callable"),
+    ([launch] * 2, ValueError, r"^a tree of depth 2 takes 3 draft levels \(callables, level 0 the root\), not 2$"),
+])
+def test_a_tree_rounds_draft_levels_are_a_list_of_callables_checked_before_anything_else(levels, error, message):
+    """draft_levels went through list(): a set of the levels' steps was taken in its hashes' order
+    (the steps' addresses), so the levels were issued in an order of the allocator's, silently; a
+    generator was taken, a mapping's keys were, and one callable given bare met "'function'
+    object is not iterable". A level that is no callable was "takes 3 draft levels ..., not 3",
+    though 3 were given. Refused naming what is wrong, before the kernels are loaded."""
+    from memra_cuda import Greedy, TreeRound, TreeShape
+    from memra_cuda.buffers import TreeBufs
+    bufs = object()
+    tree = TreeBufs.__new__(TreeBufs)
+    tree.bufs, tree.tree = bufs, TreeShape.chain(2)
+    with pytest.raises(error, match=message):
+        TreeRound(bufs, tree, Untouched(), draft_levels=levels, verify_tree=launch, acceptance=Greedy(None),
+                  rollback_tables=[], compact=launch)
+
+
 @pytest.mark.parametrize(("steps", "message"), [
     (dict(verify_tree=None), "verify_tree must be a callable that queues the model's work, not None"),
     (dict(verify_tree="verify"), "verify_tree must be a callable"),
