@@ -10,6 +10,8 @@ per row, which candidates fill them.
 from __future__ import annotations
 
 import heapq
+import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -148,7 +150,9 @@ class TreeShape:
         parent's, so the likeliest nodes form a tree), at most `depth` deep and `ranks` wide:
         a static tree for a draft whose rank-r candidates are accepted at about those rates.
         `ranks` is at most MAX_TREE_CANDIDATES (a node has no more candidates to rank): the
-        search holds `ranks` paths a node chosen, so an unbounded one would exhaust memory."""
+        search holds `ranks` paths a node chosen, so an unbounded one would exhaust memory. Any
+        right and fall in (0, 1] give the likeliest nodes: chances a float's product underflows
+        (right=1e-300 two deep) are compared by their logarithms."""
         size, depth = as_size(size, "size"), as_size(depth, "depth")
         ranks = as_size(ranks, "ranks", 1, MAX_TREE_CANDIDATES)
         right, fall = _chance(right, "right"), _chance(fall, "fall")
@@ -161,15 +165,27 @@ class TreeShape:
         if size > most:
             raise ValueError(f"a likeliest tree at most {depth} deep and {ranks} wide has at most {most} nodes, "
                              f"not {size}")
+        # A node's chance is a product of floats: below a float's least normal it has lost its order
+        # (right=1e-300 two deep is 0.0), and such nodes were ordered by their paths, a line of first
+        # candidates, not the likeliest nodes. They come after every other, ordered by their log
+        # chance, which no product underflows; the rest by their products, as before (so the tree of
+        # any ordinary rates, a benchmark's by its name, is the one it was).
+        least, log_right, log_fall = sys.float_info.min, math.log(right), math.log(fall)
+
+        def entry(chance: float, path: tuple[int, ...]) -> tuple[float, float, tuple[int, ...]]:
+            if chance >= least:
+                return -chance, 0.0, path
+            return 0.0, -(len(path) * log_right + sum(path) * log_fall), path
+
         chosen: list[tuple[int, ...]] = []
-        frontier: list[tuple[float, tuple[int, ...]]] = [(-right * fall**r, (r,)) for r in range(ranks)]
+        frontier = [entry(right * fall**r, (r,)) for r in range(ranks)]
         heapq.heapify(frontier)
         while len(chosen) < size:
-            chance, path = heapq.heappop(frontier)
+            chance, _, path = heapq.heappop(frontier)
             chosen.append(path)
             if len(path) < depth:
                 for r in range(ranks):
-                    heapq.heappush(frontier, (chance * right * fall**r, (*path, r)))
+                    heapq.heappush(frontier, entry(-chance * right * fall**r, (*path, r)))
         return cls.from_choices(chosen)
 
     @property

@@ -4,6 +4,8 @@ and the tree kernels' launchers' check that a tree's counts agree (memra_cuda/ke
 made before a kernel is asked for. CPU only: TreeBufs over an address nobody reads."""
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections import UserString
 
@@ -298,6 +300,29 @@ def test_the_likeliest_tree_holds_the_nodes_of_highest_chance():
 def test_the_likeliest_tree_refuses_what_makes_no_tree(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TreeShape.likeliest(**kwargs)
+
+
+def test_the_likeliest_tree_of_chances_past_a_floats_range_is_still_the_likeliest():
+    """A node's chance, right**depth * fall**(its ranks' sum), underflowed to 0.0 for an absurd
+    right or fall (1e-300, or the least float): such nodes were ordered by their paths, a line of
+    first candidates, so likeliest(20, depth=8, right=1e-300, ranks=4) was 8 deep where its 20 most
+    likely nodes are the 4 + 16 of depths 1 and 2. They are ordered by their log chances: the
+    tree's nodes are as likely as the `size` best paths (by brute force), at the limits too."""
+    def logs(right, fall, nodes):  # each (depth, ranks' sum)'s log chance, in order
+        return sorted(d * math.log(right) + s * math.log(fall) for d, s in nodes)
+
+    assert TreeShape.likeliest(20, depth=8, right=1e-300, ranks=4).levels == ((0, 1), (1, 5), (5, 21))
+    least = 5e-324  # the least float above 0
+    for size, depth, right, fall, ranks in (
+            (20, 8, 1e-300, 0.5, 4), (20, 6, 0.6, 1e-300, 3), (20, 6, 1e-300, 1e-300, 3), (30, 5, least, 1.0, 3),
+            (30, 5, 0.9, least, 3), (12, 6, least, least, 2), (40, 4, 1e-160, 0.999, 4), (25, 4, 1.0, 1e-200, 4)):
+        tree = TreeShape.likeliest(size, depth=depth, right=right, fall=fall, ranks=ranks)
+        sums = [0]  # each node's ranks' sum along its path
+        for p, r in zip(tree.parent[1:], tree.rank[1:]):
+            sums.append(sums[p] + r)
+        every = [(d, sum(path)) for d in range(1, depth + 1) for path in itertools.product(range(ranks), repeat=d)]
+        assert logs(right, fall, zip(tree.depths[1:], sums[1:])) == pytest.approx(
+            logs(right, fall, every)[-size:], rel=1e-12), (size, depth, right, fall, ranks)
 
 
 def test_the_likeliest_tree_is_bounded_by_the_mask():
