@@ -11,6 +11,7 @@ product of two 32-bit words is exact, and masked back to 32 bits.
 """
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 import numpy as np
@@ -35,10 +36,17 @@ def words(values: Any) -> np.ndarray:
     [True, 5] as int64, True as 1. Ints numpy reads as floats or objects, a list's seeds past
     int64 ([2**64 - 1, 5] is float64) or beside a negative one, are read one by one, exactly (such
     a list was refused as "not float64", valid seeds); an int that is no 64-bit word, from -2**63
-    to 2**64 - 1 (2**64, a seed one past the most), is a ValueError (it was "not object")."""
+    to 2**64 - 1 (2**64, a seed one past the most), is a ValueError (it was "not object"), and so
+    is a ragged list ([[1, 2], [3]]: numpy's "inhomogeneous shape", naming nothing)."""
     if hides_bools(values):
         raise TypeError(f"Philox counters, keys and seeds are integers, not bools ({values!r})")
-    array = np.asarray(values)
+    try:
+        array = np.asarray(values)
+    except ValueError:  # numpy's "setting an array element with a sequence ... inhomogeneous shape"
+        if not isinstance(values, (list, tuple)):
+            raise
+        raise ValueError("Philox counters, keys and seeds are ints, or lists of them of one shape (each row as "
+                         f"long as the others): not a ragged list, {reprlib.repr(values)}") from None
     if array.dtype.kind == "O" or (array.dtype.kind == "f" and not isinstance(values, np.ndarray)):
         array = _exact_words(values, array)
     if array.dtype.kind not in "iu":
@@ -50,10 +58,7 @@ def _exact_words(values: Any, array: np.ndarray) -> np.ndarray:
     """`values`, which numpy read as `array` of floats or objects, as the uint64 words of their
     ints where each is an int (bools were refused before); else `array` as numpy read it, for
     words() to refuse by its dtype."""
-    try:
-        items = np.array(values, dtype=object)
-    except ValueError:  # ragged
-        return array
+    items = np.array(values, dtype=object)  # of one shape: words() refused a ragged list
     if not all(isinstance(v, (int, np.integer)) for v in items.flat):
         return array
     outside = [int(v) for v in items.flat if not WORD_LEAST <= int(v) <= U64_MOST]

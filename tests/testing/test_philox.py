@@ -113,3 +113,17 @@ def test_a_list_of_64_bit_seeds_is_read_exactly_and_one_past_them_is_refused():
     for bad in ([1.5, 2**64], [True, 2**64], [2**64 - 1, 2.0]):
         with pytest.raises(TypeError, match="Philox counters, keys and seeds are integers"):
             philox.words(bad)
+
+
+def test_a_ragged_list_of_words_is_refused_naming_them():
+    """A ragged list of counters, keys or seeds met numpy's own ValueError ("setting an array
+    element with a sequence ... inhomogeneous shape"), naming nothing (from uniform and
+    race_scores too): a ValueError saying what words are, and that the list is ragged."""
+    for ragged in ([[1, 2], [3]], [1, [2]], ([5], [2**64 - 1, 5]), [np.array([1, 2]), np.array([3])]):
+        with pytest.raises(ValueError, match=r"^Philox counters, keys and seeds are ints, or lists of them of one "
+                                             r"shape \(each row as long as the others\): not a ragged list, "):
+            philox.words(ragged)
+    with pytest.raises(ValueError, match="not a ragged list"):
+        uniform([[1, 2], [3]], 5, 1, 2)
+    with pytest.raises(ValueError, match="not a ragged list"):
+        ref.race_scores(np.ones(4), 7, [[1], [2, 3]], 1)
