@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..driver.values import U64_MOST, hides_bools
+from ..driver.values import U64_MOST, hides_bools, past_int64
 
 MULTIPLIERS = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
 WEYL = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))  # the key schedule's increments
@@ -56,10 +56,13 @@ def words(values: Any) -> np.ndarray:
 
 def _exact_words(values: Any, array: np.ndarray) -> np.ndarray:
     """`values`, which numpy read as `array` of floats or objects, as the uint64 words of their
-    ints where each is an int (bools were refused before); else `array` as numpy read it, for
-    words() to refuse by its dtype."""
+    ints where each is an int, no bool (values.past_int64 of the items: True in an object array,
+    which hides_bools does not look into, was word 1); else `array` as numpy read it, for words()
+    to refuse by its dtype. The range is checked here: values' exact_int and exact_array bound an
+    int by one dtype's range, where a word is of either signedness ([2**63, -1] are two words,
+    neither int64's nor uint64's), and refuse a float as a ValueError, where words' is a TypeError."""
     items = np.array(values, dtype=object)  # of one shape: words() refused a ragged list
-    if not all(isinstance(v, (int, np.integer)) for v in items.flat):
+    if not past_int64(list(items.flat)):
         return array
     outside = [int(v) for v in items.flat if not WORD_LEAST <= int(v) <= U64_MOST]
     if outside:

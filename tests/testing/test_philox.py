@@ -127,3 +127,14 @@ def test_a_ragged_list_of_words_is_refused_naming_them():
         uniform([[1, 2], [3]], 5, 1, 2)
     with pytest.raises(ValueError, match="not a ragged list"):
         ref.race_scores(np.ones(4), 7, [[1], [2, 3]], 1)
+
+
+def test_a_bool_in_an_array_of_objects_is_refused_as_one_in_a_list_is():
+    """An object array's ints are read one by one (values.past_int64, as a list's past int64 are):
+    True among them was word 1, as hides_bools looks into lists and tuples, not into an array of
+    objects. Its ints alone are read as before."""
+    for given in (np.array([True, 5], dtype=object), [np.array([False], dtype=object)]):
+        with pytest.raises(TypeError, match="Philox counters, keys and seeds are integers, not object"):
+            philox.words(given)
+    assert philox.words(np.array([5, 2**64 - 1, -1], dtype=object)).tolist() == [5, 2**64 - 1, 2**64 - 1]
+    assert philox.words([np.array([2**63], dtype=object), [np.uint8(3)]]).tolist() == [[2**63], [3]]
