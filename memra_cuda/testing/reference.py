@@ -5,7 +5,9 @@ One function per kernel, named after it, taking the same buffers as numpy arrays
 as uint32, i32 buffers as int32) and updating them in place exactly as the kernel does,
 clamps included. It is the oracle of the GPU tests and the plainest statement of the contracts.
 Each takes `batch` (B, default 1) as its kernel does: every buffer then holds B rows, row-major
-(docs/buffers.md, "Batched layout"), and the single-sequence contract applies to each row alone.
+(docs/buffers.md, "Batched layout"), and the single-sequence contract applies to each row alone;
+a buffer that is not flat or holds fewer than the B rows its sizes (k, V) make is refused, naming
+it, before the kernel's function writes any (rows_of).
 Token buffers the model writes (draft, pred) may be 32- or 64-bit: ids are < 2**31, and the
 kernels read the low 32 bits of a 64-bit word (`ids`). Rows are laid out as
 memra_cuda.buffers.layout says.
@@ -20,6 +22,7 @@ import numpy.typing as npt
 from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MARK, BRK_WORDS, COST_DRAFT, COST_VERIFY,
                               CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_KEEP, CTL_WORDS, RATE_ACCEPTED, RATE_REJECTED,
                               RATE_WORDS, RING_COUNT, RING_TOKENS)
+from ..driver.values import as_size
 from .philox import uniform, words
 
 # ctl_d's words by the short names the tests and the toy (testing.toy) index it with
@@ -31,20 +34,36 @@ def ids(tokens: np.ndarray) -> np.ndarray:
     return tokens.astype(np.uint32)
 
 
-def row_views(batch: int, *buffers: tuple[np.ndarray, int]) -> Iterator[tuple[np.ndarray, ...]]:
-    """For each row b < batch, views of every (buffer, row length) pair at offset b * row length:
-    the single-sequence code then updates the batched buffers in place."""
-    for b in range(batch):
-        yield tuple(buf[b * row:(b + 1) * row] for buf, row in buffers)
+def rows_of(buf: np.ndarray, batch: int, row: int, name: str) -> None:
+    """ValueError naming `name` unless `buf` is flat (1-D) and holds at least `batch` rows of
+    `row` values, all a kernel reads of it: a buffer the sizes given (k, V, B) do not fit met
+    numpy's broadcast or index error, or a row read the next one's words as its own, silently.
+    Words past the rows are never read, as a kernel's are not (a test's guard words), so a
+    buffer laid out for a smaller k or V than the one given is not told from one with words to
+    spare."""
+    if np.ndim(buf) != 1 or len(buf) < batch * row:
+        raise ValueError(f"{name} must be a flat array of at least {batch * row} values ({batch} "
+                         f"row{'s' if batch != 1 else ''} of {row}), not one of shape {np.shape(buf)}")
+
+
+def row_views(batch: int, **buffers: tuple[np.ndarray, int]) -> Iterator[tuple[np.ndarray, ...]]:
+    """For each row b < batch, views of every buffer (name=(buffer, row length)) at offset
+    b * row length: the single-sequence code then updates the batched buffers in place. Checked
+    before any row is read (as_size's `batch`, rows_of each buffer, naming it)."""
+    batch = as_size(batch, "batch")
+    for name, (buf, row) in buffers.items():
+        rows_of(buf, batch, row, name)
+    return (tuple(buf[b * row:(b + 1) * row] for buf, row in buffers.values()) for b in range(batch))
 
 
 def spec_seed_gather(rows: np.ndarray, n_rows: int, row_words: int, acc: np.ndarray,
                      out: np.ndarray, batch: int = 1) -> None:
     """out = the verify row of the bonus token (row acc[ACC_ROUND], clamped to the last row).
     Batched: rows is [B][n_rows][row_words], out [B][row_words]."""
+    views = row_views(batch, rows=(rows, n_rows * row_words), acc=(acc, ACC_WORDS), out=(out, row_words))
     if n_rows == 0:
         return
-    for rows_b, acc_b, out_b in row_views(batch, (rows, n_rows * row_words), (acc, ACC_WORDS), (out, row_words)):
+    for rows_b, acc_b, out_b in views:
         r = min(int(acc_b[ACC_ROUND]), n_rows - 1)
         out_b[:row_words] = rows_b[r * row_words:(r + 1) * row_words]
 
@@ -54,7 +73,8 @@ def spec_assemble_verify(pend: np.ndarray, draft: np.ndarray, k: int, vtok: np.n
     """vtok = [pending token, draft_0 .. draft_{k-1}]; the round starts at pos_ctr.
     Batched: draft rows are max(k, 1) tokens apart."""
     for pend, draft, vtok, pos_ctr, pos_start in row_views(
-            batch, (pend, 1), (draft, max(k, 1)), (vtok, k + 1), (pos_ctr, 1), (pos_start, 1)):
+            batch, pend=(pend, 1), draft=(draft, max(k, 1)), vtok=(vtok, k + 1), pos_ctr=(pos_ctr, 1),
+            pos_start=(pos_start, 1)):
         vtok[0] = pend[0]
         vtok[1:k + 1] = ids(draft[:k])
         pos_start[0] = pos_ctr[0]
@@ -69,7 +89,8 @@ def spec_accept_greedy_dc(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.nd
     entries (the pending token and n drafts) survive the round. Once done, nothing is kept.
     """
     for vtok, pred, brk, acc, last_pred, ctl in row_views(
-            batch, (vtok, k + 1), (pred, k + 1), (brk, BRK_WORDS), (acc, ACC_WORDS), (last_pred, 1), (ctl, CTL_WORDS)):
+            batch, vtok=(vtok, k + 1), pred=(pred, k + 1), brk=(brk, BRK_WORDS), acc=(acc, ACC_WORDS),
+            last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS)):
         _accept_greedy_row(vtok, pred, k, brk, acc, last_pred, ctl)
 
 
@@ -112,8 +133,8 @@ def spec_ring_commit(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, c
     drafts committed before the round's last token, and committed - accepted counts rounds.
     """
     for vtok, acc, last_pred, ctl, pend, ring in row_views(
-            batch, (vtok, k + 1), (acc, ACC_WORDS), (last_pred, 1), (ctl, CTL_WORDS), (pend, 1),
-            (ring, RING_TOKENS + ring_cap)):
+            batch, vtok=(vtok, k + 1), acc=(acc, ACC_WORDS), last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS),
+            pend=(pend, 1), ring=(ring, RING_TOKENS + ring_cap)):
         _ring_commit_row(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k)
 
 
@@ -153,8 +174,12 @@ def spec_rollback_stream(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray,
     The table holds the length arrays themselves (i32[B]), standing for device pointers;
     batched, entry b of each becomes row b's pos_start + keep.
     """
-    for b in range(batch):
-        value = (int(pos_start[b]) + int(ctl[CTL_WORDS * b + CTL_KEEP]) + 2**31) % 2**32 - 2**31  # i32 wrap-around
+    rows = row_views(batch, pos_start=(pos_start, 1), ctl=(ctl, CTL_WORDS))
+    for i, length in enumerate(len_ptrs):
+        if length is not None:
+            rows_of(length, batch, 1, f"len_ptrs[{i}]")
+    for b, (pos_start_b, ctl_b) in enumerate(rows):
+        value = (int(pos_start_b[0]) + int(ctl_b[CTL_KEEP]) + 2**31) % 2**32 - 2**31  # i32 wrap-around
         for length in len_ptrs:
             if length is not None:
                 length[b] = value
@@ -243,8 +268,9 @@ def spec_accept_sample(vtok: np.ndarray, p: np.ndarray, q: np.ndarray, V: int, k
     last_pred, keep and brk follow greedy's contract; a done row changes only acc[0], keep and brk[0].
     """
     for vtok, p, q, brk, acc, last_pred, ctl, pos_start, seed in row_views(
-            batch, (vtok, k + 1), (p, (k + 1) * V), (q, max(k, 1) * V), (brk, BRK_WORDS), (acc, ACC_WORDS),
-            (last_pred, 1), (ctl, CTL_WORDS), (pos_start, 1), (seed, 1)):
+            batch, vtok=(vtok, k + 1), p=(p, (k + 1) * V), q=(q, max(k, 1) * V), brk=(brk, BRK_WORDS),
+            acc=(acc, ACC_WORDS), last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS), pos_start=(pos_start, 1),
+            seed=(seed, 1)):
         n, token = (0, NO_MASS_TOKEN) if ctl[CTL_DONE] != 0 else _sample_verdict(vtok, p, q, V, k, brk, pos_start, seed)
         _settle_row(n, token, k, brk, acc, last_pred, ctl)
 
@@ -287,7 +313,8 @@ def spec_draft_sample(step: int, k: int, V: int, q: np.ndarray, pos_ctr: np.ndar
     ([B][max(k,1)]); 0 where q's row has no positive weight (contract 7)."""
     rows = max(k, 1)
     step = min(step, rows - 1)  # as the kernel clamps it: a step past the chain redraws the last row
-    for q, pos_ctr, seed, draft in row_views(batch, (q, rows * V), (pos_ctr, 1), (seed, 1), (draft, rows)):
+    for q, pos_ctr, seed, draft in row_views(batch, q=(q, rows * V), pos_ctr=(pos_ctr, 1), seed=(seed, 1),
+                                             draft=(draft, rows)):
         token = sample_race(probabilities(q.reshape(rows, V)[step]), seed[0], int(pos_ctr[0]) + step + 1,
                             PURPOSE_DRAFT)
         draft[step] = max(token, 0)
@@ -297,9 +324,10 @@ def spec_draft_sample(step: int, k: int, V: int, q: np.ndarray, pos_ctr: np.ndar
 
 def kept_states(ctl: np.ndarray, k: int, batch: int) -> Iterator[tuple[int, int]]:
     """(b, keep) for every row with a state to roll back, keep read as the state kernels read
-    it: as u32, clamped to the k + 1 verify states (a done row's 0 rolls nothing back)."""
-    for b in range(batch):
-        keep = min(int(ctl[CTL_WORDS * b + CTL_KEEP]) % 2**32, k + 1)
+    it: as u32, clamped to the k + 1 verify states (a done row's 0 rolls nothing back). ctl is
+    checked (row_views) before a row is read."""
+    for b, (ctl_b,) in enumerate(row_views(batch, ctl=(ctl, CTL_WORDS))):
+        keep = min(int(ctl_b[CTL_KEEP]) % 2**32, k + 1)
         if keep:
             yield b, keep
 
@@ -317,13 +345,22 @@ def spec_state_copy(table: list, k: int, ctl: np.ndarray, batch: int = 1, *, slo
     keeps its path's last node: reference_tree.spec_tree_state_copy; as ptx/state.cuh's slot_of.)
 
     The table holds per layer (live, slots, row_words), the arrays standing for the device
-    pointers, or None for a layer without state.
+    pointers, or None for a layer without state (each checked, rows_of, before a row is read).
     """
     slots = k + 1 if slots is None else slots
-    for b, keep in kept_states(ctl, k, batch):
+    kept = list(kept_states(ctl, k, batch))
+    layers = []
+    for i, layer in enumerate(table):
+        if layer is not None:  # its arrays' words in order, whatever their shapes ([slots][row_words], say)
+            live_words, held_words, row_words = np.reshape(layer[0], -1), np.reshape(layer[1], -1), layer[2]
+            rows_of(live_words, batch, row_words, f"table[{i}]'s live")
+            rows_of(held_words, batch, slots * row_words, f"table[{i}]'s slots")
+            layers.append((live_words[:batch * row_words].reshape(batch, row_words),
+                           held_words[:batch * slots * row_words].reshape(batch, slots, row_words)))
+    for b, keep in kept:
         slot = slot_of(b, keep)
-        for live, held, row_words in filter(None, table):
-            live.reshape(batch, row_words)[b] = held.reshape(batch, slots, row_words)[b, slot]
+        for live, held in layers:
+            live[b] = held[b, slot]
 
 
 def spec_state_flip(idx_ptrs: list, k: int, ctl: np.ndarray, batch: int = 1, *, slots: int | None = None,
@@ -333,7 +370,11 @@ def spec_state_flip(idx_ptrs: list, k: int, ctl: np.ndarray, batch: int = 1, *, 
     is not in: idx = (1 - bank) * slots + slot with bank = min(idx // slots, 1), so a garbage idx
     counts as bank 1 and the new one is in range. keep 0 leaves idx as it is."""
     slots = k + 1 if slots is None else slots
-    for b, keep in kept_states(ctl, k, batch):
+    kept = list(kept_states(ctl, k, batch))
+    for i, idx in enumerate(idx_ptrs):
+        if idx is not None:
+            rows_of(idx, batch, 1, f"idx_ptrs[{i}]")
+    for b, keep in kept:
         slot = slot_of(b, keep)
         for idx in filter(lambda idx: idx is not None, idx_ptrs):
             bank = min(int(idx[b]) // slots, 1)
@@ -379,13 +420,16 @@ def spec_choose_lengths(ctl: np.ndarray, acc: np.ndarray, brk: np.ndarray, rate:
     of L drafts (kernels 3 and 6), at L = 0 as plain decoding, and L depends only on rounds
     already judged.
     """
+    views = row_views(batch, ctl=(ctl, CTL_WORDS), acc=(acc, ACC_WORDS), brk=(brk, BRK_WORDS),
+                      rate=(rate, RATE_WORDS), cap=(cap, 1))
+    rows_of(cost, 1, COST_VERIFY + k + 1, "cost")
+    rows_of(width, 1, 1, "width")
     decay32, prior32 = np.float32(decay), np.float32(prior)
     rest32 = np.float32(1) - decay32  # the weight a round without evidence gives the prior
     last = min(int(width[0]), k)
     live = []
     with np.errstate(all="ignore"):  # garbage words may overflow or be NaN: the kernel's f32 does the same
-        for b, (ctl_b, acc_b, rate_b, cap_b) in enumerate(row_views(
-                batch, (ctl, CTL_WORDS), (acc, ACC_WORDS), (rate, RATE_WORDS), (cap, 1))):
+        for b, (ctl_b, acc_b, _, rate_b, cap_b) in enumerate(views):
             if ctl_b[CTL_DONE] != 0:
                 continue
             live.append(b)
@@ -401,7 +445,8 @@ def spec_choose_lengths(ctl: np.ndarray, acc: np.ndarray, brk: np.ndarray, rate:
                 rate_b[RATE_ACCEPTED] = decay32 * rate_b[RATE_ACCEPTED] + rest32 * prior32
                 rate_b[RATE_REJECTED] = decay32 * rate_b[RATE_REJECTED] + rest32 * (np.float32(1) - prior32)
     rows = np.array(live, np.int64)
-    values = width_values(length_estimates(rate.reshape(batch, RATE_WORDS)[rows]), cap[rows], cost, k)
+    values = width_values(length_estimates(rate[:batch * RATE_WORDS].reshape(batch, RATE_WORDS)[rows]), cap[rows],
+                          cost, k)
     width[0] = int(np.argmax(values))  # the first of equal values: ties to the smaller width
     mark_lengths(ctl, brk, cap, int(width[0]), k, batch)
 
@@ -427,6 +472,7 @@ def width_values(a: np.ndarray, cap: np.ndarray, cost: np.ndarray, k: int) -> np
     rows' a^i over the rows whose cap is at least i; each a^i is a product of i factors a from
     1, and each sum is accumulated in increasing i, as the kernel does. The kernel adds the
     rows of one G(i) in another order, so its values may differ from these in the last bits."""
+    rows_of(cost, 1, COST_VERIFY + k + 1, "cost")
     a, cap = np.asarray(a, np.float64), np.minimum(np.asarray(cap, np.int64), k)
     power, total, totals = np.ones_like(a), 0.0, np.empty(k + 1)
     for i in range(k + 1):
@@ -442,7 +488,7 @@ def width_values(a: np.ndarray, cap: np.ndarray, cost: np.ndarray, k: int) -> np
 def mark_lengths(ctl: np.ndarray, brk: np.ndarray, cap: np.ndarray, width: int, k: int, batch: int = 1) -> None:
     """Each live row's length L = min(width, cap, k) as its acceptance cap: BRK_MARK lowered to
     L + 1 where L < k (tighter_mark); a length of k caps nothing, so BRK_COUNT does not count it."""
-    for ctl_b, brk_b, cap_b in row_views(batch, (ctl, CTL_WORDS), (brk, BRK_WORDS), (cap, 1)):
+    for ctl_b, brk_b, cap_b in row_views(batch, ctl=(ctl, CTL_WORDS), brk=(brk, BRK_WORDS), cap=(cap, 1)):
         if ctl_b[CTL_DONE] == 0:
             length = min(width, int(cap_b[0]), k)
             brk_b[BRK_MARK] = tighter_mark(int(brk_b[BRK_MARK]), length + 1 if length < k else 0)

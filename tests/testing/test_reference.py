@@ -6,8 +6,12 @@ pinned here by expected values written out by hand, one small test per branch of
 """
 from __future__ import annotations
 
-import numpy as np
+import re
 
+import numpy as np
+import pytest
+
+from memra_cuda.buffers.layout import ACC_WORDS, BRK_WORDS, COST_VERIFY, CTL_WORDS, RATE_WORDS, RING_TOKENS
 from memra_cuda.testing import reference as ref
 
 
@@ -360,3 +364,90 @@ def test_a_batched_call_equals_one_call_per_row():
     for name in state:
         assert batched[name].tolist() == single[name].tolist(), name
     assert batched["ctl"][ref.DONE::4].tolist()[1] == 1 and batched["ring"][1 + ring_cap] == 2, "done row inert"
+
+
+
+# -- every function's buffers against the sizes it is given -----------------------------------
+
+B, K, V, ROW, CAP = 2, 3, 5, 4, 6  # rows, drafts, vocabulary, a seed row's words, a ring's tokens
+
+
+def sized_buffers() -> dict[str, np.ndarray]:
+    """Zeroed buffers of B rows as the kernels lay them out for k = K, V and the rest."""
+    f32 = np.float32
+    shapes = {
+        "pend": (np.uint32, 1), "draft": (np.uint32, K), "vtok": (np.uint32, K + 1), "pos_ctr": (np.int32, 1),
+        "pos_start": (np.int32, 1), "pred": (np.uint32, K + 1), "brk": (np.uint32, BRK_WORDS),
+        "acc": (np.uint32, ACC_WORDS), "last_pred": (np.uint32, 1), "ctl": (np.int32, CTL_WORDS),
+        "ring": (np.uint32, RING_TOKENS + CAP), "p": (f32, (K + 1) * V), "q": (f32, K * V), "seed": (np.uint64, 1),
+        "rows": (np.uint32, (K + 1) * ROW), "out": (np.uint32, ROW), "length": (np.int32, 1), "live": (np.uint32, ROW),
+        "slots": (np.uint32, (K + 1) * ROW), "idx": (np.uint32, 1), "rate": (f32, RATE_WORDS), "cap": (np.uint32, 1)}
+    return {**{name: np.zeros(B * row, dtype) for name, (dtype, row) in shapes.items()},
+            "cost": np.zeros(COST_VERIFY + K + 1, f32), "width": np.zeros(1, np.uint32)}
+
+
+# each public function of B rows, and the buffers it reads by their names in its refusal
+SIZED = {
+    "spec_seed_gather": (lambda a: ref.spec_seed_gather(a["rows"], K + 1, ROW, a["acc"], a["out"], B),
+                         {"rows": "rows", "acc": "acc", "out": "out"}),
+    "spec_assemble_verify": (lambda a: ref.spec_assemble_verify(a["pend"], a["draft"], K, a["vtok"], a["pos_ctr"],
+                                                                a["pos_start"], B),
+                             {name: name for name in ("pend", "draft", "vtok", "pos_ctr", "pos_start")}),
+    "spec_accept_greedy_dc": (lambda a: ref.spec_accept_greedy_dc(a["vtok"], a["pred"], K, a["brk"], a["acc"],
+                                                                  a["last_pred"], a["ctl"], B),
+                              {name: name for name in ("vtok", "pred", "brk", "acc", "last_pred", "ctl")}),
+    "spec_ring_commit": (lambda a: ref.spec_ring_commit(a["vtok"], a["acc"], a["last_pred"], a["ctl"], a["pend"],
+                                                        a["ring"], CAP, K, B),
+                         {name: name for name in ("vtok", "acc", "last_pred", "ctl", "pend", "ring")}),
+    "spec_rollback_stream": (lambda a: ref.spec_rollback_stream([None, a["length"]], a["pos_start"], a["ctl"], B),
+                             {"length": "len_ptrs[1]", "pos_start": "pos_start", "ctl": "ctl"}),
+    "spec_accept_sample": (lambda a: ref.spec_accept_sample(a["vtok"], a["p"], a["q"], V, K, a["brk"], a["acc"],
+                                                            a["last_pred"], a["ctl"], a["pos_start"], a["seed"], B),
+                           {name: name for name in ("vtok", "p", "q", "brk", "acc", "last_pred", "ctl", "pos_start",
+                                                    "seed")}),
+    "spec_draft_sample": (lambda a: ref.spec_draft_sample(1, K, V, a["q"], a["pos_ctr"], a["seed"], a["draft"], B),
+                          {name: name for name in ("q", "pos_ctr", "seed", "draft")}),
+    "spec_state_copy": (lambda a: ref.spec_state_copy([None, (a["live"], a["slots"], ROW)], K, a["ctl"], B),
+                        {"live": "table[1]'s live", "slots": "table[1]'s slots", "ctl": "ctl"}),
+    "spec_state_flip": (lambda a: ref.spec_state_flip([a["idx"]], K, a["ctl"], B),
+                        {"idx": "idx_ptrs[0]", "ctl": "ctl"}),
+    "spec_choose_lengths": (lambda a: ref.spec_choose_lengths(a["ctl"], a["acc"], a["brk"], a["rate"], a["cap"],
+                                                              a["cost"], a["width"], K, 0.9, 0.5, B),
+                            {name: name for name in ("ctl", "acc", "brk", "rate", "cap", "cost", "width")}),
+    "mark_lengths": (lambda a: ref.mark_lengths(a["ctl"], a["brk"], a["cap"], 1, K, B),
+                     {name: name for name in ("ctl", "brk", "cap")}),
+}
+
+
+@pytest.mark.parametrize("function", list(SIZED))
+def test_each_buffer_holds_the_rows_its_sizes_say_or_is_refused_naming_it(function):
+    """The reference took k, V and B on trust: a buffer they did not fit met numpy's broadcast or
+    index error, or a row read the next row's words as its own, silently (rows_of). Each buffer a
+    word short, or of two dimensions, is refused before any is written, naming it; one with
+    words to spare past its rows (a test's guard words, which the kernel never reads) is taken."""
+    call, named = SIZED[function]
+    call(sized_buffers())
+    call({name: np.append(words, words[:3]) for name, words in sized_buffers().items()})
+    for key, name in named.items():
+        # a state layer's arrays are read by their words in order, whatever their shape (the toy's
+        # numpy loop holds its slots [slots][row_words])
+        shaped = function == "spec_state_copy" and key in ("live", "slots")
+        if shaped:
+            call({**sized_buffers(), key: sized_buffers()[key].reshape(B, -1)})
+        for bad in ("short",) if shaped else ("short", "2-D"):
+            given = sized_buffers()
+            want = given[key].size
+            given[key] = given[key][:-1] if bad == "short" else given[key].reshape(1, -1)
+            before, shape = {n: words.copy() for n, words in given.items()}, re.escape(str(given[key].shape))
+            with pytest.raises(ValueError, match=f"^{re.escape(name)} must be a flat array of at least {want} values "
+                                                 rf"\(\d+ rows? of \d+\), not one of shape {shape}$"):
+                call(given)
+            assert all(np.array_equal(given[n], before[n]) for n in given), f"{function} wrote before {name}'s refusal"
+
+
+def test_a_batch_is_a_count_of_rows():
+    """batch=True was one row and 2.0 met "'float' object cannot be interpreted as an integer"."""
+    for bad, error in ((True, TypeError), (2.0, TypeError), (0, ValueError)):
+        with pytest.raises(error, match="^batch must be an"):
+            ref.spec_accept_greedy_dc(*(sized_buffers()[n] for n in ("vtok", "pred")), K,
+                                      *(sized_buffers()[n] for n in ("brk", "acc", "last_pred", "ctl")), bad)
