@@ -312,7 +312,9 @@ def spec_draft_sample(step: int, k: int, V: int, q: np.ndarray, pos_ctr: np.ndar
     purpose 2 at the absolute position it will sit at, pos_ctr + step + 1, into draft[b][step]
     ([B][max(k,1)]); 0 where q's row has no positive weight (contract 7)."""
     rows = max(k, 1)
-    step = min(step, rows - 1)  # as the kernel clamps it: a step past the chain redraws the last row
+    # as the kernel clamps it: a step past the chain redraws the last row (a negative one indexed q's rows
+    # and draft from the end, numpy's way, where the kernel's u32 step is past the chain)
+    step = min(as_size(step, "step", 0), rows - 1)
     for q, pos_ctr, seed, draft in row_views(batch, q=(q, rows * V), pos_ctr=(pos_ctr, 1), seed=(seed, 1),
                                              draft=(draft, rows)):
         token = sample_race(probabilities(q.reshape(rows, V)[step]), seed[0], int(pos_ctr[0]) + step + 1,

@@ -336,6 +336,24 @@ def test_draft_sample_draws_the_only_token_with_weight_into_its_step():
     assert draft.tolist() == [0, 2, 9], "a row without weight draws 0"
 
 
+def test_draft_sample_refuses_a_step_that_is_no_draft():
+    """step=-1 indexed q's rows and draft from the end, numpy's way, and drew the last draft
+    silently (the kernel's u32 step is past the chain, and its launcher refuses it); -2 drew an
+    earlier one. A step is an int of at least 0 (as_size); one past the chain is clamped to the
+    last draft, as the kernel clamps it."""
+    k, V = 3, 4
+    q = f32([0, 0, 0, 0], [0, 0, 0.5, 0], [0, 0.5, 0, 0])
+    pos, seed = np.array([7], np.int32), np.array([5], np.uint64)
+    for step, error in ((-1, ValueError), (-2, ValueError), (1.0, TypeError), (True, TypeError)):
+        draft = np.array([9, 9, 9], np.uint32)
+        with pytest.raises(error, match="^step must be an int"):
+            ref.spec_draft_sample(step, k, V, q, pos, seed, draft)
+        assert draft.tolist() == [9, 9, 9]
+    draft = np.array([9, 9, 9], np.uint32)
+    ref.spec_draft_sample(7, k, V, q, pos, seed, draft)
+    assert draft.tolist() == [9, 9, 1], "a step past the chain redraws the last draft"
+
+
 def test_draft_sample_races_at_the_position_of_the_token_it_drafts():
     """Draft `step` of a row at pos_ctr p sits at p + step + 1: the race is purpose 2 there."""
     k, V = 2, 50
