@@ -159,6 +159,30 @@ def test_a_skipped_draft_state_rollback_costs_rounds(strategy):
         assert stale.rounds > 2 * right.rounds, f"prompt {prompt}: {stale.rounds} rounds"
 
 
+def test_the_hashes_take_ints_naming_what_is_none():
+    """ToyModel's hashes took a float token, position or sum into fmix, to meet "unsupported
+    operand type(s) for &" there, naming nothing (rec_states of a model without recurrent layers
+    took it silently), and True was hashed as 1. Each is refused naming it (as_index); numpy's
+    ints hash as Python's, as before."""
+    plain = toy.ToyModel()
+    states = HYBRID.rec_states([])
+    uses = {"token": (lambda v: plain.embed(v, 3), lambda v: plain.kv_entries(v, 3), lambda v: plain.predict(0, v, 3),
+                      lambda v: plain.history([1, v]), lambda v: plain.rec_states([v]),
+                      lambda v: HYBRID.recur(states, v, 0)),
+            "pos": (lambda v: plain.embed(1, v), lambda v: plain.draft_noisy(v), lambda v: plain.draft_breaks(v),
+                    lambda v: plain.tree_candidates(5, v, 4), lambda v: plain.recur(np.zeros((0, 4), np.uint32), 1, v)),
+            "history": (lambda v: plain.state(v, 1, 3),), "state": (lambda v: plain.candidates(v),),
+            "total": (lambda v: plain.tree_candidates(v, 3, 4),)}
+    for name, calls in uses.items():
+        for call in calls:
+            for bad in (1.0, 2.5, np.float32(3), True, np.True_, "7", None):
+                with pytest.raises(TypeError, match=f"^{name} must be an integer, not {re.escape(repr(bad))}$"):
+                    call(bad)
+            assert str(call(np.uint32(7))) == str(call(np.int64(7))) == str(call(7)), name
+    with pytest.raises(TypeError, match="^the toy's tree draft's candidates a node must be an integer, not 4.0$"):
+        plain.tree_candidates(5, 3, 4.0)
+
+
 def test_models_refuse_ill_formed_recurrent_layers():
     with pytest.raises(ValueError, match="rec_mask must be empty or name each of the 2 layers"):
         toy.ToyModel(kv_mask=(True, False), rec_mask=(True,))

@@ -18,7 +18,7 @@ import numpy as np
 
 from ...buffers.acceptance import Acceptance, Greedy, Sampling
 from ...buffers.stream_bufs import ROW_VALUE_MOST
-from ...driver.values import (U64_MOST, as_flag, as_listed, as_prompt, as_real, as_seed, as_size,
+from ...driver.values import (U64_MOST, as_flag, as_index, as_listed, as_prompt, as_real, as_seed, as_size,
                               longest_prompt_for)
 from ...kernels.signatures import load
 from ...kernels.spec import batch_rows
@@ -123,7 +123,12 @@ class ToyModel:
             raise ValueError(f"p_min must be a probability from 0 to 1 (the draft's confidence floor), "
                              f"not {self.p_min!r}")
 
+    # The hashes take ints (as_index's TypeError, naming each: a token, a position, a hash sum):
+    # a float met "unsupported operand type(s) for &" deep in fmix (or was taken, silently, by
+    # rec_states of a model without recurrent layers), and a bool was hashed as 0 or 1.
+
     def embed(self, token: int, pos: int) -> int:
+        token, pos = as_index(token, "token"), as_index(pos, "pos")
         return fmix(token * 0x9E3779B1 + pos * 0x85EBCA77 + self.seed)
 
     @property
@@ -143,9 +148,9 @@ class ToyModel:
         """The recurrent layers' states, u32[len(rec_layers)][state_words], after `token` at
         `pos`: s[w] <- fmix(s[w] + fmix(E(token, pos) ^ salt(l)) + w) in each layer l. The one
         recurrence of the numpy half (prefill, draft and verify all step through it)."""
+        e = self.embed(token, pos)  # which checks them, whether or not there is a state to step
         if not self.rec_layers:
             return states
-        e = self.embed(token, pos)
         drive = fmix_array(np.array([e ^ salt(layer) for layer in self.rec_layers], np.uint32))
         words = np.arange(self.state_words, dtype=np.uint64)
         return fmix_array((states.astype(np.uint64) + drive[:, None] + words) & M32)
@@ -169,6 +174,7 @@ class ToyModel:
         as recur() leaves them); its greedy token is fmix(state) % vocab."""
         if states is None and self.rec_layers:
             raise ValueError("a model with recurrent layers needs their states after the token (recur())")
+        token, history = as_index(token, "token"), as_index(history, "history")  # a non-KV layer hashes the token
         e = self.embed(token, pos)
         total = history if states is None else history + int(states.sum(dtype=np.uint64))
         recurrent = set(self.rec_layers)
@@ -183,6 +189,7 @@ class ToyModel:
 
     def candidates(self, state: int) -> list[int]:
         """Sampling mode's four candidate tokens at a hash state (toy_lm.cu's mixture)."""
+        state = as_index(state, "state")
         return [fmix(state ^ ((j * 0x27D4EB2F) & M32)) % self.vocab for j in range(4)]
 
     def kv_entries(self, token: int, pos: int) -> int:
@@ -198,9 +205,11 @@ class ToyModel:
         return total
 
     def draft_noisy(self, pos: int) -> bool:
+        pos = as_index(pos, "pos")
         return fmix(((pos * 0x9E3779B1) & M32) ^ self.seed ^ 0x5BD1E995) % 1_000_000 < self.noise_ppm
 
     def draft_breaks(self, pos: int) -> bool:
+        pos = as_index(pos, "pos")
         return fmix(pos ^ self.seed ^ 0x68E31DA4) % 1000 < self.break_below
 
     def tree_candidates(self, total: int, pos: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -209,7 +218,7 @@ class ToyModel:
         is the chain's draft; at a noisy position the target's token pred sits at rank
         rho = 1 + fmix(total ^ 0x1b873593) % tree_spread (absent if rho >= k); the other ranks
         are decoys, never pred. logp_j = -(j * gap) / 1000 (f32), gap in [500, 2500)."""
-        total &= M32
+        total, k = as_index(total, "total") & M32, as_candidates(k)
         pred = fmix(self.seed ^ total) % self.vocab
         noisy = self.draft_noisy(pos)
         rho = 1 + fmix(total ^ 0x1B873593) % self.tree_spread if noisy else 0
