@@ -350,6 +350,21 @@ def test_the_sampling_weights_check_their_temperature_and_floor_as_the_fields_ar
             toy.ToySampling.weights(8, temperature, floor)
 
 
+def test_the_sampling_laws_do_not_check_the_fields_again(monkeypatch):
+    """ToySampling is frozen and its fields checked when it is made: target() and draft() ran
+    them through _law_number again, each time (through the public weights()). They check the
+    vocabulary alone, and give weights()' values."""
+    sampling = toy.ToySampling(temperature=0.7, floor=0.1, draft_temperature=1.5, draft_floor=0.2)
+    want = toy.ToySampling.weights(50, 0.7, 0.1), toy.ToySampling.weights(50, 1.5, 0.2)
+
+    def checked_again(value, name):
+        raise AssertionError(f"{name} checked again")
+    monkeypatch.setattr(toy, "_law_number", checked_again)
+    assert (sampling.target(50), sampling.draft(50)) == want
+    with pytest.raises(ValueError, match="vocab must be an int of at least 1, not 0"):
+        sampling.draft(0)
+
+
 def test_the_target_law_takes_a_context_of_the_models_tokens():
     """ToySampling.target_law(model, []) met an IndexError, a float token a TypeError deep in the
     hash ("unsupported operand type(s) for &="), a uint32 array an OverflowError there (numpy's u32

@@ -291,6 +291,15 @@ def _law_number(value: object, name: str) -> float:
     return number
 
 
+def _mixture(vocab: int, temperature: float, floor: float) -> tuple[float, ...]:
+    """ToySampling.weights of a checked vocabulary, temperature and floor (its, or a ToySampling's
+    fields)."""
+    j = np.arange(4)
+    c = np.exp(-j / temperature) if temperature > 0 else (j == 0).astype(float)
+    c = (1 - floor) * c / c.sum()
+    return tuple(float(np.float32(w)) for w in (floor / vocab, *c))
+
+
 @dataclass(frozen=True)
 class ToySampling:
     """The toy's sampling mode (toy_lm.cu, "Sampling mode"): at each position the target's
@@ -316,18 +325,16 @@ class ToySampling:
         divided the floor by zero), `temperature` and `floor` checked as the fields are
         (_law_number, naming each): this is public, and a NaN or a negative temperature was read
         as greedy, True as 1.0, and a floor above 1 gave negative weights."""
-        vocab = as_size(vocab, "vocab")
-        temperature, floor = _law_number(temperature, "temperature"), _law_number(floor, "floor")
-        j = np.arange(4)
-        c = np.exp(-j / temperature) if temperature > 0 else (j == 0).astype(float)
-        c = (1 - floor) * c / c.sum()
-        return tuple(float(np.float32(w)) for w in (floor / vocab, *c))
+        return _mixture(as_size(vocab, "vocab"), _law_number(temperature, "temperature"), _law_number(floor, "floor"))
 
     def target(self, vocab: int) -> tuple[float, ...]:
-        return self.weights(vocab, self.temperature, self.floor)
+        """The target's weights (weights'), `vocab` a size: the fields were checked when this
+        frozen object was made, and are not again."""
+        return _mixture(as_size(vocab, "vocab"), self.temperature, self.floor)
 
     def draft(self, vocab: int) -> tuple[float, ...]:
-        return self.weights(vocab, self.draft_temperature, self.draft_floor)
+        """The draft's weights, as target's."""
+        return _mixture(as_size(vocab, "vocab"), self.draft_temperature, self.draft_floor)
 
     def target_law(self, model: ToyModel, context: Sequence[int]) -> np.ndarray:
         """The target's law of the token after `context` (toy_lm.cu's mixture at its hash state),
