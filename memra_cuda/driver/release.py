@@ -139,7 +139,10 @@ class AtCollection:
     as an attribute, a stream whose owner holds the buffer), the buffer was reachable from that
     registry for good: it, the tensor and the streams were never collected. A __del__ runs in such
     a cycle too, once (PEP 442): the release holds the cycle until the streams have run its work,
-    and the collector frees it then. At exit nothing is handed out again: `exiting` is set by a
+    and the collector frees it then. What it holds is the owner's deallocation, where a tensor's
+    and a CuPy array's memory goes back: an owner that gives its memory back in a finaliser of its
+    own (a Python __del__, a weakref.finalize), collected in the same cycle, is finalised by the
+    collector before this runs, as every object of the garbage is, and no release can hold that. At exit nothing is handed out again: `exiting` is set by a
     hook registered with the first, after the contexts' own (a stream came first), so it runs
     before weakref's at-exit finalisers release them."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import types
 import weakref
@@ -211,14 +212,19 @@ def test_engine_keeps_a_borrowed_streams_owner_alive(engine):
     assert alive() is None, "closing the engine lets the owner go"
 
 
-class ForeignMemory:
-    """Device memory owned elsewhere, offered through __cuda_array_interface__."""
+class OfferedMemory:
+    """Device memory owned elsewhere, offered through __cuda_array_interface__, with no finaliser:
+    the caller frees `ptr` (ctx.finalize("cuMemFree", ptr)) once nothing may use it."""
 
     def __init__(self, engine: Engine, n: int):
         self.ctx = engine.activate()
         self.ptr = int(self.ctx.call("cuMemAlloc", 4 * n))
         self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<u4", "data": (self.ptr, False),
                                          "strides": None, "version": 2}
+
+
+class ForeignMemory(OfferedMemory):
+    """OfferedMemory that frees itself as it goes (a __del__, as an owner of Python's own would)."""
 
     def __del__(self):
         self.ctx.finalize("cuMemFree", self.ptr)
@@ -276,27 +282,41 @@ def test_a_borrowed_buffer_collected_with_its_engine_in_a_cycle_keeps_the_owner_
     end as it destroys it, and the release waits for that mark: the owner is kept while the work
     is held (behind a gate on `engine`, which the engine collected waits for), and goes once it ran.
     An engine borrowing that engine's stream (Engine(stream=other)) shares its mark: the owner's
-    finaliser destroys the stream before the borrower's release, as it did before."""
+    finaliser destroys the stream before the borrower's release, as it did before.
+
+    The owner is watched by the references to a token it holds, not by a weakref: the collector
+    clears every weakref to what it found unreachable before any __del__ runs, the release's too,
+    so a weakref to an owner that release keeps reads dead all the same (stop 92's H100 run of the
+    weakref form: both cases failed there). For the same reason the owner has no finaliser of its
+    own (OfferedMemory): the collector finalises every object of the garbage, one a release then
+    keeps too (PEP 442), as docs/graphs-and-ownership.md says; a tensor frees at its deallocation."""
     from memra_cuda.driver import release
 
     other = Engine(engine.device)
-    foreign = ForeignMemory(engine, 4)
-    owner = weakref.ref(foreign)
-    with caplog.at_level(logging.WARNING, logger="memra_cuda"):
-        with Gate(engine):  # `other` waits for engine's stream: its memset is queued behind the gate
-            other.wait(engine.stream)  # its CUstream: the fixture's stream is not handed out (__cuda_stream__)
-            buf = DeviceBuffer.from_cuda_array(foreign)
-            user = other if queued_on == "its engine" else Engine(engine.device, stream=other)
-            user.memset(buf, 0)
-            holder = types.SimpleNamespace(engine=other, user=user, buf=buf)
-            holder.itself = holder  # the cycle: collected by the collector alone, engine and buffer at once
-            del foreign, buf, other, user, holder
-            gc.collect()
-            assert owner() is not None, "the owner went with its buffer, the work on its memory still queued"
-        engine.ctx.call("cuCtxSynchronize")  # the collected engine's stream ran its work
-        release.drain()
-    assert owner() is None, "the collected engine's work ran: the owner goes"
-    assert not [r for r in caplog.records if r.name == "memra_cuda"], [r.getMessage() for r in caplog.records]
+    token = object()
+    foreign = OfferedMemory(engine, 4)
+    foreign.token, ptr = token, foreign.ptr
+    held = sys.getrefcount(token)  # the owner's reference among them
+    try:
+        with caplog.at_level(logging.WARNING, logger="memra_cuda"):
+            with Gate(engine):  # `other` waits for engine's stream: its memset is queued behind the gate
+                other.wait(engine.stream)  # its CUstream: the fixture's stream is not handed out (__cuda_stream__)
+                buf = DeviceBuffer.from_cuda_array(foreign)
+                user = other if queued_on == "its engine" else Engine(engine.device, stream=other)
+                user.memset(buf, 0)
+                holder = types.SimpleNamespace(engine=other, user=user, buf=buf)
+                holder.itself = holder  # the cycle: collected by the collector alone, engine and buffer at once
+                del foreign, buf, other, user, holder
+                gc.collect()
+                assert sys.getrefcount(token) == held, "the owner went with its buffer, the work on its memory queued"
+            engine.ctx.call("cuCtxSynchronize")  # the collected engine's stream ran its work
+            release.drain()
+            gc.collect()  # the cycle the release kept whole, garbage again: the buffer held the owner too
+        assert sys.getrefcount(token) == held - 1, "the collected engine's work ran: the owner goes"
+        assert not [r for r in caplog.records if r.name == "memra_cuda"], [r.getMessage() for r in caplog.records]
+    finally:
+        engine.ctx.call("cuCtxSynchronize")  # every stream's work on the memory run, the test's asserts failed or not
+        engine.ctx.finalize("cuMemFree", ptr)
 
 
 # -- 8 and 10. a fault refuses before the driver, and is remembered for the process ---------
