@@ -27,7 +27,7 @@ from .buffer import DeviceBuffer, as_buffer
 from .call import Prepared
 from .errors import CudaError, CudaFault, driver
 from .handle import Handle
-from .signature import ARG_TYPES, Signature, arguments
+from .signature import ARG_TYPES, Signature, arguments, is_arg_type
 from .stream import Stream
 from .values import as_index, as_size, exact_int
 
@@ -61,21 +61,22 @@ class KernelArgs:
 
     def __init__(self, types: Sequence[str], engine: Stream | None = None, *, kernel: str | None = None,
                  names: Sequence[str] | None = None):
-        unknown = [t for t in types if t not in ARG_TYPES]
-        if unknown:
-            raise ValueError(f"unknown argument type(s) {unknown}; use one of {sorted(ARG_TYPES)}")
         self.types = tuple(types)
+        unknown = [t for t in self.types if not is_arg_type(t)]  # a list among them met "unhashable type"
+        if unknown:
+            where = "" if kernel is None else f"{kernel}: "
+            raise ValueError(f"{where}unknown argument type(s) {unknown}; use one of {sorted(ARG_TYPES)}")
         if names is not None and len(names) != len(self.types):
             raise ValueError(f"{len(names)} parameter names given for {len(self.types)} arguments {self.types}")
         self._labels = tuple(_label(i, kind, kernel, None if names is None else names[i])
                              for i, kind in enumerate(self.types))
         self.engine = engine
-        self.storage = np.zeros(max(1, len(types)), np.uint64)
+        self.storage = np.zeros(max(1, len(self.types)), np.uint64)
         raw = self.storage.view(np.uint8)
         self._slots = [raw[8 * i: 8 * i + ARG_TYPES[t].itemsize].view(ARG_TYPES[t])
                        for i, t in enumerate(self.types)]
         base = self.storage.ctypes.data
-        self.table = np.array([base + 8 * i for i in range(len(types))] or [0], np.uint64)
+        self.table = np.array([base + 8 * i for i in range(len(self.types))] or [0], np.uint64)
         self.pointer = int(self.table.ctypes.data)
         self.buffers: list[DeviceBuffer | None] = [None] * len(self.types)
 

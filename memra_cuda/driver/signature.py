@@ -25,6 +25,13 @@ ARG_TYPES: dict[str, np.dtype] = {
     "i64": np.dtype(np.int64), "f32": np.dtype(np.float32), "f64": np.dtype(np.float64)}
 
 
+def is_arg_type(kind: Any) -> bool:
+    """Whether `kind` names a kernel argument's type (a key of ARG_TYPES): a str first, so a list
+    or a dict is answered False rather than meeting the `in`'s bare "unhashable type" (a Param's
+    type, a launch's declared types: KernelArgs)."""
+    return isinstance(kind, str) and kind in ARG_TYPES
+
+
 @dataclass(frozen=True)
 class Param:
     """One parameter: its name in the kernel's source and its type (a key of ARG_TYPES)."""
@@ -35,8 +42,7 @@ class Param:
     def __post_init__(self) -> None:
         if not (isinstance(self.name, str) and self.name.isidentifier()):
             raise ValueError(f"a parameter's name is an identifier, not {self.name!r}")
-        # a str first: a list or a dict met the `in`'s bare "unhashable type", naming no parameter
-        if not isinstance(self.type, str) or self.type not in ARG_TYPES:
+        if not is_arg_type(self.type):
             raise ValueError(f"parameter {self.name!r}: unknown type {self.type!r}; use one of {sorted(ARG_TYPES)}")
 
 

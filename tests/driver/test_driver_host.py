@@ -233,6 +233,26 @@ def test_kernel_args_unknown_type_name():
         KernelArgs(["ptr", "u8"])
 
 
+@pytest.mark.parametrize("kind", [["u32"], {"u32": 4}, {"u32"}, None, 4, b"u32"],
+                         ids=["list", "dict", "set", "none", "int", "bytes"])
+def test_a_launchs_type_that_is_no_name_is_refused_naming_it_as_a_params_is(kind):
+    """kernel.prepare(types=[...]) of a kernel without a signature (KernelArgs) given a list, a
+    dict or a set among its types met `in ARG_TYPES`'s bare "unhashable type", naming nothing, as
+    a Param's type did: it is the ValueError every unknown type is, naming the kernel where it is
+    known, by the check Param's is (signature.is_arg_type). (No driver: a stand-in module.)"""
+    from types import SimpleNamespace
+
+    from memra_cuda.driver.module import Kernel
+    unknown = rf"unknown argument type\(s\) \[{re.escape(repr(kind))}\]; use one of \['f32'"
+    with pytest.raises(ValueError, match=f"^{unknown}"):
+        KernelArgs(["ptr", kind])
+    kernel = object.__new__(Kernel)
+    kernel.module = SimpleNamespace(signatures={}, _usable=lambda: None, engine=None)
+    kernel.name, kernel.handle = "my_kernel", None
+    with pytest.raises(ValueError, match=f"^my_kernel: {unknown}"):
+        kernel.prepare(types=["ptr", kind])
+
+
 @pytest.mark.parametrize("value", ["0x1000", 1.0, None, True, np.True_],
                          ids=["str", "float", "none", "bool", "np.bool"])
 def test_kernel_args_pointer_must_be_buffer_or_int(value):
