@@ -16,7 +16,7 @@ from .framework import DRIVER, Framework
 from .module import Module, packaged_ptx
 from .signature import Signature
 from .stream import Stream
-from .values import as_flag, as_index, device_dtype, exact_array, exact_int, past_int64
+from .values import as_flag, as_index, device_dtype, exact_array, exact_int, host_array, past_int64
 
 
 # The least compute capability memra's own kernels serve: their PTX targets sm_80 (ptx/), which a
@@ -94,7 +94,7 @@ class Engine(Stream):
         dtype, silently). Ints past int64 without a dtype are a ValueError: numpy reads a list of
         them ([2**63 + 1, 1], a u64 beside an int) as float64, and they were sent rounded, silently."""
         if dtype is None:
-            dtype = np.asarray(values).dtype
+            dtype = host_array(values).dtype  # a ragged list refused naming it, as exact_array refuses it
             if dtype.kind in "fO" and np.size(values) and past_int64(values):
                 raise ValueError(f"ints past int64 given without a dtype, which numpy reads as {dtype.name}: give one "
                                  f"(htod(values, np.uint64)), not {reprlib.repr(values)}")

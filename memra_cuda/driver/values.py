@@ -114,6 +114,22 @@ def _inexact(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return out
 
 
+def host_array(values: Any) -> np.ndarray:
+    """`values` as numpy reads them (an ndarray as it is), a ragged list or tuple refused: a
+    ValueError naming it, where numpy's own ("setting an array element with a sequence ...
+    inhomogeneous shape") named nothing. What exact_array converts, and Engine.htod reads its
+    dtype from where none is given."""
+    if isinstance(values, np.ndarray):
+        return values
+    try:
+        return np.asarray(values)
+    except ValueError:  # numpy's "setting an array element with a sequence ... inhomogeneous shape"
+        if not isinstance(values, (list, tuple)):
+            raise
+        raise ValueError("values are numbers, or lists of them of one shape (each row as long as the others): not "
+                         f"a ragged list, {reprlib.repr(values)}") from None
+
+
 def exact_array(values: Any, dtype: Any) -> np.ndarray:
     """`values` as a flat `dtype` array, refusing any value the conversion would change and
     anything that is not numbers (objects, strings, complex), and bools for an integer dtype
@@ -121,9 +137,10 @@ def exact_array(values: Any, dtype: Any) -> np.ndarray:
     float buffer, a float rounded to its precision is the one change taken: a finite value that
     would overflow to inf, or an int it cannot hold exactly (2**24 + 1 in float32), is refused;
     a bool buffer takes bools, 0 and 1 (0.5 and -1 were stored as True). A numpy masked array
-    with any value masked is refused (ValueError): the copy reads the data under the mask."""
+    with any value masked is refused (ValueError): the copy reads the data under the mask; so is
+    a ragged list (host_array)."""
     dtype = np.dtype(dtype)
-    arr = values if isinstance(values, np.ndarray) else np.asarray(values)
+    arr = host_array(values)
     if isinstance(arr, np.ma.MaskedArray) and (masked := int(np.ma.getmaskarray(arr).sum())):
         # the copy reads the data under the mask as it is stored: a masked token would be sent
         raise ValueError(f"a masked array with {masked} masked values: fill them (arr.filled(value)) or give the "

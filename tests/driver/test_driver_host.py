@@ -1510,6 +1510,34 @@ def test_an_upload_without_a_dtype_is_checked_as_one_with_a_dtype():
     assert log == [("alloc", np.dtype(np.int64), 4), [1, 2, 3, 4], ("alloc", np.dtype(bool), 2), [True, False]]
 
 
+@pytest.mark.parametrize("values", [[[1, 2], [3]], [1, [2, 3]], ([1.5], [2.5, 3.5]), [[1, 2], 3]],
+                         ids=["rows", "number-beside-a-list", "tuple-of-rows", "list-beside-a-number"])
+def test_a_ragged_list_is_refused_naming_it_by_every_copy(values):
+    """A ragged list given to htod (with a dtype or without), copy_htod or exact_array met numpy's
+    own ValueError ("setting an array element with a sequence ... inhomogeneous shape"), naming
+    nothing. A ValueError naming the list, in exact_array's one place (values.host_array, which
+    htod reads its dtype from where none is given), before anything is allocated or copied."""
+    from types import SimpleNamespace
+
+    log: list[object] = []
+    engine = SimpleNamespace(alloc=lambda dtype, length, label=None: log.append("alloc"),
+                             copy_htod=lambda buf, host: log.append("copy"), buffer=lambda dst, what: fake_buffer(8),
+                             no_capture=lambda *why: log.append("capture?"))
+    ragged = r"^values are numbers, or lists of them of one shape \(each row as long as the others\): not a ragged " \
+             rf"list, {re.escape(repr(values))}$"
+    for dtype in (np.uint32, np.float32):
+        with pytest.raises(ValueError, match=ragged):
+            exact_array(values, dtype)
+        with pytest.raises(ValueError, match=ragged):
+            Engine.htod(engine, values, dtype)
+    with pytest.raises(ValueError, match=ragged):
+        Engine.htod(engine, values)
+    with pytest.raises(ValueError, match=ragged):
+        Engine.copy_htod(engine, fake_buffer(8), values)
+    assert log == [], "refused before anything was allocated or copied"
+    assert exact_array([[1, 2], [3, 4]], np.uint32).tolist() == [1, 2, 3, 4]  # rows of one length: flattened
+
+
 def test_an_upload_of_ints_past_int64_without_a_dtype_is_refused_not_sent_as_floats():
     """numpy reads [2**63 + 1, 1] (a u64 beside an int, [2**64 - 1, 5] too) as float64: htod
     without a dtype sent them rounded (2**63 + 1 as 2**63), silently. A ValueError asking for a
