@@ -102,6 +102,8 @@ class DeviceBuffer(Handle):
         Empty, masked, non-contiguous or host memory is a ValueError (a CPU tensor raises
         AttributeError when asked for the interface: that is host memory too), and so is a
         bfloat16 array, numpy having no bfloat16: adopt its memory as tensor.view(torch.int16).
+        An interface's `data` that is no (pointer, read-only) pair, or `strides` that are neither
+        None nor an int a dimension of its shape, is refused naming the object and the field.
 
         The buffer keeps `obj` as long as work memra queued on its memory may run: free() waits
         for the streams that queued it, and a buffer collected unfreed (an API's temporary
@@ -128,15 +130,15 @@ class DeviceBuffer(Handle):
                              "bfloat16; adopt its memory as 2-byte ints, tensor.view(torch.int16) (an NCCL operation "
                              "reduces them with dtype='bfloat16'), or as 4-byte words where a kernel takes words")
         dtype = device_dtype(iface["typestr"])
-        ptr = as_index(iface["data"][0], "data pointer")
+        ptr = _data_pointer(iface.get("data"), obj)
         count = math.prod(shape)
         if iface.get("mask") is not None:
             raise ValueError("a masked array cannot be a device buffer")
         if count == 0:
             raise ValueError(f"an empty array (shape {shape}) cannot be a device buffer")
-        strides = iface.get("strides")
+        strides = _strides(iface.get("strides"), shape, obj)
         if strides is not None and not _c_contiguous(shape, strides, dtype.itemsize):
-            raise ValueError(f"array of shape {shape} with strides {tuple(strides)} is not contiguous: "
+            raise ValueError(f"array of shape {shape} with strides {strides} is not contiguous: "
                              "pass a contiguous copy")
         producer = None if engine is None or iface.get("stream") is None else _producer(iface["stream"])
         if engine is not None:
@@ -467,9 +469,35 @@ def _shape(given: Any) -> tuple[int, ...]:
     return tuple(as_size(d, what, 0) for d in as_listed(given, "an array interface's shape", "ints"))
 
 
-def _c_contiguous(shape: tuple[int, ...], strides: Any, itemsize: int) -> bool:
+def _data_pointer(given: Any, obj: Any) -> int:
+    """The pointer of an array interface's `data`, a (pointer, read-only) pair, of `obj`'s: TypeError
+    naming `obj` and the field for anything else (None, or none given, met "'NoneType' object is
+    not subscriptable", naming nothing), as_index's for a pointer that is no int."""
+    what = f"the data of {type(obj).__name__}'s __cuda_array_interface__"
+    if not (isinstance(given, (tuple, list)) and len(given) == 2):
+        raise TypeError(f"{what} must be a (pointer, read-only) pair, not {reprlib.repr(given)}")
+    return as_index(given[0], f"the pointer of {what}")
+
+
+def _strides(given: Any, shape: tuple[int, ...], obj: Any) -> tuple[int, ...] | None:
+    """An array interface's `strides` of `obj`'s: None (C-contiguous), or a tuple (a list:
+    as_listed) of bytes, an int a dimension of `shape`; else a TypeError or a ValueError naming
+    `obj` and the field. Anything was taken that tuple() took: a bare int met "'int' object is
+    not iterable", naming nothing, and strides fewer than the dimensions were paired with the last
+    ones alone (zip), so a gapped array whose first strides were left out was adopted as contiguous."""
+    if given is None:
+        return None
+    what = f"the strides of {type(obj).__name__}'s __cuda_array_interface__"
+    strides = tuple(as_index(stride, f"each of {what}")
+                    for stride in as_listed(given, f"{what} (None where it is contiguous)", "ints"))
+    if len(strides) != len(shape):
+        raise ValueError(f"{what} must be one a dimension of its shape {shape}, not {strides}")
+    return strides
+
+
+def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
     expected = itemsize
-    for dim, stride in zip(reversed(shape), reversed(tuple(strides))):
+    for dim, stride in zip(reversed(shape), reversed(strides)):
         if dim != 1 and stride != expected:
             return False
         expected *= dim

@@ -1277,6 +1277,46 @@ def test_from_cuda_array_refuses_a_shape_of_anything_but_sizes_naming_it(monkeyp
     assert len(DeviceBuffer.from_cuda_array(FakeArray(shape=[2, np.int64(3)]))) == 6  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("field, given, kind, message", [
+    ("data", None, TypeError, r"^the data of FakeArray's __cuda_array_interface__ must be a \(pointer, read-only\) "
+                              r"pair, not None$"),
+    ("data", (FAKE_PTR,), TypeError, r"^the data of FakeArray's __cuda_array_interface__ must be a \(pointer, "),
+    ("data", FAKE_PTR, TypeError, r"^the data of FakeArray's __cuda_array_interface__ must be a \(pointer, "),
+    ("data", (1.5, False), TypeError, r"^the pointer of the data of FakeArray's __cuda_array_interface__ must be an "
+                                     r"integer, not 1\.5$"),
+    ("strides", 4, TypeError, r"^the strides of FakeArray's __cuda_array_interface__ \(None where it is contiguous\) "
+                              r"must be a list, a tuple or a 1-D array of ints, not 4$"),
+    ("strides", (4,), ValueError, r"^the strides of FakeArray's __cuda_array_interface__ must be one a dimension of "
+                                  r"its shape \(2, 3\), not \(4,\)$"),
+    ("strides", (12, 4, 4), ValueError, r"^the strides of FakeArray's __cuda_array_interface__ must be one a "),
+    ("strides", (12.0, 4), TypeError, r"^each of the strides of FakeArray's __cuda_array_interface__ must be an "
+                                      r"integer, not 12\.0$")],
+    ids=["data-none", "data-one", "data-int", "data-float", "strides-int", "strides-short", "strides-long",
+         "strides-float"])
+def test_from_cuda_array_refuses_data_or_strides_of_no_form_naming_the_object_and_the_field(monkeypatch, field, given,
+                                                                                             kind, message):
+    """An interface's data of None met "'NoneType' object is not subscriptable" and a bare int
+    for its strides "'int' object is not iterable", naming nothing; strides fewer than the
+    dimensions were paired with the last ones alone (zip), so shape (2, 3) with strides (4,), its
+    rows' stride not given, was adopted as contiguous. Each is refused naming the object and the
+    field, before the driver is asked (here, a stand-in device lookup that would take it); a
+    pair, strides of one an axis (a list, numpy's ints, an array) and None are taken."""
+    import memra_cuda.driver.buffer as buffer_module
+
+    monkeypatch.setattr(buffer_module, "_device_of", lambda ptr: 0)
+    with pytest.raises(kind, match=message):
+        DeviceBuffer.from_cuda_array(FakeArray(shape=(2, 3), **{field: given}))  # type: ignore[arg-type]
+    missing = FakeArray()
+    del missing.__cuda_array_interface__["data"]
+    with pytest.raises(TypeError, match=r"^the data of FakeArray's __cuda_array_interface__ must be .*, not None$"):
+        DeviceBuffer.from_cuda_array(missing)  # type: ignore[arg-type]
+    for strides in (None, (12, 4), [12, np.int64(4)], np.array([12, 4])):
+        buf = DeviceBuffer.from_cuda_array(FakeArray(shape=(2, 3), strides=strides))  # type: ignore[arg-type]
+        assert (buf.ptr, len(buf)) == (FAKE_PTR, 6)
+    assert len(DeviceBuffer.from_cuda_array(FakeArray(shape=(1, 3), strides=(0, 4)))) == 3  # type: ignore[arg-type]
+    assert DeviceBuffer.from_cuda_array(FakeArray(data=[FAKE_PTR, True])).ptr == FAKE_PTR  # type: ignore[arg-type]
+
+
 def test_an_adopted_tensor_that_moved_is_refused_at_its_next_use(monkeypatch):
     """A tensor's memory can move under its owner (resize_, set_, its storage resized to 0): every
     use of an adopted buffer's ptr (a launch's arguments, a table, a copy) asks the tensor for its
