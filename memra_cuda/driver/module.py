@@ -350,9 +350,10 @@ class Module(Handle):
         before its table was at hand: Engine.load_ptx's); ValueError where it has another."""
         if signatures is self.signatures:
             return
-        if self.signatures and self.signatures != signatures:
+        table = _table(signatures)  # before it is compared: a list was "another signature table"
+        if self.signatures and self.signatures != table:
             raise ValueError(f"{self!r} has another signature table already")
-        self.signatures = _table(signatures)
+        self.signatures = table
 
     def __repr__(self) -> str:
         return f"Module({', '.join(self._kernels) or 'no kernels fetched'}{', unloaded' if self.freed else ''})"
@@ -370,9 +371,14 @@ def kernel_name(name: Any) -> str:
 
 
 def _table(signatures: Mapping[str, Signature] | None) -> Mapping[str, Signature]:
-    """`signatures`, checked to map kernel names to Signatures (an empty table for None)."""
+    """`signatures`, checked to map kernel names to Signatures (an empty table for None): a
+    TypeError naming what is given otherwise, a list of Signatures or of pairs too (it met
+    "'list' object has no attribute 'items'")."""
     if signatures is None:
         return {}
+    if not isinstance(signatures, Mapping):
+        raise TypeError("signatures must be a mapping of kernel names to Signatures ({'scale': "
+                        f"Signature.of(x=\"ptr\", n=\"u32\")}}), not {reprlib.repr(signatures)}")
     wrong = [f"{name!r}: {sig!r}" for name, sig in signatures.items()
              if not isinstance(name, str) or not isinstance(sig, Signature)]
     if wrong:

@@ -105,3 +105,25 @@ def test_a_module_refuses_a_table_that_is_not_of_signatures(table):
     """Refused before the engine is asked to load anything (no engine is given here at all)."""
     with pytest.raises(TypeError, match="signatures map kernel names to Signatures"):
         Module(None, ".version 8.0\n", signatures=table)
+
+
+@pytest.mark.parametrize("table", [[Signature.of(x="ptr")], [("scale", Signature.of(x="ptr"))],
+                                   Signature.of(x="ptr"), "scale"], ids=["signatures", "pairs", "signature", "str"])
+def test_a_module_refuses_a_table_that_is_no_mapping_naming_what_it_wants(table):
+    """Module(engine, ptx, signatures=[...]) and Module.declare([...]) met "'list' object has no
+    attribute 'items'", naming nothing; declare on a module with a table already said it had
+    "another signature table", of a list. A TypeError saying a mapping of kernel names to
+    Signatures is wanted, before the engine is asked to load anything (no engine here at all)."""
+    wanted = r"^signatures must be a mapping of kernel names to Signatures \(\{'scale': Signature\.of\("
+    with pytest.raises(TypeError, match=wanted):
+        Module(None, ".version 8.0\n", signatures=table)
+    table_of = {"scale": Signature.of(x="ptr", n="u32")}
+    for before in ({}, table_of):
+        module = object.__new__(Module)
+        module.signatures, module._kernels = before, {}
+        with pytest.raises(TypeError, match=wanted):
+            module.declare(table)
+        assert module.signatures is before
+    module.declare(dict(table_of))  # the same table again: taken
+    with pytest.raises(ValueError, match="has another signature table already"):
+        module.declare({"scale": Signature.of(x="ptr")})
