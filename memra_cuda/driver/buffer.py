@@ -18,10 +18,10 @@ from .errors import CaptureError, call, driver
 from .values import U64_MOST, as_index, as_listed, as_size, device_dtype, short_name
 from .handle import Handle
 from .release import AtCollection, release_after
+from .stream import Stream, as_engine_stream
 
 if TYPE_CHECKING:
     from .context import PrimaryContext
-    from .stream import Stream
 
 
 class DeviceBuffer(Handle):
@@ -84,7 +84,9 @@ class DeviceBuffer(Handle):
     def wrap(cls, ptr: int, dtype: DTypeLike, length: int, *, engine: Stream | None = None,
              keepalive: Any = None) -> DeviceBuffer:
         """Borrow memory allocated elsewhere: never freed here. Prefer from_cuda_array, which
-        reads the type and size from the owner and keeps it alive."""
+        reads the type and size from the owner and keeps it alive. `engine`, where given, is the
+        Engine whose stream orders work on the memory (TypeError naming it otherwise)."""
+        engine = None if engine is None else as_engine_stream(engine)  # a wrong one failed at a later use
         return cls(ptr, dtype, length, engine=engine, keepalive=keepalive)
 
     @classmethod

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import driver
 from .handle import Handle
+from .stream import Stream, as_engine_stream
 from .values import as_flag
-
-if TYPE_CHECKING:
-    from .stream import Stream
 
 
 class Event(Handle):
@@ -27,7 +25,7 @@ class Event(Handle):
 
     def __init__(self, engine: Stream, *, timing: bool = True):
         timing = as_flag(timing, "timing")
-        self.engine = engine
+        self.engine = as_engine_stream(engine)  # a wrong one met AttributeError 'activate', naming nothing
         ctx = engine.activate()
         flags = 0 if timing else int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING)
         self._handle = ctx.call("cuEventCreate", flags)

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import CaptureError, MemraError, driver, driver_version
 from .handle import Handle
+from .stream import Stream, as_engine_stream
 from .values import as_listed
 
 if TYPE_CHECKING:
     from .module import Launch
-    from .stream import Stream
 
 # capture(engine, issue) -> (executable graph, owner): runs issue() while engine.stream is being
 # captured and returns the instantiated graph. With owner None the Graph destroys the
@@ -104,7 +104,8 @@ class LoopBuilder:
     """
 
     def __init__(self, engine: Stream):
-        self.engine, self.ctx = engine, engine.activate()
+        self.engine = as_engine_stream(engine)
+        self.ctx = engine.activate()
         self.graph = self.ctx.call("cuGraphCreate", 0)
         self._after: list[Any] = []  # the nodes the next part depends on
 
@@ -253,7 +254,9 @@ class Graph(Handle):
                  joined: Sequence[Stream] = ()):
         # a list or a tuple: one engine given for them met "'Engine' object is not iterable", naming nothing
         joined = as_listed(joined, "joined", "engines")
-        self.engine = engine
+        # each an engine: a wrong one met AttributeError 'capture_hold' or 'activate', naming nothing
+        self.engine = as_engine_stream(engine)
+        joined = [as_engine_stream(other, "each of joined") for other in joined]
         self._held: dict[int, Handle] = {}
         self._owner: Any = None
         ctx = engine.activate()

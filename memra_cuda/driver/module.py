@@ -28,7 +28,7 @@ from .call import Prepared
 from .errors import CudaError, CudaFault, driver
 from .handle import Handle
 from .signature import ARG_TYPES, Signature, arguments, is_arg_type
-from .stream import Stream
+from .stream import Stream, as_engine_stream
 from .values import as_index, as_size, exact_int
 
 if TYPE_CHECKING:
@@ -330,9 +330,7 @@ class Module(Handle):
         self.engine = engine
         self.signatures: Mapping[str, Signature] = _table(signatures)
         self._kernels: dict[str, Kernel] = {}
-        if not isinstance(engine, Stream):  # None failed on an attribute it lacks
-            raise TypeError(f"engine must be an Engine, not {engine!r}")
-        ctx = engine.activate()
+        ctx = as_engine_stream(engine).activate()  # None failed on an attribute it lacks
         self.handle = _load(ctx, image + b"\0")
         self._own(ctx, "cuModuleUnload", self.handle, at_exit=False)
 

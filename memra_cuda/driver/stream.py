@@ -361,6 +361,17 @@ class Stream(Handle):
         return f"{type(self).__name__}(device={self.device}{', closed' if self.closed else ''})"
 
 
+def as_engine_stream(engine: Any, what: str = "engine") -> Stream:
+    """`engine` if it is a Stream (an Engine is one), else TypeError naming `what`: for what needs
+    of an engine its context and stream alone (a Module, an Event, a Graph and its joined engines,
+    a LoopBuilder, borrowed memory's ordering: DeviceBuffer.wrap), checked where it is given, so a
+    wrong one (None, a torch stream or device) is named rather than failing later on an attribute
+    it lacks. engine.py's as_engine, for what allocates, sits above the modules that ask this."""
+    if not isinstance(engine, Stream):
+        raise TypeError(f"{what} must be an Engine, not {engine!r}")
+    return engine
+
+
 def as_stream(stream: Any) -> Any:
     """A CUstream from a CUstream or anything handle_of takes."""
     drv = driver()

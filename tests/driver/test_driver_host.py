@@ -427,13 +427,23 @@ def test_cuda_array_interface_without_engine():
     assert DeviceBuffer.wrap(FAKE_PTR, np.float16, 1).__cuda_array_interface__["typestr"] == "<f2"
 
 
+def stream_stand_in(**attributes: object) -> Stream:
+    """A Stream without a driver (no context, no stream): its device 0, its stream handle 0, no
+    capture under way, and `attributes` set on it (an `activate` that records, say)."""
+    stream = Stream.__new__(Stream)
+    stream.ctx, stream._stream_handle, stream.capture_hold = types.SimpleNamespace(device=0), 0, None
+    for name, value in attributes.items():
+        setattr(stream, name, value)
+    return stream
+
+
 def test_cuda_array_interface_names_its_engines_stream_until_the_engine_closes():
-    engine = types.SimpleNamespace(device=0, closed=False, stream_handle=0)  # what the interface reads of one
+    engine = stream_stand_in()  # what the interface reads of one: its handle, whether it is closed
     buf = DeviceBuffer.wrap(FAKE_PTR, np.uint32, 2, engine=engine)
     assert buf.__cuda_array_interface__["stream"] == 1, "the legacy stream: the protocol does not allow 0"
-    engine.stream_handle = 0x5000
+    engine._stream_handle = 0x5000
     assert buf.__cuda_array_interface__["stream"] == 0x5000
-    engine.closed = True  # its work finished and its stream destroyed: nothing to wait on, no handle to name
+    engine._freed = True  # closed: its work finished and its stream destroyed, nothing to wait on, no handle to name
     assert "stream" not in buf.__cuda_array_interface__
 
 
@@ -458,6 +468,38 @@ def owned_stream(handle: int, cu_stream: object = None) -> tuple[Stream, Release
     stream._stream_owner = None
     stream._own(released, "cuStreamDestroy", stream._stream)
     return stream, released
+
+
+@pytest.mark.parametrize("given", [None, "engine", 0, types.SimpleNamespace(type="cuda", index=0)],
+                         ids=["none", "str", "int", "device-like"])
+def test_what_queues_on_an_engine_refuses_anything_else_naming_it(given):
+    """Event(engine), Graph(engine, issue) and each of its joined engines, LoopBuilder(engine) and
+    DeviceBuffer.wrap(..., engine=) took any object, which met an AttributeError later ('activate',
+    'capture_hold', 'device'), naming nothing. A TypeError naming the argument, before anything is
+    made or asked of the driver (stream.as_engine_stream, Module's check: a Stream is all any of
+    them needs of an engine, and one is taken; wrap's engine may still be None)."""
+    from memra_cuda.driver.event import Event
+    from memra_cuda.driver.graph import Graph, LoopBuilder
+
+    named = f"must be an Engine, not {re.escape(repr(given))}$"
+    issued: list[str] = []
+    for make in (lambda: Event(given), lambda: Event(given, timing=False), lambda: LoopBuilder(given),
+                 lambda: Graph(given, lambda: issued.append("issued"))):
+        with pytest.raises(TypeError, match=f"^engine {named}"):
+            make()
+    activated: list[str] = []
+    with pytest.raises(TypeError, match=f"^each of joined {named}"):
+        Graph(stream_stand_in(activate=lambda: activated.append("activate")), lambda: issued.append("issued"),
+              joined=[stream_stand_in(), given])
+    assert issued == activated == []
+    if given is not None:
+        with pytest.raises(TypeError, match=f"^engine {named}"):
+            DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, engine=given)
+    made = []
+    stream = stream_stand_in(ctx=types.SimpleNamespace(device=0, call=lambda name, flags: made.append(name) or 0xE0,
+                                                       finalize=lambda name, handle: None))
+    assert Event(stream).engine is stream and made == ["cuEventCreate"]  # a Stream: taken
+    assert DeviceBuffer.wrap(FAKE_PTR, np.uint32, 4, engine=stream).engine is stream
 
 
 def test_a_closed_stream_hands_out_no_handle():
@@ -1758,7 +1800,7 @@ def test_a_captures_engines_share_one_hold_so_a_joined_engines_wait_is_taken_and
     class Stop(Exception):
         pass
 
-    main, joined, outsider = (types.SimpleNamespace(capture_hold=None, activate=lambda: None) for _ in range(3))
+    main, joined, outsider = (stream_stand_in(activate=lambda: None) for _ in range(3))
     waits = []
 
     def issue():
@@ -1789,8 +1831,7 @@ def test_a_graphs_joined_engines_are_a_list_not_one_engine():
         pass
 
     activated: list[str] = []
-    main, other = (types.SimpleNamespace(capture_hold=None, activate=lambda: activated.append("activate"))
-                   for _ in range(2))
+    main, other = (stream_stand_in(activate=lambda: activated.append("activate")) for _ in range(2))
     issued: list[str] = []
 
     def capture(engine, issue):
