@@ -123,6 +123,8 @@ class LoopBuilder:
         self._conditional(handle, "CU_GRAPH_COND_TYPE_IF", [body])
 
     def switch(self, handle: Any, bodies: Sequence[Callable[[], None]]) -> None:
+        # in order, a body a case: a generator met "object of type 'generator' has no len()" inside the build
+        bodies = as_listed(bodies, "a switch's bodies", "callables (one a case, in order)")
         if not bodies:
             raise ValueError("a switch needs at least one body")
         self._conditional(handle, "CU_GRAPH_COND_TYPE_SWITCH", bodies)

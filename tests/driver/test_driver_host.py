@@ -1788,6 +1788,29 @@ def test_the_drivers_version_is_read_as_its_release(monkeypatch, reported, relea
     assert errors.driver_version() == release
 
 
+def test_a_switchs_bodies_are_a_list_or_a_tuple_refused_otherwise_before_the_driver():
+    """LoopBuilder.switch(handle, bodies) given a generator met "object of type 'generator' has no
+    len()" inside the graph's build, naming nothing, and a set's bodies would be its hashes' order,
+    each case another's body. A list or a tuple, in order (as_listed): a TypeError naming the
+    bodies before the driver is asked (no driver here: a builder with none, its node recorded)."""
+    from memra_cuda.driver.graph import LoopBuilder
+
+    def body() -> None:
+        pass
+
+    builder, added = object.__new__(LoopBuilder), []
+    builder._conditional = lambda handle, kind, bodies: added.append((kind, bodies))  # type: ignore[method-assign]
+    for bodies in ((b for b in [body]), {body}, {0: body}, body):
+        with pytest.raises(TypeError, match=r"^a switch's bodies must be a list, a tuple or a 1-D array of callables "
+                                            r"\(one a case, in order\), not "):
+            builder.switch(0xC0, bodies)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^a switch needs at least one body$"):
+        builder.switch(0xC0, ())
+    assert added == []
+    builder.switch(0xC0, (body, body))
+    assert added == [("CU_GRAPH_COND_TYPE_SWITCH", [body, body])]
+
+
 def test_a_captures_engines_share_one_hold_so_a_joined_engines_wait_is_taken_and_an_outsiders_refused():
     """A capture marks each of its engines (its own and `joined`) with the graph's hold, by which
     an engine's wait on an event of another knows whether it joins a capture it is one of. Each
