@@ -13,7 +13,7 @@ from .call import Prepared
 from .errors import CaptureError, CudaError, CudaUnavailable, driver
 from .event import Event
 from .framework import DRIVER, Framework
-from .module import Module, packaged_ptx
+from .module import Module, packaged_ptx, ptx_name
 from .signature import Signature
 from .stream import Stream
 from .values import as_flag, as_index, device_dtype, exact_array, exact_int, host_array, past_int64
@@ -287,7 +287,9 @@ class Engine(Stream):
     def load_ptx(self, name: str, signatures: Mapping[str, Signature] | None = None) -> Module:
         """The module built from ptx/<name>.cu, loaded once per engine (again if unloaded), its
         kernels checked against `signatures` from the first call that gives them (the package's
-        own table: memra_cuda.kernels.signatures, whose `load` passes it)."""
+        own table: memra_cuda.kernels.signatures, whose `load` passes it). `name` is a stem of ptx/,
+        an identifier (ptx_name): TypeError or ValueError naming it otherwise."""
+        name = ptx_name(name)  # before the cache: a list met "unhashable type", "../x" reached outside ptx/
         module = self._modules.get(name)
         if module is None or module.freed:
             refusal = capability_refusal(self.device, *self.capability)

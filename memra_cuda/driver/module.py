@@ -38,7 +38,9 @@ _PTX_DIRS = (Path(__file__).parent.parent / "ptx", Path(__file__).parent.parent.
 
 
 def packaged_ptx(name: str) -> str:
-    """The committed ptx/<name>.ptx, from an installed package or a source checkout."""
+    """The committed ptx/<name>.ptx, from an installed package or a source checkout; `name` is
+    checked by ptx_name (a path reached outside ptx/)."""
+    name = ptx_name(name)
     for folder in _PTX_DIRS:
         path = folder / f"{name}.ptx"
         if path.is_file():
@@ -365,6 +367,19 @@ def kernel_name(name: Any) -> str:
         raise TypeError(f"a kernel's name must be a str, not {reprlib.repr(name)}")
     if "\0" in name:
         raise ValueError(f"a kernel's name holds a NUL character, which would end its C string early: {name!r}")
+    return name
+
+
+def ptx_name(name: Any) -> str:
+    """`name`, a packaged module's (ptx/<name>.ptx: "spec_stream", "probe"), if it is a str and an
+    identifier, as every stem of ptx/ is: TypeError for anything else (a list met the module
+    cache's bare "unhashable type"), ValueError for a str that is no plain stem ("../x" or "a/b"
+    reached outside ptx/, to any file ending .ptx)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a packaged module's name must be a str (ptx/<name>.ptx), not {reprlib.repr(name)}")
+    if not name.isidentifier():
+        raise ValueError(f"a packaged module's name is the stem of a file in ptx/, an identifier ('spec_stream'), "
+                         f"not {name!r}")
     return name
 
 

@@ -616,6 +616,31 @@ def test_packaged_ptx_unknown_name():
         packaged_ptx("no_such_module")
 
 
+@pytest.mark.parametrize("name, error", [(["probe"], TypeError), (Path("probe"), TypeError), (b"probe", TypeError),
+                                         (None, TypeError), ("../ptx/probe", ValueError), ("ptx/probe", ValueError),
+                                         (str(Path(__file__).parents[2] / "ptx" / "probe"), ValueError),
+                                         ("probe.ptx", ValueError), ("", ValueError), ("probe\0", ValueError)],
+                         ids=["list", "path", "bytes", "none", "up", "folder", "absolute", "suffix", "empty", "nul"])
+def test_a_packaged_modules_name_is_a_stem_of_ptx_refused_before_the_cache_or_a_file(name, error):
+    """engine.load_ptx(["probe"]) met the module cache's bare "unhashable type", and a name with
+    "../" or a path separator reached outside the package's ptx/ folder, to any file ending .ptx
+    (an absolute path's stem, read as given; "../ptx/probe", ptx/../ptx/probe.ptx, was taken). A str
+    that is an identifier, as every stem of ptx/ is (ptx_name): refused naming it, before the
+    cache, the device or a file is looked at (a stand-in engine with none of them but its cache)."""
+    from types import SimpleNamespace
+
+    message = ("a packaged module's name must be a str" if error is TypeError
+               else "a packaged module's name is the stem of a file in ptx/")
+    with pytest.raises(error, match=f"^{re.escape(message)}"):
+        packaged_ptx(name)
+    engine = SimpleNamespace(_modules={})
+    with pytest.raises(error, match=f"^{re.escape(message)}"):
+        Engine.load_ptx(engine, name)  # type: ignore[arg-type]
+    assert engine._modules == {}
+    loaded = SimpleNamespace(freed=False)
+    assert Engine.load_ptx(SimpleNamespace(_modules={"probe": loaded}), "probe") is loaded  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("ptx", [Path("k.ptx"), 5, [46, 118], None], ids=["path", "int", "ints", "none"])
 def test_a_module_takes_ptx_text_not_a_path_nor_what_bytes_makes_of_anything(ptx):
     """Module(engine, ptx) read ptx as bytes(ptx): a Path was its name's bytes, loaded as PTX (the
