@@ -142,9 +142,10 @@ class AtCollection:
     and the collector frees it then. What it holds is the owner's deallocation, where a tensor's
     and a CuPy array's memory goes back: an owner that gives its memory back in a finaliser of its
     own (a Python __del__, a weakref.finalize), collected in the same cycle, is finalised by the
-    collector before this runs, as every object of the garbage is, and no release can hold that. At exit nothing is handed out again: `exiting` is set by a
-    hook registered with the first, after the contexts' own (a stream came first), so it runs
-    before weakref's at-exit finalisers release them."""
+    collector before this runs, as every object of the garbage is, and no release can hold that.
+    At exit nothing is handed out again: `exiting` is set by a hook registered with the first,
+    after the contexts' own (a stream came first), so it runs before weakref's at-exit finalisers
+    release them."""
 
     __slots__ = ("streams", "keep")
     exiting = False
