@@ -3,12 +3,14 @@ no performance figure in them (they live in benchmarks/RESULTS.md, each with its
 and model), no name the library no longer has, docs/errors.md listing exactly the errors of
 memra_cuda.errors, every name memra_cuda and memra_cuda.torch export named in a page's code, every
 name a page's python block imports there and every memra name it uses bound on the page, every
-fenced block tagged with its language and every python one parsing or a signature the code has, each
-kernel's parameters as a page writes them the signature table's, install lines that work from a
-checkout or a wheel, no address the project does not have, the toy page's ToyModel signature
-whole, the Unreleased section's migration table for the calls the Geometry changed, and `make`
-alone listing the Makefile's targets, each the README names among them. CPU only:
-it runs in every `make test`.
+`memra_cuda.a.b` a page writes there, every file of the checkout it names and every call and
+signature of memra's its prose writes (keywords, and a signature's parameters and defaults) the
+code's, every fenced block tagged with its language and every python one parsing or a signature
+the code has, each kernel's parameters as a page writes them the signature table's, install
+lines that work from a checkout or a wheel, no address the project does not have, the toy page's
+ToyModel signature whole, the Unreleased section's migration table for the calls the Geometry
+changed, and `make` alone listing the Makefile's targets, each the README names among them. CPU
+only: it runs in every `make test`.
 """
 from __future__ import annotations
 
@@ -472,3 +474,209 @@ def test_the_kernel_signatures_a_page_writes_are_the_tables():
              for page, name, args in written
              if name not in SIGNATURES or args != [param.name for param in SIGNATURES[name].params]]
     assert not wrong, "kernel signatures the pages write wrong:\n" + "\n".join(wrong)
+
+
+# -- what a page's code names is there ----------------------------------------------------------
+
+def top_level(path: Path) -> dict[str, ast.stmt]:
+    """Each name a module's source binds at its top level (inside a top-level `if` or `try` too):
+    the def, class, assignment or import that binds it."""
+    found: dict[str, ast.stmt] = {}
+
+    def walk(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.If, ast.Try)):
+                walk([*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                      *(statement for handler in getattr(node, "handlers", []) for statement in handler.body)])
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found[node.name] = node
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.update({(alias.asname or alias.name).split(".")[0]: node for alias in node.names})
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found.update({name.id: node for target in targets for name in ast.walk(target)
+                              if isinstance(name, ast.Name)})
+    walk(ast.parse(path.read_text(encoding="utf-8")).body)
+    return found
+
+
+def module_path(parts: list[str]) -> tuple[Path, list[str]]:
+    """The source file of the longest module a dotted name starts with (a package's
+    `__init__.py`), and the parts of the name after it."""
+    path, rest = ROOT / parts[0], parts[1:]
+    while rest and (path / rest[0]).is_dir():
+        path, rest = path / rest[0], rest[1:]
+    if rest and (path / f"{rest[0]}.py").is_file():
+        return path / f"{rest[0]}.py", rest[1:]
+    return path / "__init__.py", rest
+
+
+def definition(path: Path, name: str) -> tuple[Path, ast.stmt] | None:
+    """Where the module at `path` gets `name` from: its own statement, or, for a name it imports
+    relatively (`from .serving import Server`), the statement of the module it imports from."""
+    node = top_level(path).get(name)
+    if not (isinstance(node, ast.ImportFrom) and node.level):
+        return (path, node) if node is not None else None
+    imported = next(alias.name for alias in node.names if (alias.asname or alias.name) == name)
+    source = path.parents[node.level - 1].joinpath(*(node.module or imported).split("."))
+    source = source / "__init__.py" if source.is_dir() else source.with_suffix(".py")
+    if not source.is_file():
+        return None
+    return definition(source, imported) if node.module else (source, node)  # `from . import module`: the module
+
+
+def class_attributes(path: Path, cls: ast.ClassDef) -> set[str]:
+    """What a class defines (methods, properties, class-level names, every `self.X` it assigns),
+    with what its bases of memra_cuda define, followed where they are defined."""
+    names = {node.name for node in cls.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {target.id for node in cls.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+              for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+              if isinstance(target, ast.Name)}
+    names |= {node.attr for node in ast.walk(cls) if isinstance(node, ast.Attribute)
+              and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) and node.value.id == "self"}
+    for base in cls.bases:
+        found = definition(path, base.id) if isinstance(base, ast.Name) else None
+        if found and isinstance(found[1], ast.ClassDef):
+            names |= class_attributes(*found)
+    return names
+
+
+def test_every_dotted_memra_name_a_page_writes_is_there():
+    """A `memra_cuda.a.b` a page's code names (a span or a block) is a module of the package, a
+    name that module binds (followed through its imports) and, after a class, something that
+    class defines: `memra_cuda.rounds.pace.AHEAD`, `memra_cuda.rounds.Server`,
+    `memra_cuda.torch.attention.MOST_SLOTS`. Read from the source, so memra_cuda.torch's names
+    need no torch; the imports of a python block are test_the_pages_python_blocks_import_what_exists'."""
+    written = {(page.name, match) for page in [README, *pages()] for span in code(page)
+               for match in re.findall(r"(?<![\w.])memra_cuda(?:\.\w+)+", span)}
+    assert len(written) >= 50, f"the pages' dotted names were not found: {sorted(written)}"
+    missing = []
+    for page, dotted in sorted(written):
+        path, rest = module_path(dotted.split("."))
+        if not path.is_file():
+            missing.append(f"{page}: {dotted}: no module {path.relative_to(ROOT)}")
+            continue
+        found = definition(path, rest[0]) if rest else (path, None)
+        if found is None:
+            missing.append(f"{page}: {dotted}: {path.relative_to(ROOT)} has no {rest[0]}")
+        elif len(rest) > 1 and isinstance(found[1], ast.ClassDef) and rest[1] not in class_attributes(*found):
+            missing.append(f"{page}: {dotted}: {rest[0]} has no {rest[1]}")
+    assert not missing, "dotted names the pages write that memra_cuda does not have:\n" + "\n".join(missing)
+
+
+# A file or folder of the checkout, as a page writes one: `ptx/device_loop.cu`, `tests/comm/`.
+REPO_PATH = re.compile(r"(?<![\w./-])((?:memra_cuda|tests|benchmarks|examples|ptx|tools|docs)/[\w./*-]*\w/?)")
+
+
+def test_every_file_a_page_names_is_in_the_checkout():
+    """A path a page's code names (`memra_cuda/rounds/pace.py`, `tests/rounds/test_follow.py`,
+    `ptx/*.cu`) is in the checkout, so a newcomer sent to read it finds it; a pattern matches
+    something. A placeholder in capitals (`examples/NAME.py`) is one to fill in."""
+    written = {(page.name, path) for page in [README, *pages()] for span in code(page)
+               for path in REPO_PATH.findall(span) if not re.search(r"/[A-Z]+(\.\w+)?$", path)}
+    assert len(written) >= 20, f"the pages' paths were not found: {sorted(written)}"
+    missing = [f"{page}: {path}" for page, path in sorted(written)
+               if not (any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists())]
+    assert not missing, "paths the pages name that the checkout does not have:\n" + "\n".join(missing)
+
+
+KWARGS = "**"  # a parameter list's mark that it takes any keyword
+
+
+def listed(args: ast.arguments, method: bool = False) -> list[tuple[str, ast.expr | None]]:
+    """A parameter list's names in order, each with its default (None: none), `*` where the
+    keyword-only ones start and KWARGS where it takes any keyword; a method's without its first."""
+    positional = [*args.posonlyargs, *args.args][int(method):]
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    return ([(a.arg, d) for a, d in zip(positional, defaults)] + [("*", None)] * bool(args.kwonlyargs)
+            + list(zip((a.arg for a in args.kwonlyargs), args.kw_defaults)) + [(KWARGS, None)] * bool(args.kwarg))
+
+
+def code_signatures() -> dict[str, list[list[tuple[str, ast.expr | None]]]]:
+    """Every function, method and class of memra_cuda's source by its name, read from the source
+    (memra_cuda.torch's needs torch to import): each one's parameters as `listed` gives them; a
+    class's are its `__init__`'s, else its fields' (a dataclass's, a NamedTuple's)."""
+    found: dict[str, list[list[tuple[str, ast.expr | None]]]] = {}
+    for path in sorted(ROOT.glob("memra_cuda/**/*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.setdefault(node.name, []).append(listed(node.args, False))
+            elif isinstance(node, ast.ClassDef):
+                init = None
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        method = not any(getattr(d, "id", None) == "staticmethod" for d in item.decorator_list)
+                        found.setdefault(item.name, []).append(listed(item.args, method))
+                        init = found[item.name][-1] if item.name == "__init__" else init
+                fields = [(item.target.id, item.value) for item in node.body
+                          if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)]
+                found.setdefault(node.name, []).append(init if init is not None else fields)
+    return found
+
+
+# A call or a signature a span writes, `Name(...)` or `x.name(...)`, one level of parentheses inside.
+CALL = re.compile(r"(?<![\w.])((?:\w+\.)*)([A-Za-z_]\w*)\(([^()]*(?:\([^()]*\)[^()]*)*)\)")
+
+
+class Named(str):
+    """A default the code gives by a name (`look_s=LOOK_S`), its text: no page's literal is
+    compared with it."""
+
+
+def literal(node: ast.expr | None) -> object:
+    """A default as a value where it is a literal (REQUIRED where there is none), else Named."""
+    if node is None:
+        return REQUIRED
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return Named(ast.unparse(node))
+
+
+def test_the_calls_and_signatures_a_page_writes_are_the_codes():
+    """Where a page's prose writes a function, method or class of memra_cuda's with keywords, as
+    a call (`kv_len_ptr_table(engine, cache, pos_ctr=bufs.pos_ctr_d)`) each keyword is a parameter
+    of one of that name; as a signature, which no call could be (`bufs.start_row(row, pending,
+    position, *, budget, eos=None)`), its parameters are, in order, one of that name's, and each
+    default it writes as a literal is the code's. A keyword renamed, a parameter reordered or a
+    default changed in the code fails here, not in a newcomer's call (buffers.md wrote `b` for
+    start_row's `row`). Placeholders (`...`, `slots=`) stand for what they elide; another
+    library's calls (`torch.`, `np.`) are left out, and so are the blocks
+    (test_a_pages_code_names_its_language_and_its_python_parses_or_is_the_codes_signature)."""
+    known = code_signatures()
+    calls, signatures, wrong = 0, 0, []
+    for page in [README, *pages()]:
+        for span in code(page):
+            if "\n" in span:
+                continue
+            for receiver, name, written in CALL.findall(span):
+                if name not in known or receiver.split(".")[0] in ("torch", "np", "numpy"):
+                    continue
+                written = re.sub(r"(?<![=\w])\.\.\.\s*,?\s*", "", written).strip(" ,")
+                written = re.sub(r"(\w)=\s*(?=,|$)", r"\1=...", written)
+                try:
+                    call = ast.parse(f"f({written})", mode="eval").body
+                except SyntaxError:
+                    try:
+                        args = ast.parse(f"def f({written}): pass").body[0].args
+                    except SyntaxError:
+                        continue  # neither: a kernel's C parameters, say
+                    page_form = listed(args)
+                    signatures += 1
+                    if not any([p for p, _ in page_form] == [p for p, _ in form] and all(
+                            mine in (..., theirs) or isinstance(theirs, Named)
+                            for mine, theirs in zip((literal(d) for _, d in page_form), (literal(d) for _, d in form)))
+                            for form in known[name]):
+                        wrong.append(f"{page.name}: {span}: not {name}'s signature, " + " or ".join(
+                            f"({', '.join(p if d is None else f'{p}={ast.unparse(d)}' for p, d in form)})"
+                            for form in known[name]))
+                    continue
+                keywords = {keyword.arg for keyword in call.keywords if keyword.arg}
+                if keywords:
+                    calls += 1
+                    taken = [{p for p, _ in form} for form in known[name]]
+                    if not any(keywords <= names or KWARGS in names for names in taken):
+                        wrong.append(f"{page.name}: {span}: no {name} of memra_cuda takes "
+                                     f"{sorted(keywords - set().union(*taken))}")
+    assert calls >= 50 and signatures >= 20, f"the pages' calls ({calls}) and signatures ({signatures}) were not found"
+    assert not wrong, "calls and signatures the pages write that are not the code's:\n" + "\n".join(wrong)
