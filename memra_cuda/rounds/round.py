@@ -84,6 +84,19 @@ class Beside:
             join(self.launch.engine, node)
 
 
+def as_kernels(kernels: object, who: str, bufs: StreamBufs | None = None) -> SpecKernels:
+    """`kernels` if it is a SpecKernels; None, where `bufs` are given (a default of None), the
+    SpecKernels of their engine, built here. Anything else is a TypeError naming `who`, at
+    construction: a falsy value (0, "") was taken for None and replaced by the default, silently,
+    and one of another type met an AttributeError at its first launcher, naming nothing."""
+    if kernels is None and bufs is not None:
+        return SpecKernels(bufs.engine)
+    if not isinstance(kernels, SpecKernels):
+        raise TypeError(f"{who}'s kernels must be a SpecKernels (SpecKernels(engine))"
+                        f"{', or None to build them' if bufs is not None else ''}, not {kernels!r}")
+    return kernels
+
+
 def length_chooser(kernels: SpecKernels, bufs: StreamBufs, lengths: DraftLengths | None,
                    beside: bool) -> tuple[tuple[Step, ...], tuple[Step, ...]]:
     """The length chooser's steps (docs/lengths.md): those that open a round and those its
@@ -304,6 +317,7 @@ class ChainRound(Round):
                  choose_beside: bool = False, skip_done: bool = False, capture: Capture | None = None,
                  stages: Stages | None = None):
         _check_steps(draft_chain, verify_trunk, narrower, seed_gather)
+        kernels = as_kernels(kernels, "ChainRound")
         if not isinstance(acceptance, (Greedy, Sampling)):
             raise TypeError(f"acceptance must be Greedy(pred_d) or Sampling(p_d, q_d, seed_d, vocab), "
                             f"not {acceptance!r}")

@@ -26,7 +26,7 @@ from ..driver.graph import Capture, Graph
 from ..driver.values import I32_MOST, as_flag, as_listed, as_size
 from ..kernels.spec import SpecKernels
 from .pace import Pace
-from .round import ChainRound, Round, Stages, Step
+from .round import ChainRound, Round, Stages, Step, as_kernels
 
 if TYPE_CHECKING:
     from ..buffers.acceptance import Acceptance
@@ -98,7 +98,8 @@ class RoundStream:
                  pace: bool = True, stages: Stages | None = None, kernels: SpecKernels | None = None):
         if not isinstance(bufs, StreamBufs):  # an engine given for its buffers failed on an attribute
             raise TypeError(f"RoundStream's bufs must be a StreamBufs(engine, geometry), not {bufs!r}")
-        self._start(ChainRound(bufs, kernels or SpecKernels(bufs.engine), draft_chain=draft_chain,
+        kernels = as_kernels(kernels, "RoundStream", bufs)
+        self._start(ChainRound(bufs, kernels, draft_chain=draft_chain,
                                verify_trunk=verify_trunk, draft_d=draft_d, acceptance=acceptance,
                                rollback_tables=rollback_tables, state_tables=state_tables, seed_gather=seed_gather,
                                lengths=lengths, narrower=narrower, choose_beside=choose_beside, skip_done=skip_done,

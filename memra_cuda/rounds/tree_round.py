@@ -18,7 +18,7 @@ from ..driver.graph import Capture
 from ..driver.values import as_flag, as_listed
 from ..kernels.spec import SpecKernels
 from ..kernels.tree import SampledCandidates, TreeKernels
-from .round import Parts, Round, Stages, Step, length_chooser
+from .round import Parts, Round, Stages, Step, as_kernels, length_chooser
 
 if TYPE_CHECKING:
     from ..buffers.acceptance import Acceptance
@@ -99,7 +99,7 @@ class TreeRound(Round):
         if kv_data is None and compact is None:
             raise ValueError("a tree round must move the accepted path's KV: give kv_data=kv_data_table(...) or "
                              "compact= (a model without KV: compact=lambda: None)")
-        kernels = kernels or SpecKernels(bufs.engine)
+        kernels = as_kernels(kernels, "TreeRound", bufs)
         trees = TreeKernels(bufs.engine)
         self.acceptance, self.tree_bufs, self.tree_kernels, self.lengths = acceptance, tree_bufs, trees, lengths
         choose, chosen = length_chooser(kernels, bufs, lengths, choose_beside)

@@ -4,6 +4,8 @@ checked as they are made; and RoundStream.step's refusal of the modes that gener
 no driver either."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from memra_cuda import chain
@@ -152,3 +154,57 @@ def test_a_tree_rounds_verify_that_is_no_callable_is_refused_before_anything_els
                     compact=launch), **steps}
     with pytest.raises(TypeError, match=message):
         TreeRound(bufs, tree, Untouched(), **given)
+
+
+@pytest.mark.parametrize("kernels", [0, "", "kernels", object(), None])
+def test_a_chain_round_takes_spec_kernels_alone_refused_before_anything_is_asked_of_them(kernels):
+    """ChainRound's kernels are a SpecKernels: another object met an AttributeError at its first
+    launcher ('int' object has no attribute 'prepare_assemble_verify'), naming nothing. Refused
+    naming them, once the steps are checked, before the buffers are asked anything."""
+    from memra_cuda import ChainRound, Greedy
+    with pytest.raises(TypeError, match=rf"^ChainRound's kernels must be a SpecKernels \(SpecKernels\(engine\)\), "
+                                        rf"not {re.escape(repr(kernels))}$"):
+        ChainRound(Untouched(), kernels, draft_chain=launch, verify_trunk=launch, draft_d=None,
+                   acceptance=Greedy(None), rollback_tables=[])
+
+
+@pytest.mark.parametrize("kernels", [0, "", False, "kernels", object()])
+def test_a_tree_round_takes_spec_kernels_or_none_refusing_the_rest(kernels):
+    """TreeRound's kernels were `kernels or SpecKernels(engine)`: a falsy value (0, "") was
+    replaced by the default, silently, and another met an AttributeError at its first launcher.
+    Refused naming them, before the default's module or the tree kernels are loaded."""
+    from memra_cuda import Greedy, TreeRound, TreeShape
+    from memra_cuda.buffers import Candidates, TreeBufs
+    bufs = object()  # its engine is never asked for: the default is not built
+    tree = TreeBufs.__new__(TreeBufs)
+    tree.bufs, tree.tree = bufs, TreeShape.chain(2)
+    with pytest.raises(TypeError, match=r"^TreeRound's kernels must be a SpecKernels \(SpecKernels\(engine\)\), or "
+                                        rf"None to build them, not {re.escape(repr(kernels))}$"):
+        TreeRound(bufs, tree, kernels, draft_levels=[launch] * 3, verify_tree=launch, acceptance=Greedy(None),
+                  candidates=Candidates(None, None), rollback_tables=[], compact=launch)
+
+
+@pytest.mark.parametrize("kernels", [0, "", [], "kernels", object()])
+def test_a_round_stream_takes_spec_kernels_or_none_refusing_the_rest(kernels):
+    """RoundStream's kernels were `kernels or SpecKernels(bufs.engine)`: a falsy value was
+    replaced by the default, silently, and another met an AttributeError in the round's first
+    launcher. Refused naming them, before the default is built (its module loaded)."""
+    from memra_cuda import Greedy, RoundStream
+    from memra_cuda.buffers import StreamBufs
+    with pytest.raises(TypeError, match=r"^RoundStream's kernels must be a SpecKernels \(SpecKernels\(engine\)\), or "
+                                        rf"None to build them, not {re.escape(repr(kernels))}$"):
+        RoundStream(object.__new__(StreamBufs), draft_chain=launch, verify_trunk=launch, draft_d=None,
+                    acceptance=Greedy(None), rollback_tables=[], kernels=kernels)
+
+
+def test_none_builds_the_default_kernels_of_the_buffers_engine(monkeypatch):
+    """None (and None alone) is the default: the SpecKernels of the buffers' engine."""
+    from memra_cuda.kernels import spec
+    from memra_cuda.rounds.round import as_kernels
+    monkeypatch.setattr(spec, "load", lambda engine, name: name)  # no driver: the module is its name
+    bufs = type("Bufs", (), {"engine": "engine"})()
+    built = as_kernels(None, "RoundStream", bufs)
+    assert isinstance(built, spec.SpecKernels) and built.engine == "engine" and built.module == "spec_stream"
+    assert as_kernels(built, "ChainRound") is built
+    with pytest.raises(TypeError, match="^ChainRound's kernels must be a SpecKernels .SpecKernels.engine.., not None$"):
+        as_kernels(None, "ChainRound")

@@ -20,6 +20,7 @@ from memra_cuda.buffers import PointerTable
 from memra_cuda.buffers.acceptance import Greedy, Sampling
 from memra_cuda.buffers.tables import KVDataTable
 from memra_cuda.buffers.tree import Candidates, TreeBufs
+from memra_cuda.kernels.spec import SpecKernels
 from memra_cuda.rounds import tree_round
 from memra_cuda.rounds.round import ChainRound
 
@@ -37,10 +38,11 @@ class Step:
         return self.name
 
 
-class Kernels:
-    """SpecKernels' launchers as the rounds call them, each making a Step named after its kernel."""
+class Kernels(SpecKernels):
+    """SpecKernels' launchers as the rounds call them, each making a Step named after its kernel
+    (a SpecKernels, as a round takes no other kernels, with no module loaded)."""
 
-    def __init__(self, engine: object):
+    def __init__(self, engine: object):  # no super().__init__: nothing is loaded
         self.engine = engine
 
     def prepare_assemble_verify(self, bufs, draft_d):
