@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..buffers.layout import HEAD_ENDED, HEAD_SEQ, HEAD_STAMP, HEAD_WORDS
+from ..buffers.geometry import as_batch
 from ..buffers.stream_bufs import ROW_VALUE_MOST
 from ..driver.buffer import MappedBuffer
 from ..driver.errors import MemraError
@@ -37,6 +38,9 @@ Step = Callable[[], None]
 RUNNING = ("a device-mode loop is still running on these buffers: read its tokens to the end (follow()) or "
            "close() them first")
 FREED = "the token feed was freed: the loop that published into it was replaced or its buffers freed"
+# A feed's most tokens a row: the one DeviceLoop.prepare makes for a row's most budget (ROW_VALUE_MOST,
+# an i32), the next power of two, 2**31, which the publish's u32 out_cap holds
+FEED_CAP_MOST = 1 << ROW_VALUE_MOST.bit_length()
 
 
 class RoundCapError(MemraError, RuntimeError):
@@ -100,10 +104,13 @@ class TokenFeed:
     their stamps (u32[B][cap] each). The device writes tokens and stamps, then
     __threadfence_system(), then the count, so the host reads a count first and may then read
     every token below it. The host learns that the loop ended from the memory too, with no
-    driver call per look; when to look is its Schedule's."""
+    driver call per look; when to look is its Schedule's. `batch` (as_batch) and `cap`, the
+    tokens a row (1 to FEED_CAP_MOST), are checked before the memory is mapped, naming them:
+    `batch=True` was a feed of one row, a float was refused as the mapped words' `length`, naming
+    neither, and a cap of 0 or less was mapped, a feed no token fits."""
 
     def __init__(self, engine: Engine, batch: int, cap: int):
-        self.batch, self.cap = batch, cap
+        self.batch, self.cap = as_batch(batch), as_size(cap, "cap", 1, FEED_CAP_MOST)
         self.looks = self.empty_looks = 0  # the last follow()'s looks, and those that found nothing
         rows = HEAD_WORDS + batch
         self._memory = MappedBuffer(engine, np.uint32, rows + 2 * batch * cap, label="token feed")

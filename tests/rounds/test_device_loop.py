@@ -156,3 +156,41 @@ def test_a_device_loop_takes_a_round_checked_before_anything_is_loaded():
         with pytest.raises(TypeError, match=r"^a device loop runs a Round's rounds \(ChainRound, TreeRound: a "
                                             r"RoundStream's \.round\), not "):
             DeviceLoop(given)
+
+
+@pytest.mark.parametrize(("batch", "cap", "error", "message"), [
+    (True, 4, TypeError, "^batch must be an integer, not True$"),
+    (2.0, 4, TypeError, "^batch must be an integer, not 2.0$"),
+    (0, 4, ValueError, "^batch must be an int from 1 to 65535, not 0$"),
+    (65536, 4, ValueError, "^batch must be an int from 1 to 65535, not 65536$"),
+    (2, True, TypeError, "^cap must be an integer, not True$"),
+    (2, 4.0, TypeError, "^cap must be an integer, not 4.0$"),
+    (2, 0, ValueError, f"^cap must be an int from 1 to {2**31}, not 0$"),
+    (2, -3, ValueError, f"^cap must be an int from 1 to {2**31}, not -3$"),
+    (2, 2**31 + 1, ValueError, f"^cap must be an int from 1 to {2**31}, not {2**31 + 1}$"),
+])
+def test_a_token_feed_checks_its_batch_and_cap_before_its_memory_is_mapped(monkeypatch, batch, cap, error, message):
+    """TokenFeed(engine, batch, cap) took batch=True as one row, a float was refused as the mapped
+    words' length (naming neither), and a cap of 0 or less was mapped. Each is refused naming
+    the argument (as_batch, as_size; a cap up to the 2**31 tokens prepare() makes a feed of for a
+    row's most budget), before anything is mapped."""
+    def mapped(*args, **kwargs):
+        raise AssertionError("the feed's memory was mapped before its batch and cap were checked")
+    monkeypatch.setattr(device_loop, "MappedBuffer", mapped)
+    with pytest.raises(error, match=message):
+        device_loop.TokenFeed(object(), batch, cap)
+
+
+def test_a_token_feed_takes_numpy_sizes_up_to_a_rows_most_budgets_feed(monkeypatch):
+    """A numpy int is a size; the largest feed prepare() makes (2**31 tokens a row) is taken."""
+    asked = []
+
+    class Mapped:
+        def __init__(self, engine, dtype, length, label):
+            asked.append(length)
+            raise RuntimeError("mapped")  # what was asked for is all this test looks at
+    monkeypatch.setattr(device_loop, "MappedBuffer", Mapped)
+    for batch, cap in ((np.int64(2), np.uint32(8)), (1, 2**31)):
+        with pytest.raises(RuntimeError, match="mapped"):
+            device_loop.TokenFeed(object(), batch, cap)
+    assert asked == [device_loop.HEAD_WORDS + 2 + 2 * 2 * 8, device_loop.HEAD_WORDS + 1 + 2 * 2**31]
