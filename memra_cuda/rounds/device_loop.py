@@ -38,6 +38,7 @@ Step = Callable[[], None]
 RUNNING = ("a device-mode loop is still running on these buffers: read its tokens to the end (follow()) or "
            "close() them first")
 FREED = "the token feed was freed: the loop that published into it was replaced or its buffers freed"
+ROWS_OF = ("tokens", "stamps")  # what a token feed holds a row of (TokenFeed.rows)
 # A feed's most tokens a row: the one DeviceLoop.prepare makes for a row's most budget (ROW_VALUE_MOST,
 # an i32), the next power of two, 2**31, which the publish's u32 out_cap holds
 FEED_CAP_MOST = 1 << ROW_VALUE_MOST.bit_length()
@@ -161,8 +162,14 @@ class TokenFeed:
 
     def rows(self, what: str, launch: int, start: list[int], end: list[int]) -> list[np.ndarray]:
         """Copies of each row's `what` ("tokens" or "stamps") from start[b] to end[b], published
-        by launch number `launch`: ValueError once the feed is cleared for another."""
-        block = self._tokens if what == "tokens" else self._stamps
+        by launch number `launch`: ValueError once the feed is cleared for another, and for any
+        other `what`, naming the two ("token" read the stamps, silently)."""
+        if what == "tokens":
+            block = self._tokens
+        elif what == "stamps":
+            block = self._stamps
+        else:
+            raise ValueError(f"what must be one of {ROWS_OF} (a token feed's rows), not {what!r}")
         if launch != self.launches or block is None:
             raise ValueError(f"these {what} were published by an earlier launch of the device loop, whose token "
                              "feed has been reused (or freed) since: take them before the next request")

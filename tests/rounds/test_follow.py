@@ -14,6 +14,7 @@ last node). Rows commit 0 to 4 tokens a round each, drawn from a fixed seed.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import numpy as np
 import pytest
@@ -174,6 +175,21 @@ def test_a_landed_answers_until_the_feed_is_cleared_for_the_next_launch():
     assert landed[0].tokens is kept
     for row, (tokens, _) in zip(kept, device.published_rows()):
         assert row.tolist() == tokens[:row.size]
+
+
+@pytest.mark.parametrize("what", ["token", "Tokens", "counts", None, 0])
+def test_a_feeds_rows_are_its_tokens_or_its_stamps_and_nothing_else(what):
+    """TokenFeed.rows(what, ...) read the stamps for any `what` but "tokens": "token" handed the
+    stamps out as tokens, silently. Refused naming the two it holds; each of those is as published."""
+    device = Device(20)
+    list(device.follow())
+    feed, ends = device.feed, device.feed.seen
+    with pytest.raises(ValueError, match=rf"^what must be one of \('tokens', 'stamps'\) \(a token feed's rows\), "
+                                         rf"not {re.escape(repr(what))}$"):
+        feed.rows(what, feed.launches, [0] * BATCH, ends)
+    for b, (tokens, stamps) in enumerate(device.published_rows()):
+        assert feed.rows("tokens", feed.launches, [0] * BATCH, ends)[b].tolist() == tokens
+        assert feed.rows("stamps", feed.launches, [0] * BATCH, ends)[b].tolist() == stamps
 
 
 def test_rounds_of_20us_are_seen_within_a_round_plus_20us_looking_every_three_rounds():
