@@ -255,6 +255,20 @@ class DeviceLoop:
         self.captures = 0  # loop graphs captured
         self.schedule = Schedule()  # when follow() looks at the feed (look_s, spin; the host's clock and sleep)
 
+    @property
+    def schedule(self) -> Schedule:
+        """When follow() looks at the token feed: a Schedule (look_s, spin; the host's clock and
+        sleep), checked where it is set (TypeError naming it), not as a follow begins: another
+        object met an AttributeError in follow(), once the loop was launched."""
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, schedule: Schedule) -> None:
+        if not isinstance(schedule, Schedule):
+            raise TypeError("a device loop's schedule must be a Schedule (memra_cuda.rounds.Schedule(look_s=..., "
+                            f"spin=...)), not {schedule!r}")
+        self._schedule = schedule
+
     def prepare(self, cap: int, paced: bool) -> None:
         """Capture the loop for a token feed of `cap` tokens per row and the given pacing,
         unless one that large with that pacing is captured already. The feed holds the next

@@ -194,3 +194,18 @@ def test_a_token_feed_takes_numpy_sizes_up_to_a_rows_most_budgets_feed(monkeypat
         with pytest.raises(RuntimeError, match="mapped"):
             device_loop.TokenFeed(object(), batch, cap)
     assert asked == [device_loop.HEAD_WORDS + 2 + 2 * 2 * 8, device_loop.HEAD_WORDS + 1 + 2 * 2**31]
+
+
+def test_a_device_loops_schedule_is_a_schedule_checked_where_it_is_set():
+    """loop.schedule took anything: a number of seconds (meant for look_s) or None met an
+    AttributeError ("'float' object has no attribute 'begin'") in follow(), once the loop was
+    launched and the buffers held. A TypeError naming it where it is set; a Schedule is taken."""
+    from memra_cuda.rounds import Schedule
+    loop = DeviceLoop.__new__(DeviceLoop)  # __init__ would load the decider's module
+    kept = Schedule(look_s=0.0002, spin=True)
+    loop.schedule = kept
+    for given in (0.0002, None, "spin", Schedule):
+        with pytest.raises(TypeError, match=r"^a device loop's schedule must be a Schedule \(memra_cuda\.rounds\."
+                                            r"Schedule\(look_s=\.\.\., spin=\.\.\.\)\), not "):
+            loop.schedule = given
+    assert loop.schedule is kept
