@@ -409,10 +409,11 @@ def _check_steps(draft_chain: object, verify_trunk: object, narrower: Mapping[in
 
 def _kv_tables(bufs: StreamBufs, given: Sequence[PointerTable]) -> list[PointerTable]:
     """The rollback tables, refused unless they are KV-length tables that move the position and
-    say their capacity."""
+    say their capacity, given in a list, a tuple or a 1-D array (as_listed: a bare int met "'int'
+    object is not iterable", a set was taken in its hashes' order)."""
     if isinstance(given, AddressTable):
         raise TypeError(f"rollback_tables is a list of tables, not one table: [{given!r}]")
-    tables = list(given)
+    tables = as_listed(given, "rollback_tables", "PointerTables of KV lengths (kv_len_ptr_table)")
     if not tables:
         raise ValueError("rollback needs at least one pointer table (one of them holding bufs.pos_ctr_d)")
     for table in tables:
@@ -430,10 +431,11 @@ def _kv_tables(bufs: StreamBufs, given: Sequence[PointerTable]) -> list[PointerT
 
 
 def _state_tables(given: Sequence[StateTable | StateIndexTable]) -> list[StateTable | StateIndexTable]:
-    """The state tables, refused unless each is a copy or flip table and none names another's memory."""
+    """The state tables, refused unless each is a copy or flip table and none names another's
+    memory, given in a list, a tuple or a 1-D array (as_listed, as the rollback tables)."""
     if isinstance(given, AddressTable):
         raise TypeError(f"state_tables is a list of tables, not one table: [{given!r}]")
-    states = list(given)
+    states = as_listed(given, "state_tables", "StateTables (state_copy_table) or StateIndexTables (state_flip_table)")
     for table in states:
         if not isinstance(table, (StateTable, StateIndexTable)):
             raise TypeError(f"state tables must be StateTables (state_copy_table) or StateIndexTables "

@@ -278,3 +278,30 @@ def test_beside_branches_where_a_graph_is_captured_and_launches_in_line_where_no
     beside.fork()
     beside.join()
     assert launched == ["in line"] and made == [("branch",), ("join", "node"), ("branch",)]
+
+
+@pytest.mark.parametrize("given", [5, "tables", "set", "generator", "mapping"])
+@pytest.mark.parametrize("which", ["rollback_tables", "state_tables"])
+def test_a_rounds_tables_come_in_a_list_or_a_tuple_refused_naming_them_otherwise(which, given):
+    """rollback_tables and state_tables went through list(): a bare int met "'int' object is not
+    iterable", naming nothing, a set of tables was taken in its hashes' order (the tables'
+    addresses: the rollbacks issued in an order of the allocator's), a generator and a mapping's
+    keys were taken too. Refused naming them (as_listed), before anything is prepared from them."""
+    bufs = buffers(Geometry(4, 2, 3))
+    first, second = table(bufs.pos_ctr_d), table(object())
+    made = {"set": {first, second}, "generator": (t for t in (first, second)), "mapping": {first: 0, second: 1}}
+    tables = dict(rollback_tables=[first], state_tables=[])
+    tables[which] = made.get(given, given)
+    of = ("PointerTables of KV lengths .kv_len_ptr_table." if which == "rollback_tables" else
+          r"StateTables .state_copy_table. or StateIndexTables .state_flip_table.")
+    with pytest.raises(TypeError, match=f"^{which} must be a list, a tuple or a 1-D array of {of}, not "):
+        ChainRound(bufs, Kernels(bufs.engine), draft_chain=model("draft"), verify_trunk=model("verify"),
+                   draft_d=object(), acceptance=Greedy(PRED), **tables)
+
+
+def test_a_rounds_tables_in_a_tuple_are_taken_in_their_order():
+    bufs = buffers(Geometry(4, 2, 3))
+    first, second = table(bufs.pos_ctr_d), table(object())
+    round_ = ChainRound(bufs, Kernels(bufs.engine), draft_chain=model("draft"), verify_trunk=model("verify"),
+                        draft_d=object(), acceptance=Greedy(PRED), rollback_tables=(first, second), state_tables=())
+    assert round_.commit.given == (PRED, first) and round_.after_commit[0].given == (second,)
