@@ -7,7 +7,7 @@ clamps included. It is the oracle of the GPU tests and the plainest statement of
 Each takes `batch` (B, default 1) as its kernel does: every buffer then holds B rows, row-major
 (docs/buffers.md, "Batched layout"), and the single-sequence contract applies to each row alone;
 a buffer that is not flat or holds fewer than the B rows its sizes (k, V) make is refused, naming
-it, before the kernel's function writes any (rows_of).
+it, before the kernel's function writes any (rows_of), as a k or a V that is no size is (sizes).
 Token buffers the model writes (draft, pred) may be 32- or 64-bit: ids are < 2**31, and the
 kernels read the low 32 bits of a 64-bit word (`ids`). Rows are laid out as
 memra_cuda.buffers.layout says.
@@ -46,10 +46,25 @@ def rows_of(buf: np.ndarray, batch: int, row: int, name: str) -> None:
                          f"row{'s' if batch != 1 else ''} of {row}), not one of shape {np.shape(buf)}")
 
 
-def row_views(batch: int, **buffers: tuple[np.ndarray, int]) -> Iterator[tuple[np.ndarray, ...]]:
+def sizes(k: int | None = None, V: int | None = None) -> None:
+    """The sizes a kernel's function is given, where given (None: not one of its), checked as the
+    launchers check them (as_size, naming each): `k`, the drafts a row, an int of at least 0, and
+    `V`, the vocabulary, of at least 1. A negative k or V made rows of negative length, which
+    rows_of cannot refuse (no buffer is too short for them), so a row's views were empty or
+    reached into the next row, silently, or met numpy's index or reshape error."""
+    if k is not None:
+        as_size(k, "k", 0)
+    if V is not None:
+        as_size(V, "V", 1)
+
+
+def row_views(batch: int, *, k: int | None = None, V: int | None = None,
+              **buffers: tuple[np.ndarray, int]) -> Iterator[tuple[np.ndarray, ...]]:
     """For each row b < batch, views of every buffer (name=(buffer, row length)) at offset
     b * row length: the single-sequence code then updates the batched buffers in place. Checked
-    before any row is read (as_size's `batch`, rows_of each buffer, naming it)."""
+    before any row is read: the sizes the row lengths are made of (`k`, `V`: sizes), `batch`
+    (as_size), then rows_of each buffer, naming it."""
+    sizes(k, V)
     batch = as_size(batch, "batch")
     for name, (buf, row) in buffers.items():
         rows_of(buf, batch, row, name)
@@ -73,7 +88,7 @@ def spec_assemble_verify(pend: np.ndarray, draft: np.ndarray, k: int, vtok: np.n
     """vtok = [pending token, draft_0 .. draft_{k-1}]; the round starts at pos_ctr.
     Batched: draft rows are max(k, 1) tokens apart."""
     for pend, draft, vtok, pos_ctr, pos_start in row_views(
-            batch, pend=(pend, 1), draft=(draft, max(k, 1)), vtok=(vtok, k + 1), pos_ctr=(pos_ctr, 1),
+            batch, k=k, pend=(pend, 1), draft=(draft, max(k, 1)), vtok=(vtok, k + 1), pos_ctr=(pos_ctr, 1),
             pos_start=(pos_start, 1)):
         vtok[0] = pend[0]
         vtok[1:k + 1] = ids(draft[:k])
@@ -89,7 +104,7 @@ def spec_accept_greedy_dc(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.nd
     entries (the pending token and n drafts) survive the round. Once done, nothing is kept.
     """
     for vtok, pred, brk, acc, last_pred, ctl in row_views(
-            batch, vtok=(vtok, k + 1), pred=(pred, k + 1), brk=(brk, BRK_WORDS), acc=(acc, ACC_WORDS),
+            batch, k=k, vtok=(vtok, k + 1), pred=(pred, k + 1), brk=(brk, BRK_WORDS), acc=(acc, ACC_WORDS),
             last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS)):
         _accept_greedy_row(vtok, pred, k, brk, acc, last_pred, ctl)
 
@@ -133,7 +148,7 @@ def spec_ring_commit(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, c
     drafts committed before the round's last token, and committed - accepted counts rounds.
     """
     for vtok, acc, last_pred, ctl, pend, ring in row_views(
-            batch, vtok=(vtok, k + 1), acc=(acc, ACC_WORDS), last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS),
+            batch, k=k, vtok=(vtok, k + 1), acc=(acc, ACC_WORDS), last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS),
             pend=(pend, 1), ring=(ring, RING_TOKENS + ring_cap)):
         _ring_commit_row(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k)
 
@@ -268,7 +283,7 @@ def spec_accept_sample(vtok: np.ndarray, p: np.ndarray, q: np.ndarray, V: int, k
     last_pred, keep and brk follow greedy's contract; a done row changes only acc[0], keep and brk[0].
     """
     for vtok, p, q, brk, acc, last_pred, ctl, pos_start, seed in row_views(
-            batch, vtok=(vtok, k + 1), p=(p, (k + 1) * V), q=(q, max(k, 1) * V), brk=(brk, BRK_WORDS),
+            batch, k=k, V=V, vtok=(vtok, k + 1), p=(p, (k + 1) * V), q=(q, max(k, 1) * V), brk=(brk, BRK_WORDS),
             acc=(acc, ACC_WORDS), last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS), pos_start=(pos_start, 1),
             seed=(seed, 1)):
         n, token = (0, NO_MASS_TOKEN) if ctl[CTL_DONE] != 0 else _sample_verdict(vtok, p, q, V, k, brk, pos_start, seed)
@@ -315,8 +330,8 @@ def spec_draft_sample(step: int, k: int, V: int, q: np.ndarray, pos_ctr: np.ndar
     # as the kernel clamps it: a step past the chain redraws the last row (a negative one indexed q's rows
     # and draft from the end, numpy's way, where the kernel's u32 step is past the chain)
     step = min(as_size(step, "step", 0), rows - 1)
-    for q, pos_ctr, seed, draft in row_views(batch, q=(q, rows * V), pos_ctr=(pos_ctr, 1), seed=(seed, 1),
-                                             draft=(draft, rows)):
+    for q, pos_ctr, seed, draft in row_views(batch, k=k, V=V, q=(q, rows * V), pos_ctr=(pos_ctr, 1),
+                                             seed=(seed, 1), draft=(draft, rows)):
         token = sample_race(probabilities(q.reshape(rows, V)[step]), seed[0], int(pos_ctr[0]) + step + 1,
                             PURPOSE_DRAFT)
         draft[step] = max(token, 0)
@@ -328,7 +343,7 @@ def kept_states(ctl: np.ndarray, k: int, batch: int) -> Iterator[tuple[int, int]
     """(b, keep) for every row with a state to roll back, keep read as the state kernels read
     it: as u32, clamped to the k + 1 verify states (a done row's 0 rolls nothing back). ctl is
     checked (row_views) before a row is read."""
-    for b, (ctl_b,) in enumerate(row_views(batch, ctl=(ctl, CTL_WORDS))):
+    for b, (ctl_b,) in enumerate(row_views(batch, k=k, ctl=(ctl, CTL_WORDS))):
         keep = min(int(ctl_b[CTL_KEEP]) % 2**32, k + 1)
         if keep:
             yield b, keep
@@ -422,7 +437,7 @@ def spec_choose_lengths(ctl: np.ndarray, acc: np.ndarray, brk: np.ndarray, rate:
     of L drafts (kernels 3 and 6), at L = 0 as plain decoding, and L depends only on rounds
     already judged.
     """
-    views = row_views(batch, ctl=(ctl, CTL_WORDS), acc=(acc, ACC_WORDS), brk=(brk, BRK_WORDS),
+    views = row_views(batch, k=k, ctl=(ctl, CTL_WORDS), acc=(acc, ACC_WORDS), brk=(brk, BRK_WORDS),
                       rate=(rate, RATE_WORDS), cap=(cap, 1))
     rows_of(cost, 1, COST_VERIFY + k + 1, "cost")
     rows_of(width, 1, 1, "width")
@@ -473,9 +488,16 @@ def width_values(a: np.ndarray, cap: np.ndarray, cost: np.ndarray, k: int) -> np
     from a round of L drafts (L + 1 at a = 1), so the sum is G(0) + ... + G(W) with G(i) the
     rows' a^i over the rows whose cap is at least i; each a^i is a product of i factors a from
     1, and each sum is accumulated in increasing i, as the kernel does. The kernel adds the
-    rows of one G(i) in another order, so its values may differ from these in the last bits."""
+    rows of one G(i) in another order, so its values may differ from these in the last bits.
+    `a` and `cap` are one value a row each (1-D, of the same length), refused otherwise (a cap
+    short of the rows met numpy's boolean index error, and a single cap was taken for every row)."""
+    sizes(k)
     rows_of(cost, 1, COST_VERIFY + k + 1, "cost")
-    a, cap = np.asarray(a, np.float64), np.minimum(np.asarray(cap, np.int64), k)
+    a, cap = np.asarray(a, np.float64), np.asarray(cap, np.int64)
+    if a.ndim != 1 or cap.shape != a.shape:
+        raise ValueError(f"a and cap must hold one value a row each (1-D, of the same length), not arrays of "
+                         f"shapes {a.shape} and {cap.shape}")
+    cap = np.minimum(cap, k)
     power, total, totals = np.ones_like(a), 0.0, np.empty(k + 1)
     for i in range(k + 1):
         total += float(power[cap >= i].sum())
@@ -490,7 +512,7 @@ def width_values(a: np.ndarray, cap: np.ndarray, cost: np.ndarray, k: int) -> np
 def mark_lengths(ctl: np.ndarray, brk: np.ndarray, cap: np.ndarray, width: int, k: int, batch: int = 1) -> None:
     """Each live row's length L = min(width, cap, k) as its acceptance cap: BRK_MARK lowered to
     L + 1 where L < k (tighter_mark); a length of k caps nothing, so BRK_COUNT does not count it."""
-    for ctl_b, brk_b, cap_b in row_views(batch, ctl=(ctl, CTL_WORDS), brk=(brk, BRK_WORDS), cap=(cap, 1)):
+    for ctl_b, brk_b, cap_b in row_views(batch, k=k, ctl=(ctl, CTL_WORDS), brk=(brk, BRK_WORDS), cap=(cap, 1)):
         if ctl_b[CTL_DONE] == 0:
             length = min(width, int(cap_b[0]), k)
             brk_b[BRK_MARK] = tighter_mark(int(brk_b[BRK_MARK]), length + 1 if length < k else 0)

@@ -129,7 +129,8 @@ def spec_tree_begin(t: TreeArrays, pend: np.ndarray, pos_ctr: np.ndarray, pos_st
     """Node 0 is the pending token at pos_start = pos_ctr: tok[0] = vtok[0] = pend, parent ROOT_PARENT,
     depth 0, rank 0, pos pos_ctr, mask {0}, score 0. The other nodes are left to the levels."""
     for b, (pend_b, pos_ctr_b, pos_start_b, vtok_b) in enumerate(
-            row_views(batch, pend=(pend, 1), pos_ctr=(pos_ctr, 1), pos_start=(pos_start, 1), vtok=(vtok, k + 1))):
+            row_views(batch, k=k, pend=(pend, 1), pos_ctr=(pos_ctr, 1), pos_start=(pos_start, 1),
+                      vtok=(vtok, k + 1))):
         r = t.row(b)
         r.tok[0] = vtok_b[0] = pend_b[0]
         r.parent[0], r.depth[0], r.rank[0] = ROOT_PARENT, 0, 0
@@ -288,7 +289,7 @@ def _accept_rows(t: TreeArrays, k: int, batch: int, vtok: np.ndarray, brk: np.nd
     go: min(k, D) (the vtok row has k + 1 words, the path row D + 1), lowered by the row's mark
     (marked_limit: the draft length chosen for it, docs/lengths.md)."""
     for b, (vtok_b, brk_b, acc_b, last_pred_b, ctl_b) in enumerate(row_views(
-            batch, vtok=(vtok, k + 1), brk=(brk, BRK_WORDS), acc=(acc, ACC_WORDS), last_pred=(last_pred, 1),
+            batch, k=k, vtok=(vtok, k + 1), brk=(brk, BRK_WORDS), acc=(acc, ACC_WORDS), last_pred=(last_pred, 1),
             ctl=(ctl, CTL_WORDS))):
         cap = marked_limit(int(brk_b[BRK_MARK]), min(k, t.depth_max))
         yield b, t.row(b), cap, vtok_b, brk_b, acc_b, last_pred_b, ctl_b

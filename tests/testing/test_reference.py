@@ -451,3 +451,98 @@ def test_a_batch_is_a_count_of_rows():
         with pytest.raises(error, match="^batch must be an"):
             ref.spec_accept_greedy_dc(*(sized_buffers()[n] for n in ("vtok", "pred")), K,
                                       *(sized_buffers()[n] for n in ("brk", "acc", "last_pred", "ctl")), bad)
+
+
+# each public function of k (and V, where it takes one), called with the sizes given
+def _sized(function: str):
+    return {
+        "spec_assemble_verify": lambda a, k, v: ref.spec_assemble_verify(a["pend"], a["draft"], k, a["vtok"],
+                                                                         a["pos_ctr"], a["pos_start"], B),
+        "spec_accept_greedy_dc": lambda a, k, v: ref.spec_accept_greedy_dc(a["vtok"], a["pred"], k, a["brk"],
+                                                                           a["acc"], a["last_pred"], a["ctl"], B),
+        "spec_ring_commit": lambda a, k, v: ref.spec_ring_commit(a["vtok"], a["acc"], a["last_pred"], a["ctl"],
+                                                                 a["pend"], a["ring"], CAP, k, B),
+        "spec_round_tail_greedy": lambda a, k, v: ref.spec_round_tail_greedy(
+            a["vtok"], a["pred"], k, a["brk"], a["acc"], a["last_pred"], a["ctl"], a["pend"], a["ring"], CAP,
+            [a["length"]], a["pos_start"], B),
+        "spec_accept_sample": lambda a, k, v: ref.spec_accept_sample(a["vtok"], a["p"], a["q"], v, k, a["brk"],
+                                                                     a["acc"], a["last_pred"], a["ctl"],
+                                                                     a["pos_start"], a["seed"], B),
+        "spec_draft_sample": lambda a, k, v: ref.spec_draft_sample(0, k, v, a["q"], a["pos_ctr"], a["seed"],
+                                                                   a["draft"], B),
+        "spec_state_copy": lambda a, k, v: ref.spec_state_copy([(a["live"], a["slots"], ROW)], k, a["ctl"], B),
+        "spec_state_flip": lambda a, k, v: ref.spec_state_flip([a["idx"]], k, a["ctl"], B),
+        "spec_choose_lengths": lambda a, k, v: ref.spec_choose_lengths(a["ctl"], a["acc"], a["brk"], a["rate"],
+                                                                       a["cap"], a["cost"], a["width"], k, 0.9, 0.5,
+                                                                       B),
+        "mark_lengths": lambda a, k, v: ref.mark_lengths(a["ctl"], a["brk"], a["cap"], 1, k, B),
+        "width_values": lambda a, k, v: ref.width_values(np.full(B, 0.5), a["cap"][:B], a["cost"], k),
+    }[function]
+
+
+def live_buffers() -> dict[str, np.ndarray]:
+    """sized_buffers with every row live, keeping one token and drafting: what a size reads."""
+    given = sized_buffers()
+    given["ctl"].reshape(B, -1)[:, ref.KEEP] = 1
+    given["ctl"].reshape(B, -1)[:, ref.BUDGET] = -1
+    given["ctl"].reshape(B, -1)[:, ref.EOS] = -1
+    given["cap"][:] = K
+    given["cost"][:] = 1
+    return given
+
+
+@pytest.mark.parametrize("function", ["spec_assemble_verify", "spec_accept_greedy_dc", "spec_ring_commit",
+                                      "spec_round_tail_greedy", "spec_accept_sample", "spec_draft_sample",
+                                      "spec_state_copy", "spec_state_flip", "spec_choose_lengths", "mark_lengths",
+                                      "width_values"])
+def test_k_is_a_count_of_drafts_refused_naming_it_before_anything_is_written(function):
+    """A negative k made rows of negative length, which no buffer is too short for: a row's views
+    were empty or reached into the next row's words, so spec_ring_commit committed the bonus
+    alone, the state rollbacks and mark_lengths did nothing and spec_draft_sample drew into row 0,
+    silently, and the rest met numpy's index error, naming nothing. Refused naming k (sizes, in
+    row_views: as_size, as the launchers'), before any buffer is written; a bool or a float too."""
+    call = _sized(function)
+    call(live_buffers(), K, V)
+    call(live_buffers(), 0, V)  # a round of no drafts: plain decoding
+    for k, error, message in ((-1, ValueError, "^k must be an int of at least 0, not -1$"),
+                              (-2, ValueError, "^k must be an int of at least 0, not -2$"),
+                              (True, TypeError, "^k must be an integer, not True$"),
+                              (3.0, TypeError, "^k must be an integer, not 3.0$")):
+        given = live_buffers()
+        before = {n: words.copy() for n, words in given.items()}
+        with pytest.raises(error, match=message):
+            call(given, k, V)
+        assert all(np.array_equal(given[n], before[n]) for n in given), f"{function} wrote before k's refusal"
+
+
+@pytest.mark.parametrize("function", ["spec_accept_sample", "spec_draft_sample"])
+def test_v_is_a_vocabulary_of_at_least_one_token_refused_naming_it_before_anything_is_written(function):
+    """V = 0 or -1 made q's rows empty, or slices numpy's negative bounds cut, so spec_draft_sample
+    drew token 0 silently and spec_accept_sample met numpy's index error, naming nothing. Refused
+    naming V (of at least 1, as the launchers' vocab), before any buffer is written."""
+    call = _sized(function)
+    for v, error, message in ((0, ValueError, "^V must be an int of at least 1, not 0$"),
+                              (-1, ValueError, "^V must be an int of at least 1, not -1$"),
+                              (True, TypeError, "^V must be an integer, not True$")):
+        given = live_buffers()
+        before = {n: words.copy() for n, words in given.items()}
+        with pytest.raises(error, match=message):
+            call(given, K, v)
+        assert all(np.array_equal(given[n], before[n]) for n in given), f"{function} wrote before V's refusal"
+
+
+@pytest.mark.parametrize(("a", "cap"), [
+    (np.full(3, 0.5), np.full(2, 3)), (np.full(2, 0.5), np.full(3, 3)), (np.full(2, 0.5), np.int64(3)),
+    (np.full((2, 1), 0.5), np.full((2, 1), 3)), (np.float64(0.5), np.full(1, 3)),
+])
+def test_width_values_takes_one_estimate_and_one_cap_a_row(a, cap):
+    """width_values(a, cap, ...) read its rows by `cap >= i` over `a`: a cap short of the rows or
+    past them met numpy's boolean index error, and one cap for all rows was taken, silently.
+    Refused naming both and their shapes; the rows' own (1-D, of one length, none too) taken."""
+    cost = np.ones(COST_VERIFY + K + 1, np.float32)
+    with pytest.raises(ValueError, match=r"^a and cap must hold one value a row each \(1-D, of the same length\), "
+                                         rf"not arrays of shapes {re.escape(str(np.shape(a)))} and "
+                                         rf"{re.escape(str(np.shape(cap)))}$"):
+        ref.width_values(a, cap, cost, K)
+    assert ref.width_values(np.full(2, 0.5), np.full(2, 3), cost, K).shape == (K + 1,)
+    assert ref.width_values(np.zeros(0), np.zeros(0, np.uint32), cost, K).tolist() == [0.0] * (K + 1)

@@ -949,3 +949,38 @@ def test_the_greedy_tail_then_compaction_is_accept_compact_commit_rollback():
             assert runs[0][name].tobytes() == runs[1][name].tobytes(), f"case {case}: {name}"
         moved += not np.array_equal(runs[1]["k0"], before["k0"])
     assert moved > 20, "compaction moved KV in too few cases to tell the orders apart"
+
+
+def test_a_trees_k_is_a_count_of_drafts_refused_naming_it_before_anything_is_written():
+    """The tree's begin and acceptances read their vtok rows by k + 1 words (row_views): a negative
+    k made them empty or cut by numpy's negative bounds, so spec_tree_begin wrote node 0's token
+    and then met an index error, naming nothing, and spec_tree_accept_greedy accepted no draft in
+    any row (its cap min(k, D) below 0), silently. Refused naming k (sizes), before the tree's
+    arrays or any buffer are written."""
+    batch, k = 2, 2
+
+    def arrays() -> tuple[rt.TreeArrays, dict[str, np.ndarray]]:
+        t = rt.TreeArrays.zeros(k + 1, k, batch)
+        t.tok[:] = 5
+        state = dict(pend=np.full(batch, 9, np.uint32), pos_ctr=np.full(batch, 4, np.int32),
+                     pos_start=np.zeros(batch, np.int32), vtok=np.zeros(batch * (k + 1), np.uint32),
+                     pred=np.zeros(batch * (k + 1), np.uint32), brk=np.zeros(batch * BRK_WORDS, np.uint32),
+                     acc=np.zeros(batch * ref.ACC_WORDS, np.uint32), last_pred=np.zeros(batch, np.uint32),
+                     ctl=np.zeros(batch * CTL_WORDS, np.int32))
+        return t, state
+
+    calls = {
+        "begin": lambda t, s, k: rt.spec_tree_begin(t, s["pend"], s["pos_ctr"], s["pos_start"], s["vtok"], k, batch),
+        "accept": lambda t, s, k: rt.spec_tree_accept_greedy(t, s["pred"], k, s["vtok"], s["brk"], s["acc"],
+                                                             s["last_pred"], s["ctl"], batch),
+    }
+    for name, call in calls.items():
+        call(*arrays(), k)
+        for bad, error in ((-1, ValueError), (-3, ValueError), (True, TypeError)):
+            t, state = arrays()
+            before = {n: words.copy() for n, words in (*state.items(), *vars(t).items())
+                      if isinstance(words, np.ndarray)}
+            with pytest.raises(error, match="^k must be an int"):
+                call(t, state, bad)
+            after = {**state, **{n: w for n, w in vars(t).items() if isinstance(w, np.ndarray)}}
+            assert all(np.array_equal(after[n], before[n]) for n in before), f"{name} wrote before k's refusal"
