@@ -114,11 +114,11 @@ def _inexact(arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return out
 
 
-def host_array(values: Any) -> np.ndarray:
+def host_array(values: Any, what: str = "values are numbers") -> np.ndarray:
     """`values` as numpy reads them (an ndarray as it is), a ragged list or tuple refused: a
-    ValueError naming it, where numpy's own ("setting an array element with a sequence ...
-    inhomogeneous shape") named nothing. What exact_array converts, and Engine.htod reads its
-    dtype from where none is given."""
+    ValueError saying what they are (`what`) and naming them, where numpy's own ("setting an
+    array element with a sequence ... inhomogeneous shape") named nothing. What exact_array
+    converts, Engine.htod reads its dtype from where none is given, and Philox's words read."""
     if isinstance(values, np.ndarray):
         return values
     try:
@@ -126,8 +126,8 @@ def host_array(values: Any) -> np.ndarray:
     except ValueError:  # numpy's "setting an array element with a sequence ... inhomogeneous shape"
         if not isinstance(values, (list, tuple)):
             raise
-        raise ValueError("values are numbers, or lists of them of one shape (each row as long as the others): not "
-                         f"a ragged list, {reprlib.repr(values)}") from None
+        raise ValueError(f"{what}, or lists of them of one shape (each row as long as the others): not a ragged "
+                         f"list, {reprlib.repr(values)}") from None
 
 
 def exact_array(values: Any, dtype: Any) -> np.ndarray:

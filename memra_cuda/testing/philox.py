@@ -11,12 +11,11 @@ product of two 32-bit words is exact, and masked back to 32 bits.
 """
 from __future__ import annotations
 
-import reprlib
 from typing import Any
 
 import numpy as np
 
-from ..driver.values import U64_MOST, hides_bools, past_int64
+from ..driver.values import U64_MOST, hides_bools, host_array, past_int64
 
 MULTIPLIERS = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
 WEYL = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))  # the key schedule's increments
@@ -40,13 +39,7 @@ def words(values: Any) -> np.ndarray:
     is a ragged list ([[1, 2], [3]]: numpy's "inhomogeneous shape", naming nothing)."""
     if hides_bools(values):
         raise TypeError(f"Philox counters, keys and seeds are integers, not bools ({values!r})")
-    try:
-        array = np.asarray(values)
-    except ValueError:  # numpy's "setting an array element with a sequence ... inhomogeneous shape"
-        if not isinstance(values, (list, tuple)):
-            raise
-        raise ValueError("Philox counters, keys and seeds are ints, or lists of them of one shape (each row as "
-                         f"long as the others): not a ragged list, {reprlib.repr(values)}") from None
+    array = host_array(values, "Philox counters, keys and seeds are ints")
     if array.dtype.kind == "O" or (array.dtype.kind == "f" and not isinstance(values, np.ndarray)):
         array = _exact_words(values, array)
     if array.dtype.kind not in "iu":
