@@ -9,6 +9,7 @@ import ctypes
 import math
 import reprlib
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
@@ -126,6 +127,9 @@ class DeviceBuffer(Handle):
         except AttributeError as exc:
             raise ValueError(f"{type(obj).__name__} is not device memory (no __cuda_array_interface__: a CUDA tensor "
                              f"or a CuPy array is): {exc}") from None
+        if not isinstance(iface, Mapping) or not {"shape", "typestr"} <= iface.keys():  # a bare KeyError or TypeError
+            raise TypeError(f"the __cuda_array_interface__ of {type(obj).__name__} must be a dict holding shape, "
+                            f"typestr and data, not {reprlib.repr(iface)}")
         shape = _shape(iface["shape"])
         if isinstance(iface["typestr"], str) and iface["typestr"][1:] == "V2":  # torch's and ml_dtypes' bfloat16
             raise ValueError(f"a bfloat16 array (typestr {iface['typestr']!r}) cannot be a device buffer: numpy has no "

@@ -1384,6 +1384,23 @@ def test_from_cuda_array_refuses_data_or_strides_of_no_form_naming_the_object_an
     assert DeviceBuffer.from_cuda_array(FakeArray(data=[FAKE_PTR, True])).ptr == FAKE_PTR  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("iface", [None, [1, 2], {"typestr": "<u4", "data": (FAKE_PTR, False)},
+                                   {"shape": (4,), "data": (FAKE_PTR, False)}],
+                         ids=["none", "a-list", "no-shape", "no-typestr"])
+def test_from_cuda_array_refuses_an_interface_that_is_no_dict_of_its_fields_naming_the_object(monkeypatch, iface):
+    """An interface that was no mapping met "'NoneType' object is not subscriptable" or a list's
+    "indices must be integers", and one without its shape or typestr a bare KeyError, naming
+    nothing: a TypeError naming the object and the fields, before the driver is asked."""
+    import memra_cuda.driver.buffer as buffer_module
+
+    monkeypatch.setattr(buffer_module, "_device_of", lambda ptr: 0)
+    array = FakeArray()
+    array.__cuda_array_interface__ = iface
+    with pytest.raises(TypeError, match=r"^the __cuda_array_interface__ of FakeArray must be a dict holding shape, "
+                                        r"typestr and data, not "):
+        DeviceBuffer.from_cuda_array(array)  # type: ignore[arg-type]
+
+
 def test_an_adopted_tensor_that_moved_is_refused_at_its_next_use(monkeypatch):
     """A tensor's memory can move under its owner (resize_, set_, its storage resized to 0): every
     use of an adopted buffer's ptr (a launch's arguments, a table, a copy) asks the tensor for its
