@@ -111,7 +111,8 @@ class TokenFeed:
     neither, and a cap of 0 or less was mapped, a feed no token fits."""
 
     def __init__(self, engine: Engine, batch: int, cap: int):
-        self.batch, self.cap = as_batch(batch), as_size(cap, "cap", 1, FEED_CAP_MOST)
+        # the checked values size the memory too: a numpy uint8 batch wrapped in `rows` below
+        self.batch, self.cap = batch, cap = as_batch(batch), as_size(cap, "cap", 1, FEED_CAP_MOST)
         self.looks = self.empty_looks = 0  # the last follow()'s looks, and those that found nothing
         rows = HEAD_WORDS + batch
         self._memory = MappedBuffer(engine, np.uint32, rows + 2 * batch * cap, label="token feed")

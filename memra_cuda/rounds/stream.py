@@ -246,8 +246,11 @@ class RoundStream:
     def require_loop(self, tokens: int) -> None:
         """CaptureError where this stream is sealed and the device loop captured before it cannot
         take a generation of `tokens` new tokens a row: follow() would capture one mid-generation.
-        A decoder asks before it prefills its rows, so a refusal leaves them as they were."""
-        if self.sealed and not self.device_loop.serves(tokens, self.pace):
+        A decoder asks before it prefills its rows, so a refusal leaves them as they were.
+        `tokens` is an int from 0 (no loop needed) to a row's most budget, refused naming it
+        (the loop's check named its `cap`, which no caller of this passes)."""
+        tokens = as_size(tokens, "tokens", 0, ROW_VALUE_MOST)
+        if self.sealed and tokens and not self.device_loop.serves(tokens, self.pace):
             raise CaptureError(f"device mode's loop for {tokens} tokens a row was not captured before the first "
                                "request (capture_graphs sealed this stream): capture_loop() it there")
 

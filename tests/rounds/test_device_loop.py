@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from memra_cuda import RoundStream
+from memra_cuda.errors import CaptureError
 from memra_cuda.rounds import device_loop
 from memra_cuda.rounds.device_loop import DeviceLoop
 
@@ -94,6 +95,30 @@ def test_capture_loop_names_its_tokens_where_they_are_past_a_rows_budget():
     assert prepared == []
     stream.capture_loop(ROW_MOST)
     assert prepared == [(ROW_MOST, True)]
+
+
+def test_require_loop_names_its_tokens_and_needs_no_loop_for_none():
+    """RoundStream.require_loop(tokens) on a sealed stream passed its tokens to the loop's check,
+    which named its `cap` (require_loop(0) was "cap must be an int from 1 ..."): its tokens are
+    checked as its own, from 0, and a generation of no tokens asks for no loop."""
+    stream = RoundStream.__new__(RoundStream)
+    asked: list[tuple[int, bool]] = []
+
+    class Loop:
+        def serves(self, cap: int, paced: bool) -> bool:
+            asked.append((cap, paced))
+            return cap <= 64
+
+    stream._device, stream.pace, stream.sealed = Loop(), True, True
+    for tokens, error in ((ROW_MOST + 1, ValueError), (-1, ValueError), (True, TypeError), (7.0, TypeError)):
+        with pytest.raises(error, match=r"^tokens must be an int"):
+            stream.require_loop(tokens)
+    stream.require_loop(0)
+    assert asked == []
+    stream.require_loop(np.int64(64))
+    with pytest.raises(CaptureError, match="loop for 65 tokens a row was not captured"):
+        stream.require_loop(65)
+    assert asked == [(64, True), (65, True)]
 
 
 def test_launch_checks_its_round_cap_before_the_feed_is_cleared_or_the_buffers_taken():
@@ -190,10 +215,13 @@ def test_a_token_feed_takes_numpy_sizes_up_to_a_rows_most_budgets_feed(monkeypat
             asked.append(length)
             raise RuntimeError("mapped")  # what was asked for is all this test looks at
     monkeypatch.setattr(device_loop, "MappedBuffer", Mapped)
-    for batch, cap in ((np.int64(2), np.uint32(8)), (1, 2**31)):
+    for batch, cap in ((np.int64(2), np.uint32(8)), (1, 2**31), (np.uint8(200), np.uint8(8))):
         with pytest.raises(RuntimeError, match="mapped"):
             device_loop.TokenFeed(object(), batch, cap)
-    assert asked == [device_loop.HEAD_WORDS + 2 + 2 * 2 * 8, device_loop.HEAD_WORDS + 1 + 2 * 2**31]
+    # the checked sizes, Python's ints, size the memory: a uint8 batch's words wrapped past 255
+    assert asked == [device_loop.HEAD_WORDS + 2 + 2 * 2 * 8, device_loop.HEAD_WORDS + 1 + 2 * 2**31,
+                     device_loop.HEAD_WORDS + 200 + 2 * 200 * 8]
+    assert all(type(length) is int for length in asked)
 
 
 def test_a_device_loops_schedule_is_a_schedule_checked_where_it_is_set():
