@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CudaUnavailable, MemraError, driver_version
-from .values import as_flag, as_listed
+from .values import as_flag, as_listed, c_string
 
 __all__ = ["CompileError", "Nvrtc", "NvrtcUnavailable", "compile_ptx", "nvrtc", "ptx_isa", "EXTRA", "REQUIREMENT",
            "OPTIONS"]
@@ -305,10 +305,7 @@ def compile_ptx(source: str, *, name: str = "kernel.cu", headers: Mapping[str, s
     texts = [("source", source), ("name", name), *(("header name", key) for key in headers),
              *(("header", value) for value in headers.values()), *(("option", option) for option in all_options)]
     for what, text in texts:  # refused here, not as a ctypes error or a silently cut string
-        if not isinstance(text, str):
-            raise TypeError(f"a {what} must be a str, not {type(text).__name__}")
-        if "\0" in text:
-            raise ValueError(f"a {what} holds a NUL character, which would end its C string early")
+        c_string(text, f"a {what}")
     compiler = nvrtc(portable)
     lib = compiler.lib
     prog = _PROGRAM()

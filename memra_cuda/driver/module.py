@@ -29,7 +29,7 @@ from .errors import CudaError, CudaFault, driver
 from .handle import Handle
 from .signature import ARG_TYPES, Signature, arguments, is_arg_type
 from .stream import Stream, as_engine_stream
-from .values import as_index, as_size, exact_int
+from .values import as_index, as_size, c_string, exact_int
 
 if TYPE_CHECKING:
     from .context import PrimaryContext
@@ -360,14 +360,9 @@ class Module(Handle):
 
 
 def kernel_name(name: Any) -> str:
-    """`name`, a kernel's, if it is a str with no NUL: TypeError for anything else (an int met
-    "'int' object has no attribute 'encode'", a list "unhashable type"), ValueError for a NUL,
-    which would end the C string cuModuleGetFunction reads early ("scale\\0x" would be "scale")."""
-    if not isinstance(name, str):
-        raise TypeError(f"a kernel's name must be a str, not {reprlib.repr(name)}")
-    if "\0" in name:
-        raise ValueError(f"a kernel's name holds a NUL character, which would end its C string early: {name!r}")
-    return name
+    """`name`, a kernel's, as a C string whole (values.c_string): a list met the kernel cache's
+    "unhashable type", and a NUL ended the name cuModuleGetFunction looked up early."""
+    return c_string(name, "a kernel's name")
 
 
 def ptx_name(name: Any) -> str:

@@ -363,6 +363,17 @@ def _no_prompt(prompt: Any, what: str) -> str:
     return f"{what} must be a sequence of at least one token id (an int), not {reprlib.repr(prompt)}"
 
 
+def c_string(text: Any, what: str) -> str:
+    """`text` if it is a str a C string holds whole: TypeError naming `what` for anything else (an
+    int met "'int' object has no attribute 'encode'"), ValueError for a NUL, which would end the
+    C string the driver or NVRTC reads early ("scale\\0x" would be "scale")."""
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a str, not {reprlib.repr(text)}")
+    if "\0" in text:
+        raise ValueError(f"{what} holds a NUL character, which would end its C string early: {reprlib.repr(text)}")
+    return text
+
+
 def as_listed(values: Any, what: str, of: str, most: int | None = None) -> list[Any]:
     """`values` as a list, if it is a list, a tuple (a sequence but text or bytes) or a 1-D array:
     where the order is the meaning (a tree's nodes, a cost a width), a mapping's or a set's
