@@ -7,7 +7,8 @@ clamps included. It is the oracle of the GPU tests and the plainest statement of
 Each takes `batch` (B, default 1) as its kernel does: every buffer then holds B rows, row-major
 (docs/buffers.md, "Batched layout"), and the single-sequence contract applies to each row alone;
 a buffer that is not flat or holds fewer than the B rows its sizes (k, V) make is refused, naming
-it, before the kernel's function writes any (rows_of), as a k or a V that is no size is (sizes).
+it, before the kernel's function writes any (rows_of), as a k or a V that is no size is (sizes),
+and so is one no view of it reaches (a list): its rows are read and written through a view.
 Token buffers the model writes (draft, pred) may be 32- or 64-bit: ids are < 2**31, and the
 kernels read the low 32 bits of a 64-bit word (`ids`). Rows are laid out as
 memra_cuda.buffers.layout says.
@@ -34,16 +35,31 @@ def ids(tokens: np.ndarray) -> np.ndarray:
     return tokens.astype(np.uint32)
 
 
-def rows_of(buf: np.ndarray, batch: int, row: int, name: str) -> None:
-    """ValueError naming `name` unless `buf` is flat (1-D) and holds at least `batch` rows of
-    `row` values, all a kernel reads of it: a buffer the sizes given (k, V, B) do not fit met
-    numpy's broadcast or index error, or a row read the next one's words as its own, silently.
-    Words past the rows are never read, as a kernel's are not (a test's guard words), so a
-    buffer laid out for a smaller k or V than the one given is not told from one with words to
-    spare."""
-    if np.ndim(buf) != 1 or len(buf) < batch * row:
-        raise ValueError(f"{name} must be a flat array of at least {batch * row} values ({batch} "
-                         f"row{'s' if batch != 1 else ''} of {row}), not one of shape {np.shape(buf)}")
+def rows_of(buf: np.ndarray, batch: int, row: int, name: str, *, flat: bool = True) -> np.ndarray:
+    """The first `batch` rows of `row` values of `buf`, as a [batch][row] view of it: what is
+    written there lands in `buf`, as a kernel's writes land in its buffer. A ValueError naming
+    `name` unless `buf` is a numpy array, flat (1-D; where not `flat`, of any shape, its words
+    read in order: a state layer's [slots][row_words]) and of at least `batch` rows of `row`
+    values, all a kernel reads of it (a buffer the sizes given (k, V, B) do not fit met numpy's
+    broadcast or index error, or a row read the next one's words as its own, silently), whose
+    words one view reaches: a list, or an array whose words are not evenly strided (a [B][W]
+    column slice of a wider array), would be copied, and what was written into the copy lost,
+    silently. Words past the rows are never read, as a kernel's are not (a test's guard words),
+    so a buffer laid out for a smaller k or V than the one given is not told from one with words
+    to spare."""
+    count = batch * row
+    if not isinstance(buf, np.ndarray):
+        raise ValueError(f"{name} must be a numpy array, which the reference writes in place, not a "
+                         f"{type(buf).__name__}")
+    if (flat and buf.ndim != 1) or buf.size < count:
+        raise ValueError(f"{name} must be {'a flat array' if flat else 'an array'} of at least {count} values "
+                         f"({batch} row{'s' if batch != 1 else ''} of {row}), not one of shape {buf.shape}")
+    words = buf.reshape(-1)  # a view where one reaches its words; else a copy, which holds none of buf's memory
+    if buf.size and not np.may_share_memory(words, buf):
+        raise ValueError(f"{name} must be an array whose words one view reaches, which the reference writes in "
+                         f"place, not one of shape {buf.shape} and strides {buf.strides} (a copy would take the "
+                         f"writes)")
+    return words[:count].reshape(batch, row)
 
 
 def sizes(k: int | None = None, V: int | None = None) -> None:
@@ -63,12 +79,11 @@ def row_views(batch: int, *, k: int | None = None, V: int | None = None,
     """For each row b < batch, views of every buffer (name=(buffer, row length)) at offset
     b * row length: the single-sequence code then updates the batched buffers in place. Checked
     before any row is read: the sizes the row lengths are made of (`k`, `V`: sizes), `batch`
-    (as_size), then rows_of each buffer, naming it."""
+    (as_size), then rows_of each buffer, naming it (whose views these rows are)."""
     sizes(k, V)
     batch = as_size(batch, "batch")
-    for name, (buf, row) in buffers.items():
-        rows_of(buf, batch, row, name)
-    return (tuple(buf[b * row:(b + 1) * row] for buf, row in buffers.values()) for b in range(batch))
+    views = [rows_of(buf, batch, row, name) for name, (buf, row) in buffers.items()]
+    return (tuple(view[b] for view in views) for b in range(batch))
 
 
 def spec_seed_gather(rows: np.ndarray, n_rows: int, row_words: int, acc: np.ndarray,
@@ -190,14 +205,11 @@ def spec_rollback_stream(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray,
     batched, entry b of each becomes row b's pos_start + keep.
     """
     rows = row_views(batch, pos_start=(pos_start, 1), ctl=(ctl, CTL_WORDS))
-    for i, length in enumerate(len_ptrs):
-        if length is not None:
-            rows_of(length, batch, 1, f"len_ptrs[{i}]")
+    lengths = [rows_of(length, batch, 1, f"len_ptrs[{i}]") for i, length in enumerate(len_ptrs) if length is not None]
     for b, (pos_start_b, ctl_b) in enumerate(rows):
         value = (int(pos_start_b[0]) + int(ctl_b[CTL_KEEP]) + 2**31) % 2**32 - 2**31  # i32 wrap-around
-        for length in len_ptrs:
-            if length is not None:
-                length[b] = value
+        for length in lengths:
+            length[b] = value
 
 
 def spec_round_tail_greedy(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.ndarray, acc: np.ndarray,
@@ -362,18 +374,19 @@ def spec_state_copy(table: list, k: int, ctl: np.ndarray, batch: int = 1, *, slo
     keeps its path's last node: reference_tree.spec_tree_state_copy; as ptx/state.cuh's slot_of.)
 
     The table holds per layer (live, slots, row_words), the arrays standing for the device
-    pointers, or None for a layer without state (each checked, rows_of, before a row is read).
+    pointers, or None for a layer without state (each checked, rows_of, before a row is read:
+    read by their words in order, whatever their shapes, and the live state written through a
+    view of it, so an array no view reaches is refused).
     """
     slots = k + 1 if slots is None else slots
     kept = list(kept_states(ctl, k, batch))
     layers = []
     for i, layer in enumerate(table):
         if layer is not None:  # its arrays' words in order, whatever their shapes ([slots][row_words], say)
-            live_words, held_words, row_words = np.reshape(layer[0], -1), np.reshape(layer[1], -1), layer[2]
-            rows_of(live_words, batch, row_words, f"table[{i}]'s live")
-            rows_of(held_words, batch, slots * row_words, f"table[{i}]'s slots")
-            layers.append((live_words[:batch * row_words].reshape(batch, row_words),
-                           held_words[:batch * slots * row_words].reshape(batch, slots, row_words)))
+            row_words = layer[2]
+            layers.append((rows_of(layer[0], batch, row_words, f"table[{i}]'s live", flat=False),
+                           rows_of(layer[1], batch, slots * row_words, f"table[{i}]'s slots",
+                                   flat=False).reshape(batch, slots, row_words)))
     for b, keep in kept:
         slot = slot_of(b, keep)
         for live, held in layers:
@@ -388,13 +401,11 @@ def spec_state_flip(idx_ptrs: list, k: int, ctl: np.ndarray, batch: int = 1, *, 
     counts as bank 1 and the new one is in range. keep 0 leaves idx as it is."""
     slots = k + 1 if slots is None else slots
     kept = list(kept_states(ctl, k, batch))
-    for i, idx in enumerate(idx_ptrs):
-        if idx is not None:
-            rows_of(idx, batch, 1, f"idx_ptrs[{i}]")
+    indices = [rows_of(idx, batch, 1, f"idx_ptrs[{i}]") for i, idx in enumerate(idx_ptrs) if idx is not None]
     for b, keep in kept:
         slot = slot_of(b, keep)
-        for idx in filter(lambda idx: idx is not None, idx_ptrs):
-            bank = min(int(idx[b]) // slots, 1)
+        for idx in indices:
+            bank = min(int(idx[b, 0]) // slots, 1)
             idx[b] = (1 - bank) * slots + slot
 
 

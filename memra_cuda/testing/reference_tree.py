@@ -27,8 +27,8 @@ from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MA
                               CTL_WORDS, MAX_TREE_DRAWS, ROOT_PARENT, VOID_RANK)
 from .philox import uniform
 from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, ids, kept_states, marked_limit,
-                        race_scores, row_views, sample_race, spec_ring_commit, spec_rollback_stream, spec_state_copy,
-                        spec_state_flip)
+                        race_scores, row_views, rows_of, sample_race, spec_ring_commit, spec_rollback_stream,
+                        spec_state_copy, spec_state_flip)
 from .reference import probabilities as chain_probabilities
 
 _U32 = 0xFFFFFFFF
@@ -46,13 +46,6 @@ def probabilities(x: np.ndarray) -> np.ndarray:
 def _i32(value: int) -> int:
     """value wrapped to a signed 32-bit word, as the kernels' i32 arithmetic wraps it."""
     return (int(value) + 2**31) % 2**32 - 2**31
-
-
-def _rows(buf: np.ndarray, *shape: int) -> np.ndarray:
-    """A flat device-buffer stand-in seen as `shape`, a view, so that writes land in it."""
-    view = buf.reshape(shape)
-    assert np.shares_memory(view, buf), "buffers are contiguous flat arrays"
-    return view
 
 
 # -- the tree's buffers ----------------------------------------------------------------------
@@ -93,7 +86,8 @@ class TreeArrays:
         return TreeRow(tok=self.tok[b * t1:(b + 1) * t1], parent=self.parent[b * t1:(b + 1) * t1],
                        depth=self.depth[b * t1:(b + 1) * t1], rank=self.rank[b * t1:(b + 1) * t1],
                        pos=self.pos[b * t1:(b + 1) * t1], score=self.score[b * t1:(b + 1) * t1],
-                       mask=_rows(self.mask[b * t1 * w:(b + 1) * t1 * w], t1, w), path=self.path[b * p:(b + 1) * p])
+                       mask=rows_of(self.mask[b * t1 * w:(b + 1) * t1 * w], t1, w, "mask"),
+                       path=self.path[b * p:(b + 1) * p])
 
 
 @dataclass(frozen=True)
@@ -155,8 +149,10 @@ def spec_tree_draw(t: TreeArrays, level: int, levels: Levels, q: np.ndarray, V: 
     d = level - 1
     start, stop = levels[d]
     T1 = t.nodes
-    toks, logqs, sels = (_rows(a, batch, T1, draws) for a in (cand_tok, cand_logq, cand_sel))
-    qp = probabilities(_rows(q, batch, T1, V)[:, start:stop])  # [B][P][V], P the level's nodes
+    # [B][T1][draws] views, which the level's rows are written through (rows_of)
+    toks, logqs, sels = (rows_of(a, batch, T1 * draws, name).reshape(batch, T1, draws) for name, a in (
+        ("cand_tok", cand_tok), ("cand_logq", cand_logq), ("cand_sel", cand_sel)))
+    qp = probabilities(rows_of(q, batch, T1 * V, "q").reshape(batch, T1, V)[:, start:stop])  # [B][P][V], P: the level
     positions = np.asarray(pos_start).astype(np.int64)[:, None] + level
     scores = race_scores(qp, np.asarray(seed)[:, None], positions, PURPOSE_DRAFT, np.arange(start, stop)[None, :] - d)
     n = np.minimum(np.count_nonzero(scores > -np.inf, axis=-1), draws)[..., None]  # [B][P][1] draws made
@@ -200,9 +196,9 @@ def spec_tree_grow(t: TreeArrays, level: int, levels: Levels, cand_tok: np.ndarr
         raise ValueError("a static tree's level takes both shape_parent and shape_rank, a dynamic one neither")
     start, stop = levels[level]
     T1 = t.nodes
-    toks = ids(_rows(cand_tok, batch, T1, K))
-    logqs = np.asarray(cand_logq, np.float32).reshape(batch, T1, K)
-    sels = np.asarray(cand_sel, np.float32).reshape(batch, T1, K)
+    toks = ids(rows_of(cand_tok, batch, T1 * K, "cand_tok").reshape(batch, T1, K))
+    logqs, sels = (rows_of(np.asarray(x, np.float32), batch, T1 * K, name).reshape(batch, T1, K)
+                   for name, x in (("cand_logq", cand_logq), ("cand_sel", cand_sel)))
     for b in range(batch):
         r = t.row(b)
         if shape_parent is not None and shape_rank is not None:
@@ -359,7 +355,8 @@ def spec_tree_accept_sample(t: TreeArrays, p: np.ndarray, q: np.ndarray, V: int,
     position pos_start + h + 1, node word n - h); NO_MASS_TOKEN if f has no positive weight. The
     verdict is settled as kernel 13's, done rows too."""
     T1 = t.nodes
-    ps, qs = _rows(np.asarray(p, np.float32), batch, T1, V), _rows(np.asarray(q, np.float32), batch, T1, V)
+    ps, qs = (rows_of(np.asarray(x, np.float32), batch, T1 * V, name).reshape(batch, T1, V)
+              for name, x in (("p", p), ("q", q)))
     for b, r, cap, vtok_b, brk_b, acc_b, last_pred_b, ctl_b in _accept_rows(t, k, batch, vtok, brk, acc,
                                                                             last_pred, ctl):
         if ctl_b[CTL_DONE] != 0:

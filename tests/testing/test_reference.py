@@ -439,10 +439,43 @@ def test_each_buffer_holds_the_rows_its_sizes_say_or_is_refused_naming_it(functi
             want = given[key].size
             given[key] = given[key][:-1] if bad == "short" else given[key].reshape(1, -1)
             before, shape = {n: words.copy() for n, words in given.items()}, re.escape(str(given[key].shape))
-            with pytest.raises(ValueError, match=f"^{re.escape(name)} must be a flat array of at least {want} values "
+            kind = "an array" if shaped else "a flat array"
+            with pytest.raises(ValueError, match=f"^{re.escape(name)} must be {kind} of at least {want} values "
                                                  rf"\(\d+ rows? of \d+\), not one of shape {shape}$"):
                 call(given)
             assert all(np.array_equal(given[n], before[n]) for n in given), f"{function} wrote before {name}'s refusal"
+
+
+def test_what_the_reference_writes_is_written_in_place_or_refused_naming_it():
+    """A state layer's live array was read by its words through np.reshape, which copies an array
+    its words are not evenly strided in (a [B][W] column slice of a wider array) and a list, so
+    spec_state_copy rolled back the copy and the live state was left as it was, silently; a list
+    given for any buffer was sliced into copies too, so a kernel's writes to it were lost.
+    rows_of hands back a view of each buffer that the writes go through, and refuses, naming it,
+    what no view reaches, before anything is written; an array a view does reach, strided or of
+    another shape, is written through."""
+    wide = np.zeros((B, ROW + 2), np.uint32)
+    for live, what in ((wide[:, :ROW], "an array whose words one view reaches"), ([0] * (B * ROW), "a numpy")):
+        given = live_buffers()
+        given["slots"][:] = 7
+        before = {n: words.copy() for n, words in given.items()}
+        with pytest.raises(ValueError, match=f"^table\\[0\\]'s live must be {what}"):
+            ref.spec_state_copy([(live, given["slots"], ROW)], K, given["ctl"], B)
+        assert all(np.array_equal(given[n], before[n]) for n in given) and not np.asarray(live).any()
+    given = live_buffers()
+    ctl = given["ctl"].tolist()
+    with pytest.raises(ValueError, match="^ctl must be a numpy array, which the reference writes in place, not a "
+                                         "list$"):
+        ref.spec_accept_greedy_dc(given["vtok"], given["pred"], K, given["brk"], given["acc"], given["last_pred"], ctl,
+                                  B)
+    # reached by a view: written through, whatever the strides or the shape
+    given = live_buffers()
+    given["slots"][:] = np.arange(given["slots"].size)
+    strided, shaped = np.zeros(2 * B * ROW, np.uint32), np.zeros((B, ROW), np.uint32)
+    ref.spec_state_copy([(strided[::2], given["slots"], ROW), (shaped, given["slots"], ROW)], K, given["ctl"], B)
+    kept = given["slots"].reshape(B, K + 1, ROW)[:, 0]  # keep 1: slot 0 of each row
+    assert strided[::2].tolist() == kept.reshape(-1).tolist() and not strided[1::2].any()
+    assert shaped.tolist() == kept.tolist()
 
 
 def test_a_batch_is_a_count_of_rows():

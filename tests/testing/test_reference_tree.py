@@ -984,3 +984,37 @@ def test_a_trees_k_is_a_count_of_drafts_refused_naming_it_before_anything_is_wri
                 call(t, state, bad)
             after = {**state, **{n: w for n, w in vars(t).items() if isinstance(w, np.ndarray)}}
             assert all(np.array_equal(after[n], before[n]) for n in before), f"{name} wrote before k's refusal"
+
+
+def test_the_trees_buffers_are_read_and_written_through_views_or_refused_naming_them():
+    """The tree's draws, levels and sampled acceptance saw their flat buffers through a reshape of
+    the whole buffer (its _rows, now the chain's rows_of): a buffer with words past its rows (a
+    test's guard words) met numpy's "cannot reshape", one short of them too, naming nothing, and a
+    list met "'list' object has no attribute 'reshape'". The rows are read and written through a
+    view of the buffer's first words, as the chain's are, and what holds too few or no view reaches
+    is refused naming it, before the tree or any buffer is written."""
+    t, V, draws, batch, T1 = rt.TreeArrays.zeros(3, 2, 2), 50, 3, 2, 3
+    levels = levels_of([-1, 0, 0]) + [(3, 3)]
+    q = np.full(batch * T1 * V, 1 / V, np.float32)
+    seed, pos = np.array([5, 5], np.uint64), np.array([10, 10], np.int32)
+
+    def cand(extra: int = 0) -> list[np.ndarray]:
+        return [np.full(batch * T1 * draws + extra, 9, dt) for dt in (np.uint32, np.float32, np.float32)]
+
+    want = cand()
+    rt.spec_tree_draw(t, 2, levels, q, V, seed, pos, draws, *want, batch)
+    guarded = cand(2)
+    rt.spec_tree_draw(t, 2, levels, np.append(q, q[:5]), V, seed, pos, draws, *guarded, batch)
+    assert all(g[:-2].tolist() == w.tolist() and g[-2:].tolist() == [9, 9] for g, w in zip(guarded, want))
+    for i, name in enumerate(("cand_tok", "cand_logq", "cand_sel")):
+        for bad, message in ((lambda c: c[:-1], f"^{name} must be a flat array of at least 18 values "
+                                                r"\(2 rows of 9\)"),
+                             (lambda c: c.tolist(), f"^{name} must be a numpy array, which the reference writes")):
+            given = cand()
+            given[i] = bad(given[i])
+            before = [np.array(c).copy() for c in given]
+            with pytest.raises(ValueError, match=message):
+                rt.spec_tree_draw(t, 2, levels, q, V, seed, pos, draws, *given, batch)
+            assert all(np.array_equal(np.array(c), b) for c, b in zip(given, before)), f"wrote before {name}'s refusal"
+    with pytest.raises(ValueError, match=r"^q must be a flat array of at least 300 values \(2 rows of 150\)"):
+        rt.spec_tree_draw(t, 2, levels, q[:-1], V, seed, pos, draws, *cand(), batch)
