@@ -118,10 +118,15 @@ def spec_accept_greedy_dc(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.nd
     prediction after the last accepted token becomes the bonus (last_pred); keep = n + 1 KV
     entries (the pending token and n drafts) survive the round. Once done, nothing is kept.
     """
-    for vtok, pred, brk, acc, last_pred, ctl in row_views(
-            batch, k=k, vtok=(vtok, k + 1), pred=(pred, k + 1), brk=(brk, BRK_WORDS), acc=(acc, ACC_WORDS),
-            last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS)):
+    for vtok, pred, brk, acc, last_pred, ctl in _greedy_rows(vtok, pred, k, brk, acc, last_pred, ctl, batch):
         _accept_greedy_row(vtok, pred, k, brk, acc, last_pred, ctl)
+
+
+def _greedy_rows(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.ndarray, acc: np.ndarray,
+                 last_pred: np.ndarray, ctl: np.ndarray, batch: int) -> Iterator[tuple[np.ndarray, ...]]:
+    """spec_accept_greedy_dc's rows, its buffers checked (row_views) when this is called."""
+    return row_views(batch, k=k, vtok=(vtok, k + 1), pred=(pred, k + 1), brk=(brk, BRK_WORDS), acc=(acc, ACC_WORDS),
+                     last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS))
 
 
 def marked_limit(mark: int, most: int) -> int:
@@ -162,10 +167,17 @@ def spec_ring_commit(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, c
     committed) takes n + 1 - max(t, 1) off the accepted total, so that it counts only the
     drafts committed before the round's last token, and committed - accepted counts rounds.
     """
-    for vtok, acc, last_pred, ctl, pend, ring in row_views(
-            batch, k=k, vtok=(vtok, k + 1), acc=(acc, ACC_WORDS), last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS),
-            pend=(pend, 1), ring=(ring, RING_TOKENS + ring_cap)):
+    for vtok, acc, last_pred, ctl, pend, ring in _commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k,
+                                                              batch):
         _ring_commit_row(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k)
+
+
+def _commit_rows(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray, pend: np.ndarray,
+                 ring: np.ndarray, ring_cap: int, k: int, batch: int) -> Iterator[tuple[np.ndarray, ...]]:
+    """spec_ring_commit's rows, its buffers checked (row_views) when this is called: a round's
+    tail checks them before its acceptance writes any."""
+    return row_views(batch, k=k, vtok=(vtok, k + 1), acc=(acc, ACC_WORDS), last_pred=(last_pred, 1),
+                     ctl=(ctl, CTL_WORDS), pend=(pend, 1), ring=(ring, RING_TOKENS + ring_cap))
 
 
 def _ring_commit_row(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray,
@@ -204,19 +216,35 @@ def spec_rollback_stream(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray,
     The table holds the length arrays themselves (i32[B]), standing for device pointers;
     batched, entry b of each becomes row b's pos_start + keep.
     """
-    rows = row_views(batch, pos_start=(pos_start, 1), ctl=(ctl, CTL_WORDS))
-    lengths = [rows_of(length, batch, 1, f"len_ptrs[{i}]") for i, length in enumerate(len_ptrs) if length is not None]
+    rows, lengths = _rollback_rows(len_ptrs, pos_start, ctl, batch)
     for b, (pos_start_b, ctl_b) in enumerate(rows):
         value = (int(pos_start_b[0]) + int(ctl_b[CTL_KEEP]) + 2**31) % 2**32 - 2**31  # i32 wrap-around
         for length in lengths:
             length[b] = value
 
 
+def _rollback_rows(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray,
+                   batch: int) -> tuple[Iterator[tuple[np.ndarray, ...]], list[np.ndarray]]:
+    """spec_rollback_stream's buffers, checked when this is called (row_views; rows_of each length
+    array, naming it by its entry): each row's (pos_start, ctl) views, and a [B][1] view of each
+    length array (the entries that are not None). A round's tail checks them before its
+    acceptance writes any."""
+    rows = row_views(batch, pos_start=(pos_start, 1), ctl=(ctl, CTL_WORDS))
+    lengths = [rows_of(length, batch, 1, f"len_ptrs[{i}]") for i, length in enumerate(len_ptrs) if length is not None]
+    return rows, lengths
+
+
 def spec_round_tail_greedy(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.ndarray, acc: np.ndarray,
                            last_pred: np.ndarray, ctl: np.ndarray, pend: np.ndarray, ring: np.ndarray, ring_cap: int,
                            len_ptrs: list, pos_start: np.ndarray, batch: int = 1) -> None:
     """Kernels 3, 4 and 5 in one launch (a greedy chain round's tail): exactly
-    spec_accept_greedy_dc, then spec_ring_commit, then spec_rollback_stream over `len_ptrs`."""
+    spec_accept_greedy_dc, then spec_ring_commit, then spec_rollback_stream over `len_ptrs`. The
+    buffers of all three are checked before the first writes any (a ring or a length array the
+    sizes do not fit was refused by the second or the third, after the acceptance had written
+    acc, ctl and vtok)."""
+    _greedy_rows(vtok, pred, k, brk, acc, last_pred, ctl, batch)
+    _commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
+    _rollback_rows(len_ptrs, pos_start, ctl, batch)
     spec_accept_greedy_dc(vtok, pred, k, brk, acc, last_pred, ctl, batch)
     spec_ring_commit(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
     spec_rollback_stream(len_ptrs, pos_start, ctl, batch)

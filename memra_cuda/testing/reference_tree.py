@@ -26,9 +26,9 @@ import numpy.typing as npt
 from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MARK, BRK_WORDS, CTL_DONE, CTL_KEEP,
                               CTL_WORDS, MAX_TREE_DRAWS, ROOT_PARENT, VOID_RANK)
 from .philox import uniform
-from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, ids, kept_states, marked_limit,
-                        race_scores, row_views, rows_of, sample_race, spec_ring_commit, spec_rollback_stream,
-                        spec_state_copy, spec_state_flip)
+from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, _commit_rows, _rollback_rows, ids,
+                        kept_states, marked_limit, race_scores, row_views, rows_of, sample_race, spec_ring_commit,
+                        spec_rollback_stream, spec_state_copy, spec_state_flip)
 from .reference import probabilities as chain_probabilities
 
 _U32 = 0xFFFFFFFF
@@ -283,12 +283,12 @@ def _accept_rows(t: TreeArrays, k: int, batch: int, vtok: np.ndarray, brk: np.nd
                  ) -> Iterator[tuple[int, TreeRow, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """(b, row views, cap, vtok, brk, acc, last_pred, ctl) of each row; cap, the deepest a path may
     go: min(k, D) (the vtok row has k + 1 words, the path row D + 1), lowered by the row's mark
-    (marked_limit: the draft length chosen for it, docs/lengths.md)."""
-    for b, (vtok_b, brk_b, acc_b, last_pred_b, ctl_b) in enumerate(row_views(
-            batch, k=k, vtok=(vtok, k + 1), brk=(brk, BRK_WORDS), acc=(acc, ACC_WORDS), last_pred=(last_pred, 1),
-            ctl=(ctl, CTL_WORDS))):
-        cap = marked_limit(int(brk_b[BRK_MARK]), min(k, t.depth_max))
-        yield b, t.row(b), cap, vtok_b, brk_b, acc_b, last_pred_b, ctl_b
+    (marked_limit: the draft length chosen for it, docs/lengths.md). The buffers are checked
+    (row_views) when this is called, before a row is read: a round's tail checks them so."""
+    rows = row_views(batch, k=k, vtok=(vtok, k + 1), brk=(brk, BRK_WORDS), acc=(acc, ACC_WORDS),
+                     last_pred=(last_pred, 1), ctl=(ctl, CTL_WORDS))
+    return ((b, t.row(b), marked_limit(int(brk_b[BRK_MARK]), min(k, t.depth_max)), vtok_b, brk_b, acc_b, last_pred_b,
+             ctl_b) for b, (vtok_b, brk_b, acc_b, last_pred_b, ctl_b) in enumerate(rows))
 
 
 def spec_tree_accept_greedy(t: TreeArrays, pred: np.ndarray, k: int, vtok: np.ndarray, brk: np.ndarray,
@@ -323,7 +323,12 @@ def spec_tree_round_tail_greedy(t: TreeArrays, pred: np.ndarray, k: int, vtok: n
     """Kernels 13, 4 and 5 in one launch (a greedy tree round's tail): exactly
     spec_tree_accept_greedy, then the chain's spec_ring_commit (vtok rows of k + 1 = D + 1
     words), then spec_rollback_stream over `len_ptrs`. What kernel 15 reads after it (keep,
-    acc[ACC_ROUND], the path, pos_start) is what the acceptance left."""
+    acc[ACC_ROUND], the path, pos_start) is what the acceptance left. The buffers of all three are
+    checked before the first writes any (a ring or a length array the sizes do not fit was refused
+    by the second or the third, after the acceptance had written acc, ctl, vtok and the path)."""
+    _accept_rows(t, k, batch, vtok, brk, acc, last_pred, ctl)
+    _commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
+    _rollback_rows(len_ptrs, pos_start, ctl, batch)
     spec_tree_accept_greedy(t, pred, k, vtok, brk, acc, last_pred, ctl, batch)
     spec_ring_commit(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
     spec_rollback_stream(len_ptrs, pos_start, ctl, batch)

@@ -478,6 +478,27 @@ def test_what_the_reference_writes_is_written_in_place_or_refused_naming_it():
     assert shaped.tolist() == kept.tolist()
 
 
+def test_a_round_tail_checks_every_steps_buffers_before_its_acceptance_writes_any():
+    """spec_round_tail_greedy is the acceptance, the commit and the rollback in turn, and each
+    checked its own buffers: a ring or a length array the sizes do not fit was refused by the
+    commit or the rollback, after the acceptance had written acc, ctl, vtok and last_pred. All
+    three steps' buffers are checked first; the tree's tail is checked so too (test_reference_tree)."""
+    def tail(a):
+        ref.spec_round_tail_greedy(a["vtok"], a["pred"], K, a["brk"], a["acc"], a["last_pred"], a["ctl"], a["pend"],
+                                   a["ring"], CAP, [None, a["length"]], a["pos_start"], B)
+
+    given = live_buffers()
+    tail(given)
+    assert not np.array_equal(given["ctl"], live_buffers()["ctl"]), "the acceptance writes ctl"
+    for key, name in (("length", "len_ptrs[1]"), ("ring", "ring"), ("pos_start", "pos_start")):
+        given = live_buffers()
+        given[key] = given[key][:-1]
+        before = {n: words.copy() for n, words in given.items()}
+        with pytest.raises(ValueError, match=f"^{re.escape(name)} must be a flat array of at least "):
+            tail(given)
+        assert all(np.array_equal(given[n], before[n]) for n in given), f"the tail wrote before {name}'s refusal"
+
+
 def test_a_batch_is_a_count_of_rows():
     """batch=True was one row and 2.0 met "'float' object cannot be interpreted as an integer"."""
     for bad, error in ((True, TypeError), (2.0, TypeError), (0, ValueError)):

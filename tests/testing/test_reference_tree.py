@@ -11,6 +11,7 @@ chi-square against the target. Runs on CPU.
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -1018,3 +1019,36 @@ def test_the_trees_buffers_are_read_and_written_through_views_or_refused_naming_
             assert all(np.array_equal(np.array(c), b) for c, b in zip(given, before)), f"wrote before {name}'s refusal"
     with pytest.raises(ValueError, match=r"^q must be a flat array of at least 300 values \(2 rows of 150\)"):
         rt.spec_tree_draw(t, 2, levels, q[:-1], V, seed, pos, draws, *cand(), batch)
+
+
+def test_the_trees_round_tail_checks_every_steps_buffers_before_its_acceptance_writes_any():
+    """spec_tree_round_tail_greedy is kernel 13's acceptance, the chain's commit and rollback in
+    turn, each checking its own buffers: a ring or a length array the sizes do not fit was refused
+    by the commit or the rollback after the acceptance had written acc, ctl, vtok, last_pred and
+    the path. All three steps' buffers are checked first."""
+    batch, D, ring_cap = 2, 2, 4
+    parents, ranks = chain(D)
+
+    def case() -> tuple[rt.TreeArrays, dict[str, np.ndarray]]:
+        s = round_state(batch, D, np.random.default_rng(3))
+        pend, pos_ctr = u32(1, 2), np.array([4, 6], np.int32)
+        t = static_tree(parents, ranks, np.zeros((batch, D + 1, 1)), np.zeros((batch, D + 1, 1), np.float32), pend,
+                        pos_ctr, s["vtok"], D, batch)
+        return t, dict(s, pred=np.zeros(batch * (D + 1), np.uint32), pend=pend, pos_start=pos_ctr.copy(),
+                       ring=np.zeros(batch * (1 + ring_cap), np.uint32), length=np.zeros(batch, np.int32))
+
+    def tail(t: rt.TreeArrays, a: dict[str, np.ndarray]) -> None:
+        rt.spec_tree_round_tail_greedy(t, a["pred"], D, a["vtok"], a["brk"], a["acc"], a["last_pred"], a["ctl"],
+                                       a["pend"], a["ring"], ring_cap, [a["length"], None], a["pos_start"], batch)
+
+    t, given = case()
+    tail(t, given)
+    assert given["ctl"][CTL_KEEP::CTL_WORDS].tolist() == [D + 1] * batch, "the acceptance writes keep"
+    for key, name in (("length", "len_ptrs[0]"), ("ring", "ring"), ("pos_start", "pos_start")):
+        t, given = case()
+        given[key] = given[key][:-1]
+        before = {n: words.copy() for n, words in (*given.items(), *vars(t).items()) if isinstance(words, np.ndarray)}
+        with pytest.raises(ValueError, match=f"^{re.escape(name)} must be a flat array of at least "):
+            tail(t, given)
+        after = {**given, **{n: w for n, w in vars(t).items() if isinstance(w, np.ndarray)}}
+        assert all(np.array_equal(after[n], before[n]) for n in before), f"the tail wrote before {name}'s refusal"
