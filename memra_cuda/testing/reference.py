@@ -406,6 +406,7 @@ def spec_state_copy(table: list, k: int, ctl: np.ndarray, batch: int = 1, *, slo
     read by their words in order, whatever their shapes, and the live state written through a
     view of it, so an array no view reaches is refused).
     """
+    batch = as_size(batch, "batch")  # as row_views checks it: the layers' rows are counted in it
     slots = k + 1 if slots is None else slots
     kept = list(kept_states(ctl, k, batch))
     layers = []
@@ -476,6 +477,7 @@ def spec_choose_lengths(ctl: np.ndarray, acc: np.ndarray, brk: np.ndarray, rate:
     of L drafts (kernels 3 and 6), at L = 0 as plain decoding, and L depends only on rounds
     already judged.
     """
+    batch = as_size(batch, "batch")  # as row_views checks it: the rates' rows are counted in it
     views = row_views(batch, k=k, ctl=(ctl, CTL_WORDS), acc=(acc, ACC_WORDS), brk=(brk, BRK_WORDS),
                       rate=(rate, RATE_WORDS), cap=(cap, 1))
     rows_of(cost, 1, COST_VERIFY + k + 1, "cost")

@@ -507,6 +507,29 @@ def test_a_batch_is_a_count_of_rows():
                                       *(sized_buffers()[n] for n in ("brk", "acc", "last_pred", "ctl")), bad)
 
 
+def test_a_numpy_batch_counts_rows_as_an_int():
+    """spec_state_copy and spec_choose_lengths counted a row's words in the batch they were given
+    after row_views had checked it (batch * row_words, batch * RATE_WORDS): a numpy uint8 batch of
+    200 made 400 words 144, numpy's wrap, and the rows met "cannot reshape". The checked int is
+    used, so np.uint8(200) is 200 rows, as 200 is."""
+    rows, f32 = 200, np.float32
+
+    def run(batch) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(0)
+        a = {"ctl": np.tile(np.int32([-1, -1, 0, 1]), rows), "acc": rng.integers(0, 3, rows * ACC_WORDS, np.uint32),
+             "brk": np.zeros(rows * BRK_WORDS, np.uint32), "rate": rng.random(rows * RATE_WORDS).astype(f32),
+             "cap": np.full(rows, K, np.uint32), "cost": np.ones(COST_VERIFY + K + 1, f32),
+             "width": np.full(1, K, np.uint32), "live": np.zeros(rows * 2, np.uint32),
+             "slots": rng.integers(0, 9, rows * (K + 1) * 2, np.uint32)}
+        ref.spec_state_copy([(a["live"], a["slots"], 2)], K, a["ctl"], batch)
+        ref.spec_choose_lengths(a["ctl"], a["acc"], a["brk"], a["rate"], a["cap"], a["cost"], a["width"], K, 0.9,
+                                0.5, batch)
+        return a
+
+    want, got = run(rows), run(np.uint8(rows))
+    assert want["live"].any() and all(np.array_equal(got[n], want[n]) for n in want)
+
+
 # each public function of k (and V, where it takes one), called with the sizes given
 def _sized(function: str):
     return {
