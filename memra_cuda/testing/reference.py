@@ -67,7 +67,10 @@ def sizes(k: int | None = None, V: int | None = None) -> None:
     launchers check them (as_size, naming each): `k`, the drafts a row, an int of at least 0, and
     `V`, the vocabulary, of at least 1. A negative k or V made rows of negative length, which
     rows_of cannot refuse (no buffer is too short for them), so a row's views were empty or
-    reached into the next row, silently, or met numpy's index or reshape error."""
+    reached into the next row, silently, or met numpy's index or reshape error. The sizes of one
+    function alone (spec_ring_commit's ring_cap, spec_seed_gather's n_rows and row_words, the
+    state rollbacks' slots and a layer's row_words) are checked beside these, by as_size where the
+    function takes them, and the int it checked is the one counted in."""
     if k is not None:
         as_size(k, "k", 0)
     if V is not None:
@@ -90,6 +93,7 @@ def spec_seed_gather(rows: np.ndarray, n_rows: int, row_words: int, acc: np.ndar
                      out: np.ndarray, batch: int = 1) -> None:
     """out = the verify row of the bonus token (row acc[ACC_ROUND], clamped to the last row).
     Batched: rows is [B][n_rows][row_words], out [B][row_words]."""
+    n_rows, row_words = as_size(n_rows, "n_rows", 0), as_size(row_words, "row_words", 0)  # beside row_views' sizes
     views = row_views(batch, rows=(rows, n_rows * row_words), acc=(acc, ACC_WORDS), out=(out, row_words))
     if n_rows == 0:
         return
@@ -167,17 +171,19 @@ def spec_ring_commit(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, c
     committed) takes n + 1 - max(t, 1) off the accepted total, so that it counts only the
     drafts committed before the round's last token, and committed - accepted counts rounds.
     """
-    for vtok, acc, last_pred, ctl, pend, ring in _commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k,
-                                                              batch):
+    ring_cap, rows = _commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
+    for vtok, acc, last_pred, ctl, pend, ring in rows:
         _ring_commit_row(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k)
 
 
 def _commit_rows(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray, pend: np.ndarray,
-                 ring: np.ndarray, ring_cap: int, k: int, batch: int) -> Iterator[tuple[np.ndarray, ...]]:
-    """spec_ring_commit's rows, its buffers checked (row_views) when this is called: a round's
-    tail checks them before its acceptance writes any."""
-    return row_views(batch, k=k, vtok=(vtok, k + 1), acc=(acc, ACC_WORDS), last_pred=(last_pred, 1),
-                     ctl=(ctl, CTL_WORDS), pend=(pend, 1), ring=(ring, RING_TOKENS + ring_cap))
+                 ring: np.ndarray, ring_cap: int, k: int, batch: int) -> tuple[int, Iterator[tuple[np.ndarray, ...]]]:
+    """spec_ring_commit's ring_cap (an int of at least 0, as_size, beside row_views' sizes) and
+    rows, its buffers checked (row_views) when this is called: a round's tail checks them before
+    its acceptance writes any."""
+    ring_cap = as_size(ring_cap, "ring_cap", 0)
+    return ring_cap, row_views(batch, k=k, vtok=(vtok, k + 1), acc=(acc, ACC_WORDS), last_pred=(last_pred, 1),
+                               ctl=(ctl, CTL_WORDS), pend=(pend, 1), ring=(ring, RING_TOKENS + ring_cap))
 
 
 def _ring_commit_row(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray,
@@ -407,12 +413,12 @@ def spec_state_copy(table: list, k: int, ctl: np.ndarray, batch: int = 1, *, slo
     view of it, so an array no view reaches is refused).
     """
     batch = as_size(batch, "batch")  # as row_views checks it: the layers' rows are counted in it
-    slots = k + 1 if slots is None else slots
     kept = list(kept_states(ctl, k, batch))
+    slots = k + 1 if slots is None else as_size(slots, "slots")  # a kept row reads one
     layers = []
     for i, layer in enumerate(table):
         if layer is not None:  # its arrays' words in order, whatever their shapes ([slots][row_words], say)
-            row_words = layer[2]
+            row_words = as_size(layer[2], f"table[{i}]'s row_words", 0)
             layers.append((rows_of(layer[0], batch, row_words, f"table[{i}]'s live", flat=False),
                            rows_of(layer[1], batch, slots * row_words, f"table[{i}]'s slots",
                                    flat=False).reshape(batch, slots, row_words)))
@@ -428,8 +434,8 @@ def spec_state_flip(idx_ptrs: list, k: int, ctl: np.ndarray, batch: int = 1, *, 
     slot slot_of(b, keep) (keep - 1) of the bank of `slots` (k + 1) the verify wrote, the one idx
     is not in: idx = (1 - bank) * slots + slot with bank = min(idx // slots, 1), so a garbage idx
     counts as bank 1 and the new one is in range. keep 0 leaves idx as it is."""
-    slots = k + 1 if slots is None else slots
     kept = list(kept_states(ctl, k, batch))
+    slots = k + 1 if slots is None else as_size(slots, "slots")  # a bank of none has no slot to flip to
     indices = [rows_of(idx, batch, 1, f"idx_ptrs[{i}]") for i, idx in enumerate(idx_ptrs) if idx is not None]
     for b, keep in kept:
         slot = slot_of(b, keep)

@@ -592,6 +592,45 @@ def test_k_is_a_count_of_drafts_refused_naming_it_before_anything_is_written(fun
         assert all(np.array_equal(given[n], before[n]) for n in given), f"{function} wrote before k's refusal"
 
 
+# each size of one function's own, and the least it takes, called with the size given
+OWN_SIZES = {
+    ("spec_ring_commit", "ring_cap", 0): lambda a, n: ref.spec_ring_commit(a["vtok"], a["acc"], a["last_pred"],
+                                                                           a["ctl"], a["pend"], a["ring"], n, K, B),
+    ("spec_round_tail_greedy", "ring_cap", 0): lambda a, n: ref.spec_round_tail_greedy(
+        a["vtok"], a["pred"], K, a["brk"], a["acc"], a["last_pred"], a["ctl"], a["pend"], a["ring"], n, [a["length"]],
+        a["pos_start"], B),
+    ("spec_seed_gather", "n_rows", 0): lambda a, n: ref.spec_seed_gather(a["rows"], n, ROW, a["acc"], a["out"], B),
+    ("spec_seed_gather", "row_words", 0): lambda a, n: ref.spec_seed_gather(a["rows"], K + 1, n, a["acc"], a["out"],
+                                                                            B),
+    ("spec_state_copy", "table[0]'s row_words", 0): lambda a, n: ref.spec_state_copy([(a["live"], a["slots"], n)], K,
+                                                                                      a["ctl"], B),
+    ("spec_state_copy", "slots", 1): lambda a, n: ref.spec_state_copy([(a["live"], a["slots"], 1)], K, a["ctl"], B,
+                                                                      slots=n),
+    ("spec_state_flip", "slots", 1): lambda a, n: ref.spec_state_flip([a["idx"]], K, a["ctl"], B, slots=n),
+}
+
+
+@pytest.mark.parametrize(("function", "size", "least"), list(OWN_SIZES))
+def test_a_functions_own_sizes_are_counts_refused_naming_them_before_anything_is_written(function, size, least):
+    """ring_cap, n_rows, row_words and slots were taken on trust: a negative one made rows of
+    negative length or bounds numpy reads from the end, so spec_seed_gather's n_rows and a state
+    layer's row_words of -1 copied other words, silently, and the rest met numpy's index or
+    broadcast error or a division by zero, naming nothing; a bool was read as 1. Each is an int
+    of at least 0 (slots, a bank a kept row reads one of, of at least 1), as_size naming it,
+    before any buffer is written; the sizes the buffers are laid out for are taken."""
+    call = OWN_SIZES[function, size, least]
+    call(live_buffers(), {"ring_cap": CAP, "n_rows": K + 1, "row_words": ROW, "slots": K + 1}.get(
+        size.removeprefix("table[0]'s "), ROW))
+    for bad, error, message in ((least - 1, ValueError, f"an int of at least {least}, not {least - 1}"),
+                                (-5, ValueError, f"an int of at least {least}, not -5"),
+                                (True, TypeError, "an integer, not True"), (2.0, TypeError, "an integer, not 2.0")):
+        given = live_buffers()
+        before = {n: words.copy() for n, words in given.items()}
+        with pytest.raises(error, match=f"^{re.escape(size)} must be {message}$"):
+            call(given, bad)
+        assert all(np.array_equal(given[n], before[n]) for n in given), f"{function} wrote before {size}'s refusal"
+
+
 @pytest.mark.parametrize("function", ["spec_accept_sample", "spec_draft_sample"])
 def test_v_is_a_vocabulary_of_at_least_one_token_refused_naming_it_before_anything_is_written(function):
     """V = 0 or -1 made q's rows empty, or slices numpy's negative bounds cut, so spec_draft_sample
