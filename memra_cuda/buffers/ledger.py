@@ -19,18 +19,23 @@ def as_slot(slot: object) -> int:
     return as_size(slot, "a readback slot", 0, 1)
 
 
-def slot_refusal(slot: object) -> Exception:
-    """as_slot's refusal of `slot`, for the per-burst paths (queue_readback, receive, and the
-    ledger's queued, received and unreceived): they test nothing but a bool's type (True indexes
-    the slots as 1, False as 0: True was slot 1), index by the slot first and raise this where
-    the index failed, before anything has changed. A range test would cost each burst more than
-    the index, and -1 is slot 1 in every one of them alike. Never a round's path: queued() without
-    a readback finds no slot."""
+_SLOTS = (0, 1)
+
+
+def slot_index(slot: object) -> int:
+    """`slot` as the pinned readback slot it indexes, 0 or 1, for the per-burst paths
+    (queue_readback, receive, and the ledger's queued, received and unreceived): a type test and
+    an index, as a list of the two takes one (-1 is slot 1), before anything has changed; as_slot's
+    refusal naming it where it indexes neither, or is a bool (True indexed slot 1). A range test
+    would cost each burst more than the index. Never a round's path: queued() without a readback
+    finds no slot."""
     try:
-        as_slot(slot)
-    except (TypeError, ValueError) as refusal:
-        return refusal
-    raise AssertionError(f"slot {slot!r} failed to index the two slots")  # 0 and 1 never do
+        if type(slot) is bool:
+            raise TypeError
+        return _SLOTS[slot]  # type: ignore[call-overload]
+    except (IndexError, TypeError):
+        as_slot(slot)  # raises, naming it
+        raise AssertionError(f"slot {slot!r} failed to index the two slots") from None  # 0 and 1 never do
 
 
 class Ledger:
@@ -60,12 +65,7 @@ class Ledger:
             rounds = as_size(rounds, "rounds", 0)
         total = self.rounds + rounds
         if readback is not None:
-            try:  # first: a slot but 0 or 1 counted the rounds, then raised
-                if type(readback) is bool:  # indexes the slots, as 0 or 1: True was slot 1
-                    raise TypeError
-                self.covers[readback] = total
-            except (IndexError, TypeError):
-                raise slot_refusal(readback) from None
+            self.covers[slot_index(readback)] = total  # first: a slot but 0 or 1 counted the rounds, then raised
             self.ring_rounds = 0
         else:
             self.ring_rounds += rounds
@@ -75,7 +75,7 @@ class Ledger:
     def received(self, slot: int) -> None:
         """The readback queued into `slot` was received: the rows are known as of the rounds it
         covers (a slot received again, or behind a newer one, teaches nothing new). The slot is
-        found as queued finds it (slot_refusal: -1 is slot 1, as StreamBufs.receive, which
+        found as queued finds it (slot_index: -1 is slot 1, as StreamBufs.receive, which
         calls this once it has read that slot, takes it)."""
         self.learnt = max(self.learnt, self._covered(slot))
 
@@ -85,14 +85,9 @@ class Ledger:
         return self._covered(slot) > self.learnt
 
     def _covered(self, slot: int) -> int:
-        """The rounds the readback of `slot` covers; slot_refusal's exception for a slot that
-        indexes neither (2 was a bare IndexError, "a" a bare TypeError)."""
-        try:
-            if type(slot) is bool:  # indexes the slots, as 0 or 1: True was slot 1
-                raise TypeError
-            return self.covers[slot]
-        except (IndexError, TypeError):
-            raise slot_refusal(slot) from None
+        """The rounds the readback of `slot` covers; slot_index's refusal for a slot that indexes
+        neither (2 was a bare IndexError, "a" a bare TypeError)."""
+        return self.covers[slot_index(slot)]
 
     @property
     def unseen_rounds(self) -> int:

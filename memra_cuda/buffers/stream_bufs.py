@@ -16,7 +16,7 @@ from ..driver.values import I32_MOST, TEXT_LIKE, as_index, as_size
 from .arena import carve
 from .geometry import Geometry, as_geometry
 from .layout import ACC_TOTAL, ACC_WORDS, BRK_WORDS, CTL_BUDGET, CTL_DONE, CTL_EOS, CTL_WORDS, RING_COUNT, RING_TOKENS
-from .ledger import Ledger, slot_refusal
+from .ledger import Ledger, slot_index
 
 if TYPE_CHECKING:
     from ..driver.buffer import DeviceBuffer, PinnedBuffer
@@ -251,13 +251,8 @@ class StreamBufs:
         zero every ring's count (one memset); both capturable, both checked when prepared.
         Queued now (not recorded into a graph), it goes into the ledger at once."""
         self.check_free()
-        try:
-            if type(slot) is bool:  # indexes the slots, as 0 or 1: True was slot 1 (slot_refusal)
-                raise TypeError
-            copy = self._readback_copies[slot]
-        except (IndexError, TypeError):
-            raise slot_refusal(slot) from None
-        copy()
+        slot = slot_index(slot)
+        self._readback_copies[slot]()
         self._empty_rings()
         if self.engine.capture_hold is None:
             self.ledger.queued(0, readback=slot)
@@ -269,12 +264,8 @@ class StreamBufs:
         refused, naming it, before anything is waited for or counted as a readback (-1 indexes
         slot 1)."""
         self.check_free()
-        try:
-            if type(slot) is bool:  # indexes the slots, as 0 or 1: True was slot 1 (slot_refusal)
-                raise TypeError
-            host = self._host[slot]
-        except (IndexError, TypeError):
-            raise slot_refusal(slot) from None
+        slot = slot_index(slot)
+        host = self._host[slot]
         self.engine.finish_readback(event)
         words = host.read()
         self.committed = np.minimum(words[RING_COUNT:self._rings_end:self._ring_row], self.ring_cap).tolist()

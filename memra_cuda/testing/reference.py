@@ -171,12 +171,12 @@ def spec_ring_commit(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, c
     committed) takes n + 1 - max(t, 1) off the accepted total, so that it counts only the
     drafts committed before the round's last token, and committed - accepted counts rounds.
     """
-    ring_cap, rows = _commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
+    ring_cap, rows = commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
     for vtok, acc, last_pred, ctl, pend, ring in rows:
         _ring_commit_row(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k)
 
 
-def _commit_rows(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray, pend: np.ndarray,
+def commit_rows(vtok: np.ndarray, acc: np.ndarray, last_pred: np.ndarray, ctl: np.ndarray, pend: np.ndarray,
                  ring: np.ndarray, ring_cap: int, k: int, batch: int) -> tuple[int, Iterator[tuple[np.ndarray, ...]]]:
     """spec_ring_commit's ring_cap (an int of at least 0, as_size, beside row_views' sizes) and
     rows, its buffers checked (row_views) when this is called: a round's tail checks them before
@@ -222,14 +222,14 @@ def spec_rollback_stream(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray,
     The table holds the length arrays themselves (i32[B]), standing for device pointers;
     batched, entry b of each becomes row b's pos_start + keep.
     """
-    rows, lengths = _rollback_rows(len_ptrs, pos_start, ctl, batch)
+    rows, lengths = rollback_rows(len_ptrs, pos_start, ctl, batch)
     for b, (pos_start_b, ctl_b) in enumerate(rows):
         value = (int(pos_start_b[0]) + int(ctl_b[CTL_KEEP]) + 2**31) % 2**32 - 2**31  # i32 wrap-around
         for length in lengths:
             length[b] = value
 
 
-def _rollback_rows(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray,
+def rollback_rows(len_ptrs: list, pos_start: np.ndarray, ctl: np.ndarray,
                    batch: int) -> tuple[Iterator[tuple[np.ndarray, ...]], list[np.ndarray]]:
     """spec_rollback_stream's buffers, checked when this is called (row_views; rows_of each length
     array, naming it by its entry): each row's (pos_start, ctl) views, and a [B][1] view of each
@@ -249,8 +249,8 @@ def spec_round_tail_greedy(vtok: np.ndarray, pred: np.ndarray, k: int, brk: np.n
     sizes do not fit was refused by the second or the third, after the acceptance had written
     acc, ctl and vtok)."""
     _greedy_rows(vtok, pred, k, brk, acc, last_pred, ctl, batch)
-    _commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
-    _rollback_rows(len_ptrs, pos_start, ctl, batch)
+    commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
+    rollback_rows(len_ptrs, pos_start, ctl, batch)
     spec_accept_greedy_dc(vtok, pred, k, brk, acc, last_pred, ctl, batch)
     spec_ring_commit(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
     spec_rollback_stream(len_ptrs, pos_start, ctl, batch)

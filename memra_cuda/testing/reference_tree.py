@@ -26,8 +26,8 @@ import numpy.typing as npt
 from ..buffers.layout import (ACC_ROUND, ACC_TOTAL, ACC_WORDS, BRK_COUNT, BRK_MARK, BRK_WORDS, CTL_DONE, CTL_KEEP,
                               CTL_WORDS, MAX_TREE_DRAWS, ROOT_PARENT, VOID_RANK)
 from .philox import uniform
-from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, _commit_rows, _rollback_rows, ids,
-                        kept_states, marked_limit, race_scores, row_views, rows_of, sample_race, spec_ring_commit,
+from .reference import (NO_MASS_TOKEN, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, commit_rows, ids, kept_states,
+                        marked_limit, race_scores, rollback_rows, row_views, rows_of, sample_race, spec_ring_commit,
                         spec_rollback_stream, spec_state_copy, spec_state_flip)
 from .reference import probabilities as chain_probabilities
 
@@ -327,8 +327,8 @@ def spec_tree_round_tail_greedy(t: TreeArrays, pred: np.ndarray, k: int, vtok: n
     checked before the first writes any (a ring or a length array the sizes do not fit was refused
     by the second or the third, after the acceptance had written acc, ctl, vtok and the path)."""
     _accept_rows(t, k, batch, vtok, brk, acc, last_pred, ctl)
-    _commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
-    _rollback_rows(len_ptrs, pos_start, ctl, batch)
+    commit_rows(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
+    rollback_rows(len_ptrs, pos_start, ctl, batch)
     spec_tree_accept_greedy(t, pred, k, vtok, brk, acc, last_pred, ctl, batch)
     spec_ring_commit(vtok, acc, last_pred, ctl, pend, ring, ring_cap, k, batch)
     spec_rollback_stream(len_ptrs, pos_start, ctl, batch)
